@@ -1,0 +1,3 @@
+from flowkit.cli import main
+
+main()

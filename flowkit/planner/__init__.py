@@ -1,0 +1,17 @@
+"""The planner: action IR, pipeline schedules, memory model and simulator. Imports no torch or zmq."""
+
+from flowkit.planner.ir import Action, Costs, Kind, MemoryModel, Placement, Schedule
+from flowkit.planner.simulate import Interval, ScheduleError, SimResult, simulate
+
+__all__ = [
+    "Action",
+    "Costs",
+    "Interval",
+    "Kind",
+    "MemoryModel",
+    "Placement",
+    "Schedule",
+    "ScheduleError",
+    "SimResult",
+    "simulate",
+]

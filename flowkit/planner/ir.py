@@ -1,0 +1,229 @@
+"""The action IR of pipeline schedules: actions, placements, costs, memory model, schedules.
+
+Schedules are data (see STYLE.md): a schedule is a placement plus one ordered tuple of actions per
+device, and everything here is immutable, hashable and free of torch/zmq so that it can be built,
+printed, parsed, simulated and tested anywhere.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+__all__ = [
+    "Action",
+    "Costs",
+    "Kind",
+    "MemoryModel",
+    "Placement",
+    "Schedule",
+]
+
+
+class Kind(str, enum.Enum):
+    """What an action computes for one (stage, microbatch)."""
+
+    F = "F"  # forward
+    B = "B"  # backward for the inputs only; stashes what W needs
+    W = "W"  # backward for the weights, from what B stashed
+    BW = "BW"  # B and W fused into one full backward
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_ACTION_TEXT = re.compile(r"^\s*(\d+)(BW|F|B|W)(\d+)\s*$")
+
+
+@attrs.frozen(order=True)
+class Action:
+    """One op of a schedule; prints and parses as ``{stage}{kind}{microbatch}`` (``2F0``, ``3BW7``)."""
+
+    stage: int = attrs.field(validator=attrs.validators.ge(0))
+    kind: Kind = attrs.field(converter=Kind)
+    microbatch: int = attrs.field(validator=attrs.validators.ge(0))
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        match = _ACTION_TEXT.match(text)
+        if match is None:
+            raise ValueError(
+                f"cannot parse action {text!r}: expected {{stage}}{{kind}}{{microbatch}} "
+                "with kind one of F, B, W, BW, e.g. '2F0' or '3BW7'"
+            )
+        stage, kind, microbatch = match.groups()
+        return cls(int(stage), Kind(kind), int(microbatch))
+
+
+def _as_int_tuple(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(v) for v in values)
+
+
+@attrs.frozen
+class Placement:
+    """Which device holds each pipeline stage (a stage is a contiguous slice of the model)."""
+
+    stage_to_device: tuple[int, ...] = attrs.field(converter=_as_int_tuple)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.stage_to_device:
+            raise ValueError("a placement needs at least one stage")
+        devices = set(self.stage_to_device)
+        if devices != set(range(len(devices))):
+            raise ValueError(
+                f"devices must be numbered 0..n-1 with every device holding a stage, "
+                f"got stage_to_device={list(self.stage_to_device)}"
+            )
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_to_device)
+
+    @property
+    def num_devices(self) -> int:
+        return max(self.stage_to_device) + 1
+
+    @property
+    def chunks(self) -> int:
+        """Stages per device (1 for plain pipelines, v for interleaved, 2 for V shapes)."""
+        return self.num_stages // self.num_devices
+
+    def device_of(self, stage: int) -> int:
+        return self.stage_to_device[stage]
+
+    def stages_on(self, device: int) -> tuple[int, ...]:
+        return tuple(s for s, d in enumerate(self.stage_to_device) if d == device)
+
+    @classmethod
+    def one_per_device(cls, devices: int) -> Placement:
+        return cls(range(devices))
+
+    @classmethod
+    def interleaved(cls, devices: int, chunks: int) -> Placement:
+        """Megatron's virtual pipeline: stage s lives on device s mod p."""
+        return cls(s % devices for s in range(devices * chunks))
+
+    @classmethod
+    def vshape(cls, devices: int) -> Placement:
+        """Device d holds stages d and 2p-1-d, so the first and last stage share device 0."""
+        return cls(s if s < devices else 2 * devices - 1 - s for s in range(2 * devices))
+
+
+def _as_float_tuple(values: Iterable[float]) -> tuple[float, ...]:
+    return tuple(float(v) for v in values)
+
+
+def _nonnegative(_instance: object, attribute: attrs.Attribute, value: Sequence[float]) -> None:
+    if any(v < 0 for v in value):
+        raise ValueError(f"costs must be non-negative, got {attribute.name}={list(value)}")
+
+
+@attrs.frozen(kw_only=True)
+class Costs:
+    """Time of F, B and W for each stage, and of moving one activation between devices."""
+
+    F: tuple[float, ...] = attrs.field(converter=_as_float_tuple, validator=_nonnegative)
+    B: tuple[float, ...] = attrs.field(converter=_as_float_tuple, validator=_nonnegative)
+    W: tuple[float, ...] = attrs.field(converter=_as_float_tuple, validator=_nonnegative)
+    comm: float = attrs.field(default=0.0, converter=float, validator=attrs.validators.ge(0.0))
+
+    def __attrs_post_init__(self) -> None:
+        if not (len(self.F) == len(self.B) == len(self.W)) or not self.F:
+            raise ValueError(
+                f"F, B and W need one cost per stage each, got {len(self.F)}, {len(self.B)}, "
+                f"{len(self.W)}"
+            )
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.F)
+
+    @classmethod
+    def uniform(
+        cls, stages: int, *, F: float = 1.0, B: float = 1.0, W: float = 1.0, comm: float = 0.0
+    ) -> Costs:
+        return cls(F=[F] * stages, B=[B] * stages, W=[W] * stages, comm=comm)
+
+    def of(self, action: Action) -> float:
+        s = action.stage
+        if action.kind is Kind.F:
+            return self.F[s]
+        if action.kind is Kind.B:
+            return self.B[s]
+        if action.kind is Kind.W:
+            return self.W[s]
+        return self.B[s] + self.W[s]
+
+    def for_placement(self, placement: Placement) -> Costs:
+        """Map per-device-share costs onto the stages of `placement` (each stage gets 1/chunks)."""
+        if self.num_stages != placement.num_devices:
+            raise ValueError(
+                f"costs are given for {self.num_stages} device shares but the placement has "
+                f"{placement.num_devices} devices"
+            )
+        v = placement.chunks
+        d = placement.stage_to_device
+        return Costs(
+            F=[self.F[d[s]] / v for s in range(placement.num_stages)],
+            B=[self.B[d[s]] / v for s in range(placement.num_stages)],
+            W=[self.W[d[s]] / v for s in range(placement.num_stages)],
+            comm=self.comm,
+        )
+
+    def to_json(self) -> dict:
+        return {"F": list(self.F), "B": list(self.B), "W": list(self.W), "comm": self.comm}
+
+
+@attrs.frozen(kw_only=True)
+class MemoryModel:
+    """Activation memory each op adds (+) or frees (-), in units of one microbatch's activations
+    of one device's share (1/P) of the model. A stage that is 1/v of a share scales these by 1/v."""
+
+    F: float = 1.0
+    B: float = -0.5
+    W: float = -0.5
+    BW: float = -1.0
+
+    def delta(self, action: Action, chunks: int = 1) -> float:
+        return getattr(self, action.kind.value) / chunks
+
+    def to_json(self) -> dict:
+        return {"F": self.F, "B": self.B, "W": self.W, "BW": self.BW}
+
+
+def _as_device_ops(ops: Iterable[Iterable[Action]]) -> tuple[tuple[Action, ...], ...]:
+    return tuple(tuple(device) for device in ops)
+
+
+@attrs.frozen(kw_only=True)
+class Schedule:
+    """A placement plus the ordered actions each device runs."""
+
+    kind: str
+    placement: Placement
+    microbatches: int
+    device_ops: tuple[tuple[Action, ...], ...] = attrs.field(converter=_as_device_ops)
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.device_ops) != self.placement.num_devices:
+            raise ValueError(
+                f"schedule {self.kind!r} has {len(self.device_ops)} device lists for "
+                f"{self.placement.num_devices} devices"
+            )
+
+    @property
+    def num_devices(self) -> int:
+        return self.placement.num_devices
+
+    @property
+    def num_stages(self) -> int:
+        return self.placement.num_stages
+
+    def text(self) -> list[list[str]]:
+        return [[str(a) for a in ops] for ops in self.device_ops]
