@@ -1,0 +1,203 @@
+"""The validation rules of a flow; each returns problems rather than raising, so all are reported."""
+
+from __future__ import annotations
+
+import difflib
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+import attrs
+import networkx as nx
+
+from flowkit.dsl.errors import Problem
+from flowkit.dsl.flow import Collect, GroupBy
+from flowkit.dsl.types import Granularity, assignable
+
+if TYPE_CHECKING:
+    from flowkit.dsl.flow import Flow, Wire
+
+__all__ = ["find_problems"]
+
+_MAX_CYCLES_REPORTED = 5
+
+
+def find_problems(flow: Flow) -> list[Problem]:
+    problems: list[Problem] = []
+    seen_ops: set[int] = set()
+    for node in flow.nodes.values():
+        if id(node.operator) not in seen_ops:
+            seen_ops.add(id(node.operator))
+            problems += node.operator.problems
+    problems += flow._problems
+    if not flow.nodes:
+        problems.append(Problem(rule="empty-flow", message=f"flow {flow.name!r} has no operators",
+                                fix="call ops inside `with Flow(...)`, or flow.add(...) them"))
+    problems += _unknown_models(flow)
+    wires = flow.wires
+    for wire in wires:
+        problems += _wire_problems(flow, wire)
+    problems += _unbound_inputs(flow, wires)
+    problems += _feedback_problems(flow)
+    problems += _cycles(flow, wires)
+    return problems
+
+
+def _unknown_models(flow: Flow) -> list[Problem]:
+    problems = []
+    for node in flow.nodes.values():
+        if node.model is not None and node.model not in flow.models:
+            close = difflib.get_close_matches(node.model, list(flow.models), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            problems.append(Problem(
+                rule="unknown-model", op=node.name,
+                message=f"refers to model {node.model!r}, which the flow does not declare",
+                fix=hint + f"declare it: flow.add_model(Model(name={node.model!r}, build=...)), "
+                "or pass the Model object itself"))
+    return problems
+
+
+def _wire_problems(flow: Flow, wire: Wire) -> list[Problem]:
+    src, dst = flow.nodes.get(wire.src), flow.nodes.get(wire.dst)
+    for name, node in ((wire.src, src), (wire.dst, dst)):
+        if node is None:
+            return [Problem(rule="unknown-op", message=f"a wire names op {name!r}, which is not "
+                            "in the flow", op=name, fix=_known("ops", name, list(flow.nodes)))]
+    produced = src.operator.outputs.get(wire.src_port)
+    if produced is None:
+        return [Problem(rule="unknown-port", op=wire.src, port=wire.src_port,
+                        message="has no such output port",
+                        fix=_known("outputs", wire.src_port, list(src.operator.outputs)))]
+    port = dst.operator.inputs.get(wire.dst_port)
+    if port is None:
+        return [Problem(rule="unknown-port", op=wire.dst, port=wire.dst_port,
+                        message="has no such input port",
+                        fix=_known("inputs", wire.dst_port, list(dst.operator.inputs)))]
+    if wire.adapter is not None:
+        produced = wire.adapter.apply(produced)
+    origin = f"from {wire.src}.{wire.src_port}" + (f" through {wire.adapter}" if wire.adapter else "")
+    problems = _granularity_problems(wire, src.operator.outputs[wire.src_port], port.type, origin)
+    reason = assignable(produced.item, port.type.item)
+    if reason:
+        problems.append(Problem(
+            rule="type-mismatch", op=wire.dst, port=wire.dst_port,
+            message=f"input gets the wrong item type ({origin}): {reason}",
+            expected=str(port.type), found=f"{produced} {origin}",
+            fix=f"wire an output of type {port.type}, or change the annotation of "
+            f"{wire.dst}.{wire.dst_port}"))
+    problems += _group_key_problems(wire, produced)
+    return problems
+
+
+def _granularity_problems(wire: Wire, produced, expected, origin: str) -> list[Problem]:
+    """Stream/Grouped reach a Batch port only through collect, anything reaches a Grouped port only
+    through group_by; a Stream port takes anything (a Batch or groups are iterated item by item)."""
+    collects, groups = isinstance(wire.adapter, Collect), isinstance(wire.adapter, GroupBy)
+    if expected.granularity is Granularity.BATCH and produced.granularity is not Granularity.BATCH:
+        if collects:
+            return []
+        return [Problem(
+            rule="missing-collect", op=wire.dst, port=wire.dst_port,
+            message=f"a {produced.granularity} feeds a Batch input ({origin}): waiting for the "
+            "whole batch is a barrier, and barriers must be explicit",
+            expected=str(expected), found=f"{produced} {origin}",
+            fix=f"wrap the input in collect(...): {wire.dst}(collect({wire.src_port}))")]
+    if expected.granularity is Granularity.GROUPED and not groups:
+        if produced.granularity is Granularity.GROUPED and wire.adapter is None:
+            return []
+        return [Problem(
+            rule="missing-group-by", op=wire.dst, port=wire.dst_port,
+            message=f"a {produced.granularity} feeds a Grouped input ({origin}) without saying "
+            "how items form groups",
+            expected=str(expected), found=f"{produced} {origin}",
+            fix="wrap the input in group_by(..., key='<field>', size=<n>)")]
+    if collects and expected.granularity is not Granularity.BATCH:
+        return [Problem(
+            rule="useless-collect", op=wire.dst, port=wire.dst_port,
+            message=f"collect feeds a {expected.granularity} input: it would add a barrier for "
+            "nothing", expected=str(expected), found=f"{produced.granularity} through collect",
+            fix="drop collect(...), or declare the input Batch[...] if the op needs all items")]
+    return []
+
+
+def _group_key_problems(wire: Wire, produced) -> list[Problem]:
+    adapter, item = wire.adapter, produced.item
+    if not isinstance(adapter, GroupBy) or not attrs.has(item):
+        return []
+    fields = [f.name for f in attrs.fields(item)]
+    if adapter.key in fields:
+        return []
+    return [Problem(
+        rule="unknown-group-key", op=wire.dst, port=wire.dst_port,
+        message=f"group_by key {adapter.key!r} is not a field of {item.__qualname__}",
+        fix=_known("fields", adapter.key, fields))]
+
+
+def _unbound_inputs(flow: Flow, wires: list[Wire]) -> list[Problem]:
+    feeding: dict[tuple[str, str], list[Wire]] = defaultdict(list)
+    for wire in wires:
+        feeding[wire.dst, wire.dst_port].append(wire)
+    for fb, dst, port in flow._pending_feedback:
+        if fb.source is None:  # reported as an unbound feedback; the input itself is wired
+            feeding[dst, port].append(None)
+    problems = []
+    for node in flow.nodes.values():
+        for port in node.operator.inputs.values():
+            sources = feeding.get((node.name, port.name), [])
+            if not sources and port.required:
+                problems.append(Problem(
+                    rule="unbound-input", op=node.name, port=port.name,
+                    message="input is not connected to anything", expected=str(port.type),
+                    found="nothing", fix=f"pass it when calling: {node.operator.name}("
+                    f"{port.name}=...), or flow.connect('<op>.<output>', "
+                    f"'{node.name}.{port.name}')"))
+            elif len(sources) > 1:
+                names = ", ".join(f"{w.src}.{w.src_port}" for w in sources if w is not None)
+                problems.append(Problem(
+                    rule="input-wired-twice", op=node.name, port=port.name,
+                    message=f"input has {len(sources)} producers: {names}",
+                    fix="wire one producer per input; merge streams in an op of their own"))
+    return problems
+
+
+def _feedback_problems(flow: Flow) -> list[Problem]:
+    problems = []
+    for fb in flow.feedbacks.values():
+        if fb.source is None:
+            problems.append(Problem(
+                rule="unbound-feedback", op=None, port=fb.name,
+                message=f"feedback {fb.name!r} is consumed but never bound to an output",
+                fix=f"bind it to the op that produces the next step's value: "
+                f"{fb.name}.bind(<output>)"))
+            continue
+        src = flow.nodes.get(fb.source.node)
+        produced = fb.source.type if src is not None else None
+        if produced is not None:
+            reason = assignable(produced.item, fb.type.item)
+            if reason:
+                problems.append(Problem(
+                    rule="type-mismatch", op=fb.source.node, port=fb.source.port,
+                    message=f"is bound to feedback {fb.name!r} of another type: {reason}",
+                    expected=str(fb.type), found=str(produced),
+                    fix="bind the feedback to an output of its declared type"))
+    return problems
+
+
+def _cycles(flow: Flow, wires: list[Wire]) -> list[Problem]:
+    graph = nx.DiGraph()
+    graph.add_edges_from((w.src, w.dst) for w in wires if not w.feedback)
+    problems = []
+    for i, cycle in enumerate(nx.simple_cycles(graph)):
+        if i == _MAX_CYCLES_REPORTED:
+            break
+        path = " -> ".join([*cycle, cycle[0]])
+        problems.append(Problem(
+            rule="cycle", op=cycle[0], message=f"ops depend on each other within one step: {path}",
+            fix="if an edge feeds the next step (weights synced back to generation), declare it: "
+            "fb = flow.feedback(name, type), pass fb as the input, fb.bind(<output>)"))
+    return problems
+
+
+def _known(what: str, word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1)
+    return (f"did you mean {close[0]!r}? " if close else "") + f"known {what}: " + (
+        ", ".join(choices) or "none")

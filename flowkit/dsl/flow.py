@@ -1,0 +1,351 @@
+"""`Flow`: operators and the wires between them, held in a networkx.DiGraph.
+
+Two ways to build one, freely mixed:
+
+    with Flow("grpo") as flow:                       # calls wire themselves
+        rollouts = generate(prompts, n=8)
+        adv = grpo_advantages(group_by(score(rollouts), key="prompt_id", size=8))
+
+    flow = Flow("grpo")                               # or explicit nodes and wires
+    flow.add(generate, n=8); flow.add(score)
+    flow.connect("generate.rollouts", "score.rollout")
+
+Building records problems instead of raising; leaving the `with` block (or `flow.validate()`)
+raises one FlowError that lists every one of them.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import difflib
+from typing import Any
+
+import attrs
+import networkx as nx
+
+from flowkit.dsl.errors import FlowError, Problem
+from flowkit.dsl.operators import REQUIRED, Model, Operator
+from flowkit.dsl.types import Granularity, PortType
+
+__all__ = ["Collect", "Feedback", "Flow", "GroupBy", "Node", "Outputs", "Ref", "Wire",
+           "collect", "group_by"]
+
+_ACTIVE: contextvars.ContextVar[Flow | None] = contextvars.ContextVar("flowkit_flow", default=None)
+
+
+@attrs.frozen
+class Collect:
+    """Gather a Stream into a Batch: the barrier a Batch port implies, made explicit."""
+
+    def __str__(self) -> str:
+        return "collect"
+
+    def apply(self, ptype: PortType) -> PortType:
+        return PortType(Granularity.BATCH, ptype.item)
+
+
+@attrs.frozen
+class GroupBy:
+    """Form keyed groups of `size` items (None: as many as share the key by the end of the step)."""
+
+    key: str
+    size: int | None = None
+
+    def __str__(self) -> str:
+        return f"group_by({self.key}" + (f", size={self.size})" if self.size else ")")
+
+    def apply(self, ptype: PortType) -> PortType:
+        return PortType(Granularity.GROUPED, ptype.item)
+
+
+@attrs.frozen(eq=False)
+class Ref:
+    """A handle on one output port of one node, possibly with an adapter (collect, group_by)."""
+
+    flow: Flow = attrs.field(repr=False)
+    node: str
+    port: str
+    adapter: Collect | GroupBy | None = None
+
+    @property
+    def type(self) -> PortType:
+        produced = self.flow.nodes[self.node].operator.outputs[self.port]
+        return self.adapter.apply(produced) if self.adapter else produced
+
+    def __str__(self) -> str:
+        text = f"{self.node}.{self.port}"
+        return f"{self.adapter}({text})" if self.adapter else text
+
+
+@attrs.frozen
+class Wire:
+    src: str
+    src_port: str
+    dst: str
+    dst_port: str
+    adapter: Collect | GroupBy | None = None
+    feedback: bool = False  # feeds the next step: not part of this step's dependency graph
+
+
+@attrs.frozen(eq=False)
+class Node:
+    name: str
+    operator: Operator
+    config: dict[str, Any]
+
+    @property
+    def model(self) -> str | None:
+        return self.operator.model
+
+
+class Outputs(dict):
+    """The output refs of a multi-output op: by attribute, by key, or unpacked in order."""
+
+    def __getattr__(self, port: str) -> Ref:
+        try:
+            return self[port]
+        except KeyError:
+            raise AttributeError(f"no output port {port!r}; outputs are {list(self)}") from None
+
+    def __iter__(self):
+        return iter(self.values())
+
+
+class Feedback:
+    """A value consumed this step and produced by a later op for the next step (e.g. weights
+    synced from the trainer back to generation). Its wire is not a cycle."""
+
+    def __init__(self, flow: Flow, name: str, ptype: PortType) -> None:
+        self.flow, self.name, self.type = flow, name, ptype
+        self.source: Ref | None = None
+
+    def bind(self, ref: Ref) -> None:
+        if self.source is not None:
+            self.flow._problem("feedback-bound-twice", f"feedback {self.name!r} is bound twice",
+                               fix="bind each feedback to exactly one output")
+        self.source = ref
+
+    def __repr__(self) -> str:
+        return f"<Feedback {self.name}: {self.type} from {self.source}>"
+
+
+def collect(ref: Ref) -> Ref:
+    """Gather the items of a Stream (or the groups of a Grouped) into one Batch: a barrier."""
+    return _adapt(ref, Collect())
+
+
+def group_by(ref: Ref, *, key: str, size: int | None = None) -> Ref:
+    """Group a Stream's items by the record field `key`, `size` items per group."""
+    return _adapt(ref, GroupBy(key, size))
+
+
+def _adapt(ref: Ref, adapter: Collect | GroupBy) -> Ref:
+    if not isinstance(ref, Ref):
+        raise TypeError(f"{adapter} takes an op's output, got {ref!r}")
+    if ref.adapter is not None:
+        ref.flow._problem("double-adapter", f"{adapter} is applied to {ref}, which already has one",
+                          op=ref.node, port=ref.port, fix="apply one adapter per wire")
+    return attrs.evolve(ref, adapter=adapter)
+
+
+class Flow:
+    """One step of a training or RL pipeline: typed operators and the wires between them."""
+
+    def __init__(self, name: str, *, description: str = "") -> None:
+        self.name = name
+        self.description = description
+        self.nodes: dict[str, Node] = {}
+        self.models: dict[str, Model] = {}
+        self.feedbacks: dict[str, Feedback] = {}
+        self._wires: list[Wire] = []
+        self._pending_feedback: list[tuple[Feedback, str, str]] = []
+        self._problems: list[Problem] = []
+        self._token: contextvars.Token | None = None
+
+    # -- context -------------------------------------------------------------------------------
+    def __enter__(self) -> Flow:
+        self._token = _ACTIVE.set(self)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        _ACTIVE.reset(self._token)
+        if exc_type is None:
+            self.validate()
+
+    @staticmethod
+    def current_for(operator: Operator, args: tuple, kwargs: dict) -> Flow:
+        """The flow an op call belongs to: that of its inputs, else the active `with Flow`."""
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, (Ref, Feedback)):
+                return value.flow
+        active = _ACTIVE.get()
+        if active is None:
+            raise RuntimeError(
+                f"op {operator.name!r} was called outside a flow: call ops inside "
+                "`with Flow('name') as flow:`, or add them with flow.add(...)"
+            )
+        return active
+
+    # -- building ------------------------------------------------------------------------------
+    def add_model(self, model: Model) -> Model:
+        known = self.models.get(model.name)
+        if known is not None and known != model:
+            self._problem("duplicate-name", f"two different models are named {model.name!r}",
+                          expected=repr(known), found=repr(model),
+                          fix="give each model its own name, or reuse the same Model object")
+        self.models.setdefault(model.name, model)
+        return model
+
+    def feedback(self, name: str, ptype: Any) -> Feedback:
+        """Declare a value that a later op produces for the next step; `.bind(ref)` it there."""
+        from flowkit.dsl.types import port_type
+
+        fb = Feedback(self, name, port_type(ptype))
+        if name in self.feedbacks:
+            self._problem("duplicate-name", f"feedback name {name!r} is used twice",
+                          fix="give each feedback its own name")
+        self.feedbacks.setdefault(name, fb)
+        return fb
+
+    def add(self, operator: Operator, *, name: str | None = None, **config: Any) -> Node:
+        """Add a node running `operator`; config keys must be ones the operator declares."""
+        if not isinstance(operator, Operator):
+            raise TypeError(f"flow.add takes an operator (an @op function or a ModelOp), got "
+                            f"{operator!r}")
+        node_name = name or operator.name
+        key = node_name
+        if key in self.nodes:
+            self._problem("duplicate-name", f"op name {node_name!r} is used by more than one op",
+                          op=node_name, fix=f"pass a unique name: {operator.name}(..., name="
+                          f"'{node_name}_2')")
+            key = _unique_key(node_name, self.nodes)
+        node = Node(key, operator, self._config(operator, node_name, config))
+        self.nodes[key] = node
+        if isinstance(getattr(operator, "model_ref", None), Model):
+            self.add_model(operator.model_ref)
+        return node
+
+    def connect(self, src: Ref | Feedback | str, dst: str, *, adapter: Any = None,
+                feedback: bool = False) -> None:
+        """Wire an output ("node.port" or a Ref) to an input "node.port"."""
+        dst_node, dst_port = _split_port(dst)
+        if isinstance(src, Feedback):
+            self._pending_feedback.append((src, dst_node, dst_port))
+            return
+        if isinstance(src, str):
+            src_node, src_port = _split_port(src)
+        else:
+            src_node, src_port, adapter = src.node, src.port, adapter or src.adapter
+        self._wires.append(Wire(src_node, src_port, dst_node, dst_port, adapter, feedback))
+
+    def apply(self, operator: Operator, args: tuple, kwargs: dict, *, name: str | None) -> Any:
+        """Add `operator` as a node, wire args/kwargs to its inputs, return its outputs."""
+        config = {k: v for k, v in kwargs.items() if k not in operator.inputs}
+        node = self.add(operator, name=name, **config)
+        ports = list(operator.inputs)
+        if len(args) > len(ports):
+            self._problem("too-many-inputs", f"called with {len(args)} positional inputs but it "
+                          f"has {len(ports)}: {', '.join(ports) or 'none'}", op=node.name,
+                          fix="pass config as keywords; pass each input once")
+        bound = dict(zip(ports, args))
+        bound.update({k: v for k, v in kwargs.items() if k in operator.inputs})
+        for port, value in bound.items():
+            self._wire_value(node, port, value)
+        outs = Outputs((port, Ref(self, node.name, port)) for port in operator.outputs)
+        if len(outs) == 1:
+            return next(iter(outs.values()))
+        return outs or None
+
+    # -- reading -------------------------------------------------------------------------------
+    @property
+    def wires(self) -> list[Wire]:
+        """All wires, including feedback wires from bound feedbacks to their consumers."""
+        wires = list(self._wires)
+        for fb, dst, port in self._pending_feedback:
+            if fb.source is not None:
+                wires.append(Wire(fb.source.node, fb.source.port, dst, port, fb.source.adapter,
+                                  feedback=True))
+        return wires
+
+    @property
+    def graph(self) -> nx.DiGraph:
+        """Nodes carry `node=Node`; an edge carries `wires`, the list of port-to-port wires."""
+        graph = nx.DiGraph(name=self.name)
+        for name, node in self.nodes.items():
+            graph.add_node(name, node=node)
+        for wire in self.wires:
+            if wire.src in graph and wire.dst in graph:
+                if not graph.has_edge(wire.src, wire.dst):
+                    graph.add_edge(wire.src, wire.dst, wires=[])
+                graph.edges[wire.src, wire.dst]["wires"].append(wire)
+        return graph
+
+    def check(self) -> list[Problem]:
+        """Every problem in the flow, in declaration order; empty when the flow is valid."""
+        from flowkit.dsl.checks import find_problems
+
+        return find_problems(self)
+
+    def validate(self) -> Flow:
+        problems = self.check()
+        if problems:
+            raise FlowError(self.name, problems)
+        return self
+
+    def describe(self, console: Any = None) -> None:
+        """Print a summary (operators, ports, types, granularity, models) with rich."""
+        from flowkit.dsl.render import describe
+
+        describe(self, console)
+
+    def to_dot(self) -> str:
+        from flowkit.dsl.render import to_dot
+
+        return to_dot(self)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _problem(self, rule: str, message: str, **where: Any) -> None:
+        self._problems.append(Problem(rule=rule, message=message, **where))
+
+    def _config(self, operator: Operator, node_name: str, given: dict[str, Any]) -> dict:
+        for key in given:
+            if key not in operator.config:
+                self._problem("unknown-config", f"has no input or config named {key!r}",
+                              op=node_name, port=key, fix=_suggest(key, [*operator.inputs,
+                                                                         *operator.config]))
+        config = {**operator.config, **{k: v for k, v in given.items() if k in operator.config}}
+        for key, value in config.items():
+            if value is REQUIRED:
+                self._problem("missing-config", f"config {key!r} has no default and was not given",
+                              op=node_name, port=key, fix=f"pass {key}=... when calling it")
+        return config
+
+    def _wire_value(self, node: Node, port: str, value: Any) -> None:
+        if isinstance(value, (Ref, Feedback)):
+            self.connect(value, f"{node.name}.{port}")
+        else:
+            self._problem("not-a-ref", f"input {port!r} got the plain value {value!r}",
+                          op=node.name, port=port, expected="the output of another op",
+                          found=type(value).__name__,
+                          fix="wire inputs from ops' outputs; constants belong in config "
+                          "(keyword-only parameters)")
+
+
+def _split_port(text: str) -> tuple[str, str]:
+    node, dot, port = text.rpartition(".")
+    if not dot or not node or not port:
+        raise ValueError(f"expected 'node.port', got {text!r}")
+    return node, port
+
+
+def _unique_key(name: str, taken: dict) -> str:
+    i = 2
+    while f"{name}~{i}" in taken:
+        i += 1
+    return f"{name}~{i}"
+
+
+def _suggest(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1)
+    known = ", ".join(choices) or "none"
+    return (f"did you mean {close[0]!r}? " if close else "") + f"known: {known}"

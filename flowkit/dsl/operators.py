@@ -1,0 +1,255 @@
+"""Operators: typed signatures, declared from annotated Python functions or model-op classes.
+
+An operator is a declaration; calling it inside a `Flow` adds a node and wires its inputs. Problems
+in a declaration (a missing annotation, a variadic parameter) are kept on the operator and reported
+with the flow's other errors, so one build shows everything that is wrong.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import attrs
+
+from flowkit.dsl.errors import Problem
+from flowkit.dsl.types import PortType, port_type
+
+__all__ = ["InputPort", "Model", "ModelOp", "Operator", "REQUIRED", "op"]
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED: Any = _Required()
+"""Marks a config key that has no default and must be given at the call."""
+
+_RESERVED = frozenset({"name"})  # keywords of the call itself, so never a port or config key
+
+
+def _valid_name(_instance: object, attribute: attrs.Attribute, value: str) -> None:
+    if not value or not value.replace("_", "a").replace("-", "a").isalnum():
+        raise ValueError(
+            f"{attribute.name} must be a non-empty name of letters, digits, '_' or '-', got {value!r}"
+        )
+
+
+@attrs.frozen(kw_only=True)
+class Model:
+    """A model resource: ops that name the same Model share its weights.
+
+    `build` is an import path ("package.module:factory") that executors resolve; flowkit itself
+    never imports model code.
+    """
+
+    name: str = attrs.field(validator=_valid_name)
+    build: str = attrs.field()
+    config: Mapping[str, Any] = attrs.field(factory=dict, hash=False)
+    stages: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    tags: tuple[str, ...] = attrs.field(default=("gpu",), converter=tuple)
+
+    @build.validator
+    def _check_build(self, _attribute: attrs.Attribute, value: str) -> None:
+        module, _, factory = value.partition(":")
+        if not module or not factory:
+            raise ValueError(
+                f"Model {self.name!r}: build must be 'package.module:factory', got {value!r}"
+            )
+
+
+@attrs.frozen
+class InputPort:
+    name: str
+    type: PortType
+    required: bool = True
+
+
+class Operator:
+    """A typed signature: named input ports, named output ports, config keys with defaults."""
+
+    kind: str = "python"
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        inputs: dict[str, InputPort],
+        outputs: dict[str, PortType],
+        config: dict[str, Any],
+        doc: str = "",
+        tags: tuple[str, ...] = (),
+        problems: list[Problem] | None = None,
+    ) -> None:
+        self.name = name
+        self.inputs = inputs
+        self.outputs = outputs
+        self.config = config
+        self.doc = doc
+        self.tags = tuple(tags)
+        self.problems = list(problems or [])
+
+    @property
+    def model(self) -> str | None:
+        return None
+
+    def __call__(self, *args: Any, name: str | None = None, **kwargs: Any) -> Any:
+        """Add this op to the active flow, wired to the given inputs; returns its output refs."""
+        from flowkit.dsl.flow import Flow  # the flow module builds on this one
+
+        return Flow.current_for(self, args, kwargs).apply(self, args, kwargs, name=name)
+
+    def __repr__(self) -> str:
+        ins = ", ".join(f"{p.name}: {p.type}" for p in self.inputs.values())
+        outs = ", ".join(f"{n}: {t}" for n, t in self.outputs.items())
+        return f"<{type(self).__name__} {self.name}({ins}) -> ({outs})>"
+
+
+class FunctionOp(Operator):
+    """An operator whose body is a plain Python function.
+
+    Positional parameters are input ports, keyword-only parameters are config. A Stream or bare
+    input means the function is called per item (per group for Grouped); a Batch input means once
+    per step with the list of all items. A bare return type is one item per call; Stream[T]
+    returns an iterable of items; Batch[T] returns the whole list.
+    """
+
+    def __init__(self, fn: Callable, *, name: str | None, outputs: Mapping[str, Any] | None,
+                 output: str, tags: tuple[str, ...]) -> None:
+        self.fn = fn
+        op_name = name or fn.__name__
+        problems: list[Problem] = []
+        hints = _type_hints(fn, op_name, problems)
+        inputs, config = _parameters(fn, hints, op_name, problems)
+        outs = _outputs(fn, hints, outputs, output, op_name, problems)
+        super().__init__(name=op_name, inputs=inputs, outputs=outs, config=config,
+                         doc=inspect.getdoc(fn) or "", tags=tags, problems=problems)
+
+    @property
+    def target(self) -> str:
+        """Where executors import the function from."""
+        return f"{self.fn.__module__}:{self.fn.__qualname__}"
+
+
+def op(
+    fn: Callable | None = None,
+    *,
+    name: str | None = None,
+    output: str = "out",
+    outputs: Mapping[str, Any] | None = None,
+    tags: tuple[str, ...] = (),
+) -> Any:
+    """Declare an operator from an annotated function: ``@op`` or ``@op(outputs={...})``.
+
+    `output` names the single output port; `outputs` declares several, the function then returning
+    a mapping from port name to value. `tags` are executor tags the op needs to run on.
+    """
+
+    def wrap(f: Callable) -> FunctionOp:
+        return FunctionOp(f, name=name, outputs=outputs, output=output, tags=tuple(tags))
+
+    return wrap(fn) if fn is not None else wrap
+
+
+def _type_hints(fn: Callable, op_name: str, problems: list[Problem]) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(fn)
+    except Exception as exc:  # NameError for an undefined forward reference, and similar
+        problems.append(Problem(
+            rule="bad-annotation", op=op_name, message=f"its annotations cannot be resolved: {exc}",
+            fix="import every type its annotations name at module level"))
+        return {}
+
+
+def _parameters(fn: Callable, hints: dict[str, Any], op_name: str, problems: list[Problem]):
+    inputs: dict[str, InputPort] = {}
+    config: dict[str, Any] = {}
+    for param in inspect.signature(fn).parameters.values():
+        if param.name in _RESERVED:
+            problems.append(Problem(
+                rule="bad-signature", op=op_name, port=param.name,
+                message=f"{param.name!r} is reserved for the node name of a call",
+                fix="rename the parameter"))
+        elif param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            problems.append(Problem(
+                rule="bad-signature", op=op_name, port=param.name,
+                message="variadic parameters cannot be ports",
+                fix="declare one named, annotated parameter per input"))
+        elif param.kind is param.KEYWORD_ONLY:
+            config[param.name] = REQUIRED if param.default is param.empty else param.default
+        elif param.name not in hints:
+            problems.append(Problem(
+                rule="missing-annotation", op=op_name, port=param.name,
+                message="input has no type annotation",
+                fix=f"annotate it, e.g. `{param.name}: Stream[Rollout]`"))
+        else:
+            inputs[param.name] = _input_port(param, hints[param.name], op_name, problems)
+    return inputs, config
+
+
+def _input_port(param: inspect.Parameter, hint: Any, op_name: str,
+                problems: list[Problem]) -> InputPort:
+    try:
+        ptype = port_type(hint)
+    except TypeError as exc:
+        problems.append(Problem(rule="bad-annotation", op=op_name, port=param.name,
+                                message=str(exc), fix="use Stream[T], Batch[T], Grouped[T] or T"))
+        ptype = port_type(Any)
+    return InputPort(param.name, ptype, required=param.default is param.empty)
+
+
+def _outputs(fn: Callable, hints: dict[str, Any], outputs: Mapping[str, Any] | None,
+             output: str, op_name: str, problems: list[Problem]) -> dict[str, PortType]:
+    if outputs is not None:
+        return {port: port_type(tp) for port, tp in outputs.items()}
+    if "return" not in hints:
+        problems.append(Problem(
+            rule="missing-annotation", op=op_name, port="return",
+            message="the function has no return annotation",
+            fix="annotate what it returns (`-> Stream[Scored]`), or `-> None` if nothing"))
+        return {}
+    if hints["return"] is type(None):
+        return {}
+    return {output: port_type(hints["return"])}
+
+
+class ModelOp(Operator):
+    """An operator run by an executor that holds a Model, declared as a class:
+
+        class Generate(ModelOp):
+            '''Sample responses to prompts.'''
+            executor_op = "generate"
+            inputs = {"prompts": Stream[Prompt]}
+            outputs = {"rollouts": Stream[Rollout]}
+            config = {"n": 1, "temperature": 1.0}
+
+    `Generate(actor)` binds it to a model (a Model, or a model's name declared in the flow).
+    """
+
+    executor_op: ClassVar[str] = ""
+    inputs: ClassVar[dict[str, Any]] = {}
+    outputs: ClassVar[dict[str, Any]] = {}
+    config: ClassVar[dict[str, Any]] = {}
+    optional: ClassVar[tuple[str, ...]] = ()  # inputs that may stay unwired
+
+    def __init__(self, model: Model | str, *, name: str | None = None) -> None:
+        cls = type(self)
+        self.model_ref = model
+        self.kind = cls.executor_op or cls.__name__.lower()
+        inputs = {}
+        for port, annotation in cls.inputs.items():
+            inputs[port] = InputPort(port, port_type(annotation), port not in cls.optional)
+        super().__init__(
+            name=name or self.kind,
+            inputs=inputs,
+            outputs={port: port_type(tp) for port, tp in cls.outputs.items()},
+            config=dict(cls.config),
+            doc=inspect.getdoc(cls) or "",
+        )
+
+    @property
+    def model(self) -> str:
+        return self.model_ref.name if isinstance(self.model_ref, Model) else str(self.model_ref)
