@@ -25,38 +25,50 @@ def describe(flow: Flow, console: Console | None = None) -> None:
 
 
 def summary(flow: Flow) -> Group:
-    """A renderable: a table of operators and their ports, then models, then barriers."""
+    """A renderable: each op with its ports (type, granularity, source), then models, then the
+    wires where a step waits (barriers), groups or hands a value to the next step."""
     wires = flow.wires
-    title = f"flow {flow.name!r}: {len(flow.nodes)} ops, {len(wires)} wires"
-    ops = Table(title=title, title_justify="left", show_lines=True)
-    for column in ("op", "runs", "inputs", "outputs"):
-        ops.add_column(column, overflow="fold")
+    parts: list[Any] = [Text(f"flow {flow.name!r}: {len(flow.nodes)} ops, {len(wires)} wires",
+                             style="bold underline")]
     for node in flow.nodes.values():
-        ops.add_row(Text(node.name, style="bold"), _runs(node), _inputs(node, wires),
-                    _outputs(node))
-    parts: list[Any] = [ops]
+        parts.append(_node_text(node, wires))
     if flow.models:
         models = Table(title="models", title_justify="left")
         for column in ("model", "build", "stages", "tags", "used by"):
-            models.add_column(column)
+            models.add_column(column, overflow="fold")
         for model in flow.models.values():
             users = [n.name for n in flow.nodes.values() if n.model == model.name]
             models.add_row(model.name, model.build, str(model.stages), ",".join(model.tags),
                            ", ".join(users))
         parts.append(models)
-    barriers = [w for w in wires if w.adapter is not None or w.feedback]
-    if barriers:
+    boundaries = [w for w in wires if w.adapter is not None or w.feedback]
+    if boundaries:
         parts.append(Text("step boundaries:", style="bold"))
-        parts += [Text(f"  {_wire_text(w)}") for w in barriers]
+        parts += [Text(f"  {_wire_text(w)}") for w in boundaries]
     return Group(*parts)
 
 
-def _runs(node: Node) -> Text:
-    text = Text(node.operator.kind)
+def _node_text(node: Node, wires: list[Wire]) -> Text:
+    text = Text("\n")
+    text.append(node.name, style="bold")
+    text.append(f"  {node.operator.kind}")
     if node.model:
         text.append(f" on {node.model}", style="cyan")
-    if node.config:
-        text.append("\n" + ", ".join(f"{k}={v!r}" for k, v in node.config.items()), style="dim")
+    changed = {k: v for k, v in node.config.items() if v != node.operator.config.get(k)}
+    if changed:
+        text.append("  " + ", ".join(f"{k}={v!r}" for k, v in changed.items()), style="dim")
+    for port in node.operator.inputs.values():
+        text.append("\n  in  ")
+        text.append_text(_port_text(port.name, port.type))
+        sources = [_source_text(w) for w in wires
+                   if w.dst == node.name and w.dst_port == port.name]
+        if sources:
+            text.append(" <- " + ", ".join(sources), style="dim")
+        elif not port.required:
+            text.append(" (optional, not wired)", style="dim")
+    for name, ptype in node.operator.outputs.items():
+        text.append("\n  out ")
+        text.append_text(_port_text(name, ptype))
     return text
 
 
@@ -64,21 +76,6 @@ def _port_text(name: str, ptype) -> Text:
     text = Text(f"{name}: ")
     text.append(str(ptype), style=_GRANULARITY_STYLE[ptype.granularity])
     return text
-
-
-def _inputs(node: Node, wires: list[Wire]) -> Text:
-    lines = []
-    for port in node.operator.inputs.values():
-        line = _port_text(port.name, port.type)
-        for w in wires:
-            if w.dst == node.name and w.dst_port == port.name:
-                line.append(f" <- {_source_text(w)}", style="dim")
-        lines.append(line)
-    return Text("\n").join(lines)
-
-
-def _outputs(node: Node) -> Text:
-    return Text("\n").join(_port_text(n, t) for n, t in node.operator.outputs.items())
 
 
 def _source_text(wire: Wire) -> str:

@@ -1,0 +1,78 @@
+"""Model ops of the ready-made flows: what executors holding a model will run.
+
+These are declarations (typed signatures); the torch and simulator executors implement the
+executor ops they name.
+"""
+
+from __future__ import annotations
+
+from dataflows.records import (
+    MicrobatchStats,
+    Prompt,
+    Rollout,
+    StepMetrics,
+    TokenScores,
+    WeightsVersion,
+)
+from flowkit.dsl import Batch, ModelOp, Stream
+
+__all__ = ["Backprop", "Generate", "LogProbs", "OptimizerStep", "RewardModel", "Values"]
+
+
+class Generate(ModelOp):
+    """Sample n responses per prompt; each finished sample leaves as soon as it is done."""
+
+    executor_op = "generate"
+    inputs = {"prompts": Stream[Prompt], "weights": Stream[WeightsVersion]}
+    optional = ("weights",)
+    outputs = {"rollouts": Stream[Rollout]}
+    config = {"n": 1, "max_new_tokens": 256, "temperature": 1.0, "top_p": 1.0}
+
+
+class LogProbs(ModelOp):
+    """Per-token log-probabilities of each response under the model (e.g. a frozen reference)."""
+
+    executor_op = "logprobs"
+    inputs = {"rollouts": Stream[Rollout]}
+    outputs = {"logprobs": Stream[TokenScores]}
+
+
+class Values(ModelOp):
+    """Per-token value estimates of each response from a critic (the GPT with a value head)."""
+
+    executor_op = "values"
+    inputs = {"rollouts": Stream[Rollout]}
+    outputs = {"values": Stream[TokenScores]}
+
+
+class RewardModel(ModelOp):
+    """A sequence-level score of each response from a reward model."""
+
+    executor_op = "reward_model"
+    inputs = {"rollouts": Stream[Rollout]}
+    outputs = {"scores": Stream[float]}
+
+
+class Backprop(ModelOp):
+    """F, B and W of the model's pipeline stages over microbatches formed from the items, under
+    a pipeline schedule; gradients accumulate on the executors until the optimizer step."""
+
+    executor_op = "backprop"
+    # token batches (pretraining) or experiences (RL); reference log-probs for a KL loss term
+    inputs = {"batch": Stream[object], "ref_logprobs": Stream[TokenScores]}
+    optional = ("ref_logprobs",)
+    outputs = {"stats": Stream[MicrobatchStats]}
+    config = {"loss": "lm", "schedule": "1f1b", "microbatches": 8, "memory_limit": None,
+              "kl_coef": 0.0}
+
+
+class OptimizerStep(ModelOp):
+    """AdamW over every stage, with gradient clipping by the global norm: needs every microbatch's
+    gradient, so its input is a barrier."""
+
+    executor_op = "optimizer_step"
+    inputs = {"stats": Batch[MicrobatchStats]}
+    outputs = {"metrics": Stream[StepMetrics], "weights": Stream[WeightsVersion]}
+    config = {"lr": 3e-4, "weight_decay": 0.1, "betas": (0.9, 0.95), "clip_grad_norm": 1.0}
+
+

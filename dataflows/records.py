@@ -1,0 +1,97 @@
+"""The records that move between the ops of the ready-made flows.
+
+Per-token arrays are plain lists here so records stay msgpack-friendly and free of torch; ops that
+need tensors build them at their boundary.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from flowkit.dsl import Tensor
+
+__all__ = [
+    "Experience",
+    "MicrobatchStats",
+    "Prompt",
+    "Rollout",
+    "Scored",
+    "StepMetrics",
+    "TokenIds",
+    "TokenScores",
+    "WeightsVersion",
+]
+
+TokenIds = Tensor["int64", "batch", "seq"]
+"""A batch of token sequences: what language-model pretraining and SFT consume."""
+
+
+
+@attrs.frozen(kw_only=True)
+class Prompt:
+    prompt_id: int
+    tokens: list[int]
+    answer: str | None = None  # what a verifiable reward checks against, when there is one
+
+
+@attrs.frozen(kw_only=True)
+class Rollout:
+    """One sampled response to one prompt, with the sampler's per-token log-probabilities."""
+
+    prompt_id: int
+    sample: int  # index among the n samples of its prompt
+    prompt_tokens: list[int]
+    response_tokens: list[int]
+    logprobs: list[float]
+    finished: bool = True  # False when cut at max_new_tokens
+    answer: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Scored(Rollout):
+    """A rollout with its sequence-level reward."""
+
+    reward: float
+
+
+@attrs.frozen(kw_only=True)
+class TokenScores:
+    """One float per response token of one sample (log-probabilities, values), keyed by sample."""
+
+    prompt_id: int
+    sample: int
+    values: list[float]
+
+
+@attrs.frozen(kw_only=True)
+class Experience(Scored):
+    """A scored rollout with per-token advantages and returns: ready to train on."""
+
+    advantages: list[float]
+    returns: list[float] = attrs.field(factory=list)
+    ref_logprobs: list[float] = attrs.field(factory=list)
+    values: list[float] = attrs.field(factory=list)
+
+
+@attrs.frozen(kw_only=True)
+class MicrobatchStats:
+    """What a microbatch's backward leaves behind besides gradients: its loss and token count."""
+
+    loss: float
+    tokens: int
+
+
+@attrs.frozen(kw_only=True)
+class StepMetrics:
+    step: int
+    loss: float
+    grad_norm: float
+    tokens: int
+
+
+@attrs.frozen(kw_only=True)
+class WeightsVersion:
+    """Names the weights an optimizer step produced; generation asks for them by version."""
+
+    model: str
+    version: int

@@ -1,0 +1,1 @@
+"""Python ops of the RL flows: prompts of a small verifiable task, rewards, advantages."""

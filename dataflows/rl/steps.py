@@ -1,0 +1,88 @@
+"""Per-sample and per-batch Python ops of the PPO and GRPO flows, on plain lists.
+
+Text is byte-tokenized (token id = byte value) so the arithmetic task needs no tokenizer files.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import attrs
+
+from dataflows.records import Experience, Prompt, Rollout, Scored, TokenScores
+from flowkit.dsl import Batch, Grouped, Stream, op
+
+__all__ = ["answer_reward", "arithmetic_prompts", "gae", "grpo_advantages", "make_experience"]
+
+
+@op
+def arithmetic_prompts(*, count: int = 64, seed: int = 0, max_operand: int = 99) -> Stream[Prompt]:
+    """Prompts like '17+25=' whose answer a reward function can check exactly."""
+    rng = random.Random(seed)
+    for prompt_id in range(count):
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        yield Prompt(prompt_id=prompt_id, tokens=list(f"{a}+{b}=".encode()), answer=str(a + b))
+
+
+@op
+def answer_reward(rollout: Rollout) -> Scored:
+    """1 when the response starts with the exact answer (then a non-digit or the end), else 0."""
+    text = bytes(t for t in rollout.response_tokens if 0 <= t < 256).decode(errors="replace")
+    answer = rollout.answer or ""
+    hit = text.startswith(answer) and not text[len(answer):len(answer) + 1].isdigit()
+    return Scored(**attrs.asdict(rollout, recurse=False), reward=1.0 if answer and hit else 0.0)
+
+
+@op
+def make_experience(scored: Scored, ref_logprobs: TokenScores, values: TokenScores, *,
+                    kl_coef: float = 0.05) -> Experience:
+    """Token rewards: the KL penalty (k1) to the reference on each token, the reward on the last."""
+    kl = [lp - ref for lp, ref in zip(scored.logprobs, ref_logprobs.values)]
+    token_rewards = [-kl_coef * k for k in kl]
+    if token_rewards:
+        token_rewards[-1] += scored.reward
+    return Experience(**attrs.asdict(scored, recurse=False), advantages=token_rewards,
+                      ref_logprobs=ref_logprobs.values, values=values.values)
+
+
+@op
+def gae(experiences: Batch[Experience], *, gamma: float = 1.0, lam: float = 0.95
+        ) -> Batch[Experience]:
+    """Generalized advantage estimation per sample, then whitening over every token of the batch
+    (a batch statistic: the reason this op's input is a barrier). Expects `advantages` to hold the
+    token rewards that make_experience put there."""
+    raw = [_gae_one(e.advantages, e.values, gamma, lam) for e in experiences]
+    flat = [a for advantages in raw for a in advantages]
+    mean = statistics.fmean(flat) if flat else 0.0
+    std = statistics.stdev(flat) if len(flat) > 1 else 1.0
+    out = []
+    for exp, advantages in zip(experiences, raw):
+        returns = [a + v for a, v in zip(advantages, exp.values)]
+        whitened = [(a - mean) / (std + 1e-8) for a in advantages]
+        out.append(attrs.evolve(exp, advantages=whitened, returns=returns))
+    return out
+
+
+def _gae_one(rewards: list[float], values: list[float], gamma: float, lam: float) -> list[float]:
+    advantages, running = [0.0] * len(rewards), 0.0
+    for t in reversed(range(len(rewards))):
+        next_value = values[t + 1] if t + 1 < len(values) else 0.0
+        delta = rewards[t] + gamma * next_value - values[t]
+        running = delta + gamma * lam * running
+        advantages[t] = running
+    return advantages
+
+
+@op
+def grpo_advantages(group: Grouped[Scored], *, eps: float = 1e-6) -> Stream[Experience]:
+    """Each sample's reward minus its group's mean, over the group's (unbiased) std, on every
+    token; a group of one has mean 0 and std 1, as in established GRPO implementations."""
+    rewards = [s.reward for s in group]
+    single = len(rewards) == 1
+    mean = 0.0 if single else statistics.fmean(rewards)
+    std = 1.0 if single else statistics.stdev(rewards)
+    for scored in group:
+        advantage = (scored.reward - mean) / (std + eps)
+        yield Experience(**attrs.asdict(scored, recurse=False),
+                         advantages=[advantage] * len(scored.response_tokens))
