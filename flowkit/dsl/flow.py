@@ -25,7 +25,7 @@ import networkx as nx
 
 from flowkit.dsl.errors import FlowError, Problem
 from flowkit.dsl.operators import REQUIRED, Model, Operator
-from flowkit.dsl.types import Granularity, PortType
+from flowkit.dsl.types import Granularity, PortType, port_type
 
 __all__ = ["Collect", "Feedback", "Flow", "GroupBy", "Node", "Outputs", "Ref", "Wire",
            "collect", "group_by"]
@@ -198,8 +198,6 @@ class Flow:
 
     def feedback(self, name: str, ptype: Any) -> Feedback:
         """Declare a value that a later op produces for the next step; `.bind(ref)` it there."""
-        from flowkit.dsl.types import port_type
-
         fb = Feedback(self, name, port_type(ptype))
         if name in self.feedbacks:
             self._problem("duplicate-name", f"feedback name {name!r} is used twice",

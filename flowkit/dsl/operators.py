@@ -8,6 +8,7 @@ with the flow's other errors, so one build shows everything that is wrong.
 from __future__ import annotations
 
 import inspect
+import re
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
@@ -31,8 +32,11 @@ REQUIRED: Any = _Required()
 _RESERVED = frozenset({"name"})  # keywords of the call itself, so never a port or config key
 
 
+_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
 def _valid_name(_instance: object, attribute: attrs.Attribute, value: str) -> None:
-    if not value or not value.replace("_", "a").replace("-", "a").isalnum():
+    if not _NAME.match(value):
         raise ValueError(
             f"{attribute.name} must be a non-empty name of letters, digits, '_' or '-', got {value!r}"
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from flowkit.dsl import Batch, Grouped, Model, ModelOp, Stream, op
+from flowkit.dsl import Batch, Grouped, ModelOp, Stream, op
 
 
 @attrs.frozen

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from flowkit.dsl import Batch, Flow, FlowError, Model, Stream, collect, group_by, op
-
 from tests.dsl.shapes import Generate, Prompt, Rollout, Scored, advantages, prompts, score, train
 
 

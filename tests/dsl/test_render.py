@@ -7,7 +7,6 @@ from rich.console import Console
 
 from flowkit.dsl import Flow, collect, group_by
 from flowkit.dsl.render import summary
-
 from tests.dsl.shapes import Generate, advantages, prompts, score, train
 
 

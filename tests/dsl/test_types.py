@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 
 from flowkit.dsl import Batch, Granularity, Grouped, Stream, Tensor, port_type
 from flowkit.dsl.types import assignable, type_name
-
 from tests.dsl.shapes import Prompt, Rollout, Scored
 
 
@@ -64,7 +63,7 @@ def test_generics_are_covariant():
 
 
 def test_unions():
-    assert assignable(Scored, Optional[Rollout]) is None
+    assert assignable(Scored, Optional[Rollout]) is None  # noqa: UP045 - the typing spelling too
     assert assignable(int | str, int | str | float) is None
     assert assignable(int | Prompt, int) is not None
 
