@@ -2,6 +2,7 @@
 
 from flowkit.planner.ir import Action, Costs, Kind, MemoryModel, Placement, Schedule
 from flowkit.planner.simulate import Interval, ScheduleError, SimResult, simulate
+from flowkit.planner.validate import render_grid, validate
 
 __all__ = [
     "Action",
@@ -13,5 +14,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "SimResult",
+    "render_grid",
     "simulate",
+    "validate",
 ]

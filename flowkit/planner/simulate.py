@@ -7,7 +7,11 @@ device. [Note: pipeline dependencies]
   B(s, mb)  after B(s+1, mb) (or its BW); on the last stage after F(s, mb)
   W(s, mb)  after B(s, mb)
 BW is a B for the purpose of dependencies. Nothing else orders actions: a schedule's own order on
-each device is the only other constraint.
+each device is the only other constraint. The comm cost is charged once per such edge whose two
+ends run on different devices (never for W, never within a device); comm does not occupy either
+device. A device's span runs from its first op's start to its last op's end, and the bubble rate
+is (max span - busiest device's busy time) / max span: the Zero Bubble paper's definition, with
+which these rules reproduce its Table 5 (tests/planner/test_paper_table5.py).
 """
 
 from __future__ import annotations
@@ -22,11 +26,15 @@ __all__ = ["ScheduleError", "SimResult", "Interval", "dependencies", "simulate"]
 
 
 class ScheduleError(ValueError):
-    """A schedule that cannot run as written; `marked` names the offending actions."""
+    """A schedule that cannot run as written; `marked` names the offending actions and
+    `problems` lists each problem in one line (the message may add a rendered grid)."""
 
-    def __init__(self, message: str, *, schedule: Schedule | None = None, marked=()) -> None:
+    def __init__(
+        self, message: str, *, schedule: Schedule | None = None, marked=(), problems=()
+    ) -> None:
         self.schedule = schedule
         self.marked = frozenset(marked)
+        self.problems = tuple(problems) or (message.split("\n", 1)[0],)
         super().__init__(message)
 
 

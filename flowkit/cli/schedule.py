@@ -1,0 +1,290 @@
+"""`flowkit schedule`: build, validate and simulate a pipeline schedule, or compare them all."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from flowkit.planner import Costs, MemoryModel, Schedule, ScheduleError, SimResult
+from flowkit.planner.export import schedule_to_json
+from flowkit.planner.schedules import build_schedule, get_spec, schedule_kinds
+from flowkit.planner.validate import validate
+
+__all__ = ["parse_costs", "parse_memory", "schedule"]
+
+
+def _split_keyed(text: str, option: str, keys: tuple[str, ...]) -> dict[str, list[float]]:
+    """'F=1,1,2,B=1,W=0.5' -> {'F': [1, 1, 2], 'B': [1], 'W': [0.5]}: a value without a key
+    belongs to the key before it, so per-share lists need no extra quoting."""
+    out: dict[str, list[float]] = {}
+    current = None
+    for token in (t.strip() for t in text.split(",")):
+        if "=" in token:
+            current, _, token = (s.strip() for s in token.partition("="))
+            current = current.upper()
+            if current not in keys:
+                raise click.BadParameter(
+                    f"unknown key {current!r}; use {', '.join(keys)}", param_hint=option
+                )
+            if current in out:
+                raise click.BadParameter(f"{current} is given twice", param_hint=option)
+            out[current] = []
+        if current is None:
+            raise click.BadParameter(f"expected KEY=VALUE, got {token!r}", param_hint=option)
+        try:
+            out[current].append(float(token))
+        except ValueError:
+            raise click.BadParameter(
+                f"{current} has a non-number value {token!r}", param_hint=option
+            ) from None
+    return out
+
+
+def parse_costs(text: str, *, devices: int, comm: float) -> Costs:
+    """--cost: F, B and W, each one value for every device share or exactly `devices` values."""
+    values = _split_keyed(text, "--cost", ("F", "B", "W"))
+    missing = [k for k in ("F", "B", "W") if k not in values]
+    if missing:
+        raise click.BadParameter(
+            f"needs F, B and W; missing {', '.join(missing)}", param_hint="--cost"
+        )
+    for key, vals in values.items():
+        if len(vals) == 1:
+            values[key] = vals * devices
+        elif len(vals) != devices:
+            raise click.BadParameter(
+                f"{key} needs 1 value or one per device share ({devices} for --stages "
+                f"{devices}), got {len(vals)}",
+                param_hint="--cost",
+            )
+        if any(v < 0 for v in values[key]):
+            raise click.BadParameter(f"{key} costs must be >= 0", param_hint="--cost")
+    return Costs(F=values["F"], B=values["B"], W=values["W"], comm=comm)
+
+
+def parse_memory(text: str | None) -> MemoryModel:
+    """--mem: one value each; BW defaults to B + W so the fused backward frees what B, W do."""
+    if text is None:
+        return MemoryModel()
+    values = _split_keyed(text, "--mem", ("F", "B", "W", "BW"))
+    for key, vals in values.items():
+        if len(vals) != 1:
+            raise click.BadParameter(f"{key} takes one value, got {len(vals)}", param_hint="--mem")
+    base = MemoryModel()
+    f, b, w = (values.get(k, [getattr(base, k)])[0] for k in ("F", "B", "W"))
+    return MemoryModel(F=f, B=b, W=w, BW=values.get("BW", [b + w])[0])
+
+
+def _device_table(schedule: Schedule, result: SimResult) -> Table:
+    table = Table(title=_headline(schedule), title_justify="left")
+    for column in ("device", "stages", "busy", "span", "idle", "peak memory"):
+        table.add_column(column, justify="left" if column == "stages" else "right")
+    for d in range(schedule.num_devices):
+        span, busy = result.device_span[d], result.busy[d]
+        table.add_row(
+            str(d),
+            ",".join(map(str, schedule.placement.stages_on(d))),
+            f"{busy:.6g}",
+            f"{span:.6g}",
+            f"{span - busy:.6g}",
+            f"{result.peak_memory[d]:.4g}",
+        )
+    return table
+
+
+def _headline(schedule: Schedule) -> str:
+    p = schedule.placement
+    return (
+        f"{schedule.kind}: {p.num_devices} devices, {p.num_stages} stages, "
+        f"{schedule.microbatches} microbatches"
+    )
+
+
+def _summary(result: SimResult) -> str:
+    return (
+        f"makespan {result.makespan:.6g}   bubble rate {result.bubble_rate:.4f} "
+        f"({result.bubble_rate:.2%})   peak memory {max(result.peak_memory):.4g}"
+    )
+
+
+def _compare_row(kind: str, chunks: int | None, build_kwargs: dict) -> list[str]:
+    spec = get_spec(kind)
+    fits = chunks is not None and (spec.chunks is None or chunks in spec.chunks)
+    try:
+        sched = build_schedule(kind, chunks=chunks if fits else None, **build_kwargs)
+    except ScheduleError as err:
+        more = f" (+{len(err.problems) - 1} more)" if len(err.problems) > 1 else ""
+        return [kind, "-", "-", "-", "-", f"invalid: {err.problems[0]}{more}"]
+    except ValueError as err:  # this kind cannot take these inputs
+        return [kind, "-", "-", "-", "-", f"n/a: {err}"]
+    result = validate(
+        sched,
+        build_kwargs["costs"].for_placement(sched.placement),
+        build_kwargs["memory"],
+        build_kwargs["memory_limit"],
+    )
+    return [
+        kind,
+        str(sched.placement.chunks),
+        f"{result.makespan:.6g}",
+        f"{result.bubble_rate:.4f}",
+        f"{max(result.peak_memory):.4g}",
+        "ok",
+    ]
+
+
+def _compare(console: Console, chunks: int | None, build_kwargs: dict) -> None:
+    table = Table(
+        title=(f"{build_kwargs['devices']} devices, {build_kwargs['microbatches']} microbatches"),
+        title_justify="left",
+    )
+    for column in ("kind", "chunks", "makespan", "bubble rate", "peak memory", "status"):
+        table.add_column(
+            column,
+            justify="left" if column in ("kind", "status") else "right",
+            no_wrap=column != "status",
+        )
+    for kind in schedule_kinds():
+        table.add_row(*_compare_row(kind, chunks, build_kwargs))
+    console.print(table)
+
+
+def _check_kind(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    if value != "compare" and value not in schedule_kinds():
+        raise click.BadParameter(
+            f"{value!r} is not a schedule kind; choose compare or one of "
+            f"{', '.join(schedule_kinds())}"
+        )
+    return value
+
+
+def _check_output(ctx: click.Context, param: click.Parameter, value: Path | None):
+    if value is not None and param.name == "plot" and value.suffix.lower() not in (".svg", ".png"):
+        raise click.BadParameter("the chart file must end in .svg or .png")
+    return value
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("kind", metavar="KIND|compare", callback=_check_kind)
+@click.option(
+    "--stages",
+    "-p",
+    "devices",
+    type=click.IntRange(min=1),
+    required=True,
+    help="Pipeline devices P (chunked kinds cut each device's share further).",
+)
+@click.option(
+    "--microbatches", "-m", type=click.IntRange(min=1), required=True, help="Microbatches per step."
+)
+@click.option(
+    "--cost",
+    "cost_text",
+    default="F=1,B=1,W=1",
+    show_default=True,
+    envvar="FLOWKIT_SCHEDULE_COST",
+    help="Time of one device's share: KEY=V or KEY=V1,...,VP for F, B, W.",
+)
+@click.option(
+    "--comm",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Time to move one activation or gradient between devices.",
+)
+@click.option(
+    "--memory-limit",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    envvar="FLOWKIT_SCHEDULE_MEMORY_LIMIT",
+    help="Peak activations per device, in microbatches of one device share.",
+)
+@click.option(
+    "--mem",
+    "mem_text",
+    default=None,
+    help="Memory each op adds: F=1,B=-0.5,W=-0.5 (BW defaults to B+W).",
+)
+@click.option(
+    "--chunks",
+    "-v",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Stages per device for chunked kinds (interleaved-1f1b defaults to 2).",
+)
+@click.option(
+    "--json",
+    "json_out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the schedule and its simulated result as JSON.",
+)
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    callback=_check_output,
+    help="Write a Gantt chart (.svg, or .png with matplotlib).",
+)
+def schedule(
+    kind, devices, microbatches, cost_text, comm, memory_limit, mem_text, chunks, json_out, plot
+) -> None:
+    """Build, validate and simulate a pipeline schedule (or `compare` all kinds)."""
+    build_kwargs = dict(
+        devices=devices,
+        microbatches=microbatches,
+        costs=parse_costs(cost_text, devices=devices, comm=comm),
+        memory=parse_memory(mem_text),
+        memory_limit=memory_limit,
+    )
+    console = Console()
+    if not console.is_terminal:  # pipes and CliRunner: room for the compare table's reasons
+        console.width = max(console.width, 120)
+    if kind == "compare":
+        if json_out or plot:
+            raise click.UsageError("--json and --plot need a single KIND, not compare")
+        _compare(console, chunks, build_kwargs)
+        return
+    _run_one(console, kind, chunks, build_kwargs, json_out, plot)
+
+
+def _run_one(
+    console: Console,
+    kind: str,
+    chunks: int | None,
+    build_kwargs: dict,
+    json_out: Path | None,
+    plot: Path | None,
+) -> None:
+    try:
+        sched = build_schedule(kind, chunks=chunks, **build_kwargs)
+        stage_costs = build_kwargs["costs"].for_placement(sched.placement)
+        result = validate(sched, stage_costs, build_kwargs["memory"], build_kwargs["memory_limit"])
+    except ScheduleError as err:  # a schedule that cannot run: exit 1 with the grid
+        raise click.ClickException(str(err)) from None
+    except ValueError as err:  # inputs this kind cannot take: a usage error, exit 2
+        raise click.UsageError(str(err)) from None
+    console.print(_device_table(sched, result))
+    console.print(_summary(result))
+    if json_out is not None:
+        data = schedule_to_json(
+            sched,
+            costs=stage_costs,
+            memory=build_kwargs["memory"],
+            memory_limit=build_kwargs["memory_limit"],
+            result=result,
+        )
+        json_out.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+        console.print(f"wrote {json_out}")
+    if plot is not None:
+        from flowkit.planner.gantt import write_chart
+
+        try:
+            write_chart(plot, sched, result)
+        except RuntimeError as err:  # matplotlib missing for .png
+            raise click.ClickException(str(err)) from None
+        console.print(f"wrote {plot}")

@@ -1,0 +1,181 @@
+"""Check a schedule before anyone runs it: every op exactly once, on its device, no deadlock, memory
+within the limit. Failures raise one ScheduleError listing every problem, followed by the schedule
+drawn as a step x device grid with the offending actions in brackets (``[2B3]``)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Collection, Iterable
+
+from flowkit.planner.ir import Action, Costs, Kind, MemoryModel, Schedule
+from flowkit.planner.simulate import ScheduleError, SimResult, simulate
+
+__all__ = ["render_grid", "validate"]
+
+# Grids longer than this show only the rows around marked actions.
+_MAX_ROWS = 40
+_CONTEXT = 3
+
+
+def render_grid(schedule: Schedule, marked: Collection[Action] = ()) -> str:
+    """Rows are step indices, columns devices, cells action text; marked actions in brackets."""
+    marked = frozenset(marked)
+    depth = max((len(ops) for ops in schedule.device_ops), default=0)
+    cells = [
+        [_cell(ops[i], marked) if i < len(ops) else "" for ops in schedule.device_ops]
+        for i in range(depth)
+    ]
+    header = [f"dev {d}" for d in range(schedule.num_devices)]
+    width = max([len(c) for row in cells for c in row] + [len(h) for h in header])
+    step_width = max(len("step"), len(str(depth)))
+
+    def line(label: str, row: Iterable[str]) -> str:
+        return f"{label:>{step_width}} | " + " ".join(f"{c:^{width}}" for c in row)
+
+    lines = [line("step", header)]
+    previous = -1
+    for i in _visible_rows(cells, depth):
+        if i != previous + 1:
+            lines.append(f"{'...':>{step_width}} |")
+        lines.append(line(str(i), cells[i]))
+        previous = i
+    if previous != depth - 1:
+        lines.append(f"{'...':>{step_width}} | ({depth} steps)")
+    return "\n".join(lines)
+
+
+def _cell(action: Action, marked: frozenset[Action]) -> str:
+    return f"[{action}]" if action in marked else f" {action} "
+
+
+def _visible_rows(cells: list[list[str]], depth: int) -> list[int]:
+    if depth <= _MAX_ROWS:
+        return list(range(depth))
+    hot = [i for i, row in enumerate(cells) if any(c.startswith("[") for c in row)]
+    if not hot:
+        return list(range(_MAX_ROWS))
+    keep = {j for i in hot for j in range(i - _CONTEXT, i + _CONTEXT + 1) if 0 <= j < depth}
+    return sorted(keep)
+
+
+def _fail(schedule: Schedule, problems: list[str], marked: Iterable[Action]) -> ScheduleError:
+    marked = list(marked)
+    head = (
+        f"schedule {schedule.kind!r}: {problems[0]}"
+        if len(problems) == 1
+        else f"schedule {schedule.kind!r} has {len(problems)} errors:\n"
+        + "\n".join(f"  - {p}" for p in problems)
+    )
+    grid = render_grid(schedule, marked)
+    return ScheduleError(f"{head}\n\n{grid}", schedule=schedule, marked=marked, problems=problems)
+
+
+def _placement_problems(schedule: Schedule) -> tuple[list[str], list[Action]]:
+    placement = schedule.placement
+    problems, marked = [], []
+    for device, ops in enumerate(schedule.device_ops):
+        for step, action in enumerate(ops):
+            if action.stage >= placement.num_stages:
+                problems.append(
+                    f"{action} (device {device}, step {step}) names stage "
+                    f"{action.stage}; there are {placement.num_stages} stages"
+                )
+            elif placement.device_of(action.stage) != device:
+                problems.append(
+                    f"{action} is on device {device}, but stage {action.stage} "
+                    f"lives on device {placement.device_of(action.stage)}"
+                )
+            elif action.microbatch >= schedule.microbatches:
+                problems.append(
+                    f"{action} names microbatch {action.microbatch}; the schedule "
+                    f"has {schedule.microbatches}"
+                )
+            else:
+                continue
+            marked.append(action)
+    return problems, marked
+
+
+def _completeness_problems(schedule: Schedule) -> tuple[list[str], list[Action]]:
+    """Each (stage, microbatch) needs F once and then either B and W once each, or BW once."""
+    seen: dict[tuple[int, int], list[Kind]] = defaultdict(list)
+    for ops in schedule.device_ops:
+        for action in ops:
+            seen[(action.stage, action.microbatch)].append(action.kind)
+    problems, marked = [], []
+    for stage in range(schedule.num_stages):
+        for mb in range(schedule.microbatches):
+            kinds = seen.get((stage, mb), [])
+            for kind in Kind:
+                if kinds.count(kind) > 1:
+                    problems.append(f"{Action(stage, kind, mb)} appears {kinds.count(kind)} times")
+                    marked.append(Action(stage, kind, mb))
+            missing = _missing(kinds)
+            if missing:
+                problems.append(f"stage {stage} microbatch {mb} has no {missing}")
+                marked.extend(Action(stage, k, mb) for k in set(kinds))
+    return problems, marked
+
+
+def _missing(kinds: list[Kind]) -> str:
+    have = set(kinds)
+    if not have:
+        return "ops at all (needs F and B and W, or F and BW)"
+    if Kind.F not in have:
+        return "F"
+    if Kind.BW in have:
+        return "" if not have & {Kind.B, Kind.W} else "mix: it has BW and also B or W"
+    if Kind.B not in have and Kind.W not in have:
+        return "backward (B and W, or BW)"
+    if Kind.W not in have:
+        return "W for its B"
+    if Kind.B not in have:
+        return "B for its W"
+    return ""
+
+
+def _memory_problems(
+    schedule: Schedule, result: SimResult, memory: MemoryModel, limit: float
+) -> tuple[list[str], list[Action]]:
+    problems, marked = [], []
+    chunks = schedule.placement.chunks
+    for device, intervals in enumerate(result.intervals):
+        level = 0.0
+        for iv in intervals:
+            level += memory.delta(iv.action, chunks)
+            if level > limit + 1e-9:
+                peak = result.peak_memory[device]
+                problems.append(
+                    f"device {device} peaks at {peak:g} > memory limit {limit:g} "
+                    f"(first over after {iv.action})"
+                )
+                marked.append(iv.action)
+                break
+    return problems, marked
+
+
+def validate(
+    schedule: Schedule,
+    costs: Costs,
+    memory: MemoryModel | None = None,
+    memory_limit: float | None = None,
+) -> SimResult:
+    """Return the simulated result of a valid schedule; raise ScheduleError otherwise.
+
+    `costs` are per stage of the schedule's placement; `memory_limit` bounds every device's peak.
+    """
+    memory = memory or MemoryModel()
+    problems, marked = _placement_problems(schedule)
+    if not problems:
+        problems, marked = _completeness_problems(schedule)
+    if problems:
+        raise _fail(schedule, problems, marked)
+    try:
+        result = simulate(schedule, costs, memory)
+    except ScheduleError as err:
+        raise _fail(schedule, [str(err)], err.marked) from None
+    if memory_limit is not None:
+        problems, marked = _memory_problems(schedule, result, memory, memory_limit)
+        if problems:
+            raise _fail(schedule, problems, marked)
+    return result

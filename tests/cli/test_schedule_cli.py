@@ -1,0 +1,134 @@
+"""`flowkit schedule` through click's CliRunner: exit codes, tables, --json, --plot."""
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+from click.testing import CliRunner
+
+from flowkit.cli import main
+from flowkit.planner import simulate
+from flowkit.planner.export import schedule_from_json
+from flowkit.planner.schedules import schedule_kinds
+
+JSON_KEYS = {
+    "kind",
+    "stages",
+    "devices",
+    "microbatches",
+    "stage_to_device",
+    "costs",
+    "memory_limit",
+    "memory_model",
+    "device_ops",
+    "result",
+}
+
+
+def _run(*args):
+    return CliRunner().invoke(main, ["schedule", *args])
+
+
+def test_prints_the_device_table_and_summary():
+    result = _run("zb-h1", "--stages", "4", "--microbatches", "8")
+    assert result.exit_code == 0, result.output
+    assert "zb-h1: 4 devices, 4 stages, 8 microbatches" in result.output
+    for column in ("busy", "span", "peak memory"):
+        assert column in result.output
+    assert "makespan 27" in result.output and "bubble rate 0.1111" in result.output
+
+
+def test_per_share_costs_and_comm():
+    result = _run("1f1b", "-p", "4", "-m", "8", "--cost", "F=1,1,1,1.4,B=2,W=1", "--comm", "0.5")
+    assert result.exit_code == 0, result.output
+
+
+def test_compare_lists_every_kind_and_reasons():
+    result = _run("compare", "-p", "4", "-m", "8", "--memory-limit", "4")
+    assert result.exit_code == 0, result.output
+    for kind in schedule_kinds():
+        assert kind in result.output
+    assert "peaks at 8 > memory limit 4" in result.output  # gpipe, shown not raised
+    assert "ok" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["warp", "-p", "2", "-m", "2"], "not a schedule kind"),
+        (["1f1b", "-p", "0", "-m", "2"], "--stages"),
+        (
+            ["1f1b", "-p", "4", "-m", "2", "--cost", "F=1,2,B=1,W=1"],
+            "1 value or one per device share (4",
+        ),
+        (["1f1b", "-p", "2", "-m", "2", "--cost", "F=1,B=1"], "missing W"),
+        (["1f1b", "-p", "2", "-m", "2", "--cost", "F=1,X=2,B=1,W=1"], "unknown key 'X'"),
+        (["1f1b", "-p", "2", "-m", "2", "--cost", "F=a,B=1,W=1"], "non-number"),
+        (["1f1b", "-p", "2", "-m", "2", "--cost", "1,F=1,B=1,W=1"], "expected KEY=VALUE"),
+        (["1f1b", "-p", "2", "-m", "2", "--chunks", "2"], "supports chunks = 1"),
+        (["1f1b", "-p", "2", "-m", "2", "--plot", "x.pdf"], ".svg or .png"),
+        (["compare", "-p", "2", "-m", "2", "--json", "x.json"], "single KIND"),
+    ],
+)
+def test_bad_input_is_a_usage_error(args, message):
+    result = _run(*args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+def test_invalid_schedule_exits_1_with_the_grid_on_stderr():
+    result = _run("1f1b", "-p", "4", "-m", "8", "--memory-limit", "3")
+    assert result.exit_code == 1
+    assert "peaks at 4 > memory limit 3" in result.stderr
+    assert "[0F3]" in result.stderr and "step | dev 0" in result.stderr
+
+
+def test_json_has_the_issue_keys_and_reloads_to_the_same_result(tmp_path):
+    out = tmp_path / "s.json"
+    result = _run(
+        "interleaved-1f1b",
+        "-p",
+        "3",
+        "-m",
+        "6",
+        "-v",
+        "2",
+        "--cost",
+        "F=1,2,1,B=2,W=1",
+        "--comm",
+        "0.1",
+        "--mem",
+        "F=1,B=-0.4,W=-0.6",
+        "--json",
+        str(out),
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert set(data) == JSON_KEYS | {"chunks"}
+    assert data["stages"] == 6 and data["devices"] == 3 and data["memory_limit"] is None
+    assert data["stage_to_device"] == [0, 1, 2, 0, 1, 2]
+    assert data["costs"]["F"] == [0.5, 1.0, 0.5, 0.5, 1.0, 0.5] and data["costs"]["comm"] == 0.1
+    assert data["memory_model"] == {"F": 1, "B": -0.4, "W": -0.6, "BW": -1}
+    assert {"makespan", "device_span", "bubble_rate", "peak_memory"} <= set(data["result"])
+    assert isinstance(data["device_ops"][0][0], str)
+    loaded = schedule_from_json(data)
+    again = simulate(loaded.schedule, loaded.costs, loaded.memory)
+    assert again.to_json().items() <= data["result"].items()
+
+
+def test_plot_svg_is_well_formed(tmp_path):
+    out = tmp_path / "gantt.svg"
+    result = _run("zb-h2", "-p", "4", "-m", "8", "--plot", str(out))
+    assert result.exit_code == 0, result.output
+    assert ET.parse(out).getroot().tag.endswith("svg")
+
+
+def test_help_works_with_h():
+    result = _run("-h")
+    assert result.exit_code == 0 and "--microbatches" in result.output
+
+
+def test_env_var_sets_costs(monkeypatch):
+    monkeypatch.setenv("FLOWKIT_SCHEDULE_COST", "F=1,B=1,W=2")
+    result = _run("1f1b", "-p", "2", "-m", "2")
+    assert result.exit_code == 0 and "makespan 12" in result.output
