@@ -53,13 +53,14 @@ TABLE = [
 ]
 
 
-@pytest.mark.parametrize("kind", sorted(FORMULAS))
-@pytest.mark.parametrize(("p", "m"), TABLE)
+# Only the (kind, p, m) the formula covers: zb-h2 needs m >= 2p-1 to fill its warm-up.
+CASES = [(kind, p, m) for kind in sorted(FORMULAS) for p, m in TABLE if m >= FORMULAS[kind][2](p)]
+
+
+@pytest.mark.parametrize(("kind", "p", "m"), CASES)
 @pytest.mark.parametrize(("F", "B", "W"), [(1, 1, 1), (2, 2, 1), (3, 2, 1)])
 def test_formula_table(kind, p, m, F, B, W):
-    bubble, peak, min_m = FORMULAS[kind]
-    if m < min_m(p):
-        pytest.skip(f"{kind}'s formula needs m >= {min_m(p)}")
+    bubble, peak, _ = FORMULAS[kind]
     got_bubble, got_peak = _bubble_and_peak(kind, p, m, F, B, W)
     assert got_bubble == pytest.approx(bubble(p, F, B, W), abs=1e-9)
     assert got_peak == peak(p)

@@ -1,0 +1,136 @@
+"""`auto`: never worse than the Zero Bubble paper's heuristic (ZB-1p/ZB-2p), 1F1B or ZB-H1/H2,
+within the memory limit, and fast on large pipelines.
+
+[Note: auto objective] in flowkit/planner/schedules/auto.py: makespan first, then span, and never
+a longer span than the heuristic's, so both measures are compared here.
+"""
+
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flowkit.planner import Costs, MemoryModel, Placement, simulate
+from flowkit.planner.schedules import build_schedule
+from flowkit.planner.schedules.greedy import Problem, evaluate
+from flowkit.planner.schedules.zb_heuristic import zb_heuristic
+
+TOL = 1e-9
+
+# ANCHORS.md Table 5: model, p, m, T_F, T_B, T_W, T_comm, printed ZB-1p and ZB-2p bubble rates
+TABLE5 = [
+    ("1.5B", 8, 24, 18.522, 18.086, 9.337, 0.601, 0.1585, 0.0433),
+    ("1.5B", 8, 32, 18.513, 18.086, 9.331, 0.626, 0.1242, 0.0039),
+    ("1.5B", 8, 64, 18.546, 18.097, 9.321, 0.762, 0.0674, 0.0026),
+    ("6.2B", 8, 24, 29.718, 29.444, 19.927, 0.527, 0.1323, 0.0029),
+    ("14.6B", 16, 48, 11.347, 11.248, 8.132, 0.377, 0.1397, 0.0066),
+    ("28.3B", 32, 96, 10.419, 10.207, 7.715, 0.408, 0.1421, 0.0038),
+]
+
+
+def _problem(p, m, costs):
+    return Problem(
+        placement=Placement.one_per_device(p), costs=costs, memory=MemoryModel(), microbatches=m
+    )
+
+
+@pytest.mark.parametrize(
+    ("model", "p", "m", "F", "B", "W", "comm", "zb1p", "zb2p"),
+    TABLE5,
+    ids=[f"{r[0]}-p{r[1]}-m{r[2]}" for r in TABLE5],
+)
+def test_table5_at_most_zb1p_and_zb2p(model, p, m, F, B, W, comm, zb1p, zb2p):
+    costs = Costs.uniform(p, F=F, B=B, W=W, comm=comm)
+    for limit, printed in ((p, zb1p), (2 * p, zb2p)):
+        # The port reproduces the paper's digits, so the comparison is with the right baseline.
+        heuristic = evaluate(_problem(p, m, costs), zb_heuristic(_problem(p, m, costs), limit))
+        assert round((heuristic.span - m * (F + B + W)) / heuristic.span, 4) == printed
+        schedule = build_schedule(
+            "auto", devices=p, microbatches=m, costs=costs, memory_limit=limit
+        )
+        result = simulate(schedule, costs)
+        assert result.bubble_rate <= printed + 5e-5
+        assert max(result.peak_memory) <= limit
+
+
+def test_beats_the_heuristic_where_it_leaves_room():
+    # 14.6B row at memory p: same bubble rate as ZB-1p, but an earlier finish.
+    p, m = 16, 48
+    costs = Costs.uniform(p, F=11.347, B=11.248, W=8.132, comm=0.377)
+    heuristic = evaluate(_problem(p, m, costs), zb_heuristic(_problem(p, m, costs), p))
+    schedule = build_schedule("auto", devices=p, microbatches=m, costs=costs, memory_limit=p)
+    assert simulate(schedule, costs).makespan < heuristic.makespan - 1.0
+
+
+cost = st.floats(0.05, 5.0, allow_nan=False)
+
+
+@st.composite
+def problems(draw):
+    p = draw(st.integers(1, 6))
+    share = st.lists(cost, min_size=p, max_size=p)
+    F, B, W = draw(share), draw(share), draw(share)
+    if draw(st.booleans()):  # the last stage carries the LM head
+        F[-1], B[-1], W[-1] = 3 * F[-1], 3 * B[-1], 3 * W[-1]
+    costs = Costs(F=F, B=B, W=W, comm=draw(st.floats(0, 1)))
+    limit = draw(st.none() | st.floats(1.0, 2.0 * p + 1) | st.sampled_from([p, 2 * p]))
+    return p, draw(st.integers(1, 16)), costs, limit
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=problems())
+def test_auto_never_worse_than_heuristic_or_1f1b(problem):
+    p, m, costs, limit = problem
+    schedule = build_schedule("auto", devices=p, microbatches=m, costs=costs, memory_limit=limit)
+    result = simulate(schedule, costs)
+    if limit is not None:
+        assert max(result.peak_memory) <= limit + TOL
+    heuristic = zb_heuristic(_problem(p, m, costs), limit)
+    if heuristic is not None:
+        base = evaluate(_problem(p, m, costs), heuristic)
+        assert result.makespan <= base.makespan * (1 + TOL)
+        # A longer span only where a baseline's earlier finish forced it [Note: auto objective].
+        shorter = max(result.device_span) <= base.span * (1 + TOL)
+        assert shorter or result.makespan < base.makespan * (1 - TOL)
+    for kind in ("1f1b", "zb-h1", "zb-h2"):
+        other = simulate(build_schedule(kind, devices=p, microbatches=m, costs=costs), costs)
+        if limit is None or max(other.peak_memory) <= limit:
+            assert result.makespan <= other.makespan * (1 + TOL), kind
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=problems())
+def test_auto_v_shape_is_valid_within_limit(problem):
+    p, m, costs, limit = problem
+    schedule = build_schedule(
+        "auto", devices=p, microbatches=m, costs=costs, memory_limit=limit, chunks=2
+    )
+    assert schedule.placement == Placement.vshape(p)
+    result = simulate(schedule, costs.for_placement(schedule.placement))
+    if limit is not None:
+        assert max(result.peak_memory) <= limit + TOL
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_limit_below_one_microbatch_is_a_clear_error(chunks):
+    with pytest.raises(ValueError, match="no schedule fits memory_limit=0.5"):
+        build_schedule(
+            "auto",
+            devices=4,
+            microbatches=8,
+            costs=Costs.uniform(4),
+            memory_limit=0.5,
+            chunks=chunks,
+        )
+
+
+def test_large_pipeline_returns_quickly():
+    p, m = 32, 256
+    F = [10.4] * p
+    F[-1] = 16.0  # LM head
+    costs = Costs(F=F, B=[10.2] * p, W=[7.7] * p, comm=0.4)
+    start = time.perf_counter()
+    schedule = build_schedule("auto", devices=p, microbatches=m, costs=costs, memory_limit=p)
+    assert time.perf_counter() - start < 30  # a few seconds in practice; loose for slow CI
+    assert max(simulate(schedule, costs).peak_memory) <= p

@@ -1,0 +1,93 @@
+"""V-shape schedules (zb-v, v-half, v-min): valid, within their memory caps, and near the
+published bubbles when F = B = W.
+
+Memory is in MemoryModel units (one microbatch on one device share); a chunk op is half a share.
+Caps: ZB-V p; V-Half (p+2)/2 and V-Min (p+4)/3 ("Pipeline Parallelism with Controllable
+Memory"), never above p.
+"""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flowkit.planner import Costs, Placement, simulate
+from flowkit.planner.schedules import build_schedule
+
+CAPS = {
+    "zb-v": lambda p: p,
+    "v-half": lambda p: min(p, (p + 2) / 2),
+    "v-min": lambda p: min(p, (p + 4) / 3),
+}
+V_KINDS = sorted(CAPS)
+
+
+def _run(kind, p, m, costs, **kwargs):
+    schedule = build_schedule(kind, devices=p, microbatches=m, costs=costs, **kwargs)
+    return schedule, simulate(schedule, costs.for_placement(schedule.placement))
+
+
+@pytest.mark.parametrize("kind", V_KINDS)
+def test_placement_is_a_v(kind):
+    schedule, _ = _run(kind, 3, 4, Costs.uniform(3))
+    assert schedule.placement == Placement.vshape(3)
+    assert schedule.placement.stages_on(0) == (0, 5)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("m", [1, 2, 5, 16])
+@pytest.mark.parametrize("kind", V_KINDS)
+def test_peak_memory_within_cap(kind, p, m):
+    _, result = _run(kind, p, m, Costs.uniform(p))
+    assert max(result.peak_memory) <= CAPS[kind](p) + 1e-9
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 6, 8])
+def test_zb_v_has_no_bubble_at_equal_costs(p):
+    for m in (2 * p - 1, 3 * p):
+        _, result = _run("zb-v", p, m, Costs.uniform(p))
+        assert max(result.device_span) == pytest.approx(3 * m, abs=1e-9)
+        assert max(result.peak_memory) <= p
+
+
+# (kind, p, m, bubble rate the paper's formula gives: V-Half ~ p/2m, V-Min ~ 2p/3m)
+PUBLISHED = [
+    ("v-half", 4, 16, 4 / 32),
+    ("v-half", 8, 16, 8 / 32),
+    ("v-min", 4, 16, 8 / 48),
+    ("v-min", 8, 16, 16 / 48),
+]
+
+
+@pytest.mark.parametrize(("kind", "p", "m", "bound"), PUBLISHED)
+def test_controllable_memory_bubbles_within_published(kind, p, m, bound):
+    _, result = _run(kind, p, m, Costs.uniform(p))
+    assert result.bubble_rate <= bound
+
+
+cost = st.floats(0.05, 5.0, allow_nan=False)
+
+
+@st.composite
+def problems(draw):
+    p = draw(st.integers(1, 6))
+    share = st.lists(cost, min_size=p, max_size=p)
+    costs = Costs(F=draw(share), B=draw(share), W=draw(share), comm=draw(st.floats(0, 1)))
+    limit = draw(st.none() | st.floats(1.0, 2.0 * p))
+    return p, draw(st.integers(1, 16)), costs, limit
+
+
+@pytest.mark.parametrize("kind", V_KINDS)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=problems())
+def test_v_schedules_valid_within_cap_and_limit(kind, problem):
+    p, m, costs, limit = problem
+    # build_schedule validates: every op once, on its device, no deadlock, within the limit.
+    _, result = _run(kind, p, m, costs, memory_limit=limit)
+    cap = CAPS[kind](p) if limit is None else min(CAPS[kind](p), limit)
+    assert max(result.peak_memory) <= cap + 1e-9
+
+
+@pytest.mark.parametrize("kind", V_KINDS)
+def test_limit_below_one_microbatch_is_refused(kind):
+    with pytest.raises(ValueError, match="below what one microbatch needs"):
+        build_schedule(kind, devices=4, microbatches=8, costs=Costs.uniform(4), memory_limit=0.9)
