@@ -87,15 +87,19 @@ def test_auto_never_worse_than_heuristic_or_1f1b(problem):
     if limit is not None:
         assert max(result.peak_memory) <= limit + TOL
     heuristic = zb_heuristic(_problem(p, m, costs), limit)
-    if heuristic is not None:
-        base = evaluate(_problem(p, m, costs), heuristic)
+    base = evaluate(_problem(p, m, costs), heuristic) if heuristic is not None else None
+    if base is not None:
+        # Never worse than the paper's heuristic on makespan or on span (so bubble rate).
         assert result.makespan <= base.makespan * (1 + TOL)
-        # A longer span only where a baseline's earlier finish forced it [Note: auto objective].
-        shorter = max(result.device_span) <= base.span * (1 + TOL)
-        assert shorter or result.makespan < base.makespan * (1 - TOL)
+        assert max(result.device_span) <= base.span * (1 + TOL)
     for kind in ("1f1b", "zb-h1", "zb-h2"):
         other = simulate(build_schedule(kind, devices=p, microbatches=m, costs=costs), costs)
-        if limit is None or max(other.peak_memory) <= limit:
+        fits = limit is None or max(other.peak_memory) <= limit
+        # ... and no later than a handcrafted schedule that itself is no worse than the
+        # heuristic [Note: auto objective]
+        dominates = base is None or (other.makespan <= base.makespan * (1 + TOL)
+                                     and max(other.device_span) <= base.span * (1 + TOL))
+        if fits and dominates:
             assert result.makespan <= other.makespan * (1 + TOL), kind
 
 
