@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from flowkit.cli._files import writing
 from flowkit.cli._flows import load_checked_flow
 
 _RENDERED = {".svg": "svg", ".png": "png"}
@@ -25,13 +26,15 @@ def graph(flow_spec: str, output: Path) -> None:
     flow = load_checked_flow(flow_spec)
     dot_text = flow.to_dot()
     if suffix == ".dot":
-        output.write_text(dot_text)
+        with writing(output):
+            output.write_text(dot_text)
         click.echo(f"wrote {output}")
         return
     dot = shutil.which("dot")
     if dot is None:
         fallback = output.with_suffix(".dot")
-        fallback.write_text(dot_text)
+        with writing(fallback):
+            fallback.write_text(dot_text)
         raise click.ClickException(
             f"cannot draw {output}: Graphviz's `dot` program is not on PATH. Wrote the DOT text to "
             f"{fallback} instead; install Graphviz (e.g. `apt-get install graphviz`) to render it."

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import click
 from rich.console import Console
 from rich.table import Table
 
+from flowkit.cli._files import writing
 from flowkit.planner import Costs, MemoryModel, Schedule, ScheduleError, SimResult
 from flowkit.planner.export import schedule_to_json
 from flowkit.planner.schedules import build_schedule, get_spec, schedule_kinds
 from flowkit.planner.validate import validate
 
-__all__ = ["parse_costs", "parse_memory", "schedule"]
+__all__ = ["parse_costs", "parse_memory", "parse_model_dims", "schedule"]
 
 
 def _split_keyed(text: str, option: str, keys: tuple[str, ...]) -> dict[str, list[float]]:
@@ -36,12 +38,27 @@ def _split_keyed(text: str, option: str, keys: tuple[str, ...]) -> dict[str, lis
         if current is None:
             raise click.BadParameter(f"expected KEY=VALUE, got {token!r}", param_hint=option)
         try:
-            out[current].append(float(token))
+            value = float(token)
         except ValueError:
             raise click.BadParameter(
                 f"{current} has a non-number value {token!r}", param_hint=option
             ) from None
+        if not math.isfinite(value):
+            raise click.BadParameter(
+                f"{current} must be a finite number, got {token!r}", param_hint=option
+            )
+        out[current].append(value)
     return out
+
+
+class _FiniteFloat(click.FloatRange):
+    """A FloatRange that also refuses inf and nan (which compare as in range)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
 
 
 def parse_costs(text: str, *, devices: int, comm: float) -> Costs:
@@ -77,6 +94,23 @@ def parse_memory(text: str | None) -> MemoryModel:
     base = MemoryModel()
     f, b, w = (values.get(k, [getattr(base, k)])[0] for k in ("F", "B", "W"))
     return MemoryModel(F=f, B=b, W=w, BW=values.get("BW", [b + w])[0])
+
+
+def parse_model_dims(text: str) -> MemoryModel:
+    """--model-dims s=SEQ,b=MICROBATCH,h=HIDDEN,a=HEADS: the paper's Table 1 memory model."""
+    values = _split_keyed(text, "--model-dims", ("S", "B", "H", "A"))
+    missing = [k.lower() for k in ("S", "B", "H", "A") if k not in values]
+    if missing:
+        raise click.BadParameter(f"needs s, b, h and a; missing {', '.join(missing)}",
+                                 param_hint="--model-dims")
+    dims = {}
+    for key, vals in values.items():
+        if len(vals) != 1 or vals[0] < 1 or vals[0] != int(vals[0]):
+            raise click.BadParameter(f"{key.lower()} takes one positive integer",
+                                     param_hint="--model-dims")
+        dims[key] = int(vals[0])
+    return MemoryModel.from_dims(seq=dims["S"], micro_batch=dims["B"], hidden=dims["H"],
+                                 heads=dims["A"])
 
 
 def _device_table(schedule: Schedule, result: SimResult) -> Table:
@@ -117,23 +151,27 @@ def _compare_row(kind: str, chunks: int | None, build_kwargs: dict) -> list[str]
     try:
         sched = build_schedule(kind, chunks=chunks if fits else None, **build_kwargs)
     except ScheduleError as err:
+        if err.over_memory and err.schedule is not None:  # runs, just not within the limit
+            return _result_row(kind, err.schedule, build_kwargs, "over memory limit")
+        if err.over_memory:
+            return [kind, "-", "-", "-", "-", f"over memory limit: {err.problems[0]}"]
         more = f" (+{len(err.problems) - 1} more)" if len(err.problems) > 1 else ""
         return [kind, "-", "-", "-", "-", f"invalid: {err.problems[0]}{more}"]
     except ValueError as err:  # this kind cannot take these inputs
         return [kind, "-", "-", "-", "-", f"n/a: {err}"]
-    result = validate(
-        sched,
-        build_kwargs["costs"].for_placement(sched.placement),
-        build_kwargs["memory"],
-        build_kwargs["memory_limit"],
-    )
+    return _result_row(kind, sched, build_kwargs, "ok")
+
+
+def _result_row(kind: str, sched: Schedule, build_kwargs: dict, status: str) -> list[str]:
+    costs = build_kwargs["costs"].for_placement(sched.placement)
+    result = validate(sched, costs, build_kwargs["memory"])
     return [
         kind,
         str(sched.placement.chunks),
         f"{result.makespan:.6g}",
         f"{result.bubble_rate:.4f}",
         f"{max(result.peak_memory):.4g}",
-        "ok",
+        status,
     ]
 
 
@@ -191,14 +229,14 @@ def _check_output(ctx: click.Context, param: click.Parameter, value: Path | None
 )
 @click.option(
     "--comm",
-    type=click.FloatRange(min=0),
+    type=_FiniteFloat(min=0),
     default=0.0,
     show_default=True,
     help="Time to move one activation or gradient between devices.",
 )
 @click.option(
     "--memory-limit",
-    type=click.FloatRange(min=0, min_open=True),
+    type=_FiniteFloat(min=0, min_open=True),
     default=None,
     envvar="FLOWKIT_SCHEDULE_MEMORY_LIMIT",
     help="Peak activations per device, in microbatches of one device share.",
@@ -208,6 +246,13 @@ def _check_output(ctx: click.Context, param: click.Parameter, value: Path | None
     "mem_text",
     default=None,
     help="Memory each op adds: F=1,B=-0.5,W=-0.5 (BW defaults to B+W).",
+)
+@click.option(
+    "--model-dims",
+    "dims_text",
+    default=None,
+    help="Derive --mem from the model (Zero Bubble paper, Table 1): s=SEQ,b=MICROBATCH,h=HIDDEN,"
+    "a=HEADS.",
 )
 @click.option(
     "--chunks",
@@ -231,14 +276,26 @@ def _check_output(ctx: click.Context, param: click.Parameter, value: Path | None
     help="Write a Gantt chart (.svg, or .png with matplotlib).",
 )
 def schedule(
-    kind, devices, microbatches, cost_text, comm, memory_limit, mem_text, chunks, json_out, plot
+    kind,
+    devices,
+    microbatches,
+    cost_text,
+    comm,
+    memory_limit,
+    mem_text,
+    dims_text,
+    chunks,
+    json_out,
+    plot,
 ) -> None:
     """Build, validate and simulate a pipeline schedule (or `compare` all kinds)."""
+    if mem_text is not None and dims_text is not None:
+        raise click.UsageError("give --mem or --model-dims, not both")
     build_kwargs = dict(
         devices=devices,
         microbatches=microbatches,
         costs=parse_costs(cost_text, devices=devices, comm=comm),
-        memory=parse_memory(mem_text),
+        memory=parse_model_dims(dims_text) if dims_text else parse_memory(mem_text),
         memory_limit=memory_limit,
     )
     console = Console()
@@ -278,13 +335,15 @@ def _run_one(
             memory_limit=build_kwargs["memory_limit"],
             result=result,
         )
-        json_out.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+        with writing(json_out):
+            json_out.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
         console.print(f"wrote {json_out}")
     if plot is not None:
         from flowkit.planner.gantt import write_chart
 
         try:
-            write_chart(plot, sched, result)
+            with writing(plot):
+                write_chart(plot, sched, result)
         except RuntimeError as err:  # matplotlib missing for .png
             raise click.ClickException(str(err)) from None
         console.print(f"wrote {plot}")

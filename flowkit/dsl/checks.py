@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import difflib
+import itertools
+import re
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
@@ -29,6 +31,7 @@ def find_problems(flow: Flow) -> list[Problem]:
             seen_ops.add(id(node.operator))
             problems += node.operator.problems
     problems += flow._problems
+    problems += _duplicate_names(flow)
     if not flow.nodes:
         problems.append(Problem(rule="empty-flow", message=f"flow {flow.name!r} has no operators",
                                 fix="call ops inside `with Flow(...)`, or flow.add(...) them"))
@@ -39,7 +42,49 @@ def find_problems(flow: Flow) -> list[Problem]:
     problems += _unbound_inputs(flow, wires)
     problems += _feedback_problems(flow)
     problems += _cycles(flow, wires)
+    return _with_labels(flow, problems)
+
+
+def _with_labels(flow: Flow, problems: list[Problem]) -> list[Problem]:
+    """Show the names users gave, not the private keys of duplicates [Note: duplicate op names]."""
+    keys = {key: node.label for key, node in flow.nodes.items() if key != node.label}
+    if not keys:
+        return problems
+    pattern = re.compile("|".join(re.escape(k) for k in sorted(keys, key=len, reverse=True))
+                         + r"(?!\d)")
+
+    def shown(text):
+        return pattern.sub(lambda m: keys[m.group()], text) if isinstance(text, str) else text
+
+    return [attrs.evolve(p, **{f.name: shown(getattr(p, f.name)) for f in attrs.fields(Problem)})
+            for p in problems]
+
+
+def _duplicate_names(flow: Flow) -> list[Problem]:
+    by_label: dict[str, list] = defaultdict(list)
+    for node in flow.nodes.values():
+        by_label[node.label].append(node)
+    problems = []
+    for label, nodes in by_label.items():
+        if len(nodes) < 2:
+            continue
+        fresh = (f"{label}_{i}" for i in itertools.count(2))
+        names = list(itertools.islice((n for n in fresh if n not in by_label), len(nodes) - 1))
+        calls = "; ".join(_describe_call(flow, node) for node in nodes)
+        renames = ", ".join(f"{node.operator.name}(..., name={name!r})"
+                            for node, name in zip(nodes[1:], names))
+        problems.append(Problem(
+            rule="duplicate-name", op=label,
+            message=f"{len(nodes)} ops are named {label!r}: {calls}",
+            fix=f"give each call its own name: {renames}"))
     return problems
+
+
+def _describe_call(flow: Flow, node) -> str:
+    inputs = ", ".join(f"{w.dst_port}={w.src}.{w.src_port}" for w in flow.wires
+                       if w.dst == node.name)
+    where = f" at {node.origin}" if node.origin else ""
+    return f"{node.operator.name}({inputs}){where}"
 
 
 def _unknown_models(flow: Flow) -> list[Problem]:
@@ -142,7 +187,11 @@ def _unbound_inputs(flow: Flow, wires: list[Wire]) -> list[Problem]:
     problems = []
     for node in flow.nodes.values():
         for port in node.operator.inputs.values():
+            if (node.name, port.name) in flow._misfed:  # its bad value is already reported
+                continue
             sources = feeding.get((node.name, port.name), [])
+            # A wire from a missing op or port is reported as such, not as a second producer.
+            producers = [w for w in sources if w is None or _produces(flow, w)]
             if not sources and port.required:
                 problems.append(Problem(
                     rule="unbound-input", op=node.name, port=port.name,
@@ -150,13 +199,18 @@ def _unbound_inputs(flow: Flow, wires: list[Wire]) -> list[Problem]:
                     found="nothing", fix=f"pass it when calling: {node.operator.name}("
                     f"{port.name}=...), or flow.connect('<op>.<output>', "
                     f"'{node.name}.{port.name}')"))
-            elif len(sources) > 1:
-                names = ", ".join(f"{w.src}.{w.src_port}" for w in sources if w is not None)
+            elif len(producers) > 1:
+                names = ", ".join(f"{w.src}.{w.src_port}" for w in producers if w is not None)
                 problems.append(Problem(
                     rule="input-wired-twice", op=node.name, port=port.name,
-                    message=f"input has {len(sources)} producers: {names}",
+                    message=f"input has {len(producers)} producers: {names}",
                     fix="wire one producer per input; merge streams in an op of their own"))
     return problems
+
+
+def _produces(flow: Flow, wire: Wire) -> bool:
+    src = flow.nodes.get(wire.src)
+    return src is not None and wire.src_port in src.operator.outputs
 
 
 def _feedback_problems(flow: Flow) -> list[Problem]:

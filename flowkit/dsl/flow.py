@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextvars
 import difflib
+import sys
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -89,9 +91,14 @@ class Wire:
 
 @attrs.frozen(eq=False)
 class Node:
+    """One call of an operator in a flow. `name` is its unique key in the flow; `label` is the
+    name the user gave, which differs only for a duplicate [Note: duplicate op names]."""
+
     name: str
     operator: Operator
     config: dict[str, Any]
+    label: str = attrs.field(default=attrs.Factory(lambda self: self.name, takes_self=True))
+    origin: str | None = None  # "file.py:12": where the user added it, to tell duplicates apart
 
     @property
     def model(self) -> str | None:
@@ -160,6 +167,8 @@ class Flow:
         self._wires: list[Wire] = []
         self._pending_feedback: list[tuple[Feedback, str, str]] = []
         self._problems: list[Problem] = []
+        # Inputs given something that could not be wired; already reported, so not also unbound.
+        self._misfed: set[tuple[str, str]] = set()
         self._token: contextvars.Token | None = None
 
     # -- context -------------------------------------------------------------------------------
@@ -174,17 +183,18 @@ class Flow:
 
     @staticmethod
     def current_for(operator: Operator, args: tuple, kwargs: dict) -> Flow:
-        """The flow an op call belongs to: that of its inputs, else the active `with Flow`."""
+        """The flow an op call belongs to: the active `with Flow`, else that of its first input.
+        An input from any other flow is reported by `connect` as a foreign-ref."""
+        active = _ACTIVE.get()
+        if active is not None:
+            return active
         for value in (*args, *kwargs.values()):
             if isinstance(value, (Ref, Feedback)):
                 return value.flow
-        active = _ACTIVE.get()
-        if active is None:
-            raise RuntimeError(
-                f"op {operator.name!r} was called outside a flow: call ops inside "
-                "`with Flow('name') as flow:`, or add them with flow.add(...)"
-            )
-        return active
+        raise RuntimeError(
+            f"op {operator.name!r} was called outside a flow: call ops inside "
+            "`with Flow('name') as flow:`, or add them with flow.add(...)"
+        )
 
     # -- building ------------------------------------------------------------------------------
     def add_model(self, model: Model) -> Model:
@@ -211,13 +221,12 @@ class Flow:
             raise TypeError(f"flow.add takes an operator (an @op function or a ModelOp), got "
                             f"{operator!r}")
         node_name = name or operator.name
-        key = node_name
-        if key in self.nodes:
-            self._problem("duplicate-name", f"op name {node_name!r} is used by more than one op",
-                          op=node_name, fix=f"pass a unique name: {operator.name}(..., name="
-                          f"'{node_name}_2')")
-            key = _unique_key(node_name, self.nodes)
-        node = Node(key, operator, self._config(operator, node_name, config))
+        # [Note: duplicate op names] A repeated name gets a private key (name~2) so that every
+        # call stays in the graph and is checked; checks report one duplicate-name per name and
+        # show users only the names they gave.
+        key = _unique_key(node_name, self.nodes) if node_name in self.nodes else node_name
+        node = Node(key, operator, self._config(operator, node_name, config), label=node_name,
+                    origin=_call_site())
         self.nodes[key] = node
         if isinstance(getattr(operator, "model_ref", None), Model):
             self.add_model(operator.model_ref)
@@ -226,27 +235,48 @@ class Flow:
     def connect(self, src: Ref | Feedback | str, dst: str, *, adapter: Any = None,
                 feedback: bool = False) -> None:
         """Wire an output ("node.port" or a Ref) to an input "node.port"."""
-        dst_node, dst_port = _split_port(dst)
-        if isinstance(src, Feedback):
-            self._pending_feedback.append((src, dst_node, dst_port))
+        target = _split_port(dst)
+        if target is None:
+            self._problem("bad-port-ref", f"flow.connect got the destination {dst!r}, which is "
+                          "not 'op.port'", expected="'op.port'", found=repr(dst), fix=_PORT_FIX)
             return
-        if isinstance(src, str):
-            src_node, src_port = _split_port(src)
+        dst_node, dst_port = target
+        if isinstance(src, (Ref, Feedback)) and src.flow is not self:
+            self._foreign_ref(src, dst_node, dst_port)
+        elif isinstance(src, Feedback):
+            self._pending_feedback.append((src, dst_node, dst_port))
+        elif isinstance(src, Ref):
+            self._wires.append(Wire(src.node, src.port, dst_node, dst_port,
+                                    adapter or src.adapter, feedback))
+        elif parsed := _split_port(src):
+            self._wires.append(Wire(*parsed, dst_node, dst_port, adapter, feedback))
         else:
-            src_node, src_port, adapter = src.node, src.port, adapter or src.adapter
-        self._wires.append(Wire(src_node, src_port, dst_node, dst_port, adapter, feedback))
+            self._misfed.add((dst_node, dst_port))
+            self._problem("bad-port-ref", f"flow.connect got the source {src!r}, which is not "
+                          "'op.port' or an op's output", op=dst_node, port=dst_port,
+                          expected="'op.port' or an op's output", found=repr(src), fix=_PORT_FIX)
 
     def apply(self, operator: Operator, args: tuple, kwargs: dict, *, name: str | None) -> Any:
         """Add `operator` as a node, wire args/kwargs to its inputs, return its outputs."""
         config = {k: v for k, v in kwargs.items() if k not in operator.inputs}
         node = self.add(operator, name=name, **config)
-        ports = list(operator.inputs)
-        if len(args) > len(ports):
+        ports = operator.positional
+        # An op whose declaration is broken has already been reported; counting its inputs
+        # against a signature that is known to be wrong would only add noise.
+        if len(args) > len(ports) and not operator.problems:
             self._problem("too-many-inputs", f"called with {len(args)} positional inputs but it "
                           f"has {len(ports)}: {', '.join(ports) or 'none'}", op=node.name,
                           fix="pass config as keywords; pass each input once")
-        bound = dict(zip(ports, args))
-        bound.update({k: v for k, v in kwargs.items() if k in operator.inputs})
+        bound = {p: v for p, v in zip(ports, args) if p in operator.inputs}
+        for port, value in kwargs.items():
+            if port not in operator.inputs:
+                continue
+            if port in bound:
+                self._problem("input-given-twice", f"input {port!r} is given both positionally "
+                              "and by keyword", op=node.name, port=port,
+                              fix=f"pass it once: {operator.name}({port}=...) or positionally")
+                continue
+            bound[port] = value
         for port, value in bound.items():
             self._wire_value(node, port, value)
         outs = Outputs((port, Ref(self, node.name, port)) for port in operator.outputs)
@@ -306,8 +336,9 @@ class Flow:
         self._problems.append(Problem(rule=rule, message=message, **where))
 
     def _config(self, operator: Operator, node_name: str, given: dict[str, Any]) -> dict:
+        broken = {p.port for p in operator.problems}  # reported with the declaration
         for key in given:
-            if key not in operator.config:
+            if key not in operator.config and key not in broken:
                 self._problem("unknown-config", f"has no input or config named {key!r}",
                               op=node_name, port=key, fix=_suggest(key, [*operator.inputs,
                                                                          *operator.config]))
@@ -318,10 +349,21 @@ class Flow:
                               op=node_name, port=key, fix=f"pass {key}=... when calling it")
         return config
 
+    def _foreign_ref(self, src: Ref | Feedback, node: str, port: str) -> None:
+        self._misfed.add((node, port))
+        what = f"feedback {src.name!r}" if isinstance(src, Feedback) else str(src)
+        self._problem(
+            "foreign-ref", f"input is {what} of flow {src.flow.name!r}, but this op is in flow "
+            f"{self.name!r}", op=node, port=port, expected=f"an output of flow {self.name!r}",
+            found=f"{what} of flow {src.flow.name!r}",
+            fix=f"a flow reads only its own ops' outputs: call the op producing {what} inside "
+            f"`with Flow({self.name!r})` too, or build both in one flow")
+
     def _wire_value(self, node: Node, port: str, value: Any) -> None:
         if isinstance(value, (Ref, Feedback)):
             self.connect(value, f"{node.name}.{port}")
         else:
+            self._misfed.add((node.name, port))
             self._problem("not-a-ref", f"input {port!r} got the plain value {value!r}",
                           op=node.name, port=port, expected="the output of another op",
                           found=type(value).__name__,
@@ -329,11 +371,27 @@ class Flow:
                           "(keyword-only parameters)")
 
 
-def _split_port(text: str) -> tuple[str, str]:
+_PORT_FIX = "name ports as 'op.port', e.g. flow.connect('generate.rollouts', 'score.rollout')"
+
+
+def _split_port(text: Any) -> tuple[str, str] | None:
+    """'node.port' -> (node, port); None when `text` is not of that form."""
+    if not isinstance(text, str):
+        return None
     node, dot, port = text.rpartition(".")
     if not dot or not node or not port:
-        raise ValueError(f"expected 'node.port', got {text!r}")
+        return None
     return node, port
+
+
+def _call_site() -> str | None:
+    """`file.py:line` of the user code that is adding an op: the first frame outside the DSL."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("flowkit.dsl"):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
 
 
 def _unique_key(name: str, taken: dict) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import re
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import attrs
@@ -87,9 +87,13 @@ class Operator:
         doc: str = "",
         tags: tuple[str, ...] = (),
         problems: list[Problem] | None = None,
+        positional: Sequence[str] | None = None,
     ) -> None:
         self.name = name
         self.inputs = inputs
+        # The order positional arguments bind in: the inputs, plus any parameter whose
+        # declaration is broken (reported in `problems`), so later arguments still bind right.
+        self.positional = tuple(inputs if positional is None else positional)
         self.outputs = outputs
         self.config = config
         self.doc = doc
@@ -129,8 +133,11 @@ class FunctionOp(Operator):
         hints = _type_hints(fn, op_name, problems)
         inputs, config = _parameters(fn, hints, op_name, problems)
         outs = _outputs(fn, hints, outputs, output, op_name, problems)
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        positional = [p.name for p in inspect.signature(fn).parameters.values() if p.kind in kinds]
         super().__init__(name=op_name, inputs=inputs, outputs=outs, config=config,
-                         doc=inspect.getdoc(fn) or "", tags=tags, problems=problems)
+                         doc=inspect.getdoc(fn) or "", tags=tags, problems=problems,
+                         positional=positional)
 
     @property
     def target(self) -> str:

@@ -8,10 +8,13 @@ printed, parsed, simulated and tested anywhere.
 from __future__ import annotations
 
 import enum
+import math
 import re
 from collections.abc import Iterable, Sequence
 
 import attrs
+
+from flowkit.planner.dims import layer_flops, layer_memory
 
 __all__ = [
     "Action",
@@ -120,8 +123,13 @@ def _as_float_tuple(values: Iterable[float]) -> tuple[float, ...]:
 
 
 def _nonnegative(_instance: object, attribute: attrs.Attribute, value: Sequence[float]) -> None:
-    if any(v < 0 for v in value):
-        raise ValueError(f"costs must be non-negative, got {attribute.name}={list(value)}")
+    if any(not math.isfinite(v) or v < 0 for v in value):
+        raise ValueError(f"costs must be finite and non-negative, got {attribute.name}={list(value)}")
+
+
+def _finite(_instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if not math.isfinite(value):
+        raise ValueError(f"{attribute.name} must be a finite number, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -131,7 +139,9 @@ class Costs:
     F: tuple[float, ...] = attrs.field(converter=_as_float_tuple, validator=_nonnegative)
     B: tuple[float, ...] = attrs.field(converter=_as_float_tuple, validator=_nonnegative)
     W: tuple[float, ...] = attrs.field(converter=_as_float_tuple, validator=_nonnegative)
-    comm: float = attrs.field(default=0.0, converter=float, validator=attrs.validators.ge(0.0))
+    comm: float = attrs.field(
+        default=0.0, converter=float, validator=[_finite, attrs.validators.ge(0.0)]
+    )
 
     def __attrs_post_init__(self) -> None:
         if not (len(self.F) == len(self.B) == len(self.W)) or not self.F:
@@ -149,6 +159,27 @@ class Costs:
         cls, stages: int, *, F: float = 1.0, B: float = 1.0, W: float = 1.0, comm: float = 0.0
     ) -> Costs:
         return cls(F=[F] * stages, B=[B] * stages, W=[W] * stages, comm=comm)
+
+    @classmethod
+    def from_dims(
+        cls,
+        *,
+        layers_per_stage: Sequence[int],
+        seq: int,
+        micro_batch: int,
+        hidden: int,
+        flops_per_s: float = 1.0,
+        comm: float = 0.0,
+    ) -> Costs:
+        """Costs from the paper's Table 1 FLOPs (`flowkit.planner.dims`), one entry per stage
+        of `layers_per_stage` layers (the last may carry more: the LM head). `flops_per_s` turns
+        FLOPs into time; the default 1 leaves them in FLOPs, which is enough without `comm`."""
+        if not math.isfinite(flops_per_s) or flops_per_s <= 0:
+            raise ValueError(f"flops_per_s must be a positive number, got {flops_per_s!r}")
+        f, b, w = layer_flops(seq=seq, micro_batch=micro_batch, hidden=hidden)
+        times = [n / flops_per_s for n in layers_per_stage]
+        return cls(F=[f * t for t in times], B=[b * t for t in times], W=[w * t for t in times],
+                   comm=comm)
 
     def of(self, action: Action) -> float:
         s = action.stage
@@ -185,10 +216,19 @@ class MemoryModel:
     """Activation memory each op adds (+) or frees (-), in units of one microbatch's activations
     of one device's share (1/P) of the model. A stage that is 1/v of a share scales these by 1/v."""
 
-    F: float = 1.0
-    B: float = -0.5
-    W: float = -0.5
-    BW: float = -1.0
+    F: float = attrs.field(default=1.0, validator=_finite)
+    B: float = attrs.field(default=-0.5, validator=_finite)
+    W: float = attrs.field(default=-0.5, validator=_finite)
+    BW: float = attrs.field(default=-1.0, validator=_finite)
+
+    @classmethod
+    def from_dims(cls, *, seq: int, micro_batch: int, hidden: int, heads: int) -> MemoryModel:
+        """The paper's Table 1 split (`flowkit.planner.dims`): F adds one unit (M_B), B frees
+        all but the M_W that W still needs, W frees that, BW frees the whole unit. The model's
+        size and layer count cancel out: units are one microbatch of one device share."""
+        m_b, m_w = layer_memory(seq=seq, micro_batch=micro_batch, hidden=hidden, heads=heads)
+        kept = m_w / m_b
+        return cls(F=1.0, B=-(1.0 - kept), W=-kept, BW=-1.0)
 
     def delta(self, action: Action, chunks: int = 1) -> float:
         return getattr(self, action.kind.value) / chunks

@@ -26,13 +26,21 @@ __all__ = ["ScheduleError", "SimResult", "Interval", "dependencies", "simulate"]
 
 
 class ScheduleError(ValueError):
-    """A schedule that cannot run as written; `marked` names the offending actions and
-    `problems` lists each problem in one line (the message may add a rendered grid)."""
+    """A schedule that cannot run as written, or that no schedule can meet the memory limit;
+    `marked` names the offending actions, `problems` lists each problem in one line (the message
+    may add a rendered grid), and `over_memory` says that the memory limit is the only problem."""
 
     def __init__(
-        self, message: str, *, schedule: Schedule | None = None, marked=(), problems=()
+        self,
+        message: str,
+        *,
+        schedule: Schedule | None = None,
+        marked=(),
+        problems=(),
+        over_memory: bool = False,
     ) -> None:
         self.schedule = schedule
+        self.over_memory = over_memory
         self.marked = frozenset(marked)
         self.problems = tuple(problems) or (message.split("\n", 1)[0],)
         super().__init__(message)
@@ -182,11 +190,13 @@ def _summarize(schedule: Schedule, out: list[list[Interval]], memory: MemoryMode
         peaks.append(peak)
     max_span = max(spans)
     ideal = max(busy)
+    # Float sums can leave ideal a hair above max_span; a bubble is never negative.
+    bubble = max(0.0, (max_span - ideal) / max_span) if max_span > 0 else 0.0
     return SimResult(
         intervals=tuple(tuple(iv) for iv in out),
         makespan=max((ivs[-1].end for ivs in out if ivs), default=0.0),
         device_span=tuple(spans),
         busy=tuple(busy),
-        bubble_rate=(max_span - ideal) / max_span if max_span > 0 else 0.0,
+        bubble_rate=bubble,
         peak_memory=tuple(peaks),
     )

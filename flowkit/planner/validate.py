@@ -58,7 +58,9 @@ def _visible_rows(cells: list[list[str]], depth: int) -> list[int]:
     return sorted(keep)
 
 
-def _fail(schedule: Schedule, problems: list[str], marked: Iterable[Action]) -> ScheduleError:
+def _fail(
+    schedule: Schedule, problems: list[str], marked: Iterable[Action], *, over_memory: bool = False
+) -> ScheduleError:
     marked = list(marked)
     head = (
         f"schedule {schedule.kind!r}: {problems[0]}"
@@ -67,7 +69,13 @@ def _fail(schedule: Schedule, problems: list[str], marked: Iterable[Action]) -> 
         + "\n".join(f"  - {p}" for p in problems)
     )
     grid = render_grid(schedule, marked)
-    return ScheduleError(f"{head}\n\n{grid}", schedule=schedule, marked=marked, problems=problems)
+    return ScheduleError(
+        f"{head}\n\n{grid}",
+        schedule=schedule,
+        marked=marked,
+        problems=problems,
+        over_memory=over_memory,
+    )
 
 
 def _placement_problems(schedule: Schedule) -> tuple[list[str], list[Action]]:
@@ -177,5 +185,5 @@ def validate(
     if memory_limit is not None:
         problems, marked = _memory_problems(schedule, result, memory, memory_limit)
         if problems:
-            raise _fail(schedule, problems, marked)
+            raise _fail(schedule, problems, marked, over_memory=True)
     return result

@@ -148,6 +148,33 @@ def test_a_file_that_raises_exits_1_with_its_traceback(runner, tmp_path):
     assert "boom in user code" in result.output and "Traceback" in result.output
 
 
+def test_a_traceback_shows_only_the_users_own_frames(runner, tmp_path):
+    _write(tmp_path, "import json\n\ndef load():\n    return json.loads('{bad')\n", "helper.py")
+    path = _write(tmp_path, "import helper\n\nhelper.load()\n")
+    result = runner.invoke(main, ["check", str(path)])
+    assert result.exit_code == 1
+    frames = [line for line in result.stderr.splitlines() if line.startswith("  File ")]
+    assert frames == [f'  File "{path}", line 3, in <module>',
+                      f'  File "{tmp_path / "helper.py"}", line 4, in load']
+    assert "JSONDecodeError: Expecting property name" in result.stderr
+    assert "importlib" not in result.stderr and "flowkit" not in result.stderr
+
+
+def test_a_syntax_error_shows_file_line_and_the_offending_code(runner, tmp_path):
+    path = _write(tmp_path, "from flowkit.dsl import Flow\nflow = = Flow('f')\n")
+    result = runner.invoke(main, ["check", str(path)])
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        f"error: {path}:2: invalid syntax", "    flow = = Flow('f')", "           ^"]
+
+
+def test_graph_to_a_missing_folder_exits_1_without_a_traceback(runner, tmp_path):
+    out = tmp_path / "nodir" / "p.dot"
+    result = runner.invoke(main, ["graph", str(EXAMPLES / "ppo.py"), "-o", str(out)])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
+    assert f"cannot write {out}: the folder {out.parent} does not exist" in result.stderr
+
+
 def test_graph_writes_dot(runner, tmp_path):
     out = tmp_path / "ppo.dot"
     result = runner.invoke(main, ["graph", str(EXAMPLES / "ppo.py"), "-o", str(out)])

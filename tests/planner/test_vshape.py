@@ -89,5 +89,5 @@ def test_v_schedules_valid_within_cap_and_limit(kind, problem):
 
 @pytest.mark.parametrize("kind", V_KINDS)
 def test_limit_below_one_microbatch_is_refused(kind):
-    with pytest.raises(ValueError, match="below what one microbatch needs"):
+    with pytest.raises(ValueError, match="one microbatch alone needs 1 on a device"):
         build_schedule(kind, devices=4, microbatches=8, costs=Costs.uniform(4), memory_limit=0.9)

@@ -13,7 +13,8 @@ worse than any of them. The pool (one stage per device):
   stage costs (a last stage carrying the LM head) where the wave-based heuristic does not;
 * 1F1B, ZB-H1, ZB-H2, when they fit.
 
-[Note: auto objective] The objective is makespan, then span, after two constraints: no
+[Note: auto objective] The objective is makespan, then span, then peak memory (so that a tie,
+as with zero costs, does not spend memory for nothing), after two constraints: no
 later finish than any baseline (heuristic, 1F1B, ZB-H1, ZB-H2), then, where some candidate allows
 it, no longer span than the heuristic's. The two measures can disagree: on the paper's
 1.5B p=8 m=24 row at memory 2p a list schedule ends 0.1 earlier than the heuristic (1236.5 vs
@@ -32,6 +33,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator
 
+import attrs
+
 from flowkit.planner.ir import Placement, Schedule
 from flowkit.planner.schedules import handcrafted, vshape
 from flowkit.planner.schedules.greedy import (
@@ -44,10 +47,12 @@ from flowkit.planner.schedules.greedy import (
     list_schedule,
     peak_memory,
     to_schedule,
+    unfit_reason,
 )
 from flowkit.planner.schedules.local_search import default_budget, improve
 from flowkit.planner.schedules.registry import ScheduleRequest, register
 from flowkit.planner.schedules.zb_heuristic import zb_heuristic
+from flowkit.planner.simulate import ScheduleError
 
 __all__ = ["auto", "auto_orders"]
 
@@ -102,17 +107,22 @@ def _explore(request: ScheduleRequest, problem: Problem, limit: float) -> Iterat
 def _scored(problem: Problem, pool: Iterable[Orders | None], limit: float) -> list[Scored]:
     out = []
     for orders in pool:
-        if orders is not None and max(peak_memory(problem, o) for o in orders) <= limit + 1e-9:
-            score = evaluate(problem, orders)
-            if score is not None:
-                out.append((orders, score))
+        if orders is None:
+            continue
+        peak = max(peak_memory(problem, o) for o in orders)
+        score = evaluate(problem, orders) if peak <= limit + 1e-9 else None
+        if score is not None:  # the peak breaks time ties: no memory spent for nothing
+            out.append((orders, attrs.evolve(score, peak=peak)))
     return out
 
 
-def _pick(candidates: list[Scored], baselines: list[Scored], reference: bool) -> Scored:
+def _pick(
+    candidates: list[Scored], baselines: list[Scored], reference: bool, limit: float
+) -> Scored:
     """[Note: auto objective] First never worse than the paper's heuristic (when it ran) on both
     makespan and span, the figures it is judged by -- the heuristic itself always qualifies, so
-    this always holds; among those, the least makespan, then the shortest span. A handcrafted
+    this always holds; among those, the least makespan, then the shortest span, then the lowest
+    peak memory. A handcrafted
     schedule that finishes earlier but with a longer span than the heuristic is not taken."""
     slack = 1 + 1e-9
     heuristic = baselines[0][1] if reference else None
@@ -125,8 +135,8 @@ def _pick(candidates: list[Scored], baselines: list[Scored], reference: bool) ->
         if best is None or worse < best_worse or (
                 worse == best_worse and score.better_than(best[1])):
             best, best_worse = (orders, score), worse
-    if best is None:  # unreachable: list_schedule fits any cap >= fp [Note: memory reservation]
-        raise ValueError("no schedule fits the memory limit")
+    if best is None:  # unreachable past unfit_reason [Note: memory reservation]
+        raise ScheduleError(f"no schedule found within memory_limit={limit:g}", over_memory=True)
     return best
 
 
@@ -142,18 +152,15 @@ def auto_orders(request: ScheduleRequest) -> tuple[Problem, Orders, Score]:
         memory=request.memory,
         microbatches=request.microbatches,
     )
-    fp = problem.footprint
-    if request.memory_limit is not None and request.memory_limit < fp - 1e-9:
-        raise ValueError(
-            f"no schedule fits memory_limit={request.memory_limit:g}: one microbatch alone "
-            f"needs {fp:g} on a device (its forward on every stage there)"
-        )
-    limit = request.memory_limit if request.memory_limit is not None else request.microbatches * fp
+    limit = request.memory_limit if request.memory_limit is not None else problem.ceiling
+    reason = unfit_reason(problem, limit)
+    if reason is not None:  # an unsatisfiable request, not a usage error: exit 1, saying why
+        raise ScheduleError(f"no schedule fits memory_limit={limit:g}: {reason}", over_memory=True)
     raw = _baselines(request, problem)
     baselines = _scored(problem, raw, limit)
     reference = bool(raw) and raw[0] is not None and bool(baselines) and baselines[0][0] is raw[0]
     candidates = baselines + _scored(problem, _explore(request, problem, limit), limit)
-    orders, score = _pick(candidates, baselines, reference)
+    orders, score = _pick(candidates, baselines, reference, limit)
     # The search keeps the span bound only if the pick already meets it.
     bound = baselines[0][1].span * (1 + 1e-9) if reference else math.inf
     orders, score = improve(

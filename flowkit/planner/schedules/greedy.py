@@ -34,6 +34,7 @@ __all__ = [
     "evaluate",
     "list_schedule",
     "to_schedule",
+    "unfit_reason",
 ]
 
 F, B, W, BW = 0, 1, 2, 3
@@ -72,20 +73,33 @@ class Problem:
         """Memory one microbatch holds on a device after all its forwards there."""
         return self.delta(F) * self.placement.chunks
 
+    @property
+    def ceiling(self) -> float:
+        """The most any order can hold on a device: every addition and none of the releases."""
+        add = [max(0.0, self.delta(k)) for k in (F, B, W, BW)]
+        per_op = add[F] + max(add[B] + add[W], add[BW])
+        return self.microbatches * self.placement.chunks * per_op
+
 
 @attrs.frozen
 class Score:
     makespan: float
     span: float  # the longest device span (first start to last end): the paper's cost
+    peak: float = 0.0  # the highest device's peak memory, where the caller filled it in
 
     def better_than(self, other: Score | None) -> bool:
-        """Smaller makespan, then smaller span; differences under a relative 1e-9 are ties."""
+        """Smaller makespan, then smaller span, then lower peak memory; differences under a
+        relative 1e-9 are ties. `evaluate` leaves peak at 0, so searches compare only time."""
         if other is None:
             return True
-        tol = _EPS * max(1.0, abs(other.makespan))
-        if self.makespan < other.makespan - tol:
-            return True
-        return abs(self.makespan - other.makespan) <= tol and self.span < other.span - tol
+        for mine, theirs in ((self.makespan, other.makespan), (self.span, other.span),
+                             (self.peak, other.peak)):
+            tol = _EPS * max(1.0, abs(theirs))
+            if mine < theirs - tol:
+                return True
+            if mine > theirs + tol:
+                return False
+        return False
 
 
 def to_schedule(kind: str, problem: Problem, orders: Sequence[Sequence[Op]]) -> Schedule:
@@ -110,6 +124,27 @@ def peak_memory(problem: Problem, ops: Sequence[Op]) -> float:
         level += deltas[k]
         peak = max(peak, level)
     return peak
+
+
+def unfit_reason(problem: Problem, cap: float) -> str | None:
+    """Why no schedule of `problem` can keep every device within `cap`, or None if one may.
+
+    A floor on a device's peak: when its last forward runs, that microbatch holds all of its
+    forwards there (its backwards there need this forward first), and every other microbatch
+    holds at least what its backwards there cannot free.
+    """
+    fp, m = problem.footprint, problem.microbatches
+    if cap < fp - _EPS:
+        return f"one microbatch alone needs {fp:g} on a device (its forwards on every stage there)"
+    freed = -min(problem.delta(B) + problem.delta(W), problem.delta(BW))
+    kept = fp - max(0.0, freed) * problem.placement.chunks  # per microbatch after its backwards
+    need = (m - 1) * kept + fp
+    if need <= cap + _EPS:
+        return None
+    if kept >= fp:
+        return f"ops never free memory, so {m} microbatches need {m}×{fp:g} = {need:g} on a device"
+    return (f"a microbatch's backward frees only {fp - kept:g} of the {fp:g} its forwards add, so "
+            f"{m} microbatches need at least {m - 1}×{kept:g} + {fp:g} = {need:g} on a device")
 
 
 def evaluate(problem: Problem, orders: Sequence[Sequence[Op]]) -> Score | None:

@@ -40,8 +40,11 @@ def _device_ops(device: int, p: int, m: int, v: int) -> list[Action]:
     forwards = _order(rounds, v, reverse=False)
     backwards = _order(rounds, v, reverse=True)
     # Megatron's warm-up: fill all chunks but the last for the first round, plus 2 per
-    # downstream device so that the first backward finds its gradient ready.
-    warmup = min((v - 1) * len(rounds[0]) + 2 * (p - 1 - device), m * v)
+    # downstream device so that the first backward finds its gradient ready. With one chunk
+    # there is no chunk switch to cover, and it is 1F1B's one per downstream device (as in
+    # Megatron's non-interleaved schedule); 2 would double 1F1B's peak memory for nothing.
+    downstream = p - 1 - device
+    warmup = min((v - 1) * len(rounds[0]) + (2 if v > 1 else 1) * downstream, m * v)
     ops = [Action(c * p + device, Kind.F, mb) for c, mb in forwards[:warmup]]
     for i in range(m * v - warmup):
         c, mb = forwards[warmup + i]

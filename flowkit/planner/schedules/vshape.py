@@ -33,9 +33,11 @@ from flowkit.planner.schedules.greedy import (
     list_schedule,
     peak_memory,
     to_schedule,
+    unfit_reason,
 )
 from flowkit.planner.schedules.local_search import default_budget, improve
 from flowkit.planner.schedules.registry import ScheduleRequest, register
+from flowkit.planner.simulate import ScheduleError
 
 __all__ = [
     "best_v_orders",
@@ -144,12 +146,10 @@ def pattern_orders(slots: Callable[[int, int], list[int]], p: int, m: int) -> Or
 def best_v_orders(
     problem: Problem, cap: float, fixed: Iterable[Orders] = (), *, evals: int | None = None
 ) -> tuple[Orders, Score]:
-    """The best candidate within `cap`, polished by local search; ValueError if none fits."""
-    if cap < problem.footprint - 1e-9:
-        raise ValueError(
-            f"memory cap {cap:g} is below what one microbatch needs on a device "
-            f"({problem.footprint:g}: its forward on both chunks)"
-        )
+    """The best candidate within `cap`, polished by local search; ScheduleError if none fits."""
+    reason = unfit_reason(problem, cap)
+    if reason is not None:
+        raise ScheduleError(f"no V schedule fits memory cap {cap:g}: {reason}", over_memory=True)
     candidates = list(fixed) + [
         list_schedule(problem, Rule(cap=cap, b_hold=h, w_fill=f)) for h, f in RULES
     ]
@@ -160,8 +160,8 @@ def best_v_orders(
         score = evaluate(problem, orders)
         if score is not None and score.better_than(best[1] if best else None):
             best = (orders, score)
-    if best is None:  # unreachable for cap >= footprint [Note: memory reservation]
-        raise ValueError(f"no V schedule fits memory cap {cap:g}")
+    if best is None:  # unreachable past unfit_reason [Note: memory reservation]
+        raise ScheduleError(f"no V schedule found within memory cap {cap:g}", over_memory=True)
     budget = default_budget(problem) if evals is None else evals
     return improve(problem, best[0], cap=cap, evals=budget)
 
