@@ -13,6 +13,7 @@ __all__ = ["main"]
 # name -> "module:attribute". New commands (run, executor, bench) slot in here.
 _COMMANDS = {
     "check": "flowkit.cli.check:check",
+    "executor": "flowkit.cli.executor:executor",
     "graph": "flowkit.cli.graph:graph",
     "schedule": "flowkit.cli.schedule:schedule",
 }

@@ -1,0 +1,3 @@
+from flowkit.cli.executor import executor
+
+executor()

@@ -1,0 +1,105 @@
+"""The op table: the only way an executor runs code. An instruction names an op; the executor
+looks the name up here, and an unknown name is an error reply, never an import or an eval.
+
+Built-in ops live here; executor kinds add theirs (`executors.sim`, `executors.torch`), and other
+packages plug in through the entry-point group `flowkit.ops`: each entry point names a function
+`register(table: OpTable) -> None`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import Any
+
+import attrs
+
+__all__ = ["OpContext", "OpTable", "builtin_ops", "load_plugin_ops"]
+
+Op = Callable[..., Any]  # op(ctx, *inputs, **config) -> output, or a tuple of outputs
+
+
+@attrs.define
+class OpContext:
+    """What an op may know about the executor running it."""
+
+    name: str
+    device: str
+    tags: tuple[str, ...]
+    state: dict[str, Any] = attrs.field(factory=dict)  # per-executor state ops share: models, RNG
+
+
+class OpTable:
+    def __init__(self) -> None:
+        self._ops: dict[str, Op] = {}
+
+    def register(self, name: str, fn: Op | None = None) -> Any:
+        """`table.register("noop", fn)` or as a decorator `@table.register("noop")`."""
+
+        def add(op: Op) -> Op:
+            if name in self._ops and self._ops[name] is not op:
+                raise ValueError(f"op {name!r} is already registered")
+            self._ops[name] = op
+            return op
+
+        return add(fn) if fn is not None else add
+
+    def get(self, name: str) -> Op | None:
+        return self._ops.get(name)
+
+    def names(self) -> list[str]:
+        return sorted(self._ops)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._ops
+
+
+def _noop(ctx: OpContext, *inputs: Any) -> None:
+    return None
+
+
+def _identity(ctx: OpContext, value: Any) -> Any:
+    return value
+
+
+def _sleep(ctx: OpContext, *inputs: Any, seconds: float = 0.0) -> None:
+    time.sleep(seconds)
+
+
+def _fail(ctx: OpContext, *inputs: Any, message: str = "failed on purpose") -> None:
+    raise RuntimeError(message)
+
+
+def _python(ctx: OpContext, *inputs: Any, target: str, config: dict | None = None) -> Any:
+    """Run a flowkit `@op` function by its import path. Only functions declared with @op run:
+    the path must resolve to a FunctionOp, so a message cannot call arbitrary code."""
+    from flowkit.dsl.operators import FunctionOp
+
+    module_name, _, qualname = target.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not isinstance(obj, FunctionOp):
+        raise TypeError(f"{target} is not a flowkit @op function; refusing to run it")
+    return obj.fn(*inputs, **(config or {}))
+
+
+def builtin_ops() -> OpTable:
+    table = OpTable()
+    table.register("noop", _noop)
+    table.register("identity", _identity)
+    table.register("sleep", _sleep)
+    table.register("fail", _fail)
+    table.register("python", _python)
+    return table
+
+
+def load_plugin_ops(table: OpTable) -> list[str]:
+    """Let installed packages add ops (entry-point group `flowkit.ops`); returns their names."""
+    loaded = []
+    for entry in entry_points(group="flowkit.ops"):
+        entry.load()(table)
+        loaded.append(entry.name)
+    return loaded

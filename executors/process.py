@@ -1,0 +1,339 @@
+"""The executor process: connects to a controller, runs tasks from the op table, keeps the objects
+its tasks produce, and moves them straight to the executors that consume them.
+
+One thread serves the sockets and runs ops (so a no-op costs microseconds, not a thread hand-off);
+a second thread only exchanges heartbeats on a socket of its own, so a long op never makes the
+controller think this executor died, and a dead controller makes this process exit by itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket as pysocket
+import threading
+import time
+import traceback
+from collections import defaultdict, deque
+from typing import Any
+
+import zmq
+
+from executors.ops import OpContext, OpTable
+from flowkit.runtime.protocol import Msg, ProtocolError, decode, encode
+from flowkit.runtime.serialize import SerializeError, nbytes_of, pack, unpack
+
+__all__ = ["Executor"]
+
+log = logging.getLogger("flowkit.executor")
+
+_INLINE_LIMIT = 2048
+_HOT_SECONDS = 0.001  # outputs whose packed form is this small ride in the completion message
+
+
+class _Task:
+    __slots__ = ("id", "op", "config", "inputs", "outputs", "missing")
+
+    def __init__(self, spec: dict) -> None:
+        self.id, self.op, self.config = spec["id"], spec["op"], spec["config"]
+        self.inputs, self.outputs = spec["inputs"], spec["outputs"]
+        self.missing = 0
+
+
+class Executor:
+    """Serve one controller until it says shutdown or stops answering."""
+
+    def __init__(self, *, connect: str, name: str, ops: OpTable, tags: tuple[str, ...] = (),
+                 device: str = "cpu", resources: dict | None = None,
+                 peer_host: str = "127.0.0.1") -> None:
+        self.connect_address, self.name, self.ops = connect, name, ops
+        self.ctx = OpContext(name=name, device=device, tags=tuple(tags))
+        self.resources = resources or {}
+        self.zmq = zmq.Context.instance()
+        self.control = self.zmq.socket(zmq.DEALER)
+        self.control.setsockopt(zmq.LINGER, 0)
+        self.peer = self.zmq.socket(zmq.ROUTER)
+        self.peer.setsockopt(zmq.LINGER, 0)
+        port = self.peer.bind_to_random_port(f"tcp://{peer_host}")
+        self.peer_address = f"tcp://{peer_host}:{port}"
+        self.executor_id: int | None = None
+        self.objects: dict[int, Any] = {}
+        self.waiting: dict[int, _Task] = {}
+        self.blocked: dict[int, list[_Task]] = defaultdict(list)  # object id -> tasks needing it
+        self.ready: deque[_Task] = deque()
+        self.sends: dict[int, list[str]] = defaultdict(list)  # object id -> peer addresses
+        self.peers: dict[str, zmq.Socket] = {}
+        self.completions: list[dict] = []
+        self.running = True
+        self.cleanup_hooks: list = []  # run before exit, even when the controller died
+        self._handlers = {
+            Msg.RUN: self._on_run, Msg.SEND: self._on_send, Msg.PUT: self._on_object,
+            Msg.DATA: self._on_object, Msg.FETCH: self._on_fetch, Msg.FREE: self._on_free,
+            Msg.CANCEL: self._on_cancel, Msg.SHUTDOWN: self._on_shutdown,
+            Msg.ERROR: self._on_error, Msg.PING: lambda header, frames: None,
+        }
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def serve(self, *, hello_timeout: float = 30.0) -> int:
+        """Register, then serve until shutdown (exit code 0) or controller loss (exit code 3)."""
+        self.control.connect(self.connect_address)
+        welcome = self._register(hello_timeout)
+        if welcome is None:
+            log.error("no controller answered at %s within %.0f s", self.connect_address,
+                      hello_timeout)
+            return 2
+        self.executor_id = welcome["executor"]
+        heartbeat = _Heartbeat(self, welcome.get("heartbeat_address", self.connect_address),
+                               welcome["ping_interval"], welcome["ping_timeout"])
+        heartbeat.start()
+        try:
+            self._loop()
+        finally:
+            heartbeat.stop()
+            self.close()
+        return 0
+
+    def close(self) -> None:
+        for hook in self.cleanup_hooks:
+            try:
+                hook()
+            except Exception:  # cleanup must go on for the hooks after a failing one
+                log.exception("cleanup hook failed")
+        for sock in (self.control, self.peer, *self.peers.values()):
+            sock.close(linger=0)
+
+    def _register(self, timeout: float) -> dict | None:
+        hello = {"name": self.name, "tags": list(self.ctx.tags), "ops": self.ops.names(),
+                 "pid": os.getpid(), "host": pysocket.gethostname(), "device": self.ctx.device,
+                 "resources": self.resources, "peer_address": self.peer_address}
+        self.control.send_multipart(encode(Msg.HELLO, hello))
+        if not self.control.poll(int(timeout * 1000)):
+            return None
+        header, _ = decode(self.control.recv_multipart())
+        if header["t"] != Msg.WELCOME:
+            raise ProtocolError(f"expected welcome, got {header['t']!r}")
+        return header
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.control, zmq.POLLIN)
+        poller.register(self.peer, zmq.POLLIN)
+        hot_until = 0.0
+        while self.running:
+            # [Note: hot polling] (flowkit/runtime/controller.py): stay awake briefly after work.
+            hot = time.monotonic() < hot_until
+            events = poller.poll(0 if self.ready or hot else 100)
+            if events:
+                hot_until = time.monotonic() + _HOT_SECONDS
+            elif hot:
+                os.sched_yield()
+            for sock, _ in events:
+                if sock is self.control:
+                    self._drain(self.control, peer=False)
+                else:
+                    self._drain(self.peer, peer=True)
+            self._run_ready()
+            self._flush_completions()
+
+    def _drain(self, sock: zmq.Socket, *, peer: bool) -> None:
+        # Read everything queued now: one poll, many messages, one batch of completions.
+        for _ in range(1000):
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if peer:
+                parts = parts[1:]  # drop the ROUTER's identity frame
+            self._handle(parts)
+
+    def _handle(self, parts: list) -> None:
+        try:
+            header, frames = decode(parts)
+            handler = self._handlers.get(header["t"])
+            if handler is None:
+                raise ProtocolError(f"an executor does not take {header['t']!r} messages")
+            handler(header, frames)
+        except (ProtocolError, SerializeError) as exc:
+            log.warning("rejected a message: %s", exc)
+            self._send(Msg.ERROR, {"reason": str(exc)})
+
+    def _send(self, kind: str, fields: dict | None = None, frames: list = ()) -> None:
+        self.control.send_multipart(encode(kind, fields, frames), copy=False)
+
+    # -- handlers ------------------------------------------------------------------------------
+    def _on_run(self, header: dict, frames: list) -> None:
+        for spec in header["tasks"]:
+            task = _Task(spec)
+            if task.op not in self.ops:
+                self._complete_failed(task, f"unknown op {task.op!r}: this executor runs "
+                                      f"{', '.join(self.ops.names())}", "")
+                continue
+            for object_id in task.inputs:
+                if object_id not in self.objects:
+                    task.missing += 1
+                    self.blocked[object_id].append(task)
+            self.waiting[task.id] = task
+            if task.missing == 0:
+                self.ready.append(task)
+
+    def _on_object(self, header: dict, frames: list) -> None:
+        value = unpack(header["meta"]["body"], frames)
+        self._store(header["object"], value)
+
+    def _on_send(self, header: dict, frames: list) -> None:
+        object_id = header["object"]
+        if object_id in self.objects:
+            self._push(object_id, header["address"])
+        else:
+            self.sends[object_id].append(header["address"])
+
+    def _on_fetch(self, header: dict, frames: list) -> None:
+        object_id = header["object"]
+        if object_id not in self.objects:
+            self._send(Msg.VALUE, {"request": header["request"], "meta": {},
+                                   "error": f"object {object_id} is not on {self.name}"})
+            return
+        body, out = pack(self.objects[object_id])
+        self._send(Msg.VALUE, {"request": header["request"], "meta": {"body": body}}, out)
+
+    def _on_free(self, header: dict, frames: list) -> None:
+        for object_id in header["objects"]:
+            self.objects.pop(object_id, None)
+            self.sends.pop(object_id, None)
+
+    def _on_cancel(self, header: dict, frames: list) -> None:
+        cancelled = set(header["tasks"])
+        for task_id in cancelled:
+            self.waiting.pop(task_id, None)
+        self.ready = deque(t for t in self.ready if t.id not in cancelled)
+
+    def _on_shutdown(self, header: dict, frames: list) -> None:
+        self.running = False
+
+    def _on_error(self, header: dict, frames: list) -> None:
+        log.warning("controller rejected a message: %s", header["reason"])
+
+    # -- running tasks -------------------------------------------------------------------------
+    def _store(self, object_id: int, value: Any) -> None:
+        self.objects[object_id] = value
+        for address in self.sends.pop(object_id, ()):
+            self._push(object_id, address)
+        for task in self.blocked.pop(object_id, ()):
+            task.missing -= 1
+            if task.missing == 0 and task.id in self.waiting:
+                self.ready.append(task)
+
+    def _push(self, object_id: int, address: str) -> None:
+        sock = self.peers.get(address)
+        if sock is None:
+            sock = self.peers[address] = self.zmq.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+        body, frames = pack(self.objects[object_id])
+        sock.send_multipart(encode(Msg.DATA, {"object": object_id, "meta": {"body": body}},
+                                   frames), copy=False)
+
+    def _run_ready(self) -> None:
+        ready, waiting = self.ready, self.waiting
+        while ready:
+            task = ready.popleft()
+            if waiting.pop(task.id, None) is None:
+                continue  # cancelled meanwhile
+            self._run(task)
+
+    def _run(self, task: _Task) -> None:
+        op = self.ops.get(task.op)
+        args = [self.objects[i] for i in task.inputs]
+        start = time.time()
+        try:
+            result = op(self.ctx, *args, **task.config)
+            outputs = _split_outputs(result, len(task.outputs), task.op)
+        except Exception as exc:
+            self._complete_failed(task, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
+                                  start=start)
+            return
+        end = time.time()
+        done = []
+        for object_id, value in zip(task.outputs, outputs, strict=True):
+            self._store(object_id, value)
+            done.append(_describe(object_id, value))
+        self.completions.append({"task": task.id, "ok": True, "outputs": done,
+                                 "start": start, "end": end})
+
+    def _complete_failed(self, task: _Task, error: str, tb: str, *, start: float = 0.0) -> None:
+        self.completions.append({"task": task.id, "ok": False, "error": error, "traceback": tb,
+                                 "start": start or time.time(), "end": time.time()})
+
+    def _flush_completions(self) -> None:
+        if self.completions:
+            items, self.completions = self.completions, []
+            self._send(Msg.DONE, {"items": items})
+
+
+def _split_outputs(result: Any, count: int, op: str) -> list:
+    if count == 1:
+        return [result]
+    if count == 0:
+        return []
+    if not isinstance(result, (tuple, list)) or len(result) != count:
+        raise TypeError(f"op {op!r} must return {count} outputs for this task, got "
+                        f"{type(result).__name__}")
+    return list(result)
+
+
+def _describe(object_id: int, value: Any) -> dict:
+    """What the controller learns of an output: its size, and the value itself when tiny."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return {"id": object_id, "nbytes": 0, "inline": pack(value)[0]}
+    body, frames = pack(value)
+    size = nbytes_of(frames) + len(body)
+    if not frames and len(body) <= _INLINE_LIMIT:
+        return {"id": object_id, "nbytes": size, "inline": body}
+    return {"id": object_id, "nbytes": size}
+
+
+class _Heartbeat(threading.Thread):
+    """Pings the controller on its own socket; exits the process if the controller goes quiet."""
+
+    def __init__(self, executor: Executor, address: str, interval: float, timeout: float) -> None:
+        super().__init__(name="flowkit-heartbeat", daemon=True)
+        self.executor, self.address = executor, address
+        self.interval, self.timeout = interval, timeout
+        self._stop_event = threading.Event()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=2 * self.interval + 1)
+
+    def run(self) -> None:
+        sock = self.executor.zmq.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.address)
+        ping = encode(Msg.PING, {"executor": self.executor.executor_id})
+        last_heard = time.monotonic()
+        try:
+            while not self._stop_event.is_set():
+                sock.send_multipart(ping)
+                deadline = time.monotonic() + self.interval
+                while (remaining := deadline - time.monotonic()) > 0:
+                    if self._stop_event.is_set():
+                        return
+                    if sock.poll(int(remaining * 1000) + 1):
+                        while sock.poll(0):
+                            sock.recv_multipart()
+                        last_heard = time.monotonic()
+                if time.monotonic() - last_heard > self.timeout:
+                    log.error("controller at %s silent for %.1f s: exiting",
+                              self.executor.connect_address, self.timeout)
+                    self._exit_now()
+        finally:
+            sock.close(linger=0)
+
+    def _exit_now(self) -> None:
+        for hook in self.executor.cleanup_hooks:
+            try:
+                hook()
+            except Exception:
+                log.exception("cleanup hook failed")
+        os._exit(3)

@@ -1,0 +1,26 @@
+"""The runtime: controller, futures, wire protocol, local launchers. Imports no model code."""
+
+from flowkit.runtime.controller import Controller, NoExecutor
+from flowkit.runtime.futures import (
+    ALL_COMPLETED,
+    FIRST_COMPLETED,
+    ExecutorLost,
+    Future,
+    RemoteError,
+    TaskCancelled,
+    wait,
+)
+from flowkit.runtime.launch import LocalExecutors
+
+__all__ = [
+    "ALL_COMPLETED",
+    "FIRST_COMPLETED",
+    "Controller",
+    "ExecutorLost",
+    "Future",
+    "LocalExecutors",
+    "NoExecutor",
+    "RemoteError",
+    "TaskCancelled",
+    "wait",
+]

@@ -1,0 +1,366 @@
+"""The controller: one process that dispatches tasks to executors and resolves their futures.
+
+[Note: caller-driven IO] Whoever needs the socket drives it: a user thread inside `submit` or
+`result` takes the IO lock and sends and receives itself, so a round trip costs what a bare zmq
+echo costs plus bookkeeping, with no hand-off between threads (each hand-off is tens of
+microseconds on a busy machine). A background thread drives only when no user thread has for a
+moment, so completions, callbacks and frees progress while the user computes. Heartbeats live on
+a socket and thread of their own, so a user thread that holds the lock for long never makes an
+executor think its controller died.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import zmq
+
+from flowkit.runtime.dispatch import Dispatcher, Listener, NoExecutor
+from flowkit.runtime.futures import Future, new_condition
+from flowkit.runtime.protocol import Msg, ProtocolError, decode, encode
+from flowkit.runtime.records import ExecutorInfo
+from flowkit.runtime.serialize import SerializeError
+
+__all__ = ["Controller", "NoExecutor"]
+
+log = logging.getLogger("flowkit.controller")
+
+_QUIET_S = 0.002  # the background thread drives after user threads left it alone this long
+_BATCH = 64  # tasks queued for one executor before they go out without waiting for a flush
+
+
+class Controller:
+    """`with Controller() as ctl: ctl.wait_for_executors(2); ctl.submit("noop").result()`."""
+
+    def __init__(self, *, bind: str = "tcp://127.0.0.1:0", ping_interval: float = 0.2,
+                 ping_timeout: float = 1.5) -> None:
+        self.condition = new_condition()
+        self._zmq = zmq.Context()
+        self._router = self._socket(zmq.ROUTER, bind)
+        self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._heartbeat = _Heartbeat(self, _sibling(bind), ping_interval, ping_timeout)
+        self._wake_in = self._socket(zmq.PULL, f"inproc://flowkit-wake-{id(self)}")
+        self._wake_out = self._zmq.socket(zmq.PUSH)
+        self._wake_out.connect(f"inproc://flowkit-wake-{id(self)}")
+        self._wake_lock = threading.Lock()
+        self._io_lock = threading.Lock()
+        self._wanted = 0  # user threads waiting for the IO lock
+        self._last_user = 0.0
+        self._commands: deque = deque()  # from threads that must not block: the heartbeat
+        self._released: deque = deque()  # ids of futures the user dropped [Note: object lifetime]
+        self._processes: dict[int, Any] = {}
+        self._stopping = False
+        self._state = Dispatcher(condition=self.condition, send_raw=self._send_raw,
+                                 ping_interval=ping_interval, ping_timeout=ping_timeout,
+                                 heartbeat_address=self._heartbeat.address)
+        self._poller = zmq.Poller()
+        self._poller.register(self._router, zmq.POLLIN)
+        self._poller.register(self._wake_in, zmq.POLLIN)
+        self._heartbeat.start()
+        self._background = threading.Thread(target=self._drive_in_background,
+                                            name="flowkit-controller", daemon=True)
+        self._background.start()
+
+    def _socket(self, kind: int, bind: str) -> zmq.Socket:
+        sock = self._zmq.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Unbounded queues: a ROUTER silently drops what exceeds its high-water mark, and the
+        # amount in flight is bounded by the tasks the user submitted anyway.
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.bind(bind)
+        return sock
+
+    # -- public API (any thread) ---------------------------------------------------------------
+    def __enter__(self) -> Controller:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call `listener(event, payload)` for executor_joined, executor_lost, task_submitted,
+        task_done and task_failed, on whichever thread drives IO: keep it short."""
+        self._state.listeners.append(listener)
+
+    def watch_process(self, process: Any) -> None:
+        """Treat the exit of this local executor process (a Popen) as that executor's loss."""
+        self._processes[process.pid] = process
+
+    def executors(self) -> list[ExecutorInfo]:
+        with self.condition:
+            return self._state.executors()
+
+    def wait_for_executors(self, count: int, timeout: float = 60.0) -> list[ExecutorInfo]:
+        deadline = time.monotonic() + timeout
+        with self.condition:
+            while len(self._state.executors()) < count:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    have = len(self._state.executors())
+                    raise TimeoutError(f"{have} of {count} executors connected to {self.address} "
+                                       f"within {timeout} s")
+                self.condition.wait(remaining)
+            return self._state.executors()
+
+    def submit(self, op: str, *inputs: Any, config: dict | None = None,
+               executor: int | None = None, tags: Iterable[str] = (), outputs: int = 1,
+               meta: dict | None = None) -> Any:
+        """Run `op` on an executor; returns its output future (a tuple when `outputs` != 1).
+        Inputs are futures (their objects move executor to executor) or plain values."""
+        futures = tuple(self._new_future() for _ in range(outputs))
+        with self._driving():
+            target = self._state.submit(op, inputs, config or {}, executor, frozenset(tags),
+                                        futures, meta or {})
+            if target is not None:
+                info = self._state.executor(target)
+                # An idle executor gets its task now; a busy one gets tasks in batches.
+                if info.outstanding <= 1 or self._state.queued(target) >= _BATCH:
+                    self._state.flush(target)
+        self._state.run_callbacks()
+        return futures[0] if outputs == 1 else futures
+
+    def put(self, value: Any, *, executor: int | None = None) -> Future:
+        """Place `value` on an executor (the least loaded, unless named) as a future."""
+        future = self._new_future()
+        with self._driving():
+            self._state.put(value, executor, future)
+        self._state.run_callbacks()
+        return future
+
+    def fetch(self, future: Future, timeout: float | None = None) -> Any:
+        """The value of a resolved future, copied from the executor holding it."""
+        request = next(self._state.ids)
+        slot = self._state.fetches[request] = [False, None, None, None]
+        with self._driving():
+            self._state.fetch(future.id, request)
+        try:
+            self.wait_until(lambda: slot[0], timeout, what=f"fetching {future!r}")
+        finally:
+            self._state.fetches.pop(request, None)
+        if slot[2] is not None:
+            raise slot[2]
+        return slot[1]
+
+    def wait_until(self, predicate: Callable[[], bool], timeout: float | None, *,
+                   what: str = "waiting") -> None:
+        """Drive IO (or, if another thread drives, sleep on the condition) until `predicate`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        flushed = False
+        while not predicate():
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError(f"{what} took over {timeout} s")
+            slice_s = 0.05 if remaining is None else min(0.05, remaining)
+            if self._stopping:
+                raise RuntimeError(f"{what}: the controller shut down")
+            if self._io_lock.acquire(blocking=False):
+                try:
+                    if not flushed:
+                        self._state.flush()
+                        flushed = True
+                    self._pump(slice_s, until=predicate)
+                finally:
+                    self._last_user = time.monotonic()
+                    self._io_lock.release()
+                self._state.run_callbacks()
+            else:
+                with self.condition:
+                    if not predicate():
+                        self.condition.wait(slice_s)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        if self._stopping:
+            return
+        with self._driving():
+            self._stopping = True
+            self._state.flush()
+            self._state.shutdown_all()
+        self._background.join(timeout)
+        self._heartbeat.stop()
+        for sock in (self._router, self._wake_in, self._wake_out):
+            sock.close(linger=0)
+        self._zmq.term()
+
+    # -- driving IO ----------------------------------------------------------------------------
+    def _driving(self) -> _Driving:
+        return _Driving(self)
+
+    def _pump(self, timeout_s: float, until: Callable[[], bool] | None = None) -> None:
+        """Poll once (up to `timeout_s`), handle everything that arrived, run queued commands.
+        Holds the IO lock."""
+        events = dict(self._poller.poll(int(timeout_s * 1000)))
+        if self._wake_in in events:
+            with self._wake_lock:
+                while self._wake_in.poll(0):
+                    self._wake_in.recv()
+                self._wake_pending = False
+        self._run_commands()
+        if self._router in events:
+            self._drain_router()
+        self._state.flush()
+
+    def _drain_router(self) -> None:
+        for _ in range(4096):
+            try:
+                identity, *parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            identity = identity.bytes
+            try:
+                header, frames = decode(parts)
+                self._state.on_message(identity, header, frames)
+            except (ProtocolError, SerializeError) as exc:
+                log.warning("rejected a message from %r: %s", identity, exc)
+                self._send_raw([identity, *encode(Msg.ERROR, {"reason": str(exc)})])
+
+    def _send_raw(self, parts: list) -> None:
+        self._router.send_multipart(parts, copy=False)
+
+    def _run_commands(self) -> None:
+        released = self._released
+        while released:
+            self._state.release(released.popleft())
+        while self._commands:
+            kind, *args = self._commands.popleft()
+            if kind == "lose":
+                executor = self._state.executor(args[0])
+                if executor is not None and executor.alive:
+                    self._state.lose(executor, args[1])
+
+    def _command(self, command: tuple) -> None:
+        """Queue work from a thread that must not block on the IO lock (the heartbeat thread);
+        whoever drives next runs it."""
+        self._commands.append(command)
+        self._wake()
+
+    _wake_pending = False
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_pending or self._stopping:
+                return
+            self._wake_pending = True
+            try:
+                self._wake_out.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:  # closing down: nobody is left to wake
+                pass
+
+    def _drive_in_background(self) -> None:
+        while not self._stopping:
+            if self._wanted or time.monotonic() - self._last_user < _QUIET_S:
+                time.sleep(_QUIET_S / 2)
+                continue
+            if not self._io_lock.acquire(timeout=0.05):
+                continue
+            try:
+                if not self._stopping:
+                    self._pump(0.02)
+            except zmq.ZMQError:
+                if not self._stopping:
+                    raise
+            finally:
+                self._io_lock.release()
+            self._state.run_callbacks()
+
+    def _new_future(self) -> Future:
+        future = Future(next(self._state.ids), self)
+        self._state.futures[future.id] = future
+        return future
+
+
+class _Driving:
+    """Hold the IO lock for a user call; interrupt the background thread's poll to get it."""
+
+    __slots__ = ("ctl",)
+
+    def __init__(self, ctl: Controller) -> None:
+        self.ctl = ctl
+
+    def __enter__(self) -> None:
+        ctl = self.ctl
+        if ctl._io_lock.acquire(blocking=False):
+            return
+        ctl._wanted += 1
+        ctl._wake()
+        ctl._io_lock.acquire()
+        ctl._wanted -= 1
+
+    def __exit__(self, *exc: Any) -> None:
+        self.ctl._last_user = time.monotonic()
+        self.ctl._io_lock.release()
+
+
+class _Heartbeat(threading.Thread):
+    """Answers executors' pings on a socket of its own and declares silent executors lost."""
+
+    def __init__(self, ctl: Controller, bind: str, interval: float, timeout: float) -> None:
+        super().__init__(name="flowkit-heartbeat", daemon=True)
+        self.ctl, self.interval, self.timeout = ctl, interval, timeout
+        self.sock = ctl._socket(zmq.ROUTER, bind)
+        self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.last_seen: dict[int, float] = {}
+        self.lost: set[int] = set()
+        self._stop_event = threading.Event()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=1.0)
+        self.sock.close(linger=0)
+
+    def run(self) -> None:
+        pong = encode(Msg.PING)
+        while not self._stop_event.is_set():
+            if self.sock.poll(int(self.interval * 500)):
+                while True:
+                    try:
+                        identity, *parts = self.sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    executor = _executor_of_ping(parts)
+                    if executor is not None and executor not in self.lost:
+                        self.last_seen[executor] = time.monotonic()
+                        self.sock.send_multipart([identity, *pong])
+            self._check()
+
+    def _check(self) -> None:
+        now = time.monotonic()
+        for executor in self.ctl.executors():
+            if executor.id in self.lost:
+                continue
+            process = self.ctl._processes.get(executor.pid)
+            code = process.poll() if process is not None else None
+            seen = self.last_seen.get(executor.id, executor.last_seen)
+            if code is not None:
+                reason = f"its process exited with code {code}"
+            elif now - seen > self.timeout:
+                reason = f"no heartbeat for {now - seen:.1f} s"
+            else:
+                continue
+            self.lost.add(executor.id)
+            self.ctl._command(("lose", executor.id, reason))
+
+
+def _executor_of_ping(parts: list) -> int | None:
+    try:
+        header, _ = decode(parts)
+    except ProtocolError:
+        return None
+    executor = header.get("executor")
+    return executor if header["t"] == Msg.PING and isinstance(executor, int) else None
+
+
+def _sibling(bind: str) -> str:
+    """An endpoint next to `bind` for the heartbeat socket: same host, any port."""
+    if bind.startswith("tcp://"):
+        host = bind[len("tcp://"):].rsplit(":", 1)[0]
+        return f"tcp://{host}:0"
+    if bind.startswith("ipc://"):
+        return f"{bind}-heartbeat-{os.getpid()}"
+    return f"inproc://flowkit-heartbeat-{id(bind)}"

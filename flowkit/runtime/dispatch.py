@@ -1,0 +1,413 @@
+"""The controller's bookkeeping: executors, tasks, objects and their futures.
+
+Pure state and decisions, no threads: the Controller calls in here while it holds its IO lock, and
+everything leaves through `send`. Tasks go to executors ahead of their data (each names the object
+ids it reads and writes); producers are told to push objects straight to consuming executors;
+failures propagate to every task downstream; an object is freed once its last consumer is done and
+nobody holds its future.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+from flowkit.runtime.futures import ExecutorLost, Future, RemoteError, TaskCancelled
+from flowkit.runtime.protocol import Msg, ProtocolError, encode
+from flowkit.runtime.records import ExecutorInfo, ObjectRecord, TaskRecord
+from flowkit.runtime.serialize import SerializeError, pack, unpack
+
+__all__ = ["Dispatcher", "NoExecutor"]
+
+log = logging.getLogger("flowkit.controller")
+
+Listener = Callable[[str, dict], Any]
+
+
+class NoExecutor(RuntimeError):
+    """No connected executor can run the op with the tags asked for."""
+
+
+class Dispatcher:
+    def __init__(self, *, condition: Any, send_raw: Callable[[list], None],
+                 ping_interval: float, ping_timeout: float, heartbeat_address: str) -> None:
+        self.condition = condition
+        self._send_raw = send_raw
+        self.ping_interval, self.ping_timeout = ping_interval, ping_timeout
+        self.heartbeat_address = heartbeat_address
+        self.ids = itertools.count(1)
+        self._executors: dict[int, ExecutorInfo] = {}
+        self._by_identity: dict[bytes, int] = {}
+        self._tasks: dict[int, TaskRecord] = {}
+        self._objects: dict[int, ObjectRecord] = {}
+        # Pending futures only: a future is dropped from here once resolved, so the user's last
+        # reference decides when it is released ([Note: object lifetime] in futures.py).
+        self.futures: dict[int, Future] = {}
+        self.fetches: dict[int, list] = {}  # request -> [done, value, error, executor id]
+        self._outbox: dict[int, list[dict]] = defaultdict(list)
+        self._frees: dict[int, list[int]] = defaultdict(list)
+        self.callbacks: list = []
+        self.listeners: list[Listener] = []
+
+    # -- views ---------------------------------------------------------------------------------
+    def executors(self) -> list[ExecutorInfo]:
+        return [e for e in self._executors.values() if e.alive]
+
+    def executor(self, executor_id: int) -> ExecutorInfo | None:
+        return self._executors.get(executor_id)
+
+    def pending_tasks(self) -> int:
+        return sum(e.outstanding for e in self._executors.values() if e.alive)
+
+    # -- sending -------------------------------------------------------------------------------
+    def _send(self, executor: ExecutorInfo, kind: str, fields: dict, frames: list = ()) -> None:
+        self._send_raw([executor.identity, *encode(kind, fields, frames)])
+
+    def flush(self, executor_id: int | None = None) -> None:
+        """Send queued tasks (all, or one executor's) and frees, one message per executor."""
+        targets = [executor_id] if executor_id is not None else list(self._outbox)
+        for target in targets:
+            tasks = self._outbox.pop(target, None)
+            executor = self._executors[target]
+            if tasks and executor.alive:
+                self._send(executor, Msg.RUN, {"tasks": tasks})
+        if executor_id is None:
+            for target, objects in self._frees.items():
+                executor = self._executors[target]
+                if executor.alive:
+                    self._send(executor, Msg.FREE, {"objects": objects})
+            self._frees.clear()
+
+    def queued(self, executor_id: int) -> int:
+        return len(self._outbox.get(executor_id, ()))
+
+    def _emit(self, event: str, payload: dict) -> None:
+        for listener in self.listeners:
+            try:
+                listener(event, payload)
+            except Exception:
+                log.exception("listener failed on %s", event)
+
+    def run_callbacks(self) -> None:
+        callbacks, self.callbacks = self.callbacks, []
+        for fn, future in callbacks:
+            try:
+                fn(future)
+            except Exception:
+                log.exception("future callback failed")
+
+    # -- messages from executors ---------------------------------------------------------------
+    def on_message(self, identity: bytes, header: dict, frames: list) -> None:
+        kind = header["t"]
+        if kind == Msg.HELLO:
+            self._on_hello(identity, header)
+            return
+        executor_id = self._by_identity.get(identity)
+        if executor_id is None:
+            raise ProtocolError(f"{kind!r} from an executor that never said hello")
+        executor = self._executors[executor_id]
+        executor.last_seen = time.monotonic()
+        if kind == Msg.DONE:
+            self._on_done(executor, header["items"])
+        elif kind == Msg.VALUE:
+            self._on_value(header, frames)
+        elif kind == Msg.ERROR:
+            log.warning("%s rejected a message: %s", executor.describe(), header["reason"])
+        else:
+            raise ProtocolError(f"a controller does not take {kind!r} messages")
+
+    def _on_hello(self, identity: bytes, header: dict) -> None:
+        executor = ExecutorInfo(
+            id=next(self.ids), name=header["name"], tags=tuple(header["tags"]),
+            ops=frozenset(header["ops"]), pid=header["pid"], host=header.get("host", ""),
+            device=header.get("device", "cpu"), peer_address=header.get("peer_address", ""),
+            identity=identity, resources=header.get("resources", {}),
+            last_seen=time.monotonic())
+        with self.condition:
+            self._executors[executor.id] = executor
+            self._by_identity[identity] = executor.id
+            self.condition.notify_all()
+        self._send(executor, Msg.WELCOME, {"executor": executor.id,
+                                           "ping_interval": self.ping_interval,
+                                           "ping_timeout": self.ping_timeout,
+                                           "heartbeat_address": self.heartbeat_address})
+        self._emit("executor_joined", {"executor": executor})
+
+    def _on_done(self, executor: ExecutorInfo, items: list) -> None:
+        with self.condition:
+            for item in items:
+                task = self._tasks.get(item.get("task"))
+                if task is None or task.state != "pending":
+                    continue
+                executor.outstanding -= 1
+                task.start, task.end = item.get("start", 0.0), item.get("end", 0.0)
+                if item.get("ok"):
+                    self._complete(task, executor, item)
+                else:
+                    error = RemoteError(
+                        f"op {task.op!r} failed on {executor.describe()}: {item.get('error')}\n"
+                        f"--- remote traceback ---\n{item.get('traceback', '')}",
+                        op=task.op, executor=executor.name,
+                        remote_traceback=item.get("traceback", ""))
+                    self._fail_task(task, error)
+            self.condition.notify_all()
+
+    def _complete(self, task: TaskRecord, executor: ExecutorInfo, item: dict) -> None:
+        task.state = "done"
+        executor.completed += 1
+        executor.busy_s += max(0.0, task.end - task.start)
+        for out in item.get("outputs", ()):
+            record = self._objects.get(out["id"])
+            if record is None:
+                continue
+            record.produced, record.nbytes = True, out.get("nbytes", 0)
+            record.holders.add(executor.id)
+            executor.bytes_out += record.nbytes
+            future = self.futures.pop(record.id, None)
+            if future is not None:
+                value = unpack(out["inline"], []) if "inline" in out else _NO_INLINE
+                self.callbacks += future._resolve(location=executor.id, nbytes=record.nbytes,
+                                                   **({} if value is _NO_INLINE else
+                                                      {"value": value}))
+            self._maybe_free(record)
+        self._consumed(task)
+        del self._tasks[task.id]  # finished tasks are only remembered by listeners
+        if self.listeners:
+            self._emit("task_done", {"task": task, "executor": executor})
+
+    def _on_value(self, header: dict, frames: list) -> None:
+        slot = self.fetches.get(header["request"])
+        if slot is None:
+            return
+        with self.condition:
+            if "error" in header:
+                slot[2] = RemoteError(header["error"])
+            else:
+                try:
+                    slot[1] = unpack(header["meta"]["body"], frames)
+                except SerializeError as exc:
+                    slot[2] = exc
+            slot[0] = True
+            self.condition.notify_all()
+
+    # -- commands from user threads ------------------------------------------------------------
+    def submit(self, op: str, inputs: tuple, config: dict, executor_id: int | None,
+               tags: frozenset, futures: tuple, meta: dict) -> int | None:
+        """Queue a task for the executor chosen for it; returns that executor's id, or None when
+        the task failed at once (no executor runs the op, or an input already failed)."""
+        try:
+            executor = self._choose(op, tags, executor_id)
+        except NoExecutor as exc:
+            with self.condition:
+                for future in futures:
+                    self.futures.pop(future.id, None)
+                    self.callbacks += future._fail(exc)
+                self.condition.notify_all()
+            return
+        objects = self._objects
+        task_id = next(self.ids)
+        input_ids, failed = [], None
+        for value in inputs:
+            object_id = self._input_object(value, executor)
+            record = objects[object_id]
+            record.consumers.append(task_id)
+            record.pending += 1
+            failed = failed or record.error
+            input_ids.append(object_id)
+        output_ids = [f.id for f in futures]
+        task = TaskRecord(id=task_id, op=op, executor=executor.id, inputs=input_ids,
+                          outputs=output_ids, config=config, meta=meta)
+        self._tasks[task_id] = task
+        for object_id in output_ids:
+            objects[object_id] = ObjectRecord(id=object_id, location=executor.id,
+                                              producer=task_id)
+        if failed is not None:
+            with self.condition:
+                self._fail_task(task, TaskCancelled(f"{op!r} not run: an input failed: {failed}",
+                                                    op=op))
+                self.condition.notify_all()
+            return None
+        for object_id in input_ids:
+            self._route(objects[object_id], executor)
+        executor.outstanding += 1
+        self._outbox[executor.id].append({"id": task_id, "op": op, "config": config,
+                                          "inputs": input_ids, "outputs": output_ids})
+        if self.listeners:
+            self._emit("task_submitted", {"task": task, "executor": executor})
+        return executor.id
+
+    def put(self, value: Any, executor_id: int | None, future: Future) -> None:
+        try:
+            executor = self._choose(None, frozenset(), executor_id)
+            body, frames = pack(value)
+        except (NoExecutor, SerializeError) as exc:
+            with self.condition:
+                self.futures.pop(future.id, None)
+                self.callbacks += future._fail(exc)
+                self.condition.notify_all()
+            return
+        self._place(future.id, executor, body, frames)
+        with self.condition:
+            self.futures.pop(future.id, None)
+            self.callbacks += future._resolve(location=executor.id, nbytes=len(body),
+                                               value=value)
+            self.condition.notify_all()
+
+    def fetch(self, object_id: int, request: int) -> None:
+        record = self._objects.get(object_id)
+        slot = self.fetches.get(request)
+        if slot is None:
+            return
+        holder = None if record is None else next(
+            (self._executors[h] for h in record.holders if self._executors[h].alive), None)
+        if holder is None:
+            with self.condition:
+                slot[2], slot[0] = ExecutorLost(f"object {object_id} is on no live executor"), True
+                self.condition.notify_all()
+            return
+        slot[3] = holder.id
+        self._send(holder, Msg.FETCH, {"object": object_id, "request": request})
+
+    def release(self, object_id: int) -> None:
+        record = self._objects.get(object_id)
+        if record is not None:
+            record.user_released = True
+            self._maybe_free(record)
+
+    # -- placement, routing, freeing -----------------------------------------------------------
+    def _choose(self, op: str | None, tags: frozenset, executor_id: int | None) -> ExecutorInfo:
+        if executor_id is not None:
+            executor = self._executors.get(executor_id)
+            if executor is None or not executor.alive:
+                raise NoExecutor(f"executor {executor_id} is not connected")
+            if op is not None and op not in executor.ops:
+                raise NoExecutor(f"{executor.describe()} does not run op {op!r}")
+            return executor
+        best = None
+        for e in self._executors.values():
+            if e.alive and (op is None or e.runs(op, tags)) and (
+                    best is None or e.outstanding < best.outstanding):
+                best = e
+        if best is None:
+            connected = "; ".join(f"{e.describe()}: {', '.join(sorted(e.ops))}"
+                                  for e in self._executors.values() if e.alive) or "none"
+            raise NoExecutor(f"no executor runs op {op!r} with tags {sorted(tags)}; "
+                             f"connected: {connected}")
+        return best
+
+    def _input_object(self, value: Any, executor: ExecutorInfo) -> int:
+        if isinstance(value, Future):
+            if value.id not in self._objects:
+                # a future from a put that is still queued cannot exist: commands run in order
+                raise ProtocolError(f"{value!r} is not known to this controller")
+            return value.id
+        object_id = next(self.ids)
+        body, frames = pack(value)
+        self._place(object_id, executor, body, frames)
+        self._objects[object_id].user_released = True  # nobody holds a future for it
+        return object_id
+
+    def _place(self, object_id: int, executor: ExecutorInfo, body: bytes, frames: list) -> None:
+        self._objects[object_id] = ObjectRecord(id=object_id, location=executor.id,
+                                                produced=True, holders={executor.id})
+        self._send(executor, Msg.PUT, {"object": object_id, "meta": {"body": body}}, frames)
+
+    def _route(self, record: ObjectRecord, executor: ExecutorInfo) -> None:
+        """Have the producer push the object to `executor` (once it exists) unless it is there."""
+        if executor.id in record.holders or record.location == executor.id:
+            return
+        source = self._executors[record.location]
+        record.holders.add(executor.id)
+        self._send(source, Msg.SEND, {"object": record.id, "to": executor.id,
+                                      "address": executor.peer_address})
+
+    def _consumed(self, task: TaskRecord) -> None:
+        for object_id in task.inputs:
+            record = self._objects.get(object_id)
+            if record is not None:
+                record.pending -= 1
+                self._maybe_free(record)
+
+    def _maybe_free(self, record: ObjectRecord) -> None:
+        if record.pending > 0 or not record.user_released:
+            return
+        if not record.produced and record.error is None:
+            return  # still to come: free once produced
+        for holder in record.holders | {record.location}:
+            self._frees[holder].append(record.id)
+        del self._objects[record.id]
+
+    # -- failures ------------------------------------------------------------------------------
+    def _fail_task(self, task: TaskRecord, error: BaseException) -> None:
+        """Fail `task`, its futures, and every task downstream of them. Holds the condition."""
+        stack = [(task, error)]
+        while stack:
+            current, reason = stack.pop()
+            if current.state != "pending":
+                continue
+            current.state = "failed"
+            self._tasks.pop(current.id, None)
+            self._emit("task_failed", {"task": current, "error": reason})
+            for object_id in current.outputs:
+                record = self._objects.get(object_id)
+                if record is None:
+                    continue
+                record.error = reason
+                future = self.futures.pop(object_id, None)
+                if future is not None:
+                    self.callbacks += future._fail(reason)
+                for consumer_id in record.consumers:
+                    consumer = self._tasks.get(consumer_id)
+                    if consumer is not None and consumer.state == "pending":
+                        self._cancel_on_executor(consumer)
+                        stack.append((consumer, TaskCancelled(
+                            f"{consumer.op!r} not run: its input from {current.op!r} failed: "
+                            f"{reason}", op=consumer.op)))
+                self._maybe_free(record)
+            self._consumed(current)
+
+    def _cancel_on_executor(self, task: TaskRecord) -> None:
+        executor = self._executors[task.executor]
+        executor.outstanding -= 1
+        if executor.alive:
+            self._send(executor, Msg.CANCEL, {"tasks": [task.id]})
+
+    def lose(self, executor: ExecutorInfo, reason: str) -> None:
+        log.error("lost %s: %s", executor.describe(), reason)
+        error = ExecutorLost(f"executor {executor.describe()} was lost: {reason}",
+                             executor=executor.name)
+        with self.condition:
+            executor.alive, executor.lost_reason = False, reason
+            for task in list(self._tasks.values()):
+                if task.state == "pending" and task.executor == executor.id:
+                    self._fail_task(task, error)
+            for record in list(self._objects.values()):
+                if record.produced and record.holders <= {executor.id} and record.consumers:
+                    for consumer_id in record.consumers:
+                        consumer = self._tasks.get(consumer_id)
+                        if consumer is not None and consumer.state == "pending":
+                            self._cancel_on_executor(consumer)
+                            self._fail_task(consumer, error)
+            for slot in self.fetches.values():
+                if not slot[0] and slot[3] == executor.id:
+                    slot[2], slot[0] = error, True
+            self.condition.notify_all()
+        self._emit("executor_lost", {"executor": executor, "reason": reason})
+
+    def shutdown_all(self) -> None:
+        for executor in self._executors.values():
+            if executor.alive:
+                self._send(executor, Msg.SHUTDOWN, {})
+        with self.condition:
+            for task in list(self._tasks.values()):
+                if task.state == "pending":
+                    self._fail_task(task, RemoteError("the controller shut down"))
+            self.condition.notify_all()
+        self.run_callbacks()
+
+
+_NO_INLINE = object()

@@ -1,0 +1,150 @@
+"""Futures of objects that executors produce.
+
+A Future resolves when the completion message of the task that produces it reaches the controller;
+the value itself stays on the executor until someone asks for it (`result()`), except for small
+plain values, which ride along in the completion message. All futures of one controller share one
+condition variable: the controller's IO thread resolves completions in batches and wakes waiters
+once per batch.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flowkit.runtime.controller import Controller
+
+__all__ = [
+    "ALL_COMPLETED",
+    "FIRST_COMPLETED",
+    "ExecutorLost",
+    "Future",
+    "RemoteError",
+    "TaskCancelled",
+    "wait",
+]
+
+ALL_COMPLETED, FIRST_COMPLETED = "ALL_COMPLETED", "FIRST_COMPLETED"
+_PENDING, _DONE, _FAILED = 0, 1, 2
+_NO_VALUE = object()
+
+
+class RemoteError(RuntimeError):
+    """An op raised on an executor; the message carries the remote traceback."""
+
+    def __init__(self, message: str, *, op: str = "", executor: str = "",
+                 remote_traceback: str = "") -> None:
+        self.op, self.executor, self.remote_traceback = op, executor, remote_traceback
+        super().__init__(message)
+
+
+class ExecutorLost(RemoteError):
+    """The executor holding a task or an object died or stopped answering heartbeats."""
+
+
+class TaskCancelled(RemoteError):
+    """A task did not run because one of its inputs failed."""
+
+
+class Future:
+    """The eventual output of a task: `result()`, `exception()`, `done()`, callbacks.
+
+    [Note: object lifetime] The controller holds a future only while it is pending; after that
+    the user's references decide. When the last one goes, `__del__` queues a release, and the
+    object is freed on its executors once no pending task reads it either.
+    """
+
+    __slots__ = ("id", "_controller", "_state", "_value", "_error", "_callbacks", "location",
+                 "nbytes", "__weakref__")
+
+    def __init__(self, object_id: int, controller: Controller) -> None:
+        self.id = object_id
+        self._controller = controller
+        self._state = _PENDING
+        self._value: Any = _NO_VALUE
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[Future], Any]] = []
+        self.location: int | None = None  # executor id holding the value, once produced
+        self.nbytes = 0
+
+    def __del__(self) -> None:
+        # Only a deque append: __del__ may run on any thread, inside any lock.
+        self._controller._released.append(self.id)
+
+    def __repr__(self) -> str:
+        state = {_PENDING: "pending", _DONE: "done", _FAILED: "failed"}[self._state]
+        return f"<Future {self.id} {state}>"
+
+    def done(self) -> bool:
+        return self._state != _PENDING
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The value; fetched from the executor that holds it unless it came inline."""
+        self._wait(timeout)
+        if self._error is not None:
+            raise self._error
+        if self._value is _NO_VALUE:
+            return self._controller.fetch(self, timeout=timeout)
+        return self._value
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._wait(timeout)
+        return self._error
+
+    def add_done_callback(self, fn: Callable[[Future], Any]) -> None:
+        """Call `fn(future)` once it is done: now if it already is, else on the controller's IO
+        thread (so keep it short and never block in it)."""
+        with self._controller.condition:
+            if self._state == _PENDING:
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _wait(self, timeout: float | None) -> None:
+        if self._state == _PENDING:
+            self._controller.wait_until(self.done, timeout, what=f"waiting for {self!r}")
+
+    # -- called by the controller's IO thread, holding the condition -------------------------
+    def _resolve(self, *, location: int | None, nbytes: int, value: Any = _NO_VALUE) -> list:
+        self.location, self.nbytes, self._value = location, nbytes, value
+        self._state = _DONE
+        return self._take_callbacks()
+
+    def _fail(self, error: BaseException) -> list:
+        if self._state != _PENDING:
+            return []
+        self._error = error
+        self._state = _FAILED
+        return self._take_callbacks()
+
+    def _take_callbacks(self) -> list:
+        callbacks, self._callbacks = self._callbacks, []
+        return [(fn, self) for fn in callbacks]
+
+
+def wait(futures: Iterable[Future], timeout: float | None = None,
+         return_when: str = ALL_COMPLETED) -> tuple[set[Future], set[Future]]:
+    """(done, not_done) once all (or the first, with FIRST_COMPLETED) are done, or at timeout."""
+    futures = set(futures)
+    if not futures:
+        return set(), set()
+    controller = next(iter(futures))._controller
+    pending = [f for f in futures if not f.done()]
+
+    def finished() -> bool:
+        nonlocal pending
+        pending = [f for f in pending if not f.done()]
+        return not pending or (return_when == FIRST_COMPLETED and len(pending) < len(futures))
+
+    try:
+        controller.wait_until(finished, timeout, what="wait()")
+    except TimeoutError:
+        pass
+    done = {f for f in futures if f.done()}
+    return done, futures - done
+
+
+def new_condition() -> threading.Condition:
+    return threading.Condition(threading.Lock())

@@ -1,0 +1,72 @@
+"""Local executors: the embedded default, executor subprocesses on this machine."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from flowkit.runtime.controller import Controller
+from flowkit.runtime.records import ExecutorInfo
+
+__all__ = ["LocalExecutors"]
+
+
+class LocalExecutors:
+    """Start `count` executor processes connected to `controller`; stop them on exit.
+
+    Each gets one compute thread (several share the cores) and is watched, so its exit is noticed
+    at once rather than at the heartbeat timeout.
+    """
+
+    def __init__(self, controller: Controller, count: int, *, kind: str = "base",
+                 tags: Sequence[str] | Sequence[Sequence[str]] = (), device: str = "cpu",
+                 name_prefix: str = "exec", log_level: str = "WARNING",
+                 startup_timeout: float = 60.0) -> None:
+        self.controller, self.count, self.kind, self.device = controller, count, kind, device
+        self.tags = _per_executor_tags(tags, count)
+        self.name_prefix, self.log_level = name_prefix, log_level
+        self.startup_timeout = startup_timeout
+        self.processes: list[subprocess.Popen] = []
+
+    def __enter__(self) -> list[ExecutorInfo]:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def start(self) -> list[ExecutorInfo]:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        for i in range(self.count):
+            command = [sys.executable, "-m", "executors", "--connect", self.controller.address,
+                       "--name", f"{self.name_prefix}-{i}", "--kind", self.kind,
+                       "--device", self.device, "--tags", ",".join(self.tags[i]),
+                       "--log-level", self.log_level]
+            process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
+            self.processes.append(process)
+            self.controller.watch_process(process)
+        try:
+            return self.controller.wait_for_executors(self.count, timeout=self.startup_timeout)
+        except TimeoutError:
+            self.stop()
+            raise
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Wait for the processes to exit after the controller's shutdown; kill stragglers."""
+        for process in self.processes:
+            try:
+                process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _per_executor_tags(tags: Sequence, count: int) -> list[tuple[str, ...]]:
+    """One tag list for all (("gpu", "train")) or one per executor ([("rollout",), ("train",)])."""
+    if tags and not isinstance(tags[0], str):
+        if len(tags) != count:
+            raise ValueError(f"{len(tags)} tag lists for {count} executors")
+        return [tuple(t) for t in tags]
+    return [tuple(tags)] * count

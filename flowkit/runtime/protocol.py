@@ -1,0 +1,125 @@
+"""The wire protocol between controller and executors, and between executors.
+
+A message is a list of zmq frames: one msgpack header (a map), then raw frames for tensor bytes.
+Every header carries the protocol version `v` and a message type `t`; everything else depends on
+the type and is checked by `decode` against a small schema, so a malformed message becomes a
+ProtocolError that the receiver answers with an ERROR reply instead of crashing. No pickle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+
+__all__ = ["PROTOCOL_VERSION", "ProtocolError", "Msg", "decode", "encode"]
+
+PROTOCOL_VERSION = 1
+
+
+class Msg:
+    """Message types. Controller -> executor: WELCOME RUN SEND FREE FETCH PUT CANCEL SHUTDOWN PING.
+    Executor -> controller: HELLO DONE VALUE PONG ERROR. Executor -> executor: DATA."""
+
+    HELLO = "hello"  # who I am: name, tags, device, ops, peer addresses
+    WELCOME = "welcome"  # your executor id, heartbeat settings
+    PING = "ping"  # heartbeat, both ways
+    RUN = "run"  # a batch of tasks: op, config, input and output object ids
+    DONE = "done"  # a batch of completions (or failures) with timings
+    SEND = "send"  # push an object to a peer executor once it exists
+    DATA = "data"  # an object arriving from a peer
+    PUT = "put"  # an object from the controller (user data)
+    FETCH = "fetch"  # send me the value of an object
+    VALUE = "value"  # the reply to FETCH
+    FREE = "free"  # drop these objects
+    CANCEL = "cancel"  # drop these tasks: an input failed upstream
+    ERROR = "error"  # your message was malformed; here is why
+    SHUTDOWN = "shutdown"
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the protocol; the text says what is wrong with it."""
+
+
+# type -> required fields and their Python types. Extra fields are allowed (forward compatible).
+_SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
+    Msg.HELLO: {"name": str, "tags": list, "ops": list, "pid": int},
+    Msg.WELCOME: {"executor": int, "ping_interval": (int, float), "ping_timeout": (int, float)},
+    Msg.PING: {},
+    Msg.RUN: {"tasks": list},
+    Msg.DONE: {"items": list},
+    Msg.SEND: {"object": int, "to": int, "address": str},
+    Msg.DATA: {"object": int, "meta": dict},
+    Msg.PUT: {"object": int, "meta": dict},
+    Msg.FETCH: {"object": int, "request": int},
+    Msg.VALUE: {"request": int, "meta": dict},
+    Msg.FREE: {"objects": list},
+    Msg.CANCEL: {"tasks": list},
+    Msg.ERROR: {"reason": str},
+    Msg.SHUTDOWN: {},
+}
+
+_TASK_SCHEMA: dict[str, type | tuple[type, ...]] = {
+    "id": int,
+    "op": str,
+    "config": dict,
+    "inputs": list,
+    "outputs": list,
+}
+
+
+def encode(kind: str, fields: dict[str, Any] | None = None, frames: Sequence = ()) -> list:
+    """Frames of one message: the msgpack header, then the raw frames."""
+    header = {"v": PROTOCOL_VERSION, "t": kind}
+    if fields:
+        header.update(fields)
+    return [msgpack.packb(header, use_bin_type=True), *frames]
+
+
+def decode(parts: Sequence) -> tuple[dict[str, Any], list]:
+    """(header, raw frames) of a received message, or ProtocolError saying what is wrong."""
+    if not parts:
+        raise ProtocolError("empty message")
+    first = parts[0]
+    raw = first.bytes if hasattr(first, "bytes") else first
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several types for garbage
+        raise ProtocolError(f"header is not msgpack: {exc.__class__.__name__}: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header must be a map, got {type(header).__name__}")
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})"
+        )
+    kind = header.get("t")
+    schema = _SCHEMA.get(kind) if isinstance(kind, str) else None
+    if schema is None:
+        raise ProtocolError(f"unknown message type {kind!r}")
+    _check_fields(kind, header, schema)
+    if kind == Msg.RUN:
+        for task in header["tasks"]:
+            if not isinstance(task, dict):
+                raise ProtocolError(f"run: a task must be a map, got {type(task).__name__}")
+            _check_fields("run task", task, _TASK_SCHEMA)
+    return header, list(parts[1:])
+
+
+def _check_fields(kind: str, header: dict, schema: dict) -> None:
+    for field, expected in schema.items():
+        if field not in header:
+            raise ProtocolError(f"{kind}: missing field {field!r}")
+        value = header[field]
+        if not isinstance(value, expected) or isinstance(value, bool) and expected is int:
+            raise ProtocolError(
+                f"{kind}: field {field!r} must be {_type_names(expected)}, got "
+                f"{type(value).__name__}"
+            )
+
+
+def _type_names(expected: type | tuple[type, ...]) -> str:
+    if isinstance(expected, tuple):
+        return " or ".join(t.__name__ for t in expected)
+    return expected.__name__

@@ -1,0 +1,64 @@
+"""What the controller knows about executors, tasks and objects. Owned by its IO thread."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+__all__ = ["ExecutorInfo", "ObjectRecord", "TaskRecord"]
+
+
+@attrs.define(eq=False)
+class ExecutorInfo:
+    id: int
+    name: str
+    tags: tuple[str, ...]
+    ops: frozenset[str]
+    pid: int
+    host: str
+    device: str
+    peer_address: str
+    identity: bytes = attrs.field(repr=False)
+    resources: dict[str, Any] = attrs.field(factory=dict)
+    last_seen: float = 0.0
+    alive: bool = True
+    outstanding: int = 0  # tasks sent and not yet completed
+    completed: int = 0
+    busy_s: float = 0.0  # summed op time, for utilization
+    bytes_out: int = 0  # bytes of objects it produced
+    lost_reason: str = ""
+
+    def runs(self, op: str, tags: frozenset[str]) -> bool:
+        return self.alive and op in self.ops and tags <= set(self.tags)
+
+    def describe(self) -> str:
+        return f"{self.name} (id {self.id}, pid {self.pid}, tags {','.join(self.tags) or '-'})"
+
+
+@attrs.define(eq=False)
+class TaskRecord:
+    id: int
+    op: str
+    executor: int
+    inputs: list[int]
+    outputs: list[int]
+    config: dict[str, Any]
+    meta: dict[str, Any]  # stage, microbatch, ... for traces; never sent to the executor
+    state: str = "pending"  # pending | done | failed
+    start: float = 0.0
+    end: float = 0.0
+
+
+@attrs.define(eq=False)
+class ObjectRecord:
+    id: int
+    location: int  # the executor that produces (or produced) it
+    producer: int | None = None  # task id; None for objects put by the user
+    produced: bool = False
+    holders: set[int] = attrs.field(factory=set)  # executors holding (or about to) a copy
+    consumers: list[int] = attrs.field(factory=list)  # tasks that read it
+    pending: int = 0  # consumers not yet finished
+    user_released: bool = False  # the user's Future was garbage-collected
+    error: BaseException | None = None
+    nbytes: int = 0

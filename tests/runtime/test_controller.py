@@ -1,0 +1,197 @@
+"""The controller with real executor processes: futures, data movement, failures, liveness."""
+
+import os
+import signal
+import threading
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from flowkit.runtime import (
+    FIRST_COMPLETED,
+    Controller,
+    ExecutorLost,
+    LocalExecutors,
+    NoExecutor,
+    RemoteError,
+    TaskCancelled,
+    wait,
+)
+from flowkit.runtime.protocol import PROTOCOL_VERSION, Msg, decode, encode
+from flowkit.runtime.serialize import pack
+
+
+def test_result_of_a_task_and_of_a_put(cluster):
+    ctl, _ = cluster
+    assert ctl.submit("noop").result(timeout=5) is None
+    assert ctl.put({"a": [1, 2]}).result(timeout=5) == {"a": [1, 2]}
+
+
+def test_objects_move_executor_to_executor(cluster):
+    ctl, (first, second) = cluster
+    data = ctl.put(list(range(1000)), executor=first.id)
+    copied = ctl.submit("identity", data, executor=second.id)
+    assert copied.result(timeout=5) == list(range(1000))
+    assert copied.location == second.id
+
+
+def test_tags_choose_the_executor(cluster):
+    ctl, (rollout, train) = cluster
+    assert ctl.submit("identity", 1, tags=["train"]).result(timeout=5) == 1
+    future = ctl.submit("identity", 2, tags=["train"])
+    future.result(timeout=5)
+    assert future.location == train.id
+
+
+def test_no_executor_for_the_op_fails_the_future_with_what_is_connected(cluster):
+    ctl, _ = cluster
+    with pytest.raises(NoExecutor, match="no executor runs op 'generate'.*exec-0"):
+        ctl.submit("generate").result(timeout=5)
+    with pytest.raises(NoExecutor, match="tags \\['gpu'\\]"):
+        ctl.submit("noop", tags=["gpu"]).result(timeout=5)
+
+
+def test_callbacks_and_wait(cluster):
+    ctl, _ = cluster
+    seen = []
+    done_event = threading.Event()
+    future = ctl.submit("sleep", config={"seconds": 0.05})
+    future.add_done_callback(lambda f: (seen.append(f.id), done_event.set()))
+    assert done_event.wait(5) and seen == [future.id]
+    late = []
+    future.add_done_callback(lambda f: late.append(f.id))  # already done: runs at once
+    assert late == [future.id]
+    slow = ctl.submit("sleep", config={"seconds": 2.0})
+    fast = ctl.submit("noop")
+    done, not_done = wait([slow, fast], timeout=5, return_when=FIRST_COMPLETED)
+    assert fast in done and slow in not_done
+    with pytest.raises(TimeoutError):
+        slow.result(timeout=0.05)
+
+
+def test_many_in_flight_all_resolve(cluster):
+    ctl, _ = cluster
+    futures = [ctl.submit("identity", i) for i in range(2000)]
+    done, not_done = wait(futures, timeout=30)
+    assert not not_done
+    assert [f.result() for f in futures[:5]] == [0, 1, 2, 3, 4]
+
+
+def test_an_op_error_carries_the_remote_traceback_and_fails_downstream(cluster):
+    ctl, (first, second) = cluster
+    bad = ctl.submit("fail", config={"message": "kaboom"}, executor=first.id)
+    child = ctl.submit("identity", bad, executor=second.id)
+    grandchild = ctl.submit("identity", child)
+    with pytest.raises(RemoteError) as raised:
+        bad.result(timeout=5)
+    assert "kaboom" in str(raised.value) and "Traceback" in raised.value.remote_traceback
+    assert "executors/ops.py" in raised.value.remote_traceback
+    for future in (child, grandchild):
+        with pytest.raises(TaskCancelled, match="kaboom"):
+            future.result(timeout=5)
+    # a task submitted after the failure is known fails at once, too
+    with pytest.raises(TaskCancelled):
+        ctl.submit("identity", bad).result(timeout=5)
+    assert ctl.submit("identity", 7).result(timeout=5) == 7  # and the executors keep serving
+
+
+def test_unknown_op_named_directly_fails_clearly(cluster):
+    ctl, (first, _) = cluster
+    with pytest.raises(NoExecutor, match="does not run op 'rm_rf'"):
+        ctl.submit("rm_rf", executor=first.id).result(timeout=5)
+
+
+def test_a_killed_executor_fails_its_futures_within_two_seconds():
+    ctl = Controller()
+    executors = LocalExecutors(ctl, 2)
+    try:
+        first, second = sorted(executors.start(), key=lambda e: e.name)
+        doomed = ctl.submit("sleep", config={"seconds": 30}, executor=first.id)
+        downstream = ctl.submit("identity", doomed, executor=second.id)
+        time.sleep(0.2)
+        start = time.monotonic()
+        os.kill(first.pid, signal.SIGKILL)
+        with pytest.raises(ExecutorLost, match="exec-0.*was lost"):
+            doomed.result(timeout=5)
+        assert time.monotonic() - start < 2.0
+        with pytest.raises(RemoteError):
+            downstream.result(timeout=5)
+        assert ctl.submit("identity", 3).result(timeout=5) == 3  # the survivor serves on
+        assert [e.name for e in ctl.executors()] == ["exec-1"]
+    finally:
+        ctl.shutdown()
+        executors.stop()
+
+
+def test_a_hung_executor_is_noticed_by_heartbeat():
+    ctl = Controller(ping_interval=0.1, ping_timeout=0.8)
+    executors = LocalExecutors(ctl, 1)
+    try:
+        (only,) = executors.start()
+        ctl._processes.clear()  # rely on heartbeats alone, as for a remote executor
+        future = ctl.submit("sleep", config={"seconds": 30})
+        time.sleep(0.2)
+        os.kill(only.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(ExecutorLost, match="no heartbeat"):
+            future.result(timeout=5)
+        assert time.monotonic() - start < 2.0
+    finally:
+        os.kill(only.pid, signal.SIGKILL)
+        ctl.shutdown()
+        executors.stop()
+
+
+def test_an_executor_exits_when_its_controller_dies():
+    ctl = Controller(ping_interval=0.1, ping_timeout=0.6)
+    executors = LocalExecutors(ctl, 1)
+    (only,) = executors.start()
+    ctl._heartbeat.stop()  # the controller goes silent without saying shutdown
+    process = executors.processes[0]
+    try:
+        assert process.wait(timeout=5) == 3
+    finally:
+        ctl.shutdown()
+        executors.stop()
+
+
+def _raw_client(address: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+def test_malformed_frames_get_an_error_reply_and_the_executor_keeps_serving(cluster):
+    ctl, (first, _) = cluster
+    peer = _raw_client(first.peer_address)  # talk to the executor's data socket directly
+    tensor_body, _ = pack(torch.zeros(16))
+    bad_messages = [
+        [b"\x00\xffgarbage"],
+        [msgpack.packb({"v": PROTOCOL_VERSION + 1, "t": "run", "tasks": []})],
+        encode(Msg.RUN, {"tasks": [{"id": 1, "op": "noop"}]}),  # task misses fields
+        encode(Msg.DATA, {"object": 5, "meta": {"body": b"\xc7\x05\x01\x83"}}),  # truncated
+        encode(Msg.DATA, {"object": 6, "meta": {"body": tensor_body}}, [b"short"]),  # truncated
+    ]
+    for message in bad_messages:
+        peer.send_multipart(message)
+    time.sleep(0.3)
+    assert ctl.submit("identity", 11, executor=first.id).result(timeout=5) == 11
+    peer.close()
+
+
+def test_controller_rejects_garbage_and_unknown_types_and_keeps_serving(cluster):
+    ctl, _ = cluster
+    client = _raw_client(ctl.address)
+    client.send_multipart([b"not msgpack at all"])
+    reply = client.poll(2000) and client.recv_multipart()
+    header, _ = decode(reply)
+    assert header["t"] == Msg.ERROR and "not msgpack" in header["reason"]
+    client.send_multipart(encode(Msg.DONE, {"items": []}))
+    header, _ = decode(client.recv_multipart())
+    assert "never said hello" in header["reason"]
+    client.close()
+    assert ctl.submit("noop").result(timeout=5) is None
