@@ -27,8 +27,9 @@ __all__ = ["Executor"]
 
 log = logging.getLogger("flowkit.executor")
 
-_INLINE_LIMIT = 2048
-_HOT_SECONDS = 0.001  # outputs whose packed form is this small ride in the completion message
+_INLINE_LIMIT = 2048  # outputs whose packed form is this small ride in the completion message
+_HOT_SECONDS = 0.001
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: IntFlag arithmetic is slow
 
 
 class _Task:
@@ -137,12 +138,14 @@ class Executor:
             self._flush_completions()
 
     def _drain(self, sock: zmq.Socket, *, peer: bool) -> None:
-        # Read everything queued now: one poll, many messages, one batch of completions.
+        # Read everything queued now: one poll, many messages, one batch of completions. Control
+        # messages are small, and plain bytes cost less than zmq.Frame objects; asking EVENTS is
+        # cheaper than the zmq.Again exception a non-blocking recv raises on an empty queue.
+        copy = not peer
         for _ in range(1000):
-            try:
-                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            if not sock.getsockopt(_EVENTS) & _POLLIN:
                 return
+            parts = sock.recv_multipart(copy=copy)
             if peer:
                 parts = parts[1:]  # drop the ROUTER's identity frame
             self._handle(parts)
@@ -159,7 +162,8 @@ class Executor:
             self._send(Msg.ERROR, {"reason": str(exc)})
 
     def _send(self, kind: str, fields: dict | None = None, frames: list = ()) -> None:
-        self.control.send_multipart(encode(kind, fields, frames), copy=False)
+        # zero-copy only pays for big frames (see Controller._send_raw)
+        self.control.send_multipart(encode(kind, fields, frames), copy=not frames)
 
     # -- handlers ------------------------------------------------------------------------------
     def _on_run(self, header: dict, frames: list) -> None:

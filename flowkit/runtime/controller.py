@@ -31,7 +31,8 @@ __all__ = ["Controller", "NoExecutor"]
 
 log = logging.getLogger("flowkit.controller")
 
-_QUIET_S = 0.002  # the background thread drives after user threads left it alone this long
+_QUIET_S = 0.002
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: IntFlag arithmetic is slow  # the background thread drives after user threads left it alone this long
 _BATCH = 64  # tasks queued for one executor before they go out without waiting for a flush
 
 
@@ -207,12 +208,12 @@ class Controller:
         self._state.flush()
 
     def _drain_router(self) -> None:
+        router = self._router
         for _ in range(4096):
-            try:
-                identity, *parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            # EVENTS costs less than the zmq.Again a non-blocking recv raises when empty
+            if not router.getsockopt(_EVENTS) & _POLLIN:
                 return
-            identity = identity.bytes
+            identity, *parts = router.recv_multipart()
             try:
                 header, frames = decode(parts)
                 self._state.on_message(identity, header, frames)
@@ -221,7 +222,9 @@ class Controller:
                 self._send_raw([identity, *encode(Msg.ERROR, {"reason": str(exc)})])
 
     def _send_raw(self, parts: list) -> None:
-        self._router.send_multipart(parts, copy=False)
+        # Small messages go by copy: a zero-copy send makes pyzmq track the buffer's release
+        # through a thread of its own, which costs more than copying a few hundred bytes.
+        self._router.send_multipart(parts, copy=len(parts) <= 2)
 
     def _run_commands(self) -> None:
         released = self._released

@@ -50,6 +50,7 @@ class Dispatcher:
         self.fetches: dict[int, list] = {}  # request -> [done, value, error, executor id]
         self._outbox: dict[int, list[dict]] = defaultdict(list)
         self._frees: dict[int, list[int]] = defaultdict(list)
+        self._frees_sent = 0.0
         self.callbacks: list = []
         self.listeners: list[Listener] = []
 
@@ -75,12 +76,21 @@ class Dispatcher:
             executor = self._executors[target]
             if tasks and executor.alive:
                 self._send(executor, Msg.RUN, {"tasks": tasks})
-        if executor_id is None:
+        if executor_id is None and self._frees_due():
             for target, objects in self._frees.items():
                 executor = self._executors[target]
                 if executor.alive:
                     self._send(executor, Msg.FREE, {"objects": objects})
             self._frees.clear()
+            self._frees_sent = time.monotonic()
+
+    def _frees_due(self) -> bool:
+        """Frees go out in batches: a message per freed object would double the traffic of a
+        stream of small tasks, and holding a few freed objects a little longer costs nothing."""
+        if not self._frees:
+            return False
+        waiting = sum(len(objects) for objects in self._frees.values())
+        return waiting >= _FREE_BATCH or time.monotonic() - self._frees_sent >= _FREE_DELAY_S
 
     def queued(self, executor_id: int) -> int:
         return len(self._outbox.get(executor_id, ()))
@@ -411,3 +421,4 @@ class Dispatcher:
 
 
 _NO_INLINE = object()
+_FREE_BATCH, _FREE_DELAY_S = 256, 0.02
