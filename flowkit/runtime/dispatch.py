@@ -177,6 +177,7 @@ class Dispatcher:
             record.produced, record.nbytes = True, out.get("nbytes", 0)
             record.holders.add(executor.id)
             executor.bytes_out += record.nbytes
+            task.nbytes_out += record.nbytes
             future = self.futures.pop(record.id, None)
             if future is not None:
                 value = unpack(out["inline"], []) if "inline" in out else _NO_INLINE

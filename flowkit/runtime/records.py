@@ -46,8 +46,9 @@ class TaskRecord:
     config: dict[str, Any]
     meta: dict[str, Any]  # stage, microbatch, ... for traces; never sent to the executor
     state: str = "pending"  # pending | done | failed
-    start: float = 0.0
+    start: float = 0.0  # wall-clock seconds (time.time()) on the executor, set on completion
     end: float = 0.0
+    nbytes_out: int = 0  # bytes of the outputs it produced
 
 
 @attrs.define(eq=False)
