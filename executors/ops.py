@@ -68,6 +68,11 @@ def _sleep(ctx: OpContext, *inputs: Any, seconds: float = 0.0) -> None:
     time.sleep(seconds)
 
 
+def _clock(ctx: OpContext, *inputs: Any) -> float:
+    """When the op ran (monotonic seconds): lets tests see the order tasks ran in."""
+    return time.monotonic()
+
+
 def _fail(ctx: OpContext, *inputs: Any, message: str = "failed on purpose") -> None:
     raise RuntimeError(message)
 
@@ -92,6 +97,7 @@ def builtin_ops() -> OpTable:
     table.register("identity", _identity)
     table.register("sleep", _sleep)
     table.register("fail", _fail)
+    table.register("clock", _clock)
     table.register("python", _python)
     return table
 

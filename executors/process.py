@@ -21,6 +21,7 @@ import zmq
 
 from executors.ops import OpContext, OpTable
 from flowkit.runtime.protocol import Msg, ProtocolError, decode, encode
+from flowkit.runtime.refs import check_ref, object_ids, resolve
 from flowkit.runtime.serialize import SerializeError, nbytes_of, pack, unpack
 
 __all__ = ["Executor"]
@@ -33,12 +34,32 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: IntFlag arith
 
 
 class _Task:
-    __slots__ = ("id", "op", "config", "inputs", "outputs", "missing")
+    __slots__ = ("id", "op", "config", "inputs", "outputs", "missing", "lane", "plain",
+                 "report_key")
 
     def __init__(self, spec: dict) -> None:
         self.id, self.op, self.config = spec["id"], spec["op"], spec["config"]
         self.inputs, self.outputs = spec["inputs"], spec["outputs"]
         self.missing = 0
+        # [Note: lanes] Tasks of one lane run in the order they arrived, like a CUDA stream:
+        # a pipeline schedule's per-device order is a lane.
+        self.lane = spec.get("lane")
+        self.plain = all(type(i) is int for i in self.inputs)  # the common, fast case
+        self.report_key = spec.get("report_key")  # a record field to report for each output item
+
+    def object_ids(self) -> list[int]:
+        if self.plain:
+            return self.inputs
+        return [i for ref in self.inputs for i in object_ids(ref)]
+
+    def check(self) -> None:
+        if not self.plain:
+            for ref in self.inputs:
+                check_ref(ref)
+        if self.lane is not None and not isinstance(self.lane, str):
+            raise ProtocolError(f"a task's lane must be a string, got {self.lane!r}")
+        if self.report_key is not None and not isinstance(self.report_key, str):
+            raise ProtocolError(f"report_key must be a field name, got {self.report_key!r}")
 
 
 class Executor:
@@ -62,6 +83,7 @@ class Executor:
         self.waiting: dict[int, _Task] = {}
         self.blocked: dict[int, list[_Task]] = defaultdict(list)  # object id -> tasks needing it
         self.ready: deque[_Task] = deque()
+        self.lanes: dict[str, deque[_Task]] = defaultdict(deque)  # [Note: lanes]
         self.sends: dict[int, list[str]] = defaultdict(list)  # object id -> peer addresses
         self.peers: dict[str, zmq.Socket] = {}
         self.completions: list[dict] = []
@@ -173,11 +195,21 @@ class Executor:
                 self._complete_failed(task, f"unknown op {task.op!r}: this executor runs "
                                       f"{', '.join(self.ops.names())}", "")
                 continue
-            for object_id in task.inputs:
+            try:
+                task.check()
+            except ProtocolError as exc:
+                self._complete_failed(task, f"malformed task: {exc}", "")
+                continue
+            for object_id in task.object_ids():
                 if object_id not in self.objects:
                     task.missing += 1
                     self.blocked[object_id].append(task)
             self.waiting[task.id] = task
+            if task.lane is not None:
+                lane = self.lanes[task.lane]
+                lane.append(task)
+                if len(lane) > 1:
+                    continue  # runs when the tasks before it in its lane have
             if task.missing == 0:
                 self.ready.append(task)
 
@@ -209,7 +241,9 @@ class Executor:
     def _on_cancel(self, header: dict, frames: list) -> None:
         cancelled = set(header["tasks"])
         for task_id in cancelled:
-            self.waiting.pop(task_id, None)
+            task = self.waiting.pop(task_id, None)
+            if task is not None and task.lane is not None:
+                self._leave_lane(task)
         self.ready = deque(t for t in self.ready if t.id not in cancelled)
 
     def _on_shutdown(self, header: dict, frames: list) -> None:
@@ -225,8 +259,21 @@ class Executor:
             self._push(object_id, address)
         for task in self.blocked.pop(object_id, ()):
             task.missing -= 1
-            if task.missing == 0 and task.id in self.waiting:
+            if task.missing == 0 and task.id in self.waiting and self._heads_lane(task):
                 self.ready.append(task)
+
+    def _heads_lane(self, task: _Task) -> bool:
+        return task.lane is None or self.lanes[task.lane][0] is task
+
+    def _leave_lane(self, task: _Task) -> None:
+        """Take `task` out of its lane; the next one runs once its inputs are in."""
+        lane = self.lanes[task.lane]
+        was_head = lane[0] is task
+        lane.remove(task)
+        if not lane:
+            del self.lanes[task.lane]
+        elif was_head and lane[0].missing == 0:
+            self.ready.append(lane[0])
 
     def _push(self, object_id: int, address: str) -> None:
         sock = self.peers.get(address)
@@ -245,12 +292,17 @@ class Executor:
             if waiting.pop(task.id, None) is None:
                 continue  # cancelled meanwhile
             self._run(task)
+            if task.lane is not None:
+                self._leave_lane(task)
 
     def _run(self, task: _Task) -> None:
         op = self.ops.get(task.op)
-        args = [self.objects[i] for i in task.inputs]
         start = time.time()
         try:
+            if task.plain:
+                args = [self.objects[i] for i in task.inputs]
+            else:
+                args = [resolve(ref, self.objects) for ref in task.inputs]
             result = op(self.ctx, *args, **task.config)
             outputs = _split_outputs(result, len(task.outputs), task.op)
         except Exception as exc:
@@ -261,7 +313,7 @@ class Executor:
         done = []
         for object_id, value in zip(task.outputs, outputs, strict=True):
             self._store(object_id, value)
-            done.append(_describe(object_id, value))
+            done.append(_describe(object_id, value, task.report_key))
         self.completions.append({"task": task.id, "ok": True, "outputs": done,
                                  "start": start, "end": end})
 
@@ -286,15 +338,27 @@ def _split_outputs(result: Any, count: int, op: str) -> list:
     return list(result)
 
 
-def _describe(object_id: int, value: Any) -> dict:
-    """What the controller learns of an output: its size, and the value itself when tiny."""
+def _describe(object_id: int, value: Any, report_key: str | None = None) -> dict:
+    """What the controller learns of an output: its size, the value itself when tiny, and for
+    a list (a Stream's items) its length and, if asked, each item's `report_key` field, so the
+    controller can form groups without fetching the items."""
     if value is None or isinstance(value, (bool, int, float)):
         return {"id": object_id, "nbytes": 0, "inline": pack(value)[0]}
     body, frames = pack(value)
     size = nbytes_of(frames) + len(body)
+    out = {"id": object_id, "nbytes": size}
+    if isinstance(value, (list, tuple)):
+        out["count"] = len(value)
+        if report_key is not None:
+            out["keys"] = [_key_of(item, report_key) for item in value]
     if not frames and len(body) <= _INLINE_LIMIT:
-        return {"id": object_id, "nbytes": size, "inline": body}
-    return {"id": object_id, "nbytes": size}
+        out["inline"] = body
+    return out
+
+
+def _key_of(item: Any, field: str) -> Any:
+    key = item.get(field) if isinstance(item, dict) else getattr(item, field, None)
+    return key if key is None or isinstance(key, (bool, int, float, str)) else str(key)
 
 
 class _Heartbeat(threading.Thread):

@@ -11,6 +11,7 @@ from flowkit.runtime.futures import (
     wait,
 )
 from flowkit.runtime.launch import LocalExecutors
+from flowkit.runtime.refs import Gather, Item
 
 __all__ = [
     "ALL_COMPLETED",
@@ -18,6 +19,8 @@ __all__ = [
     "Controller",
     "ExecutorLost",
     "Future",
+    "Gather",
+    "Item",
     "LocalExecutors",
     "NoExecutor",
     "RemoteError",

@@ -112,13 +112,18 @@ class Controller:
 
     def submit(self, op: str, *inputs: Any, config: dict | None = None,
                executor: int | None = None, tags: Iterable[str] = (), outputs: int = 1,
-               meta: dict | None = None) -> Any:
+               meta: dict | None = None, lane: str | None = None,
+               report_key: str | None = None) -> Any:
         """Run `op` on an executor; returns its output future (a tuple when `outputs` != 1).
-        Inputs are futures (their objects move executor to executor) or plain values."""
+
+        Inputs are futures (their objects move executor to executor), `Item`s and `Gather`s of
+        them (flowkit/runtime/refs.py), or plain values. Tasks with the same `lane` run on their
+        executor in submission order [Note: lanes]. `report_key` names a record field whose
+        value for each item of a list output comes back in `future.keys`."""
         futures = tuple(self._new_future() for _ in range(outputs))
         with self._driving():
             target = self._state.submit(op, inputs, config or {}, executor, frozenset(tags),
-                                        futures, meta or {})
+                                        futures, meta or {}, lane, report_key)
             if target is not None:
                 info = self._state.executor(target)
                 # An idle executor gets its task now; a busy one gets tasks in batches.

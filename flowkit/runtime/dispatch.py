@@ -19,6 +19,7 @@ from typing import Any
 from flowkit.runtime.futures import ExecutorLost, Future, RemoteError, TaskCancelled
 from flowkit.runtime.protocol import Msg, ProtocolError, encode
 from flowkit.runtime.records import ExecutorInfo, ObjectRecord, TaskRecord
+from flowkit.runtime.refs import Gather, Item, object_ids
 from flowkit.runtime.serialize import SerializeError, pack, unpack
 
 __all__ = ["Dispatcher", "NoExecutor"]
@@ -180,6 +181,7 @@ class Dispatcher:
             task.nbytes_out += record.nbytes
             future = self.futures.pop(record.id, None)
             if future is not None:
+                future.count, future.keys = out.get("count"), out.get("keys")
                 value = unpack(out["inline"], []) if "inline" in out else _NO_INLINE
                 self.callbacks += future._resolve(location=executor.id, nbytes=record.nbytes,
                                                    **({} if value is _NO_INLINE else
@@ -207,7 +209,8 @@ class Dispatcher:
 
     # -- commands from user threads ------------------------------------------------------------
     def submit(self, op: str, inputs: tuple, config: dict, executor_id: int | None,
-               tags: frozenset, futures: tuple, meta: dict) -> int | None:
+               tags: frozenset, futures: tuple, meta: dict, lane: str | None = None,
+               report_key: str | None = None) -> int | None:
         """Queue a task for the executor chosen for it; returns that executor's id, or None when
         the task failed at once (no executor runs the op, or an input already failed)."""
         try:
@@ -221,9 +224,9 @@ class Dispatcher:
             return
         objects = self._objects
         task_id = next(self.ids)
+        refs = [self._input_ref(value, executor) for value in inputs]
         input_ids, failed = [], None
-        for value in inputs:
-            object_id = self._input_object(value, executor)
+        for object_id in _ids_of(refs):
             record = objects[object_id]
             record.consumers.append(task_id)
             record.pending += 1
@@ -245,8 +248,12 @@ class Dispatcher:
         for object_id in input_ids:
             self._route(objects[object_id], executor)
         executor.outstanding += 1
-        self._outbox[executor.id].append({"id": task_id, "op": op, "config": config,
-                                          "inputs": input_ids, "outputs": output_ids})
+        spec = {"id": task_id, "op": op, "config": config, "inputs": refs, "outputs": output_ids}
+        if lane is not None:
+            spec["lane"] = lane
+        if report_key is not None:
+            spec["report_key"] = report_key
+        self._outbox[executor.id].append(spec)
         if self.listeners:
             self._emit("task_submitted", {"task": task, "executor": executor})
         return executor.id
@@ -309,6 +316,14 @@ class Dispatcher:
             raise NoExecutor(f"no executor runs op {op!r} with tags {sorted(tags)}; "
                              f"connected: {connected}")
         return best
+
+    def _input_ref(self, value: Any, executor: ExecutorInfo) -> Any:
+        """The wire form of one task input (flowkit/runtime/refs.py)."""
+        if isinstance(value, Item):
+            return [self._input_object(value.future, executor), int(value.index)]
+        if isinstance(value, Gather):
+            return {"gather": [self._input_ref(part, executor) for part in value.parts]}
+        return self._input_object(value, executor)
 
     def _input_object(self, value: Any, executor: ExecutorInfo) -> int:
         if isinstance(value, Future):
@@ -422,4 +437,10 @@ class Dispatcher:
 
 
 _NO_INLINE = object()
+
+
+def _ids_of(refs: list) -> list[int]:
+    if all(type(ref) is int for ref in refs):
+        return refs
+    return [object_id for ref in refs for object_id in object_ids(ref)]
 _FREE_BATCH, _FREE_DELAY_S = 256, 0.02
