@@ -275,6 +275,22 @@ def _check_output(ctx: click.Context, param: click.Parameter, value: Path | None
     callback=_check_output,
     help="Write a Gantt chart (.svg, or .png with matplotlib).",
 )
+@click.option(
+    "--execute",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Also run the schedule on N simulator executor processes (N = devices) and print "
+    "measured against simulated makespan and bubble rate.",
+)
+@click.option(
+    "--unit",
+    "unit_s",
+    type=_FiniteFloat(min=0, min_open=True),
+    default=0.002,
+    show_default=True,
+    help="Seconds one cost unit takes on the simulator executors (with --execute).",
+)
 def schedule(
     kind,
     devices,
@@ -287,6 +303,8 @@ def schedule(
     chunks,
     json_out,
     plot,
+    execute,
+    unit_s,
 ) -> None:
     """Build, validate and simulate a pipeline schedule (or `compare` all kinds)."""
     if mem_text is not None and dims_text is not None:
@@ -304,9 +322,40 @@ def schedule(
     if kind == "compare":
         if json_out or plot:
             raise click.UsageError("--json and --plot need a single KIND, not compare")
+        if execute:
+            raise click.UsageError("--execute needs a single KIND, not compare")
         _compare(console, chunks, build_kwargs)
         return
-    _run_one(console, kind, chunks, build_kwargs, json_out, plot)
+    if execute is not None and execute != devices:
+        raise click.UsageError(f"--execute {execute}: the schedule has {devices} devices and "
+                               f"runs one per executor; use --execute {devices}")
+    sched, stage_costs = _run_one(console, kind, chunks, build_kwargs, json_out, plot)
+    if execute:
+        _execute(console, sched, stage_costs, unit_s)
+
+
+def _execute(console: Console, sched: Schedule, stage_costs: Costs, unit_s: float) -> None:
+    from flowkit.runtime.pipeline import execute_on_simulators
+
+    console.print(f"running on {sched.num_devices} simulator executors, 1 unit = "
+                  f"{unit_s * 1e3:g} ms ...")
+    figures = execute_on_simulators(sched, stage_costs, unit_s=unit_s)
+    table = Table(title="measured on simulator executors (median of 3 runs)",
+                  title_justify="left")
+    for column in ("", "measured", "simulated"):
+        table.add_column(column, justify="right")
+    for column in ("measured / simulated", "simulated without comm"):
+        table.add_column(column, justify="right")
+    table.add_row("makespan", f"{figures['measured_makespan_s'] * 1e3:.2f} ms",
+                  f"{figures['simulated_makespan_s'] * 1e3:.2f} ms",
+                  f"{figures['makespan_ratio']:.3f}",
+                  f"{figures['nominal_makespan_s'] * 1e3:.2f} ms")
+    table.add_row("bubble rate", f"{figures['measured_bubble_rate']:.4f}",
+                  f"{figures['simulated_bubble_rate']:.4f}", "",
+                  f"{figures['nominal_bubble_rate']:.4f}")
+    console.print(table)
+    console.print(f"simulated with comm = the profiled hop of one activation between executors, "
+                  f"{figures['hop_s'] * 1e6:.0f} µs (median of 100)")
 
 
 def _run_one(
@@ -316,7 +365,7 @@ def _run_one(
     build_kwargs: dict,
     json_out: Path | None,
     plot: Path | None,
-) -> None:
+) -> tuple[Schedule, Costs]:
     try:
         sched = build_schedule(kind, chunks=chunks, **build_kwargs)
         stage_costs = build_kwargs["costs"].for_placement(sched.placement)
@@ -347,3 +396,4 @@ def _run_one(
         except RuntimeError as err:  # matplotlib missing for .png
             raise click.ClickException(str(err)) from None
         console.print(f"wrote {plot}")
+    return sched, stage_costs

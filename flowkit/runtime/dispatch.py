@@ -182,6 +182,7 @@ class Dispatcher:
             future = self.futures.pop(record.id, None)
             if future is not None:
                 future.count, future.keys = out.get("count"), out.get("keys")
+                future.timing = (task.start, task.end)
                 value = unpack(out["inline"], []) if "inline" in out else _NO_INLINE
                 self.callbacks += future._resolve(location=executor.id, nbytes=record.nbytes,
                                                    **({} if value is _NO_INLINE else

@@ -57,7 +57,7 @@ class Future:
     """
 
     __slots__ = ("id", "_controller", "_state", "_value", "_error", "_callbacks", "location",
-                 "nbytes", "count", "keys", "__weakref__")
+                 "nbytes", "count", "keys", "timing", "__weakref__")
 
     def __init__(self, object_id: int, controller: Controller) -> None:
         self.id = object_id
@@ -70,6 +70,7 @@ class Future:
         self.nbytes = 0
         self.count: int | None = None  # for a list value: its length (a Stream's item count)
         self.keys: list | None = None  # each item's field the task was asked to report
+        self.timing: tuple[float, float] | None = None  # the producing op's (start, end), wall
 
     def __del__(self) -> None:
         # Only a deque append: __del__ may run on any thread, inside any lock.

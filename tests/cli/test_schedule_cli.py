@@ -204,3 +204,16 @@ def test_env_var_sets_costs(monkeypatch):
     monkeypatch.setenv("FLOWKIT_SCHEDULE_COST", "F=1,B=1,W=2")
     result = _run("1f1b", "-p", "2", "-m", "2")
     assert result.exit_code == 0 and "makespan 12" in result.output
+
+
+def test_execute_runs_the_schedule_on_simulator_executors():
+    result = _run("zb-h1", "-p", "2", "-m", "4", "--execute", "2", "--unit", "0.001")
+    assert result.exit_code == 0, result.output
+    assert "measured on simulator executors" in result.output
+    assert "makespan" in result.output and "profiled hop" in result.output
+
+
+def test_execute_needs_one_executor_per_device():
+    result = _run("1f1b", "-p", "4", "-m", "4", "--execute", "2")
+    assert result.exit_code == 2
+    assert "--execute 4" in result.output

@@ -1,0 +1,129 @@
+"""The timed simulator executor: every model op keeps the executor busy for the time its cost
+says and returns outputs of the right kind and size, so any plan runs on real processes, with
+real dispatch and real data movement, on a machine without a GPU.
+
+The planner's lowering puts each task's cost in its config (`seconds`, or `seconds_per_token` for
+ops whose time depends on what they produce); this module only obeys it. Sampled lengths and
+values come from a generator seeded by the task's identity, so a run is reproducible.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+from executors.ops import OpContext, OpTable
+
+__all__ = ["busy_for", "register"]
+
+_SPIN_S = 0.0002
+
+
+def busy_for(seconds: float) -> None:
+    """Occupy this executor for `seconds`: sleep most of it (other executors share the cores),
+    then spin briefly so the op ends on time rather than when the scheduler wakes us."""
+    deadline = time.perf_counter() + max(0.0, float(seconds))
+    if seconds > _SPIN_S:
+        time.sleep(seconds - _SPIN_S)
+    while time.perf_counter() < deadline:
+        pass
+
+
+def _activation(nbytes: int) -> Any:
+    import torch
+
+    return torch.empty(max(0, int(nbytes)), dtype=torch.uint8)
+
+
+# -- pipeline stage ops: F, B, W, BW -----------------------------------------------------------
+def _forward(ctx: OpContext, *inputs: Any, seconds: float = 0.0, out_bytes: int = 0,
+             last: bool = False, tokens: int = 0, **meta: Any) -> Any:
+    """An activation for the next stage, or on the last stage this microbatch's loss stats."""
+    busy_for(seconds)
+    if last:
+        rng = random.Random(_seed(ctx, meta))
+        return {"loss": 2.0 + rng.random(), "tokens": int(tokens)}
+    return _activation(out_bytes)
+
+
+def _backward_input(ctx: OpContext, *inputs: Any, seconds: float = 0.0, out_bytes: int = 0,
+                    first: bool = False, **meta: Any) -> Any:
+    """The gradient for the previous stage's output (nothing on the first stage)."""
+    busy_for(seconds)
+    return None if first else _activation(out_bytes)
+
+
+def _backward_weight(ctx: OpContext, *inputs: Any, seconds: float = 0.0, **meta: Any) -> None:
+    busy_for(seconds)
+
+
+def _optimizer_step(ctx: OpContext, *inputs: Any, seconds: float = 0.0, model: str = "",
+                    step: int = 0, **config: Any) -> dict:
+    busy_for(seconds)
+    return {"model": model, "version": int(step) + 1}
+
+
+# -- generation and inference ------------------------------------------------------------------
+def _generate(ctx: OpContext, prompt: Any, *weights: Any, n: int = 1, max_new_tokens: int = 16,
+              seconds_per_token: float = 0.0, min_new_tokens: int = 1, **config: Any) -> list:
+    """n rollouts of a prompt whose lengths have the long tail real sampling has: most stop
+    early, a few run to max_new_tokens. The executor is busy as long as a batch of n sequences
+    decoding together takes: the longest one's tokens."""
+    from dataflows.records import Rollout
+
+    rng = random.Random(f"{getattr(prompt, 'prompt_id', prompt)}")
+    lengths = [_sampled_length(rng, min_new_tokens, max_new_tokens) for _ in range(n)]
+    busy_for(seconds_per_token * max(lengths))
+    rollouts = []
+    for sample, length in enumerate(lengths):
+        tokens = [rng.randrange(32, 127) for _ in range(length)]
+        rollouts.append(Rollout(
+            prompt_id=getattr(prompt, "prompt_id", 0), sample=sample,
+            prompt_tokens=list(getattr(prompt, "tokens", [])), response_tokens=tokens,
+            logprobs=[-rng.random() * 3 for _ in tokens], finished=length < max_new_tokens,
+            answer=getattr(prompt, "answer", None)))
+    return rollouts
+
+
+def _sampled_length(rng: random.Random, low: int, high: int) -> int:
+    # exponential around a quarter of the budget, clipped: a long tail at max_new_tokens
+    return max(low, min(high, int(rng.expovariate(4.0 / max(1, high))) + 1))
+
+
+def _token_scores(ctx: OpContext, rollout: Any, *, seconds_per_token: float = 0.0,
+                  **config: Any) -> Any:
+    """Per-token log-probabilities or values of one response."""
+    from dataflows.records import TokenScores
+
+    tokens = len(getattr(rollout, "response_tokens", ()))
+    busy_for(seconds_per_token * (tokens + len(getattr(rollout, "prompt_tokens", ()))))
+    rng = random.Random(f"{getattr(rollout, 'prompt_id', 0)}/{getattr(rollout, 'sample', 0)}")
+    return TokenScores(prompt_id=getattr(rollout, "prompt_id", 0),
+                       sample=getattr(rollout, "sample", 0),
+                       values=[-rng.random() * 3 for _ in range(tokens)])
+
+
+def _reward_model(ctx: OpContext, rollout: Any, *, seconds_per_token: float = 0.0,
+                  **config: Any) -> float:
+    tokens = len(getattr(rollout, "response_tokens", ()))
+    busy_for(seconds_per_token * tokens)
+    return random.Random(f"{getattr(rollout, 'prompt_id', 0)}").random()
+
+
+def _seed(ctx: OpContext, meta: dict) -> str:
+    return f"{ctx.name}/{meta.get('stage')}/{meta.get('microbatch')}/{meta.get('step')}"
+
+
+def register(table: OpTable) -> None:
+    import torch  # noqa: F401 - imported now so the first op's time is not the import's
+
+    table.register("F", _forward)
+    table.register("B", _backward_input)
+    table.register("W", _backward_weight)
+    table.register("BW", _backward_input)  # one op doing both: its cost says how long
+    table.register("optimizer_step", _optimizer_step)
+    table.register("generate", _generate)
+    table.register("logprobs", _token_scores)
+    table.register("values", _token_scores)
+    table.register("reward_model", _reward_model)

@@ -1,0 +1,213 @@
+"""Run a pipeline schedule from the planner on executors: one task per action.
+
+Each device's actions go to one executor in one lane, so they run in the schedule's order
+[Note: lanes]; dependencies between stages are objects: F of stage s reads the activation F of
+stage s-1 made, B of stage s reads the gradient B of stage s+1 made (the last stage's B reads its
+own F's output), W reads its B's output, which sits on the same executor and never moves. Every
+task is submitted before the first one finishes: the control plane runs ahead of the data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from flowkit.planner import Action, Costs, Kind, Schedule
+from flowkit.planner.simulate import dependencies
+from flowkit.runtime.controller import Controller
+from flowkit.runtime.futures import Future, wait
+from flowkit.runtime.records import ExecutorInfo
+
+__all__ = ["PipelineRun", "submit_schedule", "submission_order"]
+
+ConfigFor = Callable[[Action], dict]
+
+
+@attrs.define
+class PipelineRun:
+    """The futures of a submitted schedule; `timings()` once they are done."""
+
+    schedule: Schedule
+    futures: dict[Action, Future]
+    losses: list[Future]  # per microbatch: the last stage's forward output
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every action is done; raise the first failure."""
+        done, pending = wait(self.futures.values(), timeout=timeout)
+        if pending:
+            raise TimeoutError(f"{len(pending)} of {len(self.futures)} pipeline actions were "
+                               f"not done after {timeout} s")
+        for action in sorted(self.futures, key=str):
+            error = self.futures[action].exception()
+            if error is not None:
+                raise error
+
+    def measured(self) -> dict:
+        """Makespan, per-device span and busy time, and the bubble rate as the planner defines
+        it (flowkit/planner/simulate.py), from the executors' own start and end times."""
+        by_device: dict[int, list[tuple[float, float]]] = {}
+        for action, future in self.futures.items():
+            device = self.schedule.placement.device_of(action.stage)
+            by_device.setdefault(device, []).append(future.timing)
+        first = min(s for spans in by_device.values() for s, _ in spans)
+        last = max(e for spans in by_device.values() for _, e in spans)
+        span = [max(e for _, e in by_device[d]) - min(s for s, _ in by_device[d])
+                for d in sorted(by_device)]
+        busy = [sum(e - s for s, e in by_device[d]) for d in sorted(by_device)]
+        bubble = (max(span) - max(busy)) / max(span) if max(span) > 0 else 0.0
+        return {"makespan": last - first, "device_span": span, "busy": busy,
+                "bubble_rate": bubble}
+
+
+def submission_order(schedule: Schedule) -> list[tuple[int, Action]]:
+    """(device, action) in an order that keeps each device's order and submits every action
+    after the actions it reads from, so their futures exist when it is submitted."""
+    cursor = [0] * schedule.num_devices
+    submitted: set[tuple[int, str, int]] = set()
+    order: list[tuple[int, Action]] = []
+    progress = True
+    while progress:
+        progress = False
+        for device, ops in enumerate(schedule.device_ops):
+            while cursor[device] < len(ops):
+                action = ops[cursor[device]]
+                if not all(_dep_key(dep) in submitted
+                           for dep in dependencies(action, schedule.num_stages)):
+                    break
+                submitted.add(_key(action))
+                order.append((device, action))
+                cursor[device] += 1
+                progress = True
+    if len(order) != sum(len(ops) for ops in schedule.device_ops):
+        raise ValueError(f"schedule {schedule.kind!r} deadlocks: validate it with the planner")
+    return order
+
+
+def submit_schedule(ctl: Controller, schedule: Schedule, executors: Sequence[ExecutorInfo], *,
+                    microbatch_inputs: Sequence[Any] | None = None,
+                    config_for: ConfigFor | None = None, lane: str = "pipeline",
+                    meta: dict | None = None) -> PipelineRun:
+    """Submit every action of `schedule`, device d on `executors[d]`. `microbatch_inputs[mb]`
+    (a future, Item, Gather or value) feeds stage 0's forward of microbatch mb; `config_for`
+    gives each action's op config (its cost, for the simulator)."""
+    if len(executors) != schedule.num_devices:
+        raise ValueError(f"schedule {schedule.kind!r} needs {schedule.num_devices} executors, "
+                         f"got {len(executors)}")
+    run = PipelineRun(schedule=schedule, futures={}, losses=[])
+    outputs: dict[tuple[int, str, int], Future] = {}
+    last = schedule.num_stages - 1
+    for device, action in submission_order(schedule):
+        inputs = _inputs_of(action, outputs, last, microbatch_inputs)
+        task_meta = {**(meta or {}), "stage": action.stage, "microbatch": action.microbatch,
+                     "device": device, "action": str(action)}
+        config = dict(config_for(action)) if config_for else {}
+        future = ctl.submit(action.kind.value, *inputs, config=config,
+                            executor=executors[device].id, lane=f"{lane}/{device}",
+                            meta=task_meta)
+        outputs[_key(action)] = future
+        run.futures[action] = future
+    run.losses = [outputs[(last, "F", mb)] for mb in range(schedule.microbatches)]
+    return run
+
+
+def _inputs_of(action: Action, outputs: dict, last: int,
+               microbatch_inputs: Sequence[Any] | None) -> list:
+    if action.kind is Kind.F and action.stage == 0:
+        return [] if microbatch_inputs is None else [microbatch_inputs[action.microbatch]]
+    return [outputs[_dep_key(dep)] for dep in dependencies(action, last + 1)]
+
+
+def _key(action: Action) -> tuple[int, str, int]:
+    # B and BW share a key: whichever a stage uses is "the backward" its dependents read
+    kind = "B" if action.kind in (Kind.B, Kind.BW) else action.kind.value
+    return (action.stage, kind, action.microbatch)
+
+
+def _dep_key(dep: tuple[int, Kind | None, int]) -> tuple[int, str, int]:
+    stage, kind, mb = dep
+    return (stage, "B" if kind is None else kind.value, mb)
+
+
+def stage_costs_config(costs: Costs, *, activation_bytes: int = 0) -> ConfigFor:
+    """Op configs for the simulator executor: each action's cost in seconds and its output size."""
+    last = costs.num_stages - 1
+
+    def config_for(action: Action) -> dict:
+        config = {"seconds": costs.of(action)}
+        if action.kind is Kind.F:
+            config.update(out_bytes=activation_bytes, last=action.stage == last)
+        elif action.kind in (Kind.B, Kind.BW):
+            config.update(out_bytes=activation_bytes, first=action.stage == 0)
+        return config
+
+    return config_for
+
+
+def execute_on_simulators(schedule: Schedule, stage_costs: Costs, *, unit_s: float = 0.001,
+                          repeats: int = 3, activation_bytes: int = 1 << 16) -> dict:
+    """Run `schedule` on one simulator executor per device, costs in units of `unit_s`
+    seconds: the median of `repeats` runs after a warm-up, against the planner's simulation.
+
+    The simulation's communication cost is profiled in the same run, as the Zero Bubble paper
+    profiles T_comm: the median time an activation takes from the end of the op that made it
+    to the start of the op that reads it on another executor. With it, measured against
+    simulated says whether the runtime adds anything beyond moving the data.
+    """
+    from flowkit.planner import simulate
+    from flowkit.runtime.launch import LocalExecutors
+
+    seconds = _in_seconds(stage_costs, unit_s)
+    config_for = stage_costs_config(seconds, activation_bytes=activation_bytes)
+    with Controller() as ctl:
+        executors = LocalExecutors(ctl, schedule.num_devices, kind="sim", name_prefix="sim")
+        infos = sorted(executors.start(), key=lambda e: int(e.name.rsplit("-", 1)[1]))
+        try:
+            hop_s = profile_hop(ctl, infos, activation_bytes) if len(infos) > 1 else 0.0
+            runs = []
+            for _ in range(repeats + 1):  # the first run warms up sockets and caches
+                run = submit_schedule(ctl, schedule, infos, config_for=config_for)
+                run.wait(timeout=60 + 10 * simulate(schedule, seconds).makespan)
+                runs.append(run.measured())
+        finally:
+            ctl.shutdown()
+            executors.stop()
+    median = sorted(runs[1:], key=lambda m: m["makespan"])[len(runs[1:]) // 2]
+    nominal = simulate(schedule, seconds)
+    profiled = simulate(schedule, attrs.evolve(seconds, comm=seconds.comm + hop_s))
+    return {"kind": schedule.kind, "devices": schedule.num_devices,
+            "microbatches": schedule.microbatches, "unit_s": unit_s, "hop_s": hop_s,
+            "measured_makespan_s": median["makespan"],
+            "simulated_makespan_s": profiled.makespan,
+            "nominal_makespan_s": nominal.makespan,
+            "measured_bubble_rate": median["bubble_rate"],
+            "simulated_bubble_rate": profiled.bubble_rate,
+            "nominal_bubble_rate": nominal.bubble_rate,
+            "makespan_ratio": median["makespan"] / profiled.makespan}
+
+
+def profile_hop(ctl: Controller, executors: Sequence[ExecutorInfo], nbytes: int,
+                hops: int = 100) -> float:
+    """Median seconds from one executor's op end to the next executor's op start when the
+    second reads the first's `nbytes` output: the per-hop cost of a pipeline dependency."""
+    value = ctl.put(_zeros(nbytes), executor=executors[0].id)
+    chain = []
+    for i in range(hops + 1):
+        value = ctl.submit("identity", value, executor=executors[(i + 1) % 2].id)
+        chain.append(value)
+    chain[-1].result(timeout=60)
+    wait(chain, timeout=60)
+    gaps = sorted(b.timing[0] - a.timing[1] for a, b in zip(chain, chain[1:]))
+    return max(0.0, gaps[len(gaps) // 2])
+
+
+def _zeros(nbytes: int) -> Any:
+    import torch
+
+    return torch.zeros(nbytes, dtype=torch.uint8)
+
+
+def _in_seconds(costs: Costs, unit_s: float) -> Costs:
+    return Costs(F=[c * unit_s for c in costs.F], B=[c * unit_s for c in costs.B],
+                 W=[c * unit_s for c in costs.W], comm=costs.comm * unit_s)

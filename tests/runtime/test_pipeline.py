@@ -1,0 +1,77 @@
+"""Pipeline schedules from the planner run on simulator executor processes."""
+
+import pytest
+
+from flowkit.planner import Action, Costs, Kind
+from flowkit.planner.schedules import build_schedule
+from flowkit.runtime import Controller, LocalExecutors
+from flowkit.runtime.pipeline import (
+    stage_costs_config,
+    submission_order,
+    submit_schedule,
+)
+
+P, M = 3, 6
+
+
+@pytest.fixture(scope="module")
+def sims():
+    ctl = Controller()
+    executors = LocalExecutors(ctl, P, kind="sim", name_prefix="sim")
+    infos = sorted(executors.start(), key=lambda e: e.name)
+    try:
+        yield ctl, infos
+    finally:
+        ctl.shutdown()
+        executors.stop()
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "zb-h1", "zb-h2", "gpipe"])
+def test_submission_order_keeps_device_order_and_dependencies(kind):
+    costs = Costs.uniform(P)
+    schedule = build_schedule(kind, devices=P, microbatches=M, costs=costs)
+    order = submission_order(schedule)
+    for device, ops in enumerate(schedule.device_ops):
+        assert [a for d, a in order if d == device] == list(ops)
+    position = {a: i for i, (_, a) in enumerate(order)}
+    for action, i in position.items():
+        if action.kind is Kind.F and action.stage > 0:
+            assert position[Action(action.stage - 1, Kind.F, action.microbatch)] < i
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "zb-h1", "interleaved-1f1b"])
+def test_a_schedule_runs_every_action_once_in_each_devices_order(sims, kind):
+    ctl, infos = sims
+    costs = Costs.uniform(P, F=0.002, B=0.002, W=0.001)
+    schedule = build_schedule(kind, devices=P, microbatches=M, costs=costs)
+    stage_costs = costs.for_placement(schedule.placement)
+    run = submit_schedule(ctl, schedule, infos,
+                          config_for=stage_costs_config(stage_costs, activation_bytes=4096))
+    run.wait(timeout=30)
+    assert len(run.futures) == sum(len(ops) for ops in schedule.device_ops)
+    for device, ops in enumerate(schedule.device_ops):
+        starts = [run.futures[a].timing[0] for a in ops]
+        assert starts == sorted(starts), f"device {device} ran out of schedule order"
+        assert {run.futures[a].location for a in ops} == {infos[device].id}
+    losses = [f.result(timeout=5) for f in run.losses]
+    assert len(losses) == M and all(loss["loss"] > 0 for loss in losses)
+    measured = run.measured()
+    assert measured["makespan"] > 0 and 0 <= measured["bubble_rate"] < 1
+
+
+def test_a_failing_stage_fails_everything_downstream_and_nothing_hangs(sims):
+    ctl, infos = sims
+    costs = Costs.uniform(P, F=0.001, B=0.001, W=0.001)
+    schedule = build_schedule("1f1b", devices=P, microbatches=M, costs=costs)
+
+    def config_for(action):
+        config = stage_costs_config(costs)(action)
+        if action == Action(1, Kind.F, 2):
+            config["seconds"] = "not a number"  # the op raises on the executor
+        return config
+
+    run = submit_schedule(ctl, schedule, infos, config_for=config_for)
+    with pytest.raises(Exception, match="1F2|not a number|could not convert"):
+        run.wait(timeout=30)
+    assert run.futures[Action(2, Kind.F, 2)].exception(timeout=5) is not None
+    assert run.futures[Action(0, Kind.F, 0)].exception(timeout=5) is None
