@@ -10,8 +10,9 @@ from flowkit import __version__
 
 __all__ = ["main"]
 
-# name -> "module:attribute". New commands (run, executor, bench) slot in here.
+# name -> "module:attribute".
 _COMMANDS = {
+    "bench": "flowkit.cli.bench:bench",
     "check": "flowkit.cli.check:check",
     "executor": "flowkit.cli.executor:executor",
     "graph": "flowkit.cli.graph:graph",

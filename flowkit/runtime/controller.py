@@ -11,12 +11,13 @@ executor think its controller died.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import zmq
@@ -57,6 +58,7 @@ class Controller:
         self._released: deque = deque()  # ids of futures the user dropped [Note: object lifetime]
         self._processes: dict[int, Any] = {}
         self._stopping = False
+        self._batching = 0  # > 0 inside `batch()`: submit queues without sending
         self._state = Dispatcher(condition=self.condition, send_raw=self._send_raw,
                                  ping_interval=ping_interval, ping_timeout=ping_timeout,
                                  heartbeat_address=self._heartbeat.address)
@@ -124,13 +126,27 @@ class Controller:
         with self._driving():
             target = self._state.submit(op, inputs, config or {}, executor, frozenset(tags),
                                         futures, meta or {}, lane, report_key)
-            if target is not None:
+            if target is not None and not self._batching:
                 info = self._state.executor(target)
                 # An idle executor gets its task now; a busy one gets tasks in batches.
                 if info.outstanding <= 1 or self._state.queued(target) >= _BATCH:
                     self._state.flush(target)
         self._state.run_callbacks()
         return futures[0] if outputs == 1 else futures
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Hold the tasks submitted inside until the block ends, then send each executor its
+        share in one message: a whole plan goes out at once, so no executor starts its first
+        op while the controller is still submitting its second."""
+        self._batching += 1
+        try:
+            yield
+        finally:
+            self._batching -= 1
+            if not self._batching:
+                with self._driving():
+                    self._state.flush()
 
     def put(self, value: Any, *, executor: int | None = None) -> Future:
         """Place `value` on an executor (the least loaded, unless named) as a future."""
@@ -210,7 +226,8 @@ class Controller:
         self._run_commands()
         if self._router in events:
             self._drain_router()
-        self._state.flush()
+        if until is not None or not self._batching:  # a user waiting inside batch() needs it
+            self._state.flush()
 
     def _drain_router(self) -> None:
         router = self._router

@@ -96,6 +96,17 @@ def submit_schedule(ctl: Controller, schedule: Schedule, executors: Sequence[Exe
         raise ValueError(f"schedule {schedule.kind!r} needs {schedule.num_devices} executors, "
                          f"got {len(executors)}")
     run = PipelineRun(schedule=schedule, futures={}, losses=[])
+    with ctl.batch():
+        _submit_actions(ctl, schedule, executors, run, microbatch_inputs, config_for, lane,
+                        meta)
+    last = schedule.num_stages - 1
+    run.losses = [run.futures[Action(last, Kind.F, mb)] for mb in range(schedule.microbatches)]
+    return run
+
+
+def _submit_actions(ctl: Controller, schedule: Schedule, executors: Sequence[ExecutorInfo],
+                    run: PipelineRun, microbatch_inputs: Sequence[Any] | None,
+                    config_for: ConfigFor | None, lane: str, meta: dict | None) -> None:
     outputs: dict[tuple[int, str, int], Future] = {}
     last = schedule.num_stages - 1
     for device, action in submission_order(schedule):
@@ -108,8 +119,6 @@ def submit_schedule(ctl: Controller, schedule: Schedule, executors: Sequence[Exe
                             meta=task_meta)
         outputs[_key(action)] = future
         run.futures[action] = future
-    run.losses = [outputs[(last, "F", mb)] for mb in range(schedule.microbatches)]
-    return run
 
 
 def _inputs_of(action: Action, outputs: dict, last: int,
