@@ -99,6 +99,8 @@ def builtin_ops() -> OpTable:
     table.register("fail", _fail)
     table.register("clock", _clock)
     table.register("python", _python)
+    table.register("make_tensor", _make_tensor)
+    table.register("nbytes", _nbytes)
     return table
 
 
@@ -109,3 +111,25 @@ def load_plugin_ops(table: OpTable) -> list[str]:
         entry.load()(table)
         loaded.append(entry.name)
     return loaded
+
+
+def _make_tensor(ctx: OpContext, *inputs: Any, nbytes: int, dtype: str = "uint8") -> Any:
+    """A tensor of `nbytes` bytes whose byte i is i % 251: made on the executor, so transfer
+    benchmarks and tests move data the controller never held."""
+    import torch
+
+    pattern = torch.arange(251, dtype=torch.uint8)
+    data = pattern.repeat(nbytes // 251 + 1)[:nbytes].clone()
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"unknown torch dtype {dtype!r}")
+    return data.view(torch_dtype)
+
+
+def _nbytes(ctx: OpContext, value: Any) -> int:
+    """The size of a tensor's, array's or bytes' data, without reading it."""
+    if hasattr(value, "element_size"):
+        return value.numel() * value.element_size()
+    if hasattr(value, "nbytes"):
+        return int(value.nbytes)
+    return len(value)

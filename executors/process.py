@@ -214,7 +214,17 @@ class Executor:
                 self.ready.append(task)
 
     def _on_object(self, header: dict, frames: list) -> None:
-        value = unpack(header["meta"]["body"], frames)
+        meta = header["meta"]
+        if not isinstance(meta.get("body"), bytes):
+            raise ProtocolError(f"{header['t']}: meta must carry the value's msgpack body")
+        if "layout" in meta:  # from a peer: shared-memory handles and chunks (runtime/shm.py)
+            frames = self._peer_transport().decode(meta, frames)
+        try:
+            value = unpack(meta["body"], frames)
+        finally:
+            # unpack's hook is a closure that refers to itself, so the list lingers until the
+            # cyclic GC runs; emptied, it cannot delay giving a segment back to its sender
+            frames.clear()
         self._store(header["object"], value)
 
     def _on_send(self, header: dict, frames: list) -> None:
@@ -282,8 +292,22 @@ class Executor:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(address)
         body, frames = pack(self.objects[object_id])
-        sock.send_multipart(encode(Msg.DATA, {"object": object_id, "meta": {"body": body}},
-                                   frames), copy=False)
+        meta, wire = self._peer_transport().encode(body, frames, address)
+        frames.clear()  # pack's closure cycle holds the list: see _on_object
+        sock.send_multipart(encode(Msg.DATA, {"object": object_id, "meta": meta}, wire),
+                            copy=False)
+
+    _transport = None  # the PeerTransport, made on first use
+
+    def _peer_transport(self) -> Any:
+        """Shared memory to peers on this host, chunked frames to others (runtime/shm.py)."""
+        if self._transport is None:
+            from flowkit.runtime.shm import PeerTransport
+
+            self._transport = PeerTransport(own_address=self.peer_address)
+            # close() and the heartbeat's exit run the hooks: the segments' names go with us
+            self.cleanup_hooks.append(self._transport.unlink_all)
+        return self._transport
 
     def _run_ready(self) -> None:
         ready, waiting = self.ready, self.waiting

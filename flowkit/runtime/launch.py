@@ -54,13 +54,17 @@ class LocalExecutors:
             raise
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Wait for the processes to exit after the controller's shutdown; kill stragglers."""
+        """Wait for the processes to exit after the controller's shutdown; kill stragglers; then
+        remove the shared-memory segments any of them left (one that was SIGKILLed could not)."""
+        from flowkit.runtime.shm import sweep
+
         for process in self.processes:
             try:
                 process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        sweep(process.pid for process in self.processes)
 
 
 def _per_executor_tags(tags: Sequence, count: int) -> list[tuple[str, ...]]:

@@ -1,0 +1,268 @@
+"""Tensors between executors: shared memory on one host, chunked frames across hosts, segments
+that never outlive their run, and malformed transfers that are refused without harm."""
+
+import contextlib
+import os
+import signal
+import time
+
+import pytest
+import torch
+import zmq
+
+from flowkit.runtime import Controller, ExecutorLost, LocalExecutors, RemoteError, wait
+from flowkit.runtime.protocol import Msg, encode
+from flowkit.runtime.serialize import SerializeError, pack, unpack
+from flowkit.runtime.shm import (
+    CHUNK_BYTES,
+    PeerTransport,
+    SegmentPool,
+    leftover_segments,
+    sweep,
+)
+
+MiB = 1 << 20
+LOCAL = "tcp://127.0.0.1:1"
+
+
+def _pattern(nbytes: int) -> torch.Tensor:
+    """What the built-in op make_tensor makes: byte i is i % 251."""
+    return torch.arange(251, dtype=torch.uint8).repeat(nbytes // 251 + 1)[:nbytes]
+
+
+@contextlib.contextmanager
+def _cluster(count: int = 2):
+    """Yields (controller, executor infos by name, launcher); on exit, checks that the executors'
+    own exit removed their segments before the launcher's sweep could."""
+    controller = Controller()
+    launcher = LocalExecutors(controller, count)
+    infos = sorted(launcher.start(), key=lambda e: e.name)
+    try:
+        yield controller, infos, launcher
+    finally:
+        controller.shutdown()
+        for process in launcher.processes:
+            process.wait(timeout=10)
+        left = leftover_segments(info.pid for info in infos)
+        launcher.stop()
+    assert left == [], f"executors exited leaving {left}"
+
+
+def _round_trip(tx: PeerTransport, rx: PeerTransport, value, address=LOCAL):
+    body, frames = pack(value)
+    meta, wire = tx.encode(body, frames, address)
+    received = rx.decode(meta, list(wire))
+    try:
+        return meta, unpack(body, received)
+    finally:
+        received.clear()
+
+
+# -- the transport in one process ----------------------------------------------------------------
+def test_large_frames_go_by_handle_small_ones_inline_and_segments_are_reused():
+    tx, rx = PeerTransport(own_address=LOCAL), PeerTransport()
+    try:
+        big, small = torch.randn(512, 1024), torch.arange(10)
+        meta, (got_big, got_small) = _round_trip(tx, rx, (big, small))
+        assert meta["layout"][0][0] == "shm" and meta["layout"][1] == 1
+        assert torch.equal(got_big, big) and torch.equal(got_small, small)
+        (segment,) = tx.pool.segments
+        assert segment.lent()
+        view = got_big[3:5]
+        del got_big
+        assert segment.lent()  # a view still uses the storage
+        del view
+        assert not segment.lent()  # the last view went: the segment is the sender's again
+        meta, again = _round_trip(tx, rx, big * 2)
+        assert tx.pool.segments == [segment] and torch.equal(again, big * 2)
+    finally:
+        tx.close()
+        rx.close()
+    assert leftover_segments([os.getpid()]) == []
+
+
+def test_frames_to_another_host_are_chunked_and_joined():
+    tx, rx = PeerTransport(force_frames=True), PeerTransport()
+    value = {"odd": _pattern(3 * MiB + 123), "t": torch.randn(700, 600).t(), "n": 7}
+    meta, got = _round_trip(tx, rx, value, address="tcp://10.1.2.3:5555")
+    assert meta["layout"] == [4, 2]  # 1 MiB chunks; no shared memory
+    assert torch.equal(got["odd"], value["odd"]) and torch.equal(got["t"], value["t"])
+    assert got["n"] == 7 and not tx.pool.segments
+
+
+def test_peer_addresses_on_this_host_are_local():
+    transport = PeerTransport(own_address="tcp://10.9.9.9:4000")
+    assert transport.is_local("tcp://127.0.0.1:5000") and transport.is_local("ipc:///tmp/x")
+    assert transport.is_local("tcp://10.9.9.9:5001")  # our own bind address
+    assert not transport.is_local("tcp://203.0.113.7:5000")
+
+
+def test_unlink_all_and_sweep_remove_names():
+    pool = SegmentPool()
+    handle = pool.put(memoryview(bytearray(2 * MiB)))
+    name = handle[1]
+    assert name == f"flowkit-{os.getpid()}-1" and leftover_segments([os.getpid()]) == [name]
+    pool.unlink_all()
+    assert leftover_segments([os.getpid()]) == []
+    pool.close()
+    pool = SegmentPool()
+    pool.put(memoryview(bytearray(2 * MiB)))
+    assert sweep([os.getpid()]) == [f"flowkit-{os.getpid()}-1"]
+    pool.close()
+
+
+@pytest.mark.parametrize("layout, wire, match", [
+    ("nope", [], "layout must be a list"),
+    ([3], [b"a", b"b"], "wants 3 more frames"),
+    ([1], [b"a", b"b"], "layout names 1"),
+    ([["shm", "../../etc/passwd", 4096, 10, "h"]], [], "not a flowkit shared-memory"),
+    ([["shm", "flowkit-1-999999", 4096, 10, None]], [], "is on host"),
+    ([["shm", "flowkit-1"]], [], "malformed shared-memory handle"),
+    ([["shm", "flowkit-1-1", -1, 10, None]], [], "bad offset"),
+])
+def test_malformed_layouts_are_serialize_errors(layout, wire, match):
+    rx = PeerTransport()
+    with pytest.raises(SerializeError, match=match):
+        rx.decode({"body": b"", "layout": layout}, wire)
+
+
+def test_handles_past_the_segment_or_not_lent_are_refused():
+    pool, rx = SegmentPool(), PeerTransport()
+    try:
+        handle = pool.put(memoryview(bytearray(2 * MiB)))
+        too_long = [*handle[:3], 1 << 40, handle[4]]
+        with pytest.raises(SerializeError, match="reaches past segment"):
+            rx.decode({"body": b"", "layout": [too_long]}, [])
+        pool.segments[0].mm[0] = 0  # given back already: an old handle must not map it again
+        with pytest.raises(SerializeError, match="not lent out"):
+            rx.decode({"body": b"", "layout": [handle]}, [])
+        missing = ["shm", f"flowkit-{os.getpid()}-77", 4096, 10, rx.host]
+        with pytest.raises(SerializeError, match="cannot open"):
+            rx.decode({"body": b"", "layout": [missing]}, [])
+    finally:
+        pool.close()
+
+
+# -- real executor processes ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pair():
+    """One cluster for the tests that leave it as they found it (cluster starts cost seconds)."""
+    with _cluster() as (ctl, (a, b), _):
+        yield ctl, a, b
+
+
+@pytest.mark.parametrize("mib", [4, 64])
+def test_large_tensors_move_executor_to_executor_through_shared_memory(pair, mib):
+    ctl, a, b = pair
+    made = ctl.submit("make_tensor", config={"nbytes": mib * MiB}, executor=a.id)
+    moved = ctl.submit("identity", made, executor=b.id)
+    assert ctl.submit("nbytes", moved, executor=b.id).result(timeout=30) == mib * MiB
+    assert leftover_segments([a.pid])  # lent to b, which still holds it
+    assert torch.equal(moved.result(timeout=30), _pattern(mib * MiB))
+    assert moved.location == b.id
+
+
+def test_dtypes_layouts_and_records_arrive_intact(pair):
+    ctl, a, b = pair
+    value = {
+        "strided": torch.randn(1024, 768).t()[::2],  # non-contiguous
+        "int": torch.arange(400_000, dtype=torch.int64).reshape(400, 1000),
+        "half": torch.randn(1 << 20, dtype=torch.bfloat16),
+        "small": torch.tensor([1, 2, 3]),
+        "items": [torch.zeros(3, dtype=torch.bool), "text", 1.5],
+    }
+    placed = ctl.put(value, executor=a.id)
+    got = ctl.submit("identity", placed, executor=b.id).result(timeout=30)
+    for key in ("strided", "int", "half", "small"):
+        assert got[key].dtype == value[key].dtype and torch.equal(got[key], value[key]), key
+    assert torch.equal(got["items"][0], value["items"][0]) and got["items"][1:] == ["text", 1.5]
+
+
+def test_numpy_arrays_arrive_intact(pair):
+    numpy = pytest.importorskip("numpy")
+    ctl, a, b = pair
+    array = numpy.arange(600_000, dtype=numpy.float32).reshape(600, 1000)[:, ::3]
+    moved = ctl.submit("identity", ctl.put(array, executor=a.id), executor=b.id)
+    got = moved.result(timeout=30)
+    assert got.dtype == array.dtype and (got == array).all()
+
+
+def test_forced_frames_path_moves_data_without_shared_memory(monkeypatch):
+    monkeypatch.setenv("FLOWKIT_PEER_TRANSPORT", "frames")
+    with _cluster() as (ctl, (a, b), _):
+        made = ctl.submit("make_tensor", config={"nbytes": 5 * MiB + 7}, executor=a.id)
+        moved = ctl.submit("identity", made, executor=b.id)
+        got = moved.result(timeout=30)
+        assert leftover_segments([a.pid, b.pid]) == []
+    assert torch.equal(got, _pattern(5 * MiB + 7)) and CHUNK_BYTES == MiB
+
+
+def test_segments_go_back_to_the_pool_when_the_consumer_frees_them(pair):
+    ctl, a, b = pair
+    base = ctl.submit("make_tensor", config={"nbytes": 8 * MiB}, executor=a.id)
+    wait([base])
+    before = len(leftover_segments([a.pid]))
+    for _ in range(8):
+        moved = ctl.submit("identity", base, executor=a.id)
+        assert ctl.submit("nbytes", moved, executor=b.id).result(timeout=30) == 8 * MiB
+        del moved
+        time.sleep(0.1)  # frees go out in batches
+    assert len(leftover_segments([a.pid])) <= before + 1
+
+
+def test_no_segment_is_left_after_an_op_fails():
+    with _cluster() as (ctl, (a, b), _):
+        made = ctl.submit("make_tensor", config={"nbytes": 4 * MiB}, executor=a.id)
+        with pytest.raises(RemoteError, match="failed on purpose"):
+            ctl.submit("fail", made, executor=b.id).result(timeout=30)
+        assert leftover_segments([a.pid])
+
+
+def test_a_killed_executor_leaves_no_segment_after_the_run():
+    with _cluster() as (ctl, (a, b), launcher):
+        made = ctl.submit("make_tensor", config={"nbytes": 4 * MiB}, executor=a.id)
+        moved = ctl.submit("identity", made, executor=b.id)
+        wait([moved], timeout=30)
+        later = ctl.submit("sleep", made, config={"seconds": 30}, executor=a.id)
+        os.kill(a.pid, signal.SIGKILL)
+        with pytest.raises(ExecutorLost):
+            later.result(timeout=30)
+        assert leftover_segments([a.pid])  # nobody could unlink them yet
+        assert torch.equal(moved.result(timeout=30), _pattern(4 * MiB))  # b's mapping works
+        launcher.processes[0].wait(timeout=10)
+        sweep([a.pid])  # what LocalExecutors.stop does; _cluster checks the rest is clean
+    assert leftover_segments([a.pid, b.pid]) == []
+
+
+def _send_data(address: str, layout, frames: list, body: bytes) -> None:
+    context = zmq.Context.instance()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(address)
+    sock.send_multipart(encode(Msg.DATA, {"object": 10**9, "meta": {"body": body,
+                                                                    "layout": layout}}, frames))
+    sock.close()
+
+
+def test_truncated_handles_and_chunks_are_refused_and_the_executor_keeps_serving(caplog):
+    body, frames = pack(torch.zeros(3 * MiB, dtype=torch.uint8))
+    chunks = [bytes(MiB), bytes(MiB), bytes(MiB // 2)]  # the last chunk cut short
+    with _cluster() as (ctl, (a, b), _):
+        _send_data(b.peer_address, [3], chunks, body)
+        _send_data(b.peer_address, [3], chunks[:2], body)  # a chunk missing
+        _send_data(b.peer_address, [["shm", f"flowkit-{a.pid}-404", 4096, 3 * MiB, "?"]], [],
+                   body)
+        _send_data(b.peer_address, [["shm", "flowkit-x"]], [], body)
+        _send_data(b.peer_address, [1], [b"\x00" * 10], b"\xc1garbage")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _rejections(caplog) < 5:
+            assert ctl.submit("identity", 5, executor=b.id).result(timeout=10) == 5
+            time.sleep(0.05)
+        assert _rejections(caplog) == 5
+        moved = ctl.submit("identity", ctl.submit("make_tensor", config={"nbytes": 2 * MiB},
+                                                  executor=a.id), executor=b.id)
+        assert torch.equal(moved.result(timeout=30), _pattern(2 * MiB))
+
+
+def _rejections(caplog) -> int:
+    return sum("rejected a message" in r.getMessage() for r in caplog.records)
