@@ -77,9 +77,34 @@ def _fail(ctx: OpContext, *inputs: Any, message: str = "failed on purpose") -> N
     raise RuntimeError(message)
 
 
-def _python(ctx: OpContext, *inputs: Any, target: str, config: dict | None = None) -> Any:
+def _python(ctx: OpContext, *inputs: Any, target: str, config: dict | None = None,
+            ports: list[str] | None = None, outputs: list[str] | None = None,
+            many: list[bool] | None = None) -> Any:
     """Run a flowkit `@op` function by its import path. Only functions declared with @op run:
-    the path must resolve to a FunctionOp, so a message cannot call arbitrary code."""
+    the path must resolve to a FunctionOp, so a message cannot call arbitrary code.
+
+    `ports` names the inputs (passed by keyword, so an optional port may be left out);
+    `outputs` names the ports of a multi-output op, whose function returns a mapping; `many`
+    marks the outputs that are Streams or Batches: their iterables become lists here, since a
+    generator cannot leave the process."""
+    function = _function_op(target)
+    if ports is not None:
+        result = function.fn(**dict(zip(ports, inputs, strict=True)), **(config or {}))
+    else:
+        result = function.fn(*inputs, **(config or {}))
+    if outputs is not None and len(outputs) > 1:
+        if not isinstance(result, dict) or set(result) != set(outputs):
+            raise TypeError(f"{target} declares outputs {outputs} and must return a mapping "
+                            f"with those keys, got {type(result).__name__}")
+        result = tuple(result[name] for name in outputs)
+    if many is None:
+        return result
+    values = result if isinstance(result, tuple) and len(many) > 1 else (result,)
+    values = tuple(list(v) if m and v is not None else v for v, m in zip(values, many))
+    return values if len(values) > 1 else values[0]
+
+
+def _function_op(target: str) -> Any:
     from flowkit.dsl.operators import FunctionOp
 
     module_name, _, qualname = target.partition(":")
@@ -88,7 +113,7 @@ def _python(ctx: OpContext, *inputs: Any, target: str, config: dict | None = Non
         obj = getattr(obj, part)
     if not isinstance(obj, FunctionOp):
         raise TypeError(f"{target} is not a flowkit @op function; refusing to run it")
-    return obj.fn(*inputs, **(config or {}))
+    return obj
 
 
 def builtin_ops() -> OpTable:

@@ -30,6 +30,8 @@ log = logging.getLogger("flowkit.executor")
 
 _INLINE_LIMIT = 2048  # outputs whose packed form is this small ride in the completion message
 _HOT_SECONDS = 0.001
+_TINY_OP_S = 0.00005
+_HOLD_BACK_S = 0.001  # the longest a finished task's completion waits behind another op
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: IntFlag arithmetic is slow
 
 
@@ -87,6 +89,10 @@ class Executor:
         self.sends: dict[int, list[str]] = defaultdict(list)  # object id -> peer addresses
         self.peers: dict[str, zmq.Socket] = {}
         self.completions: list[dict] = []
+        self.typical_op_s = 0.0  # a moving average of op time [Note: completion batching]
+        self.socket_lock = threading.Lock()
+        self.op_seq, self.in_op = 0, False
+        self.watch = _CompletionWatch(self)
         self.running = True
         self.cleanup_hooks: list = []  # run before exit, even when the controller died
         self._handlers = {
@@ -109,9 +115,12 @@ class Executor:
         heartbeat = _Heartbeat(self, welcome.get("heartbeat_address", self.connect_address),
                                welcome["ping_interval"], welcome["ping_timeout"])
         heartbeat.start()
+        self.socket_lock.acquire()  # the loop's, except while an op runs
+        self.watch.start()
         try:
             self._loop()
         finally:
+            self.watch.stop()
             heartbeat.stop()
             self.close()
         return 0
@@ -315,7 +324,15 @@ class Executor:
             task = ready.popleft()
             if waiting.pop(task.id, None) is None:
                 continue  # cancelled meanwhile
+            # [Note: completion batching] Completions go out in one message per burst of tiny
+            # tasks (dispatch throughput); once tasks take real time, each completion leaves
+            # before the next task starts. A long op in a burst of tiny ones (the long tail)
+            # must not hold back the finished ones either: the _CompletionWatch sends them.
+            if self.completions and self.typical_op_s > _TINY_OP_S:
+                self._flush_completions()
+            started = time.perf_counter()
             self._run(task)
+            self.typical_op_s += 0.2 * (time.perf_counter() - started - self.typical_op_s)
             if task.lane is not None:
                 self._leave_lane(task)
 
@@ -327,7 +344,7 @@ class Executor:
                 args = [self.objects[i] for i in task.inputs]
             else:
                 args = [resolve(ref, self.objects) for ref in task.inputs]
-            result = op(self.ctx, *args, **task.config)
+            result = self._call(op, args, task.config)
             outputs = _split_outputs(result, len(task.outputs), task.op)
         except Exception as exc:
             self._complete_failed(task, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
@@ -340,6 +357,21 @@ class Executor:
             done.append(_describe(object_id, value, task.report_key))
         self.completions.append({"task": task.id, "ok": True, "outputs": done,
                                  "start": start, "end": end})
+
+    def _call(self, op: Any, args: list, config: dict) -> Any:
+        """Run one op; while it runs the sockets belong to the watch, which takes them over if
+        the op turns out long [Note: completion batching]."""
+        self.op_seq += 1
+        self.in_op = True
+        self.socket_lock.release()
+        self.watch.armed.set()
+        try:
+            return op(self.ctx, *args, **config)
+        finally:
+            self.in_op = False
+            if self.watch.engaged:
+                self.watch.wake()
+            self.socket_lock.acquire()
 
     def _complete_failed(self, task: _Task, error: str, tb: str, *, start: float = 0.0) -> None:
         self.completions.append({"task": task.id, "ok": False, "error": error, "traceback": tb,
@@ -375,6 +407,8 @@ def _describe(object_id: int, value: Any, report_key: str | None = None) -> dict
         out["count"] = len(value)
         if report_key is not None:
             out["keys"] = [_key_of(item, report_key) for item in value]
+    elif report_key is not None:
+        out["keys"] = [_key_of(value, report_key)]
     if not frames and len(body) <= _INLINE_LIMIT:
         out["inline"] = body
     return out
@@ -383,6 +417,65 @@ def _describe(object_id: int, value: Any, report_key: str | None = None) -> dict
 def _key_of(item: Any, field: str) -> Any:
     key = item.get(field) if isinstance(item, dict) else getattr(item, field, None)
     return key if key is None or isinstance(key, (bool, int, float, str)) else str(key)
+
+
+class _CompletionWatch(threading.Thread):
+    """Serves the sockets while an op runs long: sends the completions waiting behind it, and
+    handles what arrives (objects peers ask for, new tasks, frees), so one slow op on an
+    executor does not stall data that other executors need from it."""
+
+    def __init__(self, executor: Executor) -> None:
+        super().__init__(name="flowkit-watch", daemon=True)
+        self.executor = executor
+        self.armed = threading.Event()
+        self.stopping = False
+        self.engaged = False
+        address = f"inproc://flowkit-watch-{id(self)}"
+        self._wake_in = executor.zmq.socket(zmq.PULL)
+        self._wake_in.bind(address)
+        self._wake_out = executor.zmq.socket(zmq.PUSH)  # the op thread's: "the op is over"
+        self._wake_out.connect(address)
+
+    def wake(self) -> None:
+        self._wake_out.send(b"")
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.armed.set()
+        self.join(timeout=1.0)
+        for sock in (self._wake_in, self._wake_out):
+            sock.close(linger=0)
+
+    def run(self) -> None:
+        executor = self.executor
+        poller = zmq.Poller()
+        for sock in (executor.control, executor.peer, self._wake_in):
+            poller.register(sock, zmq.POLLIN)
+        while True:
+            self.armed.wait()
+            self.armed.clear()
+            if self.stopping:
+                return
+            seq = executor.op_seq
+            time.sleep(_HOLD_BACK_S)  # short ops never meet the watch
+            if executor.op_seq == seq and executor.in_op:
+                with executor.socket_lock:
+                    self.engaged = True
+                    try:
+                        self._serve(poller, seq)
+                    finally:
+                        self.engaged = False
+
+    def _serve(self, poller: zmq.Poller, seq: int) -> None:
+        executor = self.executor
+        while executor.in_op and executor.op_seq == seq and executor.running:
+            executor._flush_completions()
+            for sock, _ in poller.poll(100):
+                if sock is self._wake_in:
+                    while self._wake_in.poll(0):
+                        self._wake_in.recv()
+                else:
+                    executor._drain(sock, peer=sock is executor.peer)
 
 
 class _Heartbeat(threading.Thread):

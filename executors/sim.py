@@ -39,12 +39,30 @@ def _activation(nbytes: int) -> Any:
 # -- pipeline stage ops: F, B, W, BW -----------------------------------------------------------
 def _forward(ctx: OpContext, *inputs: Any, seconds: float = 0.0, out_bytes: int = 0,
              last: bool = False, tokens: int = 0, **meta: Any) -> Any:
-    """An activation for the next stage, or on the last stage this microbatch's loss stats."""
+    """An activation for the next stage (with the microbatch's token count), or on the last
+    stage this microbatch's loss stats."""
     busy_for(seconds)
+    # the microbatch's token count rides with its activations, as real stages pass metadata on
+    carried = [v["tokens"] for v in inputs if isinstance(v, dict) and "tokens" in v]
+    count = int(tokens) or (carried[0] if carried else _tokens(inputs))
     if last:
+        from dataflows.records import MicrobatchStats
+
         rng = random.Random(_seed(ctx, meta))
-        return {"loss": 2.0 + rng.random(), "tokens": int(tokens)}
-    return _activation(out_bytes)
+        return MicrobatchStats(loss=2.0 + rng.random(), tokens=count)
+    return {"activation": _activation(out_bytes), "tokens": count}
+
+
+def _tokens(inputs: tuple) -> int:
+    """Tokens in a microbatch as it reached the first stage: records or token tensors."""
+    count = 0
+    for value in inputs:
+        for item in value if isinstance(value, list) else [value]:
+            if hasattr(item, "response_tokens"):
+                count += len(item.prompt_tokens) + len(item.response_tokens)
+            elif hasattr(item, "numel"):
+                count += int(item.numel())
+    return count
 
 
 def _backward_input(ctx: OpContext, *inputs: Any, seconds: float = 0.0, out_bytes: int = 0,
@@ -59,9 +77,20 @@ def _backward_weight(ctx: OpContext, *inputs: Any, seconds: float = 0.0, **meta:
 
 
 def _optimizer_step(ctx: OpContext, *inputs: Any, seconds: float = 0.0, model: str = "",
-                    step: int = 0, **config: Any) -> dict:
+                    step: int = 0, report: bool = False, **config: Any) -> Any:
+    """One stage's optimizer step. The stage that `report`s reads every microbatch's stats and
+    returns the step's metrics and the new weights' version."""
     busy_for(seconds)
-    return {"model": model, "version": int(step) + 1}
+    if not report:
+        return None
+    from dataflows.records import StepMetrics, WeightsVersion
+
+    stats = [s for value in inputs if isinstance(value, list) for s in value
+             if hasattr(s, "loss")]
+    loss = sum(s.loss for s in stats) / len(stats) if stats else 0.0
+    tokens = sum(s.tokens for s in stats)
+    return (StepMetrics(step=int(step), loss=loss, grad_norm=1.0, tokens=tokens),
+            WeightsVersion(model=model, version=int(step) + 1))
 
 
 # -- generation and inference ------------------------------------------------------------------

@@ -16,6 +16,7 @@ _COMMANDS = {
     "check": "flowkit.cli.check:check",
     "executor": "flowkit.cli.executor:executor",
     "graph": "flowkit.cli.graph:graph",
+    "run": "flowkit.cli.run:run",
     "schedule": "flowkit.cli.schedule:schedule",
 }
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import warnings
+from pathlib import Path
 
 import click
 
@@ -21,15 +23,25 @@ _KINDS = ("base", "sim", "torch")
               help="Which ops to load: built-ins, + the timed simulator, + torch stages.")
 @click.option("--peer-host", default="127.0.0.1", show_default=True,
               help="Address peers reach this executor's data socket at (set for multi-host).")
+@click.option("--code", "code_files", multiple=True,
+              type=click.Path(exists=True, dir_okay=False),
+              help="A flow file whose @op functions this executor may run (repeatable).")
 @click.option("--log-level", default="WARNING", show_default=True)
 def executor(connect: str, name: str | None, tags: str, device: str, kind: str, peer_host: str,
-             log_level: str) -> None:
+             code_files: tuple[str, ...], log_level: str) -> None:
     """Start an executor that serves a controller until it shuts down."""
     # One compute thread per executor: several share the machine's cores.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # torch's CPU wheel warns on import when numpy is absent; flowkit does not need numpy
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     from executors.kinds import op_table
     from executors.process import Executor
+    from flowkit.dsl.load import import_flow_file
+
+    # Code is fixed when the executor starts: a message can name an @op, never a file to load.
+    for path in code_files:
+        import_flow_file(Path(path))
 
     ops = op_table(kind)
     name = name or f"{socket.gethostname()}-{os.getpid()}"

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import sys
 from pathlib import Path
 
 from flowkit.dsl.flow import Flow
 
-__all__ = ["FlowLoadError", "load_flow"]
+__all__ = ["FlowLoadError", "import_flow_file", "load_flow"]
 
 
 class FlowLoadError(Exception):
@@ -25,7 +26,7 @@ def load_flow(spec: str) -> Flow:
                             "path/to/flow.py:name")
     if not path.is_file():
         raise FlowLoadError(f"no such file: {path}")
-    module = _import_file(path)
+    module = import_flow_file(path)
     name = name or "flow"
     if not hasattr(module, name):
         flows = [k for k, v in vars(module).items() if isinstance(v, Flow)]
@@ -39,8 +40,11 @@ def load_flow(spec: str) -> Flow:
     return value
 
 
-def _import_file(path: Path):
-    module_name = f"_flowkit_user_{path.stem}_{abs(hash(path.resolve()))}"
+def import_flow_file(path: Path):
+    """Import a flow file under a name that depends only on its path, so that executors that
+    import the same file (`flowkit executor --code`) find its @op functions by the same name."""
+    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+    module_name = f"_flowkit_user_{path.stem}_{digest}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     # The file's folder goes on sys.path so a flow can import helpers that sit beside it.

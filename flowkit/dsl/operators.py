@@ -133,6 +133,8 @@ class FunctionOp(Operator):
         hints = _type_hints(fn, op_name, problems)
         inputs, config = _parameters(fn, hints, op_name, problems)
         outs = _outputs(fn, hints, outputs, output, op_name, problems)
+        # the annotations as written: Stream[T] returns many items per call, a bare T one
+        self.declared_outputs = dict(outputs) if outputs is not None else None
         kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         positional = [p.name for p in inspect.signature(fn).parameters.values() if p.kind in kinds]
         super().__init__(name=op_name, inputs=inputs, outputs=outs, config=config,

@@ -155,6 +155,7 @@ class Dispatcher:
                 if task is None or task.state != "pending":
                     continue
                 executor.outstanding -= 1
+                executor.inflight.pop(task.id, None)
                 task.start, task.end = item.get("start", 0.0), item.get("end", 0.0)
                 if item.get("ok"):
                     self._complete(task, executor, item)
@@ -249,6 +250,7 @@ class Dispatcher:
         for object_id in input_ids:
             self._route(objects[object_id], executor)
         executor.outstanding += 1
+        executor.inflight[task_id] = time.monotonic()
         spec = {"id": task_id, "op": op, "config": config, "inputs": refs, "outputs": output_ids}
         if lane is not None:
             spec["lane"] = lane
@@ -306,11 +308,14 @@ class Dispatcher:
             if op is not None and op not in executor.ops:
                 raise NoExecutor(f"{executor.describe()} does not run op {op!r}")
             return executor
-        best = None
+        # The least loaded; between equals, the one whose oldest unfinished task is youngest:
+        # an executor stuck in a long op (the long tail of generation) should not get the next.
+        best, best_key = None, None
         for e in self._executors.values():
-            if e.alive and (op is None or e.runs(op, tags)) and (
-                    best is None or e.outstanding < best.outstanding):
-                best = e
+            if e.alive and (op is None or e.runs(op, tags)):
+                key = (e.outstanding, -next(iter(e.inflight.values()), _NEVER))
+                if best is None or key < best_key:
+                    best, best_key = e, key
         if best is None:
             connected = "; ".join(f"{e.describe()}: {', '.join(sorted(e.ops))}"
                                   for e in self._executors.values() if e.alive) or "none"
@@ -400,6 +405,7 @@ class Dispatcher:
     def _cancel_on_executor(self, task: TaskRecord) -> None:
         executor = self._executors[task.executor]
         executor.outstanding -= 1
+        executor.inflight.pop(task.id, None)
         if executor.alive:
             self._send(executor, Msg.CANCEL, {"tasks": [task.id]})
 
@@ -438,6 +444,7 @@ class Dispatcher:
 
 
 _NO_INLINE = object()
+_NEVER = float("inf")  # an executor with nothing in flight: its oldest task is "infinitely young"
 
 
 def _ids_of(refs: list) -> list[int]:

@@ -24,11 +24,12 @@ class LocalExecutors:
     def __init__(self, controller: Controller, count: int, *, kind: str = "base",
                  tags: Sequence[str] | Sequence[Sequence[str]] = (), device: str = "cpu",
                  name_prefix: str = "exec", log_level: str = "WARNING",
-                 startup_timeout: float = 60.0) -> None:
+                 startup_timeout: float = 60.0, code: Sequence[str] = ()) -> None:
         self.controller, self.count, self.kind, self.device = controller, count, kind, device
         self.tags = _per_executor_tags(tags, count)
         self.name_prefix, self.log_level = name_prefix, log_level
         self.startup_timeout = startup_timeout
+        self.code = [str(path) for path in code]  # flow files whose @op functions may run
         self.processes: list[subprocess.Popen] = []
 
     def __enter__(self) -> list[ExecutorInfo]:
@@ -43,7 +44,8 @@ class LocalExecutors:
             command = [sys.executable, "-m", "executors", "--connect", self.controller.address,
                        "--name", f"{self.name_prefix}-{i}", "--kind", self.kind,
                        "--device", self.device, "--tags", ",".join(self.tags[i]),
-                       "--log-level", self.log_level]
+                       "--log-level", self.log_level,
+                       *(arg for path in self.code for arg in ("--code", path))]
             process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
             self.processes.append(process)
             self.controller.watch_process(process)

@@ -90,7 +90,8 @@ def submit_schedule(ctl: Controller, schedule: Schedule, executors: Sequence[Exe
                     config_for: ConfigFor | None = None, lane: str = "pipeline",
                     meta: dict | None = None) -> PipelineRun:
     """Submit every action of `schedule`, device d on `executors[d]`. `microbatch_inputs[mb]`
-    (a future, Item, Gather or value) feeds stage 0's forward of microbatch mb; `config_for`
+    (a future, Item, Gather or value; a tuple of them for several inputs) feeds stage 0's
+    forward of microbatch mb; `config_for`
     gives each action's op config (its cost, for the simulator)."""
     if len(executors) != schedule.num_devices:
         raise ValueError(f"schedule {schedule.kind!r} needs {schedule.num_devices} executors, "
@@ -124,7 +125,10 @@ def _submit_actions(ctl: Controller, schedule: Schedule, executors: Sequence[Exe
 def _inputs_of(action: Action, outputs: dict, last: int,
                microbatch_inputs: Sequence[Any] | None) -> list:
     if action.kind is Kind.F and action.stage == 0:
-        return [] if microbatch_inputs is None else [microbatch_inputs[action.microbatch]]
+        if microbatch_inputs is None:
+            return []
+        given = microbatch_inputs[action.microbatch]
+        return list(given) if isinstance(given, tuple) else [given]  # a tuple: several inputs
     return [outputs[_dep_key(dep)] for dep in dependencies(action, last + 1)]
 
 

@@ -24,6 +24,8 @@ class ExecutorInfo:
     last_seen: float = 0.0
     alive: bool = True
     outstanding: int = 0  # tasks sent and not yet completed
+    # task id -> when it was submitted (monotonic), oldest first: who may be stuck in a long op
+    inflight: dict[int, float] = attrs.field(factory=dict, repr=False)
     completed: int = 0
     busy_s: float = 0.0  # summed op time, for utilization
     bytes_out: int = 0  # bytes of objects it produced

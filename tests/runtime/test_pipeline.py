@@ -54,7 +54,7 @@ def test_a_schedule_runs_every_action_once_in_each_devices_order(sims, kind):
         assert starts == sorted(starts), f"device {device} ran out of schedule order"
         assert {run.futures[a].location for a in ops} == {infos[device].id}
     losses = [f.result(timeout=5) for f in run.losses]
-    assert len(losses) == M and all(loss["loss"] > 0 for loss in losses)
+    assert len(losses) == M and all(loss.loss > 0 for loss in losses)
     measured = run.measured()
     assert measured["makespan"] > 0 and 0 <= measured["bubble_rate"] < 1
 

@@ -1,0 +1,50 @@
+"""`flowkit run FLOW`: run a flow's steps on local executor processes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from flowkit.cli._files import writing
+from flowkit.cli._flows import load_checked_flow
+
+_KINDS = ("sim", "torch", "base")
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("flow_spec", metavar="FLOW")
+@click.option("--executors", "kind", type=click.Choice(_KINDS), default="sim", show_default=True,
+              envvar="FLOWKIT_EXECUTORS",
+              help="Which executors run model ops: the timed simulator or torch stages.")
+@click.option("--num-executors", "-n", type=click.IntRange(min=1), default=None,
+              help="Executor processes to start [default: the most pipeline stages, >= 2].")
+@click.option("--tags", "tag_spec", default=None,
+              help="Tags per executor, ';' between executors: 'train;train;rollout' "
+              "[default: every executor gets every tag the flow asks for].")
+@click.option("--steps", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--sim-cost", "sim_cost", default="", metavar="NAME=SECONDS,...",
+              help="Simulator costs: F, B, W, optimizer_step, token, infer_token.")
+@click.option("--trace", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write a Chrome trace (open in Perfetto or chrome://tracing).")
+@click.option("--metrics", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write metrics as JSON lines, one per step.")
+@click.option("--dashboard/--no-dashboard", default=None,
+              help="The live dashboard [default: on when the output is a terminal].")
+def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | None, steps: int,
+        sim_cost: str, trace: Path | None, metrics: Path | None, dashboard: bool | None) -> None:
+    """Run a flow's steps on local executor processes."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from flowkit.cli._runflow import run_flow
+    from flowkit.planner.simcosts import SimCosts
+
+    flow = load_checked_flow(flow_spec)
+    try:
+        costs = SimCosts.parse(sim_cost) if kind == "sim" else None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--sim-cost") from None
+    path, _, _ = flow_spec.partition(":")
+    with writing(trace or metrics or Path(".")):
+        run_flow(flow, code=[path], kind=kind, count=num_executors, tag_spec=tag_spec,
+                 steps=steps, sim_costs=costs, trace=trace, metrics=metrics, dashboard=dashboard)

@@ -1,0 +1,144 @@
+"""Lowering a flow into task rules: what each op is called on, how often, and where.
+
+[Note: lowering by granularity] The port types decide how a node becomes tasks, and so where
+stages fuse; the user never writes the fusion:
+  source      no wired inputs: one task per step (a Stream result is a list of items)
+  per item    Stream (or bare) inputs: one task per item, started as soon as that item exists,
+              so scoring a sample overlaps generating the next
+  per group   a Grouped input: one task per complete group of `size` items with one key
+  once        Batch inputs only: one task when every producer has closed: a barrier
+  pipeline    a model's `backprop`: microbatches under a pipeline schedule, F/B/W per stage
+  step        a model's `optimizer_step`: one task per pipeline stage, after its W ops
+Pure: no torch, no zmq. The runtime (flowkit/runtime/flowrun.py) carries the rules out.
+"""
+
+from __future__ import annotations
+
+import enum
+import typing
+from typing import Any
+
+import attrs
+import networkx as nx
+
+from flowkit.dsl import Flow, Granularity, Model, Node, Stream, Wire
+from flowkit.dsl.flow import Collect, GroupBy
+from flowkit.dsl.operators import FunctionOp, ModelOp
+
+__all__ = ["Call", "InputRule", "NodePlan", "lower_flow"]
+
+
+class Call(enum.Enum):
+    SOURCE = "source"
+    PER_ITEM = "per item"
+    PER_GROUP = "per group"
+    ONCE = "once"
+    PIPELINE = "pipeline"
+    STEP = "step"
+
+
+@attrs.frozen
+class InputRule:
+    """Where one input port reads from, and how much of it each call takes."""
+
+    port: str
+    src: str  # producing node
+    src_port: str
+    granularity: Granularity  # as the consumer sees it, after any collect or group_by
+    group_key: str | None = None
+    group_size: int | None = None
+    feedback: bool = False  # produced by the previous step
+
+
+@attrs.frozen
+class NodePlan:
+    name: str
+    call: Call
+    op: str  # the executor op: "python" for function ops, else the model op's name
+    inputs: tuple[InputRule, ...]
+    outputs: tuple[str, ...]
+    many: tuple[bool, ...]  # per output: each call yields many items (Stream/Batch) or one
+    config: dict[str, Any]
+    tags: tuple[str, ...] = ()
+    model: Model | None = None
+    target: str | None = None  # a function op's import path
+
+
+_MANY_PER_CALL = frozenset({"generate", "backprop"})
+
+
+def lower_flow(flow: Flow) -> list[NodePlan]:
+    """The nodes of a valid flow in an order that runs producers first, with their rules."""
+    flow.validate()
+    wires = flow.wires
+    graph = nx.DiGraph()
+    graph.add_nodes_from(flow.nodes)
+    graph.add_edges_from((w.src, w.dst) for w in wires if not w.feedback)
+    order = list(nx.lexicographical_topological_sort(graph, key=_declared_order(flow)))
+    return [_plan_node(flow, flow.nodes[name], [w for w in wires if w.dst == name])
+            for name in order]
+
+
+def _declared_order(flow: Flow):
+    position = {name: i for i, name in enumerate(flow.nodes)}
+    return lambda name: position[name]
+
+
+def _plan_node(flow: Flow, node: Node, wires: list[Wire]) -> NodePlan:
+    operator = node.operator
+    declared = list(operator.inputs)  # ops take their inputs in declaration order
+    wires = sorted(wires, key=lambda w: declared.index(w.dst_port)
+                   if w.dst_port in declared else len(declared))
+    inputs = tuple(_input_rule(flow, wire) for wire in wires)
+    outputs = tuple(operator.outputs)
+    common = dict(name=node.name, inputs=inputs, outputs=outputs, config=dict(node.config),
+                  tags=tuple(operator.tags))
+    if isinstance(operator, ModelOp):
+        model = flow.models[operator.model]
+        call = {"backprop": Call.PIPELINE, "optimizer_step": Call.STEP}.get(operator.kind)
+        # generation samples many responses per prompt; inference ops score one item each
+        many = (operator.kind in _MANY_PER_CALL,) * len(outputs)
+        return NodePlan(call=call or _call_of(inputs), op=operator.kind, many=many,
+                        model=model, **{**common, "tags": tuple(model.tags)})
+    target = operator.target if isinstance(operator, FunctionOp) else None
+    return NodePlan(call=_call_of(inputs), op="python", many=_yields_many(operator),
+                    target=target, **common)
+
+
+def _input_rule(flow: Flow, wire: Wire) -> InputRule:
+    produced = flow.nodes[wire.src].operator.outputs[wire.src_port]
+    granularity = produced.granularity
+    key = size = None
+    if isinstance(wire.adapter, Collect):
+        granularity = Granularity.BATCH
+    elif isinstance(wire.adapter, GroupBy):
+        granularity, key, size = Granularity.GROUPED, wire.adapter.key, wire.adapter.size
+    return InputRule(port=wire.dst_port, src=wire.src, src_port=wire.src_port,
+                     granularity=granularity, group_key=key, group_size=size,
+                     feedback=wire.feedback)
+
+
+def _call_of(inputs: tuple[InputRule, ...]) -> Call:
+    live = [rule for rule in inputs if not rule.feedback]
+    if not live:
+        return Call.SOURCE
+    if any(rule.granularity is Granularity.GROUPED for rule in live):
+        return Call.PER_GROUP
+    if any(rule.granularity is Granularity.STREAM for rule in live):
+        return Call.PER_ITEM
+    return Call.ONCE
+
+
+def _yields_many(operator: Any) -> tuple[bool, ...]:
+    """Per output: does one call return many items (Stream[T], Batch[T]) or one (a bare T)?"""
+    fn = getattr(operator, "fn", None)
+    hints = typing.get_type_hints(fn) if fn is not None else {}
+    declared = getattr(operator, "declared_outputs", None)
+    annotations = declared or {name: hints.get("return") for name in operator.outputs}
+    return tuple(_is_collection(annotations.get(name)) for name in operator.outputs)
+
+
+def _is_collection(annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    return origin is not None and origin.__name__ in ("Stream", "Batch") and (
+        origin.__module__ == Stream.__module__)

@@ -1,0 +1,367 @@
+"""Run a flow on executors, step by step, following the planner's lowering rules
+([Note: lowering by granularity] in flowkit/planner/lower.py).
+
+The runner reacts to completions: a per-item op is submitted the moment its item exists, a group
+the moment its last member is in, a barrier when every producer has closed. Items carry a lineage
+(the path of call indices from the source that made them) so the inputs of a per-item op pair up
+by sample, whatever order they finish in.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections import defaultdict
+from typing import Any
+
+import attrs
+
+from flowkit.dsl import Granularity
+from flowkit.planner.lower import Call, InputRule, NodePlan
+from flowkit.planner.schedules import build_schedule
+from flowkit.planner.simcosts import SimCosts
+from flowkit.runtime.controller import Controller
+from flowkit.runtime.pipeline import stage_costs_config, submit_schedule
+from flowkit.runtime.records import ExecutorInfo
+from flowkit.runtime.refs import Gather, Item
+
+__all__ = ["FlowRunError", "FlowRunner", "StepReport"]
+
+
+class FlowRunError(RuntimeError):
+    """A step could not finish: an op failed (the message carries the remote traceback)."""
+
+
+@attrs.define
+class _Stream:
+    """The items one output port produced this step, by lineage."""
+
+    items: dict[tuple, Any] = attrs.field(factory=dict)
+    keys: dict[tuple, Any] = attrs.field(factory=dict)
+    arrivals: list[tuple] = attrs.field(factory=list)
+    closed: bool = False
+
+    def add(self, lineage: tuple, ref: Any, key: Any = None) -> None:
+        self.items[lineage] = ref
+        self.keys[lineage] = key
+        self.arrivals.append(lineage)
+
+    def ordered(self) -> list:
+        return [self.items[lin] for lin in sorted(self.items, key=_order)]
+
+
+@attrs.define
+class _NodeState:
+    plan: NodePlan
+    pending: int = 0  # tasks submitted and not yet done
+    started: bool = False
+    submitted: set = attrs.field(factory=set)  # lineages already called (per item / group)
+    groups: dict = attrs.field(factory=lambda: defaultdict(list))
+    seen: int = 0  # arrivals of the grouped input already sorted into groups
+    closed: bool = False
+    first_start: float | None = None
+    last_end: float | None = None
+    pipeline: Any = None  # the PipelineRun of a backprop node
+
+
+@attrs.frozen
+class StepReport:
+    step: int
+    elapsed_s: float
+    timing_s: dict[str, float]  # per node: first op start to last op end
+    metrics: dict[str, Any]  # loss, bubble rate, ... from the step's outputs
+
+
+class FlowRunner:
+    """Runs a lowered flow's steps through `ctl`; model ops go to executors with the model's
+    tags, a model's pipeline stage s always to the same one."""
+
+    def __init__(self, ctl: Controller, plan: list[NodePlan], *,
+                 sim_costs: SimCosts | None = None, step_timeout: float = 600.0) -> None:
+        self.ctl, self.plan, self.sim_costs = ctl, plan, sim_costs
+        self.step_timeout = step_timeout
+        self.consumers: dict[str, list[str]] = defaultdict(list)
+        self.report_keys: dict[str, str] = {}
+        for node in plan:
+            for rule in node.inputs:
+                if not rule.feedback:
+                    self.consumers[rule.src].append(node.name)
+                if rule.group_key is not None:
+                    self.report_keys[rule.src] = rule.group_key
+        self.placement = self._place_models()
+        self.previous: dict[tuple[str, str], _Stream] = {}  # last step's outputs, for feedback
+
+    # -- placement -----------------------------------------------------------------------------
+    def _place_models(self) -> dict[str, list[ExecutorInfo]]:
+        placement = {}
+        for node in self.plan:
+            model = node.model
+            if model is None or model.name in placement:
+                continue
+            able = [e for e in self.ctl.executors()
+                    if set(model.tags) <= set(e.tags) and "F" in e.ops]
+            if not able:
+                raise FlowRunError(f"no executor holds model {model.name!r}: it needs tags "
+                                   f"{list(model.tags)} and the pipeline ops; start executors "
+                                   f"with those tags (flowkit run --tags ...)")
+            able.sort(key=lambda e: e.id)
+            offset = len(placement)  # spread the models' first stages over the executors
+            placement[model.name] = [able[(offset + s) % len(able)] for s in range(model.stages)]
+        return placement
+
+    # -- one step ------------------------------------------------------------------------------
+    def run_step(self, step: int) -> StepReport:
+        started = time.time()
+        self.streams: dict[tuple[str, str], _Stream] = defaultdict(_Stream)
+        self.states = {node.name: _NodeState(node) for node in self.plan}
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.step = step
+        for node in self.plan:
+            self._progress(node.name)
+        deadline = time.monotonic() + self.step_timeout
+        while not all(state.closed for state in self.states.values()):
+            try:
+                event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                open_nodes = [n for n, s in self.states.items() if not s.closed]
+                raise FlowRunError(f"step {step} did not finish in {self.step_timeout} s; "
+                                   f"still open: {', '.join(open_nodes)}") from None
+            self._on_done(*event)
+        self.previous = dict(self.streams)
+        return self._report(step, started)
+
+    def _on_done(self, name: str, lineage: tuple, futures: tuple, register: bool) -> None:
+        state = self.states[name]
+        state.pending -= 1
+        for future in futures:
+            error = future.exception()
+            if error is not None:
+                raise FlowRunError(f"step {self.step}: op {name!r} failed: {error}") from error
+            if future.timing is not None:
+                start, end = future.timing
+                state.first_start = min(start, state.first_start or start)
+                state.last_end = max(end, state.last_end or end)
+        if register:
+            self._register_outputs(state.plan, lineage, futures)
+        self._progress(name)
+        for consumer in self.consumers[name]:
+            self._progress(consumer)
+
+    def _register_outputs(self, plan: NodePlan, lineage: tuple, futures: tuple) -> None:
+        for port, many, future in zip(plan.outputs, plan.many, futures):
+            stream = self.streams[(plan.name, port)]
+            keys = future.keys or []
+            if many and future.count is not None:
+                for j in range(future.count):
+                    stream.add(lineage + (j,), Item(future, j), keys[j] if keys else None)
+            else:
+                stream.add(lineage, future, keys[0] if keys else None)
+
+    # -- deciding what can run -----------------------------------------------------------------
+    def _progress(self, name: str) -> None:
+        state = self.states[name]
+        if state.closed:
+            return
+        plan = state.plan
+        live = [rule for rule in plan.inputs if not rule.feedback]
+        inputs_closed = all(self.streams[(r.src, r.src_port)].closed for r in live)
+        if plan.call is Call.PER_ITEM:
+            self._submit_items(state, live)
+        elif plan.call is Call.PER_GROUP:
+            self._submit_groups(state, live, inputs_closed)
+        elif not state.started and inputs_closed:
+            state.started = True
+            {Call.SOURCE: self._submit_once, Call.ONCE: self._submit_once,
+             Call.PIPELINE: self._submit_pipeline, Call.STEP: self._submit_step}[plan.call](state)
+        if inputs_closed and state.pending == 0 and (state.started or plan.call in (
+                Call.PER_ITEM, Call.PER_GROUP)):
+            if plan.call is Call.PER_ITEM:
+                self._check_all_paired(state, live)
+            state.closed = True
+            for port in plan.outputs:
+                self.streams[(name, port)].closed = True
+            for consumer in self.consumers[name]:
+                self._progress(consumer)
+
+    def _submit_items(self, state: _NodeState, live: list[InputRule]) -> None:
+        streaming = [r for r in live if r.granularity is Granularity.STREAM]
+        barriers = [r for r in live if r.granularity is not Granularity.STREAM]
+        if any(not self.streams[(r.src, r.src_port)].closed for r in barriers):
+            return
+        lead = self.streams[(streaming[0].src, streaming[0].src_port)]
+        for lineage in lead.arrivals:
+            if lineage in state.submitted:
+                continue
+            refs = {}
+            for rule in streaming:
+                ref = self.streams[(rule.src, rule.src_port)].items.get(lineage)
+                if ref is None:
+                    break
+                refs[rule.port] = ref
+            else:
+                for rule in barriers:
+                    refs[rule.port] = Gather(self.streams[(rule.src, rule.src_port)].ordered())
+                state.submitted.add(lineage)
+                self._submit(state, lineage, refs)
+
+    def _check_all_paired(self, state: _NodeState, live: list[InputRule]) -> None:
+        streaming = [r for r in live if r.granularity is Granularity.STREAM]
+        lead = self.streams[(streaming[0].src, streaming[0].src_port)]
+        unpaired = [lin for lin in lead.arrivals if lin not in state.submitted]
+        if unpaired:
+            ports = ", ".join(f"{r.port} (from {r.src})" for r in streaming)
+            raise FlowRunError(
+                f"op {state.plan.name!r} is called per item of {ports}, but {len(unpaired)} "
+                f"items of {streaming[0].port!r} have no partner in the other inputs: per-item "
+                "inputs must come from the same items (e.g. both scored from one generate); "
+                "collect() one of them if it is a different stream")
+
+    def _submit_groups(self, state: _NodeState, live: list[InputRule], closed: bool) -> None:
+        (rule,) = [r for r in live if r.granularity is Granularity.GROUPED]
+        stream = self.streams[(rule.src, rule.src_port)]
+        for lineage in stream.arrivals[state.seen:]:
+            key = stream.keys.get(lineage)
+            members = state.groups[key]
+            members.append(lineage)
+            if rule.group_size is not None and len(members) == rule.group_size:
+                self._submit_group(state, rule, key)
+        state.seen = len(stream.arrivals)
+        if closed:  # what is left: groups of unknown size, or cut short
+            for key in list(state.groups):
+                self._submit_group(state, rule, key)
+
+    def _submit_group(self, state: _NodeState, rule: InputRule, key: Any) -> None:
+        members = sorted(state.groups.pop(key), key=_order)
+        stream = self.streams[(rule.src, rule.src_port)]
+        self._submit(state, (key,), {rule.port: Gather([stream.items[m] for m in members])})
+
+    def _submit_once(self, state: _NodeState) -> None:
+        refs = {rule.port: Gather(self.streams[(rule.src, rule.src_port)].ordered())
+                for rule in state.plan.inputs if not rule.feedback}
+        self._submit(state, (), refs)
+
+    # -- submitting ----------------------------------------------------------------------------
+    def _submit(self, state: _NodeState, lineage: tuple, refs: dict[str, Any]) -> None:
+        plan = state.plan
+        refs.update(self._feedback_refs(plan))
+        ports = [rule.port for rule in plan.inputs if rule.port in refs]
+        meta = {"node": plan.name, "step": self.step}
+        outputs = max(1, len(plan.outputs))
+        if plan.op == "python":
+            config = {"target": plan.target, "config": plan.config, "ports": ports,
+                      "outputs": list(plan.outputs), "many": list(plan.many)}
+            futures = self.ctl.submit("python", *(refs[p] for p in ports), config=config,
+                                      tags=plan.tags, outputs=outputs, meta=meta,
+                                      report_key=self.report_keys.get(plan.name))
+        else:
+            config = {**plan.config, **self._cost_config(plan.op)}
+            futures = self.ctl.submit(plan.op, *(refs[p] for p in ports), config=config,
+                                      tags=plan.tags, outputs=outputs, meta=meta,
+                                      report_key=self.report_keys.get(plan.name))
+        self._watch(state, lineage, futures if outputs > 1 else (futures,), register=True)
+
+    def _watch(self, state: _NodeState, lineage: tuple, futures: tuple, *,
+               register: bool) -> None:
+        state.pending += 1
+        events = self.events
+        futures[0].add_done_callback(
+            lambda _: events.put((state.plan.name, lineage, futures, register)))
+
+    def _feedback_refs(self, plan: NodePlan) -> dict[str, Any]:
+        """Inputs fed by the previous step: its last item of the producing port, if any."""
+        refs = {}
+        for rule in plan.inputs:
+            if rule.feedback:
+                previous = self.previous.get((rule.src, rule.src_port))
+                if previous is not None and previous.items:
+                    refs[rule.port] = previous.ordered()[-1]
+        return refs
+
+    def _cost_config(self, op: str) -> dict:
+        return self.sim_costs.config_for(op) if self.sim_costs is not None else {}
+
+    def _submit_pipeline(self, state: _NodeState) -> None:
+        """A model's backprop: contiguous microbatches of the items, F/B/W under the schedule."""
+        plan = state.plan
+        executors = self.placement[plan.model.name]
+        ports = [r for r in plan.inputs if not r.feedback]
+        columns = [self.streams[(r.src, r.src_port)].ordered() for r in ports]
+        count = max(1, min(int(plan.config.get("microbatches") or 1), len(columns[0]) or 1))
+        microbatches = [tuple(Gather(_chunk(column, count, mb)) for column in columns)
+                        for mb in range(count)]
+        costs = (self.sim_costs or SimCosts()).stage_costs(len(executors))
+        schedule = build_schedule(plan.config.get("schedule") or "1f1b", devices=len(executors),
+                                  microbatches=count, costs=costs,
+                                  memory_limit=plan.config.get("memory_limit"))
+        stage_costs = costs.for_placement(schedule.placement)
+        activation = (self.sim_costs or SimCosts()).activation_bytes
+        run = submit_schedule(
+            self.ctl, schedule, executors, microbatch_inputs=microbatches,
+            config_for=_with_config(stage_costs_config(stage_costs, activation_bytes=activation),
+                                    plan.config), lane=plan.model.name,
+            meta={"node": plan.name, "step": self.step})
+        state.pipeline = run
+        for mb, loss in enumerate(run.losses):
+            self._watch(state, (mb,), (loss,), register=True)
+        for future in run.futures.values():
+            if future not in run.losses:
+                self._watch(state, (), (future,), register=False)
+
+    def _submit_step(self, state: _NodeState) -> None:
+        """One optimizer step per pipeline stage, in the stage's lane (after its W ops); stage 0
+        reads every microbatch's stats and the other stages' results, so it ends the step."""
+        plan = state.plan
+        executors = self.placement[plan.model.name]
+        stats = [Gather(self.streams[(r.src, r.src_port)].ordered())
+                 for r in plan.inputs if not r.feedback]
+        config = {**plan.config, **self._cost_config("optimizer_step"),
+                  "model": plan.model.name, "step": self.step}
+        meta = {"node": plan.name, "step": self.step}
+        others = []
+        for stage in range(len(executors) - 1, 0, -1):
+            future = self.ctl.submit("optimizer_step", config={**config, "stage": stage},
+                                     executor=executors[stage].id,
+                                     lane=f"{plan.model.name}/{stage}", meta={**meta,
+                                                                              "stage": stage})
+            self._watch(state, (), (future,), register=False)
+            others.append(future)
+        futures = self.ctl.submit("optimizer_step", *stats, *others,
+                                  config={**config, "stage": 0, "report": True},
+                                  executor=executors[0].id, lane=f"{plan.model.name}/0",
+                                  outputs=len(plan.outputs), meta={**meta, "stage": 0})
+        self._watch(state, (), futures if len(plan.outputs) > 1 else (futures,), register=True)
+
+    # -- reporting -----------------------------------------------------------------------------
+    def _report(self, step: int, started: float) -> StepReport:
+        timing = {name: s.last_end - s.first_start for name, s in self.states.items()
+                  if s.first_start is not None and s.last_end is not None}
+        metrics: dict[str, Any] = {}
+        for name, state in self.states.items():
+            if state.pipeline is not None:
+                losses = [f.result() for f in state.pipeline.losses]
+                metrics[f"{name}/loss"] = sum(_loss(x) for x in losses) / max(1, len(losses))
+                metrics[f"{name}/bubble_rate"] = state.pipeline.measured()["bubble_rate"]
+                metrics[f"{name}/tokens"] = sum(getattr(x, "tokens", 0) for x in losses)
+        return StepReport(step=step, elapsed_s=time.time() - started, timing_s=timing,
+                          metrics=metrics)
+
+
+def _with_config(config_for, extra: dict):
+    keep = {k: v for k, v in extra.items() if k in ("loss", "kl_coef")}
+    return lambda action: {**config_for(action), **keep}
+
+
+def _chunk(items: list, count: int, index: int) -> list:
+    """The index-th of `count` contiguous, near-equal slices of `items`."""
+    base, extra = divmod(len(items), count)
+    start = index * base + min(index, extra)
+    return items[start:start + base + (1 if index < extra else 0)]
+
+
+def _loss(value: Any) -> float:
+    return float(getattr(value, "loss", value.get("loss", 0.0) if isinstance(value, dict) else 0))
+
+
+def _order(lineage: tuple) -> tuple:
+    """Sort lineages whose parts mix ints and strings (group keys) without comparing the two."""
+    return tuple((isinstance(part, str), part) for part in lineage)

@@ -1,0 +1,90 @@
+"""Small flows for the runner's tests; executors import this file (`--code`) to run its ops."""
+
+from __future__ import annotations
+
+import time
+
+import attrs
+
+from flowkit.dsl import Batch, Flow, Grouped, Stream, collect, group_by, op
+
+
+@attrs.frozen
+class Sample:
+    key: int
+    value: float
+
+
+@op
+def samples(*, count: int = 6, keys: int = 3) -> Stream[Sample]:
+    for i in range(count):
+        yield Sample(key=i % keys, value=float(i))
+
+
+@op
+def slow_double(sample: Sample, *, last_delay: float = 0.0) -> Sample:
+    """Doubles the value; the sample with the highest value is slow, a long tail."""
+    if sample.value == 5.0:
+        time.sleep(last_delay)
+    return Sample(key=sample.key, value=sample.value * 2)
+
+
+@op
+def plus_one(sample: Sample) -> Sample:
+    return Sample(key=sample.key, value=sample.value + 1)
+
+
+@op
+def pair(a: Sample, b: Sample) -> Sample:
+    assert a.key == b.key, "per-item inputs must pair by sample"
+    return Sample(key=a.key, value=a.value + b.value)
+
+
+@op
+def group_sum(group: Grouped[Sample]) -> Sample:
+    return Sample(key=group[0].key, value=sum(s.value for s in group))
+
+
+@op
+def total(groups: Batch[Sample]) -> float:
+    return sum(s.value for s in groups)
+
+
+@op
+def explode(sample: Sample) -> Sample:
+    raise ValueError(f"sample {sample.key} exploded")
+
+
+def grouped_flow(last_delay: float = 0.0) -> Flow:
+    """samples -> double and +1 per item -> pair them -> sum per key (groups of 2) -> total."""
+    with Flow("grouped") as flow:
+        items = samples(count=6, keys=3)
+        doubled = slow_double(items, last_delay=last_delay)
+        pairs = pair(doubled, plus_one(items))
+        total(collect(group_sum(group_by(pairs, key="key", size=2))))
+    return flow
+
+
+@op(tags=("map",))
+def slow_double_on_map(sample: Sample, *, last_delay: float = 0.0) -> Sample:
+    return slow_double.fn(sample, last_delay=last_delay)
+
+
+@op(tags=("reduce",))
+def group_sum_on_reduce(group: Grouped[Sample]) -> Sample:
+    return group_sum.fn(group)
+
+
+def tail_flow(last_delay: float) -> Flow:
+    """samples -> double per item on 'map' executors (one slow) -> sum per key on a 'reduce'
+    executor as soon as a key's pair is in -> total."""
+    with Flow("tail") as flow:
+        doubled = slow_double_on_map(samples(count=6, keys=3), last_delay=last_delay)
+        total(collect(group_sum_on_reduce(group_by(doubled, key="key", size=2))))
+    return flow
+
+
+def failing_flow() -> Flow:
+    with Flow("failing") as flow:
+        total(collect(explode(samples(count=3))))
+    return flow
