@@ -27,49 +27,65 @@ class SerializeError(ValueError):
 
 def pack(value: Any) -> tuple[bytes, list]:
     """(msgpack body, out-of-band frames) for `value`."""
-    frames: list = []
+    packer = _Packer()
+    return _packb(value, packer.default), packer.frames
 
-    def default(obj: Any) -> msgpack.ExtType:
+
+def unpack(body: bytes, frames: list) -> Any:
+    """Rebuild a value from `pack`'s output; tensors become views of the received frames."""
+    try:
+        return _unpackb(body, _Unpacker(frames).ext_hook)
+    except SerializeError:
+        raise
+    except Exception as exc:
+        raise SerializeError(f"cannot decode value: {exc.__class__.__name__}: {exc}") from None
+
+
+# The hooks are bound methods of small objects rather than closures: a closure that passes
+# itself to msgpack refers to itself, a reference cycle that keeps every frame (and so every
+# tensor) alive until the cycle collector happens to run.
+class _Packer:
+    __slots__ = ("frames",)
+
+    def __init__(self) -> None:
+        self.frames: list = []
+
+    def default(self, obj: Any) -> msgpack.ExtType:
         if isinstance(obj, tuple):
-            return msgpack.ExtType(_TUPLE, _packb(list(obj), default))
+            return msgpack.ExtType(_TUPLE, _packb(list(obj), self.default))
         if _is_torch_tensor(obj):
-            return msgpack.ExtType(_TENSOR, _packb(_torch_meta(obj, frames), default))
+            return msgpack.ExtType(_TENSOR, _packb(_torch_meta(obj, self.frames), self.default))
         if type(obj).__module__ == "numpy" and hasattr(obj, "__array_interface__"):
-            return msgpack.ExtType(_NDARRAY, _packb(_numpy_meta(obj, frames), default))
+            return msgpack.ExtType(_NDARRAY, _packb(_numpy_meta(obj, self.frames),
+                                                    self.default))
         if attrs.has(type(obj)):
             cls = type(obj)
             fields = {f.name: getattr(obj, f.name) for f in attrs.fields(cls)}
             path = f"{cls.__module__}:{cls.__qualname__}"
-            return msgpack.ExtType(_RECORD, _packb([path, fields], default))
+            return msgpack.ExtType(_RECORD, _packb([path, fields], self.default))
         raise SerializeError(
             f"cannot send a {type(obj).__qualname__}: values on the wire are plain data, attrs "
             "records, torch tensors or numpy arrays"
         )
 
-    return _packb(value, default), frames
 
+class _Unpacker:
+    __slots__ = ("frames",)
 
-def unpack(body: bytes, frames: list) -> Any:
-    """Rebuild a value from `pack`'s output; tensors become views of the received frames."""
+    def __init__(self, frames: list) -> None:
+        self.frames = frames
 
-    def ext_hook(code: int, data: bytes) -> Any:
-        payload = _unpackb(data, ext_hook)
+    def ext_hook(self, code: int, data: bytes) -> Any:
+        payload = _unpackb(data, self.ext_hook)
         if code == _TUPLE:
             return tuple(payload)
         if code == _TENSOR:
-            return _torch_from(payload, frames)
+            return _torch_from(payload, self.frames)
         if code == _NDARRAY:
-            return _numpy_from(payload, frames)
+            return _numpy_from(payload, self.frames)
         if code == _RECORD:
             return _record_from(*payload)
         raise SerializeError(f"unknown extension type {code} in a value")
-
-    try:
-        return _unpackb(body, ext_hook)
-    except SerializeError:
-        raise
-    except Exception as exc:
-        raise SerializeError(f"cannot decode value: {exc.__class__.__name__}: {exc}") from None
 
 
 def nbytes_of(frames: list) -> int:

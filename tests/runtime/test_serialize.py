@@ -79,3 +79,20 @@ def test_records_are_only_rebuilt_from_attrs_classes():
     missing = msgpack.packb(msgpack.ExtType(3, msgpack.packb(["nowhere.at_all:Thing", {}])))
     with pytest.raises(SerializeError, match="cannot be found"):
         unpack(missing, [])
+
+
+def test_packing_leaves_no_reference_cycle_holding_tensors():
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        tensor = torch.arange(8.0)
+        alive = weakref.ref(tensor)
+        body, frames = pack({"t": tensor})
+        value = unpack(body, frames)
+        assert torch.equal(value["t"], torch.arange(8.0))
+        del tensor, body, frames, value
+        assert alive() is None  # freed by reference counting alone
+    finally:
+        gc.enable()
