@@ -86,10 +86,11 @@ class Span:
 
     @property
     def label(self) -> str:
-        """`2F5` for stage 2, op F, microbatch 5 (the planner's action text); else the op name."""
+        """`2F5` for stage 2, op F, microbatch 5 (the planner's action text); else the flow
+        node that ran (`answer_reward`, not the generic `python`), else the op name."""
         if self.is_pipeline:
             return f"{self.meta['stage']}{self.op}{self.meta['microbatch']}"
-        return self.op
+        return str(self.meta.get("node") or self.op)
 
 
 class BubbleMeter:
