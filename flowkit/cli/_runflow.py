@@ -84,9 +84,6 @@ def _step_record(report: StepReport, stats: RunStats) -> dict:
     losses = [v for k, v in report.metrics.items() if k.endswith("/loss")]
     if losses:
         record["loss"] = losses[0]
-    bubbles = [v for k, v in report.metrics.items() if k.endswith("/bubble_rate")]
-    if bubbles:
-        record["bubble_rate"] = max(bubbles)
     snapshot = stats.snapshot().summary()
     record["perf/ops_per_s"] = snapshot.get("perf/ops_per_s")
     return record

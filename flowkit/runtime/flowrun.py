@@ -336,14 +336,28 @@ class FlowRunner:
         timing = {name: s.last_end - s.first_start for name, s in self.states.items()
                   if s.first_start is not None and s.last_end is not None}
         metrics: dict[str, Any] = {}
+        runs = [state.pipeline for state in self.states.values() if state.pipeline is not None]
         for name, state in self.states.items():
             if state.pipeline is not None:
                 losses = [f.result() for f in state.pipeline.losses]
                 metrics[f"{name}/loss"] = sum(_loss(x) for x in losses) / max(1, len(losses))
-                metrics[f"{name}/bubble_rate"] = state.pipeline.measured()["bubble_rate"]
                 metrics[f"{name}/tokens"] = sum(getattr(x, "tokens", 0) for x in losses)
+        if runs:
+            metrics["bubble_rate"] = _bubble_rate(runs)
         return StepReport(step=step, elapsed_s=time.time() - started, timing_s=timing,
                           metrics=metrics)
+
+
+def _bubble_rate(runs: list) -> float:
+    """The step's pipeline bubble over every executor's pipeline ops, whichever model they
+    belong to (two models' pipelines sharing executors fill each other's bubbles)."""
+    spans: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for run in runs:
+        for future in run.futures.values():
+            spans[future.location].append(future.timing)
+    span = max(max(e for _, e in t) - min(s for s, _ in t) for t in spans.values())
+    busy = max(sum(e - s for s, e in t) for t in spans.values())
+    return (span - busy) / span if span > 0 else 0.0
 
 
 def _with_config(config_for, extra: dict):

@@ -87,7 +87,7 @@ def test_the_rl_examples_run_on_simulator_executors(sim_cluster, example):
         report = runner.run_step(step)
     assert all(state.closed for state in runner.states.values())
     assert set(report.timing_s) == {node.name for node in plan}
-    assert any(k.endswith("/bubble_rate") for k in report.metrics)
+    assert 0 <= report.metrics["bubble_rate"] < 1
     generated = runner.previous[("generate", "rollouts")].ordered()
     assert len(generated) == 64 if example == "ppo.py" else 16 * 8
 
