@@ -369,8 +369,6 @@ class Executor:
             return op(self.ctx, *args, **config)
         finally:
             self.in_op = False
-            if self.watch.engaged:
-                self.watch.wake()
             self.socket_lock.acquire()
 
     def _complete_failed(self, task: _Task, error: str, tb: str, *, start: float = 0.0) -> None:
@@ -420,62 +418,39 @@ def _key_of(item: Any, field: str) -> Any:
 
 
 class _CompletionWatch(threading.Thread):
-    """Serves the sockets while an op runs long: sends the completions waiting behind it, and
-    handles what arrives (objects peers ask for, new tasks, frees), so one slow op on an
-    executor does not stall data that other executors need from it."""
+    """Serves the sockets while an op runs long: every _HOLD_BACK_S it takes them for a moment,
+    sends the completions waiting behind the op and handles what has arrived (objects peers
+    ask for, new tasks, frees), so one slow op does not stall data other executors need. It
+    never holds them while waiting, so the op thread gets them back at once when the op ends."""
 
     def __init__(self, executor: Executor) -> None:
         super().__init__(name="flowkit-watch", daemon=True)
         self.executor = executor
         self.armed = threading.Event()
         self.stopping = False
-        self.engaged = False
-        address = f"inproc://flowkit-watch-{id(self)}"
-        self._wake_in = executor.zmq.socket(zmq.PULL)
-        self._wake_in.bind(address)
-        self._wake_out = executor.zmq.socket(zmq.PUSH)  # the op thread's: "the op is over"
-        self._wake_out.connect(address)
-
-    def wake(self) -> None:
-        self._wake_out.send(b"")
 
     def stop(self) -> None:
         self.stopping = True
         self.armed.set()
         self.join(timeout=1.0)
-        for sock in (self._wake_in, self._wake_out):
-            sock.close(linger=0)
 
     def run(self) -> None:
         executor = self.executor
-        poller = zmq.Poller()
-        for sock in (executor.control, executor.peer, self._wake_in):
-            poller.register(sock, zmq.POLLIN)
+        sockets = (executor.control, executor.peer)
         while True:
             self.armed.wait()
             self.armed.clear()
             if self.stopping:
                 return
             seq = executor.op_seq
-            time.sleep(_HOLD_BACK_S)  # short ops never meet the watch
-            if executor.op_seq == seq and executor.in_op:
+            while not self.stopping:
+                time.sleep(_HOLD_BACK_S)  # short ops never meet the watch
                 with executor.socket_lock:
-                    self.engaged = True
-                    try:
-                        self._serve(poller, seq)
-                    finally:
-                        self.engaged = False
-
-    def _serve(self, poller: zmq.Poller, seq: int) -> None:
-        executor = self.executor
-        while executor.in_op and executor.op_seq == seq and executor.running:
-            executor._flush_completions()
-            for sock, _ in poller.poll(100):
-                if sock is self._wake_in:
-                    while self._wake_in.poll(0):
-                        self._wake_in.recv()
-                else:
-                    executor._drain(sock, peer=sock is executor.peer)
+                    if not executor.in_op or executor.op_seq != seq or not executor.running:
+                        break
+                    executor._flush_completions()
+                    for sock in sockets:
+                        executor._drain(sock, peer=sock is executor.peer)
 
 
 class _Heartbeat(threading.Thread):
