@@ -1,4 +1,4 @@
-"""Gantt charts of simulated schedules: SVG written by hand (no dependency), PNG via matplotlib.
+"""Gantt charts of simulated schedules: SVG written by hand, PNG drawn with matplotlib.
 
 Devices are rows and time runs left to right. Colours are the Okabe-Ito palette, which stays
 distinct under the common colour-vision deficiencies; chunk stages of one device (interleaved, V
@@ -14,7 +14,7 @@ from xml.sax.saxutils import escape
 from flowkit.planner.ir import Kind, Schedule
 from flowkit.planner.simulate import SimResult
 
-__all__ = ["COLOURS", "chart_title", "render_svg", "write_chart"]
+__all__ = ["COLOURS", "chart_title", "png_figure", "render_svg", "write_chart"]
 
 COLOURS = {Kind.F: "#0072B2", Kind.B: "#E69F00", Kind.W: "#009E73", Kind.BW: "#CC79A7"}
 _NAMES = {
@@ -25,6 +25,8 @@ _NAMES = {
 }
 
 _LEFT, _RIGHT, _TOP, _ROW, _GAP, _PLOT_W = 64, 24, 56, 26, 6, 1000
+# PNG: inches per device row, and the least width of the shortest box (room for two digits).
+_PNG_ROW_IN, _PNG_MIN_BOX_IN = 0.42, 0.2
 
 
 def _shade(colour: str, chunk: int, chunks: int) -> str:
@@ -143,28 +145,79 @@ def render_svg(schedule: Schedule, result: SimResult) -> str:
 
 def _write_png(path: Path, schedule: Schedule, result: SimResult) -> None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # no display needed; must precede pyplot
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
         raise RuntimeError(
-            f"writing {path.name} needs matplotlib: pip install 'flowkit[plot]' (or matplotlib), "
+            f"writing {path.name} needs matplotlib, a dependency of flowkit that is not "
+            "importable here: pip install matplotlib (or reinstall flowkit), "
             "or write an .svg chart instead, which needs nothing"
         ) from None
+    png_figure(schedule, result).savefig(path, dpi=150, bbox_inches="tight", pad_inches=0.15)
+
+
+def png_figure(schedule: Schedule, result: SimResult):
+    """The chart as a matplotlib Figure, drawn like the SVG: boxes with thin white borders, each
+    labelled with its microbatch where the number fits, a legend of the kinds, device rows and a
+    time axis. A bare Figure: no pyplot, so no display backend and nothing to close."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
     placement = schedule.placement
-    fig, ax = plt.subplots(figsize=(12, 0.5 * schedule.num_devices + 1.5))
+    end = max(result.makespan, 1e-9)
+    durations = [iv.end - iv.start for ivs in result.intervals for iv in ivs if iv.end > iv.start]
+    # Wide enough that the shortest box holds a two-digit number, within a sane page size.
+    plot_w = min(max(_PNG_MIN_BOX_IN * end / min(durations, default=end), 10.0), 24.0)
+    width, height = plot_w + 1.2, _PNG_ROW_IN * schedule.num_devices + 1.9
+    fig = Figure(figsize=(width, height))
+    ax = fig.subplots()
+    fig.subplots_adjust(left=0.9 / width, right=1 - 0.3 / width, top=1 - 1.05 / height,
+                        bottom=0.6 / height)
+    points_per_unit = plot_w * 72 / end
+    bar_h = 0.8
     for device, intervals in enumerate(result.intervals):
+        stages = placement.stages_on(device)
         for iv in intervals:
-            chunk = placement.stages_on(device).index(iv.action.stage)
-            fill = _shade(COLOURS[iv.action.kind], chunk, placement.chunks)
-            ax.broken_barh([(iv.start, iv.end - iv.start)], (device - 0.4, 0.8), facecolors=fill)
+            a = iv.action
+            fill = _shade(COLOURS[a.kind], stages.index(a.stage), placement.chunks)
+            dur = iv.end - iv.start
+            ax.barh(device, dur, left=iv.start, height=bar_h, color=fill, edgecolor="#ffffff",
+                    linewidth=0.8)
+            label = str(a.microbatch)
+            size = _label_size(dur * points_per_unit, len(label))
+            if size:
+                ax.text(iv.start + dur / 2, device, label, ha="center", va="center",
+                        fontsize=size, color=_text_colour(fill))
+    ax.set_xlim(0, end)
+    ax.set_ylim(schedule.num_devices - 0.5, -0.5)  # device 0 on top
     ax.set_yticks(range(schedule.num_devices), [f"dev {d}" for d in range(schedule.num_devices)])
-    ax.invert_yaxis()
+    ax.tick_params(axis="y", length=0)
+    ax.set_xticks(_ticks(end))
     ax.set_xlabel("time")
-    ax.set_title(chart_title(schedule, result))
-    fig.savefig(path, dpi=150, bbox_inches="tight")
-    plt.close(fig)
+    ax.grid(axis="x", color="#dddddd", linewidth=0.5)
+    ax.set_axisbelow(True)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    kinds = [k for k in Kind if any(a.kind is k for ops in schedule.device_ops for a in ops)]
+    handles = [Patch(facecolor=COLOURS[k], label=_NAMES[k]) for k in kinds]
+    if placement.chunks > 1:
+        handles.append(Patch(facecolor="none", edgecolor="none",
+                             label="lighter shade = later chunk; numbers are microbatches"))
+    else:
+        handles.append(Patch(facecolor="none", edgecolor="none", label="numbers are microbatches"))
+    ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 1.0), ncol=len(handles),
+              frameon=False, fontsize=9, handlelength=1.2, columnspacing=1.6, borderaxespad=0.3)
+    ax.set_title(chart_title(schedule, result), loc="left", fontsize=11, fontweight="bold",
+                 pad=24)
+    return fig
+
+
+def _label_size(box_points: float, chars: int) -> float | None:
+    """The largest font size (9 down to 5 pt) at which `chars` digits fit in a box that wide,
+    or None: digits are about 0.6 em wide, and a point of padding stays on each side."""
+    for size in (9, 8, 7, 6, 5):
+        if 0.6 * size * chars + 2 <= box_points:
+            return size
+    return None
 
 
 def write_chart(path: str | Path, schedule: Schedule, result: SimResult) -> Path:
