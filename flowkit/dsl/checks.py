@@ -12,11 +12,11 @@ import attrs
 import networkx as nx
 
 from flowkit.dsl.errors import Problem
-from flowkit.dsl.flow import Collect, GroupBy
+from flowkit.dsl.flow import Collect, GroupBy, Wire
 from flowkit.dsl.types import Granularity, assignable
 
 if TYPE_CHECKING:
-    from flowkit.dsl.flow import Flow, Wire
+    from flowkit.dsl.flow import Feedback, Flow
 
 __all__ = ["find_problems"]
 
@@ -37,7 +37,9 @@ def find_problems(flow: Flow) -> list[Problem]:
                                 fix="call ops inside `with Flow(...)`, or flow.add(...) them"))
     problems += _unknown_models(flow)
     wires = flow.wires
-    for wire in wires:
+    # A feedback's consumers are checked against its declared type, and the output bound to it
+    # against that type too (_feedback_problems): each mistake is reported once, where it is.
+    for wire in flow._wires:
         problems += _wire_problems(flow, wire)
     problems += _unbound_inputs(flow, wires)
     problems += _feedback_problems(flow)
@@ -214,17 +216,19 @@ def _produces(flow: Flow, wire: Wire) -> bool:
 
 
 def _feedback_problems(flow: Flow) -> list[Problem]:
+    uses: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    for fb, dst, port in flow._pending_feedback:
+        uses[fb.name].append((dst, port))
     problems = []
     for fb in flow.feedbacks.values():
+        consumers = uses.get(fb.name, [])
+        problems += _feedback_use_problems(flow, fb, consumers)
         if fb.source is None:
-            problems.append(Problem(
-                rule="unbound-feedback", op=None, port=fb.name,
-                message=f"feedback {fb.name!r} is consumed but never bound to an output",
-                fix=f"bind it to the op that produces the next step's value: "
-                f"{fb.name}.bind(<output>)"))
+            problems.append(_unbound_feedback(fb, consumers))
             continue
         src = flow.nodes.get(fb.source.node)
-        produced = fb.source.type if src is not None else None
+        bound = src is not None and fb.source.port in src.operator.outputs
+        produced = fb.source.type if bound else None
         if produced is not None:
             reason = assignable(produced.item, fb.type.item)
             if reason:
@@ -232,22 +236,83 @@ def _feedback_problems(flow: Flow) -> list[Problem]:
                     rule="type-mismatch", op=fb.source.node, port=fb.source.port,
                     message=f"is bound to feedback {fb.name!r} of another type: {reason}",
                     expected=str(fb.type), found=str(produced),
-                    fix="bind the feedback to an output of its declared type"))
+                    fix=f"bind feedback {fb.name!r} to an output of type {fb.type}, or declare "
+                    f"it with this output's type: flow.feedback({fb.name!r}, {produced})"))
+    return problems
+
+
+def _unbound_feedback(fb: Feedback, consumers: list[tuple[str, str]]) -> Problem:
+    if not consumers:
+        return Problem(
+            rule="unbound-feedback", port=fb.name,
+            message=f"feedback {fb.name!r} is declared but neither consumed nor bound",
+            fix=f"pass {fb.name} as the input that takes the previous step's value and "
+            f"{fb.name}.bind(<output>) to the op that produces it, or drop the declaration")
+    op, port = consumers[0]
+    takers = ", ".join(f"{dst}.{p}" for dst, p in consumers)
+    return Problem(
+        rule="unbound-feedback", op=op, port=port,
+        message=f"feedback {fb.name!r} is consumed (by {takers}) but never bound to an output",
+        fix=f"bind it to the op that produces the next step's value: {fb.name}.bind(<output>)")
+
+
+def _feedback_use_problems(flow: Flow, fb: Feedback, consumers: list[tuple[str, str]]) -> list[Problem]:
+    """The ports a feedback is passed to must take its declared type."""
+    problems = []
+    origin = f"from feedback {fb.name!r}"
+    for dst, port_name in consumers:
+        node = flow.nodes.get(dst)
+        port = node.operator.inputs.get(port_name) if node is not None else None
+        if port is None:  # reported as an unknown op or port where it was wired
+            continue
+        wire = Wire(fb.name, fb.name, dst, port_name, feedback=True)
+        declare = (f"declare the feedback with the input's type: "
+                   f"flow.feedback({fb.name!r}, {port.type})")
+        for problem in _granularity_problems(wire, fb.type, port.type, origin):
+            problems.append(attrs.evolve(problem, fix=declare))
+        reason = assignable(fb.type.item, port.type.item)
+        if reason:
+            problems.append(Problem(
+                rule="type-mismatch", op=dst, port=port_name,
+                message=f"input gets the wrong item type ({origin}): {reason}",
+                expected=str(port.type), found=f"{fb.type} {origin}",
+                fix=f"{declare}, or change the annotation of {dst}.{port_name}"))
     return problems
 
 
 def _cycles(flow: Flow, wires: list[Wire]) -> list[Problem]:
+    """One problem per cycle, at the port where the wire back into the op declared first enters
+    it: that wire is most likely the one meant for the next step, so the fix names it."""
+    within = [w for w in wires if not w.feedback]
     graph = nx.DiGraph()
-    graph.add_edges_from((w.src, w.dst) for w in wires if not w.feedback)
+    graph.add_edges_from((w.src, w.dst) for w in within)
+    order = {name: i for i, name in enumerate(flow.nodes)}
     problems = []
     for i, cycle in enumerate(nx.simple_cycles(graph)):
         if i == _MAX_CYCLES_REPORTED:
             break
-        path = " -> ".join([*cycle, cycle[0]])
+        first = min(range(len(cycle)), key=lambda k: (order.get(cycle[k], len(order)), cycle[k]))
+        cycle = cycle[first:] + cycle[:first]
+        hops = [[w for w in within if (w.src, w.dst) == (a, b)]
+                for a, b in zip(cycle, [*cycle[1:], cycle[0]])]
+        path = ", ".join(f"{w.src}.{w.src_port} -> {w.dst}.{w.dst_port}"
+                         for hop in hops for w in hop)
+        closing = hops[-1][0]
+        also = "".join(f" (and {w.src}.{w.src_port} -> {w.dst}.{w.dst_port})" for w in hops[-1][1:])
+        node = flow.nodes.get(closing.dst)
+        port = node.operator.inputs.get(closing.dst_port) if node is not None else None
+        ptype = str(port.type) if port is not None else "<type>"
         problems.append(Problem(
-            rule="cycle", op=cycle[0], message=f"ops depend on each other within one step: {path}",
-            fix="if an edge feeds the next step (weights synced back to generation), declare it: "
-            "fb = flow.feedback(name, type), pass fb as the input, fb.bind(<output>)"))
+            rule="cycle", op=closing.dst, port=closing.dst_port,
+            message=f"ops depend on each other within one step: "
+            f"{' -> '.join([*cycle, cycle[0]])} (wires {path}); the wire "
+            f"{closing.src}.{closing.src_port} -> {closing.dst}.{closing.dst_port}{also} "
+            "closes the loop",
+            fix=f"if {closing.dst}.{closing.dst_port} should get the value of the previous step "
+            "(as with weights synced back to generation), declare that edge into the next step "
+            f"with flow.feedback: fb = flow.feedback({closing.dst_port!r}, {ptype}), pass fb as "
+            f"{closing.dst}'s {closing.dst_port!r} input, then fb.bind(<{closing.src}'s "
+            f"{closing.src_port!r} output>); otherwise remove one of these wires"))
     return problems
 
 

@@ -159,3 +159,90 @@ def test_model_ops_keep_their_port_order(actor):
         Generate(actor)(prompts())
     assert flow.check() == []
     assert Generate(actor).positional == ("prompts",)
+
+
+@op
+def both(x: Rollout, scores: Rollout) -> Rollout:
+    return x
+
+
+@op
+def rescore(x: Rollout) -> Rollout:
+    return x
+
+
+def test_a_cycle_names_the_port_of_the_wire_that_closes_it():
+    flow = Flow("f")
+    flow.add(src)
+    flow.add(both)
+    flow.add(rescore, name="score")
+    flow.connect("src.out", "both.x")
+    flow.connect("both.out", "score.x")
+    flow.connect("score.out", "both.scores")
+    (problem,) = flow.check()
+    assert (problem.rule, problem.op, problem.port) == ("cycle", "both", "scores")
+    assert "both.out -> score.x, score.out -> both.scores" in problem.message
+    assert "op 'both', port 'scores'" in str(problem)
+    assert "flow.feedback('scores'" in problem.fix and "both's 'scores' input" in problem.fix
+    assert "fb.bind(<score's 'out' output>)" in problem.fix
+
+
+def test_a_self_loop_is_a_cycle_at_its_port():
+    flow = Flow("f")
+    flow.add(rescore, name="loop")
+    flow.connect("loop.out", "loop.x")
+    (problem,) = flow.check()
+    assert (problem.rule, problem.op, problem.port) == ("cycle", "loop", "x")
+    assert "loop.out -> loop.x" in problem.message
+
+
+def test_the_suggested_feedback_clears_the_cycle():
+    with Flow("f") as flow:
+        scores = flow.feedback("scores", Stream[Rollout])
+        out = rescore(both(src(), scores), name="score")
+        scores.bind(out)
+    assert flow.check() == []
+
+
+def test_a_feedback_declared_and_never_used_says_so():
+    with pytest.raises(FlowError) as raised:
+        with Flow("f") as flow:
+            flow.feedback("state", Rollout)
+            score(src())
+    (problem,) = raised.value.problems
+    assert problem.rule == "unbound-feedback"
+    assert "declared but neither consumed nor bound" in problem.message
+    assert "consumed but never bound" not in problem.message
+
+
+def test_a_feedback_consumed_and_never_bound_names_its_consumer():
+    with pytest.raises(FlowError) as raised:
+        with Flow("f") as flow:
+            both(src(), flow.feedback("state", Rollout))
+    (problem,) = raised.value.problems
+    assert (problem.rule, problem.op, problem.port) == ("unbound-feedback", "both", "scores")
+    assert "consumed (by both.scores) but never bound" in problem.message
+    assert "state.bind(" in problem.fix
+
+
+def test_a_feedback_bound_to_the_wrong_type_is_reported_once_at_the_bind():
+    with pytest.raises(FlowError) as raised:
+        with Flow("f") as flow:
+            state = flow.feedback("state", Rollout)
+            state.bind(prompts())
+            both(src(), state)
+    (problem,) = raised.value.problems
+    assert (problem.rule, problem.op, problem.port) == ("type-mismatch", "prompts", "out")
+    assert "feedback 'state'" in problem.message
+
+
+def test_a_feedback_passed_to_an_input_of_another_type_is_reported_at_that_input():
+    with pytest.raises(FlowError) as raised:
+        with Flow("f") as flow:
+            state = flow.feedback("state", Prompt)
+            state.bind(prompts())
+            both(src(), state)
+    (problem,) = raised.value.problems
+    assert (problem.rule, problem.op, problem.port) == ("type-mismatch", "both", "scores")
+    assert "from feedback 'state'" in problem.message
+    assert "flow.feedback('state'" in problem.fix
