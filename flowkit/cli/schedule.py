@@ -93,7 +93,15 @@ def parse_memory(text: str | None) -> MemoryModel:
             raise click.BadParameter(f"{key} takes one value, got {len(vals)}", param_hint="--mem")
     base = MemoryModel()
     f, b, w = (values.get(k, [getattr(base, k)])[0] for k in ("F", "B", "W"))
-    return MemoryModel(F=f, B=b, W=w, BW=values.get("BW", [b + w])[0])
+    given = ",".join(f"{k}={values[k][0]:g}" for k in ("F", "B", "W", "BW") if k in values)
+    bw = values.get("BW", [b + w])[0]
+    if not math.isclose(bw, b + w, abs_tol=1e-9):
+        raise click.BadParameter(
+            f"{given} gives BW = {bw:g}, but BW, the fused backward, frees what B and W free: "
+            f"B+W = {b + w:g}; drop BW (it defaults to B+W) or give BW={b + w:g}",
+            param_hint="--mem",
+        )
+    return MemoryModel(F=f, B=b, W=w, BW=bw)
 
 
 def parse_model_dims(text: str) -> MemoryModel:

@@ -217,3 +217,38 @@ def test_execute_needs_one_executor_per_device():
     result = _run("1f1b", "-p", "4", "-m", "4", "--execute", "2")
     assert result.exit_code == 2
     assert "--execute 4" in result.output
+
+
+@pytest.mark.parametrize(
+    ("mem", "said"),
+    [
+        ("F=1,B=-0.5,W=-0.5,BW=-0.8", ["BW = -0.8", "B+W = -1", "drop BW", "BW=-1"]),
+        ("B=-0.3,W=-0.7,BW=-0.5", ["BW = -0.5", "B+W = -1"]),
+    ],
+)
+def test_a_memory_model_that_does_not_balance_is_a_usage_error(mem, said):
+    result = _run("zb-h1", "-p", "4", "-m", "8", "--mem", mem)
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "Invalid value for --mem" in text and "Traceback" not in text
+    for fragment in said:
+        assert fragment in text
+
+
+@pytest.mark.parametrize("mem", ["F=1,B=-0.4,W=-0.6", "F=2,B=-1,W=-1,BW=-2", "B=-0.3,W=-0.7"])
+def test_a_balanced_memory_model_is_taken(mem, tmp_path):
+    out = tmp_path / "s.json"
+    result = _run("zb-h1", "-p", "4", "-m", "8", "--mem", mem, "--json", str(out))
+    assert result.exit_code == 0, result.output
+    memory = json.loads(out.read_text())["memory_model"]
+    assert memory["F"] + memory["B"] + memory["W"] == pytest.approx(0)
+    assert memory["BW"] == pytest.approx(memory["B"] + memory["W"])
+
+
+def test_plot_png_is_a_labelled_chart(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "gantt.png"
+    result = _run("zb-h1", "-p", "4", "-m", "8", "--plot", str(out))
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {out}" in " ".join(result.output.split())
