@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import warnings
 from typing import Any
 
 import attrs
@@ -19,6 +20,10 @@ import msgpack
 __all__ = ["SerializeError", "pack", "unpack", "nbytes_of"]
 
 _TENSOR, _NDARRAY, _RECORD, _TUPLE = 1, 2, 3, 4
+
+# A received zmq frame is read-only memory that this process owns; the tensors built on it are
+# views that nothing else sees, so torch's warning about writing through them does not apply.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
 class SerializeError(ValueError):
