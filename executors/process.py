@@ -179,14 +179,17 @@ class Executor:
             parts = sock.recv_multipart(copy=copy)
             if peer:
                 parts = parts[1:]  # drop the ROUTER's identity frame
-            self._handle(parts)
+            self._handle(parts, peer=peer)
 
-    def _handle(self, parts: list) -> None:
+    def _handle(self, parts: list, *, peer: bool = False) -> None:
         try:
             header, frames = decode(parts)
             handler = self._handlers.get(header["t"])
             if handler is None:
                 raise ProtocolError(f"an executor does not take {header['t']!r} messages")
+            if peer and header["t"] != Msg.DATA:
+                # only the controller gives instructions; peers only bring objects
+                raise ProtocolError(f"a peer may only send data, not {header['t']!r}")
             handler(header, frames)
         except (ProtocolError, SerializeError) as exc:
             log.warning("rejected a message: %s", exc)

@@ -195,3 +195,19 @@ def test_controller_rejects_garbage_and_unknown_types_and_keeps_serving(cluster)
     assert "never said hello" in header["reason"]
     client.close()
     assert ctl.submit("noop").result(timeout=5) is None
+
+
+def test_only_the_controller_gives_instructions_and_unknown_ops_fail_on_the_executor(cluster):
+    ctl, (first, _) = cluster
+    peer = _raw_client(first.peer_address)
+    task = {"id": 999_999, "op": "sleep", "config": {"seconds": 5}, "inputs": [], "outputs": []}
+    peer.send_multipart(encode(Msg.RUN, {"tasks": [task]}))  # a peer may not run tasks
+    peer.close()
+    # an op the executor does not have, sent as the controller would: a failed completion
+    with ctl._driving():
+        ctl._state._send(ctl._state.executor(first.id), Msg.RUN, {"tasks": [
+            {**task, "op": "rm_rf", "id": 999_998}]})
+    time.sleep(0.3)
+    started = time.monotonic()
+    assert ctl.submit("identity", 12, executor=first.id).result(timeout=5) == 12
+    assert time.monotonic() - started < 2  # it did not sleep 5 s for the peer
