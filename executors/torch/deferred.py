@@ -1,0 +1,173 @@
+"""How B leaves weight gradients for W without running anything twice.
+
+[Note: deferred weight gradients]
+B (`StageRunner.backward_input`) and W (`StageRunner.backward_weight`) split one backward pass:
+
+- Linear layers. While a stage runs its forward, every `F.linear` whose weight is a parameter of
+  the stage goes through `_DeferredLinear`, whose backward computes only dX = dY·W. The recorder
+  keeps the layer input X (a detached alias: the forward already holds it, no copy); B captures
+  dY at the node's gradient edge, and W computes dW = dYᵀX and db = ΣdY from the pair.
+- Any other parameter (LayerNorm, Embedding, convolutions, a user's own `nn.Parameter`). B also
+  captures the gradient flowing into each autograd node that consumes such a parameter directly
+  (its "consumer"), keeping the graph alive; W asks autograd for the parameter gradients starting
+  from those captured gradients, so it runs only the consumer nodes' weight parts. This is the
+  split `torch.distributed.pipelining` makes in `stage_backward_input/weight`, taken at the
+  consumer nodes so that a stage without float inputs (the embedding stage) splits as well.
+
+Neither half re-runs the forward, and the sum of what W accumulates over all consumers and
+linear calls is the ordinary gradient: every path from the loss to a parameter ends in exactly
+one consumer edge or linear call. Tied weights (one parameter used by an embedding and by a
+linear head) simply receive both contributions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch.autograd.graph import GradientEdge, Node
+from torch.overrides import TorchFunctionMode
+
+__all__ = [
+    "LinearCall",
+    "Recorder",
+    "accumulate",
+    "consumer_nodes",
+    "edges_of",
+    "grad_accumulator",
+    "linear_weight_grads",
+    "tensor_bytes",
+]
+
+
+@attrs.define(eq=False)
+class LinearCall:
+    """One deferred `F.linear` of a microbatch: what W needs to compute its weight gradient."""
+
+    node: Node | None  # the `_DeferredLinear` backward node; B captures dY at its edge 0
+    x: torch.Tensor  # layer input, detached alias of the forward's own tensor
+    x_version: int  # in-place edits of X after the forward would make dW silently wrong
+    weight: torch.nn.Parameter
+    bias: torch.Tensor | None
+    dy: torch.Tensor | None = None  # set by B
+
+
+class _DeferredLinear(torch.autograd.Function):
+    """`F.linear` whose backward yields the input gradient only; W does the weight part."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        ctx.save_for_backward(weight)  # dX needs W only; X itself lives in the LinearCall
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None  # (..., out) @ (out, in)
+        return dx, None, None
+
+
+def _linear_args(args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+    bound = list(args) + [None] * (3 - len(args))
+    x = kwargs.get("input", bound[0])
+    weight = kwargs.get("weight", bound[1])
+    bias = kwargs.get("bias", bound[2])
+    return x, weight, bias
+
+
+class Recorder(TorchFunctionMode):
+    """Active during a stage's forward: routes the stage's linear layers through
+    `_DeferredLinear` and records one `LinearCall` per call."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        super().__init__()
+        self._params = {id(p) for p in params if p.requires_grad}
+        self.calls: list[LinearCall] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and torch.is_grad_enabled():
+            x, weight, bias = _linear_args(args, kwargs)
+            if id(weight) in self._params:
+                out = _DeferredLinear.apply(x, weight, bias)
+                xd = x.detach()
+                self.calls.append(LinearCall(out.grad_fn, xd, xd._version, weight, bias))
+                return out
+        return func(*args, **kwargs)
+
+
+def grad_accumulator(param: torch.Tensor) -> Node:
+    """The AccumulateGrad node of a leaf (created lazily by autograd, hence the view)."""
+    return param.view_as(param).grad_fn.next_functions[0][0]
+
+
+def consumer_nodes(
+    roots: Sequence[Node], params: Sequence[torch.nn.Parameter], skip: set[Node]
+) -> dict[Node, list[torch.nn.Parameter]]:
+    """Nodes of the graph under `roots` that take one of `params` directly, with those params;
+    nodes in `skip` (the deferred linears, whose weights W handles itself) are left out."""
+    accumulators = {grad_accumulator(p): p for p in params if p.requires_grad}
+    consumers: dict[Node, list[torch.nn.Parameter]] = {}
+    seen: set[Node] = set()
+    stack = [r for r in roots if r is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if child in accumulators:
+                if node not in skip:
+                    consumers.setdefault(node, []).append(accumulators[child])
+            elif child not in seen:
+                stack.append(child)
+    return consumers
+
+
+def linear_weight_grads(call: LinearCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """dW = dYᵀX and db = ΣdY, summed over every leading (batch, time) dimension."""
+    if call.x._version != call.x_version:
+        raise RuntimeError(
+            "the input of a linear layer was modified in place after the forward; deferred "
+            "weight gradients need it unchanged (use an out-of-place op in the model)"
+        )
+    dy = call.dy.reshape(-1, call.dy.shape[-1])  # (N, out)
+    x = call.x.reshape(-1, call.x.shape[-1])  # (N, in)
+    dw = dy.t().matmul(x.to(dy.dtype))  # (out, in)
+    db = dy.sum(0) if call.bias is not None and call.bias.requires_grad else None
+    return dw, db
+
+
+def accumulate(param: torch.Tensor, grad: torch.Tensor | None) -> None:
+    if grad is None:
+        return
+    with torch.no_grad():
+        if param.grad is None:
+            param.grad = grad.detach().clone() if grad._base is not None else grad.detach()
+        else:
+            param.grad.add_(grad)
+
+
+def tensor_bytes(tensors: Sequence[torch.Tensor | None]) -> int:
+    """Bytes held by `tensors`, counting a storage shared by several of them once."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def edges_of(consumers: Sequence[Node]) -> list[GradientEdge]:
+    """One gradient edge per forward output of each consumer: where B captures its grads."""
+    return [GradientEdge(node, k) for node in consumers for k in range(len(node._input_metadata))]

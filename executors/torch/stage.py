@@ -1,0 +1,237 @@
+"""`StageRunner`: one pipeline stage's F, B, W and BW for any `torch.nn.Module`.
+
+A schedule may run the ops of different microbatches in any order it likes (F0 F1 B0 F2 W0 ...);
+the runner keeps each microbatch's state apart, from its F until its W (or BW), and then frees it.
+See [Note: deferred weight gradients] in `executors/torch/deferred.py` for how B and W share
+one backward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import attrs
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+from executors.torch.deferred import (
+    LinearCall,
+    Recorder,
+    accumulate,
+    consumer_nodes,
+    edges_of,
+    linear_weight_grads,
+    tensor_bytes,
+)
+
+__all__ = ["StageError", "StageRunner"]
+
+
+class StageError(RuntimeError):
+    """An op that does not fit the microbatch's state (B before F, W before B, F twice ...)."""
+
+
+@attrs.define(eq=False)
+class _Microbatch:
+    inputs: tuple[Any, ...]  # as the module saw them: float tensors are grad-requiring leaves
+    outputs: tuple[Any, ...]  # attached to the graph; the caller only ever sees detached copies
+    linear: list[LinearCall]
+    phase: str = "F"  # "F" after the forward, "B" after backward_input
+    consumers: list[Node] = attrs.field(factory=list)
+    consumer_grads: list[torch.Tensor | None] = attrs.field(factory=list)
+    consumer_params: list[torch.nn.Parameter] = attrs.field(factory=list)
+    stashed_bytes: int = 0
+
+
+def _flatten(output: Any) -> tuple[Any, ...]:
+    return tuple(output) if isinstance(output, (tuple, list)) else (output,)
+
+
+def _as_input(value: Any) -> Any:
+    """Float activations become fresh leaves that collect their gradient; ids stay as they are."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.detach().requires_grad_(True)
+    return value
+
+
+def _detached(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+class StageRunner:
+    """Runs one stage (`module`, already on its device) for many microbatches at once.
+
+    `forward(mb, *inputs)` returns the stage's outputs (detached: the graph stays here);
+    `backward_input(mb, *grad_outputs)` returns the input gradients (None where an input has
+    none) and stashes what W needs; `backward_weight(mb)` adds the microbatch's parameter
+    gradients to `.grad`; `backward(mb, *grad_outputs)` does B and W at once. On the last stage
+    the module returns a scalar loss and B takes no grad_outputs.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._mbs: dict[Hashable, _Microbatch] = {}
+
+    # -- public ops ---------------------------------------------------------------------------
+    def forward(self, mb: Hashable, *inputs: Any) -> Any:
+        if mb in self._mbs:
+            raise StageError(
+                f"forward of microbatch {mb!r} ran twice: its state is still held (phase "
+                f"{self._mbs[mb].phase}); run its W or BW before reusing the id"
+            )
+        leaves = tuple(_as_input(v) for v in inputs)
+        recorder = Recorder(self._params)
+        with torch.enable_grad(), recorder:
+            output = self.module(*leaves)
+        outputs = _flatten(output)
+        self._mbs[mb] = _Microbatch(inputs=leaves, outputs=outputs, linear=recorder.calls)
+        detached = tuple(_detached(o) for o in outputs)
+        return detached if isinstance(output, (tuple, list)) else detached[0]
+
+    def backward_input(self, mb: Hashable, *grad_outputs: Any) -> tuple[torch.Tensor | None, ...]:
+        state = self._state(mb, "backward_input", expect="F")
+        roots, root_grads = self._roots(mb, state, grad_outputs)
+        grad_idx = [i for i, v in enumerate(state.inputs) if _needs_grad(v)]
+        consumers = self._consumers(roots, state)
+        edges: list[Any] = [state.inputs[i] for i in grad_idx]
+        edges += [GradientEdge(c.node, 0) for c in state.linear]
+        edges += edges_of(consumers)
+        got: tuple[Any, ...] = ()
+        if roots and edges:
+            # the graph must outlive B only when W will re-enter it at generic consumers
+            got = torch.autograd.grad(
+                roots, edges, root_grads, retain_graph=bool(consumers), allow_unused=True
+            )
+        got = got or (None,) * len(edges)
+        n_in, n_lin = len(grad_idx), len(state.linear)
+        for call, dy in zip(state.linear, got[n_in : n_in + n_lin]):
+            call.dy, call.node = dy, None  # the node would keep the graph below it alive
+        state.consumers = list(consumers)
+        state.consumer_grads = list(got[n_in + n_lin :])
+        state.consumer_params = list({id(p): p for ps in consumers.values() for p in ps}.values())
+        state.outputs = ()  # W starts from captured gradients, never from the outputs
+        state.phase = "B"
+        state.stashed_bytes = self._stash_bytes(state)
+        grads: list[torch.Tensor | None] = [None] * len(state.inputs)
+        for i, g in zip(grad_idx, got[:n_in]):
+            grads[i] = g
+        state.inputs = ()
+        return tuple(grads)
+
+    def backward_weight(self, mb: Hashable) -> None:
+        state = self._state(mb, "backward_weight", expect="B")
+        for call in state.linear:
+            if call.dy is None:  # the layer's output did not reach the loss
+                continue
+            dw, db = linear_weight_grads(call)
+            accumulate(call.weight, dw)
+            if db is not None:
+                accumulate(call.bias, db)
+        self._consumer_weight_grads(state)
+        del self._mbs[mb]
+
+    def backward(self, mb: Hashable, *grad_outputs: Any) -> tuple[torch.Tensor | None, ...]:
+        """The fused BW op: the same arithmetic as B followed by W."""
+        grads = self.backward_input(mb, *grad_outputs)
+        self.backward_weight(mb)
+        return grads
+
+    # -- accounting ---------------------------------------------------------------------------
+    @property
+    def stashed_bytes(self) -> int:
+        """Bytes the stash holds between B and W, over all microbatches (0 once all W ran)."""
+        return sum(s.stashed_bytes for s in self._mbs.values())
+
+    def stash_bytes(self, mb: Hashable) -> int:
+        """Bytes held for W of microbatch `mb` (0 before its B and after its W)."""
+        state = self._mbs.get(mb)
+        return state.stashed_bytes if state is not None else 0
+
+    @property
+    def pending(self) -> dict[Hashable, str]:
+        """Microbatches whose state is held, with the last op that ran for each ("F" or "B")."""
+        return {mb: s.phase for mb, s in self._mbs.items()}
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _state(self, mb: Hashable, op: str, *, expect: str) -> _Microbatch:
+        state = self._mbs.get(mb)
+        if state is None:
+            held = sorted(map(repr, self._mbs)) or ["none"]
+            raise StageError(
+                f"{op} for microbatch {mb!r}, which has no forward pending on this stage "
+                f"(held: {', '.join(held)}); run its forward first"
+            )
+        if state.phase != expect:
+            why = {
+                "F": "its backward_input already ran; run its backward_weight next",
+                "B": "its backward_input has not run yet; W consumes what B stashes",
+            }[expect]
+            raise StageError(f"{op} for microbatch {mb!r} out of order: {why}")
+        return state
+
+    def _roots(
+        self, mb: Hashable, state: _Microbatch, grad_outputs: tuple[Any, ...]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        outs = state.outputs
+        if not grad_outputs:
+            if len(outs) != 1 or not isinstance(outs[0], torch.Tensor) or outs[0].numel() != 1:
+                raise StageError(
+                    f"backward_input for microbatch {mb!r} without grad_outputs needs a scalar "
+                    f"loss output (the last stage); this stage returned {len(outs)} output(s)"
+                )
+            grad_outputs = (torch.ones_like(outs[0]),)
+        if len(grad_outputs) != len(outs):
+            raise StageError(
+                f"backward_input for microbatch {mb!r} got {len(grad_outputs)} grad_outputs "
+                f"for {len(outs)} stage outputs"
+            )
+        pairs = [
+            (o, g)
+            for o, g in zip(outs, grad_outputs)
+            if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
+        ]
+        return [o for o, _ in pairs], [g.to(o.device, o.dtype) for o, g in pairs]
+
+    def _consumers(
+        self, roots: list[torch.Tensor], state: _Microbatch
+    ) -> dict[Node, list[torch.nn.Parameter]]:
+        skip = {c.node for c in state.linear}
+        return consumer_nodes([r.grad_fn for r in roots], self._params, skip)
+
+    def _consumer_weight_grads(self, state: _Microbatch) -> None:
+        """Parameter gradients of the generic consumers from their captured gradients."""
+        edges, grads, per_node = [], [], {}
+        for edge, grad in zip(edges_of(state.consumers), state.consumer_grads):
+            per_node.setdefault(edge.node, []).append(grad)
+            if grad is not None:
+                edges.append(edge)
+                grads.append(grad)
+        if not edges:
+            return
+        # A consumer can lie below another (a parameter used twice on one path): pin each one's
+        # incoming gradient to what B captured, so the upper one adds nothing a second time.
+        handles = [
+            node.register_prehook(lambda _g, saved=tuple(saved): saved)
+            for node, saved in per_node.items()
+        ] if len(per_node) > 1 else []
+        try:
+            dparams = torch.autograd.grad(
+                edges, state.consumer_params, grads, allow_unused=True
+            )
+        finally:
+            for h in handles:
+                h.remove()
+        for p, g in zip(state.consumer_params, dparams):
+            accumulate(p, g)
+
+    @staticmethod
+    def _stash_bytes(state: _Microbatch) -> int:
+        held = [c.x for c in state.linear if c.dy is not None]
+        held += [c.dy for c in state.linear]
+        return tensor_bytes(held + state.consumer_grads)
+
+
+def _needs_grad(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.requires_grad
