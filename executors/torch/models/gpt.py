@@ -1,0 +1,257 @@
+"""The built-in GPT, after nanoGPT's model.py: one readable file, names from GPT-2.
+
+`GPT(**config)` builds the whole model (the flows name it as
+``build="executors.torch.models.gpt:GPT"``); `split_gpt(model, stages)` cuts it into pipeline
+stages balanced by estimated cost.
+
+[Note: GPT stage inputs] Stage 0 takes the token ids ``idx`` (B, T); inner stages take hidden
+states (B, T, C); the last stage takes ``(hidden, targets)`` with ``targets`` (B, T) token ids
+and returns the scalar loss. A one-stage split takes ``(idx, targets)``. The runtime cuts a
+batch (B, T+1) of tokens into ``idx = batch[:, :-1]`` for the first stage and
+``targets = batch[:, 1:]`` for the last; `StageRunner` passes integer inputs through without
+gradients, so targets are just one more input of the last stage.
+
+[Note: tied embedding across stages] The unsplit model ties ``lm_head.weight`` to ``wte.weight``.
+Stages in different processes cannot share a parameter, so a split with more than one stage gives
+the last stage its own copy. Same math as the unsplit model holds if, after every backward and
+before the optimizer step, each copy's gradient is replaced by the sum of both (an all-reduce
+over the pair named by `tied_parameters`; `sum_tied_grads` does it in one process): both copies
+then start equal, get equal gradients and equal optimizer updates, so they stay equal.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "layers_per_stage",
+    "split_gpt",
+    "sum_tied_grads",
+    "tied_parameters",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    vocab_size: int = 256  # bytes: the example corpora are byte-tokenized, nothing to download
+    block_size: int = 128  # longest sequence; sizes the position table wpe
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0  # 0 keeps pipeline runs bit-comparable with a plain loop
+    bias: bool = True  # biases in Linears and LayerNorms, like GPT-2
+    value_head: bool = False  # a critic: one value per position instead of next-token logits
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """``GPT(GPTConfig(...))`` or ``GPT(**config)``; ``forward(idx, targets=None)``."""
+
+    def __init__(self, config: GPTConfig | None = None, **overrides) -> None:
+        super().__init__()
+        config = GPTConfig(**{**(asdict(config) if config else {}), **overrides})
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        out = 1 if config.value_head else config.vocab_size
+        self.lm_head = nn.Linear(config.n_embd, out, bias=False)
+        if not config.value_head:
+            self.transformer.wte.weight = self.lm_head.weight  # weight tying, as GPT-2
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):  # GPT-2: residual projections scaled by depth
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        x = embed(self.transformer, idx)  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x)
+        return head(self.config, self.transformer.ln_f, self.lm_head, x, targets)
+
+
+def embed(transformer: nn.ModuleDict, idx: torch.Tensor) -> torch.Tensor:
+    """Token plus position embeddings of ``idx`` (B, T) -> (B, T, C)."""
+    T = idx.size(1)
+    block_size = transformer.wpe.num_embeddings
+    if T > block_size:
+        raise ValueError(f"cannot forward a sequence of length {T}; block_size is {block_size}")
+    pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T)
+    return transformer.drop(transformer.wte(idx) + transformer.wpe(pos))
+
+
+def head(config: GPTConfig, ln_f: nn.Module, lm_head: nn.Module, x, targets):
+    """Logits (B, T, vocab) or values (B, T); with targets, the mean loss instead: cross-entropy
+    on next tokens, or for a value head the squared error against float returns."""
+    out = lm_head(ln_f(x))  # (B, T, vocab) or (B, T, 1)
+    if config.value_head:
+        values = out.squeeze(-1)  # (B, T)
+        return values if targets is None else F.mse_loss(values, targets.to(values.dtype))
+    if targets is None:
+        return out
+    return F.cross_entropy(out.view(-1, out.size(-1)), targets.reshape(-1), ignore_index=-1)
+
+
+# -- pipeline stages -------------------------------------------------------------------------
+class GPTStage(nn.Module):
+    """A contiguous slice of a GPT: embeddings if first, blocks, and ln_f + head if last.
+    Inputs per position: see [Note: GPT stage inputs]."""
+
+    def __init__(self, config: GPTConfig, blocks: list[Block], *, first: bool, last: bool,
+                 transformer: nn.ModuleDict, lm_head: nn.Linear) -> None:
+        super().__init__()
+        self.config, self.first, self.last = config, first, last
+        self.h = nn.ModuleList(blocks)
+        if first:
+            self.wte, self.wpe, self.drop = transformer.wte, transformer.wpe, transformer.drop
+        if last:
+            self.ln_f, self.lm_head = transformer.ln_f, lm_head
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+        if self.first:
+            x = embed(self, x)  # (B, T) ids -> (B, T, C)
+        for block in self.h:
+            x = block(x)
+        if self.last:
+            return head(self.config, self.ln_f, self.lm_head, x, targets)
+        return x
+
+
+def layers_per_stage(config: GPTConfig, stages: int, *, seq_len: int | None = None) -> list[int]:
+    """Blocks per stage minimizing the most expensive stage, by forward FLOPs per token: a
+    block costs 24C² + 4TC (projections, attention scores), the head 2CV plus the loss, and
+    the embeddings a little on the first stage."""
+    if not 1 <= stages <= config.n_layer:
+        raise ValueError(f"stages must be in 1..n_layer={config.n_layer}, got {stages}")
+    C, T = config.n_embd, seq_len or config.block_size
+    block = 24 * C * C + 4 * T * C
+    head_cost = 2 * C * (1 if config.value_head else config.vocab_size) + 4 * C
+    extra = [0.0] * stages
+    extra[0] += 4 * C  # embedding lookups and the add
+    extra[-1] += head_cost
+    return _balanced(config.n_layer, block, extra)
+
+
+def _balanced(n: int, block: float, extra: list[float]) -> list[int]:
+    """Split n equal blocks into len(extra) contiguous non-empty parts minimizing the largest
+    part cost (blocks * block + extra[s]); ties go to the split with more blocks early."""
+    p = len(extra)
+    best: dict[tuple[int, int], tuple[float, tuple[int, ...]]] = {(0, 0): (0.0, ())}
+    for s in range(p):
+        for used in range(s, n):
+            if (s, used) not in best:
+                continue
+            cost, parts = best[(s, used)]
+            for k in range(1, n - used - (p - s - 1) + 1):
+                cand = (max(cost, k * block + extra[s]), parts + (k,))
+                key = (s + 1, used + k)
+                if key not in best or (cand[0], [-v for v in cand[1]]) < (
+                    best[key][0], [-v for v in best[key][1]]
+                ):
+                    best[key] = cand
+    return list(best[(p, n)][1])
+
+
+def split_gpt(model: GPT, stages: int, *, seq_len: int | None = None) -> list[nn.Module]:
+    """Cut `model` into `stages` stage modules (sharing its parameters, except the last
+    stage's untied copy of the head; see [Note: tied embedding across stages])."""
+    config = model.config
+    counts = layers_per_stage(config, stages, seq_len=seq_len)
+    lm_head = model.lm_head
+    if stages > 1 and not config.value_head:
+        lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        lm_head = lm_head.to(device=model.lm_head.weight.device, dtype=model.lm_head.weight.dtype)
+        with torch.no_grad():
+            lm_head.weight.copy_(model.lm_head.weight)
+    blocks = list(model.transformer.h)
+    out, start = [], 0
+    for s, k in enumerate(counts):
+        out.append(GPTStage(config, blocks[start : start + k], first=s == 0,
+                            last=s == stages - 1, transformer=model.transformer, lm_head=lm_head))
+        start += k
+    return out
+
+
+def tied_parameters(stages: list[nn.Module]) -> list[tuple[tuple[int, str], tuple[int, str]]]:
+    """Pairs ((stage, name), (stage, name)) of parameters that are one weight in the unsplit
+    model but separate copies here; their gradients must be summed before each step."""
+    first, last = stages[0], stages[-1]
+    if len(stages) < 2 or first.config.value_head:
+        return []
+    return [((0, "wte.weight"), (len(stages) - 1, "lm_head.weight"))]
+
+
+def sum_tied_grads(stages: list[nn.Module]) -> None:
+    """In one process: give both copies of every tied pair the sum of their gradients."""
+    for (sa, na), (sb, nb) in tied_parameters(stages):
+        a, b = stages[sa].get_parameter(na), stages[sb].get_parameter(nb)
+        total = sum(g for g in (a.grad, b.grad) if g is not None)
+        if isinstance(total, torch.Tensor):
+            a.grad, b.grad = total.clone(), total.clone()
