@@ -200,23 +200,26 @@ def layers_per_stage(config: GPTConfig, stages: int, *, seq_len: int | None = No
 
 
 def _balanced(n: int, block: float, extra: list[float]) -> list[int]:
-    """Split n equal blocks into len(extra) contiguous non-empty parts minimizing the largest
-    part cost (blocks * block + extra[s]); ties go to the split with more blocks early."""
+    """Split n equal blocks into len(extra) contiguous non-empty parts: first the smallest
+    possible most expensive part (cost k * block + extra[s]), then, under that bound, the most
+    even parts (least sum of squared costs), so a heavy head does not pile blocks elsewhere."""
     p = len(extra)
-    best: dict[tuple[int, int], tuple[float, tuple[int, ...]]] = {(0, 0): (0.0, ())}
+    limits = sorted({k * block + e for k in range(1, n + 1) for e in extra})
+    for limit in limits:
+        caps = [min(n, int((limit - e) / block + 1e-9)) for e in extra]
+        if min(caps) >= 1 and sum(caps) >= n:
+            break
+    # best[used] = (sum of squares, counts) over the stages placed so far
+    best: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, ())}
     for s in range(p):
-        for used in range(s, n):
-            if (s, used) not in best:
-                continue
-            cost, parts = best[(s, used)]
-            for k in range(1, n - used - (p - s - 1) + 1):
-                cand = (max(cost, k * block + extra[s]), parts + (k,))
-                key = (s + 1, used + k)
-                if key not in best or (cand[0], [-v for v in cand[1]]) < (
-                    best[key][0], [-v for v in best[key][1]]
-                ):
-                    best[key] = cand
-    return list(best[(p, n)][1])
+        nxt: dict[int, tuple[float, tuple[int, ...]]] = {}
+        for used, (sq, counts) in best.items():
+            for k in range(1, min(caps[s], n - used - (p - s - 1)) + 1):
+                cand = (sq + (k * block + extra[s]) ** 2, counts + (k,))
+                if used + k not in nxt or cand[0] < nxt[used + k][0]:
+                    nxt[used + k] = cand
+        best = nxt
+    return list(best[n][1])
 
 
 def split_gpt(model: GPT, stages: int, *, seq_len: int | None = None) -> list[nn.Module]:
@@ -242,8 +245,7 @@ def split_gpt(model: GPT, stages: int, *, seq_len: int | None = None) -> list[nn
 def tied_parameters(stages: list[nn.Module]) -> list[tuple[tuple[int, str], tuple[int, str]]]:
     """Pairs ((stage, name), (stage, name)) of parameters that are one weight in the unsplit
     model but separate copies here; their gradients must be summed before each step."""
-    first, last = stages[0], stages[-1]
-    if len(stages) < 2 or first.config.value_head:
+    if len(stages) < 2 or stages[0].config.value_head:
         return []
     return [((0, "wte.weight"), (len(stages) - 1, "lm_head.weight"))]
 
