@@ -8,15 +8,18 @@ B (`StageRunner.backward_input`) and W (`StageRunner.backward_weight`) split one
   keeps the layer input X (a detached alias: the forward already holds it, no copy); B captures
   dY at the node's gradient edge, and W computes dW = dYᵀX and db = ΣdY from the pair.
 - Any other parameter (LayerNorm, Embedding, convolutions, a user's own `nn.Parameter`). B also
-  captures the gradient flowing into each autograd node that consumes such a parameter directly
-  (its "consumer"), keeping the graph alive; W asks autograd for the parameter gradients starting
-  from those captured gradients, so it runs only the consumer nodes' weight parts. This is the
-  split `torch.distributed.pipelining` makes in `stage_backward_input/weight`, taken at the
-  consumer nodes so that a stage without float inputs (the embedding stage) splits as well.
+  captures the gradient flowing into each autograd node that takes such a parameter directly
+  (its "consumer") and keeps the graph; W calls each consumer node once on its captured
+  gradient and keeps the parameter parts of the result. This is the split
+  `torch.distributed.pipelining` makes in `stage_backward_input/weight`, taken at the consumer
+  nodes so that a stage without float inputs (the embedding stage) splits as well, and so that
+  W never walks the chain between two consumers: the one node is all W runs (it may recompute
+  that node's own input gradient, e.g. LayerNorm's dX, never a chain of them).
 
 Neither half re-runs the forward, and the sum of what W accumulates over all consumers and
 linear calls is the ordinary gradient: every path from the loss to a parameter ends in exactly
-one consumer edge or linear call. Tied weights (one parameter used by an embedding and by a
+one edge from a consumer node or in a linear call, and B captured the total gradient entering
+each of those nodes. Tied weights (one parameter used by an embedding and by a
 linear head) simply receive both contributions.
 """
 
@@ -34,12 +37,15 @@ from torch.overrides import TorchFunctionMode
 __all__ = [
     "LinearCall",
     "Recorder",
+    "Consumers",
+    "SavedBytes",
     "accumulate",
     "consumer_nodes",
+    "consumer_weight_grads",
     "edges_of",
     "grad_accumulator",
     "linear_weight_grads",
-    "tensor_bytes",
+    "storages",
 ]
 
 
@@ -104,13 +110,17 @@ def grad_accumulator(param: torch.Tensor) -> Node:
     return param.view_as(param).grad_fn.next_functions[0][0]
 
 
+Consumers = dict[Node, list[tuple[int, torch.nn.Parameter]]]
+
+
 def consumer_nodes(
     roots: Sequence[Node], params: Sequence[torch.nn.Parameter], skip: set[Node]
-) -> dict[Node, list[torch.nn.Parameter]]:
-    """Nodes of the graph under `roots` that take one of `params` directly, with those params;
-    nodes in `skip` (the deferred linears, whose weights W handles itself) are left out."""
+) -> Consumers:
+    """Nodes of the graph under `roots` that take one of `params` directly, each with
+    (position in its next_functions, param) pairs; nodes in `skip` (the deferred linears,
+    whose weights W handles itself) are left out."""
     accumulators = {grad_accumulator(p): p for p in params if p.requires_grad}
-    consumers: dict[Node, list[torch.nn.Parameter]] = {}
+    consumers: Consumers = {}
     seen: set[Node] = set()
     stack = [r for r in roots if r is not None]
     while stack:
@@ -118,12 +128,12 @@ def consumer_nodes(
         if node in seen:
             continue
         seen.add(node)
-        for child, _ in node.next_functions:
+        for pos, (child, _) in enumerate(node.next_functions):
             if child is None:
                 continue
             if child in accumulators:
                 if node not in skip:
-                    consumers.setdefault(node, []).append(accumulators[child])
+                    consumers.setdefault(node, []).append((pos, accumulators[child]))
             elif child not in seen:
                 stack.append(child)
     return consumers
@@ -153,19 +163,53 @@ def accumulate(param: torch.Tensor, grad: torch.Tensor | None) -> None:
             param.grad.add_(grad)
 
 
-def tensor_bytes(tensors: Sequence[torch.Tensor | None]) -> int:
-    """Bytes held by `tensors`, counting a storage shared by several of them once."""
-    seen: set[int] = set()
-    total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        storage = t.untyped_storage()
-        if storage.data_ptr() in seen:
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
-    return total
+def storages(tensors: Sequence[torch.Tensor | None]) -> dict[int, int]:
+    """{storage address: bytes} of `tensors`: a storage shared by several counts once."""
+    return {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in tensors
+        if t is not None
+    }
+
+
+class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Active during a stage's forward: notes every storage autograd saves (parameters aside),
+    which is what a graph kept from B to W holds."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        self.saved: dict[int, int] = {}
+        skip = {p.untyped_storage().data_ptr() for p in params}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in skip:
+                self.saved[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        super().__init__(pack, lambda t: t)
+
+
+def consumer_weight_grads(
+    node: Node, uses: list[tuple[int, torch.nn.Parameter]], grads: Sequence[torch.Tensor | None]
+) -> None:
+    """Run one consumer node on the gradients B captured at its outputs and accumulate the
+    parts that belong to parameters."""
+    if all(g is None for g in grads):
+        return  # nothing reached this node from the loss
+    full = [
+        g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=m.device)
+        for g, m in zip(grads, node._input_metadata)
+    ]
+    call = node if callable(node) else node.apply  # custom Function nodes expose `apply`
+    with torch.no_grad():
+        out = call(*full)
+    out = out if isinstance(out, tuple) else (out,)
+    for pos, param in uses:
+        grad = out[pos]
+        if grad is not None and grad.shape != param.shape:
+            # the engine reduces broadcast gradients between nodes; a direct call must do it
+            grad = grad.sum_to_size(param.shape)
+        accumulate(param, grad)
 
 
 def edges_of(consumers: Sequence[Node]) -> list[GradientEdge]:

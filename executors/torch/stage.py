@@ -13,16 +13,19 @@ from typing import Any
 
 import attrs
 import torch
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import GradientEdge
 
 from executors.torch.deferred import (
+    Consumers,
     LinearCall,
     Recorder,
+    SavedBytes,
     accumulate,
     consumer_nodes,
+    consumer_weight_grads,
     edges_of,
     linear_weight_grads,
-    tensor_bytes,
+    storages,
 )
 
 __all__ = ["StageError", "StageRunner"]
@@ -37,10 +40,10 @@ class _Microbatch:
     inputs: tuple[Any, ...]  # as the module saw them: float tensors are grad-requiring leaves
     outputs: tuple[Any, ...]  # attached to the graph; the caller only ever sees detached copies
     linear: list[LinearCall]
+    saved: dict[int, int]  # storages autograd saved in the forward: {address: bytes}
     phase: str = "F"  # "F" after the forward, "B" after backward_input
-    consumers: list[Node] = attrs.field(factory=list)
+    consumers: Consumers = attrs.field(factory=dict)
     consumer_grads: list[torch.Tensor | None] = attrs.field(factory=list)
-    consumer_params: list[torch.nn.Parameter] = attrs.field(factory=list)
     stashed_bytes: int = 0
 
 
@@ -82,11 +85,13 @@ class StageRunner:
                 f"{self._mbs[mb].phase}); run its W or BW before reusing the id"
             )
         leaves = tuple(_as_input(v) for v in inputs)
-        recorder = Recorder(self._params)
-        with torch.enable_grad(), recorder:
+        recorder, saved = Recorder(self._params), SavedBytes(self._params)
+        with torch.enable_grad(), recorder, saved:
             output = self.module(*leaves)
         outputs = _flatten(output)
-        self._mbs[mb] = _Microbatch(inputs=leaves, outputs=outputs, linear=recorder.calls)
+        self._mbs[mb] = _Microbatch(
+            inputs=leaves, outputs=outputs, linear=recorder.calls, saved=saved.saved
+        )
         detached = tuple(_detached(o) for o in outputs)
         return detached if isinstance(output, (tuple, list)) else detached[0]
 
@@ -108,9 +113,8 @@ class StageRunner:
         n_in, n_lin = len(grad_idx), len(state.linear)
         for call, dy in zip(state.linear, got[n_in : n_in + n_lin]):
             call.dy, call.node = dy, None  # the node would keep the graph below it alive
-        state.consumers = list(consumers)
+        state.consumers = consumers
         state.consumer_grads = list(got[n_in + n_lin :])
-        state.consumer_params = list({id(p): p for ps in consumers.values() for p in ps}.values())
         state.outputs = ()  # W starts from captured gradients, never from the outputs
         state.phase = "B"
         state.stashed_bytes = self._stash_bytes(state)
@@ -196,41 +200,27 @@ class StageRunner:
 
     def _consumers(
         self, roots: list[torch.Tensor], state: _Microbatch
-    ) -> dict[Node, list[torch.nn.Parameter]]:
+    ) -> Consumers:
         skip = {c.node for c in state.linear}
         return consumer_nodes([r.grad_fn for r in roots], self._params, skip)
 
-    def _consumer_weight_grads(self, state: _Microbatch) -> None:
-        """Parameter gradients of the generic consumers from their captured gradients."""
-        edges, grads, per_node = [], [], {}
-        for edge, grad in zip(edges_of(state.consumers), state.consumer_grads):
-            per_node.setdefault(edge.node, []).append(grad)
-            if grad is not None:
-                edges.append(edge)
-                grads.append(grad)
-        if not edges:
-            return
-        # A consumer can lie below another (a parameter used twice on one path): pin each one's
-        # incoming gradient to what B captured, so the upper one adds nothing a second time.
-        handles = [
-            node.register_prehook(lambda _g, saved=tuple(saved): saved)
-            for node, saved in per_node.items()
-        ] if len(per_node) > 1 else []
-        try:
-            dparams = torch.autograd.grad(
-                edges, state.consumer_params, grads, allow_unused=True
-            )
-        finally:
-            for h in handles:
-                h.remove()
-        for p, g in zip(state.consumer_params, dparams):
-            accumulate(p, g)
+    @staticmethod
+    def _consumer_weight_grads(state: _Microbatch) -> None:
+        """Parameter gradients of the generic consumers, one node call each."""
+        grads = iter(state.consumer_grads)
+        for node, uses in state.consumers.items():
+            mine = [next(grads) for _ in node._input_metadata]
+            consumer_weight_grads(node, uses, mine)
 
     @staticmethod
     def _stash_bytes(state: _Microbatch) -> int:
+        """X and dY of the linear layers, the gradients captured at consumers, and, when there
+        are consumers, the graph B had to keep (what autograd saved in the forward)."""
         held = [c.x for c in state.linear if c.dy is not None]
-        held += [c.dy for c in state.linear]
-        return tensor_bytes(held + state.consumer_grads)
+        held += [c.dy for c in state.linear] + state.consumer_grads
+        kept = dict(state.saved) if state.consumers else {}
+        kept.update(storages(held))
+        return sum(kept.values())
 
 
 def _needs_grad(value: Any) -> bool:

@@ -92,6 +92,47 @@ def test_forward_runs_once_and_weight_grads_wait_for_w(kind):
     assert_grads_equal([stage], expected)
 
 
+class _CountBackward(torch.autograd.Function):
+    """Identity whose backward counts its calls: a link of the input-gradient chain."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        _CountBackward.calls += 1
+        return g
+
+
+def test_w_never_walks_the_input_gradient_chain():
+    class Stage(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = torch.nn.LayerNorm(4), torch.nn.LayerNorm(4)
+            self.scale = torch.nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            h = _CountBackward.apply(self.ln1(x) * self.scale)
+            return (torch.tanh(self.ln2(h)) * self.scale).sum()
+
+    stage = Stage().double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    ref = copy.deepcopy(stage)
+    ref(x).backward()
+    runner = StageRunner(stage)
+    runner.forward(0, x)
+    _CountBackward.calls = 0
+    runner.backward_input(0)
+    assert _CountBackward.calls == 1
+    runner.backward_weight(0)
+    assert _CountBackward.calls == 1  # W ran the consumer nodes only, not the chain between
+    for p, q in zip(stage.parameters(), ref.parameters()):
+        assert (p.grad - q.grad).abs().max() < 1e-12
+
+
 def test_linear_weight_grads_appear_per_w():
     (stage,) = make_stages("linear", 1)
     data = make_data("linear", 2)
