@@ -72,8 +72,10 @@ class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):
         (weight,) = ctx.saved_tensors
-        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None  # (..., out) @ (out, in)
-        return dx, None, None
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        dx = dy.reshape(-1, dy.shape[-1]).mm(weight)  # (N, out) @ (out, in): one BLAS call
+        return dx.view(*dy.shape[:-1], weight.shape[-1]), None, None
 
 
 def _linear_args(args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
@@ -181,9 +183,9 @@ class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
         skip = {p.untyped_storage().data_ptr() for p in params}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in skip:
-                self.saved[ptr] = t.untyped_storage().nbytes()
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in skip:
+                self.saved[storage.data_ptr()] = storage.nbytes()
             return t
 
         super().__init__(pack, lambda t: t)
