@@ -9,12 +9,15 @@ B (`StageRunner.backward_input`) and W (`StageRunner.backward_weight`) split one
   dY at the node's gradient edge, and W computes dW = dYᵀX and db = ΣdY from the pair.
 - Any other parameter (LayerNorm, Embedding, convolutions, a user's own `nn.Parameter`). B also
   captures the gradient flowing into each autograd node that takes such a parameter directly
-  (its "consumer") and keeps the graph; W calls each consumer node once on its captured
-  gradient and keeps the parameter parts of the result. This is the split
-  `torch.distributed.pipelining` makes in `stage_backward_input/weight`, taken at the consumer
-  nodes so that a stage without float inputs (the embedding stage) splits as well, and so that
-  W never walks the chain between two consumers: the one node is all W runs (it may recompute
-  that node's own input gradient, e.g. LayerNorm's dX, never a chain of them).
+  (its "consumer") and keeps the graph; W runs each consumer node once on its captured gradient
+  and keeps the parameter parts. This is the split `torch.distributed.pipelining` makes in
+  `stage_backward_input/weight`, taken at the consumer nodes so that a stage without float
+  inputs (the embedding stage) splits as well, and so that W never walks the chain between two
+  consumers. A node whose parameters no other consumer uses (the usual case) runs through the
+  autograd engine with only its parameters as targets, so it computes the weight part alone; a
+  node sharing a parameter with another consumer (one parameter used twice on a path) is called
+  directly, since the engine would walk down to the other use and count it twice: that call
+  recomputes the node's own input gradient, never a chain of them.
 
 Neither half re-runs the forward, and the sum of what W accumulates over all consumers and
 linear calls is the ordinary gradient: every path from the loss to a parameter ends in exactly
@@ -192,12 +195,26 @@ class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
 
 
 def consumer_weight_grads(
-    node: Node, uses: list[tuple[int, torch.nn.Parameter]], grads: Sequence[torch.Tensor | None]
+    node: Node,
+    uses: list[tuple[int, torch.nn.Parameter]],
+    grads: Sequence[torch.Tensor | None],
+    *,
+    shared: bool,
 ) -> None:
     """Run one consumer node on the gradients B captured at its outputs and accumulate the
-    parts that belong to parameters."""
+    parts that belong to parameters (`shared`: a parameter of it has other consumers)."""
     if all(g is None for g in grads):
         return  # nothing reached this node from the loss
+    if not shared:
+        params = list({id(p): p for _, p in uses}.values())
+        edges = [GradientEdge(node, k) for k, g in enumerate(grads) if g is not None]
+        found = torch.autograd.grad(
+            edges, params, [g for g in grads if g is not None], retain_graph=True,
+            allow_unused=True,
+        )
+        for param, grad in zip(params, found):
+            accumulate(param, grad)
+        return
     full = [
         g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=m.device)
         for g, m in zip(grads, node._input_metadata)

@@ -8,6 +8,7 @@ one backward pass.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Hashable
 from typing import Any
 
@@ -207,10 +208,12 @@ class StageRunner:
     @staticmethod
     def _consumer_weight_grads(state: _Microbatch) -> None:
         """Parameter gradients of the generic consumers, one node call each."""
+        users = Counter(id(p) for uses in state.consumers.values() for p in {p for _, p in uses})
         grads = iter(state.consumer_grads)
         for node, uses in state.consumers.items():
             mine = [next(grads) for _ in node._input_metadata]
-            consumer_weight_grads(node, uses, mine)
+            shared = any(users[id(p)] > 1 for _, p in uses)
+            consumer_weight_grads(node, uses, mine, shared=shared)
 
     @staticmethod
     def _stash_bytes(state: _Microbatch) -> int:
