@@ -52,11 +52,12 @@ def _flatten(output: Any) -> tuple[Any, ...]:
     return tuple(output) if isinstance(output, (tuple, list)) else (output,)
 
 
-def _as_input(value: Any) -> Any:
+def _as_input(value: Any, device: torch.device) -> Any:
     """Float activations become fresh leaves that collect their gradient; ids stay as they are."""
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.detach().requires_grad_(True)
-    return value
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.to(device)
+    return value.detach().requires_grad_(True) if value.is_floating_point() else value
 
 
 def _detached(value: Any) -> Any:
@@ -75,6 +76,8 @@ class StageRunner:
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
+        tensors = [*module.parameters(), *module.buffers()]
+        self.device = tensors[0].device if tensors else torch.device("cpu")
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._mbs: dict[Hashable, _Microbatch] = {}
 
@@ -85,7 +88,7 @@ class StageRunner:
                 f"forward of microbatch {mb!r} ran twice: its state is still held (phase "
                 f"{self._mbs[mb].phase}); run its W or BW before reusing the id"
             )
-        leaves = tuple(_as_input(v) for v in inputs)
+        leaves = tuple(_as_input(v, self.device) for v in inputs)
         recorder, saved = Recorder(self._params), SavedBytes(self._params)
         with torch.enable_grad(), recorder, saved:
             output = self.module(*leaves)
@@ -199,15 +202,13 @@ class StageRunner:
         ]
         return [o for o, _ in pairs], [g.to(o.device, o.dtype) for o, g in pairs]
 
-    def _consumers(
-        self, roots: list[torch.Tensor], state: _Microbatch
-    ) -> Consumers:
+    def _consumers(self, roots: list[torch.Tensor], state: _Microbatch) -> Consumers:
         skip = {c.node for c in state.linear}
         return consumer_nodes([r.grad_fn for r in roots], self._params, skip)
 
     @staticmethod
     def _consumer_weight_grads(state: _Microbatch) -> None:
-        """Parameter gradients of the generic consumers, one node call each."""
+        """Parameter gradients of the generic consumers, one node run each."""
         users = Counter(id(p) for uses in state.consumers.values() for p in {p for _, p in uses})
         grads = iter(state.consumer_grads)
         for node, uses in state.consumers.items():
