@@ -9,7 +9,10 @@ states (B, T, C); the last stage takes ``(hidden, targets)`` with ``targets`` (B
 and returns the scalar loss. A one-stage split takes ``(idx, targets)``. The runtime cuts a
 batch (B, T+1) of tokens into ``idx = batch[:, :-1]`` for the first stage and
 ``targets = batch[:, 1:]`` for the last; `StageRunner` passes integer inputs through without
-gradients, so targets are just one more input of the last stage.
+gradients, so targets are just one more input of the last stage. (A value head's float returns
+are the one exception: the runner treats them as activations and computes a gradient for them
+that nobody reads.) Each microbatch's loss is its mean over tokens; a plain loop that
+accumulates gradients over the same microbatches sums the same losses.
 
 [Note: tied embedding across stages] The unsplit model ties ``lm_head.weight`` to ``wte.weight``.
 Stages in different processes cannot share a parameter, so a split with more than one stage gives
@@ -31,6 +34,7 @@ import torch.nn.functional as F
 __all__ = [
     "GPT",
     "GPTConfig",
+    "GPTStage",
     "layers_per_stage",
     "split_gpt",
     "sum_tied_grads",
@@ -131,13 +135,13 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        x = embed(self.transformer, idx)  # (B, T, C)
+        x = _embed(self.transformer, idx)  # (B, T, C)
         for block in self.transformer.h:
             x = block(x)
-        return head(self.config, self.transformer.ln_f, self.lm_head, x, targets)
+        return _head(self.config, self.transformer.ln_f, self.lm_head, x, targets)
 
 
-def embed(transformer: nn.ModuleDict, idx: torch.Tensor) -> torch.Tensor:
+def _embed(transformer: nn.ModuleDict, idx: torch.Tensor) -> torch.Tensor:
     """Token plus position embeddings of ``idx`` (B, T) -> (B, T, C)."""
     T = idx.size(1)
     block_size = transformer.wpe.num_embeddings
@@ -147,7 +151,7 @@ def embed(transformer: nn.ModuleDict, idx: torch.Tensor) -> torch.Tensor:
     return transformer.drop(transformer.wte(idx) + transformer.wpe(pos))
 
 
-def head(config: GPTConfig, ln_f: nn.Module, lm_head: nn.Module, x, targets):
+def _head(config: GPTConfig, ln_f: nn.Module, lm_head: nn.Module, x, targets):
     """Logits (B, T, vocab) or values (B, T); with targets, the mean loss instead: cross-entropy
     on next tokens, or for a value head the squared error against float returns."""
     out = lm_head(ln_f(x))  # (B, T, vocab) or (B, T, 1)
@@ -156,6 +160,7 @@ def head(config: GPTConfig, ln_f: nn.Module, lm_head: nn.Module, x, targets):
         return values if targets is None else F.mse_loss(values, targets.to(values.dtype))
     if targets is None:
         return out
+    # target -1 masks a position (padding, or a prompt in SFT), as in nanoGPT
     return F.cross_entropy(out.view(-1, out.size(-1)), targets.reshape(-1), ignore_index=-1)
 
 
@@ -176,11 +181,11 @@ class GPTStage(nn.Module):
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
         if self.first:
-            x = embed(self, x)  # (B, T) ids -> (B, T, C)
+            x = _embed(self, x)  # (B, T) ids -> (B, T, C)
         for block in self.h:
             x = block(x)
         if self.last:
-            return head(self.config, self.ln_f, self.lm_head, x, targets)
+            return _head(self.config, self.ln_f, self.lm_head, x, targets)
         return x
 
 
