@@ -29,6 +29,9 @@ __all__ = ["Executor"]
 log = logging.getLogger("flowkit.executor")
 
 _INLINE_LIMIT = 2048  # outputs whose packed form is this small ride in the completion message
+# [Note: hot polling] After any work the loop polls without sleeping for _HOT_SECONDS: the next
+# instruction or peer request usually follows within microseconds, and waking from a sleeping
+# poll costs tens to hundreds of microseconds on a busy or virtual machine, more than a round trip.
 _HOT_SECONDS = 0.001
 _TINY_OP_S = 0.00005
 _HOLD_BACK_S = 0.001  # the longest a finished task's completion waits behind another op
@@ -153,7 +156,7 @@ class Executor:
         poller.register(self.peer, zmq.POLLIN)
         hot_until = 0.0
         while self.running:
-            # [Note: hot polling] (flowkit/runtime/controller.py): stay awake briefly after work.
+            # [Note: hot polling]: stay awake briefly after work.
             hot = time.monotonic() < hot_until
             events = poller.poll(0 if self.ready or hot else 100)
             if events:
@@ -328,11 +331,13 @@ class Executor:
             if waiting.pop(task.id, None) is None:
                 continue  # cancelled meanwhile
             # [Note: completion batching] Completions go out in one message per burst of tiny
-            # tasks (dispatch throughput); once tasks take real time, each completion leaves
-            # before the next task starts. A long op in a burst of tiny ones (the long tail)
-            # must not hold back the finished ones either: the _CompletionWatch sends them.
+            # tasks (dispatch throughput). Once tasks take real time, the _CompletionWatch
+            # sends the last task's completion as soon as the next op is under way: describing
+            # and sending it stays off the next op's critical path (60-80 µs an op here). A
+            # long op in a burst of tiny ones (the long tail) must not hold back the finished
+            # ones either: the watch sends them once the op has run _HOLD_BACK_S.
             if self.completions and self.typical_op_s > _TINY_OP_S:
-                self._flush_completions()
+                self.watch.send_now = True
             started = time.perf_counter()
             self._run(task)
             self.typical_op_s += 0.2 * (time.perf_counter() - started - self.typical_op_s)
@@ -354,12 +359,12 @@ class Executor:
                                   start=start)
             return
         end = time.time()
-        done = []
         for object_id, value in zip(task.outputs, outputs, strict=True):
             self._store(object_id, value)
-            done.append(_describe(object_id, value, task.report_key))
-        self.completions.append({"task": task.id, "ok": True, "outputs": done,
-                                 "start": start, "end": end})
+        # described when sent: packing them to learn their size can wait for the flush
+        self.completions.append({"task": task.id, "ok": True, "start": start, "end": end,
+                                 "outputs": list(zip(task.outputs, outputs)),
+                                 "report_key": task.report_key})
 
     def _call(self, op: Any, args: list, config: dict) -> Any:
         """Run one op; while it runs the sockets belong to the watch, which takes them over if
@@ -381,7 +386,7 @@ class Executor:
     def _flush_completions(self) -> None:
         if self.completions:
             items, self.completions = self.completions, []
-            self._send(Msg.DONE, {"items": items})
+            self._send(Msg.DONE, {"items": [_described(item) for item in items]})
 
 
 def _split_outputs(result: Any, count: int, op: str) -> list:
@@ -393,6 +398,20 @@ def _split_outputs(result: Any, count: int, op: str) -> list:
         raise TypeError(f"op {op!r} must return {count} outputs for this task, got "
                         f"{type(result).__name__}")
     return list(result)
+
+
+def _described(item: dict) -> dict:
+    """A completion with its outputs described; a task whose output cannot be serialized fails
+    (its outputs are not fetchable or movable) with an error that says so."""
+    if not item["ok"]:
+        return item
+    key = item.pop("report_key")
+    try:
+        item["outputs"] = [_describe(i, v, key) for i, v in item["outputs"]]
+    except SerializeError as exc:
+        return {"task": item["task"], "ok": False, "start": item["start"], "end": item["end"],
+                "error": f"its output cannot be sent: {exc}", "traceback": ""}
+    return item
 
 
 def _describe(object_id: int, value: Any, report_key: str | None = None) -> dict:
@@ -430,6 +449,7 @@ class _CompletionWatch(threading.Thread):
         super().__init__(name="flowkit-watch", daemon=True)
         self.executor = executor
         self.armed = threading.Event()
+        self.send_now = False  # completions wait: flush them as soon as the op is under way
         self.stopping = False
 
     def stop(self) -> None:
@@ -446,9 +466,12 @@ class _CompletionWatch(threading.Thread):
             if self.stopping:
                 return
             seq = executor.op_seq
+            pause = 0.0 if self.send_now else _HOLD_BACK_S
             while not self.stopping:
-                time.sleep(_HOLD_BACK_S)  # short ops never meet the watch
+                time.sleep(pause)  # short ops never meet the watch
+                pause = _HOLD_BACK_S
                 with executor.socket_lock:
+                    self.send_now = False
                     if not executor.in_op or executor.op_seq != seq or not executor.running:
                         break
                     executor._flush_completions()

@@ -352,7 +352,7 @@ def _execute(console: Console, sched: Schedule, stage_costs: Costs, unit_s: floa
                   title_justify="left")
     for column in ("", "measured", "simulated"):
         table.add_column(column, justify="right")
-    for column in ("measured / simulated", "simulated without comm"):
+    for column in ("measured / simulated", "simulated, nominal costs"):
         table.add_column(column, justify="right")
     table.add_row("makespan", f"{figures['measured_makespan_s'] * 1e3:.2f} ms",
                   f"{figures['simulated_makespan_s'] * 1e3:.2f} ms",
@@ -362,8 +362,9 @@ def _execute(console: Console, sched: Schedule, stage_costs: Costs, unit_s: floa
                   f"{figures['simulated_bubble_rate']:.4f}", "",
                   f"{figures['nominal_bubble_rate']:.4f}")
     console.print(table)
-    console.print(f"simulated with comm = the profiled hop of one activation between executors, "
-                  f"{figures['hop_s'] * 1e6:.0f} µs (median of 100)")
+    console.print(f"simulated with profiled costs: each op + {figures['op_overhead_s'] * 1e6:.0f} µs "
+                  f"of executor time, comm = {figures['hop_s'] * 1e6:.0f} µs per activation hop "
+                  f"between executors (medians measured in this run)")
 
 
 def _run_one(

@@ -142,6 +142,11 @@ class Costs:
     comm: float = attrs.field(
         default=0.0, converter=float, validator=[_finite, attrs.validators.ge(0.0)]
     )
+    # Time every op takes beyond its own cost (an executor's dispatch), as profiled on real
+    # processes; the simulator adds it to each op, a fused BW included once.
+    per_op: float = attrs.field(
+        default=0.0, converter=float, validator=[_finite, attrs.validators.ge(0.0)]
+    )
 
     def __attrs_post_init__(self) -> None:
         if not (len(self.F) == len(self.B) == len(self.W)) or not self.F:
@@ -182,6 +187,9 @@ class Costs:
                    comm=comm)
 
     def of(self, action: Action) -> float:
+        return self.per_op + self._work(action)
+
+    def _work(self, action: Action) -> float:
         s = action.stage
         if action.kind is Kind.F:
             return self.F[s]
@@ -205,10 +213,14 @@ class Costs:
             B=[self.B[d[s]] / v for s in range(placement.num_stages)],
             W=[self.W[d[s]] / v for s in range(placement.num_stages)],
             comm=self.comm,
+            per_op=self.per_op,
         )
 
     def to_json(self) -> dict:
-        return {"F": list(self.F), "B": list(self.B), "W": list(self.W), "comm": self.comm}
+        out = {"F": list(self.F), "B": list(self.B), "W": list(self.W), "comm": self.comm}
+        if self.per_op:
+            out["per_op"] = self.per_op
+        return out
 
 
 @attrs.frozen(kw_only=True)

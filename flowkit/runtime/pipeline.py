@@ -163,10 +163,13 @@ def execute_on_simulators(schedule: Schedule, stage_costs: Costs, *, unit_s: flo
     """Run `schedule` on one simulator executor per device, costs in units of `unit_s`
     seconds: the median of `repeats` runs after a warm-up, against the planner's simulation.
 
-    The simulation's communication cost is profiled in the same run, as the Zero Bubble paper
-    profiles T_comm: the median time an activation takes from the end of the op that made it
-    to the start of the op that reads it on another executor. With it, measured against
-    simulated says whether the runtime adds anything beyond moving the data.
+    The simulation's costs are profiled in the same run, as the Zero Bubble paper profiles
+    T_F, T_B, T_W and T_comm: each op's cost gains the executors' own per-op time (one op's
+    start to the next's on a busy executor, less the op's nominal time, with every executor
+    busy at once as in the run), and the communication cost is the median time an activation
+    takes from the end of the op that made it to the start of the op that reads it on another
+    executor. With them, measured against simulated says whether the schedule's order costs
+    anything the simulator does not know of.
     """
     from flowkit.planner import simulate
     from flowkit.runtime.launch import LocalExecutors
@@ -178,6 +181,7 @@ def execute_on_simulators(schedule: Schedule, stage_costs: Costs, *, unit_s: flo
         infos = sorted(executors.start(), key=lambda e: int(e.name.rsplit("-", 1)[1]))
         try:
             hop_s = profile_hop(ctl, infos, activation_bytes) if len(infos) > 1 else 0.0
+            op_overhead_s = profile_op_overhead(ctl, infos, unit_s)
             runs = []
             for _ in range(repeats + 1):  # the first run warms up sockets and caches
                 run = submit_schedule(ctl, schedule, infos, config_for=config_for)
@@ -188,9 +192,11 @@ def execute_on_simulators(schedule: Schedule, stage_costs: Costs, *, unit_s: flo
             executors.stop()
     median = sorted(runs[1:], key=lambda m: m["makespan"])[len(runs[1:]) // 2]
     nominal = simulate(schedule, seconds)
-    profiled = simulate(schedule, attrs.evolve(seconds, comm=seconds.comm + hop_s))
+    profiled = simulate(schedule, attrs.evolve(seconds, comm=seconds.comm + hop_s,
+                                               per_op=op_overhead_s))
     return {"kind": schedule.kind, "devices": schedule.num_devices,
             "microbatches": schedule.microbatches, "unit_s": unit_s, "hop_s": hop_s,
+            "op_overhead_s": op_overhead_s,
             "measured_makespan_s": median["makespan"],
             "simulated_makespan_s": profiled.makespan,
             "nominal_makespan_s": nominal.makespan,
@@ -213,6 +219,21 @@ def profile_hop(ctl: Controller, executors: Sequence[ExecutorInfo], nbytes: int,
     wait(chain, timeout=60)
     gaps = sorted(b.timing[0] - a.timing[1] for a, b in zip(chain, chain[1:]))
     return max(0.0, gaps[len(gaps) // 2])
+
+
+def profile_op_overhead(ctl: Controller, executors: Sequence[ExecutorInfo], op_s: float,
+                        ops: int = 40) -> float:
+    """Median seconds an executor adds to each op of about `op_s` seconds: a chain of `ops`
+    simulator forwards in one lane on every executor at once, one op's start to the next's,
+    less `op_s`. Taken with all executors busy, it includes their contention for the cores."""
+    with ctl.batch():
+        chains = [[ctl.submit("F", config={"seconds": op_s}, executor=info.id,
+                              lane=f"profile-{info.id}") for _ in range(ops)]
+                  for info in executors]
+    wait([f for chain in chains for f in chain], timeout=60 + 2 * ops * op_s)
+    steps = sorted(b.timing[0] - a.timing[0] - op_s
+                   for chain in chains for a, b in zip(chain[ops // 4:], chain[ops // 4 + 1:]))
+    return max(0.0, steps[len(steps) // 2])
 
 
 def _zeros(nbytes: int) -> Any:

@@ -1,5 +1,6 @@
 """The simulator's semantics: [Note: pipeline dependencies] in flowkit/planner/simulate.py."""
 
+import attrs
 import pytest
 
 from flowkit.planner import Action, Costs, Placement, Schedule, ScheduleError, simulate
@@ -67,3 +68,16 @@ def test_peak_memory_follows_the_memory_model():
 def test_misplaced_action_is_an_error():
     with pytest.raises(ScheduleError, match="lives on device 1"):
         simulate(_schedule("0F0 1F0 0BW0 1BW0", "", stage_to_device=[0, 1]), Costs.uniform(2))
+
+
+def test_a_per_op_cost_is_added_to_every_op_and_once_to_a_fused_backward():
+    placement = Placement.one_per_device(1)
+    fused = Schedule(kind="t", placement=placement, microbatches=1,
+                     device_ops=[[Action.parse("0F0"), Action.parse("0BW0")]])
+    split = Schedule(kind="t", placement=placement, microbatches=1,
+                     device_ops=[[Action.parse(t) for t in ("0F0", "0B0", "0W0")]])
+    costs = Costs.uniform(1, F=1, B=2, W=3, comm=0)
+    with_overhead = attrs.evolve(costs, per_op=0.5)
+    assert simulate(fused, with_overhead).makespan == simulate(fused, costs).makespan + 1.0
+    assert simulate(split, with_overhead).makespan == simulate(split, costs).makespan + 1.5
+    assert with_overhead.to_json()["per_op"] == 0.5 and "per_op" not in costs.to_json()

@@ -88,3 +88,9 @@ def failing_flow() -> Flow:
     with Flow("failing") as flow:
         total(collect(explode(samples(count=3))))
     return flow
+
+
+@op
+def unsendable() -> Sample:
+    """Returns what no wire format can carry (a generator), to test how that fails."""
+    return (i for i in range(3))  # type: ignore[return-value]

@@ -7,9 +7,10 @@ import pytest
 from click.testing import CliRunner
 
 from flowkit.cli import main
+from flowkit.dsl.load import import_flow_file
 from flowkit.planner.lower import Call, lower_flow
 from flowkit.planner.simcosts import SimCosts
-from flowkit.runtime import Controller, LocalExecutors
+from flowkit.runtime import Controller, LocalExecutors, RemoteError
 from flowkit.runtime.flowrun import FlowRunError, FlowRunner
 from tests.runtime import flowdefs
 
@@ -116,3 +117,12 @@ def test_flowkit_run_reports_a_failing_op_and_exits_1():
 def test_flowkit_run_rejects_bad_sim_costs():
     result = CliRunner().invoke(main, ["run", str(EXAMPLES / "grpo.py"), "--sim-cost", "X=1"])
     assert result.exit_code == 2 and "NAME=SECONDS" in result.output
+
+
+def test_an_output_that_cannot_be_sent_fails_its_task_and_the_executor_keeps_serving(
+        sim_cluster):
+    target = f"{import_flow_file(Path(FLOWDEFS)).__name__}:unsendable"
+    for _ in range(2):  # on both executors, or twice on one: either way it keeps serving
+        with pytest.raises(RemoteError, match="cannot be sent"):
+            sim_cluster.submit("python", config={"target": target}).result(timeout=5)
+    assert sim_cluster.submit("identity", 3).result(timeout=5) == 3
