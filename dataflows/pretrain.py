@@ -1,22 +1,28 @@
-"""Pipeline-parallel language-model pretraining: token batches -> F/B/W under a schedule -> AdamW."""
+"""Pipeline-parallel language-model pretraining: token sequences -> microbatches -> F/B/W of the
+model's stages under a schedule -> AdamW with global-norm clipping -> step metrics."""
 
 from __future__ import annotations
 
 from dataflows.ops import Backprop, OptimizerStep
-from dataflows.text import token_batches
+from dataflows.text import token_sequences
 from flowkit.dsl import Flow, Model, collect
 
-__all__ = ["pretrain_flow"]
+__all__ = ["DEFAULT_GPT", "pretrain_flow"]
+
+# small enough to train on two CPU cores in a minute, deep enough for 4 stages
+DEFAULT_GPT = {"vocab_size": 256, "block_size": 128, "n_layer": 4, "n_head": 4, "n_embd": 128}
 
 
 def pretrain_flow(*, corpus: str, stages: int = 4, microbatches: int = 8, schedule: str = "1f1b",
-                  batch_size: int = 8, seq_len: int = 128, gpt: dict | None = None) -> Flow:
-    """One training step of the built-in GPT split into `stages` pipeline stages."""
-    model = Model(name="gpt", build="executors.torch.models.gpt:GPT", stages=stages,
-                  tags=("train",), config=gpt or {"vocab_size": 256, "n_layer": 4, "n_embd": 128})
-    with Flow("pretrain", description=pretrain_flow.__doc__) as flow:
-        batches = token_batches(path=corpus, batch_size=batch_size, seq_len=seq_len,
-                                batches=microbatches)
-        stats = Backprop(model)(batches, loss="lm", schedule=schedule, microbatches=microbatches)
-        OptimizerStep(model)(collect(stats))
+                  batch_size: int = 32, seq_len: int = 64, gpt: dict | None = None,
+                  lr: float = 1e-3, clip_grad_norm: float = 1.0, tags: tuple = ("train",),
+                  name: str = "pretrain", model_name: str = "gpt") -> Flow:
+    """One training step of the built-in GPT split into `stages` pipeline stages: `batch_size`
+    sequences a step, cut into `microbatches`, gradients accumulated over them."""
+    model = Model(name=model_name, build="executors.torch.models.gpt:GPT", stages=stages, tags=tags,
+                  config=gpt or DEFAULT_GPT)
+    with Flow(name, description=pretrain_flow.__doc__) as flow:
+        sequences = token_sequences(path=corpus, sequences=batch_size, seq_len=seq_len)
+        stats = Backprop(model)(sequences, loss="lm", schedule=schedule, microbatches=microbatches)
+        OptimizerStep(model)(collect(stats), lr=lr, clip_grad_norm=clip_grad_norm)
     return flow

@@ -1,4 +1,8 @@
-"""Pretraining the built-in GPT over 4 pipeline stages on a small corpus that ships with the repo."""
+"""Pretraining the built-in GPT over 4 pipeline stages on a small corpus that ships with the repo.
+
+    flowkit run examples/pretrain_pp.py --executors torch --stages 4 --microbatches 8 \
+        --schedule zb-h1 --steps 50
+"""
 
 from pathlib import Path
 

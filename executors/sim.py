@@ -76,6 +76,11 @@ def _backward_weight(ctx: OpContext, *inputs: Any, seconds: float = 0.0, **meta:
     busy_for(seconds)
 
 
+def _grad_stats(ctx: OpContext, *inputs: Any, stage: int = 0, **config: Any) -> tuple:
+    """A stage's gradient stats for the step across stages: no gradients here."""
+    return {"stage": int(stage), "sqnorm": 0.0}, {}
+
+
 def _optimizer_step(ctx: OpContext, *inputs: Any, seconds: float = 0.0, model: str = "",
                     step: int = 0, report: bool = False, **config: Any) -> Any:
     """One stage's optimizer step. The stage that `report`s reads every microbatch's stats and
@@ -151,6 +156,7 @@ def register(table: OpTable) -> None:
     table.register("B", _backward_input)
     table.register("W", _backward_weight)
     table.register("BW", _backward_input)  # one op doing both: its cost says how long
+    table.register("grad_stats", _grad_stats)
     table.register("optimizer_step", _optimizer_step)
     table.register("generate", _generate)
     table.register("logprobs", _token_scores)

@@ -6,4 +6,12 @@
 
 from executors.torch.stage import StageError, StageRunner
 
-__all__ = ["StageError", "StageRunner"]
+
+def register(table) -> None:
+    """The torch executor kind's ops (executors/torch/ops.py)."""
+    from executors.torch.ops import register as register_ops
+
+    register_ops(table)
+
+
+__all__ = ["StageError", "StageRunner", "register"]

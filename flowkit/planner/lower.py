@@ -15,6 +15,7 @@ Pure: no torch, no zmq. The runtime (flowkit/runtime/flowrun.py) carries the rul
 from __future__ import annotations
 
 import enum
+import inspect
 import typing
 from typing import Any
 
@@ -62,6 +63,7 @@ class NodePlan:
     tags: tuple[str, ...] = ()
     model: Model | None = None
     target: str | None = None  # a function op's import path
+    takes_step: bool = False  # the function has a `step` parameter: it is told the step number
 
 
 _MANY_PER_CALL = frozenset({"generate", "backprop"})
@@ -101,8 +103,10 @@ def _plan_node(flow: Flow, node: Node, wires: list[Wire]) -> NodePlan:
         return NodePlan(call=call or _call_of(inputs), op=operator.kind, many=many,
                         model=model, **{**common, "tags": tuple(model.tags)})
     target = operator.target if isinstance(operator, FunctionOp) else None
+    fn = getattr(operator, "fn", None)
+    takes_step = fn is not None and "step" in inspect.signature(fn).parameters
     return NodePlan(call=_call_of(inputs), op="python", many=_yields_many(operator),
-                    target=target, **common)
+                    target=target, takes_step=takes_step, **common)
 
 
 def _input_rule(flow: Flow, wire: Wire) -> InputRule:

@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 
 from flowkit.dsl import Granularity
+from flowkit.planner import Costs, simulate
 from flowkit.planner.lower import Call, InputRule, NodePlan
 from flowkit.planner.schedules import build_schedule
 from flowkit.planner.simcosts import SimCosts
@@ -24,6 +25,13 @@ from flowkit.runtime.controller import Controller
 from flowkit.runtime.pipeline import stage_costs_config, submit_schedule
 from flowkit.runtime.records import ExecutorInfo
 from flowkit.runtime.refs import Gather, Item
+from flowkit.runtime.training import (
+    device_shares,
+    model_spec,
+    pipeline_config,
+    profile_stages,
+    submit_optimizer_step,
+)
 
 __all__ = ["FlowRunError", "FlowRunner", "StepReport"]
 
@@ -90,6 +98,9 @@ class FlowRunner:
                     self.report_keys[rule.src] = rule.group_key
         self.placement = self._place_models()
         self.previous: dict[tuple[str, str], _Stream] = {}  # last step's outputs, for feedback
+        self.profiles: dict[tuple[str, int], Costs] = {}  # (model, stages) -> profiled costs
+        self.trained: dict[str, tuple] = {}  # model -> (schedule, spec) of this step's backprop
+        self.predicted_bubble: dict[str, float] = {}  # backprop node -> the simulator's
 
     # -- placement -----------------------------------------------------------------------------
     def _place_models(self) -> dict[str, list[ExecutorInfo]]:
@@ -116,6 +127,7 @@ class FlowRunner:
         self.states = {node.name: _NodeState(node) for node in self.plan}
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.step = step
+        self.trained.clear()
         for node in self.plan:
             self._progress(node.name)
         deadline = time.monotonic() + self.step_timeout
@@ -248,7 +260,8 @@ class FlowRunner:
         meta = {"node": plan.name, "step": self.step}
         outputs = max(1, len(plan.outputs))
         if plan.op == "python":
-            config = {"target": plan.target, "config": plan.config, "ports": ports,
+            fn_config = {**plan.config, "step": self.step} if plan.takes_step else plan.config
+            config = {"target": plan.target, "config": fn_config, "ports": ports,
                       "outputs": list(plan.outputs), "many": list(plan.many)}
             futures = self.ctl.submit("python", *(refs[p] for p in ports), config=config,
                                       tags=plan.tags, outputs=outputs, meta=meta,
@@ -287,49 +300,70 @@ class FlowRunner:
         ports = [r for r in plan.inputs if not r.feedback]
         columns = [self.streams[(r.src, r.src_port)].ordered() for r in ports]
         count = max(1, min(int(plan.config.get("microbatches") or 1), len(columns[0]) or 1))
-        microbatches = [tuple(Gather(_chunk(column, count, mb)) for column in columns)
-                        for mb in range(count)]
-        costs = (self.sim_costs or SimCosts()).stage_costs(len(executors))
-        schedule = build_schedule(plan.config.get("schedule") or "1f1b", devices=len(executors),
-                                  microbatches=count, costs=costs,
-                                  memory_limit=plan.config.get("memory_limit"))
-        stage_costs = costs.for_placement(schedule.placement)
-        activation = (self.sim_costs or SimCosts()).activation_bytes
-        run = submit_schedule(
-            self.ctl, schedule, executors, microbatch_inputs=microbatches,
-            config_for=_with_config(stage_costs_config(stage_costs, activation_bytes=activation),
-                                    plan.config), lane=plan.model.name,
-            meta={"node": plan.name, "step": self.step})
+        chunks = [[_chunk(column, count, mb) for column in columns] for mb in range(count)]
+        microbatches = [tuple(Gather(part) for part in chunk) for chunk in chunks]
+        kind = plan.config.get("schedule") or "1f1b"
+        stage_costs, schedule = self._plan_schedule(plan, executors, kind, count,
+                                                    microbatches[0])
+        spec = model_spec(plan.model, schedule.num_stages)
+        sim = self.sim_costs or SimCosts()
+        config_for = pipeline_config(
+            stage_costs_config(stage_costs, activation_bytes=sim.activation_bytes), spec,
+            [len(chunk[0]) for chunk in chunks], plan.config)
+        run = submit_schedule(self.ctl, schedule, executors, microbatch_inputs=microbatches,
+                              config_for=config_for, lane=plan.model.name,
+                              meta={"node": plan.name, "step": self.step})
         state.pipeline = run
+        self.trained[plan.model.name] = (schedule, spec)
+        self.predicted_bubble[plan.name] = simulate(schedule, stage_costs).bubble_rate
         for mb, loss in enumerate(run.losses):
             self._watch(state, (mb,), (loss,), register=True)
         for future in run.futures.values():
             if future not in run.losses:
                 self._watch(state, (), (future,), register=False)
 
+    def _plan_schedule(self, plan: NodePlan, executors: list[ExecutorInfo], kind: str,
+                       count: int, sample: Any) -> tuple[Costs, Any]:
+        """The schedule for this step, from the simulator's costs or, on executors that can
+        measure (torch), from F/B/W times profiled once per model and stage count."""
+        limit = plan.config.get("memory_limit")
+        devices = len(executors)
+        if self.sim_costs is not None or not all("profile_stage" in e.ops for e in executors):
+            costs = (self.sim_costs or SimCosts()).stage_costs(devices)
+            schedule = build_schedule(kind, devices=devices, microbatches=count, costs=costs,
+                                      memory_limit=limit)
+            return costs.for_placement(schedule.placement), schedule
+        placement = build_schedule(kind, devices=devices, microbatches=count,
+                                   costs=Costs.uniform(devices), memory_limit=limit).placement
+        key = (plan.model.name, placement.num_stages)
+        if key not in self.profiles:
+            self.profiles[key] = profile_stages(
+                self.ctl, executors, placement, model_spec(plan.model, placement.num_stages),
+                sample[0], lane=plan.model.name, timeout=self.step_timeout)
+        stage_costs = self.profiles[key]
+        schedule = build_schedule(kind, devices=devices, microbatches=count,
+                                  costs=device_shares(stage_costs, placement),
+                                  memory_limit=limit)
+        return stage_costs, schedule
+
     def _submit_step(self, state: _NodeState) -> None:
-        """One optimizer step per pipeline stage, in the stage's lane (after its W ops); stage 0
-        reads every microbatch's stats and the other stages' results, so it ends the step."""
+        """The optimizer step across the model's stages, each in its device's lane (after its
+        W ops); stage 0 reads every microbatch's stats and reports the step."""
         plan = state.plan
-        executors = self.placement[plan.model.name]
+        name = plan.model.name
+        if name not in self.trained:
+            raise FlowRunError(f"step {self.step}: {plan.name!r} steps model {name!r}, but no "
+                               "backprop of it ran in this step to make its gradients")
+        schedule, spec = self.trained[name]
         stats = [Gather(self.streams[(r.src, r.src_port)].ordered())
                  for r in plan.inputs if not r.feedback]
-        config = {**plan.config, **self._cost_config("optimizer_step"),
-                  "model": plan.model.name, "step": self.step}
-        meta = {"node": plan.name, "step": self.step}
-        others = []
-        for stage in range(len(executors) - 1, 0, -1):
-            future = self.ctl.submit("optimizer_step", config={**config, "stage": stage},
-                                     executor=executors[stage].id,
-                                     lane=f"{plan.model.name}/{stage}", meta={**meta,
-                                                                              "stage": stage})
+        config = {**plan.config, **self._cost_config("optimizer_step"), "step": self.step}
+        quiet, report = submit_optimizer_step(
+            self.ctl, schedule, self.placement[name], spec, stats, config, lane=name,
+            meta={"node": plan.name, "step": self.step}, outputs=len(plan.outputs))
+        for future in quiet:
             self._watch(state, (), (future,), register=False)
-            others.append(future)
-        futures = self.ctl.submit("optimizer_step", *stats, *others,
-                                  config={**config, "stage": 0, "report": True},
-                                  executor=executors[0].id, lane=f"{plan.model.name}/0",
-                                  outputs=len(plan.outputs), meta={**meta, "stage": 0})
-        self._watch(state, (), futures if len(plan.outputs) > 1 else (futures,), register=True)
+        self._watch(state, (), report if len(plan.outputs) > 1 else (report,), register=True)
 
     # -- reporting -----------------------------------------------------------------------------
     def _report(self, step: int, started: float) -> StepReport:
@@ -344,6 +378,8 @@ class FlowRunner:
                 metrics[f"{name}/tokens"] = sum(getattr(x, "tokens", 0) for x in losses)
         if runs:
             metrics["bubble_rate"] = _bubble_rate(runs)
+            predicted = list(self.predicted_bubble.values())
+            metrics["predicted_bubble_rate"] = max(predicted) if predicted else None
         return StepReport(step=step, elapsed_s=time.time() - started, timing_s=timing,
                           metrics=metrics)
 
@@ -358,11 +394,6 @@ def _bubble_rate(runs: list) -> float:
     span = max(max(e for _, e in t) - min(s for s, _ in t) for t in spans.values())
     busy = max(sum(e - s for s, e in t) for t in spans.values())
     return (span - busy) / span if span > 0 else 0.0
-
-
-def _with_config(config_for, extra: dict):
-    keep = {k: v for k, v in extra.items() if k in ("loss", "kl_coef")}
-    return lambda action: {**config_for(action), **keep}
 
 
 def _chunk(items: list, count: int, index: int) -> list:

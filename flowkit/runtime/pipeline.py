@@ -90,9 +90,9 @@ def submit_schedule(ctl: Controller, schedule: Schedule, executors: Sequence[Exe
                     config_for: ConfigFor | None = None, lane: str = "pipeline",
                     meta: dict | None = None) -> PipelineRun:
     """Submit every action of `schedule`, device d on `executors[d]`. `microbatch_inputs[mb]`
-    (a future, Item, Gather or value; a tuple of them for several inputs) feeds stage 0's
-    forward of microbatch mb; `config_for`
-    gives each action's op config (its cost, for the simulator)."""
+    (a future, Item, Gather or value; a tuple of them for several inputs) feeds the forward of
+    microbatch mb on stage 0 and, after its activation, on the last stage (the targets);
+    `config_for` gives each action's op config."""
     if len(executors) != schedule.num_devices:
         raise ValueError(f"schedule {schedule.kind!r} needs {schedule.num_devices} executors, "
                          f"got {len(executors)}")
@@ -124,12 +124,15 @@ def _submit_actions(ctl: Controller, schedule: Schedule, executors: Sequence[Exe
 
 def _inputs_of(action: Action, outputs: dict, last: int,
                microbatch_inputs: Sequence[Any] | None) -> list:
+    """Stage 0's F reads the microbatch; the last stage's F reads it too (its targets), after
+    the activation; every other action reads what its dependencies made."""
+    given: list = []
+    if action.kind is Kind.F and action.stage in (0, last) and microbatch_inputs is not None:
+        value = microbatch_inputs[action.microbatch]
+        given = list(value) if isinstance(value, tuple) else [value]  # a tuple: several inputs
     if action.kind is Kind.F and action.stage == 0:
-        if microbatch_inputs is None:
-            return []
-        given = microbatch_inputs[action.microbatch]
-        return list(given) if isinstance(given, tuple) else [given]  # a tuple: several inputs
-    return [outputs[_dep_key(dep)] for dep in dependencies(action, last + 1)]
+        return given
+    return [outputs[_dep_key(dep)] for dep in dependencies(action, last + 1)] + given
 
 
 def _key(action: Action) -> tuple[int, str, int]:

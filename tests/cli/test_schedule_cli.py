@@ -210,7 +210,7 @@ def test_execute_runs_the_schedule_on_simulator_executors():
     result = _run("zb-h1", "-p", "2", "-m", "4", "--execute", "2", "--unit", "0.001")
     assert result.exit_code == 0, result.output
     assert "measured on simulator executors" in result.output
-    assert "makespan" in result.output and "profiled hop" in result.output
+    assert "makespan" in result.output and "simulated with profiled costs" in result.output
 
 
 def test_execute_needs_one_executor_per_device():

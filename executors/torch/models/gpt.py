@@ -134,6 +134,10 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
+    def split(self, stages: int, *, seq_len: int | None = None) -> list[nn.Module]:
+        """Pipeline stages (the torch executor calls this): see `split_gpt`."""
+        return split_gpt(self, stages, seq_len=seq_len)
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         x = _embed(self.transformer, idx)  # (B, T, C)
         for block in self.transformer.h:
@@ -178,6 +182,17 @@ class GPTStage(nn.Module):
             self.wte, self.wpe, self.drop = transformer.wte, transformer.wpe, transformer.drop
         if last:
             self.ln_f, self.lm_head = transformer.ln_f, lm_head
+
+    def tied_copies(self) -> tuple[str, ...]:
+        """Names of this stage's parameters that are copies of one weight of the unsplit
+        model held by another stage [Note: tied embedding across stages]."""
+        if self.first == self.last or self.config.value_head:
+            return ()
+        return ("wte.weight",) if self.first else ("lm_head.weight",)
+
+    def tied_pairs(self) -> dict[str, str]:
+        """On the last stage: the first stage's tied parameter -> this stage's copy."""
+        return {"wte.weight": "lm_head.weight"} if self.tied_copies() and self.last else {}
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
         if self.first:

@@ -1,0 +1,336 @@
+"""The torch executor's ops: pipeline stages of a model, held on this executor, run F, B, W and
+BW for microbatches, then a stage-wise optimizer step that equals the unsplit model's.
+
+Every executor builds the whole model from its `build` path with the same seed and keeps the
+stages it is asked for, so all executors hold the same initial weights as a plain loop that
+builds the model once [Note: one model, many holders]. Task configs say which model and stage;
+the ops are otherwise the StageRunner's (executors/torch/stage.py).
+
+[Note: the optimizer step across stages] Gradient clipping needs the global norm of the
+unsplit model's gradient, and the embedding tied to the LM head is one weight there but two
+copies here (stage 0's `wte`, the last stage's `lm_head`), each with a share of the gradient.
+Three ops per step, all in the stages' lanes, so they run after each stage's last W:
+  grad_stats(stage 0)           -> its squared norm (tied copies left out), its tied grads
+  grad_stats(last, tied grads)  -> adds stage 0's share to its copies, so they hold the full
+                                   gradient; its squared norm counts that full gradient once
+  optimizer_step(s, every stage's stats[, the summed tied grads on stage 0])
+                                -> the global norm, clip, AdamW, zero the gradients
+Both copies then take the same AdamW step from the same state, and stay equal.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import statistics
+import time
+from typing import Any
+
+import attrs
+import torch
+
+from executors.ops import OpContext, OpTable
+from executors.torch.stage import StageError, StageRunner
+
+__all__ = ["register"]
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+           "float16": torch.float16}
+
+
+@attrs.define(eq=False)
+class _Stage:
+    module: torch.nn.Module
+    runner: StageRunner
+    optimizer: torch.optim.Optimizer | None = None
+    tied: tuple[str, ...] = ()  # names of parameters that are copies of another stage's
+
+
+@attrs.define(eq=False)
+class _Model:
+    """One model as this executor holds it: the split stages, and runners for those in use."""
+
+    spec: tuple
+    parts: list[torch.nn.Module]
+    device: torch.device
+    stages: dict[int, _Stage] = attrs.field(factory=dict)
+
+
+# -- building ---------------------------------------------------------------------------------
+def _model(ctx: OpContext, config: dict) -> _Model:
+    """The model named in `config`, built on first use [Note: one model, many holders]."""
+    name, num_stages = config["model"], int(config["stages"])
+    spec = (config["build"], repr(sorted(config.get("model_config", {}).items())), num_stages,
+            int(config.get("seed", 0)), config.get("dtype", "float32"))
+    models = ctx.state.setdefault("torch_models", {})
+    held = models.get(name)
+    if held is not None:
+        if held.spec != spec:
+            raise StageError(f"model {name!r} is already held here as {held.spec}; a task asked "
+                             f"for {spec}: one flow must not declare one model two ways")
+        return held
+    device = torch.device(ctx.device if ctx.device not in ("", "auto") else "cpu")
+    torch.manual_seed(int(config.get("seed", 0)))  # every holder builds the same weights
+    whole = _build(config["build"], dict(config.get("model_config", {})))
+    whole = whole.to(device=device, dtype=_DTYPES[config.get("dtype", "float32")])
+    parts = _split(whole, num_stages, config.get("seq_len"))
+    held = models[name] = _Model(spec=spec, parts=parts, device=device)
+    return held
+
+
+def _build(path: str, model_config: dict) -> torch.nn.Module:
+    module_name, _, factory = path.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in factory.split("."):
+        obj = getattr(obj, part)
+    return obj(**model_config)
+
+
+def _split(whole: torch.nn.Module, stages: int, seq_len: int | None) -> list[torch.nn.Module]:
+    """A model splits itself with `split(stages, seq_len=...)` (the built-in GPT does); a model
+    without one runs as a single stage."""
+    split = getattr(whole, "split", None)
+    if split is not None:
+        return list(split(stages, seq_len=seq_len))
+    if stages != 1:
+        raise StageError(f"{type(whole).__name__} has no split(stages) method, so it cannot be "
+                         f"cut into {stages} pipeline stages; give it one or use one stage")
+    return [whole]
+
+
+def _stage(ctx: OpContext, config: dict) -> _Stage:
+    model = _model(ctx, config)
+    s = int(config["stage"])
+    stage = model.stages.get(s)
+    if stage is None:
+        module = model.parts[s]
+        tied = tuple(getattr(module, "tied_copies", lambda: ())())
+        runs = _ScaledLoss(module) if s == len(model.parts) - 1 else module
+        stage = model.stages[s] = _Stage(module=module, runner=StageRunner(runs), tied=tied)
+    return stage
+
+
+class _ScaledLoss(torch.nn.Module):
+    """The last stage with its loss scaled by the microbatch's share of the batch, so that
+    the gradients the microbatches add up are the batch's (gradient accumulation)."""
+
+    def __init__(self, stage: torch.nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        *inputs, scale = args
+        return self.stage(*inputs) * scale
+
+
+# -- pipeline ops -----------------------------------------------------------------------------
+def _forward(ctx: OpContext, *inputs: Any, stage: int, stages: int, microbatch: int,
+             loss_scale: float = 1.0, **config: Any) -> Any:
+    """Stage 0 reads the microbatch's token sequences, a later stage the activation before it;
+    the last stage also reads the sequences for its targets and returns the microbatch's
+    stats. The loss it backpropagates is scaled by `loss_scale` (its share of the batch)."""
+    from dataflows.records import MicrobatchStats
+
+    held = _stage(ctx, {**config, "stage": stage, "stages": stages})
+    first, last = stage == 0, stage == stages - 1
+    tokens = _tokens(inputs[0] if first else inputs[-1]) if first or last else None
+    args: list[Any] = [tokens[:, :-1] if first else inputs[0]]
+    if last:
+        args += [tokens[:, 1:], float(loss_scale)]
+    out = held.runner.forward(microbatch, *args)
+    if not last:
+        return out
+    n_tokens = int(tokens[:, 1:].ge(0).sum())
+    return MicrobatchStats(loss=float(out) / float(loss_scale), tokens=n_tokens)
+
+
+def _tokens(value: Any) -> torch.Tensor:
+    """A microbatch of token sequences: a (B, T+1) tensor, or a list of them or of rows."""
+    if isinstance(value, torch.Tensor):
+        return value if value.dim() == 2 else value.unsqueeze(0)
+    rows = [v if v.dim() == 2 else v.unsqueeze(0) for v in value]
+    return torch.cat(rows)
+
+
+def _backward_input(ctx: OpContext, upstream: Any, *_: Any, stage: int, stages: int,
+                    microbatch: int, **config: Any) -> Any:
+    """B: the gradient of the stage's input activation (None on stage 0, whose inputs are
+    token ids). The last stage's B reads its own F's stats only to be ordered after it."""
+    held = _stage(ctx, {**config, "stage": stage, "stages": stages})
+    grads = (held.runner.backward_input(microbatch) if stage == stages - 1
+             else held.runner.backward_input(microbatch, upstream))
+    return grads[0]
+
+
+def _backward_weight(ctx: OpContext, *_: Any, stage: int, stages: int, microbatch: int,
+                     **config: Any) -> None:
+    _stage(ctx, {**config, "stage": stage, "stages": stages}).runner.backward_weight(microbatch)
+
+
+def _backward(ctx: OpContext, upstream: Any, *_: Any, stage: int, stages: int, microbatch: int,
+              **config: Any) -> Any:
+    held = _stage(ctx, {**config, "stage": stage, "stages": stages})
+    grads = (held.runner.backward(microbatch) if stage == stages - 1
+             else held.runner.backward(microbatch, upstream))
+    return grads[0]
+
+
+# -- the optimizer step [Note: the optimizer step across stages] ------------------------------
+def _grad_stats(ctx: OpContext, *partner: Any, stage: int, stages: int, **config: Any) -> tuple:
+    """(this stage's squared gradient norm, its tied copies' gradients). Given the first
+    stage's tied gradients (on the last stage), first add them to this stage's copies."""
+    held = _stage(ctx, {**config, "stage": stage, "stages": stages})
+    params = dict(held.module.named_parameters())
+    # Copies, never the .grad tensors themselves: on one executor (the V shape puts the first
+    # and last stage together) outputs are passed by reference, and the optimizer step scales
+    # and drops .grad while the other stage may still read what was sent.
+    out: dict[str, torch.Tensor] = {}
+    if stage == 0 and stages > 1:  # send the tied shares; the last stage counts them
+        out = {n: params[n].grad.clone() for n in held.tied if params[n].grad is not None}
+    for name, grad in (partner[0] if partner and partner[0] else {}).items():
+        mine = params[_partner_name(held, name)]
+        _accumulate(mine, grad)
+        out[name] = mine.grad.clone()  # the full gradient, back to stage 0 by its own name
+    counted = [p for n, p in params.items() if not (stage == 0 and n in held.tied)]
+    sq = sum(float(p.grad.detach().double().pow(2).sum()) for p in counted if p.grad is not None)
+    return {"stage": stage, "sqnorm": sq}, out
+
+
+def _partner_name(held: _Stage, name: str) -> str:
+    """The last stage's copy of the first stage's tied parameter `name`."""
+    pairs = dict(getattr(held.module, "tied_pairs", lambda: {})())
+    if name not in pairs:
+        raise StageError(f"stage 0 sent a gradient for tied parameter {name!r}, but this stage "
+                         f"holds no copy of it (it has {sorted(pairs)})")
+    return pairs[name]
+
+
+def _optimizer_step(ctx: OpContext, *inputs: Any, stage: int, stages: int, step: int = 0,
+                    lr: float = 3e-4, weight_decay: float = 0.1, betas: Any = (0.9, 0.95),
+                    eps: float = 1e-8, clip_grad_norm: float | None = 1.0, report: bool = False,
+                    model: str = "", **config: Any) -> Any:
+    """Clip by the global norm over every stage, take one AdamW step, zero the gradients.
+    Inputs: each stage's grad stats, on stage 0 also the summed tied gradients and (when it
+    `report`s) the microbatches' stats, from which it returns the step's metrics."""
+    held = _stage(ctx, {**config, "model": model, "stage": stage, "stages": stages})
+    stats = [v for v in inputs if isinstance(v, dict) and "sqnorm" in v]
+    if len(stats) != stages:
+        raise StageError(f"optimizer_step of stage {stage} needs the grad stats of all "
+                         f"{stages} stages, got {len(stats)}")
+    params = dict(held.module.named_parameters())
+    summed = [v for v in inputs if isinstance(v, dict) and "sqnorm" not in v and v]
+    for tied in summed:  # stage 0: the last stage sent back the full tied gradients
+        for name, grad in tied.items():
+            params[name].grad = grad.to(params[name].device, params[name].dtype).clone()
+    norm = math.sqrt(sum(s["sqnorm"] for s in stats))
+    if clip_grad_norm:
+        coef = min(1.0, float(clip_grad_norm) / (norm + 1e-6))  # torch's clip_grad_norm_
+        if coef < 1.0:
+            for p in params.values():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+    if held.optimizer is None:
+        held.optimizer = _adamw(held.module, lr=lr, weight_decay=weight_decay, betas=betas,
+                                eps=eps)
+    held.optimizer.step()
+    held.optimizer.zero_grad(set_to_none=True)
+    if not report:
+        return None
+    return _step_report(inputs, model=model, step=step, norm=norm)
+
+
+def _adamw(module: torch.nn.Module, **hparams: Any) -> torch.optim.AdamW:
+    """AdamW with decay on matrices only (not biases, norms), as nanoGPT configures it."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    plain = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": hparams.pop("weight_decay")},
+              {"params": plain, "weight_decay": 0.0}]
+    hparams["betas"] = tuple(hparams["betas"])
+    return torch.optim.AdamW([g for g in groups if g["params"]], foreach=False, **hparams)
+
+
+def _step_report(inputs: tuple, *, model: str, step: int, norm: float) -> tuple:
+    from dataflows.records import StepMetrics, WeightsVersion
+
+    stats = [s for value in inputs if isinstance(value, list) for s in value
+             if hasattr(s, "loss")]
+    tokens = sum(s.tokens for s in stats)
+    loss = sum(s.loss * s.tokens for s in stats) / tokens if tokens else 0.0
+    return (StepMetrics(step=int(step), loss=loss, grad_norm=norm, tokens=tokens),
+            WeightsVersion(model=model, version=int(step) + 1))
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    grad = grad.to(param.device, param.dtype)
+    param.grad = grad.clone() if param.grad is None else param.grad.add_(grad)
+
+
+def _stage_parameters(ctx: OpContext, *_: Any, stage: int, stages: int,
+                      **config: Any) -> dict[str, Any]:
+    """A copy of the stage's parameters by name, on the CPU (checks, checkpoints, syncing)."""
+    held = _stage(ctx, {**config, "stage": stage, "stages": stages})
+    return {name: p.detach().cpu().clone() for name, p in held.module.named_parameters()}
+
+
+def _zero_grad(ctx: OpContext, *_: Any, stage: int, stages: int, **config: Any) -> None:
+    _stage(ctx, {**config, "stage": stage, "stages": stages}).module.zero_grad(set_to_none=True)
+
+
+# -- profiling --------------------------------------------------------------------------------
+def _profile(ctx: OpContext, sample: Any, *, stage: int, stages: int, repeats: int = 3,
+             **config: Any) -> dict:
+    """Median seconds of F, B, W and BW of this stage on a microbatch like `sample`, for the
+    planner's cost model. Earlier stages run locally to make a real input activation; the
+    stage's gradients are cleared afterwards, so run it before a step's first op."""
+    model = _model(ctx, {**config, "stages": stages})
+    tokens = _tokens(sample).to(model.device)
+    x: Any = tokens[:, :-1]
+    with torch.no_grad():
+        for s in range(stage):
+            x = model.parts[s](x)
+    last = stage == stages - 1
+    args = [x] + ([tokens[:, 1:], 1.0] if last else [])
+    runner = _stage(ctx, {**config, "stage": stage, "stages": stages}).runner
+    times: dict[str, list[float]] = {"F": [], "B": [], "W": [], "BW": []}
+    for rep in range(repeats + 1):  # round 0 warms up
+        for fused in (False, True):
+            for kind, seconds in _profile_once(runner, ("profile", rep, fused), args,
+                                               fused=fused, last=last).items():
+                if rep:
+                    times[kind].append(seconds)
+    _stage(ctx, {**config, "stage": stage, "stages": stages}).module.zero_grad(set_to_none=True)
+    return {kind: statistics.median(values) for kind, values in times.items()}
+
+
+def _profile_once(runner: StageRunner, key: Any, args: list, *, fused: bool,
+                  last: bool) -> dict[str, float]:
+    """One microbatch through the stage: F then BW, or F, B and W; seconds of each."""
+    clock = time.perf_counter
+    start = clock()
+    out = runner.forward(key, *args)
+    spent = {"F": clock() - start}
+    grads = () if last else (torch.randn_like(out),)
+    start = clock()
+    if fused:
+        runner.backward(key, *grads)
+        spent["BW"] = clock() - start
+        return spent
+    runner.backward_input(key, *grads)
+    spent["B"] = clock() - start
+    start = clock()
+    runner.backward_weight(key)
+    spent["W"] = clock() - start
+    return spent
+
+
+def register(table: OpTable) -> None:
+    table.register("F", _forward)
+    table.register("B", _backward_input)
+    table.register("W", _backward_weight)
+    table.register("BW", _backward)
+    table.register("grad_stats", _grad_stats)
+    table.register("optimizer_step", _optimizer_step)
+    table.register("zero_grad", _zero_grad)
+    table.register("stage_parameters", _stage_parameters)
+    table.register("profile_stage", _profile)

@@ -1,0 +1,107 @@
+"""Training a model's pipeline stages through the runtime: what each F/B/W task is told, the
+profiling warm-up that gives the planner real costs, and the optimizer step across stages.
+
+The ops themselves live with the executors (executors/torch/ops.py, executors/sim.py); this
+module only decides what to submit where. It never imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from flowkit.dsl import Model
+from flowkit.planner import Action, Costs, Kind, Placement, Schedule
+from flowkit.runtime.controller import Controller
+from flowkit.runtime.futures import Future, wait
+from flowkit.runtime.records import ExecutorInfo
+
+__all__ = ["model_spec", "pipeline_config", "profile_stages", "submit_optimizer_step"]
+
+
+def model_spec(model: Model, num_stages: int) -> dict:
+    """The task config that names a model to its holders: every op of one model carries the
+    same, so each executor builds the same weights (executors/torch/ops.py)."""
+    config = dict(model.config)
+    spec = {"model": model.name, "build": model.build, "stages": num_stages,
+            "seed": int(config.pop("seed", 0)), "dtype": str(config.pop("dtype", "float32"))}
+    spec["model_config"] = config
+    return spec
+
+
+def pipeline_config(base: Callable[[Action], dict], spec: dict, sizes: Sequence[int],
+                    extra: dict) -> Callable[[Action], dict]:
+    """Each action's config: the simulator's cost keys, the model, stage and microbatch, and on
+    the last stage's F the microbatch's share of the batch, which scales its loss so that the
+    microbatches' gradients add up to the whole batch's (gradient accumulation)."""
+    total = max(1, sum(sizes))
+    last = spec["stages"] - 1
+    keep = {k: v for k, v in extra.items() if k in ("loss", "kl_coef")}
+
+    def config_for(action: Action) -> dict:
+        config = {**base(action), **spec, **keep, "stage": action.stage,
+                  "microbatch": action.microbatch}
+        if action.kind is Kind.F and action.stage == last:
+            config["loss_scale"] = sizes[action.microbatch] / total
+        return config
+
+    return config_for
+
+
+def profile_stages(ctl: Controller, executors: Sequence[ExecutorInfo], placement: Placement,
+                   spec: dict, sample: Any, *, lane: str, timeout: float = 600.0) -> Costs:
+    """Per-stage F, B, W seconds measured on the executors that will run each stage, on a
+    microbatch like `sample` (the executors' `profile_stage` op), as the planner's costs."""
+    futures = []
+    for stage in range(placement.num_stages):
+        device = placement.device_of(stage)
+        futures.append(ctl.submit("profile_stage", sample, config={**spec, "stage": stage},
+                                  executor=executors[device].id, lane=f"{lane}/{device}",
+                                  meta={"node": "profile", "stage": stage}))
+    wait(futures, timeout=timeout)
+    measured = [f.result(timeout=0) for f in futures]
+    return Costs(F=[m["F"] for m in measured], B=[m["B"] for m in measured],
+                 W=[m["W"] for m in measured])
+
+
+def device_shares(stage_costs: Costs, placement: Placement) -> Costs:
+    """Per-stage costs summed over each device's stages: the per-device-share costs the
+    schedule builders take (they cut a share into its chunks again)."""
+    shares: dict[str, list[float]] = {"F": [0.0] * placement.num_devices,
+                                      "B": [0.0] * placement.num_devices,
+                                      "W": [0.0] * placement.num_devices}
+    for stage in range(placement.num_stages):
+        device = placement.device_of(stage)
+        for kind in shares:
+            shares[kind][device] += getattr(stage_costs, kind)[stage]
+    return Costs(comm=stage_costs.comm, **shares)
+
+
+def submit_optimizer_step(ctl: Controller, schedule: Schedule, executors: Sequence[ExecutorInfo],
+                          spec: dict, stats: list, config: dict, *, lane: str, meta: dict,
+                          outputs: int) -> tuple[list[Future], Any]:
+    """The step across stages ([Note: the optimizer step across stages] in
+    executors/torch/ops.py): grad stats per stage (the last stage's adds in the first stage's
+    tied gradients), then one optimizer step per stage that reads them all. Each op runs in its
+    device's lane, so after that device's W ops. Returns the futures that report nothing and
+    stage 0's report (its `outputs` futures)."""
+    placement, last = schedule.placement, schedule.num_stages - 1
+
+    def submit(op: str, stage: int, *inputs: Any, n: int = 1, **more: Any) -> Any:
+        device = placement.device_of(stage)
+        return ctl.submit(op, *inputs, config={**config, **spec, "stage": stage, **more},
+                          executor=executors[device].id, lane=f"{lane}/{device}",
+                          outputs=n, meta={**meta, "stage": stage, "device": device})
+
+    first_stats, tied = submit("grad_stats", 0, n=2)
+    grad_stats, summed = [first_stats], None
+    for stage in range(1, last + 1):
+        partner = (tied,) if stage == last else ()
+        stage_stats, summed = submit("grad_stats", stage, *partner, n=2)
+        grad_stats.append(stage_stats)
+    quiet = [tied, *grad_stats[1:]] + ([summed] if last else [])
+    for stage in range(last, 0, -1):
+        quiet.append(submit("optimizer_step", stage, *grad_stats))
+    back = (summed,) if last else ()
+    report = submit("optimizer_step", 0, *stats, *grad_stats, *back, n=outputs, report=True)
+    return quiet, report

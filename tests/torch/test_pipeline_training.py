@@ -1,0 +1,114 @@
+"""Pipeline-parallel training on real torch executor processes equals a plain loop.
+
+Each schedule trains a small GPT for a few steps through `FlowRunner` (F/B/W on the executors,
+gradient accumulation over microbatches, global-norm clipping, AdamW per stage); a plain
+single-process loop trains the same model on the same data; every parameter must match.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dataflows.pretrain import pretrain_flow
+from dataflows.text import token_sequences
+from executors.torch.models.gpt import GPT
+from flowkit.planner.lower import lower_flow
+from flowkit.runtime import Controller, LocalExecutors
+from flowkit.runtime.flowrun import FlowRunner, _chunk
+
+CORPUS = str(Path(__file__).parents[2] / "examples" / "data" / "corpus.txt")
+DEVICES, MICROBATCHES, SEQUENCES, SEQ_LEN, STEPS = 2, 4, 8, 8, 2
+GPT_CONFIG = {"vocab_size": 256, "block_size": 16, "n_layer": 4, "n_head": 2, "n_embd": 16}
+HPARAMS = {"lr": 1e-2, "clip_grad_norm": 0.5}  # small enough a norm that clipping happens
+
+
+@pytest.fixture(scope="module")
+def torch_cluster():
+    ctl = Controller()
+    executors = LocalExecutors(ctl, DEVICES, kind="torch", tags=("train",))
+    executors.start()
+    try:
+        yield ctl
+    finally:
+        ctl.shutdown()
+        executors.stop()
+
+
+def _train_on_executors(ctl, schedule: str, dtype: str, name: str) -> tuple[list, dict]:
+    flow = pretrain_flow(corpus=CORPUS, stages=DEVICES, microbatches=MICROBATCHES,
+                         schedule=schedule, batch_size=SEQUENCES, seq_len=SEQ_LEN,
+                         gpt={**GPT_CONFIG, "dtype": dtype, "seed": 3}, model_name=name,
+                         **HPARAMS)
+    runner = FlowRunner(ctl, lower_flow(flow))
+    losses = [runner.run_step(step).metrics["backprop/loss"] for step in range(STEPS)]
+    run_schedule, spec = runner.trained[name]
+    params = {}
+    for stage in range(run_schedule.num_stages):
+        device = run_schedule.placement.device_of(stage)
+        got = ctl.submit("stage_parameters", config={**spec, "stage": stage},
+                         executor=runner.placement[name][device].id).result(timeout=30)
+        params[stage] = got
+    return losses, params, run_schedule.num_stages
+
+
+def _train_plain(dtype: torch.dtype) -> tuple[GPT, list[float]]:
+    """The reference: one process, the unsplit model, the same batches and accumulation."""
+    torch.manual_seed(3)
+    model = GPT(**GPT_CONFIG).to(dtype)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    plain = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}],
+        lr=HPARAMS["lr"], betas=(0.9, 0.95), foreach=False)
+    losses = []
+    for step in range(STEPS):
+        sequences = list(token_sequences.fn(path=CORPUS, sequences=SEQUENCES, seq_len=SEQ_LEN,
+                                            step=step))
+        step_losses = []
+        for mb in range(MICROBATCHES):
+            batch = torch.stack(_chunk(sequences, MICROBATCHES, mb))
+            loss = model(batch[:, :-1], batch[:, 1:])
+            (loss * len(batch) / SEQUENCES).backward()
+            step_losses.append(loss.detach().item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), HPARAMS["clip_grad_norm"])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(sum(step_losses) / len(step_losses))
+    return model, losses
+
+
+def _assert_match(model: GPT, params: dict, stages: int, *, close) -> None:
+    reference = model.split(stages)
+    checked = 0
+    for stage, module in enumerate(reference):
+        for name, expected in module.named_parameters():
+            close(params[stage][name], expected.detach(), f"stage {stage} {name}")
+            checked += 1
+    assert checked >= len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "zb-h2", "zb-v", "auto"])
+def test_every_schedule_trains_to_the_plain_loop_parameters_in_float64(torch_cluster, schedule):
+    losses, params, stages = _train_on_executors(torch_cluster, schedule, "float64",
+                                                 name=f"gpt64-{schedule}")
+    model, plain_losses = _train_plain(torch.float64)
+
+    def close(got, want, where):
+        diff = (got - want).abs().max().item()
+        assert diff < 1e-10, f"{schedule}: {where} differs by {diff:.3g}"
+
+    _assert_match(model, params, stages, close=close)
+    assert losses == pytest.approx(plain_losses, abs=1e-10)
+
+
+def test_float32_training_matches_the_plain_loop_to_float32_precision(torch_cluster):
+    _, params, stages = _train_on_executors(torch_cluster, "zb-h1", "float32", name="gpt32")
+    model, _ = _train_plain(torch.float32)
+
+    def close(got, want, where):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=where)
+
+    _assert_match(model, params, stages, close=close)
