@@ -3,32 +3,41 @@
 [Note: deferred weight gradients]
 B (`StageRunner.backward_input`) and W (`StageRunner.backward_weight`) split one backward pass:
 
-- Linear layers. While a stage runs its forward, every `F.linear` whose weight is a parameter of
-  the stage goes through `_DeferredLinear`, whose backward computes only dX = dY·W. The recorder
-  keeps the layer input X (a detached alias: the forward already holds it, no copy); B captures
-  dY at the node's gradient edge, and W computes dW = dYᵀX and db = ΣdY from the pair.
-- Any other parameter (LayerNorm, Embedding, convolutions, a user's own `nn.Parameter`). B also
-  captures the gradient flowing into each autograd node that takes such a parameter directly
-  (its "consumer") and keeps the graph; W runs each consumer node once on its captured gradient
-  and keeps the parameter parts. This is the split `torch.distributed.pipelining` makes in
-  `stage_backward_input/weight`, taken at the consumer nodes so that a stage without float
-  inputs (the embedding stage) splits as well, and so that W never walks the chain between two
-  consumers. A node whose parameters no other consumer uses (the usual case) runs through the
-  autograd engine with only its parameters as targets, so it computes the weight part alone; a
-  node sharing a parameter with another consumer (one parameter used twice on a path) is called
-  directly, since the engine would walk down to the other use and count it twice: that call
-  recomputes the node's own input gradient, never a chain of them.
+- Linear, LayerNorm and Embedding layers. While a stage runs its forward, every `F.linear`,
+  `F.layer_norm` and `F.embedding` whose parameters belong to the stage goes through a deferred
+  autograd Function whose backward computes the input gradient only (dX = dY·W for a linear,
+  the normalization part for a LayerNorm, nothing for an embedding: ids have no gradient). The
+  recorder keeps what the weight part needs (the layer input X as a detached alias: the forward
+  already holds it, no copy; a LayerNorm's mean and 1/std as well), B captures dY at the node's
+  gradient edge, and W computes dW = dYᵀX and db = ΣdY, or calls the LayerNorm / embedding
+  backward kernel for the weight outputs only.
+- Any other parameter (convolutions, a user's own `nn.Parameter`). B also captures the gradient
+  flowing into each autograd node that takes such a parameter directly (its "consumer") and
+  keeps the graph; W runs each consumer node once on its captured gradient and keeps the
+  parameter parts. This is the split `torch.distributed.pipelining` makes in
+  `stage_backward_input/weight`, taken at the consumer nodes so that W never walks the chain
+  between two consumers. A node whose parameters no other consumer uses (the usual case) runs
+  through the autograd engine with only its parameters as targets, so it computes the weight
+  part alone; a node sharing a parameter with another consumer (one parameter used twice on a
+  path) is called directly, since the engine would walk down to the other use and count it
+  twice: that call recomputes the node's own input gradient, never a chain of them.
+
+Why the common layers are deferred rather than left to the generic split: a kept graph holds
+every activation the forward saved until W, so B cannot free them as it goes and allocates all
+its gradients in fresh memory (on CPU that means page faults, which made B + W up to 2x a plain
+backward). A stage whose parameters all sit in deferred layers, as every GPT stage, has no
+consumers, so B releases the graph node by node like a plain backward.
 
 Neither half re-runs the forward, and the sum of what W accumulates over all consumers and
-linear calls is the ordinary gradient: every path from the loss to a parameter ends in exactly
-one edge from a consumer node or in a linear call, and B captured the total gradient entering
-each of those nodes. Tied weights (one parameter used by an embedding and by a
-linear head) simply receive both contributions.
+deferred calls is the ordinary gradient: every path from the loss to a parameter ends in exactly
+one edge from a consumer node or in a deferred call, and B captured the total gradient entering
+each of those nodes. Tied weights (one parameter used by an embedding and by a linear head)
+simply receive both contributions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -38,30 +47,102 @@ from torch.autograd.graph import GradientEdge, Node
 from torch.overrides import TorchFunctionMode
 
 __all__ = [
+    "Consumers",
+    "DeferredCall",
+    "EmbeddingCall",
+    "LayerNormCall",
     "LinearCall",
     "Recorder",
-    "Consumers",
     "SavedBytes",
     "accumulate",
     "consumer_nodes",
     "consumer_weight_grads",
     "edges_of",
     "grad_accumulator",
-    "linear_weight_grads",
     "storages",
 ]
 
 
-@attrs.define(eq=False)
-class LinearCall:
-    """One deferred `F.linear` of a microbatch: what W needs to compute its weight gradient."""
+def _check_unchanged(t: torch.Tensor, version: int) -> None:
+    if t._version != version:
+        raise RuntimeError(
+            "the input of a linear, layer_norm or embedding layer was modified in place after "
+            "the forward; deferred weight gradients need it unchanged (use an out-of-place op "
+            "in the model)"
+        )
 
-    node: Node | None  # the `_DeferredLinear` backward node; B captures dY at its edge 0
-    x: torch.Tensor  # layer input, detached alias of the forward's own tensor
-    x_version: int  # in-place edits of X after the forward would make dW silently wrong
-    weight: torch.nn.Parameter
+
+@attrs.define(eq=False)
+class DeferredCall:
+    """One deferred layer call of a microbatch: B sets `dy`, W calls `weight_grads`."""
+
+    node: Node | None  # the deferred backward node; B captures dY at its edge 0, then drops it
+    x: torch.Tensor  # layer input (ids for an embedding), detached alias of the forward's own
+    x_version: int  # in-place edits of X after the forward would make W silently wrong
+    dy: torch.Tensor | None = attrs.field(default=None, kw_only=True)
+
+    def weight_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, gradient) pairs of this call, from X and dY."""
+        raise NotImplementedError
+
+    def held(self) -> list[torch.Tensor]:
+        """The tensors kept for W (for stash accounting)."""
+        return [self.x, self.dy] if self.dy is not None else [self.x]
+
+
+def _wants(param: torch.Tensor | None) -> bool:
+    return param is not None and param.requires_grad
+
+
+@attrs.define(eq=False)
+class LinearCall(DeferredCall):
+    weight: torch.Tensor
     bias: torch.Tensor | None
-    dy: torch.Tensor | None = None  # set by B
+
+    def weight_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """dW = dYᵀX and db = ΣdY, summed over every leading (batch, time) dimension as one mm
+        over the flattened tokens."""
+        _check_unchanged(self.x, self.x_version)
+        dy = self.dy.reshape(-1, self.dy.shape[-1])  # (N, out)
+        x = self.x.reshape(-1, self.x.shape[-1])  # (N, in)
+        out = [(self.weight, dy.t().mm(x.to(dy.dtype)))]  # (out, in)
+        if _wants(self.bias):
+            out.append((self.bias, dy.sum(0)))
+        return out
+
+
+@attrs.define(eq=False)
+class LayerNormCall(DeferredCall):
+    shape: list[int]
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    mean: torch.Tensor | None = None  # set by the forward: the statistics W reuses
+    rstd: torch.Tensor | None = None
+
+    def weight_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        _check_unchanged(self.x, self.x_version)
+        mask = [False, _wants(self.weight), _wants(self.bias)]
+        _, dw, db = torch.ops.aten.native_layer_norm_backward(
+            self.dy, self.x, self.shape, self.mean, self.rstd, self.weight, self.bias, mask
+        )
+        return [(p, g) for p, g in ((self.weight, dw), (self.bias, db)) if g is not None]
+
+    def held(self) -> list[torch.Tensor]:
+        return [*super().held(), self.mean, self.rstd]
+
+
+@attrs.define(eq=False)
+class EmbeddingCall(DeferredCall):
+    weight: torch.Tensor
+    padding_idx: int  # normalized as the kernel takes it: -1 for none
+    scale_grad_by_freq: bool
+
+    def weight_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        _check_unchanged(self.x, self.x_version)
+        dw = torch.ops.aten.embedding_dense_backward(
+            self.dy, self.x, self.weight.shape[0], self.padding_idx, self.scale_grad_by_freq
+        )
+        return [(self.weight, dw)]
 
 
 class _DeferredLinear(torch.autograd.Function):
@@ -81,35 +162,123 @@ class _DeferredLinear(torch.autograd.Function):
         return dx.view(*dy.shape[:-1], weight.shape[-1]), None, None
 
 
-def _linear_args(args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
-    bound = list(args) + [None] * (3 - len(args))
-    x = kwargs.get("input", bound[0])
-    weight = kwargs.get("weight", bound[1])
-    bias = kwargs.get("bias", bound[2])
-    return x, weight, bias
+class _DeferredLayerNorm(torch.autograd.Function):
+    """`F.layer_norm` whose backward yields the input gradient only; the statistics go to the
+    `LayerNormCall` so that W needs no second pass over X."""
+
+    @staticmethod
+    def forward(ctx: Any, x, weight, bias, call: LayerNormCall, eps: float):
+        out, mean, rstd = torch.native_layer_norm(x, call.shape, weight, bias, eps)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.shape = call.shape
+        call.mean, call.rstd = mean, rstd
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx, _, _ = torch.ops.aten.native_layer_norm_backward(
+                dy, x, ctx.shape, mean, rstd, weight, bias, [True, False, False]
+            )
+        return dx, None, None, None, None
+
+
+class _DeferredEmbedding(torch.autograd.Function):
+    """`F.embedding` with an empty backward: ids take no gradient and W does the weight."""
+
+    @staticmethod
+    def forward(ctx: Any, ids: torch.Tensor, weight: torch.Tensor, padding_idx: int,
+                scale_grad_by_freq: bool):
+        return torch.embedding(weight, ids, padding_idx, scale_grad_by_freq, False)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):
+        return None, None, None, None
+
+
+# -- recording ---------------------------------------------------------------------------------
+def _bind(args: tuple, kwargs: dict, names: tuple[str, ...], defaults: tuple) -> list[Any]:
+    """Positional-or-keyword arguments of a functional call, in the order of `names`."""
+    bound = list(args) + list(defaults[len(args):])
+    return [kwargs.get(n, v) for n, v in zip(names, bound)]
+
+
+def _record_linear(rec: Recorder, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    x, weight, bias = _bind(args, kwargs, ("input", "weight", "bias"), (None, None, None))
+    if not rec.owns(weight, bias):
+        return None
+    out = _DeferredLinear.apply(x, weight, bias)
+    xd = x.detach()
+    rec.calls.append(LinearCall(out.grad_fn, xd, xd._version, weight=weight, bias=bias))
+    return out
+
+
+def _record_layer_norm(rec: Recorder, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    names = ("input", "normalized_shape", "weight", "bias", "eps")
+    x, shape, weight, bias, eps = _bind(args, kwargs, names, (None, None, None, None, 1e-5))
+    if not rec.owns(weight, bias):
+        return None
+    xd = x.detach()
+    call = LayerNormCall(None, xd, xd._version, shape=list(shape), weight=weight, bias=bias)
+    out = _DeferredLayerNorm.apply(x, weight, bias, call, eps)
+    call.node = out.grad_fn
+    rec.calls.append(call)
+    return out
+
+
+def _record_embedding(rec: Recorder, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq",
+             "sparse")
+    ids, weight, pad, max_norm, _, by_freq, sparse = _bind(
+        args, kwargs, names, (None, None, None, None, 2.0, False, False))
+    # max_norm renormalizes the weight in place and sparse wants a sparse gradient: both stay
+    # with autograd (the generic split)
+    if max_norm is not None or sparse or not rec.owns(weight, None):
+        return None
+    if pad is not None and not -weight.shape[0] <= pad < weight.shape[0]:
+        return None  # F.embedding raises its own error
+    pad = -1 if pad is None else pad % weight.shape[0]
+    out = _DeferredEmbedding.apply(ids, weight, pad, by_freq)
+    rec.calls.append(EmbeddingCall(out.grad_fn, ids, ids._version, weight=weight,
+                                   padding_idx=pad, scale_grad_by_freq=by_freq))
+    return out
+
+
+_RECORDERS: dict[Callable, Callable[..., torch.Tensor | None]] = {
+    F.linear: _record_linear,
+    F.layer_norm: _record_layer_norm,
+    F.embedding: _record_embedding,
+}
 
 
 class Recorder(TorchFunctionMode):
-    """Active during a stage's forward: routes the stage's linear layers through
-    `_DeferredLinear` and records one `LinearCall` per call."""
+    """Active during a stage's forward: routes the stage's linear, layer-norm and embedding
+    layers through their deferred Functions (`_RECORDERS`) and records one call for each."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
         super().__init__()
         self._params = {id(p) for p in params if p.requires_grad}
-        self.calls: list[LinearCall] = []
+        self.calls: list[DeferredCall] = []
+
+    def owns(self, weight: Any, bias: Any) -> bool:
+        """The weight is the stage's, and so is the bias if it takes a gradient at all."""
+        if id(weight) not in self._params:
+            return False
+        return bias is None or id(bias) in self._params or not bias.requires_grad
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear and torch.is_grad_enabled():
-            x, weight, bias = _linear_args(args, kwargs)
-            if id(weight) in self._params:
-                out = _DeferredLinear.apply(x, weight, bias)
-                xd = x.detach()
-                self.calls.append(LinearCall(out.grad_fn, xd, xd._version, weight, bias))
+        record = _RECORDERS.get(func)
+        if record is not None and torch.is_grad_enabled():
+            out = record(self, args, kwargs)
+            if out is not None:
                 return out
         return func(*args, **kwargs)
 
 
+# -- the generic split -------------------------------------------------------------------------
 def grad_accumulator(param: torch.Tensor) -> Node:
     """The AccumulateGrad node of a leaf (created lazily by autograd, hence the view)."""
     return param.view_as(param).grad_fn.next_functions[0][0]
@@ -122,7 +291,7 @@ def consumer_nodes(
     roots: Sequence[Node], params: Sequence[torch.nn.Parameter], skip: set[Node]
 ) -> Consumers:
     """Nodes of the graph under `roots` that take one of `params` directly, each with
-    (position in its next_functions, param) pairs; nodes in `skip` (the deferred linears,
+    (position in its next_functions, param) pairs; nodes in `skip` (the deferred calls,
     whose weights W handles itself) are left out."""
     accumulators = {grad_accumulator(p): p for p in params if p.requires_grad}
     consumers: Consumers = {}
@@ -142,20 +311,6 @@ def consumer_nodes(
             elif child not in seen:
                 stack.append(child)
     return consumers
-
-
-def linear_weight_grads(call: LinearCall) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """dW = dYᵀX and db = ΣdY, summed over every leading (batch, time) dimension."""
-    if call.x._version != call.x_version:
-        raise RuntimeError(
-            "the input of a linear layer was modified in place after the forward; deferred "
-            "weight gradients need it unchanged (use an out-of-place op in the model)"
-        )
-    dy = call.dy.reshape(-1, call.dy.shape[-1])  # (N, out)
-    x = call.x.reshape(-1, call.x.shape[-1])  # (N, in)
-    dw = dy.t().matmul(x.to(dy.dtype))  # (out, in)
-    db = dy.sum(0) if call.bias is not None and call.bias.requires_grad else None
-    return dw, db
 
 
 def accumulate(param: torch.Tensor, grad: torch.Tensor | None) -> None:

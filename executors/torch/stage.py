@@ -18,14 +18,13 @@ from torch.autograd.graph import GradientEdge
 
 from executors.torch.deferred import (
     Consumers,
-    LinearCall,
+    DeferredCall,
     Recorder,
     SavedBytes,
     accumulate,
     consumer_nodes,
     consumer_weight_grads,
     edges_of,
-    linear_weight_grads,
     storages,
 )
 
@@ -40,7 +39,7 @@ class StageError(RuntimeError):
 class _Microbatch:
     inputs: tuple[Any, ...]  # as the module saw them: float tensors are grad-requiring leaves
     outputs: tuple[Any, ...]  # attached to the graph; the caller only ever sees detached copies
-    linear: list[LinearCall]
+    calls: list[DeferredCall]  # linear, layer-norm and embedding calls whose W is deferred
     saved: dict[int, int]  # storages autograd saved in the forward: {address: bytes}
     phase: str = "F"  # "F" after the forward, "B" after backward_input
     consumers: Consumers = attrs.field(factory=dict)
@@ -94,7 +93,7 @@ class StageRunner:
             output = self.module(*leaves)
         outputs = _flatten(output)
         self._mbs[mb] = _Microbatch(
-            inputs=leaves, outputs=outputs, linear=recorder.calls, saved=saved.saved
+            inputs=leaves, outputs=outputs, calls=recorder.calls, saved=saved.saved
         )
         detached = tuple(_detached(o) for o in outputs)
         return detached if isinstance(output, (tuple, list)) else detached[0]
@@ -105,7 +104,7 @@ class StageRunner:
         grad_idx = [i for i, v in enumerate(state.inputs) if _needs_grad(v)]
         consumers = self._consumers(roots, state)
         edges: list[Any] = [state.inputs[i] for i in grad_idx]
-        edges += [GradientEdge(c.node, 0) for c in state.linear]
+        edges += [GradientEdge(c.node, 0) for c in state.calls]
         edges += edges_of(consumers)
         got: tuple[Any, ...] = ()
         if roots and edges:
@@ -114,11 +113,11 @@ class StageRunner:
                 roots, edges, root_grads, retain_graph=bool(consumers), allow_unused=True
             )
         got = got or (None,) * len(edges)
-        n_in, n_lin = len(grad_idx), len(state.linear)
-        for call, dy in zip(state.linear, got[n_in : n_in + n_lin]):
+        n_in, n_calls = len(grad_idx), len(state.calls)
+        for call, dy in zip(state.calls, got[n_in : n_in + n_calls]):
             call.dy, call.node = dy, None  # the node would keep the graph below it alive
         state.consumers = consumers
-        state.consumer_grads = list(got[n_in + n_lin :])
+        state.consumer_grads = list(got[n_in + n_calls :])
         state.outputs = ()  # W starts from captured gradients, never from the outputs
         state.phase = "B"
         state.stashed_bytes = self._stash_bytes(state)
@@ -130,13 +129,11 @@ class StageRunner:
 
     def backward_weight(self, mb: Hashable) -> None:
         state = self._state(mb, "backward_weight", expect="B")
-        for call in state.linear:
+        for call in state.calls:
             if call.dy is None:  # the layer's output did not reach the loss
                 continue
-            dw, db = linear_weight_grads(call)
-            accumulate(call.weight, dw)
-            if db is not None:
-                accumulate(call.bias, db)
+            for param, grad in call.weight_grads():
+                accumulate(param, grad)
         self._consumer_weight_grads(state)
         del self._mbs[mb]
 
@@ -203,7 +200,7 @@ class StageRunner:
         return [o for o, _ in pairs], [g.to(o.device, o.dtype) for o, g in pairs]
 
     def _consumers(self, roots: list[torch.Tensor], state: _Microbatch) -> Consumers:
-        skip = {c.node for c in state.linear}
+        skip = {c.node for c in state.calls}
         return consumer_nodes([r.grad_fn for r in roots], self._params, skip)
 
     @staticmethod
@@ -218,10 +215,11 @@ class StageRunner:
 
     @staticmethod
     def _stash_bytes(state: _Microbatch) -> int:
-        """X and dY of the linear layers, the gradients captured at consumers, and, when there
-        are consumers, the graph B had to keep (what autograd saved in the forward)."""
-        held = [c.x for c in state.linear if c.dy is not None]
-        held += [c.dy for c in state.linear] + state.consumer_grads
+        """What the deferred calls keep (X, dY, statistics), the gradients captured at
+        consumers, and, when there are consumers, the graph B had to keep (what autograd saved
+        in the forward)."""
+        held = [t for c in state.calls if c.dy is not None for t in c.held()]
+        held += state.consumer_grads
         kept = dict(state.saved) if state.consumers else {}
         kept.update(storages(held))
         return sum(kept.values())
