@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import click
 from rich.console import Console
 
@@ -29,9 +30,63 @@ def executor_tags(plan: list[NodePlan], count: int, tag_spec: str | None) -> lis
     return [tuple(wanted)] * count
 
 
+# what a model op needs its executor to implement
+_NEEDS = {"backprop": ("F", "B", "W", "BW", "profile_stage"),
+          "optimizer_step": ("grad_stats", "optimizer_step")}
+
+
+def choose_executors(flow: Flow, kind: str) -> str:
+    """`auto`: torch executors when they implement every model op of the flow, else the timed
+    simulator (which implements them all), said out loud either way."""
+    if kind != "auto":
+        return kind
+    plan = lower_flow(flow)
+    wanted = {need for node in plan if node.model is not None
+              for need in _NEEDS.get(node.op, (node.op,))}
+    if not wanted:
+        return "base"
+    from executors.kinds import op_table
+
+    missing = sorted(wanted - set(op_table("torch").names()))
+    if not missing:
+        click.echo("executors: torch (it implements every model op of this flow)", err=True)
+        return "torch"
+    click.echo(f"executors: sim (torch does not implement {', '.join(missing)} yet); "
+               "--executors torch to insist", err=True)
+    return "sim"
+
+
+def with_training_options(flow: Flow, *, stages: int | None, microbatches: int | None,
+                          schedule: str | None) -> Flow:
+    """The flow with every trained model cut into `stages` and every backprop run with
+    `microbatches` under `schedule`, where given."""
+    trained = {node.model for node in flow.nodes.values()
+               if getattr(node.operator, "kind", None) == "backprop"}
+    for name in trained:
+        if stages is not None:
+            flow.models[name] = attrs.evolve(flow.models[name], stages=stages)
+    for node in flow.nodes.values():
+        if getattr(node.operator, "kind", None) != "backprop":
+            continue
+        if microbatches is not None:
+            node.config["microbatches"] = microbatches
+        if schedule is not None:
+            node.config["schedule"] = schedule
+    if schedule is not None:
+        from flowkit.planner.schedules.registry import get_spec
+
+        try:  # an unknown name fails here, before any executor starts
+            get_spec(schedule)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--schedule") from None
+    flow.validate()
+    return flow
+
+
 def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
              tag_spec: str | None, steps: int, sim_costs: SimCosts | None,
-             trace: Path | None, metrics: Path | None, dashboard: bool | None) -> None:
+             trace: Path | None, metrics: Path | None, dashboard: bool | None,
+             device: str = "cpu") -> None:
     plan = lower_flow(flow)
     stages = max((node.model.stages for node in plan if node.model is not None), default=1)
     count = count or max(2, stages)
@@ -43,7 +98,7 @@ def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
     with Controller() as ctl:
         recorder.attach(ctl)
         stats.attach(ctl)
-        executors = LocalExecutors(ctl, count, kind=kind, tags=tags, code=code)
+        executors = LocalExecutors(ctl, count, kind=kind, tags=tags, code=code, device=device)
         executors.start()
         try:
             runner = FlowRunner(ctl, plan, sim_costs=sim_costs)

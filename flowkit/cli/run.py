@@ -10,20 +10,31 @@ import click
 from flowkit.cli._files import writing
 from flowkit.cli._flows import load_checked_flow
 
-_KINDS = ("sim", "torch", "base")
+_KINDS = ("auto", "sim", "torch", "base")
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("flow_spec", metavar="FLOW")
-@click.option("--executors", "kind", type=click.Choice(_KINDS), default="sim", show_default=True,
+@click.option("--executors", "kind", type=click.Choice(_KINDS), default="auto", show_default=True,
               envvar="FLOWKIT_EXECUTORS",
-              help="Which executors run model ops: the timed simulator or torch stages.")
+              help="Which executors run model ops: torch stages, the timed simulator, or auto: "
+              "torch when it implements every model op of the flow, else the simulator.")
 @click.option("--num-executors", "-n", type=click.IntRange(min=1), default=None,
               help="Executor processes to start [default: the most pipeline stages, >= 2].")
 @click.option("--tags", "tag_spec", default=None,
               help="Tags per executor, ';' between executors: 'train;train;rollout' "
               "[default: every executor gets every tag the flow asks for].")
+@click.option("--device", default="cpu", show_default=True,
+              help="Device of the torch executors: cpu, cuda (executor i on cuda:i), or one per "
+              "executor: cuda:0,cuda:1.")
 @click.option("--steps", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--stages", type=click.IntRange(min=1), default=None,
+              help="Pipeline stages (devices) of every trained model [default: the flow's].")
+@click.option("--microbatches", type=click.IntRange(min=1), default=None,
+              help="Microbatches per step of every backprop [default: the flow's].")
+@click.option("--schedule", default=None,
+              help="Pipeline schedule of every backprop: gpipe, 1f1b, zb-h1, zb-h2, zb-v, "
+              "auto, ... (flowkit schedule --help) [default: the flow's].")
 @click.option("--sim-cost", "sim_cost", default="", metavar="NAME=SECONDS,...",
               help="Simulator costs: F, B, W, optimizer_step, token, infer_token.")
 @click.option("--trace", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -32,14 +43,19 @@ _KINDS = ("sim", "torch", "base")
               help="Write metrics as JSON lines, one per step.")
 @click.option("--dashboard/--no-dashboard", default=None,
               help="The live dashboard [default: on when the output is a terminal].")
-def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | None, steps: int,
-        sim_cost: str, trace: Path | None, metrics: Path | None, dashboard: bool | None) -> None:
+def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | None, device: str,
+        steps: int, stages: int | None, microbatches: int | None, schedule: str | None,
+        sim_cost: str, trace: Path | None, metrics: Path | None,
+        dashboard: bool | None) -> None:
     """Run a flow's steps on local executor processes."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from flowkit.cli._runflow import run_flow
+    from flowkit.cli._runflow import choose_executors, run_flow, with_training_options
     from flowkit.planner.simcosts import SimCosts
 
     flow = load_checked_flow(flow_spec)
+    flow = with_training_options(flow, stages=stages, microbatches=microbatches,
+                                 schedule=schedule)
+    kind = choose_executors(flow, kind)
     try:
         costs = SimCosts.parse(sim_cost) if kind == "sim" else None
     except ValueError as exc:
@@ -47,4 +63,5 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
     path, _, _ = flow_spec.partition(":")
     with writing(trace or metrics or Path(".")):
         run_flow(flow, code=[path], kind=kind, count=num_executors, tag_spec=tag_spec,
-                 steps=steps, sim_costs=costs, trace=trace, metrics=metrics, dashboard=dashboard)
+                 device=device, steps=steps, sim_costs=costs, trace=trace, metrics=metrics,
+                 dashboard=dashboard)

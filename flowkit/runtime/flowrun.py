@@ -99,6 +99,7 @@ class FlowRunner:
         self.placement = self._place_models()
         self.previous: dict[tuple[str, str], _Stream] = {}  # last step's outputs, for feedback
         self.profiles: dict[tuple[str, int], Costs] = {}  # (model, stages) -> profiled costs
+        self.schedules: dict[tuple, Any] = {}  # built schedules by their inputs
         self.trained: dict[str, tuple] = {}  # model -> (schedule, spec) of this step's backprop
         self.predicted_bubble: dict[str, float] = {}  # backprop node -> the simulator's
 
@@ -330,21 +331,27 @@ class FlowRunner:
         devices = len(executors)
         if self.sim_costs is not None or not all("profile_stage" in e.ops for e in executors):
             costs = (self.sim_costs or SimCosts()).stage_costs(devices)
-            schedule = build_schedule(kind, devices=devices, microbatches=count, costs=costs,
-                                      memory_limit=limit)
+            schedule = self._schedule(kind, devices, count, costs, limit)
             return costs.for_placement(schedule.placement), schedule
-        placement = build_schedule(kind, devices=devices, microbatches=count,
-                                   costs=Costs.uniform(devices), memory_limit=limit).placement
+        placement = self._schedule(kind, devices, count, Costs.uniform(devices), limit).placement
         key = (plan.model.name, placement.num_stages)
         if key not in self.profiles:
             self.profiles[key] = profile_stages(
                 self.ctl, executors, placement, model_spec(plan.model, placement.num_stages),
                 sample[0], lane=plan.model.name, timeout=self.step_timeout)
         stage_costs = self.profiles[key]
-        schedule = build_schedule(kind, devices=devices, microbatches=count,
-                                  costs=device_shares(stage_costs, placement),
-                                  memory_limit=limit)
+        schedule = self._schedule(kind, devices, count, device_shares(stage_costs, placement),
+                                  limit)
         return stage_costs, schedule
+
+    def _schedule(self, kind: str, devices: int, count: int, costs: Costs,
+                  limit: float | None) -> Any:
+        """Built once per input: `auto` searches, which must not cost every step its time."""
+        key = (kind, devices, count, costs, limit)
+        if key not in self.schedules:
+            self.schedules[key] = build_schedule(kind, devices=devices, microbatches=count,
+                                                 costs=costs, memory_limit=limit)
+        return self.schedules[key]
 
     def _submit_step(self, state: _NodeState) -> None:
         """The optimizer step across the model's stages, each in its device's lane (after its

@@ -43,7 +43,7 @@ class LocalExecutors:
         for i in range(self.count):
             command = [sys.executable, "-m", "executors", "--connect", self.controller.address,
                        "--name", f"{self.name_prefix}-{i}", "--kind", self.kind,
-                       "--device", self.device, "--tags", ",".join(self.tags[i]),
+                       "--device", _device_of(self.device, i), "--tags", ",".join(self.tags[i]),
                        "--log-level", self.log_level,
                        *(arg for path in self.code for arg in ("--code", path))]
             process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
@@ -76,3 +76,11 @@ def _per_executor_tags(tags: Sequence, count: int) -> list[tuple[str, ...]]:
             raise ValueError(f"{len(tags)} tag lists for {count} executors")
         return [tuple(t) for t in tags]
     return [tuple(tags)] * count
+
+
+def _device_of(spec: str, index: int) -> str:
+    """Executor `index`'s device: `spec` lists one per executor ('cuda:0,cuda:1', cycled), or
+    names one for all; a bare 'cuda' gives executor i the GPU cuda:i."""
+    devices = [d.strip() for d in spec.split(",") if d.strip()] or ["cpu"]
+    device = devices[index % len(devices)]
+    return f"cuda:{index}" if device == "cuda" else device
