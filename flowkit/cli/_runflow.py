@@ -15,7 +15,7 @@ from flowkit.planner.simcosts import SimCosts
 from flowkit.runtime import Controller, LocalExecutors
 from flowkit.runtime.flowrun import FlowRunError, FlowRunner, StepReport
 
-__all__ = ["executor_tags", "run_flow"]
+__all__ = ["choose_executors", "executor_tags", "run_flow", "sparkline", "with_training_options"]
 
 
 def executor_tags(plan: list[NodePlan], count: int, tag_spec: str | None) -> list[tuple]:
@@ -120,12 +120,17 @@ def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
 
 def _run_steps(runner: FlowRunner, steps: int, board: Dashboard, writer: MetricsWriter | None,
                stats: RunStats) -> None:
+    losses: list[float] = []
     for step in range(steps):
         board.set_status(f"step {step + 1}/{steps}")
         report = runner.run_step(step)
         record = _step_record(report, stats)
-        board.set_metrics({k: v for k, v in record.items()
-                           if k.endswith(("loss", "bubble_rate")) or k == "step_s"})
+        shown = {k: v for k, v in record.items()
+                 if k.endswith(("loss", "bubble_rate")) or k in ("step_s", "tokens_per_s")}
+        if "loss" in record:
+            losses.append(record["loss"])
+            shown["loss so far"] = f"{losses[0]:.3g} → {losses[-1]:.3g} {sparkline(losses)}"
+        board.set_metrics(shown)
         if writer is not None:
             writer.write(record)
 
@@ -142,3 +147,14 @@ def _step_record(report: StepReport, stats: RunStats) -> dict:
     snapshot = stats.snapshot().summary()
     record["perf/ops_per_s"] = snapshot.get("perf/ops_per_s")
     return record
+
+
+_BARS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], width: int = 40) -> str:
+    """The last `width` values as bars, lowest ▁ to highest █: a loss curve in one line."""
+    values = values[-width:]
+    low, high = min(values), max(values)
+    span = (high - low) or 1.0
+    return "".join(_BARS[min(7, int((v - low) / span * 8))] for v in values)
