@@ -60,7 +60,10 @@ def _noop(ctx: OpContext, *inputs: Any) -> None:
     return None
 
 
-def _identity(ctx: OpContext, value: Any) -> Any:
+def _identity(ctx: OpContext, value: Any, *, seconds: float = 0.0) -> Any:
+    """The value itself, after `seconds` (work to stand in for, in benchmarks)."""
+    if seconds > 0:
+        time.sleep(seconds)
     return value
 
 

@@ -171,7 +171,7 @@ def execute_on_simulators(schedule: Schedule, stage_costs: Costs, *, unit_s: flo
     start to the next's on a busy executor, less the op's nominal time, with every executor
     busy at once as in the run), and the communication cost is the median time an activation
     takes from the end of the op that made it to the start of the op that reads it on another
-    executor. With them, measured against simulated says whether the schedule's order costs
+    executor that has been waiting for it (an idle executor wakes more slowly than a busy one). With them, measured against simulated says whether the schedule's order costs
     anything the simulator does not know of.
     """
     from flowkit.planner import simulate
@@ -183,7 +183,8 @@ def execute_on_simulators(schedule: Schedule, stage_costs: Costs, *, unit_s: flo
         executors = LocalExecutors(ctl, schedule.num_devices, kind="sim", name_prefix="sim")
         infos = sorted(executors.start(), key=lambda e: int(e.name.rsplit("-", 1)[1]))
         try:
-            hop_s = profile_hop(ctl, infos, activation_bytes) if len(infos) > 1 else 0.0
+            hop_s = (profile_hop(ctl, infos, activation_bytes, hops=50, op_s=unit_s)
+                     if len(infos) > 1 else 0.0)
             op_overhead_s = profile_op_overhead(ctl, infos, unit_s)
             runs = []
             for _ in range(repeats + 1):  # the first run warms up sockets and caches
@@ -210,13 +211,16 @@ def execute_on_simulators(schedule: Schedule, stage_costs: Costs, *, unit_s: flo
 
 
 def profile_hop(ctl: Controller, executors: Sequence[ExecutorInfo], nbytes: int,
-                hops: int = 100) -> float:
+                hops: int = 100, op_s: float = 0.0) -> float:
     """Median seconds from one executor's op end to the next executor's op start when the
-    second reads the first's `nbytes` output: the per-hop cost of a pipeline dependency."""
+    second reads the first's `nbytes` output: the per-hop cost of a pipeline dependency.
+    Each op of the chain takes `op_s`, so the reader has been idle that long when the data
+    comes, as a pipeline stage waiting for its input has."""
     value = ctl.put(_zeros(nbytes), executor=executors[0].id)
     chain = []
     for i in range(hops + 1):
-        value = ctl.submit("identity", value, executor=executors[(i + 1) % 2].id)
+        value = ctl.submit("identity", value, config={"seconds": op_s},
+                           executor=executors[(i + 1) % 2].id)
         chain.append(value)
     chain[-1].result(timeout=60)
     wait(chain, timeout=60)
