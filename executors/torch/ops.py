@@ -124,12 +124,20 @@ class _ScaledLoss(torch.nn.Module):
 
 
 # -- pipeline ops -----------------------------------------------------------------------------
+_LOSSES = ("lm",)  # next-token cross-entropy; the RL losses come with the RL ops
+
+
 def _forward(ctx: OpContext, *inputs: Any, stage: int, stages: int, microbatch: int,
-             loss_scale: float = 1.0, **config: Any) -> Any:
+             loss_scale: float = 1.0, loss: str = "lm", **config: Any) -> Any:
     """Stage 0 reads the microbatch's token sequences, a later stage the activation before it;
     the last stage also reads the sequences for its targets and returns the microbatch's
     stats. The loss it backpropagates is scaled by `loss_scale` (its share of the batch)."""
     from dataflows.records import MicrobatchStats
+
+    if loss not in _LOSSES:
+        raise StageError(f"the torch executor trains with loss {', '.join(_LOSSES)}; loss "
+                         f"{loss!r} is not implemented here yet: run this flow with "
+                         "--executors sim")
 
     held = _stage(ctx, {**config, "stage": stage, "stages": stages})
     first, last = stage == 0, stage == stages - 1
