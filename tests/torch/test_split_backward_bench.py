@@ -1,0 +1,29 @@
+"""The split-backward bench runs on a tiny GPT and returns the figures `flowkit bench` reports."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from flowkit.bench.split_backward import SplitBenchConfig, run_split_backward_bench
+
+TINY = SplitBenchConfig(n_embd=16, n_layer=3, n_head=2, vocab_size=32, stages=3, batch=2, seq=8)
+
+
+def test_bench_times_every_stage_and_returns_the_ratios():
+    threads = torch.get_num_threads()
+    result = run_split_backward_bench(configs=[TINY], repeats=1, warmup=0)
+    assert torch.get_num_threads() == threads  # the bench puts the thread count back
+    assert json.loads(json.dumps(result)) == result
+    assert result["bw_over_fused"] > 0 and result["runner_bw_over_fused"] > 0
+    (config,) = result["configs"]
+    assert config["config"]["stages"] == 3
+    assert [s["position"] for s in config["stages"]] == ["first", "middle", "last"]
+    for stage in config["stages"]:
+        for k in ("F", "B", "W", "B_plus_W", "BW", "plain"):
+            assert stage[f"{k}_ms"] > 0 and stage[f"{k}_faults"] >= 0
+        assert stage["bw_over_fused"] == stage["B_plus_W_ms"] / stage["plain_ms"]
+    # the runner's state is released: no microbatch lingers between variants
+    # (a leak would show up as "forward ran twice" on the next repeat)
+    run_split_backward_bench(configs=[TINY], repeats=2, warmup=1)
