@@ -221,7 +221,8 @@ def _record_layer_norm(rec: Recorder, args: tuple, kwargs: dict) -> torch.Tensor
     if not rec.owns(weight, bias):
         return None
     xd = x.detach()
-    call = LayerNormCall(None, xd, xd._version, shape=list(shape), weight=weight, bias=bias)
+    shape = [shape] if isinstance(shape, int) else list(shape)
+    call = LayerNormCall(None, xd, xd._version, shape=shape, weight=weight, bias=bias)
     out = _DeferredLayerNorm.apply(x, weight, bias, call, eps)
     call.node = out.grad_fn
     rec.calls.append(call)
