@@ -30,6 +30,7 @@ import attrs
 import torch
 
 from executors.ops import OpContext, OpTable
+from executors.torch.memory import keep_freed_memory
 from executors.torch.stage import StageError, StageRunner
 
 __all__ = ["register"]
@@ -333,6 +334,7 @@ def _profile_once(runner: StageRunner, key: Any, args: list, *, fused: bool,
 
 
 def register(table: OpTable) -> None:
+    keep_freed_memory()  # executors/torch/memory.py: B after W must not page-fault
     table.register("F", _forward)
     table.register("B", _backward_input)
     table.register("W", _backward_weight)

@@ -1,4 +1,4 @@
-"""`flowkit bench dispatch|transfer|pipeline`: runtime benchmarks, each against a baseline
+"""`flowkit bench dispatch|transfer|pipeline|train`: benchmarks, each against a baseline
 measured side by side in the same run (this machine is noisy: compare ratios, not times)."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ _BENCHES = {
     "dispatch": "flowkit.bench.dispatch:run_dispatch_bench",
     "transfer": "flowkit.bench.transfer:run_transfer_bench",
     "pipeline": "flowkit.bench.pipeline:run_pipeline_bench",
+    "train": "flowkit.bench.train:run_train_bench",
 }
 
 
@@ -24,7 +25,7 @@ _BENCHES = {
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="Also write the figures as JSON.")
 def bench(which: str, json_out: Path | None) -> None:
-    """Measure dispatch, executor-to-executor transfer or pipeline execution."""
+    """Measure dispatch, executor-to-executor transfer, pipeline execution or training."""
     import importlib
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")

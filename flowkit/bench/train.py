@@ -1,0 +1,149 @@
+"""Training benchmark on the built-in GPT, each figure against a baseline in the same run:
+
+(a) B + W against a fused backward of the same microbatch (flowkit/bench/split_backward.py);
+(b) per schedule, the bubble rate measured on torch executor processes against the simulator's
+    prediction from the F/B/W costs the executors profiled (and the activation hop profiled
+    in the same run);
+(c) tokens/s of the pipeline run against a plain single-process training loop of the same
+    model, data and batch on the same machine, using all its cores.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import attrs
+
+from flowkit.planner import simulate
+
+__all__ = ["run_train_bench"]
+
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "zb-v", "auto")
+
+
+@attrs.frozen
+class TrainSetup:
+    stages: int = 2
+    microbatches: int = 8
+    batch_size: int = 32  # sequences per step
+    seq_len: int = 64
+    steps: int = 6  # per schedule; the first (profiling, warm-up) is not counted
+    gpt: dict = attrs.field(factory=lambda: {"vocab_size": 256, "block_size": 128,
+                                             "n_layer": 4, "n_head": 4, "n_embd": 128})
+
+
+def run_train_bench(setup: TrainSetup | None = None, *,
+                    schedules: tuple[str, ...] = SCHEDULES,
+                    split_backward: dict | None = None) -> dict:
+    """Figures (a), (b), (c) of the module docstring; `split_backward` passes options to
+    run_split_backward_bench (its configs and repeats)."""
+    from executors.torch.memory import keep_freed_memory
+    from flowkit.bench.split_backward import run_split_backward_bench
+
+    keep_freed_memory()  # as the torch executors do, for (a) and the plain loop alike
+    setup = setup or TrainSetup()
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = _corpus(Path(tmp))
+        pipeline = _pipeline_runs(setup, corpus, schedules)
+        plain = _plain_loop(setup, corpus)
+    best = max(pipeline.values(), key=lambda r: r["tokens_per_s"])
+    return {
+        "setup": attrs.asdict(setup),
+        "split_backward": run_split_backward_bench(**(split_backward or {})),
+        "schedules": pipeline,
+        "plain_loop": plain,
+        "pipeline_over_plain_tokens_per_s": best["tokens_per_s"] / plain["tokens_per_s"],
+        "best_schedule": best["schedule"],
+    }
+
+
+def _corpus(folder: Path) -> str:
+    from dataflows.text import synthetic_corpus
+
+    path = folder / "corpus.txt"
+    path.write_text(synthetic_corpus())
+    return str(path)
+
+
+def _pipeline_runs(setup: TrainSetup, corpus: str, schedules: tuple[str, ...]) -> dict:
+    from dataflows.pretrain import pretrain_flow
+    from flowkit.planner.lower import lower_flow
+    from flowkit.runtime import Controller, LocalExecutors
+    from flowkit.runtime.flowrun import FlowRunner
+    from flowkit.runtime.pipeline import profile_hop
+
+    out = {}
+    with Controller() as ctl:
+        executors = LocalExecutors(ctl, setup.stages, kind="torch", tags=("train",))
+        infos = sorted(executors.start(), key=lambda e: e.id)
+        try:
+            activation = (setup.batch_size // setup.microbatches) * setup.seq_len
+            hop_s = profile_hop(ctl, infos, activation * setup.gpt["n_embd"] * 4)
+            for kind in schedules:
+                flow = pretrain_flow(corpus=corpus, stages=setup.stages,
+                                     microbatches=setup.microbatches, schedule=kind,
+                                     batch_size=setup.batch_size, seq_len=setup.seq_len,
+                                     gpt=setup.gpt, model_name=f"gpt-{kind}")
+                runner = FlowRunner(ctl, lower_flow(flow))
+                reports = [runner.run_step(step) for step in range(setup.steps)][1:]
+                schedule, _ = runner.trained[f"gpt-{kind}"]
+                costs = runner.profiles[(f"gpt-{kind}", schedule.num_stages)]
+                predicted = simulate(schedule, attrs.evolve(costs, comm=hop_s))
+                out[kind] = _figures(kind, reports, setup, predicted.bubble_rate, hop_s)
+        finally:
+            ctl.shutdown()
+            executors.stop()
+    return out
+
+
+def _figures(kind: str, reports: list, setup: TrainSetup, predicted: float,
+             hop_s: float) -> dict:
+    tokens = setup.batch_size * setup.seq_len
+    measured = statistics.median(r.metrics["bubble_rate"] for r in reports)
+    step_s = statistics.median(r.elapsed_s for r in reports)
+    return {"schedule": kind, "measured_bubble_rate": measured,
+            "predicted_bubble_rate": predicted, "hop_s": hop_s, "step_s": step_s,
+            "tokens_per_s": tokens / step_s,
+            "loss_first_last": [reports[0].metrics["loss"] if "loss" in reports[0].metrics
+                                else reports[0].metrics.get("backprop/loss"),
+                                reports[-1].metrics.get("backprop/loss")]}
+
+
+def _plain_loop(setup: TrainSetup, corpus: str) -> dict:
+    """The same model, batches and accumulation in one process with every core, as a user
+    without flowkit would train it."""
+    import torch
+
+    from dataflows.text import token_sequences
+    from executors.torch.models.gpt import GPT
+
+    threads = os.cpu_count() or 1
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        model = GPT(**setup.gpt)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+        times = []
+        per_mb = setup.batch_size // setup.microbatches
+        for step in range(setup.steps):
+            rows = list(token_sequences.fn(path=corpus, sequences=setup.batch_size,
+                                           seq_len=setup.seq_len, step=step))
+            start = time.perf_counter()
+            for mb in range(setup.microbatches):
+                batch = torch.stack(rows[mb * per_mb:(mb + 1) * per_mb])
+                loss = model(batch[:, :-1], batch[:, 1:])
+                (loss / setup.microbatches).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(old_threads)
+    step_s = statistics.median(times[1:])
+    return {"threads": threads, "step_s": step_s,
+            "tokens_per_s": setup.batch_size * setup.seq_len / step_s}

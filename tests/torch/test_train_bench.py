@@ -1,0 +1,34 @@
+"""`flowkit bench train` on a tiny setup: every figure it reports is there and sane."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from executors.torch.memory import keep_freed_memory
+from flowkit.bench.split_backward import SplitBenchConfig
+from flowkit.bench.train import TrainSetup, run_train_bench
+
+TINY_GPT = {"vocab_size": 256, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 16}
+
+
+def test_the_train_bench_reports_split_backward_bubbles_and_tokens_per_s():
+    setup = TrainSetup(stages=2, microbatches=2, batch_size=4, seq_len=8, steps=3, gpt=TINY_GPT)
+    tiny = SplitBenchConfig(n_embd=16, n_layer=2, n_head=2, vocab_size=32, stages=2, batch=2,
+                            seq=8)
+    result = run_train_bench(setup, schedules=("1f1b", "zb-h1"),
+                             split_backward={"configs": [tiny], "repeats": 1, "warmup": 0})
+    assert json.loads(json.dumps(result)) == result
+    assert result["split_backward"]["bw_over_fused"] > 0
+    for kind in ("1f1b", "zb-h1"):
+        figures = result["schedules"][kind]
+        assert 0 <= figures["measured_bubble_rate"] < 1
+        assert 0 <= figures["predicted_bubble_rate"] < 1
+        assert figures["tokens_per_s"] > 0
+    assert result["plain_loop"]["tokens_per_s"] > 0
+    assert result["pipeline_over_plain_tokens_per_s"] > 0
+
+
+def test_freed_memory_stays_in_the_process_on_glibc():
+    if sys.platform == "linux":
+        assert keep_freed_memory()
