@@ -1,0 +1,343 @@
+"""Advantage estimators, PPO losses and KL penalties on padded (batch, response_length) tensors.
+
+The math and edge cases follow verl's `verl/trainer/ppo/core_algos.py` so that a run here can be
+compared number for number with a verl run: the same GAE recursion over masked positions, the same
+whitening (Bessel-corrected, `rsqrt(var + 1e-8)`), the same dual-clip PPO loss and the same loss
+aggregation modes. Every tensor argument is (B, T); `mask` is a float mask, 1 on real response
+tokens and 0 on padding (left or right).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "AGG_MODES",
+    "KL_KINDS",
+    "gae_advantages",
+    "grpo_advantages",
+    "kl_penalty",
+    "ppo_policy_loss",
+    "ppo_policy_loss_stats",
+    "rloo_advantages",
+    "value_loss",
+]
+
+# verl's whitening divides by sqrt(var + 1e-8) rather than sqrt(var): a batch of equal advantages
+# then whitens to zeros instead of NaN.
+_WHITEN_EPS = 1e-8
+# verl clamps log-ratios to +-20 before exp() so that one stale token cannot overflow the loss.
+_LOG_RATIO_CLAMP = 20.0
+# ... and clamps the k3 estimate to +-10 for the same reason.
+_K3_CLAMP = 10.0
+
+GroupIndex = torch.Tensor | Sequence[int] | Sequence[str]
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_same_shape(**tensors: torch.Tensor) -> None:
+    """Raise one ValueError listing every argument that is not 2-D or not shaped like the first."""
+    names = list(tensors)
+    expected = tuple(tensors[names[0]].shape)
+    problems = []
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            problems.append(f"{name} is a {type(tensor).__name__}, expected a torch.Tensor")
+        elif tensor.dim() != 2:
+            problems.append(f"{name} has shape {tuple(tensor.shape)}, expected 2-D "
+                            f"(batch, response_length)")
+        elif tuple(tensor.shape) != expected:
+            problems.append(f"{name} has shape {tuple(tensor.shape)}, expected {expected} "
+                            f"like {names[0]}")
+    if problems:
+        raise ValueError(f"{len(problems)} shape error(s): " + "; ".join(problems))
+
+
+def _group_ids(group_index: GroupIndex, batch: int, device: torch.device) -> torch.Tensor:
+    """Dense ids 0..G-1 (B,) for any labelling of rows by prompt: a tensor, ints or strings."""
+    if isinstance(group_index, torch.Tensor):
+        if group_index.dim() != 1:
+            raise ValueError(f"group_index has shape {tuple(group_index.shape)}, expected 1-D "
+                             f"(batch,) naming each row's prompt")
+        labels = group_index.tolist()
+    else:
+        labels = list(group_index)
+    if len(labels) != batch:
+        raise ValueError(f"group_index has {len(labels)} entries, expected one per row ({batch})")
+    dense: dict[object, int] = {}
+    ids = [dense.setdefault(label, len(dense)) for label in labels]
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def _require_tokens(mask: torch.Tensor, what: str, at_least: int = 1) -> None:
+    """Reductions over the mask are 0/0 without real tokens; say so instead of returning NaN."""
+    count = int(mask.sum().item())
+    if count < at_least:
+        raise ValueError(f"{what} needs at least {at_least} masked-in token(s), "
+                         f"but the mask has {count}")
+
+
+# ----------------------------------------------------------------------------- masked statistics
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over the entries where mask is 1 (a scalar)."""
+    return (values * mask).sum() / mask.sum()
+
+
+def _masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Shift to mean 0 and scale to unbiased variance ~1 over the masked entries (verl's)."""
+    _require_tokens(mask, "whitening (unbiased variance)", at_least=2)
+    mean = _masked_mean(values, mask)
+    count = mask.sum()
+    variance = _masked_mean((values - mean) ** 2, mask) * count / (count - 1)
+    return (values - mean) * torch.rsqrt(variance + _WHITEN_EPS)
+
+
+# ----------------------------------------------------------------------------- advantages
+
+
+@torch.no_grad()
+def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                   gamma: float, lam: float, whiten: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation; returns (advantages, returns), both (B, T).
+
+    The recursion runs right to left over every position. At a masked-out position the TD error
+    is computed but not kept: the next value and the running advantage carry over it unchanged,
+    so padding (or an observation token) between two response tokens is skipped, as in verl.
+    `returns` are the raw advantages plus `values`; whitening touches only the advantages.
+    """
+    _check_same_shape(token_rewards=token_rewards, values=values, mask=mask)
+    next_value = torch.zeros_like(values[:, 0])  # (B,)
+    running = torch.zeros_like(values[:, 0])  # (B,)
+    reversed_advantages = []
+    for t in reversed(range(token_rewards.shape[1])):
+        keep = mask[:, t]
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        candidate = delta + gamma * lam * running
+        next_value = values[:, t] * keep + (1 - keep) * next_value
+        running = candidate * keep + (1 - keep) * running
+        reversed_advantages.append(running)
+    advantages = torch.stack(reversed_advantages[::-1], dim=1)  # (B, T)
+    returns = advantages + values
+    if whiten:
+        advantages = _masked_whiten(advantages, mask)
+    return advantages, returns
+
+
+def _sequence_scores(token_rewards: torch.Tensor, mask: torch.Tensor,
+                     group_index: GroupIndex) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scores (B,), dense group ids (B,), group sizes per row (B,)) shared by GRPO and RLOO."""
+    _check_same_shape(token_rewards=token_rewards, mask=mask)
+    scores = token_rewards.sum(dim=-1)  # outcome reward: one scalar per response
+    ids = _group_ids(group_index, scores.shape[0], scores.device)
+    sizes = torch.bincount(ids).to(scores.dtype)  # (G,)
+    return scores, ids, sizes[ids]
+
+
+def _group_mean(scores: torch.Tensor, ids: torch.Tensor, row_sizes: torch.Tensor) -> torch.Tensor:
+    """Mean score of each row's group, per row (B,)."""
+    sums = torch.zeros(int(ids.max()) + 1, dtype=scores.dtype, device=scores.device)
+    sums.index_add_(0, ids, scores)
+    return sums[ids] / row_sizes
+
+
+def _group_std(scores: torch.Tensor, ids: torch.Tensor, row_sizes: torch.Tensor,
+               row_means: torch.Tensor) -> torch.Tensor:
+    """Unbiased std of each row's group, per row (B,); only meaningful for groups of 2 or more."""
+    squares = torch.zeros(int(ids.max()) + 1, dtype=scores.dtype, device=scores.device)
+    squares.index_add_(0, ids, (scores - row_means) ** 2)
+    return torch.sqrt(squares[ids] / (row_sizes - 1).clamp(min=1))
+
+
+@torch.no_grad()
+def grpo_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, group_index: GroupIndex,
+                    eps: float = 1e-6, norm_by_std: bool = True) -> torch.Tensor:
+    """GRPO: each response's score against the mean (and std) of its prompt's group, (B, T).
+
+    A prompt with a single response has nothing to compare with; verl then uses mean 0 and std 1,
+    so the advantage is the score itself (divided by 1 + eps). Without `norm_by_std` this is
+    Dr. GRPO's unscaled advantage.
+    """
+    scores, ids, row_sizes = _sequence_scores(token_rewards, mask, group_index)
+    alone = row_sizes == 1
+    mean = torch.where(alone, torch.zeros_like(scores), _group_mean(scores, ids, row_sizes))
+    centered = scores - mean
+    if norm_by_std:
+        std = torch.where(alone, torch.ones_like(scores),
+                          _group_std(scores, ids, row_sizes, mean))
+        centered = centered / (std + eps)
+    return centered.unsqueeze(-1) * mask
+
+
+@torch.no_grad()
+def rloo_advantages(token_rewards: torch.Tensor, mask: torch.Tensor,
+                    group_index: GroupIndex) -> torch.Tensor:
+    """RLOO: each score minus the mean of the *other* responses to its prompt, (B, T).
+
+    score - (n * mean - score) / (n - 1) rearranges to n/(n-1) * (score - mean), which is how
+    verl writes it. A prompt with one response keeps its raw score.
+    """
+    scores, ids, row_sizes = _sequence_scores(token_rewards, mask, group_index)
+    mean = _group_mean(scores, ids, row_sizes)
+    scale = row_sizes / (row_sizes - 1).clamp(min=1)
+    left_out = scores * scale - mean * scale
+    advantages = torch.where(row_sizes > 1, left_out, scores)
+    return advantages.unsqueeze(-1) * mask
+
+
+# ----------------------------------------------------------------------------- loss aggregation
+
+
+def _seq_mean_over_nonempty(seq_losses: torch.Tensor, token_counts: torch.Tensor) -> torch.Tensor:
+    """Mean of per-sequence losses over rows that have any token (fully padded rows are skipped)."""
+    nonempty = (token_counts > 0).to(seq_losses.dtype)
+    return (seq_losses * nonempty).sum() / nonempty.sum()
+
+
+def _agg_token_mean(losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Every real token weighs the same: long responses dominate."""
+    return _masked_mean(losses, mask)
+
+
+def _agg_seq_mean_token_mean(losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Every response weighs the same, its tokens averaged first."""
+    counts = mask.sum(dim=-1)
+    # verl's +1e-8 keeps fully padded rows finite (they are skipped below) and is kept here so
+    # that the two agree to the last digits.
+    seq_losses = (losses * mask).sum(dim=-1) / (counts + 1e-8)
+    return _seq_mean_over_nonempty(seq_losses, counts)
+
+
+def _agg_seq_mean_token_sum(losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Every response weighs the same, its tokens summed."""
+    return _seq_mean_over_nonempty((losses * mask).sum(dim=-1), mask.sum(dim=-1))
+
+
+_AGGREGATORS = {
+    "token-mean": _agg_token_mean,
+    "seq-mean-token-mean": _agg_seq_mean_token_mean,
+    "seq-mean-token-sum": _agg_seq_mean_token_sum,
+}
+AGG_MODES = tuple(_AGGREGATORS)
+
+
+def _aggregate(losses: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.Tensor:
+    """Reduce per-token losses (B, T) to a scalar with one of AGG_MODES (verl's agg_loss)."""
+    if agg not in _AGGREGATORS:
+        raise ValueError(f"unknown agg {agg!r}; expected one of {', '.join(AGG_MODES)}")
+    _require_tokens(mask, f"loss aggregation {agg!r}")
+    return _AGGREGATORS[agg](losses, mask)
+
+
+# ----------------------------------------------------------------------------- PPO losses
+
+
+def _ppo_token_terms(old_logprob: torch.Tensor, logprob: torch.Tensor, advantages: torch.Tensor,
+                     mask: torch.Tensor, clip_ratio: float, clip_ratio_c: float
+                     ) -> dict[str, torch.Tensor]:
+    """Per-token pieces of the dual-clip PPO objective, shared by the loss and its statistics."""
+    _check_same_shape(old_logprob=old_logprob, logprob=logprob, advantages=advantages, mask=mask)
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c is {clip_ratio_c}, expected > 1: it bounds the ratio "
+                         f"from above for negative advantages (dual-clip PPO)")
+    log_ratio = torch.clamp(logprob - old_logprob, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio, 1 + clip_ratio)
+    pessimistic = torch.maximum(unclipped, clipped)
+    # Dual clip: for A < 0 a huge ratio would make the loss unbounded; cap it at -A * c.
+    dual_cap = -advantages * clip_ratio_c
+    losses = torch.where(advantages < 0, torch.minimum(dual_cap, pessimistic), pessimistic)
+    return {"losses": losses, "log_ratio": log_ratio, "unclipped": unclipped,
+            "clipped": clipped, "pessimistic": pessimistic, "dual_cap": dual_cap}
+
+
+def ppo_policy_loss(old_logprob: torch.Tensor, logprob: torch.Tensor, advantages: torch.Tensor,
+                    mask: torch.Tensor, clip_ratio: float = 0.2, clip_ratio_c: float = 3.0,
+                    agg: str = "token-mean") -> torch.Tensor:
+    """Clipped surrogate loss with the dual clip for negative advantages (a scalar to minimize)."""
+    terms = _ppo_token_terms(old_logprob, logprob, advantages, mask, clip_ratio, clip_ratio_c)
+    return _aggregate(terms["losses"], mask, agg)
+
+
+@torch.no_grad()
+def ppo_policy_loss_stats(old_logprob: torch.Tensor, logprob: torch.Tensor,
+                          advantages: torch.Tensor, mask: torch.Tensor, clip_ratio: float = 0.2,
+                          clip_ratio_c: float = 3.0) -> dict[str, torch.Tensor]:
+    """Diagnostics of the PPO step over masked tokens, as verl logs them.
+
+    clipfrac: share of tokens where the ratio clip bound; clipfrac_lower: share where the dual
+    clip bound (negative advantages only); approx_kl: mean of old_logprob - logprob.
+    """
+    terms = _ppo_token_terms(old_logprob, logprob, advantages, mask, clip_ratio, clip_ratio_c)
+    _require_tokens(mask, "PPO statistics")
+    dual_bound = (terms["pessimistic"] > terms["dual_cap"]) & (advantages < 0)
+    return {
+        "clipfrac": _masked_mean((terms["clipped"] > terms["unclipped"]).to(mask.dtype), mask),
+        "clipfrac_lower": _masked_mean(dual_bound.to(mask.dtype), mask),
+        "approx_kl": _masked_mean(-terms["log_ratio"], mask),
+    }
+
+
+def value_loss(values_pred: torch.Tensor, returns: torch.Tensor, values_old: torch.Tensor,
+               mask: torch.Tensor, clip_range: float, agg: str = "token-mean") -> torch.Tensor:
+    """Clipped value loss: 0.5 * the larger of the clipped and unclipped squared errors.
+
+    The prediction is clipped to within clip_range of the value at rollout time, and taking the
+    larger error means moving the value far from the old one never lowers the loss.
+    """
+    _check_same_shape(values_pred=values_pred, returns=returns, values_old=values_old, mask=mask)
+    clipped_pred = torch.maximum(torch.minimum(values_pred, values_old + clip_range),
+                                 values_old - clip_range)
+    unclipped_error = (values_pred - returns) ** 2
+    clipped_error = (clipped_pred - returns) ** 2
+    return 0.5 * _aggregate(torch.maximum(unclipped_error, clipped_error), mask, agg)
+
+
+# ----------------------------------------------------------------------------- KL penalties
+
+
+def _kl_k1(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+    """log(pi/ref): unbiased for KL(pi || ref) on samples of pi, but high variance and signed."""
+    return logprob - ref_logprob
+
+
+def _kl_abs(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+    """|log(pi/ref)|: never negative, so it never rewards moving away from the reference."""
+    return (logprob - ref_logprob).abs()
+
+
+def _kl_k2(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+    """0.5 * log(pi/ref)^2: low variance, biased."""
+    return 0.5 * (logprob - ref_logprob).square()
+
+
+def _kl_k3(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+    """ref/pi - log(ref/pi) - 1: unbiased and non-negative (Schulman's low-variance estimator)."""
+    log_ref_ratio = torch.clamp(ref_logprob - logprob, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    estimate = torch.exp(log_ref_ratio) - log_ref_ratio - 1
+    return torch.clamp(estimate, -_K3_CLAMP, _K3_CLAMP)
+
+
+_KL_ESTIMATORS = {"k1": _kl_k1, "abs": _kl_abs, "k2": _kl_k2, "k3": _kl_k3}
+KL_KINDS = tuple(_KL_ESTIMATORS)
+# verl's older names for the same estimators, so configs written for verl work unchanged.
+_KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+
+
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) of the given kind (one of KL_KINDS)."""
+    name = _KL_ALIASES.get(kind, kind)
+    if name not in _KL_ESTIMATORS:
+        raise ValueError(f"unknown KL kind {kind!r}; expected one of {', '.join(KL_KINDS)} "
+                         f"(or verl's aliases {', '.join(_KL_ALIASES)})")
+    if logprob.shape != ref_logprob.shape:
+        raise ValueError(f"logprob has shape {tuple(logprob.shape)} but ref_logprob has "
+                         f"{tuple(ref_logprob.shape)}; expected the same shape")
+    return _KL_ESTIMATORS[name](logprob, ref_logprob)
