@@ -50,6 +50,9 @@ def _check_same_shape(**tensors: torch.Tensor) -> None:
         elif tensor.dim() != 2:
             problems.append(f"{name} has shape {tuple(tensor.shape)}, expected 2-D "
                             f"(batch, response_length)")
+        elif 0 in tuple(tensor.shape):
+            problems.append(f"{name} has shape {tuple(tensor.shape)}, expected at least one row "
+                            f"and one position")
         elif tuple(tensor.shape) != expected:
             problems.append(f"{name} has shape {tuple(tensor.shape)}, expected {expected} "
                             f"like {names[0]}")
@@ -84,9 +87,16 @@ def _require_tokens(mask: torch.Tensor, what: str, at_least: int = 1) -> None:
 # ----------------------------------------------------------------------------- masked statistics
 
 
+def _masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of values * mask; padding is zeroed first, so NaN or inf there (say a log-prob of a
+    pad token) cannot leak in through 0 * NaN, as in current verl."""
+    masked = torch.where(mask.bool(), values, torch.zeros_like(values)) * mask
+    return masked.sum() if dim is None else masked.sum(dim=dim)
+
+
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean over the entries where mask is 1 (a scalar)."""
-    return (values * mask).sum() / mask.sum()
+    return _masked_sum(values, mask) / mask.sum()
 
 
 def _masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -110,7 +120,9 @@ def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torc
     The recursion runs right to left over every position. At a masked-out position the TD error
     is computed but not kept: the next value and the running advantage carry over it unchanged,
     so padding (or an observation token) between two response tokens is skipped, as in verl.
-    `returns` are the raw advantages plus `values`; whitening touches only the advantages.
+    `returns` are the raw advantages plus `values`; whitening touches only the advantages, with
+    statistics over masked-in entries. Padded positions keep their (carried) values rather than
+    zeros, as in verl: the losses mask them out.
     """
     _check_same_shape(token_rewards=token_rewards, values=values, mask=mask)
     next_value = torch.zeros_like(values[:, 0])  # (B,)
@@ -210,13 +222,13 @@ def _agg_seq_mean_token_mean(losses: torch.Tensor, mask: torch.Tensor) -> torch.
     counts = mask.sum(dim=-1)
     # verl's +1e-8 keeps fully padded rows finite (they are skipped below) and is kept here so
     # that the two agree to the last digits.
-    seq_losses = (losses * mask).sum(dim=-1) / (counts + 1e-8)
+    seq_losses = _masked_sum(losses, mask, dim=-1) / (counts + 1e-8)
     return _seq_mean_over_nonempty(seq_losses, counts)
 
 
 def _agg_seq_mean_token_sum(losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Every response weighs the same, its tokens summed."""
-    return _seq_mean_over_nonempty((losses * mask).sum(dim=-1), mask.sum(dim=-1))
+    return _seq_mean_over_nonempty(_masked_sum(losses, mask, dim=-1), mask.sum(dim=-1))
 
 
 _AGGREGATORS = {
