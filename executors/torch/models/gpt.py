@@ -20,6 +20,15 @@ the last stage its own copy. Same math as the unsplit model holds if, after ever
 before the optimizer step, each copy's gradient is replaced by the sum of both (an all-reduce
 over the pair named by `tied_parameters`; `sum_tied_grads` does it in one process): both copies
 then start equal, get equal gradients and equal optimizer updates, so they stay equal.
+
+[Note: KV cache rows] For generation only (under no_grad): `forward_cached(idx, cache, start,
+rows)` runs new tokens ``idx`` (B, T) of the cache rows ``rows`` whose first new token sits at
+position ``start`` (B,). Every row holds its own sequence from position 0, so rows of different
+lengths need no left padding: a row's position ids are ``start + arange(T)``, and a query at
+position p sees the cached keys at positions <= p of its row and nothing else. Right padding
+(a batch of prompts of different lengths) is harmless: the pads write keys past the row's
+real end, which no real query sees and the next real token overwrites. A row is reused for
+a new sequence by writing its prompt from start 0 (continuous batching).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ __all__ = [
     "GPT",
     "GPTConfig",
     "GPTStage",
+    "KVCache",
     "layers_per_stage",
     "split_gpt",
     "sum_tied_grads",
@@ -78,6 +88,21 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
         return self.resid_dropout(self.c_proj(y))
 
+    def forward_cached(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """``x`` (B, T, C) at positions ``pos`` (B, T) of cache rows ``rows`` (B): write their
+        keys and values, attend over the row's cache [Note: KV cache rows]."""
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        r = rows[:, None]  # (B, 1) broadcasts against pos (B, T)
+        k_cache[r, :, pos] = k.view(B, T, self.n_head, C // self.n_head)
+        v_cache[r, :, pos] = v.view(B, T, self.n_head, C // self.n_head)
+        keys, values = k_cache[rows], v_cache[rows]  # (B, nh, L, hs)
+        seen = torch.arange(keys.size(2), device=x.device)[None, None, :] <= pos[:, :, None]
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=seen[:, None])
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
 
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
@@ -102,6 +127,34 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
+
+    def forward_cached(self, x, k_cache, v_cache, rows, pos) -> torch.Tensor:
+        x = x + self.attn.forward_cached(self.ln_1(x), k_cache, v_cache, rows, pos)
+        return x + self.mlp(self.ln_2(x))
+
+
+@dataclass(eq=False)
+class KVCache:
+    """Keys and values of each block for ``batch`` rows of up to ``max_len`` positions,
+    preallocated; see [Note: KV cache rows]."""
+
+    k: list[torch.Tensor]  # per block (batch, nh, max_len, hs)
+    v: list[torch.Tensor]
+
+    @classmethod
+    def empty(cls, config: GPTConfig, batch: int, max_len: int, *, n_layer: int | None = None,
+              device=None, dtype=torch.float32) -> KVCache:
+        if max_len > config.block_size:
+            raise ValueError(f"a cache of {max_len} positions exceeds block_size "
+                             f"{config.block_size}")
+        shape = (batch, config.n_head, max_len, config.n_embd // config.n_head)
+        layers = config.n_layer if n_layer is None else n_layer
+        make = lambda: torch.zeros(shape, device=device, dtype=dtype)  # noqa: E731
+        return cls(k=[make() for _ in range(layers)], v=[make() for _ in range(layers)])
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].size(2)
 
 
 class GPT(nn.Module):
@@ -144,6 +197,14 @@ class GPT(nn.Module):
             x = block(x)
         return _head(self.config, self.transformer.ln_f, self.lm_head, x, targets)
 
+    @torch.no_grad()
+    def forward_cached(self, idx: torch.Tensor, cache: KVCache, start: torch.Tensor,
+                       rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (or values) of new tokens ``idx`` (B, T) written to cache ``rows`` (default
+        all) from positions ``start`` (B,) on [Note: KV cache rows]."""
+        t = self.transformer
+        return _forward_cached(self.config, t, t.h, t.ln_f, self.lm_head, idx, cache, start, rows)
+
 
 def _embed(transformer: nn.ModuleDict, idx: torch.Tensor) -> torch.Tensor:
     """Token plus position embeddings of ``idx`` (B, T) -> (B, T, C)."""
@@ -153,6 +214,19 @@ def _embed(transformer: nn.ModuleDict, idx: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"cannot forward a sequence of length {T}; block_size is {block_size}")
     pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T)
     return transformer.drop(transformer.wte(idx) + transformer.wpe(pos))
+
+
+def _forward_cached(config, embed, blocks, ln_f, lm_head, idx, cache, start, rows):
+    """The cached forward of a whole model (`GPT`, or a `GPTStage` both first and last)."""
+    B, T = idx.shape
+    rows = torch.arange(B, device=idx.device) if rows is None else rows.to(idx.device)
+    pos = start.to(idx.device)[:, None] + torch.arange(T, device=idx.device)[None, :]  # (B, T)
+    if int(pos.max()) >= cache.max_len:
+        raise ValueError(f"position {int(pos.max())} is past the cache's {cache.max_len}")
+    x = embed.drop(embed.wte(idx) + embed.wpe(pos))  # (B, T, C)
+    for i, block in enumerate(blocks):
+        x = block.forward_cached(x, cache.k[i], cache.v[i], rows, pos)
+    return _head(config, ln_f, lm_head, x, None)
 
 
 def _head(config: GPTConfig, ln_f: nn.Module, lm_head: nn.Module, x, targets):
@@ -202,6 +276,15 @@ class GPTStage(nn.Module):
         if self.last:
             return _head(self.config, self.ln_f, self.lm_head, x, targets)
         return x
+
+    @torch.no_grad()
+    def forward_cached(self, idx: torch.Tensor, cache: KVCache, start: torch.Tensor,
+                       rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`GPT.forward_cached`, for a stage that is the whole model (a one-stage split)."""
+        if not (self.first and self.last):
+            raise ValueError("forward_cached needs the whole model: a one-stage split")
+        return _forward_cached(self.config, self, self.h, self.ln_f, self.lm_head, idx, cache,
+                               start, rows)
 
 
 def layers_per_stage(config: GPTConfig, stages: int, *, seq_len: int | None = None) -> list[int]:

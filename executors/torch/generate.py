@@ -1,0 +1,220 @@
+"""The torch executor's `generate` op: batched sampling from a GPT with its KV cache, with
+continuous batching (a finished sample leaves its slot at once and a waiting one takes it).
+
+[Note: sampler log-probabilities] A rollout's ``logprobs[k]`` is
+``log_softmax(logits / temperature)[token_k]`` over the whole vocabulary: the log-probability
+under the temperature-scaled distribution, before top-p truncation (as verl's rollouts record
+it). That is exactly what the `logprobs` op (executors/torch/infer.py) recomputes from the
+model with the same `temperature`, so a PPO/GRPO ratio starts at 1. Greedy decoding
+(``temperature=0``) records ``log_softmax(logits)``, i.e. temperature 1.
+
+[Note: one generator per sample] Each (prompt, sample) draws from its own torch.Generator,
+seeded from (seed, prompt_id, sample). What a sample draws is then independent of which slot
+it got and of what else was in the batch: the same rollouts for any `max_batch`, up to the
+floating-point effects of batching on the logits.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from contextlib import contextmanager
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from executors.ops import OpContext, OpTable
+from executors.torch.models.gpt import KVCache
+from executors.torch.stage import StageError
+
+__all__ = ["register", "sample_token"]
+
+EOS = 10  # byte "\n": the example corpora are byte-tokenized one-line answers; eos=None: none
+
+
+# -- the model this executor generates with -----------------------------------------------------
+def whole_model(ctx: OpContext, config: dict) -> torch.nn.Module:
+    """The named model as one module (a one-stage split from `executors.torch.ops._model`, so
+    it is built with the same seed convention as the training stages and shared with them
+    when this executor holds the model in one stage)."""
+    from executors.torch.ops import _model
+
+    held = _model(ctx, {"stages": 1, **config})
+    if len(held.parts) != 1:
+        raise StageError(f"model {config['model']!r} is held here in {len(held.parts)} stages; "
+                         "generation and inference need it whole (stages=1)")
+    return held.parts[0]
+
+
+@contextmanager
+def evaluating(module: torch.nn.Module):
+    """Eval mode and no autograd for the block, restoring the module's mode afterwards (the
+    module may be a training stage too)."""
+    was = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            yield module
+    finally:
+        module.train(was)
+
+
+# -- sampling ---------------------------------------------------------------------------------
+def sample_token(logits: torch.Tensor, *, temperature: float, top_p: float,
+                 generator: torch.Generator | None) -> tuple[int, float]:
+    """One token from ``logits`` (V,) and its log-probability [Note: sampler log-probabilities],
+    in float64 as the `logprobs` op computes it."""
+    logits = logits.to(torch.float64)
+    if temperature <= 0:  # greedy
+        token = int(torch.argmax(logits))
+        return token, float(F.log_softmax(logits, dim=-1)[token])
+    logp = F.log_softmax(logits / temperature, dim=-1)
+    probs = _top_p(logp.exp(), top_p)
+    token = int(torch.multinomial(probs, 1, generator=generator))
+    return token, float(logp[token])
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (always the top
+    one); multinomial renormalizes."""
+    if top_p >= 1.0:
+        return probs
+    sorted_p, order = torch.sort(probs, descending=True)
+    before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass of the tokens ranked above
+    sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
+    sorted_p[0] = sorted_p[0].clamp_min(torch.finfo(sorted_p.dtype).tiny)
+    return torch.zeros_like(probs).scatter(0, order, sorted_p)
+
+
+def _generator(seed: int, prompt_id: int, sample: int, device: torch.device) -> torch.Generator:
+    """[Note: one generator per sample]; tuple hashes of ints are stable across processes."""
+    g = torch.Generator(device=device)
+    g.manual_seed(hash((int(seed), int(prompt_id), int(sample))) & 0xFFFF_FFFF_FFFF)
+    return g
+
+
+# -- continuous batching ----------------------------------------------------------------------
+@attrs.define(eq=False)
+class _Seq:
+    """One (prompt, sample) being decoded in a slot."""
+
+    prompt: Any
+    sample: int
+    generator: torch.Generator
+    tokens: list[int] = attrs.field(factory=list)
+    logprobs: list[float] = attrs.field(factory=list)
+
+    @property
+    def length(self) -> int:  # positions written or to write: prompt + response so far
+        return len(self.prompt.tokens) + len(self.tokens)
+
+
+@attrs.frozen(kw_only=True)
+class _Sampling:
+    n: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    eos: int | None
+    seed: int
+    max_batch: int
+
+
+def decode(model: torch.nn.Module, prompts: list, s: _Sampling, device: torch.device) -> list:
+    """Every (prompt, sample) decoded through `s.max_batch` slots; Rollouts in finishing order."""
+    queue = deque(_Seq(p, k, _generator(s.seed, p.prompt_id, k, device))
+                  for p in prompts for k in range(s.n))
+    block = model.config.block_size
+    max_len = min(block, max(len(p.tokens) for p in prompts) + s.max_new_tokens)
+    slots: list[_Seq | None] = [None] * min(s.max_batch, len(queue))
+    dtype = next(model.parameters()).dtype
+    cache = KVCache.empty(model.config, len(slots), max_len, device=device, dtype=dtype)
+    logits = torch.zeros(len(slots), model.config.vocab_size, device=device, dtype=dtype)
+    done = []
+    while queue or any(slots):
+        _fill(model, cache, slots, queue, logits, device)
+        for i, seq in enumerate(slots):
+            if seq is None:
+                continue
+            token, logp = sample_token(logits[i], temperature=s.temperature, top_p=s.top_p,
+                                       generator=seq.generator)
+            seq.tokens.append(token)
+            seq.logprobs.append(logp)
+            finished = token == s.eos
+            if finished or len(seq.tokens) >= s.max_new_tokens or seq.length >= max_len:
+                done.append(_rollout(seq, finished))
+                slots[i] = None  # the slot is free for the next waiting sample
+        _step(model, cache, slots, logits, device)
+    return done
+
+
+def _fill(model, cache, slots, queue, logits, device) -> None:
+    """Give free slots to waiting samples: their prompts, right-padded, prefill their cache rows
+    from position 0 [Note: KV cache rows]; each row's next-token logits go to `logits`."""
+    free = [i for i, seq in enumerate(slots) if seq is None][: len(queue)]
+    if not free:
+        return
+    for i in free:
+        slots[i] = queue.popleft()
+    prompts = [slots[i].prompt.tokens for i in free]
+    width = max(len(p) for p in prompts)
+    idx = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=device)
+    rows = torch.tensor(free, device=device)
+    out = model.forward_cached(idx, cache, torch.zeros_like(rows), rows)  # (B, width, V)
+    last = torch.tensor([len(p) - 1 for p in prompts], device=device)
+    logits[rows] = out[torch.arange(len(free), device=device), last]
+
+
+def _step(model, cache, slots, logits, device) -> None:
+    """One decode step of every busy slot: its last token, at the position after the others."""
+    busy = [i for i, seq in enumerate(slots) if seq is not None]
+    if not busy:
+        return
+    idx = torch.tensor([[slots[i].tokens[-1]] for i in busy], device=device)
+    start = torch.tensor([slots[i].length - 1 for i in busy], device=device)
+    rows = torch.tensor(busy, device=device)
+    logits[rows] = model.forward_cached(idx, cache, start, rows)[:, -1]
+
+
+def _rollout(seq: _Seq, finished: bool) -> Any:
+    from dataflows.records import Rollout
+
+    p = seq.prompt
+    return Rollout(prompt_id=p.prompt_id, sample=seq.sample, prompt_tokens=list(p.tokens),
+                   response_tokens=list(seq.tokens), logprobs=list(seq.logprobs),
+                   finished=finished, answer=getattr(p, "answer", None))
+
+
+# -- the op -----------------------------------------------------------------------------------
+def _generate(ctx: OpContext, prompts: Any, *weights: Any, n: int = 1, max_new_tokens: int = 16,
+              temperature: float = 1.0, top_p: float = 1.0, eos: int | None = EOS,
+              seed: int = 0, sample_seed: int | None = None, max_batch: int = 32,
+              **config: Any) -> list:
+    """n rollouts of each prompt (a Prompt or a list of them), sampled with the KV cache
+    through `max_batch` slots. `weights` (versions) only order this task after a step: the
+    model is the one this executor holds by name. `seed` seeds the model's build (as in
+    executors/torch/ops.py) and, unless `sample_seed` is given, the sampling
+    [Note: one generator per sample]."""
+    prompts = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
+    if not prompts:
+        return []
+    if int(max_new_tokens) < 1:
+        raise StageError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    model = whole_model(ctx, {**config, "seed": seed})
+    block = model.config.block_size
+    too_long = [p.prompt_id for p in prompts if not 0 < len(p.tokens) < block]
+    if too_long:
+        raise StageError(f"prompts {too_long} are empty or leave no room to generate within "
+                         f"block_size {block}")
+    s = _Sampling(n=int(n), max_new_tokens=int(max_new_tokens), temperature=float(temperature),
+                  top_p=float(top_p), eos=None if eos is None else int(eos),
+                  seed=int(seed if sample_seed is None else sample_seed),
+                  max_batch=max(1, int(max_batch)))
+    device = next(model.parameters()).device
+    with evaluating(model):
+        return decode(model, prompts, s, device)
+
+
+def register(table: OpTable) -> None:
+    table.register("generate", _generate)

@@ -1,0 +1,121 @@
+"""The torch executor's inference ops on rollouts: `logprobs` (a policy or frozen reference),
+`values` (a critic: the GPT with a value head) and `reward_model` (a value-head GPT read at the
+sequence's last position).
+
+Each takes one Rollout or a list of them and answers in kind (one result, or a list in the same
+order). Rollouts are run in batches of `max_batch` sequences, right-padded: the model is causal,
+so pads after a sequence change nothing before them.
+
+[Note: response positions] Response token k of a rollout with P prompt tokens sits at position
+P + k of prompt + response, and is predicted by the model's output at position P + k - 1. Its
+log-probability and its value both come from that earlier position (the state the sampler was
+in when it chose the token), as in verl's ``values[:, -response_length - 1:-1]``; the sequence
+run is prompt + response without its last token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from executors.ops import OpContext, OpTable
+from executors.torch.generate import evaluating, whole_model
+
+__all__ = ["register"]
+
+
+def _logprobs(ctx: OpContext, rollouts: Any, *_: Any, temperature: float = 1.0,
+              max_batch: int = 32, **config: Any) -> Any:
+    """Per-token ``log_softmax(logits / temperature)`` of each response token: the convention
+    of the sampler's logprobs [Note: sampler log-probabilities in executors/torch/generate.py]."""
+    t = float(temperature) if float(temperature) > 0 else 1.0  # greedy records temperature 1
+
+    def score(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logp = F.log_softmax(out.to(torch.float64) / t, dim=-1)  # (B, T, V)
+        return logp.gather(-1, targets[..., None]).squeeze(-1)  # (B, T)
+
+    return _per_token(ctx, rollouts, score, int(max_batch), config, critic=False)
+
+
+def _values(ctx: OpContext, rollouts: Any, *_: Any, max_batch: int = 32, **config: Any) -> Any:
+    """Per-token values of each response from a critic [Note: response positions]."""
+    return _per_token(ctx, rollouts, lambda out, _: out, int(max_batch), config, critic=True)
+
+
+def _reward_model(ctx: OpContext, rollouts: Any, *_: Any, max_batch: int = 32,
+                  **config: Any) -> Any:
+    """A score per rollout: a value-head GPT's output at the last token of prompt + response
+    (the whole sequence is run here, unlike `values`)."""
+    items, one = _as_list(rollouts)
+    model = whole_model(ctx, config)
+    _need_value_head(model, "reward_model")
+    scores = []
+    for chunk in _chunks(items, int(max_batch)):
+        seqs = [list(r.prompt_tokens) + list(r.response_tokens) for r in chunk]
+        out = _run(model, seqs)  # (B, T)
+        scores += [float(out[b, len(s) - 1]) for b, s in enumerate(seqs)]
+    return scores[0] if one else scores
+
+
+# -- shared -----------------------------------------------------------------------------------
+def _per_token(ctx: OpContext, rollouts: Any, score, max_batch: int, config: dict, *,
+               critic: bool) -> Any:
+    """TokenScores of each rollout: `score(model output, next tokens)` (B, T) read at the
+    positions that predict the response [Note: response positions]."""
+    from dataflows.records import TokenScores
+
+    items, one = _as_list(rollouts)
+    model = whole_model(ctx, config)
+    if critic:
+        _need_value_head(model, "values")
+    results = []
+    for chunk in _chunks(items, max_batch):
+        full = [list(r.prompt_tokens) + list(r.response_tokens) for r in chunk]
+        out = _run(model, [s[:-1] for s in full])
+        targets = _padded([s[1:] for s in full], out.device)
+        scores = score(out, targets)
+        for b, r in enumerate(chunk):
+            start, stop = len(r.prompt_tokens) - 1, len(full[b]) - 1
+            results.append(TokenScores(prompt_id=r.prompt_id, sample=r.sample,
+                                       values=scores[b, start:stop].tolist()))
+    return results[0] if one else results
+
+
+def _run(model: torch.nn.Module, seqs: list[list[int]]) -> torch.Tensor:
+    """The model's output on right-padded sequences: logits (B, T, V) or values (B, T)."""
+    block = model.config.block_size
+    if max(len(s) for s in seqs) > block:
+        raise ValueError(f"a sequence of {max(len(s) for s in seqs)} tokens does not fit the "
+                         f"model's block_size {block}")
+    device = next(model.parameters()).device
+    with evaluating(model):
+        return model(_padded(seqs, device))
+
+
+def _padded(seqs: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max(len(s) for s in seqs)
+    return torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=device)
+
+
+def _need_value_head(model: torch.nn.Module, op: str) -> None:
+    if not model.config.value_head:
+        raise ValueError(f"{op} needs a GPT with value_head=True (a critic or reward model); "
+                         "set model_config value_head: true")
+
+
+def _as_list(rollouts: Any) -> tuple[list, bool]:
+    one = not isinstance(rollouts, (list, tuple))
+    return ([rollouts] if one else list(rollouts)), one
+
+
+def _chunks(items: list, size: int):
+    for i in range(0, len(items), max(1, size)):
+        yield items[i : i + max(1, size)]
+
+
+def register(table: OpTable) -> None:
+    table.register("logprobs", _logprobs)
+    table.register("values", _values)
+    table.register("reward_model", _reward_model)

@@ -1,0 +1,110 @@
+"""Generation with the KV cache: equal to recomputing the whole sequence each step, continuous
+batching that emits every sample whatever the slot count, top-p and EOS."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dataflows.records import Prompt
+from executors.ops import OpContext, OpTable
+from executors.torch import generate as gen
+from executors.torch.models.gpt import GPT, KVCache
+
+SMALL = {"vocab_size": 32, "block_size": 24, "n_layer": 2, "n_head": 2, "n_embd": 16}
+MODEL = {"model": "policy", "build": "executors.torch.models.gpt:GPT", "model_config": SMALL,
+         "dtype": "float64", "seed": 3}
+PROMPTS = [Prompt(prompt_id=i, tokens=[(7 * i + j) % 32 for j in range(length)])
+           for i, length in enumerate([1, 5, 3, 8, 2])]
+
+
+def _ctx() -> OpContext:
+    return OpContext(name="exec0", device="cpu", tags=())
+
+
+def _generate(ctx=None, prompts=PROMPTS, **kw):
+    return gen._generate(ctx or _ctx(), prompts, **{**MODEL, "eos": None, **kw})
+
+
+def _by_key(rollouts):
+    return {(r.prompt_id, r.sample): r for r in rollouts}
+
+
+def _greedy_without_cache(model: GPT, tokens: list[int], steps: int) -> list[int]:
+    idx = torch.tensor([tokens])
+    for _ in range(steps):
+        logits = model(idx)[0, -1]  # the whole sequence again, no cache
+        idx = torch.cat([idx, logits.argmax().view(1, 1)], dim=1)
+    return idx[0, len(tokens):].tolist()
+
+
+def test_cached_forward_equals_full_forward_in_pieces_with_right_padding():
+    torch.manual_seed(0)
+    model = GPT(**SMALL).double()
+    idx = torch.randint(0, 32, (3, 12))
+    full = model(idx)
+    cache = KVCache.empty(model.config, 3, 12, dtype=torch.float64)
+    lengths = torch.tensor([4, 7, 2])  # rows prefilled to different lengths, right-padded
+    pre = model.forward_cached(idx[:, :7], cache, torch.zeros(3, dtype=torch.long))
+    for b, n in enumerate(lengths.tolist()):
+        torch.testing.assert_close(pre[b, :n], full[b, :n], rtol=0, atol=1e-12)
+    for _ in range(3):  # then one token per row per step, each at its own position
+        out = model.forward_cached(idx[torch.arange(3), lengths][:, None], cache, lengths)
+        torch.testing.assert_close(out[:, 0], full[torch.arange(3), lengths], rtol=0, atol=1e-12)
+        lengths = lengths + 1
+
+
+def test_greedy_with_cache_equals_recompute_token_for_token():
+    ctx = _ctx()
+    rollouts = _by_key(_generate(ctx, temperature=0.0, max_new_tokens=10, max_batch=3))
+    model = gen.whole_model(ctx, MODEL)
+    for p in PROMPTS:
+        r = rollouts[(p.prompt_id, 0)]
+        assert r.response_tokens == _greedy_without_cache(model, p.tokens, 10)
+        assert r.finished is False and r.prompt_tokens == p.tokens
+
+
+def test_continuous_batching_gives_every_sample_whatever_the_slots():
+    few = _generate(n=3, max_new_tokens=6, max_batch=4, seed=3, eos=5)
+    many = _generate(n=3, max_new_tokens=6, max_batch=64, seed=3, eos=5)
+    assert sorted(_by_key(few)) == [(p.prompt_id, k) for p in PROMPTS for k in range(3)]
+    assert len(few) == 15
+    # one generator per sample: slot assignment does not change what a sample draws
+    assert {k: r.response_tokens for k, r in _by_key(few).items()} == \
+        {k: r.response_tokens for k, r in _by_key(many).items()}
+    samples = [r.response_tokens for r in few if r.prompt_id == 3]
+    assert len({tuple(s) for s in samples}) > 1  # n samples of a prompt differ
+
+
+def test_tiny_top_p_is_greedy():
+    greedy = _by_key(_generate(temperature=0.0, max_new_tokens=8))
+    narrow = _by_key(_generate(temperature=1.0, top_p=1e-9, max_new_tokens=8))
+    for key, r in greedy.items():
+        assert narrow[key].response_tokens == r.response_tokens
+        assert narrow[key].logprobs == pytest.approx(r.logprobs, abs=1e-12)
+
+
+def test_eos_stops_a_sample_and_it_is_emitted():
+    ctx = _ctx()
+    greedy = _by_key(_generate(ctx, temperature=0.0, max_new_tokens=10))
+    eos = greedy[(1, 0)].response_tokens[2]
+    stopped = _by_key(_generate(ctx, temperature=0.0, max_new_tokens=10, eos=eos))
+    r = stopped[(1, 0)]
+    cut = greedy[(1, 0)].response_tokens.index(eos) + 1
+    assert r.response_tokens == greedy[(1, 0)].response_tokens[:cut] and r.finished
+    assert len(r.logprobs) == len(r.response_tokens)
+    assert len(stopped) == len(PROMPTS)
+
+
+def test_block_size_bounds_a_sample_and_bad_prompts_are_clear_errors():
+    long = [Prompt(prompt_id=9, tokens=list(range(20)))]
+    (r,) = _generate(prompts=long, temperature=0.0, max_new_tokens=50)
+    assert len(r.prompt_tokens) + len(r.response_tokens) == SMALL["block_size"]
+    with pytest.raises(Exception, match="block_size"):
+        _generate(prompts=[Prompt(prompt_id=1, tokens=list(range(24)))])
+
+
+def test_register_adds_generate():
+    table = OpTable()
+    gen.register(table)
+    assert "generate" in table

@@ -1,0 +1,69 @@
+"""Inference ops on rollouts: log-probabilities equal the sampler's, values and rewards from a
+value-head GPT read at the documented positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dataflows.records import Prompt, Rollout, TokenScores
+from executors.ops import OpContext, OpTable
+from executors.torch import generate as gen
+from executors.torch import infer
+
+SMALL = {"vocab_size": 32, "block_size": 24, "n_layer": 2, "n_head": 2, "n_embd": 16}
+POLICY = {"model": "policy", "build": "executors.torch.models.gpt:GPT", "model_config": SMALL,
+          "dtype": "float64", "seed": 1}
+CRITIC = {**POLICY, "model": "critic", "model_config": {**SMALL, "value_head": True}}
+PROMPTS = [Prompt(prompt_id=i, tokens=[(5 * i + j) % 32 for j in range(length)])
+           for i, length in enumerate([2, 6, 1, 4])]
+
+
+def _ctx() -> OpContext:
+    return OpContext(name="exec0", device="cpu", tags=())
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8)])
+def test_generation_logprobs_equal_the_recomputed_ones(temperature, top_p):
+    ctx = _ctx()
+    rollouts = gen._generate(ctx, PROMPTS, **POLICY, n=2, max_new_tokens=7, eos=3,
+                             temperature=temperature, top_p=top_p, max_batch=3)
+    scores = infer._logprobs(ctx, rollouts, **POLICY, temperature=temperature, max_batch=5)
+    assert len(scores) == len(rollouts)
+    for r, s in zip(rollouts, scores):
+        assert (s.prompt_id, s.sample) == (r.prompt_id, r.sample)
+        assert s.values == pytest.approx(r.logprobs, rel=0, abs=1e-9)
+
+
+def test_one_rollout_in_one_score_out():
+    ctx = _ctx()
+    r = Rollout(prompt_id=4, sample=1, prompt_tokens=[1, 2, 3], response_tokens=[4, 5],
+                logprobs=[0.0, 0.0])
+    out = infer._logprobs(ctx, r, **POLICY)
+    assert isinstance(out, TokenScores) and len(out.values) == 2 and out.sample == 1
+
+
+def test_values_and_reward_read_the_documented_positions():
+    ctx = _ctx()
+    rs = [Rollout(prompt_id=i, sample=0, prompt_tokens=list(range(1, 2 + i)),
+                  response_tokens=[7, 8, 9][: 1 + i], logprobs=[]) for i in range(3)]
+    values = infer._values(ctx, rs, **CRITIC, max_batch=2)
+    rewards = infer._reward_model(ctx, rs, **CRITIC)
+    critic = gen.whole_model(ctx, CRITIC)
+    with torch.no_grad():
+        for r, v, reward in zip(rs, values, rewards):
+            seq = torch.tensor([r.prompt_tokens + r.response_tokens])
+            alone = critic(seq)[0]  # (T,) values, no padding
+            p = len(r.prompt_tokens)
+            assert v.values == pytest.approx(alone[p - 1 : -1].tolist(), abs=1e-12)
+            assert reward == pytest.approx(float(alone[-1]), abs=1e-12)
+    assert isinstance(infer._reward_model(ctx, rs[0], **CRITIC), float)
+
+
+def test_value_ops_need_a_value_head_and_register_adds_the_ops():
+    r = Rollout(prompt_id=0, sample=0, prompt_tokens=[1], response_tokens=[2], logprobs=[0.0])
+    with pytest.raises(ValueError, match="value_head"):
+        infer._values(_ctx(), r, **POLICY)
+    table = OpTable()
+    infer.register(table)
+    assert {"logprobs", "values", "reward_model"} <= set(table.names())
