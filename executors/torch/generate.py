@@ -28,7 +28,7 @@ from executors.ops import OpContext, OpTable
 from executors.torch.models.gpt import KVCache
 from executors.torch.stage import StageError
 
-__all__ = ["register", "sample_token"]
+__all__ = ["evaluating", "register", "sample_token", "whole_model"]
 
 EOS = 10  # byte "\n": the example corpora are byte-tokenized one-line answers; eos=None: none
 
@@ -40,6 +40,11 @@ def whole_model(ctx: OpContext, config: dict) -> torch.nn.Module:
     when this executor holds the model in one stage)."""
     from executors.torch.ops import _model
 
+    missing = [key for key in ("model", "build") if key not in config]
+    if missing:
+        raise StageError(f"generation and inference need the model's {' and '.join(missing)} in "
+                         "their config, e.g. model='policy', "
+                         "build='executors.torch.models.gpt:GPT'")
     held = _model(ctx, {"stages": 1, **config})
     if len(held.parts) != 1:
         raise StageError(f"model {config['model']!r} is held here in {len(held.parts)} stages; "

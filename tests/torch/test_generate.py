@@ -102,6 +102,8 @@ def test_block_size_bounds_a_sample_and_bad_prompts_are_clear_errors():
     assert len(r.prompt_tokens) + len(r.response_tokens) == SMALL["block_size"]
     with pytest.raises(Exception, match="block_size"):
         _generate(prompts=[Prompt(prompt_id=1, tokens=list(range(24)))])
+    with pytest.raises(Exception, match="build"):
+        gen._generate(_ctx(), PROMPTS, model="policy")
 
 
 def test_register_adds_generate():
