@@ -146,7 +146,8 @@ def _reward_model(ctx: OpContext, rollout: Any, *, seconds_per_token: float = 0.
 
 
 def _seed(ctx: OpContext, meta: dict) -> str:
-    return f"{ctx.name}/{meta.get('stage')}/{meta.get('microbatch')}/{meta.get('step')}"
+    # what the op computes, not where: the same plan gives the same numbers on any executor
+    return f"{meta.get('model')}/{meta.get('stage')}/{meta.get('microbatch')}/{meta.get('step')}"
 
 
 def register(table: OpTable) -> None:

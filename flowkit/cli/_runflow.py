@@ -86,7 +86,7 @@ def with_training_options(flow: Flow, *, stages: int | None, microbatches: int |
 def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
              tag_spec: str | None, steps: int, sim_costs: SimCosts | None,
              trace: Path | None, metrics: Path | None, dashboard: bool | None,
-             device: str = "cpu") -> None:
+             device: str = "cpu", fuse: bool = True) -> None:
     plan = lower_flow(flow)
     stages = max((node.model.stages for node in plan if node.model is not None), default=1)
     count = count or max(2, stages)
@@ -101,7 +101,7 @@ def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
         executors = LocalExecutors(ctl, count, kind=kind, tags=tags, code=code, device=device)
         executors.start()
         try:
-            runner = FlowRunner(ctl, plan, sim_costs=sim_costs)
+            runner = FlowRunner(ctl, plan, sim_costs=sim_costs, fuse=fuse)
             with Dashboard(ctl, stats=stats, console=console, enabled=dashboard,
                            title=f"flowkit run {flow.name}") as board:
                 _run_steps(runner, steps, board, writer, stats)

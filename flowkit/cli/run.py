@@ -35,6 +35,9 @@ _KINDS = ("auto", "sim", "torch", "base")
 @click.option("--schedule", default=None,
               help="Pipeline schedule of every backprop: gpipe, 1f1b, zb-h1, zb-h2, zb-v, "
               "auto, ... (flowkit schedule --help) [default: the flow's].")
+@click.option("--fuse/--no-fuse", default=True, show_default=True,
+              help="Start each op on the first items it can take (sample-level fusion), or run "
+              "the flow stage by stage, each op waiting for its producers to finish.")
 @click.option("--sim-cost", "sim_cost", default="", metavar="NAME=SECONDS,...",
               help="Simulator costs: F, B, W, optimizer_step, token, infer_token.")
 @click.option("--trace", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -45,7 +48,7 @@ _KINDS = ("auto", "sim", "torch", "base")
               help="The live dashboard [default: on when the output is a terminal].")
 def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | None, device: str,
         steps: int, stages: int | None, microbatches: int | None, schedule: str | None,
-        sim_cost: str, trace: Path | None, metrics: Path | None,
+        fuse: bool, sim_cost: str, trace: Path | None, metrics: Path | None,
         dashboard: bool | None) -> None:
     """Run a flow's steps on local executor processes."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -63,5 +66,5 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
     path, _, _ = flow_spec.partition(":")
     with writing(trace or metrics or Path(".")):
         run_flow(flow, code=[path], kind=kind, count=num_executors, tag_spec=tag_spec,
-                 device=device, steps=steps, sim_costs=costs, trace=trace, metrics=metrics,
+                 device=device, steps=steps, fuse=fuse, sim_costs=costs, trace=trace, metrics=metrics,
                  dashboard=dashboard)

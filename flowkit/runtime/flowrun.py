@@ -85,8 +85,12 @@ class FlowRunner:
     tags, a model's pipeline stage s always to the same one."""
 
     def __init__(self, ctl: Controller, plan: list[NodePlan], *,
-                 sim_costs: SimCosts | None = None, step_timeout: float = 600.0) -> None:
+                 sim_costs: SimCosts | None = None, step_timeout: float = 600.0,
+                 fuse: bool = True) -> None:
         self.ctl, self.plan, self.sim_costs = ctl, plan, sim_costs
+        # fuse=False: every op waits for its producers to finish (stage by stage, a barrier
+        # between stages), the baseline that sample-level fusion is measured against
+        self.fuse = fuse
         self.step_timeout = step_timeout
         self.consumers: dict[str, list[str]] = defaultdict(list)
         self.report_keys: dict[str, str] = {}
@@ -178,6 +182,8 @@ class FlowRunner:
         plan = state.plan
         live = [rule for rule in plan.inputs if not rule.feedback]
         inputs_closed = all(self.streams[(r.src, r.src_port)].closed for r in live)
+        if not (self.fuse or inputs_closed):
+            return
         if plan.call is Call.PER_ITEM:
             self._submit_items(state, live)
         elif plan.call is Call.PER_GROUP:

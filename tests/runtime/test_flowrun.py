@@ -71,6 +71,27 @@ def test_groups_start_as_soon_as_they_are_complete_while_the_long_tail_runs():
     assert runner.states["total"].first_start >= tail_end
 
 
+def test_unfused_every_op_waits_for_its_producers_and_the_outputs_are_the_same():
+    ctl = Controller()
+    executors = LocalExecutors(ctl, 3, tags=[("map",), ("map",), ("reduce",)], code=[FLOWDEFS])
+    executors.start()
+    try:
+        outputs = {}
+        for fuse in (True, False):
+            runner = FlowRunner(ctl, lower_flow(flowdefs.tail_flow(last_delay=0.3)), fuse=fuse)
+            runner.run_step(0)
+            outputs[fuse] = [ref.result(timeout=5) for ref in
+                             runner.previous[("group_sum_on_reduce", "out")].ordered()]
+    finally:
+        ctl.shutdown()
+        executors.stop()
+    tail_end = runner.states["slow_double_on_map"].last_end
+    group_starts = [ref.timing[0]
+                    for ref in runner.previous[("group_sum_on_reduce", "out")].ordered()]
+    assert min(group_starts) >= tail_end  # no group starts before the last sample is doubled
+    assert outputs[True] == outputs[False]
+
+
 def test_a_failing_op_fails_the_step_with_its_traceback_and_nothing_hangs(sim_cluster):
     runner = FlowRunner(sim_cluster, lower_flow(flowdefs.failing_flow()), step_timeout=30)
     with pytest.raises(FlowRunError, match="explode.*exploded") as raised:
