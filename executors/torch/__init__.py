@@ -8,10 +8,13 @@ from executors.torch.stage import StageError, StageRunner
 
 
 def register(table) -> None:
-    """The torch executor kind's ops (executors/torch/ops.py)."""
-    from executors.torch.ops import register as register_ops
+    """The torch executor kind's ops: pipeline stages and the optimizer step (ops.py),
+    generation (generate.py), scoring (infer.py)."""
+    from executors.torch import generate, infer, ops
 
-    register_ops(table)
+    ops.register(table)
+    generate.register(table)
+    infer.register(table)
 
 
 __all__ = ["StageError", "StageRunner", "register"]

@@ -33,7 +33,7 @@ from executors.ops import OpContext, OpTable
 from executors.torch.memory import keep_freed_memory
 from executors.torch.stage import StageError, StageRunner
 
-__all__ = ["register"]
+__all__ = ["LOSSES", "register"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
            "float16": torch.float16}
@@ -125,7 +125,7 @@ class _ScaledLoss(torch.nn.Module):
 
 
 # -- pipeline ops -----------------------------------------------------------------------------
-_LOSSES = ("lm",)  # next-token cross-entropy; the RL losses come with the RL ops
+LOSSES = ("lm",)  # next-token cross-entropy; the RL losses come with the RL ops
 
 
 def _forward(ctx: OpContext, *inputs: Any, stage: int, stages: int, microbatch: int,
@@ -135,8 +135,8 @@ def _forward(ctx: OpContext, *inputs: Any, stage: int, stages: int, microbatch: 
     stats. The loss it backpropagates is scaled by `loss_scale` (its share of the batch)."""
     from dataflows.records import MicrobatchStats
 
-    if loss not in _LOSSES:
-        raise StageError(f"the torch executor trains with loss {', '.join(_LOSSES)}; loss "
+    if loss not in LOSSES:
+        raise StageError(f"the torch executor trains with loss {', '.join(LOSSES)}; loss "
                          f"{loss!r} is not implemented here yet: run this flow with "
                          "--executors sim")
 

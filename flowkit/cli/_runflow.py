@@ -46,8 +46,11 @@ def choose_executors(flow: Flow, kind: str) -> str:
     if not wanted:
         return "base"
     from executors.kinds import op_table
+    from executors.torch.ops import LOSSES
 
     missing = sorted(wanted - set(op_table("torch").names()))
+    missing += sorted({f"the {node.config.get('loss')!r} loss" for node in plan
+                       if node.op == "backprop" and node.config.get("loss", "lm") not in LOSSES})
     if not missing:
         click.echo("executors: torch (it implements every model op of this flow)", err=True)
         return "torch"
