@@ -1,33 +1,54 @@
-"""GRPO: n samples per prompt -> verifiable reward per sample -> group-relative advantages as soon
-as a prompt's n samples are in -> train the actor with a KL term to the reference -> sync weights."""
+"""GRPO: n samples per prompt -> verifiable reward and reference log-probs per sample -> group-
+relative advantages as soon as a prompt's n samples are in -> train the actor with a KL term to
+the reference, microbatches forming from finished groups -> sync the weights to generation."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from dataflows.ops import Backprop, Generate, LogProbs, OptimizerStep
 from dataflows.records import WeightsVersion
-from dataflows.rl.steps import answer_reward, arithmetic_prompts, grpo_advantages
-from flowkit.dsl import Flow, Model, Stream, collect, group_by
+from dataflows.rl.steps import (
+    answer_reward,
+    arithmetic_prompts,
+    grpo_advantages,
+    rollout_metrics,
+    with_reference,
+)
+from flowkit.dsl import Flow, Model, Operator, Stream, collect, group_by
 
-__all__ = ["grpo_flow"]
+__all__ = ["GPT_BUILD", "grpo_flow"]
 
-_GPT = "executors.torch.models.gpt:GPT"
+GPT_BUILD = "executors.torch.models.gpt:GPT"
+_SMALL_GPT = {"vocab_size": 256, "n_layer": 4, "n_embd": 128}
 
 
 def grpo_flow(*, prompts: int = 16, n: int = 8, stages: int = 2, schedule: str = "zb-h1",
-              microbatches: int = 8, max_new_tokens: int = 8, kl_coef: float = 0.001) -> Flow:
-    gpt = {"vocab_size": 256, "n_layer": 4, "n_embd": 128}
-    actor = Model(name="actor", build=_GPT, stages=stages, tags=("train",), config=gpt)
-    reference = Model(name="reference", build=_GPT, tags=("rollout",), config=gpt)
+              microbatches: int = 8, max_new_tokens: int = 8, temperature: float = 1.0,
+              kl_coef: float = 0.001, lr: float = 3e-4, gpt: dict | None = None,
+              prompt_source: Operator = arithmetic_prompts, reward: Operator = answer_reward,
+              source_config: dict[str, Any] | None = None) -> Flow:
+    """`prompt_source` makes the step's prompts (`count=prompts`, plus `source_config`),
+    `reward` scores one rollout; `gpt` is the actor's and the reference's model config (a
+    `checkpoint` in it starts both from saved weights, e.g. after supervised warm-up)."""
+    config = dict(_SMALL_GPT if gpt is None else gpt)
+    actor = Model(name="actor", build=GPT_BUILD, stages=stages, tags=("train",), config=config)
+    reference = Model(name="reference", build=GPT_BUILD, tags=("train",), config=config)
     with Flow("grpo", description=__doc__) as flow:
         weights = flow.feedback("actor_weights", Stream[WeightsVersion])
-        rollouts = Generate(actor)(arithmetic_prompts(count=prompts), weights=weights, n=n,
-                                   max_new_tokens=max_new_tokens)
-        scored = answer_reward(rollouts)
+        prompt_items = prompt_source(count=prompts, **(source_config or {}))
+        # generation runs on `rollout` executors, training on `train` ones: the two overlap
+        rollouts = Generate(actor, tags=("rollout",))(prompt_items, weights=weights, n=n,
+                                   max_new_tokens=max_new_tokens, temperature=temperature)
+        scored = reward(rollouts)
+        rollout_metrics(collect(scored))
+        ref = LogProbs(reference)(rollouts, name="ref_logprobs", temperature=temperature)
         # No batch statistic: each group trains as soon as its n samples are scored.
-        experiences = grpo_advantages(group_by(scored, key="prompt_id", size=n))
-        ref = LogProbs(reference)(rollouts, name="ref_logprobs")
-        stats = Backprop(actor)(experiences, ref_logprobs=ref, loss="grpo", kl_coef=kl_coef,
-                                schedule=schedule, microbatches=microbatches)
-        step = OptimizerStep(actor)(collect(stats))
+        experiences = grpo_advantages(group_by(with_reference(scored, ref), key="prompt_id",
+                                               size=n))
+        stats = Backprop(actor)(experiences, loss="grpo", kl_coef=kl_coef,
+                                temperature=temperature, schedule=schedule,
+                                microbatches=microbatches, name="update_actor")
+        step = OptimizerStep(actor)(collect(stats), lr=lr)
         weights.bind(step.weights)
     return flow

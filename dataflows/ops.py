@@ -35,13 +35,16 @@ class LogProbs(ModelOp):
     executor_op = "logprobs"
     inputs = {"rollouts": Stream[Rollout]}
     outputs = {"logprobs": Stream[TokenScores]}
+    config = {"temperature": 1.0}  # the sampler's: log_softmax(logits / temperature)
 
 
 class Values(ModelOp):
-    """Per-token value estimates of each response from a critic (the GPT with a value head)."""
+    """Per-token value estimates of each response from a critic (the GPT with a value head);
+    `weights` orders it after the critic's last update."""
 
     executor_op = "values"
-    inputs = {"rollouts": Stream[Rollout]}
+    inputs = {"rollouts": Stream[Rollout], "weights": Stream[WeightsVersion]}
+    optional = ("weights",)
     outputs = {"values": Stream[TokenScores]}
 
 
@@ -62,8 +65,11 @@ class Backprop(ModelOp):
     inputs = {"batch": Stream[object], "ref_logprobs": Stream[TokenScores]}
     optional = ("ref_logprobs",)
     outputs = {"stats": Stream[MicrobatchStats]}
+    # loss: "lm" (next-token cross-entropy), "grpo" or "ppo" (clipped policy loss; grpo adds
+    # kl_coef x the kl_kind estimate to the reference), "value" (clipped value loss)
     config = {"loss": "lm", "schedule": "1f1b", "microbatches": 8, "memory_limit": None,
-              "kl_coef": 0.0}
+              "kl_coef": 0.0, "kl_kind": "k3", "clip_ratio": 0.2, "clip_ratio_c": 3.0,
+              "cliprange_value": 0.2, "temperature": 1.0}
 
 
 class OptimizerStep(ModelOp):

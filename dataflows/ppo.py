@@ -1,38 +1,62 @@
-"""PPO: generate -> reward, reference log-probs, values per sample -> GAE over the batch -> train
-actor and critic through pipeline schedules -> sync the actor's weights to generation."""
+"""PPO: generate -> reward, reference log-probs and values per sample, each as soon as its sample
+is done -> GAE over the batch (advantage whitening: a barrier) -> train actor and critic through
+pipeline schedules -> sync both models' weights to the executors that generate and score."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from dataflows.grpo import GPT_BUILD
 from dataflows.ops import Backprop, Generate, LogProbs, OptimizerStep, Values
 from dataflows.records import WeightsVersion
-from dataflows.rl.steps import answer_reward, arithmetic_prompts, gae, make_experience
-from flowkit.dsl import Flow, Model, Stream, collect
+from dataflows.rl.steps import (
+    answer_reward,
+    arithmetic_prompts,
+    gae,
+    make_experience,
+    rollout_metrics,
+)
+from flowkit.dsl import Flow, Model, Operator, Stream, collect
 
 __all__ = ["ppo_flow"]
 
-_GPT = "executors.torch.models.gpt:GPT"
+_SMALL_GPT = {"vocab_size": 256, "n_layer": 4, "n_embd": 128}
 
 
-def ppo_flow(*, prompts: int = 64, stages: int = 2, schedule: str = "zb-h1",
-             microbatches: int = 8, kl_coef: float = 0.05, max_new_tokens: int = 8) -> Flow:
-    gpt = {"vocab_size": 256, "n_layer": 4, "n_embd": 128}
-    actor = Model(name="actor", build=_GPT, stages=stages, tags=("train",), config=gpt)
-    reference = Model(name="reference", build=_GPT, tags=("rollout",), config=gpt)
-    critic = Model(name="critic", build=_GPT, stages=stages, tags=("train",),
-                   config={**gpt, "value_head": True})
+def ppo_flow(*, prompts: int = 64, n: int = 1, stages: int = 2, schedule: str = "zb-h1",
+             microbatches: int = 8, kl_coef: float = 0.05, max_new_tokens: int = 8,
+             temperature: float = 1.0, lr: float = 3e-4, critic_lr: float = 1e-3,
+             gpt: dict | None = None, prompt_source: Operator = arithmetic_prompts,
+             reward: Operator = answer_reward,
+             source_config: dict[str, Any] | None = None) -> Flow:
+    """As `grpo_flow` (dataflows/grpo.py), with a critic: the GPT with a value head."""
+    config = dict(_SMALL_GPT if gpt is None else gpt)
+    actor = Model(name="actor", build=GPT_BUILD, stages=stages, tags=("train",), config=config)
+    reference = Model(name="reference", build=GPT_BUILD, tags=("train",), config=config)
+    critic_config = {k: v for k, v in config.items() if k != "checkpoint"}
+    critic = Model(name="critic", build=GPT_BUILD, stages=stages, tags=("train",),
+                   config={**critic_config, "value_head": True})
+    rollout = ("rollout",)
     with Flow("ppo", description=__doc__) as flow:
         weights = flow.feedback("actor_weights", Stream[WeightsVersion])
-        rollouts = Generate(actor)(arithmetic_prompts(count=prompts), weights=weights,
-                                   max_new_tokens=max_new_tokens)
-        scored = answer_reward(rollouts)
-        ref = LogProbs(reference)(rollouts, name="ref_logprobs")
-        values = Values(critic)(rollouts)
+        critic_weights = flow.feedback("critic_weights", Stream[WeightsVersion])
+        prompt_items = prompt_source(count=prompts, **(source_config or {}))
+        rollouts = Generate(actor, tags=rollout)(prompt_items, weights=weights, n=n,
+                                                 max_new_tokens=max_new_tokens,
+                                                 temperature=temperature)
+        scored = reward(rollouts)
+        rollout_metrics(collect(scored))
+        ref = LogProbs(reference)(rollouts, name="ref_logprobs", temperature=temperature)
+        values = Values(critic, tags=rollout)(rollouts, weights=critic_weights)
         experiences = make_experience(scored, ref, values, kl_coef=kl_coef)
         batch = gae(collect(experiences))  # whitening over the batch: a barrier
         train = dict(schedule=schedule, microbatches=microbatches)
-        actor_stats = Backprop(actor)(batch, loss="ppo-policy", name="train_actor", **train)
-        critic_stats = Backprop(critic)(batch, loss="value", name="train_critic", **train)
-        actor_step = OptimizerStep(actor)(collect(actor_stats), name="actor_step")
-        OptimizerStep(critic)(collect(critic_stats), name="critic_step")
+        actor_stats = Backprop(actor)(batch, loss="ppo", temperature=temperature,
+                                      name="update_actor", **train)
+        critic_stats = Backprop(critic)(batch, loss="value", name="update_critic", **train)
+        actor_step = OptimizerStep(actor)(collect(actor_stats), lr=lr, name="actor_step")
+        critic_step = OptimizerStep(critic)(collect(critic_stats), lr=critic_lr,
+                                            name="critic_step")
         weights.bind(actor_step.weights)
+        critic_weights.bind(critic_step.weights)
     return flow

@@ -9,6 +9,7 @@ values come from a generator seeded by the task's identity, so a run is reproduc
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from typing import Any
@@ -100,14 +101,17 @@ def _optimizer_step(ctx: OpContext, *inputs: Any, seconds: float = 0.0, model: s
 
 # -- generation and inference ------------------------------------------------------------------
 def _generate(ctx: OpContext, prompt: Any, *weights: Any, n: int = 1, max_new_tokens: int = 16,
-              seconds_per_token: float = 0.0, min_new_tokens: int = 1, **config: Any) -> list:
+              seconds_per_token: float = 0.0, min_new_tokens: int = 1,
+              length_sigma: float = 0.0, step: int = 0, **config: Any) -> list:
     """n rollouts of a prompt whose lengths have the long tail real sampling has: most stop
-    early, a few run to max_new_tokens. The executor is busy as long as a batch of n sequences
-    decoding together takes: the longest one's tokens."""
+    early, a few run to max_new_tokens (exponential lengths, or log-normal ones with
+    `length_sigma` > 0). The executor is busy as long as a batch of n sequences decoding
+    together takes: the longest one's tokens."""
     from dataflows.records import Rollout
 
-    rng = random.Random(f"{getattr(prompt, 'prompt_id', prompt)}")
-    lengths = [_sampled_length(rng, min_new_tokens, max_new_tokens) for _ in range(n)]
+    rng = random.Random(f"{getattr(prompt, 'prompt_id', prompt)}/{step}")
+    lengths = [_sampled_length(rng, min_new_tokens, max_new_tokens, length_sigma)
+               for _ in range(n)]
     busy_for(seconds_per_token * max(lengths))
     rollouts = []
     for sample, length in enumerate(lengths):
@@ -120,12 +124,14 @@ def _generate(ctx: OpContext, prompt: Any, *weights: Any, n: int = 1, max_new_to
     return rollouts
 
 
-def _sampled_length(rng: random.Random, low: int, high: int) -> int:
+def _sampled_length(rng: random.Random, low: int, high: int, sigma: float = 0.0) -> int:
+    if sigma > 0:  # log-normal with its median at an eighth of the budget, clipped
+        return max(low, min(high, int(rng.lognormvariate(math.log(max(1, high) / 8), sigma))))
     # exponential around a quarter of the budget, clipped: a long tail at max_new_tokens
     return max(low, min(high, int(rng.expovariate(4.0 / max(1, high))) + 1))
 
 
-def _token_scores(ctx: OpContext, rollout: Any, *, seconds_per_token: float = 0.0,
+def _token_scores(ctx: OpContext, rollout: Any, *_: Any, seconds_per_token: float = 0.0,
                   **config: Any) -> Any:
     """Per-token log-probabilities or values of one response."""
     from dataflows.records import TokenScores

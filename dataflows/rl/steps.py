@@ -11,9 +11,10 @@ import statistics
 import attrs
 
 from dataflows.records import Experience, Prompt, Rollout, Scored, TokenScores
-from flowkit.dsl import Batch, Grouped, Stream, op
+from flowkit.dsl import Batch, Grouped, Metrics, Stream, op
 
-__all__ = ["answer_reward", "arithmetic_prompts", "gae", "grpo_advantages", "make_experience"]
+__all__ = ["answer_reward", "arithmetic_prompts", "gae", "grpo_advantages", "make_experience",
+           "rollout_metrics", "with_reference"]
 
 
 @op
@@ -75,6 +76,15 @@ def _gae_one(rewards: list[float], values: list[float], gamma: float, lam: float
 
 
 @op
+def with_reference(scored: Scored, ref_logprobs: TokenScores) -> Experience:
+    """A scored sample with its reference log-probabilities (for a KL term in the loss); its
+    advantages come later, from its group."""
+    fields = attrs.asdict(scored, recurse=False)
+    fields.pop("advantages", None)
+    return Experience(**{**fields, "ref_logprobs": list(ref_logprobs.values)}, advantages=[])
+
+
+@op
 def grpo_advantages(group: Grouped[Scored], *, eps: float = 1e-6) -> Stream[Experience]:
     """Each sample's reward minus its group's mean, over the group's (unbiased) std, on every
     token; a group of one has mean 0 and std 1, as in established GRPO implementations."""
@@ -83,6 +93,20 @@ def grpo_advantages(group: Grouped[Scored], *, eps: float = 1e-6) -> Stream[Expe
     mean = 0.0 if single else statistics.fmean(rewards)
     std = 1.0 if single else statistics.stdev(rewards)
     for scored in group:
-        advantage = (scored.reward - mean) / (std + eps)
-        yield Experience(**attrs.asdict(scored, recurse=False),
-                         advantages=[advantage] * len(scored.response_tokens))
+        advantages = [(scored.reward - mean) / (std + eps)] * len(scored.response_tokens)
+        if isinstance(scored, Experience):
+            yield attrs.evolve(scored, advantages=advantages)
+        else:
+            yield Experience(**attrs.asdict(scored, recurse=False), advantages=advantages)
+
+
+@op
+def rollout_metrics(scored: Batch[Scored]) -> Metrics:
+    """The step's reward and response length, mean and spread, for the dashboard."""
+    rewards = [s.reward for s in scored] or [0.0]
+    lengths = [len(s.response_tokens) for s in scored] or [0]
+    return Metrics({"reward_mean": statistics.fmean(rewards), "reward_max": max(rewards),
+                    "response_length_mean": statistics.fmean(lengths),
+                    "response_length_max": float(max(lengths)),
+                    "finished_fraction": statistics.fmean(
+                        [float(s.finished) for s in scored] or [0.0])})

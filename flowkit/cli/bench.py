@@ -1,4 +1,4 @@
-"""`flowkit bench dispatch|transfer|pipeline|train`: benchmarks, each against a baseline
+"""`flowkit bench dispatch|transfer|pipeline|train|rl`: benchmarks, each against a baseline
 measured side by side in the same run (this machine is noisy: compare ratios, not times)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ _BENCHES = {
     "transfer": "flowkit.bench.transfer:run_transfer_bench",
     "pipeline": "flowkit.bench.pipeline:run_pipeline_bench",
     "train": "flowkit.bench.train:run_train_bench",
+    "rl": "flowkit.bench.rl:run_rl_bench",
 }
 
 
@@ -25,7 +26,8 @@ _BENCHES = {
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="Also write the figures as JSON.")
 def bench(which: str, json_out: Path | None) -> None:
-    """Measure dispatch, executor-to-executor transfer, pipeline execution or training."""
+    """Measure dispatch, executor-to-executor transfer, pipeline execution, training, or an RL
+    step fused against stage by stage."""
     import importlib
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")

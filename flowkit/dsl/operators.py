@@ -240,6 +240,8 @@ class ModelOp(Operator):
             config = {"n": 1, "temperature": 1.0}
 
     `Generate(actor)` binds it to a model (a Model, or a model's name declared in the flow).
+    It runs on executors with the model's tags, or with `tags` when given: e.g. generation on
+    `rollout` executors while the model trains on `train` ones (the weights sync each step).
     """
 
     executor_op: ClassVar[str] = ""
@@ -248,7 +250,8 @@ class ModelOp(Operator):
     config: ClassVar[dict[str, Any]] = {}
     optional: ClassVar[tuple[str, ...]] = ()  # inputs that may stay unwired
 
-    def __init__(self, model: Model | str, *, name: str | None = None) -> None:
+    def __init__(self, model: Model | str, *, name: str | None = None,
+                 tags: tuple[str, ...] = ()) -> None:
         cls = type(self)
         self.model_ref = model
         self.kind = cls.executor_op or cls.__name__.lower()
@@ -261,6 +264,7 @@ class ModelOp(Operator):
             outputs={port: port_type(tp) for port, tp in cls.outputs.items()},
             config=dict(cls.config),
             doc=inspect.getdoc(cls) or "",
+            tags=tags,
         )
 
     @property

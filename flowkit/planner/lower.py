@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 import networkx as nx
 
-from flowkit.dsl import Flow, Granularity, Model, Node, Stream, Wire
+from flowkit.dsl import Flow, Granularity, Metrics, Model, Node, Stream, Wire
 from flowkit.dsl.flow import Collect, GroupBy
 from flowkit.dsl.operators import FunctionOp, ModelOp
 
@@ -64,6 +64,7 @@ class NodePlan:
     model: Model | None = None
     target: str | None = None  # a function op's import path
     takes_step: bool = False  # the function has a `step` parameter: it is told the step number
+    reports: bool = False  # its outputs are Metrics, which the runner adds to the step's own
 
 
 _MANY_PER_CALL = frozenset({"generate", "backprop"})
@@ -93,15 +94,16 @@ def _plan_node(flow: Flow, node: Node, wires: list[Wire]) -> NodePlan:
                    if w.dst_port in declared else len(declared))
     inputs = tuple(_input_rule(flow, wire) for wire in wires)
     outputs = tuple(operator.outputs)
+    reports = any(t.item is Metrics for t in operator.outputs.values())
     common = dict(name=node.name, inputs=inputs, outputs=outputs, config=dict(node.config),
-                  tags=tuple(operator.tags))
+                  tags=tuple(operator.tags), reports=reports)
     if isinstance(operator, ModelOp):
         model = flow.models[operator.model]
         call = {"backprop": Call.PIPELINE, "optimizer_step": Call.STEP}.get(operator.kind)
         # generation samples many responses per prompt; inference ops score one item each
         many = (operator.kind in _MANY_PER_CALL,) * len(outputs)
         return NodePlan(call=call or _call_of(inputs), op=operator.kind, many=many,
-                        model=model, **{**common, "tags": tuple(model.tags)})
+                        model=model, **{**common, "tags": common["tags"] or tuple(model.tags)})
     target = operator.target if isinstance(operator, FunctionOp) else None
     fn = getattr(operator, "fn", None)
     takes_step = fn is not None and "step" in inspect.signature(fn).parameters

@@ -30,6 +30,8 @@ class SimCosts:
     token: float = attrs.field(default=0.0005, converter=float, validator=_seconds)
     infer_token: float = attrs.field(default=0.00002, converter=float, validator=_seconds)
     activation_bytes: int = attrs.field(default=1 << 16, converter=int)
+    # response lengths: exponential (0), or log-normal with this sigma (a longer tail)
+    length_sigma: float = attrs.field(default=0.0, converter=float, validator=_seconds)
 
     @classmethod
     def parse(cls, text: str) -> SimCosts:
@@ -54,7 +56,7 @@ class SimCosts:
     def config_for(self, op: str) -> dict:
         """The cost keys the simulator's op `op` reads."""
         if op == "generate":
-            return {"seconds_per_token": self.token}
+            return {"seconds_per_token": self.token, "length_sigma": self.length_sigma}
         if op in ("logprobs", "values", "reward_model"):
             return {"seconds_per_token": self.infer_token}
         if op == "optimizer_step":

@@ -12,20 +12,22 @@ from __future__ import annotations
 import queue
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 
 from flowkit.dsl import Granularity
-from flowkit.planner import Costs, simulate
+from flowkit.planner import Action, Costs, Kind, simulate
 from flowkit.planner.lower import Call, InputRule, NodePlan
 from flowkit.planner.schedules import build_schedule
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runtime.controller import Controller
-from flowkit.runtime.pipeline import stage_costs_config, submit_schedule
+from flowkit.runtime.pipeline import PipelineRun, StreamedSchedule, stage_costs_config
 from flowkit.runtime.records import ExecutorInfo
 from flowkit.runtime.refs import Gather, Item
 from flowkit.runtime.training import (
+    SUM_FORM_LOSSES,
     device_shares,
     model_spec,
     pipeline_config,
@@ -69,7 +71,22 @@ class _NodeState:
     closed: bool = False
     first_start: float | None = None
     last_end: float | None = None
-    pipeline: Any = None  # the PipelineRun of a backprop node
+    pipeline: Any = None  # the _Feeding of a backprop node
+
+
+@attrs.define
+class _Feeding:
+    """A backprop's schedule being fed microbatches [Note: streamed microbatches]."""
+
+    submitter: StreamedSchedule
+    sizes: list[int]  # planned items per microbatch
+    streamed: bool  # microbatches form as items arrive, not after the inputs close
+    next_mb: int = 0
+    taken: set = attrs.field(factory=set)  # lineages already in a microbatch
+
+    @property
+    def run(self) -> PipelineRun:
+        return self.submitter.run
 
 
 @attrs.frozen
@@ -106,6 +123,7 @@ class FlowRunner:
         self.schedules: dict[tuple, Any] = {}  # built schedules by their inputs
         self.trained: dict[str, tuple] = {}  # model -> (schedule, spec) of this step's backprop
         self.predicted_bubble: dict[str, float] = {}  # backprop node -> the simulator's
+        self.item_counts: dict[str, int] = {}  # backprop node -> items it trained on last step
 
     # -- placement -----------------------------------------------------------------------------
     def _place_models(self) -> dict[str, list[ExecutorInfo]]:
@@ -188,10 +206,12 @@ class FlowRunner:
             self._submit_items(state, live)
         elif plan.call is Call.PER_GROUP:
             self._submit_groups(state, live, inputs_closed)
+        elif plan.call is Call.PIPELINE:
+            self._feed_pipeline(state, live, inputs_closed)
         elif not state.started and inputs_closed:
             state.started = True
             {Call.SOURCE: self._submit_once, Call.ONCE: self._submit_once,
-             Call.PIPELINE: self._submit_pipeline, Call.STEP: self._submit_step}[plan.call](state)
+             Call.STEP: self._submit_step}[plan.call](state)
         if inputs_closed and state.pending == 0 and (state.started or plan.call in (
                 Call.PER_ITEM, Call.PER_GROUP)):
             if plan.call is Call.PER_ITEM:
@@ -274,7 +294,8 @@ class FlowRunner:
                                       tags=plan.tags, outputs=outputs, meta=meta,
                                       report_key=self.report_keys.get(plan.name))
         else:
-            config = {**plan.config, **self._cost_config(plan.op)}
+            # the step too: sampling draws afresh each step
+            config = {**plan.config, **self._cost_config(plan.op), "step": self.step}
             futures = self.ctl.submit(plan.op, *(refs[p] for p in ports), config=config,
                                       tags=plan.tags, outputs=outputs, meta=meta,
                                       report_key=self.report_keys.get(plan.name))
@@ -300,37 +321,99 @@ class FlowRunner:
     def _cost_config(self, op: str) -> dict:
         return self.sim_costs.config_for(op) if self.sim_costs is not None else {}
 
-    def _submit_pipeline(self, state: _NodeState) -> None:
-        """A model's backprop: contiguous microbatches of the items, F/B/W under the schedule."""
+    # -- a model's backprop --------------------------------------------------------------------
+    # [Note: streamed microbatches] A backprop cuts its items into the configured number of
+    # microbatches and runs them under a pipeline schedule. As a barrier (the first step, a
+    # loss that needs the batch's size, or --no-fuse) it waits for every item. Streamed (a loss
+    # in SUM_FORM_LOSSES, from the second step on) it plans for as many items as the last step
+    # had, forms microbatch k from the next items to arrive once there are enough of them, and
+    # submits the schedule's actions as far as the formed microbatches allow; only the forwards
+    # of stage 0 and the last stage read a microbatch, so F/B/W of early microbatches run while
+    # later samples are still being generated. The last microbatch takes what is left when the
+    # inputs close (and if fewer items came than planned, the ones not yet formed share the
+    # rest; one may be empty). The loss is a sum over tokens that the optimizer step divides by
+    # the step's total, so the gradient does not depend on how the items were cut.
+    def _feed_pipeline(self, state: _NodeState, live: list[InputRule], closed: bool) -> None:
+        """Form microbatches from the items that are in and submit what of the schedule they
+        let run; with every input closed, the rest."""
+        plan = state.plan
+        if state.pipeline is None:
+            expected = self.item_counts.get(plan.name) if self._streams(plan) else None
+            if expected is None and not closed:
+                return  # a barrier: the microbatches are cut from every item
+            count = len(self._complete(live)) if expected is None else expected
+            self._start_pipeline(state, live, count)
+        feeding: _Feeding = state.pipeline
+        pool = [lin for lin in self._complete(live) if lin not in feeding.taken]
+        if not feeding.streamed:
+            pool.sort(key=_order)  # a barrier cuts the items in their lineages' order
+        while feeding.next_mb < len(feeding.sizes):
+            mb, left = feeding.next_mb, len(feeding.sizes) - feeding.next_mb
+            if closed:  # the rest, spread over the microbatches still to form
+                size = len(pool) // left + (1 if len(pool) % left else 0)
+            elif mb == len(feeding.sizes) - 1 or len(pool) < feeding.sizes[mb]:
+                break  # the last microbatch takes whatever is left when the inputs close
+            else:
+                size = feeding.sizes[mb]
+            chosen, pool = pool[:size], pool[size:]
+            feeding.taken.update(chosen)
+            feeding.submitter.feed(mb, tuple(
+                Gather([self.streams[(r.src, r.src_port)].items[lin] for lin in chosen])
+                for r in live))
+            feeding.next_mb += 1
+        feeding.submitter.advance()
+        if feeding.submitter.done and not state.started:
+            state.started = True
+            self.item_counts[plan.name] = len(feeding.taken)
+
+    def _streams(self, plan: NodePlan) -> bool:
+        """Whether a backprop may start before its inputs close: when fusing, and when its loss
+        is normalized once at the optimizer step, so a microbatch needs no batch total."""
+        return self.fuse and plan.config.get("loss") in SUM_FORM_LOSSES
+
+    def _complete(self, live: list[InputRule]) -> list[tuple]:
+        """Lineages every input port has, in the order the first port's items arrived."""
+        lead = self.streams[(live[0].src, live[0].src_port)]
+        others = [self.streams[(r.src, r.src_port)].items for r in live[1:]]
+        return [lin for lin in lead.arrivals if all(lin in items for items in others)]
+
+    def _start_pipeline(self, state: _NodeState, live: list[InputRule], items: int) -> None:
+        """The schedule for `items` items in the configured number of microbatches, ready to
+        be fed; each submitted action is watched, the last stage's forwards for their stats."""
         plan = state.plan
         executors = self.placement[plan.model.name]
-        ports = [r for r in plan.inputs if not r.feedback]
-        columns = [self.streams[(r.src, r.src_port)].ordered() for r in ports]
-        count = max(1, min(int(plan.config.get("microbatches") or 1), len(columns[0]) or 1))
-        chunks = [[_chunk(column, count, mb) for column in columns] for mb in range(count)]
-        microbatches = [tuple(Gather(part) for part in chunk) for chunk in chunks]
+        count = max(1, min(int(plan.config.get("microbatches") or 1), items or 1))
+        sizes = [len(_chunk(range(items), count, mb)) for mb in range(count)]
         kind = plan.config.get("schedule") or "1f1b"
-        stage_costs, schedule = self._plan_schedule(plan, executors, kind, count,
-                                                    microbatches[0])
+        first = self.streams[(live[0].src, live[0].src_port)]
+
+        def sample() -> Gather:  # the first microbatch: formed, for a barrier
+            return Gather([first.items[lin] for lin in self._complete(live)[:sizes[0]]])
+
+        stage_costs, schedule = self._plan_schedule(plan, executors, kind, count, sample)
         spec = model_spec(plan.model, schedule.num_stages)
         sim = self.sim_costs or SimCosts()
         config_for = pipeline_config(
             stage_costs_config(stage_costs, activation_bytes=sim.activation_bytes), spec,
-            [len(chunk[0]) for chunk in chunks], plan.config)
-        run = submit_schedule(self.ctl, schedule, executors, microbatch_inputs=microbatches,
-                              config_for=config_for, lane=plan.model.name,
-                              meta={"node": plan.name, "step": self.step})
-        state.pipeline = run
+            sizes, plan.config)
+        last = schedule.num_stages - 1
+
+        def watch(action: Action, future: Any) -> None:
+            is_loss = action.kind is Kind.F and action.stage == last
+            self._watch(state, (action.microbatch,) if is_loss else (), (future,),
+                        register=is_loss)
+
+        submitter = StreamedSchedule(self.ctl, schedule, executors, config_for=config_for,
+                                     lane=plan.model.name,
+                                     meta={"node": plan.name, "step": self.step},
+                                     on_submit=watch)
+        streamed = plan.name in self.item_counts and self._streams(plan)
+        state.pipeline = _Feeding(submitter=submitter, sizes=sizes, streamed=streamed)
         self.trained[plan.model.name] = (schedule, spec)
         self.predicted_bubble[plan.name] = simulate(schedule, stage_costs).bubble_rate
-        for mb, loss in enumerate(run.losses):
-            self._watch(state, (mb,), (loss,), register=True)
-        for future in run.futures.values():
-            if future not in run.losses:
-                self._watch(state, (), (future,), register=False)
 
     def _plan_schedule(self, plan: NodePlan, executors: list[ExecutorInfo], kind: str,
-                       count: int, sample: Any) -> tuple[Costs, Any]:
+                       count: int, sample: Callable[[], Any]) -> tuple[Costs, Any]:
         """The schedule for this step, from the simulator's costs or, on executors that can
         measure (torch), from F/B/W times profiled once per model and stage count."""
         limit = plan.config.get("memory_limit")
@@ -344,7 +427,7 @@ class FlowRunner:
         if key not in self.profiles:
             self.profiles[key] = profile_stages(
                 self.ctl, executors, placement, model_spec(plan.model, placement.num_stages),
-                sample[0], lane=plan.model.name, timeout=self.step_timeout)
+                sample(), lane=plan.model.name, timeout=self.step_timeout)
         stage_costs = self.profiles[key]
         schedule = self._schedule(kind, devices, count, device_shares(stage_costs, placement),
                                   limit)
@@ -383,18 +466,33 @@ class FlowRunner:
         timing = {name: s.last_end - s.first_start for name, s in self.states.items()
                   if s.first_start is not None and s.last_end is not None}
         metrics: dict[str, Any] = {}
-        runs = [state.pipeline for state in self.states.values() if state.pipeline is not None]
+        runs = [state.pipeline.run for state in self.states.values()
+                if state.pipeline is not None]
         for name, state in self.states.items():
             if state.pipeline is not None:
-                losses = [f.result() for f in state.pipeline.losses]
+                losses = [f.result() for f in state.pipeline.run.losses]
                 metrics[f"{name}/loss"] = sum(_loss(x) for x in losses) / max(1, len(losses))
                 metrics[f"{name}/tokens"] = sum(getattr(x, "tokens", 0) for x in losses)
+        for state in self.states.values():
+            if state.plan.reports:
+                metrics.update(self._reported(state.plan))
         if runs:
             metrics["bubble_rate"] = _bubble_rate(runs)
             predicted = list(self.predicted_bubble.values())
             metrics["predicted_bubble_rate"] = max(predicted) if predicted else None
         return StepReport(step=step, elapsed_s=time.time() - started, timing_s=timing,
                           metrics=metrics)
+
+
+    def _reported(self, plan: NodePlan) -> dict[str, float]:
+        """The values of a reporter's Metrics items this step (small: fetched to here)."""
+        values: dict[str, float] = {}
+        for port in plan.outputs:
+            for ref in self.streams[(plan.name, port)].ordered():
+                item = ref.future.result(timeout=self.step_timeout)[ref.index] \
+                    if isinstance(ref, Item) else ref.result(timeout=self.step_timeout)
+                values.update(getattr(item, "values", {}))
+        return values
 
 
 def _bubble_rate(runs: list) -> float:

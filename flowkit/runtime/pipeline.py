@@ -20,7 +20,7 @@ from flowkit.runtime.controller import Controller
 from flowkit.runtime.futures import Future, wait
 from flowkit.runtime.records import ExecutorInfo
 
-__all__ = ["PipelineRun", "submit_schedule", "submission_order"]
+__all__ = ["PipelineRun", "StreamedSchedule", "submit_schedule", "submission_order"]
 
 ConfigFor = Callable[[Action], dict]
 
@@ -64,25 +64,102 @@ class PipelineRun:
 def submission_order(schedule: Schedule) -> list[tuple[int, Action]]:
     """(device, action) in an order that keeps each device's order and submits every action
     after the actions it reads from, so their futures exist when it is submitted."""
-    cursor = [0] * schedule.num_devices
-    submitted: set[tuple[int, str, int]] = set()
     order: list[tuple[int, Action]] = []
-    progress = True
-    while progress:
-        progress = False
-        for device, ops in enumerate(schedule.device_ops):
-            while cursor[device] < len(ops):
-                action = ops[cursor[device]]
-                if not all(_dep_key(dep) in submitted
-                           for dep in dependencies(action, schedule.num_stages)):
-                    break
-                submitted.add(_key(action))
-                order.append((device, action))
-                cursor[device] += 1
-                progress = True
-    if len(order) != sum(len(ops) for ops in schedule.device_ops):
+    cursor = _Cursor(schedule)
+    cursor.advance(lambda device, action: order.append((device, action)) or True)
+    if not cursor.done:
         raise ValueError(f"schedule {schedule.kind!r} deadlocks: validate it with the planner")
     return order
+
+
+class _Cursor:
+    """Where each device's action list has been submitted up to. `advance(take)` moves every
+    device on while its next action's dependencies are submitted and `take(device, action)`
+    accepts it (a streamed pipeline refuses an F whose microbatch has not formed yet)."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+        self.position = [0] * schedule.num_devices
+        self.submitted: set[tuple[int, str, int]] = set()
+
+    @property
+    def done(self) -> bool:
+        return all(p == len(ops) for p, ops in zip(self.position, self.schedule.device_ops))
+
+    def advance(self, take: Callable[[int, Action], bool]) -> None:
+        stages = self.schedule.num_stages
+        progress = True
+        while progress:
+            progress = False
+            for device, ops in enumerate(self.schedule.device_ops):
+                while self.position[device] < len(ops):
+                    action = ops[self.position[device]]
+                    if not all(_dep_key(dep) in self.submitted
+                               for dep in dependencies(action, stages)):
+                        break
+                    if not take(device, action):
+                        break
+                    self.submitted.add(_key(action))
+                    self.position[device] += 1
+                    progress = True
+
+
+class StreamedSchedule:
+    """A schedule submitted as its microbatches form: `feed(mb, inputs)` gives microbatch mb its
+    inputs, `advance()` submits every action whose dependencies and inputs exist, each device's
+    actions in the schedule's order. Only the forwards of stage 0 and the last stage read a
+    microbatch's inputs, so the rest of the schedule never waits for data it does not read."""
+
+    def __init__(self, ctl: Controller, schedule: Schedule, executors: Sequence[ExecutorInfo],
+                 *, config_for: ConfigFor | None = None, lane: str = "pipeline",
+                 meta: dict | None = None,
+                 on_submit: Callable[[Action, Future], None] | None = None) -> None:
+        if len(executors) != schedule.num_devices:
+            raise ValueError(f"schedule {schedule.kind!r} needs {schedule.num_devices} "
+                             f"executors, got {len(executors)}")
+        self.ctl, self.executors = ctl, executors
+        self.config_for, self.lane, self.meta = config_for, lane, meta or {}
+        self.on_submit = on_submit
+        self.run = PipelineRun(schedule=schedule, futures={}, losses=[])
+        self.inputs: dict[int, Any] = {}
+        self._cursor = _Cursor(schedule)
+        self._outputs: dict[tuple[int, str, int], Future] = {}
+
+    @property
+    def done(self) -> bool:
+        """Every action is submitted."""
+        return self._cursor.done
+
+    def feed(self, microbatch: int, inputs: Any) -> None:
+        """Microbatch `microbatch`'s inputs: a ref or value, or a tuple of them."""
+        self.inputs[microbatch] = inputs
+
+    def advance(self) -> None:
+        with self.ctl.batch():
+            self._cursor.advance(self._submit)
+        if self.done and not self.run.losses:
+            schedule = self.run.schedule
+            last = schedule.num_stages - 1
+            self.run.losses = [self.run.futures[Action(last, Kind.F, mb)]
+                               for mb in range(schedule.microbatches)]
+
+    def _submit(self, device: int, action: Action) -> bool:
+        last = self.run.schedule.num_stages - 1
+        reads_data = action.kind is Kind.F and action.stage in (0, last)
+        if reads_data and action.microbatch not in self.inputs:
+            return False
+        inputs = _inputs_of(action, self._outputs, last, self.inputs)
+        meta = {**self.meta, "stage": action.stage, "microbatch": action.microbatch,
+                "device": device, "action": str(action)}
+        config = dict(self.config_for(action)) if self.config_for else {}
+        future = self.ctl.submit(action.kind.value, *inputs, config=config,
+                                 executor=self.executors[device].id,
+                                 lane=f"{self.lane}/{device}", meta=meta)
+        self._outputs[_key(action)] = future
+        self.run.futures[action] = future
+        if self.on_submit is not None:
+            self.on_submit(action, future)
+        return True
 
 
 def submit_schedule(ctl: Controller, schedule: Schedule, executors: Sequence[ExecutorInfo], *,
@@ -93,41 +170,21 @@ def submit_schedule(ctl: Controller, schedule: Schedule, executors: Sequence[Exe
     (a future, Item, Gather or value; a tuple of them for several inputs) feeds the forward of
     microbatch mb on stage 0 and, after its activation, on the last stage (the targets);
     `config_for` gives each action's op config."""
-    if len(executors) != schedule.num_devices:
-        raise ValueError(f"schedule {schedule.kind!r} needs {schedule.num_devices} executors, "
-                         f"got {len(executors)}")
-    run = PipelineRun(schedule=schedule, futures={}, losses=[])
-    with ctl.batch():
-        _submit_actions(ctl, schedule, executors, run, microbatch_inputs, config_for, lane,
-                        meta)
-    last = schedule.num_stages - 1
-    run.losses = [run.futures[Action(last, Kind.F, mb)] for mb in range(schedule.microbatches)]
-    return run
+    streamed = StreamedSchedule(ctl, schedule, executors, config_for=config_for, lane=lane,
+                                meta=meta)
+    for mb in range(schedule.microbatches):
+        streamed.feed(mb, microbatch_inputs[mb] if microbatch_inputs is not None else ())
+    streamed.advance()
+    if not streamed.done:
+        raise ValueError(f"schedule {schedule.kind!r} deadlocks: validate it with the planner")
+    return streamed.run
 
 
-def _submit_actions(ctl: Controller, schedule: Schedule, executors: Sequence[ExecutorInfo],
-                    run: PipelineRun, microbatch_inputs: Sequence[Any] | None,
-                    config_for: ConfigFor | None, lane: str, meta: dict | None) -> None:
-    outputs: dict[tuple[int, str, int], Future] = {}
-    last = schedule.num_stages - 1
-    for device, action in submission_order(schedule):
-        inputs = _inputs_of(action, outputs, last, microbatch_inputs)
-        task_meta = {**(meta or {}), "stage": action.stage, "microbatch": action.microbatch,
-                     "device": device, "action": str(action)}
-        config = dict(config_for(action)) if config_for else {}
-        future = ctl.submit(action.kind.value, *inputs, config=config,
-                            executor=executors[device].id, lane=f"{lane}/{device}",
-                            meta=task_meta)
-        outputs[_key(action)] = future
-        run.futures[action] = future
-
-
-def _inputs_of(action: Action, outputs: dict, last: int,
-               microbatch_inputs: Sequence[Any] | None) -> list:
+def _inputs_of(action: Action, outputs: dict, last: int, microbatch_inputs: dict) -> list:
     """Stage 0's F reads the microbatch; the last stage's F reads it too (its targets), after
     the activation; every other action reads what its dependencies made."""
     given: list = []
-    if action.kind is Kind.F and action.stage in (0, last) and microbatch_inputs is not None:
+    if action.kind is Kind.F and action.stage in (0, last):
         value = microbatch_inputs[action.microbatch]
         given = list(value) if isinstance(value, tuple) else [value]  # a tuple: several inputs
     if action.kind is Kind.F and action.stage == 0:

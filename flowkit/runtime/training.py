@@ -16,7 +16,14 @@ from flowkit.runtime.controller import Controller
 from flowkit.runtime.futures import Future, wait
 from flowkit.runtime.records import ExecutorInfo
 
-__all__ = ["model_spec", "pipeline_config", "profile_stages", "submit_optimizer_step"]
+__all__ = ["SUM_FORM_LOSSES", "model_spec", "pipeline_config", "profile_stages",
+           "submit_optimizer_step"]
+
+
+SUM_FORM_LOSSES = ("grpo", "ppo", "value")
+"""Losses whose microbatches return sums that the optimizer step divides by the step's total
+(the `normalizer` of their stats), so a microbatch's loss needs no batch total: a backprop with
+one of them can start before its last item exists [Note: streamed microbatches]."""
 
 
 def model_spec(model: Model, num_stages: int) -> dict:

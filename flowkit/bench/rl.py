@@ -1,0 +1,85 @@
+"""RL step benchmark: a GRPO and a PPO step on simulator executors with long-tailed response
+lengths, fused (sample-level: scoring, reference and value inference start per sample, GRPO
+groups as their n samples are in, training microbatches as groups finish) against the same
+flow run stage by stage with barriers (`--no-fuse`), on the same samples, side by side.
+
+Generation runs on `rollout` executors and training on `train` ones, as in a disaggregated RL
+system; a sample's response length is log-normal (most short, a few at the token budget),
+so a step's generation ends with a long tail during which, fused, training already runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import attrs
+
+__all__ = ["RLSetup", "run_rl_bench"]
+
+
+@attrs.frozen
+class RLSetup:
+    prompts: int = 32
+    n: int = 8  # samples per prompt (GRPO); PPO samples each prompt n times too
+    max_new_tokens: int = 512
+    length_sigma: float = 1.0  # log-normal response lengths, median max_new_tokens / 8
+    rollout_executors: int = 8  # 4 prompts each: most of the batch decodes at once, as on GPUs
+    train_executors: int = 2  # = pipeline stages
+    microbatches: int = 16
+    schedule: str = "1f1b"
+    steps: int = 4  # the first is a barrier in both modes (it learns the batch size)
+    # seconds: a decode step, a token of inference, one F / B / W of one microbatch on one stage
+    token: float = 0.0005
+    infer_token: float = 0.00002
+    F: float = 0.012
+    B: float = 0.012
+    W: float = 0.008
+    optimizer_step: float = 0.01
+
+
+def run_rl_bench(setup: RLSetup | None = None) -> dict:
+    """Per algorithm: the median step time fused and with barriers, and their ratio."""
+    setup = setup or RLSetup()
+    figures: dict[str, Any] = {"setup": attrs.asdict(setup)}
+    for algo in ("grpo", "ppo"):
+        fused = _step_times(setup, algo, fuse=True)
+        barrier = _step_times(setup, algo, fuse=False)
+        figures[algo] = {"fused_step_s": fused, "barrier_step_s": barrier,
+                         "speedup": barrier / fused}
+    return figures
+
+
+def _step_times(setup: RLSetup, algo: str, *, fuse: bool) -> float:
+    """Median seconds of the steps after the first, on fresh executors."""
+    from flowkit.planner.lower import lower_flow
+    from flowkit.planner.simcosts import SimCosts
+    from flowkit.runtime import Controller, LocalExecutors
+    from flowkit.runtime.flowrun import FlowRunner
+
+    costs = SimCosts(F=setup.F, B=setup.B, W=setup.W, optimizer_step=setup.optimizer_step,
+                     token=setup.token, infer_token=setup.infer_token,
+                     length_sigma=setup.length_sigma)
+    tags = ([("rollout",)] * setup.rollout_executors + [("train",)] * setup.train_executors)
+    with Controller() as ctl:
+        executors = LocalExecutors(ctl, len(tags), kind="sim", tags=tags)
+        executors.start()
+        try:
+            runner = FlowRunner(ctl, lower_flow(_flow(setup, algo)), sim_costs=costs, fuse=fuse)
+            times = [runner.run_step(step).elapsed_s for step in range(setup.steps)]
+        finally:
+            ctl.shutdown()
+            executors.stop()
+    return statistics.median(times[1:])
+
+
+def _flow(setup: RLSetup, algo: str) -> Any:
+    train = dict(stages=setup.train_executors, schedule=setup.schedule,
+                 microbatches=setup.microbatches, max_new_tokens=setup.max_new_tokens)
+    if algo == "grpo":
+        from dataflows.grpo import grpo_flow
+
+        return grpo_flow(prompts=setup.prompts, n=setup.n, **train)
+    from dataflows.ppo import ppo_flow
+
+    return ppo_flow(prompts=setup.prompts, n=setup.n, **train)
