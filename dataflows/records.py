@@ -75,10 +75,13 @@ class Experience(Scored):
 
 @attrs.frozen(kw_only=True)
 class MicrobatchStats:
-    """What a microbatch's backward leaves behind besides gradients: its loss and token count."""
+    """What a microbatch's backward leaves behind besides gradients: its loss (a mean per
+    token) and token count; for a loss backpropagated as a sum over tokens (the RL losses), the
+    count the optimizer step divides the step's gradients by (0: already a mean)."""
 
     loss: float
     tokens: int
+    normalizer: float = 0.0
 
 
 @attrs.frozen(kw_only=True)

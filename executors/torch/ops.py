@@ -13,8 +13,10 @@ Three ops per step, all in the stages' lanes, so they run after each stage's las
   grad_stats(stage 0)           -> its squared norm (tied copies left out), its tied grads
   grad_stats(last, tied grads)  -> adds stage 0's share to its copies, so they hold the full
                                    gradient; its squared norm counts that full gradient once
-  optimizer_step(s, every stage's stats[, the summed tied grads on stage 0])
-                                -> the global norm, clip, AdamW, zero the gradients
+  optimizer_step(s, the microbatches' stats, every stage's grad stats[, the summed tied
+                 grads on stage 0]) -> divide by the stats' normalizer (a loss summed over tokens,
+                                   executors/torch/rl_loss.py), the global norm, clip, AdamW,
+                                   zero the gradients
 Both copies then take the same AdamW step from the same state, and stay equal.
 """
 
@@ -30,7 +32,9 @@ import attrs
 import torch
 
 from executors.ops import OpContext, OpTable
+from executors.torch import weights
 from executors.torch.memory import keep_freed_memory
+from executors.torch.rl_loss import RL_LOSSES, RLLoss, RLSettings, records, sequence_ids
 from executors.torch.stage import StageError, StageRunner
 
 __all__ = ["LOSSES", "register"]
@@ -55,27 +59,38 @@ class _Model:
     parts: list[torch.nn.Module]
     device: torch.device
     stages: dict[int, _Stage] = attrs.field(factory=dict)
+    layout: Any = None  # its names by the unsplit model's (executors/torch/weights.py)
+    version: int | None = None  # of the weights load_weights last set
 
 
 # -- building ---------------------------------------------------------------------------------
 def _model(ctx: OpContext, config: dict) -> _Model:
-    """The model named in `config`, built on first use [Note: one model, many holders]."""
+    """The model named in `config` split in `stages`, built on first use [Note: one model, many
+    holders]. Held by (name, stages): one executor may hold a model in several splits (two
+    training stages and a whole copy to generate with), each built from the same seed, or
+    from the model config's `checkpoint` file (executors/torch/weights.py)."""
     name, num_stages = config["model"], int(config["stages"])
-    spec = (config["build"], repr(sorted(config.get("model_config", {}).items())), num_stages,
+    spec = (config["build"], repr(sorted(config.get("model_config", {}).items())),
             int(config.get("seed", 0)), config.get("dtype", "float32"))
     models = ctx.state.setdefault("torch_models", {})
-    held = models.get(name)
-    if held is not None:
-        if held.spec != spec:
+    for (other, stages), held in models.items():
+        if other == name and held.spec != spec:
             raise StageError(f"model {name!r} is already held here as {held.spec}; a task asked "
                              f"for {spec}: one flow must not declare one model two ways")
-        return held
+        if (other, stages) == (name, num_stages):
+            return held
     device = torch.device(ctx.device if ctx.device not in ("", "auto") else "cpu")
     torch.manual_seed(int(config.get("seed", 0)))  # every holder builds the same weights
-    whole = _build(config["build"], dict(config.get("model_config", {})))
+    model_config = dict(config.get("model_config", {}))
+    checkpoint = model_config.pop("checkpoint", None)  # a file to start from, not an argument
+    whole = _build(config["build"], model_config)
     whole = whole.to(device=device, dtype=_DTYPES[config.get("dtype", "float32")])
+    if checkpoint:
+        weights.load_checkpoint(whole, checkpoint)
     parts = _split(whole, num_stages, config.get("seq_len"))
-    held = models[name] = _Model(spec=spec, parts=parts, device=device)
+    held = models[(name, num_stages)] = _Model(
+        spec=spec, parts=parts, device=device,
+        layout=weights.layout(whole, parts, seq_len=config.get("seq_len")))
     return held
 
 
@@ -121,27 +136,36 @@ class _ScaledLoss(torch.nn.Module):
 
     def forward(self, *args: Any) -> torch.Tensor:
         *inputs, scale = args
+        if inputs and isinstance(inputs[-1], RLLoss):  # an RL loss reads the stage's output
+            *inputs, rl_loss = inputs
+            return rl_loss(self.stage(*inputs)) * scale
         return self.stage(*inputs) * scale
 
 
 # -- pipeline ops -----------------------------------------------------------------------------
-LOSSES = ("lm",)  # next-token cross-entropy; the RL losses come with the RL ops
+# next-token cross-entropy; PPO/GRPO's clipped policy loss and the critic's value loss
+LOSSES = ("lm", *RL_LOSSES)
 
 
 def _forward(ctx: OpContext, *inputs: Any, stage: int, stages: int, microbatch: int,
              loss_scale: float = 1.0, loss: str = "lm", **config: Any) -> Any:
-    """Stage 0 reads the microbatch's token sequences, a later stage the activation before it;
-    the last stage also reads the sequences for its targets and returns the microbatch's
-    stats. The loss it backpropagates is scaled by `loss_scale` (its share of the batch)."""
+    """Stage 0 reads the microbatch's data, a later stage the activation before it; the last
+    stage also reads the data for its loss and returns the microbatch's stats. The loss it
+    backpropagates is scaled by `loss_scale`: for "lm" the microbatch's share of the batch
+    (its loss is a mean); the RL losses are sums the optimizer step divides by the step's
+    token count, so the runtime gives them 1 [Note: RL losses in sum form in rl_loss.py]."""
     from dataflows.records import MicrobatchStats
 
     if loss not in LOSSES:
-        raise StageError(f"the torch executor trains with loss {', '.join(LOSSES)}; loss "
-                         f"{loss!r} is not implemented here yet: run this flow with "
-                         "--executors sim")
+        raise StageError(f"unknown loss {loss!r}: the torch executor trains with "
+                         f"{', '.join(LOSSES)}")
 
     held = _stage(ctx, {**config, "stage": stage, "stages": stages})
     first, last = stage == 0, stage == stages - 1
+    if loss in RL_LOSSES:
+        return _rl_forward(held, inputs, first=first, last=last, microbatch=microbatch,
+                           loss_scale=float(loss_scale),
+                           settings=RLSettings.from_config(loss, config))
     tokens = _tokens(inputs[0] if first else inputs[-1]) if first or last else None
     args: list[Any] = [tokens[:, :-1] if first else inputs[0]]
     if last:
@@ -153,11 +177,37 @@ def _forward(ctx: OpContext, *inputs: Any, stage: int, stages: int, microbatch: 
     return MicrobatchStats(loss=float(out) / float(loss_scale), tokens=n_tokens)
 
 
+def _rl_forward(held: _Stage, inputs: tuple, *, first: bool, last: bool, microbatch: int,
+                loss_scale: float, settings: RLSettings) -> Any:
+    """F under an RL loss. Inputs: (experiences[, reference scores]) on stage 0, the
+    activation on a middle stage, (activation, experiences[, reference scores]) on the last;
+    the last stage returns the microbatch's mean loss per response token, and its token count
+    as the normalizer of the summed loss it backpropagates."""
+    from dataflows.records import MicrobatchStats
+
+    data = inputs if first else inputs[1:]
+    experiences = records(data[0]) if data else []
+    x = sequence_ids(experiences, held.runner.device) if first else inputs[0]
+    if not last:
+        return held.runner.forward(microbatch, x)
+    refs = records(data[1]) if len(data) > 1 else []
+    rl_loss = RLLoss(experiences, refs, settings, held.runner.device)
+    summed = float(held.runner.forward(microbatch, x, rl_loss, loss_scale)) / loss_scale
+    n = rl_loss.tokens
+    return MicrobatchStats(loss=summed / n if n else 0.0, tokens=n, normalizer=float(n))
+
+
 def _tokens(value: Any) -> torch.Tensor:
-    """A microbatch of token sequences: a (B, T+1) tensor, or a list of them or of rows."""
+    """A microbatch of token sequences: a (B, T+1) tensor, or a list of them or of rows; or
+    records with prompt and response tokens (experiences), right-padded with token 0."""
     if isinstance(value, torch.Tensor):
         return value if value.dim() == 2 else value.unsqueeze(0)
-    rows = [v if v.dim() == 2 else v.unsqueeze(0) for v in value]
+    items = records(value)
+    if items and hasattr(items[0], "response_tokens"):
+        seqs = [list(e.prompt_tokens) + list(e.response_tokens) for e in items]
+        width = max(len(s) for s in seqs)
+        return torch.tensor([s + [0] * (width - len(s)) for s in seqs], dtype=torch.long)
+    rows = [v if v.dim() == 2 else v.unsqueeze(0) for v in items]
     return torch.cat(rows)
 
 
@@ -219,8 +269,10 @@ def _optimizer_step(ctx: OpContext, *inputs: Any, stage: int, stages: int, step:
                     eps: float = 1e-8, clip_grad_norm: float | None = 1.0, report: bool = False,
                     model: str = "", **config: Any) -> Any:
     """Clip by the global norm over every stage, take one AdamW step, zero the gradients.
-    Inputs: each stage's grad stats, on stage 0 also the summed tied gradients and (when it
-    `report`s) the microbatches' stats, from which it returns the step's metrics."""
+    Inputs: the microbatches' stats, each stage's grad stats, and on stage 0 also the summed
+    tied gradients. Losses summed over tokens leave a normalizer in their stats: the gradients
+    are divided by the step's total first [Note: RL losses in sum form in rl_loss.py]. The
+    stage that `report`s returns the step's metrics."""
     held = _stage(ctx, {**config, "model": model, "stage": stage, "stages": stages})
     stats = [v for v in inputs if isinstance(v, dict) and "sqnorm" in v]
     if len(stats) != stages:
@@ -231,7 +283,13 @@ def _optimizer_step(ctx: OpContext, *inputs: Any, stage: int, stages: int, step:
     for tied in summed:  # stage 0: the last stage sent back the full tied gradients
         for name, grad in tied.items():
             params[name].grad = grad.to(params[name].device, params[name].dtype).clone()
-    norm = math.sqrt(sum(s["sqnorm"] for s in stats))
+    normalizer = sum(float(getattr(s, "normalizer", 0.0)) for s in _microbatch_stats(inputs))
+    if normalizer > 0:
+        for p in params.values():
+            if p.grad is not None:
+                p.grad.div_(normalizer)
+    # the stages' squared norms are of the summed gradients: the norm scales like them
+    norm = math.sqrt(sum(s["sqnorm"] for s in stats)) / (normalizer if normalizer > 0 else 1.0)
     if clip_grad_norm:
         coef = min(1.0, float(clip_grad_norm) / (norm + 1e-6))  # torch's clip_grad_norm_
         if coef < 1.0:
@@ -262,12 +320,18 @@ def _adamw(module: torch.nn.Module, **hparams: Any) -> torch.optim.AdamW:
 def _step_report(inputs: tuple, *, model: str, step: int, norm: float) -> tuple:
     from dataflows.records import StepMetrics, WeightsVersion
 
-    stats = [s for value in inputs if isinstance(value, list) for s in value
-             if hasattr(s, "loss")]
+    stats = _microbatch_stats(inputs)
     tokens = sum(s.tokens for s in stats)
+    # token-weighted: the batch's mean per token, however it was cut into microbatches
     loss = sum(s.loss * s.tokens for s in stats) / tokens if tokens else 0.0
     return (StepMetrics(step=int(step), loss=loss, grad_norm=norm, tokens=tokens),
             WeightsVersion(model=model, version=int(step) + 1))
+
+
+def _microbatch_stats(inputs: tuple) -> list:
+    """The MicrobatchStats among an op's inputs (they come in lists: gathered microbatches)."""
+    return [s for value in inputs if isinstance(value, list) for s in value
+            if hasattr(s, "loss")]
 
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -293,6 +357,8 @@ def _profile(ctx: OpContext, sample: Any, *, stage: int, stages: int, repeats: i
     planner's cost model. Earlier stages run locally to make a real input activation; the
     stage's gradients are cleared afterwards, so run it before a step's first op."""
     model = _model(ctx, {**config, "stages": stages})
+    # A microbatch of experiences (an RL loss) is timed on its sequences under the LM loss: the
+    # same stages on the same tokens, and at the head a log-softmax over the vocabulary too.
     tokens = _tokens(sample).to(model.device)
     x: Any = tokens[:, :-1]
     with torch.no_grad():
@@ -344,3 +410,5 @@ def register(table: OpTable) -> None:
     table.register("zero_grad", _zero_grad)
     table.register("stage_parameters", _stage_parameters)
     table.register("profile_stage", _profile)
+    table.register("export_weights", weights.export_weights)
+    table.register("load_weights", weights.load_weights)

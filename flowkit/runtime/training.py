@@ -17,13 +17,18 @@ from flowkit.runtime.futures import Future, wait
 from flowkit.runtime.records import ExecutorInfo
 
 __all__ = ["SUM_FORM_LOSSES", "model_spec", "pipeline_config", "profile_stages",
-           "submit_optimizer_step"]
+           "submit_exports", "submit_optimizer_step", "submit_weight_sync"]
 
 
 SUM_FORM_LOSSES = ("grpo", "ppo", "value")
 """Losses whose microbatches return sums that the optimizer step divides by the step's total
 (the `normalizer` of their stats), so a microbatch's loss needs no batch total: a backprop with
 one of them can start before its last item exists [Note: streamed microbatches]."""
+
+
+LOSS_KEYS = ("loss", "kl_coef", "kl_kind", "clip_ratio", "clip_ratio_c", "temperature",
+             "cliprange_value")
+"""The Backprop config keys the stage ops read: the loss and its knobs."""
 
 
 def model_spec(model: Model, num_stages: int) -> dict:
@@ -38,18 +43,21 @@ def model_spec(model: Model, num_stages: int) -> dict:
 
 def pipeline_config(base: Callable[[Action], dict], spec: dict, sizes: Sequence[int],
                     extra: dict) -> Callable[[Action], dict]:
-    """Each action's config: the simulator's cost keys, the model, stage and microbatch, and on
-    the last stage's F the microbatch's share of the batch, which scales its loss so that the
-    microbatches' gradients add up to the whole batch's (gradient accumulation)."""
+    """Each action's config: the simulator's cost keys, the model, stage and microbatch, the
+    loss and its knobs, and on the last stage's F the scale of its loss: for "lm" the
+    microbatch's share of the batch, so that the microbatches' gradients add up to the whole
+    batch's (gradient accumulation); 1 for the SUM_FORM_LOSSES, which the optimizer step
+    normalizes instead."""
     total = max(1, sum(sizes))
     last = spec["stages"] - 1
-    keep = {k: v for k, v in extra.items() if k in ("loss", "kl_coef")}
+    keep = {k: v for k, v in extra.items() if k in LOSS_KEYS}
+    summed = extra.get("loss") in SUM_FORM_LOSSES
 
     def config_for(action: Action) -> dict:
         config = {**base(action), **spec, **keep, "stage": action.stage,
                   "microbatch": action.microbatch}
         if action.kind is Kind.F and action.stage == last:
-            config["loss_scale"] = sizes[action.microbatch] / total
+            config["loss_scale"] = 1.0 if summed else sizes[action.microbatch] / total
         return config
 
     return config_for
@@ -89,9 +97,11 @@ def submit_optimizer_step(ctl: Controller, schedule: Schedule, executors: Sequen
                           outputs: int) -> tuple[list[Future], Any]:
     """The step across stages ([Note: the optimizer step across stages] in
     executors/torch/ops.py): grad stats per stage (the last stage's adds in the first stage's
-    tied gradients), then one optimizer step per stage that reads them all. Each op runs in its
-    device's lane, so after that device's W ops. Returns the futures that report nothing and
-    stage 0's report (its `outputs` futures)."""
+    tied gradients), then one optimizer step per stage that reads them all, and the
+    microbatches' `stats` (a loss summed over tokens leaves there the normalizer every stage
+    divides its gradients by). Each op runs in its device's lane, so after that device's W
+    ops. Returns the futures that report nothing and stage 0's report (its `outputs`
+    futures)."""
     placement, last = schedule.placement, schedule.num_stages - 1
 
     def submit(op: str, stage: int, *inputs: Any, n: int = 1, **more: Any) -> Any:
@@ -108,7 +118,38 @@ def submit_optimizer_step(ctl: Controller, schedule: Schedule, executors: Sequen
         grad_stats.append(stage_stats)
     quiet = [tied, *grad_stats[1:]] + ([summed] if last else [])
     for stage in range(last, 0, -1):
-        quiet.append(submit("optimizer_step", stage, *grad_stats))
+        quiet.append(submit("optimizer_step", stage, *stats, *grad_stats))
     back = (summed,) if last else ()
     report = submit("optimizer_step", 0, *stats, *grad_stats, *back, n=outputs, report=True)
     return quiet, report
+
+
+def submit_exports(ctl: Controller, schedule: Schedule, executors: Sequence[ExecutorInfo],
+                   spec: dict, *, lane: str, meta: dict) -> list[Future]:
+    """Each stage's weights by the unsplit model's names (the executors' `export_weights`), in
+    its device's lane: after that stage's optimizer step."""
+    placement = schedule.placement
+    futures = []
+    for stage in range(schedule.num_stages):
+        device = placement.device_of(stage)
+        futures.append(ctl.submit("export_weights", config={**spec, "stage": stage},
+                                  executor=executors[device].id, lane=f"{lane}/{device}",
+                                  meta={**meta, "stage": stage, "device": device}))
+    return futures
+
+
+def submit_weight_sync(ctl: Controller, schedule: Schedule, trainers: Sequence[ExecutorInfo],
+                       spec: dict, version: Any, targets: Sequence[ExecutorInfo], *,
+                       lane: str, meta: dict) -> list[Future]:
+    """After an optimizer step: the new weights of the model to its whole copy on each of
+    `targets` (the executors that may generate or score with it), over the data plane. A
+    target that trains the model unsplit holds the very weights it would load: skipped
+    (shared when colocated). Returns the loads' futures, each resolving to the version."""
+    whole = {**spec, "stages": 1}
+    shared = {e.id for e in trainers} if schedule.num_stages == 1 else set()
+    targets = [e for e in targets if e.id not in shared]
+    if not targets:
+        return []
+    exports = submit_exports(ctl, schedule, trainers, spec, lane=lane, meta=meta)
+    return [ctl.submit("load_weights", *exports, version, config=whole, executor=e.id,
+                       meta={**meta, "device": e.id}) for e in targets]

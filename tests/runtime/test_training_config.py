@@ -1,0 +1,40 @@
+"""What the runtime tells a model's pipeline ops: the loss, its knobs and the loss scale
+(flowkit/runtime/training.py); the torch side is tested in tests/torch/test_rl_loss.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from flowkit.planner import Action, Kind
+from flowkit.runtime.training import LOSS_KEYS, SUM_FORM_LOSSES, pipeline_config
+
+SPEC = {"model": "actor", "build": "x:y", "stages": 2, "seed": 0, "dtype": "float32",
+        "model_config": {}}
+KNOBS = {"kl_coef": 0.1, "kl_kind": "k2", "clip_ratio": 0.1, "clip_ratio_c": 2.0,
+         "temperature": 0.7, "cliprange_value": 0.3}
+
+
+def _configs(extra: dict, sizes=(1, 3)) -> dict[Action, dict]:
+    config_for = pipeline_config(lambda action: {"seconds": 1.0}, SPEC, list(sizes), extra)
+    actions = [Action(s, kind, mb) for s in range(2) for kind in (Kind.F, Kind.B, Kind.W)
+               for mb in range(len(sizes))]
+    return {a: config_for(a) for a in actions}
+
+
+def test_the_lm_loss_is_scaled_by_the_microbatchs_share_of_the_batch():
+    configs = _configs({"loss": "lm", "schedule": "1f1b", "microbatches": 2})
+    assert configs[Action(1, Kind.F, 0)]["loss_scale"] == 0.25
+    assert configs[Action(1, Kind.F, 1)]["loss_scale"] == 0.75
+    assert all("loss_scale" not in c for a, c in configs.items()
+               if a.kind is not Kind.F or a.stage == 0)
+    assert all("schedule" not in c and c["loss"] == "lm" for c in configs.values())
+
+
+@pytest.mark.parametrize("loss", SUM_FORM_LOSSES)
+def test_a_summed_loss_gets_scale_one_and_every_knob(loss):
+    configs = _configs({"loss": loss, **KNOBS, "lr": 1e-3, "microbatches": 2})
+    assert [configs[Action(1, Kind.F, mb)]["loss_scale"] for mb in range(2)] == [1.0, 1.0]
+    for config in configs.values():
+        assert {k: config[k] for k in KNOBS} == KNOBS and config["loss"] == loss
+        assert "lr" not in config and "microbatches" not in config
+    assert set(KNOBS) | {"loss"} == set(LOSS_KEYS)

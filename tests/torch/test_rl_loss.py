@@ -1,0 +1,403 @@
+"""RL losses on the torch pipeline stages: F/B/W of microbatches of Experiences through the
+stage ops give the unsplit GPT's gradient of verl's token-mean losses (dataflows.rl.algos)
+once divided by the step's normalizer, whatever the microbatches, padding or stage split.
+
+The op functions run here in one process on one OpContext, as one executor holding every stage
+would run them; the last test runs them on torch executor processes through the runtime's
+pipeline_config and submit_optimizer_step (tests/runtime/test_training_config.py has the
+configs alone).
+"""
+
+from __future__ import annotations
+
+import random
+
+import attrs
+import pytest
+import torch
+
+from dataflows.records import Experience, MicrobatchStats, TokenScores
+from dataflows.rl.algos import kl_penalty, ppo_policy_loss, value_loss
+from executors.ops import OpContext
+from executors.torch import ops
+from executors.torch.models.gpt import GPT
+from executors.torch.stage import StageError
+
+SMALL = {"vocab_size": 64, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32}
+SEED = 5
+POLICY = {"model": "policy", "build": "executors.torch.models.gpt:GPT", "model_config": SMALL,
+          "dtype": "float64", "seed": SEED}
+CRITIC = {**POLICY, "model": "critic", "model_config": {**SMALL, "value_head": True}}
+TIGHT = 1e-10
+# A clip bound the gradients exceed, and an AdamW eps so large that its step is about lr times
+# the gradient: a wrongly scaled gradient moves the parameters visibly (Adam's own step is
+# nearly blind to the gradient's scale).
+STEP = {"lr": 1e-2, "clip_grad_norm": 0.05, "eps": 1.0}
+NO_CLIP = {**STEP, "clip_grad_norm": 100.0}  # clipping undoes a wrong scale: test without it
+
+
+def _ctx() -> OpContext:
+    return OpContext(name="exec0", device="cpu", tags=())
+
+
+def _whole(spec: dict) -> GPT:
+    """The unsplit model with the weights every holder builds (same seed, then the dtype)."""
+    torch.manual_seed(spec["seed"])
+    return GPT(**spec["model_config"]).to(torch.float64)
+
+
+# -- experiences ------------------------------------------------------------------------------
+def _experiences(count: int, seed: int, *, max_response: int = 8) -> list[Experience]:
+    """Random samples of different prompt and response lengths (one with an empty response).
+    Their logprobs are filled in by `_near_current` so that some ratios clip and some do not."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        prompt = [rng.randrange(64) for _ in range(rng.randint(1, 6))]
+        length = 0 if i == 1 else rng.randint(1, max_response)
+        response = [rng.randrange(64) for _ in range(length)]
+        out.append(Experience(
+            prompt_id=seed * 100 + i, sample=i % 3, prompt_tokens=prompt,
+            response_tokens=response, logprobs=[0.0] * length, reward=rng.random(),
+            advantages=[rng.gauss(0.0, 1.0) for _ in range(length)],
+            returns=[rng.gauss(0.0, 1.0) for _ in range(length)],
+            values=[rng.gauss(0.0, 0.3) for _ in range(length)]))
+    return out
+
+
+def _current_logprobs(model: GPT, exp: Experience, temperature: float = 1.0) -> list[float]:
+    """The model's log-probability of each response token, alone in its batch."""
+    seq = torch.tensor([exp.prompt_tokens + exp.response_tokens])
+    with torch.no_grad():
+        logits = model(seq[:, :-1])[0]
+    p = len(exp.prompt_tokens)
+    logp = torch.log_softmax(logits[p - 1:] / temperature, dim=-1)
+    return logp.gather(-1, torch.tensor(exp.response_tokens)[:, None]).squeeze(-1).tolist()
+
+
+def _near_current(exps: list[Experience], model: GPT, *, noise: float, seed: int,
+                  field: str = "logprobs") -> list[Experience]:
+    """Experiences whose `field` is the model's current log-probs plus Gaussian noise."""
+    rng = random.Random(seed)
+    out = []
+    for e in exps:
+        values = [v + rng.gauss(0.0, noise) for v in _current_logprobs(model, e)]
+        out.append(attrs.evolve(e, **{field: values}))
+    return out
+
+
+def _ref_scores(exps: list[Experience], model: GPT, *, seed: int) -> list[TokenScores]:
+    noisy = _near_current(exps, model, noise=0.3, seed=seed, field="ref_logprobs")
+    return [TokenScores(prompt_id=e.prompt_id, sample=e.sample, values=e.ref_logprobs)
+            for e in noisy]
+
+
+# -- running the stage ops --------------------------------------------------------------------
+def _run_microbatches(ctx: OpContext, spec: dict, microbatches: list[tuple], *, stages: int,
+                      **loss_config) -> list[MicrobatchStats]:
+    """F, B, W of each microbatch (a tuple of the F's data inputs) through every stage."""
+    config = {**spec, "stages": stages, "loss_scale": 1.0, **loss_config}
+    stats = []
+    for mb, data in enumerate(microbatches):
+        x = None
+        for s in range(stages):
+            inputs = data if s == 0 else (x, *data) if s == stages - 1 else (x,)
+            x = ops._forward(ctx, *inputs, stage=s, microbatch=mb, **config)
+        stats.append(x)
+        grad = None
+        for s in reversed(range(stages)):
+            grad = ops._backward_input(ctx, grad, stage=s, microbatch=mb, **config)
+            ops._backward_weight(ctx, stage=s, microbatch=mb, **config)
+    return stats
+
+
+def _stage_grads(ctx: OpContext, spec: dict, stages: int) -> dict[tuple[int, str], torch.Tensor]:
+    """Each stage's parameter gradients, the tied copies' shares summed into both."""
+    modules = [ops._stage(ctx, {**spec, "stage": s, "stages": stages}).module
+               for s in range(stages)]
+    grads = {(s, n): p.grad.clone() for s, module in enumerate(modules)
+             for n, p in module.named_parameters() if p.grad is not None}
+    if stages > 1 and not spec["model_config"].get("value_head"):
+        total = grads[(0, "wte.weight")] + grads[(stages - 1, "lm_head.weight")]
+        grads[(0, "wte.weight")] = grads[(stages - 1, "lm_head.weight")] = total
+    return grads
+
+
+def _reference_grads(model: GPT, stages: int) -> dict[tuple[int, str], torch.Tensor]:
+    """The unsplit model's gradients under the stages' parameter names."""
+    out = {}
+    for s, module in enumerate(model.split(stages)):
+        for name, p in module.named_parameters():
+            tied = name == "lm_head.weight" and stages > 1 and not model.config.value_head
+            grad = model.lm_head.weight.grad if tied else p.grad
+            out[(s, name)] = grad
+    return out
+
+
+def _assert_grads_equal(got: dict, want: dict, *, scale: float = 1.0) -> None:
+    assert set(got) == set(want)
+    for key, g in got.items():
+        diff = (g / scale - want[key]).abs().max().item()
+        assert diff < TIGHT, f"stage {key[0]} {key[1]}: gradient differs by {diff:.3g}"
+
+
+# -- the plain reference: verl's losses on the unsplit model over the whole padded batch ------
+def _padded_batch(exps: list[Experience], fields: list[str]) -> tuple:
+    """ids (B, T) and per response token (B, R): positions, tokens, mask and each field."""
+    seqs = [e.prompt_tokens + e.response_tokens for e in exps]
+    width = max(len(s) for s in seqs) - 1
+    ids = torch.tensor([s[:-1] + [0] * (width - len(s) + 1) for s in seqs])
+    r = max(len(e.response_tokens) for e in exps)
+
+    def rows(per_exp, dtype=torch.float64):
+        return torch.tensor([list(v) + [0] * (r - len(v)) for v in per_exp], dtype=dtype)
+
+    positions = rows([[len(e.prompt_tokens) - 1 + k for k in range(len(e.response_tokens))]
+                      for e in exps], torch.long)
+    tokens = rows([e.response_tokens for e in exps], torch.long)
+    mask = rows([[1.0] * len(e.response_tokens) for e in exps])
+    return ids, positions, tokens, mask, {f: rows([getattr(e, f) for e in exps])
+                                          for f in fields}
+
+
+def _plain_policy_loss(model: GPT, exps: list[Experience], *, kl_coef: float = 0.0,
+                       kl_kind: str = "k3", temperature: float = 1.0) -> torch.Tensor:
+    fields = ["logprobs", "advantages"] + (["ref_logprobs"] if kl_coef else [])
+    ids, positions, tokens, mask, f = _padded_batch(exps, fields)
+    logits = model(ids)  # (B, T, V)
+    picked = logits.gather(1, positions[..., None].expand(-1, -1, logits.size(-1)))
+    logp = torch.log_softmax(picked / temperature, dim=-1).gather(-1, tokens[..., None])[..., 0]
+    loss = ppo_policy_loss(f["logprobs"], logp, f["advantages"], mask, clip_ratio=0.2,
+                           clip_ratio_c=3.0, agg="token-mean")
+    if kl_coef:
+        kl = kl_penalty(logp, f["ref_logprobs"], kl_kind)
+        loss = loss + kl_coef * (kl * mask).sum() / mask.sum()
+    return loss
+
+
+# -- tests ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("loss, kl_coef, use_ref_input, temperature", [
+    ("ppo", 0.0, False, 1.0),
+    ("grpo", 0.1, True, 1.0),  # reference log-probs from the ref_logprobs input
+    ("grpo", 0.1, False, 0.7),  # ... from Experience.ref_logprobs, at a sampling temperature
+])
+def test_pipeline_gradients_equal_the_unsplit_models_token_mean_loss(loss, kl_coef,
+                                                                     use_ref_input, temperature):
+    model = _whole(POLICY)
+    exps = _near_current(_experiences(7, seed=1), model, noise=0.15, seed=2)
+    refs = _ref_scores(exps, model, seed=3)
+    with_refs = [attrs.evolve(e, ref_logprobs=r.values) for e, r in zip(exps, refs)]
+    if not use_ref_input:
+        exps = with_refs
+    cuts = [exps[:2], exps[2:3], exps[3:]]
+    data = [(cut, refs[i: i + len(cut)]) if use_ref_input else (cut,)
+            for cut, i in zip(cuts, (0, 2, 3))]
+    ctx = _ctx()
+    stats = _run_microbatches(ctx, POLICY, data, stages=2, loss=loss, kl_coef=kl_coef,
+                              temperature=temperature)
+    normalizer = sum(s.normalizer for s in stats)
+    tokens = sum(len(e.response_tokens) for e in exps)
+    assert normalizer == tokens == sum(s.tokens for s in stats)
+
+    plain = _plain_policy_loss(model, with_refs, kl_coef=kl_coef, temperature=temperature)
+    plain.backward()
+    _assert_grads_equal(_stage_grads(ctx, POLICY, 2), _reference_grads(model, 2),
+                        scale=normalizer)
+    reported = sum(s.loss * s.tokens for s in stats) / tokens
+    assert reported == pytest.approx(plain.item(), abs=TIGHT)
+
+
+def test_at_ratio_one_without_kl_the_loss_is_minus_the_mean_advantage():
+    model = _whole(POLICY)
+    exps = _near_current(_experiences(4, seed=7), model, noise=0.0, seed=0)
+    stats = _run_microbatches(_ctx(), POLICY, [(exps,)], stages=2, loss="grpo", kl_coef=0.0)
+    advantages = [a for e in exps for a in e.advantages]
+    assert stats[0].loss == pytest.approx(-sum(advantages) / len(advantages), abs=1e-12)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_longer_sample_in_the_microbatch_leaves_a_samples_contribution_unchanged(stages):
+    model = _whole(POLICY)
+    short, longer = _near_current(_experiences(2, seed=11, max_response=3), model, noise=0.2,
+                                  seed=1)
+    longer = attrs.evolve(longer, prompt_tokens=longer.prompt_tokens + [1] * 9,
+                          response_tokens=[5] * 12, logprobs=[-4.0] * 12,
+                          advantages=[0.5] * 12)
+    sums, grads = [], []
+    for mb in ([short], [longer], [short, longer]):
+        ctx = _ctx()
+        (s,) = _run_microbatches(ctx, POLICY, [(mb,)], stages=stages, loss="ppo")
+        sums.append(s.loss * s.normalizer)
+        grads.append(_stage_grads(ctx, POLICY, stages))
+    assert sums[2] == pytest.approx(sums[0] + sums[1], abs=TIGHT)
+    _assert_grads_equal(grads[2], {k: grads[0][k] + grads[1][k] for k in grads[2]})
+
+
+def _one_step(spec: dict, data: list[tuple], *, stages: int, hparams: dict = STEP,
+              **loss_config) -> tuple:
+    """F/B/W of the microbatches, then grad_stats and optimizer_step as the runtime submits
+    them (every stage reads the microbatches' stats); the parameters and the step's report."""
+    ctx = _ctx()
+    stats = _run_microbatches(ctx, spec, data, stages=stages, **loss_config)
+    step = {**spec, "stages": stages, **hparams}
+    first, tied = ops._grad_stats(ctx, stage=0, **step)
+    grad_stats, summed = [first], None
+    for s in range(1, stages):
+        partner = (tied,) if s == stages - 1 else ()
+        stage_stats, summed = ops._grad_stats(ctx, *partner, stage=s, **step)
+        grad_stats.append(stage_stats)
+    for s in range(stages - 1, 0, -1):
+        ops._optimizer_step(ctx, stats, *grad_stats, stage=s, **step)
+    back = (summed,) if stages > 1 else ()
+    metrics, _ = ops._optimizer_step(ctx, stats, *grad_stats, *back, stage=0, report=True,
+                                     **step)
+    params = {(s, n): p for s in range(stages)
+              for n, p in ops._stage_parameters(ctx, stage=s, **step).items()}
+    return params, metrics
+
+
+@pytest.mark.parametrize("spec, loss", [(POLICY, "grpo"), (CRITIC, "value")])
+@pytest.mark.parametrize("stages", [1, 2])
+def test_one_or_three_microbatches_train_the_same_parameters(spec, loss, stages):
+    model = _whole(POLICY)
+    exps = _near_current(_experiences(6, seed=21), model, noise=0.1, seed=4)
+    refs = _ref_scores(exps, model, seed=5)
+    config = {"loss": loss, "kl_coef": 0.05}
+    whole, whole_metrics = _one_step(spec, [(exps, refs)], stages=stages, **config)
+    cut, cut_metrics = _one_step(spec, [(exps[:1], refs[:1]), (exps[1:4], refs[1:4]),
+                                        (exps[4:], refs[4:])], stages=stages, **config)
+    for key, p in whole.items():
+        diff = (p - cut[key]).abs().max().item()
+        assert diff < TIGHT, f"stage {key[0]} {key[1]} differs by {diff:.3g}"
+    assert cut_metrics.grad_norm == pytest.approx(whole_metrics.grad_norm, abs=TIGHT)
+    assert cut_metrics.grad_norm > 0.05  # the clip bound: clipping ran on the normalized norm
+    assert cut_metrics.loss == pytest.approx(whole_metrics.loss, abs=TIGHT)
+    assert cut_metrics.tokens == whole_metrics.tokens == sum(len(e.response_tokens)
+                                                            for e in exps)
+
+
+def test_the_value_loss_gradients_equal_verls_clipped_value_loss_on_the_unsplit_critic():
+    critic = _whole(CRITIC)
+    exps = _experiences(5, seed=31)
+    ctx = _ctx()
+    stats = _run_microbatches(ctx, CRITIC, [(exps[:3],), (exps[3:],)], stages=2, loss="value",
+                              cliprange_value=0.1)
+    ids, positions, _, mask, f = _padded_batch(exps, ["values", "returns"])
+    predicted = critic(ids).gather(1, positions)  # (B, R)
+    plain = value_loss(predicted, f["returns"], f["values"], mask, clip_range=0.1)
+    plain.backward()
+    normalizer = sum(s.normalizer for s in stats)
+    _assert_grads_equal(_stage_grads(ctx, CRITIC, 2), _reference_grads(critic, 2),
+                        scale=normalizer)
+    reported = sum(s.loss * s.tokens for s in stats) / sum(s.tokens for s in stats)
+    assert reported == pytest.approx(plain.item(), abs=TIGHT)
+
+
+def test_an_empty_microbatch_contributes_nothing():
+    ctx = _ctx()
+    (stats,) = _run_microbatches(ctx, POLICY, [([],)], stages=2, loss="grpo")
+    assert (stats.loss, stats.tokens, stats.normalizer) == (0.0, 0, 0.0)
+    assert all(float(g.abs().max()) == 0.0 for g in _stage_grads(ctx, POLICY, 2).values())
+
+
+def test_profiling_accepts_an_experience_microbatch():
+    exps = _experiences(3, seed=41)
+    for s in range(2):
+        seconds = ops._profile(_ctx(), exps, **POLICY, stage=s, stages=2, repeats=1)
+        assert set(seconds) == {"F", "B", "W", "BW"} and all(v > 0 for v in seconds.values())
+
+
+# -- clear errors ---------------------------------------------------------------------------
+def _last_forward(spec: dict, *data, **config):
+    """The last stage's F of a two-stage split on the given data inputs."""
+    ctx = _ctx()
+    act = ops._forward(ctx, *data, stage=0, stages=2, microbatch=0, **spec, **config)
+    return ops._forward(ctx, act, *data, stage=1, stages=2, microbatch=0, **spec, **config)
+
+
+def test_an_unknown_loss_names_the_known_ones():
+    with pytest.raises(StageError, match="'ppo-policy'.*lm, grpo, ppo, value"):
+        _last_forward(POLICY, _experiences(2, seed=1), loss="ppo-policy")
+
+
+def test_the_value_loss_needs_a_value_head():
+    with pytest.raises(ValueError, match="value_head"):
+        _last_forward(POLICY, _experiences(2, seed=1), loss="value")
+
+
+def test_a_policy_loss_on_a_value_head_says_so():
+    with pytest.raises(ValueError, match="logits"):
+        _last_forward(CRITIC, _experiences(2, seed=1), loss="ppo")
+
+
+def test_grpo_with_a_kl_term_needs_reference_logprobs():
+    with pytest.raises(ValueError, match="reference log-prob"):
+        _last_forward(POLICY, _experiences(2, seed=1), loss="grpo", kl_coef=0.1)
+    # without the KL term none are needed
+    stats = _last_forward(POLICY, _experiences(2, seed=1), loss="grpo", kl_coef=0.0)
+    assert stats.normalizer > 0
+
+
+def test_mismatched_lengths_name_the_field_and_the_sample():
+    exps = _experiences(3, seed=1)
+    short = [exps[0], attrs.evolve(exps[2], advantages=exps[2].advantages[:-1])]
+    with pytest.raises(ValueError, match=r"prompt_id=102.*advantages"):
+        _last_forward(POLICY, short, loss="ppo")
+    refs = [TokenScores(prompt_id=e.prompt_id, sample=e.sample, values=[0.0]) for e in exps]
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        _last_forward(POLICY, exps, refs, loss="grpo", kl_coef=0.1)
+    with pytest.raises(ValueError, match="no reference log-probs for .*prompt_id=100"):
+        _last_forward(POLICY, exps, refs[1:], loss="grpo", kl_coef=0.1)
+
+
+# -- through the runtime: real torch executors, the runtime's configs and optimizer step -----
+def test_a_pipeline_on_torch_executors_trains_like_one_microbatch_in_one_process():
+    """pipeline_config gives the RL loss its knobs and scale 1, submit_optimizer_step gives
+    every stage the microbatches' stats (their normalizer): three microbatches on two executor
+    processes take the step one microbatch takes here."""
+    from flowkit.planner import Costs
+    from flowkit.planner.schedules import build_schedule
+    from flowkit.runtime import Controller, Gather, LocalExecutors
+    from flowkit.runtime.pipeline import submit_schedule
+    from flowkit.runtime.training import pipeline_config, submit_optimizer_step
+
+    model = _whole(POLICY)
+    exps = _near_current(_experiences(6, seed=51), model, noise=0.1, seed=6)
+    refs = _ref_scores(exps, model, seed=7)
+    loss = {"loss": "grpo", "kl_coef": 0.05, "kl_kind": "k2", "clip_ratio": 0.1,
+            "temperature": 1.0}
+    want, want_metrics = _one_step(POLICY, [(exps, refs)], stages=2, hparams=NO_CLIP, **loss)
+
+    cuts = [(0, 1), (1, 4), (4, 6)]
+    spec = {**POLICY, "stages": 2}
+    schedule = build_schedule("1f1b", devices=2, microbatches=3, costs=Costs.uniform(2))
+    config_for = pipeline_config(lambda action: {}, spec, [b - a for a, b in cuts],
+                                 {**loss, "schedule": "1f1b"})
+    ctl = Controller()
+    executors = LocalExecutors(ctl, 2, kind="torch", tags=("train",))
+    try:
+        infos = sorted(executors.start(), key=lambda e: int(e.name.rsplit("-", 1)[1]))
+        run = submit_schedule(ctl, schedule, infos, config_for=config_for, lane="actor",
+                              microbatch_inputs=[(exps[a:b], refs[a:b]) for a, b in cuts])
+        quiet, (metrics, _) = submit_optimizer_step(
+            ctl, schedule, infos, spec, [Gather(run.losses)],
+            {**NO_CLIP, "step": 0}, lane="actor", meta={},
+            outputs=2)
+        got_metrics = metrics.result(timeout=60)
+        for future in quiet:
+            future.result(timeout=60)
+        got = {}
+        for stage in range(2):
+            params = ctl.submit("stage_parameters", config={**spec, "stage": stage},
+                                executor=infos[schedule.placement.device_of(stage)].id,
+                                lane=f"actor/{schedule.placement.device_of(stage)}")
+            got.update({(stage, n): p for n, p in params.result(timeout=60).items()})
+    finally:
+        ctl.shutdown()
+        executors.stop()
+    for key, p in want.items():
+        diff = (p - got[key]).abs().max().item()
+        assert diff < TIGHT, f"stage {key[0]} {key[1]} differs by {diff:.3g}"
+    assert got_metrics.grad_norm == pytest.approx(want_metrics.grad_norm, abs=TIGHT)
+    assert got_metrics.grad_norm < NO_CLIP["clip_grad_norm"]
+    assert got_metrics.loss == pytest.approx(want_metrics.loss, abs=TIGHT)
