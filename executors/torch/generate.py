@@ -30,6 +30,7 @@ from executors.torch.stage import StageError
 
 __all__ = ["evaluating", "register", "sample_token", "whole_model"]
 
+_STEP_SEEDS = 1_000_003  # step k samples with seed + k * this: fresh draws, same for a replay
 EOS = 10  # byte "\n": the example corpora are byte-tokenized one-line answers; eos=None: none
 
 
@@ -45,7 +46,7 @@ def whole_model(ctx: OpContext, config: dict) -> torch.nn.Module:
         raise StageError(f"generation and inference need the model's {' and '.join(missing)} in "
                          "their config, e.g. model='policy', "
                          "build='executors.torch.models.gpt:GPT'")
-    held = _model(ctx, {"stages": 1, **config})
+    held = _model(ctx, {**config, "stages": 1})  # its whole copy, beside any training split
     if len(held.parts) != 1:
         raise StageError(f"model {config['model']!r} is held here in {len(held.parts)} stages; "
                          "generation and inference need it whole (stages=1)")
@@ -195,12 +196,12 @@ def _rollout(seq: _Seq, finished: bool) -> Any:
 def _generate(ctx: OpContext, prompts: Any, *weights: Any, n: int = 1, max_new_tokens: int = 16,
               temperature: float = 1.0, top_p: float = 1.0, eos: int | None = EOS,
               seed: int = 0, sample_seed: int | None = None, max_batch: int = 32,
-              **config: Any) -> list:
+              step: int = 0, **config: Any) -> list:
     """n rollouts of each prompt (a Prompt or a list of them), sampled with the KV cache
     through `max_batch` slots. `weights` (versions) only order this task after a step: the
     model is the one this executor holds by name. `seed` seeds the model's build (as in
-    executors/torch/ops.py) and, unless `sample_seed` is given, the sampling
-    [Note: one generator per sample]."""
+    executors/torch/ops.py) and, unless `sample_seed` is given, the sampling, which also
+    draws afresh each `step` [Note: one generator per sample]."""
     prompts = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
     if not prompts:
         return []
@@ -214,7 +215,7 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, n: int = 1, max_new_t
                          f"block_size {block}")
     s = _Sampling(n=int(n), max_new_tokens=int(max_new_tokens), temperature=float(temperature),
                   top_p=float(top_p), eos=None if eos is None else int(eos),
-                  seed=int(seed if sample_seed is None else sample_seed),
+                  seed=int(seed if sample_seed is None else sample_seed) + _STEP_SEEDS * int(step),
                   max_batch=max(1, int(max_batch)))
     device = next(model.parameters()).device
     with evaluating(model):

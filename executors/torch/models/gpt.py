@@ -47,6 +47,7 @@ __all__ = [
     "KVCache",
     "layers_per_stage",
     "split_gpt",
+    "stage_names",
     "sum_tied_grads",
     "tied_parameters",
 ]
@@ -190,6 +191,11 @@ class GPT(nn.Module):
     def split(self, stages: int, *, seq_len: int | None = None) -> list[nn.Module]:
         """Pipeline stages (the torch executor calls this): see `split_gpt`."""
         return split_gpt(self, stages, seq_len=seq_len)
+
+    def stage_names(self, stages: int, *, seq_len: int | None = None) -> list[dict[str, str]]:
+        """Per stage of `split(stages, seq_len=...)`, its parameter names -> this model's
+        (executors/torch/weights.py moves weights between splits by them): see `stage_names`."""
+        return stage_names(self.config, stages, seq_len=seq_len)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         x = _embed(self.transformer, idx)  # (B, T, C)
@@ -341,6 +347,32 @@ def split_gpt(model: GPT, stages: int, *, seq_len: int | None = None) -> list[nn
     for s, k in enumerate(counts):
         out.append(GPTStage(config, blocks[start : start + k], first=s == 0,
                             last=s == stages - 1, transformer=model.transformer, lm_head=lm_head))
+        start += k
+    return out
+
+
+def stage_names(config: GPTConfig, stages: int, *,
+                seq_len: int | None = None) -> list[dict[str, str]]:
+    """Per stage of ``split_gpt(model, stages, seq_len=seq_len)``: each of its parameter names
+    (every name, a one-stage split's tied ``lm_head.weight`` beside its ``wte.weight``) -> the
+    unsplit GPT's name for the same weight: ``h.{i}.*`` -> ``transformer.h.{first + i}.*``,
+    ``wte``/``wpe``/``ln_f`` -> ``transformer.*``, ``lm_head.weight`` -> ``lm_head.weight`` (the
+    last stage's untied copy too [Note: tied embedding across stages])."""
+    counts = layers_per_stage(config, stages, seq_len=seq_len)
+    with torch.device("meta"):  # names only: nothing allocated
+        block = [name for name, _ in Block(config).named_parameters()]
+        norm = nn.LayerNorm(config.n_embd, bias=config.bias)
+        ln_f = [name for name, _ in norm.named_parameters()]
+    out, start = [], 0
+    for s, k in enumerate(counts):
+        names = {}
+        if s == 0:
+            names |= {f"{n}.weight": f"transformer.{n}.weight" for n in ("wte", "wpe")}
+        names |= {f"h.{i}.{b}": f"transformer.h.{start + i}.{b}" for i in range(k) for b in block}
+        if s == stages - 1:
+            names |= {f"ln_f.{n}": f"transformer.ln_f.{n}" for n in ln_f}
+            names["lm_head.weight"] = "lm_head.weight"
+        out.append(names)
         start += k
     return out
 

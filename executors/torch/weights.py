@@ -1,0 +1,320 @@
+"""One model held in several shapes: its weights by the unsplit model's names, exported from one
+split and loaded into another (a trainer's stages -> a generator's whole copy), and checkpoints.
+
+[Note: unsplit names] An executor may hold one model in several splits at once, keyed by
+(name, number of stages): "actor" cut in two stages to train and whole (one stage) to generate
+with, each built from the same seed [Note: one model, many holders in ops.py]. Each split
+names its parameters locally (a GPT stage's ``h.0.attn.c_attn.weight``); weights travel between
+splits, executors and checkpoint files by the unsplit model's names
+(``transformer.h.3.attn.c_attn.weight``, as ``GPT.state_dict()`` has them). A model maps the one
+to the other with a method ``stage_names(stages, seq_len=...)`` (the GPT's, in models/gpt.py):
+per stage, local name -> unsplit name. A model without one is mapped through its split sharing
+the whole model's parameter tensors (a model that is not split is its own single stage).
+
+A weight tied in the unsplit model (a GPT's ``transformer.wte.weight`` and ``lm_head.weight``)
+is one weight under two names. A split with two copies of it (the first stage's ``wte``, the
+last stage's ``lm_head`` [Note: tied embedding across stages]) exports each copy under its own
+name; after an optimizer step the two are equal. Loading either name sets every copy of the
+weight in the split loaded into, so one split's export fills any other split.
+
+The ops: `export_weights` (one stage's parameters by unsplit name, CPU copies) and
+`load_weights` (copy such dicts into the held split; registered in ops.py). The controller
+merges and saves exports with `save_checkpoint`; a model config key ``checkpoint`` names such
+a file, which `_model` loads into the whole model before splitting it (`load_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from executors.ops import OpContext
+from executors.torch.stage import StageError
+
+__all__ = ["Layout", "export", "export_weights", "layout", "load", "load_checkpoint",
+           "load_weights", "merge", "save_checkpoint", "to_local", "to_unsplit"]
+
+
+# -- names ------------------------------------------------------------------------------------
+@attrs.frozen(eq=False)
+class Layout:
+    """How one split of a model names its weights [Note: unsplit names]."""
+
+    names: tuple[dict[str, str], ...]  # per stage: every local parameter name -> unsplit name
+    aliases: dict[str, tuple[str, ...]]  # unsplit name -> every unsplit name of its weight
+    problem: str | None = None  # why the names are unknown; raised when they are needed
+
+    @property
+    def known(self) -> set[str]:
+        """Every unsplit name of the model."""
+        return set(self.aliases) | {u for names in self.names for u in names.values()}
+
+    def check(self) -> Layout:
+        if self.problem:
+            raise StageError(self.problem)
+        return self
+
+
+def layout(whole: torch.nn.Module, parts: Sequence[torch.nn.Module] | None = None, *,
+           seq_len: int | None = None) -> Layout:
+    """The names of `parts`, the split of `whole` made with `seq_len` (None: `whole` itself,
+    named as it names its parameters). Never raises: a model whose stages cannot be named gets
+    a Layout whose `check` says why."""
+    groups: dict[int, list[str]] = {}
+    for name, p in whole.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    aliases = {name: tuple(group) for group in groups.values() for name in group}
+    if parts is None:
+        return Layout(names=({name: name for name in aliases},), aliases=aliases)
+    try:
+        names = _stage_names(whole, parts, seq_len)
+    except (StageError, ValueError) as e:
+        return Layout(names=(), aliases=aliases, problem=str(e))
+    for s, (part, mapping) in enumerate(zip(parts, names)):
+        local = {name for name, _ in part.named_parameters(remove_duplicate=False)}
+        if local != set(mapping):
+            odd = sorted(local ^ set(mapping))[:4]
+            return Layout(names=(), aliases=aliases, problem=(
+                f"{type(whole).__name__}.stage_names({len(parts)}) does not name stage {s}'s "
+                f"parameters as its split does (e.g. {odd}): the two disagree"))
+    return Layout(names=tuple(names), aliases=aliases)
+
+
+def _stage_names(whole: torch.nn.Module, parts: Sequence[torch.nn.Module],
+                 seq_len: int | None) -> list[dict[str, str]]:
+    own = getattr(whole, "stage_names", None)
+    if own is not None:
+        names = [dict(m) for m in own(len(parts), seq_len=seq_len)]
+        if len(names) != len(parts):
+            raise StageError(f"{type(whole).__name__}.stage_names({len(parts)}) named "
+                             f"{len(names)} stages")
+        return names
+    if len(parts) == 1 and parts[0] is whole:
+        return [{name: name for name, _ in whole.named_parameters(remove_duplicate=False)}]
+    by_id: dict[int, str] = {}
+    for name, p in whole.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), name)
+    names = []
+    for s, part in enumerate(parts):
+        mapping = {}
+        for name, p in part.named_parameters(remove_duplicate=False):
+            if id(p) not in by_id:
+                raise StageError(
+                    f"stage {s}'s parameter {name!r} is not one of the whole "
+                    f"{type(whole).__name__}'s, so its unsplit name is unknown: give the model a "
+                    "method stage_names(stages, seq_len=...) (see executors/torch/models/gpt.py)")
+            mapping[name] = by_id[id(p)]
+        names.append(mapping)
+    return names
+
+
+def to_unsplit(tensors: Mapping[str, Any], names: Mapping[str, str]) -> dict[str, Any]:
+    """One stage's values by its local names -> by the unsplit model's names."""
+    unknown = sorted(set(tensors) - set(names))
+    if unknown:
+        raise StageError(f"this stage has no parameters named {_few(unknown)}")
+    return {names[local]: value for local, value in tensors.items()}
+
+
+def to_local(tensors: Mapping[str, Any], names: Sequence[Mapping[str, str]],
+             aliases: Mapping[str, Sequence[str]] | None = None) -> list[dict[str, Any]]:
+    """Values by unsplit name -> per stage of a split named by `names`, by its local names.
+    A tied weight given under any of its `aliases` fills every local copy; names the values
+    lack are left out."""
+    out = []
+    for mapping in names:
+        stage = {}
+        for local, unsplit in mapping.items():
+            source = _source(unsplit, tensors, aliases or {})
+            if source is not None:
+                stage[local] = tensors[source]
+        out.append(stage)
+    return out
+
+
+def _source(unsplit: str, given: Mapping[str, Any], aliases: Mapping[str, Sequence[str]]):
+    """The given name that holds weight `unsplit`: itself, else one of its tied names."""
+    for name in (unsplit, *aliases.get(unsplit, ())):
+        if name in given:
+            return name
+    return None
+
+
+# -- moving weights ---------------------------------------------------------------------------
+def export(module: torch.nn.Module, names: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    """The module's parameters by unsplit name: detached CPU copies (one copy for a parameter
+    under two names, as a one-stage GPT's tied wte/lm_head)."""
+    copies: dict[int, torch.Tensor] = {}
+    out = {}
+    for local, p in module.named_parameters(remove_duplicate=False):
+        if id(p) not in copies:
+            copies[id(p)] = p.detach().to(device="cpu", copy=True)
+        out[names[local]] = copies[id(p)]
+    return out
+
+
+def load(parts: Sequence[torch.nn.Module], lay: Layout, tensors: Mapping[str, Any], *,
+         stages: Iterable[int] | None = None, complete: bool = False,
+         what: str = "the model") -> int:
+    """Copy `tensors` (by unsplit name) into the parameters of `parts` (the split `lay` names;
+    only `stages` of them if given), casting to each parameter's dtype and device. Every name
+    must be the model's and every shape must fit; with `complete`, every parameter must be
+    given. All is checked before anything is copied. Returns how many parameters were set."""
+    lay.check()
+    bad = sorted(n for n, t in tensors.items() if not isinstance(t, torch.Tensor))
+    if bad:
+        raise StageError(f"weights for {what} must be tensors; {_few(bad)} are not")
+    unknown = sorted(set(tensors) - lay.known)
+    if unknown:
+        raise StageError(f"{what} has no weights named {_few(unknown)} (its names are like "
+                         f"{_few(sorted(lay.known))})")
+    which = range(len(parts)) if stages is None else list(stages)
+    plan: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    missing: dict[int, str] = {}
+    mismatched = []
+    for s in which:
+        params = dict(parts[s].named_parameters(remove_duplicate=False))
+        for local, unsplit in lay.names[s].items():
+            p = params[local]
+            if id(p) in plan:  # a tied parameter under its second name
+                continue
+            source = _source(unsplit, tensors, lay.aliases)
+            if source is None:
+                missing.setdefault(id(p), unsplit)
+                continue
+            value = tensors[source]
+            if tuple(value.shape) != tuple(p.shape):
+                mismatched.append(f"{source} is {tuple(value.shape)}, "
+                                  f"{unsplit} is {tuple(p.shape)}")
+            plan[id(p)] = (p, value)
+    if mismatched:
+        raise StageError(f"weights for {what} do not fit its shapes: {'; '.join(mismatched)}")
+    lacking = sorted(name for key, name in missing.items() if key not in plan)
+    if complete and lacking:
+        raise StageError(f"weights for {what} lack {len(lacking)} of its parameters: "
+                         f"{_few(lacking)}")
+    with torch.no_grad():
+        for p, value in plan.values():
+            p.copy_(value)
+    return len(plan)
+
+
+def merge(dicts: Any) -> dict[str, torch.Tensor]:
+    """One dict of the weights in `dicts` (a dict, or lists of them: export_weights' results).
+    A name given twice must hold equal values."""
+    out: dict[str, torch.Tensor] = {}
+    for d in _dicts(dicts):
+        for name, value in d.items():
+            if not isinstance(value, torch.Tensor):
+                raise StageError(f"weight {name!r} is a {type(value).__name__}, not a tensor")
+            if name in out and not (out[name].shape == value.shape
+                                    and torch.equal(out[name], value.to(out[name].dtype))):
+                raise StageError(f"weight {name!r} is given twice with different values")
+            out.setdefault(name, value)
+    return out
+
+
+def _dicts(value: Any) -> Iterable[Mapping]:
+    if isinstance(value, Mapping):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _dicts(v)
+    elif value is not None:
+        raise StageError(f"expected dicts of weights by name, got a {type(value).__name__}")
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+def save_checkpoint(path: str | os.PathLike, dicts: Any) -> Path:
+    """Merge export dicts (`export_weights` results: one per stage, or a whole model's) and
+    `torch.save` them to `path` as one dict by unsplit name; the file is replaced whole, never
+    left half-written. A model config ``checkpoint: path`` starts a model from it."""
+    weights = {name: t.detach().cpu() for name, t in merge(dicts).items()}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(weights, f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_checkpoint(whole: torch.nn.Module, path: str | os.PathLike) -> None:
+    """Set every parameter of the unsplit model `whole` from the checkpoint at `path` (a dict
+    by unsplit name, as `save_checkpoint` or ``torch.save(model.state_dict())`` writes)."""
+    if not Path(path).is_file():
+        raise StageError(f"checkpoint {str(path)!r} is not a file (on executor host, cwd "
+                         f"{os.getcwd()!r})")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, Mapping):
+        raise StageError(f"checkpoint {str(path)!r} holds a {type(state).__name__}, not a dict "
+                         "of weights by name")
+    what = f"checkpoint {str(path)!r}"
+    buffers = dict(whole.named_buffers())  # a state_dict's buffers load too, but are optional
+    given = {n: t for n, t in state.items() if n in buffers}
+    for name, value in given.items():
+        if not isinstance(value, torch.Tensor) or value.shape != buffers[name].shape:
+            raise StageError(f"{what}: buffer {name!r} does not fit {tuple(buffers[name].shape)}")
+    load([whole], layout(whole), {n: t for n, t in state.items() if n not in buffers},
+         complete=True, what=what)
+    with torch.no_grad():
+        for name, value in given.items():
+            buffers[name].copy_(value)
+
+
+# -- the ops ----------------------------------------------------------------------------------
+def export_weights(ctx: OpContext, *_: Any, stage: int, stages: int, model: str, build: str,
+                   **config: Any) -> dict[str, torch.Tensor]:
+    """Stage `stage` of the model held here in `stages` stages: its parameters by unsplit name,
+    detached CPU copies [Note: unsplit names]. Inputs only order it (after a step)."""
+    from executors.torch.ops import _model
+
+    held = _model(ctx, {**config, "model": model, "build": build, "stages": stages})
+    if not 0 <= int(stage) < len(held.parts):
+        raise StageError(f"model {model!r} has stages 0..{len(held.parts) - 1}, not {stage}")
+    return export(held.parts[int(stage)], held.layout.check().names[int(stage)])
+
+
+def load_weights(ctx: OpContext, *dicts: Any, model: str, build: str, stages: int,
+                 version: int | None = None, complete: bool = False, stage: int | None = None,
+                 **config: Any) -> Any:
+    """Copy the weights in `dicts` (export_weights' results, by unsplit name) into the model
+    held here in `stages` stages (only its stage `stage` if given), then record `version`.
+    Unknown names and wrong shapes are errors; missing ones only with `complete`. Inputs that
+    are WeightsVersions only order it; the newest gives the version when `version` is None.
+    Returns the WeightsVersion loaded (for generate to wait on), or None with no version.
+    Optimizer state, where this split trains, is kept."""
+    from dataflows.records import WeightsVersion
+    from executors.torch.ops import _model
+
+    tensors, versions = [], []
+    for value in dicts:
+        if isinstance(value, WeightsVersion):
+            versions.append(int(value.version))
+        else:
+            tensors.append(value)
+    held = _model(ctx, {**config, "model": model, "build": build, "stages": stages})
+    which = None if stage is None else [int(stage)]
+    if which and not 0 <= which[0] < len(held.parts):
+        raise StageError(f"model {model!r} has stages 0..{len(held.parts) - 1}, not {stage}")
+    load(held.parts, held.layout, merge(tensors), stages=which, complete=bool(complete),
+         what=f"model {model!r} in {stages} stage(s)")
+    if version is None and versions:
+        version = max(versions)
+    held.version = None if version is None else int(version)
+    return None if version is None else WeightsVersion(model=model, version=int(version))
+
+
+def _few(names: Sequence[str], n: int = 5) -> str:
+    shown = ", ".join(repr(x) for x in names[:n])
+    return shown + (f" and {len(names) - n} more" if len(names) > n else "")

@@ -1,0 +1,375 @@
+"""One model in several shapes: names by the unsplit GPT, a trainer's two stages exported into a
+whole copy that generates (on one executor or another), checkpoints, and the errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dataflows.records import Prompt, Rollout, WeightsVersion
+from executors.ops import OpContext, OpTable
+from executors.torch import register as register_torch
+from executors.torch import weights
+from executors.torch.models.gpt import GPT
+from executors.torch.stage import StageError
+
+GPT_CONFIG = {"vocab_size": 64, "block_size": 32, "n_layer": 4, "n_head": 2, "n_embd": 32}
+SPEC = {"model": "actor", "build": "executors.torch.models.gpt:GPT", "model_config": GPT_CONFIG,
+        "seed": 3, "dtype": "float64"}
+LR = {"lr": 1e-2, "clip_grad_norm": 1.0}
+
+_TABLE = OpTable()
+register_torch(_TABLE)
+
+
+def _op(name: str, ctx: OpContext, *inputs, **config):
+    return _TABLE.get(name)(ctx, *inputs, **config)
+
+
+def _ctx(name: str = "exec0") -> OpContext:
+    return OpContext(name=name, device="cpu", tags=())
+
+
+def _batches(step: int, microbatches: int = 2, rows: int = 3, seq: int = 12) -> list:
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randint(0, 64, (rows, seq + 1), generator=g) for _ in range(microbatches)]
+
+
+def _train_step(ctx: OpContext, step: int, spec: dict = SPEC) -> WeightsVersion:
+    """One step of the 2-stage split on `ctx` through the ops (F, B, W, grad stats, AdamW)."""
+    batches = _batches(step)
+    two = {**spec, "stages": 2}
+    stats = []
+    for mb, tokens in enumerate(batches):
+        act = _op("F", ctx, tokens, stage=0, microbatch=mb, **two)
+        out = _op("F", ctx, act, tokens, stage=1, microbatch=mb, loss_scale=1 / len(batches),
+                  **two)
+        stats.append(out)
+        grad = _op("B", ctx, out, stage=1, microbatch=mb, **two)
+        _op("B", ctx, grad, stage=0, microbatch=mb, **two)
+        _op("W", ctx, stage=1, microbatch=mb, **two)
+        _op("W", ctx, stage=0, microbatch=mb, **two)
+    s0, tied = _op("grad_stats", ctx, stage=0, **two)
+    s1, summed = _op("grad_stats", ctx, tied, stage=1, **two)
+    _op("optimizer_step", ctx, s0, s1, stage=1, step=step, **LR, **two)
+    _, version = _op("optimizer_step", ctx, stats, s0, s1, summed, stage=0, step=step,
+                     report=True, **LR, **two)
+    return version
+
+
+def _export(ctx: OpContext, stages: int, spec: dict = SPEC) -> list[dict]:
+    return [_op("export_weights", ctx, stage=s, stages=stages, **spec) for s in range(stages)]
+
+
+def _held(ctx: OpContext, stages: int, name: str = "actor"):
+    return ctx.state["torch_models"][(name, stages)]
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert set(a) == set(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+# -- names ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seq_len", [None, 4])
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_stage_names_name_every_split_parameter_by_the_unsplit_model(stages, seq_len):
+    torch.manual_seed(0)
+    model = GPT(**GPT_CONFIG)
+    whole = dict(model.named_parameters(remove_duplicate=False))
+    names = model.stage_names(stages, seq_len=seq_len)
+    covered = set()
+    for s, part in enumerate(model.split(stages, seq_len=seq_len)):
+        params = dict(part.named_parameters(remove_duplicate=False))
+        assert set(params) == set(names[s])
+        for local, p in params.items():
+            unsplit = names[s][local]
+            if stages > 1 and local == "lm_head.weight":  # the last stage's untied copy
+                assert p is not whole[unsplit] and torch.equal(p, whole[unsplit])
+            else:
+                assert p is whole[unsplit], (s, local, unsplit)
+            covered.add(unsplit)
+    assert covered == set(model.state_dict())
+    if stages > 1:
+        assert names[0]["h.0.attn.c_attn.weight"] == "transformer.h.0.attn.c_attn.weight"
+        first = sum(1 for n in names[0] if n.endswith(".attn.c_attn.weight"))
+        assert names[1]["h.0.ln_1.weight"] == f"transformer.h.{first}.ln_1.weight"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_weights_round_trip_from_any_split_to_any_other(n):
+    torch.manual_seed(0)
+    source = GPT(**GPT_CONFIG)
+    parts = source.split(n)
+    lay = weights.layout(source, parts)
+    exported = [weights.export(part, lay.names[s]) for s, part in enumerate(parts)]
+    for s, part in enumerate(parts):
+        local = {k: v.detach() for k, v in part.named_parameters(remove_duplicate=False)}
+        _assert_same(weights.to_unsplit(local, lay.names[s]), exported[s])
+    merged = weights.merge(exported)
+    _assert_same(merged, {k: v for k, v in source.state_dict().items()})
+    idx = torch.randint(0, 64, (2, 10))
+    for m in range(1, 5):
+        torch.manual_seed(1)  # other weights, to be overwritten
+        target = GPT(**GPT_CONFIG)
+        tparts = target.split(m)
+        tlay = weights.layout(target, tparts)
+        mine = weights.to_local(merged, tlay.names, tlay.aliases)
+        for s, part in enumerate(tparts):
+            assert set(mine[s]) == {k for k, _ in part.named_parameters(remove_duplicate=False)}
+            _assert_same(weights.to_unsplit(mine[s], tlay.names[s]),
+                         {tlay.names[s][k]: merged[tlay.names[s][k]] for k in mine[s]})
+        weights.load(tparts, tlay, merged, complete=True)
+        for s, part in enumerate(tparts):
+            _assert_same(weights.export(part, tlay.names[s]),
+                         {u: merged[u] for u in tlay.names[s].values()})
+        with torch.no_grad():
+            x = idx
+            for part in tparts:
+                x = part(x)
+            torch.testing.assert_close(x, source(idx), rtol=0, atol=1e-6)
+
+
+def test_one_name_of_a_tied_weight_sets_every_copy():
+    torch.manual_seed(0)
+    model = GPT(**GPT_CONFIG)
+    parts = model.split(2)
+    lay = weights.layout(model, parts)
+    new = torch.randn(64, 32)
+    assert weights.load(parts, lay, {"transformer.wte.weight": new}) == 2
+    assert torch.equal(parts[0].wte.weight, new) and torch.equal(parts[1].lm_head.weight, new)
+    whole = model.split(1)
+    lay1 = weights.layout(model, whole)
+    weights.load(whole, lay1, {"lm_head.weight": new * 2})
+    assert torch.equal(whole[0].wte.weight, new * 2)  # one tensor there
+
+
+# -- on executors -----------------------------------------------------------------------------
+def test_a_two_stage_split_and_a_whole_copy_coexist_and_start_equal():
+    ctx = _ctx()
+    whole = _export(ctx, 1)[0]
+    two = _export(ctx, 2)
+    assert set(ctx.state["torch_models"]) == {("actor", 1), ("actor", 2)}
+    _assert_same(weights.merge(two), whole)
+    assert _held(ctx, 1).parts[0].wte.weight is not _held(ctx, 2).parts[0].wte.weight
+    with pytest.raises(StageError, match="declare one model two ways"):
+        _op("export_weights", ctx, stage=0, stages=1, **{**SPEC, "seed": 4})
+    with pytest.raises(StageError, match="declare one model two ways"):
+        _op("export_weights", ctx, stage=0, stages=3, **{**SPEC, "dtype": "float32"})
+
+
+def test_trained_stages_exported_into_a_whole_copy_give_the_same_model():
+    ctx = _ctx()
+    before = _export(ctx, 1)[0]  # the whole copy, built before training
+    version = _train_step(ctx, 0)
+    e0, e1 = _export(ctx, 2)
+    assert torch.equal(e0["transformer.wte.weight"], e1["lm_head.weight"])  # tied copies agree
+    assert not torch.equal(e0["transformer.wte.weight"], before["transformer.wte.weight"])
+    _assert_same(_export(ctx, 1)[0], before)  # training one split leaves the other alone
+
+    loaded = _op("load_weights", ctx, e0, e1, version, stages=1, complete=True, **SPEC)
+    assert loaded == WeightsVersion(model="actor", version=1)
+    assert _held(ctx, 1).version == 1
+    _assert_same(_export(ctx, 1)[0], weights.merge([e0, e1]))
+    trained = _held(ctx, 2).parts
+    for s, part in enumerate(trained):  # equal to the trained parameters themselves
+        for local, p in part.named_parameters():
+            unsplit = _held(ctx, 2).layout.names[s][local]
+            assert torch.equal(_export(ctx, 1)[0][unsplit], p.detach())
+
+    idx = torch.randint(0, 64, (3, 20))
+    with torch.no_grad():
+        split_logits = trained[1](trained[0](idx))
+        whole_logits = _held(ctx, 1).parts[0](idx)
+    torch.testing.assert_close(whole_logits, split_logits, rtol=0, atol=1e-12)
+
+    # another executor's whole copy takes the same dicts; generation there equals this one's
+    other = _ctx("exec1")
+    assert _op("load_weights", other, e0, e1, stages=1, version=1, **SPEC).version == 1
+    prompts = [Prompt(prompt_id=i, tokens=[3 + i, 7, 9]) for i in range(3)]
+    rollouts = _op("generate", ctx, prompts, loaded, n=2, max_new_tokens=5, eos=None, **SPEC)
+    again = _op("generate", other, prompts, n=2, max_new_tokens=5, eos=None, **SPEC)
+    assert [r.response_tokens for r in rollouts] == [r.response_tokens for r in again]
+    scores = _op("logprobs", other, rollouts, **SPEC)
+    for r, s in zip(rollouts, scores):
+        assert s.values == pytest.approx(r.logprobs, rel=0, abs=1e-9)
+
+
+def test_a_second_step_syncs_again_and_the_version_comes_from_the_step():
+    ctx = _ctx()
+    for step in range(2):
+        version = _train_step(ctx, step)
+        loaded = _op("load_weights", ctx, *_export(ctx, 2), version, stages=1, **SPEC)
+        assert loaded.version == step + 1 == _held(ctx, 1).version
+        _assert_same(_export(ctx, 1)[0], weights.merge(_export(ctx, 2)))
+
+
+def test_loading_one_stage_into_a_split_sets_only_that_stage():
+    ctx, trainer = _ctx(), _ctx("trainer")
+    _train_step(trainer, 0)
+    e0, e1 = _export(trainer, 2)
+    start = _export(ctx, 2)
+    _op("load_weights", ctx, e1, stages=2, stage=1, **SPEC)
+    got = _export(ctx, 2)
+    _assert_same(got[0], start[0])
+    _assert_same(got[1], e1)
+    _op("load_weights", ctx, e0, e1, stages=2, complete=True, **SPEC)
+    _assert_same(weights.merge(_export(ctx, 2)), weights.merge([e0, e1]))
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+def test_a_checkpoint_of_the_exports_starts_every_holder_from_it(tmp_path):
+    trainer = _ctx()
+    _train_step(trainer, 0)
+    exports = _export(trainer, 2)
+    path = weights.save_checkpoint(tmp_path / "ckpt" / "actor.pt", exports)
+    assert path.is_file() and not list(path.parent.glob("*.tmp"))
+    spec = {**SPEC, "model_config": {**GPT_CONFIG, "checkpoint": str(path)}}
+    fresh = _ctx("fresh")  # a new executor
+    _assert_same(_export(fresh, 1, spec)[0], weights.merge(exports))
+    for got, want in zip(_export(fresh, 2, spec), exports):
+        _assert_same(got, want)
+    # generation from the checkpoint equals generation from the synced copy
+    _op("load_weights", trainer, *exports, stages=1, **SPEC)
+    prompts = [Prompt(prompt_id=0, tokens=[1, 2, 3])]
+    a = _op("generate", fresh, prompts, max_new_tokens=6, eos=None, **spec)
+    b = _op("generate", trainer, prompts, max_new_tokens=6, eos=None, **SPEC)
+    assert a[0].response_tokens == b[0].response_tokens
+
+
+def test_a_state_dict_checkpoint_works_too(tmp_path):
+    torch.manual_seed(11)
+    model = GPT(**GPT_CONFIG)
+    torch.save(model.state_dict(), tmp_path / "sd.pt")
+    spec = {**SPEC, "model_config": {**GPT_CONFIG, "checkpoint": str(tmp_path / "sd.pt")}}
+    got = weights.merge(_export(_ctx(), 3, spec))
+    _assert_same(got, {k: v.double() for k, v in model.state_dict().items()})
+
+
+def test_checkpoint_errors(tmp_path):
+    with pytest.raises(StageError, match="is not a file"):
+        _export(_ctx(), 1, {**SPEC, "model_config": {**GPT_CONFIG, "checkpoint": "/no/such.pt"}})
+    e0, _ = _export(_ctx(), 2)
+    partial = weights.save_checkpoint(tmp_path / "stage0.pt", [e0])
+    with pytest.raises(StageError, match=r"lack 26 of its parameters: .transformer.h.2"):
+        _export(_ctx(), 1, {**SPEC, "model_config": {**GPT_CONFIG, "checkpoint": str(partial)}})
+    with pytest.raises(StageError, match="given twice with different values"):
+        weights.save_checkpoint(tmp_path / "x.pt", [e0, {"transformer.wpe.weight":
+                                                          torch.zeros(32, 32)}])
+
+
+# -- errors -----------------------------------------------------------------------------------
+def test_load_errors_are_clear_and_copy_nothing():
+    ctx = _ctx()
+    whole = _export(ctx, 1)[0]
+    good = {"transformer.wpe.weight": torch.ones(32, 32)}
+    with pytest.raises(StageError, match=r"no weights named 'transformer.h.9.ln_1.weight'"):
+        _op("load_weights", ctx, {**good, "transformer.h.9.ln_1.weight": torch.ones(32)},
+            stages=1, **SPEC)
+    with pytest.raises(StageError, match=r"do not fit.*transformer.wte.weight is \(64, 16\)"):
+        _op("load_weights", ctx, {**good, "transformer.wte.weight": torch.ones(64, 16)},
+            stages=1, **SPEC)
+    with pytest.raises(StageError, match="lack .* of its parameters"):
+        _op("load_weights", ctx, good, stages=1, complete=True, **SPEC)
+    with pytest.raises(StageError, match="not a tensor"):
+        _op("load_weights", ctx, {"transformer.wpe.weight": [1.0]}, stages=1, **SPEC)
+    with pytest.raises(StageError, match="expected dicts of weights"):
+        _op("load_weights", ctx, "weights", stages=1, **SPEC)
+    with pytest.raises(StageError, match=r"stages 0..1, not 2"):
+        _op("export_weights", ctx, stage=2, stages=2, **SPEC)
+    _assert_same(_export(ctx, 1)[0], whole)  # nothing was copied
+    assert _op("load_weights", ctx, good, stages=1, **SPEC) is None  # partial: fine, no version
+    assert torch.equal(_export(ctx, 1)[0]["transformer.wpe.weight"], torch.ones(32, 32))
+
+
+def test_a_model_without_stage_names_is_named_through_its_split():
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)
+
+        def split(self, stages, *, seq_len=None):
+            return [torch.nn.ModuleDict({"first": self.a}), torch.nn.ModuleDict({"last": self.b})]
+
+    model = Two()
+    lay = weights.layout(model, model.split(2))
+    assert lay.names == ({"first.weight": "a.weight", "first.bias": "a.bias"},
+                         {"last.weight": "b.weight", "last.bias": "b.bias"})
+    odd = weights.layout(model, [torch.nn.Linear(3, 3)])
+    with pytest.raises(StageError, match="give the model a method stage_names"):
+        odd.check()
+
+
+# -- real executors ---------------------------------------------------------------------------
+def test_trainer_stages_sync_into_a_generator_on_real_executors(tmp_path):
+    """Stage 0 on one executor, stage 1 on another that also holds the whole copy: its
+    exports there, generation after the load; a checkpoint then starts a third holder."""
+    from flowkit.runtime import Controller, LocalExecutors
+
+    ctl = Controller()
+    launcher = LocalExecutors(ctl, 2, kind="torch", tags=("train",))
+    ex = [info.id for info in launcher.start()]
+    try:
+        two = {**SPEC, "stages": 2}
+
+        def submit(op, stage, *inputs, outputs=1, **config):
+            return ctl.submit(op, *inputs, config={**two, "stage": stage, **config},
+                              executor=ex[stage], lane=f"train/{stage}", outputs=outputs)
+
+        batches = _batches(0)
+        for mb, tokens in enumerate(batches):
+            act = submit("F", 0, tokens, microbatch=mb)
+            out = submit("F", 1, act, tokens, microbatch=mb, loss_scale=1 / len(batches))
+            grad = submit("B", 1, out, microbatch=mb)
+            submit("B", 0, grad, microbatch=mb)
+            submit("W", 1, microbatch=mb)
+            submit("W", 0, microbatch=mb)
+        s0, tied = submit("grad_stats", 0, outputs=2)
+        s1, summed = submit("grad_stats", 1, tied, outputs=2)
+        submit("optimizer_step", 1, s0, s1, **LR)
+        submit("optimizer_step", 0, s0, s1, summed, **LR)
+        e0, e1 = submit("export_weights", 0), submit("export_weights", 1)
+        loaded = ctl.submit("load_weights", e0, e1, config={**SPEC, "stages": 1, "version": 1},
+                            executor=ex[1], lane="train/1")
+        rollouts = [Rollout(prompt_id=0, sample=0, prompt_tokens=[1, 2, 3],
+                            response_tokens=[4, 5, 6, 7], logprobs=[0.0] * 4, finished=False)]
+        remote = ctl.submit("logprobs", rollouts, loaded, config=SPEC, executor=ex[1],
+                            lane="train/1").result(timeout=60)
+        assert loaded.result(timeout=60) == WeightsVersion(model="actor", version=1)
+        exports = [e0.result(timeout=60), e1.result(timeout=60)]
+
+        here = _ctx()  # the same step here, for reference
+        _train_step(here, 0)
+        for got, want in zip(exports, _export(here, 2)):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        _op("load_weights", here, *exports, stages=1, **SPEC)
+        local = _op("logprobs", here, rollouts, **SPEC)
+        assert remote[0].values == pytest.approx(local[0].values, rel=0, abs=1e-12)
+
+        path = weights.save_checkpoint(tmp_path / "actor.pt", exports)
+        spec = {**SPEC, "model": "actor-restored",
+                "model_config": {**GPT_CONFIG, "checkpoint": str(path)}}
+        restored = ctl.submit("export_weights", config={**spec, "stage": 0, "stages": 1},
+                              executor=ex[0]).result(timeout=60)
+        _assert_same(restored, weights.merge(exports))
+    finally:
+        ctl.shutdown()
+        launcher.stop()
+
+
+def test_a_checkpoint_loads_the_buffers_a_state_dict_has(tmp_path):
+    class Scaled(torch.nn.Module):
+        def __init__(self, scale: float = 1.0):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+            self.register_buffer("scale", torch.tensor(scale))
+
+    torch.manual_seed(5)
+    saved = Scaled(scale=3.0)
+    torch.save(saved.state_dict(), tmp_path / "s.pt")
+    model = Scaled()
+    weights.load_checkpoint(model, tmp_path / "s.pt")
+    assert float(model.scale) == 3.0 and torch.equal(model.lin.weight, saved.lin.weight)
+    torch.save({"lin.weight": saved.lin.weight, "lin.bias": saved.lin.bias}, tmp_path / "p.pt")
+    weights.load_checkpoint(Scaled(), tmp_path / "p.pt")  # buffers may be left out
