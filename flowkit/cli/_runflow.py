@@ -89,7 +89,7 @@ def with_training_options(flow: Flow, *, stages: int | None, microbatches: int |
 def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
              tag_spec: str | None, steps: int, sim_costs: SimCosts | None,
              trace: Path | None, metrics: Path | None, dashboard: bool | None,
-             device: str = "cpu", fuse: bool = True) -> None:
+             device: str = "cpu", fuse: bool = True, save_weights: Path | None = None) -> None:
     plan = lower_flow(flow)
     stages = max((node.model.stages for node in plan if node.model is not None), default=1)
     count = count or max(2, stages)
@@ -108,6 +108,9 @@ def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
             with Dashboard(ctl, stats=stats, console=console, enabled=dashboard,
                            title=f"flowkit run {flow.name}") as board:
                 _run_steps(runner, steps, board, writer, stats)
+            if save_weights is not None:
+                for path in runner.save_weights(save_weights):
+                    console.print(f"wrote {path}")
         except FlowRunError as exc:
             raise click.ClickException(str(exc)) from None
         finally:

@@ -39,17 +39,21 @@ _KINDS = ("auto", "sim", "torch", "base")
               help="Start each op on the first items it can take (sample-level fusion), or run "
               "the flow stage by stage, each op waiting for its producers to finish.")
 @click.option("--sim-cost", "sim_cost", default="", metavar="NAME=SECONDS,...",
-              help="Simulator costs: F, B, W, optimizer_step, token, infer_token.")
+              help="Simulator costs: F, B, W, optimizer_step, token, infer_token, and "
+              "length_sigma (log-normal response lengths).")
 @click.option("--trace", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write a Chrome trace (open in Perfetto or chrome://tracing).")
 @click.option("--metrics", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write metrics as JSON lines, one per step.")
+@click.option("--save-weights", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="After the last step, write each trained model's weights to DIR/MODEL.pt "
+              "(torch executors); a model config's `checkpoint` starts from such a file.")
 @click.option("--dashboard/--no-dashboard", default=None,
               help="The live dashboard [default: on when the output is a terminal].")
 def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | None, device: str,
         steps: int, stages: int | None, microbatches: int | None, schedule: str | None,
         fuse: bool, sim_cost: str, trace: Path | None, metrics: Path | None,
-        dashboard: bool | None) -> None:
+        save_weights: Path | None, dashboard: bool | None) -> None:
     """Run a flow's steps on local executor processes."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from flowkit.cli._runflow import choose_executors, run_flow, with_training_options
@@ -58,13 +62,14 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
     flow = load_checked_flow(flow_spec)
     flow = with_training_options(flow, stages=stages, microbatches=microbatches,
                                  schedule=schedule)
-    kind = choose_executors(flow, kind)
-    try:
-        costs = SimCosts.parse(sim_cost) if kind == "sim" else None
+    try:  # checked whichever executors run, so a typo fails before anything starts
+        costs = SimCosts.parse(sim_cost)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--sim-cost") from None
+    kind = choose_executors(flow, kind)
+    costs = costs if kind == "sim" else None
     path, _, _ = flow_spec.partition(":")
     with writing(trace or metrics or Path(".")):
         run_flow(flow, code=[path], kind=kind, count=num_executors, tag_spec=tag_spec,
                  device=device, steps=steps, fuse=fuse, sim_costs=costs, trace=trace, metrics=metrics,
-                 dashboard=dashboard)
+                 dashboard=dashboard, save_weights=save_weights)

@@ -32,7 +32,9 @@ from flowkit.runtime.training import (
     model_spec,
     pipeline_config,
     profile_stages,
+    submit_exports,
     submit_optimizer_step,
+    submit_weight_sync,
 )
 
 __all__ = ["FlowRunError", "FlowRunner", "StepReport"]
@@ -165,7 +167,8 @@ class FlowRunner:
         self.previous = dict(self.streams)
         return self._report(step, started)
 
-    def _on_done(self, name: str, lineage: tuple, futures: tuple, register: bool) -> None:
+    def _on_done(self, name: str, lineage: tuple, futures: tuple, register: bool,
+                 outputs: tuple) -> None:
         state = self.states[name]
         state.pending -= 1
         for future in futures:
@@ -177,7 +180,7 @@ class FlowRunner:
                 state.first_start = min(start, state.first_start or start)
                 state.last_end = max(end, state.last_end or end)
         if register:
-            self._register_outputs(state.plan, lineage, futures)
+            self._register_outputs(state.plan, lineage, outputs)
         self._progress(name)
         for consumer in self.consumers[name]:
             self._progress(consumer)
@@ -185,8 +188,8 @@ class FlowRunner:
     def _register_outputs(self, plan: NodePlan, lineage: tuple, futures: tuple) -> None:
         for port, many, future in zip(plan.outputs, plan.many, futures):
             stream = self.streams[(plan.name, port)]
-            keys = future.keys or []
-            if many and future.count is not None:
+            keys = getattr(future, "keys", None) or []  # a Gather in a future's place has none
+            if many and getattr(future, "count", None) is not None:
                 for j in range(future.count):
                     stream.add(lineage + (j,), Item(future, j), keys[j] if keys else None)
             else:
@@ -294,19 +297,24 @@ class FlowRunner:
                                       tags=plan.tags, outputs=outputs, meta=meta,
                                       report_key=self.report_keys.get(plan.name))
         else:
-            # the step too: sampling draws afresh each step
-            config = {**plan.config, **self._cost_config(plan.op), "step": self.step}
+            # the model's whole copy [Note: one model, many holders in executors/torch/ops.py],
+            # and the step: sampling draws afresh each step
+            config = {**model_spec(plan.model, 1), **plan.config, **self._cost_config(plan.op),
+                      "step": self.step}
             futures = self.ctl.submit(plan.op, *(refs[p] for p in ports), config=config,
                                       tags=plan.tags, outputs=outputs, meta=meta,
                                       report_key=self.report_keys.get(plan.name))
         self._watch(state, lineage, futures if outputs > 1 else (futures,), register=True)
 
     def _watch(self, state: _NodeState, lineage: tuple, futures: tuple, *,
-               register: bool) -> None:
+               register: bool, outputs: tuple | None = None) -> None:
+        """When `futures` are done, account for them and (with `register`) add them, or
+        `outputs` in their place, to the node's output streams."""
         state.pending += 1
         events = self.events
+        shown = futures if outputs is None else outputs
         futures[0].add_done_callback(
-            lambda _: events.put((state.plan.name, lineage, futures, register)))
+            lambda _: events.put((state.plan.name, lineage, futures, register, shown)))
 
     def _feedback_refs(self, plan: NodePlan) -> dict[str, Any]:
         """Inputs fed by the previous step: its last item of the producing port, if any."""
@@ -459,7 +467,51 @@ class FlowRunner:
             meta={"node": plan.name, "step": self.step}, outputs=len(plan.outputs))
         for future in quiet:
             self._watch(state, (), (future,), register=False)
-        self._watch(state, (), report if len(plan.outputs) > 1 else (report,), register=True)
+        report = report if len(plan.outputs) > 1 else (report,)
+        registered = report
+        if "weights" in plan.outputs:
+            loads = self._sync_weights(plan, schedule, spec, report[plan.outputs.index("weights")])
+            for future in loads:
+                self._watch(state, (), (future,), register=False)
+            if loads:  # the next step's generation waits for the weights on its executor
+                registered = tuple(Gather(loads) if port == "weights" else future
+                                   for port, future in zip(plan.outputs, report))
+        self._watch(state, (), report, register=True, outputs=registered)
+
+    def _sync_weights(self, plan: NodePlan, schedule: Any, spec: dict, version: Any) -> list:
+        """Submit the trained model's new weights to every executor that may generate or score
+        with it in this flow (where the executors can load weights: torch, not the simulator)."""
+        name = plan.model.name
+        users = [node for node in self.plan if node.model is not None
+                 and node.model.name == name and node.call not in (Call.PIPELINE, Call.STEP)]
+        targets = {e.id: e for node in users for e in self.ctl.executors()
+                   if e.runs(node.op, frozenset(node.tags))}
+        if not targets or not all("load_weights" in e.ops for e in targets.values()):
+            return []
+        return submit_weight_sync(self.ctl, schedule, self.placement[name], spec, version,
+                                  list(targets.values()), lane=name,
+                                  meta={"node": f"{plan.name}/sync", "step": self.step})
+
+    # -- saving --------------------------------------------------------------------------------
+    def save_weights(self, folder: Any) -> list:
+        """Each model trained in the last step, its stages' weights merged by the unsplit
+        model's names, to `folder`/NAME.pt: a checkpoint a model config's `checkpoint` key
+        starts from. Needs executors that export weights (torch)."""
+        from pathlib import Path
+
+        from executors.torch.weights import save_checkpoint
+
+        written = []
+        for name, (schedule, spec) in sorted(self.trained.items()):
+            executors = self.placement[name]
+            if not all("export_weights" in e.ops for e in executors):
+                raise FlowRunError(f"the executors of model {name!r} cannot export weights: "
+                                   "save them from torch executors (--executors torch)")
+            exports = submit_exports(self.ctl, schedule, executors, spec, lane=name,
+                                     meta={"node": "save", "step": self.step})
+            dicts = [future.result(timeout=self.step_timeout) for future in exports]
+            written.append(save_checkpoint(Path(folder) / f"{name}.pt", dicts))
+        return written
 
     # -- reporting -----------------------------------------------------------------------------
     def _report(self, step: int, started: float) -> StepReport:
