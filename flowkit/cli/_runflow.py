@@ -126,16 +126,19 @@ def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
 
 def _run_steps(runner: FlowRunner, steps: int, board: Dashboard, writer: MetricsWriter | None,
                stats: RunStats) -> None:
-    losses: list[float] = []
+    curves: dict[str, list[float]] = {"loss": [], "reward_mean": []}
     for step in range(steps):
         board.set_status(f"step {step + 1}/{steps}")
         report = runner.run_step(step)
         record = _step_record(report, stats)
         shown = {k: v for k, v in record.items()
-                 if k.endswith(("loss", "bubble_rate")) or k in ("step_s", "tokens_per_s")}
-        if "loss" in record:
-            losses.append(record["loss"])
-            shown["loss so far"] = f"{losses[0]:.3g} → {losses[-1]:.3g} {sparkline(losses)}"
+                 if k.endswith(("loss", "bubble_rate")) or k.startswith(("timing_s/", "reward"))
+                 or k in ("step_s", "tokens_per_s", "response_length_mean")}
+        for key, values in curves.items():  # RL flows show their reward, all their loss
+            if key in record:
+                values.append(record[key])
+                shown[f"{key} so far"] = (f"{values[0]:.3g} → {values[-1]:.3g} "
+                                          f"{sparkline(values)}")
         board.set_metrics(shown)
         if writer is not None:
             writer.write(record)
