@@ -1,0 +1,15 @@
+"""PPO on digit sorting, from the supervised warm-up's weights (examples/sort_sft.py): 64 prompts
+a step, a critic (the GPT with a value head) for GAE, whitened advantages (a barrier), actor
+and critic each in two pipeline stages, both synced to the generating executor every step:
+
+    flowkit run examples/sort_sft.py --steps 600 --save-weights checkpoints
+    flowkit run examples/ppo_sort.py --steps 40 --metrics ppo.jsonl
+"""
+
+from dataflows.ppo import ppo_flow
+from dataflows.rl.tasks import SORT_GPT, sort_prompts, sort_reward
+
+flow = ppo_flow(prompts=64, n=1, stages=2, microbatches=4, schedule="1f1b", max_new_tokens=8,
+                kl_coef=0.05, lr=3e-4, critic_lr=1e-3,
+                gpt={**SORT_GPT, "checkpoint": "checkpoints/actor.pt"},
+                prompt_source=sort_prompts, reward=sort_reward, source_config={"digits": 3})
