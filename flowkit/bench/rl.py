@@ -6,6 +6,7 @@ flow run stage by stage with barriers (`--no-fuse`), on the same samples, side b
 Generation runs on `rollout` executors and training on `train` ones, as in a disaggregated RL
 system; a sample's response length is log-normal (most short, a few at the token budget),
 so a step's generation ends with a long tail during which, fused, training already runs.
+Then the real thing at toy scale: the digit-sorting GRPO step on torch executors on this CPU.
 """
 
 from __future__ import annotations
@@ -38,39 +39,62 @@ class RLSetup:
     optimizer_step: float = 0.01
 
 
-def run_rl_bench(setup: RLSetup | None = None) -> dict:
-    """Per algorithm: the median step time fused and with barriers, and their ratio."""
-    setup = setup or RLSetup()
-    figures: dict[str, Any] = {"setup": attrs.asdict(setup)}
-    for algo in ("grpo", "ppo"):
-        fused = _step_times(setup, algo, fuse=True)
-        barrier = _step_times(setup, algo, fuse=False)
-        figures[algo] = {"fused_step_s": fused, "barrier_step_s": barrier,
-                         "speedup": barrier / fused}
-    return figures
-
-
-def _step_times(setup: RLSetup, algo: str, *, fuse: bool) -> float:
-    """Median seconds of the steps after the first, on fresh executors."""
-    from flowkit.planner.lower import lower_flow
+def run_rl_bench(setup: RLSetup | None = None, *, torch_steps: int = 6) -> dict:
+    """Per algorithm: the median step time fused and with barriers, and their ratio; then the
+    same for the GRPO digit-sorting example's step on torch executors on this machine's CPU
+    (`torch_steps` steps each, 0 to skip)."""
     from flowkit.planner.simcosts import SimCosts
-    from flowkit.runtime import Controller, LocalExecutors
-    from flowkit.runtime.flowrun import FlowRunner
 
+    setup = setup or RLSetup()
     costs = SimCosts(F=setup.F, B=setup.B, W=setup.W, optimizer_step=setup.optimizer_step,
                      token=setup.token, infer_token=setup.infer_token,
                      length_sigma=setup.length_sigma)
-    tags = ([("rollout",)] * setup.rollout_executors + [("train",)] * setup.train_executors)
+    tags = [("rollout",)] * setup.rollout_executors + [("train",)] * setup.train_executors
+    figures: dict[str, Any] = {"setup": attrs.asdict(setup)}
+    for algo in ("grpo", "ppo"):
+        times = {fuse: _step_time(_flow(setup, algo), "sim", tags, setup.steps, costs, fuse)
+                 for fuse in (True, False)}
+        figures[algo] = _compared(times)
+    if torch_steps:
+        tags = [("rollout",), ("train",), ("train",)]
+        times = {fuse: _step_time(_sorting_flow(), "torch", tags, torch_steps, None, fuse)
+                 for fuse in (True, False)}
+        figures["torch_cpu_grpo"] = {**_compared(times), "executors": len(tags),
+                                     "flow": "examples/grpo_sort.py from random weights"}
+    return figures
+
+
+def _compared(times: dict[bool, float]) -> dict:
+    return {"fused_step_s": times[True], "barrier_step_s": times[False],
+            "speedup": times[False] / times[True]}
+
+
+def _step_time(flow: Any, kind: str, tags: list, steps: int, costs: Any, fuse: bool) -> float:
+    """Median seconds of the steps after the first (which profiles, warms up and, fused, learns
+    the batch size), on fresh executors."""
+    from flowkit.planner.lower import lower_flow
+    from flowkit.runtime import Controller, LocalExecutors
+    from flowkit.runtime.flowrun import FlowRunner
+
     with Controller() as ctl:
-        executors = LocalExecutors(ctl, len(tags), kind="sim", tags=tags)
+        executors = LocalExecutors(ctl, len(tags), kind=kind, tags=tags)
         executors.start()
         try:
-            runner = FlowRunner(ctl, lower_flow(_flow(setup, algo)), sim_costs=costs, fuse=fuse)
-            times = [runner.run_step(step).elapsed_s for step in range(setup.steps)]
+            runner = FlowRunner(ctl, lower_flow(flow), sim_costs=costs, fuse=fuse)
+            times = [runner.run_step(step).elapsed_s for step in range(steps)]
         finally:
             ctl.shutdown()
             executors.stop()
     return statistics.median(times[1:])
+
+
+def _sorting_flow() -> Any:
+    from dataflows.grpo import grpo_flow
+    from dataflows.rl.tasks import SORT_GPT, sort_prompts, sort_reward
+
+    return grpo_flow(prompts=16, n=8, stages=2, microbatches=4, schedule="1f1b",
+                     max_new_tokens=8, gpt=SORT_GPT, prompt_source=sort_prompts,
+                     reward=sort_reward, source_config={"digits": 3})
 
 
 def _flow(setup: RLSetup, algo: str) -> Any:
