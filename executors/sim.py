@@ -93,8 +93,8 @@ def _optimizer_step(ctx: OpContext, *inputs: Any, seconds: float = 0.0, model: s
 
     stats = [s for value in inputs if isinstance(value, list) for s in value
              if hasattr(s, "loss")]
-    loss = sum(s.loss for s in stats) / len(stats) if stats else 0.0
     tokens = sum(s.tokens for s in stats)
+    loss = sum(s.loss * s.tokens for s in stats) / tokens if tokens else 0.0
     return (StepMetrics(step=int(step), loss=loss, grad_norm=1.0, tokens=tokens),
             WeightsVersion(model=model, version=int(step) + 1))
 

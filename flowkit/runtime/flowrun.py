@@ -523,7 +523,7 @@ class FlowRunner:
         for name, state in self.states.items():
             if state.pipeline is not None:
                 losses = [f.result() for f in state.pipeline.run.losses]
-                metrics[f"{name}/loss"] = sum(_loss(x) for x in losses) / max(1, len(losses))
+                metrics[f"{name}/loss"] = _mean_loss(losses)
                 metrics[f"{name}/tokens"] = sum(getattr(x, "tokens", 0) for x in losses)
         for state in self.states.values():
             if state.plan.reports:
@@ -564,6 +564,14 @@ def _chunk(items: list, count: int, index: int) -> list:
     base, extra = divmod(len(items), count)
     start = index * base + min(index, extra)
     return items[start:start + base + (1 if index < extra else 0)]
+
+
+def _mean_loss(stats: list) -> float:
+    """The step's loss per token over its microbatches' stats (per microbatch without counts)."""
+    tokens = [getattr(x, "tokens", 0) for x in stats]
+    if tokens and all(tokens):
+        return sum(_loss(x) * n for x, n in zip(stats, tokens)) / sum(tokens)
+    return sum(_loss(x) for x in stats) / max(1, len(stats))
 
 
 def _loss(value: Any) -> float:
