@@ -17,7 +17,8 @@ from dataflows.text import token_sequences
 from executors.torch.models.gpt import GPT
 from flowkit.planner.lower import lower_flow
 from flowkit.runtime import Controller, LocalExecutors
-from flowkit.runtime.flowrun import FlowRunner, _chunk
+from flowkit.runtime.flowrun import FlowRunner
+from flowkit.runtime.flowtrain import _chunk
 
 CORPUS = str(Path(__file__).parents[2] / "examples" / "data" / "corpus.txt")
 DEVICES, MICROBATCHES, SEQUENCES, SEQ_LEN, STEPS = 2, 4, 8, 8, 2
