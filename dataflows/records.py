@@ -20,6 +20,8 @@ __all__ = [
     "TokenIds",
     "TokenScores",
     "WeightsVersion",
+    "microbatch_stats",
+    "step_report",
 ]
 
 TokenIds = Tensor["int64", "batch", "seq"]
@@ -98,3 +100,20 @@ class WeightsVersion:
 
     model: str
     version: int
+
+
+def microbatch_stats(inputs: tuple) -> list[MicrobatchStats]:
+    """The MicrobatchStats among an op's inputs (they come in lists: gathered microbatches)."""
+    return [s for value in inputs if isinstance(value, list) for s in value
+            if isinstance(s, MicrobatchStats)]
+
+
+def step_report(inputs: tuple, *, model: str, step: int,
+                grad_norm: float) -> tuple[StepMetrics, WeightsVersion]:
+    """What an optimizer step reports from its inputs' microbatch stats: the loss per token
+    (token-weighted, however the batch was cut), and the version of the weights it made."""
+    stats = microbatch_stats(inputs)
+    tokens = sum(s.tokens for s in stats)
+    loss = sum(s.loss * s.tokens for s in stats) / tokens if tokens else 0.0
+    return (StepMetrics(step=int(step), loss=loss, grad_norm=grad_norm, tokens=tokens),
+            WeightsVersion(model=model, version=int(step) + 1))

@@ -89,14 +89,9 @@ def _optimizer_step(ctx: OpContext, *inputs: Any, seconds: float = 0.0, model: s
     busy_for(seconds)
     if not report:
         return None
-    from dataflows.records import StepMetrics, WeightsVersion
+    from dataflows.records import step_report
 
-    stats = [s for value in inputs if isinstance(value, list) for s in value
-             if hasattr(s, "loss")]
-    tokens = sum(s.tokens for s in stats)
-    loss = sum(s.loss * s.tokens for s in stats) / tokens if tokens else 0.0
-    return (StepMetrics(step=int(step), loss=loss, grad_norm=1.0, tokens=tokens),
-            WeightsVersion(model=model, version=int(step) + 1))
+    return step_report(inputs, model=model, step=step, grad_norm=1.0)
 
 
 # -- generation and inference ------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from executors.ops import OpContext, OpTable
 from executors.torch.generate import evaluating, whole_model
 
-__all__ = ["register"]
+__all__ = ["register", "right_padded"]
 
 
 def _logprobs(ctx: OpContext, rollouts: Any, *_: Any, temperature: float = 1.0,
@@ -74,7 +74,7 @@ def _per_token(ctx: OpContext, rollouts: Any, score, max_batch: int, config: dic
     for chunk in _chunks(items, max_batch):
         full = [list(r.prompt_tokens) + list(r.response_tokens) for r in chunk]
         out = _run(model, [s[:-1] for s in full])
-        targets = _padded([s[1:] for s in full], out.device)
+        targets = right_padded([s[1:] for s in full], out.device)
         scores = score(out, targets)
         for b, r in enumerate(chunk):
             start, stop = len(r.prompt_tokens) - 1, len(full[b]) - 1
@@ -91,10 +91,11 @@ def _run(model: torch.nn.Module, seqs: list[list[int]]) -> torch.Tensor:
                          f"model's block_size {block}")
     device = next(model.parameters()).device
     with evaluating(model):
-        return model(_padded(seqs, device))
+        return model(right_padded(seqs, device))
 
 
-def _padded(seqs: list[list[int]], device: torch.device) -> torch.Tensor:
+def right_padded(seqs: list[list[int]], device: torch.device) -> torch.Tensor:
+    """(B, longest) token ids, each sequence followed by 0s (harmless to a causal model)."""
     width = max(len(s) for s in seqs)
     return torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=device)
 

@@ -31,8 +31,10 @@ from typing import Any
 import attrs
 import torch
 
+from dataflows.records import MicrobatchStats, microbatch_stats, step_report
 from executors.ops import OpContext, OpTable
 from executors.torch import weights
+from executors.torch.infer import right_padded
 from executors.torch.memory import keep_freed_memory
 from executors.torch.rl_loss import RL_LOSSES, RLLoss, RLSettings, records, sequence_ids
 from executors.torch.stage import StageError, StageRunner
@@ -154,8 +156,6 @@ def _forward(ctx: OpContext, *inputs: Any, stage: int, stages: int, microbatch: 
     backpropagates is scaled by `loss_scale`: for "lm" the microbatch's share of the batch
     (its loss is a mean); the RL losses are sums the optimizer step divides by the step's
     token count, so the runtime gives them 1 [Note: RL losses in sum form in rl_loss.py]."""
-    from dataflows.records import MicrobatchStats
-
     if loss not in LOSSES:
         raise StageError(f"unknown loss {loss!r}: the torch executor trains with "
                          f"{', '.join(LOSSES)}")
@@ -183,8 +183,6 @@ def _rl_forward(held: _Stage, inputs: tuple, *, first: bool, last: bool, microba
     activation on a middle stage, (activation, experiences[, reference scores]) on the last;
     the last stage returns the microbatch's mean loss per response token, and its token count
     as the normalizer of the summed loss it backpropagates."""
-    from dataflows.records import MicrobatchStats
-
     data = inputs if first else inputs[1:]
     experiences = records(data[0]) if data else []
     x = sequence_ids(experiences, held.runner.device) if first else inputs[0]
@@ -205,8 +203,7 @@ def _tokens(value: Any) -> torch.Tensor:
     items = records(value)
     if items and hasattr(items[0], "response_tokens"):
         seqs = [list(e.prompt_tokens) + list(e.response_tokens) for e in items]
-        width = max(len(s) for s in seqs)
-        return torch.tensor([s + [0] * (width - len(s)) for s in seqs], dtype=torch.long)
+        return right_padded(seqs, torch.device("cpu"))
     rows = [v if v.dim() == 2 else v.unsqueeze(0) for v in items]
     return torch.cat(rows)
 
@@ -283,7 +280,7 @@ def _optimizer_step(ctx: OpContext, *inputs: Any, stage: int, stages: int, step:
     for tied in summed:  # stage 0: the last stage sent back the full tied gradients
         for name, grad in tied.items():
             params[name].grad = grad.to(params[name].device, params[name].dtype).clone()
-    normalizer = sum(float(getattr(s, "normalizer", 0.0)) for s in _microbatch_stats(inputs))
+    normalizer = sum(s.normalizer for s in microbatch_stats(inputs))
     if normalizer > 0:
         for p in params.values():
             if p.grad is not None:
@@ -303,7 +300,7 @@ def _optimizer_step(ctx: OpContext, *inputs: Any, stage: int, stages: int, step:
     held.optimizer.zero_grad(set_to_none=True)
     if not report:
         return None
-    return _step_report(inputs, model=model, step=step, norm=norm)
+    return step_report(inputs, model=model, step=step, grad_norm=norm)
 
 
 def _adamw(module: torch.nn.Module, **hparams: Any) -> torch.optim.AdamW:
@@ -315,23 +312,6 @@ def _adamw(module: torch.nn.Module, **hparams: Any) -> torch.optim.AdamW:
               {"params": plain, "weight_decay": 0.0}]
     hparams["betas"] = tuple(hparams["betas"])
     return torch.optim.AdamW([g for g in groups if g["params"]], foreach=False, **hparams)
-
-
-def _step_report(inputs: tuple, *, model: str, step: int, norm: float) -> tuple:
-    from dataflows.records import StepMetrics, WeightsVersion
-
-    stats = _microbatch_stats(inputs)
-    tokens = sum(s.tokens for s in stats)
-    # token-weighted: the batch's mean per token, however it was cut into microbatches
-    loss = sum(s.loss * s.tokens for s in stats) / tokens if tokens else 0.0
-    return (StepMetrics(step=int(step), loss=loss, grad_norm=norm, tokens=tokens),
-            WeightsVersion(model=model, version=int(step) + 1))
-
-
-def _microbatch_stats(inputs: tuple) -> list:
-    """The MicrobatchStats among an op's inputs (they come in lists: gathered microbatches)."""
-    return [s for value in inputs if isinstance(value, list) for s in value
-            if hasattr(s, "loss")]
 
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:

@@ -76,15 +76,9 @@ def _step_time(flow: Any, kind: str, tags: list, steps: int, costs: Any, fuse: b
     from flowkit.runtime import Controller, LocalExecutors
     from flowkit.runtime.flowrun import FlowRunner
 
-    with Controller() as ctl:
-        executors = LocalExecutors(ctl, len(tags), kind=kind, tags=tags)
-        executors.start()
-        try:
-            runner = FlowRunner(ctl, lower_flow(flow), sim_costs=costs, fuse=fuse)
-            times = [runner.run_step(step).elapsed_s for step in range(steps)]
-        finally:
-            ctl.shutdown()
-            executors.stop()
+    with Controller() as ctl, LocalExecutors(ctl, len(tags), kind=kind, tags=tags):
+        runner = FlowRunner(ctl, lower_flow(flow), sim_costs=costs, fuse=fuse)
+        times = [runner.run_step(step).elapsed_s for step in range(steps)]
     return statistics.median(times[1:])
 
 

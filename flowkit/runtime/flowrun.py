@@ -95,6 +95,12 @@ class FlowRunner(TrainingSteps):
                 if rule.group_key is not None:
                     self.report_keys[rule.src] = rule.group_key
         self.placement = self._place_models()
+        # a model op's config, but the step: built once, not per item on the dispatch path;
+        # model ops name the model's whole copy [Note: one model, many holders in
+        # executors/torch/ops.py], a simulator its costs
+        self.op_configs = {node.name: {**model_spec(node.model, 1), **node.config,
+                                       **self._cost_config(node.op)}
+                           for node in plan if node.model is not None}
         self.previous: dict[tuple[str, str], _Stream] = {}  # last step's outputs, for feedback
         self.profiles: dict[tuple[str, int], Costs] = {}  # (model, stages) -> profiled costs
         self.schedules: dict[tuple, Any] = {}  # built schedules by their inputs
@@ -272,10 +278,7 @@ class FlowRunner(TrainingSteps):
                                       tags=plan.tags, outputs=outputs, meta=meta,
                                       report_key=self.report_keys.get(plan.name))
         else:
-            # the model's whole copy [Note: one model, many holders in executors/torch/ops.py],
-            # and the step: sampling draws afresh each step
-            config = {**model_spec(plan.model, 1), **plan.config, **self._cost_config(plan.op),
-                      "step": self.step}
+            config = {**self.op_configs[plan.name], "step": self.step}  # sampling: afresh
             futures = self.ctl.submit(plan.op, *(refs[p] for p in ports), config=config,
                                       tags=plan.tags, outputs=outputs, meta=meta,
                                       report_key=self.report_keys.get(plan.name))

@@ -44,11 +44,14 @@ class _Feeding:
     streamed: bool  # microbatches form as items arrive, not after the inputs close
     next_mb: int = 0
     taken: set = attrs.field(factory=set)  # lineages already in a microbatch
+    # what arrived, kept as it comes so each event looks only at the new items
+    seen: int = 0  # the first input's arrivals looked at
+    waiting: list = attrs.field(factory=list)  # arrived there, not yet on every other input
+    pool: list = attrs.field(factory=list)  # on every input, in no microbatch yet
 
     @property
     def run(self) -> PipelineRun:
         return self.submitter.run
-
 
 
 class TrainingSteps:
@@ -77,7 +80,18 @@ class TrainingSteps:
             count = len(self._complete(live)) if expected is None else expected
             self._start_pipeline(state, live, count)
         feeding: _Feeding = state.pipeline
-        pool = [lin for lin in self._complete(live) if lin not in feeding.taken]
+        if feeding.next_mb < len(feeding.sizes):
+            self._form_microbatches(feeding, live, closed)
+        feeding.submitter.advance()
+        if feeding.submitter.done and not state.started:
+            state.started = True
+            self.item_counts[plan.name] = len(feeding.taken)
+
+    def _form_microbatches(self, feeding: _Feeding, live: list[InputRule], closed: bool) -> None:
+        """Feed the next microbatches that the items in let form: each its planned size, the
+        last (or, once the inputs close, every one left) from what remains."""
+        _take_arrivals(feeding, self.streams, live)
+        pool = feeding.pool
         if not feeding.streamed:
             pool.sort(key=lineage_order)  # a barrier cuts the items in their lineages' order
         while feeding.next_mb < len(feeding.sizes):
@@ -94,10 +108,7 @@ class TrainingSteps:
                 Gather([self.streams[(r.src, r.src_port)].items[lin] for lin in chosen])
                 for r in live))
             feeding.next_mb += 1
-        feeding.submitter.advance()
-        if feeding.submitter.done and not state.started:
-            state.started = True
-            self.item_counts[plan.name] = len(feeding.taken)
+        feeding.pool = pool
 
     def _streams(self, plan: NodePlan) -> bool:
         """Whether a backprop may start before its inputs close: when fusing, and when its loss
@@ -245,6 +256,19 @@ def _chunk(items: list, count: int, index: int) -> list:
     base, extra = divmod(len(items), count)
     start = index * base + min(index, extra)
     return items[start:start + base + (1 if index < extra else 0)]
+
+
+def _take_arrivals(feeding: _Feeding, streams: dict, live: list[InputRule]) -> None:
+    """Move the lineages every input now has into the pool, looking only at new arrivals of
+    the first input and those still waiting for a partner."""
+    lead = streams[(live[0].src, live[0].src_port)]
+    feeding.waiting += lead.arrivals[feeding.seen:]
+    feeding.seen = len(lead.arrivals)
+    others = [streams[(r.src, r.src_port)].items for r in live[1:]]
+    still = []
+    for lin in feeding.waiting:
+        (feeding.pool if all(lin in items for items in others) else still).append(lin)
+    feeding.waiting = still
 
 
 def lineage_order(lineage: tuple) -> tuple:

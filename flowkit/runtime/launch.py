@@ -36,6 +36,9 @@ class LocalExecutors:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
+        # the processes exit when their controller says so: shut it down first, or stop()
+        # waits out its timeout on every one (shutdown is idempotent, `with Controller()` too)
+        self.controller.shutdown()
         self.stop()
 
     def start(self) -> list[ExecutorInfo]:

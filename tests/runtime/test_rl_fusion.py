@@ -14,15 +14,9 @@ COSTS = SimCosts(F=0.004, B=0.004, W=0.002, token=0.0004, length_sigma=1.0)
 
 @pytest.fixture(scope="module")
 def cluster():
-    ctl = Controller()
-    executors = LocalExecutors(ctl, 4, kind="sim",
-                               tags=[("rollout",)] * 2 + [("train",)] * 2)
-    executors.start()
-    try:
+    tags = [("rollout",)] * 2 + [("train",)] * 2
+    with Controller() as ctl, LocalExecutors(ctl, 4, kind="sim", tags=tags):
         yield ctl
-    finally:
-        ctl.shutdown()
-        executors.stop()
 
 
 def _run(ctl, *, fuse: bool, steps: int = 2):

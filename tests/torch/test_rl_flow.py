@@ -26,11 +26,8 @@ def _flow():
 
 
 def _train(tmp_path, *, fuse: bool):
-    ctl = Controller()
-    executors = LocalExecutors(ctl, 3, kind="torch",
-                               tags=[("train",), ("train",), ("rollout",)])
-    infos = executors.start()
-    try:
+    tags = [("train",), ("train",), ("rollout",)]
+    with Controller() as ctl, LocalExecutors(ctl, 3, kind="torch", tags=tags) as infos:
         flow = _flow()
         runner = FlowRunner(ctl, lower_flow(flow), fuse=fuse)
         reports = [runner.run_step(step) for step in range(STEPS)]
@@ -40,9 +37,6 @@ def _train(tmp_path, *, fuse: bool):
                                                       "stage": 0},
                            executor=rollout.id).result(timeout=60)
         streamed = runner.states["update_actor"].pipeline.streamed
-    finally:
-        ctl.shutdown()
-        executors.stop()
     return torch.load(path, weights_only=True), whole, reports, streamed
 
 
