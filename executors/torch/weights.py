@@ -254,7 +254,8 @@ def load_checkpoint(whole: torch.nn.Module, path: str | os.PathLike) -> None:
     by unsplit name, as `save_checkpoint` or ``torch.save(model.state_dict())`` writes)."""
     if not Path(path).is_file():
         raise StageError(f"checkpoint {str(path)!r} is not a file (on executor host, cwd "
-                         f"{os.getcwd()!r})")
+                         f"{os.getcwd()!r}); write one with `flowkit run FLOW --save-weights DIR` "
+                         "(it writes DIR/MODEL.pt), or drop the model config's `checkpoint`")
     state = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(state, Mapping):
         raise StageError(f"checkpoint {str(path)!r} holds a {type(state).__name__}, not a dict "
