@@ -71,10 +71,10 @@ def _corpus(folder: Path) -> str:
 
 def _pipeline_runs(setup: TrainSetup, corpus: str, schedules: tuple[str, ...]) -> dict:
     from dataflows.pretrain import pretrain_flow
+    from flowkit.bench.pipeline import profile_hop
     from flowkit.planner.lower import lower_flow
     from flowkit.runtime import Controller, LocalExecutors
     from flowkit.runtime.flowrun import FlowRunner
-    from flowkit.runtime.pipeline import profile_hop
 
     out = {}
     with Controller() as ctl:

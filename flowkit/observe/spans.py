@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 
+from flowkit import planner
 from flowkit.runtime.records import ExecutorInfo, TaskRecord
 
 __all__ = [
@@ -97,8 +98,8 @@ class BubbleMeter:
     """Measured pipeline bubble rate, accumulated one op at a time.
 
     Per executor, span = last end - first start of its pipeline ops and busy = their summed
-    durations; bubble = (max span - max busy) / max span, the Zero Bubble paper's definition (the
-    ideal is the busiest device's op time), as in flowkit.planner.simulate. Ops are grouped by
+    durations; bubble = (max span - max busy) / max span, the Zero Bubble paper's definition
+    (flowkit.planner.bubble_rate, which the simulator uses too). Ops are grouped by
     their `step` so that time between training steps (generation, evaluation) is not counted as
     bubble; the run's rate is the span-weighted mean of the steps' rates.
     """
@@ -132,10 +133,10 @@ class BubbleMeter:
     def rate(self) -> float | None:
         """None until some pipeline op has run."""
         for step in self._dirty:
-            executors = self._steps[step].values()
-            max_span = max(last - first for first, last, _ in executors)
-            max_busy = max(busy for _, _, busy in executors)
-            self._measured[step] = (max(0.0, max_span - max_busy), max_span)
+            windows = self._steps[step].values()
+            spans = [last - first for first, last, _ in windows]
+            rate = planner.bubble_rate(spans, [busy for _, _, busy in windows])
+            self._measured[step] = (rate * max(spans), max(spans))
         self._dirty.clear()
         if not self._measured:
             return None

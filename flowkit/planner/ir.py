@@ -1,7 +1,7 @@
 """The action IR of pipeline schedules: actions, placements, costs, memory model, schedules.
 
-Schedules are data (see STYLE.md): a schedule is a placement plus one ordered tuple of actions per
-device, and everything here is immutable, hashable and free of torch/zmq so that it can be built,
+Schedules are data, as in DeepSpeed's pipeline schedules: a schedule is a placement plus one
+ordered tuple of actions per device, and everything here is immutable, hashable and free of torch/zmq so that it can be built,
 printed, parsed, simulated and tested anywhere.
 """
 
@@ -18,11 +18,14 @@ from flowkit.planner.dims import layer_flops, layer_memory
 
 __all__ = [
     "Action",
+    "ActionKey",
     "Costs",
     "Kind",
     "MemoryModel",
     "Placement",
     "Schedule",
+    "action_key",
+    "bubble_rate",
 ]
 
 
@@ -36,6 +39,17 @@ class Kind(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+ActionKey = tuple[int, str, int]
+
+
+def action_key(stage: int, kind: Kind | None, microbatch: int) -> ActionKey:
+    """What the actions that depend on this one wait for. [Note: B and BW share a key] A stage's
+    backward is made by B or by BW, whichever its schedule uses, and its dependents read either
+    alike: both map to "B", and so does a dependency's kind None ("B or BW")."""
+    backward = kind is None or kind is Kind.B or kind is Kind.BW
+    return (stage, "B" if backward else kind.value, microbatch)
 
 
 _ACTION_TEXT = re.compile(r"^\s*(\d+)(BW|F|B|W)(\d+)\s*$")
@@ -52,6 +66,11 @@ class Action:
     def __str__(self) -> str:
         return f"{self.stage}{self.kind.value}{self.microbatch}"
 
+    @property
+    def key(self) -> ActionKey:
+        """What its dependents wait for [Note: B and BW share a key]."""
+        return action_key(self.stage, self.kind, self.microbatch)
+
     @classmethod
     def parse(cls, text: str) -> Action:
         match = _ACTION_TEXT.match(text)
@@ -62,6 +81,15 @@ class Action:
             )
         stage, kind, microbatch = match.groups()
         return cls(int(stage), Kind(kind), int(microbatch))
+
+
+def bubble_rate(spans: Sequence[float], busy: Sequence[float]) -> float:
+    """The Zero Bubble paper's bubble rate: (max span - max busy) / max span, a device's span
+    running from its first op's start to its last op's end and the busiest device's op time
+    the ideal. The planner's simulator, the runtime's measurement and the dashboard use it."""
+    max_span = max(spans, default=0.0)
+    # float sums can leave the busiest device a hair over the longest span; never negative
+    return max(0.0, (max_span - max(busy)) / max_span) if max_span > 0 else 0.0
 
 
 def _as_int_tuple(values: Iterable[int]) -> tuple[int, ...]:

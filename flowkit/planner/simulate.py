@@ -20,7 +20,16 @@ from collections import defaultdict
 
 import attrs
 
-from flowkit.planner.ir import Action, Costs, Kind, MemoryModel, Schedule
+from flowkit.planner.ir import (
+    Action,
+    ActionKey,
+    Costs,
+    Kind,
+    MemoryModel,
+    Schedule,
+    action_key,
+    bubble_rate,
+)
 
 __all__ = ["ScheduleError", "SimResult", "Interval", "dependencies", "simulate"]
 
@@ -83,11 +92,6 @@ def dependencies(action: Action, num_stages: int) -> list[tuple[int, Kind | None
     return [(s + 1, None, mb)]
 
 
-def _key(stage: int, kind: Kind, microbatch: int) -> tuple[int, str, int]:
-    # B and BW share a key: whichever a stage uses is "the backward" its dependents wait for.
-    return (stage, "B" if kind in (Kind.B, Kind.BW) else kind.value, microbatch)
-
-
 def simulate(
     schedule: Schedule, costs: Costs, memory: MemoryModel | None = None
 ) -> SimResult:
@@ -100,9 +104,9 @@ def simulate(
             f"{placement.num_stages}"
         )
     _check_actions_placed(schedule)
-    ends: dict[tuple[int, str, int], float] = {}
-    done_on: dict[tuple[int, str, int], int] = {}
-    waiting: dict[tuple[int, str, int], list[int]] = defaultdict(list)
+    ends: dict[ActionKey, float] = {}
+    done_on: dict[ActionKey, int] = {}
+    waiting: dict[ActionKey, list[int]] = defaultdict(list)
     cursor = [0] * schedule.num_devices
     free_at = [0.0] * schedule.num_devices
     out: list[list[Interval]] = [[] for _ in range(schedule.num_devices)]
@@ -115,7 +119,7 @@ def simulate(
             start = free_at[device]
             blocked = None
             for stage, kind, mb in dependencies(action, placement.num_stages):
-                key = (stage, "B" if kind is None else kind.value, mb)
+                key = action_key(stage, kind, mb)
                 if key not in ends:
                     blocked = key
                     break
@@ -125,7 +129,7 @@ def simulate(
                 waiting[blocked].append(device)
                 break
             end = start + costs.of(action)
-            key = _key(action.stage, action.kind, action.microbatch)
+            key = action.key
             if key in ends:
                 raise ScheduleError(
                     f"{action} runs twice: its (stage, kind, microbatch) was already scheduled",
@@ -188,15 +192,11 @@ def _summarize(schedule: Schedule, out: list[list[Interval]], memory: MemoryMode
             level += memory.delta(iv.action, chunks)
             peak = max(peak, level)
         peaks.append(peak)
-    max_span = max(spans)
-    ideal = max(busy)
-    # Float sums can leave ideal a hair above max_span; a bubble is never negative.
-    bubble = max(0.0, (max_span - ideal) / max_span) if max_span > 0 else 0.0
     return SimResult(
         intervals=tuple(tuple(iv) for iv in out),
         makespan=max((ivs[-1].end for ivs in out if ivs), default=0.0),
         device_span=tuple(spans),
         busy=tuple(busy),
-        bubble_rate=bubble,
+        bubble_rate=bubble_rate(spans, busy),
         peak_memory=tuple(peaks),
     )

@@ -9,18 +9,20 @@ task is submitted before the first one finishes: the control plane runs ahead of
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import attrs
 
-from flowkit.planner import Action, Costs, Kind, Schedule
+from flowkit.planner import Action, ActionKey, Costs, Kind, Schedule, action_key, bubble_rate
 from flowkit.planner.simulate import dependencies
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.futures import Future, wait
 from flowkit.runtime.records import ExecutorInfo
 
-__all__ = ["PipelineRun", "StreamedSchedule", "submit_schedule", "submission_order"]
+__all__ = ["PipelineRun", "StreamedSchedule", "measure", "stage_costs_config", "submit_schedule",
+           "submission_order"]
 
 ConfigFor = Callable[[Action], dict]
 
@@ -45,20 +47,26 @@ class PipelineRun:
                 raise error
 
     def measured(self) -> dict:
-        """Makespan, per-device span and busy time, and the bubble rate as the planner defines
-        it (flowkit/planner/simulate.py), from the executors' own start and end times."""
-        by_device: dict[int, list[tuple[float, float]]] = {}
-        for action, future in self.futures.items():
-            device = self.schedule.placement.device_of(action.stage)
-            by_device.setdefault(device, []).append(future.timing)
-        first = min(s for spans in by_device.values() for s, _ in spans)
-        last = max(e for spans in by_device.values() for _, e in spans)
-        span = [max(e for _, e in by_device[d]) - min(s for s, _ in by_device[d])
-                for d in sorted(by_device)]
-        busy = [sum(e - s for s, e in by_device[d]) for d in sorted(by_device)]
-        bubble = (max(span) - max(busy)) / max(span) if max(span) > 0 else 0.0
-        return {"makespan": last - first, "device_span": span, "busy": busy,
-                "bubble_rate": bubble}
+        """Makespan, per-device span and busy time, and the bubble rate, from the executors'
+        own start and end times (`measure`)."""
+        placement = self.schedule.placement
+        return measure((placement.device_of(action.stage), future.timing)
+                       for action, future in self.futures.items())
+
+
+def measure(timings: Iterable[tuple[Hashable, tuple[float, float]]]) -> dict:
+    """Makespan, per-device span and busy time, and the bubble rate as the planner defines it
+    (flowkit.planner.bubble_rate) of ops given as (device, (start, end))."""
+    by_device: dict[Hashable, list[tuple[float, float]]] = defaultdict(list)
+    for device, timing in timings:
+        by_device[device].append(timing)
+    windows = [by_device[d] for d in sorted(by_device)]
+    span = [max(e for _, e in w) - min(s for s, _ in w) for w in windows]
+    busy = [sum(e - s for s, e in w) for w in windows]
+    first = min(s for w in windows for s, _ in w)
+    last = max(e for w in windows for _, e in w)
+    return {"makespan": last - first, "device_span": span, "busy": busy,
+            "bubble_rate": bubble_rate(span, busy)}
 
 
 def submission_order(schedule: Schedule) -> list[tuple[int, Action]]:
@@ -80,7 +88,7 @@ class _Cursor:
     def __init__(self, schedule: Schedule) -> None:
         self.schedule = schedule
         self.position = [0] * schedule.num_devices
-        self.submitted: set[tuple[int, str, int]] = set()
+        self.submitted: set[ActionKey] = set()
 
     @property
     def done(self) -> bool:
@@ -94,12 +102,12 @@ class _Cursor:
             for device, ops in enumerate(self.schedule.device_ops):
                 while self.position[device] < len(ops):
                     action = ops[self.position[device]]
-                    if not all(_dep_key(dep) in self.submitted
+                    if not all(action_key(*dep) in self.submitted
                                for dep in dependencies(action, stages)):
                         break
                     if not take(device, action):
                         break
-                    self.submitted.add(_key(action))
+                    self.submitted.add(action.key)
                     self.position[device] += 1
                     progress = True
 
@@ -123,7 +131,7 @@ class StreamedSchedule:
         self.run = PipelineRun(schedule=schedule, futures={}, losses=[])
         self.inputs: dict[int, Any] = {}
         self._cursor = _Cursor(schedule)
-        self._outputs: dict[tuple[int, str, int], Future] = {}
+        self._outputs: dict[ActionKey, Future] = {}
 
     @property
     def done(self) -> bool:
@@ -155,7 +163,7 @@ class StreamedSchedule:
         future = self.ctl.submit(action.kind.value, *inputs, config=config,
                                  executor=self.executors[device].id,
                                  lane=f"{self.lane}/{device}", meta=meta)
-        self._outputs[_key(action)] = future
+        self._outputs[action.key] = future
         self.run.futures[action] = future
         if self.on_submit is not None:
             self.on_submit(action, future)
@@ -189,18 +197,7 @@ def _inputs_of(action: Action, outputs: dict, last: int, microbatch_inputs: dict
         given = list(value) if isinstance(value, tuple) else [value]  # a tuple: several inputs
     if action.kind is Kind.F and action.stage == 0:
         return given
-    return [outputs[_dep_key(dep)] for dep in dependencies(action, last + 1)] + given
-
-
-def _key(action: Action) -> tuple[int, str, int]:
-    # B and BW share a key: whichever a stage uses is "the backward" its dependents read
-    kind = "B" if action.kind in (Kind.B, Kind.BW) else action.kind.value
-    return (action.stage, kind, action.microbatch)
-
-
-def _dep_key(dep: tuple[int, Kind | None, int]) -> tuple[int, str, int]:
-    stage, kind, mb = dep
-    return (stage, "B" if kind is None else kind.value, mb)
+    return [outputs[action_key(*dep)] for dep in dependencies(action, last + 1)] + given
 
 
 def stage_costs_config(costs: Costs, *, activation_bytes: int = 0) -> ConfigFor:
@@ -216,96 +213,3 @@ def stage_costs_config(costs: Costs, *, activation_bytes: int = 0) -> ConfigFor:
         return config
 
     return config_for
-
-
-def execute_on_simulators(schedule: Schedule, stage_costs: Costs, *, unit_s: float = 0.001,
-                          repeats: int = 3, activation_bytes: int = 1 << 16) -> dict:
-    """Run `schedule` on one simulator executor per device, costs in units of `unit_s`
-    seconds: the median of `repeats` runs after a warm-up, against the planner's simulation.
-
-    The simulation's costs are profiled in the same run, as the Zero Bubble paper profiles
-    T_F, T_B, T_W and T_comm: each op's cost gains the executors' own per-op time (one op's
-    start to the next's on a busy executor, less the op's nominal time, with every executor
-    busy at once as in the run), and the communication cost is the median time an activation
-    takes from the end of the op that made it to the start of the op that reads it on another
-    executor that has been waiting for it (an idle executor wakes more slowly than a busy one). With them, measured against simulated says whether the schedule's order costs
-    anything the simulator does not know of.
-    """
-    from flowkit.planner import simulate
-    from flowkit.runtime.launch import LocalExecutors
-
-    seconds = _in_seconds(stage_costs, unit_s)
-    config_for = stage_costs_config(seconds, activation_bytes=activation_bytes)
-    with Controller() as ctl:
-        executors = LocalExecutors(ctl, schedule.num_devices, kind="sim", name_prefix="sim")
-        infos = sorted(executors.start(), key=lambda e: int(e.name.rsplit("-", 1)[1]))
-        try:
-            hop_s = (profile_hop(ctl, infos, activation_bytes, hops=50, op_s=unit_s)
-                     if len(infos) > 1 else 0.0)
-            op_overhead_s = profile_op_overhead(ctl, infos, unit_s)
-            runs = []
-            for _ in range(repeats + 1):  # the first run warms up sockets and caches
-                run = submit_schedule(ctl, schedule, infos, config_for=config_for)
-                run.wait(timeout=60 + 10 * simulate(schedule, seconds).makespan)
-                runs.append(run.measured())
-        finally:
-            ctl.shutdown()
-            executors.stop()
-    median = sorted(runs[1:], key=lambda m: m["makespan"])[len(runs[1:]) // 2]
-    nominal = simulate(schedule, seconds)
-    profiled = simulate(schedule, attrs.evolve(seconds, comm=seconds.comm + hop_s,
-                                               per_op=op_overhead_s))
-    return {"kind": schedule.kind, "devices": schedule.num_devices,
-            "microbatches": schedule.microbatches, "unit_s": unit_s, "hop_s": hop_s,
-            "op_overhead_s": op_overhead_s,
-            "measured_makespan_s": median["makespan"],
-            "simulated_makespan_s": profiled.makespan,
-            "nominal_makespan_s": nominal.makespan,
-            "measured_bubble_rate": median["bubble_rate"],
-            "simulated_bubble_rate": profiled.bubble_rate,
-            "nominal_bubble_rate": nominal.bubble_rate,
-            "makespan_ratio": median["makespan"] / profiled.makespan}
-
-
-def profile_hop(ctl: Controller, executors: Sequence[ExecutorInfo], nbytes: int,
-                hops: int = 100, op_s: float = 0.0) -> float:
-    """Median seconds from one executor's op end to the next executor's op start when the
-    second reads the first's `nbytes` output: the per-hop cost of a pipeline dependency.
-    Each op of the chain takes `op_s`, so the reader has been idle that long when the data
-    comes, as a pipeline stage waiting for its input has."""
-    value = ctl.put(_zeros(nbytes), executor=executors[0].id)
-    chain = []
-    for i in range(hops + 1):
-        value = ctl.submit("identity", value, config={"seconds": op_s},
-                           executor=executors[(i + 1) % 2].id)
-        chain.append(value)
-    chain[-1].result(timeout=60)
-    wait(chain, timeout=60)
-    gaps = sorted(b.timing[0] - a.timing[1] for a, b in zip(chain, chain[1:]))
-    return max(0.0, gaps[len(gaps) // 2])
-
-
-def profile_op_overhead(ctl: Controller, executors: Sequence[ExecutorInfo], op_s: float,
-                        ops: int = 40) -> float:
-    """Median seconds an executor adds to each op of about `op_s` seconds: a chain of `ops`
-    simulator forwards in one lane on every executor at once, one op's start to the next's,
-    less `op_s`. Taken with all executors busy, it includes their contention for the cores."""
-    with ctl.batch():
-        chains = [[ctl.submit("F", config={"seconds": op_s}, executor=info.id,
-                              lane=f"profile-{info.id}") for _ in range(ops)]
-                  for info in executors]
-    wait([f for chain in chains for f in chain], timeout=60 + 2 * ops * op_s)
-    steps = sorted(b.timing[0] - a.timing[0] - op_s
-                   for chain in chains for a, b in zip(chain[ops // 4:], chain[ops // 4 + 1:]))
-    return max(0.0, steps[len(steps) // 2])
-
-
-def _zeros(nbytes: int) -> Any:
-    import torch
-
-    return torch.zeros(nbytes, dtype=torch.uint8)
-
-
-def _in_seconds(costs: Costs, unit_s: float) -> Costs:
-    return Costs(F=[c * unit_s for c in costs.F], B=[c * unit_s for c in costs.B],
-                 W=[c * unit_s for c in costs.W], comm=costs.comm * unit_s)
