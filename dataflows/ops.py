@@ -15,6 +15,7 @@ from dataflows.records import (
     WeightsVersion,
 )
 from flowkit.dsl import Batch, ModelOp, Stream
+from flowkit.ops import LOSS_KNOBS
 
 __all__ = ["Backprop", "Generate", "LogProbs", "OptimizerStep", "RewardModel", "Values"]
 
@@ -65,11 +66,9 @@ class Backprop(ModelOp):
     inputs = {"batch": Stream[object], "ref_logprobs": Stream[TokenScores]}
     optional = ("ref_logprobs",)
     outputs = {"stats": Stream[MicrobatchStats]}
-    # loss: "lm" (next-token cross-entropy), "grpo" or "ppo" (clipped policy loss; grpo adds
-    # kl_coef x the kl_kind estimate to the reference), "value" (clipped value loss)
+    # loss: one of flowkit.ops.LOSSES, with its knobs
     config = {"loss": "lm", "schedule": "1f1b", "microbatches": 8, "memory_limit": None,
-              "kl_coef": 0.0, "kl_kind": "k3", "clip_ratio": 0.2, "clip_ratio_c": 3.0,
-              "cliprange_value": 0.2, "temperature": 1.0}
+              **LOSS_KNOBS}
 
 
 class OptimizerStep(ModelOp):

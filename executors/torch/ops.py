@@ -392,3 +392,4 @@ def register(table: OpTable) -> None:
     table.register("profile_stage", _profile)
     table.register("export_weights", weights.export_weights)
     table.register("load_weights", weights.load_weights)
+    table.register("save_weights", weights.save_weights)

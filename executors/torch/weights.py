@@ -17,10 +17,11 @@ last stage's ``lm_head`` [Note: tied embedding across stages]) exports each copy
 name; after an optimizer step the two are equal. Loading either name sets every copy of the
 weight in the split loaded into, so one split's export fills any other split.
 
-The ops: `export_weights` (one stage's parameters by unsplit name, CPU copies) and
-`load_weights` (copy such dicts into the held split; registered in ops.py). The controller
-merges and saves exports with `save_checkpoint`; a model config key ``checkpoint`` names such
-a file, which `_model` loads into the whole model before splitting it (`load_checkpoint`).
+The ops: `export_weights` (one stage's parameters by unsplit name, CPU copies), `load_weights`
+(copy such dicts into the held split) and `save_weights` (merge the stages' exports and write
+them with `save_checkpoint`, on an executor: no tensor goes to the controller). A model config
+key ``checkpoint`` names such a file, which `_model` loads into the whole model before
+splitting it (`load_checkpoint`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from executors.ops import OpContext
 from executors.torch.stage import StageError
 
 __all__ = ["Layout", "export", "export_weights", "layout", "load", "load_checkpoint",
-           "load_weights", "merge", "save_checkpoint", "to_local", "to_unsplit"]
+           "load_weights", "merge", "save_checkpoint", "save_weights", "to_local", "to_unsplit"]
 
 
 # -- names ------------------------------------------------------------------------------------
@@ -247,6 +248,12 @@ def save_checkpoint(path: str | os.PathLike, dicts: Any) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def save_weights(ctx: OpContext, *exports: Any, path: str) -> str:
+    """The op that writes a checkpoint where the weights are: `exports` (each stage's
+    `export_weights`, moved here over the data plane) merged and saved to `path`."""
+    return str(save_checkpoint(path, exports))
 
 
 def load_checkpoint(whole: torch.nn.Module, path: str | os.PathLike) -> None:

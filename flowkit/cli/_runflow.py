@@ -10,6 +10,7 @@ from rich.console import Console
 
 from flowkit.dsl import Flow
 from flowkit.observe import Dashboard, MetricsWriter, RunStats, TraceRecorder
+from flowkit.ops import LOSSES
 from flowkit.planner.lower import NodePlan, lower_flow
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runtime import Controller, LocalExecutors
@@ -46,7 +47,6 @@ def choose_executors(flow: Flow, kind: str) -> str:
     if not wanted:
         return "base"
     from executors.kinds import op_table
-    from executors.torch.ops import LOSSES
 
     missing = sorted(wanted - set(op_table("torch").names()))
     missing += sorted({f"the {node.config.get('loss')!r} loss" for node in plan

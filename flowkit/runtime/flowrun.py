@@ -2,10 +2,9 @@
 ([Note: lowering by granularity] in flowkit/planner/lower.py).
 
 The runner reacts to completions: a per-item op is submitted the moment its item exists, a group
-the moment its last member is in, a barrier when every producer has closed. Items carry a lineage
-(the path of call indices from the source that made them) so the inputs of a per-item op pair up
-by sample, whatever order they finish in. Backprop and optimizer-step nodes are in
-flowkit/runtime/flowtrain.py.
+the moment its last member is in, a barrier when every producer has closed; the step's items and
+node states are in stepstate.py. Each trained model's backprop and optimizer step go to its
+`ModelTraining` (flowtrain.py).
 """
 
 from __future__ import annotations
@@ -13,6 +12,8 @@ from __future__ import annotations
 import queue
 import time
 from collections import defaultdict
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -22,48 +23,14 @@ from flowkit.planner import Costs
 from flowkit.planner.lower import Call, InputRule, NodePlan
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runtime.controller import Controller
-from flowkit.runtime.flowtrain import TrainingSteps, lineage_order
+from flowkit.runtime.flowtrain import ModelTraining
+from flowkit.runtime.pipeline import measure
 from flowkit.runtime.records import ExecutorInfo
 from flowkit.runtime.refs import Gather, Item
+from flowkit.runtime.stepstate import FlowRunError, NodeState, Streams, lineage_order
 from flowkit.runtime.training import model_spec
 
 __all__ = ["FlowRunError", "FlowRunner", "StepReport"]
-
-
-class FlowRunError(RuntimeError):
-    """A step could not finish: an op failed (the message carries the remote traceback)."""
-
-
-@attrs.define
-class _Stream:
-    """The items one output port produced this step, by lineage."""
-
-    items: dict[tuple, Any] = attrs.field(factory=dict)
-    keys: dict[tuple, Any] = attrs.field(factory=dict)
-    arrivals: list[tuple] = attrs.field(factory=list)
-    closed: bool = False
-
-    def add(self, lineage: tuple, ref: Any, key: Any = None) -> None:
-        self.items[lineage] = ref
-        self.keys[lineage] = key
-        self.arrivals.append(lineage)
-
-    def ordered(self) -> list:
-        return [self.items[lin] for lin in sorted(self.items, key=lineage_order)]
-
-
-@attrs.define
-class _NodeState:
-    plan: NodePlan
-    pending: int = 0  # tasks submitted and not yet done
-    started: bool = False
-    submitted: set = attrs.field(factory=set)  # lineages already called (per item / group)
-    groups: dict = attrs.field(factory=lambda: defaultdict(list))
-    seen: int = 0  # arrivals of the grouped input already sorted into groups
-    closed: bool = False
-    first_start: float | None = None
-    last_end: float | None = None
-    pipeline: Any = None  # the _Feeding of a backprop node
 
 
 @attrs.frozen
@@ -74,7 +41,7 @@ class StepReport:
     metrics: dict[str, Any]  # loss, bubble rate, ... from the step's outputs
 
 
-class FlowRunner(TrainingSteps):
+class FlowRunner:
     """Runs a lowered flow's steps through `ctl`; model ops go to executors with the model's
     tags, a model's pipeline stage s always to the same one."""
 
@@ -99,14 +66,25 @@ class FlowRunner(TrainingSteps):
         # model ops name the model's whole copy [Note: one model, many holders in
         # executors/torch/ops.py], a simulator its costs
         self.op_configs = {node.name: {**model_spec(node.model, 1), **node.config,
-                                       **self._cost_config(node.op)}
+                                       **(sim_costs.config_for(node.op) if sim_costs else {})}
                            for node in plan if node.model is not None}
-        self.previous: dict[tuple[str, str], _Stream] = {}  # last step's outputs, for feedback
+        self.previous = Streams()  # last step's outputs, for feedback
         self.profiles: dict[tuple[str, int], Costs] = {}  # (model, stages) -> profiled costs
-        self.schedules: dict[tuple, Any] = {}  # built schedules by their inputs
-        self.trained: dict[str, tuple] = {}  # model -> (schedule, spec) of this step's backprop
-        self.predicted_bubble: dict[str, float] = {}  # backprop node -> the simulator's
-        self.item_counts: dict[str, int] = {}  # backprop node -> items it trained on last step
+        self.training = {node.model.name: self._training(node.model) for node in plan
+                         if node.call is Call.PIPELINE}
+
+    def _training(self, model: Any) -> ModelTraining:
+        users = [(node.op, frozenset(node.tags)) for node in self.plan
+                 if node.model is not None and node.model.name == model.name
+                 and node.call not in (Call.PIPELINE, Call.STEP)]
+        return ModelTraining(self.ctl, model, self.placement[model.name], users=users,
+                             sim_costs=self.sim_costs, fuse=self.fuse,
+                             timeout=self.step_timeout, profiles=self.profiles)
+
+    @property
+    def trained(self) -> dict[str, tuple]:
+        """model -> (schedule, spec) of the last step's backprop of it."""
+        return {name: t.trained for name, t in self.training.items() if t.trained is not None}
 
     # -- placement -----------------------------------------------------------------------------
     def _place_models(self) -> dict[str, list[ExecutorInfo]]:
@@ -129,11 +107,12 @@ class FlowRunner(TrainingSteps):
     # -- one step ------------------------------------------------------------------------------
     def run_step(self, step: int) -> StepReport:
         started = time.time()
-        self.streams: dict[tuple[str, str], _Stream] = defaultdict(_Stream)
-        self.states = {node.name: _NodeState(node) for node in self.plan}
+        self.streams = Streams()
+        self.states = {node.name: NodeState(node) for node in self.plan}
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.step = step
-        self.trained.clear()
+        for training in self.training.values():
+            training.start_step(step)
         for node in self.plan:
             self._progress(node.name)
         deadline = time.monotonic() + self.step_timeout
@@ -145,8 +124,15 @@ class FlowRunner(TrainingSteps):
                 raise FlowRunError(f"step {step} did not finish in {self.step_timeout} s; "
                                    f"still open: {', '.join(open_nodes)}") from None
             self._on_done(*event)
-        self.previous = dict(self.streams)
+        self.previous = self.streams
         return self._report(step, started)
+
+    def save_weights(self, folder: Path) -> list[Path]:
+        """Each model trained in the last step, its stages' weights merged by the unsplit
+        model's names, to `folder`/NAME.pt: a checkpoint a model config's `checkpoint` key
+        starts from. Needs executors that save weights (torch)."""
+        saves = [self.training[name].save(folder) for name in sorted(self.trained)]
+        return [Path(future.result(timeout=self.step_timeout)) for future in saves]
 
     def _on_done(self, name: str, lineage: tuple, futures: tuple, register: bool,
                  outputs: tuple) -> None:
@@ -183,7 +169,7 @@ class FlowRunner(TrainingSteps):
             return
         plan = state.plan
         live = [rule for rule in plan.inputs if not rule.feedback]
-        inputs_closed = all(self.streams[(r.src, r.src_port)].closed for r in live)
+        inputs_closed = all(self.streams.of(r).closed for r in live)
         if not (self.fuse or inputs_closed):
             return
         if plan.call is Call.PER_ITEM:
@@ -191,11 +177,15 @@ class FlowRunner(TrainingSteps):
         elif plan.call is Call.PER_GROUP:
             self._submit_groups(state, live, inputs_closed)
         elif plan.call is Call.PIPELINE:
-            self._feed_pipeline(state, live, inputs_closed)
+            self.training[plan.model.name].feed(state, self.streams, live, inputs_closed,
+                                                partial(self._watch, state))
         elif not state.started and inputs_closed:
             state.started = True
-            {Call.SOURCE: self._submit_once, Call.ONCE: self._submit_once,
-             Call.STEP: self._submit_step}[plan.call](state)
+            if plan.call is Call.STEP:
+                stats = [Gather(self.streams.of(r).ordered()) for r in live]
+                self.training[plan.model.name].optimizer_step(plan, stats, partial(self._watch, state))
+            else:
+                self._submit_once(state)
         if inputs_closed and state.pending == 0 and (state.started or plan.call in (
                 Call.PER_ITEM, Call.PER_GROUP)):
             if plan.call is Call.PER_ITEM:
@@ -206,30 +196,30 @@ class FlowRunner(TrainingSteps):
             for consumer in self.consumers[name]:
                 self._progress(consumer)
 
-    def _submit_items(self, state: _NodeState, live: list[InputRule]) -> None:
+    def _submit_items(self, state: NodeState, live: list[InputRule]) -> None:
         streaming = [r for r in live if r.granularity is Granularity.STREAM]
         barriers = [r for r in live if r.granularity is not Granularity.STREAM]
-        if any(not self.streams[(r.src, r.src_port)].closed for r in barriers):
+        if any(not self.streams.of(r).closed for r in barriers):
             return
-        lead = self.streams[(streaming[0].src, streaming[0].src_port)]
+        lead = self.streams.of(streaming[0])
         for lineage in lead.arrivals:
             if lineage in state.submitted:
                 continue
             refs = {}
             for rule in streaming:
-                ref = self.streams[(rule.src, rule.src_port)].items.get(lineage)
+                ref = self.streams.of(rule).items.get(lineage)
                 if ref is None:
                     break
                 refs[rule.port] = ref
             else:
                 for rule in barriers:
-                    refs[rule.port] = Gather(self.streams[(rule.src, rule.src_port)].ordered())
+                    refs[rule.port] = Gather(self.streams.of(rule).ordered())
                 state.submitted.add(lineage)
                 self._submit(state, lineage, refs)
 
-    def _check_all_paired(self, state: _NodeState, live: list[InputRule]) -> None:
+    def _check_all_paired(self, state: NodeState, live: list[InputRule]) -> None:
         streaming = [r for r in live if r.granularity is Granularity.STREAM]
-        lead = self.streams[(streaming[0].src, streaming[0].src_port)]
+        lead = self.streams.of(streaming[0])
         unpaired = [lin for lin in lead.arrivals if lin not in state.submitted]
         if unpaired:
             ports = ", ".join(f"{r.port} (from {r.src})" for r in streaming)
@@ -239,9 +229,9 @@ class FlowRunner(TrainingSteps):
                 "inputs must come from the same items (e.g. both scored from one generate); "
                 "collect() one of them if it is a different stream")
 
-    def _submit_groups(self, state: _NodeState, live: list[InputRule], closed: bool) -> None:
+    def _submit_groups(self, state: NodeState, live: list[InputRule], closed: bool) -> None:
         (rule,) = [r for r in live if r.granularity is Granularity.GROUPED]
-        stream = self.streams[(rule.src, rule.src_port)]
+        stream = self.streams.of(rule)
         for lineage in stream.arrivals[state.seen:]:
             key = stream.keys.get(lineage)
             members = state.groups[key]
@@ -253,18 +243,18 @@ class FlowRunner(TrainingSteps):
             for key in list(state.groups):
                 self._submit_group(state, rule, key)
 
-    def _submit_group(self, state: _NodeState, rule: InputRule, key: Any) -> None:
+    def _submit_group(self, state: NodeState, rule: InputRule, key: Any) -> None:
         members = sorted(state.groups.pop(key), key=lineage_order)
-        stream = self.streams[(rule.src, rule.src_port)]
+        stream = self.streams.of(rule)
         self._submit(state, (key,), {rule.port: Gather([stream.items[m] for m in members])})
 
-    def _submit_once(self, state: _NodeState) -> None:
-        refs = {rule.port: Gather(self.streams[(rule.src, rule.src_port)].ordered())
+    def _submit_once(self, state: NodeState) -> None:
+        refs = {rule.port: Gather(self.streams.of(rule).ordered())
                 for rule in state.plan.inputs if not rule.feedback}
         self._submit(state, (), refs)
 
     # -- submitting ----------------------------------------------------------------------------
-    def _submit(self, state: _NodeState, lineage: tuple, refs: dict[str, Any]) -> None:
+    def _submit(self, state: NodeState, lineage: tuple, refs: dict[str, Any]) -> None:
         plan = state.plan
         refs.update(self._feedback_refs(plan))
         ports = [rule.port for rule in plan.inputs if rule.port in refs]
@@ -274,17 +264,14 @@ class FlowRunner(TrainingSteps):
             fn_config = {**plan.config, "step": self.step} if plan.takes_step else plan.config
             config = {"target": plan.target, "config": fn_config, "ports": ports,
                       "outputs": list(plan.outputs), "many": list(plan.many)}
-            futures = self.ctl.submit("python", *(refs[p] for p in ports), config=config,
-                                      tags=plan.tags, outputs=outputs, meta=meta,
-                                      report_key=self.report_keys.get(plan.name))
         else:
             config = {**self.op_configs[plan.name], "step": self.step}  # sampling: afresh
-            futures = self.ctl.submit(plan.op, *(refs[p] for p in ports), config=config,
-                                      tags=plan.tags, outputs=outputs, meta=meta,
-                                      report_key=self.report_keys.get(plan.name))
+        futures = self.ctl.submit(plan.op, *(refs[p] for p in ports), config=config,
+                                  tags=plan.tags, outputs=outputs, meta=meta,
+                                  report_key=self.report_keys.get(plan.name))
         self._watch(state, lineage, futures if outputs > 1 else (futures,), register=True)
 
-    def _watch(self, state: _NodeState, lineage: tuple, futures: tuple, *,
+    def _watch(self, state: NodeState, lineage: tuple, futures: tuple, *,
                register: bool, outputs: tuple | None = None) -> None:
         """When `futures` are done, account for them and (with `register`) add them, or
         `outputs` in their place, to the node's output streams."""
@@ -304,9 +291,6 @@ class FlowRunner(TrainingSteps):
                     refs[rule.port] = previous.ordered()[-1]
         return refs
 
-    def _cost_config(self, op: str) -> dict:
-        return self.sim_costs.config_for(op) if self.sim_costs is not None else {}
-
     # -- reporting -----------------------------------------------------------------------------
     def _report(self, step: int, started: float) -> StepReport:
         timing = {name: s.last_end - s.first_start for name, s in self.states.items()
@@ -314,6 +298,7 @@ class FlowRunner(TrainingSteps):
         metrics: dict[str, Any] = {}
         runs = [state.pipeline.run for state in self.states.values()
                 if state.pipeline is not None]
+        predicted = [v for t in self.training.values() for v in t.predicted_bubble.values()]
         for name, state in self.states.items():
             if state.pipeline is not None:
                 losses = [f.result() for f in state.pipeline.run.losses]
@@ -323,12 +308,13 @@ class FlowRunner(TrainingSteps):
             if state.plan.reports:
                 metrics.update(self._reported(state.plan))
         if runs:
-            metrics["bubble_rate"] = _bubble_rate(runs)
-            predicted = list(self.predicted_bubble.values())
+            # over every executor's pipeline ops, whichever model they belong to: two models'
+            # pipelines sharing executors fill each other's bubbles
+            metrics["bubble_rate"] = measure((f.location, f.timing) for run in runs
+                                             for f in run.futures.values())["bubble_rate"]
             metrics["predicted_bubble_rate"] = max(predicted) if predicted else None
         return StepReport(step=step, elapsed_s=time.time() - started, timing_s=timing,
                           metrics=metrics)
-
 
     def _reported(self, plan: NodePlan) -> dict[str, float]:
         """The values of a reporter's Metrics items this step (small: fetched to here)."""
@@ -339,18 +325,6 @@ class FlowRunner(TrainingSteps):
                     if isinstance(ref, Item) else ref.result(timeout=self.step_timeout)
                 values.update(getattr(item, "values", {}))
         return values
-
-
-def _bubble_rate(runs: list) -> float:
-    """The step's pipeline bubble over every executor's pipeline ops, whichever model they
-    belong to (two models' pipelines sharing executors fill each other's bubbles)."""
-    spans: dict[int, list[tuple[float, float]]] = defaultdict(list)
-    for run in runs:
-        for future in run.futures.values():
-            spans[future.location].append(future.timing)
-    span = max(max(e for _, e in t) - min(s for s, _ in t) for t in spans.values())
-    busy = max(sum(e - s for s, e in t) for t in spans.values())
-    return (span - busy) / span if span > 0 else 0.0
 
 
 def _mean_loss(stats: list) -> float:

@@ -11,24 +11,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from flowkit.dsl import Model
+from flowkit.ops import LOSS_KNOBS, SUM_FORM_LOSSES
 from flowkit.planner import Action, Costs, Kind, Placement, Schedule
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.futures import Future, wait
 from flowkit.runtime.records import ExecutorInfo
 
-__all__ = ["SUM_FORM_LOSSES", "model_spec", "pipeline_config", "profile_stages",
-           "submit_exports", "submit_optimizer_step", "submit_weight_sync"]
-
-
-SUM_FORM_LOSSES = ("grpo", "ppo", "value")
-"""Losses whose microbatches return sums that the optimizer step divides by the step's total
-(the `normalizer` of their stats), so a microbatch's loss needs no batch total: a backprop with
-one of them can start before its last item exists [Note: streamed microbatches]."""
-
-
-LOSS_KEYS = ("loss", "kl_coef", "kl_kind", "clip_ratio", "clip_ratio_c", "temperature",
-             "cliprange_value")
-"""The Backprop config keys the stage ops read: the loss and its knobs."""
+__all__ = ["model_spec", "pipeline_config", "profile_stages", "submit_exports",
+           "submit_optimizer_step", "submit_weight_sync"]
 
 
 def model_spec(model: Model, num_stages: int) -> dict:
@@ -50,7 +40,7 @@ def pipeline_config(base: Callable[[Action], dict], spec: dict, sizes: Sequence[
     normalizes instead."""
     total = max(1, sum(sizes))
     last = spec["stages"] - 1
-    keep = {k: v for k, v in extra.items() if k in LOSS_KEYS}
+    keep = {k: v for k, v in extra.items() if k == "loss" or k in LOSS_KNOBS}
     summed = extra.get("loss") in SUM_FORM_LOSSES
 
     def config_for(action: Action) -> dict:

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from flowkit.ops import LOSS_KNOBS, SUM_FORM_LOSSES
 from flowkit.planner import Action, Kind
-from flowkit.runtime.training import LOSS_KEYS, SUM_FORM_LOSSES, pipeline_config
+from flowkit.runtime.training import pipeline_config
+
+LOSS_KEYS = ("loss", *LOSS_KNOBS)  # the Backprop config keys the stage ops read
 
 SPEC = {"model": "actor", "build": "x:y", "stages": 2, "seed": 0, "dtype": "float32",
         "model_config": {}}

@@ -1,0 +1,15 @@
+"""What flows declare and executors implement, in one place: the executor ops that model ops
+lower to (names, inputs, config keys: executor_ops.py) and the losses and their knobs
+(losses.py). No torch, no zmq.
+
+Where an op lives, end to end: a flow declares it as a ModelOp (dataflows/ops.py) or an @op
+function; the planner lowers it into tasks (flowkit/planner/lower.py); the runtime submits and
+dispatches them (flowkit/runtime/flowrun.py, controller.py, dispatch.py); an executor runs it
+from its op table (executors/ops.py; executors/sim.py, executors/torch/).
+"""
+
+from flowkit.ops.executor_ops import EXECUTOR_OPS, PIPELINE_OPS, SIMULATED, OpSpec
+from flowkit.ops.losses import LOSS_KNOBS, LOSSES, SUM_FORM_LOSSES
+
+__all__ = ["EXECUTOR_OPS", "LOSSES", "LOSS_KNOBS", "PIPELINE_OPS", "SIMULATED", "SUM_FORM_LOSSES",
+           "OpSpec"]

@@ -1,0 +1,73 @@
+"""The executor ops that model ops lower to: each op's name, what it reads and which config keys
+the runtime may give it. The runtime submits them (flowkit/runtime/flowtrain.py, training.py,
+flowrun.py), the simulator (executors/sim.py) and the torch executor (executors/torch/)
+implement them, and tests/executors/test_op_contract.py holds both implementations to this.
+
+An executor op is called as ``op(ctx, *inputs, **config)``: the inputs are what the task reads
+(other ops' outputs, moved to it by the runtime), the config what the task was told.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from flowkit.ops.losses import LOSS_KNOBS
+
+__all__ = ["EXECUTOR_OPS", "PIPELINE_OPS", "SIMULATED", "OpSpec"]
+
+
+@attrs.frozen
+class OpSpec:
+    name: str
+    inputs: str  # what the positional inputs are
+    keywords: frozenset[str] = attrs.field(converter=frozenset)  # what the config may hold
+    doc: str = ""
+
+
+MODEL_KEYS = ("model", "build", "stages", "seed", "dtype", "model_config")  # model_spec's
+_STAGE = (*MODEL_KEYS, "stage")
+_PIPELINE = (*_STAGE, "microbatch", "loss", *LOSS_KNOBS, "seconds")
+_OPTIMIZER = (*_STAGE, "step", "seconds", "lr", "weight_decay", "betas", "eps", "clip_grad_norm")
+_SCORING = (*MODEL_KEYS, "step", "max_batch", "seconds_per_token")
+
+PIPELINE_OPS = ("F", "B", "W", "BW")
+
+EXECUTOR_OPS = {spec.name: spec for spec in (
+    OpSpec("F", "stage 0: the microbatch's data; a later stage: the activation before it, and "
+           "on the last stage the data again, for the loss",
+           (*_PIPELINE, "loss_scale", "out_bytes", "last", "tokens"),
+           "forward; the last stage returns the microbatch's MicrobatchStats"),
+    OpSpec("B", "the gradient of the stage's output (the last stage: its own F's stats)",
+           (*_PIPELINE, "out_bytes", "first"), "input gradients; stashes what W needs"),
+    OpSpec("W", "the stage's B output, only to be ordered after it", _PIPELINE,
+           "weight gradients from what B stashed"),
+    OpSpec("BW", "as B", (*_PIPELINE, "out_bytes", "first"), "B and W in one op"),
+    OpSpec("grad_stats", "on the last stage, the first stage's tied gradients", _OPTIMIZER,
+           "a stage's squared gradient norm and its tied gradients"),
+    OpSpec("optimizer_step", "the microbatches' stats, every stage's grad stats",
+           (*_OPTIMIZER, "report"),
+           "clip by the global norm, one step; the reporting stage returns "
+           "(StepMetrics, WeightsVersion)"),
+    OpSpec("generate", "a prompt (or a list of them), then weights versions to wait for",
+           (*_SCORING, "n", "max_new_tokens", "temperature", "top_p", "eos", "sample_seed",
+            "min_new_tokens", "length_sigma"),
+           "n Rollouts per prompt"),
+    OpSpec("logprobs", "a rollout (or a list of them)", (*_SCORING, "temperature"),
+           "TokenScores: per-token log-probabilities"),
+    OpSpec("values", "a rollout (or a list), then weights versions to wait for", _SCORING,
+           "TokenScores: per-token values of a critic"),
+    OpSpec("reward_model", "a rollout (or a list of them)", _SCORING,
+           "a float score per rollout"),
+    OpSpec("profile_stage", "a microbatch like the ones to come", (*_STAGE, "repeats"),
+           "median seconds of F, B, W, BW: the planner's costs"),
+    OpSpec("export_weights", "anything, only to be ordered after it", _STAGE,
+           "a stage's weights by the unsplit model's names"),
+    OpSpec("load_weights", "export_weights dicts and weights versions",
+           (*_STAGE, "version", "complete"), "load them into the model held here"),
+    OpSpec("save_weights", "export_weights dicts of every stage", ("path",),
+           "merge and write them as one checkpoint file; returns its path"),
+)}
+
+SIMULATED = frozenset(PIPELINE_OPS) | {"grad_stats", "optimizer_step", "generate", "logprobs",
+                                       "values", "reward_model"}
+"""The ops the timed simulator implements: every op a flow's model ops lower to."""

@@ -1,0 +1,26 @@
+"""The losses a Backprop trains with, and their knobs: what the runtime puts in each pipeline
+op's config and the executors implement (executors/torch/rl_loss.py; the simulator only
+reports a loss)."""
+
+from __future__ import annotations
+
+__all__ = ["LOSSES", "LOSS_KNOBS", "SUM_FORM_LOSSES"]
+
+LOSSES = {
+    "lm": "next-token cross-entropy, a mean per token",
+    "grpo": "the clipped policy loss plus kl_coef x the kl_kind estimate of the KL to the "
+            "reference",
+    "ppo": "the clipped (dual-clip) policy loss",
+    "value": "the clipped value loss of a critic",
+}
+
+SUM_FORM_LOSSES = ("grpo", "ppo", "value")
+"""Losses whose microbatches return sums that the optimizer step divides by the step's total
+(the `normalizer` of their stats), so a microbatch's loss needs no batch total: a backprop with
+one of them can start before its last item exists [Note: streamed microbatches in
+flowkit/runtime/flowtrain.py]."""
+
+LOSS_KNOBS = {"kl_coef": 0.0, "kl_kind": "k3", "clip_ratio": 0.2, "clip_ratio_c": 3.0,
+              "cliprange_value": 0.2, "temperature": 1.0}
+"""Each knob of the RL losses with its default (verl's); `temperature` is the sampler's, so the
+ratio starts at 1 only when log-probs are taken as generation took them."""
