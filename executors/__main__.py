@@ -1,3 +1,3 @@
-from flowkit.cli.executor import executor
+from executors.serve import executor
 
 executor()

@@ -8,7 +8,7 @@ from importlib.metadata import entry_points
 
 from executors.ops import OpTable, builtin_ops, load_plugin_ops
 
-__all__ = ["op_table"]
+__all__ = ["KINDS", "op_table"]
 
 # kind -> modules whose `register(table)` adds its ops, on top of the built-ins
 _KINDS: dict[str, tuple[str, ...]] = {
@@ -16,6 +16,7 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "sim": ("executors.sim",),
     "torch": ("executors.torch",),
 }
+KINDS = tuple(_KINDS)  # the built-in kinds; plugins add theirs
 
 
 def op_table(kind: str) -> OpTable:

@@ -14,7 +14,7 @@ __all__ = ["main"]
 _COMMANDS = {
     "bench": "flowkit.cli.bench:bench",
     "check": "flowkit.cli.check:check",
-    "executor": "flowkit.cli.executor:executor",
+    "executor": "executors.serve:executor",
     "graph": "flowkit.cli.graph:graph",
     "run": "flowkit.cli.run:run",
     "schedule": "flowkit.cli.schedule:schedule",

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import click
 
+from executors.kinds import KINDS
 from flowkit.cli._files import writing
 from flowkit.cli._flows import load_checked_flow
 
-_KINDS = ("auto", "sim", "torch", "base")
+_KINDS = ("auto", *KINDS)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

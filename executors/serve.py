@@ -1,4 +1,5 @@
-"""`flowkit executor --connect ADDRESS`."""
+"""An executor process: `flowkit executor --connect ADDRESS`, or `python -m executors` as the
+local launcher starts it (flowkit/runtime/launch.py)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,18 @@ from pathlib import Path
 
 import click
 
-_KINDS = ("base", "sim", "torch")
+from executors.kinds import KINDS
+
+__all__ = ["executor"]
 
 
-@click.command()
+@click.command(name="executor")
 @click.option("--connect", required=True, envvar="FLOWKIT_CONTROLLER",
               help="The controller's address, e.g. tcp://10.0.0.5:5555 [env FLOWKIT_CONTROLLER].")
 @click.option("--name", default=None, help="A name for traces and errors [default: host-pid].")
 @click.option("--tags", default="", help="Comma-separated tags ops can ask for, e.g. gpu,train.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
-@click.option("--kind", type=click.Choice(_KINDS), default="base", show_default=True,
+@click.option("--kind", type=click.Choice(KINDS), default="base", show_default=True,
               help="Which ops to load: built-ins, + the timed simulator, + torch stages.")
 @click.option("--peer-host", default="127.0.0.1", show_default=True,
               help="Address peers reach this executor's data socket at (set for multi-host).")
