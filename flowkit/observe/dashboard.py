@@ -1,8 +1,8 @@
 """A live view of a run: one row per executor and the run-wide figures under it.
 
-The dashboard renders a snapshot (STYLE.md, "Dashboard renders a snapshot"): the controller's IO
-thread only updates `RunStats` counters; rich's `Live` asks `render()` for a fresh view a few
-times a second from its own thread. When the console is not a terminal (a log file, CI), plain
+The dashboard renders a snapshot: the controller's IO thread only updates `RunStats` counters;
+rich's `Live(get_renderable=...)` asks `render()` for a fresh view a few times a second from its
+own thread. When the console is not a terminal (a log file, CI), plain
 lines are printed every few seconds instead.
 """
 

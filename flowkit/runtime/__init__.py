@@ -1,4 +1,12 @@
-"""The runtime: controller, futures, wire protocol, local launchers. Imports no model code."""
+"""The runtime: it runs lowered flows and dispatches their tasks. Imports no model code.
+
+- flowrun.py: a flow's steps, node by node as the lowering says (stepstate.py: the step's items);
+  flowtrain.py: a trained model's pipeline, optimizer step, weight sync (training.py: what each
+  of those tasks is told); pipeline.py: a pipeline schedule as tasks.
+- controller.py: submits tasks as futures and drives the sockets; dispatch.py: where each task
+  goes and what becomes of its objects; futures.py, refs.py.
+- protocol.py, serialize.py, shm.py: the wire; launch.py: local executor processes.
+"""
 
 from flowkit.runtime.controller import Controller, NoExecutor
 from flowkit.runtime.futures import (

@@ -7,8 +7,9 @@
   sender, and only this handle travels. The receiver maps the segment (once; mappings are cached)
   and builds the tensor on that mapping without a copy.
 - `k` (an int): the frame travels as k consecutive zmq frames (1 MiB each when k > 1) that the
-  receiver joins. One huge zmq frame is several times slower than many 1 MiB ones
-  (shared/reference/ANCHORS.md), so large frames to another host are always chunked.
+  receiver joins. One huge zmq frame is several times slower than many 1 MiB ones (64 MiB over
+  ipc: about 1.3 GB/s as one frame, 3.7 GB/s as 64 frames, the receiver allocating and faulting
+  a fresh buffer for the one), so large frames to another host are always chunked.
 
 [Note: segment lifetime] A segment belongs to the process that created it (its name is
 `flowkit-<pid>-<n>`). Its first byte says whether it is lent out: the sender sets it before sending
