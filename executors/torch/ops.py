@@ -105,9 +105,8 @@ def _backward_input(ctx: OpContext, upstream: Any, *_: Any, stage: int, stages: 
     """B: the gradient of the stage's input activation (None on stage 0, whose inputs are
     token ids). The last stage's B reads its own F's stats only to be ordered after it."""
     held = _stage(ctx, {**config, "stage": stage, "stages": stages})
-    grads = (held.runner.backward_input(microbatch) if stage == stages - 1
-             else held.runner.backward_input(microbatch, upstream))
-    return grads[0]
+    grad_outputs = () if stage == stages - 1 else (upstream,)  # the last stage starts from its loss
+    return held.runner.backward_input(microbatch, *grad_outputs)[0]
 
 
 def _backward_weight(ctx: OpContext, *_: Any, stage: int, stages: int, microbatch: int,
@@ -118,9 +117,8 @@ def _backward_weight(ctx: OpContext, *_: Any, stage: int, stages: int, microbatc
 def _backward(ctx: OpContext, upstream: Any, *_: Any, stage: int, stages: int, microbatch: int,
               **config: Any) -> Any:
     held = _stage(ctx, {**config, "stage": stage, "stages": stages})
-    grads = (held.runner.backward(microbatch) if stage == stages - 1
-             else held.runner.backward(microbatch, upstream))
-    return grads[0]
+    grad_outputs = () if stage == stages - 1 else (upstream,)  # the last stage starts from its loss
+    return held.runner.backward(microbatch, *grad_outputs)[0]
 
 
 # -- the optimizer step [Note: the optimizer step across stages] ------------------------------
@@ -172,19 +170,18 @@ def _optimizer_step(ctx: OpContext, *inputs: Any, stage: int, stages: int, step:
     for tied in summed:  # stage 0: the last stage sent back the full tied gradients
         for name, grad in tied.items():
             params[name].grad = grad.to(params[name].device, params[name].dtype).clone()
+    grads = [p.grad for p in params.values() if p.grad is not None]
     normalizer = sum(s.normalizer for s in microbatch_stats(inputs))
     if normalizer > 0:
-        for p in params.values():
-            if p.grad is not None:
-                p.grad.div_(normalizer)
+        for grad in grads:
+            grad.div_(normalizer)
     # the stages' squared norms are of the summed gradients: the norm scales like them
     norm = math.sqrt(sum(s["sqnorm"] for s in stats)) / (normalizer if normalizer > 0 else 1.0)
     if clip_grad_norm:
         coef = min(1.0, float(clip_grad_norm) / (norm + 1e-6))  # torch's clip_grad_norm_
         if coef < 1.0:
-            for p in params.values():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+            for grad in grads:
+                grad.mul_(coef)
     if held.optimizer is None:
         held.optimizer = _adamw(held.module, lr=lr, weight_decay=weight_decay, betas=betas,
                                 eps=eps)
