@@ -17,7 +17,6 @@ floating-point effects of batching on the logits.
 from __future__ import annotations
 
 from collections import deque
-from contextlib import contextmanager
 from typing import Any
 
 import attrs
@@ -25,45 +24,14 @@ import torch
 import torch.nn.functional as F
 
 from executors.ops import OpContext, OpTable
+from executors.torch.held import evaluating, whole_model
 from executors.torch.models.gpt import KVCache
 from executors.torch.stage import StageError
 
-__all__ = ["evaluating", "register", "sample_token", "whole_model"]
+__all__ = ["register", "sample_token"]
 
 _STEP_SEEDS = 1_000_003  # step k samples with seed + k * this: fresh draws, same for a replay
 EOS = 10  # byte "\n": the example corpora are byte-tokenized one-line answers; eos=None: none
-
-
-# -- the model this executor generates with -----------------------------------------------------
-def whole_model(ctx: OpContext, config: dict) -> torch.nn.Module:
-    """The named model as one module (a one-stage split from `executors.torch.ops._model`, so
-    it is built with the same seed convention as the training stages and shared with them
-    when this executor holds the model in one stage)."""
-    from executors.torch.ops import _model
-
-    missing = [key for key in ("model", "build") if key not in config]
-    if missing:
-        raise StageError(f"generation and inference need the model's {' and '.join(missing)} in "
-                         "their config, e.g. model='policy', "
-                         "build='executors.torch.models.gpt:GPT'")
-    held = _model(ctx, {**config, "stages": 1})  # its whole copy, beside any training split
-    if len(held.parts) != 1:
-        raise StageError(f"model {config['model']!r} is held here in {len(held.parts)} stages; "
-                         "generation and inference need it whole (stages=1)")
-    return held.parts[0]
-
-
-@contextmanager
-def evaluating(module: torch.nn.Module):
-    """Eval mode and no autograd for the block, restoring the module's mode afterwards (the
-    module may be a training stage too)."""
-    was = module.training
-    module.eval()
-    try:
-        with torch.no_grad():
-            yield module
-    finally:
-        module.train(was)
 
 
 # -- sampling ---------------------------------------------------------------------------------
@@ -200,7 +168,7 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, n: int = 1, max_new_t
     """n rollouts of each prompt (a Prompt or a list of them), sampled with the KV cache
     through `max_batch` slots. `weights` (versions) only order this task after a step: the
     model is the one this executor holds by name. `seed` seeds the model's build (as in
-    executors/torch/ops.py) and, unless `sample_seed` is given, the sampling, which also
+    executors/torch/held.py) and, unless `sample_seed` is given, the sampling, which also
     draws afresh each `step` [Note: one generator per sample]."""
     prompts = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
     if not prompts:

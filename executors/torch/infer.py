@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from executors.ops import OpContext, OpTable
-from executors.torch.generate import evaluating, whole_model
+from executors.torch.held import evaluating, right_padded, whole_model
 
-__all__ = ["register", "right_padded"]
+__all__ = ["register"]
 
 
 def _logprobs(ctx: OpContext, rollouts: Any, *_: Any, temperature: float = 1.0,
@@ -92,12 +92,6 @@ def _run(model: torch.nn.Module, seqs: list[list[int]]) -> torch.Tensor:
     device = next(model.parameters()).device
     with evaluating(model):
         return model(right_padded(seqs, device))
-
-
-def right_padded(seqs: list[list[int]], device: torch.device) -> torch.Tensor:
-    """(B, longest) token ids, each sequence followed by 0s (harmless to a causal model)."""
-    width = max(len(s) for s in seqs)
-    return torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=device)
 
 
 def _need_value_head(model: torch.nn.Module, op: str) -> None:

@@ -1,9 +1,6 @@
 """The torch executor's ops: pipeline stages of a model, held on this executor, run F, B, W and
-BW for microbatches, then a stage-wise optimizer step that equals the unsplit model's.
-
-Every executor builds the whole model from its `build` path with the same seed and keeps the
-stages it is asked for, so all executors hold the same initial weights as a plain loop that
-builds the model once [Note: one model, many holders]. Task configs say which model and stage;
+BW for microbatches, then a stage-wise optimizer step that equals the unsplit model's. Task
+configs say which model and stage [Note: one model, many holders in executors/torch/held.py];
 the ops are otherwise the StageRunner's (executors/torch/stage.py).
 
 [Note: the optimizer step across stages] Gradient clipping needs the global norm of the
@@ -22,127 +19,29 @@ Both copies then take the same AdamW step from the same state, and stay equal.
 
 from __future__ import annotations
 
-import importlib
 import math
 import statistics
 import time
 from typing import Any
 
-import attrs
 import torch
 
 from dataflows.records import MicrobatchStats, microbatch_stats, step_report
 from executors.ops import OpContext, OpTable
-from executors.torch import weights
-from executors.torch.infer import right_padded
+from executors.torch.held import (
+    HeldStage,
+    export_weights,
+    held_model,
+    load_weights,
+    right_padded,
+    save_weights,
+)
+from executors.torch.held import held_stage as _stage
 from executors.torch.memory import keep_freed_memory
 from executors.torch.rl_loss import RL_LOSSES, RLLoss, RLSettings, records, sequence_ids
 from executors.torch.stage import StageError, StageRunner
 
 __all__ = ["LOSSES", "register"]
-
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-           "float16": torch.float16}
-
-
-@attrs.define(eq=False)
-class _Stage:
-    module: torch.nn.Module
-    runner: StageRunner
-    optimizer: torch.optim.Optimizer | None = None
-    tied: tuple[str, ...] = ()  # names of parameters that are copies of another stage's
-
-
-@attrs.define(eq=False)
-class _Model:
-    """One model as this executor holds it: the split stages, and runners for those in use."""
-
-    spec: tuple
-    parts: list[torch.nn.Module]
-    device: torch.device
-    stages: dict[int, _Stage] = attrs.field(factory=dict)
-    layout: Any = None  # its names by the unsplit model's (executors/torch/weights.py)
-    version: int | None = None  # of the weights load_weights last set
-
-
-# -- building ---------------------------------------------------------------------------------
-def _model(ctx: OpContext, config: dict) -> _Model:
-    """The model named in `config` split in `stages`, built on first use [Note: one model, many
-    holders]. Held by (name, stages): one executor may hold a model in several splits (two
-    training stages and a whole copy to generate with), each built from the same seed, or
-    from the model config's `checkpoint` file (executors/torch/weights.py)."""
-    name, num_stages = config["model"], int(config["stages"])
-    spec = (config["build"], repr(sorted(config.get("model_config", {}).items())),
-            int(config.get("seed", 0)), config.get("dtype", "float32"))
-    models = ctx.state.setdefault("torch_models", {})
-    for (other, stages), held in models.items():
-        if other == name and held.spec != spec:
-            raise StageError(f"model {name!r} is already held here as {held.spec}; a task asked "
-                             f"for {spec}: one flow must not declare one model two ways")
-        if (other, stages) == (name, num_stages):
-            return held
-    device = torch.device(ctx.device if ctx.device not in ("", "auto") else "cpu")
-    torch.manual_seed(int(config.get("seed", 0)))  # every holder builds the same weights
-    model_config = dict(config.get("model_config", {}))
-    checkpoint = model_config.pop("checkpoint", None)  # a file to start from, not an argument
-    whole = _build(config["build"], model_config)
-    whole = whole.to(device=device, dtype=_DTYPES[config.get("dtype", "float32")])
-    if checkpoint:
-        weights.load_checkpoint(whole, checkpoint)
-    parts = _split(whole, num_stages, config.get("seq_len"))
-    held = models[(name, num_stages)] = _Model(
-        spec=spec, parts=parts, device=device,
-        layout=weights.layout(whole, parts, seq_len=config.get("seq_len")))
-    return held
-
-
-def _build(path: str, model_config: dict) -> torch.nn.Module:
-    module_name, _, factory = path.partition(":")
-    obj: Any = importlib.import_module(module_name)
-    for part in factory.split("."):
-        obj = getattr(obj, part)
-    return obj(**model_config)
-
-
-def _split(whole: torch.nn.Module, stages: int, seq_len: int | None) -> list[torch.nn.Module]:
-    """A model splits itself with `split(stages, seq_len=...)` (the built-in GPT does); a model
-    without one runs as a single stage."""
-    split = getattr(whole, "split", None)
-    if split is not None:
-        return list(split(stages, seq_len=seq_len))
-    if stages != 1:
-        raise StageError(f"{type(whole).__name__} has no split(stages) method, so it cannot be "
-                         f"cut into {stages} pipeline stages; give it one or use one stage")
-    return [whole]
-
-
-def _stage(ctx: OpContext, config: dict) -> _Stage:
-    model = _model(ctx, config)
-    s = int(config["stage"])
-    stage = model.stages.get(s)
-    if stage is None:
-        module = model.parts[s]
-        tied = tuple(getattr(module, "tied_copies", lambda: ())())
-        runs = _ScaledLoss(module) if s == len(model.parts) - 1 else module
-        stage = model.stages[s] = _Stage(module=module, runner=StageRunner(runs), tied=tied)
-    return stage
-
-
-class _ScaledLoss(torch.nn.Module):
-    """The last stage with its loss scaled by the microbatch's share of the batch, so that
-    the gradients the microbatches add up are the batch's (gradient accumulation)."""
-
-    def __init__(self, stage: torch.nn.Module) -> None:
-        super().__init__()
-        self.stage = stage
-
-    def forward(self, *args: Any) -> torch.Tensor:
-        *inputs, scale = args
-        if inputs and isinstance(inputs[-1], RLLoss):  # an RL loss reads the stage's output
-            *inputs, rl_loss = inputs
-            return rl_loss(self.stage(*inputs)) * scale
-        return self.stage(*inputs) * scale
-
 
 # -- pipeline ops -----------------------------------------------------------------------------
 # next-token cross-entropy; PPO/GRPO's clipped policy loss and the critic's value loss
@@ -177,7 +76,7 @@ def _forward(ctx: OpContext, *inputs: Any, stage: int, stages: int, microbatch: 
     return MicrobatchStats(loss=float(out) / float(loss_scale), tokens=n_tokens)
 
 
-def _rl_forward(held: _Stage, inputs: tuple, *, first: bool, last: bool, microbatch: int,
+def _rl_forward(held: HeldStage, inputs: tuple, *, first: bool, last: bool, microbatch: int,
                 loss_scale: float, settings: RLSettings) -> Any:
     """F under an RL loss. Inputs: (experiences[, reference scores]) on stage 0, the
     activation on a middle stage, (activation, experiences[, reference scores]) on the last;
@@ -213,9 +112,8 @@ def _backward_input(ctx: OpContext, upstream: Any, *_: Any, stage: int, stages: 
     """B: the gradient of the stage's input activation (None on stage 0, whose inputs are
     token ids). The last stage's B reads its own F's stats only to be ordered after it."""
     held = _stage(ctx, {**config, "stage": stage, "stages": stages})
-    grads = (held.runner.backward_input(microbatch) if stage == stages - 1
-             else held.runner.backward_input(microbatch, upstream))
-    return grads[0]
+    grad_outputs = () if stage == stages - 1 else (upstream,)  # the last stage starts from its loss
+    return held.runner.backward_input(microbatch, *grad_outputs)[0]
 
 
 def _backward_weight(ctx: OpContext, *_: Any, stage: int, stages: int, microbatch: int,
@@ -226,9 +124,8 @@ def _backward_weight(ctx: OpContext, *_: Any, stage: int, stages: int, microbatc
 def _backward(ctx: OpContext, upstream: Any, *_: Any, stage: int, stages: int, microbatch: int,
               **config: Any) -> Any:
     held = _stage(ctx, {**config, "stage": stage, "stages": stages})
-    grads = (held.runner.backward(microbatch) if stage == stages - 1
-             else held.runner.backward(microbatch, upstream))
-    return grads[0]
+    grad_outputs = () if stage == stages - 1 else (upstream,)  # the last stage starts from its loss
+    return held.runner.backward(microbatch, *grad_outputs)[0]
 
 
 # -- the optimizer step [Note: the optimizer step across stages] ------------------------------
@@ -252,7 +149,7 @@ def _grad_stats(ctx: OpContext, *partner: Any, stage: int, stages: int, **config
     return {"stage": stage, "sqnorm": sq}, out
 
 
-def _partner_name(held: _Stage, name: str) -> str:
+def _partner_name(held: HeldStage, name: str) -> str:
     """The last stage's copy of the first stage's tied parameter `name`."""
     pairs = dict(getattr(held.module, "tied_pairs", lambda: {})())
     if name not in pairs:
@@ -280,19 +177,18 @@ def _optimizer_step(ctx: OpContext, *inputs: Any, stage: int, stages: int, step:
     for tied in summed:  # stage 0: the last stage sent back the full tied gradients
         for name, grad in tied.items():
             params[name].grad = grad.to(params[name].device, params[name].dtype).clone()
+    grads = [p.grad for p in params.values() if p.grad is not None]
     normalizer = sum(s.normalizer for s in microbatch_stats(inputs))
     if normalizer > 0:
-        for p in params.values():
-            if p.grad is not None:
-                p.grad.div_(normalizer)
+        for grad in grads:
+            grad.div_(normalizer)
     # the stages' squared norms are of the summed gradients: the norm scales like them
     norm = math.sqrt(sum(s["sqnorm"] for s in stats)) / (normalizer if normalizer > 0 else 1.0)
     if clip_grad_norm:
         coef = min(1.0, float(clip_grad_norm) / (norm + 1e-6))  # torch's clip_grad_norm_
         if coef < 1.0:
-            for p in params.values():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+            for grad in grads:
+                grad.mul_(coef)
     if held.optimizer is None:
         held.optimizer = _adamw(held.module, lr=lr, weight_decay=weight_decay, betas=betas,
                                 eps=eps)
@@ -336,7 +232,7 @@ def _profile(ctx: OpContext, sample: Any, *, stage: int, stages: int, repeats: i
     """Median seconds of F, B, W and BW of this stage on a microbatch like `sample`, for the
     planner's cost model. Earlier stages run locally to make a real input activation; the
     stage's gradients are cleared afterwards, so run it before a step's first op."""
-    model = _model(ctx, {**config, "stages": stages})
+    model = held_model(ctx, {**config, "stages": stages})
     # A microbatch of experiences (an RL loss) is timed on its sequences under the LM loss: the
     # same stages on the same tokens, and at the head a log-softmax over the vocabulary too.
     tokens = _tokens(sample).to(model.device)
@@ -390,6 +286,6 @@ def register(table: OpTable) -> None:
     table.register("zero_grad", _zero_grad)
     table.register("stage_parameters", _stage_parameters)
     table.register("profile_stage", _profile)
-    table.register("export_weights", weights.export_weights)
-    table.register("load_weights", weights.load_weights)
-    table.register("save_weights", weights.save_weights)
+    table.register("export_weights", export_weights)
+    table.register("load_weights", load_weights)
+    table.register("save_weights", save_weights)

@@ -1,15 +1,14 @@
 """One model held in several shapes: its weights by the unsplit model's names, exported from one
 split and loaded into another (a trainer's stages -> a generator's whole copy), and checkpoints.
 
-[Note: unsplit names] An executor may hold one model in several splits at once, keyed by
-(name, number of stages): "actor" cut in two stages to train and whole (one stage) to generate
-with, each built from the same seed [Note: one model, many holders in ops.py]. Each split
-names its parameters locally (a GPT stage's ``h.0.attn.c_attn.weight``); weights travel between
-splits, executors and checkpoint files by the unsplit model's names
-(``transformer.h.3.attn.c_attn.weight``, as ``GPT.state_dict()`` has them). A model maps the one
-to the other with a method ``stage_names(stages, seq_len=...)`` (the GPT's, in models/gpt.py):
-per stage, local name -> unsplit name. A model without one is mapped through its split sharing
-the whole model's parameter tensors (a model that is not split is its own single stage).
+[Note: unsplit names] An executor may hold one model in several splits at once [Note: one model,
+many holders in held.py]: "actor" cut in two stages to train and whole (one stage) to generate with.
+Each split names its parameters locally (a GPT stage's ``h.0.attn.c_attn.weight``); weights travel
+between splits, executors and checkpoint files by the unsplit model's names
+(``transformer.h.3.attn.c_attn.weight``, as ``GPT.state_dict()`` has them). A model maps the one to
+the other with a method ``stage_names(stages, seq_len=...)`` (the GPT's, in models/gpt.py): per
+stage, local name -> unsplit name. A model without one is mapped through its split sharing the whole
+model's parameter tensors (a model that is not split is its own single stage).
 
 A weight tied in the unsplit model (a GPT's ``transformer.wte.weight`` and ``lm_head.weight``)
 is one weight under two names. A split with two copies of it (the first stage's ``wte``, the
@@ -17,11 +16,9 @@ last stage's ``lm_head`` [Note: tied embedding across stages]) exports each copy
 name; after an optimizer step the two are equal. Loading either name sets every copy of the
 weight in the split loaded into, so one split's export fills any other split.
 
-The ops: `export_weights` (one stage's parameters by unsplit name, CPU copies), `load_weights`
-(copy such dicts into the held split) and `save_weights` (merge the stages' exports and write
-them with `save_checkpoint`, on an executor: no tensor goes to the controller). A model config
-key ``checkpoint`` names such a file, which `_model` loads into the whole model before
-splitting it (`load_checkpoint`).
+The ops `export_weights`, `load_weights` and `save_weights` (which merges the stages' exports
+and writes them with `save_checkpoint` on an executor: no tensor goes to the controller) are in
+held.py. A model config key ``checkpoint`` names such a file, which `held_model` loads into the whole model before splitting it (`load_checkpoint`).
 """
 
 from __future__ import annotations
@@ -35,11 +32,10 @@ from typing import Any
 import attrs
 import torch
 
-from executors.ops import OpContext
 from executors.torch.stage import StageError
 
-__all__ = ["Layout", "export", "export_weights", "layout", "load", "load_checkpoint",
-           "load_weights", "merge", "save_checkpoint", "save_weights", "to_local", "to_unsplit"]
+__all__ = ["Layout", "export", "layout", "load", "load_checkpoint", "merge", "save_checkpoint",
+           "to_local", "to_unsplit"]
 
 
 # -- names ------------------------------------------------------------------------------------
@@ -250,12 +246,6 @@ def save_checkpoint(path: str | os.PathLike, dicts: Any) -> Path:
     return path
 
 
-def save_weights(ctx: OpContext, *exports: Any, path: str) -> str:
-    """The op that writes a checkpoint where the weights are: `exports` (each stage's
-    `export_weights`, moved here over the data plane) merged and saved to `path`."""
-    return str(save_checkpoint(path, exports))
-
-
 def load_checkpoint(whole: torch.nn.Module, path: str | os.PathLike) -> None:
     """Set every parameter of the unsplit model `whole` from the checkpoint at `path` (a dict
     by unsplit name, as `save_checkpoint` or ``torch.save(model.state_dict())`` writes)."""
@@ -278,49 +268,6 @@ def load_checkpoint(whole: torch.nn.Module, path: str | os.PathLike) -> None:
     with torch.no_grad():
         for name, value in given.items():
             buffers[name].copy_(value)
-
-
-# -- the ops ----------------------------------------------------------------------------------
-def export_weights(ctx: OpContext, *_: Any, stage: int, stages: int, model: str, build: str,
-                   **config: Any) -> dict[str, torch.Tensor]:
-    """Stage `stage` of the model held here in `stages` stages: its parameters by unsplit name,
-    detached CPU copies [Note: unsplit names]. Inputs only order it (after a step)."""
-    from executors.torch.ops import _model
-
-    held = _model(ctx, {**config, "model": model, "build": build, "stages": stages})
-    if not 0 <= int(stage) < len(held.parts):
-        raise StageError(f"model {model!r} has stages 0..{len(held.parts) - 1}, not {stage}")
-    return export(held.parts[int(stage)], held.layout.check().names[int(stage)])
-
-
-def load_weights(ctx: OpContext, *dicts: Any, model: str, build: str, stages: int,
-                 version: int | None = None, complete: bool = False, stage: int | None = None,
-                 **config: Any) -> Any:
-    """Copy the weights in `dicts` (export_weights' results, by unsplit name) into the model
-    held here in `stages` stages (only its stage `stage` if given), then record `version`.
-    Unknown names and wrong shapes are errors; missing ones only with `complete`. Inputs that
-    are WeightsVersions only order it; the newest gives the version when `version` is None.
-    Returns the WeightsVersion loaded (for generate to wait on), or None with no version.
-    Optimizer state, where this split trains, is kept."""
-    from dataflows.records import WeightsVersion
-    from executors.torch.ops import _model
-
-    tensors, versions = [], []
-    for value in dicts:
-        if isinstance(value, WeightsVersion):
-            versions.append(int(value.version))
-        else:
-            tensors.append(value)
-    held = _model(ctx, {**config, "model": model, "build": build, "stages": stages})
-    which = None if stage is None else [int(stage)]
-    if which and not 0 <= which[0] < len(held.parts):
-        raise StageError(f"model {model!r} has stages 0..{len(held.parts) - 1}, not {stage}")
-    load(held.parts, held.layout, merge(tensors), stages=which, complete=bool(complete),
-         what=f"model {model!r} in {stages} stage(s)")
-    if version is None and versions:
-        version = max(versions)
-    held.version = None if version is None else int(version)
-    return None if version is None else WeightsVersion(model=model, version=int(version))
 
 
 def _few(names: Sequence[str], n: int = 5) -> str:

@@ -64,7 +64,7 @@ class FlowRunner:
         self.placement = self._place_models()
         # a model op's config, but the step: built once, not per item on the dispatch path;
         # model ops name the model's whole copy [Note: one model, many holders in
-        # executors/torch/ops.py], a simulator its costs
+        # executors/torch/held.py], a simulator its costs
         self.op_configs = {node.name: {**model_spec(node.model, 1), **node.config,
                                        **(sim_costs.config_for(node.op) if sim_costs else {})}
                            for node in plan if node.model is not None}

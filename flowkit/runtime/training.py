@@ -23,7 +23,7 @@ __all__ = ["model_spec", "pipeline_config", "profile_stages", "submit_exports",
 
 def model_spec(model: Model, num_stages: int) -> dict:
     """The task config that names a model to its holders: every op of one model carries the
-    same, so each executor builds the same weights (executors/torch/ops.py)."""
+    same, so each executor builds the same weights (executors/torch/held.py)."""
     config = dict(model.config)
     spec = {"model": model.name, "build": model.build, "stages": num_stages,
             "seed": int(config.pop("seed", 0)), "dtype": str(config.pop("dtype", "float32"))}

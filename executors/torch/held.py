@@ -1,0 +1,201 @@
+"""Where the torch executor builds its models, splits them into stages and holds them.
+
+[Note: one model, many holders] Every executor builds the whole model from its `build` path
+(``module:factory``) and model config with the same seed, or from the config's ``checkpoint``
+file, and keeps the stages it is asked for: all executors hold the same initial weights as a
+plain loop that builds the model once. An executor holds a model by (name, number of stages),
+so maybe in several splits (`held_model`): stages the pipeline ops (ops.py) run (`held_stage`),
+a whole copy that generation (generate.py) and scoring (infer.py) run (`whole_model`). The
+`export_weights` and `load_weights` ops move weights between splits [Note: unsplit names in
+weights.py].
+"""
+
+from __future__ import annotations
+
+import importlib
+from contextlib import contextmanager
+from typing import Any
+
+import attrs
+import torch
+
+from executors.ops import OpContext
+from executors.torch import weights
+from executors.torch.rl_loss import RLLoss
+from executors.torch.stage import StageError, StageRunner
+
+__all__ = ["HeldModel", "HeldStage", "evaluating", "export_weights", "held_model", "held_stage",
+           "load_weights", "right_padded", "save_weights", "whole_model"]
+
+_DTYPES = {name: getattr(torch, name) for name in ("float32", "float64", "bfloat16", "float16")}
+
+
+@attrs.define(eq=False)
+class HeldStage:
+    module: torch.nn.Module
+    runner: StageRunner
+    optimizer: torch.optim.Optimizer | None = None
+    tied: tuple[str, ...] = ()  # names of parameters that are copies of another stage's
+
+
+@attrs.define(eq=False)
+class HeldModel:
+    """One model as this executor holds it: the split stages, and runners for those in use."""
+
+    spec: tuple
+    parts: list[torch.nn.Module]
+    device: torch.device
+    stages: dict[int, HeldStage] = attrs.field(factory=dict)
+    layout: Any = None  # its names by the unsplit model's (executors/torch/weights.py)
+    version: int | None = None  # of the weights load_weights last set
+
+
+def held_model(ctx: OpContext, config: dict) -> HeldModel:
+    """The model named in `config` split in `stages`, built on first use [Note: one model, many
+    holders]; a model config's `checkpoint` file is loaded as executors/torch/weights.py says."""
+    name, num_stages = config["model"], int(config["stages"])
+    spec = (config["build"], repr(sorted(config.get("model_config", {}).items())),
+            int(config.get("seed", 0)), config.get("dtype", "float32"))
+    models = ctx.state.setdefault("torch_models", {})
+    for (other, stages), held in models.items():
+        if other == name and held.spec != spec:
+            raise StageError(f"model {name!r} is already held here as {held.spec}; a task asked "
+                             f"for {spec}: one flow must not declare one model two ways")
+        if (other, stages) == (name, num_stages):
+            return held
+    device = torch.device(ctx.device if ctx.device not in ("", "auto") else "cpu")
+    torch.manual_seed(int(config.get("seed", 0)))  # every holder builds the same weights
+    model_config = dict(config.get("model_config", {}))
+    checkpoint = model_config.pop("checkpoint", None)  # a file to start from, not an argument
+    whole = _build(config["build"], model_config)
+    whole = whole.to(device=device, dtype=_DTYPES[config.get("dtype", "float32")])
+    if checkpoint:
+        weights.load_checkpoint(whole, checkpoint)
+    parts = _split(whole, num_stages, config.get("seq_len"))
+    held = models[(name, num_stages)] = HeldModel(
+        spec=spec, parts=parts, device=device,
+        layout=weights.layout(whole, parts, seq_len=config.get("seq_len")))
+    return held
+
+
+def _build(path: str, model_config: dict) -> torch.nn.Module:
+    module_name, _, factory = path.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in factory.split("."):
+        obj = getattr(obj, part)
+    return obj(**model_config)
+
+
+def _split(whole: torch.nn.Module, stages: int, seq_len: int | None) -> list[torch.nn.Module]:
+    """A model splits itself with `split(stages, seq_len=...)` (the built-in GPT does); a model
+    without one runs as a single stage."""
+    split = getattr(whole, "split", None)
+    if split is not None:
+        return list(split(stages, seq_len=seq_len))
+    if stages != 1:
+        raise StageError(f"{type(whole).__name__} has no split(stages) method, so it cannot be "
+                         f"cut into {stages} pipeline stages; give it one or use one stage")
+    return [whole]
+
+
+def held_stage(ctx: OpContext, config: dict) -> HeldStage:
+    model = held_model(ctx, config)
+    s = int(config["stage"])
+    stage = model.stages.get(s)
+    if stage is None:
+        module = model.parts[s]
+        tied = tuple(getattr(module, "tied_copies", lambda: ())())
+        runs = _ScaledLoss(module) if s == len(model.parts) - 1 else module
+        stage = model.stages[s] = HeldStage(module=module, runner=StageRunner(runs), tied=tied)
+    return stage
+
+
+class _ScaledLoss(torch.nn.Module):
+    """The last stage with its loss scaled by the microbatch's share of the batch, so that
+    the gradients the microbatches add up are the batch's (gradient accumulation)."""
+
+    def __init__(self, stage: torch.nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        *inputs, scale = args
+        if inputs and isinstance(inputs[-1], RLLoss):  # an RL loss reads the stage's output
+            *inputs, rl_loss = inputs
+            return rl_loss(self.stage(*inputs)) * scale
+        return self.stage(*inputs) * scale
+
+
+# -- the whole model, to generate and score with ----------------------------------------------
+def whole_model(ctx: OpContext, config: dict) -> torch.nn.Module:
+    """The named model as one module: its one-stage split, built as the training stages are,
+    and shared with them when this executor holds the model in one stage."""
+    missing = [key for key in ("model", "build") if key not in config]
+    if missing:
+        raise StageError(f"generation and inference need the model's {' and '.join(missing)} in "
+                         "their config, e.g. model='policy', "
+                         "build='executors.torch.models.gpt:GPT'")
+    held = held_model(ctx, {**config, "stages": 1})  # its whole copy, beside any training split
+    if len(held.parts) != 1:
+        raise StageError(f"model {config['model']!r} is held here in {len(held.parts)} stages; "
+                         "generation and inference need it whole (stages=1)")
+    return held.parts[0]
+
+
+@contextmanager
+def evaluating(module: torch.nn.Module):
+    """Eval mode and no autograd for the block, restoring the module's mode afterwards (the
+    module may be a training stage too)."""
+    was = module.training
+    try:
+        with torch.no_grad():
+            yield module.eval()
+    finally:
+        module.train(was)
+
+
+def right_padded(seqs: list[list[int]], device: torch.device) -> torch.Tensor:
+    """(B, longest) token ids, each sequence followed by 0s (harmless to a causal model)."""
+    width = max(len(s) for s in seqs)
+    return torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=device)
+
+
+# -- weights between splits [Note: unsplit names in executors/torch/weights.py] ---------------
+def export_weights(ctx: OpContext, *_: Any, stage: int, stages: int, model: str, build: str,
+                   **config: Any) -> dict[str, torch.Tensor]:
+    """Stage `stage` of the model held here in `stages` stages: its parameters by unsplit name,
+    detached CPU copies. Inputs only order it (after a step)."""
+    held = held_model(ctx, {**config, "model": model, "build": build, "stages": stages})
+    if not 0 <= int(stage) < len(held.parts):
+        raise StageError(f"model {model!r} has stages 0..{len(held.parts) - 1}, not {stage}")
+    return weights.export(held.parts[int(stage)], held.layout.check().names[int(stage)])
+
+
+def save_weights(ctx: OpContext, *exports: Any, path: str) -> str:
+    """Write a checkpoint where the weights are: `exports` (each stage's `export_weights`,
+    moved here over the data plane) merged and saved to `path`."""
+    return str(weights.save_checkpoint(path, exports))
+
+
+def load_weights(ctx: OpContext, *dicts: Any, model: str, build: str, stages: int,
+                 version: int | None = None, complete: bool = False, stage: int | None = None,
+                 **config: Any) -> Any:
+    """Copy the weights in `dicts` (export_weights' results, by unsplit name) into the model
+    held here in `stages` stages (only its stage `stage` if given), then record `version`.
+    Unknown names and wrong shapes are errors; missing ones only with `complete`. Inputs that
+    are WeightsVersions only order it; the newest gives the version when `version` is None.
+    Returns the WeightsVersion loaded (for generate to wait on), or None with no version.
+    Optimizer state, where this split trains, is kept."""
+    from dataflows.records import WeightsVersion
+
+    versions = [int(value.version) for value in dicts if isinstance(value, WeightsVersion)]
+    tensors = [value for value in dicts if not isinstance(value, WeightsVersion)]
+    held = held_model(ctx, {**config, "model": model, "build": build, "stages": stages})
+    which = None if stage is None else [int(stage)]
+    if which and not 0 <= which[0] < len(held.parts):
+        raise StageError(f"model {model!r} has stages 0..{len(held.parts) - 1}, not {stage}")
+    weights.load(held.parts, held.layout, weights.merge(tensors), stages=which,
+                 complete=bool(complete), what=f"model {model!r} in {stages} stage(s)")
+    version = max(versions) if version is None and versions else version
+    held.version = None if version is None else int(version)
+    return None if version is None else WeightsVersion(model=model, version=int(version))
