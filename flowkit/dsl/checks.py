@@ -6,31 +6,27 @@ import difflib
 import itertools
 import re
 from collections import defaultdict
-from typing import TYPE_CHECKING
 
 import attrs
 import networkx as nx
 
 from flowkit.dsl.errors import Problem
-from flowkit.dsl.flow import Collect, GroupBy, Wire
+from flowkit.dsl.graph import Collect, Feedback, FlowGraph, GroupBy, Wire
 from flowkit.dsl.types import Granularity, assignable
-
-if TYPE_CHECKING:
-    from flowkit.dsl.flow import Feedback, Flow
 
 __all__ = ["find_problems"]
 
 _MAX_CYCLES_REPORTED = 5
 
 
-def find_problems(flow: Flow) -> list[Problem]:
+def find_problems(flow: FlowGraph) -> list[Problem]:
     problems: list[Problem] = []
     seen_ops: set[int] = set()
     for node in flow.nodes.values():
         if id(node.operator) not in seen_ops:
             seen_ops.add(id(node.operator))
             problems += node.operator.problems
-    problems += flow._problems
+    problems += flow.build_problems
     problems += _duplicate_names(flow)
     if not flow.nodes:
         problems.append(Problem(rule="empty-flow", message=f"flow {flow.name!r} has no operators",
@@ -39,7 +35,7 @@ def find_problems(flow: Flow) -> list[Problem]:
     wires = flow.wires
     # A feedback's consumers are checked against its declared type, and the output bound to it
     # against that type too (_feedback_problems): each mistake is reported once, where it is.
-    for wire in flow._wires:
+    for wire in flow.direct_wires:
         problems += _wire_problems(flow, wire)
     problems += _unbound_inputs(flow, wires)
     problems += _feedback_problems(flow)
@@ -47,7 +43,7 @@ def find_problems(flow: Flow) -> list[Problem]:
     return _with_labels(flow, problems)
 
 
-def _with_labels(flow: Flow, problems: list[Problem]) -> list[Problem]:
+def _with_labels(flow: FlowGraph, problems: list[Problem]) -> list[Problem]:
     """Show the names users gave, not the private keys of duplicates [Note: duplicate op names]."""
     keys = {key: node.label for key, node in flow.nodes.items() if key != node.label}
     if not keys:
@@ -62,7 +58,7 @@ def _with_labels(flow: Flow, problems: list[Problem]) -> list[Problem]:
             for p in problems]
 
 
-def _duplicate_names(flow: Flow) -> list[Problem]:
+def _duplicate_names(flow: FlowGraph) -> list[Problem]:
     by_label: dict[str, list] = defaultdict(list)
     for node in flow.nodes.values():
         by_label[node.label].append(node)
@@ -82,14 +78,14 @@ def _duplicate_names(flow: Flow) -> list[Problem]:
     return problems
 
 
-def _describe_call(flow: Flow, node) -> str:
+def _describe_call(flow: FlowGraph, node) -> str:
     inputs = ", ".join(f"{w.dst_port}={w.src}.{w.src_port}" for w in flow.wires
                        if w.dst == node.name)
     where = f" at {node.origin}" if node.origin else ""
     return f"{node.operator.name}({inputs}){where}"
 
 
-def _unknown_models(flow: Flow) -> list[Problem]:
+def _unknown_models(flow: FlowGraph) -> list[Problem]:
     problems = []
     for node in flow.nodes.values():
         if node.model is not None and node.model not in flow.models:
@@ -103,7 +99,7 @@ def _unknown_models(flow: Flow) -> list[Problem]:
     return problems
 
 
-def _wire_problems(flow: Flow, wire: Wire) -> list[Problem]:
+def _wire_problems(flow: FlowGraph, wire: Wire) -> list[Problem]:
     src, dst = flow.nodes.get(wire.src), flow.nodes.get(wire.dst)
     for name, node in ((wire.src, src), (wire.dst, dst)):
         if node is None:
@@ -179,17 +175,17 @@ def _group_key_problems(wire: Wire, produced) -> list[Problem]:
         fix=_known("fields", adapter.key, fields))]
 
 
-def _unbound_inputs(flow: Flow, wires: list[Wire]) -> list[Problem]:
+def _unbound_inputs(flow: FlowGraph, wires: list[Wire]) -> list[Problem]:
     feeding: dict[tuple[str, str], list[Wire]] = defaultdict(list)
     for wire in wires:
         feeding[wire.dst, wire.dst_port].append(wire)
-    for fb, dst, port in flow._pending_feedback:
+    for fb, dst, port in flow.feedback_inputs:
         if fb.source is None:  # reported as an unbound feedback; the input itself is wired
             feeding[dst, port].append(None)
     problems = []
     for node in flow.nodes.values():
         for port in node.operator.inputs.values():
-            if (node.name, port.name) in flow._misfed:  # its bad value is already reported
+            if (node.name, port.name) in flow.misfed:  # its bad value is already reported
                 continue
             sources = feeding.get((node.name, port.name), [])
             # A wire from a missing op or port is reported as such, not as a second producer.
@@ -210,14 +206,14 @@ def _unbound_inputs(flow: Flow, wires: list[Wire]) -> list[Problem]:
     return problems
 
 
-def _produces(flow: Flow, wire: Wire) -> bool:
+def _produces(flow: FlowGraph, wire: Wire) -> bool:
     src = flow.nodes.get(wire.src)
     return src is not None and wire.src_port in src.operator.outputs
 
 
-def _feedback_problems(flow: Flow) -> list[Problem]:
+def _feedback_problems(flow: FlowGraph) -> list[Problem]:
     uses: dict[str, list[tuple[str, str]]] = defaultdict(list)
-    for fb, dst, port in flow._pending_feedback:
+    for fb, dst, port in flow.feedback_inputs:
         uses[fb.name].append((dst, port))
     problems = []
     for fb in flow.feedbacks.values():
@@ -256,7 +252,7 @@ def _unbound_feedback(fb: Feedback, consumers: list[tuple[str, str]]) -> Problem
         fix=f"bind it to the op that produces the next step's value: {fb.name}.bind(<output>)")
 
 
-def _feedback_use_problems(flow: Flow, fb: Feedback, consumers: list[tuple[str, str]]) -> list[Problem]:
+def _feedback_use_problems(flow: FlowGraph, fb: Feedback, consumers: list[tuple[str, str]]) -> list[Problem]:
     """The ports a feedback is passed to must take its declared type."""
     problems = []
     origin = f"from feedback {fb.name!r}"
@@ -280,7 +276,7 @@ def _feedback_use_problems(flow: Flow, fb: Feedback, consumers: list[tuple[str, 
     return problems
 
 
-def _cycles(flow: Flow, wires: list[Wire]) -> list[Problem]:
+def _cycles(flow: FlowGraph, wires: list[Wire]) -> list[Problem]:
     """One problem per cycle, at the port where the wire back into the op declared first enters
     it: that wire is most likely the one meant for the next step, so the fix names it."""
     within = [w for w in wires if not w.feedback]

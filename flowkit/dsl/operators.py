@@ -7,6 +7,7 @@ with the flow's other errors, so one build shows everything that is wrong.
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import re
 import typing
@@ -18,7 +19,21 @@ import attrs
 from flowkit.dsl.errors import Problem
 from flowkit.dsl.types import PortType, port_type
 
-__all__ = ["InputPort", "Model", "ModelOp", "Operator", "REQUIRED", "op"]
+__all__ = ["ACTIVE_FLOW", "FlowValue", "InputPort", "Model", "ModelOp", "Operator", "REQUIRED",
+           "op"]
+
+
+# [Note: calls join a flow] Calling an op adds a node to the flow being built, which this module
+# does not import (flow builds on it): the flow of the running `with Flow` block, else that of the
+# call's first input. Whatever it is, it takes `apply(operator, args, kwargs, name=...)`.
+ACTIVE_FLOW: contextvars.ContextVar[Any] = contextvars.ContextVar("flowkit_flow", default=None)
+
+
+class FlowValue:
+    """A value of a flow being built (an op's output, a feedback), which carries the flow."""
+
+    __slots__ = ()
+    flow: Any
 
 
 class _Required:
@@ -105,15 +120,27 @@ class Operator:
         return None
 
     def __call__(self, *args: Any, name: str | None = None, **kwargs: Any) -> Any:
-        """Add this op to the active flow, wired to the given inputs; returns its output refs."""
-        from flowkit.dsl.flow import Flow  # the flow module builds on this one
-
-        return Flow.current_for(self, args, kwargs).apply(self, args, kwargs, name=name)
+        """Add this op to the flow being built [Note: calls join a flow], wired to the given
+        inputs; returns its output refs. An input from another flow is reported as a foreign-ref."""
+        return _flow_of_call(self, args, kwargs).apply(self, args, kwargs, name=name)
 
     def __repr__(self) -> str:
         ins = ", ".join(f"{p.name}: {p.type}" for p in self.inputs.values())
         outs = ", ".join(f"{n}: {t}" for n, t in self.outputs.items())
         return f"<{type(self).__name__} {self.name}({ins}) -> ({outs})>"
+
+
+def _flow_of_call(operator: Operator, args: tuple, kwargs: dict) -> Any:
+    active = ACTIVE_FLOW.get()
+    if active is not None:
+        return active
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, FlowValue):
+            return value.flow
+    raise RuntimeError(
+        f"op {operator.name!r} was called outside a flow: call ops inside "
+        "`with Flow('name') as flow:`, or add them with flow.add(...)"
+    )
 
 
 class FunctionOp(Operator):
