@@ -269,9 +269,16 @@ class ModelOp(Operator):
     `Generate(actor)` binds it to a model (a Model, or a model's name declared in the flow).
     It runs on executors with the model's tags, or with `tags` when given: e.g. generation on
     `rollout` executors while the model trains on `train` ones (the weights sync each step).
+
+    `lowering` tells the planner how its calls become tasks: None, like any op, by its inputs'
+    granularity; "pipeline", microbatches under a pipeline schedule (F, B, W per stage); "step",
+    one task per pipeline stage after that stage's W ops. `many_per_call`: one call yields many
+    items (n samples per prompt), each its own item downstream, rather than one.
     """
 
     executor_op: ClassVar[str] = ""
+    lowering: ClassVar[str | None] = None
+    many_per_call: ClassVar[bool] = False
     inputs: ClassVar[dict[str, Any]] = {}
     outputs: ClassVar[dict[str, Any]] = {}
     config: ClassVar[dict[str, Any]] = {}

@@ -7,8 +7,11 @@ stages fuse; the user never writes the fusion:
               so scoring a sample overlaps generating the next
   per group   a Grouped input: one task per complete group of `size` items with one key
   once        Batch inputs only: one task when every producer has closed: a barrier
-  pipeline    a model's `backprop`: microbatches under a pipeline schedule, F/B/W per stage
-  step        a model's `optimizer_step`: one task per pipeline stage, after its W ops
+  pipeline    a ModelOp declaring lowering = "pipeline": microbatches under a pipeline
+              schedule, F/B/W per stage
+  step        a ModelOp declaring lowering = "step": one task per pipeline stage, after its W ops
+A ModelOp declares these, and whether one call yields many items (many_per_call), so that the
+planner names no op of any flow library.
 Pure: no torch, no zmq. The runtime (flowkit/runtime/flowrun.py) carries the rules out.
 """
 
@@ -67,7 +70,7 @@ class NodePlan:
     reports: bool = False  # its outputs are Metrics, which the runner adds to the step's own
 
 
-_MANY_PER_CALL = frozenset({"generate", "backprop"})
+_DECLARED_CALLS = {"pipeline": Call.PIPELINE, "step": Call.STEP}  # by ModelOp.lowering
 
 
 def lower_flow(flow: Flow) -> list[NodePlan]:
@@ -99,10 +102,9 @@ def _plan_node(flow: Flow, node: Node, wires: list[Wire]) -> NodePlan:
                   tags=tuple(operator.tags), reports=reports)
     if isinstance(operator, ModelOp):
         model = flow.models[operator.model]
-        call = {"backprop": Call.PIPELINE, "optimizer_step": Call.STEP}.get(operator.kind)
-        # generation samples many responses per prompt; inference ops score one item each
-        many = (operator.kind in _MANY_PER_CALL,) * len(outputs)
-        return NodePlan(call=call or _call_of(inputs), op=operator.kind, many=many,
+        call = _DECLARED_CALLS[operator.lowering] if operator.lowering else _call_of(inputs)
+        many = (operator.many_per_call,) * len(outputs)
+        return NodePlan(call=call, op=operator.kind, many=many,
                         model=model, **{**common, "tags": common["tags"] or tuple(model.tags)})
     target = operator.target if isinstance(operator, FunctionOp) else None
     fn = getattr(operator, "fn", None)
