@@ -10,7 +10,7 @@ from collections import defaultdict
 import attrs
 import networkx as nx
 
-from flowkit.dsl.errors import Problem
+from flowkit.dsl.errors import Problem, suggest
 from flowkit.dsl.graph import Collect, Feedback, FlowGraph, GroupBy, Wire
 from flowkit.dsl.types import Granularity, assignable
 
@@ -104,31 +104,33 @@ def _wire_problems(flow: FlowGraph, wire: Wire) -> list[Problem]:
     for name, node in ((wire.src, src), (wire.dst, dst)):
         if node is None:
             return [Problem(rule="unknown-op", message=f"a wire names op {name!r}, which is not "
-                            "in the flow", op=name, fix=_known("ops", name, list(flow.nodes)))]
+                            "in the flow", op=name, fix=suggest(name, flow.nodes, "known ops"))]
     produced = src.operator.outputs.get(wire.src_port)
     if produced is None:
         return [Problem(rule="unknown-port", op=wire.src, port=wire.src_port,
                         message="has no such output port",
-                        fix=_known("outputs", wire.src_port, list(src.operator.outputs)))]
+                        fix=suggest(wire.src_port, src.operator.outputs, "known outputs"))]
     port = dst.operator.inputs.get(wire.dst_port)
     if port is None:
         return [Problem(rule="unknown-port", op=wire.dst, port=wire.dst_port,
                         message="has no such input port",
-                        fix=_known("inputs", wire.dst_port, list(dst.operator.inputs)))]
+                        fix=suggest(wire.dst_port, dst.operator.inputs, "known inputs"))]
     if wire.adapter is not None:
         produced = wire.adapter.apply(produced)
     origin = f"from {wire.src}.{wire.src_port}" + (f" through {wire.adapter}" if wire.adapter else "")
     problems = _granularity_problems(wire, src.operator.outputs[wire.src_port], port.type, origin)
-    reason = assignable(produced.item, port.type.item)
-    if reason:
-        problems.append(Problem(
-            rule="type-mismatch", op=wire.dst, port=wire.dst_port,
-            message=f"input gets the wrong item type ({origin}): {reason}",
-            expected=str(port.type), found=f"{produced} {origin}",
-            fix=f"wire an output of type {port.type}, or change the annotation of "
-            f"{wire.dst}.{wire.dst_port}"))
-    problems += _group_key_problems(wire, produced)
-    return problems
+    problems += _item_problems(wire, produced, port.type, origin,
+                               f"wire an output of type {port.type}")
+    return problems + _group_key_problems(wire, produced)
+
+
+def _item_problems(wire: Wire, produced, expected, origin: str, remedy: str) -> list[Problem]:
+    reason = assignable(produced.item, expected.item)
+    return [Problem(
+        rule="type-mismatch", op=wire.dst, port=wire.dst_port,
+        message=f"input gets the wrong item type ({origin}): {reason}",
+        expected=str(expected), found=f"{produced} {origin}",
+        fix=f"{remedy}, or change the annotation of {wire.dst}.{wire.dst_port}")] if reason else []
 
 
 def _granularity_problems(wire: Wire, produced, expected, origin: str) -> list[Problem]:
@@ -172,7 +174,7 @@ def _group_key_problems(wire: Wire, produced) -> list[Problem]:
     return [Problem(
         rule="unknown-group-key", op=wire.dst, port=wire.dst_port,
         message=f"group_by key {adapter.key!r} is not a field of {item.__qualname__}",
-        fix=_known("fields", adapter.key, fields))]
+        fix=suggest(adapter.key, fields, "known fields"))]
 
 
 def _unbound_inputs(flow: FlowGraph, wires: list[Wire]) -> list[Problem]:
@@ -189,7 +191,7 @@ def _unbound_inputs(flow: FlowGraph, wires: list[Wire]) -> list[Problem]:
                 continue
             sources = feeding.get((node.name, port.name), [])
             # A wire from a missing op or port is reported as such, not as a second producer.
-            producers = [w for w in sources if w is None or _produces(flow, w)]
+            producers = [w for w in sources if w is None or flow.output_type(w.src, w.src_port)]
             if not sources and port.required:
                 problems.append(Problem(
                     rule="unbound-input", op=node.name, port=port.name,
@@ -206,11 +208,6 @@ def _unbound_inputs(flow: FlowGraph, wires: list[Wire]) -> list[Problem]:
     return problems
 
 
-def _produces(flow: FlowGraph, wire: Wire) -> bool:
-    src = flow.nodes.get(wire.src)
-    return src is not None and wire.src_port in src.operator.outputs
-
-
 def _feedback_problems(flow: FlowGraph) -> list[Problem]:
     uses: dict[str, list[tuple[str, str]]] = defaultdict(list)
     for fb, dst, port in flow.feedback_inputs:
@@ -222,10 +219,8 @@ def _feedback_problems(flow: FlowGraph) -> list[Problem]:
         if fb.source is None:
             problems.append(_unbound_feedback(fb, consumers))
             continue
-        src = flow.nodes.get(fb.source.node)
-        bound = src is not None and fb.source.port in src.operator.outputs
-        produced = fb.source.type if bound else None
-        if produced is not None:
+        if flow.output_type(fb.source.node, fb.source.port) is not None:
+            produced = fb.source.type
             reason = assignable(produced.item, fb.type.item)
             if reason:
                 problems.append(Problem(
@@ -266,13 +261,7 @@ def _feedback_use_problems(flow: FlowGraph, fb: Feedback, consumers: list[tuple[
                    f"flow.feedback({fb.name!r}, {port.type})")
         for problem in _granularity_problems(wire, fb.type, port.type, origin):
             problems.append(attrs.evolve(problem, fix=declare))
-        reason = assignable(fb.type.item, port.type.item)
-        if reason:
-            problems.append(Problem(
-                rule="type-mismatch", op=dst, port=port_name,
-                message=f"input gets the wrong item type ({origin}): {reason}",
-                expected=str(port.type), found=f"{fb.type} {origin}",
-                fix=f"{declare}, or change the annotation of {dst}.{port_name}"))
+        problems += _item_problems(wire, fb.type, port.type, origin, declare)
     return problems
 
 
@@ -310,9 +299,3 @@ def _cycles(flow: FlowGraph, wires: list[Wire]) -> list[Problem]:
             f"{closing.dst}'s {closing.dst_port!r} input, then fb.bind(<{closing.src}'s "
             f"{closing.src_port!r} output>); otherwise remove one of these wires"))
     return problems
-
-
-def _known(what: str, word: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(word, choices, n=1)
-    return (f"did you mean {close[0]!r}? " if close else "") + f"known {what}: " + (
-        ", ".join(choices) or "none")

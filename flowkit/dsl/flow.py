@@ -16,7 +16,6 @@ raises one FlowError that lists every one of them.
 
 from __future__ import annotations
 
-import difflib
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import attrs
 
 from flowkit.dsl.checks import find_problems
-from flowkit.dsl.errors import FlowError, Problem
+from flowkit.dsl.errors import FlowError, Problem, suggest
 from flowkit.dsl.graph import Collect, Feedback, FlowGraph, GroupBy, Node, Ref, Wire
 from flowkit.dsl.operators import ACTIVE_FLOW, REQUIRED, Model, Operator
 from flowkit.dsl.types import port_type
@@ -195,8 +194,8 @@ class Flow(FlowGraph):
         for key in given:
             if key not in operator.config and key not in broken:
                 self._problem("unknown-config", f"has no input or config named {key!r}",
-                              op=node_name, port=key, fix=_suggest(key, [*operator.inputs,
-                                                                         *operator.config]))
+                              op=node_name, port=key,
+                              fix=suggest(key, [*operator.inputs, *operator.config]))
         config = {**operator.config, **{k: v for k, v in given.items() if k in operator.config}}
         for key, value in config.items():
             if value is REQUIRED:
@@ -231,12 +230,8 @@ _PORT_FIX = "name ports as 'op.port', e.g. flow.connect('generate.rollouts', 'sc
 
 def _split_port(text: Any) -> tuple[str, str] | None:
     """'node.port' -> (node, port); None when `text` is not of that form."""
-    if not isinstance(text, str):
-        return None
-    node, dot, port = text.rpartition(".")
-    if not dot or not node or not port:
-        return None
-    return node, port
+    node, _, port = text.rpartition(".") if isinstance(text, str) else ("", "", "")
+    return (node, port) if node and port else None
 
 
 def _call_site() -> str | None:
@@ -254,9 +249,3 @@ def _unique_key(name: str, taken: dict) -> str:
     while f"{name}~{i}" in taken:
         i += 1
     return f"{name}~{i}"
-
-
-def _suggest(word: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(word, choices, n=1)
-    known = ", ".join(choices) or "none"
-    return (f"did you mean {close[0]!r}? " if close else "") + f"known: {known}"

@@ -120,12 +120,10 @@ class FlowGraph:
     @property
     def wires(self) -> list[Wire]:
         """All wires, including feedback wires from bound feedbacks to their consumers."""
-        wires = list(self._wires)
-        for fb, dst, port in self._feedback_inputs:
-            if fb.source is not None:
-                wires.append(Wire(fb.source.node, fb.source.port, dst, port, fb.source.adapter,
-                                  feedback=True))
-        return wires
+        bound = [(fb.source, dst, port) for fb, dst, port in self._feedback_inputs
+                 if fb.source is not None]
+        return [*self._wires, *(Wire(src.node, src.port, dst, port, src.adapter, feedback=True)
+                                for src, dst, port in bound)]
 
     @property
     def direct_wires(self) -> tuple[Wire, ...]:
@@ -144,9 +142,13 @@ class FlowGraph:
 
     @property
     def misfed(self) -> frozenset[tuple[str, str]]:
-        """The inputs (op, port) given something that could not be wired: already reported, so
-        not also unbound."""
+        """Inputs (op, port) given what could not be wired: reported, so not also unbound."""
         return frozenset(self._misfed)
+
+    def output_type(self, node: str, port: str) -> PortType | None:
+        """What `node.port` produces; None when the flow has no such op or output."""
+        src = self.nodes.get(node)
+        return src.operator.outputs.get(port) if src is not None else None
 
     @property
     def graph(self) -> nx.DiGraph:

@@ -132,15 +132,12 @@ class Operator:
 
 def _flow_of_call(operator: Operator, args: tuple, kwargs: dict) -> Any:
     active = ACTIVE_FLOW.get()
-    if active is not None:
-        return active
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, FlowValue):
-            return value.flow
-    raise RuntimeError(
-        f"op {operator.name!r} was called outside a flow: call ops inside "
-        "`with Flow('name') as flow:`, or add them with flow.add(...)"
-    )
+    inputs = (value.flow for value in (*args, *kwargs.values()) if isinstance(value, FlowValue))
+    flow = active if active is not None else next(inputs, None)
+    if flow is None:
+        raise RuntimeError(f"op {operator.name!r} was called outside a flow: call ops inside "
+                           "`with Flow('name') as flow:`, or add them with flow.add(...)")
+    return flow
 
 
 class FunctionOp(Operator):
@@ -289,12 +286,10 @@ class ModelOp(Operator):
         cls = type(self)
         self.model_ref = model
         self.kind = cls.executor_op or cls.__name__.lower()
-        inputs = {}
-        for port, annotation in cls.inputs.items():
-            inputs[port] = InputPort(port, port_type(annotation), port not in cls.optional)
         super().__init__(
             name=name or self.kind,
-            inputs=inputs,
+            inputs={port: InputPort(port, port_type(tp), port not in cls.optional)
+                    for port, tp in cls.inputs.items()},
             outputs={port: port_type(tp) for port, tp in cls.outputs.items()},
             config=dict(cls.config),
             doc=inspect.getdoc(cls) or "",

@@ -108,8 +108,7 @@ def to_dot(flow: FlowGraph) -> str:
 
 
 def _edge_attrs(flow: FlowGraph, wire: Wire) -> str:
-    src = flow.nodes.get(wire.src)
-    ptype = src.operator.outputs.get(wire.src_port) if src else None
+    ptype = flow.output_type(wire.src, wire.src_port)
     if ptype is not None and wire.adapter is not None:
         ptype = wire.adapter.apply(ptype)
     label = f"{wire.src_port} -> {wire.dst_port}"
