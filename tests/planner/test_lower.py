@@ -5,24 +5,18 @@ from flowkit.planner.lower import Call, lower_flow
 
 
 class Trainer(ModelOp):
-    lowering = "pipeline"
+    lowering = "pipeline"  # named neither "backprop" nor anything the planner knows
     many_per_call = True
-    inputs = {"batch": Stream[int]}
-    outputs = {"stats": Stream[float]}
+    inputs, outputs = {"batch": Stream[int]}, {"stats": Stream[float]}
 
 
 class Update(ModelOp):
     lowering = "step"
-    inputs = {"stats": Batch[float]}
-    outputs = {"done": Stream[int]}
-
-
-@op
-def numbers() -> Stream[int]:
-    return [1, 2, 3]
+    inputs, outputs = {"stats": Batch[float]}, {"done": Stream[int]}
 
 
 def test_a_users_model_ops_lower_by_their_declared_lowering():
+    numbers = op(lambda: [1, 2, 3], name="numbers", outputs={"out": Stream[int]})
     net = Model(name="net", build="pkg.net:build")
     with Flow("own-trainer") as flow:
         Update(net)(collect(Trainer(net)(numbers())))
