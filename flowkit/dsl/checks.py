@@ -20,12 +20,8 @@ _MAX_CYCLES_REPORTED = 5
 
 
 def find_problems(flow: FlowGraph) -> list[Problem]:
-    problems: list[Problem] = []
-    seen_ops: set[int] = set()
-    for node in flow.nodes.values():
-        if id(node.operator) not in seen_ops:
-            seen_ops.add(id(node.operator))
-            problems += node.operator.problems
+    operators = {id(node.operator): node.operator for node in flow.nodes.values()}  # each once
+    problems = [problem for operator in operators.values() for problem in operator.problems]
     problems += flow.build_problems
     problems += _duplicate_names(flow)
     if not flow.nodes:

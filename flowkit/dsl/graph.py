@@ -1,5 +1,4 @@
-"""What a flow is made of: nodes, the wires between their ports, adapters on wires, feedbacks,
-and `FlowGraph`, the read surface that checks and views take. `Flow` builds on it."""
+"""A flow's parts (nodes, wires, their adapters, feedbacks) and FlowGraph, what checks read."""
 
 from __future__ import annotations
 
@@ -158,9 +157,8 @@ class FlowGraph:
             graph.add_node(name, node=node)
         for wire in self.wires:
             if wire.src in graph and wire.dst in graph:
-                if not graph.has_edge(wire.src, wire.dst):
-                    graph.add_edge(wire.src, wire.dst, wires=[])
-                graph.edges[wire.src, wire.dst]["wires"].append(wire)
+                graph.add_edge(wire.src, wire.dst)  # a second wire keeps the edge's data
+                graph.edges[wire.src, wire.dst].setdefault("wires", []).append(wire)
         return graph
 
     def _problem(self, rule: str, message: str, **where: Any) -> None:
