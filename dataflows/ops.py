@@ -24,6 +24,7 @@ class Generate(ModelOp):
     """Sample n responses per prompt; each finished sample leaves as soon as it is done."""
 
     executor_op = "generate"
+    many_per_call = True
     inputs = {"prompts": Stream[Prompt], "weights": Stream[WeightsVersion]}
     optional = ("weights",)
     outputs = {"rollouts": Stream[Rollout]}
@@ -62,6 +63,8 @@ class Backprop(ModelOp):
     a pipeline schedule; gradients accumulate on the executors until the optimizer step."""
 
     executor_op = "backprop"
+    lowering = "pipeline"
+    many_per_call = True
     # token batches (pretraining) or experiences (RL); reference log-probs for a KL loss term
     inputs = {"batch": Stream[object], "ref_logprobs": Stream[TokenScores]}
     optional = ("ref_logprobs",)
@@ -76,6 +79,7 @@ class OptimizerStep(ModelOp):
     gradient, so its input is a barrier."""
 
     executor_op = "optimizer_step"
+    lowering = "step"
     inputs = {"stats": Batch[MicrobatchStats]}
     outputs = {"metrics": Stream[StepMetrics], "weights": Stream[WeightsVersion]}
     config = {"lr": 3e-4, "weight_decay": 0.1, "betas": (0.9, 0.95), "clip_grad_norm": 1.0}

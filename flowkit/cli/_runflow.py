@@ -64,12 +64,12 @@ def with_training_options(flow: Flow, *, stages: int | None, microbatches: int |
     """The flow with every trained model cut into `stages` and every backprop run with
     `microbatches` under `schedule`, where given."""
     trained = {node.model for node in flow.nodes.values()
-               if getattr(node.operator, "kind", None) == "backprop"}
+               if getattr(node.operator, "lowering", None) == "pipeline"}
     for name in trained:
         if stages is not None:
             flow.models[name] = attrs.evolve(flow.models[name], stages=stages)
     for node in flow.nodes.values():
-        if getattr(node.operator, "kind", None) != "backprop":
+        if getattr(node.operator, "lowering", None) != "pipeline":
             continue
         if microbatches is not None:
             node.config["microbatches"] = microbatches

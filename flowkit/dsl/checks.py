@@ -6,31 +6,23 @@ import difflib
 import itertools
 import re
 from collections import defaultdict
-from typing import TYPE_CHECKING
 
 import attrs
 import networkx as nx
 
-from flowkit.dsl.errors import Problem
-from flowkit.dsl.flow import Collect, GroupBy, Wire
+from flowkit.dsl.errors import Problem, suggest
+from flowkit.dsl.graph import Collect, Feedback, FlowGraph, GroupBy, Wire
 from flowkit.dsl.types import Granularity, assignable
-
-if TYPE_CHECKING:
-    from flowkit.dsl.flow import Feedback, Flow
 
 __all__ = ["find_problems"]
 
 _MAX_CYCLES_REPORTED = 5
 
 
-def find_problems(flow: Flow) -> list[Problem]:
-    problems: list[Problem] = []
-    seen_ops: set[int] = set()
-    for node in flow.nodes.values():
-        if id(node.operator) not in seen_ops:
-            seen_ops.add(id(node.operator))
-            problems += node.operator.problems
-    problems += flow._problems
+def find_problems(flow: FlowGraph) -> list[Problem]:
+    operators = {id(node.operator): node.operator for node in flow.nodes.values()}  # each once
+    problems = [problem for operator in operators.values() for problem in operator.problems]
+    problems += flow.build_problems
     problems += _duplicate_names(flow)
     if not flow.nodes:
         problems.append(Problem(rule="empty-flow", message=f"flow {flow.name!r} has no operators",
@@ -39,7 +31,7 @@ def find_problems(flow: Flow) -> list[Problem]:
     wires = flow.wires
     # A feedback's consumers are checked against its declared type, and the output bound to it
     # against that type too (_feedback_problems): each mistake is reported once, where it is.
-    for wire in flow._wires:
+    for wire in flow.direct_wires:
         problems += _wire_problems(flow, wire)
     problems += _unbound_inputs(flow, wires)
     problems += _feedback_problems(flow)
@@ -47,7 +39,7 @@ def find_problems(flow: Flow) -> list[Problem]:
     return _with_labels(flow, problems)
 
 
-def _with_labels(flow: Flow, problems: list[Problem]) -> list[Problem]:
+def _with_labels(flow: FlowGraph, problems: list[Problem]) -> list[Problem]:
     """Show the names users gave, not the private keys of duplicates [Note: duplicate op names]."""
     keys = {key: node.label for key, node in flow.nodes.items() if key != node.label}
     if not keys:
@@ -62,7 +54,7 @@ def _with_labels(flow: Flow, problems: list[Problem]) -> list[Problem]:
             for p in problems]
 
 
-def _duplicate_names(flow: Flow) -> list[Problem]:
+def _duplicate_names(flow: FlowGraph) -> list[Problem]:
     by_label: dict[str, list] = defaultdict(list)
     for node in flow.nodes.values():
         by_label[node.label].append(node)
@@ -82,14 +74,14 @@ def _duplicate_names(flow: Flow) -> list[Problem]:
     return problems
 
 
-def _describe_call(flow: Flow, node) -> str:
+def _describe_call(flow: FlowGraph, node) -> str:
     inputs = ", ".join(f"{w.dst_port}={w.src}.{w.src_port}" for w in flow.wires
                        if w.dst == node.name)
     where = f" at {node.origin}" if node.origin else ""
     return f"{node.operator.name}({inputs}){where}"
 
 
-def _unknown_models(flow: Flow) -> list[Problem]:
+def _unknown_models(flow: FlowGraph) -> list[Problem]:
     problems = []
     for node in flow.nodes.values():
         if node.model is not None and node.model not in flow.models:
@@ -103,36 +95,38 @@ def _unknown_models(flow: Flow) -> list[Problem]:
     return problems
 
 
-def _wire_problems(flow: Flow, wire: Wire) -> list[Problem]:
+def _wire_problems(flow: FlowGraph, wire: Wire) -> list[Problem]:
     src, dst = flow.nodes.get(wire.src), flow.nodes.get(wire.dst)
     for name, node in ((wire.src, src), (wire.dst, dst)):
         if node is None:
             return [Problem(rule="unknown-op", message=f"a wire names op {name!r}, which is not "
-                            "in the flow", op=name, fix=_known("ops", name, list(flow.nodes)))]
+                            "in the flow", op=name, fix=suggest(name, flow.nodes, "known ops"))]
     produced = src.operator.outputs.get(wire.src_port)
     if produced is None:
         return [Problem(rule="unknown-port", op=wire.src, port=wire.src_port,
                         message="has no such output port",
-                        fix=_known("outputs", wire.src_port, list(src.operator.outputs)))]
+                        fix=suggest(wire.src_port, src.operator.outputs, "known outputs"))]
     port = dst.operator.inputs.get(wire.dst_port)
     if port is None:
         return [Problem(rule="unknown-port", op=wire.dst, port=wire.dst_port,
                         message="has no such input port",
-                        fix=_known("inputs", wire.dst_port, list(dst.operator.inputs)))]
+                        fix=suggest(wire.dst_port, dst.operator.inputs, "known inputs"))]
     if wire.adapter is not None:
         produced = wire.adapter.apply(produced)
     origin = f"from {wire.src}.{wire.src_port}" + (f" through {wire.adapter}" if wire.adapter else "")
     problems = _granularity_problems(wire, src.operator.outputs[wire.src_port], port.type, origin)
-    reason = assignable(produced.item, port.type.item)
-    if reason:
-        problems.append(Problem(
-            rule="type-mismatch", op=wire.dst, port=wire.dst_port,
-            message=f"input gets the wrong item type ({origin}): {reason}",
-            expected=str(port.type), found=f"{produced} {origin}",
-            fix=f"wire an output of type {port.type}, or change the annotation of "
-            f"{wire.dst}.{wire.dst_port}"))
-    problems += _group_key_problems(wire, produced)
-    return problems
+    problems += _item_problems(wire, produced, port.type, origin,
+                               f"wire an output of type {port.type}")
+    return problems + _group_key_problems(wire, produced)
+
+
+def _item_problems(wire: Wire, produced, expected, origin: str, remedy: str) -> list[Problem]:
+    reason = assignable(produced.item, expected.item)
+    return [Problem(
+        rule="type-mismatch", op=wire.dst, port=wire.dst_port,
+        message=f"input gets the wrong item type ({origin}): {reason}",
+        expected=str(expected), found=f"{produced} {origin}",
+        fix=f"{remedy}, or change the annotation of {wire.dst}.{wire.dst_port}")] if reason else []
 
 
 def _granularity_problems(wire: Wire, produced, expected, origin: str) -> list[Problem]:
@@ -176,24 +170,24 @@ def _group_key_problems(wire: Wire, produced) -> list[Problem]:
     return [Problem(
         rule="unknown-group-key", op=wire.dst, port=wire.dst_port,
         message=f"group_by key {adapter.key!r} is not a field of {item.__qualname__}",
-        fix=_known("fields", adapter.key, fields))]
+        fix=suggest(adapter.key, fields, "known fields"))]
 
 
-def _unbound_inputs(flow: Flow, wires: list[Wire]) -> list[Problem]:
+def _unbound_inputs(flow: FlowGraph, wires: list[Wire]) -> list[Problem]:
     feeding: dict[tuple[str, str], list[Wire]] = defaultdict(list)
     for wire in wires:
         feeding[wire.dst, wire.dst_port].append(wire)
-    for fb, dst, port in flow._pending_feedback:
+    for fb, dst, port in flow.feedback_inputs:
         if fb.source is None:  # reported as an unbound feedback; the input itself is wired
             feeding[dst, port].append(None)
     problems = []
     for node in flow.nodes.values():
         for port in node.operator.inputs.values():
-            if (node.name, port.name) in flow._misfed:  # its bad value is already reported
+            if (node.name, port.name) in flow.misfed:  # its bad value is already reported
                 continue
             sources = feeding.get((node.name, port.name), [])
             # A wire from a missing op or port is reported as such, not as a second producer.
-            producers = [w for w in sources if w is None or _produces(flow, w)]
+            producers = [w for w in sources if w is None or flow.output_type(w.src, w.src_port)]
             if not sources and port.required:
                 problems.append(Problem(
                     rule="unbound-input", op=node.name, port=port.name,
@@ -210,14 +204,9 @@ def _unbound_inputs(flow: Flow, wires: list[Wire]) -> list[Problem]:
     return problems
 
 
-def _produces(flow: Flow, wire: Wire) -> bool:
-    src = flow.nodes.get(wire.src)
-    return src is not None and wire.src_port in src.operator.outputs
-
-
-def _feedback_problems(flow: Flow) -> list[Problem]:
+def _feedback_problems(flow: FlowGraph) -> list[Problem]:
     uses: dict[str, list[tuple[str, str]]] = defaultdict(list)
-    for fb, dst, port in flow._pending_feedback:
+    for fb, dst, port in flow.feedback_inputs:
         uses[fb.name].append((dst, port))
     problems = []
     for fb in flow.feedbacks.values():
@@ -226,10 +215,8 @@ def _feedback_problems(flow: Flow) -> list[Problem]:
         if fb.source is None:
             problems.append(_unbound_feedback(fb, consumers))
             continue
-        src = flow.nodes.get(fb.source.node)
-        bound = src is not None and fb.source.port in src.operator.outputs
-        produced = fb.source.type if bound else None
-        if produced is not None:
+        if flow.output_type(fb.source.node, fb.source.port) is not None:
+            produced = fb.source.type
             reason = assignable(produced.item, fb.type.item)
             if reason:
                 problems.append(Problem(
@@ -256,7 +243,7 @@ def _unbound_feedback(fb: Feedback, consumers: list[tuple[str, str]]) -> Problem
         fix=f"bind it to the op that produces the next step's value: {fb.name}.bind(<output>)")
 
 
-def _feedback_use_problems(flow: Flow, fb: Feedback, consumers: list[tuple[str, str]]) -> list[Problem]:
+def _feedback_use_problems(flow: FlowGraph, fb: Feedback, consumers: list[tuple[str, str]]) -> list[Problem]:
     """The ports a feedback is passed to must take its declared type."""
     problems = []
     origin = f"from feedback {fb.name!r}"
@@ -270,17 +257,11 @@ def _feedback_use_problems(flow: Flow, fb: Feedback, consumers: list[tuple[str, 
                    f"flow.feedback({fb.name!r}, {port.type})")
         for problem in _granularity_problems(wire, fb.type, port.type, origin):
             problems.append(attrs.evolve(problem, fix=declare))
-        reason = assignable(fb.type.item, port.type.item)
-        if reason:
-            problems.append(Problem(
-                rule="type-mismatch", op=dst, port=port_name,
-                message=f"input gets the wrong item type ({origin}): {reason}",
-                expected=str(port.type), found=f"{fb.type} {origin}",
-                fix=f"{declare}, or change the annotation of {dst}.{port_name}"))
+        problems += _item_problems(wire, fb.type, port.type, origin, declare)
     return problems
 
 
-def _cycles(flow: Flow, wires: list[Wire]) -> list[Problem]:
+def _cycles(flow: FlowGraph, wires: list[Wire]) -> list[Problem]:
     """One problem per cycle, at the port where the wire back into the op declared first enters
     it: that wire is most likely the one meant for the next step, so the fix names it."""
     within = [w for w in wires if not w.feedback]
@@ -314,9 +295,3 @@ def _cycles(flow: Flow, wires: list[Wire]) -> list[Problem]:
             f"{closing.dst}'s {closing.dst_port!r} input, then fb.bind(<{closing.src}'s "
             f"{closing.src_port!r} output>); otherwise remove one of these wires"))
     return problems
-
-
-def _known(what: str, word: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(word, choices, n=1)
-    return (f"did you mean {close[0]!r}? " if close else "") + f"known {what}: " + (
-        ", ".join(choices) or "none")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Collection
+
 import attrs
 
-__all__ = ["FlowError", "Problem"]
+__all__ = ["FlowError", "Problem", "suggest"]
 
 
 @attrs.frozen(kw_only=True)
@@ -31,6 +34,13 @@ class Problem:
         if self.fix:
             text += f"\n     fix: {self.fix}"
         return text
+
+
+def suggest(word: str, choices: Collection[str], known: str = "known") -> str:
+    """A fix for a misspelt name: the close choice, if there is one, then all of them."""
+    close = difflib.get_close_matches(word, choices, n=1)
+    return (f"did you mean {close[0]!r}? " if close else "") + f"{known}: " + (
+        ", ".join(choices) or "none")
 
 
 class FlowError(Exception):

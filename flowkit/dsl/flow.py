@@ -16,93 +16,21 @@ raises one FlowError that lists every one of them.
 
 from __future__ import annotations
 
-import contextvars
-import difflib
 import sys
 from pathlib import Path
 from typing import Any
 
 import attrs
-import networkx as nx
 
-from flowkit.dsl.errors import FlowError, Problem
-from flowkit.dsl.operators import REQUIRED, Model, Operator
-from flowkit.dsl.types import Granularity, PortType, port_type
+from flowkit.dsl.checks import find_problems
+from flowkit.dsl.errors import FlowError, Problem, suggest
+from flowkit.dsl.graph import Collect, Feedback, FlowGraph, GroupBy, Node, Ref, Wire
+from flowkit.dsl.operators import ACTIVE_FLOW, REQUIRED, Model, Operator
+from flowkit.dsl.types import port_type
 
+# The graph's parts too, so that code importing them from here keeps working.
 __all__ = ["Collect", "Feedback", "Flow", "GroupBy", "Node", "Outputs", "Ref", "Wire",
            "collect", "group_by"]
-
-_ACTIVE: contextvars.ContextVar[Flow | None] = contextvars.ContextVar("flowkit_flow", default=None)
-
-
-@attrs.frozen
-class Collect:
-    """Gather a Stream into a Batch: the barrier a Batch port implies, made explicit."""
-
-    def __str__(self) -> str:
-        return "collect"
-
-    def apply(self, ptype: PortType) -> PortType:
-        return PortType(Granularity.BATCH, ptype.item)
-
-
-@attrs.frozen
-class GroupBy:
-    """Form keyed groups of `size` items (None: as many as share the key by the end of the step)."""
-
-    key: str
-    size: int | None = None
-
-    def __str__(self) -> str:
-        return f"group_by({self.key}" + (f", size={self.size})" if self.size else ")")
-
-    def apply(self, ptype: PortType) -> PortType:
-        return PortType(Granularity.GROUPED, ptype.item)
-
-
-@attrs.frozen(eq=False)
-class Ref:
-    """A handle on one output port of one node, possibly with an adapter (collect, group_by)."""
-
-    flow: Flow = attrs.field(repr=False)
-    node: str
-    port: str
-    adapter: Collect | GroupBy | None = None
-
-    @property
-    def type(self) -> PortType:
-        produced = self.flow.nodes[self.node].operator.outputs[self.port]
-        return self.adapter.apply(produced) if self.adapter else produced
-
-    def __str__(self) -> str:
-        text = f"{self.node}.{self.port}"
-        return f"{self.adapter}({text})" if self.adapter else text
-
-
-@attrs.frozen
-class Wire:
-    src: str
-    src_port: str
-    dst: str
-    dst_port: str
-    adapter: Collect | GroupBy | None = None
-    feedback: bool = False  # feeds the next step: not part of this step's dependency graph
-
-
-@attrs.frozen(eq=False)
-class Node:
-    """One call of an operator in a flow. `name` is its unique key in the flow; `label` is the
-    name the user gave, which differs only for a duplicate [Note: duplicate op names]."""
-
-    name: str
-    operator: Operator
-    config: dict[str, Any]
-    label: str = attrs.field(default=attrs.Factory(lambda self: self.name, takes_self=True))
-    origin: str | None = None  # "file.py:12": where the user added it, to tell duplicates apart
-
-    @property
-    def model(self) -> str | None:
-        return self.operator.model
 
 
 class Outputs(dict):
@@ -116,24 +44,6 @@ class Outputs(dict):
 
     def __iter__(self):
         return iter(self.values())
-
-
-class Feedback:
-    """A value consumed this step and produced by a later op for the next step (e.g. weights
-    synced from the trainer back to generation). Its wire is not a cycle."""
-
-    def __init__(self, flow: Flow, name: str, ptype: PortType) -> None:
-        self.flow, self.name, self.type = flow, name, ptype
-        self.source: Ref | None = None
-
-    def bind(self, ref: Ref) -> None:
-        if self.source is not None:
-            self.flow._problem("feedback-bound-twice", f"feedback {self.name!r} is bound twice",
-                               fix="bind each feedback to exactly one output")
-        self.source = ref
-
-    def __repr__(self) -> str:
-        return f"<Feedback {self.name}: {self.type} from {self.source}>"
 
 
 def collect(ref: Ref) -> Ref:
@@ -155,46 +65,18 @@ def _adapt(ref: Ref, adapter: Collect | GroupBy) -> Ref:
     return attrs.evolve(ref, adapter=adapter)
 
 
-class Flow:
+class Flow(FlowGraph):
     """One step of a training or RL pipeline: typed operators and the wires between them."""
-
-    def __init__(self, name: str, *, description: str = "") -> None:
-        self.name = name
-        self.description = description
-        self.nodes: dict[str, Node] = {}
-        self.models: dict[str, Model] = {}
-        self.feedbacks: dict[str, Feedback] = {}
-        self._wires: list[Wire] = []
-        self._pending_feedback: list[tuple[Feedback, str, str]] = []
-        self._problems: list[Problem] = []
-        # Inputs given something that could not be wired; already reported, so not also unbound.
-        self._misfed: set[tuple[str, str]] = set()
-        self._token: contextvars.Token | None = None
 
     # -- context -------------------------------------------------------------------------------
     def __enter__(self) -> Flow:
-        self._token = _ACTIVE.set(self)
+        self._token = ACTIVE_FLOW.set(self)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        _ACTIVE.reset(self._token)
+        ACTIVE_FLOW.reset(self._token)
         if exc_type is None:
             self.validate()
-
-    @staticmethod
-    def current_for(operator: Operator, args: tuple, kwargs: dict) -> Flow:
-        """The flow an op call belongs to: the active `with Flow`, else that of its first input.
-        An input from any other flow is reported by `connect` as a foreign-ref."""
-        active = _ACTIVE.get()
-        if active is not None:
-            return active
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, (Ref, Feedback)):
-                return value.flow
-        raise RuntimeError(
-            f"op {operator.name!r} was called outside a flow: call ops inside "
-            "`with Flow('name') as flow:`, or add them with flow.add(...)"
-        )
 
     # -- building ------------------------------------------------------------------------------
     def add_model(self, model: Model) -> Model:
@@ -244,7 +126,7 @@ class Flow:
         if isinstance(src, (Ref, Feedback)) and src.flow is not self:
             self._foreign_ref(src, dst_node, dst_port)
         elif isinstance(src, Feedback):
-            self._pending_feedback.append((src, dst_node, dst_port))
+            self._feedback_inputs.append((src, dst_node, dst_port))
         elif isinstance(src, Ref):
             self._wires.append(Wire(src.node, src.port, dst_node, dst_port,
                                     adapter or src.adapter, feedback))
@@ -284,34 +166,9 @@ class Flow:
             return next(iter(outs.values()))
         return outs or None
 
-    # -- reading -------------------------------------------------------------------------------
-    @property
-    def wires(self) -> list[Wire]:
-        """All wires, including feedback wires from bound feedbacks to their consumers."""
-        wires = list(self._wires)
-        for fb, dst, port in self._pending_feedback:
-            if fb.source is not None:
-                wires.append(Wire(fb.source.node, fb.source.port, dst, port, fb.source.adapter,
-                                  feedback=True))
-        return wires
-
-    @property
-    def graph(self) -> nx.DiGraph:
-        """Nodes carry `node=Node`; an edge carries `wires`, the list of port-to-port wires."""
-        graph = nx.DiGraph(name=self.name)
-        for name, node in self.nodes.items():
-            graph.add_node(name, node=node)
-        for wire in self.wires:
-            if wire.src in graph and wire.dst in graph:
-                if not graph.has_edge(wire.src, wire.dst):
-                    graph.add_edge(wire.src, wire.dst, wires=[])
-                graph.edges[wire.src, wire.dst]["wires"].append(wire)
-        return graph
-
+    # -- checking and showing ------------------------------------------------------------------
     def check(self) -> list[Problem]:
         """Every problem in the flow, in declaration order; empty when the flow is valid."""
-        from flowkit.dsl.checks import find_problems
-
         return find_problems(self)
 
     def validate(self) -> Flow:
@@ -322,26 +179,23 @@ class Flow:
 
     def describe(self, console: Any = None) -> None:
         """Print a summary (operators, ports, types, granularity, models) with rich."""
-        from flowkit.dsl.render import describe
+        from flowkit.dsl.render import describe  # rich loads only when a flow is shown
 
         describe(self, console)
 
     def to_dot(self) -> str:
-        from flowkit.dsl.render import to_dot
+        from flowkit.dsl.render import to_dot  # as describe: no rich until a flow is shown
 
         return to_dot(self)
 
     # -- internals -----------------------------------------------------------------------------
-    def _problem(self, rule: str, message: str, **where: Any) -> None:
-        self._problems.append(Problem(rule=rule, message=message, **where))
-
     def _config(self, operator: Operator, node_name: str, given: dict[str, Any]) -> dict:
         broken = {p.port for p in operator.problems}  # reported with the declaration
         for key in given:
             if key not in operator.config and key not in broken:
                 self._problem("unknown-config", f"has no input or config named {key!r}",
-                              op=node_name, port=key, fix=_suggest(key, [*operator.inputs,
-                                                                         *operator.config]))
+                              op=node_name, port=key,
+                              fix=suggest(key, [*operator.inputs, *operator.config]))
         config = {**operator.config, **{k: v for k, v in given.items() if k in operator.config}}
         for key, value in config.items():
             if value is REQUIRED:
@@ -376,12 +230,8 @@ _PORT_FIX = "name ports as 'op.port', e.g. flow.connect('generate.rollouts', 'sc
 
 def _split_port(text: Any) -> tuple[str, str] | None:
     """'node.port' -> (node, port); None when `text` is not of that form."""
-    if not isinstance(text, str):
-        return None
-    node, dot, port = text.rpartition(".")
-    if not dot or not node or not port:
-        return None
-    return node, port
+    node, _, port = text.rpartition(".") if isinstance(text, str) else ("", "", "")
+    return (node, port) if node and port else None
 
 
 def _call_site() -> str | None:
@@ -399,9 +249,3 @@ def _unique_key(name: str, taken: dict) -> str:
     while f"{name}~{i}" in taken:
         i += 1
     return f"{name}~{i}"
-
-
-def _suggest(word: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(word, choices, n=1)
-    known = ", ".join(choices) or "none"
-    return (f"did you mean {close[0]!r}? " if close else "") + f"known: {known}"

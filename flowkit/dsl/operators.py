@@ -7,6 +7,7 @@ with the flow's other errors, so one build shows everything that is wrong.
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import re
 import typing
@@ -18,7 +19,21 @@ import attrs
 from flowkit.dsl.errors import Problem
 from flowkit.dsl.types import PortType, port_type
 
-__all__ = ["InputPort", "Model", "ModelOp", "Operator", "REQUIRED", "op"]
+__all__ = ["ACTIVE_FLOW", "FlowValue", "InputPort", "Model", "ModelOp", "Operator", "REQUIRED",
+           "op"]
+
+
+# [Note: calls join a flow] Calling an op adds a node to the flow being built, which this module
+# does not import (flow builds on it): the flow of the running `with Flow` block, else that of the
+# call's first input. Whatever it is, it takes `apply(operator, args, kwargs, name=...)`.
+ACTIVE_FLOW: contextvars.ContextVar[Any] = contextvars.ContextVar("flowkit_flow", default=None)
+
+
+class FlowValue:
+    """A value of a flow being built (an op's output, a feedback), which carries the flow."""
+
+    __slots__ = ()
+    flow: Any
 
 
 class _Required:
@@ -105,15 +120,24 @@ class Operator:
         return None
 
     def __call__(self, *args: Any, name: str | None = None, **kwargs: Any) -> Any:
-        """Add this op to the active flow, wired to the given inputs; returns its output refs."""
-        from flowkit.dsl.flow import Flow  # the flow module builds on this one
-
-        return Flow.current_for(self, args, kwargs).apply(self, args, kwargs, name=name)
+        """Add this op to the flow being built [Note: calls join a flow], wired to the given
+        inputs; returns its output refs. An input from another flow is reported as a foreign-ref."""
+        return _flow_of_call(self, args, kwargs).apply(self, args, kwargs, name=name)
 
     def __repr__(self) -> str:
         ins = ", ".join(f"{p.name}: {p.type}" for p in self.inputs.values())
         outs = ", ".join(f"{n}: {t}" for n, t in self.outputs.items())
         return f"<{type(self).__name__} {self.name}({ins}) -> ({outs})>"
+
+
+def _flow_of_call(operator: Operator, args: tuple, kwargs: dict) -> Any:
+    active = ACTIVE_FLOW.get()
+    inputs = (value.flow for value in (*args, *kwargs.values()) if isinstance(value, FlowValue))
+    flow = active if active is not None else next(inputs, None)
+    if flow is None:
+        raise RuntimeError(f"op {operator.name!r} was called outside a flow: call ops inside "
+                           "`with Flow('name') as flow:`, or add them with flow.add(...)")
+    return flow
 
 
 class FunctionOp(Operator):
@@ -242,9 +266,16 @@ class ModelOp(Operator):
     `Generate(actor)` binds it to a model (a Model, or a model's name declared in the flow).
     It runs on executors with the model's tags, or with `tags` when given: e.g. generation on
     `rollout` executors while the model trains on `train` ones (the weights sync each step).
+
+    `lowering` tells the planner how its calls become tasks: None, like any op, by its inputs'
+    granularity; "pipeline", microbatches under a pipeline schedule (F, B, W per stage); "step",
+    one task per pipeline stage after that stage's W ops. `many_per_call`: one call yields many
+    items (n samples per prompt), each its own item downstream, rather than one.
     """
 
     executor_op: ClassVar[str] = ""
+    lowering: ClassVar[str | None] = None
+    many_per_call: ClassVar[bool] = False
     inputs: ClassVar[dict[str, Any]] = {}
     outputs: ClassVar[dict[str, Any]] = {}
     config: ClassVar[dict[str, Any]] = {}
@@ -255,12 +286,10 @@ class ModelOp(Operator):
         cls = type(self)
         self.model_ref = model
         self.kind = cls.executor_op or cls.__name__.lower()
-        inputs = {}
-        for port, annotation in cls.inputs.items():
-            inputs[port] = InputPort(port, port_type(annotation), port not in cls.optional)
         super().__init__(
             name=name or self.kind,
-            inputs=inputs,
+            inputs={port: InputPort(port, port_type(tp), port not in cls.optional)
+                    for port, tp in cls.inputs.items()},
             outputs={port: port_type(tp) for port, tp in cls.outputs.items()},
             config=dict(cls.config),
             doc=inspect.getdoc(cls) or "",

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from flowkit.dsl.flow import Collect
+from flowkit.dsl.graph import Collect, FlowGraph, Node, Wire
 from flowkit.dsl.types import Granularity
-
-if TYPE_CHECKING:
-    from flowkit.dsl.flow import Flow, Node, Wire
 
 __all__ = ["describe", "summary", "to_dot"]
 
@@ -20,11 +17,11 @@ _GRANULARITY_STYLE = {Granularity.STREAM: "green", Granularity.BATCH: "bold red"
                       Granularity.GROUPED: "yellow"}
 
 
-def describe(flow: Flow, console: Console | None = None) -> None:
+def describe(flow: FlowGraph, console: Console | None = None) -> None:
     (console or Console()).print(summary(flow))
 
 
-def summary(flow: Flow) -> Group:
+def summary(flow: FlowGraph) -> Group:
     """A renderable: each op with its ports (type, granularity, source), then models, then the
     wires where a step waits (barriers), groups or hands a value to the next step."""
     wires = flow.wires
@@ -94,7 +91,7 @@ def _wire_text(wire: Wire) -> str:
     return f"{_source_text(wire)} -> {target}: {kind}"
 
 
-def to_dot(flow: Flow) -> str:
+def to_dot(flow: FlowGraph) -> str:
     """DOT text: ops as boxes (model ops filled), edges labelled with port types; a barrier edge
     is bold red, a feedback edge dashed and does not constrain the layout."""
     lines = [f"digraph {_quote(flow.name)} {{", "  rankdir=LR;",
@@ -110,9 +107,8 @@ def to_dot(flow: Flow) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _edge_attrs(flow: Flow, wire: Wire) -> str:
-    src = flow.nodes.get(wire.src)
-    ptype = src.operator.outputs.get(wire.src_port) if src else None
+def _edge_attrs(flow: FlowGraph, wire: Wire) -> str:
+    ptype = flow.output_type(wire.src, wire.src_port)
     if ptype is not None and wire.adapter is not None:
         ptype = wire.adapter.apply(ptype)
     label = f"{wire.src_port} -> {wire.dst_port}"

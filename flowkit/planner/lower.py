@@ -7,8 +7,10 @@ stages fuse; the user never writes the fusion:
               so scoring a sample overlaps generating the next
   per group   a Grouped input: one task per complete group of `size` items with one key
   once        Batch inputs only: one task when every producer has closed: a barrier
-  pipeline    a model's `backprop`: microbatches under a pipeline schedule, F/B/W per stage
-  step        a model's `optimizer_step`: one task per pipeline stage, after its W ops
+  pipeline    lowering = "pipeline": microbatches under a pipeline schedule, F/B/W per stage
+  step        lowering = "step": one task per pipeline stage, after its W ops
+A ModelOp declares the last two (`lowering`) and whether one call yields many items
+(`many_per_call`), so the planner names no op of a flow library.
 Pure: no torch, no zmq. The runtime (flowkit/runtime/flowrun.py) carries the rules out.
 """
 
@@ -23,7 +25,7 @@ import attrs
 import networkx as nx
 
 from flowkit.dsl import Flow, Granularity, Metrics, Model, Node, Stream, Wire
-from flowkit.dsl.flow import Collect, GroupBy
+from flowkit.dsl.graph import GroupBy
 from flowkit.dsl.operators import FunctionOp, ModelOp
 
 __all__ = ["Call", "InputRule", "NodePlan", "lower_flow"]
@@ -67,7 +69,7 @@ class NodePlan:
     reports: bool = False  # its outputs are Metrics, which the runner adds to the step's own
 
 
-_MANY_PER_CALL = frozenset({"generate", "backprop"})
+_DECLARED_CALLS = {"pipeline": Call.PIPELINE, "step": Call.STEP}  # by ModelOp.lowering
 
 
 def lower_flow(flow: Flow) -> list[NodePlan]:
@@ -77,14 +79,10 @@ def lower_flow(flow: Flow) -> list[NodePlan]:
     graph = nx.DiGraph()
     graph.add_nodes_from(flow.nodes)
     graph.add_edges_from((w.src, w.dst) for w in wires if not w.feedback)
-    order = list(nx.lexicographical_topological_sort(graph, key=_declared_order(flow)))
+    position = {name: i for i, name in enumerate(flow.nodes)}  # ties run in declared order
+    order = list(nx.lexicographical_topological_sort(graph, key=position.__getitem__))
     return [_plan_node(flow, flow.nodes[name], [w for w in wires if w.dst == name])
             for name in order]
-
-
-def _declared_order(flow: Flow):
-    position = {name: i for i, name in enumerate(flow.nodes)}
-    return lambda name: position[name]
 
 
 def _plan_node(flow: Flow, node: Node, wires: list[Wire]) -> NodePlan:
@@ -99,10 +97,8 @@ def _plan_node(flow: Flow, node: Node, wires: list[Wire]) -> NodePlan:
                   tags=tuple(operator.tags), reports=reports)
     if isinstance(operator, ModelOp):
         model = flow.models[operator.model]
-        call = {"backprop": Call.PIPELINE, "optimizer_step": Call.STEP}.get(operator.kind)
-        # generation samples many responses per prompt; inference ops score one item each
-        many = (operator.kind in _MANY_PER_CALL,) * len(outputs)
-        return NodePlan(call=call or _call_of(inputs), op=operator.kind, many=many,
+        call = _DECLARED_CALLS[operator.lowering] if operator.lowering else _call_of(inputs)
+        return NodePlan(call=call, op=operator.kind, many=(operator.many_per_call,) * len(outputs),
                         model=model, **{**common, "tags": common["tags"] or tuple(model.tags)})
     target = operator.target if isinstance(operator, FunctionOp) else None
     fn = getattr(operator, "fn", None)
@@ -113,15 +109,11 @@ def _plan_node(flow: Flow, node: Node, wires: list[Wire]) -> NodePlan:
 
 def _input_rule(flow: Flow, wire: Wire) -> InputRule:
     produced = flow.nodes[wire.src].operator.outputs[wire.src_port]
-    granularity = produced.granularity
-    key = size = None
-    if isinstance(wire.adapter, Collect):
-        granularity = Granularity.BATCH
-    elif isinstance(wire.adapter, GroupBy):
-        granularity, key, size = Granularity.GROUPED, wire.adapter.key, wire.adapter.size
+    seen = wire.adapter.apply(produced) if wire.adapter else produced  # through collect, group_by
+    group = wire.adapter if isinstance(wire.adapter, GroupBy) else None
     return InputRule(port=wire.dst_port, src=wire.src, src_port=wire.src_port,
-                     granularity=granularity, group_key=key, group_size=size,
-                     feedback=wire.feedback)
+                     granularity=seen.granularity, group_key=group and group.key,
+                     group_size=group and group.size, feedback=wire.feedback)
 
 
 def _call_of(inputs: tuple[InputRule, ...]) -> Call:
