@@ -10,8 +10,8 @@ from rich.console import Console
 
 from flowkit.dsl import Flow
 from flowkit.observe import Dashboard, MetricsWriter, RunStats, TraceRecorder
-from flowkit.ops import LOSSES
-from flowkit.planner.lower import NodePlan, lower_flow
+from flowkit.ops import LOSSES, LOWERED_OPS
+from flowkit.planner.lower import Call, NodePlan, lower_flow
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runtime import Controller, LocalExecutors
 from flowkit.runtime.flowrun import FlowRunError, FlowRunner, StepReport
@@ -31,11 +31,6 @@ def executor_tags(plan: list[NodePlan], count: int, tag_spec: str | None) -> lis
     return [tuple(wanted)] * count
 
 
-# what a model op needs its executor to implement
-_NEEDS = {"backprop": ("F", "B", "W", "BW", "profile_stage"),
-          "optimizer_step": ("grad_stats", "optimizer_step")}
-
-
 def choose_executors(flow: Flow, kind: str) -> str:
     """`auto`: torch executors when they implement every model op of the flow, else the timed
     simulator (which implements them all), said out loud either way."""
@@ -43,14 +38,15 @@ def choose_executors(flow: Flow, kind: str) -> str:
         return kind
     plan = lower_flow(flow)
     wanted = {need for node in plan if node.model is not None
-              for need in _NEEDS.get(node.op, (node.op,))}
+              for need in LOWERED_OPS.get(node.call.value, (node.op,))}
     if not wanted:
         return "base"
     from executors.kinds import op_table
 
     missing = sorted(wanted - set(op_table("torch").names()))
     missing += sorted({f"the {node.config.get('loss')!r} loss" for node in plan
-                       if node.op == "backprop" and node.config.get("loss", "lm") not in LOSSES})
+                       if node.call is Call.PIPELINE
+                       and node.config.get("loss", "lm") not in LOSSES})
     if not missing:
         click.echo("executors: torch (it implements every model op of this flow)", err=True)
         return "torch"

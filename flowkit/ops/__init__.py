@@ -8,8 +8,8 @@ dispatches them (flowkit/runtime/flowrun.py, controller.py, dispatch.py); an exe
 from its op table (executors/ops.py; executors/sim.py, executors/torch/).
 """
 
-from flowkit.ops.executor_ops import EXECUTOR_OPS, PIPELINE_OPS, SIMULATED, OpSpec
+from flowkit.ops.executor_ops import EXECUTOR_OPS, LOWERED_OPS, PIPELINE_OPS, SIMULATED, OpSpec
 from flowkit.ops.losses import LOSS_KNOBS, LOSSES, SUM_FORM_LOSSES
 
-__all__ = ["EXECUTOR_OPS", "LOSSES", "LOSS_KNOBS", "PIPELINE_OPS", "SIMULATED", "SUM_FORM_LOSSES",
-           "OpSpec"]
+__all__ = ["EXECUTOR_OPS", "LOSSES", "LOSS_KNOBS", "LOWERED_OPS", "PIPELINE_OPS", "SIMULATED",
+           "SUM_FORM_LOSSES", "OpSpec"]

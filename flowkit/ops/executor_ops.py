@@ -13,7 +13,7 @@ import attrs
 
 from flowkit.ops.losses import LOSS_KNOBS
 
-__all__ = ["EXECUTOR_OPS", "PIPELINE_OPS", "SIMULATED", "OpSpec"]
+__all__ = ["EXECUTOR_OPS", "LOWERED_OPS", "PIPELINE_OPS", "SIMULATED", "OpSpec"]
 
 
 @attrs.frozen
@@ -67,6 +67,10 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
     OpSpec("save_weights", "export_weights dicts of every stage", ("path",),
            "merge and write them as one checkpoint file; returns its path"),
 )}
+
+LOWERED_OPS = {"pipeline": (*PIPELINE_OPS, "profile_stage"),
+               "step": ("grad_stats", "optimizer_step")}
+"""The executor ops a model op runs as, by its `ModelOp.lowering` (without one: its own)."""
 
 SIMULATED = frozenset(PIPELINE_OPS) | {"grad_stats", "optimizer_step", "generate", "logprobs",
                                        "values", "reward_model"}
