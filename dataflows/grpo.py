@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 from dataflows.ops import Backprop, Generate, LogProbs, OptimizerStep
-from dataflows.records import WeightsVersion
 from dataflows.rl.steps import (
     answer_reward,
     arithmetic_prompts,
@@ -16,6 +15,7 @@ from dataflows.rl.steps import (
     with_reference,
 )
 from flowkit.dsl import Flow, Model, Operator, Stream, collect, group_by
+from flowkit.ops.records import WeightsVersion
 
 __all__ = ["GPT_BUILD", "grpo_flow"]
 

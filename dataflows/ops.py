@@ -6,7 +6,9 @@ executor ops they name.
 
 from __future__ import annotations
 
-from dataflows.records import (
+from flowkit.dsl import Batch, ModelOp, Stream
+from flowkit.ops import LOSS_KNOBS
+from flowkit.ops.records import (
     MicrobatchStats,
     Prompt,
     Rollout,
@@ -14,8 +16,6 @@ from dataflows.records import (
     TokenScores,
     WeightsVersion,
 )
-from flowkit.dsl import Batch, ModelOp, Stream
-from flowkit.ops import LOSS_KNOBS
 
 __all__ = ["Backprop", "Generate", "LogProbs", "OptimizerStep", "RewardModel", "Values"]
 

@@ -8,7 +8,6 @@ from typing import Any
 
 from dataflows.grpo import GPT_BUILD
 from dataflows.ops import Backprop, Generate, LogProbs, OptimizerStep, Values
-from dataflows.records import WeightsVersion
 from dataflows.rl.steps import (
     answer_reward,
     arithmetic_prompts,
@@ -17,6 +16,7 @@ from dataflows.rl.steps import (
     rollout_metrics,
 )
 from flowkit.dsl import Flow, Model, Operator, Stream, collect
+from flowkit.ops.records import WeightsVersion
 
 __all__ = ["ppo_flow"]
 

@@ -10,8 +10,8 @@ import random
 import sys
 from pathlib import Path
 
-from dataflows.records import TokenIds
 from flowkit.dsl import Stream, op
+from flowkit.ops.records import TokenIds
 
 __all__ = ["synthetic_corpus", "token_batches", "token_sequences"]
 

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from executors.ops import OpContext, OpTable
+from flowkit.ops.records import MicrobatchStats, Rollout, TokenScores, step_report
 
 __all__ = ["busy_for", "register"]
 
@@ -47,8 +48,6 @@ def _forward(ctx: OpContext, *inputs: Any, seconds: float = 0.0, out_bytes: int 
     carried = [v["tokens"] for v in inputs if isinstance(v, dict) and "tokens" in v]
     count = int(tokens) or (carried[0] if carried else _tokens(inputs))
     if last:
-        from dataflows.records import MicrobatchStats
-
         rng = random.Random(_seed(ctx, meta))
         return MicrobatchStats(loss=2.0 + rng.random(), tokens=count)
     return {"activation": _activation(out_bytes), "tokens": count}
@@ -89,8 +88,6 @@ def _optimizer_step(ctx: OpContext, *inputs: Any, seconds: float = 0.0, model: s
     busy_for(seconds)
     if not report:
         return None
-    from dataflows.records import step_report
-
     return step_report(inputs, model=model, step=step, grad_norm=1.0)
 
 
@@ -102,8 +99,6 @@ def _generate(ctx: OpContext, prompt: Any, *weights: Any, n: int = 1, max_new_to
     early, a few run to max_new_tokens (exponential lengths, or log-normal ones with
     `length_sigma` > 0). The executor is busy as long as a batch of n sequences decoding
     together takes: the longest one's tokens."""
-    from dataflows.records import Rollout
-
     rng = random.Random(f"{getattr(prompt, 'prompt_id', prompt)}/{step}")
     lengths = [_sampled_length(rng, min_new_tokens, max_new_tokens, length_sigma)
                for _ in range(n)]
@@ -129,8 +124,6 @@ def _sampled_length(rng: random.Random, low: int, high: int, sigma: float = 0.0)
 def _token_scores(ctx: OpContext, rollout: Any, *_: Any, seconds_per_token: float = 0.0,
                   **config: Any) -> Any:
     """Per-token log-probabilities or values of one response."""
-    from dataflows.records import TokenScores
-
     tokens = len(getattr(rollout, "response_tokens", ()))
     busy_for(seconds_per_token * (tokens + len(getattr(rollout, "prompt_tokens", ()))))
     rng = random.Random(f"{getattr(rollout, 'prompt_id', 0)}/{getattr(rollout, 'sample', 0)}")

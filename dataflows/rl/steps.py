@@ -10,8 +10,8 @@ import statistics
 
 import attrs
 
-from dataflows.records import Experience, Prompt, Rollout, Scored, TokenScores
 from flowkit.dsl import Batch, Grouped, Metrics, Stream, op
+from flowkit.ops.records import Experience, Prompt, Rollout, Scored, TokenScores
 
 __all__ = ["answer_reward", "arithmetic_prompts", "gae", "grpo_advantages", "make_experience",
            "rollout_metrics", "with_reference"]

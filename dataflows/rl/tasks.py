@@ -37,8 +37,8 @@ import random
 
 import attrs
 
-from dataflows.records import Prompt, Rollout, Scored, TokenIds
 from flowkit.dsl import Stream, op
+from flowkit.ops.records import Prompt, Rollout, Scored, TokenIds
 
 __all__ = ["EOS", "SORT_GPT", "sort_answer", "sort_prompt_text", "sort_prompts", "sort_reward",
            "sort_sequences", "sft_targets"]

@@ -27,6 +27,7 @@ from executors.ops import OpContext, OpTable
 from executors.torch.held import evaluating, whole_model
 from executors.torch.models.gpt import KVCache
 from executors.torch.stage import StageError
+from flowkit.ops.records import Rollout
 
 __all__ = ["register", "sample_token"]
 
@@ -152,8 +153,6 @@ def _step(model, cache, slots, logits, device) -> None:
 
 
 def _rollout(seq: _Seq, finished: bool) -> Any:
-    from dataflows.records import Rollout
-
     p = seq.prompt
     return Rollout(prompt_id=p.prompt_id, sample=seq.sample, prompt_tokens=list(p.tokens),
                    response_tokens=list(seq.tokens), logprobs=list(seq.logprobs),

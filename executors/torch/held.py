@@ -23,6 +23,7 @@ from executors.ops import OpContext
 from executors.torch import weights
 from executors.torch.rl_loss import RLLoss
 from executors.torch.stage import StageError, StageRunner
+from flowkit.ops.records import WeightsVersion
 
 __all__ = ["HeldModel", "HeldStage", "evaluating", "export_weights", "held_model", "held_stage",
            "load_weights", "right_padded", "save_weights", "whole_model"]
@@ -186,8 +187,6 @@ def load_weights(ctx: OpContext, *dicts: Any, model: str, build: str, stages: in
     are WeightsVersions only order it; the newest gives the version when `version` is None.
     Returns the WeightsVersion loaded (for generate to wait on), or None with no version.
     Optimizer state, where this split trains, is kept."""
-    from dataflows.records import WeightsVersion
-
     versions = [int(value.version) for value in dicts if isinstance(value, WeightsVersion)]
     tensors = [value for value in dicts if not isinstance(value, WeightsVersion)]
     held = held_model(ctx, {**config, "model": model, "build": build, "stages": stages})

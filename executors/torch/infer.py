@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from executors.ops import OpContext, OpTable
 from executors.torch.held import evaluating, right_padded, whole_model
+from flowkit.ops.records import TokenScores
 
 __all__ = ["register"]
 
@@ -64,8 +65,6 @@ def _per_token(ctx: OpContext, rollouts: Any, score, max_batch: int, config: dic
                critic: bool) -> Any:
     """TokenScores of each rollout: `score(model output, next tokens)` (B, T) read at the
     positions that predict the response [Note: response positions]."""
-    from dataflows.records import TokenScores
-
     items, one = _as_list(rollouts)
     model = whole_model(ctx, config)
     if critic:

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from dataflows.records import MicrobatchStats, microbatch_stats, step_report
 from executors.ops import OpContext, OpTable
 from executors.torch.held import (
     HeldStage,
@@ -40,6 +39,7 @@ from executors.torch.held import held_stage as _stage
 from executors.torch.memory import keep_freed_memory
 from executors.torch.rl_loss import RL_LOSSES, RLLoss, RLSettings, records, sequence_ids
 from executors.torch.stage import StageError, StageRunner
+from flowkit.ops.records import MicrobatchStats, microbatch_stats, step_report
 
 __all__ = ["LOSSES", "register"]
 

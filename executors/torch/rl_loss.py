@@ -1,6 +1,6 @@
 """RL losses of the last pipeline stage on a microbatch of `Experience` records: the clipped
 policy loss of PPO and GRPO (GRPO with a KL term to a reference) and the critic's clipped
-value loss. The math is `dataflows.rl.algos` (verl's); this module lays the records out as the
+value loss. The math is `executors.torch.algos` (verl's); this module lays the records out as the
 (batch, response) tensors it takes and reads the stage's output where each response token was
 predicted [Note: response positions in executors/torch/infer.py].
 
@@ -22,7 +22,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from dataflows.rl.algos import kl_penalty, ppo_policy_loss, value_loss
+from executors.torch.algos import kl_penalty, ppo_policy_loss, value_loss
 
 __all__ = ["RL_LOSSES", "RLLoss", "RLSettings", "records", "sequence_ids"]
 

@@ -1,6 +1,6 @@
 """What flows declare and executors implement, in one place: the executor ops that model ops
-lower to (names, inputs, config keys: executor_ops.py) and the losses and their knobs
-(losses.py). No torch, no zmq.
+lower to (names, inputs, config keys: executor_ops.py), the losses and their knobs (losses.py)
+and the records that move between ops (records.py). No torch, no zmq.
 
 Where an op lives, end to end: a flow declares it as a ModelOp (dataflows/ops.py) or an @op
 function; the planner lowers it into tasks (flowkit/planner/lower.py); the runtime submits and

@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 
 from flowkit.dsl import Granularity
+from flowkit.ops.records import mean_loss
 from flowkit.planner import Costs
 from flowkit.planner.lower import Call, InputRule, NodePlan
 from flowkit.planner.simcosts import SimCosts
@@ -302,8 +303,7 @@ class FlowRunner:
         for name, state in self.states.items():
             if state.pipeline is not None:
                 losses = [f.result() for f in state.pipeline.run.losses]
-                metrics[f"{name}/loss"] = _mean_loss(losses)
-                metrics[f"{name}/tokens"] = sum(getattr(x, "tokens", 0) for x in losses)
+                metrics[f"{name}/loss"], metrics[f"{name}/tokens"] = mean_loss(losses)
         for state in self.states.values():
             if state.plan.reports:
                 metrics.update(self._reported(state.plan))
@@ -325,15 +325,3 @@ class FlowRunner:
                     if isinstance(ref, Item) else ref.result(timeout=self.step_timeout)
                 values.update(getattr(item, "values", {}))
         return values
-
-
-def _mean_loss(stats: list) -> float:
-    """The step's loss per token over its microbatches' stats (per microbatch without counts)."""
-    tokens = [getattr(x, "tokens", 0) for x in stats]
-    if tokens and all(tokens):
-        return sum(_loss(x) * n for x, n in zip(stats, tokens)) / sum(tokens)
-    return sum(_loss(x) for x in stats) / max(1, len(stats))
-
-
-def _loss(value: Any) -> float:
-    return float(getattr(value, "loss", value.get("loss", 0.0) if isinstance(value, dict) else 0))

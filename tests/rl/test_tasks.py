@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from dataflows.ops import Backprop, Generate, OptimizerStep
-from dataflows.records import Rollout, Scored
 from dataflows.rl.tasks import (
     EOS,
     SORT_GPT,
@@ -17,6 +16,7 @@ from dataflows.rl.tasks import (
     sort_sequences,
 )
 from flowkit.dsl import Flow, Model, collect
+from flowkit.ops.records import Rollout, Scored
 from flowkit.planner.lower import lower_flow
 
 GPT = "executors.torch.models.gpt:GPT"

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dataflows.records import Prompt
 from executors.ops import OpContext, OpTable
 from executors.torch import generate as gen
 from executors.torch.models.gpt import GPT, KVCache
+from flowkit.ops.records import Prompt
 
 SMALL = {"vocab_size": 32, "block_size": 24, "n_layer": 2, "n_head": 2, "n_embd": 16}
 MODEL = {"model": "policy", "build": "executors.torch.models.gpt:GPT", "model_config": SMALL,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dataflows.records import Prompt, Rollout, TokenScores
 from executors.ops import OpContext, OpTable
 from executors.torch import generate as gen
 from executors.torch import infer
+from flowkit.ops.records import Prompt, Rollout, TokenScores
 
 SMALL = {"vocab_size": 32, "block_size": 24, "n_layer": 2, "n_head": 2, "n_embd": 16}
 POLICY = {"model": "policy", "build": "executors.torch.models.gpt:GPT", "model_config": SMALL,

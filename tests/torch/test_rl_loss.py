@@ -1,5 +1,5 @@
 """RL losses on the torch pipeline stages: F/B/W of microbatches of Experiences through the
-stage ops give the unsplit GPT's gradient of verl's token-mean losses (dataflows.rl.algos)
+stage ops give the unsplit GPT's gradient of verl's token-mean losses (executors.torch.algos)
 once divided by the step's normalizer, whatever the microbatches, padding or stage split.
 
 The op functions run here in one process on one OpContext, as one executor holding every stage
@@ -16,12 +16,12 @@ import attrs
 import pytest
 import torch
 
-from dataflows.records import Experience, MicrobatchStats, TokenScores
-from dataflows.rl.algos import kl_penalty, ppo_policy_loss, value_loss
 from executors.ops import OpContext
 from executors.torch import ops
+from executors.torch.algos import kl_penalty, ppo_policy_loss, value_loss
 from executors.torch.models.gpt import GPT
 from executors.torch.stage import StageError
+from flowkit.ops.records import Experience, MicrobatchStats, TokenScores
 
 SMALL = {"vocab_size": 64, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32}
 SEED = 5

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dataflows.records import Prompt, Rollout, WeightsVersion
 from executors.ops import OpContext, OpTable
 from executors.torch import register as register_torch
 from executors.torch import weights
 from executors.torch.models.gpt import GPT
 from executors.torch.stage import StageError
+from flowkit.ops.records import Prompt, Rollout, WeightsVersion
 
 GPT_CONFIG = {"vocab_size": 64, "block_size": 32, "n_layer": 4, "n_head": 2, "n_embd": 32}
 SPEC = {"model": "actor", "build": "executors.torch.models.gpt:GPT", "model_config": GPT_CONFIG,

@@ -1,4 +1,5 @@
-"""The records that move between the ops of the ready-made flows.
+"""The records that move between ops: what executors return and flows consume (prompts,
+rollouts, per-token scores, experiences, microbatch and step stats, weights versions).
 
 Per-token arrays are plain lists here so records stay msgpack-friendly and free of torch; ops that
 need tensors build them at their boundary.
@@ -20,6 +21,7 @@ __all__ = [
     "TokenIds",
     "TokenScores",
     "WeightsVersion",
+    "mean_loss",
     "microbatch_stats",
     "step_report",
 ]
@@ -108,12 +110,19 @@ def microbatch_stats(inputs: tuple) -> list[MicrobatchStats]:
             if isinstance(s, MicrobatchStats)]
 
 
+def mean_loss(stats: list[MicrobatchStats]) -> tuple[float, int]:
+    """A step's loss per token over its microbatches' stats, token-weighted however the batch
+    was cut (a plain mean where they count no tokens), and its tokens."""
+    tokens = sum(s.tokens for s in stats)
+    if tokens:
+        return sum(s.loss * s.tokens for s in stats) / tokens, tokens
+    return sum(s.loss for s in stats) / max(1, len(stats)), 0
+
+
 def step_report(inputs: tuple, *, model: str, step: int,
                 grad_norm: float) -> tuple[StepMetrics, WeightsVersion]:
     """What an optimizer step reports from its inputs' microbatch stats: the loss per token
-    (token-weighted, however the batch was cut), and the version of the weights it made."""
-    stats = microbatch_stats(inputs)
-    tokens = sum(s.tokens for s in stats)
-    loss = sum(s.loss * s.tokens for s in stats) / tokens if tokens else 0.0
+    (`mean_loss`), and the version of the weights it made."""
+    loss, tokens = mean_loss(microbatch_stats(inputs))
     return (StepMetrics(step=int(step), loss=loss, grad_norm=grad_norm, tokens=tokens),
             WeightsVersion(model=model, version=int(step) + 1))
