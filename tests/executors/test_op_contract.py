@@ -1,0 +1,42 @@
+"""The simulator and the torch executor implement the executor ops of flowkit/ops as declared:
+each declared op is registered, and every keyword an implementation names is one the runtime
+may send it (flowkit.ops.EXECUTOR_OPS), so the two cannot drift apart on an op's keywords."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from executors.kinds import op_table
+from executors.torch.ops import LOSSES as TORCH_LOSSES
+from flowkit.ops import EXECUTOR_OPS, LOSSES, SIMULATED
+
+IMPLEMENTED = {"sim": SIMULATED, "torch": frozenset(EXECUTOR_OPS)}
+
+
+def _named_keywords(fn) -> set[str]:
+    """The config keys an op's function names (after ctx and its positional inputs)."""
+    kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = list(inspect.signature(fn).parameters.values())[1:]
+    return {p.name for p in params if p.kind in kinds and p.default is not inspect.Parameter.empty
+            or p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+@pytest.mark.parametrize("kind", sorted(IMPLEMENTED))
+def test_each_kind_registers_the_ops_it_implements(kind):
+    table = op_table(kind)
+    assert sorted(IMPLEMENTED[kind] - set(table.names())) == []
+
+
+@pytest.mark.parametrize(("kind", "op"), [(k, op) for k in sorted(IMPLEMENTED)
+                                          for op in sorted(IMPLEMENTED[k])])
+def test_an_op_names_only_keywords_its_declaration_has(kind, op):
+    fn = op_table(kind).get(op)
+    unknown = _named_keywords(fn) - EXECUTOR_OPS[op].keywords
+    assert not unknown, f"{kind}'s {op!r} reads {sorted(unknown)}, which flowkit.ops does not " \
+                        "declare: declare them in EXECUTOR_OPS or drop them"
+
+
+def test_the_torch_executor_trains_with_every_declared_loss():
+    assert set(TORCH_LOSSES) == set(LOSSES)
