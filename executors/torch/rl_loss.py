@@ -23,25 +23,27 @@ import torch
 import torch.nn.functional as F
 
 from executors.torch.algos import kl_penalty, ppo_policy_loss, value_loss
+from flowkit.ops import LOSS_KNOBS, SUM_FORM_LOSSES
 
 __all__ = ["RL_LOSSES", "RLLoss", "RLSettings", "records", "sequence_ids"]
 
-RL_LOSSES = ("grpo", "ppo", "value")
+RL_LOSSES = SUM_FORM_LOSSES  # every RL loss here is in sum form [Note: RL losses in sum form]
 _PER_TOKEN_FIELDS = {"policy": ("logprobs", "advantages"), "value": ("values", "returns")}
 
 
 @attrs.frozen(kw_only=True)
 class RLSettings:
-    """A loss and its knobs, as the Backprop node's config names them (verl's defaults)."""
+    """A loss and its knobs, as the Backprop node's config names them (flowkit.ops.LOSS_KNOBS,
+    with their defaults)."""
 
     loss: str
-    clip_ratio: float = attrs.field(default=0.2, converter=float)
-    clip_ratio_c: float = attrs.field(default=3.0, converter=float)
-    kl_coef: float = attrs.field(default=0.0, converter=lambda v: float(v or 0.0))
-    kl_kind: str = attrs.field(default="k3", converter=str)
-    # the sampler's: the ratio starts at 1 only if log-probs are taken as generation took them
-    temperature: float = attrs.field(default=1.0, converter=float)
-    cliprange_value: float = attrs.field(default=0.2, converter=float)
+    clip_ratio: float = attrs.field(default=LOSS_KNOBS["clip_ratio"], converter=float)
+    clip_ratio_c: float = attrs.field(default=LOSS_KNOBS["clip_ratio_c"], converter=float)
+    kl_coef: float = attrs.field(default=LOSS_KNOBS["kl_coef"],
+                                 converter=lambda v: float(v or 0.0))
+    kl_kind: str = attrs.field(default=LOSS_KNOBS["kl_kind"], converter=str)
+    temperature: float = attrs.field(default=LOSS_KNOBS["temperature"], converter=float)
+    cliprange_value: float = attrs.field(default=LOSS_KNOBS["cliprange_value"], converter=float)
 
     @classmethod
     def from_config(cls, loss: str, config: dict) -> RLSettings:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import inspect
 
+import attrs
 import pytest
 
 from executors.kinds import op_table
 from executors.torch.ops import LOSSES as TORCH_LOSSES
-from flowkit.ops import EXECUTOR_OPS, LOSSES, SIMULATED
+from executors.torch.rl_loss import RLSettings
+from flowkit.ops import EXECUTOR_OPS, LOSS_KNOBS, LOSSES, SIMULATED
 
 IMPLEMENTED = {"sim": SIMULATED, "torch": frozenset(EXECUTOR_OPS)}
 
@@ -40,3 +42,7 @@ def test_an_op_names_only_keywords_its_declaration_has(kind, op):
 
 def test_the_torch_executor_trains_with_every_declared_loss():
     assert set(TORCH_LOSSES) == set(LOSSES)
+
+
+def test_the_torch_rl_losses_know_every_declared_knob():
+    assert set(LOSS_KNOBS) == {f.name for f in attrs.fields(RLSettings)} - {"loss"}
