@@ -29,9 +29,8 @@ def _split_keyed(text: str, option: str, keys: tuple[str, ...]) -> dict[str, lis
             current, _, token = (s.strip() for s in token.partition("="))
             current = current.upper()
             if current not in keys:
-                raise click.BadParameter(
-                    f"unknown key {current!r}; use {', '.join(keys)}", param_hint=option
-                )
+                raise click.BadParameter(f"unknown key {current!r}; use {', '.join(keys)}",
+                                         param_hint=option)
             if current in out:
                 raise click.BadParameter(f"{current} is given twice", param_hint=option)
             out[current] = []
@@ -40,13 +39,11 @@ def _split_keyed(text: str, option: str, keys: tuple[str, ...]) -> dict[str, lis
         try:
             value = float(token)
         except ValueError:
-            raise click.BadParameter(
-                f"{current} has a non-number value {token!r}", param_hint=option
-            ) from None
+            raise click.BadParameter(f"{current} has a non-number value {token!r}",
+                                     param_hint=option) from None
         if not math.isfinite(value):
-            raise click.BadParameter(
-                f"{current} must be a finite number, got {token!r}", param_hint=option
-            )
+            raise click.BadParameter(f"{current} must be a finite number, got {token!r}",
+                                     param_hint=option)
         out[current].append(value)
     return out
 
@@ -66,9 +63,8 @@ def parse_costs(text: str, *, devices: int, comm: float) -> Costs:
     values = _split_keyed(text, "--cost", ("F", "B", "W"))
     missing = [k for k in ("F", "B", "W") if k not in values]
     if missing:
-        raise click.BadParameter(
-            f"needs F, B and W; missing {', '.join(missing)}", param_hint="--cost"
-        )
+        raise click.BadParameter(f"needs F, B and W; missing {', '.join(missing)}",
+                                 param_hint="--cost")
     for key, vals in values.items():
         if len(vals) == 1:
             values[key] = vals * devices
@@ -127,30 +123,21 @@ def _device_table(schedule: Schedule, result: SimResult) -> Table:
         table.add_column(column, justify="left" if column == "stages" else "right")
     for d in range(schedule.num_devices):
         span, busy = result.device_span[d], result.busy[d]
-        table.add_row(
-            str(d),
-            ",".join(map(str, schedule.placement.stages_on(d))),
-            f"{busy:.6g}",
-            f"{span:.6g}",
-            f"{span - busy:.6g}",
-            f"{result.peak_memory[d]:.4g}",
-        )
+        table.add_row(str(d), ",".join(map(str, schedule.placement.stages_on(d))),
+                      f"{busy:.6g}", f"{span:.6g}", f"{span - busy:.6g}",
+                      f"{result.peak_memory[d]:.4g}")
     return table
 
 
 def _headline(schedule: Schedule) -> str:
     p = schedule.placement
-    return (
-        f"{schedule.kind}: {p.num_devices} devices, {p.num_stages} stages, "
-        f"{schedule.microbatches} microbatches"
-    )
+    return (f"{schedule.kind}: {p.num_devices} devices, {p.num_stages} stages, "
+            f"{schedule.microbatches} microbatches")
 
 
 def _summary(result: SimResult) -> str:
-    return (
-        f"makespan {result.makespan:.6g}   bubble rate {result.bubble_rate:.4f} "
-        f"({result.bubble_rate:.2%})   peak memory {max(result.peak_memory):.4g}"
-    )
+    return (f"makespan {result.makespan:.6g}   bubble rate {result.bubble_rate:.4f} "
+            f"({result.bubble_rate:.2%})   peak memory {max(result.peak_memory):.4g}")
 
 
 def _compare_row(kind: str, chunks: int | None, build_kwargs: dict) -> list[str]:
@@ -173,27 +160,16 @@ def _compare_row(kind: str, chunks: int | None, build_kwargs: dict) -> list[str]
 def _result_row(kind: str, sched: Schedule, build_kwargs: dict, status: str) -> list[str]:
     costs = build_kwargs["costs"].for_placement(sched.placement)
     result = validate(sched, costs, build_kwargs["memory"])
-    return [
-        kind,
-        str(sched.placement.chunks),
-        f"{result.makespan:.6g}",
-        f"{result.bubble_rate:.4f}",
-        f"{max(result.peak_memory):.4g}",
-        status,
-    ]
+    return [kind, str(sched.placement.chunks), f"{result.makespan:.6g}",
+            f"{result.bubble_rate:.4f}", f"{max(result.peak_memory):.4g}", status]
 
 
 def _compare(console: Console, chunks: int | None, build_kwargs: dict) -> None:
-    table = Table(
-        title=(f"{build_kwargs['devices']} devices, {build_kwargs['microbatches']} microbatches"),
-        title_justify="left",
-    )
+    table = Table(title=f"{build_kwargs['devices']} devices, "
+                  f"{build_kwargs['microbatches']} microbatches", title_justify="left")
     for column in ("kind", "chunks", "makespan", "bubble rate", "peak memory", "status"):
-        table.add_column(
-            column,
-            justify="left" if column in ("kind", "status") else "right",
-            no_wrap=column != "status",
-        )
+        table.add_column(column, justify="left" if column in ("kind", "status") else "right",
+                         no_wrap=column != "status")
     for kind in schedule_kinds():
         table.add_row(*_compare_row(kind, chunks, build_kwargs))
     console.print(table)
@@ -201,10 +177,8 @@ def _compare(console: Console, chunks: int | None, build_kwargs: dict) -> None:
 
 def _check_kind(ctx: click.Context, param: click.Parameter, value: str) -> str:
     if value != "compare" and value not in schedule_kinds():
-        raise click.BadParameter(
-            f"{value!r} is not a schedule kind; choose compare or one of "
-            f"{', '.join(schedule_kinds())}"
-        )
+        raise click.BadParameter(f"{value!r} is not a schedule kind; choose compare or one of "
+                                 f"{', '.join(schedule_kinds())}")
     return value
 
 
@@ -216,114 +190,44 @@ def _check_output(ctx: click.Context, param: click.Parameter, value: Path | None
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("kind", metavar="KIND|compare", callback=_check_kind)
-@click.option(
-    "--stages",
-    "-p",
-    "devices",
-    type=click.IntRange(min=1),
-    required=True,
-    help="Pipeline devices P (chunked kinds cut each device's share further).",
-)
-@click.option(
-    "--microbatches", "-m", type=click.IntRange(min=1), required=True, help="Microbatches per step."
-)
-@click.option(
-    "--cost",
-    "cost_text",
-    default="F=1,B=1,W=1",
-    show_default=True,
-    envvar="FLOWKIT_SCHEDULE_COST",
-    help="Time of one device's share: KEY=V or KEY=V1,...,VP for F, B, W.",
-)
-@click.option(
-    "--comm",
-    type=_FiniteFloat(min=0),
-    default=0.0,
-    show_default=True,
-    help="Time to move one activation or gradient between devices.",
-)
-@click.option(
-    "--memory-limit",
-    type=_FiniteFloat(min=0, min_open=True),
-    default=None,
-    envvar="FLOWKIT_SCHEDULE_MEMORY_LIMIT",
-    help="Peak activations per device, in microbatches of one device share.",
-)
-@click.option(
-    "--mem",
-    "mem_text",
-    default=None,
-    help="Memory each op adds: F=1,B=-0.5,W=-0.5 (BW defaults to B+W).",
-)
-@click.option(
-    "--model-dims",
-    "dims_text",
-    default=None,
-    help="Derive --mem from the model (Zero Bubble paper, Table 1): s=SEQ,b=MICROBATCH,h=HIDDEN,"
-    "a=HEADS.",
-)
-@click.option(
-    "--chunks",
-    "-v",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Stages per device for chunked kinds (interleaved-1f1b defaults to 2).",
-)
-@click.option(
-    "--json",
-    "json_out",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write the schedule and its simulated result as JSON.",
-)
-@click.option(
-    "--plot",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    callback=_check_output,
-    help="Write a Gantt chart (.svg, or .png with matplotlib).",
-)
-@click.option(
-    "--execute",
-    type=click.IntRange(min=1),
-    default=None,
-    metavar="N",
-    help="Also run the schedule on N simulator executor processes (N = devices) and print "
-    "measured against simulated makespan and bubble rate.",
-)
-@click.option(
-    "--unit",
-    "unit_s",
-    type=_FiniteFloat(min=0, min_open=True),
-    default=0.002,
-    show_default=True,
-    help="Seconds one cost unit takes on the simulator executors (with --execute).",
-)
-def schedule(
-    kind,
-    devices,
-    microbatches,
-    cost_text,
-    comm,
-    memory_limit,
-    mem_text,
-    dims_text,
-    chunks,
-    json_out,
-    plot,
-    execute,
-    unit_s,
-) -> None:
+@click.option("--stages", "-p", "devices", type=click.IntRange(min=1), required=True,
+              help="Pipeline devices P (chunked kinds cut each device's share further).")
+@click.option("--microbatches", "-m", type=click.IntRange(min=1), required=True,
+              help="Microbatches per step.")
+@click.option("--cost", "cost_text", default="F=1,B=1,W=1", show_default=True,
+              envvar="FLOWKIT_SCHEDULE_COST",
+              help="Time of one device's share: KEY=V or KEY=V1,...,VP for F, B, W.")
+@click.option("--comm", type=_FiniteFloat(min=0), default=0.0, show_default=True,
+              help="Time to move one activation or gradient between devices.")
+@click.option("--memory-limit", type=_FiniteFloat(min=0, min_open=True), default=None,
+              envvar="FLOWKIT_SCHEDULE_MEMORY_LIMIT",
+              help="Peak activations per device, in microbatches of one device share.")
+@click.option("--mem", "mem_text", default=None,
+              help="Memory each op adds: F=1,B=-0.5,W=-0.5 (BW defaults to B+W).")
+@click.option("--model-dims", "dims_text", default=None,
+              help="Derive --mem from the model (Zero Bubble paper, Table 1): "
+              "s=SEQ,b=MICROBATCH,h=HIDDEN,a=HEADS.")
+@click.option("--chunks", "-v", type=click.IntRange(min=1), default=None,
+              help="Stages per device for chunked kinds (interleaved-1f1b defaults to 2).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="Write the schedule and its simulated result as JSON.")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              callback=_check_output, help="Write a Gantt chart (.svg, or .png with matplotlib).")
+@click.option("--execute", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Also run the schedule on N simulator executor processes (N = devices) and "
+              "print measured against simulated makespan and bubble rate.")
+@click.option("--unit", "unit_s", type=_FiniteFloat(min=0, min_open=True), default=0.002,
+              show_default=True,
+              help="Seconds one cost unit takes on the simulator executors (with --execute).")
+def schedule(kind, devices, microbatches, cost_text, comm, memory_limit, mem_text, dims_text,
+             chunks, json_out, plot, execute, unit_s) -> None:
     """Build, validate and simulate a pipeline schedule (or `compare` all kinds)."""
     if mem_text is not None and dims_text is not None:
         raise click.UsageError("give --mem or --model-dims, not both")
-    build_kwargs = dict(
-        devices=devices,
-        microbatches=microbatches,
-        costs=parse_costs(cost_text, devices=devices, comm=comm),
-        memory=parse_model_dims(dims_text) if dims_text else parse_memory(mem_text),
-        memory_limit=memory_limit,
-    )
+    build_kwargs = dict(devices=devices, microbatches=microbatches,
+                        costs=parse_costs(cost_text, devices=devices, comm=comm),
+                        memory=parse_model_dims(dims_text) if dims_text else
+                        parse_memory(mem_text), memory_limit=memory_limit)
     console = Console()
     if not console.is_terminal:  # pipes and CliRunner: room for the compare table's reasons
         console.width = max(console.width, 120)
