@@ -159,26 +159,17 @@ def _check_actions_placed(schedule: Schedule) -> None:
     for device, ops in enumerate(schedule.device_ops):
         for action in ops:
             if action.stage >= placement.num_stages:
-                raise ScheduleError(
-                    f"{action} names stage {action.stage}, but there are only "
-                    f"{placement.num_stages} stages",
-                    schedule=schedule,
-                    marked=[action],
-                )
-            if placement.device_of(action.stage) != device:
-                raise ScheduleError(
-                    f"{action} is listed on device {device}, but stage {action.stage} lives on "
-                    f"device {placement.device_of(action.stage)}",
-                    schedule=schedule,
-                    marked=[action],
-                )
-            if action.microbatch >= schedule.microbatches:
-                raise ScheduleError(
-                    f"{action} names microbatch {action.microbatch}, but the schedule has "
-                    f"{schedule.microbatches} microbatches",
-                    schedule=schedule,
-                    marked=[action],
-                )
+                problem = (f"{action} names stage {action.stage}, but there are only "
+                           f"{placement.num_stages} stages")
+            elif placement.device_of(action.stage) != device:
+                problem = (f"{action} is listed on device {device}, but stage {action.stage} "
+                           f"lives on device {placement.device_of(action.stage)}")
+            elif action.microbatch >= schedule.microbatches:
+                problem = (f"{action} names microbatch {action.microbatch}, but the schedule "
+                           f"has {schedule.microbatches} microbatches")
+            else:
+                continue
+            raise ScheduleError(problem, schedule=schedule, marked=[action])
 
 
 def _summarize(schedule: Schedule, out: list[list[Interval]], memory: MemoryModel) -> SimResult:
