@@ -1,5 +1,5 @@
 """`auto`: never worse than the Zero Bubble paper's heuristic (ZB-1p/ZB-2p), 1F1B or ZB-H1/H2,
-within the memory limit, and fast on large pipelines.
+within the memory limit (or an error that says why none fits), and fast on large pipelines.
 
 [Note: auto objective] in flowkit/planner/schedules/auto.py: makespan first, then span, and never
 a longer span than the heuristic's, so both measures are compared here.
@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flowkit.planner import Costs, MemoryModel, Placement, simulate
+from flowkit.planner import Costs, MemoryModel, Placement, ScheduleError, simulate
 from flowkit.planner.schedules import build_schedule
-from flowkit.planner.schedules.greedy import Problem, evaluate
+from flowkit.planner.schedules.greedy import Problem, Score, evaluate
 from flowkit.planner.schedules.zb_heuristic import zb_heuristic
 
 TOL = 1e-9
@@ -138,3 +138,42 @@ def test_large_pipeline_returns_quickly():
     schedule = build_schedule("auto", devices=p, microbatches=m, costs=costs, memory_limit=p)
     assert time.perf_counter() - start < 30  # a few seconds in practice; loose for slow CI
     assert max(simulate(schedule, costs).peak_memory) <= p
+
+
+@pytest.mark.parametrize(
+    ("memory", "limit", "reason"),
+    [
+        (MemoryModel(), 0.5, "one microbatch alone needs 1"),
+        (MemoryModel(B=0, W=0, BW=0), 2, "ops never free memory, so 8 microbatches need 8×1 = 8"),
+        (MemoryModel(B=0.25, W=0, BW=0.25), 7, "ops never free memory"),
+        (MemoryModel(B=-0.25, W=-0.25, BW=-0.5), 4.4, "at least 7×0.5 + 1 = 4.5 on a device"),
+    ],
+)
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_auto_under_an_unsatisfiable_limit_says_why(memory, limit, reason, chunks):
+    with pytest.raises(ScheduleError, match="no schedule fits memory_limit=") as raised:
+        build_schedule("auto", devices=4, microbatches=8, costs=Costs.uniform(4),
+                       memory=memory, memory_limit=limit, chunks=chunks)
+    assert raised.value.over_memory and reason in str(raised.value)
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_auto_meets_the_least_feasible_limit_when_backward_frees_part(chunks):
+    memory = MemoryModel(B=-0.25, W=-0.25, BW=-0.5)
+    sched = build_schedule("auto", devices=4, microbatches=8, costs=Costs.uniform(4),
+                           memory=memory, memory_limit=4.5, chunks=chunks)
+    result = simulate(sched, Costs.uniform(4).for_placement(sched.placement), memory)
+    assert max(result.peak_memory) <= 4.5 + 1e-9
+
+
+def test_auto_breaks_time_ties_on_memory():
+    costs = Costs.uniform(4, F=0, B=0, W=0)
+    sched = build_schedule("auto", devices=4, microbatches=8, costs=costs)
+    assert max(simulate(sched, costs).peak_memory) == 4  # not gpipe-like 8 for the same time
+
+
+def test_score_compares_time_before_memory():
+    assert Score(1.0, 2.0, peak=9).better_than(Score(1.0, 2.5, peak=1))
+    assert Score(1.0, 2.0, peak=4).better_than(Score(1.0, 2.0, peak=8))
+    assert not Score(1.0, 2.0, peak=4).better_than(Score(1.0, 2.0, peak=4))
+    assert not Score(1.1, 1.0, peak=1).better_than(Score(1.0, 2.0, peak=8))

@@ -112,3 +112,20 @@ def test_interleaved_beats_1f1b_at_equal_costs(p, m, v):
     # Megatron's bubble: (p-1)/v of 1F1B's, with the fused backward.
     assert max(chunked.device_span) - m * 3 == pytest.approx((p - 1) * 3 / v)
     assert chunked.makespan < plain.makespan
+
+
+@given(p=st.integers(1, 8), m=st.integers(1, 24))
+def test_interleaved_with_one_chunk_is_1f1b(p, m):
+    costs = Costs.uniform(p)
+    plain = build_schedule("1f1b", devices=p, microbatches=m, costs=costs)
+    one = build_schedule("interleaved-1f1b", devices=p, microbatches=m, costs=costs, chunks=1)
+    assert one.device_ops == plain.device_ops
+    assert max(simulate(one, costs).peak_memory) == min(p, m)
+
+
+def test_interleaved_with_two_chunks_keeps_megatrons_warmup():
+    costs = Costs.uniform(4)
+    sched = build_schedule("interleaved-1f1b", devices=4, microbatches=8, costs=costs, chunks=2)
+    first_backward = [next(i for i, a in enumerate(ops) if a.kind.value == "BW")
+                      for ops in sched.device_ops]
+    assert first_backward == [4 + 6 + 1, 4 + 4 + 1, 4 + 2 + 1, 4 + 0 + 1]  # (v-1)p + 2(p-1-d) + 1
