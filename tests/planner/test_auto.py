@@ -15,18 +15,10 @@ from flowkit.planner import Costs, MemoryModel, Placement, ScheduleError, simula
 from flowkit.planner.schedules import build_schedule
 from flowkit.planner.schedules.greedy import Problem, Score, evaluate
 from flowkit.planner.schedules.zb_heuristic import zb_heuristic
+from tests.planner.paper import TABLE5, TABLE5_IDS
 
 TOL = 1e-9
 
-# ANCHORS.md Table 5: model, p, m, T_F, T_B, T_W, T_comm, printed ZB-1p and ZB-2p bubble rates
-TABLE5 = [
-    ("1.5B", 8, 24, 18.522, 18.086, 9.337, 0.601, 0.1585, 0.0433),
-    ("1.5B", 8, 32, 18.513, 18.086, 9.331, 0.626, 0.1242, 0.0039),
-    ("1.5B", 8, 64, 18.546, 18.097, 9.321, 0.762, 0.0674, 0.0026),
-    ("6.2B", 8, 24, 29.718, 29.444, 19.927, 0.527, 0.1323, 0.0029),
-    ("14.6B", 16, 48, 11.347, 11.248, 8.132, 0.377, 0.1397, 0.0066),
-    ("28.3B", 32, 96, 10.419, 10.207, 7.715, 0.408, 0.1421, 0.0038),
-]
 
 
 def _problem(p, m, costs):
@@ -37,8 +29,8 @@ def _problem(p, m, costs):
 
 @pytest.mark.parametrize(
     ("model", "p", "m", "F", "B", "W", "comm", "zb1p", "zb2p"),
-    TABLE5,
-    ids=[f"{r[0]}-p{r[1]}-m{r[2]}" for r in TABLE5],
+    [(*row[:7], *row[10:]) for row in TABLE5],
+    ids=TABLE5_IDS,
 )
 def test_table5_at_most_zb1p_and_zb2p(model, p, m, F, B, W, comm, zb1p, zb2p):
     costs = Costs.uniform(p, F=F, B=B, W=W, comm=comm)

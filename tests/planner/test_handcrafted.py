@@ -1,7 +1,8 @@
-"""Handcrafted schedules reach the Zero Bubble paper's bubble and memory formulas.
+"""Handcrafted schedules reach the bubble and memory formulas of the Zero Bubble paper (Qi, Wan,
+Huang, Lin: "Zero Bubble Pipeline Parallelism", ICLR 2024); interleaved 1F1B keeps Megatron's.
 
 Bubble here is the busiest stage's idle time: max span - m(F+B+W) with equal costs per stage (the
-paper's "bubble size"; see ANCHORS.md). Preconditions, found by sweeping random costs: 1F1B's formula
+paper's "bubble size"). Preconditions, found by sweeping random costs: 1F1B's formula
 holds for any F, B, W; ZB-H1's and ZB-H2's need W <= F and W <= B (so that a W fits in the
 holes it is meant to fill), and ZB-H2's needs m >= 2p-1 to fill its warm-up.
 """
