@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,6 +45,15 @@ def dealer(address: str, *, linger: int = 0) -> zmq.Socket:
 def op_context(name: str = "exec0") -> OpContext:
     """A fresh executor's context, for running op functions in the test process."""
     return OpContext(name=name, device="cpu", tags=())
+
+
+def printed(renderable: Any, *, width: int) -> str:
+    """What rich prints of `renderable` on a plain-text console `width` columns wide."""
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=width, force_terminal=False, color_system=None)
+    console.print(renderable)
+    return console.file.getvalue()
 
 
 def tiny_gpt(*, vocab_size: int = 64, block_size: int = 32, n_layer: int = 2, n_embd: int = 32,
