@@ -16,15 +16,15 @@ from flowkit.planner.schedules import build_schedule
 from flowkit.planner.schedules.greedy import Problem, Score, evaluate
 from flowkit.planner.schedules.zb_heuristic import zb_heuristic
 from tests.planner.paper import TABLE5, TABLE5_IDS
+from tests.planner.strategies import draw_shares
 
 TOL = 1e-9
 
 
 
 def _problem(p, m, costs):
-    return Problem(
-        placement=Placement.one_per_device(p), costs=costs, memory=MemoryModel(), microbatches=m
-    )
+    return Problem(placement=Placement.one_per_device(p), costs=costs, memory=MemoryModel(),
+                   microbatches=m)
 
 
 @pytest.mark.parametrize(
@@ -38,9 +38,8 @@ def test_table5_at_most_zb1p_and_zb2p(model, p, m, F, B, W, comm, zb1p, zb2p):
         # The port reproduces the paper's digits, so the comparison is with the right baseline.
         heuristic = evaluate(_problem(p, m, costs), zb_heuristic(_problem(p, m, costs), limit))
         assert round((heuristic.span - m * (F + B + W)) / heuristic.span, 4) == printed
-        schedule = build_schedule(
-            "auto", devices=p, microbatches=m, costs=costs, memory_limit=limit
-        )
+        schedule = build_schedule("auto", devices=p, microbatches=m, costs=costs,
+                                  memory_limit=limit)
         result = simulate(schedule, costs)
         assert result.bubble_rate <= printed + 5e-5
         assert max(result.peak_memory) <= limit
@@ -55,14 +54,10 @@ def test_beats_the_heuristic_where_it_leaves_room():
     assert simulate(schedule, costs).makespan < heuristic.makespan - 1.0
 
 
-cost = st.floats(0.05, 5.0, allow_nan=False)
-
-
 @st.composite
 def problems(draw):
     p = draw(st.integers(1, 6))
-    share = st.lists(cost, min_size=p, max_size=p)
-    F, B, W = draw(share), draw(share), draw(share)
+    F, B, W = draw_shares(draw, p).values()
     if draw(st.booleans()):  # the last stage carries the LM head
         F[-1], B[-1], W[-1] = 3 * F[-1], 3 * B[-1], 3 * W[-1]
     costs = Costs(F=F, B=B, W=W, comm=draw(st.floats(0, 1)))
@@ -99,9 +94,8 @@ def test_auto_never_worse_than_heuristic_or_1f1b(problem):
 @given(problem=problems())
 def test_auto_v_shape_is_valid_within_limit(problem):
     p, m, costs, limit = problem
-    schedule = build_schedule(
-        "auto", devices=p, microbatches=m, costs=costs, memory_limit=limit, chunks=2
-    )
+    schedule = build_schedule("auto", devices=p, microbatches=m, costs=costs, memory_limit=limit,
+                              chunks=2)
     assert schedule.placement == Placement.vshape(p)
     result = simulate(schedule, costs.for_placement(schedule.placement))
     if limit is not None:
@@ -111,14 +105,8 @@ def test_auto_v_shape_is_valid_within_limit(problem):
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_limit_below_one_microbatch_is_a_clear_error(chunks):
     with pytest.raises(ValueError, match="no schedule fits memory_limit=0.5"):
-        build_schedule(
-            "auto",
-            devices=4,
-            microbatches=8,
-            costs=Costs.uniform(4),
-            memory_limit=0.5,
-            chunks=chunks,
-        )
+        build_schedule("auto", devices=4, microbatches=8, costs=Costs.uniform(4), memory_limit=0.5,
+                       chunks=chunks)
 
 
 def test_large_pipeline_returns_quickly():

@@ -25,33 +25,13 @@ FORMULAS = {
     # kind: (bubble(p, F, B, W), peak memory(p), smallest m for which both hold)
     "1f1b": (lambda p, F, B, W: (p - 1) * (F + B + W), lambda p: p, lambda p: p),
     "zb-h1": (lambda p, F, B, W: (p - 1) * (F + B - W), lambda p: p, lambda p: p),
-    "zb-h2": (
-        lambda p, F, B, W: max(0.0, (p - 1) * (F + B - 2 * W)),
-        lambda p: 2 * p - 1,
-        lambda p: 2 * p - 1,
-    ),
+    "zb-h2": (lambda p, F, B, W: max(0.0, (p - 1) * (F + B - 2 * W)), lambda p: 2 * p - 1,
+              lambda p: 2 * p - 1),
 }
 
 # (p, m): one stage, the smallest m each formula allows, and a few larger pipelines.
-TABLE = [
-    (1, 1),
-    (1, 4),
-    (2, 2),
-    (2, 3),
-    (2, 7),
-    (3, 3),
-    (3, 5),
-    (3, 9),
-    (4, 4),
-    (4, 7),
-    (4, 8),
-    (4, 13),
-    (5, 9),
-    (6, 11),
-    (8, 8),
-    (8, 15),
-    (8, 24),
-]
+TABLE = [(1, 1), (1, 4), (2, 2), (2, 3), (2, 7), (3, 3), (3, 5), (3, 9), (4, 4), (4, 7), (4, 8),
+         (4, 13), (5, 9), (6, 11), (8, 8), (8, 15), (8, 24)]
 
 
 # Only the (kind, p, m) the formula covers: zb-h2 needs m >= 2p-1 to fill its warm-up.
@@ -86,12 +66,8 @@ def test_1f1b_formula_any_costs(p, extra, costs):
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    kind=st.sampled_from(["zb-h1", "zb-h2"]),
-    p=st.integers(1, 8),
-    extra=st.integers(0, 12),
-    costs=split_costs(),
-)
+@given(kind=st.sampled_from(["zb-h1", "zb-h2"]), p=st.integers(1, 8), extra=st.integers(0, 12),
+       costs=split_costs())
 def test_zero_bubble_formulas_where_w_fits(kind, p, extra, costs):
     bubble, peak, min_m = FORMULAS[kind]
     got, got_peak = _bubble_and_peak(kind, p, min_m(p) + extra, *costs)
