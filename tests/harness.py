@@ -13,8 +13,6 @@ from executors.ops import OpContext
 from flowkit.runtime import Controller, LocalExecutors
 from flowkit.runtime.records import ExecutorInfo
 
-GPT_BUILD = "executors.torch.models.gpt:GPT"
-
 
 @contextlib.contextmanager
 def executor_cluster(count: int = 2, *, kind: str = "base", tags=(), code=(),
@@ -58,7 +56,7 @@ def printed(renderable: Any, *, width: int) -> str:
 
 def tiny_gpt(*, vocab_size: int = 64, block_size: int = 32, n_layer: int = 2, n_embd: int = 32,
              **extra: Any) -> dict:
-    """A built-in GPT config small enough to train in a CPU test in well under a second."""
+    """A built-in GPT config small enough for a CPU test to train it many times over."""
     return {"vocab_size": vocab_size, "block_size": block_size, "n_layer": n_layer, "n_head": 2,
             "n_embd": n_embd, **extra}
 
@@ -78,8 +76,8 @@ def seeded_gpt(config: dict, *, seed: int = 0, dtype: Any = None) -> Any:
 def gpt_spec(model: str, config: dict, *, seed: int, dtype: str = "float64") -> dict:
     """A model as the torch ops take it. float64 by default: the tests compare against plain
     autograd to 1e-10, which float32's rounding would not meet."""
-    return {"model": model, "build": GPT_BUILD, "model_config": config, "dtype": dtype,
-            "seed": seed}
+    return {"model": model, "build": "executors.torch.models.gpt:GPT", "model_config": config,
+            "dtype": dtype, "seed": seed}
 
 
 def critic_of(spec: dict) -> dict:
