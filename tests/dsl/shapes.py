@@ -68,10 +68,12 @@ def grpo_step(actor) -> Flow:
 
 
 def wired(ops, *wires: tuple[str, str]) -> Flow:
-    """A flow of `ops` wired by hand, unchecked: what `with Flow` would refuse to build."""
+    """A flow of `ops` (each an op, or an (op, name) pair) wired by hand, unchecked: what
+    `with Flow` would refuse to build."""
     flow = Flow("f")
     for each in ops:
-        flow.add(each)
+        operator, name = each if isinstance(each, tuple) else (each, None)
+        flow.add(operator, name=name)
     for source, target in wires:
         flow.connect(source, target)
     return flow

@@ -115,11 +115,8 @@ def test_group_by_key_must_be_a_record_field(actor):
 
 
 def test_a_cycle_within_a_step_is_reported_and_a_feedback_edge_is_not():
-    flow = Flow("f")
-    flow.add(shapes.step, name="a")
-    flow.add(shapes.step, name="b")
-    flow.connect("a.out", "b.x")
-    flow.connect("b.out", "a.x")
+    flow = shapes.wired([(shapes.step, "a"), (shapes.step, "b")], ("a.out", "b.x"),
+                        ("b.out", "a.x"))
     problem = _only(flow, "cycle")
     assert "a -> b -> a" in problem.message or "b -> a -> b" in problem.message
     assert "feedback" in problem.fix
@@ -221,12 +218,8 @@ def test_plain_values_and_extra_positional_inputs_are_reported():
 
 
 def test_an_input_with_two_producers_is_reported():
-    flow = Flow("f")
-    flow.add(prompts, name="a")
-    flow.add(prompts, name="b")
-    flow.add(train)
-    flow.connect("a.out", "train.batch")
-    flow.connect("b.out", "train.batch")
+    flow = shapes.wired([(prompts, "a"), (prompts, "b"), train], ("a.out", "train.batch"),
+                        ("b.out", "train.batch"))
     assert "input-wired-twice" in shapes.rules_of(flow)
 
 

@@ -158,13 +158,8 @@ def rescore(x: Rollout) -> Rollout:
 
 
 def test_a_cycle_names_the_port_of_the_wire_that_closes_it():
-    flow = Flow("f")
-    flow.add(src)
-    flow.add(both)
-    flow.add(rescore, name="score")
-    flow.connect("src.out", "both.x")
-    flow.connect("both.out", "score.x")
-    flow.connect("score.out", "both.scores")
+    flow = wired([src, both, (rescore, "score")], ("src.out", "both.x"), ("both.out", "score.x"),
+                 ("score.out", "both.scores"))
     (problem,) = flow.check()
     assert (problem.rule, problem.op, problem.port) == ("cycle", "both", "scores")
     assert "both.out -> score.x, score.out -> both.scores" in problem.message
@@ -174,9 +169,7 @@ def test_a_cycle_names_the_port_of_the_wire_that_closes_it():
 
 
 def test_a_self_loop_is_a_cycle_at_its_port():
-    flow = Flow("f")
-    flow.add(rescore, name="loop")
-    flow.connect("loop.out", "loop.x")
+    flow = wired([(rescore, "loop")], ("loop.out", "loop.x"))
     (problem,) = flow.check()
     assert (problem.rule, problem.op, problem.port) == ("cycle", "loop", "x")
     assert "loop.out -> loop.x" in problem.message
