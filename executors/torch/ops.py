@@ -31,11 +31,11 @@ from executors.torch.held import (
     HeldStage,
     export_weights,
     held_model,
+    held_stage,
     load_weights,
     right_padded,
     save_weights,
 )
-from executors.torch.held import held_stage as _stage
 from executors.torch.memory import keep_freed_memory
 from executors.torch.rl_loss import RL_LOSSES, RLLoss, RLSettings, records, sequence_ids
 from executors.torch.stage import StageError, StageRunner
@@ -59,7 +59,7 @@ def _forward(ctx: OpContext, *inputs: Any, stage: int, stages: int, microbatch: 
         raise StageError(f"unknown loss {loss!r}: the torch executor trains with "
                          f"{', '.join(LOSSES)}")
 
-    held = _stage(ctx, {**config, "stage": stage, "stages": stages})
+    held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
     first, last = stage == 0, stage == stages - 1
     if loss in RL_LOSSES:
         return _rl_forward(held, inputs, first=first, last=last, microbatch=microbatch,
@@ -111,19 +111,19 @@ def _backward_input(ctx: OpContext, upstream: Any, *_: Any, stage: int, stages: 
                     microbatch: int, **config: Any) -> Any:
     """B: the gradient of the stage's input activation (None on stage 0, whose inputs are
     token ids). The last stage's B reads its own F's stats only to be ordered after it."""
-    held = _stage(ctx, {**config, "stage": stage, "stages": stages})
+    held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
     grad_outputs = () if stage == stages - 1 else (upstream,)  # the last stage starts from its loss
     return held.runner.backward_input(microbatch, *grad_outputs)[0]
 
 
 def _backward_weight(ctx: OpContext, *_: Any, stage: int, stages: int, microbatch: int,
                      **config: Any) -> None:
-    _stage(ctx, {**config, "stage": stage, "stages": stages}).runner.backward_weight(microbatch)
+    held_stage(ctx, {**config, "stage": stage, "stages": stages}).runner.backward_weight(microbatch)
 
 
 def _backward(ctx: OpContext, upstream: Any, *_: Any, stage: int, stages: int, microbatch: int,
               **config: Any) -> Any:
-    held = _stage(ctx, {**config, "stage": stage, "stages": stages})
+    held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
     grad_outputs = () if stage == stages - 1 else (upstream,)  # the last stage starts from its loss
     return held.runner.backward(microbatch, *grad_outputs)[0]
 
@@ -132,7 +132,7 @@ def _backward(ctx: OpContext, upstream: Any, *_: Any, stage: int, stages: int, m
 def _grad_stats(ctx: OpContext, *partner: Any, stage: int, stages: int, **config: Any) -> tuple:
     """(this stage's squared gradient norm, its tied copies' gradients). Given the first
     stage's tied gradients (on the last stage), first add them to this stage's copies."""
-    held = _stage(ctx, {**config, "stage": stage, "stages": stages})
+    held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
     params = dict(held.module.named_parameters())
     # Copies, never the .grad tensors themselves: on one executor (the V shape puts the first
     # and last stage together) outputs are passed by reference, and the optimizer step scales
@@ -167,7 +167,7 @@ def _optimizer_step(ctx: OpContext, *inputs: Any, stage: int, stages: int, step:
     tied gradients. Losses summed over tokens leave a normalizer in their stats: the gradients
     are divided by the step's total first [Note: RL losses in sum form in rl_loss.py]. The
     stage that `report`s returns the step's metrics."""
-    held = _stage(ctx, {**config, "model": model, "stage": stage, "stages": stages})
+    held = held_stage(ctx, {**config, "model": model, "stage": stage, "stages": stages})
     stats = [v for v in inputs if isinstance(v, dict) and "sqnorm" in v]
     if len(stats) != stages:
         raise StageError(f"optimizer_step of stage {stage} needs the grad stats of all "
@@ -218,12 +218,12 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
 def _stage_parameters(ctx: OpContext, *_: Any, stage: int, stages: int,
                       **config: Any) -> dict[str, Any]:
     """A copy of the stage's parameters by name, on the CPU (checks, checkpoints, syncing)."""
-    held = _stage(ctx, {**config, "stage": stage, "stages": stages})
+    held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
     return {name: p.detach().cpu().clone() for name, p in held.module.named_parameters()}
 
 
 def _zero_grad(ctx: OpContext, *_: Any, stage: int, stages: int, **config: Any) -> None:
-    _stage(ctx, {**config, "stage": stage, "stages": stages}).module.zero_grad(set_to_none=True)
+    held_stage(ctx, {**config, "stage": stage, "stages": stages}).module.zero_grad(set_to_none=True)
 
 
 # -- profiling --------------------------------------------------------------------------------
@@ -242,7 +242,7 @@ def _profile(ctx: OpContext, sample: Any, *, stage: int, stages: int, repeats: i
             x = model.parts[s](x)
     last = stage == stages - 1
     args = [x] + ([tokens[:, 1:], 1.0] if last else [])
-    runner = _stage(ctx, {**config, "stage": stage, "stages": stages}).runner
+    runner = held_stage(ctx, {**config, "stage": stage, "stages": stages}).runner
     times: dict[str, list[float]] = {"F": [], "B": [], "W": [], "BW": []}
     for rep in range(repeats + 1):  # round 0 warms up
         for fused in (False, True):
@@ -250,7 +250,7 @@ def _profile(ctx: OpContext, sample: Any, *, stage: int, stages: int, repeats: i
                                                fused=fused, last=last).items():
                 if rep:
                     times[kind].append(seconds)
-    _stage(ctx, {**config, "stage": stage, "stages": stages}).module.zero_grad(set_to_none=True)
+    held_stage(ctx, {**config, "stage": stage, "stages": stages}).module.zero_grad(set_to_none=True)
     return {kind: statistics.median(values) for kind, values in times.items()}
 
 

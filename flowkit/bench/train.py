@@ -77,26 +77,22 @@ def _pipeline_runs(setup: TrainSetup, corpus: str, schedules: tuple[str, ...]) -
     from flowkit.runtime.flowrun import FlowRunner
 
     out = {}
-    with Controller() as ctl:
-        executors = LocalExecutors(ctl, setup.stages, kind="torch", tags=("train",))
-        infos = sorted(executors.start(), key=lambda e: e.id)
-        try:
-            activation = (setup.batch_size // setup.microbatches) * setup.seq_len
-            hop_s = profile_hop(ctl, infos, activation * setup.gpt["n_embd"] * 4)
-            for kind in schedules:
-                flow = pretrain_flow(corpus=corpus, stages=setup.stages,
-                                     microbatches=setup.microbatches, schedule=kind,
-                                     batch_size=setup.batch_size, seq_len=setup.seq_len,
-                                     gpt=setup.gpt, model_name=f"gpt-{kind}")
-                runner = FlowRunner(ctl, lower_flow(flow))
-                reports = [runner.run_step(step) for step in range(setup.steps)][1:]
-                schedule, _ = runner.trained[f"gpt-{kind}"]
-                costs = runner.profiles[(f"gpt-{kind}", schedule.num_stages)]
-                predicted = simulate(schedule, attrs.evolve(costs, comm=hop_s))
-                out[kind] = _figures(kind, reports, setup, predicted.bubble_rate, hop_s)
-        finally:
-            ctl.shutdown()
-            executors.stop()
+    with Controller() as ctl, LocalExecutors(
+            ctl, setup.stages, kind="torch", tags=("train",)) as started:
+        infos = sorted(started, key=lambda e: e.id)
+        activation = (setup.batch_size // setup.microbatches) * setup.seq_len
+        hop_s = profile_hop(ctl, infos, activation * setup.gpt["n_embd"] * 4)
+        for kind in schedules:
+            flow = pretrain_flow(corpus=corpus, stages=setup.stages,
+                                 microbatches=setup.microbatches, schedule=kind,
+                                 batch_size=setup.batch_size, seq_len=setup.seq_len,
+                                 gpt=setup.gpt, model_name=f"gpt-{kind}")
+            runner = FlowRunner(ctl, lower_flow(flow))
+            reports = [runner.run_step(step) for step in range(setup.steps)][1:]
+            schedule, _ = runner.trained[f"gpt-{kind}"]
+            costs = runner.profiles[(f"gpt-{kind}", schedule.num_stages)]
+            predicted = simulate(schedule, attrs.evolve(costs, comm=hop_s))
+            out[kind] = _figures(kind, reports, setup, predicted.bubble_rate, hop_s)
     return out
 
 

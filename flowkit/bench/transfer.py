@@ -29,16 +29,11 @@ def run_transfer_bench(sizes_mib=(1, 16, 64, 256), *, rounds: int = 15,
     with sizes in MiB as strings (JSON keys); GB = 1e9 bytes."""
     sizes = [int(s) for s in sizes_mib]
     gbps, memcpy = {}, {}
-    with Controller() as ctl:
-        launcher = LocalExecutors(ctl, 2, name_prefix="transfer")
-        infos = sorted(launcher.start(), key=lambda e: e.name)
-        try:
-            for size in sizes:
-                gbps[size], memcpy[size] = _measure(ctl, infos[0].id, infos[1].id, size << 20,
-                                                    rounds, warmup)
-        finally:
-            ctl.shutdown()
-            launcher.stop()
+    with Controller() as ctl, LocalExecutors(ctl, 2, name_prefix="transfer") as started:
+        source, target = sorted(started, key=lambda e: e.name)
+        for size in sizes:
+            gbps[size], memcpy[size] = _measure(ctl, source.id, target.id, size << 20, rounds,
+                                                warmup)
     ratio = {size: gbps[size] / memcpy[size] for size in sizes}
     return {"gbps": _keyed(gbps), "memcpy_gbps": _keyed(memcpy), "ratio": _keyed(ratio),
             "ratio_64": ratio.get(64), "sizes_mib": sizes, "rounds": rounds,

@@ -10,19 +10,7 @@ from flowkit.cli import main
 from flowkit.planner import simulate
 from flowkit.planner.export import schedule_from_json
 from flowkit.planner.schedules import schedule_kinds
-
-JSON_KEYS = {
-    "kind",
-    "stages",
-    "devices",
-    "microbatches",
-    "stage_to_device",
-    "costs",
-    "memory_limit",
-    "memory_model",
-    "device_ops",
-    "result",
-}
+from tests.planner.test_export_gantt import SPEC_KEYS as JSON_KEYS  # --json writes the export
 
 
 def _run(*args):
@@ -157,23 +145,8 @@ def test_invalid_schedule_exits_1_with_the_grid_on_stderr():
 
 def test_json_has_the_issue_keys_and_reloads_to_the_same_result(tmp_path):
     out = tmp_path / "s.json"
-    result = _run(
-        "interleaved-1f1b",
-        "-p",
-        "3",
-        "-m",
-        "6",
-        "-v",
-        "2",
-        "--cost",
-        "F=1,2,1,B=2,W=1",
-        "--comm",
-        "0.1",
-        "--mem",
-        "F=1,B=-0.4,W=-0.6",
-        "--json",
-        str(out),
-    )
+    result = _run("interleaved-1f1b", "-p", "3", "-m", "6", "-v", "2", "--cost", "F=1,2,1,B=2,W=1",
+                  "--comm", "0.1", "--mem", "F=1,B=-0.4,W=-0.6", "--json", str(out))
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert set(data) == JSON_KEYS | {"chunks"}

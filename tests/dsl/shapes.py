@@ -1,10 +1,10 @@
-"""Small records and ops shared by the DSL tests, shaped like a real RL step."""
+"""Small records, ops and flows shared by the DSL tests, shaped like a real RL step."""
 
 from __future__ import annotations
 
 import attrs
 
-from flowkit.dsl import Batch, Grouped, ModelOp, Stream, op
+from flowkit.dsl import Batch, Flow, Grouped, ModelOp, Stream, collect, group_by, op
 
 
 @attrs.frozen
@@ -51,3 +51,33 @@ def advantages(group: Grouped[Scored]) -> Stream[Scored]:
 @op
 def train(batch: Batch[Scored]) -> float:
     return float(len(batch))
+
+
+@op
+def step(x: float) -> float:
+    """A state carried from one step to the next."""
+    return x
+
+
+def grpo_step(actor) -> Flow:
+    with Flow("grpo") as flow:
+        rollouts = Generate(actor)(prompts(count=8), n=4)
+        adv = advantages(group_by(score(rollouts), key="prompt_id", size=4))
+        train(collect(adv))
+    return flow
+
+
+def wired(ops, *wires: tuple[str, str]) -> Flow:
+    """A flow of `ops` (each an op, or an (op, name) pair) wired by hand, unchecked: what
+    `with Flow` would refuse to build."""
+    flow = Flow("f")
+    for each in ops:
+        operator, name = each if isinstance(each, tuple) else (each, None)
+        flow.add(operator, name=name)
+    for source, target in wires:
+        flow.connect(source, target)
+    return flow
+
+
+def rules_of(flow: Flow) -> list[str]:
+    return [p.rule for p in flow.check()]

@@ -5,11 +5,8 @@ from __future__ import annotations
 import pytest
 
 from flowkit.dsl import Batch, Flow, FlowError, Model, Stream, collect, group_by, op
+from tests.dsl import shapes
 from tests.dsl.shapes import Generate, Prompt, Rollout, Scored, advantages, prompts, score, train
-
-
-def _rules(flow: Flow) -> list[str]:
-    return [p.rule for p in flow.check()]
 
 
 def _only(flow: Flow, rule: str):
@@ -19,10 +16,7 @@ def _only(flow: Flow, rule: str):
 
 
 def test_a_well_formed_grpo_step_is_valid(actor):
-    with Flow("grpo") as flow:
-        rollouts = Generate(actor)(prompts(count=8), n=4)
-        adv = advantages(group_by(score(rollouts), key="prompt_id", size=4))
-        train(collect(adv))
+    flow = shapes.grpo_step(actor)
     assert flow.check() == []
     assert set(flow.graph.nodes) == {"prompts", "generate", "score", "advantages", "train"}
     wires = flow.graph.edges["advantages", "train"]["wires"]
@@ -48,10 +42,7 @@ def test_leaving_the_with_block_raises_every_problem_at_once(actor):
 
 
 def test_type_mismatch_names_op_port_expected_and_found():
-    flow = Flow("f")
-    flow.add(prompts)
-    flow.add(score)
-    flow.connect("prompts.out", "score.rollout")
+    flow = shapes.wired([prompts, score], ("prompts.out", "score.rollout"))
     problem = _only(flow, "type-mismatch")
     assert (problem.op, problem.port) == ("score", "rollout")
     assert problem.expected == "Stream[Rollout]"
@@ -75,8 +66,7 @@ def test_subclass_records_flow_into_base_ports():
 
 
 def test_unbound_input_is_reported_with_how_to_wire_it():
-    flow = Flow("f")
-    flow.add(score)
+    flow = shapes.wired([score])
     problem = _only(flow, "unbound-input")
     assert (problem.op, problem.port) == ("score", "rollout")
     assert "flow.connect" in problem.fix
@@ -87,17 +77,13 @@ def test_optional_inputs_may_stay_unwired():
     def maybe(rollout: Rollout | None = None) -> float:
         return 0.0
 
-    flow = Flow("f")
-    flow.add(maybe)
+    flow = shapes.wired([maybe])
     assert flow.check() == []
 
 
 def test_stream_into_batch_needs_collect_and_collect_makes_the_barrier_visible():
-    flow = Flow("f")
-    flow.add(prompts)
-    flow.add(train)
-    flow.connect("prompts.out", "train.batch")
-    rules = _rules(flow)
+    flow = shapes.wired([prompts, train], ("prompts.out", "train.batch"))
+    rules = shapes.rules_of(flow)
     assert "missing-collect" in rules
     problem = _only(flow, "missing-collect")
     assert "collect(" in problem.fix and problem.op == "train"
@@ -129,36 +115,25 @@ def test_group_by_key_must_be_a_record_field(actor):
 
 
 def test_a_cycle_within_a_step_is_reported_and_a_feedback_edge_is_not():
-    @op
-    def step(x: float) -> float:
-        return x
-
-    flow = Flow("f")
-    flow.add(step, name="a")
-    flow.add(step, name="b")
-    flow.connect("a.out", "b.x")
-    flow.connect("b.out", "a.x")
+    flow = shapes.wired([(shapes.step, "a"), (shapes.step, "b")], ("a.out", "b.x"),
+                        ("b.out", "a.x"))
     problem = _only(flow, "cycle")
     assert "a -> b -> a" in problem.message or "b -> a -> b" in problem.message
     assert "feedback" in problem.fix
 
     with Flow("loop") as loop:
         carried = loop.feedback("state", float)
-        out = step(step(carried, name="a"), name="b")
+        out = shapes.step(shapes.step(carried, name="a"), name="b")
         carried.bind(out)
     assert loop.check() == []
     assert [w.feedback for w in loop.wires] == [False, True]
 
 
 def test_unbound_feedback_is_reported():
-    @op
-    def step(x: float) -> float:
-        return x
-
     flow = Flow("f")
     with pytest.raises(FlowError, match="unbound-feedback"):
         with flow:
-            step(flow.feedback("state", float))
+            shapes.step(flow.feedback("state", float))
 
 
 def test_feedback_bound_to_the_wrong_type_is_reported():
@@ -227,9 +202,8 @@ def test_missing_annotations_are_reported_when_the_flow_is_built():
     def untyped(rollout):
         return rollout
 
-    flow = Flow("f")
-    flow.add(untyped)
-    rules = _rules(flow)
+    flow = shapes.wired([untyped])
+    rules = shapes.rules_of(flow)
     assert rules.count("missing-annotation") == 2  # the input and the return
 
 
@@ -244,21 +218,14 @@ def test_plain_values_and_extra_positional_inputs_are_reported():
 
 
 def test_an_input_with_two_producers_is_reported():
-    flow = Flow("f")
-    flow.add(prompts, name="a")
-    flow.add(prompts, name="b")
-    flow.add(train)
-    flow.connect("a.out", "train.batch")
-    flow.connect("b.out", "train.batch")
-    assert "input-wired-twice" in _rules(flow)
+    flow = shapes.wired([(prompts, "a"), (prompts, "b"), train], ("a.out", "train.batch"),
+                        ("b.out", "train.batch"))
+    assert "input-wired-twice" in shapes.rules_of(flow)
 
 
 def test_wires_to_unknown_ops_and_ports_suggest_the_known_ones():
-    flow = Flow("f")
-    flow.add(prompts)
-    flow.add(score)
-    flow.connect("prompts.output", "score.rollout")
-    flow.connect("prompts.out", "scor.rollout")
+    flow = shapes.wired([prompts, score], ("prompts.output", "score.rollout"),
+                 ("prompts.out", "scor.rollout"))
     problems = flow.check()
     assert any(p.rule == "unknown-port" and "did you mean 'out'" in p.fix for p in problems)
     assert any(p.rule == "unknown-op" and "did you mean 'score'" in p.fix for p in problems)

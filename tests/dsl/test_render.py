@@ -1,31 +1,15 @@
 from __future__ import annotations
 
-import io
-
 import networkx as nx
-from rich.console import Console
 
-from flowkit.dsl import Flow, collect, group_by
+from flowkit.dsl import Flow
 from flowkit.dsl.render import summary
-from tests.dsl.shapes import Generate, advantages, prompts, score, train
-
-
-def _grpo(actor) -> Flow:
-    with Flow("grpo") as flow:
-        rollouts = Generate(actor)(prompts(count=8), n=4)
-        adv = advantages(group_by(score(rollouts), key="prompt_id", size=4))
-        train(collect(adv))
-    return flow
-
-
-def _render(flow: Flow) -> str:
-    console = Console(file=io.StringIO(), width=100, color_system=None)
-    console.print(summary(flow))
-    return console.file.getvalue()
+from tests.dsl.shapes import grpo_step, step
+from tests.harness import printed
 
 
 def test_summary_shows_ops_ports_types_granularity_models_and_barriers(actor):
-    text = _render(_grpo(actor))
+    text = printed(summary(grpo_step(actor)), width=100)
     assert "flow 'grpo': 5 ops, 4 wires" in text
     assert "generate  generate on actor  n=4" in text
     assert "in  group: Grouped[Scored] <- group_by(prompt_id, size=4)(score.out)" in text
@@ -35,7 +19,7 @@ def test_summary_shows_ops_ports_types_granularity_models_and_barriers(actor):
 
 
 def test_to_dot_is_a_parseable_digraph_with_barrier_and_feedback_edges(actor):
-    flow = _grpo(actor)
+    flow = grpo_step(actor)
     dot = flow.to_dot()
     assert dot.startswith('digraph "grpo" {') and dot.rstrip().endswith("}")
     for node in flow.nodes:
@@ -49,12 +33,6 @@ def test_to_dot_is_a_parseable_digraph_with_barrier_and_feedback_edges(actor):
 
 
 def test_feedback_edges_are_dashed_and_do_not_constrain_layout():
-    from flowkit.dsl import op
-
-    @op
-    def step(x: float) -> float:
-        return x
-
     with Flow("loop") as flow:
         carried = flow.feedback("state", float)
         carried.bind(step(carried))

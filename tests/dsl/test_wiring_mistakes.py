@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from flowkit.dsl import Flow, FlowError, Stream, op
-from tests.dsl.shapes import Generate, Prompt, Rollout, prompts, score
+from tests.dsl.shapes import Generate, Prompt, Rollout, prompts, rules_of, score, wired
 
 
 @op
@@ -17,10 +17,6 @@ def src() -> Stream[Rollout]:
 @op
 def pair(x: Rollout, y: Rollout) -> Rollout:
     return x
-
-
-def _rules(flow: Flow) -> list[str]:
-    return [p.rule for p in flow.check()]
 
 
 def test_an_op_joins_the_active_flow_and_a_ref_from_another_flow_is_reported():
@@ -47,15 +43,11 @@ def test_refs_from_two_flows_outside_any_with_block_are_reported():
     assert "pair" in one.nodes and "pair" not in two.nodes
     problems = [p for p in one.check() if p.rule == "foreign-ref"]
     assert [(p.op, p.port) for p in problems] == [("pair", "y")]
-    assert "unbound-input" not in _rules(one)
+    assert "unbound-input" not in rules_of(one)
 
 
 def test_connect_with_a_malformed_port_is_a_problem_not_an_exception():
-    flow = Flow("f")
-    flow.add(src)
-    flow.add(score)
-    flow.connect("garbage", "score.rollout")
-    flow.connect("src.out", "f")
+    flow = wired([src, score], ("garbage", "score.rollout"), ("src.out", "f"))
     problems = flow.check()
     assert [p.rule for p in problems] == ["bad-port-ref", "bad-port-ref"]
     assert (problems[0].op, problems[0].port) == ("score", "rollout")
@@ -71,36 +63,34 @@ def test_an_input_given_positionally_and_by_keyword_is_reported():
     assert (problem.rule, problem.op, problem.port) == ("input-given-twice", "pair", "x")
 
 
-def test_an_op_called_three_times_gives_one_duplicate_problem_listing_the_calls():
+def _score_called_thrice(last_name: str | None = None) -> FlowError:
     with pytest.raises(FlowError) as raised:
         with Flow("f"):
             s = src()
             score(s)
             score(s)
-            score(s)
-    text = str(raised.value)
+            score(s, name=last_name)
+    return raised.value
+
+
+def test_an_op_called_three_times_gives_one_duplicate_problem_listing_the_calls():
+    error = _score_called_thrice()
+    text = str(error)
     assert "~" not in text
-    (problem,) = [p for p in raised.value.problems if p.rule == "duplicate-name"]
+    (problem,) = [p for p in error.problems if p.rule == "duplicate-name"]
     assert problem.op == "score" and "3 ops are named 'score'" in problem.message
     assert problem.message.count("score(rollout=src.out) at test_wiring_mistakes.py:") == 3
     assert "name='score_2'" in problem.fix and "name='score_3'" in problem.fix
 
 
 def test_suggested_names_are_not_already_taken():
-    with pytest.raises(FlowError) as raised:
-        with Flow("f"):
-            s = src()
-            score(s)
-            score(s)
-            score(s, name="score_2")
-    (problem,) = [p for p in raised.value.problems if p.rule == "duplicate-name"]
+    (problem,) = [p for p in _score_called_thrice("score_2").problems
+                  if p.rule == "duplicate-name"]
     assert "name='score_3'" in problem.fix and "name='score_2'" not in problem.fix
 
 
 def test_problems_of_a_duplicate_name_the_name_the_user_gave():
-    flow = Flow("f")
-    flow.add(score)
-    flow.add(score)
+    flow = wired([score, score])
     problems = flow.check()
     assert [p.rule for p in problems] == ["duplicate-name", "unbound-input", "unbound-input"]
     assert {p.op for p in problems} == {"score"}
@@ -145,13 +135,9 @@ def test_a_plain_value_is_not_also_an_unbound_input():
 
 
 def test_a_wire_from_a_missing_op_is_not_a_second_producer():
-    flow = Flow("f")
-    flow.add(src)
-    flow.add(score)
-    flow.connect("src.out", "score.rollout")
-    flow.connect("nope.out", "score.rollout")
-    flow.connect("src.nope", "score.rollout")
-    assert _rules(flow) == ["unknown-op", "unknown-port"]
+    flow = wired([src, score], ("src.out", "score.rollout"), ("nope.out", "score.rollout"),
+                 ("src.nope", "score.rollout"))
+    assert rules_of(flow) == ["unknown-op", "unknown-port"]
 
 
 def test_model_ops_keep_their_port_order(actor):
@@ -172,13 +158,8 @@ def rescore(x: Rollout) -> Rollout:
 
 
 def test_a_cycle_names_the_port_of_the_wire_that_closes_it():
-    flow = Flow("f")
-    flow.add(src)
-    flow.add(both)
-    flow.add(rescore, name="score")
-    flow.connect("src.out", "both.x")
-    flow.connect("both.out", "score.x")
-    flow.connect("score.out", "both.scores")
+    flow = wired([src, both, (rescore, "score")], ("src.out", "both.x"), ("both.out", "score.x"),
+                 ("score.out", "both.scores"))
     (problem,) = flow.check()
     assert (problem.rule, problem.op, problem.port) == ("cycle", "both", "scores")
     assert "both.out -> score.x, score.out -> both.scores" in problem.message
@@ -188,9 +169,7 @@ def test_a_cycle_names_the_port_of_the_wire_that_closes_it():
 
 
 def test_a_self_loop_is_a_cycle_at_its_port():
-    flow = Flow("f")
-    flow.add(rescore, name="loop")
-    flow.connect("loop.out", "loop.x")
+    flow = wired([(rescore, "loop")], ("loop.out", "loop.x"))
     (problem,) = flow.check()
     assert (problem.rule, problem.op, problem.port) == ("cycle", "loop", "x")
     assert "loop.out -> loop.x" in problem.message
@@ -225,24 +204,26 @@ def test_a_feedback_consumed_and_never_bound_names_its_consumer():
     assert "state.bind(" in problem.fix
 
 
-def test_a_feedback_bound_to_the_wrong_type_is_reported_once_at_the_bind():
+def _fed_back_prompts(declared: type):
+    """The one problem of feeding prompts back, through a feedback declared of type `declared`,
+    into both's scores (a Rollout input)."""
     with pytest.raises(FlowError) as raised:
         with Flow("f") as flow:
-            state = flow.feedback("state", Rollout)
+            state = flow.feedback("state", declared)
             state.bind(prompts())
             both(src(), state)
     (problem,) = raised.value.problems
+    return problem
+
+
+def test_a_feedback_bound_to_the_wrong_type_is_reported_once_at_the_bind():
+    problem = _fed_back_prompts(Rollout)
     assert (problem.rule, problem.op, problem.port) == ("type-mismatch", "prompts", "out")
     assert "feedback 'state'" in problem.message
 
 
 def test_a_feedback_passed_to_an_input_of_another_type_is_reported_at_that_input():
-    with pytest.raises(FlowError) as raised:
-        with Flow("f") as flow:
-            state = flow.feedback("state", Prompt)
-            state.bind(prompts())
-            both(src(), state)
-    (problem,) = raised.value.problems
+    problem = _fed_back_prompts(Prompt)
     assert (problem.rule, problem.op, problem.port) == ("type-mismatch", "both", "scores")
     assert "from feedback 'state'" in problem.message
     assert "flow.feedback('state'" in problem.fix

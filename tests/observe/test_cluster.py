@@ -6,17 +6,14 @@ import json
 from rich.console import Console
 
 from flowkit.observe import Dashboard, RunStats, TraceRecorder
-from flowkit.runtime import Controller, LocalExecutors
+from tests.harness import executor_cluster
 
 SLEEP_S = 0.01
 OPS = 6
 
 
 def test_trace_has_one_span_per_op_with_a_plausible_duration(tmp_path):
-    ctl = Controller()
-    executors = LocalExecutors(ctl, 2)
-    executors.start()
-    try:
+    with executor_cluster(2) as (ctl, _):
         recorder, stats = TraceRecorder().attach(ctl), RunStats().attach(ctl)
         futures = [ctl.submit("sleep", config={"seconds": SLEEP_S},
                               meta={"stage": 0, "microbatch": i}) for i in range(OPS)]
@@ -25,9 +22,6 @@ def test_trace_has_one_span_per_op_with_a_plausible_duration(tmp_path):
         # a future may resolve on another thread a moment before the listeners hear of it
         ctl.wait_until(lambda: len(recorder.spans) == OPS, timeout=10)
         ctl.wait_until(lambda: stats.snapshot().done == OPS, timeout=10)
-    finally:  # the controller first: executors exit when it tells them to
-        ctl.shutdown()
-        executors.stop()
 
     spans = recorder.spans
     assert sorted(s.meta["microbatch"] for s in spans) == list(range(OPS))

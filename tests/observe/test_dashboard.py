@@ -7,6 +7,7 @@ import pytest
 from rich.console import Console
 
 from flowkit.observe import Dashboard, RunStats
+from tests.harness import printed
 from tests.observe.fakes import T0, executor, fail, join, schedule, task
 from tests.observe.test_metrics import ONE_F_ONE_B, FakeClock
 
@@ -32,9 +33,7 @@ def stats():
 
 
 def _rendered(dashboard: Dashboard) -> str:
-    console = _console()
-    console.print(dashboard.render())
-    return console.file.getvalue()
+    return printed(dashboard.render(), width=120)
 
 
 def test_render_shows_executors_utilization_and_run_figures(stats):

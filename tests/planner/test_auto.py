@@ -1,5 +1,5 @@
 """`auto`: never worse than the Zero Bubble paper's heuristic (ZB-1p/ZB-2p), 1F1B or ZB-H1/H2,
-within the memory limit, and fast on large pipelines.
+within the memory limit (or an error that says why none fits), and fast on large pipelines.
 
 [Note: auto objective] in flowkit/planner/schedules/auto.py: makespan first, then span, and never
 a longer span than the heuristic's, so both measures are compared here.
@@ -11,34 +11,26 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flowkit.planner import Costs, MemoryModel, Placement, simulate
+from flowkit.planner import Costs, MemoryModel, Placement, ScheduleError, simulate
 from flowkit.planner.schedules import build_schedule
-from flowkit.planner.schedules.greedy import Problem, evaluate
+from flowkit.planner.schedules.greedy import Problem, Score, evaluate
 from flowkit.planner.schedules.zb_heuristic import zb_heuristic
+from tests.planner.paper import TABLE5, TABLE5_IDS
+from tests.planner.strategies import draw_shares
 
 TOL = 1e-9
 
-# ANCHORS.md Table 5: model, p, m, T_F, T_B, T_W, T_comm, printed ZB-1p and ZB-2p bubble rates
-TABLE5 = [
-    ("1.5B", 8, 24, 18.522, 18.086, 9.337, 0.601, 0.1585, 0.0433),
-    ("1.5B", 8, 32, 18.513, 18.086, 9.331, 0.626, 0.1242, 0.0039),
-    ("1.5B", 8, 64, 18.546, 18.097, 9.321, 0.762, 0.0674, 0.0026),
-    ("6.2B", 8, 24, 29.718, 29.444, 19.927, 0.527, 0.1323, 0.0029),
-    ("14.6B", 16, 48, 11.347, 11.248, 8.132, 0.377, 0.1397, 0.0066),
-    ("28.3B", 32, 96, 10.419, 10.207, 7.715, 0.408, 0.1421, 0.0038),
-]
 
 
 def _problem(p, m, costs):
-    return Problem(
-        placement=Placement.one_per_device(p), costs=costs, memory=MemoryModel(), microbatches=m
-    )
+    return Problem(placement=Placement.one_per_device(p), costs=costs, memory=MemoryModel(),
+                   microbatches=m)
 
 
 @pytest.mark.parametrize(
     ("model", "p", "m", "F", "B", "W", "comm", "zb1p", "zb2p"),
-    TABLE5,
-    ids=[f"{r[0]}-p{r[1]}-m{r[2]}" for r in TABLE5],
+    [(*row[:7], *row[10:]) for row in TABLE5],
+    ids=TABLE5_IDS,
 )
 def test_table5_at_most_zb1p_and_zb2p(model, p, m, F, B, W, comm, zb1p, zb2p):
     costs = Costs.uniform(p, F=F, B=B, W=W, comm=comm)
@@ -46,9 +38,8 @@ def test_table5_at_most_zb1p_and_zb2p(model, p, m, F, B, W, comm, zb1p, zb2p):
         # The port reproduces the paper's digits, so the comparison is with the right baseline.
         heuristic = evaluate(_problem(p, m, costs), zb_heuristic(_problem(p, m, costs), limit))
         assert round((heuristic.span - m * (F + B + W)) / heuristic.span, 4) == printed
-        schedule = build_schedule(
-            "auto", devices=p, microbatches=m, costs=costs, memory_limit=limit
-        )
+        schedule = build_schedule("auto", devices=p, microbatches=m, costs=costs,
+                                  memory_limit=limit)
         result = simulate(schedule, costs)
         assert result.bubble_rate <= printed + 5e-5
         assert max(result.peak_memory) <= limit
@@ -63,14 +54,10 @@ def test_beats_the_heuristic_where_it_leaves_room():
     assert simulate(schedule, costs).makespan < heuristic.makespan - 1.0
 
 
-cost = st.floats(0.05, 5.0, allow_nan=False)
-
-
 @st.composite
 def problems(draw):
     p = draw(st.integers(1, 6))
-    share = st.lists(cost, min_size=p, max_size=p)
-    F, B, W = draw(share), draw(share), draw(share)
+    F, B, W = draw_shares(draw, p).values()
     if draw(st.booleans()):  # the last stage carries the LM head
         F[-1], B[-1], W[-1] = 3 * F[-1], 3 * B[-1], 3 * W[-1]
     costs = Costs(F=F, B=B, W=W, comm=draw(st.floats(0, 1)))
@@ -107,9 +94,8 @@ def test_auto_never_worse_than_heuristic_or_1f1b(problem):
 @given(problem=problems())
 def test_auto_v_shape_is_valid_within_limit(problem):
     p, m, costs, limit = problem
-    schedule = build_schedule(
-        "auto", devices=p, microbatches=m, costs=costs, memory_limit=limit, chunks=2
-    )
+    schedule = build_schedule("auto", devices=p, microbatches=m, costs=costs, memory_limit=limit,
+                              chunks=2)
     assert schedule.placement == Placement.vshape(p)
     result = simulate(schedule, costs.for_placement(schedule.placement))
     if limit is not None:
@@ -119,14 +105,8 @@ def test_auto_v_shape_is_valid_within_limit(problem):
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_limit_below_one_microbatch_is_a_clear_error(chunks):
     with pytest.raises(ValueError, match="no schedule fits memory_limit=0.5"):
-        build_schedule(
-            "auto",
-            devices=4,
-            microbatches=8,
-            costs=Costs.uniform(4),
-            memory_limit=0.5,
-            chunks=chunks,
-        )
+        build_schedule("auto", devices=4, microbatches=8, costs=Costs.uniform(4), memory_limit=0.5,
+                       chunks=chunks)
 
 
 def test_large_pipeline_returns_quickly():
@@ -138,3 +118,42 @@ def test_large_pipeline_returns_quickly():
     schedule = build_schedule("auto", devices=p, microbatches=m, costs=costs, memory_limit=p)
     assert time.perf_counter() - start < 30  # a few seconds in practice; loose for slow CI
     assert max(simulate(schedule, costs).peak_memory) <= p
+
+
+@pytest.mark.parametrize(
+    ("memory", "limit", "reason"),
+    [
+        (MemoryModel(), 0.5, "one microbatch alone needs 1"),
+        (MemoryModel(B=0, W=0, BW=0), 2, "ops never free memory, so 8 microbatches need 8×1 = 8"),
+        (MemoryModel(B=0.25, W=0, BW=0.25), 7, "ops never free memory"),
+        (MemoryModel(B=-0.25, W=-0.25, BW=-0.5), 4.4, "at least 7×0.5 + 1 = 4.5 on a device"),
+    ],
+)
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_auto_under_an_unsatisfiable_limit_says_why(memory, limit, reason, chunks):
+    with pytest.raises(ScheduleError, match="no schedule fits memory_limit=") as raised:
+        build_schedule("auto", devices=4, microbatches=8, costs=Costs.uniform(4),
+                       memory=memory, memory_limit=limit, chunks=chunks)
+    assert raised.value.over_memory and reason in str(raised.value)
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_auto_meets_the_least_feasible_limit_when_backward_frees_part(chunks):
+    memory = MemoryModel(B=-0.25, W=-0.25, BW=-0.5)
+    sched = build_schedule("auto", devices=4, microbatches=8, costs=Costs.uniform(4),
+                           memory=memory, memory_limit=4.5, chunks=chunks)
+    result = simulate(sched, Costs.uniform(4).for_placement(sched.placement), memory)
+    assert max(result.peak_memory) <= 4.5 + 1e-9
+
+
+def test_auto_breaks_time_ties_on_memory():
+    costs = Costs.uniform(4, F=0, B=0, W=0)
+    sched = build_schedule("auto", devices=4, microbatches=8, costs=costs)
+    assert max(simulate(sched, costs).peak_memory) == 4  # not gpipe-like 8 for the same time
+
+
+def test_score_compares_time_before_memory():
+    assert Score(1.0, 2.0, peak=9).better_than(Score(1.0, 2.5, peak=1))
+    assert Score(1.0, 2.0, peak=4).better_than(Score(1.0, 2.0, peak=8))
+    assert not Score(1.0, 2.0, peak=4).better_than(Score(1.0, 2.0, peak=4))
+    assert not Score(1.1, 1.0, peak=1).better_than(Score(1.0, 2.0, peak=8))

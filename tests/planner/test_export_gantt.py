@@ -10,18 +10,8 @@ from flowkit.planner.export import schedule_from_json, schedule_to_json
 from flowkit.planner.gantt import COLOURS, png_figure, render_svg, write_chart
 from flowkit.planner.schedules import build_schedule
 
-SPEC_KEYS = {
-    "kind",
-    "stages",
-    "devices",
-    "microbatches",
-    "stage_to_device",
-    "costs",
-    "memory_limit",
-    "memory_model",
-    "device_ops",
-    "result",
-}
+SPEC_KEYS = {"kind", "stages", "devices", "microbatches", "stage_to_device", "costs",
+             "memory_limit", "memory_model", "device_ops", "result"}
 
 
 def _planned(kind="interleaved-1f1b", p=3, m=6):
@@ -34,13 +24,8 @@ def _planned(kind="interleaved-1f1b", p=3, m=6):
 @pytest.mark.parametrize("kind", ["1f1b", "zb-h2", "interleaved-1f1b"])
 def test_json_round_trip_gives_the_same_result(kind):
     schedule, costs, result = _planned(kind)
-    data = json.loads(
-        json.dumps(
-            schedule_to_json(
-                schedule, costs=costs, memory=MemoryModel(), memory_limit=None, result=result
-            )
-        )
-    )
+    data = json.loads(json.dumps(schedule_to_json(
+        schedule, costs=costs, memory=MemoryModel(), memory_limit=None, result=result)))
     assert SPEC_KEYS <= set(data) and set(data) - SPEC_KEYS == {"chunks"}
     assert set(data["costs"]) == {"F", "B", "W", "comm"}
     assert data["memory_model"] == {"F": 1, "B": -0.5, "W": -0.5, "BW": -1}
@@ -53,9 +38,8 @@ def test_json_round_trip_gives_the_same_result(kind):
 
 def test_loader_names_what_is_missing():
     schedule, costs, result = _planned("1f1b")
-    data = schedule_to_json(
-        schedule, costs=costs, memory=MemoryModel(), memory_limit=2.0, result=result
-    )
+    data = schedule_to_json(schedule, costs=costs, memory=MemoryModel(), memory_limit=2.0,
+                            result=result)
     del data["device_ops"]
     with pytest.raises(ValueError, match="'device_ops'"):
         schedule_from_json(data)

@@ -1,7 +1,8 @@
-"""Handcrafted schedules reach the Zero Bubble paper's bubble and memory formulas.
+"""Handcrafted schedules reach the bubble and memory formulas of the Zero Bubble paper (Qi, Wan,
+Huang, Lin: "Zero Bubble Pipeline Parallelism", ICLR 2024); interleaved 1F1B keeps Megatron's.
 
 Bubble here is the busiest stage's idle time: max span - m(F+B+W) with equal costs per stage (the
-paper's "bubble size"; see ANCHORS.md). Preconditions, found by sweeping random costs: 1F1B's formula
+paper's "bubble size"). Preconditions, found by sweeping random costs: 1F1B's formula
 holds for any F, B, W; ZB-H1's and ZB-H2's need W <= F and W <= B (so that a W fits in the
 holes it is meant to fill), and ZB-H2's needs m >= 2p-1 to fill its warm-up.
 """
@@ -24,33 +25,13 @@ FORMULAS = {
     # kind: (bubble(p, F, B, W), peak memory(p), smallest m for which both hold)
     "1f1b": (lambda p, F, B, W: (p - 1) * (F + B + W), lambda p: p, lambda p: p),
     "zb-h1": (lambda p, F, B, W: (p - 1) * (F + B - W), lambda p: p, lambda p: p),
-    "zb-h2": (
-        lambda p, F, B, W: max(0.0, (p - 1) * (F + B - 2 * W)),
-        lambda p: 2 * p - 1,
-        lambda p: 2 * p - 1,
-    ),
+    "zb-h2": (lambda p, F, B, W: max(0.0, (p - 1) * (F + B - 2 * W)), lambda p: 2 * p - 1,
+              lambda p: 2 * p - 1),
 }
 
 # (p, m): one stage, the smallest m each formula allows, and a few larger pipelines.
-TABLE = [
-    (1, 1),
-    (1, 4),
-    (2, 2),
-    (2, 3),
-    (2, 7),
-    (3, 3),
-    (3, 5),
-    (3, 9),
-    (4, 4),
-    (4, 7),
-    (4, 8),
-    (4, 13),
-    (5, 9),
-    (6, 11),
-    (8, 8),
-    (8, 15),
-    (8, 24),
-]
+TABLE = [(1, 1), (1, 4), (2, 2), (2, 3), (2, 7), (3, 3), (3, 5), (3, 9), (4, 4), (4, 7), (4, 8),
+         (4, 13), (5, 9), (6, 11), (8, 8), (8, 15), (8, 24)]
 
 
 # Only the (kind, p, m) the formula covers: zb-h2 needs m >= 2p-1 to fill its warm-up.
@@ -85,12 +66,8 @@ def test_1f1b_formula_any_costs(p, extra, costs):
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    kind=st.sampled_from(["zb-h1", "zb-h2"]),
-    p=st.integers(1, 8),
-    extra=st.integers(0, 12),
-    costs=split_costs(),
-)
+@given(kind=st.sampled_from(["zb-h1", "zb-h2"]), p=st.integers(1, 8), extra=st.integers(0, 12),
+       costs=split_costs())
 def test_zero_bubble_formulas_where_w_fits(kind, p, extra, costs):
     bubble, peak, min_m = FORMULAS[kind]
     got, got_peak = _bubble_and_peak(kind, p, min_m(p) + extra, *costs)
@@ -112,3 +89,20 @@ def test_interleaved_beats_1f1b_at_equal_costs(p, m, v):
     # Megatron's bubble: (p-1)/v of 1F1B's, with the fused backward.
     assert max(chunked.device_span) - m * 3 == pytest.approx((p - 1) * 3 / v)
     assert chunked.makespan < plain.makespan
+
+
+@given(p=st.integers(1, 8), m=st.integers(1, 24))
+def test_interleaved_with_one_chunk_is_1f1b(p, m):
+    costs = Costs.uniform(p)
+    plain = build_schedule("1f1b", devices=p, microbatches=m, costs=costs)
+    one = build_schedule("interleaved-1f1b", devices=p, microbatches=m, costs=costs, chunks=1)
+    assert one.device_ops == plain.device_ops
+    assert max(simulate(one, costs).peak_memory) == min(p, m)
+
+
+def test_interleaved_with_two_chunks_keeps_megatrons_warmup():
+    costs = Costs.uniform(4)
+    sched = build_schedule("interleaved-1f1b", devices=4, microbatches=8, costs=costs, chunks=2)
+    first_backward = [next(i for i, a in enumerate(ops) if a.kind.value == "BW")
+                      for ops in sched.device_ops]
+    assert first_backward == [4 + 6 + 1, 4 + 4 + 1, 4 + 2 + 1, 4 + 0 + 1]  # (v-1)p + 2(p-1-d) + 1

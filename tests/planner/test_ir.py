@@ -1,5 +1,7 @@
 """Action text, placements and costs of the planner IR."""
 
+import math
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -71,3 +73,13 @@ def test_memory_model_scales_by_chunks():
     memory = MemoryModel()
     assert memory.delta(Action(0, Kind.F, 0)) == 1.0
     assert memory.delta(Action(0, Kind.BW, 0), chunks=2) == -0.5
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_costs_and_memory_refuse_non_finite_numbers(bad):
+    with pytest.raises(ValueError, match="finite"):
+        Costs(F=[1, bad], B=[1, 1], W=[1, 1])
+    with pytest.raises(ValueError, match="finite"):
+        Costs.uniform(2, comm=bad)
+    with pytest.raises(ValueError, match="finite"):
+        MemoryModel(B=bad)

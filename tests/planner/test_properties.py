@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from flowkit.planner import Costs, Kind, MemoryModel, ScheduleError, simulate
 from flowkit.planner.schedules import build_schedule, get_spec, schedule_kinds
+from tests.planner.strategies import draw_shares
 
 # Peak memory bound per device, in MemoryModel units, for kinds with a closed form.
 BOUNDS = {
@@ -19,14 +20,10 @@ BOUNDS = {
     "interleaved-1f1b": lambda p, m: m,
 }
 
-cost = st.floats(0.05, 5.0, allow_nan=False)
-
-
 @st.composite
 def problems(draw):
     p = draw(st.integers(1, 8))
-    share = st.lists(cost, min_size=p, max_size=p)
-    costs = Costs(F=draw(share), B=draw(share), W=draw(share), comm=draw(st.floats(0, 1)))
+    costs = Costs(**draw_shares(draw, p), comm=draw(st.floats(0, 1)))
     return p, draw(st.integers(1, 24)), costs
 
 

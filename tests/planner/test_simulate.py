@@ -1,9 +1,12 @@
 """The simulator's semantics: [Note: pipeline dependencies] in flowkit/planner/simulate.py."""
 
+import math
+
 import attrs
 import pytest
 
 from flowkit.planner import Action, Costs, Placement, Schedule, ScheduleError, simulate
+from flowkit.planner.schedules import build_schedule
 
 
 def _schedule(*device_texts: str, stage_to_device=None, microbatches=1) -> Schedule:
@@ -81,3 +84,11 @@ def test_a_per_op_cost_is_added_to_every_op_and_once_to_a_fused_backward():
     assert simulate(fused, with_overhead).makespan == simulate(fused, costs).makespan + 1.0
     assert simulate(split, with_overhead).makespan == simulate(split, costs).makespan + 1.5
     assert with_overhead.to_json()["per_op"] == 0.5 and "per_op" not in costs.to_json()
+
+
+def test_bubble_rate_is_never_negative_from_float_noise():
+    costs = Costs.uniform(2, F=0.1, B=0.1, W=0.1)
+    sched = build_schedule("zb-v", devices=2, microbatches=5, costs=costs)
+    result = simulate(sched, costs.for_placement(sched.placement))
+    assert max(result.busy) > max(result.device_span)  # the noise this guards against
+    assert result.bubble_rate == 0.0 and math.copysign(1, result.bubble_rate) == 1

@@ -3,6 +3,7 @@
 import pytest
 
 from flowkit.planner import Action, Costs, MemoryModel, Placement, Schedule, ScheduleError
+from flowkit.planner.schedules import build_schedule
 from flowkit.planner.validate import render_grid, validate
 
 
@@ -76,3 +77,13 @@ def test_long_grids_show_rows_around_marks():
     grid = render_grid(_schedule(ops, microbatches=60), {Action(0, "F", 3)})
     assert "[0F3]" in grid and "..." in grid and "(120 steps)" in grid
     assert len(grid.splitlines()) < 30
+
+
+def test_validate_marks_a_memory_only_failure():
+    with pytest.raises(ScheduleError) as raised:
+        build_schedule("gpipe", devices=4, microbatches=8, costs=Costs.uniform(4), memory_limit=4)
+    assert raised.value.over_memory
+    with pytest.raises(ScheduleError) as raised:
+        build_schedule("zb-v", devices=4, microbatches=8, costs=Costs.uniform(4),
+                       memory=MemoryModel(B=0, W=0, BW=0))
+    assert raised.value.over_memory

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from flowkit.planner import Costs, Placement, simulate
 from flowkit.planner.schedules import build_schedule
+from tests.planner.strategies import draw_shares
 
 CAPS = {
     "zb-v": lambda p: p,
@@ -64,14 +65,10 @@ def test_controllable_memory_bubbles_within_published(kind, p, m, bound):
     assert result.bubble_rate <= bound
 
 
-cost = st.floats(0.05, 5.0, allow_nan=False)
-
-
 @st.composite
 def problems(draw):
     p = draw(st.integers(1, 6))
-    share = st.lists(cost, min_size=p, max_size=p)
-    costs = Costs(F=draw(share), B=draw(share), W=draw(share), comm=draw(st.floats(0, 1)))
+    costs = Costs(**draw_shares(draw, p), comm=draw(st.floats(0, 1)))
     limit = draw(st.none() | st.floats(1.0, 2.0 * p))
     return p, draw(st.integers(1, 16)), costs, limit
 

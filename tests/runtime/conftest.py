@@ -1,16 +1,10 @@
 import pytest
 
-from flowkit.runtime import Controller, LocalExecutors
+from tests.harness import executor_cluster
 
 
 @pytest.fixture
 def cluster():
-    """A controller with two local executor processes; torn down even when a test fails."""
-    controller = Controller()
-    executors = LocalExecutors(controller, 2, tags=[("rollout",), ("train",)])
-    infos = executors.start()
-    try:
-        yield controller, sorted(infos, key=lambda e: e.name)
-    finally:
-        controller.shutdown()
-        executors.stop()
+    """A controller with two local executor processes, a rollout one and a train one."""
+    with executor_cluster(2, tags=[("rollout",), ("train",)]) as started:
+        yield started

@@ -7,11 +7,10 @@ import pytest
 from click.testing import CliRunner
 
 from flowkit.cli import main
-from flowkit.dsl.load import import_flow_file
 from flowkit.planner.lower import Call, lower_flow
 from flowkit.planner.simcosts import SimCosts
-from flowkit.runtime import Controller, LocalExecutors, RemoteError
 from flowkit.runtime.flowrun import FlowRunError, FlowRunner
+from tests.harness import executor_cluster
 from tests.runtime import flowdefs
 
 FLOWDEFS = str(Path(flowdefs.__file__))
@@ -20,14 +19,14 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 
 @pytest.fixture(scope="module")
 def sim_cluster():
-    ctl = Controller()
-    executors = LocalExecutors(ctl, 2, kind="sim", tags=("train", "rollout"), code=[FLOWDEFS])
-    executors.start()
-    try:
+    with executor_cluster(2, kind="sim", tags=("train", "rollout"), code=[FLOWDEFS]) as (ctl, _):
         yield ctl
-    finally:
-        ctl.shutdown()
-        executors.stop()
+
+
+@pytest.fixture(scope="module")
+def map_reduce():
+    with executor_cluster(3, tags=[("map",), ("map",), ("reduce",)], code=[FLOWDEFS]) as (ctl, _):
+        yield ctl
 
 
 def _value(runner, node, port="out"):
@@ -51,16 +50,9 @@ def test_items_pair_by_sample_groups_form_by_key_and_the_barrier_sees_all(sim_cl
     assert _value(runner, "total") == [sum(3 * i + 1 for i in range(6))]
 
 
-def test_groups_start_as_soon_as_they_are_complete_while_the_long_tail_runs():
-    ctl = Controller()
-    executors = LocalExecutors(ctl, 3, tags=[("map",), ("map",), ("reduce",)], code=[FLOWDEFS])
-    executors.start()
-    try:
-        runner = FlowRunner(ctl, lower_flow(flowdefs.tail_flow(last_delay=0.5)))
-        runner.run_step(0)
-    finally:
-        ctl.shutdown()
-        executors.stop()
+def test_groups_start_as_soon_as_they_are_complete_while_the_long_tail_runs(map_reduce):
+    runner = FlowRunner(map_reduce, lower_flow(flowdefs.tail_flow(last_delay=0.5)))
+    runner.run_step(0)
     tail_end = runner.states["slow_double_on_map"].last_end
     group_starts = sorted(ref.timing[0]
                           for ref in runner.previous[("group_sum_on_reduce", "out")].ordered())
@@ -71,20 +63,13 @@ def test_groups_start_as_soon_as_they_are_complete_while_the_long_tail_runs():
     assert runner.states["total"].first_start >= tail_end
 
 
-def test_unfused_every_op_waits_for_its_producers_and_the_outputs_are_the_same():
-    ctl = Controller()
-    executors = LocalExecutors(ctl, 3, tags=[("map",), ("map",), ("reduce",)], code=[FLOWDEFS])
-    executors.start()
-    try:
-        outputs = {}
-        for fuse in (True, False):
-            runner = FlowRunner(ctl, lower_flow(flowdefs.tail_flow(last_delay=0.3)), fuse=fuse)
-            runner.run_step(0)
-            outputs[fuse] = [ref.result(timeout=5) for ref in
-                             runner.previous[("group_sum_on_reduce", "out")].ordered()]
-    finally:
-        ctl.shutdown()
-        executors.stop()
+def test_unfused_every_op_waits_for_its_producers_and_the_outputs_are_the_same(map_reduce):
+    outputs = {}
+    for fuse in (True, False):
+        runner = FlowRunner(map_reduce, lower_flow(flowdefs.tail_flow(last_delay=0.3)), fuse=fuse)
+        runner.run_step(0)
+        outputs[fuse] = [ref.result(timeout=5) for ref in
+                         runner.previous[("group_sum_on_reduce", "out")].ordered()]
     tail_end = runner.states["slow_double_on_map"].last_end
     group_starts = [ref.timing[0]
                     for ref in runner.previous[("group_sum_on_reduce", "out")].ordered()]
@@ -138,12 +123,3 @@ def test_flowkit_run_reports_a_failing_op_and_exits_1():
 def test_flowkit_run_rejects_bad_sim_costs():
     result = CliRunner().invoke(main, ["run", str(EXAMPLES / "grpo.py"), "--sim-cost", "X=1"])
     assert result.exit_code == 2 and "NAME=SECONDS" in result.output
-
-
-def test_an_output_that_cannot_be_sent_fails_its_task_and_the_executor_keeps_serving(
-        sim_cluster):
-    target = f"{import_flow_file(Path(FLOWDEFS)).__name__}:unsendable"
-    for _ in range(2):  # on both executors, or twice on one: either way it keeps serving
-        with pytest.raises(RemoteError, match="cannot be sent"):
-            sim_cluster.submit("python", config={"target": target}).result(timeout=5)
-    assert sim_cluster.submit("identity", 3).result(timeout=5) == 3

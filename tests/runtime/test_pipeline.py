@@ -4,26 +4,20 @@ import pytest
 
 from flowkit.planner import Action, Costs, Kind
 from flowkit.planner.schedules import build_schedule
-from flowkit.runtime import Controller, LocalExecutors
 from flowkit.runtime.pipeline import (
     stage_costs_config,
     submission_order,
     submit_schedule,
 )
+from tests.harness import executor_cluster
 
 P, M = 3, 6
 
 
 @pytest.fixture(scope="module")
 def sims():
-    ctl = Controller()
-    executors = LocalExecutors(ctl, P, kind="sim", name_prefix="sim")
-    infos = sorted(executors.start(), key=lambda e: e.name)
-    try:
-        yield ctl, infos
-    finally:
-        ctl.shutdown()
-        executors.stop()
+    with executor_cluster(P, kind="sim", name_prefix="sim") as started:
+        yield started
 
 
 @pytest.mark.parametrize("kind", ["1f1b", "zb-h1", "zb-h2", "gpipe"])

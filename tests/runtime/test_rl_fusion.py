@@ -6,8 +6,8 @@ import pytest
 from dataflows.grpo import grpo_flow
 from flowkit.planner.lower import lower_flow
 from flowkit.planner.simcosts import SimCosts
-from flowkit.runtime import Controller, LocalExecutors
 from flowkit.runtime.flowrun import FlowRunner
+from tests.harness import executor_cluster
 
 COSTS = SimCosts(F=0.004, B=0.004, W=0.002, token=0.0004, length_sigma=1.0)
 
@@ -15,7 +15,7 @@ COSTS = SimCosts(F=0.004, B=0.004, W=0.002, token=0.0004, length_sigma=1.0)
 @pytest.fixture(scope="module")
 def cluster():
     tags = [("rollout",)] * 2 + [("train",)] * 2
-    with Controller() as ctl, LocalExecutors(ctl, 4, kind="sim", tags=tags):
+    with executor_cluster(4, kind="sim", tags=tags) as (ctl, _):
         yield ctl
 
 

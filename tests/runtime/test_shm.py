@@ -8,9 +8,8 @@ import time
 
 import pytest
 import torch
-import zmq
 
-from flowkit.runtime import Controller, ExecutorLost, LocalExecutors, RemoteError, wait
+from flowkit.runtime import ExecutorLost, RemoteError, wait
 from flowkit.runtime.protocol import Msg, encode
 from flowkit.runtime.serialize import SerializeError, pack, unpack
 from flowkit.runtime.shm import (
@@ -20,6 +19,7 @@ from flowkit.runtime.shm import (
     leftover_segments,
     sweep,
 )
+from tests.harness import dealer, executor_cluster, process_of
 
 MiB = 1 << 20
 LOCAL = "tcp://127.0.0.1:1"
@@ -32,19 +32,14 @@ def _pattern(nbytes: int) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _cluster(count: int = 2):
-    """Yields (controller, executor infos by name, launcher); on exit, checks that the executors'
-    own exit removed their segments before the launcher's sweep could."""
-    controller = Controller()
-    launcher = LocalExecutors(controller, count)
-    infos = sorted(launcher.start(), key=lambda e: e.name)
-    try:
-        yield controller, infos, launcher
-    finally:
+    """Yields (controller, executor infos by name); on exit, checks that the executors' own exit
+    removed their segments before the launcher's sweep could."""
+    with executor_cluster(count) as (controller, infos):
+        yield controller, infos
         controller.shutdown()
-        for process in launcher.processes:
-            process.wait(timeout=10)
+        for info in infos:
+            process_of(controller, info).wait(timeout=10)
         left = leftover_segments(info.pid for info in infos)
-        launcher.stop()
     assert left == [], f"executors exited leaving {left}"
 
 
@@ -147,7 +142,7 @@ def test_handles_past_the_segment_or_not_lent_are_refused():
 @pytest.fixture(scope="module")
 def pair():
     """One cluster for the tests that leave it as they found it (cluster starts cost seconds)."""
-    with _cluster() as (ctl, (a, b), _):
+    with _cluster() as (ctl, (a, b)):
         yield ctl, a, b
 
 
@@ -189,7 +184,7 @@ def test_numpy_arrays_arrive_intact(pair):
 
 def test_forced_frames_path_moves_data_without_shared_memory(monkeypatch):
     monkeypatch.setenv("FLOWKIT_PEER_TRANSPORT", "frames")
-    with _cluster() as (ctl, (a, b), _):
+    with _cluster() as (ctl, (a, b)):
         made = ctl.submit("make_tensor", config={"nbytes": 5 * MiB + 7}, executor=a.id)
         moved = ctl.submit("identity", made, executor=b.id)
         got = moved.result(timeout=30)
@@ -211,7 +206,7 @@ def test_segments_go_back_to_the_pool_when_the_consumer_frees_them(pair):
 
 
 def test_no_segment_is_left_after_an_op_fails():
-    with _cluster() as (ctl, (a, b), _):
+    with _cluster() as (ctl, (a, b)):
         made = ctl.submit("make_tensor", config={"nbytes": 4 * MiB}, executor=a.id)
         with pytest.raises(RemoteError, match="failed on purpose"):
             ctl.submit("fail", made, executor=b.id).result(timeout=30)
@@ -219,7 +214,7 @@ def test_no_segment_is_left_after_an_op_fails():
 
 
 def test_a_killed_executor_leaves_no_segment_after_the_run():
-    with _cluster() as (ctl, (a, b), launcher):
+    with _cluster() as (ctl, (a, b)):
         made = ctl.submit("make_tensor", config={"nbytes": 4 * MiB}, executor=a.id)
         moved = ctl.submit("identity", made, executor=b.id)
         wait([moved], timeout=30)
@@ -229,16 +224,13 @@ def test_a_killed_executor_leaves_no_segment_after_the_run():
             later.result(timeout=30)
         assert leftover_segments([a.pid])  # nobody could unlink them yet
         assert torch.equal(moved.result(timeout=30), _pattern(4 * MiB))  # b's mapping works
-        launcher.processes[0].wait(timeout=10)
+        process_of(ctl, a).wait(timeout=10)
         sweep([a.pid])  # what LocalExecutors.stop does; _cluster checks the rest is clean
     assert leftover_segments([a.pid, b.pid]) == []
 
 
 def _send_data(address: str, layout, frames: list, body: bytes) -> None:
-    context = zmq.Context.instance()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 1000)
-    sock.connect(address)
+    sock = dealer(address, linger=1000)
     sock.send_multipart(encode(Msg.DATA, {"object": 10**9, "meta": {"body": body,
                                                                     "layout": layout}}, frames))
     sock.close()
@@ -247,7 +239,7 @@ def _send_data(address: str, layout, frames: list, body: bytes) -> None:
 def test_truncated_handles_and_chunks_are_refused_and_the_executor_keeps_serving(caplog):
     body, frames = pack(torch.zeros(3 * MiB, dtype=torch.uint8))
     chunks = [bytes(MiB), bytes(MiB), bytes(MiB // 2)]  # the last chunk cut short
-    with _cluster() as (ctl, (a, b), _):
+    with _cluster() as (ctl, (a, b)):
         _send_data(b.peer_address, [3], chunks, body)
         _send_data(b.peer_address, [3], chunks[:2], body)  # a chunk missing
         _send_data(b.peer_address, [["shm", f"flowkit-{a.pid}-404", 4096, 3 * MiB, "?"]], [],

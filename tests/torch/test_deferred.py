@@ -13,7 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from executors.torch import StageRunner
-from executors.torch.models.gpt import GPT, GPTConfig, split_gpt
+from executors.torch.models.gpt import split_gpt
+from tests.harness import seeded_gpt, tiny_gpt
 
 D, VOCAB = 6, 9
 
@@ -105,9 +106,7 @@ def test_a_gpt_stage_frees_its_activations_during_b():
     """Every parameter of a GPT stage sits in a linear, layer-norm or embedding layer, so no
     graph is kept from B to W: what only autograd saved is gone after B (here an activation
     between ln_1 and ln_2; a kept ln_2 node would hold it, and everything else below it)."""
-    torch.manual_seed(0)
-    config = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
-    first, _ = split_gpt(GPT(config), 2)
+    first, _ = split_gpt(seeded_gpt(tiny_gpt(vocab_size=32, block_size=8, n_embd=16)), 2)
     first.h[0].attn.c_proj.register_forward_hook(lambda m, i, o: _Saves.apply(o))
     _Saves.seen.clear()
     runner = StageRunner(first)

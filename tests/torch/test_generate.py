@@ -6,24 +6,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executors.ops import OpContext, OpTable
+from executors.ops import OpTable
 from executors.torch import generate as gen
 from executors.torch.models.gpt import GPT, KVCache
 from flowkit.ops.records import Prompt
+from tests.harness import gpt_spec, op_context, seeded_gpt, tiny_gpt
 
-SMALL = {"vocab_size": 32, "block_size": 24, "n_layer": 2, "n_head": 2, "n_embd": 16}
-MODEL = {"model": "policy", "build": "executors.torch.models.gpt:GPT", "model_config": SMALL,
-         "dtype": "float64", "seed": 3}
+SMALL = tiny_gpt(vocab_size=32, block_size=24, n_embd=16)
+MODEL = gpt_spec("policy", SMALL, seed=3)
 PROMPTS = [Prompt(prompt_id=i, tokens=[(7 * i + j) % 32 for j in range(length)])
            for i, length in enumerate([1, 5, 3, 8, 2])]
 
 
-def _ctx() -> OpContext:
-    return OpContext(name="exec0", device="cpu", tags=())
-
-
 def _generate(ctx=None, prompts=PROMPTS, **kw):
-    return gen._generate(ctx or _ctx(), prompts, **{**MODEL, "eos": None, **kw})
+    return gen._generate(ctx or op_context(), prompts, **{**MODEL, "eos": None, **kw})
 
 
 def _by_key(rollouts):
@@ -39,8 +35,7 @@ def _greedy_without_cache(model: GPT, tokens: list[int], steps: int) -> list[int
 
 
 def test_cached_forward_equals_full_forward_in_pieces_with_right_padding():
-    torch.manual_seed(0)
-    model = GPT(**SMALL).double()
+    model = seeded_gpt(SMALL, dtype=torch.float64)
     idx = torch.randint(0, 32, (3, 12))
     full = model(idx)
     cache = KVCache.empty(model.config, 3, 12, dtype=torch.float64)
@@ -55,7 +50,7 @@ def test_cached_forward_equals_full_forward_in_pieces_with_right_padding():
 
 
 def test_greedy_with_cache_equals_recompute_token_for_token():
-    ctx = _ctx()
+    ctx = op_context()
     rollouts = _by_key(_generate(ctx, temperature=0.0, max_new_tokens=10, max_batch=3))
     model = gen.whole_model(ctx, MODEL)
     for p in PROMPTS:
@@ -85,7 +80,7 @@ def test_tiny_top_p_is_greedy():
 
 
 def test_eos_stops_a_sample_and_it_is_emitted():
-    ctx = _ctx()
+    ctx = op_context()
     greedy = _by_key(_generate(ctx, temperature=0.0, max_new_tokens=10))
     eos = greedy[(1, 0)].response_tokens[2]
     stopped = _by_key(_generate(ctx, temperature=0.0, max_new_tokens=10, eos=eos))
@@ -103,7 +98,7 @@ def test_block_size_bounds_a_sample_and_bad_prompts_are_clear_errors():
     with pytest.raises(Exception, match="block_size"):
         _generate(prompts=[Prompt(prompt_id=1, tokens=list(range(24)))])
     with pytest.raises(Exception, match="build"):
-        gen._generate(_ctx(), PROMPTS, model="policy")
+        gen._generate(op_context(), PROMPTS, model="policy")
 
 
 def test_register_adds_generate():

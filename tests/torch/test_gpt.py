@@ -17,9 +17,10 @@ from executors.torch.models.gpt import (
     sum_tied_grads,
     tied_parameters,
 )
+from tests.harness import seeded_gpt, tiny_gpt
 from tests.torch.helpers import run_order, schedule_order
 
-SMALL = {"vocab_size": 64, "block_size": 16, "n_layer": 4, "n_head": 2, "n_embd": 16}
+SMALL = tiny_gpt(block_size=16, n_layer=4, n_embd=16)
 
 
 def test_shapes_and_factory_from_a_config_dict():
@@ -85,8 +86,7 @@ def _data(microbatches, vocab=64, seq=12):
 @pytest.mark.parametrize(("stages", "schedule"), [(1, "1f1b"), (2, "zb-h1"), (4, "zb-h2"),
                                                   (4, "zb-v")])
 def test_split_equals_unsplit_model_in_float64(stages, schedule):
-    torch.manual_seed(0)
-    model = GPT(**SMALL).double()
+    model = seeded_gpt(SMALL, dtype=torch.float64)
     data = _data(3)
     ref_loss, ref = _reference(model, data)
     parts = split_gpt(model, stages)
@@ -113,8 +113,7 @@ def test_tied_pairs_name_the_copies():
 
 
 def test_value_head_split_equals_unsplit():
-    torch.manual_seed(0)
-    model = GPT(**SMALL, value_head=True).double()
+    model = seeded_gpt({**SMALL, "value_head": True}, dtype=torch.float64)
     g = torch.Generator().manual_seed(5)
     data = [(torch.randint(0, 64, (2, 8), generator=g),
              torch.randn(2, 8, generator=g, dtype=torch.float64)) for _ in range(2)]
@@ -129,8 +128,7 @@ def test_value_head_split_equals_unsplit():
 
 
 def test_split_equals_unsplit_in_float32_to_relative_1e_5():
-    torch.manual_seed(0)
-    model = GPT(**SMALL)
+    model = seeded_gpt(SMALL)
     data = _data(4)
     _, ref = _reference(model, data)
     parts = split_gpt(model, 4)

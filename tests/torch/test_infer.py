@@ -6,26 +6,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executors.ops import OpContext, OpTable
+from executors.ops import OpTable
 from executors.torch import generate as gen
 from executors.torch import infer
 from flowkit.ops.records import Prompt, Rollout, TokenScores
+from tests.harness import critic_of, gpt_spec, op_context, tiny_gpt
 
-SMALL = {"vocab_size": 32, "block_size": 24, "n_layer": 2, "n_head": 2, "n_embd": 16}
-POLICY = {"model": "policy", "build": "executors.torch.models.gpt:GPT", "model_config": SMALL,
-          "dtype": "float64", "seed": 1}
-CRITIC = {**POLICY, "model": "critic", "model_config": {**SMALL, "value_head": True}}
+POLICY = gpt_spec("policy", tiny_gpt(vocab_size=32, block_size=24, n_embd=16), seed=1)
+CRITIC = critic_of(POLICY)
 PROMPTS = [Prompt(prompt_id=i, tokens=[(5 * i + j) % 32 for j in range(length)])
            for i, length in enumerate([2, 6, 1, 4])]
 
 
-def _ctx() -> OpContext:
-    return OpContext(name="exec0", device="cpu", tags=())
-
-
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8)])
 def test_generation_logprobs_equal_the_recomputed_ones(temperature, top_p):
-    ctx = _ctx()
+    ctx = op_context()
     rollouts = gen._generate(ctx, PROMPTS, **POLICY, n=2, max_new_tokens=7, eos=3,
                              temperature=temperature, top_p=top_p, max_batch=3)
     scores = infer._logprobs(ctx, rollouts, **POLICY, temperature=temperature, max_batch=5)
@@ -36,7 +31,7 @@ def test_generation_logprobs_equal_the_recomputed_ones(temperature, top_p):
 
 
 def test_one_rollout_in_one_score_out():
-    ctx = _ctx()
+    ctx = op_context()
     r = Rollout(prompt_id=4, sample=1, prompt_tokens=[1, 2, 3], response_tokens=[4, 5],
                 logprobs=[0.0, 0.0])
     out = infer._logprobs(ctx, r, **POLICY)
@@ -44,7 +39,7 @@ def test_one_rollout_in_one_score_out():
 
 
 def test_values_and_reward_read_the_documented_positions():
-    ctx = _ctx()
+    ctx = op_context()
     rs = [Rollout(prompt_id=i, sample=0, prompt_tokens=list(range(1, 2 + i)),
                   response_tokens=[7, 8, 9][: 1 + i], logprobs=[]) for i in range(3)]
     values = infer._values(ctx, rs, **CRITIC, max_batch=2)
@@ -63,7 +58,7 @@ def test_values_and_reward_read_the_documented_positions():
 def test_value_ops_need_a_value_head_and_register_adds_the_ops():
     r = Rollout(prompt_id=0, sample=0, prompt_tokens=[1], response_tokens=[2], logprobs=[0.0])
     with pytest.raises(ValueError, match="value_head"):
-        infer._values(_ctx(), r, **POLICY)
+        infer._values(op_context(), r, **POLICY)
     table = OpTable()
     infer.register(table)
     assert {"logprobs", "values", "reward_model"} <= set(table.names())

@@ -16,26 +16,20 @@ from dataflows.pretrain import pretrain_flow
 from dataflows.text import token_sequences
 from executors.torch.models.gpt import GPT
 from flowkit.planner.lower import lower_flow
-from flowkit.runtime import Controller, LocalExecutors
 from flowkit.runtime.flowrun import FlowRunner
 from flowkit.runtime.flowtrain import _chunk
+from tests.harness import executor_cluster, seeded_gpt, tiny_gpt
 
 CORPUS = str(Path(__file__).parents[2] / "examples" / "data" / "corpus.txt")
 DEVICES, MICROBATCHES, SEQUENCES, SEQ_LEN, STEPS = 2, 4, 8, 8, 2
-GPT_CONFIG = {"vocab_size": 256, "block_size": 16, "n_layer": 4, "n_head": 2, "n_embd": 16}
+GPT_CONFIG = tiny_gpt(vocab_size=256, block_size=16, n_layer=4, n_embd=16)
 HPARAMS = {"lr": 1e-2, "clip_grad_norm": 0.5}  # small enough a norm that clipping happens
 
 
 @pytest.fixture(scope="module")
 def torch_cluster():
-    ctl = Controller()
-    executors = LocalExecutors(ctl, DEVICES, kind="torch", tags=("train",))
-    executors.start()
-    try:
+    with executor_cluster(DEVICES, kind="torch", tags=("train",)) as (ctl, _):
         yield ctl
-    finally:
-        ctl.shutdown()
-        executors.stop()
 
 
 def _train_on_executors(ctl, schedule: str, dtype: str, name: str) -> tuple[list, dict]:
@@ -57,8 +51,7 @@ def _train_on_executors(ctl, schedule: str, dtype: str, name: str) -> tuple[list
 
 def _train_plain(dtype: torch.dtype) -> tuple[GPT, list[float]]:
     """The reference: one process, the unsplit model, the same batches and accumulation."""
-    torch.manual_seed(3)
-    model = GPT(**GPT_CONFIG).to(dtype)
+    model = seeded_gpt(GPT_CONFIG, seed=3, dtype=dtype)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     plain = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(

@@ -6,14 +6,13 @@ import pytest
 import torch
 
 from dataflows.grpo import grpo_flow
-from executors.torch.models.gpt import GPT
 from flowkit.planner.lower import lower_flow
-from flowkit.runtime import Controller, LocalExecutors
 from flowkit.runtime.flowrun import FlowRunner
 from flowkit.runtime.training import model_spec
+from tests.harness import executor_cluster, seeded_gpt, tiny_gpt
 
-TINY = {"vocab_size": 64, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32,
-        "dtype": "float64", "seed": 3}
+GPT_CONFIG = tiny_gpt()
+TINY = {**GPT_CONFIG, "dtype": "float64", "seed": 3}
 STEPS = 2
 
 
@@ -27,7 +26,7 @@ def _flow():
 
 def _train(tmp_path, *, fuse: bool):
     tags = [("train",), ("train",), ("rollout",)]
-    with Controller() as ctl, LocalExecutors(ctl, 3, kind="torch", tags=tags) as infos:
+    with executor_cluster(3, kind="torch", tags=tags) as (ctl, infos):
         flow = _flow()
         runner = FlowRunner(ctl, lower_flow(flow), fuse=fuse)
         reports = [runner.run_step(step) for step in range(STEPS)]
@@ -58,8 +57,7 @@ def test_fused_and_stage_by_stage_train_the_same_parameters(runs):
 
 def test_the_generator_holds_the_trained_weights_after_each_step(runs):
     trained, generator, reports, _ = runs[True]
-    torch.manual_seed(TINY["seed"])
-    model = GPT(**{k: v for k, v in TINY.items() if k not in ("dtype", "seed")}).double()
+    model = seeded_gpt(GPT_CONFIG, seed=TINY["seed"], dtype=torch.float64)
     initial = dict(model.state_dict())
     moved = [name for name in trained if not torch.equal(trained[name], initial[name])]
     assert moved, "training changed no weight"

@@ -19,15 +19,21 @@ import torch
 from executors.ops import OpContext
 from executors.torch import ops
 from executors.torch.algos import kl_penalty, ppo_policy_loss, value_loss
+from executors.torch.held import held_stage
 from executors.torch.models.gpt import GPT
 from executors.torch.stage import StageError
 from flowkit.ops.records import Experience, MicrobatchStats, TokenScores
+from tests.harness import (
+    critic_of,
+    executor_cluster,
+    gpt_spec,
+    op_context,
+    seeded_gpt,
+    tiny_gpt,
+)
 
-SMALL = {"vocab_size": 64, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32}
-SEED = 5
-POLICY = {"model": "policy", "build": "executors.torch.models.gpt:GPT", "model_config": SMALL,
-          "dtype": "float64", "seed": SEED}
-CRITIC = {**POLICY, "model": "critic", "model_config": {**SMALL, "value_head": True}}
+POLICY = gpt_spec("policy", tiny_gpt(), seed=5)
+CRITIC = critic_of(POLICY)
 TIGHT = 1e-10
 # A clip bound the gradients exceed, and an AdamW eps so large that its step is about lr times
 # the gradient: a wrongly scaled gradient moves the parameters visibly (Adam's own step is
@@ -36,14 +42,9 @@ STEP = {"lr": 1e-2, "clip_grad_norm": 0.05, "eps": 1.0}
 NO_CLIP = {**STEP, "clip_grad_norm": 100.0}  # clipping undoes a wrong scale: test without it
 
 
-def _ctx() -> OpContext:
-    return OpContext(name="exec0", device="cpu", tags=())
-
-
 def _whole(spec: dict) -> GPT:
     """The unsplit model with the weights every holder builds (same seed, then the dtype)."""
-    torch.manual_seed(spec["seed"])
-    return GPT(**spec["model_config"]).to(torch.float64)
+    return seeded_gpt(spec["model_config"], seed=spec["seed"], dtype=torch.float64)
 
 
 # -- experiences ------------------------------------------------------------------------------
@@ -113,7 +114,7 @@ def _run_microbatches(ctx: OpContext, spec: dict, microbatches: list[tuple], *, 
 
 def _stage_grads(ctx: OpContext, spec: dict, stages: int) -> dict[tuple[int, str], torch.Tensor]:
     """Each stage's parameter gradients, the tied copies' shares summed into both."""
-    modules = [ops._stage(ctx, {**spec, "stage": s, "stages": stages}).module
+    modules = [held_stage(ctx, {**spec, "stage": s, "stages": stages}).module
                for s in range(stages)]
     grads = {(s, n): p.grad.clone() for s, module in enumerate(modules)
              for n, p in module.named_parameters() if p.grad is not None}
@@ -192,7 +193,7 @@ def test_pipeline_gradients_equal_the_unsplit_models_token_mean_loss(loss, kl_co
     cuts = [exps[:2], exps[2:3], exps[3:]]
     data = [(cut, refs[i: i + len(cut)]) if use_ref_input else (cut,)
             for cut, i in zip(cuts, (0, 2, 3))]
-    ctx = _ctx()
+    ctx = op_context()
     stats = _run_microbatches(ctx, POLICY, data, stages=2, loss=loss, kl_coef=kl_coef,
                               temperature=temperature)
     normalizer = sum(s.normalizer for s in stats)
@@ -210,7 +211,7 @@ def test_pipeline_gradients_equal_the_unsplit_models_token_mean_loss(loss, kl_co
 def test_at_ratio_one_without_kl_the_loss_is_minus_the_mean_advantage():
     model = _whole(POLICY)
     exps = _near_current(_experiences(4, seed=7), model, noise=0.0, seed=0)
-    stats = _run_microbatches(_ctx(), POLICY, [(exps,)], stages=2, loss="grpo", kl_coef=0.0)
+    stats = _run_microbatches(op_context(), POLICY, [(exps,)], stages=2, loss="grpo", kl_coef=0.0)
     advantages = [a for e in exps for a in e.advantages]
     assert stats[0].loss == pytest.approx(-sum(advantages) / len(advantages), abs=1e-12)
 
@@ -225,7 +226,7 @@ def test_a_longer_sample_in_the_microbatch_leaves_a_samples_contribution_unchang
                           advantages=[0.5] * 12)
     sums, grads = [], []
     for mb in ([short], [longer], [short, longer]):
-        ctx = _ctx()
+        ctx = op_context()
         (s,) = _run_microbatches(ctx, POLICY, [(mb,)], stages=stages, loss="ppo")
         sums.append(s.loss * s.normalizer)
         grads.append(_stage_grads(ctx, POLICY, stages))
@@ -237,7 +238,7 @@ def _one_step(spec: dict, data: list[tuple], *, stages: int, hparams: dict = STE
               **loss_config) -> tuple:
     """F/B/W of the microbatches, then grad_stats and optimizer_step as the runtime submits
     them (every stage reads the microbatches' stats); the parameters and the step's report."""
-    ctx = _ctx()
+    ctx = op_context()
     stats = _run_microbatches(ctx, spec, data, stages=stages, **loss_config)
     step = {**spec, "stages": stages, **hparams}
     first, tied = ops._grad_stats(ctx, stage=0, **step)
@@ -279,7 +280,7 @@ def test_one_or_three_microbatches_train_the_same_parameters(spec, loss, stages)
 def test_the_value_loss_gradients_equal_verls_clipped_value_loss_on_the_unsplit_critic():
     critic = _whole(CRITIC)
     exps = _experiences(5, seed=31)
-    ctx = _ctx()
+    ctx = op_context()
     stats = _run_microbatches(ctx, CRITIC, [(exps[:3],), (exps[3:],)], stages=2, loss="value",
                               cliprange_value=0.1)
     ids, positions, _, mask, f = _padded_batch(exps, ["values", "returns"])
@@ -294,7 +295,7 @@ def test_the_value_loss_gradients_equal_verls_clipped_value_loss_on_the_unsplit_
 
 
 def test_an_empty_microbatch_contributes_nothing():
-    ctx = _ctx()
+    ctx = op_context()
     (stats,) = _run_microbatches(ctx, POLICY, [([],)], stages=2, loss="grpo")
     assert (stats.loss, stats.tokens, stats.normalizer) == (0.0, 0, 0.0)
     assert all(float(g.abs().max()) == 0.0 for g in _stage_grads(ctx, POLICY, 2).values())
@@ -303,14 +304,14 @@ def test_an_empty_microbatch_contributes_nothing():
 def test_profiling_accepts_an_experience_microbatch():
     exps = _experiences(3, seed=41)
     for s in range(2):
-        seconds = ops._profile(_ctx(), exps, **POLICY, stage=s, stages=2, repeats=1)
+        seconds = ops._profile(op_context(), exps, **POLICY, stage=s, stages=2, repeats=1)
         assert set(seconds) == {"F", "B", "W", "BW"} and all(v > 0 for v in seconds.values())
 
 
 # -- clear errors ---------------------------------------------------------------------------
 def _last_forward(spec: dict, *data, **config):
     """The last stage's F of a two-stage split on the given data inputs."""
-    ctx = _ctx()
+    ctx = op_context()
     act = ops._forward(ctx, *data, stage=0, stages=2, microbatch=0, **spec, **config)
     return ops._forward(ctx, act, *data, stage=1, stages=2, microbatch=0, **spec, **config)
 
@@ -357,7 +358,7 @@ def test_a_pipeline_on_torch_executors_trains_like_one_microbatch_in_one_process
     processes take the step one microbatch takes here."""
     from flowkit.planner import Costs
     from flowkit.planner.schedules import build_schedule
-    from flowkit.runtime import Controller, Gather, LocalExecutors
+    from flowkit.runtime import Gather
     from flowkit.runtime.pipeline import submit_schedule
     from flowkit.runtime.training import pipeline_config, submit_optimizer_step
 
@@ -373,10 +374,7 @@ def test_a_pipeline_on_torch_executors_trains_like_one_microbatch_in_one_process
     schedule = build_schedule("1f1b", devices=2, microbatches=3, costs=Costs.uniform(2))
     config_for = pipeline_config(lambda action: {}, spec, [b - a for a, b in cuts],
                                  {**loss, "schedule": "1f1b"})
-    ctl = Controller()
-    executors = LocalExecutors(ctl, 2, kind="torch", tags=("train",))
-    try:
-        infos = sorted(executors.start(), key=lambda e: int(e.name.rsplit("-", 1)[1]))
+    with executor_cluster(2, kind="torch", tags=("train",)) as (ctl, infos):
         run = submit_schedule(ctl, schedule, infos, config_for=config_for, lane="actor",
                               microbatch_inputs=[(exps[a:b], refs[a:b]) for a, b in cuts])
         quiet, (metrics, _) = submit_optimizer_step(
@@ -392,9 +390,6 @@ def test_a_pipeline_on_torch_executors_trains_like_one_microbatch_in_one_process
                                 executor=infos[schedule.placement.device_of(stage)].id,
                                 lane=f"actor/{schedule.placement.device_of(stage)}")
             got.update({(stage, n): p for n, p in params.result(timeout=60).items()})
-    finally:
-        ctl.shutdown()
-        executors.stop()
     for key, p in want.items():
         diff = (p - got[key]).abs().max().item()
         assert diff < TIGHT, f"stage {key[0]} {key[1]} differs by {diff:.3g}"

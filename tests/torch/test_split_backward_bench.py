@@ -6,9 +6,10 @@ import json
 
 import torch
 
-from flowkit.bench.split_backward import SplitBenchConfig, run_split_backward_bench
+from flowkit.bench.split_backward import run_split_backward_bench
+from tests.harness import tiny_split_bench
 
-TINY = SplitBenchConfig(n_embd=16, n_layer=3, n_head=2, vocab_size=32, stages=3, batch=2, seq=8)
+TINY = tiny_split_bench(3)
 
 
 def test_bench_times_every_stage_and_returns_the_ratios():

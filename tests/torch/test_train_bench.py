@@ -6,16 +6,15 @@ import json
 import sys
 
 from executors.torch.memory import keep_freed_memory
-from flowkit.bench.split_backward import SplitBenchConfig
 from flowkit.bench.train import TrainSetup, run_train_bench
+from tests.harness import tiny_gpt, tiny_split_bench
 
-TINY_GPT = {"vocab_size": 256, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 16}
+TINY_GPT = tiny_gpt(vocab_size=256, block_size=16, n_embd=16)
 
 
 def test_the_train_bench_reports_split_backward_bubbles_and_tokens_per_s():
     setup = TrainSetup(stages=2, microbatches=2, batch_size=4, seq_len=8, steps=3, gpt=TINY_GPT)
-    tiny = SplitBenchConfig(n_embd=16, n_layer=2, n_head=2, vocab_size=32, stages=2, batch=2,
-                            seq=8)
+    tiny = tiny_split_bench(2)
     result = run_train_bench(setup, schedules=("1f1b", "zb-h1"),
                              split_backward={"configs": [tiny], "repeats": 1, "warmup": 0})
     assert json.loads(json.dumps(result)) == result

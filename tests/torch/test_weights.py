@@ -9,13 +9,12 @@ import torch
 from executors.ops import OpContext, OpTable
 from executors.torch import register as register_torch
 from executors.torch import weights
-from executors.torch.models.gpt import GPT
 from executors.torch.stage import StageError
 from flowkit.ops.records import Prompt, Rollout, WeightsVersion
+from tests.harness import executor_cluster, gpt_spec, op_context, seeded_gpt, tiny_gpt
 
-GPT_CONFIG = {"vocab_size": 64, "block_size": 32, "n_layer": 4, "n_head": 2, "n_embd": 32}
-SPEC = {"model": "actor", "build": "executors.torch.models.gpt:GPT", "model_config": GPT_CONFIG,
-        "seed": 3, "dtype": "float64"}
+GPT_CONFIG = tiny_gpt(n_layer=4)
+SPEC = gpt_spec("actor", GPT_CONFIG, seed=3)
 LR = {"lr": 1e-2, "clip_grad_norm": 1.0}
 
 _TABLE = OpTable()
@@ -24,10 +23,6 @@ register_torch(_TABLE)
 
 def _op(name: str, ctx: OpContext, *inputs, **config):
     return _TABLE.get(name)(ctx, *inputs, **config)
-
-
-def _ctx(name: str = "exec0") -> OpContext:
-    return OpContext(name=name, device="cpu", tags=())
 
 
 def _batches(step: int, microbatches: int = 2, rows: int = 3, seq: int = 12) -> list:
@@ -75,8 +70,7 @@ def _assert_same(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("seq_len", [None, 4])
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
 def test_stage_names_name_every_split_parameter_by_the_unsplit_model(stages, seq_len):
-    torch.manual_seed(0)
-    model = GPT(**GPT_CONFIG)
+    model = seeded_gpt(GPT_CONFIG)
     whole = dict(model.named_parameters(remove_duplicate=False))
     names = model.stage_names(stages, seq_len=seq_len)
     covered = set()
@@ -99,8 +93,7 @@ def test_stage_names_name_every_split_parameter_by_the_unsplit_model(stages, seq
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_weights_round_trip_from_any_split_to_any_other(n):
-    torch.manual_seed(0)
-    source = GPT(**GPT_CONFIG)
+    source = seeded_gpt(GPT_CONFIG)
     parts = source.split(n)
     lay = weights.layout(source, parts)
     exported = [weights.export(part, lay.names[s]) for s, part in enumerate(parts)]
@@ -111,8 +104,7 @@ def test_weights_round_trip_from_any_split_to_any_other(n):
     _assert_same(merged, {k: v for k, v in source.state_dict().items()})
     idx = torch.randint(0, 64, (2, 10))
     for m in range(1, 5):
-        torch.manual_seed(1)  # other weights, to be overwritten
-        target = GPT(**GPT_CONFIG)
+        target = seeded_gpt(GPT_CONFIG, seed=1)  # other weights, to be overwritten
         tparts = target.split(m)
         tlay = weights.layout(target, tparts)
         mine = weights.to_local(merged, tlay.names, tlay.aliases)
@@ -132,8 +124,7 @@ def test_weights_round_trip_from_any_split_to_any_other(n):
 
 
 def test_one_name_of_a_tied_weight_sets_every_copy():
-    torch.manual_seed(0)
-    model = GPT(**GPT_CONFIG)
+    model = seeded_gpt(GPT_CONFIG)
     parts = model.split(2)
     lay = weights.layout(model, parts)
     new = torch.randn(64, 32)
@@ -147,7 +138,7 @@ def test_one_name_of_a_tied_weight_sets_every_copy():
 
 # -- on executors -----------------------------------------------------------------------------
 def test_a_two_stage_split_and_a_whole_copy_coexist_and_start_equal():
-    ctx = _ctx()
+    ctx = op_context()
     whole = _export(ctx, 1)[0]
     two = _export(ctx, 2)
     assert set(ctx.state["torch_models"]) == {("actor", 1), ("actor", 2)}
@@ -160,7 +151,7 @@ def test_a_two_stage_split_and_a_whole_copy_coexist_and_start_equal():
 
 
 def test_trained_stages_exported_into_a_whole_copy_give_the_same_model():
-    ctx = _ctx()
+    ctx = op_context()
     before = _export(ctx, 1)[0]  # the whole copy, built before training
     version = _train_step(ctx, 0)
     e0, e1 = _export(ctx, 2)
@@ -185,7 +176,7 @@ def test_trained_stages_exported_into_a_whole_copy_give_the_same_model():
     torch.testing.assert_close(whole_logits, split_logits, rtol=0, atol=1e-12)
 
     # another executor's whole copy takes the same dicts; generation there equals this one's
-    other = _ctx("exec1")
+    other = op_context("exec1")
     assert _op("load_weights", other, e0, e1, stages=1, version=1, **SPEC).version == 1
     prompts = [Prompt(prompt_id=i, tokens=[3 + i, 7, 9]) for i in range(3)]
     rollouts = _op("generate", ctx, prompts, loaded, n=2, max_new_tokens=5, eos=None, **SPEC)
@@ -197,7 +188,7 @@ def test_trained_stages_exported_into_a_whole_copy_give_the_same_model():
 
 
 def test_a_second_step_syncs_again_and_the_version_comes_from_the_step():
-    ctx = _ctx()
+    ctx = op_context()
     for step in range(2):
         version = _train_step(ctx, step)
         loaded = _op("load_weights", ctx, *_export(ctx, 2), version, stages=1, **SPEC)
@@ -206,7 +197,7 @@ def test_a_second_step_syncs_again_and_the_version_comes_from_the_step():
 
 
 def test_loading_one_stage_into_a_split_sets_only_that_stage():
-    ctx, trainer = _ctx(), _ctx("trainer")
+    ctx, trainer = op_context(), op_context("trainer")
     _train_step(trainer, 0)
     e0, e1 = _export(trainer, 2)
     start = _export(ctx, 2)
@@ -220,13 +211,13 @@ def test_loading_one_stage_into_a_split_sets_only_that_stage():
 
 # -- checkpoints ------------------------------------------------------------------------------
 def test_a_checkpoint_of_the_exports_starts_every_holder_from_it(tmp_path):
-    trainer = _ctx()
+    trainer = op_context()
     _train_step(trainer, 0)
     exports = _export(trainer, 2)
     path = weights.save_checkpoint(tmp_path / "ckpt" / "actor.pt", exports)
     assert path.is_file() and not list(path.parent.glob("*.tmp"))
     spec = {**SPEC, "model_config": {**GPT_CONFIG, "checkpoint": str(path)}}
-    fresh = _ctx("fresh")  # a new executor
+    fresh = op_context("fresh")  # a new executor
     _assert_same(_export(fresh, 1, spec)[0], weights.merge(exports))
     for got, want in zip(_export(fresh, 2, spec), exports):
         _assert_same(got, want)
@@ -239,21 +230,20 @@ def test_a_checkpoint_of_the_exports_starts_every_holder_from_it(tmp_path):
 
 
 def test_a_state_dict_checkpoint_works_too(tmp_path):
-    torch.manual_seed(11)
-    model = GPT(**GPT_CONFIG)
+    model = seeded_gpt(GPT_CONFIG, seed=11)
     torch.save(model.state_dict(), tmp_path / "sd.pt")
     spec = {**SPEC, "model_config": {**GPT_CONFIG, "checkpoint": str(tmp_path / "sd.pt")}}
-    got = weights.merge(_export(_ctx(), 3, spec))
+    got = weights.merge(_export(op_context(), 3, spec))
     _assert_same(got, {k: v.double() for k, v in model.state_dict().items()})
 
 
 def test_checkpoint_errors(tmp_path):
     with pytest.raises(StageError, match="is not a file"):
-        _export(_ctx(), 1, {**SPEC, "model_config": {**GPT_CONFIG, "checkpoint": "/no/such.pt"}})
-    e0, _ = _export(_ctx(), 2)
+        _export(op_context(), 1, {**SPEC, "model_config": {**GPT_CONFIG, "checkpoint": "/no/such.pt"}})
+    e0, _ = _export(op_context(), 2)
     partial = weights.save_checkpoint(tmp_path / "stage0.pt", [e0])
     with pytest.raises(StageError, match=r"lack 26 of its parameters: .transformer.h.2"):
-        _export(_ctx(), 1, {**SPEC, "model_config": {**GPT_CONFIG, "checkpoint": str(partial)}})
+        _export(op_context(), 1, {**SPEC, "model_config": {**GPT_CONFIG, "checkpoint": str(partial)}})
     with pytest.raises(StageError, match="given twice with different values"):
         weights.save_checkpoint(tmp_path / "x.pt", [e0, {"transformer.wpe.weight":
                                                           torch.zeros(32, 32)}])
@@ -261,7 +251,7 @@ def test_checkpoint_errors(tmp_path):
 
 # -- errors -----------------------------------------------------------------------------------
 def test_load_errors_are_clear_and_copy_nothing():
-    ctx = _ctx()
+    ctx = op_context()
     whole = _export(ctx, 1)[0]
     good = {"transformer.wpe.weight": torch.ones(32, 32)}
     with pytest.raises(StageError, match=r"no weights named 'transformer.h.9.ln_1.weight'"):
@@ -305,12 +295,8 @@ def test_a_model_without_stage_names_is_named_through_its_split():
 def test_trainer_stages_sync_into_a_generator_on_real_executors(tmp_path):
     """Stage 0 on one executor, stage 1 on another that also holds the whole copy: its
     exports there, generation after the load; a checkpoint then starts a third holder."""
-    from flowkit.runtime import Controller, LocalExecutors
-
-    ctl = Controller()
-    launcher = LocalExecutors(ctl, 2, kind="torch", tags=("train",))
-    ex = [info.id for info in launcher.start()]
-    try:
+    with executor_cluster(2, kind="torch", tags=("train",)) as (ctl, infos):
+        ex = [info.id for info in infos]
         two = {**SPEC, "stages": 2}
 
         def submit(op, stage, *inputs, outputs=1, **config):
@@ -339,7 +325,7 @@ def test_trainer_stages_sync_into_a_generator_on_real_executors(tmp_path):
         assert loaded.result(timeout=60) == WeightsVersion(model="actor", version=1)
         exports = [e0.result(timeout=60), e1.result(timeout=60)]
 
-        here = _ctx()  # the same step here, for reference
+        here = op_context()  # the same step here, for reference
         _train_step(here, 0)
         for got, want in zip(exports, _export(here, 2)):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
@@ -353,9 +339,6 @@ def test_trainer_stages_sync_into_a_generator_on_real_executors(tmp_path):
         restored = ctl.submit("export_weights", config={**spec, "stage": 0, "stages": 1},
                               executor=ex[0]).result(timeout=60)
         _assert_same(restored, weights.merge(exports))
-    finally:
-        ctl.shutdown()
-        launcher.stop()
 
 
 def test_a_checkpoint_loads_the_buffers_a_state_dict_has(tmp_path):

@@ -1,0 +1,13 @@
+import contextlib
+
+import pytest
+
+from tests.harness import executor_cluster
+
+
+@pytest.fixture
+def start_cluster():
+    """`ctl, infos = start_cluster(count, kind=..., tags=...)`: a cluster of executor processes
+    (see harness.executor_cluster) for this test alone, torn down after it."""
+    with contextlib.ExitStack() as stack:
+        yield lambda *args, **options: stack.enter_context(executor_cluster(*args, **options))

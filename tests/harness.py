@@ -1,0 +1,94 @@
+"""What many tests build: executor clusters, op contexts and tiny models, each made one way."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from collections.abc import Iterator
+from typing import Any
+
+import zmq
+
+from executors.ops import OpContext
+from flowkit.runtime import Controller, LocalExecutors
+from flowkit.runtime.records import ExecutorInfo
+
+
+@contextlib.contextmanager
+def executor_cluster(count: int = 2, *, kind: str = "base", tags=(), code=(),
+                     name_prefix: str = "exec", **controller: Any
+                     ) -> Iterator[tuple[Controller, list[ExecutorInfo]]]:
+    """A controller (its options in `controller`) with `count` local executor processes; yields
+    it and the executors in the order of their names, so a test can say which is which. The
+    processes stop even when the test fails: a straggler would slow every later test."""
+    with Controller(**controller) as ctl, LocalExecutors(
+            ctl, count, kind=kind, tags=tags, code=code, name_prefix=name_prefix) as infos:
+        yield ctl, sorted(infos, key=lambda e: int(e.name.rsplit("-", 1)[1]))
+
+
+def process_of(ctl: Controller, info: ExecutorInfo) -> Any:
+    """The Popen of a local executor: LocalExecutors has its controller watch each one."""
+    return ctl._processes[info.pid]
+
+
+def dealer(address: str, *, linger: int = 0) -> zmq.Socket:
+    """A bare socket to a controller's or an executor's address, to send what no flowkit peer
+    would send."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, linger)
+    sock.connect(address)
+    return sock
+
+
+def op_context(name: str = "exec0") -> OpContext:
+    """A fresh executor's context, for running op functions in the test process."""
+    return OpContext(name=name, device="cpu", tags=())
+
+
+def printed(renderable: Any, *, width: int) -> str:
+    """What rich prints of `renderable` on a plain-text console `width` columns wide."""
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=width, force_terminal=False, color_system=None)
+    console.print(renderable)
+    return console.file.getvalue()
+
+
+def tiny_gpt(*, vocab_size: int = 64, block_size: int = 32, n_layer: int = 2, n_embd: int = 32,
+             **extra: Any) -> dict:
+    """A built-in GPT config small enough for a CPU test to train it many times over."""
+    return {"vocab_size": vocab_size, "block_size": block_size, "n_layer": n_layer, "n_head": 2,
+            "n_embd": n_embd, **extra}
+
+
+def seeded_gpt(config: dict, *, seed: int = 0, dtype: Any = None) -> Any:
+    """The built-in GPT as every holder of `config` and `seed` builds it: seeded, then cast to
+    `dtype` (a torch dtype; None keeps float32)."""
+    import torch
+
+    from executors.torch.models.gpt import GPT
+
+    torch.manual_seed(seed)
+    model = GPT(**config)
+    return model if dtype is None else model.to(dtype)
+
+
+def gpt_spec(model: str, config: dict, *, seed: int, dtype: str = "float64") -> dict:
+    """A model as the torch ops take it. float64 by default: the tests compare against plain
+    autograd to 1e-10, which float32's rounding would not meet."""
+    return {"model": model, "build": "executors.torch.models.gpt:GPT", "model_config": config,
+            "dtype": dtype, "seed": seed}
+
+
+def critic_of(spec: dict) -> dict:
+    """The same GPT with a value head, as a critic or reward model."""
+    return {**spec, "model": "critic", "model_config": {**spec["model_config"],
+                                                        "value_head": True}}
+
+
+def tiny_split_bench(stages: int) -> Any:
+    """The split-backward bench's smallest useful config: one block per stage."""
+    from flowkit.bench.split_backward import SplitBenchConfig
+
+    return SplitBenchConfig(n_embd=16, n_layer=stages, n_head=2, vocab_size=32, stages=stages,
+                            batch=2, seq=8)
