@@ -170,6 +170,11 @@ class Controller:
             raise slot[2]
         return slot[1]
 
+    def release(self, object_id: int) -> None:
+        """A future was dropped [Note: object lifetime]: only a deque append, as its `__del__`
+        may run on any thread, inside any lock."""
+        self._released.append(object_id)
+
     def wait_until(self, predicate: Callable[[], bool], timeout: float | None, *,
                    what: str = "waiting") -> None:
         """Drive IO (or, if another thread drives, sleep on the condition) until `predicate`."""

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from flowkit.runtime.controller import Controller
+from typing import Any, Protocol
 
 __all__ = [
     "ALL_COMPLETED",
     "FIRST_COMPLETED",
     "ExecutorLost",
     "Future",
+    "Owner",
     "RemoteError",
     "TaskCancelled",
     "wait",
@@ -48,6 +46,19 @@ class TaskCancelled(RemoteError):
     """A task did not run because one of its inputs failed."""
 
 
+class Owner(Protocol):
+    """What a future needs of the controller that made it (flowkit/runtime/controller.py)."""
+
+    condition: threading.Condition
+
+    def release(self, object_id: int) -> None: ...
+
+    def fetch(self, future: Future, timeout: float | None = None) -> Any: ...
+
+    def wait_until(self, predicate: Callable[[], bool], timeout: float | None, *,
+                   what: str = "waiting") -> None: ...
+
+
 class Future:
     """The eventual output of a task: `result()`, `exception()`, `done()`, callbacks.
 
@@ -59,7 +70,7 @@ class Future:
     __slots__ = ("id", "_controller", "_state", "_value", "_error", "_callbacks", "location",
                  "nbytes", "count", "keys", "timing", "__weakref__")
 
-    def __init__(self, object_id: int, controller: Controller) -> None:
+    def __init__(self, object_id: int, controller: Owner) -> None:
         self.id = object_id
         self._controller = controller
         self._state = _PENDING
@@ -73,8 +84,7 @@ class Future:
         self.timing: tuple[float, float] | None = None  # the producing op's (start, end), wall
 
     def __del__(self) -> None:
-        # Only a deque append: __del__ may run on any thread, inside any lock.
-        self._controller._released.append(self.id)
+        self._controller.release(self.id)
 
     def __repr__(self) -> str:
         state = {_PENDING: "pending", _DONE: "done", _FAILED: "failed"}[self._state]
