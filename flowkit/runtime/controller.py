@@ -32,9 +32,8 @@ __all__ = ["Controller", "NoExecutor"]
 
 log = logging.getLogger("flowkit.controller")
 
-_QUIET_S = 0.002
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: IntFlag arithmetic is slow  # the background thread drives after user threads left it alone this long
-_BATCH = 64  # tasks queued for one executor before they go out without waiting for a flush
+_QUIET_S = 0.002  # the background thread drives after user threads left it alone this long
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: IntFlag arithmetic is slow
 
 
 class Controller:
@@ -54,12 +53,12 @@ class Controller:
         self._io_lock = threading.Lock()
         self._wanted = 0  # user threads waiting for the IO lock
         self._last_user = 0.0
-        self._commands: deque = deque()  # from threads that must not block: the heartbeat
+        self._lost: deque = deque()  # (executor id, reason) from the heartbeat thread
         self._released: deque = deque()  # ids of futures the user dropped [Note: object lifetime]
         self._processes: dict[int, Any] = {}
         self._stopping = False
         self._batching = 0  # > 0 inside `batch()`: submit queues without sending
-        self._state = Dispatcher(condition=self.condition, send_raw=self._send_raw,
+        self._state = Dispatcher(owner=self, send_raw=self._send_raw,
                                  ping_interval=ping_interval, ping_timeout=ping_timeout,
                                  heartbeat_address=self._heartbeat.address)
         self._poller = zmq.Poller()
@@ -90,7 +89,8 @@ class Controller:
     def add_listener(self, listener: Listener) -> None:
         """Call `listener(event, payload)` for executor_joined, executor_lost, task_submitted,
         task_done and task_failed, on whichever thread drives IO: keep it short."""
-        self._state.listeners.append(listener)
+        with self._driving():
+            self._state.add_listener(listener)
 
     def watch_process(self, process: Any) -> None:
         """Treat the exit of this local executor process (a Popen) as that executor's loss."""
@@ -122,15 +122,10 @@ class Controller:
         them (flowkit/runtime/refs.py), or plain values. Tasks with the same `lane` run on their
         executor in submission order [Note: lanes]. `report_key` names a record field whose
         value for each item of a list output comes back in `future.keys`."""
-        futures = tuple(self._new_future() for _ in range(outputs))
         with self._driving():
-            target = self._state.submit(op, inputs, config or {}, executor, frozenset(tags),
-                                        futures, meta or {}, lane, report_key)
-            if target is not None and not self._batching:
-                info = self._state.executor(target)
-                # An idle executor gets its task now; a busy one gets tasks in batches.
-                if info.outstanding <= 1 or self._state.queued(target) >= _BATCH:
-                    self._state.flush(target)
+            futures = self._state.submit(op, inputs, config or {}, executor, frozenset(tags),
+                                         outputs, meta or {}, lane, report_key,
+                                         hold=self._batching > 0)
         self._state.run_callbacks()
         return futures[0] if outputs == 1 else futures
 
@@ -150,22 +145,21 @@ class Controller:
 
     def put(self, value: Any, *, executor: int | None = None) -> Future:
         """Place `value` on an executor (the least loaded, unless named) as a future."""
-        future = self._new_future()
         with self._driving():
-            self._state.put(value, executor, future)
+            future = self._state.put(value, executor)
         self._state.run_callbacks()
         return future
 
     def fetch(self, future: Future, timeout: float | None = None) -> Any:
         """The value of a resolved future, copied from the executor holding it."""
-        request = next(self._state.ids)
-        slot = self._state.fetches[request] = [False, None, None, None]
         with self._driving():
-            self._state.fetch(future.id, request)
+            request, slot = self._state.fetch(future.id)
         try:
             self.wait_until(lambda: slot[0], timeout, what=f"fetching {future!r}")
         finally:
-            self._state.fetches.pop(request, None)
+            if not slot[0]:  # an answered request is forgotten already
+                with self._driving():
+                    self._state.forget_fetch(request)
         if slot[2] is not None:
             raise slot[2]
         return slot[1]
@@ -254,21 +248,22 @@ class Controller:
         self._router.send_multipart(parts, copy=len(parts) <= 2)
 
     def _run_commands(self) -> None:
-        released = self._released
+        released, lost = self._released, self._lost
         while released:
             self._state.release(released.popleft())
-        while self._commands:
-            kind, *args = self._commands.popleft()
-            if kind == "lose":
-                executor = self._state.executor(args[0])
-                if executor is not None and executor.alive:
-                    self._state.lose(executor, args[1])
+        while lost:
+            self._state.lose(*lost.popleft())
 
-    def _command(self, command: tuple) -> None:
-        """Queue work from a thread that must not block on the IO lock (the heartbeat thread);
-        whoever drives next runs it."""
-        self._commands.append(command)
+    def _lose(self, executor_id: int, reason: str) -> None:
+        """For the heartbeat thread, which must not block on the IO lock: whoever drives next
+        declares the executor lost."""
+        self._lost.append((executor_id, reason))
         self._wake()
+
+    def _exit_code(self, pid: int) -> int | None:
+        """The exit code of a watched local executor process; None while it runs, or if unwatched."""
+        process = self._processes.get(pid)
+        return None if process is None else process.poll()
 
     _wake_pending = False
 
@@ -298,11 +293,6 @@ class Controller:
             finally:
                 self._io_lock.release()
             self._state.run_callbacks()
-
-    def _new_future(self) -> Future:
-        future = Future(next(self._state.ids), self)
-        self._state.futures[future.id] = future
-        return future
 
 
 class _Driving:
@@ -364,8 +354,7 @@ class _Heartbeat(threading.Thread):
         for executor in self.ctl.executors():
             if executor.id in self.lost:
                 continue
-            process = self.ctl._processes.get(executor.pid)
-            code = process.poll() if process is not None else None
+            code = self.ctl._exit_code(executor.pid)
             seen = self.last_seen.get(executor.id, executor.last_seen)
             if code is not None:
                 reason = f"its process exited with code {code}"
@@ -374,7 +363,7 @@ class _Heartbeat(threading.Thread):
             else:
                 continue
             self.lost.add(executor.id)
-            self.ctl._command(("lose", executor.id, reason))
+            self.ctl._lose(executor.id, reason)
 
 
 def _executor_of_ping(parts: list) -> int | None:

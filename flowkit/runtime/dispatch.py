@@ -1,7 +1,8 @@
 """The controller's bookkeeping: executors, tasks, objects and their futures.
 
-Pure state and decisions, no threads: the Controller calls in here while it holds its IO lock, and
-everything leaves through `send`. Tasks go to executors ahead of their data (each names the object
+Pure state and decisions, no threads: the Controller calls in here while it holds its IO lock
+(except `run_callbacks`, which must not hold it), and everything leaves through `send_raw`. No
+other module touches these dicts. Tasks go to executors ahead of their data (each names the object
 ids it reads and writes); producers are told to push objects straight to consuming executors;
 failures propagate to every task downstream; an object is freed once its last consumer is done and
 nobody holds its future.
@@ -12,11 +13,11 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
-from flowkit.runtime.futures import ExecutorLost, Future, RemoteError, TaskCancelled
+from flowkit.runtime.futures import ExecutorLost, Future, Owner, RemoteError, TaskCancelled
 from flowkit.runtime.protocol import Msg, ProtocolError, encode
 from flowkit.runtime.records import ExecutorInfo, ObjectRecord, TaskRecord
 from flowkit.runtime.refs import Gather, Item, object_ids
@@ -34,26 +35,31 @@ class NoExecutor(RuntimeError):
 
 
 class Dispatcher:
-    def __init__(self, *, condition: Any, send_raw: Callable[[list], None],
+    def __init__(self, *, owner: Owner, send_raw: Callable[[list], None],
                  ping_interval: float, ping_timeout: float, heartbeat_address: str) -> None:
-        self.condition = condition
+        self.condition = owner.condition
+        self._owner = owner  # of the futures made here
         self._send_raw = send_raw
         self.ping_interval, self.ping_timeout = ping_interval, ping_timeout
         self.heartbeat_address = heartbeat_address
-        self.ids = itertools.count(1)
+        self._ids = itertools.count(1)
         self._executors: dict[int, ExecutorInfo] = {}
         self._by_identity: dict[bytes, int] = {}
         self._tasks: dict[int, TaskRecord] = {}
         self._objects: dict[int, ObjectRecord] = {}
         # Pending futures only: a future is dropped from here once resolved, so the user's last
         # reference decides when it is released ([Note: object lifetime] in futures.py).
-        self.futures: dict[int, Future] = {}
-        self.fetches: dict[int, list] = {}  # request -> [done, value, error, executor id]
+        self._futures: dict[int, Future] = {}
+        self._fetches: dict[int, list] = {}  # unanswered: request -> [done, value, error, holder]
         self._outbox: dict[int, list[dict]] = defaultdict(list)
         self._frees: dict[int, list[int]] = defaultdict(list)
         self._frees_sent = 0.0
-        self.callbacks: list = []
-        self.listeners: list[Listener] = []
+        # (fn, future) pairs; a deque, as threads take from it without the IO lock
+        self._callbacks: deque = deque()
+        self._listeners: list[Listener] = []
+
+    def add_listener(self, listener: Listener) -> None:
+        self._listeners.append(listener)
 
     # -- views ---------------------------------------------------------------------------------
     def executors(self) -> list[ExecutorInfo]:
@@ -93,19 +99,19 @@ class Dispatcher:
         waiting = sum(len(objects) for objects in self._frees.values())
         return waiting >= _FREE_BATCH or time.monotonic() - self._frees_sent >= _FREE_DELAY_S
 
-    def queued(self, executor_id: int) -> int:
-        return len(self._outbox.get(executor_id, ()))
-
     def _emit(self, event: str, payload: dict) -> None:
-        for listener in self.listeners:
+        for listener in self._listeners:
             try:
                 listener(event, payload)
             except Exception:
                 log.exception("listener failed on %s", event)
 
     def run_callbacks(self) -> None:
-        callbacks, self.callbacks = self.callbacks, []
-        for fn, future in callbacks:
+        """Run the callbacks of futures resolved so far. Never under the IO lock: a callback may
+        submit."""
+        callbacks = self._callbacks
+        while callbacks:
+            fn, future = callbacks.popleft()
             try:
                 fn(future)
             except Exception:
@@ -133,7 +139,7 @@ class Dispatcher:
 
     def _on_hello(self, identity: bytes, header: dict) -> None:
         executor = ExecutorInfo(
-            id=next(self.ids), name=header["name"], tags=tuple(header["tags"]),
+            id=next(self._ids), name=header["name"], tags=tuple(header["tags"]),
             ops=frozenset(header["ops"]), pid=header["pid"], host=header.get("host", ""),
             device=header.get("device", "cpu"), peer_address=header.get("peer_address", ""),
             identity=identity, resources=header.get("resources", {}),
@@ -180,22 +186,22 @@ class Dispatcher:
             record.holders.add(executor.id)
             executor.bytes_out += record.nbytes
             task.nbytes_out += record.nbytes
-            future = self.futures.pop(record.id, None)
+            future = self._futures.pop(record.id, None)
             if future is not None:
                 future.count, future.keys = out.get("count"), out.get("keys")
                 future.timing = (task.start, task.end)
                 value = unpack(out["inline"], []) if "inline" in out else _NO_INLINE
-                self.callbacks += future._resolve(location=executor.id, nbytes=record.nbytes,
+                self._callbacks += future._resolve(location=executor.id, nbytes=record.nbytes,
                                                    **({} if value is _NO_INLINE else
                                                       {"value": value}))
             self._maybe_free(record)
         self._consumed(task)
         del self._tasks[task.id]  # finished tasks are only remembered by listeners
-        if self.listeners:
+        if self._listeners:
             self._emit("task_done", {"task": task, "executor": executor})
 
     def _on_value(self, header: dict, frames: list) -> None:
-        slot = self.fetches.get(header["request"])
+        slot = self._fetches.pop(header["request"], None)
         if slot is None:
             return
         with self.condition:
@@ -211,21 +217,19 @@ class Dispatcher:
 
     # -- commands from user threads ------------------------------------------------------------
     def submit(self, op: str, inputs: tuple, config: dict, executor_id: int | None,
-               tags: frozenset, futures: tuple, meta: dict, lane: str | None = None,
-               report_key: str | None = None) -> int | None:
-        """Queue a task for the executor chosen for it; returns that executor's id, or None when
-        the task failed at once (no executor runs the op, or an input already failed)."""
+               tags: frozenset, outputs: int, meta: dict, lane: str | None = None,
+               report_key: str | None = None, *, hold: bool = False) -> tuple[Future, ...]:
+        """Queue a task for the executor chosen for it, and unless `hold` send that executor its
+        queue when it is idle or a batch is full; returns the task's output futures, failed at
+        once when no executor runs the op or an input already failed."""
+        futures = tuple(self._new_future() for _ in range(outputs))
         try:
             executor = self._choose(op, tags, executor_id)
         except NoExecutor as exc:
-            with self.condition:
-                for future in futures:
-                    self.futures.pop(future.id, None)
-                    self.callbacks += future._fail(exc)
-                self.condition.notify_all()
-            return
+            self._fail_futures(futures, exc)
+            return futures
         objects = self._objects
-        task_id = next(self.ids)
+        task_id = next(self._ids)
         refs = [self._input_ref(value, executor) for value in inputs]
         input_ids, failed = [], None
         for object_id in _ids_of(refs):
@@ -246,7 +250,7 @@ class Dispatcher:
                 self._fail_task(task, TaskCancelled(f"{op!r} not run: an input failed: {failed}",
                                                     op=op))
                 self.condition.notify_all()
-            return None
+            return futures
         for object_id in input_ids:
             self._route(objects[object_id], executor)
         executor.outstanding += 1
@@ -256,42 +260,61 @@ class Dispatcher:
             spec["lane"] = lane
         if report_key is not None:
             spec["report_key"] = report_key
-        self._outbox[executor.id].append(spec)
-        if self.listeners:
+        outbox = self._outbox[executor.id]
+        outbox.append(spec)
+        if self._listeners:
             self._emit("task_submitted", {"task": task, "executor": executor})
-        return executor.id
+        # An idle executor gets its task now; a busy one gets tasks in batches.
+        if not hold and (executor.outstanding <= 1 or len(outbox) >= _BATCH):
+            self.flush(executor.id)
+        return futures
 
-    def put(self, value: Any, executor_id: int | None, future: Future) -> None:
+    def _new_future(self) -> Future:
+        future = Future(next(self._ids), self._owner)
+        self._futures[future.id] = future
+        return future
+
+    def _fail_futures(self, futures: tuple, error: BaseException) -> None:
+        with self.condition:
+            for future in futures:
+                self._futures.pop(future.id, None)
+                self._callbacks += future._fail(error)
+            self.condition.notify_all()
+
+    def put(self, value: Any, executor_id: int | None) -> Future:
+        future = self._new_future()
         try:
             executor = self._choose(None, frozenset(), executor_id)
             body, frames = pack(value)
         except (NoExecutor, SerializeError) as exc:
-            with self.condition:
-                self.futures.pop(future.id, None)
-                self.callbacks += future._fail(exc)
-                self.condition.notify_all()
-            return
+            self._fail_futures((future,), exc)
+            return future
         self._place(future.id, executor, body, frames)
         with self.condition:
-            self.futures.pop(future.id, None)
-            self.callbacks += future._resolve(location=executor.id, nbytes=len(body),
+            self._futures.pop(future.id, None)
+            self._callbacks += future._resolve(location=executor.id, nbytes=len(body),
                                                value=value)
             self.condition.notify_all()
+        return future
 
-    def fetch(self, object_id: int, request: int) -> None:
+    def fetch(self, object_id: int) -> tuple[int, list]:
+        """Ask an executor holding the object for its value: (request, slot), the slot a list
+        [done, value, error, holder id] that the answer (or the holder's loss) fills in."""
+        request, slot = next(self._ids), [False, None, None, None]
         record = self._objects.get(object_id)
-        slot = self.fetches.get(request)
-        if slot is None:
-            return
         holder = None if record is None else next(
             (self._executors[h] for h in record.holders if self._executors[h].alive), None)
         if holder is None:
-            with self.condition:
-                slot[2], slot[0] = ExecutorLost(f"object {object_id} is on no live executor"), True
-                self.condition.notify_all()
-            return
+            slot[2], slot[0] = ExecutorLost(f"object {object_id} is on no live executor"), True
+            return request, slot
         slot[3] = holder.id
+        self._fetches[request] = slot
         self._send(holder, Msg.FETCH, {"object": object_id, "request": request})
+        return request, slot
+
+    def forget_fetch(self, request: int) -> None:
+        """The asker gave up (timeout): drop the request, its answer will find no slot."""
+        self._fetches.pop(request, None)
 
     def release(self, object_id: int) -> None:
         record = self._objects.get(object_id)
@@ -337,7 +360,7 @@ class Dispatcher:
                 # a future from a put that is still queued cannot exist: commands run in order
                 raise ProtocolError(f"{value!r} is not known to this controller")
             return value.id
-        object_id = next(self.ids)
+        object_id = next(self._ids)
         body, frames = pack(value)
         self._place(object_id, executor, body, frames)
         self._objects[object_id].user_released = True  # nobody holds a future for it
@@ -389,9 +412,9 @@ class Dispatcher:
                 if record is None:
                     continue
                 record.error = reason
-                future = self.futures.pop(object_id, None)
+                future = self._futures.pop(object_id, None)
                 if future is not None:
-                    self.callbacks += future._fail(reason)
+                    self._callbacks += future._fail(reason)
                 for consumer_id in record.consumers:
                     consumer = self._tasks.get(consumer_id)
                     if consumer is not None and consumer.state == "pending":
@@ -409,7 +432,10 @@ class Dispatcher:
         if executor.alive:
             self._send(executor, Msg.CANCEL, {"tasks": [task.id]})
 
-    def lose(self, executor: ExecutorInfo, reason: str) -> None:
+    def lose(self, executor_id: int, reason: str) -> None:
+        executor = self._executors.get(executor_id)
+        if executor is None or not executor.alive:
+            return
         log.error("lost %s: %s", executor.describe(), reason)
         error = ExecutorLost(f"executor {executor.describe()} was lost: {reason}",
                              executor=executor.name)
@@ -425,8 +451,9 @@ class Dispatcher:
                         if consumer is not None and consumer.state == "pending":
                             self._cancel_on_executor(consumer)
                             self._fail_task(consumer, error)
-            for slot in self.fetches.values():
-                if not slot[0] and slot[3] == executor.id:
+            for request, slot in list(self._fetches.items()):
+                if slot[3] == executor.id:
+                    del self._fetches[request]
                     slot[2], slot[0] = error, True
             self.condition.notify_all()
         self._emit("executor_lost", {"executor": executor, "reason": reason})
@@ -443,6 +470,7 @@ class Dispatcher:
         self.run_callbacks()
 
 
+_BATCH = 64  # tasks queued for one executor before they go out without waiting for a flush
 _NO_INLINE = object()
 _NEVER = float("inf")  # an executor with nothing in flight: its oldest task is "infinitely young"
 
