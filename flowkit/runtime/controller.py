@@ -24,7 +24,7 @@ import zmq
 
 from flowkit.runtime.dispatch import Dispatcher, Listener, NoExecutor
 from flowkit.runtime.futures import Future, new_condition
-from flowkit.runtime.protocol import Msg, ProtocolError, decode, encode
+from flowkit.runtime.protocol import Msg, ProtocolError, decode, encode, recv_frames, send_frames
 from flowkit.runtime.records import ExecutorInfo
 from flowkit.runtime.serialize import SerializeError
 
@@ -51,6 +51,7 @@ class Controller:
         self._wake_out.connect(f"inproc://flowkit-wake-{id(self)}")
         self._wake_lock = threading.Lock()
         self._io_lock = threading.Lock()
+        self._drive = _Driving(self)  # holds no state of its own: one serves every call
         self._wanted = 0  # user threads waiting for the IO lock
         self._last_user = 0.0
         self._lost: deque = deque()  # (executor id, reason) from the heartbeat thread
@@ -211,7 +212,7 @@ class Controller:
 
     # -- driving IO ----------------------------------------------------------------------------
     def _driving(self) -> _Driving:
-        return _Driving(self)
+        return self._drive
 
     def _pump(self, timeout_s: float, until: Callable[[], bool] | None = None) -> None:
         """Poll once (up to `timeout_s`), handle everything that arrived, run queued commands.
@@ -234,7 +235,7 @@ class Controller:
             # EVENTS costs less than the zmq.Again a non-blocking recv raises when empty
             if not router.getsockopt(_EVENTS) & _POLLIN:
                 return
-            identity, *parts = router.recv_multipart()
+            identity, *parts = recv_frames(router)
             try:
                 header, frames = decode(parts)
                 self._state.on_message(identity, header, frames)
@@ -245,7 +246,7 @@ class Controller:
     def _send_raw(self, parts: list) -> None:
         # Small messages go by copy: a zero-copy send makes pyzmq track the buffer's release
         # through a thread of its own, which costs more than copying a few hundred bytes.
-        self._router.send_multipart(parts, copy=len(parts) <= 2)
+        send_frames(self._router, parts, copy=len(parts) <= 2)
 
     def _run_commands(self) -> None:
         released, lost = self._released, self._lost
@@ -279,8 +280,11 @@ class Controller:
 
     def _drive_in_background(self) -> None:
         while not self._stopping:
-            if self._wanted or time.monotonic() - self._last_user < _QUIET_S:
-                time.sleep(_QUIET_S / 2)
+            # Sleep out the quiet period rather than poll for its end: each wake-up takes the
+            # GIL from the user thread.
+            quiet_left = self._last_user + _QUIET_S - time.monotonic()
+            if self._wanted or quiet_left > 0:
+                time.sleep(quiet_left if quiet_left > 0 else _QUIET_S / 2)
                 continue
             if not self._io_lock.acquire(timeout=0.05):
                 continue
@@ -305,7 +309,7 @@ class _Driving:
 
     def __enter__(self) -> None:
         ctl = self.ctl
-        if ctl._io_lock.acquire(blocking=False):
+        if ctl._io_lock.acquire(False):
             return
         ctl._wanted += 1
         ctl._wake()

@@ -77,6 +77,8 @@ class Dispatcher:
 
     def flush(self, executor_id: int | None = None) -> None:
         """Send queued tasks (all, or one executor's) and frees, one message per executor."""
+        if not self._outbox and not self._frees:
+            return
         targets = [executor_id] if executor_id is not None else list(self._outbox)
         for target in targets:
             tasks = self._outbox.pop(target, None)
@@ -155,50 +157,50 @@ class Dispatcher:
         self._emit("executor_joined", {"executor": executor})
 
     def _on_done(self, executor: ExecutorInfo, items: list) -> None:
+        tasks, inflight = self._tasks, executor.inflight
         with self.condition:
             for item in items:
-                task = self._tasks.get(item.get("task"))
+                task = tasks.get(item.get("task"))
                 if task is None or task.state != "pending":
                     continue
                 executor.outstanding -= 1
-                executor.inflight.pop(task.id, None)
+                inflight.pop(task.id, None)
                 task.start, task.end = item.get("start", 0.0), item.get("end", 0.0)
                 if item.get("ok"):
-                    self._complete(task, executor, item)
+                    self._complete(task, executor, item.get("outputs", ()))
                 else:
-                    error = RemoteError(
-                        f"op {task.op!r} failed on {executor.describe()}: {item.get('error')}\n"
-                        f"--- remote traceback ---\n{item.get('traceback', '')}",
-                        op=task.op, executor=executor.name,
-                        remote_traceback=item.get("traceback", ""))
-                    self._fail_task(task, error)
+                    self._fail_task(task, _remote_error(task, executor, item))
             self.condition.notify_all()
 
-    def _complete(self, task: TaskRecord, executor: ExecutorInfo, item: dict) -> None:
+    def _complete(self, task: TaskRecord, executor: ExecutorInfo, outputs: list) -> None:
         task.state = "done"
         executor.completed += 1
         executor.busy_s += max(0.0, task.end - task.start)
-        for out in item.get("outputs", ()):
+        for out in outputs:
             record = self._objects.get(out["id"])
-            if record is None:
-                continue
-            record.produced, record.nbytes = True, out.get("nbytes", 0)
-            record.holders.add(executor.id)
-            executor.bytes_out += record.nbytes
-            task.nbytes_out += record.nbytes
-            future = self._futures.pop(record.id, None)
-            if future is not None:
-                future.count, future.keys = out.get("count"), out.get("keys")
-                future.timing = (task.start, task.end)
-                value = unpack(out["inline"], []) if "inline" in out else _NO_INLINE
-                self._callbacks += future._resolve(location=executor.id, nbytes=record.nbytes,
-                                                   **({} if value is _NO_INLINE else
-                                                      {"value": value}))
-            self._maybe_free(record)
+            if record is not None:
+                self._produced(record, task, executor, out)
         self._consumed(task)
         del self._tasks[task.id]  # finished tasks are only remembered by listeners
         if self._listeners:
             self._emit("task_done", {"task": task, "executor": executor})
+
+    def _produced(self, record: ObjectRecord, task: TaskRecord, executor: ExecutorInfo,
+                  out: dict) -> None:
+        nbytes = record.nbytes = out.get("nbytes", 0)
+        record.produced = True
+        record.holders.add(executor.id)
+        executor.bytes_out += nbytes
+        task.nbytes_out += nbytes
+        future = self._futures.pop(record.id, None)
+        if future is not None:
+            future.count, future.keys = out.get("count"), out.get("keys")
+            future.timing = (task.start, task.end)
+            if "inline" in out:
+                self._callbacks += future._resolve(executor.id, nbytes, _inline(out["inline"]))
+            else:
+                self._callbacks += future._resolve(executor.id, nbytes)
+        self._maybe_free(record)
 
     def _on_value(self, header: dict, frames: list) -> None:
         slot = self._fetches.pop(header["request"], None)
@@ -222,7 +224,7 @@ class Dispatcher:
         """Queue a task for the executor chosen for it, and unless `hold` send that executor its
         queue when it is idle or a batch is full; returns the task's output futures, failed at
         once when no executor runs the op or an input already failed."""
-        futures = tuple(self._new_future() for _ in range(outputs))
+        futures = tuple([self._new_future() for _ in range(outputs)])
         try:
             executor = self._choose(op, tags, executor_id)
         except NoExecutor as exc:
@@ -230,21 +232,12 @@ class Dispatcher:
             return futures
         objects = self._objects
         task_id = next(self._ids)
-        refs = [self._input_ref(value, executor) for value in inputs]
-        input_ids, failed = [], None
-        for object_id in _ids_of(refs):
-            record = objects[object_id]
-            record.consumers.append(task_id)
-            record.pending += 1
-            failed = failed or record.error
-            input_ids.append(object_id)
+        refs, input_ids, failed = self._inputs(inputs, executor, task_id)
         output_ids = [f.id for f in futures]
-        task = TaskRecord(id=task_id, op=op, executor=executor.id, inputs=input_ids,
-                          outputs=output_ids, config=config, meta=meta)
+        task = TaskRecord(task_id, op, executor.id, input_ids, output_ids, config, meta)
         self._tasks[task_id] = task
         for object_id in output_ids:
-            objects[object_id] = ObjectRecord(id=object_id, location=executor.id,
-                                              producer=task_id)
+            objects[object_id] = ObjectRecord(object_id, executor.id, task_id)
         if failed is not None:
             with self.condition:
                 self._fail_task(task, TaskCancelled(f"{op!r} not run: an input failed: {failed}",
@@ -269,6 +262,21 @@ class Dispatcher:
             self.flush(executor.id)
         return futures
 
+    def _inputs(self, inputs: tuple, executor: ExecutorInfo,
+                task_id: int) -> tuple[list, list[int], BaseException | None]:
+        """(wire refs, object ids read, the error of a failed input) of a task's inputs."""
+        if not inputs:
+            return [], [], None
+        refs = [self._input_ref(value, executor) for value in inputs]
+        input_ids, failed = [], None
+        for object_id in _ids_of(refs):
+            record = self._objects[object_id]
+            record.consumers.append(task_id)
+            record.pending += 1
+            failed = failed or record.error
+            input_ids.append(object_id)
+        return refs, input_ids, failed
+
     def _new_future(self) -> Future:
         future = Future(next(self._ids), self._owner)
         self._futures[future.id] = future
@@ -292,8 +300,7 @@ class Dispatcher:
         self._place(future.id, executor, body, frames)
         with self.condition:
             self._futures.pop(future.id, None)
-            self._callbacks += future._resolve(location=executor.id, nbytes=len(body),
-                                               value=value)
+            self._callbacks += future._resolve(executor.id, len(body), value)
             self.condition.notify_all()
         return future
 
@@ -331,14 +338,10 @@ class Dispatcher:
             if op is not None and op not in executor.ops:
                 raise NoExecutor(f"{executor.describe()} does not run op {op!r}")
             return executor
-        # The least loaded; between equals, the one whose oldest unfinished task is youngest:
-        # an executor stuck in a long op (the long tail of generation) should not get the next.
-        best, best_key = None, None
+        best = None
         for e in self._executors.values():
-            if e.alive and (op is None or e.runs(op, tags)):
-                key = (e.outstanding, -next(iter(e.inflight.values()), _NEVER))
-                if best is None or key < best_key:
-                    best, best_key = e, key
+            if e.alive and (op is None or e.runs(op, tags)) and (best is None or _before(e, best)):
+                best = e
         if best is None:
             connected = "; ".join(f"{e.describe()}: {', '.join(sorted(e.ops))}"
                                   for e in self._executors.values() if e.alive) or "none"
@@ -471,8 +474,29 @@ class Dispatcher:
 
 
 _BATCH = 64  # tasks queued for one executor before they go out without waiting for a flush
-_NO_INLINE = object()
 _NEVER = float("inf")  # an executor with nothing in flight: its oldest task is "infinitely young"
+_NONE_BODY = pack(None)[0]
+
+
+def _before(a: ExecutorInfo, b: ExecutorInfo) -> bool:
+    """Whether `a` should get the next task rather than `b`: the least loaded; between equals,
+    the one whose oldest unfinished task is youngest, as an executor stuck in a long op (the
+    long tail of generation) should not get the next."""
+    if a.outstanding != b.outstanding:
+        return a.outstanding < b.outstanding
+    return next(iter(a.inflight.values()), _NEVER) > next(iter(b.inflight.values()), _NEVER)
+
+
+def _inline(body: Any) -> Any:
+    """A value that came in a completion; the usual None costs no decoding."""
+    return None if body == _NONE_BODY else unpack(body, [])
+
+
+def _remote_error(task: TaskRecord, executor: ExecutorInfo, item: dict) -> RemoteError:
+    return RemoteError(f"op {task.op!r} failed on {executor.describe()}: {item.get('error')}\n"
+                       f"--- remote traceback ---\n{item.get('traceback', '')}",
+                       op=task.op, executor=executor.name,
+                       remote_traceback=item.get("traceback", ""))
 
 
 def _ids_of(refs: list) -> list[int]:

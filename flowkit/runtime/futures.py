@@ -10,7 +10,7 @@ once per batch.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 __all__ = [
@@ -76,7 +76,7 @@ class Future:
         self._state = _PENDING
         self._value: Any = _NO_VALUE
         self._error: BaseException | None = None
-        self._callbacks: list[Callable[[Future], Any]] = []
+        self._callbacks: Sequence[Callable[[Future], Any]] = ()
         self.location: int | None = None  # executor id holding the value, once produced
         self.nbytes = 0
         self.count: int | None = None  # for a list value: its length (a Stream's item count)
@@ -87,8 +87,7 @@ class Future:
         self._controller.release(self.id)
 
     def __repr__(self) -> str:
-        state = {_PENDING: "pending", _DONE: "done", _FAILED: "failed"}[self._state]
-        return f"<Future {self.id} {state}>"
+        return f"<Future {self.id} {('pending', 'done', 'failed')[self._state]}>"
 
     def done(self) -> bool:
         return self._state != _PENDING
@@ -111,7 +110,7 @@ class Future:
         thread (so keep it short and never block in it)."""
         with self._controller.condition:
             if self._state == _PENDING:
-                self._callbacks.append(fn)
+                self._callbacks = [*self._callbacks, fn]
                 return
         fn(self)
 
@@ -120,21 +119,22 @@ class Future:
             self._controller.wait_until(self.done, timeout, what=f"waiting for {self!r}")
 
     # -- called by the controller's IO thread, holding the condition -------------------------
-    def _resolve(self, *, location: int | None, nbytes: int, value: Any = _NO_VALUE) -> list:
+    def _resolve(self, location: int | None, nbytes: int, value: Any = _NO_VALUE) -> Sequence:
         self.location, self.nbytes, self._value = location, nbytes, value
         self._state = _DONE
         return self._take_callbacks()
 
-    def _fail(self, error: BaseException) -> list:
+    def _fail(self, error: BaseException) -> Sequence:
         if self._state != _PENDING:
-            return []
+            return ()
         self._error = error
         self._state = _FAILED
         return self._take_callbacks()
 
-    def _take_callbacks(self) -> list:
-        callbacks, self._callbacks = self._callbacks, []
-        return [(fn, self) for fn in callbacks]
+    def _take_callbacks(self) -> Sequence:
+        """(fn, future) pairs to run; none can be added once the future is done."""
+        callbacks, self._callbacks = self._callbacks, ()
+        return [(fn, self) for fn in callbacks] if callbacks else ()
 
 
 def wait(futures: Iterable[Future], timeout: float | None = None,
