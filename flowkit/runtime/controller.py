@@ -33,6 +33,7 @@ __all__ = ["Controller", "NoExecutor"]
 log = logging.getLogger("flowkit.controller")
 
 _QUIET_S = 0.002  # the background thread drives after user threads left it alone this long
+_HOT_S = 0.0005  # how long a waiting user watches the router before sleeping in poll
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: IntFlag arithmetic is slow
 
 
@@ -187,6 +188,7 @@ class Controller:
                     if not flushed:
                         self._state.flush()
                         flushed = True
+                        self._watch_router()
                     self._pump(slice_s, until=predicate)
                 finally:
                     self._last_user = time.monotonic()
@@ -228,6 +230,16 @@ class Controller:
             self._drain_router()
         if until is not None or not self._batching:  # a user waiting inside batch() needs it
             self._state.flush()
+
+    def _watch_router(self) -> None:
+        """[Note: hot polling] in executors/process.py, on this side: a user who just sent work
+        watches the router for a moment before sleeping in poll, as the answer to a short task
+        comes within a round trip, and waking from a sleeping poll costs as much again."""
+        router, end = self._router, time.perf_counter() + _HOT_S
+        while not router.getsockopt(_EVENTS) & _POLLIN:
+            if self._wanted or self._lost or time.perf_counter() > end:
+                return
+            os.sched_yield()
 
     def _drain_router(self) -> None:
         router = self._router
