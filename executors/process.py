@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 
 from executors.ops import OpContext, OpTable
-from flowkit.runtime.protocol import Msg, ProtocolError, decode, encode
+from flowkit.runtime.protocol import Msg, ProtocolError, decode, encode, recv_frames, send_frames
 from flowkit.runtime.refs import check_ref, object_ids, resolve
 from flowkit.runtime.serialize import SerializeError, nbytes_of, pack, unpack
 
@@ -36,14 +36,15 @@ _HOT_SECONDS = 0.001
 _TINY_OP_S = 0.00005
 _HOLD_BACK_S = 0.001  # the longest a finished task's completion waits behind another op
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: IntFlag arithmetic is slow
+_NONE_BODY = pack(None)[0]
 
 
 class _Task:
-    __slots__ = ("id", "op", "config", "inputs", "outputs", "missing", "lane", "plain",
+    __slots__ = ("id", "op", "fn", "config", "inputs", "outputs", "missing", "lane", "plain",
                  "report_key")
 
-    def __init__(self, spec: dict) -> None:
-        self.id, self.op, self.config = spec["id"], spec["op"], spec["config"]
+    def __init__(self, spec: dict, fn: Any) -> None:
+        self.id, self.op, self.fn, self.config = spec["id"], spec["op"], fn, spec["config"]
         self.inputs, self.outputs = spec["inputs"], spec["outputs"]
         self.missing = 0
         # [Note: lanes] Tasks of one lane run in the order they arrived, like a CUDA stream:
@@ -179,7 +180,7 @@ class Executor:
         for _ in range(1000):
             if not sock.getsockopt(_EVENTS) & _POLLIN:
                 return
-            parts = sock.recv_multipart(copy=copy)
+            parts = recv_frames(sock, copy=copy)
             if peer:
                 parts = parts[1:]  # drop the ROUTER's identity frame
             self._handle(parts, peer=peer)
@@ -200,13 +201,13 @@ class Executor:
 
     def _send(self, kind: str, fields: dict | None = None, frames: list = ()) -> None:
         # zero-copy only pays for big frames (see Controller._send_raw)
-        self.control.send_multipart(encode(kind, fields, frames), copy=not frames)
+        send_frames(self.control, encode(kind, fields, frames), copy=not frames)
 
     # -- handlers ------------------------------------------------------------------------------
     def _on_run(self, header: dict, frames: list) -> None:
         for spec in header["tasks"]:
-            task = _Task(spec)
-            if task.op not in self.ops:
+            task = _Task(spec, self.ops.get(spec["op"]))
+            if task.fn is None:
                 self._complete_failed(task, f"unknown op {task.op!r}: this executor runs "
                                       f"{', '.join(self.ops.names())}", "")
                 continue
@@ -338,26 +339,24 @@ class Executor:
             # ones either: the watch sends them once the op has run _HOLD_BACK_S.
             if self.completions and self.typical_op_s > _TINY_OP_S:
                 self.watch.send_now = True
-            started = time.perf_counter()
-            self._run(task)
-            self.typical_op_s += 0.2 * (time.perf_counter() - started - self.typical_op_s)
+            self.typical_op_s += 0.2 * (self._run(task) - self.typical_op_s)
             if task.lane is not None:
                 self._leave_lane(task)
 
-    def _run(self, task: _Task) -> None:
-        op = self.ops.get(task.op)
+    def _run(self, task: _Task) -> float:
+        """Run `task` and queue its completion; returns how long the op took."""
         start = time.time()
         try:
             if task.plain:
                 args = [self.objects[i] for i in task.inputs]
             else:
                 args = [resolve(ref, self.objects) for ref in task.inputs]
-            result = self._call(op, args, task.config)
+            result = self._call(task.fn, args, task.config)
             outputs = _split_outputs(result, len(task.outputs), task.op)
         except Exception as exc:
             self._complete_failed(task, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
                                   start=start)
-            return
+            return time.time() - start
         end = time.time()
         for object_id, value in zip(task.outputs, outputs, strict=True):
             self._store(object_id, value)
@@ -365,6 +364,7 @@ class Executor:
         self.completions.append({"task": task.id, "ok": True, "start": start, "end": end,
                                  "outputs": list(zip(task.outputs, outputs)),
                                  "report_key": task.report_key})
+        return end - start
 
     def _call(self, op: Any, args: list, config: dict) -> Any:
         """Run one op; while it runs the sockets belong to the watch, which takes them over if
@@ -372,7 +372,7 @@ class Executor:
         self.op_seq += 1
         self.in_op = True
         self.socket_lock.release()
-        self.watch.armed.set()
+        self.watch.op_started()
         try:
             return op(self.ctx, *args, **config)
         finally:
@@ -418,7 +418,9 @@ def _describe(object_id: int, value: Any, report_key: str | None = None) -> dict
     """What the controller learns of an output: its size, the value itself when tiny, and for
     a list (a Stream's items) its length and, if asked, each item's `report_key` field, so the
     controller can form groups without fetching the items."""
-    if value is None or isinstance(value, (bool, int, float)):
+    if value is None:  # what most ops that only act return
+        return {"id": object_id, "nbytes": 0, "inline": _NONE_BODY}
+    if isinstance(value, (bool, int, float)):
         return {"id": object_id, "nbytes": 0, "inline": pack(value)[0]}
     body, frames = pack(value)
     size = nbytes_of(frames) + len(body)
@@ -443,12 +445,15 @@ class _CompletionWatch(threading.Thread):
     """Serves the sockets while an op runs long: every _HOLD_BACK_S it takes them for a moment,
     sends the completions waiting behind the op and handles what has arrived (objects peers
     ask for, new tasks, frees), so one slow op does not stall data other executors need. It
-    never holds them while waiting, so the op thread gets them back at once when the op ends."""
+    never holds them while waiting, so the op thread gets them back at once when the op ends.
+    It ticks only while ops keep starting and sleeps once a tick saw none: a burst of tiny ops
+    wakes it once, not once an op (each wake-up takes the GIL from the op thread)."""
 
     def __init__(self, executor: Executor) -> None:
         super().__init__(name="flowkit-watch", daemon=True)
         self.executor = executor
         self.armed = threading.Event()
+        self.idle = True  # asleep until an op starts
         self.send_now = False  # completions wait: flush them as soon as the op is under way
         self.stopping = False
 
@@ -457,26 +462,35 @@ class _CompletionWatch(threading.Thread):
         self.armed.set()
         self.join(timeout=1.0)
 
+    def op_started(self) -> None:
+        """Called by the op thread after it counted the op in and let go of the sockets."""
+        if self.idle or self.send_now:
+            self.idle = False
+            self.armed.set()
+
     def run(self) -> None:
-        executor = self.executor
-        sockets = (executor.control, executor.peer)
-        while True:
-            self.armed.wait()
+        executor, seen = self.executor, -1
+        while not self.stopping:
+            self.armed.wait(None if self.idle else _HOLD_BACK_S)
             self.armed.clear()
-            if self.stopping:
-                return
-            seq = executor.op_seq
-            pause = 0.0 if self.send_now else _HOLD_BACK_S
-            while not self.stopping:
-                time.sleep(pause)  # short ops never meet the watch
-                pause = _HOLD_BACK_S
-                with executor.socket_lock:
-                    self.send_now = False
-                    if not executor.in_op or executor.op_seq != seq or not executor.running:
-                        break
-                    executor._flush_completions()
-                    for sock in sockets:
-                        executor._drain(sock, peer=sock is executor.peer)
+            seq, running = executor.op_seq, executor.in_op
+            # the op seen at the last tick still runs: it has run at least _HOLD_BACK_S
+            if running and (self.send_now or seq == seen):
+                self._serve(seq)
+            elif not running and seq == seen:
+                self.idle = True
+                if executor.op_seq != seq:  # an op started before it could see `idle`
+                    self.idle = False
+            seen = seq
+
+    def _serve(self, seq: int) -> None:
+        executor = self.executor
+        with executor.socket_lock:
+            self.send_now = False
+            if executor.in_op and executor.op_seq == seq and executor.running:
+                executor._flush_completions()
+                for sock in (executor.control, executor.peer):
+                    executor._drain(sock, peer=sock is executor.peer)
 
 
 class _Heartbeat(threading.Thread):

@@ -59,6 +59,10 @@ def _flowkit(*, rounds: int, in_flight: int, address: str) -> dict:
 def _echo_server(address: str) -> None:
     context = zmq.Context()
     sock = context.socket(zmq.ROUTER)
+    # unbounded, as the controller's ROUTER: past its high-water mark a ROUTER drops replies
+    # silently, and the throughput phase then waits forever for them
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
     sock.connect(address)
     while True:
         identity, body = sock.recv_multipart()

@@ -24,7 +24,7 @@ import zmq
 
 from flowkit.runtime.dispatch import Dispatcher, Listener, NoExecutor
 from flowkit.runtime.futures import Future, new_condition
-from flowkit.runtime.protocol import Msg, ProtocolError, decode, encode
+from flowkit.runtime.protocol import Msg, ProtocolError, decode, encode, recv_frames, send_frames
 from flowkit.runtime.records import ExecutorInfo
 from flowkit.runtime.serialize import SerializeError
 
@@ -32,9 +32,9 @@ __all__ = ["Controller", "NoExecutor"]
 
 log = logging.getLogger("flowkit.controller")
 
-_QUIET_S = 0.002
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: IntFlag arithmetic is slow  # the background thread drives after user threads left it alone this long
-_BATCH = 64  # tasks queued for one executor before they go out without waiting for a flush
+_QUIET_S = 0.002  # the background thread drives after user threads left it alone this long
+_HOT_S = 0.0005  # how long a waiting user watches the router before sleeping in poll
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: IntFlag arithmetic is slow
 
 
 class Controller:
@@ -52,14 +52,15 @@ class Controller:
         self._wake_out.connect(f"inproc://flowkit-wake-{id(self)}")
         self._wake_lock = threading.Lock()
         self._io_lock = threading.Lock()
+        self._drive = _Driving(self)  # holds no state of its own: one serves every call
         self._wanted = 0  # user threads waiting for the IO lock
         self._last_user = 0.0
-        self._commands: deque = deque()  # from threads that must not block: the heartbeat
+        self._lost: deque = deque()  # (executor id, reason) from the heartbeat thread
         self._released: deque = deque()  # ids of futures the user dropped [Note: object lifetime]
         self._processes: dict[int, Any] = {}
         self._stopping = False
         self._batching = 0  # > 0 inside `batch()`: submit queues without sending
-        self._state = Dispatcher(condition=self.condition, send_raw=self._send_raw,
+        self._state = Dispatcher(owner=self, send_raw=self._send_raw,
                                  ping_interval=ping_interval, ping_timeout=ping_timeout,
                                  heartbeat_address=self._heartbeat.address)
         self._poller = zmq.Poller()
@@ -90,7 +91,8 @@ class Controller:
     def add_listener(self, listener: Listener) -> None:
         """Call `listener(event, payload)` for executor_joined, executor_lost, task_submitted,
         task_done and task_failed, on whichever thread drives IO: keep it short."""
-        self._state.listeners.append(listener)
+        with self._driving():
+            self._state.add_listener(listener)
 
     def watch_process(self, process: Any) -> None:
         """Treat the exit of this local executor process (a Popen) as that executor's loss."""
@@ -122,15 +124,10 @@ class Controller:
         them (flowkit/runtime/refs.py), or plain values. Tasks with the same `lane` run on their
         executor in submission order [Note: lanes]. `report_key` names a record field whose
         value for each item of a list output comes back in `future.keys`."""
-        futures = tuple(self._new_future() for _ in range(outputs))
         with self._driving():
-            target = self._state.submit(op, inputs, config or {}, executor, frozenset(tags),
-                                        futures, meta or {}, lane, report_key)
-            if target is not None and not self._batching:
-                info = self._state.executor(target)
-                # An idle executor gets its task now; a busy one gets tasks in batches.
-                if info.outstanding <= 1 or self._state.queued(target) >= _BATCH:
-                    self._state.flush(target)
+            futures = self._state.submit(op, inputs, config or {}, executor, frozenset(tags),
+                                         outputs, meta or {}, lane, report_key,
+                                         hold=self._batching > 0)
         self._state.run_callbacks()
         return futures[0] if outputs == 1 else futures
 
@@ -150,25 +147,29 @@ class Controller:
 
     def put(self, value: Any, *, executor: int | None = None) -> Future:
         """Place `value` on an executor (the least loaded, unless named) as a future."""
-        future = self._new_future()
         with self._driving():
-            self._state.put(value, executor, future)
+            future = self._state.put(value, executor)
         self._state.run_callbacks()
         return future
 
     def fetch(self, future: Future, timeout: float | None = None) -> Any:
         """The value of a resolved future, copied from the executor holding it."""
-        request = next(self._state.ids)
-        slot = self._state.fetches[request] = [False, None, None, None]
         with self._driving():
-            self._state.fetch(future.id, request)
+            request, slot = self._state.fetch(future.id)
         try:
             self.wait_until(lambda: slot[0], timeout, what=f"fetching {future!r}")
         finally:
-            self._state.fetches.pop(request, None)
+            if not slot[0]:  # an answered request is forgotten already
+                with self._driving():
+                    self._state.forget_fetch(request)
         if slot[2] is not None:
             raise slot[2]
         return slot[1]
+
+    def release(self, object_id: int) -> None:
+        """A future was dropped [Note: object lifetime]: only a deque append, as its `__del__`
+        may run on any thread, inside any lock."""
+        self._released.append(object_id)
 
     def wait_until(self, predicate: Callable[[], bool], timeout: float | None, *,
                    what: str = "waiting") -> None:
@@ -187,6 +188,7 @@ class Controller:
                     if not flushed:
                         self._state.flush()
                         flushed = True
+                        self._watch_router()
                     self._pump(slice_s, until=predicate)
                 finally:
                     self._last_user = time.monotonic()
@@ -212,7 +214,7 @@ class Controller:
 
     # -- driving IO ----------------------------------------------------------------------------
     def _driving(self) -> _Driving:
-        return _Driving(self)
+        return self._drive
 
     def _pump(self, timeout_s: float, until: Callable[[], bool] | None = None) -> None:
         """Poll once (up to `timeout_s`), handle everything that arrived, run queued commands.
@@ -229,13 +231,23 @@ class Controller:
         if until is not None or not self._batching:  # a user waiting inside batch() needs it
             self._state.flush()
 
+    def _watch_router(self) -> None:
+        """[Note: hot polling] in executors/process.py, on this side: a user who just sent work
+        watches the router for a moment before sleeping in poll, as the answer to a short task
+        comes within a round trip, and waking from a sleeping poll costs as much again."""
+        router, end = self._router, time.perf_counter() + _HOT_S
+        while not router.getsockopt(_EVENTS) & _POLLIN:
+            if self._wanted or self._lost or time.perf_counter() > end:
+                return
+            os.sched_yield()
+
     def _drain_router(self) -> None:
         router = self._router
         for _ in range(4096):
             # EVENTS costs less than the zmq.Again a non-blocking recv raises when empty
             if not router.getsockopt(_EVENTS) & _POLLIN:
                 return
-            identity, *parts = router.recv_multipart()
+            identity, *parts = recv_frames(router)
             try:
                 header, frames = decode(parts)
                 self._state.on_message(identity, header, frames)
@@ -246,24 +258,25 @@ class Controller:
     def _send_raw(self, parts: list) -> None:
         # Small messages go by copy: a zero-copy send makes pyzmq track the buffer's release
         # through a thread of its own, which costs more than copying a few hundred bytes.
-        self._router.send_multipart(parts, copy=len(parts) <= 2)
+        send_frames(self._router, parts, copy=len(parts) <= 2)
 
     def _run_commands(self) -> None:
-        released = self._released
+        released, lost = self._released, self._lost
         while released:
             self._state.release(released.popleft())
-        while self._commands:
-            kind, *args = self._commands.popleft()
-            if kind == "lose":
-                executor = self._state.executor(args[0])
-                if executor is not None and executor.alive:
-                    self._state.lose(executor, args[1])
+        while lost:
+            self._state.lose(*lost.popleft())
 
-    def _command(self, command: tuple) -> None:
-        """Queue work from a thread that must not block on the IO lock (the heartbeat thread);
-        whoever drives next runs it."""
-        self._commands.append(command)
+    def _lose(self, executor_id: int, reason: str) -> None:
+        """For the heartbeat thread, which must not block on the IO lock: whoever drives next
+        declares the executor lost."""
+        self._lost.append((executor_id, reason))
         self._wake()
+
+    def _exit_code(self, pid: int) -> int | None:
+        """The exit code of a watched local executor process; None while it runs, or if unwatched."""
+        process = self._processes.get(pid)
+        return None if process is None else process.poll()
 
     _wake_pending = False
 
@@ -279,8 +292,11 @@ class Controller:
 
     def _drive_in_background(self) -> None:
         while not self._stopping:
-            if self._wanted or time.monotonic() - self._last_user < _QUIET_S:
-                time.sleep(_QUIET_S / 2)
+            # Sleep out the quiet period rather than poll for its end: each wake-up takes the
+            # GIL from the user thread.
+            quiet_left = self._last_user + _QUIET_S - time.monotonic()
+            if self._wanted or quiet_left > 0:
+                time.sleep(quiet_left if quiet_left > 0 else _QUIET_S / 2)
                 continue
             if not self._io_lock.acquire(timeout=0.05):
                 continue
@@ -294,11 +310,6 @@ class Controller:
                 self._io_lock.release()
             self._state.run_callbacks()
 
-    def _new_future(self) -> Future:
-        future = Future(next(self._state.ids), self)
-        self._state.futures[future.id] = future
-        return future
-
 
 class _Driving:
     """Hold the IO lock for a user call; interrupt the background thread's poll to get it."""
@@ -310,7 +321,7 @@ class _Driving:
 
     def __enter__(self) -> None:
         ctl = self.ctl
-        if ctl._io_lock.acquire(blocking=False):
+        if ctl._io_lock.acquire(False):
             return
         ctl._wanted += 1
         ctl._wake()
@@ -359,8 +370,7 @@ class _Heartbeat(threading.Thread):
         for executor in self.ctl.executors():
             if executor.id in self.lost:
                 continue
-            process = self.ctl._processes.get(executor.pid)
-            code = process.poll() if process is not None else None
+            code = self.ctl._exit_code(executor.pid)
             seen = self.last_seen.get(executor.id, executor.last_seen)
             if code is not None:
                 reason = f"its process exited with code {code}"
@@ -369,7 +379,7 @@ class _Heartbeat(threading.Thread):
             else:
                 continue
             self.lost.add(executor.id)
-            self.ctl._command(("lose", executor.id, reason))
+            self.ctl._lose(executor.id, reason)
 
 
 def _executor_of_ping(parts: list) -> int | None:

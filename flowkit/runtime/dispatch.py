@@ -1,7 +1,8 @@
 """The controller's bookkeeping: executors, tasks, objects and their futures.
 
-Pure state and decisions, no threads: the Controller calls in here while it holds its IO lock, and
-everything leaves through `send`. Tasks go to executors ahead of their data (each names the object
+Pure state and decisions, no threads: the Controller calls in here while it holds its IO lock
+(except `run_callbacks`, which must not hold it), and everything leaves through `send_raw`. No
+other module touches these dicts. Tasks go to executors ahead of their data (each names the object
 ids it reads and writes); producers are told to push objects straight to consuming executors;
 failures propagate to every task downstream; an object is freed once its last consumer is done and
 nobody holds its future.
@@ -12,11 +13,11 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
-from flowkit.runtime.futures import ExecutorLost, Future, RemoteError, TaskCancelled
+from flowkit.runtime.futures import ExecutorLost, Future, Owner, RemoteError, TaskCancelled
 from flowkit.runtime.protocol import Msg, ProtocolError, encode
 from flowkit.runtime.records import ExecutorInfo, ObjectRecord, TaskRecord
 from flowkit.runtime.refs import Gather, Item, object_ids
@@ -34,26 +35,31 @@ class NoExecutor(RuntimeError):
 
 
 class Dispatcher:
-    def __init__(self, *, condition: Any, send_raw: Callable[[list], None],
+    def __init__(self, *, owner: Owner, send_raw: Callable[[list], None],
                  ping_interval: float, ping_timeout: float, heartbeat_address: str) -> None:
-        self.condition = condition
+        self.condition = owner.condition
+        self._owner = owner  # of the futures made here
         self._send_raw = send_raw
         self.ping_interval, self.ping_timeout = ping_interval, ping_timeout
         self.heartbeat_address = heartbeat_address
-        self.ids = itertools.count(1)
+        self._ids = itertools.count(1)
         self._executors: dict[int, ExecutorInfo] = {}
         self._by_identity: dict[bytes, int] = {}
         self._tasks: dict[int, TaskRecord] = {}
         self._objects: dict[int, ObjectRecord] = {}
         # Pending futures only: a future is dropped from here once resolved, so the user's last
         # reference decides when it is released ([Note: object lifetime] in futures.py).
-        self.futures: dict[int, Future] = {}
-        self.fetches: dict[int, list] = {}  # request -> [done, value, error, executor id]
+        self._futures: dict[int, Future] = {}
+        self._fetches: dict[int, list] = {}  # unanswered: request -> [done, value, error, holder]
         self._outbox: dict[int, list[dict]] = defaultdict(list)
         self._frees: dict[int, list[int]] = defaultdict(list)
         self._frees_sent = 0.0
-        self.callbacks: list = []
-        self.listeners: list[Listener] = []
+        # (fn, future) pairs; a deque, as threads take from it without the IO lock
+        self._callbacks: deque = deque()
+        self._listeners: list[Listener] = []
+
+    def add_listener(self, listener: Listener) -> None:
+        self._listeners.append(listener)
 
     # -- views ---------------------------------------------------------------------------------
     def executors(self) -> list[ExecutorInfo]:
@@ -71,6 +77,8 @@ class Dispatcher:
 
     def flush(self, executor_id: int | None = None) -> None:
         """Send queued tasks (all, or one executor's) and frees, one message per executor."""
+        if not self._outbox and not self._frees:
+            return
         targets = [executor_id] if executor_id is not None else list(self._outbox)
         for target in targets:
             tasks = self._outbox.pop(target, None)
@@ -93,19 +101,19 @@ class Dispatcher:
         waiting = sum(len(objects) for objects in self._frees.values())
         return waiting >= _FREE_BATCH or time.monotonic() - self._frees_sent >= _FREE_DELAY_S
 
-    def queued(self, executor_id: int) -> int:
-        return len(self._outbox.get(executor_id, ()))
-
     def _emit(self, event: str, payload: dict) -> None:
-        for listener in self.listeners:
+        for listener in self._listeners:
             try:
                 listener(event, payload)
             except Exception:
                 log.exception("listener failed on %s", event)
 
     def run_callbacks(self) -> None:
-        callbacks, self.callbacks = self.callbacks, []
-        for fn, future in callbacks:
+        """Run the callbacks of futures resolved so far. Never under the IO lock: a callback may
+        submit."""
+        callbacks = self._callbacks
+        while callbacks:
+            fn, future = callbacks.popleft()
             try:
                 fn(future)
             except Exception:
@@ -133,7 +141,7 @@ class Dispatcher:
 
     def _on_hello(self, identity: bytes, header: dict) -> None:
         executor = ExecutorInfo(
-            id=next(self.ids), name=header["name"], tags=tuple(header["tags"]),
+            id=next(self._ids), name=header["name"], tags=tuple(header["tags"]),
             ops=frozenset(header["ops"]), pid=header["pid"], host=header.get("host", ""),
             device=header.get("device", "cpu"), peer_address=header.get("peer_address", ""),
             identity=identity, resources=header.get("resources", {}),
@@ -149,53 +157,53 @@ class Dispatcher:
         self._emit("executor_joined", {"executor": executor})
 
     def _on_done(self, executor: ExecutorInfo, items: list) -> None:
+        tasks, inflight = self._tasks, executor.inflight
         with self.condition:
             for item in items:
-                task = self._tasks.get(item.get("task"))
+                task = tasks.get(item.get("task"))
                 if task is None or task.state != "pending":
                     continue
                 executor.outstanding -= 1
-                executor.inflight.pop(task.id, None)
+                inflight.pop(task.id, None)
                 task.start, task.end = item.get("start", 0.0), item.get("end", 0.0)
                 if item.get("ok"):
-                    self._complete(task, executor, item)
+                    self._complete(task, executor, item.get("outputs", ()))
                 else:
-                    error = RemoteError(
-                        f"op {task.op!r} failed on {executor.describe()}: {item.get('error')}\n"
-                        f"--- remote traceback ---\n{item.get('traceback', '')}",
-                        op=task.op, executor=executor.name,
-                        remote_traceback=item.get("traceback", ""))
-                    self._fail_task(task, error)
+                    self._fail_task(task, _remote_error(task, executor, item))
             self.condition.notify_all()
 
-    def _complete(self, task: TaskRecord, executor: ExecutorInfo, item: dict) -> None:
+    def _complete(self, task: TaskRecord, executor: ExecutorInfo, outputs: list) -> None:
         task.state = "done"
         executor.completed += 1
         executor.busy_s += max(0.0, task.end - task.start)
-        for out in item.get("outputs", ()):
+        for out in outputs:
             record = self._objects.get(out["id"])
-            if record is None:
-                continue
-            record.produced, record.nbytes = True, out.get("nbytes", 0)
-            record.holders.add(executor.id)
-            executor.bytes_out += record.nbytes
-            task.nbytes_out += record.nbytes
-            future = self.futures.pop(record.id, None)
-            if future is not None:
-                future.count, future.keys = out.get("count"), out.get("keys")
-                future.timing = (task.start, task.end)
-                value = unpack(out["inline"], []) if "inline" in out else _NO_INLINE
-                self.callbacks += future._resolve(location=executor.id, nbytes=record.nbytes,
-                                                   **({} if value is _NO_INLINE else
-                                                      {"value": value}))
-            self._maybe_free(record)
+            if record is not None:
+                self._produced(record, task, executor, out)
         self._consumed(task)
         del self._tasks[task.id]  # finished tasks are only remembered by listeners
-        if self.listeners:
+        if self._listeners:
             self._emit("task_done", {"task": task, "executor": executor})
 
+    def _produced(self, record: ObjectRecord, task: TaskRecord, executor: ExecutorInfo,
+                  out: dict) -> None:
+        nbytes = record.nbytes = out.get("nbytes", 0)
+        record.produced = True
+        record.holders.add(executor.id)
+        executor.bytes_out += nbytes
+        task.nbytes_out += nbytes
+        future = self._futures.pop(record.id, None)
+        if future is not None:
+            future.count, future.keys = out.get("count"), out.get("keys")
+            future.timing = (task.start, task.end)
+            if "inline" in out:
+                self._callbacks += future._resolve(executor.id, nbytes, _inline(out["inline"]))
+            else:
+                self._callbacks += future._resolve(executor.id, nbytes)
+        self._maybe_free(record)
+
     def _on_value(self, header: dict, frames: list) -> None:
-        slot = self.fetches.get(header["request"])
+        slot = self._fetches.pop(header["request"], None)
         if slot is None:
             return
         with self.condition:
@@ -211,42 +219,31 @@ class Dispatcher:
 
     # -- commands from user threads ------------------------------------------------------------
     def submit(self, op: str, inputs: tuple, config: dict, executor_id: int | None,
-               tags: frozenset, futures: tuple, meta: dict, lane: str | None = None,
-               report_key: str | None = None) -> int | None:
-        """Queue a task for the executor chosen for it; returns that executor's id, or None when
-        the task failed at once (no executor runs the op, or an input already failed)."""
+               tags: frozenset, outputs: int, meta: dict, lane: str | None = None,
+               report_key: str | None = None, *, hold: bool = False) -> tuple[Future, ...]:
+        """Queue a task for the executor chosen for it, and unless `hold` send that executor its
+        queue when it is idle or a batch is full; returns the task's output futures, failed at
+        once when no executor runs the op or an input already failed."""
+        futures = tuple([self._new_future() for _ in range(outputs)])
         try:
             executor = self._choose(op, tags, executor_id)
         except NoExecutor as exc:
-            with self.condition:
-                for future in futures:
-                    self.futures.pop(future.id, None)
-                    self.callbacks += future._fail(exc)
-                self.condition.notify_all()
-            return
+            self._fail_futures(futures, exc)
+            return futures
         objects = self._objects
-        task_id = next(self.ids)
-        refs = [self._input_ref(value, executor) for value in inputs]
-        input_ids, failed = [], None
-        for object_id in _ids_of(refs):
-            record = objects[object_id]
-            record.consumers.append(task_id)
-            record.pending += 1
-            failed = failed or record.error
-            input_ids.append(object_id)
+        task_id = next(self._ids)
+        refs, input_ids, failed = self._inputs(inputs, executor, task_id)
         output_ids = [f.id for f in futures]
-        task = TaskRecord(id=task_id, op=op, executor=executor.id, inputs=input_ids,
-                          outputs=output_ids, config=config, meta=meta)
+        task = TaskRecord(task_id, op, executor.id, input_ids, output_ids, config, meta)
         self._tasks[task_id] = task
         for object_id in output_ids:
-            objects[object_id] = ObjectRecord(id=object_id, location=executor.id,
-                                              producer=task_id)
+            objects[object_id] = ObjectRecord(object_id, executor.id, task_id)
         if failed is not None:
             with self.condition:
                 self._fail_task(task, TaskCancelled(f"{op!r} not run: an input failed: {failed}",
                                                     op=op))
                 self.condition.notify_all()
-            return None
+            return futures
         for object_id in input_ids:
             self._route(objects[object_id], executor)
         executor.outstanding += 1
@@ -256,42 +253,75 @@ class Dispatcher:
             spec["lane"] = lane
         if report_key is not None:
             spec["report_key"] = report_key
-        self._outbox[executor.id].append(spec)
-        if self.listeners:
+        outbox = self._outbox[executor.id]
+        outbox.append(spec)
+        if self._listeners:
             self._emit("task_submitted", {"task": task, "executor": executor})
-        return executor.id
+        # An idle executor gets its task now; a busy one gets tasks in batches.
+        if not hold and (executor.outstanding <= 1 or len(outbox) >= _BATCH):
+            self.flush(executor.id)
+        return futures
 
-    def put(self, value: Any, executor_id: int | None, future: Future) -> None:
+    def _inputs(self, inputs: tuple, executor: ExecutorInfo,
+                task_id: int) -> tuple[list, list[int], BaseException | None]:
+        """(wire refs, object ids read, the error of a failed input) of a task's inputs."""
+        if not inputs:
+            return [], [], None
+        refs = [self._input_ref(value, executor) for value in inputs]
+        input_ids, failed = [], None
+        for object_id in _ids_of(refs):
+            record = self._objects[object_id]
+            record.consumers.append(task_id)
+            record.pending += 1
+            failed = failed or record.error
+            input_ids.append(object_id)
+        return refs, input_ids, failed
+
+    def _new_future(self) -> Future:
+        future = Future(next(self._ids), self._owner)
+        self._futures[future.id] = future
+        return future
+
+    def _fail_futures(self, futures: tuple, error: BaseException) -> None:
+        with self.condition:
+            for future in futures:
+                self._futures.pop(future.id, None)
+                self._callbacks += future._fail(error)
+            self.condition.notify_all()
+
+    def put(self, value: Any, executor_id: int | None) -> Future:
+        future = self._new_future()
         try:
             executor = self._choose(None, frozenset(), executor_id)
             body, frames = pack(value)
         except (NoExecutor, SerializeError) as exc:
-            with self.condition:
-                self.futures.pop(future.id, None)
-                self.callbacks += future._fail(exc)
-                self.condition.notify_all()
-            return
+            self._fail_futures((future,), exc)
+            return future
         self._place(future.id, executor, body, frames)
         with self.condition:
-            self.futures.pop(future.id, None)
-            self.callbacks += future._resolve(location=executor.id, nbytes=len(body),
-                                               value=value)
+            self._futures.pop(future.id, None)
+            self._callbacks += future._resolve(executor.id, len(body), value)
             self.condition.notify_all()
+        return future
 
-    def fetch(self, object_id: int, request: int) -> None:
+    def fetch(self, object_id: int) -> tuple[int, list]:
+        """Ask an executor holding the object for its value: (request, slot), the slot a list
+        [done, value, error, holder id] that the answer (or the holder's loss) fills in."""
+        request, slot = next(self._ids), [False, None, None, None]
         record = self._objects.get(object_id)
-        slot = self.fetches.get(request)
-        if slot is None:
-            return
         holder = None if record is None else next(
             (self._executors[h] for h in record.holders if self._executors[h].alive), None)
         if holder is None:
-            with self.condition:
-                slot[2], slot[0] = ExecutorLost(f"object {object_id} is on no live executor"), True
-                self.condition.notify_all()
-            return
+            slot[2], slot[0] = ExecutorLost(f"object {object_id} is on no live executor"), True
+            return request, slot
         slot[3] = holder.id
+        self._fetches[request] = slot
         self._send(holder, Msg.FETCH, {"object": object_id, "request": request})
+        return request, slot
+
+    def forget_fetch(self, request: int) -> None:
+        """The asker gave up (timeout): drop the request, its answer will find no slot."""
+        self._fetches.pop(request, None)
 
     def release(self, object_id: int) -> None:
         record = self._objects.get(object_id)
@@ -308,14 +338,10 @@ class Dispatcher:
             if op is not None and op not in executor.ops:
                 raise NoExecutor(f"{executor.describe()} does not run op {op!r}")
             return executor
-        # The least loaded; between equals, the one whose oldest unfinished task is youngest:
-        # an executor stuck in a long op (the long tail of generation) should not get the next.
-        best, best_key = None, None
+        best = None
         for e in self._executors.values():
-            if e.alive and (op is None or e.runs(op, tags)):
-                key = (e.outstanding, -next(iter(e.inflight.values()), _NEVER))
-                if best is None or key < best_key:
-                    best, best_key = e, key
+            if e.alive and (op is None or e.runs(op, tags)) and (best is None or _before(e, best)):
+                best = e
         if best is None:
             connected = "; ".join(f"{e.describe()}: {', '.join(sorted(e.ops))}"
                                   for e in self._executors.values() if e.alive) or "none"
@@ -337,7 +363,7 @@ class Dispatcher:
                 # a future from a put that is still queued cannot exist: commands run in order
                 raise ProtocolError(f"{value!r} is not known to this controller")
             return value.id
-        object_id = next(self.ids)
+        object_id = next(self._ids)
         body, frames = pack(value)
         self._place(object_id, executor, body, frames)
         self._objects[object_id].user_released = True  # nobody holds a future for it
@@ -389,9 +415,9 @@ class Dispatcher:
                 if record is None:
                     continue
                 record.error = reason
-                future = self.futures.pop(object_id, None)
+                future = self._futures.pop(object_id, None)
                 if future is not None:
-                    self.callbacks += future._fail(reason)
+                    self._callbacks += future._fail(reason)
                 for consumer_id in record.consumers:
                     consumer = self._tasks.get(consumer_id)
                     if consumer is not None and consumer.state == "pending":
@@ -409,7 +435,10 @@ class Dispatcher:
         if executor.alive:
             self._send(executor, Msg.CANCEL, {"tasks": [task.id]})
 
-    def lose(self, executor: ExecutorInfo, reason: str) -> None:
+    def lose(self, executor_id: int, reason: str) -> None:
+        executor = self._executors.get(executor_id)
+        if executor is None or not executor.alive:
+            return
         log.error("lost %s: %s", executor.describe(), reason)
         error = ExecutorLost(f"executor {executor.describe()} was lost: {reason}",
                              executor=executor.name)
@@ -425,8 +454,9 @@ class Dispatcher:
                         if consumer is not None and consumer.state == "pending":
                             self._cancel_on_executor(consumer)
                             self._fail_task(consumer, error)
-            for slot in self.fetches.values():
-                if not slot[0] and slot[3] == executor.id:
+            for request, slot in list(self._fetches.items()):
+                if slot[3] == executor.id:
+                    del self._fetches[request]
                     slot[2], slot[0] = error, True
             self.condition.notify_all()
         self._emit("executor_lost", {"executor": executor, "reason": reason})
@@ -443,8 +473,30 @@ class Dispatcher:
         self.run_callbacks()
 
 
-_NO_INLINE = object()
+_BATCH = 64  # tasks queued for one executor before they go out without waiting for a flush
 _NEVER = float("inf")  # an executor with nothing in flight: its oldest task is "infinitely young"
+_NONE_BODY = pack(None)[0]
+
+
+def _before(a: ExecutorInfo, b: ExecutorInfo) -> bool:
+    """Whether `a` should get the next task rather than `b`: the least loaded; between equals,
+    the one whose oldest unfinished task is youngest, as an executor stuck in a long op (the
+    long tail of generation) should not get the next."""
+    if a.outstanding != b.outstanding:
+        return a.outstanding < b.outstanding
+    return next(iter(a.inflight.values()), _NEVER) > next(iter(b.inflight.values()), _NEVER)
+
+
+def _inline(body: Any) -> Any:
+    """A value that came in a completion; the usual None costs no decoding."""
+    return None if body == _NONE_BODY else unpack(body, [])
+
+
+def _remote_error(task: TaskRecord, executor: ExecutorInfo, item: dict) -> RemoteError:
+    return RemoteError(f"op {task.op!r} failed on {executor.describe()}: {item.get('error')}\n"
+                       f"--- remote traceback ---\n{item.get('traceback', '')}",
+                       op=task.op, executor=executor.name,
+                       remote_traceback=item.get("traceback", ""))
 
 
 def _ids_of(refs: list) -> list[int]:

@@ -10,17 +10,15 @@ once per batch.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from flowkit.runtime.controller import Controller
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 __all__ = [
     "ALL_COMPLETED",
     "FIRST_COMPLETED",
     "ExecutorLost",
     "Future",
+    "Owner",
     "RemoteError",
     "TaskCancelled",
     "wait",
@@ -48,6 +46,19 @@ class TaskCancelled(RemoteError):
     """A task did not run because one of its inputs failed."""
 
 
+class Owner(Protocol):
+    """What a future needs of the controller that made it (flowkit/runtime/controller.py)."""
+
+    condition: threading.Condition
+
+    def release(self, object_id: int) -> None: ...
+
+    def fetch(self, future: Future, timeout: float | None = None) -> Any: ...
+
+    def wait_until(self, predicate: Callable[[], bool], timeout: float | None, *,
+                   what: str = "waiting") -> None: ...
+
+
 class Future:
     """The eventual output of a task: `result()`, `exception()`, `done()`, callbacks.
 
@@ -59,13 +70,13 @@ class Future:
     __slots__ = ("id", "_controller", "_state", "_value", "_error", "_callbacks", "location",
                  "nbytes", "count", "keys", "timing", "__weakref__")
 
-    def __init__(self, object_id: int, controller: Controller) -> None:
+    def __init__(self, object_id: int, controller: Owner) -> None:
         self.id = object_id
         self._controller = controller
         self._state = _PENDING
         self._value: Any = _NO_VALUE
         self._error: BaseException | None = None
-        self._callbacks: list[Callable[[Future], Any]] = []
+        self._callbacks: Sequence[Callable[[Future], Any]] = ()
         self.location: int | None = None  # executor id holding the value, once produced
         self.nbytes = 0
         self.count: int | None = None  # for a list value: its length (a Stream's item count)
@@ -73,12 +84,10 @@ class Future:
         self.timing: tuple[float, float] | None = None  # the producing op's (start, end), wall
 
     def __del__(self) -> None:
-        # Only a deque append: __del__ may run on any thread, inside any lock.
-        self._controller._released.append(self.id)
+        self._controller.release(self.id)
 
     def __repr__(self) -> str:
-        state = {_PENDING: "pending", _DONE: "done", _FAILED: "failed"}[self._state]
-        return f"<Future {self.id} {state}>"
+        return f"<Future {self.id} {('pending', 'done', 'failed')[self._state]}>"
 
     def done(self) -> bool:
         return self._state != _PENDING
@@ -101,7 +110,7 @@ class Future:
         thread (so keep it short and never block in it)."""
         with self._controller.condition:
             if self._state == _PENDING:
-                self._callbacks.append(fn)
+                self._callbacks = [*self._callbacks, fn]
                 return
         fn(self)
 
@@ -110,21 +119,22 @@ class Future:
             self._controller.wait_until(self.done, timeout, what=f"waiting for {self!r}")
 
     # -- called by the controller's IO thread, holding the condition -------------------------
-    def _resolve(self, *, location: int | None, nbytes: int, value: Any = _NO_VALUE) -> list:
+    def _resolve(self, location: int | None, nbytes: int, value: Any = _NO_VALUE) -> Sequence:
         self.location, self.nbytes, self._value = location, nbytes, value
         self._state = _DONE
         return self._take_callbacks()
 
-    def _fail(self, error: BaseException) -> list:
+    def _fail(self, error: BaseException) -> Sequence:
         if self._state != _PENDING:
-            return []
+            return ()
         self._error = error
         self._state = _FAILED
         return self._take_callbacks()
 
-    def _take_callbacks(self) -> list:
-        callbacks, self._callbacks = self._callbacks, []
-        return [(fn, self) for fn in callbacks]
+    def _take_callbacks(self) -> Sequence:
+        """(fn, future) pairs to run; none can be added once the future is done."""
+        callbacks, self._callbacks = self._callbacks, ()
+        return [(fn, self) for fn in callbacks] if callbacks else ()
 
 
 def wait(futures: Iterable[Future], timeout: float | None = None,

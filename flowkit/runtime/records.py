@@ -32,7 +32,7 @@ class ExecutorInfo:
     lost_reason: str = ""
 
     def runs(self, op: str, tags: frozenset[str]) -> bool:
-        return self.alive and op in self.ops and tags <= set(self.tags)
+        return self.alive and op in self.ops and (not tags or tags.issubset(self.tags))
 
     def describe(self) -> str:
         return f"{self.name} (id {self.id}, pid {self.pid}, tags {','.join(self.tags) or '-'})"
