@@ -46,21 +46,9 @@ import torch.nn.functional as F
 from torch.autograd.graph import GradientEdge, Node
 from torch.overrides import TorchFunctionMode
 
-__all__ = [
-    "Consumers",
-    "DeferredCall",
-    "EmbeddingCall",
-    "LayerNormCall",
-    "LinearCall",
-    "Recorder",
-    "SavedBytes",
-    "accumulate",
-    "consumer_nodes",
-    "consumer_weight_grads",
-    "edges_of",
-    "grad_accumulator",
-    "storages",
-]
+__all__ = ["Consumers", "DeferredCall", "EmbeddingCall", "LayerNormCall", "LinearCall", "Recorder",
+           "SavedBytes", "accumulate", "consumer_nodes", "consumer_weight_grads", "edges_of",
+           "grad_accumulator", "storages"]
 
 
 def _check_unchanged(t: torch.Tensor, version: int) -> None:
@@ -68,8 +56,7 @@ def _check_unchanged(t: torch.Tensor, version: int) -> None:
         raise RuntimeError(
             "the input of a linear, layer_norm or embedding layer was modified in place after "
             "the forward; deferred weight gradients need it unchanged (use an out-of-place op "
-            "in the model)"
-        )
+            "in the model)")
 
 
 @attrs.define(eq=False)
@@ -123,8 +110,7 @@ class LayerNormCall(DeferredCall):
         _check_unchanged(self.x, self.x_version)
         mask = [False, _wants(self.weight), _wants(self.bias)]
         _, dw, db = torch.ops.aten.native_layer_norm_backward(
-            self.dy, self.x, self.shape, self.mean, self.rstd, self.weight, self.bias, mask
-        )
+            self.dy, self.x, self.shape, self.mean, self.rstd, self.weight, self.bias, mask)
         return [(p, g) for p, g in ((self.weight, dw), (self.bias, db)) if g is not None]
 
     def held(self) -> list[torch.Tensor]:
@@ -139,9 +125,8 @@ class EmbeddingCall(DeferredCall):
 
     def weight_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         _check_unchanged(self.x, self.x_version)
-        dw = torch.ops.aten.embedding_dense_backward(
-            self.dy, self.x, self.weight.shape[0], self.padding_idx, self.scale_grad_by_freq
-        )
+        dw = torch.ops.aten.embedding_dense_backward(self.dy, self.x, self.weight.shape[0],
+                                                     self.padding_idx, self.scale_grad_by_freq)
         return [(self.weight, dw)]
 
 
@@ -179,9 +164,8 @@ class _DeferredLayerNorm(torch.autograd.Function):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         dx = None
         if ctx.needs_input_grad[0]:
-            dx, _, _ = torch.ops.aten.native_layer_norm_backward(
-                dy, x, ctx.shape, mean, rstd, weight, bias, [True, False, False]
-            )
+            dx, _, _ = torch.ops.aten.native_layer_norm_backward(dy, x, ctx.shape, mean, rstd,
+                                                                 weight, bias, [True, False, False])
         return dx, None, None, None, None
 
 
@@ -248,10 +232,7 @@ def _record_embedding(rec: Recorder, args: tuple, kwargs: dict) -> torch.Tensor 
 
 
 _RECORDERS: dict[Callable, Callable[..., torch.Tensor | None]] = {
-    F.linear: _record_linear,
-    F.layer_norm: _record_layer_norm,
-    F.embedding: _record_embedding,
-}
+    F.linear: _record_linear, F.layer_norm: _record_layer_norm, F.embedding: _record_embedding}
 
 
 class Recorder(TorchFunctionMode):
@@ -288,9 +269,8 @@ def grad_accumulator(param: torch.Tensor) -> Node:
 Consumers = dict[Node, list[tuple[int, torch.nn.Parameter]]]
 
 
-def consumer_nodes(
-    roots: Sequence[Node], params: Sequence[torch.nn.Parameter], skip: set[Node]
-) -> Consumers:
+def consumer_nodes(roots: Sequence[Node], params: Sequence[torch.nn.Parameter],
+                   skip: set[Node]) -> Consumers:
     """Nodes of the graph under `roots` that take one of `params` directly, each with
     (position in its next_functions, param) pairs; nodes in `skip` (the deferred calls,
     whose weights W handles itself) are left out."""
@@ -326,11 +306,8 @@ def accumulate(param: torch.Tensor, grad: torch.Tensor | None) -> None:
 
 def storages(tensors: Sequence[torch.Tensor | None]) -> dict[int, int]:
     """{storage address: bytes} of `tensors`: a storage shared by several counts once."""
-    return {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for t in tensors
-        if t is not None
-    }
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in tensors if t is not None}
 
 
 class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
@@ -350,13 +327,8 @@ class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(pack, lambda t: t)
 
 
-def consumer_weight_grads(
-    node: Node,
-    uses: list[tuple[int, torch.nn.Parameter]],
-    grads: Sequence[torch.Tensor | None],
-    *,
-    shared: bool,
-) -> None:
+def consumer_weight_grads(node: Node, uses: list[tuple[int, torch.nn.Parameter]],
+                          grads: Sequence[torch.Tensor | None], *, shared: bool) -> None:
     """Run one consumer node on the gradients B captured at its outputs and accumulate the
     parts that belong to parameters (`shared`: a parameter of it has other consumers)."""
     if all(g is None for g in grads):
@@ -364,17 +336,13 @@ def consumer_weight_grads(
     if not shared:
         params = list({id(p): p for _, p in uses}.values())
         edges = [GradientEdge(node, k) for k, g in enumerate(grads) if g is not None]
-        found = torch.autograd.grad(
-            edges, params, [g for g in grads if g is not None], retain_graph=True,
-            allow_unused=True,
-        )
+        found = torch.autograd.grad(edges, params, [g for g in grads if g is not None],
+                                    retain_graph=True, allow_unused=True)
         for param, grad in zip(params, found):
             accumulate(param, grad)
         return
-    full = [
-        g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=m.device)
-        for g, m in zip(grads, node._input_metadata)
-    ]
+    full = [g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=m.device)
+            for g, m in zip(grads, node._input_metadata)]
     call = node if callable(node) else node.apply  # custom Function nodes expose `apply`
     with torch.no_grad():
         out = call(*full)

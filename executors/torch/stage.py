@@ -85,16 +85,14 @@ class StageRunner:
         if mb in self._mbs:
             raise StageError(
                 f"forward of microbatch {mb!r} ran twice: its state is still held (phase "
-                f"{self._mbs[mb].phase}); run its W or BW before reusing the id"
-            )
+                f"{self._mbs[mb].phase}); run its W or BW before reusing the id")
         leaves = tuple(_as_input(v, self.device) for v in inputs)
         recorder, saved = Recorder(self._params), SavedBytes(self._params)
         with torch.enable_grad(), recorder, saved:
             output = self.module(*leaves)
         outputs = _flatten(output)
-        self._mbs[mb] = _Microbatch(
-            inputs=leaves, outputs=outputs, calls=recorder.calls, saved=saved.saved
-        )
+        self._mbs[mb] = _Microbatch(inputs=leaves, outputs=outputs, calls=recorder.calls,
+                                    saved=saved.saved)
         detached = tuple(_detached(o) for o in outputs)
         return detached if isinstance(output, (tuple, list)) else detached[0]
 
@@ -109,9 +107,8 @@ class StageRunner:
         got: tuple[Any, ...] = ()
         if roots and edges:
             # the graph must outlive B only when W will re-enter it at generic consumers
-            got = torch.autograd.grad(
-                roots, edges, root_grads, retain_graph=bool(consumers), allow_unused=True
-            )
+            got = torch.autograd.grad(roots, edges, root_grads, retain_graph=bool(consumers),
+                                      allow_unused=True)
         got = got or (None,) * len(edges)
         n_in, n_calls = len(grad_idx), len(state.calls)
         for call, dy in zip(state.calls, got[n_in : n_in + n_calls]):
@@ -166,37 +163,28 @@ class StageRunner:
             held = sorted(map(repr, self._mbs)) or ["none"]
             raise StageError(
                 f"{op} for microbatch {mb!r}, which has no forward pending on this stage "
-                f"(held: {', '.join(held)}); run its forward first"
-            )
+                f"(held: {', '.join(held)}); run its forward first")
         if state.phase != expect:
-            why = {
-                "F": "its backward_input already ran; run its backward_weight next",
-                "B": "its backward_input has not run yet; W consumes what B stashes",
-            }[expect]
+            why = {"F": "its backward_input already ran; run its backward_weight next",
+                   "B": "its backward_input has not run yet; W consumes what B stashes"}[expect]
             raise StageError(f"{op} for microbatch {mb!r} out of order: {why}")
         return state
 
-    def _roots(
-        self, mb: Hashable, state: _Microbatch, grad_outputs: tuple[Any, ...]
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _roots(self, mb: Hashable, state: _Microbatch,
+               grad_outputs: tuple[Any, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         outs = state.outputs
         if not grad_outputs:
             if len(outs) != 1 or not isinstance(outs[0], torch.Tensor) or outs[0].numel() != 1:
                 raise StageError(
                     f"backward_input for microbatch {mb!r} without grad_outputs needs a scalar "
-                    f"loss output (the last stage); this stage returned {len(outs)} output(s)"
-                )
+                    f"loss output (the last stage); this stage returned {len(outs)} output(s)")
             grad_outputs = (torch.ones_like(outs[0]),)
         if len(grad_outputs) != len(outs):
             raise StageError(
                 f"backward_input for microbatch {mb!r} got {len(grad_outputs)} grad_outputs "
-                f"for {len(outs)} stage outputs"
-            )
-        pairs = [
-            (o, g)
-            for o, g in zip(outs, grad_outputs)
-            if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
-        ]
+                f"for {len(outs)} stage outputs")
+        pairs = [(o, g) for o, g in zip(outs, grad_outputs)
+                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
         return [o for o, _ in pairs], [g.to(o.device, o.dtype) for o, g in pairs]
 
     def _consumers(self, roots: list[torch.Tensor], state: _Microbatch) -> Consumers:

@@ -16,20 +16,6 @@ from flowkit.planner.ir import (
 from flowkit.planner.simulate import Interval, ScheduleError, SimResult, simulate
 from flowkit.planner.validate import render_grid, validate
 
-__all__ = [
-    "Action",
-    "ActionKey",
-    "Costs",
-    "Interval",
-    "Kind",
-    "MemoryModel",
-    "Placement",
-    "Schedule",
-    "ScheduleError",
-    "SimResult",
-    "render_grid",
-    "action_key",
-    "bubble_rate",
-    "simulate",
-    "validate",
-]
+__all__ = ["Action", "ActionKey", "Costs", "Interval", "Kind", "MemoryModel", "Placement",
+           "Schedule", "ScheduleError", "SimResult", "render_grid", "action_key", "bubble_rate",
+           "simulate", "validate"]

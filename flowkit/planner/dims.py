@@ -21,11 +21,8 @@ def layer_flops(*, seq: int, micro_batch: int, hidden: int) -> tuple[float, floa
     """FLOPs of F, B (input gradient) and W (weight gradient) for one layer and microbatch."""
     _positive(seq=seq, micro_batch=micro_batch, hidden=hidden)
     sbh = seq * micro_batch * hidden
-    return (
-        float(sbh * (24 * hidden + 4 * seq)),
-        float(sbh * (24 * hidden + 8 * seq)),
-        float(sbh * 24 * hidden),
-    )
+    return (float(sbh * (24 * hidden + 4 * seq)), float(sbh * (24 * hidden + 8 * seq)),
+            float(sbh * 24 * hidden))
 
 
 def layer_memory(*, seq: int, micro_batch: int, hidden: int, heads: int) -> tuple[float, float]:

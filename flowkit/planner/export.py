@@ -19,29 +19,16 @@ from flowkit.planner.simulate import SimResult
 __all__ = ["LoadedSchedule", "schedule_from_json", "schedule_to_json"]
 
 
-def schedule_to_json(
-    schedule: Schedule,
-    *,
-    costs: Costs,
-    memory: MemoryModel,
-    memory_limit: float | None,
-    result: SimResult,
-) -> dict[str, Any]:
+def schedule_to_json(schedule: Schedule, *, costs: Costs, memory: MemoryModel,
+                     memory_limit: float | None, result: SimResult) -> dict[str, Any]:
     """`costs` are per stage of the schedule's placement (what the simulator ran with)."""
     placement = schedule.placement
-    return {
-        "kind": schedule.kind,
-        "stages": placement.num_stages,
-        "devices": placement.num_devices,
-        "chunks": placement.chunks,
-        "microbatches": schedule.microbatches,
-        "stage_to_device": list(placement.stage_to_device),
-        "costs": costs.to_json(),
-        "memory_limit": memory_limit,
-        "memory_model": memory.to_json(),
-        "device_ops": schedule.text(),
-        "result": {**result.to_json(), "busy": list(result.busy)},
-    }
+    return {"kind": schedule.kind, "stages": placement.num_stages, "devices": placement.num_devices,
+            "chunks": placement.chunks, "microbatches": schedule.microbatches,
+            "stage_to_device": list(placement.stage_to_device), "costs": costs.to_json(),
+            "memory_limit": memory_limit, "memory_model": memory.to_json(),
+            "device_ops": schedule.text(),
+            "result": {**result.to_json(), "busy": list(result.busy)}}
 
 
 @attrs.frozen(kw_only=True)
@@ -65,27 +52,17 @@ def schedule_from_json(data: Mapping[str, Any]) -> LoadedSchedule:
     placement = Placement(_field(data, "stage_to_device"))
     if _field(data, "stages") != placement.num_stages:
         raise ValueError(
-            f"'stages' is {data['stages']} but stage_to_device lists {placement.num_stages}"
-        )
+            f"'stages' is {data['stages']} but stage_to_device lists {placement.num_stages}")
     costs = _field(data, "costs")
     memory = _field(data, "memory_model")
     schedule = Schedule(
-        kind=_field(data, "kind"),
-        placement=placement,
+        kind=_field(data, "kind"), placement=placement,
         microbatches=int(_field(data, "microbatches")),
-        device_ops=[[Action.parse(t) for t in ops] for ops in _field(data, "device_ops")],
-    )
+        device_ops=[[Action.parse(t) for t in ops] for ops in _field(data, "device_ops")])
     limit = data.get("memory_limit")
     return LoadedSchedule(
         schedule=schedule,
-        costs=Costs(
-            F=_field(costs, "F"),
-            B=_field(costs, "B"),
-            W=_field(costs, "W"),
-            comm=costs.get("comm", 0.0),
-            per_op=costs.get("per_op", 0.0),
-        ),
+        costs=Costs(F=_field(costs, "F"), B=_field(costs, "B"), W=_field(costs, "W"),
+                    comm=costs.get("comm", 0.0), per_op=costs.get("per_op", 0.0)),
         memory=MemoryModel(**{k: float(memory[k]) for k in ("F", "B", "W", "BW") if k in memory}),
-        memory_limit=None if limit is None else float(limit),
-        result=data.get("result", {}),
-    )
+        memory_limit=None if limit is None else float(limit), result=data.get("result", {}))

@@ -17,12 +17,8 @@ from flowkit.planner.simulate import SimResult
 __all__ = ["COLOURS", "chart_title", "png_figure", "render_svg", "write_chart"]
 
 COLOURS = {Kind.F: "#0072B2", Kind.B: "#E69F00", Kind.W: "#009E73", Kind.BW: "#CC79A7"}
-_NAMES = {
-    Kind.F: "F forward",
-    Kind.B: "B input grad",
-    Kind.W: "W weight grad",
-    Kind.BW: "BW backward",
-}
+_NAMES = {Kind.F: "F forward", Kind.B: "B input grad", Kind.W: "W weight grad",
+          Kind.BW: "BW backward"}
 
 _LEFT, _RIGHT, _TOP, _ROW, _GAP, _PLOT_W = 64, 24, 56, 26, 6, 1000
 # PNG: inches per device row, and the least width of the shortest box (room for two digits).
@@ -44,10 +40,8 @@ def _text_colour(fill: str) -> str:
 def chart_title(schedule: Schedule, result: SimResult) -> str:
     p = schedule.placement
     chunks = f", v={p.chunks}" if p.chunks > 1 else ""
-    return (
-        f"{schedule.kind}: p={p.num_devices}, m={schedule.microbatches}{chunks}, "
-        f"makespan {result.makespan:.6g}, bubble rate {result.bubble_rate:.2%}"
-    )
+    return (f"{schedule.kind}: p={p.num_devices}, m={schedule.microbatches}{chunks}, "
+            f"makespan {result.makespan:.6g}, bubble rate {result.bubble_rate:.2%}")
 
 
 def _ticks(end: float) -> list[float]:
@@ -61,9 +55,8 @@ def _ticks(end: float) -> list[float]:
 
 def _boxes(schedule: Schedule, result: SimResult, scale: float) -> list[str]:
     placement = schedule.placement
-    chunk_of = {
-        s: placement.stages_on(placement.device_of(s)).index(s) for s in range(placement.num_stages)
-    }
+    chunk_of = {s: placement.stages_on(placement.device_of(s)).index(s)
+                for s in range(placement.num_stages)}
     out = []
     for device, intervals in enumerate(result.intervals):
         y = _TOP + device * (_ROW + _GAP)
@@ -71,40 +64,28 @@ def _boxes(schedule: Schedule, result: SimResult, scale: float) -> list[str]:
             a = iv.action
             fill = _shade(COLOURS[a.kind], chunk_of[a.stage], placement.chunks)
             x, w = _LEFT + iv.start * scale, max((iv.end - iv.start) * scale, 0.5)
-            tip = escape(
-                f"{a} (stage {a.stage}, {a.kind.value}, microbatch {a.microbatch}): "
-                f"{iv.start:.6g} to {iv.end:.6g}"
-            )
-            out.append(
-                f'<g><title>{tip}</title><rect x="{x:.2f}" y="{y}" width="{w:.2f}" '
-                f'height="{_ROW}" fill="{fill}" stroke="#ffffff" stroke-width="0.5"/>'
-            )
+            tip = escape(f"{a} (stage {a.stage}, {a.kind.value}, microbatch {a.microbatch}): "
+                         f"{iv.start:.6g} to {iv.end:.6g}")
+            out.append(f'<g><title>{tip}</title><rect x="{x:.2f}" y="{y}" width="{w:.2f}" '
+                       f'height="{_ROW}" fill="{fill}" stroke="#ffffff" stroke-width="0.5"/>')
             label = str(a.microbatch)
             if w >= 7 * len(label) + 2:
-                out.append(
-                    f'<text x="{x + w / 2:.2f}" y="{y + _ROW / 2 + 4}" font-size="11" '
-                    f'text-anchor="middle" fill="{_text_colour(fill)}">{label}</text>'
-                )
+                out.append(f'<text x="{x + w / 2:.2f}" y="{y + _ROW / 2 + 4}" font-size="11" '
+                           f'text-anchor="middle" fill="{_text_colour(fill)}">{label}</text>')
             out.append("</g>")
     return out
 
 
 def _axes(schedule: Schedule, end: float, scale: float) -> list[str]:
     bottom = _TOP + schedule.num_devices * (_ROW + _GAP)
-    out = [
-        f'<text x="{_LEFT - 8}" y="{_TOP + d * (_ROW + _GAP) + _ROW / 2 + 4}" '
-        f'font-size="12" text-anchor="end">dev {d}</text>'
-        for d in range(schedule.num_devices)
-    ]
+    out = [f'<text x="{_LEFT - 8}" y="{_TOP + d * (_ROW + _GAP) + _ROW / 2 + 4}" '
+           f'font-size="12" text-anchor="end">dev {d}</text>' for d in range(schedule.num_devices)]
     for t in _ticks(end):
         x = _LEFT + t * scale
+        out.append(f'<line x1="{x:.2f}" y1="{_TOP - 4}" x2="{x:.2f}" y2="{bottom}" '
+                   f'stroke="#dddddd" stroke-width="0.5"/>')
         out.append(
-            f'<line x1="{x:.2f}" y1="{_TOP - 4}" x2="{x:.2f}" y2="{bottom}" '
-            f'stroke="#dddddd" stroke-width="0.5"/>'
-        )
-        out.append(
-            f'<text x="{x:.2f}" y="{bottom + 14}" font-size="10" text-anchor="middle">{t:g}</text>'
-        )
+            f'<text x="{x:.2f}" y="{bottom + 14}" font-size="10" text-anchor="middle">{t:g}</text>')
     return out
 
 
@@ -116,10 +97,8 @@ def _legend(schedule: Schedule, y: float) -> list[str]:
         out.append(f'<text x="{x + 20}" y="{y + 11}" font-size="12">{escape(_NAMES[k])}</text>')
         x += 140
     if schedule.placement.chunks > 1:
-        out.append(
-            f'<text x="{x}" y="{y + 11}" font-size="12">lighter shade = later chunk; '
-            "numbers are microbatches</text>"
-        )
+        out.append(f'<text x="{x}" y="{y + 11}" font-size="12">lighter shade = later chunk; '
+                   "numbers are microbatches</text>")
     return out
 
 
@@ -129,17 +108,12 @@ def render_svg(schedule: Schedule, result: SimResult) -> str:
     scale = _PLOT_W / end
     height = _TOP + schedule.num_devices * (_ROW + _GAP) + 56
     width = _LEFT + _PLOT_W + _RIGHT
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" font-family="sans-serif">',
-        f'<rect width="{width}" height="{height}" fill="#ffffff"/>',
-        f'<text x="{_LEFT}" y="24" font-size="15" font-weight="bold">'
-        f"{escape(chart_title(schedule, result))}</text>",
-        *_legend(schedule, 32),
-        *_axes(schedule, end, scale),
-        *_boxes(schedule, result, scale),
-        "</svg>",
-    ]
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'viewBox="0 0 {width} {height}" font-family="sans-serif">',
+             f'<rect width="{width}" height="{height}" fill="#ffffff"/>',
+             f'<text x="{_LEFT}" y="24" font-size="15" font-weight="bold">'
+             f"{escape(chart_title(schedule, result))}</text>", *_legend(schedule, 32),
+             *_axes(schedule, end, scale), *_boxes(schedule, result, scale), "</svg>"]
     return "\n".join(parts) + "\n"
 
 
@@ -150,8 +124,7 @@ def _write_png(path: Path, schedule: Schedule, result: SimResult) -> None:
         raise RuntimeError(
             f"writing {path.name} needs matplotlib, a dependency of flowkit that is not "
             "importable here: pip install matplotlib (or reinstall flowkit), "
-            "or write an .svg chart instead, which needs nothing"
-        ) from None
+            "or write an .svg chart instead, which needs nothing") from None
     png_figure(schedule, result).savefig(path, dpi=150, bbox_inches="tight", pad_inches=0.15)
 
 

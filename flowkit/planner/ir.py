@@ -1,8 +1,8 @@
 """The action IR of pipeline schedules: actions, placements, costs, memory model, schedules.
 
 Schedules are data, as in DeepSpeed's pipeline schedules: a schedule is a placement plus one
-ordered tuple of actions per device, and everything here is immutable, hashable and free of torch/zmq so that it can be built,
-printed, parsed, simulated and tested anywhere.
+ordered tuple of actions per device, and everything here is immutable, hashable and free of
+torch/zmq so that it can be built, printed, parsed, simulated and tested anywhere.
 """
 
 from __future__ import annotations
@@ -16,17 +16,8 @@ import attrs
 
 from flowkit.planner.dims import layer_flops, layer_memory
 
-__all__ = [
-    "Action",
-    "ActionKey",
-    "Costs",
-    "Kind",
-    "MemoryModel",
-    "Placement",
-    "Schedule",
-    "action_key",
-    "bubble_rate",
-]
+__all__ = ["Action", "ActionKey", "Costs", "Kind", "MemoryModel", "Placement", "Schedule",
+           "action_key", "bubble_rate"]
 
 
 class Kind(str, enum.Enum):
@@ -77,8 +68,7 @@ class Action:
         if match is None:
             raise ValueError(
                 f"cannot parse action {text!r}: expected {{stage}}{{kind}}{{microbatch}} "
-                "with kind one of F, B, W, BW, e.g. '2F0' or '3BW7'"
-            )
+                "with kind one of F, B, W, BW, e.g. '2F0' or '3BW7'")
         stage, kind, microbatch = match.groups()
         return cls(int(stage), Kind(kind), int(microbatch))
 
@@ -107,10 +97,8 @@ class Placement:
             raise ValueError("a placement needs at least one stage")
         devices = set(self.stage_to_device)
         if devices != set(range(len(devices))):
-            raise ValueError(
-                f"devices must be numbered 0..n-1 with every device holding a stage, "
-                f"got stage_to_device={list(self.stage_to_device)}"
-            )
+            raise ValueError(f"devices must be numbered 0..n-1 with every device holding a stage, "
+                             f"got stage_to_device={list(self.stage_to_device)}")
 
     @property
     def num_stages(self) -> int:
@@ -152,7 +140,8 @@ def _as_float_tuple(values: Iterable[float]) -> tuple[float, ...]:
 
 def _nonnegative(_instance: object, attribute: attrs.Attribute, value: Sequence[float]) -> None:
     if any(not math.isfinite(v) or v < 0 for v in value):
-        raise ValueError(f"costs must be finite and non-negative, got {attribute.name}={list(value)}")
+        raise ValueError(
+            f"costs must be finite and non-negative, got {attribute.name}={list(value)}")
 
 
 def _finite(_instance: object, attribute: attrs.Attribute, value: float) -> None:
@@ -167,43 +156,31 @@ class Costs:
     F: tuple[float, ...] = attrs.field(converter=_as_float_tuple, validator=_nonnegative)
     B: tuple[float, ...] = attrs.field(converter=_as_float_tuple, validator=_nonnegative)
     W: tuple[float, ...] = attrs.field(converter=_as_float_tuple, validator=_nonnegative)
-    comm: float = attrs.field(
-        default=0.0, converter=float, validator=[_finite, attrs.validators.ge(0.0)]
-    )
+    comm: float = attrs.field(default=0.0, converter=float,
+                              validator=[_finite, attrs.validators.ge(0.0)])
     # Time every op takes beyond its own cost (an executor's dispatch), as profiled on real
     # processes; the simulator adds it to each op, a fused BW included once.
-    per_op: float = attrs.field(
-        default=0.0, converter=float, validator=[_finite, attrs.validators.ge(0.0)]
-    )
+    per_op: float = attrs.field(default=0.0, converter=float,
+                                validator=[_finite, attrs.validators.ge(0.0)])
 
     def __attrs_post_init__(self) -> None:
         if not (len(self.F) == len(self.B) == len(self.W)) or not self.F:
             raise ValueError(
                 f"F, B and W need one cost per stage each, got {len(self.F)}, {len(self.B)}, "
-                f"{len(self.W)}"
-            )
+                f"{len(self.W)}")
 
     @property
     def num_stages(self) -> int:
         return len(self.F)
 
     @classmethod
-    def uniform(
-        cls, stages: int, *, F: float = 1.0, B: float = 1.0, W: float = 1.0, comm: float = 0.0
-    ) -> Costs:
+    def uniform(cls, stages: int, *, F: float = 1.0, B: float = 1.0, W: float = 1.0,
+                comm: float = 0.0) -> Costs:
         return cls(F=[F] * stages, B=[B] * stages, W=[W] * stages, comm=comm)
 
     @classmethod
-    def from_dims(
-        cls,
-        *,
-        layers_per_stage: Sequence[int],
-        seq: int,
-        micro_batch: int,
-        hidden: int,
-        flops_per_s: float = 1.0,
-        comm: float = 0.0,
-    ) -> Costs:
+    def from_dims(cls, *, layers_per_stage: Sequence[int], seq: int, micro_batch: int, hidden: int,
+                  flops_per_s: float = 1.0, comm: float = 0.0) -> Costs:
         """Costs from the paper's Table 1 FLOPs (`flowkit.planner.dims`), one entry per stage
         of `layers_per_stage` layers (the last may carry more: the LM head). `flops_per_s` turns
         FLOPs into time; the default 1 leaves them in FLOPs, which is enough without `comm`."""
@@ -232,17 +209,13 @@ class Costs:
         if self.num_stages != placement.num_devices:
             raise ValueError(
                 f"costs are given for {self.num_stages} device shares but the placement has "
-                f"{placement.num_devices} devices"
-            )
+                f"{placement.num_devices} devices")
         v = placement.chunks
         d = placement.stage_to_device
-        return Costs(
-            F=[self.F[d[s]] / v for s in range(placement.num_stages)],
-            B=[self.B[d[s]] / v for s in range(placement.num_stages)],
-            W=[self.W[d[s]] / v for s in range(placement.num_stages)],
-            comm=self.comm,
-            per_op=self.per_op,
-        )
+        return Costs(F=[self.F[d[s]] / v for s in range(placement.num_stages)],
+                     B=[self.B[d[s]] / v for s in range(placement.num_stages)],
+                     W=[self.W[d[s]] / v for s in range(placement.num_stages)],
+                     comm=self.comm, per_op=self.per_op)
 
     def to_json(self) -> dict:
         out = {"F": list(self.F), "B": list(self.B), "W": list(self.W), "comm": self.comm}
@@ -292,10 +265,8 @@ class Schedule:
 
     def __attrs_post_init__(self) -> None:
         if len(self.device_ops) != self.placement.num_devices:
-            raise ValueError(
-                f"schedule {self.kind!r} has {len(self.device_ops)} device lists for "
-                f"{self.placement.num_devices} devices"
-            )
+            raise ValueError(f"schedule {self.kind!r} has {len(self.device_ops)} device lists for "
+                             f"{self.placement.num_devices} devices")
 
     @property
     def num_devices(self) -> int:

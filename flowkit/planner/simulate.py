@@ -39,15 +39,8 @@ class ScheduleError(ValueError):
     `marked` names the offending actions, `problems` lists each problem in one line (the message
     may add a rendered grid), and `over_memory` says that the memory limit is the only problem."""
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        schedule: Schedule | None = None,
-        marked=(),
-        problems=(),
-        over_memory: bool = False,
-    ) -> None:
+    def __init__(self, message: str, *, schedule: Schedule | None = None, marked=(), problems=(),
+                 over_memory: bool = False) -> None:
         self.schedule = schedule
         self.over_memory = over_memory
         self.marked = frozenset(marked)
@@ -72,12 +65,8 @@ class SimResult:
     peak_memory: tuple[float, ...]
 
     def to_json(self) -> dict:
-        return {
-            "makespan": self.makespan,
-            "device_span": list(self.device_span),
-            "bubble_rate": self.bubble_rate,
-            "peak_memory": list(self.peak_memory),
-        }
+        return {"makespan": self.makespan, "device_span": list(self.device_span),
+                "bubble_rate": self.bubble_rate, "peak_memory": list(self.peak_memory)}
 
 
 def dependencies(action: Action, num_stages: int) -> list[tuple[int, Kind | None, int]]:
@@ -92,17 +81,14 @@ def dependencies(action: Action, num_stages: int) -> list[tuple[int, Kind | None
     return [(s + 1, None, mb)]
 
 
-def simulate(
-    schedule: Schedule, costs: Costs, memory: MemoryModel | None = None
-) -> SimResult:
+def simulate(schedule: Schedule, costs: Costs, memory: MemoryModel | None = None) -> SimResult:
     """Run `schedule` with per-stage `costs`; raise ScheduleError on deadlock or bad actions."""
     memory = memory or MemoryModel()
     placement = schedule.placement
     if costs.num_stages != placement.num_stages:
         raise ValueError(
             f"costs cover {costs.num_stages} stages but schedule {schedule.kind!r} has "
-            f"{placement.num_stages}"
-        )
+            f"{placement.num_stages}")
     _check_actions_placed(schedule)
     ends: dict[ActionKey, float] = {}
     done_on: dict[ActionKey, int] = {}
@@ -133,24 +119,18 @@ def simulate(
             if key in ends:
                 raise ScheduleError(
                     f"{action} runs twice: its (stage, kind, microbatch) was already scheduled",
-                    schedule=schedule,
-                    marked=[action],
-                )
+                    schedule=schedule, marked=[action])
             ends[key], done_on[key] = end, device
             free_at[device] = end
             out[device].append(Interval(action, start, end))
             cursor[device] += 1
             ready.extend(waiting.pop(key, ()))
-    stuck = [
-        ops[cursor[d]] for d, ops in enumerate(schedule.device_ops) if cursor[d] < len(ops)
-    ]
+    stuck = [ops[cursor[d]] for d, ops in enumerate(schedule.device_ops) if cursor[d] < len(ops)]
     if stuck:
         raise ScheduleError(
             "deadlock: no device can run its next action: "
             + ", ".join(f"device {placement.device_of(a.stage)} waits at {a}" for a in stuck),
-            schedule=schedule,
-            marked=stuck,
-        )
+            schedule=schedule, marked=stuck)
     return _summarize(schedule, out, memory)
 
 
@@ -183,11 +163,7 @@ def _summarize(schedule: Schedule, out: list[list[Interval]], memory: MemoryMode
             level += memory.delta(iv.action, chunks)
             peak = max(peak, level)
         peaks.append(peak)
-    return SimResult(
-        intervals=tuple(tuple(iv) for iv in out),
-        makespan=max((ivs[-1].end for ivs in out if ivs), default=0.0),
-        device_span=tuple(spans),
-        busy=tuple(busy),
-        bubble_rate=bubble_rate(spans, busy),
-        peak_memory=tuple(peaks),
-    )
+    return SimResult(intervals=tuple(tuple(iv) for iv in out),
+                     makespan=max((ivs[-1].end for ivs in out if ivs), default=0.0),
+                     device_span=tuple(spans), busy=tuple(busy),
+                     bubble_rate=bubble_rate(spans, busy), peak_memory=tuple(peaks))

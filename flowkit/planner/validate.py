@@ -21,10 +21,8 @@ def render_grid(schedule: Schedule, marked: Collection[Action] = ()) -> str:
     """Rows are step indices, columns devices, cells action text; marked actions in brackets."""
     marked = frozenset(marked)
     depth = max((len(ops) for ops in schedule.device_ops), default=0)
-    cells = [
-        [_cell(ops[i], marked) if i < len(ops) else "" for ops in schedule.device_ops]
-        for i in range(depth)
-    ]
+    cells = [[_cell(ops[i], marked) if i < len(ops) else "" for ops in schedule.device_ops]
+             for i in range(depth)]
     header = [f"dev {d}" for d in range(schedule.num_devices)]
     width = max([len(c) for row in cells for c in row] + [len(h) for h in header])
     step_width = max(len("step"), len(str(depth)))
@@ -58,24 +56,16 @@ def _visible_rows(cells: list[list[str]], depth: int) -> list[int]:
     return sorted(keep)
 
 
-def _fail(
-    schedule: Schedule, problems: list[str], marked: Iterable[Action], *, over_memory: bool = False
-) -> ScheduleError:
+def _fail(schedule: Schedule, problems: list[str], marked: Iterable[Action], *,
+          over_memory: bool = False) -> ScheduleError:
     marked = list(marked)
-    head = (
-        f"schedule {schedule.kind!r}: {problems[0]}"
-        if len(problems) == 1
-        else f"schedule {schedule.kind!r} has {len(problems)} errors:\n"
-        + "\n".join(f"  - {p}" for p in problems)
-    )
+    head = (f"schedule {schedule.kind!r}: {problems[0]}"
+            if len(problems) == 1
+            else f"schedule {schedule.kind!r} has {len(problems)} errors:\n"
+            + "\n".join(f"  - {p}" for p in problems))
     grid = render_grid(schedule, marked)
-    return ScheduleError(
-        f"{head}\n\n{grid}",
-        schedule=schedule,
-        marked=marked,
-        problems=problems,
-        over_memory=over_memory,
-    )
+    return ScheduleError(f"{head}\n\n{grid}", schedule=schedule, marked=marked, problems=problems,
+                         over_memory=over_memory)
 
 
 def _placement_problems(schedule: Schedule) -> tuple[list[str], list[Action]]:
@@ -84,20 +74,14 @@ def _placement_problems(schedule: Schedule) -> tuple[list[str], list[Action]]:
     for device, ops in enumerate(schedule.device_ops):
         for step, action in enumerate(ops):
             if action.stage >= placement.num_stages:
-                problems.append(
-                    f"{action} (device {device}, step {step}) names stage "
-                    f"{action.stage}; there are {placement.num_stages} stages"
-                )
+                problems.append(f"{action} (device {device}, step {step}) names stage "
+                                f"{action.stage}; there are {placement.num_stages} stages")
             elif placement.device_of(action.stage) != device:
-                problems.append(
-                    f"{action} is on device {device}, but stage {action.stage} "
-                    f"lives on device {placement.device_of(action.stage)}"
-                )
+                problems.append(f"{action} is on device {device}, but stage {action.stage} "
+                                f"lives on device {placement.device_of(action.stage)}")
             elif action.microbatch >= schedule.microbatches:
-                problems.append(
-                    f"{action} names microbatch {action.microbatch}; the schedule "
-                    f"has {schedule.microbatches}"
-                )
+                problems.append(f"{action} names microbatch {action.microbatch}; the schedule "
+                                f"has {schedule.microbatches}")
             else:
                 continue
             marked.append(action)
@@ -142,9 +126,8 @@ def _missing(kinds: list[Kind]) -> str:
     return ""
 
 
-def _memory_problems(
-    schedule: Schedule, result: SimResult, memory: MemoryModel, limit: float
-) -> tuple[list[str], list[Action]]:
+def _memory_problems(schedule: Schedule, result: SimResult, memory: MemoryModel,
+                     limit: float) -> tuple[list[str], list[Action]]:
     problems, marked = [], []
     chunks = schedule.placement.chunks
     for device, intervals in enumerate(result.intervals):
@@ -153,21 +136,15 @@ def _memory_problems(
             level += memory.delta(iv.action, chunks)
             if level > limit + 1e-9:
                 peak = result.peak_memory[device]
-                problems.append(
-                    f"device {device} peaks at {peak:g} > memory limit {limit:g} "
-                    f"(first over after {iv.action})"
-                )
+                problems.append(f"device {device} peaks at {peak:g} > memory limit {limit:g} "
+                                f"(first over after {iv.action})")
                 marked.append(iv.action)
                 break
     return problems, marked
 
 
-def validate(
-    schedule: Schedule,
-    costs: Costs,
-    memory: MemoryModel | None = None,
-    memory_limit: float | None = None,
-) -> SimResult:
+def validate(schedule: Schedule, costs: Costs, memory: MemoryModel | None = None,
+             memory_limit: float | None = None) -> SimResult:
     """Return the simulated result of a valid schedule; raise ScheduleError otherwise.
 
     `costs` are per stage of the schedule's placement; `memory_limit` bounds every device's peak.

@@ -21,15 +21,8 @@ from flowkit.planner.schedules.registry import (
     schedule_kinds,
 )
 
-__all__ = [
-    "Builder",
-    "ScheduleRequest",
-    "ScheduleSpec",
-    "build_schedule",
-    "get_spec",
-    "register",
-    "schedule_kinds",
-]
+__all__ = ["Builder", "ScheduleRequest", "ScheduleSpec", "build_schedule", "get_spec", "register",
+           "schedule_kinds"]
 
 # Imported after the handcrafted kinds so `auto` can build and compare them.
 _OPTIONAL = ("vshape", "auto")

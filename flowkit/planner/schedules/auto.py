@@ -85,8 +85,7 @@ def _baselines(request: ScheduleRequest, problem: Problem) -> list[Orders | None
         return []
     handmade = (handcrafted.one_f_one_b, handcrafted.zb_h1, handcrafted.zb_h2)
     return [zb_heuristic(problem, request.memory_limit)] + [
-        from_schedule(build(request)) for build in handmade
-    ]
+        from_schedule(build(request)) for build in handmade]
 
 
 def _explore(request: ScheduleRequest, problem: Problem, limit: float) -> Iterator[Orders | None]:
@@ -116,9 +115,8 @@ def _scored(problem: Problem, pool: Iterable[Orders | None], limit: float) -> li
     return out
 
 
-def _pick(
-    candidates: list[Scored], baselines: list[Scored], reference: bool, limit: float
-) -> Scored:
+def _pick(candidates: list[Scored], baselines: list[Scored], reference: bool,
+          limit: float) -> Scored:
     """[Note: auto objective] First never worse than the paper's heuristic (when it ran) on both
     makespan and span, the figures it is judged by -- the heuristic itself always qualifies, so
     this always holds; among those, the least makespan, then the shortest span, then the lowest
@@ -146,12 +144,8 @@ def auto_orders(request: ScheduleRequest) -> tuple[Problem, Orders, Score]:
         placement = Placement.one_per_device(request.devices)
     else:
         placement = Placement.vshape(request.devices)
-    problem = Problem(
-        placement=placement,
-        costs=request.costs.for_placement(placement),
-        memory=request.memory,
-        microbatches=request.microbatches,
-    )
+    problem = Problem(placement=placement, costs=request.costs.for_placement(placement),
+                      memory=request.memory, microbatches=request.microbatches)
     limit = request.memory_limit if request.memory_limit is not None else problem.ceiling
     reason = unfit_reason(problem, limit)
     if reason is not None:  # an unsatisfiable request, not a usage error: exit 1, saying why
@@ -163,14 +157,9 @@ def auto_orders(request: ScheduleRequest) -> tuple[Problem, Orders, Score]:
     orders, score = _pick(candidates, baselines, reference, limit)
     # The search keeps the span bound only if the pick already meets it.
     bound = baselines[0][1].span * (1 + 1e-9) if reference else math.inf
-    orders, score = improve(
-        problem,
-        orders,
-        cap=limit,
-        evals=default_budget(problem),
-        seconds=_SEARCH_SECONDS,
-        span_bound=bound if score.span <= bound else math.inf,
-    )
+    orders, score = improve(problem, orders, cap=limit, evals=default_budget(problem),
+                            seconds=_SEARCH_SECONDS,
+                            span_bound=bound if score.span <= bound else math.inf)
     return problem, orders, score
 
 

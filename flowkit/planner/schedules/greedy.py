@@ -23,19 +23,8 @@ import attrs
 
 from flowkit.planner.ir import Action, Costs, Kind, MemoryModel, Placement, Schedule
 
-__all__ = [
-    "F",
-    "B",
-    "W",
-    "BW",
-    "Op",
-    "Problem",
-    "Score",
-    "evaluate",
-    "list_schedule",
-    "to_schedule",
-    "unfit_reason",
-]
+__all__ = ["F", "B", "W", "BW", "Op", "Problem", "Score", "evaluate", "list_schedule",
+           "to_schedule", "unfit_reason"]
 
 F, B, W, BW = 0, 1, 2, 3
 Op = tuple[int, int, int]  # (kind, stage, microbatch)
@@ -103,18 +92,13 @@ class Score:
 
 
 def to_schedule(kind: str, problem: Problem, orders: Sequence[Sequence[Op]]) -> Schedule:
-    return Schedule(
-        kind=kind,
-        placement=problem.placement,
-        microbatches=problem.microbatches,
-        device_ops=[[Action(s, _KINDS[k], mb) for k, s, mb in ops] for ops in orders],
-    )
+    return Schedule(kind=kind, placement=problem.placement, microbatches=problem.microbatches,
+                    device_ops=[[Action(s, _KINDS[k], mb) for k, s, mb in ops] for ops in orders])
 
 
 def from_schedule(schedule: Schedule) -> list[list[Op]]:
     return [
-        [(_KINDS.index(a.kind), a.stage, a.microbatch) for a in ops] for ops in schedule.device_ops
-    ]
+        [(_KINDS.index(a.kind), a.stage, a.microbatch) for a in ops] for ops in schedule.device_ops]
 
 
 def peak_memory(problem: Problem, ops: Sequence[Op]) -> float:
@@ -309,8 +293,7 @@ def _decide(st: _State, d: int, t: float) -> tuple[int, int, float] | float | No
     w_stage = None
     for s in st.stages_on[d]:
         if nw[s] < nb[s] and (
-            w_stage is None or st.end_b[s * m + nw[s]] < st.end_b[w_stage * m + nw[w_stage]]
-        ):
+                w_stage is None or st.end_b[s * m + nw[s]] < st.end_b[w_stage * m + nw[w_stage]]):
             w_stage = s
     if best_f is not None:
         if not (rule.b_hold and fut_b < t + st.cost[F][best_f[1]] / 2):

@@ -16,12 +16,8 @@ __all__ = ["gpipe", "one_f_one_b", "zb_h1", "zb_h2"]
 
 
 def _schedule(request: ScheduleRequest, device_ops: list[list[Action]]) -> Schedule:
-    return Schedule(
-        kind=request.kind,
-        placement=Placement.one_per_device(request.devices),
-        microbatches=request.microbatches,
-        device_ops=device_ops,
-    )
+    return Schedule(kind=request.kind, placement=Placement.one_per_device(request.devices),
+                    microbatches=request.microbatches, device_ops=device_ops)
 
 
 @register("gpipe")
@@ -68,9 +64,8 @@ def one_f_one_b(request: ScheduleRequest) -> Schedule:
 # part of the activations; the default MemoryModel peaks at p and 2p-1 as well.
 
 
-def _split_backward_ops(
-    stage: int, microbatches: int, *, warmup: int, defer: int, steady: str
-) -> Iterator[Action]:
+def _split_backward_ops(stage: int, microbatches: int, *, warmup: int, defer: int,
+                        steady: str) -> Iterator[Action]:
     """Warm-up forwards, a steady state with one F, B and (after `defer` B's) W per step, in the
     order `steady` ("FBW" or "BWF"), a cooldown of B's and W's, and the deferred W's at the end."""
     m = microbatches
@@ -103,12 +98,8 @@ def zb_h1(request: ScheduleRequest) -> Schedule:
     """ZB-H1: split backward, W fills 1F1B's tail; 1F1B's memory, bubble (p-1)(F+B-W)."""
     p, m = request.devices, request.microbatches
     return _schedule(
-        request,
-        [
-            list(_split_backward_ops(s, m, warmup=min(p - 1 - s, m), defer=s, steady="FBW"))
-            for s in range(p)
-        ],
-    )
+        request, [list(_split_backward_ops(s, m, warmup=min(p - 1 - s, m), defer=s, steady="FBW"))
+                  for s in range(p)])
 
 
 @register("zb-h2")
@@ -116,13 +107,6 @@ def zb_h2(request: ScheduleRequest) -> Schedule:
     """ZB-H2: extra warm-up forwards, W fills the tail; memory 2p-1, bubble (p-1)(F+B-2W)."""
     p, m = request.devices, request.microbatches
     return _schedule(
-        request,
-        [
-            list(
-                _split_backward_ops(
-                    s, m, warmup=min(2 * (p - 1 - s) + 1, m), defer=2 * s, steady="BWF"
-                )
-            )
-            for s in range(p)
-        ],
-    )
+        request, [list(_split_backward_ops(s, m, warmup=min(2 * (p - 1 - s) + 1, m), defer=2 * s,
+                                           steady="BWF"))
+                  for s in range(p)])

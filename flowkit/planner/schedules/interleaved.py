@@ -60,9 +60,5 @@ def _device_ops(device: int, p: int, m: int, v: int) -> list[Action]:
 def interleaved_1f1b(request: ScheduleRequest) -> Schedule:
     """Interleaved 1F1B: v model chunks per device (default 2), fused backward."""
     p, m, v = request.devices, request.microbatches, request.chunks
-    return Schedule(
-        kind=request.kind,
-        placement=Placement.interleaved(p, v),
-        microbatches=m,
-        device_ops=[_device_ops(d, p, m, v) for d in range(p)],
-    )
+    return Schedule(kind=request.kind, placement=Placement.interleaved(p, v), microbatches=m,
+                    device_ops=[_device_ops(d, p, m, v) for d in range(p)])

@@ -57,16 +57,9 @@ def _move(rng: random.Random, ops: list[Op]) -> list[Op] | None:
     return new
 
 
-def improve(
-    problem: Problem,
-    orders: Sequence[Sequence[Op]],
-    *,
-    cap: float,
-    evals: int,
-    seconds: float = 2.0,
-    seed: int = 0,
-    span_bound: float = math.inf,
-) -> tuple[list[list[Op]], Score]:
+def improve(problem: Problem, orders: Sequence[Sequence[Op]], *, cap: float, evals: int,
+            seconds: float = 2.0, seed: int = 0,
+            span_bound: float = math.inf) -> tuple[list[list[Op]], Score]:
     """Return orders at least as good as `orders` (which must be valid, within `cap` and within
     `span_bound`); every accepted move keeps the longest span within `span_bound` too."""
     best = [list(ops) for ops in orders]

@@ -15,15 +15,8 @@ import attrs
 from flowkit.planner.ir import Costs, MemoryModel, Schedule
 from flowkit.planner.validate import validate
 
-__all__ = [
-    "Builder",
-    "ScheduleRequest",
-    "ScheduleSpec",
-    "build_schedule",
-    "get_spec",
-    "register",
-    "schedule_kinds",
-]
+__all__ = ["Builder", "ScheduleRequest", "ScheduleSpec", "build_schedule", "get_spec", "register",
+           "schedule_kinds"]
 
 
 @attrs.frozen(kw_only=True)
@@ -64,9 +57,8 @@ class ScheduleSpec:
 _REGISTRY: dict[str, ScheduleSpec] = {}
 
 
-def register(
-    name: str, *, chunks: tuple[int, ...] | None = (1,), default_chunks: int | None = None
-) -> Callable[[Builder], Builder]:
+def register(name: str, *, chunks: tuple[int, ...] | None = (1,),
+             default_chunks: int | None = None) -> Callable[[Builder], Builder]:
     """Decorator adding a builder under `name`; its docstring's first line is its summary.
 
     `chunks` lists the stages-per-device counts it can build (None: any); `default_chunks` is
@@ -78,13 +70,8 @@ def register(
             raise ValueError(f"schedule kind {name!r} is already registered")
         default = default_chunks if default_chunks is not None else (chunks or (1,))[0]
         doc = (build.__doc__ or "").strip().splitlines()
-        _REGISTRY[name] = ScheduleSpec(
-            name=name,
-            build=build,
-            summary=doc[0] if doc else "",
-            chunks=chunks,
-            default_chunks=default,
-        )
+        _REGISTRY[name] = ScheduleSpec(name=name, build=build, summary=doc[0] if doc else "",
+                                       chunks=chunks, default_chunks=default)
         return build
 
     return decorate
@@ -104,46 +91,27 @@ def get_spec(kind: str) -> ScheduleSpec:
 
 
 def build_schedule(
-    kind: str,
-    *,
-    devices: int,
-    microbatches: int,
-    costs: Costs,
-    memory_limit: float | None = None,
-    memory: MemoryModel = MemoryModel(),  # noqa: B008 - frozen, so sharing it is safe
-    chunks: int | None = None,
-) -> Schedule:
+        kind: str, *, devices: int, microbatches: int, costs: Costs,
+        memory_limit: float | None = None,
+        memory: MemoryModel = MemoryModel(),  # noqa: B008 - frozen, so sharing it is safe
+        chunks: int | None = None) -> Schedule:
     """Build schedule `kind` and validate it; ValueError for inputs the kind cannot take,
     ScheduleError (a ValueError too) for a schedule that fails validation."""
     spec = get_spec(kind)
     if devices < 1 or microbatches < 1:
-        raise ValueError(
-            f"devices and microbatches must be >= 1, got devices={devices}, "
-            f"microbatches={microbatches}"
-        )
+        raise ValueError(f"devices and microbatches must be >= 1, got devices={devices}, "
+                         f"microbatches={microbatches}")
     if costs.num_stages != devices:
         raise ValueError(
-            f"costs are given for {costs.num_stages} device shares but devices={devices}"
-        )
-    request = ScheduleRequest(
-        kind=kind,
-        devices=devices,
-        microbatches=microbatches,
-        chunks=spec.resolve_chunks(chunks),
-        costs=costs,
-        memory=memory,
-        memory_limit=memory_limit,
-    )
+            f"costs are given for {costs.num_stages} device shares but devices={devices}")
+    request = ScheduleRequest(kind=kind, devices=devices, microbatches=microbatches,
+                              chunks=spec.resolve_chunks(chunks), costs=costs, memory=memory,
+                              memory_limit=memory_limit)
     schedule = spec.build(request)
     if schedule.num_devices != devices or schedule.microbatches != microbatches:
         raise ValueError(
             f"builder for {kind!r} returned {schedule.num_devices} devices and "
-            f"{schedule.microbatches} microbatches for a request of {devices} and {microbatches}"
-        )
-    validate(
-        schedule,
-        costs.for_placement(schedule.placement),
-        memory=memory,
-        memory_limit=memory_limit,
-    )
+            f"{schedule.microbatches} microbatches for a request of {devices} and {microbatches}")
+    validate(schedule, costs.for_placement(schedule.placement), memory=memory,
+             memory_limit=memory_limit)
     return schedule

@@ -39,17 +39,8 @@ from flowkit.planner.schedules.local_search import default_budget, improve
 from flowkit.planner.schedules.registry import ScheduleRequest, register
 from flowkit.planner.simulate import ScheduleError
 
-__all__ = [
-    "best_v_orders",
-    "pattern_orders",
-    "v_half",
-    "v_half_slots",
-    "v_min",
-    "v_min_slots",
-    "v_problem",
-    "zb_v",
-    "zbv_order",
-]
+__all__ = ["best_v_orders", "pattern_orders", "v_half", "v_half_slots", "v_min", "v_min_slots",
+           "v_problem", "zb_v", "zbv_order"]
 
 Orders = list[list[Op]]
 # (b_hold, w_fill) of the list-scheduling rules tried under each cap.
@@ -58,12 +49,8 @@ RULES = tuple((h, f) for h in (False, True) for f in ("fit", "eager"))
 
 def v_problem(request: ScheduleRequest) -> Problem:
     placement = Placement.vshape(request.devices)
-    return Problem(
-        placement=placement,
-        costs=request.costs.for_placement(placement),
-        memory=request.memory,
-        microbatches=request.microbatches,
-    )
+    return Problem(placement=placement, costs=request.costs.for_placement(placement),
+                   memory=request.memory, microbatches=request.microbatches)
 
 
 def zbv_order(p: int, m: int) -> Orders:
@@ -123,8 +110,7 @@ def pattern_orders(slots: Callable[[int, int], list[int]], p: int, m: int) -> Or
     for i in range(p):
         stage = (i, 2 * p - 1 - i, 2 * p - 1 - i, i)
         events = sorted(
-            (slot + 6 * k, kind, k) for kind, slot in enumerate(slots(p, i)) for k in range(m)
-        )
+            (slot + 6 * k, kind, k) for kind, slot in enumerate(slots(p, i)) for k in range(m))
         ops: list[Op] = []
         pending: list[tuple[int, int]] = []
         t, e = 0, 0
@@ -143,16 +129,14 @@ def pattern_orders(slots: Callable[[int, int], list[int]], p: int, m: int) -> Or
     return out
 
 
-def best_v_orders(
-    problem: Problem, cap: float, fixed: Iterable[Orders] = (), *, evals: int | None = None
-) -> tuple[Orders, Score]:
+def best_v_orders(problem: Problem, cap: float, fixed: Iterable[Orders] = (), *,
+                  evals: int | None = None) -> tuple[Orders, Score]:
     """The best candidate within `cap`, polished by local search; ScheduleError if none fits."""
     reason = unfit_reason(problem, cap)
     if reason is not None:
         raise ScheduleError(f"no V schedule fits memory cap {cap:g}: {reason}", over_memory=True)
     candidates = list(fixed) + [
-        list_schedule(problem, Rule(cap=cap, b_hold=h, w_fill=f)) for h, f in RULES
-    ]
+        list_schedule(problem, Rule(cap=cap, b_hold=h, w_fill=f)) for h, f in RULES]
     best: tuple[Orders, Score] | None = None
     for orders in candidates:
         if orders is None or max(peak_memory(problem, o) for o in orders) > cap + 1e-9:

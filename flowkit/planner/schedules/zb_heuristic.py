@@ -146,13 +146,8 @@ def _wave(z: _Waves, i: int, prioritize_b: bool, no_bubble_greedy: bool) -> None
         z.put(j, B)
 
 
-def manual_order(
-    problem: Problem,
-    max_mem: float,
-    allow_bubble_before_first_b: bool,
-    prioritize_b: bool,
-    no_bubble_greedy: bool,
-) -> list[list[Op]]:
+def manual_order(problem: Problem, max_mem: float, allow_bubble_before_first_b: bool,
+                 prioritize_b: bool, no_bubble_greedy: bool) -> list[list[Op]]:
     """One run of the heuristic; raises ValueError when memory cannot fit (as the original)."""
     if problem.placement.chunks != 1:
         raise ValueError("the Zero Bubble heuristic places one stage per device")
@@ -170,8 +165,7 @@ def zb_heuristic(problem: Problem, memory_limit: float | None) -> list[list[Op]]
     """Best of the 8 flag combinations by the longest stage span (the original's criterion,
     first wins ties); None if none fits. `memory_limit` None means the original's default."""
     max_mem = (
-        memory_limit if memory_limit is not None else 3 * problem.microbatches * problem.delta(F)
-    )
+        memory_limit if memory_limit is not None else 3 * problem.microbatches * problem.delta(F))
     best: tuple[float, list[list[Op]]] | None = None
     for flags in FLAGS:
         try:
