@@ -104,7 +104,32 @@ def _python(ctx: OpContext, *inputs: Any, target: str, config: dict | None = Non
         return result
     values = result if isinstance(result, tuple) and len(many) > 1 else (result,)
     values = tuple(list(v) if m and v is not None else v for v, m in zip(values, many))
+    _check_returned(function, outputs or list(function.outputs), values, many)
     return values if len(values) > 1 else values[0]
+
+
+def _check_returned(function: Any, ports: list[str], values: tuple, many: list[bool]) -> None:
+    """An output that is not what the op's signature promises fails here, naming this op,
+    not later in the op that reads it. Only plain classes are checked (a record, float, str):
+    an isinstance per item; a tensor spec says what its tensors hold, which is left to them."""
+    from flowkit.dsl import Tensor
+
+    for port, value, each in zip(ports, values, many):
+        promised = function.outputs[port]
+        item = promised.item
+        if not isinstance(item, type) or item is object or issubclass(item, Tensor) or (
+                value is None):
+            continue
+        accepted = (int, float) if item is float else item  # an int is a fine float
+        wrong = next((v for v in (value if each else [value]) if not isinstance(v, accepted)),
+                     _NOTHING_WRONG)
+        if wrong is not _NOTHING_WRONG:
+            shown = repr(wrong) if len(repr(wrong)) <= 60 else repr(wrong)[:57] + "..."
+            raise TypeError(f"@op {function.name!r} returned {type(wrong).__name__} {shown} "
+                            f"for output {port!r}, but its signature promises {promised}")
+
+
+_NOTHING_WRONG = object()
 
 
 def _function_op(target: str) -> Any:

@@ -94,3 +94,15 @@ def failing_flow() -> Flow:
 def unsendable() -> Sample:
     """Returns what no wire format can carry (a generator), to test how that fails."""
     return (i for i in range(3))  # type: ignore[return-value]
+
+
+@op
+def mislabelled(sample: Sample) -> Sample:
+    """Promises a Sample and returns a float: the mistake must be blamed on this op."""
+    return sample.value  # type: ignore[return-value]
+
+
+def mislabelled_flow() -> Flow:
+    with Flow("mislabelled") as flow:
+        total(collect(plus_one(mislabelled(samples(count=2)))))
+    return flow

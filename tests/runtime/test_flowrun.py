@@ -84,6 +84,14 @@ def test_a_failing_op_fails_the_step_with_its_traceback_and_nothing_hangs(sim_cl
     assert "Traceback" in str(raised.value)
 
 
+def test_an_op_returning_what_its_signature_does_not_promise_is_blamed_for_it(sim_cluster):
+    runner = FlowRunner(sim_cluster, lower_flow(flowdefs.mislabelled_flow()), step_timeout=30)
+    with pytest.raises(FlowRunError, match=r"op 'mislabelled' failed") as raised:
+        runner.run_step(0)
+    assert "@op 'mislabelled' returned float 0.0" in str(raised.value)
+    assert "promises Stream[Sample]" in str(raised.value)
+
+
 @pytest.mark.parametrize("example", ["ppo.py", "grpo.py"])
 def test_the_rl_examples_run_on_simulator_executors(sim_cluster, example):
     from flowkit.dsl import load_flow
