@@ -7,7 +7,7 @@ executor ops they name.
 from __future__ import annotations
 
 from flowkit.dsl import Batch, ModelOp, Stream
-from flowkit.ops import LOSS_KNOBS
+from flowkit.ops import KL_ALIASES, KL_KINDS, LOSS_KNOBS, LOSSES
 from flowkit.ops.records import (
     MicrobatchStats,
     Prompt,
@@ -16,6 +16,7 @@ from flowkit.ops.records import (
     TokenScores,
     WeightsVersion,
 )
+from flowkit.planner.schedules import schedule_kinds
 
 __all__ = ["Backprop", "Generate", "LogProbs", "OptimizerStep", "RewardModel", "Values"]
 
@@ -72,6 +73,8 @@ class Backprop(ModelOp):
     # loss: one of flowkit.ops.LOSSES, with its knobs
     config = {"loss": "lm", "schedule": "1f1b", "microbatches": 8, "memory_limit": None,
               **LOSS_KNOBS}
+    choices = {"loss": tuple(LOSSES), "kl_kind": (*KL_KINDS, *KL_ALIASES),
+               "schedule": tuple(schedule_kinds())}
 
 
 class OptimizerStep(ModelOp):

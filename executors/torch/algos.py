@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from flowkit.ops import KL_ALIASES
+
 __all__ = [
     "AGG_MODES",
     "KL_KINDS",
@@ -338,9 +340,8 @@ def _kl_k3(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
 
 
 _KL_ESTIMATORS = {"k1": _kl_k1, "abs": _kl_abs, "k2": _kl_k2, "k3": _kl_k3}
-KL_KINDS = tuple(_KL_ESTIMATORS)
-# verl's older names for the same estimators, so configs written for verl work unchanged.
-_KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+KL_KINDS = tuple(_KL_ESTIMATORS)  # flowkit.ops.KL_KINDS, which flows are checked against
+_KL_ALIASES = KL_ALIASES
 
 
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:

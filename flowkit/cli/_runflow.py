@@ -32,8 +32,8 @@ def executor_tags(plan: list[NodePlan], count: int, tag_spec: str | None) -> lis
 
 
 def choose_executors(flow: Flow, kind: str) -> str:
-    """`auto`: torch executors when they implement every model op of the flow, else the timed
-    simulator (which implements them all), said out loud either way."""
+    """`auto`: torch executors, which must implement every model op of the flow; the timed
+    simulator runs only when asked for (`--executors sim`), never as a silent stand-in."""
     if kind != "auto":
         return kind
     plan = lower_flow(flow)
@@ -47,12 +47,12 @@ def choose_executors(flow: Flow, kind: str) -> str:
     missing += sorted({f"the {node.config.get('loss')!r} loss" for node in plan
                        if node.call is Call.PIPELINE
                        and node.config.get("loss", "lm") not in LOSSES})
-    if not missing:
-        click.echo("executors: torch (it implements every model op of this flow)", err=True)
-        return "torch"
-    click.echo(f"executors: sim (torch does not implement {', '.join(missing)} yet); "
-               "--executors torch to insist", err=True)
-    return "sim"
+    if missing:
+        raise click.ClickException(
+            f"the torch executors do not implement {', '.join(missing)}: give the flow ops "
+            "they implement, or run it on the timed simulator with --executors sim")
+    click.echo("executors: torch (it implements every model op of this flow)", err=True)
+    return "torch"
 
 
 def with_training_options(flow: Flow, *, stages: int | None, microbatches: int | None,

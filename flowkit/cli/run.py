@@ -18,8 +18,9 @@ _KINDS = ("auto", *KINDS)
 @click.argument("flow_spec", metavar="FLOW")
 @click.option("--executors", "kind", type=click.Choice(_KINDS), default="auto", show_default=True,
               envvar="FLOWKIT_EXECUTORS",
-              help="Which executors run model ops: torch stages, the timed simulator, or auto: "
-              "torch when it implements every model op of the flow, else the simulator.")
+              help="Which executors run model ops: torch stages, the timed simulator (sim), "
+              "only the built-in ops (base: flows of @op functions alone), or auto: torch, "
+              "or base for a flow without models; the simulator only when asked for.")
 @click.option("--num-executors", "-n", type=click.IntRange(min=1), default=None,
               help="Executor processes to start [default: the most pipeline stages, >= 2].")
 @click.option("--tags", "tag_spec", default=None,

@@ -201,6 +201,11 @@ class Flow(FlowGraph):
             if value is REQUIRED:
                 self._problem("missing-config", f"config {key!r} has no default and was not given",
                               op=node_name, port=key, fix=f"pass {key}=... when calling it")
+        for key, known in getattr(operator, "choices", {}).items():
+            if key in config and config[key] not in known:
+                self._problem("unknown-choice", f"{key}={config[key]!r} is not one the executors "
+                              "implement", op=node_name, port=key,
+                              fix=suggest(str(config[key]), list(known)))
         return config
 
     def _foreign_ref(self, src: Ref | Feedback, node: str, port: str) -> None:

@@ -11,7 +11,7 @@ import contextvars
 import inspect
 import re
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
 import attrs
@@ -270,12 +270,15 @@ class ModelOp(Operator):
     `lowering` tells the planner how its calls become tasks: None, like any op, by its inputs'
     granularity; "pipeline", microbatches under a pipeline schedule (F, B, W per stage); "step",
     one task per pipeline stage after that stage's W ops. `many_per_call`: one call yields many
-    items (n samples per prompt), each its own item downstream, rather than one.
+    items (n samples per prompt), each its own item downstream, rather than one. `choices`:
+    config keys whose value must be one of a known set (a loss, a schedule kind), checked when
+    the flow is built.
     """
 
     executor_op: ClassVar[str] = ""
     lowering: ClassVar[str | None] = None
     many_per_call: ClassVar[bool] = False
+    choices: ClassVar[dict[str, Collection[str]]] = {}
     inputs: ClassVar[dict[str, Any]] = {}
     outputs: ClassVar[dict[str, Any]] = {}
     config: ClassVar[dict[str, Any]] = {}

@@ -9,7 +9,7 @@ from its op table (executors/ops.py; executors/sim.py, executors/torch/).
 """
 
 from flowkit.ops.executor_ops import EXECUTOR_OPS, LOWERED_OPS, PIPELINE_OPS, SIMULATED, OpSpec
-from flowkit.ops.losses import LOSS_KNOBS, LOSSES, SUM_FORM_LOSSES
+from flowkit.ops.losses import KL_ALIASES, KL_KINDS, LOSS_KNOBS, LOSSES, SUM_FORM_LOSSES
 
-__all__ = ["EXECUTOR_OPS", "LOSSES", "LOSS_KNOBS", "LOWERED_OPS", "PIPELINE_OPS", "SIMULATED",
+__all__ = ["EXECUTOR_OPS", "KL_ALIASES", "KL_KINDS", "LOSSES", "LOSS_KNOBS", "LOWERED_OPS", "PIPELINE_OPS", "SIMULATED",
            "SUM_FORM_LOSSES", "OpSpec"]

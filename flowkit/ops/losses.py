@@ -4,7 +4,7 @@ reports a loss)."""
 
 from __future__ import annotations
 
-__all__ = ["LOSSES", "LOSS_KNOBS", "SUM_FORM_LOSSES"]
+__all__ = ["KL_ALIASES", "KL_KINDS", "LOSSES", "LOSS_KNOBS", "SUM_FORM_LOSSES"]
 
 LOSSES = {
     "lm": "next-token cross-entropy, a mean per token",
@@ -24,3 +24,10 @@ LOSS_KNOBS = {"kl_coef": 0.0, "kl_kind": "k3", "clip_ratio": 0.2, "clip_ratio_c"
               "cliprange_value": 0.2, "temperature": 1.0}
 """Each knob of the RL losses with its default (verl's); `temperature` is the sampler's, so the
 ratio starts at 1 only when log-probs are taken as generation took them."""
+
+KL_KINDS = ("k1", "abs", "k2", "k3")
+"""The estimators of the KL to the reference that `kl_kind` names (k3: Schulman's low-variance
+estimator)."""
+
+KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+"""verl's older names for the same estimators, so configs written for verl work unchanged."""

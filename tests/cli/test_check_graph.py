@@ -203,3 +203,26 @@ def test_graph_of_a_broken_flow_exits_1(runner, tmp_path):
     result = runner.invoke(main, ["graph", str(EXAMPLES / "broken_flow.py"), "-o",
                                   str(tmp_path / "b.dot")])
     assert result.exit_code == 1 and not (tmp_path / "b.dot").exists()
+
+
+_TYPOS = textwrap.dedent("""
+    from dataflows.grpo import GPT_BUILD
+    from dataflows.ops import Backprop
+    from dataflows.text import token_sequences
+    from flowkit.dsl import Flow, Model
+
+    actor = Model(name="actor", build=GPT_BUILD, config={"vocab_size": 256})
+    with Flow("typos") as flow:
+        Backprop(actor)(token_sequences(path="x.txt"), loss="rloo", schedule="1fb1", kl_kind="k4")
+""")
+
+
+@pytest.mark.parametrize("command", [["check"], ["run", "--no-dashboard"]])
+def test_a_loss_schedule_or_kl_kind_the_executors_lack_fails_before_anything_starts(
+        runner, tmp_path, command):
+    result = runner.invoke(main, [*command, str(_write(tmp_path, _TYPOS))])
+    assert result.exit_code == 1, result.output
+    assert result.output.count("unknown-choice") == 3
+    assert "loss='rloo'" in result.output and "known: lm, grpo, ppo, value" in result.output
+    assert "did you mean '1f1b'?" in result.output
+    assert "kl_kind='k4'" in result.output and "executors: sim" not in result.output

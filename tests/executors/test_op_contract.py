@@ -10,9 +10,10 @@ import attrs
 import pytest
 
 from executors.kinds import op_table
+from executors.torch import algos
 from executors.torch.ops import LOSSES as TORCH_LOSSES
 from executors.torch.rl_loss import RLSettings
-from flowkit.ops import EXECUTOR_OPS, LOSS_KNOBS, LOSSES, SIMULATED
+from flowkit.ops import EXECUTOR_OPS, KL_KINDS, LOSS_KNOBS, LOSSES, SIMULATED
 
 IMPLEMENTED = {"sim": SIMULATED, "torch": frozenset(EXECUTOR_OPS)}
 
@@ -46,3 +47,7 @@ def test_the_torch_executor_trains_with_every_declared_loss():
 
 def test_the_torch_rl_losses_know_every_declared_knob():
     assert set(LOSS_KNOBS) == {f.name for f in attrs.fields(RLSettings)} - {"loss"}
+
+
+def test_the_torch_kl_estimators_are_the_declared_kl_kinds():
+    assert algos.KL_KINDS == KL_KINDS
