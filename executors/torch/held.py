@@ -13,6 +13,7 @@ weights.py].
 from __future__ import annotations
 
 import importlib
+import sys
 from contextlib import contextmanager
 from typing import Any
 
@@ -81,7 +82,12 @@ def held_model(ctx: OpContext, config: dict) -> HeldModel:
 
 def _build(path: str, model_config: dict) -> torch.nn.Module:
     module_name, _, factory = path.partition(":")
-    obj: Any = importlib.import_module(module_name)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise StageError(f"model build {path!r}: no module {exc.name!r} on this executor "
+                         f"(searched {', '.join(sys.path[:4])}, ...): put it beside the flow "
+                         "file or install it") from exc
     for part in factory.split("."):
         obj = getattr(obj, part)
     return obj(**model_config)

@@ -47,15 +47,15 @@ def import_flow_file(path: Path):
     module_name = f"_flowkit_user_{path.stem}_{digest}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
-    # The file's folder goes on sys.path so a flow can import helpers that sit beside it.
+    # The file's folder goes on sys.path, and stays there, so a flow can import helpers that
+    # sit beside it, now or later: an executor imports a model's `build` module on first use.
     folder = str(path.resolve().parent)
-    sys.path.insert(0, folder)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
     except BaseException:
         sys.modules.pop(module_name, None)
         raise
-    finally:
-        sys.path.remove(folder)
     return module

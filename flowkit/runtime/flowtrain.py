@@ -22,6 +22,7 @@ from flowkit.planner.lower import InputRule, NodePlan
 from flowkit.planner.schedules import build_schedule
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runtime.controller import Controller
+from flowkit.runtime.futures import RemoteError
 from flowkit.runtime.pipeline import PipelineRun, StreamedSchedule, stage_costs_config
 from flowkit.runtime.records import ExecutorInfo
 from flowkit.runtime.refs import Gather
@@ -163,10 +164,14 @@ class ModelTraining:
         placement = self._schedule(kind, devices, count, Costs.uniform(devices), limit).placement
         key = (self.model.name, placement.num_stages)
         if key not in self.profiles:
-            self.profiles[key] = profile_stages(
-                self.ctl, self.executors, placement,
-                model_spec(self.model, placement.num_stages), sample(), lane=self.model.name,
-                timeout=self.timeout)
+            try:
+                self.profiles[key] = profile_stages(
+                    self.ctl, self.executors, placement,
+                    model_spec(self.model, placement.num_stages), sample(),
+                    lane=self.model.name, timeout=self.timeout)
+            except RemoteError as exc:
+                raise FlowRunError(f"step {self.step}: profiling model {self.model.name!r} "
+                                   f"failed: {exc}") from exc
         stage_costs = self.profiles[key]
         schedule = self._schedule(kind, devices, count, device_shares(stage_costs, placement),
                                   limit)
