@@ -29,7 +29,8 @@ _KINDS = ("auto", *KINDS)
 @click.option("--device", default="cpu", show_default=True,
               help="Device of the torch executors: cpu, cuda (executor i on cuda:i), or one per "
               "executor: cuda:0,cuda:1.")
-@click.option("--steps", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Steps of the flow to run, one after the other.")
 @click.option("--stages", type=click.IntRange(min=1), default=None,
               help="Pipeline stages (devices) of every trained model [default: the flow's].")
 @click.option("--microbatches", type=click.IntRange(min=1), default=None,

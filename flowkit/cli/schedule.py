@@ -188,7 +188,8 @@ def _check_output(ctx: click.Context, param: click.Parameter, value: Path | None
     return value
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(context_settings={"help_option_names": ["-h", "--help"]},
+               epilog=f"KIND is one of: {', '.join(schedule_kinds())}.")
 @click.argument("kind", metavar="KIND|compare", callback=_check_kind)
 @click.option("--stages", "-p", "devices", type=click.IntRange(min=1), required=True,
               help="Pipeline devices P (chunked kinds cut each device's share further).")

@@ -225,3 +225,8 @@ def test_plot_png_is_a_labelled_chart(tmp_path):
     assert result.exit_code == 0, result.output
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"wrote {out}" in " ".join(result.output.split())
+
+
+def test_the_help_lists_the_schedule_kinds():
+    result = CliRunner().invoke(main, ["schedule", "--help"])
+    assert result.exit_code == 0 and "zb-h1" in result.output and "auto" in result.output
