@@ -103,7 +103,9 @@ def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
             runner = FlowRunner(ctl, plan, sim_costs=sim_costs, fuse=fuse)
             with Dashboard(ctl, stats=stats, console=console, enabled=dashboard,
                            title=f"flowkit run {flow.name}") as board:
-                _run_steps(runner, steps, board, writer, stats)
+                done = _run_steps(runner, steps, board, writer, stats)
+            if done < steps:
+                console.print(f"{flow.name}: interrupted at step {done}")
             if save_weights is not None:
                 for path in runner.save_weights(save_weights):
                     console.print(f"wrote {path}")
@@ -117,11 +119,24 @@ def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
             if trace is not None:
                 recorder.write_chrome(trace)
                 console.print(f"wrote {trace} (open it in https://ui.perfetto.dev)")
+    if done < steps:
+        raise click.exceptions.Exit(130)  # the shell's code for a run stopped by Ctrl-C
     console.print(f"{flow.name}: {steps} step{'s' * (steps > 1)} done")
 
 
 def _run_steps(runner: FlowRunner, steps: int, board: Dashboard, writer: MetricsWriter | None,
-               stats: RunStats) -> None:
+               stats: RunStats) -> int:
+    """The steps done: all of them, or those before a Ctrl-C, which stops the run cleanly
+    (what was asked to be written still is, and the executors are shut down)."""
+    try:
+        _steps(runner, steps, board, writer, stats)
+    except KeyboardInterrupt:
+        return runner.step
+    return steps
+
+
+def _steps(runner: FlowRunner, steps: int, board: Dashboard, writer: MetricsWriter | None,
+           stats: RunStats) -> None:
     curves: dict[str, list[float]] = {"loss": [], "reward_mean": []}
     for step in range(steps):
         board.set_status(f"step {step + 1}/{steps}")

@@ -70,6 +70,7 @@ class FlowRunner:
                                        **(sim_costs.config_for(node.op) if sim_costs else {})}
                            for node in plan if node.model is not None}
         self.previous = Streams()  # last step's outputs, for feedback
+        self.step = 0  # the step running, or the next one
         self.profiles: dict[tuple[str, int], Costs] = {}  # (model, stages) -> profiled costs
         self.training = {node.model.name: self._training(node.model) for node in plan
                          if node.call is Call.PIPELINE}
@@ -129,10 +130,10 @@ class FlowRunner:
         return self._report(step, started)
 
     def save_weights(self, folder: Path) -> list[Path]:
-        """Each model trained in the last step, its stages' weights merged by the unsplit
+        """Each model trained so far (an interrupted step included), its stages' weights merged by the unsplit
         model's names, to `folder`/NAME.pt: a checkpoint a model config's `checkpoint` key
         starts from. Needs executors that save weights (torch)."""
-        saves = [self.training[name].save(folder) for name in sorted(self.trained)]
+        saves = [t.save(folder) for _, t in sorted(self.training.items()) if t.layout]
         return [Path(future.result(timeout=self.step_timeout)) for future in saves]
 
     def _on_done(self, name: str, lineage: tuple, futures: tuple, register: bool,

@@ -49,7 +49,10 @@ class LocalExecutors:
                        "--device", _device_of(self.device, i), "--tags", ",".join(self.tags[i]),
                        "--log-level", self.log_level,
                        *(arg for path in self.code for arg in ("--code", path))]
-            process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
+            # a session of its own: Ctrl-C in the terminal reaches the controller alone, which
+            # stops the run cleanly and then shuts its executors down
+            process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
+                                       start_new_session=True)
             self.processes.append(process)
             self.controller.watch_process(process)
         try:
