@@ -165,21 +165,20 @@ class Executor:
             elif hot:
                 os.sched_yield()
             for sock, _ in events:
-                if sock is self.control:
-                    self._drain(self.control, peer=False)
-                else:
-                    self._drain(self.peer, peer=True)
+                self._drain(sock, peer=sock is self.peer, ready=True)
             self._run_ready()
             self._flush_completions()
 
-    def _drain(self, sock: zmq.Socket, *, peer: bool) -> None:
+    def _drain(self, sock: zmq.Socket, *, peer: bool, ready: bool = False) -> None:
         # Read everything queued now: one poll, many messages, one batch of completions. Control
         # messages are small, and plain bytes cost less than zmq.Frame objects; asking EVENTS is
-        # cheaper than the zmq.Again exception a non-blocking recv raises on an empty queue.
+        # cheaper than the zmq.Again exception a non-blocking recv raises on an empty queue, and
+        # not asking (`ready`: a poll just said so) cheaper still.
         copy = not peer
         for _ in range(1000):
-            if not sock.getsockopt(_EVENTS) & _POLLIN:
+            if not ready and not sock.getsockopt(_EVENTS) & _POLLIN:
                 return
+            ready = False
             parts = recv_frames(sock, copy=copy)
             if peer:
                 parts = parts[1:]  # drop the ROUTER's identity frame

@@ -188,7 +188,6 @@ class Controller:
                     if not flushed:
                         self._state.flush()
                         flushed = True
-                        self._watch_router()
                     self._pump(slice_s, until=predicate)
                 finally:
                     self._last_user = time.monotonic()
@@ -217,36 +216,40 @@ class Controller:
         return self._drive
 
     def _pump(self, timeout_s: float, until: Callable[[], bool] | None = None) -> None:
-        """Poll once (up to `timeout_s`), handle everything that arrived, run queued commands.
-        Holds the IO lock."""
-        events = dict(self._poller.poll(int(timeout_s * 1000)))
-        if self._wake_in in events:
+        """Wait (up to `timeout_s`) for messages or a wake-up, handle everything that arrived,
+        run queued commands. Holds the IO lock."""
+        # Every question to a zmq socket is a syscall or two, zmq_poll a dozen: a user waiting
+        # watches the router alone, and polls both sockets only when nothing came.
+        ready = until is not None and self._watch_router()
+        if not ready:
+            ready = any(sock is self._router for sock, _ in
+                        self._poller.poll(int(timeout_s * 1000)))
+        if self._wake_pending:  # set, under the lock, before the wake-up is sent
             with self._wake_lock:
                 while self._wake_in.poll(0):
                     self._wake_in.recv()
                 self._wake_pending = False
         self._run_commands()
-        if self._router in events:
+        if ready:
             self._drain_router()
         if until is not None or not self._batching:  # a user waiting inside batch() needs it
             self._state.flush()
 
-    def _watch_router(self) -> None:
-        """[Note: hot polling] in executors/process.py, on this side: a user who just sent work
-        watches the router for a moment before sleeping in poll, as the answer to a short task
-        comes within a round trip, and waking from a sleeping poll costs as much again."""
+    def _watch_router(self) -> bool:
+        """Whether a message came while a waiting user watched the router for a moment before
+        sleeping in poll ([Note: hot polling] in executors/process.py): the answer to a short
+        task comes within a round trip, and waking from a sleeping poll costs as much again."""
         router, end = self._router, time.perf_counter() + _HOT_S
         while not router.getsockopt(_EVENTS) & _POLLIN:
             if self._wanted or self._lost or time.perf_counter() > end:
-                return
+                return False
             os.sched_yield()
+        return True
 
     def _drain_router(self) -> None:
+        """Handle the messages the router holds; it holds one at least."""
         router = self._router
         for _ in range(4096):
-            # EVENTS costs less than the zmq.Again a non-blocking recv raises when empty
-            if not router.getsockopt(_EVENTS) & _POLLIN:
-                return
             identity, *parts = recv_frames(router)
             try:
                 header, frames = decode(parts)
@@ -254,6 +257,9 @@ class Controller:
             except (ProtocolError, SerializeError) as exc:
                 log.warning("rejected a message from %r: %s", identity, exc)
                 self._send_raw([identity, *encode(Msg.ERROR, {"reason": str(exc)})])
+            # EVENTS costs less than the zmq.Again a non-blocking recv raises when empty
+            if not router.getsockopt(_EVENTS) & _POLLIN:
+                return
 
     def _send_raw(self, parts: list) -> None:
         # Small messages go by copy: a zero-copy send makes pyzmq track the buffer's release

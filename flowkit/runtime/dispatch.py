@@ -14,7 +14,7 @@ import itertools
 import logging
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from flowkit.runtime.futures import ExecutorLost, Future, Owner, RemoteError, TaskCancelled
@@ -189,7 +189,7 @@ class Dispatcher:
                   out: dict) -> None:
         nbytes = record.nbytes = out.get("nbytes", 0)
         record.produced = True
-        record.holders.add(executor.id)
+        record.holders = record.holders | {executor.id}
         executor.bytes_out += nbytes
         task.nbytes_out += nbytes
         future = self._futures.pop(record.id, None)
@@ -233,7 +233,7 @@ class Dispatcher:
         objects = self._objects
         task_id = next(self._ids)
         refs, input_ids, failed = self._inputs(inputs, executor, task_id)
-        output_ids = [f.id for f in futures]
+        output_ids = tuple([f.id for f in futures])
         task = TaskRecord(task_id, op, executor.id, input_ids, output_ids, config, meta)
         self._tasks[task_id] = task
         for object_id in output_ids:
@@ -263,15 +263,18 @@ class Dispatcher:
         return futures
 
     def _inputs(self, inputs: tuple, executor: ExecutorInfo,
-                task_id: int) -> tuple[list, list[int], BaseException | None]:
+                task_id: int) -> tuple[Sequence, Sequence[int], BaseException | None]:
         """(wire refs, object ids read, the error of a failed input) of a task's inputs."""
         if not inputs:
-            return [], [], None
+            return (), (), None
         refs = [self._input_ref(value, executor) for value in inputs]
         input_ids, failed = [], None
         for object_id in _ids_of(refs):
             record = self._objects[object_id]
-            record.consumers.append(task_id)
+            if record.consumers:
+                record.consumers.append(task_id)
+            else:
+                record.consumers = [task_id]
             record.pending += 1
             failed = failed or record.error
             input_ids.append(object_id)
@@ -371,7 +374,7 @@ class Dispatcher:
 
     def _place(self, object_id: int, executor: ExecutorInfo, body: bytes, frames: list) -> None:
         self._objects[object_id] = ObjectRecord(id=object_id, location=executor.id,
-                                                produced=True, holders={executor.id})
+                                                produced=True, holders=frozenset((executor.id,)))
         self._send(executor, Msg.PUT, {"object": object_id, "meta": {"body": body}}, frames)
 
     def _route(self, record: ObjectRecord, executor: ExecutorInfo) -> None:
@@ -379,7 +382,7 @@ class Dispatcher:
         if executor.id in record.holders or record.location == executor.id:
             return
         source = self._executors[record.location]
-        record.holders.add(executor.id)
+        record.holders = record.holders | {executor.id}
         self._send(source, Msg.SEND, {"object": record.id, "to": executor.id,
                                       "address": executor.peer_address})
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -43,8 +44,8 @@ class TaskRecord:
     id: int
     op: str
     executor: int
-    inputs: list[int]
-    outputs: list[int]
+    inputs: Sequence[int]
+    outputs: Sequence[int]
     config: dict[str, Any]
     meta: dict[str, Any]  # stage, microbatch, ... for traces; never sent to the executor
     state: str = "pending"  # pending | done | failed
@@ -59,8 +60,10 @@ class ObjectRecord:
     location: int  # the executor that produces (or produced) it
     producer: int | None = None  # task id; None for objects put by the user
     produced: bool = False
-    holders: set[int] = attrs.field(factory=set)  # executors holding (or about to) a copy
-    consumers: list[int] = attrs.field(factory=list)  # tasks that read it
+    # Replaced rather than filled in, and empty until needed: most objects are made, read once
+    # and freed, and each set or list they carry is one more object for the cycle collector.
+    holders: frozenset[int] = frozenset()  # executors holding (or about to) a copy
+    consumers: list[int] | tuple[()] = ()  # tasks that read it
     pending: int = 0  # consumers not yet finished
     user_released: bool = False  # the user's Future was garbage-collected
     error: BaseException | None = None
