@@ -257,7 +257,7 @@ def load_checkpoint(whole: torch.nn.Module, path: str | os.PathLike) -> None:
     if not isinstance(state, Mapping):
         raise StageError(f"checkpoint {str(path)!r} holds a {type(state).__name__}, not a dict "
                          "of weights by name")
-    what = f"checkpoint {str(path)!r}"
+    what = f"the model (loading checkpoint {str(path)!r})"  # the names it lacks are the file's
     buffers = dict(whole.named_buffers())  # a state_dict's buffers load too, but are optional
     given = {n: t for n, t in state.items() if n in buffers}
     for name, value in given.items():

@@ -85,7 +85,8 @@ def with_training_options(flow: Flow, *, stages: int | None, microbatches: int |
 def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
              tag_spec: str | None, steps: int, sim_costs: SimCosts | None,
              trace: Path | None, metrics: Path | None, dashboard: bool | None,
-             device: str = "cpu", fuse: bool = True, save_weights: Path | None = None) -> None:
+             device: str = "cpu", fuse: bool = True, save_weights: Path | None = None,
+             debug: bool = False) -> None:
     plan = lower_flow(flow)
     stages = max((node.model.stages for node in plan if node.model is not None), default=1)
     count = count or max(2, stages)
@@ -110,7 +111,7 @@ def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
                 for path in runner.save_weights(save_weights):
                     console.print(f"wrote {path}")
         except FlowRunError as exc:
-            raise click.ClickException(str(exc)) from None
+            raise click.ClickException(_error_line(exc, debug)) from None
         finally:
             ctl.shutdown()
             executors.stop()
@@ -122,6 +123,15 @@ def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
     if done < steps:
         raise click.exceptions.Exit(130)  # the shell's code for a run stopped by Ctrl-C
     console.print(f"{flow.name}: {steps} step{'s' * (steps > 1)} done")
+
+
+def _error_line(error: FlowRunError, debug: bool) -> str:
+    """What failed and why; the op's remote traceback only with --debug."""
+    text, found, _ = str(error).partition(_TRACEBACK)
+    return str(error) if debug or not found else f"{text} (--debug shows the traceback)"
+
+
+_TRACEBACK = "\n--- remote traceback ---"  # how a RemoteError sets its traceback apart
 
 
 def _run_steps(runner: FlowRunner, steps: int, board: Dashboard, writer: MetricsWriter | None,

@@ -53,10 +53,11 @@ _KINDS = ("auto", *KINDS)
               "(torch executors); a model config's `checkpoint` starts from such a file.")
 @click.option("--dashboard/--no-dashboard", default=None,
               help="The live dashboard [default: on when the output is a terminal].")
+@click.option("--debug", is_flag=True, help="Show a failed op's remote traceback.")
 def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | None, device: str,
         steps: int, stages: int | None, microbatches: int | None, schedule: str | None,
         fuse: bool, sim_cost: str, trace: Path | None, metrics: Path | None,
-        save_weights: Path | None, dashboard: bool | None) -> None:
+        save_weights: Path | None, dashboard: bool | None, debug: bool) -> None:
     """Run a flow's steps on local executor processes."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from flowkit.cli._runflow import choose_executors, run_flow, with_training_options
@@ -75,4 +76,4 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
     with writing(trace or metrics or Path(".")):
         run_flow(flow, code=[path], kind=kind, count=num_executors, tag_spec=tag_spec,
                  device=device, steps=steps, fuse=fuse, sim_costs=costs, trace=trace, metrics=metrics,
-                 dashboard=dashboard, save_weights=save_weights)
+                 dashboard=dashboard, save_weights=save_weights, debug=debug)

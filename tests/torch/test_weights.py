@@ -356,3 +356,12 @@ def test_a_checkpoint_loads_the_buffers_a_state_dict_has(tmp_path):
     assert float(model.scale) == 3.0 and torch.equal(model.lin.weight, saved.lin.weight)
     torch.save({"lin.weight": saved.lin.weight, "lin.bias": saved.lin.bias}, tmp_path / "p.pt")
     weights.load_checkpoint(Scaled(), tmp_path / "p.pt")  # buffers may be left out
+
+
+def test_a_checkpoint_of_another_model_names_its_weights_as_the_files_not_the_models(tmp_path):
+    torch.save({"blocks.0.weight": torch.zeros(2, 2)}, tmp_path / "other.pt")
+    with pytest.raises(StageError, match=r"the model \(loading checkpoint .*other.pt'\) has no "
+                                         r"weights named 'blocks.0.weight' \(its names are like "
+                                         r"'lin.bias', 'lin.weight'\)"):
+        weights.load_checkpoint(torch.nn.ModuleDict({"lin": torch.nn.Linear(2, 2)}),
+                                tmp_path / "other.pt")
