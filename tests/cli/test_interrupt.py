@@ -8,16 +8,18 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _executor_pids() -> set[int]:
+def _processes_of(mark: str) -> set[int]:
+    """The processes whose environment carries `mark`: the run and the executors it started."""
     pids = set()
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and b"executors" in (entry / "cmdline").read_bytes():
+            if entry.name.isdigit() and mark.encode() in (entry / "environ").read_bytes():
                 pids.add(int(entry.name))
         except OSError:
             continue  # gone while we looked
@@ -25,21 +27,23 @@ def _executor_pids() -> set[int]:
 
 
 def test_ctrl_c_stops_the_run_writes_the_weights_and_exits_130(tmp_path):
-    before = _executor_pids()
+    mark = f"FLOWKIT_TEST_RUN={uuid.uuid4().hex}"
     metrics, weights = tmp_path / "m.jsonl", tmp_path / "weights"
     run = subprocess.Popen(
         [sys.executable, "-m", "flowkit", "run", "examples/pretrain_pp.py", "--stages", "2",
          "--steps", "100000", "--no-dashboard", "--metrics", str(metrics),
          "--save-weights", str(weights)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, mark.split("=")[0]: mark.split("=")[1]},
         start_new_session=True)  # its own process group, as a terminal's foreground job
     deadline = time.monotonic() + 120
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
         assert run.poll() is None and time.monotonic() < deadline, run.stdout.read()
         time.sleep(0.2)
+    assert len(_processes_of(mark)) >= 3  # the run and its two executors
     os.killpg(run.pid, signal.SIGINT)  # what Ctrl-C sends: the whole foreground group
     output, _ = run.communicate(timeout=60)
     assert run.returncode == 130, output
     assert "interrupted at step" in output and "Aborted" not in output
     assert (weights / "gpt.pt").is_file()
-    assert _executor_pids() - before == set()
+    assert _processes_of(mark) == set()
