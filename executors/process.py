@@ -418,7 +418,7 @@ def _describe(object_id: int, value: Any, report_key: str | None = None) -> dict
     a list (a Stream's items) its length and, if asked, each item's `report_key` field, so the
     controller can form groups without fetching the items."""
     if value is None:  # what most ops that only act return
-        return {"id": object_id, "nbytes": 0, "inline": _NONE_BODY}
+        return {"id": object_id, "inline": _NONE_BODY}  # nbytes 0, the controller's default
     if isinstance(value, (bool, int, float)):
         return {"id": object_id, "nbytes": 0, "inline": pack(value)[0]}
     body, frames = pack(value)

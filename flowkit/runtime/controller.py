@@ -33,6 +33,7 @@ __all__ = ["Controller", "NoExecutor"]
 log = logging.getLogger("flowkit.controller")
 
 _QUIET_S = 0.002  # the background thread drives after user threads left it alone this long
+_NO_TAGS: frozenset[str] = frozenset()
 _HOT_S = 0.0005  # how long a waiting user watches the router before sleeping in poll
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: IntFlag arithmetic is slow
 
@@ -125,9 +126,9 @@ class Controller:
         executor in submission order [Note: lanes]. `report_key` names a record field whose
         value for each item of a list output comes back in `future.keys`."""
         with self._driving():
-            futures = self._state.submit(op, inputs, config or {}, executor, frozenset(tags),
-                                         outputs, meta or {}, lane, report_key,
-                                         hold=self._batching > 0)
+            futures = self._state.submit(op, inputs, config or {}, executor,
+                                         frozenset(tags) if tags else _NO_TAGS, outputs,
+                                         meta or {}, lane, report_key, self._batching > 0)
         self._state.run_callbacks()
         return futures[0] if outputs == 1 else futures
 

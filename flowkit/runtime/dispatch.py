@@ -220,11 +220,12 @@ class Dispatcher:
     # -- commands from user threads ------------------------------------------------------------
     def submit(self, op: str, inputs: tuple, config: dict, executor_id: int | None,
                tags: frozenset, outputs: int, meta: dict, lane: str | None = None,
-               report_key: str | None = None, *, hold: bool = False) -> tuple[Future, ...]:
+               report_key: str | None = None, hold: bool = False) -> tuple[Future, ...]:
         """Queue a task for the executor chosen for it, and unless `hold` send that executor its
         queue when it is idle or a batch is full; returns the task's output futures, failed at
         once when no executor runs the op or an input already failed."""
-        futures = tuple([self._new_future() for _ in range(outputs)])
+        futures = (self._new_future(),) if outputs == 1 else tuple(
+            [self._new_future() for _ in range(outputs)])
         try:
             executor = self._choose(op, tags, executor_id)
         except NoExecutor as exc:

@@ -147,9 +147,13 @@ def wait(futures: Iterable[Future], timeout: float | None = None,
     pending = [f for f in futures if not f.done()]
 
     def finished() -> bool:
-        nonlocal pending
-        pending = [f for f in pending if not f.done()]
-        return not pending or (return_when == FIRST_COMPLETED and len(pending) < len(futures))
+        if return_when == FIRST_COMPLETED:
+            return len(pending) < len(futures) or any(f.done() for f in pending)
+        # Called after every batch of completions: stop at the first future still pending, and
+        # never look at a finished one twice (a rescan of thousands each time adds up).
+        while pending and pending[-1].done():
+            pending.pop()
+        return not pending
 
     try:
         controller.wait_until(finished, timeout, what="wait()")
