@@ -52,9 +52,7 @@ class Owner(Protocol):
     condition: threading.Condition
 
     def release(self, object_id: int) -> None: ...
-
     def fetch(self, future: Future, timeout: float | None = None) -> Any: ...
-
     def wait_until(self, predicate: Callable[[], bool], timeout: float | None, *,
                    what: str = "waiting") -> None: ...
 
@@ -149,8 +147,7 @@ def wait(futures: Iterable[Future], timeout: float | None = None,
     def finished() -> bool:
         if return_when == FIRST_COMPLETED:
             return len(pending) < len(futures) or any(f.done() for f in pending)
-        # Called after every batch of completions: stop at the first future still pending, and
-        # never look at a finished one twice (a rescan of thousands each time adds up).
+        # called after every batch of completions: never look at a finished future twice
         while pending and pending[-1].done():
             pending.pop()
         return not pending
