@@ -244,8 +244,9 @@ class Controller:
             except (ProtocolError, SerializeError) as exc:
                 log.warning("rejected a message from %r: %s", identity, exc)
                 self._send_raw([identity, *encode(Msg.ERROR, {"reason": str(exc)})])
-            # EVENTS costs less than the zmq.Again a non-blocking recv raises when empty
-            if not router.getsockopt(_EVENTS) & _POLLIN:
+            # A user blocked on the lock takes over what is left; EVENTS costs less than the
+            # zmq.Again a non-blocking recv raises when empty.
+            if self._wanted or not router.getsockopt(_EVENTS) & _POLLIN:
                 return
 
     def _send_raw(self, parts: list) -> None:
