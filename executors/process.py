@@ -50,7 +50,7 @@ class _Task:
         # [Note: lanes] Tasks of one lane run in the order they arrived, like a CUDA stream:
         # a pipeline schedule's per-device order is a lane.
         self.lane = spec.get("lane")
-        self.plain = all(type(i) is int for i in self.inputs)  # the common, fast case
+        self.plain = not self.inputs or all(type(i) is int for i in self.inputs)  # the usual
         self.report_key = spec.get("report_key")  # a record field to report for each output item
 
     def object_ids(self) -> list[int]:
