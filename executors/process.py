@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 
 from executors.ops import OpContext, OpTable
-from flowkit.runtime.protocol import Msg, ProtocolError, decode, encode, recv_frames, send_frames
+from flowkit.runtime.protocol import Msg, ProtocolError, decode, encode, send_frames
 from flowkit.runtime.refs import check_ref, object_ids, resolve
 from flowkit.runtime.serialize import SerializeError, nbytes_of, pack, unpack
 
@@ -50,7 +50,7 @@ class _Task:
         # [Note: lanes] Tasks of one lane run in the order they arrived, like a CUDA stream:
         # a pipeline schedule's per-device order is a lane.
         self.lane = spec.get("lane")
-        self.plain = all(type(i) is int for i in self.inputs)  # the common, fast case
+        self.plain = not self.inputs or all(type(i) is int for i in self.inputs)  # the usual
         self.report_key = spec.get("report_key")  # a record field to report for each output item
 
     def object_ids(self) -> list[int]:
@@ -130,13 +130,16 @@ class Executor:
         return 0
 
     def close(self) -> None:
+        self.run_cleanup_hooks()
+        for sock in (self.control, self.peer, *self.peers.values()):
+            sock.close(linger=0)
+
+    def run_cleanup_hooks(self) -> None:
         for hook in self.cleanup_hooks:
             try:
                 hook()
             except Exception:  # cleanup must go on for the hooks after a failing one
                 log.exception("cleanup hook failed")
-        for sock in (self.control, self.peer, *self.peers.values()):
-            sock.close(linger=0)
 
     def _register(self, timeout: float) -> dict | None:
         hello = {"name": self.name, "tags": list(self.ctx.tags), "ops": self.ops.names(),
@@ -179,7 +182,7 @@ class Executor:
             if not ready and not sock.getsockopt(_EVENTS) & _POLLIN:
                 return
             ready = False
-            parts = recv_frames(sock, copy=copy)
+            parts = sock.recv_multipart(copy=copy)
             if peer:
                 parts = parts[1:]  # drop the ROUTER's identity frame
             self._handle(parts, peer=peer)
@@ -418,7 +421,7 @@ def _describe(object_id: int, value: Any, report_key: str | None = None) -> dict
     a list (a Stream's items) its length and, if asked, each item's `report_key` field, so the
     controller can form groups without fetching the items."""
     if value is None:  # what most ops that only act return
-        return {"id": object_id, "nbytes": 0, "inline": _NONE_BODY}
+        return {"id": object_id, "inline": _NONE_BODY}  # nbytes 0, the controller's default
     if isinstance(value, (bool, int, float)):
         return {"id": object_id, "nbytes": 0, "inline": pack(value)[0]}
     body, frames = pack(value)
@@ -445,8 +448,8 @@ class _CompletionWatch(threading.Thread):
     sends the completions waiting behind the op and handles what has arrived (objects peers
     ask for, new tasks, frees), so one slow op does not stall data other executors need. It
     never holds them while waiting, so the op thread gets them back at once when the op ends.
-    It ticks only while ops keep starting and sleeps once a tick saw none: a burst of tiny ops
-    wakes it once, not once an op (each wake-up takes the GIL from the op thread)."""
+    It ticks while ops keep starting and sleeps once a tick saw none: each wake-up takes the GIL
+    from the op thread, and a burst of tiny ops wakes it once, not once an op."""
 
     def __init__(self, executor: Executor) -> None:
         super().__init__(name="flowkit-watch", daemon=True)
@@ -461,8 +464,7 @@ class _CompletionWatch(threading.Thread):
         self.armed.set()
         self.join(timeout=1.0)
 
-    def op_started(self) -> None:
-        """Called by the op thread after it counted the op in and let go of the sockets."""
+    def op_started(self) -> None:  # by the op thread, having counted the op in
         if self.idle or self.send_now:
             self.idle = False
             self.armed.set()
@@ -530,9 +532,5 @@ class _Heartbeat(threading.Thread):
             sock.close(linger=0)
 
     def _exit_now(self) -> None:
-        for hook in self.executor.cleanup_hooks:
-            try:
-                hook()
-            except Exception:
-                log.exception("cleanup hook failed")
+        self.executor.run_cleanup_hooks()
         os._exit(3)

@@ -24,7 +24,7 @@ import zmq
 
 from flowkit.runtime.dispatch import Dispatcher, Listener, NoExecutor
 from flowkit.runtime.futures import Future, new_condition
-from flowkit.runtime.protocol import Msg, ProtocolError, decode, encode, recv_frames, send_frames
+from flowkit.runtime.protocol import Msg, ProtocolError, decode, encode, send_frames
 from flowkit.runtime.records import ExecutorInfo
 from flowkit.runtime.serialize import SerializeError
 
@@ -103,15 +103,10 @@ class Controller:
             return self._state.executors()
 
     def wait_for_executors(self, count: int, timeout: float = 60.0) -> list[ExecutorInfo]:
-        deadline = time.monotonic() + timeout
         with self.condition:
-            while len(self._state.executors()) < count:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    have = len(self._state.executors())
-                    raise TimeoutError(f"{have} of {count} executors connected to {self.address} "
-                                       f"within {timeout} s")
-                self.condition.wait(remaining)
+            if not self.condition.wait_for(lambda: len(self._state.executors()) >= count, timeout):
+                raise TimeoutError(f"{len(self._state.executors())} of {count} executors "
+                                   f"connected to {self.address} within {timeout} s")
             return self._state.executors()
 
     def submit(self, op: str, *inputs: Any, config: dict | None = None,
@@ -126,8 +121,7 @@ class Controller:
         value for each item of a list output comes back in `future.keys`."""
         with self._driving():
             futures = self._state.submit(op, inputs, config or {}, executor, frozenset(tags),
-                                         outputs, meta or {}, lane, report_key,
-                                         hold=self._batching > 0)
+                                         outputs, meta or {}, lane, report_key, self._batching > 0)
         self._state.run_callbacks()
         return futures[0] if outputs == 1 else futures
 
@@ -167,15 +161,13 @@ class Controller:
         return slot[1]
 
     def release(self, object_id: int) -> None:
-        """A future was dropped [Note: object lifetime]: only a deque append, as its `__del__`
-        may run on any thread, inside any lock."""
+        """For a dropped future's `__del__` [Note: object lifetime]: any thread, any lock held."""
         self._released.append(object_id)
 
     def wait_until(self, predicate: Callable[[], bool], timeout: float | None, *,
                    what: str = "waiting") -> None:
         """Drive IO (or, if another thread drives, sleep on the condition) until `predicate`."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        flushed = False
         while not predicate():
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
@@ -185,9 +177,6 @@ class Controller:
                 raise RuntimeError(f"{what}: the controller shut down")
             if self._io_lock.acquire(blocking=False):
                 try:
-                    if not flushed:
-                        self._state.flush()
-                        flushed = True
                     self._pump(slice_s, until=predicate)
                 finally:
                     self._last_user = time.monotonic()
@@ -216,10 +205,11 @@ class Controller:
         return self._drive
 
     def _pump(self, timeout_s: float, until: Callable[[], bool] | None = None) -> None:
-        """Wait (up to `timeout_s`) for messages or a wake-up, handle everything that arrived,
-        run queued commands. Holds the IO lock."""
-        # Every question to a zmq socket is a syscall or two, zmq_poll a dozen: a user waiting
-        # watches the router alone, and polls both sockets only when nothing came.
+        """Send what is queued, wait (up to `timeout_s`) for messages or a wake-up, handle all
+        that arrived, run queued commands. Holds the IO lock."""
+        if until is not None or not self._batching:  # a user waiting inside batch() needs it
+            self._state.flush()
+        # a question to a zmq socket is a syscall or two, zmq_poll a dozen: poll only if need be
         ready = until is not None and self._watch_router()
         if not ready:
             ready = any(sock is self._router for sock, _ in
@@ -232,13 +222,10 @@ class Controller:
         self._run_commands()
         if ready:
             self._drain_router()
-        if until is not None or not self._batching:  # a user waiting inside batch() needs it
-            self._state.flush()
 
     def _watch_router(self) -> bool:
-        """Whether a message came while a waiting user watched the router for a moment before
-        sleeping in poll ([Note: hot polling] in executors/process.py): the answer to a short
-        task comes within a round trip, and waking from a sleeping poll costs as much again."""
+        """Whether a message came while a waiting user watched for a moment before sleeping in
+        poll ([Note: hot polling] in executors/process.py): a short task's answer is that near."""
         router, end = self._router, time.perf_counter() + _HOT_S
         while not router.getsockopt(_EVENTS) & _POLLIN:
             if self._wanted or self._lost or time.perf_counter() > end:
@@ -250,15 +237,16 @@ class Controller:
         """Handle the messages the router holds; it holds one at least."""
         router = self._router
         for _ in range(4096):
-            identity, *parts = recv_frames(router)
+            identity, *parts = router.recv_multipart()
             try:
                 header, frames = decode(parts)
                 self._state.on_message(identity, header, frames)
             except (ProtocolError, SerializeError) as exc:
                 log.warning("rejected a message from %r: %s", identity, exc)
                 self._send_raw([identity, *encode(Msg.ERROR, {"reason": str(exc)})])
-            # EVENTS costs less than the zmq.Again a non-blocking recv raises when empty
-            if not router.getsockopt(_EVENTS) & _POLLIN:
+            # A user blocked on the lock takes over what is left; EVENTS costs less than the
+            # zmq.Again a non-blocking recv raises when empty.
+            if self._wanted or not router.getsockopt(_EVENTS) & _POLLIN:
                 return
 
     def _send_raw(self, parts: list) -> None:
@@ -274,8 +262,7 @@ class Controller:
             self._state.lose(*lost.popleft())
 
     def _lose(self, executor_id: int, reason: str) -> None:
-        """For the heartbeat thread, which must not block on the IO lock: whoever drives next
-        declares the executor lost."""
+        """For the heartbeat thread, which must not block on the IO lock: the next driver acts."""
         self._lost.append((executor_id, reason))
         self._wake()
 
@@ -298,8 +285,7 @@ class Controller:
 
     def _drive_in_background(self) -> None:
         while not self._stopping:
-            # Sleep out the quiet period rather than poll for its end: each wake-up takes the
-            # GIL from the user thread.
+            # sleep out the quiet period: each wake-up takes the GIL from the user thread
             quiet_left = self._last_user + _QUIET_S - time.monotonic()
             if self._wanted or quiet_left > 0:
                 time.sleep(quiet_left if quiet_left > 0 else _QUIET_S / 2)
@@ -319,8 +305,6 @@ class Controller:
 
 class _Driving:
     """Hold the IO lock for a user call; interrupt the background thread's poll to get it."""
-
-    __slots__ = ("ctl",)
 
     def __init__(self, ctl: Controller) -> None:
         self.ctl = ctl

@@ -1,11 +1,10 @@
 """The controller's bookkeeping: executors, tasks, objects and their futures.
 
-Pure state and decisions, no threads: the Controller calls in here while it holds its IO lock
-(except `run_callbacks`, which must not hold it), and everything leaves through `send_raw`. No
-other module touches these dicts. Tasks go to executors ahead of their data (each names the object
-ids it reads and writes); producers are told to push objects straight to consuming executors;
-failures propagate to every task downstream; an object is freed once its last consumer is done and
-nobody holds its future.
+Pure state and decisions, no threads: the Controller calls its methods (only these touch its
+dicts) holding its IO lock, and everything leaves through `send_raw`. Tasks go to executors ahead
+of their data (each names the object ids it reads and writes); producers are told to push objects
+straight to consuming executors; failures propagate to every task downstream; an object is freed
+once its last consumer is done and nobody holds its future.
 """
 
 from __future__ import annotations
@@ -54,8 +53,7 @@ class Dispatcher:
         self._outbox: dict[int, list[dict]] = defaultdict(list)
         self._frees: dict[int, list[int]] = defaultdict(list)
         self._frees_sent = 0.0
-        # (fn, future) pairs; a deque, as threads take from it without the IO lock
-        self._callbacks: deque = deque()
+        self._callbacks: deque = deque()  # (fn, future): a deque, as it is drained unlocked
         self._listeners: list[Listener] = []
 
     def add_listener(self, listener: Listener) -> None:
@@ -67,9 +65,6 @@ class Dispatcher:
 
     def executor(self, executor_id: int) -> ExecutorInfo | None:
         return self._executors.get(executor_id)
-
-    def pending_tasks(self) -> int:
-        return sum(e.outstanding for e in self._executors.values() if e.alive)
 
     # -- sending -------------------------------------------------------------------------------
     def _send(self, executor: ExecutorInfo, kind: str, fields: dict, frames: list = ()) -> None:
@@ -109,8 +104,7 @@ class Dispatcher:
                 log.exception("listener failed on %s", event)
 
     def run_callbacks(self) -> None:
-        """Run the callbacks of futures resolved so far. Never under the IO lock: a callback may
-        submit."""
+        """Run the callbacks of futures resolved so far; never under the IO lock (they submit)."""
         callbacks = self._callbacks
         while callbacks:
             fn, future = callbacks.popleft()
@@ -169,7 +163,11 @@ class Dispatcher:
                 if item.get("ok"):
                     self._complete(task, executor, item.get("outputs", ()))
                 else:
-                    self._fail_task(task, _remote_error(task, executor, item))
+                    self._fail_task(task, RemoteError(
+                        f"op {task.op!r} failed on {executor.describe()}: {item.get('error')}\n"
+                        f"--- remote traceback ---\n{item.get('traceback', '')}",
+                        op=task.op, executor=executor.name,
+                        remote_traceback=item.get("traceback", "")))
             self.condition.notify_all()
 
     def _complete(self, task: TaskRecord, executor: ExecutorInfo, outputs: list) -> None:
@@ -178,29 +176,23 @@ class Dispatcher:
         executor.busy_s += max(0.0, task.end - task.start)
         for out in outputs:
             record = self._objects.get(out["id"])
-            if record is not None:
-                self._produced(record, task, executor, out)
+            if record is None:
+                continue
+            nbytes = record.nbytes = out.get("nbytes", 0)
+            record.produced, record.holders = True, record.holders | {executor.id}
+            executor.bytes_out += nbytes
+            task.nbytes_out += nbytes
+            future = self._futures.pop(record.id, None)
+            if future is not None:
+                future.count, future.keys = out.get("count"), out.get("keys")
+                future.timing = (task.start, task.end)
+                self._callbacks += (future._resolve(executor.id, nbytes, _inline(out["inline"]))
+                                    if "inline" in out else future._resolve(executor.id, nbytes))
+            self._maybe_free(record)
         self._consumed(task)
         del self._tasks[task.id]  # finished tasks are only remembered by listeners
         if self._listeners:
             self._emit("task_done", {"task": task, "executor": executor})
-
-    def _produced(self, record: ObjectRecord, task: TaskRecord, executor: ExecutorInfo,
-                  out: dict) -> None:
-        nbytes = record.nbytes = out.get("nbytes", 0)
-        record.produced = True
-        record.holders = record.holders | {executor.id}
-        executor.bytes_out += nbytes
-        task.nbytes_out += nbytes
-        future = self._futures.pop(record.id, None)
-        if future is not None:
-            future.count, future.keys = out.get("count"), out.get("keys")
-            future.timing = (task.start, task.end)
-            if "inline" in out:
-                self._callbacks += future._resolve(executor.id, nbytes, _inline(out["inline"]))
-            else:
-                self._callbacks += future._resolve(executor.id, nbytes)
-        self._maybe_free(record)
 
     def _on_value(self, header: dict, frames: list) -> None:
         slot = self._fetches.pop(header["request"], None)
@@ -220,7 +212,7 @@ class Dispatcher:
     # -- commands from user threads ------------------------------------------------------------
     def submit(self, op: str, inputs: tuple, config: dict, executor_id: int | None,
                tags: frozenset, outputs: int, meta: dict, lane: str | None = None,
-               report_key: str | None = None, *, hold: bool = False) -> tuple[Future, ...]:
+               report_key: str | None = None, hold: bool = False) -> tuple[Future, ...]:
         """Queue a task for the executor chosen for it, and unless `hold` send that executor its
         queue when it is idle or a batch is full; returns the task's output futures, failed at
         once when no executor runs the op or an input already failed."""
@@ -271,10 +263,8 @@ class Dispatcher:
         input_ids, failed = [], None
         for object_id in _ids_of(refs):
             record = self._objects[object_id]
-            if record.consumers:
-                record.consumers.append(task_id)
-            else:
-                record.consumers = [task_id]
+            record.consumers = record.consumers or []
+            record.consumers.append(task_id)
             record.pending += 1
             failed = failed or record.error
             input_ids.append(object_id)
@@ -308,8 +298,7 @@ class Dispatcher:
         return future
 
     def fetch(self, object_id: int) -> tuple[int, list]:
-        """Ask an executor holding the object for its value: (request, slot), the slot a list
-        [done, value, error, holder id] that the answer (or the holder's loss) fills in."""
+        """(request, slot): the slot [done, value, error, holder id] fills in when it answers."""
         request, slot = next(self._ids), [False, None, None, None]
         record = self._objects.get(object_id)
         holder = None if record is None else next(
@@ -341,10 +330,14 @@ class Dispatcher:
             if op is not None and op not in executor.ops:
                 raise NoExecutor(f"{executor.describe()} does not run op {op!r}")
             return executor
-        best = None
+        # The least loaded; between equals, the one whose oldest unfinished task is youngest:
+        # an executor stuck in a long op (the long tail of generation) should not get the next.
+        best, best_key = None, None
         for e in self._executors.values():
-            if e.alive and (op is None or e.runs(op, tags)) and (best is None or _before(e, best)):
-                best = e
+            if e.alive and (op is None or e.runs(op, tags)):
+                key = (e.outstanding, -next(iter(e.inflight.values()), _NEVER))
+                if best is None or key < best_key:
+                    best, best_key = e, key
         if best is None:
             connected = "; ".join(f"{e.describe()}: {', '.join(sorted(e.ops))}"
                                   for e in self._executors.values() if e.alive) or "none"
@@ -481,25 +474,9 @@ _NEVER = float("inf")  # an executor with nothing in flight: its oldest task is 
 _NONE_BODY = pack(None)[0]
 
 
-def _before(a: ExecutorInfo, b: ExecutorInfo) -> bool:
-    """Whether `a` should get the next task rather than `b`: the least loaded; between equals,
-    the one whose oldest unfinished task is youngest, as an executor stuck in a long op (the
-    long tail of generation) should not get the next."""
-    if a.outstanding != b.outstanding:
-        return a.outstanding < b.outstanding
-    return next(iter(a.inflight.values()), _NEVER) > next(iter(b.inflight.values()), _NEVER)
-
-
 def _inline(body: Any) -> Any:
     """A value that came in a completion; the usual None costs no decoding."""
     return None if body == _NONE_BODY else unpack(body, [])
-
-
-def _remote_error(task: TaskRecord, executor: ExecutorInfo, item: dict) -> RemoteError:
-    return RemoteError(f"op {task.op!r} failed on {executor.describe()}: {item.get('error')}\n"
-                       f"--- remote traceback ---\n{item.get('traceback', '')}",
-                       op=task.op, executor=executor.name,
-                       remote_traceback=item.get("traceback", ""))
 
 
 def _ids_of(refs: list) -> list[int]:

@@ -52,9 +52,7 @@ class Owner(Protocol):
     condition: threading.Condition
 
     def release(self, object_id: int) -> None: ...
-
     def fetch(self, future: Future, timeout: float | None = None) -> Any: ...
-
     def wait_until(self, predicate: Callable[[], bool], timeout: float | None, *,
                    what: str = "waiting") -> None: ...
 
@@ -147,9 +145,12 @@ def wait(futures: Iterable[Future], timeout: float | None = None,
     pending = [f for f in futures if not f.done()]
 
     def finished() -> bool:
-        nonlocal pending
-        pending = [f for f in pending if not f.done()]
-        return not pending or (return_when == FIRST_COMPLETED and len(pending) < len(futures))
+        if return_when == FIRST_COMPLETED:
+            return len(pending) < len(futures) or any(f.done() for f in pending)
+        # called after every batch of completions: never look at a finished future twice
+        while pending and pending[-1].done():
+            pending.pop()
+        return not pending
 
     try:
         controller.wait_until(finished, timeout, what="wait()")

@@ -15,8 +15,7 @@ from typing import Any
 import msgpack
 import zmq
 
-__all__ = ["PROTOCOL_VERSION", "ProtocolError", "Msg", "decode", "encode", "recv_frames",
-           "send_frames"]
+__all__ = ["PROTOCOL_VERSION", "ProtocolError", "Msg", "decode", "encode", "send_frames"]
 
 PROTOCOL_VERSION = 1
 
@@ -72,9 +71,8 @@ _TASK_SCHEMA: dict[str, type | tuple[type, ...]] = {
 }
 
 
-# One packer for all messages: msgpack.packb builds a Packer, and its buffer, on every call. The
-# lock is for the rare sender off the IO thread; a header with a dict subclass in it (a config)
-# can make msgpack call back into Python, where another thread could start packing.
+# One packer for all messages (packb builds one, buffer and all, per call); locked, as a dict
+# subclass in a header (a config) makes msgpack call back into Python, where threads switch.
 _PACKER, _PACKING = msgpack.Packer(use_bin_type=True), threading.Lock()
 _MISSING = object()
 
@@ -118,24 +116,15 @@ def decode(parts: Sequence) -> tuple[dict[str, Any], list]:
     return header, list(parts[1:])
 
 
-# pyzmq's send_multipart and recv_multipart do IntFlag arithmetic on every frame, microseconds
-# a message on the dispatch path; these do the same with plain ints.
-_SNDMORE, _RCVMORE = int(zmq.SNDMORE), int(zmq.RCVMORE)
+_SNDMORE = int(zmq.SNDMORE)
 
 
 def send_frames(sock: zmq.Socket, parts: Sequence, *, copy: bool = True) -> None:
-    """`sock.send_multipart(parts, copy=copy)`."""
+    """`sock.send_multipart(parts, copy=copy)` without its IntFlag arithmetic on every frame,
+    microseconds a message on the dispatch path."""
     last = len(parts) - 1
     for i, part in enumerate(parts):
         sock.send(part, _SNDMORE if i < last else 0, copy=copy)
-
-
-def recv_frames(sock: zmq.Socket, *, copy: bool = True) -> list:
-    """`sock.recv_multipart(copy=copy)`."""
-    parts = [sock.recv(copy=copy)]
-    while sock.getsockopt(_RCVMORE):
-        parts.append(sock.recv(copy=copy))
-    return parts
 
 
 def _check_fields(kind: str, header: dict, schema: dict) -> None:
@@ -146,13 +135,7 @@ def _check_fields(kind: str, header: dict, schema: dict) -> None:
         if value is _MISSING:
             raise ProtocolError(f"{kind}: missing field {field!r}")
         if not isinstance(value, expected) or isinstance(value, bool) and expected is int:
-            raise ProtocolError(
-                f"{kind}: field {field!r} must be {_type_names(expected)}, got "
-                f"{type(value).__name__}"
-            )
-
-
-def _type_names(expected: type | tuple[type, ...]) -> str:
-    if isinstance(expected, tuple):
-        return " or ".join(t.__name__ for t in expected)
-    return expected.__name__
+            names = " or ".join(t.__name__ for t in
+                                (expected if isinstance(expected, tuple) else (expected,)))
+            raise ProtocolError(f"{kind}: field {field!r} must be {names}, got "
+                                f"{type(value).__name__}")

@@ -60,8 +60,7 @@ class ObjectRecord:
     location: int  # the executor that produces (or produced) it
     producer: int | None = None  # task id; None for objects put by the user
     produced: bool = False
-    # Replaced rather than filled in, and empty until needed: most objects are made, read once
-    # and freed, and each set or list they carry is one more object for the cycle collector.
+    # empty until needed: each set or list an object carries is one more for the cycle collector
     holders: frozenset[int] = frozenset()  # executors holding (or about to) a copy
     consumers: list[int] | tuple[()] = ()  # tasks that read it
     pending: int = 0  # consumers not yet finished
