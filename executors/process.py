@@ -186,7 +186,7 @@ class Executor:
             if peer:
                 parts = parts[1:]  # drop the ROUTER's identity frame
             self._handle(parts, peer=peer)
-            if self.ready:
+            if self.ready and not self.in_op:  # the watch, serving during an op, reads on
                 return
 
     def _handle(self, parts: list, *, peer: bool = False) -> None:
