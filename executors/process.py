@@ -173,10 +173,10 @@ class Executor:
             self._flush_completions()
 
     def _drain(self, sock: zmq.Socket, *, peer: bool, ready: bool = False) -> None:
-        # Read everything queued now: one poll, many messages, one batch of completions. Control
-        # messages are small, and plain bytes cost less than zmq.Frame objects; asking EVENTS is
-        # cheaper than the zmq.Again exception a non-blocking recv raises on an empty queue, and
-        # not asking (`ready`: a poll just said so) cheaper still.
+        # Read what is queued until there are tasks to run (then run them, and tell of them,
+        # before asking for more). Control messages are small, and plain bytes cost less than
+        # zmq.Frame objects; asking EVENTS is cheaper than the zmq.Again exception a non-blocking
+        # recv raises on an empty queue, and not asking (`ready`: a poll just said so) cheaper.
         copy = not peer
         for _ in range(1000):
             if not ready and not sock.getsockopt(_EVENTS) & _POLLIN:
@@ -186,6 +186,8 @@ class Executor:
             if peer:
                 parts = parts[1:]  # drop the ROUTER's identity frame
             self._handle(parts, peer=peer)
+            if self.ready and not self.in_op:  # the watch, serving during an op, reads on
+                return
 
     def _handle(self, parts: list, *, peer: bool = False) -> None:
         try:

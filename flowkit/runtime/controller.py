@@ -221,7 +221,7 @@ class Controller:
                 self._wake_pending = False
         self._run_commands()
         if ready:
-            self._drain_router()
+            self._drain_router(until)
 
     def _watch_router(self) -> bool:
         """Whether a message came while a waiting user watched for a moment before sleeping in
@@ -233,8 +233,8 @@ class Controller:
             os.sched_yield()
         return True
 
-    def _drain_router(self) -> None:
-        """Handle the messages the router holds; it holds one at least."""
+    def _drain_router(self, until: Callable[[], bool] | None = None) -> None:
+        """Handle the messages the router holds (one at least) or, for a user, until `until`."""
         router = self._router
         for _ in range(4096):
             identity, *parts = router.recv_multipart()
@@ -244,9 +244,10 @@ class Controller:
             except (ProtocolError, SerializeError) as exc:
                 log.warning("rejected a message from %r: %s", identity, exc)
                 self._send_raw([identity, *encode(Msg.ERROR, {"reason": str(exc)})])
-            # A user blocked on the lock takes over what is left; EVENTS costs less than the
-            # zmq.Again a non-blocking recv raises when empty.
-            if self._wanted or not router.getsockopt(_EVENTS) & _POLLIN:
+            if self._wanted or until is not None and until():
+                return  # what is left goes to the next driver (a user blocked on the lock, soon)
+            # EVENTS costs less than the zmq.Again a non-blocking recv raises when empty
+            if not router.getsockopt(_EVENTS) & _POLLIN:
                 return
 
     def _send_raw(self, parts: list) -> None:
