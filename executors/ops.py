@@ -124,7 +124,8 @@ def _check_returned(function: Any, ports: list[str], values: tuple, many: list[b
         wrong = next((v for v in (value if each else [value]) if not isinstance(v, accepted)),
                      _NOTHING_WRONG)
         if wrong is not _NOTHING_WRONG:
-            shown = repr(wrong) if len(repr(wrong)) <= 60 else repr(wrong)[:57] + "..."
+            shown = repr(wrong)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
             raise TypeError(f"@op {function.name!r} returned {type(wrong).__name__} {shown} "
                             f"for output {port!r}, but its signature promises {promised}")
 

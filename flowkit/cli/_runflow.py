@@ -13,7 +13,7 @@ from flowkit.observe import Dashboard, MetricsWriter, RunStats, TraceRecorder
 from flowkit.ops import LOSSES, LOWERED_OPS
 from flowkit.planner.lower import Call, NodePlan, lower_flow
 from flowkit.planner.simcosts import SimCosts
-from flowkit.runtime import Controller, LocalExecutors
+from flowkit.runtime import Controller, LocalExecutors, RemoteError
 from flowkit.runtime.flowrun import FlowRunError, FlowRunner, StepReport
 
 __all__ = ["choose_executors", "executor_tags", "run_flow", "sparkline", "with_training_options"]
@@ -127,11 +127,8 @@ def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
 
 def _error_line(error: FlowRunError, debug: bool) -> str:
     """What failed and why; the op's remote traceback only with --debug."""
-    text, found, _ = str(error).partition(_TRACEBACK)
+    text, found, _ = str(error).partition(RemoteError.MARK)
     return str(error) if debug or not found else f"{text} (--debug shows the traceback)"
-
-
-_TRACEBACK = "\n--- remote traceback ---"  # how a RemoteError sets its traceback apart
 
 
 def _run_steps(runner: FlowRunner, steps: int, board: Dashboard, writer: MetricsWriter | None,

@@ -164,8 +164,8 @@ class Dispatcher:
                     self._complete(task, executor, item.get("outputs", ()))
                 else:
                     self._fail_task(task, RemoteError(
-                        f"op {task.op!r} failed on {executor.describe()}: {item.get('error')}\n"
-                        f"--- remote traceback ---\n{item.get('traceback', '')}",
+                        f"op {task.op!r} failed on {executor.describe()}: {item.get('error')}"
+                        f"{RemoteError.MARK}{item.get('traceback', '')}",
                         op=task.op, executor=executor.name,
                         remote_traceback=item.get("traceback", "")))
             self.condition.notify_all()

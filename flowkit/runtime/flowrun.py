@@ -133,7 +133,7 @@ class FlowRunner:
         """Each model trained so far (an interrupted step included), its stages' weights merged by the unsplit
         model's names, to `folder`/NAME.pt: a checkpoint a model config's `checkpoint` key
         starts from. Needs executors that save weights (torch)."""
-        saves = [t.save(folder) for _, t in sorted(self.training.items()) if t.layout]
+        saves = [t.save(folder) for _, t in sorted(self.training.items()) if t.last_trained]
         return [Path(future.result(timeout=self.step_timeout)) for future in saves]
 
     def _on_done(self, name: str, lineage: tuple, futures: tuple, register: bool,

@@ -77,7 +77,7 @@ class ModelTraining:
         self.item_counts: dict[str, int] = {}  # backprop node -> items it trained on last step
         self.predicted_bubble: dict[str, float] = {}  # backprop node -> the simulator's
         self.trained: tuple | None = None  # (schedule, spec) of this step's backprop
-        self.layout: tuple | None = None  # the same of the latest step that trained
+        self.last_trained: tuple | None = None  # the same of the latest step that trained
         self.step = 0
 
     def start_step(self, step: int) -> None:
@@ -146,7 +146,7 @@ class ModelTraining:
                                      lane=self.model.name,
                                      meta={"node": plan.name, "step": self.step},
                                      on_submit=on_submit)
-        self.trained = self.layout = (schedule, spec)
+        self.trained = self.last_trained = (schedule, spec)
         self.predicted_bubble[plan.name] = simulate(schedule, stage_costs).bubble_rate
         streamed = plan.name in self.item_counts and self._streams(plan)
         return Feeding(submitter=submitter, sizes=sizes, streamed=streamed)
@@ -235,7 +235,7 @@ class ModelTraining:
         if not all("save_weights" in e.ops for e in self.executors):
             raise FlowRunError(f"the executors of model {name!r} cannot save weights: save "
                                "them from torch executors (--executors torch)")
-        schedule, spec = self.layout
+        schedule, spec = self.last_trained
         exports = submit_exports(self.ctl, schedule, self.executors, spec, lane=name,
                                  meta={"node": "save", "step": self.step})
         first = schedule.placement.device_of(0)

@@ -30,7 +30,9 @@ _NO_VALUE = object()
 
 
 class RemoteError(RuntimeError):
-    """An op raised on an executor; the message carries the remote traceback."""
+    """An op raised on an executor; the message carries the remote traceback after MARK."""
+
+    MARK = "\n--- remote traceback ---\n"
 
     def __init__(self, message: str, *, op: str = "", executor: str = "",
                  remote_traceback: str = "") -> None:
