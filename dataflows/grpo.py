@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dataflows.models import flow_model, reference_of
 from dataflows.ops import Backprop, Generate, LogProbs, OptimizerStep
 from dataflows.rl.steps import (
     answer_reward,
@@ -17,23 +18,25 @@ from dataflows.rl.steps import (
 from flowkit.dsl import Flow, Model, Operator, Stream, collect, group_by
 from flowkit.ops.records import WeightsVersion
 
-__all__ = ["GPT_BUILD", "grpo_flow"]
+__all__ = ["grpo_flow"]
 
-GPT_BUILD = "executors.torch.models.gpt:GPT"
 _SMALL_GPT = {"vocab_size": 256, "n_layer": 4, "n_embd": 128}
 
 
-def grpo_flow(*, prompts: int = 16, n: int = 8, stages: int = 2, schedule: str = "zb-h1",
-              microbatches: int = 8, max_new_tokens: int = 8, temperature: float = 1.0,
-              kl_coef: float = 0.001, lr: float = 3e-4, gpt: dict | None = None,
+def grpo_flow(*, model: Model | None = None, prompts: int = 16, n: int = 8,
+              stages: int | None = None, schedule: str = "zb-h1", microbatches: int = 8,
+              max_new_tokens: int = 8, temperature: float = 1.0, kl_coef: float = 0.001,
+              lr: float = 3e-4, gpt: dict | None = None,
               prompt_source: Operator = arithmetic_prompts, reward: Operator = answer_reward,
               source_config: dict[str, Any] | None = None) -> Flow:
-    """`prompt_source` makes the step's prompts (`count=prompts`, plus `source_config`),
-    `reward` scores one rollout; `gpt` is the actor's and the reference's model config (a
-    `checkpoint` in it starts both from saved weights, e.g. after supervised warm-up)."""
-    config = dict(_SMALL_GPT if gpt is None else gpt)
-    actor = Model(name="actor", build=GPT_BUILD, stages=stages, tags=("train",), config=config)
-    reference = Model(name="reference", build=GPT_BUILD, tags=("train",), config=config)
+    """`model` is the actor, any Model (dataflows/models.py); without one, the built-in GPT
+    configured by `gpt`, in 2 stages. The reference is a frozen copy of the actor, so a
+    `checkpoint` in its config starts both from saved weights (e.g. after supervised warm-up).
+    `stages` re-cuts the actor. `prompt_source` makes the step's prompts (`count=prompts`,
+    plus `source_config`), `reward` scores one rollout."""
+    actor = flow_model(model, gpt=gpt, default_gpt=_SMALL_GPT, name="actor", stages=stages,
+                       default_stages=2, tags=("train",))
+    reference = reference_of(actor)
     with Flow("grpo", description=__doc__) as flow:
         weights = flow.feedback("actor_weights", Stream[WeightsVersion])
         prompt_items = prompt_source(count=prompts, **(source_config or {}))

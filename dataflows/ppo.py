@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dataflows.grpo import GPT_BUILD
+from dataflows.models import critic_of, flow_model, reference_of
 from dataflows.ops import Backprop, Generate, LogProbs, OptimizerStep, Values
 from dataflows.rl.steps import (
     answer_reward,
@@ -23,19 +23,19 @@ __all__ = ["ppo_flow"]
 _SMALL_GPT = {"vocab_size": 256, "n_layer": 4, "n_embd": 128}
 
 
-def ppo_flow(*, prompts: int = 64, n: int = 1, stages: int = 2, schedule: str = "zb-h1",
+def ppo_flow(*, model: Model | None = None, critic: Model | None = None, prompts: int = 64,
+             n: int = 1, stages: int | None = None, schedule: str = "zb-h1",
              microbatches: int = 8, kl_coef: float = 0.05, max_new_tokens: int = 8,
              temperature: float = 1.0, lr: float = 3e-4, critic_lr: float = 1e-3,
              gpt: dict | None = None, prompt_source: Operator = arithmetic_prompts,
              reward: Operator = answer_reward,
              source_config: dict[str, Any] | None = None) -> Flow:
-    """As `grpo_flow` (dataflows/grpo.py), with a critic: the GPT with a value head."""
-    config = dict(_SMALL_GPT if gpt is None else gpt)
-    actor = Model(name="actor", build=GPT_BUILD, stages=stages, tags=("train",), config=config)
-    reference = Model(name="reference", build=GPT_BUILD, tags=("train",), config=config)
-    critic_config = {k: v for k, v in config.items() if k != "checkpoint"}
-    critic = Model(name="critic", build=GPT_BUILD, stages=stages, tags=("train",),
-                   config={**critic_config, "value_head": True})
+    """As `grpo_flow` (dataflows/grpo.py), with a critic: `critic`, or else the actor's build
+    with `value_head=True` (the built-in GPT's value head), fresh weights, as many stages."""
+    actor = flow_model(model, gpt=gpt, default_gpt=_SMALL_GPT, name="actor", stages=stages,
+                       default_stages=2, tags=("train",))
+    reference = reference_of(actor)
+    critic = critic_of(actor, critic)
     rollout = ("rollout",)
     with Flow("ppo", description=__doc__) as flow:
         weights = flow.feedback("actor_weights", Stream[WeightsVersion])
