@@ -26,6 +26,7 @@ class Generate(ModelOp):
 
     executor_op = "generate"
     many_per_call = True
+    fan_out = ("n", "prompt_id")  # n rollouts per call, all of the prompt's prompt_id
     inputs = {"prompts": Stream[Prompt], "weights": Stream[WeightsVersion]}
     optional = ("weights",)
     outputs = {"rollouts": Stream[Rollout]}

@@ -148,6 +148,8 @@ def _steps(runner: FlowRunner, steps: int, board: Dashboard, writer: MetricsWrit
     for step in range(steps):
         board.set_status(f"step {step + 1}/{steps}")
         report = runner.run_step(step)
+        for warning in report.warnings:
+            board.warn(warning)
         record = _step_record(report, stats)
         shown = {k: v for k, v in record.items()
                  if k.endswith(("loss", "bubble_rate")) or k.startswith(("timing_s/", "reward"))

@@ -12,6 +12,7 @@ import networkx as nx
 
 from flowkit.dsl.errors import Problem, suggest
 from flowkit.dsl.graph import Collect, Feedback, FlowGraph, GroupBy, Wire
+from flowkit.dsl.operators import ModelOp, yields_many
 from flowkit.dsl.types import Granularity, assignable
 
 __all__ = ["find_problems"]
@@ -33,6 +34,7 @@ def find_problems(flow: FlowGraph) -> list[Problem]:
     # against that type too (_feedback_problems): each mistake is reported once, where it is.
     for wire in flow.direct_wires:
         problems += _wire_problems(flow, wire)
+        problems += _group_size_problems(flow, wire)
     problems += _unbound_inputs(flow, wires)
     problems += _feedback_problems(flow)
     problems += _cycles(flow, wires)
@@ -171,6 +173,62 @@ def _group_key_problems(wire: Wire, produced) -> list[Problem]:
         rule="unknown-group-key", op=wire.dst, port=wire.dst_port,
         message=f"group_by key {adapter.key!r} is not a field of {item.__qualname__}",
         fix=suggest(adapter.key, fields, "known fields"))]
+
+
+def _group_size_problems(flow: FlowGraph, wire: Wire) -> list[Problem]:
+    """A group_by whose groups are one call's fan-out (n samples of a prompt_id) must take
+    whole groups: a size above n never fills, and one that does not divide n leaves a group
+    cut short. Either way groups would only be flushed, incomplete, when the step ends."""
+    adapter = wire.adapter
+    if not isinstance(adapter, GroupBy) or adapter.size is None:
+        return []
+    source = _fan_out_source(flow, wire.src, wire.src_port, adapter.key, set())
+    if source is None:
+        return []
+    node, count_key, count = source
+    if not isinstance(count, int) or count < 1 or (adapter.size <= count
+                                                   and count % adapter.size == 0):
+        return []
+    why = (f"no group can reach {adapter.size}" if adapter.size > count
+           else f"the last group of each {adapter.key} stops at {count % adapter.size}")
+    return [Problem(
+        rule="group-size", op=wire.dst, port=wire.dst_port,
+        message=f"group_by(key={adapter.key!r}, size={adapter.size}) takes the items of op "
+        f"{node!r}, which makes {count_key}={count} per {adapter.key}: {why}, and incomplete "
+        "groups would only be flushed when the step ends",
+        expected=f"size={count} (or a divisor of it)", found=f"size={adapter.size}",
+        fix=f"set group_by(..., size={count}), or {count_key}={adapter.size} on {node!r}")]
+
+
+def _fan_out_source(flow: FlowGraph, name: str, port: str, key: str, seen: set
+                    ) -> tuple[str, str, object] | None:
+    """(op, config key, its value) of the op upstream of `name`.`port` whose calls fan out
+    items sharing `key`, followed back through one-item-per-call ops (a reward, a join);
+    None where the chain is broken by a collect, a group or an op that yields many."""
+    node = flow.nodes.get(name)
+    if node is None or name in seen:
+        return None
+    seen.add(name)
+    operator = node.operator
+    fan_out = getattr(operator, "fan_out", None) if isinstance(operator, ModelOp) else None
+    if fan_out is not None:
+        return (name, fan_out[0], node.config.get(fan_out[0])) if fan_out[1] == key else None
+    outputs = list(operator.outputs)
+    if port not in outputs or yields_many(operator)[outputs.index(port)]:
+        return None
+    for wire in flow.direct_wires:
+        if wire.dst != name:
+            continue
+        input_port = operator.inputs.get(wire.dst_port)
+        if wire.adapter is not None or input_port is None or \
+                input_port.type.granularity is not Granularity.STREAM:
+            return None
+    for wire in flow.direct_wires:
+        if wire.dst == name:
+            found = _fan_out_source(flow, wire.src, wire.src_port, key, seen)
+            if found is not None:
+                return found
+    return None
 
 
 def _unbound_inputs(flow: FlowGraph, wires: list[Wire]) -> list[Problem]:

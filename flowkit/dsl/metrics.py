@@ -11,6 +11,9 @@ __all__ = ["Metrics"]
 class Metrics:
     """Named numbers about a step (`reward_mean`, `response_length_mean`, ...). An op whose
     output items are Metrics is a reporter: `flowkit run` fetches its items after each step and
-    adds their values to the step's metrics, as they are (later items win on a shared name)."""
+    adds their values to the step's metrics, as they are (later items win on a shared name).
+    `warnings` are things the user should act on (responses cut by the model's context, ...):
+    `flowkit run` prints each one once."""
 
     values: dict[str, float] = attrs.field(factory=dict)
+    warnings: tuple[str, ...] = attrs.field(default=(), converter=tuple)

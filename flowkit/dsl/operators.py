@@ -17,10 +17,10 @@ from typing import Any, ClassVar
 import attrs
 
 from flowkit.dsl.errors import Problem
-from flowkit.dsl.types import PortType, port_type
+from flowkit.dsl.types import PortType, Stream, port_type
 
 __all__ = ["ACTIVE_FLOW", "FlowValue", "InputPort", "Model", "ModelOp", "Operator", "REQUIRED",
-           "op"]
+           "op", "yields_many"]
 
 
 # [Note: calls join a flow] Calling an op adds a node to the flow being built, which this module
@@ -270,14 +270,17 @@ class ModelOp(Operator):
     `lowering` tells the planner how its calls become tasks: None, like any op, by its inputs'
     granularity; "pipeline", microbatches under a pipeline schedule (F, B, W per stage); "step",
     one task per pipeline stage after that stage's W ops. `many_per_call`: one call yields many
-    items (n samples per prompt), each its own item downstream, rather than one. `choices`:
-    config keys whose value must be one of a known set (a loss, a schedule kind), checked when
-    the flow is built.
+    items (n samples per prompt), each its own item downstream, rather than one. `fan_out`:
+    (config key, field) when a call yields config[key] items that share the value of `field`
+    (n samples of one prompt_id), so `group_by(field, size=...)` downstream can be checked
+    against it. `choices`: config keys whose value must be one of a known set (a loss, a
+    schedule kind), checked when the flow is built.
     """
 
     executor_op: ClassVar[str] = ""
     lowering: ClassVar[str | None] = None
     many_per_call: ClassVar[bool] = False
+    fan_out: ClassVar[tuple[str, str] | None] = None
     choices: ClassVar[dict[str, Collection[str]]] = {}
     inputs: ClassVar[dict[str, Any]] = {}
     outputs: ClassVar[dict[str, Any]] = {}
@@ -302,3 +305,20 @@ class ModelOp(Operator):
     @property
     def model(self) -> str:
         return self.model_ref.name if isinstance(self.model_ref, Model) else str(self.model_ref)
+
+
+def yields_many(operator: Operator) -> tuple[bool, ...]:
+    """Per output: does one call return many items (Stream[T], Batch[T]) or one (a bare T)?"""
+    if isinstance(operator, ModelOp):
+        return (operator.many_per_call,) * len(operator.outputs)
+    fn = getattr(operator, "fn", None)
+    hints = typing.get_type_hints(fn) if fn is not None else {}
+    declared = getattr(operator, "declared_outputs", None)
+    annotations = declared or {name: hints.get("return") for name in operator.outputs}
+    return tuple(_is_collection(annotations.get(name)) for name in operator.outputs)
+
+
+def _is_collection(annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    return origin is not None and origin.__name__ in ("Stream", "Batch") and (
+        origin.__module__ == Stream.__module__)

@@ -53,6 +53,7 @@ class Dashboard:
         self._stop = threading.Event()
         self._printer: threading.Thread | None = None
         self._printed_error = ""
+        self._warned: set[str] = set()
 
     # -- what the runner sets ------------------------------------------------------------------
     def set_status(self, text: str) -> None:
@@ -65,6 +66,14 @@ class Dashboard:
     @property
     def metrics(self) -> dict[str, Any]:
         return dict(self._metrics)
+
+    def warn(self, text: str) -> None:
+        """Print `text` as a warning above the live view, the first time it is given only: a
+        step's warning usually repeats every step."""
+        if text not in self._warned:
+            self._warned.add(text)
+            self.console.print(f"warning: {text}", markup=False, highlight=False,
+                               soft_wrap=True, style="yellow")
 
     # -- lifetime ------------------------------------------------------------------------------
     def __enter__(self) -> Dashboard:

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import enum
 import inspect
-import typing
 from typing import Any
 
 import attrs
 import networkx as nx
 
-from flowkit.dsl import Flow, Granularity, Metrics, Model, Node, Stream, Wire
+from flowkit.dsl import Flow, Granularity, Metrics, Model, Node, Wire
 from flowkit.dsl.graph import GroupBy
-from flowkit.dsl.operators import FunctionOp, ModelOp
+from flowkit.dsl.operators import FunctionOp, ModelOp, yields_many
 
 __all__ = ["Call", "InputRule", "NodePlan", "lower_flow"]
 
@@ -103,7 +102,7 @@ def _plan_node(flow: Flow, node: Node, wires: list[Wire]) -> NodePlan:
     target = operator.target if isinstance(operator, FunctionOp) else None
     fn = getattr(operator, "fn", None)
     takes_step = fn is not None and "step" in inspect.signature(fn).parameters
-    return NodePlan(call=_call_of(inputs), op="python", many=_yields_many(operator),
+    return NodePlan(call=_call_of(inputs), op="python", many=yields_many(operator),
                     target=target, takes_step=takes_step, **common)
 
 
@@ -125,18 +124,3 @@ def _call_of(inputs: tuple[InputRule, ...]) -> Call:
     if any(rule.granularity is Granularity.STREAM for rule in live):
         return Call.PER_ITEM
     return Call.ONCE
-
-
-def _yields_many(operator: Any) -> tuple[bool, ...]:
-    """Per output: does one call return many items (Stream[T], Batch[T]) or one (a bare T)?"""
-    fn = getattr(operator, "fn", None)
-    hints = typing.get_type_hints(fn) if fn is not None else {}
-    declared = getattr(operator, "declared_outputs", None)
-    annotations = declared or {name: hints.get("return") for name in operator.outputs}
-    return tuple(_is_collection(annotations.get(name)) for name in operator.outputs)
-
-
-def _is_collection(annotation: Any) -> bool:
-    origin = typing.get_origin(annotation)
-    return origin is not None and origin.__name__ in ("Stream", "Batch") and (
-        origin.__module__ == Stream.__module__)

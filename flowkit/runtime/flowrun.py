@@ -40,6 +40,7 @@ class StepReport:
     elapsed_s: float
     timing_s: dict[str, float]  # per node: first op start to last op end
     metrics: dict[str, Any]  # loss, bubble rate, ... from the step's outputs
+    warnings: tuple[str, ...] = ()  # what the user should act on, from the runner and reporters
 
 
 class FlowRunner:
@@ -71,6 +72,8 @@ class FlowRunner:
                            for node in plan if node.model is not None}
         self.previous = Streams()  # last step's outputs, for feedback
         self.step = 0  # the step running, or the next one
+        self.warnings: list[str] = []  # this step's
+        self.incomplete_groups: dict[str, int] = {}
         self.profiles: dict[tuple[str, int], Costs] = {}  # (model, stages) -> profiled costs
         self.training = {node.model.name: self._training(node.model) for node in plan
                          if node.call is Call.PIPELINE}
@@ -113,6 +116,8 @@ class FlowRunner:
         self.states = {node.name: NodeState(node) for node in self.plan}
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.step = step
+        self.warnings: list[str] = []
+        self.incomplete_groups: dict[str, int] = {}  # node -> groups flushed short this step
         for training in self.training.values():
             training.start_step(step)
         for node in self.plan:
@@ -242,8 +247,18 @@ class FlowRunner:
                 self._submit_group(state, rule, key)
         state.seen = len(stream.arrivals)
         if closed:  # what is left: groups of unknown size, or cut short
+            if rule.group_size is not None and state.groups:
+                self._warn_incomplete(state.plan.name, rule, state.groups)
             for key in list(state.groups):
                 self._submit_group(state, rule, key)
+
+    def _warn_incomplete(self, node: str, rule: InputRule, groups: dict) -> None:
+        sizes = sorted({len(members) for members in groups.values()})
+        self.incomplete_groups[node] = len(groups)
+        self.warnings.append(
+            f"{node}: {len(groups)} group(s) by {rule.group_key!r} had {', '.join(map(str, sizes))}"
+            f" of {rule.group_size} items when the step's inputs ended; they ran incomplete. "
+            f"Make group_by's size the number of items per {rule.group_key!r}")
 
     def _submit_group(self, state: NodeState, rule: InputRule, key: Any) -> None:
         members = sorted(state.groups.pop(key), key=lineage_order)
@@ -308,6 +323,8 @@ class FlowRunner:
         for state in self.states.values():
             if state.plan.reports:
                 metrics.update(self._reported(state.plan))
+        for node, count in self.incomplete_groups.items():
+            metrics[f"{node}/incomplete_groups"] = count
         if runs:
             # over every executor's pipeline ops, whichever model they belong to: two models'
             # pipelines sharing executors fill each other's bubbles
@@ -315,7 +332,7 @@ class FlowRunner:
                                              for f in run.futures.values())["bubble_rate"]
             metrics["predicted_bubble_rate"] = max(predicted) if predicted else None
         return StepReport(step=step, elapsed_s=time.time() - started, timing_s=timing,
-                          metrics=metrics)
+                          metrics=metrics, warnings=tuple(self.warnings))
 
     def _reported(self, plan: NodePlan) -> dict[str, float]:
         """The values of a reporter's Metrics items this step (small: fetched to here)."""
@@ -325,4 +342,5 @@ class FlowRunner:
                 item = ref.future.result(timeout=self.step_timeout)[ref.index] \
                     if isinstance(ref, Item) else ref.result(timeout=self.step_timeout)
                 values.update(getattr(item, "values", {}))
+                self.warnings.extend(getattr(item, "warnings", ()))
         return values

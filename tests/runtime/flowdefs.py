@@ -6,7 +6,7 @@ import time
 
 import attrs
 
-from flowkit.dsl import Batch, Flow, Grouped, Stream, collect, group_by, op
+from flowkit.dsl import Batch, Flow, Grouped, Metrics, Stream, collect, group_by, op
 
 
 @attrs.frozen
@@ -105,4 +105,17 @@ def mislabelled(sample: Sample) -> Sample:
 def mislabelled_flow() -> Flow:
     with Flow("mislabelled") as flow:
         total(collect(plus_one(mislabelled(samples(count=2)))))
+    return flow
+
+
+@op
+def noted(groups: Batch[Sample]) -> Metrics:
+    """A reporter with a warning, as rollout_metrics gives when responses were cut."""
+    return Metrics({"groups": float(len(groups))}, warnings=("something to act on",))
+
+
+def short_groups_flow() -> Flow:
+    """Keys of 2 samples grouped by 3: sizes only known at run time, so every group runs short."""
+    with Flow("short_groups") as flow:
+        noted(collect(group_sum(group_by(samples(count=6, keys=3), key="key", size=3))))
     return flow

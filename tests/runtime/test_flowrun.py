@@ -64,6 +64,25 @@ def test_groups_start_as_soon_as_they_are_complete_while_the_long_tail_runs(map_
     assert runner.states["total"].first_start >= tail_end
 
 
+def test_groups_cut_short_at_the_end_of_the_step_run_with_a_warning_and_a_metric(sim_cluster):
+    runner = FlowRunner(sim_cluster, lower_flow(flowdefs.short_groups_flow()))
+    report = runner.run_step(0)
+    assert sorted(s.value for s in _value(runner, "group_sum")) == [3.0, 5.0, 7.0]  # nothing lost
+    assert report.metrics["group_sum/incomplete_groups"] == 3
+    assert report.metrics["groups"] == 3.0
+    short, reported = report.warnings
+    assert "3 group(s) by 'key' had 2 of 3 items" in short
+    assert reported == "something to act on"
+
+
+def test_flowkit_run_prints_each_warning_once():
+    result = CliRunner().invoke(main, ["run", f"{FLOWDEFS}:short_groups_flow", "--steps", "2",
+                                       "--executors", "sim", "--no-dashboard"])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("warning: something to act on") == 1
+    assert result.output.count("warning: group_sum: 3 group(s)") == 1
+
+
 def test_unfused_every_op_waits_for_its_producers_and_the_outputs_are_the_same(map_reduce):
     outputs = {}
     for fuse in (True, False):

@@ -298,7 +298,9 @@ def layers_per_stage(config: GPTConfig, stages: int, *, seq_len: int | None = No
     block costs 24C² + 4TC (projections, attention scores), the head 2CV plus the loss, and
     the embeddings a little on the first stage."""
     if not 1 <= stages <= config.n_layer:
-        raise ValueError(f"stages must be in 1..n_layer={config.n_layer}, got {stages}")
+        raise ValueError(f"a GPT of {config.n_layer} layers splits into 1 to {config.n_layer} "
+                         f"pipeline stages, not {stages}: use --stages {config.n_layer} or "
+                         "fewer, or a deeper model (n_layer)")
     C, T = config.n_embd, seq_len or config.block_size
     block = 24 * C * C + 4 * T * C
     head_cost = 2 * C * (1 if config.value_head else config.vocab_size) + 4 * C
