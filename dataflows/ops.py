@@ -31,6 +31,9 @@ class Generate(ModelOp):
     optional = ("weights",)
     outputs = {"rollouts": Stream[Rollout]}
     config = {"n": 1, "max_new_tokens": 256, "temperature": 1.0, "top_p": 1.0}
+    # temperature 0: greedy
+    ranges = {"n": (1, None), "max_new_tokens": (1, None), "temperature": (0, None),
+              "top_p": (0, 1)}
 
 
 class LogProbs(ModelOp):
@@ -40,6 +43,7 @@ class LogProbs(ModelOp):
     inputs = {"rollouts": Stream[Rollout]}
     outputs = {"logprobs": Stream[TokenScores]}
     config = {"temperature": 1.0}  # the sampler's: log_softmax(logits / temperature)
+    ranges = {"temperature": (0, None)}
 
 
 class Values(ModelOp):
@@ -76,6 +80,8 @@ class Backprop(ModelOp):
               **LOSS_KNOBS}
     choices = {"loss": tuple(LOSSES), "kl_kind": (*KL_KINDS, *KL_ALIASES),
                "schedule": tuple(schedule_kinds())}
+    ranges = {"microbatches": (1, None), "kl_coef": (0, None), "clip_ratio": (0, None),
+              "clip_ratio_c": (1, None), "cliprange_value": (0, None), "temperature": (0, None)}
 
 
 class OptimizerStep(ModelOp):
@@ -87,5 +93,6 @@ class OptimizerStep(ModelOp):
     inputs = {"stats": Batch[MicrobatchStats]}
     outputs = {"metrics": Stream[StepMetrics], "weights": Stream[WeightsVersion]}
     config = {"lr": 3e-4, "weight_decay": 0.1, "betas": (0.9, 0.95), "clip_grad_norm": 1.0}
+    ranges = {"lr": (0, None), "weight_decay": (0, None), "clip_grad_norm": (0, None)}
 
 

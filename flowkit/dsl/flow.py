@@ -206,7 +206,21 @@ class Flow(FlowGraph):
                 self._problem("unknown-choice", f"{key}={config[key]!r} is not one the executors "
                               "implement", op=node_name, port=key,
                               fix=suggest(str(config[key]), list(known)))
+        for key, (low, high) in getattr(operator, "ranges", {}).items():
+            self._range_problem(node_name, key, config.get(key), low, high)
         return config
+
+    def _range_problem(self, node: str, key: str, value: Any, low: Any, high: Any) -> None:
+        if value is None:
+            return
+        allowed = " and ".join(part for part in (low is not None and f">= {low}",
+                                                 high is not None and f"<= {high}") if part)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            self._problem("bad-config", f"{key}={value!r} must be a number ({allowed})",
+                          op=node, port=key, fix=f"pass a number: {key}={low if low else 1}")
+        elif (low is not None and value < low) or (high is not None and value > high):
+            self._problem("bad-config", f"{key}={value!r} is out of range: it must be {allowed}",
+                          op=node, port=key, fix=f"pass {key} {allowed}")
 
     def _foreign_ref(self, src: Ref | Feedback, node: str, port: str) -> None:
         self._misfed.add((node, port))

@@ -274,7 +274,9 @@ class ModelOp(Operator):
     (config key, field) when a call yields config[key] items that share the value of `field`
     (n samples of one prompt_id), so `group_by(field, size=...)` downstream can be checked
     against it. `choices`: config keys whose value must be one of a known set (a loss, a
-    schedule kind), checked when the flow is built.
+    schedule kind); `ranges`: numeric config keys and their (lowest, highest) allowed values,
+    None for no bound (None as a value passes: "not set"). Both are checked when the flow is
+    built.
     """
 
     executor_op: ClassVar[str] = ""
@@ -282,6 +284,7 @@ class ModelOp(Operator):
     many_per_call: ClassVar[bool] = False
     fan_out: ClassVar[tuple[str, str] | None] = None
     choices: ClassVar[dict[str, Collection[str]]] = {}
+    ranges: ClassVar[dict[str, tuple[float | None, float | None]]] = {}
     inputs: ClassVar[dict[str, Any]] = {}
     outputs: ClassVar[dict[str, Any]] = {}
     config: ClassVar[dict[str, Any]] = {}
