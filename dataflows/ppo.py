@@ -28,8 +28,12 @@ def ppo_flow(*, prompts: int = 64, n: int = 1, stages: int = 2, schedule: str = 
              temperature: float = 1.0, lr: float = 3e-4, critic_lr: float = 1e-3,
              gpt: dict | None = None, prompt_source: Operator = arithmetic_prompts,
              reward: Operator = answer_reward,
-             source_config: dict[str, Any] | None = None) -> Flow:
-    """As `grpo_flow` (dataflows/grpo.py), with a critic: the GPT with a value head."""
+             source_config: dict[str, Any] | None = None, ppo_epochs: int = 1,
+             minibatches: int = 1) -> Flow:
+    """As `grpo_flow` (dataflows/grpo.py), with a critic: the GPT with a value head.
+    `ppo_epochs` and `minibatches`: actor and critic train on each step's batch `ppo_epochs`
+    times, shuffled and cut into `minibatches`, one optimizer step each (Backprop's epochs and
+    minibatches); `microbatches` is then per minibatch."""
     config = dict(_SMALL_GPT if gpt is None else gpt)
     actor = Model(name="actor", build=GPT_BUILD, stages=stages, tags=("train",), config=config)
     reference = Model(name="reference", build=GPT_BUILD, tags=("train",), config=config)
@@ -50,7 +54,8 @@ def ppo_flow(*, prompts: int = 64, n: int = 1, stages: int = 2, schedule: str = 
         values = Values(critic, tags=rollout)(rollouts, weights=critic_weights)
         experiences = make_experience(scored, ref, values, kl_coef=kl_coef)
         batch = gae(collect(experiences))  # whitening over the batch: a barrier
-        train = dict(schedule=schedule, microbatches=microbatches)
+        train = dict(schedule=schedule, microbatches=microbatches, epochs=ppo_epochs,
+                     minibatches=minibatches)
         actor_stats = Backprop(actor)(batch, loss="ppo", temperature=temperature,
                                       name="update_actor", **train)
         critic_stats = Backprop(critic)(batch, loss="value", name="update_critic", **train)

@@ -272,7 +272,8 @@ class ModelOp(Operator):
     one task per pipeline stage after that stage's W ops. `many_per_call`: one call yields many
     items (n samples per prompt), each its own item downstream, rather than one. `choices`:
     config keys whose value must be one of a known set (a loss, a schedule kind), checked when
-    the flow is built.
+    the flow is built. What a set of choices cannot say (a count, how the node must be wired)
+    a subclass checks in `node_problems`, which the flow's validation calls for each node.
     """
 
     executor_op: ClassVar[str] = ""
@@ -302,3 +303,8 @@ class ModelOp(Operator):
     @property
     def model(self) -> str:
         return self.model_ref.name if isinstance(self.model_ref, Model) else str(self.model_ref)
+
+    def node_problems(self, flow: Any, node: Any) -> list[Problem]:
+        """Problems of one call of this op (`node`) in `flow` (a FlowGraph): its config as the
+        node holds it now, the nodes it is wired to. None by default."""
+        return []
