@@ -9,6 +9,14 @@ minibatch (a "round"), each normalized by its own minibatch's total. verl's name
 `ppo_epochs` is E; `ppo_mini_batch_size` is the batch size / M (a count, not a size, so a
 batch whose size changes from step to step still makes M steps). With E = M = 1 nothing is
 shuffled: the one round is the batch in its lineages' order, as before rounds existed.
+
+The runtime (flowkit/runtime/flowtrain.py) makes rounds a barrier: they start once every item
+is in. Each round runs the schedule over its minibatch's microbatches and then an optimizer
+step that reads only that round's microbatch stats, so a sum-form loss (SUM_FORM_LOSSES) is
+divided by its own minibatch's total and "lm" weighs a microbatch by its share of the
+minibatch: the plain loop that steps once per minibatch. The steps of all rounds but the last
+are the backprop's; the last is the OptimizerStep node's, whose report sums up the rounds
+(flowkit.ops.records.StepMetrics) and whose weights alone go to the executors that generate.
 """
 
 from __future__ import annotations
