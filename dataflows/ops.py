@@ -6,8 +6,10 @@ executor ops they name.
 
 from __future__ import annotations
 
-from flowkit.dsl import Batch, ModelOp, Stream
-from flowkit.ops import KL_ALIASES, KL_KINDS, LOSS_KNOBS, LOSSES
+from typing import Any
+
+from flowkit.dsl import Batch, ModelOp, Problem, Stream
+from flowkit.ops import KL_ALIASES, KL_KINDS, LOSS_KNOBS, LOSSES, ROUND_KNOBS, rounds_of
 from flowkit.ops.records import (
     MicrobatchStats,
     Prompt,
@@ -66,7 +68,13 @@ class RewardModel(ModelOp):
 
 class Backprop(ModelOp):
     """F, B and W of the model's pipeline stages over microbatches formed from the items, under
-    a pipeline schedule; gradients accumulate on the executors until the optimizer step."""
+    a pipeline schedule; gradients accumulate on the executors until the optimizer step.
+
+    `epochs` and `minibatches` (verl's ppo_epochs, and the batch size / ppo_mini_batch_size):
+    train the step's batch `epochs` times, each time shuffled (seeded by `shuffle_seed` and the
+    step) and cut into `minibatches`, with an optimizer step after each minibatch, configured
+    by the OptimizerStep its stats feed [Note: minibatch rounds in flowkit/ops/minibatches.py].
+    Then `microbatches` is per minibatch, and the backprop waits for every item first."""
 
     executor_op = "backprop"
     lowering = "pipeline"
@@ -77,11 +85,18 @@ class Backprop(ModelOp):
     outputs = {"stats": Stream[MicrobatchStats]}
     # loss: one of flowkit.ops.LOSSES, with its knobs
     config = {"loss": "lm", "schedule": "1f1b", "microbatches": 8, "memory_limit": None,
-              **LOSS_KNOBS}
+              **ROUND_KNOBS, **LOSS_KNOBS}
     choices = {"loss": tuple(LOSSES), "kl_kind": (*KL_KINDS, *KL_ALIASES),
                "schedule": tuple(schedule_kinds())}
-    ranges = {"microbatches": (1, None), "kl_coef": (0, None), "clip_ratio": (0, None),
-              "clip_ratio_c": (1, None), "cliprange_value": (0, None), "temperature": (0, None)}
+    # the counts (microbatches, epochs, minibatches) are node_problems': whole numbers >= 1
+    ranges = {"kl_coef": (0, None), "clip_ratio": (0, None), "clip_ratio_c": (1, None),
+              "cliprange_value": (0, None), "temperature": (0, None)}
+
+    def node_problems(self, flow: Any, node: Any) -> list[Problem]:
+        problems = [p for key, fix in _COUNTS.items() if (p := _count_problem(node, key, fix))]
+        if not problems and rounds_of(node.config) > 1:
+            problems += _round_problems(self.model, flow, node)
+        return problems
 
 
 class OptimizerStep(ModelOp):
@@ -96,3 +111,49 @@ class OptimizerStep(ModelOp):
     ranges = {"lr": (0, None), "weight_decay": (0, None), "clip_grad_norm": (0, None)}
 
 
+
+
+# -- checks of a Backprop's call: counts, and what minibatch rounds need -----------------------
+_COUNTS = {
+    "microbatches": "pipeline microbatches per (mini)batch, e.g. microbatches=8",
+    "epochs": "passes over the step's batch (verl's ppo_epochs), e.g. epochs=2",
+    "minibatches": "optimizer steps per epoch: the batch is cut into that many, e.g. "
+                   "minibatches=4 (verl's ppo_mini_batch_size is the batch size / minibatches)",
+}
+
+
+def _count_problem(node: Any, key: str, fix: str) -> Problem | None:
+    value = node.config.get(key)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return None
+    return Problem(rule="bad-count", op=node.name, port=key,
+                   message=f"{key}={value!r} is not a whole number >= 1", fix=fix)
+
+
+def _round_problems(model: str, flow: Any, node: Any) -> list[Problem]:
+    """Rounds step the model after each minibatch with the config of the OptimizerStep that
+    the backprop's stats feed, so there must be one; and the backprop must be the model's only
+    one, since two backprops' gradients add up into one step, which rounds cannot cut."""
+    rounds = f"epochs={node.config['epochs']}, minibatches={node.config['minibatches']}"
+    problems = []
+    steps = [w.dst for w in flow.wires if w.src == node.name and w.src_port == "stats"
+             and not w.feedback and isinstance(flow.nodes[w.dst].operator, OptimizerStep)
+             and flow.nodes[w.dst].operator.model == model]
+    if not steps:
+        problems.append(Problem(
+            rule="rounds-without-step", op=node.name, port="epochs",
+            message=f"{rounds} take an optimizer step after each minibatch, configured by the "
+                    f"OptimizerStep that its stats feed, but they feed no OptimizerStep of "
+                    f"model {model!r}",
+            fix=f"OptimizerStep({model!r})(collect({node.label}.stats)), or leave epochs and "
+                "minibatches at 1"))
+    others = [n.label for n in flow.nodes.values() if n is not node
+              and isinstance(n.operator, Backprop) and n.operator.model == model]
+    if others:
+        problems.append(Problem(
+            rule="rounds-shared-step", op=node.name, port="epochs",
+            message=f"{rounds} cut the step into one optimizer step per minibatch, but model "
+                    f"{model!r} is also trained by {', '.join(map(repr, others))}, whose "
+                    "gradients would add up into the same steps",
+            fix="train the model in one Backprop, or leave epochs and minibatches at 1"))
+    return problems

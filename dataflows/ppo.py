@@ -29,9 +29,13 @@ def ppo_flow(*, model: Model | None = None, critic: Model | None = None, prompts
              temperature: float = 1.0, lr: float = 3e-4, critic_lr: float = 1e-3,
              gpt: dict | None = None, prompt_source: Operator = arithmetic_prompts,
              reward: Operator = answer_reward,
-             source_config: dict[str, Any] | None = None) -> Flow:
+             source_config: dict[str, Any] | None = None, ppo_epochs: int = 1,
+             minibatches: int = 1) -> Flow:
     """As `grpo_flow` (dataflows/grpo.py), with a critic: `critic`, or else the actor's build
-    with `value_head=True` (the built-in GPT's value head), fresh weights, as many stages."""
+    with `value_head=True` (the built-in GPT's value head), fresh weights, as many stages.
+    `ppo_epochs` and `minibatches`: actor and critic train on each step's batch `ppo_epochs`
+    times, shuffled and cut into `minibatches`, one optimizer step each (Backprop's epochs and
+    minibatches); `microbatches` is then per minibatch."""
     actor = flow_model(model, gpt=gpt, default_gpt=_SMALL_GPT, name="actor", stages=stages,
                        default_stages=2, tags=("train",))
     reference = reference_of(actor)
@@ -50,7 +54,8 @@ def ppo_flow(*, model: Model | None = None, critic: Model | None = None, prompts
         values = Values(critic, tags=rollout)(rollouts, weights=critic_weights)
         experiences = make_experience(scored, ref, values, kl_coef=kl_coef)
         batch = gae(collect(experiences))  # whitening over the batch: a barrier
-        train = dict(schedule=schedule, microbatches=microbatches)
+        train = dict(schedule=schedule, microbatches=microbatches, epochs=ppo_epochs,
+                     minibatches=minibatches)
         actor_stats = Backprop(actor)(batch, loss="ppo", temperature=temperature,
                                       name="update_actor", **train)
         critic_stats = Backprop(critic)(batch, loss="value", name="update_critic", **train)

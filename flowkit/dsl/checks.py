@@ -38,7 +38,15 @@ def find_problems(flow: FlowGraph) -> list[Problem]:
     problems += _unbound_inputs(flow, wires)
     problems += _feedback_problems(flow)
     problems += _cycles(flow, wires)
+    problems += _node_problems(flow)
     return _with_labels(flow, problems)
+
+
+def _node_problems(flow: FlowGraph) -> list[Problem]:
+    """What each model op says of its own call (ModelOp.node_problems): run at validation,
+    not at the call, so config changed after the build (flowkit run's options) is checked too."""
+    return [problem for node in flow.nodes.values() if isinstance(node.operator, ModelOp)
+            for problem in node.operator.node_problems(flow, node)]
 
 
 def _with_labels(flow: FlowGraph, problems: list[Problem]) -> list[Problem]:

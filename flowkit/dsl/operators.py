@@ -276,7 +276,8 @@ class ModelOp(Operator):
     against it. `choices`: config keys whose value must be one of a known set (a loss, a
     schedule kind); `ranges`: numeric config keys and their (lowest, highest) allowed values,
     None for no bound (None as a value passes: "not set"). Both are checked when the flow is
-    built.
+    built. What they cannot say (how the node must be wired, a config changed after the
+    build) a subclass checks in `node_problems`, which the flow's validation calls per node.
     """
 
     executor_op: ClassVar[str] = ""
@@ -308,6 +309,11 @@ class ModelOp(Operator):
     @property
     def model(self) -> str:
         return self.model_ref.name if isinstance(self.model_ref, Model) else str(self.model_ref)
+
+    def node_problems(self, flow: Any, node: Any) -> list[Problem]:
+        """Problems of one call of this op (`node`) in `flow` (a FlowGraph): its config as the
+        node holds it now, the nodes it is wired to. None by default."""
+        return []
 
 
 def yields_many(operator: Operator) -> tuple[bool, ...]:

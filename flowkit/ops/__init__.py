@@ -1,6 +1,7 @@
 """What flows declare and executors implement, in one place: the executor ops that model ops
-lower to (names, inputs, config keys: executor_ops.py), the losses and their knobs (losses.py)
-and the records that move between ops (records.py). No torch, no zmq.
+lower to (names, inputs, config keys: executor_ops.py), the losses and their knobs (losses.py),
+how a batch is cut into minibatches and microbatches (minibatches.py) and the records that move
+between ops (records.py). No torch, no zmq.
 
 Where an op lives, end to end: a flow declares it as a ModelOp (dataflows/ops.py) or an @op
 function; the planner lowers it into tasks (flowkit/planner/lower.py); the runtime submits and
@@ -10,6 +11,8 @@ from its op table (executors/ops.py; executors/sim.py, executors/torch/).
 
 from flowkit.ops.executor_ops import EXECUTOR_OPS, LOWERED_OPS, PIPELINE_OPS, SIMULATED, OpSpec
 from flowkit.ops.losses import KL_ALIASES, KL_KINDS, LOSS_KNOBS, LOSSES, SUM_FORM_LOSSES
+from flowkit.ops.minibatches import ROUND_KNOBS, cut, epoch_order, minibatch_rounds, rounds_of
 
-__all__ = ["EXECUTOR_OPS", "KL_ALIASES", "KL_KINDS", "LOSSES", "LOSS_KNOBS", "LOWERED_OPS", "PIPELINE_OPS", "SIMULATED",
-           "SUM_FORM_LOSSES", "OpSpec"]
+__all__ = ["EXECUTOR_OPS", "KL_ALIASES", "KL_KINDS", "LOSSES", "LOSS_KNOBS", "LOWERED_OPS",
+           "PIPELINE_OPS", "ROUND_KNOBS", "SIMULATED", "SUM_FORM_LOSSES", "OpSpec", "cut",
+           "epoch_order", "minibatch_rounds", "rounds_of"]

@@ -44,7 +44,8 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
     OpSpec("BW", "as B", (*_PIPELINE, "out_bytes", "first"), "B and W in one op"),
     OpSpec("grad_stats", "on the last stage, the first stage's tied gradients", _OPTIMIZER,
            "a stage's squared gradient norm and its tied gradients"),
-    OpSpec("optimizer_step", "the microbatches' stats, every stage's grad stats",
+    OpSpec("optimizer_step", "the microbatches' stats, every stage's grad stats; after "
+           "earlier rounds of the flow step, their StepMetrics [Note: minibatch rounds]",
            (*_OPTIMIZER, "report"),
            "clip by the global norm, one step; the reporting stage returns "
            "(StepMetrics, WeightsVersion)"),

@@ -90,10 +90,15 @@ class MicrobatchStats:
 
 @attrs.frozen(kw_only=True)
 class StepMetrics:
+    """A flow step's optimizer steps: one, or one per minibatch round [Note: minibatch rounds
+    in flowkit/ops/minibatches.py], whose losses this averages by tokens, gradient norms (before
+    clipping) plainly, and tokens sums (a token trained on in two epochs counts twice)."""
+
     step: int
     loss: float
     grad_norm: float
     tokens: int
+    optimizer_steps: int = 1
 
 
 @attrs.frozen(kw_only=True)
@@ -122,7 +127,17 @@ def mean_loss(stats: list[MicrobatchStats]) -> tuple[float, int]:
 def step_report(inputs: tuple, *, model: str, step: int,
                 grad_norm: float) -> tuple[StepMetrics, WeightsVersion]:
     """What an optimizer step reports from its inputs' microbatch stats: the loss per token
-    (`mean_loss`), and the version of the weights it made."""
+    (`mean_loss`), and the version of the weights it made; the last round of a flow step also
+    reads the earlier rounds' reports and folds them in (`StepMetrics`). Every round of a flow
+    step makes the same version: only the last one's weights leave the trainers."""
     loss, tokens = mean_loss(microbatch_stats(inputs))
-    return (StepMetrics(step=int(step), loss=loss, grad_norm=grad_norm, tokens=tokens),
-            WeightsVersion(model=model, version=int(step) + 1))
+    earlier = [m for value in inputs if isinstance(value, list) for m in value
+               if isinstance(m, StepMetrics)]
+    if earlier:
+        summed = loss * tokens + sum(m.loss * m.tokens for m in earlier)
+        tokens += sum(m.tokens for m in earlier)
+        loss = summed / tokens if tokens else loss
+        grad_norm = (grad_norm + sum(m.grad_norm for m in earlier)) / (len(earlier) + 1)
+    metrics = StepMetrics(step=int(step), loss=loss, grad_norm=grad_norm, tokens=tokens,
+                          optimizer_steps=1 + sum(m.optimizer_steps for m in earlier))
+    return metrics, WeightsVersion(model=model, version=int(step) + 1)

@@ -82,9 +82,11 @@ class FlowRunner:
         users = [(node.op, frozenset(node.tags)) for node in self.plan
                  if node.model is not None and node.model.name == model.name
                  and node.call not in (Call.PIPELINE, Call.STEP)]
+        steps = [node for node in self.plan if node.call is Call.STEP
+                 and node.model is not None and node.model.name == model.name]
         return ModelTraining(self.ctl, model, self.placement[model.name], users=users,
                              sim_costs=self.sim_costs, fuse=self.fuse,
-                             timeout=self.step_timeout, profiles=self.profiles)
+                             timeout=self.step_timeout, profiles=self.profiles, steps=steps)
 
     @property
     def trained(self) -> dict[str, tuple]:
@@ -313,13 +315,15 @@ class FlowRunner:
         timing = {name: s.last_end - s.first_start for name, s in self.states.items()
                   if s.first_start is not None and s.last_end is not None}
         metrics: dict[str, Any] = {}
-        runs = [state.pipeline.run for state in self.states.values()
-                if state.pipeline is not None]
+        runs = [run for state in self.states.values() if state.pipeline is not None
+                for run in state.pipeline.runs]
         predicted = [v for t in self.training.values() for v in t.predicted_bubble.values()]
         for name, state in self.states.items():
-            if state.pipeline is not None:
-                losses = [f.result() for f in state.pipeline.run.losses]
+            if state.pipeline is not None:  # over every round's microbatches, if in rounds
+                losses = [f.result() for run in state.pipeline.runs for f in run.losses]
                 metrics[f"{name}/loss"], metrics[f"{name}/tokens"] = mean_loss(losses)
+                if len(state.pipeline.runs) > 1:
+                    metrics[f"{name}/optimizer_steps"] = len(state.pipeline.runs)
         for state in self.states.values():
             if state.plan.reports:
                 metrics.update(self._reported(state.plan))

@@ -4,7 +4,9 @@ its optimizer step across stages, the weight sync after it, and saving its weigh
 The runner (flowrun.py) owns the step's streams and node states and calls a `ModelTraining`
 through four methods: `start_step`, `feed` (the backprop node, whenever its inputs grow),
 `optimizer_step` (the optimizer-step node) and `save`; each submitted future is handed back
-through the `watch` callback it is given.
+through the `watch` callback it is given. A backprop with several minibatch rounds also takes
+the optimizer steps of all rounds but the last itself [Note: minibatch rounds in
+flowkit/ops/minibatches.py].
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import attrs
 
 from flowkit.dsl import Model
-from flowkit.ops import SUM_FORM_LOSSES
+from flowkit.ops import SUM_FORM_LOSSES, cut, minibatch_rounds, rounds_of
 from flowkit.planner import Action, Costs, Kind, simulate
 from flowkit.planner.lower import InputRule, NodePlan
 from flowkit.planner.schedules import build_schedule
@@ -37,7 +39,7 @@ from flowkit.runtime.training import (
     submit_weight_sync,
 )
 
-__all__ = ["Feeding", "ModelTraining", "Watch"]
+__all__ = ["Feeding", "ModelTraining", "Rounds", "Watch"]
 
 Watch = Callable[..., None]  # watch(lineage, futures, *, register, outputs=None)
 
@@ -60,6 +62,21 @@ class Feeding:
     def run(self) -> PipelineRun:
         return self.submitter.run
 
+    @property
+    def runs(self) -> list[PipelineRun]:
+        return [self.submitter.run]
+
+
+@attrs.define
+class Rounds:
+    """A backprop's minibatch rounds, every one submitted once the items are in: each round's
+    schedule, then its optimizer step in the same lanes, so that the next round's ops run on the
+    weights it made [Note: minibatch rounds in flowkit/ops/minibatches.py]."""
+
+    runs: list[PipelineRun]  # per round
+    reports: list  # the StepMetrics futures of every round's step but the last's
+    streamed: bool = False  # rounds cut the whole batch: a barrier
+
 
 class ModelTraining:
     """The pipeline training of one model on `executors` (stage s on the device the schedule
@@ -69,19 +86,21 @@ class ModelTraining:
 
     def __init__(self, ctl: Controller, model: Model, executors: list[ExecutorInfo], *,
                  users: Sequence[tuple[str, frozenset]], sim_costs: SimCosts | None, fuse: bool,
-                 timeout: float, profiles: dict) -> None:
+                 timeout: float, profiles: dict, steps: Sequence[NodePlan] = ()) -> None:
         self.ctl, self.model, self.executors = ctl, model, executors
         self.users, self.sim_costs, self.fuse, self.timeout = users, sim_costs, fuse, timeout
+        self.steps = steps  # the flow's optimizer-step nodes of the model: configure rounds
         self.profiles = profiles  # (model, stages) -> profiled costs, shared with the runner
         self.schedules: dict[tuple, Any] = {}  # built schedules by their inputs
         self.item_counts: dict[str, int] = {}  # backprop node -> items it trained on last step
         self.predicted_bubble: dict[str, float] = {}  # backprop node -> the simulator's
         self.trained: tuple | None = None  # (schedule, spec) of this step's backprop
         self.last_trained: tuple | None = None  # the same of the latest step that trained
+        self.rounds: Rounds | None = None  # this step's backprop, when it ran in rounds
         self.step = 0
 
     def start_step(self, step: int) -> None:
-        self.step, self.trained = step, None
+        self.step, self.trained, self.rounds = step, None, None
 
     # -- the backprop --------------------------------------------------------------------------
     # [Note: streamed microbatches] A backprop cuts its items into the configured number of
@@ -95,11 +114,18 @@ class ModelTraining:
     # inputs close (and if fewer items came than planned, the ones not yet formed share the
     # rest; one may be empty). The loss is a sum over tokens that the optimizer step divides by
     # the step's total, so the gradient does not depend on how the items were cut.
+    # A backprop in minibatch rounds (epochs x minibatches > 1) is always a barrier: an epoch
+    # shuffles the whole batch [Note: minibatch rounds in flowkit/ops/minibatches.py].
     def feed(self, state: NodeState, streams: Streams, live: list[InputRule], closed: bool,
              watch: Watch) -> None:
         """Form microbatches from the items that are in and submit what of the schedule they
         let run; with every input closed, the rest."""
         plan = state.plan
+        if rounds_of(plan.config) > 1:
+            if closed and state.pipeline is None:
+                state.pipeline = self._train_rounds(plan, streams, live, watch)
+                state.started = True
+            return
         if state.pipeline is None:
             expected = self.item_counts.get(plan.name) if self._streams(plan) else None
             if expected is None and not closed:
@@ -187,23 +213,93 @@ class ModelTraining:
                                                  costs=costs, memory_limit=limit)
         return self.schedules[key]
 
+    # -- minibatch rounds [Note: minibatch rounds in flowkit/ops/minibatches.py] ---------------
+    # Every round is submitted at once, the control plane running ahead of the data: a round's
+    # optimizer step runs in each device's lane after that device's F/B/W of the round, and the
+    # next round's ops after it, so no round reads weights its predecessor has not stepped.
+    def _train_rounds(self, plan: NodePlan, streams: Streams, live: list[InputRule],
+                      watch: Watch) -> Rounds:
+        """Shuffle and cut the batch into the rounds' minibatches, run each under one schedule
+        (as many microbatches as the smallest minibatch allows, up to the configured number)
+        and step after each but the last, whose step is the optimizer-step node's."""
+        step_plan = self._step_plan(plan)
+        ordered = sorted(streams.complete(live), key=lineage_order)
+        config = plan.config
+        try:
+            rounds = minibatch_rounds(len(ordered), epochs=config["epochs"],
+                                      minibatches=config["minibatches"],
+                                      seed=config.get("shuffle_seed") or 0, step=self.step)
+        except ValueError as exc:
+            raise FlowRunError(f"step {self.step}: {plan.name!r}: {exc}") from None
+        count = max(1, min(int(config.get("microbatches") or 1), *map(len, rounds)))
+        cuts = [cut([ordered[i] for i in indices], count) for indices in rounds]
+        stage_costs, schedule = self._plan_schedule(
+            plan, config.get("schedule") or "1f1b", count,
+            lambda: streams.gathered(live[0], cuts[0][0]))
+        spec = model_spec(self.model, schedule.num_stages)
+        self.trained = self.last_trained = (schedule, spec)
+        self.predicted_bubble[plan.name] = simulate(schedule, stage_costs).bubble_rate
+        self.item_counts[plan.name] = len(ordered)
+        runs, reports = [], []
+        for index, microbatches in enumerate(cuts):
+            runs.append(self._submit_round(plan, index, microbatches, schedule, stage_costs,
+                                           streams, live, watch))
+            if index < len(cuts) - 1:
+                report = self._submit_step(step_plan, [Gather(runs[-1].losses)], watch,
+                                           outputs=2, round_index=index)
+                watch((), report, register=False)
+                reports.append(report[0])  # the round's StepMetrics, for the last one's report
+        self.rounds = Rounds(runs=runs, reports=reports)
+        return self.rounds
+
+    def _submit_round(self, plan: NodePlan, index: int, microbatches: list[list],
+                      schedule: Any, stage_costs: Costs, streams: Streams,
+                      live: list[InputRule], watch: Watch) -> PipelineRun:
+        """One round's schedule, its microbatches fed at once; the last stage's forwards are
+        the backprop's stats, by (round, microbatch)."""
+        sim = self.sim_costs or SimCosts()
+        config_for = pipeline_config(
+            stage_costs_config(stage_costs, activation_bytes=sim.activation_bytes),
+            model_spec(self.model, schedule.num_stages), [len(m) for m in microbatches],
+            plan.config)
+        last = schedule.num_stages - 1
+
+        def on_submit(action: Action, future: Any) -> None:
+            is_loss = action.kind is Kind.F and action.stage == last
+            watch((index, action.microbatch) if is_loss else (), (future,), register=is_loss)
+
+        submitter = StreamedSchedule(self.ctl, schedule, self.executors, config_for=config_for,
+                                     lane=self.model.name,
+                                     meta={"node": plan.name, "step": self.step, "round": index},
+                                     on_submit=on_submit)
+        for mb, chosen in enumerate(microbatches):
+            submitter.feed(mb, tuple(streams.gathered(rule, chosen) for rule in live))
+        submitter.advance()
+        return submitter.run
+
+    def _step_plan(self, plan: NodePlan) -> NodePlan:
+        """The optimizer-step node that `plan`'s stats feed: its config steps every round."""
+        for step in self.steps:
+            if any(rule.src == plan.name and not rule.feedback for rule in step.inputs):
+                return step
+        raise FlowRunError(f"step {self.step}: {plan.name!r} trains model {self.model.name!r} "
+                           f"in {rounds_of(plan.config)} minibatch rounds (epochs x "
+                           "minibatches), each followed by an optimizer step configured by the "
+                           "OptimizerStep its stats feed, but its stats feed none")
+
     # -- the optimizer step and what follows it ------------------------------------------------
     def optimizer_step(self, plan: NodePlan, stats: list, watch: Watch) -> None:
         """The optimizer step across the model's stages, each in its device's lane (after its
-        W ops); stage 0 reads every microbatch's stats and reports the step."""
+        W ops); stage 0 reads every microbatch's stats and reports the step. After rounds, it
+        is the last round's step: it reads that round's stats, for their normalizer, and the
+        earlier rounds' reports, which its report sums up (flowkit.ops.records.step_report)."""
         if self.trained is None:
             raise FlowRunError(f"step {self.step}: {plan.name!r} steps model "
                                f"{self.model.name!r}, but no backprop of it ran in this step "
                                "to make its gradients")
-        schedule, spec = self.trained
-        cost = self.sim_costs.config_for("optimizer_step") if self.sim_costs else {}
-        config = {**plan.config, **cost, "step": self.step}
-        quiet, report = submit_optimizer_step(
-            self.ctl, schedule, self.executors, spec, stats, config, lane=self.model.name,
-            meta={"node": plan.name, "step": self.step}, outputs=len(plan.outputs))
-        for future in quiet:
-            watch((), (future,), register=False)
-        report = report if len(plan.outputs) > 1 else (report,)
+        if self.rounds is not None:
+            stats = [Gather(self.rounds.runs[-1].losses), Gather(self.rounds.reports)]
+        report = self._submit_step(plan, stats, watch, outputs=len(plan.outputs))
         registered = report
         if "weights" in plan.outputs:
             loads = self._sync_weights(plan, report[plan.outputs.index("weights")])
@@ -213,6 +309,22 @@ class ModelTraining:
                 registered = tuple(Gather(loads) if port == "weights" else future
                                    for port, future in zip(plan.outputs, report))
         watch((), report, register=True, outputs=registered)
+
+    def _submit_step(self, plan: NodePlan, stats: list, watch: Watch, *, outputs: int,
+                     round_index: int | None = None) -> tuple:
+        """Submit one optimizer step with `plan`'s config, watching the ops that report nothing;
+        returns the reporting stage's `outputs` futures."""
+        schedule, spec = self.trained
+        cost = self.sim_costs.config_for("optimizer_step") if self.sim_costs else {}
+        config = {**plan.config, **cost, "step": self.step}
+        meta = {"node": plan.name, "step": self.step, **({} if round_index is None else
+                                                         {"round": round_index})}
+        quiet, report = submit_optimizer_step(
+            self.ctl, schedule, self.executors, spec, stats, config, lane=self.model.name,
+            meta=meta, outputs=outputs)
+        for future in quiet:
+            watch((), (future,), register=False)
+        return report if outputs > 1 else (report,)
 
     def _sync_weights(self, plan: NodePlan, version: Any) -> list:
         """Submit the new weights to every executor that may generate or score with the model

@@ -50,5 +50,6 @@ def test_training_settings_are_checked_too():
         with Flow("f"):
             stats = Backprop(ACTOR)(arithmetic_prompts(), microbatches=0, clip_ratio_c=0.5)
             OptimizerStep(ACTOR)(collect(stats), lr=-1)
-    assert [(p.op, p.port) for p in raised.value.problems] == [
-        ("backprop", "microbatches"), ("backprop", "clip_ratio_c"), ("optimizer_step", "lr")]
+    assert [(p.rule, p.op, p.port) for p in raised.value.problems] == [
+        ("bad-config", "backprop", "clip_ratio_c"), ("bad-config", "optimizer_step", "lr"),
+        ("bad-count", "backprop", "microbatches")]  # a count: Backprop.node_problems

@@ -232,3 +232,32 @@ def assert_grads_equal(stages: list[nn.Module], expected: list[dict], tol: float
             assert p.grad is not None, f"stage {s} {name}: no gradient"
             diff = (p.grad - exp[name]).abs().max().item()
             assert diff < tol, f"stage {s} {name}: max abs diff {diff}"
+
+
+# -- plain references of the RL losses: the unsplit model over one padded batch ---------------
+def padded_batch(exps, fields: list[str]) -> tuple:
+    """ids (B, T) and per response token (B, R): positions, tokens, mask and each field of the
+    Experiences `exps`."""
+    seqs = [e.prompt_tokens + e.response_tokens for e in exps]
+    width = max(len(s) for s in seqs) - 1
+    ids = torch.tensor([s[:-1] + [0] * (width - len(s) + 1) for s in seqs])
+    r = max(len(e.response_tokens) for e in exps)
+
+    def rows(per_exp, dtype=torch.float64):
+        return torch.tensor([list(v) + [0] * (r - len(v)) for v in per_exp], dtype=dtype)
+
+    positions = rows([[len(e.prompt_tokens) - 1 + k for k in range(len(e.response_tokens))]
+                      for e in exps], torch.long)
+    tokens = rows([e.response_tokens for e in exps], torch.long)
+    mask = rows([[1.0] * len(e.response_tokens) for e in exps])
+    return ids, positions, tokens, mask, {f: rows([getattr(e, f) for e in exps])
+                                          for f in fields}
+
+
+def response_logprobs(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor,
+                      tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """(B, R) log-probabilities of the response tokens under `model`, as the sampler takes
+    them: log_softmax(logits / temperature)."""
+    logits = model(ids)  # (B, T, V)
+    picked = logits.gather(1, positions[..., None].expand(-1, -1, logits.size(-1)))
+    return torch.log_softmax(picked / temperature, dim=-1).gather(-1, tokens[..., None])[..., 0]

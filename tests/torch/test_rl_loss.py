@@ -31,6 +31,7 @@ from tests.harness import (
     seeded_gpt,
     tiny_gpt,
 )
+from tests.torch.helpers import padded_batch, response_logprobs
 
 POLICY = gpt_spec("policy", tiny_gpt(), seed=5)
 CRITIC = critic_of(POLICY)
@@ -143,31 +144,11 @@ def _assert_grads_equal(got: dict, want: dict, *, scale: float = 1.0) -> None:
 
 
 # -- the plain reference: verl's losses on the unsplit model over the whole padded batch ------
-def _padded_batch(exps: list[Experience], fields: list[str]) -> tuple:
-    """ids (B, T) and per response token (B, R): positions, tokens, mask and each field."""
-    seqs = [e.prompt_tokens + e.response_tokens for e in exps]
-    width = max(len(s) for s in seqs) - 1
-    ids = torch.tensor([s[:-1] + [0] * (width - len(s) + 1) for s in seqs])
-    r = max(len(e.response_tokens) for e in exps)
-
-    def rows(per_exp, dtype=torch.float64):
-        return torch.tensor([list(v) + [0] * (r - len(v)) for v in per_exp], dtype=dtype)
-
-    positions = rows([[len(e.prompt_tokens) - 1 + k for k in range(len(e.response_tokens))]
-                      for e in exps], torch.long)
-    tokens = rows([e.response_tokens for e in exps], torch.long)
-    mask = rows([[1.0] * len(e.response_tokens) for e in exps])
-    return ids, positions, tokens, mask, {f: rows([getattr(e, f) for e in exps])
-                                          for f in fields}
-
-
 def _plain_policy_loss(model: GPT, exps: list[Experience], *, kl_coef: float = 0.0,
                        kl_kind: str = "k3", temperature: float = 1.0) -> torch.Tensor:
     fields = ["logprobs", "advantages"] + (["ref_logprobs"] if kl_coef else [])
-    ids, positions, tokens, mask, f = _padded_batch(exps, fields)
-    logits = model(ids)  # (B, T, V)
-    picked = logits.gather(1, positions[..., None].expand(-1, -1, logits.size(-1)))
-    logp = torch.log_softmax(picked / temperature, dim=-1).gather(-1, tokens[..., None])[..., 0]
+    ids, positions, tokens, mask, f = padded_batch(exps, fields)
+    logp = response_logprobs(model, ids, positions, tokens, temperature)
     loss = ppo_policy_loss(f["logprobs"], logp, f["advantages"], mask, clip_ratio=0.2,
                            clip_ratio_c=3.0, agg="token-mean")
     if kl_coef:
@@ -283,7 +264,7 @@ def test_the_value_loss_gradients_equal_verls_clipped_value_loss_on_the_unsplit_
     ctx = op_context()
     stats = _run_microbatches(ctx, CRITIC, [(exps[:3],), (exps[3:],)], stages=2, loss="value",
                               cliprange_value=0.1)
-    ids, positions, _, mask, f = _padded_batch(exps, ["values", "returns"])
+    ids, positions, _, mask, f = padded_batch(exps, ["values", "returns"])
     predicted = critic(ids).gather(1, positions)  # (B, R)
     plain = value_loss(predicted, f["returns"], f["values"], mask, clip_range=0.1)
     plain.backward()
