@@ -34,8 +34,9 @@ def reinforce_pp_flow(*, model: Model | None = None, prompts: int = 64, n: int =
     """Called as `grpo_flow` (dataflows/grpo.py). The KL to the reference is in the reward
     (-kl_coef x the k1 estimate on each token, as the REINFORCE++ paper), not in the loss: the
     loss is the clipped PPO policy loss ("ppo"). `gamma` discounts the returns. `baseline`
-    makes it REINFORCE++-baseline: a sample's summed token rewards minus its prompt's mean,
-    then the batch whitening; it needs n >= 2 samples per prompt."""
+    makes it REINFORCE++-baseline: a sample's summed token rewards (undiscounted: `gamma` is
+    not used) minus its prompt's mean, then the batch whitening; it needs n >= 2 samples per
+    prompt."""
     if baseline and n < 2:
         raise ValueError(f"reinforce_pp_flow(baseline=True) needs n >= 2 samples per prompt "
                          f"(got n={n}): the baseline is the mean score of a prompt's samples")
