@@ -23,6 +23,8 @@ __all__ = [
     "kl_penalty",
     "ppo_policy_loss",
     "ppo_policy_loss_stats",
+    "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages",
     "rloo_advantages",
     "value_loss",
 ]
@@ -146,7 +148,7 @@ def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torc
 
 def _sequence_scores(token_rewards: torch.Tensor, mask: torch.Tensor,
                      group_index: GroupIndex) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(scores (B,), dense group ids (B,), group sizes per row (B,)) shared by GRPO and RLOO."""
+    """(scores (B,), dense group ids (B,), group sizes per row (B,)) of the outcome estimators."""
     _check_same_shape(token_rewards=token_rewards, mask=mask)
     scores = token_rewards.sum(dim=-1)  # outcome reward: one scalar per response
     ids = _group_ids(group_index, scores.shape[0], scores.device)
@@ -203,6 +205,38 @@ def rloo_advantages(token_rewards: torch.Tensor, mask: torch.Tensor,
     left_out = scores * scale - mean * scale
     advantages = torch.where(row_sizes > 1, left_out, scores)
     return advantages.unsqueeze(-1) * mask
+
+
+@torch.no_grad()
+def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: discounted returns of the token rewards, whitened over the batch's masked
+    tokens; returns (advantages, returns), both (B, T).
+
+    No critic: the return-to-go is the advantage, and whitening over every token of the batch
+    is its baseline. A masked-out position ends the running sum (verl's "reset after EOS"), so
+    padding to the right of a response cannot feed rewards into it.
+    """
+    _check_same_shape(token_rewards=token_rewards, mask=mask)
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])  # (B,)
+    for t in reversed(range(token_rewards.shape[1])):
+        running = token_rewards[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * mask[:, t]
+    return _masked_whiten(returns, mask) * mask, returns
+
+
+@torch.no_grad()
+def reinforce_pp_baseline_advantages(token_rewards: torch.Tensor, mask: torch.Tensor,
+                                     group_index: GroupIndex) -> torch.Tensor:
+    """REINFORCE++-baseline: each score minus its prompt group's mean (a group of one: minus 0,
+    as in GRPO), on every token, then whitened over the batch's masked tokens, (B, T)."""
+    scores, ids, row_sizes = _sequence_scores(token_rewards, mask, group_index)
+    mean = torch.where(row_sizes == 1, torch.zeros_like(scores),
+                       _group_mean(scores, ids, row_sizes))
+    centered = (scores - mean).unsqueeze(-1) * mask
+    return _masked_whiten(centered, mask) * mask
 
 
 # ----------------------------------------------------------------------------- loss aggregation

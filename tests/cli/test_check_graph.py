@@ -35,7 +35,8 @@ def test_version_and_help(runner):
         assert command in result.output
 
 
-@pytest.mark.parametrize("example", ["ppo.py", "grpo.py", "pretrain_pp.py"])
+@pytest.mark.parametrize("example", ["ppo.py", "grpo.py", "pretrain_pp.py", "rloo_sort.py",
+                                     "reinforce_pp_sort.py"])
 def test_every_example_flow_checks(runner, example):
     result = runner.invoke(main, ["check", str(EXAMPLES / example)])
     assert result.exit_code == 0, result.output

@@ -47,3 +47,16 @@ def test_rl_on_digit_sorting_raises_the_mean_reward(warmed_up, example):
     rewards = [line["reward_mean"] for line in lines]
     assert rewards[0] < 0.3
     assert statistics.fmean(rewards[-5:]) > 0.7, rewards
+
+
+def test_reinforce_pp_runs_on_torch_and_reports_rewards(warmed_up):
+    """A short run (RLOO's flow runs on simulator executors in tests/runtime): that it trains
+    and reports; how far the reward rises is in the README."""
+    result = _run(warmed_up, str(EXAMPLES / "reinforce_pp_sort.py"), "--steps", "2",
+                  "--metrics", "reinforce_pp.jsonl")
+    assert "executors: torch" in result.output
+    lines = [json.loads(line) for line in (warmed_up / "reinforce_pp.jsonl").read_text()
+             .splitlines()]
+    assert [line["step"] for line in lines] == [0, 1]
+    assert all(0 <= line["reward_mean"] <= 1 and "timing_s/update_actor" in line
+               for line in lines)

@@ -9,6 +9,8 @@ from dataflows.grpo import grpo_flow
 from dataflows.models import GPT_BUILD
 from dataflows.ppo import ppo_flow
 from dataflows.pretrain import pretrain_flow
+from dataflows.reinforce_pp import reinforce_pp_flow
+from dataflows.rloo import rloo_flow
 from flowkit.dsl import Model
 
 OWN = Model(name="policy", build="tinylm:TinyLM", config={"width": 16}, stages=2,
@@ -57,3 +59,27 @@ def test_a_model_and_a_gpt_config_together_are_refused():
 def test_a_model_that_is_not_a_model_is_refused_with_how_to_make_one():
     with pytest.raises(TypeError, match=r"Model\(name="):
         pretrain_flow(model="tinylm:TinyLM", corpus="c.txt")
+
+
+@pytest.mark.parametrize("build", [rloo_flow, reinforce_pp_flow])
+def test_rloo_and_reinforce_pp_train_the_given_model_with_the_kl_in_the_reward(build):
+    flow = build(model=OWN, n=4).validate()
+    assert flow.models["reference"].build == "tinylm:TinyLM"
+    assert _model_of(flow, "update_actor") == "policy"
+    assert _model_of(flow, "ref_logprobs") == "reference"
+    assert "kl_token_rewards" in flow.nodes
+    # the KL is in the token rewards, so the loss has no KL term of its own
+    assert flow.nodes["update_actor"].config["loss"] == "ppo"
+
+
+def test_reinforce_pp_baseline_swaps_in_the_group_baseline():
+    flow = reinforce_pp_flow(model=OWN, n=4, baseline=True).validate()
+    assert "reinforce_pp_baseline_advantages" in flow.nodes
+    assert "reinforce_pp_advantages" not in flow.nodes
+
+
+@pytest.mark.parametrize("build, kwargs", [(rloo_flow, {}),
+                                           (reinforce_pp_flow, {"baseline": True})])
+def test_a_group_baseline_with_one_sample_per_prompt_is_refused(build, kwargs):
+    with pytest.raises(ValueError, match="needs n >= 2 samples per prompt"):
+        build(n=1, **kwargs)

@@ -112,7 +112,12 @@ def test_an_op_returning_what_its_signature_does_not_promise_is_blamed_for_it(si
     assert "promises Stream[Sample]" in str(raised.value)
 
 
-@pytest.mark.parametrize("example", ["ppo.py", "grpo.py"])
+# each RL example and the samples its step generates (prompts x n)
+_RL_EXAMPLES = {"ppo.py": 64, "grpo.py": 16 * 8, "rloo_sort.py": 16 * 8,
+                "reinforce_pp_sort.py": 64}
+
+
+@pytest.mark.parametrize("example", list(_RL_EXAMPLES))
 def test_the_rl_examples_run_on_simulator_executors(sim_cluster, example):
     from flowkit.dsl import load_flow
 
@@ -124,7 +129,7 @@ def test_the_rl_examples_run_on_simulator_executors(sim_cluster, example):
     assert set(report.timing_s) == {node.name for node in plan}
     assert 0 <= report.metrics["bubble_rate"] < 1
     generated = runner.previous[("generate", "rollouts")].ordered()
-    assert len(generated) == 64 if example == "ppo.py" else 16 * 8
+    assert len(generated) == _RL_EXAMPLES[example]
 
 
 def test_flowkit_run_writes_a_trace_and_metrics(tmp_path):

@@ -1,0 +1,55 @@
+"""RLOO: n samples per prompt -> verifiable reward and reference log-probs per sample -> the KL
+penalty folded into each sample's token rewards -> leave-one-out advantages as soon as a
+prompt's n samples are in -> train the actor with the clipped PPO policy loss, microbatches
+forming from finished groups -> sync the weights to generation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dataflows.models import flow_model, reference_of
+from dataflows.ops import Backprop, Generate, LogProbs, OptimizerStep
+from dataflows.rl.advantages import kl_token_rewards, rloo_advantages
+from dataflows.rl.steps import answer_reward, arithmetic_prompts, rollout_metrics
+from flowkit.dsl import Flow, Model, Operator, Stream, collect, group_by
+from flowkit.ops.records import WeightsVersion
+
+__all__ = ["rloo_flow"]
+
+_SMALL_GPT = {"vocab_size": 256, "n_layer": 4, "n_embd": 128}
+
+
+def rloo_flow(*, model: Model | None = None, prompts: int = 16, n: int = 8,
+              stages: int | None = None, schedule: str = "zb-h1", microbatches: int = 8,
+              max_new_tokens: int = 8, temperature: float = 1.0, kl_coef: float = 0.001,
+              lr: float = 3e-4, gpt: dict | None = None,
+              prompt_source: Operator = arithmetic_prompts, reward: Operator = answer_reward,
+              source_config: dict[str, Any] | None = None) -> Flow:
+    """Called as `grpo_flow` (dataflows/grpo.py). A sample's score is its reward minus kl_coef x
+    its summed k1 KL to the reference (the KL in the reward, as the RLOO paper and verl's
+    `use_kl_in_reward`); its advantage, that score minus the mean of the other n-1 samples of
+    its prompt. The loss is the clipped PPO policy loss ("ppo"), with no KL term of its own."""
+    if n < 2:
+        raise ValueError(f"rloo_flow needs n >= 2 samples per prompt (got n={n}): a sample's "
+                         "baseline is the mean reward of the others to its prompt")
+    actor = flow_model(model, gpt=gpt, default_gpt=_SMALL_GPT, name="actor", stages=stages,
+                       default_stages=2, tags=("train",))
+    reference = reference_of(actor)
+    with Flow("rloo", description=__doc__) as flow:
+        weights = flow.feedback("actor_weights", Stream[WeightsVersion])
+        prompt_items = prompt_source(count=prompts, **(source_config or {}))
+        # generation runs on `rollout` executors, training on `train` ones: the two overlap
+        rollouts = Generate(actor, tags=("rollout",))(prompt_items, weights=weights, n=n,
+                                   max_new_tokens=max_new_tokens, temperature=temperature)
+        scored = reward(rollouts)
+        rollout_metrics(collect(scored))
+        ref = LogProbs(reference)(rollouts, name="ref_logprobs", temperature=temperature)
+        token_rewards = kl_token_rewards(scored, ref, kl_coef=kl_coef)
+        # No batch statistic: each group trains as soon as its n samples are scored.
+        experiences = rloo_advantages(group_by(token_rewards, key="prompt_id", size=n))
+        stats = Backprop(actor)(experiences, loss="ppo", temperature=temperature,
+                                schedule=schedule, microbatches=microbatches,
+                                name="update_actor")
+        step = OptimizerStep(actor)(collect(stats), lr=lr)
+        weights.bind(step.weights)
+    return flow
