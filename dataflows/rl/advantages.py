@@ -23,7 +23,7 @@ from flowkit.dsl import Batch, Grouped, Stream, op
 from flowkit.ops.records import Experience, Scored, TokenScores
 
 __all__ = ["kl_token_rewards", "reinforce_pp_advantages", "reinforce_pp_baseline_advantages",
-           "rloo_advantages"]
+           "rloo_advantages", "whiten"]
 
 # verl whitens with rsqrt(var + 1e-8): equal advantages whiten to 0 rather than NaN
 _WHITEN_EPS = 1e-8
@@ -67,7 +67,7 @@ def reinforce_pp_advantages(experiences: Batch[Scored], *, gamma: float = 1.0
     returns."""
     returns = [_returns_to_go(_token_rewards(e), gamma) for e in experiences]
     return [_with_advantages(e, advantages, returns=r)
-            for e, advantages, r in zip(experiences, _whiten(returns), returns)]
+            for e, advantages, r in zip(experiences, whiten(returns), returns)]
 
 
 @op
@@ -83,7 +83,7 @@ def reinforce_pp_baseline_advantages(experiences: Batch[Scored]) -> Batch[Experi
     centered = [[score - means[e.prompt_id]] * len(e.response_tokens)
                 for e, score in zip(experiences, scores)]
     return [_with_advantages(e, advantages)
-            for e, advantages in zip(experiences, _whiten(centered))]
+            for e, advantages in zip(experiences, whiten(centered))]
 
 
 def _token_rewards(record: Scored) -> list[float]:
@@ -109,7 +109,7 @@ def _returns_to_go(rewards: list[float], gamma: float) -> list[float]:
     return returns
 
 
-def _whiten(rows: list[list[float]]) -> list[list[float]]:
+def whiten(rows: list[list[float]]) -> list[list[float]]:
     """Shift to mean 0 and scale to unbiased variance ~1 over every value of every row (verl's
     masked_whiten). Under two values there is no variance: they only shift, to 0."""
     flat = [v for row in rows for v in row]

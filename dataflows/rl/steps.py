@@ -10,6 +10,7 @@ import statistics
 
 import attrs
 
+from dataflows.rl.advantages import whiten
 from flowkit.dsl import Batch, Grouped, Metrics, Stream, op
 from flowkit.ops.records import Experience, Prompt, Rollout, Scored, TokenScores
 
@@ -54,13 +55,9 @@ def gae(experiences: Batch[Experience], *, gamma: float = 1.0, lam: float = 0.95
     (a batch statistic: the reason this op's input is a barrier). Expects `advantages` to hold the
     token rewards that make_experience put there."""
     raw = [_gae_one(e.advantages, e.values, gamma, lam) for e in experiences]
-    flat = [a for advantages in raw for a in advantages]
-    mean = statistics.fmean(flat) if flat else 0.0
-    std = statistics.stdev(flat) if len(flat) > 1 else 1.0
     out = []
-    for exp, advantages in zip(experiences, raw):
+    for exp, advantages, whitened in zip(experiences, raw, whiten(raw)):
         returns = [a + v for a, v in zip(advantages, exp.values)]
-        whitened = [(a - mean) / (std + 1e-8) for a in advantages]
         out.append(attrs.evolve(exp, advantages=whitened, returns=returns))
     return out
 

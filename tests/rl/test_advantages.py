@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dataflows.rl import advantages as adv
-from dataflows.rl.steps import make_experience
+from dataflows.rl.steps import gae, make_experience
 from executors.torch import algos
 from flowkit.ops.records import Experience, Scored, TokenScores
 
@@ -105,6 +105,27 @@ def test_reinforce_pp_baseline_equals_the_tensor_version(records):
     want = algos.reinforce_pp_baseline_advantages(rewards, mask,
                                                   [r.prompt_id for r in records])
     _close([e.advantages for e in out], _unpadded(want, records))
+
+
+@FAST
+@given(records=samples(), data=st.data(), gamma=st.floats(0.5, 1.0), lam=st.floats(0.5, 1.0))
+def test_gae_equals_the_tensor_version(records, data, gamma, lam):
+    """PPO's gae op (dataflows/rl/steps.py) whitens as verl does, like every advantage here."""
+    experiences = []
+    for record in records:
+        rewards = adv._token_rewards(record)
+        values = data.draw(st.lists(REWARD, min_size=len(rewards), max_size=len(rewards)))
+        experiences.append(Experience(**{**attrs.asdict(record, recurse=False),
+                                         "advantages": rewards, "values": values}))
+    rewards, mask = _padded(records)
+    if mask.sum() < 2:
+        return  # no variance to whiten by (the tensor version refuses)
+    values = torch.tensor([e.values + [0.0] * (mask.shape[1] - len(e.values))
+                           for e in experiences], dtype=torch.float64)
+    want, returns = algos.gae_advantages(rewards, values, mask, gamma, lam)
+    out = gae.fn(experiences, gamma=gamma, lam=lam)
+    _close([e.advantages for e in out], _unpadded(want, records))
+    _close([e.returns for e in out], _unpadded(returns, records))
 
 
 # ----------------------------------------------------------------------------- by hand
