@@ -23,12 +23,20 @@ Op = Callable[..., Any]  # op(ctx, *inputs, **config) -> output, or a tuple of o
 
 @attrs.define
 class OpContext:
-    """What an op may know about the executor running it."""
+    """What an op may know about the executor running it.
+
+    [Note: streaming ops] When the task streams (the controller asked for each item as it is
+    ready), `emit` is set while the op runs: an op whose result is a list of items calls
+    `emit(item)` for each one the moment it is ready (in the order of the list it returns),
+    and the item leaves for the controller and its consumers at once. Ops that cannot stream
+    ignore it: their items then arrive together, when the op returns.
+    """
 
     name: str
     device: str
     tags: tuple[str, ...]
     state: dict[str, Any] = attrs.field(factory=dict)  # per-executor state ops share: models, RNG
+    emit: Callable[[Any], None] | None = None  # set for a streaming task [Note: streaming ops]
 
 
 class OpTable:
@@ -95,6 +103,8 @@ def _python(ctx: OpContext, *inputs: Any, target: str, config: dict | None = Non
         result = function.fn(**dict(zip(ports, inputs, strict=True)), **(config or {}))
     else:
         result = function.fn(*inputs, **(config or {}))
+    if ctx.emit is not None and many == [True] and result is not None:
+        return _streamed(ctx.emit, function, outputs or list(function.outputs), result)
     if outputs is not None and len(outputs) > 1:
         if not isinstance(result, dict) or set(result) != set(outputs):
             raise TypeError(f"{target} declares outputs {outputs} and must return a mapping "
@@ -106,6 +116,17 @@ def _python(ctx: OpContext, *inputs: Any, target: str, config: dict | None = Non
     values = tuple(list(v) if m and v is not None else v for v, m in zip(values, many))
     _check_returned(function, outputs or list(function.outputs), values, many)
     return values if len(values) > 1 else values[0]
+
+
+def _streamed(emit: Callable[[Any], None], function: Any, ports: list[str], items: Any) -> list:
+    """A one-output Stream op's items, each checked and emitted as the function yields it
+    [Note: streaming ops]."""
+    done = []
+    for item in items:
+        _check_returned(function, ports, ([item],), [True])
+        emit(item)
+        done.append(item)
+    return done
 
 
 def _check_returned(function: Any, ports: list[str], values: tuple, many: list[bool]) -> None:

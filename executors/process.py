@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 
 from executors.ops import OpContext, OpTable
-from flowkit.runtime.protocol import Msg, ProtocolError, decode, encode, send_frames
+from flowkit.runtime.protocol import Msg, ProtocolError, decode, encode, part_id, send_frames
 from flowkit.runtime.refs import check_ref, object_ids, resolve
 from flowkit.runtime.serialize import SerializeError, nbytes_of, pack, unpack
 
@@ -41,7 +41,7 @@ _NONE_BODY = pack(None)[0]
 
 class _Task:
     __slots__ = ("id", "op", "fn", "config", "inputs", "outputs", "missing", "lane", "plain",
-                 "report_key")
+                 "report_key", "stream", "streamed", "start")
 
     def __init__(self, spec: dict, fn: Any) -> None:
         self.id, self.op, self.fn, self.config = spec["id"], spec["op"], fn, spec["config"]
@@ -52,6 +52,9 @@ class _Task:
         self.lane = spec.get("lane")
         self.plain = not self.inputs or all(type(i) is int for i in self.inputs)  # the usual
         self.report_key = spec.get("report_key")  # a record field to report for each output item
+        self.stream = spec.get("stream", False)  # [Note: streaming ops in executors/ops.py]
+        self.streamed: list[dict] = []  # the descriptions of the items it streamed
+        self.start = 0.0
 
     def object_ids(self) -> list[int]:
         if self.plain:
@@ -66,6 +69,9 @@ class _Task:
             raise ProtocolError(f"a task's lane must be a string, got {self.lane!r}")
         if self.report_key is not None and not isinstance(self.report_key, str):
             raise ProtocolError(f"report_key must be a field name, got {self.report_key!r}")
+        if not isinstance(self.stream, bool) or self.stream and len(self.outputs) != 1:
+            raise ProtocolError(f"stream must be true or false, for a task of one output; got "
+                                f"{self.stream!r} for {len(self.outputs)} outputs")
 
 
 class Executor:
@@ -349,14 +355,16 @@ class Executor:
 
     def _run(self, task: _Task) -> float:
         """Run `task` and queue its completion; returns how long the op took."""
-        start = time.time()
+        start = task.start = time.time()
         try:
             if task.plain:
                 args = [self.objects[i] for i in task.inputs]
             else:
                 args = [resolve(ref, self.objects) for ref in task.inputs]
-            result = self._call(task.fn, args, task.config)
+            result = self._call(task, args)
             outputs = _split_outputs(result, len(task.outputs), task.op)
+            if task.stream:
+                _check_streamed(task, outputs[0])
         except Exception as exc:
             self._complete_failed(task, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
                                   start=start)
@@ -367,20 +375,35 @@ class Executor:
         # described when sent: packing them to learn their size can wait for the flush
         self.completions.append({"task": task.id, "ok": True, "start": start, "end": end,
                                  "outputs": list(zip(task.outputs, outputs)),
-                                 "report_key": task.report_key})
+                                 "report_key": task.report_key, "streamed": task.streamed})
         return end - start
 
-    def _call(self, op: Any, args: list, config: dict) -> Any:
+    def _emit(self, task: _Task, value: Any) -> None:
+        """Item `value` of a streaming task, yielded by its op: kept as an object of its own
+        [Note: part ids in flowkit/runtime/protocol.py] and told of at once. Runs on the op
+        thread, which holds the sockets only for the moment it sends."""
+        index = len(task.streamed)
+        described = _describe(part_id(task.outputs[0], index), value, task.report_key)
+        described.setdefault("nbytes", 0)  # None's description leaves it out
+        task.streamed.append(described)
+        with self.socket_lock:
+            self._store(described["id"], value)
+            self._send(Msg.PART, {"task": task.id, "index": index, "start": task.start,
+                                  "end": time.time(), "output": described})
+
+    def _call(self, task: _Task, args: list) -> Any:
         """Run one op; while it runs the sockets belong to the watch, which takes them over if
         the op turns out long [Note: completion batching]."""
         self.op_seq += 1
         self.in_op = True
+        self.ctx.emit = (lambda value: self._emit(task, value)) if task.stream else None
         self.socket_lock.release()
         self.watch.op_started()
         try:
-            return op(self.ctx, *args, **config)
+            return task.fn(self.ctx, *args, **task.config)
         finally:
             self.in_op = False
+            self.ctx.emit = None
             self.socket_lock.acquire()
 
     def _complete_failed(self, task: _Task, error: str, tb: str, *, start: float = 0.0) -> None:
@@ -404,12 +427,29 @@ def _split_outputs(result: Any, count: int, op: str) -> list:
     return list(result)
 
 
+def _check_streamed(task: _Task, result: Any) -> None:
+    """A streaming op returns the list of the items it emitted, every one of them [Note:
+    streaming ops]; emitting none and returning a list is an op that does not stream."""
+    if not task.streamed:
+        return
+    if not isinstance(result, (list, tuple)) or len(result) != len(task.streamed):
+        size = len(result) if isinstance(result, (list, tuple)) else type(result).__name__
+        raise TypeError(f"op {task.op!r} emitted {len(task.streamed)} items but returned "
+                        f"{size}: a streaming op returns the list of what it emitted")
+
+
 def _described(item: dict) -> dict:
     """A completion with its outputs described; a task whose output cannot be serialized fails
     (its outputs are not fetchable or movable) with an error that says so."""
     if not item["ok"]:
         return item
     key = item.pop("report_key")
+    streamed = item.pop("streamed")
+    if streamed:  # its items were described as they went: the list is their sum
+        (object_id, _), = item["outputs"]
+        item["outputs"] = [{"id": object_id, "count": len(streamed),
+                            "nbytes": sum(part["nbytes"] for part in streamed)}]
+        return item
     try:
         item["outputs"] = [_describe(i, v, key) for i, v in item["outputs"]]
     except SerializeError as exc:

@@ -97,12 +97,12 @@ def _generate(ctx: OpContext, prompt: Any, *weights: Any, n: int = 1, max_new_to
               length_sigma: float = 0.0, step: int = 0, **config: Any) -> list:
     """n rollouts of a prompt whose lengths have the long tail real sampling has: most stop
     early, a few run to max_new_tokens (exponential lengths, or log-normal ones with
-    `length_sigma` > 0). The executor is busy as long as a batch of n sequences decoding
-    together takes: the longest one's tokens."""
+    `length_sigma` > 0). The n sequences decode together, so a sample is done after its own
+    length's tokens: it leaves then, in finishing order (streamed when the task streams), and
+    the executor is busy until the longest one is."""
     rng = random.Random(f"{getattr(prompt, 'prompt_id', prompt)}/{step}")
     lengths = [_sampled_length(rng, min_new_tokens, max_new_tokens, length_sigma)
                for _ in range(n)]
-    busy_for(seconds_per_token * max(lengths))
     rollouts = []
     for sample, length in enumerate(lengths):
         tokens = [rng.randrange(32, 127) for _ in range(length)]
@@ -111,7 +111,14 @@ def _generate(ctx: OpContext, prompt: Any, *weights: Any, n: int = 1, max_new_to
             prompt_tokens=list(getattr(prompt, "tokens", [])), response_tokens=tokens,
             logprobs=[-rng.random() * 3 for _ in tokens], finished=length < max_new_tokens,
             answer=getattr(prompt, "answer", None)))
-    return rollouts
+    done, decoded = [], 0
+    for rollout in sorted(rollouts, key=lambda r: len(r.response_tokens)):
+        busy_for(seconds_per_token * (len(rollout.response_tokens) - decoded))
+        decoded = len(rollout.response_tokens)
+        if ctx.emit is not None:
+            ctx.emit(rollout)
+        done.append(rollout)
+    return done
 
 
 def _sampled_length(rng: random.Random, low: int, high: int, sigma: float = 0.0) -> int:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from flowkit.runtime.futures import ExecutorLost, Future, Owner, RemoteError, TaskCancelled
-from flowkit.runtime.protocol import Msg, ProtocolError, encode
+from flowkit.runtime.protocol import Msg, ProtocolError, encode, part_id
 from flowkit.runtime.records import ExecutorInfo, ObjectRecord, TaskRecord
 from flowkit.runtime.refs import Gather, Item, object_ids
 from flowkit.runtime.serialize import SerializeError, pack, unpack
@@ -126,6 +126,8 @@ class Dispatcher:
         executor.last_seen = time.monotonic()
         if kind == Msg.DONE:
             self._on_done(executor, header["items"])
+        elif kind == Msg.PART:
+            self._on_part(executor, header)
         elif kind == Msg.VALUE:
             self._on_value(header, frames)
         elif kind == Msg.ERROR:
@@ -170,6 +172,31 @@ class Dispatcher:
                         remote_traceback=item.get("traceback", "")))
             self.condition.notify_all()
 
+    def _on_part(self, executor: ExecutorInfo, header: dict) -> None:
+        """An item a streaming task yielded: an object of its own on `executor` [Note: part
+        ids], handed to the task's `on_part` as a done future."""
+        task = self._tasks.get(header["task"])
+        if task is None or task.state != "pending" or task.on_part is None:
+            return  # failed or cancelled meanwhile: the part goes with the task's objects
+        out, index = header["output"], header["index"]
+        if index != task.parts or task.executor != executor.id or \
+                out["id"] != part_id(task.outputs[0], index):
+            raise ProtocolError(f"part {index} of task {task.id} is out of order, from the "
+                                f"wrong executor or misnamed (id {out['id']})")
+        task.parts += 1
+        record = self._objects[out["id"]] = ObjectRecord(
+            out["id"], executor.id, task.id, produced=True, holders=frozenset((executor.id,)),
+            nbytes=out["nbytes"])
+        future = Future(record.id, self._owner)
+        end = float(header["end"])
+        future.keys, future.timing = out.get("keys"), (float(header.get("start", end)), end)
+        with self.condition:
+            resolved = (future._resolve(executor.id, record.nbytes, _inline(out["inline"]))
+                        if "inline" in out else future._resolve(executor.id, record.nbytes))
+            self._callbacks += resolved
+            self._callbacks.append((task.on_part, future))
+            self.condition.notify_all()
+
     def _complete(self, task: TaskRecord, executor: ExecutorInfo, outputs: list) -> None:
         task.state = "done"
         executor.completed += 1
@@ -212,10 +239,14 @@ class Dispatcher:
     # -- commands from user threads ------------------------------------------------------------
     def submit(self, op: str, inputs: tuple, config: dict, executor_id: int | None,
                tags: frozenset, outputs: int, meta: dict, lane: str | None = None,
-               report_key: str | None = None, hold: bool = False) -> tuple[Future, ...]:
+               report_key: str | None = None, hold: bool = False,
+               on_part: Callable[[Future], Any] | None = None) -> tuple[Future, ...]:
         """Queue a task for the executor chosen for it, and unless `hold` send that executor its
         queue when it is idle or a batch is full; returns the task's output futures, failed at
-        once when no executor runs the op or an input already failed."""
+        once when no executor runs the op or an input already failed. With `on_part` the task
+        streams: each item it yields comes to `on_part` as a future of its own, at once."""
+        if on_part is not None and outputs != 1:
+            raise ValueError(f"a streaming task has one output (a list), not {outputs}")
         futures = tuple([self._new_future() for _ in range(outputs)])
         try:
             executor = self._choose(op, tags, executor_id)
@@ -226,7 +257,8 @@ class Dispatcher:
         task_id = next(self._ids)
         refs, input_ids, failed = self._inputs(inputs, executor, task_id)
         output_ids = tuple([f.id for f in futures])
-        task = TaskRecord(task_id, op, executor.id, input_ids, output_ids, config, meta)
+        task = TaskRecord(task_id, op, executor.id, input_ids, output_ids, config, meta,
+                          on_part=on_part)
         self._tasks[task_id] = task
         for object_id in output_ids:
             objects[object_id] = ObjectRecord(object_id, executor.id, task_id)
@@ -245,6 +277,8 @@ class Dispatcher:
             spec["lane"] = lane
         if report_key is not None:
             spec["report_key"] = report_key
+        if on_part is not None:
+            spec["stream"] = True
         outbox = self._outbox[executor.id]
         outbox.append(spec)
         if self._listeners:

@@ -132,7 +132,7 @@ class FlowRunner:
                 open_nodes = [n for n, s in self.states.items() if not s.closed]
                 raise FlowRunError(f"step {step} did not finish in {self.step_timeout} s; "
                                    f"still open: {', '.join(open_nodes)}") from None
-            self._on_done(*event)
+            event()
         self.previous = self.streams
         return self._report(step, started)
 
@@ -161,12 +161,24 @@ class FlowRunner:
         for consumer in self.consumers[name]:
             self._progress(consumer)
 
+    def _on_part(self, name: str, lineage: tuple, part: Any) -> None:
+        """Item j of a streaming call [Note: streaming ops in executors/ops.py]: into the
+        node's stream at once, so per-item consumers start on it before the call ends."""
+        state = self.states[name]
+        j = state.streamed[lineage]
+        state.streamed[lineage] += 1
+        (port,) = state.plan.outputs
+        self.streams[(name, port)].add(lineage + (j,), part, part.keys[0] if part.keys else None)
+        for consumer in self.consumers[name]:
+            self._progress(consumer)
+
     def _register_outputs(self, plan: NodePlan, lineage: tuple, futures: tuple) -> None:
         for port, many, future in zip(plan.outputs, plan.many, futures):
             stream = self.streams[(plan.name, port)]
             keys = getattr(future, "keys", None) or []  # a Gather in a future's place has none
             if many and getattr(future, "count", None) is not None:
-                for j in range(future.count):
+                streamed = self.states[plan.name].streamed.get(lineage, 0)  # already in
+                for j in range(streamed, future.count):
                     stream.add(lineage + (j,), Item(future, j), keys[j] if keys else None)
             else:
                 stream.add(lineage, future, keys[0] if keys else None)
@@ -287,8 +299,17 @@ class FlowRunner:
             config = {**self.op_configs[plan.name], "step": self.step}  # sampling: afresh
         futures = self.ctl.submit(plan.op, *(refs[p] for p in ports), config=config,
                                   tags=plan.tags, outputs=outputs, meta=meta,
-                                  report_key=self.report_keys.get(plan.name))
+                                  report_key=self.report_keys.get(plan.name),
+                                  on_part=self._part_watch(plan, lineage))
         self._watch(state, lineage, futures if outputs > 1 else (futures,), register=True)
+
+    def _part_watch(self, plan: NodePlan, lineage: tuple) -> Any:
+        """The call's items, each as it is yielded, when it has one output of many items and
+        the run is fused (unfused, consumers wait for the whole stream anyway)."""
+        if not (self.fuse and plan.many == (True,)):
+            return None
+        events = self.events
+        return lambda part: events.put(partial(self._on_part, plan.name, lineage, part))
 
     def _watch(self, state: NodeState, lineage: tuple, futures: tuple, *,
                register: bool, outputs: tuple | None = None) -> None:
@@ -297,8 +318,8 @@ class FlowRunner:
         state.pending += 1
         events = self.events
         shown = futures if outputs is None else outputs
-        futures[0].add_done_callback(
-            lambda _: events.put((state.plan.name, lineage, futures, register, shown)))
+        futures[0].add_done_callback(lambda _: events.put(
+            partial(self._on_done, state.plan.name, lineage, futures, register, shown)))
 
     def _feedback_refs(self, plan: NodePlan) -> dict[str, Any]:
         """Inputs fed by the previous step: its last item of the producing port, if any."""

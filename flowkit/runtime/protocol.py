@@ -15,19 +15,21 @@ from typing import Any
 import msgpack
 import zmq
 
-__all__ = ["PROTOCOL_VERSION", "ProtocolError", "Msg", "decode", "encode", "send_frames"]
+__all__ = ["PROTOCOL_VERSION", "ProtocolError", "Msg", "decode", "encode", "part_id",
+           "send_frames"]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: streamed results (PART)
 
 
 class Msg:
     """Message types. Controller -> executor: WELCOME RUN SEND FREE FETCH PUT CANCEL SHUTDOWN PING.
-    Executor -> controller: HELLO DONE VALUE PONG ERROR. Executor -> executor: DATA."""
+    Executor -> controller: HELLO PART DONE VALUE PONG ERROR. Executor -> executor: DATA."""
 
     HELLO = "hello"  # who I am: name, tags, device, ops, peer addresses
     WELCOME = "welcome"  # your executor id, heartbeat settings
     PING = "ping"  # heartbeat, both ways
     RUN = "run"  # a batch of tasks: op, config, input and output object ids
+    PART = "part"  # one item a streaming task yielded, before the task is done
     DONE = "done"  # a batch of completions (or failures) with timings
     SEND = "send"  # push an object to a peer executor once it exists
     DATA = "data"  # an object arriving from a peer
@@ -50,6 +52,7 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     Msg.WELCOME: {"executor": int, "ping_interval": (int, float), "ping_timeout": (int, float)},
     Msg.PING: {},
     Msg.RUN: {"tasks": list},
+    Msg.PART: {"task": int, "index": int, "end": (int, float), "output": dict},
     Msg.DONE: {"items": list},
     Msg.SEND: {"object": int, "to": int, "address": str},
     Msg.DATA: {"object": int, "meta": dict},
@@ -61,6 +64,8 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     Msg.ERROR: {"reason": str},
     Msg.SHUTDOWN: {},
 }
+
+_PART_OUTPUT_SCHEMA: dict[str, type | tuple[type, ...]] = {"id": int, "nbytes": int}
 
 _TASK_SCHEMA: dict[str, type | tuple[type, ...]] = {
     "id": int,
@@ -113,7 +118,24 @@ def decode(parts: Sequence) -> tuple[dict[str, Any], list]:
             if not isinstance(task, dict):
                 raise ProtocolError(f"run: a task must be a map, got {type(task).__name__}")
             _check_fields("run task", task, _TASK_SCHEMA)
+    elif kind == Msg.PART:
+        _check_fields("part output", header["output"], _PART_OUTPUT_SCHEMA)
     return header, list(parts[1:])
+
+
+# [Note: part ids] A streaming task's output object is the list of everything it yielded; item
+# i of it is also an object of its own, sent the moment it is yielded (PART), whose id both
+# sides compute from the output's id: no round trip to name it. Ids the controller hands out
+# count up from 1 and stay far below _PART_BASE.
+_PART_BASE, _PART_BITS = 1 << 62, 20
+MAX_PARTS = 1 << _PART_BITS  # items one streaming task may yield
+
+
+def part_id(object_id: int, index: int) -> int:
+    """The object id of item `index` that the task producing `object_id` streamed."""
+    if not 0 <= index < MAX_PARTS:
+        raise ProtocolError(f"a streaming task yields at most {MAX_PARTS} items, not {index + 1}")
+    return _PART_BASE | (object_id << _PART_BITS) | index
 
 
 _SNDMORE = int(zmq.SNDMORE)

@@ -52,6 +52,8 @@ class TaskRecord:
     start: float = 0.0  # wall-clock seconds (time.time()) on the executor, set on completion
     end: float = 0.0
     nbytes_out: int = 0  # bytes of the outputs it produced
+    on_part: Any = None  # streaming: called with each item's future as the task yields it
+    parts: int = 0  # items streamed so far
 
 
 @attrs.define(eq=False)

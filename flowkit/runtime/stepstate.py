@@ -74,6 +74,7 @@ class NodeState:
     first_start: float | None = None
     last_end: float | None = None
     pipeline: Any = None  # a backprop's Feeding (flowtrain.py)
+    streamed: dict = attrs.field(factory=lambda: defaultdict(int))  # lineage -> items so far
 
 
 def lineage_order(lineage: tuple) -> tuple:

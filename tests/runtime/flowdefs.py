@@ -119,3 +119,18 @@ def short_groups_flow() -> Flow:
     with Flow("short_groups") as flow:
         noted(collect(group_sum(group_by(samples(count=6, keys=3), key="key", size=3))))
     return flow
+
+
+@op
+def trickle(*, count: int = 3, gap: float = 0.3) -> Stream[Sample]:
+    """Items that take a while each, like samples finishing one after another."""
+    for i in range(count):
+        if i:
+            time.sleep(gap)
+        yield Sample(key=i, value=float(i))
+
+
+def trickle_flow(gap: float = 0.3) -> Flow:
+    with Flow("trickle") as flow:
+        total(collect(plus_one(trickle(count=3, gap=gap))))
+    return flow
