@@ -2,7 +2,7 @@
 supervised warm-up's weights (examples/lstm_sort_sft.py saves checkpoints/lstm.pt): 16 prompts x 8
 samples a step, exact-match reward. Generation recomputes each prefix, as the LSTM has no cache:
 
-    flowkit run examples/lstm_sort_sft.py --steps 300 --save-weights checkpoints
+    flowkit run examples/lstm_sort_sft.py --steps 600 --save-weights checkpoints
     flowkit run examples/lstm_grpo_sort.py --steps 40 --metrics lstm_grpo.jsonl
 """
 

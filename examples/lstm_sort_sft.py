@@ -2,7 +2,7 @@
 task of examples/sort_sft.py: it learns the format from noisy demonstrations (only 20 % sorted
 right), so that GRPO (examples/lstm_grpo_sort.py) has a clear direction to learn:
 
-    flowkit run examples/lstm_sort_sft.py --steps 300 --save-weights checkpoints
+    flowkit run examples/lstm_sort_sft.py --steps 600 --save-weights checkpoints
     flowkit run examples/lstm_grpo_sort.py --steps 40 --metrics lstm_grpo.jsonl
 """
 
