@@ -28,7 +28,9 @@ lengths need no left padding: a row's position ids are ``start + arange(T)``, an
 position p sees the cached keys at positions <= p of its row and nothing else. Right padding
 (a batch of prompts of different lengths) is harmless: the pads write keys past the row's
 real end, which no real query sees and the next real token overwrites. A row is reused for
-a new sequence by writing its prompt from start 0 (continuous batching).
+a new sequence by writing its prompt from start 0 (continuous batching). `new_cache(batch,
+max_len)` makes an empty one; with `context_length` (block_size) this is the cache protocol of
+[Note: generation and scoring interface] in executors/torch/lm.py.
 """
 
 from __future__ import annotations
