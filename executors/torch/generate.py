@@ -190,8 +190,8 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, n: int = 1, max_new_t
               seed: int = 0, sample_seed: int | None = None, max_batch: int = 32,
               step: int = 0, **config: Any) -> list:
     """n rollouts of each prompt (a Prompt or a list of them), sampled through `max_batch`
-    slots. `weights` (versions) only order this task after a step: the
-    model is the one this executor holds by name. `seed` seeds the model's build (as in
+    slots. `weights` (versions) only order this task after a step: the model is the one this
+    executor holds by name. `seed` seeds the model's build (as in
     executors/torch/held.py) and, unless `sample_seed` is given, the sampling, which also
     draws afresh each `step` [Note: one generator per sample]."""
     prompts = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]

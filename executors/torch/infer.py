@@ -86,13 +86,12 @@ def _run(model: torch.nn.Module, seqs: list[list[int]], rollouts: list) -> torch
     """The model's output on right-padded sequences (those of `rollouts`): logits (B, T, V) or
     values (B, T)."""
     context = lm.context_length(model)
-    long = [(r, len(s)) for r, s in zip(rollouts, seqs) if context is not None and len(s) > context]
+    long = [(r, len(s)) for r, s in zip(rollouts, seqs) if context and len(s) > context]
     if long:
-        r, n = long[0]
+        (r, n), more = long[0], f" (and {len(long) - 1} more)" if len(long) > 1 else ""
         raise ValueError(f"rollout (prompt {r.prompt_id}, sample {r.sample}) runs {n} tokens, "
-                         f"past the model's context_length {context}"
-                         f"{f' (and {len(long) - 1} more)' if len(long) > 1 else ''}: score "
-                         "with a model whose context holds prompt + response")
+                         f"past the model's context_length {context}{more}: score with a model "
+                         "whose context holds prompt + response")
     device = next(model.parameters()).device
     with evaluating(model):
         return model(right_padded(seqs, device))
