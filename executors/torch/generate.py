@@ -1,5 +1,7 @@
-"""The torch executor's `generate` op: batched sampling from a GPT with its KV cache, with
-continuous batching (a finished sample leaves its slot at once and a waiting one takes it).
+"""The torch executor's `generate` op: batched sampling from any model that follows [Note:
+generation and scoring interface] (executors/torch/lm.py), with continuous batching (a finished
+sample leaves its slot at once and a waiting one takes it). A model with the cache protocol
+(the built-in GPT's KV cache) decodes one token per step; any other recomputes the prefix.
 
 [Note: sampler log-probabilities] A rollout's ``logprobs[k]`` is
 ``log_softmax(logits / temperature)[token_k]`` over the whole vocabulary: the log-probability
@@ -24,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from executors.ops import OpContext, OpTable
-from executors.torch.held import evaluating, whole_model
-from executors.torch.models.gpt import KVCache
+from executors.torch import lm
+from executors.torch.held import evaluating, right_padded, whole_model
 from executors.torch.stage import StageError
 from flowkit.ops.records import Rollout
 
@@ -97,66 +99,89 @@ class _Sampling:
 
 
 def decode(model: torch.nn.Module, prompts: list, s: _Sampling, device: torch.device) -> list:
-    """Every (prompt, sample) decoded through `s.max_batch` slots; Rollouts in finishing order."""
+    """Every (prompt, sample) decoded through `s.max_batch` slots; Rollouts in finishing order.
+    A sample ends at EOS, at max_new_tokens, or when it fills the model's context (clipped)."""
     queue = deque(_Seq(p, k, _generator(s.seed, p.prompt_id, k, device))
                   for p in prompts for k in range(s.n))
-    block = model.config.block_size
-    max_len = min(block, max(len(p.tokens) for p in prompts) + s.max_new_tokens)
+    context = lm.context_length(model)
+    max_len = max(len(p.tokens) for p in prompts) + s.max_new_tokens
+    max_len = max_len if context is None else min(context, max_len)
     slots: list[_Seq | None] = [None] * min(s.max_batch, len(queue))
-    dtype = next(model.parameters()).dtype
-    cache = KVCache.empty(model.config, len(slots), max_len, device=device, dtype=dtype)
-    logits = torch.zeros(len(slots), model.config.vocab_size, device=device, dtype=dtype)
+    if lm.has_cache(model):
+        step = _Cached(model, len(slots), max_len, device)
+    else:
+        step = _Recomputed(model, device)
     done = []
     while queue or any(slots):
-        _fill(model, cache, slots, queue, logits, device)
-        for i, seq in enumerate(slots):
-            if seq is None:
-                continue
-            token, logp = sample_token(logits[i], temperature=s.temperature, top_p=s.top_p,
+        fresh = [i for i, seq in enumerate(slots) if seq is None][: len(queue)]
+        for i in fresh:
+            slots[i] = queue.popleft()  # a free slot takes the next waiting sample
+        busy = [i for i, seq in enumerate(slots) if seq is not None]
+        logits = step(slots, busy, set(fresh))  # (len(busy), V)
+        for row, i in enumerate(busy):
+            seq = slots[i]
+            token, logp = sample_token(logits[row], temperature=s.temperature, top_p=s.top_p,
                                        generator=seq.generator)
             seq.tokens.append(token)
             seq.logprobs.append(logp)
             finished = token == s.eos
             if finished or len(seq.tokens) >= s.max_new_tokens or seq.length >= max_len:
-                done.append(_rollout(seq, finished))
+                done.append(_rollout(seq, finished, s.max_new_tokens))
                 slots[i] = None  # the slot is free for the next waiting sample
-        _step(model, cache, slots, logits, device)
     return done
 
 
-def _fill(model, cache, slots, queue, logits, device) -> None:
-    """Give free slots to waiting samples: their prompts, right-padded, prefill their cache rows
-    from position 0 [Note: KV cache rows]; each row's next-token logits go to `logits`."""
-    free = [i for i, seq in enumerate(slots) if seq is None][: len(queue)]
-    if not free:
-        return
-    for i in free:
-        slots[i] = queue.popleft()
-    prompts = [slots[i].prompt.tokens for i in free]
-    width = max(len(p) for p in prompts)
-    idx = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=device)
-    rows = torch.tensor(free, device=device)
-    out = model.forward_cached(idx, cache, torch.zeros_like(rows), rows)  # (B, width, V)
-    last = torch.tensor([len(p) - 1 for p in prompts], device=device)
-    logits[rows] = out[torch.arange(len(free), device=device), last]
+class _Cached:
+    """Next-token logits through the model's cache [Note: generation and scoring interface in
+    executors/torch/lm.py]: one cache row per slot; a fresh slot's prompt, right-padded with
+    the other fresh ones, writes its row from position 0, a busy one its last token only."""
+
+    def __init__(self, model: torch.nn.Module, slots: int, max_len: int,
+                 device: torch.device) -> None:
+        self.model, self.device = model, device
+        self.cache = model.new_cache(slots, max_len)
+
+    def __call__(self, slots: list, busy: list[int], fresh: set[int]) -> torch.Tensor:
+        new = [i for i in busy if i in fresh]
+        old = [i for i in busy if i not in fresh]
+        out: dict[int, torch.Tensor] = {}
+        if new:
+            prompts = [slots[i].prompt.tokens for i in new]
+            rows = torch.tensor(new, device=self.device)
+            logits = self._run(right_padded(prompts, self.device), torch.zeros_like(rows), rows)
+            out |= {i: logits[b, len(p) - 1] for b, (i, p) in enumerate(zip(new, prompts))}
+        if old:
+            idx = torch.tensor([[slots[i].tokens[-1]] for i in old], device=self.device)
+            start = torch.tensor([slots[i].length - 1 for i in old], device=self.device)
+            logits = self._run(idx, start, torch.tensor(old, device=self.device))
+            out |= {i: logits[b, -1] for b, i in enumerate(old)}
+        return torch.stack([out[i] for i in busy])
+
+    def _run(self, idx, start, rows) -> torch.Tensor:
+        return lm.logits_of(self.model.forward_cached(idx, self.cache, start, rows), "generate")
 
 
-def _step(model, cache, slots, logits, device) -> None:
-    """One decode step of every busy slot: its last token, at the position after the others."""
-    busy = [i for i, seq in enumerate(slots) if seq is not None]
-    if not busy:
-        return
-    idx = torch.tensor([[slots[i].tokens[-1]] for i in busy], device=device)
-    start = torch.tensor([slots[i].length - 1 for i in busy], device=device)
-    rows = torch.tensor(busy, device=device)
-    logits[rows] = model.forward_cached(idx, cache, start, rows)[:, -1]
+class _Recomputed:
+    """Next-token logits of a model without the cache protocol: the whole prefix of every busy
+    slot again, right-padded (the model is causal), read at each row's last real position."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.model, self.device = model, device
+
+    def __call__(self, slots: list, busy: list[int], fresh: set[int]) -> torch.Tensor:
+        seqs = [list(slots[i].prompt.tokens) + slots[i].tokens for i in busy]
+        logits = lm.logits_of(self.model(right_padded(seqs, self.device)), "generate")
+        last = torch.tensor([len(seq) - 1 for seq in seqs], device=logits.device)
+        return logits[torch.arange(len(seqs), device=logits.device), last]
 
 
-def _rollout(seq: _Seq, finished: bool) -> Any:
+def _rollout(seq: _Seq, finished: bool, max_new_tokens: int) -> Any:
+    """Its Rollout; one that stopped before EOS and max_new_tokens was cut by the context."""
     p = seq.prompt
+    clipped = not finished and len(seq.tokens) < max_new_tokens
     return Rollout(prompt_id=p.prompt_id, sample=seq.sample, prompt_tokens=list(p.tokens),
                    response_tokens=list(seq.tokens), logprobs=list(seq.logprobs),
-                   finished=finished, answer=getattr(p, "answer", None))
+                   finished=finished, clipped=clipped, answer=getattr(p, "answer", None))
 
 
 # -- the op -----------------------------------------------------------------------------------
@@ -164,9 +189,9 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, n: int = 1, max_new_t
               temperature: float = 1.0, top_p: float = 1.0, eos: int | None = EOS,
               seed: int = 0, sample_seed: int | None = None, max_batch: int = 32,
               step: int = 0, **config: Any) -> list:
-    """n rollouts of each prompt (a Prompt or a list of them), sampled with the KV cache
-    through `max_batch` slots. `weights` (versions) only order this task after a step: the
-    model is the one this executor holds by name. `seed` seeds the model's build (as in
+    """n rollouts of each prompt (a Prompt or a list of them), sampled through `max_batch`
+    slots. `weights` (versions) only order this task after a step: the model is the one this
+    executor holds by name. `seed` seeds the model's build (as in
     executors/torch/held.py) and, unless `sample_seed` is given, the sampling, which also
     draws afresh each `step` [Note: one generator per sample]."""
     prompts = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
@@ -175,11 +200,7 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, n: int = 1, max_new_t
     if int(max_new_tokens) < 1:
         raise StageError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     model = whole_model(ctx, {**config, "seed": seed})
-    block = model.config.block_size
-    too_long = [p.prompt_id for p in prompts if not 0 < len(p.tokens) < block]
-    if too_long:
-        raise StageError(f"prompts {too_long} are empty or leave no room to generate within "
-                         f"block_size {block}")
+    lm.check_prompts(prompts, lm.context_length(model))
     s = _Sampling(n=int(n), max_new_tokens=int(max_new_tokens), temperature=float(temperature),
                   top_p=float(top_p), eos=None if eos is None else int(eos),
                   seed=int(seed if sample_seed is None else sample_seed) + _STEP_SEEDS * int(step),

@@ -1,6 +1,7 @@
 """The torch executor's inference ops on rollouts: `logprobs` (a policy or frozen reference),
-`values` (a critic: the GPT with a value head) and `reward_model` (a value-head GPT read at the
-sequence's last position).
+`values` (a critic: a model whose forward gives values, such as the GPT with a value head) and
+`reward_model` (such a model read at the sequence's last position). Any model that follows
+[Note: generation and scoring interface] (executors/torch/lm.py) runs them.
 
 Each takes one Rollout or a list of them and answers in kind (one result, or a list in the same
 order). Rollouts are run in batches of `max_batch` sequences, right-padded: the model is causal,
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from executors.ops import OpContext, OpTable
+from executors.torch import lm
 from executors.torch.held import evaluating, right_padded, whole_model
 from flowkit.ops.records import TokenScores
 
@@ -34,45 +36,43 @@ def _logprobs(ctx: OpContext, rollouts: Any, *_: Any, temperature: float = 1.0,
     t = float(temperature) if float(temperature) > 0 else 1.0  # greedy records temperature 1
 
     def score(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logp = F.log_softmax(out.to(torch.float64) / t, dim=-1)  # (B, T, V)
+        logits = lm.logits_of(out, "logprobs")
+        logp = F.log_softmax(logits.to(torch.float64) / t, dim=-1)  # (B, T, V)
         return logp.gather(-1, targets[..., None]).squeeze(-1)  # (B, T)
 
-    return _per_token(ctx, rollouts, score, int(max_batch), config, critic=False)
+    return _per_token(ctx, rollouts, score, int(max_batch), config)
 
 
 def _values(ctx: OpContext, rollouts: Any, *_: Any, max_batch: int = 32, **config: Any) -> Any:
     """Per-token values of each response from a critic [Note: response positions]."""
-    return _per_token(ctx, rollouts, lambda out, _: out, int(max_batch), config, critic=True)
+    return _per_token(ctx, rollouts, lambda out, _: lm.values_of(out, "values"), int(max_batch),
+                      config)
 
 
 def _reward_model(ctx: OpContext, rollouts: Any, *_: Any, max_batch: int = 32,
                   **config: Any) -> Any:
-    """A score per rollout: a value-head GPT's output at the last token of prompt + response
-    (the whole sequence is run here, unlike `values`)."""
+    """A score per rollout: a critic's value at the last token of prompt + response (the whole
+    sequence is run here, unlike `values`)."""
     items, one = _as_list(rollouts)
     model = whole_model(ctx, config)
-    _need_value_head(model, "reward_model")
     scores = []
     for chunk in _chunks(items, int(max_batch)):
         seqs = [list(r.prompt_tokens) + list(r.response_tokens) for r in chunk]
-        out = _run(model, seqs)  # (B, T)
+        out = lm.values_of(_run(model, seqs, chunk), "reward_model")  # (B, T)
         scores += [float(out[b, len(s) - 1]) for b, s in enumerate(seqs)]
     return scores[0] if one else scores
 
 
 # -- shared -----------------------------------------------------------------------------------
-def _per_token(ctx: OpContext, rollouts: Any, score, max_batch: int, config: dict, *,
-               critic: bool) -> Any:
+def _per_token(ctx: OpContext, rollouts: Any, score, max_batch: int, config: dict) -> Any:
     """TokenScores of each rollout: `score(model output, next tokens)` (B, T) read at the
     positions that predict the response [Note: response positions]."""
     items, one = _as_list(rollouts)
     model = whole_model(ctx, config)
-    if critic:
-        _need_value_head(model, "values")
     results = []
     for chunk in _chunks(items, max_batch):
         full = [list(r.prompt_tokens) + list(r.response_tokens) for r in chunk]
-        out = _run(model, [s[:-1] for s in full])
+        out = _run(model, [s[:-1] for s in full], chunk)
         targets = right_padded([s[1:] for s in full], out.device)
         scores = score(out, targets)
         for b, r in enumerate(chunk):
@@ -82,21 +82,19 @@ def _per_token(ctx: OpContext, rollouts: Any, score, max_batch: int, config: dic
     return results[0] if one else results
 
 
-def _run(model: torch.nn.Module, seqs: list[list[int]]) -> torch.Tensor:
-    """The model's output on right-padded sequences: logits (B, T, V) or values (B, T)."""
-    block = model.config.block_size
-    if max(len(s) for s in seqs) > block:
-        raise ValueError(f"a sequence of {max(len(s) for s in seqs)} tokens does not fit the "
-                         f"model's block_size {block}")
+def _run(model: torch.nn.Module, seqs: list[list[int]], rollouts: list) -> torch.Tensor:
+    """The model's output on right-padded sequences (those of `rollouts`): logits (B, T, V) or
+    values (B, T)."""
+    context = lm.context_length(model)
+    long = [(r, len(s)) for r, s in zip(rollouts, seqs) if context and len(s) > context]
+    if long:
+        (r, n), more = long[0], f" (and {len(long) - 1} more)" if len(long) > 1 else ""
+        raise ValueError(f"rollout (prompt {r.prompt_id}, sample {r.sample}) runs {n} tokens, "
+                         f"past the model's context_length {context}{more}: score with a model "
+                         "whose context holds prompt + response")
     device = next(model.parameters()).device
     with evaluating(model):
         return model(right_padded(seqs, device))
-
-
-def _need_value_head(model: torch.nn.Module, op: str) -> None:
-    if not model.config.value_head:
-        raise ValueError(f"{op} needs a GPT with value_head=True (a critic or reward model); "
-                         "set model_config value_head: true")
 
 
 def _as_list(rollouts: Any) -> tuple[list, bool]:

@@ -47,8 +47,11 @@ class Rollout:
     prompt_tokens: list[int]
     response_tokens: list[int]
     logprobs: list[float]
-    finished: bool = True  # False when cut at max_new_tokens
+    finished: bool = True  # False when cut at max_new_tokens or by the model's context
     answer: str | None = None
+    # True when the model's context cut it before max_new_tokens (then finished is False): a
+    # flow reports the fraction, since such responses are shorter than the flow asked for
+    clipped: bool = False
 
 
 @attrs.frozen(kw_only=True)

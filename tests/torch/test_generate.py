@@ -91,14 +91,51 @@ def test_eos_stops_a_sample_and_it_is_emitted():
     assert len(stopped) == len(PROMPTS)
 
 
-def test_block_size_bounds_a_sample_and_bad_prompts_are_clear_errors():
+def test_the_context_bounds_a_sample_which_says_it_was_clipped():
     long = [Prompt(prompt_id=9, tokens=list(range(20)))]
     (r,) = _generate(prompts=long, temperature=0.0, max_new_tokens=50)
     assert len(r.prompt_tokens) + len(r.response_tokens) == SMALL["block_size"]
-    with pytest.raises(Exception, match="block_size"):
-        _generate(prompts=[Prompt(prompt_id=1, tokens=list(range(24)))])
+    assert r.clipped and not r.finished
+    (r,) = _generate(prompts=long, temperature=0.0, max_new_tokens=4)  # fits: not clipped
+    assert len(r.response_tokens) == 4 and not r.clipped and not r.finished
+
+
+def test_a_prompt_without_room_and_a_missing_build_are_clear_errors():
+    prompts = [Prompt(prompt_id=1, tokens=[1]), Prompt(prompt_id=7, tokens=list(range(24)))]
+    with pytest.raises(ValueError, match=r"prompt 7 \(24 tokens\) leaves no room to generate "
+                       r"within the model's context_length 24: use prompts shorter than 24 "
+                       r"tokens, or a model with a longer context"):
+        _generate(prompts=prompts)
+    with pytest.raises(ValueError, match=r"prompts \[3\] are empty"):
+        _generate(prompts=[Prompt(prompt_id=3, tokens=[])])
     with pytest.raises(Exception, match="build"):
         gen._generate(op_context(), PROMPTS, model="policy")
+
+
+class _Plain(torch.nn.Module):
+    """A model with forward(tokens) -> logits and a context, but no cache protocol."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model, self.context_length = model, model.context_length
+
+    def forward(self, tokens):
+        return self.model(tokens)
+
+
+def test_decoding_without_the_cache_protocol_gives_the_same_rollouts():
+    model = seeded_gpt(SMALL, dtype=torch.float64)
+    s = gen._Sampling(n=3, max_new_tokens=30, temperature=1.0, top_p=0.9, eos=5, seed=4,
+                      max_batch=4)
+    with torch.no_grad():
+        cached = _by_key(gen.decode(model, PROMPTS, s, torch.device("cpu")))
+        plain = _by_key(gen.decode(_Plain(model), PROMPTS, s, torch.device("cpu")))
+    assert not gen.lm.has_cache(_Plain(model)) and sorted(plain) == sorted(cached)
+    assert any(r.clipped for r in cached.values()) and any(r.finished for r in cached.values())
+    for key, r in cached.items():
+        assert plain[key].response_tokens == r.response_tokens
+        assert plain[key].logprobs == pytest.approx(r.logprobs, rel=0, abs=1e-9)
+        assert (plain[key].finished, plain[key].clipped) == (r.finished, r.clipped)
 
 
 def test_register_adds_generate():

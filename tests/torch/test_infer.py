@@ -57,8 +57,29 @@ def test_values_and_reward_read_the_documented_positions():
 
 def test_value_ops_need_a_value_head_and_register_adds_the_ops():
     r = Rollout(prompt_id=0, sample=0, prompt_tokens=[1], response_tokens=[2], logprobs=[0.0])
-    with pytest.raises(ValueError, match="value_head"):
+    with pytest.raises(ValueError, match=r"values needs a critic whose forward\(tokens\) returns "
+                       r"values \(B, T\), but this model returned shape \(1, 1, 32\): logits"
+                       r".*value_head=True"):
         infer._values(op_context(), r, **POLICY)
+    with pytest.raises(ValueError, match=r"reward_model needs a critic"):
+        infer._reward_model(op_context(), r, **POLICY)
     table = OpTable()
     infer.register(table)
     assert {"logprobs", "values", "reward_model"} <= set(table.names())
+
+
+def test_a_critic_cannot_give_logprobs_nor_generate():
+    r = Rollout(prompt_id=0, sample=0, prompt_tokens=[1], response_tokens=[2], logprobs=[0.0])
+    with pytest.raises(ValueError, match=r"logprobs needs a language model .* returned shape "
+                       r"\(1, 1\): values, so a critic"):
+        infer._logprobs(op_context(), r, **CRITIC)
+    with pytest.raises(ValueError, match=r"generate needs a language model"):
+        gen._generate(op_context(), PROMPTS, **CRITIC)
+
+
+def test_a_rollout_past_the_context_is_named():
+    rs = [Rollout(prompt_id=i, sample=1, prompt_tokens=[1] * 20, response_tokens=[2] * (4 + i),
+                  logprobs=[]) for i in range(3)]  # 24, 25, 26 tokens; the context is 24
+    with pytest.raises(ValueError, match=r"rollout \(prompt 1, sample 1\) runs 25 tokens, past "
+                       r"the model's context_length 24 \(and 1 more\)"):
+        infer._reward_model(op_context(), rs, **CRITIC)

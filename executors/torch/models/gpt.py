@@ -28,7 +28,9 @@ lengths need no left padding: a row's position ids are ``start + arange(T)``, an
 position p sees the cached keys at positions <= p of its row and nothing else. Right padding
 (a batch of prompts of different lengths) is harmless: the pads write keys past the row's
 real end, which no real query sees and the next real token overwrites. A row is reused for
-a new sequence by writing its prompt from start 0 (continuous batching).
+a new sequence by writing its prompt from start 0 (continuous batching). `new_cache(batch,
+max_len)` makes an empty one; with `context_length` (block_size) this is the cache protocol of
+[Note: generation and scoring interface] in executors/torch/lm.py.
 """
 
 from __future__ import annotations
@@ -203,6 +205,17 @@ class GPT(nn.Module):
             x = block(x)
         return _head(self.config, self.transformer.ln_f, self.lm_head, x, targets)
 
+    @property
+    def context_length(self) -> int:
+        """The longest sequence it runs: the position table's size."""
+        return self.config.block_size
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty KV cache of ``batch`` rows of ``max_len`` positions, where the weights are
+        [Note: KV cache rows]."""
+        w = self.lm_head.weight
+        return KVCache.empty(self.config, batch, max_len, device=w.device, dtype=w.dtype)
+
     @torch.no_grad()
     def forward_cached(self, idx: torch.Tensor, cache: KVCache, start: torch.Tensor,
                        rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -283,14 +296,27 @@ class GPTStage(nn.Module):
             return _head(self.config, self.ln_f, self.lm_head, x, targets)
         return x
 
+    @property
+    def context_length(self) -> int:
+        return self.config.block_size
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """`GPT.new_cache`, for a stage that is the whole model (a one-stage split)."""
+        self._need_whole("new_cache")
+        w = self.lm_head.weight
+        return KVCache.empty(self.config, batch, max_len, device=w.device, dtype=w.dtype)
+
     @torch.no_grad()
     def forward_cached(self, idx: torch.Tensor, cache: KVCache, start: torch.Tensor,
                        rows: torch.Tensor | None = None) -> torch.Tensor:
         """`GPT.forward_cached`, for a stage that is the whole model (a one-stage split)."""
-        if not (self.first and self.last):
-            raise ValueError("forward_cached needs the whole model: a one-stage split")
+        self._need_whole("forward_cached")
         return _forward_cached(self.config, self, self.h, self.ln_f, self.lm_head, idx, cache,
                                start, rows)
+
+    def _need_whole(self, what: str) -> None:
+        if not (self.first and self.last):
+            raise ValueError(f"{what} needs the whole model: a one-stage split")
 
 
 def layers_per_stage(config: GPTConfig, stages: int, *, seq_len: int | None = None) -> list[int]:

@@ -1,0 +1,85 @@
+"""What generation (generate.py) and scoring (infer.py) ask of a model, and the checks that turn
+a model that does not fit into an error saying how to fix it.
+
+[Note: generation and scoring interface] The model is the `build` result's one-stage split (or
+the module itself when it has no `split`), as executors/torch/held.py `whole_model` gives it:
+
+- ``forward(tokens)`` is all it needs: tokens (B, T) int64 -> logits (B, T, V) for a language
+  model, values (B, T) for a critic or reward model (the two are told apart by that shape; a
+  trailing dimension of 1 is squeezed). Rows are right-padded with token 0, so the model must
+  be causal: position t's output depends on tokens 0..t only.
+- ``context_length`` (optional, an int attribute or property): the longest sequence it runs;
+  absent or None means unlimited. A prompt that leaves no room for one new token is an error;
+  a response that reaches the context is cut there (its Rollout says ``clipped``).
+- The cache protocol (optional; both methods, or neither) makes decoding cost one token per
+  step instead of the whole prefix again:
+  ``new_cache(batch, max_len)`` returns a cache of `batch` rows of up to `max_len` positions
+  (max_len <= context_length), on the model's device and in its dtype; and
+  ``forward_cached(tokens, cache, start, rows)`` runs new tokens (B, T) of cache rows `rows`
+  (B,) whose first sits at position ``start`` (B,), writes them to those rows and returns their
+  logits (B, T, V). A query at position p sees positions <= p of its own row only. Rows are
+  right-padded too (prompts of different lengths prefill together): what a pad writes past
+  its row's real end must be overwritten by the row's next real token. Writing a row from
+  start 0 begins a new sequence in it (continuous batching reuses rows). The built-in GPT
+  implements it ([Note: KV cache rows] in executors/torch/models/gpt.py); a Hugging Face causal
+  LM can, through an adapter that keeps per-row keys and values and passes ``position_ids =
+  start + arange(T)`` with the matching attention mask. A recurrent model cannot resume a row
+  after right padding, so it leaves the protocol out and decodes by recomputing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["check_prompts", "context_length", "has_cache", "logits_of", "values_of"]
+
+
+def context_length(model: torch.nn.Module) -> int | None:
+    """The model's `context_length`, or None when it has none (unlimited)."""
+    length = getattr(model, "context_length", None)
+    return None if length is None else int(length)
+
+
+def has_cache(model: torch.nn.Module) -> bool:
+    """Whether the model implements the cache protocol (both `new_cache` and
+    `forward_cached`)."""
+    return callable(getattr(model, "new_cache", None)) and \
+        callable(getattr(model, "forward_cached", None))
+
+
+def check_prompts(prompts: list, context: int | None) -> None:
+    """Every prompt has a token to start from and room for one more within the context."""
+    empty = [p.prompt_id for p in prompts if not p.tokens]
+    if empty:
+        raise ValueError(f"prompts {empty} are empty: generation starts from at least one token")
+    if context is None:
+        return
+    long = [f"{p.prompt_id} ({len(p.tokens)} tokens)" for p in prompts
+            if len(p.tokens) >= context]
+    if long:
+        which = f"prompt {long[0]} leaves" if len(long) == 1 else \
+            f"prompts {', '.join(long[:5])}{', ...' if len(long) > 5 else ''} leave"
+        raise ValueError(f"{which} no room to generate within the model's context_length "
+                         f"{context}: use prompts shorter than {context} tokens, or a model "
+                         "with a longer context")
+
+
+def logits_of(out: torch.Tensor, op: str) -> torch.Tensor:
+    """`out` as logits (B, T, V), or an error when the model gave values (a critic)."""
+    if out.dim() == 3 and out.size(-1) > 1:
+        return out
+    raise ValueError(f"{op} needs a language model whose forward(tokens) returns logits "
+                     f"(B, T, V), but this one returned shape {tuple(out.shape)}: values, so "
+                     "a critic or reward model; run it with values or reward_model instead")
+
+
+def values_of(out: torch.Tensor, op: str) -> torch.Tensor:
+    """`out` as values (B, T), or an error when the model gave logits (a language model)."""
+    if out.dim() == 3 and out.size(-1) == 1:
+        out = out.squeeze(-1)
+    if out.dim() == 2:
+        return out
+    raise ValueError(f"{op} needs a critic whose forward(tokens) returns values (B, T), but "
+                     f"this model returned shape {tuple(out.shape)}: logits, so a language "
+                     "model. Give it a value head (the built-in GPT takes value_head=True in "
+                     "its model config)")
