@@ -99,11 +99,23 @@ def grpo_advantages(group: Grouped[Scored], *, eps: float = 1e-6) -> Stream[Expe
 
 @op
 def rollout_metrics(scored: Batch[Scored]) -> Metrics:
-    """The step's reward and response length, mean and spread, for the dashboard."""
+    """The step's reward and response length, mean and spread, for the dashboard; and the
+    share of responses the model's context cut short, with a warning when there are any."""
     rewards = [s.reward for s in scored] or [0.0]
     lengths = [len(s.response_tokens) for s in scored] or [0]
+    clipped = [s for s in scored if s.clipped]
     return Metrics({"reward_mean": statistics.fmean(rewards), "reward_max": max(rewards),
                     "response_length_mean": statistics.fmean(lengths),
                     "response_length_max": float(max(lengths)),
                     "finished_fraction": statistics.fmean(
-                        [float(s.finished) for s in scored] or [0.0])})
+                        [float(s.finished) for s in scored] or [0.0]),
+                    "response/clipped_fraction": len(clipped) / max(1, len(scored))},
+                   warnings=[_clipped_warning(clipped)] if clipped else [])
+
+
+def _clipped_warning(clipped: list[Scored]) -> str:
+    longest = max(len(s.prompt_tokens) + len(s.response_tokens) for s in clipped)
+    return (f"responses were cut by the model's context ({longest} tokens with the prompt) "
+            "before EOS or max_new_tokens; their rewards see a truncated answer. Use shorter "
+            "prompts, a smaller max_new_tokens, or a model with a longer context "
+            "(response/clipped_fraction says how many)")

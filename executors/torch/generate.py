@@ -19,6 +19,7 @@ floating-point effects of batching on the logits.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -98,9 +99,12 @@ class _Sampling:
     max_batch: int
 
 
-def decode(model: torch.nn.Module, prompts: list, s: _Sampling, device: torch.device) -> list:
-    """Every (prompt, sample) decoded through `s.max_batch` slots; Rollouts in finishing order.
-    A sample ends at EOS, at max_new_tokens, or when it fills the model's context (clipped)."""
+def decode(model: torch.nn.Module, prompts: list, s: _Sampling, device: torch.device,
+           emit: Callable[[Any], None] | None = None) -> list:
+    """Every (prompt, sample) decoded through `s.max_batch` slots; Rollouts in finishing order,
+    each also given to `emit` the moment it is done (a streaming task's [Note: streaming ops]
+    in executors/ops.py). A sample ends at EOS, at max_new_tokens, or when it fills the model's
+    context (clipped)."""
     queue = deque(_Seq(p, k, _generator(s.seed, p.prompt_id, k, device))
                   for p in prompts for k in range(s.n))
     context = lm.context_length(model)
@@ -127,6 +131,8 @@ def decode(model: torch.nn.Module, prompts: list, s: _Sampling, device: torch.de
             finished = token == s.eos
             if finished or len(seq.tokens) >= s.max_new_tokens or seq.length >= max_len:
                 done.append(_rollout(seq, finished, s.max_new_tokens))
+                if emit is not None:
+                    emit(done[-1])
                 slots[i] = None  # the slot is free for the next waiting sample
     return done
 
@@ -207,7 +213,7 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, n: int = 1, max_new_t
                   max_batch=max(1, int(max_batch)))
     device = next(model.parameters()).device
     with evaluating(model):
-        return decode(model, prompts, s, device)
+        return decode(model, prompts, s, device, ctx.emit)
 
 
 def register(table: OpTable) -> None:

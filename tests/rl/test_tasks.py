@@ -180,3 +180,22 @@ def test_prompt_and_a_max_new_tokens_8_response_fit_the_tuned_gpt():
         assert len(p.tokens) + 8 <= SORT_GPT["block_size"]
         (seq,) = _sequences(sequences=1, digits=digits)
         assert len(seq) - 1 <= SORT_GPT["block_size"]
+
+
+def test_rollout_metrics_count_and_warn_of_responses_the_context_cut():
+    from dataflows.rl.steps import rollout_metrics
+    from flowkit.ops.records import Scored
+
+    def scored(sample, clipped):
+        return Scored(prompt_id=0, sample=sample, prompt_tokens=[1] * 20,
+                      response_tokens=[2] * 12, logprobs=[-1.0] * 12, reward=0.0,
+                      finished=False, clipped=clipped)
+
+    metrics = rollout_metrics.fn([scored(0, True), scored(1, False), scored(2, False),
+                                  scored(3, True)])
+    assert metrics.values["response/clipped_fraction"] == 0.5
+    (warning,) = metrics.warnings
+    assert "cut by the model's context (32 tokens with the prompt)" in warning
+    assert "shorter prompts, a smaller max_new_tokens" in warning
+    clean = rollout_metrics.fn([scored(0, False)])
+    assert clean.values["response/clipped_fraction"] == 0.0 and clean.warnings == ()

@@ -142,3 +142,27 @@ def test_register_adds_generate():
     table = OpTable()
     gen.register(table)
     assert "generate" in table
+
+
+def test_each_sample_is_emitted_the_moment_it_finishes():
+    ctx, emitted = op_context(), []
+    ctx.emit = emitted.append  # as an executor sets it for a streaming task
+    greedy = _by_key(_generate(op_context(), temperature=0.0, max_new_tokens=10))
+    eos = greedy[(1, 0)].response_tokens[2]  # prompt 1 stops early, the others run on
+    returned = _generate(ctx, temperature=0.0, max_new_tokens=10, eos=eos)
+    assert emitted == returned  # every one, in finishing order
+    assert emitted[0].prompt_id == 1 and emitted[0].finished
+
+
+def test_a_streaming_generate_task_hands_over_each_sample_before_it_ends():
+    from tests.harness import executor_cluster
+
+    parts = []
+    with executor_cluster(1, kind="torch") as (ctl, (executor,)):
+        whole = ctl.submit("generate", PROMPTS[:2], executor=executor.id, on_part=parts.append,
+                           config={**MODEL, "eos": None, "n": 3, "max_new_tokens": 12,
+                                   "max_batch": 1})  # one sample at a time: finishing apart
+        rollouts = whole.result(timeout=60)
+        assert [p.result(timeout=5) for p in parts] == rollouts and len(rollouts) == 6
+        assert parts[0].timing[1] < parts[-1].timing[1] == pytest.approx(whole.timing[1],
+                                                                          abs=0.5)
