@@ -49,10 +49,11 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
            (*_OPTIMIZER, "report"),
            "clip by the global norm, one step; the reporting stage returns "
            "(StepMetrics, WeightsVersion)"),
-    OpSpec("generate", "a prompt (or a list of them), then weights versions to wait for",
+    OpSpec("generate", "a prompt (or a list of them; an interrupted Rollout is continued), "
+           "then weights versions to wait for",
            (*_SCORING, "n", "max_new_tokens", "temperature", "top_p", "eos", "sample_seed",
-            "min_new_tokens", "length_sigma"),
-           "n Rollouts per prompt"),
+            "token_budget", "min_new_tokens", "length_sigma"),
+           "n Rollouts per prompt, each streamed as it finishes"),
     OpSpec("logprobs", "a rollout (or a list of them)", (*_SCORING, "temperature"),
            "TokenScores: per-token log-probabilities"),
     OpSpec("values", "a rollout (or a list), then weights versions to wait for", _SCORING,
