@@ -41,7 +41,7 @@ from executors.torch.held import evaluating, right_padded
 from executors.torch.sampling import sample_tokens, sequence_seed
 from flowkit.ops.records import Rollout
 
-__all__ = ["Engine", "Sampling", "run_until_done"]
+__all__ = ["Engine", "Sampling", "run_all_until_done", "run_until_done"]
 
 NO_VERSION = -1  # a token sampled before any load_weights: the weights the model was built with
 
@@ -297,17 +297,25 @@ def run_until_done(backgrounds: dict, deferred: Deferred,
     """Step `backgrounds` (an OpContext's) until `deferred` finishes, in this process, giving
     each item it streams to `on_item`; its result, or its error raised. What an executor does
     between messages, for tests and the in-process benchmark."""
-    box: dict[str, Any] = {}
-    deferred.bind(_Collect(box, on_item))
-    while not deferred.finished:
+    return run_all_until_done(backgrounds, [deferred], on_item)[0]
+
+
+def run_all_until_done(backgrounds: dict, deferreds: list[Deferred],
+                       on_item: Callable[[Any], None] | None = None) -> list:
+    """As `run_until_done`, for requests that run together: their results, in order."""
+    boxes: list[dict[str, Any]] = [{} for _ in deferreds]
+    for deferred, box in zip(deferreds, boxes):
+        deferred.bind(_Collect(box, on_item))
+    while not all(d.finished for d in deferreds):
         busy = [b for b in backgrounds.values() if b.busy()]
         if not busy:
-            raise RuntimeError("nothing is running that could finish this request")
+            raise RuntimeError("nothing is running that could finish these requests")
         for background in busy:
             background.step()
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
+    for box in boxes:
+        if "error" in box:
+            raise box["error"]
+    return [box["result"] for box in boxes]
 
 
 class _Collect:
