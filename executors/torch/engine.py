@@ -67,7 +67,6 @@ class Request:
     sampling: Sampling
     left: int  # samples not yet done
     done: list = attrs.field(factory=list)  # Rollouts, in finishing order
-    paused: bool = False
 
 
 @attrs.define(eq=False)

@@ -222,6 +222,22 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, n: int = 1, max_new_t
     return engine.submit(items, sampling, int(n))
 
 
+def _generation(ctx: OpContext, *_: Any, action: str, model: str | None = None) -> int:
+    """Pause, resume or abort the rollout engine of `model` here (all of them without one),
+    e.g. around a weight update; returns how many samples an abort handed back interrupted."""
+    engines = [engine for name, engine in ctx.background.items()
+               if name.startswith("generate:") and model in (None, name.partition(":")[2])]
+    if action not in ("pause", "resume", "abort"):
+        raise StageError(f"generation action {action!r} is not one of pause, resume, abort")
+    aborted = 0
+    for engine in engines:
+        if action == "abort":
+            aborted += engine.abort()
+        else:
+            engine.pause(action == "pause")
+    return aborted
+
+
 def generate_now(ctx: OpContext, prompts: Any, **config: Any) -> list:
     """The `generate` op run to its end in this process (the engine stepped here, as an
     executor would between messages): its rollouts, in finishing order."""
@@ -256,3 +272,4 @@ class _Prefix:
 
 def register(table: OpTable) -> None:
     table.register("generate", _generate)
+    table.register("generation", _generation)

@@ -60,6 +60,9 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
            "TokenScores: per-token values of a critic"),
     OpSpec("reward_model", "a rollout (or a list of them)", _SCORING,
            "a float score per rollout"),
+    OpSpec("generation", "anything, only to be ordered after it", ("action", "model"),
+           "pause, resume or abort the rollout engine(s) here; abort returns the requests' "
+           "unfinished samples as interrupted Rollouts: the count"),
     OpSpec("profile_stage", "a microbatch like the ones to come", (*_STAGE, "repeats"),
            "median seconds of F, B, W, BW: the planner's costs"),
     OpSpec("export_weights", "anything, only to be ordered after it", _STAGE,

@@ -204,6 +204,22 @@ def test_the_op_shares_one_engine_per_model_and_tracks_the_held_weights_version(
     assert len(rollouts) == 8 and all(set(r.versions) == {5} for r in rollouts)
 
 
+def test_the_generation_op_pauses_resumes_and_aborts_the_engine_here():
+    ctx = op_context()
+    box = _collect(gen._generate(ctx, PROMPTS[:2], **SPEC, eos=None, max_new_tokens=8, n=2))
+    engine = ctx.background["generate:policy"]
+    engine.step()
+    assert gen._generation(ctx, action="pause") == 0 and not engine.busy()
+    gen._generation(ctx, action="resume", model="policy")
+    engine.step()
+    assert gen._generation(ctx, action="abort", model="other") == 0  # not this model's
+    assert gen._generation(ctx, action="abort") == 4
+    assert len(box["done"]) == 4 and all(r.interrupted and len(r.response_tokens) == 2
+                                         for r in box["done"])
+    with pytest.raises(Exception, match="'stop' is not one of pause, resume, abort"):
+        gen._generation(ctx, action="stop")
+
+
 @pytest.mark.parametrize(("kw", "error"), [
     ({"n": 0}, "n must be at least 1"),
     ({"max_new_tokens": 0}, "max_new_tokens must be at least 1"),
