@@ -12,11 +12,11 @@ import importlib
 import time
 from collections.abc import Callable
 from importlib.metadata import entry_points
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
-__all__ = ["OpContext", "OpTable", "builtin_ops", "load_plugin_ops"]
+__all__ = ["Background", "Deferred", "OpContext", "OpTable", "builtin_ops", "load_plugin_ops"]
 
 Op = Callable[..., Any]  # op(ctx, *inputs, **config) -> output, or a tuple of outputs
 
@@ -37,6 +37,58 @@ class OpContext:
     tags: tuple[str, ...]
     state: dict[str, Any] = attrs.field(factory=dict)  # per-executor state ops share: models, RNG
     emit: Callable[[Any], None] | None = None  # set for a streaming task [Note: streaming ops]
+    # long-lived work the executor steps between messages, by name [Note: deferred ops]
+    background: dict[str, Background] = attrs.field(factory=dict)
+
+
+class Background(Protocol):
+    """Work that goes on beyond the op that started it (a rollout engine's decoding loop).
+
+    The executor calls `step()` whenever `busy()`, between reading messages and running tasks,
+    with the sockets served meanwhile as during an op: each step must be short (one decoding
+    iteration), so that new tasks, weight loads and peers' requests get in between."""
+
+    def busy(self) -> bool: ...
+    def step(self) -> None: ...
+
+
+class Deferred:
+    """[Note: deferred ops] The result of an op that handed its work to a Background (a
+    request given to the rollout engine): the op returns it at once, the executor keeps the
+    task open and runs other tasks, and the Background later calls `emit(item)` for each item
+    of a streaming task, then `done(result)` or `fail(error)`, from inside its `step()`. If the
+    controller cancels the task, `cancelled` is set (from any thread, so the Background only
+    reads it in its next step) and `on_cancel` is called."""
+
+    def __init__(self, on_cancel: Callable[[], None] | None = None) -> None:
+        self.cancelled = False
+        self.finished = False
+        self.on_cancel = on_cancel
+        self._sink: Any = None  # the executor's side, bound when the op returns this
+
+    def bind(self, sink: Any) -> None:
+        self._sink = sink
+
+    def emit(self, item: Any) -> None:
+        self._sink.emit(item)
+
+    def done(self, result: Any) -> None:
+        self._finish()
+        self._sink.done(result)
+
+    def fail(self, error: BaseException) -> None:
+        self._finish()
+        self._sink.fail(error)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.on_cancel is not None:
+            self.on_cancel()
+
+    def _finish(self) -> None:
+        if self.finished:
+            raise RuntimeError("a deferred task finishes once")
+        self.finished = True
 
 
 class OpTable:
@@ -86,6 +138,38 @@ def _clock(ctx: OpContext, *inputs: Any) -> float:
 
 def _fail(ctx: OpContext, *inputs: Any, message: str = "failed on purpose") -> None:
     raise RuntimeError(message)
+
+
+class _Countdowns:
+    """The background of `countdown` tasks: each step gives every live task its next number."""
+
+    def __init__(self) -> None:
+        self.live: list[list] = []  # [deferred, next number, numbers left, seconds a step]
+
+    def busy(self) -> bool:
+        return bool(self.live)
+
+    def step(self) -> None:
+        time.sleep(max((entry[3] for entry in self.live), default=0.0))
+        for entry in list(self.live):
+            deferred, number, left, _ = entry
+            if deferred.cancelled:
+                self.live.remove(entry)
+            elif left == 0:
+                self.live.remove(entry)
+                deferred.done(list(range(number)))
+            else:
+                deferred.emit(number)
+                entry[1:3] = [number + 1, left - 1]
+
+
+def _countdown(ctx: OpContext, *inputs: Any, count: int = 3, seconds: float = 0.0) -> Deferred:
+    """0 .. count-1, one number a background step (`seconds` each), every task that is live
+    stepping together: the smallest deferred, streaming op [Note: deferred ops], for tests."""
+    countdowns = ctx.background.setdefault("countdown", _Countdowns())
+    deferred = Deferred()
+    countdowns.live.append([deferred, 0, int(count), float(seconds)])
+    return deferred
 
 
 def _python(ctx: OpContext, *inputs: Any, target: str, config: dict | None = None,
@@ -173,6 +257,7 @@ def builtin_ops() -> OpTable:
     table.register("sleep", _sleep)
     table.register("fail", _fail)
     table.register("clock", _clock)
+    table.register("countdown", _countdown)
     table.register("python", _python)
     table.register("make_tensor", _make_tensor)
     table.register("nbytes", _nbytes)

@@ -19,7 +19,7 @@ from typing import Any
 
 import zmq
 
-from executors.ops import OpContext, OpTable
+from executors.ops import Deferred, OpContext, OpTable
 from flowkit.runtime.protocol import Msg, ProtocolError, decode, encode, part_id, send_frames
 from flowkit.runtime.refs import check_ref, object_ids, resolve
 from flowkit.runtime.serialize import SerializeError, nbytes_of, pack, unpack
@@ -99,6 +99,7 @@ class Executor:
         self.sends: dict[int, list[str]] = defaultdict(list)  # object id -> peer addresses
         self.peers: dict[str, zmq.Socket] = {}
         self.completions: list[dict] = []
+        self.deferred: dict[int, tuple[_Task, Deferred]] = {}  # [Note: deferred ops]
         self.typical_op_s = 0.0  # a moving average of op time [Note: completion batching]
         self.socket_lock = threading.Lock()
         self.op_seq, self.in_op = 0, False
@@ -168,7 +169,8 @@ class Executor:
         while self.running:
             # [Note: hot polling]: stay awake briefly after work.
             hot = time.monotonic() < hot_until
-            events = poller.poll(0 if self.ready or hot else 100)
+            busy = any(bg.busy() for bg in self.ctx.background.values())
+            events = poller.poll(0 if self.ready or hot or busy else 100)
             if events:
                 hot_until = time.monotonic() + _HOT_SECONDS
             elif hot:
@@ -176,6 +178,8 @@ class Executor:
             for sock, _ in events:
                 self._drain(sock, peer=sock is self.peer, ready=True)
             self._run_ready()
+            if busy:
+                self._step_background()
             self._flush_completions()
 
     def _drain(self, sock: zmq.Socket, *, peer: bool, ready: bool = False) -> None:
@@ -276,6 +280,8 @@ class Executor:
 
     def _on_cancel(self, header: dict, frames: list) -> None:
         cancelled = set(header["tasks"])
+        for task_id in cancelled & set(self.deferred):
+            self.deferred.pop(task_id)[1].cancel()
         for task_id in cancelled:
             task = self.waiting.pop(task_id, None)
             if task is not None and task.lane is not None:
@@ -362,6 +368,10 @@ class Executor:
             else:
                 args = [resolve(ref, self.objects) for ref in task.inputs]
             result = self._call(task, args)
+            if isinstance(result, Deferred):  # it completes later [Note: deferred ops]
+                result.bind(_DeferredSink(self, task))
+                self.deferred[task.id] = (task, result)
+                return time.time() - start
             outputs = _split_outputs(result, len(task.outputs), task.op)
             if task.stream:
                 _check_streamed(task, outputs[0])
@@ -377,6 +387,55 @@ class Executor:
                                  "outputs": list(zip(task.outputs, outputs)),
                                  "report_key": task.report_key, "streamed": task.streamed})
         return end - start
+
+    def _finish_deferred(self, task: _Task, result: Any) -> None:
+        """A deferred task's result, from its Background's step (sockets released)."""
+        with self.socket_lock:
+            if self.deferred.pop(task.id, None) is None:
+                return  # cancelled meanwhile
+            try:
+                outputs = _split_outputs(result, len(task.outputs), task.op)
+                if task.stream:
+                    _check_streamed(task, outputs[0])
+            except TypeError as exc:
+                self._complete_failed(task, f"{type(exc).__name__}: {exc}", "",
+                                      start=task.start)
+                return
+            for object_id, value in zip(task.outputs, outputs, strict=True):
+                self._store(object_id, value)
+            self.completions.append({"task": task.id, "ok": True, "start": task.start,
+                                     "end": time.time(), "outputs": list(zip(task.outputs, outputs)),
+                                     "report_key": task.report_key, "streamed": task.streamed})
+
+    def _fail_deferred(self, task: _Task, error: BaseException) -> None:
+        with self.socket_lock:
+            if self.deferred.pop(task.id, None) is not None:
+                tb = "".join(traceback.format_exception(error))
+                self._complete_failed(task, f"{type(error).__name__}: {error}", tb,
+                                      start=task.start)
+
+    def _step_background(self) -> None:
+        """One step of each busy Background, the sockets served meanwhile as during an op;
+        a step that raises fails the tasks waiting on it rather than the executor."""
+        for name, background in list(self.ctx.background.items()):
+            if not background.busy():
+                continue
+            self.op_seq += 1
+            self.in_op = True
+            self.socket_lock.release()
+            self.watch.op_started()
+            try:
+                background.step()
+            except Exception as exc:
+                log.exception("background %s failed", name)
+                for task, deferred in list(self.deferred.values()):
+                    if not deferred.finished:
+                        deferred.finished = True
+                        self._fail_deferred(task, RuntimeError(f"{name} failed: {exc}"))
+                self.ctx.background.pop(name, None)
+            finally:
+                self.in_op = False
+                self.socket_lock.acquire()
 
     def _emit(self, task: _Task, value: Any) -> None:
         """Item `value` of a streaming task, yielded by its op: kept as an object of its own
@@ -414,6 +473,25 @@ class Executor:
         if self.completions:
             items, self.completions = self.completions, []
             self._send(Msg.DONE, {"items": [_described(item) for item in items]})
+
+
+class _DeferredSink:
+    """Where a Deferred's items and result go: the executor, for one task."""
+
+    __slots__ = ("executor", "task")
+
+    def __init__(self, executor: Executor, task: _Task) -> None:
+        self.executor, self.task = executor, task
+
+    def emit(self, item: Any) -> None:
+        if self.task.stream:  # else its items all come in the result
+            self.executor._emit(self.task, item)
+
+    def done(self, result: Any) -> None:
+        self.executor._finish_deferred(self.task, result)
+
+    def fail(self, error: BaseException) -> None:
+        self.executor._fail_deferred(self.task, error)
 
 
 def _split_outputs(result: Any, count: int, op: str) -> list:
