@@ -1,7 +1,9 @@
-"""The torch executor's `generate` op: batched sampling from any model that follows [Note:
-generation and scoring interface] (executors/torch/lm.py), with continuous batching (a finished
-sample leaves its slot at once and a waiting one takes it). A model with the cache protocol
-(the built-in GPT's KV cache) decodes one token per step; any other recomputes the prefix.
+"""The torch executor's `generate` op, a request to its model's rollout engine [Note: rollout
+engine in executors/torch/engine.py], and the `generation` op that pauses, resumes or aborts it.
+
+`decode` below is the path before the engine: one call decodes its prompts' samples together
+(continuous batching within the call, a torch.Generator per sample), calls one after another.
+It stays as the baseline `flowkit bench rollout` measures the engine against.
 
 [Note: sampler log-probabilities] A rollout's ``logprobs[k]`` is
 ``log_softmax(logits / temperature)[token_k]`` over the whole vocabulary: the log-probability
@@ -10,10 +12,10 @@ it). That is exactly what the `logprobs` op (executors/torch/infer.py) recompute
 model with the same `temperature`, so a PPO/GRPO ratio starts at 1. Greedy decoding
 (``temperature=0``) records ``log_softmax(logits)``, i.e. temperature 1.
 
-[Note: one generator per sample] Each (prompt, sample) draws from its own torch.Generator,
-seeded from (seed, prompt_id, sample). What a sample draws is then independent of which slot
-it got and of what else was in the batch: the same rollouts for any `max_batch`, up to the
-floating-point effects of batching on the logits.
+[Note: one generator per sample] In `decode`, each (prompt, sample) draws from its own
+torch.Generator, seeded from (seed, prompt_id, sample): what a sample draws does not depend on
+which slot it got or on what else was in the batch. (The engine goes further: a draw depends
+only on the sample's seed and the token's position, executors/torch/sampling.py.)
 """
 
 from __future__ import annotations
