@@ -25,6 +25,8 @@ runs ahead of the host, so a thousand-iteration decode does not drift by a thous
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -60,6 +62,8 @@ class _Request:
     prefill_left: int  # prompt tokens not prefilled yet
     stream: bool  # emit each sample as it finishes [Note: streaming ops]
     admitted: int = 0  # samples given a slot so far (in sample order)
+    waiting: list[int] = attrs.field(factory=list)  # admitted, until the prefill ends
+    live: int = 0  # samples decoding
     finished: list = attrs.field(factory=list)  # in finishing order: the task's result
 
     @property
@@ -67,24 +71,24 @@ class _Request:
         return len(self.finished) == len(self.items)
 
 
-@attrs.define(eq=False)
-class _Sequence:
-    request: _Request
-    sample: int
-    produced: int = 0
-
-
 class SimEngine:
     """A Background [Note: deferred ops in executors/ops.py] serving a simulator executor's
     generate requests [Note: simulated rollout engine]. `clock` and `sleep` are the timer's,
-    replaceable so tests can run it on a fake clock."""
+    replaceable so tests can run it on a fake clock.
+
+    A sample's last iteration is known when it starts decoding (it produces a token every
+    iteration), so an iteration touches only the samples that finish in it: a heap by last
+    iteration. Python work per iteration then stays far below the iteration's simulated cost
+    at any batch, and so does not slow the simulated engine down."""
 
     def __init__(self, *, clock: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         self.clock, self.sleep = clock, sleep
         self.costs = EngineCosts()
         self.requests: list[_Request] = []  # unfinished, in arrival order
-        self.slots: list[_Sequence] = []
+        self.slots = 0  # sequences holding a slot: decoding, or waiting for their prefill
+        self.live = 0  # sequences decoding
+        self.ending: list[tuple[int, int, _Request, int]] = []  # (last iteration, tie, r, sample)
         self.deadline: float | None = None  # None: idle, the next iteration starts now
         self.iterations = 0
 
@@ -104,52 +108,68 @@ class SimEngine:
     def step(self) -> None:
         self._drop_cancelled()
         self._admit()
-        producing, prefilled = self._schedule()
-        self._wait(self.costs.iteration_s(len(producing), prefilled))
+        prefilled = self._prefill()
+        self._wait(self.costs.iteration_s(self.live, prefilled))
+        now, ending = self.iterations, self.ending
+        while ending and ending[0][0] == now:
+            _, _, request, sample = heapq.heappop(ending)
+            if not request.deferred.cancelled:
+                self._finish(request, sample)
         self.iterations += 1
-        for sequence in producing:
-            sequence.produced += 1
-            if sequence.produced == sequence.request.lengths[sequence.sample]:
-                self._finish(sequence)
         if not self.requests:
             self.deadline = None
 
     # -- one iteration -------------------------------------------------------------------------
     def _drop_cancelled(self) -> None:
-        cancelled = [r for r in self.requests if r.deferred.cancelled]
-        if cancelled:
-            self.requests = [r for r in self.requests if not r.deferred.cancelled]
-            self.slots = [s for s in self.slots if not s.request.deferred.cancelled]
+        for request in [r for r in self.requests if r.deferred.cancelled]:
+            self.requests.remove(request)
+            self.slots -= request.live + len(request.waiting)
+            self.live -= request.live  # its entries in `ending` are skipped when due
 
     def _admit(self) -> None:
-        """Free slots to waiting samples, oldest request first."""
-        free = self.costs.max_batch - len(self.slots)
+        """Free slots to waiting samples, oldest request first; a request's samples start at
+        once when its prompt is prefilled already."""
+        free = self.costs.max_batch - self.slots
         for request in self.requests:
-            while free > 0 and request.admitted < len(request.items):
-                self.slots.append(_Sequence(request, request.admitted))
-                request.admitted += 1
-                free -= 1
             if free <= 0:
                 return
+            take = min(free, len(request.items) - request.admitted)
+            samples = range(request.admitted, request.admitted + take)
+            request.admitted += take
+            free -= take
+            self.slots += take
+            if request.prefill_left == 0:
+                self._start(request, samples)
+            else:
+                request.waiting.extend(samples)
 
-    def _schedule(self) -> tuple[list[_Sequence], int]:
-        """The sequences that produce a token this iteration, and the prompt tokens prefilled:
-        decodes take the budget first, prefill chunks what is left, oldest prompt first."""
-        producing = [s for s in self.slots if s.request.prefill_left == 0]
-        budget = max(0, self.costs.token_budget - len(producing))
+    def _prefill(self) -> int:
+        """Prompt tokens prefilled this iteration: what the decodes leave of the budget, oldest
+        prompt first; a prompt whose prefill ends starts its admitted samples (the last
+        chunk's logits give their first token)."""
+        budget = max(0, self.costs.token_budget - self.live)
         prefilled = 0
         for request in self.requests:
             if budget == 0:
                 break
-            if request.prefill_left == 0 or request.admitted == 0:
+            if not request.waiting or request.prefill_left == 0:
                 continue
             chunk = min(budget, request.prefill_left)
             request.prefill_left -= chunk
             budget -= chunk
             prefilled += chunk
-            if request.prefill_left == 0:  # the last chunk's logits give the first tokens
-                producing += [s for s in self.slots if s.request is request]
-        return producing, prefilled
+            if request.prefill_left == 0:
+                self._start(request, request.waiting)
+                request.waiting = []
+        return prefilled
+
+    def _start(self, request: _Request, samples: Any) -> None:
+        """Samples that produce their first token this iteration."""
+        for sample in samples:
+            last = self.iterations + request.lengths[sample] - 1
+            heapq.heappush(self.ending, (last, next(_TIES), request, sample))
+            request.live += 1
+            self.live += 1
 
     def _wait(self, cost: float) -> None:
         now = self.clock()
@@ -158,16 +178,20 @@ class SimEngine:
         if self.deadline > now:
             self.sleep(self.deadline - now)
 
-    def _finish(self, sequence: _Sequence) -> None:
-        request = sequence.request
-        self.slots.remove(sequence)
-        item = request.items[sequence.sample]
+    def _finish(self, request: _Request, sample: int) -> None:
+        request.live -= 1
+        self.live -= 1
+        self.slots -= 1
+        item = request.items[sample]
         request.finished.append(item)
         if request.stream:
             request.deferred.emit(item)
         if request.done:
             self.requests.remove(request)
             request.deferred.done(list(request.finished))
+
+
+_TIES = itertools.count()  # heap entries that end together leave in the order they started
 
 
 def engine_of(background: dict[str, Any], name: str = "generate") -> SimEngine:
