@@ -53,6 +53,11 @@ class Rollout:
     # flow reports the fraction, since such responses are shorter than the flow asked for
     clipped: bool = False
 
+    @property
+    def response_length(self) -> int:
+        """What the runner learns of each sample without fetching it (a report key)."""
+        return len(self.response_tokens)
+
 
 @attrs.frozen(kw_only=True)
 class Scored(Rollout):
