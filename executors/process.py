@@ -484,7 +484,8 @@ class _DeferredSink:
         self.executor, self.task = executor, task
 
     def emit(self, item: Any) -> None:
-        self.executor._emit(self.task, item)
+        if self.task.stream:  # else its items all come in the result
+            self.executor._emit(self.task, item)
 
     def done(self, result: Any) -> None:
         self.executor._finish_deferred(self.task, result)

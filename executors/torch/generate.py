@@ -28,11 +28,12 @@ import torch.nn.functional as F
 
 from executors.ops import OpContext, OpTable
 from executors.torch import lm
-from executors.torch.held import evaluating, right_padded, whole_model
+from executors.torch.engine import Engine, Sampling, run_until_done
+from executors.torch.held import held_model, right_padded, whole_model
 from executors.torch.stage import StageError
 from flowkit.ops.records import Rollout
 
-__all__ = ["register", "sample_token"]
+__all__ = ["decode", "generate_now", "register", "sample_token"]
 
 _STEP_SEEDS = 1_000_003  # step k samples with seed + k * this: fresh draws, same for a replay
 EOS = 10  # byte "\n": the example corpora are byte-tokenized one-line answers; eos=None: none
@@ -193,28 +194,82 @@ def _rollout(seq: _Seq, finished: bool, max_new_tokens: int) -> Any:
 # -- the op -----------------------------------------------------------------------------------
 def _generate(ctx: OpContext, prompts: Any, *weights: Any, n: int = 1, max_new_tokens: int = 16,
               temperature: float = 1.0, top_p: float = 1.0, eos: int | None = EOS,
-              seed: int = 0, sample_seed: int | None = None, max_batch: int = 32,
-              step: int = 0, **config: Any) -> list:
-    """n rollouts of each prompt (a Prompt or a list of them), sampled through `max_batch`
-    slots. `weights` (versions) only order this task after a step: the model is the one this
-    executor holds by name. `seed` seeds the model's build (as in
-    executors/torch/held.py) and, unless `sample_seed` is given, the sampling, which also
-    draws afresh each `step` [Note: one generator per sample]."""
-    prompts = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
-    if not prompts:
+              seed: int = 0, sample_seed: int | None = None, max_batch: int = 64,
+              token_budget: int = 512, step: int = 0, **config: Any) -> Any:
+    """n rollouts of each prompt (a Prompt or a list of them; an interrupted Rollout is
+    continued instead), a request to the model's rollout engine [Note: rollout engine in
+    executors/torch/engine.py], which streams each sample as it finishes. `weights`
+    (versions) only order this task after a step: the model is the one this executor holds
+    by name. `seed` seeds the model's build (as in executors/torch/held.py) and, unless
+    `sample_seed` is given, the sampling, which draws afresh each `step`. `max_batch` and
+    `token_budget` size the engine when its first request makes it."""
+    items = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
+    _check_request(items, n, max_new_tokens)
+    if not items:
         return []
+    spec = {**config, "seed": seed, "stages": 1}
+    held = held_model(ctx, spec)
+    model = whole_model(ctx, spec)
+    lm.check_prompts([_as_prompt(item) for item in items], lm.context_length(model))
+    engine = ctx.background.get(f"generate:{config['model']}")
+    if engine is None:
+        engine = ctx.background[f"generate:{config['model']}"] = Engine(
+            model, version=lambda: held.version, max_batch=int(max_batch),
+            token_budget=int(token_budget))
+    sampling = Sampling(max_new_tokens=int(max_new_tokens), temperature=float(temperature),
+                        top_p=float(top_p), eos=None if eos is None else int(eos),
+                        seed=int(seed if sample_seed is None else sample_seed), step=int(step))
+    return engine.submit(items, sampling, int(n))
+
+
+def _generation(ctx: OpContext, *_: Any, action: str, model: str | None = None) -> int:
+    """Pause, resume or abort the rollout engine of `model` here (all of them without one),
+    e.g. around a weight update; returns how many samples an abort handed back interrupted."""
+    engines = [engine for name, engine in ctx.background.items()
+               if name.startswith("generate:") and model in (None, name.partition(":")[2])]
+    if action not in ("pause", "resume", "abort"):
+        raise StageError(f"generation action {action!r} is not one of pause, resume, abort")
+    aborted = 0
+    for engine in engines:
+        if action == "abort":
+            aborted += engine.abort()
+        else:
+            engine.pause(action == "pause")
+    return aborted
+
+
+def generate_now(ctx: OpContext, prompts: Any, **config: Any) -> list:
+    """The `generate` op run to its end in this process (the engine stepped here, as an
+    executor would between messages): its rollouts, in finishing order."""
+    result = _generate(ctx, prompts, **config)
+    return result if isinstance(result, list) else run_until_done(ctx.background, result)
+
+
+def _check_request(items: list, n: Any, max_new_tokens: Any) -> None:
     if int(max_new_tokens) < 1:
         raise StageError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    model = whole_model(ctx, {**config, "seed": seed})
-    lm.check_prompts(prompts, lm.context_length(model))
-    s = _Sampling(n=int(n), max_new_tokens=int(max_new_tokens), temperature=float(temperature),
-                  top_p=float(top_p), eos=None if eos is None else int(eos),
-                  seed=int(seed if sample_seed is None else sample_seed) + _STEP_SEEDS * int(step),
-                  max_batch=max(1, int(max_batch)))
-    device = next(model.parameters()).device
-    with evaluating(model):
-        return decode(model, prompts, s, device, ctx.emit)
+    if int(n) < 1:
+        raise StageError(f"n must be at least 1 (samples per prompt), got {n}")
+    done = [f"{r.prompt_id}/{r.sample}" for r in items
+            if isinstance(r, Rollout) and not r.interrupted]
+    if done:
+        raise StageError(f"rollouts {done} are not interrupted: only an interrupted Rollout "
+                         "(an aborted generation) can be continued")
+
+
+def _as_prompt(item: Any) -> Any:
+    """What the context check reads of an item: a prompt, or a rollout's prefix."""
+    if isinstance(item, Rollout):
+        return _Prefix(item.prompt_id, list(item.prompt_tokens) + list(item.response_tokens))
+    return item
+
+
+@attrs.frozen
+class _Prefix:
+    prompt_id: int
+    tokens: list[int]
 
 
 def register(table: OpTable) -> None:
     table.register("generate", _generate)
+    table.register("generation", _generation)

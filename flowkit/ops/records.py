@@ -52,6 +52,11 @@ class Rollout:
     # True when the model's context cut it before max_new_tokens (then finished is False): a
     # flow reports the fraction, since such responses are shorter than the flow asked for
     clipped: bool = False
+    # the weights version that sampled each response token (-1: the weights it was built with)
+    versions: list[int] = attrs.field(factory=list)
+    # True when generation was stopped before the sample ended (an abort): a later generate
+    # given this Rollout continues it from its prefix
+    interrupted: bool = False
 
     @property
     def response_length(self) -> int:

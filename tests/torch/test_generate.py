@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executors.ops import OpTable
+from executors.ops import Deferred, OpTable
 from executors.torch import generate as gen
+from executors.torch.engine import run_until_done
 from executors.torch.models.gpt import GPT, KVCache
 from flowkit.ops.records import Prompt
 from tests.harness import gpt_spec, op_context, seeded_gpt, tiny_gpt
@@ -18,8 +19,12 @@ PROMPTS = [Prompt(prompt_id=i, tokens=[(7 * i + j) % 32 for j in range(length)])
            for i, length in enumerate([1, 5, 3, 8, 2])]
 
 
-def _generate(ctx=None, prompts=PROMPTS, **kw):
-    return gen._generate(ctx or op_context(), prompts, **{**MODEL, "eos": None, **kw})
+def _generate(ctx=None, prompts=PROMPTS, on_item=None, **kw):
+    """The op's rollouts: a request to the engine, run here until it is done."""
+    ctx = ctx or op_context()
+    result = gen._generate(ctx, prompts, **{**MODEL, "eos": None, **kw})
+    return run_until_done(ctx.background, result, on_item) if isinstance(result, Deferred) \
+        else result  # (generate_now, with what it streams)
 
 
 def _by_key(rollouts):
@@ -145,11 +150,10 @@ def test_register_adds_generate():
 
 
 def test_each_sample_is_emitted_the_moment_it_finishes():
-    ctx, emitted = op_context(), []
-    ctx.emit = emitted.append  # as an executor sets it for a streaming task
+    emitted = []
     greedy = _by_key(_generate(op_context(), temperature=0.0, max_new_tokens=10))
     eos = greedy[(1, 0)].response_tokens[2]  # prompt 1 stops early, the others run on
-    returned = _generate(ctx, temperature=0.0, max_new_tokens=10, eos=eos)
+    returned = _generate(temperature=0.0, max_new_tokens=10, eos=eos, on_item=emitted.append)
     assert emitted == returned  # every one, in finishing order
     assert emitted[0].prompt_id == 1 and emitted[0].finished
 

@@ -21,7 +21,7 @@ PROMPTS = [Prompt(prompt_id=i, tokens=[(5 * i + j) % 32 for j in range(length)])
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8)])
 def test_generation_logprobs_equal_the_recomputed_ones(temperature, top_p):
     ctx = op_context()
-    rollouts = gen._generate(ctx, PROMPTS, **POLICY, n=2, max_new_tokens=7, eos=3,
+    rollouts = gen.generate_now(ctx, PROMPTS, **POLICY, n=2, max_new_tokens=7, eos=3,
                              temperature=temperature, top_p=top_p, max_batch=3)
     scores = infer._logprobs(ctx, rollouts, **POLICY, temperature=temperature, max_batch=5)
     assert len(scores) == len(rollouts)
@@ -74,7 +74,7 @@ def test_a_critic_cannot_give_logprobs_nor_generate():
                        r"\(1, 1\): values, so a critic"):
         infer._logprobs(op_context(), r, **CRITIC)
     with pytest.raises(ValueError, match=r"generate needs a language model"):
-        gen._generate(op_context(), PROMPTS, **CRITIC)
+        gen.generate_now(op_context(), PROMPTS, **CRITIC)
 
 
 def test_a_rollout_past_the_context_is_named():

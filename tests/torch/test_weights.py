@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executors.ops import OpContext, OpTable
+from executors.ops import Deferred, OpContext, OpTable
 from executors.torch import register as register_torch
 from executors.torch import weights
+from executors.torch.engine import run_until_done
 from executors.torch.stage import StageError
 from flowkit.ops.records import Prompt, Rollout, WeightsVersion
 from tests.harness import executor_cluster, gpt_spec, op_context, seeded_gpt, tiny_gpt
@@ -22,7 +23,9 @@ register_torch(_TABLE)
 
 
 def _op(name: str, ctx: OpContext, *inputs, **config):
-    return _TABLE.get(name)(ctx, *inputs, **config)
+    result = _TABLE.get(name)(ctx, *inputs, **config)
+    # a deferred op (generate: a request to the engine) runs to its end, as on an executor
+    return run_until_done(ctx.background, result) if isinstance(result, Deferred) else result
 
 
 def _batches(step: int, microbatches: int = 2, rows: int = 3, seq: int = 12) -> list:

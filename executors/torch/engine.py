@@ -1,0 +1,332 @@
+"""The rollout engine: one long-lived decoding loop per generating model on a torch executor.
+
+[Note: rollout engine] A `generate` task is a request to the engine of its model (the op
+returns a Deferred: executors/ops.py [Note: deferred ops]); its prompts x n become sequences
+that wait for a slot (a row of the model's cache). Each engine step, which the executor runs
+between messages:
+
+1. drops the sequences of cancelled requests, and forgets the cache of every sequence whose
+   cached keys were computed under other weights than the model holds now (a weight load ran
+   between two steps): it is refilled from its prefix, so its next tokens come from the new
+   weights, as each token's recorded version says;
+2. gives free slots to waiting sequences, across requests, in arrival order;
+3. spends a token budget: one token for every decoding sequence first, then chunks of the
+   prefixes still to fill (Sarathi-Serve's chunked prefill), so a long prompt never stalls
+   the decoding ones;
+4. runs the model once over the decoding rows and once over the prefill chunks (the cache
+   protocol of executors/torch/lm.py; a model without it runs every live row's whole prefix);
+5. samples the next token of every row whose prefix is now complete, all rows in one call
+   (executors/torch/sampling.py: the draw of a token depends only on its sequence's seed and
+   position, so the rollouts do not depend on the batch, the arrival order or a pause);
+6. streams each finished sample to its request's consumers at once, and completes a request
+   when its last sample is done.
+
+A request or the whole engine can be paused (its sequences keep their tokens and give their
+slots back) and resumed, or aborted: its unfinished samples come back at once, marked
+`interrupted`, and a later request given such a Rollout continues it from its prefix.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+
+from executors.ops import Deferred
+from executors.torch import lm
+from executors.torch.held import evaluating, right_padded
+from executors.torch.sampling import sample_tokens, sequence_seed
+from flowkit.ops.records import Rollout
+
+__all__ = ["Engine", "Sampling", "run_all_until_done", "run_until_done"]
+
+NO_VERSION = -1  # a token sampled before any load_weights: the weights the model was built with
+
+
+@attrs.frozen(kw_only=True)
+class Sampling:
+    """A request's settings; each step of a run draws afresh from (seed, step)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    eos: int | None = None
+    seed: int = 0
+    step: int = 0
+
+    def seed_of(self, prompt_id: int, sample: int) -> int:
+        return sequence_seed(self.seed, prompt_id, sample, step=self.step)
+
+
+@attrs.define(eq=False)
+class Request:
+    deferred: Deferred
+    sampling: Sampling
+    left: int  # samples not yet done
+    done: list = attrs.field(factory=list)  # Rollouts, in finishing order
+
+
+@attrs.define(eq=False)
+class Sequence:
+    """One sample being generated: its prefix (prompt + response so far) and where its cache is."""
+
+    request: Request
+    prompt: Any  # a Prompt: prompt_id, tokens, answer
+    sample: int
+    seed: int
+    tokens: list[int] = attrs.field(factory=list)
+    logprobs: list[float] = attrs.field(factory=list)
+    versions: list[int] = attrs.field(factory=list)
+    slot: int | None = None
+    filled: int = 0  # prefix positions whose keys are in its cache row
+    cache_version: int | None = None
+
+    @property
+    def prefix(self) -> list[int]:
+        return list(self.prompt.tokens) + self.tokens
+
+
+class Engine:
+    """The decoding loop of one model held by this executor (a Background: busy, step)."""
+
+    def __init__(self, model: torch.nn.Module, *, version: Any, max_batch: int = 64,
+                 token_budget: int = 512, max_len: int = 2048) -> None:
+        self.model = model
+        self.version = version  # a callable: the version of the weights the model holds now
+        self.max_batch, self.token_budget = max(1, max_batch), max(1, token_budget)
+        self.context = lm.context_length(model)
+        self.cached = lm.has_cache(model)
+        self.max_len = self.context or max_len
+        self.cache = None  # made on first use: max_batch rows of max_len positions
+        self.slots: list[Sequence | None] = [None] * self.max_batch
+        self.waiting: deque[Sequence] = deque()
+        self.paused = False
+        self.device = next(model.parameters()).device
+        self.stats = {"steps": 0, "decode_tokens": 0, "prefill_tokens": 0}
+
+    # -- requests ------------------------------------------------------------------------------
+    def submit(self, items: list, sampling: Sampling, n: int) -> Deferred:
+        """n samples of each Prompt, or the continuation of each interrupted Rollout (one
+        sample each, from its prefix), as one request."""
+        request = Request(deferred=Deferred(), sampling=sampling, left=0)
+        for item in items:
+            if isinstance(item, Rollout):
+                self.waiting.append(self._continued(request, item))
+                request.left += 1
+                continue
+            for sample in range(n):
+                self.waiting.append(Sequence(request, item, sample,
+                                             sampling.seed_of(item.prompt_id, sample)))
+                request.left += 1
+        return request.deferred
+
+    def _continued(self, request: Request, rollout: Rollout) -> Sequence:
+        prompt = _Prompt(rollout.prompt_id, list(rollout.prompt_tokens), rollout.answer)
+        versions = list(rollout.versions) or [NO_VERSION] * len(rollout.response_tokens)
+        return Sequence(request, prompt, rollout.sample,
+                        request.sampling.seed_of(rollout.prompt_id, rollout.sample),
+                        tokens=list(rollout.response_tokens), logprobs=list(rollout.logprobs),
+                        versions=versions)
+
+    def pause(self, paused: bool = True) -> None:
+        """Stop (or restart) stepping; sequences keep their tokens and their cache."""
+        self.paused = paused
+
+    def abort(self) -> int:
+        """Every request's unfinished samples back now, `interrupted`; returns how many."""
+        live = [s for s in self.slots if s is not None] + list(self.waiting)
+        self.slots = [None] * self.max_batch
+        self.waiting.clear()
+        for seq in live:
+            self._finish(seq, finished=False, interrupted=True)
+        return len(live)
+
+    # -- the Background ------------------------------------------------------------------------
+    def busy(self) -> bool:
+        return not self.paused and (bool(self.waiting) or any(self.slots))
+
+    def step(self) -> None:
+        """One iteration. A failure of the model fails the requests it was running, not the
+        engine: they were in one batch, so they fail together."""
+        try:
+            self._step()
+        except Exception as error:
+            live = [s for s in self.slots if s is not None] + list(self.waiting)
+            self.slots, self.waiting = [None] * self.max_batch, deque()
+            for request in {id(s.request): s.request for s in live}.values():
+                if not (request.deferred.finished or request.deferred.cancelled):
+                    request.deferred.fail(error)
+
+    def _step(self) -> None:
+        self._drop_cancelled()
+        self._refill_stale()
+        self._admit()
+        decoding, chunks = self._plan()
+        with evaluating(self.model):
+            logits = self._forward(decoding, chunks)  # of the rows whose prefix is now in
+        if logits:
+            rows = [seq for seq in self.slots if seq is not None and id(seq) in logits]
+            self._sample(rows, torch.stack([logits[id(seq)] for seq in rows]))
+        self.stats["steps"] += 1
+
+    def _drop_cancelled(self) -> None:
+        for i, seq in enumerate(self.slots):
+            if seq is not None and seq.request.deferred.cancelled:
+                self.slots[i] = None
+        self.waiting = deque(s for s in self.waiting if not s.request.deferred.cancelled)
+
+    def _refill_stale(self) -> None:
+        now = self.version()
+        for seq in self.slots:
+            if seq is not None and seq.cache_version != now:
+                seq.filled, seq.cache_version = 0, now  # its prefix again, under these weights
+
+    def _admit(self) -> None:
+        for i, seq in enumerate(self.slots):
+            if seq is None and self.waiting:
+                seq = self.slots[i] = self.waiting.popleft()
+                seq.slot, seq.filled, seq.cache_version = i, 0, self.version()
+
+    def _plan(self) -> tuple[list[Sequence], list[tuple[Sequence, int, int]]]:
+        """(rows that decode one token, (row, start, stop) prefill chunks) within the budget,
+        decodes first. `filled` positions of a row's prefix have their keys in its cache row;
+        a row filled up to its last token decodes that token, the others fill a chunk."""
+        live = [s for s in self.slots if s is not None]
+        if not self.cached:  # no cache to fill: every row runs its whole prefix
+            return live, []
+        decoding = [s for s in live if s.filled == len(s.prefix) - 1]
+        budget = self.token_budget - len(decoding)
+        chunks = []
+        for seq in live:
+            if seq.filled < len(seq.prefix) - 1 and budget > 0:
+                stop = min(len(seq.prefix), seq.filled + budget)
+                chunks.append((seq, seq.filled, stop))
+                budget -= stop - seq.filled
+        return decoding, chunks
+
+    # -- the model -----------------------------------------------------------------------------
+    def _forward(self, decoding: list[Sequence],
+                 chunks: list[tuple[Sequence, int, int]]) -> dict[int, torch.Tensor]:
+        """The next-token logits of every row whose prefix is now all in (by id)."""
+        if not self.cached:
+            return self._recompute(decoding)
+        if self.cache is None:
+            self.cache = self.model.new_cache(self.max_batch, self.max_len)
+        out: dict[int, torch.Tensor] = {}
+        if decoding:
+            idx = torch.tensor([[s.prefix[-1]] for s in decoding], device=self.device)
+            logits = self._cached(idx, [s.filled for s in decoding], decoding)
+            for b, seq in enumerate(decoding):
+                out[id(seq)] = logits[b, 0]
+                seq.filled += 1
+        if chunks:
+            parts = [seq.prefix[start:stop] for seq, start, stop in chunks]
+            logits = self._cached(right_padded(parts, self.device), [c[1] for c in chunks],
+                                  [seq for seq, _, _ in chunks])
+            for b, (seq, _, stop) in enumerate(chunks):
+                seq.filled = stop
+                if stop == len(seq.prefix):  # the chunk reached its last token
+                    out[id(seq)] = logits[b, len(parts[b]) - 1]
+        self.stats["decode_tokens"] += len(decoding)
+        self.stats["prefill_tokens"] += sum(stop - start for _, start, stop in chunks)
+        return out
+
+    def _cached(self, idx: torch.Tensor, starts: list[int], rows: list[Sequence]) -> torch.Tensor:
+        start = torch.tensor(starts, device=self.device)
+        slots = torch.tensor([s.slot for s in rows], device=self.device)
+        return lm.logits_of(self.model.forward_cached(idx, self.cache, start, slots), "generate")
+
+    def _recompute(self, rows: list[Sequence]) -> dict[int, torch.Tensor]:
+        seqs = [s.prefix for s in rows]
+        logits = lm.logits_of(self.model(right_padded(seqs, self.device)), "generate")
+        self.stats["prefill_tokens"] += sum(len(s) for s in seqs)
+        return {id(s): logits[b, len(seq) - 1] for b, (s, seq) in enumerate(zip(rows, seqs))}
+
+    # -- sampling and finishing ----------------------------------------------------------------
+    def _sample(self, rows: list[Sequence], logits: torch.Tensor) -> None:
+        settings = [s.request.sampling for s in rows]
+        tokens, logprobs = sample_tokens(
+            logits,
+            temperature=torch.tensor([st.temperature for st in settings], dtype=torch.float64),
+            top_p=torch.tensor([st.top_p for st in settings], dtype=torch.float64),
+            seeds=torch.tensor([s.seed for s in rows], dtype=torch.int64),
+            positions=torch.tensor([len(s.tokens) for s in rows], dtype=torch.int64))
+        version = self.version()
+        for seq, token, logp, st in zip(rows, tokens.tolist(), logprobs.tolist(), settings):
+            seq.tokens.append(token)
+            seq.logprobs.append(logp)
+            seq.versions.append(NO_VERSION if version is None else version)
+            eos = st.eos is not None and token == st.eos
+            full = self.context is not None and len(seq.prefix) >= self.context
+            if eos or len(seq.tokens) >= st.max_new_tokens or full:
+                self.slots[seq.slot] = None
+                self._finish(seq, finished=eos, interrupted=False)
+
+    def _finish(self, seq: Sequence, *, finished: bool, interrupted: bool) -> None:
+        request, st = seq.request, seq.request.sampling
+        clipped = not finished and not interrupted and len(seq.tokens) < st.max_new_tokens
+        rollout = Rollout(prompt_id=seq.prompt.prompt_id, sample=seq.sample,
+                          prompt_tokens=list(seq.prompt.tokens), response_tokens=seq.tokens,
+                          logprobs=seq.logprobs, versions=seq.versions, finished=finished,
+                          clipped=clipped, interrupted=interrupted,
+                          answer=getattr(seq.prompt, "answer", None))
+        request.done.append(rollout)
+        request.left -= 1
+        if request.deferred.cancelled or request.deferred.finished:
+            return
+        request.deferred.emit(rollout)
+        if request.left == 0:
+            request.deferred.done(request.done)
+
+
+@attrs.frozen
+class _Prompt:
+    """The prompt of a continued Rollout."""
+
+    prompt_id: int
+    tokens: list[int]
+    answer: str | None = None
+
+
+def run_until_done(backgrounds: dict, deferred: Deferred,
+                   on_item: Callable[[Any], None] | None = None) -> Any:
+    """Step `backgrounds` (an OpContext's) until `deferred` finishes, in this process, giving
+    each item it streams to `on_item`; its result, or its error raised. What an executor does
+    between messages, for tests and the in-process benchmark."""
+    return run_all_until_done(backgrounds, [deferred], on_item)[0]
+
+
+def run_all_until_done(backgrounds: dict, deferreds: list[Deferred],
+                       on_item: Callable[[Any], None] | None = None) -> list:
+    """As `run_until_done`, for requests that run together: their results, in order."""
+    boxes: list[dict[str, Any]] = [{} for _ in deferreds]
+    for deferred, box in zip(deferreds, boxes):
+        deferred.bind(_Collect(box, on_item))
+    while not all(d.finished for d in deferreds):
+        busy = [b for b in backgrounds.values() if b.busy()]
+        if not busy:
+            raise RuntimeError("nothing is running that could finish these requests")
+        for background in busy:
+            background.step()
+    for box in boxes:
+        if "error" in box:
+            raise box["error"]
+    return [box["result"] for box in boxes]
+
+
+class _Collect:
+    def __init__(self, box: dict, on_item: Callable[[Any], None] | None) -> None:
+        self.box, self.on_item = box, on_item
+
+    def emit(self, item: Any) -> None:
+        if self.on_item is not None:
+            self.on_item(item)
+
+    def done(self, result: Any) -> None:
+        self.box["result"] = result
+
+    def fail(self, error: BaseException) -> None:
+        self.box["error"] = error

@@ -1,0 +1,197 @@
+"""Vectorized, reproducible token sampling for the rollout engine: one call samples a whole batch
+of rows (B, V), each with its own temperature, top-p, seed and position.
+
+The log-probabilities follow [Note: sampler log-probabilities] (executors/torch/generate.py):
+``log_softmax(logits / temperature)[token]`` over the whole vocabulary in float64, before top-p
+truncation; greedy rows (``temperature <= 0``) take the argmax and record ``log_softmax(logits)``.
+The top-p set is the one `generate._top_p` keeps, computed for all rows at once.
+
+[Note: inverse-CDF order] A row draws the first token whose cumulative probability exceeds
+its uniform u times the total. Rows with top_p >= 1 accumulate in vocabulary order: no sort,
+which dominates the cost at a large vocabulary. Top-p rows accumulate their kept set in
+descending probability, ties ranked by token id (a stable sort), so which of two tied tokens
+stays in the set is defined on every device. Either way the token is a function of the row
+alone: its logits, temperature, top_p, seed and position.
+
+[Note: counter-based sampling] The uniform a row draws is a pure function of (seed, position):
+``seed`` is the sequence's 64-bit seed (`sequence_seed`), ``position`` the index of the token in
+the response (0 for the first response token). Nothing is carried from one call to the next, so
+a sequence draws the same uniforms whatever else is in the batch, in whichever row, for any
+arrival order or max_batch, and a sequence paused and resumed at position p draws exactly what
+it would have drawn at p. The uniform is Philox4x32-10 (Salmon et al., "Parallel random
+numbers: as easy as 1, 2, 3", SC'11; the generator behind torch's and cuRAND's CUDA
+randomness): key = the seed's two 32-bit halves, counter = (position's two 32-bit halves, 0, 0),
+and 53 bits of its first two output words make a float64 in [0, 1). Philox passes TestU01's
+BigCrush for every key, and distinct (key, counter) pairs give independent-looking outputs, so
+different seeds and positions never share a stream. It runs in torch int64 arithmetic with every
+intermediate below 2^63 (the 32x32-bit products are split into 16-bit halves; see `_mulhilo`):
+no signed overflow, which C++ leaves undefined, and the same bits on CPU and CUDA. (torch 2.13
+has no shifts or adds on uint64 on CPU, so a 64-bit mixer such as splitmix64 would need the
+signed overflow.) Known-answer vectors from Random123 pin it in tests/torch/test_sampling.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["sample_tokens", "sequence_seed", "uniforms"]
+
+_MASK32 = 0xFFFF_FFFF
+_MASK64 = 0xFFFF_FFFF_FFFF_FFFF
+_PHILOX_M = (0xD251_1F53, 0xCD9E_8D57)  # round multipliers of Philox4x32 (Random123)
+_PHILOX_W = (0x9E37_79B9, 0xBB67_AE85)  # key schedule increments (golden ratio, sqrt(3) - 1)
+_CANDIDATES = 1024  # a top-p row sorts only this many likeliest tokens when they hold its set
+_PHILOX_ROUNDS = 10  # Random123's default; 7 already passes BigCrush, 10 is its safety margin
+
+
+# -- the batch sampler ------------------------------------------------------------------------
+def sample_tokens(logits: torch.Tensor, *, temperature: torch.Tensor, top_p: torch.Tensor,
+                  seeds: torch.Tensor, positions: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``logits`` (B, V) and its log-probability [Note: sampler
+    log-probabilities]: tokens (B,) int64, logprobs (B,) float64. Each row has its own
+    temperature (0: greedy), top_p, seed and position [Note: counter-based sampling]; any dtype
+    of logits, computed in float64 on their device. Settings given on the CPU cost no host
+    synchronization; given on the GPU, one (which rows need top-p)."""
+    x = logits.to(torch.float64)  # (B, V)
+    temperature, top_p, seeds, positions, nucleus = _rows(x, temperature, top_p, seeds,
+                                                          positions)
+    greedy = temperature <= 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    logp = F.log_softmax(x / t[:, None], dim=-1)  # (B, V); greedy rows at temperature 1
+    probs = logp.exp()
+    u = uniforms(seeds, positions)  # (B,)
+    sampled = _inverse_cdf(probs, u)  # [Note: inverse-CDF order]
+    if len(nucleus):  # only top-p rows pay for a sort
+        sampled[nucleus] = _top_p_draw(probs[nucleus], top_p[nucleus], u[nucleus])
+    tokens = torch.where(greedy, torch.argmax(x, dim=-1), sampled)
+    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of ``weights`` (B, V) (unnormalized, >= 0, some positive), the first index whose
+    cumulative weight exceeds u * total: index i with probability weights[i] / total. A zero
+    weight is a flat step of the cdf, never chosen; u * total may round up to total itself
+    (probability ~2^-53), and then it is the last index with weight."""
+    cdf = torch.cumsum(weights, dim=-1)
+    total = cdf[:, -1:].contiguous()
+    index = torch.searchsorted(cdf, u[:, None] * total, right=True)
+    last = torch.searchsorted(cdf, total)  # where the cdf reaches its total
+    return torch.minimum(index, last)[:, 0]
+
+
+def _top_p_draw(probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Tokens (n,) drawn with uniforms u (n,) from the top-p sets of probs (n, V). A row sorts
+    only its `_CANDIDATES` most likely tokens when they hold the whole set: every token of the
+    set is then strictly likelier than the least likely candidate, so the candidates sorted by
+    (probability, token id) start exactly as the whole vocabulary sorted so, and the draw is
+    the same as the full sort's. Other rows sort everything."""
+    tokens = torch.empty(len(probs), dtype=torch.int64, device=probs.device)
+    rest = torch.arange(len(probs), device=probs.device)
+    if _CANDIDATES < probs.shape[1]:
+        top, ids = torch.topk(probs, _CANDIDATES, dim=-1, sorted=False)
+        ids = torch.sort(ids, dim=-1).values  # token order: the stable sort ranks ties by id
+        cand = probs.gather(1, ids)
+        kept, order = _nucleus(cand, top_p)
+        floor = top.min(dim=-1, keepdim=True).values  # (n, 1): the least likely candidate
+        first_tie = (cand > floor).sum(dim=-1, keepdim=True)  # rank of its first equal
+        # the set stops before first_tie (masked there and floor > 0: not a kept zero)
+        whole = (kept.gather(1, first_tie) == 0) & (floor > 0)  # (n, 1)
+        tokens = ids.gather(1, order.gather(1, _inverse_cdf(kept, u)[:, None]))[:, 0]
+        rest = torch.nonzero(~whole[:, 0])[:, 0]  # on CUDA, the one synchronization
+    if len(rest):
+        kept, order = _nucleus(probs[rest], top_p[rest])
+        tokens[rest] = order.gather(1, _inverse_cdf(kept, u[rest])[:, None])[:, 0]
+    return tokens
+
+
+def _rows(x: torch.Tensor, temperature, top_p, seeds, positions) -> tuple[torch.Tensor, ...]:
+    """The per-row settings as (B,) tensors on the logits' device, shape errors all at once, and
+    the rows that sample from a top-p set (sampling, top_p < 1), found where top_p lies."""
+    if x.dim() != 2:
+        raise ValueError(f"sample_tokens: logits must be (B, V), got shape {tuple(x.shape)}")
+    b = x.shape[0]
+    given, errors = [], []
+    for name, value, dtype in (("temperature", temperature, torch.float64),
+                               ("top_p", top_p, torch.float64),
+                               ("seeds", seeds, torch.int64),
+                               ("positions", positions, torch.int64)):
+        value = torch.as_tensor(value).to(dtype)
+        if value.shape != (b,):
+            errors.append(f"{name} must be ({b},) like the logits' rows, got {tuple(value.shape)}")
+        given.append(value)
+    if errors:
+        raise ValueError(f"sample_tokens: {len(errors)} errors: " + "; ".join(errors))
+    temperature, top_p = given[:2]
+    nucleus = torch.nonzero((top_p < 1.0) & (temperature.to(top_p.device) > 0))[:, 0]
+    return (*(v.to(x.device) for v in given), nucleus.to(x.device))
+
+
+def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the smallest set of most likely tokens whose mass reaches top_p (always the top
+    one) — the set `generate._top_p` keeps: (probabilities sorted descending with the rest
+    zeroed, the sort order), both (B, V). top_p >= 1 keeps every token."""
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass of the tokens ranked above
+    keep = (before < top_p[:, None]) | (top_p >= 1.0)[:, None]
+    keep[:, 0] = True
+    return sorted_p.masked_fill(~keep, 0.0), order
+
+
+# -- counter-based uniforms -------------------------------------------------------------------
+def uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """(B,) float64 in [0, 1), a pure function of each (seed, position) pair of int64s
+    [Note: counter-based sampling]: Philox4x32-10, then 53 bits of its first two words."""
+    seeds, positions = torch.broadcast_tensors(seeds.to(torch.int64), positions.to(torch.int64))
+    key = torch.stack([seeds & _MASK32, (seeds >> 32) & _MASK32])  # (2, B); >> is arithmetic:
+    zero = torch.zeros_like(positions)  # the mask keeps the two's-complement bits of negatives
+    counter = torch.stack([positions & _MASK32, (positions >> 32) & _MASK32, zero, zero])
+    out = _philox4x32(counter, key)  # (4, B) words in [0, 2^32)
+    bits53 = (out[0] >> 5) * (1 << 26) + (out[1] >> 6)  # 27 + 26 bits, < 2^53: exact in float64
+    return bits53.to(torch.float64) * 2.0**-53
+
+
+def _philox4x32(counter: torch.Tensor, key: torch.Tensor,
+                rounds: int = _PHILOX_ROUNDS) -> torch.Tensor:
+    """Philox4x32-R of counters (4, B) under keys (2, B), as Random123's philox4x32_R: all words
+    int64 in [0, 2^32). Round r > 0 first bumps the key by the Weyl increments."""
+    device = counter.device
+    m = torch.tensor(_PHILOX_M, dtype=torch.int64, device=device)[:, None]  # (2, 1)
+    w = torch.tensor(_PHILOX_W, dtype=torch.int64, device=device)[:, None]
+    for r in range(rounds):
+        if r > 0:
+            key = (key + w) & _MASK32
+        hi, lo = _mulhilo(counter[0::2], m)  # (2, B): M0 * c0 and M1 * c2
+        mixed = hi.flip(0) ^ counter[1::2] ^ key  # hi1 ^ c1 ^ k0, hi0 ^ c3 ^ k1
+        counter = torch.stack([mixed, lo.flip(0)], dim=1).reshape(4, -1)  # x0, lo1, x1, lo0
+    return counter
+
+
+def _mulhilo(a: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The high and low 32-bit words of a * m for a, m in [0, 2^32), never above 2^63: m splits
+    into 16-bit halves, a * m = (a * m_hi) * 2^16 + a * m_lo with both products < 2^48."""
+    p_lo = a * (m & 0xFFFF)  # < 2^48
+    p_hi = a * (m >> 16)  # < 2^48
+    t = ((p_hi & 0xFFFF) << 16) + p_lo  # < 2^49; a * m = (p_hi >> 16) * 2^32 + t
+    return (p_hi >> 16) + (t >> 32), t & _MASK32
+
+
+# -- per-sequence seeds -----------------------------------------------------------------------
+def sequence_seed(seed: int, prompt_id: int, sample: int, *, step: int = 0) -> int:
+    """The 63-bit seed of one sequence of a run [Note: counter-based sampling]: (seed, step,
+    prompt_id, sample), each taken mod 2^64, folded through splitmix64 (Steele et al., 2014)
+    in Python integer arithmetic — the same value in every process, platform and Python version,
+    unlike str hashes (salted per process) or tuple hashes (an implementation detail)."""
+    h = 0
+    for part in (seed, step, prompt_id, sample):
+        h = _splitmix64(h ^ (int(part) & _MASK64))  # a bijection of h for each fixed part
+    return h >> 1
+
+
+def _splitmix64(x: int) -> int:
+    """One splitmix64 output for state x: a bijection of 64-bit integers."""
+    z = (x + 0x9E37_79B9_7F4A_7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58_476D_1CE4_E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D0_49BB_1331_11EB) & _MASK64
+    return z ^ (z >> 31)
