@@ -10,8 +10,8 @@ still decoding, spread evenly over the executors, at most max_batch each: as if 
 had started at once, with no prefill); and the executors must get through every token at
 max_batch sequences an iteration at best (plus every prompt's prefill). The larger of the two.
 
-Parts: "sim" (above). The torch engine against one decode call per prompt (tokens/s) is the
-other part the issue asks for; it goes in _PARTS beside "sim".
+Parts: "sim" (above), and "torch": the torch rollout engine against one decode call per
+prompt on this CPU, tokens/s on the same samples (flowkit/bench/engine.py).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class RolloutSetup:
 
 
 def run_rollout_bench(setup: RolloutSetup | None = None, *,
-                      parts: Sequence[str] = ("sim",)) -> dict:
+                      parts: Sequence[str] = ("sim", "torch")) -> dict:
     """The figures of each part, by name, with the setup."""
     setup = setup or RolloutSetup()
     figures: dict[str, Any] = {"setup": attrs.asdict(setup)}
@@ -152,4 +152,11 @@ def _flow(setup: RolloutSetup) -> Flow:
     return flow
 
 
-_PARTS: dict[str, Callable[[RolloutSetup], dict]] = {"sim": _simulated}
+def _torch(setup: RolloutSetup) -> dict:
+    """Its own sizes (the sorting task's): the setup is the simulator's."""
+    from flowkit.bench.engine import engine_figures
+
+    return engine_figures()
+
+
+_PARTS: dict[str, Callable[[RolloutSetup], dict]] = {"sim": _simulated, "torch": _torch}

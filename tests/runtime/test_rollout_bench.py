@@ -13,7 +13,7 @@ _FIGURES = {"makespan_s", "lower_bound_s", "makespan_over_bound", "first_downstr
 def test_the_rollout_bench_reports_makespan_bound_and_first_sample_per_dispatch():
     setup = RolloutSetup(prompts=4, n=2, max_new_tokens=32, prompt_tokens=16, steps=2,
                          token=0.0005)
-    figures = run_rollout_bench(setup)
+    figures = run_rollout_bench(setup, parts=("sim",))  # torch: tests/torch/test_engine_bench
     assert figures["setup"]["prompts"] == 4
     for dispatch in ("length_aware", "count_based"):
         result = figures["sim"][dispatch]
@@ -21,7 +21,7 @@ def test_the_rollout_bench_reports_makespan_bound_and_first_sample_per_dispatch(
         assert result["samples"] == 8 and result["makespan_s"] > 0 < result["lower_bound_s"]
         assert result["makespan_over_bound"] == result["makespan_s"] / result["lower_bound_s"]
         assert 0 < result["first_downstream_s"] <= result["makespan_s"]
-    with pytest.raises(ValueError, match="unknown rollout bench part 'gpu'; parts: sim"):
+    with pytest.raises(ValueError, match="unknown rollout bench part 'gpu'; parts: sim, torch"):
         run_rollout_bench(setup, parts=("gpu",))
 
 
