@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flowkit.dsl import Batch, ModelOp, Problem, Stream
+from flowkit.dsl import Batch, ModelOp, Problem, Stream, Workload
 from flowkit.ops import KL_ALIASES, KL_KINDS, LOSS_KNOBS, LOSSES, ROUND_KNOBS, rounds_of
 from flowkit.ops.records import (
     MicrobatchStats,
@@ -29,6 +29,9 @@ class Generate(ModelOp):
     executor_op = "generate"
     many_per_call = True
     fan_out = ("n", "prompt_id")  # n rollouts per call, all of the prompt's prompt_id
+    # spread over rollout executors by predicted tokens: n x the prompt's estimated length
+    workload = Workload(key="prompt_id", count="n", budget="max_new_tokens",
+                        size="response_length")
     inputs = {"prompts": Stream[Prompt], "weights": Stream[WeightsVersion]}
     optional = ("weights",)
     outputs = {"rollouts": Stream[Rollout]}

@@ -5,6 +5,8 @@ real dispatch and real data movement, on a machine without a GPU.
 The planner's lowering puts each task's cost in its config (`seconds`, or `seconds_per_token` for
 ops whose time depends on what they produce); this module only obeys it. Sampled lengths and
 values come from a generator seeded by the task's identity, so a run is reproducible.
+`generate` is a deferred op: the executor's rollout engine (executors/simengine.py) decodes
+every live request together, one timed iteration at a time.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import random
 import time
 from typing import Any
 
-from executors.ops import OpContext, OpTable
+from executors.ops import Deferred, OpContext, OpTable
+from executors.simengine import EngineCosts, engine_of
 from flowkit.ops.records import MicrobatchStats, Rollout, TokenScores, step_report
 
-__all__ = ["busy_for", "register"]
+__all__ = ["busy_for", "register", "sample_rollout"]
 
 _SPIN_S = 0.0002
 
@@ -93,39 +96,63 @@ def _optimizer_step(ctx: OpContext, *inputs: Any, seconds: float = 0.0, model: s
 
 # -- generation and inference ------------------------------------------------------------------
 def _generate(ctx: OpContext, prompt: Any, *weights: Any, n: int = 1, max_new_tokens: int = 16,
-              seconds_per_token: float = 0.0, min_new_tokens: int = 1,
-              length_sigma: float = 0.0, step: int = 0, **config: Any) -> list:
-    """n rollouts of a prompt whose lengths have the long tail real sampling has: most stop
-    early, a few run to max_new_tokens (exponential lengths, or log-normal ones with
-    `length_sigma` > 0). The n sequences decode together, so a sample is done after its own
-    length's tokens: it leaves then, in finishing order (streamed when the task streams), and
-    the executor is busy until the longest one is."""
-    rng = random.Random(f"{getattr(prompt, 'prompt_id', prompt)}/{step}")
-    lengths = [_sampled_length(rng, min_new_tokens, max_new_tokens, length_sigma)
-               for _ in range(n)]
-    rollouts = []
-    for sample, length in enumerate(lengths):
-        tokens = [rng.randrange(32, 127) for _ in range(length)]
-        rollouts.append(Rollout(
-            prompt_id=getattr(prompt, "prompt_id", 0), sample=sample,
-            prompt_tokens=list(getattr(prompt, "tokens", [])), response_tokens=tokens,
-            logprobs=[-rng.random() * 3 for _ in tokens], finished=length < max_new_tokens,
-            answer=getattr(prompt, "answer", None)))
-    done, decoded = [], 0
-    for rollout in sorted(rollouts, key=lambda r: len(r.response_tokens)):
-        busy_for(seconds_per_token * (len(rollout.response_tokens) - decoded))
-        decoded = len(rollout.response_tokens)
-        if ctx.emit is not None:
-            ctx.emit(rollout)
-        done.append(rollout)
-    return done
+              seconds_per_token: float = 0.0, seconds_per_seq: float = 0.0,
+              seconds_per_prefill_token: float = 0.0, token_budget: int = 2048,
+              max_batch: int = 256, min_new_tokens: int = 1, length_sigma: float = 0.0,
+              prompt_sigma: float = 0.0, step: int = 0, **config: Any) -> Deferred:
+    """n rollouts of a prompt, decoded by the executor's rollout engine together with every
+    other live request [Note: simulated rollout engine in executors/simengine.py]; each sample
+    leaves the moment its last token is decoded (streamed when the task streams)."""
+    prompt_id = getattr(prompt, "prompt_id", prompt)
+    _check_counts(prompt_id, n=n, max_new_tokens=max_new_tokens)
+    rollouts = [sample_rollout(prompt, sample, step=step, min_new_tokens=min_new_tokens,
+                               max_new_tokens=max_new_tokens, length_sigma=length_sigma,
+                               prompt_sigma=prompt_sigma) for sample in range(n)]
+    costs = EngineCosts(token=seconds_per_token, per_seq=seconds_per_seq,
+                        prefill_token=seconds_per_prefill_token, token_budget=int(token_budget),
+                        max_batch=int(max_batch))
+    return engine_of(ctx.background).submit(
+        rollouts, [len(r.response_tokens) for r in rollouts],
+        prompt_tokens=len(getattr(prompt, "tokens", ())), costs=costs,
+        stream=ctx.emit is not None)
 
 
-def _sampled_length(rng: random.Random, low: int, high: int, sigma: float = 0.0) -> int:
-    if sigma > 0:  # log-normal with its median at an eighth of the budget, clipped
-        return max(low, min(high, int(rng.lognormvariate(math.log(max(1, high) / 8), sigma))))
-    # exponential around a quarter of the budget, clipped: a long tail at max_new_tokens
-    return max(low, min(high, int(rng.expovariate(4.0 / max(1, high))) + 1))
+def _check_counts(prompt_id: Any, **counts: Any) -> None:
+    """A bad request fails alone, naming its prompt, before it reaches the engine."""
+    for key, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"generate for prompt {prompt_id!r}: {key} must be a whole number "
+                             f">= 1, got {value!r}")
+
+
+def sample_rollout(prompt: Any, sample: int, *, step: int, min_new_tokens: int = 1,
+                   max_new_tokens: int = 16, length_sigma: float = 0.0,
+                   prompt_sigma: float = 0.0) -> Rollout:
+    """Sample `sample` of `prompt` at `step`: its length has the long tail real sampling has
+    (most stop early, a few run to max_new_tokens: exponential lengths, or log-normal ones with
+    `length_sigma` > 0), scaled by its prompt's own factor (`prompt_sigma`). Seeded by (prompt,
+    sample, step) alone, so it is the same whatever else decodes beside it."""
+    prompt_id = getattr(prompt, "prompt_id", prompt)
+    rng = random.Random(f"{prompt_id}/{sample}/{step}")
+    scale = random.Random(f"prompt/{prompt_id}").lognormvariate(0.0, prompt_sigma) \
+        if prompt_sigma > 0 else 1.0
+    length = _sampled_length(rng, max(1, min_new_tokens), max_new_tokens, length_sigma, scale)
+    # from random bytes: a thousand-token sample costs microseconds, not the engine's time
+    tokens = [32 + byte % 95 for byte in rng.randbytes(length)]
+    logprobs = [byte * (-3 / 255) for byte in rng.randbytes(length)]
+    return Rollout(prompt_id=getattr(prompt, "prompt_id", 0), sample=sample,
+                   prompt_tokens=list(getattr(prompt, "tokens", [])), response_tokens=tokens,
+                   logprobs=logprobs, finished=length < max_new_tokens,
+                   answer=getattr(prompt, "answer", None))
+
+
+def _sampled_length(rng: random.Random, low: int, high: int, sigma: float = 0.0,
+                    scale: float = 1.0) -> int:
+    if sigma > 0:  # log-normal with its median at an eighth of the budget (times scale), clipped
+        median = max(1, high) / 8 * scale
+        return max(low, min(high, int(rng.lognormvariate(math.log(median), sigma))))
+    # exponential around a quarter of the budget (times scale), clipped: a long tail at the top
+    return max(low, min(high, int(rng.expovariate(4.0 / (max(1, high) * scale))) + 1))
 
 
 def _token_scores(ctx: OpContext, rollout: Any, *_: Any, seconds_per_token: float = 0.0,

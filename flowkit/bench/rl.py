@@ -30,8 +30,12 @@ class RLSetup:
     microbatches: int = 16
     schedule: str = "1f1b"
     steps: int = 4  # the first is a barrier in both modes (it learns the batch size)
-    # seconds: a decode step, a token of inference, one F / B / W of one microbatch on one stage
-    token: float = 0.0005
+    # seconds: a decode iteration's fixed cost, a token of inference, one F / B / W of one
+    # microbatch on one stage. Every executor's 32 sequences decode together on its rollout
+    # engine (executors/simengine.py), so a 2 ms iteration makes generation about half of the
+    # step stage by stage: still short of the 70-90 % the RL systems report, which favours
+    # the barrier run (at 0.5 ms, a quarter of the step)
+    token: float = 0.002
     infer_token: float = 0.00002
     F: float = 0.012
     B: float = 0.012
@@ -64,22 +68,25 @@ def run_rl_bench(setup: RLSetup | None = None, *, torch_steps: int = 6) -> dict:
     return figures
 
 
-def _compared(times: dict[bool, float]) -> dict:
-    return {"fused_step_s": times[True], "barrier_step_s": times[False],
-            "speedup": times[False] / times[True]}
+def _compared(times: dict[bool, tuple[float, float]]) -> dict:
+    return {"fused_step_s": times[True][0], "barrier_step_s": times[False][0],
+            "speedup": times[False][0] / times[True][0],
+            "barrier_generation_share": times[False][1]}
 
 
-def _step_time(flow: Any, kind: str, tags: list, steps: int, costs: Any, fuse: bool) -> float:
+def _step_time(flow: Any, kind: str, tags: list, steps: int, costs: Any,
+               fuse: bool) -> tuple[float, float]:
     """Median seconds of the steps after the first (which profiles, warms up and, fused, learns
-    the batch size), on fresh executors."""
+    the batch size), on fresh executors; and the median share of generation in them."""
     from flowkit.planner.lower import lower_flow
     from flowkit.runtime import Controller, LocalExecutors
     from flowkit.runtime.flowrun import FlowRunner
 
     with Controller() as ctl, LocalExecutors(ctl, len(tags), kind=kind, tags=tags):
         runner = FlowRunner(ctl, lower_flow(flow), sim_costs=costs, fuse=fuse)
-        times = [runner.run_step(step).elapsed_s for step in range(steps)]
-    return statistics.median(times[1:])
+        reports = [runner.run_step(step) for step in range(steps)][1:]
+    return (statistics.median(r.elapsed_s for r in reports),
+            statistics.median(r.timing_s.get("generate", 0.0) / r.elapsed_s for r in reports))
 
 
 def _sorting_flow() -> Any:

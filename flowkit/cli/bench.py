@@ -18,6 +18,7 @@ _BENCHES = {
     "pipeline": "flowkit.bench.pipeline:run_pipeline_bench",
     "train": "flowkit.bench.train:run_train_bench",
     "rl": "flowkit.bench.rl:run_rl_bench",
+    "rollout": "flowkit.bench.rollout:run_rollout_bench",
 }
 
 

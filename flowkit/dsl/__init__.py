@@ -4,7 +4,7 @@ from flowkit.dsl.errors import FlowError, Problem
 from flowkit.dsl.flow import Feedback, Flow, Node, Outputs, Ref, Wire, collect, group_by
 from flowkit.dsl.load import FlowLoadError, load_flow
 from flowkit.dsl.metrics import Metrics
-from flowkit.dsl.operators import REQUIRED, InputPort, Model, ModelOp, Operator, op
+from flowkit.dsl.operators import REQUIRED, InputPort, Model, ModelOp, Operator, Workload, op
 from flowkit.dsl.types import Batch, Granularity, Grouped, PortType, Stream, Tensor, port_type
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "Stream",
     "Tensor",
     "Wire",
+    "Workload",
     "collect",
     "group_by",
     "load_flow",

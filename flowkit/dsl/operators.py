@@ -253,6 +253,22 @@ def _outputs(fn: Callable, hints: dict[str, Any], outputs: Mapping[str, Any] | N
     return {output: port_type(hints["return"])}
 
 
+@attrs.frozen(kw_only=True)
+class Workload:
+    """How much work one call of a ModelOp is predicted to be, so the runner can spread its
+    calls over the executors able to run them by predicted work rather than by count
+    [Note: length-aware dispatch in flowkit/runtime/balance.py]. Each name is the flow
+    library's, so the engine names none: for generation, a call (a prompt) yields
+    config[count] items (n samples) of at most config[budget] work each (max_new_tokens); the
+    call's input item is known across steps by its field `key` (prompt_id), and each output
+    item's field `size` says how much work it took (its response length)."""
+
+    key: str
+    count: str
+    budget: str
+    size: str
+
+
 class ModelOp(Operator):
     """An operator run by an executor that holds a Model, declared as a class:
 
@@ -273,7 +289,8 @@ class ModelOp(Operator):
     items (n samples per prompt), each its own item downstream, rather than one. `fan_out`:
     (config key, field) when a call yields config[key] items that share the value of `field`
     (n samples of one prompt_id), so `group_by(field, size=...)` downstream can be checked
-    against it. `choices`: config keys whose value must be one of a known set (a loss, a
+    against it. `workload`: how to predict a call's work (a Workload), for ops whose calls
+    differ widely in cost (generation: long-tailed lengths). `choices`: config keys whose value must be one of a known set (a loss, a
     schedule kind); `ranges`: numeric config keys and their (lowest, highest) allowed values,
     None for no bound (None as a value passes: "not set"). Both are checked when the flow is
     built. What they cannot say (how the node must be wired, a config changed after the
@@ -284,6 +301,7 @@ class ModelOp(Operator):
     lowering: ClassVar[str | None] = None
     many_per_call: ClassVar[bool] = False
     fan_out: ClassVar[tuple[str, str] | None] = None
+    workload: ClassVar[Workload | None] = None
     choices: ClassVar[dict[str, Collection[str]]] = {}
     ranges: ClassVar[dict[str, tuple[float | None, float | None]]] = {}
     inputs: ClassVar[dict[str, Any]] = {}

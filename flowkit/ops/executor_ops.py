@@ -27,6 +27,9 @@ class OpSpec:
 MODEL_KEYS = ("model", "build", "stages", "seed", "dtype", "model_config")  # model_spec's
 _STAGE = (*MODEL_KEYS, "stage")
 _PIPELINE = (*_STAGE, "microbatch", "loss", *LOSS_KNOBS, "seconds")
+# the simulator's rollout engine and sampled lengths (flowkit/planner/simcosts.py)
+_SIM_ENGINE = ("seconds_per_seq", "seconds_per_prefill_token", "token_budget", "max_batch",
+               "prompt_sigma")
 _OPTIMIZER = (*_STAGE, "step", "seconds", "lr", "weight_decay", "betas", "eps", "clip_grad_norm")
 _SCORING = (*MODEL_KEYS, "step", "max_batch", "seconds_per_token")
 
@@ -52,7 +55,7 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
     OpSpec("generate", "a prompt (or a list of them; an interrupted Rollout is continued), "
            "then weights versions to wait for",
            (*_SCORING, "n", "max_new_tokens", "temperature", "top_p", "eos", "sample_seed",
-            "token_budget", "min_new_tokens", "length_sigma"),
+            "token_budget", "min_new_tokens", "length_sigma", *_SIM_ENGINE),
            "n Rollouts per prompt, each streamed as it finishes"),
     OpSpec("logprobs", "a rollout (or a list of them)", (*_SCORING, "temperature"),
            "TokenScores: per-token log-probabilities"),

@@ -58,6 +58,11 @@ class Rollout:
     # given this Rollout continues it from its prefix
     interrupted: bool = False
 
+    @property
+    def response_length(self) -> int:
+        """What the runner learns of each sample without fetching it (a report key)."""
+        return len(self.response_tokens)
+
 
 @attrs.frozen(kw_only=True)
 class Scored(Rollout):

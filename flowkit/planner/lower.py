@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 import networkx as nx
 
-from flowkit.dsl import Flow, Granularity, Metrics, Model, Node, Wire
+from flowkit.dsl import Flow, Granularity, Metrics, Model, Node, Wire, Workload
 from flowkit.dsl.graph import GroupBy
 from flowkit.dsl.operators import FunctionOp, ModelOp, yields_many
 
@@ -66,6 +66,7 @@ class NodePlan:
     target: str | None = None  # a function op's import path
     takes_step: bool = False  # the function has a `step` parameter: it is told the step number
     reports: bool = False  # its outputs are Metrics, which the runner adds to the step's own
+    workload: Workload | None = None  # calls balanced by predicted work (a ModelOp's)
 
 
 _DECLARED_CALLS = {"pipeline": Call.PIPELINE, "step": Call.STEP}  # by ModelOp.lowering
@@ -98,7 +99,8 @@ def _plan_node(flow: Flow, node: Node, wires: list[Wire]) -> NodePlan:
         model = flow.models[operator.model]
         call = _DECLARED_CALLS[operator.lowering] if operator.lowering else _call_of(inputs)
         return NodePlan(call=call, op=operator.kind, many=(operator.many_per_call,) * len(outputs),
-                        model=model, **{**common, "tags": common["tags"] or tuple(model.tags)})
+                        model=model, workload=operator.workload,
+                        **{**common, "tags": common["tags"] or tuple(model.tags)})
     target = operator.target if isinstance(operator, FunctionOp) else None
     fn = getattr(operator, "fn", None)
     takes_step = fn is not None and "step" in inspect.signature(fn).parameters

@@ -18,31 +18,62 @@ def _seconds(_instance: object, attribute: attrs.Attribute, value: float) -> Non
                          f"got {value!r}")
 
 
+def _count(value: Any) -> Any:
+    """A spec's values are parsed as floats: 64.0 is the count 64; 6.5 stays for the check."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _counted(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"sim cost {attribute.name} must be a whole number >= 1, got {value!r}")
+
+
+_COUNTS = ("token_budget", "max_batch")
+
+
 @attrs.frozen(kw_only=True)
 class SimCosts:
-    """Defaults are a small GPT on one GPU: a few ms per pipeline op and per optimizer step, and
-    a decode step of half a millisecond, so a 64-token response takes ~32 ms to generate."""
+    """Defaults are a small GPT on one GPU: a few ms per pipeline op and per optimizer step.
+
+    Generation runs on a rollout engine (executors/simengine.py): one decode iteration advances
+    every live sequence of the executor by one token and costs `token + token_per_seq * b` for
+    b live sequences. Decoding is memory-bound, so the weights' read (`token`) dominates: a
+    lone sequence's iteration costs 0.5 ms, one of 256 sequences about twice that. `token`
+    keeps its old meaning (one decode step of a prompt's n samples, decoded together), so a
+    64-token response still takes ~32 ms when its prompt decodes alone."""
 
     F: float = attrs.field(default=0.002, converter=float, validator=_seconds)
     B: float = attrs.field(default=0.002, converter=float, validator=_seconds)
     W: float = attrs.field(default=0.001, converter=float, validator=_seconds)
     optimizer_step: float = attrs.field(default=0.002, converter=float, validator=_seconds)
+    # a decode iteration: fixed (weights read once per iteration) + per live sequence (its KV)
     token: float = attrs.field(default=0.0005, converter=float, validator=_seconds)
+    token_per_seq: float = attrs.field(default=0.000002, converter=float, validator=_seconds)
+    # prefill is compute-bound: ~200 prompt tokens cost what one decode iteration does
+    prefill_token: float = attrs.field(default=0.0000025, converter=float, validator=_seconds)
+    # tokens one iteration may process: decodes first, chunks of new prompts' prefill the rest
+    token_budget: int = attrs.field(default=2048, converter=_count, validator=_counted)
+    max_batch: int = attrs.field(default=256, converter=_count, validator=_counted)
     infer_token: float = attrs.field(default=0.00002, converter=float, validator=_seconds)
     activation_bytes: int = attrs.field(default=1 << 16, converter=int)
     # response lengths: exponential (0), or log-normal with this sigma (a longer tail)
     length_sigma: float = attrs.field(default=0.0, converter=float, validator=_seconds)
+    # how much prompts differ: each prompt's lengths are scaled by a log-normal factor with
+    # this sigma, seeded by its prompt_id, so a prompt that ran long runs long again (what a
+    # length predictor learns from); 0: every prompt alike
+    prompt_sigma: float = attrs.field(default=0.0, converter=float, validator=_seconds)
 
     @classmethod
     def parse(cls, text: str) -> SimCosts:
-        """'F=0.002,token=0.001': any of the fields, the rest default."""
+        """'F=0.002,token=0.001,max_batch=64': any of the fields, the rest default."""
         values: dict[str, Any] = {}
         names = {f.name.lower(): f.name for f in attrs.fields(cls)}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, eq, value = part.partition("=")
             name = names.get(key.strip().lower())
             if not eq or name is None:
-                raise ValueError(f"sim cost {part!r}: expected NAME=SECONDS with NAME one of "
+                raise ValueError(f"sim cost {part!r}: expected NAME=SECONDS (or NAME=COUNT for "
+                                 f"{' and '.join(_COUNTS)}) with NAME one of "
                                  f"{', '.join(names.values())}")
             try:
                 values[name] = float(value)
@@ -53,10 +84,17 @@ class SimCosts:
     def stage_costs(self, stages: int) -> Costs:
         return Costs.uniform(stages, F=self.F, B=self.B, W=self.W)
 
+    def iteration_s(self, batch: int) -> float:
+        """One decode iteration of `batch` live sequences, without prefill: t(b)."""
+        return self.token + self.token_per_seq * batch
+
     def config_for(self, op: str) -> dict:
         """The cost keys the simulator's op `op` reads."""
         if op == "generate":
-            return {"seconds_per_token": self.token, "length_sigma": self.length_sigma}
+            return {"seconds_per_token": self.token, "seconds_per_seq": self.token_per_seq,
+                    "seconds_per_prefill_token": self.prefill_token,
+                    "token_budget": self.token_budget, "max_batch": self.max_batch,
+                    "length_sigma": self.length_sigma, "prompt_sigma": self.prompt_sigma}
         if op in ("logprobs", "values", "reward_model"):
             return {"seconds_per_token": self.infer_token}
         if op == "optimizer_step":

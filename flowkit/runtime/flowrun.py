@@ -23,6 +23,7 @@ from flowkit.ops.records import mean_loss
 from flowkit.planner import Costs
 from flowkit.planner.lower import Call, InputRule, NodePlan
 from flowkit.planner.simcosts import SimCosts
+from flowkit.runtime.balance import Balancer, LengthEstimates
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.flowtrain import ModelTraining
 from flowkit.runtime.pipeline import measure
@@ -32,6 +33,19 @@ from flowkit.runtime.stepstate import FlowRunError, NodeState, Streams, lineage_
 from flowkit.runtime.training import model_spec
 
 __all__ = ["FlowRunError", "FlowRunner", "StepReport"]
+
+
+@attrs.frozen
+class _Workload:
+    """A node whose calls are balanced by predicted work [Note: length-aware dispatch]."""
+
+    lead: InputRule  # the input whose items are the calls (the prompts)
+    keyed: bool  # its items' keys are the workload's key (else no history: all alike)
+    sized: bool  # the node's output keys are its items' sizes (else nothing is learned)
+    # the calls' items all come from one source call: wait for its end (its items arrive
+    # together anyway) so the step's calls can be sent longest first
+    hold: bool
+    estimates: LengthEstimates  # across steps
 
 
 @attrs.frozen
@@ -49,7 +63,7 @@ class FlowRunner:
 
     def __init__(self, ctl: Controller, plan: list[NodePlan], *,
                  sim_costs: SimCosts | None = None, step_timeout: float = 600.0,
-                 fuse: bool = True) -> None:
+                 fuse: bool = True, balance: bool = True) -> None:
         self.ctl, self.plan, self.sim_costs = ctl, plan, sim_costs
         # fuse=False: every op waits for its producers to finish (stage by stage, a barrier
         # between stages), the baseline that sample-level fusion is measured against
@@ -63,6 +77,11 @@ class FlowRunner:
                     self.consumers[rule.src].append(node.name)
                 if rule.group_key is not None:
                     self.report_keys[rule.src] = rule.group_key
+        # balance=False: calls of ops with a Workload go where the dispatcher's count says,
+        # in arrival order, the baseline of length-aware dispatch [Note: length-aware dispatch]
+        self.workloads = {node.name: self._workload(node) for node in plan
+                          if balance and node.workload is not None and node.call is Call.PER_ITEM}
+        self.balancers: dict[str, Balancer | None] = {}
         self.placement = self._place_models()
         # a model op's config, but the step: built once, not per item on the dispatch path;
         # model ops name the model's whole copy [Note: one model, many holders in
@@ -77,6 +96,18 @@ class FlowRunner:
         self.profiles: dict[tuple[str, int], Costs] = {}  # (model, stages) -> profiled costs
         self.training = {node.model.name: self._training(node.model) for node in plan
                          if node.call is Call.PIPELINE}
+
+    def _workload(self, node: NodePlan) -> _Workload:
+        """Ask for what length-aware dispatch learns from without fetching anything: the key
+        of each input item (from its producer) and the size of each output item, as report
+        keys, unless a group_by already needs the producer's or the node's own."""
+        workload = node.workload
+        lead = next(r for r in node.inputs if not r.feedback
+                    and r.granularity is Granularity.STREAM)
+        keyed = self.report_keys.setdefault(lead.src, workload.key) == workload.key
+        sized = self.report_keys.setdefault(node.name, workload.size) == workload.size
+        source = next(n for n in self.plan if n.name == lead.src).call is Call.SOURCE
+        return _Workload(lead, keyed, sized, source, LengthEstimates())
 
     def _training(self, model: Any) -> ModelTraining:
         users = [(node.op, frozenset(node.tags)) for node in self.plan
@@ -122,6 +153,7 @@ class FlowRunner:
         self.incomplete_groups: dict[str, int] = {}  # node -> groups flushed short this step
         for training in self.training.values():
             training.start_step(step)
+        self.balancers = {name: self._balancer(name, w) for name, w in self.workloads.items()}
         for node in self.plan:
             self._progress(node.name)
         deadline = time.monotonic() + self.step_timeout
@@ -135,6 +167,14 @@ class FlowRunner:
             event()
         self.previous = self.streams
         return self._report(step, started)
+
+    def _balancer(self, name: str, workload: _Workload) -> Balancer | None:
+        plan, config = self.states[name].plan, self.op_configs[name]
+        able = [e.id for e in self.ctl.executors() if e.runs(plan.op, frozenset(plan.tags))]
+        if not able:
+            return None  # the dispatcher says why when the first call is submitted
+        return Balancer(workload.estimates, able, count=config.get(plan.workload.count, 1),
+                        budget=config.get(plan.workload.budget, 1))
 
     def save_weights(self, folder: Path) -> list[Path]:
         """Each model trained so far (an interrupted step included), its stages' weights merged by the unsplit
@@ -155,6 +195,8 @@ class FlowRunner:
                 start, end = future.timing
                 state.first_start = min(start, state.first_start or start)
                 state.last_end = max(end, state.last_end or end)
+        if register and self.balancers.get(name) is not None:
+            self._balanced_done(name, lineage, futures[0])
         if register:
             self._register_outputs(state.plan, lineage, outputs)
         self._progress(name)
@@ -167,10 +209,23 @@ class FlowRunner:
         state = self.states[name]
         j = state.streamed[lineage]
         state.streamed[lineage] += 1
+        balancer = self.balancers.get(name)
+        if balancer is not None and self.workloads[name].sized:
+            balancer.finished(lineage, part.keys[0] if part.keys else None)
         (port,) = state.plan.outputs
         self.streams[(name, port)].add(lineage + (j,), part, part.keys[0] if part.keys else None)
         for consumer in self.consumers[name]:
             self._progress(consumer)
+
+    def _balanced_done(self, name: str, lineage: tuple, future: Any) -> None:
+        """A balanced call is done: the sizes of its items that did not stream, then its
+        open work is off its executor."""
+        balancer = self.balancers[name]
+        keys = getattr(future, "keys", None) or []
+        if self.workloads[name].sized:
+            for size in keys[self.states[name].streamed.get(lineage, 0):]:
+                balancer.finished(lineage, size)
+        balancer.closed(lineage)
 
     def _register_outputs(self, plan: NodePlan, lineage: tuple, futures: tuple) -> None:
         for port, many, future in zip(plan.outputs, plan.many, futures):
@@ -222,7 +277,11 @@ class FlowRunner:
         barriers = [r for r in live if r.granularity is not Granularity.STREAM]
         if any(not self.streams.of(r).closed for r in barriers):
             return
+        workload = self.workloads.get(state.plan.name)
+        if workload is not None and workload.hold and not self.streams.of(workload.lead).closed:
+            return
         lead = self.streams.of(streaming[0])
+        ready = []
         for lineage in lead.arrivals:
             if lineage in state.submitted:
                 continue
@@ -236,7 +295,17 @@ class FlowRunner:
                 for rule in barriers:
                     refs[rule.port] = Gather(self.streams.of(rule).ordered())
                 state.submitted.add(lineage)
+                ready.append((lineage, refs))
+        balancer = self.balancers.get(state.plan.name)
+        if balancer is None:
+            for lineage, refs in ready:
                 self._submit(state, lineage, refs)
+            return
+        keys = self.streams.of(workload.lead).keys if workload.keyed else {}
+        by_lineage = dict(ready)
+        for lineage, key in balancer.order([(lin, keys.get(lin)) for lin, _ in ready]):
+            self._submit(state, lineage, by_lineage[lineage],
+                         executor=balancer.assign(lineage, key))
 
     def _check_all_paired(self, state: NodeState, live: list[InputRule]) -> None:
         streaming = [r for r in live if r.granularity is Granularity.STREAM]
@@ -285,7 +354,8 @@ class FlowRunner:
         self._submit(state, (), refs)
 
     # -- submitting ----------------------------------------------------------------------------
-    def _submit(self, state: NodeState, lineage: tuple, refs: dict[str, Any]) -> None:
+    def _submit(self, state: NodeState, lineage: tuple, refs: dict[str, Any], *,
+                executor: int | None = None) -> None:
         plan = state.plan
         refs.update(self._feedback_refs(plan))
         ports = [rule.port for rule in plan.inputs if rule.port in refs]
@@ -298,7 +368,7 @@ class FlowRunner:
         else:
             config = {**self.op_configs[plan.name], "step": self.step}  # sampling: afresh
         futures = self.ctl.submit(plan.op, *(refs[p] for p in ports), config=config,
-                                  tags=plan.tags, outputs=outputs, meta=meta,
+                                  executor=executor, tags=plan.tags, outputs=outputs, meta=meta,
                                   report_key=self.report_keys.get(plan.name),
                                   on_part=self._part_watch(plan, lineage))
         self._watch(state, lineage, futures if outputs > 1 else (futures,), register=True)
@@ -350,6 +420,9 @@ class FlowRunner:
                 metrics.update(self._reported(state.plan))
         for node, count in self.incomplete_groups.items():
             metrics[f"{node}/incomplete_groups"] = count
+        for node, balancer in self.balancers.items():
+            if balancer is not None:
+                metrics.update(balancer.end_step(node))
         if runs:
             # over every executor's pipeline ops, whichever model they belong to: two models'
             # pipelines sharing executors fill each other's bubbles

@@ -1,0 +1,202 @@
+"""The simulator's rollout engine: a timed model of continuous batching, so that what runs on
+simulator executors sees the rollout side a real engine (vLLM, SGLang, executors/torch/engine.py)
+gives it.
+
+[Note: simulated rollout engine] Requests (n samples of one prompt, their lengths already
+drawn) join the running batch whenever they arrive. One `step()` is one decode iteration:
+  - up to `max_batch` sequences hold a slot; free slots go to waiting samples in arrival order,
+    and a request's samples share its prompt's prefill (done once, as with a prefix cache);
+  - a per-iteration `token_budget`: every decoding sequence takes one token of it first, then
+    chunks of admitted prompts' prefill take the rest (Sarathi-Serve's chunked prefill), so a
+    long prompt never stalls decoding; the chunk that ends a prompt's prefill also yields its
+    samples' first token;
+  - the iteration costs `token + per_seq * b` for b sequences that produce a token, plus
+    `prefill_token` per prompt token prefilled;
+  - a sample whose last token was produced leaves at once (streamed when its task streams), and
+    its slot goes to a waiting sample in the next iteration.
+A sample of length L is thus in the batch for exactly L iterations once its prompt is
+prefilled, whatever else is in the batch: the samples themselves are drawn before they join
+(executors/sim.py), so batch composition changes when they come out, never what they are.
+
+Time is kept against a running deadline rather than by sleeping each iteration's cost anew:
+the oversleep of one iteration is taken off the next (up to _CATCH_UP_S), as a GPU's queue
+runs ahead of the host, so a thousand-iteration decode does not drift by a thousand wake-ups.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from executors.ops import Deferred
+
+__all__ = ["EngineCosts", "SimEngine", "engine_of"]
+
+_CATCH_UP_S = 0.005  # a host stall longer than this is real lost time, not oversleep
+
+
+@attrs.frozen(kw_only=True)
+class EngineCosts:
+    """What one iteration costs (see SimCosts in flowkit/planner/simcosts.py)."""
+
+    token: float = 0.0  # seconds: an iteration's fixed part (the weights' read)
+    per_seq: float = 0.0  # seconds per sequence producing a token (its KV cache's read)
+    prefill_token: float = 0.0  # seconds per prompt token prefilled
+    token_budget: int = 2048
+    max_batch: int = 256
+
+    def iteration_s(self, batch: int, prefilled: int = 0) -> float:
+        return self.token + self.per_seq * batch + self.prefill_token * prefilled
+
+
+@attrs.define(eq=False)
+class _Request:
+    deferred: Deferred
+    items: list  # the samples, in sample order
+    lengths: list[int]  # tokens each sample decodes (>= 1)
+    prefill_left: int  # prompt tokens not prefilled yet
+    stream: bool  # emit each sample as it finishes [Note: streaming ops]
+    admitted: int = 0  # samples given a slot so far (in sample order)
+    waiting: list[int] = attrs.field(factory=list)  # admitted, until the prefill ends
+    live: int = 0  # samples decoding
+    finished: list = attrs.field(factory=list)  # in finishing order: the task's result
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == len(self.items)
+
+
+class SimEngine:
+    """A Background [Note: deferred ops in executors/ops.py] serving a simulator executor's
+    generate requests [Note: simulated rollout engine]. `clock` and `sleep` are the timer's,
+    replaceable so tests can run it on a fake clock.
+
+    A sample's last iteration is known when it starts decoding (it produces a token every
+    iteration), so an iteration touches only the samples that finish in it: a heap by last
+    iteration. Python work per iteration then stays far below the iteration's simulated cost
+    at any batch, and so does not slow the simulated engine down."""
+
+    def __init__(self, *, clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.clock, self.sleep = clock, sleep
+        self.costs = EngineCosts()
+        self.requests: list[_Request] = []  # unfinished, in arrival order
+        self.slots = 0  # sequences holding a slot: decoding, or waiting for their prefill
+        self.live = 0  # sequences decoding
+        self.ending: list[tuple[int, int, _Request, int]] = []  # (last iteration, tie, r, sample)
+        self.deadline: float | None = None  # None: idle, the next iteration starts now
+        self.iterations = 0
+
+    def submit(self, items: list, lengths: list[int], *, prompt_tokens: int,
+               costs: EngineCosts, stream: bool) -> Deferred:
+        """A request: `items` come out one by one, item i after `lengths[i]` iterations in
+        the batch. The latest request's costs are the engine's (a run has one set)."""
+        deferred = Deferred()
+        self.costs = costs
+        self.requests.append(_Request(deferred, list(items), [max(1, int(n)) for n in lengths],
+                                      max(0, int(prompt_tokens)), stream))
+        return deferred
+
+    def busy(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> None:
+        self._drop_cancelled()
+        self._admit()
+        prefilled = self._prefill()
+        self._wait(self.costs.iteration_s(self.live, prefilled))
+        now, ending = self.iterations, self.ending
+        while ending and ending[0][0] == now:
+            _, _, request, sample = heapq.heappop(ending)
+            if not request.deferred.cancelled:
+                self._finish(request, sample)
+        self.iterations += 1
+        if not self.requests:
+            self.deadline = None
+
+    # -- one iteration -------------------------------------------------------------------------
+    def _drop_cancelled(self) -> None:
+        for request in [r for r in self.requests if r.deferred.cancelled]:
+            self.requests.remove(request)
+            self.slots -= request.live + len(request.waiting)
+            self.live -= request.live  # its entries in `ending` are skipped when due
+
+    def _admit(self) -> None:
+        """Free slots to waiting samples, oldest request first; a request's samples start at
+        once when its prompt is prefilled already."""
+        free = self.costs.max_batch - self.slots
+        for request in self.requests:
+            if free <= 0:
+                return
+            take = min(free, len(request.items) - request.admitted)
+            samples = range(request.admitted, request.admitted + take)
+            request.admitted += take
+            free -= take
+            self.slots += take
+            if request.prefill_left == 0:
+                self._start(request, samples)
+            else:
+                request.waiting.extend(samples)
+
+    def _prefill(self) -> int:
+        """Prompt tokens prefilled this iteration: what the decodes leave of the budget, oldest
+        prompt first; a prompt whose prefill ends starts its admitted samples (the last
+        chunk's logits give their first token)."""
+        budget = max(0, self.costs.token_budget - self.live)
+        prefilled = 0
+        for request in self.requests:
+            if budget == 0:
+                break
+            if not request.waiting or request.prefill_left == 0:
+                continue
+            chunk = min(budget, request.prefill_left)
+            request.prefill_left -= chunk
+            budget -= chunk
+            prefilled += chunk
+            if request.prefill_left == 0:
+                self._start(request, request.waiting)
+                request.waiting = []
+        return prefilled
+
+    def _start(self, request: _Request, samples: Any) -> None:
+        """Samples that produce their first token this iteration."""
+        for sample in samples:
+            last = self.iterations + request.lengths[sample] - 1
+            heapq.heappush(self.ending, (last, next(_TIES), request, sample))
+            request.live += 1
+            self.live += 1
+
+    def _wait(self, cost: float) -> None:
+        now = self.clock()
+        start = now if self.deadline is None else max(self.deadline, now - _CATCH_UP_S)
+        self.deadline = start + cost
+        if self.deadline > now:
+            self.sleep(self.deadline - now)
+
+    def _finish(self, request: _Request, sample: int) -> None:
+        request.live -= 1
+        self.live -= 1
+        self.slots -= 1
+        item = request.items[sample]
+        request.finished.append(item)
+        if request.stream:
+            request.deferred.emit(item)
+        if request.done:
+            self.requests.remove(request)
+            request.deferred.done(list(request.finished))
+
+
+_TIES = itertools.count()  # heap entries that end together leave in the order they started
+
+
+def engine_of(background: dict[str, Any], name: str = "generate") -> SimEngine:
+    """The executor's engine, started by its first request."""
+    engine = background.get(name)
+    if engine is None:
+        engine = background[name] = SimEngine()
+    return engine
