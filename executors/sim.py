@@ -117,6 +117,20 @@ def _generate(ctx: OpContext, prompt: Any, *weights: Any, n: int = 1, max_new_to
         stream=ctx.emit is not None)
 
 
+def _generation(ctx: OpContext, *_: Any, action: str, model: str | None = None) -> int:
+    """Pause, resume or abort this executor's rollout engine, as the torch executor's op does;
+    abort returns how many samples came back interrupted."""
+    if action not in ("pause", "resume", "abort"):
+        raise ValueError(f"generation action {action!r} is not one of pause, resume, abort")
+    engine = ctx.background.get("generate")
+    if engine is None:
+        return 0
+    if action == "abort":
+        return engine.abort()
+    engine.pause(action == "pause")
+    return 0
+
+
 def _check_counts(prompt_id: Any, **counts: Any) -> None:
     """A bad request fails alone, naming its prompt, before it reaches the engine."""
     for key, value in counts.items():
@@ -188,6 +202,7 @@ def register(table: OpTable) -> None:
     table.register("grad_stats", _grad_stats)
     table.register("optimizer_step", _optimizer_step)
     table.register("generate", _generate)
+    table.register("generation", _generation)
     table.register("logprobs", _token_scores)
     table.register("values", _token_scores)
     table.register("reward_model", _reward_model)

@@ -34,6 +34,7 @@ from typing import Any
 import attrs
 
 from executors.ops import Deferred
+from flowkit.ops.records import Rollout
 
 __all__ = ["EngineCosts", "SimEngine", "engine_of"]
 
@@ -91,6 +92,7 @@ class SimEngine:
         self.ending: list[tuple[int, int, _Request, int]] = []  # (last iteration, tie, r, sample)
         self.deadline: float | None = None  # None: idle, the next iteration starts now
         self.iterations = 0
+        self.paused = False
 
     def submit(self, items: list, lengths: list[int], *, prompt_tokens: int,
                costs: EngineCosts, stream: bool) -> Deferred:
@@ -103,7 +105,33 @@ class SimEngine:
         return deferred
 
     def busy(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) and not self.paused
+
+    def pause(self, paused: bool = True) -> None:
+        """Stop (or restart) decoding; the requests keep their place."""
+        self.paused = paused
+        self.deadline = None  # a resumed engine starts its next iteration then, not before
+
+    def abort(self) -> int:
+        """Every request ended now: each unfinished sample comes back cut at the tokens it has
+        decoded, `interrupted` (as the torch engine's abort); returns how many were cut."""
+        decoded = {(id(r), sample): self.iterations - (last - r.lengths[sample] + 1)
+                   for last, _, r, sample in self.ending}
+        cut = 0
+        for request in list(self.requests):
+            done = {id(item) for item in request.finished}
+            for sample, item in enumerate(request.items):
+                if id(item) not in done:
+                    request.finished.append(_interrupted(item, decoded.get((id(request), sample),
+                                                                           0)))
+                    cut += 1
+                    if request.stream:
+                        request.deferred.emit(request.finished[-1])
+            request.deferred.done(list(request.finished))
+        self.requests, self.ending = [], []
+        self.slots = self.live = 0
+        self.deadline = None
+        return cut
 
     def step(self) -> None:
         self._drop_cancelled()
@@ -189,6 +217,15 @@ class SimEngine:
         if request.done:
             self.requests.remove(request)
             request.deferred.done(list(request.finished))
+
+
+def _interrupted(item: Any, tokens: int) -> Any:
+    """A sample's Rollout cut after `tokens` decoded tokens (a plain item as it is)."""
+    if not isinstance(item, Rollout):
+        return item
+    tokens = max(0, min(tokens, len(item.response_tokens)))
+    return attrs.evolve(item, response_tokens=item.response_tokens[:tokens],
+                        logprobs=item.logprobs[:tokens], finished=False, interrupted=True)
 
 
 _TIES = itertools.count()  # heap entries that end together leave in the order they started

@@ -80,6 +80,7 @@ LOWERED_OPS = {"pipeline": (*PIPELINE_OPS, "profile_stage"),
                "step": ("grad_stats", "optimizer_step")}
 """The executor ops a model op runs as, by its `ModelOp.lowering` (without one: its own)."""
 
-SIMULATED = frozenset(PIPELINE_OPS) | {"grad_stats", "optimizer_step", "generate", "logprobs",
+SIMULATED = frozenset(PIPELINE_OPS) | {"grad_stats", "optimizer_step", "generate", "generation",
+                                       "logprobs",
                                        "values", "reward_model"}
 """The ops the timed simulator implements: every op a flow's model ops lower to."""

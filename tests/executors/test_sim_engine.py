@@ -208,3 +208,33 @@ def test_on_an_executor_a_bad_request_fails_and_the_others_go_on(sim):
     with pytest.raises(Exception, match="prompt 7: n must be a whole number >= 1, got 0"):
         bad.result(timeout=10)
     assert len(good.result(timeout=10)) == 2
+
+
+def test_pause_holds_the_engine_and_abort_cuts_every_sample_where_it_got():
+    engine, clock = _engine()
+    rollouts = [sample_rollout(Prompt(prompt_id=0, tokens=[1, 2]), k, step=0,
+                               max_new_tokens=64, min_new_tokens=10) for k in range(3)]
+    deferred = engine.submit(rollouts, [len(r.response_tokens) for r in rollouts],
+                             prompt_tokens=0, stream=True,
+                             costs=EngineCosts(token=1.0, per_seq=0.0, prefill_token=0.0))
+    sink = _Sink(clock)
+    deferred.bind(sink)
+    _run(engine, steps=4)
+    engine.pause()
+    assert not engine.busy() and clock.now == 4.0
+    engine.pause(False)
+    _run(engine, steps=2)
+    assert engine.abort() == 3 and not engine.busy()
+    result, _ = sink.result
+    assert [len(r.response_tokens) for r in result] == [6, 6, 6]  # 6 iterations decoded
+    assert all(r.interrupted and not r.finished for r in result)
+    assert [r.response_tokens for r in result] == [r.response_tokens[:6] for r in rollouts]
+
+
+def test_the_generation_op_on_an_idle_simulator_does_nothing_and_names_bad_actions():
+    from executors.sim import _generation
+
+    ctx = op_context()
+    assert _generation(ctx, action="abort") == 0
+    with pytest.raises(ValueError, match="'halt' is not one of pause, resume, abort"):
+        _generation(ctx, action="halt")
