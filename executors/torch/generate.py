@@ -33,6 +33,7 @@ from executors.torch import lm
 from executors.torch.engine import Engine, Sampling, run_until_done
 from executors.torch.held import held_model, right_padded, whole_model
 from executors.torch.stage import StageError
+from flowkit.ops.executor_ops import MODEL_KEYS
 from flowkit.ops.records import Rollout
 
 __all__ = ["decode", "generate_now", "register", "sample_token"]
@@ -206,6 +207,10 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, n: int = 1, max_new_t
     `sample_seed` is given, the sampling, which draws afresh each `step`. `max_batch` and
     `token_budget` size the engine when its first request makes it."""
     items = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
+    unknown = sorted(set(config) - set(MODEL_KEYS))
+    if unknown:
+        raise StageError(f"generate does not take {', '.join(map(repr, unknown))}: its settings "
+                         f"are {', '.join(_SETTINGS)}")
     _check_request(items, n, max_new_tokens)
     if not items:
         return []
@@ -245,6 +250,10 @@ def generate_now(ctx: OpContext, prompts: Any, **config: Any) -> list:
     executor would between messages): its rollouts, in finishing order."""
     result = _generate(ctx, prompts, **config)
     return result if isinstance(result, list) else run_until_done(ctx.background, result)
+
+
+_SETTINGS = ("n", "max_new_tokens", "temperature", "top_p", "eos", "seed", "sample_seed",
+             "max_batch", "token_budget", "step")
 
 
 def _check_request(items: list, n: Any, max_new_tokens: Any) -> None:

@@ -223,6 +223,7 @@ def test_the_generation_op_pauses_resumes_and_aborts_the_engine_here():
 @pytest.mark.parametrize(("kw", "error"), [
     ({"n": 0}, "n must be at least 1"),
     ({"max_new_tokens": 0}, "max_new_tokens must be at least 1"),
+    ({"top_k": 5}, "generate does not take 'top_k': its settings are n, max_new_tokens"),
     ({"prompts": [Prompt(prompt_id=9, tokens=[1] * 40)]}, "prompt 9 .40 tokens. leaves no room"),
     ({"prompts": [Rollout(prompt_id=4, sample=0, prompt_tokens=[1], response_tokens=[2],
                           logprobs=[-1.0])]}, "rollouts .'4/0'. are not interrupted"),
