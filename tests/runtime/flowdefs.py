@@ -6,7 +6,8 @@ import time
 
 import attrs
 
-from flowkit.dsl import Batch, Flow, Grouped, Metrics, Stream, collect, group_by, op
+from flowkit.dsl import Batch, Flow, Grouped, Metrics, Model, Stream, collect, group_by, op
+from flowkit.ops.records import Prompt, Rollout, Scored
 
 
 @attrs.frozen
@@ -133,4 +134,35 @@ def trickle(*, count: int = 3, gap: float = 0.3) -> Stream[Sample]:
 def trickle_flow(gap: float = 0.3) -> Flow:
     with Flow("trickle") as flow:
         total(collect(plus_one(trickle(count=3, gap=gap))))
+    return flow
+
+
+@op
+def short_prompts(*, count: int = 2) -> Stream[Prompt]:
+    for i in range(count):
+        yield Prompt(prompt_id=i, tokens=[1, 2, 3])
+
+
+@op
+def length_reward(rollout: Rollout) -> Scored:
+    return Scored(**attrs.asdict(rollout, recurse=False), reward=float(len(rollout.response_tokens)))
+
+
+@op
+def mean_reward(scored: Batch[Scored]) -> float:
+    return sum(s.reward for s in scored) / max(1, len(scored))
+
+
+def torch_streaming_flow() -> Flow:
+    """A random 12-token GPT generating: byte 10, the generator's EOS, comes up about one token
+    in 12, so a prompt's samples end at different lengths, each scored as it ends."""
+    from dataflows.models import GPT_BUILD
+    from dataflows.ops import Generate
+
+    actor = Model(name="actor", build=GPT_BUILD, tags=("rollout",),
+                  config={"vocab_size": 12, "block_size": 64, "n_layer": 1, "n_head": 2,
+                          "n_embd": 16})
+    with Flow("torch_streaming") as flow:
+        rollouts = Generate(actor)(short_prompts(count=2), n=6, max_new_tokens=48)
+        mean_reward(collect(length_reward(rollouts)))
     return flow

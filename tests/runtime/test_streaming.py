@@ -116,3 +116,22 @@ def test_a_samples_reward_starts_before_the_other_samples_of_its_prompt_finish()
         first_scored = min(rewards.items[lin].timing[0] for lin in samples)
         early.append(last_done - first_scored)
     assert max(early) > 0.05, early  # scored while its prompt was still generating
+
+
+def test_on_torch_a_sample_is_scored_while_its_prompt_still_generates():
+    """The torch rollout engine streams too: an early sample's reward starts before its
+    prompt's last sample is generated (the trace shows the same spans)."""
+    flow = flowdefs.torch_streaming_flow()
+    with executor_cluster(2, kind="torch", tags=[("rollout",), ("score",)],
+                          code=[FLOWDEFS]) as (ctl, _):
+        runner = FlowRunner(ctl, lower_flow(flow))
+        runner.run_step(0)
+    generated = runner.previous[("generate", "rollouts")]
+    scored = runner.previous[("length_reward", "out")]
+    early = []
+    for prompt in {lineage[:-1] for lineage in generated.items}:
+        samples = [lin for lin in generated.items if lin[:-1] == prompt]
+        last_done = max(generated.items[lin].timing[1] for lin in samples)
+        first_scored = min(scored.items[lin].timing[0] for lin in samples)
+        early.append(last_done - first_scored)
+    assert max(early) > 0, early
