@@ -11,6 +11,7 @@ and restores the generators last: the next op draws what the uninterrupted run's
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,10 @@ def state_of(ctx: OpContext) -> dict[str, Any]:
 def save_state(ctx: OpContext, *_: Any, path: str) -> int:
     """Write this executor's state to `path` (inside the checkpoint's unfinished folder, which
     the controller renames when every part is in); returns the bytes written."""
-    torch.save(state_of(ctx), path)
+    with open(path, "wb") as file:
+        torch.save(state_of(ctx), file)
+        file.flush()
+        os.fsync(file.fileno())  # on disk before the controller renames the checkpoint in
     return Path(path).stat().st_size
 
 

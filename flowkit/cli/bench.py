@@ -1,4 +1,4 @@
-"""`flowkit bench dispatch|transfer|pipeline|train|rl`: benchmarks, each against a baseline
+"""`flowkit bench dispatch|transfer|pipeline|train|rl|checkpoint`: benchmarks, each against a baseline
 measured side by side in the same run (this machine is noisy: compare ratios, not times)."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ _BENCHES = {
     "pipeline": "flowkit.bench.pipeline:run_pipeline_bench",
     "train": "flowkit.bench.train:run_train_bench",
     "rl": "flowkit.bench.rl:run_rl_bench",
+    "checkpoint": "flowkit.bench.checkpoint:run_checkpoint_bench",
 }
 
 
@@ -26,8 +27,8 @@ _BENCHES = {
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="Also write the figures as JSON.")
 def bench(which: str, json_out: Path | None) -> None:
-    """Measure dispatch, executor-to-executor transfer, pipeline execution, training, or an RL
-    step fused against stage by stage."""
+    """Measure dispatch, executor-to-executor transfer, pipeline execution, training, an RL
+    step fused against stage by stage, or a run checkpoint against writing its bytes."""
     import importlib
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
