@@ -11,6 +11,7 @@ every live request together, one timed iteration at a time.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -192,6 +193,24 @@ def _seed(ctx: OpContext, meta: dict) -> str:
     return f"{meta.get('model')}/{meta.get('stage')}/{meta.get('microbatch')}/{meta.get('step')}"
 
 
+# -- run checkpoints [Note: run checkpoints in flowkit/runtime/checkpoint.py] --------------------
+def _save_state(ctx: OpContext, *_: Any, path: str) -> int:
+    """The simulator holds no weights: its part of a checkpoint says so, and how many ops it ran
+    (each op's outputs are seeded by its identity, not by what ran before)."""
+    text = json.dumps({"format": "flowkit.sim_state/1", "executor": ctx.name})
+    with open(path, "w", encoding="utf-8") as file:
+        file.write(text)
+    return len(text)
+
+
+def _load_state(ctx: OpContext, *_: Any, path: str) -> int:
+    with open(path, encoding="utf-8") as file:
+        state = json.load(file)
+    if state.get("format") != "flowkit.sim_state/1":
+        raise ValueError(f"{path} is not a simulator executor's state")
+    return 0
+
+
 def register(table: OpTable) -> None:
     import torch  # noqa: F401 - imported now so the first op's time is not the import's
 
@@ -206,3 +225,5 @@ def register(table: OpTable) -> None:
     table.register("logprobs", _token_scores)
     table.register("values", _token_scores)
     table.register("reward_model", _reward_model)
+    table.register("save_state", _save_state)
+    table.register("load_state", _load_state)

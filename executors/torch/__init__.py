@@ -9,10 +9,12 @@ from executors.torch.stage import StageError, StageRunner
 
 def register(table) -> None:
     """The torch executor kind's ops: pipeline stages and the optimizer step (ops.py),
-    generation (generate.py), scoring (infer.py)."""
-    from executors.torch import generate, infer, ops
+    generation (generate.py), scoring (infer.py), run checkpoints (state.py)."""
+    from executors.torch import generate, infer, ops, state
 
     ops.register(table)
+    table.register("save_state", state.save_state)
+    table.register("load_state", state.load_state)
     generate.register(table)
     infer.register(table)
 

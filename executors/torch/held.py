@@ -50,6 +50,7 @@ class HeldModel:
     stages: dict[int, HeldStage] = attrs.field(factory=dict)
     layout: Any = None  # its names by the unsplit model's (executors/torch/weights.py)
     version: int | None = None  # of the weights load_weights last set
+    config: dict = attrs.field(factory=dict)  # what built it, to build it again (state.py)
 
 
 def held_model(ctx: OpContext, config: dict) -> HeldModel:
@@ -74,8 +75,10 @@ def held_model(ctx: OpContext, config: dict) -> HeldModel:
     if checkpoint:
         weights.load_checkpoint(whole, checkpoint)
     parts = _split(whole, num_stages, config.get("seq_len"))
+    built_from = {key: config[key] for key in ("model", "build", "stages", "seed", "dtype",
+                                               "model_config", "seq_len") if key in config}
     held = models[(name, num_stages)] = HeldModel(
-        spec=spec, parts=parts, device=device,
+        spec=spec, parts=parts, device=device, config=built_from,
         layout=weights.layout(whole, parts, seq_len=config.get("seq_len")))
     return held
 

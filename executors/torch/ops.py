@@ -210,6 +210,12 @@ def _adamw(module: torch.nn.Module, **hparams: Any) -> torch.optim.AdamW:
     return torch.optim.AdamW([g for g in groups if g["params"]], foreach=False, **hparams)
 
 
+def new_optimizer(module: torch.nn.Module) -> torch.optim.AdamW:
+    """An AdamW for `module` grouped as the optimizer step makes it, for a saved state to be
+    loaded into (its hyperparameters come with the state)."""
+    return _adamw(module, lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+
+
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
     grad = grad.to(param.device, param.dtype)
     param.grad = grad.clone() if param.grad is None else param.grad.add_(grad)

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
 
 import attrs
 import click
 from rich.console import Console
 
+from flowkit.cli._checkpoints import Checkpointing, GracefulStop, resume_point
 from flowkit.dsl import Flow
 from flowkit.observe import Dashboard, MetricsWriter, RunStats, TraceRecorder
 from flowkit.ops import LOSSES, LOWERED_OPS
 from flowkit.planner.lower import Call, NodePlan, lower_flow
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runtime import Controller, LocalExecutors, RemoteError
+from flowkit.runtime.checkpoint import CheckpointError, flow_identity, restore
 from flowkit.runtime.flowrun import FlowRunError, FlowRunner, StepReport
 
 __all__ = ["choose_executors", "executor_tags", "run_flow", "sparkline", "with_training_options"]
@@ -86,37 +90,54 @@ def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
              tag_spec: str | None, steps: int, sim_costs: SimCosts | None,
              trace: Path | None, metrics: Path | None, dashboard: bool | None,
              device: str = "cpu", fuse: bool = True, save_weights: Path | None = None,
-             debug: bool = False) -> None:
+             debug: bool = False, checkpoints: Checkpointing | None = None,
+             resume: Path | None = None) -> None:
+    """Run `steps` steps of `flow` (with `resume`, the steps after the checkpoint's up to
+    `steps` in all), writing `checkpoints` as they say."""
     plan = lower_flow(flow)
     stages = max((node.model.stages for node in plan if node.model is not None), default=1)
     count = count or max(2, stages)
     tags = executor_tags(plan, count, tag_spec)
+    identity = flow_identity(flow.name, plan)
+    if checkpoints is not None:
+        checkpoints.identity, checkpoints.kind = identity, kind
+    resumed = None
+    if resume is not None:  # checked before any executor starts
+        layout = [{"name": f"exec-{i}", "tags": sorted(t), "kind": kind}
+                  for i, t in enumerate(tags)]
+        resumed = resume_point(resume, identity, sorted(layout, key=lambda e: e["name"]))
     console = Console(stderr=False)
     recorder = TraceRecorder()
     stats = RunStats()
     writer = MetricsWriter(metrics) if metrics is not None else None
+    run = _Run(steps=steps, writer=writer, stats=stats, checkpoints=checkpoints)
     with Controller() as ctl:
         recorder.attach(ctl)
         stats.attach(ctl)
         executors = LocalExecutors(ctl, count, kind=kind, tags=tags, code=code, device=device)
-        executors.start()
+        started = executors.start()
         try:
             runner = FlowRunner(ctl, plan, sim_costs=sim_costs, fuse=fuse)
+            run.executors = started
+            if resumed is not None:
+                run.resume(runner, *resumed, console)
             with Dashboard(ctl, stats=stats, console=console, enabled=dashboard,
                            title=f"flowkit run {flow.name}") as board:
-                done = _run_steps(runner, steps, board, writer, stats)
+                done = run.steps_until_stopped(runner, board, console)
             if done < steps:
                 console.print(f"{flow.name}: interrupted at step {done}")
+            if checkpoints is not None and checkpoints.written is not None:
+                console.print(f"checkpoint of step {checkpoints.written} in {checkpoints.root}")
             if save_weights is not None:
                 for path in runner.save_weights(save_weights):
                     console.print(f"wrote {path}")
-        except FlowRunError as exc:
+        except (FlowRunError, CheckpointError) as exc:
             raise click.ClickException(_error_line(exc, debug)) from None
         finally:
             ctl.shutdown()
             executors.stop()
-            if writer is not None:
-                writer.close()
+            if run.writer is not None:
+                run.writer.close()
             if trace is not None:
                 recorder.write_chrome(trace)
                 console.print(f"wrote {trace} (open it in https://ui.perfetto.dev)")
@@ -125,43 +146,81 @@ def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
     console.print(f"{flow.name}: {steps} step{'s' * (steps > 1)} done")
 
 
+@attrs.define(kw_only=True)
+class _Run:
+    """The steps of one `flowkit run`, their metrics lines and checkpoints."""
+
+    steps: int
+    writer: MetricsWriter | None
+    stats: RunStats
+    checkpoints: Checkpointing | None
+    first: int = 0  # the step to start with: after a resumed checkpoint's
+    records: list[dict] = attrs.field(factory=list)  # every step's metrics line, as written
+    executors: list = attrs.field(factory=list)
+
+    def resume(self, runner: FlowRunner, folder: Path, manifest: Any, console: Console) -> None:
+        """Go on from `folder`: the executors' and runner's state, and the metrics file
+        rewritten with the checkpoint's lines, so the steps after it append without
+        duplicating the ones an interrupted run wrote past it."""
+        state = restore(folder, runner, self.executors)
+        self.first, self.records = state.step, list(state.records)
+        if self.writer is not None:
+            path = self.writer.path
+            self.writer.close()
+            self.writer = MetricsWriter(path)
+            for record in self.records:
+                self.writer.write(record)
+        console.print(f"resumed from {folder} (step {state.step} of {self.steps})")
+
+    def steps_until_stopped(self, runner: FlowRunner, board: Dashboard,
+                            console: Console) -> int:
+        """The steps done: all of them, or those before a Ctrl-C, which stops the run cleanly
+        (what was asked to be written still is, and the executors are shut down). With
+        checkpoints, the first Ctrl-C finishes the step and checkpoints it [GracefulStop]."""
+        stop = GracefulStop(self.checkpoints is not None, on_request=lambda: board.set_status(
+            "Ctrl-C: finishing the step to checkpoint it (Ctrl-C again stops at once)"))
+        try:
+            with stop:
+                for step in range(self.first, self.steps):
+                    board.set_status(f"step {step + 1}/{self.steps}")
+                    self._step(runner, step, board)
+                    done = step + 1
+                    if self.checkpoints is not None and (self.checkpoints.due(done)
+                                                         or stop.requested):
+                        path = self.checkpoints.write(runner, self.executors, self.records, done)
+                        board.set_status(f"step {done}/{self.steps}: wrote {path}")
+                    if stop.requested:
+                        return done
+        except KeyboardInterrupt:
+            return runner.step
+        return self.steps
+
+    def _step(self, runner: FlowRunner, step: int, board: Dashboard) -> None:
+        report = runner.run_step(step)
+        for warning in report.warnings:
+            board.warn(warning)
+        record = {"time": time.time(), **_step_record(report, self.stats)}
+        self.records.append(record)
+        board.set_metrics(_shown(record, self.records))
+        if self.writer is not None:
+            self.writer.write(record)
+
+
+def _shown(record: dict, records: list[dict]) -> dict:
+    shown = {k: v for k, v in record.items()
+             if k.endswith(("loss", "bubble_rate")) or k.startswith(("timing_s/", "reward"))
+             or k in ("step_s", "tokens_per_s", "response_length_mean")}
+    for key in ("loss", "reward_mean"):  # RL flows show their reward, all their loss
+        values = [r[key] for r in records if r.get(key) is not None]
+        if key in record and values:
+            shown[f"{key} so far"] = f"{values[0]:.3g} → {values[-1]:.3g} {sparkline(values)}"
+    return shown
+
+
 def _error_line(error: FlowRunError, debug: bool) -> str:
     """What failed and why; the op's remote traceback only with --debug."""
     text, found, _ = str(error).partition(RemoteError.MARK)
     return str(error) if debug or not found else f"{text} (--debug shows the traceback)"
-
-
-def _run_steps(runner: FlowRunner, steps: int, board: Dashboard, writer: MetricsWriter | None,
-               stats: RunStats) -> int:
-    """The steps done: all of them, or those before a Ctrl-C, which stops the run cleanly
-    (what was asked to be written still is, and the executors are shut down)."""
-    try:
-        _steps(runner, steps, board, writer, stats)
-    except KeyboardInterrupt:
-        return runner.step
-    return steps
-
-
-def _steps(runner: FlowRunner, steps: int, board: Dashboard, writer: MetricsWriter | None,
-           stats: RunStats) -> None:
-    curves: dict[str, list[float]] = {"loss": [], "reward_mean": []}
-    for step in range(steps):
-        board.set_status(f"step {step + 1}/{steps}")
-        report = runner.run_step(step)
-        for warning in report.warnings:
-            board.warn(warning)
-        record = _step_record(report, stats)
-        shown = {k: v for k, v in record.items()
-                 if k.endswith(("loss", "bubble_rate")) or k.startswith(("timing_s/", "reward"))
-                 or k in ("step_s", "tokens_per_s", "response_length_mean")}
-        for key, values in curves.items():  # RL flows show their reward, all their loss
-            if key in record:
-                values.append(record[key])
-                shown[f"{key} so far"] = (f"{values[0]:.3g} → {values[-1]:.3g} "
-                                          f"{sparkline(values)}")
-        board.set_metrics(shown)
-        if writer is not None:
-            writer.write(record)
 
 
 def _step_record(report: StepReport, stats: RunStats) -> dict:

@@ -1,5 +1,6 @@
-"""`flowkit bench dispatch|transfer|pipeline|train|rl`: benchmarks, each against a baseline
-measured side by side in the same run (this machine is noisy: compare ratios, not times)."""
+"""`flowkit bench dispatch|transfer|pipeline|train|rl|rollout|checkpoint`: benchmarks, each
+against a baseline measured side by side in the same run (this machine is noisy: compare
+ratios, not times)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ _BENCHES = {
     "train": "flowkit.bench.train:run_train_bench",
     "rl": "flowkit.bench.rl:run_rl_bench",
     "rollout": "flowkit.bench.rollout:run_rollout_bench",
+    "checkpoint": "flowkit.bench.checkpoint:run_checkpoint_bench",
 }
 
 
@@ -27,8 +29,9 @@ _BENCHES = {
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="Also write the figures as JSON.")
 def bench(which: str, json_out: Path | None) -> None:
-    """Measure dispatch, executor-to-executor transfer, pipeline execution, training, or an RL
-    step fused against stage by stage."""
+    """Measure dispatch, executor-to-executor transfer, pipeline execution, training, an RL
+    step fused against stage by stage, generation's rollout engine, or a run checkpoint
+    against writing its bytes."""
     import importlib
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")

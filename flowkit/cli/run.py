@@ -51,15 +51,29 @@ _KINDS = ("auto", *KINDS)
 @click.option("--save-weights", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="After the last step, write each trained model's weights to DIR/MODEL.pt "
               "(torch executors); a model config's `checkpoint` starts from such a file.")
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Write run checkpoints here (every --checkpoint-every steps, and on Ctrl-C, "
+              "which then finishes the running step first): the executors' weights and "
+              "optimizer states and the run's state, to --resume from.")
+@click.option("--checkpoint-every", type=click.IntRange(min=1), default=None,
+              help="Steps between checkpoints [default: only on Ctrl-C].")
+@click.option("--keep-checkpoints", type=click.IntRange(min=1), default=2, show_default=True,
+              help="How many of the newest checkpoints to keep.")
+@click.option("--resume", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Go on from the newest complete checkpoint in DIR (or DIR itself), up to "
+              "--steps steps in all, as the run would have had it never stopped.")
 @click.option("--dashboard/--no-dashboard", default=None,
               help="The live dashboard [default: on when the output is a terminal].")
 @click.option("--debug", is_flag=True, help="Show a failed op's remote traceback.")
 def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | None, device: str,
         steps: int, stages: int | None, microbatches: int | None, schedule: str | None,
         fuse: bool, sim_cost: str, trace: Path | None, metrics: Path | None,
-        save_weights: Path | None, dashboard: bool | None, debug: bool) -> None:
+        save_weights: Path | None, checkpoint_dir: Path | None, checkpoint_every: int | None,
+        keep_checkpoints: int, resume: Path | None, dashboard: bool | None,
+        debug: bool) -> None:
     """Run a flow's steps on local executor processes."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from flowkit.cli._checkpoints import Checkpointing
     from flowkit.cli._runflow import choose_executors, run_flow, with_training_options
     from flowkit.planner.simcosts import SimCosts
 
@@ -70,10 +84,15 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
         costs = SimCosts.parse(sim_cost)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--sim-cost") from None
+    if checkpoint_every is not None and checkpoint_dir is None:
+        raise click.BadParameter("give --checkpoint-dir too: where to write them",
+                                 param_hint="--checkpoint-every")
     kind = choose_executors(flow, kind)
     costs = costs if kind == "sim" else None
     path, _, _ = flow_spec.partition(":")
     with writing(trace or metrics or Path(".")):
         run_flow(flow, code=[path], kind=kind, count=num_executors, tag_spec=tag_spec,
                  device=device, steps=steps, fuse=fuse, sim_costs=costs, trace=trace, metrics=metrics,
-                 dashboard=dashboard, save_weights=save_weights, debug=debug)
+                 dashboard=dashboard, save_weights=save_weights, debug=debug, resume=resume,
+                 checkpoints=None if checkpoint_dir is None else Checkpointing(
+                     root=checkpoint_dir, every=checkpoint_every, keep=keep_checkpoints))

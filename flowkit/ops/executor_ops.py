@@ -13,7 +13,7 @@ import attrs
 
 from flowkit.ops.losses import LOSS_KNOBS
 
-__all__ = ["EXECUTOR_OPS", "LOWERED_OPS", "PIPELINE_OPS", "SIMULATED", "OpSpec"]
+__all__ = ["EXECUTOR_OPS", "LOWERED_OPS", "PIPELINE_OPS", "SIMULATED", "STATE_OPS", "OpSpec"]
 
 
 @attrs.frozen
@@ -74,6 +74,11 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
            (*_STAGE, "version", "complete"), "load them into the model held here"),
     OpSpec("save_weights", "export_weights dicts of every stage", ("path",),
            "merge and write them as one checkpoint file; returns its path"),
+    OpSpec("save_state", "anything, only to be ordered after it", ("path",),
+           "write what this executor holds for a run checkpoint (weights, optimizer states, "
+           "versions, random generators) to path; returns the bytes written"),
+    OpSpec("load_state", "anything, only to be ordered after it", ("path",),
+           "build and load what save_state wrote to path"),
 )}
 
 LOWERED_OPS = {"pipeline": (*PIPELINE_OPS, "profile_stage"),
@@ -81,6 +86,11 @@ LOWERED_OPS = {"pipeline": (*PIPELINE_OPS, "profile_stage"),
 """The executor ops a model op runs as, by its `ModelOp.lowering` (without one: its own)."""
 
 SIMULATED = frozenset(PIPELINE_OPS) | {"grad_stats", "optimizer_step", "generate", "generation",
-                                       "logprobs",
-                                       "values", "reward_model"}
-"""The ops the timed simulator implements: every op a flow's model ops lower to."""
+                                       "logprobs", "values", "reward_model", "save_state",
+                                       "load_state"}
+"""The ops the timed simulator implements: every op a flow's model ops lower to, the rollout
+engine's control, and the run checkpoint's state ops."""
+
+STATE_OPS = ("save_state", "load_state")
+"""The ops an executor takes part in a run checkpoint with [Note: run checkpoints in
+flowkit/runtime/checkpoint.py]."""

@@ -137,7 +137,9 @@ class FlowRunner:
                 raise FlowRunError(f"no executor holds model {model.name!r}: it needs tags "
                                    f"{list(model.tags)} and the pipeline ops; start executors "
                                    f"with those tags (flowkit run --tags ...)")
-            able.sort(key=lambda e: e.id)
+            # by name, not by id (the order executors connected in): a resumed run places each
+            # stage where the checkpointed run had it [Note: run checkpoints in checkpoint.py]
+            able.sort(key=lambda e: (e.name, e.id))
             offset = len(placement)  # spread the models' first stages over the executors
             placement[model.name] = [able[(offset + s) % len(able)] for s in range(model.stages)]
         return placement

@@ -1,0 +1,88 @@
+"""`flowkit run`'s run checkpoints [Note: run checkpoints in flowkit/runtime/checkpoint.py]: when
+to write one, what to check before resuming, and Ctrl-C that finishes the step and checkpoints."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import attrs
+import click
+
+from flowkit.runtime.checkpoint import (
+    CheckpointError,
+    Manifest,
+    check_resumable,
+    latest_checkpoint,
+    read_manifest,
+    write_checkpoint,
+)
+
+__all__ = ["Checkpointing", "GracefulStop", "resume_point"]
+
+
+@attrs.define(kw_only=True)
+class Checkpointing:
+    """Where and how often `flowkit run` checkpoints, and what it knows to write one."""
+
+    root: Path
+    every: int | None  # steps between checkpoints; None: only on Ctrl-C
+    keep: int = 2
+    identity: dict = attrs.field(factory=dict)
+    kind: str = "torch"
+    written: int | None = None  # the step count of the newest checkpoint written
+
+    def due(self, done: int) -> bool:
+        return self.every is not None and done % self.every == 0
+
+    def write(self, runner: Any, executors: list, records: list[dict], done: int) -> Path:
+        try:
+            folder = write_checkpoint(self.root, runner, step=done, identity=self.identity,
+                                      executors=executors, kind=self.kind, records=records,
+                                      keep=self.keep)
+        except CheckpointError as exc:
+            raise click.ClickException(str(exc)) from None
+        self.written = done
+        return folder
+
+
+def resume_point(path: Path, identity: dict, layout: list[dict]) -> tuple[Path, Manifest]:
+    """The checkpoint `--resume path` names, checked against this run before any executor
+    starts; one error line naming the mismatch otherwise."""
+    try:
+        folder = latest_checkpoint(path)
+        manifest = read_manifest(folder)
+        check_resumable(manifest, identity, layout, folder)
+    except CheckpointError as exc:
+        raise click.ClickException(str(exc)) from None
+    return folder, manifest
+
+
+class GracefulStop:
+    """With run checkpoints, the first Ctrl-C lets the running step finish, so that a checkpoint
+    of it can be written before the run exits; a second one stops at once (KeyboardInterrupt,
+    as without checkpoints). Only the main thread can own signals: elsewhere this does
+    nothing."""
+
+    def __init__(self, enabled: bool, on_request: Any = None) -> None:
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.requested = False
+        self.on_request = on_request
+        self._previous: Any = None
+
+    def __enter__(self) -> GracefulStop:
+        if self.enabled:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.enabled:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+        signal.signal(signal.SIGINT, self._previous)  # the next Ctrl-C interrupts
+        if self.on_request is not None:
+            self.on_request()
