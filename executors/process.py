@@ -3,7 +3,9 @@ its tasks produce, and moves them straight to the executors that consume them.
 
 One thread serves the sockets and runs ops (so a no-op costs microseconds, not a thread hand-off);
 a second thread only exchanges heartbeats on a socket of its own, so a long op never makes the
-controller think this executor died, and a dead controller makes this process exit by itself.
+controller think this executor died, and a dead controller makes this process exit by itself;
+a third serves the sockets while an op runs long (both in executors/threads.py). A task, and how
+its outputs are described to the controller, is executors/tasks.py.
 """
 
 from __future__ import annotations
@@ -20,58 +22,22 @@ from typing import Any
 import zmq
 
 from executors.ops import Deferred, OpContext, OpTable
+from executors.tasks import Task, check_streamed, describe, described, split_outputs
+from executors.threads import CompletionWatch, Heartbeat
 from flowkit.runtime.protocol import Msg, ProtocolError, decode, encode, part_id, send_frames
-from flowkit.runtime.refs import check_ref, object_ids, resolve
-from flowkit.runtime.serialize import SerializeError, nbytes_of, pack, unpack
+from flowkit.runtime.refs import resolve
+from flowkit.runtime.serialize import SerializeError, pack, unpack
 
 __all__ = ["Executor"]
 
 log = logging.getLogger("flowkit.executor")
 
-_INLINE_LIMIT = 2048  # outputs whose packed form is this small ride in the completion message
 # [Note: hot polling] After any work the loop polls without sleeping for _HOT_SECONDS: the next
 # instruction or peer request usually follows within microseconds, and waking from a sleeping
 # poll costs tens to hundreds of microseconds on a busy or virtual machine, more than a round trip.
 _HOT_SECONDS = 0.001
 _TINY_OP_S = 0.00005
-_HOLD_BACK_S = 0.001  # the longest a finished task's completion waits behind another op
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: IntFlag arithmetic is slow
-_NONE_BODY = pack(None)[0]
-
-
-class _Task:
-    __slots__ = ("id", "op", "fn", "config", "inputs", "outputs", "missing", "lane", "plain",
-                 "report_key", "stream", "streamed", "start")
-
-    def __init__(self, spec: dict, fn: Any) -> None:
-        self.id, self.op, self.fn, self.config = spec["id"], spec["op"], fn, spec["config"]
-        self.inputs, self.outputs = spec["inputs"], spec["outputs"]
-        self.missing = 0
-        # [Note: lanes] Tasks of one lane run in the order they arrived, like a CUDA stream:
-        # a pipeline schedule's per-device order is a lane.
-        self.lane = spec.get("lane")
-        self.plain = not self.inputs or all(type(i) is int for i in self.inputs)  # the usual
-        self.report_key = spec.get("report_key")  # a record field to report for each output item
-        self.stream = spec.get("stream", False)  # [Note: streaming ops in executors/ops.py]
-        self.streamed: list[dict] = []  # the descriptions of the items it streamed
-        self.start = 0.0
-
-    def object_ids(self) -> list[int]:
-        if self.plain:
-            return self.inputs
-        return [i for ref in self.inputs for i in object_ids(ref)]
-
-    def check(self) -> None:
-        if not self.plain:
-            for ref in self.inputs:
-                check_ref(ref)
-        if self.lane is not None and not isinstance(self.lane, str):
-            raise ProtocolError(f"a task's lane must be a string, got {self.lane!r}")
-        if self.report_key is not None and not isinstance(self.report_key, str):
-            raise ProtocolError(f"report_key must be a field name, got {self.report_key!r}")
-        if not isinstance(self.stream, bool) or self.stream and len(self.outputs) != 1:
-            raise ProtocolError(f"stream must be true or false, for a task of one output; got "
-                                f"{self.stream!r} for {len(self.outputs)} outputs")
 
 
 class Executor:
@@ -92,18 +58,18 @@ class Executor:
         self.peer_address = f"tcp://{peer_host}:{port}"
         self.executor_id: int | None = None
         self.objects: dict[int, Any] = {}
-        self.waiting: dict[int, _Task] = {}
-        self.blocked: dict[int, list[_Task]] = defaultdict(list)  # object id -> tasks needing it
-        self.ready: deque[_Task] = deque()
-        self.lanes: dict[str, deque[_Task]] = defaultdict(deque)  # [Note: lanes]
+        self.waiting: dict[int, Task] = {}
+        self.blocked: dict[int, list[Task]] = defaultdict(list)  # object id -> tasks needing it
+        self.ready: deque[Task] = deque()
+        self.lanes: dict[str, deque[Task]] = defaultdict(deque)  # [Note: lanes]
         self.sends: dict[int, list[str]] = defaultdict(list)  # object id -> peer addresses
         self.peers: dict[str, zmq.Socket] = {}
         self.completions: list[dict] = []
-        self.deferred: dict[int, tuple[_Task, Deferred]] = {}  # [Note: deferred ops]
+        self.deferred: dict[int, tuple[Task, Deferred]] = {}  # [Note: deferred ops]
         self.typical_op_s = 0.0  # a moving average of op time [Note: completion batching]
         self.socket_lock = threading.Lock()
         self.op_seq, self.in_op = 0, False
-        self.watch = _CompletionWatch(self)
+        self.watch = CompletionWatch(self)
         self.running = True
         self.cleanup_hooks: list = []  # run before exit, even when the controller died
         self._handlers = {
@@ -123,8 +89,8 @@ class Executor:
                       hello_timeout)
             return 2
         self.executor_id = welcome["executor"]
-        heartbeat = _Heartbeat(self, welcome.get("heartbeat_address", self.connect_address),
-                               welcome["ping_interval"], welcome["ping_timeout"])
+        heartbeat = Heartbeat(self, welcome.get("heartbeat_address", self.connect_address),
+                              welcome["ping_interval"], welcome["ping_timeout"])
         heartbeat.start()
         self.socket_lock.acquire()  # the loop's, except while an op runs
         self.watch.start()
@@ -220,7 +186,7 @@ class Executor:
     # -- handlers ------------------------------------------------------------------------------
     def _on_run(self, header: dict, frames: list) -> None:
         for spec in header["tasks"]:
-            task = _Task(spec, self.ops.get(spec["op"]))
+            task = Task(spec, self.ops.get(spec["op"]))
             if task.fn is None:
                 self._complete_failed(task, f"unknown op {task.op!r}: this executor runs "
                                       f"{', '.join(self.ops.names())}", "")
@@ -304,10 +270,10 @@ class Executor:
             if task.missing == 0 and task.id in self.waiting and self._heads_lane(task):
                 self.ready.append(task)
 
-    def _heads_lane(self, task: _Task) -> bool:
+    def _heads_lane(self, task: Task) -> bool:
         return task.lane is None or self.lanes[task.lane][0] is task
 
-    def _leave_lane(self, task: _Task) -> None:
+    def _leave_lane(self, task: Task) -> None:
         """Take `task` out of its lane; the next one runs once its inputs are in."""
         lane = self.lanes[task.lane]
         was_head = lane[0] is task
@@ -359,7 +325,7 @@ class Executor:
             if task.lane is not None:
                 self._leave_lane(task)
 
-    def _run(self, task: _Task) -> float:
+    def _run(self, task: Task) -> float:
         """Run `task` and queue its completion; returns how long the op took."""
         start = task.start = time.time()
         try:
@@ -372,9 +338,9 @@ class Executor:
                 result.bind(_DeferredSink(self, task))
                 self.deferred[task.id] = (task, result)
                 return time.time() - start
-            outputs = _split_outputs(result, len(task.outputs), task.op)
+            outputs = split_outputs(result, len(task.outputs), task.op)
             if task.stream:
-                _check_streamed(task, outputs[0])
+                check_streamed(task, outputs[0])
         except Exception as exc:
             self._complete_failed(task, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
                                   start=start)
@@ -388,15 +354,15 @@ class Executor:
                                  "report_key": task.report_key, "streamed": task.streamed})
         return end - start
 
-    def _finish_deferred(self, task: _Task, result: Any) -> None:
+    def _finish_deferred(self, task: Task, result: Any) -> None:
         """A deferred task's result, from its Background's step (sockets released)."""
         with self.socket_lock:
             if self.deferred.pop(task.id, None) is None:
                 return  # cancelled meanwhile
             try:
-                outputs = _split_outputs(result, len(task.outputs), task.op)
+                outputs = split_outputs(result, len(task.outputs), task.op)
                 if task.stream:
-                    _check_streamed(task, outputs[0])
+                    check_streamed(task, outputs[0])
             except TypeError as exc:
                 self._complete_failed(task, f"{type(exc).__name__}: {exc}", "",
                                       start=task.start)
@@ -407,7 +373,7 @@ class Executor:
                                      "end": time.time(), "outputs": list(zip(task.outputs, outputs)),
                                      "report_key": task.report_key, "streamed": task.streamed})
 
-    def _fail_deferred(self, task: _Task, error: BaseException) -> None:
+    def _fail_deferred(self, task: Task, error: BaseException) -> None:
         with self.socket_lock:
             if self.deferred.pop(task.id, None) is not None:
                 tb = "".join(traceback.format_exception(error))
@@ -437,12 +403,12 @@ class Executor:
                 self.in_op = False
                 self.socket_lock.acquire()
 
-    def _emit(self, task: _Task, value: Any) -> None:
+    def _emit(self, task: Task, value: Any) -> None:
         """Item `value` of a streaming task, yielded by its op: kept as an object of its own
         [Note: part ids in flowkit/runtime/protocol.py] and told of at once. Runs on the op
         thread, which holds the sockets only for the moment it sends."""
         index = len(task.streamed)
-        described = _describe(part_id(task.outputs[0], index), value, task.report_key)
+        described = describe(part_id(task.outputs[0], index), value, task.report_key)
         described.setdefault("nbytes", 0)  # None's description leaves it out
         task.streamed.append(described)
         with self.socket_lock:
@@ -450,7 +416,7 @@ class Executor:
             self._send(Msg.PART, {"task": task.id, "index": index, "start": task.start,
                                   "end": time.time(), "output": described})
 
-    def _call(self, task: _Task, args: list) -> Any:
+    def _call(self, task: Task, args: list) -> Any:
         """Run one op; while it runs the sockets belong to the watch, which takes them over if
         the op turns out long [Note: completion batching]."""
         self.op_seq += 1
@@ -465,14 +431,14 @@ class Executor:
             self.ctx.emit = None
             self.socket_lock.acquire()
 
-    def _complete_failed(self, task: _Task, error: str, tb: str, *, start: float = 0.0) -> None:
+    def _complete_failed(self, task: Task, error: str, tb: str, *, start: float = 0.0) -> None:
         self.completions.append({"task": task.id, "ok": False, "error": error, "traceback": tb,
                                  "start": start or time.time(), "end": time.time()})
 
     def _flush_completions(self) -> None:
         if self.completions:
             items, self.completions = self.completions, []
-            self._send(Msg.DONE, {"items": [_described(item) for item in items]})
+            self._send(Msg.DONE, {"items": [described(item) for item in items]})
 
 
 class _DeferredSink:
@@ -480,7 +446,7 @@ class _DeferredSink:
 
     __slots__ = ("executor", "task")
 
-    def __init__(self, executor: Executor, task: _Task) -> None:
+    def __init__(self, executor: Executor, task: Task) -> None:
         self.executor, self.task = executor, task
 
     def emit(self, item: Any) -> None:
@@ -492,165 +458,3 @@ class _DeferredSink:
 
     def fail(self, error: BaseException) -> None:
         self.executor._fail_deferred(self.task, error)
-
-
-def _split_outputs(result: Any, count: int, op: str) -> list:
-    if count == 1:
-        return [result]
-    if count == 0:
-        return []
-    if not isinstance(result, (tuple, list)) or len(result) != count:
-        raise TypeError(f"op {op!r} must return {count} outputs for this task, got "
-                        f"{type(result).__name__}")
-    return list(result)
-
-
-def _check_streamed(task: _Task, result: Any) -> None:
-    """A streaming op returns the list of the items it emitted, every one of them [Note:
-    streaming ops]; emitting none and returning a list is an op that does not stream."""
-    if not task.streamed:
-        return
-    if not isinstance(result, (list, tuple)) or len(result) != len(task.streamed):
-        size = len(result) if isinstance(result, (list, tuple)) else type(result).__name__
-        raise TypeError(f"op {task.op!r} emitted {len(task.streamed)} items but returned "
-                        f"{size}: a streaming op returns the list of what it emitted")
-
-
-def _described(item: dict) -> dict:
-    """A completion with its outputs described; a task whose output cannot be serialized fails
-    (its outputs are not fetchable or movable) with an error that says so."""
-    if not item["ok"]:
-        return item
-    key = item.pop("report_key")
-    streamed = item.pop("streamed")
-    if streamed:  # its items were described as they went: the list is their sum
-        (object_id, _), = item["outputs"]
-        item["outputs"] = [{"id": object_id, "count": len(streamed),
-                            "nbytes": sum(part["nbytes"] for part in streamed)}]
-        return item
-    try:
-        item["outputs"] = [_describe(i, v, key) for i, v in item["outputs"]]
-    except SerializeError as exc:
-        return {"task": item["task"], "ok": False, "start": item["start"], "end": item["end"],
-                "error": f"its output cannot be sent: {exc}", "traceback": ""}
-    return item
-
-
-def _describe(object_id: int, value: Any, report_key: str | None = None) -> dict:
-    """What the controller learns of an output: its size, the value itself when tiny, and for
-    a list (a Stream's items) its length and, if asked, each item's `report_key` field, so the
-    controller can form groups without fetching the items."""
-    if value is None:  # what most ops that only act return
-        return {"id": object_id, "inline": _NONE_BODY}  # nbytes 0, the controller's default
-    if isinstance(value, (bool, int, float)):
-        return {"id": object_id, "nbytes": 0, "inline": pack(value)[0]}
-    body, frames = pack(value)
-    size = nbytes_of(frames) + len(body)
-    out = {"id": object_id, "nbytes": size}
-    if isinstance(value, (list, tuple)):
-        out["count"] = len(value)
-        if report_key is not None:
-            out["keys"] = [_key_of(item, report_key) for item in value]
-    elif report_key is not None:
-        out["keys"] = [_key_of(value, report_key)]
-    if not frames and len(body) <= _INLINE_LIMIT:
-        out["inline"] = body
-    return out
-
-
-def _key_of(item: Any, field: str) -> Any:
-    key = item.get(field) if isinstance(item, dict) else getattr(item, field, None)
-    return key if key is None or isinstance(key, (bool, int, float, str)) else str(key)
-
-
-class _CompletionWatch(threading.Thread):
-    """Serves the sockets while an op runs long: every _HOLD_BACK_S it takes them for a moment,
-    sends the completions waiting behind the op and handles what has arrived (objects peers
-    ask for, new tasks, frees), so one slow op does not stall data other executors need. It
-    never holds them while waiting, so the op thread gets them back at once when the op ends.
-    It ticks while ops keep starting and sleeps once a tick saw none: each wake-up takes the GIL
-    from the op thread, and a burst of tiny ops wakes it once, not once an op."""
-
-    def __init__(self, executor: Executor) -> None:
-        super().__init__(name="flowkit-watch", daemon=True)
-        self.executor = executor
-        self.armed = threading.Event()
-        self.idle = True  # asleep until an op starts
-        self.send_now = False  # completions wait: flush them as soon as the op is under way
-        self.stopping = False
-
-    def stop(self) -> None:
-        self.stopping = True
-        self.armed.set()
-        self.join(timeout=1.0)
-
-    def op_started(self) -> None:  # by the op thread, having counted the op in
-        if self.idle or self.send_now:
-            self.idle = False
-            self.armed.set()
-
-    def run(self) -> None:
-        executor, seen = self.executor, -1
-        while not self.stopping:
-            self.armed.wait(None if self.idle else _HOLD_BACK_S)
-            self.armed.clear()
-            seq, running = executor.op_seq, executor.in_op
-            # the op seen at the last tick still runs: it has run at least _HOLD_BACK_S
-            if running and (self.send_now or seq == seen):
-                self._serve(seq)
-            elif not running and seq == seen:
-                self.idle = True
-                if executor.op_seq != seq:  # an op started before it could see `idle`
-                    self.idle = False
-            seen = seq
-
-    def _serve(self, seq: int) -> None:
-        executor = self.executor
-        with executor.socket_lock:
-            self.send_now = False
-            if executor.in_op and executor.op_seq == seq and executor.running:
-                executor._flush_completions()
-                for sock in (executor.control, executor.peer):
-                    executor._drain(sock, peer=sock is executor.peer)
-
-
-class _Heartbeat(threading.Thread):
-    """Pings the controller on its own socket; exits the process if the controller goes quiet."""
-
-    def __init__(self, executor: Executor, address: str, interval: float, timeout: float) -> None:
-        super().__init__(name="flowkit-heartbeat", daemon=True)
-        self.executor, self.address = executor, address
-        self.interval, self.timeout = interval, timeout
-        self._stop_event = threading.Event()
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join(timeout=2 * self.interval + 1)
-
-    def run(self) -> None:
-        sock = self.executor.zmq.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.address)
-        ping = encode(Msg.PING, {"executor": self.executor.executor_id})
-        last_heard = time.monotonic()
-        try:
-            while not self._stop_event.is_set():
-                sock.send_multipart(ping)
-                deadline = time.monotonic() + self.interval
-                while (remaining := deadline - time.monotonic()) > 0:
-                    if self._stop_event.is_set():
-                        return
-                    if sock.poll(int(remaining * 1000) + 1):
-                        while sock.poll(0):
-                            sock.recv_multipart()
-                        last_heard = time.monotonic()
-                if time.monotonic() - last_heard > self.timeout:
-                    log.error("controller at %s silent for %.1f s: exiting",
-                              self.executor.connect_address, self.timeout)
-                    self._exit_now()
-        finally:
-            sock.close(linger=0)
-
-    def _exit_now(self) -> None:
-        self.executor.run_cleanup_hooks()
-        os._exit(3)

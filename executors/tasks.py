@@ -1,0 +1,119 @@
+"""What an executor knows of one task, and how it describes a task's outputs to the controller
+(executors/process.py runs them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flowkit.runtime.protocol import ProtocolError
+from flowkit.runtime.refs import check_ref, object_ids
+from flowkit.runtime.serialize import SerializeError, nbytes_of, pack
+
+__all__ = ["Task", "check_streamed", "describe", "described", "split_outputs"]
+
+_INLINE_LIMIT = 2048  # outputs whose packed form is this small ride in the completion message
+_NONE_BODY = pack(None)[0]
+
+
+class Task:
+    __slots__ = ("id", "op", "fn", "config", "inputs", "outputs", "missing", "lane", "plain",
+                 "report_key", "stream", "streamed", "start")
+
+    def __init__(self, spec: dict, fn: Any) -> None:
+        self.id, self.op, self.fn, self.config = spec["id"], spec["op"], fn, spec["config"]
+        self.inputs, self.outputs = spec["inputs"], spec["outputs"]
+        self.missing = 0
+        # [Note: lanes] Tasks of one lane run in the order they arrived, like a CUDA stream:
+        # a pipeline schedule's per-device order is a lane.
+        self.lane = spec.get("lane")
+        self.plain = not self.inputs or all(type(i) is int for i in self.inputs)  # the usual
+        self.report_key = spec.get("report_key")  # a record field to report for each output item
+        self.stream = spec.get("stream", False)  # [Note: streaming ops in executors/ops.py]
+        self.streamed: list[dict] = []  # the descriptions of the items it streamed
+        self.start = 0.0
+
+    def object_ids(self) -> list[int]:
+        if self.plain:
+            return self.inputs
+        return [i for ref in self.inputs for i in object_ids(ref)]
+
+    def check(self) -> None:
+        if not self.plain:
+            for ref in self.inputs:
+                check_ref(ref)
+        if self.lane is not None and not isinstance(self.lane, str):
+            raise ProtocolError(f"a task's lane must be a string, got {self.lane!r}")
+        if self.report_key is not None and not isinstance(self.report_key, str):
+            raise ProtocolError(f"report_key must be a field name, got {self.report_key!r}")
+        if not isinstance(self.stream, bool) or self.stream and len(self.outputs) != 1:
+            raise ProtocolError(f"stream must be true or false, for a task of one output; got "
+                                f"{self.stream!r} for {len(self.outputs)} outputs")
+
+
+def split_outputs(result: Any, count: int, op: str) -> list:
+    if count == 1:
+        return [result]
+    if count == 0:
+        return []
+    if not isinstance(result, (tuple, list)) or len(result) != count:
+        raise TypeError(f"op {op!r} must return {count} outputs for this task, got "
+                        f"{type(result).__name__}")
+    return list(result)
+
+
+def check_streamed(task: Task, result: Any) -> None:
+    """A streaming op returns the list of the items it emitted, every one of them [Note:
+    streaming ops]; emitting none and returning a list is an op that does not stream."""
+    if not task.streamed:
+        return
+    if not isinstance(result, (list, tuple)) or len(result) != len(task.streamed):
+        size = len(result) if isinstance(result, (list, tuple)) else type(result).__name__
+        raise TypeError(f"op {task.op!r} emitted {len(task.streamed)} items but returned "
+                        f"{size}: a streaming op returns the list of what it emitted")
+
+
+def described(item: dict) -> dict:
+    """A completion with its outputs described; a task whose output cannot be serialized fails
+    (its outputs are not fetchable or movable) with an error that says so."""
+    if not item["ok"]:
+        return item
+    key = item.pop("report_key")
+    streamed = item.pop("streamed")
+    if streamed:  # its items were described as they went: the list is their sum
+        (object_id, _), = item["outputs"]
+        item["outputs"] = [{"id": object_id, "count": len(streamed),
+                            "nbytes": sum(part["nbytes"] for part in streamed)}]
+        return item
+    try:
+        item["outputs"] = [describe(i, v, key) for i, v in item["outputs"]]
+    except SerializeError as exc:
+        return {"task": item["task"], "ok": False, "start": item["start"], "end": item["end"],
+                "error": f"its output cannot be sent: {exc}", "traceback": ""}
+    return item
+
+
+def describe(object_id: int, value: Any, report_key: str | None = None) -> dict:
+    """What the controller learns of an output: its size, the value itself when tiny, and for
+    a list (a Stream's items) its length and, if asked, each item's `report_key` field, so the
+    controller can form groups without fetching the items."""
+    if value is None:  # what most ops that only act return
+        return {"id": object_id, "inline": _NONE_BODY}  # nbytes 0, the controller's default
+    if isinstance(value, (bool, int, float)):
+        return {"id": object_id, "nbytes": 0, "inline": pack(value)[0]}
+    body, frames = pack(value)
+    size = nbytes_of(frames) + len(body)
+    out = {"id": object_id, "nbytes": size}
+    if isinstance(value, (list, tuple)):
+        out["count"] = len(value)
+        if report_key is not None:
+            out["keys"] = [_key_of(item, report_key) for item in value]
+    elif report_key is not None:
+        out["keys"] = [_key_of(value, report_key)]
+    if not frames and len(body) <= _INLINE_LIMIT:
+        out["inline"] = body
+    return out
+
+
+def _key_of(item: Any, field: str) -> Any:
+    key = item.get(field) if isinstance(item, dict) else getattr(item, field, None)
+    return key if key is None or isinstance(key, (bool, int, float, str)) else str(key)
