@@ -6,21 +6,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from dataflows.models import critic_of, flow_model, reference_of
-from dataflows.ops import Backprop, Generate, LogProbs, OptimizerStep, Values
+from dataflows.models import critic_of, reference_of
+from dataflows.ops import Backprop, OptimizerStep, Values
+from dataflows.rl.front import rl_actor, sample_and_score
 from dataflows.rl.steps import (
     answer_reward,
     arithmetic_prompts,
     gae,
     make_experience,
-    rollout_metrics,
 )
 from flowkit.dsl import Flow, Model, Operator, Stream, collect
 from flowkit.ops.records import WeightsVersion
 
 __all__ = ["ppo_flow"]
-
-_SMALL_GPT = {"vocab_size": 256, "n_layer": 4, "n_embd": 128}
 
 
 def ppo_flow(*, model: Model | None = None, critic: Model | None = None, prompts: int = 64,
@@ -36,22 +34,17 @@ def ppo_flow(*, model: Model | None = None, critic: Model | None = None, prompts
     `ppo_epochs` and `minibatches`: actor and critic train on each step's batch `ppo_epochs`
     times, shuffled and cut into `minibatches`, one optimizer step each (Backprop's epochs and
     minibatches); `microbatches` is then per minibatch."""
-    actor = flow_model(model, gpt=gpt, default_gpt=_SMALL_GPT, name="actor", stages=stages,
-                       default_stages=2, tags=("train",))
+    actor = rl_actor(model, gpt=gpt, stages=stages)
     reference = reference_of(actor)
     critic = critic_of(actor, critic)
-    rollout = ("rollout",)
     with Flow("ppo", description=__doc__) as flow:
-        weights = flow.feedback("actor_weights", Stream[WeightsVersion])
+        sampled = sample_and_score(flow, actor, reference, prompts=prompts, n=n,
+                                   max_new_tokens=max_new_tokens, temperature=temperature,
+                                   prompt_source=prompt_source, reward=reward,
+                                   source_config=source_config)
+        weights, scored, ref = sampled.weights, sampled.scored, sampled.ref_logprobs
         critic_weights = flow.feedback("critic_weights", Stream[WeightsVersion])
-        prompt_items = prompt_source(count=prompts, **(source_config or {}))
-        rollouts = Generate(actor, tags=rollout)(prompt_items, weights=weights, n=n,
-                                                 max_new_tokens=max_new_tokens,
-                                                 temperature=temperature)
-        scored = reward(rollouts)
-        rollout_metrics(collect(scored))
-        ref = LogProbs(reference)(rollouts, name="ref_logprobs", temperature=temperature)
-        values = Values(critic, tags=rollout)(rollouts, weights=critic_weights)
+        values = Values(critic, tags=("rollout",))(sampled.rollouts, weights=critic_weights)
         experiences = make_experience(scored, ref, values, kl_coef=kl_coef)
         batch = gae(collect(experiences))  # whitening over the batch: a barrier
         train = dict(schedule=schedule, microbatches=microbatches, epochs=ppo_epochs,

@@ -7,20 +7,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from dataflows.models import flow_model, reference_of
-from dataflows.ops import Backprop, Generate, LogProbs, OptimizerStep
+from dataflows.models import reference_of
+from dataflows.ops import Backprop, OptimizerStep
 from dataflows.rl.advantages import (
     kl_token_rewards,
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
 )
-from dataflows.rl.steps import answer_reward, arithmetic_prompts, rollout_metrics
-from flowkit.dsl import Flow, Model, Operator, Stream, collect
-from flowkit.ops.records import WeightsVersion
+from dataflows.rl.front import rl_actor, sample_and_score
+from dataflows.rl.steps import answer_reward, arithmetic_prompts
+from flowkit.dsl import Flow, Model, Operator, collect
 
 __all__ = ["reinforce_pp_flow"]
-
-_SMALL_GPT = {"vocab_size": 256, "n_layer": 4, "n_embd": 128}
 
 
 def reinforce_pp_flow(*, model: Model | None = None, prompts: int = 64, n: int = 1,
@@ -40,17 +38,14 @@ def reinforce_pp_flow(*, model: Model | None = None, prompts: int = 64, n: int =
     if baseline and n < 2:
         raise ValueError(f"reinforce_pp_flow(baseline=True) needs n >= 2 samples per prompt "
                          f"(got n={n}): the baseline is the mean score of a prompt's samples")
-    actor = flow_model(model, gpt=gpt, default_gpt=_SMALL_GPT, name="actor", stages=stages,
-                       default_stages=2, tags=("train",))
+    actor = rl_actor(model, gpt=gpt, stages=stages)
     reference = reference_of(actor)
     with Flow("reinforce_pp", description=__doc__) as flow:
-        weights = flow.feedback("actor_weights", Stream[WeightsVersion])
-        prompt_items = prompt_source(count=prompts, **(source_config or {}))
-        rollouts = Generate(actor, tags=("rollout",))(prompt_items, weights=weights, n=n,
-                                   max_new_tokens=max_new_tokens, temperature=temperature)
-        scored = reward(rollouts)
-        rollout_metrics(collect(scored))
-        ref = LogProbs(reference)(rollouts, name="ref_logprobs", temperature=temperature)
+        sampled = sample_and_score(flow, actor, reference, prompts=prompts, n=n,
+                                   max_new_tokens=max_new_tokens, temperature=temperature,
+                                   prompt_source=prompt_source, reward=reward,
+                                   source_config=source_config)
+        weights, scored, ref = sampled.weights, sampled.scored, sampled.ref_logprobs
         token_rewards = collect(kl_token_rewards(scored, ref, kl_coef=kl_coef))
         # whitening over the batch: a barrier
         if baseline:

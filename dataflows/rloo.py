@@ -7,16 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from dataflows.models import flow_model, reference_of
-from dataflows.ops import Backprop, Generate, LogProbs, OptimizerStep
+from dataflows.models import reference_of
+from dataflows.ops import Backprop, OptimizerStep
 from dataflows.rl.advantages import kl_token_rewards, rloo_advantages
-from dataflows.rl.steps import answer_reward, arithmetic_prompts, rollout_metrics
-from flowkit.dsl import Flow, Model, Operator, Stream, collect, group_by
-from flowkit.ops.records import WeightsVersion
+from dataflows.rl.front import rl_actor, sample_and_score
+from dataflows.rl.steps import answer_reward, arithmetic_prompts
+from flowkit.dsl import Flow, Model, Operator, collect, group_by
 
 __all__ = ["rloo_flow"]
-
-_SMALL_GPT = {"vocab_size": 256, "n_layer": 4, "n_embd": 128}
 
 
 def rloo_flow(*, model: Model | None = None, prompts: int = 16, n: int = 8,
@@ -32,18 +30,14 @@ def rloo_flow(*, model: Model | None = None, prompts: int = 16, n: int = 8,
     if n < 2:
         raise ValueError(f"rloo_flow needs n >= 2 samples per prompt (got n={n}): a sample's "
                          "baseline is the mean reward of the others to its prompt")
-    actor = flow_model(model, gpt=gpt, default_gpt=_SMALL_GPT, name="actor", stages=stages,
-                       default_stages=2, tags=("train",))
+    actor = rl_actor(model, gpt=gpt, stages=stages)
     reference = reference_of(actor)
     with Flow("rloo", description=__doc__) as flow:
-        weights = flow.feedback("actor_weights", Stream[WeightsVersion])
-        prompt_items = prompt_source(count=prompts, **(source_config or {}))
-        # generation runs on `rollout` executors, training on `train` ones: the two overlap
-        rollouts = Generate(actor, tags=("rollout",))(prompt_items, weights=weights, n=n,
-                                   max_new_tokens=max_new_tokens, temperature=temperature)
-        scored = reward(rollouts)
-        rollout_metrics(collect(scored))
-        ref = LogProbs(reference)(rollouts, name="ref_logprobs", temperature=temperature)
+        sampled = sample_and_score(flow, actor, reference, prompts=prompts, n=n,
+                                   max_new_tokens=max_new_tokens, temperature=temperature,
+                                   prompt_source=prompt_source, reward=reward,
+                                   source_config=source_config)
+        weights, scored, ref = sampled.weights, sampled.scored, sampled.ref_logprobs
         token_rewards = kl_token_rewards(scored, ref, kl_coef=kl_coef)
         # No batch statistic: each group trains as soon as its n samples are scored.
         experiences = rloo_advantages(group_by(token_rewards, key="prompt_id", size=n))

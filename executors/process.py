@@ -135,7 +135,8 @@ class Executor:
         while self.running:
             # [Note: hot polling]: stay awake briefly after work.
             hot = time.monotonic() < hot_until
-            busy = any(bg.busy() for bg in self.ctx.background.values())
+            busy = bool(self.ctx.background) and any(  # none on most executors
+                bg.busy() for bg in self.ctx.background.values())
             events = poller.poll(0 if self.ready or hot or busy else 100)
             if events:
                 hot_until = time.monotonic() + _HOT_SECONDS

@@ -39,7 +39,7 @@ from executors.ops import Deferred
 from executors.torch import lm
 from executors.torch.held import evaluating, right_padded
 from executors.torch.sampling import sample_tokens, sequence_seed
-from flowkit.ops.records import Rollout
+from flowkit.ops.records import Prompt, Rollout
 
 __all__ = ["Engine", "Sampling", "run_all_until_done", "run_until_done"]
 
@@ -88,6 +88,14 @@ class Sequence:
     def prefix(self) -> list[int]:
         return list(self.prompt.tokens) + self.tokens
 
+    @property
+    def length(self) -> int:  # len(prefix), without building it: read every step
+        return len(self.prompt.tokens) + len(self.tokens)
+
+    @property
+    def last_token(self) -> int:
+        return self.tokens[-1] if self.tokens else self.prompt.tokens[-1]
+
 
 class Engine:
     """The decoding loop of one model held by this executor (a Background: busy, step)."""
@@ -124,7 +132,8 @@ class Engine:
         return request.deferred
 
     def _continued(self, request: Request, rollout: Rollout) -> Sequence:
-        prompt = _Prompt(rollout.prompt_id, list(rollout.prompt_tokens), rollout.answer)
+        prompt = Prompt(prompt_id=rollout.prompt_id, tokens=list(rollout.prompt_tokens),
+                        answer=rollout.answer)
         versions = list(rollout.versions) or [NO_VERSION] * len(rollout.response_tokens)
         return Sequence(request, prompt, rollout.sample,
                         request.sampling.seed_of(rollout.prompt_id, rollout.sample),
@@ -197,12 +206,12 @@ class Engine:
         live = [s for s in self.slots if s is not None]
         if not self.cached:  # no cache to fill: every row runs its whole prefix
             return live, []
-        decoding = [s for s in live if s.filled == len(s.prefix) - 1]
+        decoding = [s for s in live if s.filled == s.length - 1]
         budget = self.token_budget - len(decoding)
         chunks = []
         for seq in live:
-            if seq.filled < len(seq.prefix) - 1 and budget > 0:
-                stop = min(len(seq.prefix), seq.filled + budget)
+            if seq.filled < seq.length - 1 and budget > 0:
+                stop = min(seq.length, seq.filled + budget)
                 chunks.append((seq, seq.filled, stop))
                 budget -= stop - seq.filled
         return decoding, chunks
@@ -217,7 +226,7 @@ class Engine:
             self.cache = self.model.new_cache(self.max_batch, self.max_len)
         out: dict[int, torch.Tensor] = {}
         if decoding:
-            idx = torch.tensor([[s.prefix[-1]] for s in decoding], device=self.device)
+            idx = torch.tensor([[s.last_token] for s in decoding], device=self.device)
             logits = self._cached(idx, [s.filled for s in decoding], decoding)
             for b, seq in enumerate(decoding):
                 out[id(seq)] = logits[b, 0]
@@ -228,7 +237,7 @@ class Engine:
                                   [seq for seq, _, _ in chunks])
             for b, (seq, _, stop) in enumerate(chunks):
                 seq.filled = stop
-                if stop == len(seq.prefix):  # the chunk reached its last token
+                if stop == seq.length:  # the chunk reached its last token
                     out[id(seq)] = logits[b, len(parts[b]) - 1]
         self.stats["decode_tokens"] += len(decoding)
         self.stats["prefill_tokens"] += sum(stop - start for _, start, stop in chunks)
@@ -260,7 +269,7 @@ class Engine:
             seq.logprobs.append(logp)
             seq.versions.append(NO_VERSION if version is None else version)
             eos = st.eos is not None and token == st.eos
-            full = self.context is not None and len(seq.prefix) >= self.context
+            full = self.context is not None and seq.length >= self.context
             if eos or len(seq.tokens) >= st.max_new_tokens or full:
                 self.slots[seq.slot] = None
                 self._finish(seq, finished=eos, interrupted=False)
@@ -280,15 +289,6 @@ class Engine:
         request.deferred.emit(rollout)
         if request.left == 0:
             request.deferred.done(request.done)
-
-
-@attrs.frozen
-class _Prompt:
-    """The prompt of a continued Rollout."""
-
-    prompt_id: int
-    tokens: list[int]
-    answer: str | None = None
 
 
 def run_until_done(backgrounds: dict, deferred: Deferred,

@@ -34,7 +34,7 @@ from executors.torch.engine import Engine, Sampling, run_until_done
 from executors.torch.held import held_model, right_padded, whole_model
 from executors.torch.stage import StageError
 from flowkit.ops.executor_ops import MODEL_KEYS
-from flowkit.ops.records import Rollout
+from flowkit.ops.records import Prompt, Rollout
 
 __all__ = ["decode", "generate_now", "register", "sample_token"]
 
@@ -271,14 +271,9 @@ def _check_request(items: list, n: Any, max_new_tokens: Any) -> None:
 def _as_prompt(item: Any) -> Any:
     """What the context check reads of an item: a prompt, or a rollout's prefix."""
     if isinstance(item, Rollout):
-        return _Prefix(item.prompt_id, list(item.prompt_tokens) + list(item.response_tokens))
+        return Prompt(prompt_id=item.prompt_id,
+                      tokens=list(item.prompt_tokens) + list(item.response_tokens))
     return item
-
-
-@attrs.frozen
-class _Prefix:
-    prompt_id: int
-    tokens: list[int]
 
 
 def register(table: OpTable) -> None:

@@ -109,12 +109,7 @@ def test_a_samples_reward_starts_before_the_other_samples_of_its_prompt_finish()
         runner.run_step(0)
     generated = runner.previous[("generate", "rollouts")]
     rewards = runner.previous[("answer_reward", "out")]
-    early = []
-    for prompt in {lineage[:-1] for lineage in generated.items}:
-        samples = [lin for lin in generated.items if lin[:-1] == prompt]
-        last_done = max(generated.items[lin].timing[1] for lin in samples)
-        first_scored = min(rewards.items[lin].timing[0] for lin in samples)
-        early.append(last_done - first_scored)
+    early = _scored_before_prompt_done(generated, rewards)
     assert max(early) > 0.05, early  # scored while its prompt was still generating
 
 
@@ -128,10 +123,17 @@ def test_on_torch_a_sample_is_scored_while_its_prompt_still_generates():
         runner.run_step(0)
     generated = runner.previous[("generate", "rollouts")]
     scored = runner.previous[("length_reward", "out")]
+    early = _scored_before_prompt_done(generated, scored)
+    assert max(early) > 0, early
+
+
+def _scored_before_prompt_done(generated, scored) -> list[float]:
+    """Per prompt: how long before its last sample was generated its first one was scored
+    (the spans' wall-clock times)."""
     early = []
     for prompt in {lineage[:-1] for lineage in generated.items}:
         samples = [lin for lin in generated.items if lin[:-1] == prompt]
         last_done = max(generated.items[lin].timing[1] for lin in samples)
         first_scored = min(scored.items[lin].timing[0] for lin in samples)
         early.append(last_done - first_scored)
-    assert max(early) > 0, early
+    return early

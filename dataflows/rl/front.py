@@ -1,0 +1,54 @@
+"""The front every ready-made RL step shares (grpo, ppo, rloo, reinforce_pp): the actor and its
+frozen reference, then the step's prompts, n samples each on `rollout` executors with the
+actor's weights from the previous step, each sample scored by the reward and by the
+reference's log-probabilities, and the step's reward metrics. Each flow goes on from there
+with its own advantages and losses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from dataflows.models import flow_model
+from dataflows.ops import Generate, LogProbs
+from dataflows.rl.steps import rollout_metrics
+from flowkit.dsl import Flow, Model, Operator, Stream, collect
+from flowkit.ops.records import WeightsVersion
+
+__all__ = ["SMALL_GPT", "Sampled", "rl_actor", "sample_and_score"]
+
+# the built-in GPT the RL flows default to (byte vocabulary, nothing to download)
+SMALL_GPT = {"vocab_size": 256, "n_layer": 4, "n_embd": 128}
+
+
+def rl_actor(model: Model | None, *, gpt: dict | None, stages: int | None) -> Model:
+    """`model` (dataflows/models.py), or the built-in GPT `gpt` named "actor", 2 stages, on
+    `train` executors."""
+    return flow_model(model, gpt=gpt, default_gpt=SMALL_GPT, name="actor", stages=stages,
+                      default_stages=2, tags=("train",))
+
+
+@attrs.frozen
+class Sampled:
+    weights: Any  # the actor's weights feedback: bind it to the optimizer step's weights
+    rollouts: Any
+    scored: Any  # the rollouts, each with its reward
+    ref_logprobs: Any
+
+
+def sample_and_score(flow: Flow, actor: Model, reference: Model, *, prompts: int, n: int,
+                     max_new_tokens: int, temperature: float, prompt_source: Operator,
+                     reward: Operator, source_config: dict[str, Any] | None) -> Sampled:
+    """Inside `with flow`: `prompt_source` makes the step's prompts (`count=prompts`, plus
+    `source_config`), `reward` scores one rollout."""
+    weights = flow.feedback("actor_weights", Stream[WeightsVersion])
+    prompt_items = prompt_source(count=prompts, **(source_config or {}))
+    # generation runs on `rollout` executors, training on `train` ones: the two overlap
+    rollouts = Generate(actor, tags=("rollout",))(prompt_items, weights=weights, n=n,
+                                                  max_new_tokens=max_new_tokens,
+                                                  temperature=temperature)
+    scored = reward(rollouts)
+    rollout_metrics(collect(scored))
+    ref = LogProbs(reference)(rollouts, name="ref_logprobs", temperature=temperature)
+    return Sampled(weights, rollouts, scored, ref)
