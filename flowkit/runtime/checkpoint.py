@@ -289,8 +289,7 @@ def restore(folder: Path, runner: Any, executors: list[ExecutorInfo], *,
     for key, value in state.feedback.items():
         previous[key].add((0,), ctl.put(value))
         previous[key].closed = True
-    runner.previous = previous
-    runner.step = state.step
+    runner.resume_feedback(state.step, previous)
     runner.profiles.update(state.profiles)
     for name, carried in state.training.items():
         training = runner.training[name]

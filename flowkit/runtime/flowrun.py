@@ -1,10 +1,24 @@
 """Run a flow on executors, step by step, following the planner's lowering rules
-([Note: lowering by granularity] in flowkit/planner/lower.py).
+([Note: lowering by granularity] in flowkit/planner/lower.py). A step's items, node states and
+reactions to completions are its `StepRun` (steprun.py); the runner holds what lasts across
+steps: the models' placement and training (flowtrain.py), length estimates, the weights each
+step's generation reads.
 
-The runner reacts to completions: a per-item op is submitted the moment its item exists, a group
-the moment its last member is in, a barrier when every producer has closed; the step's items and
-node states are in stepstate.py. Each trained model's backprop and optimizer step go to its
-`ModelTraining` (flowtrain.py).
+[Note: asynchronous steps] Synchronously, step k starts when step k-1 has ended: its generation
+reads the weights step k-1's optimizer step made. With a staleness bound η (`staleness=η`,
+`flowkit run --async --max-staleness η`) steps k+1 .. k+η are open while step k runs, and a
+node that reads weights fed back from an earlier step (generation, value and score inference)
+is admitted once the newest weights are at most η versions older than the weights its step's
+training will update: step s's at version s (one optimizer step per step), so version
+>= s - η, the newest weights then. That is AReaL's admission control (Fu et al. 2025, "AReaL:
+a large-scale asynchronous reinforcement learning system"): samples trained plus samples in
+flight never exceed (η + version + 1) x the batch. Weight loads reach a running engine between
+its iterations, so sequences in flight go on under the new weights, each token recording its
+version; no trained token's version lags the weights it updates by more than η. Training runs
+step after step in order (a step's backprop starts when the step before has ended). With η = 0
+step k's generation waits for step k-1's weights: the synchronous run, operation for
+operation. With η >= 1 the backprops use the decoupled objective for stale samples (the
+`decoupled` loss knob).
 """
 
 from __future__ import annotations
@@ -12,27 +26,26 @@ from __future__ import annotations
 import queue
 import time
 from collections import defaultdict
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 from flowkit.dsl import Granularity
-from flowkit.ops.records import mean_loss
-from flowkit.planner import Costs
+from flowkit.ops import rounds_of
 from flowkit.planner.lower import Call, InputRule, NodePlan
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runtime.balance import Balancer, LengthEstimates
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.flowtrain import ModelTraining
-from flowkit.runtime.pipeline import measure
 from flowkit.runtime.records import ExecutorInfo
-from flowkit.runtime.refs import Gather, Item
-from flowkit.runtime.stepstate import FlowRunError, NodeState, Streams, lineage_order
+from flowkit.runtime.steprun import TRAINING_CALLS, StepRun
+from flowkit.runtime.stepstate import FlowRunError, Streams
 from flowkit.runtime.training import model_spec
 
-__all__ = ["FlowRunError", "FlowRunner", "StepReport"]
+__all__ = ["FlowRunError", "FlowRunner", "StepReport", "check_async"]
+
+POLICY_LOSSES = ("grpo", "ppo")  # the losses the decoupled objective applies to
 
 
 @attrs.frozen
@@ -59,29 +72,43 @@ class StepReport:
 
 class FlowRunner:
     """Runs a lowered flow's steps through `ctl`; model ops go to executors with the model's
-    tags, a model's pipeline stage s always to the same one."""
+    tags, a model's pipeline stage s always to the same one. `staleness`: run asynchronously
+    with that bound [Note: asynchronous steps] (None: synchronously); `steps`: how many steps
+    the run has, so an asynchronous one starts no step past its end."""
 
     def __init__(self, ctl: Controller, plan: list[NodePlan], *,
                  sim_costs: SimCosts | None = None, step_timeout: float = 600.0,
-                 fuse: bool = True, balance: bool = True) -> None:
+                 fuse: bool = True, balance: bool = True, staleness: int | None = None,
+                 steps: int | None = None) -> None:
+        if staleness is not None:
+            check_async(plan, staleness)
+            plan = _decoupled(plan) if staleness >= 1 else plan
         self.ctl, self.plan, self.sim_costs = ctl, plan, sim_costs
+        self.staleness, self.steps = staleness, steps
         # fuse=False: every op waits for its producers to finish (stage by stage, a barrier
         # between stages), the baseline that sample-level fusion is measured against
         self.fuse = fuse
         self.step_timeout = step_timeout
         self.consumers: dict[str, list[str]] = defaultdict(list)
         self.report_keys: dict[str, str] = {}
+        self.fed_back: set[tuple[str, str]] = set()  # (node, port) read by a later step
         for node in plan:
             for rule in node.inputs:
-                if not rule.feedback:
+                if rule.feedback:
+                    self.fed_back.add((rule.src, rule.src_port))
+                else:
                     self.consumers[rule.src].append(node.name)
                 if rule.group_key is not None:
                     self.report_keys[rule.src] = rule.group_key
+        # the nodes admission control holds back [Note: asynchronous steps]
+        self.gated = [node.name for node in plan if node.call not in TRAINING_CALLS
+                      and any(rule.feedback for rule in node.inputs)]
+        # (node, port) -> step -> that step's streams, for the steps after it
+        self.produced_at: dict[tuple[str, str], dict[int, Streams]] = defaultdict(dict)
         # balance=False: calls of ops with a Workload go where the dispatcher's count says,
         # in arrival order, the baseline of length-aware dispatch [Note: length-aware dispatch]
         self.workloads = {node.name: self._workload(node) for node in plan
                           if balance and node.workload is not None and node.call is Call.PER_ITEM}
-        self.balancers: dict[str, Balancer | None] = {}
         self.placement = self._place_models()
         # a model op's config, but the step: built once, not per item on the dispatch path;
         # model ops name the model's whole copy [Note: one model, many holders in
@@ -89,11 +116,12 @@ class FlowRunner:
         self.op_configs = {node.name: {**model_spec(node.model, 1), **node.config,
                                        **(sim_costs.config_for(node.op) if sim_costs else {})}
                            for node in plan if node.model is not None}
-        self.previous = Streams()  # last step's outputs, for feedback
+        self.events: queue.SimpleQueue = queue.SimpleQueue()  # every open step's reactions
+        self.open: dict[int, StepRun] = {}
+        self.last_run: StepRun | None = None  # the step running, or the last one run
         self.step = 0  # the step running, or the next one
-        self.warnings: list[str] = []  # this step's
-        self.incomplete_groups: dict[str, int] = {}
-        self.profiles: dict[tuple[str, int], Costs] = {}  # (model, stages) -> profiled costs
+        self.resumed = Streams()  # the feedback a resumed run starts from
+        self.profiles: dict[tuple[str, int], Any] = {}  # (model, stages) -> profiled costs
         self.training = {node.model.name: self._training(node.model) for node in plan
                          if node.call is Call.PIPELINE}
 
@@ -112,7 +140,7 @@ class FlowRunner:
     def _training(self, model: Any) -> ModelTraining:
         users = [(node.op, frozenset(node.tags)) for node in self.plan
                  if node.model is not None and node.model.name == model.name
-                 and node.call not in (Call.PIPELINE, Call.STEP)]
+                 and node.call not in TRAINING_CALLS]
         steps = [node for node in self.plan if node.call is Call.STEP
                  and node.model is not None and node.model.name == model.name]
         return ModelTraining(self.ctl, model, self.placement[model.name], users=users,
@@ -123,6 +151,28 @@ class FlowRunner:
     def trained(self) -> dict[str, tuple]:
         """model -> (schedule, spec) of the last step's backprop of it."""
         return {name: t.trained for name, t in self.training.items() if t.trained is not None}
+
+    # -- the last step run, as the reports and tests read it -----------------------------------
+    @property
+    def states(self) -> dict:
+        return self.last_run.states if self.last_run is not None else {}
+
+    @property
+    def balancers(self) -> dict[str, Balancer | None]:
+        return self.last_run.balancers if self.last_run is not None else {}
+
+    @property
+    def previous(self) -> Streams:
+        """The outputs of the last step that ended."""
+        run = self.last_run
+        return run.streams if run is not None and run.closed else self.resumed
+
+    def resume_feedback(self, step: int, streams: Streams) -> None:
+        """What a resumed run's step `step` reads as feedback (checkpoint.py)."""
+        self.step, self.resumed = step, streams
+        for key in self.fed_back:
+            if key in streams:
+                self.produced_at[key] = {step - 1: streams}
 
     # -- placement -----------------------------------------------------------------------------
     def _place_models(self) -> dict[str, list[ExecutorInfo]]:
@@ -144,303 +194,125 @@ class FlowRunner:
             placement[model.name] = [able[(offset + s) % len(able)] for s in range(model.stages)]
         return placement
 
-    # -- one step ------------------------------------------------------------------------------
-    def run_step(self, step: int) -> StepReport:
-        started = time.time()
-        self.streams = Streams()
-        self.states = {node.name: NodeState(node) for node in self.plan}
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self.step = step
-        self.warnings: list[str] = []
-        self.incomplete_groups: dict[str, int] = {}  # node -> groups flushed short this step
-        for training in self.training.values():
-            training.start_step(step)
-        self.balancers = {name: self._balancer(name, w) for name, w in self.workloads.items()}
-        for node in self.plan:
-            self._progress(node.name)
-        deadline = time.monotonic() + self.step_timeout
-        while not all(state.closed for state in self.states.values()):
-            try:
-                event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                open_nodes = [n for n, s in self.states.items() if not s.closed]
-                raise FlowRunError(f"step {step} did not finish in {self.step_timeout} s; "
-                                   f"still open: {', '.join(open_nodes)}") from None
-            event()
-        self.previous = self.streams
-        return self._report(step, started)
-
-    def _balancer(self, name: str, workload: _Workload) -> Balancer | None:
-        plan, config = self.states[name].plan, self.op_configs[name]
+    def balancer(self, name: str, plan: NodePlan) -> Balancer | None:
+        """A step's balancer of node `name`'s calls, over the estimates of every step."""
+        config = self.op_configs[name]
         able = [e.id for e in self.ctl.executors() if e.runs(plan.op, frozenset(plan.tags))]
         if not able:
             return None  # the dispatcher says why when the first call is submitted
-        return Balancer(workload.estimates, able, count=config.get(plan.workload.count, 1),
+        return Balancer(self.workloads[name].estimates, able,
+                        count=config.get(plan.workload.count, 1),
                         budget=config.get(plan.workload.budget, 1))
 
-    def save_weights(self, folder: Path) -> list[Path]:
-        """Each model trained so far (an interrupted step included), its stages' weights merged by the unsplit
-        model's names, to `folder`/NAME.pt: a checkpoint a model config's `checkpoint` key
-        starts from. Needs executors that save weights (torch)."""
-        saves = [t.save(folder) for _, t in sorted(self.training.items()) if t.last_trained]
-        return [Path(future.result(timeout=self.step_timeout)) for future in saves]
+    # -- steps ---------------------------------------------------------------------------------
+    def run_step(self, step: int) -> StepReport:
+        """Step `step` to its end; asynchronously, the steps after it within the staleness
+        bound run alongside and go on in the next call."""
+        self.step = step
+        run = self._open(step)
+        self.last_run = run
+        for ahead in range(step + 1, step + 1 + (self.staleness or 0)):
+            if self.steps is None or ahead < self.steps:
+                self._open(ahead)
+        deadline = time.monotonic() + self.step_timeout
+        while not run.closed:
+            try:
+                event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise FlowRunError(f"step {step} did not finish in {self.step_timeout} s; "
+                                   f"still open: {', '.join(run.open_nodes())}") from None
+            event()
+        del self.open[step]
+        following = self.open.get(step + 1)
+        if following is not None:
+            following.start_training()
+        return run.report()
 
-    def _on_done(self, name: str, lineage: tuple, futures: tuple, register: bool,
-                 outputs: tuple) -> None:
-        state = self.states[name]
-        state.pending -= 1
-        for future in futures:
-            error = future.exception()
-            if error is not None:
-                raise FlowRunError(f"step {self.step}: op {name!r} failed: {error}") from error
-            if future.timing is not None:
-                start, end = future.timing
-                state.first_start = min(start, state.first_start or start)
-                state.last_end = max(end, state.last_end or end)
-        if register and self.balancers.get(name) is not None:
-            self._balanced_done(name, lineage, futures[0])
-        if register:
-            self._register_outputs(state.plan, lineage, outputs)
-        self._progress(name)
-        for consumer in self.consumers[name]:
-            self._progress(consumer)
+    def _open(self, step: int) -> StepRun:
+        run = self.open.get(step)
+        if run is None:
+            trains = not any(other < step for other in self.open)
+            if trains:
+                for training in self.training.values():
+                    training.start_step(step)
+            run = self.open[step] = StepRun(self, step, trains=trains)
+            run.start()
+        return run
 
-    def _on_part(self, name: str, lineage: tuple, part: Any) -> None:
-        """Item j of a streaming call [Note: streaming ops in executors/ops.py]: into the
-        node's stream at once, so per-item consumers start on it before the call ends."""
-        state = self.states[name]
-        j = state.streamed[lineage]
-        state.streamed[lineage] += 1
-        balancer = self.balancers.get(name)
-        if balancer is not None and self.workloads[name].sized:
-            balancer.finished(lineage, part.keys[0] if part.keys else None)
-        (port,) = state.plan.outputs
-        self.streams[(name, port)].add(lineage + (j,), part, part.keys[0] if part.keys else None)
-        for consumer in self.consumers[name]:
-            self._progress(consumer)
-
-    def _balanced_done(self, name: str, lineage: tuple, future: Any) -> None:
-        """A balanced call is done: the sizes of its items that did not stream, then its
-        open work is off its executor."""
-        balancer = self.balancers[name]
-        keys = getattr(future, "keys", None) or []
-        if self.workloads[name].sized:
-            for size in keys[self.states[name].streamed.get(lineage, 0):]:
-                balancer.finished(lineage, size)
-        balancer.closed(lineage)
-
-    def _register_outputs(self, plan: NodePlan, lineage: tuple, futures: tuple) -> None:
-        for port, many, future in zip(plan.outputs, plan.many, futures):
-            stream = self.streams[(plan.name, port)]
-            keys = getattr(future, "keys", None) or []  # a Gather in a future's place has none
-            if many and getattr(future, "count", None) is not None:
-                streamed = self.states[plan.name].streamed.get(lineage, 0)  # already in
-                for j in range(streamed, future.count):
-                    stream.add(lineage + (j,), Item(future, j), keys[j] if keys else None)
-            else:
-                stream.add(lineage, future, keys[0] if keys else None)
-
-    # -- deciding what can run -----------------------------------------------------------------
-    def _progress(self, name: str) -> None:
-        state = self.states[name]
-        if state.closed:
+    # -- feedback and admission [Note: asynchronous steps] -------------------------------------
+    def produced(self, run: StepRun, node: str, port: str) -> None:
+        """`run` added an item to (node, port): if later steps read it, they may go on."""
+        key = (node, port)
+        if key not in self.fed_back:
             return
-        plan = state.plan
-        live = [rule for rule in plan.inputs if not rule.feedback]
-        inputs_closed = all(self.streams.of(r).closed for r in live)
-        if not (self.fuse or inputs_closed):
-            return
-        if plan.call is Call.PER_ITEM:
-            self._submit_items(state, live)
-        elif plan.call is Call.PER_GROUP:
-            self._submit_groups(state, live, inputs_closed)
-        elif plan.call is Call.PIPELINE:
-            self.training[plan.model.name].feed(state, self.streams, live, inputs_closed,
-                                                partial(self._watch, state))
-        elif not state.started and inputs_closed:
-            state.started = True
-            if plan.call is Call.STEP:
-                stats = [Gather(self.streams.of(r).ordered()) for r in live]
-                self.training[plan.model.name].optimizer_step(plan, stats, partial(self._watch, state))
-            else:
-                self._submit_once(state)
-        if inputs_closed and state.pending == 0 and (state.started or plan.call in (
-                Call.PER_ITEM, Call.PER_GROUP)):
-            if plan.call is Call.PER_ITEM:
-                self._check_all_paired(state, live)
-            state.closed = True
-            for port in plan.outputs:
-                self.streams[(name, port)].closed = True
-            for consumer in self.consumers[name]:
-                self._progress(consumer)
+        earlier = self.produced_at[key]
+        earlier[run.step] = run.streams
+        for old in [s for s in earlier if s < run.step - 1]:
+            del earlier[old]  # a step reads the newest weights only
+        for later in sorted(s for s in self.open if s > run.step):
+            for name in self.gated:
+                self.open[later].progress(name)
 
-    def _submit_items(self, state: NodeState, live: list[InputRule]) -> None:
-        streaming = [r for r in live if r.granularity is Granularity.STREAM]
-        barriers = [r for r in live if r.granularity is not Granularity.STREAM]
-        if any(not self.streams.of(r).closed for r in barriers):
-            return
-        workload = self.workloads.get(state.plan.name)
-        if workload is not None and workload.hold and not self.streams.of(workload.lead).closed:
-            return
-        lead = self.streams.of(streaming[0])
-        ready = []
-        for lineage in lead.arrivals:
-            if lineage in state.submitted:
-                continue
-            refs = {}
-            for rule in streaming:
-                ref = self.streams.of(rule).items.get(lineage)
-                if ref is None:
-                    break
-                refs[rule.port] = ref
-            else:
-                for rule in barriers:
-                    refs[rule.port] = Gather(self.streams.of(rule).ordered())
-                state.submitted.add(lineage)
-                ready.append((lineage, refs))
-        balancer = self.balancers.get(state.plan.name)
-        if balancer is None:
-            for lineage, refs in ready:
-                self._submit(state, lineage, refs)
-            return
-        keys = self.streams.of(workload.lead).keys if workload.keyed else {}
-        by_lineage = dict(ready)
-        for lineage, key in balancer.order([(lin, keys.get(lin)) for lin, _ in ready]):
-            self._submit(state, lineage, by_lineage[lineage],
-                         executor=balancer.assign(lineage, key))
+    def _newest(self, rule: InputRule, step: int) -> tuple[int, Streams | None]:
+        """(version, streams) of the newest production of `rule`'s port before `step`."""
+        produced = self.produced_at.get((rule.src, rule.src_port), {})
+        earlier = [s for s in produced if s < step]
+        if not earlier:
+            return 0, None
+        newest = max(earlier)
+        return newest + 1, produced[newest]
 
-    def _check_all_paired(self, state: NodeState, live: list[InputRule]) -> None:
-        streaming = [r for r in live if r.granularity is Granularity.STREAM]
-        lead = self.streams.of(streaming[0])
-        unpaired = [lin for lin in lead.arrivals if lin not in state.submitted]
-        if unpaired:
-            ports = ", ".join(f"{r.port} (from {r.src})" for r in streaming)
-            raise FlowRunError(
-                f"op {state.plan.name!r} is called per item of {ports}, but {len(unpaired)} "
-                f"items of {streaming[0].port!r} have no partner in the other inputs: per-item "
-                "inputs must come from the same items (e.g. both scored from one generate); "
-                "collect() one of them if it is a different stream")
+    def admits(self, run: StepRun, plan: NodePlan) -> bool:
+        if self.staleness is None or plan.name not in self.gated:
+            return True
+        return all(self._newest(rule, run.step)[0] >= run.step - self.staleness
+                   for rule in plan.inputs if rule.feedback)
 
-    def _submit_groups(self, state: NodeState, live: list[InputRule], closed: bool) -> None:
-        (rule,) = [r for r in live if r.granularity is Granularity.GROUPED]
-        stream = self.streams.of(rule)
-        for lineage in stream.arrivals[state.seen:]:
-            key = stream.keys.get(lineage)
-            members = state.groups[key]
-            members.append(lineage)
-            if rule.group_size is not None and len(members) == rule.group_size:
-                self._submit_group(state, rule, key)
-        state.seen = len(stream.arrivals)
-        if closed:  # what is left: groups of unknown size, or cut short
-            if rule.group_size is not None and state.groups:
-                self._warn_incomplete(state.plan.name, rule, state.groups)
-            for key in list(state.groups):
-                self._submit_group(state, rule, key)
-
-    def _warn_incomplete(self, node: str, rule: InputRule, groups: dict) -> None:
-        sizes = sorted({len(members) for members in groups.values()})
-        self.incomplete_groups[node] = len(groups)
-        self.warnings.append(
-            f"{node}: {len(groups)} group(s) by {rule.group_key!r} had {', '.join(map(str, sizes))}"
-            f" of {rule.group_size} items when the step's inputs ended; they ran incomplete. "
-            f"Make group_by's size the number of items per {rule.group_key!r}")
-
-    def _submit_group(self, state: NodeState, rule: InputRule, key: Any) -> None:
-        members = sorted(state.groups.pop(key), key=lineage_order)
-        stream = self.streams.of(rule)
-        self._submit(state, (key,), {rule.port: Gather([stream.items[m] for m in members])})
-
-    def _submit_once(self, state: NodeState) -> None:
-        refs = {rule.port: Gather(self.streams.of(rule).ordered())
-                for rule in state.plan.inputs if not rule.feedback}
-        self._submit(state, (), refs)
-
-    # -- submitting ----------------------------------------------------------------------------
-    def _submit(self, state: NodeState, lineage: tuple, refs: dict[str, Any], *,
-                executor: int | None = None) -> None:
-        plan = state.plan
-        refs.update(self._feedback_refs(plan))
-        ports = [rule.port for rule in plan.inputs if rule.port in refs]
-        meta = {"node": plan.name, "step": self.step}
-        outputs = max(1, len(plan.outputs))
-        if plan.op == "python":
-            fn_config = {**plan.config, "step": self.step} if plan.takes_step else plan.config
-            config = {"target": plan.target, "config": fn_config, "ports": ports,
-                      "outputs": list(plan.outputs), "many": list(plan.many)}
-        else:
-            config = {**self.op_configs[plan.name], "step": self.step}  # sampling: afresh
-        futures = self.ctl.submit(plan.op, *(refs[p] for p in ports), config=config,
-                                  executor=executor, tags=plan.tags, outputs=outputs, meta=meta,
-                                  report_key=self.report_keys.get(plan.name),
-                                  on_part=self._part_watch(plan, lineage))
-        self._watch(state, lineage, futures if outputs > 1 else (futures,), register=True)
-
-    def _part_watch(self, plan: NodePlan, lineage: tuple) -> Any:
-        """The call's items, each as it is yielded, when it has one output of many items and
-        the run is fused (unfused, consumers wait for the whole stream anyway)."""
-        if not (self.fuse and plan.many == (True,)):
-            return None
-        events = self.events
-        return lambda part: events.put(partial(self._on_part, plan.name, lineage, part))
-
-    def _watch(self, state: NodeState, lineage: tuple, futures: tuple, *,
-               register: bool, outputs: tuple | None = None) -> None:
-        """When `futures` are done, account for them and (with `register`) add them, or
-        `outputs` in their place, to the node's output streams."""
-        state.pending += 1
-        events = self.events
-        shown = futures if outputs is None else outputs
-        futures[0].add_done_callback(lambda _: events.put(
-            partial(self._on_done, state.plan.name, lineage, futures, register, shown)))
-
-    def _feedback_refs(self, plan: NodePlan) -> dict[str, Any]:
-        """Inputs fed by the previous step: its last item of the producing port, if any."""
+    def feedback_refs(self, plan: NodePlan, step: int) -> dict[str, Any]:
+        """Inputs fed by an earlier step: the newest item of the producing port, if any."""
         refs = {}
         for rule in plan.inputs:
             if rule.feedback:
-                previous = self.previous.get((rule.src, rule.src_port))
-                if previous is not None and previous.items:
-                    refs[rule.port] = previous.ordered()[-1]
+                _, streams = self._newest(rule, step)
+                stream = None if streams is None else streams.get((rule.src, rule.src_port))
+                if stream is not None and stream.items:
+                    refs[rule.port] = stream.ordered()[-1]
         return refs
 
-    # -- reporting -----------------------------------------------------------------------------
-    def _report(self, step: int, started: float) -> StepReport:
-        timing = {name: s.last_end - s.first_start for name, s in self.states.items()
-                  if s.first_start is not None and s.last_end is not None}
-        metrics: dict[str, Any] = {}
-        runs = [run for state in self.states.values() if state.pipeline is not None
-                for run in state.pipeline.runs]
-        predicted = [v for t in self.training.values() for v in t.predicted_bubble.values()]
-        for name, state in self.states.items():
-            if state.pipeline is not None:  # over every round's microbatches, if in rounds
-                losses = [f.result() for run in state.pipeline.runs for f in run.losses]
-                metrics[f"{name}/loss"], metrics[f"{name}/tokens"] = mean_loss(losses)
-                if len(state.pipeline.runs) > 1:
-                    metrics[f"{name}/optimizer_steps"] = len(state.pipeline.runs)
-        for state in self.states.values():
-            if state.plan.reports:
-                metrics.update(self._reported(state.plan))
-        for node, count in self.incomplete_groups.items():
-            metrics[f"{node}/incomplete_groups"] = count
-        for node, balancer in self.balancers.items():
-            if balancer is not None:
-                metrics.update(balancer.end_step(node))
-        if runs:
-            # over every executor's pipeline ops, whichever model they belong to: two models'
-            # pipelines sharing executors fill each other's bubbles
-            metrics["bubble_rate"] = measure((f.location, f.timing) for run in runs
-                                             for f in run.futures.values())["bubble_rate"]
-            metrics["predicted_bubble_rate"] = max(predicted) if predicted else None
-        return StepReport(step=step, elapsed_s=time.time() - started, timing_s=timing,
-                          metrics=metrics, warnings=tuple(self.warnings))
+    def save_weights(self, folder: Path) -> list[Path]:
+        """Each model trained so far (an interrupted step included), its stages' weights
+        merged by the unsplit model's names, to `folder`/NAME.pt: a checkpoint a model
+        config's `checkpoint` key starts from. Needs executors that save weights (torch)."""
+        saves = [t.save(folder) for _, t in sorted(self.training.items()) if t.last_trained]
+        return [Path(future.result(timeout=self.step_timeout)) for future in saves]
 
-    def _reported(self, plan: NodePlan) -> dict[str, float]:
-        """The values of a reporter's Metrics items this step (small: fetched to here)."""
-        values: dict[str, float] = {}
-        for port in plan.outputs:
-            for ref in self.streams[(plan.name, port)].ordered():
-                item = ref.future.result(timeout=self.step_timeout)[ref.index] \
-                    if isinstance(ref, Item) else ref.result(timeout=self.step_timeout)
-                values.update(getattr(item, "values", {}))
-                self.warnings.extend(getattr(item, "warnings", ()))
-        return values
+
+def check_async(plan: list[NodePlan], staleness: Any) -> None:
+    """Why `plan` cannot run asynchronously with this bound, before anything starts."""
+    if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+        raise FlowRunError(f"the staleness bound must be a whole number >= 0 (0: on-policy, "
+                           f"the synchronous result), got {staleness!r}")
+    steps = {node.name for node in plan if node.call is Call.STEP}
+    synced = [node.name for node in plan if node.call not in TRAINING_CALLS
+              and any(rule.feedback and rule.src in steps for rule in node.inputs)]
+    if not synced:
+        raise FlowRunError(
+            "an asynchronous run needs a feedback edge that syncs weights from an optimizer "
+            "step to the ops that generate or score with them (flow.feedback(...).bind("
+            "step.weights)): this flow has none, so its steps have nothing to overlap")
+    if staleness >= 1:
+        rounds = [node.name for node in plan if node.call is Call.PIPELINE
+                  and rounds_of(node.config) > 1]
+        if rounds:
+            raise FlowRunError(
+                f"{', '.join(rounds)} train in several minibatch rounds (epochs x minibatches) "
+                "per step; asynchronous steps with a staleness bound >= 1 need one optimizer "
+                "step per step (their proximal policy is the weights before it): set epochs "
+                "and minibatches to 1, or use --max-staleness 0")
+
+
+def _decoupled(plan: list[NodePlan]) -> list[NodePlan]:
+    """The backprops of policy losses with the decoupled objective for stale samples."""
+    return [attrs.evolve(node, config={**node.config, "decoupled": True})
+            if node.call is Call.PIPELINE and node.config.get("loss") in POLICY_LOSSES else node
+            for node in plan]

@@ -1,0 +1,328 @@
+"""One step of a flow as it runs: its item streams and node states (stepstate.py), and the
+reactions to its completions. The runner (flowrun.py) owns what lasts across steps (executors,
+trained models, length estimates) and, in an asynchronous run, several steps at once
+[Note: asynchronous steps in flowrun.py].
+
+A per-item op is submitted the moment its item exists, a group the moment its last member is
+in, a barrier when every producer has closed ([Note: lowering by granularity] in
+flowkit/planner/lower.py); each trained model's backprop and optimizer step go to its
+`ModelTraining` (flowtrain.py).
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from flowkit.dsl import Granularity
+from flowkit.ops.records import mean_loss
+from flowkit.planner.lower import Call, InputRule, NodePlan
+from flowkit.runtime.balance import Balancer
+from flowkit.runtime.pipeline import measure
+from flowkit.runtime.refs import Gather, Item
+from flowkit.runtime.stepstate import FlowRunError, NodeState, Streams, lineage_order
+
+if TYPE_CHECKING:
+    from flowkit.runtime.flowrun import FlowRunner, StepReport
+
+__all__ = ["StepRun", "TRAINING_CALLS"]
+
+TRAINING_CALLS = (Call.PIPELINE, Call.STEP)  # a model's backprop and optimizer step
+
+
+class StepRun:
+    """Step `step` of `runner`'s flow. `trains`: its backprops and optimizer steps may run
+    (an asynchronous run trains its steps one after another, in order)."""
+
+    def __init__(self, runner: FlowRunner, step: int, *, trains: bool) -> None:
+        self.runner, self.step, self.trains = runner, step, trains
+        self.started = time.time()
+        self.streams = Streams()
+        self.states = {node.name: NodeState(node) for node in runner.plan}
+        self.warnings: list[str] = []
+        self.incomplete_groups: dict[str, int] = {}  # node -> groups flushed short
+        self.balancers: dict[str, Balancer | None] = {
+            name: runner.balancer(name, self.states[name].plan)
+            for name in runner.workloads}
+
+    @property
+    def closed(self) -> bool:
+        return all(state.closed for state in self.states.values())
+
+    def open_nodes(self) -> list[str]:
+        return [name for name, state in self.states.items() if not state.closed]
+
+    def start(self) -> None:
+        for node in self.runner.plan:
+            self.progress(node.name)
+
+    def start_training(self) -> None:
+        """The previous step's training is done: this step's may run."""
+        self.trains = True
+        for training in self.runner.training.values():
+            training.start_step(self.step)
+        for node in self.runner.plan:
+            if node.call in TRAINING_CALLS:
+                self.progress(node.name)
+
+    # -- completions ---------------------------------------------------------------------------
+    def _on_done(self, name: str, lineage: tuple, futures: tuple, register: bool,
+                 outputs: tuple) -> None:
+        state = self.states[name]
+        state.pending -= 1
+        for future in futures:
+            error = future.exception()
+            if error is not None:
+                raise FlowRunError(f"step {self.step}: op {name!r} failed: {error}") from error
+            if future.timing is not None:
+                start, end = future.timing
+                state.first_start = min(start, state.first_start or start)
+                state.last_end = max(end, state.last_end or end)
+        if register and self.balancers.get(name) is not None:
+            self._balanced_done(name, lineage, futures[0])
+        if register:
+            self._register_outputs(state.plan, lineage, outputs)
+        self.progress(name)
+        for consumer in self.runner.consumers[name]:
+            self.progress(consumer)
+
+    def _on_part(self, name: str, lineage: tuple, part: Any) -> None:
+        """Item j of a streaming call [Note: streaming ops in executors/ops.py]: into the
+        node's stream at once, so per-item consumers start on it before the call ends."""
+        state = self.states[name]
+        j = state.streamed[lineage]
+        state.streamed[lineage] += 1
+        balancer = self.balancers.get(name)
+        if balancer is not None and self.runner.workloads[name].sized:
+            balancer.finished(lineage, part.keys[0] if part.keys else None)
+        (port,) = state.plan.outputs
+        self.streams[(name, port)].add(lineage + (j,), part, part.keys[0] if part.keys else None)
+        for consumer in self.runner.consumers[name]:
+            self.progress(consumer)
+
+    def _balanced_done(self, name: str, lineage: tuple, future: Any) -> None:
+        """A balanced call is done: the sizes of its items that did not stream, then its
+        open work is off its executor."""
+        balancer = self.balancers[name]
+        keys = getattr(future, "keys", None) or []
+        if self.runner.workloads[name].sized:
+            for size in keys[self.states[name].streamed.get(lineage, 0):]:
+                balancer.finished(lineage, size)
+        balancer.closed(lineage)
+
+    def _register_outputs(self, plan: NodePlan, lineage: tuple, futures: tuple) -> None:
+        for port, many, future in zip(plan.outputs, plan.many, futures):
+            stream = self.streams[(plan.name, port)]
+            keys = getattr(future, "keys", None) or []  # a Gather in a future's place has none
+            if many and getattr(future, "count", None) is not None:
+                streamed = self.states[plan.name].streamed.get(lineage, 0)  # already in
+                for j in range(streamed, future.count):
+                    stream.add(lineage + (j,), Item(future, j), keys[j] if keys else None)
+            else:
+                stream.add(lineage, future, keys[0] if keys else None)
+            self.runner.produced(self, plan.name, port)
+
+    # -- deciding what can run -----------------------------------------------------------------
+    def progress(self, name: str) -> None:
+        state = self.states[name]
+        if state.closed:
+            return
+        plan = state.plan
+        if plan.call in TRAINING_CALLS and not self.trains:
+            return
+        if not self.runner.admits(self, plan):
+            return  # generation waits for weights recent enough [Note: asynchronous steps]
+        live = [rule for rule in plan.inputs if not rule.feedback]
+        inputs_closed = all(self.streams.of(r).closed for r in live)
+        if not (self.runner.fuse or inputs_closed):
+            return
+        if plan.call is Call.PER_ITEM:
+            self._submit_items(state, live)
+        elif plan.call is Call.PER_GROUP:
+            self._submit_groups(state, live, inputs_closed)
+        elif plan.call is Call.PIPELINE:
+            self.runner.training[plan.model.name].feed(state, self.streams, live, inputs_closed,
+                                                       partial(self._watch, state))
+        elif not state.started and inputs_closed:
+            state.started = True
+            if plan.call is Call.STEP:
+                stats = [Gather(self.streams.of(r).ordered()) for r in live]
+                self.runner.training[plan.model.name].optimizer_step(
+                    plan, stats, partial(self._watch, state))
+            else:
+                self._submit_once(state)
+        if inputs_closed and state.pending == 0 and (state.started or plan.call in (
+                Call.PER_ITEM, Call.PER_GROUP)):
+            if plan.call is Call.PER_ITEM:
+                self._check_all_paired(state, live)
+            state.closed = True
+            for port in plan.outputs:
+                self.streams[(name, port)].closed = True
+            for consumer in self.runner.consumers[name]:
+                self.progress(consumer)
+
+    def _submit_items(self, state: NodeState, live: list[InputRule]) -> None:
+        streaming = [r for r in live if r.granularity is Granularity.STREAM]
+        barriers = [r for r in live if r.granularity is not Granularity.STREAM]
+        if any(not self.streams.of(r).closed for r in barriers):
+            return
+        workload = self.runner.workloads.get(state.plan.name)
+        if workload is not None and workload.hold and not self.streams.of(workload.lead).closed:
+            return
+        lead = self.streams.of(streaming[0])
+        ready = []
+        for lineage in lead.arrivals:
+            if lineage in state.submitted:
+                continue
+            refs = {}
+            for rule in streaming:
+                ref = self.streams.of(rule).items.get(lineage)
+                if ref is None:
+                    break
+                refs[rule.port] = ref
+            else:
+                for rule in barriers:
+                    refs[rule.port] = Gather(self.streams.of(rule).ordered())
+                state.submitted.add(lineage)
+                ready.append((lineage, refs))
+        balancer = self.balancers.get(state.plan.name)
+        if balancer is None:
+            for lineage, refs in ready:
+                self._submit(state, lineage, refs)
+            return
+        keys = self.streams.of(workload.lead).keys if workload.keyed else {}
+        by_lineage = dict(ready)
+        for lineage, key in balancer.order([(lin, keys.get(lin)) for lin, _ in ready]):
+            self._submit(state, lineage, by_lineage[lineage],
+                         executor=balancer.assign(lineage, key))
+
+    def _check_all_paired(self, state: NodeState, live: list[InputRule]) -> None:
+        streaming = [r for r in live if r.granularity is Granularity.STREAM]
+        lead = self.streams.of(streaming[0])
+        unpaired = [lin for lin in lead.arrivals if lin not in state.submitted]
+        if unpaired:
+            ports = ", ".join(f"{r.port} (from {r.src})" for r in streaming)
+            raise FlowRunError(
+                f"op {state.plan.name!r} is called per item of {ports}, but {len(unpaired)} "
+                f"items of {streaming[0].port!r} have no partner in the other inputs: per-item "
+                "inputs must come from the same items (e.g. both scored from one generate); "
+                "collect() one of them if it is a different stream")
+
+    def _submit_groups(self, state: NodeState, live: list[InputRule], closed: bool) -> None:
+        (rule,) = [r for r in live if r.granularity is Granularity.GROUPED]
+        stream = self.streams.of(rule)
+        for lineage in stream.arrivals[state.seen:]:
+            key = stream.keys.get(lineage)
+            members = state.groups[key]
+            members.append(lineage)
+            if rule.group_size is not None and len(members) == rule.group_size:
+                self._submit_group(state, rule, key)
+        state.seen = len(stream.arrivals)
+        if closed:  # what is left: groups of unknown size, or cut short
+            if rule.group_size is not None and state.groups:
+                self._warn_incomplete(state.plan.name, rule, state.groups)
+            for key in list(state.groups):
+                self._submit_group(state, rule, key)
+
+    def _warn_incomplete(self, node: str, rule: InputRule, groups: dict) -> None:
+        sizes = sorted({len(members) for members in groups.values()})
+        self.incomplete_groups[node] = len(groups)
+        self.warnings.append(
+            f"{node}: {len(groups)} group(s) by {rule.group_key!r} had {', '.join(map(str, sizes))}"
+            f" of {rule.group_size} items when the step's inputs ended; they ran incomplete. "
+            f"Make group_by's size the number of items per {rule.group_key!r}")
+
+    def _submit_group(self, state: NodeState, rule: InputRule, key: Any) -> None:
+        members = sorted(state.groups.pop(key), key=lineage_order)
+        stream = self.streams.of(rule)
+        self._submit(state, (key,), {rule.port: Gather([stream.items[m] for m in members])})
+
+    def _submit_once(self, state: NodeState) -> None:
+        refs = {rule.port: Gather(self.streams.of(rule).ordered())
+                for rule in state.plan.inputs if not rule.feedback}
+        self._submit(state, (), refs)
+
+    # -- submitting ----------------------------------------------------------------------------
+    def _submit(self, state: NodeState, lineage: tuple, refs: dict[str, Any], *,
+                executor: int | None = None) -> None:
+        plan, runner = state.plan, self.runner
+        refs.update(runner.feedback_refs(plan, self.step))
+        ports = [rule.port for rule in plan.inputs if rule.port in refs]
+        meta = {"node": plan.name, "step": self.step}
+        outputs = max(1, len(plan.outputs))
+        if plan.op == "python":
+            fn_config = {**plan.config, "step": self.step} if plan.takes_step else plan.config
+            config = {"target": plan.target, "config": fn_config, "ports": ports,
+                      "outputs": list(plan.outputs), "many": list(plan.many)}
+        else:
+            config = {**runner.op_configs[plan.name], "step": self.step}  # sampling: afresh
+        futures = runner.ctl.submit(plan.op, *(refs[p] for p in ports), config=config,
+                                    executor=executor, tags=plan.tags, outputs=outputs,
+                                    meta=meta, report_key=runner.report_keys.get(plan.name),
+                                    on_part=self._part_watch(plan, lineage))
+        self._watch(state, lineage, futures if outputs > 1 else (futures,), register=True)
+
+    def _part_watch(self, plan: NodePlan, lineage: tuple) -> Any:
+        """The call's items, each as it is yielded, when it has one output of many items and
+        the run is fused (unfused, consumers wait for the whole stream anyway)."""
+        if not (self.runner.fuse and plan.many == (True,)):
+            return None
+        events = self.runner.events
+        return lambda part: events.put(partial(self._on_part, plan.name, lineage, part))
+
+    def _watch(self, state: NodeState, lineage: tuple, futures: tuple, *,
+               register: bool, outputs: tuple | None = None) -> None:
+        """When `futures` are done, account for them and (with `register`) add them, or
+        `outputs` in their place, to the node's output streams."""
+        state.pending += 1
+        events = self.runner.events
+        shown = futures if outputs is None else outputs
+        futures[0].add_done_callback(lambda _: events.put(
+            partial(self._on_done, state.plan.name, lineage, futures, register, shown)))
+
+    # -- reporting -----------------------------------------------------------------------------
+    def report(self) -> StepReport:
+        from flowkit.runtime.flowrun import StepReport
+
+        timing = {name: s.last_end - s.first_start for name, s in self.states.items()
+                  if s.first_start is not None and s.last_end is not None}
+        metrics: dict[str, Any] = {}
+        runs = [run for state in self.states.values() if state.pipeline is not None
+                for run in state.pipeline.runs]
+        predicted = [v for t in self.runner.training.values()
+                     for v in t.predicted_bubble.values()]
+        for name, state in self.states.items():
+            if state.pipeline is not None:  # over every round's microbatches, if in rounds
+                losses = [f.result() for run in state.pipeline.runs for f in run.losses]
+                metrics[f"{name}/loss"], metrics[f"{name}/tokens"] = mean_loss(losses)
+                if len(state.pipeline.runs) > 1:
+                    metrics[f"{name}/optimizer_steps"] = len(state.pipeline.runs)
+        for state in self.states.values():
+            if state.plan.reports:
+                metrics.update(self._reported(state.plan))
+        for node, count in self.incomplete_groups.items():
+            metrics[f"{node}/incomplete_groups"] = count
+        for node, balancer in self.balancers.items():
+            if balancer is not None:
+                metrics.update(balancer.end_step(node))
+        if runs:
+            # over every executor's pipeline ops, whichever model they belong to: two models'
+            # pipelines sharing executors fill each other's bubbles
+            metrics["bubble_rate"] = measure((f.location, f.timing) for run in runs
+                                             for f in run.futures.values())["bubble_rate"]
+            metrics["predicted_bubble_rate"] = max(predicted) if predicted else None
+        return StepReport(step=self.step, elapsed_s=time.time() - self.started, timing_s=timing,
+                          metrics=metrics, warnings=tuple(self.warnings))
+
+    def _reported(self, plan: NodePlan) -> dict[str, float]:
+        """The values of a reporter's Metrics items this step (small: fetched to here)."""
+        values: dict[str, float] = {}
+        timeout = self.runner.step_timeout
+        for port in plan.outputs:
+            for ref in self.streams[(plan.name, port)].ordered():
+                item = ref.future.result(timeout=timeout)[ref.index] \
+                    if isinstance(ref, Item) else ref.result(timeout=timeout)
+                values.update(getattr(item, "values", {}))
+                self.warnings.extend(getattr(item, "warnings", ()))
+        return values
