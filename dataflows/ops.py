@@ -92,14 +92,16 @@ class Backprop(ModelOp):
     choices = {"loss": tuple(LOSSES), "kl_kind": (*KL_KINDS, *KL_ALIASES),
                "schedule": tuple(schedule_kinds())}
     # the counts (microbatches, epochs, minibatches) are node_problems': whole numbers >= 1
+    # behav_cap >= 1: a cap below 1 would down-weight even fresh samples (weight 1). The flag
+    # `decoupled` is no number; node_problems checks that it is a bool
     ranges = {"kl_coef": (0, None), "clip_ratio": (0, None), "clip_ratio_c": (1, None),
-              "cliprange_value": (0, None), "temperature": (0, None)}
+              "cliprange_value": (0, None), "temperature": (0, None), "behav_cap": (1, None)}
 
     def node_problems(self, flow: Any, node: Any) -> list[Problem]:
         problems = [p for key, fix in _COUNTS.items() if (p := _count_problem(node, key, fix))]
         if not problems and rounds_of(node.config) > 1:
             problems += _round_problems(self.model, flow, node)
-        return problems
+        return problems + [p for p in (_flag_problem(node, "decoupled"),) if p]
 
 
 class OptimizerStep(ModelOp):
@@ -131,6 +133,15 @@ def _count_problem(node: Any, key: str, fix: str) -> Problem | None:
         return None
     return Problem(rule="bad-count", op=node.name, port=key,
                    message=f"{key}={value!r} is not a whole number >= 1", fix=fix)
+
+
+def _flag_problem(node: Any, key: str) -> Problem | None:
+    """A switch must be a bool: a string such as "false" would read as on."""
+    value = node.config.get(key)
+    if isinstance(value, bool):
+        return None
+    return Problem(rule="bad-config", op=node.name, port=key,
+                   message=f"{key}={value!r} is not True or False", fix=f"pass {key}=True")
 
 
 def _round_problems(model: str, flow: Any, node: Any) -> list[Problem]:

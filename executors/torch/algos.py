@@ -13,11 +13,13 @@ from collections.abc import Sequence
 
 import torch
 
-from flowkit.ops import KL_ALIASES
+from flowkit.ops import KL_ALIASES, LOSS_KNOBS
 
 __all__ = [
     "AGG_MODES",
     "KL_KINDS",
+    "decoupled_ppo_policy_loss",
+    "decoupled_weight_stats",
     "gae_advantages",
     "grpo_advantages",
     "kl_penalty",
@@ -331,6 +333,68 @@ def ppo_policy_loss_stats(old_logprob: torch.Tensor, logprob: torch.Tensor,
         "clipfrac_lower": _masked_mean(dual_bound.to(mask.dtype), mask),
         "approx_kl": _masked_mean(-terms["log_ratio"], mask),
     }
+
+
+# ----------------------------------------------------------------------------- decoupled PPO
+# AReaL's decoupled PPO objective (Fu et al. 2025, "Boosting ... asynchronous RL") for samples
+# that older weights generated: the trust region is taken around the proximal policy (the
+# weights being trained), not around the stale behaviour policy that sampled, and an importance
+# weight prox / behav corrects for sampling from the latter:
+#     J = E[ w * min(r * A, clip(r, 1 - eps, 1 + eps) * A) ],  r = pi / prox,  w = prox / behav
+
+
+def _check_behav_cap(behav_cap: float) -> None:
+    # `not >` also catches NaN, which would silently zero or keep every weight
+    if not behav_cap > 0:
+        raise ValueError(f"behav_cap is {behav_cap}, expected > 0: it caps the importance "
+                         f"weight prox / behav of the decoupled PPO objective, which is positive")
+
+
+def _behav_weights(behav_logprob: torch.Tensor, prox_logprob: torch.Tensor, behav_cap: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(capped weights, raw weights) prox / behav per token, both detached: the weight corrects
+    for where the samples came from and must not be a direction to optimize."""
+    _check_behav_cap(behav_cap)
+    log_w = torch.clamp(prox_logprob - behav_logprob, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    raw = torch.exp(log_w).detach()
+    # A clamp (truncated importance sampling) rather than AReaL's mask, which drops tokens whose
+    # weight exceeds the cap: here they still count, at most behav_cap times.
+    return torch.clamp(raw, max=behav_cap), raw
+
+
+def decoupled_ppo_policy_loss(behav_logprob: torch.Tensor, prox_logprob: torch.Tensor,
+                              logprob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                              clip_ratio: float = 0.2, clip_ratio_c: float = 3.0,
+                              behav_cap: float = LOSS_KNOBS["behav_cap"],
+                              agg: str = "token-mean") -> torch.Tensor:
+    """AReaL's decoupled PPO objective (Fu et al. 2025), a scalar to minimize: the dual-clip
+    PPO loss of `logprob` against `prox_logprob`, each token's loss times the detached weight
+    min(exp(prox_logprob - behav_logprob), behav_cap) before aggregation.
+
+    `behav_logprob` is what the sampler recorded (the behaviour policy), `prox_logprob` the
+    log-probs of the weights before this update. With prox == behav the weight is exactly 1
+    and this is ppo_policy_loss(behav_logprob, ...). The cap clamps larger weights to it
+    (truncated importance sampling); AReaL instead masks those tokens out."""
+    _check_same_shape(behav_logprob=behav_logprob, prox_logprob=prox_logprob, logprob=logprob,
+                      advantages=advantages, mask=mask)
+    weights, _ = _behav_weights(behav_logprob, prox_logprob, behav_cap)
+    terms = _ppo_token_terms(prox_logprob, logprob, advantages, mask, clip_ratio, clip_ratio_c)
+    return _aggregate(weights * terms["losses"], mask, agg)
+
+
+@torch.no_grad()
+def decoupled_weight_stats(behav_logprob: torch.Tensor, prox_logprob: torch.Tensor,
+                           mask: torch.Tensor, behav_cap: float = LOSS_KNOBS["behav_cap"]
+                           ) -> dict[str, torch.Tensor]:
+    """Diagnostics of the decoupled objective's importance weights over masked tokens.
+
+    behav_weight_mean: mean capped weight (1 when the samples are fresh); behav_capfrac: share
+    of tokens whose weight the cap bound (how stale the samples are beyond the cap)."""
+    _check_same_shape(behav_logprob=behav_logprob, prox_logprob=prox_logprob, mask=mask)
+    _require_tokens(mask, "decoupled weight statistics")
+    weights, raw = _behav_weights(behav_logprob, prox_logprob, behav_cap)
+    return {"behav_weight_mean": _masked_mean(weights, mask),
+            "behav_capfrac": _masked_mean((raw > behav_cap).to(mask.dtype), mask)}
 
 
 def value_loss(values_pred: torch.Tensor, returns: torch.Tensor, values_old: torch.Tensor,

@@ -1,6 +1,6 @@
 """RL losses of the last pipeline stage on a microbatch of `Experience` records: the clipped
-policy loss of PPO and GRPO (GRPO with a KL term to a reference) and the critic's clipped
-value loss. The math is `executors.torch.algos` (verl's); this module lays the records out as the
+policy loss of PPO and GRPO (GRPO with a KL term to a reference; with `decoupled`, AReaL's
+decoupled PPO objective for stale samples, Fu et al. 2025) and the critic's clipped value loss. The math is `executors.torch.algos` (verl's); this module lays the records out as the
 (batch, response) tensors it takes and reads the stage's output where each response token was
 predicted [Note: response positions in executors/torch/infer.py].
 
@@ -22,7 +22,12 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from executors.torch.algos import kl_penalty, ppo_policy_loss, value_loss
+from executors.torch.algos import (
+    decoupled_ppo_policy_loss,
+    kl_penalty,
+    ppo_policy_loss,
+    value_loss,
+)
 from flowkit.ops import LOSS_KNOBS, SUM_FORM_LOSSES
 
 __all__ = ["RL_LOSSES", "RLLoss", "RLSettings", "records", "sequence_ids"]
@@ -44,6 +49,17 @@ class RLSettings:
     kl_kind: str = attrs.field(default=LOSS_KNOBS["kl_kind"], converter=str)
     temperature: float = attrs.field(default=LOSS_KNOBS["temperature"], converter=float)
     cliprange_value: float = attrs.field(default=LOSS_KNOBS["cliprange_value"], converter=float)
+    # AReaL's decoupled PPO objective for stale samples (Fu et al. 2025); see LOSS_KNOBS
+    decoupled: bool = attrs.field(default=LOSS_KNOBS["decoupled"],
+                                  validator=attrs.validators.instance_of(bool))
+    behav_cap: float = attrs.field(default=LOSS_KNOBS["behav_cap"], converter=float)
+
+    @behav_cap.validator
+    def _positive_cap(self, _attribute: Any, value: float) -> None:
+        # at settings time, not at the first decoupled loss deep inside a pipeline stage
+        if not value > 0:
+            raise ValueError(f"behav_cap is {value}, expected > 0: it caps the importance "
+                             f"weight of the decoupled PPO objective")
 
     @classmethod
     def from_config(cls, loss: str, config: dict) -> RLSettings:
@@ -120,13 +136,27 @@ class RLLoss:
         logp = F.log_softmax(picked.to(dtype) / temperature, dim=-1)
         logp = logp.gather(-1, self.tokens_at[..., None]).squeeze(-1)  # (B, R)
         # token-mean times the token count: the masked sum, through verl's own loss
-        total = ppo_policy_loss(col["logprobs"], logp, col["advantages"], mask,
-                                clip_ratio=s.clip_ratio, clip_ratio_c=s.clip_ratio_c,
-                                agg="token-mean") * self.tokens
+        if s.decoupled:
+            total = self._decoupled_sum(logp, col, mask)
+        else:
+            total = ppo_policy_loss(col["logprobs"], logp, col["advantages"], mask,
+                                    clip_ratio=s.clip_ratio, clip_ratio_c=s.clip_ratio_c,
+                                    agg="token-mean") * self.tokens
         if s.uses_reference:
             kl = kl_penalty(logp, col["ref_logprobs"], s.kl_kind)
             total = total + s.kl_coef * torch.where(mask.bool(), kl, torch.zeros_like(kl)).sum()
         return total
+
+    def _decoupled_sum(self, logp: torch.Tensor, col: dict, mask: torch.Tensor) -> torch.Tensor:
+        """AReaL's decoupled PPO objective (Fu et al. 2025) in sum form. Each sample gets one
+        optimizer update per step, so the proximal policy (the weights before this update) is
+        this forward pass's, detached: no extra pass; the records' logprobs are the behaviour
+        policy's, whatever weights version sampled them."""
+        s = self.settings
+        return decoupled_ppo_policy_loss(col["logprobs"], logp.detach(), logp,
+                                         col["advantages"], mask, clip_ratio=s.clip_ratio,
+                                         clip_ratio_c=s.clip_ratio_c, behav_cap=s.behav_cap,
+                                         agg="token-mean") * self.tokens
 
     def _value_sum(self, values: torch.Tensor) -> torch.Tensor:
         dtype = torch.promote_types(values.dtype, torch.float32)

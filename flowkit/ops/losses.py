@@ -21,9 +21,17 @@ one of them can start before its last item exists [Note: streamed microbatches i
 flowkit/runtime/flowtrain.py]."""
 
 LOSS_KNOBS = {"kl_coef": 0.0, "kl_kind": "k3", "clip_ratio": 0.2, "clip_ratio_c": 3.0,
-              "cliprange_value": 0.2, "temperature": 1.0}
+              "cliprange_value": 0.2, "temperature": 1.0, "decoupled": False, "behav_cap": 5.0}
 """Each knob of the RL losses with its default (verl's); `temperature` is the sampler's, so the
-ratio starts at 1 only when log-probs are taken as generation took them."""
+ratio starts at 1 only when log-probs are taken as generation took them.
+
+`decoupled`: the policy loss is AReaL's decoupled PPO objective (Fu et al. 2025) for samples of
+older weights: the clipped ratio is taken against the weights being trained (the proximal
+policy, whose log-probs are the very forward pass's, detached) and each token is weighted by
+proximal / behaviour probability, the behaviour log-probs being `Experience.logprobs`, what the
+sampler recorded. Off, the ratio is against `Experience.logprobs`, as in synchronous PPO.
+`behav_cap`: that weight's upper bound (> 0; >= 1 in a flow). A larger weight is clamped to it
+(truncated importance sampling), where AReaL masks such tokens out."""
 
 KL_KINDS = ("k1", "abs", "k2", "k3")
 """The estimators of the KL to the reference that `kl_kind` names (k3: Schulman's low-variance

@@ -53,3 +53,20 @@ def test_training_settings_are_checked_too():
     assert [(p.rule, p.op, p.port) for p in raised.value.problems] == [
         ("bad-config", "backprop", "clip_ratio_c"), ("bad-config", "optimizer_step", "lr"),
         ("bad-count", "backprop", "microbatches")]  # a count: Backprop.node_problems
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"behav_cap": 0.5}, "behav_cap=0.5 is out of range: it must be >= 1"),
+    ({"decoupled": "false"}, "decoupled='false' is not True or False"),
+    ({"decoupled": 1}, "decoupled=1 is not True or False")])
+def test_the_decoupled_objectives_settings_are_checked(config, message):
+    with pytest.raises(FlowError) as raised:
+        with Flow("f"):
+            Backprop(ACTOR)(arithmetic_prompts(), loss="ppo", **config)
+    (problem,) = raised.value.problems
+    assert (problem.rule, problem.op, problem.message) == ("bad-config", "backprop", message)
+
+
+def test_the_decoupled_objective_in_range_passes():
+    with Flow("f"):
+        Backprop(ACTOR)(arithmetic_prompts(), loss="ppo", decoupled=True, behav_cap=1)

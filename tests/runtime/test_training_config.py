@@ -14,7 +14,7 @@ LOSS_KEYS = ("loss", *LOSS_KNOBS)  # the Backprop config keys the stage ops read
 SPEC = {"model": "actor", "build": "x:y", "stages": 2, "seed": 0, "dtype": "float32",
         "model_config": {}}
 KNOBS = {"kl_coef": 0.1, "kl_kind": "k2", "clip_ratio": 0.1, "clip_ratio_c": 2.0,
-         "temperature": 0.7, "cliprange_value": 0.3}
+         "temperature": 0.7, "cliprange_value": 0.3, "decoupled": True, "behav_cap": 2.0}
 
 
 def _configs(extra: dict, sizes=(1, 3)) -> dict[Action, dict]:
