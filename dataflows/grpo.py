@@ -25,15 +25,18 @@ def grpo_flow(*, model: Model | None = None, prompts: int = 16, n: int = 8,
               max_new_tokens: int = 8, temperature: float = 1.0, kl_coef: float = 0.001,
               lr: float = 3e-4, gpt: dict | None = None,
               prompt_source: Operator = arithmetic_prompts, reward: Operator = answer_reward,
-              source_config: dict[str, Any] | None = None) -> Flow:
+              source_config: dict[str, Any] | None = None,
+              max_staleness: int | None = None) -> Flow:
     """`model` is the actor, any Model (dataflows/models.py); without one, the built-in GPT
     configured by `gpt`, in 2 stages. The reference is a frozen copy of the actor, so a
     `checkpoint` in its config starts both from saved weights (e.g. after supervised warm-up).
     `stages` re-cuts the actor. `prompt_source` makes the step's prompts (`count=prompts`,
-    plus `source_config`), `reward` scores one rollout."""
+    plus `source_config`), `reward` scores one rollout. `max_staleness`: run asynchronously
+    by default, generation up to that many weights versions ahead of training
+    ([Note: asynchronous steps] in flowkit/runtime/flowrun.py)."""
     actor = rl_actor(model, gpt=gpt, stages=stages)
     reference = reference_of(actor)
-    with Flow("grpo", description=__doc__) as flow:
+    with Flow("grpo", description=__doc__, max_staleness=max_staleness) as flow:
         sampled = sample_and_score(flow, actor, reference, prompts=prompts, n=n,
                                    max_new_tokens=max_new_tokens, temperature=temperature,
                                    prompt_source=prompt_source, reward=reward,

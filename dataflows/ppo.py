@@ -28,7 +28,7 @@ def ppo_flow(*, model: Model | None = None, critic: Model | None = None, prompts
              gpt: dict | None = None, prompt_source: Operator = arithmetic_prompts,
              reward: Operator = answer_reward,
              source_config: dict[str, Any] | None = None, ppo_epochs: int = 1,
-             minibatches: int = 1) -> Flow:
+             minibatches: int = 1, max_staleness: int | None = None) -> Flow:
     """As `grpo_flow` (dataflows/grpo.py), with a critic: `critic`, or else the actor's build
     with `value_head=True` (the built-in GPT's value head), fresh weights, as many stages.
     `ppo_epochs` and `minibatches`: actor and critic train on each step's batch `ppo_epochs`
@@ -37,7 +37,7 @@ def ppo_flow(*, model: Model | None = None, critic: Model | None = None, prompts
     actor = rl_actor(model, gpt=gpt, stages=stages)
     reference = reference_of(actor)
     critic = critic_of(actor, critic)
-    with Flow("ppo", description=__doc__) as flow:
+    with Flow("ppo", description=__doc__, max_staleness=max_staleness) as flow:
         sampled = sample_and_score(flow, actor, reference, prompts=prompts, n=n,
                                    max_new_tokens=max_new_tokens, temperature=temperature,
                                    prompt_source=prompt_source, reward=reward,

@@ -28,7 +28,8 @@ def reinforce_pp_flow(*, model: Model | None = None, prompts: int = 64, n: int =
                       lr: float = 3e-4, gpt: dict | None = None,
                       prompt_source: Operator = arithmetic_prompts,
                       reward: Operator = answer_reward,
-                      source_config: dict[str, Any] | None = None) -> Flow:
+                      source_config: dict[str, Any] | None = None,
+                      max_staleness: int | None = None) -> Flow:
     """Called as `grpo_flow` (dataflows/grpo.py). The KL to the reference is in the reward
     (-kl_coef x the k1 estimate on each token, as the REINFORCE++ paper), not in the loss: the
     loss is the clipped PPO policy loss ("ppo"). `gamma` discounts the returns. `baseline`
@@ -40,7 +41,7 @@ def reinforce_pp_flow(*, model: Model | None = None, prompts: int = 64, n: int =
                          f"(got n={n}): the baseline is the mean score of a prompt's samples")
     actor = rl_actor(model, gpt=gpt, stages=stages)
     reference = reference_of(actor)
-    with Flow("reinforce_pp", description=__doc__) as flow:
+    with Flow("reinforce_pp", description=__doc__, max_staleness=max_staleness) as flow:
         sampled = sample_and_score(flow, actor, reference, prompts=prompts, n=n,
                                    max_new_tokens=max_new_tokens, temperature=temperature,
                                    prompt_source=prompt_source, reward=reward,

@@ -22,7 +22,8 @@ def rloo_flow(*, model: Model | None = None, prompts: int = 16, n: int = 8,
               max_new_tokens: int = 8, temperature: float = 1.0, kl_coef: float = 0.001,
               lr: float = 3e-4, gpt: dict | None = None,
               prompt_source: Operator = arithmetic_prompts, reward: Operator = answer_reward,
-              source_config: dict[str, Any] | None = None) -> Flow:
+              source_config: dict[str, Any] | None = None,
+              max_staleness: int | None = None) -> Flow:
     """Called as `grpo_flow` (dataflows/grpo.py). A sample's score is its reward minus kl_coef x
     its summed k1 KL to the reference (the KL in the reward, as the RLOO paper and verl's
     `use_kl_in_reward`); its advantage, that score minus the mean of the other n-1 samples of
@@ -32,7 +33,7 @@ def rloo_flow(*, model: Model | None = None, prompts: int = 16, n: int = 8,
                          "baseline is the mean reward of the others to its prompt")
     actor = rl_actor(model, gpt=gpt, stages=stages)
     reference = reference_of(actor)
-    with Flow("rloo", description=__doc__) as flow:
+    with Flow("rloo", description=__doc__, max_staleness=max_staleness) as flow:
         sampled = sample_and_score(flow, actor, reference, prompts=prompts, n=n,
                                    max_new_tokens=max_new_tokens, temperature=temperature,
                                    prompt_source=prompt_source, reward=reward,

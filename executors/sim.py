@@ -19,7 +19,13 @@ from typing import Any
 
 from executors.ops import Deferred, OpContext, OpTable
 from executors.simengine import EngineCosts, engine_of
-from flowkit.ops.records import MicrobatchStats, Rollout, TokenScores, step_report
+from flowkit.ops.records import (
+    MicrobatchStats,
+    Rollout,
+    TokenScores,
+    WeightsVersion,
+    step_report,
+)
 
 __all__ = ["busy_for", "register", "sample_rollout"]
 
@@ -106,9 +112,11 @@ def _generate(ctx: OpContext, prompt: Any, *weights: Any, n: int = 1, max_new_to
     leaves the moment its last token is decoded (streamed when the task streams)."""
     prompt_id = getattr(prompt, "prompt_id", prompt)
     _check_counts(prompt_id, n=n, max_new_tokens=max_new_tokens)
+    version = _newest_version(weights)
     rollouts = [sample_rollout(prompt, sample, step=step, min_new_tokens=min_new_tokens,
                                max_new_tokens=max_new_tokens, length_sigma=length_sigma,
-                               prompt_sigma=prompt_sigma) for sample in range(n)]
+                               prompt_sigma=prompt_sigma, version=version)
+                for sample in range(n)]
     costs = EngineCosts(token=seconds_per_token, per_seq=seconds_per_seq,
                         prefill_token=seconds_per_prefill_token, token_budget=int(token_budget),
                         max_batch=int(max_batch))
@@ -116,6 +124,12 @@ def _generate(ctx: OpContext, prompt: Any, *weights: Any, n: int = 1, max_new_to
         rollouts, [len(r.response_tokens) for r in rollouts],
         prompt_tokens=len(getattr(prompt, "tokens", ())), costs=costs,
         stream=ctx.emit is not None)
+
+
+def _newest_version(weights: tuple) -> int:
+    """The newest WeightsVersion among a request's weights inputs (lists of them included)."""
+    flat = [w for value in weights for w in (value if isinstance(value, list) else [value])]
+    return max([int(w.version) for w in flat if isinstance(w, WeightsVersion)] or [-1])
 
 
 def _generation(ctx: OpContext, *_: Any, action: str, model: str | None = None) -> int:
@@ -142,11 +156,13 @@ def _check_counts(prompt_id: Any, **counts: Any) -> None:
 
 def sample_rollout(prompt: Any, sample: int, *, step: int, min_new_tokens: int = 1,
                    max_new_tokens: int = 16, length_sigma: float = 0.0,
-                   prompt_sigma: float = 0.0) -> Rollout:
+                   prompt_sigma: float = 0.0, version: int = -1) -> Rollout:
     """Sample `sample` of `prompt` at `step`: its length has the long tail real sampling has
     (most stop early, a few run to max_new_tokens: exponential lengths, or log-normal ones with
     `length_sigma` > 0), scaled by its prompt's own factor (`prompt_sigma`). Seeded by (prompt,
-    sample, step) alone, so it is the same whatever else decodes beside it."""
+    sample, step) alone, so it is the same whatever else decodes beside it. Every token records
+    `version`, the weights version the request was given (-1: none yet), as a real engine's
+    tokens do (the simulator loads no weights, so a request never changes version)."""
     prompt_id = getattr(prompt, "prompt_id", prompt)
     rng = random.Random(f"{prompt_id}/{sample}/{step}")
     scale = random.Random(f"prompt/{prompt_id}").lognormvariate(0.0, prompt_sigma) \
@@ -157,8 +173,8 @@ def sample_rollout(prompt: Any, sample: int, *, step: int, min_new_tokens: int =
     logprobs = [byte * (-3 / 255) for byte in rng.randbytes(length)]
     return Rollout(prompt_id=getattr(prompt, "prompt_id", 0), sample=sample,
                    prompt_tokens=list(getattr(prompt, "tokens", [])), response_tokens=tokens,
-                   logprobs=logprobs, finished=length < max_new_tokens,
-                   answer=getattr(prompt, "answer", None))
+                   logprobs=logprobs, versions=[version] * length,
+                   finished=length < max_new_tokens, answer=getattr(prompt, "answer", None))
 
 
 def _sampled_length(rng: random.Random, low: int, high: int, sigma: float = 0.0,

@@ -5,6 +5,7 @@ Text is byte-tokenized (token id = byte value) so the arithmetic task needs no t
 
 from __future__ import annotations
 
+import collections
 import random
 import statistics
 
@@ -15,7 +16,7 @@ from flowkit.dsl import Batch, Grouped, Metrics, Stream, op
 from flowkit.ops.records import Experience, Prompt, Rollout, Scored, TokenScores
 
 __all__ = ["answer_reward", "arithmetic_prompts", "gae", "grpo_advantages", "make_experience",
-           "rollout_metrics", "with_reference"]
+           "rollout_metrics", "staleness_metrics", "with_reference"]
 
 
 @op
@@ -98,9 +99,10 @@ def grpo_advantages(group: Grouped[Scored], *, eps: float = 1e-6) -> Stream[Expe
 
 
 @op
-def rollout_metrics(scored: Batch[Scored]) -> Metrics:
-    """The step's reward and response length, mean and spread, for the dashboard; and the
-    share of responses the model's context cut short, with a warning when there are any."""
+def rollout_metrics(scored: Batch[Scored], *, step: int = 0) -> Metrics:
+    """The step's reward and response length, mean and spread, for the dashboard; the share of
+    responses the model's context cut short, with a warning when there are any; and how stale
+    the trained tokens are (staleness_metrics)."""
     rewards = [s.reward for s in scored] or [0.0]
     lengths = [len(s.response_tokens) for s in scored] or [0]
     clipped = [s for s in scored if s.clipped]
@@ -109,8 +111,24 @@ def rollout_metrics(scored: Batch[Scored]) -> Metrics:
                     "response_length_max": float(max(lengths)),
                     "finished_fraction": statistics.fmean(
                         [float(s.finished) for s in scored] or [0.0]),
-                    "response/clipped_fraction": len(clipped) / max(1, len(scored))},
+                    "response/clipped_fraction": len(clipped) / max(1, len(scored)),
+                    **staleness_metrics(scored, step)},
                    warnings=[_clipped_warning(clipped)] if clipped else [])
+
+
+def staleness_metrics(samples: list, step: int) -> dict:
+    """Over the response tokens trained at `step` (which updates weights version `step`: one
+    optimizer step per step): how many versions older the weights that sampled each token
+    were (`staleness/mean`, `staleness/max`), and tokens per sampling version
+    (`staleness/versions`, a histogram). Versions before the first weights load (-1) are the
+    weights the run started from, version 0. Nothing for samples without versions."""
+    versions = [max(0, v) for s in samples for v in s.versions]
+    if not versions:
+        return {}
+    lags = [step - v for v in versions]
+    histogram = collections.Counter(versions)
+    return {"staleness/mean": statistics.fmean(lags), "staleness/max": float(max(lags)),
+            "staleness/versions": {str(v): histogram[v] for v in sorted(histogram)}}
 
 
 def _clipped_warning(clipped: list[Scored]) -> str:

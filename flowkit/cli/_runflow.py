@@ -18,7 +18,7 @@ from flowkit.planner.lower import Call, NodePlan, lower_flow
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runtime import Controller, LocalExecutors, RemoteError
 from flowkit.runtime.checkpoint import CheckpointError, flow_identity, restore
-from flowkit.runtime.flowrun import FlowRunError, FlowRunner, StepReport
+from flowkit.runtime.flowrun import FlowRunError, FlowRunner, StepReport, check_async
 
 __all__ = ["choose_executors", "executor_tags", "run_flow", "sparkline", "with_training_options"]
 
@@ -91,10 +91,16 @@ def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
              trace: Path | None, metrics: Path | None, dashboard: bool | None,
              device: str = "cpu", fuse: bool = True, save_weights: Path | None = None,
              debug: bool = False, checkpoints: Checkpointing | None = None,
-             resume: Path | None = None) -> None:
+             resume: Path | None = None, staleness: int | None = None) -> None:
     """Run `steps` steps of `flow` (with `resume`, the steps after the checkpoint's up to
-    `steps` in all), writing `checkpoints` as they say."""
+    `steps` in all), writing `checkpoints` as they say; asynchronously with a `staleness`
+    bound [Note: asynchronous steps in flowkit/runtime/flowrun.py]."""
     plan = lower_flow(flow)
+    if staleness is not None:
+        try:  # before any executor starts
+            check_async(plan, staleness)
+        except FlowRunError as exc:
+            raise click.ClickException(f"--async: {exc}") from None
     stages = max((node.model.stages for node in plan if node.model is not None), default=1)
     count = count or max(2, stages)
     tags = executor_tags(plan, count, tag_spec)
@@ -117,7 +123,8 @@ def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
         executors = LocalExecutors(ctl, count, kind=kind, tags=tags, code=code, device=device)
         started = executors.start()
         try:
-            runner = FlowRunner(ctl, plan, sim_costs=sim_costs, fuse=fuse)
+            runner = FlowRunner(ctl, plan, sim_costs=sim_costs, fuse=fuse,
+                                staleness=staleness, steps=steps)
             run.executors = started
             if resumed is not None:
                 run.resume(runner, *resumed, console)

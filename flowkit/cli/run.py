@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -41,6 +42,14 @@ _KINDS = ("auto", *KINDS)
 @click.option("--fuse/--no-fuse", default=True, show_default=True,
               help="Start each op on the first items it can take (sample-level fusion), or run "
               "the flow stage by stage, each op waiting for its producers to finish.")
+@click.option("--async/--sync", "asynchronous", default=None,
+              help="Let generation run ahead of training by up to --max-staleness weights "
+              "versions (AReaL's bounded staleness) [default: the flow's max_staleness "
+              "setting, else synchronous].")
+@click.option("--max-staleness", type=click.IntRange(min=0), default=None,
+              help="With --async: how many weights versions a trained token may lag the "
+              "weights it updates (0: on-policy, the synchronous result) [default: the flow's, "
+              "else 1]. Implies --async.")
 @click.option("--sim-cost", "sim_cost", default="", metavar="NAME=SECONDS,...",
               help="Simulator costs: F, B, W, optimizer_step, token, infer_token, and "
               "length_sigma (log-normal response lengths).")
@@ -67,7 +76,7 @@ _KINDS = ("auto", *KINDS)
 @click.option("--debug", is_flag=True, help="Show a failed op's remote traceback.")
 def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | None, device: str,
         steps: int, stages: int | None, microbatches: int | None, schedule: str | None,
-        fuse: bool, sim_cost: str, trace: Path | None, metrics: Path | None,
+        fuse: bool, asynchronous: bool | None, max_staleness: int | None, sim_cost: str, trace: Path | None, metrics: Path | None,
         save_weights: Path | None, checkpoint_dir: Path | None, checkpoint_every: int | None,
         keep_checkpoints: int, resume: Path | None, dashboard: bool | None,
         debug: bool) -> None:
@@ -87,12 +96,32 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
     if checkpoint_every is not None and checkpoint_dir is None:
         raise click.BadParameter("give --checkpoint-dir too: where to write them",
                                  param_hint="--checkpoint-every")
+    staleness = _staleness(flow, asynchronous, max_staleness)
+    if staleness is not None and (checkpoint_dir is not None or resume is not None):
+        raise click.BadParameter("checkpoints of asynchronous runs are not supported yet (the "
+                                 "rollouts in flight would be lost): run with --sync",
+                                 param_hint="--checkpoint-dir/--resume")
     kind = choose_executors(flow, kind)
     costs = costs if kind == "sim" else None
     path, _, _ = flow_spec.partition(":")
     with writing(trace or metrics or Path(".")):
         run_flow(flow, code=[path], kind=kind, count=num_executors, tag_spec=tag_spec,
-                 device=device, steps=steps, fuse=fuse, sim_costs=costs, trace=trace, metrics=metrics,
+                 device=device, steps=steps, fuse=fuse, staleness=staleness, sim_costs=costs, trace=trace, metrics=metrics,
                  dashboard=dashboard, save_weights=save_weights, debug=debug, resume=resume,
                  checkpoints=None if checkpoint_dir is None else Checkpointing(
                      root=checkpoint_dir, every=checkpoint_every, keep=keep_checkpoints))
+
+
+def _staleness(flow: Any, asynchronous: bool | None, max_staleness: int | None) -> int | None:
+    """The run's staleness bound, None for a synchronous run: the options over the flow's
+    `max_staleness` setting."""
+    if asynchronous is False:
+        if max_staleness is not None:
+            raise click.BadParameter("--max-staleness bounds an asynchronous run: drop --sync",
+                                     param_hint="--max-staleness")
+        return None
+    if asynchronous is None and max_staleness is None and flow.max_staleness is None:
+        return None
+    for bound in (max_staleness, flow.max_staleness, 1):
+        if bound is not None:
+            return bound

@@ -39,7 +39,17 @@ def find_problems(flow: FlowGraph) -> list[Problem]:
     problems += _feedback_problems(flow)
     problems += _cycles(flow, wires)
     problems += _node_problems(flow)
+    problems += _staleness_problems(flow)
     return _with_labels(flow, problems)
+
+
+def _staleness_problems(flow: FlowGraph) -> list[Problem]:
+    bound = flow.max_staleness
+    if bound is None or (isinstance(bound, int) and not isinstance(bound, bool) and bound >= 0):
+        return []
+    return [Problem(rule="bad-config", message=f"flow {flow.name!r} has max_staleness={bound!r}",
+                    fix="give a whole number >= 0 (0: on-policy, as the synchronous run), or "
+                        "None to run synchronously")]
 
 
 def _node_problems(flow: FlowGraph) -> list[Problem]:

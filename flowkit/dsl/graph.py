@@ -105,9 +105,13 @@ class Feedback(FlowValue):
 class FlowGraph:
     """The nodes, models, feedbacks and wires of one flow: built by `Flow`, read by the rest."""
 
-    def __init__(self, name: str, *, description: str = "") -> None:
+    def __init__(self, name: str, *, description: str = "",
+                 max_staleness: int | None = None) -> None:
         self.name = name
         self.description = description
+        # run asynchronously, generation at most this many weights versions ahead of training
+        # (`flowkit run --async --max-staleness`); None: synchronously
+        self.max_staleness = max_staleness
         self.nodes: dict[str, Node] = {}
         self.models: dict[str, Model] = {}
         self.feedbacks: dict[str, Feedback] = {}

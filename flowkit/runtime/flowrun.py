@@ -39,7 +39,7 @@ from flowkit.runtime.balance import Balancer, LengthEstimates
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.flowtrain import ModelTraining
 from flowkit.runtime.records import ExecutorInfo
-from flowkit.runtime.steprun import TRAINING_CALLS, StepRun
+from flowkit.runtime.steprun import TRAINING_CALLS, StepReport, StepRun
 from flowkit.runtime.stepstate import FlowRunError, Streams
 from flowkit.runtime.training import model_spec
 
@@ -59,15 +59,6 @@ class _Workload:
     # together anyway) so the step's calls can be sent longest first
     hold: bool
     estimates: LengthEstimates  # across steps
-
-
-@attrs.frozen
-class StepReport:
-    step: int
-    elapsed_s: float
-    timing_s: dict[str, float]  # per node: first op start to last op end
-    metrics: dict[str, Any]  # loss, bubble rate, ... from the step's outputs
-    warnings: tuple[str, ...] = ()  # what the user should act on, from the runner and reporters
 
 
 class FlowRunner:

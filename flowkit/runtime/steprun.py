@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import attrs
 
 from flowkit.dsl import Granularity
 from flowkit.ops.records import mean_loss
@@ -23,19 +25,26 @@ from flowkit.runtime.pipeline import measure
 from flowkit.runtime.refs import Gather, Item
 from flowkit.runtime.stepstate import FlowRunError, NodeState, Streams, lineage_order
 
-if TYPE_CHECKING:
-    from flowkit.runtime.flowrun import FlowRunner, StepReport
-
-__all__ = ["StepRun", "TRAINING_CALLS"]
+__all__ = ["StepReport", "StepRun", "TRAINING_CALLS"]
 
 TRAINING_CALLS = (Call.PIPELINE, Call.STEP)  # a model's backprop and optimizer step
 
 
+@attrs.frozen
+class StepReport:
+    step: int
+    elapsed_s: float
+    timing_s: dict[str, float]  # per node: first op start to last op end
+    metrics: dict[str, Any]  # loss, bubble rate, ... from the step's outputs
+    warnings: tuple[str, ...] = ()  # what the user should act on, from the runner and reporters
+
+
 class StepRun:
-    """Step `step` of `runner`'s flow. `trains`: its backprops and optimizer steps may run
+    """Step `step` of `runner`'s flow (a flowrun.FlowRunner: not imported, it imports this
+    module). `trains`: its backprops and optimizer steps may run
     (an asynchronous run trains its steps one after another, in order)."""
 
-    def __init__(self, runner: FlowRunner, step: int, *, trains: bool) -> None:
+    def __init__(self, runner: Any, step: int, *, trains: bool) -> None:
         self.runner, self.step, self.trains = runner, step, trains
         self.started = time.time()
         self.streams = Streams()
@@ -283,8 +292,6 @@ class StepRun:
 
     # -- reporting -----------------------------------------------------------------------------
     def report(self) -> StepReport:
-        from flowkit.runtime.flowrun import StepReport
-
         timing = {name: s.last_end - s.first_start for name, s in self.states.items()
                   if s.first_start is not None and s.last_end is not None}
         metrics: dict[str, Any] = {}
