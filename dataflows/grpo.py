@@ -26,7 +26,8 @@ def grpo_flow(*, model: Model | None = None, prompts: int = 16, n: int = 8,
               lr: float = 3e-4, gpt: dict | None = None,
               prompt_source: Operator = arithmetic_prompts, reward: Operator = answer_reward,
               source_config: dict[str, Any] | None = None,
-              max_staleness: int | None = None) -> Flow:
+              max_staleness: int | None = None,
+              oversample: float = 1.0, stale_segments: str = "recompute") -> Flow:
     """`model` is the actor, any Model (dataflows/models.py); without one, the built-in GPT
     configured by `gpt`, in 2 stages. The reference is a frozen copy of the actor, so a
     `checkpoint` in its config starts both from saved weights (e.g. after supervised warm-up).
@@ -40,7 +41,8 @@ def grpo_flow(*, model: Model | None = None, prompts: int = 16, n: int = 8,
         sampled = sample_and_score(flow, actor, reference, prompts=prompts, n=n,
                                    max_new_tokens=max_new_tokens, temperature=temperature,
                                    prompt_source=prompt_source, reward=reward,
-                                   source_config=source_config)
+                                   source_config=source_config, oversample=oversample,
+                                   stale_segments=stale_segments)
         weights, scored, ref = sampled.weights, sampled.scored, sampled.ref_logprobs
         # No batch statistic: each group trains as soon as its n samples are scored.
         experiences = grpo_advantages(group_by(with_reference(scored, ref), key="prompt_id",

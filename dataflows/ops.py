@@ -9,7 +9,15 @@ from __future__ import annotations
 from typing import Any
 
 from flowkit.dsl import Batch, ModelOp, Problem, Stream, Workload
-from flowkit.ops import KL_ALIASES, KL_KINDS, LOSS_KNOBS, LOSSES, ROUND_KNOBS, rounds_of
+from flowkit.ops import (
+    KL_ALIASES,
+    KL_KINDS,
+    LOSS_KNOBS,
+    LOSSES,
+    ROUND_KNOBS,
+    STALE_SEGMENTS,
+    rounds_of,
+)
 from flowkit.ops.records import (
     MicrobatchStats,
     Prompt,
@@ -35,10 +43,14 @@ class Generate(ModelOp):
     inputs = {"prompts": Stream[Prompt], "weights": Stream[WeightsVersion]}
     optional = ("weights",)
     outputs = {"rollouts": Stream[Rollout]}
-    config = {"n": 1, "max_new_tokens": 256, "temperature": 1.0, "top_p": 1.0}
-    # temperature 0: greedy
+    # temperature 0: greedy. take: partial rollouts, the groups (calls) a step takes of an
+    # over-provisioned one, the rest carried over, recomputed or dropped when too stale
+    # ([Note: partial rollouts] in flowkit/runtime/partial.py)
+    config = {"n": 1, "max_new_tokens": 256, "temperature": 1.0, "top_p": 1.0, "take": None,
+              "stale_segments": "recompute"}
+    choices = {"stale_segments": STALE_SEGMENTS}
     ranges = {"n": (1, None), "max_new_tokens": (1, None), "temperature": (0, None),
-              "top_p": (0, 1)}
+              "top_p": (0, 1), "take": (1, None)}
 
 
 class LogProbs(ModelOp):

@@ -28,7 +28,8 @@ def ppo_flow(*, model: Model | None = None, critic: Model | None = None, prompts
              gpt: dict | None = None, prompt_source: Operator = arithmetic_prompts,
              reward: Operator = answer_reward,
              source_config: dict[str, Any] | None = None, ppo_epochs: int = 1,
-             minibatches: int = 1, max_staleness: int | None = None) -> Flow:
+             minibatches: int = 1, max_staleness: int | None = None,
+              oversample: float = 1.0, stale_segments: str = "recompute") -> Flow:
     """As `grpo_flow` (dataflows/grpo.py), with a critic: `critic`, or else the actor's build
     with `value_head=True` (the built-in GPT's value head), fresh weights, as many stages.
     `ppo_epochs` and `minibatches`: actor and critic train on each step's batch `ppo_epochs`
@@ -41,7 +42,8 @@ def ppo_flow(*, model: Model | None = None, critic: Model | None = None, prompts
         sampled = sample_and_score(flow, actor, reference, prompts=prompts, n=n,
                                    max_new_tokens=max_new_tokens, temperature=temperature,
                                    prompt_source=prompt_source, reward=reward,
-                                   source_config=source_config)
+                                   source_config=source_config, oversample=oversample,
+                                   stale_segments=stale_segments)
         weights, scored, ref = sampled.weights, sampled.scored, sampled.ref_logprobs
         critic_weights = flow.feedback("critic_weights", Stream[WeightsVersion])
         values = Values(critic, tags=("rollout",))(sampled.rollouts, weights=critic_weights)

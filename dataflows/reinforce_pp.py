@@ -29,7 +29,8 @@ def reinforce_pp_flow(*, model: Model | None = None, prompts: int = 64, n: int =
                       prompt_source: Operator = arithmetic_prompts,
                       reward: Operator = answer_reward,
                       source_config: dict[str, Any] | None = None,
-                      max_staleness: int | None = None) -> Flow:
+                      max_staleness: int | None = None,
+              oversample: float = 1.0, stale_segments: str = "recompute") -> Flow:
     """Called as `grpo_flow` (dataflows/grpo.py). The KL to the reference is in the reward
     (-kl_coef x the k1 estimate on each token, as the REINFORCE++ paper), not in the loss: the
     loss is the clipped PPO policy loss ("ppo"). `gamma` discounts the returns. `baseline`
@@ -45,7 +46,8 @@ def reinforce_pp_flow(*, model: Model | None = None, prompts: int = 64, n: int =
         sampled = sample_and_score(flow, actor, reference, prompts=prompts, n=n,
                                    max_new_tokens=max_new_tokens, temperature=temperature,
                                    prompt_source=prompt_source, reward=reward,
-                                   source_config=source_config)
+                                   source_config=source_config, oversample=oversample,
+                                   stale_segments=stale_segments)
         weights, scored, ref = sampled.weights, sampled.scored, sampled.ref_logprobs
         token_rewards = collect(kl_token_rewards(scored, ref, kl_coef=kl_coef))
         # whitening over the batch: a barrier

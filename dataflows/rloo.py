@@ -23,7 +23,8 @@ def rloo_flow(*, model: Model | None = None, prompts: int = 16, n: int = 8,
               lr: float = 3e-4, gpt: dict | None = None,
               prompt_source: Operator = arithmetic_prompts, reward: Operator = answer_reward,
               source_config: dict[str, Any] | None = None,
-              max_staleness: int | None = None) -> Flow:
+              max_staleness: int | None = None,
+              oversample: float = 1.0, stale_segments: str = "recompute") -> Flow:
     """Called as `grpo_flow` (dataflows/grpo.py). A sample's score is its reward minus kl_coef x
     its summed k1 KL to the reference (the KL in the reward, as the RLOO paper and verl's
     `use_kl_in_reward`); its advantage, that score minus the mean of the other n-1 samples of
@@ -37,7 +38,8 @@ def rloo_flow(*, model: Model | None = None, prompts: int = 16, n: int = 8,
         sampled = sample_and_score(flow, actor, reference, prompts=prompts, n=n,
                                    max_new_tokens=max_new_tokens, temperature=temperature,
                                    prompt_source=prompt_source, reward=reward,
-                                   source_config=source_config)
+                                   source_config=source_config, oversample=oversample,
+                                   stale_segments=stale_segments)
         weights, scored, ref = sampled.weights, sampled.scored, sampled.ref_logprobs
         token_rewards = kl_token_rewards(scored, ref, kl_coef=kl_coef)
         # No batch statistic: each group trains as soon as its n samples are scored.

@@ -17,13 +17,17 @@ import random
 import time
 from typing import Any
 
-from executors.ops import Deferred, OpContext, OpTable
+import attrs
+
+from executors.ops import OpContext, OpTable
 from executors.simengine import EngineCosts, engine_of
 from flowkit.ops.records import (
     MicrobatchStats,
+    Prompt,
     Rollout,
     TokenScores,
     WeightsVersion,
+    resumable,
     step_report,
 )
 
@@ -106,24 +110,51 @@ def _generate(ctx: OpContext, prompt: Any, *weights: Any, n: int = 1, max_new_to
               seconds_per_token: float = 0.0, seconds_per_seq: float = 0.0,
               seconds_per_prefill_token: float = 0.0, token_budget: int = 2048,
               max_batch: int = 256, min_new_tokens: int = 1, length_sigma: float = 0.0,
-              prompt_sigma: float = 0.0, step: int = 0, **config: Any) -> Deferred:
+              prompt_sigma: float = 0.0, step: int = 0, request: str | None = None,
+              min_version: int | None = None, stale_segments: str = "recompute",
+              **config: Any) -> Any:
     """n rollouts of a prompt, decoded by the executor's rollout engine together with every
     other live request [Note: simulated rollout engine in executors/simengine.py]; each sample
-    leaves the moment its last token is decoded (streamed when the task streams)."""
-    prompt_id = getattr(prompt, "prompt_id", prompt)
-    _check_counts(prompt_id, n=n, max_new_tokens=max_new_tokens)
+    leaves the moment its last token is decoded (streamed when the task streams). Given a
+    carried group (a list of Rollouts, [Note: partial rollouts] in flowkit/runtime/partial.py)
+    instead, its interrupted samples decode the rest of the lengths they were drawn with (by
+    their origin `step`) and its finished ones pass through; stale ones as the torch op does."""
     version = _newest_version(weights)
-    rollouts = [sample_rollout(prompt, sample, step=step, min_new_tokens=min_new_tokens,
-                               max_new_tokens=max_new_tokens, length_sigma=length_sigma,
-                               prompt_sigma=prompt_sigma, version=version)
-                for sample in range(n)]
+    draw = {"step": step, "min_new_tokens": min_new_tokens, "max_new_tokens": max_new_tokens,
+            "length_sigma": length_sigma, "prompt_sigma": prompt_sigma, "version": version}
+    if isinstance(prompt, list):
+        items = resumable(prompt, min_version, stale_segments)
+        if not items:
+            return []
+        rollouts, lengths = zip(*[_continued(item, draw) for item in items])
+        prefix = max(len(r.prompt_tokens) + len(r.response_tokens) - n for r, n in
+                     zip(rollouts, lengths))
+    else:
+        prompt_id = getattr(prompt, "prompt_id", prompt)
+        _check_counts(prompt_id, n=n, max_new_tokens=max_new_tokens)
+        rollouts = [sample_rollout(prompt, sample, **draw) for sample in range(n)]
+        lengths = [len(r.response_tokens) for r in rollouts]
+        prefix = len(getattr(prompt, "tokens", ()))
     costs = EngineCosts(token=seconds_per_token, per_seq=seconds_per_seq,
                         prefill_token=seconds_per_prefill_token, token_budget=int(token_budget),
                         max_batch=int(max_batch))
-    return engine_of(ctx.background).submit(
-        rollouts, [len(r.response_tokens) for r in rollouts],
-        prompt_tokens=len(getattr(prompt, "tokens", ())), costs=costs,
-        stream=ctx.emit is not None)
+    return engine_of(ctx.background).submit(list(rollouts), list(lengths), prompt_tokens=prefix,
+                                            costs=costs, stream=ctx.emit is not None,
+                                            key=request)
+
+
+def _continued(item: Rollout, draw: dict) -> tuple[Rollout, int]:
+    """A carried sample as it will end, and the tokens still to decode: a finished one as it
+    is (0), an interrupted one the rest of the sample its origin step drew, the new tokens
+    of the current version."""
+    if not item.interrupted:
+        return item, 0
+    prompt = Prompt(prompt_id=item.prompt_id, tokens=list(item.prompt_tokens),
+                    answer=item.answer)
+    whole = sample_rollout(prompt, item.sample, **draw)
+    rest = max(1, len(whole.response_tokens) - len(item.response_tokens))
+    versions = list(item.versions)[:len(whole.response_tokens) - rest]
+    return attrs.evolve(whole, versions=versions + [draw["version"]] * rest), rest
 
 
 def _newest_version(weights: tuple) -> int:
@@ -132,16 +163,22 @@ def _newest_version(weights: tuple) -> int:
     return max([int(w.version) for w in flat if isinstance(w, WeightsVersion)] or [-1])
 
 
-def _generation(ctx: OpContext, *_: Any, action: str, model: str | None = None) -> int:
+def _generation(ctx: OpContext, *_: Any, action: str, model: str | None = None,
+                requests: list | None = None) -> Any:
     """Pause, resume or abort this executor's rollout engine, as the torch executor's op does;
-    abort returns how many samples came back interrupted."""
+    abort returns how many samples came back interrupted, or with `requests` (generate's
+    `request` names) cuts only those and returns [samples, tokens] cut."""
     if action not in ("pause", "resume", "abort"):
         raise ValueError(f"generation action {action!r} is not one of pause, resume, abort")
+    if requests is not None and action != "abort":
+        raise ValueError(f"generation names requests to abort them, not to {action}")
     engine = ctx.background.get("generate")
     if engine is None:
-        return 0
+        return 0 if requests is None else [0, 0]
+    if requests is not None:
+        return list(engine.abort({str(r) for r in requests}))
     if action == "abort":
-        return engine.abort()
+        return engine.abort()[0]
     engine.pause(action == "pause")
     return 0
 

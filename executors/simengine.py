@@ -62,6 +62,7 @@ class _Request:
     lengths: list[int]  # tokens each sample decodes (>= 1)
     prefill_left: int  # prompt tokens not prefilled yet
     stream: bool  # emit each sample as it finishes [Note: streaming ops]
+    key: str | None = None  # its name, to abort it alone
     admitted: int = 0  # samples given a slot so far (in sample order)
     waiting: list[int] = attrs.field(factory=list)  # admitted, until the prefill ends
     live: int = 0  # samples decoding
@@ -95,13 +96,14 @@ class SimEngine:
         self.paused = False
 
     def submit(self, items: list, lengths: list[int], *, prompt_tokens: int,
-               costs: EngineCosts, stream: bool) -> Deferred:
+               costs: EngineCosts, stream: bool, key: str | None = None) -> Deferred:
         """A request: `items` come out one by one, item i after `lengths[i]` iterations in
-        the batch. The latest request's costs are the engine's (a run has one set)."""
+        the batch (0: at once, a finished sample carried over). The latest request's costs
+        are the engine's (a run has one set)."""
         deferred = Deferred()
         self.costs = costs
-        self.requests.append(_Request(deferred, list(items), [max(1, int(n)) for n in lengths],
-                                      max(0, int(prompt_tokens)), stream))
+        self.requests.append(_Request(deferred, list(items), [max(0, int(n)) for n in lengths],
+                                      max(0, int(prompt_tokens)), stream, key))
         return deferred
 
     def busy(self) -> bool:
@@ -112,26 +114,33 @@ class SimEngine:
         self.paused = paused
         self.deadline = None  # a resumed engine starts its next iteration then, not before
 
-    def abort(self) -> int:
-        """Every request ended now: each unfinished sample comes back cut at the tokens it has
-        decoded, `interrupted` (as the torch engine's abort); returns how many were cut."""
+    def abort(self, keys: set[str] | None = None) -> tuple[int, int]:
+        """Every request (or those named `keys`) ended now: each unfinished sample comes back
+        cut at the tokens it has decoded, `interrupted` (as the torch engine's abort); returns
+        (samples, tokens) cut."""
         decoded = {(id(r), sample): self.iterations - (last - r.lengths[sample] + 1)
                    for last, _, r, sample in self.ending}
-        cut = 0
-        for request in list(self.requests):
+        ending = [r for r in self.requests if keys is None or r.key in keys]
+        cut = tokens = 0
+        for request in ending:
             done = {id(item) for item in request.finished}
             for sample, item in enumerate(request.items):
                 if id(item) not in done:
-                    request.finished.append(_interrupted(item, decoded.get((id(request), sample),
-                                                                           0)))
-                    cut += 1
+                    made = decoded.get((id(request), sample), 0)
+                    request.finished.append(_interrupted(item, made))
+                    cut, tokens = cut + 1, tokens + made
                     if request.stream:
                         request.deferred.emit(request.finished[-1])
             request.deferred.done(list(request.finished))
-        self.requests, self.ending = [], []
-        self.slots = self.live = 0
-        self.deadline = None
-        return cut
+            self.requests.remove(request)
+            self.slots -= request.live + len(request.waiting)
+            self.live -= request.live
+        gone = {id(r) for r in ending}
+        self.ending = [e for e in self.ending if id(e[2]) not in gone]
+        heapq.heapify(self.ending)
+        if not self.requests:
+            self.deadline = None
+        return cut, tokens
 
     def step(self) -> None:
         self._drop_cancelled()
@@ -158,7 +167,7 @@ class SimEngine:
         """Free slots to waiting samples, oldest request first; a request's samples start at
         once when its prompt is prefilled already."""
         free = self.costs.max_batch - self.slots
-        for request in self.requests:
+        for request in list(self.requests):  # a carried, finished sample may end one here
             if free <= 0:
                 return
             take = min(free, len(request.items) - request.admitted)
@@ -177,7 +186,7 @@ class SimEngine:
         chunk's logits give their first token)."""
         budget = max(0, self.costs.token_budget - self.live)
         prefilled = 0
-        for request in self.requests:
+        for request in list(self.requests):
             if budget == 0:
                 break
             if not request.waiting or request.prefill_left == 0:
@@ -192,8 +201,14 @@ class SimEngine:
         return prefilled
 
     def _start(self, request: _Request, samples: Any) -> None:
-        """Samples that produce their first token this iteration."""
+        """Samples that produce their first token this iteration (one with nothing to decode
+        leaves at once)."""
         for sample in samples:
+            if request.lengths[sample] == 0:
+                request.live += 1
+                self.live += 1
+                self._finish(request, sample)
+                continue
             last = self.iterations + request.lengths[sample] - 1
             heapq.heappush(self.ending, (last, next(_TIES), request, sample))
             request.live += 1
@@ -225,7 +240,8 @@ def _interrupted(item: Any, tokens: int) -> Any:
         return item
     tokens = max(0, min(tokens, len(item.response_tokens)))
     return attrs.evolve(item, response_tokens=item.response_tokens[:tokens],
-                        logprobs=item.logprobs[:tokens], finished=False, interrupted=True)
+                        logprobs=item.logprobs[:tokens], versions=item.versions[:tokens],
+                        finished=False, interrupted=True)
 
 
 _TIES = itertools.count()  # heap entries that end together leave in the order they started

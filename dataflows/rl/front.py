@@ -6,6 +6,7 @@ with its own advantages and losses."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
@@ -39,15 +40,26 @@ class Sampled:
 
 def sample_and_score(flow: Flow, actor: Model, reference: Model, *, prompts: int, n: int,
                      max_new_tokens: int, temperature: float, prompt_source: Operator,
-                     reward: Operator, source_config: dict[str, Any] | None) -> Sampled:
+                     reward: Operator, source_config: dict[str, Any] | None,
+                     oversample: float = 1.0, stale_segments: str = "recompute") -> Sampled:
     """Inside `with flow`: `prompt_source` makes the step's prompts (`count=prompts`, plus
-    `source_config`), `reward` scores one rollout."""
+    `source_config`), `reward` scores one rollout. `oversample` > 1: partial rollouts, that
+    many times the prompts generate, the step takes the first `prompts` groups to finish and
+    carries the rest over ([Note: partial rollouts] in flowkit/runtime/partial.py; an
+    asynchronous run's)."""
+    if not oversample >= 1:
+        raise ValueError(f"oversample={oversample!r}: generate at least the step's prompts "
+                         "(1: no partial rollouts; 1.5: half as many again)")
     weights = flow.feedback("actor_weights", Stream[WeightsVersion])
-    prompt_items = prompt_source(count=prompts, **(source_config or {}))
+    partial = oversample > 1
+    prompt_items = prompt_source(count=math.ceil(prompts * oversample) if partial else prompts,
+                                 **(source_config or {}))
     # generation runs on `rollout` executors, training on `train` ones: the two overlap
     rollouts = Generate(actor, tags=("rollout",))(prompt_items, weights=weights, n=n,
                                                   max_new_tokens=max_new_tokens,
-                                                  temperature=temperature)
+                                                  temperature=temperature,
+                                                  take=prompts if partial else None,
+                                                  stale_segments=stale_segments)
     scored = reward(rollouts)
     rollout_metrics(collect(scored))
     ref = LogProbs(reference)(rollouts, name="ref_logprobs", temperature=temperature)

@@ -107,6 +107,7 @@ def rollout_metrics(scored: Batch[Scored], *, step: int = 0) -> Metrics:
     lengths = [len(s.response_tokens) for s in scored] or [0]
     clipped = [s for s in scored if s.clipped]
     return Metrics({"reward_mean": statistics.fmean(rewards), "reward_max": max(rewards),
+                    "rollout/samples": len(scored),
                     "response_length_mean": statistics.fmean(lengths),
                     "response_length_max": float(max(lengths)),
                     "finished_fraction": statistics.fmean(

@@ -22,8 +22,10 @@ between messages:
    when its last sample is done.
 
 A request or the whole engine can be paused (its sequences keep their tokens and give their
-slots back) and resumed, or aborted: its unfinished samples come back at once, marked
-`interrupted`, and a later request given such a Rollout continues it from its prefix.
+slots back) and resumed, or aborted (all requests, or those named by their keys): its
+unfinished samples come back at once, marked `interrupted`, and a later request given such a
+Rollout continues it from its prefix; a finished Rollout given again passes through (a group
+carried over whole: [Note: partial rollouts] in flowkit/runtime/partial.py).
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ class Request:
     sampling: Sampling
     left: int  # samples not yet done
     done: list = attrs.field(factory=list)  # Rollouts, in finishing order
+    key: str | None = None  # its name, to abort it alone
+    passing: list = attrs.field(factory=list)  # finished Rollouts given again: out next step
 
 
 @attrs.define(eq=False)
@@ -111,16 +115,23 @@ class Engine:
         self.cache = None  # made on first use: max_batch rows of max_len positions
         self.slots: list[Sequence | None] = [None] * self.max_batch
         self.waiting: deque[Sequence] = deque()
+        self.passing: list[Request] = []  # requests with finished Rollouts to hand back
         self.paused = False
         self.device = next(model.parameters()).device
         self.stats = {"steps": 0, "decode_tokens": 0, "prefill_tokens": 0}
 
     # -- requests ------------------------------------------------------------------------------
-    def submit(self, items: list, sampling: Sampling, n: int) -> Deferred:
+    def submit(self, items: list, sampling: Sampling, n: int, *,
+               key: str | None = None) -> Deferred:
         """n samples of each Prompt, or the continuation of each interrupted Rollout (one
-        sample each, from its prefix), as one request."""
-        request = Request(deferred=Deferred(), sampling=sampling, left=0)
+        sample each, from its prefix), as one request; a finished Rollout passes through."""
+        request = Request(deferred=Deferred(), sampling=sampling, left=0, key=key)
         for item in items:
+            if isinstance(item, Rollout) and not item.interrupted:
+                request.passing.append(item)
+                request.left += 1
+                self.passing.append(request)
+                continue
             if isinstance(item, Rollout):
                 self.waiting.append(self._continued(request, item))
                 request.left += 1
@@ -153,9 +164,20 @@ class Engine:
             self._finish(seq, finished=False, interrupted=True)
         return len(live)
 
+    def abort_requests(self, keys: set[str]) -> tuple[int, int]:
+        """The requests named `keys` end now, their unfinished samples `interrupted`;
+        returns (samples, response tokens) cut."""
+        cut = [s for s in [*self.slots, *self.waiting]
+               if s is not None and s.request.key in keys]
+        self.slots = [None if s is not None and s.request.key in keys else s for s in self.slots]
+        self.waiting = deque(s for s in self.waiting if s.request.key not in keys)
+        for seq in cut:
+            self._finish(seq, finished=False, interrupted=True)
+        return len(cut), sum(len(seq.tokens) for seq in cut)
+
     # -- the Background ------------------------------------------------------------------------
     def busy(self) -> bool:
-        return not self.paused and (bool(self.waiting) or any(self.slots))
+        return not self.paused and (bool(self.waiting) or any(self.slots) or bool(self.passing))
 
     def step(self) -> None:
         """One iteration. A failure of the model fails the requests it was running, not the
@@ -170,6 +192,7 @@ class Engine:
                     request.deferred.fail(error)
 
     def _step(self) -> None:
+        self._pass_through()
         self._drop_cancelled()
         self._refill_stale()
         self._admit()
@@ -180,6 +203,15 @@ class Engine:
             rows = [seq for seq in self.slots if seq is not None and id(seq) in logits]
             self._sample(rows, torch.stack([logits[id(seq)] for seq in rows]))
         self.stats["steps"] += 1
+
+    def _pass_through(self) -> None:
+        """Hand back the finished Rollouts requests were given (bound by now: the op that
+        made the request has returned)."""
+        requests, self.passing = self.passing, []
+        for request in requests:
+            items, request.passing = request.passing, []
+            for rollout in items:
+                self._deliver(request, rollout)
 
     def _drop_cancelled(self) -> None:
         for i, seq in enumerate(self.slots):
@@ -282,6 +314,9 @@ class Engine:
                           logprobs=seq.logprobs, versions=seq.versions, finished=finished,
                           clipped=clipped, interrupted=interrupted,
                           answer=getattr(seq.prompt, "answer", None))
+        self._deliver(request, rollout)
+
+    def _deliver(self, request: Request, rollout: Rollout) -> None:
         request.done.append(rollout)
         request.left -= 1
         if request.deferred.cancelled or request.deferred.finished:

@@ -34,7 +34,7 @@ from executors.torch.engine import Engine, Sampling, run_until_done
 from executors.torch.held import held_model, right_padded, whole_model
 from executors.torch.stage import StageError
 from flowkit.ops.executor_ops import MODEL_KEYS
-from flowkit.ops.records import Prompt, Rollout
+from flowkit.ops.records import Prompt, Rollout, resumable
 
 __all__ = ["decode", "generate_now", "register", "sample_token"]
 
@@ -198,20 +198,26 @@ def _rollout(seq: _Seq, finished: bool, max_new_tokens: int) -> Any:
 def _generate(ctx: OpContext, prompts: Any, *weights: Any, n: int = 1, max_new_tokens: int = 16,
               temperature: float = 1.0, top_p: float = 1.0, eos: int | None = EOS,
               seed: int = 0, sample_seed: int | None = None, max_batch: int = 64,
-              token_budget: int = 512, step: int = 0, **config: Any) -> Any:
+              token_budget: int = 512, step: int = 0, request: str | None = None,
+              min_version: int | None = None, stale_segments: str = "recompute",
+              **config: Any) -> Any:
     """n rollouts of each prompt (a Prompt or a list of them; an interrupted Rollout is
-    continued instead), a request to the model's rollout engine [Note: rollout engine in
-    executors/torch/engine.py], which streams each sample as it finishes. `weights`
+    continued instead, a finished one passes through), a request to the model's rollout
+    engine [Note: rollout engine in executors/torch/engine.py], which streams each sample as
+    it finishes. `request` names it, for `generation` to abort; carried rollouts older than
+    `min_version` are recomputed or dropped as `stale_segments` says (records.resumable,
+    [Note: partial rollouts] in flowkit/runtime/partial.py). `weights`
     (versions) only order this task after a step: the model is the one this executor holds
     by name. `seed` seeds the model's build (as in executors/torch/held.py) and, unless
     `sample_seed` is given, the sampling, which draws afresh each `step`. `max_batch` and
     `token_budget` size the engine when its first request makes it."""
     items = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
+    items = resumable(items, min_version, stale_segments)
     unknown = sorted(set(config) - set(MODEL_KEYS))
     if unknown:
         raise StageError(f"generate does not take {', '.join(map(repr, unknown))}: its settings "
                          f"are {', '.join(_SETTINGS)}")
-    _check_request(items, n, max_new_tokens)
+    _check_request(n, max_new_tokens)
     if not items:
         return []
     spec = {**config, "seed": seed, "stages": 1}
@@ -226,16 +232,24 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, n: int = 1, max_new_t
     sampling = Sampling(max_new_tokens=int(max_new_tokens), temperature=float(temperature),
                         top_p=float(top_p), eos=None if eos is None else int(eos),
                         seed=int(seed if sample_seed is None else sample_seed), step=int(step))
-    return engine.submit(items, sampling, int(n))
+    return engine.submit(items, sampling, int(n), key=request)
 
 
-def _generation(ctx: OpContext, *_: Any, action: str, model: str | None = None) -> int:
+def _generation(ctx: OpContext, *_: Any, action: str, model: str | None = None,
+                requests: list | None = None) -> Any:
     """Pause, resume or abort the rollout engine of `model` here (all of them without one),
-    e.g. around a weight update; returns how many samples an abort handed back interrupted."""
+    e.g. around a weight update; returns how many samples an abort handed back interrupted.
+    An abort of `requests` (generate's `request` names) cuts only those, and returns
+    [samples, tokens] cut."""
     engines = [engine for name, engine in ctx.background.items()
                if name.startswith("generate:") and model in (None, name.partition(":")[2])]
     if action not in ("pause", "resume", "abort"):
         raise StageError(f"generation action {action!r} is not one of pause, resume, abort")
+    if requests is not None:
+        if action != "abort":
+            raise StageError(f"generation names requests to abort them, not to {action}")
+        cut = [engine.abort_requests({str(r) for r in requests}) for engine in engines]
+        return [sum(c[0] for c in cut), sum(c[1] for c in cut)]
     aborted = 0
     for engine in engines:
         if action == "abort":
@@ -253,19 +267,14 @@ def generate_now(ctx: OpContext, prompts: Any, **config: Any) -> list:
 
 
 _SETTINGS = ("n", "max_new_tokens", "temperature", "top_p", "eos", "seed", "sample_seed",
-             "max_batch", "token_budget", "step")
+             "max_batch", "token_budget", "step", "request", "min_version", "stale_segments")
 
 
-def _check_request(items: list, n: Any, max_new_tokens: Any) -> None:
+def _check_request(n: Any, max_new_tokens: Any) -> None:
     if int(max_new_tokens) < 1:
         raise StageError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if int(n) < 1:
         raise StageError(f"n must be at least 1 (samples per prompt), got {n}")
-    done = [f"{r.prompt_id}/{r.sample}" for r in items
-            if isinstance(r, Rollout) and not r.interrupted]
-    if done:
-        raise StageError(f"rollouts {done} are not interrupted: only an interrupted Rollout "
-                         "(an aborted generation) can be continued")
 
 
 def _as_prompt(item: Any) -> Any:

@@ -16,6 +16,7 @@ __all__ = [
     "MicrobatchStats",
     "Prompt",
     "Rollout",
+    "STALE_SEGMENTS",
     "Scored",
     "StepMetrics",
     "TokenIds",
@@ -23,6 +24,7 @@ __all__ = [
     "WeightsVersion",
     "mean_loss",
     "microbatch_stats",
+    "resumable",
     "step_report",
 ]
 
@@ -62,6 +64,36 @@ class Rollout:
     def response_length(self) -> int:
         """What the runner learns of each sample without fetching it (a report key)."""
         return len(self.response_tokens)
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The version of its first response token (versions never decrease along a
+        sample), -1 counting as 0: the weights the run started from."""
+        return max(0, self.versions[0]) if self.versions else None
+
+
+STALE_SEGMENTS = ("recompute", "drop")  # what a carried sample too stale to train becomes
+
+
+def resumable(items: list, min_version: int | None, stale_segments: str = "recompute") -> list:
+    """The items of a generate request, carried rollouts checked against the staleness bound
+    [Note: partial rollouts in flowkit/runtime/partial.py]: a Rollout whose oldest token is
+    older than `min_version` is sampled again from its prompt ("recompute": an interrupted
+    Rollout with no response yet), or its whole group is dropped ("drop": an empty request).
+    Prompts, and Rollouts fresh enough, are as they were."""
+    if min_version is None:
+        return list(items)
+    stale = [isinstance(item, Rollout) and item.oldest_version is not None
+             and item.oldest_version < min_version for item in items]
+    if not any(stale):
+        return list(items)
+    if stale_segments == "drop":
+        return []
+    if stale_segments != "recompute":
+        raise ValueError(f"stale_segments={stale_segments!r}: it is 'recompute' or 'drop'")
+    return [attrs.evolve(item, response_tokens=[], logprobs=[], versions=[], finished=False,
+                         clipped=False, interrupted=True) if old else item
+            for item, old in zip(items, stale)]
 
 
 @attrs.frozen(kw_only=True)

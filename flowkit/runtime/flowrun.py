@@ -38,6 +38,7 @@ from flowkit.planner.simcosts import SimCosts
 from flowkit.runtime.balance import Balancer, LengthEstimates
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.flowtrain import ModelTraining
+from flowkit.runtime.partial import STALE_SEGMENTS, Carried, PartialRollouts
 from flowkit.runtime.records import ExecutorInfo
 from flowkit.runtime.steprun import TRAINING_CALLS, StepReport, StepRun
 from flowkit.runtime.stepstate import FlowRunError, Streams
@@ -74,6 +75,8 @@ class FlowRunner:
         if staleness is not None:
             check_async(plan, staleness)
             plan = _decoupled(plan) if staleness >= 1 else plan
+        self.partial = _partial_rollouts(plan, staleness)
+        plan = [_without_partial(node) if "take" in node.config else node for node in plan]
         self.ctl, self.plan, self.sim_costs = ctl, plan, sim_costs
         self.staleness, self.steps = staleness, steps
         # fuse=False: every op waits for its producers to finish (stage by stage, a barrier
@@ -91,6 +94,10 @@ class FlowRunner:
                     self.consumers[rule.src].append(node.name)
                 if rule.group_key is not None:
                     self.report_keys[rule.src] = rule.group_key
+        # the producers of grouped items: a carried call's keys are made its own there
+        self.group_keyed = {rule.src for node in plan for rule in node.inputs
+                            if rule.group_key is not None}
+        self.carried: dict[int, dict[str, list[Carried]]] = {}  # for steps not open yet
         # the nodes admission control holds back [Note: asynchronous steps]
         self.gated = [node.name for node in plan if node.call not in TRAINING_CALLS
                       and any(rule.feedback for rule in node.inputs)]
@@ -270,6 +277,43 @@ class FlowRunner:
                     refs[rule.port] = stream.ordered()[-1]
         return refs
 
+    # -- partial rollouts [Note: partial rollouts in partial.py] ---------------------------------
+    def carry(self, node: str, step: int, calls: list[Carried]) -> None:
+        """`step`'s node `node` is done: its carried calls to the step after it."""
+        following = self.open.get(step + 1)
+        if following is not None:
+            following.receive_carried(node, calls)
+        elif calls:
+            self.carried.setdefault(step + 1, {}).setdefault(node, []).extend(calls)
+
+    def take_carried(self, node: str, step: int) -> list[Carried]:
+        return self.carried.get(step, {}).pop(node, [])
+
+    @property
+    def pending_calls(self) -> int:
+        """Calls carried past the last step run, not yet in any open step."""
+        return sum(len(calls) for by_node in self.carried.values() for calls in by_node.values())
+
+    def carry_settled(self, node: str, step: int) -> bool:
+        """No step before `step` may still carry calls of `node` over to it."""
+        before = self.open.get(step - 1)
+        return before is None or before.states[node].closed
+
+    def freshness(self, step: int) -> dict[str, Any]:
+        """What a carried call resumed in `step` is told of staleness: its oldest token's
+        version may be no older than `min_version`."""
+        bound = self.staleness or 0
+        return {"min_version": step - bound}
+
+    def abort_calls(self, plan: NodePlan, requests: list[str], step: int) -> list[Any]:
+        """Ask every engine that may run `plan`'s calls to abort these requests; each reply
+        is [samples, tokens] cut."""
+        targets = [e for e in self.ctl.executors()
+                   if e.runs(plan.op, frozenset(plan.tags)) and "generation" in e.ops]
+        return [self.ctl.submit("generation", config={"action": "abort", "requests": requests},
+                                executor=e.id, meta={"node": f"{plan.name}/abort", "step": step})
+                for e in targets]
+
     def save_weights(self, folder: Path) -> list[Path]:
         """Each model trained so far (an interrupted step included), its stages' weights
         merged by the unsplit model's names, to `folder`/NAME.pt: a checkpoint a model
@@ -300,6 +344,39 @@ def check_async(plan: list[NodePlan], staleness: Any) -> None:
                 "per step; asynchronous steps with a staleness bound >= 1 need one optimizer "
                 "step per step (their proximal policy is the weights before it): set epochs "
                 "and minibatches to 1, or use --max-staleness 0")
+
+
+def _partial_rollouts(plan: list[NodePlan], staleness: int | None
+                      ) -> dict[str, PartialRollouts]:
+    """The nodes with partial rollouts (a `take` setting), checked."""
+    found = {}
+    for node in plan:
+        take = node.config.get("take")
+        if take is None:
+            continue
+        if staleness is None or staleness < 1:
+            raise FlowRunError(
+                f"{node.name} takes the first {take} groups of an over-provisioned step and "
+                "carries the rest into the next (partial rollouts): carried samples are a "
+                "version stale at least, so run asynchronously with --max-staleness >= 1, or "
+                "drop `take` (oversample) to run synchronously")
+        if node.call is not Call.PER_ITEM or node.many != (True,):
+            raise FlowRunError(f"{node.name}: `take` (partial rollouts) is a setting of a "
+                               "generating op called per prompt, whose call makes a group")
+        stale = node.config.get("stale_segments") or "recompute"
+        if stale not in STALE_SEGMENTS:
+            raise FlowRunError(f"{node.name}: stale_segments={stale!r}; it is one of "
+                               f"{', '.join(STALE_SEGMENTS)}")
+        found[node.name] = PartialRollouts(int(take), stale, int(node.config.get("n", 1)))
+    return found
+
+
+def _without_partial(node: NodePlan) -> NodePlan:
+    """The node's executor config: `take` is the runner's; a carried call is told what to do
+    with stale samples."""
+    config = {k: v for k, v in node.config.items() if k != "take"}
+    config["stale_segments"] = config.get("stale_segments") or "recompute"
+    return attrs.evolve(node, config=config)
 
 
 def _decoupled(plan: list[NodePlan]) -> list[NodePlan]:

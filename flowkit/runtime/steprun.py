@@ -11,8 +11,8 @@ flowkit/planner/lower.py); each trained model's backprop and optimizer step go t
 
 from __future__ import annotations
 
+import functools
 import time
-from functools import partial
 from typing import Any
 
 import attrs
@@ -21,6 +21,7 @@ from flowkit.dsl import Granularity
 from flowkit.ops.records import mean_loss
 from flowkit.planner.lower import Call, InputRule, NodePlan
 from flowkit.runtime.balance import Balancer
+from flowkit.runtime.partial import PartialState, carried_key
 from flowkit.runtime.pipeline import measure
 from flowkit.runtime.refs import Gather, Item
 from flowkit.runtime.stepstate import FlowRunError, NodeState, Streams, lineage_order
@@ -54,6 +55,9 @@ class StepRun:
         self.balancers: dict[str, Balancer | None] = {
             name: runner.balancer(name, self.states[name].plan)
             for name in runner.workloads}
+        # [Note: partial rollouts in partial.py]
+        self.partial = {name: PartialState(setting, incoming=runner.take_carried(name, step))
+                        for name, setting in runner.partial.items()}
 
     @property
     def closed(self) -> bool:
@@ -75,6 +79,16 @@ class StepRun:
             if node.call in TRAINING_CALLS:
                 self.progress(node.name)
 
+    def receive_carried(self, name: str, calls: list) -> None:
+        """Calls the step before carried over [Note: partial rollouts]: run them first, or
+        pass them on if this step has taken its groups already."""
+        partial = self.partial[name]
+        if partial.aborting or self.states[name].closed:
+            partial.outgoing.extend(calls)
+        else:
+            partial.incoming.extend(calls)
+        self.progress(name)
+
     # -- completions ---------------------------------------------------------------------------
     def _on_done(self, name: str, lineage: tuple, futures: tuple, register: bool,
                  outputs: tuple) -> None:
@@ -88,10 +102,19 @@ class StepRun:
                 start, end = future.timing
                 state.first_start = min(start, state.first_start or start)
                 state.last_end = max(end, state.last_end or end)
+        partial = self.partial.get(name) if register else None
+        if partial is not None and partial.aborting:  # after the step took its groups
+            partial.pending_calls.pop(lineage, None)
+            partial.carry(self.step, lineage, futures[0])
+            if self.balancers.get(name) is not None:
+                self.balancers[name].closed(lineage)  # cut short: its sizes teach nothing
+            register = False
         if register and self.balancers.get(name) is not None:
             self._balanced_done(name, lineage, futures[0])
         if register:
             self._register_outputs(state.plan, lineage, outputs)
+        if partial is not None and register:
+            self._taken(state, partial, lineage, futures[0])
         self.progress(name)
         for consumer in self.runner.consumers[name]:
             self.progress(consumer)
@@ -106,7 +129,8 @@ class StepRun:
         if balancer is not None and self.runner.workloads[name].sized:
             balancer.finished(lineage, part.keys[0] if part.keys else None)
         (port,) = state.plan.outputs
-        self.streams[(name, port)].add(lineage + (j,), part, part.keys[0] if part.keys else None)
+        key = part.keys[0] if part.keys else None
+        self.streams[(name, port)].add(lineage + (j,), part, self._key(name, lineage, key))
         for consumer in self.runner.consumers[name]:
             self.progress(consumer)
 
@@ -127,10 +151,45 @@ class StepRun:
             if many and getattr(future, "count", None) is not None:
                 streamed = self.states[plan.name].streamed.get(lineage, 0)  # already in
                 for j in range(streamed, future.count):
-                    stream.add(lineage + (j,), Item(future, j), keys[j] if keys else None)
+                    key = keys[j] if keys else None
+                    stream.add(lineage + (j,), Item(future, j), self._key(plan.name, lineage, key))
             else:
-                stream.add(lineage, future, keys[0] if keys else None)
+                stream.add(lineage, future, self._key(plan.name, lineage, keys[0] if keys else None))
             self.runner.produced(self, plan.name, port)
+
+    def _key(self, name: str, lineage: tuple, key: Any) -> Any:
+        return carried_key(lineage, key) if name in self.runner.group_keyed else key
+
+    # -- partial rollouts [Note: partial rollouts in partial.py] -------------------------------
+    def _taken(self, state: NodeState, partial: PartialState, lineage: tuple,
+               future: Any) -> None:
+        """A call ended before the step had its groups: it is the step's."""
+        partial.pending_calls.pop(lineage, None)
+        count = getattr(future, "count", None)
+        if lineage in partial.resumed and count is not None and count < partial.setting.n:
+            partial.dropped += partial.setting.n - count  # a carried group dropped as stale
+            return  # no group to train: the step still wants its `take`
+        partial.taken += 1
+        if partial.taken >= partial.setting.take:
+            partial.aborting = True
+            keys = list(partial.pending_calls.values())
+            if keys:
+                aborts = self.runner.abort_calls(state.plan, keys, self.step)
+                partial.aborts.extend(aborts)
+                for abort in aborts:
+                    self._watch(state, (), (abort,), register=False)
+
+    def _submit_carried(self, state: NodeState, partial: PartialState,
+                        lead: InputRule) -> None:
+        """The calls carried from the step before, ahead of the step's own."""
+        for carried in partial.incoming[partial.incoming_sent:]:
+            lineage = carried.resumed_lineage
+            state.submitted.add(lineage)
+            partial.resumed[lineage] = carried
+            extra = {"step": carried.origin, **self.runner.freshness(self.step)}
+            self._submit(state, lineage, {lead.port: carried.ref}, extra=extra,
+                         meta={"origin": carried.origin})
+        partial.incoming_sent = len(partial.incoming)
 
     # -- deciding what can run -----------------------------------------------------------------
     def progress(self, name: str) -> None:
@@ -152,20 +211,25 @@ class StepRun:
             self._submit_groups(state, live, inputs_closed)
         elif plan.call is Call.PIPELINE:
             self.runner.training[plan.model.name].feed(state, self.streams, live, inputs_closed,
-                                                       partial(self._watch, state))
+                                                       functools.partial(self._watch, state))
         elif not state.started and inputs_closed:
             state.started = True
             if plan.call is Call.STEP:
                 stats = [Gather(self.streams.of(r).ordered()) for r in live]
                 self.runner.training[plan.model.name].optimizer_step(
-                    plan, stats, partial(self._watch, state))
+                    plan, stats, functools.partial(self._watch, state))
             else:
                 self._submit_once(state)
         if inputs_closed and state.pending == 0 and (state.started or plan.call in (
                 Call.PER_ITEM, Call.PER_GROUP)):
+            partial = self.partial.get(name)
+            if partial is not None and not self.runner.carry_settled(name, self.step):
+                return  # the step before may still carry calls over to this one
             if plan.call is Call.PER_ITEM:
                 self._check_all_paired(state, live)
             state.closed = True
+            if partial is not None:
+                self.runner.carry(name, self.step, partial.outgoing)
             for port in plan.outputs:
                 self.streams[(name, port)].closed = True
             for consumer in self.runner.consumers[name]:
@@ -180,9 +244,18 @@ class StepRun:
         if workload is not None and workload.hold and not self.streams.of(workload.lead).closed:
             return
         lead = self.streams.of(streaming[0])
+        partial = self.partial.get(state.plan.name)
+        if partial is not None:
+            if not (lead.closed and self.runner.carry_settled(state.plan.name, self.step)):
+                return  # how many of its own prompts the step runs is not known yet
+            self._submit_carried(state, partial, streaming[0])
         ready = []
         for lineage in lead.arrivals:
             if lineage in state.submitted:
+                continue
+            if partial is not None and not partial.room(len(lead.arrivals)):
+                state.submitted.add(lineage)
+                partial.unused += 1
                 continue
             refs = {}
             for rule in streaming:
@@ -195,6 +268,8 @@ class StepRun:
                     refs[rule.port] = Gather(self.streams.of(rule).ordered())
                 state.submitted.add(lineage)
                 ready.append((lineage, refs))
+                if partial is not None:
+                    partial.own += 1
         balancer = self.balancers.get(state.plan.name)
         if balancer is None:
             for lineage, refs in ready:
@@ -254,11 +329,12 @@ class StepRun:
 
     # -- submitting ----------------------------------------------------------------------------
     def _submit(self, state: NodeState, lineage: tuple, refs: dict[str, Any], *,
-                executor: int | None = None) -> None:
+                executor: int | None = None, extra: dict | None = None,
+                meta: dict | None = None) -> None:
         plan, runner = state.plan, self.runner
         refs.update(runner.feedback_refs(plan, self.step))
         ports = [rule.port for rule in plan.inputs if rule.port in refs]
-        meta = {"node": plan.name, "step": self.step}
+        meta = {"node": plan.name, "step": self.step, **(meta or {})}
         outputs = max(1, len(plan.outputs))
         if plan.op == "python":
             fn_config = {**plan.config, "step": self.step} if plan.takes_step else plan.config
@@ -266,6 +342,10 @@ class StepRun:
                       "outputs": list(plan.outputs), "many": list(plan.many)}
         else:
             config = {**runner.op_configs[plan.name], "step": self.step}  # sampling: afresh
+            partial = self.partial.get(plan.name)
+            if partial is not None:  # named, to abort it [Note: partial rollouts]
+                config["request"] = partial.pending_calls[lineage] = f"{self.step}:{lineage}"
+            config.update(extra or {})
         futures = runner.ctl.submit(plan.op, *(refs[p] for p in ports), config=config,
                                     executor=executor, tags=plan.tags, outputs=outputs,
                                     meta=meta, report_key=runner.report_keys.get(plan.name),
@@ -275,10 +355,10 @@ class StepRun:
     def _part_watch(self, plan: NodePlan, lineage: tuple) -> Any:
         """The call's items, each as it is yielded, when it has one output of many items and
         the run is fused (unfused, consumers wait for the whole stream anyway)."""
-        if not (self.runner.fuse and plan.many == (True,)):
-            return None
+        if not (self.runner.fuse and plan.many == (True,)) or plan.name in self.partial:
+            return None  # a partial-rollout group goes downstream whole
         events = self.runner.events
-        return lambda part: events.put(partial(self._on_part, plan.name, lineage, part))
+        return lambda part: events.put(functools.partial(self._on_part, plan.name, lineage, part))
 
     def _watch(self, state: NodeState, lineage: tuple, futures: tuple, *,
                register: bool, outputs: tuple | None = None) -> None:
@@ -288,7 +368,7 @@ class StepRun:
         events = self.runner.events
         shown = futures if outputs is None else outputs
         futures[0].add_done_callback(lambda _: events.put(
-            partial(self._on_done, state.plan.name, lineage, futures, register, shown)))
+            functools.partial(self._on_done, state.plan.name, lineage, futures, register, shown)))
 
     # -- reporting -----------------------------------------------------------------------------
     def report(self) -> StepReport:
@@ -310,6 +390,8 @@ class StepRun:
                 metrics.update(self._reported(state.plan))
         for node, count in self.incomplete_groups.items():
             metrics[f"{node}/incomplete_groups"] = count
+        for node, partial in self.partial.items():
+            metrics.update(partial.metrics(node, self.runner.step_timeout))
         for node, balancer in self.balancers.items():
             if balancer is not None:
                 metrics.update(balancer.end_step(node))

@@ -109,3 +109,62 @@ def test_a_flow_with_a_bad_bound_fails_its_check(tmp_path):
     flow.write_text("from dataflows.grpo import grpo_flow\nflow = grpo_flow(max_staleness=-2)\n")
     result = CliRunner().invoke(main, ["check", str(flow)])
     assert result.exit_code != 0 and "max_staleness=-2" in result.output
+
+
+# -- partial rollouts [Note: partial rollouts in flowkit/runtime/partial.py] -----------------
+def _oversampled(tmp_path: Path, oversample: float, stale: str = "recompute") -> str:
+    flow = tmp_path / "partial.py"
+    flow.write_text(Path(GRPO).read_text().replace(
+        "source_config={\"digits\": 3})",
+        f"source_config={{\"digits\": 3}}, oversample={oversample}, stale_segments={stale!r})"))
+    return str(flow)
+
+
+def _conserved(lines: list[dict], n: int = 4) -> None:
+    """Every sample started is trained once, dropped, or still carried after the last step."""
+    started = sum(line["rollout/started"] for line in lines)
+    trained = sum(line["rollout/samples"] for line in lines)
+    assert all(line["rollout/samples"] == line["generate/taken_groups"] * n for line in lines)
+    assert started == trained + sum(line["rollout/dropped"] for line in lines) \
+        + lines[-1]["rollout/carried_over"]
+    for before, after in zip(lines, lines[1:]):
+        assert after["rollout/resumed"] == before["rollout/carried_over"]
+
+
+@pytest.mark.parametrize("kind", ["sim", "torch"])
+def test_partial_rollouts_train_every_sample_once_within_the_bound(tmp_path, kind):
+    metrics = tmp_path / "m.jsonl"
+    _run(_oversampled(tmp_path, 2.0), "--executors", kind, "--steps", "5",
+         "--max-staleness", "1", "--metrics", str(metrics), "--sim-cost", "token=0.002")
+    lines = _lines(metrics)
+    _conserved(lines)
+    assert lines[0]["rollout/carried_over"] == 16  # 8 prompts generate, 4 groups train
+    assert all(line["generate/taken_groups"] == 4 for line in lines)
+    assert all(line["staleness/max"] <= 1 for line in lines)
+    assert lines[-1]["rollout/prompts_unused"] == 4  # the carried groups took their places
+
+
+def test_stale_carried_groups_can_be_dropped(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    _run(_oversampled(tmp_path, 2.0, "drop"), "--executors", "torch", "--steps", "4",
+         "--max-staleness", "1", "--metrics", str(metrics))
+    lines = _lines(metrics)
+    _conserved(lines)
+    assert sum(line["rollout/dropped"] for line in lines) > 0
+    assert all(line["staleness/max"] <= 1 for line in lines)
+
+
+def test_partial_rollouts_need_an_asynchronous_run(tmp_path):
+    output = _refused(_oversampled(tmp_path, 1.5), "--executors", "sim", "--steps", "2")
+    assert "partial rollouts" in output and "--max-staleness >= 1" in output
+    output = _refused(_oversampled(tmp_path, 1.5), "--executors", "sim", "--max-staleness", "0")
+    assert "partial rollouts" in output
+
+
+def test_bad_partial_settings_fail_the_flow_check(tmp_path):
+    output = CliRunner().invoke(main, ["check", _oversampled(tmp_path, 1.5, "keep")]).output
+    assert "stale_segments" in output and "recompute" in output
+    flow = tmp_path / "under.py"
+    flow.write_text("from dataflows.grpo import grpo_flow\nflow = grpo_flow(oversample=0.5)\n")
+    output = CliRunner().invoke(main, ["check", str(flow)]).output
+    assert "oversample=0.5" in output

@@ -224,7 +224,7 @@ def test_pause_holds_the_engine_and_abort_cuts_every_sample_where_it_got():
     assert not engine.busy() and clock.now == 4.0
     engine.pause(False)
     _run(engine, steps=2)
-    assert engine.abort() == 3 and not engine.busy()
+    assert engine.abort() == (3, 18) and not engine.busy()
     result, _ = sink.result
     assert [len(r.response_tokens) for r in result] == [6, 6, 6]  # 6 iterations decoded
     assert all(r.interrupted and not r.finished for r in result)
