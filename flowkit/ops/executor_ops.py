@@ -52,20 +52,24 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
            (*_OPTIMIZER, "report"),
            "clip by the global norm, one step; the reporting stage returns "
            "(StepMetrics, WeightsVersion)"),
-    OpSpec("generate", "a prompt (or a list of them; an interrupted Rollout is continued), "
-           "then weights versions to wait for",
+    OpSpec("generate", "a prompt (or a list of them; an interrupted Rollout is continued, a "
+           "finished one passes through), then weights versions to wait for",
            (*_SCORING, "n", "max_new_tokens", "temperature", "top_p", "eos", "sample_seed",
-            "token_budget", "min_new_tokens", "length_sigma", *_SIM_ENGINE),
-           "n Rollouts per prompt, each streamed as it finishes"),
+            "token_budget", "min_new_tokens", "length_sigma", *_SIM_ENGINE, "request",
+            "min_version", "stale_segments"),
+           "n Rollouts per prompt, each streamed as it finishes; `request` names it for an "
+           "abort, carried Rollouts older than `min_version` are recomputed or dropped as "
+           "`stale_segments` says [Note: partial rollouts]"),
     OpSpec("logprobs", "a rollout (or a list of them)", (*_SCORING, "temperature"),
            "TokenScores: per-token log-probabilities"),
     OpSpec("values", "a rollout (or a list), then weights versions to wait for", _SCORING,
            "TokenScores: per-token values of a critic"),
     OpSpec("reward_model", "a rollout (or a list of them)", _SCORING,
            "a float score per rollout"),
-    OpSpec("generation", "anything, only to be ordered after it", ("action", "model"),
+    OpSpec("generation", "anything, only to be ordered after it", ("action", "model", "requests"),
            "pause, resume or abort the rollout engine(s) here; abort returns the requests' "
-           "unfinished samples as interrupted Rollouts: the count"),
+           "unfinished samples as interrupted Rollouts: the count, or with `requests` (the "
+           "generate requests to abort, by name) [samples, tokens] cut"),
     OpSpec("profile_stage", "a microbatch like the ones to come", (*_STAGE, "repeats"),
            "median seconds of F, B, W, BW: the planner's costs"),
     OpSpec("export_weights", "anything, only to be ordered after it", _STAGE,

@@ -4,12 +4,13 @@ finishes; then on a simulator executor process."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from executors.ops import Deferred
 from executors.sim import _generate, sample_rollout
 from executors.simengine import EngineCosts, SimEngine
-from flowkit.ops.records import Prompt, Rollout
+from flowkit.ops.records import Prompt, Rollout, WeightsVersion
 from tests.harness import executor_cluster, op_context
 
 
@@ -238,3 +239,61 @@ def test_the_generation_op_on_an_idle_simulator_does_nothing_and_names_bad_actio
     assert _generation(ctx, action="abort") == 0
     with pytest.raises(ValueError, match="'halt' is not one of pause, resume, abort"):
         _generation(ctx, action="halt")
+
+
+def test_an_abort_by_name_cuts_only_that_request_and_counts_its_tokens():
+    engine, clock = _engine()
+    cut = _request_named(engine, clock, [5, 5], "a")
+    kept = _request_named(engine, clock, [5], "b")
+    _run(engine, steps=2)
+    assert engine.abort({"a"}) == (2, 4)  # 2 samples, 2 tokens decoded each
+    _run(engine)
+    assert cut.result[0] == ["a0", "a1"]  # plain items come back as they are
+    assert kept.result is not None and kept.error is None
+
+
+def _request_named(engine: SimEngine, clock: _Clock, lengths: list[int], name: str) -> _Sink:
+    deferred = engine.submit([f"{name}{i}" for i in range(len(lengths))], lengths,
+                             prompt_tokens=0, stream=True, key=name,
+                             costs=EngineCosts(token=1.0, per_seq=0.0, prefill_token=0.0))
+    sink = _Sink(clock)
+    deferred.bind(sink)
+    return sink
+
+
+def test_a_carried_group_continues_its_cut_samples_and_passes_finished_ones_through():
+    """[Note: partial rollouts]: on the simulator, a cut sample decodes the rest of the length
+    its origin step drew, new tokens at the request's version; a finished one passes."""
+    prompt = Prompt(prompt_id=3, tokens=[1, 2])
+    whole = [sample_rollout(prompt, k, step=2, max_new_tokens=64, min_new_tokens=10,
+                            version=1) for k in range(2)]
+    carried = [whole[0], attrs.evolve(whole[1], response_tokens=whole[1].response_tokens[:4],
+                                      logprobs=whole[1].logprobs[:4], versions=[1] * 4,
+                                      finished=False, interrupted=True)]
+    ctx = op_context()
+    deferred = _generate(ctx, carried, WeightsVersion(model="m", version=3), step=2,
+                         max_new_tokens=64, min_new_tokens=10, min_version=1)
+    clock = _Clock()
+    ctx.background["generate"].clock, ctx.background["generate"].sleep = clock, clock.sleep
+    sink = _Sink(clock)
+    deferred.bind(sink)
+    _run(ctx.background["generate"])
+    out = {r.sample: r for r in sink.result[0]}
+    assert out[0] == whole[0]
+    assert out[1].response_tokens == whole[1].response_tokens
+    assert out[1].versions == [1] * 4 + [3] * (len(whole[1].response_tokens) - 4)
+
+
+def test_a_carried_sample_older_than_the_bound_is_recomputed_or_its_group_dropped():
+    prompt = Prompt(prompt_id=3, tokens=[1, 2])
+    old = sample_rollout(prompt, 0, step=0, max_new_tokens=8, version=0)
+    assert _generate(op_context(), [old], step=0, max_new_tokens=8, min_version=1,
+                     stale_segments="drop") == []
+    ctx = op_context()
+    deferred = _generate(ctx, [old], WeightsVersion(model="m", version=2), step=0,
+                         max_new_tokens=8, min_version=1)
+    sink = _Sink(_Clock())
+    deferred.bind(sink)
+    _run(ctx.background["generate"])
+    (again,) = sink.result[0]
+    assert again.response_tokens == old.response_tokens and set(again.versions) == {2}

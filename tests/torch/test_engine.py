@@ -3,6 +3,7 @@ does not depend on how requests were batched, chunked, interleaved, paused or ab
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -225,8 +226,6 @@ def test_the_generation_op_pauses_resumes_and_aborts_the_engine_here():
     ({"max_new_tokens": 0}, "max_new_tokens must be at least 1"),
     ({"top_k": 5}, "generate does not take 'top_k': its settings are n, max_new_tokens"),
     ({"prompts": [Prompt(prompt_id=9, tokens=[1] * 40)]}, "prompt 9 .40 tokens. leaves no room"),
-    ({"prompts": [Rollout(prompt_id=4, sample=0, prompt_tokens=[1], response_tokens=[2],
-                          logprobs=[-1.0])]}, "rollouts .'4/0'. are not interrupted"),
 ])
 def test_bad_requests_fail_alone_naming_what_was_wrong(kw, error):
     ctx = op_context()
@@ -235,6 +234,53 @@ def test_bad_requests_fail_alone_naming_what_was_wrong(kw, error):
     with pytest.raises(Exception, match=error):
         gen._generate(ctx, prompts, **{**SPEC, "eos": None, "max_new_tokens": 4, **kw})
     assert len(run_until_done(ctx.background, running)) == 2  # the other request goes on
+
+
+def test_a_finished_rollout_passes_through_beside_continued_ones():
+    """A carried group [Note: partial rollouts]: its finished samples come back as they were,
+    its interrupted ones continue."""
+    ctx = op_context()
+    done = Rollout(prompt_id=4, sample=0, prompt_tokens=[1, 2], response_tokens=[3],
+                   logprobs=[-1.0], versions=[0])
+    cut = attrs.evolve(done, sample=1, finished=False, interrupted=True)
+    out = run_until_done(ctx.background, gen._generate(ctx, [done, cut], **SPEC, eos=None,
+                                                       max_new_tokens=4))
+    by_sample = {r.sample: r for r in out}
+    assert by_sample[0] == done
+    assert by_sample[1].response_tokens[:1] == [3] and len(by_sample[1].response_tokens) == 4
+    assert by_sample[1].versions[0] == 0 and not by_sample[1].interrupted
+
+
+def test_an_abort_by_name_cuts_only_those_requests():
+    ctx = op_context()
+    named = gen._generate(ctx, PROMPTS[:1], **SPEC, eos=None, max_new_tokens=6, request="a")
+    other = gen._generate(ctx, PROMPTS[1:2], **SPEC, eos=None, max_new_tokens=6, request="b")
+    results: dict = {}
+    for name, deferred in (("a", named), ("b", other)):  # bound, as an executor binds them
+        deferred.bind(_Sink(results, name))
+    engine = next(iter(ctx.background.values()))
+    for _ in range(3):
+        engine.step()
+    samples, tokens = gen._generation(ctx, action="abort", requests=["a"])
+    assert samples == 1 and tokens > 0
+    while "b" not in results:
+        engine.step()
+    assert all(r.interrupted for r in results["a"])
+    assert not any(r.interrupted for r in results["b"])
+
+
+class _Sink:
+    def __init__(self, results: dict, name: str) -> None:
+        self.results, self.name = results, name
+
+    def emit(self, item) -> None:
+        pass
+
+    def done(self, result) -> None:
+        self.results[self.name] = result
+
+    def fail(self, error) -> None:
+        raise error
 
 
 def test_register_adds_generate():
