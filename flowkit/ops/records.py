@@ -63,6 +63,16 @@ class Rollout:
         """What the runner learns of each sample without fetching it (a report key)."""
         return len(self.response_tokens)
 
+    @property
+    def version_span(self) -> list:
+        """[prompt_id, sample, first version, last version, response length]: what a trace
+        records of each generated sample (Generate.traced), so which weights sampled it can be
+        read off the trace; versions never decrease, so the ends bound them all (None, None
+        when no version was recorded)."""
+        versions = self.versions
+        first, last = (versions[0], versions[-1]) if versions else (None, None)
+        return [self.prompt_id, self.sample, first, last, len(self.response_tokens)]
+
 
 @attrs.frozen(kw_only=True)
 class Scored(Rollout):
