@@ -40,6 +40,7 @@ class Generate(ModelOp):
     # spread over rollout executors by predicted tokens: n x the prompt's estimated length
     workload = Workload(key="prompt_id", count="n", budget="max_new_tokens",
                         size="response_length")
+    traced = "version_span"  # the trace shows which weights versions sampled each rollout
     inputs = {"prompts": Stream[Prompt], "weights": Stream[WeightsVersion]}
     optional = ("weights",)
     outputs = {"rollouts": Stream[Rollout]}

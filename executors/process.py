@@ -352,7 +352,8 @@ class Executor:
         # described when sent: packing them to learn their size can wait for the flush
         self.completions.append({"task": task.id, "ok": True, "start": start, "end": end,
                                  "outputs": list(zip(task.outputs, outputs)),
-                                 "report_key": task.report_key, "streamed": task.streamed})
+                                 "report_key": task.report_key, "trace_key": task.trace_key,
+                                 "streamed": task.streamed})
         return end - start
 
     def _finish_deferred(self, task: Task, result: Any) -> None:
@@ -372,7 +373,8 @@ class Executor:
                 self._store(object_id, value)
             self.completions.append({"task": task.id, "ok": True, "start": task.start,
                                      "end": time.time(), "outputs": list(zip(task.outputs, outputs)),
-                                     "report_key": task.report_key, "streamed": task.streamed})
+                                     "report_key": task.report_key, "trace_key": task.trace_key,
+                                     "streamed": task.streamed})
 
     def _fail_deferred(self, task: Task, error: BaseException) -> None:
         with self.socket_lock:
@@ -409,7 +411,8 @@ class Executor:
         [Note: part ids in flowkit/runtime/protocol.py] and told of at once. Runs on the op
         thread, which holds the sockets only for the moment it sends."""
         index = len(task.streamed)
-        described = describe(part_id(task.outputs[0], index), value, task.report_key)
+        described = describe(part_id(task.outputs[0], index), value, task.report_key,
+                             task.trace_key)
         described.setdefault("nbytes", 0)  # None's description leaves it out
         task.streamed.append(described)
         with self.socket_lock:

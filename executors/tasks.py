@@ -17,7 +17,7 @@ _NONE_BODY = pack(None)[0]
 
 class Task:
     __slots__ = ("id", "op", "fn", "config", "inputs", "outputs", "missing", "lane", "plain",
-                 "report_key", "stream", "streamed", "start")
+                 "report_key", "trace_key", "stream", "streamed", "start")
 
     def __init__(self, spec: dict, fn: Any) -> None:
         self.id, self.op, self.fn, self.config = spec["id"], spec["op"], fn, spec["config"]
@@ -28,6 +28,7 @@ class Task:
         self.lane = spec.get("lane")
         self.plain = not self.inputs or all(type(i) is int for i in self.inputs)  # the usual
         self.report_key = spec.get("report_key")  # a record field to report for each output item
+        self.trace_key = spec.get("trace_key")  # one whose value the trace records for each item
         self.stream = spec.get("stream", False)  # [Note: streaming ops in executors/ops.py]
         self.streamed: list[dict] = []  # the descriptions of the items it streamed
         self.start = 0.0
@@ -45,6 +46,8 @@ class Task:
             raise ProtocolError(f"a task's lane must be a string, got {self.lane!r}")
         if self.report_key is not None and not isinstance(self.report_key, str):
             raise ProtocolError(f"report_key must be a field name, got {self.report_key!r}")
+        if self.trace_key is not None and not isinstance(self.trace_key, str):
+            raise ProtocolError(f"trace_key must be a field name, got {self.trace_key!r}")
         if not isinstance(self.stream, bool) or self.stream and len(self.outputs) != 1:
             raise ProtocolError(f"stream must be true or false, for a task of one output; got "
                                 f"{self.stream!r} for {len(self.outputs)} outputs")
@@ -77,25 +80,27 @@ def described(item: dict) -> dict:
     (its outputs are not fetchable or movable) with an error that says so."""
     if not item["ok"]:
         return item
-    key = item.pop("report_key")
+    key, trace_key = item.pop("report_key"), item.pop("trace_key")
     streamed = item.pop("streamed")
-    if streamed:  # its items were described as they went: the list is their sum
+    if streamed:  # its items were described as they went (keys, traces): the list is their sum
         (object_id, _), = item["outputs"]
         item["outputs"] = [{"id": object_id, "count": len(streamed),
                             "nbytes": sum(part["nbytes"] for part in streamed)}]
         return item
     try:
-        item["outputs"] = [describe(i, v, key) for i, v in item["outputs"]]
+        item["outputs"] = [describe(i, v, key, trace_key) for i, v in item["outputs"]]
     except SerializeError as exc:
         return {"task": item["task"], "ok": False, "start": item["start"], "end": item["end"],
                 "error": f"its output cannot be sent: {exc}", "traceback": ""}
     return item
 
 
-def describe(object_id: int, value: Any, report_key: str | None = None) -> dict:
+def describe(object_id: int, value: Any, report_key: str | None = None,
+             trace_key: str | None = None) -> dict:
     """What the controller learns of an output: its size, the value itself when tiny, and for
     a list (a Stream's items) its length and, if asked, each item's `report_key` field, so the
-    controller can form groups without fetching the items."""
+    controller can form groups without fetching the items, and each item's `trace_key` field
+    (`trace`), which the controller's trace records [Note: traced items]."""
     if value is None:  # what most ops that only act return
         return {"id": object_id, "inline": _NONE_BODY}  # nbytes 0, the controller's default
     if isinstance(value, (bool, int, float)):
@@ -107,8 +112,13 @@ def describe(object_id: int, value: Any, report_key: str | None = None) -> dict:
         out["count"] = len(value)
         if report_key is not None:
             out["keys"] = [_key_of(item, report_key) for item in value]
-    elif report_key is not None:
-        out["keys"] = [_key_of(value, report_key)]
+        if trace_key is not None:
+            out["trace"] = [_trace_of(item, trace_key) for item in value]
+    else:
+        if report_key is not None:
+            out["keys"] = [_key_of(value, report_key)]
+        if trace_key is not None:
+            out["trace"] = [_trace_of(value, trace_key)]
     if not frames and len(body) <= _INLINE_LIMIT:
         out["inline"] = body
     return out
@@ -117,3 +127,26 @@ def describe(object_id: int, value: Any, report_key: str | None = None) -> dict:
 def _key_of(item: Any, field: str) -> Any:
     key = item.get(field) if isinstance(item, dict) else getattr(item, field, None)
     return key if key is None or isinstance(key, (bool, int, float, str)) else str(key)
+
+
+# [Note: traced items] A task spec's `trace_key` names a field (or property) of its output
+# items; the executor reports its value for each item, in the completion or with each streamed
+# part, and the controller appends them to the task's meta under "items", so the task's span in
+# a trace shows them (Rollout.version_span: which weights versions sampled each response). They
+# ride in every completion, so a traced field must be small plain data: anything else is sent
+# as its text, a long list or text is cut to _TRACE_LIMIT.
+_TRACE_LIMIT = 64
+
+
+def _trace_of(item: Any, field: str) -> Any:
+    return _plain(item.get(field) if isinstance(item, dict) else getattr(item, field, None))
+
+
+def _plain(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, str):
+        return value[:_TRACE_LIMIT]
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value[:_TRACE_LIMIT]]
+    return _plain(str(value))

@@ -290,7 +290,10 @@ class ModelOp(Operator):
     (config key, field) when a call yields config[key] items that share the value of `field`
     (n samples of one prompt_id), so `group_by(field, size=...)` downstream can be checked
     against it. `workload`: how to predict a call's work (a Workload), for ops whose calls
-    differ widely in cost (generation: long-tailed lengths). `choices`: config keys whose value must be one of a known set (a loss, a
+    differ widely in cost (generation: long-tailed lengths). `traced`: a field (or property) of
+    its output items whose value a trace records for each item, in the span of the call that
+    made it (a Rollout's version_span); small plain data, as it rides in every completion.
+    `choices`: config keys whose value must be one of a known set (a loss, a
     schedule kind); `ranges`: numeric config keys and their (lowest, highest) allowed values,
     None for no bound (None as a value passes: "not set"). Both are checked when the flow is
     built. What they cannot say (how the node must be wired, a config changed after the
@@ -302,6 +305,7 @@ class ModelOp(Operator):
     many_per_call: ClassVar[bool] = False
     fan_out: ClassVar[tuple[str, str] | None] = None
     workload: ClassVar[Workload | None] = None
+    traced: ClassVar[str | None] = None
     choices: ClassVar[dict[str, Collection[str]]] = {}
     ranges: ClassVar[dict[str, tuple[float | None, float | None]]] = {}
     inputs: ClassVar[dict[str, Any]] = {}

@@ -71,6 +71,16 @@ class Rollout:
         sample), -1 counting as 0: the weights the run started from."""
         return max(0, self.versions[0]) if self.versions else None
 
+    @property
+    def version_span(self) -> list:
+        """[prompt_id, sample, first version, last version, response length]: what a trace
+        records of each generated sample (Generate.traced), so which weights sampled it can be
+        read off the trace; versions never decrease, so the ends bound them all (None, None
+        when no version was recorded)."""
+        versions = self.versions
+        first, last = (versions[0], versions[-1]) if versions else (None, None)
+        return [self.prompt_id, self.sample, first, last, len(self.response_tokens)]
+
 
 STALE_SEGMENTS = ("recompute", "drop")  # what a carried sample too stale to train becomes
 

@@ -67,6 +67,7 @@ class NodePlan:
     takes_step: bool = False  # the function has a `step` parameter: it is told the step number
     reports: bool = False  # its outputs are Metrics, which the runner adds to the step's own
     workload: Workload | None = None  # calls balanced by predicted work (a ModelOp's)
+    trace_key: str | None = None  # its items' field a trace records (ModelOp.traced)
 
 
 _DECLARED_CALLS = {"pipeline": Call.PIPELINE, "step": Call.STEP}  # by ModelOp.lowering
@@ -99,7 +100,7 @@ def _plan_node(flow: Flow, node: Node, wires: list[Wire]) -> NodePlan:
         model = flow.models[operator.model]
         call = _DECLARED_CALLS[operator.lowering] if operator.lowering else _call_of(inputs)
         return NodePlan(call=call, op=operator.kind, many=(operator.many_per_call,) * len(outputs),
-                        model=model, workload=operator.workload,
+                        model=model, workload=operator.workload, trace_key=operator.traced,
                         **{**common, "tags": common["tags"] or tuple(model.tags)})
     target = operator.target if isinstance(operator, FunctionOp) else None
     fn = getattr(operator, "fn", None)

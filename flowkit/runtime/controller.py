@@ -113,20 +113,23 @@ class Controller:
                executor: int | None = None, tags: Iterable[str] = (), outputs: int = 1,
                meta: dict | None = None, lane: str | None = None,
                report_key: str | None = None,
-               on_part: Callable[[Future], Any] | None = None) -> Any:
+               on_part: Callable[[Future], Any] | None = None,
+               trace_key: str | None = None) -> Any:
         """Run `op` on an executor; returns its output future (a tuple when `outputs` != 1).
 
         Inputs are futures (their objects move executor to executor), `Item`s and `Gather`s of
         them (flowkit/runtime/refs.py), or plain values. Tasks with the same `lane` run on their
         executor in submission order [Note: lanes]. `report_key` names a record field whose
-        value for each item of a list output comes back in `future.keys`. With `on_part` the op
+        value for each item of a list output comes back in `future.keys`; `trace_key` one whose
+        value for each output item joins the task's `meta["items"]`, which its span in a trace
+        shows [Note: traced items in executors/tasks.py]. With `on_part` the op
         streams (ops that can: see OpContext.emit in executors/ops.py): each item it yields is
         passed to `on_part(future)` on the IO thread the moment it arrives, the list of them all
         being the task's result as usual."""
         with self._driving():
             futures = self._state.submit(op, inputs, config or {}, executor, frozenset(tags),
                                          outputs, meta or {}, lane, report_key, self._batching > 0,
-                                         on_part)
+                                         on_part, trace_key)
         self._state.run_callbacks()
         return futures[0] if outputs == 1 else futures
 

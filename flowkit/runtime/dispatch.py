@@ -184,6 +184,8 @@ class Dispatcher:
             raise ProtocolError(f"part {index} of task {task.id} is out of order, from the "
                                 f"wrong executor or misnamed (id {out['id']})")
         task.parts += 1
+        if "trace" in out:
+            _trace(task, out["trace"])
         record = self._objects[out["id"]] = ObjectRecord(
             out["id"], executor.id, task.id, produced=True, holders=frozenset((executor.id,)),
             nbytes=out["nbytes"])
@@ -202,6 +204,8 @@ class Dispatcher:
         executor.completed += 1
         executor.busy_s += max(0.0, task.end - task.start)
         for out in outputs:
+            if "trace" in out and not task.parts:  # a streamed task's came with its parts
+                _trace(task, out["trace"])
             record = self._objects.get(out["id"])
             if record is None:
                 continue
@@ -240,11 +244,14 @@ class Dispatcher:
     def submit(self, op: str, inputs: tuple, config: dict, executor_id: int | None,
                tags: frozenset, outputs: int, meta: dict, lane: str | None = None,
                report_key: str | None = None, hold: bool = False,
-               on_part: Callable[[Future], Any] | None = None) -> tuple[Future, ...]:
+               on_part: Callable[[Future], Any] | None = None,
+               trace_key: str | None = None) -> tuple[Future, ...]:
         """Queue a task for the executor chosen for it, and unless `hold` send that executor its
         queue when it is idle or a batch is full; returns the task's output futures, failed at
         once when no executor runs the op or an input already failed. With `on_part` the task
-        streams: each item it yields comes to `on_part` as a future of its own, at once."""
+        streams: each item it yields comes to `on_part` as a future of its own, at once. With
+        `trace_key` each output item's field of that name joins `meta["items"]` [Note: traced
+        items in executors/tasks.py]."""
         if on_part is not None and outputs != 1:
             raise ValueError(f"a streaming task has one output (a list), not {outputs}")
         futures = tuple([self._new_future() for _ in range(outputs)])
@@ -277,6 +284,8 @@ class Dispatcher:
             spec["lane"] = lane
         if report_key is not None:
             spec["report_key"] = report_key
+        if trace_key is not None:
+            spec["trace_key"] = trace_key
         if on_part is not None:
             spec["stream"] = True
         outbox = self._outbox[executor.id]
@@ -511,6 +520,17 @@ _NONE_BODY = pack(None)[0]
 def _inline(body: Any) -> Any:
     """A value that came in a completion; the usual None costs no decoding."""
     return None if body == _NONE_BODY else unpack(body, [])
+
+
+def _trace(task: TaskRecord, values: Any) -> None:
+    """Add an output's traced values to the task's meta, which its span copies. The meta dict
+    may be the caller's, shared by several tasks, so it is replaced, never changed (a task has
+    a few items: copying is cheap). Only for the trace, so a malformed list is dropped with a warning, failing nothing."""
+    if not isinstance(values, list):
+        log.warning("task %s (%s): an output's trace is a %s, not a list; dropped", task.id,
+                    task.op, type(values).__name__)
+        return
+    task.meta = {**task.meta, "items": [*task.meta.get("items", ()), *values]}
 
 
 def _ids_of(refs: list) -> list[int]:

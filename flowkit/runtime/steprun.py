@@ -349,7 +349,8 @@ class StepRun:
         futures = runner.ctl.submit(plan.op, *(refs[p] for p in ports), config=config,
                                     executor=executor, tags=plan.tags, outputs=outputs,
                                     meta=meta, report_key=runner.report_keys.get(plan.name),
-                                    on_part=self._part_watch(plan, lineage))
+                                    on_part=self._part_watch(plan, lineage),
+                                    trace_key=plan.trace_key)
         self._watch(state, lineage, futures if outputs > 1 else (futures,), register=True)
 
     def _part_watch(self, plan: NodePlan, lineage: tuple) -> Any:

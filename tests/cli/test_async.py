@@ -77,6 +77,31 @@ def test_a_flow_setting_runs_asynchronously_and_sync_overrides_it(tmp_path):
     assert max(line["staleness/max"] for line in _lines(metrics)) == 0
 
 
+@pytest.mark.parametrize("bound", [0, 1])
+def test_the_trace_shows_the_weights_versions_of_every_generated_sample(tmp_path, bound):
+    """Each generate span's `items` are its samples' Rollout.version_span: [prompt_id, sample,
+    first version, last version, length]. On sim a request samples with the newest weights
+    it was given: -1 (the initial ones, as good as version 0) at step 0; at step s, version s
+    (step s - 1's update makes it) or, running ahead, one at most `bound` versions older."""
+    trace = tmp_path / "t.json"
+    _run(GRPO, "--executors", "sim", "--steps", "3", "--max-staleness", str(bound),
+         "--trace", str(trace))
+    spans = [e for e in json.loads(trace.read_text())["traceEvents"]
+             if e["ph"] == "X" and e["args"].get("node") == "generate"]
+    assert sorted({span["args"]["step"] for span in spans}) == [0, 1, 2]
+    assert len(spans) == 3 * 4  # a call per prompt, 4 prompts a step
+    stale = 0
+    for span in spans:
+        step, items = span["args"]["step"], span["args"]["items"]
+        assert sorted(sample for _, sample, *_ in items) == [0, 1, 2, 3]  # n = 4, each once
+        for prompt_id, _, first, last, length in items:
+            assert prompt_id == items[0][0] and 1 <= length <= 6
+            assert first in (-1, *range(step + 1)) and first <= last <= max(step, -1)
+            assert max(first, 0) >= step - bound and (step > 0 or last == -1)
+            stale += max(first, 0) < step
+    assert (stale > 0) == (bound > 0)  # running ahead, some samples come from older weights
+
+
 def test_a_negative_bound_is_refused():
     output = _refused(GRPO, "--executors", "sim", "--async", "--max-staleness", "-1")
     assert "--max-staleness" in output and "-1" in output
