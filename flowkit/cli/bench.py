@@ -68,8 +68,8 @@ def _refuse_rl_options(which: str, options: dict) -> dict:
     """The rl bench's options mean nothing to the others: say so rather than ignore them."""
     given = [name for name, value in options.items() if value is not None]
     if given:
-        raise click.BadParameter(f"{', '.join(given)} apply to `flowkit bench rl` only, "
-                                 f"not to {which!r}", param_hint=given[0])
+        raise click.BadParameter(f"{', '.join(given)}: `flowkit bench rl` only, not "
+                                 f"{which!r}", param_hint=given[0])
     return {}
 
 

@@ -17,7 +17,7 @@ def test_the_rl_options_are_refused_with_another_bench():
     for option, value in [("--mode", "async"), ("--max-staleness", "2"),
                           ("--length-sigma", "0.5"), ("--max-new-tokens", "64")]:
         output = _refused("dispatch", option, value)
-        assert f"{option} apply to `flowkit bench rl` only" in output
+        assert f"{option}: `flowkit bench rl` only, not 'dispatch'" in output
 
 
 def test_a_staleness_bound_is_refused_with_a_synchronous_mode():
