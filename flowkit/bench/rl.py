@@ -1,22 +1,62 @@
-"""RL step benchmark: a GRPO and a PPO step on simulator executors with long-tailed response
-lengths, fused (sample-level: scoring, reference and value inference start per sample, GRPO
-groups as their n samples are in, training microbatches as groups finish) against the same
-flow run stage by stage with barriers (`--no-fuse`), on the same samples, side by side.
+"""RL step benchmark: a GRPO and a PPO run on simulator executors with long-tailed response
+lengths, in three modes on the same samples, side by side:
+
+- `barrier`: the flow stage by stage, a barrier between stages (`--no-fuse`);
+- `fused`: sample-level (scoring, reference and value inference start per sample, GRPO
+  groups as their n samples are in, training microbatches as groups finish);
+- `async`: fused, and steps k+1 .. k+η generate while step k trains, with weights at most
+  η versions stale (`--max-staleness η`) [Note: asynchronous steps in
+  flowkit/runtime/flowrun.py].
+
+In async mode a step's time overlaps its neighbours', so every mode is measured alike by
+throughput: the wall-clock from the end of the first step (which profiles, warms up and learns
+the batch size) to the end of the last, over the steps in between; every mode trains the same
+steps of the same prompts x n samples.
 
 Generation runs on `rollout` executors and training on `train` ones, as in a disaggregated RL
 system; a sample's response length is log-normal (most short, a few at the token budget),
-so a step's generation ends with a long tail during which, fused, training already runs.
+so a step's generation ends with a long tail during which, fused, training already runs and,
+asynchronously, the next steps' generation too.
 Then the real thing at toy scale: the digit-sorting GRPO step on torch executors on this CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
 
-__all__ = ["RLSetup", "run_rl_bench"]
+__all__ = ["MODES", "Mode", "RLSetup", "modes_named", "run_rl_bench"]
+
+MODES = ("barrier", "fused", "async")  # slowest first: each mode's ratio to those before it
+
+
+@attrs.frozen
+class Mode:
+    """How a run's steps meet, as FlowRunner's knobs: one field per knob, so a further one
+    (partial rollouts, say) is a field here and a name in `modes_named`."""
+
+    name: str
+    fuse: bool = True
+    staleness: int | None = None  # None: synchronous
+
+    def runner_args(self, steps: int) -> dict[str, Any]:
+        return {"fuse": self.fuse, "staleness": self.staleness,
+                "steps": steps if self.staleness is not None else None}
+
+
+def modes_named(names: tuple[str, ...] | list[str], *, max_staleness: int) -> list[Mode]:
+    """The modes called `names`, in MODES' order (so ratios read later / earlier)."""
+    unknown = sorted(set(names) - set(MODES))
+    if unknown:
+        raise ValueError(f"unknown bench modes {unknown}: choose from {list(MODES)}")
+    table = {"barrier": Mode("barrier", fuse=False), "fused": Mode("fused"),
+             "async": Mode("async", staleness=max_staleness)}
+    return [table[name] for name in MODES if name in names]
 
 
 @attrs.frozen
@@ -29,7 +69,10 @@ class RLSetup:
     train_executors: int = 2  # = pipeline stages
     microbatches: int = 16
     schedule: str = "1f1b"
-    steps: int = 4  # the first is a barrier in both modes (it learns the batch size)
+    # the first is a warm-up in every mode (a barrier step: it learns the batch size); the
+    # others are measured. An asynchronous run fills its pipeline over the first η steps and
+    # drains it over the last, so it needs a few
+    steps: int = 8
     # seconds: a decode iteration's fixed cost, a token of inference, one F / B / W of one
     # microbatch on one stage. Every executor's 32 sequences decode together on its rollout
     # engine (executors/simengine.py), so a 2 ms iteration makes generation about half of the
@@ -43,50 +86,113 @@ class RLSetup:
     optimizer_step: float = 0.01
 
 
-def run_rl_bench(setup: RLSetup | None = None, *, torch_steps: int = 6) -> dict:
-    """Per algorithm: the median step time fused and with barriers, and their ratio; then the
-    same for the GRPO digit-sorting example's step on torch executors on this machine's CPU
-    (`torch_steps` steps each, 0 to skip)."""
+def run_rl_bench(setup: RLSetup | None = None, *, modes: tuple[str, ...] = MODES,
+                 max_staleness: int = 2, torch_steps: int = 6) -> dict:
+    """Per algorithm and mode: steps/s over the same steps, the ratios between modes, and the
+    staleness of the trained tokens (0 but asynchronously); then the same for the GRPO
+    digit-sorting example's step on torch executors on this machine's CPU (`torch_steps`
+    steps each, 0 to skip). `max_staleness`: the async mode's bound η."""
     from flowkit.planner.simcosts import SimCosts
 
     setup = setup or RLSetup()
+    for steps in (setup.steps, torch_steps or 2):
+        if steps < 2:
+            raise ValueError(f"the RL bench measures the steps after the first: needs >= 2, "
+                             f"got {steps}")
+    chosen = modes_named(modes, max_staleness=max_staleness)
     costs = SimCosts(F=setup.F, B=setup.B, W=setup.W, optimizer_step=setup.optimizer_step,
                      token=setup.token, infer_token=setup.infer_token,
                      length_sigma=setup.length_sigma)
+    trim = max(mode.staleness or 0 for mode in chosen)
     tags = [("rollout",)] * setup.rollout_executors + [("train",)] * setup.train_executors
-    figures: dict[str, Any] = {"setup": attrs.asdict(setup)}
-    for algo in ("grpo", "ppo"):
-        times = {fuse: _step_time(_flow(setup, algo), "sim", tags, setup.steps, costs, fuse)
-                 for fuse in (True, False)}
-        figures[algo] = _compared(times)
+    figures: dict[str, Any] = {"setup": attrs.asdict(setup), "modes": [m.name for m in chosen],
+                               "max_staleness": max_staleness,
+                               "samples_per_step": setup.prompts * setup.n,
+                               "measured_steps": setup.steps - 1}
+    # one set of simulator executors for every run: starting ten processes costs more on
+    # this machine than a run's measured steps, and a run leaves nothing behind (its last
+    # step ends with nothing open; weights versions are each runner's own: a run's staleness
+    # reads as on fresh executors)
+    with _executors("sim", tags) as ctl:
+        for algo in ("grpo", "ppo"):
+            runs = {mode.name: _measured(ctl, _flow(setup, algo), setup.steps, costs, mode, trim)
+                    for mode in chosen}
+            figures[algo] = _compared(runs)
     if torch_steps:
         tags = [("rollout",), ("train",), ("train",)]
-        times = {fuse: _step_time(_sorting_flow(), "torch", tags, torch_steps, None, fuse)
-                 for fuse in (True, False)}
-        figures["torch_cpu_grpo"] = {**_compared(times), "executors": len(tags),
+        runs = {}
+        for mode in chosen:  # fresh executors: each run trains from random weights
+            with _executors("torch", tags) as ctl:
+                runs[mode.name] = _measured(ctl, _sorting_flow(), torch_steps, None, mode, trim)
+        figures["torch_cpu_grpo"] = {**_compared(runs), "executors": len(tags),
+                                     "measured_steps": torch_steps - 1,
                                      "flow": "examples/grpo_sort.py from random weights"}
     return figures
 
 
-def _compared(times: dict[bool, tuple[float, float]]) -> dict:
-    return {"fused_step_s": times[True][0], "barrier_step_s": times[False][0],
-            "speedup": times[False][0] / times[True][0],
-            "barrier_generation_share": times[False][1]}
+def _compared(runs: dict[str, dict]) -> dict:
+    """The runs by mode, and each mode's throughput over every mode before it in MODES."""
+    return {**runs, "speedup": _ratios(runs, "steps_per_s"),
+            "steady_speedup": _ratios(runs, "steady_steps_per_s")}
 
 
-def _step_time(flow: Any, kind: str, tags: list, steps: int, costs: Any,
-               fuse: bool) -> tuple[float, float]:
-    """Median seconds of the steps after the first (which profiles, warms up and, fused, learns
-    the batch size), on fresh executors; and the median share of generation in them."""
-    from flowkit.planner.lower import lower_flow
+def _ratios(runs: dict[str, dict], figure: str) -> dict[str, float]:
+    names = [name for name in runs if figure in runs[name]]
+    return {f"{later}/{earlier}": runs[later][figure] / runs[earlier][figure]
+            for i, later in enumerate(names) for earlier in names[:i]}
+
+
+@contextlib.contextmanager
+def _executors(kind: str, tags: list) -> Iterator[Any]:
     from flowkit.runtime import Controller, LocalExecutors
-    from flowkit.runtime.flowrun import FlowRunner
 
     with Controller() as ctl, LocalExecutors(ctl, len(tags), kind=kind, tags=tags):
-        runner = FlowRunner(ctl, lower_flow(flow), sim_costs=costs, fuse=fuse)
-        reports = [runner.run_step(step) for step in range(steps)][1:]
-    return (statistics.median(r.elapsed_s for r in reports),
-            statistics.median(r.timing_s.get("generate", 0.0) / r.elapsed_s for r in reports))
+        yield ctl
+
+
+def _measured(ctl: Any, flow: Any, steps: int, costs: Any, mode: Mode, trim: int) -> dict:
+    """`steps` steps on `ctl`'s executors: steps/s from the end of the first (which profiles,
+    warms up and, fused, learns the batch size) to the end of the last, the staleness of the
+    tokens trained on in those, steps/s over a window that ends `trim` steps before the last
+    (`_steady`), and, synchronously, the median share of generation in a
+    step (asynchronously, generation and training overlap across steps: no such share)."""
+    from flowkit.planner.lower import lower_flow
+    from flowkit.runtime.flowrun import FlowRunner
+
+    runner = FlowRunner(ctl, lower_flow(flow), sim_costs=costs, **mode.runner_args(steps))
+    ends, reports = [], []
+    for step in range(steps):
+        reports.append(runner.run_step(step))
+        ends.append(time.perf_counter())
+    reports, wall = reports[1:], ends[-1] - ends[0]
+    figures = {"steps_per_s": len(reports) / wall, "step_s": wall / len(reports),
+               **_steady(ends, trim), **_staleness(reports)}
+    if mode.staleness is None:
+        figures["generation_share"] = statistics.median(
+            r.timing_s.get("generate", 0.0) / r.elapsed_s for r in reports)
+    return figures
+
+
+def _steady(ends: list[float], trim: int) -> dict:
+    """Steps/s from the end of the first step to the end of the η-th before the last: an
+    asynchronous run enters that window with steps generating ahead and, unlike at the end of
+    the last step, leaves it so too; the headline figure credits it the head start but also
+    charges it the drain. `trim`: η of the async mode, so that every mode's window has the
+    same steps."""
+    last = len(ends) - 1 - trim
+    if last < 1:
+        return {}
+    return {"steady_steps_per_s": last / (ends[last] - ends[0])}
+
+
+def _staleness(reports: list) -> dict:
+    """Max and mean over the steps of the rollout metrics' staleness of trained tokens, in
+    weights versions (flows without those metrics: none)."""
+    maxima = [r.metrics["staleness/max"] for r in reports if "staleness/max" in r.metrics]
+    means = [r.metrics["staleness/mean"] for r in reports if "staleness/mean" in r.metrics]
+    if not maxima:
+        return {}
+    return {"staleness_max": max(maxima), "staleness_mean": statistics.fmean(means)}
 
 
 def _sorting_flow() -> Any:

@@ -28,18 +28,62 @@ _BENCHES = {
 @click.argument("which", type=click.Choice(sorted(_BENCHES)))
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="Also write the figures as JSON.")
-def bench(which: str, json_out: Path | None) -> None:
-    """Measure dispatch, executor-to-executor transfer, pipeline execution, training, an RL
-    step fused against stage by stage, generation's rollout engine, or a run checkpoint
-    against writing its bytes."""
+@click.option("--mode", type=click.Choice(["barrier", "fused", "async", "all"]), default=None,
+              help="rl only: run the steps stage by stage with barriers, fused, "
+              "asynchronously, or all three side by side [default: all].")
+@click.option("--max-staleness", type=click.IntRange(min=0), default=None,
+              help="rl only: the async mode's staleness bound η, in weights versions "
+              "[default: 2].")
+@click.option("--length-sigma", type=click.FloatRange(min=0.0), default=None,
+              help="rl only: sigma of the log-normal response lengths (0: all the median) "
+              "[default: 1.0].")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
+              help="rl only: the response token budget; lengths' median is an eighth of it "
+              "[default: 512].")
+def bench(which: str, json_out: Path | None, mode: str | None, max_staleness: int | None,
+          length_sigma: float | None, max_new_tokens: int | None) -> None:
+    """Measure dispatch, executor-to-executor transfer, pipeline execution, training, RL
+    steps with barriers, fused and asynchronous, generation's rollout engine, or a run
+    checkpoint against writing its bytes."""
     import importlib
 
+    rl_options = {"--mode": mode, "--max-staleness": max_staleness,
+                  "--length-sigma": length_sigma, "--max-new-tokens": max_new_tokens}
+    if which == "rl":
+        kwargs = _rl_kwargs(mode, max_staleness, length_sigma, max_new_tokens)
+    else:
+        kwargs = _refuse_rl_options(which, rl_options)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     module_name, function = _BENCHES[which].split(":")
-    figures = getattr(importlib.import_module(module_name), function)()
+    figures = getattr(importlib.import_module(module_name), function)(**kwargs)
     console = Console()
     console.print_json(json.dumps(figures, default=str))
     if json_out is not None:
         with writing(json_out):
             json_out.write_text(json.dumps(figures, indent=1, default=str) + "\n")
         console.print(f"wrote {json_out}")
+
+
+def _refuse_rl_options(which: str, options: dict) -> dict:
+    """The rl bench's options mean nothing to the others: say so rather than ignore them."""
+    given = [name for name, value in options.items() if value is not None]
+    if given:
+        raise click.BadParameter(f"{', '.join(given)}: `flowkit bench rl` only, not "
+                                 f"{which!r}", param_hint=given[0])
+    return {}
+
+
+def _rl_kwargs(mode: str | None, max_staleness: int | None, length_sigma: float | None,
+               max_new_tokens: int | None) -> dict:
+    """run_rl_bench's arguments: the options given, the bench's defaults for the others."""
+    from flowkit.bench.rl import MODES, RLSetup
+
+    if max_staleness is not None and mode in ("barrier", "fused"):
+        raise click.BadParameter(f"the staleness bound is the async mode's; --mode {mode} "
+                                 f"runs synchronously", param_hint="--max-staleness")
+    workload = {"length_sigma": length_sigma, "max_new_tokens": max_new_tokens}
+    kwargs: dict = {"setup": RLSetup(**{k: v for k, v in workload.items() if v is not None}),
+                    "modes": MODES if mode in (None, "all") else (mode,)}
+    if max_staleness is not None:
+        kwargs["max_staleness"] = max_staleness
+    return kwargs

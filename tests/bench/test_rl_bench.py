@@ -1,0 +1,45 @@
+"""`flowkit bench rl` on a tiny workload: the figures it promises, per mode, measured side by
+side over the same steps."""
+
+import pytest
+
+from flowkit.bench.rl import MODES, RLSetup, run_rl_bench
+
+TINY = RLSetup(prompts=4, n=2, max_new_tokens=32, rollout_executors=2, microbatches=2,
+               steps=3, token=0.0002, F=0.002, B=0.002, W=0.001)
+
+
+def test_the_rl_bench_reports_each_modes_throughput_and_their_ratios():
+    figures = run_rl_bench(TINY, torch_steps=0, max_staleness=1)
+    assert figures["setup"]["prompts"] == 4
+    assert figures["modes"] == list(MODES) and figures["max_staleness"] == 1
+    assert figures["samples_per_step"] == 8 and figures["measured_steps"] == 2
+    for algo in ("grpo", "ppo"):
+        result = figures[algo]
+        for mode in MODES:
+            run = result[mode]
+            assert run["steps_per_s"] > 0 and run["steady_steps_per_s"] > 0
+            assert run["step_s"] == pytest.approx(1 / run["steps_per_s"])
+        assert result["barrier"]["staleness_max"] == result["fused"]["staleness_max"] == 0
+        assert 0 <= result["async"]["staleness_mean"] <= result["async"]["staleness_max"] <= 1
+        assert "generation_share" not in result["async"]  # steps overlap: no such share
+        assert set(result["speedup"]) == {"fused/barrier", "async/barrier", "async/fused"}
+        assert result["speedup"]["async/fused"] == (result["async"]["steps_per_s"]
+                                                    / result["fused"]["steps_per_s"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_rl_bench_runs_one_mode_alone(mode):
+    figures = run_rl_bench(TINY, modes=(mode,), torch_steps=0, max_staleness=2)
+    for algo in ("grpo", "ppo"):
+        assert list(figures[algo]) == [mode, "speedup", "steady_speedup"]
+        assert figures[algo]["speedup"] == {}
+        assert figures[algo][mode]["steps_per_s"] > 0
+        assert figures[algo][mode]["staleness_max"] <= (2 if mode == "async" else 0)
+
+
+def test_the_rl_bench_refuses_unknown_modes_and_too_few_steps():
+    with pytest.raises(ValueError, match="unknown bench modes"):
+        run_rl_bench(TINY, modes=("overlapped",), torch_steps=0)
+    with pytest.raises(ValueError, match="needs >= 2"):
+        run_rl_bench(RLSetup(steps=1), modes=("fused",), torch_steps=0)
