@@ -6,7 +6,10 @@ lengths, in three modes on the same samples, side by side:
   groups as their n samples are in, training microbatches as groups finish);
 - `async`: fused, and steps k+1 .. k+η generate while step k trains, with weights at most
   η versions stale (`--max-staleness η`) [Note: asynchronous steps in
-  flowkit/runtime/flowrun.py].
+  flowkit/runtime/flowrun.py];
+- `partial`: async, with partial rollouts: each step generates 1.5 x its prompts, takes the
+  first groups to finish and carries the rest over ([Note: partial rollouts] in
+  flowkit/runtime/partial.py).
 
 In async mode a step's time overlaps its neighbours', so every mode is measured alike by
 throughput: the wall-clock from the end of the first step (which profiles, warms up and learns
@@ -32,7 +35,9 @@ import attrs
 
 __all__ = ["MODES", "Mode", "RLSetup", "modes_named", "run_rl_bench"]
 
-MODES = ("barrier", "fused", "async")  # slowest first: each mode's ratio to those before it
+# slowest first: each mode's ratio to those before it
+MODES = ("barrier", "fused", "async", "partial")
+OVERSAMPLE = 1.5  # the partial mode's generated prompts per trained prompt (APRIL's 1.5-2x)
 
 
 @attrs.frozen
@@ -43,6 +48,7 @@ class Mode:
     name: str
     fuse: bool = True
     staleness: int | None = None  # None: synchronous
+    oversample: float = 1.0  # > 1: partial rollouts
 
     def runner_args(self, steps: int) -> dict[str, Any]:
         return {"fuse": self.fuse, "staleness": self.staleness,
@@ -55,7 +61,8 @@ def modes_named(names: tuple[str, ...] | list[str], *, max_staleness: int) -> li
     if unknown:
         raise ValueError(f"unknown bench modes {unknown}: choose from {list(MODES)}")
     table = {"barrier": Mode("barrier", fuse=False), "fused": Mode("fused"),
-             "async": Mode("async", staleness=max_staleness)}
+             "async": Mode("async", staleness=max_staleness),
+             "partial": Mode("partial", staleness=max(1, max_staleness), oversample=OVERSAMPLE)}
     return [table[name] for name in MODES if name in names]
 
 
@@ -115,7 +122,8 @@ def run_rl_bench(setup: RLSetup | None = None, *, modes: tuple[str, ...] = MODES
     # reads as on fresh executors)
     with _executors("sim", tags) as ctl:
         for algo in ("grpo", "ppo"):
-            runs = {mode.name: _measured(ctl, _flow(setup, algo), setup.steps, costs, mode, trim)
+            runs = {mode.name: _measured(ctl, _flow(setup, algo, mode.oversample), setup.steps,
+                                         costs, mode, trim)
                     for mode in chosen}
             figures[algo] = _compared(runs)
     if torch_steps:
@@ -123,7 +131,8 @@ def run_rl_bench(setup: RLSetup | None = None, *, modes: tuple[str, ...] = MODES
         runs = {}
         for mode in chosen:  # fresh executors: each run trains from random weights
             with _executors("torch", tags) as ctl:
-                runs[mode.name] = _measured(ctl, _sorting_flow(), torch_steps, None, mode, trim)
+                runs[mode.name] = _measured(ctl, _sorting_flow(mode.oversample), torch_steps, None,
+                                           mode, trim)
         figures["torch_cpu_grpo"] = {**_compared(runs), "executors": len(tags),
                                      "measured_steps": torch_steps - 1,
                                      "flow": "examples/grpo_sort.py from random weights"}
@@ -192,21 +201,25 @@ def _staleness(reports: list) -> dict:
     means = [r.metrics["staleness/mean"] for r in reports if "staleness/mean" in r.metrics]
     if not maxima:
         return {}
-    return {"staleness_max": max(maxima), "staleness_mean": statistics.fmean(means)}
+    carried = [r.metrics["rollout/carried_over"] for r in reports
+               if "rollout/carried_over" in r.metrics]
+    return {"staleness_max": max(maxima), "staleness_mean": statistics.fmean(means),
+            **({"carried_over_mean": statistics.fmean(carried)} if carried else {})}
 
 
-def _sorting_flow() -> Any:
+def _sorting_flow(oversample: float = 1.0) -> Any:
     from dataflows.grpo import grpo_flow
     from dataflows.rl.tasks import SORT_GPT, sort_prompts, sort_reward
 
     return grpo_flow(prompts=16, n=8, stages=2, microbatches=4, schedule="1f1b",
                      max_new_tokens=8, gpt=SORT_GPT, prompt_source=sort_prompts,
-                     reward=sort_reward, source_config={"digits": 3})
+                     reward=sort_reward, source_config={"digits": 3}, oversample=oversample)
 
 
-def _flow(setup: RLSetup, algo: str) -> Any:
+def _flow(setup: RLSetup, algo: str, oversample: float = 1.0) -> Any:
     train = dict(stages=setup.train_executors, schedule=setup.schedule,
-                 microbatches=setup.microbatches, max_new_tokens=setup.max_new_tokens)
+                 microbatches=setup.microbatches, max_new_tokens=setup.max_new_tokens,
+                 oversample=oversample)
     if algo == "grpo":
         from dataflows.grpo import grpo_flow
 

@@ -28,11 +28,13 @@ _BENCHES = {
 @click.argument("which", type=click.Choice(sorted(_BENCHES)))
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="Also write the figures as JSON.")
-@click.option("--mode", type=click.Choice(["barrier", "fused", "async", "all"]), default=None,
+@click.option("--mode", type=click.Choice(["barrier", "fused", "async", "partial", "all"]),
+              default=None,
               help="rl only: run the steps stage by stage with barriers, fused, "
-              "asynchronously, or all three side by side [default: all].")
+              "asynchronously, asynchronously with partial rollouts (1.5x the prompts), or "
+              "all of them side by side [default: all].")
 @click.option("--max-staleness", type=click.IntRange(min=0), default=None,
-              help="rl only: the async mode's staleness bound η, in weights versions "
+              help="rl only: the async modes' staleness bound η, in weights versions "
               "[default: 2].")
 @click.option("--length-sigma", type=click.FloatRange(min=0.0), default=None,
               help="rl only: sigma of the log-normal response lengths (0: all the median) "
