@@ -23,7 +23,10 @@ def test_the_rl_bench_reports_each_modes_throughput_and_their_ratios():
         assert result["barrier"]["staleness_max"] == result["fused"]["staleness_max"] == 0
         assert 0 <= result["async"]["staleness_mean"] <= result["async"]["staleness_max"] <= 1
         assert "generation_share" not in result["async"]  # steps overlap: no such share
-        assert set(result["speedup"]) == {"fused/barrier", "async/barrier", "async/fused"}
+        assert set(result["speedup"]) == {"fused/barrier", "async/barrier", "async/fused",
+                                          "partial/barrier", "partial/fused", "partial/async"}
+        assert result["partial"]["staleness_max"] <= 1
+        assert result["partial"]["carried_over_mean"] > 0  # 6 prompts generate, 4 train
         assert result["speedup"]["async/fused"] == (result["async"]["steps_per_s"]
                                                     / result["fused"]["steps_per_s"])
 
@@ -35,7 +38,7 @@ def test_the_rl_bench_runs_one_mode_alone(mode):
         assert list(figures[algo]) == [mode, "speedup", "steady_speedup"]
         assert figures[algo]["speedup"] == {}
         assert figures[algo][mode]["steps_per_s"] > 0
-        assert figures[algo][mode]["staleness_max"] <= (2 if mode == "async" else 0)
+        assert figures[algo][mode]["staleness_max"] <= (2 if mode in ("async", "partial") else 0)
 
 
 def test_the_rl_bench_refuses_unknown_modes_and_too_few_steps():
