@@ -189,7 +189,7 @@ class _Run:
         try:
             with stop:
                 for step in range(self.first, self.steps):
-                    board.set_status(f"step {step + 1}/{self.steps}")
+                    board.set_status(f"step {step + 1}/{self.steps}{_ahead(runner, step)}")
                     self._step(runner, step, board)
                     done = step + 1
                     if self.checkpoints is not None and (self.checkpoints.due(done)
@@ -213,10 +213,21 @@ class _Run:
             self.writer.write(record)
 
 
+def _ahead(runner: FlowRunner, step: int) -> str:
+    """An asynchronous run's steps that may generate while `step` trains."""
+    if not runner.staleness:
+        return ""
+    last = step + runner.staleness
+    if runner.steps is not None:
+        last = min(last, runner.steps - 1)
+    return f" · generating up to step {last + 1}" if last > step else ""
+
+
 def _shown(record: dict, records: list[dict]) -> dict:
     shown = {k: v for k, v in record.items()
              if k.endswith(("loss", "bubble_rate")) or k.startswith(("timing_s/", "reward"))
-             or k in ("step_s", "tokens_per_s", "response_length_mean")}
+             or k in ("step_s", "tokens_per_s", "response_length_mean", "staleness/mean",
+                      "staleness/max", "rollout/carried_over")}
     for key in ("loss", "reward_mean"):  # RL flows show their reward, all their loss
         values = [r[key] for r in records if r.get(key) is not None]
         if key in record and values:

@@ -177,7 +177,7 @@ class RunStats:
 
     def _on_submitted(self, task: TaskRecord) -> None:
         self._start(self._clock())
-        self._counters(task.executor).outstanding[task.id] = task.op
+        self._counters(task.executor).outstanding[task.id] = _op_label(task)
 
     def _on_done(self, task: TaskRecord, info: ExecutorInfo) -> None:
         counters = self._counters(info)
@@ -226,6 +226,13 @@ class RunStats:
     def summary(self) -> dict[str, Any]:
         """`snapshot().summary()`: the flat metrics record of the run so far."""
         return self.snapshot().summary()
+
+
+def _op_label(task: TaskRecord) -> str:
+    """What the dashboard shows an executor running: the op, and the flow step it is for when
+    the runner says (in an asynchronous run, generation works on later steps than training)."""
+    step = task.meta.get("step") if isinstance(task.meta, dict) else None
+    return task.op if step is None else f"{task.op} · step {step}"
 
 
 def _executor_stats(counters: _ExecutorCounters, elapsed: float) -> ExecutorStats:
