@@ -35,8 +35,11 @@ def warmed_up(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("example", ["grpo_sort.py", "ppo_sort.py"])
+@pytest.mark.parametrize("example", ["grpo_sort.py", "ppo_sort.py", "grpo_sort.py:async_",
+                                     "grpo_sort.py:partial"])
 def test_rl_on_digit_sorting_raises_the_mean_reward(warmed_up, example):
+    """Asynchronously too (`:async_`, `:partial`: one version of staleness, the decoupled
+    objective, and with partial rollouts): learning as the synchronous run does."""
     result = _run(warmed_up, str(EXAMPLES / example), "--steps", "30", "--metrics",
                   f"{example}.jsonl")
     assert "executors: torch" in result.output
