@@ -80,6 +80,14 @@ class StageRunner:
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._mbs: dict[Hashable, _Microbatch] = {}
 
+    def reset(self) -> None:
+        """Forget every microbatch in flight and the gradients gathered so far: a step that
+        failed part-way is replayed from a checkpoint ([Note: executor restarts] in
+        flowkit/cli/_restarts.py)."""
+        self._mbs.clear()
+        for param in self.module.parameters():
+            param.grad = None
+
     # -- public ops ---------------------------------------------------------------------------
     def forward(self, mb: Hashable, *inputs: Any) -> Any:
         if mb in self._mbs:

@@ -65,6 +65,9 @@ def load_state(ctx: OpContext, *_: Any, path: str) -> int:
         raise StageError(f"cannot read executor state {path}: {exc}") from exc
     if not isinstance(state, dict) or state.get("format") != _FORMAT:
         raise StageError(f"{path} is not an executor state of this flowkit ({_FORMAT})")
+    for held in ctx.state.get("torch_models", {}).values():  # what a failed step left
+        for stage in held.stages.values():
+            stage.runner.reset()
     for entry in state["models"]:
         _restore(ctx, entry, path)
     torch.set_rng_state(state["torch_rng"])

@@ -38,12 +38,11 @@ class Checkpointing:
         return self.every is not None and done % self.every == 0
 
     def write(self, runner: Any, executors: list, records: list[dict], done: int) -> Path:
-        try:
-            folder = write_checkpoint(self.root, runner, step=done, identity=self.identity,
-                                      executors=executors, kind=self.kind, records=records,
-                                      keep=self.keep)
-        except CheckpointError as exc:
-            raise click.ClickException(str(exc)) from None
+        """The checkpoint of `done` steps; CheckpointError when it cannot be written (an
+        executor lost meanwhile: a restart may recover)."""
+        folder = write_checkpoint(self.root, runner, step=done, identity=self.identity,
+                                  executors=executors, kind=self.kind, records=records,
+                                  keep=self.keep)
         self.written = done
         return folder
 

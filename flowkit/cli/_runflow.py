@@ -11,6 +11,7 @@ import click
 from rich.console import Console
 
 from flowkit.cli._checkpoints import Checkpointing, GracefulStop, resume_point
+from flowkit.cli._restarts import Restarts, temporary_checkpoints
 from flowkit.dsl import Flow
 from flowkit.observe import Dashboard, MetricsWriter, RunStats, TraceRecorder
 from flowkit.ops import LOSSES, LOWERED_OPS
@@ -19,6 +20,7 @@ from flowkit.planner.simcosts import SimCosts
 from flowkit.runtime import Controller, LocalExecutors, RemoteError
 from flowkit.runtime.checkpoint import CheckpointError, flow_identity, restore
 from flowkit.runtime.flowrun import FlowRunError, FlowRunner, StepReport, check_async
+from flowkit.runtime.futures import ExecutorLost
 
 __all__ = ["choose_executors", "executor_tags", "run_flow", "sparkline", "with_training_options"]
 
@@ -91,7 +93,8 @@ def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
              trace: Path | None, metrics: Path | None, dashboard: bool | None,
              device: str = "cpu", fuse: bool = True, save_weights: Path | None = None,
              debug: bool = False, checkpoints: Checkpointing | None = None,
-             resume: Path | None = None, staleness: int | None = None) -> None:
+             resume: Path | None = None, staleness: int | None = None,
+             max_restarts: int = 0) -> None:
     """Run `steps` steps of `flow` (with `resume`, the steps after the checkpoint's up to
     `steps` in all), writing `checkpoints` as they say; asynchronously with a `staleness`
     bound [Note: asynchronous steps in flowkit/runtime/flowrun.py]."""
@@ -105,6 +108,10 @@ def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
     count = count or max(2, stages)
     tags = executor_tags(plan, count, tag_spec)
     identity = flow_identity(flow.name, plan)
+    cleanup = None
+    if max_restarts and checkpoints is None:  # restarts reload the newest checkpoint
+        root, cleanup = temporary_checkpoints()
+        checkpoints = Checkpointing(root=root, every=1, keep=1)
     if checkpoints is not None:
         checkpoints.identity, checkpoints.kind = identity, kind
     resumed = None
@@ -123,26 +130,36 @@ def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
         executors = LocalExecutors(ctl, count, kind=kind, tags=tags, code=code, device=device)
         started = executors.start()
         try:
-            runner = FlowRunner(ctl, plan, sim_costs=sim_costs, fuse=fuse,
-                                staleness=staleness, steps=steps)
+            def make_runner() -> FlowRunner:
+                return FlowRunner(ctl, plan, sim_costs=sim_costs, fuse=fuse,
+                                  staleness=staleness, steps=steps)
+
+            runner = make_runner()
             run.executors = started
+            if max_restarts:
+                run.restarts = Restarts(allowed=max_restarts, launcher=executors,
+                                        make_runner=make_runner,
+                                        names=frozenset(e.name for e in started))
             if resumed is not None:
                 run.resume(runner, *resumed, console)
             with Dashboard(ctl, stats=stats, console=console, enabled=dashboard,
                            title=f"flowkit run {flow.name}") as board:
                 done = run.steps_until_stopped(runner, board, console)
+            runner = run.runner  # a restart replaces it
             if done < steps:
                 console.print(f"{flow.name}: interrupted at step {done}")
-            if checkpoints is not None and checkpoints.written is not None:
+            if cleanup is None and checkpoints is not None and checkpoints.written is not None:
                 console.print(f"checkpoint of step {checkpoints.written} in {checkpoints.root}")
             if save_weights is not None:
                 for path in runner.save_weights(save_weights):
                     console.print(f"wrote {path}")
-        except (FlowRunError, CheckpointError) as exc:
+        except (FlowRunError, CheckpointError, ExecutorLost) as exc:
             raise click.ClickException(_error_line(exc, debug)) from None
         finally:
             ctl.shutdown()
             executors.stop()
+            if cleanup is not None:
+                cleanup()
             if run.writer is not None:
                 run.writer.close()
             if trace is not None:
@@ -164,6 +181,8 @@ class _Run:
     first: int = 0  # the step to start with: after a resumed checkpoint's
     records: list[dict] = attrs.field(factory=list)  # every step's metrics line, as written
     executors: list = attrs.field(factory=list)
+    restarts: Restarts | None = None  # --max-restarts [Note: executor restarts]
+    runner: Any = None  # the one running: a restart makes a new one
 
     def resume(self, runner: FlowRunner, folder: Path, manifest: Any, console: Console) -> None:
         """Go on from `folder`: the executors' and runner's state, and the metrics file
@@ -183,30 +202,61 @@ class _Run:
                             console: Console) -> int:
         """The steps done: all of them, or those before a Ctrl-C, which stops the run cleanly
         (what was asked to be written still is, and the executors are shut down). With
-        checkpoints, the first Ctrl-C finishes the step and checkpoints it [GracefulStop]."""
+        checkpoints, the first Ctrl-C finishes the step and checkpoints it [GracefulStop].
+        With restarts, a step that lost executors is replayed [Note: executor restarts]."""
+        self.runner = runner
         stop = GracefulStop(self.checkpoints is not None, on_request=lambda: board.set_status(
             "Ctrl-C: finishing the step to checkpoint it (Ctrl-C again stops at once)"))
         try:
             with stop:
-                for step in range(self.first, self.steps):
-                    board.set_status(f"step {step + 1}/{self.steps}{_ahead(runner, step)}")
-                    self._step(runner, step, board)
-                    done = step + 1
-                    if self.checkpoints is not None and (self.checkpoints.due(done)
-                                                         or stop.requested):
-                        path = self.checkpoints.write(runner, self.executors, self.records, done)
-                        board.set_status(f"step {done}/{self.steps}: wrote {path}")
+                if self.restarts is not None:  # what a failure in the first step goes back to
+                    self._checkpoint(self.first, board)
+                step = self.first
+                while step < self.steps:
+                    board.set_status(f"step {step + 1}/{self.steps}"
+                                     f"{_ahead(self.runner, step)}")
+                    try:
+                        self._step(self.runner, step, board)
+                        done = step + 1
+                        if self.checkpoints is not None and (self.checkpoints.due(done)
+                                                             or stop.requested):
+                            self._checkpoint(done, board)
+                    except (FlowRunError, CheckpointError, ExecutorLost) as exc:
+                        step = self._recover(exc, board, console)
+                        continue
                     if stop.requested:
                         return done
+                    step = done
         except KeyboardInterrupt:
-            return runner.step
+            return self.runner.step
         return self.steps
+
+    def _checkpoint(self, done: int, board: Dashboard) -> None:
+        path = self.checkpoints.write(self.runner, self.executors, self.records, done)
+        board.set_status(f"step {done}/{self.steps}: wrote {path}")
+
+    def _recover(self, error: BaseException, board: Dashboard, console: Console) -> int:
+        """The step to go on with after `error`, once lost executors are replaced and the
+        newest checkpoint restored; `error` again when restarts cannot help."""
+        while True:  # an executor may be lost again while the run recovers
+            recovered = None if self.restarts is None else self.restarts.recover(
+                error, self.checkpoints.root, board.warn)
+            if recovered is None:
+                raise error
+            try:
+                self.runner, self.executors, folder = recovered
+                self.resume(self.runner, folder, None, console)
+                return self.first
+            except (RuntimeError, TimeoutError) as again:  # CheckpointError, ExecutorLost too
+                error = again
 
     def _step(self, runner: FlowRunner, step: int, board: Dashboard) -> None:
         report = runner.run_step(step)
         for warning in report.warnings:
             board.warn(warning)
         record = {"time": time.time(), **_step_record(report, self.stats)}
+        if self.restarts is not None:
+            record["restarts"] = self.restarts.used
         self.records.append(record)
         board.set_metrics(_shown(record, self.records))
         if self.writer is not None:

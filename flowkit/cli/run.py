@@ -71,14 +71,18 @@ _KINDS = ("auto", *KINDS)
 @click.option("--resume", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Go on from the newest complete checkpoint in DIR (or DIR itself), up to "
               "--steps steps in all, as the run would have had it never stopped.")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Replace up to N lost executors and replay the failed step from the newest "
+              "checkpoint (one each step, in --checkpoint-dir or a temporary folder).")
 @click.option("--dashboard/--no-dashboard", default=None,
               help="The live dashboard [default: on when the output is a terminal].")
 @click.option("--debug", is_flag=True, help="Show a failed op's remote traceback.")
 def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | None, device: str,
         steps: int, stages: int | None, microbatches: int | None, schedule: str | None,
-        fuse: bool, asynchronous: bool | None, max_staleness: int | None, sim_cost: str, trace: Path | None, metrics: Path | None,
+        fuse: bool, asynchronous: bool | None, max_staleness: int | None, sim_cost: str,
+        trace: Path | None, metrics: Path | None,
         save_weights: Path | None, checkpoint_dir: Path | None, checkpoint_every: int | None,
-        keep_checkpoints: int, resume: Path | None, dashboard: bool | None,
+        keep_checkpoints: int, resume: Path | None, max_restarts: int, dashboard: bool | None,
         debug: bool) -> None:
     """Run a flow's steps on local executor processes."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -97,16 +101,19 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
         raise click.BadParameter("give --checkpoint-dir too: where to write them",
                                  param_hint="--checkpoint-every")
     staleness = _staleness(flow, asynchronous, max_staleness)
-    if staleness is not None and (checkpoint_dir is not None or resume is not None):
-        raise click.BadParameter("checkpoints of asynchronous runs are not supported yet (the "
-                                 "rollouts in flight would be lost): run with --sync",
-                                 param_hint="--checkpoint-dir/--resume")
+    if staleness is not None and (checkpoint_dir is not None or resume is not None
+                                  or max_restarts):
+        raise click.BadParameter("checkpoints of asynchronous runs, which restarts reload, are "
+                                 "not supported yet (the rollouts in flight would be lost): "
+                                 "run with --sync", param_hint="--checkpoint-dir/--resume/"
+                                 "--max-restarts")
     kind = choose_executors(flow, kind)
     costs = costs if kind == "sim" else None
     path, _, _ = flow_spec.partition(":")
     with writing(trace or metrics or Path(".")):
         run_flow(flow, code=[path], kind=kind, count=num_executors, tag_spec=tag_spec,
-                 device=device, steps=steps, fuse=fuse, staleness=staleness, sim_costs=costs, trace=trace, metrics=metrics,
+                 device=device, steps=steps, fuse=fuse, staleness=staleness,
+                 max_restarts=max_restarts, sim_costs=costs, trace=trace, metrics=metrics,
                  dashboard=dashboard, save_weights=save_weights, debug=debug, resume=resume,
                  checkpoints=None if checkpoint_dir is None else Checkpointing(
                      root=checkpoint_dir, every=checkpoint_every, keep=keep_checkpoints))

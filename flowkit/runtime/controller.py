@@ -109,6 +109,13 @@ class Controller:
                                    f"connected to {self.address} within {timeout} s")
             return self._state.executors()
 
+    def quiesce(self, timeout: float) -> None:
+        """Wait until no live executor has a task outstanding: after a lost executor, the
+        tasks that did not depend on it finish (those that did were cancelled), so that state
+        can be reloaded with nothing left to change it."""
+        self.wait_until(lambda: not any(e.outstanding > 0 for e in self._state.executors()),
+                        timeout, what="waiting for the executors' tasks to end")
+
     def submit(self, op: str, *inputs: Any, config: dict | None = None,
                executor: int | None = None, tags: Iterable[str] = (), outputs: int = 1,
                meta: dict | None = None, lane: str | None = None,

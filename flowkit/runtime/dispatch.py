@@ -487,7 +487,15 @@ class Dispatcher:
                 if task.state == "pending" and task.executor == executor.id:
                     self._fail_task(task, error)
             for record in list(self._objects.values()):
-                if record.produced and record.holders <= {executor.id} and record.consumers:
+                # made there: its copies elsewhere may still be on their way (holders are
+                # recorded when a push is asked for), so whoever reads it fails now, and a task
+                # submitted later that reads it fails at once, rather than wait for a push
+                # that will never come
+                made_there = record.location == executor.id or record.holders <= {executor.id}
+                if not (record.produced and made_there):
+                    continue
+                record.error = record.error or error
+                if record.consumers:
                     for consumer_id in record.consumers:
                         consumer = self._tasks.get(consumer_id)
                         if consumer is not None and consumer.state == "pending":

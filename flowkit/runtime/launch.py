@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,24 +43,49 @@ class LocalExecutors:
         self.stop()
 
     def start(self) -> list[ExecutorInfo]:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         for i in range(self.count):
-            command = [sys.executable, "-m", "executors", "--connect", self.controller.address,
-                       "--name", f"{self.name_prefix}-{i}", "--kind", self.kind,
-                       "--device", _device_of(self.device, i), "--tags", ",".join(self.tags[i]),
-                       "--log-level", self.log_level,
-                       *(arg for path in self.code for arg in ("--code", path))]
-            # a session of its own: Ctrl-C in the terminal reaches the controller alone, which
-            # stops the run cleanly and then shuts its executors down
-            process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
-                                       start_new_session=True)
-            self.processes.append(process)
-            self.controller.watch_process(process)
+            self._spawn(i)
         try:
             return self.controller.wait_for_executors(self.count, timeout=self.startup_timeout)
         except TimeoutError:
             self.stop()
             raise
+
+    def replace(self, names: Sequence[str]) -> list[ExecutorInfo]:
+        """A new process for each lost executor of `names`, with its name, tags and device (a
+        restart: the run reloads their state from a checkpoint); every connected executor
+        once they are in."""
+        known = {f"{self.name_prefix}-{i}": i for i in range(self.count)}
+        unknown = sorted(set(names) - set(known))
+        if unknown:
+            raise ValueError(f"{unknown} are not executors this launcher started")
+        spawned = [self._spawn(known[name]) for name in names]
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            try:
+                return self.controller.wait_for_executors(self.count, timeout=0.5)
+            except TimeoutError:
+                dead = [p for p in spawned if p.poll() is not None]
+                if dead:  # killed too, or it cannot start: say so now, not at the timeout
+                    raise RuntimeError(f"a replacement executor exited with code "
+                                       f"{dead[0].returncode} before it connected") from None
+                if time.monotonic() > deadline:
+                    raise
+
+    def _spawn(self, i: int) -> subprocess.Popen:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        command = [sys.executable, "-m", "executors", "--connect", self.controller.address,
+                   "--name", f"{self.name_prefix}-{i}", "--kind", self.kind,
+                   "--device", _device_of(self.device, i), "--tags", ",".join(self.tags[i]),
+                   "--log-level", self.log_level,
+                   *(arg for path in self.code for arg in ("--code", path))]
+        # a session of its own: Ctrl-C in the terminal reaches the controller alone, which
+        # stops the run cleanly and then shuts its executors down
+        process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
+                                   start_new_session=True)
+        self.processes.append(process)
+        self.controller.watch_process(process)
+        return process
 
     def stop(self, timeout: float = 5.0) -> None:
         """Wait for the processes to exit after the controller's shutdown; kill stragglers; then

@@ -1,0 +1,118 @@
+"""Executor restarts [Note: executor restarts in flowkit/cli/_restarts.py]: `kill -9` executors
+of a running `flowkit run --max-restarts` at random moments; the run replaces them, replays from
+its newest checkpoint and ends with the parameters and the curve of the run without faults
+(float64); without restarts, or past them, it fails with a clear error."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+FLOWS = Path(__file__).parent / "flows"
+GRPO = str(FLOWS / "tiny_grpo.py")
+PRETRAIN = str(FLOWS / "tiny_pretrain.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _command(flow: str, folder: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "flowkit", "run", flow, "--no-dashboard", "--executors",
+            "torch", "--metrics", str(folder / "m.jsonl"), "--save-weights", str(folder / "w"),
+            *args]
+
+
+def _executor_pids(parent: int) -> list[int]:
+    """The executor processes `flowkit run` started (its children)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == parent:
+                pids.append(int(entry.name))
+    return pids
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _run_with_kills(flow: str, folder: Path, steps: int, *args: str, kills: int,
+                    seed: int) -> str:
+    """Run the flow, `kill -9` a random executor `kills` times: each after a random step
+    (past the first: the models are built) and a random moment into the next one (in an op,
+    a weight sync, a checkpoint being written), once the executors are all up again."""
+    rng = random.Random(seed)
+    points = sorted(rng.sample(range(1, steps - 2), kills))
+    process = subprocess.Popen(_command(flow, folder, "--steps", str(steps), *args), cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed, deadline = 0, time.monotonic() + 240
+    while process.poll() is None and killed < kills and time.monotonic() < deadline:
+        pids = _executor_pids(process.pid)
+        if len(_lines(folder / "m.jsonl")) >= points[killed] and len(pids) == 2:
+            time.sleep(rng.uniform(0.0, 0.2))
+            os.kill(rng.choice(pids), signal.SIGKILL)
+            killed += 1
+            time.sleep(0.5)  # the loss is noticed, the replacement started
+        time.sleep(0.02)
+    output, _ = process.communicate(timeout=240)
+    assert process.returncode == 0, output
+    assert killed == kills, f"the run ended before {kills} kills: {output}"
+    return output
+
+
+def _same_run(faulty: Path, clean: Path, *keys: str) -> None:
+    """The same final parameters (each model's file) and the same curve, each step once."""
+    files = sorted(p.name for p in (clean / "w").glob("*.pt"))
+    assert files and sorted(p.name for p in (faulty / "w").glob("*.pt")) == files
+    for name in files:
+        first = torch.load(faulty / "w" / name, weights_only=True)
+        second = torch.load(clean / "w" / name, weights_only=True)
+        for key in second:
+            torch.testing.assert_close(first[key], second[key], rtol=0, atol=1e-10)
+    curve = [[line.get(k) for k in ("step", *keys)] for line in _lines(faulty / "m.jsonl")]
+    reference = [[line.get(k) for k in ("step", *keys)] for line in _lines(clean / "m.jsonl")]
+    assert [c[0] for c in curve] == list(range(len(reference)))  # each step once
+    for got, want in zip(curve, reference):
+        assert got == pytest.approx(want, abs=1e-9)
+
+
+@pytest.mark.parametrize(("flow", "keys"), [(PRETRAIN, ("loss",)),
+                                            (GRPO, ("loss", "reward_mean"))])
+def test_killed_executors_are_replaced_and_the_run_ends_as_without_faults(tmp_path, flow, keys):
+    clean, faulty = tmp_path / "clean", tmp_path / "faulty"
+    subprocess.run(_command(flow, clean, "--steps", "12"), cwd=ROOT, check=True,
+                   capture_output=True)
+    output = _run_with_kills(flow, faulty, 12, "--max-restarts", "3", kills=2,
+                             seed=len(keys))
+    assert output.count("lost (") == 2 and "restart 2 of 3" in output
+    _same_run(faulty, clean, *keys)
+    assert _lines(faulty / "m.jsonl")[-1]["restarts"] == 2
+
+
+def test_without_restarts_a_killed_executor_fails_the_run_with_a_clear_error(tmp_path):
+    process = subprocess.Popen(_command(PRETRAIN, tmp_path, "--steps", "40"), cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    while not _lines(tmp_path / "m.jsonl"):
+        time.sleep(0.1)
+    os.kill(_executor_pids(process.pid)[0], signal.SIGKILL)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 1
+    assert "was lost" in output and "Traceback" not in output
+
+
+def test_restarts_need_a_synchronous_run():
+    result = subprocess.run(_command(GRPO, Path("/tmp"), "--max-staleness", "1",
+                                     "--max-restarts", "1"), cwd=ROOT, capture_output=True,
+                            text=True)
+    assert result.returncode == 2 and "--sync" in result.stdout + result.stderr
