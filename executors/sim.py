@@ -172,11 +172,11 @@ def _generation(ctx: OpContext, *_: Any, action: str, model: str | None = None,
         raise ValueError(f"generation action {action!r} is not one of pause, resume, abort")
     if requests is not None and action != "abort":
         raise ValueError(f"generation names requests to abort them, not to {action}")
+    if requests is not None:  # also before the engine or the request exists: it remembers
+        return list(engine_of(ctx.background).abort({str(r) for r in requests}))
     engine = ctx.background.get("generate")
     if engine is None:
-        return 0 if requests is None else [0, 0]
-    if requests is not None:
-        return list(engine.abort({str(r) for r in requests}))
+        return 0
     if action == "abort":
         return engine.abort()[0]
     engine.pause(action == "pause")

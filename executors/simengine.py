@@ -94,6 +94,7 @@ class SimEngine:
         self.deadline: float | None = None  # None: idle, the next iteration starts now
         self.iterations = 0
         self.paused = False
+        self.aborted: set[str] = set()  # request keys aborted, also before they arrived
 
     def submit(self, items: list, lengths: list[int], *, prompt_tokens: int,
                costs: EngineCosts, stream: bool, key: str | None = None) -> Deferred:
@@ -102,7 +103,12 @@ class SimEngine:
         are the engine's (a run has one set)."""
         deferred = Deferred()
         self.costs = costs
-        self.requests.append(_Request(deferred, list(items), [max(0, int(n)) for n in lengths],
+        lengths = [max(0, int(n)) for n in lengths]
+        if key is not None and key in self.aborted:  # its abort came first: it ends at once
+            items = [_interrupted(item, _base(item, n)) if n else item
+                     for item, n in zip(items, lengths)]
+            lengths = [0] * len(items)
+        self.requests.append(_Request(deferred, list(items), lengths,
                                       max(0, int(prompt_tokens)), stream, key))
         return deferred
 
@@ -120,6 +126,7 @@ class SimEngine:
         (samples, tokens) cut."""
         decoded = {(id(r), sample): self.iterations - (last - r.lengths[sample] + 1)
                    for last, _, r, sample in self.ending}
+        self.aborted |= keys or set()  # a request still on its way ends as it arrives
         ending = [r for r in self.requests if keys is None or r.key in keys]
         cut = tokens = 0
         for request in ending:
@@ -127,7 +134,9 @@ class SimEngine:
             for sample, item in enumerate(request.items):
                 if id(item) not in done:
                     made = decoded.get((id(request), sample), 0)
-                    request.finished.append(_interrupted(item, made))
+                    # a continued sample's item is the whole of it: keep what it came with
+                    base = _base(item, request.lengths[sample])
+                    request.finished.append(_interrupted(item, base + made))
                     cut, tokens = cut + 1, tokens + made
                     if request.stream:
                         request.deferred.emit(request.finished[-1])
@@ -232,6 +241,11 @@ class SimEngine:
         if request.done:
             self.requests.remove(request)
             request.deferred.done(list(request.finished))
+
+
+def _base(item: Any, length: int) -> int:
+    """The response tokens a sample came with, before the `length` it decodes here."""
+    return max(0, len(item.response_tokens) - length) if isinstance(item, Rollout) else 0
 
 
 def _interrupted(item: Any, tokens: int) -> Any:

@@ -85,6 +85,7 @@ class Sequence:
     logprobs: list[float] = attrs.field(factory=list)
     versions: list[int] = attrs.field(factory=list)
     slot: int | None = None
+    carried: int = 0  # response tokens it came with (a continued Rollout's)
     filled: int = 0  # prefix positions whose keys are in its cache row
     cache_version: int | None = None
 
@@ -116,6 +117,7 @@ class Engine:
         self.slots: list[Sequence | None] = [None] * self.max_batch
         self.waiting: deque[Sequence] = deque()
         self.passing: list[Request] = []  # requests with finished Rollouts to hand back
+        self.aborted: set[str] = set()  # request keys aborted, also before they arrived
         self.paused = False
         self.device = next(model.parameters()).device
         self.stats = {"steps": 0, "decode_tokens": 0, "prefill_tokens": 0}
@@ -126,6 +128,11 @@ class Engine:
         """n samples of each Prompt, or the continuation of each interrupted Rollout (one
         sample each, from its prefix), as one request; a finished Rollout passes through."""
         request = Request(deferred=Deferred(), sampling=sampling, left=0, key=key)
+        if key is not None and key in self.aborted:  # its abort came first: it ends at once
+            request.passing = [_unstarted(s) for item in items for s in _samples(item, n)]
+            request.left = len(request.passing)
+            self.passing.append(request)
+            return request.deferred
         for item in items:
             if isinstance(item, Rollout) and not item.interrupted:
                 request.passing.append(item)
@@ -149,7 +156,7 @@ class Engine:
         return Sequence(request, prompt, rollout.sample,
                         request.sampling.seed_of(rollout.prompt_id, rollout.sample),
                         tokens=list(rollout.response_tokens), logprobs=list(rollout.logprobs),
-                        versions=versions)
+                        versions=versions, carried=len(rollout.response_tokens))
 
     def pause(self, paused: bool = True) -> None:
         """Stop (or restart) stepping; sequences keep their tokens and their cache."""
@@ -167,13 +174,14 @@ class Engine:
     def abort_requests(self, keys: set[str]) -> tuple[int, int]:
         """The requests named `keys` end now, their unfinished samples `interrupted`;
         returns (samples, response tokens) cut."""
+        self.aborted |= keys  # a request still on its way ends as it arrives
         cut = [s for s in [*self.slots, *self.waiting]
                if s is not None and s.request.key in keys]
         self.slots = [None if s is not None and s.request.key in keys else s for s in self.slots]
         self.waiting = deque(s for s in self.waiting if s.request.key not in keys)
         for seq in cut:
             self._finish(seq, finished=False, interrupted=True)
-        return len(cut), sum(len(seq.tokens) for seq in cut)
+        return len(cut), sum(len(seq.tokens) - seq.carried for seq in cut)
 
     # -- the Background ------------------------------------------------------------------------
     def busy(self) -> bool:
@@ -324,6 +332,22 @@ class Engine:
         request.deferred.emit(rollout)
         if request.left == 0:
             request.deferred.done(request.done)
+
+
+def _samples(item: Any, n: int) -> list:
+    """A request's samples as Rollouts: a Prompt's n, each with no response yet."""
+    if isinstance(item, Rollout):
+        return [item]
+    return [Rollout(prompt_id=item.prompt_id, sample=k, prompt_tokens=list(item.tokens),
+                    response_tokens=[], logprobs=[], answer=getattr(item, "answer", None))
+            for k in range(n)]
+
+
+def _unstarted(rollout: Rollout) -> Rollout:
+    """A sample of an aborted request, as it stands: finished, or interrupted where it got."""
+    if rollout.finished and rollout.response_tokens and not rollout.interrupted:
+        return rollout
+    return attrs.evolve(rollout, finished=False, interrupted=True)
 
 
 def run_until_done(backgrounds: dict, deferred: Deferred,

@@ -229,6 +229,7 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, n: int = 1, max_new_t
         engine = ctx.background[f"generate:{config['model']}"] = Engine(
             model, version=lambda: held.version, max_batch=int(max_batch),
             token_budget=int(token_budget))
+        engine.aborted = _aborted(ctx)  # also those aborted before this engine existed
     sampling = Sampling(max_new_tokens=int(max_new_tokens), temperature=float(temperature),
                         top_p=float(top_p), eos=None if eos is None else int(eos),
                         seed=int(seed if sample_seed is None else sample_seed), step=int(step))
@@ -248,6 +249,7 @@ def _generation(ctx: OpContext, *_: Any, action: str, model: str | None = None,
     if requests is not None:
         if action != "abort":
             raise StageError(f"generation names requests to abort them, not to {action}")
+        _aborted(ctx).update(str(r) for r in requests)  # for an engine yet to be made
         cut = [engine.abort_requests({str(r) for r in requests}) for engine in engines]
         return [sum(c[0] for c in cut), sum(c[1] for c in cut)]
     aborted = 0
@@ -257,6 +259,12 @@ def _generation(ctx: OpContext, *_: Any, action: str, model: str | None = None,
         else:
             engine.pause(action == "pause")
     return aborted
+
+
+def _aborted(ctx: OpContext) -> set:
+    """The request keys aborted on this executor, shared by its engines: an abort may come
+    before the request it names (waiting for its inputs) and before any engine exists."""
+    return ctx.state.setdefault("aborted_requests", set())
 
 
 def generate_now(ctx: OpContext, prompts: Any, **config: Any) -> list:

@@ -65,14 +65,25 @@ def load_state(ctx: OpContext, *_: Any, path: str) -> int:
         raise StageError(f"cannot read executor state {path}: {exc}") from exc
     if not isinstance(state, dict) or state.get("format") != _FORMAT:
         raise StageError(f"{path} is not an executor state of this flowkit ({_FORMAT})")
-    for held in ctx.state.get("torch_models", {}).values():  # what a failed step left
-        for stage in held.stages.values():
-            stage.runner.reset()
+    _forget_models(ctx)
     for entry in state["models"]:
         _restore(ctx, entry, path)
     torch.set_rng_state(state["torch_rng"])
     random.setstate(state["python_rng"])
     return len(state["models"])
+
+
+def _forget_models(ctx: OpContext) -> None:
+    """Drop every model this executor holds, and the rollout engines that decode with them,
+    before a load: a step that failed part-way ([Note: executor restarts] in
+    flowkit/cli/_restarts.py) may have changed any of them, also one the checkpoint holds by
+    name only, so each is built again from its seed. The engines have nothing in flight
+    (the controller waits for that), and the next generate request makes a new one."""
+    for held in ctx.state.pop("torch_models", {}).values():
+        for stage in held.stages.values():
+            stage.runner.reset()
+    for name in [n for n in ctx.background if n.startswith("generate:")]:
+        del ctx.background[name]
 
 
 def _restore(ctx: OpContext, entry: dict, path: str) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import attrs
 
-from flowkit.runtime.checkpoint import latest_checkpoint
+from flowkit.runtime.checkpoint import CheckpointError, latest_checkpoint
 
 __all__ = ["Restarts", "temporary_checkpoints"]
 
@@ -56,8 +56,11 @@ class Restarts:
         lost = self.lost()
         if not lost or self.used >= self.allowed:
             return None
+        try:
+            folder = latest_checkpoint(root)
+        except CheckpointError:  # lost before the first checkpoint was complete
+            return None
         self.used += 1
-        folder = latest_checkpoint(root)
         reason = str(error).splitlines()[0]
         warn(f"{', '.join(lost)} lost ({reason}); restart {self.used} of {self.allowed}: a new "
              f"process takes its place and the run goes on from {folder.name}")

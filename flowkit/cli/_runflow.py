@@ -209,13 +209,14 @@ class _Run:
             "Ctrl-C: finishing the step to checkpoint it (Ctrl-C again stops at once)"))
         try:
             with stop:
-                if self.restarts is not None:  # what a failure in the first step goes back to
-                    self._checkpoint(self.first, board)
-                step = self.first
+                step, first = self.first, self.restarts is not None
                 while step < self.steps:
                     board.set_status(f"step {step + 1}/{self.steps}"
                                      f"{_ahead(self.runner, step)}")
                     try:
+                        if first:  # what a failure in the first step goes back to
+                            self._checkpoint(step, board)
+                            first = False
                         self._step(self.runner, step, board)
                         done = step + 1
                         if self.checkpoints is not None and (self.checkpoints.due(done)

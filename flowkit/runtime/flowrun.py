@@ -221,10 +221,11 @@ class FlowRunner:
                                    f"still open: {', '.join(run.open_nodes())}") from None
             event()
         del self.open[step]
+        report = run.report()  # before the next step's training changes what it reads
         following = self.open.get(step + 1)
         if following is not None:
             following.start_training()
-        return run.report()
+        return report
 
     def _open(self, step: int) -> StepRun:
         run = self.open.get(step)

@@ -32,6 +32,7 @@ class LocalExecutors:
         self.startup_timeout = startup_timeout
         self.code = [str(path) for path in code]  # flow files whose @op functions may run
         self.processes: list[subprocess.Popen] = []
+        self.by_name: dict[str, subprocess.Popen] = {}  # the newest process of each executor
 
     def __enter__(self) -> list[ExecutorInfo]:
         return self.start()
@@ -59,6 +60,11 @@ class LocalExecutors:
         unknown = sorted(set(names) - set(known))
         if unknown:
             raise ValueError(f"{unknown} are not executors this launcher started")
+        for name in names:  # a replacement still starting from an earlier try: one per name
+            earlier = self.by_name.get(name)
+            if earlier is not None and earlier.poll() is None:
+                earlier.kill()
+                earlier.wait()
         spawned = [self._spawn(known[name]) for name in names]
         deadline = time.monotonic() + self.startup_timeout
         while True:
@@ -84,6 +90,7 @@ class LocalExecutors:
         process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
                                    start_new_session=True)
         self.processes.append(process)
+        self.by_name[f"{self.name_prefix}-{i}"] = process
         self.controller.watch_process(process)
         return process
 

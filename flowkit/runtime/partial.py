@@ -100,6 +100,15 @@ class PartialState:
         source made prompts, the carried ones first."""
         return len(self.incoming) + self.own < prompts
 
+    def dropped_whole(self, lineage: tuple, future: Any) -> bool:
+        """Whether a resumed call came back short: its group dropped as stale (counted here,
+        neither trained nor carried again)."""
+        count = getattr(future, "count", None)
+        if lineage not in self.resumed or count is None or count >= self.setting.n:
+            return False
+        self.dropped += self.setting.n - count
+        return True
+
     def carry(self, origin: int, lineage: tuple, ref: Any) -> None:
         """A call of this step goes to the next one; a resumed call keeps its origin."""
         first = carried_origin(lineage)

@@ -105,7 +105,8 @@ class StepRun:
         partial = self.partial.get(name) if register else None
         if partial is not None and partial.aborting:  # after the step took its groups
             partial.pending_calls.pop(lineage, None)
-            partial.carry(self.step, lineage, futures[0])
+            if not partial.dropped_whole(lineage, futures[0]):
+                partial.carry(self.step, lineage, futures[0])
             if self.balancers.get(name) is not None:
                 self.balancers[name].closed(lineage)  # cut short: its sizes teach nothing
             register = False
@@ -165,9 +166,7 @@ class StepRun:
                future: Any) -> None:
         """A call ended before the step had its groups: it is the step's."""
         partial.pending_calls.pop(lineage, None)
-        count = getattr(future, "count", None)
-        if lineage in partial.resumed and count is not None and count < partial.setting.n:
-            partial.dropped += partial.setting.n - count  # a carried group dropped as stale
+        if partial.dropped_whole(lineage, future):
             return  # no group to train: the step still wants its `take`
         partial.taken += 1
         if partial.taken >= partial.setting.take:

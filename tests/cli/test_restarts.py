@@ -48,24 +48,30 @@ def _lines(path: Path) -> list[dict]:
 
 
 def _run_with_kills(flow: str, folder: Path, steps: int, *args: str, kills: int,
-                    seed: int) -> str:
-    """Run the flow, `kill -9` a random executor `kills` times: each after a random step
-    (past the first: the models are built) and a random moment into the next one (in an op,
-    a weight sync, a checkpoint being written), once the executors are all up again."""
+                    seed: int, first: int = 1) -> str:
+    """Run the flow, `kill -9` a random executor `kills` times: each once the run has recorded
+    a random number of steps (from `first`; 0: once the checkpoint before the first step is
+    written) and a random moment more (in an op, a weight sync, a checkpoint being written),
+    after the run has recovered from the kill before."""
     rng = random.Random(seed)
-    points = sorted(rng.sample(range(1, steps - 2), kills))
-    process = subprocess.Popen(_command(flow, folder, "--steps", str(steps), *args), cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    killed, deadline = 0, time.monotonic() + 240
+    points = sorted(rng.sample(range(first, steps - 2), kills))
+    process = subprocess.Popen(_command(flow, folder, "--steps", str(steps),
+                                        "--checkpoint-dir", str(folder / "ck"), *args),
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    killed, deadline = 0, time.monotonic() + 300
     while process.poll() is None and killed < kills and time.monotonic() < deadline:
-        pids = _executor_pids(process.pid)
-        if len(_lines(folder / "m.jsonl")) >= points[killed] and len(pids) == 2:
+        lines = _lines(folder / "m.jsonl")
+        recovered = killed == 0 or (lines and lines[-1].get("restarts") == killed)
+        started = (folder / "ck" / "step-00000000").is_dir()
+        if recovered and started and len(lines) >= points[killed]:
             time.sleep(rng.uniform(0.0, 0.2))
-            os.kill(rng.choice(pids), signal.SIGKILL)
-            killed += 1
-            time.sleep(0.5)  # the loss is noticed, the replacement started
+            pids = _executor_pids(process.pid)
+            if pids:
+                os.kill(rng.choice(pids), signal.SIGKILL)
+                killed += 1
         time.sleep(0.02)
-    output, _ = process.communicate(timeout=240)
+    output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output
     assert killed == kills, f"the run ended before {kills} kills: {output}"
     return output
@@ -100,10 +106,20 @@ def test_killed_executors_are_replaced_and_the_run_ends_as_without_faults(tmp_pa
     assert _lines(faulty / "m.jsonl")[-1]["restarts"] == 2
 
 
+def test_an_executor_lost_in_the_first_step_is_replaced_and_nothing_is_trained_twice(tmp_path):
+    """The survivors may have stepped their stage already: the reload rebuilds every model."""
+    clean, faulty = tmp_path / "clean", tmp_path / "faulty"
+    subprocess.run(_command(PRETRAIN, clean, "--steps", "6"), cwd=ROOT, check=True,
+                   capture_output=True)
+    _run_with_kills(PRETRAIN, faulty, 6, "--max-restarts", "1", kills=1, seed=0, first=0)
+    _same_run(faulty, clean, "loss")
+
+
 def test_without_restarts_a_killed_executor_fails_the_run_with_a_clear_error(tmp_path):
     process = subprocess.Popen(_command(PRETRAIN, tmp_path, "--steps", "40"), cwd=ROOT,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    while not _lines(tmp_path / "m.jsonl"):
+    deadline = time.monotonic() + 120
+    while not _lines(tmp_path / "m.jsonl") and time.monotonic() < deadline:
         time.sleep(0.1)
     os.kill(_executor_pids(process.pid)[0], signal.SIGKILL)
     output, _ = process.communicate(timeout=120)

@@ -297,3 +297,26 @@ def test_a_carried_sample_older_than_the_bound_is_recomputed_or_its_group_droppe
     _run(ctx.background["generate"])
     (again,) = sink.result[0]
     assert again.response_tokens == old.response_tokens and set(again.versions) == {2}
+
+
+def test_a_continued_sample_aborted_again_keeps_the_tokens_it_came_with():
+    engine, clock = _engine()
+    whole = sample_rollout(Prompt(prompt_id=0, tokens=[1]), 0, step=0, max_new_tokens=64,
+                           min_new_tokens=30)
+    deferred = engine.submit([whole], [len(whole.response_tokens) - 10], prompt_tokens=0,
+                             stream=True, key="c",
+                             costs=EngineCosts(token=1.0, per_seq=0.0, prefill_token=0.0))
+    sink = _Sink(clock)
+    deferred.bind(sink)
+    _run(engine, steps=5)
+    assert engine.abort({"c"}) == (1, 5)  # 5 tokens decoded here, 10 it came with
+    (cut,) = sink.result[0]
+    assert cut.response_tokens == whole.response_tokens[:15] and cut.interrupted
+
+
+def test_an_abort_that_comes_before_its_request_ends_the_request_at_once():
+    engine, clock = _engine()
+    assert engine.abort({"late"}) == (0, 0)
+    late = _request_named(engine, clock, [5, 5], "late")
+    _run(engine)
+    assert late.result[0] == ["late0", "late1"] and late.result[1] == 0.0  # nothing decoded

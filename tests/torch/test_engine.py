@@ -287,3 +287,14 @@ def test_register_adds_generate():
     table = OpTable()
     gen.register(table)
     assert "generate" in table
+
+
+def test_an_abort_that_comes_before_its_request_ends_the_request_at_once():
+    """The abort ran while the request still waited for its inputs, before any engine was
+    made: the request comes back at once, its samples interrupted with nothing decoded."""
+    ctx = op_context()
+    assert gen._generation(ctx, action="abort", requests=["late"]) == [0, 0]
+    out = run_until_done(ctx.background, gen._generate(ctx, PROMPTS[:1], **SPEC, eos=None,
+                                                       max_new_tokens=6, n=2, request="late"))
+    assert [(r.sample, r.response_tokens, r.interrupted) for r in out] == [(0, [], True),
+                                                                          (1, [], True)]
