@@ -91,7 +91,8 @@ def _rl_forward(held: HeldStage, inputs: tuple, *, first: bool, last: bool, micr
     rl_loss = RLLoss(experiences, refs, settings, held.runner.device)
     summed = float(held.runner.forward(microbatch, x, rl_loss, loss_scale)) / loss_scale
     n = rl_loss.tokens
-    return MicrobatchStats(loss=summed / n if n else 0.0, tokens=n, normalizer=float(n))
+    return MicrobatchStats(loss=summed / n if n else 0.0, tokens=n, normalizer=float(n),
+                           values=rl_loss.values)
 
 
 def _tokens(value: Any) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from executors.torch.algos import (
     decoupled_ppo_policy_loss,
+    decoupled_weight_stats,
     kl_penalty,
     ppo_policy_loss,
     value_loss,
@@ -95,6 +96,7 @@ class RLLoss:
     def __init__(self, experiences: Sequence[Any], refs: Sequence[Any], settings: RLSettings,
                  device: torch.device) -> None:
         self.settings = settings
+        self.values: dict[str, float] = {}  # what the loss reports besides itself
         self.kind = "value" if settings.loss == "value" else "policy"
         exps = list(experiences)
         width = max([len(e.response_tokens) for e in exps] + [0])
@@ -153,6 +155,8 @@ class RLLoss:
         this forward pass's, detached: no extra pass; the records' logprobs are the behaviour
         policy's, whatever weights version sampled them."""
         s = self.settings
+        stats = decoupled_weight_stats(col["logprobs"], logp.detach(), mask, s.behav_cap)
+        self.values = {key: float(value) for key, value in stats.items()}
         return decoupled_ppo_policy_loss(col["logprobs"], logp.detach(), logp,
                                          col["advantages"], mask, clip_ratio=s.clip_ratio,
                                          clip_ratio_c=s.clip_ratio_c, behav_cap=s.behav_cap,

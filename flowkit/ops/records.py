@@ -23,6 +23,7 @@ __all__ = [
     "TokenScores",
     "WeightsVersion",
     "mean_loss",
+    "mean_values",
     "microbatch_stats",
     "resumable",
     "step_report",
@@ -141,6 +142,9 @@ class MicrobatchStats:
     loss: float
     tokens: int
     normalizer: float = 0.0
+    # means over the microbatch's tokens a loss reports besides itself (the decoupled
+    # objective's importance weights), averaged over the step by tokens (mean_values)
+    values: dict[str, float] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)
@@ -177,6 +181,17 @@ def mean_loss(stats: list[MicrobatchStats]) -> tuple[float, int]:
     if tokens:
         return sum(s.loss * s.tokens for s in stats) / tokens, tokens
     return sum(s.loss for s in stats) / max(1, len(stats)), 0
+
+
+def mean_values(stats: list[MicrobatchStats]) -> dict[str, float]:
+    """The step's token-weighted mean of each value its microbatches' stats report."""
+    totals: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for s in stats:
+        for key, value in s.values.items():
+            totals[key] = totals.get(key, 0.0) + float(value) * s.tokens
+            counts[key] = counts.get(key, 0) + s.tokens
+    return {key: totals[key] / counts[key] for key in totals if counts[key]}
 
 
 def step_report(inputs: tuple, *, model: str, step: int,

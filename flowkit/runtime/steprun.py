@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 
 from flowkit.dsl import Granularity
-from flowkit.ops.records import mean_loss
+from flowkit.ops.records import mean_loss, mean_values
 from flowkit.planner.lower import Call, InputRule, NodePlan
 from flowkit.runtime.balance import Balancer
 from flowkit.runtime.partial import PartialState, carried_key
@@ -383,6 +383,8 @@ class StepRun:
             if state.pipeline is not None:  # over every round's microbatches, if in rounds
                 losses = [f.result() for run in state.pipeline.runs for f in run.losses]
                 metrics[f"{name}/loss"], metrics[f"{name}/tokens"] = mean_loss(losses)
+                metrics.update({f"{name}/{key}": value
+                                for key, value in mean_values(losses).items()})
                 if len(state.pipeline.runs) > 1:
                     metrics[f"{name}/optimizer_steps"] = len(state.pipeline.runs)
         for state in self.states.values():

@@ -47,7 +47,9 @@ def test_async_with_no_staleness_gives_the_synchronous_parameters(tmp_path):
     assert sync.keys() == asynchronous.keys()
     for name in sync:  # fused runs cut microbatches in finishing order: rounding differs
         torch.testing.assert_close(asynchronous[name], sync[name], rtol=0, atol=1e-10)
-    assert [line["staleness/max"] for line in _lines(tmp_path / "m.jsonl")] == [0, 0, 0]
+    lines = _lines(tmp_path / "m.jsonl")
+    assert [line["staleness/max"] for line in lines] == [0, 0, 0]
+    assert not any("update_actor/behav_weight_mean" in line for line in lines)  # plain GRPO
 
 
 @pytest.mark.parametrize("bound", [1, 2])
@@ -61,6 +63,9 @@ def test_no_trained_token_lags_its_update_by_more_than_the_bound(tmp_path, bound
         versions = [int(v) for v in line["staleness/versions"]]
         assert line["step"] - bound <= min(versions) and max(versions) <= line["step"]
         assert line["staleness/max"] <= bound
+        # the decoupled objective's importance weights, reported per step (cap 5)
+        assert 0 < line["update_actor/behav_weight_mean"] <= 5
+        assert 0 <= line["update_actor/behav_capfrac"] <= 1
     # generation did run ahead: step 1 trained on samples of the weights before step 0's update
     assert lines[1]["staleness/max"] >= 1
 
