@@ -114,7 +114,8 @@ class _ExecutorCounters:
     label: ExecutorLabel
     alive: bool = True
     lost_reason: str = ""
-    outstanding: dict[int, str] = attrs.field(factory=dict)  # task id -> op, in submit order
+    # task id -> the task, in submit order: labelled only when a snapshot shows the oldest
+    outstanding: dict[int, TaskRecord] = attrs.field(factory=dict)
     completed: int = 0
     failed: int = 0
     busy_s: float = 0.0
@@ -177,7 +178,7 @@ class RunStats:
 
     def _on_submitted(self, task: TaskRecord) -> None:
         self._start(self._clock())
-        self._counters(task.executor).outstanding[task.id] = _op_label(task)
+        self._counters(task.executor).outstanding[task.id] = task
 
     def _on_done(self, task: TaskRecord, info: ExecutorInfo) -> None:
         counters = self._counters(info)
@@ -236,7 +237,8 @@ def _op_label(task: TaskRecord) -> str:
 
 
 def _executor_stats(counters: _ExecutorCounters, elapsed: float) -> ExecutorStats:
-    current = next(iter(counters.outstanding.values()), None)
+    oldest = next(iter(counters.outstanding.values()), None)
+    current = None if oldest is None else _op_label(oldest)
     # Executor clocks can run a little ahead of the controller's: never show more than 100 %.
     utilization = min(1.0, counters.busy_s / elapsed) if elapsed > 0 else 0.0
     return ExecutorStats(

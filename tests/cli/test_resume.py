@@ -14,20 +14,9 @@ from click.testing import CliRunner
 
 from flowkit.cli import main
 from flowkit.runtime.checkpoint import complete_checkpoints
-
-FLOWS = Path(__file__).parent / "flows"
-PRETRAIN = str(FLOWS / "tiny_pretrain.py")
-GRPO = str(FLOWS / "tiny_grpo.py")
-
-
-def _run(flow: str, *args: str) -> str:
-    result = CliRunner().invoke(main, ["run", flow, "--no-dashboard", *args])
-    assert result.exit_code == 0, result.output
-    return result.output
-
-
-def _lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+from tests.cli.runs import GRPO, PRETRAIN
+from tests.cli.runs import metrics_lines as _lines
+from tests.cli.runs import run_ok as _run
 
 
 def _curve(path: Path, *keys: str) -> list[tuple]:
