@@ -45,8 +45,11 @@ class Executor:
 
     def __init__(self, *, connect: str, name: str, ops: OpTable, tags: tuple[str, ...] = (),
                  device: str = "cpu", resources: dict | None = None,
-                 peer_host: str = "127.0.0.1") -> None:
+                 peer_host: str = "127.0.0.1", host_id: str | None = None) -> None:
+        from flowkit.runtime.shm import host_id as default_host_id
+
         self.connect_address, self.name, self.ops = connect, name, ops
+        self.host_id = host_id or default_host_id()  # [Note: hosts] in flowkit/runtime/shm.py
         self.ctx = OpContext(name=name, device=device, tags=tuple(tags))
         self.resources = resources or {}
         self.zmq = zmq.Context.instance()
@@ -62,7 +65,8 @@ class Executor:
         self.blocked: dict[int, list[Task]] = defaultdict(list)  # object id -> tasks needing it
         self.ready: deque[Task] = deque()
         self.lanes: dict[str, deque[Task]] = defaultdict(deque)  # [Note: lanes]
-        self.sends: dict[int, list[str]] = defaultdict(list)  # object id -> peer addresses
+        # object id -> (peer address, peer host id) to push it to once it exists
+        self.sends: dict[int, list[tuple[str, str]]] = defaultdict(list)
         self.peers: dict[str, zmq.Socket] = {}
         self.completions: list[dict] = []
         self.deferred: dict[int, tuple[Task, Deferred]] = {}  # [Note: deferred ops]
@@ -116,7 +120,8 @@ class Executor:
 
     def _register(self, timeout: float) -> dict | None:
         hello = {"name": self.name, "tags": list(self.ctx.tags), "ops": self.ops.names(),
-                 "pid": os.getpid(), "host": pysocket.gethostname(), "device": self.ctx.device,
+                 "pid": os.getpid(), "host": pysocket.gethostname(), "host_id": self.host_id,
+                 "device": self.ctx.device,
                  "resources": self.resources, "peer_address": self.peer_address}
         self.control.send_multipart(encode(Msg.HELLO, hello))
         if not self.control.poll(int(timeout * 1000)):
@@ -226,10 +231,12 @@ class Executor:
 
     def _on_send(self, header: dict, frames: list) -> None:
         object_id = header["object"]
+        # a controller that names no host id means another host: frames reach any peer
+        target = (header["address"], header.get("host_id", ""))
         if object_id in self.objects:
-            self._push(object_id, header["address"])
+            self._push(object_id, *target)
         else:
-            self.sends[object_id].append(header["address"])
+            self.sends[object_id].append(target)
 
     def _on_fetch(self, header: dict, frames: list) -> None:
         object_id = header["object"]
@@ -264,8 +271,8 @@ class Executor:
     # -- running tasks -------------------------------------------------------------------------
     def _store(self, object_id: int, value: Any) -> None:
         self.objects[object_id] = value
-        for address in self.sends.pop(object_id, ()):
-            self._push(object_id, address)
+        for address, host in self.sends.pop(object_id, ()):
+            self._push(object_id, address, host)
         for task in self.blocked.pop(object_id, ()):
             task.missing -= 1
             if task.missing == 0 and task.id in self.waiting and self._heads_lane(task):
@@ -284,14 +291,14 @@ class Executor:
         elif was_head and lane[0].missing == 0:
             self.ready.append(lane[0])
 
-    def _push(self, object_id: int, address: str) -> None:
+    def _push(self, object_id: int, address: str, host: str) -> None:
         sock = self.peers.get(address)
         if sock is None:
             sock = self.peers[address] = self.zmq.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(address)
         body, frames = pack(self.objects[object_id])
-        meta, wire = self._peer_transport().encode(body, frames, address)
+        meta, wire = self._peer_transport().encode(body, frames, host)
         frames.clear()  # pack's closure cycle holds the list: see _on_object
         sock.send_multipart(encode(Msg.DATA, {"object": object_id, "meta": meta}, wire),
                             copy=False)
@@ -303,7 +310,7 @@ class Executor:
         if self._transport is None:
             from flowkit.runtime.shm import PeerTransport
 
-            self._transport = PeerTransport(own_address=self.peer_address)
+            self._transport = PeerTransport(host=self.host_id)
             # close() and the heartbeat's exit run the hooks: the segments' names go with us
             self.cleanup_hooks.append(self._transport.unlink_all)
         return self._transport

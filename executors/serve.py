@@ -13,7 +13,7 @@ import click
 
 from executors.kinds import KINDS
 
-__all__ = ["executor"]
+__all__ = ["executor", "route_source"]
 
 
 @click.command(name="executor")
@@ -24,14 +24,19 @@ __all__ = ["executor"]
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--kind", type=click.Choice(KINDS), default="base", show_default=True,
               help="Which ops to load: built-ins, + the timed simulator, + torch stages.")
-@click.option("--peer-host", default="127.0.0.1", show_default=True,
-              help="Address peers reach this executor's data socket at (set for multi-host).")
+@click.option("--peer-host", default=None,
+              help="Address peers reach this executor's data socket at [default: the address "
+              "this machine reaches the controller from; 127.0.0.1 for a local controller].")
+@click.option("--host-id", default=None, envvar="FLOWKIT_HOST_ID",
+              help="Executors with one host id share memory; others get chunked frames "
+              "[default: this machine's boot and /dev/shm identity] [env FLOWKIT_HOST_ID].")
 @click.option("--code", "code_files", multiple=True,
               type=click.Path(exists=True, dir_okay=False),
               help="A flow file whose @op functions this executor may run (repeatable).")
 @click.option("--log-level", default="WARNING", show_default=True)
-def executor(connect: str, name: str | None, tags: str, device: str, kind: str, peer_host: str,
-             code_files: tuple[str, ...], log_level: str) -> None:
+def executor(connect: str, name: str | None, tags: str, device: str, kind: str,
+             peer_host: str | None, host_id: str | None, code_files: tuple[str, ...],
+             log_level: str) -> None:
     """Start an executor that serves a controller until it shuts down."""
     # One compute thread per executor: several share the machine's cores.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -50,5 +55,24 @@ def executor(connect: str, name: str | None, tags: str, device: str, kind: str, 
     name = name or f"{socket.gethostname()}-{os.getpid()}"
     tag_list = tuple(t for t in tags.split(",") if t)
     worker = Executor(connect=connect, name=name, ops=ops, tags=tag_list, device=device,
-                      peer_host=peer_host)
+                      peer_host=peer_host or route_source(connect), host_id=host_id)
     raise SystemExit(worker.serve())
+
+
+def route_source(address: str) -> str:
+    """The local address this machine reaches `address` (a zmq endpoint) from: where a peer
+    that reaches the controller can reach this executor too [Note: hosts in runtime/shm.py]."""
+    scheme, _, rest = address.partition("://")
+    host, _, port = rest.rpartition(":")
+    host = host.strip("[]")
+    if scheme != "tcp" or host in ("localhost", "*") or host.startswith("127."):
+        return "127.0.0.1"
+    try:
+        family, kind, proto, _, target = socket.getaddrinfo(host, int(port or 0) or 9,
+                                                            type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(target)  # UDP: nothing is sent, the kernel only picks the route
+            return probe.getsockname()[0]
+    except (OSError, ValueError) as exc:
+        raise click.UsageError(f"cannot find a route to the controller at {address} to bind "
+                               f"the data socket on ({exc}); give --peer-host") from None

@@ -139,6 +139,7 @@ class Dispatcher:
         executor = ExecutorInfo(
             id=next(self._ids), name=header["name"], tags=tuple(header["tags"]),
             ops=frozenset(header["ops"]), pid=header["pid"], host=header.get("host", ""),
+            host_id=header.get("host_id", ""),
             device=header.get("device", "cpu"), peer_address=header.get("peer_address", ""),
             identity=identity, resources=header.get("resources", {}),
             last_seen=time.monotonic())
@@ -420,7 +421,8 @@ class Dispatcher:
         source = self._executors[record.location]
         record.holders = record.holders | {executor.id}
         self._send(source, Msg.SEND, {"object": record.id, "to": executor.id,
-                                      "address": executor.peer_address})
+                                      "address": executor.peer_address,
+                                      "host_id": executor.host_id})  # [Note: hosts]
 
     def _consumed(self, task: TaskRecord) -> None:
         for object_id in task.inputs:

@@ -9,7 +9,25 @@
 - `k` (an int): the frame travels as k consecutive zmq frames (1 MiB each when k > 1) that the
   receiver joins. One huge zmq frame is several times slower than many 1 MiB ones (64 MiB over
   ipc: about 1.3 GB/s as one frame, 3.7 GB/s as 64 frames, the receiver allocating and faulting
-  a fresh buffer for the one), so large frames to another host are always chunked.
+  a fresh buffer for the one), so large frames to another host are always chunked: a message's
+  bytes are bounded per zmq frame, and the receiver joins them into one buffer.
+
+[Note: hosts] Which peers share memory is decided by host id, never by address. Every executor
+has one (`host_id()`: `--host-id`/FLOWKIT_HOST_ID when its launcher gives one, else the identity
+of the shared memory it sees: the kernel's boot id and the device of the /dev/shm mount). It tells
+the controller in its HELLO, the controller names the receiver's host id in each SEND, and the
+sender lends a segment only to a peer with its own host id; the receiver refuses a handle made
+on another. Anything else goes as chunked frames, which reach any peer, so an unknown host id
+("") is simply another host. Why not the address or the hostname: a peer address says nothing
+about memory (an executor reached at 10.0.0.7 may be this machine; two containers on one machine
+have different hostnames and may or may not share /dev/shm), and two machines may share a
+hostname, where a handle would name a segment that does not exist there, or worse, another
+process's with the same pid. The default id is exactly "these processes see the same /dev/shm".
+A network namespace changes neither: namespaces on one machine share /dev/shm and the hostname,
+so to stand for separate hosts (flowkit/runtime/netns.py) they are given host ids, and their
+executors' bytes then cross by frames over the veth link, as between machines. Each executor's
+peer socket is bound on the address it reaches the controller from (`--peer-host`, by default
+the source address of the route to the controller), so a peer on another host can connect to it.
 
 [Note: segment lifetime] A segment belongs to the process that created it (its name is
 `flowkit-<pid>-<n>`). Its first byte says whether it is lent out: the sender sets it before sending
@@ -35,8 +53,8 @@ from typing import Any
 
 from flowkit.runtime.serialize import SerializeError
 
-__all__ = ["CHUNK_BYTES", "MIN_SHM_BYTES", "PREFIX", "PeerTransport", "SegmentPool",
-           "leftover_segments", "sweep"]
+__all__ = ["CHUNK_BYTES", "ENV_HOST_ID", "MIN_SHM_BYTES", "PREFIX", "PeerTransport",
+           "SegmentPool", "host_id", "leftover_segments", "sweep"]
 
 log = logging.getLogger("flowkit.shm")
 
@@ -49,12 +67,28 @@ _FREE, _LENT = 0, 1
 _NAME = re.compile(r"flowkit-(\d+)-(\d+)\Z")
 _ENV_TRANSPORT = "FLOWKIT_PEER_TRANSPORT"  # "frames": never use shared memory (as across hosts)
 _ENV_POOL = "FLOWKIT_SHM_POOL_BYTES"
+ENV_HOST_ID = "FLOWKIT_HOST_ID"
 _MAX_MAPPINGS = 64
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 def host_id() -> str:
-    return socket.gethostname()
+    """This process's host id [Note: hosts]: FLOWKIT_HOST_ID when a launcher gave one, else the
+    identity of the shared memory this process sees (the boot and the /dev/shm mount)."""
+    return os.environ.get(ENV_HOST_ID) or _shared_memory_identity()
+
+
+def _shared_memory_identity() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as file:
+            boot = file.read().strip()
+    except OSError:  # not Linux: the hostname is the best guess left
+        boot = socket.gethostname()
+    try:
+        device = os.stat(SHM_DIR).st_dev
+    except OSError:
+        device = 0
+    return f"{boot}/{device}"
 
 
 # -- sender side ---------------------------------------------------------------------------------
@@ -270,23 +304,23 @@ def _check_handle(handle: Any, host: str) -> tuple[str, int, int]:
 # -- both sides ----------------------------------------------------------------------------------
 class PeerTransport:
     """One executor's data plane to its peers: a segment pool for what it sends, a mapping cache
-    for what it receives, and the choice between shared memory and chunked frames per peer."""
+    for what it receives, and the choice between shared memory and chunked frames per peer: shared
+    memory exactly when the peer's host id is this process's [Note: hosts]."""
 
-    def __init__(self, *, own_address: str = "", force_frames: bool | None = None) -> None:
+    def __init__(self, *, host: str | None = None, force_frames: bool | None = None) -> None:
         if force_frames is None:
             force_frames = os.environ.get(_ENV_TRANSPORT, "auto") == "frames"
         self.force_frames = force_frames or not os.path.isdir(SHM_DIR)
-        self.host = host_id()
+        self.host = host or host_id()
         self.pool = SegmentPool(host=self.host)
         self.maps = MappingCache(host=self.host)
-        self._local_hosts = _local_hosts(own_address)
-        self._is_local: dict[str, bool] = {}
 
-    def encode(self, body: bytes, frames: list, address: str) -> tuple[dict, list]:
-        """(meta, wire frames) of a DATA message carrying the packed value to `address`."""
+    def encode(self, body: bytes, frames: list, peer_host_id: str) -> tuple[dict, list]:
+        """(meta, wire frames) of a DATA message carrying the packed value to a peer on host
+        `peer_host_id`."""
         if not frames:
             return {"body": body}, frames
-        local = self.is_local(address)
+        local = self.is_local(peer_host_id)
         layout, wire = [], []
         for frame in frames:
             data = frame if isinstance(frame, memoryview) else memoryview(frame)
@@ -328,13 +362,10 @@ class PeerTransport:
             raise SerializeError(f"message has {len(wire)} frames, its layout names {position}")
         return frames
 
-    def is_local(self, address: str) -> bool:
-        if self.force_frames:
-            return False
-        local = self._is_local.get(address)
-        if local is None:
-            local = self._is_local[address] = _address_is_local(address, self._local_hosts)
-        return local
+    def is_local(self, peer_host_id: str) -> bool:
+        """Whether a peer on host `peer_host_id` maps this process's segments. An unknown host
+        ("") is another: frames reach any peer, a handle only one that shares /dev/shm."""
+        return not self.force_frames and peer_host_id == self.host
 
     def unlink_all(self) -> None:
         self.pool.unlink_all()
@@ -352,33 +383,6 @@ def _join(parts: list) -> memoryview:
         out[position:position + view.nbytes] = view.cast("B") if view.format != "B" else view
         position += view.nbytes
     return out
-
-
-def _local_hosts(own_address: str) -> set[str]:
-    hosts = {"localhost", "::1", socket.gethostname()}
-    own = _host_of(own_address)
-    if own:
-        hosts.add(own)
-    try:
-        hosts.update(info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None))
-    except OSError:  # no resolvable hostname: loopback and our own bind address still count
-        pass
-    return hosts
-
-
-def _host_of(address: str) -> str:
-    scheme, _, rest = address.partition("://")
-    if scheme != "tcp":
-        return ""
-    return rest.rsplit(":", 1)[0].strip("[]")
-
-
-def _address_is_local(address: str, local_hosts: set[str]) -> bool:
-    scheme = address.partition("://")[0]
-    if scheme in ("ipc", "inproc"):
-        return True
-    host = _host_of(address)
-    return host.startswith("127.") or host in local_hosts
 
 
 # -- sweeping after processes that could not clean up -------------------------------------------

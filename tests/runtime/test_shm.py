@@ -22,7 +22,6 @@ from flowkit.runtime.shm import (
 from tests.harness import dealer, executor_cluster, process_of
 
 MiB = 1 << 20
-LOCAL = "tcp://127.0.0.1:1"
 
 
 def _pattern(nbytes: int) -> torch.Tensor:
@@ -43,9 +42,10 @@ def _cluster(count: int = 2):
     assert left == [], f"executors exited leaving {left}"
 
 
-def _round_trip(tx: PeerTransport, rx: PeerTransport, value, address=LOCAL):
+def _round_trip(tx: PeerTransport, rx: PeerTransport, value, host=None):
+    """Send `value` from `tx` to `rx`, which is on `host` (rx's own host id unless given)."""
     body, frames = pack(value)
-    meta, wire = tx.encode(body, frames, address)
+    meta, wire = tx.encode(body, frames, rx.host if host is None else host)
     received = rx.decode(meta, list(wire))
     try:
         return meta, unpack(body, received)
@@ -55,7 +55,7 @@ def _round_trip(tx: PeerTransport, rx: PeerTransport, value, address=LOCAL):
 
 # -- the transport in one process ----------------------------------------------------------------
 def test_large_frames_go_by_handle_small_ones_inline_and_segments_are_reused():
-    tx, rx = PeerTransport(own_address=LOCAL), PeerTransport()
+    tx, rx = PeerTransport(), PeerTransport()
     try:
         big, small = torch.randn(512, 1024), torch.arange(10)
         meta, (got_big, got_small) = _round_trip(tx, rx, (big, small))
@@ -77,19 +77,18 @@ def test_large_frames_go_by_handle_small_ones_inline_and_segments_are_reused():
 
 
 def test_frames_to_another_host_are_chunked_and_joined():
-    tx, rx = PeerTransport(force_frames=True), PeerTransport()
+    tx, rx = PeerTransport(host="host-a"), PeerTransport(host="host-b")
     value = {"odd": _pattern(3 * MiB + 123), "t": torch.randn(700, 600).t(), "n": 7}
-    meta, got = _round_trip(tx, rx, value, address="tcp://10.1.2.3:5555")
+    meta, got = _round_trip(tx, rx, value)
     assert meta["layout"] == [4, 2]  # 1 MiB chunks; no shared memory
     assert torch.equal(got["odd"], value["odd"]) and torch.equal(got["t"], value["t"])
     assert got["n"] == 7 and not tx.pool.segments
 
 
-def test_peer_addresses_on_this_host_are_local():
-    transport = PeerTransport(own_address="tcp://10.9.9.9:4000")
-    assert transport.is_local("tcp://127.0.0.1:5000") and transport.is_local("ipc:///tmp/x")
-    assert transport.is_local("tcp://10.9.9.9:5001")  # our own bind address
-    assert not transport.is_local("tcp://203.0.113.7:5000")
+def test_forced_frames_never_use_shared_memory_even_on_one_host():
+    tx, rx = PeerTransport(force_frames=True), PeerTransport()
+    meta, got = _round_trip(tx, rx, _pattern(2 * MiB))
+    assert meta["layout"] == [2] and not tx.pool.segments and torch.equal(got, _pattern(2 * MiB))
 
 
 def test_unlink_all_and_sweep_remove_names():
