@@ -4,28 +4,47 @@ pyzmq DEALER/ROUTER echo of msgpack messages measured in the same run over the s
 Method: round trips are timed one at a time (submit, then block on the result), p50 and p99 over
 `rounds`; throughput submits `in_flight` no-ops before waiting for all of them. The echo server is
 a plain Python loop in its own process, as the executor is, so both sides pay for Python.
+
+With `hosts=2` both run across network namespace hosts (flowkit/runtime/netns.py): the
+controller and the echo client bind on the bridge, the executor and the echo server run on a
+namespace host, so every message crosses a veth pair as between machines.
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 
 import msgpack
 import zmq
 
+from flowkit.bench.peers import spawn
 from flowkit.runtime import Controller, LocalExecutors, wait
+from flowkit.runtime.netns import Host, HostExecutors, NamespaceHosts
 
 __all__ = ["run_dispatch_bench"]
 
 
 def run_dispatch_bench(*, rounds: int = 2000, in_flight: int = 20000,
-                       address: str = "tcp://127.0.0.1") -> dict:
-    raw = _raw_zmq(rounds=rounds, in_flight=in_flight, address=address)
-    ours = _flowkit(rounds=rounds, in_flight=in_flight, address=address)
+                       address: str = "tcp://127.0.0.1", hosts: int = 1) -> dict:
+    with _placed(hosts, address) as (address, host):
+        raw = _raw_zmq(rounds=rounds, in_flight=in_flight, address=address, host=host)
+        ours = _flowkit(rounds=rounds, in_flight=in_flight, address=address, host=host)
     return {**ours, **raw, "rtt_ratio": ours["rtt_p50_us"] / raw["raw_zmq_rtt_p50_us"],
-            "rounds": rounds, "in_flight": in_flight, "transport": address.split(":")[0]}
+            "rounds": rounds, "in_flight": in_flight, "transport": address.split(":")[0],
+            "hosts": hosts}
+
+
+@contextlib.contextmanager
+def _placed(hosts: int, address: str) -> Iterator[tuple[str, Host | None]]:
+    """(the address to bind on, the host the far side runs on: None for this one)."""
+    if hosts == 1:
+        yield address, None
+        return
+    with NamespaceHosts(hosts) as made:
+        yield f"tcp://{made.gateway}", made.hosts[0]
 
 
 def _percentile(samples: list[float], q: float) -> float:
@@ -33,9 +52,9 @@ def _percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _flowkit(*, rounds: int, in_flight: int, address: str) -> dict:
+def _flowkit(*, rounds: int, in_flight: int, address: str, host: Host | None) -> dict:
     with Controller(bind=f"{address}:0") as ctl:
-        executors = LocalExecutors(ctl, 1)
+        executors = LocalExecutors(ctl, 1) if host is None else HostExecutors(ctl, [host])
         executors.start()
         try:
             for _ in range(200):  # warm up both processes
@@ -56,40 +75,23 @@ def _flowkit(*, rounds: int, in_flight: int, address: str) -> dict:
             "rtt_p99_us": _percentile(rtts, 0.99) * 1e6, "ops_per_s": in_flight / elapsed}
 
 
-def _echo_server(address: str) -> None:
-    context = zmq.Context()
-    sock = context.socket(zmq.ROUTER)
-    # unbounded, as the controller's ROUTER: past its high-water mark a ROUTER drops replies
-    # silently, and the throughput phase then waits forever for them
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.connect(address)
-    while True:
-        identity, body = sock.recv_multipart()
-        message = msgpack.unpackb(body)
-        if message.get("t") == "stop":
-            break
-        sock.send_multipart([identity, msgpack.packb({"t": "done", "id": message["id"]})])
-    sock.close(linger=0)
-    context.term()
-
-
-def _raw_zmq(*, rounds: int, in_flight: int, address: str) -> dict:
+def _raw_zmq(*, rounds: int, in_flight: int, address: str, host: Host | None) -> dict:
     context = zmq.Context()
     client = context.socket(zmq.DEALER)
     client.setsockopt(zmq.SNDHWM, 0)
     client.setsockopt(zmq.RCVHWM, 0)
     port = client.bind_to_random_port(address)
-    server = multiprocessing.get_context("spawn").Process(
-        target=_echo_server, args=(f"{address}:{port}",), daemon=True)
-    server.start()
+    server = spawn("echo", f"{address}:{port}", prefix=host.prefix if host else ())
     try:
         def echo(i: int) -> None:
             client.send(msgpack.packb({"t": "run", "id": i, "op": "noop"}))
             msgpack.unpackb(client.recv())
 
         for i in range(200):
-            echo(i)
+            client.send(msgpack.packb({"t": "run", "id": i, "op": "noop"}))
+            if not client.poll(30_000):  # a server that failed to start must not hang the bench
+                raise RuntimeError(f"the echo server did not answer (exit code {server.poll()})")
+            client.recv()
         rtts = []
         for i in range(rounds):
             start = time.perf_counter()
@@ -102,10 +104,11 @@ def _raw_zmq(*, rounds: int, in_flight: int, address: str) -> dict:
             msgpack.unpackb(client.recv())
         elapsed = time.perf_counter() - start
         client.send(msgpack.packb({"t": "stop"}))
-        server.join(5)
+        server.wait(5)
     finally:
-        if server.is_alive():
+        if server.poll() is None:
             server.kill()
+            server.wait()
         client.close(linger=0)
         context.term()
     return {"raw_zmq_rtt_p50_us": statistics.median(rtts) * 1e6,

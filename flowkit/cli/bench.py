@@ -42,8 +42,12 @@ _BENCHES = {
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
               help="rl only: the response token budget; lengths' median is an eighth of it "
               "[default: 512].")
+@click.option("--hosts", type=click.IntRange(1, 2), default=None,
+              help="dispatch and transfer only: 2 runs the executors (and the bare-zmq "
+              "baseline) on two network-namespace hosts of this machine; needs root "
+              "[default: 1, this host].")
 def bench(which: str, json_out: Path | None, mode: str | None, max_staleness: int | None,
-          length_sigma: float | None, max_new_tokens: int | None) -> None:
+          length_sigma: float | None, max_new_tokens: int | None, hosts: int | None) -> None:
     """Measure dispatch, executor-to-executor transfer, pipeline execution, training, RL
     steps with barriers, fused and asynchronous, generation's rollout engine, or a run
     checkpoint against writing its bytes."""
@@ -55,6 +59,7 @@ def bench(which: str, json_out: Path | None, mode: str | None, max_staleness: in
         kwargs = _rl_kwargs(mode, max_staleness, length_sigma, max_new_tokens)
     else:
         kwargs = _refuse_rl_options(which, rl_options)
+    kwargs.update(_hosts_kwargs(which, hosts))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     module_name, function = _BENCHES[which].split(":")
     figures = getattr(importlib.import_module(module_name), function)(**kwargs)
@@ -73,6 +78,22 @@ def _refuse_rl_options(which: str, options: dict) -> dict:
         raise click.BadParameter(f"{', '.join(given)}: `flowkit bench rl` only, not "
                                  f"{which!r}", param_hint=given[0])
     return {}
+
+
+def _hosts_kwargs(which: str, hosts: int | None) -> dict:
+    """`hosts` for the benches that take it; namespaces tried before anything starts."""
+    if hosts is None:
+        return {}
+    if which not in ("dispatch", "transfer"):
+        raise click.BadParameter(f"`flowkit bench dispatch|transfer` only, not {which!r}",
+                                 param_hint="--hosts")
+    if hosts > 1:
+        from flowkit.runtime.netns import unavailable
+
+        why = unavailable()
+        if why is not None:
+            raise click.ClickException(f"--hosts {hosts} runs on network namespaces, and {why}")
+    return {"hosts": hosts}
 
 
 def _rl_kwargs(mode: str | None, max_staleness: int | None, length_sigma: float | None,

@@ -1,0 +1,101 @@
+"""Bare pyzmq peers, the baselines of the dispatch and transfer benchmarks, each a process of its
+own so it can run on another host (`Host.prefix`, flowkit/runtime/netns.py):
+
+    python -m flowkit.bench.peers echo CONTROLLER   msgpack echo, as an executor answers no-ops
+    python -m flowkit.bench.peers sink HOST         takes byte messages, acks each; prints its port
+    python -m flowkit.bench.peers source BENCH SINK sends the bytes the bench asks for to the sink
+
+Plain Python loops, as executors are, so both sides of a comparison pay for Python.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import msgpack
+import zmq
+
+__all__ = ["spawn"]
+
+CHUNK_BYTES = 1 << 20  # as the executors' frames to another host (runtime/shm.py)
+
+
+def spawn(role: str, *args: str, prefix: Sequence[str] = ()) -> subprocess.Popen:
+    """Start a peer (on the host `prefix` runs commands on); its stdout is a pipe."""
+    return subprocess.Popen([*prefix, sys.executable, "-m", "flowkit.bench.peers", role, *args],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+
+
+def _unbounded(sock: zmq.Socket) -> zmq.Socket:
+    # as the controller's ROUTER: past its high-water mark a ROUTER drops messages silently
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 0)
+    return sock
+
+
+def echo(address: str) -> None:
+    context = zmq.Context()
+    sock = _unbounded(context.socket(zmq.ROUTER))
+    sock.connect(address)
+    while True:
+        identity, body = sock.recv_multipart()
+        message = msgpack.unpackb(body)
+        if message.get("t") == "stop":
+            break
+        sock.send_multipart([identity, msgpack.packb({"t": "done", "id": message["id"]})])
+    sock.close()
+    context.term()
+
+
+def sink(host: str) -> None:
+    context = zmq.Context()
+    sock = _unbounded(context.socket(zmq.ROUTER))
+    port = sock.bind_to_random_port(f"tcp://{host}")
+    print(port, flush=True)
+    while True:
+        identity, *frames = sock.recv_multipart(copy=False)
+        if len(frames) == 1 and frames[0].bytes == b"stop":
+            break
+        sock.send_multipart([identity, b"ok"])
+        del frames
+    sock.close()
+    context.term()
+
+
+def source(bench: str, sink_address: str) -> None:
+    context = zmq.Context()
+    control = _unbounded(context.socket(zmq.DEALER))
+    control.connect(bench)
+    data = _unbounded(context.socket(zmq.DEALER))
+    data.connect(sink_address)
+    payload = memoryview(b"")
+    control.send(b"ready")
+    while True:
+        request = msgpack.unpackb(control.recv())
+        if request["t"] == "stop":
+            data.send(b"stop")
+            break
+        nbytes = request["nbytes"]
+        if payload.nbytes != nbytes:  # written once: no page faults in the timed rounds
+            payload = memoryview(bytearray(b"\x01" * nbytes))
+        chunks = [payload[i:i + CHUNK_BYTES] for i in range(0, nbytes, CHUNK_BYTES)]
+        data.send_multipart(chunks, copy=False)
+        data.recv()
+        control.send(b"done")
+    data.close(linger=1000)
+    control.close()
+    context.term()
+
+
+def main(argv: Sequence[str]) -> None:
+    roles = {"echo": echo, "sink": sink, "source": source}
+    if not argv or argv[0] not in roles:
+        raise SystemExit(f"usage: python -m flowkit.bench.peers {'|'.join(roles)} ARGS")
+    roles[argv[0]](*argv[1:])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
