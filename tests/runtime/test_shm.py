@@ -85,6 +85,27 @@ def test_frames_to_another_host_are_chunked_and_joined():
     assert got["n"] == 7 and not tx.pool.segments
 
 
+def test_frames_from_another_host_are_joined_in_pooled_buffers_reused_once_freed():
+    tx, rx = PeerTransport(host="host-a"), PeerTransport(host="host-b")
+    try:
+        _, got = _round_trip(tx, rx, _pattern(3 * MiB))
+        (buffer,) = rx.received.segments
+        assert buffer.lent() and torch.equal(got, _pattern(3 * MiB))
+        view = got[5:9]
+        del got
+        assert buffer.lent()  # a view still uses it
+        del view
+        assert not buffer.lent()
+        _, again = _round_trip(tx, rx, _pattern(2 * MiB + 1))
+        assert rx.received.segments == [buffer] and torch.equal(again, _pattern(2 * MiB + 1))
+        rx.received.max_bytes = 0  # full: a join gets fresh memory, and the pool keeps none
+        _, fresh = _round_trip(tx, rx, _pattern(5 * MiB))
+        assert torch.equal(fresh, _pattern(5 * MiB)) and rx.received.segments == [buffer]
+    finally:
+        tx.close()
+        rx.close()
+
+
 def test_forced_frames_never_use_shared_memory_even_on_one_host():
     tx, rx = PeerTransport(force_frames=True), PeerTransport()
     meta, got = _round_trip(tx, rx, _pattern(2 * MiB))
