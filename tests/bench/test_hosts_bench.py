@@ -10,9 +10,16 @@ import flowkit.bench.transfer
 from flowkit.cli import main
 from flowkit.runtime.netns import unavailable
 
-_WHY_NOT = unavailable()
-needs_namespaces = pytest.mark.skipif(_WHY_NOT is not None,
-                                      reason=f"no network namespaces here: {_WHY_NOT}")
+
+@pytest.fixture(scope="module")
+def namespaces():
+    """Skips, saying why, where network namespaces cannot be made (found by trying)."""
+    why = unavailable()
+    if why is not None:
+        pytest.skip(f"no network namespaces here: {why}")
+
+
+needs_namespaces = pytest.mark.usefixtures("namespaces")
 
 
 def _namespaces_and_links() -> set[str]:

@@ -74,13 +74,25 @@ def test_executors_with_one_host_id_share_memory():
 
 
 # -- real separate hosts: network namespaces -----------------------------------------------------
-_WHY_NOT = unavailable()
-needs_namespaces = pytest.mark.skipif(_WHY_NOT is not None,
-                                      reason=f"no network namespaces here: {_WHY_NOT}")
+def test_a_machine_without_iproute2_is_told_why_there_are_no_namespace_hosts(monkeypatch,
+                                                                              tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert unavailable() == "iproute2's `ip` is not installed"
 
 
 @pytest.fixture(scope="module")
-def two_hosts():
+def namespaces():
+    """Skips, saying why, where network namespaces cannot be made (found by trying)."""
+    why = unavailable()
+    if why is not None:
+        pytest.skip(f"no network namespaces here: {why}")
+
+
+needs_namespaces = pytest.mark.usefixtures("namespaces")
+
+
+@pytest.fixture(scope="module")
+def two_hosts(namespaces):
     """Two namespace hosts, a controller bound on the bridge by its interface name, and a torch
     executor on each host (exec-0 on a, exec-1 on b). Checks that nothing is left after."""
     with NamespaceHosts(2) as hosts:
