@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -134,6 +135,14 @@ class _RawZmq:
         self.processes: list = []
 
     def __enter__(self) -> _RawZmq:
+        try:
+            self._start()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _start(self) -> None:
         first, second = self.made.hosts[:2]
         sink = spawn("sink", second.address, prefix=second.prefix)
         self.processes.append(sink)
@@ -144,20 +153,18 @@ class _RawZmq:
         self.processes.append(spawn("source", f"tcp://{self.made.gateway}:{bench}",
                                     f"tcp://{second.address}:{port}", prefix=first.prefix))
         self._reply("ready")
-        return self
 
     def __exit__(self, *exc: Any) -> None:
-        try:
-            self.control.send(msgpack.packb({"t": "stop"}))
-            for process in self.processes:
+        with contextlib.suppress(zmq.ZMQError):  # a source that never connected: no one to tell
+            self.control.send(msgpack.packb({"t": "stop"}), zmq.NOBLOCK)
+        for process in self.processes:  # the source stops the sink
+            try:
                 process.wait(timeout=5)
-        finally:
-            for process in self.processes:
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
-            self.control.close()
-            self.context.term()
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.control.close()
+        self.context.term()
 
     def of_size(self, nbytes: int) -> _RawRound:
         return _RawRound(self, nbytes)
