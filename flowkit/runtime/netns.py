@@ -189,14 +189,17 @@ class HostExecutors:
         self.stop()
 
     def start(self) -> list[ExecutorInfo]:
+        """Start them all; the executors once connected, in the order of `placement`."""
         for i, host in enumerate(self.placement):
             self._spawn(i, host)
         try:
-            return self.controller.wait_for_executors(len(self.placement),
-                                                      timeout=self.startup_timeout)
+            joined = self.controller.wait_for_executors(len(self.placement),
+                                                        timeout=self.startup_timeout)
         except TimeoutError:
             self.stop()
             raise
+        order = {f"{self.name_prefix}-{i}": i for i in range(len(self.placement))}
+        return sorted(joined, key=lambda e: order.get(e.name, len(order)))
 
     def _spawn(self, i: int, host: Host) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

@@ -54,7 +54,7 @@ def test_a_local_controller_gets_loopback_peer_sockets():
 @contextlib.contextmanager
 def _hosts_cluster(placement: list[Host], **controller):
     with Controller(**controller) as ctl, HostExecutors(ctl, placement) as infos:
-        yield ctl, sorted(infos, key=lambda e: e.name)
+        yield ctl, infos
         pids = [info.pid for info in infos]
     assert leftover_segments(pids) == []
 
@@ -99,7 +99,7 @@ def two_hosts(namespaces):
         with Controller(bind=f"tcp://{hosts.bridge}:0") as ctl, HostExecutors(
                 ctl, hosts.hosts, kind="torch", tags=("train",)) as infos:
             processes = [p for p in ctl._processes.values()]
-            yield hosts, ctl, sorted(infos, key=lambda e: e.name)
+            yield hosts, ctl, infos
     assert hosts.leftovers() == []
     assert all(p.poll() is not None for p in processes)
     assert leftover_segments(p.pid for p in processes) == []
