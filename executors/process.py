@@ -271,8 +271,8 @@ class Executor:
     # -- running tasks -------------------------------------------------------------------------
     def _store(self, object_id: int, value: Any) -> None:
         self.objects[object_id] = value
-        for address, host in self.sends.pop(object_id, ()):
-            self._push(object_id, address, host)
+        for address, host_id in self.sends.pop(object_id, ()):
+            self._push(object_id, address, host_id)
         for task in self.blocked.pop(object_id, ()):
             task.missing -= 1
             if task.missing == 0 and task.id in self.waiting and self._heads_lane(task):
@@ -291,14 +291,14 @@ class Executor:
         elif was_head and lane[0].missing == 0:
             self.ready.append(lane[0])
 
-    def _push(self, object_id: int, address: str, host: str) -> None:
+    def _push(self, object_id: int, address: str, host_id: str) -> None:
         sock = self.peers.get(address)
         if sock is None:
             sock = self.peers[address] = self.zmq.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(address)
         body, frames = pack(self.objects[object_id])
-        meta, wire = self._peer_transport().encode(body, frames, host)
+        meta, wire = self._peer_transport().encode(body, frames, host_id)
         frames.clear()  # pack's closure cycle holds the list: see _on_object
         sock.send_multipart(encode(Msg.DATA, {"object": object_id, "meta": meta}, wire),
                             copy=False)

@@ -242,12 +242,21 @@ class _Buffer(_Segment):
     def unlink(self) -> None:
         pass
 
+    def close(self) -> None:
+        self.view.release()
+        try:
+            self.mm.close()
+        except BufferError:
+            # still lent (a tensor of this process is built on it), or its last view is being
+            # freed on another thread: the mapping goes when that view does
+            pass
+
 
 class ReceivePool(SegmentPool):
     """Where chunked frames from another host are joined [Note: receive buffers]."""
 
     def __init__(self, max_bytes: int | None = None) -> None:
-        super().__init__(_receive_limit() if max_bytes is None else max_bytes, host="")
+        super().__init__(_receive_limit() if max_bytes is None else max_bytes, host="private")
 
     def join(self, parts: list) -> memoryview:
         views = [_bytes_of(part) for part in parts]
@@ -264,13 +273,6 @@ class ReceivePool(SegmentPool):
 
     def _new_segment(self, capacity: int) -> _Segment:
         return _Buffer(capacity)
-
-    def close(self) -> None:
-        # a lent buffer still holds a tensor of this process: it goes when that tensor does
-        segments, self.segments = self.segments, []
-        for segment in segments:
-            if not segment.lent():
-                segment.close()
 
 
 def _receive_limit() -> int:
