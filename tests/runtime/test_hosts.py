@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -188,3 +190,37 @@ def test_hosts_are_removed_when_the_block_fails_leaving_no_process_or_segment():
     assert hosts.leftovers() == []
     assert all(p.poll() is not None for p in processes)
     assert leftover_segments(p.pid for p in processes) == []
+
+
+def _ours(pid: int) -> set[str]:
+    """Namespaces and links that process `pid`'s NamespaceHosts made and are still there."""
+    from flowkit.runtime.netns import _links, _namespaces
+
+    return {name for name in _namespaces() | _links()
+            if name.startswith((f"fk-{pid}-", f"fk{pid}s"))}
+
+
+def _left_open(then: str) -> subprocess.Popen:
+    """A process that makes two namespace hosts, never leaves them, then runs `then`."""
+    script = ("from flowkit.runtime.netns import NamespaceHosts\n"
+              "NamespaceHosts(2).create()\n"
+              f"print('made', flush=True)\n{then}\n")
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "made"
+    return process
+
+
+@needs_namespaces
+def test_hosts_never_left_are_removed_at_exit_and_after_a_kill_by_the_next_hosts():
+    exited = _left_open("import sys; sys.exit(0)")
+    assert exited.wait(timeout=30) == 0
+    assert _ours(exited.pid) == set()
+    killed = _left_open("import time; time.sleep(60)")
+    assert _ours(killed.pid)
+    os.kill(killed.pid, signal.SIGKILL)
+    killed.wait(timeout=30)
+    with NamespaceHosts(1):
+        deadline = time.monotonic() + 10  # a deleted namespace's links go asynchronously
+        while _ours(killed.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _ours(killed.pid) == set()
