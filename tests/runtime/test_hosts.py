@@ -69,6 +69,21 @@ def test_executors_with_other_host_ids_move_64_mib_as_chunked_frames_not_shared_
         assert leftover_segments([x.pid, y.pid]) == []  # nothing was lent: it all went as frames
 
 
+def test_receive_buffers_are_reused_only_once_the_tensors_on_them_are_freed():
+    with _hosts_cluster([Host(id="host-x"), Host(id="host-y")]) as (ctl, (x, y)):
+        kept = []
+        for i in range(8):
+            value = torch.full((MiB // 4,), float(i), dtype=torch.float64)  # 2 MiB each
+            moved = ctl.submit("identity", ctl.put(value, executor=x.id), executor=y.id)
+            assert ctl.submit("nbytes", moved, executor=y.id).result(timeout=30) == 2 * MiB
+            if i % 2 == 0:
+                kept.append((i, moved))  # the odd ones are freed on y: their buffers go back
+            time.sleep(0.05)  # frees go out in batches
+        for i, moved in kept:
+            assert torch.equal(moved.result(timeout=30),
+                               torch.full((MiB // 4,), float(i), dtype=torch.float64)), i
+
+
 def test_executors_with_one_host_id_share_memory():
     with _hosts_cluster([Host(id="host-x"), Host(id="host-x")]) as (ctl, (x, y)):
         assert torch.equal(_move(ctl, x, y, 4 * MiB), _pattern(4 * MiB))
