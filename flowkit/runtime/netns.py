@@ -104,7 +104,7 @@ class NamespaceHosts:
         self.veths = [f"fk{os.getpid()}s{serial}v{i}" for i in range(count)]
         self.hosts: list[Host] = []
         self.gateway = ""  # the bridge's address, on which the controller listens
-        self._made: list[tuple[str, ...]] = []  # what to delete, in order
+        self._made: list[tuple[str, ...]] = []  # `ip` commands that delete what was made
 
     @property
     def bind(self) -> str:
