@@ -5,7 +5,9 @@ One thread serves the sockets and runs ops (so a no-op costs microseconds, not a
 a second thread only exchanges heartbeats on a socket of its own, so a long op never makes the
 controller think this executor died, and a dead controller makes this process exit by itself;
 a third serves the sockets while an op runs long (both in executors/threads.py). A task, and how
-its outputs are described to the controller, is executors/tasks.py.
+its outputs are described to the controller, is executors/tasks.py. With keys, every socket is
+a CurveZMQ client or server and the peer socket is behind a gate [Note: authenticated transport
+in flowkit/runtime/auth.py].
 """
 
 from __future__ import annotations
@@ -24,6 +26,15 @@ import zmq
 from executors.ops import Deferred, OpContext, OpTable
 from executors.tasks import Task, check_streamed, describe, described, split_outputs
 from executors.threads import CompletionWatch, Heartbeat
+from flowkit.runtime.auth import (
+    CONTROLLER,
+    EXECUTOR,
+    Gate,
+    Keys,
+    check_bind,
+    curve_client,
+    curve_server,
+)
 from flowkit.runtime.protocol import Msg, ProtocolError, decode, encode, part_id, send_frames
 from flowkit.runtime.refs import resolve
 from flowkit.runtime.serialize import SerializeError, pack, unpack
@@ -45,19 +56,31 @@ class Executor:
 
     def __init__(self, *, connect: str, name: str, ops: OpTable, tags: tuple[str, ...] = (),
                  device: str = "cpu", resources: dict | None = None,
-                 peer_host: str = "127.0.0.1", host_id: str | None = None) -> None:
+                 peer_host: str = "127.0.0.1", host_id: str | None = None,
+                 keys: Keys | None = None, insecure: bool = False) -> None:
         from flowkit.runtime.shm import host_id as default_host_id
 
+        check_bind(f"tcp://{peer_host}:0", keys=keys, insecure=insecure,
+                   who="this executor's data socket")
+        if keys is not None:
+            keys.secret(EXECUTOR)  # a missing secret is an error before anything binds
+        self.keys = keys
         self.connect_address, self.name, self.ops = connect, name, ops
         self.host_id = host_id or default_host_id()  # [Note: hosts] in flowkit/runtime/shm.py
         self.ctx = OpContext(name=name, device=device, tags=tuple(tags))
         self.resources = resources or {}
         self.zmq = zmq.Context.instance()
-        self.control = self.zmq.socket(zmq.DEALER)
-        self.control.setsockopt(zmq.LINGER, 0)
+        self.control = self.client_socket(CONTROLLER)
+        # the gate is bound before the peer socket: libzmq admits anyone while none is there
+        self.gate = None if keys is None else Gate(self.zmq, keys, owner=f"executor {name}")
         self.peer = self.zmq.socket(zmq.ROUTER)
         self.peer.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            curve_server(self.peer, keys, EXECUTOR)
         port = self.peer.bind_to_random_port(f"tcp://{peer_host}")
+        if self.gate is not None:
+            self.gate.watch(self.peer)
+            self.gate.start()
         self.peer_address = f"tcp://{peer_host}:{port}"
         self.executor_id: int | None = None
         self.objects: dict[int, Any] = {}
@@ -89,8 +112,9 @@ class Executor:
         self.control.connect(self.connect_address)
         welcome = self._register(hello_timeout)
         if welcome is None:
-            log.error("no controller answered at %s within %.0f s", self.connect_address,
-                      hello_timeout)
+            log.error("no controller answered at %s within %.0f s%s", self.connect_address,
+                      hello_timeout, " (does it use the same --keys DIR?)" if self.keys else
+                      " (if it runs with --keys DIR, give this executor those keys too)")
             return 2
         self.executor_id = welcome["executor"]
         heartbeat = Heartbeat(self, welcome.get("heartbeat_address", self.connect_address),
@@ -106,8 +130,19 @@ class Executor:
             self.close()
         return 0
 
+    def client_socket(self, server: str) -> zmq.Socket:
+        """A DEALER to the controller or to a peer (`server`: its role), with keys a CURVE
+        client [Note: authenticated transport]; connecting is the caller's."""
+        sock = self.zmq.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.keys is not None:
+            curve_client(sock, self.keys, server)
+        return sock
+
     def close(self) -> None:
         self.run_cleanup_hooks()
+        if self.gate is not None:
+            self.gate.stop()
         for sock in (self.control, self.peer, *self.peers.values()):
             sock.close(linger=0)
 
@@ -294,8 +329,7 @@ class Executor:
     def _push(self, object_id: int, address: str, host_id: str) -> None:
         sock = self.peers.get(address)
         if sock is None:
-            sock = self.peers[address] = self.zmq.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
+            sock = self.peers[address] = self.client_socket(EXECUTOR)
             sock.connect(address)
         body, frames = pack(self.objects[object_id])
         meta, wire = self._peer_transport().encode(body, frames, host_id)

@@ -33,11 +33,32 @@ __all__ = ["executor", "route_source"]
 @click.option("--code", "code_files", multiple=True,
               type=click.Path(exists=True, dir_okay=False),
               help="A flow file whose @op functions this executor may run (repeatable).")
+@click.option("--keys", "keys_dir", default=None, envvar="FLOWKIT_KEYS",
+              type=click.Path(file_okay=False, path_type=Path),
+              help="Authenticate and encrypt every socket with the CurveZMQ keys in DIR "
+              "(`flowkit keys generate DIR`; the controller's --keys) [env FLOWKIT_KEYS].")
+@click.option("--insecure", is_flag=True,
+              help="Bind the data socket beyond loopback without keys: anyone who reaches it "
+              "can send this executor objects.")
 @click.option("--log-level", default="WARNING", show_default=True)
 def executor(connect: str, name: str | None, tags: str, device: str, kind: str,
              peer_host: str | None, host_id: str | None, code_files: tuple[str, ...],
-             log_level: str) -> None:
+             keys_dir: Path | None, insecure: bool, log_level: str) -> None:
     """Start an executor that serves a controller until it shuts down."""
+    from flowkit.runtime.auth import InsecureBindError, Keys, KeysError, check_bind
+
+    try:  # before anything loads or binds
+        keys = None if keys_dir is None else Keys.load(keys_dir)
+        if keys is not None:
+            keys.secret("executor")
+    except KeysError as exc:
+        raise click.BadParameter(str(exc), param_hint="--keys") from None
+    peer_host = peer_host or route_source(connect)
+    try:
+        check_bind(f"tcp://{peer_host}:0", keys=keys, insecure=insecure,
+                   who="this executor's data socket")
+    except InsecureBindError as exc:
+        raise click.UsageError(str(exc)) from None
     # One compute thread per executor: several share the machine's cores.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # torch's CPU wheel warns on import when numpy is absent; flowkit does not need numpy
@@ -55,7 +76,7 @@ def executor(connect: str, name: str | None, tags: str, device: str, kind: str,
     name = name or f"{socket.gethostname()}-{os.getpid()}"
     tag_list = tuple(t for t in tags.split(",") if t)
     worker = Executor(connect=connect, name=name, ops=ops, tags=tag_list, device=device,
-                      peer_host=peer_host or route_source(connect), host_id=host_id)
+                      peer_host=peer_host, host_id=host_id, keys=keys, insecure=insecure)
     raise SystemExit(worker.serve())
 
 

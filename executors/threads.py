@@ -10,8 +10,6 @@ import threading
 import time
 from typing import Any
 
-import zmq
-
 from flowkit.runtime.protocol import Msg, encode
 
 __all__ = ["CompletionWatch", "Heartbeat"]
@@ -86,8 +84,7 @@ class Heartbeat(threading.Thread):
         self.join(timeout=2 * self.interval + 1)
 
     def run(self) -> None:
-        sock = self.executor.zmq.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = self.executor.client_socket("controller")
         sock.connect(self.address)
         ping = encode(Msg.PING, {"executor": self.executor.executor_id})
         last_heard = time.monotonic()

@@ -5,19 +5,29 @@ own so it can run on another host (`Host.prefix`, flowkit/runtime/netns.py):
     python -m flowkit.bench.peers sink HOST         takes byte messages, acks each; prints its port
     python -m flowkit.bench.peers source BENCH SINK sends the bytes the bench asks for to the sink
 
-Plain Python loops, as executors are, so both sides of a comparison pay for Python.
+Plain Python loops, as executors are, so both sides of a comparison pay for Python. Each takes a
+keys folder as its last argument to speak CurveZMQ, with the roles flowkit's sockets have
+[Note: authenticated transport in flowkit/runtime/auth.py]: the bench as the controller, the
+peers as executors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgpack
 import zmq
 
-__all__ = ["spawn"]
+if TYPE_CHECKING:
+    from flowkit.runtime.auth import Keys
+
+__all__ = ["curve", "curve_keys", "spawn"]
 
 CHUNK_BYTES = 1 << 20  # as the executors' frames to another host (runtime/shm.py)
 
@@ -36,9 +46,35 @@ def _unbounded(sock: zmq.Socket) -> zmq.Socket:
     return sock
 
 
-def echo(address: str) -> None:
+@contextlib.contextmanager
+def curve_keys(enabled: bool) -> Iterator[Keys | None]:
+    """A fresh keys folder for one bench run (`--curve`), removed after; None when not."""
+    if not enabled:
+        yield None
+        return
+    from flowkit.runtime.auth import generate_keys
+
+    with tempfile.TemporaryDirectory(prefix="flowkit-bench-keys-") as folder:
+        yield generate_keys(Path(folder) / "keys")
+
+
+def curve(sock: zmq.Socket, keys: str, *, serve: str = "", of: str = "") -> zmq.Socket:
+    """With a keys folder, make `sock` a CURVE server with the pair of role `serve`, or a
+    client (the executor pair) of a server of role `of`; without, leave it plain."""
+    if keys:
+        from flowkit.runtime.auth import Keys, curve_client, curve_server
+
+        loaded = Keys.load(keys)
+        if serve:
+            curve_server(sock, loaded, serve)
+        else:
+            curve_client(sock, loaded, of)
+    return sock
+
+
+def echo(address: str, keys: str = "") -> None:
     context = zmq.Context()
-    sock = _unbounded(context.socket(zmq.ROUTER))
+    sock = curve(_unbounded(context.socket(zmq.ROUTER)), keys, of="controller")
     sock.connect(address)
     while True:
         identity, body = sock.recv_multipart()
@@ -50,9 +86,9 @@ def echo(address: str) -> None:
     context.term()
 
 
-def sink(host: str) -> None:
+def sink(host: str, keys: str = "") -> None:
     context = zmq.Context()
-    sock = _unbounded(context.socket(zmq.ROUTER))
+    sock = curve(_unbounded(context.socket(zmq.ROUTER)), keys, serve="executor")
     port = sock.bind_to_random_port(f"tcp://{host}")
     print(port, flush=True)
     while True:
@@ -65,11 +101,11 @@ def sink(host: str) -> None:
     context.term()
 
 
-def source(bench: str, sink_address: str) -> None:
+def source(bench: str, sink_address: str, keys: str = "") -> None:
     context = zmq.Context()
-    control = _unbounded(context.socket(zmq.DEALER))
+    control = curve(_unbounded(context.socket(zmq.DEALER)), keys, of="controller")
     control.connect(bench)
-    data = _unbounded(context.socket(zmq.DEALER))
+    data = curve(_unbounded(context.socket(zmq.DEALER)), keys, of="executor")
     data.connect(sink_address)
     payload = memoryview(b"")
     control.send(b"ready")

@@ -16,6 +16,7 @@ _COMMANDS = {
     "check": "flowkit.cli.check:check",
     "executor": "executors.serve:executor",
     "graph": "flowkit.cli.graph:graph",
+    "keys": "flowkit.cli.keys:keys",
     "run": "flowkit.cli.run:run",
     "schedule": "flowkit.cli.schedule:schedule",
 }

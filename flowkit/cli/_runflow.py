@@ -94,7 +94,7 @@ def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
              device: str = "cpu", fuse: bool = True, save_weights: Path | None = None,
              debug: bool = False, checkpoints: Checkpointing | None = None,
              resume: Path | None = None, staleness: int | None = None,
-             max_restarts: int = 0) -> None:
+             max_restarts: int = 0, controller: dict | None = None) -> None:
     """Run `steps` steps of `flow` (with `resume`, the steps after the checkpoint's up to
     `steps` in all), writing `checkpoints` as they say; asynchronously with a `staleness`
     bound [Note: asynchronous steps in flowkit/runtime/flowrun.py]."""
@@ -124,7 +124,7 @@ def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
     stats = RunStats()
     writer = MetricsWriter(metrics) if metrics is not None else None
     run = _Run(steps=steps, writer=writer, stats=stats, checkpoints=checkpoints)
-    with Controller() as ctl:
+    with Controller(**(controller or {})) as ctl:  # bind, keys, insecure: run.py's options
         recorder.attach(ctl)
         stats.attach(ctl)
         executors = LocalExecutors(ctl, count, kind=kind, tags=tags, code=code, device=device)

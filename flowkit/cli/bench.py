@@ -46,8 +46,12 @@ _BENCHES = {
               help="dispatch and transfer only: 2 runs the executors (and the bare-zmq "
               "baseline) on two network-namespace hosts of this machine; needs root "
               "[default: 1, this host].")
+@click.option("--curve", is_flag=True,
+              help="dispatch and transfer only: measure again with every socket speaking "
+              "CurveZMQ (authenticated and encrypted), flowkit and the bare-zmq baseline alike.")
 def bench(which: str, json_out: Path | None, mode: str | None, max_staleness: int | None,
-          length_sigma: float | None, max_new_tokens: int | None, hosts: int | None) -> None:
+          length_sigma: float | None, max_new_tokens: int | None, hosts: int | None,
+          curve: bool) -> None:
     """Measure dispatch, executor-to-executor transfer, pipeline execution, training, RL
     steps with barriers, fused and asynchronous, generation's rollout engine, or a run
     checkpoint against writing its bytes."""
@@ -60,6 +64,11 @@ def bench(which: str, json_out: Path | None, mode: str | None, max_staleness: in
     else:
         kwargs = _refuse_rl_options(which, rl_options)
     kwargs.update(_hosts_kwargs(which, hosts))
+    if curve:
+        if which not in ("dispatch", "transfer"):
+            raise click.BadParameter(f"`flowkit bench dispatch|transfer` only, not {which!r}",
+                                     param_hint="--curve")
+        kwargs["curve"] = True
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     module_name, function = _BENCHES[which].split(":")
     figures = getattr(importlib.import_module(module_name), function)(**kwargs)

@@ -76,6 +76,16 @@ _KINDS = ("auto", *KINDS)
               "checkpoint (one each step, in --checkpoint-dir or a temporary folder).")
 @click.option("--dashboard/--no-dashboard", default=None,
               help="The live dashboard [default: on when the output is a terminal].")
+@click.option("--bind", default="tcp://127.0.0.1:0", show_default=True, envvar="FLOWKIT_BIND",
+              help="The controller's address, for executors on other hosts: tcp://HOST:PORT; "
+              "beyond loopback it needs --keys or --insecure [env FLOWKIT_BIND].")
+@click.option("--keys", "keys_dir", default=None, envvar="FLOWKIT_KEYS",
+              type=click.Path(file_okay=False, path_type=Path),
+              help="Authenticate and encrypt every socket with the CurveZMQ keys in DIR "
+              "(`flowkit keys generate DIR`) [env FLOWKIT_KEYS].")
+@click.option("--insecure", is_flag=True,
+              help="Bind beyond loopback without keys: anyone who reaches the address can "
+              "join as an executor.")
 @click.option("--debug", is_flag=True, help="Show a failed op's remote traceback.")
 def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | None, device: str,
         steps: int, stages: int | None, microbatches: int | None, schedule: str | None,
@@ -83,9 +93,10 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
         trace: Path | None, metrics: Path | None,
         save_weights: Path | None, checkpoint_dir: Path | None, checkpoint_every: int | None,
         keep_checkpoints: int, resume: Path | None, max_restarts: int, dashboard: bool | None,
-        debug: bool) -> None:
+        bind: str, keys_dir: Path | None, insecure: bool, debug: bool) -> None:
     """Run a flow's steps on local executor processes."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    controller = controller_options(bind, keys_dir, insecure)
     from flowkit.cli._checkpoints import Checkpointing
     from flowkit.cli._runflow import choose_executors, run_flow, with_training_options
     from flowkit.planner.simcosts import SimCosts
@@ -113,10 +124,28 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
     with writing(trace or metrics or Path(".")):
         run_flow(flow, code=[path], kind=kind, count=num_executors, tag_spec=tag_spec,
                  device=device, steps=steps, fuse=fuse, staleness=staleness,
-                 max_restarts=max_restarts, sim_costs=costs, trace=trace, metrics=metrics,
+                 max_restarts=max_restarts, sim_costs=costs, controller=controller, trace=trace, metrics=metrics,
                  dashboard=dashboard, save_weights=save_weights, debug=debug, resume=resume,
                  checkpoints=None if checkpoint_dir is None else Checkpointing(
                      root=checkpoint_dir, every=checkpoint_every, keep=keep_checkpoints))
+
+
+def controller_options(bind: str, keys_dir: Path | None, insecure: bool) -> dict:
+    """The Controller's bind, keys and insecure, checked before anything starts [Note:
+    authenticated transport in flowkit/runtime/auth.py]."""
+    from flowkit.runtime.auth import InsecureBindError, Keys, KeysError, check_bind
+
+    try:
+        keys = None if keys_dir is None else Keys.load(keys_dir)
+        if keys is not None:
+            keys.secret("controller")
+    except KeysError as exc:
+        raise click.BadParameter(str(exc), param_hint="--keys") from None
+    try:
+        check_bind(bind, keys=keys, insecure=insecure, who="the controller")
+    except InsecureBindError as exc:
+        raise click.BadParameter(str(exc), param_hint="--bind") from None
+    return {"bind": bind, "keys": keys, "insecure": insecure}
 
 
 def _staleness(flow: Any, asynchronous: bool | None, max_staleness: int | None) -> int | None:

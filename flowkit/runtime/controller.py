@@ -7,6 +7,9 @@ microseconds on a busy machine). A background thread drives only when no user th
 moment, so completions, callbacks and frees progress while the user computes. Heartbeats live on
 a socket and thread of their own, so a user thread that holds the lock for long never makes an
 executor think its controller died.
+
+With keys, both ROUTERs are CurveZMQ servers behind a gate that admits only known public keys
+[Note: authenticated transport in flowkit/runtime/auth.py].
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 
 import zmq
 
+from flowkit.runtime.auth import CONTROLLER, Gate, Keys, check_bind, curve_server
 from flowkit.runtime.dispatch import Dispatcher, Listener, NoExecutor
 from flowkit.runtime.futures import Future, new_condition
 from flowkit.runtime.protocol import Msg, ProtocolError, decode, encode, send_frames
@@ -38,13 +42,23 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: IntFlag arith
 
 
 class Controller:
-    """`with Controller() as ctl: ctl.wait_for_executors(2); ctl.submit("noop").result()`."""
+    """`with Controller() as ctl: ctl.wait_for_executors(2); ctl.submit("noop").result()`.
+
+    `keys` (Keys.load(DIR)) makes every socket authenticate and encrypt; a `bind` beyond
+    loopback needs them, or `insecure=True` [Note: authenticated transport]."""
 
     def __init__(self, *, bind: str = "tcp://127.0.0.1:0", ping_interval: float = 0.2,
-                 ping_timeout: float = 1.5) -> None:
+                 ping_timeout: float = 1.5, keys: Keys | None = None,
+                 insecure: bool = False) -> None:
+        check_bind(bind, keys=keys, insecure=insecure, who="the controller")
+        if keys is not None:
+            keys.secret(CONTROLLER)  # a missing secret is an error before anything binds
+        self.keys, self.insecure = keys, insecure
         self.condition = new_condition()
         self._zmq = zmq.Context()
-        self._router = self._socket(zmq.ROUTER, bind)
+        # the gate is bound before any server: libzmq admits anyone while no gate is there
+        self._gate = None if keys is None else Gate(self._zmq, keys, owner="the controller")
+        self._router = self._socket(zmq.ROUTER, bind, server=True)
         self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._heartbeat = _Heartbeat(self, _sibling(bind), ping_interval, ping_timeout)
         self._wake_in = self._socket(zmq.PULL, f"inproc://flowkit-wake-{id(self)}")
@@ -66,20 +80,33 @@ class Controller:
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_in, zmq.POLLIN)
+        if self._gate is not None:
+            self._gate.start()
         self._heartbeat.start()
         self._background = threading.Thread(target=self._drive_in_background,
                                             name="flowkit-controller", daemon=True)
         self._background.start()
 
-    def _socket(self, kind: int, bind: str) -> zmq.Socket:
+    def _socket(self, kind: int, bind: str, *, server: bool = False) -> zmq.Socket:
         sock = self._zmq.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         # Unbounded queues: a ROUTER silently drops what exceeds its high-water mark, and the
         # amount in flight is bounded by the tasks the user submitted anyway.
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        if server and self._gate is not None:
+            curve_server(sock, self.keys, CONTROLLER)
         sock.bind(bind)
+        if server and self._gate is not None:
+            self._gate.watch(sock)
         return sock
+
+    def executor_options(self) -> list[str]:
+        """What a launcher adds to `python -m executors` for this controller's executors:
+        `--keys DIR`, or `--insecure` [Note: authenticated transport in runtime/auth.py]."""
+        if self.keys is not None:
+            return ["--keys", str(self.keys.folder.resolve())]
+        return ["--insecure"] if self.insecure else []
 
     # -- public API (any thread) ---------------------------------------------------------------
     def __enter__(self) -> Controller:
@@ -211,6 +238,8 @@ class Controller:
             self._state.shutdown_all()
         self._background.join(timeout)
         self._heartbeat.stop()
+        if self._gate is not None:
+            self._gate.stop()
         for sock in (self._router, self._wake_in, self._wake_out):
             sock.close(linger=0)
         self._zmq.term()
@@ -345,7 +374,7 @@ class _Heartbeat(threading.Thread):
     def __init__(self, ctl: Controller, bind: str, interval: float, timeout: float) -> None:
         super().__init__(name="flowkit-heartbeat", daemon=True)
         self.ctl, self.interval, self.timeout = ctl, interval, timeout
-        self.sock = ctl._socket(zmq.ROUTER, bind)
+        self.sock = ctl._socket(zmq.ROUTER, bind, server=True)
         self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.last_seen: dict[int, float] = {}
         self.lost: set[int] = set()

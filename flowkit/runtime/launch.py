@@ -83,7 +83,7 @@ class LocalExecutors:
         command = [sys.executable, "-m", "executors", "--connect", self.controller.address,
                    "--name", f"{self.name_prefix}-{i}", "--kind", self.kind,
                    "--device", _device_of(self.device, i), "--tags", ",".join(self.tags[i]),
-                   "--log-level", self.log_level,
+                   "--log-level", self.log_level, *self.controller.executor_options(),
                    *(arg for path in self.code for arg in ("--code", path))]
         # a session of its own: Ctrl-C in the terminal reaches the controller alone, which
         # stops the run cleanly and then shuts its executors down

@@ -206,7 +206,7 @@ class HostExecutors:
         command = [*host.prefix, sys.executable, "-m", "executors",
                    "--connect", self.controller.address, "--name", f"{self.name_prefix}-{i}",
                    "--kind", self.kind, "--tags", ",".join(self.tags), "--host-id", host.id,
-                   "--log-level", self.log_level,
+                   "--log-level", self.log_level, *self.controller.executor_options(),
                    *(arg for path in self.code for arg in ("--code", path))]
         process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
                                    start_new_session=True)

@@ -113,7 +113,7 @@ def two_hosts(namespaces):
     """Two namespace hosts, a controller bound on the bridge by its interface name, and a torch
     executor on each host (exec-0 on a, exec-1 on b). Checks that nothing is left after."""
     with NamespaceHosts(2) as hosts:
-        with Controller(bind=f"tcp://{hosts.bridge}:0") as ctl, HostExecutors(
+        with Controller(bind=f"tcp://{hosts.bridge}:0", insecure=True) as ctl, HostExecutors(
                 ctl, hosts.hosts, kind="torch", tags=("train",)) as infos:
             processes = [p for p in ctl._processes.values()]
             yield hosts, ctl, infos
@@ -197,7 +197,8 @@ def _train(ctl, schedule: str) -> tuple[tuple[list, dict], list]:
 @needs_namespaces
 def test_hosts_are_removed_when_the_block_fails_leaving_no_process_or_segment():
     with pytest.raises(RuntimeError, match="on purpose"), NamespaceHosts(2) as hosts:
-        with Controller(bind=hosts.bind) as ctl, HostExecutors(ctl, hosts.hosts) as (a, b):
+        with Controller(bind=hosts.bind, insecure=True) as ctl, HostExecutors(
+                ctl, hosts.hosts) as (a, b):
             processes = list(ctl._processes.values())
             made = ctl.submit("make_tensor", config={"nbytes": 2 * MiB}, executor=a.id)
             ctl.submit("identity", made, executor=b.id).result(timeout=30)

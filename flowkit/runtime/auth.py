@@ -1,0 +1,258 @@
+"""Keys, CurveZMQ on every socket, and the gate that admits only known public keys.
+
+[Note: authenticated transport] By default everything binds to loopback and nothing is
+authenticated: only this machine can reach the sockets. Beyond one machine, every socket
+authenticates and encrypts with CurveZMQ (RFC 26: each connection's handshake proves both ends
+hold the secret keys of their public keys; each message is then encrypted and authenticated).
+
+- Keys: `flowkit keys generate DIR` writes two key pairs as zmq certificates, `controller` and
+  `executor` (NAME.key: the public key; NAME.key_secret: both), and DIR/allowed/, the public
+  keys of the clients let in (the executor's). A host that runs only executors needs a copy of
+  DIR without controller.key_secret; `Keys.load(DIR)` reads what is there, and each side asks
+  for the secret it needs, so a missing one is an error naming the file before anything binds.
+- Who is a server: every socket that binds. The controller's ROUTER and its heartbeat ROUTER
+  serve with the controller pair; each executor's peer ROUTER (where other executors push
+  objects) serves with the executor pair. Every executor is a client with the executor pair:
+  its control and heartbeat DEALERs to the controller (server key: controller.key from DIR),
+  and its DEALERs to peers (server key: executor.key). So DIR alone tells every side every
+  server key; no key travels on the wire.
+- The gate (`Gate`): CURVE alone lets in any client that knows the server's public key, so
+  every process that binds runs a ZAP handler (RFC 27) on its zmq context, bound before any of
+  its servers binds (libzmq admits everyone while no handler is bound). It admits a client only
+  if its public key is in DIR/allowed/, and logs each one it refuses. A client without keys, or
+  one that got the server key wrong, never reaches ZAP: its handshake fails; a socket monitor
+  logs those. Either way the connection is dropped before any message is delivered, so nothing
+  an unauthenticated client sends is decoded, let alone run.
+- Binding: `check_bind` refuses a non-loopback address unless keys are given or the caller
+  says `insecure` (a trusted network, or namespace hosts in a test), and names the options.
+  ipc:// and inproc:// are local. Executors bind their peer socket on the address they reach
+  the controller from, so the same rule applies to them (`--keys DIR` or `--insecure`).
+- Shared memory (runtime/shm.py) is unchanged: between executors of one host only a segment's
+  handle crosses the (encrypted) socket, and the bytes never leave the machine.
+- Cost: nothing when no keys are given (no gate, no monitor, plain sockets). With keys, a
+  handshake per connection and per message an encryption at each end; `flowkit bench dispatch
+  --curve` and `flowkit bench transfer --curve` measure both against bare zmq.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import attrs
+import zmq
+import zmq.auth
+from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
+
+__all__ = ["ENV_KEYS", "Gate", "InsecureBindError", "Keys", "KeysError", "check_bind",
+           "curve_client", "curve_server", "generate_keys", "is_loopback"]
+
+log = logging.getLogger("flowkit.auth")
+
+ENV_KEYS = "FLOWKIT_KEYS"
+CONTROLLER, EXECUTOR, ALLOWED = "controller", "executor", "allowed"
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by RFC 27: one handler per zmq context
+_ZAP_DOMAIN = b"flowkit"
+# handshakes that fail before ZAP is asked (no keys, a wrong server key); ZAP's own refusals
+# are logged by the gate with the client's key
+_LOG_EVERY_S = 60.0
+_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+
+
+class KeysError(ValueError):
+    """A keys folder that cannot be used; the text says what is missing and how to fix it."""
+
+
+class InsecureBindError(ValueError):
+    """A non-loopback bind without keys or an explicit insecure."""
+
+
+@attrs.frozen(kw_only=True)
+class Keys:
+    """The key pairs of a keys folder [Note: authenticated transport]; secrets may be None on
+    a host that does not need them."""
+
+    folder: Path
+    controller_public: bytes
+    controller_secret: bytes | None
+    executor_public: bytes
+    executor_secret: bytes | None
+    allowed: frozenset[bytes]  # the client public keys let in
+
+    @classmethod
+    def load(cls, folder: str | Path) -> Keys:
+        folder = Path(folder)
+        _check_curve()
+        if not folder.is_dir():
+            raise KeysError(f"keys folder {folder} does not exist: make one with "
+                            f"`flowkit keys generate {folder}`")
+        controller_public, controller_secret = _pair(folder, CONTROLLER)
+        executor_public, executor_secret = _pair(folder, EXECUTOR)
+        allowed_dir = folder / ALLOWED
+        allowed = (frozenset(zmq.auth.load_certificates(allowed_dir))
+                   if allowed_dir.is_dir() else frozenset())
+        if not allowed:
+            raise KeysError(f"{allowed_dir} holds no public key (*.key), so no client could "
+                            f"connect: copy {folder / (EXECUTOR + '.key')} there, or make the "
+                            f"folder again with `flowkit keys generate`")
+        return cls(folder=folder, controller_public=controller_public,
+                   controller_secret=controller_secret, executor_public=executor_public,
+                   executor_secret=executor_secret, allowed=allowed)
+
+    def secret(self, role: str) -> bytes:
+        """The secret key `role` (controller or executor) serves and connects with."""
+        secret = self.controller_secret if role == CONTROLLER else self.executor_secret
+        if secret is None:
+            raise KeysError(f"{self.folder} has no {role}.key_secret, which the {role} needs: "
+                            f"copy it from the folder `flowkit keys generate` wrote")
+        return secret
+
+    def public(self, role: str) -> bytes:
+        return self.controller_public if role == CONTROLLER else self.executor_public
+
+
+def generate_keys(folder: str | Path) -> Keys:
+    """Write a fresh keys folder (it must not hold keys yet) and return its keys."""
+    folder = Path(folder)
+    _check_curve()
+    existing = [p.name for p in folder.glob("*.key*")] if folder.is_dir() else []
+    if existing:
+        raise KeysError(f"{folder} already holds keys ({', '.join(sorted(existing))}): remove "
+                        f"them or choose another folder; keys are never overwritten")
+    (folder / ALLOWED).mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o700)
+    for name in (CONTROLLER, EXECUTOR):
+        _, secret_file = zmq.auth.create_certificates(folder, name)
+        Path(secret_file).chmod(0o600)
+    shutil.copy(folder / f"{EXECUTOR}.key", folder / ALLOWED / f"{EXECUTOR}.key")
+    return Keys.load(folder)
+
+
+def _pair(folder: Path, name: str) -> tuple[bytes, bytes | None]:
+    public_file, secret_file = folder / f"{name}.key", folder / f"{name}.key_secret"
+    if secret_file.is_file():
+        public, secret = zmq.auth.load_certificate(secret_file)
+        return public, secret
+    if public_file.is_file():
+        return zmq.auth.load_certificate(public_file)[0], None
+    raise KeysError(f"{folder} has no {name}.key: not a keys folder, or an incomplete copy of "
+                    f"one; make one with `flowkit keys generate DIR`")
+
+
+def _check_curve() -> None:
+    if not zmq.has("curve"):
+        raise KeysError(f"this libzmq ({zmq.zmq_version()}) was built without CURVE, so keys "
+                        "cannot be used: install a pyzmq wheel (they bundle libsodium) or a "
+                        "libzmq built with libsodium")
+
+
+# -- binding -------------------------------------------------------------------------------------
+def is_loopback(endpoint: str) -> bool:
+    """Whether only this machine can reach `endpoint` (a zmq bind address)."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = rest.rpartition(":")[0].strip("[]") if ":" in rest else rest
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # *, an interface name, a host name: reachable from elsewhere
+        return False
+
+
+def check_bind(endpoint: str, *, keys: Keys | None, insecure: bool, who: str) -> None:
+    """Refuse to bind `endpoint` beyond loopback unauthenticated [Note: authenticated
+    transport]; `who` names the command whose options fix it."""
+    if keys is not None or insecure or is_loopback(endpoint):
+        return
+    raise InsecureBindError(
+        f"{who} would bind {endpoint}, which other machines can reach, without "
+        f"authentication: pass --keys DIR (made by `flowkit keys generate DIR`) so only "
+        f"holders of its keys connect, or --insecure to accept anyone who reaches it")
+
+
+def curve_server(sock: zmq.Socket, keys: Keys, role: str) -> None:
+    """Make `sock` (before it binds) a CURVE server with `role`'s key pair."""
+    sock.curve_secretkey = keys.secret(role)
+    sock.curve_publickey = keys.public(role)
+    sock.zap_domain = _ZAP_DOMAIN
+    sock.curve_server = True
+
+
+def curve_client(sock: zmq.Socket, keys: Keys, server: str) -> None:
+    """Make `sock` (before it connects) a CURVE client, as an executor, of a `server` role."""
+    sock.curve_secretkey = keys.secret(EXECUTOR)
+    sock.curve_publickey = keys.executor_public
+    sock.curve_serverkey = keys.public(server)
+
+
+# -- the gate ------------------------------------------------------------------------------------
+class Gate(threading.Thread):
+    """The ZAP handler of one zmq context, and the monitor of its servers' handshakes:
+    `gate = Gate(context, keys)` before the first server socket binds, `gate.watch(sock)`
+    after each binds, `gate.start()`, and `gate.stop()` before the sockets close."""
+
+    def __init__(self, context: zmq.Context, keys: Keys, *, owner: str) -> None:
+        super().__init__(name="flowkit-gate", daemon=True)
+        self.allowed, self.owner = keys.allowed, owner
+        self.refused = 0  # connections dropped, for tests and logs
+        self.zap = context.socket(zmq.REP)
+        self.zap.setsockopt(zmq.LINGER, 0)
+        self.zap.bind(_ZAP_ENDPOINT)
+        self.monitors: list[zmq.Socket] = []
+        self._stop_event = threading.Event()
+        self._logged: dict[str, float] = {}  # what was refused -> when it was last logged
+
+    def watch(self, sock: zmq.Socket) -> None:
+        self.monitors.append(sock.get_monitor_socket(_FAILED))
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=2.0)
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        for sock in (self.zap, *self.monitors):
+            poller.register(sock, zmq.POLLIN)
+        try:
+            while not self._stop_event.is_set():
+                for sock, _ in poller.poll(100):
+                    if sock is self.zap:
+                        self._answer(sock.recv_multipart())
+                    else:
+                        self._failed(recv_monitor_message(sock))
+        finally:
+            for sock in (self.zap, *self.monitors):
+                sock.close(linger=0)
+
+    def _answer(self, request: list[bytes]) -> None:
+        # RFC 27: version, request id, domain, address, identity, mechanism, credentials...
+        version, request_id, _, address, _, mechanism, *credentials = request
+        key = z85.encode(credentials[0]) if mechanism == b"CURVE" and credentials else None
+        if key is not None and key in self.allowed:  # certificates hold Z85 text
+            self.zap.send_multipart([version, request_id, b"200", b"OK", b"", b""])
+            return
+        what = (f"public key {key.decode()} is not an allowed one" if key is not None
+                else f"mechanism {mechanism.decode(errors='replace')} is not CURVE")
+        self._refuse(f"refused a client at {address.decode(errors='replace')}: its {what}")
+        self.zap.send_multipart([version, request_id, b"400", b"not allowed", b"", b""])
+
+    def _failed(self, event: dict) -> None:
+        if event["event"] == zmq.EVENT_MONITOR_STOPPED:
+            return
+        self._refuse(f"dropped a connection to {event['endpoint'].decode(errors='replace')}: "
+                     f"its CURVE handshake failed (no keys, or not this server's public key)")
+
+    def _refuse(self, what: str) -> None:
+        # a refused client retries every 100 ms or so: one line per kind a minute is enough
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._logged.get(what, -_LOG_EVERY_S) >= _LOG_EVERY_S:
+            self._logged[what] = now
+            log.warning("%s %s; nothing it sent was read", self.owner, what)
