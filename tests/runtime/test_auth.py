@@ -187,6 +187,32 @@ def test_an_executors_peer_socket_takes_objects_only_from_allowed_keys(keys, int
         sock.close()
 
 
+def test_across_namespace_hosts_objects_cross_encrypted_and_no_intruder_gets_in(keys):
+    """Executors on two network-namespace hosts (flowkit/runtime/netns.py), the controller on
+    the bridge: bytes cross as frames over CURVE, and a client of ours on the bridge, with
+    a key pair of its own, forges nothing into the far executor."""
+    from flowkit.runtime.netns import HostExecutors, NamespaceHosts, unavailable
+
+    why = unavailable()
+    if why is not None:
+        pytest.skip(f"no network namespaces here: {why}")
+    with NamespaceHosts(2) as hosts, Controller(bind=hosts.bind, keys=keys) as ctl, \
+            HostExecutors(ctl, hosts.hosts) as (a, b):
+        assert b.peer_address.startswith(f"tcp://{hosts.hosts[1].address}:")
+        made = ctl.submit("make_tensor", config={"nbytes": 3 << 20}, executor=a.id)
+        assert ctl.submit("nbytes", made, executor=b.id).result(timeout=30) == 3 << 20
+        genuine = ctl.put("genuine", executor=a.id)
+        slow = ctl.submit("identity", genuine, config={"seconds": 1.0}, executor=a.id)
+        used = ctl.submit("identity", slow, executor=b.id)
+        sock = _client("unknown key pair", keys, "executor")
+        sock.connect(b.peer_address)
+        body, frames = pack("forged")
+        sock.send_multipart(encode(Msg.DATA, {"object": slow.id, "meta": {"body": body}},
+                                   frames))
+        assert used.result(timeout=30) == "genuine"
+        sock.close()
+
+
 def test_an_executor_with_other_keys_never_joins(keys, tmp_path):
     """A real executor process holding another folder's keys: the controller's gate drops it,
     so it never joins and no task can reach it."""
