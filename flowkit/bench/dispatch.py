@@ -8,10 +8,6 @@ a plain Python loop in its own process, as the executor is, so both sides pay fo
 With `hosts=2` both run across network namespace hosts (flowkit/runtime/netns.py): the
 controller and the echo client bind on the bridge, the executor and the echo server run on a
 namespace host, so every message crosses a veth pair as between machines.
-
-With `curve=True` both are measured again with every socket speaking CurveZMQ (fresh keys;
-flowkit's gate admits the executor's key, the echo encrypts alike), and "curve" holds those
-figures and what CURVE costs each: its round trip over the plain one.
 """
 
 from __future__ import annotations
@@ -24,33 +20,21 @@ from collections.abc import Iterator
 import msgpack
 import zmq
 
-from flowkit.bench.peers import curve, curve_keys, spawn
+from flowkit.bench.peers import spawn
 from flowkit.runtime import Controller, LocalExecutors, wait
-from flowkit.runtime.auth import Keys
 from flowkit.runtime.netns import Host, HostExecutors, NamespaceHosts
 
 __all__ = ["run_dispatch_bench"]
 
 
 def run_dispatch_bench(*, rounds: int = 2000, in_flight: int = 20000,
-                       address: str = "tcp://127.0.0.1", hosts: int = 1,
-                       curve: bool = False) -> dict:
-    run = {"rounds": rounds, "in_flight": in_flight}
-    with _placed(hosts, address) as (address, host), curve_keys(curve) as keys:
-        raw = _raw_zmq(**run, address=address, host=host)
-        ours = _flowkit(**run, address=address, host=host)
-        if keys is not None:
-            raw_curve = _raw_zmq(**run, address=address, host=host, keys=keys)
-            ours_curve = _flowkit(**run, address=address, host=host, keys=keys)
-    figures = {**ours, **raw, "rtt_ratio": ours["rtt_p50_us"] / raw["raw_zmq_rtt_p50_us"],
-               **run, "transport": address.split(":")[0], "hosts": hosts}
-    if keys is not None:
-        figures["curve"] = {
-            **ours_curve, **raw_curve,
-            "rtt_ratio": ours_curve["rtt_p50_us"] / raw_curve["raw_zmq_rtt_p50_us"],
-            "cost": ours_curve["rtt_p50_us"] / ours["rtt_p50_us"],
-            "raw_zmq_cost": raw_curve["raw_zmq_rtt_p50_us"] / raw["raw_zmq_rtt_p50_us"]}
-    return figures
+                       address: str = "tcp://127.0.0.1", hosts: int = 1) -> dict:
+    with _placed(hosts, address) as (address, host):
+        raw = _raw_zmq(rounds=rounds, in_flight=in_flight, address=address, host=host)
+        ours = _flowkit(rounds=rounds, in_flight=in_flight, address=address, host=host)
+    return {**ours, **raw, "rtt_ratio": ours["rtt_p50_us"] / raw["raw_zmq_rtt_p50_us"],
+            "rounds": rounds, "in_flight": in_flight, "transport": address.split(":")[0],
+            "hosts": hosts}
 
 
 @contextlib.contextmanager
@@ -68,11 +52,9 @@ def _percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _flowkit(*, rounds: int, in_flight: int, address: str, host: Host | None,
-             keys: Keys | None = None) -> dict:
+def _flowkit(*, rounds: int, in_flight: int, address: str, host: Host | None) -> dict:
     # namespace hosts are this machine's: plain across them is a choice, not an accident
-    with Controller(bind=f"{address}:0", keys=keys,
-                    insecure=host is not None and keys is None) as ctl:
+    with Controller(bind=f"{address}:0", insecure=host is not None) as ctl:
         executors = LocalExecutors(ctl, 1) if host is None else HostExecutors(ctl, [host])
         executors.start()
         try:
@@ -94,16 +76,13 @@ def _flowkit(*, rounds: int, in_flight: int, address: str, host: Host | None,
             "rtt_p99_us": _percentile(rtts, 0.99) * 1e6, "ops_per_s": in_flight / elapsed}
 
 
-def _raw_zmq(*, rounds: int, in_flight: int, address: str, host: Host | None,
-             keys: Keys | None = None) -> dict:
+def _raw_zmq(*, rounds: int, in_flight: int, address: str, host: Host | None) -> dict:
     context = zmq.Context()
-    folder = "" if keys is None else str(keys.folder)
-    client = curve(context.socket(zmq.DEALER), folder, serve="controller")
+    client = context.socket(zmq.DEALER)
     client.setsockopt(zmq.SNDHWM, 0)
     client.setsockopt(zmq.RCVHWM, 0)
     port = client.bind_to_random_port(address)
-    server = spawn("echo", f"{address}:{port}", *([folder] if folder else []),
-                   prefix=host.prefix if host else ())
+    server = spawn("echo", f"{address}:{port}", prefix=host.prefix if host else ())
     try:
         def echo(i: int) -> None:
             client.send(msgpack.packb({"t": "run", "id": i, "op": "noop"}))

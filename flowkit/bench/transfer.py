@@ -16,19 +16,11 @@ across the same two namespaces (flowkit/bench/peers.py): the bench asks a source
 host to send the same bytes as 1 MiB frames to a sink on B's host, which acks; timed from the
 bench's request to the source's reply, as a transfer is from the submit to the completion. The
 two alternate round by round, as with the memcpy.
-
-With `curve=True` the bench measures what CurveZMQ costs the bytes: flowkit's transfer against
-bare zmq (source -> sink, as above), first with plain sockets, then with every socket of both
-speaking CURVE (fresh keys), each pair alternating round by round. On one host the executors are
-told to send frames (FLOWKIT_PEER_TRANSPORT=frames, as to another host): shared memory moves only
-a handle over the socket, so there would be no bytes to encrypt, and the baseline runs over
-loopback TCP. "curve_cost" is plain GB/s over CURVE GB/s for each.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 import subprocess
 import time
@@ -38,10 +30,10 @@ from typing import Any
 import msgpack
 import zmq
 
-from flowkit.bench.peers import curve, curve_keys, spawn
+from flowkit.bench.peers import curve, spawn
 from flowkit.runtime import Controller, LocalExecutors, wait
 from flowkit.runtime.auth import Keys
-from flowkit.runtime.netns import Host, HostExecutors, NamespaceHosts
+from flowkit.runtime.netns import HostExecutors, NamespaceHosts
 
 __all__ = ["run_transfer_bench"]
 
@@ -49,14 +41,11 @@ _SETTLE_S = 0.05  # > the controller's free batching delay (dispatch._FREE_DELAY
 
 
 def run_transfer_bench(sizes_mib=(1, 16, 64, 256), *, rounds: int = 15,
-                       warmup: int = 3, hosts: int = 1, curve: bool = False) -> dict:
+                       warmup: int = 3, hosts: int = 1) -> dict:
     """{"gbps": {size: GB/s}, "memcpy_gbps": {size: GB/s}, "ratio": {size: ...}, "ratio_64"}
     with sizes in MiB as strings (JSON keys); GB = 1e9 bytes. With hosts=2, "raw_zmq_gbps"
-    instead of "memcpy_gbps", and the ratios are against it. With curve, "plain" and "curve"
-    each hold such figures against bare zmq, and "curve_cost" what CURVE costs."""
+    instead of "memcpy_gbps", and the ratios are against it."""
     sizes = [int(s) for s in sizes_mib]
-    if curve:
-        return _with_curve(sizes, rounds, warmup, hosts)
     gbps, baseline = {}, {}
     with contextlib.ExitStack() as stack:
         if hosts == 1:
@@ -117,65 +106,6 @@ def _measure(ctl: Controller, source: int, target: int, nbytes: int, rounds: int
     return nbytes / statistics.median(transfers) / 1e9, nbytes / statistics.median(copies) / 1e9
 
 
-def _with_curve(sizes: list[int], rounds: int, warmup: int, hosts: int) -> dict:
-    figures: dict = {"sizes_mib": sizes, "rounds": rounds, "hosts": hosts,
-                     "method": _ACROSS if hosts > 1 else _LOOPBACK}
-    with contextlib.ExitStack() as stack:
-        keys = stack.enter_context(curve_keys(True))
-        if hosts == 1:
-            stack.enter_context(_frames_between_executors())
-            places = _ThisHost()
-        else:
-            places = stack.enter_context(NamespaceHosts(hosts))
-        for label, used in (("plain", None), ("curve", keys)):
-            gbps, raw = {}, {}
-            with contextlib.ExitStack() as run:
-                ctl = run.enter_context(Controller(bind=places.bind, keys=used,
-                                                   insecure=hosts > 1 and used is None))
-                started = run.enter_context(
-                    LocalExecutors(ctl, 2, name_prefix="transfer") if hosts == 1 else
-                    HostExecutors(ctl, places.hosts[:2], name_prefix="transfer"))
-                baseline = run.enter_context(_RawZmq(places, keys=used))
-                source, target = sorted(started, key=lambda e: e.name)
-                for size in sizes:
-                    gbps[size], raw[size] = _measure(ctl, source.id, target.id, size << 20,
-                                                     rounds, warmup, baseline.of_size(size << 20))
-            figures[label] = {"gbps": _keyed(gbps), "raw_zmq_gbps": _keyed(raw),
-                              "ratio": _keyed({s: gbps[s] / raw[s] for s in sizes})}
-    plain, secured = figures["plain"], figures["curve"]
-    for name, key in (("curve_cost", "gbps"), ("raw_zmq_curve_cost", "raw_zmq_gbps")):
-        figures[name] = {s: round(plain[key][s] / secured[key][s], 3) for s in plain[key]}
-    return figures
-
-
-_LOOPBACK = ("executor A -> executor B on this host as 1 MiB frames over TCP loopback "
-             "(FLOWKIT_PEER_TRANSPORT=frames), median round of `nbytes` on B; raw zmq: bench -> "
-             "source -> sink (1 MiB frames, ack) -> source -> bench, one between each two "
-             "transfer rounds; plain, then CURVE")
-
-
-@contextlib.contextmanager
-def _frames_between_executors() -> Any:
-    """Executors started inside send frames to each other, as to another host."""
-    before = os.environ.get("FLOWKIT_PEER_TRANSPORT")
-    os.environ["FLOWKIT_PEER_TRANSPORT"] = "frames"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["FLOWKIT_PEER_TRANSPORT"]
-        else:
-            os.environ["FLOWKIT_PEER_TRANSPORT"] = before
-
-
-class _ThisHost:
-    """Two places on this host, as _RawZmq takes NamespaceHosts: everything on loopback."""
-
-    gateway = "127.0.0.1"
-    bind = "tcp://127.0.0.1:0"
-    hosts = [Host(id="a"), Host(id="b")]
-
-
 class _Memcpy:
     def __init__(self, nbytes: int) -> None:
         import torch
@@ -199,7 +129,9 @@ class _Memcpy:
 class _RawZmq:
     """The bare-zmq pair across two namespace hosts: a source on the first, a sink on the second."""
 
-    def __init__(self, made: NamespaceHosts | _ThisHost, keys: Keys | None = None) -> None:
+    def __init__(self, made: Any, keys: Keys | None = None) -> None:
+        """`made`: NamespaceHosts, or anything with its `hosts` and `gateway`; `keys`: speak
+        CURVE (flowkit/bench/curve.py)."""
         self.made = made
         self.keys = [] if keys is None else [str(keys.folder)]  # the peers' last argument
         self.context = zmq.Context()

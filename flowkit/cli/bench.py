@@ -47,8 +47,9 @@ _BENCHES = {
               "baseline) on two network-namespace hosts of this machine; needs root "
               "[default: 1, this host].")
 @click.option("--curve", is_flag=True,
-              help="dispatch and transfer only: measure again with every socket speaking "
-              "CurveZMQ (authenticated and encrypted), flowkit and the bare-zmq baseline alike.")
+              help="dispatch and transfer only: with and without CurveZMQ (every socket "
+              "authenticated and encrypted), flowkit and the bare-zmq baseline alike, "
+              "alternating round by round.")
 def bench(which: str, json_out: Path | None, mode: str | None, max_staleness: int | None,
           length_sigma: float | None, max_new_tokens: int | None, hosts: int | None,
           curve: bool) -> None:
@@ -64,13 +65,8 @@ def bench(which: str, json_out: Path | None, mode: str | None, max_staleness: in
     else:
         kwargs = _refuse_rl_options(which, rl_options)
     kwargs.update(_hosts_kwargs(which, hosts))
-    if curve:
-        if which not in ("dispatch", "transfer"):
-            raise click.BadParameter(f"`flowkit bench dispatch|transfer` only, not {which!r}",
-                                     param_hint="--curve")
-        kwargs["curve"] = True
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    module_name, function = _BENCHES[which].split(":")
+    module_name, function = _curve_bench(which) if curve else _BENCHES[which].split(":")
     figures = getattr(importlib.import_module(module_name), function)(**kwargs)
     console = Console()
     console.print_json(json.dumps(figures, default=str))
@@ -78,6 +74,14 @@ def bench(which: str, json_out: Path | None, mode: str | None, max_staleness: in
         with writing(json_out):
             json_out.write_text(json.dumps(figures, indent=1, default=str) + "\n")
         console.print(f"wrote {json_out}")
+
+
+def _curve_bench(which: str) -> list[str]:
+    """`--curve`: dispatch and transfer with and without CurveZMQ (flowkit/bench/curve.py)."""
+    if which not in ("dispatch", "transfer"):
+        raise click.BadParameter(f"`flowkit bench dispatch|transfer` only, not {which!r}",
+                                 param_hint="--curve")
+    return ["flowkit.bench.curve", f"run_{which}_curve"]
 
 
 def _refuse_rl_options(which: str, options: dict) -> dict:
