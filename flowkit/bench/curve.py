@@ -4,8 +4,9 @@ flowkit/runtime/auth.py] costs a dispatch round trip and a transfer, each agains
 Method: four sides are started and kept alive together: flowkit plain, flowkit with CURVE (fresh
 keys; the controller's and executors' gates admit the executor key), bare zmq plain and bare zmq
 with CURVE (the same keys, the bench as the controller, its peers as executors: flowkit/bench/
-peers.py). Each round times one operation on every side in turn, so a neighbour's load on this
-shared machine weighs on all four alike; figures are medians over the rounds.
+peers.py). The sides take turns (100 round trips each for dispatch, so each is timed warm; one
+transfer each), so a neighbour's load on this shared machine weighs on all four alike; figures
+are medians over the rounds.
 
 - dispatch: a no-op submitted and waited for, against a msgpack echo (as flowkit/bench/
   dispatch.py, one at a time).
@@ -38,6 +39,11 @@ from flowkit.runtime.netns import Host, HostExecutors, NamespaceHosts
 
 __all__ = ["run_dispatch_curve", "run_transfer_curve"]
 
+# Round trips a side runs in one turn: taking turns every round trip would time every side
+# cold (an idle executor sleeps in poll after a millisecond [Note: hot polling] in
+# executors/process.py), which no steady dispatch is.
+_DISPATCH_BLOCK = 100
+
 def run_dispatch_curve(*, rounds: int = 2000, warmup: int = 200, hosts: int = 1) -> dict:
     """Round-trip p50 and p99 (µs) of each side, with `cost` and `ratio`."""
     with _places(hosts) as (places, keys), contextlib.ExitStack() as stack:
@@ -49,13 +55,13 @@ def run_dispatch_curve(*, rounds: int = 2000, warmup: int = 200, hosts: int = 1)
                                 else HostExecutors(ctl, [far]))
             timers[side] = _noop_round(ctl)
             timers[f"raw_zmq_{side}"] = stack.enter_context(_Echo(places, far, used)).round
-        samples = _alternate(timers, rounds, warmup)
+        samples = _alternate(timers, rounds, warmup, block=_DISPATCH_BLOCK)
     p50 = {side: statistics.median(s) * 1e6 for side, s in samples.items()}
     return {"rtt_p50_us": _rounded(p50),
             "rtt_p99_us": _rounded({side: _p99(s) * 1e6 for side, s in samples.items()}),
             **_cost_and_ratio(p50), "rounds": rounds, "hosts": hosts,
-            "method": "alternating round by round: flowkit no-op submit -> result, "
-                      "bare zmq msgpack echo; plain and CURVE"}
+            "method": f"sides taking turns of {_DISPATCH_BLOCK} round trips: flowkit no-op "
+                      "submit -> result, bare zmq msgpack echo; plain and CURVE"}
 
 
 def run_transfer_curve(sizes_mib=(16, 64), *, rounds: int = 10, warmup: int = 2,
@@ -199,14 +205,22 @@ class _Echo:
 
 
 # -- figures -------------------------------------------------------------------------------------
-def _alternate(timers: dict[str, Callable[[], float]], rounds: int,
-               warmup: int) -> dict[str, list[float]]:
+def _alternate(timers: dict[str, Callable[[], float]], rounds: int, warmup: int,
+               block: int = 1) -> dict[str, list[float]]:
+    """`rounds` timings of each side, taking turns `block` rounds at a time, after `warmup`
+    untimed rounds of each; the first rounds of a turn (a tenth) are not timed either, so a side
+    is timed warm, as it runs in steady state, while the turns spread the machine's noise."""
     samples: dict[str, list[float]] = {side: [] for side in timers}
-    for i in range(warmup + rounds):
+    for timer in timers.values():
+        for _ in range(warmup):
+            timer()
+    settle = block // 10
+    while len(next(iter(samples.values()))) < rounds:
         for side, timer in timers.items():
-            elapsed = timer()
-            if i >= warmup:
-                samples[side].append(elapsed)
+            for i in range(settle + block):
+                elapsed = timer()
+                if i >= settle and len(samples[side]) < rounds:
+                    samples[side].append(elapsed)
     return samples
 
 
