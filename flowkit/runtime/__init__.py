@@ -5,7 +5,8 @@
   of those tasks is told); pipeline.py: a pipeline schedule as tasks.
 - controller.py: submits tasks as futures and drives the sockets; dispatch.py: where each task
   goes and what becomes of its objects; futures.py, refs.py.
-- protocol.py, serialize.py, shm.py: the wire; launch.py: local executor processes.
+- protocol.py, serialize.py, shm.py: the wire; auth.py: keys and CurveZMQ on every socket
+  beyond loopback; launch.py: local executor processes.
 """
 
 from flowkit.runtime.controller import Controller, NoExecutor

@@ -58,9 +58,9 @@ ENV_KEYS = "FLOWKIT_KEYS"
 CONTROLLER, EXECUTOR, ALLOWED = "controller", "executor", "allowed"
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by RFC 27: one handler per zmq context
 _ZAP_DOMAIN = b"flowkit"
+_LOG_EVERY_S = 60.0
 # handshakes that fail before ZAP is asked (no keys, a wrong server key); ZAP's own refusals
 # are logged by the gate with the client's key
-_LOG_EVERY_S = 60.0
 _FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
 
 
@@ -135,11 +135,14 @@ def generate_keys(folder: str | Path) -> Keys:
 
 def _pair(folder: Path, name: str) -> tuple[bytes, bytes | None]:
     public_file, secret_file = folder / f"{name}.key", folder / f"{name}.key_secret"
-    if secret_file.is_file():
-        public, secret = zmq.auth.load_certificate(secret_file)
-        return public, secret
-    if public_file.is_file():
-        return zmq.auth.load_certificate(public_file)[0], None
+    for path in (secret_file, public_file):
+        if path.is_file():
+            try:
+                public, secret = zmq.auth.load_certificate(path)
+            except (OSError, ValueError) as exc:
+                raise KeysError(f"cannot read {path} as a zmq certificate ({exc}): make the "
+                                f"folder again with `flowkit keys generate DIR`") from None
+            return public, secret
     raise KeysError(f"{folder} has no {name}.key: not a keys folder, or an incomplete copy of "
                     f"one; make one with `flowkit keys generate DIR`")
 

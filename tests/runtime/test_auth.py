@@ -53,6 +53,10 @@ def test_a_missing_or_incomplete_folder_is_refused_saying_how_to_fix_it(tmp_path
     copy = _copy(keys, tmp_path / "no-allowed", skip=("allowed/executor.key",))
     with pytest.raises(KeysError, match="holds no public key"):
         Keys.load(copy)
+    garbled = _copy(keys, tmp_path / "garbled", skip=())
+    (garbled / "executor.key_secret").write_text("not a certificate\n")
+    with pytest.raises(KeysError, match="cannot read .*executor.key_secret"):
+        Keys.load(garbled)
 
 
 def test_an_executor_hosts_copy_serves_executors_but_not_a_controller(tmp_path, keys):
