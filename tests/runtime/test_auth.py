@@ -6,6 +6,7 @@ get anything from or into."""
 from __future__ import annotations
 
 import ipaddress
+import logging
 import subprocess
 import sys
 import time
@@ -141,7 +142,9 @@ HELLO = {"name": "intruder", "tags": [], "ops": ["noop", "identity"], "pid": 1,
 
 
 @pytest.mark.parametrize("intruder", ["no keys", "unknown key pair"])
-def test_a_client_without_allowed_keys_cannot_join_a_controller_nor_get_tasks(keys, intruder):
+def test_a_client_without_allowed_keys_cannot_join_a_controller_nor_get_tasks(keys, intruder,
+                                                                              caplog):
+    caplog.set_level(logging.WARNING, logger="flowkit.auth")
     with executor_cluster(1, keys=keys) as (ctl, _):
         sock = _client(intruder, keys, "controller")
         sock.connect(ctl.address)
@@ -157,6 +160,10 @@ def test_a_client_without_allowed_keys_cannot_join_a_controller_nor_get_tasks(ke
         assert ctl._gate.refused >= 2
         sock.close()
         heartbeat.close()
+    said = ("the controller refused a client at 127.0.0.1: its public key"
+            if intruder == "unknown key pair" else
+            f"the controller dropped a connection to {ctl.address}: its CURVE handshake failed")
+    assert said in caplog.text and "nothing it sent was read" in caplog.text
 
 
 def test_the_legit_client_is_what_the_intruder_test_would_see_otherwise(keys):
@@ -170,7 +177,7 @@ def test_the_legit_client_is_what_the_intruder_test_would_see_otherwise(keys):
 
 
 @pytest.mark.parametrize("intruder", ["no keys", "unknown key pair", "without keys anywhere"])
-def test_an_executors_peer_socket_takes_objects_only_from_allowed_keys(keys, intruder):
+def test_an_executors_peer_socket_takes_objects_only_from_allowed_keys(keys, intruder, capfd):
     """B waits for an object A makes slowly; meanwhile an intruder pushes a forged object with
     that id to B's peer socket, well-formed. Without keys anywhere (the control case) B runs
     its task on the forgery; with keys it never reads it and runs on A's object."""
@@ -189,6 +196,8 @@ def test_an_executors_peer_socket_takes_objects_only_from_allowed_keys(keys, int
         # the run goes on: B still takes objects from A and runs tasks
         assert ctl.submit("identity", genuine, executor=b.id).result(timeout=30) == "genuine"
         sock.close()
+    logged = capfd.readouterr().err  # the executors' stderr: they inherit this process's
+    assert (f"executor {b.name}" in logged) == bool(options), logged
 
 
 def test_across_namespace_hosts_objects_cross_encrypted_and_no_intruder_gets_in(keys):
