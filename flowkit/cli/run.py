@@ -141,6 +141,9 @@ def controller_options(bind: str, keys_dir: Path | None, insecure: bool) -> dict
             keys.secret("controller")
     except KeysError as exc:
         raise click.BadParameter(str(exc), param_hint="--keys") from None
+    if not bind.startswith(("tcp://", "ipc://")):
+        raise click.BadParameter(f"{bind!r} is not a zmq address: give tcp://HOST:PORT (PORT 0: "
+                                 f"any free port) or ipc://PATH", param_hint="--bind")
     try:
         check_bind(bind, keys=keys, insecure=insecure, who="the controller")
     except InsecureBindError as exc:

@@ -49,12 +49,11 @@ import zmq.auth
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
-__all__ = ["ENV_KEYS", "Gate", "InsecureBindError", "Keys", "KeysError", "check_bind",
+__all__ = ["Gate", "InsecureBindError", "Keys", "KeysError", "check_bind",
            "curve_client", "curve_server", "generate_keys", "is_loopback"]
 
 log = logging.getLogger("flowkit.auth")
 
-ENV_KEYS = "FLOWKIT_KEYS"
 CONTROLLER, EXECUTOR, ALLOWED = "controller", "executor", "allowed"
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by RFC 27: one handler per zmq context
 _ZAP_DOMAIN = b"flowkit"

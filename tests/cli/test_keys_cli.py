@@ -70,6 +70,10 @@ def test_run_refuses_a_reachable_bind_without_keys_naming_the_options(flow_file)
     assert "--bind" in output and "pass --keys DIR" in output and "--insecure" in output
 
 
+def test_run_refuses_a_bind_that_is_not_a_zmq_address(flow_file):
+    assert "tcp://HOST:PORT" in _usage_error("run", flow_file, "--bind", "10.0.0.5:5555")
+
+
 def test_run_refuses_a_missing_or_incomplete_keys_folder(flow_file, tmp_path):
     output = _usage_error("run", flow_file, "--keys", str(tmp_path / "none"))
     assert "--keys" in output and "flowkit keys generate" in output
