@@ -206,7 +206,12 @@ class Gate(threading.Thread):
         self.refused = 0  # connections dropped, for tests and logs
         self.zap = context.socket(zmq.REP)
         self.zap.setsockopt(zmq.LINGER, 0)
-        self.zap.bind(_ZAP_ENDPOINT)
+        try:
+            self.zap.bind(_ZAP_ENDPOINT)
+        except zmq.ZMQError as exc:
+            self.zap.close()
+            raise RuntimeError(f"{owner}: another gate already serves this zmq context ({exc});"
+                               " give each keyed server process its own context") from None
         self.monitors: list[zmq.Socket] = []
         self._stop_event = threading.Event()
         self._logged: dict[str, float] = {}  # what was refused -> when it was last logged
