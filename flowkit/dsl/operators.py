@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import attrs
 
 from flowkit.dsl.errors import Problem
+from flowkit.dsl.hf import HF_BUILD, check_hf_config
 from flowkit.dsl.types import PortType, Stream, port_type
 
 __all__ = ["ACTIVE_FLOW", "FlowValue", "InputPort", "Model", "ModelOp", "Operator", "REQUIRED",
@@ -66,7 +67,7 @@ class Model:
     """
 
     name: str = attrs.field(validator=_valid_name)
-    build: str = attrs.field()
+    build: str = attrs.field(converter=lambda b: HF_BUILD if b == "hf" else b)
     config: Mapping[str, Any] = attrs.field(factory=dict, hash=False)
     stages: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     tags: tuple[str, ...] = attrs.field(default=("gpu",), converter=tuple)
@@ -76,8 +77,17 @@ class Model:
         module, _, factory = value.partition(":")
         if not module or not factory:
             raise ValueError(
-                f"Model {self.name!r}: build must be 'package.module:factory', got {value!r}"
+                f"Model {self.name!r}: build must be 'package.module:factory' (or 'hf' for a "
+                f"Hugging Face causal LM), got {value!r}"
             )
+
+    @config.validator
+    def _check_config(self, _attribute: attrs.Attribute, value: Mapping[str, Any]) -> None:
+        if self.build == HF_BUILD:  # a model directory that cannot work fails here, not later
+            try:
+                check_hf_config(value)
+            except ValueError as exc:
+                raise ValueError(f"Model {self.name!r}: {exc}") from None
 
 
 @attrs.frozen

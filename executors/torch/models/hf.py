@@ -1,0 +1,399 @@
+"""Hugging Face causal LMs as flowkit models: `HFCausalLM` loads one (Llama, Qwen2, Qwen3, Mistral,
+GPT-2) from a local directory, or builds a tiny random one from a config, and cuts it into pipeline
+stages by decoder layers. Flows name it ``Model(build="hf", config={"path": DIR})``.
+
+[Note: Hugging Face stages] The whole model is the HF model's own modules re-hung under the same
+attribute names (``model.embed_tokens``, ``model.layers.3``, ``lm_head``, or GPT-2's
+``transformer.h.3``), so every parameter keeps its HF name, in the whole model and in every stage:
+weights sync, export and load by the names `save_pretrained` writes (weights.py maps names
+identically). A stage holds the embeddings if first (GPT-2's position table too), a contiguous run of
+decoder layers (keyed by their global index, so ``self_attn.layer_idx`` and the names stay those of
+the unsplit model), and the final norm and LM head if last; the rotary embedding (buffers only) is
+shared by every stage. Stages call each decoder layer with keywords only, as the HF model's own
+forward does, with an explicit additive mask: causal, within the sliding window of a sliding layer.
+The inputs and loss are the built-in GPT's [Note: GPT stage inputs in gpt.py]: token ids in,
+hidden states between stages, mean cross-entropy (target -1 masked) out of the last stage given
+targets, logits (or a value head's values) without.
+
+Tied embeddings (Qwen2's small models, GPT-2) are handled as the GPT's [Note: tied embedding across
+stages]: a split in several stages gives the last stage its own copy of the LM head, and the
+optimizer step sums the two copies' gradients. A value head (``value_head=True``: critics, reward
+models) replaces the LM head with ``score`` (hidden -> 1), HF's name for a token classifier's head.
+
+Generation uses the cache protocol of [Note: generation and scoring interface in lm.py] through
+`RowCache`, handed to the layers as their ``past_key_values``: the layers call ``update(keys,
+values, layer_idx)``, which writes the new positions of each batch row into that row of a
+preallocated cache and returns the row's whole cache; the additive mask lets a query at position p
+see positions <= p of its own row ([Note: KV cache rows in gpt.py]).
+
+Nothing is fetched from a hub: a path is read with ``local_files_only``, and transformers is
+imported only when such a model is built (the `hf` extra).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from executors.torch.models.gpt import _balanced
+from flowkit.dsl.hf import FAMILIES, check_family, check_model_dir
+
+__all__ = ["HFCausalLM", "HFModelError", "HFStage", "RowCache"]
+
+class HFModelError(ValueError):
+    """A Hugging Face model that cannot be loaded or split; the message says how to fix it."""
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
+                   "generation_config.json")
+
+
+class HFCausalLM(nn.Module):
+    """``HFCausalLM(path=DIR)`` or ``HFCausalLM(architecture="qwen2", hf_config={...})``.
+
+    `value_head` swaps the LM head for a one-value head; `attn_implementation` is HF's
+    ("sdpa" or "eager"). The forward is the GPT's: ``forward(idx, targets=None)``."""
+
+    def __init__(self, path: str | None = None, *, architecture: str | None = None,
+                 hf_config: dict | None = None, value_head: bool = False,
+                 attn_implementation: str = "sdpa") -> None:
+        super().__init__()
+        lm = _load(path, architecture, hf_config or {}, attn_implementation)
+        self.config = lm.config
+        self.family = FAMILIES[self.config.model_type]
+        self.path = None if path is None else str(path)
+        self.value_head = bool(value_head)
+        self._lm = [lm]  # the HF model itself, outside the module tree (save_pretrained)
+        base = lm.transformer if self.family == "gpt2" else lm.model
+        setattr(self, _base_name(self.family), base)
+        if value_head:
+            self.score = nn.Linear(self.config.hidden_size, 1, bias=False)
+            nn.init.normal_(self.score.weight, std=getattr(self.config, "initializer_range", .02))
+        else:
+            self.lm_head = lm.lm_head
+        self.tied = not value_head and _ties(self.config, base, lm.lm_head)
+        self._whole: list[HFStage] = []
+
+    # -- the model contract (README, "Your own model") -------------------------------------------
+    @property
+    def base(self) -> nn.Module:
+        return getattr(self, _base_name(self.family))
+
+    @property
+    def head(self) -> nn.Linear:
+        return self.score if self.value_head else self.lm_head
+
+    def layers(self) -> list[nn.Module]:
+        return list(self.base.h if self.family == "gpt2" else self.base.layers)
+
+    def split(self, stages: int, *, seq_len: int | None = None) -> list[HFStage]:
+        counts = self.layers_per_stage(stages, seq_len=seq_len)
+        head = self.head
+        if stages > 1 and self.tied:  # [Note: tied embedding across stages in gpt.py]
+            head = nn.Linear(head.in_features, head.out_features, bias=False)
+            head = head.to(device=self.head.weight.device, dtype=self.head.weight.dtype)
+            with torch.no_grad():
+                head.weight.copy_(self.head.weight)
+        out, start = [], 0
+        for s, k in enumerate(counts):
+            out.append(HFStage(self, range(start, start + k), first=s == 0,
+                               last=s == stages - 1, head=head))
+            start += k
+        return out
+
+    def stage_names(self, stages: int, *, seq_len: int | None = None) -> list[dict[str, str]]:
+        """Every stage names its parameters as the HF model does [Note: Hugging Face stages]."""
+        counts = self.layers_per_stage(stages, seq_len=seq_len)
+        names = [name for name, _ in self.named_parameters(remove_duplicate=False)]
+        layer_prefix = "transformer.h." if self.family == "gpt2" else "model.layers."
+        head = "score." if self.value_head else "lm_head."
+        out, start = [], 0
+        for s, k in enumerate(counts):
+            mine = {}
+            for name in names:
+                if name.startswith(layer_prefix):
+                    keep = start <= int(name[len(layer_prefix):].split(".")[0]) < start + k
+                elif name.startswith(head):
+                    keep = s == stages - 1
+                else:
+                    keep = (s == 0) if _is_embedding(name) else (s == stages - 1)
+                if keep:
+                    mine[name] = name
+            out.append(mine)
+            start += k
+        return out
+
+    def layers_per_stage(self, stages: int, *, seq_len: int | None = None) -> list[int]:
+        """Decoder layers per stage minimizing the most expensive stage, by forward FLOPs per
+        token (as the GPT's `layers_per_stage`): a layer's projections and attention, the head."""
+        n = self.config.num_hidden_layers
+        if not 1 <= stages <= n:
+            raise HFModelError(f"a {self.config.model_type} of {n} decoder layers splits into 1 "
+                               f"to {n} pipeline stages, not {stages}: use --stages {n} or fewer")
+        hidden = self.config.hidden_size
+        inner = getattr(self.config, "intermediate_size", None) or 4 * hidden
+        T = seq_len or self.context_length
+        layer = 8 * hidden * hidden + 6 * hidden * inner + 4 * T * hidden
+        extra = [0.0] * stages
+        extra[0] += 4 * hidden
+        extra[-1] += 2 * hidden * self.head.out_features
+        return _balanced(n, layer, extra)
+
+    @property
+    def context_length(self) -> int:
+        c = self.config
+        return int(getattr(c, "max_position_embeddings", None) or c.n_positions)
+
+    def whole(self) -> HFStage:
+        """The model as one stage (sharing its parameters), for forward and generation."""
+        if not self._whole:
+            self._whole.append(HFStage(self, range(self.config.num_hidden_layers), first=True,
+                                       last=True, head=self.head))
+        return self._whole[0]
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        return self.whole()(idx, targets)
+
+    def new_cache(self, batch: int, max_len: int) -> RowCache:
+        return self.whole().new_cache(batch, max_len)
+
+    def forward_cached(self, idx, cache, start, rows=None):
+        return self.whole().forward_cached(idx, cache, start, rows)
+
+    # -- export ------------------------------------------------------------------------------
+    def save_pretrained(self, folder: str | Path) -> Path:
+        """Write an HF directory (config.json, model.safetensors, and the tokenizer files of
+        the directory it was loaded from) that `AutoModelForCausalLM.from_pretrained` loads."""
+        if self.value_head:
+            raise HFModelError("a value-head model (a critic) is not a causal LM: it has no HF "
+                               "checkpoint format to save as; save the policy instead")
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self._lm[0].save_pretrained(folder)
+        if self.path is not None:
+            for name in TOKENIZER_FILES:
+                if (Path(self.path) / name).is_file():
+                    shutil.copy2(Path(self.path) / name, folder / name)
+        return folder
+
+
+def _base_name(family: str) -> str:
+    return "transformer" if family == "gpt2" else "model"
+
+
+def _is_embedding(name: str) -> bool:
+    return name.split(".")[1] in ("embed_tokens", "wte", "wpe")
+
+
+def _ties(config: Any, base: nn.Module, lm_head: nn.Module) -> bool:
+    embed = base.wte if hasattr(base, "wte") else base.embed_tokens
+    return lm_head.weight is embed.weight
+
+
+def _load(path: str | None, architecture: str | None, hf_config: dict,
+          attn_implementation: str) -> nn.Module:
+    if (path is None) == (architecture is None):
+        raise HFModelError("an HF model takes path=DIR (a save_pretrained folder) or "
+                           "architecture=NAME with hf_config={...} (a random one), exactly one")
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise HFModelError("Hugging Face models need transformers on every executor: "
+                           "pip install 'flowkit[hf]'") from None
+    if path is not None:
+        check_model_dir(path)
+        return AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, dtype=torch.float32,
+            attn_implementation=attn_implementation)
+    check_family(architecture, architecture)
+    config = AutoConfig.for_model(architecture, **hf_config)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
+                                            dtype=torch.float32)
+
+
+class HFStage(nn.Module):
+    """A contiguous slice of an `HFCausalLM` [Note: Hugging Face stages]."""
+
+    def __init__(self, whole: HFCausalLM, layers: range, *, first: bool, last: bool,
+                 head: nn.Linear) -> None:
+        super().__init__()
+        self.config, self.family, self.first, self.last = whole.config, whole.family, first, last
+        self.value_head, self.tied = whole.value_head, whole.tied
+        base, container = whole.base, nn.Module()
+        all_layers = whole.layers()
+        blocks = nn.ModuleDict({str(i): all_layers[i] for i in layers})
+        self._rotary = [getattr(base, "rotary_emb", None)]  # buffers only: shared, not held
+        if self.family == "gpt2":
+            container.h = blocks
+            if first:
+                container.wte, container.wpe, container.drop = base.wte, base.wpe, base.drop
+            if last:
+                container.ln_f = base.ln_f
+        else:
+            container.layers = blocks
+            if first:
+                container.embed_tokens = base.embed_tokens
+            if last:
+                container.norm = base.norm
+        setattr(self, _base_name(self.family), container)
+        if last:
+            setattr(self, "score" if self.value_head else "lm_head", head)
+        self._windows = {i: _window(self.config, i) for i in layers}
+
+    @property
+    def container(self) -> nn.Module:
+        return getattr(self, _base_name(self.family))
+
+    @property
+    def blocks(self) -> nn.ModuleDict:
+        c = self.container
+        return c.h if self.family == "gpt2" else c.layers
+
+    def tied_copies(self) -> tuple[str, ...]:
+        if not self.tied or self.first == self.last:
+            return ()
+        embed = "transformer.wte.weight" if self.family == "gpt2" else "model.embed_tokens.weight"
+        return (embed,) if self.first else ("lm_head.weight",)
+
+    def tied_pairs(self) -> dict[str, str]:
+        if not (self.tied_copies() and self.last):
+            return {}
+        embed = "transformer.wte.weight" if self.family == "gpt2" else "model.embed_tokens.weight"
+        return {embed: "lm_head.weight"}
+
+    @property
+    def context_length(self) -> int:
+        c = self.config
+        return int(getattr(c, "max_position_embeddings", None) or c.n_positions)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+        T = x.size(1)
+        pos = torch.arange(T, device=x.device)[None, :]  # (1, T)
+        if self.first:
+            x = self._embed(x, pos)
+        keys = torch.arange(T, device=x.device)
+        x = self._layers(x, pos, lambda window: _mask(pos, keys, window, x.dtype), None)
+        return self._head(x, targets) if self.last else x
+
+    # -- generation ------------------------------------------------------------------------
+    def new_cache(self, batch: int, max_len: int) -> RowCache:
+        self._need_whole("new_cache")
+        if max_len > self.context_length:
+            raise ValueError(f"a cache of {max_len} positions exceeds the model's context of "
+                             f"{self.context_length}")
+        c = self.config
+        heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        w = self.head.weight
+        shape = (batch, heads, max_len, head_dim)
+        make = lambda: torch.zeros(shape, device=w.device, dtype=w.dtype)  # noqa: E731
+        return RowCache({int(i): (make(), make()) for i in self.blocks})
+
+    @torch.no_grad()
+    def forward_cached(self, idx: torch.Tensor, cache: RowCache, start: torch.Tensor,
+                       rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (or values) of new tokens ``idx`` (B, T) written to cache ``rows`` (default
+        all) from positions ``start`` (B,) on [Note: KV cache rows in gpt.py]."""
+        self._need_whole("forward_cached")
+        B, T = idx.shape
+        rows = torch.arange(B, device=idx.device) if rows is None else rows.to(idx.device)
+        pos = start.to(idx.device)[:, None] + torch.arange(T, device=idx.device)[None, :]
+        if int(pos.max()) >= cache.max_len:
+            raise ValueError(f"position {int(pos.max())} is past the cache's {cache.max_len}")
+        cache.rows, cache.pos = rows, pos
+        keys = torch.arange(cache.max_len, device=idx.device)
+        x = self._embed(idx, pos)
+        x = self._layers(x, pos, lambda window: _mask(pos, keys, window, x.dtype), cache)
+        return self._head(x, None)
+
+    def _need_whole(self, what: str) -> None:
+        if not (self.first and self.last):
+            raise ValueError(f"{what} needs the whole model: a one-stage split")
+
+    @property
+    def head(self) -> nn.Linear:
+        return self.score if self.value_head else self.lm_head
+
+    # -- the pieces ------------------------------------------------------------------------
+    def _embed(self, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        c = self.container
+        if self.family == "gpt2":
+            return c.drop(c.wte(idx) + c.wpe(pos))
+        return c.embed_tokens(idx)
+
+    def _layers(self, x: torch.Tensor, pos: torch.Tensor, mask_for, cache) -> torch.Tensor:
+        masks: dict[Any, torch.Tensor] = {}
+        rotary = self._rotary[0]
+        extra = {} if rotary is None else {"position_embeddings": rotary(x, pos),
+                                           "position_ids": pos}
+        for i, block in self.blocks.items():
+            window = self._windows[int(i)]
+            if window not in masks:
+                masks[window] = mask_for(window)
+            out = block(x, attention_mask=masks[window], past_key_values=cache,
+                        use_cache=cache is not None, **extra)
+            x = out[0] if isinstance(out, tuple) else out
+        return x
+
+    def _head(self, x: torch.Tensor, targets: torch.Tensor | None):
+        c = self.container
+        out = self.head(c.ln_f(x) if self.family == "gpt2" else c.norm(x))
+        if self.value_head:
+            values = out.squeeze(-1)
+            return values if targets is None else F.mse_loss(values, targets.to(values.dtype))
+        if targets is None:
+            return out
+        return F.cross_entropy(out.reshape(-1, out.size(-1)), targets.reshape(-1),
+                               ignore_index=-1)
+
+
+def _window(config: Any, layer: int) -> int | None:
+    """The sliding window of decoder layer `layer`, None for full attention."""
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if types is not None:
+        return window if types[layer] == "sliding_attention" else None
+    return window if config.model_type == "mistral" else None
+
+
+def _mask(pos: torch.Tensor, keys: torch.Tensor, window: int | None,
+          dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask (B, 1, T, L): a query at position p sees keys at positions <= p (and
+    > p - window for a sliding layer)."""
+    seen = keys[None, None, :] <= pos[:, :, None]
+    if window is not None:
+        seen &= keys[None, None, :] > pos[:, :, None] - window
+    mask = torch.zeros(seen.shape, dtype=dtype, device=pos.device)
+    return mask.masked_fill_(~seen, torch.finfo(dtype).min)[:, None]
+
+
+class RowCache:
+    """Per decoder layer, keys and values (batch, kv_heads, max_len, head_dim) of each cache
+    row, written by position [Note: Hugging Face stages]; `forward_cached` sets `rows` and `pos`
+    (B, T) before the layers run, and each layer's attention calls `update`."""
+
+    def __init__(self, layers: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.layers = layers
+        self.rows: torch.Tensor | None = None
+        self.pos: torch.Tensor | None = None
+
+    @property
+    def max_len(self) -> int:
+        return next(iter(self.layers.values()))[0].size(2)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *_: Any, **__: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.layers[int(layer_idx)]
+        r = self.rows[:, None]  # (B, 1) against pos (B, T)
+        k[r, :, self.pos] = key_states.transpose(1, 2).to(k.dtype)
+        v[r, :, self.pos] = value_states.transpose(1, 2).to(v.dtype)
+        return k[self.rows], v[self.rows]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.max_len
