@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -84,6 +85,11 @@ def held_model(ctx: OpContext, config: dict) -> HeldModel:
 
 
 def _build(path: str, model_config: dict) -> torch.nn.Module:
+    return _factory(path)(**model_config)
+
+
+def _factory(path: str) -> Any:
+    """What `path` ("package.module:factory") names, imported."""
     module_name, _, factory = path.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
@@ -93,7 +99,7 @@ def _build(path: str, model_config: dict) -> torch.nn.Module:
                          "file or install it") from exc
     for part in factory.split("."):
         obj = getattr(obj, part)
-    return obj(**model_config)
+    return obj
 
 
 def _split(whole: torch.nn.Module, stages: int, seq_len: int | None) -> list[torch.nn.Module]:
@@ -181,9 +187,20 @@ def export_weights(ctx: OpContext, *_: Any, stage: int, stages: int, model: str,
     return weights.export(held.parts[int(stage)], held.layout.check().names[int(stage)])
 
 
-def save_weights(ctx: OpContext, *exports: Any, path: str) -> str:
+def save_weights(ctx: OpContext, *exports: Any, path: str, spec: dict | None = None) -> str:
     """Write a checkpoint where the weights are: `exports` (each stage's `export_weights`,
-    moved here over the data plane) merged and saved to `path`."""
+    moved here over the data plane) merged and saved to `path`. A model whose build has a format
+    of its own (`pretrained_format`: a Hugging Face causal LM) is built from `spec` (its
+    model_spec), given the weights and saved in that format, to `path` without its suffix (a
+    folder `from_pretrained` loads); the path written is returned."""
+    if spec is not None and hasattr(_factory(spec["build"]), "save_pretrained"):
+        config = {k: v for k, v in spec.get("model_config", {}).items() if k != "checkpoint"}
+        whole = _build(spec["build"], config)
+        if getattr(whole, "pretrained_format", False):
+            whole = whole.to(dtype=_DTYPES[spec.get("dtype", "float32")])
+            weights.load([whole], weights.layout(whole), weights.merge(exports), complete=True,
+                         what=f"model {spec.get('model')!r}")
+            return str(whole.save_pretrained(Path(path).with_suffix("")))
     return str(weights.save_checkpoint(path, exports))
 
 

@@ -341,7 +341,8 @@ class ModelTraining:
     def save(self, folder: Path) -> Any:
         """A future of the path its stages' weights were written to, merged by the unsplit
         model's names, as `folder`/NAME.pt (a checkpoint a model config's `checkpoint` key
-        starts from). Each stage's export goes to stage 0's executor, which writes the file:
+        starts from), or as the folder `folder`/NAME for a model with a format of its own (a
+        Hugging Face causal LM's, which `from_pretrained` loads). Each stage's export goes to stage 0's executor, which writes the file:
         no tensor comes to the controller."""
         name = self.model.name
         if not all("save_weights" in e.ops for e in self.executors):
@@ -352,7 +353,8 @@ class ModelTraining:
                                  meta={"node": "save", "step": self.step})
         first = schedule.placement.device_of(0)
         return self.ctl.submit("save_weights", *exports,
-                               config={"path": str(Path(folder).resolve() / f"{name}.pt")},
+                               config={"path": str(Path(folder).resolve() / f"{name}.pt"),
+                                       "spec": spec},
                                executor=self.executors[first].id, lane=f"{name}/{first}",
                                meta={"node": "save", "step": self.step})
 

@@ -50,7 +50,8 @@ def torch_cluster():
         yield ctl
 
 
-def _train_on_executors(ctl, config: dict, schedule: str, dtype: str, name: str):
+def _train_on_executors(ctl, config: dict, schedule: str, dtype: str, name: str,
+                        saved: Path | None = None):
     model = Model(name=name, build="hf", config={**config, "dtype": dtype, "seed": 3},
                   stages=DEVICES, tags=("train",))
     flow = pretrain_flow(model=model, corpus=CORPUS, microbatches=MICROBATCHES,
@@ -63,6 +64,8 @@ def _train_on_executors(ctl, config: dict, schedule: str, dtype: str, name: str)
         device = run_schedule.placement.device_of(stage)
         params.update(ctl.submit("stage_parameters", config={**spec, "stage": stage},
                                  executor=runner.placement[name][device].id).result(timeout=60))
+    if saved is not None:
+        assert runner.save_weights(saved) == [saved / name]
     return losses, params
 
 
@@ -181,6 +184,21 @@ def test_a_saved_model_loads_with_from_pretrained_and_gives_the_same_logits(tmp_
     again = HFCausalLM(path=str(folder))
     with torch.no_grad():
         torch.testing.assert_close(again(idx), model(idx), rtol=0, atol=0)
+
+
+def test_save_weights_writes_an_hf_folder_with_the_trained_weights(torch_cluster, tmp_path):
+    _, params = _train_on_executors(torch_cluster, QWEN2_TIED, "zb-h1", "float64", "saved",
+                                    saved=tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "saved", local_files_only=True, dtype=torch.float64)
+    assert (tmp_path / "saved" / "config.json").is_file()
+    for name, value in loaded.named_parameters(remove_duplicate=False):
+        assert torch.equal(value.detach(), params[name]), name
+    lm, _ = _train_plain(QWEN2_TIED, torch.float64)  # the trained model, by the plain loop
+    idx = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        diff = (loaded(input_ids=idx).logits - lm(input_ids=idx).logits).abs().max().item()
+    assert diff < 1e-9
 
 
 def test_a_model_directory_without_config_json_is_refused_when_declared(tmp_path):

@@ -167,6 +167,12 @@ class HFCausalLM(nn.Module):
         return self.whole().forward_cached(idx, cache, start, rows)
 
     # -- export ------------------------------------------------------------------------------
+    @property
+    def pretrained_format(self) -> bool:
+        """Whether `save_pretrained` can write it (held.py's save_weights asks): a causal LM
+        can, a value-head model cannot."""
+        return not self.value_head
+
     def save_pretrained(self, folder: str | Path) -> Path:
         """Write an HF directory (config.json, model.safetensors, and the tokenizer files of
         the directory it was loaded from) that `AutoModelForCausalLM.from_pretrained` loads."""
