@@ -248,3 +248,39 @@ def test_resume_with_another_staleness_bound_names_both(sim_runs):
     output = _refused(GRPO, "--executors", "sim", "--resume", folder)
     assert "synchronous" in output
     assert complete_checkpoints(paths["writer"].parent / "ck")
+
+
+# -- restarts [Note: executor restarts in flowkit/cli/_restarts.py] -------------------------
+def test_async_run_with_killed_executors_ends_with_the_uninterrupted_curve_on_the_simulator(
+        tmp_path):
+    """Sim executors killed twice at random moments (in generation running ahead, a drain, a
+    checkpoint being written): each lost one is replaced, the newest checkpoint replays its
+    open steps' saved samples, and the run gives the curve of the run without faults."""
+    import subprocess
+
+    from tests.cli.test_restarts import ROOT, _command, _run_with_kills
+
+    options = ("--executors", "sim", "--no-fuse", "--max-staleness", "1",
+               "--sim-cost", "token=0.004")
+    clean, faulty = tmp_path / "clean", tmp_path / "faulty"
+    subprocess.run(_command(GRPO, clean, "--steps", "16", *options, weights=False), cwd=ROOT,
+                   check=True, capture_output=True)
+    output = _run_with_kills(GRPO, faulty, 16, *options, "--max-restarts", "3", kills=2,
+                             seed=5, weights=False)
+    assert output.count("lost (") == 2
+    assert _curve(faulty / "m.jsonl") == _curve(clean / "m.jsonl")
+    assert _lines(faulty / "m.jsonl")[-1]["restarts"] == 2
+
+
+def test_async_run_on_torch_survives_killed_executors_within_the_bound(tmp_path):
+    """On torch, where the versions depend on timing, what holds after restarts: every step
+    once, each training a whole batch, no token older than the bound allows."""
+    from tests.cli.test_restarts import _run_with_kills
+
+    faulty = tmp_path / "faulty"
+    _run_with_kills(GRPO, faulty, 10, "--max-staleness", "1", "--max-restarts", "3",
+                    kills=2, seed=1)
+    lines = _lines(faulty / "m.jsonl")
+    assert [line["step"] for line in lines] == list(range(10))
+    assert all(line["rollout/samples"] == 16 and line["staleness/max"] <= 1 for line in lines)
+    assert lines[-1]["restarts"] == 2
