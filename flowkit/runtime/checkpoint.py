@@ -40,8 +40,8 @@ from typing import Any
 import attrs
 
 from flowkit.ops.executor_ops import STATE_OPS
-from flowkit.runtime.asyncstate import OpenWork, open_work, resume_open
 from flowkit.planner.lower import NodePlan
+from flowkit.runtime.asyncstate import OpenWork, open_work, resume_open
 from flowkit.runtime.futures import wait
 from flowkit.runtime.records import ExecutorInfo
 from flowkit.runtime.refs import Gather, Item
