@@ -18,7 +18,9 @@ version; no trained token's version lags the weights it updates by more than η.
 step after step in order (a step's backprop starts when the step before has ended). With η = 0
 step k's generation waits for step k-1's weights: the synchronous run, operation for
 operation. With η >= 1 the backprops use the decoupled objective for stale samples (the
-`decoupled` loss knob).
+`decoupled` loss knob). A step's training starts in its own `run_step` call, never between two:
+what a checkpoint at that boundary holds of the open steps is [Note: checkpoints of
+asynchronous runs] in asyncstate.py.
 """
 
 from __future__ import annotations

@@ -284,3 +284,50 @@ def test_async_run_on_torch_survives_killed_executors_within_the_bound(tmp_path)
     assert [line["step"] for line in lines] == list(range(10))
     assert all(line["rollout/samples"] == 16 and line["staleness/max"] <= 1 for line in lines)
     assert lines[-1]["restarts"] == 2
+
+
+# -- Ctrl-C ---------------------------------------------------------------------------------
+def test_ctrl_c_of_an_async_run_checkpoints_the_open_step_and_the_resume_goes_on(tmp_path):
+    """The first Ctrl-C finishes the running step; its checkpoint holds the next step's
+    generation (drained), and the resumed run trains those samples to the loss the
+    interrupted run would have had at that step: float64, the same weights and samples."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    metrics, checkpoints = tmp_path / "m.jsonl", tmp_path / "ck"
+    run = subprocess.Popen(
+        [sys.executable, "-m", "flowkit", "run", GRPO, "--executors", "torch", "--no-fuse",
+         "--max-staleness", "1", "--steps", "100000", "--no-dashboard", "--metrics",
+         str(metrics), "--checkpoint-dir", str(checkpoints)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert run.poll() is None, run.stdout.read()
+        time.sleep(0.2)
+    os.killpg(run.pid, signal.SIGINT)
+    output, _ = run.communicate(timeout=120)
+    assert run.returncode == 130, output
+    done = len(_lines(metrics))
+    assert f"interrupted at step {done}" in output
+    (folder,) = complete_checkpoints(checkpoints)
+    assert folder.name == f"step-{done:08d}"
+    work = _open_work(folder)
+    assert sorted(work.calls) == [done] and work.rollouts() == 16
+    _run(GRPO, "--executors", "torch", "--no-fuse", "--max-staleness", "1", "--steps",
+         str(done + 2), "--metrics", str(metrics), "--resume", str(checkpoints))
+    lines = _lines(metrics)
+    assert [line["step"] for line in lines] == list(range(done + 2))
+    saved = sorted((r.prompt_id, r.sample, tuple(r.versions)) for c in work.calls[done][
+        "generate"] for r in c.items)
+    assert lines[done]["staleness/versions"] == _histogram(saved)
+
+
+def _histogram(samples: list[tuple]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for *_, versions in samples:
+        for version in versions:
+            key = str(max(version, 0))
+            counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: int(kv[0])))
