@@ -170,16 +170,21 @@ def _conserved(lines: list[dict], n: int = 4) -> None:
         assert after["rollout/resumed"] == before["rollout/carried_over"]
 
 
-@pytest.mark.parametrize("kind", ["sim", "torch"])
-def test_async_resume_loses_no_in_flight_rollout_openrlhf(tmp_path, kind):
+@pytest.fixture(scope="module", params=["sim", "torch"])
+def partial_runs(request, tmp_path_factory) -> tuple[str, dict[str, Path]]:
+    folder = tmp_path_factory.mktemp(f"partial-{request.param}")
+    paths = _three_runs(folder / "runs", _oversampled(folder), "--executors", request.param,
+                        "--no-fuse", "--max-staleness", "1", "--sim-cost", "token=0.002")
+    return request.param, paths
+
+
+def test_async_resume_loses_no_in_flight_rollout_openrlhf(partial_runs):
     """With partial rollouts, the checkpoint holds the calls aborted and carried past the open
     step (interrupted samples with their per-token versions); the resumed run trains each
     sample once: every sample started before and after the resume is trained, dropped or
     carried at the end, and the open step trains exactly what the writer's did."""
-    flow = _oversampled(tmp_path)
-    paths = _three_runs(tmp_path / "runs", flow, "--executors", kind, "--no-fuse",
-                        "--max-staleness", "1", "--sim-cost", "token=0.002")
-    work = _open_work(tmp_path / "runs" / "ck" / f"step-{STOP:08d}")
+    _, paths = partial_runs
+    work = _open_work(paths["writer"].parent / "ck" / f"step-{STOP:08d}")
     assert work.carried and all(c.step == STOP + 1 for c in work.carried)
     assert any(r.interrupted and r.versions for c in work.carried for r in c.items)
     lines = _lines(paths["resumed"])
@@ -191,13 +196,11 @@ def test_async_resume_loses_no_in_flight_rollout_openrlhf(tmp_path, kind):
     assert resumed[:STOP + 1] == writer[:STOP + 1]  # the open step replayed as it ran
 
 
-def test_async_cursor_does_not_run_ahead_of_in_flight_work_nemo_rl(tmp_path):
+def test_async_cursor_does_not_run_ahead_of_in_flight_work_nemo_rl(partial_runs):
     """The prompts in flight at the checkpoint (carried, interrupted) are not skipped: each
     is generated on after the resume, in the step after the open one, from its prefix."""
-    flow = _oversampled(tmp_path)
-    paths = _three_runs(tmp_path / "runs", flow, "--executors", "sim", "--no-fuse",
-                        "--max-staleness", "1", "--sim-cost", "token=0.002")
-    work = _open_work(tmp_path / "runs" / "ck" / f"step-{STOP:08d}")
+    _, paths = partial_runs
+    work = _open_work(paths["writer"].parent / "ck" / f"step-{STOP:08d}")
     carried = {(c.origin, r.prompt_id, r.sample, len(r.response_tokens))
                for c in work.carried for r in c.items}
     resumed = paths["resumed"].with_suffix(".json")
