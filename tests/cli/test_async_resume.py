@@ -335,3 +335,23 @@ def _histogram(samples: list[tuple]) -> dict[str, int]:
             key = str(max(version, 0))
             counts[key] = counts.get(key, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: int(kv[0])))
+
+
+def test_partial_rollouts_survive_killed_executors_with_every_sample_trained_once(tmp_path):
+    """Restarts with calls carried between steps: the replay resubmits requests a surviving
+    engine saw aborted before the loss; their names carry the runner's attempt, so none is cut
+    at once, and every sample started is trained once, dropped or carried at the end."""
+    from tests.cli.test_restarts import _run_with_kills
+
+    faulty = tmp_path / "faulty"
+    faulty.mkdir()
+    _run_with_kills(_oversampled(tmp_path), faulty, 14, "--executors", "sim",
+                    "--max-staleness", "1", "--sim-cost", "token=0.004", "--max-restarts", "3",
+                    kills=2, seed=3, weights=False)
+    lines = _lines(faulty / "m.jsonl")
+    assert [line["step"] for line in lines] == list(range(14))
+    _conserved(lines)
+    assert all(line["generate/taken_groups"] == 4 for line in lines)
+    # a replayed request cut as it arrived would train samples without a token
+    assert all(line["response_length_mean"] >= 1 for line in lines)
+    assert all(line["staleness/max"] <= 1 for line in lines)
