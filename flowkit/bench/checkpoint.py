@@ -12,6 +12,14 @@ step runs, so every stage has its AdamW state. Then, `rounds` times each, altern
 Figures are medians; `ratio` is checkpoint / baseline and `overhead_s` their difference: what
 a checkpoint costs beyond writing its bytes. The baseline writes serially and the executors in
 parallel, so on a disk that parallel writes speed up the ratio can fall below 1.
+
+Then `async`: what checkpoints cost an asynchronous run, whose checkpoint first lets the open
+steps' generation end ([Note: checkpoints of asynchronous runs] in
+flowkit/runtime/asyncstate.py). A GRPO run on simulator executors (the rl bench's costs and
+long-tailed lengths, a smaller batch), `async_steps` steps with staleness bound η, with a
+checkpoint after every step (as `--max-restarts` writes them) and without, alternating,
+`async_rounds` runs each on the same executors; steps/s from the end of the first step to the
+end of the last, medians; `ratio` is with / without.
 """
 
 from __future__ import annotations
@@ -28,7 +36,17 @@ __all__ = ["run_checkpoint_bench"]
 GPT = {"vocab_size": 256, "block_size": 64, "n_layer": 8, "n_head": 8, "n_embd": 256}
 
 
-def run_checkpoint_bench(*, rounds: int = 5, gpt: dict | None = None) -> dict:
+def run_checkpoint_bench(*, rounds: int = 5, gpt: dict | None = None, async_steps: int = 8,
+                         async_rounds: int = 2, max_staleness: int = 2) -> dict:
+    """The write figures, then (unless `async_steps` is 0) the asynchronous run's."""
+    figures = _write_bench(rounds=rounds, gpt=gpt)
+    if async_steps:
+        figures["async"] = run_async_checkpoint_bench(steps=async_steps, rounds=async_rounds,
+                                                      max_staleness=max_staleness)
+    return figures
+
+
+def _write_bench(*, rounds: int, gpt: dict | None) -> dict:
     import torch
 
     from dataflows.pretrain import pretrain_flow
@@ -83,3 +101,68 @@ def _plain_save(state: dict, path: Path) -> None:
         torch.save(state, file)
         file.flush()
         os.fsync(file.fileno())
+
+
+def run_async_checkpoint_bench(*, steps: int = 8, rounds: int = 2, max_staleness: int = 2,
+                               prompts: int = 16, rollout_executors: int = 4) -> dict:
+    """Steps/s of an asynchronous simulated GRPO run with a checkpoint after every step and
+    without, side by side on the same executors."""
+    from dataflows.grpo import grpo_flow
+    from flowkit.bench.rl import RLSetup
+    from flowkit.planner.lower import lower_flow
+    from flowkit.planner.simcosts import SimCosts
+    from flowkit.runtime import Controller, LocalExecutors
+
+    if steps < 2:
+        raise ValueError(f"the bench measures the steps after the first: needs >= 2, got {steps}")
+    setup = RLSetup(prompts=prompts, rollout_executors=rollout_executors, steps=steps)
+    costs = SimCosts(F=setup.F, B=setup.B, W=setup.W, optimizer_step=setup.optimizer_step,
+                     token=setup.token, infer_token=setup.infer_token,
+                     length_sigma=setup.length_sigma)
+    flow = grpo_flow(prompts=setup.prompts, n=setup.n, stages=setup.train_executors,
+                     schedule=setup.schedule, microbatches=setup.microbatches,
+                     max_new_tokens=setup.max_new_tokens)
+    plan = lower_flow(flow)
+    tags = [("rollout",)] * setup.rollout_executors + [("train",)] * setup.train_executors
+    scratch = Path(tempfile.mkdtemp(prefix="flowkit-async-checkpoint-bench-"))
+    runs: dict[str, list[dict]] = {"without": [], "with": []}
+    try:
+        with Controller() as ctl, LocalExecutors(ctl, len(tags), kind="sim", tags=tags) as ex:
+            for index in range(rounds):
+                for name in runs:
+                    root = scratch / f"{name}-{index}" if name == "with" else None
+                    runs[name].append(_async_run(ctl, ex, flow.name, plan, costs, steps,
+                                                 max_staleness, root))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    without = statistics.median(r["steps_per_s"] for r in runs["without"])
+    with_ = statistics.median(r["steps_per_s"] for r in runs["with"])
+    return {"steps_per_s_without": without, "steps_per_s_with": with_,
+            "ratio": with_ / without,
+            "checkpoint_s": statistics.median(s for r in runs["with"] for s in r["written_s"]),
+            "staleness_max": max(r["staleness_max"] for rs in runs.values() for r in rs),
+            "max_staleness": max_staleness, "steps": steps, "rounds": rounds,
+            "samples_per_step": setup.prompts * setup.n,
+            "method": "median steps/s over steps 2..N of an async GRPO run on simulator "
+                      "executors, a checkpoint after every step against none, alternating"}
+
+
+def _async_run(ctl: object, executors: list, name: str, plan: list, costs: object,
+               steps: int, staleness: int, root: Path | None) -> dict:
+    from flowkit.runtime.checkpoint import flow_identity, write_checkpoint
+    from flowkit.runtime.flowrun import FlowRunner
+
+    runner = FlowRunner(ctl, plan, sim_costs=costs, staleness=staleness, steps=steps)
+    identity = flow_identity(name, plan)
+    ends, written, stale = [], [], []
+    for step in range(steps):
+        report = runner.run_step(step)
+        stale.append(report.metrics.get("staleness/max", 0))
+        if root is not None:
+            started = time.perf_counter()
+            write_checkpoint(root, runner, step=step + 1, identity=identity,
+                             executors=executors, kind="sim", records=[], keep=1)
+            written.append(time.perf_counter() - started)
+        ends.append(time.perf_counter())
+    return {"steps_per_s": (steps - 1) / (ends[-1] - ends[0]), "written_s": written,
+            "staleness_max": max(stale)}

@@ -47,13 +47,14 @@ class Checkpointing:
         return folder
 
 
-def resume_point(path: Path, identity: dict, layout: list[dict]) -> tuple[Path, Manifest]:
-    """The checkpoint `--resume path` names, checked against this run before any executor
-    starts; one error line naming the mismatch otherwise."""
+def resume_point(path: Path, identity: dict, layout: list[dict],
+                 staleness: int | None = None) -> tuple[Path, Manifest]:
+    """The checkpoint `--resume path` names, checked against this run (of that staleness
+    bound) before any executor starts; one error line naming the mismatch otherwise."""
     try:
         folder = latest_checkpoint(path)
         manifest = read_manifest(folder)
-        check_resumable(manifest, identity, layout, folder)
+        check_resumable(manifest, identity, layout, folder, staleness)
     except CheckpointError as exc:
         raise click.ClickException(str(exc)) from None
     return folder, manifest

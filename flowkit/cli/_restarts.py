@@ -13,7 +13,12 @@ timeout), the run
      the survivors drop whatever the failed step did to their weights and optimizer states;
   4. replays the steps from that checkpoint on.
 A synchronous step is a function of the checkpointed state, so the run ends with the parameters
-and the curve of a run without faults. Each restart is a warning on the dashboard and counts in
+and the curve of a run without faults. An asynchronous run's checkpoint also holds the
+rollouts of its open steps ([Note: checkpoints of asynchronous runs] in
+flowkit/runtime/asyncstate.py): a lost executor's generation in flight is replayed from it, no
+sample lost or trained twice, within the staleness bound; where generation under the same
+weights versions is deterministic (the simulator) the run ends with the curve of a run without
+faults, on torch the versions of later steps' tokens depend on timing, as in any two runs. Each restart is a warning on the dashboard and counts in
 the metrics (`restarts`); past N restarts, or when no executor was lost, the step's error ends
 the run as without restarts.
 """

@@ -118,7 +118,8 @@ def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
     if resume is not None:  # checked before any executor starts
         layout = [{"name": f"exec-{i}", "tags": sorted(t), "kind": kind}
                   for i, t in enumerate(tags)]
-        resumed = resume_point(resume, identity, sorted(layout, key=lambda e: e["name"]))
+        resumed = resume_point(resume, identity, sorted(layout, key=lambda e: e["name"]),
+                               staleness)
     console = Console(stderr=False)
     recorder = TraceRecorder()
     stats = RunStats()

@@ -112,12 +112,6 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
         raise click.BadParameter("give --checkpoint-dir too: where to write them",
                                  param_hint="--checkpoint-every")
     staleness = _staleness(flow, asynchronous, max_staleness)
-    if staleness is not None and (checkpoint_dir is not None or resume is not None
-                                  or max_restarts):
-        raise click.BadParameter("checkpoints of asynchronous runs, which restarts reload, are "
-                                 "not supported yet (the rollouts in flight would be lost): "
-                                 "run with --sync", param_hint="--checkpoint-dir/--resume/"
-                                 "--max-restarts")
     kind = choose_executors(flow, kind)
     costs = costs if kind == "sim" else None
     path, _, _ = flow_spec.partition(":")

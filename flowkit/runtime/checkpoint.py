@@ -21,8 +21,10 @@ but the step; executors' torch and Python generators are in their state; the fee
 reads from the previous one (weights versions) is fetched and put back; each trained model's
 item counts (which decide from step 2 on how fused microbatches are cut) and profiled stage
 costs (which decide cost-driven schedules) are in `RunState`. Every op of a step is done at its
-boundary, so nothing is in flight. Asynchronous runs, whose boundaries have work in flight, are
-not covered yet.
+boundary, so nothing is in flight. An asynchronous run's boundary has steps open: its checkpoint
+also holds their generated rollouts and the calls carried past them ([Note: checkpoints of
+asynchronous runs] in asyncstate.py, `RunState.open_work`), and its manifest the staleness
+bound, which a resumed run must keep.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import attrs
 
 from flowkit.ops.executor_ops import STATE_OPS
 from flowkit.planner.lower import NodePlan
+from flowkit.runtime.asyncstate import OpenWork, open_work, resume_open
 from flowkit.runtime.futures import wait
 from flowkit.runtime.records import ExecutorInfo
 from flowkit.runtime.refs import Gather, Item
@@ -66,6 +69,7 @@ class Manifest:
     placement: dict = attrs.field(factory=dict)  # model -> the executor of each stage, by name
     written_s: float = 0.0  # seconds the checkpoint took to write
     format: str = FORMAT
+    staleness: int | None = None  # an asynchronous run's bound; None: a synchronous run
 
 
 @attrs.define(kw_only=True)
@@ -77,6 +81,8 @@ class RunState:
     feedback: dict[tuple, Any]  # (node, port) -> the last value the step before produced
     training: dict[str, dict]  # model -> what its ModelTraining carries across steps
     profiles: dict  # (model, stages) -> profiled stage costs
+    # an asynchronous run's open steps [Note: checkpoints of asynchronous runs]; None: sync
+    open_work: OpenWork | None = None
 
 
 def flow_identity(name: str, plan: list[NodePlan]) -> dict:
@@ -112,6 +118,8 @@ def write_checkpoint(root: Path, runner: Any, *, step: int, identity: dict,
     shutil.rmtree(temp, ignore_errors=True)
     (temp / "executors").mkdir(parents=True)
     ctl = runner.ctl
+    # first: the open steps' generation ends, and nothing trains until the next step
+    work = None if runner.staleness is None else open_work(runner, timeout)
     saves = [ctl.submit("save_state", config={"path": str(temp / "executors" / e.name)},
                         executor=e.id, meta={"node": "checkpoint", "step": step})
              for e in executors if all(op in e.ops for op in STATE_OPS)]
@@ -120,10 +128,12 @@ def write_checkpoint(root: Path, runner: Any, *, step: int, identity: dict,
         if future.exception() is not None:
             raise CheckpointError(f"checkpoint of step {step}: {future.exception()}")
     state = RunState(step=step, records=list(records), feedback=_feedback_values(runner),
-                     training=_training_state(runner), profiles=dict(runner.profiles))
+                     training=_training_state(runner), profiles=dict(runner.profiles),
+                     open_work=work)
     _write_synced(temp / RUN_STATE, pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
     manifest = Manifest(step=step, identity=identity, executors=executor_layout(executors, kind),
-                        placement=placement_of(runner), written_s=time.perf_counter() - started)
+                        placement=placement_of(runner), written_s=time.perf_counter() - started,
+                        staleness=runner.staleness)
     _write_synced(temp / MANIFEST, json.dumps(attrs.asdict(manifest), indent=1).encode())
     if final.exists():  # the same step again (a resumed run interrupted at once): replace it
         shutil.rmtree(final)
@@ -217,10 +227,17 @@ def read_manifest(folder: Path) -> Manifest:
 
 
 def check_resumable(manifest: Manifest, identity: dict, layout: list[dict],
-                    folder: Path) -> None:
-    """CheckpointError naming the first mismatch between the checkpoint and this run."""
+                    folder: Path, staleness: int | None = None) -> None:
+    """CheckpointError naming the first mismatch between the checkpoint and this run (of
+    staleness bound `staleness`, None: synchronous)."""
     saved = manifest.identity
     where = f"--resume {folder}:"
+    if manifest.staleness and manifest.staleness != staleness:  # its open steps' samples
+        raise CheckpointError(
+            f"{where} a checkpoint of an asynchronous run with --max-staleness "
+            f"{manifest.staleness}, whose open steps hold samples generated under that bound; "
+            f"this run is {_mode(staleness)}: resume it with --max-staleness "
+            f"{manifest.staleness}")
     if saved["flow"] != identity["flow"]:
         raise CheckpointError(f"{where} a checkpoint of flow {saved['flow']!r}, not of "
                               f"{identity['flow']!r}")
@@ -241,6 +258,10 @@ def check_resumable(manifest: Manifest, identity: dict, layout: list[dict],
         raise CheckpointError(f"{where} written by executors {_layout_text(manifest.executors)}; "
                               f"this run starts {_layout_text(layout)}: give the same "
                               "--executors, --num-executors and --tags")
+
+
+def _mode(staleness: int | None) -> str:
+    return "synchronous" if staleness is None else f"run with --max-staleness {staleness}"
 
 
 def _spec_difference(saved: dict, mine: dict) -> str:
@@ -296,4 +317,7 @@ def restore(folder: Path, runner: Any, executors: list[ExecutorInfo], *,
         training.item_counts.update(carried["item_counts"])
         training.predicted_bubble.update(carried["predicted_bubble"])
         training.last_trained = carried["last_trained"]
+    work = getattr(state, "open_work", None)  # absent from a checkpoint of an older flowkit
+    if work is not None:
+        resume_open(runner, work)
     return state

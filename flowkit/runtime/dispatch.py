@@ -345,8 +345,11 @@ class Dispatcher:
         """(request, slot): the slot [done, value, error, holder id] fills in when it answers."""
         request, slot = next(self._ids), [False, None, None, None]
         record = self._objects.get(object_id)
+        # the producer first: another holder may be one the object is still on its way to
+        # (holders are recorded when the push is asked for), which would answer "not here"
         holder = None if record is None else next(
-            (self._executors[h] for h in record.holders if self._executors[h].alive), None)
+            (self._executors[h] for h in (record.location, *sorted(record.holders))
+             if h in self._executors and self._executors[h].alive), None)
         if holder is None:
             slot[2], slot[0] = ExecutorLost(f"object {object_id} is on no live executor"), True
             return request, slot

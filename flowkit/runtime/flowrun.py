@@ -18,13 +18,16 @@ version; no trained token's version lags the weights it updates by more than η.
 step after step in order (a step's backprop starts when the step before has ended). With η = 0
 step k's generation waits for step k-1's weights: the synchronous run, operation for
 operation. With η >= 1 the backprops use the decoupled objective for stale samples (the
-`decoupled` loss knob).
+`decoupled` loss knob). A step's training starts in its own `run_step` call, never between two:
+what a checkpoint at that boundary holds of the open steps is [Note: checkpoints of
+asynchronous runs] in asyncstate.py.
 """
 
 from __future__ import annotations
 
 import queue
 import time
+import uuid
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -98,6 +101,12 @@ class FlowRunner:
         self.group_keyed = {rule.src for node in plan for rule in node.inputs
                             if rule.group_key is not None}
         self.carried: dict[int, dict[str, list[Carried]]] = {}  # for steps not open yet
+        # a resumed asynchronous run's open steps: step -> node -> lineage -> the saved
+        # rollouts of that call, and the partial-rollout metrics they report
+        # [Note: checkpoints of asynchronous runs in asyncstate.py]
+        self.replay: dict[int, dict[str, dict[tuple, Any]]] = {}
+        self.replay_metrics: dict[int, dict[str, dict]] = {}
+        self.attempt = uuid.uuid4().hex[:8]  # in request names: unique to this runner
         # the nodes admission control holds back [Note: asynchronous steps]
         self.gated = [node.name for node in plan if node.call not in TRAINING_CALLS
                       and any(rule.feedback for rule in node.inputs)]
@@ -208,6 +217,8 @@ class FlowRunner:
         bound run alongside and go on in the next call."""
         self.step = step
         run = self._open(step)
+        if not run.trains:  # opened ahead: its training waited for the step before to end
+            run.start_training()
         self.last_run = run
         for ahead in range(step + 1, step + 1 + (self.staleness or 0)):
             if self.steps is None or ahead < self.steps:
@@ -221,11 +232,10 @@ class FlowRunner:
                                    f"still open: {', '.join(run.open_nodes())}") from None
             event()
         del self.open[step]
-        report = run.report()  # before the next step's training changes what it reads
-        following = self.open.get(step + 1)
-        if following is not None:
-            following.start_training()
-        return report
+        # the next step trains in the next call, not here: between two calls nothing trains,
+        # so a checkpoint holds the weights of this step [Note: checkpoints of asynchronous
+        # runs in asyncstate.py]
+        return run.report()
 
     def _open(self, step: int) -> StepRun:
         run = self.open.get(step)

@@ -58,6 +58,9 @@ class StepRun:
         # [Note: partial rollouts in partial.py]
         self.partial = {name: PartialState(setting, incoming=runner.take_carried(name, step))
                         for name, setting in runner.partial.items()}
+        # [Note: checkpoints of asynchronous runs in asyncstate.py]
+        self.replay: dict[str, dict[tuple, Any]] = runner.replay.pop(step, {})
+        self.replay_metrics: dict[str, dict] = runner.replay_metrics.pop(step, {})
 
     @property
     def closed(self) -> bool:
@@ -102,7 +105,7 @@ class StepRun:
                 start, end = future.timing
                 state.first_start = min(start, state.first_start or start)
                 state.last_end = max(end, state.last_end or end)
-        partial = self.partial.get(name) if register else None
+        partial = self.partial.get(name) if register and name not in self.replay else None
         if partial is not None and partial.aborting:  # after the step took its groups
             partial.pending_calls.pop(lineage, None)
             if not partial.dropped_whole(lineage, futures[0]):
@@ -243,6 +246,10 @@ class StepRun:
         if workload is not None and workload.hold and not self.streams.of(workload.lead).closed:
             return
         lead = self.streams.of(streaming[0])
+        replay = self.replay.get(state.plan.name)
+        if replay is not None:
+            self._submit_replayed(state, replay, streaming[0])
+            return
         partial = self.partial.get(state.plan.name)
         if partial is not None:
             if not (lead.closed and self.runner.carry_settled(state.plan.name, self.step)):
@@ -279,6 +286,17 @@ class StepRun:
         for lineage, key in balancer.order([(lin, keys.get(lin)) for lin, _ in ready]):
             self._submit(state, lineage, by_lineage[lineage],
                          executor=balancer.assign(lineage, key))
+
+    def _submit_replayed(self, state: NodeState, calls: dict[tuple, Any],
+                         lead: InputRule) -> None:
+        """A resumed open step's generation: exactly the checkpointed calls, each given its
+        saved rollouts (passed through), in place of the step's own prompts
+        [Note: checkpoints of asynchronous runs in asyncstate.py]."""
+        for lineage, ref in calls.items():
+            if lineage not in state.submitted:
+                state.submitted.add(lineage)
+                self._submit(state, lineage, {lead.port: ref})
+        state.submitted.update(self.streams.of(lead).arrivals)
 
     def _check_all_paired(self, state: NodeState, live: list[InputRule]) -> None:
         streaming = [r for r in live if r.granularity is Granularity.STREAM]
@@ -343,7 +361,8 @@ class StepRun:
             config = {**runner.op_configs[plan.name], "step": self.step}  # sampling: afresh
             partial = self.partial.get(plan.name)
             if partial is not None:  # named, to abort it [Note: partial rollouts]
-                config["request"] = partial.pending_calls[lineage] = f"{self.step}:{lineage}"
+                config["request"] = partial.pending_calls[lineage] = \
+                    f"{runner.attempt}:{self.step}:{lineage}"
             config.update(extra or {})
         futures = runner.ctl.submit(plan.op, *(refs[p] for p in ports), config=config,
                                     executor=executor, tags=plan.tags, outputs=outputs,
@@ -393,7 +412,8 @@ class StepRun:
         for node, count in self.incomplete_groups.items():
             metrics[f"{node}/incomplete_groups"] = count
         for node, partial in self.partial.items():
-            metrics.update(partial.metrics(node, self.runner.step_timeout))
+            metrics.update(self.replay_metrics.get(node)
+                           or partial.metrics(node, self.runner.step_timeout))
         for node, balancer in self.balancers.items():
             if balancer is not None:
                 metrics.update(balancer.end_step(node))

@@ -101,12 +101,9 @@ def test_async_on_a_flow_without_a_weights_feedback_is_refused_before_anything_s
     assert "executors:" not in output
 
 
-def test_sync_with_a_bound_and_async_with_checkpoints_are_refused(tmp_path):
+def test_sync_with_a_bound_is_refused():
     assert "drop --sync" in _refused(GRPO, "--executors", "sim", "--sync",
                                      "--max-staleness", "1")
-    output = _refused(GRPO, "--executors", "sim", "--async", "--checkpoint-dir",
-                      str(tmp_path / "ck"))
-    assert "asynchronous runs" in output
 
 
 def test_async_with_several_updates_per_step_is_refused(tmp_path):

@@ -1,7 +1,8 @@
 """Run checkpoints [Note: run checkpoints in flowkit/runtime/checkpoint.py]: a synchronous run
 stopped and resumed from a checkpoint gives the curve and the final parameters of the run that
 was never stopped (float64, seeded), on torch executors (pipeline pretraining, GRPO) and on the
-simulator; the resume bugs of other RL frameworks, each a test named after it; bad input."""
+simulator; the resume bugs of other RL frameworks, each a test named after it (those of
+asynchronous runs, and the ones only they can have, in test_async_resume.py); bad input."""
 
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def test_grpo_on_the_simulator_resumed_gives_the_same_curve(tmp_path):
 
 
 # -- the resume bugs of other frameworks, by name -----------------------------------------------
-def test_step_counter_not_incremented_twice_after_resume(tmp_path):
+def test_step_counter_not_incremented_twice_after_resume_verl(tmp_path):
     checkpoints, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     _run(PRETRAIN, "--executors", "sim", "--steps", "2", "--metrics", str(metrics),
          "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "2")
@@ -86,7 +87,8 @@ def test_step_counter_not_incremented_twice_after_resume(tmp_path):
                                                                    "step-00000005"]
 
 
-def test_no_steps_skipped_at_a_checkpoint_boundary_and_no_cursor_runs_ahead(tmp_path):
+def test_no_steps_skipped_at_a_checkpoint_boundary_verl_and_no_cursor_runs_ahead_nemo_rl(
+        tmp_path):
     """The sources derive a step's data from the step alone (no cursor to run ahead of the
     work): the resumed run's first step reads the data the straight run's step read, seen in
     the tokens each step trained on and its loss (float64: any other batch differs)."""

@@ -140,3 +140,17 @@ def test_controller_rejects_garbage_and_unknown_types_and_keeps_serving(cluster)
     assert "never said hello" in header["reason"]
     client.close()
     assert ctl.submit("noop").result(timeout=5) is None
+
+
+def test_a_fetch_asks_the_producer_not_an_executor_the_object_is_still_on_its_way_to(cluster):
+    """A consumer routed to a busy executor makes it a holder before the push arrives; a fetch
+    meanwhile must still find the value (on its producer)."""
+    ctl, started = cluster
+    first, second = sorted(started, key=lambda e: e.id)  # the holders' lowest id is asked
+    value = list(range(50_000))  # fetched, not carried in the completion message
+    busy = ctl.submit("sleep", config={"seconds": 1.0}, executor=first.id)
+    made = ctl.submit("identity", ctl.put(value, executor=second.id), executor=second.id)
+    wait([made], timeout=5)
+    copy = ctl.submit("identity", made, executor=first.id)  # queued behind the sleep
+    assert made.result(timeout=5) == value
+    assert copy.result(timeout=5) == value and busy.result(timeout=5) is None

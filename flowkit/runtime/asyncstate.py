@@ -1,0 +1,160 @@
+"""What a checkpoint of an asynchronous run holds of the steps open at its boundary, and how a
+resumed run goes on with them.
+
+[Note: checkpoints of asynchronous runs] At the boundary after step k-1 trained (k steps
+done), steps k .. k+η-1 are open [Note: asynchronous steps in flowrun.py]: their generation
+may be done, running, or (partial rollouts, [Note: partial rollouts in partial.py]) carried
+from one step to the next. A checkpoint there
+  1. drains: it lets every open step's generating nodes (the gated `generate` ops) end before
+     it writes anything. Nothing trains meanwhile (a step's training starts only in the next
+     `run_step`), so the executors' weights and optimizer states are step k-1's; the engines
+     go on decoding the open steps' samples under the weights they have, as they would have
+     without the checkpoint. This costs throughput at checkpoint steps only: the next step's
+     training waits for the generation of the η open steps (with η = 1, its own);
+  2. fetches, for each open step and generating node, every call's output: the rollouts
+     (tokens, log-probs, the weights version of every token) in the order the call emitted
+     them, and the partial-rollout metrics the step will report; and the calls carried past
+     the last open step (interrupted samples with their per-token versions) — `OpenWork`, in
+     the controller's `RunState`;
+  3. writes the executors' states and the run state as a synchronous checkpoint does.
+A resumed run opens steps k .. k+η-1 as the uninterrupted one would, but each of their
+generating nodes makes exactly the saved calls, each given its saved rollouts, which the
+engines pass through unchanged (a finished Rollout given to `generate` is its output); the
+step's own prompts are not generated again. Everything downstream (rewards, reference
+scores, advantages, training) runs as before. The carried calls go back into the runner and
+continue from their prefixes in step k+η, as they would have. So:
+  - no sample is lost and none trained twice: every sample generated before the checkpoint is
+    trained in the step that took it, or carried, exactly as in the run that wrote it;
+  - the step counter goes on from k, and the source of step s draws step s's prompts;
+  - the staleness bound is the uninterrupted run's: the saved rollouts were admitted under it,
+    the restored feedback is version k (as at the boundary), and the runner opens steps
+    s+1 .. s+η while step s runs, no further;
+  - steps k .. k+η-1 train the same samples with the same per-token versions as the run that
+    wrote the checkpoint; later steps generate under whatever weights are newest, which on
+    the simulator (a request's tokens take the version of the weights it was sent with) is
+    the uninterrupted run's, so its curve is equal, and on torch (weights reach a running
+    engine between its iterations) depends on timing even between two uninterrupted runs.
+Other gated nodes (value inference with a critic fed back) are not saved: a resumed run
+computes them again with the newest weights, within the bound. Request names carry the
+runner's attempt, so an abort remembered by a surviving executor from before a restart
+never cuts a replayed request ([Note: executor restarts] in flowkit/cli/_restarts.py).
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from typing import Any
+
+import attrs
+
+from flowkit.runtime.partial import Carried
+from flowkit.runtime.refs import Item
+from flowkit.runtime.stepstate import FlowRunError, lineage_order
+
+__all__ = ["CarriedCall", "OpenCall", "OpenWork", "drain", "open_work", "resume_open"]
+
+
+@attrs.frozen
+class OpenCall:
+    """One generating call of an open step, done: its output items in emission order."""
+
+    lineage: tuple
+    items: list
+
+
+@attrs.frozen
+class CarriedCall:
+    """A call carried into a step not open yet [Note: partial rollouts in partial.py]."""
+
+    step: int
+    node: str
+    origin: int
+    lineage: tuple
+    items: list
+
+
+@attrs.define(kw_only=True)
+class OpenWork:
+    """The controller's part of an asynchronous checkpoint beyond a synchronous one's."""
+
+    calls: dict[int, dict[str, list[OpenCall]]] = attrs.field(factory=dict)  # step -> node
+    partial: dict[int, dict[str, dict]] = attrs.field(factory=dict)  # step -> node -> metrics
+    carried: list[CarriedCall] = attrs.field(factory=list)
+
+    def rollouts(self) -> int:
+        """How many generated samples it holds."""
+        return (sum(len(c.items) for by_node in self.calls.values()
+                    for calls in by_node.values() for c in calls)
+                + sum(len(c.items) for c in self.carried))
+
+
+def generating(runner: Any) -> list[str]:
+    """The nodes whose output a checkpoint holds: gated generate ops."""
+    ops = {node.name: node.op for node in runner.plan}
+    return [name for name in runner.gated if ops[name] == "generate"]
+
+
+def drain(runner: Any, timeout: float) -> None:
+    """Run the open steps' reactions until every generating node of theirs has ended."""
+    nodes = generating(runner)
+    deadline = time.monotonic() + timeout
+    while not all(run.states[n].closed for run in runner.open.values() for n in nodes):
+        try:
+            event = runner.events.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            still = sorted(f"{n} of step {s}" for s, run in runner.open.items() for n in nodes
+                           if not run.states[n].closed)
+            raise FlowRunError(f"a checkpoint waited {timeout} s for the generation of the "
+                               f"open steps; still running: {', '.join(still)}") from None
+        event()
+
+
+def open_work(runner: Any, timeout: float) -> OpenWork:
+    """Drain, then fetch what the open steps generated and what is carried past them."""
+    drain(runner, timeout)
+    work, fetched = OpenWork(), _Fetcher(runner.ctl, timeout)
+    for step, run in sorted(runner.open.items()):
+        for name in generating(runner):
+            (port,) = run.states[name].plan.outputs
+            stream = run.streams[(name, port)]
+            calls: dict[tuple, list] = {}
+            for lineage in sorted(stream.items, key=lineage_order):
+                calls.setdefault(lineage[:-1], []).append(fetched(stream.items[lineage]))
+            work.calls.setdefault(step, {})[name] = [OpenCall(lin, items)
+                                                     for lin, items in calls.items()]
+        for name, partial in run.partial.items():
+            work.partial.setdefault(step, {})[name] = partial.metrics(name, timeout)
+    for step, by_node in sorted(runner.carried.items()):
+        for name, carried in by_node.items():
+            work.carried += [CarriedCall(step, name, c.origin, c.lineage,
+                                         list(fetched(c.ref))) for c in carried]
+    return work
+
+
+class _Fetcher:
+    """Item values, each call's list fetched once."""
+
+    def __init__(self, ctl: Any, timeout: float) -> None:
+        self.ctl, self.timeout, self.lists = ctl, timeout, {}
+
+    def __call__(self, ref: Any) -> Any:
+        if isinstance(ref, Item):
+            if ref.future.id not in self.lists:
+                self.lists[ref.future.id] = self.ctl.fetch(ref.future, timeout=self.timeout)
+            return self.lists[ref.future.id][ref.index]
+        return self.ctl.fetch(ref, timeout=self.timeout)
+
+
+def resume_open(runner: Any, work: OpenWork) -> None:
+    """The open steps of a resumed run replay `work`'s calls; carried calls wait for their
+    step."""
+    ctl = runner.ctl
+    for step, by_node in work.calls.items():
+        runner.replay[step] = {name: {c.lineage: ctl.put(list(c.items)) for c in calls}
+                               for name, calls in by_node.items()}
+    for step, by_node in work.partial.items():
+        runner.replay_metrics[step] = dict(by_node)
+    for c in work.carried:
+        runner.carried.setdefault(c.step, {}).setdefault(c.node, []).append(
+            Carried(c.origin, c.lineage, ctl.put(list(c.items))))

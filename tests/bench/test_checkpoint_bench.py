@@ -1,0 +1,15 @@
+"""The asynchronous part of `flowkit bench checkpoint`: both runs train every step within the
+bound, and the figures say what they measured (behaviour, not timings)."""
+
+from __future__ import annotations
+
+from flowkit.bench.checkpoint import run_async_checkpoint_bench
+
+
+def test_async_checkpoint_bench_measures_both_runs_within_the_bound():
+    figures = run_async_checkpoint_bench(steps=3, rounds=1, max_staleness=1, prompts=4,
+                                         rollout_executors=2)
+    assert figures["steps_per_s_with"] > 0 and figures["steps_per_s_without"] > 0
+    assert figures["ratio"] == figures["steps_per_s_with"] / figures["steps_per_s_without"]
+    assert 0 < figures["checkpoint_s"] and figures["staleness_max"] <= 1
+    assert figures["samples_per_step"] == 4 * 8
