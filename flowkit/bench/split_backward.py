@@ -27,12 +27,13 @@ from typing import Any
 import attrs
 import torch
 
-__all__ = ["SplitBenchConfig", "run_split_backward_bench"]
+__all__ = ["SplitBenchConfig", "hf_config_like", "run_split_backward_bench"]
 
 
 @attrs.frozen(kw_only=True)
 class SplitBenchConfig:
-    """One GPT, cut into `stages`, timed on one microbatch of (batch, seq) tokens."""
+    """One GPT (or a Hugging Face decoder of its size), cut into `stages`, timed on one
+    microbatch of (batch, seq) tokens."""
 
     n_embd: int = 128
     n_layer: int = 4
@@ -42,6 +43,7 @@ class SplitBenchConfig:
     batch: int = 8
     seq: int = 128
     dtype: str = "float32"  # a torch dtype name
+    architecture: str = "gpt"  # or a Hugging Face one ("llama", "qwen2"): hf_config_like
 
 
 DEFAULT_CONFIGS = (
@@ -77,6 +79,15 @@ def run_split_backward_bench(*, configs: Sequence[SplitBenchConfig] = DEFAULT_CO
     }
 
 
+def hf_config_like(gpt: dict) -> dict:
+    """A Hugging Face decoder config the size of a built-in GPT config: the same width, depth,
+    heads (all of them key-value heads), a 4x MLP, vocabulary and context."""
+    return {"hidden_size": gpt["n_embd"], "num_hidden_layers": gpt["n_layer"],
+            "num_attention_heads": gpt["n_head"], "num_key_value_heads": gpt["n_head"],
+            "intermediate_size": 4 * gpt["n_embd"], "vocab_size": gpt["vocab_size"],
+            "max_position_embeddings": gpt["block_size"]}
+
+
 def _ratio(stages: list[dict], num: str, den: str) -> float:
     """Sum of medians over stages, so that a long stage weighs as much as it takes."""
     return sum(s[f"{num}_ms"] for s in stages) / sum(s[f"{den}_ms"] for s in stages)
@@ -87,9 +98,16 @@ def _bench_config(config: SplitBenchConfig, *, repeats: int, warmup: int, seed: 
 
     torch.manual_seed(seed)
     dtype = getattr(torch, config.dtype)
-    gpt_config = GPTConfig(vocab_size=config.vocab_size, block_size=config.seq,
-                           n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd)
-    modules = [m.to(dtype) for m in split_gpt(GPT(gpt_config), config.stages, seq_len=config.seq)]
+    gpt = {"vocab_size": config.vocab_size, "block_size": config.seq, "n_layer": config.n_layer,
+           "n_head": config.n_head, "n_embd": config.n_embd}
+    if config.architecture == "gpt":
+        whole = GPT(GPTConfig(**gpt))
+        modules = [m.to(dtype) for m in split_gpt(whole, config.stages, seq_len=config.seq)]
+    else:
+        from executors.torch.models.hf import HFCausalLM
+
+        whole = HFCausalLM(architecture=config.architecture, hf_config=hf_config_like(gpt))
+        modules = [m.to(dtype) for m in whole.split(config.stages, seq_len=config.seq)]
     idx = torch.randint(0, config.vocab_size, (config.batch, config.seq + 1))
     x, targets = idx[:, :-1], idx[:, 1:]
     stages = []
@@ -99,7 +117,8 @@ def _bench_config(config: SplitBenchConfig, *, repeats: int, warmup: int, seed: 
         times = _bench_stage(module, (stage_in, *extra), repeats=repeats, warmup=warmup)
         position = "only" if module.first and module.last else (
             "first" if module.first else "last" if module.last else "middle")
-        stages.append({"stage": s, "position": position, "blocks": len(module.h), **times})
+        blocks = len(module.h if config.architecture == "gpt" else module.blocks)
+        stages.append({"stage": s, "position": position, "blocks": blocks, **times})
         with torch.no_grad():
             x = module(stage_in)  # the next stage's input
     return {"config": attrs.asdict(config), "stages": stages,

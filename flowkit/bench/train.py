@@ -1,4 +1,4 @@
-"""Training benchmark on the built-in GPT, each figure against a baseline in the same run:
+"""Training benchmark on the built-in GPT (or, with `model`, a Hugging Face decoder of its size), each figure against a baseline in the same run:
 
 (a) B + W against a fused backward of the same microbatch (flowkit/bench/split_backward.py);
 (b) per schedule, the bubble rate measured on torch executor processes against the simulator's
@@ -34,18 +34,26 @@ class TrainSetup:
     steps: int = 6  # per schedule; the first (profiling, warm-up) is not counted
     gpt: dict = attrs.field(factory=lambda: {"vocab_size": 256, "block_size": 128,
                                              "n_layer": 4, "n_head": 4, "n_embd": 128})
+    # "gpt" (the built-in), or a Hugging Face architecture ("llama", "qwen2") of the same size
+    model: str = "gpt"
 
 
 def run_train_bench(setup: TrainSetup | None = None, *,
                     schedules: tuple[str, ...] = SCHEDULES,
-                    split_backward: dict | None = None) -> dict:
+                    split_backward: dict | None = None, model: str | None = None) -> dict:
     """Figures (a), (b), (c) of the module docstring; `split_backward` passes options to
-    run_split_backward_bench (its configs and repeats)."""
+    run_split_backward_bench (its configs and repeats); `model` sets the setup's model (a
+    Hugging Face architecture measures HF decoder layers: `flowkit bench train --model llama`)."""
     from executors.torch.memory import keep_freed_memory
-    from flowkit.bench.split_backward import run_split_backward_bench
+    from flowkit.bench.split_backward import DEFAULT_CONFIGS, run_split_backward_bench
 
     keep_freed_memory()  # as the torch executors do, for (a) and the plain loop alike
     setup = setup or TrainSetup()
+    if model is not None:
+        setup = attrs.evolve(setup, model=model)
+    if setup.model != "gpt" and not (split_backward or {}).get("configs"):
+        configs = [attrs.evolve(c, architecture=setup.model) for c in DEFAULT_CONFIGS]
+        split_backward = {**(split_backward or {}), "configs": configs}
     with tempfile.TemporaryDirectory() as tmp:
         corpus = _corpus(Path(tmp))
         pipeline = _pipeline_runs(setup, corpus, schedules)
@@ -83,17 +91,41 @@ def _pipeline_runs(setup: TrainSetup, corpus: str, schedules: tuple[str, ...]) -
         activation = (setup.batch_size // setup.microbatches) * setup.seq_len
         hop_s = profile_hop(ctl, infos, activation * setup.gpt["n_embd"] * 4)
         for kind in schedules:
-            flow = pretrain_flow(corpus=corpus, stages=setup.stages,
-                                 microbatches=setup.microbatches, schedule=kind,
+            name = f"{setup.model}-{kind}"
+            flow = pretrain_flow(corpus=corpus, microbatches=setup.microbatches, schedule=kind,
                                  batch_size=setup.batch_size, seq_len=setup.seq_len,
-                                 gpt=setup.gpt, model_name=f"gpt-{kind}")
+                                 model=_model(setup, name))
             runner = FlowRunner(ctl, lower_flow(flow))
             reports = [runner.run_step(step) for step in range(setup.steps)][1:]
-            schedule, _ = runner.trained[f"gpt-{kind}"]
-            costs = runner.profiles[(f"gpt-{kind}", schedule.num_stages)]
+            schedule, _ = runner.trained[name]
+            costs = runner.profiles[(name, schedule.num_stages)]
             predicted = simulate(schedule, attrs.evolve(costs, comm=hop_s))
             out[kind] = _figures(kind, reports, setup, predicted.bubble_rate, hop_s)
     return out
+
+
+def _model(setup: TrainSetup, name: str):
+    """The setup's model as a flow declares it: the built-in GPT or an HF decoder its size."""
+    from dataflows.models import GPT_BUILD
+    from flowkit.bench.split_backward import hf_config_like
+    from flowkit.dsl import Model
+
+    if setup.model == "gpt":
+        return Model(name=name, build=GPT_BUILD, config=dict(setup.gpt), stages=setup.stages,
+                     tags=("train",))
+    return Model(name=name, build="hf", stages=setup.stages, tags=("train",),
+                 config={"architecture": setup.model, "hf_config": hf_config_like(setup.gpt)})
+
+
+def _whole_model(setup: TrainSetup):
+    from executors.torch.models.gpt import GPT
+    from flowkit.bench.split_backward import hf_config_like
+
+    if setup.model == "gpt":
+        return GPT(**setup.gpt)
+    from executors.torch.models.hf import HFCausalLM
+
+    return HFCausalLM(architecture=setup.model, hf_config=hf_config_like(setup.gpt))
 
 
 def _figures(kind: str, reports: list, setup: TrainSetup, predicted: float,
@@ -115,14 +147,13 @@ def _plain_loop(setup: TrainSetup, corpus: str) -> dict:
     import torch
 
     from dataflows.text import token_sequences
-    from executors.torch.models.gpt import GPT
 
     threads = os.cpu_count() or 1
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         torch.manual_seed(0)
-        model = GPT(**setup.gpt)
+        model = _whole_model(setup)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
         times = []
         per_mb = setup.batch_size // setup.microbatches

@@ -46,13 +46,16 @@ _BENCHES = {
               help="dispatch and transfer only: 2 runs the executors (and the bare-zmq "
               "baseline) on two network-namespace hosts of this machine; needs root "
               "[default: 1, this host].")
+@click.option("--model", type=click.Choice(["gpt", "llama", "qwen2"]), default=None,
+              help="train only: the built-in GPT, or a Hugging Face decoder of its size (needs "
+              "the hf extra) [default: gpt].")
 @click.option("--curve", is_flag=True,
               help="dispatch and transfer only: with and without CurveZMQ (every socket "
               "authenticated and encrypted), flowkit and the bare-zmq baseline alike, "
               "alternating round by round.")
 def bench(which: str, json_out: Path | None, mode: str | None, max_staleness: int | None,
           length_sigma: float | None, max_new_tokens: int | None, hosts: int | None,
-          curve: bool) -> None:
+          model: str | None, curve: bool) -> None:
     """Measure dispatch, executor-to-executor transfer, pipeline execution, training, RL
     steps with barriers, fused and asynchronous, generation's rollout engine, or a run
     checkpoint against writing its bytes."""
@@ -65,6 +68,11 @@ def bench(which: str, json_out: Path | None, mode: str | None, max_staleness: in
     else:
         kwargs = _refuse_rl_options(which, rl_options)
     kwargs.update(_hosts_kwargs(which, hosts))
+    if model is not None:
+        if which != "train":
+            raise click.BadParameter(f"`flowkit bench train` only, not {which!r}",
+                                     param_hint="--model")
+        kwargs["model"] = model
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     module_name, function = _curve_bench(which) if curve else _BENCHES[which].split(":")
     figures = getattr(importlib.import_module(module_name), function)(**kwargs)

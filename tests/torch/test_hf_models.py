@@ -6,6 +6,7 @@ model loads with `from_pretrained`. Every model is a tiny random config built of
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -223,3 +224,46 @@ def test_more_stages_than_decoder_layers_is_a_clear_error():
     model = _plain_model(LLAMA, torch.float32)
     with pytest.raises(ValueError, match="4 decoder layers splits into 1 to 4 pipeline stages"):
         model.split(5)
+
+
+# -- RL with HF models ---------------------------------------------------------------------------
+SMALL_VOCAB = {"architecture": "qwen2", "hf_config": {**ROPE, "vocab_size": 64,
+                                                      "tie_word_embeddings": True}}
+
+
+def test_a_value_head_gives_one_value_per_position_and_ties_nothing():
+    critic = HFCausalLM(**SMALL_VOCAB, value_head=True)
+    assert critic(torch.randint(0, 64, (2, 7))).shape == (2, 7)
+    first, last = critic.split(2)
+    assert first.tied_copies() == last.tied_copies() == ()
+    assert "score.weight" in dict(last.named_parameters()) and not critic.pretrained_format
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_rl_steps_train_an_hf_actor_and_sync_it_to_the_generator_by_hf_names(tmp_path,
+                                                                            algorithm):
+    from dataflows.grpo import grpo_flow
+    from dataflows.ppo import ppo_flow
+    from flowkit.runtime.training import model_spec
+
+    actor = Model(name="actor", build="hf", config={**SMALL_VOCAB, "dtype": "float64",
+                                                    "seed": 3}, stages=2, tags=("train",))
+    make = grpo_flow if algorithm == "grpo" else ppo_flow
+    flow = make(prompts=4, n=2, microbatches=2, max_new_tokens=4, schedule="1f1b", lr=1e-2,
+                model=actor)
+    tags = [("train",), ("train",), ("rollout",)]
+    with executor_cluster(3, kind="torch", tags=tags) as (ctl, infos):
+        runner = FlowRunner(ctl, lower_flow(flow))
+        reports = [runner.run_step(step) for step in range(2)]
+        saved = dict(zip(runner.training, runner.save_weights(tmp_path)))
+        rollout = next(e for e in infos if "rollout" in e.tags)
+        synced = ctl.submit("export_weights", config={**model_spec(actor, 1), "stage": 0},
+                            executor=rollout.id).result(timeout=60)
+    assert all(math.isfinite(r.metrics["update_actor/loss"]) for r in reports)
+    trained = transformers.AutoModelForCausalLM.from_pretrained(
+        saved["actor"], local_files_only=True, dtype=torch.float64)
+    for name, value in trained.named_parameters():
+        assert torch.equal(synced[name], value.detach()), name
+    start = _plain_model(SMALL_VOCAB, torch.float64)
+    moved = [n for n, p in start.named_parameters() if not torch.equal(p, synced[n])]
+    assert moved, "the actor did not train"

@@ -31,3 +31,19 @@ def test_the_train_bench_reports_split_backward_bubbles_and_tokens_per_s():
 def test_freed_memory_stays_in_the_process_on_glibc():
     if sys.platform == "linux":
         assert keep_freed_memory()
+
+
+def test_the_train_bench_measures_hugging_face_decoder_layers_with_model():
+    import attrs
+    import pytest
+
+    pytest.importorskip("transformers", reason="the hf extra: pip install 'flowkit[hf]'")
+    setup = TrainSetup(stages=2, microbatches=2, batch_size=4, seq_len=8, steps=2, gpt=TINY_GPT)
+    tiny = attrs.evolve(tiny_split_bench(2), architecture="llama")
+    result = run_train_bench(setup, schedules=("zb-h1",), model="llama",
+                             split_backward={"configs": [tiny], "repeats": 1, "warmup": 0})
+    assert result["setup"]["model"] == "llama"
+    assert result["split_backward"]["configs"][0]["config"]["architecture"] == "llama"
+    assert result["split_backward"]["bw_over_fused"] > 0
+    assert result["schedules"]["zb-h1"]["tokens_per_s"] > 0
+    assert result["plain_loop"]["tokens_per_s"] > 0
