@@ -3,8 +3,10 @@
 [Note: deferred weight gradients]
 B (`StageRunner.backward_input`) and W (`StageRunner.backward_weight`) split one backward pass:
 
-- Linear, LayerNorm and Embedding layers. While a stage runs its forward, every `F.linear`,
-  `F.layer_norm` and `F.embedding` whose parameters belong to the stage goes through a deferred
+- Linear, LayerNorm and Embedding layers, and per-channel scales. While a stage runs its
+  forward, every `F.linear`, `F.layer_norm`, `F.embedding` and product of an activation with a
+  1-D parameter over its channels (``weight * x``: an RMSNorm's weight as Hugging Face models
+  apply it) whose parameters belong to the stage goes through a deferred
   autograd Function whose backward computes the input gradient only (dX = dY·W for a linear,
   the normalization part for a LayerNorm, nothing for an embedding: ids have no gradient). The
   recorder keeps what the weight part needs (the layer input X as a detached alias: the forward
@@ -47,7 +49,7 @@ from torch.autograd.graph import GradientEdge, Node
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["Consumers", "DeferredCall", "EmbeddingCall", "LayerNormCall", "LinearCall", "Recorder",
-           "SavedBytes", "accumulate", "consumer_nodes", "consumer_weight_grads", "edges_of",
+           "SavedBytes", "ScaleCall", "accumulate", "consumer_nodes", "consumer_weight_grads", "edges_of",
            "grad_accumulator", "storages"]
 
 
@@ -130,6 +132,20 @@ class EmbeddingCall(DeferredCall):
         return [(self.weight, dw)]
 
 
+@attrs.define(eq=False)
+class ScaleCall(DeferredCall):
+    """A per-channel scale ``x * weight`` (weight 1-D over x's last dimension): an RMSNorm's
+    weight, as Hugging Face models apply it."""
+
+    weight: torch.Tensor
+
+    def weight_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        _check_unchanged(self.x, self.x_version)
+        channels = self.weight.shape[0]
+        dw = (self.dy * self.x.to(self.dy.dtype)).reshape(-1, channels).sum(0)
+        return [(self.weight, dw)]
+
+
 class _DeferredLinear(torch.autograd.Function):
     """`F.linear` whose backward yields the input gradient only; W does the weight part."""
 
@@ -167,6 +183,20 @@ class _DeferredLayerNorm(torch.autograd.Function):
             dx, _, _ = torch.ops.aten.native_layer_norm_backward(dy, x, ctx.shape, mean, rstd,
                                                                  weight, bias, [True, False, False])
         return dx, None, None, None, None
+
+
+class _DeferredScale(torch.autograd.Function):
+    """``x * weight`` whose backward yields the input gradient only (dX = dY * weight)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor):
+        ctx.save_for_backward(weight)  # X itself lives in the ScaleCall
+        return x * weight
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        return (dy * weight if ctx.needs_input_grad[0] else None), None
 
 
 class _DeferredEmbedding(torch.autograd.Function):
@@ -231,13 +261,31 @@ def _record_embedding(rec: Recorder, args: tuple, kwargs: dict) -> torch.Tensor 
     return out
 
 
+def _record_scale(rec: Recorder, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """``weight * x`` or ``x * weight`` with a 1-D weight of the stage over x's channels."""
+    if len(args) != 2 or kwargs:
+        return None
+    a, b = args
+    weight, x = (a, b) if rec.owns_scale(a) else (b, a) if rec.owns_scale(b) else (None, None)
+    if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 1
+            and x.shape[-1] == weight.shape[0] and x.dtype == weight.dtype):
+        return None
+    out = _DeferredScale.apply(x, weight)
+    xd = x.detach()
+    rec.calls.append(ScaleCall(out.grad_fn, xd, xd._version, weight=weight))
+    return out
+
+
 _RECORDERS: dict[Callable, Callable[..., torch.Tensor | None]] = {
-    F.linear: _record_linear, F.layer_norm: _record_layer_norm, F.embedding: _record_embedding}
+    F.linear: _record_linear, F.layer_norm: _record_layer_norm, F.embedding: _record_embedding,
+    torch._C.TensorBase.mul: _record_scale, torch.Tensor.__mul__: _record_scale,
+    torch.Tensor.__rmul__: _record_scale, torch.mul: _record_scale}
 
 
 class Recorder(TorchFunctionMode):
     """Active during a stage's forward: routes the stage's linear, layer-norm and embedding
-    layers through their deferred Functions (`_RECORDERS`) and records one call for each."""
+    layers and per-channel scales (an RMSNorm's weight) through their deferred Functions
+    (`_RECORDERS`) and records one call for each."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
         super().__init__()
@@ -249,6 +297,10 @@ class Recorder(TorchFunctionMode):
         if id(weight) not in self._params:
             return False
         return bias is None or id(bias) in self._params or not bias.requires_grad
+
+    def owns_scale(self, value: Any) -> bool:
+        """A 1-D parameter of the stage (a norm's per-channel weight)."""
+        return isinstance(value, torch.Tensor) and id(value) in self._params and value.dim() == 1
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -56,6 +56,32 @@ class _Embeds(nn.Module):
         return (torch.tanh(h) ** 2).mean()
 
 
+class _Scales(nn.Module):
+    """Per-channel scales as RMSNorms apply them (``weight * x`` and ``x * weight``, through
+    the operator and torch.mul), one used twice, beside a 2-D parameter product that is not a
+    scale (the generic split) and a scale of a non-parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.rand(D) + 0.5)
+        self.beta = nn.Parameter(torch.rand(D) + 0.5)
+        self.square = nn.Parameter(torch.rand(3, D))
+
+    def forward(self, x):
+        rms = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        h = self.gamma * rms + torch.mul(torch.tanh(rms), self.beta) * self.gamma
+        h = h * self.square + h * torch.ones(D, dtype=h.dtype)
+        return (h**2).mean()
+
+
+def test_per_channel_scales_are_deferred_and_leave_no_consumer():
+    stage = _Scales().double()
+    runner = StageRunner(stage)
+    runner.forward(0, torch.randn(2, 3, D, dtype=torch.float64))
+    kinds = [type(c).__name__ for c in runner._mbs[0].calls]
+    assert kinds.count("ScaleCall") == 3  # gamma twice, beta once; not square, not the ones
+
+
 def _ids() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 3, 5), generator=torch.Generator().manual_seed(0))
 
@@ -65,8 +91,9 @@ def _ids() -> torch.Tensor:
     [
         (_Norms, lambda: torch.randn(2, 3, D, dtype=torch.float64)),
         (_Embeds, _ids),
+        (_Scales, lambda: torch.randn(2, 3, D, dtype=torch.float64)),
     ],
-    ids=["layer_norm", "embedding"],
+    ids=["layer_norm", "embedding", "scale"],
 )
 def test_weight_grads_wait_for_w_and_match_autograd(make, data):
     torch.manual_seed(0)
