@@ -76,8 +76,9 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
            "a stage's weights by the unsplit model's names"),
     OpSpec("load_weights", "export_weights dicts and weights versions",
            (*_STAGE, "version", "complete"), "load them into the model held here"),
-    OpSpec("save_weights", "export_weights dicts of every stage", ("path",),
-           "merge and write them as one checkpoint file; returns its path"),
+    OpSpec("save_weights", "export_weights dicts of every stage", ("path", "spec"),
+           "merge and write them as one checkpoint file, or, for a model with a format of its "
+           "own (a Hugging Face causal LM, built from spec), as its folder; returns the path"),
     OpSpec("save_state", "anything, only to be ordered after it", ("path",),
            "write what this executor holds for a run checkpoint (weights, optimizer states, "
            "versions, random generators) to path; returns the bytes written"),
