@@ -11,3 +11,13 @@ def start_cluster():
     (see harness.executor_cluster) for this test alone, torn down after it."""
     with contextlib.ExitStack() as stack:
         yield lambda *args, **options: stack.enter_context(executor_cluster(*args, **options))
+
+
+@pytest.fixture(scope="module")
+def namespaces():
+    """Skips, saying why, where network namespaces cannot be made (found by trying)."""
+    from flowkit.runtime.netns import unavailable
+
+    why = unavailable()
+    if why is not None:
+        pytest.skip(f"no network namespaces here: {why}")

@@ -92,3 +92,38 @@ def tiny_split_bench(stages: int) -> Any:
 
     return SplitBenchConfig(n_embd=16, n_layer=stages, n_head=2, vocab_size=32, stages=stages,
                             batch=2, seq=8)
+
+
+def plain_training(parameters: Any, loss_of: Any, *, corpus: str, steps: int, sequences: int,
+                   seq_len: int, microbatches: int, lr: float, clip_grad_norm: float
+                   ) -> list[float]:
+    """The reference a pipeline run must equal: one process, the corpus's batches of each step
+    cut into the runner's microbatches, `loss_of(batch)` (the mean next-token loss of a (B, T+1)
+    batch) accumulated by each microbatch's share, global-norm clipping, AdamW with decay on
+    matrices only (as the optimizer step does). Returns each step's mean microbatch loss."""
+    import torch
+
+    from dataflows.text import token_sequences
+    from flowkit.runtime.flowtrain import _chunk
+
+    parameters = list(parameters)
+    decay = [p for p in parameters if p.dim() >= 2]
+    plain = [p for p in parameters if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}],
+        lr=lr, betas=(0.9, 0.95), foreach=False)
+    losses = []
+    for step in range(steps):
+        rows = list(token_sequences.fn(path=corpus, sequences=sequences, seq_len=seq_len,
+                                       step=step))
+        step_losses = []
+        for mb in range(microbatches):
+            batch = torch.stack(_chunk(rows, microbatches, mb))
+            loss = loss_of(batch)
+            (loss * len(batch) / sequences).backward()
+            step_losses.append(loss.detach().item())
+        torch.nn.utils.clip_grad_norm_(parameters, clip_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(sum(step_losses) / len(step_losses))
+    return losses

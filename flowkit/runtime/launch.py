@@ -12,7 +12,7 @@ from typing import Any
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.records import ExecutorInfo
 
-__all__ = ["LocalExecutors"]
+__all__ = ["LocalExecutors", "stop_processes"]
 
 
 class LocalExecutors:
@@ -95,17 +95,22 @@ class LocalExecutors:
         return process
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Wait for the processes to exit after the controller's shutdown; kill stragglers; then
-        remove the shared-memory segments any of them left (one that was SIGKILLed could not)."""
-        from flowkit.runtime.shm import sweep
+        stop_processes(self.processes, timeout)
 
-        for process in self.processes:
-            try:
-                process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        sweep(process.pid for process in self.processes)
+
+def stop_processes(processes: Sequence[subprocess.Popen], timeout: float = 5.0) -> None:
+    """Wait for executor processes to exit after the controller's shutdown; kill stragglers;
+    then remove the shared-memory segments any of them left (one that was SIGKILLed could
+    not)."""
+    from flowkit.runtime.shm import sweep
+
+    for process in processes:
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    sweep(process.pid for process in processes)
 
 
 def _per_executor_tags(tags: Sequence, count: int) -> list[tuple[str, ...]]:

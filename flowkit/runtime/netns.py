@@ -44,6 +44,7 @@ from typing import Any
 import attrs
 
 from flowkit.runtime.controller import Controller
+from flowkit.runtime.launch import stop_processes
 from flowkit.runtime.records import ExecutorInfo
 
 __all__ = ["Host", "HostExecutors", "NamespaceError", "NamespaceHosts", "unavailable"]
@@ -214,15 +215,7 @@ class HostExecutors:
         self.controller.watch_process(process)  # `ip netns exec` execs: the pid is python's
 
     def stop(self, timeout: float = 5.0) -> None:
-        from flowkit.runtime.shm import sweep
-
-        for process in self.processes:
-            try:
-                process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        sweep(process.pid for process in self.processes)
+        stop_processes(self.processes, timeout)
 
 
 # -- iproute2 ------------------------------------------------------------------------------------

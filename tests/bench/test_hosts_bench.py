@@ -8,16 +8,6 @@ from click.testing import CliRunner
 import flowkit.bench.dispatch
 import flowkit.bench.transfer
 from flowkit.cli import main
-from flowkit.runtime.netns import unavailable
-
-
-@pytest.fixture(scope="module")
-def namespaces():
-    """Skips, saying why, where network namespaces cannot be made (found by trying)."""
-    why = unavailable()
-    if why is not None:
-        pytest.skip(f"no network namespaces here: {why}")
-
 
 needs_namespaces = pytest.mark.usefixtures("namespaces")
 

@@ -4,6 +4,11 @@ be refused with one line, and reading the metrics lines it wrote."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from click.testing import CliRunner
@@ -31,3 +36,19 @@ def refused(flow: str, *args: str) -> str:
 
 def metrics_lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def interrupted(flow: str, *args: str, metrics: Path) -> tuple[str, int]:
+    """`flowkit run FLOW ARGS` (writing `metrics`) in a process of its own, Ctrl-C'd once two
+    steps are written: its output and the steps it wrote. It must exit 130."""
+    run = subprocess.Popen(
+        [sys.executable, "-m", "flowkit", "run", flow, *args, "--steps", "100000",
+         "--no-dashboard", "--metrics", str(metrics)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert run.poll() is None, run.stdout.read()
+        time.sleep(0.2)
+    os.killpg(run.pid, signal.SIGINT)
+    output, _ = run.communicate(timeout=120)
+    assert run.returncode == 130, output
+    return output, len(metrics_lines(metrics))

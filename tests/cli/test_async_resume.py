@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from flowkit.runtime.checkpoint import RUN_STATE, complete_checkpoints
-from tests.cli.runs import GRPO
+from tests.cli.runs import GRPO, interrupted
 from tests.cli.runs import metrics_lines as _lines
 from tests.cli.runs import refused as _refused
 from tests.cli.runs import run_ok as _run
@@ -295,25 +295,9 @@ def test_ctrl_c_of_an_async_run_checkpoints_the_open_step_and_the_resume_goes_on
     """The first Ctrl-C finishes the running step; its checkpoint holds the next step's
     generation (drained), and the resumed run trains those samples to the loss the
     interrupted run would have had at that step: float64, the same weights and samples."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     metrics, checkpoints = tmp_path / "m.jsonl", tmp_path / "ck"
-    run = subprocess.Popen(
-        [sys.executable, "-m", "flowkit", "run", GRPO, "--executors", "torch", "--no-fuse",
-         "--max-staleness", "1", "--steps", "100000", "--no-dashboard", "--metrics",
-         str(metrics), "--checkpoint-dir", str(checkpoints)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        assert run.poll() is None, run.stdout.read()
-        time.sleep(0.2)
-    os.killpg(run.pid, signal.SIGINT)
-    output, _ = run.communicate(timeout=120)
-    assert run.returncode == 130, output
-    done = len(_lines(metrics))
+    output, done = interrupted(GRPO, "--executors", "torch", "--no-fuse", "--max-staleness",
+                               "1", "--checkpoint-dir", str(checkpoints), metrics=metrics)
     assert f"interrupted at step {done}" in output
     (folder,) = complete_checkpoints(checkpoints)
     assert folder.name == f"step-{done:08d}"

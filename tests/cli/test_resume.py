@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from flowkit.cli import main
 from flowkit.runtime.checkpoint import complete_checkpoints
-from tests.cli.runs import GRPO, PRETRAIN
+from tests.cli.runs import GRPO, PRETRAIN, interrupted
 from tests.cli.runs import metrics_lines as _lines
 from tests.cli.runs import run_ok as _run
 
@@ -158,25 +158,10 @@ def test_resume_with_other_executors_names_them(pretrain_checkpoint):
 # -- Ctrl-C ----------------------------------------------------------------------------------------
 def test_ctrl_c_with_checkpoints_finishes_the_step_checkpoints_it_and_the_resume_goes_on(
         tmp_path):
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     metrics, checkpoints = tmp_path / "m.jsonl", tmp_path / "ck"
-    run = subprocess.Popen(
-        [sys.executable, "-m", "flowkit", "run", PRETRAIN, "--executors", "torch",
-         "--steps", "100000", "--no-dashboard", "--metrics", str(metrics),
-         "--checkpoint-dir", str(checkpoints)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        assert run.poll() is None, run.stdout.read()
-        time.sleep(0.2)
-    os.killpg(run.pid, signal.SIGINT)
-    output, _ = run.communicate(timeout=120)
-    assert run.returncode == 130, output
-    done = len(_lines(metrics))  # the step running at Ctrl-C finished and was written
+    # the step running at Ctrl-C finishes and is written: `done` counts it
+    output, done = interrupted(PRETRAIN, "--executors", "torch", "--checkpoint-dir",
+                               str(checkpoints), metrics=metrics)
     assert f"interrupted at step {done}" in output
     (folder,) = complete_checkpoints(checkpoints)
     assert folder.name == f"step-{done:08d}"

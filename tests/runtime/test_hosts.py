@@ -97,14 +97,6 @@ def test_a_machine_without_iproute2_is_told_why_there_are_no_namespace_hosts(mon
     assert unavailable() == "iproute2's `ip` is not installed"
 
 
-@pytest.fixture(scope="module")
-def namespaces():
-    """Skips, saying why, where network namespaces cannot be made (found by trying)."""
-    why = unavailable()
-    if why is not None:
-        pytest.skip(f"no network namespaces here: {why}")
-
-
 needs_namespaces = pytest.mark.usefixtures("namespaces")
 
 

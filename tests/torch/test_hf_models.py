@@ -16,7 +16,6 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'flowkit[hf]'")
 
 from dataflows.pretrain import pretrain_flow  # noqa: E402
-from dataflows.text import token_sequences  # noqa: E402
 from executors.torch import generate as gen  # noqa: E402
 from executors.torch.engine import run_until_done  # noqa: E402
 from executors.torch.models.hf import HFCausalLM  # noqa: E402
@@ -24,8 +23,7 @@ from flowkit.dsl import Model  # noqa: E402
 from flowkit.ops.records import Prompt  # noqa: E402
 from flowkit.planner.lower import lower_flow  # noqa: E402
 from flowkit.runtime.flowrun import FlowRunner  # noqa: E402
-from flowkit.runtime.flowtrain import _chunk  # noqa: E402
-from tests.harness import executor_cluster, op_context  # noqa: E402
+from tests.harness import executor_cluster, op_context, plain_training  # noqa: E402
 
 CORPUS = str(Path(__file__).parents[2] / "examples" / "data" / "corpus.txt")
 DEVICES, MICROBATCHES, SEQUENCES, SEQ_LEN, STEPS = 2, 4, 8, 8, 2
@@ -74,26 +72,14 @@ def _train_plain(config: dict, dtype: torch.dtype):
     """The reference: the HF model itself in one process, its logits and cross-entropy, the
     same batches, gradient accumulation, clipping and AdamW."""
     lm = _plain_model(config, dtype)._lm[0]
-    decay = [p for p in lm.parameters() if p.dim() >= 2]
-    plain = [p for p in lm.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}],
-        lr=HPARAMS["lr"], betas=(0.9, 0.95), foreach=False)
-    losses = []
-    for step in range(STEPS):
-        sequences = list(token_sequences.fn(path=CORPUS, sequences=SEQUENCES, seq_len=SEQ_LEN,
-                                            step=step))
-        step_losses = []
-        for mb in range(MICROBATCHES):
-            batch = torch.stack(_chunk(sequences, MICROBATCHES, mb))
-            logits = lm(input_ids=batch[:, :-1]).logits
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
-            (loss * len(batch) / SEQUENCES).backward()
-            step_losses.append(loss.detach().item())
-        torch.nn.utils.clip_grad_norm_(lm.parameters(), HPARAMS["clip_grad_norm"])
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(sum(step_losses) / len(step_losses))
+
+    def loss_of(batch: torch.Tensor) -> torch.Tensor:
+        logits = lm(input_ids=batch[:, :-1]).logits
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+
+    losses = plain_training(lm.parameters(), loss_of, corpus=CORPUS, steps=STEPS,
+                            sequences=SEQUENCES, seq_len=SEQ_LEN, microbatches=MICROBATCHES,
+                            **HPARAMS)
     return lm, losses
 
 

@@ -13,12 +13,10 @@ import pytest
 import torch
 
 from dataflows.pretrain import pretrain_flow
-from dataflows.text import token_sequences
 from executors.torch.models.gpt import GPT
 from flowkit.planner.lower import lower_flow
 from flowkit.runtime.flowrun import FlowRunner
-from flowkit.runtime.flowtrain import _chunk
-from tests.harness import executor_cluster, seeded_gpt, tiny_gpt
+from tests.harness import executor_cluster, plain_training, seeded_gpt, tiny_gpt
 
 CORPUS = str(Path(__file__).parents[2] / "examples" / "data" / "corpus.txt")
 DEVICES, MICROBATCHES, SEQUENCES, SEQ_LEN, STEPS = 2, 4, 8, 8, 2
@@ -52,25 +50,9 @@ def _train_on_executors(ctl, schedule: str, dtype: str, name: str) -> tuple[list
 def _train_plain(dtype: torch.dtype) -> tuple[GPT, list[float]]:
     """The reference: one process, the unsplit model, the same batches and accumulation."""
     model = seeded_gpt(GPT_CONFIG, seed=3, dtype=dtype)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    plain = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}],
-        lr=HPARAMS["lr"], betas=(0.9, 0.95), foreach=False)
-    losses = []
-    for step in range(STEPS):
-        sequences = list(token_sequences.fn(path=CORPUS, sequences=SEQUENCES, seq_len=SEQ_LEN,
-                                            step=step))
-        step_losses = []
-        for mb in range(MICROBATCHES):
-            batch = torch.stack(_chunk(sequences, MICROBATCHES, mb))
-            loss = model(batch[:, :-1], batch[:, 1:])
-            (loss * len(batch) / SEQUENCES).backward()
-            step_losses.append(loss.detach().item())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), HPARAMS["clip_grad_norm"])
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(sum(step_losses) / len(step_losses))
+    losses = plain_training(model.parameters(), lambda b: model(b[:, :-1], b[:, 1:]),
+                            corpus=CORPUS, steps=STEPS, sequences=SEQUENCES, seq_len=SEQ_LEN,
+                            microbatches=MICROBATCHES, **HPARAMS)
     return model, losses
 
 

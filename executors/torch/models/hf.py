@@ -77,7 +77,8 @@ class HFCausalLM(nn.Module):
             nn.init.normal_(self.score.weight, std=getattr(self.config, "initializer_range", .02))
         else:
             self.lm_head = lm.lm_head
-        self.tied = not value_head and _ties(self.config, base, lm.lm_head)
+        embed = base.wte if self.family == "gpt2" else base.embed_tokens
+        self.tied = not value_head and lm.lm_head.weight is embed.weight
         self._whole: list[HFStage] = []
 
     # -- the model contract (README, "Your own model") -------------------------------------------
@@ -147,8 +148,7 @@ class HFCausalLM(nn.Module):
 
     @property
     def context_length(self) -> int:
-        c = self.config
-        return int(getattr(c, "max_position_embeddings", None) or c.n_positions)
+        return _context_length(self.config)
 
     def whole(self) -> HFStage:
         """The model as one stage (sharing its parameters), for forward and generation."""
@@ -195,11 +195,6 @@ def _base_name(family: str) -> str:
 
 def _is_embedding(name: str) -> bool:
     return name.split(".")[1] in ("embed_tokens", "wte", "wpe")
-
-
-def _ties(config: Any, base: nn.Module, lm_head: nn.Module) -> bool:
-    embed = base.wte if hasattr(base, "wte") else base.embed_tokens
-    return lm_head.weight is embed.weight
 
 
 def _load(path: str | None, architecture: str | None, hf_config: dict,
@@ -262,21 +257,25 @@ class HFStage(nn.Module):
         return c.h if self.family == "gpt2" else c.layers
 
     def tied_copies(self) -> tuple[str, ...]:
+        """Its copy of the tied embedding/head weight, in a split of several stages
+        [Note: tied embedding across stages in gpt.py]."""
         if not self.tied or self.first == self.last:
             return ()
-        embed = "transformer.wte.weight" if self.family == "gpt2" else "model.embed_tokens.weight"
-        return (embed,) if self.first else ("lm_head.weight",)
+        return (self._embedding_name,) if self.first else ("lm_head.weight",)
 
     def tied_pairs(self) -> dict[str, str]:
-        if not (self.tied_copies() and self.last):
-            return {}
-        embed = "transformer.wte.weight" if self.family == "gpt2" else "model.embed_tokens.weight"
-        return {embed: "lm_head.weight"}
+        """On the last stage: the first stage's tied parameter -> this stage's copy."""
+        return {self._embedding_name: "lm_head.weight"} if self.tied_copies() and self.last \
+            else {}
+
+    @property
+    def _embedding_name(self) -> str:
+        return f"{_base_name(self.family)}.{'wte' if self.family == 'gpt2' else 'embed_tokens'}" \
+            ".weight"
 
     @property
     def context_length(self) -> int:
-        c = self.config
-        return int(getattr(c, "max_position_embeddings", None) or c.n_positions)
+        return _context_length(self.config)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
         T = x.size(1)
@@ -357,6 +356,11 @@ class HFStage(nn.Module):
             return out
         return F.cross_entropy(out.reshape(-1, out.size(-1)), targets.reshape(-1),
                                ignore_index=-1)
+
+
+def _context_length(config: Any) -> int:
+    """The longest sequence the model runs: its position limit."""
+    return int(getattr(config, "max_position_embeddings", None) or config.n_positions)
 
 
 def _window(config: Any, layer: int) -> int | None:
