@@ -34,6 +34,7 @@ from typing import Any
 import attrs
 
 from flowkit.runtime.checkpoint import CheckpointError, latest_checkpoint
+from flowkit.runtime.launch import Launcher
 
 __all__ = ["Restarts", "temporary_checkpoints"]
 
@@ -45,7 +46,7 @@ class Restarts:
     """What a run needs to replace lost executors and go on [Note: executor restarts]."""
 
     allowed: int
-    launcher: Any  # LocalExecutors: replace(names)
+    launcher: Launcher  # replace(names) starts the lost executors again
     make_runner: Callable[[], Any]
     used: int = 0
     names: frozenset = frozenset()  # the run's executors

@@ -17,10 +17,11 @@ from flowkit.observe import Dashboard, MetricsWriter, RunStats, TraceRecorder
 from flowkit.ops import LOSSES, LOWERED_OPS
 from flowkit.planner.lower import Call, NodePlan, lower_flow
 from flowkit.planner.simcosts import SimCosts
-from flowkit.runtime import Controller, LocalExecutors, RemoteError
+from flowkit.runtime import Controller, RemoteError
 from flowkit.runtime.checkpoint import CheckpointError, flow_identity, restore
 from flowkit.runtime.flowrun import FlowRunError, FlowRunner, StepReport, check_async
 from flowkit.runtime.futures import ExecutorLost
+from flowkit.runtime.launchers import make_launcher
 
 __all__ = ["choose_executors", "executor_tags", "run_flow", "sparkline", "with_training_options"]
 
@@ -94,10 +95,12 @@ def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
              device: str = "cpu", fuse: bool = True, save_weights: Path | None = None,
              debug: bool = False, checkpoints: Checkpointing | None = None,
              resume: Path | None = None, staleness: int | None = None,
-             max_restarts: int = 0, controller: dict | None = None) -> None:
+             max_restarts: int = 0, controller: dict | None = None,
+             launcher: str = "local", launcher_settings: Any = None) -> None:
     """Run `steps` steps of `flow` (with `resume`, the steps after the checkpoint's up to
     `steps` in all), writing `checkpoints` as they say; asynchronously with a `staleness`
-    bound [Note: asynchronous steps in flowkit/runtime/flowrun.py]."""
+    bound [Note: asynchronous steps in flowkit/runtime/flowrun.py]. The executors are started
+    by `launcher` (flowkit/runtime/launchers.py) with its `launcher_settings`."""
     plan = lower_flow(flow)
     if staleness is not None:
         try:  # before any executor starts
@@ -128,7 +131,8 @@ def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
     with Controller(**(controller or {})) as ctl:  # bind, keys, insecure: run.py's options
         recorder.attach(ctl)
         stats.attach(ctl)
-        executors = LocalExecutors(ctl, count, kind=kind, tags=tags, code=code, device=device)
+        executors = make_launcher(launcher, ctl, count, kind=kind, tags=tags, code=code,
+                                  device=device, settings=launcher_settings)
         started = executors.start()
         try:
             def make_runner() -> FlowRunner:

@@ -6,7 +6,8 @@
 - controller.py: submits tasks as futures and drives the sockets; dispatch.py: where each task
   goes and what becomes of its objects; futures.py, refs.py.
 - protocol.py, serialize.py, shm.py: the wire; auth.py: keys and CurveZMQ on every socket
-  beyond loopback; launch.py: local executor processes.
+  beyond loopback; launch.py: launchers and local executor processes, launchers.py: launchers
+  by name.
 """
 
 from flowkit.runtime.controller import Controller, NoExecutor

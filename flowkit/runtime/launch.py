@@ -1,4 +1,7 @@
-"""Local executors: the embedded default, executor subprocesses on this machine."""
+"""Launchers start executors. Local executors, subprocesses on this machine, are the embedded
+default; netns.py starts them on namespace hosts, raylaunch.py as Ray actors. They share one
+shape (`Launcher`), so a run and its restarts pick one by name (launchers.py) and treat them
+alike."""
 
 from __future__ import annotations
 
@@ -7,32 +10,52 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.records import ExecutorInfo
 
-__all__ = ["LocalExecutors", "stop_processes"]
+__all__ = ["Launcher", "LocalExecutors", "ProcessExecutors", "device_of", "per_executor_tags",
+           "stop_processes"]
 
 
-class LocalExecutors:
-    """Start `count` executor processes connected to `controller`; stop them on exit.
+class Launcher(Protocol):
+    """What starts a run's executors: `with launcher as executors:`, or start() ... stop().
+
+    `start` returns the executors once all are connected; `replace(names)` starts a new one for
+    each lost executor of `names`, with its name, tags and device, and returns every connected
+    executor once they are in (a restart [Note: executor restarts] in flowkit/cli/_restarts.py);
+    `stop`, after the controller's shutdown, leaves no process and no shared-memory segment."""
+
+    controller: Controller
+
+    def start(self) -> list[ExecutorInfo]: ...
+
+    def replace(self, names: Sequence[str]) -> list[ExecutorInfo]: ...
+
+    def stop(self, timeout: float = 5.0) -> None: ...
+
+    def __enter__(self) -> list[ExecutorInfo]: ...
+
+    def __exit__(self, *exc: Any) -> None: ...
+
+
+class ProcessExecutors:
+    """A launcher of executor processes that this process starts itself, `count` of them named
+    `{name_prefix}-{i}`; subclasses say which command starts executor i (`_command`).
 
     Each gets one compute thread (several share the cores) and is watched, so its exit is noticed
-    at once rather than at the heartbeat timeout.
-    """
+    at once rather than at the heartbeat timeout."""
 
-    def __init__(self, controller: Controller, count: int, *, kind: str = "base",
-                 tags: Sequence[str] | Sequence[Sequence[str]] = (), device: str = "cpu",
-                 name_prefix: str = "exec", log_level: str = "WARNING",
-                 startup_timeout: float = 60.0, code: Sequence[str] = ()) -> None:
-        self.controller, self.count, self.kind, self.device = controller, count, kind, device
-        self.tags = _per_executor_tags(tags, count)
-        self.name_prefix, self.log_level = name_prefix, log_level
+    def __init__(self, controller: Controller, count: int, *, name_prefix: str = "exec",
+                 startup_timeout: float = 60.0) -> None:
+        self.controller, self.count, self.name_prefix = controller, count, name_prefix
         self.startup_timeout = startup_timeout
-        self.code = [str(path) for path in code]  # flow files whose @op functions may run
         self.processes: list[subprocess.Popen] = []
         self.by_name: dict[str, subprocess.Popen] = {}  # the newest process of each executor
+
+    def _command(self, i: int) -> list[str]:
+        raise NotImplementedError
 
     def __enter__(self) -> list[ExecutorInfo]:
         return self.start()
@@ -44,13 +67,16 @@ class LocalExecutors:
         self.stop()
 
     def start(self) -> list[ExecutorInfo]:
+        """Start them all; the executors once connected, in the order of their index."""
         for i in range(self.count):
             self._spawn(i)
         try:
-            return self.controller.wait_for_executors(self.count, timeout=self.startup_timeout)
+            joined = self.controller.wait_for_executors(self.count, timeout=self.startup_timeout)
         except TimeoutError:
             self.stop()
             raise
+        order = {f"{self.name_prefix}-{i}": i for i in range(self.count)}
+        return sorted(joined, key=lambda e: order.get(e.name, len(order)))
 
     def replace(self, names: Sequence[str]) -> list[ExecutorInfo]:
         """A new process for each lost executor of `names`, with its name, tags and device (a
@@ -80,14 +106,9 @@ class LocalExecutors:
 
     def _spawn(self, i: int) -> subprocess.Popen:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        command = [sys.executable, "-m", "executors", "--connect", self.controller.address,
-                   "--name", f"{self.name_prefix}-{i}", "--kind", self.kind,
-                   "--device", _device_of(self.device, i), "--tags", ",".join(self.tags[i]),
-                   "--log-level", self.log_level, *self.controller.executor_options(),
-                   *(arg for path in self.code for arg in ("--code", path))]
         # a session of its own: Ctrl-C in the terminal reaches the controller alone, which
         # stops the run cleanly and then shuts its executors down
-        process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
+        process = subprocess.Popen(self._command(i), env=env, stdin=subprocess.DEVNULL,
                                    start_new_session=True)
         self.processes.append(process)
         self.by_name[f"{self.name_prefix}-{i}"] = process
@@ -96,6 +117,28 @@ class LocalExecutors:
 
     def stop(self, timeout: float = 5.0) -> None:
         stop_processes(self.processes, timeout)
+
+
+class LocalExecutors(ProcessExecutors):
+    """Start `count` executor processes on this machine connected to `controller`; stop them on
+    exit."""
+
+    def __init__(self, controller: Controller, count: int, *, kind: str = "base",
+                 tags: Sequence[str] | Sequence[Sequence[str]] = (), device: str = "cpu",
+                 name_prefix: str = "exec", log_level: str = "WARNING",
+                 startup_timeout: float = 60.0, code: Sequence[str] = ()) -> None:
+        super().__init__(controller, count, name_prefix=name_prefix,
+                         startup_timeout=startup_timeout)
+        self.kind, self.device, self.log_level = kind, device, log_level
+        self.tags = per_executor_tags(tags, count)
+        self.code = [str(path) for path in code]  # flow files whose @op functions may run
+
+    def _command(self, i: int) -> list[str]:
+        return [sys.executable, "-m", "executors", "--connect", self.controller.address,
+                "--name", f"{self.name_prefix}-{i}", "--kind", self.kind,
+                "--device", device_of(self.device, i), "--tags", ",".join(self.tags[i]),
+                "--log-level", self.log_level, *self.controller.executor_options(),
+                *(arg for path in self.code for arg in ("--code", path))]
 
 
 def stop_processes(processes: Sequence[subprocess.Popen], timeout: float = 5.0) -> None:
@@ -113,7 +156,7 @@ def stop_processes(processes: Sequence[subprocess.Popen], timeout: float = 5.0) 
     sweep(process.pid for process in processes)
 
 
-def _per_executor_tags(tags: Sequence, count: int) -> list[tuple[str, ...]]:
+def per_executor_tags(tags: Sequence, count: int) -> list[tuple[str, ...]]:
     """One tag list for all (("gpu", "train")) or one per executor ([("rollout",), ("train",)])."""
     if tags and not isinstance(tags[0], str):
         if len(tags) != count:
@@ -122,7 +165,7 @@ def _per_executor_tags(tags: Sequence, count: int) -> list[tuple[str, ...]]:
     return [tuple(tags)] * count
 
 
-def _device_of(spec: str, index: int) -> str:
+def device_of(spec: str, index: int) -> str:
     """Executor `index`'s device: `spec` lists one per executor ('cuda:0,cuda:1', cycled), or
     names one for all; a bare 'cuda' gives executor i the GPU cuda:i."""
     devices = [d.strip() for d in spec.split(",") if d.strip()] or ["cpu"]

@@ -44,8 +44,7 @@ from typing import Any
 import attrs
 
 from flowkit.runtime.controller import Controller
-from flowkit.runtime.launch import stop_processes
-from flowkit.runtime.records import ExecutorInfo
+from flowkit.runtime.launch import ProcessExecutors
 
 __all__ = ["Host", "HostExecutors", "NamespaceError", "NamespaceHosts", "unavailable"]
 
@@ -169,7 +168,7 @@ class NamespaceHosts:
         return sorted(names & (_namespaces() | _links()))
 
 
-class HostExecutors:
+class HostExecutors(ProcessExecutors):
     """Executor processes on given hosts: executor i runs on `placement[i]`, named
     `{name_prefix}-{i}`, with that host's id; stopped and swept like LocalExecutors's."""
 
@@ -177,45 +176,19 @@ class HostExecutors:
                  tags: Sequence[str] = (), name_prefix: str = "exec",
                  log_level: str = "WARNING", startup_timeout: float = 60.0,
                  code: Sequence[str] = ()) -> None:
-        self.controller, self.placement, self.kind = controller, list(placement), kind
-        self.tags, self.name_prefix, self.log_level = tuple(tags), name_prefix, log_level
-        self.startup_timeout, self.code = startup_timeout, [str(path) for path in code]
-        self.processes: list[subprocess.Popen] = []
+        super().__init__(controller, len(placement), name_prefix=name_prefix,
+                         startup_timeout=startup_timeout)
+        self.placement, self.kind, self.tags = list(placement), kind, tuple(tags)
+        self.log_level, self.code = log_level, [str(path) for path in code]
 
-    def __enter__(self) -> list[ExecutorInfo]:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.controller.shutdown()  # the processes exit when their controller says so
-        self.stop()
-
-    def start(self) -> list[ExecutorInfo]:
-        """Start them all; the executors once connected, in the order of `placement`."""
-        for i, host in enumerate(self.placement):
-            self._spawn(i, host)
-        try:
-            joined = self.controller.wait_for_executors(len(self.placement),
-                                                        timeout=self.startup_timeout)
-        except TimeoutError:
-            self.stop()
-            raise
-        order = {f"{self.name_prefix}-{i}": i for i in range(len(self.placement))}
-        return sorted(joined, key=lambda e: order.get(e.name, len(order)))
-
-    def _spawn(self, i: int, host: Host) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        command = [*host.prefix, sys.executable, "-m", "executors",
-                   "--connect", self.controller.address, "--name", f"{self.name_prefix}-{i}",
-                   "--kind", self.kind, "--tags", ",".join(self.tags), "--host-id", host.id,
-                   "--log-level", self.log_level, *self.controller.executor_options(),
-                   *(arg for path in self.code for arg in ("--code", path))]
-        process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
-                                   start_new_session=True)
-        self.processes.append(process)
-        self.controller.watch_process(process)  # `ip netns exec` execs: the pid is python's
-
-    def stop(self, timeout: float = 5.0) -> None:
-        stop_processes(self.processes, timeout)
+    def _command(self, i: int) -> list[str]:
+        # `ip netns exec` execs: the watched pid is python's
+        host = self.placement[i]
+        return [*host.prefix, sys.executable, "-m", "executors",
+                "--connect", self.controller.address, "--name", f"{self.name_prefix}-{i}",
+                "--kind", self.kind, "--tags", ",".join(self.tags), "--host-id", host.id,
+                "--log-level", self.log_level, *self.controller.executor_options(),
+                *(arg for path in self.code for arg in ("--code", path))]
 
 
 # -- iproute2 ------------------------------------------------------------------------------------
