@@ -21,6 +21,7 @@ from flowkit.runtime import Controller, RemoteError
 from flowkit.runtime.checkpoint import CheckpointError, flow_identity, restore
 from flowkit.runtime.flowrun import FlowRunError, FlowRunner, StepReport, check_async
 from flowkit.runtime.futures import ExecutorLost
+from flowkit.runtime.launch import LaunchError
 from flowkit.runtime.launchers import make_launcher
 
 __all__ = ["choose_executors", "executor_tags", "run_flow", "sparkline", "with_training_options"]
@@ -133,7 +134,10 @@ def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
         stats.attach(ctl)
         executors = make_launcher(launcher, ctl, count, kind=kind, tags=tags, code=code,
                                   device=device, settings=launcher_settings)
-        started = executors.start()
+        try:
+            started = executors.start()
+        except LaunchError as exc:  # e.g. Ray cannot place the executors
+            raise click.ClickException(str(exc)) from None
         try:
             def make_runner() -> FlowRunner:
                 return FlowRunner(ctl, plan, sim_costs=sim_costs, fuse=fuse,

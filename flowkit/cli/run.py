@@ -1,4 +1,4 @@
-"""`flowkit run FLOW`: run a flow's steps on local executor processes."""
+"""`flowkit run FLOW`: run a flow's steps on executor processes, local or Ray actors."""
 
 from __future__ import annotations
 
@@ -7,10 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from executors.kinds import KINDS
 from flowkit.cli._files import writing
 from flowkit.cli._flows import load_checked_flow
+from flowkit.runtime.launchers import LAUNCHERS
+from flowkit.runtime.raylaunch import STRATEGIES
 
 _KINDS = ("auto", *KINDS)
 
@@ -86,6 +89,21 @@ _KINDS = ("auto", *KINDS)
 @click.option("--insecure", is_flag=True,
               help="Bind beyond loopback without keys: anyone who reaches the address can "
               "join as an executor.")
+@click.option("--launcher", type=click.Choice(LAUNCHERS), default="local", show_default=True,
+              envvar="FLOWKIT_LAUNCHER",
+              help="What starts the executors: local subprocesses, or Ray actors in a "
+              "placement group (needs `pip install 'flowkit[ray]'`) [env FLOWKIT_LAUNCHER].")
+@click.option("--ray-address", default=None, envvar="FLOWKIT_RAY_ADDRESS", metavar="ADDR",
+              help="With --launcher ray: the Ray cluster (HOST:PORT, ray://HOST:PORT or auto) "
+              "[default: a local Ray on loopback] [env FLOWKIT_RAY_ADDRESS].")
+@click.option("--ray-strategy", type=click.Choice(STRATEGIES, case_sensitive=False),
+              default="PACK", show_default=True,
+              help="With --launcher ray: the placement group's bundles on as few nodes as fit "
+              "(PACK) or on as many (SPREAD).")
+@click.option("--ray-cpus", type=click.FloatRange(min=0, min_open=True), default=1.0,
+              show_default=True,
+              help="With --launcher ray: Ray CPUs of each CPU executor's bundle (fractional "
+              "packs several on a core); a cuda executor's bundle is one GPU.")
 @click.option("--debug", is_flag=True, help="Show a failed op's remote traceback.")
 def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | None, device: str,
         steps: int, stages: int | None, microbatches: int | None, schedule: str | None,
@@ -93,10 +111,13 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
         trace: Path | None, metrics: Path | None,
         save_weights: Path | None, checkpoint_dir: Path | None, checkpoint_every: int | None,
         keep_checkpoints: int, resume: Path | None, max_restarts: int, dashboard: bool | None,
-        bind: str, keys_dir: Path | None, insecure: bool, debug: bool) -> None:
-    """Run a flow's steps on local executor processes."""
+        bind: str, keys_dir: Path | None, insecure: bool, launcher: str,
+        ray_address: str | None, ray_strategy: str, ray_cpus: float, debug: bool) -> None:
+    """Run a flow's steps on executor processes: local ones, or Ray actors."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     controller = controller_options(bind, keys_dir, insecure)
+    settings = launcher_settings(launcher, address=ray_address, strategy=ray_strategy,
+                                 cpus=ray_cpus)
     from flowkit.cli._checkpoints import Checkpointing
     from flowkit.cli._runflow import choose_executors, run_flow, with_training_options
     from flowkit.planner.simcosts import SimCosts
@@ -118,7 +139,8 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
     with writing(trace or metrics or Path(".")):
         run_flow(flow, code=[path], kind=kind, count=num_executors, tag_spec=tag_spec,
                  device=device, steps=steps, fuse=fuse, staleness=staleness,
-                 max_restarts=max_restarts, sim_costs=costs, controller=controller, trace=trace, metrics=metrics,
+                 max_restarts=max_restarts, sim_costs=costs, controller=controller,
+                 launcher=launcher, launcher_settings=settings, trace=trace, metrics=metrics,
                  dashboard=dashboard, save_weights=save_weights, debug=debug, resume=resume,
                  checkpoints=None if checkpoint_dir is None else Checkpointing(
                      root=checkpoint_dir, every=checkpoint_every, keep=keep_checkpoints))
@@ -143,6 +165,32 @@ def controller_options(bind: str, keys_dir: Path | None, insecure: bool) -> dict
     except InsecureBindError as exc:
         raise click.BadParameter(str(exc), param_hint="--bind") from None
     return {"bind": bind, "keys": keys, "insecure": insecure}
+
+
+def launcher_settings(launcher: str, *, address: str | None, strategy: str,
+                      cpus: float) -> Any:
+    """The launcher's settings (None for local), checked before anything starts: Ray installed,
+    its address answering; a --ray-* option given to another launcher is a usage error."""
+    from flowkit.runtime.launch import LaunchError
+    from flowkit.runtime.raylaunch import RaySettings, check_address, check_installed
+
+    if launcher != "ray":
+        context = click.get_current_context()
+        for name in ("ray_address", "ray_strategy", "ray_cpus"):
+            if context.get_parameter_source(name) is ParameterSource.COMMANDLINE:
+                option = "--" + name.replace("_", "-")
+                raise click.BadParameter(f"{option} is for --launcher ray, and this run's "
+                                         f"launcher is {launcher}", param_hint=option)
+        return None
+    try:
+        check_installed()
+    except LaunchError as exc:
+        raise click.BadParameter(str(exc), param_hint="--launcher") from None
+    try:
+        check_address(address)
+    except LaunchError as exc:
+        raise click.BadParameter(str(exc), param_hint="--ray-address") from None
+    return RaySettings(address=address, strategy=strategy.upper(), cpus=cpus)
 
 
 def _staleness(flow: Any, asynchronous: bool | None, max_staleness: int | None) -> int | None:

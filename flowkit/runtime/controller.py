@@ -125,6 +125,12 @@ class Controller:
         """Treat the exit of this local executor process (a Popen) as that executor's loss."""
         self._processes[process.pid] = process
 
+    def report_lost(self, executor_id: int, reason: str) -> None:
+        """A launcher's word that this executor is gone (its Ray actor died, say): its futures
+        fail now with `reason`, not at the heartbeat timeout, which remains the second path."""
+        self._heartbeat.lost.add(executor_id)  # one report: the heartbeat need not repeat it
+        self._lose(executor_id, reason)
+
     def executors(self) -> list[ExecutorInfo]:
         with self.condition:
             return self._state.executors()

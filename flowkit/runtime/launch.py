@@ -15,8 +15,12 @@ from typing import Any, Protocol
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.records import ExecutorInfo
 
-__all__ = ["Launcher", "LocalExecutors", "ProcessExecutors", "device_of", "per_executor_tags",
+__all__ = ["LaunchError", "Launcher", "LocalExecutors", "ProcessExecutors", "device_of", "per_executor_tags",
            "stop_processes"]
+
+
+class LaunchError(RuntimeError):
+    """A launcher could not start its executors; the text says what was asked and why not."""
 
 
 class Launcher(Protocol):

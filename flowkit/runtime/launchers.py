@@ -12,7 +12,7 @@ from flowkit.runtime.launch import Launcher, LocalExecutors
 
 __all__ = ["LAUNCHERS", "make_launcher"]
 
-LAUNCHERS = ("local",)
+LAUNCHERS = ("local", "ray")
 
 
 def make_launcher(name: str, controller: Controller, count: int, *, kind: str,
@@ -25,4 +25,8 @@ def make_launcher(name: str, controller: Controller, count: int, *, kind: str,
         if settings is not None:
             raise ValueError(f"the local launcher takes no settings, not {settings!r}")
         return LocalExecutors(controller, count, **common)
+    if name == "ray":
+        from flowkit.runtime.raylaunch import RayExecutors, RaySettings
+
+        return RayExecutors(controller, count, settings=settings or RaySettings(), **common)
     raise ValueError(f"no launcher {name!r}: choose one of {', '.join(LAUNCHERS)}")

@@ -1,0 +1,382 @@
+"""Ray as a launcher: each executor a Ray actor in a placement group. Needs the `ray` extra
+(`pip install 'flowkit[ray]'`); this module imports ray only when a launcher starts.
+
+[Note: Ray executors] The controller stays in this process. `RayExecutors.start` makes a
+placement group with one bundle per executor ({"GPU": 1} for a cuda device, {"CPU": k}
+otherwise, k = RaySettings.cpus), PACK or SPREAD, and waits for Ray to place it (a group Ray
+cannot place, e.g. GPU bundles on a cluster without GPUs, is an error after
+`placement_timeout`, not a hang). Executor i is then an actor in bundle i that starts the same
+`python -m executors ...` process a local launcher starts, as its child, with one compute
+thread; the executor connects back to the controller over ZeroMQ, which carries control and
+data as for local executors. Ray places and supervises:
+- the child gets SIGKILL when its actor's process dies (PR_SET_PDEATHSIG), so `ray.kill` of an
+  actor, or its node's death, ends the executor too;
+- each actor's long call `wait()` returns when its executor exits; a watcher thread waits on
+  those calls and, when one ends or Ray says the actor died, tells the controller that the
+  executor is lost (`Controller.report_lost`), so its futures fail at once with an error naming
+  it and Ray's reason; the heartbeat stays the second path;
+- `stop` waits for the executors to exit after the controller's shutdown, kills the actors,
+  removes the placement group and the shared-memory segments the executors left: an actor sweeps
+  its host's after its executor exits, this process those of killed executors on its own node.
+With no address a local Ray is started on loopback (and shut down by `stop`); a Ray already
+initialized in this process is used as it is. Executors on other nodes must reach the
+controller's address: bind it beyond loopback (`--bind` with `--keys`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.util
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from flowkit.runtime.controller import Controller
+from flowkit.runtime.launch import LaunchError, device_of, per_executor_tags
+from flowkit.runtime.records import ExecutorInfo
+from flowkit.runtime.shm import sweep
+
+__all__ = ["STRATEGIES", "RayExecutors", "RaySettings", "check_address", "check_installed"]
+
+STRATEGIES = ("PACK", "SPREAD")
+_INSTALL = "pip install 'flowkit[ray]'"
+
+
+@attrs.frozen(kw_only=True)
+class RaySettings:
+    """How the Ray launcher places executors and which Ray it uses."""
+
+    address: str | None = None
+    """A running cluster (`HOST:PORT`, `ray://HOST:PORT` or `auto`); None starts a local Ray on
+    loopback (or joins Ray's own RAY_ADDRESS when that is set)."""
+    strategy: str = attrs.field(default="PACK", validator=attrs.validators.in_(STRATEGIES))
+    """PACK puts the bundles on as few nodes as fit; SPREAD on as many."""
+    cpus: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))
+    """Ray CPUs of each CPU executor's bundle (fractional: several executors per core)."""
+    placement_timeout: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
+    """How long Ray may take to place the group before it is an error naming what was asked."""
+    object_store_mb: int = attrs.field(default=128, validator=attrs.validators.ge(80))
+    """A local Ray's object store: flowkit moves no data through it (Ray's minimum is ~75 MB)."""
+
+
+def check_installed() -> None:
+    """A LaunchError naming the extra when ray is not importable."""
+    if importlib.util.find_spec("ray") is None:
+        raise LaunchError(f"the ray launcher needs Ray, which is not installed: {_INSTALL}")
+
+
+def check_address(address: str | None, timeout: float = 3.0) -> None:
+    """A LaunchError when a `HOST:PORT` (or `ray://HOST:PORT`) address does not answer, before
+    ray.init would retry it for a minute; `auto` and None are Ray's to resolve."""
+    if address is None or address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise LaunchError(f"Ray address {address!r} is not HOST:PORT, ray://HOST:PORT or auto")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise LaunchError(f"no Ray cluster answers at {address} ({exc.strerror or exc}): start "
+                          "one (`ray start --head`) or leave the address out to start a local "
+                          "Ray") from None
+
+
+class RayExecutors:
+    """`count` executors as Ray actors in a placement group [Note: Ray executors]; the same
+    shape as LocalExecutors (flowkit/runtime/launch.py's Launcher)."""
+
+    def __init__(self, controller: Controller, count: int, *, kind: str = "base",
+                 tags: Sequence[str] | Sequence[Sequence[str]] = (), device: str = "cpu",
+                 name_prefix: str = "exec", log_level: str = "WARNING",
+                 startup_timeout: float = 60.0, code: Sequence[str] = (),
+                 settings: RaySettings = RaySettings()) -> None:
+        self.controller, self.count, self.kind = controller, count, kind
+        self.tags, self.device = per_executor_tags(tags, count), device
+        self.name_prefix, self.log_level = name_prefix, log_level
+        self.startup_timeout, self.settings = startup_timeout, settings
+        self.code = [os.path.abspath(path) for path in code]  # actors start elsewhere
+        self.names = [f"{name_prefix}-{i}" for i in range(count)]
+        self.actors: dict[str, Any] = {}  # the newest actor of each executor
+        self.killed: list[Any] = []  # actors replaced: killed at stop if still there
+        self.local_pids: list[int] = []  # executors on this node, for the sweep
+        self._ray: Any = None
+        self._owned = False  # whether this launcher started Ray, and so shuts it down
+        self._group: Any = None
+        self._waits: dict[Any, tuple[str, int]] = {}  # wait() call -> (executor name, pid)
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="flowkit-ray-watch",
+                                         daemon=True)
+
+    def __enter__(self) -> list[ExecutorInfo]:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.controller.shutdown()  # the executors exit when their controller says so
+        self.stop()
+
+    def bundles(self) -> list[dict[str, float]]:
+        """One placement-group bundle per executor: a GPU for a cuda device, else CPUs."""
+        return [{"GPU": 1.0} if device_of(self.device, i).startswith("cuda")
+                else {"CPU": self.settings.cpus} for i in range(self.count)]
+
+    def start(self) -> list[ExecutorInfo]:
+        """Place the group, start an actor per bundle; the executors once all are connected,
+        in the order of their index."""
+        try:
+            self._connect()
+            self._place()
+            self._launch(self.names)
+            self._watcher.start()
+        except BaseException:
+            self.stop()
+            raise
+        order = {name: i for i, name in enumerate(self.names)}
+        joined = self.controller.executors()
+        return sorted(joined, key=lambda e: order.get(e.name, len(order)))
+
+    def replace(self, names: Sequence[str]) -> list[ExecutorInfo]:
+        """A new actor, in the same bundle, for each lost executor of `names`; every connected
+        executor once they are in."""
+        unknown = sorted(set(names) - set(self.names))
+        if unknown:
+            raise ValueError(f"{unknown} are not executors this launcher started")
+        for name in names:
+            earlier = self.actors.pop(name, None)
+            if earlier is not None:  # its bundle's resources come back once it is gone
+                self.killed.append(earlier)
+                self._ray.kill(earlier, no_restart=True)
+        self._launch(names)
+        return self.controller.executors()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """After the controller's shutdown: let the executors exit, kill the actors, remove the
+        group and the segments; shut Ray down if this launcher started it."""
+        self._stopping.set()
+        if self._watcher.is_alive():
+            self._watcher.join()
+        ray = self._ray
+        if ray is None:
+            return
+        with self._lock:
+            pending = list(self._waits)
+        if pending:
+            ray.wait(pending, num_returns=len(pending), timeout=timeout)
+        for actor in [*self.actors.values(), *self.killed]:
+            with contextlib.suppress(Exception):  # already dead: nothing to kill
+                ray.kill(actor, no_restart=True)
+        self.actors.clear()
+        self.killed.clear()
+        if self._group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):
+                remove_placement_group(self._group)
+            self._group = None
+        _wait_gone(self.local_pids, timeout)  # SIGKILLed once their actor's process is gone
+        sweep(self.local_pids)
+        if self._owned:
+            ray.shutdown()
+            self._owned = False
+        self._ray = None
+
+    # -- starting -----------------------------------------------------------------------------
+    def _connect(self) -> None:
+        check_installed()
+        import ray
+
+        self._ray = ray
+        if ray.is_initialized():
+            return
+        address = self.settings.address or os.environ.get("RAY_ADDRESS") or None
+        check_address(address)
+        if address is not None:
+            ray.init(address=address, logging_level="WARNING")
+        else:  # loopback only, sized for the executors, no dashboard: a private local Ray
+            needed = sum(b.get("CPU", 0.0) for b in self.bundles())
+            ray.init(num_cpus=max(1, math.ceil(needed)), include_dashboard=False,
+                     object_store_memory=self.settings.object_store_mb * 2**20,
+                     _node_ip_address="127.0.0.1", logging_level="WARNING")
+        self._owned = True
+
+    def _place(self) -> None:
+        from ray.exceptions import GetTimeoutError
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        bundles, strategy = self.bundles(), self.settings.strategy
+        self._group = placement_group(bundles, strategy=strategy)
+        try:
+            self._ray.get(self._group.ready(), timeout=self.settings.placement_timeout)
+        except GetTimeoutError:
+            remove_placement_group(self._group)
+            self._group = None
+            asked = ", ".join(f"{n} x {b}" for b, n in _counted(bundles))
+            has = {k: v for k, v in self._ray.cluster_resources().items()
+                   if k in ("CPU", "GPU")}
+            raise LaunchError(
+                f"Ray could not place the executors' bundles ({asked}, {strategy}) within "
+                f"{self.settings.placement_timeout:g} s: the cluster has {has}. Give fewer "
+                "executors, fewer CPUs each (--ray-cpus), --device cpu, or a cluster with the "
+                "resources") from None
+
+    def _launch(self, names: Sequence[str]) -> None:
+        """Start an actor for each of `names` in its bundle; return once all have connected."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        index = {name: i for i, name in enumerate(self.names)}
+        actor_class = self._ray.remote(_ExecutorActor)
+        calls = {}
+        for name in names:
+            i = index[name]
+            bundle = self.bundles()[i]
+            actor = actor_class.options(
+                num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self._group, placement_group_bundle_index=i),
+            ).remote()
+            self.actors[name] = actor
+            calls[name] = actor.start.remote(self._arguments(i), _EXECUTOR_ENV)
+        here = self._ray.get_runtime_context().get_node_id()
+        for name, call in calls.items():
+            pid, node = self._ray.get(call, timeout=self.startup_timeout)
+            if node == here:
+                self.local_pids.append(pid)
+            with self._lock:
+                self._waits[self.actors[name].wait.remote()] = (name, pid)
+        self._wait_connected([index[name] for name in names])
+
+    def _wait_connected(self, indices: list[int]) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            try:
+                self.controller.wait_for_executors(self.count, timeout=0.5)
+                return
+            except TimeoutError:
+                with self._lock:
+                    ended = [ref for ref in self._waits if _done(self._ray, ref)]
+                if ended:  # killed too, or it cannot start: say so now, not at the timeout
+                    name, _ = self._waits[ended[0]]
+                    raise LaunchError(f"executor {name} ended before it connected to the "
+                                      f"controller: {self._why(ended[0])}") from None
+                if time.monotonic() > deadline:
+                    raise
+
+    def _arguments(self, i: int) -> list[str]:
+        """What executor i's actor passes to `python -m executors`; under Ray a GPU executor
+        sees only the GPU of its bundle, as cuda:0."""
+        device = "cuda:0" if device_of(self.device, i).startswith("cuda") else "cpu"
+        return ["--connect", self.controller.address, "--name", self.names[i],
+                "--kind", self.kind, "--device", device, "--tags", ",".join(self.tags[i]),
+                "--log-level", self.log_level, *self.controller.executor_options(),
+                *(arg for path in self.code for arg in ("--code", path))]
+
+    # -- watching -----------------------------------------------------------------------------
+    def _watch(self) -> None:
+        """Tell the controller of each executor whose actor call ended while the run goes on."""
+        while not self._stopping.is_set():
+            with self._lock:
+                pending = list(self._waits)
+            if not pending:
+                self._stopping.wait(0.05)
+                continue
+            done, _ = self._ray.wait(pending, num_returns=1, timeout=0.1)
+            for ref in done:
+                with self._lock:
+                    name, pid = self._waits.pop(ref)
+                if not self._stopping.is_set():
+                    self._report(name, pid, self._why(ref))
+
+    def _why(self, ref: Any) -> str:
+        from ray.exceptions import RayActorError
+
+        try:
+            code = self._ray.get(ref)
+        except RayActorError as exc:
+            lines = [line.strip() for line in str(exc).splitlines()]
+            cause = next((line for line in lines if line.startswith("The actor is dead")),
+                         lines[0] if lines else type(exc).__name__)
+            return f"its Ray actor died ({cause})"
+        return f"its process exited with code {code}"
+
+    def _report(self, name: str, pid: int, reason: str) -> None:
+        for executor in self.controller.executors():
+            if executor.name == name and executor.pid == pid:
+                self.controller.report_lost(executor.id, reason)
+
+
+class _ExecutorActor:
+    """Runs one flowkit executor process where Ray placed this actor, and dies with it."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen | None = None
+
+    def start(self, arguments: list[str], env: dict[str, str]) -> tuple[int, str]:
+        """Start the executor; its pid and this node's id."""
+        import ray
+
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "executors", *arguments], env={**os.environ, **env},
+            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+        return self.process.pid, ray.get_runtime_context().get_node_id()
+
+    def wait(self) -> int:
+        """The executor's exit code, once it exits; its host's segments swept."""
+        code = self.process.wait()
+        sweep([self.process.pid])
+        return code
+
+
+# one compute thread per executor, as local executors get: several share a node's cores
+_EXECUTOR_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the actor's thread that started it dies. Only
+    Linux has it; elsewhere a killed actor's executor exits at its heartbeat timeout."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _done(ray: Any, ref: Any) -> bool:
+    return bool(ray.wait([ref], timeout=0)[0])
+
+
+def _counted(bundles: list[dict]) -> list[tuple[dict, int]]:
+    counts: dict[tuple, int] = {}
+    for bundle in bundles:
+        key = tuple(sorted(bundle.items()))
+        counts[key] = counts.get(key, 0) + 1
+    return [(dict(key), n) for key, n in counts.items()]
+
+
+def _wait_gone(pids: list[int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` runs: a zombie no longer does (an orphan's reaper may be slow)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
