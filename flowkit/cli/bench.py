@@ -1,4 +1,4 @@
-"""`flowkit bench dispatch|transfer|pipeline|train|rl|rollout|checkpoint`: benchmarks, each
+"""`flowkit bench dispatch|transfer|pipeline|train|rl|rollout|checkpoint|launch`: benchmarks, each
 against a baseline measured side by side in the same run (this machine is noisy: compare
 ratios, not times)."""
 
@@ -21,6 +21,7 @@ _BENCHES = {
     "rl": "flowkit.bench.rl:run_rl_bench",
     "rollout": "flowkit.bench.rollout:run_rollout_bench",
     "checkpoint": "flowkit.bench.checkpoint:run_checkpoint_bench",
+    "launch": "flowkit.bench.launch:run_launch_bench",
 }
 
 
@@ -57,8 +58,8 @@ def bench(which: str, json_out: Path | None, mode: str | None, max_staleness: in
           length_sigma: float | None, max_new_tokens: int | None, hosts: int | None,
           model: str | None, curve: bool) -> None:
     """Measure dispatch, executor-to-executor transfer, pipeline execution, training, RL
-    steps with barriers, fused and asynchronous, generation's rollout engine, or a run
-    checkpoint against writing its bytes."""
+    steps with barriers, fused and asynchronous, generation's rollout engine, a run
+    checkpoint against writing its bytes, or executors' start-up under Ray against local."""
     import importlib
 
     rl_options = {"--mode": mode, "--max-staleness": max_staleness,
@@ -75,6 +76,8 @@ def bench(which: str, json_out: Path | None, mode: str | None, max_staleness: in
         kwargs["model"] = model
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     module_name, function = _curve_bench(which) if curve else _BENCHES[which].split(":")
+    if which == "launch":
+        _check_ray()
     figures = getattr(importlib.import_module(module_name), function)(**kwargs)
     console = Console()
     console.print_json(json.dumps(figures, default=str))
@@ -115,6 +118,17 @@ def _hosts_kwargs(which: str, hosts: int | None) -> dict:
         if why is not None:
             raise click.ClickException(f"--hosts {hosts} runs on network namespaces, and {why}")
     return {"hosts": hosts}
+
+
+def _check_ray() -> None:
+    """`flowkit bench launch` starts executors under Ray: say so before anything starts."""
+    from flowkit.runtime.launch import LaunchError
+    from flowkit.runtime.raylaunch import check_installed
+
+    try:
+        check_installed()
+    except LaunchError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def _rl_kwargs(mode: str | None, max_staleness: int | None, length_sigma: float | None,

@@ -6,8 +6,8 @@
 - controller.py: submits tasks as futures and drives the sockets; dispatch.py: where each task
   goes and what becomes of its objects; futures.py, refs.py.
 - protocol.py, serialize.py, shm.py: the wire; auth.py: keys and CurveZMQ on every socket
-  beyond loopback; launch.py: launchers and local executor processes, launchers.py: launchers
-  by name.
+  beyond loopback; launch.py: launchers and local executor processes, raylaunch.py: Ray actors,
+  launchers.py: launchers by name.
 """
 
 from flowkit.runtime.controller import Controller, NoExecutor
@@ -20,7 +20,9 @@ from flowkit.runtime.futures import (
     TaskCancelled,
     wait,
 )
-from flowkit.runtime.launch import LocalExecutors
+from flowkit.runtime.launch import Launcher, LaunchError, LocalExecutors
+from flowkit.runtime.launchers import LAUNCHERS, make_launcher
+from flowkit.runtime.raylaunch import RayExecutors, RaySettings
 from flowkit.runtime.refs import Gather, Item
 
 __all__ = [
@@ -31,9 +33,15 @@ __all__ = [
     "Future",
     "Gather",
     "Item",
+    "LAUNCHERS",
+    "LaunchError",
+    "Launcher",
     "LocalExecutors",
     "NoExecutor",
+    "RayExecutors",
+    "RaySettings",
     "RemoteError",
     "TaskCancelled",
+    "make_launcher",
     "wait",
 ]

@@ -46,7 +46,8 @@ from flowkit.runtime.launch import LaunchError, device_of, per_executor_tags
 from flowkit.runtime.records import ExecutorInfo
 from flowkit.runtime.shm import sweep
 
-__all__ = ["STRATEGIES", "RayExecutors", "RaySettings", "check_address", "check_installed"]
+__all__ = ["STRATEGIES", "RayExecutors", "RaySettings", "check_address", "check_installed",
+           "init_ray"]
 
 STRATEGIES = ("PACK", "SPREAD")
 _INSTALL = "pip install 'flowkit[ray]'"
@@ -89,6 +90,26 @@ def check_address(address: str | None, timeout: float = 3.0) -> None:
         raise LaunchError(f"no Ray cluster answers at {address} ({exc.strerror or exc}): start "
                           "one (`ray start --head`) or leave the address out to start a local "
                           "Ray") from None
+
+
+def init_ray(settings: RaySettings, *, cpus: float = 1.0) -> bool:
+    """Join the cluster at `settings.address` (or Ray's RAY_ADDRESS), else start a local Ray on
+    loopback with `cpus` CPUs (rounded up) and no dashboard; a Ray this process already
+    initialized is used as it is. Whether this call initialized Ray (its caller shuts it down)."""
+    check_installed()
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = settings.address or os.environ.get("RAY_ADDRESS") or None
+    check_address(address)
+    if address is not None:
+        ray.init(address=address, logging_level="WARNING")
+    else:  # loopback only, sized for the executors: a private local Ray
+        ray.init(num_cpus=max(1, math.ceil(cpus)), include_dashboard=False,
+                 object_store_memory=settings.object_store_mb * 2**20,
+                 _node_ip_address="127.0.0.1", logging_level="WARNING")
+    return True
 
 
 class RayExecutors:
@@ -192,22 +213,11 @@ class RayExecutors:
 
     # -- starting -----------------------------------------------------------------------------
     def _connect(self) -> None:
-        check_installed()
         import ray
 
+        needed = sum(b.get("CPU", 0.0) for b in self.bundles())
+        self._owned = init_ray(self.settings, cpus=needed)
         self._ray = ray
-        if ray.is_initialized():
-            return
-        address = self.settings.address or os.environ.get("RAY_ADDRESS") or None
-        check_address(address)
-        if address is not None:
-            ray.init(address=address, logging_level="WARNING")
-        else:  # loopback only, sized for the executors, no dashboard: a private local Ray
-            needed = sum(b.get("CPU", 0.0) for b in self.bundles())
-            ray.init(num_cpus=max(1, math.ceil(needed)), include_dashboard=False,
-                     object_store_memory=self.settings.object_store_mb * 2**20,
-                     _node_ip_address="127.0.0.1", logging_level="WARNING")
-        self._owned = True
 
     def _place(self) -> None:
         from ray.exceptions import GetTimeoutError
@@ -248,14 +258,28 @@ class RayExecutors:
             calls[name] = actor.start.remote(self._arguments(i), _EXECUTOR_ENV)
         here = self._ray.get_runtime_context().get_node_id()
         for name, call in calls.items():
-            pid, node = self._ray.get(call, timeout=self.startup_timeout)
+            pid, node = self._started(name, call)
             if node == here:
                 self.local_pids.append(pid)
             with self._lock:
                 self._waits[self.actors[name].wait.remote()] = (name, pid)
-        self._wait_connected([index[name] for name in names])
+        self._wait_connected()
 
-    def _wait_connected(self, indices: list[int]) -> None:
+    def _started(self, name: str, call: Any) -> tuple[int, str]:
+        """The pid and node of executor `name` once its actor started it; a LaunchError naming
+        it when the actor could not (it died, or Ray never scheduled it)."""
+        from ray.exceptions import GetTimeoutError, RayError
+
+        try:
+            return self._ray.get(call, timeout=self.startup_timeout)
+        except GetTimeoutError:
+            raise LaunchError(f"executor {name}'s Ray actor did not start within "
+                              f"{self.startup_timeout:g} s") from None
+        except RayError as exc:
+            raise LaunchError(f"executor {name}'s Ray actor could not start it: "
+                              f"{str(exc).splitlines()[0]}") from None
+
+    def _wait_connected(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
         while True:
             try:

@@ -29,6 +29,7 @@ from flowkit.runtime.shm import leftover_segments
 from tests.cli.runs import GRPO, PRETRAIN, metrics_lines, refused, run_ok
 
 TORCH = ("--executors", "torch")
+STEPS = "12"  # pretraining: enough steps (~0.1 s each) for a kill to land while it runs
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -63,12 +64,12 @@ def _run_both(tmp_path: Path, flow: str, model: str, *args: str) -> tuple[dict, 
 @pytest.fixture(scope="module")
 def local_pretrain(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("local-pretrain")
-    run_ok(PRETRAIN, *TORCH, "--steps", "4", "--save-weights", str(folder))
+    run_ok(PRETRAIN, *TORCH, "--steps", STEPS, "--save-weights", str(folder))
     return _weights(folder, "gpt")
 
 
 def test_pipeline_pretraining_under_ray_reaches_the_local_parameters(tmp_path, local_pretrain):
-    run_ok(PRETRAIN, *TORCH, "--steps", "4", "--launcher", "ray", "--save-weights",
+    run_ok(PRETRAIN, *TORCH, "--steps", STEPS, "--launcher", "ray", "--save-weights",
            str(tmp_path))
     _same(local_pretrain, _weights(tmp_path, "gpt"))
 
@@ -120,9 +121,9 @@ def test_a_killed_actor_fails_the_step_within_2_s_naming_it_and_leaves_nothing()
     assert leftover_segments(pids) == []
 
 
-def _kill_actor_process(name: str) -> None:
+def _kill_actor_process(name: str, metrics: Path) -> int:
     """SIGKILL the Ray worker process of executor `name`'s actor (the executor's parent), as
-    when a worker or its node dies."""
+    when a worker or its node dies; the steps `metrics` held then."""
     for entry in Path("/proc").iterdir():
         try:
             command = (entry / "cmdline").read_bytes().split(b"\0")
@@ -131,7 +132,7 @@ def _kill_actor_process(name: str) -> None:
             continue
         if b"executors" in command and name.encode() in command:
             os.kill(parent, signal.SIGKILL)
-            return
+            return len(metrics_lines(metrics))
     raise AssertionError(f"no executor process named {name}")
 
 
@@ -139,20 +140,24 @@ def test_restarts_replace_a_dead_actor_and_the_run_ends_as_without_faults(tmp_pa
                                                                          local_pretrain):
     metrics = tmp_path / "m.jsonl"
 
+    killed = []
+
     def kill_after_a_step() -> None:
         deadline = time.monotonic() + 120
         while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
             if time.monotonic() > deadline:
                 return
-            time.sleep(0.05)
-        _kill_actor_process("exec-0")
+            time.sleep(0.01)
+        killed.append(_kill_actor_process("exec-0", metrics))
 
     killer = threading.Thread(target=kill_after_a_step)
     killer.start()
-    run_ok(PRETRAIN, *TORCH, "--steps", "4", "--launcher", "ray", "--max-restarts", "1",
+    run_ok(PRETRAIN, *TORCH, "--steps", STEPS, "--launcher", "ray", "--max-restarts", "1",
            "--metrics", str(metrics), "--save-weights", str(tmp_path / "w"))
     killer.join()
-    assert metrics_lines(metrics)[-1]["restarts"] == 1
+    lines = metrics_lines(metrics)
+    assert killed and killed[0] < len(lines), "the run ended before the kill"
+    assert lines[-1]["restarts"] == 1
     _same(local_pretrain, _weights(tmp_path / "w", "gpt"))
 
 
@@ -194,3 +199,12 @@ def test_gpu_bundles_on_a_cluster_without_gpus_are_an_error_after_the_timeout_no
     assert "2 x {'GPU': 1.0}" in str(failure.value) and "the cluster has" in str(failure.value)
     states = {g["state"] for g in ray.util.placement_group_table().values()}
     assert states <= {"REMOVED"}, states  # the pending group was removed, like every other
+
+
+def test_the_launch_bench_times_both_launchers_side_by_side():
+    from flowkit.bench.launch import run_launch_bench
+
+    figures = run_launch_bench(executors=1, rounds=1, kind="base")
+    assert figures["local_start_s"] > 0 and figures["ray_start_s"] > 0
+    assert figures["ray_start_ratio"] == figures["ray_start_s"] / figures["local_start_s"]
+    assert figures["ray_init_s"] is None  # the module's Ray, used as it is
