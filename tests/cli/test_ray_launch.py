@@ -29,7 +29,7 @@ from flowkit.runtime.shm import leftover_segments
 from tests.cli.runs import GRPO, PRETRAIN, metrics_lines, refused, run_ok
 
 TORCH = ("--executors", "torch")
-STEPS = "12"  # pretraining: enough steps (~0.1 s each) for a kill to land while it runs
+STEPS = "8"  # pretraining: enough steps (~0.1 s each) for a kill to land while it runs
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -121,19 +121,35 @@ def test_a_killed_actor_fails_the_step_within_2_s_naming_it_and_leaves_nothing()
     assert leftover_segments(pids) == []
 
 
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _ours(pid: int) -> bool:
+    """Whether process `pid` descends from this test process (the local Ray head it started
+    and so its workers do): the machine may run other flowkit executors."""
+    while pid > 1:
+        pid = _parent(pid)
+        if pid == os.getpid():
+            return True
+    return False
+
+
 def _kill_actor_process(name: str, metrics: Path) -> int:
     """SIGKILL the Ray worker process of executor `name`'s actor (the executor's parent), as
     when a worker or its node dies; the steps `metrics` held then."""
     for entry in Path("/proc").iterdir():
         try:
             command = (entry / "cmdline").read_bytes().split(b"\0")
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if not (b"executors" in command and name.encode() in command
+                    and _ours(int(entry.name))):
+                continue
+            worker = _parent(int(entry.name))
         except (OSError, ValueError):
             continue
-        if b"executors" in command and name.encode() in command:
-            os.kill(parent, signal.SIGKILL)
-            return len(metrics_lines(metrics))
-    raise AssertionError(f"no executor process named {name}")
+        os.kill(worker, signal.SIGKILL)
+        return len(metrics_lines(metrics))
+    raise AssertionError(f"no executor process named {name} under this test's Ray")
 
 
 def test_restarts_replace_a_dead_actor_and_the_run_ends_as_without_faults(tmp_path,
