@@ -244,11 +244,11 @@ class RayExecutors:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         index = {name: i for i, name in enumerate(self.names)}
-        actor_class = self._ray.remote(_ExecutorActor)
+        actor_class, bundles = self._ray.remote(_ExecutorActor), self.bundles()
         calls = {}
         for name in names:
             i = index[name]
-            bundle = self.bundles()[i]
+            bundle = bundles[i]
             actor = actor_class.options(
                 num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -257,13 +257,15 @@ class RayExecutors:
             self.actors[name] = actor
             calls[name] = actor.start.remote(self._arguments(i), _EXECUTOR_ENV)
         here = self._ray.get_runtime_context().get_node_id()
+        waits = {}
         for name, call in calls.items():
             pid, node = self._started(name, call)
             if node == here:
                 self.local_pids.append(pid)
-            with self._lock:
-                self._waits[self.actors[name].wait.remote()] = (name, pid)
-        self._wait_connected()
+            waits[name] = self.actors[name].wait.remote()
+            with self._lock:  # the watcher's from now on
+                self._waits[waits[name]] = (name, pid)
+        self._wait_connected(waits)
 
     def _started(self, name: str, call: Any) -> tuple[int, str]:
         """The pid and node of executor `name` once its actor started it; a LaunchError naming
@@ -279,19 +281,20 @@ class RayExecutors:
             raise LaunchError(f"executor {name}'s Ray actor could not start it: "
                               f"{str(exc).splitlines()[0]}") from None
 
-    def _wait_connected(self) -> None:
+    def _wait_connected(self, waits: dict[str, Any]) -> None:
+        """Until every executor is connected; a LaunchError as soon as one of those just
+        started (`waits`: name -> its actor's wait() call) ended instead."""
         deadline = time.monotonic() + self.startup_timeout
         while True:
             try:
                 self.controller.wait_for_executors(self.count, timeout=0.5)
                 return
             except TimeoutError:
-                with self._lock:
-                    ended = [ref for ref in self._waits if _done(self._ray, ref)]
+                ended = [(name, ref) for name, ref in waits.items() if _done(self._ray, ref)]
                 if ended:  # killed too, or it cannot start: say so now, not at the timeout
-                    name, _ = self._waits[ended[0]]
+                    name, ref = ended[0]
                     raise LaunchError(f"executor {name} ended before it connected to the "
-                                      f"controller: {self._why(ended[0])}") from None
+                                      f"controller: {self._why(ref)}") from None
                 if time.monotonic() > deadline:
                     raise
 

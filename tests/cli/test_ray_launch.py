@@ -224,3 +224,14 @@ def test_the_launch_bench_times_both_launchers_side_by_side():
     assert figures["local_start_s"] > 0 and figures["ray_start_s"] > 0
     assert figures["ray_start_ratio"] == figures["ray_start_s"] / figures["local_start_s"]
     assert figures["ray_init_s"] is None  # the module's Ray, used as it is
+
+
+def test_an_executor_that_exits_before_connecting_is_an_error_naming_it_at_once():
+    with Controller() as ctl:
+        launcher = RayExecutors(ctl, 1, kind="no-such-kind", startup_timeout=30)
+        started = time.monotonic()
+        with pytest.raises(LaunchError) as failure:
+            launcher.start()
+    assert time.monotonic() - started < 15  # not the start-up timeout
+    assert "executor exec-0 ended before it connected" in str(failure.value)
+    assert "exited with code 2" in str(failure.value)  # click's usage error: --kind
