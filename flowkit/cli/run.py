@@ -97,6 +97,7 @@ _KINDS = ("auto", *KINDS)
               help="With --launcher ray: the Ray cluster (HOST:PORT, ray://HOST:PORT or auto) "
               "[default: a local Ray on loopback] [env FLOWKIT_RAY_ADDRESS].")
 @click.option("--ray-strategy", type=click.Choice(STRATEGIES, case_sensitive=False),
+              metavar="PACK|SPREAD",
               default="PACK", show_default=True,
               help="With --launcher ray: the placement group's bundles on as few nodes as fit "
               "(PACK) or on as many (SPREAD).")
