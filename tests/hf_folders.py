@@ -46,7 +46,9 @@ def save_tiny_qwen2(folder: str | Path, *, chat_template: bool = True, seed: int
                          num_key_value_heads=2, intermediate_size=32, vocab_size=len(tokenizer),
                          max_position_embeddings=128, tie_word_embeddings=True,
                          eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+                         pad_token_id=tokenizer.pad_token_id,
+                         # wide initial weights: a random model whose greedy text varies
+                         initializer_range=0.5)
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return folder
