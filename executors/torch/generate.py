@@ -202,7 +202,8 @@ def _rollout(seq: _Seq, finished: bool, max_new_tokens: int) -> Any:
     clipped = not finished and len(seq.tokens) < max_new_tokens
     return Rollout(prompt_id=p.prompt_id, sample=seq.sample, prompt_tokens=list(p.tokens),
                    response_tokens=list(seq.tokens), logprobs=list(seq.logprobs),
-                   finished=finished, clipped=clipped, answer=getattr(p, "answer", None))
+                   finished=finished, clipped=clipped, answer=getattr(p, "answer", None),
+                   prompt_text=getattr(p, "text", None))
 
 
 # -- the op -----------------------------------------------------------------------------------

@@ -188,17 +188,31 @@ def test_each_bad_input_is_one_clear_error_when_the_flow_is_validated(tmp_path, 
                         answer_field=None)
 
 
-def test_flowkit_check_reports_a_missing_chat_template(tmp_path, files):
+def test_flowkit_check_and_run_refuse_bad_sources_before_any_executor_starts(tmp_path, files):
     plain = tmp_path / "plain"
     save_tokenizer(plain, chat_template=False)
+    no_prompt = _jsonl(tmp_path / "q.jsonl", [{"question": "q", "answer": "a"}])
     flow_file = tmp_path / "flow.py"
     flow_file.write_text(textwrap.dedent(f"""
         from dataflows.datasets import dataset_prompts
-        from flowkit.dsl import Flow
+        from dataflows.grpo import grpo_flow
+        from dataflows.rewards import math_reward
 
-        with Flow("prompts") as flow:
-            dataset_prompts(path={str(files["jsonl"])!r}, tokenizer={str(plain)!r})
+        def chat():
+            return grpo_flow(prompt_source=dataset_prompts, reward=math_reward,
+                             source_config={{"path": {str(files["jsonl"])!r},
+                                             "tokenizer": {str(plain)!r}}})
+
+        def fields():
+            return grpo_flow(prompt_source=dataset_prompts, reward=math_reward,
+                             source_config={{"path": {str(no_prompt)!r},
+                                             "tokenizer": {str(plain)!r},
+                                             "chat_template": False}})
     """))
-    result = CliRunner().invoke(main, ["check", str(flow_file)])
+    result = CliRunner().invoke(main, ["check", f"{flow_file}:chat"])
     assert result.exit_code == 1, result.output
     assert "has no chat template" in result.output and "1 error" in result.output
+    result = CliRunner().invoke(main, ["run", f"{flow_file}:fields", "--executors", "sim"])
+    assert result.exit_code == 1, result.output
+    assert "has no field 'prompt'" in result.output and "'question'" in result.output
+    assert "executors:" not in result.output
