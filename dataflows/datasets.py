@@ -24,13 +24,13 @@ from typing import Any
 
 import attrs
 
-from flowkit.dsl import Stream, op
+from flowkit.dsl import Metrics, Stream, op
 from flowkit.dsl.hf import check_tokenizer_dir
 from flowkit.ops.records import Prompt, TokenIds
 from flowkit.ops.tokenizers import load_tokenizer
 
-__all__ = ["DatasetRow", "PromptDataset", "chat_sft_sequences", "check_fields", "dataset_fields",
-           "dataset_prompts", "render_prompt"]
+__all__ = ["DatasetRow", "PromptDataset", "chat_sft_sequences", "check_fields", "dataset_epoch",
+           "dataset_fields", "dataset_prompts", "render_prompt"]
 
 _FORMATS = ".jsonl, .parquet, or a folder written by datasets' save_to_disk"
 
@@ -285,6 +285,20 @@ def dataset_prompts(*, path: str, tokenizer: str, count: int = 16, seed: int = 0
         text = render_prompt(tok, row.prompt, chat_template=chat_template, system=system)
         yield Prompt(prompt_id=row.position, tokens=_tokens(tok, text, chat_template=chat_template),
                      text=text, answer=row.answer)
+
+
+@op
+def dataset_epoch(*, path: str, tokenizer: str = "", count: int = 16, seed: int = 0,
+                  step: int = 0, prompt_field: str = "prompt", answer_field: str | None = "answer",
+                  chat_template: bool = True, system: str | None = None) -> Metrics:
+    """dataset_prompts' reporter, given the same config: `data/epoch`, the epochs read by the
+    end of step `step` (1.5: one and a half passes over the rows), and `data/rows`. The RL
+    flows add it beside the source they are given (dataflows/rl/front.py)."""
+    rows = len(_dataset(str(path), prompt_field, answer_field, int(seed)))
+    return Metrics({"data/epoch": (int(step) + 1) * int(count) / rows, "data/rows": rows})
+
+
+dataset_prompts.reporter = dataset_epoch  # what a flow adds to report a source's progress
 
 
 @op(check=_check_sft)

@@ -17,6 +17,7 @@ from click.testing import CliRunner  # noqa: E402
 from dataflows.datasets import (  # noqa: E402
     PromptDataset,
     chat_sft_sequences,
+    dataset_epoch,
     dataset_fields,
     dataset_prompts,
     render_prompt,
@@ -91,6 +92,8 @@ def test_rows_wrap_into_the_next_epoch_and_count_it(files):
     assert [r.prompt for r in rows] == [ROWS[r.row]["prompt"] for r in rows]
     data.take(23)
     assert data.cursor == (2, 3) and data.epoch == 2
+    report = dataset_epoch.fn(path=str(files["jsonl"]), count=4, step=3)  # 16 rows read of 10
+    assert report.values == {"data/epoch": 1.6, "data/rows": 10}
 
 
 def test_a_dataset_cursor_survives_save_and_restore(files):

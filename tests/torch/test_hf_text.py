@@ -151,8 +151,9 @@ def test_a_grpo_step_on_dataset_prompts_with_a_text_reward_runs_on_executors(qwe
     with executor_cluster(3, kind="torch", tags=tags) as (ctl, _):
         runner = FlowRunner(ctl, lower_flow(flow))
         reports = [runner.run_step(step) for step in range(2)]
-    for report in reports:
+    for step, report in enumerate(reports):
         assert math.isfinite(report.metrics["update_actor/loss"])
+        assert report.metrics["data/epoch"] == (step + 1) * 2 / len(QUESTIONS)
         assert report.metrics["rollout/samples"] == 4
         assert report.metrics["reward_mean"] == 1.0, "every reward read its rollout's text"
 
