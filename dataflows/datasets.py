@@ -145,12 +145,12 @@ def _read_columns(path: str, fields: list[str]) -> dict[str, list]:
     kind = _kind(path)
     if kind == "jsonl":
         rows = _jsonl_rows(path)
-        for i, row in enumerate(rows):
+        for i, (line, row) in enumerate(rows):
             missing = [f for f in fields if f not in row]
             if missing:
-                raise ValueError(f"dataset {path!r}: row {i} (line {i + 1}) has no field "
+                raise ValueError(f"dataset {path!r}: row {i} (line {line}) has no field "
                                  f"{missing[0]!r}; it has {', '.join(map(repr, row)) or 'none'}")
-        return {f: [row[f] for row in rows] for f in fields}
+        return {f: [row[f] for _, row in rows] for f in fields}
     if kind == "parquet":
         import pyarrow.parquet as pq
 
@@ -161,7 +161,8 @@ def _read_columns(path: str, fields: list[str]) -> dict[str, list]:
     return {f: list(data[f]) for f in fields}
 
 
-def _jsonl_rows(path: str) -> list[dict]:
+def _jsonl_rows(path: str) -> list[tuple[int, dict]]:
+    """(line number, row) of every non-blank line."""
     rows = []
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
@@ -173,11 +174,13 @@ def _jsonl_rows(path: str) -> list[dict]:
         if not isinstance(row, dict):
             raise ValueError(f"dataset {path!r}: line {number} is a {type(row).__name__}, not "
                              "an object of fields")
-        rows.append(row)
+        rows.append((number, row))
     return rows
 
 
-def _kind(path: str) -> str:
+def _kind(path: Any) -> str:
+    if not isinstance(path, (str, Path)) or not str(path):
+        raise ValueError(f"dataset path {path!r}: give the path of a file or folder ({_FORMATS})")
     p = Path(path)
     if not p.exists():
         raise ValueError(f"dataset {path!r}: no such file or folder (a dataset is {_FORMATS})")

@@ -43,9 +43,12 @@ __all__ = ["EOS", "MODEL_EOS", "decode", "generate_now", "register", "sample_tok
 
 _STEP_SEEDS = 1_000_003  # step k samples with seed + k * this: fresh draws, same for a replay
 EOS = 10  # byte "\n": the example corpora are byte-tokenized one-line answers; eos=None: none
-# generate's default eos: the model's tokenizer's EOS tokens when its folder has a tokenizer
-# (flowkit/ops/tokenizers.eos_token_ids), else EOS
+
+
 class _ModelEos:
+    """generate's default eos: the model's tokenizer's EOS tokens when its folder has a
+    tokenizer (flowkit/ops/tokenizers.eos_token_ids), else EOS."""
+
     def __repr__(self) -> str:
         return "MODEL_EOS"
 
