@@ -43,17 +43,9 @@ __all__ = ["EOS", "MODEL_EOS", "decode", "generate_now", "register", "sample_tok
 
 _STEP_SEEDS = 1_000_003  # step k samples with seed + k * this: fresh draws, same for a replay
 EOS = 10  # byte "\n": the example corpora are byte-tokenized one-line answers; eos=None: none
-
-
-class _ModelEos:
-    """generate's default eos: the model's tokenizer's EOS tokens when its folder has a
-    tokenizer (flowkit/ops/tokenizers.eos_token_ids), else EOS."""
-
-    def __repr__(self) -> str:
-        return "MODEL_EOS"
-
-
-MODEL_EOS: Any = _ModelEos()
+# generate's default eos: the model's tokenizer's EOS tokens when its folder has a tokenizer
+# (flowkit/ops/tokenizers.eos_token_ids), else EOS
+MODEL_EOS = "model"
 
 
 # -- sampling ---------------------------------------------------------------------------------
@@ -226,9 +218,9 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, n: int = 1, max_new_t
     by name. `seed` seeds the model's build (as in executors/torch/held.py) and, unless
     `sample_seed` is given, the sampling, which draws afresh each `step`. `max_batch` and
     `token_budget` size the engine when its first request makes it. A model whose folder has
-    a tokenizer (an HF model's `path`) stops at that tokenizer's EOS unless `eos` is given
-    (None: never), and its rollouts carry their text [Note: rollout text in engine.py]; any
-    other model stops at EOS (byte 10)."""
+    a tokenizer (an HF model's `path`) stops at that tokenizer's EOS unless `eos` names the
+    token (or tokens; None: never), and its rollouts carry their text [Note: rollout text in
+    engine.py]; any other model stops at EOS (byte 10)."""
     items = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
     items = resumable(items, min_version, stale_segments)
     unknown = sorted(set(config) - set(MODEL_KEYS))
@@ -266,7 +258,7 @@ def tokenizer_folder(config: dict) -> str | None:
 def _stop_tokens(eos: Any, folder: str | None) -> int | tuple[int, ...] | None:
     if eos is None or isinstance(eos, (list, tuple)):  # none, or several (lists over the wire)
         return None if eos is None else tuple(int(t) for t in eos)
-    if eos is not MODEL_EOS:
+    if eos != MODEL_EOS:
         return int(eos)
     return EOS if folder is None else (eos_token_ids(folder) or None)
 

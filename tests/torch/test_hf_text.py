@@ -169,3 +169,18 @@ def test_a_supervised_warm_up_trains_an_hf_model_on_chat_sft_sequences(qwen2, qu
         losses = [runner.run_step(step).metrics for step in range(3)]
     for metrics in losses:  # 4 sequences of seq_len 32 a step
         assert math.isfinite(metrics["backprop/loss"]) and metrics["backprop/tokens"] == 128
+
+
+def test_a_flows_eos_is_checked_when_built_and_reaches_generation(qwen2, questions):
+    from dataflows.ops import Generate
+    from flowkit.dsl import Flow, FlowError
+
+    actor = Model(name="actor", build="hf", config={"path": str(qwen2)})
+    with pytest.raises(FlowError, match="eos='end' is not a token id"), Flow("bad"):
+        Generate(actor)(dataset_prompts(path=questions, tokenizer=str(qwen2)), eos="end")
+    prompts = _prompts(qwen2, questions)
+    free = _generate(qwen2, prompts, eos=None)
+    stop = free[prompts[0].prompt_id].response_tokens[1]
+    given = _generate(qwen2, prompts, eos=[stop])  # as a flow's list arrives over the wire
+    assert given[prompts[0].prompt_id].response_tokens[-1] == stop
+    assert given[prompts[0].prompt_id].finished
