@@ -47,11 +47,24 @@ class Generate(ModelOp):
     # temperature 0: greedy. take: partial rollouts, the groups (calls) a step takes of an
     # over-provisioned one, the rest carried over, recomputed or dropped when too stale
     # ([Note: partial rollouts] in flowkit/runtime/partial.py)
+    # eos: "model" stops at the model's tokenizer's EOS (byte 10 for a model without one), or
+    # a token id, a list of them, None for none ([Note: rollout text] in executors/torch/engine.py)
     config = {"n": 1, "max_new_tokens": 256, "temperature": 1.0, "top_p": 1.0, "take": None,
-              "stale_segments": "recompute"}
+              "stale_segments": "recompute", "eos": "model"}
     choices = {"stale_segments": STALE_SEGMENTS}
     ranges = {"n": (1, None), "max_new_tokens": (1, None), "temperature": (0, None),
               "top_p": (0, 1), "take": (1, None)}
+
+    def node_problems(self, flow: Any, node: Any) -> list[Problem]:
+        eos = node.config.get("eos")
+        ids = eos if isinstance(eos, (list, tuple)) else [eos]
+        if eos is None or eos == "model" or all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            return []
+        return [Problem(rule="bad-config", op=node.name, port="eos",
+                        message=f"eos={eos!r} is not a token id, a list of them, None or "
+                                "'model'",
+                        fix="leave eos='model' (the tokenizer's EOS), or pass eos=ID")]
 
 
 class LogProbs(ModelOp):

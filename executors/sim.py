@@ -150,7 +150,7 @@ def _continued(item: Rollout, draw: dict) -> tuple[Rollout, int]:
     if not item.interrupted:
         return item, 0
     prompt = Prompt(prompt_id=item.prompt_id, tokens=list(item.prompt_tokens),
-                    answer=item.answer)
+                    answer=item.answer, text=item.prompt_text)
     whole = sample_rollout(prompt, item.sample, **draw)
     rest = max(1, len(whole.response_tokens) - len(item.response_tokens))
     versions = list(item.versions)[:len(whole.response_tokens) - rest]
@@ -211,7 +211,8 @@ def sample_rollout(prompt: Any, sample: int, *, step: int, min_new_tokens: int =
     return Rollout(prompt_id=getattr(prompt, "prompt_id", 0), sample=sample,
                    prompt_tokens=list(getattr(prompt, "tokens", [])), response_tokens=tokens,
                    logprobs=logprobs, versions=[version] * length,
-                   finished=length < max_new_tokens, answer=getattr(prompt, "answer", None))
+                   finished=length < max_new_tokens, answer=getattr(prompt, "answer", None),
+                   prompt_text=getattr(prompt, "text", None))
 
 
 def _sampled_length(rng: random.Random, low: int, high: int, sigma: float = 0.0,

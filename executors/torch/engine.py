@@ -26,6 +26,12 @@ slots back) and resumed, or aborted (all requests, or those named by their keys)
 unfinished samples come back at once, marked `interrupted`, and a later request given such a
 Rollout continues it from its prefix; a finished Rollout given again passes through (a group
 carried over whole: [Note: partial rollouts] in flowkit/runtime/partial.py).
+
+[Note: rollout text] An engine given its model's tokenizer (an HF model folder that holds one)
+decodes each sample as it leaves: `response_text` skips special tokens, `prompt_text` is the
+prompt's `text` (what the prompt source rendered) or else its tokens decoded as they are. An
+engine without one (the built-in GPT on bytes, any model without a tokenizer) leaves both None;
+reward ops on text read such a rollout's tokens as bytes (dataflows/rewards.py).
 """
 
 from __future__ import annotations
@@ -55,9 +61,16 @@ class Sampling:
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
-    eos: int | None = None
+    # the token, or tokens (a tokenizer's EOS and its generation config's), that end a sample
+    eos: int | tuple[int, ...] | None = None
     seed: int = 0
     step: int = 0
+
+    @property
+    def stop_tokens(self) -> frozenset[int]:
+        if self.eos is None:
+            return frozenset()
+        return frozenset([self.eos] if isinstance(self.eos, int) else self.eos)
 
     def seed_of(self, prompt_id: int, sample: int) -> int:
         return sequence_seed(self.seed, prompt_id, sample, step=self.step)
@@ -106,8 +119,9 @@ class Engine:
     """The decoding loop of one model held by this executor (a Background: busy, step)."""
 
     def __init__(self, model: torch.nn.Module, *, version: Any, max_batch: int = 64,
-                 token_budget: int = 512, max_len: int = 2048) -> None:
+                 token_budget: int = 512, max_len: int = 2048, tokenizer: Any = None) -> None:
         self.model = model
+        self.tokenizer = tokenizer  # decodes the rollouts' text [Note: rollout text]
         self.version = version  # a callable: the version of the weights the model holds now
         self.max_batch, self.token_budget = max(1, max_batch), max(1, token_budget)
         self.context = lm.context_length(model)
@@ -151,7 +165,7 @@ class Engine:
 
     def _continued(self, request: Request, rollout: Rollout) -> Sequence:
         prompt = Prompt(prompt_id=rollout.prompt_id, tokens=list(rollout.prompt_tokens),
-                        answer=rollout.answer)
+                        answer=rollout.answer, text=rollout.prompt_text)
         versions = list(rollout.versions) or [NO_VERSION] * len(rollout.response_tokens)
         return Sequence(request, prompt, rollout.sample,
                         request.sampling.seed_of(rollout.prompt_id, rollout.sample),
@@ -297,6 +311,7 @@ class Engine:
     # -- sampling and finishing ----------------------------------------------------------------
     def _sample(self, rows: list[Sequence], logits: torch.Tensor) -> None:
         settings = [s.request.sampling for s in rows]
+        stops = [st.stop_tokens for st in settings]
         tokens, logprobs = sample_tokens(
             logits,
             temperature=torch.tensor([st.temperature for st in settings], dtype=torch.float64),
@@ -304,11 +319,12 @@ class Engine:
             seeds=torch.tensor([s.seed for s in rows], dtype=torch.int64),
             positions=torch.tensor([len(s.tokens) for s in rows], dtype=torch.int64))
         version = self.version()
-        for seq, token, logp, st in zip(rows, tokens.tolist(), logprobs.tolist(), settings):
+        for seq, token, logp, st, stop in zip(rows, tokens.tolist(), logprobs.tolist(), settings,
+                                              stops):
             seq.tokens.append(token)
             seq.logprobs.append(logp)
             seq.versions.append(NO_VERSION if version is None else version)
-            eos = st.eos is not None and token == st.eos
+            eos = token in stop
             full = self.context is not None and seq.length >= self.context
             if eos or len(seq.tokens) >= st.max_new_tokens or full:
                 self.slots[seq.slot] = None
@@ -321,8 +337,19 @@ class Engine:
                           prompt_tokens=list(seq.prompt.tokens), response_tokens=seq.tokens,
                           logprobs=seq.logprobs, versions=seq.versions, finished=finished,
                           clipped=clipped, interrupted=interrupted,
-                          answer=getattr(seq.prompt, "answer", None))
+                          answer=getattr(seq.prompt, "answer", None),
+                          **self._texts(seq.prompt, seq.tokens))
         self._deliver(request, rollout)
+
+    def _texts(self, prompt: Any, response: list[int]) -> dict[str, str | None]:
+        """A rollout's prompt_text and response_text [Note: rollout text]."""
+        text = getattr(prompt, "text", None)
+        if self.tokenizer is None:
+            return {"prompt_text": text, "response_text": None}
+        if text is None:
+            text = self.tokenizer.decode(list(prompt.tokens), skip_special_tokens=False)
+        return {"prompt_text": text,
+                "response_text": self.tokenizer.decode(response, skip_special_tokens=True)}
 
     def _deliver(self, request: Request, rollout: Rollout) -> None:
         request.done.append(rollout)
@@ -339,7 +366,8 @@ def _samples(item: Any, n: int) -> list:
     if isinstance(item, Rollout):
         return [item]
     return [Rollout(prompt_id=item.prompt_id, sample=k, prompt_tokens=list(item.tokens),
-                    response_tokens=[], logprobs=[], answer=getattr(item, "answer", None))
+                    response_tokens=[], logprobs=[], answer=getattr(item, "answer", None),
+                    prompt_text=getattr(item, "text", None))
             for k in range(n)]
 
 

@@ -33,13 +33,19 @@ from executors.torch import lm
 from executors.torch.engine import Engine, Sampling, run_until_done
 from executors.torch.held import held_model, right_padded, whole_model
 from executors.torch.stage import StageError
+from flowkit.dsl.hf import has_tokenizer
 from flowkit.ops.executor_ops import MODEL_KEYS
 from flowkit.ops.records import Prompt, Rollout, resumable
+from flowkit.ops.tokenizers import eos_token_ids, load_tokenizer
 
-__all__ = ["decode", "generate_now", "register", "sample_token"]
+__all__ = ["EOS", "MODEL_EOS", "decode", "generate_now", "register", "sample_token",
+           "tokenizer_folder"]
 
 _STEP_SEEDS = 1_000_003  # step k samples with seed + k * this: fresh draws, same for a replay
 EOS = 10  # byte "\n": the example corpora are byte-tokenized one-line answers; eos=None: none
+# generate's default eos: the model's tokenizer's EOS tokens when its folder has a tokenizer
+# (flowkit/ops/tokenizers.eos_token_ids), else EOS
+MODEL_EOS = "model"
 
 
 # -- sampling ---------------------------------------------------------------------------------
@@ -191,12 +197,13 @@ def _rollout(seq: _Seq, finished: bool, max_new_tokens: int) -> Any:
     clipped = not finished and len(seq.tokens) < max_new_tokens
     return Rollout(prompt_id=p.prompt_id, sample=seq.sample, prompt_tokens=list(p.tokens),
                    response_tokens=list(seq.tokens), logprobs=list(seq.logprobs),
-                   finished=finished, clipped=clipped, answer=getattr(p, "answer", None))
+                   finished=finished, clipped=clipped, answer=getattr(p, "answer", None),
+                   prompt_text=getattr(p, "text", None))
 
 
 # -- the op -----------------------------------------------------------------------------------
 def _generate(ctx: OpContext, prompts: Any, *weights: Any, n: int = 1, max_new_tokens: int = 16,
-              temperature: float = 1.0, top_p: float = 1.0, eos: int | None = EOS,
+              temperature: float = 1.0, top_p: float = 1.0, eos: Any = MODEL_EOS,
               seed: int = 0, sample_seed: int | None = None, max_batch: int = 64,
               token_budget: int = 512, step: int = 0, request: str | None = None,
               min_version: int | None = None, stale_segments: str = "recompute",
@@ -210,7 +217,10 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, n: int = 1, max_new_t
     (versions) only order this task after a step: the model is the one this executor holds
     by name. `seed` seeds the model's build (as in executors/torch/held.py) and, unless
     `sample_seed` is given, the sampling, which draws afresh each `step`. `max_batch` and
-    `token_budget` size the engine when its first request makes it."""
+    `token_budget` size the engine when its first request makes it. A model whose folder has
+    a tokenizer (an HF model's `path`) stops at that tokenizer's EOS unless `eos` names the
+    token (or tokens; None: never), and its rollouts carry their text [Note: rollout text in
+    engine.py]; any other model stops at EOS (byte 10)."""
     items = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
     items = resumable(items, min_version, stale_segments)
     unknown = sorted(set(config) - set(MODEL_KEYS))
@@ -224,16 +234,33 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, n: int = 1, max_new_t
     held = held_model(ctx, spec)
     model = whole_model(ctx, spec)
     lm.check_prompts([_as_prompt(item) for item in items], lm.context_length(model))
+    folder = tokenizer_folder(config)
     engine = ctx.background.get(f"generate:{config['model']}")
     if engine is None:
         engine = ctx.background[f"generate:{config['model']}"] = Engine(
             model, version=lambda: held.version, max_batch=int(max_batch),
-            token_budget=int(token_budget))
+            token_budget=int(token_budget),
+            tokenizer=None if folder is None else load_tokenizer(folder))
         engine.aborted = _aborted(ctx)  # also those aborted before this engine existed
     sampling = Sampling(max_new_tokens=int(max_new_tokens), temperature=float(temperature),
-                        top_p=float(top_p), eos=None if eos is None else int(eos),
+                        top_p=float(top_p), eos=_stop_tokens(eos, folder),
                         seed=int(seed if sample_seed is None else sample_seed), step=int(step))
     return engine.submit(items, sampling, int(n), key=request)
+
+
+def tokenizer_folder(config: dict) -> str | None:
+    """The folder of the tokenizer of the model a request names: an HF model's `path`, when
+    that folder holds a tokenizer; None for any other model."""
+    path = dict(config.get("model_config") or {}).get("path")
+    return str(path) if path is not None and has_tokenizer(path) else None
+
+
+def _stop_tokens(eos: Any, folder: str | None) -> int | tuple[int, ...] | None:
+    if eos is None or isinstance(eos, (list, tuple)):  # none, or several (lists over the wire)
+        return None if eos is None else tuple(int(t) for t in eos)
+    if eos != MODEL_EOS:
+        return int(eos)
+    return EOS if folder is None else (eos_token_ids(folder) or None)
 
 
 def _generation(ctx: OpContext, *_: Any, action: str, model: str | None = None,

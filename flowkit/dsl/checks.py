@@ -12,7 +12,7 @@ import networkx as nx
 
 from flowkit.dsl.errors import Problem, suggest
 from flowkit.dsl.graph import Collect, Feedback, FlowGraph, GroupBy, Wire
-from flowkit.dsl.operators import ModelOp, yields_many
+from flowkit.dsl.operators import FunctionOp, ModelOp, yields_many
 from flowkit.dsl.types import Granularity, assignable
 
 __all__ = ["find_problems"]
@@ -53,9 +53,11 @@ def _staleness_problems(flow: FlowGraph) -> list[Problem]:
 
 
 def _node_problems(flow: FlowGraph) -> list[Problem]:
-    """What each model op says of its own call (ModelOp.node_problems): run at validation,
-    not at the call, so config changed after the build (flowkit run's options) is checked too."""
-    return [problem for node in flow.nodes.values() if isinstance(node.operator, ModelOp)
+    """What each op says of its own call (ModelOp.node_problems, a FunctionOp's `check`): run
+    at validation, not at the call, so config changed after the build (flowkit run's options)
+    is checked too."""
+    return [problem for node in flow.nodes.values()
+            if isinstance(node.operator, (ModelOp, FunctionOp))
             for problem in node.operator.node_problems(flow, node)]
 
 

@@ -1,6 +1,8 @@
 """Hugging Face causal LMs as Models: the `build="hf"` shorthand, and the checks that turn a model
 directory flowkit cannot use into one clear error when the Model is declared, before any executor
-starts. Pure Python (it reads config.json); the model code is executors/torch/models/hf.py."""
+starts; the same for a tokenizer folder a prompt source reads (`check_tokenizer_dir`). Pure Python
+(it reads config.json, tokenizer_config.json, chat_template.jinja); the model code is
+executors/torch/models/hf.py, the tokenizer loader flowkit/ops/tokenizers.py."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FAMILIES", "HF_BUILD", "check_family", "check_hf_config", "check_model_dir"]
+__all__ = ["FAMILIES", "HF_BUILD", "check_family", "check_hf_config", "check_model_dir",
+           "check_tokenizer_dir", "has_chat_template", "has_tokenizer"]
 
 HF_BUILD = "executors.torch.models.hf:HFCausalLM"
 
@@ -52,3 +55,46 @@ def check_hf_config(config: Mapping[str, Any]) -> None:
         check_model_dir(path)
     else:
         check_family(architecture, str(architecture))
+
+
+# the files one of which a tokenizer folder holds: a fast tokenizer's, or a slow one's vocabulary
+_TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def has_tokenizer(path: str | Path) -> bool:
+    """Whether the folder `path` holds a tokenizer (save_pretrained's files)."""
+    folder = Path(path)
+    return folder.is_dir() and any((folder / name).is_file() for name in _TOKENIZER_MARKERS)
+
+
+def has_chat_template(path: str | Path) -> bool:
+    """Whether the tokenizer in `path` has a chat template: in chat_template.jinja (what
+    transformers 5 writes), chat_template.json, or tokenizer_config.json's `chat_template`."""
+    folder = Path(path)
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    config = folder / "tokenizer_config.json"
+    if not config.is_file():
+        return False
+    try:
+        return bool(json.loads(config.read_text()).get("chat_template"))
+    except (ValueError, AttributeError):
+        return False
+
+
+def check_tokenizer_dir(path: Any, *, chat_template: bool = False) -> None:
+    """A ValueError saying what is wrong when the folder `path` holds no tokenizer flowkit can
+    load offline, or (`chat_template`) one without a chat template."""
+    if not isinstance(path, (str, Path)) or not Path(path).is_dir():
+        raise ValueError(f"tokenizer {str(path)!r}: no such directory (give the folder "
+                         "save_pretrained wrote the tokenizer to, e.g. the model's; nothing is "
+                         "downloaded)")
+    if not has_tokenizer(path):
+        raise ValueError(f"tokenizer {str(path)!r} holds no tokenizer (none of "
+                         f"{', '.join(_TOKENIZER_MARKERS)}): save one there with "
+                         "tokenizer.save_pretrained(DIR)")
+    if chat_template and not has_chat_template(path):
+        raise ValueError(f"tokenizer {str(path)!r} has no chat template (no chat_template.jinja, "
+                         "no chat_template in tokenizer_config.json): set "
+                         "tokenizer.chat_template and save it again, or pass "
+                         "chat_template=False to use the prompts as they are")

@@ -157,11 +157,17 @@ class FunctionOp(Operator):
     input means the function is called per item (per group for Grouped); a Batch input means once
     per step with the list of all items. A bare return type is one item per call; Stream[T]
     returns an iterable of items; Batch[T] returns the whole list.
+
+    `check`, when given, is called with a call's config (its defaults and what the call gave)
+    when the flow is validated, before anything runs: a ValueError it raises is reported as
+    that call's problem (e.g. a data file without the field the config names).
     """
 
     def __init__(self, fn: Callable, *, name: str | None, outputs: Mapping[str, Any] | None,
-                 output: str, tags: tuple[str, ...]) -> None:
+                 output: str, tags: tuple[str, ...],
+                 check: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.fn = fn
+        self.check = check
         op_name = name or fn.__name__
         problems: list[Problem] = []
         hints = _type_hints(fn, op_name, problems)
@@ -180,6 +186,18 @@ class FunctionOp(Operator):
         """Where executors import the function from."""
         return f"{self.fn.__module__}:{self.fn.__qualname__}"
 
+    def node_problems(self, flow: Any, node: Any) -> list[Problem]:
+        """The problem `check` finds in this call's config (none without a check, or while a
+        config key is missing: that is reported already)."""
+        config = dict(node.config)
+        if self.check is None or any(value is REQUIRED for value in config.values()):
+            return []
+        try:
+            self.check(config)
+        except ValueError as exc:
+            return [Problem(rule="bad-config", op=node.name, message=str(exc))]
+        return []
+
 
 def op(
     fn: Callable | None = None,
@@ -188,15 +206,18 @@ def op(
     output: str = "out",
     outputs: Mapping[str, Any] | None = None,
     tags: tuple[str, ...] = (),
+    check: Callable[[dict[str, Any]], None] | None = None,
 ) -> Any:
     """Declare an operator from an annotated function: ``@op`` or ``@op(outputs={...})``.
 
     `output` names the single output port; `outputs` declares several, the function then returning
-    a mapping from port name to value. `tags` are executor tags the op needs to run on.
+    a mapping from port name to value. `tags` are executor tags the op needs to run on. `check`
+    validates a call's config before the flow runs (FunctionOp).
     """
 
     def wrap(f: Callable) -> FunctionOp:
-        return FunctionOp(f, name=name, outputs=outputs, output=output, tags=tuple(tags))
+        return FunctionOp(f, name=name, outputs=outputs, output=output, tags=tuple(tags),
+                          check=check)
 
     return wrap(fn) if fn is not None else wrap
 

@@ -1,7 +1,8 @@
 """What flows declare and executors implement, in one place: the executor ops that model ops
 lower to (names, inputs, config keys: executor_ops.py), the losses and their knobs (losses.py),
-how a batch is cut into minibatches and microbatches (minibatches.py) and the records that move
-between ops (records.py). No torch, no zmq.
+how a batch is cut into minibatches and microbatches (minibatches.py), the records that move
+between ops (records.py) and the tokenizers of model folders that prompt sources and generation
+share (tokenizers.py, transformers imported when one is loaded). No torch, no zmq.
 
 Where an op lives, end to end: a flow declares it as a ModelOp (dataflows/ops.py) or an @op
 function; the planner lowers it into tasks (flowkit/planner/lower.py); the runtime submits and

@@ -33,12 +33,13 @@ TokenIds = Tensor["int64", "batch", "seq"]
 """A batch of token sequences: what language-model pretraining and SFT consume."""
 
 
-
 @attrs.frozen(kw_only=True)
 class Prompt:
     prompt_id: int
     tokens: list[int]
     answer: str | None = None  # what a verifiable reward checks against, when there is one
+    # the prompt as the model sees it (after the chat template), when a tokenizer made it
+    text: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -60,6 +61,10 @@ class Rollout:
     # True when generation was stopped before the sample ended (an abort): a later generate
     # given this Rollout continues it from its prefix
     interrupted: bool = False
+    # [Note: rollout text] the prompt and the response as text, decoded by the generating
+    # model's tokenizer; None for a model without one (the built-in GPT on bytes)
+    prompt_text: str | None = None
+    response_text: str | None = None
 
     @property
     def response_length(self) -> int:
@@ -103,7 +108,7 @@ def resumable(items: list, min_version: int | None, stale_segments: str = "recom
     if stale_segments != "recompute":
         raise ValueError(f"stale_segments={stale_segments!r}: it is 'recompute' or 'drop'")
     return [attrs.evolve(item, response_tokens=[], logprobs=[], versions=[], finished=False,
-                         clipped=False, interrupted=True) if old else item
+                         clipped=False, interrupted=True, response_text=None) if old else item
             for item, old in zip(items, stale)]
 
 

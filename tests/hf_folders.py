@@ -1,0 +1,54 @@
+"""Hugging Face folders built offline for the tests: a tiny byte-level BPE tokenizer trained with
+`tokenizers` (with EOS, pad and a short chat template) and a tiny random Qwen2 beside it, saved
+with save_pretrained, as a model folder users would give flowkit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# ChatML, the shape Qwen2's template has, cut to what the tests read
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                 "{% endif %}")
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_CORPUS = ["What is 2+3? The answer is 5.", "Sort the digits 419: 149", "hello world",
+           "user assistant system", "Answer with one word: yes or no."]
+
+
+def save_tokenizer(folder: str | Path, *, chat_template: bool = True, vocab_size: int = 300):
+    """A byte-level BPE tokenizer (EOS <|im_end|>, pad <|endoftext|>) saved in `folder`, with
+    the ChatML template above or none; returns it (a transformers fast tokenizer)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>",
+                                        pad_token="<|endoftext|>",
+                                        chat_template=CHAT_TEMPLATE if chat_template else None)
+    tokenizer.save_pretrained(str(folder))
+    return tokenizer
+
+
+def save_tiny_qwen2(folder: str | Path, *, chat_template: bool = True, seed: int = 0) -> Path:
+    """A tiny random Qwen2 (2 layers, width 16) and its tokenizer in `folder`; its vocabulary
+    is the tokenizer's, its EOS the tokenizer's."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    folder = Path(folder)
+    tokenizer = save_tokenizer(folder, chat_template=chat_template)
+    config = Qwen2Config(hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=32, vocab_size=len(tokenizer),
+                         max_position_embeddings=128, tie_word_embeddings=True,
+                         eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id,
+                         # wide initial weights: a random model whose greedy text varies
+                         initializer_range=0.5)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
