@@ -6,30 +6,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# ChatML, the shape Qwen2's template has, cut to what the tests read
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-                 "{% endif %}")
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 _CORPUS = ["What is 2+3? The answer is 5.", "Sort the digits 419: 149", "hello world",
            "user assistant system", "Answer with one word: yes or no."]
 
 
 def save_tokenizer(folder: str | Path, *, chat_template: bool = True, vocab_size: int = 300):
     """A byte-level BPE tokenizer (EOS <|im_end|>, pad <|endoftext|>) saved in `folder`, with
-    the ChatML template above or none; returns it (a transformers fast tokenizer)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    the example's ChatML template (examples/qwen2_build.py) or none; returns it (a
+    transformers fast tokenizer)."""
+    from examples.qwen2_build import CHAT_TEMPLATE, build_tokenizer
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(_CORPUS * 4, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>",
-                                        pad_token="<|endoftext|>",
-                                        chat_template=CHAT_TEMPLATE if chat_template else None)
+    tokenizer = build_tokenizer(_CORPUS * 4, vocab_size=vocab_size,
+                                chat_template=CHAT_TEMPLATE if chat_template else None)
     tokenizer.save_pretrained(str(folder))
     return tokenizer
 
