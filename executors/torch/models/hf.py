@@ -32,6 +32,7 @@ imported only when such a model is built (the `hf` extra).
 
 from __future__ import annotations
 
+import inspect
 import shutil
 from pathlib import Path
 from typing import Any
@@ -204,9 +205,12 @@ def _load(path: str | None, architecture: str | None, hf_config: dict,
                            "architecture=NAME with hf_config={...} (a random one), exactly one")
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
     except ImportError:
         raise HFModelError("Hugging Face models need transformers on every executor: "
                            "pip install 'flowkit[hf]'") from None
+    # an executor's stderr is the run's console: no progress bar per loaded model
+    hf_logging.disable_progress_bar()
     if path is not None:
         check_model_dir(path)
         return AutoModelForCausalLM.from_pretrained(
@@ -246,6 +250,7 @@ class HFStage(nn.Module):
         if last:
             setattr(self, "score" if self.value_head else "lm_head", head)
         self._windows = {i: _window(self.config, i) for i in layers}
+        self._cache_keyword = _cache_keyword(next(iter(self.blocks.values()), None))
 
     @property
     def container(self) -> nn.Module:
@@ -341,8 +346,8 @@ class HFStage(nn.Module):
             window = self._windows[int(i)]
             if window not in masks:
                 masks[window] = mask_for(window)
-            out = block(x, attention_mask=masks[window], past_key_values=cache,
-                        use_cache=cache is not None, **extra)
+            out = block(x, attention_mask=masks[window], use_cache=cache is not None,
+                        **{self._cache_keyword: cache}, **extra)
             x = out[0] if isinstance(out, tuple) else out
         return x
 
@@ -361,6 +366,15 @@ class HFStage(nn.Module):
 def _context_length(config: Any) -> int:
     """The longest sequence the model runs: its position limit."""
     return int(getattr(config, "max_position_embeddings", None) or config.n_positions)
+
+
+def _cache_keyword(block: nn.Module | None) -> str:
+    """What a decoder layer calls its cache: `cache` in recent transformers 5 releases, which
+    keep `past_key_values` as a deprecated alias, `past_key_values` before them."""
+    if block is None:
+        return "past_key_values"
+    parameters = inspect.signature(block.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def _window(config: Any, layer: int) -> int | None:
