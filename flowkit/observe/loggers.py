@@ -1,0 +1,198 @@
+"""Where a run's step metrics go: JSON lines, TensorBoard, Weights & Biases.
+
+Each logger takes a step's metrics dict as `flowkit run` records it (numbers, nested dicts such as
+the `staleness/versions` histogram, sometimes strings or lists). JSON lines keep the record
+whole; TensorBoard and W&B get its numeric scalars, nested keys joined with "/" (`scalars`).
+Their packages are extras, imported when a logger is opened, which `flowkit run` does before any
+executor starts, so a missing package is one error naming the extra to install.
+
+[Note: loggers on resume] A resumed run goes on from its checkpoint's step, and an interrupted
+run may have logged steps past it. `rewind(step, records)` tells each logger: the JSON-lines
+file is rewritten with the checkpoint's records; TensorBoard starts a new event file that purges
+the events at `step` and after (what TensorBoard shows is the resumed curve); a W&B run cannot
+be rewound, so the W&B logger skips steps the run already holds (they keep their first values).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from flowkit.observe.metrics import MetricsWriter
+
+__all__ = [
+    "LOGGERS",
+    "JsonLinesLogger",
+    "Logger",
+    "LoggerError",
+    "Loggers",
+    "TensorBoardLogger",
+    "WandbLogger",
+    "import_extra",
+    "scalars",
+]
+
+LOGGERS = ("jsonl", "tensorboard", "wandb")
+
+
+class LoggerError(RuntimeError):
+    """A logger cannot be opened: its package is missing or its service refused; the message
+    says how to fix it."""
+
+
+class Logger(Protocol):
+    """What `flowkit run` writes each step's metrics to."""
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """The metrics of `step` (0-based, the steps of the run)."""
+
+    def rewind(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
+        """The run goes on from `step`, after `records` [Note: loggers on resume]."""
+
+    def close(self) -> None: ...
+
+
+def import_extra(module: str, *, extra: str, logger: str) -> Any:
+    """`module`, or a LoggerError naming the extra that brings it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise LoggerError(
+            f"--logger {logger} needs the {module.split('.')[0]} package ({exc}): install "
+            f"flowkit's {extra} extra, pip install 'flowkit[{extra}]'") from None
+
+
+def scalars(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """The finite numbers of `metrics`, nested dicts flattened with "/" (`staleness/versions`
+    {"0": 34} is `staleness/versions/0`); strings, lists, None and booleans are left out, as
+    are `step` and `time`, which the loggers carry themselves."""
+    found: dict[str, float] = {}
+    for key, value in metrics.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            found.update(scalars(value, f"{name}/"))
+        elif (isinstance(value, int | float) and not isinstance(value, bool)
+              and math.isfinite(value) and (prefix or key not in ("step", "time"))):
+            found[name] = float(value)
+    return found
+
+
+class JsonLinesLogger:
+    """The whole record of each step, one JSON line each (`MetricsWriter`)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._writer = MetricsWriter(self.path)
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        self._writer.write({"step": step, **metrics})
+
+    def rewind(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
+        # the checkpoint's lines as they were written (their times too), then the new steps
+        self._writer.close()
+        self._writer = MetricsWriter(self.path)
+        for record in records:
+            self._writer.write(dict(record))
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class TensorBoardLogger:
+    """Scalars in TensorBoard event files under `folder` (`tensorboard --logdir`)."""
+
+    def __init__(self, folder: str | Path) -> None:
+        import_extra("tensorboard", extra="tensorboard", logger="tensorboard")
+        self._summary = import_extra("torch.utils.tensorboard", extra="tensorboard",
+                                     logger="tensorboard")
+        self.folder = Path(folder)
+        self._writer: Any = None  # opened at the first step: its purge step is that step's
+
+    def _open(self, purge_step: int) -> None:
+        self.close()
+        self._writer = self._summary.SummaryWriter(str(self.folder), purge_step=purge_step)
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if self._writer is None:  # a fresh run: hide what an earlier run left in the folder
+            self._open(step)
+        for name, value in scalars(metrics).items():
+            self._writer.add_scalar(name, value, global_step=step)
+        self._writer.flush()  # so a crashed or watched run shows every step written
+
+    def rewind(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
+        self._open(step)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+class WandbLogger:
+    """A Weights & Biases run in `folder`: online, or offline when WANDB_MODE=offline (then
+    `wandb sync` uploads it later). `run_id` continues that run (a resumed flowkit run)."""
+
+    def __init__(self, folder: str | Path, *, project: str, name: str,
+                 run_id: str | None = None, mode: str | None = None) -> None:
+        self._wandb = import_extra("wandb", extra="wandb", logger="wandb")
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        try:
+            self._run = self._wandb.init(project=project, name=name, dir=str(folder),
+                                         id=run_id, resume="allow" if run_id else None,
+                                         mode=mode)
+        except self._wandb.errors.Error as exc:
+            raise LoggerError(f"--logger wandb: {exc} (or run offline: WANDB_MODE=offline, "
+                              "then `wandb sync` the run folder)") from None
+        self.run_id: str = self._run.id
+        # steps the run already holds, when it is resumed online [Note: loggers on resume]
+        self._last = self._run.starting_step - 1
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if step <= self._last:
+            return
+        self._run.log(scalars(metrics), step=step)
+        self._last = step
+
+    def rewind(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
+        """Nothing to do: W&B keeps the steps it has [Note: loggers on resume]."""
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.finish()
+            self._run = None
+
+
+class Loggers:
+    """Several loggers as one: each step goes to all of them, in order."""
+
+    def __init__(self, loggers: Sequence[Logger] = ()) -> None:
+        self.loggers = list(loggers)
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        for logger in self.loggers:
+            logger.log(step, metrics)
+
+    def rewind(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
+        for logger in self.loggers:
+            logger.rewind(step, records)
+
+    def __enter__(self) -> Loggers:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close every logger, even when one fails to (the first error is raised after)."""
+        errors = []
+        for logger in self.loggers:
+            try:
+                logger.close()
+            except Exception as exc:  # noqa: BLE001 - the others must still close
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+

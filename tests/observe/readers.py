@@ -1,0 +1,33 @@
+"""Reading back what the loggers wrote, with each tool's own reader: TensorBoard's
+EventAccumulator and W&B's `wandb leet inspect` of an offline run's .wandb file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
+    """tag -> step -> value, as TensorBoard shows them (purged events left out)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: {event.step: event.value for event in events.Scalars(tag)}
+            for tag in events.Tags()["scalars"]}
+
+
+def wandb_offline_runs(folder: Path) -> list[Path]:
+    """The .wandb files of the offline runs W&B wrote under `folder`, oldest first."""
+    return sorted(Path(folder).glob("wandb/offline-run-*/run-*.wandb"))
+
+
+def wandb_history(run_file: Path) -> list[dict]:
+    """The rows `run.log` wrote to an offline run, in order, each with its `_step`."""
+    inspect = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json",
+                              str(run_file)], capture_output=True, text=True, timeout=120,
+                             check=True)
+    records = [json.loads(line) for line in inspect.stdout.splitlines() if line.startswith("{")]
+    return [record["history"]["item"] for record in records if record["type"] == "history"]
