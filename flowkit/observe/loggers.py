@@ -31,6 +31,7 @@ __all__ = [
     "Loggers",
     "TensorBoardLogger",
     "WandbLogger",
+    "check_extras",
     "import_extra",
     "scalars",
 ]
@@ -53,6 +54,18 @@ class Logger(Protocol):
         """The run goes on from `step`, after `records` [Note: loggers on resume]."""
 
     def close(self) -> None: ...
+
+
+# the modules each logger imports, and the extra that brings them
+_NEEDS = {"tensorboard": ("tensorboard", "torch.utils.tensorboard"), "wandb": ("wandb",)}
+
+
+def check_extras(names: Sequence[str]) -> None:
+    """A LoggerError naming the extra of the first logger in `names` whose package is
+    missing: called before a logger writes anything anywhere."""
+    for name in names:
+        for module in _NEEDS.get(name, ()):
+            import_extra(module, extra=name, logger=name)
 
 
 def import_extra(module: str, *, extra: str, logger: str) -> Any:
@@ -105,7 +118,7 @@ class TensorBoardLogger:
     """Scalars in TensorBoard event files under `folder` (`tensorboard --logdir`)."""
 
     def __init__(self, folder: str | Path) -> None:
-        import_extra("tensorboard", extra="tensorboard", logger="tensorboard")
+        check_extras(["tensorboard"])
         self._summary = import_extra("torch.utils.tensorboard", extra="tensorboard",
                                      logger="tensorboard")
         self.folder = Path(folder)

@@ -22,6 +22,7 @@ from flowkit.observe.loggers import (
     Loggers,
     TensorBoardLogger,
     WandbLogger,
+    check_extras,
 )
 
 __all__ = ["RUN_FILE", "LogSetup", "run_folder"]
@@ -67,6 +68,7 @@ class LogSetup:
             in_folder = [n for n in chosen if n != "jsonl" or self.metrics is None]
             if not in_folder:
                 return loggers
+            check_extras(in_folder)  # before the run's folder is made
             folder, saved = run_folder(self.log_dir, name, checkpoints=checkpoints,
                                        resume=resume)
             if "jsonl" in in_folder:

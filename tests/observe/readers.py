@@ -9,13 +9,14 @@ import sys
 from pathlib import Path
 
 
-def tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
-    """tag -> step -> value, as TensorBoard shows them (purged events left out)."""
+def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """tag -> its (step, value) points in order, as TensorBoard shows them: purged events left
+    out, a step logged twice there twice."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
     events.Reload()
-    return {tag: {event.step: event.value for event in events.Scalars(tag)}
+    return {tag: [(event.step, event.value) for event in events.Scalars(tag)]
             for tag in events.Tags()["scalars"]}
 
 

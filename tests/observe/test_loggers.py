@@ -40,8 +40,8 @@ def test_tensorboard_holds_each_steps_scalars(tmp_path):
         logger.log(step, _record(step, loss))
     logger.close()
     shown = tensorboard_scalars(tmp_path)
-    assert shown["loss"] == {0: 3.0, 1: 2.0, 2: 1.5}
-    assert shown["staleness/versions/1"] == {0: 4.0, 1: 4.0, 2: 4.0}
+    assert shown["loss"] == [(0, 3.0), (1, 2.0), (2, 1.5)]
+    assert shown["staleness/versions/1"] == [(0, 4.0), (1, 4.0), (2, 4.0)]
     assert "note" not in shown and "step" not in shown and "time" not in shown
 
 
@@ -55,8 +55,8 @@ def test_tensorboard_rewound_to_a_checkpoint_shows_the_resumed_steps_once(tmp_pa
     for step in (2, 3, 4):
         resumed.log(step, _record(step, 20.0 + step))
     resumed.close()
-    assert tensorboard_scalars(tmp_path)["loss"] == {0: 10.0, 1: 11.0, 2: 22.0, 3: 23.0,
-                                                     4: 24.0}
+    assert tensorboard_scalars(tmp_path)["loss"] == [(0, 10.0), (1, 11.0), (2, 22.0),
+                                                     (3, 23.0), (4, 24.0)]
 
 
 def test_a_new_run_in_a_used_folder_hides_the_old_curve(tmp_path):
@@ -65,7 +65,7 @@ def test_a_new_run_in_a_used_folder_hides_the_old_curve(tmp_path):
         for step, loss in enumerate(losses):
             logger.log(step, _record(step, loss))
         logger.close()
-    assert tensorboard_scalars(tmp_path)["loss"] == {0: 9.0, 1: 8.0}
+    assert tensorboard_scalars(tmp_path)["loss"] == [(0, 9.0), (1, 8.0)]
 
 
 def test_jsonl_rewound_rewrites_the_checkpoints_lines_then_appends(tmp_path):
