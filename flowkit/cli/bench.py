@@ -1,4 +1,4 @@
-"""`flowkit bench dispatch|transfer|pipeline|train|rl|rollout|checkpoint`: benchmarks, each
+"""`flowkit bench dispatch|transfer|pipeline|train|rl|rollout|checkpoint|loggers`: benchmarks, each
 against a baseline measured side by side in the same run (this machine is noisy: compare
 ratios, not times)."""
 
@@ -21,6 +21,7 @@ _BENCHES = {
     "rl": "flowkit.bench.rl:run_rl_bench",
     "rollout": "flowkit.bench.rollout:run_rollout_bench",
     "checkpoint": "flowkit.bench.checkpoint:run_checkpoint_bench",
+    "loggers": "flowkit.bench.loggers:run_loggers_bench",
 }
 
 
@@ -57,8 +58,8 @@ def bench(which: str, json_out: Path | None, mode: str | None, max_staleness: in
           length_sigma: float | None, max_new_tokens: int | None, hosts: int | None,
           model: str | None, curve: bool) -> None:
     """Measure dispatch, executor-to-executor transfer, pipeline execution, training, RL
-    steps with barriers, fused and asynchronous, generation's rollout engine, or a run
-    checkpoint against writing its bytes."""
+    steps with barriers, fused and asynchronous, generation's rollout engine, a run
+    checkpoint against writing its bytes, or each --logger against JSON lines alone."""
     import importlib
 
     rl_options = {"--mode": mode, "--max-staleness": max_staleness,

@@ -2,7 +2,8 @@
 
 Each logger takes a step's metrics dict as `flowkit run` records it (numbers, nested dicts such as
 the `staleness/versions` histogram, sometimes strings or lists). JSON lines keep the record
-whole; TensorBoard and W&B get its numeric scalars, nested keys joined with "/" (`scalars`).
+whole; TensorBoard and W&B get its numbers as scalars, nested keys joined with "/" (`scalars`),
+and its histograms as histograms (`histograms`).
 Their packages are extras, imported when a logger is opened, which `flowkit run` does before any
 executor starts, so a missing package is one error naming the extra to install.
 
@@ -32,6 +33,7 @@ __all__ = [
     "TensorBoardLogger",
     "WandbLogger",
     "check_extras",
+    "histograms",
     "import_extra",
     "scalars",
 ]
@@ -79,18 +81,49 @@ def import_extra(module: str, *, extra: str, logger: str) -> Any:
 
 
 def scalars(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
-    """The finite numbers of `metrics`, nested dicts flattened with "/" (`staleness/versions`
-    {"0": 34} is `staleness/versions/0`); strings, lists, None and booleans are left out, as
-    are `step` and `time`, which the loggers carry themselves."""
+    """The finite numbers of `metrics`, nested dicts flattened with "/" (`perf` {"x": 1} is
+    `perf/x`) except histograms (`histograms`); strings, lists, None and booleans are left
+    out, as are `step` and `time`, which the loggers carry themselves."""
     found: dict[str, float] = {}
     for key, value in metrics.items():
         name = f"{prefix}{key}"
         if isinstance(value, Mapping):
-            found.update(scalars(value, f"{name}/"))
-        elif (isinstance(value, int | float) and not isinstance(value, bool)
-              and math.isfinite(value) and (prefix or key not in ("step", "time"))):
+            if _histogram(value) is None:
+                found.update(scalars(value, f"{name}/"))
+        elif _number(value) and (prefix or key not in ("step", "time")):
             found[name] = float(value)
     return found
+
+
+def histograms(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, dict[float, float]]:
+    """The histograms of `metrics`: nested dicts whose keys are all numbers, each a value and
+    its count (`staleness/versions`: tokens per weights version). Their keys grow with the run
+    (versions), so as scalars they would make a new curve per version."""
+    found: dict[str, dict[float, float]] = {}
+    for key, value in metrics.items():
+        if isinstance(value, Mapping):
+            counts = _histogram(value)
+            if counts is not None:
+                found[f"{prefix}{key}"] = counts
+            else:
+                found.update(histograms(value, f"{prefix}{key}/"))
+    return found
+
+
+def _number(value: Any) -> bool:
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _histogram(value: Mapping) -> dict[float, float] | None:
+    """`value` as {number: count}, sorted by number; None when it is not a histogram."""
+    try:
+        counts = {float(k): v for k, v in value.items()}
+    except (TypeError, ValueError):
+        return None
+    if not counts or not all(_number(k) and _number(v) for k, v in counts.items()):
+        return None
+    return {k: float(counts[k]) for k in sorted(counts)}
 
 
 class JsonLinesLogger:
@@ -133,6 +166,13 @@ class TensorBoardLogger:
             self._open(step)
         for name, value in scalars(metrics).items():
             self._writer.add_scalar(name, value, global_step=step)
+        for name, counts in histograms(metrics).items():
+            values = list(counts)  # each value is its own bucket, up to that value
+            self._writer.add_histogram_raw(
+                name, min=values[0], max=values[-1], num=sum(counts.values()),
+                sum=sum(v * c for v, c in counts.items()),
+                sum_squares=sum(v * v * c for v, c in counts.items()),
+                bucket_limits=values, bucket_counts=list(counts.values()), global_step=step)
         self._writer.flush()  # so a crashed or watched run shows every step written
 
     def rewind(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
@@ -166,7 +206,10 @@ class WandbLogger:
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         if step <= self._last:
             return
-        self._run.log(scalars(metrics), step=step)
+        row: dict[str, Any] = dict(scalars(metrics))
+        for name, counts in histograms(metrics).items():
+            row[name] = self._wandb.Histogram(np_histogram=_wandb_bins(counts))
+        self._run.log(row, step=step)
         self._last = step
 
     def rewind(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
@@ -176,6 +219,20 @@ class WandbLogger:
         if self._run is not None:
             self._run.finish()
             self._run = None
+
+
+def _wandb_bins(counts: dict[float, float], most: int = 512) -> tuple[list, list]:
+    """(counts, edges) with each value in a bin of its own, edges halfway between values;
+    past `most` values (W&B's limit), `most` bins of equal width."""
+    values = list(counts)
+    if len(values) <= most:
+        middles = [(a + b) / 2 for a, b in zip(values, values[1:])]
+        return list(counts.values()), [values[0] - 0.5, *middles, values[-1] + 0.5]
+    low, width = values[0], (values[-1] - values[0]) / most
+    binned = [0.0] * most
+    for value, count in counts.items():
+        binned[min(most - 1, int((value - low) / width))] += count
+    return binned, [low + i * width for i in range(most + 1)]
 
 
 class Loggers:

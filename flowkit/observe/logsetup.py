@@ -49,6 +49,8 @@ class LogSetup:
     """The JSON-lines file; given, it is a `jsonl` logger whatever `loggers` says."""
     wandb_project: str = "flowkit"
     """The W&B project of the run."""
+    wandb_mode: str | None = None
+    """`online` or `offline`; None: W&B's own setting (WANDB_MODE, else online)."""
 
     def chosen(self) -> tuple[str, ...]:
         """The loggers to open, each once, in `LOGGERS` order."""
@@ -77,7 +79,7 @@ class LogSetup:
                 loggers.loggers.append(TensorBoardLogger(folder))
             if "wandb" in in_folder:
                 wandb = WandbLogger(folder, project=self.wandb_project, name=folder.name,
-                                    run_id=saved.get("wandb_id"))
+                                    run_id=saved.get("wandb_id"), mode=self.wandb_mode)
                 loggers.loggers.append(wandb)
                 _save(folder, {**saved, "wandb_id": wandb.run_id})
         except BaseException:

@@ -7,17 +7,31 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+
+def _events(folder: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0, "histograms": 0})
+    events.Reload()
+    return events
 
 
 def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
     """tag -> its (step, value) points in order, as TensorBoard shows them: purged events left
     out, a step logged twice there twice."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
-    events.Reload()
+    events = _events(folder)
     return {tag: [(event.step, event.value) for event in events.Scalars(tag)]
             for tag in events.Tags()["scalars"]}
+
+
+def tensorboard_histograms(folder: Path) -> dict[str, list[tuple[int, Any]]]:
+    """tag -> its (step, histogram) points in order; a histogram has min, max, num, sum,
+    bucket_limit and bucket."""
+    events = _events(folder)
+    return {tag: [(event.step, event.histogram_value) for event in events.Histograms(tag)]
+            for tag in events.Tags()["histograms"]}
 
 
 def wandb_offline_runs(folder: Path) -> list[Path]:

@@ -13,10 +13,16 @@ from flowkit.observe.loggers import (
     Loggers,
     TensorBoardLogger,
     WandbLogger,
+    histograms,
     scalars,
 )
 from flowkit.observe.logsetup import RUN_FILE, LogSetup, run_folder
-from tests.observe.readers import tensorboard_scalars, wandb_history, wandb_offline_runs
+from tests.observe.readers import (
+    tensorboard_histograms,
+    tensorboard_scalars,
+    wandb_history,
+    wandb_offline_runs,
+)
 
 # A step record as `flowkit run` makes one: numbers, a nested histogram, a string, a list, None.
 RECORD = {"time": 1.7e9, "step": 0, "loss": 2.5, "update_actor/tokens": 178,
@@ -29,9 +35,16 @@ def _record(step: int, loss: float) -> dict:
 
 
 def test_scalars_are_the_finite_numbers_with_nested_keys_joined_by_slashes():
-    assert scalars(RECORD) == {"loss": 2.5, "update_actor/tokens": 178.0,
-                               "staleness/versions/0": 30.0, "staleness/versions/1": 4.0,
-                               "restarts": 0.0}
+    record = {**RECORD, "perf": {"x": 1, "deep": {"y": 2.0, "no": "text"}}}
+    assert scalars(record) == {"loss": 2.5, "update_actor/tokens": 178.0, "restarts": 0.0,
+                               "perf/x": 1.0, "perf/deep/y": 2.0}
+
+
+def test_histograms_are_the_dicts_of_numbers_to_counts():
+    record = {**RECORD, "perf": {"lags": {"2": 1, "-1": 3}}, "mixed": {"1": 2, "a": 1}}
+    assert histograms(record) == {"staleness/versions": {0.0: 30.0, 1.0: 4.0},
+                                  "perf/lags": {-1.0: 3.0, 2.0: 1.0}}
+    assert scalars(record)["mixed/1"] == 2.0  # a dict with other keys is not a histogram
 
 
 def test_tensorboard_holds_each_steps_scalars(tmp_path):
@@ -41,8 +54,10 @@ def test_tensorboard_holds_each_steps_scalars(tmp_path):
     logger.close()
     shown = tensorboard_scalars(tmp_path)
     assert shown["loss"] == [(0, 3.0), (1, 2.0), (2, 1.5)]
-    assert shown["staleness/versions/1"] == [(0, 4.0), (1, 4.0), (2, 4.0)]
     assert "note" not in shown and "step" not in shown and "time" not in shown
+    [(step, histogram)] = tensorboard_histograms(tmp_path)["staleness/versions"][:1]
+    assert step == 0 and histogram.num == 34 and histogram.min == 0 and histogram.max == 1
+    assert (list(histogram.bucket_limit), list(histogram.bucket)) == ([0.0, 1.0], [30.0, 4.0])
 
 
 def test_tensorboard_rewound_to_a_checkpoint_shows_the_resumed_steps_once(tmp_path):
@@ -88,7 +103,11 @@ def test_wandb_offline_run_holds_each_steps_scalars(tmp_path, monkeypatch):
     [run_file] = wandb_offline_runs(tmp_path)
     rows = wandb_history(run_file)
     assert [(row["_step"], row["loss"]) for row in rows] == [(0, 3.0), (1, 2.0)]
-    assert rows[0]["staleness/versions/0"] == 30 and "note" not in rows[0]
+    assert "note" not in rows[0]
+    # W&B's row holds a histogram's fields under its key, "." between
+    assert rows[0]["staleness/versions._type"] == "histogram"
+    assert rows[0]["staleness/versions.values"] == [30, 4]
+    assert rows[0]["staleness/versions.bins"] == [-0.5, 0.5, 1.5]  # a bin around each version
 
 
 @pytest.mark.parametrize(("name", "package"), [("tensorboard", "tensorboard"),
@@ -123,3 +142,12 @@ def test_new_runs_get_their_own_folders_and_a_resumed_one_finds_its_own(tmp_path
     elsewhere, _ = run_folder(runs, "pretrain", resume=tmp_path / "other")
     assert elsewhere.name == "pretrain-3"
     assert json.loads((elsewhere / RUN_FILE).read_text()) == {"checkpoints": None}
+
+
+def test_wandb_bins_give_each_value_its_bin_and_past_512_values_merge_them():
+    from flowkit.observe.loggers import _wandb_bins
+
+    assert _wandb_bins({3.0: 2.0, 7.0: 1.0}) == ([2.0, 1.0], [2.5, 5.0, 7.5])
+    counts, edges = _wandb_bins({float(v): 1.0 for v in range(1024)})
+    assert len(counts) == 512 and len(edges) == 513 and sum(counts) == 1024
+    assert edges[0] == 0.0 and edges[-1] == 1023.0
