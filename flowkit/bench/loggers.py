@@ -19,6 +19,7 @@ package is missing is reported as such, not measured.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import tempfile
 import time
@@ -57,20 +58,34 @@ def run_loggers_bench(*, steps: int = 200, rounds: int = 3) -> dict:
         name: {"step_us": [], "open_s": [], "close_s": []} for name in CONFIGS}
     missing: dict[str, str] = {}
     records = [step_record(step) for step in range(steps)]
-    with tempfile.TemporaryDirectory(prefix="flowkit-bench-loggers-") as tmp:
-        for round_ in range(rounds):
-            for name, loggers in CONFIGS.items():
-                if name in missing:
-                    continue
-                folder = Path(tmp) / f"{round_}-{name.replace('+', '-')}"
-                try:
-                    measured = _one_round(folder, loggers, records)
-                except LoggerError as exc:
-                    missing[name] = str(exc)
-                    continue
-                for key, value in measured.items():
-                    samples[name][key].append(value)
+    # W&B's own report of each run it closes would bury the figures
+    quiet = os.environ.get("WANDB_SILENT")
+    os.environ["WANDB_SILENT"] = "true"
+    try:
+        with tempfile.TemporaryDirectory(prefix="flowkit-bench-loggers-") as tmp:
+            _measure(Path(tmp), records, rounds, samples, missing)
+    finally:
+        if quiet is None:
+            os.environ.pop("WANDB_SILENT")
+        else:
+            os.environ["WANDB_SILENT"] = quiet
     return _figures(samples, missing, steps=steps, rounds=rounds)
+
+
+def _measure(tmp: Path, records: list[dict], rounds: int, samples: dict, missing: dict) -> None:
+    """Each configuration `rounds` times, alternating; a missing package noted once."""
+    for round_ in range(rounds):
+        for name, loggers in CONFIGS.items():
+            if name in missing:
+                continue
+            folder = tmp / f"{round_}-{name.replace('+', '-')}"
+            try:
+                measured = _one_round(folder, loggers, records)
+            except LoggerError as exc:
+                missing[name] = str(exc)
+                continue
+            for key, value in measured.items():
+                samples[name][key].append(value)
 
 
 def _one_round(folder: Path, loggers: tuple[str, ...], records: list[dict]) -> dict:
