@@ -219,6 +219,9 @@ class WandbLogger:
         if self._run is not None:
             self._run.finish()
             self._run = None
+            # W&B keeps its service and the settings it read from the environment for the
+            # process; a later run in this process (a test, a bench round) reads them afresh
+            self._wandb.teardown()
 
 
 def _wandb_bins(counts: dict[float, float], most: int = 512) -> tuple[list, list]:

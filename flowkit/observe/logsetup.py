@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import attrs
@@ -63,7 +64,7 @@ class LogSetup:
         here, before anything starts. `checkpoints` is the folder this run checkpoints to,
         `resume` the one it resumes from (whose run folder it continues)."""
         chosen = self.chosen()
-        loggers = Loggers()
+        loggers, made = Loggers(), None
         try:
             if self.metrics is not None:
                 loggers.loggers.append(JsonLinesLogger(self.metrics))
@@ -71,8 +72,9 @@ class LogSetup:
             if not in_folder:
                 return loggers
             check_extras(in_folder)  # before the run's folder is made
-            folder, saved = run_folder(self.log_dir, name, checkpoints=checkpoints,
-                                       resume=resume)
+            folder, saved, new = run_folder(self.log_dir, name, checkpoints=checkpoints,
+                                            resume=resume)
+            made = folder if new else None
             if "jsonl" in in_folder:
                 loggers.loggers.append(JsonLinesLogger(folder / "metrics.jsonl"))
             if "tensorboard" in in_folder:
@@ -84,15 +86,17 @@ class LogSetup:
                 _save(folder, {**saved, "wandb_id": wandb.run_id})
         except BaseException:
             loggers.close()
+            if made is not None:  # a refused run leaves no folder to take the next one's name
+                shutil.rmtree(made, ignore_errors=True)
             raise
         return loggers
 
 
 def run_folder(log_dir: Path, name: str, *, checkpoints: Path | None = None,
-               resume: Path | None = None) -> tuple[Path, dict]:
-    """The run's folder under `log_dir` and what its `RUN_FILE` saved: with `resume`, the
-    newest folder of a run that checkpointed there; else a new folder, `name` or the first
-    free `name-N`."""
+               resume: Path | None = None) -> tuple[Path, dict, bool]:
+    """The run's folder under `log_dir`, what its `RUN_FILE` saved, and whether it is new:
+    with `resume`, the newest folder of a run that checkpointed there; else a new folder,
+    `name` or the first free `name-N`."""
     log_dir = Path(log_dir)
     if resume is not None:
         resume = str(Path(resume).resolve())
@@ -103,7 +107,7 @@ def run_folder(log_dir: Path, name: str, *, checkpoints: Path | None = None,
                 if checkpoints is not None:
                     data["checkpoints"] = str(Path(checkpoints).resolve())
                     _save(path.parent, data)
-                return path.parent, data
+                return path.parent, data, False
     folder, number = log_dir / name, 1
     while True:
         try:
@@ -114,7 +118,7 @@ def run_folder(log_dir: Path, name: str, *, checkpoints: Path | None = None,
             folder = log_dir / f"{name}-{number}"
     data = {"checkpoints": None if checkpoints is None else str(Path(checkpoints).resolve())}
     _save(folder, data)
-    return folder, data
+    return folder, data, True
 
 
 def _save(folder: Path, data: dict) -> None:

@@ -134,12 +134,13 @@ def test_metrics_alone_write_nothing_in_the_log_dir(tmp_path):
 
 def test_new_runs_get_their_own_folders_and_a_resumed_one_finds_its_own(tmp_path):
     runs, checkpoints = tmp_path / "runs", tmp_path / "ck"
-    first, _ = run_folder(runs, "pretrain", checkpoints=checkpoints)
-    second, _ = run_folder(runs, "pretrain")
-    assert (first.name, second.name) == ("pretrain", "pretrain-2")
-    again, saved = run_folder(runs, "pretrain", resume=checkpoints)
-    assert again == first and saved["checkpoints"] == str(checkpoints.resolve())
-    elsewhere, _ = run_folder(runs, "pretrain", resume=tmp_path / "other")
+    first, _, new = run_folder(runs, "pretrain", checkpoints=checkpoints)
+    second, _, _ = run_folder(runs, "pretrain")
+    assert (first.name, second.name, new) == ("pretrain", "pretrain-2", True)
+    again, saved, new = run_folder(runs, "pretrain", resume=checkpoints)
+    assert (again, new) == (first, False)
+    assert saved["checkpoints"] == str(checkpoints.resolve())
+    elsewhere, _, _ = run_folder(runs, "pretrain", resume=tmp_path / "other")
     assert elsewhere.name == "pretrain-3"
     assert json.loads((elsewhere / RUN_FILE).read_text()) == {"checkpoints": None}
 
@@ -151,3 +152,17 @@ def test_wandb_bins_give_each_value_its_bin_and_past_512_values_merge_them():
     counts, edges = _wandb_bins({float(v): 1.0 for v in range(1024)})
     assert len(counts) == 512 and len(edges) == 513 and sum(counts) == 1024
     assert edges[0] == 0.0 and edges[-1] == 1023.0
+
+
+def test_wandb_online_without_an_api_key_is_one_error_and_leaves_no_folder(tmp_path,
+                                                                          monkeypatch):
+    for name in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc login either
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    runs = tmp_path / "runs"
+    with pytest.raises(LoggerError) as error:
+        LogSetup(loggers=("tensorboard", "wandb"), log_dir=runs).open(name="flow")
+    assert "--logger wandb: No API key configured" in str(error.value)
+    assert "WANDB_MODE=offline" in str(error.value)
+    assert not any(runs.iterdir())
