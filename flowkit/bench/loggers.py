@@ -6,7 +6,7 @@ alternating, each configuration is opened in a fresh folder, logs `steps` record
 closed:
 
 - jsonl: the JSON-lines logger alone (`--metrics`), the baseline;
-- jsonl+tensorboard: and TensorBoard (torch's SummaryWriter, flushed every step);
+- jsonl+tensorboard: and TensorBoard (one event a step, flushed);
 - jsonl+wandb: and an offline W&B run (no network; `wandb.log` hands each row to W&B's
   service process, which writes the run file).
 

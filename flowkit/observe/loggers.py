@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -59,7 +60,7 @@ class Logger(Protocol):
 
 
 # the modules each logger imports, and the extra that brings them
-_NEEDS = {"tensorboard": ("tensorboard", "torch.utils.tensorboard"), "wandb": ("wandb",)}
+_NEEDS = {"tensorboard": ("tensorboard",), "wandb": ("wandb",)}
 
 
 def check_extras(names: Sequence[str]) -> None:
@@ -148,31 +149,43 @@ class JsonLinesLogger:
 
 
 class TensorBoardLogger:
-    """Scalars in TensorBoard event files under `folder` (`tensorboard --logdir`)."""
+    """Scalars and histograms in TensorBoard event files under `folder` (`tensorboard
+    --logdir`): one event a step holding all of them, written by tensorboard's own event
+    writer (torch's SummaryWriter writes an event per value: 4-5x the time a step here)."""
 
     def __init__(self, folder: str | Path) -> None:
         check_extras(["tensorboard"])
-        self._summary = import_extra("torch.utils.tensorboard", extra="tensorboard",
-                                     logger="tensorboard")
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._pb, self._summary_pb, self._file_writer = event_pb2, summary_pb2, EventFileWriter
         self.folder = Path(folder)
         self._writer: Any = None  # opened at the first step: its purge step is that step's
 
     def _open(self, purge_step: int) -> None:
+        """A new event file that starts with a restart at `purge_step`: TensorBoard hides
+        the events of earlier files at that step and after [Note: loggers on resume]."""
         self.close()
-        self._writer = self._summary.SummaryWriter(str(self.folder), purge_step=purge_step)
+        self._writer = self._file_writer(str(self.folder))
+        self._writer.add_event(self._pb.Event(
+            step=purge_step, wall_time=time.time(),
+            session_log=self._pb.SessionLog(status=self._pb.SessionLog.START)))
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         if self._writer is None:  # a fresh run: hide what an earlier run left in the folder
             self._open(step)
-        for name, value in scalars(metrics).items():
-            self._writer.add_scalar(name, value, global_step=step)
+        summary = self._summary_pb
+        values = [summary.Summary.Value(tag=name, simple_value=value)
+                  for name, value in scalars(metrics).items()]
         for name, counts in histograms(metrics).items():
-            values = list(counts)  # each value is its own bucket, up to that value
-            self._writer.add_histogram_raw(
-                name, min=values[0], max=values[-1], num=sum(counts.values()),
+            limits = list(counts)  # each value is its own bucket, up to that value
+            values.append(summary.Summary.Value(tag=name, histo=summary.HistogramProto(
+                min=limits[0], max=limits[-1], num=sum(counts.values()),
                 sum=sum(v * c for v, c in counts.items()),
                 sum_squares=sum(v * v * c for v, c in counts.items()),
-                bucket_limits=values, bucket_counts=list(counts.values()), global_step=step)
+                bucket_limit=limits, bucket=list(counts.values()))))
+        self._writer.add_event(self._pb.Event(step=step, wall_time=time.time(),
+                                              summary=summary.Summary(value=values)))
         self._writer.flush()  # so a crashed or watched run shows every step written
 
     def rewind(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
