@@ -268,6 +268,9 @@ def _open_loggers(logs: LogSetup, name: str, checkpoints: Checkpointing | None,
                          checkpoints=None if checkpoints is None else checkpoints.root)
     except LoggerError as exc:
         raise click.ClickException(str(exc)) from None
+    except OSError as exc:  # the metrics file or the log dir: name which
+        raise click.ClickException(f"cannot write {exc.filename or logs.log_dir}: "
+                                   f"{exc.strerror or exc}") from None
 
 
 def _ahead(runner: FlowRunner, step: int) -> str:

@@ -98,3 +98,13 @@ def test_a_missing_extra_is_one_error_naming_it_before_any_executor_starts(tmp_p
     assert "--logger wandb needs the wandb package" in result.output
     assert "pip install 'flowkit[wandb]'" in result.output
     assert not any(tmp_path.iterdir())  # no run folder either
+
+
+def test_a_log_dir_that_cannot_be_written_is_named(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    result = CliRunner().invoke(main, ["run", PRETRAIN, "--executors", "sim", "--no-dashboard",
+                                       "--logger", "tensorboard",
+                                       "--log-dir", str(tmp_path / "file" / "runs")])
+    assert result.exit_code == 1, result.output
+    assert f"cannot write {tmp_path / 'file' / 'runs'}" in result.output
+    assert "Traceback" not in result.output
