@@ -210,6 +210,7 @@ class WandbLogger:
                                          id=run_id, resume="allow" if run_id else None,
                                          mode=mode)
         except self._wandb.errors.Error as exc:
+            self._wandb.teardown()  # as close does: nothing of this run stays for the next
             raise LoggerError(f"--logger wandb: {exc} (or run offline: WANDB_MODE=offline, "
                               "then `wandb sync` the run folder)") from None
         self.run_id: str = self._run.id
