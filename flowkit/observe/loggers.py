@@ -3,9 +3,9 @@
 Each logger takes a step's metrics dict as `flowkit run` records it (numbers, nested dicts such as
 the `staleness/versions` histogram, sometimes strings or lists). JSON lines keep the record
 whole; TensorBoard and W&B get its numbers as scalars, nested keys joined with "/" (`scalars`),
-and its histograms as histograms (`histograms`).
-Their packages are extras, imported when a logger is opened, which `flowkit run` does before any
-executor starts, so a missing package is one error naming the extra to install.
+and its histograms as histograms (`histograms`). Their packages are extras, imported when a
+logger is opened, which `flowkit run` does before any executor starts, so a missing package is
+one error naming the extra to install.
 
 [Note: loggers on resume] A resumed run goes on from its checkpoint's step, and an interrupted
 run may have logged steps past it. `rewind(step, records)` tells each logger: the JSON-lines

@@ -40,7 +40,8 @@ def wandb_offline_runs(folder: Path) -> list[Path]:
 
 
 def wandb_history(run_file: Path) -> list[dict]:
-    """The rows `run.log` wrote to an offline run, in order, each with its `_step`."""
+    """The rows `run.log` wrote to an offline run, in order, each with its `_step`, as W&B's
+    own `wandb leet inspect` reads them (newer wandb releases have it; 0.31 here)."""
     inspect = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json",
                               str(run_file)], capture_output=True, text=True, timeout=120,
                              check=True)
