@@ -13,7 +13,9 @@ from rich.console import Console
 from flowkit.cli._checkpoints import Checkpointing, GracefulStop, resume_point
 from flowkit.cli._restarts import Restarts, temporary_checkpoints
 from flowkit.dsl import Flow
-from flowkit.observe import Dashboard, MetricsWriter, RunStats, TraceRecorder
+from flowkit.observe import Dashboard, RunStats, TraceRecorder
+from flowkit.observe.loggers import LoggerError, Loggers
+from flowkit.observe.logsetup import LogSetup
 from flowkit.ops import LOSSES, LOWERED_OPS
 from flowkit.planner.lower import Call, NodePlan, lower_flow
 from flowkit.planner.simcosts import SimCosts
@@ -92,7 +94,7 @@ def with_training_options(flow: Flow, *, stages: int | None, microbatches: int |
 
 def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
              tag_spec: str | None, steps: int, sim_costs: SimCosts | None,
-             trace: Path | None, metrics: Path | None, dashboard: bool | None,
+             trace: Path | None, dashboard: bool | None, logs: LogSetup | None = None,
              device: str = "cpu", fuse: bool = True, save_weights: Path | None = None,
              debug: bool = False, checkpoints: Checkpointing | None = None,
              resume: Path | None = None, staleness: int | None = None,
@@ -112,24 +114,25 @@ def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
     count = count or max(2, stages)
     tags = executor_tags(plan, count, tag_spec)
     identity = flow_identity(flow.name, plan)
-    cleanup = None
-    if max_restarts and checkpoints is None:  # restarts reload the newest checkpoint
-        root, cleanup = temporary_checkpoints()
-        checkpoints = Checkpointing(root=root, every=1, keep=1)
-    if checkpoints is not None:
-        checkpoints.identity, checkpoints.kind = identity, kind
     resumed = None
     if resume is not None:  # checked before any executor starts
         layout = [{"name": f"exec-{i}", "tags": sorted(t), "kind": kind}
                   for i, t in enumerate(tags)]
         resumed = resume_point(resume, identity, sorted(layout, key=lambda e: e["name"]),
                                staleness)
+    loggers = _open_loggers(logs or LogSetup(), flow.name, checkpoints, resumed)
+    cleanup = None
+    if max_restarts and checkpoints is None:  # restarts reload the newest checkpoint
+        root, cleanup = temporary_checkpoints()
+        checkpoints = Checkpointing(root=root, every=1, keep=1)
+    if checkpoints is not None:
+        checkpoints.identity, checkpoints.kind = identity, kind
     console = Console(stderr=False)
     recorder = TraceRecorder()
     stats = RunStats()
-    writer = MetricsWriter(metrics) if metrics is not None else None
-    run = _Run(steps=steps, writer=writer, stats=stats, checkpoints=checkpoints)
-    with Controller(**(controller or {})) as ctl:  # bind, keys, insecure: run.py's options
+    run = _Run(steps=steps, loggers=loggers, stats=stats, checkpoints=checkpoints)
+    # bind, keys, insecure: run.py's options; the loggers close however the run ends
+    with loggers, Controller(**(controller or {})) as ctl:
         recorder.attach(ctl)
         stats.attach(ctl)
         executors = make_launcher(launcher, ctl, count, kind=kind, tags=tags, code=code,
@@ -169,8 +172,6 @@ def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
             executors.stop()
             if cleanup is not None:
                 cleanup()
-            if run.writer is not None:
-                run.writer.close()
             if trace is not None:
                 recorder.write_chrome(trace)
                 console.print(f"wrote {trace} (open it in https://ui.perfetto.dev)")
@@ -184,7 +185,7 @@ class _Run:
     """The steps of one `flowkit run`, their metrics lines and checkpoints."""
 
     steps: int
-    writer: MetricsWriter | None
+    loggers: Loggers  # where each step's metrics go
     stats: RunStats
     checkpoints: Checkpointing | None
     first: int = 0  # the step to start with: after a resumed checkpoint's
@@ -194,17 +195,12 @@ class _Run:
     runner: Any = None  # the one running: a restart makes a new one
 
     def resume(self, runner: FlowRunner, folder: Path, manifest: Any, console: Console) -> None:
-        """Go on from `folder`: the executors' and runner's state, and the metrics file
-        rewritten with the checkpoint's lines, so the steps after it append without
-        duplicating the ones an interrupted run wrote past it."""
+        """Go on from `folder`: the executors' and runner's state, and the loggers rewound
+        to the checkpoint's step, so the steps after it do not duplicate the ones an
+        interrupted run logged past it [Note: loggers on resume]."""
         state = restore(folder, runner, self.executors)
         self.first, self.records = state.step, list(state.records)
-        if self.writer is not None:
-            path = self.writer.path
-            self.writer.close()
-            self.writer = MetricsWriter(path)
-            for record in self.records:
-                self.writer.write(record)
+        self.loggers.rewind(state.step, self.records)
         console.print(f"resumed from {folder} (step {state.step} of {self.steps})")
 
     def steps_until_stopped(self, runner: FlowRunner, board: Dashboard,
@@ -269,8 +265,20 @@ class _Run:
             record["restarts"] = self.restarts.used
         self.records.append(record)
         board.set_metrics(_shown(record, self.records))
-        if self.writer is not None:
-            self.writer.write(record)
+        self.loggers.log(step, record)
+
+
+def _open_loggers(logs: LogSetup, name: str, checkpoints: Checkpointing | None,
+                  resumed: tuple[Path, Any] | None) -> Loggers:
+    """The run's loggers, opened before any executor starts: a missing extra is one error."""
+    try:
+        return logs.open(name=name, resume=None if resumed is None else resumed[0].parent,
+                         checkpoints=None if checkpoints is None else checkpoints.root)
+    except LoggerError as exc:
+        raise click.ClickException(str(exc)) from None
+    except OSError as exc:  # the metrics file or the log dir: name which
+        raise click.ClickException(f"cannot write {exc.filename or logs.log_dir}: "
+                                   f"{exc.strerror or exc}") from None
 
 
 def _ahead(runner: FlowRunner, step: int) -> str:

@@ -1,6 +1,6 @@
-"""`flowkit bench dispatch|transfer|pipeline|train|rl|rollout|checkpoint|launch`: benchmarks, each
-against a baseline measured side by side in the same run (this machine is noisy: compare
-ratios, not times)."""
+"""`flowkit bench dispatch|transfer|pipeline|train|rl|rollout|checkpoint|launch|loggers`:
+benchmarks, each against a baseline measured side by side in the same run (this machine is
+noisy: compare ratios, not times)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ _BENCHES = {
     "rollout": "flowkit.bench.rollout:run_rollout_bench",
     "checkpoint": "flowkit.bench.checkpoint:run_checkpoint_bench",
     "launch": "flowkit.bench.launch:run_launch_bench",
+    "loggers": "flowkit.bench.loggers:run_loggers_bench",
 }
 
 
@@ -59,7 +60,8 @@ def bench(which: str, json_out: Path | None, mode: str | None, max_staleness: in
           model: str | None, curve: bool) -> None:
     """Measure dispatch, executor-to-executor transfer, pipeline execution, training, RL
     steps with barriers, fused and asynchronous, generation's rollout engine, a run
-    checkpoint against writing its bytes, or executors' start-up under Ray against local."""
+    checkpoint against writing its bytes, executors' start-up under Ray against local, or each
+    --logger against JSON lines alone."""
     import importlib
 
     rl_options = {"--mode": mode, "--max-staleness": max_staleness,

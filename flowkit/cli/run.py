@@ -12,6 +12,8 @@ from click.core import ParameterSource
 from executors.kinds import KINDS
 from flowkit.cli._files import writing
 from flowkit.cli._flows import load_checked_flow
+from flowkit.observe.loggers import LOGGERS
+from flowkit.observe.logsetup import LogSetup
 from flowkit.runtime.launchers import LAUNCHERS
 from flowkit.runtime.raylaunch import STRATEGIES
 
@@ -60,6 +62,18 @@ _KINDS = ("auto", *KINDS)
               help="Write a Chrome trace (open in Perfetto or chrome://tracing).")
 @click.option("--metrics", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write metrics as JSON lines, one per step.")
+@click.option("--logger", "loggers", multiple=True, type=click.Choice(LOGGERS),
+              envvar="FLOWKIT_LOGGER",
+              help="Also log each step's metrics to TensorBoard or Weights & Biases (each "
+              "needs its extra), or as JSON lines in the run's folder; repeat for several "
+              "[env FLOWKIT_LOGGER, space-separated].")
+@click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default="runs",
+              show_default=True, envvar="FLOWKIT_LOG_DIR",
+              help="Where --logger writes: one folder per run, named after the flow; a "
+              "--resume'd run continues its own [env FLOWKIT_LOG_DIR].")
+@click.option("--wandb-project", default="flowkit", show_default=True, envvar="WANDB_PROJECT",
+              help="The W&B project of --logger wandb (offline without a network: "
+              "WANDB_MODE=offline) [env WANDB_PROJECT].")
 @click.option("--save-weights", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="After the last step, write each trained model's weights to DIR/MODEL.pt "
               "(torch executors); a model config's `checkpoint` starts from such a file.")
@@ -109,7 +123,8 @@ _KINDS = ("auto", *KINDS)
 def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | None, device: str,
         steps: int, stages: int | None, microbatches: int | None, schedule: str | None,
         fuse: bool, asynchronous: bool | None, max_staleness: int | None, sim_cost: str,
-        trace: Path | None, metrics: Path | None,
+        trace: Path | None, metrics: Path | None, loggers: tuple[str, ...], log_dir: Path,
+        wandb_project: str,
         save_weights: Path | None, checkpoint_dir: Path | None, checkpoint_every: int | None,
         keep_checkpoints: int, resume: Path | None, max_restarts: int, dashboard: bool | None,
         bind: str, keys_dir: Path | None, insecure: bool, launcher: str,
@@ -137,11 +152,13 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
     kind = choose_executors(flow, kind)
     costs = costs if kind == "sim" else None
     path, _, _ = flow_spec.partition(":")
+    logs = LogSetup(loggers=loggers, log_dir=log_dir, metrics=metrics,
+                    wandb_project=wandb_project)
     with writing(trace or metrics or Path(".")):
         run_flow(flow, code=[path], kind=kind, count=num_executors, tag_spec=tag_spec,
                  device=device, steps=steps, fuse=fuse, staleness=staleness,
                  max_restarts=max_restarts, sim_costs=costs, controller=controller,
-                 launcher=launcher, launcher_settings=settings, trace=trace, metrics=metrics,
+                 launcher=launcher, launcher_settings=settings, trace=trace, logs=logs,
                  dashboard=dashboard, save_weights=save_weights, debug=debug, resume=resume,
                  checkpoints=None if checkpoint_dir is None else Checkpointing(
                      root=checkpoint_dir, every=checkpoint_every, keep=keep_checkpoints))

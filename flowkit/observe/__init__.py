@@ -1,8 +1,11 @@
-"""Observability: trace recording with Chrome/Perfetto export, run statistics, metrics as JSON
-lines, and a rich live dashboard. Every recorder is a controller listener (`ctl.add_listener`)
-that only updates counters on the controller's IO thread; everything else reads snapshots."""
+"""Observability: trace recording with Chrome/Perfetto export, run statistics, step metrics as
+JSON lines, to TensorBoard or to W&B (the loggers), and a rich live dashboard. Every recorder is
+a controller listener (`ctl.add_listener`) that only updates counters on the controller's IO
+thread; everything else reads snapshots."""
 
 from flowkit.observe.dashboard import Dashboard
+from flowkit.observe.loggers import LOGGERS, Logger, LoggerError, Loggers
+from flowkit.observe.logsetup import LogSetup
 from flowkit.observe.metrics import ExecutorStats, MetricsWriter, RunStats, StatsSnapshot
 from flowkit.observe.spans import BubbleMeter, ExecutorLabel, Span, bubble_rate
 from flowkit.observe.trace import ExecutorLoss, TraceRecorder
@@ -13,6 +16,11 @@ __all__ = [
     "ExecutorLabel",
     "ExecutorLoss",
     "ExecutorStats",
+    "LOGGERS",
+    "LogSetup",
+    "Logger",
+    "LoggerError",
+    "Loggers",
     "MetricsWriter",
     "RunStats",
     "Span",
