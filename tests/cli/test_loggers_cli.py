@@ -90,7 +90,7 @@ def test_a_missing_extra_is_one_error_naming_it_before_any_executor_starts(tmp_p
     def no_executors(*args, **kwargs):
         raise AssertionError("executors started before the loggers were checked")
 
-    monkeypatch.setattr("flowkit.cli._runflow.LocalExecutors.start", no_executors)
+    monkeypatch.setattr("flowkit.runtime.launch.ProcessExecutors.start", no_executors)
     result = CliRunner().invoke(main, ["run", PRETRAIN, "--executors", "sim", "--no-dashboard",
                                        "--logger", "wandb", "--log-dir", str(tmp_path)])
     assert result.exit_code == 1, result.output
