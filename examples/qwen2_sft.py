@@ -5,7 +5,7 @@ but mostly wrong ([Note: noisy warm-up] in dataflows/rl/tasks.py):
 
     python examples/qwen2_build.py models/qwen2-tiny
     flowkit run examples/qwen2_sft.py --steps 600 --save-weights checkpoints
-    flowkit run examples/qwen2_grpo.py --steps 40 --metrics qwen2-grpo.jsonl
+    flowkit run examples/qwen2_grpo.py --steps 40 --metrics qwen2-grpo-metrics.jsonl
 
 --save-weights writes the trained model as a Hugging Face folder, checkpoints/actor (config,
 safetensors and the tokenizer), which the GRPO step starts from.
