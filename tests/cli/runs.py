@@ -26,6 +26,17 @@ def run_ok(flow: str, *args: str) -> str:
     return result.output
 
 
+def run_ok_in(folder: Path, flow: str, *args: str) -> str:
+    """run_ok with `folder` as the working directory: the examples read and write paths such
+    as checkpoints/ relative to it."""
+    cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        return run_ok(flow, *args)
+    finally:
+        os.chdir(cwd)
+
+
 def refused(flow: str, *args: str) -> str:
     """The output of a run that must fail with a message, not a traceback."""
     result = CliRunner().invoke(main, ["run", flow, "--no-dashboard", *args])

@@ -5,31 +5,18 @@ tokenizer; the mean reward rises clearly and the trained actor is an HF folder t
 transformers loads."""
 
 import json
-import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 pytest.importorskip("transformers", reason="the hf extra: pip install 'flowkit[hf]'")
 
-from flowkit.cli import main  # noqa: E402
+from tests.cli.runs import run_ok_in  # noqa: E402
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
-
-
-def _run(folder: Path, *args: str):
-    cwd = os.getcwd()
-    os.chdir(folder)  # the examples read models/ and checkpoints/ from the working directory
-    try:
-        result = CliRunner().invoke(main, ["run", *args, "--no-dashboard"])
-    finally:
-        os.chdir(cwd)
-    assert result.exit_code == 0, result.output
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +25,7 @@ def warmed_up(tmp_path_factory):
     (folder / "examples").symlink_to(EXAMPLES)  # the flows name their data examples/data/...
     subprocess.run([sys.executable, str(EXAMPLES / "qwen2_build.py"), "models/qwen2-tiny"],
                    cwd=folder, check=True, capture_output=True)
-    _run(folder, "examples/qwen2_sft.py", "--steps", "600", "--save-weights", "checkpoints")
+    run_ok_in(folder, "examples/qwen2_sft.py", "--steps", "600", "--save-weights", "checkpoints")
     assert (folder / "checkpoints" / "actor" / "tokenizer.json").is_file()
     return folder
 
@@ -46,9 +33,9 @@ def warmed_up(tmp_path_factory):
 def test_grpo_on_a_tiny_qwen2_raises_the_mean_reward_and_saves_an_hf_folder(warmed_up):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    result = _run(warmed_up, "examples/qwen2_grpo.py", "--steps", "40", "--metrics",
-                  "grpo.jsonl", "--save-weights", "out")
-    assert "executors: torch" in result.output
+    output = run_ok_in(warmed_up, "examples/qwen2_grpo.py", "--steps", "40", "--metrics",
+                       "grpo.jsonl", "--save-weights", "out")
+    assert "executors: torch" in output
     lines = [json.loads(line) for line in (warmed_up / "grpo.jsonl").read_text().splitlines()]
     rewards = [line["reward_mean"] for line in lines]
     assert rewards[0] < 0.3, rewards

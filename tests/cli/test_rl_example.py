@@ -3,34 +3,21 @@ checkpoint, then GRPO or PPO from it on torch executors; the mean reward rises c
 metrics carry the reward, the response length and per-node timings."""
 
 import json
-import os
 import statistics
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from flowkit.cli import main
+from tests.cli.runs import run_ok_in
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
-
-
-def _run(folder: Path, *args: str):
-    cwd = os.getcwd()
-    os.chdir(folder)  # the examples read checkpoints/actor.pt from the working directory
-    try:
-        result = CliRunner().invoke(main, ["run", *args, "--no-dashboard"])
-    finally:
-        os.chdir(cwd)
-    assert result.exit_code == 0, result.output
-    return result
 
 
 @pytest.fixture(scope="module")
 def warmed_up(tmp_path_factory):
     folder = tmp_path_factory.mktemp("rl")
-    _run(folder, str(EXAMPLES / "sort_sft.py"), "--steps", "600", "--save-weights",
-         "checkpoints")
+    run_ok_in(folder, str(EXAMPLES / "sort_sft.py"), "--steps", "600", "--save-weights",
+              "checkpoints")
     assert (folder / "checkpoints" / "actor.pt").is_file()
     return folder
 
@@ -40,9 +27,9 @@ def warmed_up(tmp_path_factory):
 def test_rl_on_digit_sorting_raises_the_mean_reward(warmed_up, example):
     """Asynchronously too (`:async_`, `:partial`: one version of staleness, the decoupled
     objective, and with partial rollouts): learning as the synchronous run does."""
-    result = _run(warmed_up, str(EXAMPLES / example), "--steps", "30", "--metrics",
-                  f"{example}.jsonl")
-    assert "executors: torch" in result.output
+    output = run_ok_in(warmed_up, str(EXAMPLES / example), "--steps", "30", "--metrics",
+                       f"{example}.jsonl")
+    assert "executors: torch" in output
     lines = [json.loads(line) for line in (warmed_up / f"{example}.jsonl").read_text()
              .splitlines()]
     assert all({"step", "reward_mean", "response_length_mean", "timing_s/generate",
@@ -55,9 +42,9 @@ def test_rl_on_digit_sorting_raises_the_mean_reward(warmed_up, example):
 def test_reinforce_pp_runs_on_torch_and_reports_rewards(warmed_up):
     """A short run (RLOO's flow runs on simulator executors in tests/runtime): that it trains
     and reports; how far the reward rises is in the README."""
-    result = _run(warmed_up, str(EXAMPLES / "reinforce_pp_sort.py"), "--steps", "2",
-                  "--metrics", "reinforce_pp.jsonl")
-    assert "executors: torch" in result.output
+    output = run_ok_in(warmed_up, str(EXAMPLES / "reinforce_pp_sort.py"), "--steps", "2",
+                       "--metrics", "reinforce_pp.jsonl")
+    assert "executors: torch" in output
     lines = [json.loads(line) for line in (warmed_up / "reinforce_pp.jsonl").read_text()
              .splitlines()]
     assert [line["step"] for line in lines] == [0, 1]
