@@ -346,9 +346,12 @@ class Controller:
             try:
                 if not self._stopping:
                     self._pump(0.02)
-            except zmq.ZMQError:
+            except Exception:
+                # this thread must outlive any one failure: runs wait on events that only
+                # its callbacks deliver, so its death would hang them until their timeout
                 if not self._stopping:
-                    raise
+                    log.exception("the controller's IO thread failed; it goes on")
+                    time.sleep(0.1)  # a failure that repeats must not spin
             finally:
                 self._io_lock.release()
             self._state.run_callbacks()

@@ -106,8 +106,11 @@ class Dispatcher:
     def run_callbacks(self) -> None:
         """Run the callbacks of futures resolved so far; never under the IO lock (they submit)."""
         callbacks = self._callbacks
-        while callbacks:
-            fn, future = callbacks.popleft()
+        while True:
+            try:  # no "while callbacks": another thread may take the last one after the check
+                fn, future = callbacks.popleft()
+            except IndexError:
+                return
             try:
                 fn(future)
             except Exception:
