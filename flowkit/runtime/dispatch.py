@@ -33,6 +33,14 @@ class NoExecutor(RuntimeError):
     """No connected executor can run the op with the tags asked for."""
 
 
+class _FailedUnrecorded(Exception):
+    """A task input is a future failed at its own submit (NoExecutor: say its executor was
+    just lost), which never had an object record: the task is cancelled, naming why."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
 class Dispatcher:
     def __init__(self, *, owner: Owner, send_raw: Callable[[list], None],
                  ping_interval: float, ping_timeout: float, heartbeat_address: str) -> None:
@@ -266,7 +274,12 @@ class Dispatcher:
             return futures
         objects = self._objects
         task_id = next(self._ids)
-        refs, input_ids, failed = self._inputs(inputs, executor, task_id)
+        try:
+            refs, input_ids, failed = self._inputs(inputs, executor, task_id)
+        except _FailedUnrecorded as unrecorded:
+            self._fail_futures(futures, TaskCancelled(
+                f"{op!r} not run: an input failed: {unrecorded.error}", op=op))
+            return futures
         output_ids = tuple([f.id for f in futures])
         task = TaskRecord(task_id, op, executor.id, input_ids, output_ids, config, meta,
                           on_part=on_part)
@@ -306,7 +319,12 @@ class Dispatcher:
         """(wire refs, object ids read, the error of a failed input) of a task's inputs."""
         if not inputs:
             return (), (), None
-        refs = [self._input_ref(value, executor) for value in inputs]
+        try:
+            refs = [self._input_ref(value, executor) for value in inputs]
+        except _FailedUnrecorded:
+            for object_id in [i for i in self._objects if i > task_id]:
+                self._maybe_free(self._objects[object_id])  # the values placed for it
+            raise
         input_ids, failed = [], None
         for object_id in _ids_of(refs):
             record = self._objects[object_id]
@@ -406,6 +424,8 @@ class Dispatcher:
     def _input_object(self, value: Any, executor: ExecutorInfo) -> int:
         if isinstance(value, Future):
             if value.id not in self._objects:
+                if value._error is not None:  # failed at submit: no executor could run it
+                    raise _FailedUnrecorded(value._error)
                 # a future from a put that is still queued cannot exist: commands run in order
                 raise ProtocolError(f"{value!r} is not known to this controller")
             return value.id

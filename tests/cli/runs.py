@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from click.testing import CliRunner
@@ -22,8 +23,15 @@ PRETRAIN = str(FLOWS / "tiny_pretrain.py")
 
 def run_ok(flow: str, *args: str) -> str:
     result = CliRunner().invoke(main, ["run", flow, "--no-dashboard", *args])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 0, result.output + _traceback(result)
     return result.output
+
+
+def _traceback(result) -> str:
+    """An exception the CLI did not turn into its one error line, with where it came from."""
+    if result.exc_info is None or isinstance(result.exception, SystemExit):
+        return ""
+    return "\n" + "".join(traceback.format_exception(*result.exc_info))
 
 
 def run_ok_in(folder: Path, flow: str, *args: str) -> str:

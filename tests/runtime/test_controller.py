@@ -16,6 +16,7 @@ from flowkit.runtime import (
     wait,
 )
 from flowkit.runtime.protocol import Msg, decode, encode
+from flowkit.runtime.refs import Gather, Item
 from tests.harness import dealer
 
 
@@ -47,6 +48,17 @@ def test_no_executor_for_the_op_fails_the_future_with_what_is_connected(cluster)
         ctl.submit("generate").result(timeout=5)
     with pytest.raises(NoExecutor, match="tags \\['gpu'\\]"):
         ctl.submit("noop", tags=["gpu"]).result(timeout=5)
+
+
+def test_a_task_reading_a_future_no_executor_could_make_is_cancelled_with_why(cluster):
+    """As when the pipeline goes on submitting to an executor just lost: the first action fails
+    with NoExecutor, and each one reading it is cancelled naming that, not refused as unknown."""
+    ctl, _ = cluster
+    never = ctl.submit("generate")
+    for reader in (never, Item(never, 0), Gather([ctl.put(1), Item(never, 1)])):
+        with pytest.raises(TaskCancelled, match="an input failed: no executor runs op 'gen"):
+            ctl.submit("identity", "a value placed first", reader).result(timeout=5)
+    assert ctl.submit("identity", 3).result(timeout=5) == 3
 
 
 def test_callbacks_and_wait(cluster):
