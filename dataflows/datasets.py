@@ -307,12 +307,14 @@ dataset_prompts.reporter = dataset_epoch  # what a flow adds to report a source'
 @op(check=_check_sft)
 def chat_sft_sequences(*, path: str, tokenizer: str, sequences: int = 64, seq_len: int = 64,
                        seed: int = 0, step: int = 0, prompt_field: str = "prompt",
-                       answer_field: str = "answer", chat_template: bool = True
-                       ) -> Stream[TokenIds]:
+                       answer_field: str = "answer", chat_template: bool = True,
+                       completion_only_loss: bool = True) -> Stream[TokenIds]:
     """Supervised warm-up data in token_sequences' format (dataflows/text.py): step `step`'s
     `sequences` rows of the dataset, each one int64 tensor of seq_len + 1 tokens, the templated
     prompt, then the answer and the tokenizer's EOS, padded with EOS; inputs are seq[:-1],
-    targets seq[1:]. A row longer than seq_len + 1 tokens is an error naming it."""
+    targets seq[1:]. The loss is on the answer and its EOS only: the padding and (unless
+    completion_only_loss is False, as in TRL) the prompt are masked [TokenIds in
+    flowkit/ops/records.py]. A row longer than seq_len + 1 tokens is an error naming it."""
     import torch  # only executors run this op; declaring a flow must not need torch
 
     data = _dataset(str(path), prompt_field, answer_field, int(seed))
@@ -320,17 +322,21 @@ def chat_sft_sequences(*, path: str, tokenizer: str, sequences: int = 64, seq_le
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer {tokenizer!r} has no EOS token: set eos_token and save it")
     for row in data.rows(int(step) * int(sequences), int(sequences)):
-        yield torch.tensor(_sft_tokens(tok, row, seq_len, chat_template), dtype=torch.int64)
+        yield torch.tensor(_sft_tokens(tok, row, seq_len, chat_template,
+                                       bool(completion_only_loss)), dtype=torch.int64)
 
 
-def _sft_tokens(tok: Any, row: DatasetRow, seq_len: int, chat_template: bool) -> list[int]:
+def _sft_tokens(tok: Any, row: DatasetRow, seq_len: int, chat_template: bool,
+                completion_only: bool) -> list[int]:
     prompt = _tokens(tok, render_prompt(tok, row.prompt, chat_template=chat_template),
                      chat_template=chat_template)
-    tokens = prompt + list(tok(row.answer or "", add_special_tokens=False)["input_ids"])
-    tokens.append(int(tok.eos_token_id))
-    if len(tokens) > seq_len + 1:
-        raise ValueError(f"dataset row {row.row} is {len(tokens)} tokens with its chat template, "
+    answer = list(tok(row.answer or "", add_special_tokens=False)["input_ids"])
+    eos = int(tok.eos_token_id)
+    length = len(prompt) + len(answer) + 1
+    if length > seq_len + 1:
+        raise ValueError(f"dataset row {row.row} is {length} tokens with its chat template, "
                          f"answer and EOS, more than seq_len + 1 = {seq_len + 1}: raise seq_len "
                          "or shorten the row")
-    return tokens + [int(tok.eos_token_id)] * (seq_len + 1 - len(tokens))
+    read = [~t for t in prompt] if completion_only else prompt  # ~t: read, never a target
+    return read + answer + [eos] + [~eos] * (seq_len + 1 - length)
 

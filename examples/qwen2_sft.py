@@ -19,7 +19,7 @@ MODEL = "models/qwen2-tiny"
 
 actor = Model(name="actor", build="hf", config={"path": MODEL}, stages=2, tags=("train",))
 # the longest demonstration, chat-formatted, is 16 tokens with its EOS; shorter ones are
-# padded with EOS
+# padded with EOS, which like the prompt the loss skips (completion-only loss)
 flow = pretrain_flow(model=actor, source=chat_sft_sequences,
                      source_config={"path": "examples/data/arithmetic_sft.jsonl",
                                     "tokenizer": MODEL, "seq_len": 16},

@@ -65,15 +65,23 @@ def _forward(ctx: OpContext, *inputs: Any, stage: int, stages: int, microbatch: 
         return _rl_forward(held, inputs, first=first, last=last, microbatch=microbatch,
                            loss_scale=float(loss_scale),
                            settings=RLSettings.from_config(loss, config))
-    tokens = _tokens(inputs[0] if first else inputs[-1]) if first or last else None
-    args: list[Any] = [tokens[:, :-1] if first else inputs[0]]
+    read, targets = split_tokens(_tokens(inputs[0] if first else inputs[-1])) \
+        if first or last else (None, None)
+    args: list[Any] = [read if first else inputs[0]]
     if last:
-        args += [tokens[:, 1:], float(loss_scale)]
+        args += [targets, float(loss_scale)]
     out = held.runner.forward(microbatch, *args)
     if not last:
         return out
-    n_tokens = int(tokens[:, 1:].ge(0).sum())
+    n_tokens = int(targets.ge(0).sum())
     return MicrobatchStats(loss=float(out) / float(loss_scale), tokens=n_tokens)
+
+
+def split_tokens(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (B, T+1) batch of TokenIds as the model reads it, (B, T) with each masked ~t read as t,
+    and its (B, T) targets, -1 (what the losses ignore) where masked [TokenIds in
+    flowkit/ops/records.py]."""
+    return torch.where(tokens < 0, ~tokens, tokens)[:, :-1], tokens[:, 1:].clamp(min=-1)
 
 
 def _rl_forward(held: HeldStage, inputs: tuple, *, first: bool, last: bool, microbatch: int,
@@ -242,13 +250,12 @@ def _profile(ctx: OpContext, sample: Any, *, stage: int, stages: int, repeats: i
     model = held_model(ctx, {**config, "stages": stages})
     # A microbatch of experiences (an RL loss) is timed on its sequences under the LM loss: the
     # same stages on the same tokens, and at the head a log-softmax over the vocabulary too.
-    tokens = _tokens(sample).to(model.device)
-    x: Any = tokens[:, :-1]
+    x, targets = split_tokens(_tokens(sample).to(model.device))
     with torch.no_grad():
         for s in range(stage):
             x = model.parts[s](x)
     last = stage == stages - 1
-    args = [x] + ([tokens[:, 1:], 1.0] if last else [])
+    args = [x] + ([targets, 1.0] if last else [])
     runner = held_stage(ctx, {**config, "stage": stage, "stages": stages}).runner
     times: dict[str, list[float]] = {"F": [], "B": [], "W": [], "BW": []}
     for rep in range(repeats + 1):  # round 0 warms up

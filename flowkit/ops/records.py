@@ -30,7 +30,10 @@ __all__ = [
 ]
 
 TokenIds = Tensor["int64", "batch", "seq"]
-"""A batch of token sequences: what language-model pretraining and SFT consume."""
+"""A batch of token sequences: what language-model pretraining and SFT consume. A sequence of
+T + 1 ids is read as its first T and predicts its last T. An entry ~t (-1 - t) is token t,
+read but not predicted: the loss skips the position whose target it is (an SFT prompt, the
+padding), as ignore_index does for a separate labels tensor."""
 
 
 @attrs.frozen(kw_only=True)

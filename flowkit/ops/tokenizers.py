@@ -19,7 +19,7 @@ __all__ = ["eos_token_ids", "load_tokenizer"]
 
 def load_tokenizer(folder: str | Path) -> Any:
     """The tokenizer saved in `folder` (AutoTokenizer, local files only), loaded once per
-    process: every call for the same folder returns the same object."""
+    process: every call for the same folder returns the same object, so change a copy."""
     return _load(str(Path(folder).resolve()))
 
 

@@ -147,16 +147,22 @@ def test_dataset_prompts_apply_the_chat_template_and_resume_by_step(files, token
 
 
 def test_chat_sft_sequences_are_prompt_answer_eos_padded_to_seq_len(files, tokenizer_dir):
+    """Only the answer and its EOS are targets: the prompt and the padding are read as ~t,
+    the masked form of token t [TokenIds in flowkit/ops/records.py]."""
     tok = load_tokenizer(tokenizer_dir)
     config = {"path": str(files["jsonl"]), "tokenizer": tokenizer_dir, "sequences": 3}
-    items = list(chat_sft_sequences.fn(**config, seq_len=40, step=1))
     rows = PromptDataset(files["jsonl"]).rows(3, 3)
-    for item, row in zip(items, rows):
-        assert item.shape == (41,) and str(item.dtype) == "torch.int64"
-        prompt = tok(render_prompt(tok, row.prompt), add_special_tokens=False)["input_ids"]
-        answer = tok(row.answer, add_special_tokens=False)["input_ids"]
-        body = prompt + answer + [tok.eos_token_id]
-        assert item.tolist() == body + [tok.eos_token_id] * (41 - len(body))
+    eos = tok.eos_token_id
+    for completion_only in (True, False):
+        items = list(chat_sft_sequences.fn(**config, seq_len=40, step=1,
+                                           completion_only_loss=completion_only))
+        for item, row in zip(items, rows):
+            assert item.shape == (41,) and str(item.dtype) == "torch.int64"
+            prompt = tok(render_prompt(tok, row.prompt), add_special_tokens=False)["input_ids"]
+            answer = tok(row.answer, add_special_tokens=False)["input_ids"]
+            read = [~t for t in prompt] if completion_only else prompt
+            padding = [~eos] * (41 - len(prompt) - len(answer) - 1)
+            assert item.tolist() == read + answer + [eos] + padding
     with pytest.raises(ValueError, match="seq_len \\+ 1 = 9"):
         list(chat_sft_sequences.fn(**config, seq_len=8))
 

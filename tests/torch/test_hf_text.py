@@ -12,7 +12,9 @@ import shutil
 
 import pytest
 
-pytest.importorskip("transformers", reason="the hf extra: pip install 'flowkit[hf]'")
+transformers = pytest.importorskip("transformers",
+                                   reason="the hf extra: pip install 'flowkit[hf]'")
+import torch  # noqa: E402
 
 from dataflows.datasets import chat_sft_sequences, dataset_prompts  # noqa: E402
 from dataflows.grpo import grpo_flow  # noqa: E402
@@ -66,7 +68,7 @@ def _with_eos(base, folder, stop: int, *, in_tokenizer: bool):
     generation = folder / "generation_config.json"
     config = json.loads(generation.read_text())
     if in_tokenizer:
-        tok = load_tokenizer(base)
+        tok = transformers.AutoTokenizer.from_pretrained(base)  # load_tokenizer's is shared
         tok.eos_token = tok.convert_ids_to_tokens(stop)
         tok.save_pretrained(str(folder))
         config.pop("eos_token_id", None)
@@ -166,9 +168,19 @@ def test_a_supervised_warm_up_trains_an_hf_model_on_chat_sft_sequences(qwen2, qu
                                         "seq_len": 32})
     with executor_cluster(2, kind="torch", tags=("train",)) as (ctl, _):
         runner = FlowRunner(ctl, lower_flow(flow))
-        losses = [runner.run_step(step).metrics for step in range(3)]
-    for metrics in losses:  # 4 sequences of seq_len 32 a step
-        assert math.isfinite(metrics["backprop/loss"]) and metrics["backprop/tokens"] == 128
+        steps = [runner.run_step(step).metrics for step in range(3)]
+    # step 0's loss is the untrained model's cross-entropy on the answers and EOS alone
+    rows = torch.stack(list(chat_sft_sequences.fn(path=questions, tokenizer=str(qwen2),
+                                                  seq_len=32, sequences=4)))
+    targets = rows[:, 1:].clamp(min=-1)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(qwen2)
+    with torch.no_grad():
+        logits = hf(torch.where(rows < 0, ~rows, rows)[:, :-1]).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                                 ignore_index=-1)
+    assert steps[0]["backprop/tokens"] == int(targets.ge(0).sum()) < 4 * 32 / 2
+    assert steps[0]["backprop/loss"] == pytest.approx(float(expected), rel=1e-5)
+    assert all(math.isfinite(metrics["backprop/loss"]) for metrics in steps)
 
 
 def test_a_flows_eos_is_checked_when_built_and_reaches_generation(qwen2, questions):
