@@ -13,7 +13,7 @@ from executors.kinds import KINDS
 from flowkit.cli._files import writing
 from flowkit.cli._flows import load_checked_flow
 from flowkit.observe.loggers import LOGGERS
-from flowkit.observe.logsetup import LogSetup
+from flowkit.observe.logsetup import LogSetup, check_run_name
 from flowkit.runtime.launchers import LAUNCHERS
 from flowkit.runtime.raylaunch import STRATEGIES
 
@@ -74,6 +74,10 @@ _KINDS = ("auto", *KINDS)
 @click.option("--wandb-project", default="flowkit", show_default=True, envvar="WANDB_PROJECT",
               help="The W&B project of --logger wandb (offline without a network: "
               "WANDB_MODE=offline) [env WANDB_PROJECT].")
+@click.option("--run-name", default=None, envvar="FLOWKIT_RUN_NAME",
+              callback=lambda ctx, param, value: _run_name(value),  # before anything starts
+              help="The run's folder under --log-dir and its W&B run name (default: the "
+              "flow's name; -2, -3, ... when taken) [env FLOWKIT_RUN_NAME].")
 @click.option("--save-weights", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="After the last step, write each trained model's weights to DIR/MODEL.pt "
               "(torch executors); a model config's `checkpoint` starts from such a file.")
@@ -124,7 +128,7 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
         steps: int, stages: int | None, microbatches: int | None, schedule: str | None,
         fuse: bool, asynchronous: bool | None, max_staleness: int | None, sim_cost: str,
         trace: Path | None, metrics: Path | None, loggers: tuple[str, ...], log_dir: Path,
-        wandb_project: str,
+        wandb_project: str, run_name: str | None,
         save_weights: Path | None, checkpoint_dir: Path | None, checkpoint_every: int | None,
         keep_checkpoints: int, resume: Path | None, max_restarts: int, dashboard: bool | None,
         bind: str, keys_dir: Path | None, insecure: bool, launcher: str,
@@ -153,7 +157,7 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
     costs = costs if kind == "sim" else None
     path, _, _ = flow_spec.partition(":")
     logs = LogSetup(loggers=loggers, log_dir=log_dir, metrics=metrics,
-                    wandb_project=wandb_project)
+                    wandb_project=wandb_project, run_name=run_name)
     with writing(trace or metrics or Path(".")):
         run_flow(flow, code=[path], kind=kind, count=num_executors, tag_spec=tag_spec,
                  device=device, steps=steps, fuse=fuse, staleness=staleness,
@@ -209,6 +213,13 @@ def launcher_settings(launcher: str, *, address: str | None, strategy: str,
     except LaunchError as exc:
         raise click.BadParameter(str(exc), param_hint="--ray-address") from None
     return RaySettings(address=address, strategy=strategy.upper(), cpus=cpus)
+
+
+def _run_name(name: str | None) -> str | None:
+    try:
+        return None if name is None else check_run_name(name)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--run-name") from None
 
 
 def _staleness(flow: Any, asynchronous: bool | None, max_staleness: int | None) -> int | None:

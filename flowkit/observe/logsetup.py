@@ -2,7 +2,7 @@
 when the run is resumed.
 
 A run's TensorBoard events, W&B run and (without `--metrics`) JSON lines live in
-`LOG_DIR/NAME`, NAME the flow's name (`NAME-2`, `NAME-3`, ... when taken, so a new run never
+`LOG_DIR/NAME`, NAME the run's name or else the flow's (`NAME-2`, `NAME-3`, ... when taken, so a new run never
 mixes its curves with an earlier one's). The folder's `flowkit-run.json` remembers the run's
 checkpoint folder and its W&B run id: a run resumed from those checkpoints finds its folder by
 them and continues the same TensorBoard curve and W&B run [Note: loggers on resume].
@@ -26,7 +26,7 @@ from flowkit.observe.loggers import (
     check_extras,
 )
 
-__all__ = ["RUN_FILE", "LogSetup", "run_folder"]
+__all__ = ["RUN_FILE", "LogSetup", "check_run_name", "run_folder"]
 
 RUN_FILE = "flowkit-run.json"
 
@@ -37,10 +37,23 @@ def _names(_: object, attribute: attrs.Attribute, names: tuple[str, ...]) -> Non
         raise ValueError(f"unknown logger {unknown[0]!r}: choose from {', '.join(LOGGERS)}")
 
 
+def check_run_name(name: str) -> str:
+    """`name`, if it can be a run's folder under the log dir; else a ValueError saying why."""
+    if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ValueError(f"{name!r} is not a folder name: a run's name is its folder under "
+                         "the log dir, so no slashes, not empty, not '.' or '..'")
+    return name
+
+
+def _run_name(_: object, attribute: attrs.Attribute, name: str | None) -> None:
+    if name is not None:
+        check_run_name(name)
+
+
 @attrs.frozen(kw_only=True)
 class LogSetup:
-    """Where a run's step metrics go: `flowkit run`'s --logger, --log-dir, --metrics and
-    --wandb-project."""
+    """Where a run's step metrics go: `flowkit run`'s --logger, --log-dir, --metrics,
+    --wandb-project and --run-name."""
 
     loggers: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_names)
     """Loggers by name (`LOGGERS`); `jsonl` writes to `metrics` when given."""
@@ -52,6 +65,8 @@ class LogSetup:
     """The W&B project of the run."""
     wandb_mode: str | None = None
     """`online` or `offline`; None: W&B's own setting (WANDB_MODE, else online)."""
+    run_name: str | None = attrs.field(default=None, validator=_run_name)
+    """The run's folder and W&B run name (`-2`, `-3`, ... when taken); None: the flow's."""
 
     def chosen(self) -> tuple[str, ...]:
         """The loggers to open, each once, in `LOGGERS` order."""
@@ -72,7 +87,8 @@ class LogSetup:
             if not in_folder:
                 return loggers
             check_extras(in_folder)  # before the run's folder is made
-            folder, saved, new = run_folder(self.log_dir, name, checkpoints=checkpoints,
+            folder, saved, new = run_folder(self.log_dir, self.run_name or name,
+                                            checkpoints=checkpoints,
                                             resume=resume)
             made = folder if new else None
             if "jsonl" in in_folder:

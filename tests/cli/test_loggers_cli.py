@@ -70,6 +70,23 @@ def test_jsonl_logger_alone_writes_the_metrics_in_the_runs_folder(tmp_path):
     assert [line["step"] for line in lines] == [0, 1]
 
 
+def test_run_name_names_the_runs_folder_and_a_second_run_gets_its_own(tmp_path):
+    for _ in range(2):
+        run_ok(PRETRAIN, "--executors", "sim", "--steps", "1", "--logger", "jsonl",
+               "--log-dir", str(tmp_path), "--run-name", "lr-3e-4")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lr-3e-4", "lr-3e-4-2"]
+    assert metrics_lines(tmp_path / "lr-3e-4-2" / "metrics.jsonl")[0]["step"] == 0
+
+
+@pytest.mark.parametrize("name", ["a/b", "..", ""])
+def test_a_run_name_that_is_no_folder_name_is_a_usage_error(tmp_path, name):
+    result = CliRunner().invoke(main, ["run", PRETRAIN, "--executors", "sim", "--logger",
+                                       "jsonl", "--log-dir", str(tmp_path), "--run-name", name])
+    assert result.exit_code == 2, result.output
+    assert "--run-name" in result.output and "a folder name" in result.output
+    assert not any(tmp_path.iterdir())
+
+
 def test_an_unknown_logger_is_a_usage_error():
     result = CliRunner().invoke(main, ["run", PRETRAIN, "--logger", "mlflow"])
     assert result.exit_code == 2
