@@ -301,7 +301,7 @@ def dataset_epoch(*, path: str, tokenizer: str = "", count: int = 16, seed: int 
     return Metrics({"data/epoch": (int(step) + 1) * int(count) / rows, "data/rows": rows})
 
 
-dataset_prompts.reporter = dataset_epoch  # what a flow adds to report a source's progress
+dataset_prompts.reporter = dataset_epoch  # [Operator.reporter in flowkit/dsl/operators.py]
 
 
 @op(check=_check_sft)

@@ -54,9 +54,8 @@ def sample_and_score(flow: Flow, actor: Model, reference: Model, *, prompts: int
     partial = oversample > 1
     count = math.ceil(prompts * oversample) if partial else prompts
     prompt_items = prompt_source(count=count, **(source_config or {}))
-    reporter = getattr(prompt_source, "reporter", None)
-    if reporter is not None:  # the source's own metrics (a dataset's epoch), same config
-        reporter(count=count, **(source_config or {}))
+    if prompt_source.reporter is not None:  # the source's own metrics (a dataset's epoch)
+        prompt_source.reporter(count=count, **(source_config or {}))
     # generation runs on `rollout` executors, training on `train` ones: the two overlap
     rollouts = Generate(actor, tags=("rollout",))(prompt_items, weights=weights, n=n,
                                                   max_new_tokens=max_new_tokens,

@@ -124,6 +124,10 @@ class Operator:
         self.doc = doc
         self.tags = tuple(tags)
         self.problems = list(problems or [])
+        # A source's companion op, called beside it with the same config to report its
+        # progress (dataflows/datasets.py: dataset_prompts' epoch); flows that take a source
+        # add it (dataflows/rl/front.py).
+        self.reporter: Operator | None = None
 
     @property
     def model(self) -> str | None:
