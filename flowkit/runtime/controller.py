@@ -36,6 +36,12 @@ __all__ = ["Controller", "NoExecutor"]
 
 log = logging.getLogger("flowkit.controller")
 
+# Heartbeats only find executors that hang or whose host is gone: a local executor that dies is
+# seen at once by its exit, a Ray one by Ray's report. Silence this long means lost, and an
+# executor whose controller is silent this long exits; 1.5 s lost sound executors (and made
+# them exit) on a machine loaded 4x beyond its cores.
+_PING_TIMEOUT_S = 5.0
+
 _QUIET_S = 0.002  # the background thread drives after user threads left it alone this long
 _HOT_S = 0.0005  # how long a waiting user watches the router before sleeping in poll
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: IntFlag arithmetic is slow
@@ -48,7 +54,7 @@ class Controller:
     loopback needs them, or `insecure=True` [Note: authenticated transport]."""
 
     def __init__(self, *, bind: str = "tcp://127.0.0.1:0", ping_interval: float = 0.2,
-                 ping_timeout: float = 1.5, keys: Keys | None = None,
+                 ping_timeout: float = _PING_TIMEOUT_S, keys: Keys | None = None,
                  insecure: bool = False) -> None:
         check_bind(bind, keys=keys, insecure=insecure, who="the controller")
         if keys is not None:
