@@ -56,7 +56,8 @@ def _run_with_kills(flow: str, folder: Path, steps: int, *args: str, kills: int,
     written) and a random moment more (in an op, a weight sync, a checkpoint being written),
     after the run has recovered from the kill before."""
     rng = random.Random(seed)
-    points = sorted(rng.sample(range(first, steps - 2), kills))
+    # well before the end: a step can take 15 ms, and a kill after the last one is no test
+    points = sorted(rng.sample(range(first, max(first + kills, steps - 6)), kills))
     process = subprocess.Popen(_command(flow, folder, "--steps", str(steps),
                                         "--checkpoint-dir", str(folder / "ck"), *args,
                                         weights=weights),
@@ -68,7 +69,7 @@ def _run_with_kills(flow: str, folder: Path, steps: int, *args: str, kills: int,
         recovered = killed == 0 or (lines and lines[-1].get("restarts") == killed)
         started = (folder / "ck" / "step-00000000").is_dir()
         if recovered and started and len(lines) >= points[killed]:
-            time.sleep(rng.uniform(0.0, 0.2))
+            time.sleep(rng.uniform(0.0, 0.03))
             pids = _executor_pids(process.pid)
             if pids:
                 os.kill(rng.choice(pids), signal.SIGKILL)
