@@ -34,7 +34,7 @@ def grpo_flow(*, model: Model | None = None, prompts: int = 16, n: int = 8,
     `stages` re-cuts the actor. `prompt_source` makes the step's prompts (`count=prompts`,
     plus `source_config`), `reward` scores one rollout. `max_staleness`: run asynchronously
     by default, generation up to that many weights versions ahead of training
-    ([Note: asynchronous steps] in flowkit/runtime/flowrun.py)."""
+    ([Note: asynchronous steps] in flowkit/runner/flowrun.py)."""
     actor = rl_actor(model, gpt=gpt, stages=stages)
     reference = reference_of(actor)
     with Flow("grpo", description=__doc__, max_staleness=max_staleness) as flow:

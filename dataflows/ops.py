@@ -46,7 +46,7 @@ class Generate(ModelOp):
     outputs = {"rollouts": Stream[Rollout]}
     # temperature 0: greedy. take: partial rollouts, the groups (calls) a step takes of an
     # over-provisioned one, the rest carried over, recomputed or dropped when too stale
-    # ([Note: partial rollouts] in flowkit/runtime/partial.py)
+    # ([Note: partial rollouts] in flowkit/runner/partial.py)
     # eos: "model" stops at the model's tokenizer's EOS (byte 10 for a model without one), or
     # a token id, a list of them, None for none ([Note: rollout text] in executors/torch/engine.py)
     config = {"n": 1, "max_new_tokens": 256, "temperature": 1.0, "top_p": 1.0, "take": None,

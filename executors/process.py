@@ -7,7 +7,7 @@ controller think this executor died, and a dead controller makes this process ex
 a third serves the sockets while an op runs long (both in executors/threads.py). A task, and how
 its outputs are described to the controller, is executors/tasks.py. With keys, every socket is
 a CurveZMQ client or server and the peer socket is behind a gate [Note: authenticated transport
-in flowkit/runtime/auth.py].
+in flowkit/wire/auth.py].
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import zmq
 from executors.ops import Deferred, OpContext, OpTable
 from executors.tasks import Task, check_streamed, describe, described, split_outputs
 from executors.threads import CompletionWatch, Heartbeat
-from flowkit.runtime.auth import (
+from flowkit.wire.auth import (
     CONTROLLER,
     EXECUTOR,
     Gate,
@@ -35,9 +35,9 @@ from flowkit.runtime.auth import (
     curve_client,
     curve_server,
 )
-from flowkit.runtime.protocol import Msg, ProtocolError, decode, encode, part_id, send_frames
-from flowkit.runtime.refs import resolve
-from flowkit.runtime.serialize import SerializeError, pack, unpack
+from flowkit.wire.protocol import Msg, ProtocolError, decode, encode, part_id, send_frames
+from flowkit.wire.refs import resolve
+from flowkit.wire.serialize import SerializeError, pack, unpack
 
 __all__ = ["Executor"]
 
@@ -58,7 +58,7 @@ class Executor:
                  device: str = "cpu", resources: dict | None = None,
                  peer_host: str = "127.0.0.1", host_id: str | None = None,
                  keys: Keys | None = None, insecure: bool = False) -> None:
-        from flowkit.runtime.shm import host_id as default_host_id
+        from flowkit.wire.shm import host_id as default_host_id
 
         check_bind(f"tcp://{peer_host}:0", keys=keys, insecure=insecure,
                    who="this executor's data socket")
@@ -66,7 +66,7 @@ class Executor:
             keys.secret(EXECUTOR)  # a missing secret is an error before anything binds
         self.keys = keys
         self.connect_address, self.name, self.ops = connect, name, ops
-        self.host_id = host_id or default_host_id()  # [Note: hosts] in flowkit/runtime/shm.py
+        self.host_id = host_id or default_host_id()  # [Note: hosts] in flowkit/wire/shm.py
         self.ctx = OpContext(name=name, device=device, tags=tuple(tags))
         self.resources = resources or {}
         self.zmq = zmq.Context.instance()
@@ -254,7 +254,7 @@ class Executor:
         meta = header["meta"]
         if not isinstance(meta.get("body"), bytes):
             raise ProtocolError(f"{header['t']}: meta must carry the value's msgpack body")
-        if "layout" in meta:  # from a peer: shared-memory handles and chunks (runtime/shm.py)
+        if "layout" in meta:  # from a peer: shared-memory handles and chunks (wire/shm.py)
             frames = self._peer_transport().decode(meta, frames)
         try:
             value = unpack(meta["body"], frames)
@@ -340,9 +340,9 @@ class Executor:
     _transport = None  # the PeerTransport, made on first use
 
     def _peer_transport(self) -> Any:
-        """Shared memory to peers on this host, chunked frames to others (runtime/shm.py)."""
+        """Shared memory to peers on this host, chunked frames to others (wire/shm.py)."""
         if self._transport is None:
-            from flowkit.runtime.shm import PeerTransport
+            from flowkit.wire.shm import PeerTransport
 
             self._transport = PeerTransport(host=self.host_id)
             # close() and the heartbeat's exit run the hooks: the segments' names go with us
@@ -449,7 +449,7 @@ class Executor:
 
     def _emit(self, task: Task, value: Any) -> None:
         """Item `value` of a streaming task, yielded by its op: kept as an object of its own
-        [Note: part ids in flowkit/runtime/protocol.py] and told of at once. Runs on the op
+        [Note: part ids in flowkit/wire/protocol.py] and told of at once. Runs on the op
         thread, which holds the sockets only for the moment it sends."""
         index = len(task.streamed)
         described = describe(part_id(task.outputs[0], index), value, task.report_key,

@@ -45,7 +45,7 @@ def executor(connect: str, name: str | None, tags: str, device: str, kind: str,
              peer_host: str | None, host_id: str | None, code_files: tuple[str, ...],
              keys_dir: Path | None, insecure: bool, log_level: str) -> None:
     """Start an executor that serves a controller until it shuts down."""
-    from flowkit.runtime.auth import InsecureBindError, Keys, KeysError, check_bind
+    from flowkit.wire.auth import InsecureBindError, Keys, KeysError, check_bind
 
     try:  # before anything loads or binds
         keys = None if keys_dir is None else Keys.load(keys_dir)
@@ -82,7 +82,7 @@ def executor(connect: str, name: str | None, tags: str, device: str, kind: str,
 
 def route_source(address: str) -> str:
     """The local address this machine reaches `address` (a zmq endpoint) from: where a peer
-    that reaches the controller can reach this executor too [Note: hosts in runtime/shm.py]."""
+    that reaches the controller can reach this executor too [Note: hosts in wire/shm.py]."""
     scheme, _, rest = address.partition("://")
     host, _, port = rest.rpartition(":")
     host = host.strip("[]")

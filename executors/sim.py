@@ -116,7 +116,7 @@ def _generate(ctx: OpContext, prompt: Any, *weights: Any, n: int = 1, max_new_to
     """n rollouts of a prompt, decoded by the executor's rollout engine together with every
     other live request [Note: simulated rollout engine in executors/simengine.py]; each sample
     leaves the moment its last token is decoded (streamed when the task streams). Given a
-    carried group (a list of Rollouts, [Note: partial rollouts] in flowkit/runtime/partial.py)
+    carried group (a list of Rollouts, [Note: partial rollouts] in flowkit/runner/partial.py)
     instead, its interrupted samples decode the rest of the lengths they were drawn with (by
     their origin `step`) and its finished ones pass through; stale ones as the torch op does."""
     version = _newest_version(weights)
@@ -247,7 +247,7 @@ def _seed(ctx: OpContext, meta: dict) -> str:
     return f"{meta.get('model')}/{meta.get('stage')}/{meta.get('microbatch')}/{meta.get('step')}"
 
 
-# -- run checkpoints [Note: run checkpoints in flowkit/runtime/checkpoint.py] --------------------
+# -- run checkpoints [Note: run checkpoints in flowkit/runner/checkpoint.py] --------------------
 def _save_state(ctx: OpContext, *_: Any, path: str) -> int:
     """The simulator holds no weights: its part of a checkpoint says so, and how many ops it ran
     (each op's outputs are seeded by its identity, not by what ran before)."""

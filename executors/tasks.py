@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from flowkit.runtime.protocol import ProtocolError
-from flowkit.runtime.refs import check_ref, object_ids
-from flowkit.runtime.serialize import SerializeError, nbytes_of, pack
+from flowkit.wire.protocol import ProtocolError
+from flowkit.wire.refs import check_ref, object_ids
+from flowkit.wire.serialize import SerializeError, nbytes_of, pack
 
 __all__ = ["Task", "check_streamed", "describe", "described", "split_outputs"]
 

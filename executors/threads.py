@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Any
 
-from flowkit.runtime.protocol import Msg, encode
+from flowkit.wire.protocol import Msg, encode
 
 __all__ = ["CompletionWatch", "Heartbeat"]
 

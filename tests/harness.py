@@ -11,7 +11,7 @@ import zmq
 
 from executors.ops import OpContext
 from flowkit.runtime import Controller, LocalExecutors
-from flowkit.runtime.records import ExecutorInfo
+from flowkit.runtime.registry import ExecutorInfo
 
 
 @contextlib.contextmanager
@@ -104,7 +104,7 @@ def plain_training(parameters: Any, loss_of: Any, *, corpus: str, steps: int, se
     import torch
 
     from dataflows.text import token_sequences
-    from flowkit.runtime.flowtrain import _chunk
+    from flowkit.runner.flowtrain import _chunk
 
     parameters = list(parameters)
     decay = [p for p in parameters if p.dim() >= 2]

@@ -45,7 +45,7 @@ def sample_and_score(flow: Flow, actor: Model, reference: Model, *, prompts: int
     """Inside `with flow`: `prompt_source` makes the step's prompts (`count=prompts`, plus
     `source_config`), `reward` scores one rollout. `oversample` > 1: partial rollouts, that
     many times the prompts generate, the step takes the first `prompts` groups to finish and
-    carries the rest over ([Note: partial rollouts] in flowkit/runtime/partial.py; an
+    carries the rest over ([Note: partial rollouts] in flowkit/runner/partial.py; an
     asynchronous run's)."""
     if not oversample >= 1:
         raise ValueError(f"oversample={oversample!r}: generate at least the step's prompts "

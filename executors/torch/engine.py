@@ -25,7 +25,7 @@ A request or the whole engine can be paused (its sequences keep their tokens and
 slots back) and resumed, or aborted (all requests, or those named by their keys): its
 unfinished samples come back at once, marked `interrupted`, and a later request given such a
 Rollout continues it from its prefix; a finished Rollout given again passes through (a group
-carried over whole: [Note: partial rollouts] in flowkit/runtime/partial.py).
+carried over whole: [Note: partial rollouts] in flowkit/runner/partial.py).
 
 [Note: rollout text] An engine given its model's tokenizer (an HF model folder that holds one)
 decodes each sample as it leaves: `response_text` skips special tokens, `prompt_text` is the

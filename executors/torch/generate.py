@@ -213,7 +213,7 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, n: int = 1, max_new_t
     engine [Note: rollout engine in executors/torch/engine.py], which streams each sample as
     it finishes. `request` names it, for `generation` to abort; carried rollouts older than
     `min_version` are recomputed or dropped as `stale_segments` says (records.resumable,
-    [Note: partial rollouts] in flowkit/runtime/partial.py). `weights`
+    [Note: partial rollouts] in flowkit/runner/partial.py). `weights`
     (versions) only order this task after a step: the model is the one this executor holds
     by name. `seed` seeds the model's build (as in executors/torch/held.py) and, unless
     `sample_seed` is given, the sampling, which draws afresh each `step`. `max_batch` and

@@ -1,4 +1,4 @@
-"""An executor's part of a run checkpoint [Note: run checkpoints in flowkit/runtime/checkpoint.py]:
+"""An executor's part of a run checkpoint [Note: run checkpoints in flowkit/runner/checkpoint.py]:
 `save_state` writes every model this executor holds that training or a weight sync changed
 (per split and stage: the parameters and buffers, the optimizer state, the weights version)
 and its random number generators; `load_state` builds the same models again and puts it all back.

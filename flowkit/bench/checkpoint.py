@@ -15,7 +15,7 @@ parallel, so on a disk that parallel writes speed up the ratio can fall below 1.
 
 Then `async`: what checkpoints cost an asynchronous run, whose checkpoint first lets the open
 steps' generation end ([Note: checkpoints of asynchronous runs] in
-flowkit/runtime/asyncstate.py). A GRPO run on simulator executors (the rl bench's costs and
+flowkit/runner/asyncstate.py). A GRPO run on simulator executors (the rl bench's costs and
 long-tailed lengths, a smaller batch), `async_steps` steps with staleness bound η, with a
 checkpoint after every step (as `--max-restarts` writes them) and without, alternating,
 `async_rounds` runs each on the same executors; steps/s from the end of the first step to the
@@ -51,9 +51,9 @@ def _write_bench(*, rounds: int, gpt: dict | None) -> dict:
 
     from dataflows.pretrain import pretrain_flow
     from flowkit.planner.lower import lower_flow
+    from flowkit.runner.checkpoint import flow_identity, write_checkpoint
+    from flowkit.runner.flowrun import FlowRunner
     from flowkit.runtime import Controller, LocalExecutors
-    from flowkit.runtime.checkpoint import flow_identity, write_checkpoint
-    from flowkit.runtime.flowrun import FlowRunner
 
     corpus = Path(__file__).resolve().parents[2] / "examples" / "data" / "corpus.txt"
     flow = pretrain_flow(corpus=str(corpus), stages=2, microbatches=2, schedule="1f1b",
@@ -149,8 +149,8 @@ def run_async_checkpoint_bench(*, steps: int = 8, rounds: int = 2, max_staleness
 
 def _async_run(ctl: object, executors: list, name: str, plan: list, costs: object,
                steps: int, staleness: int, root: Path | None) -> dict:
-    from flowkit.runtime.checkpoint import flow_identity, write_checkpoint
-    from flowkit.runtime.flowrun import FlowRunner
+    from flowkit.runner.checkpoint import flow_identity, write_checkpoint
+    from flowkit.runner.flowrun import FlowRunner
 
     runner = FlowRunner(ctl, plan, sim_costs=costs, staleness=staleness, steps=steps)
     identity = flow_identity(name, plan)

@@ -1,5 +1,5 @@
 """`flowkit bench dispatch|transfer --curve`: what CurveZMQ [Note: authenticated transport in
-flowkit/runtime/auth.py] costs a dispatch round trip and a transfer, each against bare zmq.
+flowkit/wire/auth.py] costs a dispatch round trip and a transfer, each against bare zmq.
 
 Method: four sides are started and kept alive together: flowkit plain, flowkit with CURVE (fresh
 keys; the controller's and executors' gates admit the executor key), bare zmq plain and bare zmq
@@ -34,8 +34,8 @@ import zmq
 from flowkit.bench.peers import curve, curve_keys, spawn
 from flowkit.bench.transfer import _SETTLE_S, _RawZmq
 from flowkit.runtime import Controller, LocalExecutors, wait
-from flowkit.runtime.auth import Keys
 from flowkit.runtime.netns import Host, HostExecutors, NamespaceHosts
+from flowkit.wire.auth import Keys
 
 __all__ = ["run_dispatch_curve", "run_transfer_curve"]
 

@@ -7,7 +7,7 @@ own so it can run on another host (`Host.prefix`, flowkit/runtime/netns.py):
 
 Plain Python loops, as executors are, so both sides of a comparison pay for Python. Each takes a
 keys folder as its last argument to speak CurveZMQ, with the roles flowkit's sockets have
-[Note: authenticated transport in flowkit/runtime/auth.py]: the bench as the controller, the
+[Note: authenticated transport in flowkit/wire/auth.py]: the bench as the controller, the
 peers as executors.
 """
 
@@ -25,11 +25,11 @@ import msgpack
 import zmq
 
 if TYPE_CHECKING:
-    from flowkit.runtime.auth import Keys
+    from flowkit.wire.auth import Keys
 
 __all__ = ["curve", "curve_keys", "spawn"]
 
-CHUNK_BYTES = 1 << 20  # as the executors' frames to another host (runtime/shm.py)
+CHUNK_BYTES = 1 << 20  # as the executors' frames to another host (wire/shm.py)
 
 
 def spawn(role: str, *args: str, prefix: Sequence[str] = ()) -> subprocess.Popen:
@@ -52,7 +52,7 @@ def curve_keys(enabled: bool) -> Iterator[Keys | None]:
     if not enabled:
         yield None
         return
-    from flowkit.runtime.auth import generate_keys
+    from flowkit.wire.auth import generate_keys
 
     with tempfile.TemporaryDirectory(prefix="flowkit-bench-keys-") as folder:
         yield generate_keys(Path(folder) / "keys")
@@ -62,7 +62,7 @@ def curve(sock: zmq.Socket, keys: str, *, serve: str = "", of: str = "") -> zmq.
     """With a keys folder, make `sock` a CURVE server with the pair of role `serve`, or a
     client (the executor pair) of a server of role `of`; without, leave it plain."""
     if keys:
-        from flowkit.runtime.auth import Keys, curve_client, curve_server
+        from flowkit.wire.auth import Keys, curve_client, curve_server
 
         loaded = Keys.load(keys)
         if serve:

@@ -12,9 +12,9 @@ import attrs
 
 from flowkit.planner import Costs, Schedule, simulate
 from flowkit.planner.schedules import build_schedule
+from flowkit.runner.pipeline import stage_costs_config, submit_schedule
 from flowkit.runtime import Controller, LocalExecutors, wait
-from flowkit.runtime.pipeline import stage_costs_config, submit_schedule
-from flowkit.runtime.records import ExecutorInfo
+from flowkit.runtime.registry import ExecutorInfo
 
 __all__ = ["execute_on_simulators", "profile_hop", "profile_op_overhead", "run_pipeline_bench"]
 

@@ -6,10 +6,10 @@ lengths, in three modes on the same samples, side by side:
   groups as their n samples are in, training microbatches as groups finish);
 - `async`: fused, and steps k+1 .. k+η generate while step k trains, with weights at most
   η versions stale (`--max-staleness η`) [Note: asynchronous steps in
-  flowkit/runtime/flowrun.py];
+  flowkit/runner/flowrun.py];
 - `partial`: async, with partial rollouts: each step generates 1.5 x its prompts, takes the
   first groups to finish and carries the rest over ([Note: partial rollouts] in
-  flowkit/runtime/partial.py).
+  flowkit/runner/partial.py).
 
 In async mode a step's time overlaps its neighbours', so every mode is measured alike by
 throughput: the wall-clock from the end of the first step (which profiles, warms up and learns
@@ -166,7 +166,7 @@ def _measured(ctl: Any, flow: Any, steps: int, costs: Any, mode: Mode, trim: int
     (`_steady`), and, synchronously, the median share of generation in a
     step (asynchronously, generation and training overlap across steps: no such share)."""
     from flowkit.planner.lower import lower_flow
-    from flowkit.runtime.flowrun import FlowRunner
+    from flowkit.runner.flowrun import FlowRunner
 
     runner = FlowRunner(ctl, lower_flow(flow), sim_costs=costs, **mode.runner_args(steps))
     ends, reports = [], []

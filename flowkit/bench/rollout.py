@@ -1,6 +1,6 @@
 """Rollout benchmark: how close a step's generation comes to its lower bound on the simulator's
 rollout engines [Note: simulated rollout engine in executors/simengine.py], with length-aware
-dispatch [Note: length-aware dispatch in flowkit/runtime/balance.py] against the dispatcher's
+dispatch [Note: length-aware dispatch in flowkit/runner/balance.py] against the dispatcher's
 count-based choice, on the same long-tailed samples; and how soon the first sample reaches the
 op downstream of generation.
 
@@ -70,8 +70,8 @@ def _simulated(setup: RolloutSetup) -> dict:
 def _simulated_steps(setup: RolloutSetup, *, balance: bool) -> list[dict]:
     from flowkit.planner.lower import lower_flow
     from flowkit.planner.simcosts import SimCosts
+    from flowkit.runner.flowrun import FlowRunner
     from flowkit.runtime import Controller, LocalExecutors
-    from flowkit.runtime.flowrun import FlowRunner
 
     costs = SimCosts(token=setup.token, token_per_seq=setup.token_per_seq,
                      prefill_token=setup.prefill_token, token_budget=setup.token_budget,

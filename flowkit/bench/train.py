@@ -81,8 +81,8 @@ def _pipeline_runs(setup: TrainSetup, corpus: str, schedules: tuple[str, ...]) -
     from dataflows.pretrain import pretrain_flow
     from flowkit.bench.pipeline import profile_hop
     from flowkit.planner.lower import lower_flow
+    from flowkit.runner.flowrun import FlowRunner
     from flowkit.runtime import Controller, LocalExecutors
-    from flowkit.runtime.flowrun import FlowRunner
 
     out = {}
     with Controller() as ctl, LocalExecutors(

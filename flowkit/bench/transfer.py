@@ -32,8 +32,8 @@ import zmq
 
 from flowkit.bench.peers import curve, spawn
 from flowkit.runtime import Controller, LocalExecutors, wait
-from flowkit.runtime.auth import Keys
 from flowkit.runtime.netns import HostExecutors, NamespaceHosts
+from flowkit.wire.auth import Keys
 
 __all__ = ["run_transfer_bench"]
 

@@ -1,4 +1,4 @@
-"""`flowkit run`'s run checkpoints [Note: run checkpoints in flowkit/runtime/checkpoint.py]: when
+"""`flowkit run`'s run checkpoints [Note: run checkpoints in flowkit/runner/checkpoint.py]: when
 to write one, what to check before resuming, and Ctrl-C that finishes the step and checkpoints."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 import click
 
-from flowkit.runtime.checkpoint import (
+from flowkit.runner.checkpoint import (
     CheckpointError,
     Manifest,
     check_resumable,

@@ -2,7 +2,7 @@
 
 [Note: executor restarts] With restarts allowed, the run checkpoints before its first step and
 after every step (into --checkpoint-dir, or a temporary folder), [Note: run checkpoints] in
-flowkit/runtime/checkpoint.py. When a step fails because executors were lost (a process killed,
+flowkit/runner/checkpoint.py. When a step fails because executors were lost (a process killed,
 out of memory, its host gone: the controller fails their tasks at once, or at the heartbeat
 timeout), the run
   1. waits for the other executors' tasks to end (those that needed the lost ones' outputs
@@ -15,7 +15,7 @@ timeout), the run
 A synchronous step is a function of the checkpointed state, so the run ends with the parameters
 and the curve of a run without faults. An asynchronous run's checkpoint also holds the
 rollouts of its open steps ([Note: checkpoints of asynchronous runs] in
-flowkit/runtime/asyncstate.py): a lost executor's generation in flight is replayed from it, no
+flowkit/runner/asyncstate.py): a lost executor's generation in flight is replayed from it, no
 sample lost or trained twice, within the staleness bound; where generation under the same
 weights versions is deterministic (the simulator) the run ends with the curve of a run without
 faults, on torch the versions of later steps' tokens depend on timing, as in any two runs. Each restart is a warning on the dashboard and counts in
@@ -33,7 +33,7 @@ from typing import Any
 
 import attrs
 
-from flowkit.runtime.checkpoint import CheckpointError, latest_checkpoint
+from flowkit.runner.checkpoint import CheckpointError, latest_checkpoint
 from flowkit.runtime.launch import Launcher
 
 __all__ = ["Restarts", "temporary_checkpoints"]

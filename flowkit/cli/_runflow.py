@@ -19,9 +19,9 @@ from flowkit.observe.logsetup import LogSetup
 from flowkit.ops import LOSSES, LOWERED_OPS
 from flowkit.planner.lower import Call, NodePlan, lower_flow
 from flowkit.planner.simcosts import SimCosts
+from flowkit.runner.checkpoint import CheckpointError, flow_identity, restore
+from flowkit.runner.flowrun import FlowRunError, FlowRunner, StepReport, check_async
 from flowkit.runtime import Controller, RemoteError
-from flowkit.runtime.checkpoint import CheckpointError, flow_identity, restore
-from flowkit.runtime.flowrun import FlowRunError, FlowRunner, StepReport, check_async
 from flowkit.runtime.futures import ExecutorLost
 from flowkit.runtime.launch import LaunchError
 from flowkit.runtime.launchers import make_launcher
@@ -102,7 +102,7 @@ def run_flow(flow: Flow, *, code: list[str], kind: str, count: int | None,
              launcher: str = "local", launcher_settings: Any = None) -> None:
     """Run `steps` steps of `flow` (with `resume`, the steps after the checkpoint's up to
     `steps` in all), writing `checkpoints` as they say; asynchronously with a `staleness`
-    bound [Note: asynchronous steps in flowkit/runtime/flowrun.py]. The executors are started
+    bound [Note: asynchronous steps in flowkit/runner/flowrun.py]. The executors are started
     by `launcher` (flowkit/runtime/launchers.py) with its `launcher_settings`."""
     plan = lower_flow(flow)
     if staleness is not None:

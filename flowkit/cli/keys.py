@@ -1,5 +1,5 @@
 """`flowkit keys generate DIR`: the CurveZMQ keys that let a controller and its executors talk
-across machines [Note: authenticated transport in flowkit/runtime/auth.py]."""
+across machines [Note: authenticated transport in flowkit/wire/auth.py]."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def keys() -> None:
 @click.argument("folder", metavar="DIR", type=click.Path(file_okay=False, path_type=Path))
 def generate(folder: Path) -> None:
     """Write the controller's and the executors' key pairs, and the allowed clients, to DIR."""
-    from flowkit.runtime.auth import KeysError, generate_keys
+    from flowkit.wire.auth import KeysError, generate_keys
 
     try:
         generate_keys(folder)

@@ -170,8 +170,8 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
 
 def controller_options(bind: str, keys_dir: Path | None, insecure: bool) -> dict:
     """The Controller's bind, keys and insecure, checked before anything starts [Note:
-    authenticated transport in flowkit/runtime/auth.py]."""
-    from flowkit.runtime.auth import InsecureBindError, Keys, KeysError, check_bind
+    authenticated transport in flowkit/wire/auth.py]."""
+    from flowkit.wire.auth import InsecureBindError, Keys, KeysError, check_bind
 
     try:
         keys = None if keys_dir is None else Keys.load(keys_dir)

@@ -292,7 +292,7 @@ def _outputs(fn: Callable, hints: dict[str, Any], outputs: Mapping[str, Any] | N
 class Workload:
     """How much work one call of a ModelOp is predicted to be, so the runner can spread its
     calls over the executors able to run them by predicted work rather than by count
-    [Note: length-aware dispatch in flowkit/runtime/balance.py]. Each name is the flow
+    [Note: length-aware dispatch in flowkit/runner/balance.py]. Each name is the flow
     library's, so the engine names none: for generation, a call (a prompt) yields
     config[count] items (n samples) of at most config[budget] work each (max_new_tokens); the
     call's input item is known across steps by its field `key` (prompt_id), and each output

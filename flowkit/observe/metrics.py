@@ -19,7 +19,7 @@ import attrs
 
 from flowkit.observe.spans import BubbleMeter, ExecutorLabel, error_line, jsonable
 from flowkit.runtime.futures import ExecutorLost, TaskCancelled
-from flowkit.runtime.records import ExecutorInfo, TaskRecord
+from flowkit.runtime.registry import ExecutorInfo, TaskRecord
 
 __all__ = ["ExecutorStats", "MetricsWriter", "RunStats", "StatsSnapshot"]
 

@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 
 from flowkit import planner
-from flowkit.runtime.records import ExecutorInfo, TaskRecord
+from flowkit.runtime.registry import ExecutorInfo, TaskRecord
 
 __all__ = [
     "BubbleMeter",

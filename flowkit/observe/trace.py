@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 
 from flowkit.observe.spans import ExecutorLabel, Span, bubble_rate, jsonable
-from flowkit.runtime.records import ExecutorInfo
+from flowkit.runtime.registry import ExecutorInfo
 
 __all__ = ["ExecutorLoss", "TraceRecorder", "chrome_trace"]
 

@@ -6,7 +6,7 @@ share (tokenizers.py, transformers imported when one is loaded). No torch, no zm
 
 Where an op lives, end to end: a flow declares it as a ModelOp (dataflows/ops.py) or an @op
 function; the planner lowers it into tasks (flowkit/planner/lower.py); the runtime submits and
-dispatches them (flowkit/runtime/flowrun.py, controller.py, dispatch.py); an executor runs it
+dispatches them (flowkit/runner/flowrun.py, controller.py, dispatch.py); an executor runs it
 from its op table (executors/ops.py; executors/sim.py, executors/torch/).
 """
 

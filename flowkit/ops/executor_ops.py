@@ -1,5 +1,5 @@
 """The executor ops that model ops lower to: each op's name, what it reads and which config keys
-the runtime may give it. The runtime submits them (flowkit/runtime/flowtrain.py, training.py,
+the runtime may give it. The runtime submits them (flowkit/runner/flowtrain.py, training.py,
 flowrun.py), the simulator (executors/sim.py) and the torch executor (executors/torch/)
 implement them, and tests/executors/test_op_contract.py holds both implementations to this.
 
@@ -98,4 +98,4 @@ engine's control, and the run checkpoint's state ops."""
 
 STATE_OPS = ("save_state", "load_state")
 """The ops an executor takes part in a run checkpoint with [Note: run checkpoints in
-flowkit/runtime/checkpoint.py]."""
+flowkit/runner/checkpoint.py]."""

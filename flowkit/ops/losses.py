@@ -18,7 +18,7 @@ SUM_FORM_LOSSES = ("grpo", "ppo", "value")
 """Losses whose microbatches return sums that the optimizer step divides by the step's total
 (the `normalizer` of their stats), so a microbatch's loss needs no batch total: a backprop with
 one of them can start before its last item exists [Note: streamed microbatches in
-flowkit/runtime/flowtrain.py]."""
+flowkit/runner/flowtrain.py]."""
 
 LOSS_KNOBS = {"kl_coef": 0.0, "kl_kind": "k3", "clip_ratio": 0.2, "clip_ratio_c": 3.0,
               "cliprange_value": 0.2, "temperature": 1.0, "decoupled": False, "behav_cap": 5.0}

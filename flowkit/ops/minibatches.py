@@ -10,7 +10,7 @@ minibatch (a "round"), each normalized by its own minibatch's total. verl's name
 batch whose size changes from step to step still makes M steps). With E = M = 1 nothing is
 shuffled: the one round is the batch in its lineages' order, as before rounds existed.
 
-The runtime (flowkit/runtime/flowtrain.py) makes rounds a barrier: they start once every item
+The runtime (flowkit/runner/flowtrain.py) makes rounds a barrier: they start once every item
 is in. Each round runs the schedule over its minibatch's microbatches and then an optimizer
 step that reads only that round's microbatch stats, so a sum-form loss (SUM_FORM_LOSSES) is
 divided by its own minibatch's total and "lm" weighs a microbatch by its share of the

@@ -96,7 +96,7 @@ STALE_SEGMENTS = ("recompute", "drop")  # what a carried sample too stale to tra
 
 def resumable(items: list, min_version: int | None, stale_segments: str = "recompute") -> list:
     """The items of a generate request, carried rollouts checked against the staleness bound
-    [Note: partial rollouts in flowkit/runtime/partial.py]: a Rollout whose oldest token is
+    [Note: partial rollouts in flowkit/runner/partial.py]: a Rollout whose oldest token is
     older than `min_version` is sampled again from its prompt ("recompute": an interrupted
     Rollout with no response yet), or its whole group is dropped ("drop": an empty request).
     Prompts, and Rollouts fresh enough, are as they were."""

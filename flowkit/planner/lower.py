@@ -11,7 +11,7 @@ stages fuse; the user never writes the fusion:
   step        lowering = "step": one task per pipeline stage, after its W ops
 A ModelOp declares the last two (`lowering`) and whether one call yields many items
 (`many_per_call`), so the planner names no op of a flow library.
-Pure: no torch, no zmq. The runtime (flowkit/runtime/flowrun.py) carries the rules out.
+Pure: no torch, no zmq. The runtime (flowkit/runner/flowrun.py) carries the rules out.
 """
 
 from __future__ import annotations

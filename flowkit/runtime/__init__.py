@@ -1,13 +1,11 @@
-"""The runtime: it runs lowered flows and dispatches their tasks. Imports no model code.
+"""The runtime: one controller that submits tasks as futures to executors and drives the sockets.
+Imports no model code and knows no flow.
 
-- flowrun.py: a flow's steps, node by node as the lowering says (stepstate.py: the step's items);
-  flowtrain.py: a trained model's pipeline, optimizer step, weight sync (training.py: what each
-  of those tasks is told); pipeline.py: a pipeline schedule as tasks.
 - controller.py: submits tasks as futures and drives the sockets; dispatch.py: where each task
-  goes and what becomes of its objects; futures.py, refs.py.
-- protocol.py, serialize.py, shm.py: the wire; auth.py: keys and CurveZMQ on every socket
-  beyond loopback; launch.py: launchers and local executor processes, raylaunch.py: Ray actors,
-  launchers.py: launchers by name.
+  goes and what becomes of its objects; futures.py; registry.py: what the controller knows of
+  executors, tasks and objects.
+- launch.py: launchers and local executor processes, raylaunch.py: Ray actors, launchers.py:
+  launchers by name; netns.py: separate hosts on one machine (network namespaces).
 """
 
 from flowkit.runtime.controller import Controller, NoExecutor
@@ -23,7 +21,7 @@ from flowkit.runtime.futures import (
 from flowkit.runtime.launch import Launcher, LaunchError, LocalExecutors
 from flowkit.runtime.launchers import LAUNCHERS, make_launcher
 from flowkit.runtime.raylaunch import RayExecutors, RaySettings
-from flowkit.runtime.refs import Gather, Item
+from flowkit.wire.refs import Gather, Item
 
 __all__ = [
     "ALL_COMPLETED",

@@ -9,7 +9,7 @@ a socket and thread of their own, so a user thread that holds the lock for long 
 executor think its controller died.
 
 With keys, both ROUTERs are CurveZMQ servers behind a gate that admits only known public keys
-[Note: authenticated transport in flowkit/runtime/auth.py].
+[Note: authenticated transport in flowkit/wire/auth.py].
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from typing import Any
 
 import zmq
 
-from flowkit.runtime.auth import CONTROLLER, Gate, Keys, check_bind, curve_server
 from flowkit.runtime.dispatch import Dispatcher, Listener, NoExecutor
 from flowkit.runtime.futures import Future, new_condition
-from flowkit.runtime.protocol import Msg, ProtocolError, decode, encode, send_frames
-from flowkit.runtime.records import ExecutorInfo
-from flowkit.runtime.serialize import SerializeError
+from flowkit.runtime.registry import ExecutorInfo
+from flowkit.wire.auth import CONTROLLER, Gate, Keys, check_bind, curve_server
+from flowkit.wire.protocol import Msg, ProtocolError, decode, encode, send_frames
+from flowkit.wire.serialize import SerializeError
 
 __all__ = ["Controller", "NoExecutor"]
 
@@ -109,7 +109,7 @@ class Controller:
 
     def executor_options(self) -> list[str]:
         """What a launcher adds to `python -m executors` for this controller's executors:
-        `--keys DIR`, or `--insecure` [Note: authenticated transport in runtime/auth.py]."""
+        `--keys DIR`, or `--insecure` [Note: authenticated transport in wire/auth.py]."""
         if self.keys is not None:
             return ["--keys", str(self.keys.folder.resolve())]
         return ["--insecure"] if self.insecure else []
@@ -164,7 +164,7 @@ class Controller:
         """Run `op` on an executor; returns its output future (a tuple when `outputs` != 1).
 
         Inputs are futures (their objects move executor to executor), `Item`s and `Gather`s of
-        them (flowkit/runtime/refs.py), or plain values. Tasks with the same `lane` run on their
+        them (flowkit/wire/refs.py), or plain values. Tasks with the same `lane` run on their
         executor in submission order [Note: lanes]. `report_key` names a record field whose
         value for each item of a list output comes back in `future.keys`; `trace_key` one whose
         value for each output item joins the task's `meta["items"]`, which its span in a trace

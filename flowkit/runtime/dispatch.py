@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from flowkit.runtime.futures import ExecutorLost, Future, Owner, RemoteError, TaskCancelled
-from flowkit.runtime.protocol import Msg, ProtocolError, encode, part_id
-from flowkit.runtime.records import ExecutorInfo, ObjectRecord, TaskRecord
-from flowkit.runtime.refs import Gather, Item, object_ids
-from flowkit.runtime.serialize import SerializeError, pack, unpack
+from flowkit.runtime.registry import ExecutorInfo, ObjectRecord, TaskRecord
+from flowkit.wire.protocol import Msg, ProtocolError, encode, part_id
+from flowkit.wire.refs import Gather, Item, object_ids
+from flowkit.wire.serialize import SerializeError, pack, unpack
 
 __all__ = ["Dispatcher", "NoExecutor"]
 
@@ -414,7 +414,7 @@ class Dispatcher:
         return best
 
     def _input_ref(self, value: Any, executor: ExecutorInfo) -> Any:
-        """The wire form of one task input (flowkit/runtime/refs.py)."""
+        """The wire form of one task input (flowkit/wire/refs.py)."""
         if isinstance(value, Item):
             return [self._input_object(value.future, executor), int(value.index)]
         if isinstance(value, Gather):

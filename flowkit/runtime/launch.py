@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from flowkit.runtime.controller import Controller
-from flowkit.runtime.records import ExecutorInfo
+from flowkit.runtime.registry import ExecutorInfo
 
 __all__ = ["LaunchError", "Launcher", "LocalExecutors", "ProcessExecutors", "device_of", "per_executor_tags",
            "stop_processes"]
@@ -149,7 +149,7 @@ def stop_processes(processes: Sequence[subprocess.Popen], timeout: float = 5.0) 
     """Wait for executor processes to exit after the controller's shutdown; kill stragglers;
     then remove the shared-memory segments any of them left (one that was SIGKILLed could
     not)."""
-    from flowkit.runtime.shm import sweep
+    from flowkit.wire.shm import sweep
 
     for process in processes:
         try:

@@ -15,7 +15,7 @@ the kernel's network stack, as between machines (at memory speed, without a wire
 
 What a namespace does not separate: /dev/shm, the hostname, pids and files are the machine's. So
 the hosts get host ids (`Host.id`, passed as `--host-id`), which decide what shares memory [Note:
-hosts in runtime/shm.py]; without them two namespaces would lend each other segments, which works
+hosts in wire/shm.py]; without them two namespaces would lend each other segments, which works
 here but tests nothing about crossing hosts. Each executor binds its peer socket on the address it
 reaches the controller from (its eth0 address), so executors on the other host can connect to it.
 

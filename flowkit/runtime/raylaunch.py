@@ -43,8 +43,8 @@ import attrs
 
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.launch import LaunchError, device_of, per_executor_tags
-from flowkit.runtime.records import ExecutorInfo
-from flowkit.runtime.shm import sweep
+from flowkit.runtime.registry import ExecutorInfo
+from flowkit.wire.shm import sweep
 
 __all__ = ["STRATEGIES", "RayExecutors", "RaySettings", "check_address", "check_installed",
            "init_ray"]

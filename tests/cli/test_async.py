@@ -1,4 +1,4 @@
-"""Asynchronous runs [Note: asynchronous steps in flowkit/runtime/flowrun.py]: with η = 0 the
+"""Asynchronous runs [Note: asynchronous steps in flowkit/runner/flowrun.py]: with η = 0 the
 synchronous result; with η >= 1 generation runs ahead and no trained token lags the weights it
 updates by more than η, read from the metrics; bad settings fail before anything starts."""
 
@@ -121,7 +121,7 @@ def test_a_flow_with_a_bad_bound_fails_its_check(tmp_path):
     assert result.exit_code != 0 and "max_staleness=-2" in result.output
 
 
-# -- partial rollouts [Note: partial rollouts in flowkit/runtime/partial.py] -----------------
+# -- partial rollouts [Note: partial rollouts in flowkit/runner/partial.py] -----------------
 def _oversampled(tmp_path: Path, oversample: float, stale: str = "recompute") -> str:
     flow = tmp_path / "partial.py"
     flow.write_text(Path(GRPO).read_text().replace(

@@ -1,5 +1,5 @@
 """Checkpoints, resume and restarts of asynchronous runs [Note: checkpoints of asynchronous runs
-in flowkit/runtime/asyncstate.py]: a checkpoint holds the open steps' rollouts with their
+in flowkit/runner/asyncstate.py]: a checkpoint holds the open steps' rollouts with their
 per-token versions and the calls carried past them; a resumed run loses no sample, trains none
 twice, keeps the staleness bound, and on the simulator (where a request's tokens take the
 version of the weights it was sent with, so generation under the same versions is
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from flowkit.runtime.checkpoint import RUN_STATE, complete_checkpoints
+from flowkit.runner.checkpoint import RUN_STATE, complete_checkpoints
 from tests.cli.runs import GRPO, interrupted
 from tests.cli.runs import metrics_lines as _lines
 from tests.cli.runs import refused as _refused

@@ -1,6 +1,6 @@
 """`flowkit keys generate`, and the --keys/--bind/--insecure options of `flowkit run`,
 `flowkit executor` and `flowkit bench` [Note: authenticated transport in
-flowkit/runtime/auth.py]: refused with one line before anything starts, and a run with keys
+flowkit/wire/auth.py]: refused with one line before anything starts, and a run with keys
 beyond loopback."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import zmq
 from click.testing import CliRunner
 
 from flowkit.cli import main
-from flowkit.runtime.auth import Keys
+from flowkit.wire.auth import Keys
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CURVE")
 

@@ -21,11 +21,11 @@ from flowkit.cli._flows import load_checked_flow
 from flowkit.cli._runflow import executor_tags
 from flowkit.planner.lower import lower_flow
 from flowkit.planner.simcosts import SimCosts
+from flowkit.runner.flowrun import FlowRunError, FlowRunner
 from flowkit.runtime import Controller, ExecutorLost
-from flowkit.runtime.flowrun import FlowRunError, FlowRunner
 from flowkit.runtime.launch import LaunchError
 from flowkit.runtime.raylaunch import RayExecutors, RaySettings
-from flowkit.runtime.shm import leftover_segments
+from flowkit.wire.shm import leftover_segments
 from tests.cli.runs import GRPO, PRETRAIN, metrics_lines, refused, run_ok
 
 TORCH = ("--executors", "torch")

@@ -15,8 +15,8 @@ import torch
 
 from flowkit.dsl.load import import_flow_file
 from flowkit.runtime import Controller, RemoteError
-from flowkit.runtime.protocol import PROTOCOL_VERSION, Msg, encode
-from flowkit.runtime.serialize import pack
+from flowkit.wire.protocol import PROTOCOL_VERSION, Msg, encode
+from flowkit.wire.serialize import pack
 from tests.harness import dealer, executor_cluster, process_of
 from tests.runtime import flowdefs
 

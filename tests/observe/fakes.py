@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Callable
 
 from flowkit.runtime.futures import RemoteError, TaskCancelled
-from flowkit.runtime.records import ExecutorInfo, TaskRecord
+from flowkit.runtime.registry import ExecutorInfo, TaskRecord
 
 T0 = 1_700_000_000.0  # a wall-clock origin, so spans look like real time.time() values
 

@@ -16,7 +16,7 @@ from dataflows.rl.steps import (
 )
 from executors import sim
 from flowkit.ops.records import Prompt, Rollout, TokenScores, resumable
-from flowkit.runtime.serialize import pack, unpack
+from flowkit.wire.serialize import pack, unpack
 
 TEXTS = {"prompt_text": "<|im_start|>user\nQ<|im_end|>\n", "response_text": "4"}
 

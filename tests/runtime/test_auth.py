@@ -1,4 +1,4 @@
-"""Authenticated transport [Note: authenticated transport in flowkit/runtime/auth.py]: keys
+"""Authenticated transport [Note: authenticated transport in flowkit/wire/auth.py]: keys
 folders, the refusal to bind beyond loopback unauthenticated, and real executor processes whose
 every socket speaks CurveZMQ, which clients of our own, without keys or with unknown ones, cannot
 get anything from or into."""
@@ -17,9 +17,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flowkit.runtime import Controller
-from flowkit.runtime.auth import InsecureBindError, Keys, KeysError, generate_keys, is_loopback
-from flowkit.runtime.protocol import Msg, decode, encode
-from flowkit.runtime.serialize import pack
+from flowkit.wire.auth import InsecureBindError, Keys, KeysError, generate_keys, is_loopback
+from flowkit.wire.protocol import Msg, decode, encode
+from flowkit.wire.serialize import pack
 from tests.harness import executor_cluster
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CURVE")

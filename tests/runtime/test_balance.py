@@ -1,4 +1,4 @@
-"""Length-aware dispatch [Note: length-aware dispatch in flowkit/runtime/balance.py]: the
+"""Length-aware dispatch [Note: length-aware dispatch in flowkit/runner/balance.py]: the
 estimates, the order, the assignment and the rank correlation, on constructed cases."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flowkit.runtime.balance import Balancer, LengthEstimates, rank_correlation
+from flowkit.runner.balance import Balancer, LengthEstimates, rank_correlation
 
 # prompts' lengths as a history taught them, in the order they were submitted: two long ones
 # among short ones, where count-based dispatch (round robin) puts both long ones together
@@ -104,7 +104,7 @@ def test_a_grpo_step_dispatches_prompts_longest_first_and_reports_the_rank_corre
     from dataflows.grpo import grpo_flow
     from flowkit.planner.lower import lower_flow
     from flowkit.planner.simcosts import SimCosts
-    from flowkit.runtime.flowrun import FlowRunner
+    from flowkit.runner.flowrun import FlowRunner
     from tests.harness import executor_cluster
 
     flow = grpo_flow(prompts=8, n=4, stages=1, microbatches=2, max_new_tokens=64)

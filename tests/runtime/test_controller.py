@@ -15,8 +15,8 @@ from flowkit.runtime import (
     TaskCancelled,
     wait,
 )
-from flowkit.runtime.protocol import Msg, decode, encode
-from flowkit.runtime.refs import Gather, Item
+from flowkit.wire.protocol import Msg, decode, encode
+from flowkit.wire.refs import Gather, Item
 from tests.harness import dealer
 
 

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from flowkit.cli import main
 from flowkit.planner.lower import Call, lower_flow
 from flowkit.planner.simcosts import SimCosts
-from flowkit.runtime.flowrun import FlowRunError, FlowRunner
+from flowkit.runner.flowrun import FlowRunError, FlowRunner
 from tests.harness import executor_cluster
 from tests.runtime import flowdefs
 

@@ -1,4 +1,4 @@
-"""Executors on other hosts [Note: hosts in flowkit/runtime/shm.py]: host ids decide what shares
+"""Executors on other hosts [Note: hosts in flowkit/wire/shm.py]: host ids decide what shares
 memory, bytes to another host go as chunked frames, and on real separate hosts (network
 namespaces joined by veth pairs, flowkit/runtime/netns.py) a pipeline trains to the same
 parameters as on one host. The namespace tests skip, saying why, where namespaces cannot be made."""
@@ -18,7 +18,7 @@ import torch
 from executors.serve import route_source
 from flowkit.runtime import Controller
 from flowkit.runtime.netns import Host, HostExecutors, NamespaceHosts, unavailable
-from flowkit.runtime.shm import ENV_HOST_ID, host_id, leftover_segments
+from flowkit.wire.shm import ENV_HOST_ID, host_id, leftover_segments
 from tests.harness import executor_cluster
 from tests.torch.test_pipeline_training import _train_plain
 
@@ -140,7 +140,7 @@ def test_a_namespace_is_no_host_of_its_own_without_a_host_id(two_hosts):
     hosts, _, _ = two_hosts
     inside = subprocess.run(
         [*hosts.hosts[0].prefix, sys.executable, "-c",
-         "from flowkit.runtime.shm import host_id; print(host_id())"],
+         "from flowkit.wire.shm import host_id; print(host_id())"],
         capture_output=True, text=True, timeout=60, check=True,
         env={k: v for k, v in os.environ.items() if k != ENV_HOST_ID})
     assert inside.stdout.strip() == host_id()
@@ -168,7 +168,7 @@ def _train(ctl, schedule: str) -> tuple[tuple[list, dict], list]:
     executors of stage 0 and 1."""
     from dataflows.pretrain import pretrain_flow
     from flowkit.planner.lower import lower_flow
-    from flowkit.runtime.flowrun import FlowRunner
+    from flowkit.runner.flowrun import FlowRunner
     from tests.torch import test_pipeline_training as reference
 
     flow = pretrain_flow(corpus=reference.CORPUS, stages=2, microbatches=reference.MICROBATCHES,

@@ -17,7 +17,7 @@ from flowkit.dsl import Flow, Model, collect
 from flowkit.ops import cut, epoch_order, minibatch_rounds
 from flowkit.planner.lower import lower_flow
 from flowkit.planner.simcosts import SimCosts
-from flowkit.runtime.flowrun import FlowRunError, FlowRunner
+from flowkit.runner.flowrun import FlowRunError, FlowRunner
 from tests.harness import executor_cluster
 from tests.runtime import flowdefs
 

@@ -4,7 +4,7 @@ import pytest
 
 from flowkit.planner import Action, Costs, Kind
 from flowkit.planner.schedules import build_schedule
-from flowkit.runtime.pipeline import (
+from flowkit.runner.pipeline import (
     stage_costs_config,
     submission_order,
     submit_schedule,

@@ -1,7 +1,7 @@
 import msgpack
 import pytest
 
-from flowkit.runtime.protocol import PROTOCOL_VERSION, Msg, ProtocolError, decode, encode
+from flowkit.wire.protocol import PROTOCOL_VERSION, Msg, ProtocolError, decode, encode
 
 
 def test_round_trip_keeps_fields_and_frames():

@@ -3,8 +3,8 @@
 import pytest
 
 from flowkit.runtime import Gather, Item, RemoteError, wait
-from flowkit.runtime.protocol import ProtocolError
-from flowkit.runtime.refs import check_ref, object_ids, resolve
+from flowkit.wire.protocol import ProtocolError
+from flowkit.wire.refs import check_ref, object_ids, resolve
 
 
 def test_wire_refs_resolve_and_name_their_objects():

@@ -6,7 +6,7 @@ import pytest
 from dataflows.grpo import grpo_flow
 from flowkit.planner.lower import lower_flow
 from flowkit.planner.simcosts import SimCosts
-from flowkit.runtime.flowrun import FlowRunner
+from flowkit.runner.flowrun import FlowRunner
 from tests.harness import executor_cluster
 
 COSTS = SimCosts(F=0.004, B=0.004, W=0.002, token=0.0004, length_sigma=1.0)

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flowkit.runtime.serialize import SerializeError, pack, unpack
+from flowkit.wire.serialize import SerializeError, pack, unpack
 
 
 @attrs.frozen

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from flowkit.runtime import ExecutorLost, RemoteError, wait
-from flowkit.runtime.protocol import Msg, encode
-from flowkit.runtime.serialize import SerializeError, pack, unpack
-from flowkit.runtime.shm import (
+from flowkit.wire.protocol import Msg, encode
+from flowkit.wire.serialize import SerializeError, pack, unpack
+from flowkit.wire.shm import (
     CHUNK_BYTES,
     PeerTransport,
     SegmentPool,

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from flowkit.planner import Action, Costs, Kind
 from flowkit.planner.schedules import build_schedule
 from flowkit.planner.simulate import dependencies
-from flowkit.runtime.pipeline import StreamedSchedule
-from flowkit.runtime.records import ExecutorInfo
+from flowkit.runner.pipeline import StreamedSchedule
+from flowkit.runtime.registry import ExecutorInfo
 
 KINDS = ["gpipe", "1f1b", "zb-h1", "zb-h2", "zb-v"]
 

@@ -10,8 +10,8 @@ import msgpack
 import pytest
 
 from flowkit.planner.lower import lower_flow
-from flowkit.runtime.flowrun import FlowRunner
-from flowkit.runtime.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode, part_id
+from flowkit.runner.flowrun import FlowRunner
+from flowkit.wire.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode, part_id
 from tests.harness import executor_cluster
 from tests.runtime import flowdefs
 from tests.runtime.test_flowrun import FLOWDEFS

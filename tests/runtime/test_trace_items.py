@@ -11,7 +11,7 @@ from executors.tasks import Task, describe, described
 from flowkit.observe import TraceRecorder
 from flowkit.ops.records import Rollout
 from flowkit.runtime import RemoteError
-from flowkit.runtime.protocol import ProtocolError
+from flowkit.wire.protocol import ProtocolError
 from tests.harness import executor_cluster
 from tests.runtime import flowdefs
 

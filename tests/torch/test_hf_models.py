@@ -22,7 +22,7 @@ from executors.torch.models.hf import HFCausalLM  # noqa: E402
 from flowkit.dsl import Model  # noqa: E402
 from flowkit.ops.records import Prompt  # noqa: E402
 from flowkit.planner.lower import lower_flow  # noqa: E402
-from flowkit.runtime.flowrun import FlowRunner  # noqa: E402
+from flowkit.runner.flowrun import FlowRunner  # noqa: E402
 from tests.harness import executor_cluster, op_context, plain_training  # noqa: E402
 
 CORPUS = str(Path(__file__).parents[2] / "examples" / "data" / "corpus.txt")
@@ -230,7 +230,7 @@ def test_rl_steps_train_an_hf_actor_and_sync_it_to_the_generator_by_hf_names(tmp
                                                                             algorithm):
     from dataflows.grpo import grpo_flow
     from dataflows.ppo import ppo_flow
-    from flowkit.runtime.training import model_spec
+    from flowkit.runner.training import model_spec
 
     actor = Model(name="actor", build="hf", config={**SMALL_VOCAB, "dtype": "float64",
                                                     "seed": 3}, stages=2, tags=("train",))

@@ -26,7 +26,7 @@ from flowkit.dsl import Model  # noqa: E402
 from flowkit.ops.records import Prompt  # noqa: E402
 from flowkit.ops.tokenizers import eos_token_ids, load_tokenizer  # noqa: E402
 from flowkit.planner.lower import lower_flow  # noqa: E402
-from flowkit.runtime.flowrun import FlowRunner  # noqa: E402
+from flowkit.runner.flowrun import FlowRunner  # noqa: E402
 from tests.harness import executor_cluster, op_context  # noqa: E402
 from tests.hf_folders import save_tiny_qwen2  # noqa: E402
 

@@ -15,7 +15,7 @@ import torch
 from dataflows.pretrain import pretrain_flow
 from executors.torch.models.gpt import GPT
 from flowkit.planner.lower import lower_flow
-from flowkit.runtime.flowrun import FlowRunner
+from flowkit.runner.flowrun import FlowRunner
 from tests.harness import executor_cluster, plain_training, seeded_gpt, tiny_gpt
 
 CORPUS = str(Path(__file__).parents[2] / "examples" / "data" / "corpus.txt")

@@ -25,8 +25,8 @@ from flowkit.dsl import Flow, Model, Stream, collect, op
 from flowkit.ops import cut, minibatch_rounds
 from flowkit.ops.records import Experience, StepMetrics
 from flowkit.planner.lower import lower_flow
-from flowkit.runtime.flowrun import FlowRunner
-from flowkit.runtime.training import model_spec
+from flowkit.runner.flowrun import FlowRunner
+from flowkit.runner.training import model_spec
 from tests.harness import executor_cluster, seeded_gpt, tiny_gpt
 from tests.torch.helpers import padded_batch, response_logprobs
 

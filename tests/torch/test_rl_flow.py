@@ -7,8 +7,8 @@ import torch
 
 from dataflows.grpo import grpo_flow
 from flowkit.planner.lower import lower_flow
-from flowkit.runtime.flowrun import FlowRunner
-from flowkit.runtime.training import model_spec
+from flowkit.runner.flowrun import FlowRunner
+from flowkit.runner.training import model_spec
 from tests.harness import executor_cluster, seeded_gpt, tiny_gpt
 
 GPT_CONFIG = tiny_gpt()

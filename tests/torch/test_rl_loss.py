@@ -339,9 +339,9 @@ def test_a_pipeline_on_torch_executors_trains_like_one_microbatch_in_one_process
     processes take the step one microbatch takes here."""
     from flowkit.planner import Costs
     from flowkit.planner.schedules import build_schedule
+    from flowkit.runner.pipeline import submit_schedule
+    from flowkit.runner.training import pipeline_config, submit_optimizer_step
     from flowkit.runtime import Gather
-    from flowkit.runtime.pipeline import submit_schedule
-    from flowkit.runtime.training import pipeline_config, submit_optimizer_step
 
     model = _whole(POLICY)
     exps = _near_current(_experiences(6, seed=51), model, noise=0.1, seed=6)

@@ -27,7 +27,7 @@ hold the secret keys of their public keys; each message is then encrypted and au
   says `insecure` (a trusted network, or namespace hosts in a test), and names the options.
   ipc:// and inproc:// are local. Executors bind their peer socket on the address they reach
   the controller from, so the same rule applies to them (`--keys DIR` or `--insecure`).
-- Shared memory (runtime/shm.py) is unchanged: between executors of one host only a segment's
+- Shared memory (wire/shm.py) is unchanged: between executors of one host only a segment's
   handle crosses the (encrypted) socket, and the bytes never leave the machine.
 - Cost: nothing when no keys are given (no gate, no monitor, plain sockets). With keys, a
   handshake per connection and per message an encryption at each end; `flowkit bench dispatch

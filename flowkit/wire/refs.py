@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 
-from flowkit.runtime.protocol import ProtocolError
+from flowkit.wire.protocol import ProtocolError
 
 __all__ = ["Gather", "Item", "object_ids", "resolve", "check_ref"]
 

@@ -48,9 +48,9 @@ from typing import Any
 
 import attrs
 
-from flowkit.runtime.partial import Carried
-from flowkit.runtime.refs import Item
-from flowkit.runtime.stepstate import FlowRunError, lineage_order
+from flowkit.runner.partial import Carried
+from flowkit.runner.stepstate import FlowRunError, lineage_order
+from flowkit.wire.refs import Item
 
 __all__ = ["CarriedCall", "OpenCall", "OpenWork", "drain", "open_work", "resume_open"]
 

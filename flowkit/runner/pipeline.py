@@ -19,7 +19,7 @@ from flowkit.planner import Action, ActionKey, Costs, Kind, Schedule, action_key
 from flowkit.planner.simulate import dependencies
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.futures import Future, wait
-from flowkit.runtime.records import ExecutorInfo
+from flowkit.runtime.registry import ExecutorInfo
 
 __all__ = ["PipelineRun", "StreamedSchedule", "measure", "stage_costs_config", "submit_schedule",
            "submission_order"]

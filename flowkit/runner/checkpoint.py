@@ -41,12 +41,12 @@ import attrs
 
 from flowkit.ops.executor_ops import STATE_OPS
 from flowkit.planner.lower import NodePlan
-from flowkit.runtime.asyncstate import OpenWork, open_work, resume_open
+from flowkit.runner.asyncstate import OpenWork, open_work, resume_open
+from flowkit.runner.stepstate import Streams
+from flowkit.runner.training import model_spec
 from flowkit.runtime.futures import wait
-from flowkit.runtime.records import ExecutorInfo
-from flowkit.runtime.refs import Gather, Item
-from flowkit.runtime.stepstate import Streams
-from flowkit.runtime.training import model_spec
+from flowkit.runtime.registry import ExecutorInfo
+from flowkit.wire.refs import Gather, Item
 
 __all__ = ["CheckpointError", "Manifest", "RunState", "check_resumable", "complete_checkpoints",
            "flow_identity", "latest_checkpoint", "read_manifest", "restore", "write_checkpoint"]

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from flowkit.planner.lower import InputRule, NodePlan
-from flowkit.runtime.refs import Gather
+from flowkit.wire.refs import Gather
 
 __all__ = ["FlowRunError", "ItemStream", "NodeState", "Streams", "lineage_order"]
 

@@ -38,14 +38,14 @@ from flowkit.dsl import Granularity
 from flowkit.ops import rounds_of
 from flowkit.planner.lower import Call, InputRule, NodePlan
 from flowkit.planner.simcosts import SimCosts
-from flowkit.runtime.balance import Balancer, LengthEstimates
+from flowkit.runner.balance import Balancer, LengthEstimates
+from flowkit.runner.flowtrain import ModelTraining
+from flowkit.runner.partial import STALE_SEGMENTS, Carried, PartialRollouts
+from flowkit.runner.steprun import TRAINING_CALLS, StepReport, StepRun
+from flowkit.runner.stepstate import FlowRunError, Streams
+from flowkit.runner.training import model_spec
 from flowkit.runtime.controller import Controller
-from flowkit.runtime.flowtrain import ModelTraining
-from flowkit.runtime.partial import STALE_SEGMENTS, Carried, PartialRollouts
-from flowkit.runtime.records import ExecutorInfo
-from flowkit.runtime.steprun import TRAINING_CALLS, StepReport, StepRun
-from flowkit.runtime.stepstate import FlowRunError, Streams
-from flowkit.runtime.training import model_spec
+from flowkit.runtime.registry import ExecutorInfo
 
 __all__ = ["FlowRunError", "FlowRunner", "StepReport", "check_async"]
 

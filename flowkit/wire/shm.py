@@ -58,7 +58,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
-from flowkit.runtime.serialize import SerializeError
+from flowkit.wire.serialize import SerializeError
 
 __all__ = ["CHUNK_BYTES", "ENV_HOST_ID", "MIN_SHM_BYTES", "PREFIX", "PeerTransport",
            "SegmentPool", "host_id", "leftover_segments", "sweep"]

@@ -20,11 +20,11 @@ import attrs
 from flowkit.dsl import Granularity
 from flowkit.ops.records import mean_loss, mean_values
 from flowkit.planner.lower import Call, InputRule, NodePlan
-from flowkit.runtime.balance import Balancer
-from flowkit.runtime.partial import PartialState, carried_key
-from flowkit.runtime.pipeline import measure
-from flowkit.runtime.refs import Gather, Item
-from flowkit.runtime.stepstate import FlowRunError, NodeState, Streams, lineage_order
+from flowkit.runner.balance import Balancer
+from flowkit.runner.partial import PartialState, carried_key
+from flowkit.runner.pipeline import measure
+from flowkit.runner.stepstate import FlowRunError, NodeState, Streams, lineage_order
+from flowkit.wire.refs import Gather, Item
 
 __all__ = ["StepReport", "StepRun", "TRAINING_CALLS"]
 

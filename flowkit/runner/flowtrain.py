@@ -23,13 +23,9 @@ from flowkit.planner import Action, Costs, Kind, simulate
 from flowkit.planner.lower import InputRule, NodePlan
 from flowkit.planner.schedules import build_schedule
 from flowkit.planner.simcosts import SimCosts
-from flowkit.runtime.controller import Controller
-from flowkit.runtime.futures import RemoteError
-from flowkit.runtime.pipeline import PipelineRun, StreamedSchedule, stage_costs_config
-from flowkit.runtime.records import ExecutorInfo
-from flowkit.runtime.refs import Gather
-from flowkit.runtime.stepstate import FlowRunError, NodeState, Streams, lineage_order
-from flowkit.runtime.training import (
+from flowkit.runner.pipeline import PipelineRun, StreamedSchedule, stage_costs_config
+from flowkit.runner.stepstate import FlowRunError, NodeState, Streams, lineage_order
+from flowkit.runner.training import (
     device_shares,
     model_spec,
     pipeline_config,
@@ -38,6 +34,10 @@ from flowkit.runtime.training import (
     submit_optimizer_step,
     submit_weight_sync,
 )
+from flowkit.runtime.controller import Controller
+from flowkit.runtime.futures import RemoteError
+from flowkit.runtime.registry import ExecutorInfo
+from flowkit.wire.refs import Gather
 
 __all__ = ["Feeding", "ModelTraining", "Rounds", "Watch"]
 

@@ -15,7 +15,7 @@ from flowkit.ops import LOSS_KNOBS, SUM_FORM_LOSSES
 from flowkit.planner import Action, Costs, Kind, Placement, Schedule
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.futures import Future, wait
-from flowkit.runtime.records import ExecutorInfo
+from flowkit.runtime.registry import ExecutorInfo
 
 __all__ = ["model_spec", "pipeline_config", "profile_stages", "submit_exports",
            "submit_optimizer_step", "submit_weight_sync"]
