@@ -83,7 +83,7 @@ class StageRunner:
     def reset(self) -> None:
         """Forget every microbatch in flight and the gradients gathered so far: a step that
         failed part-way is replayed from a checkpoint ([Note: executor restarts] in
-        flowkit/cli/_restarts.py)."""
+        flowkit/runner/restarts.py)."""
         self._mbs.clear()
         for param in self.module.parameters():
             param.grad = None

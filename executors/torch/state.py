@@ -76,7 +76,7 @@ def load_state(ctx: OpContext, *_: Any, path: str) -> int:
 def _forget_models(ctx: OpContext) -> None:
     """Drop every model this executor holds, and the rollout engines that decode with them,
     before a load: a step that failed part-way ([Note: executor restarts] in
-    flowkit/cli/_restarts.py) may have changed any of them, also one the checkpoint holds by
+    flowkit/runner/restarts.py) may have changed any of them, also one the checkpoint holds by
     name only, so each is built again from its seed. The engines have nothing in flight
     (the controller waits for that), and the next generate request makes a new one."""
     for held in ctx.state.pop("torch_models", {}).values():

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 from click.core import ParameterSource
+from rich.console import Console
 
 from executors.kinds import KINDS
 from flowkit.cli._files import writing
@@ -135,16 +136,12 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
         ray_address: str | None, ray_strategy: str, ray_cpus: float, debug: bool) -> None:
     """Run a flow's steps on executor processes: local ones, or Ray actors."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    controller = controller_options(bind, keys_dir, insecure)
     settings = launcher_settings(launcher, address=ray_address, strategy=ray_strategy,
                                  cpus=ray_cpus)
-    from flowkit.cli._checkpoints import Checkpointing
-    from flowkit.cli._runflow import choose_executors, run_flow, with_training_options
     from flowkit.planner.simcosts import SimCosts
+    from flowkit.runner import CheckpointConfig, ControllerConfig, Run, RunConfig, RunError
 
     flow = load_checked_flow(flow_spec)
-    flow = with_training_options(flow, stages=stages, microbatches=microbatches,
-                                 schedule=schedule)
     try:  # checked whichever executors run, so a typo fails before anything starts
         costs = SimCosts.parse(sim_cost)
     except ValueError as exc:
@@ -152,41 +149,51 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
     if checkpoint_every is not None and checkpoint_dir is None:
         raise click.BadParameter("give --checkpoint-dir too: where to write them",
                                  param_hint="--checkpoint-every")
-    staleness = _staleness(flow, asynchronous, max_staleness)
-    kind = choose_executors(flow, kind)
-    costs = costs if kind == "sim" else None
     path, _, _ = flow_spec.partition(":")
     logs = LogSetup(loggers=loggers, log_dir=log_dir, metrics=metrics,
                     wandb_project=wandb_project, run_name=run_name)
-    with writing(trace or metrics or Path(".")):
-        run_flow(flow, code=[path], kind=kind, count=num_executors, tag_spec=tag_spec,
-                 device=device, steps=steps, fuse=fuse, staleness=staleness,
-                 max_restarts=max_restarts, sim_costs=costs, controller=controller,
-                 launcher=launcher, launcher_settings=settings, trace=trace, logs=logs,
-                 dashboard=dashboard, save_weights=save_weights, debug=debug, resume=resume,
-                 checkpoints=None if checkpoint_dir is None else Checkpointing(
-                     root=checkpoint_dir, every=checkpoint_every, keep=keep_checkpoints))
-
-
-def controller_options(bind: str, keys_dir: Path | None, insecure: bool) -> dict:
-    """The Controller's bind, keys and insecure, checked before anything starts [Note:
-    authenticated transport in flowkit/wire/auth.py]."""
-    from flowkit.wire.auth import InsecureBindError, Keys, KeysError, check_bind
-
+    checkpoints = None if checkpoint_dir is None else CheckpointConfig(
+        root=checkpoint_dir, every=checkpoint_every, keep=keep_checkpoints)
     try:
-        keys = None if keys_dir is None else Keys.load(keys_dir)
-        if keys is not None:
-            keys.secret("controller")
-    except KeysError as exc:
-        raise click.BadParameter(str(exc), param_hint="--keys") from None
-    if not bind.startswith(("tcp://", "ipc://")):
-        raise click.BadParameter(f"{bind!r} is not a zmq address: give tcp://HOST:PORT (PORT 0: "
-                                 f"any free port) or ipc://PATH", param_hint="--bind")
-    try:
-        check_bind(bind, keys=keys, insecure=insecure, who="the controller")
-    except InsecureBindError as exc:
-        raise click.BadParameter(str(exc), param_hint="--bind") from None
-    return {"bind": bind, "keys": keys, "insecure": insecure}
+        config = RunConfig(
+            steps=steps, executors=kind, num_executors=num_executors, tags=_tags(tag_spec),
+            device=device, code=[path], stages=stages, microbatches=microbatches,
+            schedule=schedule, fuse=fuse, asynchronous=asynchronous,
+            max_staleness=max_staleness, sim_costs=costs, trace=trace, logs=logs,
+            dashboard=dashboard, save_weights=save_weights, checkpoints=checkpoints,
+            resume=resume, max_restarts=max_restarts, launcher=launcher,
+            launcher_settings=settings, debug=debug,
+            controller=ControllerConfig(bind=bind, keys=keys_dir, insecure=insecure))
+        with writing(trace or metrics or Path(".")):
+            session = Run(flow, config, console=Console(stderr=False))
+            with session:
+                for _ in session.steps():
+                    pass
+    except RunError as exc:
+        raise _usage_error(exc) from None
+    if session.result.interrupted:
+        raise click.exceptions.Exit(130)  # the shell's code for a run stopped by Ctrl-C
+
+
+# RunConfig's settings -> the option that sets them, so that an error names what was typed
+_OPTIONS = {"tags": "--tags", "schedule": "--schedule", "max_staleness": "--max-staleness",
+            "controller.keys": "--keys", "controller.bind": "--bind"}
+
+
+def _usage_error(error: Exception) -> click.ClickException:
+    """A RunConfigError as click's usage error for the option that set it; any other run
+    error (or one about the flow rather than an option) as one line."""
+    option = _OPTIONS.get(getattr(error, "setting", ""))
+    if option is None:
+        return click.ClickException(str(error))
+    return click.BadParameter(str(error), param_hint=option)
+
+
+def _tags(spec: str | None) -> list[tuple[str, ...]] | None:
+    """'a,b;c' -> [("a", "b"), ("c",)]: one group of tags per executor."""
+    if not spec:
+        return None
+    return [tuple(t for t in part.split(",") if t) for part in spec.split(";")]
 
 
 def launcher_settings(launcher: str, *, address: str | None, strategy: str,
@@ -220,18 +227,3 @@ def _run_name(name: str | None) -> str | None:
         return None if name is None else check_run_name(name)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--run-name") from None
-
-
-def _staleness(flow: Any, asynchronous: bool | None, max_staleness: int | None) -> int | None:
-    """The run's staleness bound, None for a synchronous run: the options over the flow's
-    `max_staleness` setting."""
-    if asynchronous is False:
-        if max_staleness is not None:
-            raise click.BadParameter("--max-staleness bounds an asynchronous run: drop --sync",
-                                     param_hint="--max-staleness")
-        return None
-    if asynchronous is None and max_staleness is None and flow.max_staleness is None:
-        return None
-    for bound in (max_staleness, flow.max_staleness, 1):
-        if bound is not None:
-            return bound

@@ -20,7 +20,7 @@ from rich.text import Text
 
 from flowkit.observe.metrics import ExecutorStats, RunStats, StatsSnapshot
 
-__all__ = ["Dashboard"]
+__all__ = ["Dashboard", "sparkline", "step_figures"]
 
 
 class Dashboard:
@@ -62,6 +62,10 @@ class Dashboard:
     def set_metrics(self, metrics: Mapping[str, Any]) -> None:
         """Replace the user figures shown under the table (loss, reward, learning rate...)."""
         self._metrics = dict(metrics)  # a new dict: the render thread may be reading the old one
+
+    def show_step(self, record: Mapping[str, Any], records: list[Mapping[str, Any]]) -> None:
+        """Show a step's metrics line: its headline figures and the curves so far."""
+        self.set_metrics(step_figures(record, records))
 
     @property
     def metrics(self) -> dict[str, Any]:
@@ -222,3 +226,28 @@ def _number(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
+
+
+def step_figures(record: Mapping[str, Any], records: list[Mapping[str, Any]]) -> dict:
+    """What the dashboard shows of a step's metrics line: losses, rewards, timings and
+    throughput, and the loss and the mean reward so far as a sparkline."""
+    shown = {k: v for k, v in record.items()
+             if k.endswith(("loss", "bubble_rate")) or k.startswith(("timing_s/", "reward"))
+             or k in ("step_s", "tokens_per_s", "response_length_mean", "staleness/mean",
+                      "staleness/max", "rollout/carried_over")}
+    for key in ("loss", "reward_mean"):  # RL flows show their reward, all their loss
+        values = [r[key] for r in records if r.get(key) is not None]
+        if key in record and values:
+            shown[f"{key} so far"] = f"{values[0]:.3g} → {values[-1]:.3g} {sparkline(values)}"
+    return shown
+
+
+_BARS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], width: int = 40) -> str:
+    """The last `width` values as bars, lowest ▁ to highest █: a loss curve in one line."""
+    values = values[-width:]
+    low, high = min(values), max(values)
+    span = (high - low) or 1.0
+    return "".join(_BARS[min(7, int((v - low) / span * 8))] for v in values)

@@ -1,8 +1,24 @@
-"""The runner: running a flow's steps on a controller's executors.
+"""The runner: running a flow's steps on a controller's executors. `run(flow, RunConfig(...))`
+and `Run` (api.py) are the public way in; RunConfig and its records are in config.py.
 
 - flowrun.py: a flow's steps, node by node as the lowering says (stepstate.py: the step's items,
   steprun.py: one step's progress); flowtrain.py: a trained model's pipeline, optimizer step,
   weight sync (training.py: what each of those tasks is told; pipeline.py: a pipeline schedule
   as tasks; balance.py: stages by cost); asyncstate.py and partial.py: steps that overlap and
-  calls carried between them; checkpoint.py: a run's state on disk.
+  calls carried between them.
+- steploop.py: the steps one after the other with metrics, checkpoints and restarts;
+  checkpoint.py: a run's state on disk, checkpointing.py: when to write it, restarts.py: lost
+  executors replaced; setup.py: what a run decides before anything starts.
 """
+
+from flowkit.runner.api import Run, RunResult, run
+from flowkit.runner.config import (
+    CheckpointConfig,
+    ControllerConfig,
+    RunConfig,
+    RunConfigError,
+    RunError,
+)
+
+__all__ = ["CheckpointConfig", "ControllerConfig", "Run", "RunConfig", "RunConfigError",
+           "RunError", "RunResult", "run"]

@@ -254,7 +254,7 @@ def test_resume_with_another_staleness_bound_names_both(sim_runs):
     assert complete_checkpoints(paths["writer"].parent / "ck")
 
 
-# -- restarts [Note: executor restarts in flowkit/cli/_restarts.py] -------------------------
+# -- restarts [Note: executor restarts in flowkit/runner/restarts.py] -------------------------
 def test_async_run_with_killed_executors_ends_with_the_uninterrupted_curve_on_the_simulator(
         tmp_path):
     """Sim executors killed twice at random moments (in generation running ahead, a drain, a

@@ -18,7 +18,7 @@ import ray
 import torch
 
 from flowkit.cli._flows import load_checked_flow
-from flowkit.cli._runflow import executor_tags
+from flowkit.runner.setup import executor_tags
 from flowkit.planner.lower import lower_flow
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runner.flowrun import FlowRunError, FlowRunner

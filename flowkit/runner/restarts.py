@@ -1,4 +1,4 @@
-"""`flowkit run --max-restarts N`: a run that survives lost executors.
+"""A run that survives lost executors (`RunConfig.max_restarts`, `flowkit run --max-restarts N`).
 
 [Note: executor restarts] With restarts allowed, the run checkpoints before its first step and
 after every step (into --checkpoint-dir, or a temporary folder), [Note: run checkpoints] in

@@ -1,5 +1,5 @@
-"""`flowkit run`'s run checkpoints [Note: run checkpoints in flowkit/runner/checkpoint.py]: when
-to write one, what to check before resuming, and Ctrl-C that finishes the step and checkpoints."""
+"""A run's checkpoints [Note: run checkpoints in flowkit/runner/checkpoint.py]: when to write
+one, what to check before resuming, and Ctrl-C that finishes the step and checkpoints."""
 
 from __future__ import annotations
 
@@ -9,10 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import click
 
 from flowkit.runner.checkpoint import (
-    CheckpointError,
     Manifest,
     check_resumable,
     latest_checkpoint,
@@ -25,7 +23,7 @@ __all__ = ["Checkpointing", "GracefulStop", "resume_point"]
 
 @attrs.define(kw_only=True)
 class Checkpointing:
-    """Where and how often `flowkit run` checkpoints, and what it knows to write one."""
+    """Where and how often a run checkpoints, and what it knows to write one."""
 
     root: Path
     every: int | None  # steps between checkpoints; None: only on Ctrl-C
@@ -50,13 +48,10 @@ class Checkpointing:
 def resume_point(path: Path, identity: dict, layout: list[dict],
                  staleness: int | None = None) -> tuple[Path, Manifest]:
     """The checkpoint `--resume path` names, checked against this run (of that staleness
-    bound) before any executor starts; one error line naming the mismatch otherwise."""
-    try:
-        folder = latest_checkpoint(path)
-        manifest = read_manifest(folder)
-        check_resumable(manifest, identity, layout, folder, staleness)
-    except CheckpointError as exc:
-        raise click.ClickException(str(exc)) from None
+    bound) before any executor starts; a CheckpointError naming the mismatch otherwise."""
+    folder = latest_checkpoint(path)
+    manifest = read_manifest(folder)
+    check_resumable(manifest, identity, layout, folder, staleness)
     return folder, manifest
 
 

@@ -1,0 +1,273 @@
+"""The public way to run a flow: `flowkit.run(flow, RunConfig(...))`, or a `Run` to go step by
+step. `flowkit run` and the benchmarks are thin shells over it.
+
+Everything that can be checked without executors is checked when the Run is made (a wrong
+setting is a RunConfigError naming it); entering it starts the controller, the executors, the
+loggers and the dashboard; leaving it shuts them down whatever happened, and writes the trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+from rich.console import Console
+
+from flowkit.dsl import Flow
+from flowkit.observe import Dashboard, RunStats, TraceRecorder
+from flowkit.observe.loggers import LoggerError, Loggers
+from flowkit.planner.lower import lower_flow
+from flowkit.runner.checkpoint import CheckpointError, Manifest, flow_identity
+from flowkit.runner.checkpointing import Checkpointing, resume_point
+from flowkit.runner.config import RunConfig, RunConfigError, RunError
+from flowkit.runner.flowrun import FlowRunError, FlowRunner, StepReport, check_async
+from flowkit.runner.restarts import Restarts, temporary_checkpoints
+from flowkit.runner.setup import choose_executors, executor_tags, with_training_options
+from flowkit.runner.steploop import STEP_FAILURES, StepLoop
+from flowkit.runtime import Controller, RemoteError
+from flowkit.runtime.launch import LaunchError
+from flowkit.runtime.launchers import make_launcher
+from flowkit.wire.auth import InsecureBindError, Keys, KeysError, check_bind
+
+__all__ = ["Run", "RunResult", "run"]
+
+
+@attrs.frozen(kw_only=True)
+class RunResult:
+    """How a run ended."""
+
+    flow: str
+    steps: int  # the steps done, a resumed checkpoint's included
+    interrupted: bool  # stopped by Ctrl-C before the last step
+    records: tuple[dict, ...]  # every step's metrics line, as the loggers got it
+    checkpoint: int | None  # the step count of the newest checkpoint written, if any
+    weights: tuple[Path, ...] = ()  # what `save_weights` wrote
+
+
+def run(flow: Flow, config: RunConfig | None = None, *,
+        console: Console | None = None) -> RunResult:
+    """Run `config.steps` steps of `flow` and return how it ended. RunConfigError when a setting
+    cannot work (before anything starts), RunError when the run fails."""
+    with Run(flow, config, console=console) as session:
+        for _ in session.steps():
+            pass
+    return session.result
+
+
+class Run:
+    """A flow's run, step by step:
+
+        with Run(flow, RunConfig(steps=10, executors="sim")) as run:
+            for report in run.steps():
+                print(report.step, report.metrics)
+
+    `run.controller` and `run.runner` are there while it is entered; `run.result` after."""
+
+    def __init__(self, flow: Flow, config: RunConfig | None = None, *,
+                 console: Console | None = None) -> None:
+        self.config = config = config or RunConfig()
+        self.console = console or Console()
+        self.flow = with_training_options(flow, stages=config.stages,
+                                          microbatches=config.microbatches,
+                                          schedule=config.schedule)
+        self.plan = lower_flow(self.flow)
+        self.staleness = config.staleness(self.flow.max_staleness)
+        if self.staleness is not None:
+            try:
+                check_async(self.plan, self.staleness)
+            except FlowRunError as exc:
+                raise RunConfigError("asynchronous", f"--async: {exc}") from None
+        self.kind, chosen = choose_executors(self.plan, config.executors)
+        if chosen:
+            self.console.print(chosen, soft_wrap=True)
+        stages = max((n.model.stages for n in self.plan if n.model is not None), default=1)
+        self.count = config.num_executors or max(2, stages)
+        self.tags = executor_tags(self.plan, self.count, config.tags)
+        self.keys = _keys(config)
+        self.identity = flow_identity(self.flow.name, self.plan)
+        self.resumed = self._resume_point()
+        self.controller: Controller | None = None
+        self.runner: FlowRunner | None = None
+        self.result: RunResult | None = None
+        self._exits = contextlib.ExitStack()
+
+    # -- entering: everything starts ----------------------------------------------------------
+    def __enter__(self) -> Run:
+        try:
+            self._start()
+        except BaseException:
+            self._exits.close()
+            raise
+        return self
+
+    def _start(self) -> None:
+        config, exits = self.config, self._exits
+        checkpoints = self._checkpointing(exits)
+        loggers = exits.enter_context(self._open_loggers(checkpoints))
+        self.recorder, self.stats = TraceRecorder(), RunStats()
+        if config.trace is not None:
+            exits.callback(self._write_trace, config.trace)
+        self.controller = ctl = exits.enter_context(Controller(
+            bind=config.controller.bind, keys=self.keys, insecure=config.controller.insecure))
+        self.recorder.attach(ctl)
+        self.stats.attach(ctl)
+        launcher = make_launcher(config.launcher, ctl, self.count, kind=self.kind,
+                                 tags=self.tags, code=list(config.code), device=config.device,
+                                 settings=config.launcher_settings)
+        exits.callback(launcher.stop)
+        exits.callback(ctl.shutdown)
+        try:
+            started = launcher.start()
+        except LaunchError as exc:  # e.g. Ray cannot place the executors
+            raise RunError(str(exc)) from None
+        with self._failures():  # a flow the runner refuses (settings it cannot run)
+            self.runner = self._make_runner()
+        self.loop = StepLoop(steps=config.steps, loggers=loggers, stats=self.stats,
+                             checkpoints=checkpoints, say=self.console.print,
+                             executors=started)
+        if config.max_restarts:
+            self.loop.restarts = Restarts(allowed=config.max_restarts, launcher=launcher,
+                                          make_runner=self._make_runner,
+                                          names=frozenset(e.name for e in started))
+        if self.resumed is not None:
+            with self._failures():
+                self.loop.resume(self.runner, self.resumed[0])
+        self.board = exits.enter_context(Dashboard(
+            ctl, stats=self.stats, console=self.console, enabled=config.dashboard,
+            title=f"flowkit run {self.flow.name}"))
+        self._checkpoints = checkpoints
+
+    def _make_runner(self) -> FlowRunner:
+        config = self.config
+        costs = config.sim_costs if self.kind == "sim" else None  # other kinds time for real
+        return FlowRunner(self.controller, self.plan, sim_costs=costs,
+                          fuse=config.fuse, balance=config.balance, staleness=self.staleness,
+                          steps=config.steps, step_timeout=config.step_timeout)
+
+    # -- the steps ----------------------------------------------------------------------------
+    def steps(self) -> Iterator[StepReport]:
+        """Each step's report as it ends, until `config.steps` are done or Ctrl-C stops the
+        run (then `result.interrupted`). A failed step raises RunError."""
+        if self.controller is None:
+            raise RuntimeError("enter the Run first: `with Run(flow, config) as run:`")
+        with self._failures():
+            yield from self.loop.run(self.runner, self.board)
+            self.runner = self.loop.runner  # a restart replaces it
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            weights = self._finish(exc[0] is None)
+        finally:
+            self._exits.close()
+        loop = self.loop
+        self.result = RunResult(
+            flow=self.flow.name, steps=loop.completed, interrupted=loop.stopped,
+            records=tuple(loop.records), weights=tuple(weights),
+            checkpoint=None if self._checkpoints is None else self._checkpoints.written)
+        if exc[0] is None:
+            done = loop.completed
+            if loop.stopped:
+                self.console.print(f"{self.flow.name}: interrupted at step {done}")
+            else:
+                self.console.print(f"{self.flow.name}: {done} step{'s' * (done > 1)} done")
+
+    def _finish(self, ok: bool) -> list[Path]:
+        """What the end of a run writes while the executors are still there."""
+        config = self.config
+        if not ok:
+            return []
+        if (self._checkpoints is not None and self._checkpoints.written is not None
+                and not self._temporary):
+            self.console.print(f"checkpoint of step {self._checkpoints.written} in "
+                               f"{self._checkpoints.root}")
+        if config.save_weights is None:
+            return []
+        with self._failures():
+            paths = self.runner.save_weights(config.save_weights)
+        for path in paths:
+            self.console.print(f"wrote {path}")
+        return paths
+
+    @contextlib.contextmanager
+    def _failures(self) -> Iterator[None]:
+        """A step's failure as a RunError of one line (the op's traceback with `debug`)."""
+        try:
+            yield
+        except STEP_FAILURES as exc:
+            raise RunError(_error_line(exc, self.config.debug)) from exc
+
+    # -- before anything starts ---------------------------------------------------------------
+    def _resume_point(self) -> tuple[Path, Manifest] | None:
+        if self.config.resume is None:
+            return None
+        layout = [{"name": f"exec-{i}", "tags": sorted(t), "kind": self.kind}
+                  for i, t in enumerate(self.tags)]
+        try:
+            return resume_point(self.config.resume, self.identity,
+                                sorted(layout, key=lambda e: e["name"]), self.staleness)
+        except CheckpointError as exc:
+            raise RunConfigError("resume", str(exc)) from None
+
+    def _checkpointing(self, exits: contextlib.ExitStack) -> Checkpointing | None:
+        """The run's checkpoints; restarts without any keep temporary ones, each step."""
+        config = self.config
+        self._temporary = False
+        if config.checkpoints is not None:
+            ck = config.checkpoints
+            checkpoints = Checkpointing(root=ck.root, every=ck.every, keep=ck.keep)
+        elif config.max_restarts:  # restarts reload the newest checkpoint
+            root, cleanup = temporary_checkpoints()
+            exits.callback(cleanup)
+            checkpoints, self._temporary = Checkpointing(root=root, every=1, keep=1), True
+        else:
+            return None
+        checkpoints.identity, checkpoints.kind = self.identity, self.kind
+        return checkpoints
+
+    def _open_loggers(self, checkpoints: Checkpointing | None) -> Loggers:
+        """The run's loggers, opened before any executor starts: a missing extra is one
+        error."""
+        logs = self.config.logs
+        try:
+            return logs.open(name=self.flow.name,
+                             resume=None if self.resumed is None else self.resumed[0].parent,
+                             checkpoints=None if checkpoints is None else checkpoints.root)
+        except LoggerError as exc:
+            raise RunConfigError("logs", str(exc)) from None
+        except OSError as exc:  # the metrics file or the log dir: name which
+            raise RunConfigError("logs", f"cannot write {exc.filename or logs.log_dir}: "
+                                 f"{exc.strerror or exc}") from None
+
+    def _write_trace(self, path: Path) -> None:
+        self.recorder.write_chrome(path)
+        self.console.print(f"wrote {path} (open it in https://ui.perfetto.dev)")
+
+
+def _keys(config: RunConfig) -> Keys | None:
+    """The controller's keys, and its address checked against them [Note: authenticated
+    transport in flowkit/wire/auth.py]."""
+    settings = config.controller
+    try:
+        keys = None if settings.keys is None else Keys.load(settings.keys)
+        if keys is not None:
+            keys.secret("controller")
+    except KeysError as exc:
+        raise RunConfigError("controller.keys", str(exc)) from None
+    if not settings.bind.startswith(("tcp://", "ipc://")):
+        raise RunConfigError("controller.bind", f"{settings.bind!r} is not a zmq address: give "
+                             "tcp://HOST:PORT (PORT 0: any free port) or ipc://PATH")
+    try:
+        check_bind(settings.bind, keys=keys, insecure=settings.insecure, who="the controller")
+    except InsecureBindError as exc:
+        raise RunConfigError("controller.bind", str(exc)) from None
+    return keys
+
+
+def _error_line(error: BaseException, debug: bool) -> str:
+    """What failed and why; the op's remote traceback only with `debug`."""
+    text, found, _ = str(error).partition(RemoteError.MARK)
+    return str(error) if debug or not found else f"{text} (--debug shows the traceback)"
+

@@ -1,0 +1,154 @@
+"""A run's settings as records, each default written once: `flowkit run`'s flags build these, and
+so does a Python user (`flowkit.run(flow, RunConfig(...))`).
+
+A setting that is wrong is a `RunConfigError` naming the setting, raised before anything starts
+(`Run.__init__` checks what needs the flow; the records check what does not).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from flowkit.observe.logsetup import LogSetup
+from flowkit.planner.simcosts import SimCosts
+
+__all__ = ["CheckpointConfig", "ControllerConfig", "RunConfig", "RunConfigError", "RunError"]
+
+
+class RunError(RuntimeError):
+    """A run that could not start or did not finish: one line saying what and why."""
+
+
+class RunConfigError(RunError, ValueError):
+    """A setting that cannot work, found before anything starts. `setting` names the RunConfig
+    field (dotted for a nested record: `checkpoints.every`), so a front end can name its own
+    flag for it."""
+
+    def __init__(self, setting: str, message: str) -> None:
+        super().__init__(message)
+        self.setting = setting
+
+
+def _at_least(low: float, *, above: bool = False):
+    def check(_: object, attribute: attrs.Attribute, value: Any) -> None:
+        if value is None:
+            return
+        if value < low or (above and value == low):
+            relation = "above" if above else "at least"
+            raise RunConfigError(attribute.name, f"{attribute.name}={value!r}: it must be "
+                                 f"{relation} {low}")
+    return check
+
+
+def _path(value: Any) -> Path | None:
+    return None if value is None else Path(value)
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointConfig:
+    """Where and how often a run checkpoints [Note: run checkpoints in
+    flowkit/runner/checkpoint.py]."""
+
+    root: Path = attrs.field(converter=Path)
+    """The folder of the run's checkpoints (one sub-folder per checkpoint)."""
+    every: int | None = attrs.field(default=None, validator=_at_least(1))
+    """Steps between checkpoints; None: only when the run is stopped by Ctrl-C."""
+    keep: int = attrs.field(default=2, validator=_at_least(1))
+    """How many of the newest checkpoints to keep."""
+
+
+@attrs.frozen(kw_only=True)
+class ControllerConfig:
+    """The controller's address and transport security [Note: authenticated transport in
+    flowkit/wire/auth.py]."""
+
+    bind: str = "tcp://127.0.0.1:0"
+    """tcp://HOST:PORT (PORT 0: any free port) or ipc://PATH; beyond loopback it needs `keys`
+    or `insecure`."""
+    keys: Path | None = attrs.field(default=None, converter=_path)
+    """A folder of CurveZMQ keys (`flowkit keys generate DIR`): every socket authenticated and
+    encrypted."""
+    insecure: bool = False
+    """Bind beyond loopback without keys: anyone who reaches the address can join."""
+
+
+@attrs.frozen(kw_only=True)
+class RunConfig:
+    """How to run a flow: which executors, how many steps, what to observe and keep."""
+
+    steps: int = attrs.field(default=1, validator=_at_least(1))
+    """Steps of the flow to run, one after the other (with `resume`: in all)."""
+    executors: str = "auto"
+    """The executors' kind: torch, sim (the timed simulator), base (only @op functions), a
+    plugin's, or auto: torch, or base for a flow without models."""
+    num_executors: int | None = attrs.field(default=None, validator=_at_least(1))
+    """Executor processes to start; None: the most pipeline stages, at least 2."""
+    tags: tuple[tuple[str, ...], ...] | None = attrs.field(
+        default=None, converter=lambda t: None if t is None else tuple(tuple(g) for g in t))
+    """The tags of each executor; None: every executor gets every tag the flow asks for."""
+    device: str = "cpu"
+    """The torch executors' device: cpu, cuda (executor i on cuda:i), or one per executor."""
+    code: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    """Python files the executors import, for the flow's @op functions (its own file)."""
+    stages: int | None = attrs.field(default=None, validator=_at_least(1))
+    """Pipeline stages of every trained model; None: the flow's."""
+    microbatches: int | None = attrs.field(default=None, validator=_at_least(1))
+    """Microbatches per step of every backprop; None: the flow's."""
+    schedule: str | None = None
+    """Pipeline schedule of every backprop (1f1b, zb-h1, zb-v, auto, ...); None: the flow's."""
+    fuse: bool = True
+    """Start each op on the first items it can take (sample-level fusion); False runs the flow
+    stage by stage, the baseline fusion is measured against."""
+    balance: bool = True
+    """Spread generation over rollout executors by predicted work, not by count."""
+    asynchronous: bool | None = None
+    """Let generation run ahead of training by up to `max_staleness` weights versions; None:
+    asynchronous when the flow or `max_staleness` says so."""
+    max_staleness: int | None = attrs.field(default=None, validator=_at_least(0))
+    """The asynchronous bound η; None: the flow's, else 1. Given, it implies asynchronous."""
+    sim_costs: SimCosts | None = None
+    """The timed simulator's costs; None: its defaults."""
+    step_timeout: float = attrs.field(default=600.0, validator=_at_least(0, above=True))
+    """Seconds a step may take before it fails as hung."""
+    trace: Path | None = attrs.field(default=None, converter=_path)
+    """Write a Chrome trace here when the run ends (open it in Perfetto)."""
+    logs: LogSetup = attrs.field(factory=LogSetup)
+    """Where each step's metrics go (JSON lines, TensorBoard, W&B)."""
+    dashboard: bool | None = None
+    """The live dashboard; None: on when the output is a terminal."""
+    save_weights: Path | None = attrs.field(default=None, converter=_path)
+    """After the last step, write each trained model's weights to DIR/MODEL.pt."""
+    checkpoints: CheckpointConfig | None = None
+    """Run checkpoints, to resume from; None: none (restarts then keep temporary ones)."""
+    resume: Path | None = attrs.field(default=None, converter=_path)
+    """Go on from the newest complete checkpoint in this folder (or the folder itself)."""
+    max_restarts: int = attrs.field(default=0, validator=_at_least(0))
+    """Replace up to this many lost executors, replaying the failed step [Note: executor
+    restarts in flowkit/runner/restarts.py]."""
+    controller: ControllerConfig = attrs.field(factory=ControllerConfig)
+    """The controller's address and keys."""
+    launcher: str = "local"
+    """What starts the executors: local subprocesses, or ray (Ray actors)."""
+    launcher_settings: Any = None
+    """The launcher's own settings (RaySettings for ray); None: its defaults."""
+    debug: bool = False
+    """Keep a failed op's remote traceback in the error."""
+
+    def staleness(self, flow_bound: int | None) -> int | None:
+        """The run's staleness bound over the flow's `max_staleness` (`flow_bound`), None for a
+        synchronous run."""
+        if self.asynchronous is False:
+            if self.max_staleness is not None:
+                raise RunConfigError("max_staleness", "max_staleness (--max-staleness) bounds "
+                                     "an asynchronous run, and asynchronous=False (--sync) "
+                                     "asks for a synchronous one: drop --sync or the bound")
+            return None
+        if self.asynchronous is None and self.max_staleness is None and flow_bound is None:
+            return None
+        for bound in (self.max_staleness, flow_bound, 1):
+            if bound is not None:
+                return bound
+        return None

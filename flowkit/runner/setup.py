@@ -1,0 +1,68 @@
+"""What a run decides before anything starts: the flow with the run's training settings, which
+executors run it and with which tags. Each wrong setting is a RunConfigError naming it."""
+
+from __future__ import annotations
+
+import attrs
+
+from flowkit.dsl import Flow
+from flowkit.ops import EXECUTOR_OPS
+from flowkit.ops.coverage import needed_ops, unimplemented
+from flowkit.planner.lower import NodePlan
+from flowkit.runner.config import RunConfigError
+
+__all__ = ["choose_executors", "executor_tags", "with_training_options"]
+
+
+def executor_tags(plan: list[NodePlan], count: int,
+                  tags: tuple[tuple[str, ...], ...] | None) -> list[tuple[str, ...]]:
+    """One tag tuple per executor: as given, or every tag the flow asks for."""
+    if tags is not None:
+        if len(tags) != count:
+            raise RunConfigError("tags", f"{len(tags)} tag groups for {count} executors: give "
+                                 "one per executor, ';' between them")
+        return [tuple(group) for group in tags]
+    wanted = sorted({tag for node in plan for tag in node.tags})
+    return [tuple(wanted)] * count
+
+
+def choose_executors(plan: list[NodePlan], kind: str) -> tuple[str, str | None]:
+    """The executors' kind, and a line saying why when it was chosen for the user. `auto`:
+    torch executors, which must implement every model op of the flow (they implement every op
+    of the contract, flowkit.ops.EXECUTOR_OPS); base for a flow without models; the timed
+    simulator runs only when asked for, never as a silent stand-in."""
+    if kind != "auto":
+        return kind, None
+    if not needed_ops(plan):
+        return "base", None
+    missing = unimplemented(plan, EXECUTOR_OPS)
+    if missing:
+        raise RunConfigError(
+            "executors", f"the torch executors do not implement {', '.join(missing)}: give "
+            "the flow ops they implement, or run it on the timed simulator with --executors sim")
+    return "torch", "executors: torch (it implements every model op of this flow)"
+
+
+def with_training_options(flow: Flow, *, stages: int | None, microbatches: int | None,
+                          schedule: str | None) -> Flow:
+    """`flow` with every trained model cut into `stages` and every backprop run with
+    `microbatches` under `schedule`, where given (the flow is changed in place)."""
+    if schedule is not None:
+        from flowkit.planner.schedules.registry import get_spec
+
+        try:  # an unknown name fails here, before any executor starts
+            get_spec(schedule)
+        except ValueError as exc:
+            raise RunConfigError("schedule", str(exc)) from None
+    backprops = [node for node in flow.nodes.values()
+                 if getattr(node.operator, "lowering", None) == "pipeline"]
+    if stages is not None:
+        for name in {node.model for node in backprops}:
+            flow.models[name] = attrs.evolve(flow.models[name], stages=stages)
+    for node in backprops:
+        if microbatches is not None:
+            node.config["microbatches"] = microbatches
+        if schedule is not None:
+            node.config["schedule"] = schedule
+    flow.validate()
+    return flow

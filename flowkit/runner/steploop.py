@@ -1,0 +1,143 @@
+"""A run's steps one after the other: each step's metrics line to the loggers and the dashboard,
+checkpoints when due, Ctrl-C that finishes the step first, and restarts after lost executors."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from flowkit.observe import Dashboard, RunStats
+from flowkit.observe.loggers import Loggers
+from flowkit.runner.checkpoint import CheckpointError, restore
+from flowkit.runner.checkpointing import Checkpointing, GracefulStop
+from flowkit.runner.flowrun import FlowRunError, FlowRunner, StepReport
+from flowkit.runner.restarts import Restarts
+from flowkit.runtime.futures import ExecutorLost
+
+__all__ = ["StepLoop", "step_record"]
+
+# what a step may fail with that restarts can recover from (or that ends the run)
+STEP_FAILURES = (FlowRunError, CheckpointError, ExecutorLost)
+
+
+@attrs.define(kw_only=True)
+class StepLoop:
+    """The steps of one run, their metrics lines and checkpoints."""
+
+    steps: int
+    loggers: Loggers  # where each step's metrics go
+    stats: RunStats
+    checkpoints: Checkpointing | None
+    say: Callable[[str], None]  # a line for the user
+    first: int = 0  # the step to start with: after a resumed checkpoint's
+    records: list[dict] = attrs.field(factory=list)  # every step's metrics line, as written
+    executors: list = attrs.field(factory=list)
+    restarts: Restarts | None = None  # [Note: executor restarts]
+    runner: Any = None  # the one running: a restart makes a new one
+    stopped: bool = False  # by Ctrl-C, before the last step
+    completed: int = 0  # the steps done, a resumed checkpoint's included
+
+    def resume(self, runner: FlowRunner, folder: Path) -> None:
+        """Go on from `folder`: the executors' and runner's state, and the loggers rewound
+        to the checkpoint's step, so the steps after it do not duplicate the ones an
+        interrupted run logged past it [Note: loggers on resume]."""
+        state = restore(folder, runner, self.executors)
+        self.first, self.records = state.step, list(state.records)
+        self.completed = state.step
+        self.loggers.rewind(state.step, self.records)
+        self.say(f"resumed from {folder} (step {state.step} of {self.steps})")
+
+    def run(self, runner: FlowRunner, board: Dashboard) -> Iterator[StepReport]:
+        """Each step's report as it ends: all of them, or those before a Ctrl-C, which stops
+        the run cleanly (what was asked to be written still is, and the executors are shut
+        down). With checkpoints, the first Ctrl-C finishes the step and checkpoints it
+        [GracefulStop]. With restarts, a step that lost executors is replayed [Note: executor
+        restarts]."""
+        self.runner = runner
+        stop = GracefulStop(self.checkpoints is not None, on_request=lambda: board.set_status(
+            "Ctrl-C: finishing the step to checkpoint it (Ctrl-C again stops at once)"))
+        try:
+            with stop:
+                step, first = self.first, self.restarts is not None
+                while step < self.steps:
+                    board.set_status(f"step {step + 1}/{self.steps}{_ahead(self.runner, step)}")
+                    try:
+                        if first:  # what a failure in the first step goes back to
+                            self._checkpoint(step, board)
+                            first = False
+                        report = self._step(self.runner, step, board)
+                        done = step + 1
+                        if self.checkpoints is not None and (self.checkpoints.due(done)
+                                                             or stop.requested):
+                            self._checkpoint(done, board)
+                    except STEP_FAILURES as exc:
+                        step = self._recover(exc, board)
+                        continue
+                    self.completed = done
+                    yield report
+                    if stop.requested:
+                        self.stopped = done < self.steps
+                        return
+                    step = done
+        except KeyboardInterrupt:
+            self.stopped, self.completed = True, self.runner.step
+
+    def _checkpoint(self, done: int, board: Dashboard) -> None:
+        path = self.checkpoints.write(self.runner, self.executors, self.records, done)
+        board.set_status(f"step {done}/{self.steps}: wrote {path}")
+
+    def _recover(self, error: BaseException, board: Dashboard) -> int:
+        """The step to go on with after `error`, once lost executors are replaced and the
+        newest checkpoint restored; `error` again when restarts cannot help."""
+        while True:  # an executor may be lost again while the run recovers
+            recovered = None if self.restarts is None else self.restarts.recover(
+                error, self.checkpoints.root, board.warn)
+            if recovered is None:
+                raise error
+            try:
+                self.runner, self.executors, folder = recovered
+                self.resume(self.runner, folder)
+                return self.first
+            except (RuntimeError, TimeoutError) as again:  # CheckpointError, ExecutorLost too
+                error = again
+
+    def _step(self, runner: FlowRunner, step: int, board: Dashboard) -> StepReport:
+        report = runner.run_step(step)
+        for warning in report.warnings:
+            board.warn(warning)
+        record = {"time": time.time(), **step_record(report, self.stats)}
+        if self.restarts is not None:
+            record["restarts"] = self.restarts.used
+        self.records.append(record)
+        board.show_step(record, self.records)
+        self.loggers.log(step, record)
+        return report
+
+
+def step_record(report: StepReport, stats: RunStats) -> dict:
+    """A step's metrics line: its report's metrics and timings, tokens/s, the first loss."""
+    record = {"step": report.step, "step_s": report.elapsed_s, **report.metrics}
+    record.update({f"timing_s/{name}": seconds for name, seconds in report.timing_s.items()})
+    tokens = sum(v for k, v in report.metrics.items() if k.endswith("/tokens"))
+    if tokens:
+        record["tokens_per_s"] = tokens / report.elapsed_s
+    losses = [v for k, v in report.metrics.items() if k.endswith("/loss")]
+    if losses:
+        record["loss"] = losses[0]
+    snapshot = stats.snapshot().summary()
+    record["perf/ops_per_s"] = snapshot.get("perf/ops_per_s")
+    return record
+
+
+def _ahead(runner: FlowRunner, step: int) -> str:
+    """An asynchronous run's steps that may generate while `step` trains."""
+    if not runner.staleness:
+        return ""
+    last = step + runner.staleness
+    if runner.steps is not None:
+        last = min(last, runner.steps - 1)
+    return f" · generating up to step {last + 1}" if last > step else ""
