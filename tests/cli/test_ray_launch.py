@@ -18,10 +18,10 @@ import ray
 import torch
 
 from flowkit.cli._flows import load_checked_flow
-from flowkit.runner.setup import executor_tags
 from flowkit.planner.lower import lower_flow
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runner.flowrun import FlowRunError, FlowRunner
+from flowkit.runner.setup import executor_tags
 from flowkit.runtime import Controller, ExecutorLost
 from flowkit.runtime.launch import LaunchError
 from flowkit.runtime.raylaunch import RayExecutors, RaySettings
