@@ -14,15 +14,15 @@ from rich.console import Console
 from flowkit.cli._files import writing
 
 _BENCHES = {
-    "dispatch": "flowkit.bench.dispatch:run_dispatch_bench",
-    "transfer": "flowkit.bench.transfer:run_transfer_bench",
-    "pipeline": "flowkit.bench.pipeline:run_pipeline_bench",
-    "train": "flowkit.bench.train:run_train_bench",
-    "rl": "flowkit.bench.rl:run_rl_bench",
-    "rollout": "flowkit.bench.rollout:run_rollout_bench",
-    "checkpoint": "flowkit.bench.checkpoint:run_checkpoint_bench",
-    "launch": "flowkit.bench.launch:run_launch_bench",
-    "loggers": "flowkit.bench.loggers:run_loggers_bench",
+    "dispatch": "benchmarks.dispatch:run_dispatch_bench",
+    "transfer": "benchmarks.transfer:run_transfer_bench",
+    "pipeline": "benchmarks.pipeline:run_pipeline_bench",
+    "train": "benchmarks.train:run_train_bench",
+    "rl": "benchmarks.rl:run_rl_bench",
+    "rollout": "benchmarks.rollout:run_rollout_bench",
+    "checkpoint": "benchmarks.checkpoint:run_checkpoint_bench",
+    "launch": "benchmarks.launch:run_launch_bench",
+    "loggers": "benchmarks.loggers:run_loggers_bench",
 }
 
 
@@ -90,11 +90,11 @@ def bench(which: str, json_out: Path | None, mode: str | None, max_staleness: in
 
 
 def _curve_bench(which: str) -> list[str]:
-    """`--curve`: dispatch and transfer with and without CurveZMQ (flowkit/bench/curve.py)."""
+    """`--curve`: dispatch and transfer with and without CurveZMQ (benchmarks/curve.py)."""
     if which not in ("dispatch", "transfer"):
         raise click.BadParameter(f"`flowkit bench dispatch|transfer` only, not {which!r}",
                                  param_hint="--curve")
-    return ["flowkit.bench.curve", f"run_{which}_curve"]
+    return ["benchmarks.curve", f"run_{which}_curve"]
 
 
 def _refuse_rl_options(which: str, options: dict) -> dict:
@@ -136,7 +136,7 @@ def _check_ray() -> None:
 def _rl_kwargs(mode: str | None, max_staleness: int | None, length_sigma: float | None,
                max_new_tokens: int | None) -> dict:
     """run_rl_bench's arguments: the options given, the bench's defaults for the others."""
-    from flowkit.bench.rl import MODES, RLSetup
+    from benchmarks.rl import MODES, RLSetup
 
     if max_staleness is not None and mode in ("barrier", "fused"):
         raise click.BadParameter(f"the staleness bound is the async mode's; --mode {mode} "
