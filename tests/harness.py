@@ -88,7 +88,7 @@ def critic_of(spec: dict) -> dict:
 
 def tiny_split_bench(stages: int) -> Any:
     """The split-backward bench's smallest useful config: one block per stage."""
-    from flowkit.bench.split_backward import SplitBenchConfig
+    from benchmarks.split_backward import SplitBenchConfig
 
     return SplitBenchConfig(n_embd=16, n_layer=stages, n_head=2, vocab_size=32, stages=stages,
                             batch=2, seq=8)

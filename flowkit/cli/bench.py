@@ -1,86 +1,170 @@
 """`flowkit bench dispatch|transfer|pipeline|train|rl|rollout|checkpoint|launch|loggers`:
 benchmarks, each against a baseline measured side by side in the same run (this machine is
-noisy: compare ratios, not times)."""
+noisy: compare ratios, not times).
+
+The benches live outside the library, in the top-level `benchmarks` package, and each
+subcommand imports its own only when it runs: the library never imports them, and `flowkit
+bench --help` loads neither them nor torch."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
 
 from flowkit.cli._files import writing
 
-_BENCHES = {
-    "dispatch": "flowkit.bench.dispatch:run_dispatch_bench",
-    "transfer": "flowkit.bench.transfer:run_transfer_bench",
-    "pipeline": "flowkit.bench.pipeline:run_pipeline_bench",
-    "train": "flowkit.bench.train:run_train_bench",
-    "rl": "flowkit.bench.rl:run_rl_bench",
-    "rollout": "flowkit.bench.rollout:run_rollout_bench",
-    "checkpoint": "flowkit.bench.checkpoint:run_checkpoint_bench",
-    "launch": "flowkit.bench.launch:run_launch_bench",
-    "loggers": "flowkit.bench.loggers:run_loggers_bench",
-}
+
+class _BenchCommand(click.Command):
+    """One bench's subcommand. An option that belongs to other benches is refused by naming
+    them, so that `flowkit bench dispatch --mode async` says where --mode goes."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as unknown:
+            owners = _benches_taking(unknown.option_name)
+            if not owners:
+                raise
+            raise click.UsageError(f"{unknown.option_name}: `flowkit bench {'|'.join(owners)}` "
+                                   f"only, not {self.name!r}", ctx) from None
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("which", type=click.Choice(sorted(_BENCHES)))
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
-              default=None, help="Also write the figures as JSON.")
+@click.group()
+def bench() -> None:
+    """Measure flowkit against baselines taken side by side in the same run; each bench has
+    its own options (`flowkit bench BENCH --help`)."""
+
+
+def _benches_taking(option: str) -> list[str]:
+    return [name for name, command in bench.commands.items()
+            if any(option in param.opts for param in command.params)]
+
+
+def _json_option(command: Callable) -> Callable:
+    return click.option("--json", "json_out", default=None,
+                        type=click.Path(dir_okay=False, path_type=Path),
+                        help="Also write the figures as JSON.")(command)
+
+
+def _hosts_option(command: Callable) -> Callable:
+    return click.option("--hosts", type=click.IntRange(1, 2), default=None,
+                        help="2 runs the executors (and the bare-zmq baseline) on two "
+                        "network-namespace hosts of this machine; needs root "
+                        "[default: 1, this host].")(command)
+
+
+def _curve_option(command: Callable) -> Callable:
+    return click.option("--curve", is_flag=True,
+                        help="With and without CurveZMQ (every socket authenticated and "
+                        "encrypted), flowkit and the bare-zmq baseline alike, alternating "
+                        "round by round.")(command)
+
+
+@bench.command(cls=_BenchCommand)
+@_hosts_option
+@_curve_option
+@_json_option
+def dispatch(hosts: int | None, curve: bool, json_out: Path | None) -> None:
+    """A no-op's round trip and throughput against bare zmq."""
+    _run_zmq_bench("dispatch", hosts, curve, json_out)
+
+
+@bench.command(cls=_BenchCommand)
+@_hosts_option
+@_curve_option
+@_json_option
+def transfer(hosts: int | None, curve: bool, json_out: Path | None) -> None:
+    """A tensor between executors against a memcpy."""
+    _run_zmq_bench("transfer", hosts, curve, json_out)
+
+
+@bench.command(cls=_BenchCommand)
+@_json_option
+def pipeline(json_out: Path | None) -> None:
+    """1f1b and zb-h1 run against their simulation."""
+    _report(_bench_function("pipeline", "run_pipeline_bench")(), json_out)
+
+
+@bench.command(cls=_BenchCommand)
+@click.option("--model", type=click.Choice(["gpt", "llama", "qwen2"]), default=None,
+              help="The built-in GPT, or a Hugging Face decoder of its size (needs the hf "
+              "extra) [default: gpt].")
+@_json_option
+def train(model: str | None, json_out: Path | None) -> None:
+    """Pipeline training steps against their simulation.
+
+    Also B + W against a fused backward, and tokens/s against a plain training loop."""
+    kwargs = {} if model is None else {"model": model}
+    _report(_bench_function("train", "run_train_bench")(**kwargs), json_out)
+
+
+@bench.command(cls=_BenchCommand)
 @click.option("--mode", type=click.Choice(["barrier", "fused", "async", "partial", "all"]),
               default=None,
-              help="rl only: run the steps stage by stage with barriers, fused, "
-              "asynchronously, asynchronously with partial rollouts (1.5x the prompts), or "
-              "all of them side by side [default: all].")
+              help="Run the steps stage by stage with barriers, fused, asynchronously, "
+              "asynchronously with partial rollouts (1.5x the prompts), or all of them side by "
+              "side [default: all].")
 @click.option("--max-staleness", type=click.IntRange(min=0), default=None,
-              help="rl only: the async modes' staleness bound η, in weights versions "
-              "[default: 2].")
+              help="The async modes' staleness bound η, in weights versions [default: 2].")
 @click.option("--length-sigma", type=click.FloatRange(min=0.0), default=None,
-              help="rl only: sigma of the log-normal response lengths (0: all the median) "
+              help="Sigma of the log-normal response lengths (0: all the median) "
               "[default: 1.0].")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
-              help="rl only: the response token budget; lengths' median is an eighth of it "
+              help="The response token budget; lengths' median is an eighth of it "
               "[default: 512].")
-@click.option("--hosts", type=click.IntRange(1, 2), default=None,
-              help="dispatch and transfer only: 2 runs the executors (and the bare-zmq "
-              "baseline) on two network-namespace hosts of this machine; needs root "
-              "[default: 1, this host].")
-@click.option("--model", type=click.Choice(["gpt", "llama", "qwen2"]), default=None,
-              help="train only: the built-in GPT, or a Hugging Face decoder of its size (needs "
-              "the hf extra) [default: gpt].")
-@click.option("--curve", is_flag=True,
-              help="dispatch and transfer only: with and without CurveZMQ (every socket "
-              "authenticated and encrypted), flowkit and the bare-zmq baseline alike, "
-              "alternating round by round.")
-def bench(which: str, json_out: Path | None, mode: str | None, max_staleness: int | None,
-          length_sigma: float | None, max_new_tokens: int | None, hosts: int | None,
-          model: str | None, curve: bool) -> None:
-    """Measure dispatch, executor-to-executor transfer, pipeline execution, training, RL
-    steps with barriers, fused and asynchronous, generation's rollout engine, a run
-    checkpoint against writing its bytes, executors' start-up under Ray against local, or each
-    --logger against JSON lines alone."""
-    import importlib
+@_json_option
+def rl(mode: str | None, max_staleness: int | None, length_sigma: float | None,
+       max_new_tokens: int | None, json_out: Path | None) -> None:
+    """RL steps: barrier, fused, async, partial rollouts."""
+    kwargs = _rl_kwargs(mode, max_staleness, length_sigma, max_new_tokens)
+    _report(_bench_function("rl", "run_rl_bench")(**kwargs), json_out)
 
-    rl_options = {"--mode": mode, "--max-staleness": max_staleness,
-                  "--length-sigma": length_sigma, "--max-new-tokens": max_new_tokens}
-    if which == "rl":
-        kwargs = _rl_kwargs(mode, max_staleness, length_sigma, max_new_tokens)
-    else:
-        kwargs = _refuse_rl_options(which, rl_options)
-    kwargs.update(_hosts_kwargs(which, hosts))
-    if model is not None:
-        if which != "train":
-            raise click.BadParameter(f"`flowkit bench train` only, not {which!r}",
-                                     param_hint="--model")
-        kwargs["model"] = model
+
+@bench.command(cls=_BenchCommand)
+@_json_option
+def rollout(json_out: Path | None) -> None:
+    """A step's generation against its lower bound."""
+    _report(_bench_function("rollout", "run_rollout_bench")(), json_out)
+
+
+@bench.command(cls=_BenchCommand)
+@_json_option
+def checkpoint(json_out: Path | None) -> None:
+    """A run checkpoint against writing its bytes."""
+    _report(_bench_function("checkpoint", "run_checkpoint_bench")(), json_out)
+
+
+@bench.command(cls=_BenchCommand)
+@_json_option
+def launch(json_out: Path | None) -> None:
+    """Executors' start-up under Ray against local.
+
+    Needs the ray extra."""
+    _check_ray()
+    _report(_bench_function("launch", "run_launch_bench")(), json_out)
+
+
+@bench.command(cls=_BenchCommand)
+@_json_option
+def loggers(json_out: Path | None) -> None:
+    """What each --logger costs a step against JSON lines."""
+    _report(_bench_function("loggers", "run_loggers_bench")(), json_out)
+
+
+def _bench_function(module: str, function: str) -> Callable[..., dict]:
+    """The bench, imported now that it runs; one thread per op, as the baselines run."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    module_name, function = _curve_bench(which) if curve else _BENCHES[which].split(":")
-    if which == "launch":
-        _check_ray()
-    figures = getattr(importlib.import_module(module_name), function)(**kwargs)
+    return getattr(importlib.import_module(f"benchmarks.{module}"), function)
+
+
+def _report(figures: Any, json_out: Path | None) -> None:
     console = Console()
     console.print_json(json.dumps(figures, default=str))
     if json_out is not None:
@@ -89,30 +173,19 @@ def bench(which: str, json_out: Path | None, mode: str | None, max_staleness: in
         console.print(f"wrote {json_out}")
 
 
-def _curve_bench(which: str) -> list[str]:
-    """`--curve`: dispatch and transfer with and without CurveZMQ (flowkit/bench/curve.py)."""
-    if which not in ("dispatch", "transfer"):
-        raise click.BadParameter(f"`flowkit bench dispatch|transfer` only, not {which!r}",
-                                 param_hint="--curve")
-    return ["flowkit.bench.curve", f"run_{which}_curve"]
+def _run_zmq_bench(which: str, hosts: int | None, curve: bool, json_out: Path | None) -> None:
+    """dispatch or transfer: flowkit against bare zmq, `--curve` with and without CurveZMQ
+    (benchmarks/curve.py)."""
+    kwargs = _hosts_kwargs(hosts)
+    run = (_bench_function("curve", f"run_{which}_curve") if curve
+           else _bench_function(which, f"run_{which}_bench"))
+    _report(run(**kwargs), json_out)
 
 
-def _refuse_rl_options(which: str, options: dict) -> dict:
-    """The rl bench's options mean nothing to the others: say so rather than ignore them."""
-    given = [name for name, value in options.items() if value is not None]
-    if given:
-        raise click.BadParameter(f"{', '.join(given)}: `flowkit bench rl` only, not "
-                                 f"{which!r}", param_hint=given[0])
-    return {}
-
-
-def _hosts_kwargs(which: str, hosts: int | None) -> dict:
-    """`hosts` for the benches that take it; namespaces tried before anything starts."""
+def _hosts_kwargs(hosts: int | None) -> dict:
+    """`hosts` as given; namespaces tried before anything starts."""
     if hosts is None:
         return {}
-    if which not in ("dispatch", "transfer"):
-        raise click.BadParameter(f"`flowkit bench dispatch|transfer` only, not {which!r}",
-                                 param_hint="--hosts")
     if hosts > 1:
         from flowkit.runtime.netns import unavailable
 
@@ -136,7 +209,7 @@ def _check_ray() -> None:
 def _rl_kwargs(mode: str | None, max_staleness: int | None, length_sigma: float | None,
                max_new_tokens: int | None) -> dict:
     """run_rl_bench's arguments: the options given, the bench's defaults for the others."""
-    from flowkit.bench.rl import MODES, RLSetup
+    from benchmarks.rl import MODES, RLSetup
 
     if max_staleness is not None and mode in ("barrier", "fused"):
         raise click.BadParameter(f"the staleness bound is the async mode's; --mode {mode} "

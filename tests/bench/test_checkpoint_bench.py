@@ -3,7 +3,7 @@ bound, and the figures say what they measured (behaviour, not timings)."""
 
 from __future__ import annotations
 
-from flowkit.bench.checkpoint import run_async_checkpoint_bench
+from benchmarks.checkpoint import run_async_checkpoint_bench
 
 
 def test_async_checkpoint_bench_measures_both_runs_within_the_bound():

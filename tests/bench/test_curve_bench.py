@@ -9,7 +9,7 @@ import pytest
 import zmq
 from click.testing import CliRunner
 
-from flowkit.bench.curve import run_dispatch_curve, run_transfer_curve
+from benchmarks.curve import run_dispatch_curve, run_transfer_curve
 from flowkit.cli import main
 from flowkit.runtime.netns import unavailable
 

@@ -5,8 +5,8 @@ checked for being measured, never for their values."""
 import pytest
 from click.testing import CliRunner
 
-import flowkit.bench.dispatch
-import flowkit.bench.transfer
+import benchmarks.dispatch
+import benchmarks.transfer
 from flowkit.cli import main
 
 needs_namespaces = pytest.mark.usefixtures("namespaces")
@@ -21,7 +21,7 @@ def _namespaces_and_links() -> set[str]:
 @needs_namespaces
 def test_the_dispatch_bench_runs_across_hosts_against_bare_zmq_across_them():
     before = _namespaces_and_links()
-    figures = flowkit.bench.dispatch.run_dispatch_bench(rounds=50, in_flight=200, hosts=2)
+    figures = benchmarks.dispatch.run_dispatch_bench(rounds=50, in_flight=200, hosts=2)
     assert figures["hosts"] == 2 and figures["transport"] == "tcp"
     for key in ("rtt_p50_us", "raw_zmq_rtt_p50_us", "ops_per_s", "raw_zmq_msgs_per_s",
                 "rtt_ratio"):
@@ -32,7 +32,7 @@ def test_the_dispatch_bench_runs_across_hosts_against_bare_zmq_across_them():
 @needs_namespaces
 def test_the_transfer_bench_moves_64_mib_across_hosts_against_bare_zmq_across_them():
     before = _namespaces_and_links()
-    figures = flowkit.bench.transfer.run_transfer_bench((64,), rounds=2, warmup=1, hosts=2)
+    figures = benchmarks.transfer.run_transfer_bench((64,), rounds=2, warmup=1, hosts=2)
     assert figures["hosts"] == 2 and "memcpy_gbps" not in figures
     assert figures["gbps"]["64"] > 0 and figures["raw_zmq_gbps"]["64"] > 0
     assert figures["ratio_64"] == pytest.approx(figures["gbps"]["64"] / figures["raw_zmq_gbps"]["64"],
@@ -53,8 +53,8 @@ def test_hosts_is_refused_with_the_other_benches_and_past_two():
 @needs_namespaces
 def test_hosts_reaches_the_dispatch_and_transfer_benches(monkeypatch):
     seen = []
-    for module, name in ((flowkit.bench.dispatch, "run_dispatch_bench"),
-                         (flowkit.bench.transfer, "run_transfer_bench")):
+    for module, name in ((benchmarks.dispatch, "run_dispatch_bench"),
+                         (benchmarks.transfer, "run_transfer_bench")):
         monkeypatch.setattr(module, name, lambda **kwargs: seen.append(kwargs) or {"ok": 1})
     for which in ("dispatch", "transfer"):
         result = CliRunner().invoke(main, ["bench", which, "--hosts", "2"])

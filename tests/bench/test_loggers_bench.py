@@ -5,7 +5,7 @@ import sys
 
 from click.testing import CliRunner
 
-from flowkit.bench.loggers import CONFIGS, run_loggers_bench
+from benchmarks.loggers import CONFIGS, run_loggers_bench
 from flowkit.cli import main
 
 

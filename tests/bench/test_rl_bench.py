@@ -3,7 +3,7 @@ side over the same steps."""
 
 import pytest
 
-from flowkit.bench.rl import MODES, RLSetup, run_rl_bench
+from benchmarks.rl import MODES, RLSetup, run_rl_bench
 
 TINY = RLSetup(prompts=4, n=2, max_new_tokens=32, rollout_executors=2, microbatches=2,
                steps=3, token=0.0002, F=0.002, B=0.002, W=0.001)

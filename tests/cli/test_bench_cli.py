@@ -2,7 +2,7 @@
 
 from click.testing import CliRunner
 
-import flowkit.bench.rl
+import benchmarks.rl
 from flowkit.cli import main
 
 
@@ -37,7 +37,7 @@ def test_the_rl_options_reach_the_bench(monkeypatch):
         seen.update(kwargs)
         return {"ok": True}
 
-    monkeypatch.setattr(flowkit.bench.rl, "run_rl_bench", fake)
+    monkeypatch.setattr(benchmarks.rl, "run_rl_bench", fake)
     result = CliRunner().invoke(main, ["bench", "rl", "--mode", "async", "--max-staleness", "4",
                                        "--length-sigma", "1.5", "--max-new-tokens", "256"])
     assert result.exit_code == 0, result.output
@@ -46,4 +46,4 @@ def test_the_rl_options_reach_the_bench(monkeypatch):
     seen.clear()
     result = CliRunner().invoke(main, ["bench", "rl"])
     assert result.exit_code == 0, result.output
-    assert seen == {"setup": flowkit.bench.rl.RLSetup(), "modes": flowkit.bench.rl.MODES}
+    assert seen == {"setup": benchmarks.rl.RLSetup(), "modes": benchmarks.rl.MODES}

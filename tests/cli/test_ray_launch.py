@@ -218,7 +218,7 @@ def test_gpu_bundles_on_a_cluster_without_gpus_are_an_error_after_the_timeout_no
 
 
 def test_the_launch_bench_times_both_launchers_side_by_side():
-    from flowkit.bench.launch import run_launch_bench
+    from benchmarks.launch import run_launch_bench
 
     figures = run_launch_bench(executors=1, rounds=1, kind="base")
     assert figures["local_start_s"] > 0 and figures["ray_start_s"] > 0

@@ -2,7 +2,7 @@
 
 import pytest
 
-from flowkit.bench.rollout import RolloutSetup, lower_bound_s, run_rollout_bench
+from benchmarks.rollout import RolloutSetup, lower_bound_s, run_rollout_bench
 from flowkit.planner.simcosts import SimCosts
 
 _FIGURES = {"makespan_s", "lower_bound_s", "makespan_over_bound", "first_downstream_s",

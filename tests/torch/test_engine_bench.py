@@ -1,7 +1,7 @@
 """`flowkit bench rollout`'s torch part runs and reports its figures (their values are the
 machine's: the README says what they were)."""
 
-from flowkit.bench.engine import engine_figures
+from benchmarks.engine import engine_figures
 
 
 def test_the_engine_bench_reports_both_sides_on_the_same_tokens():

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from flowkit.bench.split_backward import run_split_backward_bench
+from benchmarks.split_backward import run_split_backward_bench
 from tests.harness import tiny_split_bench
 
 TINY = tiny_split_bench(3)

@@ -3,14 +3,14 @@ flowkit/wire/auth.py] costs a dispatch round trip and a transfer, each against b
 
 Method: four sides are started and kept alive together: flowkit plain, flowkit with CURVE (fresh
 keys; the controller's and executors' gates admit the executor key), bare zmq plain and bare zmq
-with CURVE (the same keys, the bench as the controller, its peers as executors: flowkit/bench/
+with CURVE (the same keys, the bench as the controller, its peers as executors: benchmarks/
 peers.py). The sides take turns (100 round trips each for dispatch, so each is timed warm; one
 transfer each), so a neighbour's load on this shared machine weighs on all four alike; figures
 are medians over the rounds.
 
-- dispatch: a no-op submitted and waited for, against a msgpack echo (as flowkit/bench/
+- dispatch: a no-op submitted and waited for, against a msgpack echo (as benchmarks/
   dispatch.py, one at a time).
-- transfer: a tensor moved executor A -> B, timed as `nbytes` on B (as flowkit/bench/
+- transfer: a tensor moved executor A -> B, timed as `nbytes` on B (as benchmarks/
   transfer.py), against a source sending the same bytes as 1 MiB frames to a sink that acks.
   On one host the executors are told to send frames (FLOWKIT_PEER_TRANSPORT=frames), as to
   another host: over shared memory only a handle crosses the socket, leaving nothing to encrypt.
@@ -31,8 +31,8 @@ from typing import Any
 import msgpack
 import zmq
 
-from flowkit.bench.peers import curve, curve_keys, spawn
-from flowkit.bench.transfer import _SETTLE_S, _RawZmq
+from benchmarks.peers import curve, curve_keys, spawn
+from benchmarks.transfer import _SETTLE_S, _RawZmq
 from flowkit.runtime import Controller, LocalExecutors, wait
 from flowkit.runtime.netns import Host, HostExecutors, NamespaceHosts
 from flowkit.wire.auth import Keys
@@ -164,7 +164,7 @@ def _transfer_round(ctl: Controller, source: Any, target: Any,
 
 
 class _Echo:
-    """A bare-zmq msgpack echo peer (flowkit/bench/peers.py), plain or CURVE."""
+    """A bare-zmq msgpack echo peer (benchmarks/peers.py), plain or CURVE."""
 
     def __init__(self, places: Any, host: Host | None, keys: Keys | None) -> None:
         self.context = zmq.Context()

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import msgpack
 import zmq
 
-from flowkit.bench.peers import spawn
+from benchmarks.peers import spawn
 from flowkit.runtime import Controller, LocalExecutors, wait
 from flowkit.runtime.netns import Host, HostExecutors, NamespaceHosts
 

@@ -107,8 +107,8 @@ def run_async_checkpoint_bench(*, steps: int = 8, rounds: int = 2, max_staleness
                                prompts: int = 16, rollout_executors: int = 4) -> dict:
     """Steps/s of an asynchronous simulated GRPO run with a checkpoint after every step and
     without, side by side on the same executors."""
+    from benchmarks.rl import RLSetup
     from dataflows.grpo import grpo_flow
-    from flowkit.bench.rl import RLSetup
     from flowkit.planner.lower import lower_flow
     from flowkit.planner.simcosts import SimCosts
     from flowkit.runtime import Controller, LocalExecutors

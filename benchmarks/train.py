@@ -1,6 +1,6 @@
 """Training benchmark on the built-in GPT (or, with `model`, a Hugging Face decoder of its size), each figure against a baseline in the same run:
 
-(a) B + W against a fused backward of the same microbatch (flowkit/bench/split_backward.py);
+(a) B + W against a fused backward of the same microbatch (benchmarks/split_backward.py);
 (b) per schedule, the bubble rate measured on torch executor processes against the simulator's
     prediction from the F/B/W costs the executors profiled (and the activation hop profiled
     in the same run);
@@ -44,8 +44,8 @@ def run_train_bench(setup: TrainSetup | None = None, *,
     """Figures (a), (b), (c) of the module docstring; `split_backward` passes options to
     run_split_backward_bench (its configs and repeats); `model` sets the setup's model (a
     Hugging Face architecture measures HF decoder layers: `flowkit bench train --model llama`)."""
+    from benchmarks.split_backward import DEFAULT_CONFIGS, run_split_backward_bench
     from executors.torch.memory import keep_freed_memory
-    from flowkit.bench.split_backward import DEFAULT_CONFIGS, run_split_backward_bench
 
     keep_freed_memory()  # as the torch executors do, for (a) and the plain loop alike
     setup = setup or TrainSetup()
@@ -78,8 +78,8 @@ def _corpus(folder: Path) -> str:
 
 
 def _pipeline_runs(setup: TrainSetup, corpus: str, schedules: tuple[str, ...]) -> dict:
+    from benchmarks.pipeline import profile_hop
     from dataflows.pretrain import pretrain_flow
-    from flowkit.bench.pipeline import profile_hop
     from flowkit.planner.lower import lower_flow
     from flowkit.runner.flowrun import FlowRunner
     from flowkit.runtime import Controller, LocalExecutors
@@ -106,8 +106,8 @@ def _pipeline_runs(setup: TrainSetup, corpus: str, schedules: tuple[str, ...]) -
 
 def _model(setup: TrainSetup, name: str):
     """The setup's model as a flow declares it: the built-in GPT or an HF decoder its size."""
+    from benchmarks.split_backward import hf_config_like
     from dataflows.models import GPT_BUILD
-    from flowkit.bench.split_backward import hf_config_like
     from flowkit.dsl import Model
 
     if setup.model == "gpt":
@@ -118,8 +118,8 @@ def _model(setup: TrainSetup, name: str):
 
 
 def _whole_model(setup: TrainSetup):
+    from benchmarks.split_backward import hf_config_like
     from executors.torch.models.gpt import GPT
-    from flowkit.bench.split_backward import hf_config_like
 
     if setup.model == "gpt":
         return GPT(**setup.gpt)

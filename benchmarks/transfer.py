@@ -12,7 +12,7 @@ its pool: the figure is the steady state, not the pool's growth. The baseline is
 
 With `hosts=2`, A and B run on two network namespace hosts (flowkit/runtime/netns.py), so the
 tensor crosses a veth pair as 1 MiB frames, as between machines, and the baseline is bare pyzmq
-across the same two namespaces (flowkit/bench/peers.py): the bench asks a source process on A's
+across the same two namespaces (benchmarks/peers.py): the bench asks a source process on A's
 host to send the same bytes as 1 MiB frames to a sink on B's host, which acks; timed from the
 bench's request to the source's reply, as a transfer is from the submit to the completion. The
 two alternate round by round, as with the memcpy.
@@ -30,7 +30,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from flowkit.bench.peers import curve, spawn
+from benchmarks.peers import curve, spawn
 from flowkit.runtime import Controller, LocalExecutors, wait
 from flowkit.runtime.netns import HostExecutors, NamespaceHosts
 from flowkit.wire.auth import Keys
@@ -131,7 +131,7 @@ class _RawZmq:
 
     def __init__(self, made: Any, keys: Keys | None = None) -> None:
         """`made`: NamespaceHosts, or anything with its `hosts` and `gateway`; `keys`: speak
-        CURVE (flowkit/bench/curve.py)."""
+        CURVE (benchmarks/curve.py)."""
         self.made = made
         self.keys = [] if keys is None else [str(keys.folder)]  # the peers' last argument
         self.context = zmq.Context()
@@ -196,7 +196,7 @@ class _RawRound:
         return time.perf_counter() - start
 
 
-def main() -> None:  # pragma: no cover - `python -m flowkit.bench.transfer`
+def main() -> None:  # pragma: no cover - `python -m benchmarks.transfer`
     import json
 
     print(json.dumps(run_transfer_bench(), indent=2))

@@ -22,10 +22,14 @@ import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
+
+# torch loads in the functions that run, so that importing a bench (`flowkit bench --help`)
+# does not take seconds.
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SplitBenchConfig", "hf_config_like", "run_split_backward_bench"]
 
@@ -61,6 +65,8 @@ def run_split_backward_bench(*, configs: Sequence[SplitBenchConfig] = DEFAULT_CO
                              seed: int = 0) -> dict:
     """Times every stage of every config; `threads` sets torch's intra-op threads for the run
     (None leaves them), since 1-thread and many-thread ratios differ."""
+    import torch
+
     old_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -94,6 +100,8 @@ def _ratio(stages: list[dict], num: str, den: str) -> float:
 
 
 def _bench_config(config: SplitBenchConfig, *, repeats: int, warmup: int, seed: int) -> dict:
+    import torch
+
     from executors.torch.models.gpt import GPT, GPTConfig, split_gpt
 
     torch.manual_seed(seed)
@@ -150,6 +158,8 @@ def _bench_stage(module: torch.nn.Module, inputs: tuple, *, repeats: int, warmup
 
 
 def _grad_like(module: torch.nn.Module, inputs: tuple) -> torch.Tensor:
+    import torch
+
     with torch.no_grad():
         out = module(*inputs)
     return torch.randn_like(out) * out.numel() ** -0.5
@@ -174,6 +184,8 @@ def _one_round(module, runner, inputs: tuple, upstream: tuple) -> dict[str, tupl
 def _plain_backward(module, inputs: tuple, upstream: tuple) -> tuple[float, int]:
     """The baseline: autograd through the stage as a plain training loop would run it, the
     input gradient included (a pipeline stage must send it on)."""
+    import torch
+
     leaves = [v.detach().requires_grad_(True) if v.is_floating_point() else v for v in inputs]
     with torch.enable_grad():
         out = module(*leaves)

@@ -1,9 +1,9 @@
 """Bare pyzmq peers, the baselines of the dispatch and transfer benchmarks, each a process of its
 own so it can run on another host (`Host.prefix`, flowkit/runtime/netns.py):
 
-    python -m flowkit.bench.peers echo CONTROLLER   msgpack echo, as an executor answers no-ops
-    python -m flowkit.bench.peers sink HOST         takes byte messages, acks each; prints its port
-    python -m flowkit.bench.peers source BENCH SINK sends the bytes the bench asks for to the sink
+    python -m benchmarks.peers echo CONTROLLER   msgpack echo, as an executor answers no-ops
+    python -m benchmarks.peers sink HOST         takes byte messages, acks each; prints its port
+    python -m benchmarks.peers source BENCH SINK sends the bytes the bench asks for to the sink
 
 Plain Python loops, as executors are, so both sides of a comparison pay for Python. Each takes a
 keys folder as its last argument to speak CurveZMQ, with the roles flowkit's sockets have
@@ -34,7 +34,7 @@ CHUNK_BYTES = 1 << 20  # as the executors' frames to another host (wire/shm.py)
 
 def spawn(role: str, *args: str, prefix: Sequence[str] = ()) -> subprocess.Popen:
     """Start a peer (on the host `prefix` runs commands on); its stdout is a pipe."""
-    return subprocess.Popen([*prefix, sys.executable, "-m", "flowkit.bench.peers", role, *args],
+    return subprocess.Popen([*prefix, sys.executable, "-m", "benchmarks.peers", role, *args],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
 
 
@@ -129,7 +129,7 @@ def source(bench: str, sink_address: str, keys: str = "") -> None:
 def main(argv: Sequence[str]) -> None:
     roles = {"echo": echo, "sink": sink, "source": source}
     if not argv or argv[0] not in roles:
-        raise SystemExit(f"usage: python -m flowkit.bench.peers {'|'.join(roles)} ARGS")
+        raise SystemExit(f"usage: python -m benchmarks.peers {'|'.join(roles)} ARGS")
     roles[argv[0]](*argv[1:])
 
 

@@ -11,7 +11,7 @@ had started at once, with no prefill); and the executors must get through every 
 max_batch sequences an iteration at best (plus every prompt's prefill). The larger of the two.
 
 Parts: "sim" (above), and "torch": the torch rollout engine against one decode call per
-prompt on this CPU, tokens/s on the same samples (flowkit/bench/engine.py).
+prompt on this CPU, tokens/s on the same samples (benchmarks/engine.py).
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def _flow(setup: RolloutSetup) -> Flow:
 
 def _torch(setup: RolloutSetup) -> dict:
     """Its own sizes (the sorting task's): the setup is the simulator's."""
-    from flowkit.bench.engine import engine_figures
+    from benchmarks.engine import engine_figures
 
     return engine_figures()
 
