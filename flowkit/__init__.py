@@ -19,8 +19,8 @@ except PackageNotFoundError:  # running from a source tree that was not installe
     __version__ = "0.0.0+unknown"
 
 # The run API, imported on first use: `import flowkit` stays light (no zmq, no torch).
-_RUN_API = ("CheckpointConfig", "ControllerConfig", "Run", "RunConfig", "RunConfigError",
-            "RunError", "RunResult", "run")
+_RUN_API = ("CheckpointConfig", "ControllerConfig", "LogSetup", "Run", "RunConfig",
+            "RunConfigError", "RunError", "RunResult", "run")
 
 __all__ = ["__version__", *_RUN_API]
 

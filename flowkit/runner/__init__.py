@@ -11,6 +11,7 @@ and `Run` (api.py) are the public way in; RunConfig and its records are in confi
   executors replaced; setup.py: what a run decides before anything starts.
 """
 
+from flowkit.observe.logsetup import LogSetup
 from flowkit.runner.api import Run, RunResult, run
 from flowkit.runner.config import (
     CheckpointConfig,
@@ -20,5 +21,5 @@ from flowkit.runner.config import (
     RunError,
 )
 
-__all__ = ["CheckpointConfig", "ControllerConfig", "Run", "RunConfig", "RunConfigError",
-           "RunError", "RunResult", "run"]
+__all__ = ["CheckpointConfig", "ControllerConfig", "LogSetup", "Run", "RunConfig",
+           "RunConfigError", "RunError", "RunResult", "run"]

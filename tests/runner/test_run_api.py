@@ -1,0 +1,98 @@
+"""The public run API: `flowkit.run(flow, RunConfig(...))` and `Run` step by step, on real
+executor processes; each wrong setting a RunConfigError naming it, before anything starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import flowkit
+from flowkit import CheckpointConfig, ControllerConfig, Run, RunConfig, RunConfigError, RunError
+from flowkit.dsl import load_flow
+from flowkit.runtime.launch import LocalExecutors
+
+PRETRAIN = str(Path(__file__).parents[1] / "cli" / "flows" / "tiny_pretrain.py")
+
+
+def _pretrain():
+    return load_flow(PRETRAIN)
+
+
+def test_run_trains_and_returns_every_steps_metrics_line(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    config = RunConfig(steps=3, executors="torch", dashboard=False,
+                       logs=flowkit.LogSetup(metrics=metrics),
+                       save_weights=tmp_path / "w")
+    result = flowkit.run(_pretrain(), config)
+    assert (result.steps, result.interrupted) == (3, False)
+    assert [r["step"] for r in result.records] == [0, 1, 2]
+    written = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [w["loss"] for w in written] == [r["loss"] for r in result.records]
+    assert result.weights and all(Path(p).exists() for p in result.weights)
+    assert torch.load(result.weights[0], weights_only=True)
+
+
+def test_run_step_by_step_gives_each_report_and_its_runner(tmp_path):
+    with Run(_pretrain(), RunConfig(steps=2, executors="sim", dashboard=False)) as run:
+        assert run.controller is not None and len(run.controller.executors()) == 2
+        steps = [report.step for report in run.steps()]
+    assert steps == [0, 1]
+    assert run.result.steps == 2 and len(run.result.records) == 2
+
+
+def test_the_same_config_resumes_from_its_checkpoints(tmp_path):
+    checkpoints = CheckpointConfig(root=tmp_path / "ck", every=1)
+    first = flowkit.run(_pretrain(), RunConfig(steps=2, executors="torch", dashboard=False,
+                                               checkpoints=checkpoints))
+    assert first.checkpoint == 2
+    resumed = flowkit.run(_pretrain(), RunConfig(steps=3, executors="torch", dashboard=False,
+                                                 checkpoints=checkpoints,
+                                                 resume=tmp_path / "ck"))
+    assert resumed.steps == 3 and [r["step"] for r in resumed.records] == [0, 1, 2]
+
+
+@pytest.mark.parametrize(("settings", "setting", "words"), [
+    ({"schedule": "zb-h9"}, "schedule", "unknown schedule kind 'zb-h9'"),
+    ({"num_executors": 2, "tags": [("train",)]}, "tags", "1 tag groups for 2 executors"),
+    ({"asynchronous": False, "max_staleness": 1}, "max_staleness", "drop --sync"),
+    ({"controller": ControllerConfig(bind="10.0.0.1:5555")}, "controller.bind",
+     "not a zmq address"),
+    ({"controller": ControllerConfig(bind="tcp://0.0.0.0:0")}, "controller.bind", "keys"),
+    ({"resume": "/nonexistent/checkpoints"}, "resume", "/nonexistent/checkpoints"),
+])
+def test_a_wrong_setting_names_itself_before_any_executor_starts(monkeypatch, settings, setting,
+                                                                 words):
+    started = []
+    monkeypatch.setattr(LocalExecutors, "start", lambda self: started.append(self))
+    with pytest.raises(RunConfigError) as error:
+        with Run(_pretrain(), RunConfig(executors="sim", dashboard=False, **settings)):
+            pass
+    assert error.value.setting == setting and words in str(error.value)
+    assert started == []
+
+
+@pytest.mark.parametrize(("settings", "setting"), [
+    ({"steps": 0}, "steps"), ({"max_restarts": -1}, "max_restarts"),
+    ({"num_executors": 0}, "num_executors"), ({"step_timeout": 0}, "step_timeout"),
+])
+def test_a_setting_out_of_range_is_refused_by_the_record(settings, setting):
+    with pytest.raises(RunConfigError) as error:
+        RunConfig(**settings)
+    assert error.value.setting == setting
+
+
+def test_a_failing_step_is_a_run_error_of_one_line(tmp_path):
+    flow = tmp_path / "failing.py"
+    flow.write_text(
+        "from flowkit.dsl import Flow, Stream, op\n\n"
+        "@op\ndef numbers() -> Stream[int]:\n    yield 1\n\n"
+        "@op\ndef breaks(x: int) -> int:\n    raise ValueError('no good')\n\n"
+        "with Flow('failing') as flow:\n    breaks(numbers())\n")
+    config = RunConfig(steps=1, code=[str(flow)], dashboard=False, step_timeout=60)
+    with pytest.raises(RunError) as error:
+        flowkit.run(load_flow(str(flow)), config)
+    assert "no good" in str(error.value) and "--debug shows the traceback" in str(error.value)
+    assert "\n" not in str(error.value).strip()
