@@ -28,7 +28,7 @@ from flowkit.runner.restarts import Restarts, temporary_checkpoints
 from flowkit.runner.setup import choose_executors, executor_tags, with_training_options
 from flowkit.runner.steploop import STEP_FAILURES, StepLoop
 from flowkit.runtime import Controller, RemoteError
-from flowkit.runtime.launch import LaunchError
+from flowkit.runtime.launch import Launcher, LaunchError
 from flowkit.runtime.launchers import make_launcher
 from flowkit.wire.auth import InsecureBindError, Keys, KeysError, check_bind
 
@@ -64,11 +64,18 @@ class Run:
             for report in run.steps():
                 print(report.step, report.metrics)
 
-    `run.controller` and `run.runner` are there while it is entered; `run.result` after."""
+    `run.controller`, `run.executors` and `run.runner` are there while it is entered;
+    `run.result` after. Given a `controller` whose executors are already in, the run uses them
+    and leaves them running (several runs side by side on the same processes, as benchmarks
+    compare); otherwise it starts its own as `config.launcher` says and stops them."""
 
     def __init__(self, flow: Flow, config: RunConfig | None = None, *,
-                 console: Console | None = None) -> None:
+                 console: Console | None = None, controller: Controller | None = None) -> None:
         self.config = config = config or RunConfig()
+        if controller is not None and config.max_restarts:
+            raise RunConfigError("max_restarts", "restarts replace lost executors through the "
+                                 "launcher that started them: give no controller, or no "
+                                 "max_restarts")
         self.console = console or Console()
         self.flow = with_training_options(flow, stages=config.stages,
                                           microbatches=config.microbatches,
@@ -85,11 +92,15 @@ class Run:
             self.console.print(chosen, soft_wrap=True)
         stages = max((n.model.stages for n in self.plan if n.model is not None), default=1)
         self.count = config.num_executors or max(2, stages)
+        if controller is not None:
+            self.count = len(controller.executors())
         self.tags = executor_tags(self.plan, self.count, config.tags)
         self.keys = _keys(config)
         self.identity = flow_identity(self.flow.name, self.plan)
         self.resumed = self._resume_point()
+        self.shared = controller
         self.controller: Controller | None = None
+        self.executors: list = []
         self.runner: FlowRunner | None = None
         self.result: RunResult | None = None
         self._exits = contextlib.ExitStack()
@@ -110,19 +121,11 @@ class Run:
         self.recorder, self.stats = TraceRecorder(), RunStats()
         if config.trace is not None:
             exits.callback(self._write_trace, config.trace)
-        self.controller = ctl = exits.enter_context(Controller(
-            bind=config.controller.bind, keys=self.keys, insecure=config.controller.insecure))
-        self.recorder.attach(ctl)
-        self.stats.attach(ctl)
-        launcher = make_launcher(config.launcher, ctl, self.count, kind=self.kind,
-                                 tags=self.tags, code=list(config.code), device=config.device,
-                                 settings=config.launcher_settings)
-        exits.callback(launcher.stop)
-        exits.callback(ctl.shutdown)
-        try:
-            started = launcher.start()
-        except LaunchError as exc:  # e.g. Ray cannot place the executors
-            raise RunError(str(exc)) from None
+        launcher, started = self._executors(exits)
+        self.executors, ctl = started, self.controller
+        for listener in (self.recorder, self.stats):
+            listener.attach(ctl)
+            exits.callback(ctl.remove_listener, listener)
         with self._failures():  # a flow the runner refuses (settings it cannot run)
             self.runner = self._make_runner()
         self.loop = StepLoop(steps=config.steps, loggers=loggers, stats=self.stats,
@@ -139,6 +142,24 @@ class Run:
             ctl, stats=self.stats, console=self.console, enabled=config.dashboard,
             title=f"flowkit run {self.flow.name}"))
         self._checkpoints = checkpoints
+
+    def _executors(self, exits: contextlib.ExitStack) -> tuple[Launcher | None, list]:
+        """The launcher (None for a shared controller's) and the executors it started."""
+        config = self.config
+        if self.shared is not None:
+            self.controller = self.shared
+            return None, self.shared.executors()
+        self.controller = ctl = exits.enter_context(Controller(
+            bind=config.controller.bind, keys=self.keys, insecure=config.controller.insecure))
+        launcher = make_launcher(config.launcher, ctl, self.count, kind=self.kind,
+                                 tags=self.tags, code=list(config.code), device=config.device,
+                                 settings=config.launcher_settings)
+        exits.callback(launcher.stop)
+        exits.callback(ctl.shutdown)
+        try:
+            return launcher, launcher.start()
+        except LaunchError as exc:  # e.g. Ray cannot place the executors
+            raise RunError(str(exc)) from None
 
     def _make_runner(self) -> FlowRunner:
         config = self.config

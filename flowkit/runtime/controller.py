@@ -127,6 +127,11 @@ class Controller:
         with self._driving():
             self._state.add_listener(listener)
 
+    def remove_listener(self, listener: Listener) -> None:
+        """Stop calling `listener` (a run that shared this controller has ended)."""
+        with self._driving():
+            self._state.remove_listener(listener)
+
     def watch_process(self, process: Any) -> None:
         """Treat the exit of this local executor process (a Popen) as that executor's loss."""
         self._processes[process.pid] = process

@@ -67,6 +67,10 @@ class Dispatcher:
     def add_listener(self, listener: Listener) -> None:
         self._listeners.append(listener)
 
+    def remove_listener(self, listener: Listener) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
     # -- views ---------------------------------------------------------------------------------
     def executors(self) -> list[ExecutorInfo]:
         return [e for e in self._executors.values() if e.alive]

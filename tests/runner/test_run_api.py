@@ -96,3 +96,24 @@ def test_a_failing_step_is_a_run_error_of_one_line(tmp_path):
         flowkit.run(load_flow(str(flow)), config)
     assert "no good" in str(error.value) and "--debug shows the traceback" in str(error.value)
     assert "\n" not in str(error.value).strip()
+
+
+def test_runs_side_by_side_on_a_controllers_executors_leave_them_running():
+    from flowkit.runtime import Controller
+
+    with Controller() as ctl, LocalExecutors(ctl, 2, kind="sim", tags=[("train",)] * 2):
+        ids = sorted(e.id for e in ctl.executors())
+        for fuse in (True, False):
+            config = RunConfig(steps=2, executors="sim", fuse=fuse, dashboard=False)
+            with Run(_pretrain(), config, controller=ctl) as run:
+                assert [report.step for report in run.steps()] == [0, 1]
+            assert run.result.steps == 2
+            assert sorted(e.id for e in ctl.executors()) == ids  # the same processes, still in
+
+
+def test_restarts_need_the_launcher_of_their_own_executors():
+    from flowkit.runtime import Controller
+
+    with Controller() as ctl, pytest.raises(RunConfigError) as error:
+        Run(_pretrain(), RunConfig(executors="sim", max_restarts=1), controller=ctl)
+    assert error.value.setting == "max_restarts"
