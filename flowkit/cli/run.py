@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import attrs
 import click
 from click.core import ParameterSource
 from rich.console import Console
@@ -15,15 +16,20 @@ from flowkit.cli._files import writing
 from flowkit.cli._flows import load_checked_flow
 from flowkit.observe.loggers import LOGGERS
 from flowkit.observe.logsetup import LogSetup, check_run_name
+from flowkit.runner.config import CheckpointConfig, RunConfig
 from flowkit.runtime.launchers import LAUNCHERS
-from flowkit.runtime.raylaunch import STRATEGIES
+from flowkit.runtime.raylaunch import STRATEGIES, RaySettings
 
 _KINDS = ("auto", *KINDS)
+# every default is the record's: the flags only say how to set a field (tests/runner/
+# test_run_defaults.py holds them to it)
+_RUN, _LOGS, _RAY = RunConfig(), LogSetup(), RaySettings()
+_KEEP = attrs.fields(CheckpointConfig).keep.default
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("flow_spec", metavar="FLOW")
-@click.option("--executors", "kind", type=click.Choice(_KINDS), default="auto", show_default=True,
+@click.option("--executors", "kind", type=click.Choice(_KINDS), default=_RUN.executors, show_default=True,
               envvar="FLOWKIT_EXECUTORS",
               help="Which executors run model ops: torch stages, the timed simulator (sim), "
               "only the built-in ops (base: flows of @op functions alone), or auto: torch, "
@@ -33,10 +39,10 @@ _KINDS = ("auto", *KINDS)
 @click.option("--tags", "tag_spec", default=None,
               help="Tags per executor, ';' between executors: 'train;train;rollout' "
               "[default: every executor gets every tag the flow asks for].")
-@click.option("--device", default="cpu", show_default=True,
+@click.option("--device", default=_RUN.device, show_default=True,
               help="Device of the torch executors: cpu, cuda (executor i on cuda:i), or one per "
               "executor: cuda:0,cuda:1.")
-@click.option("--steps", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--steps", type=click.IntRange(min=1), default=_RUN.steps, show_default=True,
               help="Steps of the flow to run, one after the other.")
 @click.option("--stages", type=click.IntRange(min=1), default=None,
               help="Pipeline stages (devices) of every trained model [default: the flow's].")
@@ -45,7 +51,7 @@ _KINDS = ("auto", *KINDS)
 @click.option("--schedule", default=None,
               help="Pipeline schedule of every backprop: gpipe, 1f1b, zb-h1, zb-h2, zb-v, "
               "auto, ... (flowkit schedule --help) [default: the flow's].")
-@click.option("--fuse/--no-fuse", default=True, show_default=True,
+@click.option("--fuse/--no-fuse", default=_RUN.fuse, show_default=True,
               help="Start each op on the first items it can take (sample-level fusion), or run "
               "the flow stage by stage, each op waiting for its producers to finish.")
 @click.option("--async/--sync", "asynchronous", default=None,
@@ -68,11 +74,12 @@ _KINDS = ("auto", *KINDS)
               help="Also log each step's metrics to TensorBoard or Weights & Biases (each "
               "needs its extra), or as JSON lines in the run's folder; repeat for several "
               "[env FLOWKIT_LOGGER, space-separated].")
-@click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default="runs",
+@click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path),
+              default=_LOGS.log_dir,
               show_default=True, envvar="FLOWKIT_LOG_DIR",
               help="Where --logger writes: one folder per run, named after the flow; a "
               "--resume'd run continues its own [env FLOWKIT_LOG_DIR].")
-@click.option("--wandb-project", default="flowkit", show_default=True, envvar="WANDB_PROJECT",
+@click.option("--wandb-project", default=_LOGS.wandb_project, show_default=True, envvar="WANDB_PROJECT",
               help="The W&B project of --logger wandb (offline without a network: "
               "WANDB_MODE=offline) [env WANDB_PROJECT].")
 @click.option("--run-name", default=None, envvar="FLOWKIT_RUN_NAME",
@@ -88,17 +95,17 @@ _KINDS = ("auto", *KINDS)
               "optimizer states and the run's state, to --resume from.")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=None,
               help="Steps between checkpoints [default: only on Ctrl-C].")
-@click.option("--keep-checkpoints", type=click.IntRange(min=1), default=2, show_default=True,
+@click.option("--keep-checkpoints", type=click.IntRange(min=1), default=_KEEP, show_default=True,
               help="How many of the newest checkpoints to keep.")
 @click.option("--resume", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Go on from the newest complete checkpoint in DIR (or DIR itself), up to "
               "--steps steps in all, as the run would have had it never stopped.")
-@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--max-restarts", type=click.IntRange(min=0), default=_RUN.max_restarts, show_default=True,
               help="Replace up to N lost executors and replay the failed step from the newest "
               "checkpoint (one each step, in --checkpoint-dir or a temporary folder).")
-@click.option("--dashboard/--no-dashboard", default=None,
+@click.option("--dashboard/--no-dashboard", default=_RUN.dashboard,
               help="The live dashboard [default: on when the output is a terminal].")
-@click.option("--bind", default="tcp://127.0.0.1:0", show_default=True, envvar="FLOWKIT_BIND",
+@click.option("--bind", default=_RUN.controller.bind, show_default=True, envvar="FLOWKIT_BIND",
               help="The controller's address, for executors on other hosts: tcp://HOST:PORT; "
               "beyond loopback it needs --keys or --insecure [env FLOWKIT_BIND].")
 @click.option("--keys", "keys_dir", default=None, envvar="FLOWKIT_KEYS",
@@ -108,7 +115,7 @@ _KINDS = ("auto", *KINDS)
 @click.option("--insecure", is_flag=True,
               help="Bind beyond loopback without keys: anyone who reaches the address can "
               "join as an executor.")
-@click.option("--launcher", type=click.Choice(LAUNCHERS), default="local", show_default=True,
+@click.option("--launcher", type=click.Choice(LAUNCHERS), default=_RUN.launcher, show_default=True,
               envvar="FLOWKIT_LAUNCHER",
               help="What starts the executors: local subprocesses, or Ray actors in a "
               "placement group (needs `pip install 'flowkit[ray]'`) [env FLOWKIT_LAUNCHER].")
@@ -117,10 +124,10 @@ _KINDS = ("auto", *KINDS)
               "[default: a local Ray on loopback] [env FLOWKIT_RAY_ADDRESS].")
 @click.option("--ray-strategy", type=click.Choice(STRATEGIES, case_sensitive=False),
               metavar="PACK|SPREAD",
-              default="PACK", show_default=True,
+              default=_RAY.strategy, show_default=True,
               help="With --launcher ray: the placement group's bundles on as few nodes as fit "
               "(PACK) or on as many (SPREAD).")
-@click.option("--ray-cpus", type=click.FloatRange(min=0, min_open=True), default=1.0,
+@click.option("--ray-cpus", type=click.FloatRange(min=0, min_open=True), default=_RAY.cpus,
               show_default=True,
               help="With --launcher ray: Ray CPUs of each CPU executor's bundle (fractional "
               "packs several on a core); a cuda executor's bundle is one GPU.")
