@@ -29,7 +29,8 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("flow_spec", metavar="FLOW")
-@click.option("--executors", "kind", type=click.Choice(_KINDS), default=_RUN.executors, show_default=True,
+@click.option("--executors", "kind", type=click.Choice(_KINDS), default=_RUN.executors,
+              show_default=True,
               envvar="FLOWKIT_EXECUTORS",
               help="Which executors run model ops: torch stages, the timed simulator (sim), "
               "only the built-in ops (base: flows of @op functions alone), or auto: torch, "
@@ -79,7 +80,8 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
               show_default=True, envvar="FLOWKIT_LOG_DIR",
               help="Where --logger writes: one folder per run, named after the flow; a "
               "--resume'd run continues its own [env FLOWKIT_LOG_DIR].")
-@click.option("--wandb-project", default=_LOGS.wandb_project, show_default=True, envvar="WANDB_PROJECT",
+@click.option("--wandb-project", default=_LOGS.wandb_project, show_default=True,
+              envvar="WANDB_PROJECT",
               help="The W&B project of --logger wandb (offline without a network: "
               "WANDB_MODE=offline) [env WANDB_PROJECT].")
 @click.option("--run-name", default=None, envvar="FLOWKIT_RUN_NAME",
@@ -100,7 +102,8 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
 @click.option("--resume", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Go on from the newest complete checkpoint in DIR (or DIR itself), up to "
               "--steps steps in all, as the run would have had it never stopped.")
-@click.option("--max-restarts", type=click.IntRange(min=0), default=_RUN.max_restarts, show_default=True,
+@click.option("--max-restarts", type=click.IntRange(min=0), default=_RUN.max_restarts,
+              show_default=True,
               help="Replace up to N lost executors and replay the failed step from the newest "
               "checkpoint (one each step, in --checkpoint-dir or a temporary folder).")
 @click.option("--dashboard/--no-dashboard", default=_RUN.dashboard,

@@ -18,9 +18,9 @@ rollouts of its open steps ([Note: checkpoints of asynchronous runs] in
 flowkit/runner/asyncstate.py): a lost executor's generation in flight is replayed from it, no
 sample lost or trained twice, within the staleness bound; where generation under the same
 weights versions is deterministic (the simulator) the run ends with the curve of a run without
-faults, on torch the versions of later steps' tokens depend on timing, as in any two runs. Each restart is a warning on the dashboard and counts in
-the metrics (`restarts`); past N restarts, or when no executor was lost, the step's error ends
-the run as without restarts.
+faults, on torch the versions of later steps' tokens depend on timing, as in any two runs.
+Each restart is a warning on the dashboard and counts in the metrics (`restarts`); past N
+restarts, or when no executor was lost, the step's error ends the run as without restarts.
 """
 
 from __future__ import annotations
