@@ -15,7 +15,9 @@ from flowkit.ops import (
     LOSS_KNOBS,
     LOSSES,
     ROUND_KNOBS,
-    STALE_SEGMENTS,
+    SAMPLING,
+    SAMPLING_CHOICES,
+    SAMPLING_RANGES,
     rounds_of,
 )
 from flowkit.ops.records import (
@@ -44,16 +46,10 @@ class Generate(ModelOp):
     inputs = {"prompts": Stream[Prompt], "weights": Stream[WeightsVersion]}
     optional = ("weights",)
     outputs = {"rollouts": Stream[Rollout]}
-    # temperature 0: greedy. take: partial rollouts, the groups (calls) a step takes of an
-    # over-provisioned one, the rest carried over, recomputed or dropped when too stale
-    # ([Note: partial rollouts] in flowkit/runner/partial.py)
-    # eos: "model" stops at the model's tokenizer's EOS (byte 10 for a model without one), or
-    # a token id, a list of them, None for none ([Note: rollout text] in executors/torch/engine.py)
-    config = {"n": 1, "max_new_tokens": 256, "temperature": 1.0, "top_p": 1.0, "take": None,
-              "stale_segments": "recompute", "eos": "model"}
-    choices = {"stale_segments": STALE_SEGMENTS}
-    ranges = {"n": (1, None), "max_new_tokens": (1, None), "temperature": (0, None),
-              "top_p": (0, 1), "take": (1, None)}
+    # the settings, their defaults and what they allow: flowkit.ops.SamplingConfig's
+    config = SAMPLING.as_config()
+    choices = SAMPLING_CHOICES
+    ranges = SAMPLING_RANGES
 
     def node_problems(self, flow: Any, node: Any) -> list[Problem]:
         eos = node.config.get("eos")
@@ -73,7 +69,7 @@ class LogProbs(ModelOp):
     executor_op = "logprobs"
     inputs = {"rollouts": Stream[Rollout]}
     outputs = {"logprobs": Stream[TokenScores]}
-    config = {"temperature": 1.0}  # the sampler's: log_softmax(logits / temperature)
+    config = {"temperature": SAMPLING.temperature}  # the sampler's: log_softmax(logits / T)
     ranges = {"temperature": (0, None)}
 
 

@@ -7,13 +7,14 @@ samples a step, exact-match reward. Generation recomputes each prefix, as the LS
 """
 
 from dataflows.grpo import grpo_flow
-from dataflows.rl.tasks import sort_prompts, sort_reward
+from dataflows.rl.tasks import SORT_RESPONSE_TOKENS, sort_prompts, sort_reward
 from flowkit.dsl import Model
 
 LSTM = {"vocab_size": 128, "n_embd": 32, "hidden": 128}
 
 flow = grpo_flow(model=Model(name="lstm", build="tiny_lstm:TinyLSTM", stages=1, tags=("train",),
                              config={**LSTM, "checkpoint": "checkpoints/lstm.pt"}),
-                 prompts=16, n=8, microbatches=2, schedule="1f1b", max_new_tokens=8,
+                 prompts=16, n=8, microbatches=2, schedule="1f1b",
+                 max_new_tokens=SORT_RESPONSE_TOKENS,
                  kl_coef=0.001, lr=3e-3, prompt_source=sort_prompts, reward=sort_reward,
                  source_config={"digits": 3})

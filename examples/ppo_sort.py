@@ -13,12 +13,12 @@ shuffled and cut into 2 minibatches of 32 (4 microbatches each), one optimizer s
 """
 
 from dataflows.ppo import ppo_flow
-from dataflows.rl.tasks import SORT_GPT, sort_prompts, sort_reward
+from dataflows.rl.tasks import SORT_GPT, SORT_RESPONSE_TOKENS, sort_prompts, sort_reward
 
 
 def _ppo(**rounds):
     return ppo_flow(prompts=64, n=1, stages=2, microbatches=4, schedule="1f1b",
-                    max_new_tokens=8, kl_coef=0.05, lr=3e-4, critic_lr=1e-3,
+                    max_new_tokens=SORT_RESPONSE_TOKENS, kl_coef=0.05, lr=3e-4, critic_lr=1e-3,
                     gpt={**SORT_GPT, "checkpoint": "checkpoints/actor.pt"},
                     prompt_source=sort_prompts, reward=sort_reward, source_config={"digits": 3},
                     **rounds)

@@ -8,10 +8,10 @@ weights synced every step:
 """
 
 from dataflows.reinforce_pp import reinforce_pp_flow
-from dataflows.rl.tasks import SORT_GPT, sort_prompts, sort_reward
+from dataflows.rl.tasks import SORT_GPT, SORT_RESPONSE_TOKENS, sort_prompts, sort_reward
 
 flow = reinforce_pp_flow(prompts=64, n=1, stages=2, microbatches=4, schedule="1f1b",
-                         max_new_tokens=8, kl_coef=0.001, lr=3e-4,
+                         max_new_tokens=SORT_RESPONSE_TOKENS, kl_coef=0.001, lr=3e-4,
                          gpt={**SORT_GPT, "checkpoint": "checkpoints/actor.pt"},
                          prompt_source=sort_prompts, reward=sort_reward,
                          source_config={"digits": 3})

@@ -7,9 +7,10 @@ the weights synced every step:
     flowkit run examples/rloo_sort.py --steps 40 --metrics rloo.jsonl
 """
 
-from dataflows.rl.tasks import SORT_GPT, sort_prompts, sort_reward
+from dataflows.rl.tasks import SORT_GPT, SORT_RESPONSE_TOKENS, sort_prompts, sort_reward
 from dataflows.rloo import rloo_flow
 
-flow = rloo_flow(prompts=16, n=8, stages=2, microbatches=4, schedule="1f1b", max_new_tokens=8,
-                 kl_coef=0.001, lr=3e-4, gpt={**SORT_GPT, "checkpoint": "checkpoints/actor.pt"},
+flow = rloo_flow(prompts=16, n=8, stages=2, microbatches=4, schedule="1f1b",
+                 max_new_tokens=SORT_RESPONSE_TOKENS, kl_coef=0.001, lr=3e-4,
+                 gpt={**SORT_GPT, "checkpoint": "checkpoints/actor.pt"},
                  prompt_source=sort_prompts, reward=sort_reward, source_config={"digits": 3})

@@ -21,6 +21,7 @@ import attrs
 
 from executors.ops import OpContext, OpTable
 from executors.simengine import EngineCosts, engine_of
+from flowkit.ops.configs import SAMPLING, SamplingConfig
 from flowkit.ops.records import (
     MicrobatchStats,
     Prompt,
@@ -106,24 +107,27 @@ def _optimizer_step(ctx: OpContext, *inputs: Any, seconds: float = 0.0, model: s
 
 
 # -- generation and inference ------------------------------------------------------------------
-def _generate(ctx: OpContext, prompt: Any, *weights: Any, n: int = 1, max_new_tokens: int = 16,
-              seconds_per_token: float = 0.0, seconds_per_seq: float = 0.0,
-              seconds_per_prefill_token: float = 0.0, token_budget: int = 2048,
-              max_batch: int = 256, min_new_tokens: int = 1, length_sigma: float = 0.0,
-              prompt_sigma: float = 0.0, step: int = 0, request: str | None = None,
-              min_version: int | None = None, stale_segments: str = "recompute",
+def _generate(ctx: OpContext, prompt: Any, *weights: Any, seconds_per_token: float = 0.0,
+              seconds_per_seq: float = 0.0, seconds_per_prefill_token: float = 0.0,
+              token_budget: int = 2048, max_batch: int = 256, min_new_tokens: int = 1,
+              length_sigma: float = 0.0, prompt_sigma: float = 0.0, step: int = 0,
+              request: str | None = None, min_version: int | None = None,
               **config: Any) -> Any:
     """n rollouts of a prompt, decoded by the executor's rollout engine together with every
     other live request [Note: simulated rollout engine in executors/simengine.py]; each sample
     leaves the moment its last token is decoded (streamed when the task streams). Given a
     carried group (a list of Rollouts, [Note: partial rollouts] in flowkit/runner/partial.py)
     instead, its interrupted samples decode the rest of the lengths they were drawn with (by
-    their origin `step`) and its finished ones pass through; stale ones as the torch op does."""
+    their origin `step`) and its finished ones pass through; stale ones as the torch op does.
+    The sampling settings are the task's (flowkit.ops.SamplingConfig); the lengths drawn only
+    read n and max_new_tokens."""
+    sampling, _ = SamplingConfig.split(config)
+    n, max_new_tokens = sampling.n, sampling.max_new_tokens
     version = _newest_version(weights)
     draw = {"step": step, "min_new_tokens": min_new_tokens, "max_new_tokens": max_new_tokens,
             "length_sigma": length_sigma, "prompt_sigma": prompt_sigma, "version": version}
     if isinstance(prompt, list):
-        items = resumable(prompt, min_version, stale_segments)
+        items = resumable(prompt, min_version, sampling.stale_segments)
         if not items:
             return []
         rollouts, lengths = zip(*[_continued(item, draw) for item in items])
@@ -192,7 +196,7 @@ def _check_counts(prompt_id: Any, **counts: Any) -> None:
 
 
 def sample_rollout(prompt: Any, sample: int, *, step: int, min_new_tokens: int = 1,
-                   max_new_tokens: int = 16, length_sigma: float = 0.0,
+                   max_new_tokens: int = SAMPLING.max_new_tokens, length_sigma: float = 0.0,
                    prompt_sigma: float = 0.0, version: int = -1) -> Rollout:
     """Sample `sample` of `prompt` at `step`: its length has the long tail real sampling has
     (most stop early, a few run to max_new_tokens: exponential lengths, or log-normal ones with

@@ -13,8 +13,9 @@ import attrs
 
 from dataflows.models import flow_model
 from dataflows.ops import Generate, LogProbs
+from dataflows.rl.config import RLConfig
 from dataflows.rl.steps import rollout_metrics
-from flowkit.dsl import Flow, Model, Operator, Stream, collect
+from flowkit.dsl import Flow, Model, Stream, collect
 from flowkit.ops.records import WeightsVersion
 
 __all__ = ["SMALL_GPT", "Sampled", "rl_actor", "sample_and_score"]
@@ -38,31 +39,31 @@ class Sampled:
     ref_logprobs: Any
 
 
-def sample_and_score(flow: Flow, actor: Model, reference: Model, *, prompts: int, n: int,
-                     max_new_tokens: int, temperature: float, prompt_source: Operator,
-                     reward: Operator, source_config: dict[str, Any] | None,
-                     oversample: float = 1.0, stale_segments: str = "recompute") -> Sampled:
-    """Inside `with flow`: `prompt_source` makes the step's prompts (`count=prompts`, plus
-    `source_config`), `reward` scores one rollout. `oversample` > 1: partial rollouts, that
-    many times the prompts generate, the step takes the first `prompts` groups to finish and
-    carries the rest over ([Note: partial rollouts] in flowkit/runner/partial.py; an
-    asynchronous run's)."""
+def sample_and_score(flow: Flow, actor: Model, reference: Model, config: RLConfig) -> Sampled:
+    """Inside `with flow`: `config.prompt_source` makes the step's prompts, `config.sampling`
+    says how each is sampled, `config.reward` scores one rollout. `config.oversample` > 1:
+    partial rollouts, that many times the prompts generate, the step takes the first
+    `prompts` groups to finish and carries the rest over ([Note: partial rollouts] in
+    flowkit/runner/partial.py; an asynchronous run's)."""
+    oversample, prompts, sampling = config.oversample, config.prompts, config.sampling
     if not oversample >= 1:
         raise ValueError(f"oversample={oversample!r}: generate at least the step's prompts "
                          "(1: no partial rollouts; 1.5: half as many again)")
+    if sampling.take is not None:
+        raise ValueError(f"sampling.take={sampling.take!r}: the RL flows take the step's "
+                         "prompts from an over-provisioned step; set oversample instead")
     weights = flow.feedback("actor_weights", Stream[WeightsVersion])
     partial = oversample > 1
     count = math.ceil(prompts * oversample) if partial else prompts
-    prompt_items = prompt_source(count=count, **(source_config or {}))
-    if prompt_source.reporter is not None:  # the source's own metrics (a dataset's epoch)
-        prompt_source.reporter(count=count, **(source_config or {}))
+    source, source_config = config.prompt_source, dict(config.source_config or {})
+    prompt_items = source(count=count, **source_config)
+    if source.reporter is not None:  # the source's own metrics (a dataset's epoch)
+        source.reporter(count=count, **source_config)
     # generation runs on `rollout` executors, training on `train` ones: the two overlap
-    rollouts = Generate(actor, tags=("rollout",))(prompt_items, weights=weights, n=n,
-                                                  max_new_tokens=max_new_tokens,
-                                                  temperature=temperature,
-                                                  take=prompts if partial else None,
-                                                  stale_segments=stale_segments)
-    scored = reward(rollouts)
+    take = prompts if partial else None
+    rollouts = Generate(actor, tags=("rollout",))(
+        prompt_items, weights=weights, **attrs.evolve(sampling, take=take).as_config())
+    scored = config.reward(rollouts)
     rollout_metrics(collect(scored))
-    ref = LogProbs(reference)(rollouts, name="ref_logprobs", temperature=temperature)
+    ref = LogProbs(reference)(rollouts, name="ref_logprobs", temperature=sampling.temperature)
     return Sampled(weights, rollouts, scored, ref)

@@ -15,8 +15,14 @@ from dataflows.rl.advantages import whiten
 from flowkit.dsl import Batch, Grouped, Metrics, Stream, op
 from flowkit.ops.records import Experience, Prompt, Rollout, Scored, TokenScores
 
-__all__ = ["answer_reward", "arithmetic_prompts", "gae", "grpo_advantages", "make_experience",
-           "rollout_metrics", "staleness_metrics", "with_reference"]
+__all__ = ["ARITHMETIC_RESPONSE_TOKENS", "answer_reward", "arithmetic_prompts", "gae",
+           "grpo_advantages", "make_experience", "rollout_metrics", "staleness_metrics",
+           "with_reference"]
+
+
+ARITHMETIC_RESPONSE_TOKENS = 8
+"""The arithmetic task's response length, what its flows pass as max_new_tokens: an answer of up
+to 3 digits ("198") and a non-digit that ends it, with room to spare."""
 
 
 @op

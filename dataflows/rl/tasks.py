@@ -40,10 +40,13 @@ import attrs
 from flowkit.dsl import Stream, op
 from flowkit.ops.records import Prompt, Rollout, Scored, TokenIds
 
-__all__ = ["EOS", "SORT_GPT", "sort_answer", "sort_prompt_text", "sort_prompts", "sort_reward",
-           "sort_sequences", "sft_targets"]
+__all__ = ["EOS", "SORT_GPT", "SORT_RESPONSE_TOKENS", "sort_answer", "sort_prompt_text",
+           "sort_prompts", "sort_reward", "sort_sequences", "sft_targets"]
 
 EOS = 10  # b"\n", the generator's default end of sequence
+SORT_RESPONSE_TOKENS = 8
+"""The task's response length, what its flows pass as max_new_tokens: the answer (3 digits in
+the examples) and EOS, with room for a wrong answer to show itself."""
 # the built-in GPT's config the task was tuned with [Note: noisy warm-up]; the longest sequence
 # (3 digits) is 13 tokens, prompt 9 + response up to max_new_tokens 8 fits in 32
 SORT_GPT = {"vocab_size": 128, "block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 64}

@@ -47,6 +47,7 @@ from executors.ops import Deferred
 from executors.torch import lm
 from executors.torch.held import evaluating, right_padded
 from executors.torch.sampling import sample_tokens, sequence_seed
+from flowkit.ops.configs import SAMPLING
 from flowkit.ops.records import Prompt, Rollout
 
 __all__ = ["Engine", "Sampling", "run_all_until_done", "run_until_done"]
@@ -56,14 +57,16 @@ NO_VERSION = -1  # a token sampled before any load_weights: the weights the mode
 
 @attrs.frozen(kw_only=True)
 class Sampling:
-    """A request's settings; each step of a run draws afresh from (seed, step)."""
+    """A request's settings, as `generate` resolved them from the task's SamplingConfig (whose
+    defaults these are); each step of a run draws afresh from (seed, step)."""
 
     max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    # the token, or tokens (a tokenizer's EOS and its generation config's), that end a sample
+    temperature: float = SAMPLING.temperature
+    top_p: float = SAMPLING.top_p
+    # the token, or tokens (a tokenizer's EOS and its generation config's), that end a sample:
+    # resolved from the setting's eos (executors/torch/generate.py); None: none
     eos: int | tuple[int, ...] | None = None
-    seed: int = 0
+    seed: int = 0  # the resolved sample seed: the setting's sample_seed, or the model's seed
     step: int = 0
 
     @property

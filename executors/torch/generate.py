@@ -34,6 +34,7 @@ from executors.torch.engine import Engine, Sampling, run_until_done
 from executors.torch.held import held_model, right_padded, whole_model
 from executors.torch.stage import StageError
 from flowkit.dsl.hf import has_tokenizer
+from flowkit.ops.configs import MODEL_EOS, SAMPLING_KEYS, SamplingConfig
 from flowkit.ops.executor_ops import MODEL_KEYS
 from flowkit.ops.records import Prompt, Rollout, resumable
 from flowkit.ops.tokenizers import eos_token_ids, load_tokenizer
@@ -43,9 +44,6 @@ __all__ = ["EOS", "MODEL_EOS", "decode", "generate_now", "register", "sample_tok
 
 _STEP_SEEDS = 1_000_003  # step k samples with seed + k * this: fresh draws, same for a replay
 EOS = 10  # byte "\n": the example corpora are byte-tokenized one-line answers; eos=None: none
-# generate's default eos: the model's tokenizer's EOS tokens when its folder has a tokenizer
-# (flowkit/ops/tokenizers.eos_token_ids), else EOS
-MODEL_EOS = "model"
 
 
 # -- sampling ---------------------------------------------------------------------------------
@@ -202,12 +200,9 @@ def _rollout(seq: _Seq, finished: bool, max_new_tokens: int) -> Any:
 
 
 # -- the op -----------------------------------------------------------------------------------
-def _generate(ctx: OpContext, prompts: Any, *weights: Any, n: int = 1, max_new_tokens: int = 16,
-              temperature: float = 1.0, top_p: float = 1.0, eos: Any = MODEL_EOS,
-              seed: int = 0, sample_seed: int | None = None, max_batch: int = 64,
+def _generate(ctx: OpContext, prompts: Any, *weights: Any, seed: int = 0, max_batch: int = 64,
               token_budget: int = 512, step: int = 0, request: str | None = None,
-              min_version: int | None = None, stale_segments: str = "recompute",
-              **config: Any) -> Any:
+              min_version: int | None = None, **config: Any) -> Any:
     """n rollouts of each prompt (a Prompt or a list of them; an interrupted Rollout is
     continued instead, a finished one passes through), a request to the model's rollout
     engine [Note: rollout engine in executors/torch/engine.py], which streams each sample as
@@ -220,14 +215,17 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, n: int = 1, max_new_t
     `token_budget` size the engine when its first request makes it. A model whose folder has
     a tokenizer (an HF model's `path`) stops at that tokenizer's EOS unless `eos` names the
     token (or tokens; None: never), and its rollouts carry their text [Note: rollout text in
-    engine.py]; any other model stops at EOS (byte 10)."""
+    engine.py]; any other model stops at EOS (byte 10). The sampling settings (n,
+    max_new_tokens, temperature, top_p, eos, sample_seed, stale_segments) are the task's
+    (flowkit.ops.SamplingConfig)."""
+    s, config = SamplingConfig.split(config)
     items = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
-    items = resumable(items, min_version, stale_segments)
+    items = resumable(items, min_version, s.stale_segments)
     unknown = sorted(set(config) - set(MODEL_KEYS))
     if unknown:
         raise StageError(f"generate does not take {', '.join(map(repr, unknown))}: its settings "
                          f"are {', '.join(_SETTINGS)}")
-    _check_request(n, max_new_tokens)
+    _check_request(s.n, s.max_new_tokens)
     if not items:
         return []
     spec = {**config, "seed": seed, "stages": 1}
@@ -242,10 +240,11 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, n: int = 1, max_new_t
             token_budget=int(token_budget),
             tokenizer=None if folder is None else load_tokenizer(folder))
         engine.aborted = _aborted(ctx)  # also those aborted before this engine existed
-    sampling = Sampling(max_new_tokens=int(max_new_tokens), temperature=float(temperature),
-                        top_p=float(top_p), eos=_stop_tokens(eos, folder),
-                        seed=int(seed if sample_seed is None else sample_seed), step=int(step))
-    return engine.submit(items, sampling, int(n), key=request)
+    sample_seed = seed if s.sample_seed is None else s.sample_seed
+    sampling = Sampling(max_new_tokens=int(s.max_new_tokens), temperature=float(s.temperature),
+                        top_p=float(s.top_p), eos=_stop_tokens(s.eos, folder),
+                        seed=int(sample_seed), step=int(step))
+    return engine.submit(items, sampling, int(s.n), key=request)
 
 
 def tokenizer_folder(config: dict) -> str | None:
@@ -301,8 +300,8 @@ def generate_now(ctx: OpContext, prompts: Any, **config: Any) -> list:
     return result if isinstance(result, list) else run_until_done(ctx.background, result)
 
 
-_SETTINGS = ("n", "max_new_tokens", "temperature", "top_p", "eos", "seed", "sample_seed",
-             "max_batch", "token_budget", "step", "request", "min_version", "stale_segments")
+_SETTINGS = (*SAMPLING_KEYS, "seed", "max_batch", "token_budget", "step", "request",
+             "min_version")
 
 
 def _check_request(n: Any, max_new_tokens: Any) -> None:

@@ -1,5 +1,6 @@
-"""What flows declare and executors implement, in one place: the executor ops that model ops
-lower to (names, inputs, config keys: executor_ops.py), the losses and their knobs (losses.py),
+"""What flows declare and executors implement, in one place: the settings records whose
+defaults all read (configs.py), the executor ops that model ops lower to (names, inputs,
+config keys: executor_ops.py), the losses and their knobs (losses.py),
 how a batch is cut into minibatches and microbatches (minibatches.py), the records that move
 between ops (records.py) and the tokenizers of model folders that prompt sources and generation
 share (tokenizers.py, transformers imported when one is loaded). No torch, no zmq.
@@ -10,11 +11,20 @@ dispatches them (flowkit/runner/flowrun.py, controller.py, dispatch.py); an exec
 from its op table (executors/ops.py; executors/sim.py, executors/torch/).
 """
 
+from flowkit.ops.configs import (
+    MODEL_EOS,
+    SAMPLING,
+    SAMPLING_CHOICES,
+    SAMPLING_KEYS,
+    SAMPLING_RANGES,
+    SamplingConfig,
+)
 from flowkit.ops.executor_ops import EXECUTOR_OPS, LOWERED_OPS, PIPELINE_OPS, SIMULATED, OpSpec
 from flowkit.ops.losses import KL_ALIASES, KL_KINDS, LOSS_KNOBS, LOSSES, SUM_FORM_LOSSES
 from flowkit.ops.minibatches import ROUND_KNOBS, cut, epoch_order, minibatch_rounds, rounds_of
 from flowkit.ops.records import STALE_SEGMENTS
 
 __all__ = ["EXECUTOR_OPS", "KL_ALIASES", "KL_KINDS", "LOSSES", "LOSS_KNOBS", "LOWERED_OPS",
-           "PIPELINE_OPS", "ROUND_KNOBS", "SIMULATED", "STALE_SEGMENTS", "SUM_FORM_LOSSES", "OpSpec", "cut",
-           "epoch_order", "minibatch_rounds", "rounds_of"]
+           "MODEL_EOS", "PIPELINE_OPS", "ROUND_KNOBS", "SAMPLING", "SAMPLING_CHOICES",
+           "SAMPLING_KEYS", "SAMPLING_RANGES", "SIMULATED", "STALE_SEGMENTS", "SUM_FORM_LOSSES",
+           "OpSpec", "SamplingConfig", "cut", "epoch_order", "minibatch_rounds", "rounds_of"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import attrs
 
+from flowkit.ops.configs import SAMPLING_KEYS
 from flowkit.ops.losses import LOSS_KNOBS
 
 __all__ = ["EXECUTOR_OPS", "LOWERED_OPS", "PIPELINE_OPS", "SIMULATED", "STATE_OPS", "OpSpec"]
@@ -32,6 +33,8 @@ _SIM_ENGINE = ("seconds_per_seq", "seconds_per_prefill_token", "token_budget", "
                "prompt_sigma")
 _OPTIMIZER = (*_STAGE, "step", "seconds", "lr", "weight_decay", "betas", "eps", "clip_grad_norm")
 _SCORING = (*MODEL_KEYS, "step", "max_batch", "seconds_per_token")
+# Generate's settings but `take`, which the runner keeps (flowkit/runner/flowrun.py)
+_SAMPLING = tuple(key for key in SAMPLING_KEYS if key != "take")
 
 PIPELINE_OPS = ("F", "B", "W", "BW")
 
@@ -54,9 +57,8 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
            "(StepMetrics, WeightsVersion)"),
     OpSpec("generate", "a prompt (or a list of them; an interrupted Rollout is continued, a "
            "finished one passes through), then weights versions to wait for",
-           (*_SCORING, "n", "max_new_tokens", "temperature", "top_p", "eos", "sample_seed",
-            "token_budget", "min_new_tokens", "length_sigma", *_SIM_ENGINE, "request",
-            "min_version", "stale_segments"),
+           (*_SCORING, *_SAMPLING, "token_budget", "min_new_tokens", "length_sigma",
+            *_SIM_ENGINE, "request", "min_version"),
            "n Rollouts per prompt, each streamed as it finishes; `request` names it for an "
            "abort, carried Rollouts older than `min_version` are recomputed or dropped as "
            "`stale_segments` says [Note: partial rollouts]"),

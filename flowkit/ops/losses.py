@@ -4,6 +4,8 @@ reports a loss)."""
 
 from __future__ import annotations
 
+from flowkit.ops.configs import SAMPLING
+
 __all__ = ["KL_ALIASES", "KL_KINDS", "LOSSES", "LOSS_KNOBS", "SUM_FORM_LOSSES"]
 
 LOSSES = {
@@ -21,7 +23,8 @@ one of them can start before its last item exists [Note: streamed microbatches i
 flowkit/runner/flowtrain.py]."""
 
 LOSS_KNOBS = {"kl_coef": 0.0, "kl_kind": "k3", "clip_ratio": 0.2, "clip_ratio_c": 3.0,
-              "cliprange_value": 0.2, "temperature": 1.0, "decoupled": False, "behav_cap": 5.0}
+              "cliprange_value": 0.2, "temperature": SAMPLING.temperature, "decoupled": False,
+              "behav_cap": 5.0}
 """Each knob of the RL losses with its default (verl's); `temperature` is the sampler's, so the
 ratio starts at 1 only when log-probs are taken as generation took them.
 

@@ -1,0 +1,153 @@
+"""The RL flows' settings, as records, each default written once.
+
+`RLConfig` holds what every ready-made RL flow (grpo, ppo, rloo, reinforce_pp) reads, its
+generation settings as a `SamplingConfig` (flowkit/ops/configs.py, Generate's own record);
+`GroupRLConfig`, `PPOConfig` and `ReinforcePPConfig` add or change what their algorithms need.
+A default that is another op's setting is read from that op's declaration (the microbatches of
+Backprop, the lr of OptimizerStep, ...), so the two cannot drift apart.
+
+A flow function takes `config` (its record; a plain RLConfig gets the record's other fields at
+their defaults) and keyword shortcuts, one per setting (`rl_flow`): `grpo_flow(prompts=16, n=8,
+max_new_tokens=8)` is `grpo_flow(GroupRLConfig(prompts=16, sampling=SamplingConfig(n=8,
+max_new_tokens=8)))`. A shortcut defaults to None, the record's value, so None cannot override
+a record's value (give such a record instead).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from dataflows.ops import Backprop, OptimizerStep
+from dataflows.rl.advantages import reinforce_pp_advantages
+from dataflows.rl.steps import answer_reward, arithmetic_prompts
+from flowkit.dsl import Flow, Operator
+from flowkit.ops import ROUND_KNOBS, SAMPLING_KEYS, SamplingConfig
+
+__all__ = ["GroupRLConfig", "PPOConfig", "RLConfig", "ReinforcePPConfig", "rl_flow",
+           "shortcuts_of", "with_shortcuts"]
+
+
+@attrs.frozen(kw_only=True)
+class RLConfig:
+    """`prompts` a step, from `prompt_source` (`count=prompts`, plus `source_config`), each
+    sampled as `sampling` says and scored by `reward` (one rollout). The actor trains in
+    `stages` (None: its own; the built-in GPT's 2) under `schedule` with `microbatches`, at
+    `lr`, `kl_coef` weighing the KL to the reference (in the loss or the reward: the flow's).
+    `max_staleness`: run asynchronously, generation up to that many weights versions ahead of
+    training ([Note: asynchronous steps] in flowkit/runner/flowrun.py; None: synchronous).
+    `oversample` > 1: partial rollouts, that many times the prompts generate and the step
+    takes the first `prompts` groups to finish (the flow sets `sampling.take`)."""
+
+    prompts: int = 16
+    stages: int | None = None
+    # zero-bubble: the RL flows' backprops have many microbatches a step, and ZB-H1 fills the
+    # bubble that 1F1B (Backprop's own default) leaves
+    schedule: str = "zb-h1"
+    microbatches: int = Backprop.config["microbatches"]
+    lr: float = OptimizerStep.config["lr"]
+    kl_coef: float = 0.001
+    max_staleness: int | None = None
+    oversample: float = 1.0
+    prompt_source: Operator = arithmetic_prompts
+    reward: Operator = answer_reward
+    source_config: Mapping[str, Any] | None = None
+    sampling: SamplingConfig = SamplingConfig()
+
+
+@attrs.frozen(kw_only=True)
+class GroupRLConfig(RLConfig):
+    """GRPO's and RLOO's: a prompt's samples are a group, each sample's baseline the others',
+    so a prompt is sampled 8 times."""
+
+    sampling: SamplingConfig = SamplingConfig(n=8)
+
+
+@attrs.frozen(kw_only=True)
+class PPOConfig(RLConfig):
+    """PPO's: one sample a prompt (the critic is the baseline), more prompts, a stronger KL
+    penalty in the token rewards; the critic trains at `critic_lr`. `ppo_epochs` and
+    `minibatches`: actor and critic train on each step's batch `ppo_epochs` times, shuffled
+    and cut into `minibatches`, one optimizer step each (Backprop's epochs and minibatches);
+    `microbatches` is then per minibatch."""
+
+    prompts: int = 64
+    kl_coef: float = 0.05
+    critic_lr: float = 1e-3
+    ppo_epochs: int = ROUND_KNOBS["epochs"]
+    minibatches: int = ROUND_KNOBS["minibatches"]
+
+
+@attrs.frozen(kw_only=True)
+class ReinforcePPConfig(RLConfig):
+    """REINFORCE++'s: one sample a prompt, more prompts (the batch whitening is the baseline);
+    `gamma` discounts the returns; `baseline` makes it REINFORCE++-baseline (n >= 2)."""
+
+    prompts: int = 64
+    gamma: float = reinforce_pp_advantages.config["gamma"]
+    baseline: bool = False
+
+
+# eos=None means "no stop token" and take is the flow's (from oversample): neither can be a
+# shortcut whose None means "the record's"
+_NOT_SHORTCUTS = ("sampling", "eos", "take")
+
+
+def shortcuts_of(record: type[RLConfig]) -> tuple[str, ...]:
+    """The keyword shortcuts of a flow configured by `record`: its settings and the sampling
+    settings, by name."""
+    names = [field.name for field in attrs.fields(record)] + list(SAMPLING_KEYS)
+    return tuple(name for name in names if name not in _NOT_SHORTCUTS)
+
+
+def with_shortcuts(config: RLConfig, **shortcuts: Any) -> RLConfig:
+    """`config` with each shortcut given (not None): a sampling setting's name sets
+    `config.sampling`'s, any other the record's field."""
+    given = {name: value for name, value in shortcuts.items() if value is not None}
+    sampling = {name: given.pop(name) for name in list(given) if name in SAMPLING_KEYS}
+    return attrs.evolve(config, **given, sampling=attrs.evolve(config.sampling, **sampling))
+
+
+def _as_record(config: RLConfig | None, record: type[RLConfig]) -> RLConfig:
+    """`config` as a `record`: an RLConfig of another kind keeps the settings both have."""
+    if config is None:
+        return record()
+    if not isinstance(config, RLConfig):
+        raise TypeError(f"config must be a {record.__name__} (dataflows/rl/config.py), got "
+                        f"{type(config).__name__}")
+    if isinstance(config, record):
+        return config
+    known = {field.name for field in attrs.fields(record)}
+    return record(**{k: v for k, v in attrs.asdict(config, recurse=False).items() if k in known})
+
+
+def rl_flow(record: type[RLConfig]) -> Callable[[Callable[..., Flow]], Callable[..., Flow]]:
+    """A flow function from `build(config, **arguments)`: it takes `config` (a `record`),
+    build's own keywords (the models) and a keyword shortcut for each setting, None by default
+    (the record's value). Its signature says all of them, for help() and the tests."""
+    shortcuts = shortcuts_of(record)
+
+    def decorate(build: Callable[..., Flow]) -> Callable[..., Flow]:
+        @functools.wraps(build)
+        def flow(config: RLConfig | None = None, **keywords: Any) -> Flow:
+            given = {name: keywords.pop(name) for name in list(keywords) if name in shortcuts}
+            return build(with_shortcuts(_as_record(config, record), **given), **keywords)
+
+        flow.__signature__ = _signature(build, record, shortcuts)  # type: ignore[attr-defined]
+        return flow
+
+    return decorate
+
+
+def _signature(build: Callable[..., Flow], record: type[RLConfig],
+               shortcuts: tuple[str, ...]) -> inspect.Signature:
+    own = list(inspect.signature(build).parameters.values())[1:]  # after config
+    config = inspect.Parameter("config", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
+                               annotation=f"{record.__name__} | None")
+    keyword = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
+               for name in shortcuts]
+    return inspect.Signature([config, *own, *keyword], return_annotation=Flow)

@@ -1,0 +1,79 @@
+"""Settings records of the op contract, each default written once.
+
+`SamplingConfig` is how a `generate` call samples. Generate's declaration (dataflows/ops.py)
+takes its config keys, defaults, ranges and choices from it; the executors (executors/sim.py,
+executors/torch/generate.py) read a task's settings through it, so a key a task lacks gets the
+record's default, never one of the executor's own; the RL flows hold one
+(dataflows/rl/config.py). tests/test_defaults.py holds them all to the record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from flowkit.ops.records import STALE_SEGMENTS
+
+__all__ = ["MODEL_EOS", "SAMPLING", "SAMPLING_CHOICES", "SAMPLING_KEYS", "SAMPLING_RANGES",
+           "SamplingConfig"]
+
+MODEL_EOS = "model"
+"""eos="model": stop at the model's tokenizer's EOS, or byte 10 for a model without one
+([Note: rollout text] in executors/torch/engine.py)."""
+
+
+def _setting(default: Any, *, low: float | None = None, high: float | None = None,
+             choices: tuple | None = None) -> Any:
+    """A field with its default and what a flow check allows: a range (low, high; None: open)
+    or choices. They are checked when a flow is built (flowkit/dsl/flow.py reports a Problem),
+    not when a record is made, so a bad value names the op that got it."""
+    metadata: dict[str, Any] = {}
+    if low is not None or high is not None:
+        metadata["range"] = (low, high)
+    if choices is not None:
+        metadata["choices"] = choices
+    return attrs.field(default=default, metadata=metadata)
+
+
+@attrs.frozen(kw_only=True)
+class SamplingConfig:
+    """How generation samples: `n` samples per prompt of at most `max_new_tokens` tokens, at
+    `temperature` (0: greedy) from the top-p set (`top_p` of the mass), each ending at `eos`
+    (a token id, a list of them, None for none, or MODEL_EOS). `sample_seed` seeds the draws
+    (None: the model's seed); a run's step k draws afresh from it. `take` (partial rollouts):
+    a step takes the first `take` groups of an over-provisioned call and carries the rest
+    over, recomputing or dropping those too stale as `stale_segments` says ([Note: partial
+    rollouts] in flowkit/runner/partial.py); the runner reads it, executors never get it."""
+
+    n: int = _setting(1, low=1)
+    max_new_tokens: int = _setting(256, low=1)
+    temperature: float = _setting(1.0, low=0)
+    top_p: float = _setting(1.0, low=0, high=1)
+    eos: Any = _setting(MODEL_EOS)
+    sample_seed: int | None = _setting(None)
+    take: int | None = _setting(None, low=1)
+    stale_segments: str = _setting("recompute", choices=STALE_SEGMENTS)
+
+    def as_config(self) -> dict[str, Any]:
+        """The settings as an op's config keys."""
+        return attrs.asdict(self, recurse=False)
+
+    @classmethod
+    def split(cls, config: Mapping[str, Any]) -> tuple[SamplingConfig, dict[str, Any]]:
+        """A task's config as (its sampling settings, the other keys). A key it lacks has the
+        record's default: a task the planner made has every one (Generate's config is this
+        record's), a direct call (a test, a bench) may leave some out."""
+        given = {key: value for key, value in config.items() if key in SAMPLING_KEYS}
+        return cls(**given), {key: v for key, v in config.items() if key not in SAMPLING_KEYS}
+
+
+SAMPLING = SamplingConfig()
+"""The defaults, for a value that must be a plain default (a function's keyword)."""
+
+SAMPLING_KEYS = tuple(field.name for field in attrs.fields(SamplingConfig))
+SAMPLING_RANGES = {field.name: field.metadata["range"] for field in attrs.fields(SamplingConfig)
+                   if "range" in field.metadata}
+SAMPLING_CHOICES = {field.name: field.metadata["choices"]
+                    for field in attrs.fields(SamplingConfig) if "choices" in field.metadata}
