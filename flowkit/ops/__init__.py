@@ -10,11 +10,27 @@ dispatches them (flowkit/runner/flowrun.py, controller.py, dispatch.py); an exec
 from its op table (executors/ops.py; executors/sim.py, executors/torch/).
 """
 
-from flowkit.ops.executor_ops import EXECUTOR_OPS, LOWERED_OPS, PIPELINE_OPS, SIMULATED, OpSpec
-from flowkit.ops.losses import KL_ALIASES, KL_KINDS, LOSS_KNOBS, LOSSES, SUM_FORM_LOSSES
+from flowkit.ops.executor_ops import (
+    EXECUTOR_OPS,
+    LOWERED_OPS,
+    PIPELINE_OPS,
+    SIMULATED,
+    OpSpec,
+    missing_executor_ops,
+)
+from flowkit.ops.losses import (
+    KL_ALIASES,
+    KL_KINDS,
+    LOSS_KNOBS,
+    LOSS_SPEC,
+    LOSSES,
+    PROXIMAL_LOSSES,
+    SUM_FORM_LOSSES,
+)
 from flowkit.ops.minibatches import ROUND_KNOBS, cut, epoch_order, minibatch_rounds, rounds_of
 from flowkit.ops.records import STALE_SEGMENTS
 
-__all__ = ["EXECUTOR_OPS", "KL_ALIASES", "KL_KINDS", "LOSSES", "LOSS_KNOBS", "LOWERED_OPS",
-           "PIPELINE_OPS", "ROUND_KNOBS", "SIMULATED", "STALE_SEGMENTS", "SUM_FORM_LOSSES", "OpSpec", "cut",
-           "epoch_order", "minibatch_rounds", "rounds_of"]
+__all__ = ["EXECUTOR_OPS", "KL_ALIASES", "KL_KINDS", "LOSSES", "LOSS_KNOBS", "LOSS_SPEC",
+           "LOWERED_OPS", "PIPELINE_OPS", "PROXIMAL_LOSSES", "ROUND_KNOBS", "SIMULATED",
+           "STALE_SEGMENTS", "SUM_FORM_LOSSES", "OpSpec", "cut", "epoch_order",
+           "minibatch_rounds", "missing_executor_ops", "rounds_of"]
