@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from flowkit.dsl import Batch, ModelOp, Problem, Stream, Workload
+from flowkit.dsl import Batch, ModelOp, Problem, Resumable, Stream, Workload
 from flowkit.ops import (
     KL_ALIASES,
     KL_KINDS,
     LOSS_KNOBS,
+    LOSS_SPEC,
     LOSSES,
     ROUND_KNOBS,
     SAMPLING,
@@ -43,6 +44,9 @@ class Generate(ModelOp):
     workload = Workload(key="prompt_id", count="n", budget="max_new_tokens",
                         size="response_length")
     traced = "version_span"  # the trace shows which weights versions sampled each rollout
+    # its calls can be aborted and continued: partial rollouts, asynchronous checkpoints
+    resumable = Resumable(take="take", version_floor="min_version", request="request",
+                          abort_op="generation")
     inputs = {"prompts": Stream[Prompt], "weights": Stream[WeightsVersion]}
     optional = ("weights",)
     outputs = {"rollouts": Stream[Rollout]}
@@ -108,7 +112,8 @@ class Backprop(ModelOp):
     inputs = {"batch": Stream[object], "ref_logprobs": Stream[TokenScores]}
     optional = ("ref_logprobs",)
     outputs = {"stats": Stream[MicrobatchStats]}
-    # loss: one of flowkit.ops.LOSSES, with its knobs
+    # loss: one of flowkit.ops.LOSSES, with its knobs; what the runner needs to know of it
+    loss_spec = LOSS_SPEC
     config = {"loss": "lm", "schedule": "1f1b", "microbatches": 8, "memory_limit": None,
               **ROUND_KNOBS, **LOSS_KNOBS}
     choices = {"loss": tuple(LOSSES), "kl_kind": (*KL_KINDS, *KL_ALIASES),

@@ -4,7 +4,17 @@ from flowkit.dsl.errors import FlowError, Problem
 from flowkit.dsl.flow import Feedback, Flow, Node, Outputs, Ref, Wire, collect, group_by
 from flowkit.dsl.load import FlowLoadError, load_flow
 from flowkit.dsl.metrics import Metrics
-from flowkit.dsl.operators import REQUIRED, InputPort, Model, ModelOp, Operator, Workload, op
+from flowkit.dsl.operators import (
+    REQUIRED,
+    InputPort,
+    LossSpec,
+    Model,
+    ModelOp,
+    Operator,
+    Resumable,
+    Workload,
+    op,
+)
 from flowkit.dsl.types import Batch, Granularity, Grouped, PortType, Stream, Tensor, port_type
 
 __all__ = [
@@ -17,6 +27,7 @@ __all__ = [
     "Granularity",
     "Grouped",
     "InputPort",
+    "LossSpec",
     "Metrics",
     "Model",
     "ModelOp",
@@ -26,6 +37,7 @@ __all__ = [
     "PortType",
     "Problem",
     "Ref",
+    "Resumable",
     "Stream",
     "Tensor",
     "Wire",

@@ -20,8 +20,8 @@ from flowkit.dsl.errors import Problem
 from flowkit.dsl.hf import HF_BUILD, check_hf_config
 from flowkit.dsl.types import PortType, Stream, port_type
 
-__all__ = ["ACTIVE_FLOW", "FlowValue", "InputPort", "Model", "ModelOp", "Operator", "REQUIRED",
-           "op", "yields_many"]
+__all__ = ["ACTIVE_FLOW", "FlowValue", "InputPort", "LossSpec", "Model", "ModelOp", "Operator",
+           "REQUIRED", "Resumable", "op", "yields_many"]
 
 
 # [Note: calls join a flow] Calling an op adds a node to the flow being built, which this module
@@ -304,6 +304,69 @@ class Workload:
     size: str
 
 
+@attrs.frozen(kw_only=True)
+class Resumable:
+    """A ModelOp whose calls can be cut short at a token boundary and continued later from
+    what they made (a finished item given back passes through): partial rollouts carry a
+    step's unfinished calls into the next, and a checkpoint of an asynchronous run replays a
+    step's calls from their saved outputs ([Note: partial rollouts] in
+    flowkit/runner/partial.py). Each name is the flow library's, so the engine names none:
+    a call's config[take] says how many of a step's calls the step takes (None: all, no
+    partial rollouts); a continued call is told in config[version_floor] the oldest weights
+    version its items may keep; config[request] names a call so that the executor op
+    `abort_op` can cut it short (`abort_config`)."""
+
+    take: str
+    version_floor: str
+    request: str
+    abort_op: str
+
+    @staticmethod
+    def abort_config(requests: Sequence[str]) -> dict[str, Any]:
+        """The config of an `abort_op` task that cuts the named calls short; it returns
+        [items, tokens] cut."""
+        return {"action": "abort", "requests": list(requests)}
+
+
+@attrs.frozen(kw_only=True)
+class LossSpec:
+    """What the runner needs to know of the loss a training op's config names, so it names
+    no loss. config[key] names it; `names` are the losses the executors implement, `knobs`
+    the config keys their pipeline ops read besides the name. A loss in `sum_form` is
+    backpropagated as a sum over tokens that the optimizer step divides by the step's total,
+    so a microbatch needs no batch total and may be formed before the batch is complete
+    ([Note: streamed microbatches] in flowkit/runner/flowtrain.py). A loss in `proximal`
+    weighs samples of older weights against a proximal policy when the run is asynchronous:
+    the runner turns config[proximal_knob] on ([Note: asynchronous steps] in
+    flowkit/runner/flowrun.py)."""
+
+    key: str
+    names: frozenset[str] = attrs.field(converter=frozenset)
+    knobs: tuple[str, ...] = attrs.field(converter=tuple)
+    sum_form: frozenset[str] = attrs.field(converter=frozenset)
+    proximal: frozenset[str] = attrs.field(converter=frozenset, default=())
+    proximal_knob: str | None = None
+
+    def settings(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """The entries of `config` the loss's pipeline ops are told: the name and knobs."""
+        return {k: v for k, v in config.items() if k == self.key or k in self.knobs}
+
+    def summed(self, config: Mapping[str, Any]) -> bool:
+        return config.get(self.key) in self.sum_form
+
+    def unknown(self, config: Mapping[str, Any]) -> str | None:
+        """The loss `config` names if the executors implement no such loss."""
+        name = config.get(self.key)
+        return None if name is None or name in self.names else name
+
+    def with_proximal(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """`config` for a run whose samples may be stale: the proximal policy on, if its
+        loss takes one."""
+        if self.proximal_knob is None or config.get(self.key) not in self.proximal:
+            return dict(config)
+        return {**config, self.proximal_knob: True}
+
+
 class ModelOp(Operator):
     """An operator run by an executor that holds a Model, declared as a class:
 
@@ -328,6 +391,9 @@ class ModelOp(Operator):
     differ widely in cost (generation: long-tailed lengths). `traced`: a field (or property) of
     its output items whose value a trace records for each item, in the span of the call that
     made it (a Rollout's version_span); small plain data, as it rides in every completion.
+    `resumable`: its calls can be cut short and continued (a Resumable: generation), which
+    partial rollouts and the checkpoints of asynchronous runs rely on. `loss_spec`: what the
+    runner needs to know of the loss its config names (a LossSpec: a backprop's).
     `choices`: config keys whose value must be one of a known set (a loss, a
     schedule kind); `ranges`: numeric config keys and their (lowest, highest) allowed values,
     None for no bound (None as a value passes: "not set"). Both are checked when the flow is
@@ -341,6 +407,8 @@ class ModelOp(Operator):
     fan_out: ClassVar[tuple[str, str] | None] = None
     workload: ClassVar[Workload | None] = None
     traced: ClassVar[str | None] = None
+    resumable: ClassVar[Resumable | None] = None
+    loss_spec: ClassVar[LossSpec | None] = None
     choices: ClassVar[dict[str, Collection[str]]] = {}
     ranges: ClassVar[dict[str, tuple[float | None, float | None]]] = {}
     inputs: ClassVar[dict[str, Any]] = {}

@@ -212,6 +212,20 @@ class RunStats:
         self._last_error = f"{counters.label.name} lost: {error_line(reason)}"
 
     # -- reading (any thread) ------------------------------------------------------------------
+    def step_line(self, report: Any) -> dict:
+        """A step's metrics line from its StepReport (flowkit/runner/flowrun.py): its metrics
+        and timings, tokens/s, the first loss as `loss`, and the run's ops/s so far."""
+        line = {"step": report.step, "step_s": report.elapsed_s, **report.metrics}
+        line.update({f"timing_s/{name}": seconds for name, seconds in report.timing_s.items()})
+        tokens = sum(v for k, v in report.metrics.items() if k.endswith("/tokens"))
+        if tokens:
+            line["tokens_per_s"] = tokens / report.elapsed_s
+        losses = [v for k, v in report.metrics.items() if k.endswith("/loss")]
+        if losses:
+            line["loss"] = losses[0]
+        line["perf/ops_per_s"] = self.snapshot().summary().get("perf/ops_per_s")
+        return line
+
     def snapshot(self) -> StatsSnapshot:
         now = self._clock()
         with self._lock:

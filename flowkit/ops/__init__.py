@@ -19,12 +19,28 @@ from flowkit.ops.configs import (
     SAMPLING_RANGES,
     SamplingConfig,
 )
-from flowkit.ops.executor_ops import EXECUTOR_OPS, LOWERED_OPS, PIPELINE_OPS, SIMULATED, OpSpec
-from flowkit.ops.losses import KL_ALIASES, KL_KINDS, LOSS_KNOBS, LOSSES, SUM_FORM_LOSSES
+from flowkit.ops.executor_ops import (
+    EXECUTOR_OPS,
+    LOWERED_OPS,
+    PIPELINE_OPS,
+    SIMULATED,
+    OpSpec,
+    missing_executor_ops,
+)
+from flowkit.ops.losses import (
+    KL_ALIASES,
+    KL_KINDS,
+    LOSS_KNOBS,
+    LOSS_SPEC,
+    LOSSES,
+    PROXIMAL_LOSSES,
+    SUM_FORM_LOSSES,
+)
 from flowkit.ops.minibatches import ROUND_KNOBS, cut, epoch_order, minibatch_rounds, rounds_of
 from flowkit.ops.records import STALE_SEGMENTS
 
-__all__ = ["EXECUTOR_OPS", "KL_ALIASES", "KL_KINDS", "LOSSES", "LOSS_KNOBS", "LOWERED_OPS",
-           "MODEL_EOS", "PIPELINE_OPS", "ROUND_KNOBS", "SAMPLING", "SAMPLING_CHOICES",
-           "SAMPLING_KEYS", "SAMPLING_RANGES", "SIMULATED", "STALE_SEGMENTS", "SUM_FORM_LOSSES",
-           "OpSpec", "SamplingConfig", "cut", "epoch_order", "minibatch_rounds", "rounds_of"]
+__all__ = ["EXECUTOR_OPS", "KL_ALIASES", "KL_KINDS", "LOSSES", "LOSS_KNOBS", "LOSS_SPEC",
+           "LOWERED_OPS", "MODEL_EOS", "PIPELINE_OPS", "PROXIMAL_LOSSES", "ROUND_KNOBS",
+           "SAMPLING", "SAMPLING_CHOICES", "SAMPLING_KEYS", "SAMPLING_RANGES", "SIMULATED",
+           "STALE_SEGMENTS", "SUM_FORM_LOSSES", "OpSpec", "SamplingConfig", "cut",
+           "epoch_order", "minibatch_rounds", "missing_executor_ops", "rounds_of"]

@@ -9,12 +9,16 @@ An executor op is called as ``op(ctx, *inputs, **config)``: the inputs are what 
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
+from typing import Any
+
 import attrs
 
 from flowkit.ops.configs import SAMPLING_KEYS
 from flowkit.ops.losses import LOSS_KNOBS
 
-__all__ = ["EXECUTOR_OPS", "LOWERED_OPS", "PIPELINE_OPS", "SIMULATED", "STATE_OPS", "OpSpec"]
+__all__ = ["EXECUTOR_OPS", "LOWERED_OPS", "PIPELINE_OPS", "SIMULATED", "STATE_OPS", "OpSpec",
+           "missing_executor_ops"]
 
 
 @attrs.frozen
@@ -101,3 +105,17 @@ engine's control, and the run checkpoint's state ops."""
 STATE_OPS = ("save_state", "load_state")
 """The ops an executor takes part in a run checkpoint with [Note: run checkpoints in
 flowkit/runner/checkpoint.py]."""
+
+
+def missing_executor_ops(nodes: Iterable[Any], implemented: Collection[str]) -> list[str]:
+    """What executors implementing the ops `implemented` lack to run a lowered flow's `nodes`
+    (flowkit/planner/lower.py's NodePlans): the executor ops its model ops run as (by their
+    lowering: a backprop runs as F, B, W), then each loss its nodes name that the executors
+    implement no such loss of (by the node's declared `loss_spec`), as "the 'x' loss"."""
+    nodes = list(nodes)
+    wanted = {need for node in nodes if node.model is not None
+              for need in LOWERED_OPS.get(node.call.value, (node.op,))}
+    missing = sorted(wanted - set(implemented))
+    unknown = {node.loss_spec.unknown(node.config) for node in nodes
+               if node.loss_spec is not None}
+    return missing + sorted(f"the {name!r} loss" for name in unknown if name is not None)

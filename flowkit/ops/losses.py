@@ -4,9 +4,11 @@ reports a loss)."""
 
 from __future__ import annotations
 
+from flowkit.dsl import LossSpec
 from flowkit.ops.configs import SAMPLING
 
-__all__ = ["KL_ALIASES", "KL_KINDS", "LOSSES", "LOSS_KNOBS", "SUM_FORM_LOSSES"]
+__all__ = ["KL_ALIASES", "KL_KINDS", "LOSSES", "LOSS_KNOBS", "LOSS_SPEC", "PROXIMAL_LOSSES",
+           "SUM_FORM_LOSSES"]
 
 LOSSES = {
     "lm": "next-token cross-entropy, a mean per token",
@@ -36,9 +38,17 @@ sampler recorded. Off, the ratio is against `Experience.logprobs`, as in synchro
 `behav_cap`: that weight's upper bound (> 0; >= 1 in a flow). A larger weight is clamped to it
 (truncated importance sampling), where AReaL masks such tokens out."""
 
+PROXIMAL_LOSSES = ("grpo", "ppo")
+"""The policy losses, which take the `decoupled` objective for stale samples in an asynchronous
+run ([Note: asynchronous steps] in flowkit/runner/flowrun.py)."""
+
 KL_KINDS = ("k1", "abs", "k2", "k3")
 """The estimators of the KL to the reference that `kl_kind` names (k3: Schulman's low-variance
 estimator)."""
 
 KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 """verl's older names for the same estimators, so configs written for verl work unchanged."""
+
+LOSS_SPEC = LossSpec(key="loss", names=LOSSES, knobs=LOSS_KNOBS, sum_form=SUM_FORM_LOSSES,
+                     proximal=PROXIMAL_LOSSES, proximal_knob="decoupled")
+"""What the runner needs to know of these losses (a Backprop's `loss_spec`), so it names none."""

@@ -10,7 +10,8 @@ stages fuse; the user never writes the fusion:
   pipeline    lowering = "pipeline": microbatches under a pipeline schedule, F/B/W per stage
   step        lowering = "step": one task per pipeline stage, after its W ops
 A ModelOp declares the last two (`lowering`) and whether one call yields many items
-(`many_per_call`), so the planner names no op of a flow library.
+(`many_per_call`), so the planner names no op of a flow library; what the runner needs to know
+of it besides (`resumable`, `loss_spec`, ...) the NodePlan carries, so neither does the runner.
 Pure: no torch, no zmq. The runtime (flowkit/runner/flowrun.py) carries the rules out.
 """
 
@@ -23,7 +24,17 @@ from typing import Any
 import attrs
 import networkx as nx
 
-from flowkit.dsl import Flow, Granularity, Metrics, Model, Node, Wire, Workload
+from flowkit.dsl import (
+    Flow,
+    Granularity,
+    LossSpec,
+    Metrics,
+    Model,
+    Node,
+    Resumable,
+    Wire,
+    Workload,
+)
 from flowkit.dsl.graph import GroupBy
 from flowkit.dsl.operators import FunctionOp, ModelOp, yields_many
 
@@ -68,6 +79,14 @@ class NodePlan:
     reports: bool = False  # its outputs are Metrics, which the runner adds to the step's own
     workload: Workload | None = None  # calls balanced by predicted work (a ModelOp's)
     trace_key: str | None = None  # its items' field a trace records (ModelOp.traced)
+    # what the runner needs to know of a model op, as its class declares it
+    fan_out: tuple[str, str] | None = None  # (config key of the items a call yields, field)
+    resumable: Resumable | None = None  # its calls can be cut short and continued
+    loss_spec: LossSpec | None = None  # what it trains with
+
+    def items_per_call(self) -> int:
+        """How many items each call yields, as its fan-out declares (else one)."""
+        return int(self.config.get(self.fan_out[0]) or 1) if self.fan_out else 1
 
 
 _DECLARED_CALLS = {"pipeline": Call.PIPELINE, "step": Call.STEP}  # by ModelOp.lowering
@@ -101,6 +120,8 @@ def _plan_node(flow: Flow, node: Node, wires: list[Wire]) -> NodePlan:
         call = _DECLARED_CALLS[operator.lowering] if operator.lowering else _call_of(inputs)
         return NodePlan(call=call, op=operator.kind, many=(operator.many_per_call,) * len(outputs),
                         model=model, workload=operator.workload, trace_key=operator.traced,
+                        fan_out=operator.fan_out, resumable=operator.resumable,
+                        loss_spec=operator.loss_spec,
                         **{**common, "tags": common["tags"] or tuple(model.tags)})
     target = operator.target if isinstance(operator, FunctionOp) else None
     fn = getattr(operator, "fn", None)

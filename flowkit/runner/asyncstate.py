@@ -5,8 +5,8 @@ resumed run goes on with them.
 done), steps k .. k+η-1 are open [Note: asynchronous steps in flowrun.py]: their generation
 may be done, running, or (partial rollouts, [Note: partial rollouts in partial.py]) carried
 from one step to the next. A checkpoint there
-  1. drains: it lets every open step's generating nodes (the gated `generate` ops) end before
-     it writes anything. Nothing trains meanwhile (a step's training starts only in the next
+  1. drains: it lets every open step's generating nodes (gated nodes whose op declares its
+     calls resumable, ModelOp.resumable: Generate's) end before it writes anything. Nothing trains meanwhile (a step's training starts only in the next
      `run_step`), so the executors' weights and optimizer states are step k-1's; the engines
      go on decoding the open steps' samples under the weights they have, as they would have
      without the checkpoint. This costs throughput at checkpoint steps only: the next step's
@@ -18,7 +18,7 @@ from one step to the next. A checkpoint there
      the controller's `RunState`;
   3. writes the executors' states and the run state as a synchronous checkpoint does.
 A resumed run opens steps k .. k+η-1 as the uninterrupted one would, but each of their
-generating nodes makes exactly the saved calls, each given its saved rollouts, which the
+generating nodes makes exactly the saved calls (its call policy is a `Replay`), each given its saved rollouts, which the
 engines pass through unchanged (a finished Rollout given to `generate` is its output); the
 step's own prompts are not generated again. Everything downstream (rewards, reference
 scores, advantages, training) runs as before. The carried calls go back into the runner and
@@ -44,15 +44,18 @@ from __future__ import annotations
 
 import queue
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import attrs
 
-from flowkit.runner.partial import Carried
-from flowkit.runner.stepstate import FlowRunError, lineage_order
+from flowkit.runner.calls import CallSite
+from flowkit.runner.partial import Carried, CarryOver
+from flowkit.runner.stepstate import FlowRunError, RunnerState, lineage_order
 from flowkit.wire.refs import Item
 
-__all__ = ["CarriedCall", "OpenCall", "OpenWork", "drain", "open_work", "resume_open"]
+__all__ = ["CarriedCall", "OpenCall", "OpenWork", "Replay", "drain", "open_work",
+           "resume_open"]
 
 
 @attrs.frozen
@@ -89,43 +92,85 @@ class OpenWork:
                 + sum(len(c.items) for c in self.carried))
 
 
-def generating(runner: Any) -> list[str]:
-    """The nodes whose output a checkpoint holds: gated generate ops."""
-    ops = {node.name: node.op for node in runner.plan}
-    return [name for name in runner.gated if ops[name] == "generate"]
+@attrs.define
+class Replay:
+    """A resumed open step's generating node (its call policy, calls.py): exactly the
+    checkpointed calls, each given its saved rollouts (passed through), in place of the
+    step's own prompts, reporting the partial-rollout metrics the checkpointed step had."""
+
+    name: str
+    step: int
+    calls: dict[tuple, Any]  # lineage -> the saved rollouts of that call
+    saved_metrics: dict[str, float]
+    ledger: CarryOver
+    outgoing: list[Carried] = attrs.field(factory=list)  # nothing is carried into it: passed on
+    streams_parts = False
+
+    def submit(self, site: CallSite, prompts_closed: bool) -> bool:
+        for lineage, ref in self.calls.items():
+            site.submit(lineage, ref)
+        self.calls = {}
+        return True
+
+    def admit(self, prompts: int) -> bool:
+        return False  # the step's own prompts were generated before the checkpoint
+
+    def config(self, lineage: tuple) -> dict:
+        return {}
+
+    def done(self, lineage: tuple, future: Any, site: CallSite) -> bool:
+        return True
+
+    def may_close(self) -> bool:
+        return True
+
+    def closed(self) -> None:
+        self.ledger.carry(self.name, self.step, self.outgoing)
+
+    def receive(self, calls: list, *, closed: bool) -> None:
+        self.outgoing.extend(calls)
+
+    def metrics(self, timeout: float) -> dict[str, float]:
+        return dict(self.saved_metrics)
 
 
-def drain(runner: Any, timeout: float) -> None:
+class OpenSteps(Protocol):
+    """What a checkpoint drains of a runner (flowrun.FlowRunner)."""
+
+    events: queue.SimpleQueue
+
+    def open_resumable(self) -> dict[int, dict[str, bool]]:
+        """Each open step's generating nodes: whether each has ended."""
+
+
+def drain(runner: OpenSteps, timeout: float) -> None:
     """Run the open steps' reactions until every generating node of theirs has ended."""
-    nodes = generating(runner)
     deadline = time.monotonic() + timeout
-    while not all(run.states[n].closed for run in runner.open.values() for n in nodes):
+    while not all(all(nodes.values()) for nodes in runner.open_resumable().values()):
         try:
             event = runner.events.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
-            still = sorted(f"{n} of step {s}" for s, run in runner.open.items() for n in nodes
-                           if not run.states[n].closed)
+            still = sorted(f"{n} of step {s}" for s, nodes in runner.open_resumable().items()
+                           for n, ended in nodes.items() if not ended)
             raise FlowRunError(f"a checkpoint waited {timeout} s for the generation of the "
                                f"open steps; still running: {', '.join(still)}") from None
         event()
 
 
-def open_work(runner: Any, timeout: float) -> OpenWork:
-    """Drain, then fetch what the open steps generated and what is carried past them."""
-    drain(runner, timeout)
-    work, fetched = OpenWork(), _Fetcher(runner.ctl, timeout)
-    for step, run in sorted(runner.open.items()):
-        for name in generating(runner):
-            (port,) = run.states[name].plan.outputs
-            stream = run.streams[(name, port)]
+def open_work(ctl: Any, state: RunnerState, timeout: float) -> OpenWork:
+    """Fetch what the open steps of a drained runner's `state` generated and what is carried
+    past them."""
+    work, fetched = OpenWork(), _Fetcher(ctl, timeout)
+    for step, by_node in sorted(state.open_calls.items()):
+        for name, items in by_node.items():
             calls: dict[tuple, list] = {}
-            for lineage in sorted(stream.items, key=lineage_order):
-                calls.setdefault(lineage[:-1], []).append(fetched(stream.items[lineage]))
-            work.calls.setdefault(step, {})[name] = [OpenCall(lin, items)
-                                                     for lin, items in calls.items()]
-        for name, partial in run.partial.items():
-            work.partial.setdefault(step, {})[name] = partial.metrics(name, timeout)
-    for step, by_node in sorted(runner.carried.items()):
+            for lineage in sorted(items, key=lineage_order):
+                calls.setdefault(lineage[:-1], []).append(fetched(items[lineage]))
+            work.calls.setdefault(step, {})[name] = [OpenCall(lin, values)
+                                                     for lin, values in calls.items()]
+    for step, by_node in state.open_metrics.items():
+        work.partial[step] = dict(by_node)
+    for step, by_node in sorted(state.carried.items()):
         for name, carried in by_node.items():
             work.carried += [CarriedCall(step, name, c.origin, c.lineage,
                                          list(fetched(c.ref))) for c in carried]
@@ -146,15 +191,22 @@ class _Fetcher:
         return self.ctl.fetch(ref, timeout=self.timeout)
 
 
-def resume_open(runner: Any, work: OpenWork) -> None:
+class Resuming(Protocol):
+    """What a resumed runner takes back of its open steps (flowrun.FlowRunner)."""
+
+    def resume_open_steps(self, calls: Mapping[int, dict[str, dict[tuple, Any]]],
+                          metrics: Mapping[int, dict[str, dict]],
+                          carried: Mapping[int, dict[str, list[Carried]]]) -> None: ...
+
+
+def resume_open(runner: Resuming, ctl: Any, work: OpenWork) -> None:
     """The open steps of a resumed run replay `work`'s calls; carried calls wait for their
     step."""
-    ctl = runner.ctl
-    for step, by_node in work.calls.items():
-        runner.replay[step] = {name: {c.lineage: ctl.put(list(c.items)) for c in calls}
-                               for name, calls in by_node.items()}
-    for step, by_node in work.partial.items():
-        runner.replay_metrics[step] = dict(by_node)
+    calls = {step: {name: {c.lineage: ctl.put(list(c.items)) for c in node_calls}
+                    for name, node_calls in by_node.items()}
+             for step, by_node in work.calls.items()}
+    carried: dict[int, dict[str, list[Carried]]] = {}
     for c in work.carried:
-        runner.carried.setdefault(c.step, {}).setdefault(c.node, []).append(
+        carried.setdefault(c.step, {}).setdefault(c.node, []).append(
             Carried(c.origin, c.lineage, ctl.put(list(c.items))))
+    runner.resume_open_steps(calls, work.partial, carried)

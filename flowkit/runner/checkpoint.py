@@ -34,15 +34,16 @@ import os
 import pickle
 import shutil
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
 from flowkit.ops.executor_ops import STATE_OPS
 from flowkit.planner.lower import NodePlan
-from flowkit.runner.asyncstate import OpenWork, open_work, resume_open
-from flowkit.runner.stepstate import Streams
+from flowkit.runner.asyncstate import OpenSteps, OpenWork, Resuming, drain, open_work, resume_open
+from flowkit.runner.stepstate import RunnerState, Streams
 from flowkit.runner.training import model_spec
 from flowkit.runtime.futures import wait
 from flowkit.runtime.registry import ExecutorInfo
@@ -96,8 +97,18 @@ def flow_identity(name: str, plan: list[NodePlan]) -> dict:
     return json.loads(json.dumps(identity, sort_keys=True, default=repr))
 
 
-def placement_of(runner: Any) -> dict[str, list[str]]:
-    return {model: [e.name for e in chosen] for model, chosen in sorted(runner.placement.items())}
+class Checkpointed(OpenSteps, Resuming, Protocol):
+    """A runner as its checkpoints see it (flowrun.FlowRunner)."""
+
+    ctl: Any  # the controller its executors are reached through
+    staleness: int | None  # its bound, None: synchronous
+
+    def state(self) -> RunnerState:
+        """What it holds at a step boundary."""
+
+    def resume(self, step: int, feedback: Streams, profiles: dict,
+               training: Mapping[str, dict]) -> None:
+        """Go on at `step` from what a checkpoint held."""
 
 
 def executor_layout(executors: list[ExecutorInfo], kind: str) -> list[dict]:
@@ -106,7 +117,7 @@ def executor_layout(executors: list[ExecutorInfo], kind: str) -> list[dict]:
 
 
 # -- writing ----------------------------------------------------------------------------------
-def write_checkpoint(root: Path, runner: Any, *, step: int, identity: dict,
+def write_checkpoint(root: Path, runner: Checkpointed, *, step: int, identity: dict,
                      executors: list[ExecutorInfo], kind: str, records: list[dict], keep: int,
                      timeout: float = 600.0) -> Path:
     """Write the checkpoint of `runner` after `step` steps (a step boundary: nothing in
@@ -119,7 +130,10 @@ def write_checkpoint(root: Path, runner: Any, *, step: int, identity: dict,
     (temp / "executors").mkdir(parents=True)
     ctl = runner.ctl
     # first: the open steps' generation ends, and nothing trains until the next step
-    work = None if runner.staleness is None else open_work(runner, timeout)
+    if runner.staleness is not None:
+        drain(runner, timeout)
+    snapshot = runner.state()
+    work = None if snapshot.staleness is None else open_work(ctl, snapshot, timeout)
     saves = [ctl.submit("save_state", config={"path": str(temp / "executors" / e.name)},
                         executor=e.id, meta={"node": "checkpoint", "step": step})
              for e in executors if all(op in e.ops for op in STATE_OPS)]
@@ -127,13 +141,13 @@ def write_checkpoint(root: Path, runner: Any, *, step: int, identity: dict,
     for future in saves:
         if future.exception() is not None:
             raise CheckpointError(f"checkpoint of step {step}: {future.exception()}")
-    state = RunState(step=step, records=list(records), feedback=_feedback_values(runner),
-                     training=_training_state(runner), profiles=dict(runner.profiles),
-                     open_work=work)
+    state = RunState(step=step, records=list(records),
+                     feedback={key: _value(ctl, ref) for key, ref in snapshot.feedback.items()},
+                     training=snapshot.training, profiles=snapshot.profiles, open_work=work)
     _write_synced(temp / RUN_STATE, pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
     manifest = Manifest(step=step, identity=identity, executors=executor_layout(executors, kind),
-                        placement=placement_of(runner), written_s=time.perf_counter() - started,
-                        staleness=runner.staleness)
+                        placement=snapshot.placement,
+                        written_s=time.perf_counter() - started, staleness=snapshot.staleness)
     _write_synced(temp / MANIFEST, json.dumps(attrs.asdict(manifest), indent=1).encode())
     if final.exists():  # the same step again (a resumed run interrupted at once): replace it
         shutil.rmtree(final)
@@ -167,31 +181,12 @@ def _prune(root: Path, keep: int) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
-def _feedback_values(runner: Any) -> dict[tuple, Any]:
-    """The value each feedback input will read in the next step, fetched here (small:
-    weights versions)."""
-    values = {}
-    for node in runner.plan:
-        for rule in node.inputs:
-            stream = runner.previous.get((rule.src, rule.src_port)) if rule.feedback else None
-            if stream is not None and stream.items:
-                values[(rule.src, rule.src_port)] = _value(runner.ctl, stream.ordered()[-1])
-    return values
-
-
 def _value(ctl: Any, ref: Any) -> Any:
     if isinstance(ref, Gather):
         return [_value(ctl, part) for part in ref.parts]
     if isinstance(ref, Item):
         return ctl.fetch(ref.future)[ref.index]
     return ctl.fetch(ref)
-
-
-def _training_state(runner: Any) -> dict[str, dict]:
-    return {name: {"item_counts": dict(t.item_counts),
-                   "predicted_bubble": dict(t.predicted_bubble),
-                   "last_trained": t.last_trained}
-            for name, t in runner.training.items()}
 
 
 # -- reading and resuming ---------------------------------------------------------------------
@@ -282,16 +277,16 @@ def _layout_text(layout: list[dict]) -> str:
     return f"{len(layout)} {'/'.join(kinds)} ({tags})"
 
 
-def restore(folder: Path, runner: Any, executors: list[ExecutorInfo], *,
+def restore(folder: Path, runner: Checkpointed, executors: list[ExecutorInfo], *,
             timeout: float = 600.0) -> RunState:
     """Put the checkpoint in `folder` back: every executor loads its state, the runner its
     feedback and what its trainings carry; returns the controller's state (its step: the next
     one to run)."""
     ctl = runner.ctl
-    saved = read_manifest(folder).placement
-    if saved != placement_of(runner):  # each executor's state is of the stages it held
+    saved, placement = read_manifest(folder).placement, runner.state().placement
+    if saved != placement:  # each executor's state is of the stages it held
         raise CheckpointError(f"--resume {folder}: the checkpointed run placed the models' stages "
-                              f"on {saved}, this run on {placement_of(runner)}")
+                              f"on {saved}, this run on {placement}")
     loads = []
     for e in executors:
         part = folder / "executors" / e.name
@@ -310,14 +305,8 @@ def restore(folder: Path, runner: Any, executors: list[ExecutorInfo], *,
     for key, value in state.feedback.items():
         previous[key].add((0,), ctl.put(value))
         previous[key].closed = True
-    runner.resume_feedback(state.step, previous)
-    runner.profiles.update(state.profiles)
-    for name, carried in state.training.items():
-        training = runner.training[name]
-        training.item_counts.update(carried["item_counts"])
-        training.predicted_bubble.update(carried["predicted_bubble"])
-        training.last_trained = carried["last_trained"]
+    runner.resume(state.step, previous, state.profiles, state.training)
     work = getattr(state, "open_work", None)  # absent from a checkpoint of an older flowkit
     if work is not None:
-        resume_open(runner, work)
+        resume_open(runner, ctl, work)
     return state

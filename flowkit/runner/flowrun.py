@@ -17,8 +17,8 @@ its iterations, so sequences in flight go on under the new weights, each token r
 version; no trained token's version lags the weights it updates by more than η. Training runs
 step after step in order (a step's backprop starts when the step before has ended). With η = 0
 step k's generation waits for step k-1's weights: the synchronous run, operation for
-operation. With η >= 1 the backprops use the decoupled objective for stale samples (the
-`decoupled` loss knob). A step's training starts in its own `run_step` call, never between two:
+operation. With η >= 1 the backprops whose loss takes a proximal policy use the decoupled
+objective for stale samples (the knob their LossSpec names, `decoupled`). A step's training starts in its own `run_step` call, never between two:
 what a checkpoint at that boundary holds of the open steps is [Note: checkpoints of
 asynchronous runs] in asyncstate.py.
 """
@@ -29,6 +29,7 @@ import queue
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,31 +39,18 @@ from flowkit.dsl import Granularity
 from flowkit.ops import rounds_of
 from flowkit.planner.lower import Call, InputRule, NodePlan
 from flowkit.planner.simcosts import SimCosts
+from flowkit.runner.asyncstate import Replay
 from flowkit.runner.balance import Balancer, LengthEstimates
+from flowkit.runner.calls import CallPolicy
 from flowkit.runner.flowtrain import ModelTraining
-from flowkit.runner.partial import STALE_SEGMENTS, Carried, PartialRollouts
+from flowkit.runner.partial import Carried, CarryOver, PartialCalls, PartialRollouts
 from flowkit.runner.steprun import TRAINING_CALLS, StepReport, StepRun
-from flowkit.runner.stepstate import FlowRunError, Streams
+from flowkit.runner.stepstate import BalancedCalls, FlowRunError, RunnerState, Streams, Wiring
 from flowkit.runner.training import model_spec
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.registry import ExecutorInfo
 
 __all__ = ["FlowRunError", "FlowRunner", "StepReport", "check_async"]
-
-POLICY_LOSSES = ("grpo", "ppo")  # the losses the decoupled objective applies to
-
-
-@attrs.frozen
-class _Workload:
-    """A node whose calls are balanced by predicted work [Note: length-aware dispatch]."""
-
-    lead: InputRule  # the input whose items are the calls (the prompts)
-    keyed: bool  # its items' keys are the workload's key (else no history: all alike)
-    sized: bool  # the node's output keys are its items' sizes (else nothing is learned)
-    # the calls' items all come from one source call: wait for its end (its items arrive
-    # together anyway) so the step's calls can be sent longest first
-    hold: bool
-    estimates: LengthEstimates  # across steps
 
 
 class FlowRunner:
@@ -77,16 +65,14 @@ class FlowRunner:
                  steps: int | None = None) -> None:
         if staleness is not None:
             check_async(plan, staleness)
-            plan = _decoupled(plan) if staleness >= 1 else plan
+            plan = _with_proximal(plan) if staleness >= 1 else plan
         self.partial = _partial_rollouts(plan, staleness)
-        plan = [_without_partial(node) if "take" in node.config else node for node in plan]
+        plan = [_without_take(node) if node.resumable is not None else node for node in plan]
         self.ctl, self.plan, self.sim_costs = ctl, plan, sim_costs
         self.staleness, self.steps = staleness, steps
-        # fuse=False: every op waits for its producers to finish (stage by stage, a barrier
-        # between stages), the baseline that sample-level fusion is measured against
         self.fuse = fuse
         self.step_timeout = step_timeout
-        self.consumers: dict[str, list[str]] = defaultdict(list)
+        consumers: dict[str, list[str]] = defaultdict(list)
         self.report_keys: dict[str, str] = {}
         self.fed_back: set[tuple[str, str]] = set()  # (node, port) read by a later step
         for node in plan:
@@ -94,22 +80,24 @@ class FlowRunner:
                 if rule.feedback:
                     self.fed_back.add((rule.src, rule.src_port))
                 else:
-                    self.consumers[rule.src].append(node.name)
+                    consumers[rule.src].append(node.name)
                 if rule.group_key is not None:
                     self.report_keys[rule.src] = rule.group_key
-        # the producers of grouped items: a carried call's keys are made its own there
-        self.group_keyed = {rule.src for node in plan for rule in node.inputs
-                            if rule.group_key is not None}
-        self.carried: dict[int, dict[str, list[Carried]]] = {}  # for steps not open yet
+        self.events: queue.SimpleQueue = queue.SimpleQueue()  # every open step's reactions
+        self.open: dict[int, StepRun] = {}
+        self.carry_over = CarryOver(self.open)  # [Note: partial rollouts in partial.py]
         # a resumed asynchronous run's open steps: step -> node -> lineage -> the saved
         # rollouts of that call, and the partial-rollout metrics they report
         # [Note: checkpoints of asynchronous runs in asyncstate.py]
-        self.replay: dict[int, dict[str, dict[tuple, Any]]] = {}
-        self.replay_metrics: dict[int, dict[str, dict]] = {}
+        self._replay: dict[int, dict[str, dict[tuple, Any]]] = {}
+        self._replay_metrics: dict[int, dict[str, dict]] = {}
         self.attempt = uuid.uuid4().hex[:8]  # in request names: unique to this runner
         # the nodes admission control holds back [Note: asynchronous steps]
         self.gated = [node.name for node in plan if node.call not in TRAINING_CALLS
                       and any(rule.feedback for rule in node.inputs)]
+        # those whose calls a checkpoint drains and replays: resumable ones
+        self.generating = [node.name for node in plan
+                           if node.name in self.gated and node.resumable is not None]
         # (node, port) -> step -> that step's streams, for the steps after it
         self.produced_at: dict[tuple[str, str], dict[int, Streams]] = defaultdict(dict)
         # balance=False: calls of ops with a Workload go where the dispatcher's count says,
@@ -117,14 +105,16 @@ class FlowRunner:
         self.workloads = {node.name: self._workload(node) for node in plan
                           if balance and node.workload is not None and node.call is Call.PER_ITEM}
         self.placement = self._place_models()
-        # a model op's config, but the step: built once, not per item on the dispatch path;
         # model ops name the model's whole copy [Note: one model, many holders in
         # executors/torch/held.py], a simulator its costs
-        self.op_configs = {node.name: {**model_spec(node.model, 1), **node.config,
-                                       **(sim_costs.config_for(node.op) if sim_costs else {})}
-                           for node in plan if node.model is not None}
-        self.events: queue.SimpleQueue = queue.SimpleQueue()  # every open step's reactions
-        self.open: dict[int, StepRun] = {}
+        op_configs = {node.name: {**model_spec(node.model, 1), **node.config,
+                                  **(sim_costs.config_for(node.op) if sim_costs else {})}
+                      for node in plan if node.model is not None}
+        self.wiring = Wiring(plan=plan, consumers=consumers, report_keys=self.report_keys,
+                             group_keyed=frozenset(rule.src for node in plan
+                                                   for rule in node.inputs
+                                                   if rule.group_key is not None),
+                             op_configs=op_configs, fuse=fuse, step_timeout=step_timeout)
         self.last_run: StepRun | None = None  # the step running, or the last one run
         self.step = 0  # the step running, or the next one
         self.resumed = Streams()  # the feedback a resumed run starts from
@@ -132,7 +122,7 @@ class FlowRunner:
         self.training = {node.model.name: self._training(node.model) for node in plan
                          if node.call is Call.PIPELINE}
 
-    def _workload(self, node: NodePlan) -> _Workload:
+    def _workload(self, node: NodePlan) -> BalancedCalls:
         """Ask for what length-aware dispatch learns from without fetching anything: the key
         of each input item (from its producer) and the size of each output item, as report
         keys, unless a group_by already needs the producer's or the node's own."""
@@ -142,7 +132,7 @@ class FlowRunner:
         keyed = self.report_keys.setdefault(lead.src, workload.key) == workload.key
         sized = self.report_keys.setdefault(node.name, workload.size) == workload.size
         source = next(n for n in self.plan if n.name == lead.src).call is Call.SOURCE
-        return _Workload(lead, keyed, sized, source, LengthEstimates())
+        return BalancedCalls(lead, keyed, sized, source, LengthEstimates())
 
     def _training(self, model: Any) -> ModelTraining:
         users = [(node.op, frozenset(node.tags)) for node in self.plan
@@ -203,7 +193,7 @@ class FlowRunner:
 
     def balancer(self, name: str, plan: NodePlan) -> Balancer | None:
         """A step's balancer of node `name`'s calls, over the estimates of every step."""
-        config = self.op_configs[name]
+        config = self.wiring.op_configs[name]
         able = [e.id for e in self.ctl.executors() if e.runs(plan.op, frozenset(plan.tags))]
         if not able:
             return None  # the dispatcher says why when the first call is submitted
@@ -271,10 +261,10 @@ class FlowRunner:
         newest = max(earlier)
         return newest + 1, produced[newest]
 
-    def admits(self, run: StepRun, plan: NodePlan) -> bool:
+    def admits(self, step: int, plan: NodePlan) -> bool:
         if self.staleness is None or plan.name not in self.gated:
             return True
-        return all(self._newest(rule, run.step)[0] >= run.step - self.staleness
+        return all(self._newest(rule, step)[0] >= step - self.staleness
                    for rule in plan.inputs if rule.feedback)
 
     def feedback_refs(self, plan: NodePlan, step: int) -> dict[str, Any]:
@@ -288,42 +278,91 @@ class FlowRunner:
                     refs[rule.port] = stream.ordered()[-1]
         return refs
 
-    # -- partial rollouts [Note: partial rollouts in partial.py] ---------------------------------
-    def carry(self, node: str, step: int, calls: list[Carried]) -> None:
-        """`step`'s node `node` is done: its carried calls to the step after it."""
-        following = self.open.get(step + 1)
-        if following is not None:
-            following.receive_carried(node, calls)
-        elif calls:
-            self.carried.setdefault(step + 1, {}).setdefault(node, []).extend(calls)
-
-    def take_carried(self, node: str, step: int) -> list[Carried]:
-        return self.carried.get(step, {}).pop(node, [])
+    # -- call policies: partial rollouts and replay ([Note: partial rollouts in partial.py],
+    # [Note: checkpoints of asynchronous runs in asyncstate.py]) -------------------------------
+    def call_policies(self, step: int) -> dict[str, CallPolicy]:
+        """Step `step`'s nodes whose calls are replayed from a checkpoint, or partial."""
+        policies: dict[str, CallPolicy] = {}
+        metrics = self._replay_metrics.pop(step, {})
+        for name, calls in self._replay.pop(step, {}).items():
+            policies[name] = Replay(name, step, calls, metrics.get(name, {}), self.carry_over,
+                                    outgoing=self.carry_over.take(name, step))
+        floor = step - (self.staleness or 0)  # the oldest version a carried call may keep
+        for name, setting in self.partial.items():
+            if name not in policies:
+                policies[name] = PartialCalls(name, step, setting, self.carry_over,
+                                              f"{self.attempt}:{step}", floor,
+                                              incoming=self.carry_over.take(name, step))
+        return policies
 
     @property
-    def pending_calls(self) -> int:
-        """Calls carried past the last step run, not yet in any open step."""
-        return sum(len(calls) for by_node in self.carried.values() for calls in by_node.values())
+    def carried(self) -> dict[int, dict[str, list[Carried]]]:
+        """Calls carried past the open steps, by the step that takes them and node."""
+        return self.carry_over.waiting
 
-    def carry_settled(self, node: str, step: int) -> bool:
-        """No step before `step` may still carry calls of `node` over to it."""
-        before = self.open.get(step - 1)
-        return before is None or before.states[node].closed
-
-    def freshness(self, step: int) -> dict[str, Any]:
-        """What a carried call resumed in `step` is told of staleness: its oldest token's
-        version may be no older than `min_version`."""
-        bound = self.staleness or 0
-        return {"min_version": step - bound}
-
-    def abort_calls(self, plan: NodePlan, requests: list[str], step: int) -> list[Any]:
-        """Ask every engine that may run `plan`'s calls to abort these requests; each reply
-        is [samples, tokens] cut."""
+    def abort_calls(self, plan: NodePlan, requests: Sequence[str], step: int) -> list[Any]:
+        """Ask every engine that may run `plan`'s calls to abort these requests with the
+        op's declared abort op; each reply is [samples, tokens] cut."""
+        abort_op = plan.resumable.abort_op
         targets = [e for e in self.ctl.executors()
-                   if e.runs(plan.op, frozenset(plan.tags)) and "generation" in e.ops]
-        return [self.ctl.submit("generation", config={"action": "abort", "requests": requests},
+                   if e.runs(plan.op, frozenset(plan.tags)) and abort_op in e.ops]
+        return [self.ctl.submit(abort_op, config=plan.resumable.abort_config(requests),
                                 executor=e.id, meta={"node": f"{plan.name}/abort", "step": step})
                 for e in targets]
+
+    # -- checkpoints [Note: run checkpoints in checkpoint.py] ----------------------------------
+    def open_resumable(self) -> dict[int, dict[str, bool]]:
+        """Each open step's generating nodes: whether each has ended."""
+        return {step: {name: run.node_closed(name) for name in self.generating}
+                for step, run in self.open.items()}
+
+    def state(self) -> RunnerState:
+        """What a checkpoint holds of this runner at a step boundary (nothing trains): refs,
+        which the checkpoint fetches; an asynchronous runner's open steps once drained."""
+        return RunnerState(
+            staleness=self.staleness,
+            placement={model: [e.name for e in chosen]
+                       for model, chosen in sorted(self.placement.items())},
+            feedback=self._feedback_refs_next(), profiles=dict(self.profiles),
+            training={name: t.carried_state() for name, t in self.training.items()},
+            open_calls={step: {name: run.outputs(name) for name in self.generating}
+                        for step, run in sorted(self.open.items())},
+            open_metrics={step: metrics for step, run in sorted(self.open.items())
+                          if (metrics := {name: policy.metrics(self.step_timeout)
+                                          for name, policy in run.policies.items()})},
+            carried={step: dict(by_node) for step, by_node in self.carried.items()})
+
+    def _feedback_refs_next(self) -> dict[tuple[str, str], Any]:
+        """The ref of the value each feedback input will read in the next step."""
+        refs = {}
+        for node in self.plan:
+            for rule in node.inputs:
+                key = (rule.src, rule.src_port)
+                stream = self.previous.get(key) if rule.feedback else None
+                if stream is not None and stream.items:
+                    refs[key] = stream.ordered()[-1]
+        return refs
+
+    def resume(self, step: int, feedback: Streams, profiles: dict,
+               training: Mapping[str, dict]) -> None:
+        """A resumed run goes on at `step` (checkpoint.py): its feedback, profiled costs and
+        what its trainings carry across steps."""
+        self.resume_feedback(step, feedback)
+        self.profiles.update(profiles)
+        for name, carried in training.items():
+            self.training[name].restore_carried(carried)
+
+    def resume_open_steps(self, calls: Mapping[int, dict[str, dict[tuple, Any]]],
+                          metrics: Mapping[int, dict[str, dict]],
+                          carried: Mapping[int, dict[str, list[Carried]]]) -> None:
+        """A resumed asynchronous run's open steps replay `calls` and report `metrics`;
+        `carried` wait for their steps [Note: checkpoints of asynchronous runs]."""
+        self._replay.update(calls)
+        self._replay_metrics.update(metrics)
+        for step, by_node in carried.items():
+            for name, calls_of_node in by_node.items():
+                self.carry_over.waiting.setdefault(step, {}).setdefault(name, []).extend(
+                    calls_of_node)
 
     def save_weights(self, folder: Path) -> list[Path]:
         """Each model trained so far (an interrupted step included), its stages' weights
@@ -359,10 +398,11 @@ def check_async(plan: list[NodePlan], staleness: Any) -> None:
 
 def _partial_rollouts(plan: list[NodePlan], staleness: int | None
                       ) -> dict[str, PartialRollouts]:
-    """The nodes with partial rollouts (a `take` setting), checked."""
+    """The nodes with partial rollouts (a resumable op given its `take`), checked."""
     found = {}
     for node in plan:
-        take = node.config.get("take")
+        declared = node.resumable
+        take = None if declared is None else node.config.get(declared.take)
         if take is None:
             continue
         if staleness is None or staleness < 1:
@@ -370,28 +410,23 @@ def _partial_rollouts(plan: list[NodePlan], staleness: int | None
                 f"{node.name} takes the first {take} groups of an over-provisioned step and "
                 "carries the rest into the next (partial rollouts): carried samples are a "
                 "version stale at least, so run asynchronously with --max-staleness >= 1, or "
-                "drop `take` (oversample) to run synchronously")
+                f"drop `{declared.take}` (oversample) to run synchronously")
         if node.call is not Call.PER_ITEM or node.many != (True,):
-            raise FlowRunError(f"{node.name}: `take` (partial rollouts) is a setting of a "
-                               "generating op called per prompt, whose call makes a group")
-        stale = node.config.get("stale_segments") or "recompute"
-        if stale not in STALE_SEGMENTS:
-            raise FlowRunError(f"{node.name}: stale_segments={stale!r}; it is one of "
-                               f"{', '.join(STALE_SEGMENTS)}")
-        found[node.name] = PartialRollouts(int(take), stale, int(node.config.get("n", 1)))
+            raise FlowRunError(f"{node.name}: `{declared.take}` (partial rollouts) is a "
+                               "setting of a generating op called per prompt, whose call "
+                               "makes a group")
+        found[node.name] = PartialRollouts(int(take), node.items_per_call(), declared)
     return found
 
 
-def _without_partial(node: NodePlan) -> NodePlan:
-    """The node's executor config: `take` is the runner's; a carried call is told what to do
-    with stale samples."""
-    config = {k: v for k, v in node.config.items() if k != "take"}
-    config["stale_segments"] = config.get("stale_segments") or "recompute"
-    return attrs.evolve(node, config=config)
+def _without_take(node: NodePlan) -> NodePlan:
+    """The node's executor config: how many calls a step takes is the runner's."""
+    take = node.resumable.take
+    return attrs.evolve(node, config={k: v for k, v in node.config.items() if k != take})
 
 
-def _decoupled(plan: list[NodePlan]) -> list[NodePlan]:
-    """The backprops of policy losses with the decoupled objective for stale samples."""
-    return [attrs.evolve(node, config={**node.config, "decoupled": True})
-            if node.call is Call.PIPELINE and node.config.get("loss") in POLICY_LOSSES else node
+def _with_proximal(plan: list[NodePlan]) -> list[NodePlan]:
+    """The backprops whose loss takes a proximal policy, with it on for stale samples."""
+    return [attrs.evolve(node, config=node.loss_spec.with_proximal(node.config))
+            if node.call is Call.PIPELINE and node.loss_spec is not None else node
             for node in plan]

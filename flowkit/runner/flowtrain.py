@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 
 from flowkit.dsl import Model
-from flowkit.ops import SUM_FORM_LOSSES, cut, minibatch_rounds, rounds_of
+from flowkit.ops import cut, minibatch_rounds, rounds_of
 from flowkit.planner import Action, Costs, Kind, simulate
 from flowkit.planner.lower import InputRule, NodePlan
 from flowkit.planner.schedules import build_schedule
@@ -102,11 +102,22 @@ class ModelTraining:
     def start_step(self, step: int) -> None:
         self.step, self.trained, self.rounds = step, None, None
 
+    def carried_state(self) -> dict:
+        """What it carries from step to step that a run checkpoint keeps (checkpoint.py)."""
+        return {"item_counts": dict(self.item_counts),
+                "predicted_bubble": dict(self.predicted_bubble),
+                "last_trained": self.last_trained}
+
+    def restore_carried(self, carried: dict) -> None:
+        self.item_counts.update(carried["item_counts"])
+        self.predicted_bubble.update(carried["predicted_bubble"])
+        self.last_trained = carried["last_trained"]
+
     # -- the backprop --------------------------------------------------------------------------
     # [Note: streamed microbatches] A backprop cuts its items into the configured number of
     # microbatches and runs them under a pipeline schedule. As a barrier (the first step, a
     # loss that needs the batch's size, or --no-fuse) it waits for every item. Streamed (a loss
-    # in SUM_FORM_LOSSES, from the second step on) it plans for as many items as the last step
+    # its LossSpec says is in sum form, from the second step on) it plans for as many items as the last step
     # had, forms microbatch k from the next items to arrive once there are enough of them, and
     # submits the schedule's actions as far as the formed microbatches allow; only the forwards
     # of stage 0 and the last stage read a microbatch, so F/B/W of early microbatches run while
@@ -143,7 +154,7 @@ class ModelTraining:
     def _streams(self, plan: NodePlan) -> bool:
         """Whether a backprop may start before its inputs close: when fusing, and when its loss
         is normalized once at the optimizer step, so a microbatch needs no batch total."""
-        return self.fuse and plan.config.get("loss") in SUM_FORM_LOSSES
+        return self.fuse and plan.loss_spec is not None and plan.loss_spec.summed(plan.config)
 
     def _start_pipeline(self, plan: NodePlan, streams: Streams, live: list[InputRule],
                         items: int, watch: Watch) -> Feeding:
@@ -161,7 +172,7 @@ class ModelTraining:
         sim = self.sim_costs or SimCosts()
         config_for = pipeline_config(
             stage_costs_config(stage_costs, activation_bytes=sim.activation_bytes), spec,
-            sizes, plan.config)
+            sizes, plan.config, plan.loss_spec)
         last = schedule.num_stages - 1
 
         def on_submit(action: Action, future: Any) -> None:
@@ -261,7 +272,7 @@ class ModelTraining:
         config_for = pipeline_config(
             stage_costs_config(stage_costs, activation_bytes=sim.activation_bytes),
             model_spec(self.model, schedule.num_stages), [len(m) for m in microbatches],
-            plan.config)
+            plan.config, plan.loss_spec)
         last = schedule.num_stages - 1
 
         def on_submit(action: Action, future: Any) -> None:

@@ -1,13 +1,14 @@
 """Partial rollouts: a step over-provisions generation and takes the groups that finish first.
 
 [Note: partial rollouts] After APRIL (Zhou et al. 2025, "APRIL: active partial rollouts in
-reinforcement learning to tame long-tail generation"). A generating node with `take=T` in its
-config (Generate's; the RL flows set it from `oversample`, e.g. 1.5 x the step's prompts):
+reinforcement learning to tame long-tail generation"). A node whose op declares its calls resumable
+(ModelOp.resumable: Generate's), with T in its config key `take` (the RL flows set it from
+`oversample`, e.g. 1.5 x the step's prompts):
   - its calls (one per prompt: the prompt's n samples, a group) run as usual, but do not
     stream their samples: a call's samples go downstream when the whole group is done, so a
     group never reaches training half in one step and half in the next;
   - the first T calls to end are the step's; when the T-th ends, the node asks the engines to
-    abort its calls still running (`generation` with `action=abort, requests=[...]`): each
+    abort its calls still running (the op's declared `abort_op`, told the calls' names): each
     comes back with its finished samples and its unfinished ones `interrupted`, with the
     per-token versions they have;
   - every call that ends after that carries over to the next step, which submits them before
@@ -21,9 +22,11 @@ config (Generate's; the RL flows set it from `oversample`, e.g. 1.5 x the step's
     submits once the step before has closed its generation and handed over what it carries:
     the engines go on with the carried calls while the step before trains;
   - a carried sample whose oldest token is older than the staleness bound allows for the step
-    that will train it (version < step - η) is, as `stale_segments` says, "recompute"d (sampled
-    again from its prompt) or "drop"ped with its whole group (a group-relative advantage needs
-    all of it), counted in `rollout/dropped`.
+    that will train it (version < step - η, the call's `version_floor`) is, as the node's
+    `stale_segments` says, "recompute"d (sampled again from its prompt) or "drop"ped with its
+    whole group (a group-relative advantage needs all of it), counted in `rollout/dropped`.
+The runner reads all of it from the node's declaration, never from the op's names; a step
+runs it as the node's call policy (calls.py).
 Each generated sample is thus trained once, in the step that took its group, or is still
 carried at the end of the run (`rollout/carried_over` of the last step). Carried samples are
 one version stale at least, so partial rollouts run with a staleness bound >= 1.
@@ -31,26 +34,27 @@ one version stale at least, so partial rollouts run with a staleness bound >= 1.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import attrs
 
-from flowkit.ops import STALE_SEGMENTS
+from flowkit.dsl import Resumable
+from flowkit.runner.calls import CallSite
 
-__all__ = ["CARRIED", "STALE_SEGMENTS", "Carried", "PartialRollouts", "PartialState",
-           "carried_key"]
+__all__ = ["CARRIED", "Carried", "CarryOver", "PartialCalls", "PartialRollouts", "carried_key"]
 
 CARRIED = "carried"  # the first part of a carried call's lineage in the step that resumes it
 
 
 @attrs.frozen
 class PartialRollouts:
-    """A generating node's setting: the groups a step takes, what a stale carried sample
-    becomes, and the samples per call (for counting)."""
+    """A node's setting: the calls (groups) a step takes, the items per call (for counting)
+    and how its calls are named, aborted and continued."""
 
     take: int
-    stale_segments: str
     n: int
+    resumable: Resumable
 
 
 @attrs.define
@@ -78,29 +82,114 @@ def carried_key(lineage: tuple, key: Any) -> Any:
     return key if origin is None or key is None else f"{origin}/{key}"
 
 
-@attrs.define
-class PartialState:
-    """One generating node in one step."""
+class OpenStep(Protocol):
+    """A step the ledger hands carried calls to (steprun.StepRun)."""
 
+    def node_closed(self, name: str) -> bool: ...
+
+    def receive_carried(self, name: str, calls: list[Carried]) -> None: ...
+
+
+class CarryOver:
+    """The carry-over ledger: calls a step's node carries to the next step, handed to it if
+    it is open, else kept until it opens. `open` is the runner's open steps, by number."""
+
+    def __init__(self, open_steps: Mapping[int, OpenStep]) -> None:
+        self.open = open_steps
+        self.waiting: dict[int, dict[str, list[Carried]]] = {}  # for steps not open yet
+
+    def carry(self, node: str, step: int, calls: list[Carried]) -> None:
+        """`step`'s node `node` is done: its carried calls to the step after it."""
+        following = self.open.get(step + 1)
+        if following is not None:
+            following.receive_carried(node, calls)
+        elif calls:
+            self.waiting.setdefault(step + 1, {}).setdefault(node, []).extend(calls)
+
+    def take(self, node: str, step: int) -> list[Carried]:
+        return self.waiting.get(step, {}).pop(node, [])
+
+    def settled(self, node: str, step: int) -> bool:
+        """No step before `step` may still carry calls of `node` over to it."""
+        before = self.open.get(step - 1)
+        return before is None or before.node_closed(node)
+
+    @property
+    def pending(self) -> int:
+        """Calls carried past the last step run, not yet in any open step."""
+        return sum(len(calls) for by_node in self.waiting.values() for calls in by_node.values())
+
+
+@attrs.define
+class PartialCalls:
+    """One node's partial rollouts in one step: its call policy (calls.py)."""
+
+    name: str
+    step: int
     setting: PartialRollouts
+    ledger: CarryOver
+    request_prefix: str  # unique to the runner and step: names its calls for the abort
+    version_floor: int  # the oldest weights version a carried call may keep
+    streams_parts = False  # a group goes downstream whole, in one step or the next
     taken: int = 0
     aborting: bool = False
     incoming: list[Carried] = attrs.field(factory=list)  # from the step before: first
     incoming_sent: int = 0
     outgoing: list[Carried] = attrs.field(factory=list)  # to the next step
     resumed: dict[tuple, Carried] = attrs.field(factory=dict)  # lineage here -> the call
-    pending_calls: dict[tuple, str] = attrs.field(factory=dict)  # lineage -> request key
+    pending_calls: dict[tuple, str] = attrs.field(factory=dict)  # lineage -> request name
     aborts: list[Any] = attrs.field(factory=list)  # futures of [samples, tokens] cut
     dropped: int = 0
     own: int = 0  # of the step's own prompts, those it runs
     unused: int = 0  # and those it leaves: the carried calls took their places
 
-    def room(self, prompts: int) -> bool:
-        """Whether another of the step's `prompts` runs: a step runs as many calls as its
-        source made prompts, the carried ones first."""
-        return len(self.incoming) + self.own < prompts
+    def submit(self, site: CallSite, prompts_closed: bool) -> bool:
+        """The calls carried from the step before, ahead of the step's own, once the number
+        of the step's own prompts is known and the step before carries nothing more."""
+        if not (prompts_closed and self.ledger.settled(self.name, self.step)):
+            return False
+        floor = {self.setting.resumable.version_floor: self.version_floor}
+        for carried in self.incoming[self.incoming_sent:]:
+            lineage = carried.resumed_lineage
+            self.resumed[lineage] = carried
+            site.submit(lineage, carried.ref, extra={"step": carried.origin, **floor},
+                        meta={"origin": carried.origin})
+        self.incoming_sent = len(self.incoming)
+        return True
 
-    def dropped_whole(self, lineage: tuple, future: Any) -> bool:
+    def admit(self, prompts: int) -> bool:
+        """A step runs as many calls as its source made prompts, the carried ones first."""
+        if len(self.incoming) + self.own >= prompts:
+            self.unused += 1
+            return False
+        self.own += 1
+        return True
+
+    def config(self, lineage: tuple) -> dict:
+        """Each call named, to abort it."""
+        name = self.pending_calls[lineage] = f"{self.request_prefix}:{lineage}"
+        return {self.setting.resumable.request: name}
+
+    def done(self, lineage: tuple, future: Any, site: CallSite) -> bool:
+        self.pending_calls.pop(lineage, None)
+        dropped = self._dropped_whole(lineage, future)
+        if self.aborting:  # after the step took its groups: to the next step
+            if not dropped:
+                self._carry(lineage, future)
+            return False
+        if not dropped:  # a call dropped whole is no group: the step still wants its `take`
+            self.taken += 1
+            if self.taken >= self.setting.take:
+                self._abort_the_rest(site)
+        return True
+
+    def _abort_the_rest(self, site: CallSite) -> None:
+        self.aborting = True
+        requests = list(self.pending_calls.values())
+        if requests:
+            self.aborts.extend(site.abort(requests))
+
+    def _dropped_whole(self, lineage: tuple, future: Any) -> bool:
         """Whether a resumed call came back short: its group dropped as stale (counted here,
         neither trained nor carried again)."""
         count = getattr(future, "count", None)
@@ -109,19 +198,30 @@ class PartialState:
         self.dropped += self.setting.n - count
         return True
 
-    def carry(self, origin: int, lineage: tuple, ref: Any) -> None:
+    def _carry(self, lineage: tuple, ref: Any) -> None:
         """A call of this step goes to the next one; a resumed call keeps its origin."""
-        first = carried_origin(lineage)
+        origin, first = self.step, carried_origin(lineage)
         if first is not None:
             origin, lineage = first, lineage[2:]
         self.outgoing.append(Carried(origin, lineage, ref))
 
-    def metrics(self, node: str, timeout: float) -> dict[str, float]:
+    def may_close(self) -> bool:
+        return self.ledger.settled(self.name, self.step)
+
+    def closed(self) -> None:
+        self.ledger.carry(self.name, self.step, self.outgoing)
+
+    def receive(self, calls: list, *, closed: bool) -> None:
+        """Run them first, or pass them on if the step has taken its groups already."""
+        (self.outgoing if self.aborting or closed else self.incoming).extend(calls)
+
+    def metrics(self, timeout: float) -> dict[str, float]:
         cut = [f.result(timeout=timeout) for f in self.aborts]
-        return {f"{node}/taken_groups": self.taken,
-                "rollout/carried_over": len(self.outgoing) * self.setting.n,
-                "rollout/started": self.own * self.setting.n,
-                "rollout/resumed": len(self.incoming) * self.setting.n,
+        n = self.setting.n
+        return {f"{self.name}/taken_groups": self.taken,
+                "rollout/carried_over": len(self.outgoing) * n,
+                "rollout/started": self.own * n,
+                "rollout/resumed": len(self.incoming) * n,
                 "rollout/prompts_unused": self.unused,
                 "rollout/aborted_samples": sum(int(c[0]) for c in cut if c),
                 "rollout/aborted_tokens": sum(int(c[1]) for c in cut if c),

@@ -6,8 +6,7 @@ from __future__ import annotations
 import attrs
 
 from flowkit.dsl import Flow
-from flowkit.ops import EXECUTOR_OPS
-from flowkit.ops.coverage import needed_ops, unimplemented
+from flowkit.ops import EXECUTOR_OPS, missing_executor_ops
 from flowkit.planner.lower import NodePlan
 from flowkit.runner.config import RunConfigError
 
@@ -33,9 +32,9 @@ def choose_executors(plan: list[NodePlan], kind: str) -> tuple[str, str | None]:
     simulator runs only when asked for, never as a silent stand-in."""
     if kind != "auto":
         return kind, None
-    if not needed_ops(plan):
+    if all(node.model is None for node in plan):
         return "base", None
-    missing = unimplemented(plan, EXECUTOR_OPS)
+    missing = missing_executor_ops(plan, EXECUTOR_OPS)
     if missing:
         raise RunConfigError(
             "executors", f"the torch executors do not implement {', '.join(missing)}: give "

@@ -18,7 +18,7 @@ from flowkit.runner.flowrun import FlowRunError, FlowRunner, StepReport
 from flowkit.runner.restarts import Restarts
 from flowkit.runtime.futures import ExecutorLost
 
-__all__ = ["StepLoop", "step_record"]
+__all__ = ["StepLoop"]
 
 # what a step may fail with that restarts can recover from (or that ends the run)
 STEP_FAILURES = (FlowRunError, CheckpointError, ExecutorLost)
@@ -109,28 +109,13 @@ class StepLoop:
         report = runner.run_step(step)
         for warning in report.warnings:
             board.warn(warning)
-        record = {"time": time.time(), **step_record(report, self.stats)}
+        record = {"time": time.time(), **self.stats.step_line(report)}
         if self.restarts is not None:
             record["restarts"] = self.restarts.used
         self.records.append(record)
         board.show_step(record, self.records)
         self.loggers.log(step, record)
         return report
-
-
-def step_record(report: StepReport, stats: RunStats) -> dict:
-    """A step's metrics line: its report's metrics and timings, tokens/s, the first loss."""
-    record = {"step": report.step, "step_s": report.elapsed_s, **report.metrics}
-    record.update({f"timing_s/{name}": seconds for name, seconds in report.timing_s.items()})
-    tokens = sum(v for k, v in report.metrics.items() if k.endswith("/tokens"))
-    if tokens:
-        record["tokens_per_s"] = tokens / report.elapsed_s
-    losses = [v for k, v in report.metrics.items() if k.endswith("/loss")]
-    if losses:
-        record["loss"] = losses[0]
-    snapshot = stats.snapshot().summary()
-    record["perf/ops_per_s"] = snapshot.get("perf/ops_per_s")
-    return record
 
 
 def _ahead(runner: FlowRunner, step: int) -> str:

@@ -6,27 +6,44 @@ trained models, length estimates) and, in an asynchronous run, several steps at 
 A per-item op is submitted the moment its item exists, a group the moment its last member is
 in, a barrier when every producer has closed ([Note: lowering by granularity] in
 flowkit/planner/lower.py); each trained model's backprop and optimizer step go to its
-`ModelTraining` (flowtrain.py).
+`ModelTraining` (flowtrain.py). A per-item node whose calls a step makes or ends otherwise
+(partial rollouts, replay) has a call policy (calls.py) that the step asks at each turn.
+
+A step reads its run through a `StepContext`, which the runner implements: the flow's wiring,
+the admission gate, the feedback, the call policies (and the carry-over ledger behind them),
+the trainings and the event queue.
 """
 
 from __future__ import annotations
 
 import functools
+import queue
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import attrs
 
-from flowkit.dsl import Granularity
+from flowkit.dsl import Granularity, Metrics
 from flowkit.ops.records import mean_loss, mean_values
 from flowkit.planner.lower import Call, InputRule, NodePlan
 from flowkit.runner.balance import Balancer
-from flowkit.runner.partial import PartialState, carried_key
+from flowkit.runner.calls import CallPolicy
+from flowkit.runner.flowtrain import ModelTraining
+from flowkit.runner.partial import carried_key
 from flowkit.runner.pipeline import measure
-from flowkit.runner.stepstate import FlowRunError, NodeState, Streams, lineage_order
+from flowkit.runner.stepstate import (
+    BalancedCalls,
+    FlowRunError,
+    NodeState,
+    Streams,
+    Wiring,
+    lineage_order,
+)
+from flowkit.runtime.controller import Controller
 from flowkit.wire.refs import Gather, Item
 
-__all__ = ["StepReport", "StepRun", "TRAINING_CALLS"]
+__all__ = ["StepContext", "StepReport", "StepRun", "TRAINING_CALLS"]
 
 TRAINING_CALLS = (Call.PIPELINE, Call.STEP)  # a model's backprop and optimizer step
 
@@ -40,56 +57,83 @@ class StepReport:
     warnings: tuple[str, ...] = ()  # what the user should act on, from the runner and reporters
 
 
-class StepRun:
-    """Step `step` of `runner`'s flow (a flowrun.FlowRunner: not imported, it imports this
-    module). `trains`: its backprops and optimizer steps may run
-    (an asynchronous run trains its steps one after another, in order)."""
+class StepContext(Protocol):
+    """What a step asks of the run it belongs to (flowrun.FlowRunner implements it)."""
 
-    def __init__(self, runner: Any, step: int, *, trains: bool) -> None:
-        self.runner, self.step, self.trains = runner, step, trains
+    wiring: Wiring
+    ctl: Controller
+    events: queue.SimpleQueue  # every open step's reactions, run one at a time by the run
+    training: dict[str, ModelTraining]  # model -> its training
+    workloads: dict[str, BalancedCalls]  # nodes whose calls are balanced by predicted work
+
+    def balancer(self, name: str, plan: NodePlan) -> Balancer | None:
+        """This step's balancer of node `name`'s calls."""
+
+    def admits(self, step: int, plan: NodePlan) -> bool:
+        """The admission gate: whether step `step`'s node may run with the weights there are
+        [Note: asynchronous steps in flowrun.py]."""
+
+    def produced(self, run: StepRun, node: str, port: str) -> None:
+        """`run` added an item to (node, port)."""
+
+    def feedback_refs(self, plan: NodePlan, step: int) -> dict[str, Any]:
+        """The node's inputs fed back from an earlier step."""
+
+    def call_policies(self, step: int) -> dict[str, CallPolicy]:
+        """The step's per-item nodes whose calls are made or ended otherwise."""
+
+    def abort_calls(self, plan: NodePlan, requests: Sequence[str], step: int) -> list[Any]:
+        """Cut the named calls of `plan`'s node short; the futures of the aborts."""
+
+
+class StepRun:
+    """Step `step` of the run `ctx`. `trains`: its backprops and optimizer steps may run (an
+    asynchronous run trains its steps one after another, in order)."""
+
+    def __init__(self, ctx: StepContext, step: int, *, trains: bool) -> None:
+        self.ctx, self.wiring, self.step, self.trains = ctx, ctx.wiring, step, trains
         self.started = time.time()
         self.streams = Streams()
-        self.states = {node.name: NodeState(node) for node in runner.plan}
+        self.states = {node.name: NodeState(node) for node in self.wiring.plan}
         self.warnings: list[str] = []
         self.incomplete_groups: dict[str, int] = {}  # node -> groups flushed short
         self.balancers: dict[str, Balancer | None] = {
-            name: runner.balancer(name, self.states[name].plan)
-            for name in runner.workloads}
-        # [Note: partial rollouts in partial.py]
-        self.partial = {name: PartialState(setting, incoming=runner.take_carried(name, step))
-                        for name, setting in runner.partial.items()}
-        # [Note: checkpoints of asynchronous runs in asyncstate.py]
-        self.replay: dict[str, dict[tuple, Any]] = runner.replay.pop(step, {})
-        self.replay_metrics: dict[str, dict] = runner.replay_metrics.pop(step, {})
+            name: ctx.balancer(name, self.states[name].plan) for name in ctx.workloads}
+        self.policies = ctx.call_policies(step)
 
     @property
     def closed(self) -> bool:
         return all(state.closed for state in self.states.values())
 
+    def node_closed(self, name: str) -> bool:
+        return self.states[name].closed
+
     def open_nodes(self) -> list[str]:
         return [name for name, state in self.states.items() if not state.closed]
 
+    def outputs(self, name: str) -> dict[tuple, Any]:
+        """A node's items of its one output port, by lineage."""
+        (port,) = self.states[name].plan.outputs
+        return dict(self.streams[(name, port)].items)
+
     def start(self) -> None:
-        for node in self.runner.plan:
+        for node in self.wiring.plan:
             self.progress(node.name)
 
     def start_training(self) -> None:
         """The previous step's training is done: this step's may run."""
         self.trains = True
-        for training in self.runner.training.values():
+        for training in self.ctx.training.values():
             training.start_step(self.step)
-        for node in self.runner.plan:
+        for node in self.wiring.plan:
             if node.call in TRAINING_CALLS:
                 self.progress(node.name)
 
     def receive_carried(self, name: str, calls: list) -> None:
-        """Calls the step before carried over [Note: partial rollouts]: run them first, or
-        pass them on if this step has taken its groups already."""
-        partial = self.partial[name]
-        if partial.aborting or self.states[name].closed:
-            partial.outgoing.extend(calls)
-        else:
-            partial.incoming.extend(calls)
+        """Calls the step before carried over [Note: partial rollouts in partial.py]."""
+        policy = self.policies.get(name)
+        if policy is not None:
+            policy.receive(calls, closed=self.states[name].closed)
         self.progress(name)
 
     # -- completions ---------------------------------------------------------------------------
@@ -105,22 +149,18 @@ class StepRun:
                 start, end = future.timing
                 state.first_start = min(start, state.first_start or start)
                 state.last_end = max(end, state.last_end or end)
-        partial = self.partial.get(name) if register and name not in self.replay else None
-        if partial is not None and partial.aborting:  # after the step took its groups
-            partial.pending_calls.pop(lineage, None)
-            if not partial.dropped_whole(lineage, futures[0]):
-                partial.carry(self.step, lineage, futures[0])
-            if self.balancers.get(name) is not None:
-                self.balancers[name].closed(lineage)  # cut short: its sizes teach nothing
-            register = False
-        if register and self.balancers.get(name) is not None:
+        balancer = self.balancers.get(name)
+        policy = self.policies.get(name) if register else None
+        if policy is not None and not policy.done(lineage, futures[0], _Site(self, state)):
+            register = False  # not this step's: its items go elsewhere or nowhere
+            if balancer is not None:
+                balancer.closed(lineage)  # cut short: its sizes teach nothing
+        if register and balancer is not None:
             self._balanced_done(name, lineage, futures[0])
         if register:
             self._register_outputs(state.plan, lineage, outputs)
-        if partial is not None and register:
-            self._taken(state, partial, lineage, futures[0])
         self.progress(name)
-        for consumer in self.runner.consumers[name]:
+        for consumer in self.wiring.consumers[name]:
             self.progress(consumer)
 
     def _on_part(self, name: str, lineage: tuple, part: Any) -> None:
@@ -130,12 +170,12 @@ class StepRun:
         j = state.streamed[lineage]
         state.streamed[lineage] += 1
         balancer = self.balancers.get(name)
-        if balancer is not None and self.runner.workloads[name].sized:
+        if balancer is not None and self.ctx.workloads[name].sized:
             balancer.finished(lineage, part.keys[0] if part.keys else None)
         (port,) = state.plan.outputs
         key = part.keys[0] if part.keys else None
         self.streams[(name, port)].add(lineage + (j,), part, self._key(name, lineage, key))
-        for consumer in self.runner.consumers[name]:
+        for consumer in self.wiring.consumers[name]:
             self.progress(consumer)
 
     def _balanced_done(self, name: str, lineage: tuple, future: Any) -> None:
@@ -143,7 +183,7 @@ class StepRun:
         open work is off its executor."""
         balancer = self.balancers[name]
         keys = getattr(future, "keys", None) or []
-        if self.runner.workloads[name].sized:
+        if self.ctx.workloads[name].sized:
             for size in keys[self.states[name].streamed.get(lineage, 0):]:
                 balancer.finished(lineage, size)
         balancer.closed(lineage)
@@ -159,39 +199,10 @@ class StepRun:
                     stream.add(lineage + (j,), Item(future, j), self._key(plan.name, lineage, key))
             else:
                 stream.add(lineage, future, self._key(plan.name, lineage, keys[0] if keys else None))
-            self.runner.produced(self, plan.name, port)
+            self.ctx.produced(self, plan.name, port)
 
     def _key(self, name: str, lineage: tuple, key: Any) -> Any:
-        return carried_key(lineage, key) if name in self.runner.group_keyed else key
-
-    # -- partial rollouts [Note: partial rollouts in partial.py] -------------------------------
-    def _taken(self, state: NodeState, partial: PartialState, lineage: tuple,
-               future: Any) -> None:
-        """A call ended before the step had its groups: it is the step's."""
-        partial.pending_calls.pop(lineage, None)
-        if partial.dropped_whole(lineage, future):
-            return  # no group to train: the step still wants its `take`
-        partial.taken += 1
-        if partial.taken >= partial.setting.take:
-            partial.aborting = True
-            keys = list(partial.pending_calls.values())
-            if keys:
-                aborts = self.runner.abort_calls(state.plan, keys, self.step)
-                partial.aborts.extend(aborts)
-                for abort in aborts:
-                    self._watch(state, (), (abort,), register=False)
-
-    def _submit_carried(self, state: NodeState, partial: PartialState,
-                        lead: InputRule) -> None:
-        """The calls carried from the step before, ahead of the step's own."""
-        for carried in partial.incoming[partial.incoming_sent:]:
-            lineage = carried.resumed_lineage
-            state.submitted.add(lineage)
-            partial.resumed[lineage] = carried
-            extra = {"step": carried.origin, **self.runner.freshness(self.step)}
-            self._submit(state, lineage, {lead.port: carried.ref}, extra=extra,
-                         meta={"origin": carried.origin})
-        partial.incoming_sent = len(partial.incoming)
+        return carried_key(lineage, key) if name in self.wiring.group_keyed else key
 
     # -- deciding what can run -----------------------------------------------------------------
     def progress(self, name: str) -> None:
@@ -201,40 +212,40 @@ class StepRun:
         plan = state.plan
         if plan.call in TRAINING_CALLS and not self.trains:
             return
-        if not self.runner.admits(self, plan):
+        if not self.ctx.admits(self.step, plan):
             return  # generation waits for weights recent enough [Note: asynchronous steps]
         live = [rule for rule in plan.inputs if not rule.feedback]
         inputs_closed = all(self.streams.of(r).closed for r in live)
-        if not (self.runner.fuse or inputs_closed):
+        if not (self.wiring.fuse or inputs_closed):
             return
         if plan.call is Call.PER_ITEM:
             self._submit_items(state, live)
         elif plan.call is Call.PER_GROUP:
             self._submit_groups(state, live, inputs_closed)
         elif plan.call is Call.PIPELINE:
-            self.runner.training[plan.model.name].feed(state, self.streams, live, inputs_closed,
+            self.ctx.training[plan.model.name].feed(state, self.streams, live, inputs_closed,
                                                        functools.partial(self._watch, state))
         elif not state.started and inputs_closed:
             state.started = True
             if plan.call is Call.STEP:
                 stats = [Gather(self.streams.of(r).ordered()) for r in live]
-                self.runner.training[plan.model.name].optimizer_step(
+                self.ctx.training[plan.model.name].optimizer_step(
                     plan, stats, functools.partial(self._watch, state))
             else:
                 self._submit_once(state)
         if inputs_closed and state.pending == 0 and (state.started or plan.call in (
                 Call.PER_ITEM, Call.PER_GROUP)):
-            partial = self.partial.get(name)
-            if partial is not None and not self.runner.carry_settled(name, self.step):
-                return  # the step before may still carry calls over to this one
+            policy = self.policies.get(name)
+            if policy is not None and not policy.may_close():
+                return  # e.g. the step before may still carry calls over to this one
             if plan.call is Call.PER_ITEM:
                 self._check_all_paired(state, live)
             state.closed = True
-            if partial is not None:
-                self.runner.carry(name, self.step, partial.outgoing)
+            if policy is not None:
+                policy.closed()
             for port in plan.outputs:
                 self.streams[(name, port)].closed = True
-            for consumer in self.runner.consumers[name]:
+            for consumer in self.wiring.consumers[name]:
                 self.progress(consumer)
 
     def _submit_items(self, state: NodeState, live: list[InputRule]) -> None:
@@ -242,26 +253,17 @@ class StepRun:
         barriers = [r for r in live if r.granularity is not Granularity.STREAM]
         if any(not self.streams.of(r).closed for r in barriers):
             return
-        workload = self.runner.workloads.get(state.plan.name)
+        workload = self.ctx.workloads.get(state.plan.name)
         if workload is not None and workload.hold and not self.streams.of(workload.lead).closed:
             return
         lead = self.streams.of(streaming[0])
-        replay = self.replay.get(state.plan.name)
-        if replay is not None:
-            self._submit_replayed(state, replay, streaming[0])
-            return
-        partial = self.partial.get(state.plan.name)
-        if partial is not None:
-            if not (lead.closed and self.runner.carry_settled(state.plan.name, self.step)):
-                return  # how many of its own prompts the step runs is not known yet
-            self._submit_carried(state, partial, streaming[0])
+        policy = self.policies.get(state.plan.name)
+        if policy is not None and not policy.submit(_Site(self, state, streaming[0]),
+                                                    lead.closed):
+            return  # e.g. how many of its own prompts the step runs is not known yet
         ready = []
         for lineage in lead.arrivals:
             if lineage in state.submitted:
-                continue
-            if partial is not None and not partial.room(len(lead.arrivals)):
-                state.submitted.add(lineage)
-                partial.unused += 1
                 continue
             refs = {}
             for rule in streaming:
@@ -270,12 +272,12 @@ class StepRun:
                     break
                 refs[rule.port] = ref
             else:
+                state.submitted.add(lineage)
+                if policy is not None and not policy.admit(len(lead.arrivals)):
+                    continue  # never called
                 for rule in barriers:
                     refs[rule.port] = Gather(self.streams.of(rule).ordered())
-                state.submitted.add(lineage)
                 ready.append((lineage, refs))
-                if partial is not None:
-                    partial.own += 1
         balancer = self.balancers.get(state.plan.name)
         if balancer is None:
             for lineage, refs in ready:
@@ -286,17 +288,6 @@ class StepRun:
         for lineage, key in balancer.order([(lin, keys.get(lin)) for lin, _ in ready]):
             self._submit(state, lineage, by_lineage[lineage],
                          executor=balancer.assign(lineage, key))
-
-    def _submit_replayed(self, state: NodeState, calls: dict[tuple, Any],
-                         lead: InputRule) -> None:
-        """A resumed open step's generation: exactly the checkpointed calls, each given its
-        saved rollouts (passed through), in place of the step's own prompts
-        [Note: checkpoints of asynchronous runs in asyncstate.py]."""
-        for lineage, ref in calls.items():
-            if lineage not in state.submitted:
-                state.submitted.add(lineage)
-                self._submit(state, lineage, {lead.port: ref})
-        state.submitted.update(self.streams.of(lead).arrivals)
 
     def _check_all_paired(self, state: NodeState, live: list[InputRule]) -> None:
         streaming = [r for r in live if r.granularity is Granularity.STREAM]
@@ -348,8 +339,8 @@ class StepRun:
     def _submit(self, state: NodeState, lineage: tuple, refs: dict[str, Any], *,
                 executor: int | None = None, extra: dict | None = None,
                 meta: dict | None = None) -> None:
-        plan, runner = state.plan, self.runner
-        refs.update(runner.feedback_refs(plan, self.step))
+        plan, ctx = state.plan, self.ctx
+        refs.update(ctx.feedback_refs(plan, self.step))
         ports = [rule.port for rule in plan.inputs if rule.port in refs]
         meta = {"node": plan.name, "step": self.step, **(meta or {})}
         outputs = max(1, len(plan.outputs))
@@ -358,25 +349,26 @@ class StepRun:
             config = {"target": plan.target, "config": fn_config, "ports": ports,
                       "outputs": list(plan.outputs), "many": list(plan.many)}
         else:
-            config = {**runner.op_configs[plan.name], "step": self.step}  # sampling: afresh
-            partial = self.partial.get(plan.name)
-            if partial is not None:  # named, to abort it [Note: partial rollouts]
-                config["request"] = partial.pending_calls[lineage] = \
-                    f"{runner.attempt}:{self.step}:{lineage}"
+            config = {**self.wiring.op_configs[plan.name], "step": self.step}  # sampling: afresh
+            policy = self.policies.get(plan.name)
+            if policy is not None:
+                config.update(policy.config(lineage))
             config.update(extra or {})
-        futures = runner.ctl.submit(plan.op, *(refs[p] for p in ports), config=config,
-                                    executor=executor, tags=plan.tags, outputs=outputs,
-                                    meta=meta, report_key=runner.report_keys.get(plan.name),
-                                    on_part=self._part_watch(plan, lineage),
-                                    trace_key=plan.trace_key)
+        futures = ctx.ctl.submit(plan.op, *(refs[p] for p in ports), config=config,
+                                 executor=executor, tags=plan.tags, outputs=outputs,
+                                 meta=meta, report_key=self.wiring.report_keys.get(plan.name),
+                                 on_part=self._part_watch(plan, lineage),
+                                 trace_key=plan.trace_key)
         self._watch(state, lineage, futures if outputs > 1 else (futures,), register=True)
 
     def _part_watch(self, plan: NodePlan, lineage: tuple) -> Any:
         """The call's items, each as it is yielded, when it has one output of many items and
         the run is fused (unfused, consumers wait for the whole stream anyway)."""
-        if not (self.runner.fuse and plan.many == (True,)) or plan.name in self.partial:
-            return None  # a partial-rollout group goes downstream whole
-        events = self.runner.events
+        policy = self.policies.get(plan.name)
+        if not (self.wiring.fuse and plan.many == (True,)) or (
+                policy is not None and not policy.streams_parts):
+            return None  # e.g. a partial-rollout group goes downstream whole
+        events = self.ctx.events
         return lambda part: events.put(functools.partial(self._on_part, plan.name, lineage, part))
 
     def _watch(self, state: NodeState, lineage: tuple, futures: tuple, *,
@@ -384,7 +376,7 @@ class StepRun:
         """When `futures` are done, account for them and (with `register`) add them, or
         `outputs` in their place, to the node's output streams."""
         state.pending += 1
-        events = self.runner.events
+        events = self.ctx.events
         shown = futures if outputs is None else outputs
         futures[0].add_done_callback(lambda _: events.put(
             functools.partial(self._on_done, state.plan.name, lineage, futures, register, shown)))
@@ -396,7 +388,7 @@ class StepRun:
         metrics: dict[str, Any] = {}
         runs = [run for state in self.states.values() if state.pipeline is not None
                 for run in state.pipeline.runs]
-        predicted = [v for t in self.runner.training.values()
+        predicted = [v for t in self.ctx.training.values()
                      for v in t.predicted_bubble.values()]
         for name, state in self.states.items():
             if state.pipeline is not None:  # over every round's microbatches, if in rounds
@@ -411,9 +403,8 @@ class StepRun:
                 metrics.update(self._reported(state.plan))
         for node, count in self.incomplete_groups.items():
             metrics[f"{node}/incomplete_groups"] = count
-        for node, partial in self.partial.items():
-            metrics.update(self.replay_metrics.get(node)
-                           or partial.metrics(node, self.runner.step_timeout))
+        for policy in self.policies.values():
+            metrics.update(policy.metrics(self.wiring.step_timeout))
         for node, balancer in self.balancers.items():
             if balancer is not None:
                 metrics.update(balancer.end_step(node))
@@ -429,11 +420,31 @@ class StepRun:
     def _reported(self, plan: NodePlan) -> dict[str, float]:
         """The values of a reporter's Metrics items this step (small: fetched to here)."""
         values: dict[str, float] = {}
-        timeout = self.runner.step_timeout
+        timeout = self.wiring.step_timeout
         for port in plan.outputs:
             for ref in self.streams[(plan.name, port)].ordered():
                 item = ref.future.result(timeout=timeout)[ref.index] \
                     if isinstance(ref, Item) else ref.result(timeout=timeout)
-                values.update(getattr(item, "values", {}))
-                self.warnings.extend(getattr(item, "warnings", ()))
+                if isinstance(item, Metrics):
+                    values.update(item.values)
+                    self.warnings.extend(item.warnings)
         return values
+
+
+class _Site:
+    """A node of a step as its call policy acts on it (calls.CallSite)."""
+
+    def __init__(self, run: StepRun, state: NodeState, lead: InputRule | None = None) -> None:
+        self.run, self.state, self.lead = run, state, lead
+
+    def submit(self, lineage: tuple, lead: Any, *, extra: dict | None = None,
+               meta: dict | None = None) -> None:
+        self.state.submitted.add(lineage)
+        self.run._submit(self.state, lineage, {self.lead.port: lead}, extra=extra, meta=meta)
+
+    def abort(self, requests: Sequence[str]) -> list[Any]:
+        run, state = self.run, self.state
+        aborts = run.ctx.abort_calls(state.plan, requests, run.step)
+        for abort in aborts:
+            run._watch(state, (), (abort,), register=False)
+        return aborts

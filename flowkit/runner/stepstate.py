@@ -14,9 +14,11 @@ from typing import Any
 import attrs
 
 from flowkit.planner.lower import InputRule, NodePlan
+from flowkit.runner.balance import LengthEstimates
 from flowkit.wire.refs import Gather
 
-__all__ = ["FlowRunError", "ItemStream", "NodeState", "Streams", "lineage_order"]
+__all__ = ["BalancedCalls", "FlowRunError", "ItemStream", "NodeState", "RunnerState", "Streams",
+           "Wiring", "lineage_order"]
 
 
 class FlowRunError(RuntimeError):
@@ -80,3 +82,51 @@ class NodeState:
 def lineage_order(lineage: tuple) -> tuple:
     """Sort lineages whose parts mix ints and strings (group keys) without comparing the two."""
     return tuple((isinstance(part, str), part) for part in lineage)
+
+
+@attrs.frozen
+class Wiring:
+    """What every step of a run reads of its flow, fixed when the run starts."""
+
+    plan: list[NodePlan]
+    consumers: dict[str, list[str]]  # node -> the nodes that read it within a step
+    report_keys: dict[str, str]  # node -> the field its items report as keys
+    # the producers of grouped items: a carried call's keys are made its own there
+    group_keyed: frozenset[str]
+    # a model op's config, but the step: built once, not per item on the dispatch path
+    op_configs: dict[str, dict]
+    # False: every op waits for its producers to finish (stage by stage, a barrier between
+    # stages), the baseline that sample-level fusion is measured against
+    fuse: bool
+    step_timeout: float
+
+
+@attrs.frozen
+class BalancedCalls:
+    """A node whose calls are balanced by predicted work [Note: length-aware dispatch in
+    balance.py]."""
+
+    lead: InputRule  # the input whose items are the calls (the prompts)
+    keyed: bool  # its items' keys are the workload's key (else no history: all alike)
+    sized: bool  # the node's output keys are its items' sizes (else nothing is learned)
+    # the calls' items all come from one source call: wait for its end (its items arrive
+    # together anyway) so the step's calls can be sent longest first
+    hold: bool
+    estimates: LengthEstimates  # across steps
+
+
+@attrs.frozen
+class RunnerState:
+    """A runner at a step boundary as a checkpoint reads it (checkpoint.py): refs, which the
+    checkpoint fetches. An asynchronous runner's open steps are in it once drained
+    [Note: checkpoints of asynchronous runs in asyncstate.py]."""
+
+    staleness: int | None
+    placement: dict[str, list[str]]  # model -> the executors holding its stages, by name
+    feedback: dict[tuple[str, str], Any]  # (node, port) -> what the next step reads of it
+    training: dict[str, dict]  # model -> what its ModelTraining carries across steps
+    profiles: dict  # (model, stages) -> profiled stage costs
+    # step -> generating node -> its output items by lineage
+    open_calls: dict[int, dict[str, dict[tuple, Any]]] = attrs.field(factory=dict)
+    open_metrics: dict[int, dict[str, dict]] = attrs.field(factory=dict)  # step -> node ->
+    carried: dict[int, dict[str, list]] = attrs.field(factory=dict)  # past the open steps

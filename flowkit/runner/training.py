@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from flowkit.dsl import Model
-from flowkit.ops import LOSS_KNOBS, SUM_FORM_LOSSES
+from flowkit.dsl import LossSpec, Model
 from flowkit.planner import Action, Costs, Kind, Placement, Schedule
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.futures import Future, wait
@@ -32,16 +31,17 @@ def model_spec(model: Model, num_stages: int) -> dict:
 
 
 def pipeline_config(base: Callable[[Action], dict], spec: dict, sizes: Sequence[int],
-                    extra: dict) -> Callable[[Action], dict]:
+                    extra: dict, loss_spec: LossSpec | None) -> Callable[[Action], dict]:
     """Each action's config: the simulator's cost keys, the model, stage and microbatch, the
-    loss and its knobs, and on the last stage's F the scale of its loss: for "lm" the
+    loss `extra` names and its knobs (as the backprop's `loss_spec` says: none without one),
+    and on the last stage's F the scale of its loss: for a loss that is a mean per token the
     microbatch's share of the batch, so that the microbatches' gradients add up to the whole
-    batch's (gradient accumulation); 1 for the SUM_FORM_LOSSES, which the optimizer step
+    batch's (gradient accumulation); 1 for a loss in sum form, which the optimizer step
     normalizes instead."""
     total = max(1, sum(sizes))
     last = spec["stages"] - 1
-    keep = {k: v for k, v in extra.items() if k == "loss" or k in LOSS_KNOBS}
-    summed = extra.get("loss") in SUM_FORM_LOSSES
+    keep = loss_spec.settings(extra) if loss_spec is not None else {}
+    summed = loss_spec is not None and loss_spec.summed(extra)
 
     def config_for(action: Action) -> dict:
         config = {**base(action), **spec, **keep, "stage": action.stage,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from flowkit.ops import LOSS_KNOBS, SUM_FORM_LOSSES
+from flowkit.ops import LOSS_KNOBS, LOSS_SPEC, SUM_FORM_LOSSES
 from flowkit.planner import Action, Kind
 from flowkit.runner.training import pipeline_config
 
@@ -18,7 +18,8 @@ KNOBS = {"kl_coef": 0.1, "kl_kind": "k2", "clip_ratio": 0.1, "clip_ratio_c": 2.0
 
 
 def _configs(extra: dict, sizes=(1, 3)) -> dict[Action, dict]:
-    config_for = pipeline_config(lambda action: {"seconds": 1.0}, SPEC, list(sizes), extra)
+    config_for = pipeline_config(lambda action: {"seconds": 1.0}, SPEC, list(sizes), extra,
+                                 LOSS_SPEC)
     actions = [Action(s, kind, mb) for s in range(2) for kind in (Kind.F, Kind.B, Kind.W)
                for mb in range(len(sizes))]
     return {a: config_for(a) for a in actions}

@@ -337,6 +337,7 @@ def test_a_pipeline_on_torch_executors_trains_like_one_microbatch_in_one_process
     """pipeline_config gives the RL loss its knobs and scale 1, submit_optimizer_step gives
     every stage the microbatches' stats (their normalizer): three microbatches on two executor
     processes take the step one microbatch takes here."""
+    from flowkit.ops import LOSS_SPEC
     from flowkit.planner import Costs
     from flowkit.planner.schedules import build_schedule
     from flowkit.runner.pipeline import submit_schedule
@@ -354,7 +355,7 @@ def test_a_pipeline_on_torch_executors_trains_like_one_microbatch_in_one_process
     spec = {**POLICY, "stages": 2}
     schedule = build_schedule("1f1b", devices=2, microbatches=3, costs=Costs.uniform(2))
     config_for = pipeline_config(lambda action: {}, spec, [b - a for a, b in cuts],
-                                 {**loss, "schedule": "1f1b"})
+                                 {**loss, "schedule": "1f1b"}, LOSS_SPEC)
     with executor_cluster(2, kind="torch", tags=("train",)) as (ctl, infos):
         run = submit_schedule(ctl, schedule, infos, config_for=config_for, lane="actor",
                               microbatch_inputs=[(exps[a:b], refs[a:b]) for a, b in cuts])

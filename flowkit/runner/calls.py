@@ -1,0 +1,55 @@
+"""The seam between a step and the ways a per-item node's calls may differ from "one call per
+item, its items downstream when they exist": partial rollouts (partial.py) over-provision a
+step, take the calls that end first and carry the rest into the next step; a resumed
+asynchronous run replays a step's checkpointed calls (asyncstate.py). A step (steprun.py) asks
+the node's `CallPolicy` at each turn instead of knowing either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+__all__ = ["CallPolicy", "CallSite"]
+
+
+class CallSite(Protocol):
+    """What a policy may do to its node in its step (the step implements it)."""
+
+    def submit(self, lineage: tuple, lead: Any, *, extra: dict | None = None,
+               meta: dict | None = None) -> None:
+        """Call the node on `lead` as its item-leading input, as call `lineage`."""
+
+    def abort(self, requests: Sequence[str]) -> list[Any]:
+        """Cut the named calls short; the futures of the aborts, which the node waits for."""
+
+
+class CallPolicy(Protocol):
+    """How one per-item node's calls are made and ended in one step."""
+
+    streams_parts: bool  # a call's items may go downstream one by one as they are yielded
+
+    def submit(self, site: CallSite, prompts_closed: bool) -> bool:
+        """Make the policy's own calls (carried, replayed); whether the step's own items may
+        be called now (`prompts_closed`: all of them are in)."""
+
+    def admit(self, prompts: int) -> bool:
+        """Whether one more of the step's `prompts` own items is called (else skipped)."""
+
+    def config(self, lineage: tuple) -> dict:
+        """What call `lineage` is told besides the node's config."""
+
+    def done(self, lineage: tuple, future: Any, site: CallSite) -> bool:
+        """Call `lineage` ended with `future`: whether its items go downstream in this step."""
+
+    def may_close(self) -> bool:
+        """Whether the node may end once its calls have."""
+
+    def closed(self) -> None:
+        """The node ended."""
+
+    def receive(self, calls: list, *, closed: bool) -> None:
+        """Calls the step before carried over (the node `closed` already, or not)."""
+
+    def metrics(self, timeout: float) -> dict[str, float]:
+        """What the step reports of the node's calls."""
