@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dataflows.model_ops import Backprop, OptimizerStep
 from dataflows.models import reference_of
-from dataflows.ops import Backprop, OptimizerStep
 from dataflows.rl.front import rl_actor, sample_and_score
 from dataflows.rl.steps import (
     answer_reward,

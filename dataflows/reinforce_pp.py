@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dataflows.model_ops import Backprop, OptimizerStep
 from dataflows.models import reference_of
-from dataflows.ops import Backprop, OptimizerStep
 from dataflows.rl.advantages import (
     kl_token_rewards,
     reinforce_pp_advantages,

@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from executors.ops import Deferred, OpContext, OpTable
+from executors.optable import Deferred, OpContext, OpTable
 from executors.tasks import Task, check_streamed, describe, described, split_outputs
 from executors.threads import CompletionWatch, Heartbeat
 from flowkit.wire.auth import (

@@ -29,7 +29,7 @@ class Task:
         self.plain = not self.inputs or all(type(i) is int for i in self.inputs)  # the usual
         self.report_key = spec.get("report_key")  # a record field to report for each output item
         self.trace_key = spec.get("trace_key")  # one whose value the trace records for each item
-        self.stream = spec.get("stream", False)  # [Note: streaming ops in executors/ops.py]
+        self.stream = spec.get("stream", False)  # [Note: streaming ops in executors/optable.py]
         self.streamed: list[dict] = []  # the descriptions of the items it streamed
         self.start = 0.0
 

@@ -169,7 +169,7 @@ class Controller:
         value for each item of a list output comes back in `future.keys`; `trace_key` one whose
         value for each output item joins the task's `meta["items"]`, which its span in a trace
         shows [Note: traced items in executors/tasks.py]. With `on_part` the op
-        streams (ops that can: see OpContext.emit in executors/ops.py): each item it yields is
+        streams (ops that can: see OpContext.emit in executors/optable.py): each item it yields is
         passed to `on_part(future)` on the IO thread the moment it arrives, the list of them all
         being the task's result as usual."""
         with self._driving():
