@@ -257,8 +257,8 @@ class Dispatcher:
     def submit(self, spec: TaskSpec, inputs: tuple, *, outputs: int, executor_id: int | None,
                tags: frozenset, meta: dict, hold: bool = False,
                on_part: Callable[[Future], Any] | None = None) -> tuple[Future, ...]:
-        """Queue the task `spec` describes (numbered here: its id, input refs and output ids)
-        for the executor chosen for it, and unless `hold` send that executor its queue when it
+        """Queue the task `spec` describes (given here its id, input refs and output ids) for
+        the executor chosen for it, and unless `hold` send that executor its queue when it
         is idle or a batch is full; returns the task's output futures, failed at once when no
         executor runs the op or an input already failed. A streaming spec's items come to
         `on_part`, each as a future of its own, at once. With a `trace_key` each output item's
@@ -297,7 +297,7 @@ class Dispatcher:
         executor.outstanding += 1
         executor.inflight[task_id] = time.monotonic()
         outbox = self._outbox[executor.id]
-        outbox.append(spec.numbered(task_id, refs, output_ids).encode())
+        outbox.append(spec.encode_as(task_id, refs, output_ids))
         if self._listeners:
             self._emit("task_submitted", {"task": task, "executor": executor})
         # An idle executor gets its task now; a busy one gets tasks in batches.

@@ -53,9 +53,10 @@ class TaskSpec:
     reports [Note: traced items in executors/tasks.py]; `stream`: send each item the op yields
     as it comes [Note: streaming ops in executors/optable.py].
 
-    The controller builds one with op, config and options, and numbers it (`numbered`) once it
-    knows the task's id, input refs and output ids. No validators: the executor checks the
-    task it decodes (`decode`), and answers a malformed one with a failure that says why."""
+    The controller builds one with op, config and options, and encodes it with the task's id,
+    input refs and output ids once it knows them (`encode_as`). No validators: the executor
+    checks the task it decodes (`decode`), and answers a malformed one with a failure that
+    says why."""
 
     op: str
     config: dict[str, Any]
@@ -67,16 +68,17 @@ class TaskSpec:
     trace_key: str | None = None
     stream: bool = False
 
-    def numbered(self, task_id: int, inputs: Sequence[Any], outputs: Sequence[int]) -> TaskSpec:
-        """This task with its id, input refs and output ids (not attrs.evolve: per task, it is
-        three times slower)."""
-        return TaskSpec(self.op, self.config, inputs, outputs, task_id, self.lane,
-                        self.report_key, self.trace_key, self.stream)
-
     def encode(self) -> dict[str, Any]:
         """The task's body in a RUN message [Note: a task on the wire]."""
-        body = {"id": self.id, "op": self.op, "config": self.config, "inputs": self.inputs,
-                "outputs": self.outputs}
+        return self.encode_as(self.id, self.inputs, self.outputs)
+
+    def encode_as(self, task_id: int, inputs: Sequence[Any],
+                  outputs: Sequence[int]) -> dict[str, Any]:
+        """The body of this task given its id, input refs and output ids: the controller's,
+        which learns them as it places the task (one record a task fewer than numbering a copy
+        and encoding that: a microsecond of the dispatch path's ten)."""
+        body = {"id": task_id, "op": self.op, "config": self.config, "inputs": inputs,
+                "outputs": outputs}
         if self.lane is not None:
             body["lane"] = self.lane
         if self.report_key is not None:
@@ -98,10 +100,13 @@ class TaskSpec:
         if task_id < 0:
             raise ProtocolError(f"run task: field 'id' must be a non-negative int, got {task_id}")
         try:
-            return cls(body["op"], body["config"], _inputs(body["inputs"]),
-                       _outputs(body["outputs"], body.get("stream", False)), task_id,
+            inputs, outputs = _inputs(body["inputs"]), _outputs(body["outputs"])
+            if len(body) == len(_NAMING_SCHEMA):  # no options: the usual task, checked
+                return cls(body["op"], body["config"], inputs, outputs, task_id)
+            stream = _stream(body.get("stream", False), outputs)
+            return cls(body["op"], body["config"], inputs, outputs, task_id,
                        _lane(body.get("lane")), _field_name(body, "report_key"),
-                       _field_name(body, "trace_key"), body.get("stream", False))
+                       _field_name(body, "trace_key"), stream)
         except ProtocolError as exc:
             raise MalformedTask(task_id, str(exc)) from None
 
@@ -125,14 +130,18 @@ def _inputs(refs: list) -> list:
     return refs
 
 
-def _outputs(ids: list, stream: Any) -> list:
+def _outputs(ids: list) -> list:
     for object_id in ids:
         if type(object_id) is not int or object_id < 0:
             raise ProtocolError(f"outputs must be object ids, got {object_id!r:.80}")
-    if type(stream) is not bool or stream and len(ids) != 1:
-        raise ProtocolError(f"stream must be true or false, for a task of one output; got "
-                            f"{stream!r:.80} for {len(ids)} outputs")
     return ids
+
+
+def _stream(stream: Any, outputs: list) -> bool:
+    if type(stream) is not bool or stream and len(outputs) != 1:
+        raise ProtocolError(f"stream must be true or false, for a task of one output; got "
+                            f"{stream!r:.80} for {len(outputs)} outputs")
+    return stream
 
 
 def _lane(lane: Any) -> str | None:

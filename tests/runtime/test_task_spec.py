@@ -41,11 +41,11 @@ def test_any_valid_task_spec_survives_the_round_trip(spec):
 
 
 @given(task_specs())
-def test_numbering_a_spec_keeps_what_to_run(spec):
-    numbered = TaskSpec(spec.op, spec.config, lane=spec.lane, report_key=spec.report_key,
-                        trace_key=spec.trace_key, stream=spec.stream).numbered(
-        spec.id, spec.inputs, spec.outputs)
-    assert numbered == spec
+def test_a_spec_encoded_with_its_numbers_decodes_whole(spec):
+    # as the controller sends it: built before its id, input refs and output ids are known
+    unnumbered = TaskSpec(spec.op, spec.config, lane=spec.lane, report_key=spec.report_key,
+                          trace_key=spec.trace_key, stream=spec.stream)
+    assert TaskSpec.decode(unnumbered.encode_as(spec.id, spec.inputs, spec.outputs)) == spec
 
 
 def _body(**changes) -> dict:
