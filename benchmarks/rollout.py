@@ -142,7 +142,7 @@ def response_length(rollout: Rollout) -> float:
 
 
 def _flow(setup: RolloutSetup) -> Flow:
-    from dataflows.ops import Generate
+    from dataflows.model_ops import Generate
 
     model = Model(name="policy", build="executors.torch.models.gpt:GPT", tags=("rollout",))
     with Flow("rollout", description=__doc__) as flow:

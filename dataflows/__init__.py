@@ -1,3 +1,3 @@
 """Ready-made flows written with the flowkit DSL: pipeline-parallel LM training, PPO, GRPO, RLOO
-and REINFORCE++. Their model ops are declared in ops.py (each names an executor op of
+and REINFORCE++. Their model ops are declared in model_ops.py (each names an executor op of
 flowkit/ops), their Python ops in rl/ and text.py."""

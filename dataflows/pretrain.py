@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dataflows.model_ops import Backprop, OptimizerStep
 from dataflows.models import flow_model
-from dataflows.ops import Backprop, OptimizerStep
 from dataflows.text import token_sequences
 from flowkit.dsl import Flow, Model, Operator, collect
 

@@ -6,7 +6,7 @@ clipped PPO policy loss -> sync the weights to generation."""
 from __future__ import annotations
 
 from dataflows.models import reference_of
-from dataflows.ops import Backprop, OptimizerStep
+from dataflows.model_ops import Backprop, OptimizerStep
 from dataflows.rl.advantages import (
     kl_token_rewards,
     reinforce_pp_advantages,

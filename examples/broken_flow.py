@@ -1,7 +1,7 @@
 """A flow with the mistakes a new user makes, to see how flowkit reports them all at once:
 `flowkit check examples/broken_flow.py` exits 1 and lists each one with its fix."""
 
-from dataflows.ops import Backprop, Generate, OptimizerStep
+from dataflows.model_ops import Backprop, Generate, OptimizerStep
 from dataflows.rl.steps import answer_reward, arithmetic_prompts, grpo_advantages
 from flowkit.dsl import Flow, Model
 

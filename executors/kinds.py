@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from importlib.metadata import entry_points
 
-from executors.ops import OpTable, builtin_ops, load_plugin_ops
+from executors.optable import OpTable, builtin_ops, load_plugin_ops
 
 __all__ = ["KINDS", "op_table"]
 

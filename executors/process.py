@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from executors.ops import Deferred, OpContext, OpTable
+from executors.optable import Deferred, OpContext, OpTable
 from executors.tasks import Task, check_streamed, describe, described, split_outputs
 from executors.threads import CompletionWatch, Heartbeat
 from flowkit.wire.auth import (
@@ -38,6 +38,7 @@ from flowkit.wire.auth import (
 from flowkit.wire.protocol import Msg, ProtocolError, decode, encode, part_id, send_frames
 from flowkit.wire.refs import resolve
 from flowkit.wire.serialize import SerializeError, pack, unpack
+from flowkit.wire.task import RejectedTask
 
 __all__ = ["Executor"]
 
@@ -226,24 +227,22 @@ class Executor:
 
     # -- handlers ------------------------------------------------------------------------------
     def _on_run(self, header: dict, frames: list) -> None:
-        for spec in header["tasks"]:
-            task = Task(spec, self.ops.get(spec["op"]))
-            if task.fn is None:
-                self._complete_failed(task, f"unknown op {task.op!r}: this executor runs "
-                                      f"{', '.join(self.ops.names())}", "")
+        for spec in header["specs"]:  # decoded and checked [Note: a task on the wire]
+            if type(spec) is RejectedTask:
+                self._complete_failed(spec.id, f"malformed task: {spec.reason}", "")
                 continue
-            try:
-                task.check()
-            except ProtocolError as exc:
-                self._complete_failed(task, f"malformed task: {exc}", "")
+            task = Task(spec, self.ops.get(spec.op))
+            if task.fn is None:
+                self._complete_failed(spec.id, f"unknown op {spec.op!r}: this executor runs "
+                                      f"{', '.join(self.ops.names())}", "")
                 continue
             for object_id in task.object_ids():
                 if object_id not in self.objects:
                     task.missing += 1
                     self.blocked[object_id].append(task)
-            self.waiting[task.id] = task
-            if task.lane is not None:
-                lane = self.lanes[task.lane]
+            self.waiting[task.spec.id] = task
+            if task.spec.lane is not None:
+                lane = self.lanes[task.spec.lane]
                 lane.append(task)
                 if len(lane) > 1:
                     continue  # runs when the tasks before it in its lane have
@@ -293,9 +292,9 @@ class Executor:
             self.deferred.pop(task_id)[1].cancel()
         for task_id in cancelled:
             task = self.waiting.pop(task_id, None)
-            if task is not None and task.lane is not None:
+            if task is not None and task.spec.lane is not None:
                 self._leave_lane(task)
-        self.ready = deque(t for t in self.ready if t.id not in cancelled)
+        self.ready = deque(t for t in self.ready if t.spec.id not in cancelled)
 
     def _on_shutdown(self, header: dict, frames: list) -> None:
         self.running = False
@@ -310,19 +309,19 @@ class Executor:
             self._push(object_id, address, host_id)
         for task in self.blocked.pop(object_id, ()):
             task.missing -= 1
-            if task.missing == 0 and task.id in self.waiting and self._heads_lane(task):
+            if task.missing == 0 and task.spec.id in self.waiting and self._heads_lane(task):
                 self.ready.append(task)
 
     def _heads_lane(self, task: Task) -> bool:
-        return task.lane is None or self.lanes[task.lane][0] is task
+        return task.spec.lane is None or self.lanes[task.spec.lane][0] is task
 
     def _leave_lane(self, task: Task) -> None:
         """Take `task` out of its lane; the next one runs once its inputs are in."""
-        lane = self.lanes[task.lane]
+        lane = self.lanes[task.spec.lane]
         was_head = lane[0] is task
         lane.remove(task)
         if not lane:
-            del self.lanes[task.lane]
+            del self.lanes[task.spec.lane]
         elif was_head and lane[0].missing == 0:
             self.ready.append(lane[0])
 
@@ -353,7 +352,7 @@ class Executor:
         ready, waiting = self.ready, self.waiting
         while ready:
             task = ready.popleft()
-            if waiting.pop(task.id, None) is None:
+            if waiting.pop(task.spec.id, None) is None:
                 continue  # cancelled meanwhile
             # [Note: completion batching] Completions go out in one message per burst of tiny
             # tasks (dispatch throughput). Once tasks take real time, the _CompletionWatch
@@ -364,7 +363,7 @@ class Executor:
             if self.completions and self.typical_op_s > _TINY_OP_S:
                 self.watch.send_now = True
             self.typical_op_s += 0.2 * (self._run(task) - self.typical_op_s)
-            if task.lane is not None:
+            if task.spec.lane is not None:
                 self._leave_lane(task)
 
     def _run(self, task: Task) -> float:
@@ -372,56 +371,45 @@ class Executor:
         start = task.start = time.time()
         try:
             if task.plain:
-                args = [self.objects[i] for i in task.inputs]
+                args = [self.objects[i] for i in task.spec.inputs]
             else:
-                args = [resolve(ref, self.objects) for ref in task.inputs]
+                args = [resolve(ref, self.objects) for ref in task.spec.inputs]
             result = self._call(task, args)
             if isinstance(result, Deferred):  # it completes later [Note: deferred ops]
                 result.bind(_DeferredSink(self, task))
-                self.deferred[task.id] = (task, result)
+                self.deferred[task.spec.id] = (task, result)
                 return time.time() - start
-            outputs = split_outputs(result, len(task.outputs), task.op)
-            if task.stream:
+            outputs = split_outputs(result, len(task.spec.outputs), task.spec.op)
+            if task.spec.stream:
                 check_streamed(task, outputs[0])
         except Exception as exc:
-            self._complete_failed(task, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
-                                  start=start)
+            self._complete_failed(task.spec.id, f"{type(exc).__name__}: {exc}",
+                                  traceback.format_exc(), start=start)
             return time.time() - start
         end = time.time()
-        for object_id, value in zip(task.outputs, outputs, strict=True):
-            self._store(object_id, value)
-        # described when sent: packing them to learn their size can wait for the flush
-        self.completions.append({"task": task.id, "ok": True, "start": start, "end": end,
-                                 "outputs": list(zip(task.outputs, outputs)),
-                                 "report_key": task.report_key, "trace_key": task.trace_key,
-                                 "streamed": task.streamed})
+        self._complete(task, outputs, end)
         return end - start
 
     def _finish_deferred(self, task: Task, result: Any) -> None:
         """A deferred task's result, from its Background's step (sockets released)."""
         with self.socket_lock:
-            if self.deferred.pop(task.id, None) is None:
+            if self.deferred.pop(task.spec.id, None) is None:
                 return  # cancelled meanwhile
             try:
-                outputs = split_outputs(result, len(task.outputs), task.op)
-                if task.stream:
+                outputs = split_outputs(result, len(task.spec.outputs), task.spec.op)
+                if task.spec.stream:
                     check_streamed(task, outputs[0])
             except TypeError as exc:
-                self._complete_failed(task, f"{type(exc).__name__}: {exc}", "",
+                self._complete_failed(task.spec.id, f"{type(exc).__name__}: {exc}", "",
                                       start=task.start)
                 return
-            for object_id, value in zip(task.outputs, outputs, strict=True):
-                self._store(object_id, value)
-            self.completions.append({"task": task.id, "ok": True, "start": task.start,
-                                     "end": time.time(), "outputs": list(zip(task.outputs, outputs)),
-                                     "report_key": task.report_key, "trace_key": task.trace_key,
-                                     "streamed": task.streamed})
+            self._complete(task, outputs, time.time())
 
     def _fail_deferred(self, task: Task, error: BaseException) -> None:
         with self.socket_lock:
-            if self.deferred.pop(task.id, None) is not None:
+            if self.deferred.pop(task.spec.id, None) is not None:
                 tb = "".join(traceback.format_exception(error))
-                self._complete_failed(task, f"{type(error).__name__}: {error}", tb,
+                self._complete_failed(task.spec.id, f"{type(error).__name__}: {error}", tb,
                                       start=task.start)
 
     def _step_background(self) -> None:
@@ -452,13 +440,13 @@ class Executor:
         [Note: part ids in flowkit/wire/protocol.py] and told of at once. Runs on the op
         thread, which holds the sockets only for the moment it sends."""
         index = len(task.streamed)
-        described = describe(part_id(task.outputs[0], index), value, task.report_key,
-                             task.trace_key)
+        described = describe(part_id(task.spec.outputs[0], index), value, task.spec.report_key,
+                             task.spec.trace_key)
         described.setdefault("nbytes", 0)  # None's description leaves it out
         task.streamed.append(described)
         with self.socket_lock:
             self._store(described["id"], value)
-            self._send(Msg.PART, {"task": task.id, "index": index, "start": task.start,
+            self._send(Msg.PART, {"task": task.spec.id, "index": index, "start": task.start,
                                   "end": time.time(), "output": described})
 
     def _call(self, task: Task, args: list) -> Any:
@@ -466,18 +454,30 @@ class Executor:
         the op turns out long [Note: completion batching]."""
         self.op_seq += 1
         self.in_op = True
-        self.ctx.emit = (lambda value: self._emit(task, value)) if task.stream else None
+        self.ctx.emit = (lambda value: self._emit(task, value)) if task.spec.stream else None
         self.socket_lock.release()
         self.watch.op_started()
         try:
-            return task.fn(self.ctx, *args, **task.config)
+            return task.fn(self.ctx, *args, **task.spec.config)
         finally:
             self.in_op = False
             self.ctx.emit = None
             self.socket_lock.acquire()
 
-    def _complete_failed(self, task: Task, error: str, tb: str, *, start: float = 0.0) -> None:
-        self.completions.append({"task": task.id, "ok": False, "error": error, "traceback": tb,
+    def _complete(self, task: Task, outputs: list, end: float) -> None:
+        """Keep a finished task's outputs and queue its completion."""
+        spec = task.spec
+        for object_id, value in zip(spec.outputs, outputs, strict=True):
+            self._store(object_id, value)
+        # described when sent: packing them to learn their size can wait for the flush
+        self.completions.append({"task": spec.id, "ok": True, "start": task.start, "end": end,
+                                 "outputs": list(zip(spec.outputs, outputs)),
+                                 "report_key": spec.report_key, "trace_key": spec.trace_key,
+                                 "streamed": task.streamed})
+
+    def _complete_failed(self, task_id: int, error: str, tb: str, *,
+                         start: float = 0.0) -> None:
+        self.completions.append({"task": task_id, "ok": False, "error": error, "traceback": tb,
                                  "start": start or time.time(), "end": time.time()})
 
     def _flush_completions(self) -> None:
@@ -495,7 +495,7 @@ class _DeferredSink:
         self.executor, self.task = executor, task
 
     def emit(self, item: Any) -> None:
-        if self.task.stream:  # else its items all come in the result
+        if self.task.spec.stream:  # else its items all come in the result
             self.executor._emit(self.task, item)
 
     def done(self, result: Any) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import attrs
 
-from executors.ops import OpContext, OpTable
+from executors.optable import OpContext, OpTable
 from executors.simengine import EngineCosts, engine_of
 from flowkit.ops.configs import SAMPLING, SamplingConfig
 from flowkit.ops.records import (

@@ -33,7 +33,7 @@ from typing import Any
 
 import attrs
 
-from executors.ops import Deferred
+from executors.optable import Deferred
 from flowkit.ops.records import Rollout
 
 __all__ = ["EngineCosts", "SimEngine", "engine_of"]
@@ -74,7 +74,7 @@ class _Request:
 
 
 class SimEngine:
-    """A Background [Note: deferred ops in executors/ops.py] serving a simulator executor's
+    """A Background [Note: deferred ops in executors/optable.py] serving a simulator executor's
     generate requests [Note: simulated rollout engine]. `clock` and `sleep` are the timer's,
     replaceable so tests can run it on a fake clock.
 

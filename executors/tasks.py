@@ -1,13 +1,14 @@
-"""What an executor knows of one task, and how it describes a task's outputs to the controller
-(executors/process.py runs them)."""
+"""What an executor knows of one task (its TaskSpec, decoded and checked by
+flowkit/wire/task.py, and how far it has got), and how it describes a task's outputs to the
+controller (executors/process.py runs them)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from flowkit.wire.protocol import ProtocolError
-from flowkit.wire.refs import check_ref, object_ids
+from flowkit.wire.refs import object_ids
 from flowkit.wire.serialize import SerializeError, nbytes_of, pack
+from flowkit.wire.task import TaskSpec
 
 __all__ = ["Task", "check_streamed", "describe", "described", "split_outputs"]
 
@@ -16,41 +17,24 @@ _NONE_BODY = pack(None)[0]
 
 
 class Task:
-    __slots__ = ("id", "op", "fn", "config", "inputs", "outputs", "missing", "lane", "plain",
-                 "report_key", "trace_key", "stream", "streamed", "start")
+    """A task on this executor: its spec, its op's function, and how far it has got.
 
-    def __init__(self, spec: dict, fn: Any) -> None:
-        self.id, self.op, self.fn, self.config = spec["id"], spec["op"], fn, spec["config"]
-        self.inputs, self.outputs = spec["inputs"], spec["outputs"]
-        self.missing = 0
-        # [Note: lanes] Tasks of one lane run in the order they arrived, like a CUDA stream:
-        # a pipeline schedule's per-device order is a lane.
-        self.lane = spec.get("lane")
-        self.plain = not self.inputs or all(type(i) is int for i in self.inputs)  # the usual
-        self.report_key = spec.get("report_key")  # a record field to report for each output item
-        self.trace_key = spec.get("trace_key")  # one whose value the trace records for each item
-        self.stream = spec.get("stream", False)  # [Note: streaming ops in executors/ops.py]
+    [Note: lanes] Tasks of one lane run in the order they arrived, like a CUDA stream: a
+    pipeline schedule's per-device order is a lane."""
+
+    __slots__ = ("spec", "fn", "missing", "plain", "streamed", "start")
+
+    def __init__(self, spec: TaskSpec, fn: Any) -> None:
+        self.spec, self.fn = spec, fn
+        self.missing = 0  # inputs not here yet
+        self.plain = all(type(i) is int for i in spec.inputs)  # whole objects: the usual
         self.streamed: list[dict] = []  # the descriptions of the items it streamed
         self.start = 0.0
 
     def object_ids(self) -> list[int]:
         if self.plain:
-            return self.inputs
-        return [i for ref in self.inputs for i in object_ids(ref)]
-
-    def check(self) -> None:
-        if not self.plain:
-            for ref in self.inputs:
-                check_ref(ref)
-        if self.lane is not None and not isinstance(self.lane, str):
-            raise ProtocolError(f"a task's lane must be a string, got {self.lane!r}")
-        if self.report_key is not None and not isinstance(self.report_key, str):
-            raise ProtocolError(f"report_key must be a field name, got {self.report_key!r}")
-        if self.trace_key is not None and not isinstance(self.trace_key, str):
-            raise ProtocolError(f"trace_key must be a field name, got {self.trace_key!r}")
-        if not isinstance(self.stream, bool) or self.stream and len(self.outputs) != 1:
-            raise ProtocolError(f"stream must be true or false, for a task of one output; got "
-                                f"{self.stream!r} for {len(self.outputs)} outputs")
+            return self.spec.inputs
+        return [i for ref in self.spec.inputs for i in object_ids(ref)]
 
 
 def split_outputs(result: Any, count: int, op: str) -> list:
@@ -71,7 +55,7 @@ def check_streamed(task: Task, result: Any) -> None:
         return
     if not isinstance(result, (list, tuple)) or len(result) != len(task.streamed):
         size = len(result) if isinstance(result, (list, tuple)) else type(result).__name__
-        raise TypeError(f"op {task.op!r} emitted {len(task.streamed)} items but returned "
+        raise TypeError(f"op {task.spec.op!r} emitted {len(task.streamed)} items but returned "
                         f"{size}: a streaming op returns the list of what it emitted")
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import zmq
 
-from executors.ops import OpContext
+from executors.optable import OpContext
 from flowkit.runtime import Controller, LocalExecutors
 from flowkit.runtime.registry import ExecutorInfo
 

@@ -12,7 +12,7 @@ import click
 import pytest
 
 from dataflows.grpo import grpo_flow
-from dataflows.ops import Backprop, Generate, LogProbs, OptimizerStep
+from dataflows.model_ops import Backprop, Generate, LogProbs, OptimizerStep
 from dataflows.ppo import ppo_flow
 from dataflows.reinforce_pp import reinforce_pp_flow
 from dataflows.rl.advantages import reinforce_pp_advantages

@@ -22,7 +22,7 @@ from typing import Any
 
 import attrs
 
-from dataflows.ops import Backprop, OptimizerStep
+from dataflows.model_ops import Backprop, OptimizerStep
 from dataflows.rl.advantages import reinforce_pp_advantages
 from dataflows.rl.steps import answer_reward, arithmetic_prompts
 from flowkit.dsl import Flow, Operator

@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 
 from dataflows.models import flow_model
-from dataflows.ops import Generate, LogProbs
+from dataflows.model_ops import Generate, LogProbs
 from dataflows.rl.config import RLConfig
 from dataflows.rl.steps import rollout_metrics
 from flowkit.dsl import Flow, Model, Stream, collect

@@ -8,11 +8,11 @@ from executors.torch.stage import StageError, StageRunner
 
 
 def register(table) -> None:
-    """The torch executor kind's ops: pipeline stages and the optimizer step (ops.py),
+    """The torch executor kind's ops: pipeline stages and the optimizer step (pipeline_ops.py),
     generation (generate.py), scoring (infer.py), run checkpoints (state.py)."""
-    from executors.torch import generate, infer, ops, state
+    from executors.torch import generate, infer, pipeline_ops, state
 
-    ops.register(table)
+    pipeline_ops.register(table)
     table.register("save_state", state.save_state)
     table.register("load_state", state.load_state)
     generate.register(table)

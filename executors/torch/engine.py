@@ -1,7 +1,7 @@
 """The rollout engine: one long-lived decoding loop per generating model on a torch executor.
 
 [Note: rollout engine] A `generate` task is a request to the engine of its model (the op
-returns a Deferred: executors/ops.py [Note: deferred ops]); its prompts x n become sequences
+returns a Deferred: executors/optable.py [Note: deferred ops]); its prompts x n become sequences
 that wait for a slot (a row of the model's cache). Each engine step, which the executor runs
 between messages:
 
@@ -43,7 +43,7 @@ from typing import Any
 import attrs
 import torch
 
-from executors.ops import Deferred
+from executors.optable import Deferred
 from executors.torch import lm
 from executors.torch.held import evaluating, right_padded
 from executors.torch.sampling import sample_tokens, sequence_seed

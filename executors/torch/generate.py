@@ -28,7 +28,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from executors.ops import OpContext, OpTable
+from executors.optable import OpContext, OpTable
 from executors.torch import lm
 from executors.torch.engine import Engine, Sampling, run_until_done
 from executors.torch.held import held_model, right_padded, whole_model
@@ -111,7 +111,7 @@ def decode(model: torch.nn.Module, prompts: list, s: _Sampling, device: torch.de
            emit: Callable[[Any], None] | None = None) -> list:
     """Every (prompt, sample) decoded through `s.max_batch` slots; Rollouts in finishing order,
     each also given to `emit` the moment it is done (a streaming task's [Note: streaming ops]
-    in executors/ops.py). A sample ends at EOS, at max_new_tokens, or when it fills the model's
+    in executors/optable.py). A sample ends at EOS, at max_new_tokens, or when it fills the model's
     context (clipped)."""
     queue = deque(_Seq(p, k, _generator(s.seed, p.prompt_id, k, device))
                   for p in prompts for k in range(s.n))

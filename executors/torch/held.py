@@ -4,10 +4,10 @@
 (``module:factory``) and model config with the same seed, or from the config's ``checkpoint``
 file, and keeps the stages it is asked for: all executors hold the same initial weights as a
 plain loop that builds the model once. An executor holds a model by (name, number of stages),
-so maybe in several splits (`held_model`): stages the pipeline ops (ops.py) run (`held_stage`),
-a whole copy that generation (generate.py) and scoring (infer.py) run (`whole_model`). The
-`export_weights` and `load_weights` ops move weights between splits [Note: unsplit names in
-weights.py].
+so maybe in several splits (`held_model`): stages the pipeline ops (pipeline_ops.py) run
+(`held_stage`), a whole copy that generation (generate.py) and scoring (infer.py) run
+(`whole_model`). The `export_weights` and `load_weights` ops move weights between splits
+[Note: unsplit names in weights.py].
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import torch
 
-from executors.ops import OpContext
+from executors.optable import OpContext
 from executors.torch import weights
 from executors.torch.rl_loss import RLLoss
 from executors.torch.stage import StageError, StageRunner

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from executors.ops import OpContext, OpTable
+from executors.optable import OpContext, OpTable
 from executors.torch import lm
 from executors.torch.held import evaluating, right_padded, whole_model
 from flowkit.ops.records import TokenScores

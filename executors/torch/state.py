@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from executors.ops import OpContext
+from executors.optable import OpContext
 from executors.torch.held import held_model, held_stage
 from executors.torch.stage import StageError
 
@@ -101,7 +101,7 @@ def _restore(ctx: OpContext, entry: dict, path: str) -> None:
         held_stage(ctx, {**entry["config"], "model": entry["name"], "stages": entry["stages"],
                          "stage": index})
     for index, saved in entry["optimizers"].items():
-        from executors.torch.ops import new_optimizer
+        from executors.torch.pipeline_ops import new_optimizer
 
         stage = held.stages[index]
         stage.optimizer = new_optimizer(stage.module)

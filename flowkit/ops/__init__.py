@@ -5,10 +5,10 @@ how a batch is cut into minibatches and microbatches (minibatches.py), the recor
 between ops (records.py) and the tokenizers of model folders that prompt sources and generation
 share (tokenizers.py, transformers imported when one is loaded). No torch, no zmq.
 
-Where an op lives, end to end: a flow declares it as a ModelOp (dataflows/ops.py) or an @op
+Where an op lives, end to end: a flow declares it as a ModelOp (dataflows/model_ops.py) or an @op
 function; the planner lowers it into tasks (flowkit/planner/lower.py); the runtime submits and
 dispatches them (flowkit/runner/flowrun.py, controller.py, dispatch.py); an executor runs it
-from its op table (executors/ops.py; executors/sim.py, executors/torch/).
+from its op table (executors/optable.py; executors/sim.py, executors/torch/).
 """
 
 from flowkit.ops.configs import (

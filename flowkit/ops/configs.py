@@ -1,6 +1,6 @@
 """Settings records of the op contract, each default written once.
 
-`SamplingConfig` is how a `generate` call samples. Generate's declaration (dataflows/ops.py)
+`SamplingConfig` is how a `generate` call samples. Generate's declaration (dataflows/model_ops.py)
 takes its config keys, defaults, ranges and choices from it; the executors (executors/sim.py,
 executors/torch/generate.py) read a task's settings through it, so a key a task lacks gets the
 record's default, never one of the executor's own; the RL flows hold one

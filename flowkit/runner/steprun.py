@@ -164,7 +164,7 @@ class StepRun:
             self.progress(consumer)
 
     def _on_part(self, name: str, lineage: tuple, part: Any) -> None:
-        """Item j of a streaming call [Note: streaming ops in executors/ops.py]: into the
+        """Item j of a streaming call [Note: streaming ops in executors/optable.py]: into the
         node's stream at once, so per-item consumers start on it before the call ends."""
         state = self.states[name]
         j = state.streamed[lineage]

@@ -1,8 +1,8 @@
 """Training a model's pipeline stages through the runtime: what each F/B/W task is told, the
 profiling warm-up that gives the planner real costs, and the optimizer step across stages.
 
-The ops themselves live with the executors (executors/torch/ops.py, executors/sim.py); this
-module only decides what to submit where. It never imports torch.
+The ops themselves live with the executors (executors/torch/pipeline_ops.py,
+executors/sim.py); this module only decides what to submit where. It never imports torch.
 """
 
 from __future__ import annotations
@@ -86,8 +86,8 @@ def submit_optimizer_step(ctl: Controller, schedule: Schedule, executors: Sequen
                           spec: dict, stats: list, config: dict, *, lane: str, meta: dict,
                           outputs: int) -> tuple[list[Future], Any]:
     """The step across stages ([Note: the optimizer step across stages] in
-    executors/torch/ops.py): grad stats per stage (the last stage's adds in the first stage's
-    tied gradients), then one optimizer step per stage that reads them all, and the
+    executors/torch/pipeline_ops.py): grad stats per stage (the last stage's adds in the first
+    stage's tied gradients), then one optimizer step per stage that reads them all, and the
     microbatches' `stats` (a loss summed over tokens leaves there the normalizer every stage
     divides its gradients by). Each op runs in its device's lane, so after that device's W
     ops. Returns the futures that report nothing and stage 0's report (its `outputs`

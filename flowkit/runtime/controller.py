@@ -31,6 +31,7 @@ from flowkit.runtime.registry import ExecutorInfo
 from flowkit.wire.auth import CONTROLLER, Gate, Keys, check_bind, curve_server
 from flowkit.wire.protocol import Msg, ProtocolError, decode, encode, send_frames
 from flowkit.wire.serialize import SerializeError
+from flowkit.wire.task import TaskSpec
 
 __all__ = ["Controller", "NoExecutor"]
 
@@ -174,13 +175,15 @@ class Controller:
         value for each item of a list output comes back in `future.keys`; `trace_key` one whose
         value for each output item joins the task's `meta["items"]`, which its span in a trace
         shows [Note: traced items in executors/tasks.py]. With `on_part` the op
-        streams (ops that can: see OpContext.emit in executors/ops.py): each item it yields is
+        streams (ops that can: see OpContext.emit in executors/optable.py): each item it yields is
         passed to `on_part(future)` on the IO thread the moment it arrives, the list of them all
         being the task's result as usual."""
+        spec = TaskSpec(op, config or {}, lane=lane, report_key=report_key,
+                        trace_key=trace_key, stream=on_part is not None)
         with self._driving():
-            futures = self._state.submit(op, inputs, config or {}, executor, frozenset(tags),
-                                         outputs, meta or {}, lane, report_key, self._batching > 0,
-                                         on_part, trace_key)
+            futures = self._state.submit(spec, inputs, outputs=outputs, executor_id=executor,
+                                         tags=frozenset(tags), meta=meta or {},
+                                         hold=self._batching > 0, on_part=on_part)
         self._state.run_callbacks()
         return futures[0] if outputs == 1 else futures
 

@@ -21,6 +21,7 @@ from flowkit.runtime.registry import ExecutorInfo, ObjectRecord, TaskRecord
 from flowkit.wire.protocol import Msg, ProtocolError, encode, part_id
 from flowkit.wire.refs import Gather, Item, object_ids
 from flowkit.wire.serialize import SerializeError, pack, unpack
+from flowkit.wire.task import TaskSpec
 
 __all__ = ["Dispatcher", "NoExecutor"]
 
@@ -58,7 +59,7 @@ class Dispatcher:
         # reference decides when it is released ([Note: object lifetime] in futures.py).
         self._futures: dict[int, Future] = {}
         self._fetches: dict[int, list] = {}  # unanswered: request -> [done, value, error, holder]
-        self._outbox: dict[int, list[dict]] = defaultdict(list)
+        self._outbox: dict[int, list[dict]] = defaultdict(list)  # encoded TaskSpecs
         self._frees: dict[int, list[int]] = defaultdict(list)
         self._frees_sent = 0.0
         self._callbacks: deque = deque()  # (fn, future): a deque, as it is drained unlocked
@@ -257,18 +258,17 @@ class Dispatcher:
             self.condition.notify_all()
 
     # -- commands from user threads ------------------------------------------------------------
-    def submit(self, op: str, inputs: tuple, config: dict, executor_id: int | None,
-               tags: frozenset, outputs: int, meta: dict, lane: str | None = None,
-               report_key: str | None = None, hold: bool = False,
-               on_part: Callable[[Future], Any] | None = None,
-               trace_key: str | None = None) -> tuple[Future, ...]:
-        """Queue a task for the executor chosen for it, and unless `hold` send that executor its
-        queue when it is idle or a batch is full; returns the task's output futures, failed at
-        once when no executor runs the op or an input already failed. With `on_part` the task
-        streams: each item it yields comes to `on_part` as a future of its own, at once. With
-        `trace_key` each output item's field of that name joins `meta["items"]` [Note: traced
-        items in executors/tasks.py]."""
-        if on_part is not None and outputs != 1:
+    def submit(self, spec: TaskSpec, inputs: tuple, *, outputs: int, executor_id: int | None,
+               tags: frozenset, meta: dict, hold: bool = False,
+               on_part: Callable[[Future], Any] | None = None) -> tuple[Future, ...]:
+        """Queue the task `spec` describes (given here its id, input refs and output ids) for
+        the executor chosen for it, and unless `hold` send that executor its queue when it
+        is idle or a batch is full; returns the task's output futures, failed at once when no
+        executor runs the op or an input already failed. A streaming spec's items come to
+        `on_part`, each as a future of its own, at once. With a `trace_key` each output item's
+        field of that name joins `meta["items"]` [Note: traced items in executors/tasks.py]."""
+        op = spec.op
+        if spec.stream and outputs != 1:
             raise ValueError(f"a streaming task has one output (a list), not {outputs}")
         futures = tuple([self._new_future() for _ in range(outputs)])
         try:
@@ -285,7 +285,7 @@ class Dispatcher:
                 f"{op!r} not run: an input failed: {unrecorded.error}", op=op))
             return futures
         output_ids = tuple([f.id for f in futures])
-        task = TaskRecord(task_id, op, executor.id, input_ids, output_ids, config, meta,
+        task = TaskRecord(task_id, op, executor.id, input_ids, output_ids, spec.config, meta,
                           on_part=on_part)
         self._tasks[task_id] = task
         for object_id in output_ids:
@@ -300,17 +300,8 @@ class Dispatcher:
             self._route(objects[object_id], executor)
         executor.outstanding += 1
         executor.inflight[task_id] = time.monotonic()
-        spec = {"id": task_id, "op": op, "config": config, "inputs": refs, "outputs": output_ids}
-        if lane is not None:
-            spec["lane"] = lane
-        if report_key is not None:
-            spec["report_key"] = report_key
-        if trace_key is not None:
-            spec["trace_key"] = trace_key
-        if on_part is not None:
-            spec["stream"] = True
         outbox = self._outbox[executor.id]
-        outbox.append(spec)
+        outbox.append(spec.encode_as(task_id, refs, output_ids))
         if self._listeners:
             self._emit("task_submitted", {"task": task, "executor": executor})
         # An idle executor gets its task now; a busy one gets tasks in batches.

@@ -3,7 +3,8 @@
 A message is a list of zmq frames: one msgpack header (a map), then raw frames for tensor bytes.
 Every header carries the protocol version `v` and a message type `t`; everything else depends on
 the type and is checked by `decode` against a small schema, so a malformed message becomes a
-ProtocolError that the receiver answers with an ERROR reply instead of crashing. No pickle.
+ProtocolError that the receiver answers with an ERROR reply instead of crashing. No pickle. A RUN
+message's tasks are TaskSpecs (task.py), which `decode` decodes and checks too.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from typing import Any
 
 import msgpack
 import zmq
+
+from flowkit.wire.schema import ProtocolError, Schema, check_fields
+from flowkit.wire.task import decode_tasks
 
 __all__ = ["PROTOCOL_VERSION", "ProtocolError", "Msg", "decode", "encode", "part_id",
            "send_frames"]
@@ -42,12 +46,8 @@ class Msg:
     SHUTDOWN = "shutdown"
 
 
-class ProtocolError(ValueError):
-    """A message that does not follow the protocol; the text says what is wrong with it."""
-
-
 # type -> required fields and their Python types. Extra fields are allowed (forward compatible).
-_SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
+_SCHEMA: dict[str, Schema] = {
     Msg.HELLO: {"name": str, "tags": list, "ops": list, "pid": int},
     Msg.WELCOME: {"executor": int, "ping_interval": (int, float), "ping_timeout": (int, float)},
     Msg.PING: {},
@@ -65,21 +65,12 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     Msg.SHUTDOWN: {},
 }
 
-_PART_OUTPUT_SCHEMA: dict[str, type | tuple[type, ...]] = {"id": int, "nbytes": int}
-
-_TASK_SCHEMA: dict[str, type | tuple[type, ...]] = {
-    "id": int,
-    "op": str,
-    "config": dict,
-    "inputs": list,
-    "outputs": list,
-}
+_PART_OUTPUT_SCHEMA: Schema = {"id": int, "nbytes": int}
 
 
 # One packer for all messages (packb builds one, buffer and all, per call); locked, as a dict
 # subclass in a header (a config) makes msgpack call back into Python, where threads switch.
 _PACKER, _PACKING = msgpack.Packer(use_bin_type=True), threading.Lock()
-_MISSING = object()
 
 
 def encode(kind: str, fields: dict[str, Any] | None = None, frames: Sequence = ()) -> list:
@@ -92,7 +83,9 @@ def encode(kind: str, fields: dict[str, Any] | None = None, frames: Sequence = (
 
 
 def decode(parts: Sequence) -> tuple[dict[str, Any], list]:
-    """(header, raw frames) of a received message, or ProtocolError saying what is wrong."""
+    """(header, raw frames) of a received message, or ProtocolError saying what is wrong. A RUN
+    header gains `specs`: its `tasks` decoded, each a TaskSpec or, where malformed, a
+    RejectedTask [Note: a task on the wire in flowkit/wire/task.py]."""
     if not parts:
         raise ProtocolError("empty message")
     first = parts[0]
@@ -112,14 +105,11 @@ def decode(parts: Sequence) -> tuple[dict[str, Any], list]:
     schema = _SCHEMA.get(kind) if isinstance(kind, str) else None
     if schema is None:
         raise ProtocolError(f"unknown message type {kind!r}")
-    _check_fields(kind, header, schema)
+    check_fields(kind, header, schema)
     if kind == Msg.RUN:
-        for task in header["tasks"]:
-            if not isinstance(task, dict):
-                raise ProtocolError(f"run: a task must be a map, got {type(task).__name__}")
-            _check_fields("run task", task, _TASK_SCHEMA)
+        header["specs"] = decode_tasks(header["tasks"])
     elif kind == Msg.PART:
-        _check_fields("part output", header["output"], _PART_OUTPUT_SCHEMA)
+        check_fields("part output", header["output"], _PART_OUTPUT_SCHEMA)
     return header, list(parts[1:])
 
 
@@ -148,16 +138,3 @@ def send_frames(sock: zmq.Socket, parts: Sequence, *, copy: bool = True) -> None
     for i, part in enumerate(parts):
         sock.send(part, _SNDMORE if i < last else 0, copy=copy)
 
-
-def _check_fields(kind: str, header: dict, schema: dict) -> None:
-    for field, expected in schema.items():
-        value = header.get(field, _MISSING)
-        if type(value) is expected:  # msgpack makes exact types: one test in the usual case
-            continue
-        if value is _MISSING:
-            raise ProtocolError(f"{kind}: missing field {field!r}")
-        if not isinstance(value, expected) or isinstance(value, bool) and expected is int:
-            names = " or ".join(t.__name__ for t in
-                                (expected if isinstance(expected, tuple) else (expected,)))
-            raise ProtocolError(f"{kind}: field {field!r} must be {names}, got "
-                                f"{type(value).__name__}")

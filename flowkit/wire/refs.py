@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 
-from flowkit.wire.protocol import ProtocolError
+from flowkit.wire.schema import ProtocolError
 
 __all__ = ["Gather", "Item", "object_ids", "resolve", "check_ref"]
 

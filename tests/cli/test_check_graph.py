@@ -208,7 +208,7 @@ def test_graph_of_a_broken_flow_exits_1(runner, tmp_path):
 
 _TYPOS = textwrap.dedent("""
     from dataflows.models import GPT_BUILD
-    from dataflows.ops import Backprop
+    from dataflows.model_ops import Backprop
     from dataflows.text import token_sequences
     from flowkit.dsl import Flow, Model
 

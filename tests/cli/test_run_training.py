@@ -31,7 +31,7 @@ def test_an_unknown_schedule_is_a_usage_error_before_anything_starts():
 
 
 _OWN_MODEL_FLOW = """
-from dataflows.ops import Backprop, OptimizerStep
+from dataflows.model_ops import Backprop, OptimizerStep
 from dataflows.text import token_sequences
 from flowkit.dsl import Flow, Model, collect
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dataflows.ops import Backprop, Generate, OptimizerStep
+from dataflows.model_ops import Backprop, Generate, OptimizerStep
 from dataflows.rl.steps import arithmetic_prompts
 from flowkit.dsl import Flow, FlowError, Model, collect
 

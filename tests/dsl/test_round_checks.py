@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dataflows.ops import Backprop, OptimizerStep
+from dataflows.model_ops import Backprop, OptimizerStep
 from dataflows.ppo import ppo_flow
 from flowkit.dsl import Flow, FlowError, Stream, collect, op
 

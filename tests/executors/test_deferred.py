@@ -1,4 +1,4 @@
-"""Deferred ops [Note: deferred ops in executors/ops.py]: a task handed to a Background stays
+"""Deferred ops [Note: deferred ops in executors/optable.py]: a task handed to a Background stays
 open while the executor runs other tasks, streams its items as the background makes them, and
 completes when the background says so."""
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from executors.ops import Deferred, _countdown
+from executors.optable import Deferred, _countdown
 from tests.harness import executor_cluster, op_context
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from executors.kinds import op_table
 from executors.torch import algos
-from executors.torch.ops import LOSSES as TORCH_LOSSES
+from executors.torch.pipeline_ops import LOSSES as TORCH_LOSSES
 from executors.torch.rl_loss import RLSettings
 from flowkit.ops import EXECUTOR_OPS, KL_KINDS, LOSS_KNOBS, LOSSES, SIMULATED
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from executors.ops import Deferred
+from executors.optable import Deferred
 from executors.sim import _generate, sample_rollout
 from executors.simengine import EngineCosts, SimEngine
 from flowkit.ops.records import Prompt, Rollout, WeightsVersion

@@ -15,7 +15,7 @@ from dataflows.rewards import (
     math_reward,
     text_reward,
 )
-from executors.ops import _function_op
+from executors.optable import _function_op
 from flowkit.dsl import Flow, FlowError, Stream, op
 from flowkit.ops.records import Rollout, Scored
 
@@ -42,7 +42,7 @@ def test_text_reward_turns_a_function_of_texts_into_a_reward_op():
     assert isinstance(scored, Scored) and scored.reward == 2.5
     assert scored.response_text == "YES" and scored.prompt_id == 3 and scored.sample == 1
     assert _shouted.fn(_rollout("YES", text=False)).reward == 2.0, "bytes when no text"
-    for reward in (_shouted, named, format_reward):  # what an executor runs (executors/ops.py)
+    for reward in (_shouted, named, format_reward):  # what an executor runs (executors/optable.py)
         assert _function_op(reward.target) is reward
     with pytest.raises(ValueError, match="name='my_reward'"):
         text_reward(lambda p, r, a: 1.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dataflows.ops import Backprop, Generate, OptimizerStep
+from dataflows.model_ops import Backprop, Generate, OptimizerStep
 from dataflows.rl.tasks import (
     EOS,
     SORT_GPT,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import dataflows.ops as declared_ops
+import dataflows.model_ops as declared_ops
 from flowkit.dsl import ModelOp
 from flowkit.ops import LOSS_KNOBS, LOSSES, LOWERED_OPS
 

@@ -156,8 +156,8 @@ def mean_reward(scored: Batch[Scored]) -> float:
 def torch_streaming_flow() -> Flow:
     """A random 12-token GPT generating: byte 10, the generator's EOS, comes up about one token
     in 12, so a prompt's samples end at different lengths, each scored as it ends."""
+    from dataflows.model_ops import Generate
     from dataflows.models import GPT_BUILD
-    from dataflows.ops import Generate
 
     actor = Model(name="actor", build=GPT_BUILD, tags=("rollout",),
                   config={"vocab_size": 12, "block_size": 64, "n_layer": 1, "n_head": 2,

@@ -95,7 +95,7 @@ def test_an_op_error_carries_the_remote_traceback_and_fails_downstream(cluster):
     with pytest.raises(RemoteError) as raised:
         bad.result(timeout=5)
     assert "kaboom" in str(raised.value) and "Traceback" in raised.value.remote_traceback
-    assert "executors/ops.py" in raised.value.remote_traceback
+    assert "executors/optable.py" in raised.value.remote_traceback
     for future in (child, grandchild):
         with pytest.raises(TaskCancelled, match="kaboom"):
             future.result(timeout=5)

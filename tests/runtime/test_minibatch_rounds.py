@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dataflows.ops import Backprop, OptimizerStep
+from dataflows.model_ops import Backprop, OptimizerStep
 from dataflows.ppo import ppo_flow
 from flowkit.dsl import Flow, Model, collect
 from flowkit.ops import cut, epoch_order, minibatch_rounds

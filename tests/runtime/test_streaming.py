@@ -1,5 +1,5 @@
 """Streaming tasks: each item an op yields reaches the controller, and its consumers, the moment
-it is yielded [Note: streaming ops in executors/ops.py]."""
+it is yielded [Note: streaming ops in executors/optable.py]."""
 
 from __future__ import annotations
 

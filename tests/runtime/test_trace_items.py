@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from executors.tasks import Task, describe, described
+from executors.tasks import describe, described
 from flowkit.observe import TraceRecorder
 from flowkit.ops.records import Rollout
 from flowkit.runtime import RemoteError
 from flowkit.wire.protocol import ProtocolError
+from flowkit.wire.task import TaskSpec
 from tests.harness import executor_cluster
 from tests.runtime import flowdefs
 
@@ -52,10 +53,9 @@ def test_a_streamed_tasks_completion_does_not_repeat_its_parts_traces():
 
 @pytest.mark.parametrize("bad", [5, ["version_span"], {"k": 1}])
 def test_a_trace_key_that_is_not_a_field_name_is_malformed(bad):
-    task = Task({"id": 1, "op": "noop", "config": {}, "inputs": [], "outputs": [],
-                 "trace_key": bad}, None)
+    body = {"id": 1, "op": "noop", "config": {}, "inputs": [], "outputs": [], "trace_key": bad}
     with pytest.raises(ProtocolError, match="trace_key must be a field name"):
-        task.check()
+        TaskSpec.decode(body)
 
 
 @pytest.fixture(scope="module")

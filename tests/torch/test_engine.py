@@ -7,7 +7,7 @@ import attrs
 import pytest
 import torch
 
-from executors.ops import OpTable
+from executors.optable import OpTable
 from executors.torch import generate as gen
 from executors.torch.engine import NO_VERSION, Engine, Sampling, run_until_done
 from executors.torch.held import held_model

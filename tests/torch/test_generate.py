@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executors.ops import Deferred, OpTable
+from executors.optable import Deferred, OpTable
 from executors.torch import generate as gen
 from executors.torch.engine import run_until_done
 from executors.torch.models.gpt import GPT, KVCache

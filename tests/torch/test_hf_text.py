@@ -184,7 +184,7 @@ def test_a_supervised_warm_up_trains_an_hf_model_on_chat_sft_sequences(qwen2, qu
 
 
 def test_a_flows_eos_is_checked_when_built_and_reaches_generation(qwen2, questions):
-    from dataflows.ops import Generate
+    from dataflows.model_ops import Generate
     from flowkit.dsl import Flow, FlowError
 
     actor = Model(name="actor", build="hf", config={"path": str(qwen2)})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executors.ops import OpTable
+from executors.optable import OpTable
 from executors.torch import generate as gen
 from executors.torch import infer
 from flowkit.ops.records import Prompt, Rollout, TokenScores

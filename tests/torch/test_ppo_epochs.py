@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dataflows.model_ops import Backprop, LogProbs, OptimizerStep
 from dataflows.models import GPT_BUILD
-from dataflows.ops import Backprop, LogProbs, OptimizerStep
 from executors.torch.algos import ppo_policy_loss, ppo_policy_loss_stats
 from flowkit.dsl import Flow, Model, Stream, collect, op
 from flowkit.ops import cut, minibatch_rounds

@@ -16,8 +16,8 @@ import attrs
 import pytest
 import torch
 
-from executors.ops import OpContext
-from executors.torch import ops
+from executors.optable import OpContext
+from executors.torch import pipeline_ops
 from executors.torch.algos import kl_penalty, ppo_policy_loss, value_loss
 from executors.torch.held import held_stage
 from executors.torch.models.gpt import GPT
@@ -104,12 +104,12 @@ def _run_microbatches(ctx: OpContext, spec: dict, microbatches: list[tuple], *, 
         x = None
         for s in range(stages):
             inputs = data if s == 0 else (x, *data) if s == stages - 1 else (x,)
-            x = ops._forward(ctx, *inputs, stage=s, microbatch=mb, **config)
+            x = pipeline_ops._forward(ctx, *inputs, stage=s, microbatch=mb, **config)
         stats.append(x)
         grad = None
         for s in reversed(range(stages)):
-            grad = ops._backward_input(ctx, grad, stage=s, microbatch=mb, **config)
-            ops._backward_weight(ctx, stage=s, microbatch=mb, **config)
+            grad = pipeline_ops._backward_input(ctx, grad, stage=s, microbatch=mb, **config)
+            pipeline_ops._backward_weight(ctx, stage=s, microbatch=mb, **config)
     return stats
 
 
@@ -222,19 +222,19 @@ def _one_step(spec: dict, data: list[tuple], *, stages: int, hparams: dict = STE
     ctx = op_context()
     stats = _run_microbatches(ctx, spec, data, stages=stages, **loss_config)
     step = {**spec, "stages": stages, **hparams}
-    first, tied = ops._grad_stats(ctx, stage=0, **step)
+    first, tied = pipeline_ops._grad_stats(ctx, stage=0, **step)
     grad_stats, summed = [first], None
     for s in range(1, stages):
         partner = (tied,) if s == stages - 1 else ()
-        stage_stats, summed = ops._grad_stats(ctx, *partner, stage=s, **step)
+        stage_stats, summed = pipeline_ops._grad_stats(ctx, *partner, stage=s, **step)
         grad_stats.append(stage_stats)
     for s in range(stages - 1, 0, -1):
-        ops._optimizer_step(ctx, stats, *grad_stats, stage=s, **step)
+        pipeline_ops._optimizer_step(ctx, stats, *grad_stats, stage=s, **step)
     back = (summed,) if stages > 1 else ()
-    metrics, _ = ops._optimizer_step(ctx, stats, *grad_stats, *back, stage=0, report=True,
-                                     **step)
+    metrics, _ = pipeline_ops._optimizer_step(ctx, stats, *grad_stats, *back, stage=0,
+                                              report=True, **step)
     params = {(s, n): p for s in range(stages)
-              for n, p in ops._stage_parameters(ctx, stage=s, **step).items()}
+              for n, p in pipeline_ops._stage_parameters(ctx, stage=s, **step).items()}
     return params, metrics
 
 
@@ -285,7 +285,7 @@ def test_an_empty_microbatch_contributes_nothing():
 def test_profiling_accepts_an_experience_microbatch():
     exps = _experiences(3, seed=41)
     for s in range(2):
-        seconds = ops._profile(op_context(), exps, **POLICY, stage=s, stages=2, repeats=1)
+        seconds = pipeline_ops._profile(op_context(), exps, **POLICY, stage=s, stages=2, repeats=1)
         assert set(seconds) == {"F", "B", "W", "BW"} and all(v > 0 for v in seconds.values())
 
 
@@ -293,8 +293,9 @@ def test_profiling_accepts_an_experience_microbatch():
 def _last_forward(spec: dict, *data, **config):
     """The last stage's F of a two-stage split on the given data inputs."""
     ctx = op_context()
-    act = ops._forward(ctx, *data, stage=0, stages=2, microbatch=0, **spec, **config)
-    return ops._forward(ctx, act, *data, stage=1, stages=2, microbatch=0, **spec, **config)
+    act = pipeline_ops._forward(ctx, *data, stage=0, stages=2, microbatch=0, **spec, **config)
+    return pipeline_ops._forward(ctx, act, *data, stage=1, stages=2, microbatch=0, **spec,
+                                 **config)
 
 
 def test_an_unknown_loss_names_the_known_ones():

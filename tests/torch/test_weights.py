@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executors.ops import Deferred, OpContext, OpTable
+from executors.optable import Deferred, OpContext, OpTable
 from executors.torch import register as register_torch
 from executors.torch import weights
 from executors.torch.engine import run_until_done

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from executors.ops import OpContext, OpTable
+from executors.optable import OpContext, OpTable
 from executors.torch.held import (
     HeldStage,
     export_weights,
