@@ -78,10 +78,10 @@ def _corpus(folder: Path) -> str:
 
 
 def _pipeline_runs(setup: TrainSetup, corpus: str, schedules: tuple[str, ...]) -> dict:
-    from benchmarks.pipeline import profile_hop
     from dataflows.pretrain import pretrain_flow
     from flowkit.planner.lower import lower_flow
     from flowkit.runner.flowrun import FlowRunner
+    from flowkit.runner.schedule_run import profile_hop
     from flowkit.runtime import Controller, LocalExecutors
 
     out = {}

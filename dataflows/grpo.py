@@ -4,8 +4,8 @@ the reference, microbatches forming from finished groups -> sync the weights to 
 
 from __future__ import annotations
 
-from dataflows.models import reference_of
 from dataflows.model_ops import Backprop, OptimizerStep
+from dataflows.models import reference_of
 from dataflows.rl.config import GroupRLConfig, RLConfig, rl_flow
 from dataflows.rl.front import rl_actor, sample_and_score
 from dataflows.rl.steps import grpo_advantages, with_reference

@@ -4,8 +4,8 @@ pipeline schedules -> sync both models' weights to the executors that generate a
 
 from __future__ import annotations
 
-from dataflows.models import critic_of, reference_of
 from dataflows.model_ops import Backprop, OptimizerStep, Values
+from dataflows.models import critic_of, reference_of
 from dataflows.rl.config import PPOConfig, rl_flow
 from dataflows.rl.front import rl_actor, sample_and_score
 from dataflows.rl.steps import gae, make_experience

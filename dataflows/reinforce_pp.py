@@ -5,8 +5,8 @@ clipped PPO policy loss -> sync the weights to generation."""
 
 from __future__ import annotations
 
-from dataflows.models import reference_of
 from dataflows.model_ops import Backprop, OptimizerStep
+from dataflows.models import reference_of
 from dataflows.rl.advantages import (
     kl_token_rewards,
     reinforce_pp_advantages,

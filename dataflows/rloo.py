@@ -5,8 +5,8 @@ forming from finished groups -> sync the weights to generation."""
 
 from __future__ import annotations
 
-from dataflows.models import reference_of
 from dataflows.model_ops import Backprop, OptimizerStep
+from dataflows.models import reference_of
 from dataflows.rl.advantages import kl_token_rewards, rloo_advantages
 from dataflows.rl.config import GroupRLConfig, RLConfig, rl_flow
 from dataflows.rl.front import rl_actor, sample_and_score

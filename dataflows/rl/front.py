@@ -11,8 +11,8 @@ from typing import Any
 
 import attrs
 
-from dataflows.models import flow_model
 from dataflows.model_ops import Generate, LogProbs
+from dataflows.models import flow_model
 from dataflows.rl.config import RLConfig
 from dataflows.rl.steps import rollout_metrics
 from flowkit.dsl import Flow, Model, Stream, collect

@@ -248,7 +248,7 @@ def schedule(kind, devices, microbatches, cost_text, comm, memory_limit, mem_tex
 
 
 def _execute(console: Console, sched: Schedule, stage_costs: Costs, unit_s: float) -> None:
-    from benchmarks.pipeline import execute_on_simulators
+    from flowkit.runner.schedule_run import execute_on_simulators
 
     console.print(f"running on {sched.num_devices} simulator executors, 1 unit = "
                   f"{unit_s * 1e3:g} ms ...")
