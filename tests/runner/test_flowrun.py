@@ -12,7 +12,7 @@ from flowkit.planner.lower import Call, lower_flow
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runner.flowrun import FlowRunError, FlowRunner
 from tests.harness import executor_cluster
-from tests.runtime import flowdefs
+from tests.runner import flowdefs
 
 FLOWDEFS = str(Path(flowdefs.__file__))
 EXAMPLES = Path(__file__).parents[2] / "examples"
