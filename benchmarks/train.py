@@ -1,4 +1,5 @@
-"""Training benchmark on the built-in GPT (or, with `model`, a Hugging Face decoder of its size), each figure against a baseline in the same run:
+"""Training benchmark on the built-in GPT (or, with `model`, a Hugging Face decoder of its
+size), each figure against a baseline in the same run:
 
 (a) B + W against a fused backward of the same microbatch (benchmarks/split_backward.py);
 (b) per schedule, the bubble rate measured on torch executor processes against the simulator's

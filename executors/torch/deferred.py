@@ -49,7 +49,8 @@ from torch.autograd.graph import GradientEdge, Node
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["Consumers", "DeferredCall", "EmbeddingCall", "LayerNormCall", "LinearCall", "Recorder",
-           "SavedBytes", "ScaleCall", "accumulate", "consumer_nodes", "consumer_weight_grads", "edges_of",
+           "SavedBytes", "ScaleCall", "accumulate", "consumer_nodes", "consumer_weight_grads",
+           "edges_of",
            "grad_accumulator", "storages"]
 
 

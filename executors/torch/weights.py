@@ -18,7 +18,8 @@ weight in the split loaded into, so one split's export fills any other split.
 
 The ops `export_weights`, `load_weights` and `save_weights` (which merges the stages' exports
 and writes them with `save_checkpoint` on an executor: no tensor goes to the controller) are in
-held.py. A model config key ``checkpoint`` names such a file, which `held_model` loads into the whole model before splitting it (`load_checkpoint`).
+held.py. A model config key ``checkpoint`` names such a file, which `held_model` loads into the
+whole model before splitting it (`load_checkpoint`).
 """
 
 from __future__ import annotations

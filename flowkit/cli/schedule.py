@@ -267,7 +267,8 @@ def _execute(console: Console, sched: Schedule, stage_costs: Costs, unit_s: floa
                   f"{figures['simulated_bubble_rate']:.4f}", "",
                   f"{figures['nominal_bubble_rate']:.4f}")
     console.print(table)
-    console.print(f"simulated with profiled costs: each op + {figures['op_overhead_s'] * 1e6:.0f} µs "
+    overhead_us = figures["op_overhead_s"] * 1e6
+    console.print(f"simulated with profiled costs: each op + {overhead_us:.0f} µs "
                   f"of executor time, comm = {figures['hop_s'] * 1e6:.0f} µs per activation hop "
                   f"between executors (medians measured in this run)")
 

@@ -6,7 +6,8 @@ done), steps k .. k+η-1 are open [Note: asynchronous steps in flowrun.py]: thei
 may be done, running, or (partial rollouts, [Note: partial rollouts in partial.py]) carried
 from one step to the next. A checkpoint there
   1. drains: it lets every open step's generating nodes (gated nodes whose op declares its
-     calls resumable, ModelOp.resumable: Generate's) end before it writes anything. Nothing trains meanwhile (a step's training starts only in the next
+     calls resumable, ModelOp.resumable: Generate's) end before it writes anything. Nothing trains
+     meanwhile (a step's training starts only in the next
      `run_step`), so the executors' weights and optimizer states are step k-1's; the engines
      go on decoding the open steps' samples under the weights they have, as they would have
      without the checkpoint. This costs throughput at checkpoint steps only: the next step's
@@ -18,7 +19,8 @@ from one step to the next. A checkpoint there
      the controller's `RunState`;
   3. writes the executors' states and the run state as a synchronous checkpoint does.
 A resumed run opens steps k .. k+η-1 as the uninterrupted one would, but each of their
-generating nodes makes exactly the saved calls (its call policy is a `Replay`), each given its saved rollouts, which the
+generating nodes makes exactly the saved calls (its call policy is a `Replay`), each given its
+saved rollouts, which the
 engines pass through unchanged (a finished Rollout given to `generate` is its output); the
 step's own prompts are not generated again. Everything downstream (rewards, reference
 scores, advantages, training) runs as before. The carried calls go back into the runner and

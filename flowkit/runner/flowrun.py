@@ -18,7 +18,8 @@ version; no trained token's version lags the weights it updates by more than η.
 step after step in order (a step's backprop starts when the step before has ended). With η = 0
 step k's generation waits for step k-1's weights: the synchronous run, operation for
 operation. With η >= 1 the backprops whose loss takes a proximal policy use the decoupled
-objective for stale samples (the knob their LossSpec names, `decoupled`). A step's training starts in its own `run_step` call, never between two:
+objective for stale samples (the knob their LossSpec names, `decoupled`). A step's training starts
+in its own `run_step` call, never between two:
 what a checkpoint at that boundary holds of the open steps is [Note: checkpoints of
 asynchronous runs] in asyncstate.py.
 """

@@ -6,7 +6,8 @@ stages by decoder layers. Flows name it ``Model(build="hf", config={"path": DIR}
 attribute names (``model.embed_tokens``, ``model.layers.3``, ``lm_head``, or GPT-2's
 ``transformer.h.3``), so every parameter keeps its HF name, in the whole model and in every stage:
 weights sync, export and load by the names `save_pretrained` writes (weights.py maps names
-identically). A stage holds the embeddings if first (GPT-2's position table too), a contiguous run of
+identically). A stage holds the embeddings if first (GPT-2's position table too), a contiguous run
+of
 decoder layers (keyed by their global index, so ``self_attn.layer_idx`` and the names stay those of
 the unsplit model), and the final norm and LM head if last; the rotary embedding (buffers only) is
 shared by every stage. Stages call each decoder layer with keywords only, as the HF model's own
