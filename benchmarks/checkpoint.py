@@ -55,7 +55,7 @@ def _write_bench(*, rounds: int, gpt: dict | None) -> dict:
     from dataflows.pretrain import pretrain_flow
     from flowkit.runner.checkpoint import write_checkpoint
 
-    corpus = Path(__file__).resolve().parents[2] / "examples" / "data" / "corpus.txt"
+    corpus = Path(__file__).resolve().parents[1] / "examples" / "data" / "corpus.txt"
     flow = pretrain_flow(corpus=str(corpus), stages=2, microbatches=2, schedule="1f1b",
                          batch_size=4, seq_len=32, gpt=gpt or GPT)
     scratch = Path(tempfile.mkdtemp(prefix="flowkit-checkpoint-bench-"))
