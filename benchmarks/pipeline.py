@@ -1,7 +1,10 @@
 """Pipeline benchmark: 1f1b and zb-h1 plans for p = 4, m = 16 with ops of about 2 ms, run on
 simulator executor processes, against the planner's simulation of the same plan with the
 communication cost and the executors' per-op time profiled in the same run. `flowkit schedule
---execute` runs one plan the same way (`execute_on_simulators`)."""
+--execute` runs one plan the same way (`execute_on_simulators`).
+
+It submits a schedule's tasks, not a flow's steps: it stays on the Controller API, not flowkit.Run.
+"""
 
 from __future__ import annotations
 
