@@ -20,6 +20,8 @@ long-tailed lengths, a smaller batch), `async_steps` steps with staleness bound 
 checkpoint after every step (as `--max-restarts` writes them) and without, alternating,
 `async_rounds` runs each on the same executors; steps/s from the end of the first step to the
 end of the last, medians; `ratio` is with / without.
+
+Each run is a `flowkit.Run` (benchmarks/runs.py); the checkpoints are of its `run.runner`.
 """
 
 from __future__ import annotations
@@ -49,28 +51,25 @@ def run_checkpoint_bench(*, rounds: int = 5, gpt: dict | None = None, async_step
 def _write_bench(*, rounds: int, gpt: dict | None) -> dict:
     import torch
 
+    from benchmarks.runs import bench_run
     from dataflows.pretrain import pretrain_flow
-    from flowkit.planner.lower import lower_flow
-    from flowkit.runner.checkpoint import flow_identity, write_checkpoint
-    from flowkit.runner.flowrun import FlowRunner
-    from flowkit.runtime import Controller, LocalExecutors
+    from flowkit.runner.checkpoint import write_checkpoint
 
-    corpus = Path(__file__).resolve().parents[2] / "examples" / "data" / "corpus.txt"
+    corpus = Path(__file__).resolve().parents[1] / "examples" / "data" / "corpus.txt"
     flow = pretrain_flow(corpus=str(corpus), stages=2, microbatches=2, schedule="1f1b",
                          batch_size=4, seq_len=32, gpt=gpt or GPT)
-    plan = lower_flow(flow)
     scratch = Path(tempfile.mkdtemp(prefix="flowkit-checkpoint-bench-"))
     checkpoint_s, write_s = [], []
     try:
-        with Controller() as ctl, LocalExecutors(ctl, 2, kind="torch", tags=[("train",)] * 2,
-                                                 name_prefix="exec") as started:
-            runner = FlowRunner(ctl, plan)
-            runner.run_step(0)
-            identity = flow_identity(flow.name, plan)
+        with bench_run(flow, steps=1, executors="torch", num_executors=2,
+                       tags=[("train",)] * 2) as run:
+            for _ in run.steps():
+                pass
 
-            def checkpoint() -> Path:
-                return write_checkpoint(scratch / "ck", runner, step=1, identity=identity,
-                                        executors=started, kind="torch", records=[{}], keep=1)
+            def checkpoint() -> Path:  # the run's runner and executors, after its step
+                return write_checkpoint(scratch / "ck", run.runner, step=1,
+                                        identity=run.identity, executors=run.executors,
+                                        kind="torch", records=[{}], keep=1)
 
             folder = checkpoint()
             parts = sorted((folder / "executors").iterdir())
@@ -109,7 +108,6 @@ def run_async_checkpoint_bench(*, steps: int = 8, rounds: int = 2, max_staleness
     without, side by side on the same executors."""
     from benchmarks.rl import RLSetup
     from dataflows.grpo import grpo_flow
-    from flowkit.planner.lower import lower_flow
     from flowkit.planner.simcosts import SimCosts
     from flowkit.runtime import Controller, LocalExecutors
 
@@ -122,17 +120,15 @@ def run_async_checkpoint_bench(*, steps: int = 8, rounds: int = 2, max_staleness
     flow = grpo_flow(prompts=setup.prompts, n=setup.n, stages=setup.train_executors,
                      schedule=setup.schedule, microbatches=setup.microbatches,
                      max_new_tokens=setup.max_new_tokens)
-    plan = lower_flow(flow)
     tags = [("rollout",)] * setup.rollout_executors + [("train",)] * setup.train_executors
     scratch = Path(tempfile.mkdtemp(prefix="flowkit-async-checkpoint-bench-"))
     runs: dict[str, list[dict]] = {"without": [], "with": []}
-    try:
-        with Controller() as ctl, LocalExecutors(ctl, len(tags), kind="sim", tags=tags) as ex:
+    try:  # every run a Run on the same executors (its `controller=`)
+        with Controller() as ctl, LocalExecutors(ctl, len(tags), kind="sim", tags=tags):
             for index in range(rounds):
                 for name in runs:
                     root = scratch / f"{name}-{index}" if name == "with" else None
-                    runs[name].append(_async_run(ctl, ex, flow.name, plan, costs, steps,
-                                                 max_staleness, root))
+                    runs[name].append(_async_run(ctl, flow, costs, steps, max_staleness, root))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     without = statistics.median(r["steps_per_s"] for r in runs["without"])
@@ -147,22 +143,23 @@ def run_async_checkpoint_bench(*, steps: int = 8, rounds: int = 2, max_staleness
                       "executors, a checkpoint after every step against none, alternating"}
 
 
-def _async_run(ctl: object, executors: list, name: str, plan: list, costs: object,
-               steps: int, staleness: int, root: Path | None) -> dict:
-    from flowkit.runner.checkpoint import flow_identity, write_checkpoint
-    from flowkit.runner.flowrun import FlowRunner
+def _async_run(ctl: object, flow: object, costs: object, steps: int, staleness: int,
+               root: Path | None) -> dict:
+    """An asynchronous run of `flow` on `ctl`'s executors; with `root`, a checkpoint there
+    after every step, timed apart, as `write_checkpoint` writes it between steps."""
+    from benchmarks.runs import bench_run
+    from flowkit.runner.checkpoint import write_checkpoint
 
-    runner = FlowRunner(ctl, plan, sim_costs=costs, staleness=staleness, steps=steps)
-    identity = flow_identity(name, plan)
     ends, written, stale = [], [], []
-    for step in range(steps):
-        report = runner.run_step(step)
-        stale.append(report.metrics.get("staleness/max", 0))
-        if root is not None:
-            started = time.perf_counter()
-            write_checkpoint(root, runner, step=step + 1, identity=identity,
-                             executors=executors, kind="sim", records=[], keep=1)
-            written.append(time.perf_counter() - started)
-        ends.append(time.perf_counter())
+    with bench_run(flow, controller=ctl, steps=steps, executors="sim", sim_costs=costs,
+                   asynchronous=True, max_staleness=staleness) as run:
+        for report in run.steps():
+            stale.append(report.metrics.get("staleness/max", 0))
+            if root is not None:
+                started = time.perf_counter()
+                write_checkpoint(root, run.runner, step=report.step + 1, identity=run.identity,
+                                 executors=run.executors, kind="sim", records=[], keep=1)
+                written.append(time.perf_counter() - started)
+            ends.append(time.perf_counter())
     return {"steps_per_s": (steps - 1) / (ends[-1] - ends[0]), "written_s": written,
             "staleness_max": max(stale)}

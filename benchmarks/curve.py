@@ -17,6 +17,8 @@ are medians over the rounds.
 
 `cost` is CURVE's time over plain's for each (flowkit and bare zmq); `ratio` flowkit's over bare
 zmq's with the same security. With hosts=2 everything runs across network-namespace hosts.
+
+It times round trips and transfers, not a flow's steps: it stays on the Controller API.
 """
 
 from __future__ import annotations

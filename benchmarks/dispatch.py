@@ -8,6 +8,8 @@ a plain Python loop in its own process, as the executor is, so both sides pay fo
 With `hosts=2` both run across network namespace hosts (flowkit/runtime/netns.py): the
 controller and the echo client bind on the bridge, the executor and the echo server run on a
 namespace host, so every message crosses a veth pair as between machines.
+
+It times no-op round trips, not a flow's steps: it stays on the Controller API, not flowkit.Run.
 """
 
 from __future__ import annotations

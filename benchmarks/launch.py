@@ -7,6 +7,8 @@ call until every executor has connected to the controller, and `stop()` after th
 shutdown. A Ray launch places a placement group, starts an actor per bundle and the executor
 process inside it; the local Ray itself is started once, before the rounds, and its start-up is
 reported apart (`ray_init_s`): a cluster runs long before and after a run.
+
+It times executors' start-up, not a flow's steps: it stays on the Controller API, not flowkit.Run.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ system; a sample's response length is log-normal (most short, a few at the token
 so a step's generation ends with a long tail during which, fused, training already runs and,
 asynchronously, the next steps' generation too.
 Then the real thing at toy scale: the digit-sorting GRPO step on torch executors on this CPU.
+
+Every run is a `flowkit.Run` (benchmarks/runs.py); the simulated ones share one set of executors.
 """
 
 from __future__ import annotations
@@ -42,17 +44,18 @@ OVERSAMPLE = 1.5  # the partial mode's generated prompts per trained prompt (APR
 
 @attrs.frozen
 class Mode:
-    """How a run's steps meet, as FlowRunner's knobs: one field per knob, so a further one
-    (partial rollouts, say) is a field here and a name in `modes_named`."""
+    """How a run's steps meet, as RunConfig's settings (`oversample` is the flow's): one field
+    per setting, so a further one is a field here and a name in `modes_named`."""
 
     name: str
     fuse: bool = True
     staleness: int | None = None  # None: synchronous
     oversample: float = 1.0  # > 1: partial rollouts
 
-    def runner_args(self, steps: int) -> dict[str, Any]:
-        return {"fuse": self.fuse, "staleness": self.staleness,
-                "steps": steps if self.staleness is not None else None}
+    def run_settings(self, steps: int) -> dict[str, Any]:
+        """RunConfig's settings for `steps` steps in this mode."""
+        return {"steps": steps, "fuse": self.fuse,
+                "asynchronous": self.staleness is not None, "max_staleness": self.staleness}
 
 
 def modes_named(names: tuple[str, ...] | list[str], *, max_staleness: int) -> list[Mode]:
@@ -116,23 +119,24 @@ def run_rl_bench(setup: RLSetup | None = None, *, modes: tuple[str, ...] = MODES
                                "max_staleness": max_staleness,
                                "samples_per_step": setup.prompts * setup.n,
                                "measured_steps": setup.steps - 1}
-    # one set of simulator executors for every run: starting ten processes costs more on
+    # one set of simulator executors for every run, each a Run on their controller (its
+    # `controller=`): starting ten processes costs more on
     # this machine than a run's measured steps, and a run leaves nothing behind (its last
     # step ends with nothing open; weights versions are each runner's own: a run's staleness
     # reads as on fresh executors)
     with _executors("sim", tags) as ctl:
         for algo in ("grpo", "ppo"):
-            runs = {mode.name: _measured(ctl, _flow(setup, algo, mode.oversample), setup.steps,
-                                         costs, mode, trim)
+            runs = {mode.name: _measured(_flow(setup, algo, mode.oversample), setup.steps,
+                                         mode, trim, controller=ctl, executors="sim",
+                                         sim_costs=costs)
                     for mode in chosen}
             figures[algo] = _compared(runs)
     if torch_steps:
         tags = [("rollout",), ("train",), ("train",)]
         runs = {}
-        for mode in chosen:  # fresh executors: each run trains from random weights
-            with _executors("torch", tags) as ctl:
-                runs[mode.name] = _measured(ctl, _sorting_flow(mode.oversample), torch_steps, None,
-                                           mode, trim)
+        for mode in chosen:  # each run starts its own executors: it trains from random weights
+            runs[mode.name] = _measured(_sorting_flow(mode.oversample), torch_steps, mode, trim,
+                                        executors="torch", num_executors=len(tags), tags=tags)
         figures["torch_cpu_grpo"] = {**_compared(runs), "executors": len(tags),
                                      "measured_steps": torch_steps - 1,
                                      "flow": "examples/grpo_sort.py from random weights"}
@@ -153,26 +157,27 @@ def _ratios(runs: dict[str, dict], figure: str) -> dict[str, float]:
 
 @contextlib.contextmanager
 def _executors(kind: str, tags: list) -> Iterator[Any]:
+    """Executors that the runs compared use in turn (each Run's `controller=`)."""
     from flowkit.runtime import Controller, LocalExecutors
 
     with Controller() as ctl, LocalExecutors(ctl, len(tags), kind=kind, tags=tags):
         yield ctl
 
 
-def _measured(ctl: Any, flow: Any, steps: int, costs: Any, mode: Mode, trim: int) -> dict:
-    """`steps` steps on `ctl`'s executors: steps/s from the end of the first (which profiles,
-    warms up and, fused, learns the batch size) to the end of the last, the staleness of the
-    tokens trained on in those, steps/s over a window that ends `trim` steps before the last
-    (`_steady`), and, synchronously, the median share of generation in a
-    step (asynchronously, generation and training overlap across steps: no such share)."""
-    from flowkit.planner.lower import lower_flow
-    from flowkit.runner.flowrun import FlowRunner
+def _measured(flow: Any, steps: int, mode: Mode, trim: int, **settings: Any) -> dict:
+    """`steps` steps of a run with RunConfig `settings` (benchmarks/runs.py): steps/s from the
+    end of the first (which profiles, warms up and, fused, learns the batch size) to the end of
+    the last, the staleness of the tokens trained on in those, steps/s over a window that ends
+    `trim` steps before the last (`_steady`), and, synchronously, the median share of
+    generation in a step (asynchronously, generation and training overlap across steps: no
+    such share)."""
+    from benchmarks.runs import bench_run
 
-    runner = FlowRunner(ctl, lower_flow(flow), sim_costs=costs, **mode.runner_args(steps))
     ends, reports = [], []
-    for step in range(steps):
-        reports.append(runner.run_step(step))
-        ends.append(time.perf_counter())
+    with bench_run(flow, **settings, **mode.run_settings(steps)) as run:
+        for report in run.steps():  # each as its step ends
+            reports.append(report)
+            ends.append(time.perf_counter())
     reports, wall = reports[1:], ends[-1] - ends[0]
     figures = {"steps_per_s": len(reports) / wall, "step_s": wall / len(reports),
                **_steady(ends, trim), **_staleness(reports)}

@@ -12,6 +12,8 @@ max_batch sequences an iteration at best (plus every prompt's prefill). The larg
 
 Parts: "sim" (above), and "torch": the torch rollout engine against one decode call per
 prompt on this CPU, tokens/s on the same samples (benchmarks/engine.py).
+
+Each dispatch's run is a `flowkit.Run` (benchmarks/runs.py), read through its `run.runner`.
 """
 
 from __future__ import annotations
@@ -68,10 +70,8 @@ def _simulated(setup: RolloutSetup) -> dict:
 
 
 def _simulated_steps(setup: RolloutSetup, *, balance: bool) -> list[dict]:
-    from flowkit.planner.lower import lower_flow
+    from benchmarks.runs import bench_run
     from flowkit.planner.simcosts import SimCosts
-    from flowkit.runner.flowrun import FlowRunner
-    from flowkit.runtime import Controller, LocalExecutors
 
     costs = SimCosts(token=setup.token, token_per_seq=setup.token_per_seq,
                      prefill_token=setup.prefill_token, token_budget=setup.token_budget,
@@ -79,11 +79,10 @@ def _simulated_steps(setup: RolloutSetup, *, balance: bool) -> list[dict]:
                      prompt_sigma=setup.prompt_sigma)
     tags = [("rollout",)] * setup.executors
     figures = []
-    with Controller() as ctl, LocalExecutors(ctl, setup.executors, kind="sim", tags=tags):
-        runner = FlowRunner(ctl, lower_flow(_flow(setup)), sim_costs=costs, balance=balance)
-        for step in range(setup.steps):
-            report = runner.run_step(step)
-            figures.append(_step_figures(runner, report.metrics, setup, costs))
+    with bench_run(_flow(setup), steps=setup.steps, executors="sim", sim_costs=costs,
+                   num_executors=setup.executors, tags=tags, balance=balance) as run:
+        for report in run.steps():  # the runner's state of the step just ended
+            figures.append(_step_figures(run.runner, report.metrics, setup, costs))
     return figures
 
 

@@ -1,4 +1,5 @@
-"""Training benchmark on the built-in GPT (or, with `model`, a Hugging Face decoder of its size), each figure against a baseline in the same run:
+"""Training benchmark on the built-in GPT (or, with `model`, a Hugging Face decoder of its
+size), each figure against a baseline in the same run:
 
 (a) B + W against a fused backward of the same microbatch (benchmarks/split_backward.py);
 (b) per schedule, the bubble rate measured on torch executor processes against the simulator's
@@ -6,6 +7,8 @@
     in the same run);
 (c) tokens/s of the pipeline run against a plain single-process training loop of the same
     model, data and batch on the same machine, using all its cores.
+
+Each schedule's run is a `flowkit.Run` (benchmarks/runs.py) on the same executors.
 """
 
 from __future__ import annotations
@@ -78,13 +81,13 @@ def _corpus(folder: Path) -> str:
 
 
 def _pipeline_runs(setup: TrainSetup, corpus: str, schedules: tuple[str, ...]) -> dict:
-    from benchmarks.pipeline import profile_hop
+    from benchmarks.runs import bench_run
     from dataflows.pretrain import pretrain_flow
-    from flowkit.planner.lower import lower_flow
-    from flowkit.runner.flowrun import FlowRunner
+    from flowkit.runner.schedule_run import profile_hop
     from flowkit.runtime import Controller, LocalExecutors
 
     out = {}
+    # one set of executors for every schedule, each a Run on their controller (`controller=`)
     with Controller() as ctl, LocalExecutors(
             ctl, setup.stages, kind="torch", tags=("train",)) as started:
         infos = sorted(started, key=lambda e: e.id)
@@ -95,10 +98,10 @@ def _pipeline_runs(setup: TrainSetup, corpus: str, schedules: tuple[str, ...]) -
             flow = pretrain_flow(corpus=corpus, microbatches=setup.microbatches, schedule=kind,
                                  batch_size=setup.batch_size, seq_len=setup.seq_len,
                                  model=_model(setup, name))
-            runner = FlowRunner(ctl, lower_flow(flow))
-            reports = [runner.run_step(step) for step in range(setup.steps)][1:]
-            schedule, _ = runner.trained[name]
-            costs = runner.profiles[(name, schedule.num_stages)]
+            with bench_run(flow, controller=ctl, steps=setup.steps, executors="torch") as run:
+                reports = list(run.steps())[1:]
+                schedule, _ = run.runner.trained[name]
+                costs = run.runner.profiles[(name, schedule.num_stages)]
             predicted = simulate(schedule, attrs.evolve(costs, comm=hop_s))
             out[kind] = _figures(kind, reports, setup, predicted.bubble_rate, hop_s)
     return out

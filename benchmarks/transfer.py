@@ -16,6 +16,8 @@ across the same two namespaces (benchmarks/peers.py): the bench asks a source pr
 host to send the same bytes as 1 MiB frames to a sink on B's host, which acks; timed from the
 bench's request to the source's reply, as a transfer is from the submit to the completion. The
 two alternate round by round, as with the memcpy.
+
+It times transfers, not a flow's steps: it stays on the Controller API, not flowkit.Run.
 """
 
 from __future__ import annotations

@@ -188,7 +188,8 @@ def _kind(path: Any) -> str:
         if (p / "dataset_dict.json").is_file():
             splits = json.loads((p / "dataset_dict.json").read_text()).get("splits", [])
             raise ValueError(f"dataset {path!r} is a DatasetDict (splits: {', '.join(splits)}): "
-                             f"give the folder of one split, e.g. {str(p / (splits or ['train'])[0])!r}")
+                             "give the folder of one split, e.g. "
+                             f"{str(p / (splits or ['train'])[0])!r}")
         if not (p / "dataset_info.json").is_file():
             raise ValueError(f"dataset {path!r} is a folder without dataset_info.json: a "
                              f"dataset is {_FORMATS}")

@@ -1,4 +1,5 @@
-"""The PPO step on the arithmetic task: `flowkit check examples/ppo.py`, `flowkit graph ... -o ppo.svg`."""
+"""The PPO step on the arithmetic task: `flowkit check examples/ppo.py`,
+`flowkit graph ... -o ppo.svg`."""
 
 from dataflows.ppo import ppo_flow
 from dataflows.rl.steps import ARITHMETIC_RESPONSE_TOKENS

@@ -5,7 +5,8 @@ mean reward rises from about 0.15:
 
     python examples/qwen2_build.py models/qwen2-tiny
     flowkit run examples/qwen2_sft.py --steps 600 --save-weights checkpoints
-    flowkit run examples/qwen2_grpo.py --steps 40 --metrics qwen2-grpo-metrics.jsonl --save-weights out
+    flowkit run examples/qwen2_grpo.py --steps 40 --metrics qwen2-grpo-metrics.jsonl \
+        --save-weights out
 
 `--save-weights out` writes the trained actor as a Hugging Face folder, out/actor, that
 `AutoModelForCausalLM.from_pretrained` loads.

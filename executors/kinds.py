@@ -1,34 +1,34 @@
-"""Executor kinds: which ops an executor process loads. Kinds from other packages plug in through
-the entry-point group `flowkit.executors` (name -> `register(table)`)."""
+"""Executor kinds: which ops an executor process loads. Every kind, the built-in ones included,
+is an entry of the group `flowkit.executors` (name -> `register(table)`, see pyproject.toml), so
+the `flowkit` command offers the installed kinds without importing any of them."""
 
 from __future__ import annotations
 
-import importlib
 from importlib.metadata import entry_points
 
 from executors.optable import OpTable, builtin_ops, load_plugin_ops
 
-__all__ = ["KINDS", "op_table"]
+__all__ = ["base", "kinds", "op_table"]
 
-# kind -> modules whose `register(table)` adds its ops, on top of the built-ins
-_KINDS: dict[str, tuple[str, ...]] = {
-    "base": (),
-    "sim": ("executors.sim",),
-    "torch": ("executors.torch",),
-}
-KINDS = tuple(_KINDS)  # the built-in kinds; plugins add theirs
+GROUP = "flowkit.executors"
+
+
+def base(table: OpTable) -> None:
+    """The `base` kind: the built-in ops alone (flows of @op functions)."""
+
+
+def kinds() -> tuple[str, ...]:
+    """The installed kinds, by name."""
+    return tuple(sorted({entry.name for entry in entry_points(group=GROUP)}))
 
 
 def op_table(kind: str) -> OpTable:
     table = builtin_ops()
-    modules = _KINDS.get(kind)
-    if modules is None:
-        plugins = {e.name: e for e in entry_points(group="flowkit.executors")}
-        if kind not in plugins:
-            raise ValueError(f"unknown executor kind {kind!r}: known are "
-                             f"{', '.join([*_KINDS, *plugins])}")
-        plugins[kind].load()(table)
-    for module in modules or ():
-        importlib.import_module(module).register(table)
+    found = {entry.name: entry for entry in entry_points(group=GROUP)}
+    if kind not in found:
+        raise ValueError(f"unknown executor kind {kind!r}: known are {', '.join(sorted(found))}"
+                         " (a kind is an entry of the `flowkit.executors` group; is the package"
+                         " that declares it installed?)")
+    found[kind].load()(table)
     load_plugin_ops(table)
     return table

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from executors.kinds import KINDS
+from executors.kinds import kinds
 
 __all__ = ["executor", "route_source"]
 
@@ -22,7 +22,7 @@ __all__ = ["executor", "route_source"]
 @click.option("--name", default=None, help="A name for traces and errors [default: host-pid].")
 @click.option("--tags", default="", help="Comma-separated tags ops can ask for, e.g. gpu,train.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
-@click.option("--kind", type=click.Choice(KINDS), default="base", show_default=True,
+@click.option("--kind", type=click.Choice(kinds()), default="base", show_default=True,
               help="Which ops to load: built-ins, + the timed simulator, + torch stages.")
 @click.option("--peer-host", default=None,
               help="Address peers reach this executor's data socket at [default: the address "

@@ -6,6 +6,13 @@ from tests.harness import executor_cluster
 
 
 @pytest.fixture
+def cluster():
+    """A controller with two local executor processes, a rollout one and a train one."""
+    with executor_cluster(2, tags=[("rollout",), ("train",)]) as started:
+        yield started
+
+
+@pytest.fixture
 def start_cluster():
     """`ctl, infos = start_cluster(count, kind=..., tags=...)`: a cluster of executor processes
     (see harness.executor_cluster) for this test alone, torn down after it."""

@@ -1,34 +1,6 @@
 """A verifiable task small enough for RL on two CPU cores: sorting digits.
 
-Prompts are ``"sort 419:"``, the answer is ``"149"`` and a response is right only when it is
-exactly the answer and then EOS (``"149\\n"``, byte 10). Text is byte-tokenized (token id =
-byte value, all below 128), so the built-in GPT needs no tokenizer and fits in vocab_size 128.
-
-Three ops: `sort_prompts` (the RL prompt source, fresh prompts every step), `sort_reward`
-(exact-match reward of one rollout) and `sort_sequences` (the supervised warm-up data: whole
-prompt + answer + "\\n" sequences, one tensor each, the format of `dataflows.text.token_sequences`
-so a pretraining/SFT flow consumes them unchanged).
-
-[Note: noisy warm-up] RL here is meant to make the mean reward rise clearly (from about 0.15 to
-over 0.8) within a few dozen GRPO or PPO steps. Warm-up on correct demonstrations alone does not
-give that: stopped early, when sampling scores 0.1-0.3, the model is unsure of every token,
-and RL sharpens it slowly (a 4-digit study: 0.15 to about 0.3 in 60 GRPO steps; a larger
-learning rate collapses it). So the warm-up data imitates a noisy demonstrator: with
-`correct_fraction` = 0.2, four demonstrations in five sort the wrong way ("941\\n"). Trained
-to convergence, the model sorts confidently both ways and picks ascending about a fifth of the
-time, which the exact-match reward alone can teach it to prefer: a few directions to learn,
-not every token's distribution. Measured in a plain single-process loop on two CPU cores
-(`SORT_GPT`; 600 warm-up steps of 64 sequences, AdamW lr 2e-3, correct_fraction 0.2; GRPO 16
-prompts x 8 samples, temperature 1, max_new_tokens 8, lr 3e-4, kl_coef 0.001, one optimizer step
-per batch), seeds 0-2: the first batch's mean reward 0.16-0.20, over 0.7 from step 11-15 on,
-about 0.9 by step 60; PPO (64 prompts x 1, kl_coef 0.05, critic lr 1e-3) alike. About 15 s in
-all (warm-up ~12 ms a step, GRPO ~60 ms a step).
-
-[Note: SFT targets] The pipeline's "lm" loss cuts each sequence into inputs ``seq[:-1]`` and
-targets ``seq[1:]`` from one tensor, so a prompt position cannot be masked (a -1 there would also
-be an input token id): warm-up on these sequences is plain next-token prediction on the whole
-sequence, prompt digits included (they are random, so that part of the loss stays near log 10
-per digit). A plain loop that can pass its own targets masks the prompt with `sft_targets`.
+The design: [Note: tasks], [Note: noisy warm-up], [Note: SFT targets] below.
 """
 
 from __future__ import annotations
@@ -42,6 +14,37 @@ from flowkit.ops.records import Prompt, Rollout, Scored, TokenIds
 
 __all__ = ["EOS", "SORT_GPT", "SORT_RESPONSE_TOKENS", "sort_answer", "sort_prompt_text",
            "sort_prompts", "sort_reward", "sort_sequences", "sft_targets"]
+
+
+# [Note: tasks] Prompts are ``"sort 419:"``, the answer is ``"149"`` and a response is right only
+# when it is exactly the answer and then EOS (``"149\n"``, byte 10). Text is byte-tokenized (token
+# id = byte value, all below 128), so the built-in GPT needs no tokenizer and fits in vocab_size
+# 128.
+#
+# Three ops: `sort_prompts` (the RL prompt source, fresh prompts every step), `sort_reward`
+# (exact-match reward of one rollout) and `sort_sequences` (the supervised warm-up data: whole
+# prompt + answer + "\n" sequences, one tensor each, the format of `dataflows.text.token_sequences`
+# so a pretraining/SFT flow consumes them unchanged).
+#
+# [Note: noisy warm-up] RL here is meant to make the mean reward rise clearly (from about 0.15 to
+# over 0.8) within a few dozen GRPO or PPO steps. Warm-up on correct demonstrations alone does not
+# give that: stopped early, when sampling scores 0.1-0.3, the model is unsure of every token, and RL
+# sharpens it slowly (a 4-digit study: 0.15 to about 0.3 in 60 GRPO steps; a larger learning rate
+# collapses it). So the warm-up data imitates a noisy demonstrator: with `correct_fraction` = 0.2,
+# four demonstrations in five sort the wrong way ("941\n"). Trained to convergence, the model sorts
+# confidently both ways and picks ascending about a fifth of the time, which the exact-match reward
+# alone can teach it to prefer: a few directions to learn, not every token's distribution. Measured
+# in a plain single-process loop on two CPU cores (`SORT_GPT`; 600 warm-up steps of 64 sequences,
+# AdamW lr 2e-3, correct_fraction 0.2; GRPO 16 prompts x 8 samples, temperature 1, max_new_tokens 8,
+# lr 3e-4, kl_coef 0.001, one optimizer step per batch), seeds 0-2: the first batch's mean reward
+# 0.16-0.20, over 0.7 from step 11-15 on, about 0.9 by step 60; PPO (64 prompts x 1, kl_coef 0.05,
+# critic lr 1e-3) alike. About 15 s in all (warm-up ~12 ms a step, GRPO ~60 ms a step).
+#
+# [Note: SFT targets] The pipeline's "lm" loss cuts each sequence into inputs ``seq[:-1]`` and
+# targets ``seq[1:]`` from one tensor, so a prompt position cannot be masked (a -1 there would also
+# be an input token id): warm-up on these sequences is plain next-token prediction on the whole
+# sequence, prompt digits included (they are random, so that part of the loss stays near log 10 per
+# digit). A plain loop that can pass its own targets masks the prompt with `sft_targets`.
 
 EOS = 10  # b"\n", the generator's default end of sequence
 SORT_RESPONSE_TOKENS = 8

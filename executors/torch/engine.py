@@ -1,37 +1,6 @@
 """The rollout engine: one long-lived decoding loop per generating model on a torch executor.
 
-[Note: rollout engine] A `generate` task is a request to the engine of its model (the op
-returns a Deferred: executors/optable.py [Note: deferred ops]); its prompts x n become sequences
-that wait for a slot (a row of the model's cache). Each engine step, which the executor runs
-between messages:
-
-1. drops the sequences of cancelled requests, and forgets the cache of every sequence whose
-   cached keys were computed under other weights than the model holds now (a weight load ran
-   between two steps): it is refilled from its prefix, so its next tokens come from the new
-   weights, as each token's recorded version says;
-2. gives free slots to waiting sequences, across requests, in arrival order;
-3. spends a token budget: one token for every decoding sequence first, then chunks of the
-   prefixes still to fill (Sarathi-Serve's chunked prefill), so a long prompt never stalls
-   the decoding ones;
-4. runs the model once over the decoding rows and once over the prefill chunks (the cache
-   protocol of executors/torch/lm.py; a model without it runs every live row's whole prefix);
-5. samples the next token of every row whose prefix is now complete, all rows in one call
-   (executors/torch/sampling.py: the draw of a token depends only on its sequence's seed and
-   position, so the rollouts do not depend on the batch, the arrival order or a pause);
-6. streams each finished sample to its request's consumers at once, and completes a request
-   when its last sample is done.
-
-A request or the whole engine can be paused (its sequences keep their tokens and give their
-slots back) and resumed, or aborted (all requests, or those named by their keys): its
-unfinished samples come back at once, marked `interrupted`, and a later request given such a
-Rollout continues it from its prefix; a finished Rollout given again passes through (a group
-carried over whole: [Note: partial rollouts] in flowkit/runner/partial.py).
-
-[Note: rollout text] An engine given its model's tokenizer (an HF model folder that holds one)
-decodes each sample as it leaves: `response_text` skips special tokens, `prompt_text` is the
-prompt's `text` (what the prompt source rendered) or else its tokens decoded as they are. An
-engine without one (the built-in GPT on bytes, any model without a tokenizer) leaves both None;
-reward ops on text read such a rollout's tokens as bytes (dataflows/rewards.py).
+The design: [Note: rollout engine], [Note: rollout text] below.
 """
 
 from __future__ import annotations
@@ -51,6 +20,40 @@ from flowkit.ops.configs import SAMPLING
 from flowkit.ops.records import Prompt, Rollout
 
 __all__ = ["Engine", "Sampling", "run_all_until_done", "run_until_done"]
+
+
+# [Note: rollout engine] A `generate` task is a request to the engine of its model (the op returns a
+# Deferred: executors/optable.py [Note: deferred ops]); its prompts x n become sequences that wait
+# for a slot (a row of the model's cache). Each engine step, which the executor runs between
+# messages:
+#
+# 1. drops the sequences of cancelled requests, and forgets the cache of every sequence whose cached
+#    keys were computed under other weights than the model holds now (a weight load ran between two
+#    steps): it is refilled from its prefix, so its next tokens come from the new weights, as each
+#    token's recorded version says;
+# 2. gives free slots to waiting sequences, across requests, in arrival order;
+# 3. spends a token budget: one token for every decoding sequence first, then chunks of the prefixes
+#    still to fill (Sarathi-Serve's chunked prefill), so a long prompt never stalls the decoding
+#    ones;
+# 4. runs the model once over the decoding rows and once over the prefill chunks (the cache protocol
+#    of executors/torch/lm.py; a model without it runs every live row's whole prefix);
+# 5. samples the next token of every row whose prefix is now complete, all rows in one call
+#    (executors/torch/sampling.py: the draw of a token depends only on its sequence's seed and
+#    position, so the rollouts do not depend on the batch, the arrival order or a pause);
+# 6. streams each finished sample to its request's consumers at once, and completes a request when
+#    its last sample is done.
+#
+# A request or the whole engine can be paused (its sequences keep their tokens and give their slots
+# back) and resumed, or aborted (all requests, or those named by their keys): its unfinished samples
+# come back at once, marked `interrupted`, and a later request given such a Rollout continues it
+# from its prefix; a finished Rollout given again passes through (a group carried over whole: [Note:
+# partial rollouts] in flowkit/runner/partial.py).
+#
+# [Note: rollout text] An engine given its model's tokenizer (an HF model folder that holds one)
+# decodes each sample as it leaves: `response_text` skips special tokens, `prompt_text` is the
+# prompt's `text` (what the prompt source rendered) or else its tokens decoded as they are. An
+# engine without one (the built-in GPT on bytes, any model without a tokenizer) leaves both None;
+# reward ops on text read such a rollout's tokens as bytes (dataflows/rewards.py).
 
 NO_VERSION = -1  # a token sampled before any load_weights: the weights the model was built with
 

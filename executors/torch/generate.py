@@ -1,21 +1,8 @@
 """The torch executor's `generate` op, a request to its model's rollout engine [Note: rollout
 engine in executors/torch/engine.py], and the `generation` op that pauses, resumes or aborts it.
 
-`decode` below is the path before the engine: one call decodes its prompts' samples together
-(continuous batching within the call, a torch.Generator per sample), calls one after another.
-It stays as the baseline `flowkit bench rollout` measures the engine against.
-
-[Note: sampler log-probabilities] A rollout's ``logprobs[k]`` is
-``log_softmax(logits / temperature)[token_k]`` over the whole vocabulary: the log-probability
-under the temperature-scaled distribution, before top-p truncation (as verl's rollouts record
-it). That is exactly what the `logprobs` op (executors/torch/infer.py) recomputes from the
-model with the same `temperature`, so a PPO/GRPO ratio starts at 1. Greedy decoding
-(``temperature=0``) records ``log_softmax(logits)``, i.e. temperature 1.
-
-[Note: one generator per sample] In `decode`, each (prompt, sample) draws from its own
-torch.Generator, seeded from (seed, prompt_id, sample): what a sample draws does not depend on
-which slot it got or on what else was in the batch. (The engine goes further: a draw depends
-only on the sample's seed and the token's position, executors/torch/sampling.py.)
+The design: [Note: generate], [Note: sampler log-probabilities], [Note: one generator per sample]
+below.
 """
 
 from __future__ import annotations
@@ -41,6 +28,23 @@ from flowkit.ops.tokenizers import eos_token_ids, load_tokenizer
 
 __all__ = ["EOS", "MODEL_EOS", "decode", "generate_now", "register", "sample_token",
            "tokenizer_folder"]
+
+
+# [Note: generate] `decode` below is the path before the engine: one call decodes its prompts'
+# samples together (continuous batching within the call, a torch.Generator per sample), calls one
+# after another. It stays as the baseline `flowkit bench rollout` measures the engine against.
+#
+# [Note: sampler log-probabilities] A rollout's ``logprobs[k]`` is ``log_softmax(logits /
+# temperature)[token_k]`` over the whole vocabulary: the log-probability under the
+# temperature-scaled distribution, before top-p truncation (as verl's rollouts record it). That is
+# exactly what the `logprobs` op (executors/torch/infer.py) recomputes from the model with the same
+# `temperature`, so a PPO/GRPO ratio starts at 1. Greedy decoding (``temperature=0``) records
+# ``log_softmax(logits)``, i.e. temperature 1.
+#
+# [Note: one generator per sample] In `decode`, each (prompt, sample) draws from its own
+# torch.Generator, seeded from (seed, prompt_id, sample): what a sample draws does not depend on
+# which slot it got or on what else was in the batch. (The engine goes further: a draw depends only
+# on the sample's seed and the token's position, executors/torch/sampling.py.)
 
 _STEP_SEEDS = 1_000_003  # step k samples with seed + k * this: fresh draws, same for a replay
 EOS = 10  # byte "\n": the example corpora are byte-tokenized one-line answers; eos=None: none

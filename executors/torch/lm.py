@@ -1,30 +1,7 @@
 """What generation (generate.py) and scoring (infer.py) ask of a model, and the checks that turn
 a model that does not fit into an error saying how to fix it.
 
-[Note: generation and scoring interface] The model is the `build` result's one-stage split (or
-the module itself when it has no `split`), as executors/torch/held.py `whole_model` gives it:
-
-- ``forward(tokens)`` is all it needs: tokens (B, T) int64 -> logits (B, T, V) for a language
-  model, values (B, T) for a critic or reward model (the two are told apart by that shape; a
-  trailing dimension of 1 is squeezed). Rows are right-padded with token 0, so the model must
-  be causal: position t's output depends on tokens 0..t only.
-- ``context_length`` (optional, an int attribute or property): the longest sequence it runs;
-  absent or None means unlimited. A prompt that leaves no room for one new token is an error;
-  a response that reaches the context is cut there (its Rollout says ``clipped``).
-- The cache protocol (optional; both methods, or neither) makes decoding cost one token per
-  step instead of the whole prefix again:
-  ``new_cache(batch, max_len)`` returns a cache of `batch` rows of up to `max_len` positions
-  (max_len <= context_length), on the model's device and in its dtype; and
-  ``forward_cached(tokens, cache, start, rows)`` runs new tokens (B, T) of cache rows `rows`
-  (B,) whose first sits at position ``start`` (B,), writes them to those rows and returns their
-  logits (B, T, V). A query at position p sees positions <= p of its own row only. Rows are
-  right-padded too (prompts of different lengths prefill together): what a pad writes past
-  its row's real end must be overwritten by the row's next real token. Writing a row from
-  start 0 begins a new sequence in it (continuous batching reuses rows). The built-in GPT
-  implements it ([Note: KV cache rows] in executors/torch/models/gpt.py); a Hugging Face causal
-  LM can, through an adapter that keeps per-row keys and values and passes ``position_ids =
-  start + arange(T)`` with the matching attention mask. A recurrent model cannot resume a row
-  after right padding, so it leaves the protocol out and decodes by recomputing.
+The design: [Note: generation and scoring interface] below.
 """
 
 from __future__ import annotations
@@ -32,6 +9,31 @@ from __future__ import annotations
 import torch
 
 __all__ = ["check_prompts", "context_length", "has_cache", "logits_of", "values_of"]
+
+
+# [Note: generation and scoring interface] The model is the `build` result's one-stage split (or the
+# module itself when it has no `split`), as executors/torch/held.py `whole_model` gives it:
+#
+# - ``forward(tokens)`` is all it needs: tokens (B, T) int64 -> logits (B, T, V) for a language
+#   model, values (B, T) for a critic or reward model (the two are told apart by that shape; a
+#   trailing dimension of 1 is squeezed). Rows are right-padded with token 0, so the model must be
+#   causal: position t's output depends on tokens 0..t only.
+# - ``context_length`` (optional, an int attribute or property): the longest sequence it runs;
+#   absent or None means unlimited. A prompt that leaves no room for one new token is an error; a
+#   response that reaches the context is cut there (its Rollout says ``clipped``).
+# - The cache protocol (optional; both methods, or neither) makes decoding cost one token per step
+#   instead of the whole prefix again: ``new_cache(batch, max_len)`` returns a cache of `batch` rows
+#   of up to `max_len` positions (max_len <= context_length), on the model's device and in its
+#   dtype; and ``forward_cached(tokens, cache, start, rows)`` runs new tokens (B, T) of cache rows
+#   `rows` (B,) whose first sits at position ``start`` (B,), writes them to those rows and returns
+#   their logits (B, T, V). A query at position p sees positions <= p of its own row only. Rows are
+#   right-padded too (prompts of different lengths prefill together): what a pad writes past its
+#   row's real end must be overwritten by the row's next real token. Writing a row from start 0
+#   begins a new sequence in it (continuous batching reuses rows). The built-in GPT implements it
+#   ([Note: KV cache rows] in executors/torch/models/gpt.py); a Hugging Face causal LM can, through
+#   an adapter that keeps per-row keys and values and passes ``position_ids = start + arange(T)``
+#   with the matching attention mask. A recurrent model cannot resume a row after right padding, so
+#   it leaves the protocol out and decodes by recomputing.
 
 
 def context_length(model: torch.nn.Module) -> int | None:

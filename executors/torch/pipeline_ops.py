@@ -3,18 +3,7 @@ BW for microbatches, then a stage-wise optimizer step that equals the unsplit mo
 configs say which model and stage [Note: one model, many holders in executors/torch/held.py];
 the ops are otherwise the StageRunner's (executors/torch/stage.py).
 
-[Note: the optimizer step across stages] Gradient clipping needs the global norm of the
-unsplit model's gradient, and the embedding tied to the LM head is one weight there but two
-copies here (stage 0's `wte`, the last stage's `lm_head`), each with a share of the gradient.
-Three ops per step, all in the stages' lanes, so they run after each stage's last W:
-  grad_stats(stage 0)           -> its squared norm (tied copies left out), its tied grads
-  grad_stats(last, tied grads)  -> adds stage 0's share to its copies, so they hold the full
-                                   gradient; its squared norm counts that full gradient once
-  optimizer_step(s, the microbatches' stats, every stage's grad stats[, the summed tied
-                 grads on stage 0]) -> divide by the stats' normalizer (a loss summed over tokens,
-                                   executors/torch/rl_loss.py), the global norm, clip, AdamW,
-                                   zero the gradients
-Both copies then take the same AdamW step from the same state, and stay equal.
+The design: [Note: the optimizer step across stages] below.
 """
 
 from __future__ import annotations
@@ -42,6 +31,20 @@ from executors.torch.stage import StageError, StageRunner
 from flowkit.ops.records import MicrobatchStats, microbatch_stats, step_report
 
 __all__ = ["LOSSES", "register"]
+
+
+# [Note: the optimizer step across stages] Gradient clipping needs the global norm of the
+# unsplit model's gradient, and the embedding tied to the LM head is one weight there but two
+# copies here (stage 0's `wte`, the last stage's `lm_head`), each with a share of the gradient.
+# Three ops per step, all in the stages' lanes, so they run after each stage's last W:
+#   grad_stats(stage 0)           -> its squared norm (tied copies left out), its tied grads
+#   grad_stats(last, tied grads)  -> adds stage 0's share to its copies, so they hold the full
+#                                    gradient; its squared norm counts that full gradient once
+#   optimizer_step(s, the microbatches' stats, every stage's grad stats[, the summed tied
+#                  grads on stage 0]) -> divide by the stats' normalizer (a loss summed over tokens,
+#                                    executors/torch/rl_loss.py), the global norm, clip, AdamW,
+#                                    zero the gradients
+# Both copies then take the same AdamW step from the same state, and stay equal.
 
 # -- pipeline ops -----------------------------------------------------------------------------
 # next-token cross-entropy; PPO/GRPO's clipped policy loss and the critic's value loss

@@ -1,6 +1,7 @@
 """RL losses of the last pipeline stage on a microbatch of `Experience` records: the clipped
 policy loss of PPO and GRPO (GRPO with a KL term to a reference; with `decoupled`, AReaL's
-decoupled PPO objective for stale samples, Fu et al. 2025) and the critic's clipped value loss. The math is `executors.torch.algos` (verl's); this module lays the records out as the
+decoupled PPO objective for stale samples, Fu et al. 2025) and the critic's clipped value loss. The
+math is `executors.torch.algos` (verl's); this module lays the records out as the
 (batch, response) tensors it takes and reads the stage's output where each response token was
 predicted [Note: response positions in executors/torch/infer.py].
 

@@ -1,33 +1,7 @@
 """Vectorized, reproducible token sampling for the rollout engine: one call samples a whole batch
 of rows (B, V), each with its own temperature, top-p, seed and position.
 
-The log-probabilities follow [Note: sampler log-probabilities] (executors/torch/generate.py):
-``log_softmax(logits / temperature)[token]`` over the whole vocabulary in float64, before top-p
-truncation; greedy rows (``temperature <= 0``) take the argmax and record ``log_softmax(logits)``.
-The top-p set is the one `generate._top_p` keeps, computed for all rows at once.
-
-[Note: inverse-CDF order] A row draws the first token whose cumulative probability exceeds
-its uniform u times the total. Rows with top_p >= 1 accumulate in vocabulary order: no sort,
-which dominates the cost at a large vocabulary. Top-p rows accumulate their kept set in
-descending probability, ties ranked by token id (a stable sort), so which of two tied tokens
-stays in the set is defined on every device. Either way the token is a function of the row
-alone: its logits, temperature, top_p, seed and position.
-
-[Note: counter-based sampling] The uniform a row draws is a pure function of (seed, position):
-``seed`` is the sequence's 64-bit seed (`sequence_seed`), ``position`` the index of the token in
-the response (0 for the first response token). Nothing is carried from one call to the next, so
-a sequence draws the same uniforms whatever else is in the batch, in whichever row, for any
-arrival order or max_batch, and a sequence paused and resumed at position p draws exactly what
-it would have drawn at p. The uniform is Philox4x32-10 (Salmon et al., "Parallel random
-numbers: as easy as 1, 2, 3", SC'11; the generator behind torch's and cuRAND's CUDA
-randomness): key = the seed's two 32-bit halves, counter = (position's two 32-bit halves, 0, 0),
-and 53 bits of its first two output words make a float64 in [0, 1). Philox passes TestU01's
-BigCrush for every key, and distinct (key, counter) pairs give independent-looking outputs, so
-different seeds and positions never share a stream. It runs in torch int64 arithmetic with every
-intermediate below 2^63 (the 32x32-bit products are split into 16-bit halves; see `_mulhilo`):
-no signed overflow, which C++ leaves undefined, and the same bits on CPU and CUDA. (torch 2.13
-has no shifts or adds on uint64 on CPU, so a 64-bit mixer such as splitmix64 would need the
-signed overflow.) Known-answer vectors from Random123 pin it in tests/torch/test_sampling.py.
+The design: [Note: sampling], [Note: inverse-CDF order], [Note: counter-based sampling] below.
 """
 
 from __future__ import annotations
@@ -36,6 +10,36 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["sample_tokens", "sequence_seed", "uniforms"]
+
+
+# [Note: sampling] The log-probabilities follow [Note: sampler log-probabilities]
+# (executors/torch/generate.py): ``log_softmax(logits / temperature)[token]`` over the whole
+# vocabulary in float64, before top-p truncation; greedy rows (``temperature <= 0``) take the argmax
+# and record ``log_softmax(logits)``. The top-p set is the one `generate._top_p` keeps, computed for
+# all rows at once.
+#
+# [Note: inverse-CDF order] A row draws the first token whose cumulative probability exceeds its
+# uniform u times the total. Rows with top_p >= 1 accumulate in vocabulary order: no sort, which
+# dominates the cost at a large vocabulary. Top-p rows accumulate their kept set in descending
+# probability, ties ranked by token id (a stable sort), so which of two tied tokens stays in the set
+# is defined on every device. Either way the token is a function of the row alone: its logits,
+# temperature, top_p, seed and position.
+#
+# [Note: counter-based sampling] The uniform a row draws is a pure function of (seed, position):
+# ``seed`` is the sequence's 64-bit seed (`sequence_seed`), ``position`` the index of the token in
+# the response (0 for the first response token). Nothing is carried from one call to the next, so a
+# sequence draws the same uniforms whatever else is in the batch, in whichever row, for any arrival
+# order or max_batch, and a sequence paused and resumed at position p draws exactly what it would
+# have drawn at p. The uniform is Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as
+# 1, 2, 3", SC'11; the generator behind torch's and cuRAND's CUDA randomness): key = the seed's two
+# 32-bit halves, counter = (position's two 32-bit halves, 0, 0), and 53 bits of its first two output
+# words make a float64 in [0, 1). Philox passes TestU01's BigCrush for every key, and distinct (key,
+# counter) pairs give independent-looking outputs, so different seeds and positions never share a
+# stream. It runs in torch int64 arithmetic with every intermediate below 2^63 (the 32x32-bit
+# products are split into 16-bit halves; see `_mulhilo`): no signed overflow, which C++ leaves
+# undefined, and the same bits on CPU and CUDA. (torch 2.13 has no shifts or adds on uint64 on CPU,
+# so a 64-bit mixer such as splitmix64 would need the signed overflow.) Known-answer vectors from
+# Random123 pin it in tests/torch/test_sampling.py.
 
 _MASK32 = 0xFFFF_FFFF
 _MASK64 = 0xFFFF_FFFF_FFFF_FFFF

@@ -1,24 +1,7 @@
 """One model held in several shapes: its weights by the unsplit model's names, exported from one
 split and loaded into another (a trainer's stages -> a generator's whole copy), and checkpoints.
 
-[Note: unsplit names] An executor may hold one model in several splits at once [Note: one model,
-many holders in held.py]: "actor" cut in two stages to train and whole (one stage) to generate with.
-Each split names its parameters locally (a GPT stage's ``h.0.attn.c_attn.weight``); weights travel
-between splits, executors and checkpoint files by the unsplit model's names
-(``transformer.h.3.attn.c_attn.weight``, as ``GPT.state_dict()`` has them). A model maps the one to
-the other with a method ``stage_names(stages, seq_len=...)`` (the GPT's, in models/gpt.py): per
-stage, local name -> unsplit name. A model without one is mapped through its split sharing the whole
-model's parameter tensors (a model that is not split is its own single stage).
-
-A weight tied in the unsplit model (a GPT's ``transformer.wte.weight`` and ``lm_head.weight``)
-is one weight under two names. A split with two copies of it (the first stage's ``wte``, the
-last stage's ``lm_head`` [Note: tied embedding across stages]) exports each copy under its own
-name; after an optimizer step the two are equal. Loading either name sets every copy of the
-weight in the split loaded into, so one split's export fills any other split.
-
-The ops `export_weights`, `load_weights` and `save_weights` (which merges the stages' exports
-and writes them with `save_checkpoint` on an executor: no tensor goes to the controller) are in
-held.py. A model config key ``checkpoint`` names such a file, which `held_model` loads into the whole model before splitting it (`load_checkpoint`).
+The design: [Note: unsplit names] below.
 """
 
 from __future__ import annotations
@@ -36,6 +19,27 @@ from executors.torch.stage import StageError
 
 __all__ = ["Layout", "export", "layout", "load", "load_checkpoint", "merge", "save_checkpoint",
            "to_local", "to_unsplit"]
+
+
+# [Note: unsplit names] An executor may hold one model in several splits at once [Note: one model,
+# many holders in held.py]: "actor" cut in two stages to train and whole (one stage) to generate
+# with. Each split names its parameters locally (a GPT stage's ``h.0.attn.c_attn.weight``); weights
+# travel between splits, executors and checkpoint files by the unsplit model's names
+# (``transformer.h.3.attn.c_attn.weight``, as ``GPT.state_dict()`` has them). A model maps the one
+# to the other with a method ``stage_names(stages, seq_len=...)`` (the GPT's, in models/gpt.py): per
+# stage, local name -> unsplit name. A model without one is mapped through its split sharing the
+# whole model's parameter tensors (a model that is not split is its own single stage).
+#
+# A weight tied in the unsplit model (a GPT's ``transformer.wte.weight`` and ``lm_head.weight``) is
+# one weight under two names. A split with two copies of it (the first stage's ``wte``, the last
+# stage's ``lm_head`` [Note: tied embedding across stages]) exports each copy under its own name;
+# after an optimizer step the two are equal. Loading either name sets every copy of the weight in
+# the split loaded into, so one split's export fills any other split.
+#
+# The ops `export_weights`, `load_weights` and `save_weights` (which merges the stages' exports and
+# writes them with `save_checkpoint` on an executor: no tensor goes to the controller) are in
+# held.py. A model config key ``checkpoint`` names such a file, which `held_model` loads into the
+# whole model before splitting it (`load_checkpoint`).
 
 
 # -- names ------------------------------------------------------------------------------------

@@ -1,8 +1,11 @@
-"""The `flowkit` command line: one module per command, loaded only when that command runs."""
+"""The `flowkit` command line: one module per command, loaded only when that command runs, and
+the commands installed packages add through the entry-point group `flowkit.commands` (the
+executor process's `flowkit executor`, the benchmarks' `flowkit bench`)."""
 
 from __future__ import annotations
 
 import importlib
+from importlib.metadata import entry_points
 
 import click
 
@@ -10,11 +13,9 @@ from flowkit import __version__
 
 __all__ = ["main"]
 
-# name -> "module:attribute".
+# name -> "module:attribute": flowkit's own commands.
 _COMMANDS = {
-    "bench": "flowkit.cli.bench:bench",
     "check": "flowkit.cli.check:check",
-    "executor": "executors.serve:executor",
     "graph": "flowkit.cli.graph:graph",
     "keys": "flowkit.cli.keys:keys",
     "run": "flowkit.cli.run:run",
@@ -29,14 +30,21 @@ class _LazyGroup(click.Group):
     and a command that needs torch does not slow down one that does not."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(_COMMANDS)
+        return sorted(_commands())
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        target = _COMMANDS.get(name)
+        target = _commands().get(name)
         if target is None:
             return None
         module_name, attribute = target.split(":")
         return getattr(importlib.import_module(module_name), attribute)
+
+
+def _commands() -> dict[str, str]:
+    """Every command by name: the installed packages' (`flowkit.commands`), then flowkit's,
+    which no package can replace."""
+    added = {entry.name: entry.value for entry in entry_points(group="flowkit.commands")}
+    return {**added, **_COMMANDS}
 
 
 @click.group(cls=_LazyGroup, context_settings=CONTEXT_SETTINGS)

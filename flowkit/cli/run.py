@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,6 @@ import click
 from click.core import ParameterSource
 from rich.console import Console
 
-from executors.kinds import KINDS
 from flowkit.cli._files import writing
 from flowkit.cli._flows import load_checked_flow
 from flowkit.observe.loggers import LOGGERS
@@ -20,7 +20,8 @@ from flowkit.runner.config import CheckpointConfig, RunConfig
 from flowkit.runtime.launchers import LAUNCHERS
 from flowkit.runtime.raylaunch import STRATEGIES, RaySettings
 
-_KINDS = ("auto", *KINDS)
+# the installed executor kinds (executors/kinds.py), read from the packages' metadata
+_KINDS = ("auto", *sorted({entry.name for entry in entry_points(group="flowkit.executors")}))
 # every default is the record's: the flags only say how to set a field (tests/runner/
 # test_run_defaults.py holds them to it)
 _RUN, _LOGS, _RAY = RunConfig(), LogSetup(), RaySettings()

@@ -248,7 +248,7 @@ def schedule(kind, devices, microbatches, cost_text, comm, memory_limit, mem_tex
 
 
 def _execute(console: Console, sched: Schedule, stage_costs: Costs, unit_s: float) -> None:
-    from benchmarks.pipeline import execute_on_simulators
+    from flowkit.runner.schedule_run import execute_on_simulators
 
     console.print(f"running on {sched.num_devices} simulator executors, 1 unit = "
                   f"{unit_s * 1e3:g} ms ...")
@@ -267,7 +267,8 @@ def _execute(console: Console, sched: Schedule, stage_costs: Costs, unit_s: floa
                   f"{figures['simulated_bubble_rate']:.4f}", "",
                   f"{figures['nominal_bubble_rate']:.4f}")
     console.print(table)
-    console.print(f"simulated with profiled costs: each op + {figures['op_overhead_s'] * 1e6:.0f} µs "
+    overhead_us = figures["op_overhead_s"] * 1e6
+    console.print(f"simulated with profiled costs: each op + {overhead_us:.0f} µs "
                   f"of executor time, comm = {figures['hop_s'] * 1e6:.0f} µs per activation hop "
                   f"between executors (medians measured in this run)")
 

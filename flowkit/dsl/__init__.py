@@ -1,4 +1,5 @@
-"""The flow DSL: typed ports, operators, models and `Flow`, validated when built. No torch, no zmq."""
+"""The flow DSL: typed ports, operators, models and `Flow`, validated when built. No torch, no
+zmq."""
 
 from flowkit.dsl.errors import FlowError, Problem
 from flowkit.dsl.flow import Feedback, Flow, Node, Outputs, Ref, Wire, collect, group_by

@@ -1,4 +1,5 @@
-"""The validation rules of a flow; each returns problems rather than raising, so all are reported."""
+"""The validation rules of a flow; each returns problems rather than raising, so all are
+reported."""
 
 from __future__ import annotations
 
@@ -135,7 +136,8 @@ def _wire_problems(flow: FlowGraph, wire: Wire) -> list[Problem]:
                         fix=suggest(wire.dst_port, dst.operator.inputs, "known inputs"))]
     if wire.adapter is not None:
         produced = wire.adapter.apply(produced)
-    origin = f"from {wire.src}.{wire.src_port}" + (f" through {wire.adapter}" if wire.adapter else "")
+    through = f" through {wire.adapter}" if wire.adapter else ""
+    origin = f"from {wire.src}.{wire.src_port}{through}"
     problems = _granularity_problems(wire, src.operator.outputs[wire.src_port], port.type, origin)
     problems += _item_problems(wire, produced, port.type, origin,
                                f"wire an output of type {port.type}")
@@ -321,7 +323,8 @@ def _unbound_feedback(fb: Feedback, consumers: list[tuple[str, str]]) -> Problem
         fix=f"bind it to the op that produces the next step's value: {fb.name}.bind(<output>)")
 
 
-def _feedback_use_problems(flow: FlowGraph, fb: Feedback, consumers: list[tuple[str, str]]) -> list[Problem]:
+def _feedback_use_problems(flow: FlowGraph, fb: Feedback,
+                           consumers: list[tuple[str, str]]) -> list[Problem]:
     """The ports a feedback is passed to must take its declared type."""
     problems = []
     origin = f"from feedback {fb.name!r}"

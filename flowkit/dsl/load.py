@@ -18,7 +18,8 @@ class FlowLoadError(Exception):
 
 def load_flow(spec: str) -> Flow:
     """Import the file and return its flow, unvalidated. `name` may also be a function that takes
-    no arguments and returns a Flow. A FlowError raised while the file builds its flow propagates."""
+    no arguments and returns a Flow. A FlowError raised while the file builds its flow
+    propagates."""
     path_text, _, name = spec.partition(":") if spec.count(":") == 1 else (spec, "", "")
     path = Path(path_text)
     if path.suffix != ".py":

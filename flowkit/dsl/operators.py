@@ -54,7 +54,8 @@ _NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 def _valid_name(_instance: object, attribute: attrs.Attribute, value: str) -> None:
     if not _NAME.match(value):
         raise ValueError(
-            f"{attribute.name} must be a non-empty name of letters, digits, '_' or '-', got {value!r}"
+            f"{attribute.name} must be a non-empty name of letters, digits, '_' or '-', "
+            f"got {value!r}"
         )
 
 

@@ -53,7 +53,8 @@ class Granularity(enum.Enum):
         return self.value
 
 
-_GRANULARITY_OF = {Stream: Granularity.STREAM, Batch: Granularity.BATCH, Grouped: Granularity.GROUPED}
+_GRANULARITY_OF = {Stream: Granularity.STREAM, Batch: Granularity.BATCH,
+                   Grouped: Granularity.GROUPED}
 
 _DTYPES = frozenset(
     "bool uint8 int8 int16 int32 int64 float16 bfloat16 float32 float64 complex64 *".split()

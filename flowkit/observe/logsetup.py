@@ -3,7 +3,8 @@ when the run is resumed.
 
 A run's TensorBoard events, W&B run and (without `--metrics`) JSON lines live in
 `LOG_DIR/NAME`, NAME the run's name or else the flow's (`NAME-2`, `NAME-3`, ... when taken, so
-a new run never mixes its curves with an earlier one's). The folder's `flowkit-run.json` remembers the run's
+a new run never mixes its curves with an earlier one's). The folder's `flowkit-run.json` remembers
+the run's
 checkpoint folder and its W&B run id: a run resumed from those checkpoints finds its folder by
 them and continues the same TensorBoard curve and W&B run [Note: loggers on resume].
 """

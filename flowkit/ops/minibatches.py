@@ -2,21 +2,7 @@
 into minibatches, and each minibatch into microbatches. Pure Python, so the runtime and a plain
 training loop (a test, a user checking a run) cut a batch the same way by calling these.
 
-[Note: minibatch rounds] A Backprop with `epochs` E and `minibatches` M trains the step's batch
-E times over; each epoch orders it by a seeded permutation (`epoch_order`) and cuts that order
-into M contiguous minibatches (`cut`), so the step takes E x M optimizer steps, one per
-minibatch (a "round"), each normalized by its own minibatch's total. verl's names:
-`ppo_epochs` is E; `ppo_mini_batch_size` is the batch size / M (a count, not a size, so a
-batch whose size changes from step to step still makes M steps). With E = M = 1 nothing is
-shuffled: the one round is the batch in its lineages' order, as before rounds existed.
-
-The runtime (flowkit/runner/flowtrain.py) makes rounds a barrier: they start once every item
-is in. Each round runs the schedule over its minibatch's microbatches and then an optimizer
-step that reads only that round's microbatch stats, so a sum-form loss (SUM_FORM_LOSSES) is
-divided by its own minibatch's total and "lm" weighs a microbatch by its share of the
-minibatch: the plain loop that steps once per minibatch. The steps of all rounds but the last
-are the backprop's; the last is the OptimizerStep node's, whose report sums up the rounds
-(flowkit.ops.records.StepMetrics) and whose weights alone go to the executors that generate.
+The design: [Note: minibatch rounds] below.
 """
 
 from __future__ import annotations
@@ -26,6 +12,23 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 __all__ = ["ROUND_KNOBS", "cut", "epoch_order", "minibatch_rounds", "rounds_of"]
+
+
+# [Note: minibatch rounds] A Backprop with `epochs` E and `minibatches` M trains the step's batch E
+# times over; each epoch orders it by a seeded permutation (`epoch_order`) and cuts that order into
+# M contiguous minibatches (`cut`), so the step takes E x M optimizer steps, one per minibatch (a
+# "round"), each normalized by its own minibatch's total. verl's names: `ppo_epochs` is E;
+# `ppo_mini_batch_size` is the batch size / M (a count, not a size, so a batch whose size changes
+# from step to step still makes M steps). With E = M = 1 nothing is shuffled: the one round is the
+# batch in its lineages' order, as before rounds existed.
+#
+# The runtime (flowkit/runner/flowtrain.py) makes rounds a barrier: they start once every item is
+# in. Each round runs the schedule over its minibatch's microbatches and then an optimizer step that
+# reads only that round's microbatch stats, so a sum-form loss (SUM_FORM_LOSSES) is divided by its
+# own minibatch's total and "lm" weighs a microbatch by its share of the minibatch: the plain loop
+# that steps once per minibatch. The steps of all rounds but the last are the backprop's; the last
+# is the OptimizerStep node's, whose report sums up the rounds (flowkit.ops.records.StepMetrics) and
+# whose weights alone go to the executors that generate.
 
 T = TypeVar("T")
 

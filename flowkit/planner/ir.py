@@ -48,7 +48,8 @@ _ACTION_TEXT = re.compile(r"^\s*(\d+)(BW|F|B|W)(\d+)\s*$")
 
 @attrs.frozen(order=True)
 class Action:
-    """One op of a schedule; prints and parses as ``{stage}{kind}{microbatch}`` (``2F0``, ``3BW7``)."""
+    """One op of a schedule; prints and parses as ``{stage}{kind}{microbatch}`` (``2F0``,
+    ``3BW7``)."""
 
     stage: int = attrs.field(validator=attrs.validators.ge(0))
     kind: Kind = attrs.field(converter=Kind)

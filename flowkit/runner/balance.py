@@ -1,22 +1,7 @@
 """Length-aware dispatch: calls of an op whose work varies widely (generation, with its
 long-tailed response lengths) go to the executors able to run them by predicted work.
 
-[Note: length-aware dispatch] An op declares how to predict a call's work (a Workload in
-flowkit/dsl/operators.py: for Generate, n samples of a prompt's estimated length). Per step,
-the runner:
-  - estimates each call's per-item work from its key's history: an exponential moving average,
-    across steps, of the mean length its items reached; without one, from the items of the same
-    key that finished this step (the longest of them: the first to finish are the shortest, and
-    the rest are at least as long); else the running mean of every length seen; else half the
-    budget;
-  - submits the calls that are ready together longest first (the rollout engine admits
-    requests in arrival order, so the long ones start first and do not become the tail);
-  - sends each to the able executor with the least predicted work still open (remaining items
-    times the estimate, raised to the longest that finished), a greedy longest-processing-
-    time-first assignment, learning each item's actual size as it finishes (a report key, so
-    nothing is fetched).
-It reports how well the estimates ranked the lengths: the Spearman correlation of predicted
-and actual lengths over the items whose key had a history.
+The design: [Note: length-aware dispatch] below.
 """
 
 from __future__ import annotations
@@ -29,6 +14,23 @@ from typing import Any
 import attrs
 
 __all__ = ["Balancer", "LengthEstimates", "rank_correlation"]
+
+
+# [Note: length-aware dispatch] An op declares how to predict a call's work (a Workload in
+# flowkit/dsl/operators.py: for Generate, n samples of a prompt's estimated length). Per step, the
+# runner:
+#   - estimates each call's per-item work from its key's history: an exponential moving average,
+#     across steps, of the mean length its items reached; without one, from the items of the same
+#     key that finished this step (the longest of them: the first to finish are the shortest, and
+#     the rest are at least as long); else the running mean of every length seen; else half the
+#     budget;
+#   - submits the calls that are ready together longest first (the rollout engine admits requests in
+#     arrival order, so the long ones start first and do not become the tail);
+#   - sends each to the able executor with the least predicted work still open (remaining items
+#     times the estimate, raised to the longest that finished), a greedy longest-processing-
+#     time-first assignment, learning each item's actual size as it finishes (a report key, so
+#     nothing is fetched). It reports how well the estimates ranked the lengths: the Spearman
+#     correlation of predicted and actual lengths over the items whose key had a history.
 
 
 @attrs.define

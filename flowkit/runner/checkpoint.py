@@ -1,30 +1,7 @@
 """Run checkpoints: everything a synchronous flow run needs to go on from a step boundary as if it
 had never stopped.
 
-[Note: run checkpoints] A checkpoint is a folder `step-NNNNNNNN` (N: the steps done) under the
-run's checkpoint root:
-
-    manifest.json       the flow's identity, the step, the executors; written last
-    run.pkl             the controller's state (`RunState`)
-    executors/NAME      each executor's state: the `save_state` op (executors/torch/state.py,
-                        executors/sim.py) writes its held models' weights and optimizer states per
-                        split and stage, their weights versions and its random generators
-
-It is written into a hidden `.step-...tmp` folder that is renamed when every part is in, so a
-checkpoint is complete or absent; the newest `keep` are kept. Executors write their parts
-themselves (no tensor comes to the controller), so the root must be a path they share with it.
-
-What makes a resumed step k draw exactly what step k drew in the uninterrupted run: sources and
-samplers derive their randomness from (seed, step[, prompt, sample]) alone (token_sequences,
-sort_prompts, the rollout engine's counter-based sampler, the simulator), so they need no state
-but the step; executors' torch and Python generators are in their state; the feedback a step
-reads from the previous one (weights versions) is fetched and put back; each trained model's
-item counts (which decide from step 2 on how fused microbatches are cut) and profiled stage
-costs (which decide cost-driven schedules) are in `RunState`. Every op of a step is done at its
-boundary, so nothing is in flight. An asynchronous run's boundary has steps open: its checkpoint
-also holds their generated rollouts and the calls carried past them ([Note: checkpoints of
-asynchronous runs] in asyncstate.py, `RunState.open_work`), and its manifest the staleness
-bound, which a resumed run must keep.
+The design: [Note: run checkpoints] below.
 """
 
 from __future__ import annotations
@@ -51,6 +28,32 @@ from flowkit.wire.refs import Gather, Item
 
 __all__ = ["CheckpointError", "Manifest", "RunState", "check_resumable", "complete_checkpoints",
            "flow_identity", "latest_checkpoint", "read_manifest", "restore", "write_checkpoint"]
+
+
+# [Note: run checkpoints] A checkpoint is a folder `step-NNNNNNNN` (N: the steps done) under the
+# run's checkpoint root:
+#
+# manifest.json       the flow's identity, the step, the executors; written last
+# run.pkl             the controller's state (`RunState`)
+# executors/NAME      each executor's state: the `save_state` op (executors/torch/state.py,
+#                     executors/sim.py) writes its held models' weights and optimizer states per
+#                     split and stage, their weights versions and its random generators
+#
+# It is written into a hidden `.step-...tmp` folder that is renamed when every part is in, so a
+# checkpoint is complete or absent; the newest `keep` are kept. Executors write their parts
+# themselves (no tensor comes to the controller), so the root must be a path they share with it.
+#
+# What makes a resumed step k draw exactly what step k drew in the uninterrupted run: sources and
+# samplers derive their randomness from (seed, step[, prompt, sample]) alone (token_sequences,
+# sort_prompts, the rollout engine's counter-based sampler, the simulator), so they need no state
+# but the step; executors' torch and Python generators are in their state; the feedback a step reads
+# from the previous one (weights versions) is fetched and put back; each trained model's item counts
+# (which decide from step 2 on how fused microbatches are cut) and profiled stage costs (which
+# decide cost-driven schedules) are in `RunState`. Every op of a step is done at its boundary, so
+# nothing is in flight. An asynchronous run's boundary has steps open: its checkpoint also holds
+# their generated rollouts and the calls carried past them ([Note: checkpoints of asynchronous runs]
+# in asyncstate.py, `RunState.open_work`), and its manifest the staleness bound, which a resumed run
+# must keep.
 
 FORMAT = "flowkit.run_checkpoint/1"
 MANIFEST = "manifest.json"

@@ -4,23 +4,7 @@ reactions to completions are its `StepRun` (steprun.py); the runner holds what l
 steps: the models' placement and training (flowtrain.py), length estimates, the weights each
 step's generation reads.
 
-[Note: asynchronous steps] Synchronously, step k starts when step k-1 has ended: its generation
-reads the weights step k-1's optimizer step made. With a staleness bound η (`staleness=η`,
-`flowkit run --async --max-staleness η`) steps k+1 .. k+η are open while step k runs, and a
-node that reads weights fed back from an earlier step (generation, value and score inference)
-is admitted once the newest weights are at most η versions older than the weights its step's
-training will update: step s's at version s (one optimizer step per step), so version
->= s - η, the newest weights then. That is AReaL's admission control (Fu et al. 2025, "AReaL:
-a large-scale asynchronous reinforcement learning system"): samples trained plus samples in
-flight never exceed (η + version + 1) x the batch. Weight loads reach a running engine between
-its iterations, so sequences in flight go on under the new weights, each token recording its
-version; no trained token's version lags the weights it updates by more than η. Training runs
-step after step in order (a step's backprop starts when the step before has ended). With η = 0
-step k's generation waits for step k-1's weights: the synchronous run, operation for
-operation. With η >= 1 the backprops whose loss takes a proximal policy use the decoupled
-objective for stale samples (the knob their LossSpec names, `decoupled`). A step's training starts in its own `run_step` call, never between two:
-what a checkpoint at that boundary holds of the open steps is [Note: checkpoints of
-asynchronous runs] in asyncstate.py.
+The design: [Note: asynchronous steps] below.
 """
 
 from __future__ import annotations
@@ -51,6 +35,25 @@ from flowkit.runtime.controller import Controller
 from flowkit.runtime.registry import ExecutorInfo
 
 __all__ = ["FlowRunError", "FlowRunner", "StepReport", "check_async"]
+
+
+# [Note: asynchronous steps] Synchronously, step k starts when step k-1 has ended: its generation
+# reads the weights step k-1's optimizer step made. With a staleness bound η (`staleness=η`,
+# `flowkit run --async --max-staleness η`) steps k+1 .. k+η are open while step k runs, and a node
+# that reads weights fed back from an earlier step (generation, value and score inference) is
+# admitted once the newest weights are at most η versions older than the weights its step's training
+# will update: step s's at version s (one optimizer step per step), so version >= s - η, the newest
+# weights then. That is AReaL's admission control (Fu et al. 2025, "AReaL: a large-scale
+# asynchronous reinforcement learning system"): samples trained plus samples in flight never exceed
+# (η + version + 1) x the batch. Weight loads reach a running engine between its iterations, so
+# sequences in flight go on under the new weights, each token recording its version; no trained
+# token's version lags the weights it updates by more than η. Training runs step after step in order
+# (a step's backprop starts when the step before has ended). With η = 0 step k's generation waits
+# for step k-1's weights: the synchronous run, operation for operation. With η >= 1 the backprops
+# whose loss takes a proximal policy use the decoupled objective for stale samples (the knob their
+# LossSpec names, `decoupled`). A step's training starts in its own `run_step` call, never between
+# two: what a checkpoint at that boundary holds of the open steps is [Note: checkpoints of
+# asynchronous runs] in asyncstate.py.
 
 
 class FlowRunner:

@@ -117,10 +117,11 @@ class ModelTraining:
     # [Note: streamed microbatches] A backprop cuts its items into the configured number of
     # microbatches and runs them under a pipeline schedule. As a barrier (the first step, a
     # loss that needs the batch's size, or --no-fuse) it waits for every item. Streamed (a loss
-    # its LossSpec says is in sum form, from the second step on) it plans for as many items as the last step
-    # had, forms microbatch k from the next items to arrive once there are enough of them, and
-    # submits the schedule's actions as far as the formed microbatches allow; only the forwards
-    # of stage 0 and the last stage read a microbatch, so F/B/W of early microbatches run while
+    # its LossSpec says is in sum form, from the second step on) it plans for as many items as
+    # the last step had, forms microbatch k from the next items to arrive once there are enough
+    # of them, and submits the schedule's actions as far as the formed microbatches allow; only
+    # the forwards of stage 0 and the last stage read a microbatch, so F/B/W of early
+    # microbatches run while
     # later samples are still being generated. The last microbatch takes what is left when the
     # inputs close (and if fewer items came than planned, the ones not yet formed share the
     # rest; one may be empty). The loss is a sum over tokens that the optimizer step divides by
@@ -353,8 +354,8 @@ class ModelTraining:
         """A future of the path its stages' weights were written to, merged by the unsplit
         model's names, as `folder`/NAME.pt (a checkpoint a model config's `checkpoint` key
         starts from), or as the folder `folder`/NAME for a model with a format of its own (a
-        Hugging Face causal LM's, which `from_pretrained` loads). Each stage's export goes to stage 0's executor, which writes the file:
-        no tensor comes to the controller."""
+        Hugging Face causal LM's, which `from_pretrained` loads). Each stage's export goes to stage
+        0's executor, which writes the file: no tensor comes to the controller."""
         name = self.model.name
         if not all("save_weights" in e.ops for e in self.executors):
             raise FlowRunError(f"the executors of model {name!r} cannot save weights: save "

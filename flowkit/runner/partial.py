@@ -1,35 +1,6 @@
 """Partial rollouts: a step over-provisions generation and takes the groups that finish first.
 
-[Note: partial rollouts] After APRIL (Zhou et al. 2025, "APRIL: active partial rollouts in
-reinforcement learning to tame long-tail generation"). A node whose op declares its calls resumable
-(ModelOp.resumable: Generate's), with T in its config key `take` (the RL flows set it from
-`oversample`, e.g. 1.5 x the step's prompts):
-  - its calls (one per prompt: the prompt's n samples, a group) run as usual, but do not
-    stream their samples: a call's samples go downstream when the whole group is done, so a
-    group never reaches training half in one step and half in the next;
-  - the first T calls to end are the step's; when the T-th ends, the node asks the engines to
-    abort its calls still running (the op's declared `abort_op`, told the calls' names): each
-    comes back with its finished samples and its unfinished ones `interrupted`, with the
-    per-token versions they have;
-  - every call that ends after that carries over to the next step, which submits them before
-    its own prompts: interrupted samples continue from their prefix under the weights then
-    current, finished ones pass through. A carried call keeps its origin step (its sampling
-    seeds) and is keyed `"<origin>/<key>"` in the next step's groups, so it never merges with
-    a new prompt of the same id;
-  - a step runs as many calls as its source made prompts (oversample x the batch's): the
-    carried ones, then its own prompts in the places left; those left over never run
-    (`rollout/prompts_unused`: a step-seeded source draws fresh ones each step). So a step
-    submits once the step before has closed its generation and handed over what it carries:
-    the engines go on with the carried calls while the step before trains;
-  - a carried sample whose oldest token is older than the staleness bound allows for the step
-    that will train it (version < step - η, the call's `version_floor`) is, as the node's
-    `stale_segments` says, "recompute"d (sampled again from its prompt) or "drop"ped with its
-    whole group (a group-relative advantage needs all of it), counted in `rollout/dropped`.
-The runner reads all of it from the node's declaration, never from the op's names; a step
-runs it as the node's call policy (calls.py).
-Each generated sample is thus trained once, in the step that took its group, or is still
-carried at the end of the run (`rollout/carried_over` of the last step). Carried samples are
-one version stale at least, so partial rollouts run with a staleness bound >= 1.
+The design: [Note: partial rollouts] below.
 """
 
 from __future__ import annotations
@@ -43,6 +14,38 @@ from flowkit.dsl import Resumable
 from flowkit.runner.calls import CallSite
 
 __all__ = ["CARRIED", "Carried", "CarryOver", "PartialCalls", "PartialRollouts", "carried_key"]
+
+
+# [Note: partial rollouts] After APRIL (Zhou et al. 2025, "APRIL: active partial rollouts in
+# reinforcement learning to tame long-tail generation"). A node whose op declares its calls
+# resumable (ModelOp.resumable: Generate's), with T in its config key `take` (the RL flows set it
+# from `oversample`, e.g. 1.5 x the step's prompts):
+#   - its calls (one per prompt: the prompt's n samples, a group) run as usual, but do not stream
+#     their samples: a call's samples go downstream when the whole group is done, so a group never
+#     reaches training half in one step and half in the next;
+#   - the first T calls to end are the step's; when the T-th ends, the node asks the engines to
+#     abort its calls still running (the op's declared `abort_op`, told the calls' names): each
+#     comes back with its finished samples and its unfinished ones `interrupted`, with the per-token
+#     versions they have;
+#   - every call that ends after that carries over to the next step, which submits them before its
+#     own prompts: interrupted samples continue from their prefix under the weights then current,
+#     finished ones pass through. A carried call keeps its origin step (its sampling seeds) and is
+#     keyed `"<origin>/<key>"` in the next step's groups, so it never merges with a new prompt of
+#     the same id;
+#   - a step runs as many calls as its source made prompts (oversample x the batch's): the carried
+#     ones, then its own prompts in the places left; those left over never run
+#     (`rollout/prompts_unused`: a step-seeded source draws fresh ones each step). So a step submits
+#     once the step before has closed its generation and handed over what it carries: the engines go
+#     on with the carried calls while the step before trains;
+#   - a carried sample whose oldest token is older than the staleness bound allows for the step that
+#     will train it (version < step - η, the call's `version_floor`) is, as the node's
+#     `stale_segments` says, "recompute"d (sampled again from its prompt) or "drop"ped with its
+#     whole group (a group-relative advantage needs all of it), counted in `rollout/dropped`. The
+#     runner reads all of it from the node's declaration, never from the op's names; a step runs it
+#     as the node's call policy (calls.py). Each generated sample is thus trained once, in the step
+#     that took its group, or is still carried at the end of the run (`rollout/carried_over` of the
+#     last step). Carried samples are one version stale at least, so partial rollouts run with a
+#     staleness bound >= 1.
 
 CARRIED = "carried"  # the first part of a carried call's lineage in the step that resumes it
 

@@ -1,26 +1,6 @@
 """A run that survives lost executors (`RunConfig.max_restarts`, `flowkit run --max-restarts N`).
 
-[Note: executor restarts] With restarts allowed, the run checkpoints before its first step and
-after every step (into --checkpoint-dir, or a temporary folder), [Note: run checkpoints] in
-flowkit/runner/checkpoint.py. When a step fails because executors were lost (a process killed,
-out of memory, its host gone: the controller fails their tasks at once, or at the heartbeat
-timeout), the run
-  1. waits for the other executors' tasks to end (those that needed the lost ones' outputs
-     were cancelled), so nothing changes their state behind the reload;
-  2. starts a new process for each lost executor, with its name, tags and device;
-  3. builds a fresh runner (the models land on the same executors: placement is by name) and
-     restores every executor and the runner from the newest checkpoint, as `--resume` does:
-     the survivors drop whatever the failed step did to their weights and optimizer states;
-  4. replays the steps from that checkpoint on.
-A synchronous step is a function of the checkpointed state, so the run ends with the parameters
-and the curve of a run without faults. An asynchronous run's checkpoint also holds the
-rollouts of its open steps ([Note: checkpoints of asynchronous runs] in
-flowkit/runner/asyncstate.py): a lost executor's generation in flight is replayed from it, no
-sample lost or trained twice, within the staleness bound; where generation under the same
-weights versions is deterministic (the simulator) the run ends with the curve of a run without
-faults, on torch the versions of later steps' tokens depend on timing, as in any two runs.
-Each restart is a warning on the dashboard and counts in the metrics (`restarts`); past N
-restarts, or when no executor was lost, the step's error ends the run as without restarts.
+The design: [Note: executor restarts] below.
 """
 
 from __future__ import annotations
@@ -37,6 +17,29 @@ from flowkit.runner.checkpoint import CheckpointError, latest_checkpoint
 from flowkit.runtime.launch import Launcher
 
 __all__ = ["Restarts", "temporary_checkpoints"]
+
+
+# [Note: executor restarts] With restarts allowed, the run checkpoints before its first step and
+# after every step (into --checkpoint-dir, or a temporary folder), [Note: run checkpoints] in
+# flowkit/runner/checkpoint.py. When a step fails because executors were lost (a process killed, out
+# of memory, its host gone: the controller fails their tasks at once, or at the heartbeat timeout),
+# the run
+#   1. waits for the other executors' tasks to end (those that needed the lost ones' outputs were
+#      cancelled), so nothing changes their state behind the reload;
+#   2. starts a new process for each lost executor, with its name, tags and device;
+#   3. builds a fresh runner (the models land on the same executors: placement is by name) and
+#      restores every executor and the runner from the newest checkpoint, as `--resume` does: the
+#      survivors drop whatever the failed step did to their weights and optimizer states;
+#   4. replays the steps from that checkpoint on. A synchronous step is a function of the
+#      checkpointed state, so the run ends with the parameters and the curve of a run without
+#      faults. An asynchronous run's checkpoint also holds the rollouts of its open steps ([Note:
+#      checkpoints of asynchronous runs] in flowkit/runner/asyncstate.py): a lost executor's
+#      generation in flight is replayed from it, no sample lost or trained twice, within the
+#      staleness bound; where generation under the same weights versions is deterministic (the
+#      simulator) the run ends with the curve of a run without faults, on torch the versions of
+#      later steps' tokens depend on timing, as in any two runs. Each restart is a warning on the
+#      dashboard and counts in the metrics (`restarts`); past N restarts, or when no executor was
+#      lost, the step's error ends the run as without restarts.
 
 _QUIESCE_S = 120.0  # the survivors' tasks of the failed step: generation may have a long tail
 

@@ -198,7 +198,8 @@ class StepRun:
                     key = keys[j] if keys else None
                     stream.add(lineage + (j,), Item(future, j), self._key(plan.name, lineage, key))
             else:
-                stream.add(lineage, future, self._key(plan.name, lineage, keys[0] if keys else None))
+                key = self._key(plan.name, lineage, keys[0] if keys else None)
+                stream.add(lineage, future, key)
             self.ctx.produced(self, plan.name, port)
 
     def _key(self, name: str, lineage: tuple, key: Any) -> Any:

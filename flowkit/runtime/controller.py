@@ -332,7 +332,8 @@ class Controller:
         self._wake()
 
     def _exit_code(self, pid: int) -> int | None:
-        """The exit code of a watched local executor process; None while it runs, or if unwatched."""
+        """The exit code of a watched local executor process; None while it runs, or if
+        unwatched."""
         process = self._processes.get(pid)
         return None if process is None else process.poll()
 

@@ -556,7 +556,8 @@ def _inline(body: Any) -> Any:
 def _trace(task: TaskRecord, values: Any) -> None:
     """Add an output's traced values to the task's meta, which its span copies. The meta dict
     may be the caller's, shared by several tasks, so it is replaced, never changed (a task has
-    a few items: copying is cheap). Only for the trace, so a malformed list is dropped with a warning, failing nothing."""
+    a few items: copying is cheap). Only for the trace, so a malformed list is dropped with a
+    warning, failing nothing."""
     if not isinstance(values, list):
         log.warning("task %s (%s): an output's trace is a %s, not a list; dropped", task.id,
                     task.op, type(values).__name__)

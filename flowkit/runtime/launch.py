@@ -15,7 +15,8 @@ from typing import Any, Protocol
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.registry import ExecutorInfo
 
-__all__ = ["LaunchError", "Launcher", "LocalExecutors", "ProcessExecutors", "device_of", "per_executor_tags",
+__all__ = ["LaunchError", "Launcher", "LocalExecutors", "ProcessExecutors", "device_of",
+           "per_executor_tags",
            "stop_processes"]
 
 

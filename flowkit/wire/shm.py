@@ -1,49 +1,6 @@
 """How tensor bytes move between executors: shared memory on one host, chunked frames across hosts.
 
-`serialize.pack` turns a value into a msgpack body plus raw frames. Before a DATA message leaves,
-`PeerTransport.encode` rewrites its frame list with a `layout` (one entry per frame of the value):
-
-- `["shm", name, offset, nbytes, host]`: the bytes were copied into a shared-memory segment of the
-  sender, and only this handle travels. The receiver maps the segment (once; mappings are cached)
-  and builds the tensor on that mapping without a copy.
-- `k` (an int): the frame travels as k consecutive zmq frames (1 MiB each when k > 1) that the
-  receiver joins. One huge zmq frame is several times slower than many 1 MiB ones (64 MiB over
-  ipc: about 1.3 GB/s as one frame, 3.7 GB/s as 64 frames, the receiver allocating and faulting
-  a fresh buffer for the one), so large frames to another host are always chunked: a message's
-  bytes are bounded per zmq frame, and the receiver joins them into one buffer.
-
-[Note: receive buffers] The receiver joins chunks into a buffer of its `ReceivePool`: private
-memory laid out and lent like a segment, given back to the pool by the same finalizer when the
-tensor built on it is freed. Joining into fresh memory costs its page faults, which on a virtual
-machine cost more than the copy (64 MiB: 7 ms to copy into faulted pages, 37-45 ms into fresh
-ones), and a pipeline receives same-sized activations every microbatch. The pool keeps at most
-FLOWKIT_RECEIVE_POOL_BYTES (default: 1 GiB or 1/16 of memory); past that a join gets fresh memory.
-
-[Note: hosts] Which peers share memory is decided by host id, never by address. Every executor
-has one (`host_id()`: `--host-id`/FLOWKIT_HOST_ID when its launcher gives one, else the identity
-of the shared memory it sees: the kernel's boot id and the device of the /dev/shm mount). It tells
-the controller in its HELLO, the controller names the receiver's host id in each SEND, and the
-sender lends a segment only to a peer with its own host id; the receiver refuses a handle made
-on another. Anything else goes as chunked frames, which reach any peer, so an unknown host id
-("") is simply another host. Why not the address or the hostname: a peer address says nothing
-about memory (an executor reached at 10.0.0.7 may be this machine; two containers on one machine
-have different hostnames and may or may not share /dev/shm), and two machines may share a
-hostname, where a handle would name a segment that does not exist there, or worse, another
-process's with the same pid. The default id is exactly "these processes see the same /dev/shm".
-A network namespace changes neither: namespaces on one machine share /dev/shm and the hostname,
-so to stand for separate hosts (flowkit/runtime/netns.py) they are given host ids, and their
-executors' bytes then cross by frames over the veth link, as between machines. Each executor's
-peer socket is bound on the address it reaches the controller from (`--peer-host`, by default
-the source address of the route to the controller), so a peer on another host can connect to it.
-
-[Note: segment lifetime] A segment belongs to the process that created it (its name is
-`flowkit-<pid>-<n>`). Its first byte says whether it is lent out: the sender sets it before sending
-the handle, and the receiver clears it when the storage built on it is freed (a finalizer on the
-buffer object that torch/numpy keep alive as long as any view of the data). The sender then reuses
-the segment, whose pages are already faulted in on both sides: a fresh buffer per transfer would
-cost more in page faults than the copy itself. No message is needed to give a segment back, so
-nothing runs on a socket from a finalizer. Names are unlinked when the owner exits (close, the
-heartbeat's exit, or the launcher's sweep after a crash); mappings alone never keep a name alive.
+The design: [Note: shm], [Note: receive buffers], [Note: hosts], [Note: segment lifetime] below.
 """
 
 from __future__ import annotations
@@ -62,6 +19,53 @@ from flowkit.wire.serialize import SerializeError
 
 __all__ = ["CHUNK_BYTES", "ENV_HOST_ID", "MIN_SHM_BYTES", "PREFIX", "PeerTransport",
            "SegmentPool", "host_id", "leftover_segments", "sweep"]
+
+
+# [Note: shm] `serialize.pack` turns a value into a msgpack body plus raw frames. Before a DATA
+# message leaves, `PeerTransport.encode` rewrites its frame list with a `layout` (one entry per
+# frame of the value):
+#
+# - `["shm", name, offset, nbytes, host]`: the bytes were copied into a shared-memory segment of the
+#   sender, and only this handle travels. The receiver maps the segment (once; mappings are cached)
+#   and builds the tensor on that mapping without a copy.
+# - `k` (an int): the frame travels as k consecutive zmq frames (1 MiB each when k > 1) that the
+#   receiver joins. One huge zmq frame is several times slower than many 1 MiB ones (64 MiB over
+#   ipc: about 1.3 GB/s as one frame, 3.7 GB/s as 64 frames, the receiver allocating and faulting a
+#   fresh buffer for the one), so large frames to another host are always chunked: a message's bytes
+#   are bounded per zmq frame, and the receiver joins them into one buffer.
+#
+# [Note: receive buffers] The receiver joins chunks into a buffer of its `ReceivePool`: private
+# memory laid out and lent like a segment, given back to the pool by the same finalizer when the
+# tensor built on it is freed. Joining into fresh memory costs its page faults, which on a virtual
+# machine cost more than the copy (64 MiB: 7 ms to copy into faulted pages, 37-45 ms into fresh
+# ones), and a pipeline receives same-sized activations every microbatch. The pool keeps at most
+# FLOWKIT_RECEIVE_POOL_BYTES (default: 1 GiB or 1/16 of memory); past that a join gets fresh memory.
+#
+# [Note: hosts] Which peers share memory is decided by host id, never by address. Every executor has
+# one (`host_id()`: `--host-id`/FLOWKIT_HOST_ID when its launcher gives one, else the identity of
+# the shared memory it sees: the kernel's boot id and the device of the /dev/shm mount). It tells
+# the controller in its HELLO, the controller names the receiver's host id in each SEND, and the
+# sender lends a segment only to a peer with its own host id; the receiver refuses a handle made on
+# another. Anything else goes as chunked frames, which reach any peer, so an unknown host id ("") is
+# simply another host. Why not the address or the hostname: a peer address says nothing about memory
+# (an executor reached at 10.0.0.7 may be this machine; two containers on one machine have different
+# hostnames and may or may not share /dev/shm), and two machines may share a hostname, where a
+# handle would name a segment that does not exist there, or worse, another process's with the same
+# pid. The default id is exactly "these processes see the same /dev/shm". A network namespace
+# changes neither: namespaces on one machine share /dev/shm and the hostname, so to stand for
+# separate hosts (flowkit/runtime/netns.py) they are given host ids, and their executors' bytes then
+# cross by frames over the veth link, as between machines. Each executor's peer socket is bound on
+# the address it reaches the controller from (`--peer-host`, by default the source address of the
+# route to the controller), so a peer on another host can connect to it.
+#
+# [Note: segment lifetime] A segment belongs to the process that created it (its name is
+# `flowkit-<pid>-<n>`). Its first byte says whether it is lent out: the sender sets it before
+# sending the handle, and the receiver clears it when the storage built on it is freed (a finalizer
+# on the buffer object that torch/numpy keep alive as long as any view of the data). The sender then
+# reuses the segment, whose pages are already faulted in on both sides: a fresh buffer per transfer
+# would cost more in page faults than the copy itself. No message is needed to give a segment back,
+# so nothing runs on a socket from a finalizer. Names are unlinked when the owner exits (close, the
+# heartbeat's exit, or the launcher's sweep after a crash); mappings alone never keep a name alive.
 
 log = logging.getLogger("flowkit.shm")
 

@@ -49,5 +49,5 @@ def test_no_bench_module_and_no_command_loads_torch_at_import():
     assert "benchmarks.split_backward" in bench_modules  # the one that used to
     helps = [["bench", "--help"], *(["bench", name, "--help"] for name in
                                     ("dispatch", "rl", "train", "launch"))]
-    modules = ["flowkit", "flowkit.cli", "flowkit.cli.bench", *bench_modules]
+    modules = ["flowkit", "flowkit.cli", "benchmarks.cli", *bench_modules]
     assert _first_heavy_import(modules, helps) is None

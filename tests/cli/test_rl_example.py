@@ -40,7 +40,7 @@ def test_rl_on_digit_sorting_raises_the_mean_reward(warmed_up, example):
 
 
 def test_reinforce_pp_runs_on_torch_and_reports_rewards(warmed_up):
-    """A short run (RLOO's flow runs on simulator executors in tests/runtime): that it trains
+    """A short run (RLOO's flow runs on simulator executors in tests/runner): that it trains
     and reports; how far the reward rises is in the README."""
     output = run_ok_in(warmed_up, str(EXAMPLES / "reinforce_pp_sort.py"), "--steps", "2",
                        "--metrics", "reinforce_pp.jsonl")

@@ -58,7 +58,8 @@ def test_compare_says_why_auto_cannot_fit():
         (["--mem", "F=1,B=0,W=0", "--memory-limit", "2"],
          "ops never free memory, so 8 microbatches need 8×1 = 8 on a device"),
         (["--mem", "F=1,B=-0.25,W=-0.25", "--memory-limit", "4"],
-         "frees only 0.5 of the 1 its forwards add, so 8 microbatches need at least 7×0.5 + 1 = 4.5"),
+         "frees only 0.5 of the 1 its forwards add, so 8 microbatches need at least "
+         "7×0.5 + 1 = 4.5"),
         (["-v", "2", "--mem", "F=1,B=0,W=0", "--memory-limit", "2"], "ops never free memory"),
     ],
 )

@@ -18,7 +18,7 @@ from flowkit.runtime import Controller, RemoteError
 from flowkit.wire.protocol import PROTOCOL_VERSION, Msg, encode
 from flowkit.wire.serialize import pack
 from tests.harness import dealer, executor_cluster, process_of
-from tests.runtime import flowdefs
+from tests.runner import flowdefs
 
 FLOWDEFS = str(Path(flowdefs.__file__))
 

@@ -166,7 +166,8 @@ def _verl_kl(logprob, ref_logprob, kind):
 
 @st.composite
 def batches(draw, min_tokens: int = 1):
-    """(generator, mask) with left-padded, right-padded and gappy rows; >= min_tokens real tokens."""
+    """(generator, mask) with left-padded, right-padded and gappy rows; >= min_tokens real
+    tokens."""
     rows = draw(st.integers(1, 6))
     length = draw(st.integers(1, 7))
     seed = draw(st.integers(0, 2**31 - 1))

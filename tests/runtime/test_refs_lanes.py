@@ -17,7 +17,8 @@ def test_wire_refs_resolve_and_name_their_objects():
 
 
 @pytest.mark.parametrize("bad", [[1], [1, "a"], {"gather": 3}, "7", 1.5,
-                                 {"gather": [{"gather": [{"gather": [{"gather": [{"gather": []}]}]}]}]}])
+                                 {"gather": [{"gather": [{"gather": [
+                                     {"gather": [{"gather": []}]}]}]}]}])
 def test_malformed_wire_refs_are_protocol_errors(bad):
     with pytest.raises(ProtocolError):
         check_ref(bad)

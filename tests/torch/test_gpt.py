@@ -66,7 +66,8 @@ def test_balanced_split(config, stages, expected):
 
 
 def test_split_needs_a_block_per_stage():
-    with pytest.raises(ValueError, match="a GPT of 4 layers splits into 1 to 4 pipeline stages, not"):
+    with pytest.raises(ValueError,
+                       match="a GPT of 4 layers splits into 1 to 4 pipeline stages, not"):
         split_gpt(GPT(**SMALL), 5)
 
 

@@ -4,7 +4,7 @@ once divided by the step's normalizer, whatever the microbatches, padding or sta
 
 The op functions run here in one process on one OpContext, as one executor holding every stage
 would run them; the last test runs them on torch executor processes through the runtime's
-pipeline_config and submit_optimizer_step (tests/runtime/test_training_config.py has the
+pipeline_config and submit_optimizer_step (tests/runner/test_training_config.py has the
 configs alone).
 """
 

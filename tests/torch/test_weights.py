@@ -242,11 +242,13 @@ def test_a_state_dict_checkpoint_works_too(tmp_path):
 
 def test_checkpoint_errors(tmp_path):
     with pytest.raises(StageError, match="is not a file"):
-        _export(op_context(), 1, {**SPEC, "model_config": {**GPT_CONFIG, "checkpoint": "/no/such.pt"}})
+        _export(op_context(), 1,
+                {**SPEC, "model_config": {**GPT_CONFIG, "checkpoint": "/no/such.pt"}})
     e0, _ = _export(op_context(), 2)
     partial = weights.save_checkpoint(tmp_path / "stage0.pt", [e0])
     with pytest.raises(StageError, match=r"lack 26 of its parameters: .transformer.h.2"):
-        _export(op_context(), 1, {**SPEC, "model_config": {**GPT_CONFIG, "checkpoint": str(partial)}})
+        _export(op_context(), 1,
+                {**SPEC, "model_config": {**GPT_CONFIG, "checkpoint": str(partial)}})
     with pytest.raises(StageError, match="given twice with different values"):
         weights.save_checkpoint(tmp_path / "x.pt", [e0, {"transformer.wpe.weight":
                                                           torch.zeros(32, 32)}])

@@ -1,36 +1,7 @@
 """The built-in GPT, after nanoGPT's model.py: one readable file, names from GPT-2.
 
-`GPT(**config)` builds the whole model (the flows name it as
-``build="executors.torch.models.gpt:GPT"``); `split_gpt(model, stages)` cuts it into pipeline
-stages balanced by estimated cost.
-
-[Note: GPT stage inputs] Stage 0 takes the token ids ``idx`` (B, T); inner stages take hidden
-states (B, T, C); the last stage takes ``(hidden, targets)`` with ``targets`` (B, T) token ids
-and returns the scalar loss. A one-stage split takes ``(idx, targets)``. The runtime cuts a
-batch (B, T+1) of tokens into ``idx = batch[:, :-1]`` for the first stage and
-``targets = batch[:, 1:]`` for the last; `StageRunner` passes integer inputs through without
-gradients, so targets are just one more input of the last stage. (A value head's float returns
-are the one exception: the runner treats them as activations and computes a gradient for them
-that nobody reads.) Each microbatch's loss is its mean over tokens; a plain loop that
-accumulates gradients over the same microbatches sums the same losses.
-
-[Note: tied embedding across stages] The unsplit model ties ``lm_head.weight`` to ``wte.weight``.
-Stages in different processes cannot share a parameter, so a split with more than one stage gives
-the last stage its own copy. Same math as the unsplit model holds if, after every backward and
-before the optimizer step, each copy's gradient is replaced by the sum of both (an all-reduce
-over the pair named by `tied_parameters`; `sum_tied_grads` does it in one process): both copies
-then start equal, get equal gradients and equal optimizer updates, so they stay equal.
-
-[Note: KV cache rows] For generation only (under no_grad): `forward_cached(idx, cache, start,
-rows)` runs new tokens ``idx`` (B, T) of the cache rows ``rows`` whose first new token sits at
-position ``start`` (B,). Every row holds its own sequence from position 0, so rows of different
-lengths need no left padding: a row's position ids are ``start + arange(T)``, and a query at
-position p sees the cached keys at positions <= p of its row and nothing else. Right padding
-(a batch of prompts of different lengths) is harmless: the pads write keys past the row's
-real end, which no real query sees and the next real token overwrites. A row is reused for
-a new sequence by writing its prompt from start 0 (continuous batching). `new_cache(batch,
-max_len)` makes an empty one; with `context_length` (block_size) this is the cache protocol of
-[Note: generation and scoring interface] in executors/torch/lm.py.
+The design: [Note: gpt], [Note: GPT stage inputs], [Note: tied embedding across stages], [Note: KV
+cache rows], [Note: generation and scoring interface] below.
 """
 
 from __future__ import annotations
@@ -53,6 +24,39 @@ __all__ = [
     "sum_tied_grads",
     "tied_parameters",
 ]
+
+
+# [Note: gpt] `GPT(**config)` builds the whole model (the flows name it as
+# ``build="executors.torch.models.gpt:GPT"``); `split_gpt(model, stages)` cuts it into pipeline
+# stages balanced by estimated cost.
+#
+# [Note: GPT stage inputs] Stage 0 takes the token ids ``idx`` (B, T); inner stages take hidden
+# states (B, T, C); the last stage takes ``(hidden, targets)`` with ``targets`` (B, T) token ids and
+# returns the scalar loss. A one-stage split takes ``(idx, targets)``. The runtime cuts a batch (B,
+# T+1) of tokens into ``idx = batch[:, :-1]`` for the first stage and ``targets = batch[:, 1:]`` for
+# the last; `StageRunner` passes integer inputs through without gradients, so targets are just one
+# more input of the last stage. (A value head's float returns are the one exception: the runner
+# treats them as activations and computes a gradient for them that nobody reads.) Each microbatch's
+# loss is its mean over tokens; a plain loop that accumulates gradients over the same microbatches
+# sums the same losses.
+#
+# [Note: tied embedding across stages] The unsplit model ties ``lm_head.weight`` to ``wte.weight``.
+# Stages in different processes cannot share a parameter, so a split with more than one stage gives
+# the last stage its own copy. Same math as the unsplit model holds if, after every backward and
+# before the optimizer step, each copy's gradient is replaced by the sum of both (an all-reduce over
+# the pair named by `tied_parameters`; `sum_tied_grads` does it in one process): both copies then
+# start equal, get equal gradients and equal optimizer updates, so they stay equal.
+#
+# [Note: KV cache rows] For generation only (under no_grad): `forward_cached(idx, cache, start,
+# rows)` runs new tokens ``idx`` (B, T) of the cache rows ``rows`` whose first new token sits at
+# position ``start`` (B,). Every row holds its own sequence from position 0, so rows of different
+# lengths need no left padding: a row's position ids are ``start + arange(T)``, and a query at
+# position p sees the cached keys at positions <= p of its row and nothing else. Right padding (a
+# batch of prompts of different lengths) is harmless: the pads write keys past the row's real end,
+# which no real query sees and the next real token overwrites. A row is reused for a new sequence by
+# writing its prompt from start 0 (continuous batching). `new_cache(batch, max_len)` makes an empty
+# one; with `context_length` (block_size) this is the cache protocol of [Note: generation and
+# scoring interface] in executors/torch/lm.py.
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,31 +1,6 @@
 """`auto`: the shortest schedule we can find for the given costs, comm and memory limit.
 
-It simulates a pool of candidates and keeps the best by makespan, then by longest device span
-(the paper's per-iteration cost, so also the bubble rate), then polishes the winner with a bounded
-local search that only accepts strict improvements. Because the pool always holds the Zero Bubble
-paper's own automatic schedule (the port in `zb_heuristic`, all 8 flag combinations, at the
-requested limit) and the handcrafted 1F1B, ZB-H1 and ZB-H2 whenever they fit, the result is never
-worse than any of them. The pool (one stage per device):
-
-* the paper's heuristic at the limit, and at p, 2p-1 and 2p when those are tighter (a tighter cap
-  sometimes schedules better: it forces W's into the holes that extra F's would leave);
-* `list_schedule` under the same caps with each of its tie-breaking rules, which adapts to uneven
-  stage costs (a last stage carrying the LM head) where the wave-based heuristic does not;
-* 1F1B, ZB-H1, ZB-H2, when they fit.
-
-[Note: auto objective] The objective is makespan, then span, then peak memory (so that a tie,
-as with zero costs, does not spend memory for nothing), after two constraints: no
-later finish than any baseline (heuristic, 1F1B, ZB-H1, ZB-H2), then, where some candidate allows
-it, no longer span than the heuristic's. The two measures can disagree: on the paper's
-1.5B p=8 m=24 row at memory 2p a list schedule ends 0.1 earlier than the heuristic (1236.5 vs
-1236.6) but leaves a stage idle early on, which the heuristic's post-validation runtime overlaps
-with the previous iteration; its span-based bubble is .0743 against the heuristic's .0433. With
-the constraints auto never finishes later than a baseline and is never worse than the heuristic
-on both measures at once; when no candidate beats both the heuristic's span and a baseline's
-finish (a baseline finishing first with a longer span), the finish wins.
-
-With ``chunks=2`` it searches V-shape placements instead: ZB-V's fixed order, the V-Half/V-Min
-patterns, and `list_schedule` under the limit and under p, (p+2)/2 and (p+4)/3.
+The design: [Note: auto], [Note: auto objective] below.
 """
 
 from __future__ import annotations
@@ -55,6 +30,34 @@ from flowkit.planner.schedules.zb_heuristic import zb_heuristic
 from flowkit.planner.simulate import ScheduleError
 
 __all__ = ["auto", "auto_orders"]
+
+
+# [Note: auto] It simulates a pool of candidates and keeps the best by makespan, then by longest
+# device span (the paper's per-iteration cost, so also the bubble rate), then polishes the winner
+# with a bounded local search that only accepts strict improvements. Because the pool always holds
+# the Zero Bubble paper's own automatic schedule (the port in `zb_heuristic`, all 8 flag
+# combinations, at the requested limit) and the handcrafted 1F1B, ZB-H1 and ZB-H2 whenever they fit,
+# the result is never worse than any of them. The pool (one stage per device):
+#
+# * the paper's heuristic at the limit, and at p, 2p-1 and 2p when those are tighter (a tighter cap
+#   sometimes schedules better: it forces W's into the holes that extra F's would leave);
+# * `list_schedule` under the same caps with each of its tie-breaking rules, which adapts to uneven
+#   stage costs (a last stage carrying the LM head) where the wave-based heuristic does not;
+# * 1F1B, ZB-H1, ZB-H2, when they fit.
+#
+# [Note: auto objective] The objective is makespan, then span, then peak memory (so that a tie, as
+# with zero costs, does not spend memory for nothing), after two constraints: no later finish than
+# any baseline (heuristic, 1F1B, ZB-H1, ZB-H2), then, where some candidate allows it, no longer span
+# than the heuristic's. The two measures can disagree: on the paper's 1.5B p=8 m=24 row at memory 2p
+# a list schedule ends 0.1 earlier than the heuristic (1236.5 vs 1236.6) but leaves a stage idle
+# early on, which the heuristic's post-validation runtime overlaps with the previous iteration; its
+# span-based bubble is .0743 against the heuristic's .0433. With the constraints auto never finishes
+# later than a baseline and is never worse than the heuristic on both measures at once; when no
+# candidate beats both the heuristic's span and a baseline's finish (a baseline finishing first with
+# a longer span), the finish wins.
+#
+# With ``chunks=2`` it searches V-shape placements instead: ZB-V's fixed order, the V-Half/V-Min
+# patterns, and `list_schedule` under the limit and under p, (p+2)/2 and (p+4)/3.
 
 Orders = list[list[Op]]
 Scored = tuple[Orders, Score]

@@ -1,4 +1,5 @@
-"""Interleaved 1F1B (Megatron-LM's virtual pipeline): v chunks per device, stage s on device s mod p.
+"""Interleaved 1F1B (Megatron-LM's virtual pipeline): v chunks per device, stage s on device s mod
+p.
 
 Microbatches go through in rounds. Within a round a device runs the round's forwards for chunk 0,
 then chunk 1, ...; backwards take the chunks in reverse. Megatron needs m to be a multiple of p;

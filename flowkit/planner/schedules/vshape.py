@@ -1,19 +1,6 @@
 """V-shape schedules: two model chunks per device, device d holding stages d and 2p-1-d.
 
-The forward pass runs down the devices and back up (0 -> p-1 on chunk 0, p-1 -> 0 on chunk 1), so
-device 0 holds both the first and the last stage and the hand-over at device p-1 costs no comm.
-
-* `zb-v`: the Zero Bubble paper's ZB-V, memory p (one device share of p microbatches), about zero
-  bubble when F = B = W and m >= 2p-1.
-* `v-half`, `v-min`: "Pipeline Parallelism with Controllable Memory" (Qi et al.), memory about
-  (p+2)/2 and (p+4)/3 with bubbles of about p/2m and 2p/3m per iteration.
-
-Each builder takes the best (by simulated makespan, then span) of a few candidates that respect
-its memory cap: the fixed order from the literature (PyTorch's ScheduleZBVZeroBubble for ZB-V; the
-sail-sg building-block patterns for V-Half/V-Min), which are good when F = B = W, and the
-cost-aware `list_schedule` under the cap, which is good for uneven costs and any m; a short local
-search then polishes the winner. Memory caps are in units of one microbatch's footprint on a
-device (MemoryModel.F), and a tighter `memory_limit` in the request lowers them further.
+The design: [Note: vshape] below.
 """
 
 from __future__ import annotations
@@ -41,6 +28,23 @@ from flowkit.planner.simulate import ScheduleError
 
 __all__ = ["best_v_orders", "pattern_orders", "v_half", "v_half_slots", "v_min", "v_min_slots",
            "v_problem", "zb_v", "zbv_order"]
+
+
+# [Note: vshape] The forward pass runs down the devices and back up (0 -> p-1 on chunk 0, p-1 -> 0
+# on chunk 1), so device 0 holds both the first and the last stage and the hand-over at device p-1
+# costs no comm.
+#
+# * `zb-v`: the Zero Bubble paper's ZB-V, memory p (one device share of p microbatches), about zero
+#   bubble when F = B = W and m >= 2p-1.
+# * `v-half`, `v-min`: "Pipeline Parallelism with Controllable Memory" (Qi et al.), memory about
+#   (p+2)/2 and (p+4)/3 with bubbles of about p/2m and 2p/3m per iteration.
+#
+# Each builder takes the best (by simulated makespan, then span) of a few candidates that respect
+# its memory cap: the fixed order from the literature (PyTorch's ScheduleZBVZeroBubble for ZB-V; the
+# sail-sg building-block patterns for V-Half/V-Min), which are good when F = B = W, and the
+# cost-aware `list_schedule` under the cap, which is good for uneven costs and any m; a short local
+# search then polishes the winner. Memory caps are in units of one microbatch's footprint on a
+# device (MemoryModel.F), and a tighter `memory_limit` in the request lowers them further.
 
 Orders = list[list[Op]]
 # (b_hold, w_fill) of the list-scheduling rules tried under each cap.

@@ -13,8 +13,8 @@ from flowkit.planner.lower import lower_flow
 from flowkit.runner.flowrun import FlowRunner
 from flowkit.wire.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode, part_id
 from tests.harness import executor_cluster
-from tests.runtime import flowdefs
-from tests.runtime.test_flowrun import FLOWDEFS
+from tests.runner import flowdefs
+from tests.runner.test_flowrun import FLOWDEFS
 
 TRICKLE = {"target": flowdefs.trickle.target, "config": {"count": 3, "gap": 0.3},
            "outputs": ["out"], "many": [True]}

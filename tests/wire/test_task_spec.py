@@ -13,7 +13,8 @@ from flowkit.wire.task import MalformedTask, RejectedTask, TaskSpec, decode_task
 
 ids = st.integers(min_value=0, max_value=2**63 - 1)
 names = st.text(max_size=12)
-plain = st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False) | names
+plain = (st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1)
+         | st.floats(allow_nan=False) | names)
 configs = st.dictionaries(names, plain | st.lists(plain, max_size=3), max_size=4)
 refs = st.recursive(ids | st.lists(ids, min_size=2, max_size=2),
                     lambda inner: st.builds(lambda parts: {"gather": parts},

@@ -2,9 +2,10 @@
 benchmarks, each against a baseline measured side by side in the same run (this machine is
 noisy: compare ratios, not times).
 
-The benches live outside the library, in the top-level `benchmarks` package, and each
-subcommand imports its own only when it runs: the library never imports them, and `flowkit
-bench --help` loads neither them nor torch."""
+The benches live outside the library, in the top-level `benchmarks` package, which adds this
+group to `flowkit` through the entry-point group `flowkit.commands` (pyproject.toml): the library
+never imports them. Each subcommand imports its bench only when it runs, so `flowkit bench
+--help` loads neither them nor torch."""
 
 from __future__ import annotations
 

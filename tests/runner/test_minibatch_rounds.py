@@ -19,7 +19,7 @@ from flowkit.planner.lower import lower_flow
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runner.flowrun import FlowRunError, FlowRunner
 from tests.harness import executor_cluster
-from tests.runtime import flowdefs
+from tests.runner import flowdefs
 
 SIM = SimCosts(F=0.001, B=0.001, W=0.0005)
 

@@ -87,7 +87,8 @@ def test_the_step_reports_the_rank_correlation_of_the_calls_that_had_a_history()
     # predicted 10, 10, 20, 20, 30, 30 against 5, 12, 25, 18, 40, 31 (prompt 9 had none)
     assert metrics["generate/length_rank_corr"] == pytest.approx(
         rank_correlation([10, 10, 20, 20, 30, 30], [5, 12, 25, 18, 40, 31]))
-    assert metrics["generate/length_rank_corr"] == pytest.approx(16 / (16 * 17.5) ** 0.5)  # ranks by hand
+    # ranks by hand
+    assert metrics["generate/length_rank_corr"] == pytest.approx(16 / (16 * 17.5) ** 0.5)
     assert balancer.estimates.estimate(9, budget=512) == (250.5, True)  # learned for next step
 
 

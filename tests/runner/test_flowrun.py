@@ -12,7 +12,7 @@ from flowkit.planner.lower import Call, lower_flow
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runner.flowrun import FlowRunError, FlowRunner
 from tests.harness import executor_cluster
-from tests.runtime import flowdefs
+from tests.runner import flowdefs
 
 FLOWDEFS = str(Path(flowdefs.__file__))
 EXAMPLES = Path(__file__).parents[2] / "examples"
@@ -58,7 +58,8 @@ def test_groups_start_as_soon_as_they_are_complete_while_the_long_tail_runs(map_
     group_starts = sorted(ref.timing[0]
                           for ref in runner.previous[("group_sum_on_reduce", "out")].ordered())
     # the samples a group needs move from the executor busy with the slow one (its watch serves
-    # them), so keys 0 and 1 are complete early; key 2 waits for the slow sample 5, and so does the total
+    # them), so keys 0 and 1 are complete early; key 2 waits for the slow sample 5, and so does
+    # the total
     assert group_starts[1] < tail_end - 0.3
     assert group_starts[2] >= tail_end
     assert runner.states["total"].first_start >= tail_end

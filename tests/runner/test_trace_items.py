@@ -14,7 +14,7 @@ from flowkit.runtime import RemoteError
 from flowkit.wire.protocol import ProtocolError
 from flowkit.wire.task import TaskSpec
 from tests.harness import executor_cluster
-from tests.runtime import flowdefs
+from tests.runner import flowdefs
 
 FLOWDEFS = str(Path(flowdefs.__file__))
 TRICKLE = {"target": flowdefs.trickle.target, "config": {"count": 3, "gap": 0.05},

@@ -145,7 +145,8 @@ def short_prompts(*, count: int = 2) -> Stream[Prompt]:
 
 @op
 def length_reward(rollout: Rollout) -> Scored:
-    return Scored(**attrs.asdict(rollout, recurse=False), reward=float(len(rollout.response_tokens)))
+    reward = float(len(rollout.response_tokens))
+    return Scored(**attrs.asdict(rollout, recurse=False), reward=reward)
 
 
 @op
