@@ -180,6 +180,8 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
             with session:
                 for _ in session.steps():
                     pass
+    except KeyboardInterrupt:  # between two steps: the run was stopped all the same
+        raise click.exceptions.Exit(130) from None
     except RunError as exc:
         raise _usage_error(exc) from None
     if session.result.interrupted:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -64,10 +65,12 @@ class Run:
             for report in run.steps():
                 print(report.step, report.metrics)
 
-    `run.controller`, `run.executors` and `run.runner` are there while it is entered;
-    `run.result` after. Given a `controller` whose executors are already in, the run uses them
-    and leaves them running (several runs side by side on the same processes, as benchmarks
-    compare); otherwise it starts its own as `config.launcher` says and stops them."""
+    `run.controller`, `run.executors` and `run.runner` are there while it is entered (a
+    restart replaces the last two); `run.result` after. Given a `controller` whose executors
+    are already in, the run uses them and leaves them running (several runs side by side on the
+    same processes, as benchmarks compare); a run that ends early (an error, a `break`) may
+    leave tasks of its open steps on them. Otherwise it starts its own executors as
+    `config.launcher` says and stops them."""
 
     def __init__(self, flow: Flow, config: RunConfig | None = None, *,
                  console: Console | None = None, controller: Controller | None = None) -> None:
@@ -88,7 +91,8 @@ class Run:
             except FlowRunError as exc:
                 raise RunConfigError("asynchronous", f"--async: {exc}") from None
         self.kind, chosen = choose_executors(self.plan, config.executors)
-        if chosen:
+        check_kind(self.kind)
+        if chosen and controller is None:
             self.console.print(chosen, soft_wrap=True)
         stages = max((n.model.stages for n in self.plan if n.model is not None), default=1)
         self.count = config.num_executors or max(2, stages)
@@ -100,10 +104,23 @@ class Run:
         self.resumed = self._resume_point()
         self.shared = controller
         self.controller: Controller | None = None
-        self.executors: list = []
-        self.runner: FlowRunner | None = None
         self.result: RunResult | None = None
+        self.loop: StepLoop | None = None
+        self._first_runner: FlowRunner | None = None
+        self._started = False  # the executors are in: the trace is worth writing
         self._exits = contextlib.ExitStack()
+
+    @property
+    def runner(self) -> FlowRunner | None:
+        """The FlowRunner running the steps (a restart makes a new one)."""
+        if self.loop is not None and self.loop.runner is not None:
+            return self.loop.runner
+        return self._first_runner
+
+    @property
+    def executors(self) -> list:
+        """The run's executors (ExecutorInfo), as the last restart left them."""
+        return [] if self.loop is None else self.loop.executors
 
     # -- entering: everything starts ----------------------------------------------------------
     def __enter__(self) -> Run:
@@ -122,12 +139,12 @@ class Run:
         if config.trace is not None:
             exits.callback(self._write_trace, config.trace)
         launcher, started = self._executors(exits)
-        self.executors, ctl = started, self.controller
+        self._started, ctl = True, self.controller
         for listener in (self.recorder, self.stats):
             listener.attach(ctl)
             exits.callback(ctl.remove_listener, listener)
         with self._failures():  # a flow the runner refuses (settings it cannot run)
-            self.runner = self._make_runner()
+            self._first_runner = self._make_runner()
         self.loop = StepLoop(steps=config.steps, loggers=loggers, stats=self.stats,
                              checkpoints=checkpoints, say=self.console.print,
                              executors=started)
@@ -176,24 +193,24 @@ class Run:
             raise RuntimeError("enter the Run first: `with Run(flow, config) as run:`")
         with self._failures():
             yield from self.loop.run(self.runner, self.board)
-            self.runner = self.loop.runner  # a restart replaces it
 
     def __exit__(self, *exc: Any) -> None:
+        loop = self.loop
+        if exc[0] is KeyboardInterrupt:  # between two steps, outside the step loop's reach
+            loop.stopped = True
         try:
-            weights = self._finish(exc[0] is None)
+            if loop.stopped:
+                self.console.print(f"{self.flow.name}: interrupted at step {loop.completed}")
+            weights = self._finish(exc[0] in (None, KeyboardInterrupt))
         finally:
             self._exits.close()
-        loop = self.loop
         self.result = RunResult(
             flow=self.flow.name, steps=loop.completed, interrupted=loop.stopped,
             records=tuple(loop.records), weights=tuple(weights),
             checkpoint=None if self._checkpoints is None else self._checkpoints.written)
-        if exc[0] is None:
+        if exc[0] is None and not loop.stopped:
             done = loop.completed
-            if loop.stopped:
-                self.console.print(f"{self.flow.name}: interrupted at step {done}")
-            else:
-                self.console.print(f"{self.flow.name}: {done} step{'s' * (done > 1)} done")
+            self.console.print(f"{self.flow.name}: {done} step{'s' * (done > 1)} done")
 
     def _finish(self, ok: bool) -> list[Path]:
         """What the end of a run writes while the executors are still there."""
@@ -253,9 +270,10 @@ class Run:
         error."""
         logs = self.config.logs
         try:
+            kept = self.config.checkpoints  # not restarts' temporary ones: they go at the end
             return logs.open(name=self.flow.name,
                              resume=None if self.resumed is None else self.resumed[0].parent,
-                             checkpoints=None if checkpoints is None else checkpoints.root)
+                             checkpoints=None if kept is None else kept.root)
         except LoggerError as exc:
             raise RunConfigError("logs", str(exc)) from None
         except OSError as exc:  # the metrics file or the log dir: name which
@@ -263,8 +281,19 @@ class Run:
                                  f"{exc.strerror or exc}") from None
 
     def _write_trace(self, path: Path) -> None:
+        if not self._started:  # nothing ran
+            return
         self.recorder.write_chrome(path)
         self.console.print(f"wrote {path} (open it in https://ui.perfetto.dev)")
+
+
+def check_kind(kind: str) -> None:
+    """A known executor kind: an entry of the `flowkit.executors` group (read from the
+    installed packages' metadata, so that nothing of the executors is imported)."""
+    known = sorted({entry.name for entry in entry_points(group="flowkit.executors")})
+    if kind not in known:
+        raise RunConfigError("executors", f"unknown executor kind {kind!r}: the installed ones "
+                             f"are {', '.join(known) or 'none (is flowkit installed?)'}")
 
 
 def _keys(config: RunConfig) -> Keys | None:

@@ -32,15 +32,40 @@ class RunConfigError(RunError, ValueError):
         self.setting = setting
 
 
-def _at_least(low: float, *, above: bool = False):
+def _at_least(low: float, *, above: bool = False, within: str = ""):
+    """A validator: the value (or None) is at least `low` (above it with `above`); `within`
+    names the record's own field in RunConfig, for the setting's dotted name."""
     def check(_: object, attribute: attrs.Attribute, value: Any) -> None:
         if value is None:
             return
         if value < low or (above and value == low):
             relation = "above" if above else "at least"
-            raise RunConfigError(attribute.name, f"{attribute.name}={value!r}: it must be "
-                                 f"{relation} {low}")
+            setting = f"{within}.{attribute.name}" if within else attribute.name
+            raise RunConfigError(setting, f"{setting}={value!r}: it must be {relation} {low}")
     return check
+
+
+def _strings(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):  # tuple("flow.py") would be its letters
+        raise RunConfigError("code", f"code={value!r}: give a list of files, [{value!r}]")
+    return tuple(value)
+
+
+def _tag_groups(value: Any) -> tuple[tuple[str, ...], ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str) or any(isinstance(group, str) for group in value):
+        raise RunConfigError("tags", f"tags={value!r}: give one group of tags per executor, "
+                             "e.g. [('train',), ('rollout',)]")
+    return tuple(tuple(group) for group in value)
+
+
+def _launcher(_: object, attribute: attrs.Attribute, value: str) -> None:
+    from flowkit.runtime.launchers import LAUNCHERS
+
+    if value not in LAUNCHERS:
+        raise RunConfigError("launcher", f"launcher={value!r}: it is one of "
+                             f"{', '.join(LAUNCHERS)}")
 
 
 def _path(value: Any) -> Path | None:
@@ -54,9 +79,9 @@ class CheckpointConfig:
 
     root: Path = attrs.field(converter=Path)
     """The folder of the run's checkpoints (one sub-folder per checkpoint)."""
-    every: int | None = attrs.field(default=None, validator=_at_least(1))
+    every: int | None = attrs.field(default=None, validator=_at_least(1, within="checkpoints"))
     """Steps between checkpoints; None: only when the run is stopped by Ctrl-C."""
-    keep: int = attrs.field(default=2, validator=_at_least(1))
+    keep: int = attrs.field(default=2, validator=_at_least(1, within="checkpoints"))
     """How many of the newest checkpoints to keep."""
 
 
@@ -86,12 +111,11 @@ class RunConfig:
     plugin's, or auto: torch, or base for a flow without models."""
     num_executors: int | None = attrs.field(default=None, validator=_at_least(1))
     """Executor processes to start; None: the most pipeline stages, at least 2."""
-    tags: tuple[tuple[str, ...], ...] | None = attrs.field(
-        default=None, converter=lambda t: None if t is None else tuple(tuple(g) for g in t))
+    tags: tuple[tuple[str, ...], ...] | None = attrs.field(default=None, converter=_tag_groups)
     """The tags of each executor; None: every executor gets every tag the flow asks for."""
     device: str = "cpu"
     """The torch executors' device: cpu, cuda (executor i on cuda:i), or one per executor."""
-    code: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    code: tuple[str, ...] = attrs.field(default=(), converter=_strings)
     """Python files the executors import, for the flow's @op functions (its own file)."""
     stages: int | None = attrs.field(default=None, validator=_at_least(1))
     """Pipeline stages of every trained model; None: the flow's."""
@@ -130,7 +154,7 @@ class RunConfig:
     restarts in flowkit/runner/restarts.py]."""
     controller: ControllerConfig = attrs.field(factory=ControllerConfig)
     """The controller's address and keys."""
-    launcher: str = "local"
+    launcher: str = attrs.field(default="local", validator=_launcher)
     """What starts the executors: local subprocesses, or ray (Ray actors)."""
     launcher_settings: Any = None
     """The launcher's own settings (RaySettings for ray); None: its defaults."""

@@ -62,7 +62,8 @@ class StepLoop:
             "Ctrl-C: finishing the step to checkpoint it (Ctrl-C again stops at once)"))
         try:
             with stop:
-                step, first = self.first, self.restarts is not None
+                # a second call goes on where the first stopped (after a `break`)
+                step, first = self.completed, self.restarts is not None and not self.records
                 while step < self.steps:
                     board.set_status(f"step {step + 1}/{self.steps}{_ahead(self.runner, step)}")
                     try:
@@ -79,7 +80,9 @@ class StepLoop:
                         continue
                     self.completed = done
                     yield report
-                    if stop.requested:
+                    if stop.requested:  # maybe during the caller's work on the report
+                        if self.checkpoints is not None and self.checkpoints.written != done:
+                            self._checkpoint(done, board)
                         self.stopped = done < self.steps
                         return
                     step = done

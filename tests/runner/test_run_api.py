@@ -117,3 +117,43 @@ def test_restarts_need_the_launcher_of_their_own_executors():
     with Controller() as ctl, pytest.raises(RunConfigError) as error:
         Run(_pretrain(), RunConfig(executors="sim", max_restarts=1), controller=ctl)
     assert error.value.setting == "max_restarts"
+
+
+@pytest.mark.parametrize(("settings", "setting"), [
+    ({"tags": ["train", "rollout"]}, "tags"), ({"code": "flow.py"}, "code"),
+    ({"launcher": "slurm"}, "launcher"),
+    ({"checkpoints": {"root": "ck", "every": 0}}, "checkpoints.every"),
+])
+def test_a_setting_of_the_wrong_shape_is_refused_naming_it(settings, setting):
+    with pytest.raises(RunConfigError) as error:
+        if "checkpoints" in settings:
+            settings = {"checkpoints": CheckpointConfig(**settings["checkpoints"])}
+        RunConfig(**settings)
+    assert error.value.setting == setting
+
+
+def test_an_unknown_executor_kind_is_refused_before_anything_starts():
+    with pytest.raises(RunConfigError) as error:
+        Run(_pretrain(), RunConfig(executors="tpu"))
+    assert error.value.setting == "executors" and "sim" in str(error.value)
+
+
+def test_steps_called_again_after_a_break_goes_on_where_it_stopped():
+    with Run(_pretrain(), RunConfig(steps=3, executors="sim", dashboard=False)) as run:
+        for _ in run.steps():
+            break
+        assert [r.step for r in run.steps()] == [1, 2]
+    assert [r["step"] for r in run.result.records] == [0, 1, 2]
+
+
+def test_ctrl_c_while_the_caller_works_on_a_report_checkpoints_that_step(tmp_path):
+    import os
+    import signal
+
+    config = RunConfig(steps=3, executors="sim", dashboard=False,
+                       checkpoints=CheckpointConfig(root=tmp_path / "ck"))
+    with Run(_pretrain(), config) as run:
+        for _ in run.steps():
+            os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C: finish, checkpoint, stop
+    assert run.result.interrupted and run.result.steps == 1
+    assert run.result.checkpoint == 1 and any((tmp_path / "ck").iterdir())
