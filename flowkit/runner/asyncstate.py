@@ -59,7 +59,7 @@ __all__ = ["CarriedCall", "OpenCall", "OpenWork", "Replay", "drain", "open_work"
 #     inference with a critic fed back) are not saved: a resumed run computes them again with the
 #     newest weights, within the bound. Request names carry the runner's attempt, so an abort
 #     remembered by a surviving executor from before a restart never cuts a replayed request ([Note:
-#     executor restarts] in flowkit/cli/_restarts.py).
+#     executor restarts] in flowkit/runner/restarts.py).
 
 
 @attrs.frozen
