@@ -262,9 +262,11 @@ class StepRun:
         if policy is not None and not policy.submit(_Site(self, state, streaming[0]),
                                                     lead.closed):
             return  # e.g. how many of its own prompts the step runs is not known yet
+        gathered = {rule.port: Gather(self.streams.of(rule).ordered()) for rule in barriers}
         ready = []
-        for lineage in lead.arrivals:
-            if lineage in state.submitted:
+        for lineage in self._arrived_since(state, streaming):
+            if lineage in state.submitted:  # called meanwhile another way (a call policy's)
+                del state.unpaired[lineage]
                 continue
             refs = {}
             for rule in streaming:
@@ -273,11 +275,11 @@ class StepRun:
                     break
                 refs[rule.port] = ref
             else:
+                del state.unpaired[lineage]
                 state.submitted.add(lineage)
                 if policy is not None and not policy.admit(len(lead.arrivals)):
                     continue  # never called
-                for rule in barriers:
-                    refs[rule.port] = Gather(self.streams.of(rule).ordered())
+                refs.update(gathered)
                 ready.append((lineage, refs))
         balancer = self.balancers.get(state.plan.name)
         if balancer is None:
@@ -289,6 +291,27 @@ class StepRun:
         for lineage, key in balancer.order([(lin, keys.get(lin)) for lin, _ in ready]):
             self._submit(state, lineage, by_lineage[lineage],
                          executor=balancer.assign(lineage, key))
+
+    def _arrived_since(self, state: NodeState, streaming: list[InputRule]) -> list[tuple]:
+        """The lineages that may have become callable since the last call, in the order the
+        lead input's items arrived: its new items, and the waiting ones whose partner came.
+        Each input's arrivals are read from a cursor, so a step's pairing is linear in its
+        items, never a rescan of every arrival on every progress call."""
+        touched = set()
+        for index, rule in enumerate(streaming):
+            stream = self.streams.of(rule)
+            where = (rule.src, rule.src_port)
+            new = stream.arrivals[state.cursors.get(where, 0):]
+            state.cursors[where] = len(stream.arrivals)
+            if index == 0:  # the lead: its items are the calls, in its order
+                for lineage in new:
+                    if lineage not in state.submitted and lineage not in state.unpaired:
+                        state.unpaired[lineage] = state.arrived
+                        state.arrived += 1
+                        touched.add(lineage)
+            else:
+                touched.update(lin for lin in new if lin in state.unpaired)
+        return sorted(touched, key=state.unpaired.__getitem__)
 
     def _check_all_paired(self, state: NodeState, live: list[InputRule]) -> None:
         streaming = [r for r in live if r.granularity is Granularity.STREAM]

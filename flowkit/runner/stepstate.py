@@ -70,6 +70,11 @@ class NodeState:
     pending: int = 0  # tasks submitted and not yet done
     started: bool = False
     submitted: set = attrs.field(factory=set)  # lineages already called (per item / group)
+    # per item: how far each input's arrivals were read, and the lead's items waiting for a
+    # partner (lineage -> arrival number, their call order)
+    cursors: dict = attrs.field(factory=dict)
+    unpaired: dict = attrs.field(factory=dict)
+    arrived: int = 0
     groups: dict = attrs.field(factory=lambda: defaultdict(list))
     seen: int = 0  # arrivals of the grouped input already sorted into groups
     closed: bool = False

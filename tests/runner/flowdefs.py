@@ -167,3 +167,12 @@ def torch_streaming_flow() -> Flow:
         rollouts = Generate(actor)(short_prompts(count=2), n=6, max_new_tokens=48)
         mean_reward(collect(length_reward(rollouts)))
     return flow
+
+
+def paired_flow(count: int) -> Flow:
+    """`count` samples, each doubled and incremented by two per-item ops whose outputs a third
+    pairs up by sample, then summed: the per-item bookkeeping of a step, at any size."""
+    with Flow("paired") as flow:
+        source = samples(count=count, keys=count)
+        total(collect(pair(plus_one(source), slow_double(source))))
+    return flow
