@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +16,12 @@ from flowkit.cli._flows import load_checked_flow
 from flowkit.observe.loggers import LOGGERS
 from flowkit.observe.logsetup import LogSetup, check_run_name
 from flowkit.runner.config import CheckpointConfig, RunConfig
+from flowkit.runner.setup import executor_kinds
 from flowkit.runtime.launchers import LAUNCHERS
 from flowkit.runtime.raylaunch import STRATEGIES, RaySettings
 
 # the installed executor kinds (executors/kinds.py), read from the packages' metadata
-_KINDS = ("auto", *sorted({entry.name for entry in entry_points(group="flowkit.executors")}))
+_KINDS = ("auto", *executor_kinds())
 # every default is the record's: the flags only say how to set a field (tests/runner/
 # test_run_defaults.py holds them to it)
 _RUN, _LOGS, _RAY = RunConfig(), LogSetup(), RaySettings()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,12 @@ from flowkit.runner.checkpointing import Checkpointing, resume_point
 from flowkit.runner.config import RunConfig, RunConfigError, RunError
 from flowkit.runner.flowrun import FlowRunError, FlowRunner, StepReport, check_async
 from flowkit.runner.restarts import Restarts, temporary_checkpoints
-from flowkit.runner.setup import choose_executors, executor_tags, with_training_options
+from flowkit.runner.setup import (
+    check_kind,
+    choose_executors,
+    executor_tags,
+    with_training_options,
+)
 from flowkit.runner.steploop import STEP_FAILURES, StepLoop
 from flowkit.runtime import Controller, RemoteError
 from flowkit.runtime.launch import Launcher, LaunchError
@@ -285,15 +289,6 @@ class Run:
             return
         self.recorder.write_chrome(path)
         self.console.print(f"wrote {path} (open it in https://ui.perfetto.dev)")
-
-
-def check_kind(kind: str) -> None:
-    """A known executor kind: an entry of the `flowkit.executors` group (read from the
-    installed packages' metadata, so that nothing of the executors is imported)."""
-    known = sorted({entry.name for entry in entry_points(group="flowkit.executors")})
-    if kind not in known:
-        raise RunConfigError("executors", f"unknown executor kind {kind!r}: the installed ones "
-                             f"are {', '.join(known) or 'none (is flowkit installed?)'}")
 
 
 def _keys(config: RunConfig) -> Keys | None:

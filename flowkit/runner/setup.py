@@ -3,6 +3,8 @@ executors run it and with which tags. Each wrong setting is a RunConfigError nam
 
 from __future__ import annotations
 
+from importlib.metadata import entry_points
+
 import attrs
 
 from flowkit.dsl import Flow
@@ -10,7 +12,22 @@ from flowkit.ops import EXECUTOR_OPS, missing_executor_ops
 from flowkit.planner.lower import NodePlan
 from flowkit.runner.config import RunConfigError
 
-__all__ = ["choose_executors", "executor_tags", "with_training_options"]
+__all__ = ["check_kind", "choose_executors", "executor_kinds", "executor_tags",
+           "with_training_options"]
+
+
+def executor_kinds() -> tuple[str, ...]:
+    """The installed executor kinds: the entries of the `flowkit.executors` group, read from
+    the packages' metadata so that nothing of the executors is imported."""
+    return tuple(sorted({entry.name for entry in entry_points(group="flowkit.executors")}))
+
+
+def check_kind(kind: str) -> None:
+    """`kind`, if an installed executor kind; else a RunConfigError naming the known ones."""
+    known = executor_kinds()
+    if kind not in known:
+        raise RunConfigError("executors", f"unknown executor kind {kind!r}: the installed ones "
+                             f"are {', '.join(known) or 'none (is flowkit installed?)'}")
 
 
 def executor_tags(plan: list[NodePlan], count: int,
