@@ -136,6 +136,23 @@ def rollout(json_out: Path | None) -> None:
 
 
 @bench.command(cls=_BenchCommand)
+@click.option("--samples", default="1024,2048,4096", show_default=True, metavar="N,N,...",
+              help="Samples a step, one size after the other (multiples of 8).")
+@_json_option
+def scale(samples: str, json_out: Path | None) -> None:
+    """The engine's cost per sample as a GRPO step grows."""
+    try:
+        sizes = [int(part) for part in samples.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{samples!r}: give sizes as N,N,...",
+                                 param_hint="--samples") from None
+    if any(size < 8 or size % 8 for size in sizes):
+        raise click.BadParameter(f"{samples!r}: each size is a multiple of 8 (8 samples a "
+                                 "prompt)", param_hint="--samples")
+    _report(_bench_function("scale", "run_scale_bench")(samples=sizes), json_out)
+
+
+@bench.command(cls=_BenchCommand)
 @_json_option
 def checkpoint(json_out: Path | None) -> None:
     """A run checkpoint against writing its bytes."""
