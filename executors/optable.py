@@ -92,22 +92,36 @@ class Deferred:
 
 
 class OpTable:
+    """[Note: batched forms] A batched task [Note: batched tasks in flowkit/wire/task.py] runs
+    its op once per item, unless the op was registered with a `batched` form: that is called
+    once, with a list (one value per item) in place of each per-item input and the shared
+    inputs as they are, and returns the list of the items' results, in order. A model op's
+    batched form runs one forward on the items instead of one each."""
+
     def __init__(self) -> None:
         self._ops: dict[str, Op] = {}
+        self._batched: dict[str, Op] = {}
 
-    def register(self, name: str, fn: Op | None = None) -> Any:
-        """`table.register("noop", fn)` or as a decorator `@table.register("noop")`."""
+    def register(self, name: str, fn: Op | None = None, *, batched: Op | None = None) -> Any:
+        """`table.register("noop", fn)` or as a decorator `@table.register("noop")`;
+        `batched`: the op's form on lists of items [Note: batched forms]."""
 
         def add(op: Op) -> Op:
             if name in self._ops and self._ops[name] is not op:
                 raise ValueError(f"op {name!r} is already registered")
             self._ops[name] = op
+            if batched is not None:
+                self._batched[name] = batched
             return op
 
         return add(fn) if fn is not None else add
 
     def get(self, name: str) -> Op | None:
         return self._ops.get(name)
+
+    def batched(self, name: str) -> Op | None:
+        """The op's batched form, if it has one [Note: batched forms]."""
+        return self._batched.get(name)
 
     def names(self) -> list[str]:
         return sorted(self._ops)

@@ -24,7 +24,15 @@ from typing import Any
 import zmq
 
 from executors.optable import Deferred, OpContext, OpTable
-from executors.tasks import Task, check_streamed, describe, described, split_outputs
+from executors.tasks import (
+    Task,
+    check_streamed,
+    describe,
+    described,
+    failure_text,
+    run_items,
+    split_outputs,
+)
 from executors.threads import CompletionWatch, Heartbeat
 from flowkit.wire.auth import (
     CONTROLLER,
@@ -379,12 +387,15 @@ class Executor:
                 result.bind(_DeferredSink(self, task))
                 self.deferred[task.spec.id] = (task, result)
                 return time.time() - start
-            outputs = split_outputs(result, len(task.spec.outputs), task.spec.op)
+            if task.spec.items is not None:  # the items' outputs [Note: batched tasks]
+                outputs = result
+            else:
+                outputs = split_outputs(result, len(task.spec.outputs), task.spec.op)
             if task.spec.stream:
                 check_streamed(task, outputs[0])
         except Exception as exc:
-            self._complete_failed(task.spec.id, f"{type(exc).__name__}: {exc}",
-                                  traceback.format_exc(), start=start)
+            self._complete_failed(task.spec.id, failure_text(exc), traceback.format_exc(),
+                                  start=start)
             return time.time() - start
         end = time.time()
         self._complete(task, outputs, end)
@@ -458,6 +469,8 @@ class Executor:
         self.socket_lock.release()
         self.watch.op_started()
         try:
+            if task.spec.items is not None:
+                return run_items(task, self.ctx, args, self.ops.batched(task.spec.op))
             return task.fn(self.ctx, *args, **task.spec.config)
         finally:
             self.in_op = False

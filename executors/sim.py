@@ -239,6 +239,16 @@ def _token_scores(ctx: OpContext, rollout: Any, *_: Any, seconds_per_token: floa
                        values=[-rng.random() * 3 for _ in range(tokens)])
 
 
+def _token_scores_batched(ctx: OpContext, rollouts: list, *_: Any,
+                          seconds_per_token: float = 0.0, **config: Any) -> list:
+    """Many responses in one call [Note: batched forms in executors/optable.py]: each scored as
+    alone, the simulated time that of them all (as one forward of the batch)."""
+    tokens = sum(len(getattr(r, "response_tokens", ())) + len(getattr(r, "prompt_tokens", ()))
+                 for r in rollouts)
+    busy_for(seconds_per_token * tokens)
+    return [_token_scores(ctx, rollout) for rollout in rollouts]
+
+
 def _reward_model(ctx: OpContext, rollout: Any, *, seconds_per_token: float = 0.0,
                   **config: Any) -> float:
     tokens = len(getattr(rollout, "response_tokens", ()))
@@ -280,8 +290,8 @@ def register(table: OpTable) -> None:
     table.register("optimizer_step", _optimizer_step)
     table.register("generate", _generate)
     table.register("generation", _generation)
-    table.register("logprobs", _token_scores)
-    table.register("values", _token_scores)
+    table.register("logprobs", _token_scores, batched=_token_scores_batched)
+    table.register("values", _token_scores, batched=_token_scores_batched)
     table.register("reward_model", _reward_model)
     table.register("save_state", _save_state)
     table.register("load_state", _load_state)

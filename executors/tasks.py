@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from executors.optable import Deferred
 from flowkit.wire.refs import object_ids
 from flowkit.wire.serialize import SerializeError, nbytes_of, pack
 from flowkit.wire.task import TaskSpec
 
-__all__ = ["Task", "check_streamed", "describe", "described", "split_outputs"]
+__all__ = ["ItemFailed", "Task", "check_streamed", "describe", "described", "failure_text",
+           "run_items", "split_outputs"]
 
 _INLINE_LIMIT = 2048  # outputs whose packed form is this small ride in the completion message
 _NONE_BODY = pack(None)[0]
@@ -46,6 +48,54 @@ def split_outputs(result: Any, count: int, op: str) -> list:
         raise TypeError(f"op {op!r} must return {count} outputs for this task, got "
                         f"{type(result).__name__}")
     return list(result)
+
+
+def run_items(task: Task, ctx: Any, args: list, batched: Any) -> list:
+    """A batched task's outputs, the items' in order [Note: batched tasks in
+    flowkit/wire/task.py]: its op's batched form called once on the lists, or the op on each
+    item [Note: batched forms in executors/optable.py]. An item that fails fails the task,
+    which says which item it was."""
+    spec = task.spec
+    count, config = spec.items, spec.config
+    if batched is not None:
+        results = batched(ctx, *args, **config)
+        if not isinstance(results, (list, tuple)) or len(results) != count:
+            size = len(results) if isinstance(results, (list, tuple)) else type(results).__name__
+            raise TypeError(f"op {spec.op!r}'s batched form returned {size} for {count} items: "
+                            "it returns one result per item, in order")
+    else:
+        per_item, fn, results = frozenset(spec.per_item), task.fn, []
+        for i in range(count):
+            row = [arg[i] if j in per_item else arg for j, arg in enumerate(args)]
+            try:
+                results.append(fn(ctx, *row, **config))
+            except Exception as exc:
+                raise ItemFailed(exc, i, count) from exc
+    outputs = len(spec.outputs) // count
+    flat: list = []
+    for result in results:
+        if isinstance(result, Deferred):
+            raise TypeError(f"op {spec.op!r} hands its work to a background (deferred): it "
+                            "cannot run batched")
+        flat += split_outputs(result, outputs, spec.op)
+    return flat
+
+
+class ItemFailed(Exception):
+    """Item `index` of a batched task's `count` failed with `error`."""
+
+    def __init__(self, error: Exception, index: int, count: int) -> None:
+        super().__init__(error, index, count)
+        self.error, self.index, self.count = error, index, count
+
+
+def failure_text(exc: Exception) -> str:
+    """What a failed task's completion says of its error: the op's own, and for a batched task
+    which of its items raised it."""
+    if isinstance(exc, ItemFailed):
+        return (f"{type(exc.error).__name__}: {exc.error} (item {exc.index} of the {exc.count} "
+                "this batched task ran)")
+    return f"{type(exc).__name__}: {exc}"
 
 
 def check_streamed(task: Task, result: Any) -> None:

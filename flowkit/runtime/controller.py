@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import zmq
@@ -30,8 +30,9 @@ from flowkit.runtime.futures import Future, new_condition
 from flowkit.runtime.registry import ExecutorInfo
 from flowkit.wire.auth import CONTROLLER, Gate, Keys, check_bind, curve_server
 from flowkit.wire.protocol import Msg, ProtocolError, decode, encode, send_frames
+from flowkit.wire.refs import Gather
 from flowkit.wire.serialize import SerializeError
-from flowkit.wire.task import TaskSpec
+from flowkit.wire.task import MAX_ITEMS, TaskSpec
 
 __all__ = ["Controller", "NoExecutor"]
 
@@ -186,6 +187,35 @@ class Controller:
                                          hold=self._batching > 0, on_part=on_part)
         self._state.run_callbacks()
         return futures[0] if outputs == 1 else futures
+
+    def submit_items(self, op: str, *inputs: Any, per_item: Sequence[int],
+                     config: dict | None = None, executor: int | None = None,
+                     tags: Iterable[str] = (), outputs: int = 1, meta: dict | None = None,
+                     report_key: str | None = None, trace_key: str | None = None) -> list:
+        """Run `op` once per item, all of them in one task on one executor [Note: batched tasks
+        in flowkit/wire/task.py]; returns each item's output future (a tuple when `outputs`
+        != 1), in order. The inputs at the positions `per_item` are sequences, one input per
+        item (futures, `Item`s, ...); the others are every item's. One message goes out and one
+        completion comes back for them all; if an item fails, every item's futures fail."""
+        if outputs < 1:
+            raise ValueError(f"submit_items: each item has at least one output, not {outputs}")
+        rows = [inputs[j] for j in per_item] if per_item else []
+        count = len(rows[0]) if rows else 0
+        if not rows or any(len(row) != count for row in rows) or not 1 <= count <= MAX_ITEMS:
+            raise ValueError(f"submit_items: per_item must name inputs that are sequences of "
+                             f"one value per item, 1 to {MAX_ITEMS} of them, all as long; got "
+                             f"lengths {[len(row) for row in rows]}")
+        wired = [Gather(value) if j in per_item else value for j, value in enumerate(inputs)]
+        spec = TaskSpec(op, config or {}, report_key=report_key, trace_key=trace_key,
+                        items=count, per_item=tuple(per_item))
+        with self._driving():
+            futures = self._state.submit(spec, tuple(wired), outputs=count * outputs,
+                                         executor_id=executor, tags=frozenset(tags),
+                                         meta=meta or {}, hold=self._batching > 0)
+        self._state.run_callbacks()
+        if outputs == 1:
+            return list(futures)
+        return [futures[i:i + outputs] for i in range(0, len(futures), outputs)]
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:

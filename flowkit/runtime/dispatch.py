@@ -210,8 +210,7 @@ class Dispatcher:
         end = float(header["end"])
         future.keys, future.timing = out.get("keys"), (float(header.get("start", end)), end)
         with self.condition:
-            resolved = (future._resolve(executor.id, record.nbytes, _inline(out["inline"]))
-                        if "inline" in out else future._resolve(executor.id, record.nbytes))
+            resolved = future._resolve(executor.id, record.nbytes, **_inline(out))
             self._callbacks += resolved
             self._callbacks.append((task.on_part, future))
             self.condition.notify_all()
@@ -234,8 +233,7 @@ class Dispatcher:
             if future is not None:
                 future.count, future.keys = out.get("count"), out.get("keys")
                 future.timing = (task.start, task.end)
-                self._callbacks += (future._resolve(executor.id, nbytes, _inline(out["inline"]))
-                                    if "inline" in out else future._resolve(executor.id, nbytes))
+                self._callbacks += future._resolve(executor.id, nbytes, **_inline(out))
             self._maybe_free(record)
         self._consumed(task)
         del self._tasks[task.id]  # finished tasks are only remembered by listeners
@@ -548,9 +546,18 @@ _NEVER = float("inf")  # an executor with nothing in flight: its oldest task is 
 _NONE_BODY = pack(None)[0]
 
 
-def _inline(body: Any) -> Any:
-    """A value that came in a completion; the usual None costs no decoding."""
-    return None if body == _NONE_BODY else unpack(body, [])
+def _inline(out: dict) -> dict:
+    """The value, or its packed body, of an output that came in its completion (none for one
+    that stays on its executor); the body is decoded only if someone asks for the value, so a
+    controller that only routes items never decodes them. The usual None is known at once."""
+    body = out.get("inline")
+    if body is None:
+        return {}
+    if body == _NONE_BODY:
+        return {"value": None}
+    if type(body) is not bytes:
+        raise ProtocolError(f"an inline output must be bytes, got {type(body).__name__}")
+    return {"body": body}
 
 
 def _trace(task: TaskRecord, values: Any) -> None:

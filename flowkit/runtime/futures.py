@@ -13,6 +13,8 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
+from flowkit.wire.serialize import unpack
+
 __all__ = [
     "ALL_COMPLETED",
     "FIRST_COMPLETED",
@@ -67,14 +69,15 @@ class Future:
     object is freed on its executors once no pending task reads it either.
     """
 
-    __slots__ = ("id", "_controller", "_state", "_value", "_error", "_callbacks", "location",
-                 "nbytes", "count", "keys", "timing", "__weakref__")
+    __slots__ = ("id", "_controller", "_state", "_value", "_body", "_error", "_callbacks",
+                 "location", "nbytes", "count", "keys", "timing", "__weakref__")
 
     def __init__(self, object_id: int, controller: Owner) -> None:
         self.id = object_id
         self._controller = controller
         self._state = _PENDING
         self._value: Any = _NO_VALUE
+        self._body: bytes | None = None  # a value that came inline, decoded when asked for
         self._error: BaseException | None = None
         self._callbacks: Sequence[Callable[[Future], Any]] = ()
         self.location: int | None = None  # executor id holding the value, once produced
@@ -98,7 +101,9 @@ class Future:
         if self._error is not None:
             raise self._error
         if self._value is _NO_VALUE:
-            return self._controller.fetch(self, timeout=timeout)
+            if self._body is None:
+                return self._controller.fetch(self, timeout=timeout)
+            self._value, self._body = unpack(self._body, []), None
         return self._value
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
@@ -119,8 +124,11 @@ class Future:
             self._controller.wait_until(self.done, timeout, what=f"waiting for {self!r}")
 
     # -- called by the controller's IO thread, holding the condition -------------------------
-    def _resolve(self, location: int | None, nbytes: int, value: Any = _NO_VALUE) -> Sequence:
-        self.location, self.nbytes, self._value = location, nbytes, value
+    def _resolve(self, location: int | None, nbytes: int, value: Any = _NO_VALUE,
+                 body: bytes | None = None) -> Sequence:
+        """Done: the value is on executor `location`, and here too when given (`value`, or its
+        packed `body`: the controller decodes no item it is not asked for)."""
+        self.location, self.nbytes, self._value, self._body = location, nbytes, value, body
         self._state = _DONE
         return self._take_callbacks()
 

@@ -6,6 +6,14 @@ which checks every field on the way in.
 
     id, op, config, inputs (wire refs: refs.py), outputs (object ids)   always
     lane, report_key, trace_key, stream                                  only when set
+    items, per_item                                                      a batched task
+
+[Note: batched tasks] A per-item op on many ready items goes as one task: `items` is how many,
+`per_item` the positions of the inputs that hold one ref per item (each a gather of `items`
+refs); the other inputs are the same for every item (a barrier's gather, weights). Its outputs
+are the items' outputs in order, `len(outputs) // items` each. The executor runs the op on
+each item (or once on the lists, for an op with a batched form: executors/optable.py) and
+answers with one completion for them all.
 
 A body that is no map, or whose id, op, config, inputs or outputs are missing or of the wrong
 type, makes the whole message malformed (an ERROR reply: without them the task cannot even be
@@ -27,6 +35,7 @@ __all__ = ["MalformedTask", "RejectedTask", "TaskSpec", "decode_tasks"]
 
 # the fields without which a task cannot be named, nor so failed: their errors fail the message
 _NAMING_SCHEMA: Schema = {"id": int, "op": str, "config": dict, "inputs": list, "outputs": list}
+MAX_ITEMS = 65536  # items in one batched task: more is a message no sane controller sends
 
 
 class MalformedTask(ProtocolError):
@@ -51,7 +60,8 @@ class TaskSpec:
     `lane`: tasks of one lane run in the order they arrived [Note: lanes in
     executors/tasks.py]; `report_key` and `trace_key`: fields of the output items the executor
     reports [Note: traced items in executors/tasks.py]; `stream`: send each item the op yields
-    as it comes [Note: streaming ops in executors/optable.py].
+    as it comes [Note: streaming ops in executors/optable.py]; `items` and `per_item`: a
+    batched task, one call per item [Note: batched tasks].
 
     The controller builds one with op, config and options, and encodes it with the task's id,
     input refs and output ids once it knows them (`encode_as`). No validators: the executor
@@ -67,6 +77,8 @@ class TaskSpec:
     report_key: str | None = None
     trace_key: str | None = None
     stream: bool = False
+    items: int | None = None
+    per_item: tuple[int, ...] = ()
 
     def encode(self) -> dict[str, Any]:
         """The task's body in a RUN message [Note: a task on the wire]."""
@@ -87,6 +99,8 @@ class TaskSpec:
             body["trace_key"] = self.trace_key
         if self.stream:
             body["stream"] = True
+        if self.items is not None:
+            body["items"], body["per_item"] = self.items, list(self.per_item)
         return body
 
     @classmethod
@@ -104,9 +118,10 @@ class TaskSpec:
             if len(body) == len(_NAMING_SCHEMA):  # no options: the usual task, checked
                 return cls(body["op"], body["config"], inputs, outputs, task_id)
             stream = _stream(body.get("stream", False), outputs)
+            items, per_item = _batch(body, inputs, outputs, stream)
             return cls(body["op"], body["config"], inputs, outputs, task_id,
                        _lane(body.get("lane")), _field_name(body, "report_key"),
-                       _field_name(body, "trace_key"), stream)
+                       _field_name(body, "trace_key"), stream, items, per_item)
         except ProtocolError as exc:
             raise MalformedTask(task_id, str(exc)) from None
 
@@ -142,6 +157,28 @@ def _stream(stream: Any, outputs: list) -> bool:
         raise ProtocolError(f"stream must be true or false, for a task of one output; got "
                             f"{stream!r:.80} for {len(outputs)} outputs")
     return stream
+
+
+def _batch(body: dict, inputs: list, outputs: list,
+           stream: bool) -> tuple[int | None, tuple[int, ...]]:
+    """(items, per_item) of a batched task [Note: batched tasks], (None, ()) for another."""
+    items, per_item = body.get("items"), body.get("per_item")
+    if items is None and per_item is None:
+        return None, ()
+    if type(items) is not int or not 1 <= items <= MAX_ITEMS:
+        raise ProtocolError(f"items must be an int in 1..{MAX_ITEMS}, got {items!r:.80}")
+    if stream or len(outputs) % items:
+        raise ProtocolError(f"items: a batched task of {items} items does not stream and has "
+                            f"a multiple of {items} outputs, got {len(outputs)}")
+    if type(per_item) is not list or not per_item or len(set(per_item)) != len(per_item) or any(
+            type(j) is not int or not 0 <= j < len(inputs) for j in per_item):
+        raise ProtocolError(f"per_item must list distinct input positions (at least one), got "
+                            f"{per_item!r:.80}")
+    for j in per_item:
+        ref = inputs[j]
+        if type(ref) is not dict or len(ref["gather"]) != items:
+            raise ProtocolError(f"per_item input {j} must gather one ref per item ({items})")
+    return items, tuple(per_item)
 
 
 def _lane(lane: Any) -> str | None:

@@ -100,3 +100,49 @@ def _rejected_alone(body: dict, field: str) -> None:
     good, rejected = decode_tasks([_body(id=6), body])
     assert good == TaskSpec("noop", {}, [1, [2, 0]], [3], 6)
     assert rejected == RejectedTask(7, str(raised.value))
+
+
+# -- batched tasks [Note: batched tasks] ------------------------------------------------------
+@st.composite
+def batched_specs(draw) -> TaskSpec:
+    items = draw(st.integers(1, 6))
+    per_item_refs = draw(st.lists(st.lists(refs, min_size=items, max_size=items), min_size=1,
+                                  max_size=3))
+    shared = draw(st.lists(refs, max_size=2))
+    inputs = [{"gather": r} for r in per_item_refs] + shared
+    order = draw(st.permutations(range(len(inputs))))
+    inputs = [inputs[j] for j in order]
+    per_item = tuple(order.index(j) for j in range(len(per_item_refs)))
+    outputs = draw(st.lists(ids, min_size=items * draw(st.integers(0, 2)),
+                            max_size=items * 2).filter(lambda o: len(o) % items == 0))
+    return TaskSpec(draw(names), draw(configs), inputs, outputs, draw(ids),
+                    draw(st.none() | names), items=items, per_item=per_item)
+
+
+@given(batched_specs())
+def test_any_valid_batched_task_survives_the_round_trip(spec):
+    assert _sent(spec) == [spec]
+
+
+def _batched(**changes) -> dict:
+    batch = {"inputs": [{"gather": [1, [2, 0]]}, 5], "outputs": [3, 4], "items": 2,
+             "per_item": [0]}
+    return _body(**{**batch, **changes})
+
+
+def test_a_batched_body_decodes():
+    spec = TaskSpec.decode(_batched())
+    assert (spec.items, spec.per_item, spec.outputs) == (2, (0,), [3, 4])
+
+
+@pytest.mark.parametrize(("changes", "field"), [
+    ({"items": 0}, "items"), ({"items": "2"}, "items"), ({"items": 10**6}, "items"),
+    ({"items": True}, "items"), ({"items": _DROP}, "items"),
+    ({"outputs": [3, 4, 5]}, "multiple of 2"), ({"stream": True, "outputs": [3]}, "stream"),
+    ({"per_item": []}, "per_item"), ({"per_item": [0, 0]}, "per_item"),
+    ({"per_item": [2]}, "per_item"), ({"per_item": [1]}, "per_item input 1"),
+    ({"per_item": "0"}, "per_item"), ({"per_item": _DROP}, "per_item"),
+    ({"inputs": [{"gather": [1, 2, 3]}], "per_item": [0]}, "one ref per item"),
+])
+def test_a_malformed_batched_task_is_rejected_alone(changes, field):
+    _rejected_alone(_batched(**changes), field)

@@ -1,0 +1,75 @@
+"""Batched tasks [Note: batched tasks in flowkit/wire/task.py] on real executors: many items of a
+per-item op in one task, one message out and one completion back, each item's outputs a future
+of its own; shared inputs once; a failing item fails them all, saying which; an op's batched
+form gives what the op gives on each item."""
+
+import pytest
+
+from flowkit.ops.records import Rollout
+from flowkit.runtime import Item, RemoteError
+
+ADD = {"target": "tests.runtime.batch_ops:add", "ports": ["x", "y"]}
+
+
+def _tasks_done(ctl) -> list:
+    done = []
+    ctl.add_listener(lambda event, payload: done.append(payload["task"])
+                     if event == "task_done" else None)
+    return done
+
+
+def test_items_run_in_one_task_each_with_its_own_future(cluster):
+    ctl, (first, second) = cluster
+    done = _tasks_done(ctl)
+    values = ctl.put(list(range(10)), executor=first.id)
+    futures = ctl.submit_items("python", [Item(values, i) for i in range(10)], 100,
+                               per_item=[0], config={**ADD}, executor=second.id)
+    assert [f.result(timeout=10) for f in futures] == [100 + i for i in range(10)]
+    assert [task.op for task in done] == ["python"]  # one task for the ten
+    assert all(f.location == second.id for f in futures)
+
+
+def test_shared_and_per_item_inputs_in_any_position(cluster):
+    ctl, _ = cluster
+    xs = [ctl.put(i) for i in range(3)]
+    futures = ctl.submit_items("python", 7, xs, per_item=[1], config={**ADD})
+    assert [f.result(timeout=10) for f in futures] == [7, 8, 9]
+
+
+def test_items_of_several_outputs_come_back_as_tuples(cluster):
+    ctl, _ = cluster
+    pairs = ctl.submit_items("identity", [[1, 2], [3, 4]], per_item=[0], outputs=2)
+    assert [(a.result(timeout=10), b.result(timeout=10)) for a, b in pairs] == [(1, 2), (3, 4)]
+
+
+def test_a_failing_item_fails_every_item_saying_which(cluster):
+    ctl, _ = cluster
+    futures = ctl.submit_items("python", [1, 2, 3, 4], per_item=[0],
+                               config={"target": "tests.runtime.batch_ops:fail_on_three",
+                                       "ports": ["x"]})
+    for future in futures:
+        with pytest.raises(RemoteError, match=r"ValueError: three is not allowed \(item 2 of "
+                                              r"the 4 this batched task ran\)"):
+            future.result(timeout=10)
+    downstream = ctl.submit("identity", futures[0])
+    with pytest.raises(RemoteError, match="not run"):
+        downstream.result(timeout=10)
+    assert ctl.submit("identity", 5).result(timeout=10) == 5  # the executor serves on
+
+
+@pytest.mark.parametrize("inputs", [[], [[1, 2], [3]]])
+def test_bad_item_lists_are_refused_before_anything_is_sent(cluster, inputs):
+    ctl, _ = cluster
+    with pytest.raises(ValueError, match="per_item"):
+        ctl.submit_items("identity", *inputs, per_item=list(range(len(inputs))))
+
+
+def test_a_batched_form_gives_what_the_op_gives_per_item(start_cluster):
+    ctl, (executor,) = start_cluster(1, kind="sim")
+    rollouts = [Rollout(prompt_id=p, sample=s, prompt_tokens=[1, 2], response_tokens=[3] * p,
+                        logprobs=[-1.0] * p) for p in range(1, 4) for s in range(2)]
+    done = _tasks_done(ctl)
+    batched = ctl.submit_items("logprobs", rollouts, per_item=[0])
+    alone = [ctl.submit("logprobs", r) for r in rollouts]
+    assert [f.result(timeout=10) for f in batched] == [f.result(timeout=10) for f in alone]
+    assert len(done) == 1 + len(rollouts)
