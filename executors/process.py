@@ -105,6 +105,7 @@ class Executor:
         self.typical_op_s = 0.0  # a moving average of op time [Note: completion batching]
         self.socket_lock = threading.Lock()
         self.op_seq, self.in_op = 0, False
+        self.batch_running: Task | None = None  # a batched task's op runs [Note: early items]
         self.watch = CompletionWatch(self)
         self.running = True
         self.cleanup_hooks: list = []  # run before exit, even when the controller died
@@ -272,13 +273,16 @@ class Executor:
         self._store(header["object"], value)
 
     def _on_send(self, header: dict, frames: list) -> None:
-        object_id = header["object"]
+        objects = header["objects"]
+        if any(type(object_id) is not int for object_id in objects):
+            raise ProtocolError(f"send: objects must be object ids, got {objects!r:.80}")
         # a controller that names no host id means another host: frames reach any peer
         target = (header["address"], header.get("host_id", ""))
-        if object_id in self.objects:
-            self._push(object_id, *target)
-        else:
-            self.sends[object_id].append(target)
+        for object_id in objects:
+            if object_id in self.objects:
+                self._push(object_id, *target)
+            else:
+                self.sends[object_id].append(target)
 
     def _on_fetch(self, header: dict, frames: list) -> None:
         object_id = header["object"]
@@ -466,25 +470,53 @@ class Executor:
         self.op_seq += 1
         self.in_op = True
         self.ctx.emit = (lambda value: self._emit(task, value)) if task.spec.stream else None
+        batched = task.spec.items is not None
+        self.batch_running = task if batched else None
         self.socket_lock.release()
         self.watch.op_started()
         try:
-            if task.spec.items is not None:
+            if batched:
                 return run_items(task, self.ctx, args, self.ops.batched(task.spec.op))
             return task.fn(self.ctx, *args, **task.spec.config)
         finally:
             self.in_op = False
             self.ctx.emit = None
             self.socket_lock.acquire()
+            self.batch_running = None
+
+    def answer_early_items(self) -> None:
+        """[Note: early items] While a batched task runs long, the watch (holding the sockets)
+        answers the items it has finished so far, in one ITEMS message: one slow item holds
+        back neither the others nor the work downstream of them."""
+        task = self.batch_running
+        if task is None:
+            return
+        done = len(task.results)  # whole items: the op thread extends it an item at a time
+        if done <= task.answered:
+            return
+        spec, first = task.spec, task.answered
+        pairs = list(zip(spec.outputs[first:done], task.results[first:done]))
+        try:
+            outputs = [describe(i, v, spec.report_key, spec.trace_key) for i, v in pairs]
+        except SerializeError:
+            return  # the completion fails the task, saying why
+        for object_id, value in pairs:
+            self._store(object_id, value)
+        task.answered = done
+        per_item = len(spec.outputs) // spec.items
+        self._send(Msg.ITEMS, {"task": spec.id, "first": first // per_item, "start": task.start,
+                               "end": time.time(), "outputs": outputs})
 
     def _complete(self, task: Task, outputs: list, end: float) -> None:
         """Keep a finished task's outputs and queue its completion."""
         spec = task.spec
-        for object_id, value in zip(spec.outputs, outputs, strict=True):
+        # a batched task's items answered early are stored and told of [Note: early items]
+        pairs = list(zip(spec.outputs, outputs, strict=True))[task.answered:]
+        for object_id, value in pairs:
             self._store(object_id, value)
         # described when sent: packing them to learn their size can wait for the flush
         self.completions.append({"task": spec.id, "ok": True, "start": task.start, "end": end,
-                                 "outputs": list(zip(spec.outputs, outputs)),
+                                 "outputs": pairs,
                                  "report_key": spec.report_key, "trace_key": spec.trace_key,
                                  "streamed": task.streamed})
 

@@ -24,13 +24,17 @@ class Task:
     [Note: lanes] Tasks of one lane run in the order they arrived, like a CUDA stream: a
     pipeline schedule's per-device order is a lane."""
 
-    __slots__ = ("spec", "fn", "missing", "plain", "streamed", "start")
+    __slots__ = ("spec", "fn", "missing", "plain", "streamed", "start", "results", "answered")
 
     def __init__(self, spec: TaskSpec, fn: Any) -> None:
         self.spec, self.fn = spec, fn
         self.missing = 0  # inputs not here yet
         self.plain = all(type(i) is int for i in spec.inputs)  # whole objects: the usual
         self.streamed: list[dict] = []  # the descriptions of the items it streamed
+        # a batched task: its items' outputs as they finish, and how many were answered early
+        # [Note: early items]
+        self.results: list = []
+        self.answered = 0
         self.start = 0.0
 
     def object_ids(self) -> list[int]:
@@ -63,22 +67,28 @@ def run_items(task: Task, ctx: Any, args: list, batched: Any) -> list:
             size = len(results) if isinstance(results, (list, tuple)) else type(results).__name__
             raise TypeError(f"op {spec.op!r}'s batched form returned {size} for {count} items: "
                             "it returns one result per item, in order")
-    else:
-        per_item, fn, results = frozenset(spec.per_item), task.fn, []
-        for i in range(count):
-            row = [arg[i] if j in per_item else arg for j, arg in enumerate(args)]
-            try:
-                results.append(fn(ctx, *row, **config))
-            except Exception as exc:
-                raise ItemFailed(exc, i, count) from exc
-    outputs = len(spec.outputs) // count
-    flat: list = []
-    for result in results:
-        if isinstance(result, Deferred):
-            raise TypeError(f"op {spec.op!r} hands its work to a background (deferred): it "
-                            "cannot run batched")
-        flat += split_outputs(result, outputs, spec.op)
-    return flat
+        outputs = len(spec.outputs) // count
+        task.results = [value for result in results
+                        for value in _item_outputs(result, outputs, spec.op)]
+        return task.results
+    per_item, fn, outputs = frozenset(spec.per_item), task.fn, len(spec.outputs) // count
+    for i in range(count):
+        row = [arg[i] if j in per_item else arg for j, arg in enumerate(args)]
+        try:
+            result = fn(ctx, *row, **config)
+        except Exception as exc:
+            raise ItemFailed(exc, i, count) from exc
+        # one extend an item: the executor's watch may answer the items done so far meanwhile
+        # [Note: early items]
+        task.results.extend(_item_outputs(result, outputs, spec.op))
+    return task.results
+
+
+def _item_outputs(result: Any, outputs: int, op: str) -> list:
+    if isinstance(result, Deferred):
+        raise TypeError(f"op {op!r} hands its work to a background (deferred): it cannot run "
+                        "batched")
+    return split_outputs(result, outputs, op)
 
 
 class ItemFailed(Exception):

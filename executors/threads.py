@@ -65,6 +65,7 @@ class CompletionWatch(threading.Thread):
         with executor.socket_lock:
             self.send_now = False
             if executor.in_op and executor.op_seq == seq and executor.running:
+                executor.answer_early_items()
                 executor._flush_completions()
                 for sock in (executor.control, executor.peer):
                     executor._drain(sock, peer=sock is executor.peer)

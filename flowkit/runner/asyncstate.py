@@ -141,7 +141,8 @@ class Replay:
 class OpenSteps(Protocol):
     """What a checkpoint drains of a runner (flowrun.FlowRunner)."""
 
-    events: queue.SimpleQueue
+    def react(self, timeout: float) -> None:
+        """Run the queued reactions (queue.Empty if none comes within `timeout`)."""
 
     def open_resumable(self) -> dict[int, dict[str, bool]]:
         """Each open step's generating nodes: whether each has ended."""
@@ -152,13 +153,12 @@ def drain(runner: OpenSteps, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not all(all(nodes.values()) for nodes in runner.open_resumable().values()):
         try:
-            event = runner.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            runner.react(max(0.0, deadline - time.monotonic()))
         except queue.Empty:
             still = sorted(f"{n} of step {s}" for s, nodes in runner.open_resumable().items()
                            for n, ended in nodes.items() if not ended)
             raise FlowRunError(f"a checkpoint waited {timeout} s for the generation of the "
                                f"open steps; still running: {', '.join(still)}") from None
-        event()
 
 
 def open_work(ctl: Any, state: RunnerState, timeout: float) -> OpenWork:

@@ -9,6 +9,15 @@ flowkit/planner/lower.py); each trained model's backprop and optimizer step go t
 `ModelTraining` (flowtrain.py). A per-item node whose calls a step makes or ends otherwise
 (partial rollouts, replay) has a call policy (calls.py) that the step asks at each turn.
 
+[Note: batched per-item calls] A per-item op's ready items go out together: everything that is
+ready when the node is looked at, up to _BATCH_ITEMS a task and spread over the executors that
+run the op, as batched tasks ([Note: batched tasks] in flowkit/wire/task.py), each answered by
+one completion and handled by one reaction. Reactions only mark the nodes they touch; the run
+looks at those once the reactions queued so far have run (`settle`). So the first finished
+sample goes downstream at once, and under load, when reactions queue up behind a busy
+controller, the items that came meanwhile coalesce into few tasks. Calls whose items stream, are
+balanced or have a call policy stay one task each.
+
 A step reads its run through a `StepContext`, which the runner implements: the flow's wiring,
 the admission gate, the feedback, the call policies (and the carry-over ledger behind them),
 the trainings and the event queue.
@@ -17,6 +26,7 @@ the trainings and the event queue.
 from __future__ import annotations
 
 import functools
+import math
 import queue
 import time
 from collections.abc import Sequence
@@ -46,6 +56,9 @@ from flowkit.wire.refs import Gather, Item
 __all__ = ["StepContext", "StepReport", "StepRun", "TRAINING_CALLS"]
 
 TRAINING_CALLS = (Call.PIPELINE, Call.STEP)  # a model's backprop and optimizer step
+# [Note: batched per-item calls]: at most this many items a task, and a burst of ready items is
+# spread over the executors in tasks of at least _SPLIT_ITEMS
+_BATCH_ITEMS, _SPLIT_ITEMS = 256, 16
 
 
 @attrs.frozen
@@ -100,6 +113,8 @@ class StepRun:
         self.balancers: dict[str, Balancer | None] = {
             name: ctx.balancer(name, self.states[name].plan) for name in ctx.workloads}
         self.policies = ctx.call_policies(step)
+        self.touched: dict[str, None] = {}  # nodes to look at once the queued reactions ran
+        self._able: dict[str, int] = {}  # node -> executors that run its op
 
     @property
     def closed(self) -> bool:
@@ -159,9 +174,52 @@ class StepRun:
             self._balanced_done(name, lineage, futures[0])
         if register:
             self._register_outputs(state.plan, lineage, outputs)
-        self.progress(name)
+        self._touch(name)
+
+    def _on_batch_items(self, name: str, batch: _Batch, first: int, count: int) -> None:
+        """Items a batched task finished early ([Note: early items] in executors/process.py):
+        into the node's streams now, so a slow item holds back no other."""
+        if first != batch.registered:
+            return  # answered out of order, which the dispatcher refuses: the end brings them
+        start, end = batch.outputs[first][0].timing
+        state = self.states[name]
+        state.first_start = min(start, state.first_start or start)
+        for i in range(first, first + count):
+            self._register_outputs(state.plan, batch.lineages[i], batch.outputs[i])
+        batch.registered = first + count
+        self._touch(name)
+
+    def _on_batch_done(self, name: str, batch: _Batch) -> None:
+        """A batched task is done: its items not yet in, into the node's streams."""
+        state = self.states[name]
+        state.pending -= 1
+        last = batch.outputs[-1][0]
+        error = last.exception()
+        if error is not None:
+            raise FlowRunError(f"step {self.step}: op {name!r} failed: {error}") from error
+        start, end = last.timing
+        state.first_start = min(start, state.first_start or start)
+        state.last_end = max(end, state.last_end or end)
+        for i in range(batch.registered, len(batch.lineages)):
+            self._register_outputs(state.plan, batch.lineages[i], batch.outputs[i])
+        batch.registered = len(batch.lineages)
+        self._touch(name)
+
+    def _touch(self, name: str) -> None:
+        """`name` has new outputs or work done: it and its consumers are looked at in `settle`
+        [Note: batched per-item calls]."""
+        touched = self.touched
+        touched[name] = None
         for consumer in self.wiring.consumers[name]:
-            self.progress(consumer)
+            touched[consumer] = None
+
+    def settle(self) -> None:
+        """Look at the nodes the reactions since the last call touched, in the flow's order."""
+        while self.touched:
+            touched, self.touched = self.touched, {}
+            for node in self.wiring.plan:
+                if node.name in touched:
+                    self.progress(node.name)
 
     def _on_part(self, name: str, lineage: tuple, part: Any) -> None:
         """Item j of a streaming call [Note: streaming ops in executors/optable.py]: into the
@@ -176,7 +234,7 @@ class StepRun:
         key = part.keys[0] if part.keys else None
         self.streams[(name, port)].add(lineage + (j,), part, self._key(name, lineage, key))
         for consumer in self.wiring.consumers[name]:
-            self.progress(consumer)
+            self.touched[consumer] = None
 
     def _balanced_done(self, name: str, lineage: tuple, future: Any) -> None:
         """A balanced call is done: the sizes of its items that did not stream, then its
@@ -283,6 +341,9 @@ class StepRun:
                 ready.append((lineage, refs))
         balancer = self.balancers.get(state.plan.name)
         if balancer is None:
+            if policy is None and len(ready) > 1 and self._part_watch(state.plan, ()) is None:
+                self._submit_batches(state, ready, streaming)
+                return
             for lineage, refs in ready:
                 self._submit(state, lineage, refs)
             return
@@ -291,6 +352,52 @@ class StepRun:
         for lineage, key in balancer.order([(lin, keys.get(lin)) for lin, _ in ready]):
             self._submit(state, lineage, by_lineage[lineage],
                          executor=balancer.assign(lineage, key))
+
+    def _submit_batches(self, state: NodeState, ready: list[tuple[tuple, dict]],
+                        streaming: list[InputRule]) -> None:
+        """`ready` (lineage, refs) as batched tasks, spread over the executors that run the op
+        [Note: batched per-item calls]."""
+        plan = state.plan
+        able = self._able.get(plan.name)
+        if able is None:
+            tags = frozenset(plan.tags)
+            able = self._able[plan.name] = max(1, sum(
+                1 for e in self.ctx.ctl.executors() if e.runs(plan.op, tags)))
+        count = len(ready)
+        pieces = max(math.ceil(count / _BATCH_ITEMS), min(able, count // _SPLIT_ITEMS), 1)
+        size = math.ceil(count / pieces)
+        varying = [rule.port for rule in streaming]
+        for begin in range(0, count, size):
+            chunk = ready[begin:begin + size]
+            if len(chunk) == 1:
+                self._submit(state, *chunk[0])
+                continue
+            refs = {port: ref for port, ref in chunk[0][1].items() if port not in varying}
+            refs.update({port: [item_refs[port] for _, item_refs in chunk] for port in varying})
+            self._submit_batch(state, [lineage for lineage, _ in chunk], refs, varying)
+
+    def _submit_batch(self, state: NodeState, lineages: list[tuple], refs: dict[str, Any],
+                      varying: list[str]) -> None:
+        """One batched task of `lineages`' calls; `refs` holds a list of their refs for each
+        port in `varying`, and the refs every call shares for the others."""
+        plan, ctx = state.plan, self.ctx
+        refs.update(ctx.feedback_refs(plan, self.step))
+        ports = [rule.port for rule in plan.inputs if rule.port in refs]
+        outputs = max(1, len(plan.outputs))
+        batch, events = _Batch(lineages), ctx.events
+        futures = ctx.ctl.submit_items(
+            plan.op, *(refs[p] for p in ports),
+            per_item=[j for j, port in enumerate(ports) if port in varying],
+            config=self._config(plan, (), None, ports), tags=plan.tags, outputs=outputs,
+            meta={"node": plan.name, "step": self.step, "items": len(lineages)},
+            report_key=self.wiring.report_keys.get(plan.name), trace_key=plan.trace_key,
+            on_items=lambda early: events.put(
+                functools.partial(self._on_batch_items, plan.name, batch, *early)))
+        batch.outputs = [f if outputs > 1 else (f,) for f in futures]
+        state.pending += 1
+        # the last item's future: when it is done, every item's is (or failed with it)
+        batch.outputs[-1][0].add_done_callback(lambda _: events.put(
+            functools.partial(self._on_batch_done, plan.name, batch)))
 
     def _arrived_since(self, state: NodeState, streaming: list[InputRule]) -> list[tuple]:
         """The lineages that may have become callable since the last call, in the order the
@@ -368,22 +475,30 @@ class StepRun:
         ports = [rule.port for rule in plan.inputs if rule.port in refs]
         meta = {"node": plan.name, "step": self.step, **(meta or {})}
         outputs = max(1, len(plan.outputs))
-        if plan.op == "python":
-            fn_config = {**plan.config, "step": self.step} if plan.takes_step else plan.config
-            config = {"target": plan.target, "config": fn_config, "ports": ports,
-                      "outputs": list(plan.outputs), "many": list(plan.many)}
-        else:
-            config = {**self.wiring.op_configs[plan.name], "step": self.step}  # sampling: afresh
-            policy = self.policies.get(plan.name)
-            if policy is not None:
-                config.update(policy.config(lineage))
-            config.update(extra or {})
+        config = self._config(plan, lineage, extra, ports)
         futures = ctx.ctl.submit(plan.op, *(refs[p] for p in ports), config=config,
                                  executor=executor, tags=plan.tags, outputs=outputs,
                                  meta=meta, report_key=self.wiring.report_keys.get(plan.name),
                                  on_part=self._part_watch(plan, lineage),
                                  trace_key=plan.trace_key)
         self._watch(state, lineage, futures if outputs > 1 else (futures,), register=True)
+
+    def _config(self, plan: NodePlan, lineage: tuple, extra: dict | None,
+                ports: list[str] | None = None) -> dict:
+        """The config of a call of `plan`'s op (a model op's sampling config afresh: its
+        call policy may change it per call)."""
+        if plan.op == "python":
+            if ports is None:
+                ports = [rule.port for rule in plan.inputs if not rule.feedback]
+            fn_config = {**plan.config, "step": self.step} if plan.takes_step else plan.config
+            return {"target": plan.target, "config": fn_config, "ports": ports,
+                    "outputs": list(plan.outputs), "many": list(plan.many)}
+        config = {**self.wiring.op_configs[plan.name], "step": self.step}
+        policy = self.policies.get(plan.name)
+        if policy is not None:
+            config.update(policy.config(lineage))
+        config.update(extra or {})
+        return config
 
     def _part_watch(self, plan: NodePlan, lineage: tuple) -> Any:
         """The call's items, each as it is yielded, when it has one output of many items and
@@ -453,6 +568,16 @@ class StepRun:
                     values.update(item.values)
                     self.warnings.extend(item.warnings)
         return values
+
+
+class _Batch:
+    """A batched task's calls as the step handles them: their lineages, each one's output
+    futures, and how many are in the node's streams already (answered early, in order)."""
+
+    __slots__ = ("lineages", "outputs", "registered")
+
+    def __init__(self, lineages: list[tuple]) -> None:
+        self.lineages, self.outputs, self.registered = lineages, [], 0
 
 
 class _Site:

@@ -82,6 +82,7 @@ class Controller:
         self._processes: dict[int, Any] = {}
         self._stopping = False
         self._batching = 0  # > 0 inside `batch()`: submit queues without sending
+        self.messages_in = self.messages_out = 0  # on the router: what the control plane moved
         self._state = Dispatcher(owner=self, send_raw=self._send_raw,
                                  ping_interval=ping_interval, ping_timeout=ping_timeout,
                                  heartbeat_address=self._heartbeat.address)
@@ -191,12 +192,16 @@ class Controller:
     def submit_items(self, op: str, *inputs: Any, per_item: Sequence[int],
                      config: dict | None = None, executor: int | None = None,
                      tags: Iterable[str] = (), outputs: int = 1, meta: dict | None = None,
-                     report_key: str | None = None, trace_key: str | None = None) -> list:
+                     report_key: str | None = None, trace_key: str | None = None,
+                     on_items: Callable[[tuple[int, int]], Any] | None = None) -> list:
         """Run `op` once per item, all of them in one task on one executor [Note: batched tasks
         in flowkit/wire/task.py]; returns each item's output future (a tuple when `outputs`
         != 1), in order. The inputs at the positions `per_item` are sequences, one input per
         item (futures, `Item`s, ...); the others are every item's. One message goes out and one
-        completion comes back for them all; if an item fails, every item's futures fail."""
+        completion comes back for them all; if an item fails, the futures of every item not
+        yet answered fail. While the task runs long, the items it has finished are answered
+        early [Note: early items in executors/process.py]: their futures resolve, and
+        `on_items((first, count))` hears of them on the IO thread."""
         if outputs < 1:
             raise ValueError(f"submit_items: each item has at least one output, not {outputs}")
         rows = [inputs[j] for j in per_item] if per_item else []
@@ -211,7 +216,8 @@ class Controller:
         with self._driving():
             futures = self._state.submit(spec, tuple(wired), outputs=count * outputs,
                                          executor_id=executor, tags=frozenset(tags),
-                                         meta=meta or {}, hold=self._batching > 0)
+                                         meta=meta or {}, hold=self._batching > 0,
+                                         on_items=on_items)
         self._state.run_callbacks()
         if outputs == 1:
             return list(futures)
@@ -332,6 +338,7 @@ class Controller:
         router = self._router
         for _ in range(4096):
             identity, *parts = router.recv_multipart()
+            self.messages_in += 1
             try:
                 header, frames = decode(parts)
                 self._state.on_message(identity, header, frames)
@@ -348,6 +355,7 @@ class Controller:
         # Small messages go by copy: a zero-copy send makes pyzmq track the buffer's release
         # through a thread of its own, which costs more than copying a few hundred bytes.
         send_frames(self._router, parts, copy=len(parts) <= 2)
+        self.messages_out += 1
 
     def _run_commands(self) -> None:
         released, lost = self._released, self._lost

@@ -61,6 +61,7 @@ class Dispatcher:
         self._fetches: dict[int, list] = {}  # unanswered: request -> [done, value, error, holder]
         self._outbox: dict[int, list[dict]] = defaultdict(list)  # encoded TaskSpecs
         self._frees: dict[int, list[int]] = defaultdict(list)
+        self._pushes: dict[tuple[int, int], list[int]] = defaultdict(list)  # (from, to) -> ids
         self._frees_sent = 0.0
         self._callbacks: deque = deque()  # (fn, future): a deque, as it is drained unlocked
         self._listeners: list[Listener] = []
@@ -84,7 +85,10 @@ class Dispatcher:
         self._send_raw([executor.identity, *encode(kind, fields, frames)])
 
     def flush(self, executor_id: int | None = None) -> None:
-        """Send queued tasks (all, or one executor's) and frees, one message per executor."""
+        """Send queued tasks (all, or one executor's) and frees, one message per executor; the
+        pushes their inputs need go first, one message per producer and consumer."""
+        if self._pushes:
+            self._send_pushes()
         if not self._outbox and not self._frees:
             return
         targets = [executor_id] if executor_id is not None else list(self._outbox)
@@ -100,6 +104,17 @@ class Dispatcher:
                     self._send(executor, Msg.FREE, {"objects": objects})
             self._frees.clear()
             self._frees_sent = time.monotonic()
+
+    def _send_pushes(self) -> None:
+        """[Note: batched pushes] A producer is told in one SEND message every object to push
+        to one consumer, not one message an object: a batched task's inputs are hundreds."""
+        for (source_id, target_id), objects in self._pushes.items():
+            source, target = self._executors[source_id], self._executors[target_id]
+            if source.alive:
+                self._send(source, Msg.SEND, {"objects": objects, "to": target.id,
+                                              "address": target.peer_address,
+                                              "host_id": target.host_id})  # [Note: hosts]
+        self._pushes.clear()
 
     def _frees_due(self) -> bool:
         """Frees go out in batches: a message per freed object would double the traffic of a
@@ -144,6 +159,8 @@ class Dispatcher:
             self._on_done(executor, header["items"])
         elif kind == Msg.PART:
             self._on_part(executor, header)
+        elif kind == Msg.ITEMS:
+            self._on_items(executor, header)
         elif kind == Msg.VALUE:
             self._on_value(header, frames)
         elif kind == Msg.ERROR:
@@ -210,7 +227,7 @@ class Dispatcher:
         end = float(header["end"])
         future.keys, future.timing = out.get("keys"), (float(header.get("start", end)), end)
         with self.condition:
-            resolved = future._resolve(executor.id, record.nbytes, **_inline(out))
+            resolved = _resolve(future, executor.id, record.nbytes, out)
             self._callbacks += resolved
             self._callbacks.append((task.on_part, future))
             self.condition.notify_all()
@@ -219,26 +236,57 @@ class Dispatcher:
         task.state = "done"
         executor.completed += 1
         executor.busy_s += max(0.0, task.end - task.start)
+        timing = (task.start, task.end)
         for out in outputs:
             if "trace" in out and not task.parts:  # a streamed task's came with its parts
                 _trace(task, out["trace"])
-            record = self._objects.get(out["id"])
-            if record is None:
-                continue
-            nbytes = record.nbytes = out.get("nbytes", 0)
-            record.produced, record.holders = True, record.holders | {executor.id}
-            executor.bytes_out += nbytes
-            task.nbytes_out += nbytes
-            future = self._futures.pop(record.id, None)
-            if future is not None:
-                future.count, future.keys = out.get("count"), out.get("keys")
-                future.timing = (task.start, task.end)
-                self._callbacks += future._resolve(executor.id, nbytes, **_inline(out))
-            self._maybe_free(record)
+            self._produced(task, executor, out, timing)
         self._consumed(task)
         del self._tasks[task.id]  # finished tasks are only remembered by listeners
         if self._listeners:
             self._emit("task_done", {"task": task, "executor": executor})
+
+    def _produced(self, task: TaskRecord, executor: ExecutorInfo, out: dict,
+                  timing: tuple[float, float]) -> None:
+        """Output `out` (as its executor described it) of `task` exists: its future resolves."""
+        record = self._objects.get(out["id"])
+        if record is None:
+            return
+        nbytes = record.nbytes = out.get("nbytes", 0)
+        record.produced, record.holders = True, record.holders | {executor.id}
+        executor.bytes_out += nbytes
+        task.nbytes_out += nbytes
+        future = self._futures.pop(record.id, None)
+        if future is not None:
+            future.count, future.keys = out.get("count"), out.get("keys")
+            future.timing = timing
+            self._callbacks += _resolve(future, executor.id, nbytes, out)
+        self._maybe_free(record)
+
+    def _on_items(self, executor: ExecutorInfo, header: dict) -> None:
+        """Items a batched task finished while it runs on [Note: early items in
+        executors/process.py]: their futures resolve now, and the task's `on_items` hears of
+        them; the task's completion brings the rest."""
+        task = self._tasks.get(header["task"])
+        if task is None or task.state != "pending":
+            return  # failed or cancelled meanwhile
+        outputs, per_item = header["outputs"], len(task.outputs) // (task.items or 1)
+        first, answered = header["first"], task.answered
+        ids = task.outputs[answered:answered + len(outputs)]
+        if task.items is None or task.executor != executor.id or first * per_item != answered \
+                or len(outputs) % per_item or [out["id"] for out in outputs] != list(ids):
+            raise ProtocolError(f"items {first}.. of task {task.id} are not its next items, "
+                                "come from the wrong executor or are misnamed")
+        timing = (float(header.get("start", header["end"])), float(header["end"]))
+        with self.condition:
+            for out in outputs:
+                if "trace" in out:
+                    _trace(task, out["trace"])
+                self._produced(task, executor, out, timing)
+            task.answered += len(outputs)
+            if task.on_items is not None:
+                self._callbacks.append((task.on_items, (first, len(outputs) // per_item)))
+            self.condition.notify_all()
 
     def _on_value(self, header: dict, frames: list) -> None:
         slot = self._fetches.pop(header["request"], None)
@@ -258,12 +306,15 @@ class Dispatcher:
     # -- commands from user threads ------------------------------------------------------------
     def submit(self, spec: TaskSpec, inputs: tuple, *, outputs: int, executor_id: int | None,
                tags: frozenset, meta: dict, hold: bool = False,
-               on_part: Callable[[Future], Any] | None = None) -> tuple[Future, ...]:
+               on_part: Callable[[Future], Any] | None = None,
+               on_items: Callable[[tuple[int, int]], Any] | None = None) -> tuple[Future, ...]:
         """Queue the task `spec` describes (given here its id, input refs and output ids) for
         the executor chosen for it, and unless `hold` send that executor its queue when it
         is idle or a batch is full; returns the task's output futures, failed at once when no
         executor runs the op or an input already failed. A streaming spec's items come to
-        `on_part`, each as a future of its own, at once. With a `trace_key` each output item's
+        `on_part`, each as a future of its own, at once; a batched spec's items that finish
+        early [Note: early items] are told to `on_items` as (first item, count). With a
+        `trace_key` each output item's
         field of that name joins `meta["items"]` [Note: traced items in executors/tasks.py]."""
         op = spec.op
         if spec.stream and outputs != 1:
@@ -284,7 +335,7 @@ class Dispatcher:
             return futures
         output_ids = tuple([f.id for f in futures])
         task = TaskRecord(task_id, op, executor.id, input_ids, output_ids, spec.config, meta,
-                          on_part=on_part)
+                          on_part=on_part, items=spec.items, on_items=on_items)
         self._tasks[task_id] = task
         for object_id in output_ids:
             objects[object_id] = ObjectRecord(object_id, executor.id, task_id)
@@ -437,11 +488,8 @@ class Dispatcher:
         """Have the producer push the object to `executor` (once it exists) unless it is there."""
         if executor.id in record.holders or record.location == executor.id:
             return
-        source = self._executors[record.location]
         record.holders = record.holders | {executor.id}
-        self._send(source, Msg.SEND, {"object": record.id, "to": executor.id,
-                                      "address": executor.peer_address,
-                                      "host_id": executor.host_id})  # [Note: hosts]
+        self._pushes[(record.location, executor.id)].append(record.id)  # [Note: batched pushes]
 
     def _consumed(self, task: TaskRecord) -> None:
         for object_id in task.inputs:
@@ -472,7 +520,7 @@ class Dispatcher:
             self._emit("task_failed", {"task": current, "error": reason})
             for object_id in current.outputs:
                 record = self._objects.get(object_id)
-                if record is None:
+                if record is None or record.produced:  # a batched task's early item stands
                     continue
                 record.error = reason
                 future = self._futures.pop(object_id, None)
@@ -546,18 +594,18 @@ _NEVER = float("inf")  # an executor with nothing in flight: its oldest task is 
 _NONE_BODY = pack(None)[0]
 
 
-def _inline(out: dict) -> dict:
-    """The value, or its packed body, of an output that came in its completion (none for one
-    that stays on its executor); the body is decoded only if someone asks for the value, so a
-    controller that only routes items never decodes them. The usual None is known at once."""
+def _resolve(future: Future, executor_id: int, nbytes: int, out: dict) -> Sequence:
+    """Resolve `future` with output `out`: the value stays on its executor unless it came in
+    the completion, and then it is decoded only if someone asks for it, so a controller that
+    only routes items never decodes them. The usual None is known at once."""
     body = out.get("inline")
     if body is None:
-        return {}
+        return future._resolve(executor_id, nbytes)
     if body == _NONE_BODY:
-        return {"value": None}
+        return future._resolve(executor_id, nbytes, None)
     if type(body) is not bytes:
         raise ProtocolError(f"an inline output must be bytes, got {type(body).__name__}")
-    return {"body": body}
+    return future._resolve(executor_id, nbytes, body=body)
 
 
 def _trace(task: TaskRecord, values: Any) -> None:

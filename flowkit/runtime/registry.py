@@ -55,6 +55,9 @@ class TaskRecord:
     nbytes_out: int = 0  # bytes of the outputs it produced
     on_part: Any = None  # streaming: called with each item's future as the task yields it
     parts: int = 0  # items streamed so far
+    items: int | None = None  # a batched task: how many items [Note: batched tasks]
+    on_items: Any = None  # a batched task: called with (first, count) of its early items
+    answered: int = 0  # a batched task: outputs answered before it completed
 
 
 @attrs.define(eq=False)

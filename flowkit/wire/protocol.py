@@ -22,20 +22,21 @@ from flowkit.wire.task import decode_tasks
 __all__ = ["PROTOCOL_VERSION", "ProtocolError", "Msg", "decode", "encode", "part_id",
            "send_frames"]
 
-PROTOCOL_VERSION = 2  # 2: streamed results (PART)
+PROTOCOL_VERSION = 3  # 2: streamed results (PART); 3: batched tasks and their early items (ITEMS)
 
 
 class Msg:
     """Message types. Controller -> executor: WELCOME RUN SEND FREE FETCH PUT CANCEL SHUTDOWN PING.
-    Executor -> controller: HELLO PART DONE VALUE PONG ERROR. Executor -> executor: DATA."""
+    Executor -> controller: HELLO PART ITEMS DONE VALUE PONG ERROR. Executor -> executor: DATA."""
 
     HELLO = "hello"  # who I am: name, tags, device, ops, peer addresses
     WELCOME = "welcome"  # your executor id, heartbeat settings
     PING = "ping"  # heartbeat, both ways
     RUN = "run"  # a batch of tasks: op, config, input and output object ids
     PART = "part"  # one item a streaming task yielded, before the task is done
+    ITEMS = "items"  # the items a batched task has finished, while it runs on
     DONE = "done"  # a batch of completions (or failures) with timings
-    SEND = "send"  # push an object to a peer executor once it exists
+    SEND = "send"  # push these objects to a peer executor once each exists
     DATA = "data"  # an object arriving from a peer
     PUT = "put"  # an object from the controller (user data)
     FETCH = "fetch"  # send me the value of an object
@@ -53,8 +54,9 @@ _SCHEMA: dict[str, Schema] = {
     Msg.PING: {},
     Msg.RUN: {"tasks": list},
     Msg.PART: {"task": int, "index": int, "end": (int, float), "output": dict},
+    Msg.ITEMS: {"task": int, "first": int, "end": (int, float), "outputs": list},
     Msg.DONE: {"items": list},
-    Msg.SEND: {"object": int, "to": int, "address": str},
+    Msg.SEND: {"objects": list, "to": int, "address": str},
     Msg.DATA: {"object": int, "meta": dict},
     Msg.PUT: {"object": int, "meta": dict},
     Msg.FETCH: {"object": int, "request": int},
@@ -66,6 +68,7 @@ _SCHEMA: dict[str, Schema] = {
 }
 
 _PART_OUTPUT_SCHEMA: Schema = {"id": int, "nbytes": int}
+_ITEMS_OUTPUT_SCHEMA: Schema = {"id": int}
 
 
 # One packer for all messages (packb builds one, buffer and all, per call); locked, as a dict
@@ -110,6 +113,11 @@ def decode(parts: Sequence) -> tuple[dict[str, Any], list]:
         header["specs"] = decode_tasks(header["tasks"])
     elif kind == Msg.PART:
         check_fields("part output", header["output"], _PART_OUTPUT_SCHEMA)
+    elif kind == Msg.ITEMS:
+        for output in header["outputs"]:
+            if type(output) is not dict:
+                raise ProtocolError(f"items: an output must be a map, got {output!r:.80}")
+            check_fields("items output", output, _ITEMS_OUTPUT_SCHEMA)
     return header, list(parts[1:])
 
 

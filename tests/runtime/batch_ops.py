@@ -13,3 +13,13 @@ def fail_on_three(x: int) -> int:
     if x == 3:
         raise ValueError("three is not allowed")
     return x
+
+
+@op
+def slow_on_last(x: int) -> int:
+    """Item 3 takes a while: the items before it are answered early."""
+    if x == 3:
+        import time
+
+        time.sleep(0.5)
+    return x

@@ -73,3 +73,17 @@ def test_a_batched_form_gives_what_the_op_gives_per_item(start_cluster):
     alone = [ctl.submit("logprobs", r) for r in rollouts]
     assert [f.result(timeout=10) for f in batched] == [f.result(timeout=10) for f in alone]
     assert len(done) == 1 + len(rollouts)
+
+
+def test_items_finished_while_a_slow_one_runs_are_answered_early(cluster):
+    ctl, _ = cluster
+    early = []
+    futures = ctl.submit_items("python", [0, 1, 2, 3], per_item=[0], on_items=early.append,
+                               config={"target": "tests.runtime.batch_ops:slow_on_last",
+                                       "ports": ["x"]})
+    ctl.wait_until(lambda: futures[2].done(), timeout=10)
+    assert not futures[3].done()  # still sleeping: the first three came before it
+    assert early and early[0][0] == 0 and sum(count for _, count in early) >= 3
+    assert [f.result(timeout=10) for f in futures] == [0, 1, 2, 3]
+    # an item answered early is an object like any other: tasks read it, wherever they run
+    assert ctl.submit("python", futures[1], 10, config={**ADD}).result(timeout=10) == 11

@@ -83,3 +83,44 @@ def test_a_rollout_past_the_context_is_named():
     with pytest.raises(ValueError, match=r"rollout \(prompt 1, sample 1\) runs 25 tokens, past "
                        r"the model's context_length 24 \(and 1 more\)"):
         infer._reward_model(op_context(), rs, **CRITIC)
+
+
+# -- batched forms [Note: batched forms in executors/optable.py] -------------------------------
+def _ragged_rollouts(count: int = 7) -> list[Rollout]:
+    return [Rollout(prompt_id=i, sample=i % 2, prompt_tokens=[(3 * i + j) % 32 for j in
+                                                              range(1 + i % 4)],
+                    response_tokens=[(7 * i + j) % 32 for j in range(1 + (5 * i) % 6)],
+                    logprobs=[]) for i in range(count)]
+
+
+@pytest.mark.parametrize("dtype, tolerance", [("float64", 1e-10), ("float32", 1e-6)])
+@pytest.mark.parametrize("op", ["logprobs", "values", "reward_model"])
+def test_a_batched_task_of_rollouts_scores_each_as_alone(op, dtype, tolerance):
+    from executors.tasks import Task, run_items
+    from flowkit.wire.task import TaskSpec
+
+    spec = {**(POLICY if op == "logprobs" else CRITIC), "dtype": dtype}
+    table = OpTable()
+    infer.register(table)
+    rollouts = _ragged_rollouts()
+    ctx = op_context()
+    alone = [table.get(op)(ctx, r, **spec) for r in rollouts]
+    config = {**spec, "max_batch": 3, "max_tokens": 20}  # several forwards, ragged
+    task = Task(TaskSpec(op, config, outputs=list(range(len(rollouts))), items=len(rollouts),
+                         per_item=(0,)), table.get(op))
+    together = run_items(task, ctx, [rollouts], table.batched(op))
+    for one, many in zip(alone, together, strict=True):
+        if op == "reward_model":
+            assert many == pytest.approx(one, rel=0, abs=tolerance)
+        else:
+            assert (many.prompt_id, many.sample) == (one.prompt_id, one.sample)
+            assert many.values == pytest.approx(one.values, rel=0, abs=tolerance)
+
+
+def test_forwards_keep_to_their_sequence_and_token_limits():
+    rollouts = _ragged_rollouts(12)
+    chunks = list(infer._chunks(rollouts, (4, 24)))
+    assert [r for chunk in chunks for r in chunk] == rollouts
+    for chunk in chunks:
+        widest = max(len(r.prompt_tokens) + len(r.response_tokens) - 1 for r in chunk)
+        assert len(chunk) <= 4 and (len(chunk) == 1 or widest * len(chunk) <= 24)

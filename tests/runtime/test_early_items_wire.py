@@ -1,0 +1,68 @@
+"""The controller's side of early items ([Note: early items] in executors/process.py), on its
+bookkeeping alone: a batched task's next items resolve their futures at once and are told to
+`on_items`; items out of order, misnamed or from another executor are refused as malformed and
+resolve nothing."""
+
+import pytest
+
+from flowkit.runtime.dispatch import Dispatcher
+from flowkit.runtime.futures import new_condition
+from flowkit.wire.protocol import Msg, ProtocolError, decode, encode
+from flowkit.wire.refs import Gather
+from flowkit.wire.serialize import pack
+from flowkit.wire.task import TaskSpec
+
+
+class _Owner:
+    condition = new_condition()
+
+    def release(self, object_id: int) -> None:
+        pass
+
+
+@pytest.fixture
+def batch():
+    """(dispatcher, the batched task's id, its 3 items' futures, what on_items heard)."""
+    state = Dispatcher(owner=_Owner(), send_raw=lambda frames: None, ping_interval=1.0,
+                       ping_timeout=5.0, heartbeat_address="inproc://unused")
+    for name in ("a", "b"):
+        state.on_message(name.encode(), {"t": Msg.HELLO, "name": name, "tags": [],
+                                         "ops": ["op"], "pid": 1}, [])
+    heard: list = []
+    futures = state.submit(TaskSpec("op", {}, items=3, per_item=(0,)), (Gather([0, 1, 2]),),
+                           outputs=3, executor_id=1, tags=frozenset(), meta={},
+                           on_items=heard.append)
+    (task_id,) = state._tasks
+    return state, task_id, futures, heard
+
+
+def _items(state: Dispatcher, task_id: int, first: int, ids: list[int],
+           sender: bytes = b"a") -> None:
+    header, frames = decode(encode(Msg.ITEMS, {
+        "task": task_id, "first": first, "start": 1.0, "end": 2.0,
+        "outputs": [{"id": i, "nbytes": 1, "inline": pack(i * 10)[0]} for i in ids]}))
+    state.on_message(sender, header, frames)
+
+
+def test_the_next_items_resolve_at_once(batch):
+    state, task_id, futures, heard = batch
+    _items(state, task_id, 0, [futures[0].id, futures[1].id])
+    state.run_callbacks()
+    assert [f.done() for f in futures] == [True, True, False]
+    assert futures[1].result() == futures[1].id * 10 and futures[1].timing == (1.0, 2.0)
+    assert heard == [(0, 2)]
+    _items(state, task_id, 2, [futures[2].id])
+    state.run_callbacks()
+    assert futures[2].done() and heard == [(0, 2), (2, 1)]
+
+
+@pytest.mark.parametrize("case", ["out of order", "misnamed", "another executor"])
+def test_items_that_are_not_the_next_ones_are_refused(batch, case):
+    state, task_id, futures, heard = batch
+    first, ids, sender = {"out of order": (1, [futures[1].id], b"a"),
+                          "misnamed": (0, [futures[1].id], b"a"),
+                          "another executor": (0, [futures[0].id], b"b")}[case]
+    with pytest.raises(ProtocolError, match="not its next items"):
+        _items(state, task_id, first, ids, sender)
+    state.run_callbacks()
+    assert not any(f.done() for f in futures) and heard == []
