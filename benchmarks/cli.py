@@ -136,10 +136,12 @@ def rollout(json_out: Path | None) -> None:
 
 
 @bench.command(cls=_BenchCommand)
-@click.option("--samples", default="1024,2048,4096", show_default=True, metavar="N,N,...",
+@click.option("--samples", default="1024,4096,16384", show_default=True, metavar="N,N,...",
               help="Samples a step, one size after the other (multiples of 8).")
+@click.option("--steps", type=click.IntRange(2), default=4, show_default=True,
+              help="Steps per size and mode; the first is left out of the medians.")
 @_json_option
-def scale(samples: str, json_out: Path | None) -> None:
+def scale(samples: str, steps: int, json_out: Path | None) -> None:
     """The engine's cost per sample as a GRPO step grows."""
     try:
         sizes = [int(part) for part in samples.split(",")]
@@ -149,7 +151,7 @@ def scale(samples: str, json_out: Path | None) -> None:
     if any(size < 8 or size % 8 for size in sizes):
         raise click.BadParameter(f"{samples!r}: each size is a multiple of 8 (8 samples a "
                                  "prompt)", param_hint="--samples")
-    _report(_bench_function("scale", "run_scale_bench")(samples=sizes), json_out)
+    _report(_bench_function("scale", "run_scale_bench")(samples=sizes, steps=steps), json_out)
 
 
 @bench.command(cls=_BenchCommand)

@@ -86,6 +86,21 @@ def echo(address: str, keys: str = "") -> None:
     context.term()
 
 
+def batch(address: str, keys: str = "") -> None:
+    """A stage that takes a batch of records (a msgpack list) and answers with them, decoded
+    and encoded again: one call per stage, the way a Ray-style controller moves a batch."""
+    context = zmq.Context()
+    sock = curve(_unbounded(context.socket(zmq.ROUTER)), keys, of="controller")
+    sock.connect(address)
+    while True:
+        identity, body = sock.recv_multipart()
+        if body == b"stop":
+            break
+        sock.send_multipart([identity, msgpack.packb(msgpack.unpackb(body))])
+    sock.close()
+    context.term()
+
+
 def sink(host: str, keys: str = "") -> None:
     context = zmq.Context()
     sock = curve(_unbounded(context.socket(zmq.ROUTER)), keys, serve="executor")
@@ -127,7 +142,7 @@ def source(bench: str, sink_address: str, keys: str = "") -> None:
 
 
 def main(argv: Sequence[str]) -> None:
-    roles = {"echo": echo, "sink": sink, "source": source}
+    roles = {"echo": echo, "batch": batch, "sink": sink, "source": source}
     if not argv or argv[0] not in roles:
         raise SystemExit(f"usage: python -m benchmarks.peers {'|'.join(roles)} ARGS")
     roles[argv[0]](*argv[1:])

@@ -37,9 +37,13 @@ __all__ = ["busy_for", "register", "sample_rollout"]
 _SPIN_S = 0.0002
 
 
+_SIMULATED = [0.0]  # seconds of model work this executor has stood in for
+
+
 def busy_for(seconds: float) -> None:
     """Occupy this executor for `seconds`: sleep most of it (other executors share the cores),
     then spin briefly so the op ends on time rather than when the scheduler wakes us."""
+    _SIMULATED[0] += max(0.0, float(seconds))
     deadline = time.perf_counter() + max(0.0, float(seconds))
     if seconds > _SPIN_S:
         time.sleep(seconds - _SPIN_S)
@@ -256,6 +260,12 @@ def _reward_model(ctx: OpContext, rollout: Any, *, seconds_per_token: float = 0.
     return random.Random(f"{getattr(rollout, 'prompt_id', 0)}").random()
 
 
+def _simulated_seconds(ctx: OpContext) -> float:
+    """The model time this executor has simulated so far (what the scale bench takes off a
+    step's time to leave the engine's)."""
+    return _SIMULATED[0]
+
+
 def _seed(ctx: OpContext, meta: dict) -> str:
     # what the op computes, not where: the same plan gives the same numbers on any executor
     return f"{meta.get('model')}/{meta.get('stage')}/{meta.get('microbatch')}/{meta.get('step')}"
@@ -293,5 +303,6 @@ def register(table: OpTable) -> None:
     table.register("logprobs", _token_scores, batched=_token_scores_batched)
     table.register("values", _token_scores, batched=_token_scores_batched)
     table.register("reward_model", _reward_model)
+    table.register("simulated_seconds", _simulated_seconds)
     table.register("save_state", _save_state)
     table.register("load_state", _load_state)

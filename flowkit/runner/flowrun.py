@@ -36,6 +36,8 @@ from flowkit.runtime.registry import ExecutorInfo
 
 __all__ = ["FlowRunError", "FlowRunner", "StepReport", "check_async"]
 
+_BURST = 4096  # reactions run before the steps look at what they touched, at most
+
 
 # [Note: asynchronous steps] Synchronously, step k starts when step k-1 has ended: its generation
 # reads the weights step k-1's optimizer step made. With a staleness bound η (`staleness=η`,
@@ -219,16 +221,30 @@ class FlowRunner:
         deadline = time.monotonic() + self.step_timeout
         while not run.closed:
             try:
-                event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+                self.react(max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 raise FlowRunError(f"step {step} did not finish in {self.step_timeout} s; "
                                    f"still open: {', '.join(run.open_nodes())}") from None
-            event()
         del self.open[step]
         # the next step trains in the next call, not here: between two calls nothing trains,
         # so a checkpoint holds the weights of this step [Note: checkpoints of asynchronous
         # runs in asyncstate.py]
         return run.report()
+
+    def react(self, timeout: float) -> None:
+        """Run the next reaction (queue.Empty if none comes within `timeout`) and every one
+        queued behind it, then let the open steps look at the nodes they touched [Note:
+        batched per-item calls in steprun.py]."""
+        events = self.events
+        events.get(timeout=timeout)()
+        for _ in range(_BURST):
+            try:
+                event = events.get_nowait()
+            except queue.Empty:
+                break
+            event()
+        for run in list(self.open.values()):
+            run.settle()
 
     def _open(self, step: int) -> StepRun:
         run = self.open.get(step)

@@ -227,6 +227,8 @@ class StepRun:
         state = self.states[name]
         j = state.streamed[lineage]
         state.streamed[lineage] += 1
+        if state.first_item is None and part.timing is not None:
+            state.first_item = part.timing[1]
         balancer = self.balancers.get(name)
         if balancer is not None and self.ctx.workloads[name].sized:
             balancer.finished(lineage, part.keys[0] if part.keys else None)

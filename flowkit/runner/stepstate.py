@@ -80,6 +80,7 @@ class NodeState:
     closed: bool = False
     first_start: float | None = None
     last_end: float | None = None
+    first_item: float | None = None  # when its first streamed item was ready (wall clock)
     pipeline: Any = None  # a backprop's Feeding (flowtrain.py)
     streamed: dict = attrs.field(factory=lambda: defaultdict(int))  # lineage -> items so far
 

@@ -13,9 +13,15 @@ def test_the_scale_bench_reports_both_modes_per_size():
     figures = run_scale_bench(samples=(32, 64), steps=2)
     for size in ("32", "64"):
         for mode in ("fused", "barrier"):
-            assert figures[size][mode]["step_s"] > 0
-            assert figures[size][mode]["ms_per_sample"] > 0
+            row = figures[size][mode]
+            assert row["step_s"] > row["model_s"] > 0
+            assert row["engine_us_per_sample"] > 0 and row["ops_per_s"] > 0
+            assert row["messages_per_sample"] > 0 and row["controller_cpu_us_per_sample"] > 0
+            assert 0 < row["generation_s"] < row["step_s"]
+            assert row["first_downstream_s"] >= 0 or mode == "fused"  # fused: may overlap
+        assert figures[size]["lower_bound"]["step_s"] > 0
         assert figures[size]["fused_over_barrier"] > 0
+        assert figures[size]["fused_over_lower_bound"] > 0
 
 
 def test_a_size_that_is_no_multiple_of_8_is_a_usage_error():
