@@ -42,7 +42,8 @@ from typing import Any
 
 import attrs
 
-__all__ = ["INSTALL_HINT", "GRPOSetup", "TRLMissingError", "require_trl", "run_trl_bench"]
+__all__ = ["INSTALL_HINT", "GRPOSetup", "TRLMissingError", "grpo_flow", "require_trl",
+           "run_trl_bench", "trl_exact_match", "warm_up_flow"]
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -65,8 +66,9 @@ def require_trl() -> str:
 
 @attrs.frozen(kw_only=True)
 class GRPOSetup:
-    """examples/qwen2_grpo.py's settings, which both sides train with; the optimizer's are
-    OptimizerStep's defaults, which that example keeps."""
+    """examples/qwen2_grpo.py's settings, which both sides train with; clip_ratio is the GRPO
+    loss's default and the optimizer's are OptimizerStep's, which that example keeps
+    (tests/bench/test_trl_bench.py checks that these are the example flows' values)."""
 
     prompts: int = 16
     n: int = 8
@@ -155,19 +157,10 @@ def _warm_up(setup: GRPOSetup, model: Path, out: Path, steps: int) -> dict:
     """examples/qwen2_sft.py's flow on `model` for `steps` steps, its weights saved to
     out/actor (an HF folder with the tokenizer)."""
     from benchmarks.runs import bench_run
-    from dataflows.datasets import chat_sft_sequences
-    from dataflows.pretrain import pretrain_flow
-    from flowkit.dsl import Model
 
-    actor = Model(name="actor", build="hf", config={"path": str(model)}, stages=2,
-                  tags=("train",))
-    flow = pretrain_flow(model=actor, source=chat_sft_sequences,
-                         source_config={"path": str(EXAMPLES / "data" / "arithmetic_sft.jsonl"),
-                                        "tokenizer": str(model), "seq_len": setup.warm_seq_len},
-                         batch_size=setup.warm_batch, microbatches=setup.microbatches,
-                         schedule="1f1b", lr=setup.warm_lr, name="qwen2_sft")
     start, losses = time.perf_counter(), []
-    with bench_run(flow, steps=steps, executors="torch", save_weights=out) as run:
+    with bench_run(warm_up_flow(setup, model), steps=steps, executors="torch",
+                   save_weights=out) as run:
         losses = [report.metrics["backprop/loss"] for report in run.steps()]
     return {"steps": steps, "wall_s": time.perf_counter() - start, "first_loss": losses[0],
             "last_loss": losses[-1]}
@@ -176,26 +169,47 @@ def _warm_up(setup: GRPOSetup, model: Path, out: Path, steps: int) -> dict:
 def _flowkit_side(setup: GRPOSetup, warm: Path, steps: int, seed: int) -> dict:
     """examples/qwen2_grpo.py's flow from `warm`, sampling from `seed`, on torch executors."""
     from benchmarks.runs import bench_run
-    from dataflows.datasets import dataset_prompts
-    from dataflows.grpo import grpo_flow
-    from dataflows.rewards import exact_match_reward
-    from flowkit.dsl import Model
 
-    actor = Model(name="actor", build="hf", config={"path": str(warm)}, stages=2,
-                  tags=("train",))
-    flow = grpo_flow(model=actor, prompts=setup.prompts, n=setup.n,
-                     microbatches=setup.microbatches, schedule="1f1b",
-                     max_new_tokens=setup.max_new_tokens, temperature=setup.temperature,
-                     kl_coef=setup.kl_coef, lr=setup.lr, sample_seed=seed,
-                     prompt_source=dataset_prompts,
-                     source_config={"path": str(_prompts_file()), "tokenizer": str(warm)},
-                     reward=exact_match_reward)
     start, ends, rewards = time.perf_counter(), [], []
-    with bench_run(flow, steps=steps, executors="torch") as run:
+    with bench_run(grpo_flow(setup, warm, seed), steps=steps, executors="torch") as run:
         for report in run.steps():
             ends.append(time.perf_counter())
             rewards.append(float(report.metrics["reward_mean"]))
     return _side(start, ends, time.perf_counter(), rewards)
+
+
+def warm_up_flow(setup: GRPOSetup, model: Path) -> Any:
+    """examples/qwen2_sft.py's flow on the model folder `model`."""
+    from dataflows.datasets import chat_sft_sequences
+    from dataflows.pretrain import pretrain_flow
+
+    return pretrain_flow(model=_actor(model), source=chat_sft_sequences,
+                         source_config={"path": str(EXAMPLES / "data" / "arithmetic_sft.jsonl"),
+                                        "tokenizer": str(model), "seq_len": setup.warm_seq_len},
+                         batch_size=setup.warm_batch, microbatches=setup.microbatches,
+                         schedule="1f1b", lr=setup.warm_lr, name="qwen2_sft")
+
+
+def grpo_flow(setup: GRPOSetup, warm: Path, seed: int) -> Any:
+    """examples/qwen2_grpo.py's flow from the model folder `warm`, sampling from `seed`."""
+    from dataflows.datasets import dataset_prompts
+    from dataflows.grpo import grpo_flow as flow
+    from dataflows.rewards import exact_match_reward
+
+    return flow(model=_actor(warm), prompts=setup.prompts, n=setup.n,
+                microbatches=setup.microbatches, schedule="1f1b",
+                max_new_tokens=setup.max_new_tokens, temperature=setup.temperature,
+                kl_coef=setup.kl_coef, lr=setup.lr,
+                sample_seed=seed, prompt_source=dataset_prompts,
+                source_config={"path": str(_prompts_file()), "tokenizer": str(warm)},
+                reward=exact_match_reward)
+
+
+def _actor(folder: Path) -> Any:
+    from flowkit.dsl import Model
+
+    return Model(name="actor", build="hf", config={"path": str(folder)}, stages=2,
+                 tags=("train",))
 
 
 def _prompts_file() -> Path:

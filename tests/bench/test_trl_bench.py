@@ -48,3 +48,41 @@ def test_without_trl_the_bench_says_how_to_install_it(monkeypatch):
     result = CliRunner().invoke(main, ["bench", "trl"])
     assert result.exit_code == 1
     assert "TRL is not installed" in result.output and "pip install -e '.[trl]'" in result.output
+
+
+def test_the_bench_runs_the_examples_flows_with_their_settings(tmp_path, monkeypatch):
+    """flowkit's side is examples/qwen2_sft.py's and examples/qwen2_grpo.py's flows, model
+    folders and sampling seed aside, and GRPOSetup (what TRL is given) says the same values."""
+    import runpy
+
+    pytest.importorskip("transformers", reason="the hf extra: pip install 'flowkit[hf]'")
+    from benchmarks.trl import EXAMPLES, GRPOSetup, grpo_flow, warm_up_flow
+    from tests.hf_folders import save_tiny_qwen2
+
+    monkeypatch.chdir(tmp_path)  # the examples name their folders relative to it
+    (tmp_path / "examples").symlink_to(EXAMPLES)
+    for folder in ("models/qwen2-tiny", "checkpoints/actor"):
+        save_tiny_qwen2(tmp_path / folder)
+    setup = GRPOSetup()
+    pairs = [(runpy.run_path(str(EXAMPLES / "qwen2_sft.py"))["flow"],
+              warm_up_flow(setup, tmp_path / "models/qwen2-tiny")),
+             (runpy.run_path(str(EXAMPLES / "qwen2_grpo.py"))["flow"],
+              grpo_flow(setup, tmp_path / "checkpoints/actor", seed=3))]
+    for example, bench in pairs:
+        assert list(bench.nodes) == list(example.nodes)
+        for name, node in example.nodes.items():
+            assert _settings(bench.nodes[name].config) == _settings(node.config), name
+        assert {k: m.stages for k, m in bench.models.items()} == {
+            k: m.stages for k, m in example.models.items()}
+    assert pairs[1][1].nodes["generate"].config["sample_seed"] == 3
+    update, step = (pairs[1][0].nodes[name].config for name in ("update_actor", "optimizer_step"))
+    assert (setup.clip_ratio, setup.kl_coef, setup.temperature) == (
+        update["clip_ratio"], update["kl_coef"], update["temperature"])
+    assert (setup.lr, setup.weight_decay, setup.betas, setup.clip_grad_norm) == (
+        step["lr"], step["weight_decay"], tuple(step["betas"]), step["clip_grad_norm"])
+    assert update["kl_kind"] == "k3" and update["microbatches"] == setup.microbatches
+
+
+def _settings(config: dict) -> dict:
+    """A node's config without what names a folder or the sampling seed."""
+    return {k: v for k, v in config.items() if k not in ("path", "tokenizer", "sample_seed")}
