@@ -1,4 +1,4 @@
-"""`flowkit bench dispatch|transfer|pipeline|train|rl|rollout|checkpoint|launch|loggers`:
+"""`flowkit bench dispatch|transfer|pipeline|train|rl|rollout|scale|checkpoint|launch|loggers|trl`:
 benchmarks, each against a baseline measured side by side in the same run (this machine is
 noisy: compare ratios, not times).
 
@@ -176,6 +176,62 @@ def launch(json_out: Path | None) -> None:
 def loggers(json_out: Path | None) -> None:
     """What each --logger costs a step against JSON lines."""
     _report(_bench_function("loggers", "run_loggers_bench")(), json_out)
+
+
+@bench.command(cls=_BenchCommand)
+@click.option("--steps", type=click.IntRange(min=2), default=40, show_default=True,
+              help="GRPO steps per side and seed (the first is not timed).")
+@click.option("--seeds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Seeds 0 .. N-1, each side once per seed.")
+@click.option("--warm-steps", type=click.IntRange(min=1), default=600, show_default=True,
+              help="Steps of the supervised warm-up both sides start from.")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Torch threads per process: each flowkit executor's and TRL's.")
+@_json_option
+def trl(steps: int, seeds: int, warm_steps: int, threads: int, json_out: Path | None) -> None:
+    """flowkit's GRPO beside TRL's GRPOTrainer on the Qwen2 example.
+
+    Same model, data, reward and settings, on this CPU, one after the other. Needs the trl
+    extra."""
+    from benchmarks.trl import TRLMissingError, require_trl
+
+    try:  # before anything starts
+        require_trl()
+    except TRLMissingError as exc:
+        raise click.ClickException(str(exc)) from None
+    figures = _bench_function("trl", "run_trl_bench")(steps=steps, seeds=seeds,
+                                                       warm_steps=warm_steps, threads=threads)
+    Console().print(_trl_table(figures))
+    if json_out is not None:
+        with writing(json_out):
+            json_out.write_text(json.dumps(figures, indent=1, default=str) + "\n")
+        Console().print(f"wrote {json_out}")
+
+
+def _trl_table(figures: dict) -> Any:
+    """Per seed and side, then over seeds: seconds a step, wall time, the last 10 steps' mean
+    reward; and the ratio of the step times."""
+    from rich.table import Table
+
+    setup = figures["setup"]
+    table = Table(title=f"GRPO beside TRL {setup['trl']}: {setup['prompts']} x {setup['n']} "
+                  f"a step, {setup['steps']} steps, {setup['threads']} thread(s) a process")
+    for column in ("seed", "side", "s/step", "wall s", "reward, last 10", "flowkit / TRL"):
+        table.add_column(column, justify="left" if column == "side" else "right")
+    rows = [(str(run["seed"]), run, run["step_ratio"]) for run in figures["runs"]]
+    rows.append(("all", figures, figures["step_ratio"]))
+    for seed, where, ratio in rows:
+        for side in ("flowkit", "trl"):
+            got = where[side]
+            table.add_row(seed, "flowkit" if side == "flowkit" else "TRL",
+                          f"{got['step_s']:.3f}", f"{got['wall_s']:.1f}",
+                          f"{got['reward_last10']:.3f}",
+                          f"{ratio:.2f}x" if side == "flowkit" else "",
+                          end_section=side == "trl")
+    table.caption = (f"reward curves' mean gap {figures['reward_curve_gap']:.3f} a step; "
+                     f"warm-up {figures['warm_up']['steps']} steps, "
+                     f"{figures['warm_up']['wall_s']:.0f} s")
+    return table
 
 
 def _bench_function(module: str, function: str) -> Callable[..., dict]:
