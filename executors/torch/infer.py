@@ -5,9 +5,16 @@
 
 Each takes one Rollout or a list of them and answers in kind (one result, or a list in the same
 order), so each is its own batched form: a batched task of ready rollouts [Note: batched forms
-in executors/optable.py] runs them in forwards of up to `max_batch` sequences and `max_tokens`
-padded tokens, right-padded: the model is causal, so pads after a sequence change nothing
-before them, and each rollout's scores are those it gets alone (to float rounding).
+in executors/optable.py] runs them in few forwards, right-padded (the model is causal, so pads
+after a sequence change nothing before them).
+
+[Note: batch-invariant forwards] Which rollouts share a forward depends on when they finished,
+so a forward's shape must not change a rollout's scores: a matmul's rounding depends on its
+shape. Every forward therefore has a shape fixed by its rows' own lengths: a rollout's width is
+its length rounded up to a power of two (16 at least), rollouts of one width share forwards of
+exactly `rows` = min(max_batch, max_tokens // width) rows, padded with empty rows. A rollout's
+scores are then the same bits alone or in any batch (the approach of batch-invariant inference
+kernels), and a run's results do not depend on its timing.
 
 [Note: response positions] Response token k of a rollout with P prompt tokens sits at position
 P + k of prompt + response, and is predicted by the model's output at position P + k - 1. Its
@@ -18,6 +25,7 @@ run is prompt + response without its last token.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -25,12 +33,13 @@ import torch.nn.functional as F
 
 from executors.optable import OpContext, OpTable
 from executors.torch import lm
-from executors.torch.held import evaluating, right_padded, whole_model
+from executors.torch.held import evaluating, whole_model
 from flowkit.ops.records import TokenScores
 
 __all__ = ["register"]
 
 _MAX_TOKENS = 16384  # padded tokens in one forward: bounds the activations of a batch
+_MIN_WIDTH = 16  # [Note: batch-invariant forwards]: the narrowest forward
 
 
 def _logprobs(ctx: OpContext, rollouts: Any, *_: Any, temperature: float = 1.0,
@@ -60,11 +69,15 @@ def _reward_model(ctx: OpContext, rollouts: Any, *_: Any, max_batch: int = 32,
     sequence is run here, unlike `values`)."""
     items, one = _as_list(rollouts)
     model = whole_model(ctx, config)
-    scores = []
-    for chunk in _chunks(items, (int(max_batch), int(max_tokens)), whole=True):
-        seqs = [list(r.prompt_tokens) + list(r.response_tokens) for r in chunk]
-        out = lm.values_of(_run(model, seqs, chunk), "reward_model")  # (B, T)
-        scores += [float(out[b, len(s) - 1]) for b, s in enumerate(seqs)]
+    scores: list = [None] * len(items)
+    context = lm.context_length(model)
+    for indices, shape in _forwards(items, (int(max_batch), int(max_tokens)), context,
+                                    whole=True):
+        seqs = [list(items[i].prompt_tokens) + list(items[i].response_tokens) for i in indices]
+        out = lm.values_of(_run(model, seqs, [items[i] for i in indices], shape),
+                           "reward_model")  # (rows, width)
+        for b, (i, seq) in enumerate(zip(indices, seqs)):
+            scores[i] = float(out[b, len(seq) - 1])
     return scores[0] if one else scores
 
 
@@ -75,22 +88,24 @@ def _per_token(ctx: OpContext, rollouts: Any, score, limits: tuple[int, int],
     positions that predict the response [Note: response positions]."""
     items, one = _as_list(rollouts)
     model = whole_model(ctx, config)
-    results = []
-    for chunk in _chunks(items, limits):
+    results: list = [None] * len(items)
+    for indices, shape in _forwards(items, limits, lm.context_length(model)):
+        chunk = [items[i] for i in indices]
         full = [list(r.prompt_tokens) + list(r.response_tokens) for r in chunk]
-        out = _run(model, [s[:-1] for s in full], chunk)
-        targets = right_padded([s[1:] for s in full], out.device)
+        out = _run(model, [s[:-1] for s in full], chunk, shape)
+        targets = _padded([s[1:] for s in full], shape, out.device)
         scores = score(out, targets)
-        for b, r in enumerate(chunk):
+        for b, (i, r) in enumerate(zip(indices, chunk)):
             start, stop = len(r.prompt_tokens) - 1, len(full[b]) - 1
-            results.append(TokenScores(prompt_id=r.prompt_id, sample=r.sample,
-                                       values=scores[b, start:stop].tolist()))
+            results[i] = TokenScores(prompt_id=r.prompt_id, sample=r.sample,
+                                     values=scores[b, start:stop].tolist())
     return results[0] if one else results
 
 
-def _run(model: torch.nn.Module, seqs: list[list[int]], rollouts: list) -> torch.Tensor:
-    """The model's output on right-padded sequences (those of `rollouts`): logits (B, T, V) or
-    values (B, T)."""
+def _run(model: torch.nn.Module, seqs: list[list[int]], rollouts: list,
+         shape: tuple[int, int]) -> torch.Tensor:
+    """The model's output on the sequences (those of `rollouts`) padded to `shape` (rows,
+    width) [Note: batch-invariant forwards]: logits (rows, width, V) or values (rows, width)."""
     context = lm.context_length(model)
     long = [(r, len(s)) for r, s in zip(rollouts, seqs) if context and len(s) > context]
     if long:
@@ -100,7 +115,14 @@ def _run(model: torch.nn.Module, seqs: list[list[int]], rollouts: list) -> torch
                          "whose context holds prompt + response")
     device = next(model.parameters()).device
     with evaluating(model):
-        return model(right_padded(seqs, device))
+        return model(_padded(seqs, shape, device))
+
+
+def _padded(seqs: list[list[int]], shape: tuple[int, int], device: Any) -> torch.Tensor:
+    """(rows, width) token ids: each sequence followed by 0s, then rows of 0s."""
+    rows, width = shape
+    padded = [s + [0] * (width - len(s)) for s in seqs] + [[0] * width] * (rows - len(seqs))
+    return torch.tensor(padded, device=device)
 
 
 def _as_list(rollouts: Any) -> tuple[list, bool]:
@@ -108,23 +130,27 @@ def _as_list(rollouts: Any) -> tuple[list, bool]:
     return ([rollouts] if one else list(rollouts)), one
 
 
-def _chunks(items: list, limits: tuple[int, int], *, whole: bool = False):
-    """Consecutive runs of `items` for one forward each: at most `limits` = (sequences, padded
-    tokens), one rollout at least. A sequence is prompt + response, less its last token unless
-    `whole`."""
+def _forwards(items: list, limits: tuple[int, int], context: int | None, *,
+              whole: bool = False) -> Iterator[tuple[list[int], tuple[int, int]]]:
+    """(indices into `items`, (rows, width)) of each forward [Note: batch-invariant forwards]:
+    rollouts of one width together, `rows` = min(sequences, padded tokens // width) of them a
+    forward; no wider than the model's `context`. A sequence is prompt + response, less its last
+    token unless `whole`."""
     most, budget = max(1, limits[0]), max(1, limits[1])
-    chunk: list = []
-    longest = 0
-    for r in items:
+    by_width: dict[int, list[int]] = {}
+    for i, r in enumerate(items):
         length = len(r.prompt_tokens) + len(r.response_tokens) - (0 if whole else 1)
-        widest = max(longest, length)
-        if chunk and (len(chunk) == most or widest * (len(chunk) + 1) > budget):
-            yield chunk
-            chunk, widest = [], length
-        chunk.append(r)
-        longest = widest
-    if chunk:
-        yield chunk
+        width = _width(length)
+        by_width.setdefault(min(width, context) if context else width, []).append(i)
+    for width, indices in by_width.items():
+        rows = max(1, min(most, budget // width))
+        for begin in range(0, len(indices), rows):
+            yield indices[begin:begin + rows], (rows, width)
+
+
+def _width(length: int) -> int:
+    """A forward's width for a sequence of `length` tokens: a power of two, 16 at least."""
+    return max(_MIN_WIDTH, 1 << max(0, length - 1).bit_length())
 
 
 def register(table: OpTable) -> None:

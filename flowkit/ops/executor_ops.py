@@ -36,7 +36,7 @@ _PIPELINE = (*_STAGE, "microbatch", "loss", *LOSS_KNOBS, "seconds")
 _SIM_ENGINE = ("seconds_per_seq", "seconds_per_prefill_token", "token_budget", "max_batch",
                "prompt_sigma")
 _OPTIMIZER = (*_STAGE, "step", "seconds", "lr", "weight_decay", "betas", "eps", "clip_grad_norm")
-_SCORING = (*MODEL_KEYS, "step", "max_batch", "seconds_per_token")
+_SCORING = (*MODEL_KEYS, "step", "max_batch", "max_tokens", "seconds_per_token")
 # Generate's settings but `take`, which the runner keeps (flowkit/runner/flowrun.py)
 _SAMPLING = tuple(key for key in SAMPLING_KEYS if key != "take")
 
