@@ -3,6 +3,7 @@ local launcher starts it (flowkit/runtime/launch.py)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -77,6 +78,10 @@ def executor(connect: str, name: str | None, tags: str, device: str, kind: str,
     tag_list = tuple(t for t in tags.split(",") if t)
     worker = Executor(connect=connect, name=name, ops=ops, tags=tag_list, device=device,
                       peer_host=peer_host, host_id=host_id, keys=keys, insecure=insecure)
+    # [Note: garbage collection] in flowkit/runner/api.py: the code loaded is frozen out of
+    # the collector's walks, and young collections are rarer
+    gc.freeze()
+    gc.set_threshold(50_000, *gc.get_threshold()[1:])
     raise SystemExit(worker.serve())
 
 

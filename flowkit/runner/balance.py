@@ -75,11 +75,12 @@ class _Call:
     history: bool
     sizes: list[int] = attrs.field(factory=list)  # of its items finished so far
     open: bool = True
+    largest: float = 0.0  # per_item, raised to the largest size finished
 
     def remaining(self) -> float:
         if not self.open:
             return 0.0
-        return max(0, self.count - len(self.sizes)) * max(self.per_item, *self.sizes, 0)
+        return max(0, self.count - len(self.sizes)) * max(self.largest, self.per_item, 0)
 
 
 class Balancer:
@@ -94,6 +95,10 @@ class Balancer:
         self.count, self.budget = max(1, int(count)), float(budget)
         self.calls: dict[tuple, _Call] = {}
         self.sizes: dict[Any, list[int]] = defaultdict(list)  # this step's, by key
+        # per executor: the predicted work its open calls have left, and how many are open;
+        # kept up to date call by call, so an assignment never walks the step's calls
+        self.load = dict.fromkeys(self.executors, 0.0)
+        self.open_calls = dict.fromkeys(self.executors, 0)
 
     def predicted(self, key: Any) -> tuple[float, bool]:
         return self.estimates.estimate(key, budget=self.budget, group=self.sizes.get(key, ()))
@@ -104,15 +109,12 @@ class Balancer:
 
     def assign(self, lineage: tuple, key: Any) -> int:
         """The executor for a call: the least predicted work open, then the fewest calls."""
-        load = {e: 0.0 for e in self.executors}
-        calls = dict.fromkeys(self.executors, 0)
-        for call in self.calls.values():
-            if call.executor in load:
-                load[call.executor] += call.remaining()
-                calls[call.executor] += call.open
+        load, calls = self.load, self.open_calls
         executor = min(self.executors, key=lambda e: (load[e], calls[e]))
         per_item, history = self.predicted(key)
-        self.calls[lineage] = _Call(executor, key, self.count, per_item, history)
+        call = self.calls[lineage] = _Call(executor, key, self.count, per_item, history)
+        load[executor] += call.remaining()
+        calls[executor] += 1
         return executor
 
     def finished(self, lineage: tuple, size: Any) -> None:
@@ -120,12 +122,17 @@ class Balancer:
         call = self.calls.get(lineage)
         if call is None or not isinstance(size, (int, float)):
             return
+        before = call.remaining()
         call.sizes.append(int(size))
+        call.largest = max(call.largest, int(size))
         self.sizes[call.key].append(int(size))
+        self.load[call.executor] += call.remaining() - before
 
     def closed(self, lineage: tuple) -> None:
         call = self.calls.get(lineage)
-        if call is not None:
+        if call is not None and call.open:
+            self.load[call.executor] -= call.remaining()
+            self.open_calls[call.executor] -= 1
             call.open = False
 
     def end_step(self, prefix: str) -> dict[str, float]:

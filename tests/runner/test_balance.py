@@ -122,3 +122,33 @@ def test_a_grpo_step_dispatches_prompts_longest_first_and_reports_the_rank_corre
     assert [c.per_item for c in calls] == sorted((c.per_item for c in calls), reverse=True)
     rollout = {e.id for e in executors if "rollout" in e.tags}
     assert {call.executor for call in calls} == rollout
+
+
+# events on a step's calls: assign a new call, an item of call i finished at size s, close call i
+_EVENTS = st.lists(st.one_of(
+    st.tuples(st.just("assign"), st.integers(0, 5)),
+    st.tuples(st.just("finished"), st.integers(0, 30), st.integers(1, 500)),
+    st.tuples(st.just("closed"), st.integers(0, 30))), max_size=60)
+
+
+@given(_EVENTS)
+def test_the_open_work_kept_call_by_call_is_the_sum_over_the_calls(events):
+    # assign() reads each executor's open work from running sums, never walking the step's
+    # calls (which made a step's dispatch quadratic in its calls): they must stay the sums
+    balancer = Balancer(_taught(_SKEWED), [0, 1, 2], count=4, budget=512)
+    lineages: list[tuple] = []
+    for event in events:
+        if event[0] == "assign":
+            lineages.append((len(lineages),))
+            balancer.assign(lineages[-1], event[1])
+        elif lineages:
+            lineage = lineages[event[1] % len(lineages)]
+            if event[0] == "finished":
+                balancer.finished(lineage, event[2])
+            else:
+                balancer.closed(lineage)
+        for executor in (0, 1, 2):
+            calls = [c for c in balancer.calls.values() if c.executor == executor]
+            assert balancer.load[executor] == pytest.approx(
+                sum(c.remaining() for c in calls), abs=1e-6)
+            assert balancer.open_calls[executor] == sum(c.open for c in calls)
