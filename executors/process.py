@@ -106,6 +106,7 @@ class Executor:
         self.socket_lock = threading.Lock()
         self.op_seq, self.in_op = 0, False
         self.batch_running: Task | None = None  # a batched task's op runs [Note: early items]
+        self.parts: dict[int, tuple] = {}  # task id -> (task, first index, descriptions) to send
         self.watch = CompletionWatch(self)
         self.running = True
         self.cleanup_hooks: list = []  # run before exit, even when the controller died
@@ -449,11 +450,14 @@ class Executor:
             finally:
                 self.in_op = False
                 self.socket_lock.acquire()
+                if self.parts:
+                    self.send_parts()  # what this iteration finished goes now
 
     def _emit(self, task: Task, value: Any) -> None:
         """Item `value` of a streaming task, yielded by its op: kept as an object of its own
-        [Note: part ids in flowkit/wire/protocol.py] and told of at once. Runs on the op
-        thread, which holds the sockets only for the moment it sends."""
+        [Note: part ids in flowkit/wire/protocol.py] and told of with the items yielded with
+        it [Note: parts in batches]. Runs on the op thread, which holds the sockets only for
+        the moment it stores the item."""
         index = len(task.streamed)
         described = describe(part_id(task.spec.outputs[0], index), value, task.spec.report_key,
                              task.spec.trace_key)
@@ -461,8 +465,19 @@ class Executor:
         task.streamed.append(described)
         with self.socket_lock:
             self._store(described["id"], value)
-            self._send(Msg.PART, {"task": task.spec.id, "index": index, "start": task.start,
-                                  "end": time.time(), "output": described})
+            self.parts.setdefault(task.spec.id, (task, index, []))[2].append(described)
+
+    def send_parts(self) -> None:
+        """[Note: parts in batches] The items streaming tasks yielded since the last call, one
+        PARTS message a task: a rollout engine's decoding iteration finishes many samples at
+        once, and a message for each was most of the controller's traffic. Sent after each
+        background step and op, by the watch while an op runs long, and always before any
+        completion (a task's parts must reach the controller before its end)."""
+        parts, self.parts = self.parts, {}
+        now = time.time()
+        for task, first, outputs in parts.values():
+            self._send(Msg.PARTS, {"task": task.spec.id, "index": first, "start": task.start,
+                                   "end": now, "outputs": outputs})
 
     def _call(self, task: Task, args: list) -> Any:
         """Run one op; while it runs the sockets belong to the watch, which takes them over if
@@ -526,6 +541,8 @@ class Executor:
                                  "start": start or time.time(), "end": time.time()})
 
     def _flush_completions(self) -> None:
+        if self.parts:
+            self.send_parts()
         if self.completions:
             items, self.completions = self.completions, []
             self._send(Msg.DONE, {"items": [described(item) for item in items]})

@@ -232,11 +232,18 @@ class FlowRunner:
         return run.report()
 
     def react(self, timeout: float) -> None:
-        """Run the next reaction (queue.Empty if none comes within `timeout`) and every one
-        queued behind it, then let the open steps look at the nodes they touched [Note:
-        batched per-item calls in steprun.py]."""
+        """Run the next reaction (queue.Empty if none comes within `timeout`; none is waited
+        for while a step has nodes to look at) and every one queued behind it, then let the
+        open steps look at the nodes they touched [Note: batched per-item calls in
+        steprun.py]."""
         events = self.events
-        events.get(timeout=timeout)()
+        if any(run.touched for run in self.open.values()):  # a turn left to take: no wait
+            try:
+                events.get_nowait()()
+            except queue.Empty:
+                pass
+        else:
+            events.get(timeout=timeout)()
         for _ in range(_BURST):
             try:
                 event = events.get_nowait()

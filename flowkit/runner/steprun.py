@@ -59,6 +59,7 @@ TRAINING_CALLS = (Call.PIPELINE, Call.STEP)  # a model's backprop and optimizer 
 # [Note: batched per-item calls]: at most this many items a task, and a burst of ready items is
 # spread over the executors in tasks of at least _SPLIT_ITEMS
 _BATCH_ITEMS, _SPLIT_ITEMS = 256, 16
+_CALLS_PER_TURN = 64  # balanced calls sent between two bursts of reactions
 
 
 @attrs.frozen
@@ -214,12 +215,12 @@ class StepRun:
             touched[consumer] = None
 
     def settle(self) -> None:
-        """Look at the nodes the reactions since the last call touched, in the flow's order."""
-        while self.touched:
-            touched, self.touched = self.touched, {}
-            for node in self.wiring.plan:
-                if node.name in touched:
-                    self.progress(node.name)
+        """Look at the nodes the reactions since the last call touched, in the flow's order;
+        a node with calls left to send touches itself again, for the next turn."""
+        touched, self.touched = self.touched, {}
+        for node in self.wiring.plan:
+            if node.name in touched:
+                self.progress(node.name)
 
     def _on_part(self, name: str, lineage: tuple, part: Any) -> None:
         """Item j of a streaming call [Note: streaming ops in executors/optable.py]: into the
@@ -294,8 +295,8 @@ class StepRun:
                     plan, stats, functools.partial(self._watch, state))
             else:
                 self._submit_once(state)
-        if inputs_closed and state.pending == 0 and (state.started or plan.call in (
-                Call.PER_ITEM, Call.PER_GROUP)):
+        if inputs_closed and state.pending == 0 and not state.backlog and (
+                state.started or plan.call in (Call.PER_ITEM, Call.PER_GROUP)):
             policy = self.policies.get(name)
             if policy is not None and not policy.may_close():
                 return  # e.g. the step before may still carry calls over to this one
@@ -310,6 +311,10 @@ class StepRun:
                 self.progress(consumer)
 
     def _submit_items(self, state: NodeState, live: list[InputRule]) -> None:
+        if state.backlog:
+            self._submit_backlog(state)
+            if state.backlog:
+                return  # what arrived meanwhile is read once the backlog is out
         streaming = [r for r in live if r.granularity is Granularity.STREAM]
         barriers = [r for r in live if r.granularity is not Granularity.STREAM]
         if any(not self.streams.of(r).closed for r in barriers):
@@ -351,9 +356,21 @@ class StepRun:
             return
         keys = self.streams.of(workload.lead).keys if workload.keyed else {}
         by_lineage = dict(ready)
-        for lineage, key in balancer.order([(lin, keys.get(lin)) for lin, _ in ready]):
-            self._submit(state, lineage, by_lineage[lineage],
-                         executor=balancer.assign(lineage, key))
+        state.backlog.extend((lineage, key, by_lineage[lineage]) for lineage, key in
+                             balancer.order([(lin, keys.get(lin)) for lin, _ in ready]))
+        self._submit_backlog(state)
+
+    def _submit_backlog(self, state: NodeState) -> None:
+        """The next _CALLS_PER_TURN of a balanced node's calls, longest first, each to the
+        executor with the least work open then; the rest wait for the next turn, so that the
+        reactions to the first calls' samples run meanwhile (a step's thousands of generation
+        calls would otherwise hold back the first sample's downstream ops while they go out)."""
+        balancer = self.balancers[state.plan.name]
+        turn, state.backlog = state.backlog[:_CALLS_PER_TURN], state.backlog[_CALLS_PER_TURN:]
+        for lineage, key, refs in turn:
+            self._submit(state, lineage, refs, executor=balancer.assign(lineage, key))
+        if state.backlog:
+            self.touched[state.plan.name] = None
 
     def _submit_batches(self, state: NodeState, ready: list[tuple[tuple, dict]],
                         streaming: list[InputRule]) -> None:

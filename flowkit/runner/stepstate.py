@@ -81,6 +81,7 @@ class NodeState:
     first_start: float | None = None
     last_end: float | None = None
     first_item: float | None = None  # when its first streamed item was ready (wall clock)
+    backlog: list = attrs.field(factory=list)  # balanced calls to send: (lineage, key, refs)
     pipeline: Any = None  # a backprop's Feeding (flowtrain.py)
     streamed: dict = attrs.field(factory=lambda: defaultdict(int))  # lineage -> items so far
 

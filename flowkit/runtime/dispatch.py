@@ -157,8 +157,10 @@ class Dispatcher:
         executor.last_seen = time.monotonic()
         if kind == Msg.DONE:
             self._on_done(executor, header["items"])
+        elif kind == Msg.PARTS:
+            self._on_part(executor, header, header["outputs"])
         elif kind == Msg.PART:
-            self._on_part(executor, header)
+            self._on_part(executor, header, [header["output"]])
         elif kind == Msg.ITEMS:
             self._on_items(executor, header)
         elif kind == Msg.VALUE:
@@ -206,30 +208,31 @@ class Dispatcher:
                         remote_traceback=item.get("traceback", "")))
             self.condition.notify_all()
 
-    def _on_part(self, executor: ExecutorInfo, header: dict) -> None:
-        """An item a streaming task yielded: an object of its own on `executor` [Note: part
-        ids], handed to the task's `on_part` as a done future."""
+    def _on_part(self, executor: ExecutorInfo, header: dict, outputs: list) -> None:
+        """Items a streaming task yielded, from item `index` on: each an object of its own on
+        `executor` [Note: part ids], handed to the task's `on_part` as a done future."""
         task = self._tasks.get(header["task"])
         if task is None or task.state != "pending" or task.on_part is None:
             return  # failed or cancelled meanwhile: the part goes with the task's objects
-        out, index = header["output"], header["index"]
-        if index != task.parts or task.executor != executor.id or \
-                out["id"] != part_id(task.outputs[0], index):
-            raise ProtocolError(f"part {index} of task {task.id} is out of order, from the "
-                                f"wrong executor or misnamed (id {out['id']})")
-        task.parts += 1
-        if "trace" in out:
-            _trace(task, out["trace"])
-        record = self._objects[out["id"]] = ObjectRecord(
-            out["id"], executor.id, task.id, produced=True, holders=frozenset((executor.id,)),
-            nbytes=out["nbytes"])
-        future = Future(record.id, self._owner)
-        end = float(header["end"])
-        future.keys, future.timing = out.get("keys"), (float(header.get("start", end)), end)
+        index, end = header["index"], float(header["end"])
+        timing = (float(header.get("start", end)), end)
+        for offset, out in enumerate(outputs):
+            if index + offset != task.parts or task.executor != executor.id or \
+                    out["id"] != part_id(task.outputs[0], index + offset):
+                raise ProtocolError(f"part {index + offset} of task {task.id} is out of order, "
+                                    f"from the wrong executor or misnamed (id {out['id']})")
+            task.parts += 1
+            if "trace" in out:
+                _trace(task, out["trace"])
+            record = self._objects[out["id"]] = ObjectRecord(
+                out["id"], executor.id, task.id, produced=True,
+                holders=frozenset((executor.id,)), nbytes=out["nbytes"])
+            future = Future(record.id, self._owner)
+            future.keys, future.timing = out.get("keys"), timing
+            with self.condition:
+                self._callbacks += _resolve(future, executor.id, record.nbytes, out)
+                self._callbacks.append((task.on_part, future))
         with self.condition:
-            resolved = _resolve(future, executor.id, record.nbytes, out)
-            self._callbacks += resolved
-            self._callbacks.append((task.on_part, future))
             self.condition.notify_all()
 
     def _complete(self, task: TaskRecord, executor: ExecutorInfo, outputs: list) -> None:

@@ -27,13 +27,15 @@ PROTOCOL_VERSION = 3  # 2: streamed results (PART); 3: batched tasks and their e
 
 class Msg:
     """Message types. Controller -> executor: WELCOME RUN SEND FREE FETCH PUT CANCEL SHUTDOWN PING.
-    Executor -> controller: HELLO PART ITEMS DONE VALUE PONG ERROR. Executor -> executor: DATA."""
+    Executor -> controller: HELLO PART PARTS ITEMS DONE VALUE PONG ERROR. Executor -> executor:
+    DATA."""
 
     HELLO = "hello"  # who I am: name, tags, device, ops, peer addresses
     WELCOME = "welcome"  # your executor id, heartbeat settings
     PING = "ping"  # heartbeat, both ways
     RUN = "run"  # a batch of tasks: op, config, input and output object ids
     PART = "part"  # one item a streaming task yielded, before the task is done
+    PARTS = "parts"  # several items a streaming task yielded, in one message
     ITEMS = "items"  # the items a batched task has finished, while it runs on
     DONE = "done"  # a batch of completions (or failures) with timings
     SEND = "send"  # push these objects to a peer executor once each exists
@@ -54,6 +56,7 @@ _SCHEMA: dict[str, Schema] = {
     Msg.PING: {},
     Msg.RUN: {"tasks": list},
     Msg.PART: {"task": int, "index": int, "end": (int, float), "output": dict},
+    Msg.PARTS: {"task": int, "index": int, "end": (int, float), "outputs": list},
     Msg.ITEMS: {"task": int, "first": int, "end": (int, float), "outputs": list},
     Msg.DONE: {"items": list},
     Msg.SEND: {"objects": list, "to": int, "address": str},
@@ -113,6 +116,11 @@ def decode(parts: Sequence) -> tuple[dict[str, Any], list]:
         header["specs"] = decode_tasks(header["tasks"])
     elif kind == Msg.PART:
         check_fields("part output", header["output"], _PART_OUTPUT_SCHEMA)
+    elif kind == Msg.PARTS:
+        for output in header["outputs"]:
+            if type(output) is not dict:
+                raise ProtocolError(f"parts: an output must be a map, got {output!r:.80}")
+            check_fields("part output", output, _PART_OUTPUT_SCHEMA)
     elif kind == Msg.ITEMS:
         for output in header["outputs"]:
             if type(output) is not dict:

@@ -137,3 +137,16 @@ def _scored_before_prompt_done(generated, scored) -> list[float]:
         first_scored = min(scored.items[lin].timing[0] for lin in samples)
         early.append(last_done - first_scored)
     return early
+
+
+@pytest.mark.parametrize(("fields", "error"), [
+    ({"task": 1, "index": 0, "end": 1.0}, "missing field 'outputs'"),
+    ({"task": 1, "index": 0, "end": 1.0, "outputs": [3]}, "an output must be a map"),
+    ({"task": 1, "index": 0, "end": 1.0, "outputs": [{"id": 1}]}, "part output: missing"),
+])
+def test_a_malformed_parts_message_is_a_protocol_error(fields, error):
+    # [Note: parts in batches in executors/process.py]: several parts in one message
+    with pytest.raises(ProtocolError, match=error):
+        decode([msgpack.packb({"v": PROTOCOL_VERSION, "t": "parts", **fields})])
+    decode(encode("parts", {"task": 1, "index": 0, "end": 1.0,
+                            "outputs": [{"id": 1, "nbytes": 0}, {"id": 2, "nbytes": 0}]}))
