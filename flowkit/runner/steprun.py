@@ -503,12 +503,10 @@ class StepRun:
         self._watch(state, lineage, futures if outputs > 1 else (futures,), register=True)
 
     def _config(self, plan: NodePlan, lineage: tuple, extra: dict | None,
-                ports: list[str] | None = None) -> dict:
-        """The config of a call of `plan`'s op (a model op's sampling config afresh: its
-        call policy may change it per call)."""
+                ports: list[str]) -> dict:
+        """The config of a call of `plan`'s op on inputs `ports` (a model op's sampling config
+        afresh: its call policy may change it per call)."""
         if plan.op == "python":
-            if ports is None:
-                ports = [rule.port for rule in plan.inputs if not rule.feedback]
             fn_config = {**plan.config, "step": self.step} if plan.takes_step else plan.config
             return {"target": plan.target, "config": fn_config, "ports": ports,
                     "outputs": list(plan.outputs), "many": list(plan.many)}
