@@ -514,7 +514,8 @@ class Executor:
         try:
             outputs = [describe(i, v, spec.report_key, spec.trace_key) for i, v in pairs]
         except SerializeError:
-            return  # the completion fails the task, saying why
+            self.batch_running = None  # answered no more early: its completion says why
+            return
         for object_id, value in pairs:
             self._store(object_id, value)
         task.answered = done

@@ -14,7 +14,8 @@ shape. Every forward therefore has a shape fixed by its rows' own lengths: a rol
 its length rounded up to a power of two (16 at least), rollouts of one width share forwards of
 exactly `rows` = min(max_batch, max_tokens // width) rows, padded with empty rows. A rollout's
 scores are then the same bits alone or in any batch (the approach of batch-invariant inference
-kernels), and a run's results do not depend on its timing.
+kernels), and a run's results do not depend on its timing. The price: a rollout that comes
+alone still runs a forward of `rows` rows (at most 32 of 16 tokens, 8 of 512).
 
 [Note: response positions] Response token k of a rollout with P prompt tokens sits at position
 P + k of prompt + response, and is predicted by the model's output at position P + k - 1. Its
@@ -38,7 +39,9 @@ from flowkit.ops.records import TokenScores
 
 __all__ = ["register"]
 
-_MAX_TOKENS = 16384  # padded tokens in one forward: bounds the activations of a batch
+# padded tokens in one forward: bounds its activations (a float64 copy of the logits is
+# tokens x vocabulary x 8 bytes) and what a lone rollout's fixed-shape forward costs
+_MAX_TOKENS = 4096
 _MIN_WIDTH = 16  # [Note: batch-invariant forwards]: the narrowest forward
 
 

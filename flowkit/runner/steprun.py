@@ -408,7 +408,7 @@ class StepRun:
             plan.op, *(refs[p] for p in ports),
             per_item=[j for j, port in enumerate(ports) if port in varying],
             config=self._config(plan, (), None, ports), tags=plan.tags, outputs=outputs,
-            meta={"node": plan.name, "step": self.step, "items": len(lineages)},
+            meta={"node": plan.name, "step": self.step, "batch_items": len(lineages)},
             report_key=self.wiring.report_keys.get(plan.name), trace_key=plan.trace_key,
             on_items=lambda early: events.put(
                 functools.partial(self._on_batch_items, plan.name, batch, *early)))

@@ -100,11 +100,16 @@ class Future:
         self._wait(timeout)
         if self._error is not None:
             raise self._error
-        if self._value is _NO_VALUE:
-            if self._body is None:
-                return self._controller.fetch(self, timeout=timeout)
-            self._value, self._body = unpack(self._body, []), None
-        return self._value
+        value = self._value
+        if value is _NO_VALUE:
+            body = self._body  # once: another thread may decode it meanwhile
+            if body is None:
+                value = self._value
+                return value if value is not _NO_VALUE else self._controller.fetch(
+                    self, timeout=timeout)
+            value = self._value = unpack(body, [])
+            self._body = None
+        return value
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         self._wait(timeout)

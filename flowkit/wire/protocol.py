@@ -122,10 +122,16 @@ def decode(parts: Sequence) -> tuple[dict[str, Any], list]:
                 raise ProtocolError(f"parts: an output must be a map, got {output!r:.80}")
             check_fields("part output", output, _PART_OUTPUT_SCHEMA)
     elif kind == Msg.ITEMS:
+        if not header["outputs"]:
+            raise ProtocolError("items: a message of early items names at least one")
         for output in header["outputs"]:
             if type(output) is not dict:
                 raise ProtocolError(f"items: an output must be a map, got {output!r:.80}")
             check_fields("items output", output, _ITEMS_OUTPUT_SCHEMA)
+            if type(output.get("nbytes", 0)) is not int or type(
+                    output.get("inline", b"")) is not bytes:
+                raise ProtocolError(f"items: an output's nbytes must be an int and its inline "
+                                    f"value bytes, got {output!r:.80}")
     return header, list(parts[1:])
 
 

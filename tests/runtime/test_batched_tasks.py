@@ -87,3 +87,14 @@ def test_items_finished_while_a_slow_one_runs_are_answered_early(cluster):
     assert [f.result(timeout=10) for f in futures] == [0, 1, 2, 3]
     # an item answered early is an object like any other: tasks read it, wherever they run
     assert ctl.submit("python", futures[1], 10, config={**ADD}).result(timeout=10) == 11
+
+
+def test_a_traced_batched_task_reports_each_items_field(cluster):
+    # a batched task's span lists every item's traced field, as a task's does for its outputs
+    ctl, _ = cluster
+    done = _tasks_done(ctl)
+    records = [{"version": v} for v in (3, 4, 5)]
+    futures = ctl.submit_items("identity", records, per_item=[0], trace_key="version",
+                               meta={"node": "n", "batch_items": 3})
+    assert [f.result(timeout=10) for f in futures] == records
+    assert done[-1].meta["items"] == [3, 4, 5] and done[-1].meta["batch_items"] == 3

@@ -66,3 +66,13 @@ def test_items_that_are_not_the_next_ones_are_refused(batch, case):
         _items(state, task_id, first, ids, sender)
     state.run_callbacks()
     assert not any(f.done() for f in futures) and heard == []
+
+
+@pytest.mark.parametrize(("outputs", "error"), [
+    ([], "at least one"),
+    ([{"id": 5, "nbytes": "many"}], "nbytes must be an int"),
+    ([{"id": 5, "inline": [1, 2]}], "inline value bytes"),
+])
+def test_early_items_that_would_corrupt_the_books_are_malformed(outputs, error):
+    with pytest.raises(ProtocolError, match=error):
+        decode(encode(Msg.ITEMS, {"task": 1, "first": 0, "end": 2.0, "outputs": outputs}))
