@@ -170,10 +170,13 @@ def evaluating(module: torch.nn.Module):
         module.train(was)
 
 
-def right_padded(seqs: list[list[int]], device: torch.device) -> torch.Tensor:
-    """(B, longest) token ids, each sequence followed by 0s (harmless to a causal model)."""
-    width = max(len(s) for s in seqs)
-    return torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=device)
+def right_padded(seqs: list[list[int]], device: torch.device,
+                 shape: tuple[int, int] | None = None) -> torch.Tensor:
+    """(B, longest) token ids, each sequence followed by 0s (harmless to a causal model); with
+    `shape` (rows, width), that many rows of that width, the rows past the sequences all 0s."""
+    rows, width = shape or (len(seqs), max(len(s) for s in seqs))
+    padded = [s + [0] * (width - len(s)) for s in seqs] + [[0] * width] * (rows - len(seqs))
+    return torch.tensor(padded, device=device)
 
 
 # -- weights between splits [Note: unsplit names in executors/torch/weights.py] ---------------

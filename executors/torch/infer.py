@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from executors.optable import OpContext, OpTable
 from executors.torch import lm
-from executors.torch.held import evaluating, whole_model
+from executors.torch.held import evaluating, right_padded, whole_model
 from flowkit.ops.records import TokenScores
 
 __all__ = ["register"]
@@ -96,7 +96,7 @@ def _per_token(ctx: OpContext, rollouts: Any, score, limits: tuple[int, int],
         chunk = [items[i] for i in indices]
         full = [list(r.prompt_tokens) + list(r.response_tokens) for r in chunk]
         out = _run(model, [s[:-1] for s in full], chunk, shape)
-        targets = _padded([s[1:] for s in full], shape, out.device)
+        targets = right_padded([s[1:] for s in full], out.device, shape)
         scores = score(out, targets)
         for b, (i, r) in enumerate(zip(indices, chunk)):
             start, stop = len(r.prompt_tokens) - 1, len(full[b]) - 1
@@ -118,14 +118,7 @@ def _run(model: torch.nn.Module, seqs: list[list[int]], rollouts: list,
                          "whose context holds prompt + response")
     device = next(model.parameters()).device
     with evaluating(model):
-        return model(_padded(seqs, shape, device))
-
-
-def _padded(seqs: list[list[int]], shape: tuple[int, int], device: Any) -> torch.Tensor:
-    """(rows, width) token ids: each sequence followed by 0s, then rows of 0s."""
-    rows, width = shape
-    padded = [s + [0] * (width - len(s)) for s in seqs] + [[0] * width] * (rows - len(seqs))
-    return torch.tensor(padded, device=device)
+        return model(right_padded(seqs, device, shape))
 
 
 def _as_list(rollouts: Any) -> tuple[list, bool]:

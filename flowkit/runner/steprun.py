@@ -182,13 +182,10 @@ class StepRun:
         into the node's streams now, so a slow item holds back no other."""
         if first != batch.registered:
             return  # answered out of order, which the dispatcher refuses: the end brings them
-        start, end = batch.outputs[first][0].timing
+        start, _ = batch.outputs[first][0].timing
         state = self.states[name]
         state.first_start = min(start, state.first_start or start)
-        for i in range(first, first + count):
-            self._register_outputs(state.plan, batch.lineages[i], batch.outputs[i])
-        batch.registered = first + count
-        self._touch(name)
+        self._register_batch(state, batch, first + count)
 
     def _on_batch_done(self, name: str, batch: _Batch) -> None:
         """A batched task is done: its items not yet in, into the node's streams."""
@@ -201,10 +198,14 @@ class StepRun:
         start, end = last.timing
         state.first_start = min(start, state.first_start or start)
         state.last_end = max(end, state.last_end or end)
-        for i in range(batch.registered, len(batch.lineages)):
+        self._register_batch(state, batch, len(batch.lineages))
+
+    def _register_batch(self, state: NodeState, batch: _Batch, upto: int) -> None:
+        """A batch's items not yet in the node's streams, up to item `upto`, into them."""
+        for i in range(batch.registered, upto):
             self._register_outputs(state.plan, batch.lineages[i], batch.outputs[i])
-        batch.registered = len(batch.lineages)
-        self._touch(name)
+        batch.registered = upto
+        self._touch(state.plan.name)
 
     def _touch(self, name: str) -> None:
         """`name` has new outputs or work done: it and its consumers are looked at in `settle`
@@ -348,7 +349,7 @@ class StepRun:
                 ready.append((lineage, refs))
         balancer = self.balancers.get(state.plan.name)
         if balancer is None:
-            if policy is None and len(ready) > 1 and self._part_watch(state.plan, ()) is None:
+            if policy is None and len(ready) > 1 and not self._streams_parts(state.plan):
                 self._submit_batches(state, ready, streaming)
                 return
             for lineage, refs in ready:
@@ -517,13 +518,17 @@ class StepRun:
         config.update(extra or {})
         return config
 
-    def _part_watch(self, plan: NodePlan, lineage: tuple) -> Any:
-        """The call's items, each as it is yielded, when it has one output of many items and
-        the run is fused (unfused, consumers wait for the whole stream anyway)."""
+    def _streams_parts(self, plan: NodePlan) -> bool:
+        """Whether a call's items go downstream each as it is yielded: one output of many
+        items, in a fused run (unfused, consumers wait for the whole stream anyway)."""
         policy = self.policies.get(plan.name)
-        if not (self.wiring.fuse and plan.many == (True,)) or (
-                policy is not None and not policy.streams_parts):
-            return None  # e.g. a partial-rollout group goes downstream whole
+        return self.wiring.fuse and plan.many == (True,) and (
+            policy is None or policy.streams_parts)  # a partial-rollout group goes whole
+
+    def _part_watch(self, plan: NodePlan, lineage: tuple) -> Any:
+        """The call's items, each as it is yielded, if it streams them (`_streams_parts`)."""
+        if not self._streams_parts(plan):
+            return None
         events = self.ctx.events
         return lambda part: events.put(functools.partial(self._on_part, plan.name, lineage, part))
 

@@ -216,23 +216,23 @@ class Dispatcher:
             return  # failed or cancelled meanwhile: the part goes with the task's objects
         index, end = header["index"], float(header["end"])
         timing = (float(header.get("start", end)), end)
-        for offset, out in enumerate(outputs):
-            if index + offset != task.parts or task.executor != executor.id or \
-                    out["id"] != part_id(task.outputs[0], index + offset):
-                raise ProtocolError(f"part {index + offset} of task {task.id} is out of order, "
-                                    f"from the wrong executor or misnamed (id {out['id']})")
-            task.parts += 1
-            if "trace" in out:
-                _trace(task, out["trace"])
-            record = self._objects[out["id"]] = ObjectRecord(
-                out["id"], executor.id, task.id, produced=True,
-                holders=frozenset((executor.id,)), nbytes=out["nbytes"])
-            future = Future(record.id, self._owner)
-            future.keys, future.timing = out.get("keys"), timing
-            with self.condition:
+        with self.condition:
+            for offset, out in enumerate(outputs):
+                if index + offset != task.parts or task.executor != executor.id or \
+                        out["id"] != part_id(task.outputs[0], index + offset):
+                    raise ProtocolError(f"part {index + offset} of task {task.id} is out of "
+                                        f"order, from the wrong executor or misnamed "
+                                        f"(id {out['id']})")
+                task.parts += 1
+                if "trace" in out:
+                    _trace(task, out["trace"])
+                record = self._objects[out["id"]] = ObjectRecord(
+                    out["id"], executor.id, task.id, produced=True,
+                    holders=frozenset((executor.id,)), nbytes=out["nbytes"])
+                future = Future(record.id, self._owner)
+                future.keys, future.timing = out.get("keys"), timing
                 self._callbacks += _resolve(future, executor.id, record.nbytes, out)
                 self._callbacks.append((task.on_part, future))
-        with self.condition:
             self.condition.notify_all()
 
     def _complete(self, task: TaskRecord, executor: ExecutorInfo, outputs: list) -> None:
