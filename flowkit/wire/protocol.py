@@ -112,6 +112,10 @@ def decode(parts: Sequence) -> tuple[dict[str, Any], list]:
     if schema is None:
         raise ProtocolError(f"unknown message type {kind!r}")
     check_fields(kind, header, schema)
+    if kind in (Msg.PART, Msg.PARTS, Msg.ITEMS) and type(header.get("start", 0.0)) not in (
+            int, float):
+        raise ProtocolError(f"{kind}: field 'start' must be a time, got "
+                            f"{header['start']!r:.80}")
     if kind == Msg.RUN:
         header["specs"] = decode_tasks(header["tasks"])
     elif kind == Msg.PART:

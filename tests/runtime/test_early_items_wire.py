@@ -76,3 +76,14 @@ def test_items_that_are_not_the_next_ones_are_refused(batch, case):
 def test_early_items_that_would_corrupt_the_books_are_malformed(outputs, error):
     with pytest.raises(ProtocolError, match=error):
         decode(encode(Msg.ITEMS, {"task": 1, "first": 0, "end": 2.0, "outputs": outputs}))
+
+
+@pytest.mark.parametrize("kind", [Msg.ITEMS, Msg.PARTS, Msg.PART])
+def test_a_start_that_is_no_time_is_malformed(kind):
+    fields = {"task": 1, "end": 2.0, "start": "soon"}
+    output = {"id": 5, "nbytes": 0}
+    fields.update({Msg.ITEMS: {"first": 0, "outputs": [output]},
+                   Msg.PARTS: {"index": 0, "outputs": [output]},
+                   Msg.PART: {"index": 0, "output": output}}[kind])
+    with pytest.raises(ProtocolError, match="'start' must be a time"):
+        decode(encode(kind, fields))
