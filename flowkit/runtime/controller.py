@@ -31,6 +31,7 @@ from flowkit.runtime.registry import ExecutorInfo
 from flowkit.wire.auth import CONTROLLER, Gate, Keys, check_bind, curve_server
 from flowkit.wire.protocol import Msg, ProtocolError, decode, encode, send_frames
 from flowkit.wire.refs import Gather
+from flowkit.wire.schema import shown
 from flowkit.wire.serialize import SerializeError
 from flowkit.wire.task import MAX_ITEMS, TaskSpec
 
@@ -342,14 +343,27 @@ class Controller:
             try:
                 header, frames = decode(parts)
                 self._state.on_message(identity, header, frames)
+            except KeyboardInterrupt:  # Ctrl-C, in a user thread that drives: the user's
+                raise
             except (ProtocolError, SerializeError) as exc:
-                log.warning("rejected a message from %r: %s", identity, exc)
-                self._send_raw([identity, *encode(Msg.ERROR, {"reason": str(exc)})])
+                self._reject(identity, exc)
+            except BaseException as exc:  # noqa: BLE001 - [Note: a message never kills IO]
+                log.error("handling a message from %s failed", shown(identity),
+                          exc_info=exc)
+                self._reject(identity, exc)
             if self._wanted or until is not None and until():
                 return  # what is left goes to the next driver (a user blocked on the lock, soon)
             # EVENTS costs less than the zmq.Again a non-blocking recv raises when empty
             if not router.getsockopt(_EVENTS) & _POLLIN:
                 return
+
+    def _reject(self, identity: bytes, exc: BaseException) -> None:
+        """[Note: a message never kills IO] Whatever handling a message raises, SystemExit
+        included, rejects that message alone: its sender hears why, the IO thread goes on."""
+        reason = shown(f"{type(exc).__name__}: {exc}" if not isinstance(
+            exc, (ProtocolError, SerializeError)) else str(exc), 300)
+        log.warning("rejected a message from %s: %s", shown(identity), reason)
+        self._send_raw([identity, *encode(Msg.ERROR, {"reason": reason})])
 
     def _send_raw(self, parts: list) -> None:
         # Small messages go by copy: a zero-copy send makes pyzmq track the buffer's release
@@ -399,7 +413,7 @@ class Controller:
             try:
                 if not self._stopping:
                     self._pump(0.02)
-            except Exception:
+            except BaseException:  # noqa: BLE001 - no KeyboardInterrupt reaches this thread
                 # this thread must outlive any one failure: runs wait on events that only
                 # its callbacks deliver, so its death would hang them until their timeout
                 if not self._stopping:

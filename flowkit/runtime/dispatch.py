@@ -20,7 +20,7 @@ from flowkit.runtime.futures import ExecutorLost, Future, Owner, RemoteError, Ta
 from flowkit.runtime.registry import ExecutorInfo, ObjectRecord, TaskRecord
 from flowkit.wire.protocol import Msg, ProtocolError, encode, part_id
 from flowkit.wire.refs import Gather, Item, object_ids
-from flowkit.wire.serialize import SerializeError, pack, unpack
+from flowkit.wire.serialize import SerializeError, declared_modules, pack, unpack
 from flowkit.wire.task import TaskSpec
 
 __all__ = ["Dispatcher", "NoExecutor"]
@@ -185,15 +185,20 @@ class Dispatcher:
         self._send(executor, Msg.WELCOME, {"executor": executor.id,
                                            "ping_interval": self.ping_interval,
                                            "ping_timeout": self.ping_timeout,
-                                           "heartbeat_address": self.heartbeat_address})
+                                           "heartbeat_address": self.heartbeat_address,
+                                           # [Note: record registry] in wire/serialize.py
+                                           "modules": declared_modules()})
         self._emit("executor_joined", {"executor": executor})
 
     def _on_done(self, executor: ExecutorInfo, items: list) -> None:
-        tasks, inflight = self._tasks, executor.inflight
+        tasks, inflight, refused = self._tasks, executor.inflight, []
         with self.condition:
             for item in items:
-                task = tasks.get(item.get("task"))
+                task = tasks.get(item["task"])
                 if task is None or task.state != "pending":
+                    continue
+                if item["ok"] and not _names_its_outputs(task, item.get("outputs", ())):
+                    refused.append(task.id)  # the other completions still count
                     continue
                 executor.outstanding -= 1
                 inflight.pop(task.id, None)
@@ -207,6 +212,9 @@ class Dispatcher:
                         op=task.op, executor=executor.name,
                         remote_traceback=item.get("traceback", "")))
             self.condition.notify_all()
+        if refused:
+            raise ProtocolError(f"done: the completions of tasks {refused[:8]} name outputs "
+                                "that are not those tasks' own")
 
     def _on_part(self, executor: ExecutorInfo, header: dict, outputs: list) -> None:
         """Items a streaming task yielded, from item `index` on: each an object of its own on
@@ -621,6 +629,15 @@ def _trace(task: TaskRecord, values: Any) -> None:
                     task.op, type(values).__name__)
         return
     task.meta = {**task.meta, "items": [*task.meta.get("items", ()), *values]}
+
+
+def _names_its_outputs(task: TaskRecord, outputs: Sequence) -> bool:
+    """Whether a completion describes exactly the outputs of `task` not yet answered (a
+    batched task's early items were [Note: early items]): another object's future must never
+    resolve through it."""
+    expected = task.outputs[task.answered:]
+    return len(outputs) == len(expected) and all(
+        out["id"] == object_id for out, object_id in zip(outputs, expected))
 
 
 def _ids_of(refs: list) -> list[int]:

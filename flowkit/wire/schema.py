@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ProtocolError", "Schema", "check_fields"]
+__all__ = ["ProtocolError", "Schema", "check_fields", "shown"]
 
 Schema = dict[str, type | tuple[type, ...]]  # field -> its Python type(s)
 
@@ -30,3 +30,10 @@ def check_fields(kind: str, fields: dict[str, Any], schema: Schema) -> None:
                                 (expected if isinstance(expected, tuple) else (expected,)))
             raise ProtocolError(f"{kind}: field {field!r} must be {names}, got "
                                 f"{type(value).__name__}")
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """A peer-supplied value as logs and messages may show it: escaped (repr: no control
+    characters, no terminal escapes, no line breaks) and at most `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
