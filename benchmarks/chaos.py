@@ -65,7 +65,7 @@ def executors_of(parent: int) -> dict[int, str]:
 
 
 def chaos_run(folder: Path, seed: int, *args: str, kills: int = 2, steps: int = STEPS,
-              first_s: tuple[float, float] = (0.2, 3.0), gap_s: tuple[float, float] = (0.0, 2.5),
+              first_s: tuple[float, float] = (0.2, 5.0), gap_s: tuple[float, float] = (0.0, 3.0),
               ) -> ChaosRun:
     """Run the flow and kill -9 a random executor `kills` times: the first a random moment in
     `first_s` after the start, each next one a random moment in `gap_s` after the one before
