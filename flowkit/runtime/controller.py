@@ -446,7 +446,9 @@ class _Heartbeat(threading.Thread):
         self.ctl, self.interval, self.timeout = ctl, interval, timeout
         self.sock = ctl._socket(zmq.ROUTER, bind, server=True)
         self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.connections = ConnectionWatch(self.sock)
+        # a socket has one monitor, and with keys the gate's watches the handshakes: then a
+        # closed connection is seen by the process's exit or the ping timeout alone
+        self.connections = None if ctl._gate is not None else ConnectionWatch(self.sock)
         self.last_seen: dict[int, float] = {}
         self.lost: set[int] = set()
         # executor id -> the connection (fd) its first ping came on, and back: only that one
@@ -459,13 +461,15 @@ class _Heartbeat(threading.Thread):
     def stop(self) -> None:
         self._stop_event.set()
         self.join(timeout=1.0)
-        self.connections.close()
+        if self.connections is not None:
+            self.connections.close()
         self.sock.close(linger=0)
 
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.connections.socket, zmq.POLLIN)
+        if self.connections is not None:
+            poller.register(self.connections.socket, zmq.POLLIN)
         while not self._stop_event.is_set():
             if poller.poll(int(self.interval * 500)):
                 self._answer_pings()
@@ -490,7 +494,7 @@ class _Heartbeat(threading.Thread):
             self.sock.send_multipart([identity, *pong])
 
     def _closed_connections(self) -> None:
-        for opened, fd in self.connections.changes():
+        for opened, fd in self.connections.changes() if self.connections is not None else ():
             executor = self.executor_on.pop(fd, None)  # a new connection on a reused fd too
             if executor is None or opened:
                 continue
