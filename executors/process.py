@@ -45,6 +45,7 @@ from flowkit.wire.auth import (
     curve_client,
     curve_server,
 )
+from flowkit.wire.liveness import zmtp_heartbeats
 from flowkit.wire.protocol import Msg, ProtocolError, decode, encode, part_id, send_frames
 from flowkit.wire.refs import resolve
 from flowkit.wire.schema import shown
@@ -150,6 +151,7 @@ class Executor:
         client [Note: authenticated transport]; connecting is the caller's."""
         sock = self.zmq.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        zmtp_heartbeats(sock)  # [Note: liveness in flowkit/wire/liveness.py]
         if self.keys is not None:
             curve_client(sock, self.keys, server)
         return sock

@@ -25,7 +25,7 @@ from flowkit.runner.checkpoint import CheckpointError, Manifest, flow_identity
 from flowkit.runner.checkpointing import Checkpointing, resume_point
 from flowkit.runner.config import RunConfig, RunConfigError, RunError
 from flowkit.runner.flowrun import FlowRunError, FlowRunner, StepReport, check_async
-from flowkit.runner.restarts import Restarts, temporary_checkpoints
+from flowkit.runner.restarts import Restarts, start_executors, temporary_checkpoints
 from flowkit.runner.setup import (
     check_kind,
     choose_executors,
@@ -113,6 +113,7 @@ class Run:
         self.loop: StepLoop | None = None
         self._first_runner: FlowRunner | None = None
         self._started = False  # the executors are in: the trace is worth writing
+        self._startup_restarts = 0  # executors that exited while they started, started again
         self._exits = contextlib.ExitStack()
 
     @property
@@ -156,6 +157,7 @@ class Run:
                              executors=started)
         if config.max_restarts:
             self.loop.restarts = Restarts(allowed=config.max_restarts, launcher=launcher,
+                                          used=self._startup_restarts,
                                           make_runner=self._make_runner,
                                           names=frozenset(e.name for e in started))
         if self.resumed is not None:
@@ -179,8 +181,10 @@ class Run:
                                  settings=config.launcher_settings)
         exits.callback(launcher.stop)
         exits.callback(ctl.shutdown)
-        try:
-            return launcher, launcher.start()
+        try:  # with restarts, one that exits while they start is started again
+            started, self._startup_restarts = start_executors(
+                launcher, config.max_restarts, lambda line: self.console.print(f"[yellow]{line}"))
+            return launcher, started
         except LaunchError as exc:  # e.g. Ray cannot place the executors
             raise RunError(str(exc)) from None
 
