@@ -40,12 +40,17 @@ class StepLoop:
     runner: Any = None  # the one running: a restart makes a new one
     stopped: bool = False  # by Ctrl-C, before the last step
     completed: int = 0  # the steps done, a resumed checkpoint's included
+    # what a checkpoint read back may hold: record classes by path (runstate.allowed_records),
+    # and the models executors build, the flow's specs by name (checkpoint.flow_models)
+    allowed_records: dict = attrs.field(factory=dict)
+    models: dict = attrs.field(factory=dict)
 
     def resume(self, runner: FlowRunner, folder: Path) -> None:
         """Go on from `folder`: the executors' and runner's state, and the loggers rewound
         to the checkpoint's step, so the steps after it do not duplicate the ones an
         interrupted run logged past it [Note: loggers on resume]."""
-        state = restore(folder, runner, self.executors)
+        state = restore(folder, runner, self.executors, records=self.allowed_records,
+                        models=self.models)
         self.first, self.records = state.step, list(state.records)
         self.completed = state.step
         self.loggers.rewind(state.step, self.records)
