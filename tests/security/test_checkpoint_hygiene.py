@@ -128,7 +128,7 @@ def test_a_manifest_that_is_not_json_is_one_line(written, tmp_path):
     path = complete_checkpoints(root)[-1] / "manifest.json"
     path.write_text('{"step": 2, "iden')
     output = refused(PRETRAIN, *_SIM, "--steps", "3", "--resume", str(root))
-    assert f"unreadable manifest.json" in output and str(path.parent) in output
+    assert "unreadable manifest.json" in output and str(path.parent) in output
 
 
 def test_a_symlinked_step_folder_is_refused_naming_it(written, tmp_path):
