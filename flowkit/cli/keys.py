@@ -15,12 +15,14 @@ def keys() -> None:
 
 @keys.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("folder", metavar="DIR", type=click.Path(file_okay=False, path_type=Path))
-def generate(folder: Path) -> None:
+@click.option("--force", is_flag=True,
+              help="Empty a DIR/allowed/ that holds keys first (they would still be let in).")
+def generate(folder: Path, force: bool) -> None:
     """Write the controller's and the executors' key pairs, and the allowed clients, to DIR."""
     from flowkit.wire.auth import KeysError, generate_keys
 
     try:
-        generate_keys(folder)
+        generate_keys(folder, force=force)
     except KeysError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"wrote keys to {folder}: controller.key(_secret), executor.key(_secret), "

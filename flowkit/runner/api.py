@@ -21,11 +21,19 @@ from flowkit.dsl import Flow
 from flowkit.observe import Dashboard, RunStats, TraceRecorder
 from flowkit.observe.loggers import LoggerError, Loggers
 from flowkit.planner.lower import lower_flow
-from flowkit.runner.checkpoint import CheckpointError, Manifest, flow_identity
+from flowkit.runner.checkpoint import (
+    CheckpointError,
+    Manifest,
+    check_root,
+    flow_identity,
+    flow_models,
+    new_run_id,
+)
 from flowkit.runner.checkpointing import Checkpointing, resume_point
 from flowkit.runner.config import RunConfig, RunConfigError, RunError
 from flowkit.runner.flowrun import FlowRunError, FlowRunner, StepReport, check_async
 from flowkit.runner.restarts import Restarts, start_executors, temporary_checkpoints
+from flowkit.runner.runstate import allowed_records
 from flowkit.runner.setup import (
     check_kind,
     choose_executors,
@@ -107,6 +115,9 @@ class Run:
         self.keys = _keys(config)
         self.identity = flow_identity(self.flow.name, self.plan)
         self.resumed = self._resume_point()
+        # a resumed run goes on with the run it resumes: its checkpoints are that run's
+        self.run_id = new_run_id() if self.resumed is None else self.resumed[1].run["id"]
+        self._check_checkpoint_root()
         self.shared = controller
         self.controller: Controller | None = None
         self.result: RunResult | None = None
@@ -154,7 +165,8 @@ class Run:
             self._first_runner = self._make_runner()
         self.loop = StepLoop(steps=config.steps, loggers=loggers, stats=self.stats,
                              checkpoints=checkpoints, say=self.console.print,
-                             executors=started)
+                             executors=started, allowed_records=allowed_records(self.flow),
+                             models=flow_models(self.plan))
         if config.max_restarts:
             self.loop.restarts = Restarts(allowed=config.max_restarts, launcher=launcher,
                                           used=self._startup_restarts,
@@ -273,7 +285,18 @@ class Run:
         else:
             return None
         checkpoints.identity, checkpoints.kind = self.identity, self.kind
+        checkpoints.run_id = self.run_id
         return checkpoints
+
+    def _check_checkpoint_root(self) -> None:
+        """A --checkpoint-dir holding another run's checkpoints is refused before anything
+        starts [Note: run checkpoints in flowkit/runner/checkpoint.py]."""
+        if self.config.checkpoints is None:
+            return
+        try:
+            check_root(self.config.checkpoints.root, self.run_id)
+        except CheckpointError as exc:
+            raise RunConfigError("checkpoints", str(exc)) from None
 
     def _open_loggers(self, checkpoints: Checkpointing | None) -> Loggers:
         """The run's loggers, opened before any executor starts: a missing extra is one

@@ -41,12 +41,17 @@ class StepLoop:
     stopped: bool = False  # by Ctrl-C, before the last step
     completed: int = 0  # the steps done, a resumed checkpoint's included
     origin: Path | None = None  # the --resume'd checkpoint: where a restart with none newer goes
+    # what a checkpoint read back may hold: record classes by path (runstate.allowed_records),
+    # and the models executors build, the flow's specs by name (checkpoint.flow_models)
+    allowed_records: dict = attrs.field(factory=dict)
+    models: dict = attrs.field(factory=dict)
 
     def resume(self, runner: FlowRunner, folder: Path) -> None:
         """Go on from `folder`: the executors' and runner's state, and the loggers rewound
         to the checkpoint's step, so the steps after it do not duplicate the ones an
         interrupted run logged past it [Note: loggers on resume]."""
-        state = restore(folder, runner, self.executors)
+        state = restore(folder, runner, self.executors, records=self.allowed_records,
+                        models=self.models)
         if self.origin is None:
             self.origin = folder
         self.first, self.records = state.step, list(state.records)

@@ -89,7 +89,12 @@ class ProcessExecutors:
         self.stop()
 
     def start(self) -> list[ExecutorInfo]:
-        """Start them all; the executors once connected, in the order of their index."""
+        """Start them all; the executors once connected, in the order of their index. First,
+        the shared-memory segments of dead processes (executors killed with their controller)
+        go."""
+        from flowkit.wire.shm import sweep_stale
+
+        sweep_stale()
         for i in range(self.count):
             self._spawn(i)
         joined = self._await_all(lambda name: "starting")
