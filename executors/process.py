@@ -45,11 +45,19 @@ from flowkit.wire.auth import (
     curve_client,
     curve_server,
 )
+from flowkit.wire.limits import (
+    CONTROL_FRAME_BYTES,
+    CONTROL_RCVHWM,
+    DATA_FRAME_BYTES,
+    DATA_RCVHWM,
+    UNCLAIMED_BYTES,
+    bound_inbound,
+)
 from flowkit.wire.liveness import zmtp_heartbeats
 from flowkit.wire.protocol import Msg, ProtocolError, decode, encode, part_id, send_frames
 from flowkit.wire.refs import resolve
 from flowkit.wire.schema import shown
-from flowkit.wire.serialize import SerializeError, declare_modules, pack, unpack
+from flowkit.wire.serialize import SerializeError, declare_modules, nbytes_of, pack, unpack
 from flowkit.wire.task import RejectedTask
 
 __all__ = ["Executor"]
@@ -70,7 +78,8 @@ class Executor:
     def __init__(self, *, connect: str, name: str, ops: OpTable, tags: tuple[str, ...] = (),
                  device: str = "cpu", resources: dict | None = None,
                  peer_host: str = "127.0.0.1", host_id: str | None = None,
-                 keys: Keys | None = None, insecure: bool = False) -> None:
+                 keys: Keys | None = None, insecure: bool = False,
+                 max_frame_bytes: int = CONTROL_FRAME_BYTES) -> None:
         from flowkit.wire.shm import host_id as default_host_id
 
         check_bind(f"tcp://{peer_host}:0", keys=keys, insecure=insecure,
@@ -78,6 +87,7 @@ class Executor:
         if keys is not None:
             keys.secret(EXECUTOR)  # a missing secret is an error before anything binds
         self.keys = keys
+        self.max_frame_bytes = max_frame_bytes  # [Note: bounds] in flowkit/wire/limits.py
         self.connect_address, self.name, self.ops = connect, name, ops
         self.host_id = host_id or default_host_id()  # [Note: hosts] in flowkit/wire/shm.py
         self.ctx = OpContext(name=name, device=device, tags=tuple(tags))
@@ -88,6 +98,7 @@ class Executor:
         self.gate = None if keys is None else Gate(self.zmq, keys, owner=f"executor {name}")
         self.peer = self.zmq.socket(zmq.ROUTER)
         self.peer.setsockopt(zmq.LINGER, 0)
+        bound_inbound(self.peer, max_frame=DATA_FRAME_BYTES, rcvhwm=DATA_RCVHWM)
         if keys is not None:
             curve_server(self.peer, keys, EXECUTOR)
         port = self.peer.bind_to_random_port(f"tcp://{peer_host}")
@@ -97,6 +108,8 @@ class Executor:
         self.peer_address = f"tcp://{peer_host}:{port}"
         self.executor_id: int | None = None
         self.objects: dict[int, Any] = {}
+        self.unclaimed: dict[int, int] = {}  # [Note: unclaimed objects]: id -> bytes
+        self.unclaimed_bytes = 0
         self.waiting: dict[int, Task] = {}
         self.blocked: dict[int, list[Task]] = defaultdict(list)  # object id -> tasks needing it
         self.ready: deque[Task] = deque()
@@ -133,6 +146,8 @@ class Executor:
             return 2
         self.executor_id = welcome["executor"]
         load_declared_modules(welcome.get("modules"))
+        if type(welcome.get("max_frame_bytes")) is int:  # what the controller takes in
+            self.max_frame_bytes = welcome["max_frame_bytes"]
         heartbeat = Heartbeat(self, welcome.get("heartbeat_address", self.connect_address),
                               welcome["ping_interval"], welcome["ping_timeout"])
         heartbeat.start()
@@ -152,6 +167,8 @@ class Executor:
         sock = self.zmq.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         zmtp_heartbeats(sock)  # [Note: liveness in flowkit/wire/liveness.py]
+        # what comes back on it: the controller's instructions and values; a peer sends none
+        bound_inbound(sock, max_frame=self.max_frame_bytes, rcvhwm=CONTROL_RCVHWM)
         if self.keys is not None:
             curve_client(sock, self.keys, server)
         return sock
@@ -260,6 +277,8 @@ class Executor:
                                       f"{', '.join(self.ops.names())}", "")
                 continue
             for object_id in task.object_ids():
+                if self.unclaimed:
+                    self._claim(object_id)
                 if object_id not in self.objects:
                     task.missing += 1
                     self.blocked[object_id].append(task)
@@ -273,14 +292,21 @@ class Executor:
                 self.ready.append(task)
 
     def _on_object(self, header: dict, frames: list) -> None:
-        meta = header["meta"]
+        meta, object_id = header["meta"], header["object"]
         if not isinstance(meta.get("body"), bytes):
             raise ProtocolError(f"{header['t']}: meta must carry the value's msgpack body")
+        from_peer = header["t"] == Msg.DATA
+        if from_peer and object_id in self.objects:
+            raise ProtocolError(f"data: object {object_id} is here already; a peer cannot "
+                                "replace it")
         try:
             if "layout" in meta:  # from a peer: shared-memory handles and chunks (wire/shm.py)
                 frames = self._peer_transport().decode(meta, frames)
+            if from_peer and object_id not in self.blocked:
+                self._hold_unclaimed(object_id, len(meta["body"]) + nbytes_of(frames))
             value = unpack(meta["body"], frames)
         except (ProtocolError, SerializeError) as exc:
+            self._claim(object_id)  # not held after all
             # the tasks that wait for it fail now, saying why, rather than wait for ever
             self._fail_waiting_for(header["object"], f"{header['t']} of input object "
                                    f"{header['object']} could not be read: {shown(str(exc))}")
@@ -290,6 +316,25 @@ class Executor:
             # cyclic GC runs; emptied, it cannot delay giving a segment back to its sender
             frames.clear()
         self._store(header["object"], value)
+
+    def _hold_unclaimed(self, object_id: int, nbytes: int) -> None:
+        """[Note: unclaimed objects] A peer may push an object before the task that reads it
+        reaches this executor (the producer's SEND and this executor's RUN travel apart), so
+        an object no task waits for yet is kept, but only up to UNCLAIMED_BYTES of them: a
+        peer cannot fill this process with objects nobody asked for. A RUN that reads it
+        claims it; a FREE drops it."""
+        held = self.unclaimed_bytes + nbytes
+        if held > UNCLAIMED_BYTES:
+            raise ProtocolError(f"data: object {object_id} ({nbytes} bytes) is not awaited "
+                                f"here, and {self.unclaimed_bytes} bytes of such objects are "
+                                f"held already (at most {UNCLAIMED_BYTES})")
+        self.unclaimed[object_id] = nbytes
+        self.unclaimed_bytes = held
+
+    def _claim(self, object_id: int) -> None:
+        nbytes = self.unclaimed.pop(object_id, None)
+        if nbytes is not None:
+            self.unclaimed_bytes -= nbytes
 
     def _fail_waiting_for(self, object_id: int, error: str) -> None:
         for task in self.blocked.pop(object_id, ()):
@@ -317,12 +362,21 @@ class Executor:
                                    "error": f"object {object_id} is not on {self.name}"})
             return
         body, out = pack(self.objects[object_id])
+        largest = max([len(body), *(memoryview(f).nbytes for f in out)])
+        if largest > self.max_frame_bytes:  # it would cost this executor its connection
+            self._send(Msg.VALUE, {"request": header["request"], "meta": {}, "error": (
+                f"object {object_id} has a frame of {largest} bytes, more than the "
+                f"controller takes in ({self.max_frame_bytes}: Controller(max_frame_bytes=) "
+                "or flowkit run --max-frame-mib); keep it on the executors, or save it there")})
+            return
         self._send(Msg.VALUE, {"request": header["request"], "meta": {"body": body}}, out)
 
     def _on_free(self, header: dict, frames: list) -> None:
         for object_id in header["objects"]:
             self.objects.pop(object_id, None)
             self.sends.pop(object_id, None)
+            if self.unclaimed:
+                self._claim(object_id)
 
     def _on_cancel(self, header: dict, frames: list) -> None:
         cancelled = set(header["tasks"])

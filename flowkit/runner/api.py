@@ -187,7 +187,8 @@ class Run:
             self.controller = self.shared
             return None, self.shared.executors()
         self.controller = ctl = exits.enter_context(Controller(
-            bind=config.controller.bind, keys=self.keys, insecure=config.controller.insecure))
+            bind=config.controller.bind, keys=self.keys, insecure=config.controller.insecure,
+            max_frame_bytes=config.controller.max_frame_mib << 20))
         launcher = make_launcher(config.launcher, ctl, self.count, kind=self.kind,
                                  tags=self.tags, code=list(config.code), device=config.device,
                                  settings=config.launcher_settings)

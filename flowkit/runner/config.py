@@ -112,6 +112,9 @@ class ControllerConfig:
     encrypted."""
     insecure: bool = False
     """Bind beyond loopback without keys: anyone who reaches the address can join."""
+    max_frame_mib: int = attrs.field(default=256, validator=_at_least(1))
+    """The largest frame the control plane takes in, in MiB [Note: bounds in
+    flowkit/wire/limits.py]: a bigger one closes its sender's connection."""
 
 
 @attrs.frozen(kw_only=True)

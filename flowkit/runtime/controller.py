@@ -29,6 +29,7 @@ from flowkit.runtime.dispatch import Dispatcher, Listener, NoExecutor
 from flowkit.runtime.futures import Future, new_condition
 from flowkit.runtime.registry import ExecutorInfo
 from flowkit.wire.auth import CONTROLLER, Gate, Keys, check_bind, curve_server
+from flowkit.wire.limits import CONTROL_FRAME_BYTES, CONTROL_RCVHWM, bound_inbound
 from flowkit.wire.liveness import ZMTP_TIMEOUT_S, ConnectionWatch, zmtp_heartbeats
 from flowkit.wire.protocol import Msg, ProtocolError, decode, encode, send_frames
 from flowkit.wire.refs import Gather
@@ -63,8 +64,11 @@ class Controller:
 
     def __init__(self, *, bind: str = "tcp://127.0.0.1:0", ping_interval: float = 0.2,
                  ping_timeout: float = _PING_TIMEOUT_S, keys: Keys | None = None,
-                 insecure: bool = False) -> None:
+                 insecure: bool = False, max_frame_bytes: int = CONTROL_FRAME_BYTES) -> None:
         check_bind(bind, keys=keys, insecure=insecure, who="the controller")
+        if not 1 << 16 <= max_frame_bytes <= 1 << 40:
+            raise ValueError(f"max_frame_bytes={max_frame_bytes}: give 64 KiB to 1 TiB")
+        self.max_frame_bytes = max_frame_bytes  # [Note: bounds] in flowkit/wire/limits.py
         if keys is not None:
             keys.secret(CONTROLLER)  # a missing secret is an error before anything binds
         self.keys, self.insecure = keys, insecure
@@ -91,7 +95,8 @@ class Controller:
         self.messages_in = self.messages_out = 0  # on the router: what the control plane moved
         self._state = Dispatcher(owner=self, send_raw=self._send_raw,
                                  ping_interval=ping_interval, ping_timeout=ping_timeout,
-                                 heartbeat_address=self._heartbeat.address)
+                                 heartbeat_address=self._heartbeat.address,
+                                 max_frame_bytes=max_frame_bytes)
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_in, zmq.POLLIN)
@@ -105,10 +110,11 @@ class Controller:
     def _socket(self, kind: int, bind: str, *, server: bool = False) -> zmq.Socket:
         sock = self._zmq.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
-        # Unbounded queues: a ROUTER silently drops what exceeds its high-water mark, and the
-        # amount in flight is bounded by the tasks the user submitted anyway.
+        # An unbounded outbound queue: a ROUTER silently drops what exceeds its high-water
+        # mark, and the amount in flight is bounded by the tasks the user submitted anyway.
+        # Inbound, every connection is bounded [Note: bounds in flowkit/wire/limits.py].
         sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        bound_inbound(sock, max_frame=self.max_frame_bytes, rcvhwm=CONTROL_RCVHWM)
         if server:  # the executors' connections [Note: liveness]
             zmtp_heartbeats(sock)
         if server and self._gate is not None:
@@ -121,9 +127,11 @@ class Controller:
     def executor_options(self) -> list[str]:
         """What a launcher adds to `python -m executors` for this controller's executors:
         `--keys DIR`, or `--insecure` [Note: authenticated transport in wire/auth.py]."""
+        frames = ([] if self.max_frame_bytes == CONTROL_FRAME_BYTES else
+                  ["--max-frame-bytes", str(self.max_frame_bytes)])  # [Note: bounds]
         if self.keys is not None:
-            return ["--keys", str(self.keys.folder.resolve())]
-        return ["--insecure"] if self.insecure else []
+            return ["--keys", str(self.keys.folder.resolve()), *frames]
+        return ["--insecure", *frames] if self.insecure else frames
 
     # -- public API (any thread) ---------------------------------------------------------------
     def __enter__(self) -> Controller:

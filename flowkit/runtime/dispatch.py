@@ -18,6 +18,7 @@ from typing import Any
 
 from flowkit.runtime.futures import ExecutorLost, Future, Owner, RemoteError, TaskCancelled
 from flowkit.runtime.registry import ExecutorInfo, ObjectRecord, TaskRecord
+from flowkit.wire.limits import CONTROL_FRAME_BYTES
 from flowkit.wire.protocol import Msg, ProtocolError, encode, part_id
 from flowkit.wire.refs import Gather, Item, object_ids
 from flowkit.wire.serialize import SerializeError, declared_modules, pack, unpack
@@ -44,12 +45,14 @@ class _FailedUnrecorded(Exception):
 
 class Dispatcher:
     def __init__(self, *, owner: Owner, send_raw: Callable[[list], None],
-                 ping_interval: float, ping_timeout: float, heartbeat_address: str) -> None:
+                 ping_interval: float, ping_timeout: float, heartbeat_address: str,
+                 max_frame_bytes: int = CONTROL_FRAME_BYTES) -> None:
         self.condition = owner.condition
         self._owner = owner  # of the futures made here
         self._send_raw = send_raw
         self.ping_interval, self.ping_timeout = ping_interval, ping_timeout
         self.heartbeat_address = heartbeat_address
+        self.max_frame_bytes = max_frame_bytes
         self._ids = itertools.count(1)
         self._executors: dict[int, ExecutorInfo] = {}
         self._by_identity: dict[bytes, int] = {}
@@ -187,7 +190,8 @@ class Dispatcher:
                                            "ping_timeout": self.ping_timeout,
                                            "heartbeat_address": self.heartbeat_address,
                                            # [Note: record registry] in wire/serialize.py
-                                           "modules": declared_modules()})
+                                           "modules": declared_modules(),
+                                           "max_frame_bytes": self.max_frame_bytes})
         self._emit("executor_joined", {"executor": executor})
 
     def _on_done(self, executor: ExecutorInfo, items: list) -> None:
