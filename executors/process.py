@@ -69,6 +69,7 @@ log = logging.getLogger("flowkit.executor")
 # poll costs tens to hundreds of microseconds on a busy or virtual machine, more than a round trip.
 _HOT_SECONDS = 0.001
 _TINY_OP_S = 0.00005
+_UNBOUNDED = 1 << 62  # the credit of a stream that waits for none any more
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: IntFlag arithmetic is slow
 
 
@@ -124,13 +125,18 @@ class Executor:
         self.op_seq, self.in_op = 0, False
         self.batch_running: Task | None = None  # a batched task's op runs [Note: early items]
         self.parts: dict[int, tuple] = {}  # task id -> (task, first index, descriptions) to send
+        # streaming tasks with a window, running: the op thread waits on `credit` for their
+        # credits [Note: stream credits in flowkit/runtime/dispatch.py]
+        self.windowed: dict[int, Task] = {}
+        self.credit = threading.Condition()
         self.watch = CompletionWatch(self)
         self.running = True
         self.cleanup_hooks: list = []  # run before exit, even when the controller died
         self._handlers = {
             Msg.RUN: self._on_run, Msg.SEND: self._on_send, Msg.PUT: self._on_object,
             Msg.DATA: self._on_object, Msg.FETCH: self._on_fetch, Msg.FREE: self._on_free,
-            Msg.CANCEL: self._on_cancel, Msg.SHUTDOWN: self._on_shutdown,
+            Msg.CANCEL: self._on_cancel, Msg.CREDIT: self._on_credit,
+            Msg.SHUTDOWN: self._on_shutdown,
             Msg.ERROR: self._on_error, Msg.PING: lambda header, frames: None,
         }
 
@@ -380,6 +386,10 @@ class Executor:
 
     def _on_cancel(self, header: dict, frames: list) -> None:
         cancelled = set(header["tasks"])
+        with self.credit:  # a cancelled stream waits for no credit
+            for task_id in cancelled & set(self.windowed):
+                self.windowed.pop(task_id).credited = _UNBOUNDED
+            self.credit.notify_all()
         for task_id in cancelled & set(self.deferred):
             self.deferred.pop(task_id)[1].cancel()
         for task_id in cancelled:
@@ -388,8 +398,17 @@ class Executor:
                 self._leave_lane(task)
         self.ready = deque(t for t in self.ready if t.spec.id not in cancelled)
 
+    def _on_credit(self, header: dict, frames: list) -> None:
+        task = self.windowed.get(header["task"])
+        if task is not None:  # else ended meanwhile
+            with self.credit:
+                task.credited = max(task.credited, header["credited"])
+                self.credit.notify_all()
+
     def _on_shutdown(self, header: dict, frames: list) -> None:
         self.running = False
+        with self.credit:
+            self.credit.notify_all()
 
     def _on_error(self, header: dict, frames: list) -> None:
         log.warning("controller rejected a message: %s", header["reason"])
@@ -545,6 +564,24 @@ class Executor:
         with self.socket_lock:
             self._store(described["id"], value)
             self.parts.setdefault(task.spec.id, (task, index, []))[2].append(described)
+        if task.spec.window is not None:
+            self.windowed.setdefault(task.spec.id, task)  # its credits count from now
+            self._wait_for_credit(task)
+
+    def _wait_for_credit(self, task: Task) -> None:
+        """[Note: stream credits] in flowkit/runtime/dispatch.py: a streaming task with a
+        window runs at most that many items ahead of those its consumers are done with; past
+        it the op waits here (its thread, the sockets served meanwhile by the watch) for the
+        controller's CREDIT. Its items so far go out first: they are what earns the credit."""
+        window = task.spec.window
+        if len(task.streamed) - task.credited < window:
+            return
+        with self.socket_lock:
+            if self.parts:
+                self.send_parts()
+        with self.credit:
+            while len(task.streamed) - task.credited >= window and self.running:
+                self.credit.wait(0.1)
 
     def send_parts(self) -> None:
         """[Note: parts in batches] The items streaming tasks yielded since the last call, one
@@ -605,6 +642,7 @@ class Executor:
     def _complete(self, task: Task, outputs: list, end: float) -> None:
         """Keep a finished task's outputs and queue its completion."""
         spec = task.spec
+        self.windowed.pop(spec.id, None)
         # a batched task's items answered early are stored and told of [Note: early items]
         pairs = list(zip(spec.outputs, outputs, strict=True))[task.answered:]
         for object_id, value in pairs:
@@ -617,6 +655,7 @@ class Executor:
 
     def _complete_failed(self, task_id: int, error: str, tb: str, *,
                          start: float = 0.0) -> None:
+        self.windowed.pop(task_id, None)
         self.completions.append({"task": task_id, "ok": False, "error": error, "traceback": tb,
                                  "start": start or time.time(), "end": time.time()})
 

@@ -35,7 +35,7 @@ from flowkit.wire.protocol import Msg, ProtocolError, decode, encode, send_frame
 from flowkit.wire.refs import Gather
 from flowkit.wire.schema import shown
 from flowkit.wire.serialize import SerializeError
-from flowkit.wire.task import MAX_ITEMS, TaskSpec
+from flowkit.wire.task import MAX_ITEMS, MAX_WINDOW, TaskSpec
 
 __all__ = ["Controller", "NoExecutor"]
 
@@ -184,7 +184,7 @@ class Controller:
                meta: dict | None = None, lane: str | None = None,
                report_key: str | None = None,
                on_part: Callable[[Future], Any] | None = None,
-               trace_key: str | None = None) -> Any:
+               trace_key: str | None = None, window: int | None = None) -> Any:
         """Run `op` on an executor; returns its output future (a tuple when `outputs` != 1).
 
         Inputs are futures (their objects move executor to executor), `Item`s and `Gather`s of
@@ -195,9 +195,12 @@ class Controller:
         shows [Note: traced items in executors/tasks.py]. With `on_part` the op
         streams (ops that can: see OpContext.emit in executors/optable.py): each item it yields is
         passed to `on_part(future)` on the IO thread the moment it arrives, the list of them all
-        being the task's result as usual."""
+        being the task's result as usual; with `window` it runs at most that many items ahead
+        of those its consumers are done with [Note: stream credits in dispatch.py]."""
+        if window is not None and (on_part is None or not 1 <= window <= MAX_WINDOW):
+            raise ValueError(f"submit: window={window!r} needs on_part and 1 to {MAX_WINDOW}")
         spec = TaskSpec(op, config or {}, lane=lane, report_key=report_key,
-                        trace_key=trace_key, stream=on_part is not None)
+                        trace_key=trace_key, stream=on_part is not None, window=window)
         with self._driving():
             futures = self._state.submit(spec, inputs, outputs=outputs, executor_id=executor,
                                          tags=frozenset(tags), meta=meta or {},
@@ -392,6 +395,7 @@ class Controller:
             self._state.release(released.popleft())
         while lost:
             self._state.lose(*lost.popleft())
+        self._state.check_credits()  # [Note: stream credits] in dispatch.py
 
     def _lose(self, executor_id: int, reason: str) -> None:
         """For the heartbeat thread, which must not block on the IO lock: the next driver acts."""
