@@ -87,7 +87,8 @@ class Heartbeat(threading.Thread):
     def run(self) -> None:
         sock = self.executor.client_socket("controller")
         sock.connect(self.address)
-        ping = encode(Msg.PING, {"executor": self.executor.executor_id})
+        ping = encode(Msg.PING, {"executor": self.executor.executor_id,
+                                 "token": self.executor.ping_token})  # its WELCOME's
         last_heard = time.monotonic()
         try:
             while not self._stop_event.is_set():

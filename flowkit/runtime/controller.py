@@ -15,6 +15,7 @@ With keys, both ROUTERs are CurveZMQ servers behind a gate that admits only know
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import os
 import threading
@@ -29,8 +30,10 @@ from flowkit.runtime.dispatch import Dispatcher, Listener, NoExecutor
 from flowkit.runtime.futures import Future, new_condition
 from flowkit.runtime.registry import ExecutorInfo
 from flowkit.wire.auth import CONTROLLER, Gate, Keys, check_bind, curve_server
+from flowkit.wire.hello import SECRET_ENV, Origin, new_secret, write_secret_file
 from flowkit.wire.protocol import Msg, ProtocolError, decode, encode, send_frames
 from flowkit.wire.refs import Gather
+from flowkit.wire.schema import shown
 from flowkit.wire.serialize import SerializeError
 from flowkit.wire.task import MAX_ITEMS, TaskSpec
 
@@ -53,15 +56,17 @@ class Controller:
     """`with Controller() as ctl: ctl.wait_for_executors(2); ctl.submit("noop").result()`.
 
     `keys` (Keys.load(DIR)) makes every socket authenticate and encrypt; a `bind` beyond
-    loopback needs them, or `insecure=True` [Note: authenticated transport]."""
+    loopback needs them, or `insecure=True` [Note: authenticated transport]. Executors join
+    with the run's `secret` (random unless given) [Note: joining a run in wire/hello.py]."""
 
     def __init__(self, *, bind: str = "tcp://127.0.0.1:0", ping_interval: float = 0.2,
                  ping_timeout: float = _PING_TIMEOUT_S, keys: Keys | None = None,
-                 insecure: bool = False) -> None:
+                 insecure: bool = False, secret: bytes | None = None) -> None:
         check_bind(bind, keys=keys, insecure=insecure, who="the controller")
         if keys is not None:
             keys.secret(CONTROLLER)  # a missing secret is an error before anything binds
         self.keys, self.insecure = keys, insecure
+        self.secret = secret or new_secret()
         self.condition = new_condition()
         self._zmq = zmq.Context()
         # the gate is bound before any server: libzmq admits anyone while no gate is there
@@ -85,7 +90,8 @@ class Controller:
         self.messages_in = self.messages_out = 0  # on the router: what the control plane moved
         self._state = Dispatcher(owner=self, send_raw=self._send_raw,
                                  ping_interval=ping_interval, ping_timeout=ping_timeout,
-                                 heartbeat_address=self._heartbeat.address)
+                                 heartbeat_address=self._heartbeat.address,
+                                 secret=self.secret)
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_in, zmq.POLLIN)
@@ -116,6 +122,16 @@ class Controller:
         if self.keys is not None:
             return ["--keys", str(self.keys.folder.resolve())]
         return ["--insecure"] if self.insecure else []
+
+    def executor_env(self) -> dict[str, str]:
+        """What a launcher adds to its executors' environment: the run's secret, which must
+        not be on argv, where any local user reads it [Note: joining a run]."""
+        return {SECRET_ENV: self.secret.hex()}
+
+    def write_secret(self, path: str | os.PathLike) -> str:
+        """Write the run's secret to a new 0600 file for executors started by hand
+        (`flowkit executor --secret-file PATH`); returns the path."""
+        return str(write_secret_file(path, self.secret))
 
     # -- public API (any thread) ---------------------------------------------------------------
     def __enter__(self) -> Controller:
@@ -337,11 +353,14 @@ class Controller:
         """Handle the messages the router holds (one at least) or, for a user, until `until`."""
         router = self._router
         for _ in range(4096):
-            identity, *parts = router.recv_multipart()
+            envelope = router.recv(copy=False)  # a Frame: it knows where the message came from
+            parts = router.recv_multipart()
+            identity = envelope.bytes
             self.messages_in += 1
             try:
                 header, frames = decode(parts)
-                self._state.on_message(identity, header, frames)
+                self._state.on_message(identity, header, frames, self._origin(envelope)
+                                       if header["t"] == Msg.HELLO else _ANYWHERE)
             except (ProtocolError, SerializeError) as exc:
                 log.warning("rejected a message from %r: %s", identity, exc)
                 self._send_raw([identity, *encode(Msg.ERROR, {"reason": str(exc)})])
@@ -350,6 +369,13 @@ class Controller:
             # EVENTS costs less than the zmq.Again a non-blocking recv raises when empty
             if not router.getsockopt(_EVENTS) & _POLLIN:
                 return
+
+    def _origin(self, envelope: zmq.Frame) -> Origin:
+        """Where a HELLO came from: the peer's address (tcp only), and with keys the name the
+        connection's key is pinned to [Note: joining a run in wire/hello.py]."""
+        host = _property(envelope, "Peer-Address") if self.address.startswith("tcp://") else None
+        user = _property(envelope, "User-Id") if self.keys is not None else None
+        return Origin(host=host or None, user_id=user or "")
 
     def _send_raw(self, parts: list) -> None:
         # Small messages go by copy: a zero-copy send makes pyzmq track the buffer's release
@@ -456,7 +482,7 @@ class _Heartbeat(threading.Thread):
                         identity, *parts = self.sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    executor = _executor_of_ping(parts)
+                    executor = self._executor_of_ping(parts)
                     if executor is not None and executor not in self.lost:
                         self.last_seen[executor] = time.monotonic()
                         self.sock.send_multipart([identity, *pong])
@@ -479,13 +505,31 @@ class _Heartbeat(threading.Thread):
             self.ctl._lose(executor.id, reason)
 
 
-def _executor_of_ping(parts: list) -> int | None:
-    try:
-        header, _ = decode(parts)
-    except ProtocolError:
+    def _executor_of_ping(self, parts: list) -> int | None:
+        """The executor a ping is from, if it carries that executor's token (its WELCOME's):
+        nobody else can keep a hung executor alive. Other pings get no answer."""
+        try:
+            header, _ = decode(parts)
+        except ProtocolError:
+            return None
+        executor, token = header.get("executor"), header.get("token")
+        expected = self.ctl._state.ping_token(executor) if type(executor) is int else None
+        if header["t"] == Msg.PING and expected is not None and type(token) is str and \
+                hmac.compare_digest(token.encode("ascii", "replace"), expected.encode()):
+            return executor
+        self.ctl._state.refusals.warn("ping", f"ignored a ping for executor "
+                                      f"{shown(executor)} without its token")
         return None
-    executor = header.get("executor")
-    return executor if header["t"] == Msg.PING and isinstance(executor, int) else None
+
+
+def _property(frame: zmq.Frame, name: str) -> str | None:
+    try:
+        return frame.get(name)
+    except zmq.ZMQError:  # not set for this connection (inproc; User-Id without a gate)
+        return None
+
+
+_ANYWHERE = Origin()  # any message but a HELLO: where it came from is not asked
 
 
 def _sibling(bind: str) -> str:

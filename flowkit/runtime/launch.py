@@ -110,7 +110,8 @@ class ProcessExecutors:
                     raise
 
     def _spawn(self, i: int) -> subprocess.Popen:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+               **self.controller.executor_env()}  # the run's secret: never on argv
         # a session of its own: Ctrl-C in the terminal reaches the controller alone, which
         # stops the run cleanly and then shuts its executors down
         process = subprocess.Popen(self._command(i), env=env, stdin=subprocess.DEVNULL,

@@ -3,9 +3,10 @@ both protocol.py and task.py build on, so neither imports the other for it."""
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
-__all__ = ["ProtocolError", "Schema", "check_fields"]
+__all__ = ["ProtocolError", "Schema", "check_fields", "shown"]
 
 Schema = dict[str, type | tuple[type, ...]]  # field -> its Python type(s)
 
@@ -30,3 +31,18 @@ def check_fields(kind: str, fields: dict[str, Any], schema: Schema) -> None:
                                 (expected if isinstance(expected, tuple) else (expected,)))
             raise ProtocolError(f"{kind}: field {field!r} must be {names}, got "
                                 f"{type(value).__name__}")
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """A peer-supplied value as logs and the dashboard show it: `repr`-escaped (no control
+    characters, no terminal escapes) and at most about `limit` characters, so a 64 MiB name
+    costs a log line what a short one does."""
+    if isinstance(value, (str, bytes)) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} long)"
+    text = _BRIEF.repr(value)  # reprlib: a huge list is not written out in full first
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+_BRIEF = reprlib.Repr()
+_BRIEF.maxstring = _BRIEF.maxother = 80
+_BRIEF.maxlist = _BRIEF.maxdict = _BRIEF.maxtuple = _BRIEF.maxset = 8
