@@ -55,8 +55,11 @@ def executor(connect: str, name: str | None, tags: str, device: str, kind: str,
 
     secret = run_secret(secret_file)
 
+    name = name or f"{socket.gethostname()}-{os.getpid()}"
     try:  # before anything loads or binds
-        keys = None if keys_dir is None else Keys.load(keys_dir)
+        # with keys pinned to executor names, this executor's own pair [Note: authenticated
+        # transport in flowkit/wire/auth.py]
+        keys = None if keys_dir is None else Keys.load(keys_dir, name=name)
         if keys is not None:
             keys.secret("executor")
     except KeysError as exc:
@@ -81,7 +84,6 @@ def executor(connect: str, name: str | None, tags: str, device: str, kind: str,
         import_flow_file(Path(path))
 
     ops = op_table(kind)
-    name = name or f"{socket.gethostname()}-{os.getpid()}"
     tag_list = tuple(t for t in tags.split(",") if t)
     worker = Executor(connect=connect, name=name, ops=ops, tags=tag_list, device=device,
                       peer_host=peer_host, host_id=host_id, keys=keys, insecure=insecure,

@@ -16,8 +16,11 @@ import threading
 import time
 
 import pytest
+import zmq
+import zmq.auth
 
 from flowkit.runtime.futures import ExecutorLost
+from flowkit.wire.auth import Keys, generate_keys
 from flowkit.wire.hello import SECRET_ENV
 from flowkit.wire.protocol import Msg, decode, encode
 from flowkit.wire.serialize import pack
@@ -281,3 +284,69 @@ def test_a_bad_secret_file_is_one_line(tmp_path):
     assert done.returncode == 2 and "does not hold a run secret" in done.stderr
     assert "Traceback" not in done.stderr
 
+
+
+# -- keys pinned to executor names ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pinned_keys(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("keys") / "pinned"
+    generate_keys(folder, ["exec-0", "exec-1"])
+    return Keys.load(folder)
+
+
+def _stolen(keys: Keys, name: str, address: str) -> Rogue:
+    """A rogue holding executor `name`'s key pair (and, an insider, the run's secret)."""
+    rogue = Rogue.__new__(Rogue)
+    rogue.sock = zmq.Context.instance().socket(zmq.DEALER)
+    rogue.sock.setsockopt(zmq.LINGER, 0)
+    public, secret = zmq.auth.load_certificate(keys.folder / "executors" / f"{name}.key_secret")
+    rogue.sock.curve_publickey, rogue.sock.curve_secretkey = public, secret
+    rogue.sock.curve_serverkey = keys.controller_public
+    rogue.sock.connect(address)
+    return rogue
+
+
+@pytest.mark.parametrize("speaks_as", ["exec-1", "exec-7"])
+def test_a_stolen_executor_key_speaks_for_its_own_executor_only(pinned_keys, speaks_as):
+    """Executors with keys pinned to their names run as usual; the holder of exec-0's key
+    and of the run's secret can join neither as the live exec-1 nor under a new name."""
+    with executor_cluster(2, keys=pinned_keys) as (ctl, executors):
+        clean = _legit_run(ctl, executors)
+        rogue = _stolen(pinned_keys, "exec-0", ctl.address)
+        try:
+            reason = _refusal(rogue.hello(name=speaks_as, secret=ctl.secret.hex()))
+        finally:
+            rogue.close()
+        assert "'exec-0''s: a pinned key speaks for its name only" in reason
+        assert sorted(e.name for e in ctl.executors()) == ["exec-0", "exec-1"]
+        assert _legit_run(ctl, executors) == clean
+
+
+def test_the_shared_executor_key_may_take_any_name(tmp_path):
+    """Without --executors every executor shares one pair, as before: it is not pinned."""
+    keys = generate_keys(tmp_path / "shared")
+    assert keys.pinned == {} and Keys.load(keys.folder, name="anyone").own_public is None
+    with executor_cluster(1, keys=keys, name_prefix="any-name") as (ctl, (only,)):
+        assert only.name == "any-name-0"
+        assert ctl.submit("identity", 4).result(timeout=30) == 4
+
+
+def test_keys_generate_writes_a_pinned_pair_per_executor_and_executors_pick_theirs(tmp_path):
+    from click.testing import CliRunner
+
+    from flowkit.cli import main
+
+    folder = tmp_path / "keys"
+    made = CliRunner().invoke(main, ["keys", "generate", str(folder), "--executors", "2"])
+    assert made.exit_code == 0, made.output
+    keys = Keys.load(folder)
+    assert sorted(keys.pinned.values()) == ["exec-0", "exec-1"] and len(keys.allowed) == 2
+    assert all(path.stat().st_mode & 0o777 == 0o600
+               for path in (folder / "executors").glob("*.key_secret"))
+    bad = CliRunner().invoke(main, ["keys", "generate", str(tmp_path / "k2"),
+                                    "--executors", "a,a"])
+    assert bad.exit_code == 2 and "distinct executor names" in bad.output
+    stranger = CliRunner().invoke(main, ["executor", "--connect", "tcp://127.0.0.1:9",
+                                         "--keys", str(folder), "--name", "stranger"])
+    assert stranger.exit_code == 2
+    assert "holds keys for executors exec-0, exec-1, not for 'stranger'" in stranger.output
