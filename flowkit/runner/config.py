@@ -98,6 +98,9 @@ class ControllerConfig:
     encrypted."""
     insecure: bool = False
     """Bind beyond loopback without keys: anyone who reaches the address can join."""
+    secret_file: Path | None = attrs.field(default=None, converter=_path)
+    """Write the run's secret there (0600), for executors started by hand with
+    `flowkit executor --secret-file` [Note: joining a run in flowkit/wire/hello.py]."""
 
 
 @attrs.frozen(kw_only=True)

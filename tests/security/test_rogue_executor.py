@@ -350,3 +350,19 @@ def test_keys_generate_writes_a_pinned_pair_per_executor_and_executors_pick_thei
                                          "--keys", str(folder), "--name", "stranger"])
     assert stranger.exit_code == 2
     assert "holds keys for executors exec-0, exec-1, not for 'stranger'" in stranger.output
+
+
+def test_flowkit_run_writes_the_secret_for_hand_started_executors_and_says_where(tmp_path):
+    from click.testing import CliRunner
+
+    from flowkit.cli import main
+    from tests.cli.test_keys_cli import FLOW
+
+    flow, secret = tmp_path / "sums.py", tmp_path / "run.secret"
+    flow.write_text(FLOW)
+    done = CliRunner().invoke(main, ["run", str(flow), "--no-dashboard", "--steps", "1",
+                                     "--secret-file", str(secret)])
+    assert done.exit_code == 0, done.output
+    assert "flowkit executor --connect tcp://127.0.0.1:" in done.output
+    assert f"--secret-file {secret}" in done.output
+    assert secret.stat().st_mode & 0o777 == 0o600 and len(secret.read_text().strip()) == 64
