@@ -19,6 +19,7 @@ import pytest
 import zmq
 import zmq.auth
 
+from flowkit.runtime import Controller
 from flowkit.runtime.futures import ExecutorLost
 from flowkit.wire.auth import Keys, generate_keys
 from flowkit.wire.hello import SECRET_ENV
@@ -366,3 +367,48 @@ def test_flowkit_run_writes_the_secret_for_hand_started_executors_and_says_where
     assert "flowkit executor --connect tcp://127.0.0.1:" in done.output
     assert f"--secret-file {secret}" in done.output
     assert secret.stat().st_mode & 0o777 == 0o600 and len(secret.read_text().strip()) == 64
+
+
+# -- namespace hosts -----------------------------------------------------------------------------
+_ROGUE_ON_A_HOST = """
+import json, os, sys
+import zmq
+from flowkit.wire.protocol import Msg, decode, encode
+address, name, advertised = sys.argv[1:]
+sock = zmq.Context().socket(zmq.DEALER)
+sock.setsockopt(zmq.LINGER, 0)
+sock.connect(address)
+sock.send_multipart(encode(Msg.HELLO, {"name": name, "tags": [], "ops": ["insider-only"],
+                                        "pid": 1, "peer_address": advertised,
+                                        "secret": os.environ["SECRET"]}))
+answer = decode(sock.recv_multipart())[0] if sock.poll(10000) else {}
+print(json.dumps({"t": answer.get("t"), "reason": answer.get("reason")}))
+"""
+
+
+def test_an_insider_on_another_host_cannot_point_peers_at_a_third(namespaces):
+    """On namespace hosts: an insider on host b advertising host a's address (where the real
+    executor runs) is refused; advertising its own, it joins (the check is the host's)."""
+    import json
+
+    from flowkit.runtime.netns import HostExecutors, NamespaceHosts
+
+    with NamespaceHosts(2) as hosts, Controller(bind=hosts.bind, insecure=True) as ctl, \
+            HostExecutors(ctl, hosts.hosts[:1]) as (real,):
+        clean = ctl.submit("identity", 9, executor=real.id).result(timeout=30)
+        a, b = hosts.hosts
+
+        def rogue(name: str, advertised: str) -> dict:
+            done = subprocess.run([*b.prefix, sys.executable, "-c", _ROGUE_ON_A_HOST,
+                                   ctl.address, name, advertised], capture_output=True,
+                                  text=True, timeout=60,
+                                  env={**os.environ, "SECRET": ctl.secret.hex()})
+            assert done.returncode == 0, done.stderr
+            return json.loads(done.stdout)
+
+        refused = rogue("elsewhere", f"tcp://{a.address}:5555")
+        assert refused["t"] == Msg.ERROR and "not on the host its HELLO came from" in \
+            refused["reason"] and b.address in refused["reason"]
+        assert rogue("own-host", f"tcp://{b.address}:5555")["t"] == Msg.WELCOME
+        assert "elsewhere" not in {e.name for e in ctl.executors()}
+        assert ctl.submit("identity", 9, executor=real.id).result(timeout=30) == clean
