@@ -412,3 +412,16 @@ def test_an_insider_on_another_host_cannot_point_peers_at_a_third(namespaces):
         assert rogue("own-host", f"tcp://{b.address}:5555")["t"] == Msg.WELCOME
         assert "elsewhere" not in {e.name for e in ctl.executors()}
         assert ctl.submit("identity", 9, executor=real.id).result(timeout=30) == clean
+
+
+def test_the_dashboard_shows_executor_names_and_tags_as_they_are_not_as_markup():
+    """A HELLO's printable name may still look like rich markup: shown literally, not styled,
+    and a stray closing tag breaks nothing."""
+    from flowkit.observe import Dashboard, RunStats
+    from tests.harness import printed
+    from tests.observe.fakes import executor, join
+
+    stats = RunStats()
+    join(stats, executor(1, name="[/][blink]x", tags=("[bold]t",)))
+    text = printed(Dashboard(stats=stats).render(), width=120)
+    assert "[/][blink]x" in text and "[bold]t" in text
