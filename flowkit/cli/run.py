@@ -119,7 +119,8 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
 @click.option("--insecure", is_flag=True,
               help="Bind beyond loopback without keys: anyone who reaches the address can "
               "join as an executor.")
-@click.option("--secret-file", default=None, type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--secret-file", default=_RUN.controller.secret_file,
+              type=click.Path(dir_okay=False, path_type=Path),
               help="Write the run's secret to this file (0600), for executors started by "
               "hand (`flowkit executor --secret-file PATH`): without it none can join.")
 @click.option("--launcher", type=click.Choice(LAUNCHERS), default=_RUN.launcher, show_default=True,
