@@ -26,6 +26,7 @@ from typing import Any
 
 import zmq
 
+from flowkit.runtime.admit import Refusals
 from flowkit.runtime.dispatch import Dispatcher, Listener, NoExecutor
 from flowkit.runtime.futures import Future, new_condition
 from flowkit.runtime.registry import ExecutorInfo
@@ -466,6 +467,7 @@ class _Heartbeat(threading.Thread):
         self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.last_seen: dict[int, float] = {}
         self.lost: set[int] = set()
+        self.refusals = Refusals(log)  # its own: the IO thread's is not for this thread
         self._stop_event = threading.Event()
 
     def stop(self) -> None:
@@ -517,8 +519,8 @@ class _Heartbeat(threading.Thread):
         if header["t"] == Msg.PING and expected is not None and type(token) is str and \
                 hmac.compare_digest(token.encode("ascii", "replace"), expected.encode()):
             return executor
-        self.ctl._state.refusals.warn("ping", f"ignored a ping for executor "
-                                      f"{shown(executor)} without its token")
+        self.refusals.warn("ping", f"ignored a ping for executor {shown(executor)}: it is no "
+                           f"live executor's, or lacks its token")
         return None
 
 
