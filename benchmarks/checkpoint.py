@@ -69,7 +69,8 @@ def _write_bench(*, rounds: int, gpt: dict | None) -> dict:
             def checkpoint() -> Path:  # the run's runner and executors, after its step
                 return write_checkpoint(scratch / "ck", run.runner, step=1,
                                         identity=run.identity, executors=run.executors,
-                                        kind="torch", records=[{}], keep=1)
+                                        kind="torch", records=[{}], keep=1,
+                                        run_id=run.run_id)
 
             folder = checkpoint()
             parts = sorted((folder / "executors").iterdir())
@@ -158,7 +159,8 @@ def _async_run(ctl: object, flow: object, costs: object, steps: int, staleness: 
             if root is not None:
                 started = time.perf_counter()
                 write_checkpoint(root, run.runner, step=report.step + 1, identity=run.identity,
-                                 executors=run.executors, kind="sim", records=[], keep=1)
+                                 executors=run.executors, kind="sim", records=[], keep=1,
+                                 run_id=run.run_id)
                 written.append(time.perf_counter() - started)
             ends.append(time.perf_counter())
     return {"steps_per_s": (steps - 1) / (ends[-1] - ends[0]), "written_s": written,

@@ -1,4 +1,5 @@
-"""`flowkit bench dispatch|transfer|pipeline|train|rl|rollout|scale|checkpoint|launch|loggers|trl`:
+"""`flowkit bench dispatch|transfer|pipeline|train|rl|rollout|scale|checkpoint|launch|loggers|trl|
+chaos`:
 benchmarks, each against a baseline measured side by side in the same run (this machine is
 noisy: compare ratios, not times).
 
@@ -232,6 +233,16 @@ def _trl_table(figures: dict) -> Any:
                      f"warm-up {figures['warm_up']['steps']} steps, "
                      f"{figures['warm_up']['wall_s']:.0f} s")
     return table
+
+
+@bench.command(cls=_BenchCommand)
+@click.option("--seeds", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Runs with kills (as many again without restarts).")
+@_json_option
+def chaos(seeds: int, json_out: Path | None) -> None:
+    """kill -9 executors at random moments: runs recovered to the clean weights under
+    --max-restarts, runs failing fast and naming the executor without."""
+    _report(_bench_function("chaos", "run_chaos_bench")(seeds=seeds), json_out)
 
 
 def _bench_function(module: str, function: str) -> Callable[..., dict]:

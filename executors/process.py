@@ -12,9 +12,11 @@ in flowkit/wire/auth.py].
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import socket as pysocket
+import sys
 import threading
 import time
 import traceback
@@ -44,9 +46,11 @@ from flowkit.wire.auth import (
     curve_server,
 )
 from flowkit.wire.hello import HelloRefused
+from flowkit.wire.liveness import zmtp_heartbeats
 from flowkit.wire.protocol import Msg, ProtocolError, decode, encode, part_id, send_frames
 from flowkit.wire.refs import resolve
-from flowkit.wire.serialize import SerializeError, pack, unpack
+from flowkit.wire.schema import shown
+from flowkit.wire.serialize import SerializeError, declare_modules, pack, unpack
 from flowkit.wire.task import RejectedTask
 
 __all__ = ["Executor"]
@@ -139,6 +143,7 @@ class Executor:
             return 2
         self.executor_id = welcome["executor"]
         self.ping_token = welcome.get("ping_token", "")
+        load_declared_modules(welcome.get("modules"))
         heartbeat = Heartbeat(self, welcome.get("heartbeat_address", self.connect_address),
                               welcome["ping_interval"], welcome["ping_timeout"])
         heartbeat.start()
@@ -157,6 +162,7 @@ class Executor:
         client [Note: authenticated transport]; connecting is the caller's."""
         sock = self.zmq.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        zmtp_heartbeats(sock)  # [Note: liveness in flowkit/wire/liveness.py]
         if self.keys is not None:
             curve_client(sock, self.keys, server)
         return sock
@@ -242,9 +248,16 @@ class Executor:
                 # only the controller gives instructions; peers only bring objects
                 raise ProtocolError(f"a peer may only send data, not {header['t']!r}")
             handler(header, frames)
-        except (ProtocolError, SerializeError) as exc:
-            log.warning("rejected a message: %s", exc)
-            self._send(Msg.ERROR, {"reason": str(exc)})
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - [Note: a message never kills IO]
+            # in flowkit/runtime/controller.py: whatever a message makes a handler raise,
+            # SystemExit included, rejects that message and this executor serves on
+            known = isinstance(exc, (ProtocolError, SerializeError))
+            reason = shown(str(exc) if known else f"{type(exc).__name__}: {exc}", 300)
+            log.warning("rejected a message%s: %s", " from a peer" if peer else "", reason,
+                        exc_info=None if known else exc)
+            self._send(Msg.ERROR, {"reason": reason})  # the controller's log tells of it
 
     def _send(self, kind: str, fields: dict | None = None, frames: list = ()) -> None:
         # zero-copy only pays for big frames (see Controller._send_raw)
@@ -278,15 +291,27 @@ class Executor:
         meta = header["meta"]
         if not isinstance(meta.get("body"), bytes):
             raise ProtocolError(f"{header['t']}: meta must carry the value's msgpack body")
-        if "layout" in meta:  # from a peer: shared-memory handles and chunks (wire/shm.py)
-            frames = self._peer_transport().decode(meta, frames)
         try:
+            if "layout" in meta:  # from a peer: shared-memory handles and chunks (wire/shm.py)
+                frames = self._peer_transport().decode(meta, frames)
             value = unpack(meta["body"], frames)
+        except (ProtocolError, SerializeError) as exc:
+            # the tasks that wait for it fail now, saying why, rather than wait for ever
+            self._fail_waiting_for(header["object"], f"{header['t']} of input object "
+                                   f"{header['object']} could not be read: {shown(str(exc))}")
+            raise
         finally:
             # unpack's hook is a closure that refers to itself, so the list lingers until the
             # cyclic GC runs; emptied, it cannot delay giving a segment back to its sender
             frames.clear()
         self._store(header["object"], value)
+
+    def _fail_waiting_for(self, object_id: int, error: str) -> None:
+        for task in self.blocked.pop(object_id, ()):
+            if self.waiting.pop(task.spec.id, None) is not None:
+                if task.spec.lane is not None:
+                    self._leave_lane(task)
+                self._complete_failed(task.spec.id, error, "")
 
     def _on_send(self, header: dict, frames: list) -> None:
         objects = header["objects"]
@@ -562,6 +587,22 @@ class Executor:
         if self.completions:
             items, self.completions = self.completions, []
             self._send(Msg.DONE, {"items": [described(item) for item in items]})
+
+
+def load_declared_modules(names: Any) -> None:
+    """[Note: record registry] in flowkit/wire/serialize.py: the modules whose records the
+    controller sends, imported now (its instruction, not a value's) so that values naming them
+    can be rebuilt; a flow file is loaded with --code and never imported by name."""
+    if not isinstance(names, list) or not all(type(n) is str for n in names):
+        raise ProtocolError(f"welcome: modules must be a list of names, got {names!r:.80}")
+    for name in names:
+        if name in sys.modules or name.startswith("_flowkit_user_"):
+            continue  # loaded already, or a flow file this executor was not given
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # values naming it will be refused, saying so
+            log.warning("cannot import %s, whose records the controller sends: %s", name, exc)
+    declare_modules(names)
 
 
 class _DeferredSink:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import re
 import socket
 import warnings
 from pathlib import Path
@@ -17,8 +18,22 @@ from executors.kinds import kinds
 __all__ = ["executor", "route_source", "run_secret"]
 
 
+def _address(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """A zmq endpoint the executor can connect to: tcp://HOST:PORT or ipc://PATH."""
+    match = re.fullmatch(r"tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})", value or "")
+    if match and 0 < int(match.group(2)) < 65536:
+        return value
+    if value.startswith("ipc://") and len(value) > len("ipc://"):
+        return value
+    raise click.BadParameter(f"{value[:200]!r} is not a controller address: give "
+                             "tcp://HOST:PORT (e.g. tcp://10.0.0.5:5555) or ipc://PATH")
+
+
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 @click.command(name="executor")
-@click.option("--connect", required=True, envvar="FLOWKIT_CONTROLLER",
+@click.option("--connect", required=True, envvar="FLOWKIT_CONTROLLER", callback=_address,
               help="The controller's address, e.g. tcp://10.0.0.5:5555 [env FLOWKIT_CONTROLLER].")
 @click.option("--name", default=None, help="A name for traces and errors [default: host-pid].")
 @click.option("--tags", default="", help="Comma-separated tags ops can ask for, e.g. gpu,train.")
@@ -45,7 +60,8 @@ __all__ = ["executor", "route_source", "run_secret"]
 @click.option("--insecure", is_flag=True,
               help="Bind the data socket beyond loopback without keys: anyone who reaches it "
               "can send this executor objects.")
-@click.option("--log-level", default="WARNING", show_default=True)
+@click.option("--log-level", default="WARNING", show_default=True,
+              type=click.Choice(_LEVELS, case_sensitive=False))
 def executor(connect: str, name: str | None, tags: str, device: str, kind: str,
              peer_host: str | None, host_id: str | None, code_files: tuple[str, ...],
              keys_dir: Path | None, secret_file: Path | None, insecure: bool,
@@ -81,7 +97,11 @@ def executor(connect: str, name: str | None, tags: str, device: str, kind: str,
 
     # Code is fixed when the executor starts: a message can name an @op, never a file to load.
     for path in code_files:
-        import_flow_file(Path(path))
+        try:
+            import_flow_file(Path(path))
+        except Exception as exc:  # noqa: BLE001 - the user's file failed: one line, no traceback
+            raise click.BadParameter(f"{path}: importing it raised {type(exc).__name__}: "
+                                     f"{str(exc)[:300]}", param_hint="--code") from None
 
     ops = op_table(kind)
     tag_list = tuple(t for t in tags.split(",") if t)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
 from typing import Any
@@ -276,15 +277,24 @@ def _save_state(ctx: OpContext, *_: Any, path: str) -> int:
     """The simulator holds no weights: its part of a checkpoint says so, and how many ops it ran
     (each op's outputs are seeded by its identity, not by what ran before)."""
     text = json.dumps({"format": "flowkit.sim_state/1", "executor": ctx.name})
-    with open(path, "w", encoding="utf-8") as file:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)  # a checkpoint's files are its owner's alone, whatever the umask
+    with os.fdopen(fd, "w", encoding="utf-8") as file:
         file.write(text)
     return len(text)
 
 
-def _load_state(ctx: OpContext, *_: Any, path: str) -> int:
-    with open(path, encoding="utf-8") as file:
-        state = json.load(file)
-    if state.get("format") != "flowkit.sim_state/1":
+def _load_state(ctx: OpContext, *_: Any, path: str, models: dict | None = None) -> int:
+    """Nothing to build (`models` is for executors that hold weights); the file must be a
+    simulator's state, a plain file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, encoding="utf-8") as file:
+            state = json.loads(file.read(1 << 16))
+    except (OSError, ValueError) as exc:
+        reason = "it is a symbolic link" if os.path.islink(path) else exc
+        raise ValueError(f"cannot read simulator state {path}: {reason}") from None
+    if not isinstance(state, dict) or state.get("format") != "flowkit.sim_state/1":
         raise ValueError(f"{path} is not a simulator executor's state")
     return 0
 

@@ -10,13 +10,18 @@ import threading
 import time
 from typing import Any
 
+import zmq
+
+from flowkit.wire.liveness import ConnectionWatch
 from flowkit.wire.protocol import Msg, encode
 
 __all__ = ["CompletionWatch", "Heartbeat"]
 
 log = logging.getLogger("flowkit.executor")
 
-HOLD_BACK_S = 0.001  # the longest a finished task's completion waits behind another op
+HOLD_BACK_S = 0.001
+# a closed control connection gives the serving loop this long to end on a shutdown it read
+_SHUTDOWN_GRACE_S = 0.5  # the longest a finished task's completion waits behind another op
 
 
 class CompletionWatch(threading.Thread):
@@ -72,12 +77,15 @@ class CompletionWatch(threading.Thread):
 
 
 class Heartbeat(threading.Thread):
-    """Pings the controller on its own socket; exits the process if the controller goes quiet."""
+    """Pings the controller on its own socket; exits the process when its connection to the
+    controller closes [Note: liveness in flowkit/wire/liveness.py] or the controller goes
+    quiet for the (long) ping timeout."""
 
     def __init__(self, executor: Any, address: str, interval: float, timeout: float) -> None:
         super().__init__(name="flowkit-heartbeat", daemon=True)
         self.executor, self.address = executor, address
         self.interval, self.timeout = interval, timeout
+        self.control = ConnectionWatch(executor.control)  # made here: the main thread's socket
         self._stop_event = threading.Event()
 
     def stop(self) -> None:
@@ -87,6 +95,9 @@ class Heartbeat(threading.Thread):
     def run(self) -> None:
         sock = self.executor.client_socket("controller")
         sock.connect(self.address)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self.control.socket, zmq.POLLIN)
         ping = encode(Msg.PING, {"executor": self.executor.executor_id,
                                  "token": self.executor.ping_token})  # its WELCOME's
         last_heard = time.monotonic()
@@ -97,16 +108,32 @@ class Heartbeat(threading.Thread):
                 while (remaining := deadline - time.monotonic()) > 0:
                     if self._stop_event.is_set():
                         return
-                    if sock.poll(int(remaining * 1000) + 1):
+                    ready = dict(poller.poll(int(remaining * 1000) + 1))
+                    if sock in ready:
                         while sock.poll(0):
                             sock.recv_multipart()
                         last_heard = time.monotonic()
+                    if self.control.socket in ready and self._control_closed():
+                        return
                 if time.monotonic() - last_heard > self.timeout:
                     log.error("controller at %s silent for %.1f s: exiting",
                               self.executor.connect_address, self.timeout)
                     self._exit_now()
         finally:
             sock.close(linger=0)
+            self.control.close()
+
+    def _control_closed(self) -> bool:
+        """Whether the control connection closed; if so, and the serving loop does not end
+        by itself (the controller's last word may be a shutdown), exit."""
+        if all(opened for opened, _ in self.control.changes()):
+            return False
+        if self._stop_event.wait(_SHUTDOWN_GRACE_S):
+            return True
+        log.error("the connection to the controller at %s closed: exiting",
+                  self.executor.connect_address)
+        self._exit_now()
+        return True
 
     def _exit_now(self) -> None:
         self.executor.run_cleanup_hooks()

@@ -1,7 +1,10 @@
 """An executor's part of a run checkpoint [Note: run checkpoints in flowkit/runner/checkpoint.py]:
 `save_state` writes every model this executor holds that training or a weight sync changed
 (per split and stage: the parameters and buffers, the optimizer state, the weights version)
-and its random number generators; `load_state` builds the same models again and puts it all back.
+and its random number generators; `load_state` builds the same models again, from the flow's
+build and config the controller sends (never from the file's: it names them only to refuse a
+state of another model), and puts it all back. The file holds tensors and plain values only and
+is read with torch's weights-only loader.
 
 A model no op changed since it was built (a frozen reference) is written by name only: it is
 built again from its build path and seed, which gives the same weights [Note: one model, many
@@ -48,29 +51,101 @@ def state_of(ctx: OpContext) -> dict[str, Any]:
 
 def save_state(ctx: OpContext, *_: Any, path: str) -> int:
     """Write this executor's state to `path` (inside the checkpoint's unfinished folder, which
-    the controller renames when every part is in); returns the bytes written."""
-    with open(path, "wb") as file:
+    the controller renames when every part is in), a new file only its owner reads; returns the
+    bytes written."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)  # whatever the umask
+    with os.fdopen(fd, "wb") as file:
         torch.save(state_of(ctx), file)
         file.flush()
         os.fsync(file.fileno())  # on disk before the controller renames the checkpoint in
     return Path(path).stat().st_size
 
 
-def load_state(ctx: OpContext, *_: Any, path: str) -> int:
-    """Build the models `path` names and load their weights, optimizer states and versions,
-    then this executor's random generators; returns how many models it holds."""
+def load_state(ctx: OpContext, *_: Any, path: str, models: dict | None = None) -> int:
+    """Build the models `path` holds from `models` (the flow's spec of each, by name: what the
+    controller sends, never what the file says) and load their weights, optimizer states and
+    versions, then this executor's random generators; returns how many models it holds. A
+    file whose saved build or config differs from the flow's is refused, naming both."""
+    state = _read(path)
+    entries = [_checked(entry, i, path, models or {}) for i, entry in
+               enumerate(_field(state, "models", list, path))]
+    torch_rng = _field(state, "torch_rng", torch.Tensor, path)
+    python_rng = _field(state, "python_rng", tuple, path)
+    _forget_models(ctx)
+    for entry, spec in entries:
+        _restore(ctx, entry, spec, path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError) as exc:
-        raise StageError(f"cannot read executor state {path}: {exc}") from exc
+        torch.set_rng_state(torch_rng)
+        random.setstate(python_rng)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise StageError(f"{path}: its random generators' state is damaged ({exc})") from None
+    return len(entries)
+
+
+def _read(path: str) -> dict:
+    """The state in `path`: tensors and plain values only (torch's weights-only loader: no
+    object of the file's choosing is built, no code runs); a link or a damaged file is one
+    line."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        reason = "it is a symbolic link" if os.path.islink(path) else exc.strerror or exc
+        raise StageError(f"cannot read executor state {path}: {reason}") from None
+    try:
+        with os.fdopen(fd, "rb") as file:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - a damaged or crafted file: whatever torch raises
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise StageError(f"cannot read executor state {path}: {first}") from None
     if not isinstance(state, dict) or state.get("format") != _FORMAT:
         raise StageError(f"{path} is not an executor state of this flowkit ({_FORMAT})")
-    _forget_models(ctx)
-    for entry in state["models"]:
-        _restore(ctx, entry, path)
-    torch.set_rng_state(state["torch_rng"])
-    random.setstate(state["python_rng"])
-    return len(state["models"])
+    return state
+
+
+def _field(mapping: Any, key: str, kind: type, path: str, where: str = "") -> Any:
+    value = mapping.get(key) if isinstance(mapping, dict) else None
+    if not isinstance(value, kind):
+        raise StageError(f"{path}: {where}{key} is a {type(value).__name__}, not a "
+                         f"{kind.__name__}: the file is damaged or not flowkit's")
+    return value
+
+
+_SPEC_KEYS = ("build", "seed", "dtype", "model_config")
+
+
+def _checked(entry: Any, index: int, path: str, models: dict) -> tuple[dict, dict]:
+    """Saved model `index` of `path` checked against the flow's spec of it, with that spec."""
+    where = f"models[{index}] "
+    name = _field(entry, "name", str, path, where)
+    stages = _field(entry, "stages", int, path, where)
+    spec = models.get(name)
+    if spec is None:
+        raise StageError(f"{path} holds model {name!r}, which this flow does not declare "
+                         f"(it has {sorted(models) or 'none'})")
+    saved = _field(entry, "config", dict, path, where)
+    for key in _SPEC_KEYS:
+        if saved.get(key) != spec.get(key):
+            raise StageError(f"{path}: model {name!r} was saved with {key}="
+                             f"{_short(saved.get(key))}, this flow has {_short(spec.get(key))}: "
+                             "resume with the flow that wrote it")
+    if stages not in (1, int(spec["stages"])):
+        raise StageError(f"{path}: model {name!r} saved in {stages} stages; this flow splits it "
+                         f"in {spec['stages']}")
+    parts, optimizers = (_field(entry, key, dict, path, where) for key in ("parts", "optimizers"))
+    held_stages = _field(entry, "held_stages", list, path, where)
+    version = entry.get("version")
+    indices = [*parts, *optimizers, *held_stages]
+    if not all(isinstance(i, int) and 0 <= i < stages for i in indices):
+        raise StageError(f"{path}: model {name!r} names stages outside 0..{stages - 1}")
+    if version is not None and not isinstance(version, int):
+        raise StageError(f"{path}: model {name!r} has a weights version that is not a number")
+    return entry, {**spec, "stages": stages}
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 def _forget_models(ctx: OpContext) -> None:
@@ -86,24 +161,27 @@ def _forget_models(ctx: OpContext) -> None:
         del ctx.background[name]
 
 
-def _restore(ctx: OpContext, entry: dict, path: str) -> None:
-    held = held_model(ctx, {**entry["config"], "model": entry["name"],
-                            "stages": entry["stages"]})
+def _restore(ctx: OpContext, entry: dict, spec: dict, path: str) -> None:
+    held = held_model(ctx, spec)
     what = f"model {entry['name']!r} in {entry['stages']} stage(s) (from {path})"
     for index, tensors in entry["parts"].items():
         try:
             held.parts[index].load_state_dict(tensors)
-        except RuntimeError as exc:  # shapes or names: one line, the first mismatch
+        except (RuntimeError, TypeError, AttributeError) as exc:  # shapes or names: one line
             first = str(exc).strip().splitlines()
             raise StageError(f"{what}, stage {index}: {first[1 if len(first) > 1 else 0]}"
                              .strip()) from None
     for index in entry["held_stages"]:
-        held_stage(ctx, {**entry["config"], "model": entry["name"], "stages": entry["stages"],
-                         "stage": index})
+        held_stage(ctx, {**spec, "stage": index})
     for index, saved in entry["optimizers"].items():
         from executors.torch.pipeline_ops import new_optimizer
 
         stage = held.stages[index]
         stage.optimizer = new_optimizer(stage.module)
-        stage.optimizer.load_state_dict(saved)  # its hyperparameters too: the saved ones win
+        try:
+            stage.optimizer.load_state_dict(saved)  # its hyperparameters too: the saved ones win
+        except (ValueError, TypeError, KeyError, RuntimeError) as exc:
+            raise StageError(f"{what}, stage {index}: its optimizer state does not fit "
+                             f"({str(exc).splitlines()[0][:200] if str(exc) else exc!r})"
+                             ) from None
     held.version = entry["version"]

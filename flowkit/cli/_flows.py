@@ -10,6 +10,7 @@ import click
 
 import flowkit
 from flowkit.dsl import Flow, FlowError, FlowLoadError, load_flow
+from flowkit.dsl.load import FlowExitError
 
 __all__ = ["load_checked_flow"]
 
@@ -30,6 +31,9 @@ def load_checked_flow(spec: str) -> Flow:
         flow.validate()
     except FlowLoadError as exc:
         raise click.BadParameter(str(exc), param_hint="FLOW") from None
+    except FlowExitError as exc:
+        click.echo(f"error: {exc}", err=True)
+        raise SystemExit(1) from None
     except FlowError as exc:
         click.echo(str(exc), err=True)
         raise SystemExit(1) from None

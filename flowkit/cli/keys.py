@@ -18,13 +18,15 @@ def keys() -> None:
 @click.option("--executors", "executors", default=None, metavar="NAMES|COUNT",
               help="A key pair per executor, each let in under its own name only: names "
               "(exec-0,exec-1) or a count (4: exec-0 .. exec-3) [default: one pair all share].")
-def generate(folder: Path, executors: str | None) -> None:
+@click.option("--force", is_flag=True,
+              help="Empty a DIR/allowed/ that holds keys first (they would still be let in).")
+def generate(folder: Path, executors: str | None, force: bool) -> None:
     """Write the controller's and the executors' key pairs, and the allowed clients, to DIR."""
     from flowkit.wire.auth import KeysError, generate_keys
 
     names = executor_names(executors)
     try:
-        generate_keys(folder, names)
+        generate_keys(folder, names, force=force)
     except KeysError as exc:
         raise click.ClickException(str(exc)) from None
     allowed = ", ".join(f"allowed/{name}.key" for name in names) or "allowed/executor.key"

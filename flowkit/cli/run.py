@@ -15,7 +15,7 @@ from flowkit.cli._files import writing
 from flowkit.cli._flows import load_checked_flow
 from flowkit.observe.loggers import LOGGERS
 from flowkit.observe.logsetup import LogSetup, check_run_name
-from flowkit.runner.config import CheckpointConfig, RunConfig
+from flowkit.runner.config import MAX_EXECUTORS, CheckpointConfig, RunConfig
 from flowkit.runner.setup import executor_kinds
 from flowkit.runtime.launchers import LAUNCHERS
 from flowkit.runtime.raylaunch import STRATEGIES, RaySettings
@@ -36,7 +36,8 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
               help="Which executors run model ops: torch stages, the timed simulator (sim), "
               "only the built-in ops (base: flows of @op functions alone), or auto: torch, "
               "or base for a flow without models; the simulator only when asked for.")
-@click.option("--num-executors", "-n", type=click.IntRange(min=1), default=None,
+@click.option("--num-executors", "-n", type=click.IntRange(min=1, max=MAX_EXECUTORS),
+              default=None,
               help="Executor processes to start [default: the most pipeline stages, >= 2].")
 @click.option("--tags", "tag_spec", default=None,
               help="Tags per executor, ';' between executors: 'train;train;rollout' "

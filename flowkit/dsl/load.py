@@ -9,11 +9,15 @@ from pathlib import Path
 
 from flowkit.dsl.flow import Flow
 
-__all__ = ["FlowLoadError", "import_flow_file", "load_flow"]
+__all__ = ["FlowExitError", "FlowLoadError", "import_flow_file", "load_flow"]
 
 
 class FlowLoadError(Exception):
     """The flow spec does not name a loadable flow (missing file, missing name, not a Flow)."""
+
+
+class FlowExitError(Exception):
+    """A flow file that called sys.exit (raised SystemExit) while it was imported."""
 
 
 def load_flow(spec: str) -> Flow:
@@ -56,6 +60,11 @@ def import_flow_file(path: Path):
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
+    except SystemExit as exc:  # a flow file that exits would end the command silently
+        sys.modules.pop(module_name, None)
+        raise FlowExitError(f"{path} called sys.exit({exc.code!r}) while it was imported: a flow "
+                            "file defines its flow; move what exits under "
+                            "`if __name__ == \"__main__\":`") from None
     except BaseException:
         sys.modules.pop(module_name, None)
         raise

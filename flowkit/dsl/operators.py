@@ -21,7 +21,7 @@ from flowkit.dsl.hf import HF_BUILD, check_hf_config
 from flowkit.dsl.types import PortType, Stream, port_type
 
 __all__ = ["ACTIVE_FLOW", "FlowValue", "InputPort", "LossSpec", "Model", "ModelOp", "Operator",
-           "REQUIRED", "Resumable", "op", "yields_many"]
+           "REQUIRED", "Resumable", "op", "op_modules", "yields_many"]
 
 
 # [Note: calls join a flow] Calling an op adds a node to the flow being built, which this module
@@ -172,6 +172,7 @@ class FunctionOp(Operator):
                  output: str, tags: tuple[str, ...],
                  check: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.fn = fn
+        _OP_MODULES.add(fn.__module__)  # its records may travel [Note: record registry]
         self.check = check
         op_name = name or fn.__name__
         problems: list[Problem] = []
@@ -202,6 +203,16 @@ class FunctionOp(Operator):
         except ValueError as exc:
             return [Problem(rule="bad-config", op=node.name, message=str(exc))]
         return []
+
+
+# Modules in which this process declared @op functions: the code a run is made of, whose attrs
+# records values on the wire may hold ([Note: record registry] in flowkit/wire/serialize.py).
+_OP_MODULES: set[str] = set()
+
+
+def op_modules() -> frozenset[str]:
+    """The modules of every @op function declared in this process so far."""
+    return frozenset(_OP_MODULES)
 
 
 def op(

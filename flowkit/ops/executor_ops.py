@@ -88,8 +88,9 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
     OpSpec("save_state", "anything, only to be ordered after it", ("path",),
            "write what this executor holds for a run checkpoint (weights, optimizer states, "
            "versions, random generators) to path; returns the bytes written"),
-    OpSpec("load_state", "anything, only to be ordered after it", ("path",),
-           "build and load what save_state wrote to path"),
+    OpSpec("load_state", "anything, only to be ordered after it", ("path", "models"),
+           "build the models (models: the flow's spec of each, by name) and load what "
+           "save_state wrote to path; a saved build or config that differs is refused"),
 )}
 
 LOWERED_OPS = {"pipeline": (*PIPELINE_OPS, "profile_stage"),

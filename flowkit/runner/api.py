@@ -21,11 +21,19 @@ from flowkit.dsl import Flow
 from flowkit.observe import Dashboard, RunStats, TraceRecorder
 from flowkit.observe.loggers import LoggerError, Loggers
 from flowkit.planner.lower import lower_flow
-from flowkit.runner.checkpoint import CheckpointError, Manifest, flow_identity
+from flowkit.runner.checkpoint import (
+    CheckpointError,
+    Manifest,
+    check_root,
+    flow_identity,
+    flow_models,
+    new_run_id,
+)
 from flowkit.runner.checkpointing import Checkpointing, resume_point
 from flowkit.runner.config import RunConfig, RunConfigError, RunError
 from flowkit.runner.flowrun import FlowRunError, FlowRunner, StepReport, check_async
-from flowkit.runner.restarts import Restarts, temporary_checkpoints
+from flowkit.runner.restarts import Restarts, start_executors, temporary_checkpoints
+from flowkit.runner.runstate import allowed_records
 from flowkit.runner.setup import (
     check_kind,
     choose_executors,
@@ -107,12 +115,16 @@ class Run:
         self.keys = _keys(config)
         self.identity = flow_identity(self.flow.name, self.plan)
         self.resumed = self._resume_point()
+        # a resumed run goes on with the run it resumes: its checkpoints are that run's
+        self.run_id = new_run_id() if self.resumed is None else self.resumed[1].run["id"]
+        self._check_checkpoint_root()
         self.shared = controller
         self.controller: Controller | None = None
         self.result: RunResult | None = None
         self.loop: StepLoop | None = None
         self._first_runner: FlowRunner | None = None
         self._started = False  # the executors are in: the trace is worth writing
+        self._startup_restarts = 0  # executors that exited while they started, started again
         self._exits = contextlib.ExitStack()
 
     @property
@@ -153,9 +165,11 @@ class Run:
             self._first_runner = self._make_runner()
         self.loop = StepLoop(steps=config.steps, loggers=loggers, stats=self.stats,
                              checkpoints=checkpoints, say=self.console.print,
-                             executors=started)
+                             executors=started, allowed_records=allowed_records(self.flow),
+                             models=flow_models(self.plan))
         if config.max_restarts:
             self.loop.restarts = Restarts(allowed=config.max_restarts, launcher=launcher,
+                                          used=self._startup_restarts,
                                           make_runner=self._make_runner,
                                           names=frozenset(e.name for e in started))
         if self.resumed is not None:
@@ -181,8 +195,10 @@ class Run:
                                  settings=config.launcher_settings)
         exits.callback(launcher.stop)
         exits.callback(ctl.shutdown)
-        try:
-            return launcher, launcher.start()
+        try:  # with restarts, one that exits while they start is started again
+            started, self._startup_restarts = start_executors(
+                launcher, config.max_restarts, lambda line: self.console.print(f"[yellow]{line}"))
+            return launcher, started
         except LaunchError as exc:  # e.g. Ray cannot place the executors
             raise RunError(str(exc)) from None
 
@@ -282,7 +298,18 @@ class Run:
         else:
             return None
         checkpoints.identity, checkpoints.kind = self.identity, self.kind
+        checkpoints.run_id = self.run_id
         return checkpoints
+
+    def _check_checkpoint_root(self) -> None:
+        """A --checkpoint-dir holding another run's checkpoints is refused before anything
+        starts [Note: run checkpoints in flowkit/runner/checkpoint.py]."""
+        if self.config.checkpoints is None:
+            return
+        try:
+            check_root(self.config.checkpoints.root, self.run_id)
+        except CheckpointError as exc:
+            raise RunConfigError("checkpoints", str(exc)) from None
 
     def _open_loggers(self, checkpoints: Checkpointing | None) -> Loggers:
         """The run's loggers, opened before any executor starts: a missing extra is one

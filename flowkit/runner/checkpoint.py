@@ -6,9 +6,10 @@ The design: [Note: run checkpoints] below.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import pickle
+import secrets
 import shutil
 import time
 from collections.abc import Mapping
@@ -19,29 +20,46 @@ import attrs
 
 from flowkit.ops.executor_ops import STATE_OPS
 from flowkit.planner.lower import NodePlan
-from flowkit.runner.asyncstate import OpenSteps, OpenWork, Resuming, drain, open_work, resume_open
+from flowkit.runner.asyncstate import OpenSteps, Resuming, drain, open_work, resume_open
+from flowkit.runner.runstate import (
+    CheckpointError,
+    RunState,
+    read_private,
+    read_state,
+    state_bytes,
+    write_private,
+)
 from flowkit.runner.stepstate import RunnerState, Streams
 from flowkit.runner.training import model_spec
 from flowkit.runtime.futures import wait
 from flowkit.runtime.registry import ExecutorInfo
 from flowkit.wire.refs import Gather, Item
 
-__all__ = ["CheckpointError", "Manifest", "RunState", "check_resumable", "complete_checkpoints",
-           "flow_identity", "latest_checkpoint", "read_manifest", "restore", "write_checkpoint"]
+__all__ = ["CheckpointError", "Manifest", "RunState", "check_resumable", "check_root",
+           "complete_checkpoints", "flow_identity", "flow_models", "latest_checkpoint",
+           "new_run_id",
+           "read_manifest", "read_run_state", "restore", "write_checkpoint"]
 
 
 # [Note: run checkpoints] A checkpoint is a folder `step-NNNNNNNN` (N: the steps done) under the
 # run's checkpoint root:
 #
-# manifest.json       the flow's identity, the step, the executors; written last
-# run.pkl             the controller's state (`RunState`)
+# manifest.json       the flow's identity, the run's (`run`: its id, flow and the flow's hash),
+#                     the step, the executors; written last
+# run.msgpack         the controller's state (`RunState`): plain values checked against a schema
+#                     when read, never pickle [Note: run state on disk in runstate.py]
 # executors/NAME      each executor's state: the `save_state` op (executors/torch/state.py,
 #                     executors/sim.py) writes its held models' weights and optimizer states per
-#                     split and stage, their weights versions and its random generators
+#                     split and stage, their weights versions and its random generators (tensors
+#                     and plain values, read back with torch.load(weights_only=True); the models
+#                     are built again from the flow's build and config, never the file's)
 #
 # It is written into a hidden `.step-...tmp` folder that is renamed when every part is in, so a
-# checkpoint is complete or absent; the newest `keep` are kept. Executors write their parts
-# themselves (no tensor comes to the controller), so the root must be a path they share with it.
+# checkpoint is complete or absent; the newest `keep` of this run are kept. Files are 0600 and
+# folders 0700 whatever the umask. A run has an id, made when it starts and kept by a resumed
+# run: a fresh run refuses a root that holds another run's checkpoints (check_root), and pruning
+# touches only its own. Executors write their parts themselves (no tensor comes to the
+# controller), so the root must be a path they share with it.
 #
 # What makes a resumed step k draw exactly what step k drew in the uninterrupted run: sources and
 # samplers derive their randomness from (seed, step[, prompt, sample]) alone (token_sequences,
@@ -55,14 +73,12 @@ __all__ = ["CheckpointError", "Manifest", "RunState", "check_resumable", "comple
 # in asyncstate.py, `RunState.open_work`), and its manifest the staleness bound, which a resumed run
 # must keep.
 
-FORMAT = "flowkit.run_checkpoint/1"
+FORMAT = "flowkit.run_checkpoint/2"
 MANIFEST = "manifest.json"
-RUN_STATE = "run.pkl"
+RUN_STATE = "run.msgpack"
+PICKLED_STATE = "run.pkl"  # an older flowkit's run state: refused, never unpickled
 _PREFIX = "step-"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written, read or resumed from; the message names why."""
+_MAX_MANIFEST = 1 << 24  # bytes
 
 
 @attrs.frozen(kw_only=True)
@@ -70,34 +86,39 @@ class Manifest:
     step: int  # steps done: a resumed run goes on with this step
     identity: dict  # flow_identity's
     executors: list[dict]  # name, tags, kind of each, in name order
+    run: dict  # the run that wrote it: id, flow, flow_hash
     placement: dict = attrs.field(factory=dict)  # model -> the executor of each stage, by name
     written_s: float = 0.0  # seconds the checkpoint took to write
     format: str = FORMAT
     staleness: int | None = None  # an asynchronous run's bound; None: a synchronous run
 
 
-@attrs.define(kw_only=True)
-class RunState:
-    """The controller's part of a checkpoint."""
-
-    step: int
-    records: list[dict]  # the metrics lines so far, as written
-    feedback: dict[tuple, Any]  # (node, port) -> the last value the step before produced
-    training: dict[str, dict]  # model -> what its ModelTraining carries across steps
-    profiles: dict  # (model, stages) -> profiled stage costs
-    # an asynchronous run's open steps [Note: checkpoints of asynchronous runs]; None: sync
-    open_work: OpenWork | None = None
+def new_run_id() -> str:
+    """A fresh run's id: random, so two runs never share one."""
+    return secrets.token_hex(8)
 
 
 def flow_identity(name: str, plan: list[NodePlan]) -> dict:
     """What a checkpoint must match to be resumed by a flow: its name, its nodes, and each
     model's build, config, seed, dtype and stages. JSON-shaped, so it compares after a round
     trip through the manifest."""
-    models = {node.model.name: model_spec(node.model, node.model.stages)
-              for node in plan if node.model is not None}
     identity = {"flow": name, "nodes": sorted(f"{node.name}:{node.op}" for node in plan),
-                "models": models}
+                "models": flow_models(plan)}
     return json.loads(json.dumps(identity, sort_keys=True, default=repr))
+
+
+def flow_models(plan: list[NodePlan]) -> dict[str, dict]:
+    """Each model's spec as the flow declares it: what a resumed executor builds its models
+    from (executors/torch/state.py), never a checkpoint file's."""
+    return {node.model.name: model_spec(node.model, node.model.stages)
+            for node in plan if node.model is not None}
+
+
+def run_record(run_id: str, identity: dict) -> dict:
+    """What a checkpoint says of the run that wrote it."""
+    text = json.dumps(identity, sort_keys=True)
+    return {"id": run_id, "flow": identity["flow"],
+            "flow_hash": hashlib.sha256(text.encode()).hexdigest()[:16]}
 
 
 class Checkpointed(OpenSteps, Resuming, Protocol):
@@ -122,15 +143,17 @@ def executor_layout(executors: list[ExecutorInfo], kind: str) -> list[dict]:
 # -- writing ----------------------------------------------------------------------------------
 def write_checkpoint(root: Path, runner: Checkpointed, *, step: int, identity: dict,
                      executors: list[ExecutorInfo], kind: str, records: list[dict], keep: int,
-                     timeout: float = 600.0) -> Path:
+                     run_id: str, timeout: float = 600.0) -> Path:
     """Write the checkpoint of `runner` after `step` steps (a step boundary: nothing in
-    flight) under `root`, and keep the newest `keep`; returns its folder."""
+    flight) under `root`, and keep the newest `keep` of run `run_id`; returns its folder."""
     started = time.perf_counter()
     root = Path(root).resolve()
     final = root / f"{_PREFIX}{step:08d}"
-    temp = root / f".{final.name}.tmp-{os.getpid()}"
+    temp = root / f".{final.name}.tmp-{run_id}-{os.getpid()}"
+    _private_dir(root, parents=True)
     shutil.rmtree(temp, ignore_errors=True)
-    (temp / "executors").mkdir(parents=True)
+    _private_dir(temp)
+    _private_dir(temp / "executors")
     ctl = runner.ctl
     # first: the open steps' generation ends, and nothing trains until the next step
     if runner.staleness is not None:
@@ -147,24 +170,39 @@ def write_checkpoint(root: Path, runner: Checkpointed, *, step: int, identity: d
     state = RunState(step=step, records=list(records),
                      feedback={key: _value(ctl, ref) for key, ref in snapshot.feedback.items()},
                      training=snapshot.training, profiles=snapshot.profiles, open_work=work)
-    _write_synced(temp / RUN_STATE, pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
+    write_private(temp / RUN_STATE, state_bytes(state))
     manifest = Manifest(step=step, identity=identity, executors=executor_layout(executors, kind),
-                        placement=snapshot.placement,
+                        run=run_record(run_id, identity), placement=snapshot.placement,
                         written_s=time.perf_counter() - started, staleness=snapshot.staleness)
-    _write_synced(temp / MANIFEST, json.dumps(attrs.asdict(manifest), indent=1).encode())
-    if final.exists():  # the same step again (a resumed run interrupted at once): replace it
+    write_private(temp / MANIFEST, json.dumps(attrs.asdict(manifest), indent=1).encode())
+    if os.path.lexists(final):  # the same step again (a resumed run interrupted at once)
+        _replaceable(final, run_id)
         shutil.rmtree(final)
     os.rename(temp, final)
     _fsync_dir(root)
-    _prune(root, keep)
+    _prune(root, keep, run_id)
     return final
 
 
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
+def _private_dir(path: Path, parents: bool = False) -> None:
+    """`path` made a folder only its owner can enter (0700 whatever the umask); an existing
+    root is left as its owner made it."""
+    if parents and path.is_dir():
+        return
+    if parents:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    path.mkdir(mode=0o700)
+    os.chmod(path, 0o700)
+
+
+def _replaceable(final: Path, run_id: str) -> None:
+    """A step folder this run may write over: a folder of its own, never a link or another
+    run's."""
+    if final.is_symlink() or not final.is_dir():
+        raise CheckpointError(f"cannot write checkpoint {final}: it exists and is not a folder "
+                              "of this run (a symbolic link or a file)")
+    if _run_of(final) != run_id:
+        raise CheckpointError(f"cannot write checkpoint {final}: it is another run's")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -175,13 +213,44 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _prune(root: Path, keep: int) -> None:
-    """Keep the newest `keep` complete checkpoints; drop unfinished ones of other writers."""
-    for old in complete_checkpoints(root)[:-keep]:
+def _prune(root: Path, keep: int, run_id: str) -> None:
+    """Keep the newest `keep` complete checkpoints of run `run_id`; drop its unfinished ones
+    of other processes (before a restart or a resume). Other runs' folders are never touched."""
+    own = [p for p in complete_checkpoints(root) if _run_of(p) == run_id]
+    for old in own[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob(f".{_PREFIX}*.tmp-*"):
-        if not stale.name.endswith(f".tmp-{os.getpid()}"):
+    for stale in root.glob(f".{_PREFIX}*.tmp-{run_id}-*"):
+        if not stale.name.endswith(f"-{os.getpid()}") and not stale.is_symlink():
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def _run_of(folder: Path) -> str | None:
+    """The id of the run that wrote checkpoint `folder`; None when its manifest cannot say."""
+    try:
+        return read_manifest(folder).run["id"]
+    except CheckpointError:
+        return None
+
+
+def check_root(root: Path, run_id: str) -> None:
+    """A CheckpointError of one line when checkpoint root `root` holds checkpoints of another
+    run than `run_id` (a fresh run's new id, or the id of the run a resumed one goes on)."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    steps = sorted(p for p in root.glob(f"{_PREFIX}*"))
+    others = [p for p in steps if _run_of(p) != run_id]
+    if others:
+        first = others[0]
+        try:
+            manifest = read_manifest(first)
+            whose = f"run {manifest.run['id']} of flow {manifest.run['flow']!r}"
+        except CheckpointError as exc:
+            whose = f"a run this flowkit cannot read ({str(exc).split(': ', 2)[-1]})"
+        names = ", ".join(p.name for p in others[:3]) + (", ..." if len(others) > 3 else "")
+        raise CheckpointError(f"--checkpoint-dir {root} holds checkpoints of another run "
+                              f"({names}: {whose}): go on with it with --resume {root}, or give "
+                              "another --checkpoint-dir")
 
 
 def _value(ctl: Any, ref: Any) -> Any:
@@ -194,15 +263,16 @@ def _value(ctl: Any, ref: Any) -> Any:
 
 # -- reading and resuming ---------------------------------------------------------------------
 def complete_checkpoints(root: Path) -> list[Path]:
-    """The complete checkpoints under `root`, oldest first."""
-    found = [p for p in Path(root).glob(f"{_PREFIX}*") if (p / MANIFEST).is_file()]
+    """The complete checkpoints under `root`, oldest first (symbolic links among them too:
+    reading one refuses it, naming it)."""
+    found = [p for p in Path(root).glob(f"{_PREFIX}*") if os.path.lexists(p / MANIFEST)]
     return sorted(found, key=lambda p: p.name)
 
 
 def latest_checkpoint(path: Path) -> Path:
     """`path` itself if it is a checkpoint, else the newest complete one under it."""
     path = Path(path)
-    if (path / MANIFEST).is_file():
+    if os.path.lexists(path / MANIFEST):
         return path
     if not path.is_dir():
         raise CheckpointError(f"--resume {path}: no such directory")
@@ -214,14 +284,84 @@ def latest_checkpoint(path: Path) -> Path:
 
 
 def read_manifest(folder: Path) -> Manifest:
+    """The manifest of checkpoint `folder`, every field checked: a CheckpointError of one line
+    naming the file otherwise."""
+    folder = Path(folder)
+    if folder.is_symlink():
+        raise CheckpointError(f"--resume {folder}: the checkpoint folder is a symbolic link; "
+                              "give the folder itself")
+    path = folder / MANIFEST
+    data = read_private(path, f"--resume {folder}", _MAX_MANIFEST)
     try:
-        data = json.loads((folder / MANIFEST).read_text())
-        if data.get("format") != FORMAT:
-            raise CheckpointError(f"--resume {folder}: a checkpoint of format "
-                                  f"{data.get('format')!r}; this flowkit reads {FORMAT!r}")
-        return Manifest(**data)
-    except (OSError, ValueError, TypeError) as exc:
+        fields = json.loads(data)
+    except ValueError as exc:
         raise CheckpointError(f"--resume {folder}: unreadable {MANIFEST}: {exc}") from None
+    if not isinstance(fields, dict) or fields.get("format") != FORMAT:
+        found = fields.get("format") if isinstance(fields, dict) else None
+        older = (f" (its {PICKLED_STATE} is a pickle, which this flowkit never loads: it "
+                 "could run code)" if os.path.lexists(folder / PICKLED_STATE) else "")
+        raise CheckpointError(f"--resume {folder}: a checkpoint of format {found!r}; this "
+                              f"flowkit reads {FORMAT!r}{older}")
+    problem = _manifest_problem(fields)
+    if problem:
+        raise CheckpointError(f"--resume {path}: {problem}; the file is damaged or was not "
+                              "written by flowkit")
+    return Manifest(**fields)
+
+
+_MANIFEST_FIELDS = {"step", "identity", "executors", "run", "placement", "written_s", "format",
+                    "staleness"}
+
+
+def _manifest_problem(fields: dict) -> str:
+    """What is wrong with a manifest's fields, or ""."""
+    if set(fields) != _MANIFEST_FIELDS:
+        return (f"fields {sorted(map(str, fields))[:10]}, expected "
+                f"{sorted(_MANIFEST_FIELDS)}")
+    checks = [
+        (_whole(fields["step"]), "step is not a whole number >= 0"),
+        (fields["staleness"] is None or _whole(fields["staleness"]),
+         "staleness is not a whole number or null"),
+        (isinstance(fields["written_s"], (int, float)), "written_s is not a number"),
+        (_is_run(fields["run"]), "run is not {id, flow, flow_hash} of strings"),
+        (_is_identity(fields["identity"]), "identity is not {flow, nodes, models}"),
+        (isinstance(fields["executors"], list) and all(
+            isinstance(e, dict) and set(e) == {"name", "tags", "kind"}
+            and isinstance(e["name"], str) and isinstance(e["kind"], str) and _strings(e["tags"])
+            for e in fields["executors"]), "executors is not a list of {name, tags, kind}"),
+        (isinstance(fields["placement"], dict) and all(
+            isinstance(k, str) and _strings(v) for k, v in fields["placement"].items()),
+         "placement is not a map of model to executor names"),
+    ]
+    return next((problem for ok, problem in checks if not ok), "")
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _is_run(value: Any) -> bool:
+    return (isinstance(value, dict) and set(value) == {"id", "flow", "flow_hash"}
+            and all(isinstance(v, str) for v in value.values()))
+
+
+def _is_identity(value: Any) -> bool:
+    return (isinstance(value, dict) and set(value) == {"flow", "nodes", "models"}
+            and isinstance(value["flow"], str) and _strings(value["nodes"])
+            and isinstance(value["models"], dict)
+            and all(isinstance(k, str) and isinstance(v, dict)
+                    and isinstance(v.get("model_config", {}), dict)
+                    for k, v in value["models"].items()))
+
+
+def read_run_state(folder: Path, records: Mapping[str, type]) -> RunState:
+    """The controller's state in checkpoint `folder`, its record classes looked up in
+    `records` (runstate.allowed_records): data only, checked field by field."""
+    return read_state(Path(folder) / RUN_STATE, records)
 
 
 def check_resumable(manifest: Manifest, identity: dict, layout: list[dict],
@@ -281,35 +421,37 @@ def _layout_text(layout: list[dict]) -> str:
 
 
 def restore(folder: Path, runner: Checkpointed, executors: list[ExecutorInfo], *,
+            records: Mapping[str, type], models: Mapping[str, dict],
             timeout: float = 600.0) -> RunState:
-    """Put the checkpoint in `folder` back: every executor loads its state, the runner its
+    """Put the checkpoint in `folder` back: every executor loads its state (its models built
+    from `models`, the flow's specs by name, never from what the file says), the runner its
     feedback and what its trainings carry; returns the controller's state (its step: the next
-    one to run)."""
+    one to run). The run state is read and checked first: a damaged one changes nothing."""
     ctl = runner.ctl
+    state = read_run_state(folder, records)
     saved, placement = read_manifest(folder).placement, runner.state().placement
     if saved != placement:  # each executor's state is of the stages it held
         raise CheckpointError(f"--resume {folder}: the checkpointed run placed the models' stages "
                               f"on {saved}, this run on {placement}")
     loads = []
     for e in executors:
-        part = folder / "executors" / e.name
+        part = Path(folder) / "executors" / e.name
+        if part.is_symlink():
+            raise CheckpointError(f"--resume {folder}: {part} is a symbolic link; a "
+                                  "checkpoint's files must be its own")
         if part.exists():
-            loads.append(ctl.submit("load_state", config={"path": str(part.resolve())},
+            loads.append(ctl.submit("load_state",
+                                    config={"path": str(part.absolute()), "models": dict(models)},
                                     executor=e.id, meta={"node": "resume"}))
     wait(loads, timeout=timeout)
     for future in loads:
         if future.exception() is not None:
             raise CheckpointError(f"--resume {folder}: {future.exception()}")
-    try:
-        state: RunState = pickle.loads((folder / RUN_STATE).read_bytes())
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError) as exc:
-        raise CheckpointError(f"--resume {folder}: unreadable {RUN_STATE}: {exc}") from None
     previous = Streams()
     for key, value in state.feedback.items():
         previous[key].add((0,), ctl.put(value))
         previous[key].closed = True
     runner.resume(state.step, previous, state.profiles, state.training)
-    work = getattr(state, "open_work", None)  # absent from a checkpoint of an older flowkit
-    if work is not None:
-        resume_open(runner, ctl, work)
+    if state.open_work is not None:
+        resume_open(runner, ctl, state.open_work)
     return state

@@ -30,6 +30,7 @@ class Checkpointing:
     keep: int = 2
     identity: dict = attrs.field(factory=dict)
     kind: str = "torch"
+    run_id: str = ""  # the run's [Note: run checkpoints]: its folders are the only ones it prunes
     written: int | None = None  # the step count of the newest checkpoint written
 
     def due(self, done: int) -> bool:
@@ -40,7 +41,7 @@ class Checkpointing:
         executor lost meanwhile: a restart may recover)."""
         folder = write_checkpoint(self.root, runner, step=done, identity=self.identity,
                                   executors=executors, kind=self.kind, records=records,
-                                  keep=self.keep)
+                                  keep=self.keep, run_id=self.run_id)
         self.written = done
         return folder
 

@@ -15,7 +15,12 @@ import attrs
 from flowkit.observe.logsetup import LogSetup
 from flowkit.planner.simcosts import SimCosts
 
-__all__ = ["CheckpointConfig", "ControllerConfig", "RunConfig", "RunConfigError", "RunError"]
+__all__ = ["CheckpointConfig", "ControllerConfig", "MAX_EXECUTORS", "RunConfig", "RunConfigError",
+           "RunError"]
+
+MAX_EXECUTORS = 256
+"""The most executor processes one run starts: a typo (100000) must not fork the machine to its
+knees before anything fails."""
 
 
 class RunError(RuntimeError):
@@ -42,6 +47,15 @@ def _at_least(low: float, *, above: bool = False, within: str = ""):
             relation = "above" if above else "at least"
             setting = f"{within}.{attribute.name}" if within else attribute.name
             raise RunConfigError(setting, f"{setting}={value!r}: it must be {relation} {low}")
+    return check
+
+
+def _at_most(high: int):
+    """A validator: the value (or None) is at most `high`."""
+    def check(_: object, attribute: attrs.Attribute, value: Any) -> None:
+        if value is not None and value > high:
+            raise RunConfigError(attribute.name, f"{attribute.name}={value!r}: it must be at "
+                                 f"most {high}")
     return check
 
 
@@ -112,7 +126,8 @@ class RunConfig:
     executors: str = "auto"
     """The executors' kind: torch, sim (the timed simulator), base (only @op functions), a
     plugin's, or auto: torch, or base for a flow without models."""
-    num_executors: int | None = attrs.field(default=None, validator=_at_least(1))
+    num_executors: int | None = attrs.field(default=None,
+                                            validator=[_at_least(1), _at_most(MAX_EXECUTORS)])
     """Executor processes to start; None: the most pipeline stages, at least 2."""
     tags: tuple[tuple[str, ...], ...] | None = attrs.field(default=None, converter=_tag_groups)
     """The tags of each executor; None: every executor gets every tag the flow asks for."""

@@ -103,15 +103,20 @@ class ModelTraining:
         self.step, self.trained, self.rounds = step, None, None
 
     def carried_state(self) -> dict:
-        """What it carries from step to step that a run checkpoint keeps (checkpoint.py)."""
+        """What it carries from step to step that a run checkpoint keeps (checkpoint.py): the
+        last schedule trained with, not the model's spec, which the flow gives again."""
         return {"item_counts": dict(self.item_counts),
                 "predicted_bubble": dict(self.predicted_bubble),
-                "last_trained": self.last_trained}
+                "last_schedule": None if self.last_trained is None else self.last_trained[0]}
 
     def restore_carried(self, carried: dict) -> None:
+        """Take back what `carried_state` gave; the spec is this flow's model's, never one a
+        checkpoint file names [Note: run state on disk in runstate.py]."""
         self.item_counts.update(carried["item_counts"])
         self.predicted_bubble.update(carried["predicted_bubble"])
-        self.last_trained = carried["last_trained"]
+        schedule = carried["last_schedule"]
+        self.last_trained = None if schedule is None else (
+            schedule, model_spec(self.model, schedule.num_stages))
 
     # -- the backprop --------------------------------------------------------------------------
     # [Note: streamed microbatches] A backprop cuts its items into the configured number of

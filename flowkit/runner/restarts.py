@@ -14,9 +14,10 @@ from typing import Any
 import attrs
 
 from flowkit.runner.checkpoint import CheckpointError, latest_checkpoint
-from flowkit.runtime.launch import Launcher
+from flowkit.runtime.launch import ExecutorExited, Launcher
+from flowkit.runtime.registry import ExecutorInfo
 
-__all__ = ["Restarts", "temporary_checkpoints"]
+__all__ = ["Restarts", "start_executors", "temporary_checkpoints"]
 
 
 # [Note: executor restarts] With restarts allowed, the run checkpoints before its first step and
@@ -40,6 +41,11 @@ __all__ = ["Restarts", "temporary_checkpoints"]
 #      later steps' tokens depend on timing, as in any two runs. Each restart is a warning on the
 #      dashboard and counts in the metrics (`restarts`); past N restarts, or when no executor was
 #      lost, the step's error ends the run as without restarts.
+# A loss at any other moment is one too: an executor that exits while the executors start
+# (`start_executors`) or while a replacement starts (the launcher says which, at once) is
+# started again; one lost before the first checkpoint is complete (while it is written) has
+# nothing to go back to but the start, so every executor is started afresh and the run begins
+# again from step 0, which nothing has trained yet.
 
 _QUIESCE_S = 120.0  # the survivors' tasks of the failed step: generation may have a long tail
 
@@ -54,31 +60,60 @@ class Restarts:
     used: int = 0
     names: frozenset = frozenset()  # the run's executors
 
-    def lost(self) -> list[str]:
+    def lost(self, error: BaseException | None = None) -> list[str]:
+        """The run's executors that are gone: those the controller lost, and the one whose
+        exit `error` reports (the controller may not have seen it yet)."""
         alive = {e.name for e in self.launcher.controller.executors()}
-        return sorted(self.names - alive)
+        gone = self.names - alive
+        if isinstance(error, ExecutorExited):
+            gone |= {error.name}
+        return sorted(gone)
 
-    def recover(self, error: BaseException, root: Path, warn: Callable[[str], None]
-                ) -> tuple[Any, list, Path] | None:
-        """(a fresh runner, every executor, the checkpoint to restore) after `error`, or None
-        when it is not a loss this run may recover from."""
-        lost = self.lost()
+    def recover(self, error: BaseException, root: Path, warn: Callable[[str], None], *,
+                origin: Path | None = None) -> tuple[Any, list, Path | None] | None:
+        """(a fresh runner, every executor, the checkpoint to restore: None to start over)
+        after `error`, or None when it is not a loss this run may recover from. With no
+        checkpoint in `root` yet, a resumed run goes back to `origin`, what it resumed."""
+        lost = self.lost(error)
         if not lost or self.used >= self.allowed:
             return None
         try:
-            folder = latest_checkpoint(root)
+            folder: Path | None = latest_checkpoint(root)
         except CheckpointError:  # lost before the first checkpoint was complete
-            return None
+            folder = origin
         self.used += 1
         reason = str(error).splitlines()[0]
+        again = (f"the run goes on from {folder.name}" if folder is not None else
+                 "no checkpoint is complete yet, so every executor starts afresh and the run "
+                 "begins again")
         warn(f"{', '.join(lost)} lost ({reason}); restart {self.used} of {self.allowed}: a new "
-             f"process takes its place and the run goes on from {folder.name}")
+             f"process takes its place and {again}")
         try:
             self.launcher.controller.quiesce(_QUIESCE_S)
-            executors = self.launcher.replace(lost)
-        except (RuntimeError, TimeoutError) as again:  # lost again meanwhile: another restart
-            return self.recover(again, root, warn)
+            executors = self.launcher.replace(lost if folder is not None else sorted(self.names))
+        except (RuntimeError, TimeoutError) as error_again:  # lost again: another restart
+            return self.recover(error_again, root, warn, origin=origin)
         return self.make_runner(), executors, folder
+
+
+def start_executors(launcher: Launcher, allowed: int, warn: Callable[[str], None]
+                    ) -> tuple[list[ExecutorInfo], int]:
+    """The launcher's executors, started; one that exits while they start is started again,
+    up to `allowed` times in all, each a restart [Note: executor restarts]. Returns the
+    executors and the restarts used."""
+    used = 0
+    try:
+        return launcher.start(), used
+    except ExecutorExited as exited:
+        error = exited
+    while used < allowed:
+        used += 1
+        warn(f"{error}; restart {used} of {allowed}: a new process takes its place")
+        try:
+            return launcher.replace([error.name]), used
+        except ExecutorExited as exited:
+            error = exited
+    raise error
 
 
 def temporary_checkpoints() -> tuple[Path, Callable[[], None]]:

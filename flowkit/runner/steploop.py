@@ -40,12 +40,20 @@ class StepLoop:
     runner: Any = None  # the one running: a restart makes a new one
     stopped: bool = False  # by Ctrl-C, before the last step
     completed: int = 0  # the steps done, a resumed checkpoint's included
+    origin: Path | None = None  # the --resume'd checkpoint: where a restart with none newer goes
+    # what a checkpoint read back may hold: record classes by path (runstate.allowed_records),
+    # and the models executors build, the flow's specs by name (checkpoint.flow_models)
+    allowed_records: dict = attrs.field(factory=dict)
+    models: dict = attrs.field(factory=dict)
 
     def resume(self, runner: FlowRunner, folder: Path) -> None:
         """Go on from `folder`: the executors' and runner's state, and the loggers rewound
         to the checkpoint's step, so the steps after it do not duplicate the ones an
         interrupted run logged past it [Note: loggers on resume]."""
-        state = restore(folder, runner, self.executors)
+        state = restore(folder, runner, self.executors, records=self.allowed_records,
+                        models=self.models)
+        if self.origin is None:
+            self.origin = folder
         self.first, self.records = state.step, list(state.records)
         self.completed = state.step
         self.loggers.rewind(state.step, self.records)
@@ -98,11 +106,14 @@ class StepLoop:
         newest checkpoint restored; `error` again when restarts cannot help."""
         while True:  # an executor may be lost again while the run recovers
             recovered = None if self.restarts is None else self.restarts.recover(
-                error, self.checkpoints.root, board.warn)
+                error, self.checkpoints.root, board.warn, origin=self.origin)
             if recovered is None:
                 raise error
             try:
                 self.runner, self.executors, folder = recovered
+                if folder is None:  # lost before any checkpoint: every executor is new
+                    self.first, self.completed = 0, 0
+                    return 0
                 self.resume(self.runner, folder)
                 return self.first
             except (RuntimeError, TimeoutError) as again:  # CheckpointError, ExecutorLost too

@@ -32,6 +32,7 @@ from flowkit.runtime.futures import Future, new_condition
 from flowkit.runtime.registry import ExecutorInfo
 from flowkit.wire.auth import CONTROLLER, Gate, Keys, check_bind, curve_server
 from flowkit.wire.hello import SECRET_ENV, Origin, new_secret, write_secret_file
+from flowkit.wire.liveness import ZMTP_TIMEOUT_S, ConnectionWatch, zmtp_heartbeats
 from flowkit.wire.protocol import Msg, ProtocolError, decode, encode, send_frames
 from flowkit.wire.refs import Gather
 from flowkit.wire.schema import shown
@@ -42,12 +43,16 @@ __all__ = ["Controller", "NoExecutor"]
 
 log = logging.getLogger("flowkit.controller")
 
-# Heartbeats only find executors that hang or whose host is gone: a local executor that dies is
-# seen at once by its exit, a Ray one by Ray's report. Silence this long means lost, and an
-# executor whose controller is silent this long exits; 1.5 s lost sound executors (and made
-# them exit) on a machine loaded 4x beyond its cores.
-_PING_TIMEOUT_S = 5.0
+# Python heartbeats only find processes that are alive but hung [Note: liveness in
+# flowkit/wire/liveness.py]: a local executor that dies is seen at once by its exit, a Ray one
+# by Ray's report, a closed connection by libzmq. Silence this long means lost, and an executor
+# whose controller is silent this long exits; 1.5 s, then 5 s, lost sound executors (and made
+# them exit) on a loaded machine or while a huge message held the controller's threads.
+_PING_TIMEOUT_S = 30.0
 
+# a closed connection of a local executor waits this long for its process's exit code, which
+# says more (the kernel closes a dying process's sockets a moment before it can be reaped)
+_EXIT_GRACE_S = 0.2
 _QUIET_S = 0.002  # the background thread drives after user threads left it alone this long
 _HOT_S = 0.0005  # how long a waiting user watches the router before sleeping in poll
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: IntFlag arithmetic is slow
@@ -110,6 +115,8 @@ class Controller:
         # amount in flight is bounded by the tasks the user submitted anyway.
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        if server:  # the executors' connections [Note: liveness]
+            zmtp_heartbeats(sock)
         if server and self._gate is not None:
             curve_server(sock, self.keys, CONTROLLER)
         sock.bind(bind)
@@ -362,14 +369,27 @@ class Controller:
                 header, frames = decode(parts)
                 self._state.on_message(identity, header, frames, self._origin(envelope)
                                        if header["t"] == Msg.HELLO else _ANYWHERE)
+            except KeyboardInterrupt:  # Ctrl-C, in a user thread that drives: the user's
+                raise
             except (ProtocolError, SerializeError) as exc:
-                log.warning("rejected a message from %r: %s", identity, exc)
-                self._send_raw([identity, *encode(Msg.ERROR, {"reason": str(exc)})])
+                self._reject(identity, exc)
+            except BaseException as exc:  # noqa: BLE001 - [Note: a message never kills IO]
+                log.error("handling a message from %s failed", shown(identity),
+                          exc_info=exc)
+                self._reject(identity, exc)
             if self._wanted or until is not None and until():
                 return  # what is left goes to the next driver (a user blocked on the lock, soon)
             # EVENTS costs less than the zmq.Again a non-blocking recv raises when empty
             if not router.getsockopt(_EVENTS) & _POLLIN:
                 return
+
+    def _reject(self, identity: bytes, exc: BaseException) -> None:
+        """[Note: a message never kills IO] Whatever handling a message raises, SystemExit
+        included, rejects that message alone: its sender hears why, the IO thread goes on."""
+        reason = shown(f"{type(exc).__name__}: {exc}" if not isinstance(
+            exc, (ProtocolError, SerializeError)) else str(exc), 300)
+        log.warning("rejected a message from %s: %s", shown(identity), reason)
+        self._send_raw([identity, *encode(Msg.ERROR, {"reason": reason})])
 
     def _origin(self, envelope: zmq.Frame) -> Origin:
         """Where a HELLO came from: the peer's address (tcp only), and with keys the name the
@@ -426,7 +446,7 @@ class Controller:
             try:
                 if not self._stopping:
                     self._pump(0.02)
-            except Exception:
+            except BaseException:  # noqa: BLE001 - no KeyboardInterrupt reaches this thread
                 # this thread must outlive any one failure: runs wait on events that only
                 # its callbacks deliver, so its death would hang them until their timeout
                 if not self._stopping:
@@ -458,37 +478,69 @@ class _Driving:
 
 
 class _Heartbeat(threading.Thread):
-    """Answers executors' pings on a socket of its own and declares silent executors lost."""
+    """Answers executors' pings on a socket of its own and declares lost the executors that
+    are silent, whose process exited or whose heartbeat connection closed [Note: liveness]."""
 
     def __init__(self, ctl: Controller, bind: str, interval: float, timeout: float) -> None:
         super().__init__(name="flowkit-heartbeat", daemon=True)
         self.ctl, self.interval, self.timeout = ctl, interval, timeout
         self.sock = ctl._socket(zmq.ROUTER, bind, server=True)
         self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        # a socket has one monitor, and with keys the gate's watches the handshakes: then a
+        # closed connection is seen by the process's exit or the ping timeout alone
+        self.connections = None if ctl._gate is not None else ConnectionWatch(self.sock)
         self.last_seen: dict[int, float] = {}
         self.lost: set[int] = set()
         self.refusals = Refusals(log)  # its own: the IO thread's is not for this thread
+        # executor id -> the connection (fd) its first ping came on, and back: only that one
+        # keeps it alive, and its closing is the executor's loss
+        self.fd_of: dict[int, int] = {}
+        self.executor_on: dict[int, int] = {}
+        self.closed_at: dict[int, float] = {}  # executor id -> when its connection closed
         self._stop_event = threading.Event()
 
     def stop(self) -> None:
         self._stop_event.set()
         self.join(timeout=1.0)
+        if self.connections is not None:
+            self.connections.close()
         self.sock.close(linger=0)
 
     def run(self) -> None:
-        pong = encode(Msg.PING)
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        if self.connections is not None:
+            poller.register(self.connections.socket, zmq.POLLIN)
         while not self._stop_event.is_set():
-            if self.sock.poll(int(self.interval * 500)):
-                while True:
-                    try:
-                        identity, *parts = self.sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    executor = self._executor_of_ping(parts)
-                    if executor is not None and executor not in self.lost:
-                        self.last_seen[executor] = time.monotonic()
-                        self.sock.send_multipart([identity, *pong])
+            if poller.poll(int(self.interval * 500)):
+                self._answer_pings()
+                self._closed_connections()
             self._check()
+
+    def _answer_pings(self) -> None:
+        pong = encode(Msg.PING)
+        while True:
+            try:
+                identity, *frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            executor = self._executor_of_ping([frame.bytes for frame in frames])
+            if executor is None or executor in self.lost or not frames:
+                continue
+            fd = frames[0].get(zmq.SRCFD)
+            if self.fd_of.setdefault(executor, fd) != fd:
+                continue  # another connection speaking for it: not its own heartbeat
+            self.executor_on[fd] = executor
+            self.last_seen[executor] = time.monotonic()
+            self.sock.send_multipart([identity, *pong])
+
+    def _closed_connections(self) -> None:
+        for opened, fd in self.connections.changes() if self.connections is not None else ():
+            executor = self.executor_on.pop(fd, None)  # a new connection on a reused fd too
+            if executor is None or opened:
+                continue
+            self.fd_of.pop(executor, None)
+            self.closed_at.setdefault(executor, time.monotonic())
 
     def _check(self) -> None:
         now = time.monotonic()
@@ -497,8 +549,12 @@ class _Heartbeat(threading.Thread):
                 continue
             code = self.ctl._exit_code(executor.pid)
             seen = self.last_seen.get(executor.id, executor.last_seen)
+            closed = self.closed_at.get(executor.id)
             if code is not None:
                 reason = f"its process exited with code {code}"
+            elif closed is not None and now - closed > _EXIT_GRACE_S:
+                reason = ("its heartbeat connection closed (its process or host is gone, or "
+                          f"it was silent to libzmq for {ZMTP_TIMEOUT_S:g} s)")
             elif now - seen > self.timeout:
                 reason = f"no heartbeat for {now - seen:.1f} s"
             else:

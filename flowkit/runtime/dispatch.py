@@ -24,7 +24,7 @@ from flowkit.wire.hello import HelloRefused, Origin, check_hello, check_origin, 
 from flowkit.wire.protocol import Msg, ProtocolError, encode, part_id
 from flowkit.wire.refs import Gather, Item, object_ids
 from flowkit.wire.schema import shown
-from flowkit.wire.serialize import SerializeError, pack, unpack
+from flowkit.wire.serialize import SerializeError, declared_modules, pack, unpack
 from flowkit.wire.task import TaskSpec
 
 __all__ = ["Dispatcher", "NoExecutor"]
@@ -208,7 +208,9 @@ class Dispatcher:
                                            "ping_interval": self.ping_interval,
                                            "ping_timeout": self.ping_timeout,
                                            "heartbeat_address": self.heartbeat_address,
-                                           "ping_token": executor.ping_token})
+                                           "ping_token": executor.ping_token,
+                                           # [Note: record registry] in wire/serialize.py
+                                           "modules": declared_modules()})
         self._emit("executor_joined", {"executor": executor})
 
     def _check_unique(self, identity: bytes, name: str) -> None:
@@ -236,19 +238,19 @@ class Dispatcher:
         self._send_raw([identity, *encode(Msg.ERROR, {"reason": reason, "refused": True})])
 
     def _on_done(self, executor: ExecutorInfo, items: list) -> None:
-        """Completions of the sender's own tasks; those of any other task (or malformed) are
-        ignored, and the message is then refused as a whole once the sender's have counted."""
-        tasks, inflight, foreign = self._tasks, executor.inflight, []
+        """Completions of the sender's own tasks; those of any other task are ignored, and the
+        message is then refused as a whole once the sender's have counted."""
+        tasks, inflight, refused, foreign = self._tasks, executor.inflight, [], []
         with self.condition:
             for item in items:
-                if type(item) is not dict:
-                    foreign.append(item)
-                    continue
-                task = tasks.get(item.get("task"))
+                task = tasks.get(item["task"])
                 if task is not None and task.executor != executor.id:
                     foreign.append(task.id)
                     continue
                 if task is None or task.state != "pending":
+                    continue
+                if item["ok"] and not _names_its_outputs(task, item.get("outputs", ())):
+                    refused.append(task.id)  # the other completions still count
                     continue
                 executor.outstanding -= 1
                 inflight.pop(task.id, None)
@@ -262,6 +264,9 @@ class Dispatcher:
                         op=task.op, executor=executor.name,
                         remote_traceback=item.get("traceback", "")))
             self.condition.notify_all()
+        if refused:
+            raise ProtocolError(f"done: the completions of tasks {refused[:8]} name outputs "
+                                "that are not those tasks' own")
         if foreign:
             raise ProtocolError(f"done: {shown(foreign)} are not tasks sent to "
                                 f"{executor.describe()}; ignored")
@@ -692,6 +697,15 @@ def _trace(task: TaskRecord, values: Any) -> None:
                     task.op, type(values).__name__)
         return
     task.meta = {**task.meta, "items": [*task.meta.get("items", ()), *values]}
+
+
+def _names_its_outputs(task: TaskRecord, outputs: Sequence) -> bool:
+    """Whether a completion describes exactly the outputs of `task` not yet answered (a
+    batched task's early items were [Note: early items]): another object's future must never
+    resolve through it."""
+    expected = task.outputs[task.answered:]
+    return len(outputs) == len(expected) and all(
+        out["id"] == object_id for out, object_id in zip(outputs, expected))
 
 
 def _ids_of(refs: list) -> list[int]:

@@ -9,19 +9,31 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.registry import ExecutorInfo
+from flowkit.runtime.spawn import spawn
 
-__all__ = ["LaunchError", "Launcher", "LocalExecutors", "ProcessExecutors", "device_of",
-           "per_executor_tags",
-           "stop_processes"]
+__all__ = ["ExecutorExited", "LaunchError", "Launcher", "LocalExecutors", "ProcessExecutors",
+           "device_of", "per_executor_tags", "stop_processes"]
+
+# how often a launcher waiting for its executors to connect looks at their processes
+_WATCH_S = 0.05
 
 
 class LaunchError(RuntimeError):
     """A launcher could not start its executors; the text says what was asked and why not."""
+
+
+class ExecutorExited(LaunchError):
+    """An executor's process exited while the launcher waited for its executors to connect:
+    `name` exited with `code` while `doing` (starting, say)."""
+
+    def __init__(self, name: str, code: int, doing: str) -> None:
+        super().__init__(f"{name} exited with code {code} while {doing}")
+        self.name, self.code, self.doing = name, code, doing
 
 
 class Launcher(Protocol):
@@ -49,8 +61,9 @@ class ProcessExecutors:
     """A launcher of executor processes that this process starts itself, `count` of them named
     `{name_prefix}-{i}`; subclasses say which command starts executor i (`_command`).
 
-    Each gets one compute thread (several share the cores) and is watched, so its exit is noticed
-    at once rather than at the heartbeat timeout."""
+    Each gets one compute thread (several share the cores), dies with this process, and is
+    watched, so its exit is noticed at once rather than at the heartbeat timeout: while they
+    start too, when it fails `start` or `replace` with an ExecutorExited naming it."""
 
     def __init__(self, controller: Controller, count: int, *, name_prefix: str = "exec",
                  startup_timeout: float = 60.0) -> None:
@@ -63,7 +76,11 @@ class ProcessExecutors:
         raise NotImplementedError
 
     def __enter__(self) -> list[ExecutorInfo]:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.__exit__()
+            raise
 
     def __exit__(self, *exc: Any) -> None:
         # the processes exit when their controller says so: shut it down first, or stop()
@@ -72,14 +89,15 @@ class ProcessExecutors:
         self.stop()
 
     def start(self) -> list[ExecutorInfo]:
-        """Start them all; the executors once connected, in the order of their index."""
+        """Start them all; the executors once connected, in the order of their index. First,
+        the shared-memory segments of dead processes (executors killed with their controller)
+        go."""
+        from flowkit.wire.shm import sweep_stale
+
+        sweep_stale()
         for i in range(self.count):
             self._spawn(i)
-        try:
-            joined = self.controller.wait_for_executors(self.count, timeout=self.startup_timeout)
-        except TimeoutError:
-            self.stop()
-            raise
+        joined = self._await_all(lambda name: "starting")
         order = {f"{self.name_prefix}-{i}": i for i in range(self.count)}
         return sorted(joined, key=lambda e: order.get(e.name, len(order)))
 
@@ -93,35 +111,64 @@ class ProcessExecutors:
             raise ValueError(f"{unknown} are not executors this launcher started")
         for name in names:  # a replacement still starting from an earlier try: one per name
             earlier = self.by_name.get(name)
-            if earlier is not None and earlier.poll() is None:
-                earlier.kill()
-                earlier.wait()
-        spawned = [self._spawn(known[name]) for name in names]
+            if earlier is not None:
+                self._retire(name, earlier)
+        for name in names:
+            self._spawn(known[name])
+        replacing = set(names)
+        return self._await_all(lambda name: "starting as a replacement" if name in replacing
+                               else f"{', '.join(sorted(replacing))} restarted")
+
+    def _retire(self, name: str, process: subprocess.Popen) -> None:
+        """Kill an executor's process that is to be replaced, and have the controller forget
+        it now: its name is about to connect again."""
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        for executor in self.controller.executors():
+            if executor.pid == process.pid and executor.name == name:
+                self.controller.report_lost(executor.id, "replaced by a new process")
+
+    def _await_all(self, doing: Callable[[str], str]) -> list[ExecutorInfo]:
+        """Every connected executor, once all `count` are; an ExecutorExited the moment a
+        process of this launcher exits meanwhile (`doing(name)`: what it was doing), a
+        LaunchError naming those that did not connect at the startup timeout."""
         deadline = time.monotonic() + self.startup_timeout
         while True:
             try:
-                return self.controller.wait_for_executors(self.count, timeout=0.5)
+                return self.controller.wait_for_executors(self.count, timeout=_WATCH_S)
             except TimeoutError:
-                dead = [p for p in spawned if p.poll() is not None]
-                if dead:  # killed too, or it cannot start: say so now, not at the timeout
-                    raise RuntimeError(f"a replacement executor exited with code "
-                                       f"{dead[0].returncode} before it connected") from None
-                if time.monotonic() > deadline:
-                    raise
+                pass
+            for name, process in self.by_name.items():
+                code = process.poll()
+                if code is not None:
+                    raise ExecutorExited(name, code, doing(name))
+            if time.monotonic() > deadline:
+                connected = {e.name for e in self.controller.executors()}
+                missing = sorted(set(self.by_name) - connected)
+                raise LaunchError(f"{', '.join(missing)} did not connect to "
+                                  f"{self.controller.address} within {self.startup_timeout:g} "
+                                  f"s (see the executors' output above)")
 
     def _spawn(self, i: int) -> subprocess.Popen:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                **self.controller.executor_env()}  # the run's secret: never on argv
         # a session of its own: Ctrl-C in the terminal reaches the controller alone, which
         # stops the run cleanly and then shuts its executors down
-        process = subprocess.Popen(self._command(i), env=env, stdin=subprocess.DEVNULL,
-                                   start_new_session=True)
+        process = spawn(self._command(i), env=env, stdin=subprocess.DEVNULL,
+                        start_new_session=True)
         self.processes.append(process)
         self.by_name[f"{self.name_prefix}-{i}"] = process
         self.controller.watch_process(process)
         return process
 
     def stop(self, timeout: float = 5.0) -> None:
+        # one still starting was never told to shut down (a run that failed as they started):
+        # nothing would end it but the timeout
+        connected = {e.pid for e in self.controller.executors()}
+        for process in self.processes:
+            if process.pid not in connected and process.poll() is None:
+                process.kill()
         stop_processes(self.processes, timeout)
 
 

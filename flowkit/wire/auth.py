@@ -145,16 +145,31 @@ class Keys:
         return self.controller_public if role == CONTROLLER else self.executor_public
 
 
-def generate_keys(folder: str | Path, executors: Sequence[str] = ()) -> Keys:
+def generate_keys(folder: str | Path, executors: Sequence[str] = (), *,
+                  force: bool = False) -> Keys:
     """Write a fresh keys folder (it must not hold keys yet) and return its keys; with
-    `executors` (names), a client pair pinned to each name instead of one shared by all."""
+    `executors` (names), a client pair pinned to each name instead of one shared by all. Its
+    `allowed/` must be empty: a client key left there would still be let in; `force` empties
+    it first."""
     folder = Path(folder)
     _check_curve()
-    existing = [p.name for p in folder.glob("*.key*")] if folder.is_dir() else []
+    for name in executors:  # before anything is written
+        if not _KEY_NAME.fullmatch(name):
+            raise KeysError(f"{name!r} cannot name an executor's keys: use letters, digits, "
+                            f"'.', '_' and '-', like exec-0")
+    existing = [p.name for p in [*folder.glob("*.key*"), *folder.glob(f"{_EXECUTORS}/*.key*")]
+                ] if folder.is_dir() else []
     if existing:
         raise KeysError(f"{folder} already holds keys ({', '.join(sorted(existing))}): remove "
                         f"them or choose another folder; keys are never overwritten")
-    (folder / ALLOWED).mkdir(parents=True, exist_ok=True)
+    allowed = folder / ALLOWED
+    left = sorted(p.name for p in allowed.iterdir()) if allowed.is_dir() else []
+    if left and not force:
+        raise KeysError(f"{allowed} is not empty ({', '.join(left[:5])}): the clients it allows "
+                        "would still be let in; empty it, or give --force to remove them")
+    for name in left:
+        _remove(allowed / name)
+    allowed.mkdir(parents=True, exist_ok=True)
     folder.chmod(0o700)
     for name in (CONTROLLER, EXECUTOR):
         _, secret_file = zmq.auth.create_certificates(folder, name)
@@ -162,11 +177,8 @@ def generate_keys(folder: str | Path, executors: Sequence[str] = ()) -> Keys:
     if not executors:
         shutil.copy(folder / f"{EXECUTOR}.key", folder / ALLOWED / f"{EXECUTOR}.key")
         return Keys.load(folder)
-    (folder / _EXECUTORS).mkdir(mode=0o700)
+    (folder / _EXECUTORS).mkdir(mode=0o700, exist_ok=True)
     for name in executors:
-        if not _KEY_NAME.fullmatch(name):
-            raise KeysError(f"{name!r} cannot name an executor's keys: use letters, digits, "
-                            f"'.', '_' and '-', like exec-0")
         public_file, secret_file = zmq.auth.create_certificates(folder / _EXECUTORS, name)
         Path(secret_file).chmod(0o600)
         public, _ = zmq.auth.load_certificate(public_file)
@@ -186,6 +198,14 @@ def _pinned(allowed_dir: Path) -> dict[bytes, str]:
             public, _ = zmq.auth.load_certificate(path)
             pinned[public] = found.group(1)
     return pinned
+
+
+def _remove(path: Path) -> None:
+    """Remove a file or link (never following it), or a folder and what it holds."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
 
 
 def _pair(folder: Path, name: str) -> tuple[bytes, bytes | None]:

@@ -70,8 +70,12 @@ _SCHEMA: dict[str, Schema] = {
     Msg.SHUTDOWN: {},
 }
 
-_PART_OUTPUT_SCHEMA: Schema = {"id": int, "nbytes": int}
-_ITEMS_OUTPUT_SCHEMA: Schema = {"id": int}
+# An output as an executor describes it (executors/tasks.py describe): its object id, and as
+# the case may be its size, its value inline, its length, its items' keys and traced values.
+_OUTPUT_FIELDS: dict[str, tuple[type, ...]] = {
+    "id": (int,), "nbytes": (int,), "inline": (bytes,), "count": (int,), "keys": (list,),
+    "trace": (list,)}
+_TIMES = (int, float)
 
 
 # One packer for all messages (packb builds one, buffer and all, per call); locked, as a dict
@@ -118,25 +122,52 @@ def decode(parts: Sequence) -> tuple[dict[str, Any], list]:
                             f"{header['start']!r:.80}")
     if kind == Msg.RUN:
         header["specs"] = decode_tasks(header["tasks"])
+    elif kind == Msg.DONE:
+        _check_completions(header["items"])
     elif kind == Msg.PART:
-        check_fields("part output", header["output"], _PART_OUTPUT_SCHEMA)
-    elif kind == Msg.PARTS:
-        for output in header["outputs"]:
-            if type(output) is not dict:
-                raise ProtocolError(f"parts: an output must be a map, got {output!r:.80}")
-            check_fields("part output", output, _PART_OUTPUT_SCHEMA)
-    elif kind == Msg.ITEMS:
-        if not header["outputs"]:
+        _check_outputs(kind, [header["output"]])
+    elif kind in (Msg.PARTS, Msg.ITEMS):
+        if kind == Msg.ITEMS and not header["outputs"]:
             raise ProtocolError("items: a message of early items names at least one")
-        for output in header["outputs"]:
-            if type(output) is not dict:
-                raise ProtocolError(f"items: an output must be a map, got {output!r:.80}")
-            check_fields("items output", output, _ITEMS_OUTPUT_SCHEMA)
-            if type(output.get("nbytes", 0)) is not int or type(
-                    output.get("inline", b"")) is not bytes:
-                raise ProtocolError(f"items: an output's nbytes must be an int and its inline "
-                                    f"value bytes, got {output!r:.80}")
+        _check_outputs(kind, header["outputs"])
     return header, list(parts[1:])
+
+
+def _check_outputs(kind: str, outputs: list) -> None:
+    """Every described output well formed, before any bookkeeping reads one: a map with an int
+    id, whose other known fields have their types (a part's size is required)."""
+    for out in outputs:
+        if type(out) is not dict or type(out.get("id")) is not int:
+            raise ProtocolError(f"{kind}: an output must be a map with an int id, got "
+                                f"{out!r:.80}")
+        for field, value in out.items():
+            expected = _OUTPUT_FIELDS.get(field)
+            if expected is not None and type(value) not in expected:
+                raise ProtocolError(f"{kind}: an output's nbytes must be an int and its inline "
+                                    f"value bytes, its count an int, its keys and trace lists; "
+                                    f"got {field} {value!r:.80}")
+        if kind in (Msg.PART, Msg.PARTS) and "nbytes" not in out:
+            raise ProtocolError(f"part output: missing field 'nbytes' (object {out['id']})")
+
+
+def _check_completions(items: list) -> None:
+    """A DONE's completions checked whole before the controller changes any state for them."""
+    for item in items:
+        if type(item) is not dict or type(item.get("task")) is not int or \
+                type(item.get("ok")) is not bool:
+            raise ProtocolError(f"done: a completion must be a map with an int task and a "
+                                f"bool ok, got {item!r:.80}")
+        if type(item.get("start", 0.0)) not in _TIMES or type(item.get("end", 0.0)) not in \
+                _TIMES:
+            raise ProtocolError(f"done: task {item['task']}'s start and end must be times")
+        if item["ok"]:
+            outputs = item.get("outputs", [])
+            if type(outputs) is not list:
+                raise ProtocolError(f"done: task {item['task']}'s outputs must be a list")
+            _check_outputs("done", outputs)
+        elif type(item.get("error", "")) is not str or type(item.get("traceback", "")) \
+                is not str:
+            raise ProtocolError(f"done: task {item['task']}'s error and traceback must be text")
 
 
 # [Note: part ids] A streaming task's output object is the list of everything it yielded; item

@@ -34,15 +34,15 @@ def check_fields(kind: str, fields: dict[str, Any], schema: Schema) -> None:
 
 
 def shown(value: Any, limit: int = 80) -> str:
-    """A peer-supplied value as logs and the dashboard show it: `repr`-escaped (no control
-    characters, no terminal escapes) and at most about `limit` characters, so a 64 MiB name
-    costs a log line what a short one does."""
+    """A peer-supplied value as logs and messages may show it: escaped (repr: no control
+    characters, no terminal escapes, no line breaks) and at most `limit` characters. Only
+    a bounded part of a huge value is written out: a 64 MiB name costs what a short one does."""
     if isinstance(value, (str, bytes)) and len(value) > limit:
-        return f"{value[:limit]!r}... ({len(value)} long)"
-    text = _BRIEF.repr(value)  # reprlib: a huge list is not written out in full first
-    return text if len(text) <= limit else f"{text[:limit]}..."
+        value = value[:limit]  # its repr is longer than limit still: cut below
+    text = _BRIEF.repr(value) if isinstance(value, (list, tuple, dict, set)) else repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
 
-_BRIEF = reprlib.Repr()
+_BRIEF = reprlib.Repr()  # containers: at most a few elements of each, each bounded
 _BRIEF.maxstring = _BRIEF.maxother = 80
 _BRIEF.maxlist = _BRIEF.maxdict = _BRIEF.maxtuple = _BRIEF.maxset = 8

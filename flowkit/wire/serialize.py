@@ -3,21 +3,23 @@
 `pack(value)` walks any nesting of None, bool, int, float, str, bytes, list, tuple, dict, attrs
 records, torch tensors and numpy arrays. Tensors travel out of band: their bytes become separate
 zmq frames (zero-copy on the sending side) and the body holds dtype, shape and a frame index.
-Records travel as their class path and fields; the receiver rebuilds them only when the path
-names an attrs class, so a message can never make the receiver call arbitrary code.
+Records travel as their class path and fields; the receiver rebuilds them only from a class it
+already declares [Note: record registry], so a message can never make the receiver import a
+module or call arbitrary code.
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib
+import sys
 import warnings
 from typing import Any
 
 import attrs
 import msgpack
 
-__all__ = ["SerializeError", "pack", "unpack", "nbytes_of"]
+__all__ = ["SerializeError", "allow_records", "declare_modules", "declared_modules", "nbytes_of",
+           "pack", "unpack"]
 
 _TENSOR, _NDARRAY, _RECORD, _TUPLE = 1, 2, 3, 4
 
@@ -186,14 +188,76 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
-def _record_from(path: str, fields: dict) -> Any:
+# [Note: record registry] A record on the wire names its class ("module:QualName"). The
+# receiver never imports that module: it looks the class up among those this process declares,
+#
+# - the op contract's records (flowkit.ops.records: Rollout, Experience, ...; the metrics an
+#   op reports, flowkit.dsl.metrics);
+# - the attrs classes of the modules in which this process declared @op functions (the flow
+#   file and the flow libraries it imports: the run's own code, loaded before any message;
+#   executors load it with --code) [flowkit.dsl.operators.op_modules];
+# - classes registered with `allow_records` (a program that sends records of its own);
+# - on an executor, the modules its controller declared in WELCOME: the controller's own
+#   declared modules, which the executor imports then, before any peer can send it a value
+#   (executors/process.py): an instruction of the controller, never of a message's value;
+#
+# and only if the module is loaded already and the name is an attrs class defined there (read
+# from the module's namespace, so a module's __getattr__ is not called either). Anything else
+# is a SerializeError, which rejects the message that carried it.
+_CONTRACT_MODULES = frozenset({"flowkit.ops.records", "flowkit.dsl.metrics"})
+_RECORDS: dict[str, type] = {}  # path -> class, those found or registered
+_DECLARED: set[str] = set()  # modules declared by this executor's controller
+
+
+def declare_modules(names: list[str]) -> None:
+    """Let records of these (loaded) modules be rebuilt: what an executor's controller declares
+    [Note: record registry]."""
+    _DECLARED.update(names)
+
+
+def declared_modules() -> list[str]:
+    """Every module whose attrs records this process rebuilds: what a controller declares to
+    its executors."""
+    from flowkit.dsl.operators import op_modules
+
+    registered = {cls.__module__ for cls in _RECORDS.values()}
+    return sorted(_CONTRACT_MODULES | op_modules() | _DECLARED | registered)
+
+
+def allow_records(*classes: type) -> None:
+    """Let values hold records of these attrs classes [Note: record registry]: for a program
+    that sends records not defined beside its @op functions."""
+    for cls in classes:
+        if not (isinstance(cls, type) and attrs.has(cls)):
+            raise TypeError(f"allow_records takes attrs classes, not {cls!r}")
+        _RECORDS[f"{cls.__module__}:{cls.__qualname__}"] = cls
+
+
+def _record_from(path: Any, fields: Any) -> Any:
+    if not isinstance(fields, dict) or not all(type(k) is str for k in fields):
+        raise SerializeError(f"record {str(path)[:200]!r}: its fields must be a map of names")
+    return _record_class(path)(**fields)
+
+
+def _record_class(path: Any) -> type:
+    cls = _RECORDS.get(path) if type(path) is str else None
+    if cls is not None:
+        return cls
+    shown = repr(str(path)[:200])
     module_name, _, qualname = str(path).partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError):
-        raise SerializeError(f"record class {path!r} cannot be found here") from None
-    if not (isinstance(obj, type) and attrs.has(obj)):
-        raise SerializeError(f"{path!r} is not an attrs record class; refusing to build it")
-    return obj(**fields)
+    from flowkit.dsl.operators import op_modules
+
+    if module_name not in _CONTRACT_MODULES and module_name not in op_modules() and \
+            module_name not in _DECLARED:
+        raise SerializeError(
+            f"record class {shown} is not one this process declares: records come from the op "
+            "contract (flowkit.ops.records), the modules of the run's @op functions, or "
+            "flowkit.wire.serialize.allow_records; refusing to build it")
+    obj: Any = sys.modules.get(module_name)  # loaded already: never imported for a message
+    for part in qualname.split(".") if obj is not None else ():
+        obj = vars(obj).get(part) if hasattr(obj, "__dict__") else None
+    if not (isinstance(obj, type) and attrs.has(obj) and obj.__module__ == module_name):
+        raise SerializeError(f"{shown} is not an attrs record class of a loaded module; "
+                             "refusing to build it")
+    _RECORDS[path] = obj
+    return obj

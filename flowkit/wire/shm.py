@@ -485,6 +485,42 @@ def leftover_segments(pids: Iterable[int] | None = None) -> list[str]:
     return sorted(found)
 
 
+def sweep_stale() -> list[str]:
+    """Unlink the segments in /dev/shm of processes that no longer run and that are this
+    user's: what executors killed together with their controller (no launcher left to sweep
+    after them) left behind. Run when a run starts its executors; a live process's segments,
+    and other users', are kept. Returns what was removed."""
+    removed = []
+    for name in leftover_segments():
+        path = os.path.join(SHM_DIR, name)
+        pid = int(_NAME.match(name).group(1))
+        try:
+            owner = os.lstat(path).st_uid
+        except OSError:
+            continue
+        if owner != os.getuid() or _running(pid):
+            continue
+        try:
+            os.unlink(path)
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _running(pid: int) -> bool:
+    """Whether a process of this pid exists (a reused pid counts: its segments are kept)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    except OverflowError:
+        return False
+    return True
+
+
 def sweep(pids: Iterable[int]) -> list[str]:
     """Unlink the segments of these (exited) processes; a SIGKILLed executor leaves its segments
     behind, and only its launcher knows it is gone. Returns what was removed."""

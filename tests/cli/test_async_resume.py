@@ -10,12 +10,12 @@ after it."""
 from __future__ import annotations
 
 import json
-import pickle
 from pathlib import Path
 
 import pytest
 
-from flowkit.runner.checkpoint import RUN_STATE, complete_checkpoints
+from flowkit.runner.checkpoint import complete_checkpoints, read_run_state
+from flowkit.runner.runstate import allowed_records
 from tests.cli.runs import GRPO, interrupted
 from tests.cli.runs import metrics_lines as _lines
 from tests.cli.runs import refused as _refused
@@ -45,7 +45,7 @@ def _spans(trace: Path, node: str) -> list[dict]:
 
 
 def _open_work(folder: Path):
-    return pickle.loads((folder / RUN_STATE).read_bytes()).open_work
+    return read_run_state(folder, allowed_records()).open_work
 
 
 def _three_runs(folder: Path, flow: str, *options: str) -> dict[str, Path]:

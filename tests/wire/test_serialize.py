@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flowkit.wire.serialize import SerializeError, pack, unpack
+from flowkit.wire.serialize import SerializeError, allow_records, pack, unpack
 
 
 @attrs.frozen
@@ -13,6 +13,9 @@ class Sample:
     prompt_id: int
     tokens: list
     logits: object = None
+
+
+allow_records(Sample)  # a record this test module sends [Note: record registry]
 
 
 def _round_trip(value):
@@ -72,13 +75,43 @@ def test_a_truncated_tensor_frame_is_rejected():
         unpack(body, [])
 
 
-def test_records_are_only_rebuilt_from_attrs_classes():
-    forged = msgpack.packb(msgpack.ExtType(3, msgpack.packb(["os:getcwd", {}])))
-    with pytest.raises(SerializeError, match="not an attrs record class; refusing"):
-        unpack(forged, [])
-    missing = msgpack.packb(msgpack.ExtType(3, msgpack.packb(["nowhere.at_all:Thing", {}])))
-    with pytest.raises(SerializeError, match="cannot be found"):
-        unpack(missing, [])
+def _forged_record(path: str, fields=None) -> bytes:
+    return msgpack.packb(msgpack.ExtType(3, msgpack.packb([path, fields or {}])))
+
+
+def test_records_are_only_rebuilt_from_declared_attrs_classes():
+    with pytest.raises(SerializeError, match="not one this process declares"):
+        unpack(_forged_record("os:getcwd"), [])
+    with pytest.raises(SerializeError, match="not one this process declares"):
+        unpack(_forged_record("nowhere.at_all:Thing"), [])
+    # a declared module, but no attrs class by that name
+    with pytest.raises(SerializeError, match="not an attrs record class"):
+        unpack(_forged_record("flowkit.ops.records:attrs"), [])
+    with pytest.raises(SerializeError, match="fields must be a map"):
+        unpack(_forged_record("flowkit.ops.records:Prompt", [1, 2]), [])
+
+
+def test_a_record_never_imports_the_module_it_names(tmp_path, monkeypatch):
+    """A module on the path that would leave a sentinel file if imported stays unimported."""
+    import sys
+
+    sentinel = tmp_path / "imported"
+    (tmp_path / "rogue_records.py").write_text(
+        f"open({str(sentinel)!r}, 'w').close()\nimport attrs\n"
+        "@attrs.define\nclass Thing:\n    x: int = 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for path in ("rogue_records:Thing", "venv.__main__:x", "antigravity:x"):
+        with pytest.raises(SerializeError):
+            unpack(_forged_record(path), [])
+    assert not sentinel.exists() and "rogue_records" not in sys.modules
+    assert "antigravity" not in sys.modules
+
+
+def test_records_of_op_modules_and_the_op_contract_are_rebuilt():
+    from flowkit.ops.records import Prompt
+
+    value = Prompt(prompt_id=3, tokens=[1, 2])
+    assert _round_trip(value) == value
 
 
 def test_packing_leaves_no_reference_cycle_holding_tensors():

@@ -1,0 +1,163 @@
+"""`flowkit bench chaos --seeds N`: kill -9 random executors of a `flowkit run` at random
+moments from its first second on (while they start, in the first step, during a recovery or a
+checkpoint's writing) and count the runs under --max-restarts that end with the weights of a
+run without faults, bit for bit; and, without restarts, the runs that fail within 2 s of the
+kill with an error naming the executor. tests/security/test_chaos.py runs a few seeds."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOW = str(Path(__file__).with_name("chaos_flow.py"))
+STEPS = 30  # a few seconds a run: start-up, steps, recoveries and checkpoints all get kills
+FAIL_WITHIN_S = 2.0  # without restarts, a kill ends the run this soon, naming the executor
+
+
+@attrs.define
+class ChaosRun:
+    """One run under kills: what was killed (names, seconds after the run started) and how the
+    run ended."""
+
+    returncode: int
+    output: str
+    killed: list[tuple[str, float]]
+    exit_after_kill_s: float | None  # from the last kill to the run's exit
+
+
+def command(folder: Path, *args: str) -> list[str]:
+    """`flowkit run` of the chaos flow on torch executors, its final weights into folder/w."""
+    return [sys.executable, "-m", "flowkit", "run", FLOW, "--no-dashboard", "--executors",
+            "torch", "--save-weights", str(folder / "w"), *args]
+
+
+def clean_run(folder: Path, steps: int = STEPS) -> Path:
+    """The run without faults whose weights every recovered run must end with."""
+    subprocess.run(command(folder, "--steps", str(steps)), cwd=ROOT, check=True,
+                   capture_output=True)
+    return folder / "w"
+
+
+def executors_of(parent: int) -> dict[int, str]:
+    """The executor processes `flowkit run` started (its children): pid -> name."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(fields[1]) == parent and b"--name" in argv:
+            found[int(entry.name)] = argv[argv.index(b"--name") + 1].decode()
+    return found
+
+
+def chaos_run(folder: Path, seed: int, *args: str, kills: int = 2, steps: int = STEPS,
+              first_s: tuple[float, float] = (0.2, 5.0), gap_s: tuple[float, float] = (0.0, 3.0),
+              ) -> ChaosRun:
+    """Run the flow and kill -9 a random executor `kills` times: the first a random moment in
+    `first_s` after the start, each next one a random moment in `gap_s` after the one before
+    (during the recovery, often). A kill due while no executor process exists waits for one."""
+    rng = random.Random(seed)
+    moments, at = [], rng.uniform(*first_s)
+    for _ in range(kills):
+        moments.append(at)
+        at += rng.uniform(*gap_s)
+    started = time.monotonic()
+    process = subprocess.Popen(command(folder, "--steps", str(steps), *args), cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed: list[tuple[str, float]] = []
+    last_kill = None
+    while process.poll() is None and len(killed) < kills:
+        now = time.monotonic() - started
+        if now >= moments[len(killed)]:
+            executors = executors_of(process.pid)
+            if executors:
+                pid = rng.choice(sorted(executors))
+                with _gone_ok():
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append((executors[pid], round(now, 3)))
+                    last_kill = time.monotonic()
+        time.sleep(0.005)
+    output, _ = process.communicate(timeout=600)
+    after = None if last_kill is None else time.monotonic() - last_kill
+    return ChaosRun(process.returncode, output, killed, after)
+
+
+class _gone_ok:
+    """A process that exited between the listing and the kill is no error."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, *rest: Any) -> bool:
+        return kind is ProcessLookupError
+
+
+def same_weights(got: Path, want: Path) -> bool:
+    """Bit-for-bit the same tensors in every model file of two --save-weights folders."""
+    import torch
+
+    files = sorted(p.name for p in want.glob("*.pt"))
+    if not files or sorted(p.name for p in got.glob("*.pt")) != files:
+        return False
+    for name in files:
+        mine = torch.load(got / name, weights_only=True)
+        theirs = torch.load(want / name, weights_only=True)
+        if mine.keys() != theirs.keys():
+            return False
+        if not all(torch.equal(mine[key], theirs[key]) for key in theirs):
+            return False
+    return True
+
+
+def run_chaos_bench(seeds: int = 20, kills: int = 2) -> dict:
+    """`seeds` runs under --max-restarts with `kills` kills each, and `seeds` runs without
+    restarts with one kill each: how many recovered to the clean weights, how many failed
+    fast naming the executor."""
+    with tempfile.TemporaryDirectory(prefix="flowkit-chaos-") as tmp:
+        root = Path(tmp)
+        clean = clean_run(root / "clean")
+        recovered, failures = 0, []
+        for seed in range(seeds):
+            run = chaos_run(root / f"r{seed}", seed, "--max-restarts", str(kills + 1),
+                            kills=kills)
+            if run.returncode == 0 and same_weights(root / f"r{seed}" / "w", clean):
+                recovered += 1
+            else:
+                failures.append({"seed": seed, "killed": run.killed, "code": run.returncode,
+                                 "tail": run.output.strip().splitlines()[-3:]})
+        fast, slow = 0, []
+        for seed in range(seeds):
+            run = chaos_run(root / f"f{seed}", seed, kills=1, steps=10 * STEPS)
+            if fails_fast_naming(run):
+                fast += 1
+            else:
+                slow.append({"seed": seed, "killed": run.killed, "code": run.returncode,
+                             "after_s": run.exit_after_kill_s,
+                             "tail": run.output.strip().splitlines()[-2:]})
+    return {"seeds": seeds, "kills_per_run": kills, "recovered": recovered,
+            "not_recovered": failures, "failed_fast_naming_the_executor": fast,
+            "without_restarts_otherwise": slow}
+
+
+def fails_fast_naming(run: ChaosRun) -> bool:
+    """A run without restarts that lost an executor: a one-line error naming it, within
+    FAIL_WITHIN_S of the kill."""
+    if run.returncode == 0 or not run.killed or run.exit_after_kill_s is None:
+        return False
+    name = run.killed[-1][0]
+    return (run.exit_after_kill_s < FAIL_WITHIN_S and name in run.output
+            and "Traceback" not in run.output)

@@ -1,0 +1,34 @@
+"""Chaos from the first second (benchmarks/chaos.py; `flowkit bench chaos --seeds 20` runs
+more): kill -9 random executors of a pretraining run at random moments from its start on
+(while they start, in the first step, during a recovery or a checkpoint's writing). Under
+--max-restarts every run ends with the weights of the run without faults, bit for bit; without
+restarts each fails within 2 s of the kill, naming the executor."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.chaos import STEPS, chaos_run, clean_run, fails_fast_naming, same_weights
+
+SEEDS = (0, 1)  # a few: each run takes seconds on this machine; the bench runs 20
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    return clean_run(tmp_path_factory.mktemp("clean"))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_kills_at_any_moment_are_recovered_to_the_clean_weights(tmp_path, clean, seed):
+    run = chaos_run(tmp_path, seed, "--max-restarts", "3", kills=2)
+    assert run.returncode == 0, run.output
+    assert len(run.killed) == 2, f"the run ended before its kills: {run.output}"
+    assert run.output.count("restart ") >= 2
+    assert same_weights(tmp_path / "w", clean)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_without_restarts_a_kill_fails_the_run_at_once_naming_the_executor(tmp_path, seed):
+    run = chaos_run(tmp_path, seed, kills=1, steps=10 * STEPS, first_s=(0.2, 5.0))
+    assert run.killed, run.output
+    assert fails_fast_naming(run), (run.killed, run.exit_after_kill_s, run.output)
