@@ -182,8 +182,8 @@ class Dispatcher:
         elif kind == Msg.VALUE:
             self._on_value(executor, header, frames)
         elif kind == Msg.ERROR:
-            self.refusals.warn(f"error from {executor.id}", f"{executor.describe()} rejected a "
-                               f"message: {shown(header['reason'], 400)}")
+            log.warning("%s rejected a message: %s", executor.describe(),
+                        shown(header["reason"], 400))  # an executor's own reason, bounded
         else:
             raise ProtocolError(f"a controller does not take {kind!r} messages")
 
