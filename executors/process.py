@@ -46,11 +46,19 @@ from flowkit.wire.auth import (
     curve_server,
 )
 from flowkit.wire.hello import HelloRefused
+from flowkit.wire.limits import (
+    CONTROL_FRAME_BYTES,
+    CONTROL_RCVHWM,
+    DATA_FRAME_BYTES,
+    DATA_RCVHWM,
+    UNCLAIMED_BYTES,
+    bound_inbound,
+)
 from flowkit.wire.liveness import zmtp_heartbeats
 from flowkit.wire.protocol import Msg, ProtocolError, decode, encode, part_id, send_frames
 from flowkit.wire.refs import resolve
 from flowkit.wire.schema import shown
-from flowkit.wire.serialize import SerializeError, declare_modules, pack, unpack
+from flowkit.wire.serialize import SerializeError, declare_modules, nbytes_of, pack, unpack
 from flowkit.wire.task import RejectedTask
 
 __all__ = ["Executor"]
@@ -62,6 +70,7 @@ log = logging.getLogger("flowkit.executor")
 # poll costs tens to hundreds of microseconds on a busy or virtual machine, more than a round trip.
 _HOT_SECONDS = 0.001
 _TINY_OP_S = 0.00005
+_UNBOUNDED = 1 << 62  # the credit of a stream that waits for none any more
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: IntFlag arithmetic is slow
 
 
@@ -72,6 +81,7 @@ class Executor:
                  device: str = "cpu", resources: dict | None = None,
                  peer_host: str = "127.0.0.1", host_id: str | None = None,
                  keys: Keys | None = None, insecure: bool = False,
+                 max_frame_bytes: int = CONTROL_FRAME_BYTES,
                  secret: bytes | None = None) -> None:
         """`secret`: the run's, which the controller asks of every HELLO [Note: joining a run
         in flowkit/wire/hello.py]."""
@@ -83,6 +93,7 @@ class Executor:
             keys.secret(EXECUTOR)  # a missing secret is an error before anything binds
         self.keys, self.secret = keys, secret
         self.ping_token = ""  # the WELCOME's: the controller answers only pings that carry it
+        self.max_frame_bytes = max_frame_bytes  # [Note: bounds] in flowkit/wire/limits.py
         self.connect_address, self.name, self.ops = connect, name, ops
         self.host_id = host_id or default_host_id()  # [Note: hosts] in flowkit/wire/shm.py
         self.ctx = OpContext(name=name, device=device, tags=tuple(tags))
@@ -93,6 +104,7 @@ class Executor:
         self.gate = None if keys is None else Gate(self.zmq, keys, owner=f"executor {name}")
         self.peer = self.zmq.socket(zmq.ROUTER)
         self.peer.setsockopt(zmq.LINGER, 0)
+        bound_inbound(self.peer, max_frame=DATA_FRAME_BYTES, rcvhwm=DATA_RCVHWM)
         if keys is not None:
             curve_server(self.peer, keys, EXECUTOR)
         port = self.peer.bind_to_random_port(f"tcp://{peer_host}")
@@ -102,6 +114,8 @@ class Executor:
         self.peer_address = f"tcp://{peer_host}:{port}"
         self.executor_id: int | None = None
         self.objects: dict[int, Any] = {}
+        self.unclaimed: dict[int, int] = {}  # [Note: unclaimed objects]: id -> bytes
+        self.unclaimed_bytes = 0
         self.waiting: dict[int, Task] = {}
         self.blocked: dict[int, list[Task]] = defaultdict(list)  # object id -> tasks needing it
         self.ready: deque[Task] = deque()
@@ -116,13 +130,18 @@ class Executor:
         self.op_seq, self.in_op = 0, False
         self.batch_running: Task | None = None  # a batched task's op runs [Note: early items]
         self.parts: dict[int, tuple] = {}  # task id -> (task, first index, descriptions) to send
+        # streaming tasks with a window, running: the op thread waits on `credit` for their
+        # credits [Note: stream credits in flowkit/runtime/dispatch.py]
+        self.windowed: dict[int, Task] = {}
+        self.credit = threading.Condition()
         self.watch = CompletionWatch(self)
         self.running = True
         self.cleanup_hooks: list = []  # run before exit, even when the controller died
         self._handlers = {
             Msg.RUN: self._on_run, Msg.SEND: self._on_send, Msg.PUT: self._on_object,
             Msg.DATA: self._on_object, Msg.FETCH: self._on_fetch, Msg.FREE: self._on_free,
-            Msg.CANCEL: self._on_cancel, Msg.SHUTDOWN: self._on_shutdown,
+            Msg.CANCEL: self._on_cancel, Msg.CREDIT: self._on_credit,
+            Msg.SHUTDOWN: self._on_shutdown,
             Msg.ERROR: self._on_error, Msg.PING: lambda header, frames: None,
         }
 
@@ -144,6 +163,8 @@ class Executor:
         self.executor_id = welcome["executor"]
         self.ping_token = welcome.get("ping_token", "")
         load_declared_modules(welcome.get("modules"))
+        if type(welcome.get("max_frame_bytes")) is int:  # what the controller takes in
+            self.max_frame_bytes = welcome["max_frame_bytes"]
         heartbeat = Heartbeat(self, welcome.get("heartbeat_address", self.connect_address),
                               welcome["ping_interval"], welcome["ping_timeout"])
         heartbeat.start()
@@ -163,6 +184,8 @@ class Executor:
         sock = self.zmq.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         zmtp_heartbeats(sock)  # [Note: liveness in flowkit/wire/liveness.py]
+        # what comes back on it: the controller's instructions and values; a peer sends none
+        bound_inbound(sock, max_frame=self.max_frame_bytes, rcvhwm=CONTROL_RCVHWM)
         if self.keys is not None:
             curve_client(sock, self.keys, server)
         return sock
@@ -275,6 +298,8 @@ class Executor:
                                       f"{', '.join(self.ops.names())}", "")
                 continue
             for object_id in task.object_ids():
+                if self.unclaimed:
+                    self._claim(object_id)
                 if object_id not in self.objects:
                     task.missing += 1
                     self.blocked[object_id].append(task)
@@ -288,14 +313,21 @@ class Executor:
                 self.ready.append(task)
 
     def _on_object(self, header: dict, frames: list) -> None:
-        meta = header["meta"]
+        meta, object_id = header["meta"], header["object"]
         if not isinstance(meta.get("body"), bytes):
             raise ProtocolError(f"{header['t']}: meta must carry the value's msgpack body")
+        from_peer = header["t"] == Msg.DATA
+        if from_peer and object_id in self.objects:
+            raise ProtocolError(f"data: object {object_id} is here already; a peer cannot "
+                                "replace it")
         try:
             if "layout" in meta:  # from a peer: shared-memory handles and chunks (wire/shm.py)
                 frames = self._peer_transport().decode(meta, frames)
+            if from_peer and object_id not in self.blocked:
+                self._hold_unclaimed(object_id, len(meta["body"]) + nbytes_of(frames))
             value = unpack(meta["body"], frames)
         except (ProtocolError, SerializeError) as exc:
+            self._claim(object_id)  # not held after all
             # the tasks that wait for it fail now, saying why, rather than wait for ever
             self._fail_waiting_for(header["object"], f"{header['t']} of input object "
                                    f"{header['object']} could not be read: {shown(str(exc))}")
@@ -305,6 +337,25 @@ class Executor:
             # cyclic GC runs; emptied, it cannot delay giving a segment back to its sender
             frames.clear()
         self._store(header["object"], value)
+
+    def _hold_unclaimed(self, object_id: int, nbytes: int) -> None:
+        """[Note: unclaimed objects] A peer may push an object before the task that reads it
+        reaches this executor (the producer's SEND and this executor's RUN travel apart), so
+        an object no task waits for yet is kept, but only up to UNCLAIMED_BYTES of them: a
+        peer cannot fill this process with objects nobody asked for. A RUN that reads it
+        claims it; a FREE drops it."""
+        held = self.unclaimed_bytes + nbytes
+        if held > UNCLAIMED_BYTES:
+            raise ProtocolError(f"data: object {object_id} ({nbytes} bytes) is not awaited "
+                                f"here, and {self.unclaimed_bytes} bytes of such objects are "
+                                f"held already (at most {UNCLAIMED_BYTES})")
+        self.unclaimed[object_id] = nbytes
+        self.unclaimed_bytes = held
+
+    def _claim(self, object_id: int) -> None:
+        nbytes = self.unclaimed.pop(object_id, None)
+        if nbytes is not None:
+            self.unclaimed_bytes -= nbytes
 
     def _fail_waiting_for(self, object_id: int, error: str) -> None:
         for task in self.blocked.pop(object_id, ()):
@@ -332,15 +383,28 @@ class Executor:
                                    "error": f"object {object_id} is not on {self.name}"})
             return
         body, out = pack(self.objects[object_id])
+        largest = max([len(body), *(memoryview(f).nbytes for f in out)])
+        if largest > self.max_frame_bytes:  # it would cost this executor its connection
+            self._send(Msg.VALUE, {"request": header["request"], "meta": {}, "error": (
+                f"object {object_id} has a frame of {largest} bytes, more than the "
+                f"controller takes in ({self.max_frame_bytes}: Controller(max_frame_bytes=) "
+                "or flowkit run --max-frame-mib); keep it on the executors, or save it there")})
+            return
         self._send(Msg.VALUE, {"request": header["request"], "meta": {"body": body}}, out)
 
     def _on_free(self, header: dict, frames: list) -> None:
         for object_id in header["objects"]:
             self.objects.pop(object_id, None)
             self.sends.pop(object_id, None)
+            if self.unclaimed:
+                self._claim(object_id)
 
     def _on_cancel(self, header: dict, frames: list) -> None:
         cancelled = set(header["tasks"])
+        with self.credit:  # a cancelled stream waits for no credit
+            for task_id in cancelled & set(self.windowed):
+                self.windowed.pop(task_id).credited = _UNBOUNDED
+            self.credit.notify_all()
         for task_id in cancelled & set(self.deferred):
             self.deferred.pop(task_id)[1].cancel()
         for task_id in cancelled:
@@ -349,8 +413,17 @@ class Executor:
                 self._leave_lane(task)
         self.ready = deque(t for t in self.ready if t.spec.id not in cancelled)
 
+    def _on_credit(self, header: dict, frames: list) -> None:
+        task = self.windowed.get(header["task"])
+        if task is not None:  # else ended meanwhile
+            with self.credit:
+                task.credited = max(task.credited, header["credited"])
+                self.credit.notify_all()
+
     def _on_shutdown(self, header: dict, frames: list) -> None:
         self.running = False
+        with self.credit:
+            self.credit.notify_all()
 
     def _on_error(self, header: dict, frames: list) -> None:
         log.warning("controller rejected a message: %s", header["reason"])
@@ -506,6 +579,24 @@ class Executor:
         with self.socket_lock:
             self._store(described["id"], value)
             self.parts.setdefault(task.spec.id, (task, index, []))[2].append(described)
+        if task.spec.window is not None:
+            self.windowed.setdefault(task.spec.id, task)  # its credits count from now
+            self._wait_for_credit(task)
+
+    def _wait_for_credit(self, task: Task) -> None:
+        """[Note: stream credits] in flowkit/runtime/dispatch.py: a streaming task with a
+        window runs at most that many items ahead of those its consumers are done with; past
+        it the op waits here (its thread, the sockets served meanwhile by the watch) for the
+        controller's CREDIT. Its items so far go out first: they are what earns the credit."""
+        window = task.spec.window
+        if len(task.streamed) - task.credited < window:
+            return
+        with self.socket_lock:
+            if self.parts:
+                self.send_parts()
+        with self.credit:
+            while len(task.streamed) - task.credited >= window and self.running:
+                self.credit.wait(0.1)
 
     def send_parts(self) -> None:
         """[Note: parts in batches] The items streaming tasks yielded since the last call, one
@@ -566,6 +657,7 @@ class Executor:
     def _complete(self, task: Task, outputs: list, end: float) -> None:
         """Keep a finished task's outputs and queue its completion."""
         spec = task.spec
+        self.windowed.pop(spec.id, None)
         # a batched task's items answered early are stored and told of [Note: early items]
         pairs = list(zip(spec.outputs, outputs, strict=True))[task.answered:]
         for object_id, value in pairs:
@@ -578,6 +670,7 @@ class Executor:
 
     def _complete_failed(self, task_id: int, error: str, tb: str, *,
                          start: float = 0.0) -> None:
+        self.windowed.pop(task_id, None)
         self.completions.append({"task": task_id, "ok": False, "error": error, "traceback": tb,
                                  "start": start or time.time(), "end": time.time()})
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from executors.kinds import kinds
+from flowkit.wire.limits import CONTROL_FRAME_BYTES
 
 __all__ = ["executor", "route_source", "run_secret"]
 
@@ -60,11 +61,16 @@ _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 @click.option("--insecure", is_flag=True,
               help="Bind the data socket beyond loopback without keys: anyone who reaches it "
               "can send this executor objects.")
+@click.option("--max-frame-bytes", type=click.IntRange(1 << 16, 1 << 40),
+              default=CONTROL_FRAME_BYTES, show_default=True,
+              help="The largest frame the controller may send this executor (its "
+              "max_frame_bytes; the controller's launchers pass it).")
 @click.option("--log-level", default="WARNING", show_default=True,
               type=click.Choice(_LEVELS, case_sensitive=False))
 def executor(connect: str, name: str | None, tags: str, device: str, kind: str,
              peer_host: str | None, host_id: str | None, code_files: tuple[str, ...],
              keys_dir: Path | None, secret_file: Path | None, insecure: bool,
+             max_frame_bytes: int,
              log_level: str) -> None:
     """Start an executor that serves a controller until it shuts down."""
     from flowkit.wire.auth import InsecureBindError, Keys, KeysError, check_bind
@@ -107,7 +113,7 @@ def executor(connect: str, name: str | None, tags: str, device: str, kind: str,
     tag_list = tuple(t for t in tags.split(",") if t)
     worker = Executor(connect=connect, name=name, ops=ops, tags=tag_list, device=device,
                       peer_host=peer_host, host_id=host_id, keys=keys, insecure=insecure,
-                      secret=secret)
+                      max_frame_bytes=max_frame_bytes, secret=secret)
     # [Note: garbage collection] in flowkit/runner/api.py: the code loaded is frozen out of
     # the collector's walks, and young collections are rarer
     gc.freeze()

@@ -24,7 +24,8 @@ class Task:
     [Note: lanes] Tasks of one lane run in the order they arrived, like a CUDA stream: a
     pipeline schedule's per-device order is a lane."""
 
-    __slots__ = ("spec", "fn", "missing", "plain", "streamed", "start", "results", "answered")
+    __slots__ = ("spec", "fn", "missing", "plain", "streamed", "start", "results", "answered",
+                 "credited")
 
     def __init__(self, spec: TaskSpec, fn: Any) -> None:
         self.spec, self.fn = spec, fn
@@ -36,6 +37,7 @@ class Task:
         self.results: list = []
         self.answered = 0
         self.start = 0.0
+        self.credited = 0  # a streaming task's items the controller credited back
 
     def object_ids(self) -> list[int]:
         if self.plain:

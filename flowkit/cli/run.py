@@ -110,6 +110,10 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
               "checkpoint (one each step, in --checkpoint-dir or a temporary folder).")
 @click.option("--dashboard/--no-dashboard", default=_RUN.dashboard,
               help="The live dashboard [default: on when the output is a terminal].")
+@click.option("--max-frame-mib", type=click.IntRange(1, 1 << 20),
+              default=_RUN.controller.max_frame_mib, show_default=True,
+              help="The largest frame the controller and executors take in on the control "
+              "plane; a bigger one closes the connection that sent it.")
 @click.option("--bind", default=_RUN.controller.bind, show_default=True, envvar="FLOWKIT_BIND",
               help="The controller's address, for executors on other hosts: tcp://HOST:PORT; "
               "beyond loopback it needs --keys or --insecure [env FLOWKIT_BIND].")
@@ -148,8 +152,8 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
         wandb_project: str, run_name: str | None,
         save_weights: Path | None, checkpoint_dir: Path | None, checkpoint_every: int | None,
         keep_checkpoints: int, resume: Path | None, max_restarts: int, dashboard: bool | None,
-        bind: str, keys_dir: Path | None, insecure: bool, secret_file: Path | None,
-        launcher: str,
+        max_frame_mib: int, bind: str, keys_dir: Path | None, insecure: bool,
+        secret_file: Path | None, launcher: str,
         ray_address: str | None, ray_strategy: str, ray_cpus: float, debug: bool) -> None:
     """Run a flow's steps on executor processes: local ones, or Ray actors."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -181,6 +185,7 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
             resume=resume, max_restarts=max_restarts, launcher=launcher,
             launcher_settings=settings, debug=debug,
             controller=ControllerConfig(bind=bind, keys=keys_dir, insecure=insecure,
+                                        max_frame_mib=max_frame_mib,
                                         secret_file=secret_file))
         with writing(trace or metrics or Path(".")):
             session = Run(flow, config, console=Console(stderr=False))

@@ -187,7 +187,8 @@ class Run:
             self.controller = self.shared
             return None, self.shared.executors()
         self.controller = ctl = exits.enter_context(Controller(
-            bind=config.controller.bind, keys=self.keys, insecure=config.controller.insecure))
+            bind=config.controller.bind, keys=self.keys, insecure=config.controller.insecure,
+            max_frame_bytes=config.controller.max_frame_mib << 20))
         if config.controller.secret_file is not None:
             self._write_secret(ctl, config.controller.secret_file)
         launcher = make_launcher(config.launcher, ctl, self.count, kind=self.kind,

@@ -32,12 +32,13 @@ from flowkit.runtime.futures import Future, new_condition
 from flowkit.runtime.registry import ExecutorInfo
 from flowkit.wire.auth import CONTROLLER, Gate, Keys, check_bind, curve_server
 from flowkit.wire.hello import SECRET_ENV, Origin, new_secret, write_secret_file
+from flowkit.wire.limits import CONTROL_FRAME_BYTES, CONTROL_RCVHWM, bound_inbound
 from flowkit.wire.liveness import ZMTP_TIMEOUT_S, ConnectionWatch, zmtp_heartbeats
 from flowkit.wire.protocol import Msg, ProtocolError, decode, encode, send_frames
 from flowkit.wire.refs import Gather
 from flowkit.wire.schema import shown
 from flowkit.wire.serialize import SerializeError
-from flowkit.wire.task import MAX_ITEMS, TaskSpec
+from flowkit.wire.task import MAX_ITEMS, MAX_WINDOW, TaskSpec
 
 __all__ = ["Controller", "NoExecutor"]
 
@@ -67,8 +68,12 @@ class Controller:
 
     def __init__(self, *, bind: str = "tcp://127.0.0.1:0", ping_interval: float = 0.2,
                  ping_timeout: float = _PING_TIMEOUT_S, keys: Keys | None = None,
-                 insecure: bool = False, secret: bytes | None = None) -> None:
+                 insecure: bool = False, max_frame_bytes: int = CONTROL_FRAME_BYTES,
+                 secret: bytes | None = None) -> None:
         check_bind(bind, keys=keys, insecure=insecure, who="the controller")
+        if not 1 << 16 <= max_frame_bytes <= 1 << 40:
+            raise ValueError(f"max_frame_bytes={max_frame_bytes}: give 64 KiB to 1 TiB")
+        self.max_frame_bytes = max_frame_bytes  # [Note: bounds] in flowkit/wire/limits.py
         if keys is not None:
             keys.secret(CONTROLLER)  # a missing secret is an error before anything binds
         self.keys, self.insecure = keys, insecure
@@ -97,7 +102,7 @@ class Controller:
         self._state = Dispatcher(owner=self, send_raw=self._send_raw,
                                  ping_interval=ping_interval, ping_timeout=ping_timeout,
                                  heartbeat_address=self._heartbeat.address,
-                                 secret=self.secret)
+                                 max_frame_bytes=max_frame_bytes, secret=self.secret)
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_in, zmq.POLLIN)
@@ -111,10 +116,11 @@ class Controller:
     def _socket(self, kind: int, bind: str, *, server: bool = False) -> zmq.Socket:
         sock = self._zmq.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
-        # Unbounded queues: a ROUTER silently drops what exceeds its high-water mark, and the
-        # amount in flight is bounded by the tasks the user submitted anyway.
+        # An unbounded outbound queue: a ROUTER silently drops what exceeds its high-water
+        # mark, and the amount in flight is bounded by the tasks the user submitted anyway.
+        # Inbound, every connection is bounded [Note: bounds in flowkit/wire/limits.py].
         sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        bound_inbound(sock, max_frame=self.max_frame_bytes, rcvhwm=CONTROL_RCVHWM)
         if server:  # the executors' connections [Note: liveness]
             zmtp_heartbeats(sock)
         if server and self._gate is not None:
@@ -127,9 +133,11 @@ class Controller:
     def executor_options(self) -> list[str]:
         """What a launcher adds to `python -m executors` for this controller's executors:
         `--keys DIR`, or `--insecure` [Note: authenticated transport in wire/auth.py]."""
+        frames = ([] if self.max_frame_bytes == CONTROL_FRAME_BYTES else
+                  ["--max-frame-bytes", str(self.max_frame_bytes)])  # [Note: bounds]
         if self.keys is not None:
-            return ["--keys", str(self.keys.folder.resolve())]
-        return ["--insecure"] if self.insecure else []
+            return ["--keys", str(self.keys.folder.resolve()), *frames]
+        return ["--insecure", *frames] if self.insecure else frames
 
     def executor_env(self) -> dict[str, str]:
         """What a launcher adds to its executors' environment: the run's secret, which must
@@ -192,7 +200,7 @@ class Controller:
                meta: dict | None = None, lane: str | None = None,
                report_key: str | None = None,
                on_part: Callable[[Future], Any] | None = None,
-               trace_key: str | None = None) -> Any:
+               trace_key: str | None = None, window: int | None = None) -> Any:
         """Run `op` on an executor; returns its output future (a tuple when `outputs` != 1).
 
         Inputs are futures (their objects move executor to executor), `Item`s and `Gather`s of
@@ -203,9 +211,12 @@ class Controller:
         shows [Note: traced items in executors/tasks.py]. With `on_part` the op
         streams (ops that can: see OpContext.emit in executors/optable.py): each item it yields is
         passed to `on_part(future)` on the IO thread the moment it arrives, the list of them all
-        being the task's result as usual."""
+        being the task's result as usual; with `window` it runs at most that many items ahead
+        of those its consumers are done with [Note: stream credits in dispatch.py]."""
+        if window is not None and (on_part is None or not 1 <= window <= MAX_WINDOW):
+            raise ValueError(f"submit: window={window!r} needs on_part and 1 to {MAX_WINDOW}")
         spec = TaskSpec(op, config or {}, lane=lane, report_key=report_key,
-                        trace_key=trace_key, stream=on_part is not None)
+                        trace_key=trace_key, stream=on_part is not None, window=window)
         with self._driving():
             futures = self._state.submit(spec, inputs, outputs=outputs, executor_id=executor,
                                          tags=frozenset(tags), meta=meta or {},
@@ -410,6 +421,7 @@ class Controller:
             self._state.release(released.popleft())
         while lost:
             self._state.lose(*lost.popleft())
+        self._state.check_credits()  # [Note: stream credits] in dispatch.py
 
     def _lose(self, executor_id: int, reason: str) -> None:
         """For the heartbeat thread, which must not block on the IO lock: the next driver acts."""

@@ -21,6 +21,7 @@ from flowkit.runtime.admit import Refusals
 from flowkit.runtime.futures import ExecutorLost, Future, Owner, RemoteError, TaskCancelled
 from flowkit.runtime.registry import ExecutorInfo, ObjectRecord, TaskRecord
 from flowkit.wire.hello import HelloRefused, Origin, check_hello, check_origin, check_secret
+from flowkit.wire.limits import CONTROL_FRAME_BYTES
 from flowkit.wire.protocol import Msg, ProtocolError, encode, part_id
 from flowkit.wire.refs import Gather, Item, object_ids
 from flowkit.wire.schema import shown
@@ -52,7 +53,7 @@ class _FailedUnrecorded(Exception):
 class Dispatcher:
     def __init__(self, *, owner: Owner, send_raw: Callable[[list], None],
                  ping_interval: float, ping_timeout: float, heartbeat_address: str,
-                 secret: bytes) -> None:
+                 secret: bytes, max_frame_bytes: int = CONTROL_FRAME_BYTES) -> None:
         self.condition = owner.condition
         self._secret = secret  # the run's: a HELLO without it is refused [Note: joining a run]
         self.refusals = Refusals(log)
@@ -60,6 +61,7 @@ class Dispatcher:
         self._send_raw = send_raw
         self.ping_interval, self.ping_timeout = ping_interval, ping_timeout
         self.heartbeat_address = heartbeat_address
+        self.max_frame_bytes = max_frame_bytes
         self._ids = itertools.count(1)
         self._executors: dict[int, ExecutorInfo] = {}
         self._by_identity: dict[bytes, int] = {}
@@ -74,6 +76,9 @@ class Dispatcher:
         self._pushes: dict[tuple[int, int], list[int]] = defaultdict(list)  # (from, to) -> ids
         self._frees_sent = 0.0
         self._callbacks: deque = deque()  # (fn, future): a deque, as it is drained unlocked
+        # [Note: stream credits]: (task, item record) whose on_part ran; tasks to credit
+        self._credit_checks: deque = deque()
+        self._credits: dict[int, TaskRecord] = {}
         self._listeners: list[Listener] = []
 
     def add_listener(self, listener: Listener) -> None:
@@ -99,6 +104,8 @@ class Dispatcher:
         pushes their inputs need go first, one message per producer and consumer."""
         if self._pushes:
             self._send_pushes()
+        if self._credits:
+            self._send_credits()
         if not self._outbox and not self._frees:
             return
         targets = [executor_id] if executor_id is not None else list(self._outbox)
@@ -125,6 +132,52 @@ class Dispatcher:
                                               "address": target.peer_address,
                                               "host_id": target.host_id})  # [Note: hosts]
         self._pushes.clear()
+
+    # [Note: stream credits] A streaming task with a window (`submit(..., window=K)`) runs at
+    # most K items ahead of the items its consumers are done with, so a slow consumer holds a
+    # fast producer back instead of queueing its items without end (on its executor, in its
+    # memory). An item is credited back once its `on_part` has run and no task reading it on
+    # another executor is pending: the consumers submitted for it then have finished. An item
+    # nobody consumes yet (a group that waits for its other samples) is credited at once: it
+    # waits on its producer, whose output it is anyway, so it cannot deadlock a stream whose
+    # consumers need several items; neither can a consumer on the producer's own executor,
+    # which could not run while the producer waits. The controller sends CREDIT with the count
+    # credited so far; the executor's op waits in `emit` while it is K ahead.
+    def check_credits(self) -> None:
+        """Credit the items whose on_part has run, unless consumers elsewhere still read them."""
+        checks = self._credit_checks
+        while checks:
+            task, record = checks.popleft()
+            if task.state != "pending":
+                continue
+            if self._read_elsewhere(record, task.executor):
+                record.credit_of = task.id  # credited when they end (_consumed)
+            else:
+                self._credit(task)
+
+    def _read_elsewhere(self, record: ObjectRecord, executor_id: int) -> bool:
+        tasks = self._tasks
+        return any(t is not None and t.state == "pending" and t.executor != executor_id
+                   for t in map(tasks.get, record.consumers))
+
+    def _recheck_credit(self, record: ObjectRecord) -> None:
+        producer = self._tasks.get(record.credit_of)
+        if producer is None or producer.state != "pending":
+            record.credit_of = 0
+        elif not self._read_elsewhere(record, producer.executor):
+            record.credit_of = 0
+            self._credit(producer)
+
+    def _credit(self, task: TaskRecord) -> None:
+        task.credited += 1
+        self._credits[task.id] = task
+
+    def _send_credits(self) -> None:
+        for task in self._credits.values():
+            executor = self._executors[task.executor]
+            if task.state == "pending" and executor.alive:
+                self._send(executor, Msg.CREDIT, {"task": task.id, "credited": task.credited})
+        self._credits.clear()
 
     def _frees_due(self) -> bool:
         """Frees go out in batches: a message per freed object would double the traffic of a
@@ -210,7 +263,8 @@ class Dispatcher:
                                            "heartbeat_address": self.heartbeat_address,
                                            "ping_token": executor.ping_token,
                                            # [Note: record registry] in wire/serialize.py
-                                           "modules": declared_modules()})
+                                           "modules": declared_modules(),
+                                           "max_frame_bytes": self.max_frame_bytes})
         self._emit("executor_joined", {"executor": executor})
 
     def _check_unique(self, identity: bytes, name: str) -> None:
@@ -297,6 +351,8 @@ class Dispatcher:
                 future.keys, future.timing = out.get("keys"), timing
                 self._callbacks += _resolve(future, executor.id, record.nbytes, out)
                 self._callbacks.append((task.on_part, future))
+                if task.window is not None:  # once on_part ran [Note: stream credits]
+                    self._callbacks.append((self._credit_checks.append, (task, record)))
             self.condition.notify_all()
 
     def _complete(self, task: TaskRecord, executor: ExecutorInfo, outputs: list) -> None:
@@ -407,7 +463,8 @@ class Dispatcher:
             return futures
         output_ids = tuple([f.id for f in futures])
         task = TaskRecord(task_id, op, executor.id, input_ids, output_ids, spec.config, meta,
-                          on_part=on_part, items=spec.items, on_items=on_items)
+                          on_part=on_part, items=spec.items, on_items=on_items,
+                          window=spec.window)
         self._tasks[task_id] = task
         for object_id in output_ids:
             objects[object_id] = ObjectRecord(object_id, executor.id, task_id)
@@ -568,6 +625,8 @@ class Dispatcher:
             record = self._objects.get(object_id)
             if record is not None:
                 record.pending -= 1
+                if record.credit_of:
+                    self._recheck_credit(record)
                 self._maybe_free(record)
 
     def _maybe_free(self, record: ObjectRecord) -> None:

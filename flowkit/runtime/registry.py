@@ -59,6 +59,8 @@ class TaskRecord:
     items: int | None = None  # a batched task: how many items [Note: batched tasks]
     on_items: Any = None  # a batched task: called with (first, count) of its early items
     answered: int = 0  # a batched task: outputs answered before it completed
+    window: int | None = None  # streaming: items it may run ahead [Note: stream credits]
+    credited: int = 0  # streaming with a window: items credited back to it
 
 
 @attrs.define(eq=False)
@@ -74,3 +76,4 @@ class ObjectRecord:
     user_released: bool = False  # the user's Future was garbage-collected
     error: BaseException | None = None
     nbytes: int = 0
+    credit_of: int = 0  # a windowed stream's item: the task its consumers' end credits

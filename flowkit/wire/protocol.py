@@ -26,9 +26,9 @@ PROTOCOL_VERSION = 3  # 2: streamed results (PART); 3: batched tasks and their e
 
 
 class Msg:
-    """Message types. Controller -> executor: WELCOME RUN SEND FREE FETCH PUT CANCEL SHUTDOWN PING.
-    Executor -> controller: HELLO PART PARTS ITEMS DONE VALUE PONG ERROR. Executor -> executor:
-    DATA."""
+    """Message types. Controller -> executor: WELCOME RUN SEND FREE FETCH PUT CANCEL CREDIT
+    SHUTDOWN PING. Executor -> controller: HELLO PART PARTS ITEMS DONE VALUE PONG ERROR.
+    Executor -> executor: DATA."""
 
     HELLO = "hello"  # who I am: name, tags, device, ops, peer addresses
     WELCOME = "welcome"  # your executor id, heartbeat settings
@@ -45,6 +45,7 @@ class Msg:
     VALUE = "value"  # the reply to FETCH
     FREE = "free"  # drop these objects
     CANCEL = "cancel"  # drop these tasks: an input failed upstream
+    CREDIT = "credit"  # a streaming task may run this many items on [Note: stream credits]
     ERROR = "error"  # your message was malformed; here is why
     SHUTDOWN = "shutdown"
 
@@ -66,6 +67,7 @@ _SCHEMA: dict[str, Schema] = {
     Msg.VALUE: {"request": int, "meta": dict},
     Msg.FREE: {"objects": list},
     Msg.CANCEL: {"tasks": list},
+    Msg.CREDIT: {"task": int, "credited": int},
     Msg.ERROR: {"reason": str},
     Msg.SHUTDOWN: {},
 }

@@ -31,11 +31,12 @@ import attrs
 from flowkit.wire.refs import check_ref
 from flowkit.wire.schema import ProtocolError, Schema, check_fields
 
-__all__ = ["MalformedTask", "RejectedTask", "TaskSpec", "decode_tasks"]
+__all__ = ["MAX_WINDOW", "MalformedTask", "RejectedTask", "TaskSpec", "decode_tasks"]
 
 # the fields without which a task cannot be named, nor so failed: their errors fail the message
 _NAMING_SCHEMA: Schema = {"id": int, "op": str, "config": dict, "inputs": list, "outputs": list}
 MAX_ITEMS = 65536  # items in one batched task: more is a message no sane controller sends
+MAX_WINDOW = 1 << 20  # items a streaming task may run ahead of its credits (MAX_PARTS)
 
 
 class MalformedTask(ProtocolError):
@@ -60,8 +61,10 @@ class TaskSpec:
     `lane`: tasks of one lane run in the order they arrived [Note: lanes in
     executors/tasks.py]; `report_key` and `trace_key`: fields of the output items the executor
     reports [Note: traced items in executors/tasks.py]; `stream`: send each item the op yields
-    as it comes [Note: streaming ops in executors/optable.py]; `items` and `per_item`: a
-    batched task, one call per item [Note: batched tasks].
+    as it comes [Note: streaming ops in executors/optable.py], and with `window` at most that
+    many items ahead of the items the controller credited back [Note: stream credits in
+    flowkit/runtime/dispatch.py]; `items` and `per_item`: a batched task, one call per item
+    [Note: batched tasks].
 
     The controller builds one with op, config and options, and encodes it with the task's id,
     input refs and output ids once it knows them (`encode_as`). No validators: the executor
@@ -79,6 +82,7 @@ class TaskSpec:
     stream: bool = False
     items: int | None = None
     per_item: tuple[int, ...] = ()
+    window: int | None = None
 
     def encode(self) -> dict[str, Any]:
         """The task's body in a RUN message [Note: a task on the wire]."""
@@ -99,6 +103,8 @@ class TaskSpec:
             body["trace_key"] = self.trace_key
         if self.stream:
             body["stream"] = True
+            if self.window is not None:
+                body["window"] = self.window
         if self.items is not None:
             body["items"], body["per_item"] = self.items, list(self.per_item)
         return body
@@ -121,7 +127,8 @@ class TaskSpec:
             items, per_item = _batch(body, inputs, outputs, stream)
             return cls(body["op"], body["config"], inputs, outputs, task_id,
                        _lane(body.get("lane")), _field_name(body, "report_key"),
-                       _field_name(body, "trace_key"), stream, items, per_item)
+                       _field_name(body, "trace_key"), stream, items, per_item,
+                       _window(body.get("window"), stream))
         except ProtocolError as exc:
             raise MalformedTask(task_id, str(exc)) from None
 
@@ -150,6 +157,15 @@ def _outputs(ids: list) -> list:
         if type(object_id) is not int or object_id < 0:
             raise ProtocolError(f"outputs must be object ids, got {object_id!r:.80}")
     return ids
+
+
+def _window(window: Any, stream: bool) -> int | None:
+    if window is None:
+        return None
+    if type(window) is not int or not stream or not 1 <= window <= MAX_WINDOW:
+        raise ProtocolError(f"window must be an int of 1 to {MAX_WINDOW}, for a streaming task; "
+                            f"got {window!r:.80}")
+    return window
 
 
 def _stream(stream: Any, outputs: list) -> bool:

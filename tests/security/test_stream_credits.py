@@ -1,0 +1,47 @@
+"""Credit-based flow control [Note: stream credits in flowkit/runtime/dispatch.py]: a fast
+streaming producer runs at most `window` items ahead of a slow consumer on another executor,
+where without a window it runs away; the stream's result is the same either way."""
+
+import pytest
+
+from tests.harness import executor_cluster
+
+COUNT, CONSUMER_S = 120, 0.01
+
+
+def _stream_into_slow_consumer(window):
+    """(most items the producer was ahead of the finished consumers, the stream's result)."""
+    with executor_cluster(2) as (ctl, (producer, consumer)):
+        consumed, ahead = [], []
+
+        def on_part(part):  # runs on the IO thread as each item arrives
+            ahead.append(len(consumed) + 1 - sum(f.done() for f in consumed))
+            consumed.append(ctl.submit("identity", part, config={"seconds": CONSUMER_S},
+                                       executor=consumer.id))
+
+        stream = ctl.submit("countdown", config={"count": COUNT}, executor=producer.id,
+                            on_part=on_part, window=window)
+        result = stream.result(timeout=60)
+        assert sorted(f.result(timeout=60) for f in consumed) == list(range(COUNT))
+        return max(ahead), result
+
+
+def test_a_window_holds_a_fast_producer_to_a_slow_consumer():
+    most_ahead, result = _stream_into_slow_consumer(window=4)
+    assert result == list(range(COUNT))
+    assert most_ahead <= 4
+
+
+def test_without_a_window_the_producer_runs_away():
+    most_ahead, result = _stream_into_slow_consumer(window=None)
+    assert result == list(range(COUNT))
+    assert most_ahead > 4 * 5  # the contrast the window makes
+
+
+@pytest.mark.parametrize("window", [0, -1, 1 << 40])
+def test_a_window_out_of_range_or_without_a_stream_is_refused_before_anything_runs(window):
+    with executor_cluster(1) as (ctl, _):
+        with pytest.raises(ValueError, match="window"):
+            ctl.submit("countdown", on_part=print, window=window)
+        with pytest.raises(ValueError, match="needs on_part"):
+            ctl.submit("countdown", window=4)
