@@ -30,6 +30,7 @@ FLAGS = {
     "checkpoint_every": (CheckpointConfig, "every"), "keep_checkpoints": (CheckpointConfig, "keep"),
     "bind": (ControllerConfig, "bind"), "keys_dir": (ControllerConfig, "keys"),
     "insecure": (ControllerConfig, "insecure"), "secret_file": (ControllerConfig, "secret_file"),
+    "max_frame_mib": (ControllerConfig, "max_frame_mib"),
     "ray_address": (RaySettings, "address"), "ray_strategy": (RaySettings, "strategy"),
     "ray_cpus": (RaySettings, "cpus"),
 }
