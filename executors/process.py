@@ -45,6 +45,7 @@ from flowkit.wire.auth import (
     curve_client,
     curve_server,
 )
+from flowkit.wire.hello import HelloRefused
 from flowkit.wire.limits import (
     CONTROL_FRAME_BYTES,
     CONTROL_RCVHWM,
@@ -80,14 +81,18 @@ class Executor:
                  device: str = "cpu", resources: dict | None = None,
                  peer_host: str = "127.0.0.1", host_id: str | None = None,
                  keys: Keys | None = None, insecure: bool = False,
-                 max_frame_bytes: int = CONTROL_FRAME_BYTES) -> None:
+                 max_frame_bytes: int = CONTROL_FRAME_BYTES,
+                 secret: bytes | None = None) -> None:
+        """`secret`: the run's, which the controller asks of every HELLO [Note: joining a run
+        in flowkit/wire/hello.py]."""
         from flowkit.wire.shm import host_id as default_host_id
 
         check_bind(f"tcp://{peer_host}:0", keys=keys, insecure=insecure,
                    who="this executor's data socket")
         if keys is not None:
             keys.secret(EXECUTOR)  # a missing secret is an error before anything binds
-        self.keys = keys
+        self.keys, self.secret = keys, secret
+        self.ping_token = ""  # the WELCOME's: the controller answers only pings that carry it
         self.max_frame_bytes = max_frame_bytes  # [Note: bounds] in flowkit/wire/limits.py
         self.connect_address, self.name, self.ops = connect, name, ops
         self.host_id = host_id or default_host_id()  # [Note: hosts] in flowkit/wire/shm.py
@@ -144,13 +149,19 @@ class Executor:
     def serve(self, *, hello_timeout: float = 30.0) -> int:
         """Register, then serve until shutdown (exit code 0) or controller loss (exit code 3)."""
         self.control.connect(self.connect_address)
-        welcome = self._register(hello_timeout)
+        try:
+            welcome = self._register(hello_timeout)
+        except HelloRefused as exc:
+            log.error("the controller at %s refused this executor: %s", self.connect_address,
+                      exc)
+            return 2
         if welcome is None:
             log.error("no controller answered at %s within %.0f s%s", self.connect_address,
                       hello_timeout, " (does it use the same --keys DIR?)" if self.keys else
                       " (if it runs with --keys DIR, give this executor those keys too)")
             return 2
         self.executor_id = welcome["executor"]
+        self.ping_token = welcome.get("ping_token", "")
         load_declared_modules(welcome.get("modules"))
         if type(welcome.get("max_frame_bytes")) is int:  # what the controller takes in
             self.max_frame_bytes = welcome["max_frame_bytes"]
@@ -198,10 +209,14 @@ class Executor:
                  "pid": os.getpid(), "host": pysocket.gethostname(), "host_id": self.host_id,
                  "device": self.ctx.device,
                  "resources": self.resources, "peer_address": self.peer_address}
+        if self.secret is not None:
+            hello["secret"] = self.secret.hex()
         self.control.send_multipart(encode(Msg.HELLO, hello))
         if not self.control.poll(int(timeout * 1000)):
             return None
         header, _ = decode(self.control.recv_multipart())
+        if header["t"] == Msg.ERROR and header.get("refused"):
+            raise HelloRefused(header["reason"])
         if header["t"] != Msg.WELCOME:
             raise ProtocolError(f"expected welcome, got {header['t']!r}")
         return header

@@ -16,7 +16,7 @@ import click
 from executors.kinds import kinds
 from flowkit.wire.limits import CONTROL_FRAME_BYTES
 
-__all__ = ["executor", "route_source"]
+__all__ = ["executor", "route_source", "run_secret"]
 
 
 def _address(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -54,6 +54,10 @@ _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
               type=click.Path(file_okay=False, path_type=Path),
               help="Authenticate and encrypt every socket with the CurveZMQ keys in DIR "
               "(`flowkit keys generate DIR`; the controller's --keys) [env FLOWKIT_KEYS].")
+@click.option("--secret-file", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="The run's secret, which the controller asks of every executor: the file "
+              "the controller wrote (`flowkit run --secret-file`) [default: the environment "
+              "variable FLOWKIT_RUN_SECRET, set by the launchers].")
 @click.option("--insecure", is_flag=True,
               help="Bind the data socket beyond loopback without keys: anyone who reaches it "
               "can send this executor objects.")
@@ -65,13 +69,19 @@ _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
               type=click.Choice(_LEVELS, case_sensitive=False))
 def executor(connect: str, name: str | None, tags: str, device: str, kind: str,
              peer_host: str | None, host_id: str | None, code_files: tuple[str, ...],
-             keys_dir: Path | None, insecure: bool, max_frame_bytes: int,
+             keys_dir: Path | None, secret_file: Path | None, insecure: bool,
+             max_frame_bytes: int,
              log_level: str) -> None:
     """Start an executor that serves a controller until it shuts down."""
     from flowkit.wire.auth import InsecureBindError, Keys, KeysError, check_bind
 
+    secret = run_secret(secret_file)
+
+    name = name or f"{socket.gethostname()}-{os.getpid()}"
     try:  # before anything loads or binds
-        keys = None if keys_dir is None else Keys.load(keys_dir)
+        # with keys pinned to executor names, this executor's own pair [Note: authenticated
+        # transport in flowkit/wire/auth.py]
+        keys = None if keys_dir is None else Keys.load(keys_dir, name=name)
         if keys is not None:
             keys.secret("executor")
     except KeysError as exc:
@@ -100,16 +110,28 @@ def executor(connect: str, name: str | None, tags: str, device: str, kind: str,
                                      f"{str(exc)[:300]}", param_hint="--code") from None
 
     ops = op_table(kind)
-    name = name or f"{socket.gethostname()}-{os.getpid()}"
     tag_list = tuple(t for t in tags.split(",") if t)
     worker = Executor(connect=connect, name=name, ops=ops, tags=tag_list, device=device,
                       peer_host=peer_host, host_id=host_id, keys=keys, insecure=insecure,
-                      max_frame_bytes=max_frame_bytes)
+                      max_frame_bytes=max_frame_bytes, secret=secret)
     # [Note: garbage collection] in flowkit/runner/api.py: the code loaded is frozen out of
     # the collector's walks, and young collections are rarer
     gc.freeze()
     gc.set_threshold(50_000, *gc.get_threshold()[1:])
     raise SystemExit(worker.serve())
+
+
+def run_secret(secret_file: Path | None) -> bytes | None:
+    """The run's secret from --secret-file, else from the environment the launcher set (taken
+    out of it: processes the ops start need not see it) [Note: joining a run in
+    flowkit/wire/hello.py]; a file that holds none is a usage error."""
+    from flowkit.wire.hello import read_secret_file, secret_from_environment
+
+    try:
+        from_environment = secret_from_environment()
+        return read_secret_file(secret_file) if secret_file is not None else from_environment
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--secret-file") from None
 
 
 def route_source(address: str) -> str:

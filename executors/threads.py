@@ -98,7 +98,8 @@ class Heartbeat(threading.Thread):
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self.control.socket, zmq.POLLIN)
-        ping = encode(Msg.PING, {"executor": self.executor.executor_id})
+        ping = encode(Msg.PING, {"executor": self.executor.executor_id,
+                                 "token": self.executor.ping_token})  # its WELCOME's
         last_heard = time.monotonic()
         try:
             while not self._stop_event.is_set():

@@ -124,6 +124,10 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
 @click.option("--insecure", is_flag=True,
               help="Bind beyond loopback without keys: anyone who reaches the address can "
               "join as an executor.")
+@click.option("--secret-file", default=_RUN.controller.secret_file,
+              type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the run's secret to this file (0600), for executors started by "
+              "hand (`flowkit executor --secret-file PATH`): without it none can join.")
 @click.option("--launcher", type=click.Choice(LAUNCHERS), default=_RUN.launcher, show_default=True,
               envvar="FLOWKIT_LAUNCHER",
               help="What starts the executors: local subprocesses, or Ray actors in a "
@@ -148,7 +152,8 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
         wandb_project: str, run_name: str | None,
         save_weights: Path | None, checkpoint_dir: Path | None, checkpoint_every: int | None,
         keep_checkpoints: int, resume: Path | None, max_restarts: int, dashboard: bool | None,
-        max_frame_mib: int, bind: str, keys_dir: Path | None, insecure: bool, launcher: str,
+        max_frame_mib: int, bind: str, keys_dir: Path | None, insecure: bool,
+        secret_file: Path | None, launcher: str,
         ray_address: str | None, ray_strategy: str, ray_cpus: float, debug: bool) -> None:
     """Run a flow's steps on executor processes: local ones, or Ray actors."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -180,7 +185,8 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
             resume=resume, max_restarts=max_restarts, launcher=launcher,
             launcher_settings=settings, debug=debug,
             controller=ControllerConfig(bind=bind, keys=keys_dir, insecure=insecure,
-                                        max_frame_mib=max_frame_mib))
+                                        max_frame_mib=max_frame_mib,
+                                        secret_file=secret_file))
         with writing(trace or metrics or Path(".")):
             session = Run(flow, config, console=Console(stderr=False))
             with session:

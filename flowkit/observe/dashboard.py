@@ -169,7 +169,8 @@ def _executor_cells(executor: ExecutorStats) -> list[RenderableType]:
         op = Text(executor.current_op)
     util = Text(f"{executor.utilization:.0%}", style=_utilization_style(executor.utilization))
     failed = Text(str(executor.failed), style="red" if executor.failed else "")
-    return [executor.label.name, ",".join(executor.label.tags) or "-", op, util,
+    # Text, not str: a str cell is read as markup, and names and tags are the executors' own
+    return [Text(executor.label.name), Text(",".join(executor.label.tags) or "-"), op, util,
             str(executor.queued), str(executor.completed), failed,
             _bytes(executor.bytes_out)]
 

@@ -189,6 +189,8 @@ class Run:
         self.controller = ctl = exits.enter_context(Controller(
             bind=config.controller.bind, keys=self.keys, insecure=config.controller.insecure,
             max_frame_bytes=config.controller.max_frame_mib << 20))
+        if config.controller.secret_file is not None:
+            self._write_secret(ctl, config.controller.secret_file)
         launcher = make_launcher(config.launcher, ctl, self.count, kind=self.kind,
                                  tags=self.tags, code=list(config.code), device=config.device,
                                  settings=config.launcher_settings)
@@ -200,6 +202,17 @@ class Run:
             return launcher, started
         except LaunchError as exc:  # e.g. Ray cannot place the executors
             raise RunError(str(exc)) from None
+
+    def _write_secret(self, ctl: Controller, path: Path) -> None:
+        """The run's secret for executors started by hand, and the line that starts one."""
+        try:
+            ctl.write_secret(path)
+        except OSError as exc:
+            raise RunError(f"cannot write the run's secret to {path} ({exc.strerror}): give "
+                           f"--secret-file a new file in a folder you may write") from None
+        self.console.print(f"executors started by hand: flowkit executor --connect "
+                           f"{ctl.address} --secret-file {path}", markup=False, highlight=False,
+                           soft_wrap=True)  # one line: a command to copy
 
     def _make_runner(self) -> FlowRunner:
         config = self.config

@@ -115,6 +115,9 @@ class ControllerConfig:
     max_frame_mib: int = attrs.field(default=256, validator=_at_least(1))
     """The largest frame the control plane takes in, in MiB [Note: bounds in
     flowkit/wire/limits.py]: a bigger one closes its sender's connection."""
+    secret_file: Path | None = attrs.field(default=None, converter=_path)
+    """Write the run's secret there (0600), for executors started by hand with
+    `flowkit executor --secret-file` [Note: joining a run in flowkit/wire/hello.py]."""
 
 
 @attrs.frozen(kw_only=True)

@@ -15,6 +15,7 @@ With keys, both ROUTERs are CurveZMQ servers behind a gate that admits only know
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import os
 import threading
@@ -25,10 +26,12 @@ from typing import Any
 
 import zmq
 
+from flowkit.runtime.admit import Refusals
 from flowkit.runtime.dispatch import Dispatcher, Listener, NoExecutor
 from flowkit.runtime.futures import Future, new_condition
 from flowkit.runtime.registry import ExecutorInfo
 from flowkit.wire.auth import CONTROLLER, Gate, Keys, check_bind, curve_server
+from flowkit.wire.hello import SECRET_ENV, Origin, new_secret, write_secret_file
 from flowkit.wire.limits import CONTROL_FRAME_BYTES, CONTROL_RCVHWM, bound_inbound
 from flowkit.wire.liveness import ZMTP_TIMEOUT_S, ConnectionWatch, zmtp_heartbeats
 from flowkit.wire.protocol import Msg, ProtocolError, decode, encode, send_frames
@@ -60,11 +63,13 @@ class Controller:
     """`with Controller() as ctl: ctl.wait_for_executors(2); ctl.submit("noop").result()`.
 
     `keys` (Keys.load(DIR)) makes every socket authenticate and encrypt; a `bind` beyond
-    loopback needs them, or `insecure=True` [Note: authenticated transport]."""
+    loopback needs them, or `insecure=True` [Note: authenticated transport]. Executors join
+    with the run's `secret` (random unless given) [Note: joining a run in wire/hello.py]."""
 
     def __init__(self, *, bind: str = "tcp://127.0.0.1:0", ping_interval: float = 0.2,
                  ping_timeout: float = _PING_TIMEOUT_S, keys: Keys | None = None,
-                 insecure: bool = False, max_frame_bytes: int = CONTROL_FRAME_BYTES) -> None:
+                 insecure: bool = False, max_frame_bytes: int = CONTROL_FRAME_BYTES,
+                 secret: bytes | None = None) -> None:
         check_bind(bind, keys=keys, insecure=insecure, who="the controller")
         if not 1 << 16 <= max_frame_bytes <= 1 << 40:
             raise ValueError(f"max_frame_bytes={max_frame_bytes}: give 64 KiB to 1 TiB")
@@ -72,6 +77,7 @@ class Controller:
         if keys is not None:
             keys.secret(CONTROLLER)  # a missing secret is an error before anything binds
         self.keys, self.insecure = keys, insecure
+        self.secret = secret or new_secret()
         self.condition = new_condition()
         self._zmq = zmq.Context()
         # the gate is bound before any server: libzmq admits anyone while no gate is there
@@ -96,7 +102,7 @@ class Controller:
         self._state = Dispatcher(owner=self, send_raw=self._send_raw,
                                  ping_interval=ping_interval, ping_timeout=ping_timeout,
                                  heartbeat_address=self._heartbeat.address,
-                                 max_frame_bytes=max_frame_bytes)
+                                 max_frame_bytes=max_frame_bytes, secret=self.secret)
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_in, zmq.POLLIN)
@@ -132,6 +138,16 @@ class Controller:
         if self.keys is not None:
             return ["--keys", str(self.keys.folder.resolve()), *frames]
         return ["--insecure", *frames] if self.insecure else frames
+
+    def executor_env(self) -> dict[str, str]:
+        """What a launcher adds to its executors' environment: the run's secret, which must
+        not be on argv, where any local user reads it [Note: joining a run]."""
+        return {SECRET_ENV: self.secret.hex()}
+
+    def write_secret(self, path: str | os.PathLike) -> str:
+        """Write the run's secret to a new 0600 file for executors started by hand
+        (`flowkit executor --secret-file PATH`); returns the path."""
+        return str(write_secret_file(path, self.secret))
 
     # -- public API (any thread) ---------------------------------------------------------------
     def __enter__(self) -> Controller:
@@ -356,11 +372,14 @@ class Controller:
         """Handle the messages the router holds (one at least) or, for a user, until `until`."""
         router = self._router
         for _ in range(4096):
-            identity, *parts = router.recv_multipart()
+            envelope = router.recv(copy=False)  # a Frame: it knows where the message came from
+            parts = router.recv_multipart()
+            identity = envelope.bytes
             self.messages_in += 1
             try:
                 header, frames = decode(parts)
-                self._state.on_message(identity, header, frames)
+                self._state.on_message(identity, header, frames, self._origin(envelope)
+                                       if header["t"] == Msg.HELLO else _ANYWHERE)
             except KeyboardInterrupt:  # Ctrl-C, in a user thread that drives: the user's
                 raise
             except (ProtocolError, SerializeError) as exc:
@@ -382,6 +401,13 @@ class Controller:
             exc, (ProtocolError, SerializeError)) else str(exc), 300)
         log.warning("rejected a message from %s: %s", shown(identity), reason)
         self._send_raw([identity, *encode(Msg.ERROR, {"reason": reason})])
+
+    def _origin(self, envelope: zmq.Frame) -> Origin:
+        """Where a HELLO came from: the peer's address (tcp only), and with keys the name the
+        connection's key is pinned to [Note: joining a run in wire/hello.py]."""
+        host = _property(envelope, "Peer-Address") if self.address.startswith("tcp://") else None
+        user = _property(envelope, "User-Id") if self.keys is not None else None
+        return Origin(host=host or None, user_id=user or "")
 
     def _send_raw(self, parts: list) -> None:
         # Small messages go by copy: a zero-copy send makes pyzmq track the buffer's release
@@ -477,6 +503,7 @@ class _Heartbeat(threading.Thread):
         self.connections = None if ctl._gate is not None else ConnectionWatch(self.sock)
         self.last_seen: dict[int, float] = {}
         self.lost: set[int] = set()
+        self.refusals = Refusals(log)  # its own: the IO thread's is not for this thread
         # executor id -> the connection (fd) its first ping came on, and back: only that one
         # keeps it alive, and its closing is the executor's loss
         self.fd_of: dict[int, int] = {}
@@ -509,7 +536,7 @@ class _Heartbeat(threading.Thread):
                 identity, *frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            executor = _executor_of_ping([frame.bytes for frame in frames])
+            executor = self._executor_of_ping([frame.bytes for frame in frames])
             if executor is None or executor in self.lost or not frames:
                 continue
             fd = frames[0].get(zmq.SRCFD)
@@ -548,13 +575,31 @@ class _Heartbeat(threading.Thread):
             self.ctl._lose(executor.id, reason)
 
 
-def _executor_of_ping(parts: list) -> int | None:
-    try:
-        header, _ = decode(parts)
-    except ProtocolError:
+    def _executor_of_ping(self, parts: list) -> int | None:
+        """The executor a ping is from, if it carries that executor's token (its WELCOME's):
+        nobody else can keep a hung executor alive. Other pings get no answer."""
+        try:
+            header, _ = decode(parts)
+        except ProtocolError:
+            return None
+        executor, token = header.get("executor"), header.get("token")
+        expected = self.ctl._state.ping_token(executor) if type(executor) is int else None
+        if header["t"] == Msg.PING and expected is not None and type(token) is str and \
+                hmac.compare_digest(token.encode("ascii", "replace"), expected.encode()):
+            return executor
+        self.refusals.warn("ping", f"ignored a ping for executor {shown(executor)}: it is no "
+                           f"live executor's, or lacks its token")
         return None
-    executor = header.get("executor")
-    return executor if header["t"] == Msg.PING and isinstance(executor, int) else None
+
+
+def _property(frame: zmq.Frame, name: str) -> str | None:
+    try:
+        return frame.get(name)
+    except zmq.ZMQError:  # not set for this connection (inproc; User-Id without a gate)
+        return None
+
+
+_ANYWHERE = Origin()  # any message but a HELLO: where it came from is not asked
 
 
 def _sibling(bind: str) -> str:

@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from flowkit.runtime.admit import Refusals
 from flowkit.runtime.futures import ExecutorLost, Future, Owner, RemoteError, TaskCancelled
 from flowkit.runtime.registry import ExecutorInfo, ObjectRecord, TaskRecord
+from flowkit.wire.hello import HelloRefused, Origin, check_hello, check_origin, check_secret
 from flowkit.wire.limits import CONTROL_FRAME_BYTES
 from flowkit.wire.protocol import Msg, ProtocolError, encode, part_id
 from flowkit.wire.refs import Gather, Item, object_ids
+from flowkit.wire.schema import shown
 from flowkit.wire.serialize import SerializeError, declared_modules, pack, unpack
 from flowkit.wire.task import TaskSpec
 
@@ -29,6 +33,9 @@ __all__ = ["Dispatcher", "NoExecutor"]
 log = logging.getLogger("flowkit.controller")
 
 Listener = Callable[[str, dict], Any]
+
+
+_NO_ORIGIN = Origin()  # a message handed over directly, not off a socket
 
 
 class NoExecutor(RuntimeError):
@@ -46,8 +53,10 @@ class _FailedUnrecorded(Exception):
 class Dispatcher:
     def __init__(self, *, owner: Owner, send_raw: Callable[[list], None],
                  ping_interval: float, ping_timeout: float, heartbeat_address: str,
-                 max_frame_bytes: int = CONTROL_FRAME_BYTES) -> None:
+                 secret: bytes, max_frame_bytes: int = CONTROL_FRAME_BYTES) -> None:
         self.condition = owner.condition
+        self._secret = secret  # the run's: a HELLO without it is refused [Note: joining a run]
+        self.refusals = Refusals(log)
         self._owner = owner  # of the futures made here
         self._send_raw = send_raw
         self.ping_interval, self.ping_timeout = ping_interval, ping_timeout
@@ -199,10 +208,16 @@ class Dispatcher:
                 log.exception("future callback failed")
 
     # -- messages from executors ---------------------------------------------------------------
-    def on_message(self, identity: bytes, header: dict, frames: list) -> None:
+    def on_message(self, identity: bytes, header: dict, frames: list,
+                   origin: Origin = _NO_ORIGIN) -> None:
+        """Handle one decoded message from `identity`; ProtocolError if it is malformed or not
+        the sender's to send. `origin`: where a HELLO came from, as the transport says."""
         kind = header["t"]
         if kind == Msg.HELLO:
-            self._on_hello(identity, header)
+            try:
+                self._on_hello(identity, header, origin)
+            except ProtocolError as exc:
+                self._refuse_hello(identity, header, exc)
             return
         executor_id = self._by_identity.get(identity)
         if executor_id is None:
@@ -218,20 +233,26 @@ class Dispatcher:
         elif kind == Msg.ITEMS:
             self._on_items(executor, header)
         elif kind == Msg.VALUE:
-            self._on_value(header, frames)
+            self._on_value(executor, header, frames)
         elif kind == Msg.ERROR:
-            log.warning("%s rejected a message: %s", executor.describe(), header["reason"])
+            log.warning("%s rejected a message: %s", executor.describe(),
+                        shown(header["reason"], 400))  # an executor's own reason, bounded
         else:
             raise ProtocolError(f"a controller does not take {kind!r} messages")
 
-    def _on_hello(self, identity: bytes, header: dict) -> None:
+    def _on_hello(self, identity: bytes, header: dict, origin: Origin) -> None:
+        """Admit an executor [Note: joining a run in flowkit/wire/hello.py], or HelloRefused."""
+        check_secret(header, self._secret)
+        check_hello(header)
+        check_origin(header, origin)
+        self._check_unique(identity, header["name"])
         executor = ExecutorInfo(
             id=next(self._ids), name=header["name"], tags=tuple(header["tags"]),
             ops=frozenset(header["ops"]), pid=header["pid"], host=header.get("host", ""),
             host_id=header.get("host_id", ""),
             device=header.get("device", "cpu"), peer_address=header.get("peer_address", ""),
             identity=identity, resources=header.get("resources", {}),
-            last_seen=time.monotonic())
+            last_seen=time.monotonic(), ping_token=secrets.token_hex(16))
         with self.condition:
             self._executors[executor.id] = executor
             self._by_identity[identity] = executor.id
@@ -240,16 +261,46 @@ class Dispatcher:
                                            "ping_interval": self.ping_interval,
                                            "ping_timeout": self.ping_timeout,
                                            "heartbeat_address": self.heartbeat_address,
+                                           "ping_token": executor.ping_token,
                                            # [Note: record registry] in wire/serialize.py
                                            "modules": declared_modules(),
                                            "max_frame_bytes": self.max_frame_bytes})
         self._emit("executor_joined", {"executor": executor})
 
+    def _check_unique(self, identity: bytes, name: str) -> None:
+        """HelloRefused if this connection joined already, or a live executor has this name (a
+        replacement of a lost one may take its name)."""
+        known = self._by_identity.get(identity)
+        if known is not None and self._executors[known].alive:
+            raise HelloRefused(f"this connection joined already, as "
+                               f"{self._executors[known].describe()}")
+        if any(e.alive and e.name == name for e in self._executors.values()):
+            raise HelloRefused(f"executor name {shown(name)} is a live executor's: names are "
+                               f"unique (a replacement joins once the one it replaces is lost)")
+
+    def ping_token(self, executor_id: int) -> str | None:
+        """The token a live executor's pings carry (from any thread: one dict read)."""
+        executor = self._executors.get(executor_id)
+        return executor.ping_token if executor is not None and executor.alive else None
+
+    def _refuse_hello(self, identity: bytes, header: dict, exc: ProtocolError) -> None:
+        """No WELCOME, no record; a warning (one a while per kind) and an ERROR that tells a
+        misconfigured executor why, so it exits saying so rather than wait."""
+        reason = str(exc)
+        self.refusals.warn(f"hello {reason[:40]}", f"refused an executor calling itself "
+                           f"{shown(header.get('name'), 60)}: {reason}")
+        self._send_raw([identity, *encode(Msg.ERROR, {"reason": reason, "refused": True})])
+
     def _on_done(self, executor: ExecutorInfo, items: list) -> None:
-        tasks, inflight, refused = self._tasks, executor.inflight, []
+        """Completions of the sender's own tasks; those of any other task are ignored, and the
+        message is then refused as a whole once the sender's have counted."""
+        tasks, inflight, refused, foreign = self._tasks, executor.inflight, [], []
         with self.condition:
             for item in items:
                 task = tasks.get(item["task"])
+                if task is not None and task.executor != executor.id:
+                    foreign.append(task.id)
+                    continue
                 if task is None or task.state != "pending":
                     continue
                 if item["ok"] and not _names_its_outputs(task, item.get("outputs", ())):
@@ -270,11 +321,15 @@ class Dispatcher:
         if refused:
             raise ProtocolError(f"done: the completions of tasks {refused[:8]} name outputs "
                                 "that are not those tasks' own")
+        if foreign:
+            raise ProtocolError(f"done: {shown(foreign)} are not tasks sent to "
+                                f"{executor.describe()}; ignored")
 
     def _on_part(self, executor: ExecutorInfo, header: dict, outputs: list) -> None:
         """Items a streaming task yielded, from item `index` on: each an object of its own on
         `executor` [Note: part ids], handed to the task's `on_part` as a done future."""
         task = self._tasks.get(header["task"])
+        _check_sender(task, executor, "part")
         if task is None or task.state != "pending" or task.on_part is None:
             return  # failed or cancelled meanwhile: the part goes with the task's objects
         index, end = header["index"], float(header["end"])
@@ -335,7 +390,7 @@ class Dispatcher:
         """Items a batched task finished while it runs on [Note: early items in
         executors/process.py]: their futures resolve now, and the task's `on_items` hears of
         them; the task's completion brings the rest."""
-        task = self._tasks.get(header["task"])
+        task = self._tasks.get(header["task"])  # whose it is is checked below
         if task is None or task.state != "pending":
             return  # failed or cancelled meanwhile
         outputs, per_item = header["outputs"], len(task.outputs) // (task.items or 1)
@@ -356,10 +411,15 @@ class Dispatcher:
                 self._callbacks.append((task.on_items, (first, len(outputs) // per_item)))
             self.condition.notify_all()
 
-    def _on_value(self, header: dict, frames: list) -> None:
-        slot = self._fetches.pop(header["request"], None)
+    def _on_value(self, executor: ExecutorInfo, header: dict, frames: list) -> None:
+        """The answer to a fetch, only from the executor it was asked of."""
+        slot = self._fetches.get(header["request"])
         if slot is None:
             return
+        if slot[3] != executor.id:
+            raise ProtocolError(f"value: request {header['request']} was not sent to "
+                                f"{executor.describe()}; ignored")
+        del self._fetches[header["request"]]
         with self.condition:
             if "error" in header:
                 slot[2] = RemoteError(header["error"])
@@ -677,6 +737,13 @@ def _resolve(future: Future, executor_id: int, nbytes: int, out: dict) -> Sequen
     if type(body) is not bytes:
         raise ProtocolError(f"an inline output must be bytes, got {type(body).__name__}")
     return future._resolve(executor_id, nbytes, body=body)
+
+
+def _check_sender(task: TaskRecord | None, executor: ExecutorInfo, kind: str) -> None:
+    """ProtocolError if `task` exists and was sent to another executor than `executor`."""
+    if task is not None and task.executor != executor.id:
+        raise ProtocolError(f"{kind}: task {task.id} was not sent to {executor.describe()}; "
+                            "ignored")
 
 
 def _trace(task: TaskRecord, values: Any) -> None:

@@ -151,7 +151,8 @@ class ProcessExecutors:
                                   f"s (see the executors' output above)")
 
     def _spawn(self, i: int) -> subprocess.Popen:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+               **self.controller.executor_env()}  # the run's secret: never on argv
         # a session of its own: Ctrl-C in the terminal reaches the controller alone, which
         # stops the run cleanly and then shuts its executors down
         process = spawn(self._command(i), env=env, stdin=subprocess.DEVNULL,

@@ -258,7 +258,8 @@ class RayExecutors:
                     placement_group=self._group, placement_group_bundle_index=i),
             ).remote()
             self.actors[name] = actor
-            calls[name] = actor.start.remote(self._arguments(i), _EXECUTOR_ENV)
+            calls[name] = actor.start.remote(self._arguments(i), {
+                **_EXECUTOR_ENV, **self.controller.executor_env()})
         here = self._ray.get_runtime_context().get_node_id()
         waits = {}
         for name, call in calls.items():

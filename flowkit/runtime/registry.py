@@ -32,6 +32,7 @@ class ExecutorInfo:
     busy_s: float = 0.0  # summed op time, for utilization
     bytes_out: int = 0  # bytes of objects it produced
     lost_reason: str = ""
+    ping_token: str = attrs.field(default="", repr=False)  # what its pings carry (WELCOME)
 
     def runs(self, op: str, tags: frozenset[str]) -> bool:
         return self.alive and op in self.ops and (not tags or tags.issubset(self.tags))

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import re
 import shutil
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -43,6 +45,13 @@ __all__ = ["Gate", "InsecureBindError", "Keys", "KeysError", "check_bind",
 #   servers binds (libzmq admits everyone while no handler is bound). It admits a client only if its
 #   public key is in DIR/allowed/, and logs each one it refuses. A client without keys, or one that
 #   got the server key wrong, never reaches ZAP: its handshake fails; a socket monitor logs those.
+# - Keys pinned to names: `flowkit keys generate DIR --executors exec-0,exec-1` also writes one
+#   client pair per executor name, DIR/executors/NAME.key(_secret), and lets in only those
+#   (allowed/NAME.key, whose metadata names its executor), not the shared executor pair, which
+#   then only serves executors' data sockets. The gate answers a pinned key with its name as the
+#   ZAP User-Id, and the controller refuses a HELLO naming another executor [Note: joining a run
+#   in wire/hello.py]: a stolen key speaks for its own executor only. `Keys.load(DIR, name)`
+#   picks that executor's pair when DIR has one.
 #   Either way the connection is dropped before any message is delivered, so nothing an
 #   unauthenticated client sends is decoded, let alone run.
 # - Binding: `check_bind` refuses a non-loopback address unless keys are given or the caller says
@@ -61,6 +70,10 @@ CONTROLLER, EXECUTOR, ALLOWED = "controller", "executor", "allowed"
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by RFC 27: one handler per zmq context
 _ZAP_DOMAIN = b"flowkit"
 _LOG_EVERY_S = 60.0
+_EXECUTORS = "executors"  # DIR/executors/NAME.key(_secret): a pair pinned to an executor name
+_NAME_FIELD = "executor-name"
+_KEY_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+_PINNED = re.compile(r'^\s+executor-name = "([^"]*)"\s*$', re.M)
 # handshakes that fail before ZAP is asked (no keys, a wrong server key); ZAP's own refusals
 # are logged by the gate with the client's key
 _FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
@@ -85,9 +98,15 @@ class Keys:
     executor_public: bytes
     executor_secret: bytes | None
     allowed: frozenset[bytes]  # the client public keys let in
+    pinned: dict[bytes, str] = attrs.field(factory=dict)  # allowed key -> the name it speaks as
+    # this executor's own client pair, where the folder has one for its name
+    own_public: bytes | None = None
+    own_secret: bytes | None = None
 
     @classmethod
-    def load(cls, folder: str | Path) -> Keys:
+    def load(cls, folder: str | Path, name: str | None = None) -> Keys:
+        """The keys in `folder`; with `name`, an executor's, its own client pair if the folder
+        has one (`flowkit keys generate DIR --executors NAME,...`)."""
         folder = Path(folder)
         _check_curve()
         if not folder.is_dir():
@@ -102,9 +121,17 @@ class Keys:
             raise KeysError(f"{allowed_dir} holds no public key (*.key), so no client could "
                             f"connect: copy {folder / (EXECUTOR + '.key')} there, or make the "
                             f"folder again with `flowkit keys generate`")
+        own_public = own_secret = None
+        if name is not None and (folder / _EXECUTORS).is_dir():
+            if not (folder / _EXECUTORS / f"{name}.key").is_file():
+                names = sorted(p.stem for p in (folder / _EXECUTORS).glob("*.key"))
+                raise KeysError(f"{folder} holds keys for executors {', '.join(names)}, not for "
+                                f"{name!r}: give --name one of them")
+            own_public, own_secret = _pair(folder / _EXECUTORS, name)
         return cls(folder=folder, controller_public=controller_public,
                    controller_secret=controller_secret, executor_public=executor_public,
-                   executor_secret=executor_secret, allowed=allowed)
+                   executor_secret=executor_secret, allowed=allowed,
+                   pinned=_pinned(allowed_dir), own_public=own_public, own_secret=own_secret)
 
     def secret(self, role: str) -> bytes:
         """The secret key `role` (controller or executor) serves and connects with."""
@@ -118,13 +145,20 @@ class Keys:
         return self.controller_public if role == CONTROLLER else self.executor_public
 
 
-def generate_keys(folder: str | Path, *, force: bool = False) -> Keys:
-    """Write a fresh keys folder (it must not hold keys yet) and return its keys. Its
+def generate_keys(folder: str | Path, executors: Sequence[str] = (), *,
+                  force: bool = False) -> Keys:
+    """Write a fresh keys folder (it must not hold keys yet) and return its keys; with
+    `executors` (names), a client pair pinned to each name instead of one shared by all. Its
     `allowed/` must be empty: a client key left there would still be let in; `force` empties
     it first."""
     folder = Path(folder)
     _check_curve()
-    existing = [p.name for p in folder.glob("*.key*")] if folder.is_dir() else []
+    for name in executors:  # before anything is written
+        if not _KEY_NAME.fullmatch(name):
+            raise KeysError(f"{name!r} cannot name an executor's keys: use letters, digits, "
+                            f"'.', '_' and '-', like exec-0")
+    existing = [p.name for p in [*folder.glob("*.key*"), *folder.glob(f"{_EXECUTORS}/*.key*")]
+                ] if folder.is_dir() else []
     if existing:
         raise KeysError(f"{folder} already holds keys ({', '.join(sorted(existing))}): remove "
                         f"them or choose another folder; keys are never overwritten")
@@ -140,8 +174,30 @@ def generate_keys(folder: str | Path, *, force: bool = False) -> Keys:
     for name in (CONTROLLER, EXECUTOR):
         _, secret_file = zmq.auth.create_certificates(folder, name)
         Path(secret_file).chmod(0o600)
-    shutil.copy(folder / f"{EXECUTOR}.key", folder / ALLOWED / f"{EXECUTOR}.key")
+    if not executors:
+        shutil.copy(folder / f"{EXECUTOR}.key", folder / ALLOWED / f"{EXECUTOR}.key")
+        return Keys.load(folder)
+    (folder / _EXECUTORS).mkdir(mode=0o700, exist_ok=True)
+    for name in executors:
+        public_file, secret_file = zmq.auth.create_certificates(folder / _EXECUTORS, name)
+        Path(secret_file).chmod(0o600)
+        public, _ = zmq.auth.load_certificate(public_file)
+        (folder / ALLOWED / f"{name}.key").write_text(
+            f"#   flowkit: executor {name}'s public key, pinned to its name\n"
+            f"metadata\n    {_NAME_FIELD} = \"{name}\"\ncurve\n"
+            f"    public-key = \"{public.decode()}\"\n")
     return Keys.load(folder)
+
+
+def _pinned(allowed_dir: Path) -> dict[bytes, str]:
+    """Allowed public key -> the executor name its certificate's metadata pins it to."""
+    pinned = {}
+    for path in allowed_dir.glob("*.key") if allowed_dir.is_dir() else ():
+        found = _PINNED.search(path.read_text(errors="replace"))
+        if found:
+            public, _ = zmq.auth.load_certificate(path)
+            pinned[public] = found.group(1)
+    return pinned
 
 
 def _remove(path: Path) -> None:
@@ -208,9 +264,13 @@ def curve_server(sock: zmq.Socket, keys: Keys, role: str) -> None:
 
 
 def curve_client(sock: zmq.Socket, keys: Keys, server: str) -> None:
-    """Make `sock` (before it connects) a CURVE client, as an executor, of a `server` role."""
-    sock.curve_secretkey = keys.secret(EXECUTOR)
-    sock.curve_publickey = keys.executor_public
+    """Make `sock` (before it connects) a CURVE client, as an executor, of a `server` role:
+    with the executor's own pair where it has one, else the shared one."""
+    if keys.own_secret is not None and keys.own_public is not None:
+        sock.curve_secretkey, sock.curve_publickey = keys.own_secret, keys.own_public
+    else:
+        sock.curve_secretkey = keys.secret(EXECUTOR)
+        sock.curve_publickey = keys.executor_public
     sock.curve_serverkey = keys.public(server)
 
 
@@ -222,7 +282,7 @@ class Gate(threading.Thread):
 
     def __init__(self, context: zmq.Context, keys: Keys, *, owner: str) -> None:
         super().__init__(name="flowkit-gate", daemon=True)
-        self.allowed, self.owner = keys.allowed, owner
+        self.allowed, self.pinned, self.owner = keys.allowed, keys.pinned, owner
         self.refused = 0  # connections dropped, for tests and logs
         self.zap = context.socket(zmq.REP)
         self.zap.setsockopt(zmq.LINGER, 0)
@@ -263,7 +323,10 @@ class Gate(threading.Thread):
         version, request_id, _, address, _, mechanism, *credentials = request
         key = z85.encode(credentials[0]) if mechanism == b"CURVE" and credentials else None
         if key is not None and key in self.allowed:  # certificates hold Z85 text
-            self.zap.send_multipart([version, request_id, b"200", b"OK", b"", b""])
+            # a pinned key's name becomes the connection's User-Id, which the controller
+            # holds its HELLO to
+            user = self.pinned.get(key, "").encode()
+            self.zap.send_multipart([version, request_id, b"200", b"OK", user, b""])
             return
         what = (f"public key {key.decode()} is not an allowed one" if key is not None
                 else f"mechanism {mechanism.decode(errors='replace')} is not CURVE")

@@ -3,6 +3,7 @@ both protocol.py and task.py build on, so neither imports the other for it."""
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 __all__ = ["ProtocolError", "Schema", "check_fields", "shown"]
@@ -34,6 +35,14 @@ def check_fields(kind: str, fields: dict[str, Any], schema: Schema) -> None:
 
 def shown(value: Any, limit: int = 80) -> str:
     """A peer-supplied value as logs and messages may show it: escaped (repr: no control
-    characters, no terminal escapes, no line breaks) and at most `limit` characters."""
-    text = repr(value)
+    characters, no terminal escapes, no line breaks) and at most `limit` characters. Only
+    a bounded part of a huge value is written out: a 64 MiB name costs what a short one does."""
+    if isinstance(value, (str, bytes)) and len(value) > limit:
+        value = value[:limit]  # its repr is longer than limit still: cut below
+    text = _BRIEF.repr(value) if isinstance(value, (list, tuple, dict, set)) else repr(value)
     return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
+_BRIEF = reprlib.Repr()  # containers: at most a few elements of each, each bounded
+_BRIEF.maxstring = _BRIEF.maxother = 80
+_BRIEF.maxlist = _BRIEF.maxdict = _BRIEF.maxtuple = _BRIEF.maxset = 8

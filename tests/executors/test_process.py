@@ -81,7 +81,8 @@ def test_an_executor_exits_when_its_controller_dies(start_cluster):
 
 def test_a_hand_started_executor_joins_serves_and_exits_with_its_controller():
     ctl = Controller()
-    env = {**os.environ, "FLOWKIT_CONTROLLER": ctl.address}  # --connect from the environment
+    env = {**os.environ, "FLOWKIT_CONTROLLER": ctl.address,  # --connect from the environment
+           **ctl.executor_env()}
     process = subprocess.Popen(
         [sys.executable, "-m", "flowkit", "executor", "--tags", "gpu,train", "--kind", "sim",
          "--name", "by-hand"], env=env, stdin=subprocess.DEVNULL)

@@ -29,7 +29,8 @@ FLAGS = {
     "wandb_project": (LogSetup, "wandb_project"), "run_name": (LogSetup, "run_name"),
     "checkpoint_every": (CheckpointConfig, "every"), "keep_checkpoints": (CheckpointConfig, "keep"),
     "bind": (ControllerConfig, "bind"), "keys_dir": (ControllerConfig, "keys"),
-    "insecure": (ControllerConfig, "insecure"),
+    "insecure": (ControllerConfig, "insecure"), "secret_file": (ControllerConfig, "secret_file"),
+    "max_frame_mib": (ControllerConfig, "max_frame_mib"),
     "ray_address": (RaySettings, "address"), "ray_strategy": (RaySettings, "strategy"),
     "ray_cpus": (RaySettings, "cpus"),
 }

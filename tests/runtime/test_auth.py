@@ -148,7 +148,7 @@ def test_a_client_without_allowed_keys_cannot_join_a_controller_nor_get_tasks(ke
     with executor_cluster(1, keys=keys) as (ctl, _):
         sock = _client(intruder, keys, "controller")
         sock.connect(ctl.address)
-        sock.send_multipart(encode(Msg.HELLO, HELLO))
+        sock.send_multipart(encode(Msg.HELLO, {**HELLO, "secret": ctl.secret.hex()}))
         heartbeat = _client(intruder, keys, "controller")
         heartbeat.connect(ctl._heartbeat.address)
         heartbeat.send_multipart(encode(Msg.PING, {"executor": 0}))
@@ -171,7 +171,7 @@ def test_the_legit_client_is_what_the_intruder_test_would_see_otherwise(keys):
     with executor_cluster(1, keys=keys) as (ctl, _):
         sock = _client("legit", keys, "controller")
         sock.connect(ctl.address)
-        sock.send_multipart(encode(Msg.HELLO, HELLO))
+        sock.send_multipart(encode(Msg.HELLO, {**HELLO, "secret": ctl.secret.hex()}))
         assert [h["t"] for h in _answers(sock, 5.0)] == [Msg.WELCOME]
         sock.close()
 

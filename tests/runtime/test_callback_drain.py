@@ -25,7 +25,7 @@ class _SlowToAnswerDeque(deque):
 
 def test_threads_draining_at_once_run_each_callback_once():
     state = Dispatcher(owner=_Owner(), send_raw=lambda frames: None, ping_interval=1.0,
-                       ping_timeout=5.0, heartbeat_address="inproc://unused")
+                       ping_timeout=5.0, heartbeat_address="inproc://unused", secret=b"s" * 32)
     state._callbacks = _SlowToAnswerDeque()
     ran: list[int] = []
     errors: list[BaseException] = []

@@ -20,14 +20,18 @@ class _Owner:
         pass
 
 
+_SECRET = b"s" * 32
+
+
 @pytest.fixture
 def batch():
     """(dispatcher, the batched task's id, its 3 items' futures, what on_items heard)."""
     state = Dispatcher(owner=_Owner(), send_raw=lambda frames: None, ping_interval=1.0,
-                       ping_timeout=5.0, heartbeat_address="inproc://unused")
+                       ping_timeout=5.0, heartbeat_address="inproc://unused", secret=_SECRET)
     for name in ("a", "b"):
         state.on_message(name.encode(), {"t": Msg.HELLO, "name": name, "tags": [],
-                                         "ops": ["op"], "pid": 1}, [])
+                                         "ops": ["op"], "pid": 1, "secret": _SECRET.hex()}, [])
+    assert len(state.executors()) == 2
     heard: list = []
     futures = state.submit(TaskSpec("op", {}, items=3, per_item=(0,)), (Gather([0, 1, 2]),),
                            outputs=3, executor_id=1, tags=frozenset(), meta={},

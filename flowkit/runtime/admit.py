@@ -1,0 +1,36 @@
+"""Warnings about what peers send that is refused, at most one line a while for each kind: a
+rogue client that repeats itself must not flood the log, nor slow the controller's IO thread
+with formatting (the refused values are shown truncated, flowkit/wire/schema.py `shown`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+__all__ = ["Refusals"]
+
+_EVERY_S = 10.0
+_KINDS = 1024  # kinds remembered; past that the oldest are forgotten (and logged again)
+
+
+class Refusals:
+    """`refusals.warn(kind, message)`: log `message` unless a `kind` was logged within the
+    last `every_s` seconds; the next line says how many were not logged meanwhile."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = _EVERY_S) -> None:
+        self.logger, self.every_s = logger, every_s
+        self.count = 0  # refusals in all, for tests and the dashboard
+        self._last: dict[str, tuple[float, int]] = {}  # kind -> (when logged, silenced since)
+
+    def warn(self, kind: str, message: str) -> None:
+        self.count += 1
+        now = time.monotonic()
+        logged, silenced = self._last.get(kind, (-self.every_s, 0))
+        if now - logged < self.every_s:
+            self._last[kind] = (logged, silenced + 1)
+            return
+        if len(self._last) >= _KINDS:
+            self._last.pop(next(iter(self._last)))
+        self._last[kind] = (now, 0)
+        more = f" ({silenced} more like it not logged)" if silenced else ""
+        self.logger.warning("%s%s", message, more)
