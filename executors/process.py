@@ -12,6 +12,7 @@ in flowkit/wire/auth.py].
 
 from __future__ import annotations
 
+import hmac
 import importlib
 import logging
 import os
@@ -45,7 +46,7 @@ from flowkit.wire.auth import (
     curve_client,
     curve_server,
 )
-from flowkit.wire.hello import HelloRefused
+from flowkit.wire.hello import HelloRefused, peer_tag
 from flowkit.wire.limits import (
     CONTROL_FRAME_BYTES,
     CONTROL_RCVHWM,
@@ -92,6 +93,8 @@ class Executor:
         if keys is not None:
             keys.secret(EXECUTOR)  # a missing secret is an error before anything binds
         self.keys, self.secret = keys, secret
+        # what this executor's DATA carries, and what a peer's must [Note: joining a run]
+        self.peer_tag = None if secret is None else peer_tag(secret)
         self.ping_token = ""  # the WELCOME's: the controller answers only pings that carry it
         self.max_frame_bytes = max_frame_bytes  # [Note: bounds] in flowkit/wire/limits.py
         self.connect_address, self.name, self.ops = connect, name, ops
@@ -317,6 +320,11 @@ class Executor:
         if not isinstance(meta.get("body"), bytes):
             raise ProtocolError(f"{header['t']}: meta must carry the value's msgpack body")
         from_peer = header["t"] == Msg.DATA
+        if from_peer and self.peer_tag is not None and not (
+                type(header.get("auth")) is str and
+                hmac.compare_digest(header["auth"], self.peer_tag)):
+            raise ProtocolError("data: not from a peer of this run (its run tag is missing or "
+                                "wrong); refused")
         if from_peer and object_id in self.objects:
             raise ProtocolError(f"data: object {object_id} is here already; a peer cannot "
                                 "replace it")
@@ -459,8 +467,10 @@ class Executor:
         body, frames = pack(self.objects[object_id])
         meta, wire = self._peer_transport().encode(body, frames, host_id)
         frames.clear()  # pack's closure cycle holds the list: see _on_object
-        sock.send_multipart(encode(Msg.DATA, {"object": object_id, "meta": meta}, wire),
-                            copy=False)
+        header = {"object": object_id, "meta": meta}
+        if self.peer_tag is not None:
+            header["auth"] = self.peer_tag
+        sock.send_multipart(encode(Msg.DATA, header, wire), copy=False)
 
     _transport = None  # the PeerTransport, made on first use
 

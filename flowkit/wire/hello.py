@@ -26,7 +26,8 @@ import attrs
 from flowkit.wire.schema import ProtocolError, shown
 
 __all__ = ["HelloRefused", "Origin", "SECRET_ENV", "check_hello", "check_origin", "check_secret",
-           "new_secret", "read_secret_file", "secret_from_environment", "write_secret_file"]
+           "new_secret", "peer_tag", "read_secret_file", "secret_from_environment",
+           "write_secret_file"]
 
 SECRET_ENV = "FLOWKIT_RUN_SECRET"
 SECRET_BYTES = 32
@@ -113,6 +114,13 @@ def check_secret(header: dict[str, Any], secret: bytes) -> None:
             given.encode("ascii", "replace"), secret.hex().encode()):
         raise HelloRefused("a HELLO with a wrong secret: it is not this run's (give the "
                            "executor the secret file of this run's controller)")
+
+
+def peer_tag(secret: bytes) -> str:
+    """What an executor's DATA carries to show it comes from a peer of this run: a tag derived
+    from the run's secret (HMAC-SHA256), never the secret itself, so the receiver can refuse an
+    object pushed by anyone else before it stores or decodes anything [Note: joining a run]."""
+    return hmac.new(secret, b"flowkit peer data", "sha256").hexdigest()
 
 
 def check_hello(header: dict[str, Any]) -> None:

@@ -25,7 +25,7 @@ _FAR = 1 << 50
 _TYPES = [value for name, value in vars(Msg).items() if name.isupper()]
 _leaf = (st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats()
          | st.text(max_size=12) | st.binary(max_size=24))
-_ext = st.builds(msgpack.ExtType, st.integers(-128, 127), st.binary(max_size=24))
+_ext = st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=24))
 _record = st.builds(lambda path, fields: msgpack.ExtType(3, msgpack.packb([path, fields])),
                     st.sampled_from(["os:system", "venv.__main__:x", "antigravity:x",
                                      "flowkit.ops.records:Prompt", "subprocess:Popen"]),

@@ -1,0 +1,129 @@
+"""Messages that try to change what they may not: a value that names a module to import, a
+push from a stranger or of an object already held, an undecodable push of an awaited input,
+a completion naming another task's outputs, and a handler that raises SystemExit. Each is
+rejected on its own; the receiver serves on and the run's results stay right."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+
+from flowkit.runtime.dispatch import Dispatcher
+from flowkit.runtime.futures import Future, RemoteError, new_condition
+from flowkit.wire.hello import peer_tag
+from flowkit.wire.protocol import Msg, ProtocolError, encode
+from flowkit.wire.serialize import pack
+from flowkit.wire.task import TaskSpec
+from tests.harness import dealer, executor_cluster
+
+
+@pytest.fixture(scope="module")
+def pair():
+    with executor_cluster(2) as (ctl, executors):
+        yield ctl, executors
+
+
+def _push(address: str, object_id: int, body: bytes, *, tag: str | None) -> None:
+    header = {"object": object_id, "meta": {"body": body}}
+    if tag is not None:
+        header["auth"] = tag
+    sock = dealer(address, linger=1000)
+    sock.send_multipart(encode(Msg.DATA, header))
+    sock.close()
+
+
+def _awaited(ctl, a, b, value=5, seconds=1.0):
+    """(the producer's future, a consumer on b that waits for it) while a takes `seconds`."""
+    produced = ctl.submit("identity", value, config={"seconds": seconds}, executor=a.id)
+    consumer = ctl.submit("identity", produced, executor=b.id)
+    time.sleep(0.3)  # b holds the consumer's task, waiting for the input
+    return produced, consumer
+
+
+def test_a_strangers_push_of_an_awaited_input_is_refused_and_the_real_one_counts(pair):
+    ctl, (a, b) = pair
+    produced, consumer = _awaited(ctl, a, b)
+    _push(b.peer_address, produced.id, pack(666)[0], tag=None)
+    assert consumer.result(timeout=30) == 5
+
+
+def test_a_peer_cannot_replace_an_object_held(pair):
+    ctl, (a, b) = pair
+    held = ctl.put([1, 2], executor=b.id)
+    _push(b.peer_address, held.id, pack([6, 6, 6])[0], tag=peer_tag(ctl.secret))
+    time.sleep(0.2)
+    assert ctl.submit("identity", held, executor=b.id).result(timeout=30) == [1, 2]
+
+
+def test_a_record_naming_a_module_to_import_is_refused_and_nothing_is_imported(
+        tmp_path, monkeypatch):
+    """The module is importable on the executor's path and would leave a sentinel file: a
+    value naming it, pushed by an insider peer, imports nothing."""
+    sentinel = tmp_path / "imported"
+    (tmp_path / "rogue_module.py").write_text(
+        f"open({str(sentinel)!r}, 'w').close()\nimport attrs\n"
+        "@attrs.define\nclass Thing:\n    x: int = 0\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    forged = msgpack.packb(msgpack.ExtType(3, msgpack.packb(["rogue_module:Thing", {}])))
+    with executor_cluster(1) as (ctl, (only,)):
+        _push(only.peer_address, 10**15, forged, tag=peer_tag(ctl.secret))
+        kept = ctl.put(7, executor=only.id)  # the executor serves on
+        assert ctl.submit("identity", kept, executor=only.id).result(timeout=30) == 7
+        time.sleep(0.2)
+    assert not sentinel.exists()
+
+
+def test_an_undecodable_push_of_an_awaited_input_fails_its_task_at_once(pair):
+    ctl, (a, b) = pair
+    produced, consumer = _awaited(ctl, a, b, seconds=2.0)
+    started = time.monotonic()
+    _push(b.peer_address, produced.id, b"\xc1 not msgpack", tag=peer_tag(ctl.secret))
+    with pytest.raises(RemoteError, match="could not be read"):
+        consumer.result(timeout=30)
+    assert time.monotonic() - started < 1.5  # not when the real push would have come
+    assert produced.result(timeout=30) == 5
+
+
+def test_a_handler_that_raises_systemexit_rejects_its_message_and_io_goes_on(pair):
+    ctl, _ = pair
+
+    def listener(event, payload):
+        if event == "task_done" and payload["task"].op == "noop":
+            raise SystemExit(2)
+
+    ctl.add_listener(listener)
+    try:
+        ctl.submit("noop").result(timeout=30)
+        assert [ctl.submit("identity", i).result(timeout=30) for i in range(3)] == [0, 1, 2]
+    finally:
+        ctl.remove_listener(listener)
+
+
+class _Owner:
+    condition = new_condition()
+
+    def release(self, object_id: int) -> None:
+        pass
+
+
+_SECRET = b"s" * 32
+
+
+def test_a_completion_naming_another_tasks_outputs_is_refused_and_its_own_still_counts():
+    state = Dispatcher(owner=_Owner(), send_raw=lambda frames: None, ping_interval=1.0,
+                       ping_timeout=5.0, heartbeat_address="inproc://unused", secret=_SECRET)
+    state.on_message(b"a", {"t": Msg.HELLO, "name": "a", "tags": [], "ops": ["op"], "pid": 1,
+                            "secret": _SECRET.hex()}, [])
+    first, second = (state.submit(TaskSpec("op", {}), (), outputs=1, executor_id=1,
+                                  tags=frozenset(), meta={})[0] for _ in range(2))
+    first_task, second_task = sorted(state._tasks)
+    none = {"nbytes": 0, "inline": pack(None)[0]}
+    with pytest.raises(ProtocolError, match="not those tasks' own"):
+        state.on_message(b"a", {"t": Msg.DONE, "items": [
+            {"task": first_task, "ok": True, "outputs": [{"id": second.id, **none}]},
+            {"task": second_task, "ok": True, "outputs": [{"id": second.id, **none}]}]}, [])
+    state.run_callbacks()
+    assert isinstance(first, Future) and not first.done()  # still its executor's to answer
+    assert second.done() and second.result() is None
