@@ -41,11 +41,19 @@ def command(folder: Path, *args: str) -> list[str]:
             "torch", "--save-weights", str(folder / "w"), *args]
 
 
-def clean_run(folder: Path, steps: int = STEPS) -> Path:
-    """The run without faults whose weights every recovered run must end with."""
+def clean_run(folder: Path, steps: int = STEPS) -> tuple[Path, float]:
+    """The run without faults whose weights every recovered run must end with, and how long
+    it took: the kills of the runs under test fall within that span, whatever the machine."""
+    started = time.monotonic()
     subprocess.run(command(folder, "--steps", str(steps)), cwd=ROOT, check=True,
                    capture_output=True)
-    return folder / "w"
+    return folder / "w", time.monotonic() - started
+
+
+def kill_window(span_s: float) -> dict:
+    """When kills fall in a run that takes `span_s` without faults: the first from 0.2 s to
+    most of the span (start-up included), each next within a fraction of it (a recovery)."""
+    return {"first_s": (0.2, max(0.3, 0.7 * span_s)), "gap_s": (0.0, max(0.1, 0.4 * span_s))}
 
 
 def executors_of(parent: int) -> dict[int, str]:
@@ -129,11 +137,11 @@ def run_chaos_bench(seeds: int = 20, kills: int = 2) -> dict:
     fast naming the executor."""
     with tempfile.TemporaryDirectory(prefix="flowkit-chaos-") as tmp:
         root = Path(tmp)
-        clean = clean_run(root / "clean")
+        clean, span_s = clean_run(root / "clean")
         recovered, failures = 0, []
         for seed in range(seeds):
             run = chaos_run(root / f"r{seed}", seed, "--max-restarts", str(kills + 1),
-                            kills=kills)
+                            kills=kills, **kill_window(span_s))
             if run.returncode == 0 and same_weights(root / f"r{seed}" / "w", clean):
                 recovered += 1
             else:

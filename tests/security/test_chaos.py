@@ -8,23 +8,32 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.chaos import STEPS, chaos_run, clean_run, fails_fast_naming, same_weights
+from benchmarks.chaos import (
+    STEPS,
+    chaos_run,
+    clean_run,
+    fails_fast_naming,
+    kill_window,
+    same_weights,
+)
 
 SEEDS = (0, 1)  # a few: each run takes seconds on this machine; the bench runs 20
 
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
+    """(the clean run's weights, how long it took)."""
     return clean_run(tmp_path_factory.mktemp("clean"))
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_kills_at_any_moment_are_recovered_to_the_clean_weights(tmp_path, clean, seed):
-    run = chaos_run(tmp_path, seed, "--max-restarts", "3", kills=2)
+    weights, span_s = clean
+    run = chaos_run(tmp_path, seed, "--max-restarts", "3", kills=2, **kill_window(span_s))
     assert run.returncode == 0, run.output
     assert len(run.killed) == 2, f"the run ended before its kills: {run.output}"
     assert run.output.count("restart ") >= 2
-    assert same_weights(tmp_path / "w", clean)
+    assert same_weights(tmp_path / "w", weights)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
