@@ -89,6 +89,7 @@ class FlowRunner:
                 if rule.group_key is not None:
                     self.report_keys[rule.src] = rule.group_key
         self.events: queue.SimpleQueue = queue.SimpleQueue()  # every open step's reactions
+        self.handled_parts: list = []  # streamed items taken in since the steps settled
         self.open: dict[int, StepRun] = {}
         self.carry_over = CarryOver(self.open)  # [Note: partial rollouts in partial.py]
         # a resumed asynchronous run's open steps: step -> node -> lineage -> the saved
@@ -252,6 +253,9 @@ class FlowRunner:
             event()
         for run in list(self.open.values()):
             run.settle()
+        if self.handled_parts:  # settled: their consumers are submitted, or they wait
+            self.ctl.handled(self.handled_parts)  # [Note: stream credits] in runtime/dispatch.py
+            self.handled_parts = []
 
     def _open(self, step: int) -> StepRun:
         run = self.open.get(step)

@@ -60,6 +60,10 @@ TRAINING_CALLS = (Call.PIPELINE, Call.STEP)  # a model's backprop and optimizer 
 # spread over the executors in tasks of at least _SPLIT_ITEMS
 _BATCH_ITEMS, _SPLIT_ITEMS = 256, 16
 _CALLS_PER_TURN = 64  # balanced calls sent between two bursts of reactions
+# A streaming call runs at most this many items ahead of the items whose consumers are done
+# [Note: stream credits in flowkit/runtime/dispatch.py]: a bound on what a slow consumer lets
+# queue up, far above what a generation call streams between two reactions.
+STREAM_WINDOW = 1024
 
 
 @attrs.frozen
@@ -77,6 +81,7 @@ class StepContext(Protocol):
     wiring: Wiring
     ctl: Controller
     events: queue.SimpleQueue  # every open step's reactions, run one at a time by the run
+    handled_parts: list  # streamed items the steps took in since they last settled
     training: dict[str, ModelTraining]  # model -> its training
     workloads: dict[str, BalancedCalls]  # nodes whose calls are balanced by predicted work
 
@@ -237,6 +242,7 @@ class StepRun:
         (port,) = state.plan.outputs
         key = part.keys[0] if part.keys else None
         self.streams[(name, port)].add(lineage + (j,), part, self._key(name, lineage, key))
+        self.ctx.handled_parts.append(part)  # credited once the run has looked at it
         for consumer in self.wiring.consumers[name]:
             self.touched[consumer] = None
 
@@ -496,11 +502,13 @@ class StepRun:
         meta = {"node": plan.name, "step": self.step, **(meta or {})}
         outputs = max(1, len(plan.outputs))
         config = self._config(plan, lineage, extra, ports)
+        on_part = self._part_watch(plan, lineage)
         futures = ctx.ctl.submit(plan.op, *(refs[p] for p in ports), config=config,
                                  executor=executor, tags=plan.tags, outputs=outputs,
                                  meta=meta, report_key=self.wiring.report_keys.get(plan.name),
-                                 on_part=self._part_watch(plan, lineage),
-                                 trace_key=plan.trace_key)
+                                 on_part=on_part, trace_key=plan.trace_key,
+                                 window=None if on_part is None else STREAM_WINDOW,
+                                 handled_by_caller=on_part is not None)
         self._watch(state, lineage, futures if outputs > 1 else (futures,), register=True)
 
     def _config(self, plan: NodePlan, lineage: tuple, extra: dict | None,

@@ -200,7 +200,8 @@ class Controller:
                meta: dict | None = None, lane: str | None = None,
                report_key: str | None = None,
                on_part: Callable[[Future], Any] | None = None,
-               trace_key: str | None = None, window: int | None = None) -> Any:
+               trace_key: str | None = None, window: int | None = None,
+               handled_by_caller: bool = False) -> Any:
         """Run `op` on an executor; returns its output future (a tuple when `outputs` != 1).
 
         Inputs are futures (their objects move executor to executor), `Item`s and `Gather`s of
@@ -212,7 +213,9 @@ class Controller:
         streams (ops that can: see OpContext.emit in executors/optable.py): each item it yields is
         passed to `on_part(future)` on the IO thread the moment it arrives, the list of them all
         being the task's result as usual; with `window` it runs at most that many items ahead
-        of those its consumers are done with [Note: stream credits in dispatch.py]."""
+        of those its consumers are done with [Note: stream credits in dispatch.py]: an item's
+        consumers are those submitted by the time `on_part` returns, or with
+        `handled_by_caller` by the time the caller passes the item to `handled`."""
         if window is not None and (on_part is None or not 1 <= window <= MAX_WINDOW):
             raise ValueError(f"submit: window={window!r} needs on_part and 1 to {MAX_WINDOW}")
         spec = TaskSpec(op, config or {}, lane=lane, report_key=report_key,
@@ -220,7 +223,8 @@ class Controller:
         with self._driving():
             futures = self._state.submit(spec, inputs, outputs=outputs, executor_id=executor,
                                          tags=frozenset(tags), meta=meta or {},
-                                         hold=self._batching > 0, on_part=on_part)
+                                         hold=self._batching > 0, on_part=on_part,
+                                         handled_by_caller=handled_by_caller)
         self._state.run_callbacks()
         return futures[0] if outputs == 1 else futures
 
@@ -257,6 +261,12 @@ class Controller:
         if outputs == 1:
             return list(futures)
         return [futures[i:i + outputs] for i in range(0, len(futures), outputs)]
+
+    def handled(self, parts: Iterable[Future]) -> None:
+        """The caller has submitted the consumers of these streamed items (or decided they
+        wait): a windowed task's credit for them follows their consumers [Note: stream
+        credits in dispatch.py]. Any thread; the next pump acts on it."""
+        self._state.handled_parts.extend(part.id for part in parts)
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:

@@ -78,6 +78,7 @@ class Dispatcher:
         self._callbacks: deque = deque()  # (fn, future): a deque, as it is drained unlocked
         # [Note: stream credits]: (task, item record) whose on_part ran; tasks to credit
         self._credit_checks: deque = deque()
+        self.handled_parts: deque = deque()  # ids of items a caller handled (any thread)
         self._credits: dict[int, TaskRecord] = {}
         self._listeners: list[Listener] = []
 
@@ -144,8 +145,14 @@ class Dispatcher:
     # which could not run while the producer waits. The controller sends CREDIT with the count
     # credited so far; the executor's op waits in `emit` while it is K ahead.
     def check_credits(self) -> None:
-        """Credit the items whose on_part has run, unless consumers elsewhere still read them."""
-        checks = self._credit_checks
+        """Credit the items whose on_part has run (or that the caller handled), unless
+        consumers elsewhere still read them."""
+        checks, handled = self._credit_checks, self.handled_parts
+        while handled:  # a caller that reacts to items later says when it has
+            record = self._objects.get(handled.popleft())
+            task = None if record is None else self._tasks.get(record.producer)
+            if task is not None:
+                checks.append((task, record))
         while checks:
             task, record = checks.popleft()
             if task.state != "pending":
@@ -351,7 +358,7 @@ class Dispatcher:
                 future.keys, future.timing = out.get("keys"), timing
                 self._callbacks += _resolve(future, executor.id, record.nbytes, out)
                 self._callbacks.append((task.on_part, future))
-                if task.window is not None:  # once on_part ran [Note: stream credits]
+                if task.window is not None and not task.handled_by_caller:  # on_part ran
                     self._callbacks.append((self._credit_checks.append, (task, record)))
             self.condition.notify_all()
 
@@ -435,7 +442,8 @@ class Dispatcher:
     def submit(self, spec: TaskSpec, inputs: tuple, *, outputs: int, executor_id: int | None,
                tags: frozenset, meta: dict, hold: bool = False,
                on_part: Callable[[Future], Any] | None = None,
-               on_items: Callable[[tuple[int, int]], Any] | None = None) -> tuple[Future, ...]:
+               on_items: Callable[[tuple[int, int]], Any] | None = None,
+               handled_by_caller: bool = False) -> tuple[Future, ...]:
         """Queue the task `spec` describes (given here its id, input refs and output ids) for
         the executor chosen for it, and unless `hold` send that executor its queue when it
         is idle or a batch is full; returns the task's output futures, failed at once when no
@@ -464,7 +472,7 @@ class Dispatcher:
         output_ids = tuple([f.id for f in futures])
         task = TaskRecord(task_id, op, executor.id, input_ids, output_ids, spec.config, meta,
                           on_part=on_part, items=spec.items, on_items=on_items,
-                          window=spec.window)
+                          window=spec.window, handled_by_caller=handled_by_caller)
         self._tasks[task_id] = task
         for object_id in output_ids:
             objects[object_id] = ObjectRecord(object_id, executor.id, task_id)

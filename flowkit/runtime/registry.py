@@ -61,6 +61,7 @@ class TaskRecord:
     answered: int = 0  # a batched task: outputs answered before it completed
     window: int | None = None  # streaming: items it may run ahead [Note: stream credits]
     credited: int = 0  # streaming with a window: items credited back to it
+    handled_by_caller: bool = False  # its items count as handled when the caller says so
 
 
 @attrs.define(eq=False)
