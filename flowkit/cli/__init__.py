@@ -40,6 +40,27 @@ class _LazyGroup(click.Group):
         return getattr(importlib.import_module(module_name), attribute)
 
 
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as exc:  # an argument error is one line, not click's three
+            raise _OneLineError(exc) from None
+
+
+class _OneLineError(click.ClickException):
+    """A usage error (a bad option, a missing argument, an unknown command) as one line that
+    names the help to read, instead of click's usage block above it."""
+
+    exit_code = 2
+
+    def __init__(self, error: click.UsageError) -> None:
+        where = f" (see `{error.ctx.command_path} --help`)" if error.ctx is not None else ""
+        super().__init__(f"{error.format_message()}{where}")
+
+    def show(self, file: object = None) -> None:
+        click.echo(f"Error: {self.format_message()}", err=True)
+
+
 def _commands() -> dict[str, str]:
     """Every command by name: the installed packages' (`flowkit.commands`), then flowkit's,
     which no package can replace."""

@@ -70,3 +70,16 @@ def test_keys_generate_refuses_a_non_empty_allowed_folder_unless_forced(tmp_path
     result = CliRunner().invoke(main, ["keys", "generate", str(folder), "--force"])
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in (folder / "allowed").iterdir()) == ["executor.key"]
+
+
+@pytest.mark.parametrize("args", [
+    ["executor", "--connect", "garbage"],
+    ["run", "--num-executors", str(MAX_EXECUTORS + 1), PRETRAIN],
+    ["no-such-command"],
+    ["run"],
+])
+def test_through_flowkit_every_argument_error_is_exactly_one_line(args):
+    result = CliRunner().invoke(main, args)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert lines[0].startswith("Error: ") and "--help`" in lines[0]
