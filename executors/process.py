@@ -134,7 +134,7 @@ class Executor:
         self.batch_running: Task | None = None  # a batched task's op runs [Note: early items]
         self.parts: dict[int, tuple] = {}  # task id -> (task, first index, descriptions) to send
         # streaming tasks with a window, running: the op thread waits on `credit` for their
-        # credits [Note: stream credits in flowkit/runtime/dispatch.py]
+        # credits [Note: stream credits in flowkit/runtime/credits.py]
         self.windowed: dict[int, Task] = {}
         self.credit = threading.Condition()
         self.watch = CompletionWatch(self)
@@ -594,7 +594,7 @@ class Executor:
             self._wait_for_credit(task)
 
     def _wait_for_credit(self, task: Task) -> None:
-        """[Note: stream credits] in flowkit/runtime/dispatch.py: a streaming task with a
+        """[Note: stream credits] in flowkit/runtime/credits.py: a streaming task with a
         window runs at most that many items ahead of those its consumers are done with; past
         it the op waits here (its thread, the sockets served meanwhile by the watch) for the
         controller's CREDIT. Its items so far go out first: they are what earns the credit."""

@@ -254,7 +254,7 @@ class FlowRunner:
         for run in list(self.open.values()):
             run.settle()
         if self.handled_parts:  # settled: their consumers are submitted, or they wait
-            self.ctl.handled(self.handled_parts)  # [Note: stream credits] in runtime/dispatch.py
+            self.ctl.handled(self.handled_parts)  # [Note: stream credits] in runtime/credits.py
             self.handled_parts = []
 
     def _open(self, step: int) -> StepRun:

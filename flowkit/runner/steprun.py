@@ -61,7 +61,7 @@ TRAINING_CALLS = (Call.PIPELINE, Call.STEP)  # a model's backprop and optimizer 
 _BATCH_ITEMS, _SPLIT_ITEMS = 256, 16
 _CALLS_PER_TURN = 64  # balanced calls sent between two bursts of reactions
 # A streaming call runs at most this many items ahead of the items whose consumers are done
-# [Note: stream credits in flowkit/runtime/dispatch.py]: a bound on what a slow consumer lets
+# [Note: stream credits in flowkit/runtime/credits.py]: a bound on what a slow consumer lets
 # queue up, far above what a generation call streams between two reactions.
 STREAM_WINDOW = 1024
 

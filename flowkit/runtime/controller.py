@@ -213,8 +213,8 @@ class Controller:
         streams (ops that can: see OpContext.emit in executors/optable.py): each item it yields is
         passed to `on_part(future)` on the IO thread the moment it arrives, the list of them all
         being the task's result as usual; with `window` it runs at most that many items ahead
-        of those its consumers are done with [Note: stream credits in dispatch.py]: an item's
-        consumers are those submitted by the time `on_part` returns, or with
+        of those its consumers are done with [Note: stream credits in runtime/credits.py]:
+        an item's consumers are those submitted by the time `on_part` returns, or with
         `handled_by_caller` by the time the caller passes the item to `handled`."""
         if window is not None and (on_part is None or not 1 <= window <= MAX_WINDOW):
             raise ValueError(f"submit: window={window!r} needs on_part and 1 to {MAX_WINDOW}")
@@ -265,8 +265,8 @@ class Controller:
     def handled(self, parts: Iterable[Future]) -> None:
         """The caller has submitted the consumers of these streamed items (or decided they
         wait): a windowed task's credit for them follows their consumers [Note: stream
-        credits in dispatch.py]. Any thread; the next pump acts on it."""
-        self._state.handled_parts.extend(part.id for part in parts)
+        credits in runtime/credits.py]. Any thread; the next pump acts on it."""
+        self._state.credits.handled.extend(part.id for part in parts)
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -431,7 +431,7 @@ class Controller:
             self._state.release(released.popleft())
         while lost:
             self._state.lose(*lost.popleft())
-        self._state.check_credits()  # [Note: stream credits] in dispatch.py
+        self._state.credits.check()  # [Note: stream credits] in runtime/credits.py
 
     def _lose(self, executor_id: int, reason: str) -> None:
         """For the heartbeat thread, which must not block on the IO lock: the next driver acts."""

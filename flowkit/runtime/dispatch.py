@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from flowkit.runtime.admit import Refusals
+from flowkit.runtime.credits import StreamCredits
 from flowkit.runtime.futures import ExecutorLost, Future, Owner, RemoteError, TaskCancelled
 from flowkit.runtime.registry import ExecutorInfo, ObjectRecord, TaskRecord
 from flowkit.wire.hello import HelloRefused, Origin, check_hello, check_origin, check_secret
@@ -76,10 +77,7 @@ class Dispatcher:
         self._pushes: dict[tuple[int, int], list[int]] = defaultdict(list)  # (from, to) -> ids
         self._frees_sent = 0.0
         self._callbacks: deque = deque()  # (fn, future): a deque, as it is drained unlocked
-        # [Note: stream credits]: (task, item record) whose on_part ran; tasks to credit
-        self._credit_checks: deque = deque()
-        self.handled_parts: deque = deque()  # ids of items a caller handled (any thread)
-        self._credits: dict[int, TaskRecord] = {}
+        self.credits = StreamCredits(self._tasks, self._objects, self._executors, self._send)
         self._listeners: list[Listener] = []
 
     def add_listener(self, listener: Listener) -> None:
@@ -105,8 +103,8 @@ class Dispatcher:
         pushes their inputs need go first, one message per producer and consumer."""
         if self._pushes:
             self._send_pushes()
-        if self._credits:
-            self._send_credits()
+        if self.credits.due:
+            self.credits.send()
         if not self._outbox and not self._frees:
             return
         targets = [executor_id] if executor_id is not None else list(self._outbox)
@@ -133,58 +131,6 @@ class Dispatcher:
                                               "address": target.peer_address,
                                               "host_id": target.host_id})  # [Note: hosts]
         self._pushes.clear()
-
-    # [Note: stream credits] A streaming task with a window (`submit(..., window=K)`) runs at
-    # most K items ahead of the items its consumers are done with, so a slow consumer holds a
-    # fast producer back instead of queueing its items without end (on its executor, in its
-    # memory). An item is credited back once its `on_part` has run and no task reading it on
-    # another executor is pending: the consumers submitted for it then have finished. An item
-    # nobody consumes yet (a group that waits for its other samples) is credited at once: it
-    # waits on its producer, whose output it is anyway, so it cannot deadlock a stream whose
-    # consumers need several items; neither can a consumer on the producer's own executor,
-    # which could not run while the producer waits. The controller sends CREDIT with the count
-    # credited so far; the executor's op waits in `emit` while it is K ahead.
-    def check_credits(self) -> None:
-        """Credit the items whose on_part has run (or that the caller handled), unless
-        consumers elsewhere still read them."""
-        checks, handled = self._credit_checks, self.handled_parts
-        while handled:  # a caller that reacts to items later says when it has
-            record = self._objects.get(handled.popleft())
-            task = None if record is None else self._tasks.get(record.producer)
-            if task is not None:
-                checks.append((task, record))
-        while checks:
-            task, record = checks.popleft()
-            if task.state != "pending":
-                continue
-            if self._read_elsewhere(record, task.executor):
-                record.credit_of = task.id  # credited when they end (_consumed)
-            else:
-                self._credit(task)
-
-    def _read_elsewhere(self, record: ObjectRecord, executor_id: int) -> bool:
-        tasks = self._tasks
-        return any(t is not None and t.state == "pending" and t.executor != executor_id
-                   for t in map(tasks.get, record.consumers))
-
-    def _recheck_credit(self, record: ObjectRecord) -> None:
-        producer = self._tasks.get(record.credit_of)
-        if producer is None or producer.state != "pending":
-            record.credit_of = 0
-        elif not self._read_elsewhere(record, producer.executor):
-            record.credit_of = 0
-            self._credit(producer)
-
-    def _credit(self, task: TaskRecord) -> None:
-        task.credited += 1
-        self._credits[task.id] = task
-
-    def _send_credits(self) -> None:
-        for task in self._credits.values():
-            executor = self._executors[task.executor]
-            if task.state == "pending" and executor.alive:
-                self._send(executor, Msg.CREDIT, {"task": task.id, "credited": task.credited})
-        self._credits.clear()
 
     def _frees_due(self) -> bool:
         """Frees go out in batches: a message per freed object would double the traffic of a
@@ -359,7 +305,7 @@ class Dispatcher:
                 self._callbacks += _resolve(future, executor.id, record.nbytes, out)
                 self._callbacks.append((task.on_part, future))
                 if task.window is not None and not task.handled_by_caller:  # on_part ran
-                    self._callbacks.append((self._credit_checks.append, (task, record)))
+                    self._callbacks.append((self.credits.checks.append, (task, record)))
             self.condition.notify_all()
 
     def _complete(self, task: TaskRecord, executor: ExecutorInfo, outputs: list) -> None:
@@ -634,7 +580,7 @@ class Dispatcher:
             if record is not None:
                 record.pending -= 1
                 if record.credit_of:
-                    self._recheck_credit(record)
+                    self.credits.consumed(record)
                 self._maybe_free(record)
 
     def _maybe_free(self, record: ObjectRecord) -> None:

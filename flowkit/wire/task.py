@@ -63,7 +63,7 @@ class TaskSpec:
     reports [Note: traced items in executors/tasks.py]; `stream`: send each item the op yields
     as it comes [Note: streaming ops in executors/optable.py], and with `window` at most that
     many items ahead of the items the controller credited back [Note: stream credits in
-    flowkit/runtime/dispatch.py]; `items` and `per_item`: a batched task, one call per item
+    flowkit/runtime/credits.py]; `items` and `per_item`: a batched task, one call per item
     [Note: batched tasks].
 
     The controller builds one with op, config and options, and encodes it with the task's id,

@@ -1,4 +1,4 @@
-"""Credit-based flow control [Note: stream credits in flowkit/runtime/dispatch.py]: a fast
+"""Credit-based flow control [Note: stream credits in flowkit/runtime/credits.py]: a fast
 streaming producer runs at most `window` items ahead of a slow consumer on another executor,
 where without a window it runs away; the stream's result is the same either way."""
 
