@@ -125,6 +125,9 @@ class ProcessExecutors:
         if process.poll() is None:
             process.kill()
             process.wait()
+        from flowkit.wire.shm import sweep
+
+        sweep([process.pid])  # the segments a killed executor could not unlink go with it
         for executor in self.controller.executors():
             if executor.pid == process.pid and executor.name == name:
                 self.controller.report_lost(executor.id, "replaced by a new process")
