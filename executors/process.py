@@ -59,7 +59,14 @@ from flowkit.wire.liveness import zmtp_heartbeats
 from flowkit.wire.protocol import Msg, ProtocolError, decode, encode, part_id, send_frames
 from flowkit.wire.refs import resolve
 from flowkit.wire.schema import shown
-from flowkit.wire.serialize import SerializeError, declare_modules, nbytes_of, pack, unpack
+from flowkit.wire.serialize import (
+    CONTRACT_MODULES,
+    SerializeError,
+    declare_modules,
+    nbytes_of,
+    pack,
+    unpack,
+)
 from flowkit.wire.task import RejectedTask
 
 __all__ = ["Executor"]
@@ -699,8 +706,9 @@ def load_declared_modules(names: Any) -> None:
     if not isinstance(names, list) or not all(type(n) is str for n in names):
         raise ProtocolError(f"welcome: modules must be a list of names, got {names!r:.80}")
     for name in names:
-        if name in sys.modules or name.startswith("_flowkit_user_"):
-            continue  # loaded already, or a flow file this executor was not given
+        if name in sys.modules or name.startswith("_flowkit_user_") or name in CONTRACT_MODULES:
+            continue  # loaded already, a flow file this executor was not given, or flowkit's
+            # own records, loaded when the first one arrives
         try:
             importlib.import_module(name)
         except Exception as exc:  # values naming it will be refused, saying so

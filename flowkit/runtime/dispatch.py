@@ -248,22 +248,24 @@ class Dispatcher:
         """Completions of the sender's own tasks; those of any other task are ignored, and the
         message is then refused as a whole once the sender's have counted."""
         tasks, inflight, refused, foreign = self._tasks, executor.inflight, [], []
+        sender = executor.id
         with self.condition:
             for item in items:
                 task = tasks.get(item["task"])
-                if task is not None and task.executor != executor.id:
-                    foreign.append(task.id)
-                    continue
                 if task is None or task.state != "pending":
                     continue
-                if item["ok"] and not _names_its_outputs(task, item.get("outputs", ())):
+                if task.executor != sender:
+                    foreign.append(task.id)
+                    continue
+                ok, outputs = item["ok"], item.get("outputs", ())
+                if ok and not _names_its_outputs(task, outputs):
                     refused.append(task.id)  # the other completions still count
                     continue
                 executor.outstanding -= 1
                 inflight.pop(task.id, None)
                 task.start, task.end = item.get("start", 0.0), item.get("end", 0.0)
-                if item.get("ok"):
-                    self._complete(task, executor, item.get("outputs", ()))
+                if ok:
+                    self._complete(task, executor, outputs)
                 else:
                     self._fail_task(task, RemoteError(
                         f"op {task.op!r} failed on {executor.describe()}: {item.get('error')}"
@@ -716,9 +718,12 @@ def _names_its_outputs(task: TaskRecord, outputs: Sequence) -> bool:
     """Whether a completion describes exactly the outputs of `task` not yet answered (a
     batched task's early items were [Note: early items]): another object's future must never
     resolve through it."""
-    expected = task.outputs[task.answered:]
-    return len(outputs) == len(expected) and all(
-        out["id"] == object_id for out, object_id in zip(outputs, expected))
+    expected = task.outputs[task.answered:] if task.answered else task.outputs
+    if len(outputs) != len(expected):
+        return False
+    if len(expected) == 1:  # the usual
+        return outputs[0]["id"] == expected[0]
+    return all(out["id"] == object_id for out, object_id in zip(outputs, expected))
 
 
 def _ids_of(refs: list) -> list[int]:

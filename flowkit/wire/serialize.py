@@ -11,6 +11,7 @@ module or call arbitrary code.
 from __future__ import annotations
 
 import ctypes
+import importlib
 import sys
 import warnings
 from typing import Any
@@ -18,8 +19,8 @@ from typing import Any
 import attrs
 import msgpack
 
-__all__ = ["SerializeError", "allow_records", "declare_modules", "declared_modules", "nbytes_of",
-           "pack", "unpack"]
+__all__ = ["CONTRACT_MODULES", "SerializeError", "allow_records", "declare_modules",
+           "declared_modules", "nbytes_of", "pack", "unpack"]
 
 _TENSOR, _NDARRAY, _RECORD, _TUPLE = 1, 2, 3, 4
 
@@ -203,8 +204,11 @@ def _numel(shape: list[int]) -> int:
 #
 # and only if the module is loaded already and the name is an attrs class defined there (read
 # from the module's namespace, so a module's __getattr__ is not called either). Anything else
-# is a SerializeError, which rejects the message that carried it.
-_CONTRACT_MODULES = frozenset({"flowkit.ops.records", "flowkit.dsl.metrics"})
+# is a SerializeError, which rejects the message that carried it. The one exception: the two
+# op-contract modules, flowkit's own, are imported the first time a record of theirs arrives
+# (a fixed list: no message adds to it), so a process that never sees one never loads the DSL,
+# whose objects would cost every garbage collection of a dispatch-bound controller time.
+CONTRACT_MODULES = frozenset({"flowkit.ops.records", "flowkit.dsl.metrics"})
 _RECORDS: dict[str, type] = {}  # path -> class, those found or registered
 _DECLARED: set[str] = set()  # modules declared by this executor's controller
 
@@ -218,10 +222,15 @@ def declare_modules(names: list[str]) -> None:
 def declared_modules() -> list[str]:
     """Every module whose attrs records this process rebuilds: what a controller declares to
     its executors."""
-    from flowkit.dsl.operators import op_modules
-
     registered = {cls.__module__ for cls in _RECORDS.values()}
-    return sorted(_CONTRACT_MODULES | op_modules() | _DECLARED | registered)
+    return sorted(CONTRACT_MODULES | _op_modules() | _DECLARED | registered)
+
+
+def _op_modules() -> frozenset[str]:
+    """The modules of the @op functions declared here: none while the DSL is not loaded (and
+    asking must not load it)."""
+    operators = sys.modules.get("flowkit.dsl.operators")
+    return frozenset() if operators is None else operators.op_modules()
 
 
 def allow_records(*classes: type) -> None:
@@ -245,10 +254,9 @@ def _record_class(path: Any) -> type:
         return cls
     shown = repr(str(path)[:200])
     module_name, _, qualname = str(path).partition(":")
-    from flowkit.dsl.operators import op_modules
-
-    if module_name not in _CONTRACT_MODULES and module_name not in op_modules() and \
-            module_name not in _DECLARED:
+    if module_name in CONTRACT_MODULES:
+        importlib.import_module(module_name)  # flowkit's own: [Note: record registry]
+    elif module_name not in _op_modules() and module_name not in _DECLARED:
         raise SerializeError(
             f"record class {shown} is not one this process declares: records come from the op "
             "contract (flowkit.ops.records), the modules of the run's @op functions, or "
