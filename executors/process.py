@@ -49,7 +49,6 @@ from flowkit.wire.auth import (
 from flowkit.wire.hello import HelloRefused, peer_tag
 from flowkit.wire.limits import (
     CONTROL_FRAME_BYTES,
-    CONTROL_RCVHWM,
     DATA_FRAME_BYTES,
     DATA_RCVHWM,
     UNCLAIMED_BYTES,
@@ -194,8 +193,10 @@ class Executor:
         sock = self.zmq.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         zmtp_heartbeats(sock)  # [Note: liveness in flowkit/wire/liveness.py]
-        # what comes back on it: the controller's instructions and values; a peer sends none
-        bound_inbound(sock, max_frame=self.max_frame_bytes, rcvhwm=CONTROL_RCVHWM)
+        # what comes back on it: the controller's instructions and values (a peer sends none),
+        # frames bounded; no high-water mark: a full queue here would only move the messages
+        # into the controller's unbounded send queue, and flow control costs every batch
+        bound_inbound(sock, max_frame=self.max_frame_bytes, rcvhwm=0)
         if self.keys is not None:
             curve_client(sock, self.keys, server)
         return sock

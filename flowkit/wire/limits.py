@@ -11,8 +11,10 @@
   with a frame that would cost it its connection. The data plane (an executor's peer ROUTER)
   carries tensors in chunks of at most 1 MiB between hosts and shared-memory handles within
   one: DATA_FRAME_BYTES.
-- Each connection's inbound queue holds at most `RCVHWM` messages; past that, libzmq stops
-  reading from that connection (TCP pushes back on its sender alone) and nothing is dropped.
+- Each connection's inbound queue at the controller and at an executor's data socket holds at
+  most `RCVHWM` messages; past that, libzmq stops reading from that connection (TCP pushes
+  back on its sender alone) and nothing is dropped. An executor's control socket, which only
+  the controller reaches, has none: its queue would only move into the controller's.
   Outbound queues of ROUTERs stay unbounded: a ROUTER drops what exceeds its high-water mark,
   and what the controller sends is bounded by what the user submitted.
 - Peer-supplied strings are shown escaped and truncated (flowkit/wire/schema.py `shown`);
