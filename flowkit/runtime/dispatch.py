@@ -522,8 +522,11 @@ class Dispatcher:
     def _choose(self, op: str | None, tags: frozenset, executor_id: int | None) -> ExecutorInfo:
         if executor_id is not None:
             executor = self._executors.get(executor_id)
-            if executor is None or not executor.alive:
+            if executor is None:
                 raise NoExecutor(f"executor {executor_id} is not connected")
+            if not executor.alive:  # lost: say which, and why, as its tasks' failures do
+                raise NoExecutor(f"executor {executor.describe()} was lost: "
+                                 f"{executor.lost_reason}")
             if op is not None and op not in executor.ops:
                 raise NoExecutor(f"{executor.describe()} does not run op {op!r}")
             return executor
