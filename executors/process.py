@@ -16,6 +16,7 @@ import hmac
 import importlib
 import logging
 import os
+import re
 import socket as pysocket
 import sys
 import threading
@@ -700,12 +701,20 @@ class Executor:
             self._send(Msg.DONE, {"items": [described(item) for item in items]})
 
 
+_MAX_MODULES = 1024
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,99}(\.[A-Za-z_][A-Za-z0-9_]{0,99}){0,15}")
+
+
 def load_declared_modules(names: Any) -> None:
     """[Note: record registry] in flowkit/wire/serialize.py: the modules whose records the
     controller sends, imported now (its instruction, not a value's) so that values naming them
-    can be rebuilt; a flow file is loaded with --code and never imported by name."""
-    if not isinstance(names, list) or not all(type(n) is str for n in names):
-        raise ProtocolError(f"welcome: modules must be a list of names, got {names!r:.80}")
+    can be rebuilt; a flow file is loaded with --code and never imported by name. Only the
+    controller this executor was told to join sends WELCOME, and then only module names: at
+    most _MAX_MODULES dotted identifiers, nothing that names a file or a path."""
+    if not isinstance(names, list) or len(names) > _MAX_MODULES or not all(
+            type(n) is str and _MODULE_NAME.fullmatch(n) for n in names):
+        raise ProtocolError(f"welcome: modules must be a list of at most {_MAX_MODULES} "
+                            f"dotted module names, got {shown(names)}")
     for name in names:
         if name in sys.modules or name.startswith("_flowkit_user_") or name in CONTRACT_MODULES:
             continue  # loaded already, a flow file this executor was not given, or flowkit's

@@ -27,6 +27,13 @@ def run_ok(flow: str, *args: str) -> str:
     return result.output
 
 
+def one_step_checkpoint(root: Path, flow: str, executors: str) -> Path:
+    """A checkpoint folder `root` holding one step of `flow` on `executors` (sim or torch)."""
+    run_ok(flow, "--executors", executors, "--steps", "1", "--checkpoint-dir", str(root),
+           "--checkpoint-every", "1")
+    return root
+
+
 def _traceback(result) -> str:
     """An exception the CLI did not turn into its one error line, with where it came from."""
     if result.exc_info is None or isinstance(result.exception, SystemExit):

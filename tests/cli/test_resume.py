@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from flowkit.cli import main
 from flowkit.runner.checkpoint import complete_checkpoints
-from tests.cli.runs import GRPO, PRETRAIN, interrupted
+from tests.cli.runs import GRPO, PRETRAIN, interrupted, one_step_checkpoint
 from tests.cli.runs import metrics_lines as _lines
 from tests.cli.runs import run_ok as _run
 
@@ -125,10 +125,7 @@ def _error(flow: str, *args: str) -> str:
 
 @pytest.fixture(scope="module")
 def pretrain_checkpoint(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("pretrain") / "ck"
-    _run(PRETRAIN, "--executors", "sim", "--steps", "1", "--checkpoint-dir", str(root),
-         "--checkpoint-every", "1")
-    return root
+    return one_step_checkpoint(tmp_path_factory.mktemp("pretrain") / "ck", PRETRAIN, "sim")
 
 
 def test_resume_from_a_directory_that_is_not_a_checkpoint_names_it(tmp_path):

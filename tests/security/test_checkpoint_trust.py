@@ -18,7 +18,7 @@ import torch
 
 from flowkit.runner.checkpoint import RUN_STATE, CheckpointError, read_run_state
 from flowkit.runner.runstate import allowed_records
-from tests.cli.runs import GRPO, PRETRAIN, refused, run_ok
+from tests.cli.runs import GRPO, PRETRAIN, one_step_checkpoint, refused, run_ok
 
 _RECORD = 2  # runstate's extension type of a record
 
@@ -37,18 +37,12 @@ class _Payload:
 def sim_checkpoint(tmp_path_factory) -> Path:
     """A synchronous GRPO checkpoint on the simulator: its run state holds a record (the
     weights version fed back)."""
-    root = tmp_path_factory.mktemp("sim") / "ck"
-    run_ok(GRPO, "--executors", "sim", "--steps", "1", "--checkpoint-dir", str(root),
-           "--checkpoint-every", "1")
-    return root
+    return one_step_checkpoint(tmp_path_factory.mktemp("sim") / "ck", GRPO, "sim")
 
 
 @pytest.fixture(scope="module")
 def torch_checkpoint(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("torch") / "ck"
-    run_ok(PRETRAIN, "--executors", "torch", "--steps", "1", "--checkpoint-dir", str(root),
-           "--checkpoint-every", "1")
-    return root
+    return one_step_checkpoint(tmp_path_factory.mktemp("torch") / "ck", PRETRAIN, "torch")
 
 
 def _copy(root: Path, tmp_path: Path) -> Path:

@@ -127,3 +127,12 @@ def test_a_completion_naming_another_tasks_outputs_is_refused_and_its_own_still_
     state.run_callbacks()
     assert isinstance(first, Future) and not first.done()  # still its executor's to answer
     assert second.done() and second.result() is None
+
+
+@pytest.mark.parametrize("names", [["../rogue"], ["os/path"], ["a b"], ["x" * 3000],
+                                   [str(i) for i in range(2000)], "flowkit", [3]])
+def test_a_welcome_naming_anything_but_module_names_is_refused_before_any_import(names):
+    from executors.process import load_declared_modules
+
+    with pytest.raises(ProtocolError, match="dotted module names"):
+        load_declared_modules(names)
