@@ -23,7 +23,7 @@ from flowkit.runtime.futures import ExecutorLost, Future, Owner, RemoteError, Ta
 from flowkit.runtime.registry import ExecutorInfo, ObjectRecord, TaskRecord
 from flowkit.wire.hello import HelloRefused, Origin, check_hello, check_origin, check_secret
 from flowkit.wire.limits import CONTROL_FRAME_BYTES
-from flowkit.wire.protocol import Msg, ProtocolError, encode, part_id
+from flowkit.wire.protocol import Msg, ProtocolError, check_completion, encode, part_id
 from flowkit.wire.refs import Gather, Item, object_ids
 from flowkit.wire.schema import shown
 from flowkit.wire.serialize import SerializeError, declared_modules, pack, unpack
@@ -245,22 +245,29 @@ class Dispatcher:
         self._send_raw([identity, *encode(Msg.ERROR, {"reason": reason, "refused": True})])
 
     def _on_done(self, executor: ExecutorInfo, items: list) -> None:
-        """Completions of the sender's own tasks; those of any other task are ignored, and the
-        message is then refused as a whole once the sender's have counted."""
+        """Completions of the sender's own tasks, each checked before it counts; those of any
+        other task are ignored, and a malformed one refused, the message then refused as a
+        whole once the sender's well-formed ones have counted."""
         tasks, inflight, refused, foreign = self._tasks, executor.inflight, [], []
         sender = executor.id
         with self.condition:
             for item in items:
-                task = tasks.get(item["task"])
+                task_id = item.get("task") if type(item) is dict else None
+                if type(task_id) is not int:
+                    refused.append(shown(item, 80))
+                    continue
+                task = tasks.get(task_id)
                 if task is None or task.state != "pending":
                     continue
                 if task.executor != sender:
                     foreign.append(task.id)
                     continue
-                ok, outputs = item["ok"], item.get("outputs", ())
-                if ok and not _names_its_outputs(task, outputs):
-                    refused.append(task.id)  # the other completions still count
-                    continue
+                ok, outputs = item.get("ok"), item.get("outputs", ())
+                if not (ok is True and _usual_completion(task, item, outputs)):
+                    problem = _completion_problem(task, item)
+                    if problem:  # the other completions still count
+                        refused.append(problem)
+                        continue
                 executor.outstanding -= 1
                 inflight.pop(task.id, None)
                 task.start, task.end = item.get("start", 0.0), item.get("end", 0.0)
@@ -274,8 +281,7 @@ class Dispatcher:
                         remote_traceback=item.get("traceback", "")))
             self.condition.notify_all()
         if refused:
-            raise ProtocolError(f"done: the completions of tasks {refused[:8]} name outputs "
-                                "that are not those tasks' own")
+            raise ProtocolError(f"done: {len(refused)} completion(s) refused: {refused[0]}")
         if foreign:
             raise ProtocolError(f"done: {shown(foreign)} are not tasks sent to "
                                 f"{executor.describe()}; ignored")
@@ -331,7 +337,8 @@ class Dispatcher:
         if record is None:
             return
         nbytes = record.nbytes = out.get("nbytes", 0)
-        record.produced, record.holders = True, record.holders | {executor.id}
+        record.produced = True
+        record.holders = record.holders | {executor.id} if record.holders else executor.alone
         executor.bytes_out += nbytes
         task.nbytes_out += nbytes
         future = self._futures.pop(record.id, None)
@@ -403,7 +410,8 @@ class Dispatcher:
         op = spec.op
         if spec.stream and outputs != 1:
             raise ValueError(f"a streaming task has one output (a list), not {outputs}")
-        futures = tuple([self._new_future() for _ in range(outputs)])
+        futures = (self._new_future(),) if outputs == 1 else tuple(  # one: the usual
+            [self._new_future() for _ in range(outputs)])
         try:
             executor = self._choose(op, tags, executor_id)
         except NoExecutor as exc:
@@ -417,7 +425,7 @@ class Dispatcher:
             self._fail_futures(futures, TaskCancelled(
                 f"{op!r} not run: an input failed: {unrecorded.error}", op=op))
             return futures
-        output_ids = tuple([f.id for f in futures])
+        output_ids = (futures[0].id,) if outputs == 1 else tuple([f.id for f in futures])
         task = TaskRecord(task_id, op, executor.id, input_ids, output_ids, spec.config, meta,
                           on_part=on_part, items=spec.items, on_items=on_items,
                           window=spec.window, handled_by_caller=handled_by_caller)
@@ -532,12 +540,12 @@ class Dispatcher:
             return executor
         # The least loaded; between equals, the one whose oldest unfinished task is youngest:
         # an executor stuck in a long op (the long tail of generation) should not get the next.
-        best, best_key = None, None
+        best = None
         for e in self._executors.values():
-            if e.alive and (op is None or e.runs(op, tags)):
-                key = (e.outstanding, -next(iter(e.inflight.values()), _NEVER))
-                if best is None or key < best_key:
-                    best, best_key = e, key
+            if e.alive and (op is None or e.runs(op, tags)) and (
+                    best is None or e.outstanding < best.outstanding or
+                    e.outstanding == best.outstanding and _oldest(e) > _oldest(best)):
+                best = e
         if best is None:
             connected = "; ".join(f"{e.describe()}: {', '.join(sorted(e.ops))}"
                                   for e in self._executors.values() if e.alive) or "none"
@@ -681,6 +689,11 @@ class Dispatcher:
 
 _BATCH = 64  # tasks queued for one executor before they go out without waiting for a flush
 _NEVER = float("inf")  # an executor with nothing in flight: its oldest task is "infinitely young"
+
+
+def _oldest(executor: ExecutorInfo) -> float:
+    """When the executor's oldest unfinished task was submitted (_NEVER: none is)."""
+    return next(iter(executor.inflight.values()), _NEVER)
 _NONE_BODY = pack(None)[0]
 
 
@@ -717,16 +730,41 @@ def _trace(task: TaskRecord, values: Any) -> None:
     task.meta = {**task.meta, "items": [*task.meta.get("items", ()), *values]}
 
 
-def _names_its_outputs(task: TaskRecord, outputs: Sequence) -> bool:
-    """Whether a completion describes exactly the outputs of `task` not yet answered (a
-    batched task's early items were [Note: early items]): another object's future must never
-    resolve through it."""
-    expected = task.outputs[task.answered:] if task.answered else task.outputs
-    if len(outputs) != len(expected):
+_TIMES = (float, int)
+_USUAL_OUTPUT = frozenset({"id", "inline", "nbytes"})
+
+
+def _usual_completion(task: TaskRecord, item: dict, outputs: Any) -> bool:
+    """Whether an ok completion is the usual kind and well formed: times, and the one output of
+    a one-output task by its id, with its value inline or its size. Tens of thousands a
+    second come through here, so these few type tests stand for check_completion's."""
+    if type(item.get("start", 0.0)) not in _TIMES or type(item.get("end", 0.0)) not in _TIMES:
         return False
-    if len(expected) == 1:  # the usual
-        return outputs[0]["id"] == expected[0]
-    return all(out["id"] == object_id for out, object_id in zip(outputs, expected))
+    if type(outputs) is not list or len(outputs) != 1 or len(task.outputs) != 1:
+        return False
+    out = outputs[0]
+    return (type(out) is dict and type(out.get("id")) is int and out["id"] == task.outputs[0]
+            and type(out.get("inline", b"")) is bytes and type(out.get("nbytes", 0)) is int
+            and out.keys() <= _USUAL_OUTPUT and not task.answered)
+
+
+def _completion_problem(task: TaskRecord, item: dict) -> str:
+    """What is wrong with a completion of `task` that is not the usual kind ('' if nothing):
+    malformed, or not describing exactly the outputs of `task` not yet answered (a batched
+    task's early items were [Note: early items]): another object's future must never resolve
+    through it."""
+    try:
+        check_completion(item)
+    except ProtocolError as exc:
+        return str(exc)
+    if not item["ok"]:
+        return ""
+    outputs = item.get("outputs", ())
+    expected = task.outputs[task.answered:] if task.answered else task.outputs
+    if len(outputs) != len(expected) or any(
+            out["id"] != object_id for out, object_id in zip(outputs, expected)):
+        return f"the completion of task {task.id} names outputs that are not its own"
+    return ""
 
 
 def _ids_of(refs: list) -> list[int]:

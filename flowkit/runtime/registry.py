@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,13 +27,20 @@ class ExecutorInfo:
     last_seen: float = 0.0
     alive: bool = True
     outstanding: int = 0  # tasks sent and not yet completed
-    # task id -> when it was submitted (monotonic), oldest first: who may be stuck in a long op
-    inflight: dict[int, float] = attrs.field(factory=dict, repr=False)
+    # task id -> when it was submitted (monotonic), oldest first: who may be stuck in a long op.
+    # Ordered, not a dict: tasks leave from the front, and a dict walks every entry removed
+    # from its front to find its first until it resizes (1.5 us a look with 20k in flight).
+    inflight: OrderedDict[int, float] = attrs.field(factory=OrderedDict, repr=False)
     completed: int = 0
     busy_s: float = 0.0  # summed op time, for utilization
     bytes_out: int = 0  # bytes of objects it produced
     lost_reason: str = ""
     ping_token: str = attrs.field(default="", repr=False)  # what its pings carry (WELCOME)
+    # {id}: the holders of most objects, made once rather than once an object
+    alone: frozenset[int] = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.alone = frozenset((self.id,))
 
     def runs(self, op: str, tags: frozenset[str]) -> bool:
         return self.alive and op in self.ops and (not tags or tags.issubset(self.tags))

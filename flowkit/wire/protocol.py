@@ -19,8 +19,8 @@ import zmq
 from flowkit.wire.schema import ProtocolError, Schema, check_fields
 from flowkit.wire.task import decode_tasks
 
-__all__ = ["PROTOCOL_VERSION", "ProtocolError", "Msg", "decode", "encode", "part_id",
-           "send_frames"]
+__all__ = ["PROTOCOL_VERSION", "ProtocolError", "Msg", "check_completion", "decode", "encode",
+           "part_id", "send_frames"]
 
 PROTOCOL_VERSION = 3  # 2: streamed results (PART); 3: batched tasks and their early items (ITEMS)
 
@@ -124,8 +124,6 @@ def decode(parts: Sequence) -> tuple[dict[str, Any], list]:
                             f"{header['start']!r:.80}")
     if kind == Msg.RUN:
         header["specs"] = decode_tasks(header["tasks"])
-    elif kind == Msg.DONE:
-        _check_completions(header["items"])
     elif kind == Msg.PART:
         _check_outputs(kind, [header["output"]])
     elif kind in (Msg.PARTS, Msg.ITEMS):
@@ -152,38 +150,31 @@ def _check_outputs(kind: str, outputs: list) -> None:
             raise ProtocolError(f"part output: missing field 'nbytes' (object {out['id']})")
 
 
-def _check_completions(items: list) -> None:
-    """A DONE's completions checked whole before the controller changes any state for them.
-    Tens of thousands a second go through here: the usual completion (one output, fields of
-    the right types) costs a few type tests, anything else the full check."""
-    for item in items:
-        if type(item) is not dict:
-            raise ProtocolError(f"done: a completion must be a map, got {item!r:.80}")
-        get = item.get
-        if type(get("task")) is not int or type(get("ok")) is not bool:
-            raise ProtocolError(f"done: a completion must be a map with an int task and a "
-                                f"bool ok, got {item!r:.80}")
-        if type(get("start", 0.0)) not in _TIMES or type(get("end", 0.0)) not in _TIMES:
-            raise ProtocolError(f"done: task {item['task']}'s start and end must be times")
-        if not item["ok"]:
-            if type(get("error", "")) is not str or type(get("traceback", "")) is not str:
-                raise ProtocolError(f"done: task {item['task']}'s error and traceback must be "
-                                    "text")
-            continue
-        outputs = get("outputs", _NO_OUTPUTS)
-        if type(outputs) is not list:
-            raise ProtocolError(f"done: task {item['task']}'s outputs must be a list")
-        if len(outputs) == 1:  # the usual: one output, with its id and its value or size
-            out = outputs[0]
-            if type(out) is dict and out.keys() <= _USUAL_FIELDS and type(out.get("id")) is \
-                    int and type(out.get("inline", b"")) is bytes and type(
-                        out.get("nbytes", 0)) is int:
-                continue
-        _check_outputs("done", outputs)
+def check_completion(item: Any) -> None:
+    """ProtocolError unless `item` is a well-formed completion of a DONE: a map with an int task,
+    a bool ok and times; an ok one's outputs described as _check_outputs asks, a failed one's
+    error and traceback text. The controller checks each completion before it counts it
+    (flowkit/runtime/dispatch.py `_on_done`: the usual one inline, any other here)."""
+    if type(item) is not dict:
+        raise ProtocolError(f"done: a completion must be a map, got {item!r:.80}")
+    get = item.get
+    if type(get("task")) is not int or type(get("ok")) is not bool:
+        raise ProtocolError(f"done: a completion must be a map with an int task and a "
+                            f"bool ok, got {item!r:.80}")
+    if type(get("start", 0.0)) not in _TIMES or type(get("end", 0.0)) not in _TIMES:
+        raise ProtocolError(f"done: task {item['task']}'s start and end must be times")
+    if not item["ok"]:
+        if type(get("error", "")) is not str or type(get("traceback", "")) is not str:
+            raise ProtocolError(f"done: task {item['task']}'s error and traceback must be "
+                                "text")
+        return
+    outputs = get("outputs", _NO_OUTPUTS)
+    if type(outputs) is not list:
+        raise ProtocolError(f"done: task {item['task']}'s outputs must be a list")
+    _check_outputs("done", outputs)
 
 
 _NO_OUTPUTS: list = []
-_USUAL_FIELDS = frozenset({"id", "inline", "nbytes"})
 
 
 # [Note: part ids] A streaming task's output object is the list of everything it yielded; item

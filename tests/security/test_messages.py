@@ -120,13 +120,39 @@ def test_a_completion_naming_another_tasks_outputs_is_refused_and_its_own_still_
                                   tags=frozenset(), meta={})[0] for _ in range(2))
     first_task, second_task = sorted(state._tasks)
     none = {"nbytes": 0, "inline": pack(None)[0]}
-    with pytest.raises(ProtocolError, match="not those tasks' own"):
+    with pytest.raises(ProtocolError, match="names outputs that are not its own"):
         state.on_message(b"a", {"t": Msg.DONE, "items": [
             {"task": first_task, "ok": True, "outputs": [{"id": second.id, **none}]},
             {"task": second_task, "ok": True, "outputs": [{"id": second.id, **none}]}]}, [])
     state.run_callbacks()
     assert isinstance(first, Future) and not first.done()  # still its executor's to answer
     assert second.done() and second.result() is None
+
+
+@pytest.mark.parametrize("bad", [
+    {"start": "now"}, {"ok": 1}, {"outputs": {"id": 0}}, {"outputs": [{"id": "x"}]},
+    {"outputs": [{"nbytes": "many"}]}, {"outputs": [{"trace": 3}]}, {"task": [1]}])
+def test_a_malformed_completion_is_refused_alone_and_the_others_in_its_message_count(bad):
+    state = Dispatcher(owner=_Owner(), send_raw=lambda frames: None, ping_interval=1.0,
+                       ping_timeout=5.0, heartbeat_address="inproc://unused", secret=_SECRET)
+    state.on_message(b"a", {"t": Msg.HELLO, "name": "a", "tags": [], "ops": ["op"], "pid": 1,
+                            "secret": _SECRET.hex()}, [])
+    first, second = (state.submit(TaskSpec("op", {}), (), outputs=1, executor_id=1,
+                                  tags=frozenset(), meta={})[0] for _ in range(2))
+    first_task, second_task = sorted(state._tasks)
+    good = {"task": first_task, "ok": True, "start": 1.0, "end": 2.0,
+            "outputs": [{"id": first.id, "inline": pack(None)[0]}]}
+    malformed = {**good, "task": second_task, "outputs": [{"id": second.id, "inline": pack(
+        None)[0]}]}
+    for field, value in bad.items():
+        if field == "outputs" and type(value) is list:
+            value = [{"id": second.id, **value[0]}] if "id" not in value[0] else value
+        malformed[field] = value
+    with pytest.raises(ProtocolError, match="refused"):
+        state.on_message(b"a", {"t": Msg.DONE, "items": [malformed, good]}, [])
+    state.run_callbacks()
+    assert first.done() and first.result() is None
+    assert not second.done()  # nothing of the malformed one counted: still its executor's
 
 
 @pytest.mark.parametrize("names", [["../rogue"], ["os/path"], ["a b"], ["x" * 3000],
