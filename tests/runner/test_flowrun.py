@@ -52,7 +52,7 @@ def test_items_pair_by_sample_groups_form_by_key_and_the_barrier_sees_all(sim_cl
 
 
 def test_groups_start_as_soon_as_they_are_complete_while_the_long_tail_runs(map_reduce):
-    runner = FlowRunner(map_reduce, lower_flow(flowdefs.tail_flow(last_delay=0.5)))
+    runner = FlowRunner(map_reduce, lower_flow(flowdefs.tail_flow(last_delay=1.0)))
     runner.run_step(0)
     tail_end = runner.states["slow_double_on_map"].last_end
     group_starts = sorted(ref.timing[0]
