@@ -97,7 +97,7 @@ def test_unfused_the_same_flow_gives_the_same_result_without_streaming(pair):
 
 
 def test_a_samples_reward_starts_before_the_other_samples_of_its_prompt_finish():
-    """GRPO on simulator executors whose generation takes 50 ms a token: each sample is
+    """GRPO on simulator executors whose generation takes 100 ms a token: each sample is
     scored as soon as it is done, on the other executor, while its prompt's longer samples
     still decode."""
     from dataflows.grpo import grpo_flow
@@ -105,7 +105,7 @@ def test_a_samples_reward_starts_before_the_other_samples_of_its_prompt_finish()
 
     flow = grpo_flow(prompts=1, n=4, stages=1, microbatches=2, max_new_tokens=16)
     with executor_cluster(2, kind="sim", tags=("train", "rollout")) as (ctl, _):
-        runner = FlowRunner(ctl, lower_flow(flow), sim_costs=SimCosts(token=0.05))
+        runner = FlowRunner(ctl, lower_flow(flow), sim_costs=SimCosts(token=0.1))
         runner.run_step(0)
     generated = runner.previous[("generate", "rollouts")]
     rewards = runner.previous[("answer_reward", "out")]
