@@ -13,12 +13,10 @@ in flowkit/wire/auth.py].
 from __future__ import annotations
 
 import hmac
-import importlib
 import logging
 import os
 import re
 import socket as pysocket
-import sys
 import threading
 import time
 import traceback
@@ -60,7 +58,6 @@ from flowkit.wire.protocol import Msg, ProtocolError, decode, encode, part_id, s
 from flowkit.wire.refs import resolve
 from flowkit.wire.schema import shown
 from flowkit.wire.serialize import (
-    CONTRACT_MODULES,
     SerializeError,
     declare_modules,
     nbytes_of,
@@ -707,22 +704,14 @@ _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,99}(\.[A-Za-z_][A-Za-z0-9_]{
 
 def load_declared_modules(names: Any) -> None:
     """[Note: record registry] in flowkit/wire/serialize.py: the modules whose records the
-    controller sends, imported now (its instruction, not a value's) so that values naming them
-    can be rebuilt; a flow file is loaded with --code and never imported by name. Only the
-    controller this executor was told to join sends WELCOME, and then only module names: at
-    most _MAX_MODULES dotted identifiers, nothing that names a file or a path."""
+    controller sends, declared now (its instruction, not a value's) and each imported when the
+    first record of it arrives; a flow file is loaded with --code and never imported by name.
+    Only the controller this executor was told to join sends WELCOME, and then only module
+    names: at most _MAX_MODULES dotted identifiers, nothing that names a file or a path."""
     if not isinstance(names, list) or len(names) > _MAX_MODULES or not all(
             type(n) is str and _MODULE_NAME.fullmatch(n) for n in names):
         raise ProtocolError(f"welcome: modules must be a list of at most {_MAX_MODULES} "
                             f"dotted module names, got {shown(names)}")
-    for name in names:
-        if name in sys.modules or name.startswith("_flowkit_user_") or name in CONTRACT_MODULES:
-            continue  # loaded already, a flow file this executor was not given, or flowkit's
-            # own records, loaded when the first one arrives
-        try:
-            importlib.import_module(name)
-        except Exception as exc:  # values naming it will be refused, saying so
-            log.warning("cannot import %s, whose records the controller sends: %s", name, exc)
     declare_modules(names)
 
 

@@ -199,18 +199,21 @@ def _numel(shape: list[int]) -> int:
 #   executors load it with --code) [flowkit.dsl.operators.op_modules];
 # - classes registered with `allow_records` (a program that sends records of its own);
 # - on an executor, the modules its controller declared in WELCOME: the controller's own
-#   declared modules, which the executor imports then, before any peer can send it a value
-#   (executors/process.py): an instruction of the controller, never of a message's value;
+#   declared modules (executors/process.py): an instruction of the controller, never of a
+#   message's value;
 #
-# and only if the module is loaded already and the name is an attrs class defined there (read
-# from the module's namespace, so a module's __getattr__ is not called either). Anything else
-# is a SerializeError, which rejects the message that carried it. The one exception: the two
-# op-contract modules, flowkit's own, are imported the first time a record of theirs arrives
-# (a fixed list: no message adds to it), so a process that never sees one never loads the DSL,
-# whose objects would cost every garbage collection of a dispatch-bound controller time.
+# and only if the name is an attrs class defined in the module (read from the module's
+# namespace, so a module's __getattr__ is not called either). Anything else is a SerializeError,
+# which rejects the message that carried it. A module of the op contract or one the controller
+# declared is imported the first time a record of it arrives, not before: no message adds to
+# those lists, and a process that never sees such a record never loads the module (the DSL,
+# whose objects would cost every garbage collection of a dispatch-bound controller time; a
+# library of the controller's that imports torch, 1.5 s of CPU an executor). Flow files, loaded
+# with --code under a name of their own, are never imported by name.
 CONTRACT_MODULES = frozenset({"flowkit.ops.records", "flowkit.dsl.metrics"})
 _RECORDS: dict[str, type] = {}  # path -> class, those found or registered
 _DECLARED: set[str] = set()  # modules declared by this executor's controller
+_FLOW_FILE_PREFIX = "_flowkit_user_"  # the module name a flow file is loaded under (--code)
 
 
 def declare_modules(names: list[str]) -> None:
@@ -254,14 +257,15 @@ def _record_class(path: Any) -> type:
         return cls
     shown = repr(str(path)[:200])
     module_name, _, qualname = str(path).partition(":")
-    if module_name in CONTRACT_MODULES:
-        importlib.import_module(module_name)  # flowkit's own: [Note: record registry]
+    if module_name in CONTRACT_MODULES or module_name in _DECLARED and not (
+            module_name in sys.modules or module_name.startswith(_FLOW_FILE_PREFIX)):
+        importlib.import_module(module_name)  # declared, not yet needed: [Note: record registry]
     elif module_name not in _op_modules() and module_name not in _DECLARED:
         raise SerializeError(
             f"record class {shown} is not one this process declares: records come from the op "
             "contract (flowkit.ops.records), the modules of the run's @op functions, or "
             "flowkit.wire.serialize.allow_records; refusing to build it")
-    obj: Any = sys.modules.get(module_name)  # loaded already: never imported for a message
+    obj: Any = sys.modules.get(module_name)
     for part in qualname.split(".") if obj is not None else ():
         obj = vars(obj).get(part) if hasattr(obj, "__dict__") else None
     if not (isinstance(obj, type) and attrs.has(obj) and obj.__module__ == module_name):

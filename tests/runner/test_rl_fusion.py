@@ -9,7 +9,7 @@ from flowkit.planner.simcosts import SimCosts
 from flowkit.runner.flowrun import FlowRunner
 from tests.harness import executor_cluster
 
-COSTS = SimCosts(F=0.004, B=0.004, W=0.002, token=0.0004, length_sigma=1.0)
+COSTS = SimCosts(F=0.004, B=0.004, W=0.002, token=0.001, length_sigma=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,8 @@ def cluster():
 
 def _run(ctl, *, fuse: bool, steps: int = 2):
     # every sample decodes at once on the rollout engines: a long tail (up to 512 tokens of a
-    # median 64) during which most groups are done, so training can start
+    # median 64; at 1 ms a token, half a second) during which most groups are done, so training
+    # can start (0.4 ms a token left too little room on a loaded machine)
     flow = grpo_flow(prompts=12, n=2, stages=2, microbatches=6, max_new_tokens=512,
                      schedule="1f1b")
     runner = FlowRunner(ctl, lower_flow(flow), sim_costs=COSTS, fuse=fuse)
