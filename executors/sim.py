@@ -300,8 +300,9 @@ def _load_state(ctx: OpContext, *_: Any, path: str, models: dict | None = None) 
 
 
 def register(table: OpTable) -> None:
-    import torch  # noqa: F401 - imported now so the first op's time is not the import's
-
+    # torch is imported by the first op that makes an activation, not here: a simulator that
+    # only generates or scores never needs it (1.5 s of CPU a process); benchmarks time the
+    # steps after a warm-up one
     table.register("F", _forward)
     table.register("B", _backward_input)
     table.register("W", _backward_weight)
