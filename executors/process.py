@@ -615,16 +615,20 @@ class Executor:
                 self.credit.wait(0.1)
 
     def send_parts(self) -> None:
-        """[Note: parts in batches] The items streaming tasks yielded since the last call, one
-        PARTS message a task: a rollout engine's decoding iteration finishes many samples at
-        once, and a message for each was most of the controller's traffic. Sent after each
+        """[Note: parts in batches] The items streaming tasks yielded since the last call, in one
+        message (PARTS for one task, STREAMS for several): a rollout engine's decoding iteration
+        finishes many samples of many calls at once, and a message for each was most of the
+        controller's traffic. Sent after each
         background step and op, by the watch while an op runs long, and always before any
         completion (a task's parts must reach the controller before its end)."""
         parts, self.parts = self.parts, {}
         now = time.time()
-        for task, first, outputs in parts.values():
-            self._send(Msg.PARTS, {"task": task.spec.id, "index": first, "start": task.start,
-                                   "end": now, "outputs": outputs})
+        bodies = [{"task": task.spec.id, "index": first, "start": task.start, "outputs": outputs}
+                  for task, first, outputs in parts.values()]
+        if len(bodies) == 1:
+            self._send(Msg.PARTS, {**bodies[0], "end": now})
+        else:  # a rollout engine's iteration ends samples of many calls: one message for all
+            self._send(Msg.STREAMS, {"end": now, "tasks": bodies})
 
     def _call(self, task: Task, args: list) -> Any:
         """Run one op; while it runs the sockets belong to the watch, which takes them over if

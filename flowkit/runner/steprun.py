@@ -13,10 +13,13 @@ flowkit/planner/lower.py); each trained model's backprop and optimizer step go t
 ready when the node is looked at, up to _BATCH_ITEMS a task and spread over the executors that
 run the op, as batched tasks ([Note: batched tasks] in flowkit/wire/task.py), each answered by
 one completion and handled by one reaction. Reactions only mark the nodes they touch; the run
-looks at those once the reactions queued so far have run (`settle`). So the first finished
-sample goes downstream at once, and under load, when reactions queue up behind a busy
-controller, the items that came meanwhile coalesce into few tasks. Calls whose items stream, are
-balanced or have a call policy stay one task each.
+looks at those once the reactions queued so far have run (`settle`). A node keeps at most
+_BATCHES_IN_FLIGHT of its tasks per executor able to run it on the way: ready items beyond
+that wait (`held`) until one of its tasks ends, and then go together (adaptive batching, as an
+inference server's dynamic batcher does). So the first finished sample goes downstream at once,
+and under load the items that come meanwhile coalesce into as few tasks as the executors can
+take, rather than into as many as the controller happens to react. Calls whose items stream,
+are balanced or have a call policy stay one task each.
 
 A step reads its run through a `StepContext`, which the runner implements: the flow's wiring,
 the admission gate, the feedback, the call policies (and the carry-over ledger behind them),
@@ -59,6 +62,7 @@ TRAINING_CALLS = (Call.PIPELINE, Call.STEP)  # a model's backprop and optimizer 
 # [Note: batched per-item calls]: at most this many items a task, and a burst of ready items is
 # spread over the executors in tasks of at least _SPLIT_ITEMS
 _BATCH_ITEMS, _SPLIT_ITEMS = 256, 16
+_BATCHES_IN_FLIGHT = 2  # a node's tasks on the way per executor before its ready items wait
 _CALLS_PER_TURN = 64  # balanced calls sent between two bursts of reactions
 # A streaming call runs at most this many items ahead of the items whose consumers are done
 # [Note: stream credits in flowkit/runtime/credits.py]: a bound on what a slow consumer lets
@@ -302,7 +306,7 @@ class StepRun:
                     plan, stats, functools.partial(self._watch, state))
             else:
                 self._submit_once(state)
-        if inputs_closed and state.pending == 0 and not state.backlog and (
+        if inputs_closed and state.pending == 0 and not state.backlog and not state.held and (
                 state.started or plan.call in (Call.PER_ITEM, Call.PER_GROUP)):
             policy = self.policies.get(name)
             if policy is not None and not policy.may_close():
@@ -355,8 +359,8 @@ class StepRun:
                 ready.append((lineage, refs))
         balancer = self.balancers.get(state.plan.name)
         if balancer is None:
-            if policy is None and len(ready) > 1 and not self._streams_parts(state.plan):
-                self._submit_batches(state, ready, streaming)
+            if policy is None and not self._streams_parts(state.plan):
+                self._send_ready(state, ready, [rule.port for rule in streaming])
                 return
             for lineage, refs in ready:
                 self._submit(state, lineage, refs)
@@ -379,20 +383,31 @@ class StepRun:
         if state.backlog:
             self.touched[state.plan.name] = None
 
+    def _send_ready(self, state: NodeState, ready: list[tuple[tuple, dict]],
+                    varying: list[str]) -> None:
+        """Calls (lineage, refs) that are ready, with those held before, as batched tasks, or
+        held until one of the node's tasks ends if enough are on the way [Note: batched
+        per-item calls]; `varying`: the ports whose refs differ from call to call."""
+        if state.held:
+            ready, state.held = state.held + ready, []
+        if not ready:
+            return
+        if state.pending >= _BATCHES_IN_FLIGHT * self._able_count(state.plan):
+            state.held = ready
+        elif len(ready) > 1:
+            self._submit_batches(state, ready, varying)
+        else:
+            self._submit(state, *ready[0])
+
     def _submit_batches(self, state: NodeState, ready: list[tuple[tuple, dict]],
-                        streaming: list[InputRule]) -> None:
+                        varying: list[str]) -> None:
         """`ready` (lineage, refs) as batched tasks, spread over the executors that run the op
         [Note: batched per-item calls]."""
         plan = state.plan
-        able = self._able.get(plan.name)
-        if able is None:
-            tags = frozenset(plan.tags)
-            able = self._able[plan.name] = max(1, sum(
-                1 for e in self.ctx.ctl.executors() if e.runs(plan.op, tags)))
+        able = self._able_count(plan)
         count = len(ready)
         pieces = max(math.ceil(count / _BATCH_ITEMS), min(able, count // _SPLIT_ITEMS), 1)
         size = math.ceil(count / pieces)
-        varying = [rule.port for rule in streaming]
         for begin in range(0, count, size):
             chunk = ready[begin:begin + size]
             if len(chunk) == 1:
@@ -401,6 +416,15 @@ class StepRun:
             refs = {port: ref for port, ref in chunk[0][1].items() if port not in varying}
             refs.update({port: [item_refs[port] for _, item_refs in chunk] for port in varying})
             self._submit_batch(state, [lineage for lineage, _ in chunk], refs, varying)
+
+    def _able_count(self, plan: NodePlan) -> int:
+        """How many executors run `plan`'s op (looked up once a node)."""
+        able = self._able.get(plan.name)
+        if able is None:
+            tags = frozenset(plan.tags)
+            able = self._able[plan.name] = max(1, sum(
+                1 for e in self.ctx.ctl.executors() if e.runs(plan.op, tags)))
+        return able
 
     def _submit_batch(self, state: NodeState, lineages: list[tuple], refs: dict[str, Any],
                       varying: list[str]) -> None:
@@ -459,20 +483,26 @@ class StepRun:
                 "collect() one of them if it is a different stream")
 
     def _submit_groups(self, state: NodeState, live: list[InputRule], closed: bool) -> None:
+        """Each group the moment its last member is in; the groups complete at once go
+        together, as a per-item op's ready items do [Note: batched per-item calls]."""
         (rule,) = [r for r in live if r.granularity is Granularity.GROUPED]
-        stream = self.streams.of(rule)
+        stream, ready = self.streams.of(rule), []
         for lineage in stream.arrivals[state.seen:]:
             key = stream.keys.get(lineage)
             members = state.groups[key]
             members.append(lineage)
             if rule.group_size is not None and len(members) == rule.group_size:
-                self._submit_group(state, rule, key)
+                ready.append(self._group_call(state, rule, key))
         state.seen = len(stream.arrivals)
         if closed:  # what is left: groups of unknown size, or cut short
             if rule.group_size is not None and state.groups:
                 self._warn_incomplete(state.plan.name, rule, state.groups)
-            for key in list(state.groups):
-                self._submit_group(state, rule, key)
+            ready += [self._group_call(state, rule, key) for key in list(state.groups)]
+        if self._streams_parts(state.plan):
+            for lineage, refs in ready:
+                self._submit(state, lineage, refs)
+        else:
+            self._send_ready(state, ready, [rule.port])
 
     def _warn_incomplete(self, node: str, rule: InputRule, groups: dict) -> None:
         sizes = sorted({len(members) for members in groups.values()})
@@ -482,10 +512,11 @@ class StepRun:
             f" of {rule.group_size} items when the step's inputs ended; they ran incomplete. "
             f"Make group_by's size the number of items per {rule.group_key!r}")
 
-    def _submit_group(self, state: NodeState, rule: InputRule, key: Any) -> None:
+    def _group_call(self, state: NodeState, rule: InputRule, key: Any) -> tuple[tuple, dict]:
+        """The call (lineage, refs) of the group `key`, its members in lineage order."""
         members = sorted(state.groups.pop(key), key=lineage_order)
-        stream = self.streams.of(rule)
-        self._submit(state, (key,), {rule.port: Gather([stream.items[m] for m in members])})
+        items = self.streams.of(rule).items
+        return (key,), {rule.port: Gather([items[m] for m in members])}
 
     def _submit_once(self, state: NodeState) -> None:
         refs = {rule.port: Gather(self.streams.of(rule).ordered())

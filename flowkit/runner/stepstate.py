@@ -82,6 +82,9 @@ class NodeState:
     last_end: float | None = None
     first_item: float | None = None  # when its first streamed item was ready (wall clock)
     backlog: list = attrs.field(factory=list)  # balanced calls to send: (lineage, key, refs)
+    # per item: ready calls (lineage, refs) waiting for one of the node's tasks to end
+    # [Note: batched per-item calls in steprun.py]
+    held: list = attrs.field(factory=list)
     pipeline: Any = None  # a backprop's Feeding (flowtrain.py)
     streamed: dict = attrs.field(factory=lambda: defaultdict(int))  # lineage -> items so far
 

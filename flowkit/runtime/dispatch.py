@@ -181,6 +181,8 @@ class Dispatcher:
             self._on_done(executor, header["items"])
         elif kind == Msg.PARTS:
             self._on_part(executor, header, header["outputs"])
+        elif kind == Msg.STREAMS:
+            self._on_streams(executor, header["tasks"])
         elif kind == Msg.PART:
             self._on_part(executor, header, [header["output"]])
         elif kind == Msg.ITEMS:
@@ -315,6 +317,18 @@ class Dispatcher:
                 if task.window is not None and not task.handled_by_caller:  # on_part ran
                     self._callbacks.append((self.credits.checks.append, (task, record)))
             self.condition.notify_all()
+
+    def _on_streams(self, executor: ExecutorInfo, bodies: list) -> None:
+        """Several tasks' parts: each as its PARTS message would be; one task's that is not the
+        sender's or out of order is refused once the others have counted."""
+        refused = []
+        for body in bodies:
+            try:
+                self._on_part(executor, body, body["outputs"])
+            except ProtocolError as exc:
+                refused.append(str(exc))
+        if refused:
+            raise ProtocolError(f"streams: {len(refused)} task(s)' items refused: {refused[0]}")
 
     def _complete(self, task: TaskRecord, executor: ExecutorInfo, outputs: list) -> None:
         task.state = "done"

@@ -22,12 +22,15 @@ from flowkit.wire.task import decode_tasks
 __all__ = ["PROTOCOL_VERSION", "ProtocolError", "Msg", "check_completion", "decode", "encode",
            "part_id", "send_frames"]
 
-PROTOCOL_VERSION = 3  # 2: streamed results (PART); 3: batched tasks and their early items (ITEMS)
+# 2: streamed results (PART); 3: batched tasks and their early items (ITEMS); 4: several
+# streaming tasks' items in one message (STREAMS)
+PROTOCOL_VERSION = 4
 
 
 class Msg:
     """Message types. Controller -> executor: WELCOME RUN SEND FREE FETCH PUT CANCEL CREDIT
-    SHUTDOWN PING. Executor -> controller: HELLO PART PARTS ITEMS DONE VALUE PONG ERROR.
+    SHUTDOWN PING. Executor -> controller: HELLO PART PARTS STREAMS ITEMS DONE VALUE PONG
+    ERROR.
     Executor -> executor: DATA."""
 
     HELLO = "hello"  # who I am: name, tags, device, ops, peer addresses
@@ -36,6 +39,7 @@ class Msg:
     RUN = "run"  # a batch of tasks: op, config, input and output object ids
     PART = "part"  # one item a streaming task yielded, before the task is done
     PARTS = "parts"  # several items a streaming task yielded, in one message
+    STREAMS = "streams"  # the items several streaming tasks yielded: a PARTS body for each
     ITEMS = "items"  # the items a batched task has finished, while it runs on
     DONE = "done"  # a batch of completions (or failures) with timings
     SEND = "send"  # push these objects to a peer executor once each exists
@@ -58,6 +62,7 @@ _SCHEMA: dict[str, Schema] = {
     Msg.RUN: {"tasks": list},
     Msg.PART: {"task": int, "index": int, "end": (int, float), "output": dict},
     Msg.PARTS: {"task": int, "index": int, "end": (int, float), "outputs": list},
+    Msg.STREAMS: {"end": (int, float), "tasks": list},
     Msg.ITEMS: {"task": int, "first": int, "end": (int, float), "outputs": list},
     Msg.DONE: {"items": list},
     Msg.SEND: {"objects": list, "to": int, "address": str},
@@ -130,7 +135,27 @@ def decode(parts: Sequence) -> tuple[dict[str, Any], list]:
         if kind == Msg.ITEMS and not header["outputs"]:
             raise ProtocolError("items: a message of early items names at least one")
         _check_outputs(kind, header["outputs"])
+    elif kind == Msg.STREAMS:
+        _check_streams(header)
     return header, list(parts[1:])
+
+
+_STREAM_SCHEMA: Schema = {"task": int, "index": int, "outputs": list}
+
+
+def _check_streams(header: dict) -> None:
+    """Each task's items in a STREAMS message well formed, as a PARTS message's would be; each
+    gains the message's `end`, so that it reads as a PARTS body."""
+    end = header["end"]
+    for body in header["tasks"]:
+        if type(body) is not dict:
+            raise ProtocolError(f"streams: a task's items must be a map, got {body!r:.80}")
+        check_fields("streams task", body, _STREAM_SCHEMA)
+        if type(body.get("start", 0.0)) not in _TIMES:
+            raise ProtocolError(f"streams: field 'start' must be a time, got "
+                                f"{body['start']!r:.80}")
+        _check_outputs(Msg.PARTS, body["outputs"])
+        body["end"] = end
 
 
 def _check_outputs(kind: str, outputs: list) -> None:

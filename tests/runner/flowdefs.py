@@ -176,3 +176,25 @@ def paired_flow(count: int) -> Flow:
         source = samples(count=count, keys=count)
         total(collect(pair(plus_one(source), slow_double(source))))
     return flow
+
+
+@op
+def paced_samples(*, count: int = 200, keys: int = 8, gap: float = 0.001) -> Stream[Sample]:
+    """`count` samples, one every `gap` seconds: a stream faster than its consumer."""
+    for i in range(count):
+        time.sleep(gap)
+        yield Sample(key=i % keys, value=float(i))
+
+
+@op
+def slow_plus_one(sample: Sample, *, seconds: float = 0.01) -> Sample:
+    time.sleep(seconds)
+    return Sample(key=sample.key, value=sample.value + 1)
+
+
+def paced_flow(count: int) -> Flow:
+    """A stream faster than its per-item consumer, then groups of a key's items, then a total."""
+    with Flow("paced") as flow:
+        plus = slow_plus_one(paced_samples(count=count, keys=8))
+        total(collect(group_sum(group_by(plus, key="key", size=count // 8))))
+    return flow

@@ -91,3 +91,25 @@ def test_a_start_that_is_no_time_is_malformed(kind):
                    Msg.PART: {"index": 0, "output": output}}[kind])
     with pytest.raises(ProtocolError, match="'start' must be a time"):
         decode(encode(kind, fields))
+
+
+@pytest.mark.parametrize(("tasks", "error"), [
+    ([3], "a task's items must be a map"),
+    ([{"task": 1, "index": 0}], "missing field 'outputs'"),
+    ([{"task": 1, "index": 0, "outputs": [{"id": 5}]}], "part output: missing"),
+    ([{"task": 1, "index": 0, "start": "soon", "outputs": []}], "'start' must be a time"),
+])
+def test_a_malformed_streams_message_is_a_protocol_error(tasks, error):
+    """[Note: parts in batches in executors/process.py]: several tasks' parts in one message,
+    each checked as a PARTS message's."""
+    with pytest.raises(ProtocolError, match=error):
+        decode(encode(Msg.STREAMS, {"end": 2.0, "tasks": tasks}))
+
+
+def test_a_streams_message_reads_as_a_parts_message_for_each_task():
+    output = {"id": 5, "nbytes": 0}
+    header, _ = decode(encode(Msg.STREAMS, {"end": 2.0, "tasks": [
+        {"task": 1, "index": 0, "outputs": [output]},
+        {"task": 2, "index": 3, "start": 1.0, "outputs": [output]}]}))
+    assert [(b["task"], b["index"], b["end"]) for b in header["tasks"]] == [(1, 0, 2.0),
+                                                                             (2, 3, 2.0)]

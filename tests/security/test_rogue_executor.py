@@ -164,7 +164,7 @@ def _task_of(ctl, future) -> int:
 def test_forged_completions_for_another_executors_task_do_not_count(run, rogue):
     ctl, (a, _), _ = run
     _insider(run, rogue)
-    slow = ctl.submit("identity", 5, config={"seconds": 1.0}, executor=a.id)
+    slow = ctl.submit("identity", 5, config={"seconds": 3.0}, executor=a.id)  # past the forgeries
     task = _task_of(ctl, slow)
     output = {"id": slow.id, "nbytes": 1, "inline": pack("forged")[0]}
     forgeries = [
@@ -173,6 +173,7 @@ def test_forged_completions_for_another_executors_task_do_not_count(run, rogue):
         (Msg.PARTS, {"task": task, "index": 0, "end": 1.0, "outputs": [output]}),
         (Msg.PART, {"task": task, "index": 0, "end": 1.0, "output": output}),
         (Msg.ITEMS, {"task": task, "first": 0, "end": 1.0, "outputs": [output]}),
+        (Msg.STREAMS, {"end": 1.0, "tasks": [{"task": task, "index": 0, "outputs": [output]}]}),
     ]
     for kind, fields in forgeries:
         rogue.send(kind, fields)
