@@ -559,10 +559,13 @@ class StepRun:
 
     def _streams_parts(self, plan: NodePlan) -> bool:
         """Whether a call's items go downstream each as it is yielded: one output of many
-        items, in a fused run (unfused, consumers wait for the whole stream anyway)."""
+        items, in a fused run (unfused, consumers wait for the whole stream anyway), of a call
+        that is not a group's. A group is complete when it is called, so its items come as fast
+        as the op computes them; its calls go batched instead, and a batched task that runs
+        long still answers the groups it has finished [Note: early items]."""
         policy = self.policies.get(plan.name)
-        return self.wiring.fuse and plan.many == (True,) and (
-            policy is None or policy.streams_parts)  # a partial-rollout group goes whole
+        return self.wiring.fuse and plan.many == (True,) and plan.call is not Call.PER_GROUP \
+            and (policy is None or policy.streams_parts)  # a partial-rollout group goes whole
 
     def _part_watch(self, plan: NodePlan, lineage: tuple) -> Any:
         """The call's items, each as it is yielded, if it streams them (`_streams_parts`)."""

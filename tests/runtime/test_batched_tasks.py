@@ -6,7 +6,8 @@ form gives what the op gives on each item."""
 import pytest
 
 from flowkit.ops.records import Rollout
-from flowkit.runtime import Item, RemoteError
+from flowkit.runtime import Item, RemoteError, wait
+from tests.harness import executor_cluster
 
 ADD = {"target": "tests.runtime.batch_ops:add", "ports": ["x", "y"]}
 
@@ -98,3 +99,20 @@ def test_a_traced_batched_task_reports_each_items_field(cluster):
                                meta={"node": "n", "batch_items": 3})
     assert [f.result(timeout=10) for f in futures] == records
     assert done[-1].meta["items"] == [3, 4, 5] and done[-1].meta["batch_items"] == 3
+
+
+def test_a_push_goes_out_while_a_burst_of_short_tasks_runs():
+    """[Note: serving between tasks] in executors/process.py: an executor running hundreds of
+    short tasks back to back still serves what arrives behind them every millisecond, such as
+    the controller's request to push an object to a peer."""
+    with executor_cluster(2) as (ctl, (busy, other)):
+        made = ctl.submit("identity", "v" * 10000, executor=busy.id)  # too big to ride inline
+        made.result(timeout=10)
+        # one message of 20,000 no-ops ahead of the push, each too short for the watch to take
+        # the sockets over while it runs [Note: completion batching]
+        with ctl.batch():
+            burst = [ctl.submit("noop", executor=busy.id) for _ in range(20000)]
+        read = ctl.submit("identity", made, executor=other.id)
+        assert read.result(timeout=30) == "v" * 10000
+        assert sum(f.done() for f in burst) < len(burst)  # pushed in the middle of them
+        wait(burst)
