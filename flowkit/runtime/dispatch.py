@@ -21,9 +21,10 @@ from flowkit.runtime.admit import Refusals
 from flowkit.runtime.credits import StreamCredits
 from flowkit.runtime.futures import ExecutorLost, Future, Owner, RemoteError, TaskCancelled
 from flowkit.runtime.registry import ExecutorInfo, ObjectRecord, TaskRecord
+from flowkit.runtime.replies import check_sender, completion_problem, usual_completion
 from flowkit.wire.hello import HelloRefused, Origin, check_hello, check_origin, check_secret
 from flowkit.wire.limits import CONTROL_FRAME_BYTES
-from flowkit.wire.protocol import Msg, ProtocolError, check_completion, encode, part_id
+from flowkit.wire.protocol import Msg, ProtocolError, encode, part_id
 from flowkit.wire.refs import Gather, Item, object_ids
 from flowkit.wire.schema import shown
 from flowkit.wire.serialize import SerializeError, declared_modules, pack, unpack
@@ -265,8 +266,8 @@ class Dispatcher:
                     foreign.append(task.id)
                     continue
                 ok, outputs = item.get("ok"), item.get("outputs", ())
-                if not (ok is True and _usual_completion(task, item, outputs)):
-                    problem = _completion_problem(task, item)
+                if not (ok is True and usual_completion(task, item, outputs)):
+                    problem = completion_problem(task, item)
                     if problem:  # the other completions still count
                         refused.append(problem)
                         continue
@@ -292,7 +293,7 @@ class Dispatcher:
         """Items a streaming task yielded, from item `index` on: each an object of its own on
         `executor` [Note: part ids], handed to the task's `on_part` as a done future."""
         task = self._tasks.get(header["task"])
-        _check_sender(task, executor, "part")
+        check_sender(task, executor, "part")
         if task is None or task.state != "pending" or task.on_part is None:
             return  # failed or cancelled meanwhile: the part goes with the task's objects
         index, end = header["index"], float(header["end"])
@@ -708,6 +709,8 @@ _NEVER = float("inf")  # an executor with nothing in flight: its oldest task is 
 def _oldest(executor: ExecutorInfo) -> float:
     """When the executor's oldest unfinished task was submitted (_NEVER: none is)."""
     return next(iter(executor.inflight.values()), _NEVER)
+
+
 _NONE_BODY = pack(None)[0]
 
 
@@ -725,13 +728,6 @@ def _resolve(future: Future, executor_id: int, nbytes: int, out: dict) -> Sequen
     return future._resolve(executor_id, nbytes, body=body)
 
 
-def _check_sender(task: TaskRecord | None, executor: ExecutorInfo, kind: str) -> None:
-    """ProtocolError if `task` exists and was sent to another executor than `executor`."""
-    if task is not None and task.executor != executor.id:
-        raise ProtocolError(f"{kind}: task {task.id} was not sent to {executor.describe()}; "
-                            "ignored")
-
-
 def _trace(task: TaskRecord, values: Any) -> None:
     """Add an output's traced values to the task's meta, which its span copies. The meta dict
     may be the caller's, shared by several tasks, so it is replaced, never changed (a task has
@@ -744,45 +740,10 @@ def _trace(task: TaskRecord, values: Any) -> None:
     task.meta = {**task.meta, "items": [*task.meta.get("items", ()), *values]}
 
 
-_TIMES = (float, int)
-_USUAL_OUTPUT = frozenset({"id", "inline", "nbytes"})
-
-
-def _usual_completion(task: TaskRecord, item: dict, outputs: Any) -> bool:
-    """Whether an ok completion is the usual kind and well formed: times, and the one output of
-    a one-output task by its id, with its value inline or its size. Tens of thousands a
-    second come through here, so these few type tests stand for check_completion's."""
-    if type(item.get("start", 0.0)) not in _TIMES or type(item.get("end", 0.0)) not in _TIMES:
-        return False
-    if type(outputs) is not list or len(outputs) != 1 or len(task.outputs) != 1:
-        return False
-    out = outputs[0]
-    return (type(out) is dict and type(out.get("id")) is int and out["id"] == task.outputs[0]
-            and type(out.get("inline", b"")) is bytes and type(out.get("nbytes", 0)) is int
-            and out.keys() <= _USUAL_OUTPUT and not task.answered)
-
-
-def _completion_problem(task: TaskRecord, item: dict) -> str:
-    """What is wrong with a completion of `task` that is not the usual kind ('' if nothing):
-    malformed, or not describing exactly the outputs of `task` not yet answered (a batched
-    task's early items were [Note: early items]): another object's future must never resolve
-    through it."""
-    try:
-        check_completion(item)
-    except ProtocolError as exc:
-        return str(exc)
-    if not item["ok"]:
-        return ""
-    outputs = item.get("outputs", ())
-    expected = task.outputs[task.answered:] if task.answered else task.outputs
-    if len(outputs) != len(expected) or any(
-            out["id"] != object_id for out, object_id in zip(outputs, expected)):
-        return f"the completion of task {task.id} names outputs that are not its own"
-    return ""
-
-
 def _ids_of(refs: list) -> list[int]:
     if all(type(ref) is int for ref in refs):
         return refs
     return [object_id for ref in refs for object_id in object_ids(ref)]
+
+
 _FREE_BATCH, _FREE_DELAY_S = 256, 0.02
