@@ -89,7 +89,10 @@ class Controller:
         self._wake_out = self._zmq.socket(zmq.PUSH)
         self._wake_out.connect(f"inproc://flowkit-wake-{id(self)}")
         self._wake_lock = threading.Lock()
-        self._io_lock = threading.Lock()
+        # Reentrant: a Ctrl-C that lands between taking it and the `try` that gives it back
+        # leaves it with the main thread, which must still drive the run's shutdown (fetch
+        # the weights, stop the executors); a plain lock hung it there for good
+        self._io_lock = threading.RLock()
         self._drive = _Driving(self)  # holds no state of its own: one serves every call
         self._wanted = 0  # user threads waiting for the IO lock
         self._last_user = 0.0
@@ -490,9 +493,11 @@ class _Driving:
         if ctl._io_lock.acquire(False):
             return
         ctl._wanted += 1
-        ctl._wake()
-        ctl._io_lock.acquire()
-        ctl._wanted -= 1
+        try:  # a Ctrl-C meanwhile must not leave the background thread waiting for ever
+            ctl._wake()
+            ctl._io_lock.acquire()
+        finally:
+            ctl._wanted -= 1
 
     def __exit__(self, *exc: Any) -> None:
         self.ctl._last_user = time.monotonic()

@@ -137,19 +137,23 @@ def _ours(pid: int) -> bool:
 
 def _kill_actor_process(name: str, metrics: Path) -> int:
     """SIGKILL the Ray worker process of executor `name`'s actor (the executor's parent), as
-    when a worker or its node dies; the steps `metrics` held then."""
+    when a worker or its node dies; the steps `metrics` held then. The newest such executor:
+    an earlier test's may still be on its way out."""
+    found = []
     for entry in Path("/proc").iterdir():
         try:
             command = (entry / "cmdline").read_bytes().split(b"\0")
             if not (b"executors" in command and name.encode() in command
                     and _ours(int(entry.name))):
                 continue
-            worker = _parent(int(entry.name))
+            started = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[19])
+            found.append((started, _parent(int(entry.name))))
         except (OSError, ValueError):
             continue
-        os.kill(worker, signal.SIGKILL)
-        return len(metrics_lines(metrics))
-    raise AssertionError(f"no executor process named {name} under this test's Ray")
+    if not found:
+        raise AssertionError(f"no executor process named {name} under this test's Ray")
+    os.kill(max(found)[1], signal.SIGKILL)
+    return len(metrics_lines(metrics))
 
 
 def test_restarts_replace_a_dead_actor_and_the_run_ends_as_without_faults(tmp_path,

@@ -17,7 +17,7 @@ from flowkit.runtime import (
 )
 from flowkit.wire.protocol import Msg, decode, encode
 from flowkit.wire.refs import Gather, Item
-from tests.harness import dealer
+from tests.harness import dealer, executor_cluster
 
 
 def test_result_of_a_task_and_of_a_put(cluster):
@@ -166,3 +166,36 @@ def test_a_fetch_asks_the_producer_not_an_executor_the_object_is_still_on_its_wa
     copy = ctl.submit("identity", made, executor=first.id)  # queued behind the sleep
     assert made.result(timeout=5) == value
     assert copy.result(timeout=5) == value and busy.result(timeout=5) is None
+
+
+def test_a_ctrl_c_while_a_user_call_waits_for_the_io_lock_leaves_the_controller_usable():
+    """A KeyboardInterrupt can land anywhere in the main thread: while a call waits for the IO
+    lock, or just after it took it. Either way the controller still drives the calls after it
+    (what `flowkit run` makes to write the weights and stop the executors)."""
+    with executor_cluster(1) as (ctl, _):
+        held, release = threading.Event(), threading.Event()
+
+        def hold_the_lock():
+            with ctl._driving():
+                held.set()
+                release.wait(5)
+
+        holder = threading.Thread(target=hold_the_lock)
+        holder.start()
+        held.wait(5)
+        wake = ctl._wake
+        ctl._wake = lambda: (_ for _ in ()).throw(KeyboardInterrupt)  # Ctrl-C while waiting
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                ctl.submit("noop")
+        finally:
+            ctl._wake = wake
+            release.set()
+            holder.join(5)
+        assert ctl._wanted == 0  # the background thread drives again
+        assert ctl.submit("identity", 3).result(timeout=10) == 3
+        # Ctrl-C just after the lock was taken: it stays with this thread, which drives on
+        ctl._io_lock.acquire()
+        assert ctl.submit("identity", 4).result(timeout=10) == 4
+        ctl._io_lock.release()
+        assert ctl.submit("identity", 5).result(timeout=10) == 5
