@@ -638,9 +638,9 @@ class Executor:
         """[Note: parts in batches] The items streaming tasks yielded since the last call, in one
         message (PARTS for one task, STREAMS for several): a rollout engine's decoding iteration
         finishes many samples of many calls at once, and a message for each was most of the
-        controller's traffic. Sent after each
-        background step and op, by the watch while an op runs long, and always before any
-        completion (a task's parts must reach the controller before its end)."""
+        controller's traffic. Sent after each background step and op, by the watch while an op
+        runs long, and always before any completion (a task's parts must reach the controller
+        before its end)."""
         parts, self.parts = self.parts, {}
         now = time.time()
         bodies = [{"task": task.spec.id, "index": first, "start": task.start, "outputs": outputs}
