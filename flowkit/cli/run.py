@@ -171,6 +171,7 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
         raise click.BadParameter("give --checkpoint-dir too: where to write them",
                                  param_hint="--checkpoint-every")
     path, _, _ = flow_spec.partition(":")
+    _dump_stacks_on_sigusr1()
     logs = LogSetup(loggers=loggers, log_dir=log_dir, metrics=metrics,
                     wandb_project=wandb_project, run_name=run_name)
     checkpoints = None if checkpoint_dir is None else CheckpointConfig(
@@ -252,3 +253,13 @@ def _run_name(name: str | None) -> str | None:
         return None if name is None else check_run_name(name)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--run-name") from None
+
+
+def _dump_stacks_on_sigusr1() -> None:
+    """`kill -USR1 PID` prints every thread's stack to stderr: what a run that seems stuck is
+    doing, without stopping it."""
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR1"):  # POSIX
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)

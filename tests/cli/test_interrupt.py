@@ -11,6 +11,8 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -42,7 +44,15 @@ def test_ctrl_c_stops_the_run_writes_the_weights_and_exits_130(tmp_path):
         time.sleep(0.2)
     assert len(_processes_of(mark)) >= 3  # the run and its two executors
     os.killpg(run.pid, signal.SIGINT)  # what Ctrl-C sends: the whole foreground group
-    output, _ = run.communicate(timeout=60)
+    try:
+        output, _ = run.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # say what it was doing: every thread's stack
+        os.kill(run.pid, signal.SIGUSR1)
+        time.sleep(2)
+        os.killpg(run.pid, signal.SIGKILL)
+        output, _ = run.communicate()
+        pytest.fail(f"Ctrl-C did not stop the run within 60 s; its output and threads:\n"
+                    f"{output[-8000:]}")
     assert run.returncode == 130, output
     assert "interrupted at step" in output and "Aborted" not in output
     assert (weights / "gpt.pt").is_file()
