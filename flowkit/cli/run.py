@@ -260,6 +260,12 @@ def _dump_stacks_on_sigusr1() -> None:
     doing, without stopping it."""
     import faulthandler
     import signal
+    import sys
 
-    if hasattr(signal, "SIGUSR1"):  # POSIX
-        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    stderr = sys.__stderr__  # the process's own: a caller may have swapped sys.stderr
+    if not hasattr(signal, "SIGUSR1") or stderr is None:  # POSIX, with a stderr
+        return
+    try:
+        faulthandler.register(signal.SIGUSR1, file=stderr, all_threads=True, chain=False)
+    except (OSError, ValueError, AttributeError):  # a stderr without a file descriptor
+        pass
