@@ -254,9 +254,11 @@ class Executor:
                 self._step_background()
             self._flush_completions()
 
-    def _drain(self, sock: zmq.Socket, *, peer: bool, ready: bool = False) -> None:
+    def _drain(self, sock: zmq.Socket, *, peer: bool, ready: bool = False,
+               all_queued: bool = False) -> None:
         # Read what is queued until there are tasks to run (then run them, and tell of them,
-        # before asking for more). Control messages are small, and plain bytes cost less than
+        # before asking for more), or with `all_queued` all of it [Note: serving between
+        # tasks]. Control messages are small, and plain bytes cost less than
         # zmq.Frame objects; asking EVENTS is cheaper than the zmq.Again exception a non-blocking
         # recv raises on an empty queue, and not asking (`ready`: a poll just said so) cheaper.
         copy = not peer
@@ -268,7 +270,8 @@ class Executor:
             if peer:
                 parts = parts[1:]  # drop the ROUTER's identity frame
             self._handle(parts, peer=peer)
-            if self.ready and not self.in_op:  # the watch, serving during an op, reads on
+            # tasks to run: run them first (the watch, serving during an op, reads on)
+            if self.ready and not self.in_op and not all_queued:
                 return
 
     def _handle(self, parts: list, *, peer: bool = False) -> None:
@@ -521,12 +524,8 @@ class Executor:
         _SERVE_EVERY_S of tasks the completions so far go out and what has arrived is handled:
         pushes, fetches, frees and credits at once, new tasks behind those already ready."""
         self._flush_completions()
-        for sock, peer in ((self.control, False), (self.peer, True)):
-            for _ in range(1000):
-                if not sock.getsockopt(_EVENTS) & _POLLIN:
-                    break
-                parts = sock.recv_multipart(copy=not peer)
-                self._handle(parts[1:] if peer else parts, peer=peer)
+        self._drain(self.control, peer=False, all_queued=True)
+        self._drain(self.peer, peer=True, all_queued=True)
 
     def _run(self, task: Task) -> float:
         """Run `task` and queue its completion; returns how long the op took."""

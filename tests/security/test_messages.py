@@ -111,14 +111,20 @@ class _Owner:
 _SECRET = b"s" * 32
 
 
-def test_a_completion_naming_another_tasks_outputs_is_refused_and_its_own_still_counts():
+def _two_tasks_on_one_executor():
+    """A dispatcher with one executor, "a", sent two one-output tasks: (the dispatcher, (the
+    first task's output future, its task id), (the second's))."""
     state = Dispatcher(owner=_Owner(), send_raw=lambda frames: None, ping_interval=1.0,
                        ping_timeout=5.0, heartbeat_address="inproc://unused", secret=_SECRET)
     state.on_message(b"a", {"t": Msg.HELLO, "name": "a", "tags": [], "ops": ["op"], "pid": 1,
                             "secret": _SECRET.hex()}, [])
-    first, second = (state.submit(TaskSpec("op", {}), (), outputs=1, executor_id=1,
-                                  tags=frozenset(), meta={})[0] for _ in range(2))
-    first_task, second_task = sorted(state._tasks)
+    futures = [state.submit(TaskSpec("op", {}), (), outputs=1, executor_id=1,
+                            tags=frozenset(), meta={})[0] for _ in range(2)]
+    return state, *zip(futures, sorted(state._tasks))
+
+
+def test_a_completion_naming_another_tasks_outputs_is_refused_and_its_own_still_counts():
+    state, (first, first_task), (second, second_task) = _two_tasks_on_one_executor()
     none = {"nbytes": 0, "inline": pack(None)[0]}
     with pytest.raises(ProtocolError, match="names outputs that are not its own"):
         state.on_message(b"a", {"t": Msg.DONE, "items": [
@@ -133,13 +139,7 @@ def test_a_completion_naming_another_tasks_outputs_is_refused_and_its_own_still_
     {"start": "now"}, {"ok": 1}, {"outputs": {"id": 0}}, {"outputs": [{"id": "x"}]},
     {"outputs": [{"nbytes": "many"}]}, {"outputs": [{"trace": 3}]}, {"task": [1]}])
 def test_a_malformed_completion_is_refused_alone_and_the_others_in_its_message_count(bad):
-    state = Dispatcher(owner=_Owner(), send_raw=lambda frames: None, ping_interval=1.0,
-                       ping_timeout=5.0, heartbeat_address="inproc://unused", secret=_SECRET)
-    state.on_message(b"a", {"t": Msg.HELLO, "name": "a", "tags": [], "ops": ["op"], "pid": 1,
-                            "secret": _SECRET.hex()}, [])
-    first, second = (state.submit(TaskSpec("op", {}), (), outputs=1, executor_id=1,
-                                  tags=frozenset(), meta={})[0] for _ in range(2))
-    first_task, second_task = sorted(state._tasks)
+    state, (first, first_task), (second, second_task) = _two_tasks_on_one_executor()
     good = {"task": first_task, "ok": True, "start": 1.0, "end": 2.0,
             "outputs": [{"id": first.id, "inline": pack(None)[0]}]}
     malformed = {**good, "task": second_task, "outputs": [{"id": second.id, "inline": pack(
