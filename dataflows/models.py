@@ -39,7 +39,7 @@ def flow_model(model: Model | None, *, gpt: dict[str, Any] | None, default_gpt: 
 def reference_of(actor: Model) -> Model:
     """A frozen copy of the actor (same build, config and starting weights), held whole."""
     name = "reference" if actor.name != "reference" else "frozen_reference"
-    return attrs.evolve(actor, name=name, stages=1)
+    return attrs.evolve(actor, name=name, stages=1, replicas=1)
 
 
 def critic_of(actor: Model, critic: Model | None) -> Model:

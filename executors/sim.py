@@ -96,8 +96,12 @@ def _backward_weight(ctx: OpContext, *inputs: Any, seconds: float = 0.0, **meta:
     busy_for(seconds)
 
 
-def _grad_stats(ctx: OpContext, *inputs: Any, stage: int = 0, **config: Any) -> tuple:
-    """A stage's gradient stats for the step across stages: no gradients here."""
+def _grad_stats(ctx: OpContext, *inputs: Any, stage: int = 0, allreduce_seconds: float = 0.0,
+                **config: Any) -> tuple:
+    """A stage's gradient stats for the step across stages: no gradients here. With replicas
+    it starts once every replica's last W of the stage is done (its inputs) and takes the
+    all-reduce's time (flowkit/planner/simcosts.py SimCosts.allreduce_s)."""
+    busy_for(allreduce_seconds)
     return {"stage": int(stage), "sqnorm": 0.0}, {}
 
 

@@ -25,7 +25,9 @@ from executors.torch.held import (
     right_padded,
     save_weights,
 )
+from executors.torch import replicas
 from executors.torch.memory import keep_freed_memory
+from executors.torch.replicas import all_reduce_grads
 from executors.torch.rl_loss import RL_LOSSES, RLLoss, RLSettings, records, sequence_ids
 from executors.torch.stage import StageError, StageRunner
 from flowkit.ops.records import MicrobatchStats, microbatch_stats, step_report
@@ -141,11 +143,19 @@ def _backward(ctx: OpContext, upstream: Any, *_: Any, stage: int, stages: int, m
 
 
 # -- the optimizer step [Note: the optimizer step across stages] ------------------------------
-def _grad_stats(ctx: OpContext, *partner: Any, stage: int, stages: int, **config: Any) -> tuple:
-    """(this stage's squared gradient norm, its tied copies' gradients). Given the first
-    stage's tied gradients (on the last stage), first add them to this stage's copies."""
+def _grad_stats(ctx: OpContext, *inputs: Any, stage: int, stages: int,
+                replica_group: str | None = None, **config: Any) -> tuple:
+    """(this stage's squared gradient norm, its tied copies' gradients). With replicas, the
+    stage's gradients are first summed over its `replica_group` [Note: replica groups in
+    executors/torch/replicas.py]; the other inputs that are not the tied gradients only order
+    it after every replica's last W of the stage. Given the first stage's tied gradients (on
+    the last stage), then add them to this stage's copies."""
     held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
     params = dict(held.module.named_parameters())
+    if replica_group is not None:
+        all_reduce_grads(replicas.replica_group(ctx, replica_group),
+                         [p for p in params.values() if p.requires_grad])
+    partner = [v for v in inputs if isinstance(v, dict)]
     # Copies, never the .grad tensors themselves: on one executor (the V shape puts the first
     # and last stage together) outputs are passed by reference, and the optimizer step scales
     # and drops .grad while the other stage may still read what was sent.
@@ -306,3 +316,4 @@ def register(table: OpTable) -> None:
     table.register("export_weights", export_weights)
     table.register("load_weights", load_weights)
     table.register("save_weights", save_weights)
+    replicas.register(table)

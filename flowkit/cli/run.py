@@ -38,7 +38,8 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
               "or base for a flow without models; the simulator only when asked for.")
 @click.option("--num-executors", "-n", type=click.IntRange(min=1, max=MAX_EXECUTORS),
               default=None,
-              help="Executor processes to start [default: the most pipeline stages, >= 2].")
+              help="Executor processes to start [default: the most pipeline stages x replicas, "
+              ">= 2].")
 @click.option("--tags", "tag_spec", default=None,
               help="Tags per executor, ';' between executors: 'train;train;rollout' "
               "[default: every executor gets every tag the flow asks for].")
@@ -49,6 +50,9 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
               help="Steps of the flow to run, one after the other.")
 @click.option("--stages", type=click.IntRange(min=1), default=None,
               help="Pipeline stages (devices) of every trained model [default: the flow's].")
+@click.option("--replicas", type=click.IntRange(min=1), default=None,
+              help="Data-parallel replicas of every trained model's pipeline, each on its own "
+              "executors [default: the flow's].")
 @click.option("--microbatches", type=click.IntRange(min=1), default=None,
               help="Microbatches per step of every backprop [default: the flow's].")
 @click.option("--schedule", default=None,
@@ -146,7 +150,8 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
               "packs several on a core); a cuda executor's bundle is one GPU.")
 @click.option("--debug", is_flag=True, help="Show a failed op's remote traceback.")
 def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | None, device: str,
-        steps: int, stages: int | None, microbatches: int | None, schedule: str | None,
+        steps: int, stages: int | None, replicas: int | None, microbatches: int | None,
+        schedule: str | None,
         fuse: bool, asynchronous: bool | None, max_staleness: int | None, sim_cost: str,
         trace: Path | None, metrics: Path | None, loggers: tuple[str, ...], log_dir: Path,
         wandb_project: str, run_name: str | None,
@@ -179,7 +184,8 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
     try:
         config = RunConfig(
             steps=steps, executors=kind, num_executors=num_executors, tags=_tags(tag_spec),
-            device=device, code=[path], stages=stages, microbatches=microbatches,
+            device=device, code=[path], stages=stages, replicas=replicas,
+            microbatches=microbatches,
             schedule=schedule, fuse=fuse, asynchronous=asynchronous,
             max_staleness=max_staleness, sim_costs=costs, trace=trace, logs=logs,
             dashboard=dashboard, save_weights=save_weights, checkpoints=checkpoints,

@@ -72,6 +72,10 @@ class Model:
     config: Mapping[str, Any] = attrs.field(factory=dict, hash=False)
     stages: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     tags: tuple[str, ...] = attrs.field(default=("gpu",), converter=tuple)
+    # data parallel: this many copies of the `stages`-device pipeline train it, each on its
+    # share of a step's microbatches, their gradients summed through torch.distributed
+    # [Note: replicas in flowkit/runner/replicas.py]
+    replicas: int = attrs.field(default=1, validator=attrs.validators.ge(1))
 
     @build.validator
     def _check_build(self, _attribute: attrs.Attribute, value: str) -> None:

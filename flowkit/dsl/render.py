@@ -31,12 +31,12 @@ def summary(flow: FlowGraph) -> Group:
         parts.append(_node_text(node, wires))
     if flow.models:
         models = Table(title="models", title_justify="left")
-        for column in ("model", "build", "stages", "tags", "used by"):
+        for column in ("model", "build", "stages", "replicas", "tags", "used by"):
             models.add_column(column, overflow="fold")
         for model in flow.models.values():
             users = [n.name for n in flow.nodes.values() if n.model == model.name]
-            models.add_row(model.name, model.build, str(model.stages), ",".join(model.tags),
-                           ", ".join(users))
+            models.add_row(model.name, model.build, str(model.stages), str(model.replicas),
+                           ",".join(model.tags), ", ".join(users))
         parts.append(models)
     boundaries = [w for w in wires if w.adapter is not None or w.feedback]
     if boundaries:

@@ -28,6 +28,11 @@ def _counted(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(f"sim cost {attribute.name} must be a whole number >= 1, got {value!r}")
 
 
+def _positive(_instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"sim cost {attribute.name} must be a finite number > 0, got {value!r}")
+
+
 _COUNTS = ("token_budget", "max_batch")
 
 
@@ -62,6 +67,12 @@ class SimCosts:
     # this sigma, seeded by its prompt_id, so a prompt that ran long runs long again (what a
     # length predictor learns from); 0: every prompt alike
     prompt_sigma: float = attrs.field(default=0.0, converter=float, validator=_seconds)
+    # data parallel: the gradients' bytes of the whole model (each of P pipeline devices holds
+    # 1/P of them), summed over D replicas by a ring all-reduce at `allreduce_gbps` gigabits a
+    # second with `allreduce_latency` seconds on top (allreduce_s)
+    grad_bytes: float = attrs.field(default=0.0, converter=float, validator=_seconds)
+    allreduce_gbps: float = attrs.field(default=100.0, converter=float, validator=_positive)
+    allreduce_latency: float = attrs.field(default=2e-5, converter=float, validator=_seconds)
 
     @classmethod
     def parse(cls, text: str) -> SimCosts:
@@ -80,6 +91,16 @@ class SimCosts:
             except ValueError:
                 raise ValueError(f"sim cost {part!r}: {value!r} is not a number") from None
         return cls(**values)
+
+    def allreduce_s(self, replicas: int, devices: int) -> float:
+        """Seconds to sum one pipeline device's share of the gradients over `replicas` with a
+        ring all-reduce: each replica sends and receives 2(D-1)/D of the bytes (a
+        reduce-scatter, then an all-gather), plus the latency; 0 for one replica."""
+        if replicas <= 1:
+            return 0.0
+        share = self.grad_bytes / max(1, devices)
+        wire = 2 * (replicas - 1) / replicas * share * 8 / (self.allreduce_gbps * 1e9)
+        return wire + self.allreduce_latency
 
     def stage_costs(self, stages: int) -> Costs:
         return Costs.uniform(stages, F=self.F, B=self.B, W=self.W)

@@ -93,7 +93,7 @@ class Run:
                                  "launcher that started them: give no controller, or no "
                                  "max_restarts")
         self.console = console or Console()
-        self.flow = with_training_options(flow, stages=config.stages,
+        self.flow = with_training_options(flow, stages=config.stages, replicas=config.replicas,
                                           microbatches=config.microbatches,
                                           schedule=config.schedule)
         self.plan = lower_flow(self.flow)
@@ -107,7 +107,8 @@ class Run:
         check_kind(self.kind)
         if chosen and controller is None:
             self.console.print(chosen, soft_wrap=True)
-        stages = max((n.model.stages for n in self.plan if n.model is not None), default=1)
+        stages = max((n.model.stages * n.model.replicas for n in self.plan
+                      if n.model is not None), default=1)
         self.count = config.num_executors or max(2, stages)
         if controller is not None:
             self.count = len(controller.executors())

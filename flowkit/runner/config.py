@@ -131,7 +131,7 @@ class RunConfig:
     plugin's, or auto: torch, or base for a flow without models."""
     num_executors: int | None = attrs.field(default=None,
                                             validator=[_at_least(1), _at_most(MAX_EXECUTORS)])
-    """Executor processes to start; None: the most pipeline stages, at least 2."""
+    """Executor processes to start; None: the most pipeline stages × replicas, at least 2."""
     tags: tuple[tuple[str, ...], ...] | None = attrs.field(default=None, converter=_tag_groups)
     """The tags of each executor; None: every executor gets every tag the flow asks for."""
     device: str = "cpu"
@@ -140,6 +140,9 @@ class RunConfig:
     """Python files the executors import, for the flow's @op functions (its own file)."""
     stages: int | None = attrs.field(default=None, validator=_at_least(1))
     """Pipeline stages of every trained model; None: the flow's."""
+    replicas: int | None = attrs.field(default=None, validator=_at_least(1))
+    """Data-parallel replicas of every trained model's pipeline (each on its own executors,
+    gradients summed through torch.distributed); None: the flow's."""
     microbatches: int | None = attrs.field(default=None, validator=_at_least(1))
     """Microbatches per step of every backprop; None: the flow's."""
     schedule: str | None = None

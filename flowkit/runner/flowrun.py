@@ -194,7 +194,15 @@ class FlowRunner:
             # stage where the checkpointed run had it [Note: run checkpoints in checkpoint.py]
             able.sort(key=lambda e: (e.name, e.id))
             offset = len(placement)  # spread the models' first stages over the executors
-            placement[model.name] = [able[(offset + s) % len(able)] for s in range(model.stages)]
+            slots = model.stages * model.replicas  # [Note: replicas] in replicas.py
+            if model.replicas > 1 and len(able) < slots:
+                raise FlowRunError(
+                    f"model {model.name!r} trains as {model.replicas} replicas of "
+                    f"{model.stages} stage(s): that needs {slots} executors with tags "
+                    f"{list(model.tags)}, one for each replica's stage, and {len(able)} are "
+                    f"there: start {slots} (flowkit run --num-executors {slots}) or train with "
+                    "fewer replicas")
+            placement[model.name] = [able[(offset + s) % len(able)] for s in range(slots)]
         return placement
 
     def balancer(self, name: str, plan: NodePlan) -> Balancer | None:

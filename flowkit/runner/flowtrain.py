@@ -19,11 +19,18 @@ import attrs
 
 from flowkit.dsl import Model
 from flowkit.ops import cut, minibatch_rounds, rounds_of
-from flowkit.planner import Action, Costs, Kind, simulate
+from flowkit.planner import Action, Costs, Kind, Schedule, simulate
 from flowkit.planner.lower import InputRule, NodePlan
 from flowkit.planner.schedules import build_schedule
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runner.pipeline import PipelineRun, StreamedSchedule, stage_costs_config
+from flowkit.runner.replicas import (
+    ReplicatedSchedule,
+    last_actions,
+    replica_counts,
+    replica_lane,
+    setup_replica_groups,
+)
 from flowkit.runner.stepstate import FlowRunError, NodeState, Streams, lineage_order
 from flowkit.runner.training import (
     device_shares,
@@ -46,9 +53,10 @@ Watch = Callable[..., None]  # watch(lineage, futures, *, register, outputs=None
 
 @attrs.define
 class Feeding:
-    """A backprop's schedule being fed microbatches [Note: streamed microbatches]."""
+    """A backprop's schedule being fed microbatches [Note: streamed microbatches], one run per
+    replica [Note: replicas in flowkit/runner/replicas.py]."""
 
-    submitter: StreamedSchedule
+    submitter: ReplicatedSchedule
     sizes: list[int]  # planned items per microbatch
     streamed: bool  # microbatches form as items arrive, not after the inputs close
     next_mb: int = 0
@@ -58,13 +66,12 @@ class Feeding:
     waiting: list = attrs.field(factory=list)  # arrived there, not yet on every other input
     pool: list = attrs.field(factory=list)  # on every input, in no microbatch yet
 
-    @property
-    def run(self) -> PipelineRun:
-        return self.submitter.run
+    optimizer_steps = 1
 
     @property
     def runs(self) -> list[PipelineRun]:
-        return [self.submitter.run]
+        """Each replica's run."""
+        return self.submitter.runs
 
 
 @attrs.define
@@ -73,14 +80,23 @@ class Rounds:
     schedule, then its optimizer step in the same lanes, so that the next round's ops run on the
     weights it made [Note: minibatch rounds in flowkit/ops/minibatches.py]."""
 
-    runs: list[PipelineRun]  # per round
+    rounds: list[list[PipelineRun]]  # per round, each replica's run
     reports: list  # the StepMetrics futures of every round's step but the last's
     streamed: bool = False  # rounds cut the whole batch: a barrier
+
+    @property
+    def runs(self) -> list[PipelineRun]:
+        return [run for runs in self.rounds for run in runs]
+
+    @property
+    def optimizer_steps(self) -> int:
+        return len(self.rounds)
 
 
 class ModelTraining:
     """The pipeline training of one model on `executors` (stage s on the device the schedule
-    gives it). `users` are the (op, tags) of the flow's other ops with the model, which get its
+    gives it; with replicas, D pipelines one after the other [Note: replicas in
+    flowkit/runner/replicas.py]). `users` are the (op, tags) of the flow's other ops with the model, which get its
     weights after each optimizer step. What it learns once (profiled costs, built schedules,
     the last step's item count) it keeps across steps."""
 
@@ -98,6 +114,14 @@ class ModelTraining:
         self.last_trained: tuple | None = None  # the same of the latest step that trained
         self.rounds: Rounds | None = None  # this step's backprop, when it ran in rounds
         self.step = 0
+        self.replicas = model.replicas
+        self.devices = len(executors) // self.replicas  # of one replica's pipeline
+        self.groups: list[str] | None = None  # the replica groups by device, once set up
+        self.current: list[PipelineRun] = []  # each replica's latest run: its step follows
+
+    def replica(self, index: int) -> list[ExecutorInfo]:
+        """The executors of replica `index`, by device."""
+        return self.executors[index * self.devices:(index + 1) * self.devices]
 
     def start_step(self, step: int) -> None:
         self.step, self.trained, self.rounds = step, None, None
@@ -166,40 +190,76 @@ class ModelTraining:
                         items: int, watch: Watch) -> Feeding:
         """The schedule for `items` items in the configured number of microbatches, ready to
         be fed; each submitted action is watched, the last stage's forwards for their stats."""
-        count = max(1, min(int(plan.config.get("microbatches") or 1), items or 1))
+        count = max(self.replicas, min(int(plan.config.get("microbatches") or 1), items or 1))
         sizes = [len(_chunk(range(items), count, mb)) for mb in range(count)]
         kind = plan.config.get("schedule") or "1f1b"
 
         def sample() -> Gather:  # the first microbatch: formed, for a barrier
             return streams.gathered(live[0], streams.complete(live)[:sizes[0]])
 
-        stage_costs, schedule = self._plan_schedule(plan, kind, count, sample)
-        spec = model_spec(self.model, schedule.num_stages)
-        sim = self.sim_costs or SimCosts()
-        config_for = pipeline_config(
-            stage_costs_config(stage_costs, activation_bytes=sim.activation_bytes), spec,
-            sizes, plan.config, plan.loss_spec)
-        last = schedule.num_stages - 1
-
-        def on_submit(action: Action, future: Any) -> None:
-            is_loss = action.kind is Kind.F and action.stage == last
-            watch((action.microbatch,) if is_loss else (), (future,), register=is_loss)
-
-        submitter = StreamedSchedule(self.ctl, schedule, self.executors, config_for=config_for,
-                                     lane=self.model.name,
-                                     meta={"node": plan.name, "step": self.step},
-                                     on_submit=on_submit)
-        self.trained = self.last_trained = (schedule, spec)
-        self.predicted_bubble[plan.name] = simulate(schedule, stage_costs).bubble_rate
+        stage_costs, schedules = self._plan_replicas(plan, kind, count, sample)
+        submitter = self._replicated(plan, schedules, stage_costs, sizes, watch,
+                                     lineage=lambda mb: (mb,),
+                                     meta={"node": plan.name, "step": self.step})
+        self.predicted_bubble[plan.name] = simulate(schedules[0], stage_costs).bubble_rate
         streamed = plan.name in self.item_counts and self._streams(plan)
         return Feeding(submitter=submitter, sizes=sizes, streamed=streamed)
+
+    def _plan_replicas(self, plan: NodePlan, kind: str, count: int,
+                       sample: Callable[[], Any]) -> tuple[Costs, list[Schedule]]:
+        """Each replica's schedule for its share of `count` microbatches (replica_counts)."""
+        planned = [self._plan_schedule(plan, kind, share, sample)
+                   for share in replica_counts(count, self.replicas)]
+        return planned[0][0], [schedule for _, schedule in planned]
+
+    def _replicated(self, plan: NodePlan, schedules: list[Schedule], stage_costs: Costs,
+                    sizes: list[int], watch: Watch, *, lineage: Callable[[int], tuple],
+                    meta: dict) -> ReplicatedSchedule:
+        """Each replica's schedule, ready to be fed by global microbatch index (sizes: items per
+        global microbatch); each submitted action is watched, the last stage's forwards for
+        their stats, registered under `lineage(global microbatch)`."""
+        self._set_up_groups(watch)
+        sim = self.sim_costs or SimCosts()
+        base = stage_costs_config(stage_costs, activation_bytes=sim.activation_bytes)
+        spec = model_spec(self.model, schedules[0].num_stages)
+        last, count = schedules[0].num_stages - 1, self.replicas
+        submitters = []
+        for replica, schedule in enumerate(schedules):
+            config_for = pipeline_config(base, spec, sizes[replica::count], plan.config,
+                                         plan.loss_spec, total=sum(sizes))
+
+            def on_submit(action: Action, future: Any, replica: int = replica) -> None:
+                is_loss = action.kind is Kind.F and action.stage == last
+                key = lineage(action.microbatch * count + replica) if is_loss else ()
+                watch(key, (future,), register=is_loss)
+
+            submitters.append(StreamedSchedule(
+                self.ctl, schedule, self.replica(replica), config_for=config_for,
+                lane=replica_lane(self.model.name, replica),
+                meta={**meta, "replica": replica} if count > 1 else meta, on_submit=on_submit))
+        self.trained = self.last_trained = (schedules[0], spec)
+        replicated = ReplicatedSchedule(submitters)
+        self.current = replicated.runs
+        return replicated
+
+    def _set_up_groups(self, watch: Watch) -> None:
+        """Once, before the first ops of a model with replicas on executors that reduce through
+        torch.distributed (the simulator models the all-reduce instead)."""
+        if self.replicas == 1 or self.groups is not None:
+            return
+        if not all("replica_group" in e.ops for e in self.executors):
+            self.groups = []
+            return
+        self.groups = setup_replica_groups(
+            self.ctl, self.executors, model=self.model.name, devices=self.devices,
+            replicas=self.replicas, watch=lambda f: watch((), (f,), register=False))
 
     def _plan_schedule(self, plan: NodePlan, kind: str, count: int,
                        sample: Callable[[], Any]) -> tuple[Costs, Any]:
         """The schedule for this step, from the simulator's costs or, on executors that can
         measure (torch), from F/B/W times profiled once per model and stage count."""
         limit = plan.config.get("memory_limit")
-        devices = len(self.executors)
+        devices = self.devices
         if self.sim_costs is not None or not all("profile_stage" in e.ops
                                                  for e in self.executors):
             costs = (self.sim_costs or SimCosts()).stage_costs(devices)
@@ -210,7 +270,7 @@ class ModelTraining:
         if key not in self.profiles:
             try:
                 self.profiles[key] = profile_stages(
-                    self.ctl, self.executors, placement,
+                    self.ctl, self.replica(0), placement,
                     model_spec(self.model, placement.num_stages), sample(),
                     lane=self.model.name, timeout=self.timeout)
             except RemoteError as exc:
@@ -248,51 +308,39 @@ class ModelTraining:
                                       seed=config.get("shuffle_seed") or 0, step=self.step)
         except ValueError as exc:
             raise FlowRunError(f"step {self.step}: {plan.name!r}: {exc}") from None
-        count = max(1, min(int(config.get("microbatches") or 1), *map(len, rounds)))
+        count = max(self.replicas, min(int(config.get("microbatches") or 1),
+                                       *map(len, rounds)))
         cuts = [cut([ordered[i] for i in indices], count) for indices in rounds]
-        stage_costs, schedule = self._plan_schedule(
+        stage_costs, schedules = self._plan_replicas(
             plan, config.get("schedule") or "1f1b", count,
             lambda: streams.gathered(live[0], cuts[0][0]))
-        spec = model_spec(self.model, schedule.num_stages)
-        self.trained = self.last_trained = (schedule, spec)
-        self.predicted_bubble[plan.name] = simulate(schedule, stage_costs).bubble_rate
+        self.predicted_bubble[plan.name] = simulate(schedules[0], stage_costs).bubble_rate
         self.item_counts[plan.name] = len(ordered)
         runs, reports = [], []
         for index, microbatches in enumerate(cuts):
-            runs.append(self._submit_round(plan, index, microbatches, schedule, stage_costs,
+            runs.append(self._submit_round(plan, index, microbatches, schedules, stage_costs,
                                            streams, live, watch))
             if index < len(cuts) - 1:
-                report = self._submit_step(step_plan, [Gather(runs[-1].losses)], watch,
-                                           outputs=2, round_index=index)
+                losses = [f for run in runs[-1] for f in run.losses]
+                report = self._submit_step(step_plan, [Gather(losses)], watch, outputs=2,
+                                           round_index=index)
                 watch((), report, register=False)
                 reports.append(report[0])  # the round's StepMetrics, for the last one's report
-        self.rounds = Rounds(runs=runs, reports=reports)
+        self.rounds = Rounds(rounds=runs, reports=reports)
         return self.rounds
 
     def _submit_round(self, plan: NodePlan, index: int, microbatches: list[list],
-                      schedule: Any, stage_costs: Costs, streams: Streams,
-                      live: list[InputRule], watch: Watch) -> PipelineRun:
-        """One round's schedule, its microbatches fed at once; the last stage's forwards are
-        the backprop's stats, by (round, microbatch)."""
-        sim = self.sim_costs or SimCosts()
-        config_for = pipeline_config(
-            stage_costs_config(stage_costs, activation_bytes=sim.activation_bytes),
-            model_spec(self.model, schedule.num_stages), [len(m) for m in microbatches],
-            plan.config, plan.loss_spec)
-        last = schedule.num_stages - 1
-
-        def on_submit(action: Action, future: Any) -> None:
-            is_loss = action.kind is Kind.F and action.stage == last
-            watch((index, action.microbatch) if is_loss else (), (future,), register=is_loss)
-
-        submitter = StreamedSchedule(self.ctl, schedule, self.executors, config_for=config_for,
-                                     lane=self.model.name,
-                                     meta={"node": plan.name, "step": self.step, "round": index},
-                                     on_submit=on_submit)
+                      schedules: list[Schedule], stage_costs: Costs, streams: Streams,
+                      live: list[InputRule], watch: Watch) -> list[PipelineRun]:
+        """One round's schedules, its microbatches fed at once; the last stage's forwards are
+        the backprop's stats, by (round, global microbatch). Each replica's run."""
+        submitter = self._replicated(plan, schedules, stage_costs, [len(m) for m in microbatches],
+                                     watch, lineage=lambda mb: (index, mb),
+                                     meta={"node": plan.name, "step": self.step, "round": index})
         for mb, chosen in enumerate(microbatches):
             submitter.feed(mb, tuple(streams.gathered(rule, chosen) for rule in live))
         submitter.advance()
-        return submitter.run
+        return submitter.runs
 
     def _step_plan(self, plan: NodePlan) -> NodePlan:
         """The optimizer-step node that `plan`'s stats feed: its config steps every round."""
@@ -315,7 +363,8 @@ class ModelTraining:
                                f"{self.model.name!r}, but no backprop of it ran in this step "
                                "to make its gradients")
         if self.rounds is not None:
-            stats = [Gather(self.rounds.runs[-1].losses), Gather(self.rounds.reports)]
+            losses = [f for run in self.rounds.rounds[-1] for f in run.losses]
+            stats = [Gather(losses), Gather(self.rounds.reports)]
         report = self._submit_step(plan, stats, watch, outputs=len(plan.outputs))
         registered = report
         if "weights" in plan.outputs:
@@ -329,19 +378,42 @@ class ModelTraining:
 
     def _submit_step(self, plan: NodePlan, stats: list, watch: Watch, *, outputs: int,
                      round_index: int | None = None) -> tuple:
-        """Submit one optimizer step with `plan`'s config, watching the ops that report nothing;
-        returns the reporting stage's `outputs` futures."""
+        """Submit one optimizer step with `plan`'s config on every replica, watching the ops
+        that report nothing; returns replica 0's reporting stage's `outputs` futures."""
         schedule, spec = self.trained
         cost = self.sim_costs.config_for("optimizer_step") if self.sim_costs else {}
         config = {**plan.config, **cost, "step": self.step}
         meta = {"node": plan.name, "step": self.step, **({} if round_index is None else
                                                          {"round": round_index})}
-        quiet, report = submit_optimizer_step(
-            self.ctl, schedule, self.executors, spec, stats, config, lane=self.model.name,
-            meta=meta, outputs=outputs)
-        for future in quiet:
-            watch((), (future,), register=False)
-        return report if outputs > 1 else (report,)
+        reported = None
+        for replica in range(self.replicas):
+            quiet, report = submit_optimizer_step(
+                self.ctl, schedule, self.replica(replica), spec, stats, config,
+                lane=replica_lane(self.model.name, replica),
+                meta={**meta, "replica": replica} if self.replicas > 1 else meta,
+                outputs=outputs, reports=replica == 0, reduce=self._reduction(schedule))
+            reported = report if replica == 0 else reported
+            for future in quiet:
+                watch((), (future,), register=False)
+        return reported if outputs > 1 else (reported,)
+
+    def _reduction(self, schedule: Schedule) -> Callable[[int], tuple[list, dict]] | None:
+        """With replicas, what each stage's grad_stats adds [Note: replicas in
+        flowkit/runner/replicas.py]: every replica's last action of the stage as inputs, and
+        the group to sum over (torch) or the all-reduce's modelled seconds (simulator)."""
+        if self.replicas == 1:
+            return None
+        ends = [(run.futures, last_actions(run.schedule)) for run in self.current]
+        seconds = (self.sim_costs or SimCosts()).allreduce_s(self.replicas, self.devices)
+
+        def reduce(stage: int) -> tuple[list, dict]:
+            after = [futures[last[stage]] for futures, last in ends if stage in last]
+            if self.groups:
+                device = schedule.placement.device_of(stage)
+                return after, {"replica_group": self.groups[device]}
+            return after, {"allreduce_seconds": seconds}
+
+        return reduce
 
     def _sync_weights(self, plan: NodePlan, version: Any) -> list:
         """Submit the new weights to every executor that may generate or score with the model
@@ -350,7 +422,7 @@ class ModelTraining:
                    if e.runs(op, tags)}
         if not targets or not all("load_weights" in e.ops for e in targets.values()):
             return []
-        schedule, spec = self.trained
+        schedule, spec = self.trained  # replica 0's stages export: every replica holds them
         return submit_weight_sync(self.ctl, schedule, self.executors, spec, version,
                                   list(targets.values()), lane=self.model.name,
                                   meta={"node": f"{plan.name}/sync", "step": self.step})

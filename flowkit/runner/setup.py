@@ -60,9 +60,11 @@ def choose_executors(plan: list[NodePlan], kind: str) -> tuple[str, str | None]:
 
 
 def with_training_options(flow: Flow, *, stages: int | None, microbatches: int | None,
-                          schedule: str | None) -> Flow:
-    """`flow` with every trained model cut into `stages` and every backprop run with
-    `microbatches` under `schedule`, where given (the flow is changed in place)."""
+                          schedule: str | None, replicas: int | None = None) -> Flow:
+    """`flow` with every trained model cut into `stages` and trained by `replicas`, and every
+    backprop run with `microbatches` under `schedule`, where given (the flow is changed in
+    place). A backprop with fewer microbatches than its model's replicas is an error here,
+    before anything starts: each replica runs at least one."""
     if schedule is not None:
         from flowkit.planner.schedules.registry import get_spec
 
@@ -72,13 +74,20 @@ def with_training_options(flow: Flow, *, stages: int | None, microbatches: int |
             raise RunConfigError("schedule", str(exc)) from None
     backprops = [node for node in flow.nodes.values()
                  if getattr(node.operator, "lowering", None) == "pipeline"]
-    if stages is not None:
-        for name in {node.model for node in backprops}:
-            flow.models[name] = attrs.evolve(flow.models[name], stages=stages)
+    for name in {node.model for node in backprops}:
+        model = flow.models[name]
+        flow.models[name] = attrs.evolve(model, stages=stages or model.stages,
+                                         replicas=replicas or model.replicas)
     for node in backprops:
         if microbatches is not None:
             node.config["microbatches"] = microbatches
         if schedule is not None:
             node.config["schedule"] = schedule
+        count, model = node.config.get("microbatches") or 1, flow.models[node.model]
+        if count < model.replicas:
+            raise RunConfigError("microbatches", f"{node.name!r} runs {count} microbatch(es) a "
+                                 f"step, but model {model.name!r} trains as {model.replicas} "
+                                 "replicas, each of which runs at least one: give at least "
+                                 f"{model.replicas} (--microbatches {model.replicas})")
     flow.validate()
     return flow

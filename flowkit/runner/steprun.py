@@ -599,8 +599,8 @@ class StepRun:
                 metrics[f"{name}/loss"], metrics[f"{name}/tokens"] = mean_loss(losses)
                 metrics.update({f"{name}/{key}": value
                                 for key, value in mean_values(losses).items()})
-                if len(state.pipeline.runs) > 1:
-                    metrics[f"{name}/optimizer_steps"] = len(state.pipeline.runs)
+                if state.pipeline.optimizer_steps > 1:
+                    metrics[f"{name}/optimizer_steps"] = state.pipeline.optimizer_steps
         for state in self.states.values():
             if state.plan.reports:
                 metrics.update(self._reported(state.plan))

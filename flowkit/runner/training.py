@@ -31,14 +31,16 @@ def model_spec(model: Model, num_stages: int) -> dict:
 
 
 def pipeline_config(base: Callable[[Action], dict], spec: dict, sizes: Sequence[int],
-                    extra: dict, loss_spec: LossSpec | None) -> Callable[[Action], dict]:
+                    extra: dict, loss_spec: LossSpec | None, *, total: int | None = None
+                    ) -> Callable[[Action], dict]:
     """Each action's config: the simulator's cost keys, the model, stage and microbatch, the
     loss `extra` names and its knobs (as the backprop's `loss_spec` says: none without one),
     and on the last stage's F the scale of its loss: for a loss that is a mean per token the
     microbatch's share of the batch, so that the microbatches' gradients add up to the whole
     batch's (gradient accumulation); 1 for a loss in sum form, which the optimizer step
-    normalizes instead."""
-    total = max(1, sum(sizes))
+    normalizes instead. `total`: the items of the whole batch when `sizes` are one replica's
+    share of it [Note: replicas in flowkit/runner/replicas.py]."""
+    total = max(1, sum(sizes) if total is None else total)
     last = spec["stages"] - 1
     keep = loss_spec.settings(extra) if loss_spec is not None else {}
     summed = loss_spec is not None and loss_spec.summed(extra)
@@ -84,14 +86,18 @@ def device_shares(stage_costs: Costs, placement: Placement) -> Costs:
 
 def submit_optimizer_step(ctl: Controller, schedule: Schedule, executors: Sequence[ExecutorInfo],
                           spec: dict, stats: list, config: dict, *, lane: str, meta: dict,
-                          outputs: int) -> tuple[list[Future], Any]:
+                          outputs: int, reports: bool = True,
+                          reduce: Callable[[int], tuple[list, dict]] | None = None
+                          ) -> tuple[list[Future], Any]:
     """The step across stages ([Note: the optimizer step across stages] in
     executors/torch/pipeline_ops.py): grad stats per stage (the last stage's adds in the first
     stage's tied gradients), then one optimizer step per stage that reads them all, and the
     microbatches' `stats` (a loss summed over tokens leaves there the normalizer every stage
     divides its gradients by). Each op runs in its device's lane, so after that device's W
     ops. Returns the futures that report nothing and stage 0's report (its `outputs`
-    futures)."""
+    futures; None when not `reports`: a replica other than the first). `reduce(stage)` gives
+    what a replica's grad_stats adds: inputs to wait for and config [Note: replicas in
+    flowkit/runner/replicas.py]."""
     placement, last = schedule.placement, schedule.num_stages - 1
 
     def submit(op: str, stage: int, *inputs: Any, n: int = 1, **more: Any) -> Any:
@@ -100,17 +106,23 @@ def submit_optimizer_step(ctl: Controller, schedule: Schedule, executors: Sequen
                           executor=executors[device].id, lane=f"{lane}/{device}",
                           outputs=n, meta={**meta, "stage": stage, "device": device})
 
-    first_stats, tied = submit("grad_stats", 0, n=2)
-    grad_stats, summed = [first_stats], None
+    def grad_stats(stage: int, *partner: Any) -> Any:
+        after, more = reduce(stage) if reduce is not None else ([], {})
+        return submit("grad_stats", stage, *partner, *after, n=2, **more)
+
+    first_stats, tied = grad_stats(0)
+    stage_stats, summed = [first_stats], None
     for stage in range(1, last + 1):
-        partner = (tied,) if stage == last else ()
-        stage_stats, summed = submit("grad_stats", stage, *partner, n=2)
-        grad_stats.append(stage_stats)
-    quiet = [tied, *grad_stats[1:]] + ([summed] if last else [])
+        stats_of, summed = grad_stats(stage, *((tied,) if stage == last else ()))
+        stage_stats.append(stats_of)
+    quiet = [tied, *stage_stats[1:]] + ([summed] if last else [])
     for stage in range(last, 0, -1):
-        quiet.append(submit("optimizer_step", stage, *stats, *grad_stats))
+        quiet.append(submit("optimizer_step", stage, *stats, *stage_stats))
     back = (summed,) if last else ()
-    report = submit("optimizer_step", 0, *stats, *grad_stats, *back, n=outputs, report=True)
+    if not reports:
+        quiet += [stage_stats[0], submit("optimizer_step", 0, *stats, *stage_stats, *back)]
+        return quiet, None
+    report = submit("optimizer_step", 0, *stats, *stage_stats, *back, n=outputs, report=True)
     return quiet, report
 
 

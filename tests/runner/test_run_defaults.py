@@ -18,7 +18,8 @@ from flowkit.runtime.raylaunch import RaySettings
 FLAGS = {
     "kind": (RunConfig, "executors"), "num_executors": (RunConfig, "num_executors"),
     "device": (RunConfig, "device"), "steps": (RunConfig, "steps"),
-    "stages": (RunConfig, "stages"), "microbatches": (RunConfig, "microbatches"),
+    "stages": (RunConfig, "stages"), "replicas": (RunConfig, "replicas"),
+    "microbatches": (RunConfig, "microbatches"),
     "schedule": (RunConfig, "schedule"), "fuse": (RunConfig, "fuse"),
     "asynchronous": (RunConfig, "asynchronous"), "max_staleness": (RunConfig, "max_staleness"),
     "trace": (RunConfig, "trace"), "save_weights": (RunConfig, "save_weights"),

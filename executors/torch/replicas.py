@@ -1,0 +1,147 @@
+"""Data parallel over pipeline replicas: the process groups of a model's replicas and the
+all-reduce of their gradients, through torch.distributed.
+
+[Note: replica groups] A model trained as D replicas of a P-device pipeline has one process
+group per device slot d: the D executors that hold device d of each replica (the stages a
+schedule puts on that device; a V schedule puts two there). The controller sets a group up
+once, before the model's first step (flowkit/runner/replicas.py): `replica_store` on the
+group's rank 0 opens a TCPStore on the address its peers reach it at and returns where it
+listens; `replica_group` on every member, given that address as an input (the controller
+hands it out, it never opens a socket itself), joins a gloo group (NCCL on CUDA devices)
+under a prefix of its own, so one store could serve several groups. The gradients never pass
+through the controller: after a replica's last W of a stage, `grad_stats` sums the stage's
+gradients over the group (`all_reduce_grads`), bucketed, every bucket in flight at once, and
+every replica then holds the sum over the whole global batch; the clipping norm and the
+AdamW step that follow are the same on every replica, so the replicas stay equal.
+
+Collectives must run in the same order on every member: each member runs its group's ops in
+its device's lane, in the order the controller submitted them, and the controller submits the
+same schedule to every replica, so the order is the same. A member never holds two replicas
+of one stage (the runner places replicas on distinct executors).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from executors.optable import OpContext
+from executors.torch.stage import StageError
+
+__all__ = ["BUCKET_BYTES", "all_reduce_grads", "register"]
+
+BUCKET_BYTES = 25 << 20  # torch DDP's default bucket size: few calls, each large enough to pay
+_TIMEOUT_S = 600.0  # a member that does not arrive in this long fails the collective
+
+
+def _groups(ctx: OpContext) -> dict[str, Any]:
+    return ctx.state.setdefault("replica_groups", {})
+
+
+def _replica_store(ctx: OpContext, *_: Any, group: str, size: int, host: str = "",
+                   timeout_s: float = _TIMEOUT_S) -> dict:
+    """Rank 0 of `group`: open its TCPStore on `host` (this executor's peer host) at a free
+    port; returns {"host", "port"} for the other members."""
+    stores = ctx.state.setdefault("replica_stores", {})
+    if group not in stores:
+        stores[group] = dist.TCPStore(host or "127.0.0.1", 0, int(size), is_master=True,
+                                      wait_for_workers=False,
+                                      timeout=datetime.timedelta(seconds=float(timeout_s)))
+    return {"host": host or "127.0.0.1", "port": int(stores[group].port)}
+
+
+def _replica_group(ctx: OpContext, address: Any, *_: Any, group: str, rank: int, size: int,
+                   timeout_s: float = _TIMEOUT_S) -> int:
+    """Join `group` as `rank` of `size` through the store at `address` (rank 0's
+    `replica_store`); blocks until every member has joined. Returns the rank."""
+    if not isinstance(address, dict) or not isinstance(address.get("port"), int):
+        raise StageError(f"replica group {group!r}: expected the store's address as "
+                         f"{{'host', 'port'}}, got {address!r}")
+    groups = _groups(ctx)
+    if group in groups:
+        return int(groups[group].rank())
+    timeout = datetime.timedelta(seconds=float(timeout_s))
+    store = ctx.state.get("replica_stores", {}).get(group)
+    if store is None:
+        store = dist.TCPStore(str(address["host"]), int(address["port"]), int(size),
+                              is_master=False, timeout=timeout)
+    prefixed = dist.PrefixStore(f"flowkit/{group}", store)
+    if ctx.device.startswith("cuda"):
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        groups[group] = dist.ProcessGroupNCCL(prefixed, int(rank), int(size), options)
+    else:
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=str(address["host"]))]
+        options._timeout = timeout
+        groups[group] = dist.ProcessGroupGloo(prefixed, int(rank), int(size), options)
+    return int(rank)
+
+
+def _leave_replica_groups(ctx: OpContext, *_: Any, prefix: str = "") -> int:
+    """Drop the groups whose names start with `prefix` (a run that ends, a group rebuilt
+    after a restart); returns how many."""
+    groups, stores = _groups(ctx), ctx.state.get("replica_stores", {})
+    names = [name for name in groups if name.startswith(prefix)]
+    for name in names:
+        groups.pop(name)
+        stores.pop(name, None)
+    return len(names)
+
+
+def replica_group(ctx: OpContext, group: str) -> Any:
+    """The process group `group` this executor joined, or a clear error."""
+    found = _groups(ctx).get(group)
+    if found is None:
+        raise StageError(f"this executor is in no replica group {group!r}: the runner sets "
+                         "each group up before the model's first step (replica_group)")
+    return found
+
+
+def all_reduce_grads(group: Any, params: list[torch.Tensor],
+                     bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Sum the gradients of `params` over `group`, in place: flattened into buckets of one
+    dtype up to `bucket_bytes`, every bucket's all-reduce in flight before the first is waited
+    on, so gloo's threads (or NCCL's stream) overlap them. A parameter without a gradient
+    takes part with zeros (another replica may have one: a replica with no microbatch)."""
+    for param in params:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    pending = []
+    for bucket in _buckets(params, bucket_bytes):
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        pending.append((bucket, flat, group.allreduce([flat])))
+    for bucket, flat, work in pending:
+        work.wait()
+        offset = 0
+        for param in bucket:
+            count = param.grad.numel()
+            param.grad.copy_(flat[offset:offset + count].view_as(param.grad))
+            offset += count
+
+
+def _buckets(params: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """Consecutive parameters of one dtype and device, each bucket up to `limit` bytes (a
+    larger parameter alone)."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for param in params:
+        nbytes = param.numel() * param.element_size()
+        last = buckets[-1] if buckets else None
+        if (last is None or size + nbytes > limit or last[0].dtype != param.dtype
+                or last[0].device != param.device):
+            buckets.append([param])
+            size = nbytes
+        else:
+            last.append(param)
+            size += nbytes
+    return buckets
+
+
+def register(table: Any) -> None:
+    table.register("replica_store", _replica_store)
+    table.register("replica_group", _replica_group)
+    table.register("leave_replica_groups", _leave_replica_groups)

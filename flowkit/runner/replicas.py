@@ -1,0 +1,115 @@
+"""Data parallel × pipeline parallel: a model trained by D replicas of its P-device pipeline.
+
+[Note: replicas] A model with `replicas=D` is placed on D × P executors, replica r on
+executors[r*P:(r+1)*P] (device d of replica r is executors[r*P + d]); the runner keeps them
+distinct, so no executor holds two replicas of one stage. A step's microbatches are numbered
+once, globally, as the backprop forms them (streamed or not), and global microbatch g runs on
+replica g % D as that replica's microbatch g // D: the first microbatches to form start every
+replica at once, and uneven counts (M not a multiple of D) leave the first replicas one more.
+Each replica runs the flow's schedule built for its own count, in lanes of its own; the loss
+scale of a mean loss is its microbatch's share of the whole global batch, so the replicas'
+gradients add up to the global batch's.
+
+After a replica's last W of a stage, that stage's `grad_stats` sums the stage's gradients over
+its replica group through torch.distributed [Note: replica groups in
+executors/torch/replicas.py], never through the controller; it also waits (as inputs) for every
+replica's last action of the stage, so no member blocks in the collective while another replica
+still computes, and the simulator, which has no collectives, starts its all-reduce's modelled
+time (SimCosts.allreduce_s) when the last replica is there. Every replica then clips by the same
+global norm and takes the same AdamW step, so the replicas stay equal: replica 0 stands for the
+model (it reports the step, exports the weights to sync and save).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from flowkit.planner import Action, Schedule
+from flowkit.runner.pipeline import PipelineRun, StreamedSchedule
+from flowkit.runtime.controller import Controller
+from flowkit.runtime.futures import Future
+from flowkit.runtime.registry import ExecutorInfo
+
+__all__ = ["ReplicatedSchedule", "last_actions", "replica_counts", "replica_lane",
+           "setup_replica_groups"]
+
+_GROUP_IDS = itertools.count()
+
+
+def replica_counts(microbatches: int, replicas: int) -> list[int]:
+    """How many of a step's `microbatches` each replica runs: global microbatch g on replica
+    g % replicas."""
+    return [len(range(r, microbatches, replicas)) for r in range(replicas)]
+
+
+def replica_lane(model: str, replica: int) -> str:
+    """The lane prefix of a replica's tasks: replica 0's is the model's own, as without
+    replicas; a device's lane is this plus '/device'."""
+    return model if replica == 0 else f"{model}@{replica}"
+
+
+class ReplicatedSchedule:
+    """One StreamedSchedule per replica, fed by global microbatch index [Note: replicas]."""
+
+    def __init__(self, submitters: Sequence[StreamedSchedule]) -> None:
+        self.submitters = list(submitters)
+
+    @property
+    def done(self) -> bool:
+        return all(s.done for s in self.submitters)
+
+    @property
+    def runs(self) -> list[PipelineRun]:
+        """Each replica's run, replica 0's first."""
+        return [s.run for s in self.submitters]
+
+    def feed(self, microbatch: int, inputs: Any) -> None:
+        """Global microbatch `microbatch`'s inputs, to the replica that runs it."""
+        count = len(self.submitters)
+        self.submitters[microbatch % count].feed(microbatch // count, inputs)
+
+    def advance(self) -> None:
+        for submitter in self.submitters:
+            submitter.advance()
+
+
+def last_actions(schedule: Schedule) -> dict[int, Action]:
+    """Each stage's last action in its device's order: after it, the stage's gradients are
+    final."""
+    last: dict[int, Action] = {}
+    for ops in schedule.device_ops:
+        for action in ops:
+            last[action.stage] = action
+    return last
+
+
+def setup_replica_groups(ctl: Controller, executors: Sequence[ExecutorInfo], *, model: str,
+                         devices: int, replicas: int,
+                         watch: Callable[[Future], None]) -> list[str]:
+    """Submit the process group of each device slot [Note: replica groups in
+    executors/torch/replicas.py], in the lanes the replicas' first ops will follow; returns
+    the groups' names by device. `watch` is given every future, for its failure to end the
+    step."""
+    names = []
+    serial = next(_GROUP_IDS)
+    for device in range(devices):
+        name = f"{model}/{devices}x{replicas}/{device}/{serial}"
+        first = executors[device]
+        host = first.peer_address.removeprefix("tcp://").rpartition(":")[0] or "127.0.0.1"
+        store = ctl.submit("replica_store", config={"group": name, "size": replicas,
+                                                    "host": host},
+                           executor=first.id, lane=f"{replica_lane(model, 0)}/{device}",
+                           meta={"node": "replica_groups", "device": device})
+        watch(store)
+        for replica in range(replicas):
+            member = executors[replica * devices + device]
+            watch(ctl.submit("replica_group", store,
+                             config={"group": name, "rank": replica, "size": replicas},
+                             executor=member.id,
+                             lane=f"{replica_lane(model, replica)}/{device}",
+                             meta={"node": "replica_groups", "device": device,
+                                   "replica": replica}))
+        names.append(name)
+    return names

@@ -1,0 +1,113 @@
+"""Data parallel × pipeline parallel on real torch executor processes equals a plain loop.
+
+A model trained as D = 2 replicas of a P-device pipeline (P = 2: 4 executor processes; P = 1: 2)
+sums its replicas' gradients through torch.distributed (gloo) [Note: replicas in
+flowkit/runner/replicas.py]; whatever the schedule, the parameters and per-step losses equal one
+process training the unsplit model on the same global batch, to 1e-10 in float64.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dataflows.pretrain import pretrain_flow
+from flowkit.planner.lower import lower_flow
+from flowkit.runner.config import RunConfigError
+from flowkit.runner.flowrun import FlowRunError, FlowRunner
+from flowkit.runner.setup import with_training_options
+from tests.harness import executor_cluster, plain_training, seeded_gpt, tiny_gpt
+
+CORPUS = str(Path(__file__).parents[2] / "examples" / "data" / "corpus.txt")
+REPLICAS, SEQ_LEN, STEPS = 2, 8, 2
+GPT_CONFIG = tiny_gpt(vocab_size=256, block_size=16, n_layer=4, n_embd=16)
+HPARAMS = {"lr": 1e-2, "clip_grad_norm": 0.5}  # small enough a norm that clipping happens
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with executor_cluster(4, kind="torch", tags=("train",)) as (ctl, _):
+        yield ctl
+
+
+def _flow(name: str, *, stages: int, schedule: str, microbatches: int, sequences: int,
+          dtype: str = "float64"):
+    flow = pretrain_flow(corpus=CORPUS, stages=stages, microbatches=microbatches,
+                         schedule=schedule, batch_size=sequences, seq_len=SEQ_LEN,
+                         gpt={**GPT_CONFIG, "dtype": dtype, "seed": 3}, model_name=name,
+                         **HPARAMS)
+    return with_training_options(flow, stages=None, microbatches=None, schedule=None,
+                                 replicas=REPLICAS)
+
+
+def _train(ctl, flow, name: str) -> tuple[list, list[dict]]:
+    """Per-step losses, and every replica's parameters by stage."""
+    runner = FlowRunner(ctl, lower_flow(flow))
+    losses = [runner.run_step(step).metrics["backprop/loss"] for step in range(STEPS)]
+    schedule, spec = runner.trained[name]
+    training = runner.training[name]
+    replicas = []
+    for replica in range(REPLICAS):
+        executors = training.replica(replica)
+        replicas.append({stage: ctl.submit(
+            "stage_parameters", config={**spec, "stage": stage},
+            executor=executors[schedule.placement.device_of(stage)].id).result(timeout=60)
+            for stage in range(schedule.num_stages)})
+    return losses, replicas
+
+
+def _plain(*, microbatches: int, sequences: int) -> tuple:
+    model = seeded_gpt(GPT_CONFIG, seed=3, dtype=torch.float64)
+    losses = plain_training(model.parameters(), lambda b: model(b[:, :-1], b[:, 1:]),
+                            corpus=CORPUS, steps=STEPS, sequences=sequences, seq_len=SEQ_LEN,
+                            microbatches=microbatches, **HPARAMS)
+    return model, losses
+
+
+def _assert_equal(model, params: dict, stages: int, where: str) -> None:
+    checked = 0
+    for stage, module in enumerate(model.split(stages)):
+        for name, expected in module.named_parameters():
+            diff = (params[stage][name] - expected.detach()).abs().max().item()
+            assert diff < 1e-10, f"{where}: stage {stage} {name} differs by {diff:.3g}"
+            checked += 1
+    assert checked >= len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("stages", [2, 1])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "zb-v"])
+def test_two_replicas_train_to_the_plain_loop_in_float64(cluster, schedule, stages):
+    name = f"dp-{schedule}-{stages}"
+    flow = _flow(name, stages=stages, schedule=schedule, microbatches=4, sequences=8)
+    losses, replicas = _train(cluster, flow, name)
+    model, plain_losses = _plain(microbatches=4, sequences=8)
+    schedule_stages = len(replicas[0])
+    for replica, params in enumerate(replicas):
+        _assert_equal(model, params, schedule_stages, f"{schedule}, replica {replica}")
+    assert losses == pytest.approx(plain_losses, abs=1e-10)
+
+
+def test_uneven_microbatch_counts_per_replica(cluster):
+    """5 microbatches over 2 replicas: 3 on the first, 2 on the second."""
+    flow = _flow("dp-uneven", stages=2, schedule="1f1b", microbatches=5, sequences=10)
+    losses, replicas = _train(cluster, flow, "dp-uneven")
+    model, plain_losses = _plain(microbatches=5, sequences=10)
+    for replica, params in enumerate(replicas):
+        _assert_equal(model, params, 2, f"replica {replica}")
+    assert losses == pytest.approx(plain_losses, abs=1e-10)
+
+
+def test_fewer_microbatches_than_replicas_fail_before_anything_starts():
+    with pytest.raises(RunConfigError, match="at least 2"):
+        _flow("dp-few", stages=2, schedule="1f1b", microbatches=1, sequences=8)
+
+
+def test_too_few_executors_for_the_replicas_is_a_clear_error(cluster):
+    flow = pretrain_flow(corpus=CORPUS, stages=2, microbatches=4, batch_size=8, seq_len=SEQ_LEN,
+                         gpt={**GPT_CONFIG, "seed": 3}, model_name="dp-many")
+    flow = with_training_options(flow, stages=None, microbatches=None, schedule=None,
+                                 replicas=3)
+    with pytest.raises(FlowRunError, match="needs 6 executors"):
+        FlowRunner(cluster, lower_flow(flow))
