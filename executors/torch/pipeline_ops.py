@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from executors.optable import OpContext, OpTable
+from executors.torch import replicas
 from executors.torch.held import (
     HeldStage,
     export_weights,
@@ -25,7 +26,6 @@ from executors.torch.held import (
     right_padded,
     save_weights,
 )
-from executors.torch import replicas
 from executors.torch.memory import keep_freed_memory
 from executors.torch.replicas import all_reduce_grads
 from executors.torch.rl_loss import RL_LOSSES, RLLoss, RLSettings, records, sequence_ids

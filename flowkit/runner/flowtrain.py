@@ -96,9 +96,9 @@ class Rounds:
 class ModelTraining:
     """The pipeline training of one model on `executors` (stage s on the device the schedule
     gives it; with replicas, D pipelines one after the other [Note: replicas in
-    flowkit/runner/replicas.py]). `users` are the (op, tags) of the flow's other ops with the model, which get its
-    weights after each optimizer step. What it learns once (profiled costs, built schedules,
-    the last step's item count) it keeps across steps."""
+    flowkit/runner/replicas.py]). `users` are the (op, tags) of the flow's other ops with the
+    model, which get its weights after each optimizer step. What it learns once (profiled
+    costs, built schedules, the last step's item count) it keeps across steps."""
 
     def __init__(self, ctl: Controller, model: Model, executors: list[ExecutorInfo], *,
                  users: Sequence[tuple[str, frozenset]], sim_costs: SimCosts | None, fuse: bool,
