@@ -96,13 +96,16 @@ def _backward_weight(ctx: OpContext, *inputs: Any, seconds: float = 0.0, **meta:
     busy_for(seconds)
 
 
-def _grad_stats(ctx: OpContext, *inputs: Any, stage: int = 0, allreduce_seconds: float = 0.0,
-                **config: Any) -> tuple:
-    """A stage's gradient stats for the step across stages: no gradients here. With replicas
-    it starts once every replica's last W of the stage is done (its inputs) and takes the
-    all-reduce's time (flowkit/planner/simcosts.py SimCosts.allreduce_s)."""
-    busy_for(allreduce_seconds)
+def _grad_stats(ctx: OpContext, *inputs: Any, stage: int = 0, **config: Any) -> tuple:
+    """A stage's gradient stats for the step across stages: no gradients here."""
     return {"stage": int(stage), "sqnorm": 0.0}, {}
+
+
+def _reduce_grads(ctx: OpContext, *inputs: Any, allreduce_seconds: float = 0.0,
+                  **config: Any) -> None:
+    """A stage's all-reduce over its replicas: it starts once every replica's last action of
+    the stage is done (its inputs) and takes the modelled time (SimCosts.allreduce_s)."""
+    busy_for(allreduce_seconds)
 
 
 def _optimizer_step(ctx: OpContext, *inputs: Any, seconds: float = 0.0, model: str = "",
@@ -312,6 +315,7 @@ def register(table: OpTable) -> None:
     table.register("W", _backward_weight)
     table.register("BW", _backward_input)  # one op doing both: its cost says how long
     table.register("grad_stats", _grad_stats)
+    table.register("reduce_grads", _reduce_grads)
     table.register("optimizer_step", _optimizer_step)
     table.register("generate", _generate)
     table.register("generation", _generation)

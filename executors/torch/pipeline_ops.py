@@ -143,19 +143,11 @@ def _backward(ctx: OpContext, upstream: Any, *_: Any, stage: int, stages: int, m
 
 
 # -- the optimizer step [Note: the optimizer step across stages] ------------------------------
-def _grad_stats(ctx: OpContext, *inputs: Any, stage: int, stages: int,
-                replica_group: str | None = None, **config: Any) -> tuple:
-    """(this stage's squared gradient norm, its tied copies' gradients). With replicas, the
-    stage's gradients are first summed over its `replica_group` [Note: replica groups in
-    executors/torch/replicas.py]; the other inputs that are not the tied gradients only order
-    it after every replica's last W of the stage. Given the first stage's tied gradients (on
-    the last stage), then add them to this stage's copies."""
+def _grad_stats(ctx: OpContext, *partner: Any, stage: int, stages: int, **config: Any) -> tuple:
+    """(this stage's squared gradient norm, its tied copies' gradients). Given the first
+    stage's tied gradients (on the last stage), first add them to this stage's copies."""
     held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
     params = dict(held.module.named_parameters())
-    if replica_group is not None:
-        all_reduce_grads(replicas.replica_group(ctx, replica_group),
-                         [p for p in params.values() if p.requires_grad])
-    partner = [v for v in inputs if isinstance(v, dict)]
     # Copies, never the .grad tensors themselves: on one executor (the V shape puts the first
     # and last stage together) outputs are passed by reference, and the optimizer step scales
     # and drops .grad while the other stage may still read what was sent.
@@ -169,6 +161,16 @@ def _grad_stats(ctx: OpContext, *inputs: Any, stage: int, stages: int,
     counted = [p for n, p in params.items() if not (stage == 0 and n in held.tied)]
     sq = sum(float(p.grad.detach().double().pow(2).sum()) for p in counted if p.grad is not None)
     return {"stage": stage, "sqnorm": sq}, out
+
+
+def _reduce_grads(ctx: OpContext, *_: Any, stage: int, stages: int, replica_group: str,
+                  **config: Any) -> None:
+    """Sum the stage's gradients over its replica group [Note: replica groups in
+    executors/torch/replicas.py]. Its inputs (every replica's last action of the stage) only
+    order it: no member waits in the collective while another replica still computes."""
+    held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
+    all_reduce_grads(replicas.replica_group(ctx, replica_group),
+                     [p for p in held.module.parameters() if p.requires_grad])
 
 
 def _partner_name(held: HeldStage, name: str) -> str:
@@ -309,6 +311,7 @@ def register(table: OpTable) -> None:
     table.register("W", _backward_weight)
     table.register("BW", _backward)
     table.register("grad_stats", _grad_stats)
+    table.register("reduce_grads", _reduce_grads)
     table.register("optimizer_step", _optimizer_step)
     table.register("zero_grad", _zero_grad)
     table.register("stage_parameters", _stage_parameters)

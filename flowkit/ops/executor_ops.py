@@ -54,6 +54,16 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
     OpSpec("BW", "as B", (*_PIPELINE, "out_bytes", "first"), "B and W in one op"),
     OpSpec("grad_stats", "on the last stage, the first stage's tied gradients", _OPTIMIZER,
            "a stage's squared gradient norm and its tied gradients"),
+    OpSpec("reduce_grads", "every replica's last action of the stage, only to be ordered after "
+           "them", (*_STAGE, "replica_group", "allreduce_seconds"),
+           "sum the stage's gradients over its replicas [Note: replicas]: through "
+           "torch.distributed (replica_group), or its modelled seconds on the simulator"),
+    OpSpec("replica_store", "nothing", ("group", "size", "host", "timeout_s"),
+           "on a replica group's rank 0: open its rendezvous store; returns {host, port}"),
+    OpSpec("replica_group", "replica_store's address", ("group", "rank", "size", "timeout_s"),
+           "join the replica group (gloo, NCCL on CUDA) [Note: replica groups]"),
+    OpSpec("leave_replica_groups", "anything, only to be ordered after it", ("prefix",),
+           "drop the replica groups whose names start with prefix"),
     OpSpec("optimizer_step", "the microbatches' stats, every stage's grad stats; after "
            "earlier rounds of the flow step, their StepMetrics [Note: minibatch rounds]",
            (*_OPTIMIZER, "report"),
@@ -97,11 +107,13 @@ LOWERED_OPS = {"pipeline": (*PIPELINE_OPS, "profile_stage"),
                "step": ("grad_stats", "optimizer_step")}
 """The executor ops a model op runs as, by its `ModelOp.lowering` (without one: its own)."""
 
-SIMULATED = frozenset(PIPELINE_OPS) | {"grad_stats", "optimizer_step", "generate", "generation",
+SIMULATED = frozenset(PIPELINE_OPS) | {"grad_stats", "reduce_grads", "optimizer_step",
+                                       "generate", "generation",
                                        "logprobs", "values", "reward_model", "save_state",
                                        "load_state"}
 """The ops the timed simulator implements: every op a flow's model ops lower to, the rollout
-engine's control, and the run checkpoint's state ops."""
+engine's control, and the run checkpoint's state ops. Not the replica groups: it models the
+all-reduce's time in reduce_grads instead of running one."""
 
 STATE_OPS = ("save_state", "load_state")
 """The ops an executor takes part in a run checkpoint with [Note: run checkpoints in

@@ -95,8 +95,9 @@ def submit_optimizer_step(ctl: Controller, schedule: Schedule, executors: Sequen
     microbatches' `stats` (a loss summed over tokens leaves there the normalizer every stage
     divides its gradients by). Each op runs in its device's lane, so after that device's W
     ops. Returns the futures that report nothing and stage 0's report (its `outputs`
-    futures; None when not `reports`: a replica other than the first). `reduce(stage)` gives
-    what a replica's grad_stats adds: inputs to wait for and config [Note: replicas in
+    futures; None when not `reports`: a replica other than the first). With replicas,
+    `reduce(stage)` gives the inputs and config of the stage's `reduce_grads`, which sums its
+    gradients over the replicas before its grad stats [Note: replicas in
     flowkit/runner/replicas.py]."""
     placement, last = schedule.placement, schedule.num_stages - 1
 
@@ -106,16 +107,17 @@ def submit_optimizer_step(ctl: Controller, schedule: Schedule, executors: Sequen
                           executor=executors[device].id, lane=f"{lane}/{device}",
                           outputs=n, meta={**meta, "stage": stage, "device": device})
 
-    def grad_stats(stage: int, *partner: Any) -> Any:
-        after, more = reduce(stage) if reduce is not None else ([], {})
-        return submit("grad_stats", stage, *partner, *after, n=2, **more)
-
-    first_stats, tied = grad_stats(0)
+    # with replicas, each stage's gradients are summed first, in its device's lane right after
+    # the device's last action: a device that ends early reduces while the others compute
+    reduced = [submit("reduce_grads", stage, *after, **more) for stage in range(last + 1)
+               for after, more in [reduce(stage)]] if reduce is not None else []
+    first_stats, tied = submit("grad_stats", 0, n=2)
     stage_stats, summed = [first_stats], None
     for stage in range(1, last + 1):
-        stats_of, summed = grad_stats(stage, *((tied,) if stage == last else ()))
+        partner = (tied,) if stage == last else ()
+        stats_of, summed = submit("grad_stats", stage, *partner, n=2)
         stage_stats.append(stats_of)
-    quiet = [tied, *stage_stats[1:]] + ([summed] if last else [])
+    quiet = [*reduced, tied, *stage_stats[1:]] + ([summed] if last else [])
     for stage in range(last, 0, -1):
         quiet.append(submit("optimizer_step", stage, *stats, *stage_stats))
     back = (summed,) if last else ()
