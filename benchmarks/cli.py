@@ -98,13 +98,33 @@ def pipeline(json_out: Path | None) -> None:
 @click.option("--model", type=click.Choice(["gpt", "llama", "qwen2"]), default=None,
               help="The built-in GPT, or a Hugging Face decoder of its size (needs the hf "
               "extra) [default: gpt].")
+@click.option("--replicas", default=None, metavar="D,D,...",
+              help="Instead: data parallel x pipeline parallel, tokens/s at these replica "
+              "counts on this CPU against one replica (e.g. 1,2), then on the simulator and "
+              "the planner at D = 1, 2, 4, 8.")
 @_json_option
-def train(model: str | None, json_out: Path | None) -> None:
+def train(model: str | None, replicas: str | None, json_out: Path | None) -> None:
     """Pipeline training steps against their simulation.
 
     Also B + W against a fused backward, and tokens/s against a plain training loop."""
+    if replicas is not None:
+        counts = _replica_counts(replicas)
+        _report(_bench_function("replicas", "run_replicas_bench")(cpu_replicas=counts),
+                json_out)
+        return
     kwargs = {} if model is None else {"model": model}
     _report(_bench_function("train", "run_train_bench")(**kwargs), json_out)
+
+
+def _replica_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1 or 1 not in counts:
+        raise click.BadParameter(f"expected replica counts like 1,2 (1 among them: the "
+                                 f"baseline), got {text!r}", param_hint="--replicas")
+    return counts
 
 
 @bench.command(cls=_BenchCommand)

@@ -40,6 +40,7 @@ class ReplicatedResult:
     pipeline: SimResult  # one replica's schedule, as simulate() times it
     reductions: tuple[Reduction, ...]  # by stage
     step: float  # from the first action to the end of the last all-reduce
+    first: float = 0.0  # when the first action started
 
     @property
     def allreduce(self) -> float:
@@ -56,8 +57,13 @@ class ReplicatedResult:
 
     @property
     def hidden(self) -> float:
-        """The share of the all-reduce's time the schedule hid (1: none of it shows)."""
-        return 1.0 - self.exposed / self.allreduce if self.allreduce > 0 else 1.0
+        """The share of every device's all-reduce time that ran while some device still
+        computed (before the pipeline's last action): 1 when none of it shows."""
+        total = sum(r.end - r.start for r in self.reductions)
+        if total <= 0:
+            return 1.0
+        end = self.first + self.pipeline.makespan
+        return sum(max(0.0, min(r.end, end) - r.start) for r in self.reductions) / total
 
     def to_json(self) -> dict:
         return {"makespan": self.pipeline.makespan, "step": self.step,
@@ -90,4 +96,4 @@ def simulate_replicas(schedule: Schedule, costs: Costs, allreduce_s: float | Seq
     last = max([pipeline.makespan + first] + [r.end for r in reductions])
     return ReplicatedResult(pipeline=pipeline, reductions=tuple(sorted(reductions,
                                                                        key=lambda r: r.stage)),
-                            step=last - first)
+                            step=last - first, first=first)

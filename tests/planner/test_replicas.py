@@ -30,9 +30,14 @@ def test_in_1f1b_only_the_first_devices_all_reduce_shows():
     costs = Costs.uniform(4, F=1.0, B=1.0, W=1.0)
     result = simulate_replicas(_schedule("1f1b", 4, 8, costs), costs, 2.0)
     assert result.exposed == pytest.approx(2.0)
-    assert result.hidden == pytest.approx(0.0)  # the device that spends most shows all of it
     ends = {r.device: r.end for r in result.reductions}
     assert ends[3] < result.pipeline.makespan < ends[0]
+    # devices 1-3 end their backward passes at least one B + W (2) before device 0: their
+    # all-reduces end by the pipeline's end, device 0's shows whole: 6 of 8 seconds hidden
+    shown = {r.device: max(0.0, r.end - result.pipeline.makespan) for r in result.reductions}
+    assert shown == {0: pytest.approx(2.0), 1: pytest.approx(0.0), 2: pytest.approx(0.0),
+                     3: pytest.approx(0.0)}
+    assert result.hidden == pytest.approx(6.0 / 8.0)
 
 
 def test_a_device_reduces_its_stages_one_after_the_other_after_its_last_action():

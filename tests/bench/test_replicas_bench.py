@@ -1,0 +1,27 @@
+"""`flowkit bench train --replicas`: its planner grid and its argument errors (the CPU and
+simulator parts start processes and are run by hand; docs/performance.md has their figures)."""
+
+from __future__ import annotations
+
+from click.testing import CliRunner
+
+from benchmarks.cli import bench
+from benchmarks.replicas import _planner_grid
+
+
+def test_the_planner_grid_scales_a_1b_model_to_8_replicas_at_100_gbps():
+    grid = _planner_grid()
+    for kind in ("1f1b", "zb-h1"):
+        row = grid[f"{kind} P=4 100Gb/s D=8"]
+        assert row["scaling_efficiency"] >= 0.9, (kind, row)
+        assert 0.0 <= row["hidden"] <= 1.0
+        assert grid[f"{kind} P=4 100Gb/s D=1"]["scaling_efficiency"] == 1.0
+    slower = [grid[f"1f1b P=4 {gbps}Gb/s D=8"]["scaling_efficiency"]
+              for gbps in ("400", "100", "25", "10")]
+    assert slower == sorted(slower, reverse=True)
+
+
+def test_replica_counts_need_the_one_replica_baseline():
+    result = CliRunner().invoke(bench, ["train", "--replicas", "2,4"])
+    assert result.exit_code == 2
+    assert "1 among them" in result.output
