@@ -432,7 +432,8 @@ def restore(folder: Path, runner: Checkpointed, executors: list[ExecutorInfo], *
     saved, placement = read_manifest(folder).placement, runner.state().placement
     if saved != placement:  # each executor's state is of the stages it held
         raise CheckpointError(f"--resume {folder}: the checkpointed run placed the models' stages "
-                              f"on {saved}, this run on {placement}")
+                              f"on {saved}, this run on {placement}: resume with the same "
+                              "executors, --stages and --replicas")
     loads = []
     for e in executors:
         part = Path(folder) / "executors" / e.name

@@ -1,0 +1,27 @@
+"""`flowkit run --replicas`: a model trained by two replicas of its pipeline from the command
+line, checkpointed and resumed to the same curve; the settings that cannot work are refused in
+one line before anything starts."""
+
+from __future__ import annotations
+
+from tests.cli.runs import PRETRAIN, metrics_lines, refused, run_ok
+
+
+def _losses(path) -> list[float]:
+    return [line["backprop/loss"] for line in metrics_lines(path)]
+
+
+def test_a_checkpoint_of_two_replicas_resumes_to_the_same_curve(tmp_path):
+    flags = ("--replicas", "2", "--executors", "torch")
+    run_ok(PRETRAIN, *flags, "--steps", "4", "--checkpoint-dir", str(tmp_path / "ck"),
+           "--checkpoint-every", "2", "--metrics", str(tmp_path / "whole.jsonl"))
+    step = sorted((tmp_path / "ck").iterdir())[0]
+    run_ok(PRETRAIN, *flags, "--steps", "4", "--resume", str(step),
+           "--metrics", str(tmp_path / "resumed.jsonl"))
+    whole, resumed = _losses(tmp_path / "whole.jsonl"), _losses(tmp_path / "resumed.jsonl")
+    assert len(whole) == 4 and resumed[-2:] == whole[-2:]
+
+
+def test_fewer_microbatches_than_replicas_are_refused():
+    out = refused(PRETRAIN, "--replicas", "8", "--executors", "torch")
+    assert "runs 4 microbatch(es) a step" in out and "--microbatches 8" in out
