@@ -39,6 +39,9 @@ class HeldStage:
     runner: StageRunner
     optimizer: torch.optim.Optimizer | None = None
     tied: tuple[str, ...] = ()  # names of parameters that are copies of another stage's
+    # (rank, size) when its optimizer holds one replica's shard [Note: sharded optimizer states
+    # in executors/torch/replicas.py]
+    shard: tuple[int, int] | None = None
 
 
 @attrs.define(eq=False)

@@ -27,7 +27,7 @@ from executors.torch.held import (
     save_weights,
 )
 from executors.torch.memory import keep_freed_memory
-from executors.torch.replicas import all_reduce_grads
+from executors.torch.replicas import all_reduce_grads, broadcast_shards, owned
 from executors.torch.rl_loss import RL_LOSSES, RLLoss, RLSettings, records, sequence_ids
 from executors.torch.stage import StageError, StageRunner
 from flowkit.ops.records import MicrobatchStats, microbatch_stats, step_report
@@ -185,12 +185,15 @@ def _partner_name(held: HeldStage, name: str) -> str:
 def _optimizer_step(ctx: OpContext, *inputs: Any, stage: int, stages: int, step: int = 0,
                     lr: float = 3e-4, weight_decay: float = 0.1, betas: Any = (0.9, 0.95),
                     eps: float = 1e-8, clip_grad_norm: float | None = 1.0, report: bool = False,
-                    model: str = "", **config: Any) -> Any:
+                    model: str = "", replica_group: str | None = None,
+                    shard_optimizer: bool = False, **config: Any) -> Any:
     """Clip by the global norm over every stage, take one AdamW step, zero the gradients.
     Inputs: the microbatches' stats, each stage's grad stats, and on stage 0 also the summed
     tied gradients. Losses summed over tokens leave a normalizer in their stats: the gradients
     are divided by the step's total first [Note: RL losses in sum form in rl_loss.py]. The
-    stage that `report`s returns the step's metrics."""
+    stage that `report`s returns the step's metrics. With `shard_optimizer` over the stage's
+    `replica_group`, this replica steps only the parameters it owns and the replicas exchange
+    them [Note: sharded optimizer states in executors/torch/replicas.py]."""
     held = held_stage(ctx, {**config, "model": model, "stage": stage, "stages": stages})
     stats = [v for v in inputs if isinstance(v, dict) and "sqnorm" in v]
     if len(stats) != stages:
@@ -213,19 +216,27 @@ def _optimizer_step(ctx: OpContext, *inputs: Any, stage: int, stages: int, step:
         if coef < 1.0:
             for grad in grads:
                 grad.mul_(coef)
+    group = replicas.replica_group(ctx, replica_group) \
+        if shard_optimizer and replica_group is not None else None
     if held.optimizer is None:
-        held.optimizer = _adamw(held.module, lr=lr, weight_decay=weight_decay, betas=betas,
-                                eps=eps)
+        held.shard = None if group is None else (group.rank(), group.size())
+        held.optimizer = new_optimizer(held.module, shard=held.shard, lr=lr,
+                                       weight_decay=weight_decay, betas=betas, eps=eps)
     held.optimizer.step()
-    held.optimizer.zero_grad(set_to_none=True)
+    held.module.zero_grad(set_to_none=True)
+    if group is not None:
+        broadcast_shards(group, _trainable(held.module))
     if not report:
         return None
     return step_report(inputs, model=model, step=step, grad_norm=norm)
 
 
-def _adamw(module: torch.nn.Module, **hparams: Any) -> torch.optim.AdamW:
+def _trainable(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def _adamw(params: list[torch.Tensor], **hparams: Any) -> torch.optim.AdamW:
     """AdamW with decay on matrices only (not biases, norms), as nanoGPT configures it."""
-    params = [p for p in module.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     plain = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": hparams.pop("weight_decay")},
@@ -234,10 +245,21 @@ def _adamw(module: torch.nn.Module, **hparams: Any) -> torch.optim.AdamW:
     return torch.optim.AdamW([g for g in groups if g["params"]], foreach=False, **hparams)
 
 
-def new_optimizer(module: torch.nn.Module) -> torch.optim.AdamW:
-    """An AdamW for `module` grouped as the optimizer step makes it, for a saved state to be
-    loaded into (its hyperparameters come with the state)."""
-    return _adamw(module, lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+def new_optimizer(module: torch.nn.Module, *, shard: tuple[int, int] | None = None,
+                  **hparams: Any) -> torch.optim.AdamW:
+    """An AdamW for `module` grouped as the optimizer step makes it (for a saved state to be
+    loaded into, the defaults: its hyperparameters come with the state); with `shard`
+    (rank, size), for the parameters that replica owns [Note: sharded optimizer states in
+    executors/torch/replicas.py]."""
+    params = _trainable(module)
+    if shard is not None:
+        params = owned(params, *shard)
+        if not params:
+            raise StageError(f"replica {shard[0]} of {shard[1]} owns none of the stage's "
+                             f"{len(_trainable(module))} parameters: shard the optimizer over "
+                             "fewer replicas")
+    defaults = {"lr": 3e-4, "weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8}
+    return _adamw(params, **{**defaults, **hparams})
 
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:

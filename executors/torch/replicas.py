@@ -31,7 +31,7 @@ import torch.distributed as dist
 from executors.optable import OpContext
 from executors.torch.stage import StageError
 
-__all__ = ["BUCKET_BYTES", "all_reduce_grads", "register"]
+__all__ = ["BUCKET_BYTES", "all_reduce_grads", "broadcast_shards", "owned", "register"]
 
 BUCKET_BYTES = 25 << 20  # torch DDP's default bucket size: few calls, each large enough to pay
 _TIMEOUT_S = 600.0  # a member that does not arrive in this long fails the collective
@@ -121,6 +121,48 @@ def all_reduce_grads(group: Any, params: list[torch.Tensor],
             count = param.grad.numel()
             param.grad.copy_(flat[offset:offset + count].view_as(param.grad))
             offset += count
+
+
+# [Note: sharded optimizer states] With `shard_optimizer` (ZeRO stage 1), each replica of a
+# stage keeps AdamW states only for the parameters it owns: the stage's parameters in order, each
+# to the rank that owns the fewest elements so far (the same cut on every replica). After the
+# gradients are summed and clipped as without sharding, each rank steps its own parameters and
+# then broadcasts them to the others, owner by owner. AdamW updates each element from its own
+# gradient and state alone, so the result is the unsharded step's, bit for bit.
+def owned(params: list[torch.Tensor], rank: int, size: int) -> list[torch.Tensor]:
+    """The parameters of `params` that `rank` of `size` owns [Note: sharded optimizer states]."""
+    return [p for p, owner in zip(params, _owners(params, size), strict=True) if owner == rank]
+
+
+def _owners(params: list[torch.Tensor], size: int) -> list[int]:
+    loads = [0] * size
+    owners = []
+    for param in params:
+        owner = min(range(size), key=lambda r: (loads[r], r))
+        loads[owner] += param.numel()
+        owners.append(owner)
+    return owners
+
+
+def broadcast_shards(group: Any, params: list[torch.Tensor],
+                     bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Every rank's owned parameters of `params`, as its optimizer stepped them, to all ranks
+    [Note: sharded optimizer states]: bucketed, all in flight before the first is waited on."""
+    owners = _owners(params, group.size())
+    pending = []
+    for rank in range(group.size()):
+        mine = [p for p, owner in zip(params, owners, strict=True) if owner == rank]
+        for bucket in _buckets(mine, bucket_bytes):
+            flat = torch.cat([p.detach().reshape(-1) for p in bucket])
+            pending.append((bucket, flat, group.broadcast(flat, rank)))
+    with torch.no_grad():
+        for bucket, flat, work in pending:
+            work.wait()
+            offset = 0
+            for param in bucket:
+                count = param.numel()
+                param.copy_(flat[offset:offset + count].view_as(param))
+                offset += count
 
 
 def _buckets(params: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:

@@ -42,8 +42,10 @@ def state_of(ctx: OpContext) -> dict[str, Any]:
             parts = {i: held.parts[i].state_dict() for i in indices}
         optimizers = {i: s.optimizer.state_dict() for i, s in held.stages.items()
                       if s.optimizer is not None}
+        shards = {i: list(s.shard) for i, s in held.stages.items()
+                  if s.optimizer is not None and s.shard is not None}
         models.append({"name": name, "stages": stages, "config": held.config, "parts": parts,
-                       "optimizers": optimizers, "version": held.version,
+                       "optimizers": optimizers, "shards": shards, "version": held.version,
                        "held_stages": sorted(held.stages)})
     return {"format": _FORMAT, "models": models, "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate()}
@@ -134,6 +136,14 @@ def _checked(entry: Any, index: int, path: str, models: dict) -> tuple[dict, dic
                          f"in {spec['stages']}")
     parts, optimizers = (_field(entry, key, dict, path, where) for key in ("parts", "optimizers"))
     held_stages = _field(entry, "held_stages", list, path, where)
+    # [Note: sharded optimizer states in executors/torch/replicas.py]; older files have none
+    shards = entry.setdefault("shards", {})
+    if not (isinstance(shards, dict) and all(
+            isinstance(i, int) and i in optimizers and isinstance(v, list) and len(v) == 2
+            and all(isinstance(n, int) for n in v) and 0 <= v[0] < v[1] <= 1024
+            for i, v in shards.items())):
+        raise StageError(f"{path}: model {name!r} has optimizer shards that are not "
+                         "{stage: [rank, size]} of its saved optimizers")
     version = entry.get("version")
     indices = [*parts, *optimizers, *held_stages]
     if not all(isinstance(i, int) and 0 <= i < stages for i in indices):
@@ -177,7 +187,9 @@ def _restore(ctx: OpContext, entry: dict, spec: dict, path: str) -> None:
         from executors.torch.pipeline_ops import new_optimizer
 
         stage = held.stages[index]
-        stage.optimizer = new_optimizer(stage.module)
+        shard = entry["shards"].get(index)
+        stage.shard = None if shard is None else (int(shard[0]), int(shard[1]))
+        stage.optimizer = new_optimizer(stage.module, shard=stage.shard)
         try:
             stage.optimizer.load_state_dict(saved)  # its hyperparameters too: the saved ones win
         except (ValueError, TypeError, KeyError, RuntimeError) as exc:

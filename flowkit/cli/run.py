@@ -53,6 +53,8 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
 @click.option("--replicas", type=click.IntRange(min=1), default=None,
               help="Data-parallel replicas of every trained model's pipeline, each on its own "
               "executors [default: the flow's].")
+@click.option("--shard-optimizer", is_flag=True, default=_RUN.shard_optimizer,
+              help="Shard each trained model's optimizer states over its replicas (ZeRO-1).")
 @click.option("--microbatches", type=click.IntRange(min=1), default=None,
               help="Microbatches per step of every backprop [default: the flow's].")
 @click.option("--schedule", default=None,
@@ -150,7 +152,8 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
               "packs several on a core); a cuda executor's bundle is one GPU.")
 @click.option("--debug", is_flag=True, help="Show a failed op's remote traceback.")
 def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | None, device: str,
-        steps: int, stages: int | None, replicas: int | None, microbatches: int | None,
+        steps: int, stages: int | None, replicas: int | None, shard_optimizer: bool,
+        microbatches: int | None,
         schedule: str | None,
         fuse: bool, asynchronous: bool | None, max_staleness: int | None, sim_cost: str,
         trace: Path | None, metrics: Path | None, loggers: tuple[str, ...], log_dir: Path,
@@ -185,6 +188,7 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
         config = RunConfig(
             steps=steps, executors=kind, num_executors=num_executors, tags=_tags(tag_spec),
             device=device, code=[path], stages=stages, replicas=replicas,
+            shard_optimizer=shard_optimizer,
             microbatches=microbatches,
             schedule=schedule, fuse=fuse, asynchronous=asynchronous,
             max_staleness=max_staleness, sim_costs=costs, trace=trace, logs=logs,

@@ -214,6 +214,11 @@ def _check_output(ctx: click.Context, param: click.Parameter, value: Path | None
               default=None, help="Write the schedule and its simulated result as JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
               callback=_check_output, help="Write a Gantt chart (.svg, or .png with matplotlib).")
+@click.option("--allreduce", type=_FiniteFloat(min=0, min_open=True), default=None,
+              metavar="TIME",
+              help="Data parallel: the all-reduce of one device share's gradients over the "
+              "replicas, in cost units; shows where each device's runs after its last op and "
+              "what of it the schedule hides.")
 @click.option("--execute", type=click.IntRange(min=1), default=None, metavar="N",
               help="Also run the schedule on N simulator executor processes (N = devices) and "
               "print measured against simulated makespan and bubble rate.")
@@ -221,7 +226,7 @@ def _check_output(ctx: click.Context, param: click.Parameter, value: Path | None
               show_default=True,
               help="Seconds one cost unit takes on the simulator executors (with --execute).")
 def schedule(kind, devices, microbatches, cost_text, comm, memory_limit, mem_text, dims_text,
-             chunks, json_out, plot, execute, unit_s) -> None:
+             chunks, json_out, plot, allreduce, execute, unit_s) -> None:
     """Build, validate and simulate a pipeline schedule (or `compare` all kinds)."""
     if mem_text is not None and dims_text is not None:
         raise click.UsageError("give --mem or --model-dims, not both")
@@ -235,16 +240,40 @@ def schedule(kind, devices, microbatches, cost_text, comm, memory_limit, mem_tex
     if kind == "compare":
         if json_out or plot:
             raise click.UsageError("--json and --plot need a single KIND, not compare")
-        if execute:
-            raise click.UsageError("--execute needs a single KIND, not compare")
+        if execute or allreduce:
+            raise click.UsageError("--execute and --allreduce need a single KIND, not compare")
         _compare(console, chunks, build_kwargs)
         return
     if execute is not None and execute != devices:
         raise click.UsageError(f"--execute {execute}: the schedule has {devices} devices and "
                                f"runs one per executor; use --execute {devices}")
     sched, stage_costs = _run_one(console, kind, chunks, build_kwargs, json_out, plot)
+    if allreduce:
+        _reductions(console, sched, stage_costs, allreduce)
     if execute:
         _execute(console, sched, stage_costs, unit_s)
+
+
+def _reductions(console: Console, sched: Schedule, stage_costs: Costs, allreduce: float) -> None:
+    """Each device's all-reduce after its last op (flowkit/planner/replicas.py)."""
+    from flowkit.planner.replicas import simulate_replicas
+
+    placement = sched.placement
+    per_stage = [allreduce / len(placement.stages_on(placement.device_of(s)))
+                 for s in range(placement.num_stages)]
+    result = simulate_replicas(sched, stage_costs, per_stage)
+    table = Table(title=f"all-reduce over the replicas: {allreduce:g} a device share",
+                  title_justify="left")
+    for column in ("stage", "device", "gradients final", "reduced", "past the makespan"):
+        table.add_column(column, justify="right")
+    end = result.first + result.pipeline.makespan
+    for r in result.reductions:
+        table.add_row(str(r.stage), str(r.device), f"{r.ready:.6g}",
+                      f"{r.start:.6g} - {r.end:.6g}", f"{max(0.0, r.end - end):.6g}")
+    console.print(table)
+    console.print(f"step {result.step:.6g} = makespan {result.pipeline.makespan:.6g} + "
+                  f"{result.exposed:.6g} shown; {result.hidden:.1%} of the all-reduce time "
+                  "hidden behind other devices' ops")
 
 
 def _execute(console: Console, sched: Schedule, stage_costs: Costs, unit_s: float) -> None:

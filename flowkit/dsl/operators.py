@@ -76,6 +76,9 @@ class Model:
     # share of a step's microbatches, their gradients summed through torch.distributed
     # [Note: replicas in flowkit/runner/replicas.py]
     replicas: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    # ZeRO-1: each replica keeps the optimizer states of its share of the parameters only
+    # [Note: sharded optimizer states in executors/torch/replicas.py]
+    shard_optimizer: bool = False
 
     @build.validator
     def _check_build(self, _attribute: attrs.Attribute, value: str) -> None:

@@ -35,7 +35,8 @@ _PIPELINE = (*_STAGE, "microbatch", "loss", *LOSS_KNOBS, "seconds")
 # the simulator's rollout engine and sampled lengths (flowkit/planner/simcosts.py)
 _SIM_ENGINE = ("seconds_per_seq", "seconds_per_prefill_token", "token_budget", "max_batch",
                "prompt_sigma")
-_OPTIMIZER = (*_STAGE, "step", "seconds", "lr", "weight_decay", "betas", "eps", "clip_grad_norm")
+_OPTIMIZER = (*_STAGE, "step", "seconds", "lr", "weight_decay", "betas", "eps", "clip_grad_norm",
+              "replica_group", "shard_optimizer")
 _SCORING = (*MODEL_KEYS, "step", "max_batch", "max_tokens", "seconds_per_token")
 # Generate's settings but `take`, which the runner keeps (flowkit/runner/flowrun.py)
 _SAMPLING = tuple(key for key in SAMPLING_KEYS if key != "take")

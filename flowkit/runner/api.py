@@ -94,6 +94,7 @@ class Run:
                                  "max_restarts")
         self.console = console or Console()
         self.flow = with_training_options(flow, stages=config.stages, replicas=config.replicas,
+                                          shard_optimizer=config.shard_optimizer,
                                           microbatches=config.microbatches,
                                           schedule=config.schedule)
         self.plan = lower_flow(self.flow)

@@ -143,6 +143,9 @@ class RunConfig:
     replicas: int | None = attrs.field(default=None, validator=_at_least(1))
     """Data-parallel replicas of every trained model's pipeline (each on its own executors,
     gradients summed through torch.distributed); None: the flow's."""
+    shard_optimizer: bool = False
+    """Keep each trained model's optimizer states sharded over its replicas (ZeRO-1); False:
+    as the flow's models say."""
     microbatches: int | None = attrs.field(default=None, validator=_at_least(1))
     """Microbatches per step of every backprop; None: the flow's."""
     schedule: str | None = None

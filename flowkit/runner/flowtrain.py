@@ -391,7 +391,8 @@ class ModelTraining:
                 self.ctl, schedule, self.replica(replica), spec, stats, config,
                 lane=replica_lane(self.model.name, replica),
                 meta={**meta, "replica": replica} if self.replicas > 1 else meta,
-                outputs=outputs, reports=replica == 0, reduce=self._reduction(schedule))
+                outputs=outputs, reports=replica == 0, reduce=self._reduction(schedule),
+                step_config=self._sharding(schedule))
             reported = report if replica == 0 else reported
             for future in quiet:
                 watch((), (future,), register=False)
@@ -414,6 +415,14 @@ class ModelTraining:
             return after, {"allreduce_seconds": seconds}
 
         return reduce
+
+    def _sharding(self, schedule: Schedule) -> Callable[[int], dict] | None:
+        """A sharded optimizer's group for each stage's optimizer step (torch replicas only)."""
+        if not (self.model.shard_optimizer and self.groups):
+            return None
+        groups = self.groups
+        return lambda stage: {"replica_group": groups[schedule.placement.device_of(stage)],
+                              "shard_optimizer": True}
 
     def _sync_weights(self, plan: NodePlan, version: Any) -> list:
         """Submit the new weights to every executor that may generate or score with the model

@@ -60,8 +60,10 @@ def choose_executors(plan: list[NodePlan], kind: str) -> tuple[str, str | None]:
 
 
 def with_training_options(flow: Flow, *, stages: int | None, microbatches: int | None,
-                          schedule: str | None, replicas: int | None = None) -> Flow:
-    """`flow` with every trained model cut into `stages` and trained by `replicas`, and every
+                          schedule: str | None, replicas: int | None = None,
+                          shard_optimizer: bool = False) -> Flow:
+    """`flow` with every trained model cut into `stages` and trained by `replicas` (their
+    optimizer states sharded over them with `shard_optimizer`), and every
     backprop run with `microbatches` under `schedule`, where given (the flow is changed in
     place). A backprop with fewer microbatches than its model's replicas is an error here,
     before anything starts: each replica runs at least one."""
@@ -77,7 +79,8 @@ def with_training_options(flow: Flow, *, stages: int | None, microbatches: int |
     for name in {node.model for node in backprops}:
         model = flow.models[name]
         flow.models[name] = attrs.evolve(model, stages=stages or model.stages,
-                                         replicas=replicas or model.replicas)
+                                         replicas=replicas or model.replicas,
+                                         shard_optimizer=shard_optimizer or model.shard_optimizer)
     for node in backprops:
         if microbatches is not None:
             node.config["microbatches"] = microbatches

@@ -87,7 +87,8 @@ def device_shares(stage_costs: Costs, placement: Placement) -> Costs:
 def submit_optimizer_step(ctl: Controller, schedule: Schedule, executors: Sequence[ExecutorInfo],
                           spec: dict, stats: list, config: dict, *, lane: str, meta: dict,
                           outputs: int, reports: bool = True,
-                          reduce: Callable[[int], tuple[list, dict]] | None = None
+                          reduce: Callable[[int], tuple[list, dict]] | None = None,
+                          step_config: Callable[[int], dict] | None = None
                           ) -> tuple[list[Future], Any]:
     """The step across stages ([Note: the optimizer step across stages] in
     executors/torch/pipeline_ops.py): grad stats per stage (the last stage's adds in the first
@@ -98,7 +99,8 @@ def submit_optimizer_step(ctl: Controller, schedule: Schedule, executors: Sequen
     futures; None when not `reports`: a replica other than the first). With replicas,
     `reduce(stage)` gives the inputs and config of the stage's `reduce_grads`, which sums its
     gradients over the replicas before its grad stats [Note: replicas in
-    flowkit/runner/replicas.py]."""
+    flowkit/runner/replicas.py]; `step_config(stage)`, what its optimizer step adds (a sharded
+    optimizer's group)."""
     placement, last = schedule.placement, schedule.num_stages - 1
 
     def submit(op: str, stage: int, *inputs: Any, n: int = 1, **more: Any) -> Any:
@@ -118,14 +120,18 @@ def submit_optimizer_step(ctl: Controller, schedule: Schedule, executors: Sequen
         stats_of, summed = submit("grad_stats", stage, *partner, n=2)
         stage_stats.append(stats_of)
     quiet = [*reduced, tied, *stage_stats[1:]] + ([summed] if last else [])
+
+    def step(stage: int, *inputs: Any, **more: Any) -> Any:
+        extra = step_config(stage) if step_config is not None else {}
+        return submit("optimizer_step", stage, *stats, *stage_stats, *inputs, **extra, **more)
+
     for stage in range(last, 0, -1):
-        quiet.append(submit("optimizer_step", stage, *stats, *stage_stats))
+        quiet.append(step(stage))
     back = (summed,) if last else ()
     if not reports:
-        quiet += [stage_stats[0], submit("optimizer_step", 0, *stats, *stage_stats, *back)]
+        quiet += [stage_stats[0], step(0, *back)]
         return quiet, None
-    report = submit("optimizer_step", 0, *stats, *stage_stats, *back, n=outputs, report=True)
-    return quiet, report
+    return quiet, step(0, *back, n=outputs, report=True)
 
 
 def submit_exports(ctl: Controller, schedule: Schedule, executors: Sequence[ExecutorInfo],

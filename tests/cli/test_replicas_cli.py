@@ -25,3 +25,31 @@ def test_a_checkpoint_of_two_replicas_resumes_to_the_same_curve(tmp_path):
 def test_fewer_microbatches_than_replicas_are_refused():
     out = refused(PRETRAIN, "--replicas", "8", "--executors", "torch")
     assert "runs 4 microbatch(es) a step" in out and "--microbatches 8" in out
+
+
+def test_sharded_optimizer_states_checkpoint_and_resume(tmp_path):
+    """Each replica saves only its shard of the optimizer states, and resumes it."""
+    import torch
+
+    flags = ("--replicas", "2", "--shard-optimizer", "--executors", "torch")
+    run_ok(PRETRAIN, *flags, "--steps", "3", "--checkpoint-dir", str(tmp_path / "ck"),
+           "--checkpoint-every", "2", "--metrics", str(tmp_path / "whole.jsonl"))
+    step = sorted((tmp_path / "ck").iterdir())[0]
+    counts = []
+    for part in sorted((step / "executors").iterdir()):
+        state = torch.load(part / "state.pt" if part.is_dir() else part, weights_only=True)
+        (entry,) = [m for m in state["models"] if m["optimizers"]]
+        assert entry["shards"], part
+        counts.append({i: len(o["state"]) for i, o in entry["optimizers"].items()})
+    # exec-0 and exec-2 hold stage 0 of replicas 0 and 1, exec-1 and exec-3 stage 1: each
+    # replica keeps a part of the stage's optimizer states, none all of them
+    assert len(counts) == 4
+    for first, second in ((counts[0], counts[2]), (counts[1], counts[3])):
+        assert first.keys() == second.keys()
+        for stage in first:
+            assert 0 < first[stage] < first[stage] + second[stage]
+            assert 0 < second[stage]
+    run_ok(PRETRAIN, *flags, "--steps", "3", "--resume", str(step),
+           "--metrics", str(tmp_path / "resumed.jsonl"))
+    whole, resumed = _losses(tmp_path / "whole.jsonl"), _losses(tmp_path / "resumed.jsonl")
+    assert resumed[-1:] == whole[-1:]

@@ -129,3 +129,16 @@ def test_without_restarts_a_killed_executor_fails_the_run_with_a_clear_error(tmp
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 1
     assert "was lost" in output and "Traceback" not in output
+
+
+def test_a_killed_replica_is_replaced_and_its_group_rebuilt(tmp_path):
+    """Two replicas of the 2-stage pipeline (4 executors): a replacement joins new replica
+    groups, and the run ends with the parameters of the run without faults."""
+    clean, faulty = tmp_path / "clean", tmp_path / "faulty"
+    replicas = ("--replicas", "2")
+    subprocess.run(_command(PRETRAIN, clean, "--steps", "10", *replicas), cwd=ROOT,
+                   check=True, capture_output=True)
+    output = _run_with_kills(PRETRAIN, faulty, 10, "--max-restarts", "1", *replicas, kills=1,
+                             seed=5)
+    assert output.count("lost (") == 1
+    _same_run(faulty, clean, "loss")

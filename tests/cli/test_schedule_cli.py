@@ -231,3 +231,17 @@ def test_plot_png_is_a_labelled_chart(tmp_path):
 def test_the_help_lists_the_schedule_kinds():
     result = CliRunner().invoke(main, ["schedule", "--help"])
     assert result.exit_code == 0 and "zb-h1" in result.output and "auto" in result.output
+
+
+def test_allreduce_shows_where_each_devices_reduction_runs():
+    """1F1B on 4 devices: the last three devices' all-reduces end before the first device's
+    last op, the first device's shows whole."""
+    result = _run("1f1b", "-p", "4", "-m", "8", "--allreduce", "2")
+    assert result.exit_code == 0, result.output
+    assert "all-reduce over the replicas" in result.output
+    assert "step 35 = makespan 33 + 2 shown; 75.0% of the all-reduce time hidden" in result.output
+
+
+def test_allreduce_needs_one_kind():
+    result = _run("compare", "-p", "2", "-m", "4", "--allreduce", "1")
+    assert result.exit_code == 2 and "need a single KIND" in result.output

@@ -19,6 +19,7 @@ FLAGS = {
     "kind": (RunConfig, "executors"), "num_executors": (RunConfig, "num_executors"),
     "device": (RunConfig, "device"), "steps": (RunConfig, "steps"),
     "stages": (RunConfig, "stages"), "replicas": (RunConfig, "replicas"),
+    "shard_optimizer": (RunConfig, "shard_optimizer"),
     "microbatches": (RunConfig, "microbatches"),
     "schedule": (RunConfig, "schedule"), "fuse": (RunConfig, "fuse"),
     "asynchronous": (RunConfig, "asynchronous"), "max_staleness": (RunConfig, "max_staleness"),

@@ -33,13 +33,13 @@ def cluster():
 
 
 def _flow(name: str, *, stages: int, schedule: str, microbatches: int, sequences: int,
-          dtype: str = "float64"):
+          dtype: str = "float64", shard_optimizer: bool = False):
     flow = pretrain_flow(corpus=CORPUS, stages=stages, microbatches=microbatches,
                          schedule=schedule, batch_size=sequences, seq_len=SEQ_LEN,
                          gpt={**GPT_CONFIG, "dtype": dtype, "seed": 3}, model_name=name,
                          **HPARAMS)
     return with_training_options(flow, stages=None, microbatches=None, schedule=None,
-                                 replicas=REPLICAS)
+                                 replicas=REPLICAS, shard_optimizer=shard_optimizer)
 
 
 def _train(ctl, flow, name: str) -> tuple[list, list[dict]]:
@@ -89,6 +89,19 @@ def test_two_replicas_train_to_the_plain_loop_in_float64(cluster, schedule, stag
     assert losses == pytest.approx(plain_losses, abs=1e-10)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_sharded_optimizer_states_train_to_the_plain_loop(cluster, schedule):
+    """ZeRO-1: each replica steps its half of each stage's parameters and broadcasts them."""
+    name = f"dp-zero-{schedule}"
+    flow = _flow(name, stages=2, schedule=schedule, microbatches=4, sequences=8,
+                 shard_optimizer=True)
+    losses, replicas = _train(cluster, flow, name)
+    model, plain_losses = _plain(microbatches=4, sequences=8)
+    for replica, params in enumerate(replicas):
+        _assert_equal(model, params, len(params), f"{schedule}, replica {replica}")
+    assert losses == pytest.approx(plain_losses, abs=1e-10)
+
+
 def test_uneven_microbatch_counts_per_replica(cluster):
     """5 microbatches over 2 replicas: 3 on the first, 2 on the second."""
     flow = _flow("dp-uneven", stages=2, schedule="1f1b", microbatches=5, sequences=10)
@@ -111,3 +124,32 @@ def test_too_few_executors_for_the_replicas_is_a_clear_error(cluster):
                                  replicas=3)
     with pytest.raises(FlowRunError, match="needs 6 executors"):
         FlowRunner(cluster, lower_flow(flow))
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2-tied"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_two_replicas_of_an_hf_model_train_to_the_plain_hf_loop(cluster, architecture,
+                                                                 schedule):
+    """A Hugging Face Llama, and a Qwen2 whose tied head is a copy on the last stage."""
+    pytest.importorskip("transformers", reason="the hf extra: pip install 'flowkit[hf]'")
+    from flowkit.dsl import Model
+    from tests.torch import test_hf_models as hf
+
+    config = {"llama": hf.LLAMA, "qwen2-tied": hf.QWEN2_TIED}[architecture]
+    name = f"dp-{architecture}-{schedule}"
+    model = Model(name=name, build="hf", config={**config, "dtype": "float64", "seed": 3},
+                  stages=2, replicas=REPLICAS, tags=("train",))
+    flow = pretrain_flow(model=model, corpus=CORPUS, microbatches=hf.MICROBATCHES,
+                         schedule=schedule, batch_size=hf.SEQUENCES, seq_len=hf.SEQ_LEN,
+                         **HPARAMS)
+    losses, replicas = _train(cluster, flow, name)
+    lm, plain_losses = hf._train_plain(config, torch.float64)
+
+    def close(got, want, where):
+        diff = (got - want).abs().max().item()
+        assert diff < 1e-10, f"{name}: {where} differs by {diff:.3g}"
+
+    for params in replicas:
+        hf._assert_match(lm, {k: v for stage in params.values() for k, v in stage.items()},
+                         close)
+    assert losses == pytest.approx(plain_losses, abs=1e-10)
