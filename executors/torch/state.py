@@ -64,14 +64,19 @@ def save_state(ctx: OpContext, *_: Any, path: str) -> int:
     return Path(path).stat().st_size
 
 
-def load_state(ctx: OpContext, *_: Any, path: str, models: dict | None = None) -> int:
+def load_state(ctx: OpContext, *_: Any, path: str, models: dict | None = None,
+               replicas: dict | None = None) -> int:
     """Build the models `path` holds from `models` (the flow's spec of each, by name: what the
     controller sends, never what the file says) and load their weights, optimizer states and
     versions, then this executor's random generators; returns how many models it holds. A
-    file whose saved build or config differs from the flow's is refused, naming both."""
+    file whose saved build or config differs from the flow's is refused, naming both, and
+    optimizer states sharded over another number of replicas than the run's (`replicas`, by
+    model) [Note: resuming at another replica count in flowkit/runner/checkpoint.py]."""
     state = _read(path)
     entries = [_checked(entry, i, path, models or {}) for i, entry in
                enumerate(_field(state, "models", list, path))]
+    for entry, _ in entries:  # before anything held here is dropped
+        _check_shards(entry, (replicas or {}).get(entry["name"], 1), path)
     torch_rng = _field(state, "torch_rng", torch.Tensor, path)
     python_rng = _field(state, "python_rng", tuple, path)
     _forget_models(ctx)
@@ -83,6 +88,14 @@ def load_state(ctx: OpContext, *_: Any, path: str, models: dict | None = None) -
     except (TypeError, ValueError, RuntimeError) as exc:
         raise StageError(f"{path}: its random generators' state is damaged ({exc})") from None
     return len(entries)
+
+
+def _check_shards(entry: dict, replicas: int, path: str) -> None:
+    sizes = {size for _, size in entry["shards"].values()}
+    if sizes and sizes != {replicas}:
+        raise StageError(f"{path}: model {entry['name']!r} has its optimizer states sharded over "
+                         f"{sizes.pop()} replicas (ZeRO-1), this run trains {replicas}: resume "
+                         "it at that many replicas (re-cutting sharded states is not supported)")
 
 
 def _read(path: str) -> dict:

@@ -20,7 +20,7 @@ from rich.console import Console
 from flowkit.dsl import Flow
 from flowkit.observe import Dashboard, RunStats, TraceRecorder
 from flowkit.observe.loggers import LoggerError, Loggers
-from flowkit.planner.lower import lower_flow
+from flowkit.planner.lower import Call, lower_flow
 from flowkit.runner.checkpoint import (
     CheckpointError,
     Manifest,
@@ -282,8 +282,11 @@ class Run:
         layout = [{"name": f"exec-{i}", "tags": sorted(t), "kind": self.kind}
                   for i, t in enumerate(self.tags)]
         try:
+            trained = {n.model.name: n.model.replicas for n in self.plan
+                       if n.model is not None and n.call is Call.PIPELINE}
             return resume_point(self.config.resume, self.identity,
-                                sorted(layout, key=lambda e: e["name"]), self.staleness)
+                                sorted(layout, key=lambda e: e["name"]), self.staleness,
+                                trained)
         except CheckpointError as exc:
             raise RunConfigError("resume", str(exc)) from None
 

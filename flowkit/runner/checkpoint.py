@@ -365,9 +365,12 @@ def read_run_state(folder: Path, records: Mapping[str, type]) -> RunState:
 
 
 def check_resumable(manifest: Manifest, identity: dict, layout: list[dict],
-                    folder: Path, staleness: int | None = None) -> None:
+                    folder: Path, staleness: int | None = None,
+                    replicas: Mapping[str, int] | None = None) -> None:
     """CheckpointError naming the first mismatch between the checkpoint and this run (of
-    staleness bound `staleness`, None: synchronous)."""
+    staleness bound `staleness`, None: synchronous; training its models with `replicas`, by
+    name: other counts than the checkpoint's change how many executors it needs [Note:
+    resuming at another replica count])."""
     saved = manifest.identity
     where = f"--resume {folder}:"
     if manifest.staleness and manifest.staleness != staleness:  # its open steps' samples
@@ -392,7 +395,7 @@ def check_resumable(manifest: Manifest, identity: dict, layout: list[dict],
         new = sorted(set(identity["nodes"]) - set(saved["nodes"]))
         raise CheckpointError(f"{where} the flow's ops differ: only in the checkpoint "
                               f"{gone or '-'}, only in this run {new or '-'}")
-    if manifest.executors != layout:
+    if not _same_executors(manifest, layout, identity, replicas or {}):
         raise CheckpointError(f"{where} written by executors {_layout_text(manifest.executors)}; "
                               f"this run starts {_layout_text(layout)}: give the same "
                               "--executors, --num-executors and --tags")
@@ -414,10 +417,64 @@ def _spec_difference(saved: dict, mine: dict) -> str:
     return ""
 
 
+def _same_executors(manifest: Manifest, layout: list[dict], identity: dict,
+                    replicas: Mapping[str, int]) -> bool:
+    """The executors both runs have are alike, and the counts differ by what other replica
+    counts make (restore() then checks which executor loads which state)."""
+    saved = {e["name"]: e for e in manifest.executors}
+    now = {e["name"]: e for e in layout}
+    if any(saved[name] != now[name] for name in saved.keys() & now.keys()):
+        return False
+    extra = 0
+    for model, count in replicas.items():
+        stages = int(identity["models"].get(model, {}).get("stages", 1))
+        held = len(manifest.placement.get(model, ()))
+        if held:
+            extra += stages * count - held
+    return len(now) - len(saved) == extra
+
+
 def _layout_text(layout: list[dict]) -> str:
     kinds = sorted({e["kind"] for e in layout})
     tags = "; ".join(f"{e['name']}: {','.join(e['tags']) or '-'}" for e in layout)
     return f"{len(layout)} {'/'.join(kinds)} ({tags})"
+
+
+# [Note: resuming at another replica count] Without sharded optimizer states, every replica of
+# a model holds the same weights and optimizer states, so a checkpoint written at D replicas
+# resumes at D': the executors both runs place alike (replica 0's, and any others both have)
+# load their own state, an executor the checkpointed run did not have takes the state of its
+# counterpart in replica 0, and the checkpoint's other replicas are not read. Sharded states
+# (ZeRO-1) are cut for D: the executors refuse them at another count (executors/torch/state.py).
+def state_sources(folder: Path, saved: Mapping[str, list], placement: Mapping[str, list],
+                  devices: Mapping[str, int]) -> dict[str, str]:
+    """Which checkpointed executor's state each executor of this run loads, where not its own
+    [Note: resuming at another replica count]; a placement that cannot resume is refused."""
+    sources: dict[str, str] = {}
+    held_before = {name for names in saved.values() for name in names}
+    held_now = {name for names in placement.values() for name in names}
+    for model in sorted(set(saved) | set(placement)):
+        was, now, per = saved.get(model), placement.get(model), devices.get(model)
+        if was == now:
+            continue
+        shared = min(len(was or ()), len(now or ()))
+        if (was is None or now is None or not per or len(was) % per or len(now) % per
+                or was[:shared] != now[:shared]):
+            raise CheckpointError(f"--resume {folder}: the checkpointed run placed the models' "
+                                  f"stages on {dict(saved)}, this run on {dict(placement)}: "
+                                  "resume with the same executors and --stages")
+        for index in range(len(was), len(now)):
+            if now[index] in held_before:
+                raise CheckpointError(f"--resume {folder}: {now[index]} would hold replica "
+                                      f"{index // per} of model {model!r}, but it held other "
+                                      "stages in the checkpointed run: start more executors")
+            sources[now[index]] = was[index % per]
+        for index in range(len(now), len(was)):  # a replica this run does not have
+            if was[index] in held_now:
+                raise CheckpointError(f"--resume {folder}: {was[index]} held replica "
+                                      f"{index // per} of model {model!r} in the checkpointed "
+                                      "run and other stages in this one: start more executors")
+    return sources
 
 
 def restore(folder: Path, runner: Checkpointed, executors: list[ExecutorInfo], *,
@@ -430,19 +487,20 @@ def restore(folder: Path, runner: Checkpointed, executors: list[ExecutorInfo], *
     ctl = runner.ctl
     state = read_run_state(folder, records)
     saved, placement = read_manifest(folder).placement, runner.state().placement
-    if saved != placement:  # each executor's state is of the stages it held
-        raise CheckpointError(f"--resume {folder}: the checkpointed run placed the models' stages "
-                              f"on {saved}, this run on {placement}: resume with the same "
-                              "executors, --stages and --replicas")
+    trainings = getattr(runner, "training", {})
+    sources = state_sources(folder, saved, placement,
+                            {name: t.devices for name, t in trainings.items()})
+    replicas = {name: t.replicas for name, t in trainings.items()}
     loads = []
     for e in executors:
-        part = Path(folder) / "executors" / e.name
+        part = Path(folder) / "executors" / sources.get(e.name, e.name)
         if part.is_symlink():
             raise CheckpointError(f"--resume {folder}: {part} is a symbolic link; a "
                                   "checkpoint's files must be its own")
         if part.exists():
             loads.append(ctl.submit("load_state",
-                                    config={"path": str(part.absolute()), "models": dict(models)},
+                                    config={"path": str(part.absolute()), "models": dict(models),
+                                            "replicas": replicas},
                                     executor=e.id, meta={"node": "resume"}))
     wait(loads, timeout=timeout)
     for future in loads:

@@ -47,12 +47,13 @@ class Checkpointing:
 
 
 def resume_point(path: Path, identity: dict, layout: list[dict],
-                 staleness: int | None = None) -> tuple[Path, Manifest]:
+                 staleness: int | None = None,
+                 replicas: dict[str, int] | None = None) -> tuple[Path, Manifest]:
     """The checkpoint `--resume path` names, checked against this run (of that staleness
     bound) before any executor starts; a CheckpointError naming the mismatch otherwise."""
     folder = latest_checkpoint(path)
     manifest = read_manifest(folder)
-    check_resumable(manifest, identity, layout, folder, staleness)
+    check_resumable(manifest, identity, layout, folder, staleness, replicas)
     return folder, manifest
 
 

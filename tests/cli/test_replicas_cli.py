@@ -53,3 +53,33 @@ def test_sharded_optimizer_states_checkpoint_and_resume(tmp_path):
            "--metrics", str(tmp_path / "resumed.jsonl"))
     whole, resumed = _losses(tmp_path / "whole.jsonl"), _losses(tmp_path / "resumed.jsonl")
     assert resumed[-1:] == whole[-1:]
+
+
+def test_a_checkpoint_of_two_replicas_resumes_at_one_and_one_at_two(tmp_path):
+    """[Note: resuming at another replica count]: each resumed run ends with the parameters of
+    the run that went on at the checkpoint's count (float64, 1e-10)."""
+    import torch
+
+    def run(folder, *flags):
+        run_ok(PRETRAIN, "--executors", "torch", "--steps", "3", "--save-weights",
+               str(tmp_path / folder), *flags)
+        (path,) = (tmp_path / folder).glob("*.pt")
+        return torch.load(path, weights_only=True)
+
+    for before, after in (("2", "1"), ("1", "2")):
+        root = tmp_path / f"ck{before}"
+        whole = run(f"whole{before}", "--replicas", before, "--checkpoint-dir", str(root),
+                    "--checkpoint-every", "1")
+        step = sorted(root.iterdir())[0]
+        resumed = run(f"resumed{before}{after}", "--replicas", after, "--resume", str(step))
+        for name in whole:
+            torch.testing.assert_close(resumed[name], whole[name], rtol=0, atol=1e-10)
+
+
+def test_sharded_states_resume_only_at_their_replica_count(tmp_path):
+    flags = ("--executors", "torch", "--shard-optimizer")
+    run_ok(PRETRAIN, *flags, "--replicas", "2", "--steps", "1", "--checkpoint-dir",
+           str(tmp_path / "ck"), "--checkpoint-every", "1")
+    step = sorted((tmp_path / "ck").iterdir())[0]
+    out = refused(PRETRAIN, *flags, "--replicas", "1", "--steps", "2", "--resume", str(step))
+    assert "sharded over 2 replicas" in out and "resume it at that many replicas" in out
