@@ -15,6 +15,7 @@ import math
 import random
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -65,9 +66,11 @@ def _flow(name: str) -> Flow:
     return flow
 
 
-def _train(ctl, tmp_path: Path, schedule: str) -> tuple:
+def _train(ctl, tmp_path: Path, schedule: str, replicas: int = 1) -> tuple:
     flow = _flow(f"actor-{schedule}")
     flow.nodes["update_actor"].config["schedule"] = schedule
+    flow.models[f"actor-{schedule}"] = attrs.evolve(flow.models[f"actor-{schedule}"],
+                                                    replicas=replicas)
     runner = FlowRunner(ctl, lower_flow(flow))
     reports = [runner.run_step(step) for step in range(STEPS)]
     (path,) = runner.save_weights(tmp_path / schedule)
@@ -141,7 +144,19 @@ def plain():
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_rounds_train_to_the_plain_loops_parameters(cluster, plain, tmp_path, schedule):
-    trained, synced, metrics, reports = _train(cluster, tmp_path, schedule)
+    _assert_plain(_train(cluster, tmp_path, schedule), plain, schedule)
+
+
+def test_two_replicas_train_the_rounds_to_the_plain_loops_parameters(plain, tmp_path):
+    """Each round's 2 microbatches, one on each replica, and its optimizer step on both
+    [Note: replicas in flowkit/runner/replicas.py]."""
+    tags = [("train",)] * 4 + [("rollout",)]
+    with executor_cluster(5, kind="torch", tags=tags, code=[__file__]) as (ctl, _):
+        _assert_plain(_train(ctl, tmp_path, "1f1b", replicas=2), plain, "1f1b x 2 replicas")
+
+
+def _assert_plain(run: tuple, plain: tuple, schedule: str) -> None:
+    trained, synced, metrics, reports = run
     model, want, _, _ = plain
     expected = model.state_dict()
     assert set(trained) <= set(expected) and len(trained) >= len(list(model.parameters()))
