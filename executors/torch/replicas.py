@@ -81,15 +81,15 @@ def _replica_group(ctx: OpContext, address: Any, *_: Any, group: str, rank: int,
     return int(rank)
 
 
-def _leave_replica_groups(ctx: OpContext, *_: Any, prefix: str = "") -> int:
-    """Drop the groups whose names start with `prefix` (a run that ends, a group rebuilt
-    after a restart); returns how many."""
-    groups, stores = _groups(ctx), ctx.state.get("replica_stores", {})
-    names = [name for name in groups if name.startswith(prefix)]
-    for name in names:
-        groups.pop(name)
-        stores.pop(name, None)
-    return len(names)
+def _leave_replica_groups(ctx: OpContext, *_: Any, groups: list | None = None) -> int:
+    """Drop the named groups this executor is in (a run on executors that outlive it ends);
+    returns how many it was in."""
+    held, stores = _groups(ctx), ctx.state.get("replica_stores", {})
+    left = 0
+    for name in groups or ():
+        left += held.pop(str(name), None) is not None
+        stores.pop(str(name), None)
+    return left
 
 
 def replica_group(ctx: OpContext, group: str) -> Any:

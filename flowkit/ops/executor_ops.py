@@ -63,8 +63,8 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
            "on a replica group's rank 0: open its rendezvous store; returns {host, port}"),
     OpSpec("replica_group", "replica_store's address", ("group", "rank", "size", "timeout_s"),
            "join the replica group (gloo, NCCL on CUDA) [Note: replica groups]"),
-    OpSpec("leave_replica_groups", "anything, only to be ordered after it", ("prefix",),
-           "drop the replica groups whose names start with prefix"),
+    OpSpec("leave_replica_groups", "anything, only to be ordered after it", ("groups",),
+           "drop the named replica groups"),
     OpSpec("optimizer_step", "the microbatches' stats, every stage's grad stats; after "
            "earlier rounds of the flow step, their StepMetrics [Note: minibatch rounds]",
            (*_OPTIMIZER, "report"),

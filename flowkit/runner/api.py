@@ -42,6 +42,7 @@ from flowkit.runner.setup import (
 )
 from flowkit.runner.steploop import STEP_FAILURES, StepLoop
 from flowkit.runtime import Controller, RemoteError
+from flowkit.runtime.futures import wait
 from flowkit.runtime.launch import Launcher, LaunchError
 from flowkit.runtime.launchers import make_launcher
 from flowkit.wire.auth import InsecureBindError, Keys, KeysError, check_bind
@@ -240,6 +241,8 @@ class Run:
             if loop.stopped:
                 self.console.print(f"{self.flow.name}: interrupted at step {loop.completed}")
             weights = self._finish(exc[0] in (None, KeyboardInterrupt))
+            if self.shared is not None:  # its executors go on: the run's replica groups end
+                self._leave_groups()
         finally:
             self._exits.close()
         self.result = RunResult(
@@ -266,6 +269,12 @@ class Run:
         for path in paths:
             self.console.print(f"wrote {path}")
         return paths
+
+    def _leave_groups(self) -> None:
+        runner = self.runner
+        if runner is not None:
+            left = [f for t in runner.training.values() for f in t.leave_groups()]
+            wait(left, timeout=30)  # best effort: an executor lost meanwhile has none left
 
     @contextlib.contextmanager
     def _failures(self) -> Iterator[None]:

@@ -254,6 +254,14 @@ class ModelTraining:
             self.ctl, self.executors, model=self.model.name, devices=self.devices,
             replicas=self.replicas, watch=lambda f: watch((), (f,), register=False))
 
+    def leave_groups(self) -> list:
+        """Futures of each executor dropping this training's replica groups: a run on
+        executors that outlive it ends."""
+        if not self.groups:
+            return []
+        return [self.ctl.submit("leave_replica_groups", config={"groups": self.groups},
+                                executor=e.id) for e in self.executors if e.alive]
+
     def _plan_schedule(self, plan: NodePlan, kind: str, count: int,
                        sample: Callable[[], Any]) -> tuple[Costs, Any]:
         """The schedule for this step, from the simulator's costs or, on executors that can

@@ -153,3 +153,20 @@ def test_two_replicas_of_an_hf_model_train_to_the_plain_hf_loop(cluster, archite
         hf._assert_match(lm, {k: v for stage in params.values() for k, v in stage.items()},
                          close)
     assert losses == pytest.approx(plain_losses, abs=1e-10)
+
+
+def test_a_run_on_shared_executors_leaves_its_replica_groups(cluster):
+    """The executors outlive the run: its process groups end with it."""
+    from rich.console import Console
+
+    from flowkit import Run, RunConfig
+
+    flow = _flow("dp-leave", stages=1, schedule="1f1b", microbatches=2, sequences=4)
+    with Run(flow, RunConfig(dashboard=False, steps=1), controller=cluster,
+             console=Console(quiet=True)) as run:
+        list(run.steps())
+        training = run.runner.training["dp-leave"]
+    assert training.groups
+    left = [cluster.submit("leave_replica_groups", config={"groups": training.groups},
+                           executor=e.id).result(timeout=30) for e in training.executors]
+    assert left == [0, 0]
