@@ -24,13 +24,7 @@ from flowkit.planner.lower import InputRule, NodePlan
 from flowkit.planner.schedules import build_schedule
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runner.pipeline import PipelineRun, StreamedSchedule, stage_costs_config
-from flowkit.runner.replicas import (
-    ReplicatedSchedule,
-    last_actions,
-    replica_counts,
-    replica_lane,
-    setup_replica_groups,
-)
+from flowkit.runner.replicas import Replicas, ReplicatedSchedule, replica_counts, replica_lane
 from flowkit.runner.stepstate import FlowRunError, NodeState, Streams, lineage_order
 from flowkit.runner.training import (
     device_shares,
@@ -114,14 +108,20 @@ class ModelTraining:
         self.last_trained: tuple | None = None  # the same of the latest step that trained
         self.rounds: Rounds | None = None  # this step's backprop, when it ran in rounds
         self.step = 0
-        self.replicas = model.replicas
-        self.devices = len(executors) // self.replicas  # of one replica's pipeline
-        self.groups: list[str] | None = None  # the replica groups by device, once set up
-        self.current: list[PipelineRun] = []  # each replica's latest run: its step follows
+        self.dp = Replicas(ctl, model, executors, sim_costs or SimCosts())
+        self.replicas, self.devices = self.dp.count, self.dp.devices
 
     def replica(self, index: int) -> list[ExecutorInfo]:
         """The executors of replica `index`, by device."""
-        return self.executors[index * self.devices:(index + 1) * self.devices]
+        return self.dp.of(index)
+
+    @property
+    def groups(self) -> list[str] | None:
+        """The replica groups by device, once set up."""
+        return self.dp.groups
+
+    def leave_groups(self) -> list:
+        return self.dp.leave()
 
     def start_step(self, step: int) -> None:
         self.step, self.trained, self.rounds = step, None, None
@@ -218,7 +218,7 @@ class ModelTraining:
         """Each replica's schedule, ready to be fed by global microbatch index (sizes: items per
         global microbatch); each submitted action is watched, the last stage's forwards for
         their stats, registered under `lineage(global microbatch)`."""
-        self._set_up_groups(watch)
+        self.dp.set_up(lambda f: watch((), (f,), register=False))
         sim = self.sim_costs or SimCosts()
         base = stage_costs_config(stage_costs, activation_bytes=sim.activation_bytes)
         spec = model_spec(self.model, schedules[0].num_stages)
@@ -239,28 +239,8 @@ class ModelTraining:
                 meta={**meta, "replica": replica} if count > 1 else meta, on_submit=on_submit))
         self.trained = self.last_trained = (schedules[0], spec)
         replicated = ReplicatedSchedule(submitters)
-        self.current = replicated.runs
+        self.dp.current = replicated.runs
         return replicated
-
-    def _set_up_groups(self, watch: Watch) -> None:
-        """Once, before the first ops of a model with replicas on executors that reduce through
-        torch.distributed (the simulator models the all-reduce instead)."""
-        if self.replicas == 1 or self.groups is not None:
-            return
-        if not all("replica_group" in e.ops for e in self.executors):
-            self.groups = []
-            return
-        self.groups = setup_replica_groups(
-            self.ctl, self.executors, model=self.model.name, devices=self.devices,
-            replicas=self.replicas, watch=lambda f: watch((), (f,), register=False))
-
-    def leave_groups(self) -> list:
-        """Futures of each executor dropping this training's replica groups: a run on
-        executors that outlive it ends."""
-        if not self.groups:
-            return []
-        return [self.ctl.submit("leave_replica_groups", config={"groups": self.groups},
-                                executor=e.id) for e in self.executors if e.alive]
 
     def _plan_schedule(self, plan: NodePlan, kind: str, count: int,
                        sample: Callable[[], Any]) -> tuple[Costs, Any]:
@@ -399,38 +379,12 @@ class ModelTraining:
                 self.ctl, schedule, self.replica(replica), spec, stats, config,
                 lane=replica_lane(self.model.name, replica),
                 meta={**meta, "replica": replica} if self.replicas > 1 else meta,
-                outputs=outputs, reports=replica == 0, reduce=self._reduction(schedule),
-                step_config=self._sharding(schedule))
+                outputs=outputs, reports=replica == 0, reduce=self.dp.reduction(schedule),
+                step_config=self.dp.sharding(schedule))
             reported = report if replica == 0 else reported
             for future in quiet:
                 watch((), (future,), register=False)
         return reported if outputs > 1 else (reported,)
-
-    def _reduction(self, schedule: Schedule) -> Callable[[int], tuple[list, dict]] | None:
-        """With replicas, what each stage's grad_stats adds [Note: replicas in
-        flowkit/runner/replicas.py]: every replica's last action of the stage as inputs, and
-        the group to sum over (torch) or the all-reduce's modelled seconds (simulator)."""
-        if self.replicas == 1:
-            return None
-        ends = [(run.futures, last_actions(run.schedule)) for run in self.current]
-        seconds = (self.sim_costs or SimCosts()).allreduce_s(self.replicas, self.devices)
-
-        def reduce(stage: int) -> tuple[list, dict]:
-            after = [futures[last[stage]] for futures, last in ends if stage in last]
-            if self.groups:
-                device = schedule.placement.device_of(stage)
-                return after, {"replica_group": self.groups[device]}
-            return after, {"allreduce_seconds": seconds}
-
-        return reduce
-
-    def _sharding(self, schedule: Schedule) -> Callable[[int], dict] | None:
-        """A sharded optimizer's group for each stage's optimizer step (torch replicas only)."""
-        if not (self.model.shard_optimizer and self.groups):
-            return None
-        groups = self.groups
-        return lambda stage: {"replica_group": groups[schedule.placement.device_of(stage)],
-                              "shard_optimizer": True}
 
     def _sync_weights(self, plan: NodePlan, version: Any) -> list:
         """Submit the new weights to every executor that may generate or score with the model

@@ -26,13 +26,15 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from flowkit.dsl import Model
 from flowkit.planner import Action, Schedule
+from flowkit.planner.simcosts import SimCosts
 from flowkit.runner.pipeline import PipelineRun, StreamedSchedule
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.futures import Future
 from flowkit.runtime.registry import ExecutorInfo
 
-__all__ = ["ReplicatedSchedule", "last_actions", "replica_counts", "replica_lane",
+__all__ = ["ReplicatedSchedule", "Replicas", "last_actions", "replica_counts", "replica_lane",
            "setup_replica_groups"]
 
 _GROUP_IDS = itertools.count()
@@ -113,3 +115,67 @@ def setup_replica_groups(ctl: Controller, executors: Sequence[ExecutorInfo], *, 
                                    "replica": replica}))
         names.append(name)
     return names
+
+
+class Replicas:
+    """A trained model's replicas [Note: replicas]: their executors, their process groups, and
+    what each replica's optimizer step adds for them."""
+
+    def __init__(self, ctl: Controller, model: Model, executors: Sequence[ExecutorInfo],
+                 sim_costs: SimCosts) -> None:
+        self.ctl, self.model, self.executors = ctl, model, list(executors)
+        self.count = model.replicas
+        self.devices = len(self.executors) // self.count  # of one replica's pipeline
+        self.sim_costs = sim_costs
+        self.groups: list[str] | None = None  # by device, once set up ([] on the simulator)
+        self.current: list[PipelineRun] = []  # each replica's latest run: its step follows
+
+    def of(self, replica: int) -> list[ExecutorInfo]:
+        """The executors of `replica`, by device."""
+        return self.executors[replica * self.devices:(replica + 1) * self.devices]
+
+    def set_up(self, watch: Callable[[Future], None]) -> None:
+        """Once, before the model's first ops, on executors that reduce through
+        torch.distributed (the simulator models the all-reduce instead)."""
+        if self.count == 1 or self.groups is not None:
+            return
+        if not all("replica_group" in e.ops for e in self.executors):
+            self.groups = []
+            return
+        self.groups = setup_replica_groups(self.ctl, self.executors, model=self.model.name,
+                                           devices=self.devices, replicas=self.count,
+                                           watch=watch)
+
+    def leave(self) -> list[Future]:
+        """Each executor dropping the groups: a run on executors that outlive it ends."""
+        if not self.groups:
+            return []
+        return [self.ctl.submit("leave_replica_groups", config={"groups": self.groups},
+                                executor=e.id) for e in self.executors if e.alive]
+
+    def reduction(self, schedule: Schedule) -> Callable[[int], tuple[list, dict]] | None:
+        """What each stage's reduce_grads reads and is told: every replica's last action of
+        the stage, and the group to sum over (torch) or the all-reduce's modelled seconds
+        (simulator); None with one replica."""
+        if self.count == 1:
+            return None
+        ends = [(run.futures, last_actions(run.schedule)) for run in self.current]
+        seconds = self.sim_costs.allreduce_s(self.count, self.devices)
+        groups = self.groups
+
+        def reduce(stage: int) -> tuple[list, dict]:
+            after = [futures[last[stage]] for futures, last in ends if stage in last]
+            if groups:
+                return after, {"replica_group": groups[schedule.placement.device_of(stage)]}
+            return after, {"allreduce_seconds": seconds}
+
+        return reduce
+
+    def sharding(self, schedule: Schedule) -> Callable[[int], dict] | None:
+        """A sharded optimizer's group for each stage's optimizer step (torch replicas only)
+        [Note: sharded optimizer states in executors/torch/replicas.py]."""
+        if not (self.model.shard_optimizer and self.groups):
+            return None
+        groups = self.groups
+        return lambda stage: {"replica_group": groups[schedule.placement.device_of(stage)],
+                              "shard_optimizer": True}
