@@ -218,6 +218,10 @@ def _optimizer_step(ctx: OpContext, *inputs: Any, stage: int, stages: int, step:
                 grad.mul_(coef)
     group = replicas.replica_group(ctx, replica_group) \
         if shard_optimizer and replica_group is not None else None
+    if group is None and held.shard is not None:
+        raise StageError(f"stage {stage}'s optimizer states are one shard of {held.shard[1]} "
+                         "replicas' (ZeRO-1, from a checkpoint), but this run does not shard "
+                         "them: resume with --shard-optimizer")
     if held.optimizer is None:
         held.shard = None if group is None else (group.rank(), group.size())
         held.optimizer = new_optimizer(held.module, shard=held.shard, lr=lr,

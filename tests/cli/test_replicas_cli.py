@@ -83,3 +83,12 @@ def test_sharded_states_resume_only_at_their_replica_count(tmp_path):
     step = sorted((tmp_path / "ck").iterdir())[0]
     out = refused(PRETRAIN, *flags, "--replicas", "1", "--steps", "2", "--resume", str(step))
     assert "sharded over 2 replicas" in out and "resume it at that many replicas" in out
+
+
+def test_sharded_states_need_a_sharded_run(tmp_path):
+    flags = ("--executors", "torch", "--replicas", "2")
+    run_ok(PRETRAIN, *flags, "--shard-optimizer", "--steps", "1", "--checkpoint-dir",
+           str(tmp_path / "ck"), "--checkpoint-every", "1")
+    step = sorted((tmp_path / "ck").iterdir())[0]
+    out = refused(PRETRAIN, *flags, "--steps", "2", "--resume", str(step))
+    assert "resume with --shard-optimizer" in out
