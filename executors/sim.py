@@ -292,9 +292,9 @@ def _save_state(ctx: OpContext, *_: Any, path: str) -> int:
 
 
 def _load_state(ctx: OpContext, *_: Any, path: str, models: dict | None = None,
-                replicas: dict | None = None) -> int:
-    """Nothing to build (`models` and `replicas` are for executors that hold weights); the
-    file must be a simulator's state, a plain file."""
+                optimizer_shards: dict | None = None) -> int:
+    """Nothing to build (`models` and `optimizer_shards` are for executors that hold
+    weights); the file must be a simulator's state, a plain file."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         with os.fdopen(fd, encoding="utf-8") as file:

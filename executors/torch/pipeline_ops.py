@@ -229,13 +229,13 @@ def _optimizer_step(ctx: OpContext, *inputs: Any, stage: int, stages: int, step:
     held.optimizer.step()
     held.module.zero_grad(set_to_none=True)
     if group is not None:
-        broadcast_shards(group, _trainable(held.module))
+        broadcast_shards(group, trainable(held.module))
     if not report:
         return None
     return step_report(inputs, model=model, step=step, grad_norm=norm)
 
 
-def _trainable(module: torch.nn.Module) -> list[torch.Tensor]:
+def trainable(module: torch.nn.Module) -> list[torch.Tensor]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
@@ -255,12 +255,12 @@ def new_optimizer(module: torch.nn.Module, *, shard: tuple[int, int] | None = No
     loaded into, the defaults: its hyperparameters come with the state); with `shard`
     (rank, size), for the parameters that replica owns [Note: sharded optimizer states in
     executors/torch/replicas.py]."""
-    params = _trainable(module)
+    params = trainable(module)
     if shard is not None:
         params = owned(params, *shard)
         if not params:
             raise StageError(f"replica {shard[0]} of {shard[1]} owns none of the stage's "
-                             f"{len(_trainable(module))} parameters: shard the optimizer over "
+                             f"{len(trainable(module))} parameters: shard the optimizer over "
                              "fewer replicas")
     defaults = {"lr": 3e-4, "weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8}
     return _adamw(params, **{**defaults, **hparams})

@@ -23,6 +23,7 @@ import torch
 
 from executors.optable import OpContext
 from executors.torch.held import held_model, held_stage
+from executors.torch.reshard import recut
 from executors.torch.stage import StageError
 
 __all__ = ["load_state", "save_state", "state_of"]
@@ -65,23 +66,27 @@ def save_state(ctx: OpContext, *_: Any, path: str) -> int:
 
 
 def load_state(ctx: OpContext, *_: Any, path: str, models: dict | None = None,
-               replicas: dict | None = None) -> int:
+               optimizer_shards: dict | None = None) -> int:
     """Build the models `path` holds from `models` (the flow's spec of each, by name: what the
     controller sends, never what the file says) and load their weights, optimizer states and
     versions, then this executor's random generators; returns how many models it holds. A
-    file whose saved build or config differs from the flow's is refused, naming both, and
-    optimizer states sharded over another number of replicas than the run's (`replicas`, by
-    model) [Note: resuming at another replica count in flowkit/runner/checkpoint.py]."""
+    file whose saved build or config differs from the flow's is refused, naming both. Where
+    `optimizer_shards` (by model: the shard of its optimizer states this executor owns now,
+    and the files of every saved replica of its device) differs from how the file cut them,
+    the states are merged from those files and cut again [Note: resuming at another replica
+    count in flowkit/runner/replicas.py]."""
     state = _read(path)
     entries = [_checked(entry, i, path, models or {}) for i, entry in
                enumerate(_field(state, "models", list, path))]
-    for entry, _ in entries:  # before anything held here is dropped
-        _check_shards(entry, (replicas or {}).get(entry["name"], 1), path)
+    plans = optimizer_shards or {}
+    # every file read and checked before anything held here is dropped
+    peers = {entry["name"]: _peers(entry, plans.get(entry["name"]), path, models or {})
+             for entry, _ in entries}
     torch_rng = _field(state, "torch_rng", torch.Tensor, path)
     python_rng = _field(state, "python_rng", tuple, path)
     _forget_models(ctx)
     for entry, spec in entries:
-        _restore(ctx, entry, spec, path)
+        _restore(ctx, entry, spec, path, peers[entry["name"]])
     try:
         torch.set_rng_state(torch_rng)
         random.setstate(python_rng)
@@ -90,12 +95,36 @@ def load_state(ctx: OpContext, *_: Any, path: str, models: dict | None = None,
     return len(entries)
 
 
-def _check_shards(entry: dict, replicas: int, path: str) -> None:
-    sizes = {size for _, size in entry["shards"].values()}
-    if sizes and sizes != {replicas}:
-        raise StageError(f"{path}: model {entry['name']!r} has its optimizer states sharded over "
-                         f"{sizes.pop()} replicas (ZeRO-1), this run trains {replicas}: resume "
-                         "it at that many replicas (re-cutting sharded states is not supported)")
+def _peers(entry: dict, plan: dict | None, path: str, models: dict) -> tuple:
+    """(target shard, the saved states to cut it from: (shard, state dict) by stage) when the
+    file's optimizer states are cut otherwise than this executor needs them, else None."""
+    target = None if not plan or plan.get("target") is None else tuple(plan["target"])
+    if all(_shard(entry, index) == target for index in entry["optimizers"]):
+        return None
+    if not any(_shard(entry, index) for index in entry["optimizers"]):
+        return target, {i: [(None, o)] for i, o in entry["optimizers"].items()}
+    files = [] if not plan else plan.get("peers", [])
+    cuts: dict[int, list] = {index: [] for index in entry["optimizers"]}
+    for peer in files[:1024]:
+        state = _read(str(peer))
+        for i, other in enumerate(_field(state, "models", list, str(peer))):
+            if other.get("name") == entry["name"] and other.get("stages") == entry["stages"]:
+                checked, _ = _checked(other, i, str(peer), models)
+                for index, saved in checked["optimizers"].items():
+                    if index in cuts:
+                        cuts[index].append((_shard(checked, index), saved))
+    for index, found in cuts.items():
+        size = _shard(entry, index)[1]
+        if sorted(shard[0] for shard, _ in found if shard) != list(range(size)):
+            raise StageError(f"{path}: model {entry['name']!r} stage {index} has its optimizer "
+                             f"states in {size} shards, and the checkpoint's files of this "
+                             f"device hold {len(found)} of them: they cannot be cut again")
+    return target, cuts
+
+
+def _shard(entry: dict, index: int) -> tuple[int, int] | None:
+    shard = entry["shards"].get(index)
+    return None if shard is None else (int(shard[0]), int(shard[1]))
 
 
 def _read(path: str) -> dict:
@@ -184,7 +213,7 @@ def _forget_models(ctx: OpContext) -> None:
         del ctx.background[name]
 
 
-def _restore(ctx: OpContext, entry: dict, spec: dict, path: str) -> None:
+def _restore(ctx: OpContext, entry: dict, spec: dict, path: str, peers: tuple | None) -> None:
     held = held_model(ctx, spec)
     what = f"model {entry['name']!r} in {entry['stages']} stage(s) (from {path})"
     for index, tensors in entry["parts"].items():
@@ -197,12 +226,14 @@ def _restore(ctx: OpContext, entry: dict, spec: dict, path: str) -> None:
     for index in entry["held_stages"]:
         held_stage(ctx, {**spec, "stage": index})
     for index, saved in entry["optimizers"].items():
-        from executors.torch.pipeline_ops import new_optimizer
+        from executors.torch.pipeline_ops import new_optimizer, trainable
 
         stage = held.stages[index]
-        shard = entry["shards"].get(index)
-        stage.shard = None if shard is None else (int(shard[0]), int(shard[1]))
+        stage.shard = _shard(entry, index) if peers is None else peers[0]
         stage.optimizer = new_optimizer(stage.module, shard=stage.shard)
+        if peers is not None:  # [Note: resuming at another replica count]
+            saved = recut(trainable(stage.module), peers[1][index], stage.shard,
+                          stage.optimizer.state_dict())
         try:
             stage.optimizer.load_state_dict(saved)  # its hyperparameters too: the saved ones win
         except (ValueError, TypeError, KeyError, RuntimeError) as exc:

@@ -99,7 +99,8 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
     OpSpec("save_state", "anything, only to be ordered after it", ("path",),
            "write what this executor holds for a run checkpoint (weights, optimizer states, "
            "versions, random generators) to path; returns the bytes written"),
-    OpSpec("load_state", "anything, only to be ordered after it", ("path", "models", "replicas"),
+    OpSpec("load_state", "anything, only to be ordered after it",
+           ("path", "models", "optimizer_shards"),
            "build the models (models: the flow's spec of each, by name) and load what "
            "save_state wrote to path; a saved build or config that differs is refused"),
 )}

@@ -21,6 +21,7 @@ import attrs
 from flowkit.ops.executor_ops import STATE_OPS
 from flowkit.planner.lower import NodePlan
 from flowkit.runner.asyncstate import OpenSteps, Resuming, drain, open_work, resume_open
+from flowkit.runner.replicas import optimizer_shards, state_sources
 from flowkit.runner.runstate import (
     CheckpointError,
     RunState,
@@ -440,43 +441,6 @@ def _layout_text(layout: list[dict]) -> str:
     return f"{len(layout)} {'/'.join(kinds)} ({tags})"
 
 
-# [Note: resuming at another replica count] Without sharded optimizer states, every replica of
-# a model holds the same weights and optimizer states, so a checkpoint written at D replicas
-# resumes at D': the executors both runs place alike (replica 0's, and any others both have)
-# load their own state, an executor the checkpointed run did not have takes the state of its
-# counterpart in replica 0, and the checkpoint's other replicas are not read. Sharded states
-# (ZeRO-1) are cut for D: the executors refuse them at another count (executors/torch/state.py).
-def state_sources(folder: Path, saved: Mapping[str, list], placement: Mapping[str, list],
-                  devices: Mapping[str, int]) -> dict[str, str]:
-    """Which checkpointed executor's state each executor of this run loads, where not its own
-    [Note: resuming at another replica count]; a placement that cannot resume is refused."""
-    sources: dict[str, str] = {}
-    held_before = {name for names in saved.values() for name in names}
-    held_now = {name for names in placement.values() for name in names}
-    for model in sorted(set(saved) | set(placement)):
-        was, now, per = saved.get(model), placement.get(model), devices.get(model)
-        if was == now:
-            continue
-        shared = min(len(was or ()), len(now or ()))
-        if (was is None or now is None or not per or len(was) % per or len(now) % per
-                or was[:shared] != now[:shared]):
-            raise CheckpointError(f"--resume {folder}: the checkpointed run placed the models' "
-                                  f"stages on {dict(saved)}, this run on {dict(placement)}: "
-                                  "resume with the same executors and --stages")
-        for index in range(len(was), len(now)):
-            if now[index] in held_before:
-                raise CheckpointError(f"--resume {folder}: {now[index]} would hold replica "
-                                      f"{index // per} of model {model!r}, but it held other "
-                                      "stages in the checkpointed run: start more executors")
-            sources[now[index]] = was[index % per]
-        for index in range(len(now), len(was)):  # a replica this run does not have
-            if was[index] in held_now:
-                raise CheckpointError(f"--resume {folder}: {was[index]} held replica "
-                                      f"{index // per} of model {model!r} in the checkpointed "
-                                      "run and other stages in this one: start more executors")
-    return sources
-
-
 def restore(folder: Path, runner: Checkpointed, executors: list[ExecutorInfo], *,
             records: Mapping[str, type], models: Mapping[str, dict],
             timeout: float = 600.0) -> RunState:
@@ -488,9 +452,12 @@ def restore(folder: Path, runner: Checkpointed, executors: list[ExecutorInfo], *
     state = read_run_state(folder, records)
     saved, placement = read_manifest(folder).placement, runner.state().placement
     trainings = getattr(runner, "training", {})
-    sources = state_sources(folder, saved, placement,
-                            {name: t.devices for name, t in trainings.items()})
-    replicas = {name: t.replicas for name, t in trainings.items()}
+    try:  # [Note: resuming at another replica count] in replicas.py
+        sources = state_sources(saved, placement,
+                                {name: t.devices for name, t in trainings.items()})
+    except ValueError as exc:
+        raise CheckpointError(f"--resume {folder}: {exc}") from None
+    shards = optimizer_shards(folder, saved, placement, trainings)
     loads = []
     for e in executors:
         part = Path(folder) / "executors" / sources.get(e.name, e.name)
@@ -498,10 +465,10 @@ def restore(folder: Path, runner: Checkpointed, executors: list[ExecutorInfo], *
             raise CheckpointError(f"--resume {folder}: {part} is a symbolic link; a "
                                   "checkpoint's files must be its own")
         if part.exists():
-            loads.append(ctl.submit("load_state",
-                                    config={"path": str(part.absolute()), "models": dict(models),
-                                            "replicas": replicas},
-                                    executor=e.id, meta={"node": "resume"}))
+            config = {"path": str(part.absolute()), "models": dict(models),
+                      "optimizer_shards": shards.get(e.name, {})}
+            loads.append(ctl.submit("load_state", config=config, executor=e.id,
+                                    meta={"node": "resume"}))
     wait(loads, timeout=timeout)
     for future in loads:
         if future.exception() is not None:

@@ -4,6 +4,8 @@ one line before anything starts."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.cli.runs import PRETRAIN, metrics_lines, refused, run_ok
 
 
@@ -55,9 +57,17 @@ def test_sharded_optimizer_states_checkpoint_and_resume(tmp_path):
     assert resumed[-1:] == whole[-1:]
 
 
-def test_a_checkpoint_of_two_replicas_resumes_at_one_and_one_at_two(tmp_path):
-    """[Note: resuming at another replica count]: each resumed run ends with the parameters of
-    the run that went on at the checkpoint's count (float64, 1e-10)."""
+@pytest.mark.parametrize(("before", "after"), [
+    (("--replicas", "2"), ("--replicas", "1")),
+    (("--replicas", "1"), ("--replicas", "2")),
+    # sharded states merged for one replica, or for two that do not shard, and cut for two
+    (("--replicas", "2", "--shard-optimizer"), ("--replicas", "1")),
+    (("--replicas", "2", "--shard-optimizer"), ("--replicas", "2")),
+    (("--replicas", "1"), ("--replicas", "2", "--shard-optimizer"))],
+    ids=["2-to-1", "1-to-2", "zero2-to-1", "zero2-to-2", "1-to-zero2"])
+def test_a_checkpoint_resumes_at_another_replica_count(tmp_path, before, after):
+    """[Note: resuming at another replica count]: the resumed run ends with the parameters of
+    the run that went on as the checkpoint's (float64, 1e-10)."""
     import torch
 
     def run(folder, *flags):
@@ -66,29 +76,9 @@ def test_a_checkpoint_of_two_replicas_resumes_at_one_and_one_at_two(tmp_path):
         (path,) = (tmp_path / folder).glob("*.pt")
         return torch.load(path, weights_only=True)
 
-    for before, after in (("2", "1"), ("1", "2")):
-        root = tmp_path / f"ck{before}"
-        whole = run(f"whole{before}", "--replicas", before, "--checkpoint-dir", str(root),
-                    "--checkpoint-every", "1")
-        step = sorted(root.iterdir())[0]
-        resumed = run(f"resumed{before}{after}", "--replicas", after, "--resume", str(step))
-        for name in whole:
-            torch.testing.assert_close(resumed[name], whole[name], rtol=0, atol=1e-10)
-
-
-def test_sharded_states_resume_only_at_their_replica_count(tmp_path):
-    flags = ("--executors", "torch", "--shard-optimizer")
-    run_ok(PRETRAIN, *flags, "--replicas", "2", "--steps", "1", "--checkpoint-dir",
-           str(tmp_path / "ck"), "--checkpoint-every", "1")
+    whole = run("whole", *before, "--checkpoint-dir", str(tmp_path / "ck"),
+                "--checkpoint-every", "1")
     step = sorted((tmp_path / "ck").iterdir())[0]
-    out = refused(PRETRAIN, *flags, "--replicas", "1", "--steps", "2", "--resume", str(step))
-    assert "sharded over 2 replicas" in out and "resume it at that many replicas" in out
-
-
-def test_sharded_states_need_a_sharded_run(tmp_path):
-    flags = ("--executors", "torch", "--replicas", "2")
-    run_ok(PRETRAIN, *flags, "--shard-optimizer", "--steps", "1", "--checkpoint-dir",
-           str(tmp_path / "ck"), "--checkpoint-every", "1")
-    step = sorted((tmp_path / "ck").iterdir())[0]
-    out = refused(PRETRAIN, *flags, "--steps", "2", "--resume", str(step))
-    assert "resume with --shard-optimizer" in out
+    resumed = run("resumed", *after, "--resume", str(step))
+    for name in whole:
+        torch.testing.assert_close(resumed[name], whole[name], rtol=0, atol=1e-10)
