@@ -74,6 +74,13 @@ def test_pipeline_pretraining_under_ray_reaches_the_local_parameters(tmp_path, l
     _same(local_pretrain, _weights(tmp_path, "gpt"))
 
 
+def test_two_replicas_under_ray_reach_the_local_parameters(tmp_path):
+    """Replicas' groups rendezvous at the peer address an actor advertises, as local ones do."""
+    local, under_ray = _run_both(tmp_path, PRETRAIN, "gpt", "--steps", "2", "--stages", "1",
+                                 "--replicas", "2")
+    _same(local, under_ray)
+
+
 def test_grpo_under_ray_reaches_the_local_parameters(tmp_path):
     # --no-fuse: microbatches in the items' order, so the float64 sums are bit-reproducible
     local, under_ray = _run_both(tmp_path, GRPO, "actor", "--no-fuse", "--steps", "2")
