@@ -57,9 +57,11 @@ def _replica_group(ctx: OpContext, address: Any, *_: Any, group: str, rank: int,
                    timeout_s: float = _TIMEOUT_S) -> int:
     """Join `group` as `rank` of `size` through the store at `address` (rank 0's
     `replica_store`); blocks until every member has joined. Returns the rank."""
-    if not isinstance(address, dict) or not isinstance(address.get("port"), int):
+    if not (isinstance(address, dict) and isinstance(address.get("port"), int)
+            and 0 < address["port"] < 65536 and isinstance(address.get("host"), str)
+            and 0 < len(address["host"]) <= 255):
         raise StageError(f"replica group {group!r}: expected the store's address as "
-                         f"{{'host', 'port'}}, got {address!r}")
+                         f"{{'host', 'port'}}, got {str(address)[:200]}")
     groups = _groups(ctx)
     if group in groups:
         return int(groups[group].rank())
