@@ -10,14 +10,16 @@ Each replica runs the flow's schedule built for its own count, in lanes of its o
 scale of a mean loss is its microbatch's share of the whole global batch, so the replicas'
 gradients add up to the global batch's.
 
-After a replica's last W of a stage, that stage's `grad_stats` sums the stage's gradients over
-its replica group through torch.distributed [Note: replica groups in
-executors/torch/replicas.py], never through the controller; it also waits (as inputs) for every
-replica's last action of the stage, so no member blocks in the collective while another replica
-still computes, and the simulator, which has no collectives, starts its all-reduce's modelled
-time (SimCosts.allreduce_s) when the last replica is there. Every replica then clips by the same
-global norm and takes the same AdamW step, so the replicas stay equal: replica 0 stands for the
-model (it reports the step, exports the weights to sync and save).
+After a device's last action of the step, its lane runs `reduce_grads` for each of the device's
+stages, which sums that stage's gradients over its replica group through torch.distributed
+[Note: replica groups in executors/torch/replicas.py], never through the controller. It waits
+(as inputs) for every replica's last action of the stage, so no member blocks in the collective
+while another replica still computes, and the simulator, which has no collectives, starts its
+all-reduce's modelled time (SimCosts.allreduce_s) when the last replica is there; the planner
+times the same (flowkit/planner/replicas.py). `grad_stats` and the optimizer step follow as
+without replicas: every replica clips by the same global norm and takes the same AdamW step
+(on its shard, with sharded optimizer states), so the replicas stay equal; replica 0 stands for
+the model (it reports the step, exports the weights to sync and save).
 """
 
 from __future__ import annotations
