@@ -169,8 +169,7 @@ def _reduce_grads(ctx: OpContext, *_: Any, stage: int, stages: int, replica_grou
     executors/torch/replicas.py]. Its inputs (every replica's last action of the stage) only
     order it: no member waits in the collective while another replica still computes."""
     held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
-    all_reduce_grads(replicas.replica_group(ctx, replica_group),
-                     [p for p in held.module.parameters() if p.requires_grad])
+    all_reduce_grads(replicas.replica_group(ctx, replica_group), trainable(held.module))
 
 
 def _partner_name(held: HeldStage, name: str) -> str:
@@ -218,10 +217,6 @@ def _optimizer_step(ctx: OpContext, *inputs: Any, stage: int, stages: int, step:
                 grad.mul_(coef)
     group = replicas.replica_group(ctx, replica_group) \
         if shard_optimizer and replica_group is not None else None
-    if group is None and held.shard is not None:
-        raise StageError(f"stage {stage}'s optimizer states are one shard of {held.shard[1]} "
-                         "replicas' (ZeRO-1, from a checkpoint), but this run does not shard "
-                         "them: resume with --shard-optimizer")
     if held.optimizer is None:
         held.shard = None if group is None else (group.rank(), group.size())
         held.optimizer = new_optimizer(held.module, shard=held.shard, lr=lr,

@@ -9,10 +9,10 @@ group's rank 0 opens a TCPStore on the address its peers reach it at and returns
 listens; `replica_group` on every member, given that address as an input (the controller
 hands it out, it never opens a socket itself), joins a gloo group (NCCL on CUDA devices)
 under a prefix of its own, so one store could serve several groups. The gradients never pass
-through the controller: after a replica's last W of a stage, `grad_stats` sums the stage's
-gradients over the group (`all_reduce_grads`), bucketed, every bucket in flight at once, and
-every replica then holds the sum over the whole global batch; the clipping norm and the
-AdamW step that follow are the same on every replica, so the replicas stay equal.
+through the controller: after the device's last action of the step, `reduce_grads` sums each
+of its stages' gradients over the group (`all_reduce_grads`), bucketed, every bucket in flight
+at once, and every replica then holds the sum over the whole global batch; the clipping norm
+and the AdamW step that follow are the same on every replica, so the replicas stay equal.
 
 Collectives must run in the same order on every member: each member runs its group's ops in
 its device's lane, in the order the controller submitted them, and the controller submits the
@@ -118,11 +118,7 @@ def all_reduce_grads(group: Any, params: list[torch.Tensor],
         pending.append((bucket, flat, group.allreduce([flat])))
     for bucket, flat, work in pending:
         work.wait()
-        offset = 0
-        for param in bucket:
-            count = param.grad.numel()
-            param.grad.copy_(flat[offset:offset + count].view_as(param.grad))
-            offset += count
+        _unflatten(flat, [p.grad for p in bucket])
 
 
 # [Note: sharded optimizer states] With `shard_optimizer` (ZeRO stage 1), each replica of a
@@ -160,11 +156,16 @@ def broadcast_shards(group: Any, params: list[torch.Tensor],
     with torch.no_grad():
         for bucket, flat, work in pending:
             work.wait()
-            offset = 0
-            for param in bucket:
-                count = param.numel()
-                param.copy_(flat[offset:offset + count].view_as(param))
-                offset += count
+            _unflatten(flat, bucket)
+
+
+def _unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy a bucket's flat result back into the tensors it was concatenated from."""
+    offset = 0
+    for tensor in tensors:
+        count = tensor.numel()
+        tensor.copy_(flat[offset:offset + count].view_as(tensor))
+        offset += count
 
 
 def _buckets(params: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:

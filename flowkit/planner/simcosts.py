@@ -28,6 +28,12 @@ def _counted(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(f"sim cost {attribute.name} must be a whole number >= 1, got {value!r}")
 
 
+def _bytes(_instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"sim cost {attribute.name} must be a finite number of bytes >= 0, "
+                         f"got {value!r}")
+
+
 def _positive(_instance: object, attribute: attrs.Attribute, value: float) -> None:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"sim cost {attribute.name} must be a finite number > 0, got {value!r}")
@@ -70,7 +76,7 @@ class SimCosts:
     # data parallel: the gradients' bytes of the whole model (each of P pipeline devices holds
     # 1/P of them), summed over D replicas by a ring all-reduce at `allreduce_gbps` gigabits a
     # second with `allreduce_latency` seconds on top (allreduce_s)
-    grad_bytes: float = attrs.field(default=0.0, converter=float, validator=_seconds)
+    grad_bytes: float = attrs.field(default=0.0, converter=float, validator=_bytes)
     allreduce_gbps: float = attrs.field(default=100.0, converter=float, validator=_positive)
     allreduce_latency: float = attrs.field(default=2e-5, converter=float, validator=_seconds)
 

@@ -102,7 +102,8 @@ def setup_replica_groups(ctl: Controller, executors: Sequence[ExecutorInfo], *, 
     for device in range(devices):
         name = f"{model}/{devices}x{replicas}/{device}/{serial}"
         first = executors[device]
-        host = first.peer_address.removeprefix("tcp://").rpartition(":")[0] or "127.0.0.1"
+        host = first.peer_address.removeprefix("tcp://").rpartition(":")[0].strip("[]") \
+            or "127.0.0.1"
         store = ctl.submit("replica_store", config={"group": name, "size": replicas,
                                                     "host": host},
                            executor=first.id, lane=f"{replica_lane(model, 0)}/{device}",

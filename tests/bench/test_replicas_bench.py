@@ -25,3 +25,9 @@ def test_replica_counts_need_the_one_replica_baseline():
     result = CliRunner().invoke(bench, ["train", "--replicas", "2,4"])
     assert result.exit_code == 2
     assert "1 among them" in result.output
+
+
+def test_a_simulator_cost_that_is_not_one_is_a_usage_error():
+    result = CliRunner().invoke(bench, ["train", "--replicas", "1", "--sim-cost", "grad_bytes=-1"])
+    assert result.exit_code == 2
+    assert "grad_bytes must be a finite number of bytes >= 0" in result.output
