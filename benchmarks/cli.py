@@ -102,29 +102,52 @@ def pipeline(json_out: Path | None) -> None:
               help="Instead: data parallel x pipeline parallel, tokens/s at these replica "
               "counts on this CPU against one replica (e.g. 1,2), then on the simulator and "
               "the planner at D = 1, 2, 4, 8.")
+@click.option("--sim-replicas", default="1,2,4", show_default=True, metavar="D,D,...",
+              help="With --replicas: the replica counts run on simulator executor processes.")
+@click.option("--sim-stages", type=click.IntRange(min=1), default=2, show_default=True,
+              help="With --replicas: the simulator runs' pipeline devices P.")
+@click.option("--sim-microbatches", type=click.IntRange(min=1), default=8, show_default=True,
+              help="With --replicas: the simulator runs' microbatches a replica.")
+@click.option("--sim-cost", default=None,
+              help="With --replicas: the simulator runs' costs, NAME=VALUE,... (grad_bytes, "
+              "allreduce_gbps, F, B, W, ...) [default: the bench's].")
 @_json_option
-def train(model: str | None, replicas: str | None, json_out: Path | None) -> None:
+def train(model: str | None, replicas: str | None, sim_replicas: str, sim_stages: int,
+          sim_microbatches: int, sim_cost: str | None, json_out: Path | None) -> None:
     """Pipeline training steps against their simulation.
 
     Also B + W against a fused backward, and tokens/s against a plain training loop."""
     if replicas is not None:
-        counts = _replica_counts(replicas)
-        _report(_bench_function("replicas", "run_replicas_bench")(cpu_replicas=counts),
-                json_out)
+        sim = {"sim_replicas": _replica_counts(sim_replicas, "--sim-replicas"),
+               "sim_stages": sim_stages, "sim_microbatches": sim_microbatches}
+        if sim_cost is not None:
+            _check_sim_cost(sim_cost)
+            sim["sim_costs"] = sim_cost
+        bench_fn = _bench_function("replicas", "run_replicas_bench")
+        _report(bench_fn(cpu_replicas=_replica_counts(replicas, "--replicas"), **sim), json_out)
         return
     kwargs = {} if model is None else {"model": model}
     _report(_bench_function("train", "run_train_bench")(**kwargs), json_out)
 
 
-def _replica_counts(text: str) -> tuple[int, ...]:
+def _replica_counts(text: str, option: str) -> tuple[int, ...]:
     try:
         counts = tuple(int(part) for part in text.split(","))
     except ValueError:
         counts = ()
     if not counts or min(counts) < 1 or 1 not in counts:
         raise click.BadParameter(f"expected replica counts like 1,2 (1 among them: the "
-                                 f"baseline), got {text!r}", param_hint="--replicas")
+                                 f"baseline), got {text!r}", param_hint=option)
     return counts
+
+
+def _check_sim_cost(text: str) -> None:
+    from flowkit.planner.simcosts import SimCosts
+
+    try:
+        SimCosts.parse(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--sim-cost") from None
 
 
 @bench.command(cls=_BenchCommand)

@@ -19,14 +19,24 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+import attrs
+
 __all__ = ["run_replicas_bench"]
 
 PARAMS, TOKENS, FLOPS = 1e9, 8192, 200e12  # (c): the model, a microbatch, effective device speed
 GBPS = (10.0, 25.0, 100.0, 400.0)
 
 
-def run_replicas_bench(*, cpu_replicas: tuple[int, ...] = (1, 2), steps: int = 5) -> dict:
-    return {"cpu": _cpu(cpu_replicas, steps), "simulator": _sim_processes(steps),
+SIM_COSTS = "F=0.004,B=0.004,W=0.004,optimizer_step=0.001,grad_bytes=1e9,allreduce_gbps=400"
+
+
+def run_replicas_bench(*, cpu_replicas: tuple[int, ...] = (1, 2), steps: int = 5,
+                       sim_replicas: tuple[int, ...] = (1, 2, 4), sim_stages: int = 2,
+                       sim_microbatches: int = 8, sim_costs: str = SIM_COSTS) -> dict:
+    """(a), (b) and (c) of the module docstring; the sim_* settings choose (b)'s runs."""
+    return {"cpu": _cpu(cpu_replicas, steps),
+            "simulator": _sim_processes(steps, sim_replicas, sim_stages, sim_microbatches,
+                                        sim_costs),
             "planner": _planner_grid()}
 
 
@@ -50,7 +60,7 @@ def _cpu(replicas: tuple[int, ...], steps: int) -> dict:
             flow = pretrain_flow(corpus=corpus, microbatches=4 * count,
                                  batch_size=16 * count, seq_len=setup.seq_len,
                                  model=_model(setup, name))
-            flow.models[name] = _with_replicas(flow.models[name], count)
+            flow.models[name] = attrs.evolve(flow.models[name], replicas=count)
             out[f"D={count}"] = _measured(ctl, flow, steps, 16 * count * setup.seq_len,
                                           executors="torch")
     base = out["D=1"]
@@ -89,12 +99,6 @@ def _matmuls(repeats: int) -> float:
     return time.perf_counter() - start
 
 
-def _with_replicas(model: Any, count: int) -> Any:
-    import attrs
-
-    return attrs.evolve(model, replicas=count)
-
-
 def _measured(ctl: Any, flow: Any, steps: int, tokens: int, **settings: Any) -> dict:
     """Median step after the first, tokens/s, and the reduce_grads tasks' seconds a step on
     the executor that spent the most on them."""
@@ -122,9 +126,11 @@ def _measured(ctl: Any, flow: Any, steps: int, tokens: int, **settings: Any) -> 
             "allreduce_share": reduce_s / step_s}
 
 
-def _sim_processes(steps: int) -> dict:
-    """(b): the simulator executor against the planner, P = 2, D = 1, 2, 4: a model whose
-    gradients take 40 ms to reduce at D = 2 against F = B = W = 4 ms, 8 microbatches."""
+def _sim_processes(steps: int, counts: tuple[int, ...], devices: int, microbatches: int,
+                   cost_spec: str) -> dict:
+    """(b): the simulator executor against the planner, by default P = 2, D = 1, 2, 4: 1 GB of
+    gradients at 400 Gb/s (10 ms to reduce a device's share at D = 2, 15 ms at D = 4) against
+    F = B = W = 4 ms, 8 microbatches a replica."""
     import tempfile
     from pathlib import Path
 
@@ -135,9 +141,7 @@ def _sim_processes(steps: int) -> dict:
     from flowkit.planner.simcosts import SimCosts
     from flowkit.runtime import Controller, LocalExecutors
 
-    devices, microbatches, counts = 2, 8, (1, 2, 4)
-    costs = SimCosts(F=0.004, B=0.004, W=0.004, optimizer_step=0.001, grad_bytes=1e9,
-                     allreduce_gbps=400.0)
+    costs = SimCosts.parse(cost_spec)
     out: dict[str, Any] = {"costs": {"F": costs.F, "B": costs.B, "W": costs.W,
                                      "grad_bytes": costs.grad_bytes,
                                      "allreduce_gbps": costs.allreduce_gbps},
@@ -150,7 +154,7 @@ def _sim_processes(steps: int) -> dict:
             flow = pretrain_flow(corpus=corpus, stages=devices, seq_len=16,
                                  microbatches=microbatches * count, schedule="1f1b",
                                  batch_size=microbatches * count, model_name=name)
-            flow.models[name] = _with_replicas(flow.models[name], count)
+            flow.models[name] = attrs.evolve(flow.models[name], replicas=count)
             row = _measured(ctl, flow, steps, microbatches * count, executors="sim",
                             sim_costs=costs)
             stage = costs.stage_costs(devices)
