@@ -28,9 +28,14 @@ def recut(params: list[torch.Tensor], saved: list[tuple[tuple[int, int] | None, 
     hyper: dict[bool, dict] = {}  # decayed or not -> the saved group's hyperparameters
     for shard, state in saved:
         order = _order(params, shard)
-        groups, per_param = state.get("param_groups", []), state.get("state", {})
+        groups, per_param = state.get("param_groups"), state.get("state")
+        if not (isinstance(groups, list) and all(isinstance(g, dict) for g in groups)
+                and all(isinstance(g.get("params"), list) for g in groups)
+                and isinstance(per_param, dict)):
+            raise StageError(f"a saved optimizer shard {shard} is not an AdamW state dict "
+                             "(param_groups with params, and per-parameter state)")
         for group in groups:
-            for number in group.get("params", []):
+            for number in group["params"]:
                 if not isinstance(number, int) or not 0 <= number < len(order):
                     raise StageError(f"a saved optimizer shard {shard} numbers parameter "
                                      f"{number!r}, outside its {len(order)}")

@@ -62,3 +62,12 @@ def test_a_saved_shard_naming_a_parameter_it_does_not_have_is_refused():
 def test_a_store_address_that_is_not_one_is_refused(address):
     with pytest.raises(StageError, match="expected the store's address"):
         _replica_group(op_context(), address, group="g", rank=1, size=2)
+
+
+@pytest.mark.parametrize("damage", [{"param_groups": 3}, {"state": []},
+                                    {"param_groups": [{"lr": 1.0}]}])
+def test_a_saved_shard_that_is_not_an_adamw_state_is_refused(damage):
+    model, optimizer = _stepped_model()
+    bad = {**optimizer.state_dict(), **damage}
+    with pytest.raises(StageError, match="not an AdamW state dict"):
+        recut(trainable(model), [(None, bad)], None, new_optimizer(model).state_dict())
