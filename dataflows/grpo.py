@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataflows.model_ops import Backprop, OptimizerStep
 from dataflows.models import reference_of
-from dataflows.rl.config import GroupRLConfig, RLConfig, rl_flow
+from dataflows.rl.config import GroupRLConfig, RLConfig, actor_loss, rl_flow
 from dataflows.rl.front import rl_actor, sample_and_score
 from dataflows.rl.steps import grpo_advantages, with_reference
 from flowkit.dsl import Flow, Model, collect, group_by
@@ -29,11 +29,12 @@ def grpo_flow(config: RLConfig, *, model: Model | None = None, gpt: dict | None 
         weights, scored, ref = sampled.weights, sampled.scored, sampled.ref_logprobs
         # No batch statistic: each group trains as soon as its n samples are scored.
         experiences = grpo_advantages(group_by(with_reference(scored, ref), key="prompt_id",
-                                               size=config.sampling.n))
+                                               size=config.sampling.n),
+                                      scale_rewards=config.scale_rewards)
         stats = Backprop(actor)(experiences, loss="grpo", kl_coef=config.kl_coef,
                                 temperature=config.sampling.temperature,
                                 schedule=config.schedule, microbatches=config.microbatches,
-                                name="update_actor")
+                                name="update_actor", **actor_loss(config))
         step = OptimizerStep(actor)(collect(stats), lr=config.lr)
         weights.bind(step.weights)
     return flow

@@ -12,9 +12,13 @@ from flowkit.dsl import Batch, ModelOp, Problem, Resumable, Stream, Workload
 from flowkit.ops import (
     KL_ALIASES,
     KL_KINDS,
+    LOSS_AGG_MODES,
     LOSS_KNOBS,
     LOSS_SPEC,
     LOSSES,
+    POLICY_LOSSES,
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_IS_MODES,
     ROUND_KNOBS,
     SAMPLING,
     SAMPLING_CHOICES,
@@ -117,18 +121,27 @@ class Backprop(ModelOp):
     config = {"loss": "lm", "schedule": "1f1b", "microbatches": 8, "memory_limit": None,
               **ROUND_KNOBS, **LOSS_KNOBS}
     choices = {"loss": tuple(LOSSES), "kl_kind": (*KL_KINDS, *KL_ALIASES),
-               "schedule": tuple(schedule_kinds())}
+               "schedule": tuple(schedule_kinds()), "loss_agg_mode": (None, *LOSS_AGG_MODES),
+               "policy_loss": POLICY_LOSSES, "rollout_is": (None, *ROLLOUT_IS_LEVELS),
+               "rollout_is_mode": ROLLOUT_IS_MODES}
     # the counts (microbatches, epochs, minibatches) are node_problems': whole numbers >= 1
-    # behav_cap >= 1: a cap below 1 would down-weight even fresh samples (weight 1). The flag
-    # `decoupled` is no number; node_problems checks that it is a bool
+    # behav_cap >= 1: a cap below 1 would down-weight even fresh samples (weight 1), as would
+    # an importance-weight threshold below 1. The flags (decoupled, mask_truncated) are no
+    # numbers; node_problems checks that they are bools
     ranges = {"kl_coef": (0, None), "clip_ratio": (0, None), "clip_ratio_c": (1, None),
-              "cliprange_value": (0, None), "temperature": (0, None), "behav_cap": (1, None)}
+              "clip_ratio_low": (0, 1), "clip_ratio_high": (0, None),
+              "loss_scale_factor": (1, None), "cliprange_value": (0, None),
+              "temperature": (0, None), "behav_cap": (1, None),
+              "rollout_is_threshold": (1, None), "rollout_is_threshold_lower": (0, 1),
+              "rollout_is_veto_threshold": (0, 1)}
 
     def node_problems(self, flow: Any, node: Any) -> list[Problem]:
         problems = [p for key, fix in _COUNTS.items() if (p := _count_problem(node, key, fix))]
         if not problems and rounds_of(node.config) > 1:
             problems += _round_problems(self.model, flow, node)
-        return problems + [p for p in (_flag_problem(node, "decoupled"),) if p]
+        flags = [_flag_problem(node, key) for key in ("decoupled", "mask_truncated")]
+        rounds = 1 if problems else rounds_of(node.config)  # counts checked first
+        return problems + [p for p in flags if p] + _loss_problems(node, rounds)
 
 
 class OptimizerStep(ModelOp):
@@ -169,6 +182,34 @@ def _flag_problem(node: Any, key: str) -> Problem | None:
         return None
     return Problem(rule="bad-config", op=node.name, port=key,
                    message=f"{key}={value!r} is not True or False", fix=f"pass {key}=True")
+
+
+def _loss_problems(node: Any, rounds: int) -> list[Problem]:
+    """Loss knobs that cannot go together, before anything runs."""
+    config, problems = node.config, []
+    agg = config.get("loss_agg_mode")
+    if config.get("policy_loss") == "gspo" and agg not in (None, "seq-mean-token-mean"):
+        problems.append(Problem(
+            rule="bad-config", op=node.name, port="loss_agg_mode",
+            message=f"policy_loss='gspo' takes one ratio per response, averaged over its "
+                    f"tokens (seq-mean-token-mean, as verl aggregates it), not {agg!r}",
+            fix="leave loss_agg_mode unset (None) or 'seq-mean-token-mean'"))
+    if agg == "seq-mean-token-sum-norm" and config.get("loss_scale_factor") is None:
+        problems.append(Problem(
+            rule="bad-config", op=node.name, port="loss_scale_factor",
+            message="loss_agg_mode='seq-mean-token-sum-norm' divides each response's summed "
+                    "loss by a constant, and loss_scale_factor is not set",
+            fix="pass loss_scale_factor=MAX_NEW_TOKENS (the generation budget; the RL flows "
+                "set it so)"))
+    if config.get("rollout_is") is not None and rounds > 1:
+        problems.append(Problem(
+            rule="bad-config", op=node.name, port="rollout_is",
+            message=f"rollout_is={config['rollout_is']!r} takes the trainer's log-probs from "
+                    f"the update's own forward, so each sample gets one optimizer step, but "
+                    f"epochs={config['epochs']}, minibatches={config['minibatches']} give it "
+                    f"{rounds}",
+            fix="leave epochs and minibatches at 1, or rollout_is=None"))
+    return problems
 
 
 def _round_problems(model: str, flow: Any, node: Any) -> list[Problem]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataflows.model_ops import Backprop, OptimizerStep, Values
 from dataflows.models import critic_of, reference_of
-from dataflows.rl.config import PPOConfig, rl_flow
+from dataflows.rl.config import PPOConfig, actor_loss, rl_flow
 from dataflows.rl.front import rl_actor, sample_and_score
 from dataflows.rl.steps import gae, make_experience
 from flowkit.dsl import Flow, Model, Stream, collect
@@ -34,7 +34,7 @@ def ppo_flow(config: PPOConfig, *, model: Model | None = None, critic: Model | N
         train = dict(schedule=config.schedule, microbatches=config.microbatches,
                      epochs=config.ppo_epochs, minibatches=config.minibatches)
         actor_stats = Backprop(actor)(batch, loss="ppo", temperature=config.sampling.temperature,
-                                      name="update_actor", **train)
+                                      name="update_actor", **train, **actor_loss(config))
         critic_stats = Backprop(critic)(batch, loss="value", name="update_critic", **train)
         actor_step = OptimizerStep(actor)(collect(actor_stats), lr=config.lr, name="actor_step")
         critic_step = OptimizerStep(critic)(collect(critic_stats), lr=config.critic_lr,

@@ -12,7 +12,7 @@ from dataflows.rl.advantages import (
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
 )
-from dataflows.rl.config import ReinforcePPConfig, rl_flow
+from dataflows.rl.config import ReinforcePPConfig, actor_loss, rl_flow
 from dataflows.rl.front import rl_actor, sample_and_score
 from flowkit.dsl import Flow, Model, collect
 
@@ -45,7 +45,7 @@ def reinforce_pp_flow(config: ReinforcePPConfig, *, model: Model | None = None,
             batch = reinforce_pp_advantages(token_rewards, gamma=config.gamma)
         stats = Backprop(actor)(batch, loss="ppo", temperature=config.sampling.temperature,
                                 schedule=config.schedule, microbatches=config.microbatches,
-                                name="update_actor")
+                                name="update_actor", **actor_loss(config))
         step = OptimizerStep(actor)(collect(stats), lr=config.lr)
         weights.bind(step.weights)
     return flow

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataflows.model_ops import Backprop, OptimizerStep
 from dataflows.models import reference_of
 from dataflows.rl.advantages import kl_token_rewards, rloo_advantages
-from dataflows.rl.config import GroupRLConfig, RLConfig, rl_flow
+from dataflows.rl.config import GroupRLConfig, RLConfig, actor_loss, rl_flow
 from dataflows.rl.front import rl_actor, sample_and_score
 from flowkit.dsl import Flow, Model, collect, group_by
 
@@ -35,7 +35,7 @@ def rloo_flow(config: RLConfig, *, model: Model | None = None, gpt: dict | None 
         experiences = rloo_advantages(group_by(token_rewards, key="prompt_id", size=n))
         stats = Backprop(actor)(experiences, loss="ppo", temperature=config.sampling.temperature,
                                 schedule=config.schedule, microbatches=config.microbatches,
-                                name="update_actor")
+                                name="update_actor", **actor_loss(config))
         step = OptimizerStep(actor)(collect(stats), lr=config.lr)
         weights.bind(step.weights)
     return flow

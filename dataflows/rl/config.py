@@ -26,10 +26,36 @@ from dataflows.model_ops import Backprop, OptimizerStep
 from dataflows.rl.advantages import reinforce_pp_advantages
 from dataflows.rl.steps import answer_reward, arithmetic_prompts
 from flowkit.dsl import Flow, Operator
-from flowkit.ops import ROUND_KNOBS, SAMPLING_KEYS, SamplingConfig
+from flowkit.ops import LOSS_KNOBS, ROUND_KNOBS, SAMPLING_KEYS, SamplingConfig
 
-__all__ = ["GroupRLConfig", "PPOConfig", "RLConfig", "ReinforcePPConfig", "rl_flow",
-           "shortcuts_of", "with_shortcuts"]
+__all__ = ["POLICY_KEYS", "GroupRLConfig", "PPOConfig", "PolicyLoss", "RLConfig",
+           "ReinforcePPConfig", "actor_loss", "rl_flow", "shortcuts_of", "with_shortcuts"]
+
+
+@attrs.frozen(kw_only=True)
+class PolicyLoss:
+    """How the actor's loss is taken, by verl's names (flowkit/ops/losses.py's LOSS_KNOBS says
+    each, with its default): the clip range and clip-higher, the aggregation mode, GSPO, an
+    entropy bonus, masking cut responses, and the rollout correction (TIS / MIS)."""
+
+    clip_ratio: float = LOSS_KNOBS["clip_ratio"]
+    clip_ratio_low: float | None = LOSS_KNOBS["clip_ratio_low"]
+    clip_ratio_high: float | None = LOSS_KNOBS["clip_ratio_high"]
+    clip_ratio_c: float = LOSS_KNOBS["clip_ratio_c"]
+    loss_agg_mode: str | None = LOSS_KNOBS["loss_agg_mode"]
+    # None with seq-mean-token-sum-norm: the flow's max_new_tokens (actor_loss)
+    loss_scale_factor: float | None = LOSS_KNOBS["loss_scale_factor"]
+    policy_loss: str = LOSS_KNOBS["policy_loss"]
+    entropy_coeff: float = LOSS_KNOBS["entropy_coeff"]
+    mask_truncated: bool = LOSS_KNOBS["mask_truncated"]
+    rollout_is: str | None = LOSS_KNOBS["rollout_is"]
+    rollout_is_mode: str = LOSS_KNOBS["rollout_is_mode"]
+    rollout_is_threshold: float = LOSS_KNOBS["rollout_is_threshold"]
+    rollout_is_threshold_lower: float | None = LOSS_KNOBS["rollout_is_threshold_lower"]
+    rollout_is_veto_threshold: float | None = LOSS_KNOBS["rollout_is_veto_threshold"]
+
+
+POLICY_KEYS = tuple(field.name for field in attrs.fields(PolicyLoss))
 
 
 @attrs.frozen(kw_only=True)
@@ -41,7 +67,11 @@ class RLConfig:
     `max_staleness`: run asynchronously, generation up to that many weights versions ahead of
     training ([Note: asynchronous steps] in flowkit/runner/flowrun.py; None: synchronous).
     `oversample` > 1: partial rollouts, that many times the prompts generate and the step
-    takes the first `prompts` groups to finish (the flow sets `sampling.take`)."""
+    takes the first `prompts` groups to finish (the flow sets `sampling.take`). `policy`: how
+    the actor's loss is taken (clip-higher, aggregation, GSPO, rollout correction, ...; each a
+    shortcut by its own name). `overlong_buffer` > 0: DAPO's soft overlong penalty, a
+    response longer than max_new_tokens - overlong_buffer loses up to
+    `overlong_penalty_factor` of its reward, linearly over the buffer (overlong_penalty)."""
 
     prompts: int = 16
     stages: int | None = None
@@ -57,14 +87,19 @@ class RLConfig:
     reward: Operator = answer_reward
     source_config: Mapping[str, Any] | None = None
     sampling: SamplingConfig = SamplingConfig()
+    policy: PolicyLoss = PolicyLoss()
+    overlong_buffer: int = 0
+    overlong_penalty_factor: float = 1.0
 
 
 @attrs.frozen(kw_only=True)
 class GroupRLConfig(RLConfig):
     """GRPO's and RLOO's: a prompt's samples are a group, each sample's baseline the others',
-    so a prompt is sampled 8 times."""
+    so a prompt is sampled 8 times. `scale_rewards=False`: GRPO's advantages without the
+    division by the group's std (Dr. GRPO)."""
 
     sampling: SamplingConfig = SamplingConfig(n=8)
+    scale_rewards: bool = True
 
 
 @attrs.frozen(kw_only=True)
@@ -94,22 +129,35 @@ class ReinforcePPConfig(RLConfig):
 
 # eos=None means "no stop token" and take is the flow's (from oversample): neither can be a
 # shortcut whose None means "the record's"
-_NOT_SHORTCUTS = ("sampling", "eos", "take")
+_NOT_SHORTCUTS = ("sampling", "policy", "eos", "take")
 
 
 def shortcuts_of(record: type[RLConfig]) -> tuple[str, ...]:
-    """The keyword shortcuts of a flow configured by `record`: its settings and the sampling
-    settings, by name."""
-    names = [field.name for field in attrs.fields(record)] + list(SAMPLING_KEYS)
+    """The keyword shortcuts of a flow configured by `record`: its settings, the sampling
+    settings and the policy loss's, by name."""
+    names = [field.name for field in attrs.fields(record)] + list(SAMPLING_KEYS) \
+        + list(POLICY_KEYS)
     return tuple(name for name in names if name not in _NOT_SHORTCUTS)
 
 
 def with_shortcuts(config: RLConfig, **shortcuts: Any) -> RLConfig:
     """`config` with each shortcut given (not None): a sampling setting's name sets
-    `config.sampling`'s, any other the record's field."""
+    `config.sampling`'s, a policy loss setting's `config.policy`'s, any other the record's
+    field."""
     given = {name: value for name, value in shortcuts.items() if value is not None}
     sampling = {name: given.pop(name) for name in list(given) if name in SAMPLING_KEYS}
-    return attrs.evolve(config, **given, sampling=attrs.evolve(config.sampling, **sampling))
+    policy = {name: given.pop(name) for name in list(given) if name in POLICY_KEYS}
+    return attrs.evolve(config, **given, sampling=attrs.evolve(config.sampling, **sampling),
+                        policy=attrs.evolve(config.policy, **policy))
+
+
+def actor_loss(config: RLConfig) -> dict[str, Any]:
+    """The actor Backprop's policy loss knobs: `config.policy`'s, Dr. GRPO's constant the
+    generation budget unless given."""
+    knobs = attrs.asdict(config.policy)
+    if knobs["loss_agg_mode"] == "seq-mean-token-sum-norm" and knobs["loss_scale_factor"] is None:
+        knobs["loss_scale_factor"] = config.sampling.max_new_tokens
+    return knobs
 
 
 def _as_record(config: RLConfig | None, record: type[RLConfig]) -> RLConfig:

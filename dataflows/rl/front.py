@@ -14,7 +14,7 @@ import attrs
 from dataflows.model_ops import Generate, LogProbs
 from dataflows.models import flow_model
 from dataflows.rl.config import RLConfig
-from dataflows.rl.steps import rollout_metrics
+from dataflows.rl.steps import check_overlong, overlong_penalty, rollout_metrics
 from flowkit.dsl import Flow, Model, Stream, collect
 from flowkit.ops.records import WeightsVersion
 
@@ -64,6 +64,11 @@ def sample_and_score(flow: Flow, actor: Model, reference: Model, config: RLConfi
     rollouts = Generate(actor, tags=("rollout",))(
         prompt_items, weights=weights, **attrs.evolve(sampling, take=take).as_config())
     scored = config.reward(rollouts)
-    rollout_metrics(collect(scored))
+    rollout_metrics(collect(scored))  # the task's own reward, before any shaping
+    if config.overlong_buffer:
+        check_overlong(sampling.max_new_tokens, config.overlong_buffer)  # before anything runs
+        scored = overlong_penalty(scored, max_new_tokens=sampling.max_new_tokens,
+                                  buffer=config.overlong_buffer,
+                                  penalty_factor=config.overlong_penalty_factor)
     ref = LogProbs(reference)(rollouts, name="ref_logprobs", temperature=sampling.temperature)
     return Sampled(weights, rollouts, scored, ref)

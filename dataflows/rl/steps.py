@@ -15,9 +15,9 @@ from dataflows.rl.advantages import whiten
 from flowkit.dsl import Batch, Grouped, Metrics, Stream, op
 from flowkit.ops.records import Experience, Prompt, Rollout, Scored, TokenScores
 
-__all__ = ["ARITHMETIC_RESPONSE_TOKENS", "answer_reward", "arithmetic_prompts", "gae",
-           "grpo_advantages", "make_experience", "rollout_metrics", "staleness_metrics",
-           "with_reference"]
+__all__ = ["ARITHMETIC_RESPONSE_TOKENS", "answer_reward", "arithmetic_prompts",
+           "check_overlong", "gae", "grpo_advantages", "make_experience", "overlong_penalty",
+           "rollout_metrics", "staleness_metrics", "with_reference"]
 
 
 ARITHMETIC_RESPONSE_TOKENS = 8
@@ -89,19 +89,44 @@ def with_reference(scored: Scored, ref_logprobs: TokenScores) -> Experience:
 
 
 @op
-def grpo_advantages(group: Grouped[Scored], *, eps: float = 1e-6) -> Stream[Experience]:
+def grpo_advantages(group: Grouped[Scored], *, eps: float = 1e-6, scale_rewards: bool = True
+                    ) -> Stream[Experience]:
     """Each sample's reward minus its group's mean, over the group's (unbiased) std, on every
-    token; a group of one has mean 0 and std 1, as in established GRPO implementations."""
+    token; a group of one has mean 0 and std 1, as in established GRPO implementations.
+    `scale_rewards=False` leaves out the std (Dr. GRPO, Liu et al. 2025: the division favours
+    prompts whose rewards barely differ; verl's norm_adv_by_std_in_grpo=False)."""
     rewards = [s.reward for s in group]
     single = len(rewards) == 1
     mean = 0.0 if single else statistics.fmean(rewards)
     std = 1.0 if single else statistics.stdev(rewards)
     for scored in group:
-        advantages = [(scored.reward - mean) / (std + eps)] * len(scored.response_tokens)
+        centered = scored.reward - mean
+        advantage = centered / (std + eps) if scale_rewards else centered
+        advantages = [advantage] * len(scored.response_tokens)
         if isinstance(scored, Experience):
             yield attrs.evolve(scored, advantages=advantages)
         else:
             yield Experience(**attrs.asdict(scored, recurse=False), advantages=advantages)
+
+
+@op
+def overlong_penalty(scored: Scored, *, max_new_tokens: int = 256, buffer: int = 0,
+                     penalty_factor: float = 1.0) -> Scored:
+    """DAPO's soft overlong punishment (Yu et al. 2025): a response longer than
+    max_new_tokens - buffer tokens loses penalty_factor x (its excess / buffer) of its reward,
+    down to -penalty_factor at the full budget; shorter ones keep theirs (verl's
+    overlong_buffer_cfg in its DAPO reward manager)."""
+    check_overlong(max_new_tokens, buffer)
+    exceed = len(scored.response_tokens) - (max_new_tokens - buffer)
+    penalty = min(-exceed / buffer * penalty_factor, 0.0)
+    return attrs.evolve(scored, reward=scored.reward + penalty)
+
+
+def check_overlong(max_new_tokens: int, buffer: int) -> None:
+    if not 0 < buffer <= max_new_tokens:
+        raise ValueError(f"overlong_buffer={buffer!r} with max_new_tokens={max_new_tokens}: "
+                         "the penalty ramps over the last `overlong_buffer` tokens of the "
+                         "budget, so it is a whole number from 1 to max_new_tokens (0: off)")
 
 
 @op

@@ -9,26 +9,44 @@ tokens and 0 on padding (left or right).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
-from flowkit.ops import KL_ALIASES, LOSS_KNOBS
+from flowkit.ops import (
+    KL_ALIASES,
+    LOSS_AGG_MODES,
+    LOSS_KNOBS,
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_IS_MODES,
+)
 
 __all__ = [
     "AGG_MODES",
     "KL_KINDS",
+    "ROLLOUT_IS_LEVELS",
+    "ROLLOUT_IS_MODES",
+    "aggregate_sum",
+    "behav_weights",
     "decoupled_ppo_policy_loss",
     "decoupled_weight_stats",
+    "entropy_from_logprobs",
     "gae_advantages",
     "grpo_advantages",
+    "gspo_policy_loss",
+    "gspo_token_losses",
     "kl_penalty",
+    "mismatch_metrics",
     "ppo_policy_loss",
     "ppo_policy_loss_stats",
+    "ppo_token_losses",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
+    "rollout_is_weights",
     "value_loss",
+    "value_token_losses",
 ]
 
 # verl's whitening divides by sqrt(var + 1e-8) rather than sqrt(var): a batch of equal advantages
@@ -269,37 +287,98 @@ def _agg_seq_mean_token_sum(losses: torch.Tensor, mask: torch.Tensor) -> torch.T
     return _seq_mean_over_nonempty(_masked_sum(losses, mask, dim=-1), mask.sum(dim=-1))
 
 
-_AGGREGATORS = {
-    "token-mean": _agg_token_mean,
-    "seq-mean-token-mean": _agg_seq_mean_token_mean,
-    "seq-mean-token-sum": _agg_seq_mean_token_sum,
-}
-AGG_MODES = tuple(_AGGREGATORS)
+def _nonempty_rows(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.sum(dim=-1) > 0).to(mask.dtype).sum()
 
 
-def _aggregate(losses: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.Tensor:
-    """Reduce per-token losses (B, T) to a scalar with one of AGG_MODES (verl's agg_loss)."""
-    if agg not in _AGGREGATORS:
+AGG_MODES = LOSS_AGG_MODES
+"""verl's loss_agg_mode values. seq-mean-token-sum-norm is Dr. GRPO's (Liu et al. 2025): each
+response's summed token losses over a constant (`scale_factor`, the generation budget) rather
+than its own length, then the mean over responses, as the paper and TRL's loss_type="dr_grpo"
+write it. verl's agg_loss leaves out that mean (its sum over responses / the constant grows
+with the batch; its trainer divides by the gradient accumulation steps instead): on one batch,
+verl's value is this one times the responses with tokens."""
+
+
+def aggregate_sum(losses: torch.Tensor, mask: torch.Tensor, agg: str,
+                  scale_factor: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(total, normalizer) with total / normalizer == the `agg` aggregate, where the
+    normalizer is what the mode divides by over a whole batch (tokens, or responses with
+    tokens): summed over any cut of the batch, the totals over the normalizers are the whole
+    batch's aggregate [Note: RL losses in sum form in executors/torch/rl_loss.py]."""
+    _check_agg(agg)
+    if agg == "token-mean":
+        return _masked_sum(losses, mask), mask.sum()
+    counts = mask.sum(dim=-1)
+    rows = _masked_sum(losses, mask, dim=-1)  # (B,)
+    if agg == "seq-mean-token-mean":
+        # verl's +1e-8 keeps fully padded rows finite (they add 0) and is kept so that the
+        # two agree to the last digits
+        rows = rows / (counts + 1e-8)
+    elif agg == "seq-mean-token-sum-norm":
+        rows = rows / _scale_factor(scale_factor, mask)
+    return (rows * (counts > 0).to(rows.dtype)).sum(), _nonempty_rows(mask)
+
+
+def _scale_factor(scale_factor: float | None, mask: torch.Tensor) -> float:
+    """Dr. GRPO's constant: given, else verl's default, the padded response width."""
+    if scale_factor is None:
+        return float(mask.shape[-1])
+    if not scale_factor > 0:
+        raise ValueError(f"loss_scale_factor is {scale_factor}, expected > 0: the constant "
+                         f"that seq-mean-token-sum-norm divides each response's sum by (the "
+                         f"generation budget, max_new_tokens)")
+    return float(scale_factor)
+
+
+def _check_agg(agg: str) -> None:
+    if agg not in AGG_MODES:
         raise ValueError(f"unknown agg {agg!r}; expected one of {', '.join(AGG_MODES)}")
+
+
+def _aggregate(losses: torch.Tensor, mask: torch.Tensor, agg: str,
+               scale_factor: float | None = None) -> torch.Tensor:
+    """Reduce per-token losses (B, T) to a scalar with one of AGG_MODES (verl's agg_loss)."""
+    _check_agg(agg)
     _require_tokens(mask, f"loss aggregation {agg!r}")
-    return _AGGREGATORS[agg](losses, mask)
+    if agg == "token-mean":
+        return _agg_token_mean(losses, mask)
+    if agg == "seq-mean-token-mean":
+        return _agg_seq_mean_token_mean(losses, mask)
+    if agg == "seq-mean-token-sum":
+        return _agg_seq_mean_token_sum(losses, mask)
+    total, rows = aggregate_sum(losses, mask, agg, scale_factor)
+    return total / rows
 
 
 # ----------------------------------------------------------------------------- PPO losses
 
 
+def _clip_range(clip_ratio: float, low: float | None, high: float | None) -> tuple[float, float]:
+    """(low, high): each side's bound, `clip_ratio` where not given (DAPO's clip-higher sets
+    `high` above it, verl's clip_ratio_low / clip_ratio_high)."""
+    low = clip_ratio if low is None else low
+    high = clip_ratio if high is None else high
+    if not (low >= 0 and high >= 0):
+        raise ValueError(f"clip ranges are ({low}, {high}), expected both >= 0: the ratio is "
+                         f"clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]")
+    return float(low), float(high)
+
+
 def _ppo_token_terms(old_logprob: torch.Tensor, logprob: torch.Tensor, advantages: torch.Tensor,
-                     mask: torch.Tensor, clip_ratio: float, clip_ratio_c: float
+                     mask: torch.Tensor, clip_ratio: float, clip_ratio_c: float,
+                     clip_ratio_low: float | None = None, clip_ratio_high: float | None = None
                      ) -> dict[str, torch.Tensor]:
     """Per-token pieces of the dual-clip PPO objective, shared by the loss and its statistics."""
     _check_same_shape(old_logprob=old_logprob, logprob=logprob, advantages=advantages, mask=mask)
     if not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c is {clip_ratio_c}, expected > 1: it bounds the ratio "
                          f"from above for negative advantages (dual-clip PPO)")
+    low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high)
     log_ratio = torch.clamp(logprob - old_logprob, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio, 1 + clip_ratio)
+    clipped = -advantages * torch.clamp(ratio, 1 - low, 1 + high)
     pessimistic = torch.maximum(unclipped, clipped)
     # Dual clip: for A < 0 a huge ratio would make the loss unbounded; cap it at -A * c.
     dual_cap = -advantages * clip_ratio_c
@@ -308,24 +387,40 @@ def _ppo_token_terms(old_logprob: torch.Tensor, logprob: torch.Tensor, advantage
             "clipped": clipped, "pessimistic": pessimistic, "dual_cap": dual_cap}
 
 
+def ppo_token_losses(old_logprob: torch.Tensor, logprob: torch.Tensor, advantages: torch.Tensor,
+                     mask: torch.Tensor, clip_ratio: float = 0.2, clip_ratio_c: float = 3.0, *,
+                     clip_ratio_low: float | None = None, clip_ratio_high: float | None = None
+                     ) -> torch.Tensor:
+    """The dual-clip PPO loss of each token (B, T), before aggregation."""
+    return _ppo_token_terms(old_logprob, logprob, advantages, mask, clip_ratio, clip_ratio_c,
+                            clip_ratio_low, clip_ratio_high)["losses"]
+
+
 def ppo_policy_loss(old_logprob: torch.Tensor, logprob: torch.Tensor, advantages: torch.Tensor,
                     mask: torch.Tensor, clip_ratio: float = 0.2, clip_ratio_c: float = 3.0,
-                    agg: str = "token-mean") -> torch.Tensor:
-    """Clipped surrogate loss with the dual clip for negative advantages (a scalar to minimize)."""
-    terms = _ppo_token_terms(old_logprob, logprob, advantages, mask, clip_ratio, clip_ratio_c)
-    return _aggregate(terms["losses"], mask, agg)
+                    agg: str = "token-mean", *, clip_ratio_low: float | None = None,
+                    clip_ratio_high: float | None = None, weights: torch.Tensor | None = None,
+                    scale_factor: float | None = None) -> torch.Tensor:
+    """Clipped surrogate loss with the dual clip for negative advantages (a scalar to minimize);
+    `weights` (detached, e.g. rollout_is_weights) multiply each token's loss after the clips,
+    as verl's compute_policy_loss_vanilla applies its rollout correction."""
+    losses = ppo_token_losses(old_logprob, logprob, advantages, mask, clip_ratio, clip_ratio_c,
+                              clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high)
+    return _aggregate(losses if weights is None else losses * weights, mask, agg, scale_factor)
 
 
 @torch.no_grad()
 def ppo_policy_loss_stats(old_logprob: torch.Tensor, logprob: torch.Tensor,
                           advantages: torch.Tensor, mask: torch.Tensor, clip_ratio: float = 0.2,
-                          clip_ratio_c: float = 3.0) -> dict[str, torch.Tensor]:
+                          clip_ratio_c: float = 3.0, *, clip_ratio_low: float | None = None,
+                          clip_ratio_high: float | None = None) -> dict[str, torch.Tensor]:
     """Diagnostics of the PPO step over masked tokens, as verl logs them.
 
     clipfrac: share of tokens where the ratio clip bound; clipfrac_lower: share where the dual
     clip bound (negative advantages only); approx_kl: mean of old_logprob - logprob.
     """
-    terms = _ppo_token_terms(old_logprob, logprob, advantages, mask, clip_ratio, clip_ratio_c)
+    terms = _ppo_token_terms(old_logprob, logprob, advantages, mask, clip_ratio, clip_ratio_c,
+                             clip_ratio_low, clip_ratio_high)
     _require_tokens(mask, "PPO statistics")
     dual_bound = (terms["pessimistic"] > terms["dual_cap"]) & (advantages < 0)
     return {
@@ -333,6 +428,128 @@ def ppo_policy_loss_stats(old_logprob: torch.Tensor, logprob: torch.Tensor,
         "clipfrac_lower": _masked_mean(dual_bound.to(mask.dtype), mask),
         "approx_kl": _masked_mean(-terms["log_ratio"], mask),
     }
+
+
+# ----------------------------------------------------------------------------- GSPO
+# Group Sequence Policy Optimization (Zheng et al. 2025): one importance ratio per response, the
+# geometric mean of its token ratios, clipped per response. As verl writes it, each token
+# carries the response's ratio as its value and its own log-prob's gradient,
+#     s_it = sg[s_i] * pi(y_it) / sg[pi(y_it)],  log s_i = mean_t (log pi - log pi_old),
+# so the gradient of the mean over the response's tokens is s_i times the mean of the tokens'
+# score gradients: the sequence-level objective.
+
+_GSPO_LOG_RATIO_MAX = 10.0  # verl clamps the log ratio from above only
+
+
+def gspo_token_losses(old_logprob: torch.Tensor, logprob: torch.Tensor, advantages: torch.Tensor,
+                      mask: torch.Tensor, clip_ratio_low: float, clip_ratio_high: float
+                      ) -> torch.Tensor:
+    """GSPO's clipped loss on each token (B, T), before aggregation (verl's
+    compute_policy_loss_gspo; no dual clip). GSPO's clip range is tiny, e.g. 3e-4 and 4e-4:
+    a sequence ratio strays from 1 far less than a token's does."""
+    _check_same_shape(old_logprob=old_logprob, logprob=logprob, advantages=advantages, mask=mask)
+    low, high = _clip_range(0.0, clip_ratio_low, clip_ratio_high)
+    lengths = mask.sum(dim=-1).clamp(min=1)
+    seq_log_ratio = _masked_sum(logprob - old_logprob, mask, dim=-1) / lengths  # (B,)
+    log_ratio = logprob - logprob.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    ratio = torch.exp(torch.clamp(log_ratio, max=_GSPO_LOG_RATIO_MAX))
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - low, 1 + high)
+    return torch.maximum(unclipped, clipped)
+
+
+def gspo_policy_loss(old_logprob: torch.Tensor, logprob: torch.Tensor, advantages: torch.Tensor,
+                     mask: torch.Tensor, clip_ratio_low: float = 3e-4,
+                     clip_ratio_high: float = 4e-4, agg: str = "seq-mean-token-mean", *,
+                     weights: torch.Tensor | None = None) -> torch.Tensor:
+    """GSPO's loss, a scalar to minimize; verl always aggregates it seq-mean-token-mean (the
+    per-response mean is what makes the ratio a sequence's)."""
+    losses = gspo_token_losses(old_logprob, logprob, advantages, mask, clip_ratio_low,
+                               clip_ratio_high)
+    return _aggregate(losses if weights is None else losses * weights, mask, agg)
+
+
+# ----------------------------------------------------------------------------- rollout correction
+# The sampler's log-probs differ from the trainer's for the same weights the day generation runs
+# elsewhere (vLLM, bf16 kernels): truncated or masked importance sampling (TIS / MIS; verl's
+# rollout_is, Yao et al. 2025 "Your efficient RL framework secretly brings you off-policy RL
+# training") weighs each token's loss by pi_train / pi_rollout, per token, per sequence (the
+# product) or per sequence's geometric mean, truncated above a threshold or masked outside
+# [lower, upper]; a sequence with a token whose ratio is below the veto threshold is dropped.
+
+@torch.no_grad()
+def rollout_is_weights(old_logprob: torch.Tensor, rollout_logprob: torch.Tensor,
+                       mask: torch.Tensor, level: str = "token", mode: str = "truncate",
+                       threshold: float = 2.0, threshold_lower: float | None = None,
+                       veto_threshold: float | None = 1e-4
+                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(weights (B, T), metrics): verl's compute_rollout_importance_weights (v0.6), detached,
+    zero on padding. `old_logprob` is the trainer's, `rollout_logprob` the sampler's; the lower
+    threshold defaults to 1 / threshold (mask mode reads it)."""
+    _check_same_shape(old_logprob=old_logprob, rollout_logprob=rollout_logprob, mask=mask)
+    _check_rollout_is(level, mode, threshold, threshold_lower, veto_threshold)
+    _require_tokens(mask, "rollout importance weights")
+    lower = 1.0 / threshold if threshold_lower is None else threshold_lower
+    log_ratio = old_logprob - rollout_logprob
+    if level == "token":
+        per = log_ratio
+    elif level == "sequence":
+        per = _masked_sum(log_ratio, mask, dim=-1).unsqueeze(-1)
+    else:
+        # a row without tokens gets 0, not verl's 0 / 0: its weights are masked out anyway
+        lengths = mask.sum(dim=-1).clamp(min=1)
+        per = (_masked_sum(log_ratio, mask, dim=-1) / lengths).unsqueeze(-1)
+    raw = torch.exp(torch.clamp(per, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)).expand_as(log_ratio)
+    metrics = {"rollout_is/mean": _masked_mean(raw, mask),
+               "rollout_is/max": raw.masked_fill(~mask.bool(), float("-inf")).max(),
+               "rollout_is/fraction_high": _masked_mean((per > math.log(threshold))
+                                                        .expand_as(mask).to(mask.dtype), mask),
+               "rollout_is/fraction_low": _masked_mean((per < math.log(lower))
+                                                       .expand_as(mask).to(mask.dtype), mask)}
+    if mode == "truncate":
+        weights = raw.clamp(max=threshold)
+    else:
+        keep = ((raw >= lower) & (raw <= threshold)).to(raw.dtype)
+        metrics["rollout_is/masked_fraction"] = _masked_mean(1 - keep, mask)
+        weights = raw * keep
+    if veto_threshold is not None:
+        vetoed = ((log_ratio < math.log(veto_threshold)) & mask.bool()).any(dim=-1, keepdim=True)
+        metrics["rollout_is/vetoed_fraction"] = _masked_mean(
+            vetoed.expand_as(mask).to(mask.dtype), mask)
+        weights = weights * (~vetoed).to(weights.dtype)
+    metrics.update(mismatch_metrics(old_logprob, rollout_logprob, mask))
+    return weights * mask, metrics
+
+
+def _check_rollout_is(level: str, mode: str, threshold: float, lower: float | None,
+                      veto: float | None) -> None:
+    if level not in ROLLOUT_IS_LEVELS:
+        raise ValueError(f"rollout_is={level!r}; expected one of {', '.join(ROLLOUT_IS_LEVELS)}")
+    if mode not in ROLLOUT_IS_MODES:
+        raise ValueError(f"rollout_is_mode={mode!r}; expected one of "
+                         f"{', '.join(ROLLOUT_IS_MODES)}")
+    if not threshold > 0 or (lower is not None and not 0 < lower <= threshold):
+        raise ValueError(f"rollout_is_threshold={threshold}, rollout_is_threshold_lower="
+                         f"{lower}: expected 0 < lower <= threshold (importance weights are "
+                         f"positive)")
+    if veto is not None and not veto > 0:
+        raise ValueError(f"rollout_is_veto_threshold={veto}: expected > 0, or None for no veto")
+
+
+@torch.no_grad()
+def mismatch_metrics(old_logprob: torch.Tensor, rollout_logprob: torch.Tensor,
+                     mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """How far the sampler's log-probs are from the trainer's over the masked tokens: the
+    direct estimate of KL(rollout || trainer) and the k3 one (verl's mismatch_kl, k3_kl)."""
+    log_ratio = old_logprob - rollout_logprob
+    return {"mismatch/kl": _masked_mean(-log_ratio, mask),
+            "mismatch/k3_kl": _masked_mean(torch.exp(log_ratio) - log_ratio - 1, mask)}
+
+
+def entropy_from_logprobs(logprobs: torch.Tensor) -> torch.Tensor:
+    """Each position's entropy of the distribution whose log-probs over the vocabulary are
+    `logprobs` (..., V): -sum p log p, verl's entropy_from_logits of the same logits."""
+    return -(logprobs.exp() * logprobs).sum(dim=-1)
 
 
 # ----------------------------------------------------------------------------- decoupled PPO
@@ -350,7 +567,7 @@ def _check_behav_cap(behav_cap: float) -> None:
                          f"weight prox / behav of the decoupled PPO objective, which is positive")
 
 
-def _behav_weights(behav_logprob: torch.Tensor, prox_logprob: torch.Tensor, behav_cap: float
+def behav_weights(behav_logprob: torch.Tensor, prox_logprob: torch.Tensor, behav_cap: float
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(capped weights, raw weights) prox / behav per token, both detached: the weight corrects
     for where the samples came from and must not be a direction to optimize."""
@@ -377,7 +594,7 @@ def decoupled_ppo_policy_loss(behav_logprob: torch.Tensor, prox_logprob: torch.T
     (truncated importance sampling); AReaL instead masks those tokens out."""
     _check_same_shape(behav_logprob=behav_logprob, prox_logprob=prox_logprob, logprob=logprob,
                       advantages=advantages, mask=mask)
-    weights, _ = _behav_weights(behav_logprob, prox_logprob, behav_cap)
+    weights, _ = behav_weights(behav_logprob, prox_logprob, behav_cap)
     terms = _ppo_token_terms(prox_logprob, logprob, advantages, mask, clip_ratio, clip_ratio_c)
     return _aggregate(weights * terms["losses"], mask, agg)
 
@@ -392,14 +609,16 @@ def decoupled_weight_stats(behav_logprob: torch.Tensor, prox_logprob: torch.Tens
     of tokens whose weight the cap bound (how stale the samples are beyond the cap)."""
     _check_same_shape(behav_logprob=behav_logprob, prox_logprob=prox_logprob, mask=mask)
     _require_tokens(mask, "decoupled weight statistics")
-    weights, raw = _behav_weights(behav_logprob, prox_logprob, behav_cap)
+    weights, raw = behav_weights(behav_logprob, prox_logprob, behav_cap)
     return {"behav_weight_mean": _masked_mean(weights, mask),
             "behav_capfrac": _masked_mean((raw > behav_cap).to(mask.dtype), mask)}
 
 
-def value_loss(values_pred: torch.Tensor, returns: torch.Tensor, values_old: torch.Tensor,
-               mask: torch.Tensor, clip_range: float, agg: str = "token-mean") -> torch.Tensor:
-    """Clipped value loss: 0.5 * the larger of the clipped and unclipped squared errors.
+def value_token_losses(values_pred: torch.Tensor, returns: torch.Tensor,
+                       values_old: torch.Tensor, mask: torch.Tensor, clip_range: float
+                       ) -> torch.Tensor:
+    """The clipped value loss of each token (B, T): 0.5 * the larger of the clipped and
+    unclipped squared errors.
 
     The prediction is clipped to within clip_range of the value at rollout time, and taking the
     larger error means moving the value far from the old one never lowers the loss.
@@ -409,7 +628,14 @@ def value_loss(values_pred: torch.Tensor, returns: torch.Tensor, values_old: tor
                                  values_old - clip_range)
     unclipped_error = (values_pred - returns) ** 2
     clipped_error = (clipped_pred - returns) ** 2
-    return 0.5 * _aggregate(torch.maximum(unclipped_error, clipped_error), mask, agg)
+    return 0.5 * torch.maximum(unclipped_error, clipped_error)
+
+
+def value_loss(values_pred: torch.Tensor, returns: torch.Tensor, values_old: torch.Tensor,
+               mask: torch.Tensor, clip_range: float, agg: str = "token-mean") -> torch.Tensor:
+    """Clipped value loss (value_token_losses), aggregated."""
+    return _aggregate(value_token_losses(values_pred, returns, values_old, mask, clip_range),
+                      mask, agg)
 
 
 # ----------------------------------------------------------------------------- KL penalties

@@ -94,7 +94,8 @@ def _rl_forward(held: HeldStage, inputs: tuple, *, first: bool, last: bool, micr
     """F under an RL loss. Inputs: (experiences[, reference scores]) on stage 0, the
     activation on a middle stage, (activation, experiences[, reference scores]) on the last;
     the last stage returns the microbatch's mean loss per response token, and its token count
-    as the normalizer of the summed loss it backpropagates."""
+    as the normalizer of the summed loss it backpropagates (responses with tokens for the
+    seq-mean aggregation modes)."""
     data = inputs if first else inputs[1:]
     experiences = records(data[0]) if data else []
     x = sequence_ids(experiences, held.runner.device) if first else inputs[0]
@@ -103,9 +104,9 @@ def _rl_forward(held: HeldStage, inputs: tuple, *, first: bool, last: bool, micr
     refs = records(data[1]) if len(data) > 1 else []
     rl_loss = RLLoss(experiences, refs, settings, held.runner.device)
     summed = float(held.runner.forward(microbatch, x, rl_loss, loss_scale)) / loss_scale
-    n = rl_loss.tokens
-    return MicrobatchStats(loss=summed / n if n else 0.0, tokens=n, normalizer=float(n),
-                           values=rl_loss.values)
+    normalizer = rl_loss.normalizer
+    return MicrobatchStats(loss=summed / normalizer if normalizer else 0.0,
+                           tokens=rl_loss.tokens, normalizer=normalizer, values=rl_loss.values)
 
 
 def _tokens(value: Any) -> torch.Tensor:

@@ -12,6 +12,10 @@ would then weigh more or less depending on how the batch was cut) and cannot kno
 the SUM of the per-token loss over its microbatch's response tokens, its stats carry that
 token count as `normalizer`, and the optimizer step divides every gradient by the step's
 summed normalizer: the whole batch's token-mean gradient, however it was cut and padded.
+The other aggregation modes are alike (algos.aggregate_sum): the seq-mean ones sum each
+response's token mean, sum or sum over the constant, and count responses with tokens as the
+normalizer. Every term of the loss (policy, KL, entropy) shares the mode, so one normalizer
+serves them all.
 """
 
 from __future__ import annotations
@@ -24,13 +28,18 @@ import torch
 import torch.nn.functional as F
 
 from executors.torch.algos import (
-    decoupled_ppo_policy_loss,
+    aggregate_sum,
+    behav_weights,
     decoupled_weight_stats,
+    entropy_from_logprobs,
+    gspo_token_losses,
     kl_penalty,
-    ppo_policy_loss,
-    value_loss,
+    ppo_policy_loss_stats,
+    ppo_token_losses,
+    rollout_is_weights,
+    value_token_losses,
 )
-from flowkit.ops import LOSS_KNOBS, SUM_FORM_LOSSES
+from flowkit.ops import LOSS_AGG_MODES, LOSS_KNOBS, POLICY_LOSSES, SUM_FORM_LOSSES
 
 __all__ = ["RL_LOSSES", "RLLoss", "RLSettings", "records", "sequence_ids"]
 
@@ -38,23 +47,45 @@ RL_LOSSES = SUM_FORM_LOSSES  # every RL loss here is in sum form [Note: RL losse
 _PER_TOKEN_FIELDS = {"policy": ("logprobs", "advantages"), "value": ("values", "returns")}
 
 
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _knob(name: str, converter: Any = None, **kwargs: Any) -> Any:
+    """An RLSettings field defaulting to LOSS_KNOBS[name]."""
+    return attrs.field(default=LOSS_KNOBS[name], converter=converter, **kwargs)
+
+
 @attrs.frozen(kw_only=True)
 class RLSettings:
     """A loss and its knobs, as the Backprop node's config names them (flowkit.ops.LOSS_KNOBS,
-    with their defaults)."""
+    with their defaults and meanings)."""
 
     loss: str
-    clip_ratio: float = attrs.field(default=LOSS_KNOBS["clip_ratio"], converter=float)
-    clip_ratio_c: float = attrs.field(default=LOSS_KNOBS["clip_ratio_c"], converter=float)
-    kl_coef: float = attrs.field(default=LOSS_KNOBS["kl_coef"],
-                                 converter=lambda v: float(v or 0.0))
-    kl_kind: str = attrs.field(default=LOSS_KNOBS["kl_kind"], converter=str)
-    temperature: float = attrs.field(default=LOSS_KNOBS["temperature"], converter=float)
-    cliprange_value: float = attrs.field(default=LOSS_KNOBS["cliprange_value"], converter=float)
+    clip_ratio: float = _knob("clip_ratio", float)
+    clip_ratio_c: float = _knob("clip_ratio_c", float)
+    clip_ratio_low: float | None = _knob("clip_ratio_low", _optional_float)
+    clip_ratio_high: float | None = _knob("clip_ratio_high", _optional_float)
+    loss_agg_mode: str | None = _knob("loss_agg_mode")
+    loss_scale_factor: float | None = _knob("loss_scale_factor", _optional_float)
+    policy_loss: str = _knob("policy_loss", str)
+    entropy_coeff: float = _knob("entropy_coeff", lambda v: float(v or 0.0))
+    mask_truncated: bool = _knob("mask_truncated",
+                                 validator=attrs.validators.instance_of(bool))
+    kl_coef: float = _knob("kl_coef", lambda v: float(v or 0.0))
+    kl_kind: str = _knob("kl_kind", str)
+    temperature: float = _knob("temperature", float)
+    cliprange_value: float = _knob("cliprange_value", float)
     # AReaL's decoupled PPO objective for stale samples (Fu et al. 2025); see LOSS_KNOBS
-    decoupled: bool = attrs.field(default=LOSS_KNOBS["decoupled"],
-                                  validator=attrs.validators.instance_of(bool))
-    behav_cap: float = attrs.field(default=LOSS_KNOBS["behav_cap"], converter=float)
+    decoupled: bool = _knob("decoupled", validator=attrs.validators.instance_of(bool))
+    behav_cap: float = _knob("behav_cap", float)
+    rollout_is: str | None = _knob("rollout_is")
+    rollout_is_mode: str = _knob("rollout_is_mode", str)
+    rollout_is_threshold: float = _knob("rollout_is_threshold", float)
+    rollout_is_threshold_lower: float | None = _knob("rollout_is_threshold_lower",
+                                                     _optional_float)
+    rollout_is_veto_threshold: float | None = _knob("rollout_is_veto_threshold",
+                                                    _optional_float)
 
     @behav_cap.validator
     def _positive_cap(self, _attribute: Any, value: float) -> None:
@@ -62,6 +93,11 @@ class RLSettings:
         if not value > 0:
             raise ValueError(f"behav_cap is {value}, expected > 0: it caps the importance "
                              f"weight of the decoupled PPO objective")
+
+    @policy_loss.validator
+    def _known_policy_loss(self, _attribute: Any, value: str) -> None:
+        if value not in POLICY_LOSSES:
+            raise ValueError(f"policy_loss={value!r}; expected one of {', '.join(POLICY_LOSSES)}")
 
     @classmethod
     def from_config(cls, loss: str, config: dict) -> RLSettings:
@@ -71,6 +107,21 @@ class RLSettings:
     @property
     def uses_reference(self) -> bool:
         return self.loss == "grpo" and self.kl_coef != 0.0
+
+    @property
+    def agg(self) -> str:
+        """The aggregation mode: the one given, else the policy loss's own (verl aggregates
+        GSPO seq-mean-token-mean)."""
+        if self.loss_agg_mode is not None:
+            return self.loss_agg_mode
+        return "seq-mean-token-mean" if self.policy_loss == "gspo" else "token-mean"
+
+    @property
+    def proximal(self) -> bool:
+        """Whether the ratio is taken against this forward's own log-probs (detached), with
+        the records' log-probs weighing each token: the decoupled objective or a rollout
+        correction."""
+        return self.decoupled or self.rollout_is is not None
 
 
 def records(value: Any) -> list:
@@ -92,12 +143,15 @@ def sequence_ids(experiences: Sequence[Any], device: torch.device) -> torch.Tens
 class RLLoss:
     """The last stage's loss on one microbatch, called on the stage's output (logits (B, T, V)
     or values (B, T)) inside its forward so that the runner's graph reaches it. Returns the sum
-    form [Note: RL losses in sum form]; `tokens` is what the sum is over."""
+    form [Note: RL losses in sum form]: `normalizer` is what the sum is over (tokens, or
+    responses with tokens), `tokens` the response tokens trained on."""
 
     def __init__(self, experiences: Sequence[Any], refs: Sequence[Any], settings: RLSettings,
                  device: torch.device) -> None:
+        _check_agg(settings)
         self.settings = settings
-        self.values: dict[str, float] = {}  # what the loss reports besides itself
+        self.values: dict[str, float] = {}  # token means the loss reports besides itself
+        self.normalizer = 0.0
         self.kind = "value" if settings.loss == "value" else "policy"
         exps = list(experiences)
         width = max([len(e.response_tokens) for e in exps] + [0])
@@ -112,7 +166,10 @@ class RLLoss:
                                   for k in range(len(e.response_tokens))] for e in exps],
                                 torch.long)
         self.tokens_at = padded([e.response_tokens for e in exps], torch.long)
-        self.mask = padded([[1.0] * len(e.response_tokens) for e in exps], torch.float64)
+        # a cut response trains nothing with mask_truncated: its row is all padding
+        trained = [not settings.mask_truncated or e.finished for e in exps]
+        self.mask = padded([[float(keep)] * len(e.response_tokens)
+                            for e, keep in zip(exps, trained)], torch.float64)
         self.tokens = int(self.mask.sum())
         self.columns = {name: padded(_per_token(exps, name), torch.float64)
                         for name in _PER_TOKEN_FIELDS[self.kind]}
@@ -125,10 +182,17 @@ class RLLoss:
         if self.tokens == 0:  # nothing to learn from, but B still needs a graph to run
             return output.sum() * 0.0
         if self.kind == "value":
-            return self._value_sum(output)
-        return self._policy_sum(output)
+            losses, mask = self._value_losses(output)
+        else:
+            losses, mask = self._policy_losses(output)
+        total, normalizer = aggregate_sum(losses, mask, self.settings.agg,
+                                          self.settings.loss_scale_factor)
+        self.normalizer = float(normalizer)
+        return total
 
-    def _policy_sum(self, logits: torch.Tensor) -> torch.Tensor:
+    def _policy_losses(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each response token's loss (B, R): the policy loss, plus kl_coef x the KL to the
+        reference, minus entropy_coeff x the token's entropy."""
         s = self.settings
         # float32 at least: a bf16 log-softmax is too coarse for a ratio that starts at 1
         dtype = torch.promote_types(logits.dtype, torch.float32)
@@ -136,40 +200,65 @@ class RLLoss:
         mask = self.mask.to(dtype)
         picked = logits.gather(1, self.positions[..., None].expand(-1, -1, logits.size(-1)))
         temperature = s.temperature if s.temperature > 0 else 1.0  # greedy records 1
-        logp = F.log_softmax(picked.to(dtype) / temperature, dim=-1)
-        logp = logp.gather(-1, self.tokens_at[..., None]).squeeze(-1)  # (B, R)
-        # token-mean times the token count: the masked sum, through verl's own loss
-        if s.decoupled:
-            total = self._decoupled_sum(logp, col, mask)
-        else:
-            total = ppo_policy_loss(col["logprobs"], logp, col["advantages"], mask,
-                                    clip_ratio=s.clip_ratio, clip_ratio_c=s.clip_ratio_c,
-                                    agg="token-mean") * self.tokens
+        every = F.log_softmax(picked.to(dtype) / temperature, dim=-1)  # (B, R, V)
+        logp = every.gather(-1, self.tokens_at[..., None]).squeeze(-1)  # (B, R)
+        losses = self._policy_term(logp, col, mask)
         if s.uses_reference:
-            kl = kl_penalty(logp, col["ref_logprobs"], s.kl_kind)
-            total = total + s.kl_coef * torch.where(mask.bool(), kl, torch.zeros_like(kl)).sum()
-        return total
+            losses = losses + s.kl_coef * kl_penalty(logp, col["ref_logprobs"], s.kl_kind)
+        entropy = entropy_from_logprobs(every if s.entropy_coeff else every.detach())
+        self.values["entropy"] = _token_mean(entropy, mask)
+        if s.entropy_coeff:
+            losses = losses - s.entropy_coeff * entropy
+        return losses, mask
 
-    def _decoupled_sum(self, logp: torch.Tensor, col: dict, mask: torch.Tensor) -> torch.Tensor:
-        """AReaL's decoupled PPO objective (Fu et al. 2025) in sum form. Each sample gets one
-        optimizer update per step, so the proximal policy (the weights before this update) is
-        this forward pass's, detached: no extra pass; the records' logprobs are the behaviour
-        policy's, whatever weights version sampled them."""
+    def _policy_term(self, logp: torch.Tensor, col: dict, mask: torch.Tensor) -> torch.Tensor:
+        """The clipped policy loss per token. Against the records' log-probs (the sampler's,
+        synchronous PPO), or, `proximal`, against this forward's own (detached: the weights
+        before this update, AReaL's proximal policy, verl's recomputed old log-probs) with
+        each token weighed by trainer / sampler probability: the decoupled objective's capped
+        weight, or the rollout correction's."""
         s = self.settings
-        stats = decoupled_weight_stats(col["logprobs"], logp.detach(), mask, s.behav_cap)
-        self.values = {key: float(value) for key, value in stats.items()}
-        return decoupled_ppo_policy_loss(col["logprobs"], logp.detach(), logp,
-                                         col["advantages"], mask, clip_ratio=s.clip_ratio,
-                                         clip_ratio_c=s.clip_ratio_c, behav_cap=s.behav_cap,
-                                         agg="token-mean") * self.tokens
+        old = logp.detach() if s.proximal else col["logprobs"]
+        if s.policy_loss == "gspo":
+            losses = gspo_token_losses(old, logp, col["advantages"], mask,
+                                       _side(s.clip_ratio_low, s.clip_ratio),
+                                       _side(s.clip_ratio_high, s.clip_ratio))
+        else:
+            losses = ppo_token_losses(old, logp, col["advantages"], mask, s.clip_ratio,
+                                      s.clip_ratio_c, clip_ratio_low=s.clip_ratio_low,
+                                      clip_ratio_high=s.clip_ratio_high)
+            stats = ppo_policy_loss_stats(old, logp.detach(), col["advantages"], mask,
+                                          s.clip_ratio, s.clip_ratio_c,
+                                          clip_ratio_low=s.clip_ratio_low,
+                                          clip_ratio_high=s.clip_ratio_high)
+            self.values.update({"pg_clipfrac": float(stats["clipfrac"]),
+                                "ppo_kl": float(stats["approx_kl"])})
+        if not s.proximal:
+            return losses
+        return losses * self._sampler_weights(col["logprobs"], logp.detach(), mask)
 
-    def _value_sum(self, values: torch.Tensor) -> torch.Tensor:
+    def _sampler_weights(self, behav: torch.Tensor, prox: torch.Tensor,
+                         mask: torch.Tensor) -> torch.Tensor:
+        s = self.settings
+        if s.rollout_is is None:  # the decoupled objective's: token level, capped
+            stats = decoupled_weight_stats(behav, prox, mask, s.behav_cap)
+            self.values.update({key: float(value) for key, value in stats.items()})
+            return behav_weights(behav, prox, s.behav_cap)[0]
+        weights, metrics = rollout_is_weights(
+            prox, behav, mask, level=s.rollout_is, mode=s.rollout_is_mode,
+            threshold=s.rollout_is_threshold, threshold_lower=s.rollout_is_threshold_lower,
+            veto_threshold=s.rollout_is_veto_threshold)
+        self.values.update({key: float(value) for key, value in metrics.items()})
+        return weights
+
+    def _value_losses(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = torch.promote_types(values.dtype, torch.float32)
         predicted = values.gather(1, self.positions).to(dtype)  # (B, R)
         col = {k: v.to(dtype) for k, v in self.columns.items()}
-        loss = value_loss(predicted, col["returns"], col["values"], self.mask.to(dtype),
-                          clip_range=self.settings.cliprange_value, agg="token-mean")
-        return loss * self.tokens
+        losses = value_token_losses(predicted, col["returns"], col["values"],
+                                    self.mask.to(dtype),
+                                    clip_range=self.settings.cliprange_value)
+        return losses, self.mask.to(dtype)
 
     def _check_output(self, output: torch.Tensor) -> None:
         if self.kind == "value" and output.dim() != 2:
@@ -180,6 +269,26 @@ class RLLoss:
             raise ValueError(f"loss {self.settings.loss!r} reads next-token logits (B, T, vocab), "
                              f"but this model's last stage returned shape "
                              f"{tuple(output.shape)}: a value head? train it with loss 'value'")
+
+
+def _side(value: float | None, clip_ratio: float) -> float:
+    return clip_ratio if value is None else value
+
+
+def _token_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    kept = torch.where(mask.bool(), values.detach(), torch.zeros_like(values))
+    return float(kept.sum() / mask.sum())
+
+
+def _check_agg(settings: RLSettings) -> None:
+    """The aggregation settings, checked before any forward runs."""
+    if settings.loss_agg_mode is not None and settings.loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode={settings.loss_agg_mode!r}; expected one of "
+                         f"{', '.join(LOSS_AGG_MODES)}")
+    if settings.agg == "seq-mean-token-sum-norm" and settings.loss_scale_factor is None:
+        raise ValueError("loss_agg_mode='seq-mean-token-sum-norm' divides each response's "
+                         "summed loss by a constant: pass loss_scale_factor (the generation "
+                         "budget, max_new_tokens)")
 
 
 def _name(e: Any) -> str:

@@ -30,16 +30,21 @@ from flowkit.ops.executor_ops import (
 from flowkit.ops.losses import (
     KL_ALIASES,
     KL_KINDS,
+    LOSS_AGG_MODES,
     LOSS_KNOBS,
     LOSS_SPEC,
     LOSSES,
+    POLICY_LOSSES,
     PROXIMAL_LOSSES,
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_IS_MODES,
     SUM_FORM_LOSSES,
 )
 from flowkit.ops.minibatches import ROUND_KNOBS, cut, epoch_order, minibatch_rounds, rounds_of
 from flowkit.ops.records import STALE_SEGMENTS
 
-__all__ = ["EXECUTOR_OPS", "KL_ALIASES", "KL_KINDS", "LOSSES", "LOSS_KNOBS", "LOSS_SPEC",
+__all__ = ["EXECUTOR_OPS", "KL_ALIASES", "KL_KINDS", "LOSSES", "LOSS_AGG_MODES", "LOSS_KNOBS",
+           "LOSS_SPEC", "POLICY_LOSSES", "ROLLOUT_IS_LEVELS", "ROLLOUT_IS_MODES",
            "LOWERED_OPS", "MODEL_EOS", "PIPELINE_OPS", "PROXIMAL_LOSSES", "ROUND_KNOBS",
            "SAMPLING", "SAMPLING_CHOICES", "SAMPLING_KEYS", "SAMPLING_RANGES", "SIMULATED",
            "STALE_SEGMENTS", "SUM_FORM_LOSSES", "OpSpec", "SamplingConfig", "cut",

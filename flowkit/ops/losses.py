@@ -7,7 +7,8 @@ from __future__ import annotations
 from flowkit.dsl import LossSpec
 from flowkit.ops.configs import SAMPLING
 
-__all__ = ["KL_ALIASES", "KL_KINDS", "LOSSES", "LOSS_KNOBS", "LOSS_SPEC", "PROXIMAL_LOSSES",
+__all__ = ["KL_ALIASES", "KL_KINDS", "LOSSES", "LOSS_AGG_MODES", "LOSS_KNOBS", "LOSS_SPEC",
+           "POLICY_LOSSES", "PROXIMAL_LOSSES", "ROLLOUT_IS_LEVELS", "ROLLOUT_IS_MODES",
            "SUM_FORM_LOSSES"]
 
 LOSSES = {
@@ -24,11 +25,48 @@ SUM_FORM_LOSSES = ("grpo", "ppo", "value")
 one of them can start before its last item exists [Note: streamed microbatches in
 flowkit/runner/flowtrain.py]."""
 
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                  "seq-mean-token-sum-norm")
+"""verl's loss_agg_mode: how a step's per-token losses become one number. token-mean: every
+trained token weighs the same (DAPO's token-level loss); seq-mean-token-mean: every response
+the same, its tokens averaged (GRPO's paper); seq-mean-token-sum: every response the same,
+its tokens summed; seq-mean-token-sum-norm: summed over a constant, `loss_scale_factor`
+(Dr. GRPO's unbiased loss). Every term of the loss (policy, KL, entropy) is aggregated alike."""
+
+POLICY_LOSSES = ("vanilla", "gspo")
+"""verl's policy_loss.loss_mode: the dual-clip PPO objective per token, or GSPO's (Zheng et
+al. 2025) sequence-level ratio, clipped per response."""
+
+ROLLOUT_IS_LEVELS = ("token", "sequence", "geometric")
+ROLLOUT_IS_MODES = ("truncate", "mask")
+
 LOSS_KNOBS = {"kl_coef": 0.0, "kl_kind": "k3", "clip_ratio": 0.2, "clip_ratio_c": 3.0,
-              "cliprange_value": 0.2, "temperature": SAMPLING.temperature, "decoupled": False,
-              "behav_cap": 5.0}
+              "clip_ratio_low": None, "clip_ratio_high": None, "loss_agg_mode": None,
+              "loss_scale_factor": None, "policy_loss": "vanilla", "entropy_coeff": 0.0,
+              "mask_truncated": False, "cliprange_value": 0.2,
+              "temperature": SAMPLING.temperature, "decoupled": False, "behav_cap": 5.0,
+              "rollout_is": None, "rollout_is_mode": "truncate", "rollout_is_threshold": 2.0,
+              "rollout_is_threshold_lower": None, "rollout_is_veto_threshold": 1e-4}
 """Each knob of the RL losses with its default (verl's); `temperature` is the sampler's, so the
 ratio starts at 1 only when log-probs are taken as generation took them.
+
+`clip_ratio_low`, `clip_ratio_high`: the ratio is clipped to [1 - low, 1 + high], each
+`clip_ratio` where None (DAPO's clip-higher: high 0.28). `loss_agg_mode`: one of
+LOSS_AGG_MODES; None is the policy loss's own (token-mean; GSPO: seq-mean-token-mean).
+`loss_scale_factor`: seq-mean-token-sum-norm's constant (the RL flows give the generation
+budget, max_new_tokens). `policy_loss`: one of POLICY_LOSSES. `entropy_coeff`: an entropy
+bonus, the loss minus entropy_coeff x the aggregated token entropy (the entropy is reported
+either way). `mask_truncated`: train nothing on responses cut at the budget (finished False),
+TRL's mask_truncated_completions.
+
+`rollout_is` (None, or a level of ROLLOUT_IS_LEVELS): correct for the sampler's log-probs
+differing from the trainer's (verl's rollout correction, TIS / MIS): the ratio is taken
+against the trainer's own log-probs and each token's loss weighed by trainer / sampler
+probability at that level, truncated at `rollout_is_threshold` or, with `rollout_is_mode`
+"mask", zeroed outside [rollout_is_threshold_lower (1 / threshold when None), threshold]; a
+response with a token ratio below `rollout_is_veto_threshold` (None: no veto) is dropped. Both
+take the trainer's log-probs from the very forward pass (detached), so they need one optimizer
+step per sample (epochs = minibatches = 1).
 
 `decoupled`: the policy loss is AReaL's decoupled PPO objective (Fu et al. 2025) for samples of
 older weights: the clipped ratio is taken against the weights being trained (the proximal

@@ -183,23 +183,38 @@ def microbatch_stats(inputs: tuple) -> list[MicrobatchStats]:
 
 
 def mean_loss(stats: list[MicrobatchStats]) -> tuple[float, int]:
-    """A step's loss per token over its microbatches' stats, token-weighted however the batch
-    was cut (a plain mean where they count no tokens), and its tokens."""
+    """A step's loss over its microbatches' stats and its tokens: a loss in sum form is the
+    summed losses over the summed normalizers (the whole batch's, however it was cut), any
+    other token-weighted (a plain mean where they count no tokens)."""
     tokens = sum(s.tokens for s in stats)
+    normalizer = sum(s.normalizer for s in stats)
+    if normalizer > 0:
+        return sum(s.loss * s.normalizer for s in stats) / normalizer, tokens
     if tokens:
         return sum(s.loss * s.tokens for s in stats) / tokens, tokens
     return sum(s.loss for s in stats) / max(1, len(stats)), 0
 
 
 def mean_values(stats: list[MicrobatchStats]) -> dict[str, float]:
-    """The step's token-weighted mean of each value its microbatches' stats report."""
+    """The step's token-weighted mean of each value its microbatches' stats report; a value
+    named .../max or ..._max is a largest, and the step's is the largest of them."""
     totals: dict[str, float] = {}
     counts: dict[str, int] = {}
     for s in stats:
         for key, value in s.values.items():
-            totals[key] = totals.get(key, 0.0) + float(value) * s.tokens
-            counts[key] = counts.get(key, 0) + s.tokens
+            if not s.tokens:
+                continue
+            if _is_max(key):
+                totals[key] = max(totals.get(key, float("-inf")), float(value))
+                counts[key] = 1
+            else:
+                totals[key] = totals.get(key, 0.0) + float(value) * s.tokens
+                counts[key] = counts.get(key, 0) + s.tokens
     return {key: totals[key] / counts[key] for key in totals if counts[key]}
+
+
+def _is_max(key: str) -> bool:
+    return key.endswith(("/max", "_max"))
 
 
 def step_report(inputs: tuple, *, model: str, step: int,

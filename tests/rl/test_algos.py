@@ -110,7 +110,7 @@ def _verl_reinforce_pp_baseline(token_level_rewards, response_mask, index):
     return _verl_masked_whiten(scores, response_mask) * response_mask
 
 
-def _verl_agg_loss(loss_mat, loss_mask, mode):
+def _verl_agg_loss(loss_mat, loss_mask, mode, loss_scale_factor=None):
     if mode == "token-mean":
         return (loss_mat * loss_mask).sum() / loss_mask.sum()
     if mode == "seq-mean-token-sum":
@@ -122,7 +122,20 @@ def _verl_agg_loss(loss_mat, loss_mask, mode):
         seq_losses = torch.sum(loss_mat * loss_mask, dim=-1) / (seq_mask + 1e-8)
         seq_mask = (seq_mask > 0).float()
         return _verl_masked_mean(seq_losses, seq_mask)
+    if mode == "seq-mean-token-sum-norm":
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
+        if loss_scale_factor is None:
+            loss_scale_factor = loss_mask.shape[-1]
+        return torch.sum(seq_losses) / loss_scale_factor
     raise AssertionError(mode)
+
+
+def _as_ours(verl_loss, loss_mask, mode):
+    """verl's aggregate as algos.AGG_MODES define it: the same, except Dr. GRPO's mode, which
+    verl leaves summed over responses and the paper (and TRL) averages over them."""
+    if mode != "seq-mean-token-sum-norm":
+        return verl_loss
+    return verl_loss / (loss_mask.sum(dim=-1) > 0).to(loss_mask.dtype).sum()
 
 
 def _verl_policy_loss(old_log_prob, log_prob, advantages, response_mask, cliprange,
@@ -139,7 +152,7 @@ def _verl_policy_loss(old_log_prob, log_prob, advantages, response_mask, clipran
     pg_clipfrac_lower = _verl_masked_mean(
         torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0).double(), response_mask)
     pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
-    loss = _verl_agg_loss(pg_losses, response_mask, mode)
+    loss = _as_ours(_verl_agg_loss(pg_losses, response_mask, mode), response_mask, mode)
     return loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
 
@@ -147,7 +160,8 @@ def _verl_value_loss(vpreds, returns, values, response_mask, cliprange_value, mo
     vpredclipped = torch.max(torch.min(vpreds, values + cliprange_value), values - cliprange_value)
     vf_losses1 = (vpreds - returns) ** 2
     vf_losses2 = (vpredclipped - returns) ** 2
-    return 0.5 * _verl_agg_loss(torch.max(vf_losses1, vf_losses2), response_mask, mode)
+    loss = 0.5 * _verl_agg_loss(torch.max(vf_losses1, vf_losses2), response_mask, mode)
+    return _as_ours(loss, response_mask, mode)
 
 
 def _verl_kl(logprob, ref_logprob, kind):
@@ -448,7 +462,7 @@ def test_nan_in_padding_does_not_reach_the_loss():
     old, new = _t([[0.0, -math.inf]]), _t([[0.1, -math.inf]])
     adv, mask = _t([[1.0, 1.0]]), _t([[1.0, 0.0]])
     for agg in algos.AGG_MODES:
-        loss = algos.ppo_policy_loss(old, new, adv, mask, agg=agg)
+        loss = algos.ppo_policy_loss(old, new, adv, mask, agg=agg, scale_factor=1.0)
         torch.testing.assert_close(loss, _t(-math.exp(0.1)))
 
 

@@ -14,7 +14,12 @@ LOSS_KEYS = ("loss", *LOSS_KNOBS)  # the Backprop config keys the stage ops read
 SPEC = {"model": "actor", "build": "x:y", "stages": 2, "seed": 0, "dtype": "float32",
         "model_config": {}}
 KNOBS = {"kl_coef": 0.1, "kl_kind": "k2", "clip_ratio": 0.1, "clip_ratio_c": 2.0,
-         "temperature": 0.7, "cliprange_value": 0.3, "decoupled": True, "behav_cap": 2.0}
+         "clip_ratio_low": 0.1, "clip_ratio_high": 0.3, "loss_agg_mode": "seq-mean-token-sum",
+         "loss_scale_factor": 8, "policy_loss": "gspo", "entropy_coeff": 0.01,
+         "mask_truncated": True, "temperature": 0.7, "cliprange_value": 0.3,
+         "decoupled": True, "behav_cap": 2.0, "rollout_is": "sequence",
+         "rollout_is_mode": "mask", "rollout_is_threshold": 3.0,
+         "rollout_is_threshold_lower": 0.2, "rollout_is_veto_threshold": 1e-3}
 
 
 def _configs(extra: dict, sizes=(1, 3)) -> dict[Action, dict]:

@@ -65,6 +65,8 @@ def _agg_weights(mask: torch.Tensor, agg: str) -> torch.Tensor:
         return mask / mask.sum()
     if agg == "seq-mean-token-mean":
         return mask / (counts + 1e-8) / rows
+    if agg == "seq-mean-token-sum-norm":  # over the padded width, the constant's default
+        return mask / rows / mask.shape[-1]
     return mask / rows  # seq-mean-token-sum
 
 

@@ -379,3 +379,96 @@ def test_a_pipeline_on_torch_executors_trains_like_one_microbatch_in_one_process
     assert got_metrics.grad_norm == pytest.approx(want_metrics.grad_norm, abs=TIGHT)
     assert got_metrics.grad_norm < NO_CLIP["clip_grad_norm"]
     assert got_metrics.loss == pytest.approx(want_metrics.loss, abs=TIGHT)
+
+
+# -- the recipes' knobs: each through the stage ops equals verl's loss on the whole batch -----
+RECIPES = {
+    "dapo": {"loss": "grpo", "kl_coef": 0.05, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
+             "entropy_coeff": 0.01, "loss_agg_mode": "token-mean"},
+    "seq-mean-token-mean": {"loss": "ppo", "loss_agg_mode": "seq-mean-token-mean"},
+    "seq-mean-token-sum": {"loss": "grpo", "kl_coef": 0.05, "mask_truncated": True,
+                           "loss_agg_mode": "seq-mean-token-sum"},
+    "dr-grpo": {"loss": "ppo", "loss_agg_mode": "seq-mean-token-sum-norm",
+                "loss_scale_factor": 10},
+    "gspo": {"loss": "ppo", "policy_loss": "gspo", "clip_ratio_low": 3e-4,
+             "clip_ratio_high": 4e-4},
+    "tis-token": {"loss": "ppo", "rollout_is": "token", "rollout_is_threshold": 1.1},
+    "mis-sequence": {"loss": "grpo", "kl_coef": 0.05, "rollout_is": "sequence",
+                     "rollout_is_mode": "mask", "rollout_is_threshold": 1.5},
+    "tis-geometric": {"loss": "ppo", "rollout_is": "geometric", "rollout_is_threshold": 1.05,
+                      "loss_agg_mode": "seq-mean-token-mean"},
+}
+
+
+def _plain_recipe_loss(model: GPT, exps: list[Experience], knobs: dict) -> torch.Tensor:
+    """verl's actor loss on the unsplit model over the whole padded batch, from the
+    transcriptions of tests/rl/test_recipe_losses.py: pg_loss - entropy_coeff x entropy +
+    kl_coef x KL, each aggregated by the mode (Dr. GRPO's as the paper averages it)."""
+    from tests.rl.test_algos import _as_ours, _verl_agg_loss
+    from tests.rl.test_recipe_losses import (
+        _verl_entropy_from_logits,
+        _verl_gspo,
+        _verl_rollout_is,
+        _verl_vanilla,
+    )
+
+    kl_coef = knobs.get("kl_coef", 0.0)
+    fields = ["logprobs", "advantages"] + (["ref_logprobs"] if kl_coef else [])
+    ids, positions, tokens, mask, f = padded_batch(exps, fields)
+    if knobs.get("mask_truncated"):
+        mask = mask * torch.tensor([[float(e.finished)] for e in exps], dtype=mask.dtype)
+    logits = model(ids)
+    picked = logits.gather(1, positions[..., None].expand(-1, -1, logits.size(-1)))
+    logp = torch.log_softmax(picked, dim=-1).gather(-1, tokens[..., None])[..., 0]
+    gspo = knobs.get("policy_loss") == "gspo"
+    agg = knobs.get("loss_agg_mode") or ("seq-mean-token-mean" if gspo else "token-mean")
+    scale = knobs.get("loss_scale_factor")
+    old, weights = f["logprobs"], None
+    if knobs.get("rollout_is"):  # verl recomputes the old log-probs: these very weights'
+        old = logp.detach()
+        weights, _ = _verl_rollout_is(old, f["logprobs"], mask, knobs["rollout_is"],
+                                      knobs.get("rollout_is_mode", "truncate"),
+                                      knobs["rollout_is_threshold"], None, 1e-4)
+        # verl's geometric mean is 0 / 0 on an empty response (verl samples none); flowkit's
+        # weighs its no tokens 0
+        weights = torch.nan_to_num(weights)
+    if gspo:
+        pg = _verl_gspo(old, logp, f["advantages"], mask, knobs["clip_ratio_low"],
+                        knobs["clip_ratio_high"])
+    elif scale is None:
+        pg = _as_ours(_verl_vanilla(old, logp, f["advantages"], mask, agg, 0.2,
+                                    knobs.get("clip_ratio_low"), knobs.get("clip_ratio_high"),
+                                    3.0, weights)[0], mask, agg)
+    else:  # Dr. GRPO's as the paper averages it: each response's sum over the constant
+        pg = _verl_vanilla(old, logp, f["advantages"], mask, "seq-mean-token-sum", 0.2,
+                           None, None, 3.0, weights)[0] / scale
+    loss = pg
+    if knobs.get("entropy_coeff"):
+        entropy = _verl_entropy_from_logits(picked)
+        loss = loss - knobs["entropy_coeff"] * _as_ours(_verl_agg_loss(entropy, mask, agg),
+                                                        mask, agg)
+    if kl_coef:
+        kl = kl_penalty(logp, f["ref_logprobs"], "k3")
+        loss = loss + kl_coef * _as_ours(_verl_agg_loss(kl, mask, agg), mask, agg)
+    return loss
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_each_recipes_pipeline_gradients_equal_verls_loss_on_the_unsplit_model(recipe):
+    knobs = RECIPES[recipe]
+    model = _whole(POLICY)
+    exps = _near_current(_experiences(7, seed=61), model, noise=0.15, seed=8)
+    exps = [attrs.evolve(e, finished=i % 3 != 0) for i, e in enumerate(exps)]
+    refs = _ref_scores(exps, model, seed=9)
+    exps = [attrs.evolve(e, ref_logprobs=r.values) for e, r in zip(exps, refs)]
+    ctx = op_context()
+    stats = _run_microbatches(ctx, POLICY, [(exps[:2],), (exps[2:3],), (exps[3:],)],
+                              stages=2, **knobs)
+    normalizer = sum(s.normalizer for s in stats)
+    plain = _plain_recipe_loss(model, exps, knobs)
+    plain.backward()
+    _assert_grads_equal(_stage_grads(ctx, POLICY, 2), _reference_grads(model, 2),
+                        scale=normalizer)
+    reported = sum(s.loss * s.normalizer for s in stats) / normalizer
+    assert reported == pytest.approx(plain.item(), abs=TIGHT)
+    assert all("entropy" in s.values for s in stats if s.tokens)
