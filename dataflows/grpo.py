@@ -23,13 +23,14 @@ def grpo_flow(config: RLConfig, *, model: Model | None = None, gpt: dict | None 
     max_new_tokens, ...) says the rest; `stages` re-cuts the actor, `max_staleness` runs
     asynchronously ([Note: asynchronous steps] in flowkit/runner/flowrun.py)."""
     actor = rl_actor(model, gpt=gpt, stages=config.stages)
-    reference = reference_of(actor)
+    # without a KL term (DAPO, Dr. GRPO, GSPO) nothing reads the reference: none is run
+    reference = reference_of(actor) if config.kl_coef else None
     with Flow("grpo", description=__doc__, max_staleness=config.max_staleness) as flow:
         sampled = sample_and_score(flow, actor, reference, config)
         weights, scored, ref = sampled.weights, sampled.scored, sampled.ref_logprobs
+        samples = scored if ref is None else with_reference(scored, ref)
         # No batch statistic: each group trains as soon as its n samples are scored.
-        experiences = grpo_advantages(group_by(with_reference(scored, ref), key="prompt_id",
-                                               size=config.sampling.n),
+        experiences = grpo_advantages(group_by(samples, key="prompt_id", size=config.sampling.n),
                                       scale_rewards=config.scale_rewards)
         stats = Backprop(actor)(experiences, loss="grpo", kl_coef=config.kl_coef,
                                 temperature=config.sampling.temperature,

@@ -39,9 +39,11 @@ class Sampled:
     ref_logprobs: Any
 
 
-def sample_and_score(flow: Flow, actor: Model, reference: Model, config: RLConfig) -> Sampled:
+def sample_and_score(flow: Flow, actor: Model, reference: Model | None,
+                     config: RLConfig) -> Sampled:
     """Inside `with flow`: `config.prompt_source` makes the step's prompts, `config.sampling`
-    says how each is sampled, `config.reward` scores one rollout. `config.oversample` > 1:
+    says how each is sampled, `config.reward` scores one rollout, and `reference` (if any)
+    gives each its reference log-probs. `config.oversample` > 1:
     partial rollouts, that many times the prompts generate, the step takes the first
     `prompts` groups to finish and carries the rest over ([Note: partial rollouts] in
     flowkit/runner/partial.py; an asynchronous run's)."""
@@ -70,5 +72,6 @@ def sample_and_score(flow: Flow, actor: Model, reference: Model, config: RLConfi
         scored = overlong_penalty(scored, max_new_tokens=sampling.max_new_tokens,
                                   buffer=config.overlong_buffer,
                                   penalty_factor=config.overlong_penalty_factor)
-    ref = LogProbs(reference)(rollouts, name="ref_logprobs", temperature=sampling.temperature)
+    ref = None if reference is None else LogProbs(reference)(
+        rollouts, name="ref_logprobs", temperature=sampling.temperature)
     return Sampled(weights, rollouts, scored, ref)

@@ -205,7 +205,8 @@ class Flow(FlowGraph):
             if key in config and config[key] not in known:
                 self._problem("unknown-choice", f"{key}={config[key]!r} is not one the executors "
                               "implement", op=node_name, port=key,
-                              fix=suggest(str(config[key]), list(known)))
+                              fix=suggest(str(config[key]),
+                                          [k for k in known if isinstance(k, str)]))
         for key, (low, high) in getattr(operator, "ranges", {}).items():
             self._range_problem(node_name, key, config.get(key), low, high)
         return config

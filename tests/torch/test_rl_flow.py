@@ -1,11 +1,13 @@
 """A GRPO step end to end on torch executor processes: generation on a rollout executor, the
 actor trained in two pipeline stages on two others, its weights synced back each step; fused
-(microbatches forming from finished groups) and stage by stage give the same parameters."""
+(microbatches forming from finished groups) and stage by stage give the same parameters, with
+GRPO's loss and with the DAPO and Dr. GRPO recipes'."""
 
 import pytest
 import torch
 
 from dataflows.grpo import grpo_flow
+from dataflows.recipes import dapo_flow, dr_grpo_flow
 from flowkit.planner.lower import lower_flow
 from flowkit.runner.flowrun import FlowRunner
 from flowkit.runner.training import model_spec
@@ -16,18 +18,29 @@ TINY = {**GPT_CONFIG, "dtype": "float64", "seed": 3}
 STEPS = 2
 
 
-def _flow():
+SETTINGS = dict(prompts=4, n=3, stages=2, microbatches=2, max_new_tokens=5, lr=1e-2, gpt=TINY)
+# GRPO, and two recipes whose losses normalize otherwise: DAPO's token-level loss with the
+# entropy bonus, a geometric-mean rollout correction and cut responses masked, under ZB-H1;
+# Dr. GRPO's per-response sums over the budget (a normalizer of responses, not tokens)
+FLOWS = {
+    "grpo": lambda: grpo_flow(schedule="1f1b", kl_coef=0.01, **SETTINGS),
+    "dapo": lambda: dapo_flow(schedule="zb-h1", entropy_coeff=0.01, rollout_is="geometric",
+                              mask_truncated=True, **SETTINGS),
+    "dr_grpo": lambda: dr_grpo_flow(schedule="zb-h1", **SETTINGS),
+}
+
+
+def _flow(name: str):
     # a large clip range keeps every token's gradient, so the update is far from zero
-    flow = grpo_flow(prompts=4, n=3, stages=2, microbatches=2, max_new_tokens=5,
-                     schedule="1f1b", kl_coef=0.01, lr=1e-2, gpt=TINY)
+    flow = FLOWS[name]()
     flow.nodes["update_actor"].config["clip_ratio"] = 10.0
     return flow
 
 
-def _train(tmp_path, *, fuse: bool):
+def _train(tmp_path, name: str, *, fuse: bool):
     tags = [("train",), ("train",), ("rollout",)]
     with executor_cluster(3, kind="torch", tags=tags) as (ctl, infos):
-        flow = _flow()
+        flow = _flow(name)
         runner = FlowRunner(ctl, lower_flow(flow), fuse=fuse)
         reports = [runner.run_step(step) for step in range(STEPS)]
         (path,) = runner.save_weights(tmp_path / ("fused" if fuse else "barrier"))
@@ -39,10 +52,10 @@ def _train(tmp_path, *, fuse: bool):
     return torch.load(path, weights_only=True), whole, reports, streamed
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("grpo")
-    return {fuse: _train(tmp, fuse=fuse) for fuse in (True, False)}
+@pytest.fixture(scope="module", params=list(FLOWS))
+def runs(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(request.param)
+    return {fuse: _train(tmp, request.param, fuse=fuse) for fuse in (True, False)}
 
 
 def test_fused_and_stage_by_stage_train_the_same_parameters(runs):

@@ -334,10 +334,15 @@ def test_mismatched_lengths_name_the_field_and_the_sample():
 
 
 # -- through the runtime: real torch executors, the runtime's configs and optimizer step -----
-def test_a_pipeline_on_torch_executors_trains_like_one_microbatch_in_one_process():
-    """pipeline_config gives the RL loss its knobs and scale 1, submit_optimizer_step gives
-    every stage the microbatches' stats (their normalizer): three microbatches on two executor
-    processes take the step one microbatch takes here."""
+GRPO_K2 = {"loss": "grpo", "kl_coef": 0.05, "kl_kind": "k2", "clip_ratio": 0.1,
+           "temperature": 1.0}
+
+
+def _executor_step(ctl, infos, name: str, schedule_kind: str, data: list[tuple],
+                   loss: dict) -> tuple:
+    """One optimizer step of a fresh copy of POLICY (named `name`, so each call starts from
+    the built weights) whose microbatches run under `schedule_kind` on the executors: the
+    parameters and the step's metrics."""
     from flowkit.ops import LOSS_SPEC
     from flowkit.planner import Costs
     from flowkit.planner.schedules import build_schedule
@@ -345,40 +350,58 @@ def test_a_pipeline_on_torch_executors_trains_like_one_microbatch_in_one_process
     from flowkit.runner.training import pipeline_config, submit_optimizer_step
     from flowkit.runtime import Gather
 
+    spec = {**POLICY, "model": name, "stages": 2}
+    schedule = build_schedule(schedule_kind, devices=2, microbatches=len(data),
+                              costs=Costs.uniform(2))
+    config_for = pipeline_config(lambda action: {}, spec, [len(d[0]) for d in data],
+                                 {**loss, "schedule": schedule_kind}, LOSS_SPEC)
+    run = submit_schedule(ctl, schedule, infos, config_for=config_for, lane=name,
+                          microbatch_inputs=data)
+    quiet, (metrics, _) = submit_optimizer_step(
+        ctl, schedule, infos, spec, [Gather(run.losses)], {**NO_CLIP, "step": 0}, lane=name,
+        meta={}, outputs=2)
+    got_metrics = metrics.result(timeout=60)
+    for future in quiet:
+        future.result(timeout=60)
+    got = {}
+    for stage in range(2):
+        device = schedule.placement.device_of(stage)
+        params = ctl.submit("stage_parameters", config={**spec, "stage": stage},
+                            executor=infos[device].id, lane=f"{name}/{device}")
+        got.update({(stage, n): p for n, p in params.result(timeout=60).items()})
+    return got, got_metrics
+
+
+def _assert_same_step(got: tuple, want: tuple, what: str) -> None:
+    (params, metrics), (want_params, want_metrics) = got, want
+    for key, p in want_params.items():
+        diff = (p - params[key]).abs().max().item()
+        assert diff < TIGHT, f"{what}: stage {key[0]} {key[1]} differs by {diff:.3g}"
+    assert metrics.grad_norm == pytest.approx(want_metrics.grad_norm, abs=TIGHT), what
+    assert metrics.grad_norm < NO_CLIP["clip_grad_norm"]
+    assert metrics.loss == pytest.approx(want_metrics.loss, abs=TIGHT), what
+
+
+def test_pipelines_on_torch_executors_train_like_one_microbatch_in_one_process():
+    """pipeline_config gives the RL loss its knobs and scale 1, submit_optimizer_step gives
+    every stage the microbatches' stats (their normalizer): three microbatches on two executor
+    processes, under 1F1B and ZB-H1, take the step one microbatch takes here, with GRPO's loss
+    and with each recipe's knobs."""
     model = _whole(POLICY)
     exps = _near_current(_experiences(6, seed=51), model, noise=0.1, seed=6)
+    exps = [attrs.evolve(e, finished=i % 3 != 0) for i, e in enumerate(exps)]
     refs = _ref_scores(exps, model, seed=7)
-    loss = {"loss": "grpo", "kl_coef": 0.05, "kl_kind": "k2", "clip_ratio": 0.1,
-            "temperature": 1.0}
-    want, want_metrics = _one_step(POLICY, [(exps, refs)], stages=2, hparams=NO_CLIP, **loss)
-
     cuts = [(0, 1), (1, 4), (4, 6)]
-    spec = {**POLICY, "stages": 2}
-    schedule = build_schedule("1f1b", devices=2, microbatches=3, costs=Costs.uniform(2))
-    config_for = pipeline_config(lambda action: {}, spec, [b - a for a, b in cuts],
-                                 {**loss, "schedule": "1f1b"}, LOSS_SPEC)
+    data = [(exps[a:b], refs[a:b]) for a, b in cuts]
+    losses = {"grpo": GRPO_K2, **{name: {**GRPO_K2, **knobs} if knobs["loss"] == "grpo"
+                                  else knobs for name, knobs in RECIPES.items()}}
     with executor_cluster(2, kind="torch", tags=("train",)) as (ctl, infos):
-        run = submit_schedule(ctl, schedule, infos, config_for=config_for, lane="actor",
-                              microbatch_inputs=[(exps[a:b], refs[a:b]) for a, b in cuts])
-        quiet, (metrics, _) = submit_optimizer_step(
-            ctl, schedule, infos, spec, [Gather(run.losses)],
-            {**NO_CLIP, "step": 0}, lane="actor", meta={},
-            outputs=2)
-        got_metrics = metrics.result(timeout=60)
-        for future in quiet:
-            future.result(timeout=60)
-        got = {}
-        for stage in range(2):
-            params = ctl.submit("stage_parameters", config={**spec, "stage": stage},
-                                executor=infos[schedule.placement.device_of(stage)].id,
-                                lane=f"actor/{schedule.placement.device_of(stage)}")
-            got.update({(stage, n): p for n, p in params.result(timeout=60).items()})
-    for key, p in want.items():
-        diff = (p - got[key]).abs().max().item()
-        assert diff < TIGHT, f"stage {key[0]} {key[1]} differs by {diff:.3g}"
-    assert got_metrics.grad_norm == pytest.approx(want_metrics.grad_norm, abs=TIGHT)
-    assert got_metrics.grad_norm < NO_CLIP["clip_grad_norm"]
-    assert got_metrics.loss == pytest.approx(want_metrics.loss, abs=TIGHT)
+        for name, loss in losses.items():
+            want = _one_step(POLICY, [(exps, refs)], stages=2, hparams=NO_CLIP, **loss)
+            for schedule_kind in ("1f1b", "zb-h1"):
+                got = _executor_step(ctl, infos, f"policy-{name}-{schedule_kind}",
+                                     schedule_kind, data, loss)
+                _assert_same_step(got, want, f"{name} under {schedule_kind}")
 
 
 # -- the recipes' knobs: each through the stage ops equals verl's loss on the whole batch -----

@@ -1,0 +1,72 @@
+"""The GRPO recipes people run now, as settings of `grpo_flow` under their papers' names. Each
+is a GroupRLConfig whose knobs are verl's (flowkit/ops/losses.py says each); a flow function
+takes the same keyword shortcuts as grpo_flow, which override the recipe's:
+
+    dapo_flow(prompts=16, max_new_tokens=64)                 # DAPO's settings
+    dapo_flow(prompts=16, clip_ratio_high=0.3)               # ... with another clip-higher
+
+DAPO (Yu et al. 2025): clip-higher (0.2 below, 0.28 above), the token-level loss, no KL term,
+the dual clip at 10, and the soft overlong penalty over the last fifth of the budget (their
+4,096 of 20,480 tokens). Its dynamic sampling (dropping groups of equal rewards and sampling
+more) is not here yet: every group trains, as in GRPO.
+
+Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training"): advantages without the
+group std, each response's summed loss over the generation budget (not its own length), no KL.
+
+GSPO (Zheng et al. 2025): the sequence-level importance ratio, clipped per response at 3e-4
+below and 4e-4 above, averaged per response, no KL.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from dataflows.grpo import grpo_flow
+from dataflows.rl.config import GroupRLConfig, PolicyLoss, RLConfig, shortcuts_of, with_shortcuts
+from flowkit.dsl import Flow
+
+__all__ = ["DAPO", "DR_GRPO", "GSPO", "dapo_flow", "dr_grpo_flow", "gspo_flow"]
+
+DAPO = GroupRLConfig(kl_coef=0.0, policy=PolicyLoss(clip_ratio_low=0.2, clip_ratio_high=0.28,
+                                                    clip_ratio_c=10.0,
+                                                    loss_agg_mode="token-mean"))
+DR_GRPO = GroupRLConfig(kl_coef=0.0, scale_rewards=False,
+                        policy=PolicyLoss(loss_agg_mode="seq-mean-token-sum-norm"))
+GSPO = GroupRLConfig(kl_coef=0.0, policy=PolicyLoss(policy_loss="gspo", clip_ratio_low=3e-4,
+                                                    clip_ratio_high=4e-4))
+
+# DAPO's overlong buffer is a fifth of the response budget (4,096 of 20,480 tokens)
+_DAPO_BUFFER_SHARE = 5
+
+
+def _dapo_buffer(config: RLConfig) -> RLConfig:
+    if config.overlong_buffer:
+        return config
+    budget = config.sampling.max_new_tokens
+    return attrs.evolve(config, overlong_buffer=max(1, budget // _DAPO_BUFFER_SHARE))
+
+
+def _recipe(recipe: GroupRLConfig, name: str,
+            finish: Callable[[RLConfig], RLConfig] = lambda config: config
+            ) -> Callable[..., Flow]:
+    """A flow function: grpo_flow from `recipe` with the shortcuts given, then `finish`."""
+    shortcuts = shortcuts_of(GroupRLConfig)
+
+    @functools.wraps(grpo_flow)
+    def flow(config: GroupRLConfig | None = None, **keywords: Any) -> Flow:
+        given = {k: keywords.pop(k) for k in list(keywords) if k in shortcuts}
+        return grpo_flow(finish(with_shortcuts(config or recipe, **given)), **keywords)
+
+    flow.__name__ = flow.__qualname__ = name
+    flow.__doc__ = f"grpo_flow with the {name.removesuffix('_flow')} recipe's settings " \
+                   f"(dataflows/recipes.py); keyword shortcuts override them."
+    return flow
+
+
+dapo_flow = _recipe(DAPO, "dapo_flow", _dapo_buffer)
+dr_grpo_flow = _recipe(DR_GRPO, "dr_grpo_flow")
+gspo_flow = _recipe(GSPO, "gspo_flow")

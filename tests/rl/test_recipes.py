@@ -1,0 +1,145 @@
+"""The recipes as flows (dataflows/recipes.py) and the ops and settings they add: Dr. GRPO's
+unscaled advantages and DAPO's overlong penalty against verl, the knobs a recipe gives the
+actor's Backprop, and the settings that cannot go together refused before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dataflows.grpo import grpo_flow
+from dataflows.model_ops import Backprop, OptimizerStep
+from dataflows.ppo import ppo_flow
+from dataflows.recipes import dapo_flow, dr_grpo_flow, gspo_flow
+from dataflows.rl.steps import arithmetic_prompts, grpo_advantages, overlong_penalty
+from executors.torch import algos
+from flowkit.dsl import Flow, FlowError, Model, collect
+from flowkit.ops.records import Scored
+
+FAST = settings(max_examples=40, deadline=None)
+ACTOR = Model(name="actor", build="m:M")
+
+
+def _scored(reward: float, length: int, sample: int = 0) -> Scored:
+    return Scored(prompt_id=0, sample=sample, prompt_tokens=[1], response_tokens=[5] * length,
+                  logprobs=[0.0] * length, reward=reward)
+
+
+def _verl_overlong(valid_response_length, max_resp_len, overlong_buffer_len, penalty_factor):
+    """verl's DAPO reward manager's overlong shaping."""
+    expected_len = max_resp_len - overlong_buffer_len
+    exceed_len = valid_response_length - expected_len
+    return min(-exceed_len / overlong_buffer_len * penalty_factor, 0)
+
+
+# -- the ops ------------------------------------------------------------------------------------
+@FAST
+@given(budget=st.integers(1, 64), data=st.data(), factor=st.floats(0.0, 2.0),
+       reward=st.floats(-1.0, 1.0))
+def test_the_overlong_penalty_is_verls(budget, data, factor, reward):
+    buffer = data.draw(st.integers(1, budget))
+    length = data.draw(st.integers(0, budget))
+    got = overlong_penalty.fn(_scored(reward, length), max_new_tokens=budget, buffer=buffer,
+                              penalty_factor=factor)
+    assert got.reward == pytest.approx(reward + _verl_overlong(length, budget, buffer, factor),
+                                       abs=1e-12)
+
+
+def test_the_overlong_penalty_ramps_over_the_buffer():
+    rewards = [overlong_penalty.fn(_scored(1.0, n), max_new_tokens=10, buffer=4).reward
+               for n in (6, 7, 8, 10)]
+    assert rewards == [1.0, 0.75, 0.5, 0.0]
+
+
+@FAST
+@given(rewards=st.lists(st.floats(-2.0, 2.0), min_size=1, max_size=8))
+def test_dr_grpo_advantages_are_verls_without_the_std(rewards):
+    group = [_scored(r, 3, sample=i) for i, r in enumerate(rewards)]
+    got = [e.advantages for e in grpo_advantages.fn(group, scale_rewards=False)]
+    token_rewards = torch.zeros(len(rewards), 3, dtype=torch.float64)
+    token_rewards[:, -1] = torch.tensor(rewards, dtype=torch.float64)
+    want = algos.grpo_advantages(token_rewards, torch.ones_like(token_rewards),
+                                 [0] * len(rewards), norm_by_std=False)
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=0, atol=1e-9)
+
+
+# -- the recipes --------------------------------------------------------------------------------
+def _actor_config(flow: Flow) -> dict:
+    return flow.validate().nodes["update_actor"].config
+
+
+def test_dapo_sets_clip_higher_the_token_loss_and_a_fifth_of_the_budget_as_buffer():
+    flow = dapo_flow(prompts=4, max_new_tokens=20)
+    config = _actor_config(flow)
+    assert (config["clip_ratio_low"], config["clip_ratio_high"], config["clip_ratio_c"],
+            config["loss_agg_mode"], config["kl_coef"]) == (0.2, 0.28, 10.0, "token-mean", 0.0)
+    assert flow.nodes["overlong_penalty"].config == {"max_new_tokens": 20, "buffer": 4,
+                                                     "penalty_factor": 1.0}
+    # no KL term: no reference model, no reference log-probs
+    assert list(flow.models) == ["actor"] and "ref_logprobs" not in flow.nodes
+
+
+def test_a_shortcut_overrides_the_recipes_setting():
+    flow = dapo_flow(max_new_tokens=20, clip_ratio_high=0.3, overlong_buffer=2, kl_coef=0.01)
+    config = _actor_config(flow)
+    assert config["clip_ratio_high"] == 0.3 and config["kl_coef"] == 0.01
+    assert flow.nodes["overlong_penalty"].config["buffer"] == 2
+    assert "reference" in flow.models  # a KL term brings the reference back
+
+
+def test_dr_grpo_divides_by_the_budget_and_leaves_out_the_std():
+    flow = dr_grpo_flow(max_new_tokens=12)
+    config = _actor_config(flow)
+    assert (config["loss_agg_mode"], config["loss_scale_factor"]) == (
+        "seq-mean-token-sum-norm", 12)
+    assert flow.nodes["grpo_advantages"].config["scale_rewards"] is False
+
+
+def test_gspo_takes_the_sequence_ratio_with_its_own_clip_range():
+    config = _actor_config(gspo_flow())
+    assert (config["policy_loss"], config["clip_ratio_low"], config["clip_ratio_high"],
+            config["loss_agg_mode"]) == ("gspo", 3e-4, 4e-4, None)
+
+
+def test_the_policy_knobs_are_shortcuts_of_every_rl_flow():
+    config = _actor_config(ppo_flow(entropy_coeff=0.01, rollout_is="token", mask_truncated=True))
+    assert (config["entropy_coeff"], config["rollout_is"], config["mask_truncated"]) == (
+        0.01, "token", True)
+    assert _actor_config(grpo_flow())["loss_agg_mode"] is None  # the policy loss's own
+
+
+# -- settings that cannot go together ------------------------------------------------------------
+def _backprop_problems(**config) -> list:
+    with pytest.raises(FlowError) as raised:
+        with Flow("f"):
+            stats = Backprop(ACTOR)(arithmetic_prompts(), microbatches=1, loss="grpo", **config)
+            OptimizerStep(ACTOR)(collect(stats))
+    return raised.value.problems
+
+
+@pytest.mark.parametrize("config, port, words", [
+    ({"policy_loss": "gspo", "loss_agg_mode": "token-mean"}, "loss_agg_mode",
+     "seq-mean-token-mean"),
+    ({"loss_agg_mode": "seq-mean-token-sum-norm"}, "loss_scale_factor", "a constant"),
+    ({"rollout_is": "token", "epochs": 2}, "rollout_is", "one optimizer step"),
+    ({"mask_truncated": "yes"}, "mask_truncated", "not True or False"),
+    ({"clip_ratio_low": 1.5}, "clip_ratio_low", "out of range"),
+    ({"rollout_is_threshold": 0.5}, "rollout_is_threshold", "out of range"),
+    ({"loss_agg_mode": "token_mean"}, "loss_agg_mode", "not one the executors implement"),
+    ({"policy_loss": "gpso"}, "policy_loss", "not one the executors implement"),
+])
+def test_a_bad_loss_setting_is_a_problem_before_anything_runs(config, port, words):
+    (problem,) = _backprop_problems(**config)
+    assert problem.port == port and words in problem.message, problem
+
+
+def test_a_typo_in_a_choice_gets_a_suggestion():
+    (problem,) = _backprop_problems(loss_agg_mode="token_mean")
+    assert "token-mean" in problem.fix
+
+
+def test_an_overlong_buffer_beyond_the_budget_is_refused_when_the_flow_is_built():
+    with pytest.raises(ValueError, match="overlong_buffer=40 with max_new_tokens=8"):
+        grpo_flow(max_new_tokens=8, overlong_buffer=40)
