@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataflows.model_ops import Backprop, OptimizerStep, Values
 from dataflows.models import critic_of, reference_of
 from dataflows.rl.config import PPOConfig, actor_loss, rl_flow
+from dataflows.rl.evaluation import attach_evaluation
 from dataflows.rl.front import rl_actor, sample_and_score
 from dataflows.rl.steps import gae, make_experience
 from flowkit.dsl import Flow, Model, Stream, collect
@@ -41,4 +42,4 @@ def ppo_flow(config: PPOConfig, *, model: Model | None = None, critic: Model | N
                                             name="critic_step")
         weights.bind(actor_step.weights)
         critic_weights.bind(critic_step.weights)
-    return flow
+    return attach_evaluation(flow, actor, config)

@@ -13,6 +13,7 @@ from dataflows.rl.advantages import (
     reinforce_pp_baseline_advantages,
 )
 from dataflows.rl.config import ReinforcePPConfig, actor_loss, rl_flow
+from dataflows.rl.evaluation import attach_evaluation
 from dataflows.rl.front import rl_actor, sample_and_score
 from flowkit.dsl import Flow, Model, collect
 
@@ -48,4 +49,4 @@ def reinforce_pp_flow(config: ReinforcePPConfig, *, model: Model | None = None,
                                 name="update_actor", **actor_loss(config))
         step = OptimizerStep(actor)(collect(stats), lr=config.lr)
         weights.bind(step.weights)
-    return flow
+    return attach_evaluation(flow, actor, config)

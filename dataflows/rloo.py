@@ -9,6 +9,7 @@ from dataflows.model_ops import Backprop, OptimizerStep
 from dataflows.models import reference_of
 from dataflows.rl.advantages import kl_token_rewards, rloo_advantages
 from dataflows.rl.config import GroupRLConfig, RLConfig, actor_loss, rl_flow
+from dataflows.rl.evaluation import attach_evaluation
 from dataflows.rl.front import rl_actor, sample_and_score
 from flowkit.dsl import Flow, Model, collect, group_by
 
@@ -38,4 +39,4 @@ def rloo_flow(config: RLConfig, *, model: Model | None = None, gpt: dict | None 
                                 name="update_actor", **actor_loss(config))
         step = OptimizerStep(actor)(collect(stats), lr=config.lr)
         weights.bind(step.weights)
-    return flow
+    return attach_evaluation(flow, actor, config)

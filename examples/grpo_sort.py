@@ -4,29 +4,36 @@ its own executor with the weights synced every step. Mean reward rises from abou
 
     flowkit run examples/sort_sft.py --steps 600 --save-weights checkpoints
     flowkit run examples/grpo_sort.py --steps 40 --metrics grpo.jsonl
+
+`--eval-every 5` also samples 64 held-out prompts greedily every 5 steps (eval/pass@1).
 """
 
 from dataflows.grpo import grpo_flow
+from dataflows.recipes import dapo_flow, dr_grpo_flow, gspo_flow
 from dataflows.rl.tasks import SORT_GPT, SORT_RESPONSE_TOKENS, sort_prompts, sort_reward
 
-flow = grpo_flow(prompts=16, n=8, stages=2, microbatches=4, schedule="1f1b",
-                 max_new_tokens=SORT_RESPONSE_TOKENS, kl_coef=0.001, lr=3e-4,
-                 gpt={**SORT_GPT, "checkpoint": "checkpoints/actor.pt"},
-                 prompt_source=sort_prompts, reward=sort_reward, source_config={"digits": 3})
+TASK = dict(prompts=16, n=8, stages=2, microbatches=4, schedule="1f1b",
+            max_new_tokens=SORT_RESPONSE_TOKENS, lr=3e-4,
+            gpt={**SORT_GPT, "checkpoint": "checkpoints/actor.pt"},
+            prompt_source=sort_prompts, reward=sort_reward, source_config={"digits": 3},
+            # held-out prompts: another seed than the training prompts' (0)
+            eval_source=sort_prompts, eval_prompts=64,
+            eval_source_config={"digits": 3, "seed": 1})
+
+flow = grpo_flow(kl_coef=0.001, **TASK)
 
 # The same step asynchronously: generation runs up to one weights version ahead of training,
 # stale tokens weighted by the decoupled objective (`flowkit run examples/grpo_sort.py:async_`,
 # or `flowkit run examples/grpo_sort.py --max-staleness 1`)
-async_ = grpo_flow(prompts=16, n=8, stages=2, microbatches=4, schedule="1f1b",
-                   max_new_tokens=SORT_RESPONSE_TOKENS, kl_coef=0.001, lr=3e-4,
-                   gpt={**SORT_GPT, "checkpoint": "checkpoints/actor.pt"},
-                   prompt_source=sort_prompts, reward=sort_reward, source_config={"digits": 3},
-                   max_staleness=1)
+async_ = grpo_flow(kl_coef=0.001, max_staleness=1, **TASK)
 
 # ... and with partial rollouts: 24 prompts generate, the first 16 groups to finish train, the
 # rest carry over to the next step
-partial = grpo_flow(prompts=16, n=8, stages=2, microbatches=4, schedule="1f1b",
-                    max_new_tokens=SORT_RESPONSE_TOKENS, kl_coef=0.001, lr=3e-4,
-                    gpt={**SORT_GPT, "checkpoint": "checkpoints/actor.pt"},
-                    prompt_source=sort_prompts, reward=sort_reward,
-                    source_config={"digits": 3}, max_staleness=1, oversample=1.5)
+partial = grpo_flow(kl_coef=0.001, max_staleness=1, oversample=1.5, **TASK)
+
+# The recipes people run now (dataflows/recipes.py), from the same warm-up, no KL term:
+# `flowkit run examples/grpo_sort.py:dapo` (clip-higher, token-level loss, overlong penalty),
+# `:dr_grpo` (no std division, sums over the budget) and `:gspo` (sequence-level ratio)
+dapo = dapo_flow(**TASK)
+dr_grpo = dr_grpo_flow(**TASK)
+gspo = gspo_flow(**TASK)

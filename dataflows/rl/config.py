@@ -67,7 +67,11 @@ class RLConfig:
     `max_staleness`: run asynchronously, generation up to that many weights versions ahead of
     training ([Note: asynchronous steps] in flowkit/runner/flowrun.py; None: synchronous).
     `oversample` > 1: partial rollouts, that many times the prompts generate and the step
-    takes the first `prompts` groups to finish (the flow sets `sampling.take`). `policy`: how
+    takes the first `prompts` groups to finish (the flow sets `sampling.take`). `eval_source`:
+    held-out prompts (`eval_prompts` of them, `eval_source_config` its settings, e.g. another
+    seed) that `flowkit run --eval-every K` samples `eval_n` times each at `eval_temperature`
+    (0: greedy) with the newest weights, a sample right when its reward is at least
+    `eval_pass_reward` (dataflows/rl/evaluation.py). `policy`: how
     the actor's loss is taken (clip-higher, aggregation, GSPO, rollout correction, ...; each a
     shortcut by its own name). `overlong_buffer` > 0: DAPO's soft overlong penalty, a
     response longer than max_new_tokens - overlong_buffer loses up to
@@ -90,6 +94,12 @@ class RLConfig:
     policy: PolicyLoss = PolicyLoss()
     overlong_buffer: int = 0
     overlong_penalty_factor: float = 1.0
+    eval_source: Operator | None = None
+    eval_prompts: int = 64
+    eval_source_config: Mapping[str, Any] | None = None
+    eval_n: int = 1
+    eval_temperature: float = 0.0
+    eval_pass_reward: float = 1.0
 
 
 @attrs.frozen(kw_only=True)

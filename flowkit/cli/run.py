@@ -96,6 +96,10 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
               callback=lambda ctx, param, value: _run_name(value),  # before anything starts
               help="The run's folder under --log-dir and its W&B run name (default: the "
               "flow's name; -2, -3, ... when taken) [env FLOWKIT_RUN_NAME].")
+@click.option("--eval-every", type=click.IntRange(min=1), default=None,
+              help="Evaluate every K steps: the flow's held-out prompts sampled with the "
+              "newest weights (an RL flow's eval_source), eval/... metrics in that step's "
+              "line.")
 @click.option("--save-weights", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="After the last step, write each trained model's weights to DIR/MODEL.pt "
               "(torch executors); a model config's `checkpoint` starts from such a file.")
@@ -157,7 +161,7 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
         schedule: str | None,
         fuse: bool, asynchronous: bool | None, max_staleness: int | None, sim_cost: str,
         trace: Path | None, metrics: Path | None, loggers: tuple[str, ...], log_dir: Path,
-        wandb_project: str, run_name: str | None,
+        wandb_project: str, run_name: str | None, eval_every: int | None,
         save_weights: Path | None, checkpoint_dir: Path | None, checkpoint_every: int | None,
         keep_checkpoints: int, resume: Path | None, max_restarts: int, dashboard: bool | None,
         max_frame_mib: int, bind: str, keys_dir: Path | None, insecure: bool,
@@ -192,7 +196,8 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
             microbatches=microbatches,
             schedule=schedule, fuse=fuse, asynchronous=asynchronous,
             max_staleness=max_staleness, sim_costs=costs, trace=trace, logs=logs,
-            dashboard=dashboard, save_weights=save_weights, checkpoints=checkpoints,
+            dashboard=dashboard, eval_every=eval_every, save_weights=save_weights,
+            checkpoints=checkpoints,
             resume=resume, max_restarts=max_restarts, launcher=launcher,
             launcher_settings=settings, debug=debug,
             controller=ControllerConfig(bind=bind, keys=keys_dir, insecure=insecure,
@@ -213,6 +218,7 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
 
 # RunConfig's settings -> the option that sets them, so that an error names what was typed
 _OPTIONS = {"tags": "--tags", "schedule": "--schedule", "max_staleness": "--max-staleness",
+            "eval_every": "--eval-every",
             "controller.keys": "--keys", "controller.bind": "--bind"}
 
 

@@ -112,6 +112,9 @@ class FlowGraph:
         # run asynchronously, generation at most this many weights versions ahead of training
         # (`flowkit run --async --max-staleness`); None: synchronously
         self.max_staleness = max_staleness
+        # a flow of its own that evaluates this one's models between steps (`flowkit run
+        # --eval-every K`: dataflows/rl/evaluation.py makes the RL flows'); None: none
+        self.evaluation: FlowGraph | None = None
         self.nodes: dict[str, Node] = {}
         self.models: dict[str, Model] = {}
         self.feedbacks: dict[str, Feedback] = {}

@@ -31,6 +31,7 @@ from flowkit.runner.checkpoint import (
 )
 from flowkit.runner.checkpointing import Checkpointing, resume_point
 from flowkit.runner.config import RunConfig, RunConfigError, RunError
+from flowkit.runner.evaluation import Evaluation
 from flowkit.runner.flowrun import FlowRunError, FlowRunner, StepReport, check_async
 from flowkit.runner.restarts import Restarts, start_executors, temporary_checkpoints
 from flowkit.runner.runstate import allowed_records
@@ -117,6 +118,10 @@ class Run:
         self.tags = executor_tags(self.plan, self.count, config.tags)
         self.keys = _keys(config)
         self.identity = flow_identity(self.flow.name, self.plan)
+        self.evaluation = None if config.eval_every is None else Evaluation(
+            self.flow, config.eval_every,
+            sim_costs=config.sim_costs if self.kind == "sim" else None,
+            step_timeout=config.step_timeout)
         self.resumed = self._resume_point()
         # a resumed run goes on with the run it resumes: its checkpoints are that run's
         self.run_id = new_run_id() if self.resumed is None else self.resumed[1].run["id"]
@@ -169,7 +174,7 @@ class Run:
         self.loop = StepLoop(steps=config.steps, loggers=loggers, stats=self.stats,
                              checkpoints=checkpoints, say=self.console.print,
                              executors=started, allowed_records=allowed_records(self.flow),
-                             models=flow_models(self.plan))
+                             models=flow_models(self.plan), evaluation=self.evaluation)
         if config.max_restarts:
             self.loop.restarts = Restarts(allowed=config.max_restarts, launcher=launcher,
                                           used=self._startup_restarts,

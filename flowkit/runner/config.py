@@ -170,6 +170,9 @@ class RunConfig:
     """Where each step's metrics go (JSON lines, TensorBoard, W&B)."""
     dashboard: bool | None = None
     """The live dashboard; None: on when the output is a terminal."""
+    eval_every: int | None = attrs.field(default=None, validator=_at_least(1))
+    """Run the flow's evaluation (`flow.evaluation`: the RL flows' with `eval_source`) after
+    every this many steps, its metrics (eval/...) in that step's line; None: never."""
     save_weights: Path | None = attrs.field(default=None, converter=_path)
     """After the last step, write each trained model's weights to DIR/MODEL.pt."""
     checkpoints: CheckpointConfig | None = None

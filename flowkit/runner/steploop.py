@@ -14,6 +14,7 @@ from flowkit.observe import Dashboard, RunStats
 from flowkit.observe.loggers import Loggers
 from flowkit.runner.checkpoint import CheckpointError, restore
 from flowkit.runner.checkpointing import Checkpointing, GracefulStop
+from flowkit.runner.evaluation import Evaluation
 from flowkit.runner.flowrun import FlowRunError, FlowRunner, StepReport
 from flowkit.runner.restarts import Restarts
 from flowkit.runtime.futures import ExecutorLost
@@ -45,6 +46,7 @@ class StepLoop:
     # and the models executors build, the flow's specs by name (checkpoint.flow_models)
     allowed_records: dict = attrs.field(factory=dict)
     models: dict = attrs.field(factory=dict)
+    evaluation: Evaluation | None = None  # run after every few steps (--eval-every)
 
     def resume(self, runner: FlowRunner, folder: Path) -> None:
         """Go on from `folder`: the executors' and runner's state, and the loggers rewound
@@ -123,6 +125,9 @@ class StepLoop:
         report = runner.run_step(step)
         for warning in report.warnings:
             board.warn(warning)
+        if self.evaluation is not None and self.evaluation.due(step):
+            board.set_status(f"step {step + 1}/{self.steps}: evaluating")
+            report.metrics.update(self.evaluation.run(runner.ctl))
         record = {"time": time.time(), **self.stats.step_line(report)}
         if self.restarts is not None:
             record["restarts"] = self.restarts.used

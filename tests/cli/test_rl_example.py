@@ -27,8 +27,9 @@ def warmed_up(tmp_path_factory):
 def test_rl_on_digit_sorting_raises_the_mean_reward(warmed_up, example):
     """Asynchronously too (`:async_`, `:partial`: one version of staleness, the decoupled
     objective, and with partial rollouts): learning as the synchronous run does."""
+    evaluate = ["--eval-every", "5"] if example == "grpo_sort.py" else []
     output = run_ok_in(warmed_up, str(EXAMPLES / example), "--steps", "30", "--metrics",
-                       f"{example}.jsonl")
+                       f"{example}.jsonl", *evaluate)
     assert "executors: torch" in output
     lines = [json.loads(line) for line in (warmed_up / f"{example}.jsonl").read_text()
              .splitlines()]
@@ -37,6 +38,12 @@ def test_rl_on_digit_sorting_raises_the_mean_reward(warmed_up, example):
     rewards = [line["reward_mean"] for line in lines]
     assert rewards[0] < 0.3
     assert statistics.fmean(rewards[-5:]) > 0.7, rewards
+    if evaluate:  # greedy on 64 held-out prompts after steps 4, 9, ..., 29: it learns too
+        evals = [line for line in lines if "eval/pass@1" in line]
+        assert [line["step"] for line in evals] == [4, 9, 14, 19, 24, 29]
+        assert all(line["eval/prompts"] == 64 for line in evals)
+        passed = [line["eval/pass@1"] for line in evals]
+        assert passed[0] < 0.5 and passed[-1] > 0.8, passed
 
 
 def test_reinforce_pp_runs_on_torch_and_reports_rewards(warmed_up):

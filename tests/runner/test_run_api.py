@@ -62,6 +62,7 @@ def test_the_same_config_resumes_from_its_checkpoints(tmp_path):
      "not a zmq address"),
     ({"controller": ControllerConfig(bind="tcp://0.0.0.0:0")}, "controller.bind", "keys"),
     ({"resume": "/nonexistent/checkpoints"}, "resume", "/nonexistent/checkpoints"),
+    ({"eval_every": 2}, "eval_every", "declares no evaluation"),
 ])
 def test_a_wrong_setting_names_itself_before_any_executor_starts(monkeypatch, settings, setting,
                                                                  words):
@@ -77,6 +78,7 @@ def test_a_wrong_setting_names_itself_before_any_executor_starts(monkeypatch, se
 @pytest.mark.parametrize(("settings", "setting"), [
     ({"steps": 0}, "steps"), ({"max_restarts": -1}, "max_restarts"),
     ({"num_executors": 0}, "num_executors"), ({"step_timeout": 0}, "step_timeout"),
+    ({"eval_every": 0}, "eval_every"),
 ])
 def test_a_setting_out_of_range_is_refused_by_the_record(settings, setting):
     with pytest.raises(RunConfigError) as error:
