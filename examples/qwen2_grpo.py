@@ -14,13 +14,20 @@ mean reward rises from about 0.15:
 
 from dataflows.datasets import dataset_prompts
 from dataflows.grpo import grpo_flow
+from dataflows.recipes import dapo_flow, dr_grpo_flow, gspo_flow
 from dataflows.rewards import exact_match_reward
 from flowkit.dsl import Model
 
 WARM = "checkpoints/actor"  # what the warm-up's --save-weights wrote
 
 actor = Model(name="actor", build="hf", config={"path": WARM}, stages=2, tags=("train",))
-flow = grpo_flow(model=actor, prompts=16, n=8, microbatches=4, schedule="1f1b",
-                 max_new_tokens=4, kl_coef=0.001, lr=5e-4, prompt_source=dataset_prompts,
-                 source_config={"path": "examples/data/arithmetic.jsonl", "tokenizer": WARM},
-                 reward=exact_match_reward)
+TASK = dict(model=actor, prompts=16, n=8, microbatches=4, schedule="1f1b", max_new_tokens=4,
+            lr=5e-4, prompt_source=dataset_prompts,
+            source_config={"path": "examples/data/arithmetic.jsonl", "tokenizer": WARM},
+            reward=exact_match_reward)
+flow = grpo_flow(kl_coef=0.001, **TASK)
+
+# the recipes (dataflows/recipes.py): `flowkit run examples/qwen2_grpo.py:dapo`, ...
+dapo = dapo_flow(**TASK)
+dr_grpo = dr_grpo_flow(**TASK)
+gspo = gspo_flow(**TASK)

@@ -143,3 +143,22 @@ def test_a_typo_in_a_choice_gets_a_suggestion():
 def test_an_overlong_buffer_beyond_the_budget_is_refused_when_the_flow_is_built():
     with pytest.raises(ValueError, match="overlong_buffer=40 with max_new_tokens=8"):
         grpo_flow(max_new_tokens=8, overlong_buffer=40)
+
+
+# -- a step's loss and values over its microbatches ------------------------------------------------
+def test_a_steps_loss_is_the_summed_losses_over_the_summed_normalizers():
+    from flowkit.ops.records import MicrobatchStats, mean_loss, mean_values
+
+    # seq-mean modes: the normalizer counts responses, not tokens
+    stats = [MicrobatchStats(loss=2.0, tokens=10, normalizer=1.0,
+                             values={"entropy": 1.0, "rollout_is/max": 1.5}),
+             MicrobatchStats(loss=5.0, tokens=2, normalizer=3.0,
+                             values={"entropy": 4.0, "rollout_is/max": 1.2}),
+             MicrobatchStats(loss=0.0, tokens=0, normalizer=0.0, values={"entropy": 99.0})]
+    assert mean_loss(stats) == (pytest.approx((2.0 * 1 + 5.0 * 3) / 4), 12)
+    values = mean_values(stats)
+    assert values["entropy"] == pytest.approx((1.0 * 10 + 4.0 * 2) / 12)  # by tokens
+    assert values["rollout_is/max"] == 1.5  # a largest stays the largest
+    # a loss that is a mean already (lm) counts no normalizer: token-weighted as before
+    lm = [MicrobatchStats(loss=1.0, tokens=3), MicrobatchStats(loss=3.0, tokens=1)]
+    assert mean_loss(lm) == (pytest.approx(1.5), 4)
