@@ -2,6 +2,8 @@
 hosts with their bare-zmq baselines in the same run, and leave nothing behind. Figures are
 checked for being measured, never for their values."""
 
+import os
+
 import pytest
 from click.testing import CliRunner
 
@@ -13,9 +15,12 @@ needs_namespaces = pytest.mark.usefixtures("namespaces")
 
 
 def _namespaces_and_links() -> set[str]:
+    """This process's namespaces and links (another test process may make its own meanwhile)."""
     from flowkit.runtime.netns import _links, _namespaces
 
-    return {name for name in _namespaces() | _links() if name.startswith("fk")}
+    pid = os.getpid()
+    return {name for name in _namespaces() | _links()
+            if name.startswith((f"fk-{pid}-", f"fk{pid}s"))}
 
 
 @needs_namespaces

@@ -24,6 +24,7 @@ FLAGS = {
     "schedule": (RunConfig, "schedule"), "fuse": (RunConfig, "fuse"),
     "asynchronous": (RunConfig, "asynchronous"), "max_staleness": (RunConfig, "max_staleness"),
     "trace": (RunConfig, "trace"), "save_weights": (RunConfig, "save_weights"),
+    "eval_every": (RunConfig, "eval_every"),
     "resume": (RunConfig, "resume"), "max_restarts": (RunConfig, "max_restarts"),
     "dashboard": (RunConfig, "dashboard"), "debug": (RunConfig, "debug"),
     "launcher": (RunConfig, "launcher"),
