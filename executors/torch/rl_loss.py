@@ -205,10 +205,13 @@ class RLLoss:
         losses = self._policy_term(logp, col, mask)
         if s.uses_reference:
             losses = losses + s.kl_coef * kl_penalty(logp, col["ref_logprobs"], s.kl_kind)
-        entropy = entropy_from_logprobs(every if s.entropy_coeff else every.detach())
-        self.values["entropy"] = _token_mean(entropy, mask)
         if s.entropy_coeff:
+            entropy = entropy_from_logprobs(every)
             losses = losses - s.entropy_coeff * entropy
+        else:  # reported only: a response at a time, so the vocabulary-wide temporaries stay
+            with torch.no_grad():  # one response's (B x R x V of them would double the peak)
+                entropy = torch.stack([entropy_from_logprobs(row) for row in every])
+        self.values["entropy"] = _token_mean(entropy, mask)
         return losses, mask
 
     def _policy_term(self, logp: torch.Tensor, col: dict, mask: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from executors.torch.algos import kl_penalty, ppo_policy_loss, value_loss
 from executors.torch.held import held_stage
 from executors.torch.models.gpt import GPT
 from executors.torch.stage import StageError
-from flowkit.ops.records import Experience, MicrobatchStats, TokenScores
+from flowkit.ops.records import Experience, MicrobatchStats, TokenScores, mean_values
 from tests.harness import (
     critic_of,
     executor_cluster,
@@ -466,14 +466,14 @@ def _plain_recipe_loss(model: GPT, exps: list[Experience], knobs: dict) -> torch
         pg = _verl_vanilla(old, logp, f["advantages"], mask, "seq-mean-token-sum", 0.2,
                            None, None, 3.0, weights)[0] / scale
     loss = pg
+    entropy = _verl_entropy_from_logits(picked)
     if knobs.get("entropy_coeff"):
-        entropy = _verl_entropy_from_logits(picked)
         loss = loss - knobs["entropy_coeff"] * _as_ours(_verl_agg_loss(entropy, mask, agg),
                                                         mask, agg)
     if kl_coef:
         kl = kl_penalty(logp, f["ref_logprobs"], "k3")
         loss = loss + kl_coef * _as_ours(_verl_agg_loss(kl, mask, agg), mask, agg)
-    return loss
+    return loss, float((entropy.detach() * mask).sum() / mask.sum())
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -488,10 +488,10 @@ def test_each_recipes_pipeline_gradients_equal_verls_loss_on_the_unsplit_model(r
     stats = _run_microbatches(ctx, POLICY, [(exps[:2],), (exps[2:3],), (exps[3:],)],
                               stages=2, **knobs)
     normalizer = sum(s.normalizer for s in stats)
-    plain = _plain_recipe_loss(model, exps, knobs)
+    plain, entropy = _plain_recipe_loss(model, exps, knobs)
     plain.backward()
     _assert_grads_equal(_stage_grads(ctx, POLICY, 2), _reference_grads(model, 2),
                         scale=normalizer)
     reported = sum(s.loss * s.normalizer for s in stats) / normalizer
     assert reported == pytest.approx(plain.item(), abs=TIGHT)
-    assert all("entropy" in s.values for s in stats if s.tokens)
+    assert mean_values(stats)["entropy"] == pytest.approx(entropy, abs=TIGHT)
