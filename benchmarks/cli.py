@@ -215,6 +215,18 @@ def launch(json_out: Path | None) -> None:
     _report(_bench_function("launch", "run_launch_bench")(), json_out)
 
 
+@bench.command(name="eval", cls=_BenchCommand)
+@click.option("--steps", type=click.IntRange(min=2), default=20, show_default=True,
+              help="GRPO steps per run (the first is not timed).")
+@click.option("--every", type=click.IntRange(min=1), default=2, show_default=True,
+              help="The runs with evaluation evaluate every this many steps.")
+@_json_option
+def evaluation(steps: int, every: int, json_out: Path | None) -> None:
+    """What --eval-every costs a synchronous and an asynchronous run against none."""
+    _report(_bench_function("evaluation", "run_eval_bench")(steps=steps, every=every),
+            json_out)
+
+
 @bench.command(cls=_BenchCommand)
 @_json_option
 def loggers(json_out: Path | None) -> None:

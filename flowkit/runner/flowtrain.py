@@ -108,6 +108,9 @@ class ModelTraining:
         self.last_trained: tuple | None = None  # the same of the latest step that trained
         self.rounds: Rounds | None = None  # this step's backprop, when it ran in rounds
         self.step = 0
+        # called before new weights go to the generating executors: an evaluation that runs
+        # alongside an asynchronous run finishes on the weights it started with (evaluation.py)
+        self.before_sync: Callable[[], None] | None = None
         self.dp = Replicas(ctl, model, executors, sim_costs or SimCosts())
         self.replicas, self.devices = self.dp.count, self.dp.devices
 
@@ -393,6 +396,8 @@ class ModelTraining:
                    if e.runs(op, tags)}
         if not targets or not all("load_weights" in e.ops for e in targets.values()):
             return []
+        if self.before_sync is not None:
+            self.before_sync()
         schedule, spec = self.trained  # replica 0's stages export: every replica holds them
         return submit_weight_sync(self.ctl, schedule, self.executors, spec, version,
                                   list(targets.values()), lane=self.model.name,

@@ -125,9 +125,8 @@ class StepLoop:
         report = runner.run_step(step)
         for warning in report.warnings:
             board.warn(warning)
-        if self.evaluation is not None and self.evaluation.due(step):
-            board.set_status(f"step {step + 1}/{self.steps}: evaluating")
-            report.metrics.update(self.evaluation.run(runner.ctl))
+        if self.evaluation is not None:
+            report.metrics.update(self._evaluate(runner, step, board))
         record = {"time": time.time(), **self.stats.step_line(report)}
         if self.restarts is not None:
             record["restarts"] = self.restarts.used
@@ -135,6 +134,24 @@ class StepLoop:
         board.show_step(record, self.records)
         self.loggers.log(step, record)
         return report
+
+
+    def _evaluate(self, runner: FlowRunner, step: int, board: Dashboard) -> dict:
+        """The evaluation metrics for step `step`'s line [Note: evaluation during training
+        in evaluation.py]: the one that ran alongside this step, and this step's own when it
+        is due: run now when the run is synchronous (or this is its last step), else started
+        alongside the next step, whose line gets them."""
+        evaluation = self.evaluation
+        metrics = evaluation.wait()  # ended already where the step synced weights
+        if not evaluation.due(step):
+            return metrics
+        if not runner.staleness or evaluation.every == 1 or step == self.steps - 1:
+            board.set_status(f"step {step + 1}/{self.steps}: evaluating")
+            return {**metrics, **evaluation.run(runner.ctl), "eval/step": step}
+        for training in runner.training.values():  # the next weights wait for it
+            training.before_sync = evaluation.join
+        evaluation.start(runner.ctl, step)
+        return metrics
 
 
 def _ahead(runner: FlowRunner, step: int) -> str:

@@ -90,3 +90,12 @@ def test_eval_every_runs_the_evaluation_after_every_k_steps():
 def test_bad_evaluation_settings_are_refused_when_the_flow_is_built():
     with pytest.raises(ValueError, match="eval_prompts=0"):
         _flow(eval_prompts=0)
+
+
+def test_an_asynchronous_run_evaluates_alongside_the_next_step():
+    """[Note: evaluation during training]: the evaluation of step s's weights lands in step
+    s+1's line (eval/step = s); the last step's before its own line."""
+    result = flowkit.run(_flow(), RunConfig(steps=6, executors="sim", dashboard=False,
+                                            eval_every=2, asynchronous=True, max_staleness=1))
+    evaluated = {r["step"]: r["eval/step"] for r in result.records if "eval/pass@1" in r}
+    assert evaluated == {2: 1, 4: 3, 5: 5}
