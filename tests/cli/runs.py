@@ -64,13 +64,21 @@ def metrics_lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def default_sigint() -> None:
+    """In the child, before it runs: Ctrl-C's default, as a terminal gives its foreground job.
+    A process that starts with SIGINT ignored keeps it ignored (Python installs no
+    KeyboardInterrupt then), as pytest-xdist's workers have it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupted(flow: str, *args: str, metrics: Path) -> tuple[str, int]:
     """`flowkit run FLOW ARGS` (writing `metrics`) in a process of its own, Ctrl-C'd once two
     steps are written: its output and the steps it wrote. It must exit 130."""
     run = subprocess.Popen(
         [sys.executable, "-m", "flowkit", "run", flow, *args, "--steps", "100000",
          "--no-dashboard", "--metrics", str(metrics)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        preexec_fn=default_sigint)
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
         assert run.poll() is None, run.stdout.read()
         time.sleep(0.2)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli.runs import default_sigint
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -37,7 +39,8 @@ def test_ctrl_c_stops_the_run_writes_the_weights_and_exits_130(tmp_path):
          "--save-weights", str(weights)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, mark.split("=")[0]: mark.split("=")[1]},
-        start_new_session=True)  # its own process group, as a terminal's foreground job
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+        preexec_fn=default_sigint)
     deadline = time.monotonic() + 120
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
         assert run.poll() is None and time.monotonic() < deadline, run.stdout.read()
