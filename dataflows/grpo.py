@@ -23,6 +23,7 @@ def grpo_flow(config: RLConfig, *, model: Model | None = None, gpt: dict | None 
     `config` (a GroupRLConfig, dataflows/rl/config.py, or its keyword shortcuts: prompts, n,
     max_new_tokens, ...) says the rest; `stages` re-cuts the actor, `max_staleness` runs
     asynchronously ([Note: asynchronous steps] in flowkit/runner/flowrun.py)."""
+    _check_filter(config)
     actor = rl_actor(model, gpt=gpt, stages=config.stages)
     # without a KL term (DAPO, Dr. GRPO, GSPO) nothing reads the reference: none is run
     reference = reference_of(actor) if config.kl_coef else None
@@ -31,8 +32,11 @@ def grpo_flow(config: RLConfig, *, model: Model | None = None, gpt: dict | None 
         weights, scored, ref = sampled.weights, sampled.scored, sampled.ref_logprobs
         samples = scored if ref is None else with_reference(scored, ref)
         # No batch statistic: each group trains as soon as its n samples are scored.
-        experiences = grpo_advantages(group_by(samples, key="prompt_id", size=config.sampling.n),
-                                      scale_rewards=config.scale_rewards)
+        # with filter_groups, the step trains the first `prompts` groups whose rewards differ
+        take = config.prompts if config.filter_groups else None
+        experiences = grpo_advantages(
+            group_by(samples, key="prompt_id", size=config.sampling.n, take=take),
+            scale_rewards=config.scale_rewards, filter_groups=config.filter_groups)
         stats = Backprop(actor)(experiences, loss="grpo", kl_coef=config.kl_coef,
                                 temperature=config.sampling.temperature,
                                 schedule=config.schedule, microbatches=config.microbatches,
@@ -40,3 +44,20 @@ def grpo_flow(config: RLConfig, *, model: Model | None = None, gpt: dict | None 
         step = OptimizerStep(actor)(collect(stats), lr=config.lr)
         weights.bind(step.weights)
     return attach_evaluation(flow, actor, config)
+
+
+def _check_filter(config: RLConfig) -> None:
+    """Dynamic sampling's settings, before the flow is built."""
+    if not getattr(config, "filter_groups", False):
+        return
+    if config.sampling.n < 2:
+        raise ValueError(f"filter_groups drops the groups whose rewards are all equal, and "
+                         f"with n={config.sampling.n} sample a prompt every group is: sample "
+                         "each prompt at least twice (n=8)")
+    if not config.filter_oversample >= 1:
+        raise ValueError(f"filter_oversample={config.filter_oversample!r}: generate at least "
+                         "the step's prompts (2: twice as many, of which the first `prompts` "
+                         "groups whose rewards differ train)")
+    if config.oversample > 1:
+        raise ValueError("filter_groups and oversample (partial rollouts) both over-provision "
+                         "a step's generation; use one of them")

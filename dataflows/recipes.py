@@ -6,9 +6,11 @@ takes the same keyword shortcuts as grpo_flow, which override the recipe's:
     dapo_flow(prompts=16, clip_ratio_high=0.3)               # ... with another clip-higher
 
 DAPO (Yu et al. 2025): clip-higher (0.2 below, 0.28 above), the token-level loss, no KL term,
-the dual clip at 10, and the soft overlong penalty over the last fifth of the budget (their
-4,096 of 20,480 tokens). Its dynamic sampling (dropping groups of equal rewards and sampling
-more) is not here yet: every group trains, as in GRPO.
+the dual clip at 10, the soft overlong penalty over the last fifth of the budget (their 4,096
+of 20,480 tokens), and dynamic sampling: twice the prompts generate, the groups whose rewards
+are all equal are dropped, and the step trains the first `prompts` of the others
+(`filter_groups`, `filter_oversample`; where too few differ it trains fewer and says so, where
+DAPO would generate another batch).
 
 Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training"): advantages without the
 group std, each response's summed loss over the generation budget (not its own length), no KL.
@@ -31,9 +33,9 @@ from flowkit.dsl import Flow
 
 __all__ = ["DAPO", "DR_GRPO", "GSPO", "dapo_flow", "dr_grpo_flow", "gspo_flow"]
 
-DAPO = GroupRLConfig(kl_coef=0.0, policy=PolicyLoss(clip_ratio_low=0.2, clip_ratio_high=0.28,
-                                                    clip_ratio_c=10.0,
-                                                    loss_agg_mode="token-mean"))
+DAPO = GroupRLConfig(kl_coef=0.0, filter_groups=True,
+                     policy=PolicyLoss(clip_ratio_low=0.2, clip_ratio_high=0.28,
+                                       clip_ratio_c=10.0, loss_agg_mode="token-mean"))
 DR_GRPO = GroupRLConfig(kl_coef=0.0, scale_rewards=False,
                         policy=PolicyLoss(loss_agg_mode="seq-mean-token-sum-norm"))
 GSPO = GroupRLConfig(kl_coef=0.0, policy=PolicyLoss(policy_loss="gspo", clip_ratio_low=3e-4,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -101,15 +102,33 @@ class RLConfig:
     eval_temperature: float = 0.0
     eval_pass_reward: float = 1.0
 
+    @property
+    def generated_prompts(self) -> int:
+        """How many prompts a step generates: `oversample` times its own (partial rollouts)."""
+        return math.ceil(self.prompts * self.oversample) if self.oversample > 1 else self.prompts
+
 
 @attrs.frozen(kw_only=True)
 class GroupRLConfig(RLConfig):
     """GRPO's and RLOO's: a prompt's samples are a group, each sample's baseline the others',
     so a prompt is sampled 8 times. `scale_rewards=False`: GRPO's advantages without the
-    division by the group's std (Dr. GRPO)."""
+    division by the group's std (Dr. GRPO). `filter_groups` (GRPO): DAPO's dynamic sampling,
+    `filter_oversample` times the prompts generate, the groups whose rewards are all equal are
+    dropped, and the step trains the first `prompts` of the others to be scored (fewer, and
+    says so in `grpo_advantages/groups_short`, if too few differ) [Note: group quota in
+    flowkit/runner/quota.py]."""
 
     sampling: SamplingConfig = SamplingConfig(n=8)
     scale_rewards: bool = True
+    filter_groups: bool = False
+    filter_oversample: float = 2.0
+
+    @property
+    def generated_prompts(self) -> int:
+        """With `filter_groups`, `filter_oversample` times the prompts generate."""
+        if self.filter_groups:
+            return math.ceil(self.prompts * self.filter_oversample)
+        return super().generated_prompts
 
 
 @attrs.frozen(kw_only=True)

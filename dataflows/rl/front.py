@@ -6,7 +6,6 @@ with its own advantages and losses."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import attrs
@@ -56,7 +55,7 @@ def sample_and_score(flow: Flow, actor: Model, reference: Model | None,
                          "prompts from an over-provisioned step; set oversample instead")
     weights = flow.feedback("actor_weights", Stream[WeightsVersion])
     partial = oversample > 1
-    count = math.ceil(prompts * oversample) if partial else prompts
+    count = config.generated_prompts
     source, source_config = config.prompt_source, dict(config.source_config or {})
     prompt_items = source(count=count, **source_config)
     if source.reporter is not None:  # the source's own metrics (a dataset's epoch)

@@ -89,13 +89,17 @@ def with_reference(scored: Scored, ref_logprobs: TokenScores) -> Experience:
 
 
 @op
-def grpo_advantages(group: Grouped[Scored], *, eps: float = 1e-6, scale_rewards: bool = True
-                    ) -> Stream[Experience]:
+def grpo_advantages(group: Grouped[Scored], *, eps: float = 1e-6, scale_rewards: bool = True,
+                    filter_groups: bool = False) -> Stream[Experience]:
     """Each sample's reward minus its group's mean, over the group's (unbiased) std, on every
     token; a group of one has mean 0 and std 1, as in established GRPO implementations.
     `scale_rewards=False` leaves out the std (Dr. GRPO, Liu et al. 2025: the division favours
-    prompts whose rewards barely differ; verl's norm_adv_by_std_in_grpo=False)."""
+    prompts whose rewards barely differ; verl's norm_adv_by_std_in_grpo=False).
+    `filter_groups`: a group of two or more whose rewards are all equal yields nothing (DAPO's
+    dynamic sampling: its advantages are all 0, and it would only dilute the batch)."""
     rewards = [s.reward for s in group]
+    if filter_groups and len(rewards) > 1 and min(rewards) == max(rewards):
+        return
     single = len(rewards) == 1
     mean = 0.0 if single else statistics.fmean(rewards)
     std = 1.0 if single else statistics.stdev(rewards)

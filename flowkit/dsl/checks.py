@@ -36,6 +36,7 @@ def find_problems(flow: FlowGraph) -> list[Problem]:
     for wire in flow.direct_wires:
         problems += _wire_problems(flow, wire)
         problems += _group_size_problems(flow, wire)
+        problems += _group_take_problems(flow, wire)
     problems += _unbound_inputs(flow, wires)
     problems += _feedback_problems(flow)
     problems += _cycles(flow, wires)
@@ -220,6 +221,24 @@ def _group_size_problems(flow: FlowGraph, wire: Wire) -> list[Problem]:
         "groups would only be flushed when the step ends",
         expected=f"size={count} (or a divisor of it)", found=f"size={adapter.size}",
         fix=f"set group_by(..., size={count}), or {count_key}={adapter.size} on {node!r}")]
+
+
+def _group_take_problems(flow: FlowGraph, wire: Wire) -> list[Problem]:
+    """group_by(take=T) counts the groups its consumer yields items for: the consumer must be
+    called per group and yield a Stream of one output [Note: group quota in
+    flowkit/runner/quota.py]."""
+    adapter = wire.adapter
+    if not isinstance(adapter, GroupBy) or adapter.take is None:
+        return []
+    operator = flow.nodes[wire.dst].operator
+    if yields_many(operator) == (True,):
+        return []
+    return [Problem(
+        rule="group-take", op=wire.dst, port=wire.dst_port,
+        message=f"group_by(..., take={adapter.take}) takes the first {adapter.take} groups "
+        f"that op {wire.dst!r} yields items for, but it does not yield a Stream of one output",
+        fix="give the op one output, -> Stream[...], yielding a group's items (none to drop "
+        "it), or drop take")]
 
 
 def _fan_out_source(flow: FlowGraph, name: str, port: str, key: str, seen: set

@@ -51,9 +51,16 @@ def collect(ref: Ref) -> Ref:
     return _adapt(ref, Collect())
 
 
-def group_by(ref: Ref, *, key: str, size: int | None = None) -> Ref:
-    """Group a Stream's items by the record field `key`, `size` items per group."""
-    return _adapt(ref, GroupBy(key, size))
+def group_by(ref: Ref, *, key: str, size: int | None = None, take: int | None = None) -> Ref:
+    """Group a Stream's items by the record field `key`, `size` items per group. `take`: the
+    consuming op (called per group, yielding a Stream) runs on every group, and the first
+    `take` groups it yields items for are the step's; the items of later ones are dropped, as
+    are groups it yields nothing for. Over-provision the groups and filter them in the op:
+    DAPO's dynamic sampling."""
+    if take is not None and (isinstance(take, bool) or not isinstance(take, int) or take < 1):
+        raise ValueError(f"group_by(take={take!r}): the groups a step takes, a whole number "
+                         ">= 1 (None: every group)")
+    return _adapt(ref, GroupBy(key, size, take))
 
 
 def _adapt(ref: Ref, adapter: Collect | GroupBy) -> Ref:

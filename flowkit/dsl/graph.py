@@ -27,13 +27,18 @@ class Collect:
 
 @attrs.frozen
 class GroupBy:
-    """Form keyed groups of `size` items (None: as many as share the key by the end of the step)."""
+    """Form keyed groups of `size` items (None: as many as share the key by the end of the step);
+    with `take`, the consumer's first `take` calls that yield anything are the step's, the
+    later ones dropped (flowkit/runner/quota.py)."""
 
     key: str
     size: int | None = None
+    take: int | None = None
 
     def __str__(self) -> str:
-        return f"group_by({self.key}" + (f", size={self.size})" if self.size else ")")
+        extra = "".join(f", {name}={value}" for name, value in (("size", self.size),
+                                                                ("take", self.take)) if value)
+        return f"group_by({self.key}{extra})"
 
     def apply(self, ptype: PortType) -> PortType:
         return PortType(Granularity.GROUPED, ptype.item)

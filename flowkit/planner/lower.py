@@ -60,6 +60,7 @@ class InputRule:
     granularity: Granularity  # as the consumer sees it, after any collect or group_by
     group_key: str | None = None
     group_size: int | None = None
+    group_take: int | None = None  # the groups whose calls yield items that the step takes
     feedback: bool = False  # produced by the previous step
 
 
@@ -136,7 +137,8 @@ def _input_rule(flow: Flow, wire: Wire) -> InputRule:
     group = wire.adapter if isinstance(wire.adapter, GroupBy) else None
     return InputRule(port=wire.dst_port, src=wire.src, src_port=wire.src_port,
                      granularity=seen.granularity, group_key=group and group.key,
-                     group_size=group and group.size, feedback=wire.feedback)
+                     group_size=group and group.size, group_take=group and group.take,
+                     feedback=wire.feedback)
 
 
 def _call_of(inputs: tuple[InputRule, ...]) -> Call:

@@ -28,6 +28,7 @@ from flowkit.runner.balance import Balancer, LengthEstimates
 from flowkit.runner.calls import CallPolicy
 from flowkit.runner.flowtrain import ModelTraining
 from flowkit.runner.partial import Carried, CarryOver, PartialCalls, PartialRollouts
+from flowkit.runner.quota import GroupQuota, group_quotas
 from flowkit.runner.steprun import TRAINING_CALLS, StepReport, StepRun
 from flowkit.runner.stepstate import BalancedCalls, FlowRunError, RunnerState, Streams, Wiring
 from flowkit.runner.training import model_spec
@@ -72,6 +73,7 @@ class FlowRunner:
             check_async(plan, staleness)
             plan = _with_proximal(plan) if staleness >= 1 else plan
         self.partial = _partial_rollouts(plan, staleness)
+        self.quotas = group_quotas(plan)
         plan = [_without_take(node) if node.resumable is not None else node for node in plan]
         self.ctl, self.plan, self.sim_costs = ctl, plan, sim_costs
         self.staleness, self.steps = staleness, steps
@@ -331,6 +333,8 @@ class FlowRunner:
                 policies[name] = PartialCalls(name, step, setting, self.carry_over,
                                               f"{self.attempt}:{step}", floor,
                                               incoming=self.carry_over.take(name, step))
+        for name, take in self.quotas.items():  # [Note: group quota] in quota.py
+            policies.setdefault(name, GroupQuota(name, take))
         return policies
 
     @property

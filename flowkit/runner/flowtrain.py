@@ -200,7 +200,9 @@ class ModelTraining:
         def sample() -> Gather:  # the first microbatch: formed, for a barrier
             return streams.gathered(live[0], streams.complete(live)[:sizes[0]])
 
-        stage_costs, schedules = self._plan_replicas(plan, kind, count, sample)
+        # no items (every group filtered out): one empty microbatch, nothing to profile on
+        stage_costs, schedules = self._plan_replicas(plan, kind, count,
+                                                     sample if items else None)
         submitter = self._replicated(plan, schedules, stage_costs, sizes, watch,
                                      lineage=lambda mb: (mb,),
                                      meta={"node": plan.name, "step": self.step})
@@ -209,7 +211,7 @@ class ModelTraining:
         return Feeding(submitter=submitter, sizes=sizes, streamed=streamed)
 
     def _plan_replicas(self, plan: NodePlan, kind: str, count: int,
-                       sample: Callable[[], Any]) -> tuple[Costs, list[Schedule]]:
+                       sample: Callable[[], Any] | None) -> tuple[Costs, list[Schedule]]:
         """Each replica's schedule for its share of `count` microbatches (replica_counts)."""
         planned = [self._plan_schedule(plan, kind, share, sample)
                    for share in replica_counts(count, self.replicas)]
@@ -246,9 +248,10 @@ class ModelTraining:
         return replicated
 
     def _plan_schedule(self, plan: NodePlan, kind: str, count: int,
-                       sample: Callable[[], Any]) -> tuple[Costs, Any]:
+                       sample: Callable[[], Any] | None) -> tuple[Costs, Any]:
         """The schedule for this step, from the simulator's costs or, on executors that can
-        measure (torch), from F/B/W times profiled once per model and stage count."""
+        measure (torch), from F/B/W times profiled once per model and stage count (on no
+        `sample`, uniform costs until a step has items to profile on)."""
         limit = plan.config.get("memory_limit")
         devices = self.devices
         if self.sim_costs is not None or not all("profile_stage" in e.ops
@@ -258,6 +261,10 @@ class ModelTraining:
             return costs.for_placement(schedule.placement), schedule
         placement = self._schedule(kind, devices, count, Costs.uniform(devices), limit).placement
         key = (self.model.name, placement.num_stages)
+        if key not in self.profiles and sample is None:
+            stage_costs = Costs.uniform(placement.num_stages)  # this step's only
+            return stage_costs, self._schedule(kind, devices, count,
+                                               device_shares(stage_costs, placement), limit)
         if key not in self.profiles:
             try:
                 self.profiles[key] = profile_stages(

@@ -498,8 +498,8 @@ class StepRun:
             if rule.group_size is not None and state.groups:
                 self._warn_incomplete(state.plan.name, rule, state.groups)
             ready += [self._group_call(state, rule, key) for key in list(state.groups)]
-        if self._streams_parts(state.plan):
-            for lineage, refs in ready:
+        if self._streams_parts(state.plan) or state.plan.name in self.policies:
+            for lineage, refs in ready:  # a policy hears of each call [Note: group quota]
                 self._submit(state, lineage, refs)
         else:
             self._send_ready(state, ready, [rule.port])

@@ -65,6 +65,28 @@ def test_dr_grpo_advantages_are_verls_without_the_std(rewards):
     torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=0, atol=1e-9)
 
 
+def test_filter_groups_drops_a_group_whose_rewards_are_all_equal():
+    def advantages(rewards, **config):
+        group = [_scored(r, 2, sample=i) for i, r in enumerate(rewards)]
+        return list(grpo_advantages.fn(group, filter_groups=True, **config))
+
+    assert advantages([1.0, 1.0, 1.0]) == [] and advantages([0.0, 0.0]) == []
+    assert len(advantages([1.0, 0.0, 1.0])) == 3
+    assert len(advantages([0.5])) == 1  # a group of one has nothing to be equal to (verl)
+
+
+def test_dynamic_sampling_generates_more_prompts_and_takes_the_batch():
+    flow = dapo_flow(prompts=4, max_new_tokens=10).validate()
+    assert flow.nodes["arithmetic_prompts"].config["count"] == 8  # filter_oversample 2
+    (wire,) = [w for w in flow.wires if w.dst == "grpo_advantages"]
+    assert (wire.adapter.size, wire.adapter.take) == (8, 4)
+    assert flow.nodes["grpo_advantages"].config["filter_groups"] is True
+    with pytest.raises(ValueError, match="n=1"):
+        grpo_flow(filter_groups=True, n=1)
+    with pytest.raises(ValueError, match="use one of them"):
+        grpo_flow(filter_groups=True, oversample=1.5, max_staleness=1)
+
+
 # -- the recipes --------------------------------------------------------------------------------
 def _actor_config(flow: Flow) -> dict:
     return flow.validate().nodes["update_actor"].config

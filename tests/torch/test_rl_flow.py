@@ -77,3 +77,8 @@ def test_the_generator_holds_the_trained_weights_after_each_step(runs):
     for name, tensor in trained.items():
         torch.testing.assert_close(generator[name], tensor, rtol=0, atol=0)
     assert all("reward_mean" in r.metrics for r in reports)
+    for metrics in (r.metrics for r in reports):  # DAPO's dynamic sampling: 8 groups generate
+        if "grpo_advantages/groups_taken" in metrics:
+            taken, short, empty, surplus = (metrics[f"grpo_advantages/groups_{what}"]
+                                            for what in ("taken", "short", "empty", "surplus"))
+            assert taken + short == 4 and taken + empty + surplus == 8

@@ -495,3 +495,14 @@ def test_each_recipes_pipeline_gradients_equal_verls_loss_on_the_unsplit_model(r
     reported = sum(s.loss * s.normalizer for s in stats) / normalizer
     assert reported == pytest.approx(plain.item(), abs=TIGHT)
     assert mean_values(stats)["entropy"] == pytest.approx(entropy, abs=TIGHT)
+
+
+def test_a_step_with_nothing_to_train_on_leaves_the_weights_as_they_were():
+    """Every group filtered out: one empty microbatch, and no AdamW step (its weight decay
+    and momentum would move the weights all the same)."""
+    params, metrics = _one_step(POLICY, [([],)], stages=2, loss="grpo")
+    model = _whole(POLICY)
+    for (stage, name), p in params.items():
+        want = dict(model.split(2)[stage].named_parameters())[name]
+        assert torch.equal(p, want.detach()), f"stage {stage} {name} moved"
+    assert (metrics.tokens, metrics.grad_norm) == (0, 0.0)
