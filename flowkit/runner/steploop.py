@@ -100,6 +100,8 @@ class StepLoop:
             self.stopped, self.completed = True, self.runner.step
 
     def _checkpoint(self, done: int, board: Dashboard) -> None:
+        if self.evaluation is not None:  # no evaluation's calls on the engines it snapshots
+            self.evaluation.join()
         path = self.checkpoints.write(self.runner, self.executors, self.records, done)
         board.set_status(f"step {done}/{self.steps}: wrote {path}")
 
@@ -134,7 +136,6 @@ class StepLoop:
         board.show_step(record, self.records)
         self.loggers.log(step, record)
         return report
-
 
     def _evaluate(self, runner: FlowRunner, step: int, board: Dashboard) -> dict:
         """The evaluation metrics for step `step`'s line [Note: evaluation during training
