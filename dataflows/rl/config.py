@@ -72,11 +72,11 @@ class RLConfig:
     held-out prompts (`eval_prompts` of them, `eval_source_config` its settings, e.g. another
     seed) that `flowkit run --eval-every K` samples `eval_n` times each at `eval_temperature`
     (0: greedy) with the newest weights, a sample right when its reward is at least
-    `eval_pass_reward` (dataflows/rl/evaluation.py). `policy`: how
-    the actor's loss is taken (clip-higher, aggregation, GSPO, rollout correction, ...; each a
-    shortcut by its own name). `overlong_buffer` > 0: DAPO's soft overlong penalty, a
-    response longer than max_new_tokens - overlong_buffer loses up to
-    `overlong_penalty_factor` of its reward, linearly over the buffer (overlong_penalty)."""
+    `eval_pass_reward` (dataflows/rl/evaluation.py). `policy`: how the actor's loss is taken
+    (clip-higher, aggregation, GSPO, rollout correction, ...; each a shortcut by its own name).
+    `overlong_buffer` > 0: DAPO's soft overlong penalty, a response longer than
+    max_new_tokens - overlong_buffer loses up to `overlong_penalty_factor` of its reward,
+    linearly over the buffer (overlong_penalty)."""
 
     prompts: int = 16
     stages: int | None = None
