@@ -205,9 +205,11 @@ def _optimizer_step(ctx: OpContext, *inputs: Any, stage: int, stages: int, step:
         for name, grad in tied.items():
             params[name].grad = grad.to(params[name].device, params[name].dtype).clone()
     grads = [p.grad for p in params.values() if p.grad is not None]
-    if not any(s.tokens for s in microbatch_stats(inputs)):
+    trained = microbatch_stats(inputs)
+    if trained and not any(s.tokens for s in trained):
         # nothing was trained on (every group filtered out, every response masked): AdamW's
-        # momentum and weight decay would still move the weights
+        # momentum and weight decay would still move the weights. The runtime gives every
+        # stage the stats, so every stage decides alike
         held.module.zero_grad(set_to_none=True)
         return step_report(inputs, model=model, step=step, grad_norm=0.0) if report else None
     normalizer = sum(s.normalizer for s in microbatch_stats(inputs))
