@@ -60,8 +60,12 @@ def _recipe(recipe: GroupRLConfig, name: str,
 
     @functools.wraps(grpo_flow)
     def flow(config: GroupRLConfig | None = None, **keywords: Any) -> Flow:
+        if config is not None:  # it would replace the recipe's settings, not add to them
+            raise TypeError(f"{name} takes the recipe's settings and keyword shortcuts over "
+                            f"them, not a config record: give grpo_flow(config) instead, or "
+                            f"{name}(prompts=..., ...)")
         given = {k: keywords.pop(k) for k in list(keywords) if k in shortcuts}
-        return grpo_flow(finish(with_shortcuts(config or recipe, **given)), **keywords)
+        return grpo_flow(finish(with_shortcuts(recipe, **given)), **keywords)
 
     flow.__name__ = flow.__qualname__ = name
     flow.__doc__ = f"grpo_flow with the {name.removesuffix('_flow')} recipe's settings " \

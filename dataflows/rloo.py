@@ -26,6 +26,11 @@ def rloo_flow(config: RLConfig, *, model: Model | None = None, gpt: dict | None 
     if n < 2:
         raise ValueError(f"rloo_flow needs n >= 2 samples per prompt (got n={n}): a sample's "
                          "baseline is the mean reward of the others to its prompt")
+    grpo_only = [name for name, on in (("filter_groups", config.filter_groups),
+                                       ("scale_rewards=False", not config.scale_rewards)) if on]
+    if grpo_only:
+        raise ValueError(f"{', '.join(grpo_only)}: GRPO's settings (its advantages), which "
+                         "rloo_flow's leave-one-out advantages do not take; use grpo_flow")
     actor = rl_actor(model, gpt=gpt, stages=config.stages)
     reference = reference_of(actor)
     with Flow("rloo", description=__doc__, max_staleness=config.max_staleness) as flow:

@@ -95,10 +95,12 @@ def grpo_advantages(group: Grouped[Scored], *, eps: float = 1e-6, scale_rewards:
     token; a group of one has mean 0 and std 1, as in established GRPO implementations.
     `scale_rewards=False` leaves out the std (Dr. GRPO, Liu et al. 2025: the division favours
     prompts whose rewards barely differ; verl's norm_adv_by_std_in_grpo=False).
-    `filter_groups`: a group of two or more whose rewards are all equal yields nothing (DAPO's
-    dynamic sampling: its advantages are all 0, and it would only dilute the batch)."""
+    `filter_groups`: a group of two or more whose task rewards (before any shaping, such as
+    the overlong penalty: DAPO filters on accuracy) are all equal yields nothing (DAPO's
+    dynamic sampling: it teaches nothing about the task, and would only dilute the batch)."""
     rewards = [s.reward for s in group]
-    if filter_groups and len(rewards) > 1 and min(rewards) == max(rewards):
+    tasks = [s.reward if s.task_reward is None else s.task_reward for s in group]
+    if filter_groups and len(tasks) > 1 and min(tasks) == max(tasks):
         return
     single = len(rewards) == 1
     mean = 0.0 if single else statistics.fmean(rewards)
@@ -123,7 +125,8 @@ def overlong_penalty(scored: Scored, *, max_new_tokens: int = 256, buffer: int =
     check_overlong(max_new_tokens, buffer)
     exceed = len(scored.response_tokens) - (max_new_tokens - buffer)
     penalty = min(-exceed / buffer * penalty_factor, 0.0)
-    return attrs.evolve(scored, reward=scored.reward + penalty)
+    task = scored.reward if scored.task_reward is None else scored.task_reward
+    return attrs.evolve(scored, reward=scored.reward + penalty, task_reward=task)
 
 
 def check_overlong(max_new_tokens: int, buffer: int) -> None:

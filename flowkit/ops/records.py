@@ -117,9 +117,11 @@ def resumable(items: list, min_version: int | None, stale_segments: str = "recom
 
 @attrs.frozen(kw_only=True)
 class Scored(Rollout):
-    """A rollout with its sequence-level reward."""
+    """A rollout with its sequence-level reward; `task_reward` is the reward before any shaping
+    changed it (DAPO's overlong penalty), None when nothing did."""
 
     reward: float
+    task_reward: float | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -89,6 +89,13 @@ class Evaluation:
         if self._pending is not None:
             self._pending.thread.join()
 
+    def discard(self) -> None:
+        """Wait for a background evaluation to end and drop it, its error too: the run lost
+        an executor and goes back to a checkpoint, whose next steps evaluate again."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.thread.join()
+
     def finished(self) -> dict[str, Any]:
         """The metrics of a background evaluation that has ended ({} if none has)."""
         pending = self._pending

@@ -182,7 +182,8 @@ class ModelTraining:
         feeding.submitter.advance()
         if feeding.submitter.done and not state.started:
             state.started = True
-            self.item_counts[plan.name] = len(feeding.taken)
+            if feeding.taken:  # a step with no items (every group filtered out) teaches none:
+                self.item_counts[plan.name] = len(feeding.taken)  # the next step is a barrier
 
     def _streams(self, plan: NodePlan) -> bool:
         """Whether a backprop may start before its inputs close: when fusing, and when its loss

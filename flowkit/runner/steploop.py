@@ -108,6 +108,8 @@ class StepLoop:
     def _recover(self, error: BaseException, board: Dashboard) -> int:
         """The step to go on with after `error`, once lost executors are replaced and the
         newest checkpoint restored; `error` again when restarts cannot help."""
+        if self.evaluation is not None:  # it ran on the executors the restart replaces
+            self.evaluation.discard()
         while True:  # an executor may be lost again while the run recovers
             recovered = None if self.restarts is None else self.restarts.recover(
                 error, self.checkpoints.root, board.warn, origin=self.origin)

@@ -99,3 +99,18 @@ def test_an_asynchronous_run_evaluates_alongside_the_next_step():
                                             eval_every=2, asynchronous=True, max_staleness=1))
     evaluated = {r["step"]: r["eval/step"] for r in result.records if "eval/pass@1" in r}
     assert evaluated == {2: 1, 4: 3, 5: 5}
+
+
+def test_a_restart_drops_the_evaluation_that_ran_on_the_lost_executors():
+    from flowkit.runner.evaluation import Evaluation, _Background
+
+    def lost() -> dict:
+        raise RuntimeError("executor rollout-0 lost")
+
+    evaluation = Evaluation(_flow(), 2)
+    evaluation._pending = _Background(3, lost)
+    evaluation.discard()  # what StepLoop._recover does: its error is not the new run's
+    assert evaluation.wait() == {} and evaluation.finished() == {}
+    evaluation._pending = _Background(5, lost)
+    with pytest.raises(RuntimeError, match="rollout-0 lost"):  # otherwise the step's error
+        evaluation.wait()

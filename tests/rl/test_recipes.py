@@ -162,6 +162,28 @@ def test_a_typo_in_a_choice_gets_a_suggestion():
     assert "token-mean" in problem.fix
 
 
+def test_grpos_own_settings_and_a_recipes_config_record_are_refused():
+    from dataflows.rl.config import GroupRLConfig
+    from dataflows.rloo import rloo_flow
+
+    with pytest.raises(ValueError, match="filter_groups: GRPO's settings"):
+        rloo_flow(filter_groups=True)
+    with pytest.raises(ValueError, match="scale_rewards=False"):
+        rloo_flow(scale_rewards=False)
+    with pytest.raises(TypeError, match="dapo_flow takes the recipe's settings"):
+        dapo_flow(GroupRLConfig(prompts=4))
+
+
+def test_dynamic_sampling_filters_on_the_task_reward_not_the_shaped_one():
+    # all right, one response in the overlong buffer: shaped rewards differ, accuracy does not
+    shaped = [overlong_penalty.fn(_scored(1.0, length, sample=i), max_new_tokens=10, buffer=2)
+              for i, length in enumerate((4, 4, 10))]
+    assert [s.reward for s in shaped] == [1.0, 1.0, 0.0]
+    assert [s.task_reward for s in shaped] == [1.0, 1.0, 1.0]
+    assert list(grpo_advantages.fn(shaped, filter_groups=True)) == []
+    assert len(list(grpo_advantages.fn(shaped))) == 3  # unfiltered, it trains on the lengths
+
+
 def test_an_overlong_buffer_beyond_the_budget_is_refused_when_the_flow_is_built():
     with pytest.raises(ValueError, match="overlong_buffer=40 with max_new_tokens=8"):
         grpo_flow(max_new_tokens=8, overlong_buffer=40)

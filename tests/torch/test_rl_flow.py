@@ -12,20 +12,22 @@ from flowkit.planner.lower import lower_flow
 from flowkit.runner.flowrun import FlowRunner
 from flowkit.runner.training import model_spec
 from tests.harness import executor_cluster, seeded_gpt, tiny_gpt
+from tests.torch.rl_ops import staged_reward
 
 GPT_CONFIG = tiny_gpt()
 TINY = {**GPT_CONFIG, "dtype": "float64", "seed": 3}
-STEPS = 2
+STEPS = {"grpo": 2, "dapo": 3, "dr_grpo": 2}
 
 
 SETTINGS = dict(prompts=4, n=3, stages=2, microbatches=2, max_new_tokens=5, lr=1e-2, gpt=TINY)
 # GRPO, and two recipes whose losses normalize otherwise: DAPO's token-level loss with the
-# entropy bonus, a geometric-mean rollout correction and cut responses masked, under ZB-H1;
-# Dr. GRPO's per-response sums over the budget (a normalizer of responses, not tokens)
+# entropy bonus, a geometric-mean rollout correction and cut responses masked, under ZB-H1,
+# its dynamic sampling dropping every group in step 0 (nothing trains) and half of them after
+# (staged_reward); Dr. GRPO's per-response sums over the budget (a normalizer of responses)
 FLOWS = {
     "grpo": lambda: grpo_flow(schedule="1f1b", kl_coef=0.01, **SETTINGS),
     "dapo": lambda: dapo_flow(schedule="zb-h1", entropy_coeff=0.01, rollout_is="geometric",
-                              mask_truncated=True, **SETTINGS),
+                              reward=staged_reward, **SETTINGS),
     "dr_grpo": lambda: dr_grpo_flow(schedule="zb-h1", **SETTINGS),
 }
 
@@ -42,7 +44,7 @@ def _train(tmp_path, name: str, *, fuse: bool):
     with executor_cluster(3, kind="torch", tags=tags) as (ctl, infos):
         flow = _flow(name)
         runner = FlowRunner(ctl, lower_flow(flow), fuse=fuse)
-        reports = [runner.run_step(step) for step in range(STEPS)]
+        reports = [runner.run_step(step) for step in range(STEPS[name])]
         (path,) = runner.save_weights(tmp_path / ("fused" if fuse else "barrier"))
         rollout = next(e for e in infos if "rollout" in e.tags)
         whole = ctl.submit("export_weights", config={**model_spec(flow.models["actor"], 1),
@@ -77,8 +79,8 @@ def test_the_generator_holds_the_trained_weights_after_each_step(runs):
     for name, tensor in trained.items():
         torch.testing.assert_close(generator[name], tensor, rtol=0, atol=0)
     assert all("reward_mean" in r.metrics for r in reports)
-    for metrics in (r.metrics for r in reports):  # DAPO's dynamic sampling: 8 groups generate
-        if "grpo_advantages/groups_taken" in metrics:
-            taken, short, empty, surplus = (metrics[f"grpo_advantages/groups_{what}"]
-                                            for what in ("taken", "short", "empty", "surplus"))
-            assert taken + short == 4 and taken + empty + surplus == 8
+    taken = [r.metrics.get("grpo_advantages/groups_taken") for r in reports]
+    if taken[0] is not None:  # DAPO: 8 groups generate, none differs in step 0, 4 after
+        assert taken == [0, 4, 4]
+        assert [r.metrics["grpo_advantages/groups_empty"] for r in reports] == [8, 4, 4]
+        assert [r.metrics["update_actor/tokens"] > 0 for r in reports] == [False, True, True]

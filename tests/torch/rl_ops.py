@@ -1,0 +1,15 @@
+"""@op functions the RL flow tests run on executors by import path, as flows' are."""
+
+import attrs
+
+from flowkit.dsl import op
+from flowkit.ops.records import Rollout, Scored
+
+
+@op
+def staged_reward(rollout: Rollout, *, step: int = 0) -> Scored:
+    """Step 0: 0 for every sample, so dynamic sampling drops every group. Later steps: 1 for
+    the even samples of an even prompt, else 0, so the even prompts' groups differ and the
+    odd prompts' do not."""
+    hit = step > 0 and rollout.prompt_id % 2 == 0 and rollout.sample % 2 == 0
+    return Scored(**attrs.asdict(rollout, recurse=False), reward=float(hit))
