@@ -41,6 +41,7 @@ __all__ = [
     "ppo_policy_loss",
     "ppo_policy_loss_stats",
     "ppo_token_losses",
+    "ppo_token_losses_and_stats",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
@@ -421,6 +422,26 @@ def ppo_policy_loss_stats(old_logprob: torch.Tensor, logprob: torch.Tensor,
     """
     terms = _ppo_token_terms(old_logprob, logprob, advantages, mask, clip_ratio, clip_ratio_c,
                              clip_ratio_low, clip_ratio_high)
+    return _ppo_stats(terms, advantages, mask)
+
+
+def ppo_token_losses_and_stats(old_logprob: torch.Tensor, logprob: torch.Tensor,
+                               advantages: torch.Tensor, mask: torch.Tensor,
+                               clip_ratio: float = 0.2, clip_ratio_c: float = 3.0, *,
+                               clip_ratio_low: float | None = None,
+                               clip_ratio_high: float | None = None
+                               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """ppo_token_losses and ppo_policy_loss_stats from one computation of the terms (a loss
+    that reports its statistics every microbatch)."""
+    terms = _ppo_token_terms(old_logprob, logprob, advantages, mask, clip_ratio, clip_ratio_c,
+                             clip_ratio_low, clip_ratio_high)
+    with torch.no_grad():
+        stats = _ppo_stats(terms, advantages, mask)
+    return terms["losses"], stats
+
+
+def _ppo_stats(terms: dict[str, torch.Tensor], advantages: torch.Tensor,
+               mask: torch.Tensor) -> dict[str, torch.Tensor]:
     _require_tokens(mask, "PPO statistics")
     dual_bound = (terms["pessimistic"] > terms["dual_cap"]) & (advantages < 0)
     return {

@@ -34,8 +34,7 @@ from executors.torch.algos import (
     entropy_from_logprobs,
     gspo_token_losses,
     kl_penalty,
-    ppo_policy_loss_stats,
-    ppo_token_losses,
+    ppo_token_losses_and_stats,
     rollout_is_weights,
     value_token_losses,
 )
@@ -227,13 +226,9 @@ class RLLoss:
                                        _side(s.clip_ratio_low, s.clip_ratio),
                                        _side(s.clip_ratio_high, s.clip_ratio))
         else:
-            losses = ppo_token_losses(old, logp, col["advantages"], mask, s.clip_ratio,
-                                      s.clip_ratio_c, clip_ratio_low=s.clip_ratio_low,
-                                      clip_ratio_high=s.clip_ratio_high)
-            stats = ppo_policy_loss_stats(old, logp.detach(), col["advantages"], mask,
-                                          s.clip_ratio, s.clip_ratio_c,
-                                          clip_ratio_low=s.clip_ratio_low,
-                                          clip_ratio_high=s.clip_ratio_high)
+            losses, stats = ppo_token_losses_and_stats(
+                old, logp, col["advantages"], mask, s.clip_ratio, s.clip_ratio_c,
+                clip_ratio_low=s.clip_ratio_low, clip_ratio_high=s.clip_ratio_high)
             self.values.update({"pg_clipfrac": float(stats["clipfrac"]),
                                 "ppo_kl": float(stats["approx_kl"])})
         if not s.proximal:

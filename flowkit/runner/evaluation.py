@@ -78,14 +78,14 @@ class Evaluation:
 
     # -- alongside an asynchronous run ---------------------------------------------------------
     def start(self, ctl: Any, step: int) -> None:
-        """Evaluate the weights after `step` in a thread; `finished` or `wait` collects it.
+        """Evaluate the weights after `step` in a thread; `wait` collects it.
         One at a time: collect the one before first."""
         if self._pending is not None:
             raise RuntimeError("an evaluation still runs: wait() for it before starting one")
         self._pending = _Background(step, lambda: self.run(ctl))
 
     def join(self) -> None:
-        """Wait for a background evaluation to end, keeping its metrics for `finished`."""
+        """Wait for a background evaluation to end, keeping its metrics for `wait`."""
         if self._pending is not None:
             self._pending.thread.join()
 
@@ -95,13 +95,6 @@ class Evaluation:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.thread.join()
-
-    def finished(self) -> dict[str, Any]:
-        """The metrics of a background evaluation that has ended ({} if none has)."""
-        pending = self._pending
-        if pending is None or pending.thread.is_alive():
-            return {}
-        return self.wait()
 
     def wait(self) -> dict[str, Any]:
         """Wait for a background evaluation to end; its metrics, with the step it evaluated

@@ -139,12 +139,17 @@ def _as_ours(verl_loss, loss_mask, mode):
 
 
 def _verl_policy_loss(old_log_prob, log_prob, advantages, response_mask, cliprange,
-                      clip_ratio_c, mode):
+                      clip_ratio_c, mode, cliprange_low=None, cliprange_high=None,
+                      rollout_is_weights=None):
+    """verl's compute_policy_loss_vanilla (clip-higher and the rollout correction's weights
+    too): (loss, clipfrac, ppo_kl, clipfrac_lower)."""
+    cliprange_low = cliprange if cliprange_low is None else cliprange_low
+    cliprange_high = cliprange if cliprange_high is None else cliprange_high
     negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
     ratio = torch.exp(negative_approx_kl)
     ppo_kl = _verl_masked_mean(-negative_approx_kl, response_mask)
     pg_losses1 = -advantages * ratio
-    pg_losses2 = -advantages * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - cliprange_low, 1 + cliprange_high)
     clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
     pg_clipfrac = _verl_masked_mean(torch.gt(pg_losses2, pg_losses1).double(), response_mask)
     pg_losses3 = -advantages * clip_ratio_c
@@ -152,6 +157,8 @@ def _verl_policy_loss(old_log_prob, log_prob, advantages, response_mask, clipran
     pg_clipfrac_lower = _verl_masked_mean(
         torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0).double(), response_mask)
     pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
     loss = _as_ours(_verl_agg_loss(pg_losses, response_mask, mode), response_mask, mode)
     return loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 

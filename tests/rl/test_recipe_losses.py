@@ -13,7 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from executors.torch import algos
-from tests.rl.test_algos import _as_ours, _randn, _verl_agg_loss, _verl_masked_mean, batches
+from tests.rl.test_algos import (
+    _as_ours,
+    _randn,
+    _verl_agg_loss,
+    _verl_masked_mean,
+    _verl_policy_loss,
+    batches,
+)
 
 F64 = torch.float64
 EXACT = dict(rtol=0.0, atol=1e-9)
@@ -21,26 +28,6 @@ FAST = settings(max_examples=40, deadline=None)
 
 
 # ----------------------------------------------------------------------------- transcriptions
-def _verl_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
-                  clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c,
-                  rollout_is_weights=None):
-    """verl's compute_policy_loss_vanilla (its config read into arguments)."""
-    clip_ratio_low = clip_ratio_low if clip_ratio_low is not None else clip_ratio
-    clip_ratio_high = clip_ratio_high if clip_ratio_high is not None else clip_ratio
-    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
-    ratio = torch.exp(negative_approx_kl)
-    pg_losses1 = -advantages * ratio
-    pg_losses2 = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
-    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
-    pg_clipfrac = _verl_masked_mean(torch.gt(pg_losses2, pg_losses1).double(), response_mask)
-    pg_losses3 = -advantages * clip_ratio_c
-    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
-    pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
-    if rollout_is_weights is not None:
-        pg_losses = pg_losses * rollout_is_weights
-    return _verl_agg_loss(pg_losses, response_mask, loss_agg_mode), pg_clipfrac
-
-
 def _verl_gspo(old_log_prob, log_prob, advantages, response_mask, clip_ratio_low,
                clip_ratio_high):
     """verl's compute_policy_loss_gspo."""
@@ -128,11 +115,11 @@ def test_clip_higher_matches_verls_vanilla_policy_loss(batch, agg, low, high, cl
     new = old + _randn(generator, mask, scale=0.5)
     advantages = _randn(generator, mask)
     weights = _randn(generator, mask).abs() if weighted else None
-    want, clipfrac = _verl_vanilla(old, new, advantages, mask, agg, 0.2, low, high, clip_c,
-                                   weights)
+    want, clipfrac, _, _ = _verl_policy_loss(old, new, advantages, mask, 0.2, clip_c, agg,
+                                             low, high, weights)
     got = algos.ppo_policy_loss(old, new, advantages, mask, 0.2, clip_c, agg=agg,
                                 clip_ratio_low=low, clip_ratio_high=high, weights=weights)
-    torch.testing.assert_close(got, _as_ours(want, mask, agg), **EXACT)
+    torch.testing.assert_close(got, want, **EXACT)
     stats = algos.ppo_policy_loss_stats(old, new, advantages, mask, 0.2, clip_c,
                                         clip_ratio_low=low, clip_ratio_high=high)
     torch.testing.assert_close(stats["clipfrac"], clipfrac, **EXACT)

@@ -427,12 +427,11 @@ def _plain_recipe_loss(model: GPT, exps: list[Experience], knobs: dict) -> torch
     """verl's actor loss on the unsplit model over the whole padded batch, from the
     transcriptions of tests/rl/test_recipe_losses.py: pg_loss - entropy_coeff x entropy +
     kl_coef x KL, each aggregated by the mode (Dr. GRPO's as the paper averages it)."""
-    from tests.rl.test_algos import _as_ours, _verl_agg_loss
+    from tests.rl.test_algos import _as_ours, _verl_agg_loss, _verl_policy_loss
     from tests.rl.test_recipe_losses import (
         _verl_entropy_from_logits,
         _verl_gspo,
         _verl_rollout_is,
-        _verl_vanilla,
     )
 
     kl_coef = knobs.get("kl_coef", 0.0)
@@ -459,12 +458,12 @@ def _plain_recipe_loss(model: GPT, exps: list[Experience], knobs: dict) -> torch
         pg = _verl_gspo(old, logp, f["advantages"], mask, knobs["clip_ratio_low"],
                         knobs["clip_ratio_high"])
     elif scale is None:
-        pg = _as_ours(_verl_vanilla(old, logp, f["advantages"], mask, agg, 0.2,
-                                    knobs.get("clip_ratio_low"), knobs.get("clip_ratio_high"),
-                                    3.0, weights)[0], mask, agg)
+        pg = _verl_policy_loss(old, logp, f["advantages"], mask, 0.2, 3.0, agg,
+                               knobs.get("clip_ratio_low"), knobs.get("clip_ratio_high"),
+                               weights)[0]
     else:  # Dr. GRPO's as the paper averages it: each response's sum over the constant
-        pg = _verl_vanilla(old, logp, f["advantages"], mask, "seq-mean-token-sum", 0.2,
-                           None, None, 3.0, weights)[0] / scale
+        pg = _verl_policy_loss(old, logp, f["advantages"], mask, 0.2, 3.0,
+                               "seq-mean-token-sum", rollout_is_weights=weights)[0] / scale
     loss = pg
     entropy = _verl_entropy_from_logits(picked)
     if knobs.get("entropy_coeff"):
