@@ -37,3 +37,9 @@ partial = grpo_flow(kl_coef=0.001, max_staleness=1, oversample=1.5, **TASK)
 dapo = dapo_flow(**TASK)
 dr_grpo = dr_grpo_flow(**TASK)
 gspo = gspo_flow(**TASK)
+
+# The rollout correction (TIS) on, to read the sampler-vs-trainer mismatch it reports
+# (update_actor/mismatch/kl): `:tis`, and `:tis_bf16` with bfloat16 weights (on a GPU)
+tis = grpo_flow(kl_coef=0.001, rollout_is="token", **TASK)
+tis_bf16 = grpo_flow(kl_coef=0.001, rollout_is="token",
+                     **{**TASK, "gpt": {**TASK["gpt"], "dtype": "bfloat16"}})
