@@ -37,15 +37,17 @@ def flow_model(model: Model | None, *, gpt: dict[str, Any] | None, default_gpt: 
 
 
 def reference_of(actor: Model) -> Model:
-    """A frozen copy of the actor (same build, config and starting weights), held whole."""
+    """A frozen copy of the actor (same build, config and starting weights), held whole. A
+    LoRA actor's reference is its base model: the adapters start as zero updates."""
     name = "reference" if actor.name != "reference" else "frozen_reference"
-    return attrs.evolve(actor, name=name, stages=1, replicas=1)
+    return attrs.evolve(actor, name=name, stages=1, replicas=1, lora=None)
 
 
 def critic_of(actor: Model, critic: Model | None) -> Model:
     """`critic`, or the actor's build with a value head (`value_head=True` in its config, which
-    the built-in GPT takes) starting from fresh weights, in as many stages as the actor."""
+    the built-in GPT takes) starting from fresh weights, in as many stages as the actor. It
+    trains every weight, also for a LoRA actor: its fresh value head must learn."""
     if critic is not None:
         return critic
     config = {k: v for k, v in actor.config.items() if k != "checkpoint"}
-    return attrs.evolve(actor, name="critic", config={**config, "value_head": True})
+    return attrs.evolve(actor, name="critic", config={**config, "value_head": True}, lora=None)

@@ -23,6 +23,7 @@ import torch
 
 from executors.optable import OpContext
 from executors.torch import weights
+from executors.torch.lora import add_adapters, merge_adapters
 from executors.torch.rl_loss import RLLoss
 from executors.torch.stage import StageError, StageRunner
 from flowkit.ops.records import WeightsVersion
@@ -55,14 +56,17 @@ class HeldModel:
     layout: Any = None  # its names by the unsplit model's (executors/torch/weights.py)
     version: int | None = None  # of the weights load_weights last set
     config: dict = attrs.field(factory=dict)  # what built it, to build it again (state.py)
+    lora: dict | None = None  # its adapters' settings: only they train, export and save
 
 
 def held_model(ctx: OpContext, config: dict) -> HeldModel:
     """The model named in `config` split in `stages`, built on first use [Note: one model, many
     holders]; a model config's `checkpoint` file is loaded as executors/torch/weights.py says."""
     name, num_stages = config["model"], int(config["stages"])
+    lora_settings = config.get("lora")
     spec = (config["build"], repr(sorted(config.get("model_config", {}).items())),
-            int(config.get("seed", 0)), config.get("dtype", "float32"))
+            int(config.get("seed", 0)), config.get("dtype", "float32"),
+            repr(sorted((lora_settings or {}).items())))
     models = ctx.state.setdefault("torch_models", {})
     for (other, stages), held in models.items():
         if other == name and held.spec != spec:
@@ -79,11 +83,15 @@ def held_model(ctx: OpContext, config: dict) -> HeldModel:
     if checkpoint:
         weights.load_checkpoint(whole, checkpoint)
     parts = _split(whole, num_stages, config.get("seq_len"))
+    layout = weights.layout(whole, parts, seq_len=config.get("seq_len"))
+    if lora_settings:  # [Note: LoRA in flowkit/dsl/lora.py]
+        torch.manual_seed(int(config.get("seed", 0)))  # adapters drawn alike in every split
+        layout = add_adapters(whole, parts, layout, lora_settings)
     built_from = {key: config[key] for key in ("model", "build", "stages", "seed", "dtype",
-                                               "model_config", "seq_len") if key in config}
+                                               "model_config", "seq_len", "lora") if key in config}
     held = models[(name, num_stages)] = HeldModel(
-        spec=spec, parts=parts, device=device, config=built_from,
-        layout=weights.layout(whole, parts, seq_len=config.get("seq_len")))
+        spec=spec, parts=parts, device=device, config=built_from, layout=layout,
+        lora=lora_settings)
     return held
 
 
@@ -186,11 +194,13 @@ def right_padded(seqs: list[list[int]], device: torch.device,
 def export_weights(ctx: OpContext, *_: Any, stage: int, stages: int, model: str, build: str,
                    **config: Any) -> dict[str, torch.Tensor]:
     """Stage `stage` of the model held here in `stages` stages: its parameters by unsplit name,
-    detached CPU copies. Inputs only order it (after a step)."""
+    detached CPU copies (of a LoRA model, its adapters only: the rest never changes). Inputs
+    only order it (after a step)."""
     held = held_model(ctx, {**config, "model": model, "build": build, "stages": stages})
     if not 0 <= int(stage) < len(held.parts):
         raise StageError(f"model {model!r} has stages 0..{len(held.parts) - 1}, not {stage}")
-    return weights.export(held.parts[int(stage)], held.layout.check().names[int(stage)])
+    return weights.export(held.parts[int(stage)], held.layout.check().names[int(stage)],
+                          trained_only=held.lora is not None)
 
 
 def save_weights(ctx: OpContext, *exports: Any, path: str, spec: dict | None = None) -> str:
@@ -198,7 +208,10 @@ def save_weights(ctx: OpContext, *exports: Any, path: str, spec: dict | None = N
     moved here over the data plane) merged and saved to `path`. A model whose build has a format
     of its own (`pretrained_format`: a Hugging Face causal LM) is built from `spec` (its
     model_spec), given the weights and saved in that format, to `path` without its suffix (a
-    folder `from_pretrained` loads); the path written is returned."""
+    folder `from_pretrained` loads); a LoRA model's adapters as its settings say (`_save_lora`).
+    The path written is returned."""
+    if spec is not None and spec.get("lora"):
+        return str(_save_lora(weights.merge(exports), Path(path), spec))
     if spec is not None and hasattr(_factory(spec["build"]), "save_pretrained"):
         config = {k: v for k, v in spec.get("model_config", {}).items() if k != "checkpoint"}
         whole = _build(spec["build"], config)
@@ -208,6 +221,38 @@ def save_weights(ctx: OpContext, *exports: Any, path: str, spec: dict | None = N
                          what=f"model {spec.get('model')!r}")
             return str(whole.save_pretrained(Path(path).with_suffix("")))
     return str(weights.save_checkpoint(path, exports))
+
+
+def _save_lora(adapters: dict[str, torch.Tensor], path: Path, spec: dict) -> Path:
+    """A LoRA model's `adapters` [Note: LoRA in flowkit/dsl/lora.py], as lora's `save` says:
+    an adapter folder peft loads (a Hugging Face model: `path` without its suffix) or the
+    adapter tensors by name (others: `path` as NAME.lora.pt); or merged into the base weights,
+    saved as a model without adapters would be."""
+    settings = spec["lora"]
+    whole = _base_for_save(spec)
+    pretrained = getattr(whole, "pretrained_format", False)
+    if settings["save"] == "adapter":
+        if pretrained:
+            return whole.save_lora(path.with_suffix(""), settings, adapters)
+        return weights.save_checkpoint(path.with_suffix(".lora.pt"), adapters)
+    torch.manual_seed(int(spec.get("seed", 0)))
+    layout = add_adapters(whole, [whole], weights.layout(whole), settings)
+    weights.load([whole], layout, adapters, what=f"the adapters of model {spec.get('model')!r}")
+    merge_adapters(whole)
+    if pretrained:
+        return whole.save_pretrained(path.with_suffix(""))
+    return weights.save_checkpoint(path, weights.export(whole, weights.layout(whole).names[0]))
+
+
+def _base_for_save(spec: dict) -> torch.nn.Module:
+    """The model `spec` names, built as its holders built it, before any adapter."""
+    config = dict(spec.get("model_config", {}))
+    checkpoint = config.pop("checkpoint", None)
+    torch.manual_seed(int(spec.get("seed", 0)))
+    whole = _build(spec["build"], config).to(dtype=_DTYPES[spec.get("dtype", "float32")])
+    if checkpoint:
+        weights.load_checkpoint(whole, checkpoint)
+    return whole
 
 
 def load_weights(ctx: OpContext, *dicts: Any, model: str, build: str, stages: int,

@@ -17,8 +17,8 @@ import torch
 
 from executors.torch.stage import StageError
 
-__all__ = ["Layout", "export", "layout", "load", "load_checkpoint", "merge", "save_checkpoint",
-           "to_local", "to_unsplit"]
+__all__ = ["Layout", "aliases_of", "checked_layout", "export", "layout", "load", "load_checkpoint",
+           "merge", "save_checkpoint", "to_local", "to_unsplit"]
 
 
 # [Note: unsplit names] An executor may hold one model in several splits at once [Note: one model,
@@ -67,16 +67,29 @@ def layout(whole: torch.nn.Module, parts: Sequence[torch.nn.Module] | None = Non
     """The names of `parts`, the split of `whole` made with `seq_len` (None: `whole` itself,
     named as it names its parameters). Never raises: a model whose stages cannot be named gets
     a Layout whose `check` says why."""
-    groups: dict[int, list[str]] = {}
-    for name, p in whole.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
-    aliases = {name: tuple(group) for group in groups.values() for name in group}
+    aliases = aliases_of(whole)
     if parts is None:
         return Layout(names=({name: name for name in aliases},), aliases=aliases)
     try:
         names = _stage_names(whole, parts, seq_len)
     except (StageError, ValueError) as e:
         return Layout(names=(), aliases=aliases, problem=str(e))
+    return checked_layout(whole, parts, names)
+
+
+def aliases_of(whole: torch.nn.Module) -> dict[str, tuple[str, ...]]:
+    """Every parameter name of `whole` -> all its names (a tied weight has several)."""
+    groups: dict[int, list[str]] = {}
+    for name, p in whole.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return {name: tuple(group) for group in groups.values() for name in group}
+
+
+def checked_layout(whole: torch.nn.Module, parts: Sequence[torch.nn.Module],
+                   names: Sequence[dict[str, str]]) -> Layout:
+    """The Layout of `names` (per stage, local -> unsplit), or one whose `check` says where
+    they and the split's own parameters disagree."""
+    aliases = aliases_of(whole)
     for s, (part, mapping) in enumerate(zip(parts, names)):
         local = {name for name, _ in part.named_parameters(remove_duplicate=False)}
         if local != set(mapping):
@@ -148,12 +161,16 @@ def _source(unsplit: str, given: Mapping[str, Any], aliases: Mapping[str, Sequen
 
 
 # -- moving weights ---------------------------------------------------------------------------
-def export(module: torch.nn.Module, names: Mapping[str, str]) -> dict[str, torch.Tensor]:
+def export(module: torch.nn.Module, names: Mapping[str, str], *,
+           trained_only: bool = False) -> dict[str, torch.Tensor]:
     """The module's parameters by unsplit name: detached CPU copies (one copy for a parameter
-    under two names, as a one-stage GPT's tied wte/lm_head)."""
+    under two names, as a one-stage GPT's tied wte/lm_head); with `trained_only`, only those
+    that take gradients (a LoRA model's adapters)."""
     copies: dict[int, torch.Tensor] = {}
     out = {}
     for local, p in module.named_parameters(remove_duplicate=False):
+        if trained_only and not p.requires_grad:
+            continue
         if id(p) not in copies:
             copies[id(p)] = p.detach().to(device="cpu", copy=True)
         out[names[local]] = copies[id(p)]

@@ -18,6 +18,7 @@ import attrs
 
 from flowkit.dsl.errors import Problem
 from flowkit.dsl.hf import HF_BUILD, check_hf_config
+from flowkit.dsl.lora import check_lora
 from flowkit.dsl.types import PortType, Stream, port_type
 
 __all__ = ["ACTIVE_FLOW", "FlowValue", "InputPort", "LossSpec", "Model", "ModelOp", "Operator",
@@ -79,6 +80,12 @@ class Model:
     # ZeRO-1: each replica keeps the optimizer states of its share of the parameters only
     # [Note: sharded optimizer states in executors/torch/replicas.py]
     shard_optimizer: bool = False
+    # low-rank adapters: only they train, sync to generation and save [Note: LoRA in
+    # flowkit/dsl/lora.py]; None trains every weight
+    lora: Mapping[str, Any] | None = attrs.field(default=None, hash=False)
+
+    def __attrs_post_init__(self) -> None:  # checked and normalized once the name is known
+        object.__setattr__(self, "lora", check_lora(self.lora, model=self.name))
 
     @build.validator
     def _check_build(self, _attribute: attrs.Attribute, value: str) -> None:

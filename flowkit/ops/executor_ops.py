@@ -29,7 +29,7 @@ class OpSpec:
     doc: str = ""
 
 
-MODEL_KEYS = ("model", "build", "stages", "seed", "dtype", "model_config")  # model_spec's
+MODEL_KEYS = ("model", "build", "stages", "seed", "dtype", "model_config", "lora")  # model_spec's
 _STAGE = (*MODEL_KEYS, "stage")
 _PIPELINE = (*_STAGE, "microbatch", "loss", *LOSS_KNOBS, "seconds")
 # the simulator's rollout engine and sampled lengths (flowkit/planner/simcosts.py)

@@ -171,6 +171,39 @@ class HFCausalLM(nn.Module):
     def forward_cached(self, idx, cache, start, rows=None):
         return self.whole().forward_cached(idx, cache, start, rows)
 
+    # -- LoRA [Note: LoRA in flowkit/dsl/lora.py] --------------------------------------------
+    def add_lora(self, settings: dict) -> None:
+        """peft's adapters in the HF model's own layers, which every stage shares."""
+        try:
+            from peft import inject_adapter_in_model
+        except ImportError:
+            raise HFModelError("LoRA on a Hugging Face model needs peft on every executor: "
+                               "pip install 'flowkit[hf]'") from None
+        try:
+            inject_adapter_in_model(_lora_config(settings), self._lm[0])
+        except ValueError as exc:  # peft's own words: which targets it did not find
+            raise HFModelError(f"lora target_modules {settings['target_modules']}: {exc}") from None
+
+    def save_lora(self, folder: str | Path, settings: dict,
+                  adapters: dict[str, torch.Tensor]) -> Path:
+        """Write `adapters` (by this model's names, as a LoRA split exports them) as a peft
+        adapter folder (adapter_config.json, adapter_model.safetensors) that
+        ``PeftModel.from_pretrained(base, folder)`` loads onto this model's base weights. Call
+        it on a model without adapters of its own."""
+        from peft import get_peft_model
+
+        wrapped = get_peft_model(self._lm[0], _lora_config(settings))
+        state = {f"base_model.model.{name}": value for name, value in adapters.items()}
+        own = {n for n, p in wrapped.named_parameters() if p.requires_grad}
+        if set(state) != own:
+            odd = sorted(set(state) ^ own)[:3]
+            raise HFModelError(f"the adapters to save do not match lora {settings} on this "
+                               f"model (e.g. {odd})")
+        wrapped.load_state_dict(state, strict=False)
+        folder = Path(folder)
+        wrapped.save_pretrained(folder)
+        return folder
+
     # -- export ------------------------------------------------------------------------------
     @property
     def pretrained_format(self) -> bool:
@@ -192,6 +225,14 @@ class HFCausalLM(nn.Module):
                 if (Path(self.path) / name).is_file():
                     shutil.copy2(Path(self.path) / name, folder / name)
         return folder
+
+
+def _lora_config(settings: dict) -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=settings["r"], lora_alpha=settings["alpha"],
+                      target_modules=list(settings["target_modules"]),
+                      lora_dropout=settings["dropout"], bias="none")
 
 
 def _base_name(family: str) -> str:

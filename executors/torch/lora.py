@@ -1,0 +1,130 @@
+"""LoRA adapters in a held model [Note: LoRA in flowkit/dsl/lora.py].
+
+`add_adapters` injects them into a model built and split by held.py: through the model's own
+``add_lora(settings)`` where it has one (a Hugging Face model: peft's, models/hf.py), else as
+`LoRALinear` layers, which compute what peft's ``lora.Linear`` computes. Either way each target
+``nn.Linear`` at ``P`` becomes a module with ``P.base_layer`` (the frozen layer) and ``P.lora_A``,
+``P.lora_B`` (peft nests these by adapter name: ``P.lora_A.default``); every other parameter of
+the model and of its stages is frozen. The stages share the whole model's layers, so one
+injection reaches them all, and the split's names [Note: unsplit names in weights.py] are
+rewritten to match: ``h.0.attn.c_attn.weight`` -> ``transformer.h.3.attn.c_attn.weight`` becomes
+``h.0.attn.c_attn.base_layer.weight`` -> ``transformer.h.3.attn.c_attn.base_layer.weight``, with
+the adapters' names beside it. The pipeline's deferred weight gradients need nothing new: the
+adapters are linear layers (``F.linear``), recorded as any trained layer, and a frozen layer's
+input gradient flows through autograd.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+
+from executors.torch import weights
+from executors.torch.stage import StageError
+
+__all__ = ["LoRALinear", "add_adapters", "adapter_names", "merge_adapters"]
+
+
+class LoRALinear(nn.Module):
+    """``base_layer(x) + lora_B(lora_A(dropout(x))) * alpha / r``, with A drawn as peft draws
+    it (Kaiming-uniform, a = √5) and B zero: at first the base layer's own function."""
+
+    def __init__(self, base: nn.Linear, *, r: int, alpha: float, dropout: float) -> None:
+        super().__init__()
+        like = {"device": base.weight.device, "dtype": base.weight.dtype}
+        self.base_layer = base
+        self.lora_A = nn.Linear(base.in_features, r, bias=False, **like)
+        self.lora_B = nn.Linear(r, base.out_features, bias=False, **like)
+        self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.scaling = alpha / r
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Add the adapters' update into the base layer's weight (then use `base_layer`)."""
+        self.base_layer.weight += (self.lora_B.weight @ self.lora_A.weight) * self.scaling
+
+
+def add_adapters(whole: nn.Module, parts: Sequence[nn.Module], lay: weights.Layout,
+                 settings: dict) -> weights.Layout:
+    """Inject `settings`' adapters into `whole` (and so into `parts`, its split sharing its
+    layers), freeze every other parameter, and return `lay` (the split's names before) with
+    the names after."""
+    add_lora = getattr(whole, "add_lora", None)
+    if add_lora is not None:
+        add_lora(settings)
+    else:
+        _inject(whole, settings)
+    paths = _adapted(whole)
+    adapters = {id(p) for path in paths for name, p in whole.get_submodule(path).named_parameters()
+                if ".lora_" in f".{name}"}
+    for module in (whole, *parts):
+        for p in module.parameters():
+            p.requires_grad_(id(p) in adapters)
+    return _renamed(lay, whole, parts, paths)
+
+
+def adapter_names(module: nn.Module) -> set[str]:
+    """The names of `module`'s adapter parameters (those that train)."""
+    return {name for name, p in module.named_parameters() if p.requires_grad}
+
+
+def merge_adapters(whole: nn.Module) -> None:
+    """Fold every adapter into its base layer and put the base layer back in its place: the
+    model's own names and function, with the update added in."""
+    for path in _adapted(whole):
+        layer = whole.get_submodule(path)
+        layer.merge()
+        parent, _, leaf = path.rpartition(".")
+        setattr(whole.get_submodule(parent) if parent else whole, leaf, layer.base_layer)
+
+
+def _inject(whole: nn.Module, settings: dict) -> None:
+    targets = settings["target_modules"]
+    found = [(name, module) for name, module in whole.named_modules()
+             if any(name == t or name.endswith("." + t) for t in targets)]
+    if not found:
+        linear = sorted({name.rpartition(".")[2] for name, m in whole.named_modules()
+                         if isinstance(m, nn.Linear)})
+        raise StageError(f"lora target_modules {targets} match no layer of the "
+                         f"{type(whole).__name__}; its linear layers are named {linear}")
+    for name, module in found:
+        if not isinstance(module, nn.Linear):
+            raise StageError(f"lora target {name!r} is a {type(module).__name__}, not an "
+                             "nn.Linear: LoRA adapts linear layers only")
+        parent, _, leaf = name.rpartition(".")
+        setattr(whole.get_submodule(parent) if parent else whole, leaf, LoRALinear(
+            module, r=settings["r"], alpha=settings["alpha"], dropout=settings["dropout"]))
+
+
+def _adapted(whole: nn.Module) -> list[str]:
+    """Paths of the layers that carry adapters (ours or peft's)."""
+    return [name for name, m in whole.named_modules()
+            if hasattr(m, "base_layer") and hasattr(m, "lora_A")]
+
+
+def _renamed(lay: weights.Layout, whole: nn.Module, parts: Sequence[nn.Module],
+             paths: list[str]) -> weights.Layout:
+    lay.check()
+    inside = {path: [name for name, _ in whole.get_submodule(path).named_parameters()]
+              for path in paths}
+    stages: list[dict[str, str]] = []
+    for mapping in lay.names:
+        names: dict[str, str] = {}
+        for local, unsplit in mapping.items():
+            layer, _, _ = unsplit.rpartition(".")
+            if layer not in inside:
+                names[local] = unsplit
+                continue
+            local_layer = local.rpartition(".")[0]
+            for name in inside[layer]:
+                names[f"{local_layer}.{name}"] = f"{layer}.{name}"
+        stages.append(names)
+    return weights.checked_layout(whole, parts, stages)

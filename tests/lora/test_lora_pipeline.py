@@ -1,0 +1,90 @@
+"""LoRA through the pipeline [Note: LoRA in flowkit/dsl/lora.py]: a built-in GPT with adapters,
+trained by every pipeline schedule on torch executor processes (F/B/W, the adapters' weight
+gradients deferred to W), ends with the parameters of a plain single-process loop over the same
+model with the same adapters, to 1e-10 in float64; the base weights never move, and a weight
+export carries the adapters only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dataflows.pretrain import pretrain_flow
+from executors.torch import weights
+from executors.torch.lora import add_adapters
+from flowkit.dsl import Model
+from flowkit.planner.lower import lower_flow
+from flowkit.runner.flowrun import FlowRunner
+from tests.harness import executor_cluster, plain_training, seeded_gpt, tiny_gpt
+
+CORPUS = str(Path(__file__).parents[2] / "examples" / "data" / "corpus.txt")
+DEVICES, MICROBATCHES, SEQUENCES, SEQ_LEN, STEPS, SEED = 2, 4, 8, 8, 2, 3
+GPT_CONFIG = tiny_gpt(vocab_size=256, block_size=16, n_layer=4, n_embd=16)
+LORA = {"r": 4, "alpha": 8, "target_modules": ["c_attn", "c_fc"]}
+HPARAMS = {"lr": 1e-2, "clip_grad_norm": 0.5}
+
+
+def lora_gpt(name: str, *, dtype: str = "float64", lora: dict | None = None) -> Model:
+    return Model(name=name, build="executors.torch.models.gpt:GPT",
+                 config={**GPT_CONFIG, "dtype": dtype, "seed": SEED}, stages=DEVICES,
+                 tags=("train",), lora=LORA if lora is None else lora)
+
+
+@pytest.fixture(scope="module")
+def torch_cluster():
+    with executor_cluster(DEVICES, kind="torch", tags=("train",)) as (ctl, _):
+        yield ctl
+
+
+def _train_on_executors(ctl, schedule: str, name: str) -> tuple[list, dict, dict, int]:
+    flow = pretrain_flow(model=lora_gpt(name), corpus=CORPUS, microbatches=MICROBATCHES,
+                         schedule=schedule, batch_size=SEQUENCES, seq_len=SEQ_LEN, **HPARAMS)
+    runner = FlowRunner(ctl, lower_flow(flow))
+    losses = [runner.run_step(step).metrics["backprop/loss"] for step in range(STEPS)]
+    run_schedule, spec = runner.trained[name]
+    params, exported = {}, {}
+    for stage in range(run_schedule.num_stages):
+        executor = runner.placement[name][run_schedule.placement.device_of(stage)].id
+        config = {**spec, "stage": stage}
+        params[stage] = ctl.submit("stage_parameters", config=config,
+                                   executor=executor).result(timeout=30)
+        exported.update(ctl.submit("export_weights", config=config,
+                                   executor=executor).result(timeout=30))
+    return losses, params, exported, run_schedule.num_stages
+
+
+def plain_lora_gpt(dtype=torch.float64):
+    """The reference model: the GPT built as its holders build it, adapters injected as they
+    inject them (the model's seed again, right before)."""
+    model = seeded_gpt(GPT_CONFIG, seed=SEED, dtype=dtype)
+    torch.manual_seed(SEED)
+    add_adapters(model, [model], weights.layout(model), {
+        "r": 4, "alpha": 8.0, "target_modules": LORA["target_modules"], "dropout": 0.0,
+        "save": "adapter"})
+    return model
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-v"])
+def test_lora_training_equals_the_plain_loop(torch_cluster, schedule):
+    losses, params, exported, stages = _train_on_executors(torch_cluster, schedule,
+                                                           f"lora-{schedule}")
+    model = plain_lora_gpt()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trained = [p for p in model.parameters() if p.requires_grad]
+    plain_losses = plain_training(trained, lambda b: model(b[:, :-1], b[:, 1:]), corpus=CORPUS,
+                                  steps=STEPS, sequences=SEQUENCES, seq_len=SEQ_LEN,
+                                  microbatches=MICROBATCHES, **HPARAMS)
+    assert losses == pytest.approx(plain_losses, abs=1e-10)
+    for stage, module in enumerate(model.split(stages)):
+        for name, want in module.named_parameters():
+            diff = (params[stage][name] - want.detach()).abs().max().item()
+            assert diff < 1e-10, f"{schedule}: stage {stage} {name} differs by {diff:.3g}"
+    wanted = dict(model.named_parameters())
+    adapters = {n for n, p in wanted.items() if p.requires_grad}
+    assert set(exported) == adapters  # only the adapters leave a LoRA split
+    for name in adapters:
+        diff = (exported[name] - wanted[name].detach()).abs().max().item()
+        assert diff < 1e-10, f"{schedule}: {name} differs by {diff:.3g}"
+        assert not torch.equal(exported[name], before[name]), f"{name} never trained"
