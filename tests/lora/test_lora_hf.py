@@ -1,0 +1,121 @@
+"""LoRA on Hugging Face models through peft [Note: LoRA in flowkit/dsl/lora.py]: pipeline
+training of a tiny Llama and a tied Qwen2 with peft's adapters equals a plain peft loop
+(`get_peft_model`, one process) to 1e-10 in float64; the saved adapter folder loads with
+`PeftModel.from_pretrained` onto the base model and generates what the plain loop's model does;
+a merged save loads with `from_pretrained` alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'flowkit[hf]'")
+peft = pytest.importorskip("peft", reason="the hf extra: pip install 'flowkit[hf]'")
+
+from dataflows.pretrain import pretrain_flow  # noqa: E402
+from executors.torch.models.hf import HFCausalLM  # noqa: E402
+from flowkit.dsl import Model  # noqa: E402
+from flowkit.planner.lower import lower_flow  # noqa: E402
+from flowkit.runner.flowrun import FlowRunner  # noqa: E402
+from tests.harness import executor_cluster, plain_training  # noqa: E402
+
+CORPUS = str(Path(__file__).parents[2] / "examples" / "data" / "corpus.txt")
+DEVICES, MICROBATCHES, SEQUENCES, SEQ_LEN, STEPS, SEED = 2, 4, 8, 8, 2, 3
+HPARAMS = {"lr": 1e-2, "clip_grad_norm": 0.5}
+ROPE = dict(hidden_size=16, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=32, vocab_size=256, max_position_embeddings=32)
+LLAMA = {"architecture": "llama", "hf_config": ROPE}
+QWEN2_TIED = {"architecture": "qwen2", "hf_config": {**ROPE, "tie_word_embeddings": True}}
+LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+
+
+@pytest.fixture(scope="module")
+def torch_cluster():
+    with executor_cluster(DEVICES, kind="torch", tags=("train",)) as (ctl, _):
+        yield ctl
+
+
+def _train_on_executors(ctl, config: dict, schedule: str, name: str, saved: Path,
+                        save: str = "adapter") -> tuple[list, dict]:
+    model = Model(name=name, build="hf", config={**config, "dtype": "float64", "seed": SEED},
+                  stages=DEVICES, tags=("train",), lora={**LORA, "save": save})
+    flow = pretrain_flow(model=model, corpus=CORPUS, microbatches=MICROBATCHES,
+                         schedule=schedule, batch_size=SEQUENCES, seq_len=SEQ_LEN, **HPARAMS)
+    runner = FlowRunner(ctl, lower_flow(flow))
+    losses = [runner.run_step(step).metrics["backprop/loss"] for step in range(STEPS)]
+    run_schedule, spec = runner.trained[name]
+    exported = {}
+    for stage in range(run_schedule.num_stages):
+        device = run_schedule.placement.device_of(stage)
+        exported.update(ctl.submit("export_weights", config={**spec, "stage": stage},
+                                   executor=runner.placement[name][device].id).result(timeout=60))
+    assert runner.save_weights(saved) == [saved / name]
+    return losses, exported
+
+
+def _base(config: dict) -> torch.nn.Module:
+    """The HF model as every holder builds it (executors/torch/held.py), before adapters."""
+    torch.manual_seed(SEED)
+    return HFCausalLM(**config).to(torch.float64)._lm[0]
+
+
+def _train_plain_peft(config: dict):
+    """The reference: peft's own model over the HF model in one process, seeded as the
+    holders seed their adapters, the same batches, accumulation, clipping and AdamW."""
+    lm = _base(config)
+    torch.manual_seed(SEED)
+    wrapped = peft.get_peft_model(lm, peft.LoraConfig(
+        r=LORA["r"], lora_alpha=LORA["alpha"], target_modules=LORA["target_modules"]))
+
+    def loss_of(batch: torch.Tensor) -> torch.Tensor:
+        logits = wrapped(input_ids=batch[:, :-1]).logits
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+
+    trained = [p for p in wrapped.parameters() if p.requires_grad]
+    losses = plain_training(trained, loss_of, corpus=CORPUS, steps=STEPS, sequences=SEQUENCES,
+                            seq_len=SEQ_LEN, microbatches=MICROBATCHES, **HPARAMS)
+    return wrapped, losses
+
+
+@pytest.mark.parametrize(("config", "schedule"), [(LLAMA, "zb-h1"), (QWEN2_TIED, "1f1b"),
+                                                  (LLAMA, "zb-v")],
+                         ids=["llama-zb-h1", "qwen2-tied-1f1b", "llama-zb-v"])
+def test_pipeline_lora_equals_a_plain_peft_loop_and_saves_a_peft_adapter(
+        torch_cluster, tmp_path, config, schedule):
+    name = f"{config['architecture']}-{schedule}"
+    losses, exported = _train_on_executors(torch_cluster, config, schedule, name, tmp_path)
+    wrapped, plain_losses = _train_plain_peft(config)
+    assert losses == pytest.approx(plain_losses, abs=1e-10)
+    want = {n.removeprefix("base_model.model."): p.detach()
+            for n, p in wrapped.named_parameters() if p.requires_grad}
+    assert set(exported) == set(want)  # the adapters, and only they, leave the stages
+    for n, value in exported.items():
+        diff = (value - want[n]).abs().max().item()
+        assert diff < 1e-10, f"{name}: {n} differs by {diff:.3g}"
+
+    folder = tmp_path / name
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {
+        p.name for p in folder.iterdir()}
+    loaded = peft.PeftModel.from_pretrained(_base(config), folder)
+    idx = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (loaded(input_ids=idx).logits - wrapped(input_ids=idx).logits).abs().max().item()
+        assert diff < 1e-10
+        generated = loaded.generate(input_ids=idx, max_new_tokens=4, do_sample=False)
+        assert torch.equal(generated, wrapped.generate(input_ids=idx, max_new_tokens=4,
+                                                       do_sample=False))
+
+
+def test_a_merged_save_loads_with_from_pretrained_alone(torch_cluster, tmp_path):
+    _train_on_executors(torch_cluster, LLAMA, "1f1b", "merged", tmp_path, save="merged")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "merged", local_files_only=True, dtype=torch.float64)
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    wrapped, _ = _train_plain_peft(LLAMA)
+    idx = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (merged(input_ids=idx).logits - wrapped(input_ids=idx).logits).abs().max().item()
+    assert diff < 1e-9
