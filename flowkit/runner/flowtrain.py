@@ -107,6 +107,7 @@ class ModelTraining:
         self.trained: tuple | None = None  # (schedule, spec) of this step's backprop
         self.last_trained: tuple | None = None  # the same of the latest step that trained
         self.rounds: Rounds | None = None  # this step's backprop, when it ran in rounds
+        self.synced: list = []  # this step's weight exports to the generating executors
         self.step = 0
         # called before new weights go to the generating executors: an evaluation that runs
         # alongside an asynchronous run finishes on the weights it started with (evaluation.py)
@@ -127,7 +128,16 @@ class ModelTraining:
         return self.dp.leave()
 
     def start_step(self, step: int) -> None:
-        self.step, self.trained, self.rounds = step, None, None
+        self.step, self.trained, self.rounds, self.synced = step, None, None, []
+
+    def sync_bytes(self, timeout: float) -> int | None:
+        """Bytes of this step's weight sync as serialized (one copy of what left the trainers:
+        a LoRA model's adapters only), or None without one."""
+        if not self.synced:
+            return None
+        for export in self.synced:
+            export.exception(timeout)  # waits for it, fetching nothing
+        return sum(export.nbytes for export in self.synced)
 
     def carried_state(self) -> dict:
         """What it carries from step to step that a run checkpoint keeps (checkpoint.py): the
@@ -407,9 +417,11 @@ class ModelTraining:
         if self.before_sync is not None:
             self.before_sync()
         schedule, spec = self.trained  # replica 0's stages export: every replica holds them
-        return submit_weight_sync(self.ctl, schedule, self.executors, spec, version,
-                                  list(targets.values()), lane=self.model.name,
-                                  meta={"node": f"{plan.name}/sync", "step": self.step})
+        exports, loads = submit_weight_sync(
+            self.ctl, schedule, self.executors, spec, version, list(targets.values()),
+            lane=self.model.name, meta={"node": f"{plan.name}/sync", "step": self.step})
+        self.synced += exports
+        return loads
 
     def save(self, folder: Path) -> Any:
         """A future of the path its stages' weights were written to, merged by the unsplit

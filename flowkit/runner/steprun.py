@@ -604,6 +604,10 @@ class StepRun:
         for state in self.states.values():
             if state.plan.reports:
                 metrics.update(self._reported(state.plan))
+        for training in self.ctx.training.values():
+            synced = training.sync_bytes(self.wiring.step_timeout)
+            if synced is not None:
+                metrics[f"{training.model.name}/sync_bytes"] = synced
         for node, count in self.incomplete_groups.items():
             metrics[f"{node}/incomplete_groups"] = count
         for policy in self.policies.values():

@@ -152,16 +152,17 @@ def submit_exports(ctl: Controller, schedule: Schedule, executors: Sequence[Exec
 
 def submit_weight_sync(ctl: Controller, schedule: Schedule, trainers: Sequence[ExecutorInfo],
                        spec: dict, version: Any, targets: Sequence[ExecutorInfo], *,
-                       lane: str, meta: dict) -> list[Future]:
+                       lane: str, meta: dict) -> tuple[list[Future], list[Future]]:
     """After an optimizer step: the new weights of the model to its whole copy on each of
     `targets` (the executors that may generate or score with it), over the data plane. A
     target that trains the model unsplit holds the very weights it would load: skipped
-    (shared when colocated). Returns the loads' futures, each resolving to the version."""
+    (shared when colocated). Returns the exports' futures and the loads', each load resolving
+    to the version."""
     whole = {**spec, "stages": 1}
     shared = {e.id for e in trainers} if schedule.num_stages == 1 else set()
     targets = [e for e in targets if e.id not in shared]
     if not targets:
-        return []
+        return [], []
     exports = submit_exports(ctl, schedule, trainers, spec, lane=lane, meta=meta)
-    return [ctl.submit("load_weights", *exports, version, config=whole, executor=e.id,
-                       meta={**meta, "device": e.id}) for e in targets]
+    return exports, [ctl.submit("load_weights", *exports, version, config=whole,
+                                executor=e.id, meta={**meta, "device": e.id}) for e in targets]

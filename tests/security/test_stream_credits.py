@@ -5,7 +5,6 @@ where without a window it runs away; the stream's result is the same either way.
 import pytest
 
 from flowkit.runtime.controller import Controller
-
 from tests.harness import executor_cluster
 
 COUNT, CONSUMER_S = 120, 0.02

@@ -181,8 +181,12 @@ class HFCausalLM(nn.Module):
                                "pip install 'flowkit[hf]'") from None
         try:
             inject_adapter_in_model(_lora_config(settings), self._lm[0])
-        except ValueError as exc:  # peft's own words: which targets it did not find
-            raise HFModelError(f"lora target_modules {settings['target_modules']}: {exc}") from None
+        except ValueError:
+            linear = sorted({name.rpartition(".")[2] for name, m in self.named_modules()
+                             if isinstance(m, nn.Linear)} - {"lm_head", "score"})
+            raise HFModelError(f"lora target_modules {settings['target_modules']} match no "
+                               f"layer of this {self.config.model_type}; its linear layers are "
+                               f"named {linear}") from None
 
     def save_lora(self, folder: str | Path, settings: dict,
                   adapters: dict[str, torch.Tensor]) -> Path:

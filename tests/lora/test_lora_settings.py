@@ -1,0 +1,73 @@
+"""LoRA settings a user gets wrong [Note: LoRA in flowkit/dsl/lora.py]: refused when the Model is
+declared, or, for layers only the built model knows, by the executor in words that name the
+model's own layers."""
+
+from __future__ import annotations
+
+import pytest
+
+from executors.torch.held import held_model
+from executors.torch.stage import StageError
+from flowkit.dsl import Model
+from tests.harness import op_context, tiny_gpt
+
+GPT = "executors.torch.models.gpt:GPT"
+
+
+def gpt(lora) -> Model:
+    return Model(name="actor", build=GPT, config=tiny_gpt(), lora=lora)
+
+
+def test_settings_are_normalized_with_their_defaults():
+    model = gpt({"r": 8, "target_modules": ["c_attn", "c_attn"]})
+    assert model.lora == {"r": 8, "alpha": 8.0, "target_modules": ["c_attn"], "dropout": 0.0,
+                          "save": "adapter"}
+    assert gpt(None).lora is None
+
+
+@pytest.mark.parametrize(("lora", "words"), [
+    ([("r", 8)], "must be a dict"),
+    ({"r": 8}, "needs 'r'"),
+    ({"rank": 8, "target_modules": ["c_attn"]}, "no setting 'rank'"),
+    ({"r": 0, "target_modules": ["c_attn"]}, "r=0 must be an int >= 1"),
+    ({"r": 2.5, "target_modules": ["c_attn"]}, "must be an int"),
+    ({"r": 8, "alpha": -1, "target_modules": ["c_attn"]}, "alpha=-1 must be a number > 0"),
+    ({"r": 8, "target_modules": "c_attn"}, "non-empty list"),
+    ({"r": 8, "target_modules": []}, "non-empty list"),
+    ({"r": 8, "target_modules": ["lm_head"]}, "output head 'lm_head'"),
+    ({"r": 8, "target_modules": ["c_attn"], "dropout": 1.0}, r"dropout=1.0 must be .* \[0, 1\)"),
+    ({"r": 8, "target_modules": ["c_attn"], "save": "full"}, "save='full' must be one of"),
+])
+def test_bad_settings_are_refused_when_the_model_is_declared(lora, words):
+    with pytest.raises(ValueError, match=words):
+        gpt(lora)
+
+
+def _spec(lora: dict) -> dict:
+    return {"model": "actor", "build": GPT, "stages": 2, "model_config": tiny_gpt(),
+            "lora": gpt(lora).lora}
+
+
+def test_targets_that_match_no_layer_name_the_models_linear_layers():
+    with pytest.raises(StageError, match=r"match no layer .* named \['c_attn', 'c_fc', "):
+        held_model(op_context(), _spec({"r": 2, "target_modules": ["q_proj"]}))
+
+
+def test_a_target_that_is_not_linear_is_refused():
+    with pytest.raises(StageError, match="'transformer.h.0.ln_1' is a LayerNorm, not an nn.Linear"):
+        held_model(op_context(), _spec({"r": 2, "target_modules": ["h.0.ln_1"]}))
+
+
+def test_a_hugging_face_target_peft_cannot_find_is_refused():
+    pytest.importorskip("peft", reason="the hf extra: pip install 'flowkit[hf]'")
+    from executors.torch.models.hf import HFModelError
+    from flowkit.runner.training import model_spec
+
+    llama = {"architecture": "llama", "hf_config": dict(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=32, vocab_size=64, max_position_embeddings=32)}
+    model = Model(name="actor", build="hf", config=llama,
+                  lora={"r": 2, "target_modules": ["c_attn"]})
+    with pytest.raises(HFModelError, match=r"\['c_attn'\] match no layer of this llama; its "
+                                           r"linear layers are named \['down_proj', "):
+        held_model(op_context(), model_spec(model, 1))
