@@ -228,6 +228,20 @@ def evaluation(steps: int, every: int, json_out: Path | None) -> None:
 
 
 @bench.command(cls=_BenchCommand)
+@click.option("--steps", type=click.IntRange(min=2), default=8, show_default=True,
+              help="GRPO steps per run (the first is not timed).")
+@click.option("--rank", type=click.IntRange(min=1), default=8, show_default=True,
+              help="The adapters' rank.")
+@click.option("--n-embd", type=click.IntRange(min=8), default=256, show_default=True,
+              help="The GPT's width (n_layer 4).")
+@_json_option
+def lora(steps: int, rank: int, n_embd: int, json_out: Path | None) -> None:
+    """GRPO training LoRA adapters against training every weight."""
+    _report(_bench_function("lora", "run_lora_bench")(steps=steps, rank=rank, n_embd=n_embd),
+            json_out)
+
+
+@bench.command(cls=_BenchCommand)
 @_json_option
 def loggers(json_out: Path | None) -> None:
     """What each --logger costs a step against JSON lines."""

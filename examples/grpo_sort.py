@@ -9,8 +9,10 @@ its own executor with the weights synced every step. Mean reward rises from abou
 """
 
 from dataflows.grpo import grpo_flow
+from dataflows.models import GPT_BUILD
 from dataflows.recipes import dapo_flow, dr_grpo_flow, gspo_flow
 from dataflows.rl.tasks import SORT_GPT, SORT_RESPONSE_TOKENS, sort_prompts, sort_reward
+from flowkit.dsl import Model
 
 TASK = dict(prompts=16, n=8, stages=2, microbatches=4, schedule="1f1b",
             max_new_tokens=SORT_RESPONSE_TOKENS, lr=3e-4,
@@ -43,3 +45,11 @@ gspo = gspo_flow(**TASK)
 tis = grpo_flow(kl_coef=0.001, rollout_is="token", **TASK)
 tis_bf16 = grpo_flow(kl_coef=0.001, rollout_is="token",
                      **{**TASK, "gpt": {**TASK["gpt"], "dtype": "bfloat16"}})
+
+# LoRA (`:lora`): only rank-8 adapters on every projection train, sync to the generator (their
+# bytes are actor/sync_bytes) and save (checkpoints/actor.lora.pt with --save-weights); the
+# reference is the warm-up's weights, as the adapters start as no change. Adapters take a
+# larger learning rate than the whole model.
+lora = grpo_flow(kl_coef=0.001, **{**TASK, "gpt": None, "lr": 3e-3}, model=Model(
+    name="actor", build=GPT_BUILD, config=TASK["gpt"], stages=2, tags=("train",),
+    lora={"r": 8, "alpha": 16, "target_modules": ["c_attn", "c_proj", "c_fc"]}))

@@ -12,6 +12,8 @@ mean reward rises from about 0.15:
 `AutoModelForCausalLM.from_pretrained` loads.
 """
 
+import attrs
+
 from dataflows.datasets import dataset_prompts
 from dataflows.grpo import grpo_flow
 from dataflows.recipes import dapo_flow, dr_grpo_flow, gspo_flow
@@ -31,3 +33,11 @@ flow = grpo_flow(kl_coef=0.001, **TASK)
 dapo = dapo_flow(**TASK)
 dr_grpo = dr_grpo_flow(**TASK)
 gspo = gspo_flow(**TASK)
+
+# LoRA through peft (`:lora`): rank-8 adapters on the attention and MLP projections train, sync
+# and save; `--save-weights out` writes out/actor as a peft adapter folder, which
+# `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(WARM), "out/actor")` loads
+lora = grpo_flow(kl_coef=0.001, **{**TASK, "lr": 5e-3, "model": attrs.evolve(actor, lora={
+    "r": 8, "alpha": 16,
+    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                       "down_proj"]})})
