@@ -40,7 +40,7 @@ def state_of(ctx: OpContext) -> dict[str, Any]:
         parts = {}
         if changed:  # every stage of a loaded copy; only the trained ones of a training split
             indices = range(len(held.parts)) if held.version is not None else sorted(held.stages)
-            parts = {i: held.parts[i].state_dict() for i in indices}
+            parts = {i: _saved(held.parts[i], held.lora is not None) for i in indices}
         optimizers = {i: s.optimizer.state_dict() for i, s in held.stages.items()
                       if s.optimizer is not None}
         shards = {i: list(s.shard) for i, s in held.stages.items()
@@ -50,6 +50,33 @@ def state_of(ctx: OpContext) -> dict[str, Any]:
                        "held_stages": sorted(held.stages)})
     return {"format": _FORMAT, "models": models, "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate()}
+
+
+def _saved(part: torch.nn.Module, adapters_only: bool) -> dict[str, torch.Tensor]:
+    """A stage's state dict; of a LoRA model, without the frozen base weights, which building
+    it again restores [Note: LoRA in flowkit/dsl/lora.py]."""
+    state = part.state_dict()
+    if adapters_only:
+        frozen = _frozen(part)
+        state = {name: value for name, value in state.items() if name not in frozen}
+    return state
+
+
+def _frozen(part: torch.nn.Module) -> set[str]:
+    return {name for name, p in part.named_parameters() if not p.requires_grad}
+
+
+def _load_part(part: torch.nn.Module, tensors: dict, adapters_only: bool) -> None:
+    """What `_saved` wrote back into `part`; of a LoRA model, its adapters and buffers (the
+    base weights were built again)."""
+    if not adapters_only:
+        part.load_state_dict(tensors)
+        return
+    missing, unexpected = part.load_state_dict(tensors, strict=False)
+    lacking = sorted(set(missing) - _frozen(part))
+    if lacking or unexpected:
+        raise RuntimeError(f"the saved adapters lack {lacking[:3]} and have unknown "
+                           f"{list(unexpected)[:3]}")
 
 
 def save_state(ctx: OpContext, *_: Any, path: str) -> int:
@@ -155,7 +182,7 @@ def _field(mapping: Any, key: str, kind: type, path: str, where: str = "") -> An
     return value
 
 
-_SPEC_KEYS = ("build", "seed", "dtype", "model_config")
+_SPEC_KEYS = ("build", "seed", "dtype", "model_config", "lora")
 
 
 def _checked(entry: Any, index: int, path: str, models: dict) -> tuple[dict, dict]:
@@ -218,7 +245,7 @@ def _restore(ctx: OpContext, entry: dict, spec: dict, path: str, peers: tuple | 
     what = f"model {entry['name']!r} in {entry['stages']} stage(s) (from {path})"
     for index, tensors in entry["parts"].items():
         try:
-            held.parts[index].load_state_dict(tensors)
+            _load_part(held.parts[index], tensors, held.lora is not None)
         except (RuntimeError, TypeError, AttributeError) as exc:  # shapes or names: one line
             first = str(exc).strip().splitlines()
             raise StageError(f"{what}, stage {index}: {first[1 if len(first) > 1 else 0]}"
