@@ -34,8 +34,10 @@ def grpo_flow(config: RLConfig, *, model: Model | None = None, gpt: dict | None 
         # No batch statistic: each group trains as soon as its n samples are scored.
         # with filter_groups, the step trains the first `prompts` groups whose rewards differ
         take = config.prompts if config.filter_groups else None
+        rounds = config.filter_rounds if take and config.filter_rounds > 1 else None
         experiences = grpo_advantages(
-            group_by(samples, key="prompt_id", size=config.sampling.n, take=take),
+            group_by(samples, key="prompt_id", size=config.sampling.n, take=take,
+                     rounds=rounds),
             scale_rewards=config.scale_rewards, filter_groups=config.filter_groups)
         stats = Backprop(actor)(experiences, loss="grpo", kl_coef=config.kl_coef,
                                 temperature=config.sampling.temperature,
@@ -61,3 +63,10 @@ def _check_filter(config: RLConfig) -> None:
     if config.oversample > 1:
         raise ValueError("filter_groups and oversample (partial rollouts) both over-provision "
                          "a step's generation; use one of them")
+    rounds = config.filter_rounds
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"filter_rounds={rounds!r}: the most rounds of prompts a step "
+                         "generates, a whole number >= 1 (1: no second round)")
+    if rounds > 1 and config.max_staleness is not None:
+        raise ValueError(f"filter_rounds={rounds} generates again within a step, which runs "
+                         "synchronously only: drop max_staleness, or set filter_rounds=1")

@@ -8,9 +8,9 @@ takes the same keyword shortcuts as grpo_flow, which override the recipe's:
 DAPO (Yu et al. 2025): clip-higher (0.2 below, 0.28 above), the token-level loss, no KL term,
 the dual clip at 10, the soft overlong penalty over the last fifth of the budget (their 4,096
 of 20,480 tokens), and dynamic sampling: twice the prompts generate, the groups whose rewards
-are all equal are dropped, and the step trains the first `prompts` of the others
-(`filter_groups`, `filter_oversample`; where too few differ it trains fewer and says so, where
-DAPO would generate another batch).
+are all equal are dropped, and the step trains the first `prompts` of the others; where too few
+differ, another round as large generates, up to 3 rounds (`filter_groups`, `filter_oversample`,
+`filter_rounds`; a step still short trains fewer and says so).
 
 Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training"): advantages without the
 group std, each response's summed loss over the generation budget (not its own length), no KL.
@@ -33,7 +33,7 @@ from flowkit.dsl import Flow
 
 __all__ = ["DAPO", "DR_GRPO", "GSPO", "dapo_flow", "dr_grpo_flow", "gspo_flow"]
 
-DAPO = GroupRLConfig(kl_coef=0.0, filter_groups=True,
+DAPO = GroupRLConfig(kl_coef=0.0, filter_groups=True, filter_rounds=3,
                      policy=PolicyLoss(clip_ratio_low=0.2, clip_ratio_high=0.28,
                                        clip_ratio_c=10.0, loss_agg_mode="token-mean"))
 DR_GRPO = GroupRLConfig(kl_coef=0.0, scale_rewards=False,

@@ -107,6 +107,11 @@ class RLConfig:
         """How many prompts a step generates: `oversample` times its own (partial rollouts)."""
         return math.ceil(self.prompts * self.oversample) if self.oversample > 1 else self.prompts
 
+    @property
+    def source_prompts(self) -> int:
+        """How many prompts a step's source makes: those it generates, in every round."""
+        return self.generated_prompts
+
 
 @attrs.frozen(kw_only=True)
 class GroupRLConfig(RLConfig):
@@ -114,21 +119,30 @@ class GroupRLConfig(RLConfig):
     so a prompt is sampled 8 times. `scale_rewards=False`: GRPO's advantages without the
     division by the group's std (Dr. GRPO). `filter_groups` (GRPO): DAPO's dynamic sampling,
     `filter_oversample` times the prompts generate, the groups whose rewards are all equal are
-    dropped, and the step trains the first `prompts` of the others to be scored (fewer, and
-    says so in `grpo_advantages/groups_short`, if too few differ) [Note: group quota in
-    flowkit/runner/quota.py]."""
+    dropped, and the step trains the first `prompts` of the others to be scored [Note: group
+    quota in flowkit/runner/quota.py]; where too few differ, another round of as many prompts
+    generates, up to `filter_rounds` rounds in all (verl's max_num_gen_batches) [Note: sampling
+    rounds in flowkit/runner/rounds.py], and a step still short trains fewer and says so in
+    `grpo_advantages/groups_short`."""
 
     sampling: SamplingConfig = SamplingConfig(n=8)
     scale_rewards: bool = True
     filter_groups: bool = False
     filter_oversample: float = 2.0
+    filter_rounds: int = 1
 
     @property
     def generated_prompts(self) -> int:
-        """With `filter_groups`, `filter_oversample` times the prompts generate."""
+        """With `filter_groups`, `filter_oversample` times the prompts generate (a round)."""
         if self.filter_groups:
             return math.ceil(self.prompts * self.filter_oversample)
         return super().generated_prompts
+
+    @property
+    def source_prompts(self) -> int:
+        """With `filter_groups`, a round's prompts for each of `filter_rounds` rounds."""
+        rounds = self.filter_rounds if self.filter_groups else 1
+        return self.generated_prompts * rounds
 
 
 @attrs.frozen(kw_only=True)

@@ -55,7 +55,7 @@ def sample_and_score(flow: Flow, actor: Model, reference: Model | None,
                          "prompts from an over-provisioned step; set oversample instead")
     weights = flow.feedback("actor_weights", Stream[WeightsVersion])
     partial = oversample > 1
-    count = config.generated_prompts
+    count = config.source_prompts
     source, source_config = config.prompt_source, dict(config.source_config or {})
     prompt_items = source(count=count, **source_config)
     if source.reporter is not None:  # the source's own metrics (a dataset's epoch)

@@ -51,16 +51,25 @@ def collect(ref: Ref) -> Ref:
     return _adapt(ref, Collect())
 
 
-def group_by(ref: Ref, *, key: str, size: int | None = None, take: int | None = None) -> Ref:
+def group_by(ref: Ref, *, key: str, size: int | None = None, take: int | None = None,
+             rounds: int | None = None) -> Ref:
     """Group a Stream's items by the record field `key`, `size` items per group. `take`: the
     consuming op (called per group, yielding a Stream) runs on every group, and the first
     `take` groups it yields items for are the step's; the items of later ones are dropped, as
     are groups it yields nothing for. Over-provision the groups and filter them in the op:
-    DAPO's dynamic sampling."""
-    if take is not None and (isinstance(take, bool) or not isinstance(take, int) or take < 1):
-        raise ValueError(f"group_by(take={take!r}): the groups a step takes, a whole number "
-                         ">= 1 (None: every group)")
-    return _adapt(ref, GroupBy(key, size, take))
+    DAPO's dynamic sampling. `rounds` (with `take`): the step's source makes that many rounds
+    of prompts, and the first per-item op after it (generation) runs one round, then the next
+    only while the groups still to come cannot make up `take` [Note: sampling rounds in
+    flowkit/runner/rounds.py]."""
+    for name, value in (("take", take), ("rounds", rounds)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ValueError(f"group_by({name}={value!r}): a whole number >= 1 (None: "
+                             f"{'every group' if name == 'take' else 'one round'})")
+    if rounds is not None and take is None:
+        raise ValueError(f"group_by(rounds={rounds}) calls the prompts in rounds until `take` "
+                         "groups yield: give take too")
+    return _adapt(ref, GroupBy(key, size, take, rounds))
 
 
 def _adapt(ref: Ref, adapter: Collect | GroupBy) -> Ref:

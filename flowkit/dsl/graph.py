@@ -29,15 +29,17 @@ class Collect:
 class GroupBy:
     """Form keyed groups of `size` items (None: as many as share the key by the end of the step);
     with `take`, the consumer's first `take` calls that yield anything are the step's, the
-    later ones dropped (flowkit/runner/quota.py)."""
+    later ones dropped (flowkit/runner/quota.py); with `rounds`, the step's prompts are called
+    a round at a time until `take` groups yield (flowkit/runner/rounds.py)."""
 
     key: str
     size: int | None = None
     take: int | None = None
+    rounds: int | None = None
 
     def __str__(self) -> str:
-        extra = "".join(f", {name}={value}" for name, value in (("size", self.size),
-                                                                ("take", self.take)) if value)
+        extra = "".join(f", {name}={value}" for name, value in (
+            ("size", self.size), ("take", self.take), ("rounds", self.rounds)) if value)
         return f"group_by({self.key}{extra})"
 
     def apply(self, ptype: PortType) -> PortType:

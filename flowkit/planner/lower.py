@@ -61,6 +61,7 @@ class InputRule:
     group_key: str | None = None
     group_size: int | None = None
     group_take: int | None = None  # the groups whose calls yield items that the step takes
+    group_rounds: int | None = None  # rounds of prompts that may run to fill them (rounds.py)
     feedback: bool = False  # produced by the previous step
 
 
@@ -138,6 +139,7 @@ def _input_rule(flow: Flow, wire: Wire) -> InputRule:
     return InputRule(port=wire.dst_port, src=wire.src, src_port=wire.src_port,
                      granularity=seen.granularity, group_key=group and group.key,
                      group_size=group and group.size, group_take=group and group.take,
+                     group_rounds=group and group.rounds,
                      feedback=wire.feedback)
 
 

@@ -23,6 +23,13 @@ class CallSite(Protocol):
     def abort(self, requests: Sequence[str]) -> list[Any]:
         """Cut the named calls short; the futures of the aborts, which the node waits for."""
 
+    def lead_items(self) -> list[tuple[tuple, Any]]:
+        """The items of the node's item-leading input so far, (lineage, ref) in arrival
+        order."""
+
+    def touch(self) -> None:
+        """Have the step look at the node again (its policy's answers may have changed)."""
+
 
 class CallPolicy(Protocol):
     """How one per-item node's calls are made and ended in one step."""

@@ -29,6 +29,7 @@ from flowkit.runner.calls import CallPolicy
 from flowkit.runner.flowtrain import ModelTraining
 from flowkit.runner.partial import Carried, CarryOver, PartialCalls, PartialRollouts
 from flowkit.runner.quota import GroupQuota, group_quotas
+from flowkit.runner.rounds import SamplingRounds, round_nodes
 from flowkit.runner.steprun import TRAINING_CALLS, StepReport, StepRun
 from flowkit.runner.stepstate import BalancedCalls, FlowRunError, RunnerState, Streams, Wiring
 from flowkit.runner.training import model_spec
@@ -74,6 +75,7 @@ class FlowRunner:
             plan = _with_proximal(plan) if staleness >= 1 else plan
         self.partial = _partial_rollouts(plan, staleness)
         self.quotas = group_quotas(plan)
+        self.rounds = _sampling_rounds(plan, self.partial)
         plan = [_without_take(node) if node.resumable is not None else node for node in plan]
         self.ctl, self.plan, self.sim_costs = ctl, plan, sim_costs
         self.staleness, self.steps = staleness, steps
@@ -335,6 +337,8 @@ class FlowRunner:
                                               incoming=self.carry_over.take(name, step))
         for name, take in self.quotas.items():  # [Note: group quota] in quota.py
             policies.setdefault(name, GroupQuota(name, take))
+        for name, (quota, rounds) in self.rounds.items():  # [Note: sampling rounds]
+            policies.setdefault(name, SamplingRounds(name, rounds, policies[quota], self.fuse))
         return policies
 
     @property
@@ -427,6 +431,12 @@ def check_async(plan: list[NodePlan], staleness: Any) -> None:
             "an asynchronous run needs a feedback edge that syncs weights from an optimizer "
             "step to the ops that generate or score with them (flow.feedback(...).bind("
             "step.weights)): this flow has none, so its steps have nothing to overlap")
+    sampled = sorted({node.name for node in plan for rule in node.inputs
+                      if getattr(rule, "group_rounds", None)})
+    if sampled:  # [Note: sampling rounds in rounds.py]
+        raise FlowRunError(f"{', '.join(sampled)}: group_by(..., rounds=) samples in rounds "
+                           "within a step, which runs synchronously only: drop rounds (a "
+                           "recipe's filter_rounds) or run synchronously")
     if staleness >= 1:
         rounds = [node.name for node in plan if node.call is Call.PIPELINE
                   and rounds_of(node.config) > 1]
@@ -458,6 +468,21 @@ def _partial_rollouts(plan: list[NodePlan], staleness: int | None
                                "setting of a generating op called per prompt, whose call "
                                "makes a group")
         found[node.name] = PartialRollouts(int(take), node.items_per_call(), declared)
+    return found
+
+
+def _sampling_rounds(plan: list[NodePlan], partial: dict) -> dict[str, tuple[str, int]]:
+    """The nodes whose prompts are called in rounds ([Note: sampling rounds] in rounds.py),
+    checked: not a node with partial rollouts."""
+    try:
+        found = round_nodes(plan)
+    except ValueError as exc:
+        raise FlowRunError(str(exc)) from None
+    for name, (quota, rounds) in found.items():  # asynchronous: refused by check_async
+        if name in partial:
+            raise FlowRunError(f"{name}: partial rollouts (oversample) and sampling rounds "
+                               f"(group_by(..., rounds={rounds}) at {quota}) both decide which "
+                               "of its calls run; use one")
     return found
 
 

@@ -32,6 +32,8 @@ class GroupQuota:
     taken: int = 0
     empty: int = 0  # calls that yielded nothing: groups the op filtered out
     surplus: int = 0  # calls that yielded items after the quota was met: dropped
+    # told after each group's call is decided (the step's sampling rounds: rounds.py)
+    listener: Any = None
 
     def submit(self, site: CallSite, prompts_closed: bool) -> bool:
         return True
@@ -44,6 +46,12 @@ class GroupQuota:
 
     def done(self, lineage: tuple, future: Any, site: CallSite) -> bool:
         """Whether call `lineage`'s items are the step's."""
+        ours = self._decide(future)
+        if self.listener is not None:
+            self.listener()
+        return ours
+
+    def _decide(self, future: Any) -> bool:
         if not getattr(future, "count", None):
             self.empty += 1
             return True  # nothing to pass on, nothing to count

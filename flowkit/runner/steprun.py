@@ -665,3 +665,10 @@ class _Site:
         for abort in aborts:
             run._watch(state, (), (abort,), register=False)
         return aborts
+
+    def lead_items(self) -> list[tuple[tuple, Any]]:
+        stream = self.run.streams.of(self.lead)
+        return [(lineage, stream.items[lineage]) for lineage in stream.arrivals]
+
+    def touch(self) -> None:
+        self.run._touch(self.state.plan.name)

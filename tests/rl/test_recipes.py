@@ -77,9 +77,10 @@ def test_filter_groups_drops_a_group_whose_rewards_are_all_equal():
 
 def test_dynamic_sampling_generates_more_prompts_and_takes_the_batch():
     flow = dapo_flow(prompts=4, max_new_tokens=10).validate()
-    assert flow.nodes["arithmetic_prompts"].config["count"] == 8  # filter_oversample 2
+    # filter_oversample 2: 8 prompts a round, for each of 3 rounds
+    assert flow.nodes["arithmetic_prompts"].config["count"] == 8 * 3
     (wire,) = [w for w in flow.wires if w.dst == "grpo_advantages"]
-    assert (wire.adapter.size, wire.adapter.take) == (8, 4)
+    assert (wire.adapter.size, wire.adapter.take, wire.adapter.rounds) == (8, 4, 3)
     assert flow.nodes["grpo_advantages"].config["filter_groups"] is True
     with pytest.raises(ValueError, match="n=1"):
         grpo_flow(filter_groups=True, n=1)

@@ -22,3 +22,17 @@ def keep_odd(group: Grouped[Prompt]) -> Stream[Prompt]:
 def kept(prompts: Batch[Prompt]) -> Metrics:
     return Metrics({"kept/items": len(prompts),
                     "kept/groups": len({p.prompt_id for p in prompts})})
+
+
+@op
+def numbered_prompts(*, prompts: int = 4) -> Stream[Prompt]:
+    """One prompt per group, prompt_id its number."""
+    for i in range(prompts):
+        yield Prompt(prompt_id=i, tokens=[i])
+
+
+@op
+def three_of(prompt: Prompt) -> Stream[Prompt]:
+    """The prompt three times: a group of three, as generation makes n samples of it."""
+    for j in range(3):
+        yield Prompt(prompt_id=prompt.prompt_id, tokens=[*prompt.tokens, j])

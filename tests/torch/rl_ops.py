@@ -13,3 +13,11 @@ def staged_reward(rollout: Rollout, *, step: int = 0) -> Scored:
     odd prompts' do not."""
     hit = step > 0 and rollout.prompt_id % 2 == 0 and rollout.sample % 2 == 0
     return Scored(**attrs.asdict(rollout, recurse=False), reward=float(hit))
+
+
+@op
+def second_round_reward(rollout: Rollout) -> Scored:
+    """1 for the even samples of prompts 8 and up, else 0: with 4 prompts a step generating 8
+    a round, only the second round's groups differ."""
+    hit = rollout.prompt_id >= 8 and rollout.sample % 2 == 0
+    return Scored(**attrs.asdict(rollout, recurse=False), reward=float(hit))

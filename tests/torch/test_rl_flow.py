@@ -80,7 +80,9 @@ def test_the_generator_holds_the_trained_weights_after_each_step(runs):
         torch.testing.assert_close(generator[name], tensor, rtol=0, atol=0)
     assert all("reward_mean" in r.metrics for r in reports)
     taken = [r.metrics.get("grpo_advantages/groups_taken") for r in reports]
-    if taken[0] is not None:  # DAPO: 8 groups generate, none differs in step 0, 4 after
+    if taken[0] is not None:  # DAPO: 8 groups a round, none differs in step 0, 4 after
         assert taken == [0, 4, 4]
-        assert [r.metrics["grpo_advantages/groups_empty"] for r in reports] == [8, 4, 4]
+        # step 0 runs all 3 rounds in vain; then the first round has the 4 groups
+        assert [r.metrics["grpo_advantages/groups_empty"] for r in reports] == [24, 4, 4]
+        assert [r.metrics["generate/sampling_rounds"] for r in reports] == [3, 1, 1]
         assert [r.metrics["update_actor/tokens"] > 0 for r in reports] == [False, True, True]

@@ -1,0 +1,150 @@
+"""A step that samples in rounds until its group quota fills: `group_by(..., take=T, rounds=R)`.
+
+[Note: sampling rounds] DAPO's dynamic sampling (Yu et al. 2025) generates another batch when
+too few groups of a batch have rewards that differ, up to a cap (verl's max_num_gen_batches).
+Here the step's source makes R rounds of prompts at once (the flow asks it for R times a round's
+prompts), and the round node, the first per-item node after the source (generation), calls them
+a round at a time: the first round at once, the next only when the groups not yet decided can
+no longer make up the quota, taken + undecided < T, where a group is decided once the quota's
+node has run on it (taken, empty or surplus: quota.py). A later round's groups go through the
+same nodes as the first's, and the quota keeps counting. The round node ends, and every node
+after it in turn, once T groups are taken or the R rounds are spent; prompts of rounds never run
+are counted unused. Each prompt makes one group, so the round node's calls and the quota's
+groups are counted alike (the flow check holds a group to its call's fan-out, n samples).
+
+The round node stays open while its decision is pending, so what reads its stream ends only
+after it. That needs a fused run: stage by stage, the quota's node runs only once generation has
+ended, so such a step runs its first round only and reports its short groups as a step without
+rounds does. Synchronous runs only, without partial rollouts: both call generation through
+policies of their own (the runner refuses the mix before anything starts). It is the round
+node's call policy (calls.py), holding the quota's policy of the same step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from flowkit.dsl import Granularity
+from flowkit.planner.lower import Call
+from flowkit.runner.calls import CallSite
+from flowkit.runner.quota import GroupQuota
+
+__all__ = ["SamplingRounds", "round_nodes"]
+
+
+@attrs.define
+class SamplingRounds:
+    """One round node's calls in one step."""
+
+    name: str
+    rounds: int
+    quota: GroupQuota
+    fused: bool
+    streams_parts = True  # a sample goes downstream as it is made, as without rounds
+    site: Any = None  # the round node's, to call a later round on
+    round_size: int = 0
+    sent: int = 0  # rounds called
+    called: int = 0  # prompts called, over the rounds
+    total: int = 0  # prompts the source made
+
+    def __attrs_post_init__(self) -> None:
+        self.quota.listener = self._decided
+
+    def submit(self, site: CallSite, prompts_closed: bool) -> bool:
+        """The first round, once the source's prompts are all in (a round is a share of
+        them)."""
+        self.site = site
+        if not prompts_closed:
+            return False
+        if not self.sent:
+            self.total = len(site.lead_items())
+            self.round_size = max(1, -(-self.total // self.rounds))
+            self.sent = 1
+        return True
+
+    def admit(self, prompts: int) -> bool:
+        """The first round's prompts; the others wait for `_next_round`, or never run."""
+        if self.called >= self.round_size:
+            return False
+        self.called += 1
+        return True
+
+    def config(self, lineage: tuple) -> dict:
+        return {}
+
+    def done(self, lineage: tuple, future: Any, site: CallSite) -> bool:
+        return True
+
+    def _undecided(self) -> int:
+        quota = self.quota
+        return self.called - (quota.taken + quota.empty + quota.surplus)
+
+    def _short(self) -> bool:
+        """Whether the groups to come cannot fill the quota, and a round is left."""
+        quota = self.quota
+        return (self.fused and self.sent and self.sent < self.rounds
+                and quota.taken + self._undecided() < quota.take)
+
+    def _decided(self) -> None:
+        """The quota's node decided a group: call the next round if it is needed now."""
+        if self._short():
+            self._next_round()
+        if self.site is not None:
+            self.site.touch()  # the round node may end now
+
+    def _next_round(self) -> None:
+        begin = self.sent * self.round_size
+        prompts: Sequence = self.site.lead_items()[begin:begin + self.round_size]
+        self.sent += 1
+        for lineage, ref in prompts:
+            self.called += 1
+            self.site.submit(lineage, ref)
+
+    def may_close(self) -> bool:
+        """Once the quota is met or the rounds are spent (or unfused: one round)."""
+        if not self.fused or self.quota.taken >= self.quota.take or self.sent >= self.rounds:
+            return True
+        if self._short():
+            self._next_round()
+        return False
+
+    def closed(self) -> None:
+        pass
+
+    def receive(self, calls: list, *, closed: bool) -> None:
+        raise RuntimeError(f"{self.name}: a step sampled in rounds carries no calls over")
+
+    def metrics(self, timeout: float) -> dict[str, float]:
+        return {f"{self.name}/sampling_rounds": self.sent,
+                f"{self.name}/prompts_unused": self.total - self.called}
+
+
+def round_nodes(plan: Sequence[Any]) -> dict[str, tuple[str, int]]:
+    """The round node of each group node sampled in rounds: {round node: (quota node,
+    rounds)}. The round node is the first per-item node on the path from the step's source to
+    the quota's grouped input, following each node's first streamed input."""
+    by_name = {node.name: node for node in plan}
+    found: dict[str, tuple[str, int]] = {}
+    for node in plan:
+        for rule in node.inputs:
+            if not getattr(rule, "group_rounds", None):
+                continue
+            at = rule.src
+            while True:
+                lead = next((r for r in by_name[at].inputs if not r.feedback
+                             and r.granularity is Granularity.STREAM), None)
+                if lead is None or by_name[lead.src].call is not Call.PER_ITEM:
+                    break
+                at = lead.src
+            if by_name[at].call is not Call.PER_ITEM:
+                raise ValueError(f"{node.name}: group_by(..., rounds={rule.group_rounds}) calls "
+                                 "the prompts of a per-item op in rounds, and no per-item op "
+                                 f"feeds it (its input comes from {rule.src!r})")
+            if at in found:
+                raise ValueError(f"{at}: two group_by(..., rounds=) downstream call it in "
+                                 "rounds; give one of them rounds")
+            found[at] = (node.name, int(rule.group_rounds))
+    return found
