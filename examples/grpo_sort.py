@@ -37,6 +37,9 @@ partial = grpo_flow(kl_coef=0.001, max_staleness=1, oversample=1.5, **TASK)
 # `flowkit run examples/grpo_sort.py:dapo` (clip-higher, token-level loss, overlong penalty),
 # `:dr_grpo` (no std division, sums over the budget) and `:gspo` (sequence-level ratio)
 dapo = dapo_flow(**TASK)
+# DAPO without its further sampling rounds (`:dapo_one_round`): a step short of groups that
+# differ trains fewer
+dapo_one_round = dapo_flow(filter_rounds=1, **TASK)
 dr_grpo = dr_grpo_flow(**TASK)
 gspo = gspo_flow(**TASK)
 
