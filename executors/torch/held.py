@@ -26,6 +26,7 @@ from executors.torch import weights
 from executors.torch.lora import add_adapters, merge_adapters
 from executors.torch.rl_loss import RLLoss
 from executors.torch.stage import StageError, StageRunner
+from flowkit.dsl.lora import lora_identity
 from flowkit.ops.records import WeightsVersion
 
 __all__ = ["HeldModel", "HeldStage", "evaluating", "export_weights", "held_model", "held_stage",
@@ -66,7 +67,7 @@ def held_model(ctx: OpContext, config: dict) -> HeldModel:
     lora_settings = config.get("lora")
     spec = (config["build"], repr(sorted(config.get("model_config", {}).items())),
             int(config.get("seed", 0)), config.get("dtype", "float32"),
-            repr(sorted((lora_settings or {}).items())))
+            repr(sorted((lora_identity(lora_settings) or {}).items())))
     models = ctx.state.setdefault("torch_models", {})
     for (other, stages), held in models.items():
         if other == name and held.spec != spec:
@@ -229,12 +230,18 @@ def _save_lora(adapters: dict[str, torch.Tensor], path: Path, spec: dict) -> Pat
     adapter tensors by name (others: `path` as NAME.lora.pt); or merged into the base weights,
     saved as a model without adapters would be."""
     settings = spec["lora"]
+    if settings["save"] == "adapter" and not hasattr(_factory(spec["build"]), "save_lora"):
+        return weights.save_checkpoint(path.with_suffix(".lora.pt"), adapters)
+    with torch.random.fork_rng():  # building seeds torch: this executor's draws stay its own
+        return _save_lora_built(adapters, path, spec, settings)
+
+
+def _save_lora_built(adapters: dict[str, torch.Tensor], path: Path, spec: dict,
+                     settings: dict) -> Path:
     whole = _base_for_save(spec)
     pretrained = getattr(whole, "pretrained_format", False)
     if settings["save"] == "adapter":
-        if pretrained:
-            return whole.save_lora(path.with_suffix(""), settings, adapters)
-        return weights.save_checkpoint(path.with_suffix(".lora.pt"), adapters)
+        return whole.save_lora(path.with_suffix(""), settings, adapters)
     torch.manual_seed(int(spec.get("seed", 0)))
     layout = add_adapters(whole, [whole], weights.layout(whole), settings)
     weights.load([whole], layout, adapters, what=f"the adapters of model {spec.get('model')!r}")

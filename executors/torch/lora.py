@@ -29,8 +29,10 @@ __all__ = ["LoRALinear", "add_adapters", "adapter_names", "merge_adapters"]
 
 
 class LoRALinear(nn.Module):
-    """``base_layer(x) + lora_B(lora_A(dropout(x))) * alpha / r``, with A drawn as peft draws
-    it (Kaiming-uniform, a = √5) and B zero: at first the base layer's own function."""
+    """``base_layer(x) + lora_B(lora_A(dropout(x))) * alpha / r``, as peft's ``lora.Linear``
+    computes it, with A Kaiming-uniform (a = √5, peft's default) and B zero: at first the base
+    layer's own function. The adapters take the base layer's dtype (peft keeps bfloat16
+    adapters in float32 by default: here a bfloat16 model's updates are rounded to it)."""
 
     def __init__(self, base: nn.Linear, *, r: int, alpha: float, dropout: float) -> None:
         super().__init__()

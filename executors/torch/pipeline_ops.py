@@ -223,19 +223,27 @@ def _optimizer_step(ctx: OpContext, *inputs: Any, stage: int, stages: int, step:
         if coef < 1.0:
             for grad in grads:
                 grad.mul_(coef)
-    group = replicas.replica_group(ctx, replica_group) \
-        if shard_optimizer and replica_group is not None else None
+    if trainable(held.module):  # a LoRA stage may hold no adapter: nothing to step there
+        _adamw_step(ctx, held, replica_group if shard_optimizer else None, lr=lr,
+                    weight_decay=weight_decay, betas=betas, eps=eps)
+    held.module.zero_grad(set_to_none=True)
+    if not report:
+        return None
+    return step_report(inputs, model=model, step=step, grad_norm=norm)
+
+
+def _adamw_step(ctx: OpContext, held: HeldStage, replica_group: str | None,
+                **hparams: Any) -> None:
+    """One AdamW step of the stage, made on first use; over a replica group's shards, this
+    replica's share, then the replicas exchange theirs."""
+    group = None if replica_group is None else replicas.replica_group(ctx, replica_group)
     if held.optimizer is None:
         held.shard = None if group is None else (group.rank(), group.size())
-        held.optimizer = new_optimizer(held.module, shard=held.shard, lr=lr,
-                                       weight_decay=weight_decay, betas=betas, eps=eps)
+        held.optimizer = new_optimizer(held.module, shard=held.shard, **hparams)
     held.optimizer.step()
     held.module.zero_grad(set_to_none=True)
     if group is not None:
         broadcast_shards(group, trainable(held.module))
-    if not report:
-        return None
-    return step_report(inputs, model=model, step=step, grad_norm=norm)
 
 
 def trainable(module: torch.nn.Module) -> list[torch.Tensor]:

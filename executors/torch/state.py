@@ -25,6 +25,7 @@ from executors.optable import OpContext
 from executors.torch.held import held_model, held_stage
 from executors.torch.reshard import recut
 from executors.torch.stage import StageError
+from flowkit.dsl.lora import lora_identity
 
 __all__ = ["load_state", "save_state", "state_of"]
 
@@ -63,7 +64,8 @@ def _saved(part: torch.nn.Module, adapters_only: bool) -> dict[str, torch.Tensor
 
 
 def _frozen(part: torch.nn.Module) -> set[str]:
-    return {name for name, p in part.named_parameters() if not p.requires_grad}
+    return {name for name, p in part.named_parameters(remove_duplicate=False)
+            if not p.requires_grad}
 
 
 def _load_part(part: torch.nn.Module, tensors: dict, adapters_only: bool) -> None:
@@ -196,7 +198,7 @@ def _checked(entry: Any, index: int, path: str, models: dict) -> tuple[dict, dic
                          f"(it has {sorted(models) or 'none'})")
     saved = _field(entry, "config", dict, path, where)
     for key in _SPEC_KEYS:
-        if saved.get(key) != spec.get(key):
+        if _identity(key, saved.get(key)) != _identity(key, spec.get(key)):
             raise StageError(f"{path}: model {name!r} was saved with {key}="
                              f"{_short(saved.get(key))}, this flow has {_short(spec.get(key))}: "
                              "resume with the flow that wrote it")
@@ -220,6 +222,11 @@ def _checked(entry: Any, index: int, path: str, models: dict) -> tuple[dict, dic
     if version is not None and not isinstance(version, int):
         raise StageError(f"{path}: model {name!r} has a weights version that is not a number")
     return entry, {**spec, "stages": stages}
+
+
+def _identity(key: str, value: Any) -> Any:
+    """What of a spec's value makes the model: a LoRA's settings but where it is saved."""
+    return lora_identity(value) if key == "lora" and isinstance(value, dict) else value
 
 
 def _short(value: Any) -> str:

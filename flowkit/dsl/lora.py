@@ -12,10 +12,11 @@ take gradients, optimizer state, weight syncs to generation, and the saved adapt
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["LORA_KEYS", "check_lora"]
+__all__ = ["LORA_KEYS", "check_lora", "lora_identity"]
 
 LORA_KEYS = {
     "r": "the adapters' rank (an int >= 1)",
@@ -29,6 +30,11 @@ LORA_KEYS = {
 }
 _SAVES = ("adapter", "merged")
 _HEADS = ("lm_head", "score")  # a split's last stage holds its own copy of a tied head
+
+
+def lora_identity(settings: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """What of the settings makes the model: all but `save`, which only says how to write it."""
+    return None if settings is None else {k: v for k, v in settings.items() if k != "save"}
 
 
 def check_lora(value: Any, *, model: str) -> dict[str, Any] | None:
@@ -51,7 +57,8 @@ def check_lora(value: Any, *, model: str) -> dict[str, Any] | None:
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise ValueError(f"{where}: r={r!r} must be an int >= 1 (8 to 64 are usual)")
     alpha = value.get("alpha", r)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (
+            0 < alpha < math.inf):
         raise ValueError(f"{where}: alpha={alpha!r} must be a number > 0 (often 2 × r)")
     targets = value["target_modules"]
     if isinstance(targets, str) or not isinstance(targets, (list, tuple)) or not targets or not all(

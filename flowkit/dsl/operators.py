@@ -86,6 +86,10 @@ class Model:
 
     def __attrs_post_init__(self) -> None:  # checked and normalized once the name is known
         object.__setattr__(self, "lora", check_lora(self.lora, model=self.name))
+        if self.lora is not None and self.config.get("value_head"):
+            raise ValueError(f"Model {self.name!r}: lora trains the adapters only, and a value "
+                             "head (value_head=True: a critic, a reward model) starts untrained: "
+                             "train it whole (no lora)")
 
     @build.validator
     def _check_build(self, _attribute: attrs.Attribute, value: str) -> None:

@@ -413,7 +413,9 @@ class FlowRunner:
     def save_weights(self, folder: Path) -> list[Path]:
         """Each model trained so far (an interrupted step included), its stages' weights
         merged by the unsplit model's names, to `folder`/NAME.pt: a checkpoint a model
-        config's `checkpoint` key starts from. Needs executors that save weights (torch)."""
+        config's `checkpoint` key starts from (a Hugging Face model: the folder `folder`/NAME;
+        a LoRA model's adapters: NAME.lora.pt, or a peft adapter folder, which no model config
+        starts from). Needs executors that save weights (torch)."""
         saves = [t.save(folder) for _, t in sorted(self.training.items()) if t.last_trained]
         return [Path(future.result(timeout=self.step_timeout)) for future in saves]
 

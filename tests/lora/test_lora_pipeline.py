@@ -38,8 +38,9 @@ def torch_cluster():
         yield ctl
 
 
-def _train_on_executors(ctl, schedule: str, name: str) -> tuple[list, dict, dict, int]:
-    flow = pretrain_flow(model=lora_gpt(name), corpus=CORPUS, microbatches=MICROBATCHES,
+def _train_on_executors(ctl, schedule: str, name: str, lora: dict | None = None
+                        ) -> tuple[list, dict, dict, int]:
+    flow = pretrain_flow(model=lora_gpt(name, lora=lora), corpus=CORPUS, microbatches=MICROBATCHES,
                          schedule=schedule, batch_size=SEQUENCES, seq_len=SEQ_LEN, **HPARAMS)
     runner = FlowRunner(ctl, lower_flow(flow))
     losses = [runner.run_step(step).metrics["backprop/loss"] for step in range(STEPS)]
@@ -55,14 +56,13 @@ def _train_on_executors(ctl, schedule: str, name: str) -> tuple[list, dict, dict
     return losses, params, exported, run_schedule.num_stages
 
 
-def plain_lora_gpt(dtype=torch.float64):
+def plain_lora_gpt(dtype=torch.float64, targets=LORA["target_modules"]):
     """The reference model: the GPT built as its holders build it, adapters injected as they
     inject them (the model's seed again, right before)."""
     model = seeded_gpt(GPT_CONFIG, seed=SEED, dtype=dtype)
     torch.manual_seed(SEED)
     add_adapters(model, [model], weights.layout(model), {
-        "r": 4, "alpha": 8.0, "target_modules": LORA["target_modules"], "dropout": 0.0,
-        "save": "adapter"})
+        "r": 4, "alpha": 8.0, "target_modules": targets, "dropout": 0.0, "save": "adapter"})
     return model
 
 
@@ -88,3 +88,20 @@ def test_lora_training_equals_the_plain_loop(torch_cluster, schedule):
         diff = (exported[name] - wanted[name].detach()).abs().max().item()
         assert diff < 1e-10, f"{schedule}: {name} differs by {diff:.3g}"
         assert not torch.equal(exported[name], before[name]), f"{name} never trained"
+
+
+def test_a_stage_without_adapters_steps_nothing_and_the_rest_trains(torch_cluster):
+    """Adapters on the last two blocks only: stage 0 (blocks 0 and 1) holds none."""
+    targets = ["h.2.mlp.c_fc", "h.3.mlp.c_fc"]
+    losses, params, exported, stages = _train_on_executors(
+        torch_cluster, "1f1b", "lora-top", lora={**LORA, "target_modules": targets})
+    model = plain_lora_gpt(targets=targets)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    plain_losses = plain_training(trained, lambda b: model(b[:, :-1], b[:, 1:]), corpus=CORPUS,
+                                  steps=STEPS, sequences=SEQUENCES, seq_len=SEQ_LEN,
+                                  microbatches=MICROBATCHES, **HPARAMS)
+    assert losses == pytest.approx(plain_losses, abs=1e-10)
+    assert sorted(exported) == sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    for stage, module in enumerate(model.split(stages)):
+        for name, want in module.named_parameters():
+            assert (params[stage][name] - want.detach()).abs().max().item() < 1e-10, name

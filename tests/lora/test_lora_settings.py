@@ -32,6 +32,7 @@ def test_settings_are_normalized_with_their_defaults():
     ({"r": 0, "target_modules": ["c_attn"]}, "r=0 must be an int >= 1"),
     ({"r": 2.5, "target_modules": ["c_attn"]}, "must be an int"),
     ({"r": 8, "alpha": -1, "target_modules": ["c_attn"]}, "alpha=-1 must be a number > 0"),
+    ({"r": 8, "alpha": float("inf"), "target_modules": ["c_attn"]}, "alpha=inf must be"),
     ({"r": 8, "target_modules": "c_attn"}, "non-empty list"),
     ({"r": 8, "target_modules": []}, "non-empty list"),
     ({"r": 8, "target_modules": ["lm_head"]}, "output head 'lm_head'"),
@@ -41,6 +42,12 @@ def test_settings_are_normalized_with_their_defaults():
 def test_bad_settings_are_refused_when_the_model_is_declared(lora, words):
     with pytest.raises(ValueError, match=words):
         gpt(lora)
+
+
+def test_a_value_head_with_lora_is_refused_when_declared():
+    with pytest.raises(ValueError, match="a value head .* starts untrained: train it whole"):
+        Model(name="critic", build=GPT, config={**tiny_gpt(), "value_head": True},
+              lora={"r": 2, "target_modules": ["c_attn"]})
 
 
 def _spec(lora: dict) -> dict:
@@ -71,3 +78,47 @@ def test_a_hugging_face_target_peft_cannot_find_is_refused():
     with pytest.raises(HFModelError, match=r"\['c_attn'\] match no layer of this llama; its "
                                            r"linear layers are named \['down_proj', "):
         held_model(op_context(), model_spec(model, 1))
+
+
+def test_a_hugging_face_target_peft_cannot_adapt_is_refused_in_peft_s_words():
+    pytest.importorskip("peft", reason="the hf extra: pip install 'flowkit[hf]'")
+    from executors.torch.models.hf import HFModelError
+    from flowkit.runner.training import model_spec
+
+    llama = {"architecture": "llama", "hf_config": dict(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=32, vocab_size=64, max_position_embeddings=32)}
+    model = Model(name="actor", build="hf", config=llama,
+                  lora={"r": 2, "target_modules": ["self_attn"]})
+    with pytest.raises(HFModelError, match=r"\['self_attn'\] name a layer peft cannot adapt .* "
+                                           r"named \['down_proj', "):
+        held_model(op_context(), model_spec(model, 1))
+
+
+def test_our_lora_layer_computes_what_peft_s_does():
+    """LoRALinear (the GPT's, and any model's without its own add_lora) against peft's
+    lora.Linear with the same weights: forward and merged weight."""
+    peft = pytest.importorskip("peft", reason="the hf extra: pip install 'flowkit[hf]'")
+    import torch
+
+    from executors.torch.lora import LoRALinear
+
+    torch.manual_seed(0)
+    base = torch.nn.Linear(6, 5).double()
+    ours = LoRALinear(base, r=3, alpha=7.0, dropout=0.0)
+    wrapped = peft.inject_adapter_in_model(peft.LoraConfig(
+        r=3, lora_alpha=7.0, target_modules=["layer"]), torch.nn.ModuleDict(
+            {"layer": torch.nn.Linear(6, 5).double()}))
+    theirs = wrapped["layer"]
+    with torch.no_grad():
+        theirs.base_layer.weight.copy_(base.weight)
+        theirs.base_layer.bias.copy_(base.bias)
+        ours.lora_B.weight.normal_()
+        theirs.lora_A["default"].weight.copy_(ours.lora_A.weight)
+        theirs.lora_B["default"].weight.copy_(ours.lora_B.weight)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=1e-12)
+    ours.merge()
+    theirs.merge()
+    torch.testing.assert_close(ours.base_layer.weight, theirs.base_layer.weight, rtol=0,
+                               atol=1e-12)

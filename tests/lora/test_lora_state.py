@@ -60,3 +60,16 @@ def test_a_flow_with_other_lora_settings_is_refused_naming_them(tmp_path):
     for other in (None, {**LORA, "r": 4}):
         with pytest.raises(StageError, match="was saved with lora="):
             load_state(op_context("exec1"), path=str(path), models={"actor": _spec(other)})
+    # where the adapters are saved to is no part of the model
+    assert load_state(op_context("exec2"), path=str(path),
+                      models={"actor": _spec({**LORA, "save": "merged"})}) == 1
+
+
+def test_a_whole_copy_with_a_tied_head_saves_no_base_weight(tmp_path):
+    """A one-stage GPT ties its head to its embedding: one frozen weight, two names."""
+    ctx, spec = op_context(), {**_spec(), "stages": 1}
+    held_model(ctx, spec).version = 1  # a loaded copy, as a generator's: saved whole
+    path = tmp_path / "exec0.pt"
+    save_state(ctx, path=str(path))
+    saved = torch.load(path, weights_only=True)["models"][0]["parts"][0]
+    assert saved and all(".lora_" in name for name in saved)

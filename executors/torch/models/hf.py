@@ -181,12 +181,15 @@ class HFCausalLM(nn.Module):
                                "pip install 'flowkit[hf]'") from None
         try:
             inject_adapter_in_model(_lora_config(settings), self._lm[0])
-        except ValueError:
+        except ValueError as exc:
             linear = sorted({name.rpartition(".")[2] for name, m in self.named_modules()
-                             if isinstance(m, nn.Linear)} - {"lm_head", "score"})
-            raise HFModelError(f"lora target_modules {settings['target_modules']} match no "
-                               f"layer of this {self.config.model_type}; its linear layers are "
-                               f"named {linear}") from None
+                             if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"}
+                            - {"lm_head", "score"})
+            why = "match no layer" if "not found" in str(exc) else (
+                "name a layer peft cannot adapt (linear, embedding and convolution layers)")
+            raise HFModelError(f"lora target_modules {settings['target_modules']} {why} of "
+                               f"this {self.config.model_type}; its linear layers are named "
+                               f"{linear}") from None
 
     def save_lora(self, folder: str | Path, settings: dict,
                   adapters: dict[str, torch.Tensor]) -> Path:
