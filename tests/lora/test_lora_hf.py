@@ -80,9 +80,8 @@ def _train_plain_peft(config: dict):
     return wrapped, losses
 
 
-@pytest.mark.parametrize(("config", "schedule"), [(LLAMA, "zb-h1"), (QWEN2_TIED, "1f1b"),
-                                                  (LLAMA, "zb-v")],
-                         ids=["llama-zb-h1", "qwen2-tied-1f1b", "llama-zb-v"])
+@pytest.mark.parametrize(("config", "schedule"), [(LLAMA, "zb-h1"), (QWEN2_TIED, "1f1b")],
+                         ids=["llama-zb-h1", "qwen2-tied-1f1b"])
 def test_pipeline_lora_equals_a_plain_peft_loop_and_saves_a_peft_adapter(
         torch_cluster, tmp_path, config, schedule):
     name = f"{config['architecture']}-{schedule}"
