@@ -18,11 +18,12 @@ from typing import Any
 
 import attrs
 
+from dataflows.sandbox import Limits, run_python
 from flowkit.dsl import op
 from flowkit.ops.records import Rollout, Scored
 
-__all__ = ["exact_match_reward", "format_reward", "last_number", "math_reward", "prompt_text",
-           "response_text", "text_reward"]
+__all__ = ["code_reward", "exact_match_reward", "format_reward", "last_number", "math_reward",
+           "prompt_text", "response_code", "response_text", "text_reward"]
 
 TextFn = Callable[..., float]
 
@@ -135,6 +136,28 @@ def math_reward(prompt: str, response: str, answer: str | None, *,
     gold = parse(answer, parsing_timeout=timeout)
     found = parse(response, parsing_timeout=timeout)
     return float(bool(gold) and bool(found) and verify(gold, found, timeout_seconds=timeout))
+
+
+_FENCED = re.compile(r"```[ \t]*(?:python|py)?[ \t]*\n(.*?)```", re.S)
+
+
+def response_code(response: str) -> str:
+    """The code of a response: its last fenced block (```python ... ```), else all of it."""
+    blocks = _FENCED.findall(response)
+    return blocks[-1] if blocks else response
+
+
+@text_reward
+def code_reward(prompt: str, response: str, answer: str | None, *, timeout_s: float = 5.0,
+                memory_mib: int = 1024) -> float:
+    """1.0 when the response's code (`response_code`) followed by the answer's tests (Python,
+    asserts) runs to a clean exit in the sandbox [Note: sandbox in dataflows/sandbox.py]
+    within `timeout_s`, else 0.0: a failed assert, an error, a crash, a timeout, code that
+    forks without end or reaches for the network all score 0 and never stall the step."""
+    tests = _needs(answer, "code_reward")
+    outcome = run_python(f"{response_code(response)}\n\n{tests}\n",
+                         limits=Limits(timeout_s=timeout_s, memory_mib=memory_mib))
+    return float(outcome.ok)
 
 
 def _check_pattern(config: dict[str, Any]) -> None:

@@ -1,8 +1,8 @@
 """LoRA through the pipeline [Note: LoRA in flowkit/dsl/lora.py]: a built-in GPT with adapters,
-trained by pipeline schedules (1F1B and the V shape) on torch executor processes (F/B/W, the adapters' weight
-gradients deferred to W), ends with the parameters of a plain single-process loop over the same
-model with the same adapters, to 1e-10 in float64; the base weights never move, and a weight
-export carries the adapters only."""
+trained by pipeline schedules (1F1B and the V shape) on torch executor processes (F/B/W, the
+adapters' weight gradients deferred to W), ends with the parameters of a plain single-process
+loop over the same model with the same adapters, to 1e-10 in float64; the base weights never
+move, and a weight export carries the adapters only."""
 
 from __future__ import annotations
 

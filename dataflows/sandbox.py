@@ -1,0 +1,217 @@
+"""Sandboxed execution for tools and rewards: `run_python` runs untrusted code (a model's answer,
+a tool's input) in a process of its own, bounded, and always answers.
+
+[Note: sandbox] Each call runs in a fresh scratch folder, under `Limits`:
+
+- a wall-clock timeout: past it, the call's whole process tree is killed (SIGKILL), and the
+  outcome says "timeout";
+- rlimits on CPU seconds, address space, file size and open files (set in the child before it
+  runs anything);
+- where this machine allows it (root, or unprivileged user namespaces), `unshare --net --pid
+  --fork --kill-child`: a network namespace with no interface but a down loopback (no network),
+  and a PID namespace whose first process is the call's, so killing it kills everything the code
+  forked or daemonized (a fork bomb included), however it detached; as root the code also runs as
+  the unprivileged user `nobody`, which makes the process-count limit (RLIMIT_NPROC) hold;
+- a minimal environment (PATH, HOME and TMPDIR in the scratch folder), Python in isolated mode
+  (`-I`: no user site, no PYTHON* variables, not the caller's folder on its path);
+- output capped: what the code writes past `output_bytes` is dropped;
+- `retries`: a call whose sandbox failed to start (the machine was out of processes) is tried
+  again; a timeout or a crash of the code itself is an answer, not retried.
+
+A call never raises for what the code does: its `Outcome` says "ok", "failed" (a non-zero exit),
+"crashed" (killed by a signal: a memory or CPU limit, a segfault), "timeout", or "unavailable"
+(the sandbox could not start), with the output, the seconds and whether the namespaces were on
+(`isolated`). Without them (a machine that forbids namespaces) the limits still hold and the
+process group is killed on timeout, but the code may reach the network: `isolated` is False and
+`sandbox_status()` says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+
+import attrs
+
+__all__ = ["Limits", "Outcome", "run_python", "sandbox_status"]
+
+_NOBODY = 65534
+
+
+@attrs.frozen(kw_only=True)
+class Limits:
+    timeout_s: float = 5.0
+    cpu_s: int | None = None  # CPU seconds (None: the timeout's, rounded up, plus one)
+    memory_mib: int = 1024  # address space
+    file_mib: int = 16  # the largest file the code may write
+    open_files: int = 64
+    processes: int = 32  # as `nobody`: processes of that user at once
+    output_bytes: int = 65536  # of stdout and of stderr, each
+    retries: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("timeout_s", "memory_mib", "file_mib", "open_files", "processes",
+                     "output_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"sandbox Limits: {name}={value!r} must be a number > 0")
+        if self.retries < 0:
+            raise ValueError(f"sandbox Limits: retries={self.retries!r} must be >= 0")
+
+
+@attrs.frozen
+class Outcome:
+    status: str  # ok | failed | crashed | timeout | unavailable
+    returncode: int | None
+    stdout: str
+    stderr: str
+    seconds: float
+    isolated: bool  # network and PID namespaces were on
+    attempts: int = 1
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def run_python(code: str, *, stdin: str = "", limits: Limits | None = None,
+               files: Mapping[str, str] | None = None) -> Outcome:
+    """Run `code` as a Python program in the sandbox [Note: sandbox], `stdin` as its input and
+    `files` (name -> text) beside it in its scratch folder."""
+    limits = limits or Limits()
+    attempts = 0
+    while True:
+        attempts += 1
+        outcome = _run_once(code, stdin, limits, dict(files or {}))
+        if outcome.status != "unavailable" or attempts > limits.retries:
+            return attrs.evolve(outcome, attempts=attempts)
+        time.sleep(0.05 * attempts)
+
+
+def _run_once(code: str, stdin: str, limits: Limits, files: dict[str, str]) -> Outcome:
+    isolated = sandbox_status() is None
+    scratch = tempfile.mkdtemp(prefix="flowkit-sandbox-")
+    started = time.monotonic()
+    try:
+        for name, text in {**files, "main.py": code}.items():
+            if os.path.basename(name) != name or name in ("", ".", ".."):
+                raise ValueError(f"sandbox file name {name!r} must be a plain name")
+            with open(os.path.join(scratch, name), "w", encoding="utf-8") as f:
+                f.write(text)
+        as_nobody = isolated and os.geteuid() == 0 and shutil.which("setpriv") is not None
+        if as_nobody:  # the code runs as nobody: its folder must be its own
+            for path in [scratch, *(os.path.join(scratch, n) for n in os.listdir(scratch))]:
+                os.chown(path, _NOBODY, _NOBODY)
+        command = [*(_UNSHARE if isolated else ()), *(_NOBODY_USER if as_nobody else ()),
+                   sys.executable, "-I", *(("-c", _INIT) if isolated else ()), "main.py"]
+        try:
+            process = subprocess.Popen(
+                command, cwd=scratch, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", "HOME": scratch,
+                                             "TMPDIR": scratch, "PYTHONIOENCODING": "utf-8"},
+                preexec_fn=functools.partial(_limit, limits, as_nobody), close_fds=True)
+        except OSError as exc:
+            return Outcome("unavailable", None, "", str(exc), 0.0, isolated)
+        stdout, stderr, timed_out = _communicate(process, stdin, limits)
+        seconds = time.monotonic() - started
+        code_ = process.returncode
+        status = "timeout" if timed_out else "ok" if code_ == 0 else (
+            "crashed" if code_ is not None and code_ < 0 else "failed")
+        if isolated and code_ is not None and code_ > 128 and not timed_out:
+            status = "crashed"  # unshare reports its child's signal as 128 + the signal
+        return Outcome(status, code_, stdout, stderr, seconds, isolated)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _communicate(process: subprocess.Popen, stdin: str,
+                 limits: Limits) -> tuple[str, str, bool]:
+    """The capped output, and whether the timeout killed the process tree."""
+    try:
+        out, err = process.communicate(stdin.encode(), timeout=limits.timeout_s)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        _kill_tree(process)
+        out, err = process.communicate()
+        timed_out = True
+    cap = int(limits.output_bytes)
+    return (out[:cap].decode(errors="replace"), err[:cap].decode(errors="replace"), timed_out)
+
+
+def _kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL the call's process group (unshare and, through --kill-child, the namespace's
+    first process, whose death ends every process of the namespace)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _limit(limits: Limits, as_nobody: bool) -> None:
+    """In the child, before it runs anything: its own process group and the rlimits, which
+    every process it starts inherits (the process count binds once setpriv has made the code
+    `nobody`: root is exempt from it)."""
+    os.setsid()
+    cpu = limits.cpu_s or int(limits.timeout_s) + 2
+    mib = 1 << 20
+    for which, value in ((resource.RLIMIT_CPU, cpu),
+                         (resource.RLIMIT_AS, int(limits.memory_mib * mib)),
+                         (resource.RLIMIT_FSIZE, int(limits.file_mib * mib)),
+                         (resource.RLIMIT_NOFILE, int(limits.open_files)),
+                         (resource.RLIMIT_CORE, 0)):
+        resource.setrlimit(which, (value, value))
+    if as_nobody:
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
+
+
+_UNSHARE = ("unshare", "--net", "--pid", "--fork", "--kill-child")
+# The namespace's first process: the kernel spares it the signals it has no handler for (a
+# segfault, SIGXCPU), so the code runs as its child, and it exits with the code's status, a
+# signal N as 128 + N. When it exits, every process left in the namespace is killed.
+_INIT = """
+import os, sys
+pid = os.fork()
+if pid == 0:  # the code, as `python main.py` would run it
+    import runpy, traceback
+    sys.argv = sys.argv[1:]
+    sys.path.insert(0, os.getcwd())
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (exc.code is not None)
+        if not isinstance(exc.code, int) and exc.code is not None:
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+os._exit(status if status >= 0 else 128 - status)
+"""
+# inside the namespaces (unshare needs root's rights, the code must not keep them)
+_NOBODY_USER = ("setpriv", f"--reuid={_NOBODY}", f"--regid={_NOBODY}", "--clear-groups", "--")
+
+
+@functools.cache
+def sandbox_status() -> str | None:
+    """None when calls run in their own network and PID namespaces, else why they cannot."""
+    if shutil.which("unshare") is None:
+        return "no unshare command (util-linux) on this machine"
+    try:
+        done = subprocess.run([*_UNSHARE, "true"], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unshare failed: {exc}"
+    if done.returncode != 0:
+        return f"unshare is not allowed here: {done.stderr.decode(errors='replace').strip()}"
+    return None

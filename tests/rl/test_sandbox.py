@@ -1,0 +1,121 @@
+"""The sandbox for tools and rewards [Note: sandbox in dataflows/sandbox.py]: each attack a
+model's code could make is contained, answers with a defined outcome, and takes no longer than
+the timeout: a sleeper, a crash, a CPU spinner, a memory hog, a fork bomb, a daemon that
+detaches, a reach for the network, a write outside its folder, a flood of output. `code_reward`
+scores code against tests through it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+
+from dataflows.rewards import code_reward, response_code
+from dataflows.sandbox import Limits, run_python, sandbox_status
+from flowkit.ops.records import Rollout
+
+ISOLATION = sandbox_status()
+isolated = pytest.mark.skipif(ISOLATION is not None,
+                              reason=f"no network and PID namespaces here: {ISOLATION}")
+FAST = Limits(timeout_s=1.5)
+
+
+def test_a_program_runs_with_its_input_and_files_and_answers():
+    outcome = run_python("import helper\nprint(helper.X + int(input()))", stdin="5",
+                         files={"helper.py": "X = 2"})
+    assert (outcome.status, outcome.stdout, outcome.returncode) == ("ok", "7\n", 0)
+    assert outcome.isolated == (ISOLATION is None)
+    failed = run_python("raise SystemExit(3)")
+    assert (failed.status, failed.returncode) == ("failed", 3)
+    assert "ZeroDivisionError" in run_python("1 / 0").stderr
+
+
+def test_a_sleeper_is_killed_at_the_timeout():
+    started = time.monotonic()
+    outcome = run_python("import time\ntime.sleep(60)", limits=FAST)
+    assert outcome.status == "timeout"
+    assert time.monotonic() - started < FAST.timeout_s + 3
+
+
+def test_a_crash_and_a_cpu_spinner_are_crashes():
+    segfault = run_python("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)")
+    assert segfault.status == "crashed"
+    spinner = run_python("while True:\n    pass", limits=Limits(timeout_s=10, cpu_s=1))
+    assert spinner.status == "crashed" and spinner.seconds < 8
+
+
+def test_memory_past_the_limit_is_refused_to_the_code():
+    outcome = run_python("x = bytearray(1 << 31)", limits=Limits(memory_mib=256))
+    assert outcome.status == "failed" and "MemoryError" in outcome.stderr
+
+
+@isolated
+def test_a_fork_bomb_is_contained_and_leaves_nothing_behind():
+    bomb = ("import os\nwhile True:\n    try:\n        os.fork()\n"
+            "    except OSError:\n        pass\n")
+    started = time.monotonic()
+    outcome = run_python(bomb, limits=FAST)
+    assert outcome.status == "timeout"
+    assert time.monotonic() - started < FAST.timeout_s + 3
+    assert not _running("while True")
+
+
+@isolated
+def test_a_daemon_that_detaches_dies_with_the_call():
+    daemon = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n"
+              "    time.sleep(120)  # flowkit-sandbox-daemon\nprint('left it running')\n")
+    outcome = run_python(daemon)
+    assert outcome.ok and outcome.stdout == "left it running\n"
+    time.sleep(0.2)
+    assert not _running("flowkit-sandbox-daemon")
+
+
+@isolated
+def test_the_network_is_out_of_reach():
+    outcome = run_python("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)")
+    assert outcome.status == "failed" and "unreachable" in outcome.stderr
+
+
+@isolated
+def test_as_root_the_code_runs_as_nobody_and_cannot_write_outside_its_folder():
+    if os.geteuid() != 0:
+        pytest.skip("runs as nobody only when flowkit runs as root")
+    outcome = run_python("import os\nprint(os.getuid())\nopen('/etc/flowkit-sandbox', 'w')")
+    assert outcome.stdout == "65534\n" and "PermissionError" in outcome.stderr
+    assert not os.path.exists("/etc/flowkit-sandbox")
+
+
+def test_output_is_capped():
+    outcome = run_python("print('x' * 1_000_000)", limits=Limits(output_bytes=1000))
+    assert outcome.ok and len(outcome.stdout) == 1000
+
+
+def test_bad_limits_and_file_names_are_refused():
+    with pytest.raises(ValueError, match="timeout_s=0 must be a number > 0"):
+        Limits(timeout_s=0)
+    with pytest.raises(ValueError, match="must be a plain name"):
+        run_python("pass", files={"../escape.py": ""})
+
+
+def _rollout(response: str, tests: str) -> Rollout:
+    return Rollout(prompt_id=0, sample=0, prompt_tokens=[1], response_tokens=[2],
+                   logprobs=[0.0], response_text=response, prompt_text="write add",
+                   answer=tests)
+
+
+def test_code_reward_scores_the_answer_against_its_tests_through_the_sandbox():
+    tests = "assert add(2, 3) == 5\nassert add(-1, 1) == 0"
+    right = "Here:\n```python\ndef add(a, b):\n    return a + b\n```"
+    wrong = "```python\ndef add(a, b):\n    return a - b\n```"
+    endless = "```python\ndef add(a, b):\n    while True:\n        pass\n```"
+    assert response_code(right) == "def add(a, b):\n    return a + b\n"
+    scores = [code_reward.fn(_rollout(r, tests), timeout_s=1.0).reward
+              for r in (right, wrong, endless)]
+    assert scores == [1.0, 0.0, 0.0]
+
+
+def _running(marker: str) -> bool:
+    found = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
+    return bool(found.stdout.strip())
