@@ -110,14 +110,18 @@ def _run_once(code: str, stdin: str, limits: Limits, files: dict[str, str]) -> O
         if as_nobody:  # the code runs as nobody: its folder must be its own
             for path in [scratch, *(os.path.join(scratch, n) for n in os.listdir(scratch))]:
                 os.chown(path, _NOBODY, _NOBODY)
-        command = [*(_UNSHARE if isolated else ()), *(_NOBODY_USER if as_nobody else ()),
+        prlimit = shutil.which("prlimit")
+        command = [*(_prlimit(prlimit, limits, as_nobody) if prlimit else ()),
+                   *(_UNSHARE if isolated else ()), *(_NOBODY_USER if as_nobody else ()),
                    sys.executable, "-I", *(("-c", _INIT) if isolated else ()), "main.py"]
         try:
             process = subprocess.Popen(
                 command, cwd=scratch, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", "HOME": scratch,
                                              "TMPDIR": scratch, "PYTHONIOENCODING": "utf-8"},
-                preexec_fn=functools.partial(_limit, limits, as_nobody), close_fds=True)
+                start_new_session=True, close_fds=True,
+                # without prlimit (util-linux), the limits are set in the child itself
+                preexec_fn=None if prlimit else functools.partial(_limit, limits, as_nobody))
         except OSError as exc:
             return Outcome("unavailable", None, "", str(exc), 0.0, isolated)
         stdout, stderr, timed_out = _communicate(process, stdin, limits)
@@ -155,21 +159,32 @@ def _kill_tree(process: subprocess.Popen) -> None:
         pass
 
 
-def _limit(limits: Limits, as_nobody: bool) -> None:
-    """In the child, before it runs anything: its own process group and the rlimits, which
-    every process it starts inherits (the process count binds once setpriv has made the code
-    `nobody`: root is exempt from it)."""
-    os.setsid()
-    cpu = limits.cpu_s or int(limits.timeout_s) + 2
+def _rlimits(limits: Limits, as_nobody: bool) -> list[tuple[str, int, int]]:
+    """(prlimit's name, resource, value) of each limit the call runs under; every process it
+    starts inherits them (the process count binds once setpriv has made the code `nobody`:
+    root is exempt from it)."""
     mib = 1 << 20
-    for which, value in ((resource.RLIMIT_CPU, cpu),
-                         (resource.RLIMIT_AS, int(limits.memory_mib * mib)),
-                         (resource.RLIMIT_FSIZE, int(limits.file_mib * mib)),
-                         (resource.RLIMIT_NOFILE, int(limits.open_files)),
-                         (resource.RLIMIT_CORE, 0)):
-        resource.setrlimit(which, (value, value))
+    found = [("cpu", resource.RLIMIT_CPU, limits.cpu_s or int(limits.timeout_s) + 2),
+             ("as", resource.RLIMIT_AS, int(limits.memory_mib * mib)),
+             ("fsize", resource.RLIMIT_FSIZE, int(limits.file_mib * mib)),
+             ("nofile", resource.RLIMIT_NOFILE, int(limits.open_files)),
+             ("core", resource.RLIMIT_CORE, 0)]
     if as_nobody:
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
+        found.append(("nproc", resource.RLIMIT_NPROC, int(limits.processes)))
+    return found
+
+
+def _prlimit(path: str, limits: Limits, as_nobody: bool) -> list[str]:
+    """The limits set by util-linux's prlimit on the command it runs: nothing runs in the
+    forked child before exec, which a threaded executor makes the safe way."""
+    return [path, *(f"--{name}={value}" for name, _, value in _rlimits(limits, as_nobody)),
+            "--"]
+
+
+def _limit(limits: Limits, as_nobody: bool) -> None:
+    """The limits set in the child itself, where prlimit is missing."""
+    for _, which, value in _rlimits(limits, as_nobody):
+        resource.setrlimit(which, (value, value))
 
 
 _UNSHARE = ("unshare", "--net", "--pid", "--fork", "--kill-child")

@@ -119,3 +119,16 @@ def test_code_reward_scores_the_answer_against_its_tests_through_the_sandbox():
 def _running(marker: str) -> bool:
     found = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
     return bool(found.stdout.strip())
+
+
+def test_without_prlimit_the_child_sets_the_limits_itself(monkeypatch):
+    import shutil
+
+    from dataflows import sandbox
+
+    which = shutil.which
+    monkeypatch.setattr(sandbox.shutil, "which",
+                        lambda name: None if name == "prlimit" else which(name))
+    outcome = run_python("import resource\nprint(resource.getrlimit(resource.RLIMIT_NOFILE)[0])",
+                         limits=Limits(open_files=33))
+    assert outcome.ok and outcome.stdout == "33\n"
