@@ -36,8 +36,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
@@ -138,16 +140,54 @@ def _run_once(code: str, stdin: str, limits: Limits, files: dict[str, str]) -> O
 
 def _communicate(process: subprocess.Popen, stdin: str,
                  limits: Limits) -> tuple[str, str, bool]:
-    """The capped output, and whether the timeout killed the process tree."""
+    """The output, each stream cut at `output_bytes` as it is read (a flood never reaches this
+    process's memory), and whether the timeout killed the process tree."""
+    cap = int(limits.output_bytes)
+    kept: dict[str, bytearray] = {"out": bytearray(), "err": bytearray()}
+    workers = [threading.Thread(target=_drain, args=(process.stdout, kept["out"], cap),
+                                daemon=True),
+               threading.Thread(target=_drain, args=(process.stderr, kept["err"], cap),
+                                daemon=True),
+               threading.Thread(target=_feed, args=(process.stdin, stdin.encode()), daemon=True)]
+    for worker in workers:
+        worker.start()
     try:
-        out, err = process.communicate(stdin.encode(), timeout=limits.timeout_s)
+        process.wait(timeout=limits.timeout_s)
         timed_out = False
     except subprocess.TimeoutExpired:
         _kill_tree(process)
-        out, err = process.communicate()
+        process.wait()
         timed_out = True
-    cap = int(limits.output_bytes)
-    return (out[:cap].decode(errors="replace"), err[:cap].decode(errors="replace"), timed_out)
+    for worker in workers:  # the pipes close once every process of the call is gone
+        worker.join(timeout=2.0)
+    return (kept["out"].decode(errors="replace"), kept["err"].decode(errors="replace"),
+            timed_out)
+
+
+def _drain(pipe: Any, into: bytearray, cap: int) -> None:
+    """Read `pipe` to its end, keeping its first `cap` bytes."""
+    try:
+        for chunk in iter(lambda: pipe.read1(65536), b""):
+            if len(into) < cap:
+                into += chunk[:cap - len(into)]
+    except (OSError, ValueError):
+        pass
+    finally:
+        pipe.close()
+
+
+def _feed(pipe: Any, data: bytes) -> None:
+    """Write the input (the code may never read it) and close it."""
+    try:
+        if data:
+            pipe.write(data)
+    except (OSError, ValueError):
+        pass
+    finally:
+        try:
+            pipe.close()
+        except OSError:
+            pass
 
 
 def _kill_tree(process: subprocess.Popen) -> None:

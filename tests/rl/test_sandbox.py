@@ -132,3 +132,15 @@ def test_without_prlimit_the_child_sets_the_limits_itself(monkeypatch):
     outcome = run_python("import resource\nprint(resource.getrlimit(resource.RLIMIT_NOFILE)[0])",
                          limits=Limits(open_files=33))
     assert outcome.ok and outcome.stdout == "33\n"
+
+
+def test_a_flood_of_output_is_read_to_the_cap_and_the_rest_dropped():
+    """Gigabytes written within the timeout never reach the caller's memory."""
+    flood = "import sys\nchunk = 'y' * (1 << 20)\nwhile True:\n    sys.stdout.write(chunk)\n"
+    outcome = run_python(flood, limits=Limits(timeout_s=1.5, output_bytes=4096))
+    assert outcome.status == "timeout" and len(outcome.stdout) == 4096
+
+
+def test_input_the_code_never_reads_does_not_block_the_call():
+    outcome = run_python("print('done')", stdin="x" * (1 << 22))
+    assert outcome.ok and outcome.stdout == "done\n"
