@@ -4,24 +4,20 @@ where without a window it runs away; the stream's result is the same either way.
 
 import pytest
 
-from flowkit.runtime.controller import Controller
 from tests.harness import executor_cluster
 
 COUNT, CONSUMER_S = 120, 0.02
 
 
-def _slow(ctl: Controller, part, executor: int, index: int):
-    return ctl.submit("identity", part, config={"seconds": CONSUMER_S}, executor=executor)
-
-
-def _stream_into_slow_consumer(window, consume=_slow):
+def _stream_into_slow_consumer(window):
     """(most items the producer was ahead of the finished consumers, the stream's result)."""
     with executor_cluster(2) as (ctl, (producer, consumer)):
         consumed, ahead = [], []
 
         def on_part(part):  # runs on the IO thread as each item arrives
             ahead.append(len(consumed) + 1 - sum(f.done() for f in consumed))
-            consumed.append(consume(ctl, part, consumer.id, len(consumed)))
+            consumed.append(ctl.submit("identity", part, config={"seconds": CONSUMER_S},
+                                       executor=consumer.id))
 
         stream = ctl.submit("countdown", config={"count": COUNT}, executor=producer.id,
                             on_part=on_part, window=window)
@@ -36,20 +32,24 @@ def test_a_window_holds_a_fast_producer_to_a_slow_consumer():
     assert most_ahead <= 4
 
 
-def test_without_a_window_the_producer_runs_away(tmp_path):
-    """No consumer can finish before the last item is out (they wait on a gate that its
-    arrival opens), so the producer must run all the way ahead: a window would deadlock here."""
-    gate = tmp_path / "gate"
+def test_without_a_window_the_producer_runs_away():
+    """The stream ends while most of its slow consumers have yet to finish: nothing holds the
+    producer back. With a window of 4 it could end only once all but 4 had. (Counted at the
+    stream's end, not timed: a loaded machine once paced the items' arrivals.)"""
+    count = 40
+    with executor_cluster(2) as (ctl, (producer, consumer)):
+        consumed = []
 
-    def gated(ctl, part, executor, index):
-        if index == COUNT - 1:
-            gate.touch()
-        return ctl.submit("python", part, executor=executor, config={
-            "target": "tests.security.gate_ops:after_gate", "config": {"gate": str(gate)}})
+        def on_part(part):
+            consumed.append(ctl.submit("identity", part, config={"seconds": 2.0},
+                                       executor=consumer.id))
 
-    most_ahead, result = _stream_into_slow_consumer(window=None, consume=gated)
-    assert result == list(range(COUNT))
-    assert most_ahead == COUNT
+        stream = ctl.submit("countdown", config={"count": count}, executor=producer.id,
+                            on_part=on_part)
+        assert stream.result(timeout=60) == list(range(count))  # its parts came before its end
+        finished = sum(f.done() for f in consumed)
+        assert len(consumed) == count
+    assert finished < count - 4
 
 
 @pytest.mark.parametrize("window", [0, -1, 1 << 40])
