@@ -4,7 +4,7 @@ a tool's input) in a process of its own, bounded, and always answers.
 [Note: sandbox] Each call runs in a fresh scratch folder, under `Limits`:
 
 - a wall-clock timeout: past it, the call's whole process tree is killed (SIGKILL), and the
-  outcome says "timeout";
+  outcome says "timeout"; an executor that dies takes its calls with it (flowkit's `spawn`);
 - rlimits on CPU seconds, address space, file size and open files (set in the child before it
   runs anything);
 - where this machine allows it (root, or unprivileged user namespaces), `unshare --net --pid
@@ -42,6 +42,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+
+from flowkit.runtime.spawn import spawn
 
 __all__ = ["Limits", "Outcome", "run_python", "sandbox_status"]
 
@@ -116,14 +118,17 @@ def _run_once(code: str, stdin: str, limits: Limits, files: dict[str, str]) -> O
         command = [*(_prlimit(prlimit, limits, as_nobody) if prlimit else ()),
                    *(_UNSHARE if isolated else ()), *(_NOBODY_USER if as_nobody else ()),
                    sys.executable, "-I", *(("-c", _INIT) if isolated else ()), "main.py"]
+        settings = dict(cwd=scratch, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", "HOME": scratch,
+                                                     "TMPDIR": scratch,
+                                                     "PYTHONIOENCODING": "utf-8"},
+                        start_new_session=True, close_fds=True)
         try:
-            process = subprocess.Popen(
-                command, cwd=scratch, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", "HOME": scratch,
-                                             "TMPDIR": scratch, "PYTHONIOENCODING": "utf-8"},
-                start_new_session=True, close_fds=True,
-                # without prlimit (util-linux), the limits are set in the child itself
-                preexec_fn=None if prlimit else functools.partial(_limit, limits, as_nobody))
+            # a call dies with its executor (spawn's parent-death signal; unshare's
+            # --kill-child takes the namespace with it); without prlimit (util-linux) the
+            # limits are set in the child itself, which that hook would displace
+            process = spawn(command, **settings) if prlimit else subprocess.Popen(
+                command, preexec_fn=functools.partial(_limit, limits, as_nobody), **settings)
         except OSError as exc:
             return Outcome("unavailable", None, "", str(exc), 0.0, isolated)
         stdout, stderr, timed_out = _communicate(process, stdin, limits)
