@@ -127,3 +127,25 @@ def plain_training(parameters: Any, loss_of: Any, *, corpus: str, steps: int, se
         optimizer.zero_grad(set_to_none=True)
         losses.append(sum(step_losses) / len(step_losses))
     return losses
+
+
+def trained_on_executors(ctl: Controller, flow: Any, model: str, steps: int) -> tuple:
+    """Run `steps` steps of `flow` (one that trains `model`, such as pretrain_flow's) on
+    `ctl`'s executors: (each step's backprop/loss, the runner)."""
+    from flowkit.planner.lower import lower_flow
+    from flowkit.runner.flowrun import FlowRunner
+
+    runner = FlowRunner(ctl, lower_flow(flow))
+    losses = [runner.run_step(step).metrics["backprop/loss"] for step in range(steps)]
+    assert model in runner.trained
+    return losses, runner
+
+
+def per_stage(ctl: Controller, runner: Any, model: str, op: str,
+              timeout: float = 60.0) -> dict[int, Any]:
+    """`op` (stage_parameters, export_weights) run on each stage of `model` where the runner
+    trained it, by stage."""
+    schedule, spec = runner.trained[model]
+    return {stage: ctl.submit(op, config={**spec, "stage": stage}, executor=runner.placement[
+        model][schedule.placement.device_of(stage)].id).result(timeout=timeout)
+        for stage in range(schedule.num_stages)}

@@ -18,9 +18,7 @@ peft = pytest.importorskip("peft", reason="the hf extra: pip install 'flowkit[hf
 from dataflows.pretrain import pretrain_flow  # noqa: E402
 from executors.torch.models.hf import HFCausalLM  # noqa: E402
 from flowkit.dsl import Model  # noqa: E402
-from flowkit.planner.lower import lower_flow  # noqa: E402
-from flowkit.runner.flowrun import FlowRunner  # noqa: E402
-from tests.harness import executor_cluster, plain_training  # noqa: E402
+from tests.harness import executor_cluster, per_stage, plain_training, trained_on_executors  # noqa: E402
 
 CORPUS = str(Path(__file__).parents[2] / "examples" / "data" / "corpus.txt")
 DEVICES, MICROBATCHES, SEQUENCES, SEQ_LEN, STEPS, SEED = 2, 4, 8, 8, 2, 3
@@ -44,14 +42,10 @@ def _train_on_executors(ctl, config: dict, schedule: str, name: str, saved: Path
                   stages=DEVICES, tags=("train",), lora={**LORA, "save": save})
     flow = pretrain_flow(model=model, corpus=CORPUS, microbatches=MICROBATCHES,
                          schedule=schedule, batch_size=SEQUENCES, seq_len=SEQ_LEN, **HPARAMS)
-    runner = FlowRunner(ctl, lower_flow(flow))
-    losses = [runner.run_step(step).metrics["backprop/loss"] for step in range(STEPS)]
-    run_schedule, spec = runner.trained[name]
+    losses, runner = trained_on_executors(ctl, flow, name, STEPS)
     exported = {}
-    for stage in range(run_schedule.num_stages):
-        device = run_schedule.placement.device_of(stage)
-        exported.update(ctl.submit("export_weights", config={**spec, "stage": stage},
-                                   executor=runner.placement[name][device].id).result(timeout=60))
+    for stage_weights in per_stage(ctl, runner, name, "export_weights").values():
+        exported.update(stage_weights)
     assert runner.save_weights(saved) == [saved / name]
     return losses, exported
 

@@ -15,9 +15,14 @@ from dataflows.pretrain import pretrain_flow
 from executors.torch import weights
 from executors.torch.lora import add_adapters
 from flowkit.dsl import Model
-from flowkit.planner.lower import lower_flow
-from flowkit.runner.flowrun import FlowRunner
-from tests.harness import executor_cluster, plain_training, seeded_gpt, tiny_gpt
+from tests.harness import (
+    executor_cluster,
+    per_stage,
+    plain_training,
+    seeded_gpt,
+    tiny_gpt,
+    trained_on_executors,
+)
 
 CORPUS = str(Path(__file__).parents[2] / "examples" / "data" / "corpus.txt")
 DEVICES, MICROBATCHES, SEQUENCES, SEQ_LEN, STEPS, SEED = 2, 4, 8, 8, 2, 3
@@ -42,18 +47,12 @@ def _train_on_executors(ctl, schedule: str, name: str, lora: dict | None = None
                         ) -> tuple[list, dict, dict, int]:
     flow = pretrain_flow(model=lora_gpt(name, lora=lora), corpus=CORPUS, microbatches=MICROBATCHES,
                          schedule=schedule, batch_size=SEQUENCES, seq_len=SEQ_LEN, **HPARAMS)
-    runner = FlowRunner(ctl, lower_flow(flow))
-    losses = [runner.run_step(step).metrics["backprop/loss"] for step in range(STEPS)]
-    run_schedule, spec = runner.trained[name]
-    params, exported = {}, {}
-    for stage in range(run_schedule.num_stages):
-        executor = runner.placement[name][run_schedule.placement.device_of(stage)].id
-        config = {**spec, "stage": stage}
-        params[stage] = ctl.submit("stage_parameters", config=config,
-                                   executor=executor).result(timeout=30)
-        exported.update(ctl.submit("export_weights", config=config,
-                                   executor=executor).result(timeout=30))
-    return losses, params, exported, run_schedule.num_stages
+    losses, runner = trained_on_executors(ctl, flow, name, STEPS)
+    params = per_stage(ctl, runner, name, "stage_parameters")
+    exported = {}
+    for stage_weights in per_stage(ctl, runner, name, "export_weights").values():
+        exported.update(stage_weights)
+    return losses, params, exported, len(params)
 
 
 def plain_lora_gpt(dtype=torch.float64, targets=LORA["target_modules"]):

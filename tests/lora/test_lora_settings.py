@@ -65,7 +65,12 @@ def test_a_target_that_is_not_linear_is_refused():
         held_model(op_context(), _spec({"r": 2, "target_modules": ["h.0.ln_1"]}))
 
 
-def test_a_hugging_face_target_peft_cannot_find_is_refused():
+@pytest.mark.parametrize(("target", "words"), [
+    ("c_attn", r"\['c_attn'\] match no layer of this llama; its "),
+    ("self_attn", r"\['self_attn'\] name a layer peft cannot adapt .* "),
+], ids=["not-found", "not-adaptable"])
+def test_a_hugging_face_target_peft_cannot_use_is_refused_naming_the_linear_layers(target,
+                                                                                   words):
     pytest.importorskip("peft", reason="the hf extra: pip install 'flowkit[hf]'")
     from executors.torch.models.hf import HFModelError
     from flowkit.runner.training import model_spec
@@ -74,24 +79,9 @@ def test_a_hugging_face_target_peft_cannot_find_is_refused():
         hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=32, vocab_size=64, max_position_embeddings=32)}
     model = Model(name="actor", build="hf", config=llama,
-                  lora={"r": 2, "target_modules": ["c_attn"]})
-    with pytest.raises(HFModelError, match=r"\['c_attn'\] match no layer of this llama; its "
-                                           r"linear layers are named \['down_proj', "):
-        held_model(op_context(), model_spec(model, 1))
-
-
-def test_a_hugging_face_target_peft_cannot_adapt_is_refused_in_peft_s_words():
-    pytest.importorskip("peft", reason="the hf extra: pip install 'flowkit[hf]'")
-    from executors.torch.models.hf import HFModelError
-    from flowkit.runner.training import model_spec
-
-    llama = {"architecture": "llama", "hf_config": dict(
-        hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=32, vocab_size=64, max_position_embeddings=32)}
-    model = Model(name="actor", build="hf", config=llama,
-                  lora={"r": 2, "target_modules": ["self_attn"]})
-    with pytest.raises(HFModelError, match=r"\['self_attn'\] name a layer peft cannot adapt .* "
-                                           r"named \['down_proj', "):
+                  lora={"r": 2, "target_modules": [target]})
+    with pytest.raises(HFModelError, match=words + r"(its )?linear layers are named "
+                                                   r"\['down_proj', "):
         held_model(op_context(), model_spec(model, 1))
 
 

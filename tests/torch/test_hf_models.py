@@ -23,7 +23,13 @@ from flowkit.dsl import Model  # noqa: E402
 from flowkit.ops.records import Prompt  # noqa: E402
 from flowkit.planner.lower import lower_flow  # noqa: E402
 from flowkit.runner.flowrun import FlowRunner  # noqa: E402
-from tests.harness import executor_cluster, op_context, plain_training  # noqa: E402
+from tests.harness import (  # noqa: E402
+    executor_cluster,
+    op_context,
+    per_stage,
+    plain_training,
+    trained_on_executors,
+)
 
 CORPUS = str(Path(__file__).parents[2] / "examples" / "data" / "corpus.txt")
 DEVICES, MICROBATCHES, SEQUENCES, SEQ_LEN, STEPS = 2, 4, 8, 8, 2
@@ -55,14 +61,10 @@ def _train_on_executors(ctl, config: dict, schedule: str, dtype: str, name: str,
                   stages=DEVICES, tags=("train",))
     flow = pretrain_flow(model=model, corpus=CORPUS, microbatches=MICROBATCHES,
                          schedule=schedule, batch_size=SEQUENCES, seq_len=SEQ_LEN, **HPARAMS)
-    runner = FlowRunner(ctl, lower_flow(flow))
-    losses = [runner.run_step(step).metrics["backprop/loss"] for step in range(STEPS)]
-    run_schedule, spec = runner.trained[name]
+    losses, runner = trained_on_executors(ctl, flow, name, STEPS)
     params = {}
-    for stage in range(run_schedule.num_stages):
-        device = run_schedule.placement.device_of(stage)
-        params.update(ctl.submit("stage_parameters", config={**spec, "stage": stage},
-                                 executor=runner.placement[name][device].id).result(timeout=60))
+    for stage_params in per_stage(ctl, runner, name, "stage_parameters").values():
+        params.update(stage_params)
     if saved is not None:
         assert runner.save_weights(saved) == [saved / name]
     return losses, params

@@ -14,9 +14,14 @@ import torch
 
 from dataflows.pretrain import pretrain_flow
 from executors.torch.models.gpt import GPT
-from flowkit.planner.lower import lower_flow
-from flowkit.runner.flowrun import FlowRunner
-from tests.harness import executor_cluster, plain_training, seeded_gpt, tiny_gpt
+from tests.harness import (
+    executor_cluster,
+    per_stage,
+    plain_training,
+    seeded_gpt,
+    tiny_gpt,
+    trained_on_executors,
+)
 
 CORPUS = str(Path(__file__).parents[2] / "examples" / "data" / "corpus.txt")
 DEVICES, MICROBATCHES, SEQUENCES, SEQ_LEN, STEPS = 2, 4, 8, 8, 2
@@ -35,16 +40,9 @@ def _train_on_executors(ctl, schedule: str, dtype: str, name: str) -> tuple[list
                          schedule=schedule, batch_size=SEQUENCES, seq_len=SEQ_LEN,
                          gpt={**GPT_CONFIG, "dtype": dtype, "seed": 3}, model_name=name,
                          **HPARAMS)
-    runner = FlowRunner(ctl, lower_flow(flow))
-    losses = [runner.run_step(step).metrics["backprop/loss"] for step in range(STEPS)]
-    run_schedule, spec = runner.trained[name]
-    params = {}
-    for stage in range(run_schedule.num_stages):
-        device = run_schedule.placement.device_of(stage)
-        got = ctl.submit("stage_parameters", config={**spec, "stage": stage},
-                         executor=runner.placement[name][device].id).result(timeout=30)
-        params[stage] = got
-    return losses, params, run_schedule.num_stages
+    losses, runner = trained_on_executors(ctl, flow, name, STEPS)
+    params = per_stage(ctl, runner, name, "stage_parameters")
+    return losses, params, len(params)
 
 
 def _train_plain(dtype: torch.dtype) -> tuple[GPT, list[float]]:
