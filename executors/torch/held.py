@@ -26,7 +26,7 @@ from executors.torch import weights
 from executors.torch.lora import add_adapters, merge_adapters
 from executors.torch.rl_loss import RLLoss
 from executors.torch.stage import StageError, StageRunner
-from flowkit.dsl.lora import lora_identity
+from flowkit.dsl.lora import check_lora, lora_identity
 from flowkit.ops.records import WeightsVersion
 
 __all__ = ["HeldModel", "HeldStage", "evaluating", "export_weights", "held_model", "held_stage",
@@ -64,7 +64,10 @@ def held_model(ctx: OpContext, config: dict) -> HeldModel:
     """The model named in `config` split in `stages`, built on first use [Note: one model, many
     holders]; a model config's `checkpoint` file is loaded as executors/torch/weights.py says."""
     name, num_stages = config["model"], int(config["stages"])
-    lora_settings = config.get("lora")
+    try:  # what a task says is checked here too: the message may not come from a Model
+        lora_settings = check_lora(config.get("lora"), model=name)
+    except ValueError as exc:
+        raise StageError(str(exc)) from None
     spec = (config["build"], repr(sorted(config.get("model_config", {}).items())),
             int(config.get("seed", 0)), config.get("dtype", "float32"),
             repr(sorted((lora_identity(lora_settings) or {}).items())))

@@ -112,3 +112,12 @@ def test_our_lora_layer_computes_what_peft_s_does():
     theirs.merge()
     torch.testing.assert_close(ours.base_layer.weight, theirs.base_layer.weight, rtol=0,
                                atol=1e-12)
+
+
+def test_an_executor_checks_the_settings_a_task_brings():
+    """A task's lora config is checked on the executor as on the Model: a peer's message is
+    not trusted to be one a Model made."""
+    spec = {**_spec({"r": 2, "target_modules": ["c_attn"]}), "lora": {"r": "two",
+                                                                       "target_modules": ["c"]}}
+    with pytest.raises(StageError, match="r='two' must be an int"):
+        held_model(op_context(), spec)
