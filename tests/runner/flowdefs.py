@@ -155,17 +155,18 @@ def mean_reward(scored: Batch[Scored]) -> float:
 
 
 def torch_streaming_flow() -> Flow:
-    """A random 64-token GPT generating: byte 10, the generator's EOS, comes up about one token
-    in 64, so a prompt's samples end at widely different lengths (tens of decoding iterations
-    apart: room for a loaded machine), each scored as it ends."""
+    """A random 128-token GPT generating: byte 10, the generator's EOS, comes up about one token
+    in 128, so a prompt's samples end at widely different lengths (hundreds of decoding
+    iterations apart, 0.8-1 s on a quiet machine: room for a loaded one), each scored as it
+    ends."""
     from dataflows.model_ops import Generate
     from dataflows.models import GPT_BUILD
 
     actor = Model(name="actor", build=GPT_BUILD, tags=("rollout",),
-                  config={"vocab_size": 64, "block_size": 256, "n_layer": 1, "n_head": 2,
-                          "n_embd": 16})
+                  config={"vocab_size": 128, "block_size": 640, "n_layer": 2, "n_head": 2,
+                          "n_embd": 64})
     with Flow("torch_streaming") as flow:
-        rollouts = Generate(actor)(short_prompts(count=2), n=6, max_new_tokens=200)
+        rollouts = Generate(actor)(short_prompts(count=2), n=6, max_new_tokens=600)
         mean_reward(collect(length_reward(rollouts)))
     return flow
 
