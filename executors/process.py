@@ -26,6 +26,7 @@ from typing import Any
 import zmq
 
 from executors.optable import Deferred, OpContext, OpTable
+from executors.outbox import BATCH_BYTES, Outbox, packed
 from executors.tasks import (
     Task,
     check_streamed,
@@ -131,6 +132,8 @@ class Executor:
         # object id -> (peer address, peer host id) to push it to once it exists
         self.sends: dict[int, list[tuple[str, str]]] = defaultdict(list)
         self.peers: dict[str, zmq.Socket] = {}
+        self.outbox = Outbox()  # small objects for peers [Note: objects in batches]
+        self.bodies: dict[int, bytes] = {}  # small objects packed (executors/outbox.py packed)
         self.completions: list[dict] = []
         self.deferred: dict[int, tuple[Task, Deferred]] = {}  # [Note: deferred ops]
         self.typical_op_s = 0.0  # a moving average of op time [Note: completion batching]
@@ -147,7 +150,8 @@ class Executor:
         self.cleanup_hooks: list = []  # run before exit, even when the controller died
         self._handlers = {
             Msg.RUN: self._on_run, Msg.SEND: self._on_send, Msg.PUT: self._on_object,
-            Msg.DATA: self._on_object, Msg.FETCH: self._on_fetch, Msg.FREE: self._on_free,
+            Msg.DATA: self._on_object, Msg.OBJECTS: self._on_objects,
+            Msg.FETCH: self._on_fetch, Msg.FREE: self._on_free,
             Msg.CANCEL: self._on_cancel, Msg.CREDIT: self._on_credit,
             Msg.SHUTDOWN: self._on_shutdown,
             Msg.ERROR: self._on_error, Msg.PING: lambda header, frames: None,
@@ -280,7 +284,7 @@ class Executor:
             handler = self._handlers.get(header["t"])
             if handler is None:
                 raise ProtocolError(f"an executor does not take {header['t']!r} messages")
-            if peer and header["t"] != Msg.DATA:
+            if peer and header["t"] not in (Msg.DATA, Msg.OBJECTS):
                 # only the controller gives instructions; peers only bring objects
                 raise ProtocolError(f"a peer may only send data, not {header['t']!r}")
             handler(header, frames)
@@ -330,13 +334,38 @@ class Executor:
         if not isinstance(meta.get("body"), bytes):
             raise ProtocolError(f"{header['t']}: meta must carry the value's msgpack body")
         from_peer = header["t"] == Msg.DATA
-        if from_peer and self.peer_tag is not None and not (
+        if from_peer:
+            self._check_peer(header)
+        self._take(header["t"], object_id, meta, frames, from_peer=from_peer)
+
+    def _on_objects(self, header: dict, frames: list) -> None:
+        """A peer's small objects [Note: objects in batches]: each taken as its own DATA
+        message would be; one refused (already here, unreadable) is refused once the others
+        are in, and the tasks waiting for it fail saying why."""
+        self._check_peer(header)
+        refused = []
+        for entry in header["objects"]:
+            try:
+                self._take(Msg.OBJECTS, entry["object"], entry, [], from_peer=True)
+            except (ProtocolError, SerializeError) as exc:
+                refused.append(str(exc))
+        if refused:
+            raise ProtocolError(f"objects: {len(refused)} of {len(header['objects'])} refused: "
+                                f"{refused[0]}")
+
+    def _check_peer(self, header: dict) -> None:
+        if self.peer_tag is not None and not (
                 type(header.get("auth")) is str and
                 hmac.compare_digest(header["auth"], self.peer_tag)):
-            raise ProtocolError("data: not from a peer of this run (its run tag is missing or "
-                                "wrong); refused")
+            raise ProtocolError(f"{header['t']}: not from a peer of this run (its run tag is "
+                                "missing or wrong); refused")
+
+    def _take(self, kind: str, object_id: int, meta: dict, frames: list, *,
+              from_peer: bool) -> None:
+        """Keep an arriving object: `meta` holds its msgpack body (and, from a peer, how its
+        frames travelled)."""
         if from_peer and object_id in self.objects:
-            raise ProtocolError(f"data: object {object_id} is here already; a peer cannot "
+            raise ProtocolError(f"{kind}: object {object_id} is here already; a peer cannot "
                                 "replace it")
         try:
             if "layout" in meta:  # from a peer: shared-memory handles and chunks (wire/shm.py)
@@ -347,14 +376,14 @@ class Executor:
         except (ProtocolError, SerializeError) as exc:
             self._claim(object_id)  # not held after all
             # the tasks that wait for it fail now, saying why, rather than wait for ever
-            self._fail_waiting_for(header["object"], f"{header['t']} of input object "
-                                   f"{header['object']} could not be read: {shown(str(exc))}")
+            self._fail_waiting_for(object_id, f"{kind} of input object {object_id} could not "
+                                              f"be read: {shown(str(exc))}")
             raise
         finally:
             # unpack's hook is a closure that refers to itself, so the list lingers until the
             # cyclic GC runs; emptied, it cannot delay giving a segment back to its sender
             frames.clear()
-        self._store(header["object"], value)
+        self._store(object_id, value)
 
     def _hold_unclaimed(self, object_id: int, nbytes: int) -> None:
         """[Note: unclaimed objects] A peer may push an object before the task that reads it
@@ -413,6 +442,7 @@ class Executor:
     def _on_free(self, header: dict, frames: list) -> None:
         for object_id in header["objects"]:
             self.objects.pop(object_id, None)
+            self.bodies.pop(object_id, None)
             self.sends.pop(object_id, None)
             if self.unclaimed:
                 self._claim(object_id)
@@ -470,17 +500,30 @@ class Executor:
             self.ready.append(lane[0])
 
     def _push(self, object_id: int, address: str, host_id: str) -> None:
+        body, frames = packed(object_id, self.objects[object_id], self.bodies)
+        if not frames and len(body) <= BATCH_BYTES:  # goes with others [Note: objects in batches]
+            self.outbox.add((address, host_id), object_id, body)
+            return
+        meta, wire = self._peer_transport().encode(body, frames, host_id)
+        frames.clear()  # pack's closure cycle holds the list: see _on_object
+        self._send_peer(address, Msg.DATA, {"object": object_id, "meta": meta}, wire)
+
+    def flush_pushes(self) -> None:
+        """The small objects waiting for peers, each peer's in OBJECTS messages."""
+        for (address, _), batches in self.outbox.take().items():
+            for batch in batches:
+                objects = [{"object": object_id, "body": body} for object_id, body in batch]
+                self._send_peer(address, Msg.OBJECTS, {"objects": objects})
+
+    def _send_peer(self, address: str, kind: str, header: dict, frames: list = ()) -> None:
         sock = self.peers.get(address)
         if sock is None:
             sock = self.peers[address] = self.client_socket(EXECUTOR)
             sock.connect(address)
-        body, frames = pack(self.objects[object_id])
-        meta, wire = self._peer_transport().encode(body, frames, host_id)
-        frames.clear()  # pack's closure cycle holds the list: see _on_object
-        header = {"object": object_id, "meta": meta}
         if self.peer_tag is not None:
             header["auth"] = self.peer_tag
-        sock.send_multipart(encode(Msg.DATA, header, wire), copy=False)
+        # zero-copy pays for a value's frames, not for a batch of small objects (_send)
+        sock.send_multipart(encode(kind, header, frames), copy=kind != Msg.OBJECTS)
 
     _transport = None  # the PeerTransport, made on first use
 
@@ -608,7 +651,7 @@ class Executor:
         the moment it stores the item."""
         index = len(task.streamed)
         described = describe(part_id(task.spec.outputs[0], index), value, task.spec.report_key,
-                             task.spec.trace_key)
+                             task.spec.trace_key, self.bodies)
         described.setdefault("nbytes", 0)  # None's description leaves it out
         task.streamed.append(described)
         with self.socket_lock:
@@ -627,7 +670,7 @@ class Executor:
         if len(task.streamed) - task.credited < window:
             return
         with self.socket_lock:
-            if self.parts:
+            if self.parts or self.outbox:
                 self.send_parts()
         with self.credit:
             while len(task.streamed) - task.credited >= window and self.running:
@@ -639,8 +682,13 @@ class Executor:
         finishes many samples of many calls at once, and a message for each was most of the
         controller's traffic. Sent after each background step and op, by the watch while an op
         runs long, and always before any completion (a task's parts must reach the controller
-        before its end)."""
+        before its end). The small objects waiting for peers go first [Note: objects in
+        batches in executors/outbox.py]."""
+        if self.outbox:  # the objects told of may be what a peer waits for
+            self.flush_pushes()
         parts, self.parts = self.parts, {}
+        if not parts:
+            return
         now = time.time()
         bodies = [{"task": task.spec.id, "index": first, "start": task.start, "outputs": outputs}
                   for task, first, outputs in parts.values()]
@@ -682,7 +730,8 @@ class Executor:
         spec, first = task.spec, task.answered
         pairs = list(zip(spec.outputs[first:done], task.results[first:done]))
         try:
-            outputs = [describe(i, v, spec.report_key, spec.trace_key) for i, v in pairs]
+            outputs = [describe(i, v, spec.report_key, spec.trace_key, self.bodies)
+                       for i, v in pairs]
         except SerializeError:
             self.batch_running = None  # answered no more early: its completion says why
             return
@@ -714,11 +763,11 @@ class Executor:
                                  "start": start or time.time(), "end": time.time()})
 
     def _flush_completions(self) -> None:
-        if self.parts:
+        if self.parts or self.outbox:
             self.send_parts()
         if self.completions:
             items, self.completions = self.completions, []
-            self._send(Msg.DONE, {"items": [described(item) for item in items]})
+            self._send(Msg.DONE, {"items": [described(item, self.bodies) for item in items]})
 
 
 _MAX_MODULES = 1024

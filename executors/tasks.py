@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from executors.optable import Deferred
+from executors.outbox import packed
 from flowkit.wire.refs import object_ids
 from flowkit.wire.serialize import SerializeError, nbytes_of, pack
 from flowkit.wire.task import TaskSpec
@@ -121,7 +122,7 @@ def check_streamed(task: Task, result: Any) -> None:
                         f"{size}: a streaming op returns the list of what it emitted")
 
 
-def described(item: dict) -> dict:
+def described(item: dict, bodies: dict[int, bytes] | None = None) -> dict:
     """A completion with its outputs described; a task whose output cannot be serialized fails
     (its outputs are not fetchable or movable) with an error that says so."""
     if not item["ok"]:
@@ -134,7 +135,7 @@ def described(item: dict) -> dict:
                             "nbytes": sum(part["nbytes"] for part in streamed)}]
         return item
     try:
-        item["outputs"] = [describe(i, v, key, trace_key) for i, v in item["outputs"]]
+        item["outputs"] = [describe(i, v, key, trace_key, bodies) for i, v in item["outputs"]]
     except SerializeError as exc:
         return {"task": item["task"], "ok": False, "start": item["start"], "end": item["end"],
                 "error": f"its output cannot be sent: {exc}", "traceback": ""}
@@ -142,16 +143,17 @@ def described(item: dict) -> dict:
 
 
 def describe(object_id: int, value: Any, report_key: str | None = None,
-             trace_key: str | None = None) -> dict:
+             trace_key: str | None = None, bodies: dict[int, bytes] | None = None) -> dict:
     """What the controller learns of an output: its size, the value itself when tiny, and for
     a list (a Stream's items) its length and, if asked, each item's `report_key` field, so the
     controller can form groups without fetching the items, and each item's `trace_key` field
-    (`trace`), which the controller's trace records [Note: traced items]."""
+    (`trace`), which the controller's trace records [Note: traced items]. A small plain body
+    is kept in `bodies` for the object's pushes (executors/outbox.py `packed`)."""
     if value is None:  # what most ops that only act return
         return {"id": object_id, "inline": _NONE_BODY}  # nbytes 0, the controller's default
     if isinstance(value, (bool, int, float)):
         return {"id": object_id, "nbytes": 0, "inline": pack(value)[0]}
-    body, frames = pack(value)
+    body, frames = packed(object_id, value, bodies)
     size = nbytes_of(frames) + len(body)
     out = {"id": object_id, "nbytes": size}
     if isinstance(value, (list, tuple)):

@@ -23,15 +23,16 @@ __all__ = ["PROTOCOL_VERSION", "ProtocolError", "Msg", "check_completion", "deco
            "part_id", "send_frames"]
 
 # 2: streamed results (PART); 3: batched tasks and their early items (ITEMS); 4: several
-# streaming tasks' items in one message (STREAMS)
-PROTOCOL_VERSION = 4
+# streaming tasks' items in one message (STREAMS); 5: several small objects to a peer in one
+# message (OBJECTS)
+PROTOCOL_VERSION = 5
 
 
 class Msg:
     """Message types. Controller -> executor: WELCOME RUN SEND FREE FETCH PUT CANCEL CREDIT
     SHUTDOWN PING. Executor -> controller: HELLO PART PARTS STREAMS ITEMS DONE VALUE PONG
     ERROR.
-    Executor -> executor: DATA."""
+    Executor -> executor: DATA OBJECTS."""
 
     HELLO = "hello"  # who I am: name, tags, device, ops, peer addresses
     WELCOME = "welcome"  # your executor id, heartbeat settings
@@ -44,6 +45,7 @@ class Msg:
     DONE = "done"  # a batch of completions (or failures) with timings
     SEND = "send"  # push these objects to a peer executor once each exists
     DATA = "data"  # an object arriving from a peer
+    OBJECTS = "objects"  # several small objects from a peer [Note: objects in batches]
     PUT = "put"  # an object from the controller (user data)
     FETCH = "fetch"  # send me the value of an object
     VALUE = "value"  # the reply to FETCH
@@ -67,6 +69,7 @@ _SCHEMA: dict[str, Schema] = {
     Msg.DONE: {"items": list},
     Msg.SEND: {"objects": list, "to": int, "address": str},
     Msg.DATA: {"object": int, "meta": dict},
+    Msg.OBJECTS: {"objects": list},
     Msg.PUT: {"object": int, "meta": dict},
     Msg.FETCH: {"object": int, "request": int},
     Msg.VALUE: {"request": int, "meta": dict},
@@ -137,7 +140,23 @@ def decode(parts: Sequence) -> tuple[dict[str, Any], list]:
         _check_outputs(kind, header["outputs"])
     elif kind == Msg.STREAMS:
         _check_streams(header)
+    elif kind == Msg.OBJECTS:
+        _check_objects(header["objects"])
     return header, list(parts[1:])
+
+
+_OBJECT_SCHEMA: Schema = {"object": int, "body": bytes}
+
+
+def _check_objects(objects: list) -> None:
+    """Each object of an OBJECTS message a map of an int id and its msgpack body (plain data:
+    an object with tensor frames travels alone, as DATA)."""
+    if not objects:
+        raise ProtocolError("objects: a message of objects carries at least one")
+    for entry in objects:
+        if type(entry) is not dict:
+            raise ProtocolError(f"objects: an object must be a map, got {entry!r:.80}")
+        check_fields("objects entry", entry, _OBJECT_SCHEMA)
 
 
 _STREAM_SCHEMA: Schema = {"task": int, "index": int, "outputs": list}

@@ -1,7 +1,8 @@
 """Messages that try to change what they may not: a value that names a module to import, a
-push from a stranger or of an object already held, an undecodable push of an awaited input,
-a completion naming another task's outputs, and a handler that raises SystemExit. Each is
-rejected on its own; the receiver serves on and the run's results stay right."""
+push from a stranger or of an object already held, an undecodable push of an awaited input
+(each alone and in a batch of objects), a completion naming another task's outputs, and a
+handler that raises SystemExit. Each is rejected on its own; the receiver serves on and the
+run's results stay right."""
 
 from __future__ import annotations
 
@@ -84,6 +85,46 @@ def test_an_undecodable_push_of_an_awaited_input_fails_its_task_at_once(pair):
         consumer.result(timeout=30)
     assert time.monotonic() - started < 1.5  # not when the real push would have come
     assert produced.result(timeout=30) == 5
+
+
+def _push_many(address: str, objects: list[tuple[int, bytes]], *, tag: str | None) -> None:
+    header = {"objects": [{"object": i, "body": body} for i, body in objects]}
+    if tag is not None:
+        header["auth"] = tag
+    sock = dealer(address, linger=1000)
+    sock.send_multipart(encode(Msg.OBJECTS, header))
+    sock.close()
+
+
+def test_a_strangers_batch_of_objects_is_refused_whole(pair):
+    """[Note: objects in batches in executors/outbox.py]: an OBJECTS message without the run's
+    tag brings nothing in, neither the awaited input nor another object."""
+    ctl, (a, b) = pair
+    produced, consumer = _awaited(ctl, a, b)
+    _push_many(b.peer_address, [(produced.id, pack(666)[0]), (10**15, pack(1)[0])], tag=None)
+    assert consumer.result(timeout=30) == 5
+
+
+def test_in_a_batch_of_objects_each_bad_one_is_refused_and_the_others_count(pair):
+    """One OBJECTS message from an insider peer: a replacement of an object held, an
+    undecodable awaited input and a good object. The held one stays, the awaited one's task
+    fails at once saying why, and the good one is kept: a task reads it."""
+    ctl, (a, b) = pair
+    held = ctl.put([1, 2], executor=b.id)
+    produced, consumer = _awaited(ctl, a, b, seconds=2.0)
+    good = ctl.submit("identity", 3, config={"seconds": 2.0}, executor=a.id)
+    reader = ctl.submit("identity", good, executor=b.id)
+    time.sleep(0.3)
+    started = time.monotonic()
+    _push_many(b.peer_address, [(held.id, pack([6, 6, 6])[0]),
+                                (produced.id, b"\xc1 not msgpack"),
+                                (good.id, pack(4)[0])], tag=peer_tag(ctl.secret))
+    with pytest.raises(RemoteError, match="could not be read"):
+        consumer.result(timeout=30)
+    assert time.monotonic() - started < 1.5  # not when the real push would have come
+    assert reader.result(timeout=30) == 4  # the batch's good object came first
+    assert ctl.submit("identity", held, executor=b.id).result(timeout=30) == [1, 2]
+    assert produced.result(timeout=30) == 5 and good.result(timeout=30) == 3
 
 
 def test_a_handler_that_raises_systemexit_rejects_its_message_and_io_goes_on(pair):

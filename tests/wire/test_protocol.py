@@ -29,6 +29,15 @@ def test_round_trip_keeps_fields_and_frames():
         ([msgpack.packb({"v": PROTOCOL_VERSION, "t": "free", "objects": True})], "must be list"),
         ([msgpack.packb({"v": PROTOCOL_VERSION, "t": "fetch", "object": True, "request": 1})],
          "must be int"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "t": "objects", "objects": []})],
+         "carries at least one"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "t": "objects", "objects": [7]})],
+         "an object must be a map"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "t": "objects",
+                         "objects": [{"object": 1, "body": b"\xc0"}, {"object": 2}]})],
+         "missing field 'body'"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "t": "objects",
+                         "objects": [{"object": "1", "body": b"\xc0"}]})], "must be int"),
     ],
 )
 def test_malformed_messages_say_what_is_wrong(parts, reason):
