@@ -15,7 +15,14 @@ its length rounded up to a power of two (16 at least), rollouts of one width sha
 exactly `rows` = min(max_batch, max_tokens // width) rows, padded with empty rows. A rollout's
 scores are then the same bits alone or in any batch (the approach of batch-invariant inference
 kernels), and a run's results do not depend on its timing. The price: a rollout that comes
-alone still runs a forward of `rows` rows (at most 32 of 16 tokens, 8 of 512).
+alone still runs a forward of `rows` rows. How many is the device's: a GPU's forward costs
+about the same for one row as for 32 (it waits on memory and launches), so its forwards take
+4096 tokens (32 rows of 16 tokens, 8 of 512); a CPU's forward costs in proportion to its rows
+beyond a few, so its forwards take 256 tokens (16 rows of 16 tokens, 8 of 32, 1 of 256 or
+more). The tiny Qwen2 of the README's example, one thread: a 32 x 32 forward 6.7 ms, 8 x 32
+2.2 ms, 1 x 32 1.2 ms; the reference log-probs of a step's 128 rollouts, arriving in the
+batches a run makes of them ([21, 21, 19, 30, 31, 3, 3]), 171 ms at 4096 tokens a forward
+against 56 ms for all 128 at once.
 
 [Note: response positions] Response token k of a rollout with P prompt tokens sits at position
 P + k of prompt + response, and is predicted by the model's output at position P + k - 1. Its
@@ -39,14 +46,15 @@ from flowkit.ops.records import TokenScores
 
 __all__ = ["register"]
 
-# padded tokens in one forward: bounds its activations (a float64 copy of the logits is
-# tokens x vocabulary x 8 bytes) and what a lone rollout's fixed-shape forward costs
-_MAX_TOKENS = 4096
+# padded tokens in one forward, by device [Note: batch-invariant forwards]: bounds its
+# activations (a float64 copy of the logits is tokens x vocabulary x 8 bytes) and what a lone
+# rollout's fixed-shape forward costs
+_MAX_TOKENS = {"cuda": 4096, "cpu": 256}
 _MIN_WIDTH = 16  # [Note: batch-invariant forwards]: the narrowest forward
 
 
 def _logprobs(ctx: OpContext, rollouts: Any, *_: Any, temperature: float = 1.0,
-              max_batch: int = 32, max_tokens: int = _MAX_TOKENS, **config: Any) -> Any:
+              max_batch: int = 32, max_tokens: int | None = None, **config: Any) -> Any:
     """Per-token ``log_softmax(logits / temperature)`` of each response token: the convention
     of the sampler's logprobs [Note: sampler log-probabilities in executors/torch/generate.py]."""
     t = float(temperature) if float(temperature) > 0 else 1.0  # greedy records temperature 1
@@ -56,25 +64,25 @@ def _logprobs(ctx: OpContext, rollouts: Any, *_: Any, temperature: float = 1.0,
         logp = F.log_softmax(logits.to(torch.float64) / t, dim=-1)  # (B, T, V)
         return logp.gather(-1, targets[..., None]).squeeze(-1)  # (B, T)
 
-    return _per_token(ctx, rollouts, score, (int(max_batch), int(max_tokens)), config)
+    return _per_token(ctx, rollouts, score, (max_batch, max_tokens), config)
 
 
 def _values(ctx: OpContext, rollouts: Any, *_: Any, max_batch: int = 32,
-            max_tokens: int = _MAX_TOKENS, **config: Any) -> Any:
+            max_tokens: int | None = None, **config: Any) -> Any:
     """Per-token values of each response from a critic [Note: response positions]."""
     return _per_token(ctx, rollouts, lambda out, _: lm.values_of(out, "values"),
-                      (int(max_batch), int(max_tokens)), config)
+                      (max_batch, max_tokens), config)
 
 
 def _reward_model(ctx: OpContext, rollouts: Any, *_: Any, max_batch: int = 32,
-                  max_tokens: int = _MAX_TOKENS, **config: Any) -> Any:
+                  max_tokens: int | None = None, **config: Any) -> Any:
     """A score per rollout: a critic's value at the last token of prompt + response (the whole
     sequence is run here, unlike `values`)."""
     items, one = _as_list(rollouts)
     model = whole_model(ctx, config)
     scores: list = [None] * len(items)
     context = lm.context_length(model)
-    for indices, shape in _forwards(items, (int(max_batch), int(max_tokens)), context,
+    for indices, shape in _forwards(items, _limits(model, (max_batch, max_tokens)), context,
                                     whole=True):
         seqs = [list(items[i].prompt_tokens) + list(items[i].response_tokens) for i in indices]
         out = lm.values_of(_run(model, seqs, [items[i] for i in indices], shape),
@@ -92,7 +100,7 @@ def _per_token(ctx: OpContext, rollouts: Any, score, limits: tuple[int, int],
     items, one = _as_list(rollouts)
     model = whole_model(ctx, config)
     results: list = [None] * len(items)
-    for indices, shape in _forwards(items, limits, lm.context_length(model)):
+    for indices, shape in _forwards(items, _limits(model, limits), lm.context_length(model)):
         chunk = [items[i] for i in indices]
         full = [list(r.prompt_tokens) + list(r.response_tokens) for r in chunk]
         out = _run(model, [s[:-1] for s in full], chunk, shape)
@@ -119,6 +127,16 @@ def _run(model: torch.nn.Module, seqs: list[list[int]], rollouts: list,
     device = next(model.parameters()).device
     with evaluating(model):
         return model(right_padded(seqs, device, shape))
+
+
+def _limits(model: torch.nn.Module, limits: tuple[int, int | None]) -> tuple[int, int]:
+    """(rows, padded tokens) at most a forward: `max_tokens` by the model's device unless set
+    [Note: batch-invariant forwards]."""
+    max_batch, max_tokens = limits
+    if max_tokens is None:
+        device = next(model.parameters()).device.type
+        max_tokens = _MAX_TOKENS.get(device, _MAX_TOKENS["cuda"])
+    return int(max_batch), int(max_tokens)
 
 
 def _as_list(rollouts: Any) -> tuple[list, bool]:

@@ -125,3 +125,14 @@ def test_forwards_have_shapes_fixed_by_their_rows_own_lengths():
         assert all(infer._width(n) == width or width == 24 for n in lengths)
     assert forwards[0] == ([0, 1, 2], (3, 16))  # 3 rows of 16: 48 tokens
     assert [shape for indices, shape in forwards if 12 in indices] == [(2, 24)]  # the context
+
+
+def test_a_forward_takes_256_tokens_on_a_cpu_unless_told():
+    """[Note: batch-invariant forwards]: a CPU's forward costs in proportion to its rows, so a
+    lone rollout's fixed shape is kept small there; a GPU's takes 4096 tokens."""
+    model = torch.nn.Linear(2, 2)
+    assert infer._limits(model, (32, None)) == (32, 256)
+    assert infer._limits(model, (32, 4096)) == (32, 4096)
+    shapes = {shape for _, shape in infer._forwards(_ragged_rollouts(12),
+                                                    infer._limits(model, (32, None)), None)}
+    assert shapes and all(rows * width == 256 for rows, width in shapes)
