@@ -54,28 +54,32 @@ LOSSES = ("lm", *RL_LOSSES)
 
 
 def _forward(ctx: OpContext, *inputs: Any, stage: int, stages: int, microbatch: int,
-             loss_scale: float = 1.0, loss: str = "lm", **config: Any) -> Any:
+             loss_scale: float = 1.0, loss: str = "lm", fused_backward: bool = False,
+             **config: Any) -> Any:
     """Stage 0 reads the microbatch's data, a later stage the activation before it; the last
     stage also reads the data for its loss and returns the microbatch's stats. The loss it
     backpropagates is scaled by `loss_scale`: for "lm" the microbatch's share of the batch
     (its loss is a mean); the RL losses are sums the optimizer step divides by the step's
-    token count, so the runtime gives them 1 [Note: RL losses in sum form in rl_loss.py]."""
+    token count, so the runtime gives them 1 [Note: RL losses in sum form in rl_loss.py].
+    `fused_backward`: the microbatch's backward on this stage is BW [Note: a fused backward
+    in executors/torch/stage.py]."""
     if loss not in LOSSES:
         raise StageError(f"unknown loss {loss!r}: the torch executor trains with "
                          f"{', '.join(LOSSES)}")
 
     held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
     first, last = stage == 0, stage == stages - 1
+    split = not fused_backward
     if loss in RL_LOSSES:
         return _rl_forward(held, inputs, first=first, last=last, microbatch=microbatch,
                            loss_scale=float(loss_scale),
-                           settings=RLSettings.from_config(loss, config))
+                           settings=RLSettings.from_config(loss, config), split=split)
     read, targets = split_tokens(_tokens(inputs[0] if first else inputs[-1])) \
         if first or last else (None, None)
     args: list[Any] = [read if first else inputs[0]]
     if last:
         args += [targets, float(loss_scale)]
-    out = held.runner.forward(microbatch, *args)
+    out = held.runner.forward(microbatch, *args, split=split)
     if not last:
         return out
     n_tokens = int(targets.ge(0).sum())
@@ -90,7 +94,7 @@ def split_tokens(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _rl_forward(held: HeldStage, inputs: tuple, *, first: bool, last: bool, microbatch: int,
-                loss_scale: float, settings: RLSettings) -> Any:
+                loss_scale: float, settings: RLSettings, split: bool = True) -> Any:
     """F under an RL loss. Inputs: (experiences[, reference scores]) on stage 0, the
     activation on a middle stage, (activation, experiences[, reference scores]) on the last;
     the last stage returns the microbatch's mean loss per response token, and its token count
@@ -100,10 +104,11 @@ def _rl_forward(held: HeldStage, inputs: tuple, *, first: bool, last: bool, micr
     experiences = records(data[0]) if data else []
     x = sequence_ids(experiences, held.runner.device) if first else inputs[0]
     if not last:
-        return held.runner.forward(microbatch, x)
+        return held.runner.forward(microbatch, x, split=split)
     refs = records(data[1]) if len(data) > 1 else []
     rl_loss = RLLoss(experiences, refs, settings, held.runner.device)
-    summed = float(held.runner.forward(microbatch, x, rl_loss, loss_scale)) / loss_scale
+    summed = float(held.runner.forward(microbatch, x, rl_loss, loss_scale, split=split)) / \
+        loss_scale
     normalizer = rl_loss.normalizer
     return MicrobatchStats(loss=summed / normalizer if normalizer else 0.0,
                            tokens=rl_loss.tokens, normalizer=normalizer, values=rl_loss.values)

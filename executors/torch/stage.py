@@ -4,10 +4,18 @@ A schedule may run the ops of different microbatches in any order it likes (F0 F
 the runner keeps each microbatch's state apart, from its F until its W (or BW), and then frees it.
 See [Note: deferred weight gradients] in `executors/torch/deferred.py` for how B and W share
 one backward pass.
+
+[Note: a fused backward] A schedule that never splits a microbatch's backward (1F1B, GPipe:
+every backward is BW) has no use for what the recorder keeps for W, and the recorder is a torch
+function mode: it sees every torch call of the forward, a Python call each (on the README's
+tiny Qwen2, about half of a stage's forward). So the runtime tells such a forward not to split
+(`fused_backward` in the F op's config, flowkit/runner/pipeline.py), and its BW is one plain
+autograd pass over the inputs and the parameters, accumulated as W accumulates.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Hashable
 from typing import Any
@@ -42,6 +50,7 @@ class _Microbatch:
     calls: list[DeferredCall]  # linear, layer-norm and embedding calls whose W is deferred
     saved: dict[int, int]  # storages autograd saved in the forward: {address: bytes}
     phase: str = "F"  # "F" after the forward, "B" after backward_input
+    split: bool = True  # its forward recorded the deferred calls [Note: a fused backward]
     consumers: Consumers = attrs.field(factory=dict)
     consumer_grads: list[torch.Tensor | None] = attrs.field(factory=list)
     stashed_bytes: int = 0
@@ -89,18 +98,22 @@ class StageRunner:
             param.grad = None
 
     # -- public ops ---------------------------------------------------------------------------
-    def forward(self, mb: Hashable, *inputs: Any) -> Any:
+    def forward(self, mb: Hashable, *inputs: Any, split: bool = True) -> Any:
+        """The stage's outputs; with `split` False its backward will be BW, one plain
+        backward pass [Note: a fused backward]."""
         if mb in self._mbs:
             raise StageError(
                 f"forward of microbatch {mb!r} ran twice: its state is still held (phase "
                 f"{self._mbs[mb].phase}); run its W or BW before reusing the id")
         leaves = tuple(_as_input(v, self.device) for v in inputs)
-        recorder, saved = Recorder(self._params), SavedBytes(self._params)
+        recorder = Recorder(self._params) if split else contextlib.nullcontext()
+        saved = SavedBytes(self._params)
         with torch.enable_grad(), recorder, saved:
             output = self.module(*leaves)
         outputs = _flatten(output)
-        self._mbs[mb] = _Microbatch(inputs=leaves, outputs=outputs, calls=recorder.calls,
-                                    saved=saved.saved)
+        self._mbs[mb] = _Microbatch(inputs=leaves, outputs=outputs,
+                                    calls=recorder.calls if split else [], saved=saved.saved,
+                                    split=split)
         detached = tuple(_detached(o) for o in outputs)
         return detached if isinstance(output, (tuple, list)) else detached[0]
 
@@ -143,10 +156,27 @@ class StageRunner:
         del self._mbs[mb]
 
     def backward(self, mb: Hashable, *grad_outputs: Any) -> tuple[torch.Tensor | None, ...]:
-        """The fused BW op: the same arithmetic as B followed by W."""
-        grads = self.backward_input(mb, *grad_outputs)
-        self.backward_weight(mb)
-        return grads
+        """The fused BW op: the same arithmetic as B followed by W, or after a forward that
+        did not split, one plain backward pass [Note: a fused backward]."""
+        state = self._mbs.get(mb)
+        if state is None or state.split or state.phase != "F":
+            grads = self.backward_input(mb, *grad_outputs)
+            self.backward_weight(mb)
+            return grads
+        roots, root_grads = self._roots(mb, state, grad_outputs)
+        grad_idx = [i for i, v in enumerate(state.inputs) if _needs_grad(v)]
+        targets = [state.inputs[i] for i in grad_idx] + self._params
+        got: tuple[Any, ...] = (None,) * len(targets)
+        if roots:
+            got = torch.autograd.grad(roots, targets, root_grads, allow_unused=True)
+        for param, grad in zip(self._params, got[len(grad_idx):]):
+            if grad is not None:
+                accumulate(param, grad)
+        del self._mbs[mb]
+        grads: list[torch.Tensor | None] = [None] * len(state.inputs)
+        for i, g in zip(grad_idx, got[:len(grad_idx)]):
+            grads[i] = g
+        return tuple(grads)
 
     # -- accounting ---------------------------------------------------------------------------
     @property

@@ -132,6 +132,10 @@ class StreamedSchedule:
         self.inputs: dict[int, Any] = {}
         self._cursor = _Cursor(schedule)
         self._outputs: dict[ActionKey, Future] = {}
+        # (stage, microbatch) whose backward is one BW: its forward need not split it
+        # [Note: a fused backward in executors/torch/stage.py]
+        self._fused = {(a.stage, a.microbatch) for ops in schedule.device_ops for a in ops
+                       if a.kind is Kind.BW}
 
     @property
     def done(self) -> bool:
@@ -160,6 +164,8 @@ class StreamedSchedule:
         meta = {**self.meta, "stage": action.stage, "microbatch": action.microbatch,
                 "device": device, "action": str(action)}
         config = dict(self.config_for(action)) if self.config_for else {}
+        if action.kind is Kind.F and (action.stage, action.microbatch) in self._fused:
+            config["fused_backward"] = True
         future = self.ctl.submit(action.kind.value, *inputs, config=config,
                                  executor=self.executors[device].id,
                                  lane=f"{self.lane}/{device}", meta=meta)

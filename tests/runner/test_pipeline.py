@@ -53,6 +53,27 @@ def test_a_schedule_runs_every_action_once_in_each_devices_order(sims, kind):
     assert measured["makespan"] > 0 and 0 <= measured["bubble_rate"] < 1
 
 
+@pytest.mark.parametrize(("kind", "fused"), [("1f1b", True), ("zb-h1", False)])
+def test_a_forward_is_told_when_its_backward_is_one_bw(sims, kind, fused):
+    """[Note: a fused backward in executors/torch/stage.py]: 1F1B's forwards need not record
+    for a W of their own; a zero-bubble schedule's must."""
+    ctl, infos = sims
+    told = []
+
+    def listener(event, payload):
+        if event == "task_submitted" and payload["task"].op == "F":
+            told.append(payload["task"].config.get("fused_backward", False))
+
+    schedule = build_schedule(kind, devices=P, microbatches=M, costs=Costs.uniform(P))
+    ctl.add_listener(listener)
+    try:
+        submit_schedule(ctl, schedule, infos,
+                        config_for=stage_costs_config(Costs.uniform(P, F=1e-4))).wait(timeout=30)
+    finally:
+        ctl.remove_listener(listener)
+    assert told == [fused] * (P * M)
+
+
 def test_a_failing_stage_fails_everything_downstream_and_nothing_hangs(sims):
     ctl, infos = sims
     costs = Costs.uniform(P, F=0.001, B=0.001, W=0.001)

@@ -192,8 +192,8 @@ class Driver:
     """Drives `runners` action by action; activations and gradients pass by hand between them,
     as the runtime's data plane would carry them."""
 
-    def __init__(self, runners: list[StageRunner], data) -> None:
-        self.runners, self.data = runners, data
+    def __init__(self, runners: list[StageRunner], data, *, split: bool = True) -> None:
+        self.runners, self.data, self.split = runners, data, split
         self.acts: dict[tuple[int, int], object] = {(0, m): x for m, (x, _) in enumerate(data)}
         self.grads: dict[tuple[int, int], object] = {}
         self.loss = 0.0
@@ -203,7 +203,7 @@ class Driver:
         last = len(self.runners) - 1
         if a.kind == Kind.F:
             extra = (self.data[m][1],) if s == last else ()
-            out = runner.forward(m, self.acts.pop((s, m)), *extra)
+            out = runner.forward(m, self.acts.pop((s, m)), *extra, split=self.split)
             if s == last:
                 self.loss += float(out)
             else:
@@ -218,9 +218,11 @@ class Driver:
                 self.grads[(s - 1, m)] = gin[0]
 
 
-def run_order(runners: list[StageRunner], data, order: Sequence[Action]) -> float:
-    """Run every action of `order`; returns the summed loss."""
-    driver = Driver(runners, data)
+def run_order(runners: list[StageRunner], data, order: Sequence[Action], *,
+              split: bool = True) -> float:
+    """Run every action of `order` (forwards that do not `split` the backward: [Note: a fused
+    backward]); returns the summed loss."""
+    driver = Driver(runners, data, split=split)
     for a in order:
         driver.step(a)
     return driver.loss

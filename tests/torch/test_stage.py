@@ -27,12 +27,12 @@ from tests.torch.helpers import (
 MICROBATCHES = 4
 
 
-def _check(kind: str, stages: int, order: list[Action]) -> None:
+def _check(kind: str, stages: int, order: list[Action], *, split: bool = True) -> None:
     modules = make_stages(kind, stages)
     data = make_data(kind, MICROBATCHES)
     loss, expected = reference_grads(modules, data)
     runners = [StageRunner(m) for m in modules]
-    got = run_order(runners, data, order)
+    got = run_order(runners, data, order, split=split)
     assert abs(got - loss) < 1e-12
     assert_grads_equal(modules, expected)
     assert all(r.stashed_bytes == 0 and not r.pending for r in runners)
@@ -43,6 +43,16 @@ def _check(kind: str, stages: int, order: list[Action]) -> None:
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "zb-h2"])
 def test_schedules_match_plain_autograd(kind, stages, schedule):
     _check(kind, stages, schedule_order(schedule, stages, MICROBATCHES))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("stages", [1, 3])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_forwards_that_do_not_split_match_plain_autograd(kind, stages, schedule):
+    """[Note: a fused backward]: a forward without the recorder, then its BW as one plain
+    pass; B then W after such a forward (no schedule asks it) is still right, by the generic
+    split."""
+    _check(kind, stages, schedule_order(schedule, stages, MICROBATCHES), split=False)
 
 
 @pytest.mark.parametrize("kind", KINDS)
