@@ -3,11 +3,14 @@ measured side by side in one run on the stages of a split built-in GPT.
 
 Method: for every stage, each repeat runs four variants in turn on the same input, each after a
 fresh forward that is not timed unless it is F itself: the runner's F; its B then W (timed
-apart); its fused BW; and plain autograd (`loss.backward()` or `out.backward(grad)`) through
-the same stage module with a grad-requiring input, the baseline. Parameter gradients are reset
-to None before every backward, so every variant writes them fresh. Figures are medians over
-repeats, in milliseconds; `bw_over_fused` is (B + W) / plain backward, per stage and overall
-(sums of medians over all stages of all configs).
+apart); its fused BW; the runner's F when the schedule fuses the backward (`F_unsplit`, no
+deferred-W recorder: [Note: a fused backward] in executors/torch/stage.py) and the BW after it
+(`BW_unsplit`); and plain autograd (`loss.backward()` or `out.backward(grad)`) through the same
+stage module with a grad-requiring input, the baseline. Parameter gradients are reset to None
+before every backward, so every variant writes them fresh. Figures are medians over repeats, in
+milliseconds; `bw_over_fused` is (B + W) / plain backward, per stage and overall (sums of
+medians over all stages of all configs); `unsplit_over_split` is (F_unsplit + BW_unsplit) /
+(F + BW), what a 1F1B microbatch costs now against a recorded forward.
 
 The minor page faults of each variant come along (`*_faults`, medians): B holds the stash
 (every linear/layer-norm input and output gradient) until W, so its peak memory is above a
@@ -57,7 +60,7 @@ DEFAULT_CONFIGS = (
     SplitBenchConfig(n_embd=256, stages=4),
 )
 
-_VARIANTS = ("F", "B", "W", "BW", "plain")
+_VARIANTS = ("F", "B", "W", "BW", "F_unsplit", "BW_unsplit", "plain")
 
 
 def run_split_backward_bench(*, configs: Sequence[SplitBenchConfig] = DEFAULT_CONFIGS,
@@ -82,6 +85,7 @@ def run_split_backward_bench(*, configs: Sequence[SplitBenchConfig] = DEFAULT_CO
         "torch": torch.__version__,
         "bw_over_fused": _ratio(stages, "B_plus_W", "plain"),
         "runner_bw_over_fused": _ratio(stages, "BW", "plain"),
+        "unsplit_over_split": _ratio(stages, "unsplit_step", "split_step"),
     }
 
 
@@ -148,13 +152,21 @@ def _bench_stage(module: torch.nn.Module, inputs: tuple, *, repeats: int, warmup
     # B + W per round, so that the sum is a sample of the split backward as a schedule pays it
     pairs = zip(samples["B"], samples["W"])
     samples["B_plus_W"] = [(b + w, fb + fw) for (b, fb), (w, fw) in pairs]
+    samples["split_step"] = _summed(samples["F"], samples["BW"])
+    samples["unsplit_step"] = _summed(samples["F_unsplit"], samples["BW_unsplit"])
     out: dict[str, Any] = {}
     for k, v in samples.items():
         out[f"{k}_ms"] = statistics.median(t for t, _ in v) * 1e3
         out[f"{k}_faults"] = statistics.median(f for _, f in v)
     out["bw_over_fused"] = out["B_plus_W_ms"] / out["plain_ms"]
     out["runner_bw_over_fused"] = out["BW_ms"] / out["plain_ms"]
+    out["unsplit_over_split"] = out["unsplit_step_ms"] / out["split_step_ms"]
     return out
+
+
+def _summed(first: list, second: list) -> list[tuple[float, int]]:
+    """Per round, the two variants' (seconds, faults) added."""
+    return [(a + b, fa + fb) for (a, fa), (b, fb) in zip(first, second)]
 
 
 def _grad_like(module: torch.nn.Module, inputs: tuple) -> torch.Tensor:
@@ -176,6 +188,9 @@ def _one_round(module, runner, inputs: tuple, upstream: tuple) -> dict[str, tupl
     _zero(module)
     runner.forward("fused", *inputs)
     got["BW"] = _timed(lambda: runner.backward("fused", *upstream))
+    _zero(module)
+    got["F_unsplit"] = _timed(lambda: runner.forward("unsplit", *inputs, split=False))
+    got["BW_unsplit"] = _timed(lambda: runner.backward("unsplit", *upstream))
     _zero(module)
     got["plain"] = _plain_backward(module, inputs, upstream)
     return got

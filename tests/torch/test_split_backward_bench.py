@@ -18,11 +18,12 @@ def test_bench_times_every_stage_and_returns_the_ratios():
     assert torch.get_num_threads() == threads  # the bench puts the thread count back
     assert json.loads(json.dumps(result)) == result
     assert result["bw_over_fused"] > 0 and result["runner_bw_over_fused"] > 0
+    assert result["unsplit_over_split"] > 0
     (config,) = result["configs"]
     assert config["config"]["stages"] == 3
     assert [s["position"] for s in config["stages"]] == ["first", "middle", "last"]
     for stage in config["stages"]:
-        for k in ("F", "B", "W", "B_plus_W", "BW", "plain"):
+        for k in ("F", "B", "W", "B_plus_W", "BW", "F_unsplit", "BW_unsplit", "plain"):
             assert stage[f"{k}_ms"] > 0 and stage[f"{k}_faults"] >= 0
         assert stage["bw_over_fused"] == stage["B_plus_W_ms"] / stage["plain_ms"]
     # the runner's state is released: no microbatch lingers between variants
