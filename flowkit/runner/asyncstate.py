@@ -15,7 +15,7 @@ import attrs
 
 from flowkit.runner.calls import CallSite
 from flowkit.runner.partial import Carried, CarryOver
-from flowkit.runner.stepstate import FlowRunError, RunnerState, lineage_order
+from flowkit.runner.stepstate import FlowRunError, RunnerState, sorted_lineages
 from flowkit.wire.refs import Item
 
 __all__ = ["CarriedCall", "OpenCall", "OpenWork", "Replay", "drain", "open_work",
@@ -168,7 +168,7 @@ def open_work(ctl: Any, state: RunnerState, timeout: float) -> OpenWork:
     for step, by_node in sorted(state.open_calls.items()):
         for name, items in by_node.items():
             calls: dict[tuple, list] = {}
-            for lineage in sorted(items, key=lineage_order):
+            for lineage in sorted_lineages(items):
                 calls.setdefault(lineage[:-1], []).append(fetched(items[lineage]))
             work.calls.setdefault(step, {})[name] = [OpenCall(lin, values)
                                                      for lin, values in calls.items()]

@@ -25,7 +25,7 @@ from flowkit.planner.schedules import build_schedule
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runner.pipeline import PipelineRun, StreamedSchedule, stage_costs_config
 from flowkit.runner.replicas import Replicas, ReplicatedSchedule, replica_counts, replica_lane
-from flowkit.runner.stepstate import FlowRunError, NodeState, Streams, lineage_order
+from flowkit.runner.stepstate import FlowRunError, NodeState, Streams, sorted_lineages
 from flowkit.runner.training import (
     device_shares,
     model_spec,
@@ -309,7 +309,7 @@ class ModelTraining:
         (as many microbatches as the smallest minibatch allows, up to the configured number)
         and step after each but the last, whose step is the optimizer-step node's."""
         step_plan = self._step_plan(plan)
-        ordered = sorted(streams.complete(live), key=lineage_order)
+        ordered = sorted_lineages(streams.complete(live))
         config = plan.config
         try:
             rounds = minibatch_rounds(len(ordered), epochs=config["epochs"],
@@ -451,7 +451,7 @@ def _form_microbatches(feeding: Feeding, streams: Streams, live: list[InputRule]
     _take_arrivals(feeding, streams, live)
     pool = feeding.pool
     if not feeding.streamed:
-        pool.sort(key=lineage_order)  # a barrier cuts the items in their lineages' order
+        pool[:] = sorted_lineages(pool)  # a barrier cuts the items in their lineages' order
     while feeding.next_mb < len(feeding.sizes):
         mb, left = feeding.next_mb, len(feeding.sizes) - feeding.next_mb
         if closed:  # the rest, spread over the microbatches still to form

@@ -51,7 +51,7 @@ from flowkit.runner.stepstate import (
     NodeState,
     Streams,
     Wiring,
-    lineage_order,
+    sorted_lineages,
 )
 from flowkit.runtime.controller import Controller
 from flowkit.wire.refs import Gather, Item
@@ -514,7 +514,7 @@ class StepRun:
 
     def _group_call(self, state: NodeState, rule: InputRule, key: Any) -> tuple[tuple, dict]:
         """The call (lineage, refs) of the group `key`, its members in lineage order."""
-        members = sorted(state.groups.pop(key), key=lineage_order)
+        members = sorted_lineages(state.groups.pop(key))
         items = self.streams.of(rule).items
         return (key,), {rule.port: Gather([items[m] for m in members])}
 

@@ -64,11 +64,12 @@ def test_a_forward_is_told_when_its_backward_is_one_bw(sims, kind, fused):
         if event == "task_submitted" and payload["task"].op == "F":
             told.append(payload["task"].config.get("fused_backward", False))
 
-    schedule = build_schedule(kind, devices=P, microbatches=M, costs=Costs.uniform(P))
+    costs = Costs.uniform(P, F=1e-4, B=1e-4, W=1e-4)
+    schedule = build_schedule(kind, devices=P, microbatches=M, costs=costs)
     ctl.add_listener(listener)
     try:
         submit_schedule(ctl, schedule, infos,
-                        config_for=stage_costs_config(Costs.uniform(P, F=1e-4))).wait(timeout=30)
+                        config_for=stage_costs_config(costs)).wait(timeout=30)
     finally:
         ctl.remove_listener(listener)
     assert told == [fused] * (P * M)
