@@ -11,3 +11,14 @@ TABLE5 = [
     ("28.3B", 32, 96, 10.419, 10.207, 7.715, 0.408, 0.2646, 0.1421, 0.0641, 0.1421, 0.0038),
 ]
 TABLE5_IDS = [f"{r[0]}-p{r[1]}-m{r[2]}" for r in TABLE5]
+
+# The ZB repository's ZB-V (sail-sg/zero-bubble-pipeline-parallelism,
+# megatron/core/pipeline_parallel/zerobubble/scheduler/zbv.py: PipelineGraph, the best of its
+# fill_f/fill_b tries, chunk costs T/2), its per-device order simulated by flowkit's simulator:
+# the bubble rate each reaches, memory p. On Table 9's profiles (TABLE5's rows, in order):
+ZBV_REPOSITORY_TABLE5 = [0.0703, 0.0543, 0.0298, 0.0403, 0.0498, 0.0531]
+# On the settings of the repository's own tests (tests/unit_tests/pipeline_parallel/
+# test_pass.py: F = B = W = 1000 a chunk, comm 10, the memory of h = 4096, a = 8, s = 4096):
+# (p, m, bubble rate)
+ZBV_REPOSITORY_TESTS = [(4, 4, 0.1131), (4, 8, 0.0029), (4, 16, 0.0015), (2, 2, 0.0783),
+                        (2, 4, 0.0017), (8, 4, 0.3896), (8, 8, 0.1295), (8, 16, 0.0041)]

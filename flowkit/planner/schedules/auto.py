@@ -103,6 +103,8 @@ def _explore(request: ScheduleRequest, problem: Problem, limit: float) -> Iterat
         yield vshape.pattern_orders(vshape.v_min_slots, p, m)
         caps = _caps(limit, (p, (p + 2) / 2, (p + 4) / 3), problem.footprint)
         caps = caps[: _breadth(problem)]
+        for cap in caps:
+            yield from vshape.fill_candidates(problem, cap)
     yield from _greedy(problem, caps)
 
 

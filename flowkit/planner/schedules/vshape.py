@@ -24,10 +24,11 @@ from flowkit.planner.schedules.greedy import (
 )
 from flowkit.planner.schedules.local_search import default_budget, improve
 from flowkit.planner.schedules.registry import ScheduleRequest, register
+from flowkit.planner.schedules.vfill import fill_v_orders
 from flowkit.planner.simulate import ScheduleError
 
-__all__ = ["best_v_orders", "pattern_orders", "v_half", "v_half_slots", "v_min", "v_min_slots",
-           "v_problem", "zb_v", "zbv_order"]
+__all__ = ["best_v_orders", "fill_candidates", "pattern_orders", "v_half", "v_half_slots",
+           "v_min", "v_min_slots", "v_problem", "zb_v", "zbv_order"]
 
 
 # [Note: vshape] The forward pass runs down the devices and back up (0 -> p-1 on chunk 0, p-1 -> 0
@@ -41,9 +42,11 @@ __all__ = ["best_v_orders", "pattern_orders", "v_half", "v_half_slots", "v_min",
 #
 # Each builder takes the best (by simulated makespan, then span) of a few candidates that respect
 # its memory cap: the fixed order from the literature (PyTorch's ScheduleZBVZeroBubble for ZB-V; the
-# sail-sg building-block patterns for V-Half/V-Min), which are good when F = B = W, and the
-# cost-aware `list_schedule` under the cap, which is good for uneven costs and any m; a short local
-# search then polishes the winner. Memory caps are in units of one microbatch's footprint on a
+# sail-sg building-block patterns for V-Half/V-Min), which are good when F = B = W; the
+# bubble-filling V built forward in time (vfill.py [Note: bubble-filling V]), the Zero Bubble
+# authors' way to uneven costs and comm at memory p; and the cost-aware `list_schedule` under
+# the cap, which is good for uneven costs and any m; a short local search then polishes the
+# winner. Memory caps are in units of one microbatch's footprint on a
 # device (MemoryModel.F), and a tighter `memory_limit` in the request lowers them further.
 
 Orders = list[list[Op]]
@@ -133,25 +136,43 @@ def pattern_orders(slots: Callable[[int, int], list[int]], p: int, m: int) -> Or
     return out
 
 
+def fill_candidates(problem: Problem, cap: float) -> list[Orders | None]:
+    """The bubble-filling V's four variants within `cap` (None where one does not fit)."""
+    return [fill_v_orders(problem, cap, fill_f=f, fill_b=b) for f in (True, False)
+            for b in (True, False)]
+
+
 def best_v_orders(problem: Problem, cap: float, fixed: Iterable[Orders] = (), *,
                   evals: int | None = None) -> tuple[Orders, Score]:
-    """The best candidate within `cap`, polished by local search; ScheduleError if none fits."""
+    """The candidate of the shortest longest span within `cap` (the paper's bubble rate), then
+    polished by local search, which keeps that span; ScheduleError if none fits."""
     reason = unfit_reason(problem, cap)
     if reason is not None:
         raise ScheduleError(f"no V schedule fits memory cap {cap:g}: {reason}", over_memory=True)
-    candidates = list(fixed) + [
+    candidates = list(fixed) + fill_candidates(problem, cap) + [
         list_schedule(problem, Rule(cap=cap, b_hold=h, w_fill=f)) for h, f in RULES]
     best: tuple[Orders, Score] | None = None
     for orders in candidates:
         if orders is None or max(peak_memory(problem, o) for o in orders) > cap + 1e-9:
             continue
         score = evaluate(problem, orders)
-        if score is not None and score.better_than(best[1] if best else None):
+        if score is not None and _shorter_span(score, best[1] if best else None):
             best = (orders, score)
     if best is None:  # unreachable past unfit_reason [Note: memory reservation]
         raise ScheduleError(f"no V schedule found within memory cap {cap:g}", over_memory=True)
     budget = default_budget(problem) if evals is None else evals
-    return improve(problem, best[0], cap=cap, evals=budget)
+    return improve(problem, best[0], cap=cap, evals=budget, span_bound=best[1].span)
+
+
+def _shorter_span(score: Score, other: Score | None) -> bool:
+    """The paper's objective first: the longest device span (its bubble rate), then the
+    makespan. The local search after it may shorten the makespan, never lengthen the span."""
+    if other is None:
+        return True
+    tol = 1e-9 * max(1.0, other.span)
+    if abs(score.span - other.span) > tol:
+        return score.span < other.span
+    return score.better_than(other)
 
 
 def _build(request: ScheduleRequest, share: float, fixed: Callable[[int, int], Orders]) -> Schedule:
