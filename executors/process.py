@@ -346,7 +346,9 @@ class Executor:
         refused = []
         for entry in header["objects"]:
             try:
-                self._take(Msg.OBJECTS, entry["object"], entry, [], from_peer=True)
+                # a plain body only: what else an entry says (a frame layout) is not read
+                self._take(Msg.OBJECTS, entry["object"], {"body": entry["body"]}, [],
+                           from_peer=True)
             except (ProtocolError, SerializeError) as exc:
                 refused.append(str(exc))
         if refused:

@@ -87,8 +87,9 @@ def test_an_undecodable_push_of_an_awaited_input_fails_its_task_at_once(pair):
     assert produced.result(timeout=30) == 5
 
 
-def _push_many(address: str, objects: list[tuple[int, bytes]], *, tag: str | None) -> None:
-    header = {"objects": [{"object": i, "body": body} for i, body in objects]}
+def _push_many(address: str, objects: list[tuple[int, bytes]], *, tag: str | None,
+               extra: dict | None = None) -> None:
+    header = {"objects": [{"object": i, "body": body, **(extra or {})} for i, body in objects]}
     if tag is not None:
         header["auth"] = tag
     sock = dealer(address, linger=1000)
@@ -107,8 +108,9 @@ def test_a_strangers_batch_of_objects_is_refused_whole(pair):
 
 def test_in_a_batch_of_objects_each_bad_one_is_refused_and_the_others_count(pair):
     """One OBJECTS message from an insider peer: a replacement of an object held, an
-    undecodable awaited input and a good object. The held one stays, the awaited one's task
-    fails at once saying why, and the good one is kept: a task reads it."""
+    undecodable awaited input and a good object, each naming a shared-memory segment too. The
+    held one stays, the awaited one's task fails at once saying why, and the good one is kept
+    as its plain body says (the segment is never opened): a task reads it."""
     ctl, (a, b) = pair
     held = ctl.put([1, 2], executor=b.id)
     produced, consumer = _awaited(ctl, a, b, seconds=2.0)
@@ -118,7 +120,8 @@ def test_in_a_batch_of_objects_each_bad_one_is_refused_and_the_others_count(pair
     started = time.monotonic()
     _push_many(b.peer_address, [(held.id, pack([6, 6, 6])[0]),
                                 (produced.id, b"\xc1 not msgpack"),
-                                (good.id, pack(4)[0])], tag=peer_tag(ctl.secret))
+                                (good.id, pack(4)[0])], tag=peer_tag(ctl.secret),
+               extra={"layout": [{"name": "flowkit-not-a-segment", "size": 1 << 30}]})
     with pytest.raises(RemoteError, match="could not be read"):
         consumer.result(timeout=30)
     assert time.monotonic() - started < 1.5  # not when the real push would have come
