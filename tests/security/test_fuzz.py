@@ -50,6 +50,11 @@ def _messages(draw) -> list[bytes]:
               **draw(_fields)}
     if header["t"] == Msg.DATA and isinstance(header.get("object"), int):
         header["object"] = _FAR + abs(header["object"]) % _FAR
+    if header["t"] == Msg.OBJECTS and draw(st.booleans()):  # well formed, the bodies anything
+        bodies = st.binary(max_size=48) | _values.map(
+            lambda v: msgpack.packb(v, use_bin_type=True))
+        header["objects"] = [{"object": _FAR + draw(st.integers(0, _FAR - 1)), "body": body}
+                             for body in draw(st.lists(bodies, max_size=4))]
     return [msgpack.packb(header, use_bin_type=True), *frames]
 
 
@@ -78,12 +83,13 @@ def _insider(ctl):
 
 
 def _with_tag(tag: str, message: list[bytes]) -> list[bytes]:
-    """The message as an insider peer sends it: its DATA carries the run's peer tag."""
+    """The message as an insider peer sends it: its DATA or OBJECTS carries the run's peer
+    tag."""
     try:
         header = msgpack.unpackb(message[0], raw=False, strict_map_key=False)
     except Exception:
         return message
-    if not isinstance(header, dict) or header.get("t") != Msg.DATA:
+    if not isinstance(header, dict) or header.get("t") not in (Msg.DATA, Msg.OBJECTS):
         return message
     return [msgpack.packb({**header, "auth": tag}, use_bin_type=True), *message[1:]]
 
