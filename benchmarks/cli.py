@@ -228,6 +228,15 @@ def evaluation(steps: int, every: int, json_out: Path | None) -> None:
 
 
 @bench.command(cls=_BenchCommand)
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Times each budget and batching is timed (medians).")
+@_json_option
+def infer(repeats: int, json_out: Path | None) -> None:
+    """Reference log-probs at a CPU's 256 tokens a forward against a GPU's 4096."""
+    _report(_bench_function("infer", "run_infer_bench")(repeats=repeats), json_out)
+
+
+@bench.command(cls=_BenchCommand)
 @click.option("--steps", type=click.IntRange(min=2), default=8, show_default=True,
               help="GRPO steps per run (the first is not timed).")
 @click.option("--rank", type=click.IntRange(min=1), default=8, show_default=True,

@@ -19,10 +19,8 @@ alone still runs a forward of `rows` rows. How many is the device's: a GPU's for
 about the same for one row as for 32 (it waits on memory and launches), so its forwards take
 4096 tokens (32 rows of 16 tokens, 8 of 512); a CPU's forward costs in proportion to its rows
 beyond a few, so its forwards take 256 tokens (16 rows of 16 tokens, 8 of 32, 1 of 256 or
-more). The tiny Qwen2 of the README's example, one thread: a 32 x 32 forward 6.7 ms, 8 x 32
-2.2 ms, 1 x 32 1.2 ms; the reference log-probs of a step's 128 rollouts, arriving in the
-batches a run makes of them ([21, 21, 19, 30, 31, 3, 3]), 171 ms at 4096 tokens a forward
-against 56 ms for all 128 at once.
+more). `flowkit bench infer` measures both budgets side by side on a step's 128 rollouts,
+arriving in the uneven batches a run makes of them and all at once (docs/performance.md).
 
 [Note: response positions] Response token k of a rollout with P prompt tokens sits at position
 P + k of prompt + response, and is predicted by the model's output at position P + k - 1. Its

@@ -7,8 +7,8 @@ one backward pass.
 
 [Note: a fused backward] A schedule that never splits a microbatch's backward (1F1B, GPipe:
 every backward is BW) has no use for what the recorder keeps for W, and the recorder is a torch
-function mode: it sees every torch call of the forward, a Python call each (on the README's
-tiny Qwen2, about half of a stage's forward). So the runtime tells such a forward not to split
+function mode: it sees every torch call of the forward, a Python call each (`flowkit bench
+train` times a stage's F + BW with and without it). So the runtime tells such a forward not to split
 (`fused_backward` in the F op's config, flowkit/runner/pipeline.py), and its BW is one plain
 autograd pass over the inputs and the parameters, accumulated as W accumulates.
 """
