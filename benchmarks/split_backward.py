@@ -150,8 +150,7 @@ def _bench_stage(module: torch.nn.Module, inputs: tuple, *, repeats: int, warmup
             for k, v in got.items():
                 samples[k].append(v)
     # B + W per round, so that the sum is a sample of the split backward as a schedule pays it
-    pairs = zip(samples["B"], samples["W"])
-    samples["B_plus_W"] = [(b + w, fb + fw) for (b, fb), (w, fw) in pairs]
+    samples["B_plus_W"] = _summed(samples["B"], samples["W"])
     samples["split_step"] = _summed(samples["F"], samples["BW"])
     samples["unsplit_step"] = _summed(samples["F_unsplit"], samples["BW_unsplit"])
     out: dict[str, Any] = {}

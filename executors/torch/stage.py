@@ -56,6 +56,14 @@ class _Microbatch:
     stashed_bytes: int = 0
 
 
+def _per_input(count: int, indices: list[int], grads: Any) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of the inputs at `indices`, None for the others."""
+    out: list[torch.Tensor | None] = [None] * count
+    for i, g in zip(indices, grads):
+        out[i] = g
+    return tuple(out)
+
+
 def _flatten(output: Any) -> tuple[Any, ...]:
     return tuple(output) if isinstance(output, (tuple, list)) else (output,)
 
@@ -139,11 +147,9 @@ class StageRunner:
         state.outputs = ()  # W starts from captured gradients, never from the outputs
         state.phase = "B"
         state.stashed_bytes = self._stash_bytes(state)
-        grads: list[torch.Tensor | None] = [None] * len(state.inputs)
-        for i, g in zip(grad_idx, got[:n_in]):
-            grads[i] = g
+        grads = _per_input(len(state.inputs), grad_idx, got[:n_in])
         state.inputs = ()
-        return tuple(grads)
+        return grads
 
     def backward_weight(self, mb: Hashable) -> None:
         state = self._state(mb, "backward_weight", expect="B")
@@ -173,10 +179,7 @@ class StageRunner:
             if grad is not None:
                 accumulate(param, grad)
         del self._mbs[mb]
-        grads: list[torch.Tensor | None] = [None] * len(state.inputs)
-        for i, g in zip(grad_idx, got[:len(grad_idx)]):
-            grads[i] = g
-        return tuple(grads)
+        return _per_input(len(state.inputs), grad_idx, got[:len(grad_idx)])
 
     # -- accounting ---------------------------------------------------------------------------
     @property
