@@ -100,7 +100,7 @@ def _executor_processes(address: str) -> list[int]:
     return found
 
 
-def test_a_killed_actor_fails_the_step_within_2_s_naming_it_and_leaves_nothing():
+def test_a_killed_actor_fails_the_step_long_before_the_ping_timeout_naming_it_and_leaves_nothing():
     plan = lower_flow(load_checked_flow(PRETRAIN))
     with Controller() as ctl:
         launcher = RayExecutors(ctl, 2, kind="sim", tags=executor_tags(plan, 2, None))
@@ -122,7 +122,9 @@ def test_a_killed_actor_fails_the_step_within_2_s_naming_it_and_leaves_nothing()
         finally:
             ctl.shutdown()
             launcher.stop()
-    assert failed - killed["at"] < 2.0
+    # Ray's death notice, not the 30 s ping timeout: under 1 s on a quiet machine, but Ray's own
+    # notice took 2.4 s on a loaded one (CI, two test workers), so the bound is a third of it
+    assert failed - killed["at"] < 10.0
     assert "exec-1" in str(failure.value) and "Ray actor died" in str(failure.value)
     assert _executor_processes(ctl.address) == []
     assert leftover_segments(pids) == []
