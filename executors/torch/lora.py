@@ -25,18 +25,19 @@ import torch.nn as nn
 from executors.torch import weights
 from executors.torch.stage import StageError
 
-__all__ = ["LoRALinear", "add_adapters", "adapter_names", "merge_adapters"]
+__all__ = ["LoRALinear", "adapter_dtype", "add_adapters", "adapter_names", "merge_adapters"]
 
 
 class LoRALinear(nn.Module):
     """``base_layer(x) + lora_B(lora_A(dropout(x))) * alpha / r``, as peft's ``lora.Linear``
     computes it, with A Kaiming-uniform (a = √5, peft's default) and B zero: at first the base
-    layer's own function. The adapters take the base layer's dtype (peft keeps bfloat16
-    adapters in float32 by default: here a bfloat16 model's updates are rounded to it)."""
+    layer's own function. The adapters of a float16 or bfloat16 layer are float32, as peft's
+    `autocast_adapter_dtype` keeps them (`adapter_dtype`): the input is cast up for them and
+    the sum cast back to the layer's dtype."""
 
     def __init__(self, base: nn.Linear, *, r: int, alpha: float, dropout: float) -> None:
         super().__init__()
-        like = {"device": base.weight.device, "dtype": base.weight.dtype}
+        like = {"device": base.weight.device, "dtype": adapter_dtype(base.weight.dtype)}
         self.base_layer = base
         self.lora_A = nn.Linear(base.in_features, r, bias=False, **like)
         self.lora_B = nn.Linear(r, base.out_features, bias=False, **like)
@@ -46,12 +47,22 @@ class LoRALinear(nn.Module):
         nn.init.zeros_(self.lora_B.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base_layer(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        result = self.base_layer(x)
+        x = self.lora_dropout(x.to(self.lora_A.weight.dtype))
+        return (result + self.lora_B(self.lora_A(x)) * self.scaling).to(result.dtype)
 
     @torch.no_grad()
     def merge(self) -> None:
-        """Add the adapters' update into the base layer's weight (then use `base_layer`)."""
+        """Add the adapters' update into the base layer's weight (then use `base_layer`): in
+        the adapters' dtype, rounded once to the weight's (as peft merges)."""
         self.base_layer.weight += (self.lora_B.weight @ self.lora_A.weight) * self.scaling
+
+
+def adapter_dtype(base: torch.dtype) -> torch.dtype:
+    """The dtype of the adapters of a layer of dtype `base`: float32 for float16 and bfloat16,
+    whose spacing near the adapters' values (about 2e-3 at 0.3 in bfloat16) would round away
+    the small steps an optimizer takes; the layer's own dtype otherwise."""
+    return torch.float32 if base in (torch.float16, torch.bfloat16) else base
 
 
 def add_adapters(whole: nn.Module, parts: Sequence[nn.Module], lay: weights.Layout,

@@ -85,28 +85,37 @@ def test_a_hugging_face_target_peft_cannot_use_is_refused_naming_the_linear_laye
         held_model(op_context(), model_spec(model, 1))
 
 
-def test_our_lora_layer_computes_what_peft_s_does():
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_our_lora_layer_computes_what_peft_s_does(dtype):
     """LoRALinear (the GPT's, and any model's without its own add_lora) against peft's
-    lora.Linear with the same weights: forward and merged weight."""
+    lora.Linear with the same weights: forward and merged weight; in bfloat16 both keep the
+    adapters in float32 (peft's autocast_adapter_dtype, which add_lora applies to HF models)."""
     peft = pytest.importorskip("peft", reason="the hf extra: pip install 'flowkit[hf]'")
     import torch
+    from peft.functional import cast_adapter_dtype
 
     from executors.torch.lora import LoRALinear
 
+    dtype = getattr(torch, dtype)
     torch.manual_seed(0)
-    base = torch.nn.Linear(6, 5).double()
+    base = torch.nn.Linear(6, 5).to(dtype)
     ours = LoRALinear(base, r=3, alpha=7.0, dropout=0.0)
     wrapped = peft.inject_adapter_in_model(peft.LoraConfig(
         r=3, lora_alpha=7.0, target_modules=["layer"]), torch.nn.ModuleDict(
-            {"layer": torch.nn.Linear(6, 5).double()}))
+            {"layer": torch.nn.Linear(6, 5).to(dtype)}))
+    cast_adapter_dtype(wrapped, "default")
     theirs = wrapped["layer"]
+    adapters = torch.float64 if dtype == torch.float64 else torch.float32
+    assert ours.lora_A.weight.dtype == theirs.lora_A["default"].weight.dtype == adapters
+    assert ours.lora_B.weight.dtype == theirs.lora_B["default"].weight.dtype == adapters
     with torch.no_grad():
         theirs.base_layer.weight.copy_(base.weight)
         theirs.base_layer.bias.copy_(base.bias)
         ours.lora_B.weight.normal_()
         theirs.lora_A["default"].weight.copy_(ours.lora_A.weight)
         theirs.lora_B["default"].weight.copy_(ours.lora_B.weight)
-    x = torch.randn(4, 6, dtype=torch.float64)
+    x = torch.randn(4, 6, dtype=torch.float64).to(dtype)
+    assert ours(x).dtype == dtype
     torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=1e-12)
     ours.merge()
     theirs.merge()

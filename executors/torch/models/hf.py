@@ -175,10 +175,10 @@ class HFCausalLM(nn.Module):
     def add_lora(self, settings: dict) -> None:
         """peft's adapters in the HF model's own layers, which every stage shares."""
         try:
-            from peft import inject_adapter_in_model
+            from peft.functional import cast_adapter_dtype, inject_adapter_in_model
         except ImportError:
-            raise HFModelError("LoRA on a Hugging Face model needs peft on every executor: "
-                               "pip install 'flowkit[hf]'") from None
+            raise HFModelError("LoRA on a Hugging Face model needs peft >= 0.20 on every "
+                               "executor: pip install 'flowkit[hf]'") from None
         try:
             inject_adapter_in_model(_lora_config(settings), self._lm[0])
         except ValueError as exc:
@@ -190,6 +190,8 @@ class HFCausalLM(nn.Module):
             raise HFModelError(f"lora target_modules {settings['target_modules']} {why} of "
                                f"this {self.config.model_type}; its linear layers are named "
                                f"{linear}") from None
+        # float16 / bfloat16 adapters up to float32, as get_peft_model's autocast_adapter_dtype
+        cast_adapter_dtype(self._lm[0], "default")
 
     def save_lora(self, folder: str | Path, settings: dict,
                   adapters: dict[str, torch.Tensor]) -> Path:
