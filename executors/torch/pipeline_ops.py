@@ -255,6 +255,46 @@ def trainable(module: torch.nn.Module) -> list[torch.Tensor]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
+# [Note: AdamW without dynamo] torch's optimizers wrap __init__'s add_param_group, state_dict,
+# load_state_dict (torch._disable_dynamo) and step (_use_grad_for_differentiable) in wrappers
+# whose first call imports torch._dynamo, for torch.compile's sake: 1.3 s of one CPU core in
+# every executor that steps an optimizer (sympy, inductor, ...; importing torch itself costs
+# about as much), for nothing here, where no optimizer runs under torch.compile. `_EagerAdamW`
+# calls the undecorated functions that the wrappers call (functools.wraps keeps them as
+# __wrapped__), with grad mode set as step's wrapper sets it: the same arithmetic, state and
+# state dicts as torch.optim.AdamW (tests/torch/test_optimizer.py compares them). Where a
+# torch release keeps no __wrapped__, the wrapper itself is called: slower, the same result.
+def _undecorated(fn: Any) -> Any:
+    return getattr(fn, "__wrapped__", fn)
+
+
+_ADD_PARAM_GROUP = _undecorated(torch.optim.Optimizer.add_param_group)
+_STATE_DICT = _undecorated(torch.optim.Optimizer.state_dict)
+_LOAD_STATE_DICT = _undecorated(torch.optim.Optimizer.load_state_dict)
+_ADAMW_STEP = _undecorated(torch.optim.AdamW.step)
+
+
+class _EagerAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW, never importing torch._dynamo [Note: AdamW without dynamo]."""
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        _ADD_PARAM_GROUP(self, param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        return _STATE_DICT(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        _LOAD_STATE_DICT(self, state_dict)
+
+    def step(self, closure: Any = None) -> Any:
+        enabled = torch.is_grad_enabled()
+        try:
+            torch.set_grad_enabled(self.defaults["differentiable"])
+            return _ADAMW_STEP(self, closure)
+        finally:
+            torch.set_grad_enabled(enabled)
+
+
 def _adamw(params: list[torch.Tensor], **hparams: Any) -> torch.optim.AdamW:
     """AdamW with decay on matrices only (not biases, norms), as nanoGPT configures it."""
     decay = [p for p in params if p.dim() >= 2]
@@ -262,7 +302,7 @@ def _adamw(params: list[torch.Tensor], **hparams: Any) -> torch.optim.AdamW:
     groups = [{"params": decay, "weight_decay": hparams.pop("weight_decay")},
               {"params": plain, "weight_decay": 0.0}]
     hparams["betas"] = tuple(hparams["betas"])
-    return torch.optim.AdamW([g for g in groups if g["params"]], foreach=False, **hparams)
+    return _EagerAdamW([g for g in groups if g["params"]], foreach=False, **hparams)
 
 
 def new_optimizer(module: torch.nn.Module, *, shard: tuple[int, int] | None = None,
