@@ -9,7 +9,6 @@ import re
 from collections import defaultdict
 
 import attrs
-import networkx as nx
 
 from flowkit.dsl.errors import Problem, suggest
 from flowkit.dsl.graph import Collect, Feedback, FlowGraph, GroupBy, Wire
@@ -364,6 +363,8 @@ def _feedback_use_problems(flow: FlowGraph, fb: Feedback,
 def _cycles(flow: FlowGraph, wires: list[Wire]) -> list[Problem]:
     """One problem per cycle, at the port where the wire back into the op declared first enters
     it: that wire is most likely the one meant for the next step, so the fix names it."""
+    import networkx as nx  # here: executors load this module, and never check a flow
+
     within = [w for w in wires if not w.feedback]
     graph = nx.DiGraph()
     graph.add_edges_from((w.src, w.dst) for w in within)

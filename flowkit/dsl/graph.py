@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import networkx as nx
 
 from flowkit.dsl.errors import Problem
 from flowkit.dsl.operators import FlowValue, Model, Operator
 from flowkit.dsl.types import Granularity, PortType
+
+if TYPE_CHECKING:  # networkx costs 0.16 s to import: executors, which load flowkit.dsl
+    import networkx as nx  # for the records, never build the graph
 
 __all__ = ["Collect", "Feedback", "FlowGraph", "GroupBy", "Node", "Ref", "Wire"]
 
@@ -166,6 +168,8 @@ class FlowGraph:
     @property
     def graph(self) -> nx.DiGraph:
         """Nodes carry `node=Node`; an edge carries `wires`, the list of port-to-port wires."""
+        import networkx as nx
+
         graph = nx.DiGraph(name=self.name)
         for name, node in self.nodes.items():
             graph.add_node(name, node=node)
