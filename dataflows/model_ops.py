@@ -10,6 +10,8 @@ from typing import Any
 
 from flowkit.dsl import Batch, ModelOp, Problem, Resumable, Stream, Workload
 from flowkit.ops import (
+    AGENT,
+    AGENT_RANGES,
     KL_ALIASES,
     KL_KINDS,
     LOSS_AGG_MODES,
@@ -54,10 +56,11 @@ class Generate(ModelOp):
     inputs = {"prompts": Stream[Prompt], "weights": Stream[WeightsVersion]}
     optional = ("weights",)
     outputs = {"rollouts": Stream[Rollout]}
-    # the settings, their defaults and what they allow: flowkit.ops.SamplingConfig's
-    config = SAMPLING.as_config()
+    # the settings, their defaults and what they allow: flowkit.ops.SamplingConfig's, and
+    # flowkit.ops.AgentConfig's for multi-turn trajectories in an environment
+    config = {**SAMPLING.as_config(), **AGENT.as_config()}
     choices = SAMPLING_CHOICES
-    ranges = SAMPLING_RANGES
+    ranges = {**SAMPLING_RANGES, **AGENT_RANGES}
 
     def node_problems(self, flow: Any, node: Any) -> list[Problem]:
         eos = node.config.get("eos")

@@ -22,7 +22,7 @@ import attrs
 
 from executors.optable import OpContext, OpTable
 from executors.simengine import EngineCosts, engine_of
-from flowkit.ops.configs import SAMPLING, SamplingConfig
+from flowkit.ops.configs import SAMPLING, AgentConfig, SamplingConfig
 from flowkit.ops.records import (
     MicrobatchStats,
     Prompt,
@@ -133,7 +133,10 @@ def _generate(ctx: OpContext, prompt: Any, *weights: Any, seconds_per_token: flo
     their origin `step`) and its finished ones pass through; stale ones as the torch op does.
     The sampling settings are the task's (flowkit.ops.SamplingConfig); the lengths drawn only
     read n and max_new_tokens."""
-    sampling, _ = SamplingConfig.split(config)
+    sampling, config = SamplingConfig.split(config)
+    if AgentConfig.split(config)[0].environment is not None:
+        raise ValueError("simulator executors sample no multi-turn trajectories: a generate "
+                         "with an environment runs on torch executors (--executor torch)")
     n, max_new_tokens = sampling.n, sampling.max_new_tokens
     version = _newest_version(weights)
     draw = {"step": step, "min_new_tokens": min_new_tokens, "max_new_tokens": max_new_tokens,

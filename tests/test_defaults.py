@@ -26,6 +26,9 @@ from dataflows.rl.config import (
 from dataflows.rloo import rloo_flow
 from flowkit.cli import main
 from flowkit.ops import (
+    AGENT,
+    AGENT_KEYS,
+    AGENT_RANGES,
     EXECUTOR_OPS,
     LOSS_KNOBS,
     ROUND_KNOBS,
@@ -72,9 +75,11 @@ def _flat(config: RLConfig) -> dict:
 
 # -- the op declarations ----------------------------------------------------------------------
 def test_generate_declares_the_sampling_records_settings_defaults_ranges_and_choices():
-    assert Generate.config == SAMPLING.as_config()
-    assert (Generate.ranges, Generate.choices) == (SAMPLING_RANGES, SAMPLING_CHOICES)
+    assert Generate.config == {**SAMPLING.as_config(), **AGENT.as_config()}
+    assert Generate.ranges == {**SAMPLING_RANGES, **AGENT_RANGES}
+    assert Generate.choices == SAMPLING_CHOICES
     assert set(SAMPLING_RANGES) | set(SAMPLING_CHOICES) <= set(SAMPLING_KEYS)
+    assert set(AGENT_RANGES) <= set(AGENT_KEYS)
 
 
 def test_the_samplers_temperature_has_the_records_default_wherever_it_is_read():
@@ -84,6 +89,7 @@ def test_the_samplers_temperature_has_the_records_default_wherever_it_is_read():
 def test_the_generate_op_spec_lists_every_setting_an_executor_gets():
     # take is the runner's: it never reaches an executor (flowkit/runner/flowrun.py)
     assert set(SAMPLING_KEYS) - {"take"} <= EXECUTOR_OPS["generate"].keywords
+    assert set(AGENT_KEYS) <= EXECUTOR_OPS["generate"].keywords
 
 
 # -- the executors ----------------------------------------------------------------------------
@@ -148,7 +154,7 @@ def test_a_flow_built_without_settings_has_its_records(flow):
     record = FLOWS[flow]()
     built = flow().validate()
     nodes = {node.label: node.config for node in built.nodes.values()}
-    assert nodes["generate"] == record.sampling.as_config()
+    assert nodes["generate"] == {**record.sampling.as_config(), **AGENT.as_config()}
     assert nodes["ref_logprobs"]["temperature"] == record.sampling.temperature
     backprop = nodes["update_actor"]
     assert (backprop["schedule"], backprop["microbatches"]) == (record.schedule,

@@ -16,6 +16,8 @@ from executors.optable import Deferred
 from executors.torch import lm
 from executors.torch.held import evaluating, right_padded
 from executors.torch.sampling import sample_tokens, sequence_seed
+from executors.torch.stage import StageError
+from executors.torch.turns import Agent, EnvCalls, Episode, open_episode, step_episode
 from flowkit.ops.configs import SAMPLING
 from flowkit.ops.records import Prompt, Rollout
 
@@ -90,6 +92,7 @@ class Request:
     done: list = attrs.field(factory=list)  # Rollouts, in finishing order
     key: str | None = None  # its name, to abort it alone
     passing: list = attrs.field(factory=list)  # finished Rollouts given again: out next step
+    agent: Agent | None = None  # its samples are trajectories in an environment
 
 
 @attrs.define(eq=False)
@@ -107,6 +110,12 @@ class Sequence:
     carried: int = 0  # response tokens it came with (a continued Rollout's)
     filled: int = 0  # prefix positions whose keys are in its cache row
     cache_version: int | None = None
+    # a trajectory's [Note: multi-turn rollouts in flowkit/ops/environments.py]: its episode,
+    # which response tokens the model sampled (1) or the environment gave (0), and whether it
+    # holds its slot while its environment steps (keep_cache)
+    episode: Episode | None = None
+    mask: list[int] = attrs.field(factory=list)
+    on_hold: bool = False
 
     @property
     def prefix(self) -> list[int]:
@@ -139,15 +148,17 @@ class Engine:
         self.passing: list[Request] = []  # requests with finished Rollouts to hand back
         self.aborted: set[str] = set()  # request keys aborted, also before they arrived
         self.paused = False
+        self.env_calls = EnvCalls()  # trajectories' environment calls, in threads
         self.device = next(model.parameters()).device
         self.stats = {"steps": 0, "decode_tokens": 0, "prefill_tokens": 0}
 
     # -- requests ------------------------------------------------------------------------------
-    def submit(self, items: list, sampling: Sampling, n: int, *,
-               key: str | None = None) -> Deferred:
+    def submit(self, items: list, sampling: Sampling, n: int, *, key: str | None = None,
+               agent: Agent | None = None) -> Deferred:
         """n samples of each Prompt, or the continuation of each interrupted Rollout (one
-        sample each, from its prefix), as one request; a finished Rollout passes through."""
-        request = Request(deferred=Deferred(), sampling=sampling, left=0, key=key)
+        sample each, from its prefix), as one request; a finished Rollout passes through.
+        With `agent`, each sample is a trajectory in its own environment."""
+        request = Request(deferred=Deferred(), sampling=sampling, left=0, key=key, agent=agent)
         if key is not None and key in self.aborted:  # its abort came first: it ends at once
             request.passing = [_unstarted(s) for item in items for s in _samples(item, n)]
             request.left = len(request.passing)
@@ -164,12 +175,21 @@ class Engine:
                 request.left += 1
                 continue
             for sample in range(n):
-                self.waiting.append(Sequence(request, item, sample,
-                                             sampling.seed_of(item.prompt_id, sample)))
+                seq = Sequence(request, item, sample, sampling.seed_of(item.prompt_id, sample))
                 request.left += 1
+                if agent is None:
+                    self.waiting.append(seq)
+                else:  # it waits for its environment to open first
+                    seq.episode = Episode()
+                    self.env_calls.start(seq, open_episode, agent.make, self._prompt_text(item),
+                                         timeout_s=agent.timeout_s)
         return request.deferred
 
     def _continued(self, request: Request, rollout: Rollout) -> Sequence:
+        if request.agent is not None:
+            raise StageError("a multi-turn trajectory cut by an abort cannot be continued yet: "
+                             "its environment's state is gone; run agents without partial "
+                             "rollouts or asynchronous checkpoints")
         prompt = Prompt(prompt_id=rollout.prompt_id, tokens=list(rollout.prompt_tokens),
                         answer=rollout.answer, text=rollout.prompt_text)
         versions = list(rollout.versions) or [NO_VERSION] * len(rollout.response_tokens)
@@ -184,7 +204,8 @@ class Engine:
 
     def abort(self) -> int:
         """Every request's unfinished samples back now, `interrupted`; returns how many."""
-        live = [s for s in self.slots if s is not None] + list(self.waiting)
+        live = ([s for s in self.slots if s is not None] + list(self.waiting)
+                + self.env_calls.drop(lambda s: False))
         self.slots = [None] * self.max_batch
         self.waiting.clear()
         for seq in live:
@@ -197,6 +218,7 @@ class Engine:
         self.aborted |= keys  # a request still on its way ends as it arrives
         cut = [s for s in [*self.slots, *self.waiting]
                if s is not None and s.request.key in keys]
+        cut += self.env_calls.drop(lambda s: s.request.key not in keys)
         self.slots = [None if s is not None and s.request.key in keys else s for s in self.slots]
         self.waiting = deque(s for s in self.waiting if s.request.key not in keys)
         for seq in cut:
@@ -205,7 +227,8 @@ class Engine:
 
     # -- the Background ------------------------------------------------------------------------
     def busy(self) -> bool:
-        return not self.paused and (bool(self.waiting) or any(self.slots) or bool(self.passing))
+        return not self.paused and (bool(self.waiting) or any(self.slots) or bool(self.passing)
+                                    or bool(self.env_calls))
 
     def step(self) -> None:
         """One iteration. A failure of the model fails the requests it was running, not the
@@ -213,7 +236,8 @@ class Engine:
         try:
             self._step()
         except Exception as error:
-            live = [s for s in self.slots if s is not None] + list(self.waiting)
+            live = ([s for s in self.slots if s is not None] + list(self.waiting)
+                    + self.env_calls.drop(lambda s: False))
             self.slots, self.waiting = [None] * self.max_batch, deque()
             for request in {id(s.request): s.request for s in live}.values():
                 if not (request.deferred.finished or request.deferred.cancelled):
@@ -222,6 +246,7 @@ class Engine:
     def _step(self) -> None:
         self._pass_through()
         self._drop_cancelled()
+        self._environments_answered()
         self._refill_stale()
         self._admit()
         decoding, chunks = self._plan()
@@ -246,6 +271,7 @@ class Engine:
             if seq is not None and seq.request.deferred.cancelled:
                 self.slots[i] = None
         self.waiting = deque(s for s in self.waiting if not s.request.deferred.cancelled)
+        self.env_calls.drop(lambda s: not s.request.deferred.cancelled)
 
     def _refill_stale(self) -> None:
         now = self.version()
@@ -263,7 +289,7 @@ class Engine:
         """(rows that decode one token, (row, start, stop) prefill chunks) within the budget,
         decodes first. `filled` positions of a row's prefix have their keys in its cache row;
         a row filled up to its last token decodes that token, the others fill a chunk."""
-        live = [s for s in self.slots if s is not None]
+        live = [s for s in self.slots if s is not None and not s.on_hold]
         if not self.cached:  # no cache to fill: every row runs its whole prefix
             return live, []
         decoding = [s for s in live if s.filled == s.length - 1]
@@ -332,20 +358,109 @@ class Engine:
             seq.versions.append(NO_VERSION if version is None else version)
             eos = token in stop
             full = self.context is not None and seq.length >= self.context
-            if eos or len(seq.tokens) >= st.max_new_tokens or full:
+            if seq.episode is not None:
+                seq.mask.append(1)
+                self._after_agent_token(seq, eos, full)
+            elif eos or len(seq.tokens) >= st.max_new_tokens or full:
                 self.slots[seq.slot] = None
                 self._finish(seq, finished=eos, interrupted=False)
 
-    def _finish(self, seq: Sequence, *, finished: bool, interrupted: bool) -> None:
+    def _finish(self, seq: Sequence, *, finished: bool, interrupted: bool,
+                clipped: bool | None = None) -> None:
         request, st = seq.request, seq.request.sampling
-        clipped = not finished and not interrupted and len(seq.tokens) < st.max_new_tokens
+        if clipped is None:
+            clipped = not finished and not interrupted and len(seq.tokens) < st.max_new_tokens
+        ep = seq.episode
+        trajectory = {} if ep is None else {
+            "response_mask": seq.mask, "turns": ep.turns, "env_reward": ep.reward,
+            "env_error": ep.error}
         rollout = Rollout(prompt_id=seq.prompt.prompt_id, sample=seq.sample,
                           prompt_tokens=list(seq.prompt.tokens), response_tokens=seq.tokens,
                           logprobs=seq.logprobs, versions=seq.versions, finished=finished,
                           clipped=clipped, interrupted=interrupted,
                           answer=getattr(seq.prompt, "answer", None),
-                          **self._texts(seq.prompt, seq.tokens))
+                          **self._texts(seq.prompt, seq.tokens), **trajectory)
         self._deliver(request, rollout)
+
+    # -- trajectories [Note: multi-turn rollouts in flowkit/ops/environments.py] ---------------
+    def _prompt_text(self, prompt: Any) -> str:
+        text = getattr(prompt, "text", None)
+        if text is not None:
+            return text
+        if self.tokenizer is None:
+            return bytes(t for t in prompt.tokens if 0 <= t < 256).decode(errors="replace")
+        return self.tokenizer.decode(list(prompt.tokens), skip_special_tokens=False)
+
+    def _after_agent_token(self, seq: Sequence, eos: bool, full: bool) -> None:
+        """A trajectory's turn ends at its stop token or its turn budget: its environment
+        steps on it. The context, or the total budget reached within a turn, ends it."""
+        agent, ep = seq.request.agent, seq.episode
+        turn = len(seq.tokens) - ep.turn_start
+        if full:
+            self._close(seq, finished=False, clipped=True)
+        elif eos or turn >= seq.request.sampling.max_new_tokens:
+            action = agent.turns.text(seq.tokens[ep.turn_start:len(seq.tokens) - int(eos)])
+            if not eos:
+                self._append_context(seq, agent.turns.closing())
+            if agent.keep_cache:
+                seq.on_hold = True
+            else:
+                self.slots[seq.slot], seq.slot = None, None
+            self.env_calls.start(seq, step_episode, ep.env, action, timeout_s=agent.timeout_s)
+        elif agent.max_total_tokens is not None and len(seq.tokens) >= agent.max_total_tokens:
+            self._close(seq, finished=False)
+
+    def _environments_answered(self) -> None:
+        for seq, result, error in self.env_calls.ended():
+            ep, agent = seq.episode, seq.request.agent
+            if error is not None:
+                ep.error = error
+                self._close(seq, finished=False)
+            elif ep.env is None:  # it opened: its first turn may start
+                ep.env, observation = result
+                if observation:
+                    self._append_context(seq, agent.turns.opening(observation))
+                self._next_turn(seq)
+            else:
+                self._stepped(seq, result)
+
+    def _stepped(self, seq: Sequence, step: Any) -> None:
+        ep, agent = seq.episode, seq.request.agent
+        ep.reward += float(step.reward)
+        if step.done or ep.turns >= agent.max_turns:
+            self._close(seq, finished=bool(step.done))
+            return
+        observation = agent.turns.observation(str(step.observation))
+        after = len(seq.tokens) + len(observation)  # and no room left for a model token:
+        if after >= self.max_len - len(seq.prompt.tokens):  # the model's context
+            self._close(seq, finished=False, clipped=True)
+            return
+        if agent.max_total_tokens is not None and after >= agent.max_total_tokens:
+            self._close(seq, finished=False)
+            return
+        self._append_context(seq, observation)
+        self._next_turn(seq)
+
+    def _next_turn(self, seq: Sequence) -> None:
+        seq.episode.turns += 1
+        seq.episode.turn_start = len(seq.tokens)
+        if seq.on_hold:  # its row still holds its keys: the observation is prefilled next
+            seq.on_hold = False
+        else:
+            self.waiting.appendleft(seq)
+
+    def _append_context(self, seq: Sequence, tokens: list[int]) -> None:
+        version = self.version()
+        seq.tokens.extend(tokens)
+        seq.logprobs.extend([0.0] * len(tokens))
+        seq.versions.extend([NO_VERSION if version is None else version] * len(tokens))
+        seq.mask.extend([0] * len(tokens))
+
+    def _close(self, seq: Sequence, *, finished: bool, clipped: bool = False) -> None:
+        if seq.slot is not None and self.slots[seq.slot] is seq:
+            self.slots[seq.slot] = None
+        seq.on_hold = False
+        self._finish(seq, finished=finished, interrupted=False, clipped=clipped)
 
     def _texts(self, prompt: Any, response: list[int]) -> dict[str, str | None]:
         """A rollout's prompt_text and response_text [Note: rollout text]."""

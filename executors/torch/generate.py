@@ -20,8 +20,9 @@ from executors.torch import lm
 from executors.torch.engine import Engine, Sampling, run_until_done
 from executors.torch.held import held_model, right_padded, whole_model
 from executors.torch.stage import StageError
+from executors.torch.turns import agent_of
 from flowkit.dsl.hf import has_tokenizer
-from flowkit.ops.configs import MODEL_EOS, SAMPLING_KEYS, SamplingConfig
+from flowkit.ops.configs import AGENT_KEYS, MODEL_EOS, SAMPLING_KEYS, AgentConfig, SamplingConfig
 from flowkit.ops.executor_ops import MODEL_KEYS
 from flowkit.ops.records import Prompt, Rollout, resumable
 from flowkit.ops.tokenizers import eos_token_ids, load_tokenizer
@@ -221,8 +222,10 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, seed: int = 0, max_ba
     token (or tokens; None: never), and its rollouts carry their text [Note: rollout text in
     engine.py]; any other model stops at EOS (byte 10). The sampling settings (n,
     max_new_tokens, temperature, top_p, eos, sample_seed, stale_segments) are the task's
-    (flowkit.ops.SamplingConfig)."""
+    (flowkit.ops.SamplingConfig); with an `environment` (flowkit.ops.AgentConfig) each sample
+    is a multi-turn trajectory [Note: multi-turn rollouts in flowkit/ops/environments.py]."""
     s, config = SamplingConfig.split(config)
+    agent_settings, config = AgentConfig.split(config)
     items = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
     items = resumable(items, min_version, s.stale_segments)
     unknown = sorted(set(config) - set(MODEL_KEYS))
@@ -248,7 +251,8 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, seed: int = 0, max_ba
     sampling = Sampling(max_new_tokens=int(s.max_new_tokens), temperature=float(s.temperature),
                         top_p=float(s.top_p), eos=_stop_tokens(s.eos, folder),
                         seed=int(sample_seed), step=int(step))
-    return engine.submit(items, sampling, int(s.n), key=request)
+    return engine.submit(items, sampling, int(s.n), key=request,
+                         agent=agent_of(agent_settings, engine.tokenizer))
 
 
 def tokenizer_folder(config: dict) -> str | None:
@@ -304,7 +308,7 @@ def generate_now(ctx: OpContext, prompts: Any, **config: Any) -> list:
     return result if isinstance(result, list) else run_until_done(ctx.background, result)
 
 
-_SETTINGS = (*SAMPLING_KEYS, "seed", "max_batch", "token_budget", "step", "request",
+_SETTINGS = (*SAMPLING_KEYS, *AGENT_KEYS, "seed", "max_batch", "token_budget", "step", "request",
              "min_version")
 
 

@@ -165,9 +165,11 @@ class RLLoss:
                                   for k in range(len(e.response_tokens))] for e in exps],
                                 torch.long)
         self.tokens_at = padded([e.response_tokens for e in exps], torch.long)
-        # a cut response trains nothing with mask_truncated: its row is all padding
+        # a cut response trains nothing with mask_truncated: its row is all padding; an
+        # environment's tokens in a trajectory train nothing either [Note: multi-turn rollouts
+        # in flowkit/ops/environments.py]
         trained = [not settings.mask_truncated or e.finished for e in exps]
-        self.mask = padded([[float(keep)] * len(e.response_tokens)
+        self.mask = padded([[float(keep and bit) for bit in _trained_mask(e)]
                             for e, keep in zip(exps, trained)], torch.float64)
         self.tokens = int(self.mask.sum())
         self.columns = {name: padded(_per_token(exps, name), torch.float64)
@@ -298,6 +300,15 @@ def _need_prompts(exps: list) -> None:
         if e.response_tokens and not e.prompt_tokens:
             raise ValueError(f"sample {_name(e)} has no prompt tokens: its first response token "
                              "has no position to be predicted from")
+
+
+def _trained_mask(e: Any) -> list[int]:
+    """1 for each response token the model sampled, 0 for an environment's."""
+    mask = list(getattr(e, "response_mask", ()))
+    if mask and (len(mask) != len(e.response_tokens) or not set(mask) <= {0, 1}):
+        raise ValueError(f"sample {_name(e)} has a response_mask of {len(mask)} entries for "
+                         f"{len(e.response_tokens)} response tokens; it must be one 0 or 1 each")
+    return mask or [1] * len(e.response_tokens)
 
 
 def _per_token(exps: list, field: str) -> list[list[float]]:

@@ -12,13 +12,18 @@ from its op table (executors/optable.py; executors/sim.py, executors/torch/).
 """
 
 from flowkit.ops.configs import (
+    AGENT,
+    AGENT_KEYS,
+    AGENT_RANGES,
     MODEL_EOS,
     SAMPLING,
     SAMPLING_CHOICES,
     SAMPLING_KEYS,
     SAMPLING_RANGES,
+    AgentConfig,
     SamplingConfig,
 )
+from flowkit.ops.environments import Environment, EnvStep
 from flowkit.ops.executor_ops import (
     EXECUTOR_OPS,
     LOWERED_OPS,
@@ -43,9 +48,11 @@ from flowkit.ops.losses import (
 from flowkit.ops.minibatches import ROUND_KNOBS, cut, epoch_order, minibatch_rounds, rounds_of
 from flowkit.ops.records import STALE_SEGMENTS
 
-__all__ = ["EXECUTOR_OPS", "KL_ALIASES", "KL_KINDS", "LOSSES", "LOSS_AGG_MODES", "LOSS_KNOBS",
+__all__ = ["AGENT", "AGENT_KEYS", "AGENT_RANGES", "EXECUTOR_OPS", "KL_ALIASES", "KL_KINDS",
+           "LOSSES", "LOSS_AGG_MODES", "LOSS_KNOBS",
            "LOSS_SPEC", "POLICY_LOSSES", "ROLLOUT_IS_LEVELS", "ROLLOUT_IS_MODES",
            "LOWERED_OPS", "MODEL_EOS", "PIPELINE_OPS", "PROXIMAL_LOSSES", "ROUND_KNOBS",
            "SAMPLING", "SAMPLING_CHOICES", "SAMPLING_KEYS", "SAMPLING_RANGES", "SIMULATED",
-           "STALE_SEGMENTS", "SUM_FORM_LOSSES", "OpSpec", "SamplingConfig", "cut",
+           "STALE_SEGMENTS", "SUM_FORM_LOSSES", "AgentConfig", "EnvStep", "Environment", "OpSpec",
+           "SamplingConfig", "cut",
            "epoch_order", "minibatch_rounds", "missing_executor_ops", "rounds_of"]

@@ -1,6 +1,7 @@
 """Settings records of the op contract, each default written once.
 
-`SamplingConfig` is how a `generate` call samples. Generate's declaration (dataflows/model_ops.py)
+`SamplingConfig` is how a `generate` call samples, `AgentConfig` whether its samples are
+multi-turn trajectories in an environment. Generate's declaration (dataflows/model_ops.py)
 takes its config keys, defaults, ranges and choices from it; the executors (executors/sim.py,
 executors/torch/generate.py) read a task's settings through it, so a key a task lacks gets the
 record's default, never one of the executor's own; the RL flows hold one
@@ -16,8 +17,8 @@ import attrs
 
 from flowkit.ops.records import STALE_SEGMENTS
 
-__all__ = ["MODEL_EOS", "SAMPLING", "SAMPLING_CHOICES", "SAMPLING_KEYS", "SAMPLING_RANGES",
-           "SamplingConfig"]
+__all__ = ["AGENT", "AGENT_KEYS", "AGENT_RANGES", "MODEL_EOS", "SAMPLING", "SAMPLING_CHOICES",
+           "SAMPLING_KEYS", "SAMPLING_RANGES", "AgentConfig", "SamplingConfig"]
 
 MODEL_EOS = "model"
 """eos="model": stop at the model's tokenizer's EOS, or byte 10 for a model without one
@@ -77,3 +78,37 @@ SAMPLING_RANGES = {field.name: field.metadata["range"] for field in attrs.fields
                    if "range" in field.metadata}
 SAMPLING_CHOICES = {field.name: field.metadata["choices"]
                     for field in attrs.fields(SamplingConfig) if "choices" in field.metadata}
+
+
+@attrs.frozen(kw_only=True)
+class AgentConfig:
+    """Multi-turn rollouts [Note: multi-turn rollouts in flowkit/ops/environments.py]: each
+    sample steps an `environment` ("package.module:Class", an Environment built with
+    `env_config` on the rollout executor; None: one response, no environment) for at most
+    `max_turns` model turns of at most the sampling's max_new_tokens each and
+    `max_total_tokens` response tokens in all (model and environment; None: no total bound);
+    a step past `env_timeout_s` ends its trajectory. `keep_cache`: a sample waiting for its
+    environment keeps its cache row (its next turn prefills the observation only) rather than
+    giving the row to a waiting sample and prefilling its whole prefix again."""
+
+    environment: str | None = _setting(None)
+    env_config: dict = _setting({})
+    max_turns: int = _setting(1, low=1)
+    max_total_tokens: int | None = _setting(None, low=1)
+    env_timeout_s: float = _setting(30.0, low=0)
+    keep_cache: bool = _setting(True)
+
+    def as_config(self) -> dict[str, Any]:
+        return attrs.asdict(self, recurse=False)
+
+    @classmethod
+    def split(cls, config: Mapping[str, Any]) -> tuple[AgentConfig, dict[str, Any]]:
+        """As SamplingConfig.split."""
+        given = {key: value for key, value in config.items() if key in AGENT_KEYS}
+        return cls(**given), {key: v for key, v in config.items() if key not in AGENT_KEYS}
+
+
+AGENT = AgentConfig()
+AGENT_KEYS = tuple(field.name for field in attrs.fields(AgentConfig))
+AGENT_RANGES = {field.name: field.metadata["range"] for field in attrs.fields(AgentConfig)
+                if "range" in field.metadata}

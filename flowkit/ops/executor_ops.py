@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from flowkit.ops.configs import SAMPLING_KEYS
+from flowkit.ops.configs import AGENT_KEYS, SAMPLING_KEYS
 from flowkit.ops.losses import LOSS_KNOBS
 
 __all__ = ["EXECUTOR_OPS", "LOWERED_OPS", "PIPELINE_OPS", "SIMULATED", "STATE_OPS", "OpSpec",
@@ -73,11 +73,12 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
            "(StepMetrics, WeightsVersion)"),
     OpSpec("generate", "a prompt (or a list of them; an interrupted Rollout is continued, a "
            "finished one passes through), then weights versions to wait for",
-           (*_SCORING, *_SAMPLING, "token_budget", "min_new_tokens", "length_sigma",
-            *_SIM_ENGINE, "request", "min_version"),
+           (*_SCORING, *_SAMPLING, *AGENT_KEYS, "token_budget", "min_new_tokens",
+            "length_sigma", *_SIM_ENGINE, "request", "min_version"),
            "n Rollouts per prompt, each streamed as it finishes; `request` names it for an "
            "abort, carried Rollouts older than `min_version` are recomputed or dropped as "
-           "`stale_segments` says [Note: partial rollouts]"),
+           "`stale_segments` says [Note: partial rollouts]; with an `environment`, each a "
+           "multi-turn trajectory [Note: multi-turn rollouts]"),
     OpSpec("logprobs", "a rollout (or a list of them)", (*_SCORING, "temperature"),
            "TokenScores: per-token log-probabilities"),
     OpSpec("values", "a rollout (or a list), then weights versions to wait for", _SCORING,

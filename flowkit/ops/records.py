@@ -68,6 +68,18 @@ class Rollout:
     # model's tokenizer; None for a model without one (the built-in GPT on bytes)
     prompt_text: str | None = None
     response_text: str | None = None
+    # [Note: multi-turn rollouts in flowkit/ops/environments.py] a trajectory's response holds
+    # the model's turns and the environment's: 1 for a token the model sampled (trained), 0 for
+    # one the environment gave (context); empty: every response token is the model's
+    response_mask: list[int] = attrs.field(factory=list)
+    turns: int = 1  # the model's turns
+    env_reward: float | None = None  # the sum of the environment's step rewards
+    env_error: str | None = None  # why the environment ended the trajectory early
+
+    @property
+    def trained_mask(self) -> list[int]:
+        """1 for each response token the model sampled, 0 for the environment's."""
+        return list(self.response_mask) or [1] * len(self.response_tokens)
 
     @property
     def response_length(self) -> int:

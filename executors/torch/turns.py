@@ -1,0 +1,216 @@
+"""Multi-turn rollouts on the rollout engine [Note: multi-turn rollouts in
+flowkit/ops/environments.py]: a request's environment settings (`Agent`), each sample's episode
+(`Episode`), the environment calls the engine runs in threads (`EnvCalls`), and how an
+environment's turn becomes tokens (`ChatTurns`, `ByteTurns`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import attrs
+
+from executors.torch.stage import StageError
+from flowkit.ops import AgentConfig, Environment, EnvStep
+
+__all__ = ["Agent", "ByteTurns", "ChatTurns", "EnvCalls", "Episode", "agent_of", "open_episode",
+           "step_episode"]
+
+# the engine's environment calls at once: a trajectory waiting for its environment gives its turn
+# to the others, so a few threads keep slow steps (a tool, a sandboxed program) overlapping
+_ENV_THREADS = 8
+
+
+@attrs.frozen(kw_only=True)
+class Agent:
+    """A request's environment settings, resolved on the executor."""
+
+    make: Callable[[], Environment]
+    turns: Any  # ByteTurns or ChatTurns: a turn's text, an observation's tokens
+    max_turns: int
+    max_total_tokens: int | None
+    timeout_s: float
+    keep_cache: bool
+
+
+@attrs.define(eq=False)
+class Episode:
+    """One sample's environment and where its trajectory stands."""
+
+    env: Environment | None = None
+    reward: float = 0.0
+    turns: int = 0  # model turns begun
+    turn_start: int = 0  # where in the response the model's current turn began
+    error: str | None = None
+
+
+def agent_of(config: AgentConfig, tokenizer: Any) -> Agent | None:
+    """The request's Agent, or None for single responses. The environment's class is imported
+    here, by the name the flow gave, as a model's build is (executors/torch/held.py)."""
+    if config.environment is None:
+        return None
+    cls = _environment_class(str(config.environment))
+    settings = dict(config.env_config or {})
+    if config.max_turns < 1:
+        raise StageError(f"max_turns must be at least 1, got {config.max_turns}")
+    return Agent(make=lambda: cls(**settings),
+                 turns=ByteTurns() if tokenizer is None else ChatTurns(tokenizer),
+                 max_turns=int(config.max_turns),
+                 max_total_tokens=None if config.max_total_tokens is None
+                 else int(config.max_total_tokens),
+                 timeout_s=float(config.env_timeout_s), keep_cache=bool(config.keep_cache))
+
+
+def _environment_class(path: str) -> type:
+    module_name, _, name = path.partition(":")
+    if not name:
+        raise StageError(f"environment {path!r} must be 'package.module:Class'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise StageError(f"environment {path!r}: no module {exc.name!r} on this executor: put "
+                         "it beside the flow file or install it") from exc
+    for part in name.split("."):
+        obj = getattr(obj, part, None)
+    if not (isinstance(obj, type) and callable(getattr(obj, "step", None))):
+        raise StageError(f"environment {path!r} is not a class with step(action) (subclass "
+                         "flowkit.ops.Environment)")
+    return obj
+
+
+class EnvCalls:
+    """Environment calls (an episode's start, its steps) in threads, each with a deadline; the
+    engine takes the ended ones between its model steps."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self.pending: dict[int, tuple[Any, Future, float]] = {}  # id(seq) -> (seq, call, by)
+
+    def start(self, seq: Any, fn: Callable[..., Any], *args: Any, timeout_s: float) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(_ENV_THREADS, thread_name_prefix="flowkit-env")
+        self.pending[id(seq)] = (seq, self._pool.submit(fn, *args), time.monotonic() + timeout_s)
+
+    def ended(self) -> list[tuple[Any, Any, str | None]]:
+        """(sequence, result, None) for each call that returned, (sequence, None, why) for each
+        that raised or ran past its deadline (its thread is left to end on its own)."""
+        now, out = time.monotonic(), []
+        for key, (seq, call, by) in list(self.pending.items()):
+            if call.done():
+                error = call.exception()
+                out.append((seq, None, _why(error)) if error else (seq, call.result(), None))
+            elif now > by:
+                out.append((seq, None, "the environment took longer than env_timeout_s"))
+            else:
+                continue
+            del self.pending[key]
+        return out
+
+    def waiting(self) -> list[Any]:
+        return [seq for seq, _, _ in self.pending.values()]
+
+    def drop(self, keep: Callable[[Any], bool]) -> list[Any]:
+        """Forget the calls of sequences `keep` refuses; those sequences."""
+        gone = [seq for seq, _, _ in self.pending.values() if not keep(seq)]
+        for seq in gone:
+            del self.pending[id(seq)]
+        return gone
+
+    def __bool__(self) -> bool:
+        return bool(self.pending)
+
+
+def _why(error: BaseException) -> str:
+    return f"the environment raised {type(error).__name__}: {str(error)[:200]}"
+
+
+def open_episode(make: Callable[[], Environment], prompt: str) -> tuple[Environment, Any]:
+    """An episode's first call: its environment built, and reset on the prompt (whose
+    observation, if any, opens the response)."""
+    env = make()
+    return env, env.reset(prompt)
+
+
+def step_episode(env: Environment, action: str) -> EnvStep:
+    result = env.step(action)
+    if not isinstance(result, EnvStep):
+        raise TypeError(f"{type(env).__name__}.step returned a {type(result).__name__}, not "
+                        "an EnvStep")
+    return result
+
+
+class ByteTurns:
+    """A model on bytes (the built-in GPT): a turn's text is its bytes; an environment's turn is
+    its text's UTF-8 bytes and a newline (the byte that ends the model's turns)."""
+
+    def text(self, tokens: list[int]) -> str:
+        return bytes(t for t in tokens if 0 <= t < 256).decode(errors="replace")
+
+    def observation(self, text: str) -> list[int]:
+        return list(text.encode()) + [10]
+
+    def closing(self) -> list[int]:
+        """What ends a model turn cut by its token budget, as its stop token would."""
+        return [10]
+
+    def opening(self, text: str) -> list[int]:
+        """reset's observation, before the model's first turn."""
+        return self.observation(text)
+
+
+class ChatTurns:
+    """A model with a tokenizer and its chat template: a turn's text is decoded without special
+    tokens; an environment's turn is what the template renders after the model's turn ends
+    (Qwen2's "\\n" after <|im_end|>), the observation as a user message and the next assistant
+    header, tokenized alone: the history is never tokenized again. The rendering is the
+    template's own, taken as the text it adds to a conversation (verl's and TRL's way)."""
+
+    _BASE = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._after_turn: str | None = None
+
+    def text(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def observation(self, text: str) -> list[int]:
+        render = self.tokenizer.apply_chat_template
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            return self.tokenizer.encode(text + "\n", add_special_tokens=False)
+        base = render(self._BASE, tokenize=False)
+        full = render([*self._BASE, {"role": "user", "content": text}], tokenize=False,
+                      add_generation_prompt=True)
+        if not full.startswith(base):
+            raise StageError("the chat template renders a conversation's beginning differently "
+                             "once a message follows, so an environment's turn cannot be "
+                             "appended without tokenizing the history again")
+        return self.tokenizer.encode(self.after_turn() + full[len(base):],
+                                     add_special_tokens=False)
+
+    def closing(self) -> list[int]:
+        """What ends a model turn cut by its token budget: the end-of-turn token the template
+        writes after every assistant message."""
+        eos = self.tokenizer.eos_token_id
+        return [] if eos is None else [int(eos)]
+
+    def opening(self, text: str) -> list[int]:
+        raise StageError("with a chat template, what reset would show goes in the prompt (the "
+                         "prompt source's messages): reset must return None")
+
+    def after_turn(self) -> str:
+        """What the template writes between the model's end-of-turn token and the next message
+        (Qwen2: a newline)."""
+        if self._after_turn is None:
+            render = self.tokenizer.apply_chat_template
+            eos = self.tokenizer.eos_token or ""
+            marker = "\u2063turn\u2063"
+            whole = render([*self._BASE, {"role": "assistant", "content": marker}],
+                           tokenize=False)
+            tail = whole[whole.index(marker) + len(marker):]
+            self._after_turn = tail[len(eos):] if eos and tail.startswith(eos) else ""
+        return self._after_turn

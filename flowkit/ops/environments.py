@@ -1,0 +1,59 @@
+"""Environments for multi-turn rollouts: the interface a flow's environment implements, and what
+each of its steps returns. Plain Python, text in and text out (the gymnasium shape).
+
+[Note: multi-turn rollouts] A `generate` call given `environment="package.module:Class"` (and
+`env_config`, `max_turns`, `max_total_tokens`, `env_timeout_s`: flowkit.ops.AgentConfig) rolls
+out trajectories rather than single responses. Each sample gets its own environment,
+``Class(**env_config)``, built on the rollout executor, and:
+
+1. ``reset(prompt)`` with the prompt's text; what it returns (None or "") is appended to the
+   response as context before the model's first turn;
+2. the model samples a turn, which ends at the stop token (EOS) or after `max_new_tokens`;
+3. ``step(action)`` gets the turn's text; its `EnvStep` says the observation, the reward, and
+   whether the trajectory is done. The observation's tokens are appended as the model's chat
+   format renders an environment turn (executors/torch/turns.py), never re-tokenizing what came
+   before;
+4. until done, `max_turns` model turns, or `max_total_tokens` response tokens.
+
+The Rollout keeps every token: `response_mask` marks the model's (1: trained) and the
+environment's (0: context, neither trained nor counted in a token mean), `turns` counts the model
+turns, and `env_reward` sums the steps' rewards (a flow scores it with
+dataflows.rewards.environment_reward, or with any reward op of its own). A trajectory the
+environment ended is `finished`; one cut by a budget is not (with `mask_truncated` it trains
+nothing). A step that raises, or runs past `env_timeout_s`, ends its trajectory, unfinished, with
+`env_error` saying why; it never stalls the engine, which steps the other samples meanwhile. An
+environment that runs untrusted code (a tool executing a model's program) runs it in the sandbox
+(dataflows/sandbox.py), since a thread past its timeout cannot be stopped, only abandoned.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+__all__ = ["EnvStep", "Environment"]
+
+
+@attrs.frozen(kw_only=True)
+class EnvStep:
+    """What one environment step returns."""
+
+    observation: str = ""  # appended as the environment's turn ("" with done: nothing)
+    reward: float = 0.0
+    done: bool = False
+    info: dict[str, Any] = attrs.field(factory=dict)
+
+
+class Environment:
+    """Subclass and override `step` (and `reset` where the episode needs the prompt). One
+    instance serves one trajectory; its constructor takes the flow's `env_config`."""
+
+    def reset(self, prompt: str) -> str | None:
+        """Start an episode on `prompt` (its text as the model sees it); an observation to
+        show the model before its first turn, or None."""
+        return None
+
+    def step(self, action: str) -> EnvStep:
+        """The model's turn (its text, the stop token left out); the environment's answer."""
+        raise NotImplementedError(f"{type(self).__name__} must define step(action) -> EnvStep")

@@ -1,0 +1,220 @@
+"""Multi-turn rollouts [Note: multi-turn rollouts in flowkit/ops/environments.py]: the engine
+keeps the exact tokens it sampled, appends each environment turn as the model's format renders
+it, marks which tokens the model sampled, records their log-probabilities as a fresh forward
+over the whole trajectory computes them, and a failing or hanging environment ends its own
+trajectory only."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import attrs
+import pytest
+import torch
+
+from executors.optable import Deferred
+from executors.torch import generate as gen
+from executors.torch.engine import run_until_done
+from executors.torch.held import whole_model
+from flowkit.ops import Environment, EnvStep
+from flowkit.ops.records import Prompt
+from tests.harness import gpt_spec, op_context, tiny_gpt
+
+GPT = tiny_gpt(vocab_size=256, block_size=96, n_layer=2, n_embd=16)
+MODEL = gpt_spec("actor", GPT, seed=5)
+PROMPTS = [Prompt(prompt_id=i, tokens=list(f"guess {i}:".encode())) for i in range(3)]
+HERE = __name__
+
+
+class Countdown(Environment):
+    """Answers each turn with the length of what it saw, done after `steps` steps; rewards
+    each step 0.25."""
+
+    def __init__(self, steps: int = 3) -> None:
+        self.steps, self.actions = steps, []
+
+    def reset(self, prompt: str) -> None:
+        assert prompt.startswith("guess ")
+
+    def step(self, action: str) -> EnvStep:
+        self.actions.append(action)
+        left = self.steps - len(self.actions)
+        return EnvStep(observation=f"[{len(action)} bytes, {left} left]", reward=0.25,
+                       done=left == 0)
+
+
+class Raises(Environment):
+    def step(self, action: str) -> EnvStep:
+        raise RuntimeError("the tool broke")
+
+
+class Hangs(Environment):
+    release = threading.Event()
+
+    def step(self, action: str) -> EnvStep:
+        Hangs.release.wait(30)
+        return EnvStep(observation="late")
+
+
+def _trajectories(ctx=None, prompts=PROMPTS, **kw):
+    ctx = ctx or op_context()
+    settings = {**MODEL, "max_new_tokens": 6, "temperature": 1.0, "sample_seed": 3, "n": 2,
+                "environment": f"{HERE}:Countdown", "max_turns": 5, **kw}
+    result = gen._generate(ctx, prompts, **settings)
+    assert isinstance(result, Deferred)
+    return ctx, run_until_done(ctx.background, result)
+
+
+def _segments(rollout) -> list[tuple[int, list[int]]]:
+    """The response as runs of (mask bit, tokens)."""
+    runs: list[tuple[int, list[int]]] = []
+    for token, bit in zip(rollout.response_tokens, rollout.response_mask):
+        if runs and runs[-1][0] == bit:
+            runs[-1][1].append(token)
+        else:
+            runs.append((bit, [token]))
+    return runs
+
+
+def test_each_turn_keeps_the_sampled_tokens_and_appends_the_environments_bytes():
+    _, rollouts = _trajectories()
+    assert len(rollouts) == 6
+    for r in rollouts:
+        assert r.finished and r.turns == 3 and r.env_reward == pytest.approx(0.75)
+        assert len(r.response_mask) == len(r.response_tokens) == len(r.logprobs)
+        runs = _segments(r)
+        if runs[-1][0] == 0:  # the last turn, cut by its budget, closed as its stop token would
+            assert runs.pop() == (0, [10]) and len(runs[-1][1]) == 6 and runs[-1][1][-1] != 10
+        assert [bit for bit, _ in runs] == [1, 0, 1, 0, 1], runs
+        for k, (_, model_tokens) in enumerate(runs[::2]):
+            ended = model_tokens[-1] == 10
+            assert ended or len(model_tokens) == 6  # its stop token, or its turn budget
+            if k < 2:  # the environment's turn: a newline if the budget cut the model's turn
+                left = 3 - (k + 1)
+                said = bytes(model_tokens[:len(model_tokens) - int(ended)])
+                expected = ([] if ended else [10]) + list(
+                    f"[{len(said.decode(errors='replace'))} bytes, {left} left]\n".encode())
+                assert runs[2 * k + 1][1] == expected
+        assert all(lp == 0.0 for lp, bit in zip(r.logprobs, r.response_mask) if not bit)
+
+
+def test_the_model_tokens_log_probs_are_a_fresh_forward_over_the_whole_trajectory():
+    ctx, rollouts = _trajectories()
+    model = whole_model(ctx, {**MODEL, "stages": 1})
+    for r in rollouts:
+        ids = torch.tensor([r.prompt_tokens + r.response_tokens])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids)[0].to(torch.float64), -1)
+        start = len(r.prompt_tokens)
+        for k, (token, bit) in enumerate(zip(r.response_tokens, r.response_mask)):
+            if bit:
+                assert r.logprobs[k] == pytest.approx(float(logp[start + k - 1, token]),
+                                                      abs=1e-9)
+
+
+def test_releasing_the_cache_row_while_the_environment_steps_samples_the_same():
+    _, kept = _trajectories()
+    _, released = _trajectories(keep_cache=False)
+    key = lambda r: (r.prompt_id, r.sample)  # noqa: E731
+    assert [(r.response_tokens, r.response_mask) for r in sorted(kept, key=key)] == \
+        [(r.response_tokens, r.response_mask) for r in sorted(released, key=key)]
+    for a, b in zip(sorted(kept, key=key), sorted(released, key=key)):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-9)
+
+
+def test_turn_and_token_budgets_cut_a_trajectory_unfinished():
+    _, by_turns = _trajectories(max_turns=2)
+    assert all(r.turns == 2 and not r.finished and r.env_reward == pytest.approx(0.5)
+               for r in by_turns)
+    # no observation after the last turn (only its closing newline, when its budget cut it)
+    assert all(_segments(r)[-1] in ((0, [10]),) or _segments(r)[-1][0] == 1 for r in by_turns)
+    _, by_tokens = _trajectories(max_total_tokens=20)
+    assert all(len(r.response_tokens) <= 20 and not r.finished for r in by_tokens)
+    one = _trajectories(env_config={"steps": 1})[1]
+    assert all(r.finished and r.turns == 1 and _segments(r)[1:] in ([], [(0, [10])])
+               for r in one)
+
+
+def test_an_environment_that_raises_ends_its_trajectory_with_the_reason():
+    _, rollouts = _trajectories(environment=f"{HERE}:Raises")
+    assert all(not r.finished and r.turns == 1 for r in rollouts)
+    assert all("RuntimeError: the tool broke" in r.env_error for r in rollouts)
+
+
+def test_a_hanging_environment_ends_at_its_timeout_while_the_others_go_on():
+    ctx = op_context()
+    Hangs.release.clear()
+    hanging = gen._generate(ctx, PROMPTS[:1], **{**MODEL, "max_new_tokens": 4, "n": 1,
+                                                "environment": f"{HERE}:Hangs",
+                                                "env_timeout_s": 0.5})
+    others = gen._generate(ctx, PROMPTS[1:], **{**MODEL, "max_new_tokens": 4, "n": 2,
+                                               "environment": f"{HERE}:Countdown",
+                                               "max_turns": 5})
+    started = time.monotonic()
+    done = run_until_done(ctx.background, others)
+    assert len(done) == 4 and all(r.finished for r in done)
+    [cut] = run_until_done(ctx.background, hanging)
+    Hangs.release.set()
+    assert time.monotonic() - started < 10
+    assert not cut.finished and "env_timeout_s" in cut.env_error
+
+
+@pytest.mark.parametrize(("settings", "words"), [
+    ({"environment": "nowhere.at.all:Env"}, "no module 'nowhere'"),
+    ({"environment": f"{HERE}"}, "must be 'package.module:Class'"),
+    ({"environment": f"{HERE}:PROMPTS"}, "not a class with step"),
+])
+def test_a_bad_environment_says_what_to_fix(settings, words):
+    with pytest.raises(Exception, match=words):
+        _trajectories(**settings)
+
+
+# -- training on trajectories -----------------------------------------------------------------
+def _trajectory_experience(mask: list[int], advantages: list[float]):
+    from flowkit.ops.records import Experience
+
+    length = len(mask)
+    return Experience(prompt_id=0, sample=0, prompt_tokens=[1, 2, 3],
+                      response_tokens=[(7 * k) % 50 for k in range(length)],
+                      logprobs=[-1.0 - 0.1 * k for k in range(length)], reward=1.0,
+                      response_mask=mask, advantages=advantages)
+
+
+@pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_the_environments_tokens_train_nothing_and_count_in_no_mean(policy_loss, agg):
+    """The loss and its gradient ignore what stands at the environment's positions (their
+    advantages, the logits there), and its token count is the model's tokens."""
+    from executors.torch.rl_loss import RLLoss, RLSettings
+
+    mask = [1, 1, 0, 0, 0, 1, 1, 1, 0, 1]
+    settings = RLSettings.from_config("grpo", {"kl_coef": 0.0, "policy_loss": policy_loss,
+                                               "loss_agg_mode": agg})
+    gen_ = torch.Generator().manual_seed(0)
+    advantages = torch.randn(len(mask), generator=gen_, dtype=torch.float64).tolist()
+    other = [a if bit else a + 5.0 for a, bit in zip(advantages, mask)]
+    logits = torch.randn(1, 3 + len(mask) - 1, 50, generator=gen_, dtype=torch.float64)
+
+    def run(advs: list[float], logits: torch.Tensor) -> tuple[float, torch.Tensor, RLLoss]:
+        logits = logits.clone().requires_grad_(True)
+        loss = RLLoss([_trajectory_experience(mask, advs)], [], settings, torch.device("cpu"))
+        total = loss(logits)
+        total.backward()
+        return float(total.detach()), logits.grad, loss
+
+    value, grad, loss = run(advantages, logits)
+    assert loss.tokens == sum(mask)
+    context = [3 - 1 + k for k, bit in enumerate(mask) if not bit]  # where each is predicted
+    assert grad[0, context].abs().max() == 0
+    shuffled = logits.clone()
+    shuffled[0, context] = torch.randn(len(context), 50, generator=gen_, dtype=torch.float64)
+    assert run(other, shuffled)[0] == pytest.approx(value, abs=1e-12)
+
+
+def test_a_response_mask_of_the_wrong_length_is_refused_naming_the_sample():
+    from executors.torch.rl_loss import RLLoss, RLSettings
+
+    bad = attrs.evolve(_trajectory_experience([1, 0, 1], [0.1, 0.2, 0.3]), response_mask=[1, 0])
+    with pytest.raises(ValueError, match="response_mask of 2 entries for 3 response tokens"):
+        RLLoss([bad], [], RLSettings.from_config("grpo", {"kl_coef": 0.0}), torch.device("cpu"))
