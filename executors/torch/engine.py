@@ -416,13 +416,25 @@ class Engine:
             if error is not None:
                 ep.error = error
                 self._close(seq, finished=False)
-            elif ep.env is None:  # it opened: its first turn may start
-                ep.env, observation = result
-                if observation:
-                    self._append_context(seq, agent.turns.opening(observation))
-                self._next_turn(seq)
-            else:
-                self._stepped(seq, result)
+                continue
+            try:
+                if ep.env is None:  # it opened: its first turn may start
+                    ep.env, observation = result
+                    if observation:
+                        self._append_context(seq, agent.turns.opening(observation))
+                    self._next_turn(seq)
+                else:
+                    self._stepped(seq, result)
+            except StageError as problem:  # the flow's, not one sample's: its request fails
+                self._fail_request(seq.request, problem)
+
+    def _fail_request(self, request: Request, error: Exception) -> None:
+        mine = lambda s: s is not None and s.request is request  # noqa: E731
+        self.slots = [None if mine(s) else s for s in self.slots]
+        self.waiting = deque(s for s in self.waiting if not mine(s))
+        self.env_calls.drop(lambda s: not mine(s))
+        if not (request.deferred.finished or request.deferred.cancelled):
+            request.deferred.fail(error)
 
     def _stepped(self, seq: Sequence, step: Any) -> None:
         ep, agent = seq.episode, seq.request.agent
