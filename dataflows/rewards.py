@@ -22,8 +22,9 @@ from dataflows.sandbox import Limits, run_python
 from flowkit.dsl import op
 from flowkit.ops.records import Rollout, Scored
 
-__all__ = ["code_reward", "exact_match_reward", "format_reward", "last_number", "math_reward",
-           "prompt_text", "response_code", "response_text", "text_reward"]
+__all__ = ["code_reward", "environment_reward", "exact_match_reward", "format_reward",
+           "last_number", "math_reward", "prompt_text", "response_code", "response_text",
+           "text_reward"]
 
 TextFn = Callable[..., float]
 
@@ -175,3 +176,14 @@ def format_reward(prompt: str, response: str, answer: str | None, *,
     the whole response) is found in the response, else 0.0. The default asks for an answer in
     \\boxed{...}."""
     return float(re.search(pattern, response, flags=re.DOTALL) is not None)
+
+
+@op
+def environment_reward(rollout: Rollout) -> Scored:
+    """A trajectory's reward: the sum of its environment's step rewards [Note: multi-turn
+    rollouts in flowkit/ops/environments.py]."""
+    if rollout.env_reward is None:
+        raise ValueError("environment_reward scores trajectories, and this rollout has no "
+                         "environment: give the flow an environment (environment='module:Class') "
+                         "or score its rollouts with another reward op")
+    return Scored(**attrs.asdict(rollout, recurse=False), reward=float(rollout.env_reward))

@@ -27,7 +27,14 @@ from dataflows.model_ops import Backprop, OptimizerStep
 from dataflows.rl.advantages import reinforce_pp_advantages
 from dataflows.rl.steps import answer_reward, arithmetic_prompts
 from flowkit.dsl import Flow, Operator
-from flowkit.ops import LOSS_KNOBS, ROUND_KNOBS, SAMPLING_KEYS, SamplingConfig
+from flowkit.ops import (
+    AGENT_KEYS,
+    LOSS_KNOBS,
+    ROUND_KNOBS,
+    SAMPLING_KEYS,
+    AgentConfig,
+    SamplingConfig,
+)
 
 __all__ = ["POLICY_KEYS", "GroupRLConfig", "PPOConfig", "PolicyLoss", "RLConfig",
            "ReinforcePPConfig", "actor_loss", "rl_flow", "shortcuts_of", "with_shortcuts"]
@@ -76,7 +83,10 @@ class RLConfig:
     (clip-higher, aggregation, GSPO, rollout correction, ...; each a shortcut by its own name).
     `overlong_buffer` > 0: DAPO's soft overlong penalty, a response longer than
     max_new_tokens - overlong_buffer loses up to `overlong_penalty_factor` of its reward,
-    linearly over the buffer (overlong_penalty)."""
+    linearly over the buffer (overlong_penalty). `agent`: each sample a multi-turn trajectory
+    in an environment (flowkit.ops.AgentConfig, each setting a shortcut by its own name:
+    `environment=`, `max_turns=`, ...; [Note: multi-turn rollouts in
+    flowkit/ops/environments.py])."""
 
     prompts: int = 16
     stages: int | None = None
@@ -92,6 +102,7 @@ class RLConfig:
     reward: Operator = answer_reward
     source_config: Mapping[str, Any] | None = None
     sampling: SamplingConfig = SamplingConfig()
+    agent: AgentConfig = AgentConfig()
     policy: PolicyLoss = PolicyLoss()
     overlong_buffer: int = 0
     overlong_penalty_factor: float = 1.0
@@ -172,25 +183,27 @@ class ReinforcePPConfig(RLConfig):
 
 # eos=None means "no stop token" and take is the flow's (from oversample): neither can be a
 # shortcut whose None means "the record's"
-_NOT_SHORTCUTS = ("sampling", "policy", "eos", "take")
+_NOT_SHORTCUTS = ("sampling", "agent", "policy", "eos", "take")
 
 
 def shortcuts_of(record: type[RLConfig]) -> tuple[str, ...]:
     """The keyword shortcuts of a flow configured by `record`: its settings, the sampling
     settings and the policy loss's, by name."""
     names = [field.name for field in attrs.fields(record)] + list(SAMPLING_KEYS) \
-        + list(POLICY_KEYS)
+        + list(AGENT_KEYS) + list(POLICY_KEYS)
     return tuple(name for name in names if name not in _NOT_SHORTCUTS)
 
 
 def with_shortcuts(config: RLConfig, **shortcuts: Any) -> RLConfig:
     """`config` with each shortcut given (not None): a sampling setting's name sets
-    `config.sampling`'s, a policy loss setting's `config.policy`'s, any other the record's
-    field."""
+    `config.sampling`'s, an agent setting's `config.agent`'s, a policy loss setting's
+    `config.policy`'s, any other the record's field."""
     given = {name: value for name, value in shortcuts.items() if value is not None}
     sampling = {name: given.pop(name) for name in list(given) if name in SAMPLING_KEYS}
+    agent = {name: given.pop(name) for name in list(given) if name in AGENT_KEYS}
     policy = {name: given.pop(name) for name in list(given) if name in POLICY_KEYS}
     return attrs.evolve(config, **given, sampling=attrs.evolve(config.sampling, **sampling),
+                        agent=attrs.evolve(config.agent, **agent),
                         policy=attrs.evolve(config.policy, **policy))
 
 

@@ -71,7 +71,8 @@ def attach_evaluation(flow: Flow, actor: Model, config: RLConfig) -> Flow:
                          "evaluation samples eval_n responses to each of eval_prompts "
                          "prompts, both whole numbers >= 1")
     sampling = {**config.sampling.as_config(), "n": config.eval_n,
-                "temperature": config.eval_temperature, "take": None}
+                "temperature": config.eval_temperature, "take": None,
+                **config.agent.as_config()}
     with Flow(f"{flow.name}-eval", description="held-out prompts sampled with the newest "
               "weights between steps (flowkit run --eval-every)") as evaluation:
         prompts = source(count=config.eval_prompts, **dict(config.eval_source_config or {}))

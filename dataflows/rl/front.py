@@ -53,6 +53,10 @@ def sample_and_score(flow: Flow, actor: Model, reference: Model | None,
     if sampling.take is not None:
         raise ValueError(f"sampling.take={sampling.take!r}: the RL flows take the step's "
                          "prompts from an over-provisioned step; set oversample instead")
+    if oversample > 1 and config.agent.environment is not None:
+        raise ValueError("oversample > 1 (partial rollouts) with an environment: a trajectory "
+                         "cut between steps cannot be continued yet (its environment's state "
+                         "would be lost); sample whole trajectories (oversample=1)")
     weights = flow.feedback("actor_weights", Stream[WeightsVersion])
     partial = oversample > 1
     count = config.source_prompts
@@ -63,7 +67,8 @@ def sample_and_score(flow: Flow, actor: Model, reference: Model | None,
     # generation runs on `rollout` executors, training on `train` ones: the two overlap
     take = prompts if partial else None
     rollouts = Generate(actor, tags=("rollout",))(
-        prompt_items, weights=weights, **attrs.evolve(sampling, take=take).as_config())
+        prompt_items, weights=weights, **attrs.evolve(sampling, take=take).as_config(),
+        **config.agent.as_config())
     scored = config.reward(rollouts)
     rollout_metrics(collect(scored))  # the task's own reward, before any shaping
     if config.overlong_buffer:

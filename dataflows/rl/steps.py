@@ -151,8 +151,26 @@ def rollout_metrics(scored: Batch[Scored], *, step: int = 0) -> Metrics:
                     "finished_fraction": statistics.fmean(
                         [float(s.finished) for s in scored] or [0.0]),
                     "response/clipped_fraction": len(clipped) / max(1, len(scored)),
-                    **staleness_metrics(scored, step)},
+                    **staleness_metrics(scored, step), **trajectory_metrics(scored)},
                    warnings=[_clipped_warning(clipped)] if clipped else [])
+
+
+def trajectory_metrics(samples: list) -> dict:
+    """Of multi-turn trajectories [Note: multi-turn rollouts in flowkit/ops/environments.py]:
+    model turns per trajectory, the model's tokens per turn, the environment's tokens per
+    trajectory, and the share its environment ended early (a step that raised or timed out).
+    Nothing for single responses."""
+    trajectories = [s for s in samples if s.response_mask]
+    if not trajectories:
+        return {}
+    turns = [s.turns for s in trajectories]
+    model = [sum(s.response_mask) for s in trajectories]
+    return {"agent/turns_mean": statistics.fmean(turns), "agent/turns_max": float(max(turns)),
+            "agent/model_tokens_per_turn": sum(model) / max(1, sum(turns)),
+            "agent/env_tokens_mean": statistics.fmean(
+                len(s.response_mask) - m for s, m in zip(trajectories, model)),
+            "agent/env_error_fraction": sum(s.env_error is not None for s in trajectories)
+            / len(trajectories)}
 
 
 def staleness_metrics(samples: list, step: int) -> dict:

@@ -182,6 +182,7 @@ class Engine:
                 else:  # it waits for its environment to open first
                     seq.episode = Episode()
                     self.env_calls.start(seq, open_episode, agent.make, self._prompt_text(item),
+                                         getattr(item, "answer", None),
                                          timeout_s=agent.timeout_s)
         return request.deferred
 

@@ -128,11 +128,12 @@ def _why(error: BaseException) -> str:
     return f"the environment raised {type(error).__name__}: {str(error)[:200]}"
 
 
-def open_episode(make: Callable[[], Environment], prompt: str) -> tuple[Environment, Any]:
-    """An episode's first call: its environment built, and reset on the prompt (whose
-    observation, if any, opens the response)."""
+def open_episode(make: Callable[[], Environment], prompt: str,
+                 answer: str | None) -> tuple[Environment, Any]:
+    """An episode's first call: its environment built, and reset on the prompt and its answer
+    (the observation, if any, opens the response)."""
     env = make()
-    return env, env.reset(prompt)
+    return env, env.reset(prompt, answer)
 
 
 def step_episode(env: Environment, action: str) -> EnvStep:

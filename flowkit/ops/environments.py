@@ -6,8 +6,9 @@ each of its steps returns. Plain Python, text in and text out (the gymnasium sha
 out trajectories rather than single responses. Each sample gets its own environment,
 ``Class(**env_config)``, built on the rollout executor, and:
 
-1. ``reset(prompt)`` with the prompt's text; what it returns (None or "") is appended to the
-   response as context before the model's first turn;
+1. ``reset(prompt, answer)`` with the prompt's text and its answer (what a verifiable reward
+   checks against, or None); what it returns (None or "") is appended to the response as
+   context before the model's first turn;
 2. the model samples a turn, which ends at the stop token (EOS) or after `max_new_tokens`;
 3. ``step(action)`` gets the turn's text; its `EnvStep` says the observation, the reward, and
    whether the trajectory is done. The observation's tokens are appended as the model's chat
@@ -49,9 +50,10 @@ class Environment:
     """Subclass and override `step` (and `reset` where the episode needs the prompt). One
     instance serves one trajectory; its constructor takes the flow's `env_config`."""
 
-    def reset(self, prompt: str) -> str | None:
-        """Start an episode on `prompt` (its text as the model sees it); an observation to
-        show the model before its first turn, or None."""
+    def reset(self, prompt: str, answer: str | None = None) -> str | None:
+        """Start an episode on `prompt` (its text as the model sees it) whose ground truth is
+        `answer` (the prompt's, None without one); an observation to show the model before its
+        first turn, or None."""
         return None
 
     def step(self, action: str) -> EnvStep:

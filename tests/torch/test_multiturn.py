@@ -34,8 +34,8 @@ class Countdown(Environment):
     def __init__(self, steps: int = 3) -> None:
         self.steps, self.actions = steps, []
 
-    def reset(self, prompt: str) -> None:
-        assert prompt.startswith("guess ")
+    def reset(self, prompt: str, answer: str | None = None) -> None:
+        assert prompt.startswith("guess ") and answer is None
 
     def step(self, action: str) -> EnvStep:
         self.actions.append(action)

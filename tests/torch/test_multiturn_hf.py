@@ -104,5 +104,5 @@ def test_reset_with_a_chat_template_must_leave_the_opening_to_the_prompt(qwen2):
 
 
 class Opens(Feedback):
-    def reset(self, prompt: str) -> str:
+    def reset(self, prompt: str, answer: str | None = None) -> str:
         return "Here is a board."
