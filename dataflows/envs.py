@@ -5,6 +5,8 @@ flowkit/ops/environments.py], and their prompt sources.
 whose success needs the feedback (the prompt does not say the number). `guess_prompts` makes its
 prompts, the secret in each prompt's answer. Give a flow `environment="dataflows.envs:GuessNumber"`
 (its range in `env_config`), `max_turns` guesses and `reward=environment_reward`.
+`guess_transcripts` are games played by a noisy demonstrator, for a supervised warm-up of the
+built-in GPT on bytes (examples/guess_sft.py).
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ import re
 
 from flowkit.dsl import Stream, op
 from flowkit.ops import Environment, EnvStep
-from flowkit.ops.records import Prompt
+from flowkit.ops.records import Prompt, TokenIds
 
-__all__ = ["GuessNumber", "guess_prompts"]
+__all__ = ["GUESS_GPT", "GuessNumber", "guess_prompts", "guess_transcripts"]
+
+GUESS_GPT = {"vocab_size": 128, "block_size": 48, "n_layer": 2, "n_head": 4, "n_embd": 64}
+"""The built-in GPT of the guessing examples: bytes, room for a prompt and three turns."""
 
 _NUMBER = re.compile(r"-?\d+")
 
@@ -59,3 +64,33 @@ def guess_prompts(*, count: int = 16, seed: int = 0, step: int = 0, low: int = 1
     for k in range(count):
         yield Prompt(prompt_id=int(step) * int(count) + k, tokens=tokens,
                      answer=str(rng.randint(low, high)))
+
+
+@op
+def guess_transcripts(*, sequences: int = 64, seed: int = 0, step: int = 0, low: int = 1,
+                      high: int = 8, turns: int = 3, follow_fraction: float = 0.5,
+                      length: int = 48) -> Stream[TokenIds]:
+    """`sequences` games as the engine renders them ("guess 1-8:" "4\\n" "higher\\n" "6\\n"
+    ...), `length` int64 ids each: the model's guesses are trained, the prompt, the
+    environment's answers and the padding only read (~t entries, flowkit.ops.records.TokenIds).
+    The demonstrator follows the feedback (a number still possible, at random) in
+    `follow_fraction` of its guesses and guesses anywhere in the range otherwise, for at most
+    `turns` guesses: it knows the format and wins sometimes, what RL then improves."""
+    import torch  # only executors run these ops; declaring a flow must not need torch
+
+    rng = random.Random(f"guess-sft/{seed}/{step}")
+    for _ in range(sequences):
+        secret, lo, hi = rng.randint(low, high), low, high
+        ids = [~t for t in f"guess {low}-{high}:".encode()]
+        for _turn in range(turns):
+            follow = rng.random() < follow_fraction and lo <= hi
+            guess = rng.randint(lo, hi) if follow else rng.randint(low, high)
+            ids += list(f"{guess}\n".encode())
+            if guess == secret:
+                break
+            lo, hi = (max(lo, guess + 1), hi) if guess < secret else (lo, min(hi, guess - 1))
+            ids += [~t for t in ("higher\n" if guess < secret else "lower\n").encode()]
+        if len(ids) > length:
+            raise ValueError(f"guess_transcripts: a game of {len(ids)} tokens does not fit "
+                             f"length={length}")
+        yield torch.tensor(ids + [~0] * (length - len(ids)), dtype=torch.int64)
