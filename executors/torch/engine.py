@@ -17,7 +17,8 @@ from executors.torch import lm
 from executors.torch.held import evaluating, right_padded
 from executors.torch.sampling import sample_tokens, sequence_seed
 from executors.torch.stage import StageError
-from executors.torch.turns import Agent, EnvCalls, Episode, open_episode, step_episode
+from executors.torch.trajectories import Trajectories
+from executors.torch.turns import Agent, EnvCalls, Episode, open_episode
 from flowkit.ops.configs import SAMPLING
 from flowkit.ops.records import Prompt, Rollout
 
@@ -130,7 +131,7 @@ class Sequence:
         return self.tokens[-1] if self.tokens else self.prompt.tokens[-1]
 
 
-class Engine:
+class Engine(Trajectories):
     """The decoding loop of one model held by this executor (a Background: busy, step)."""
 
     def __init__(self, model: torch.nn.Module, *, version: Any, max_batch: int = 64,
@@ -351,12 +352,12 @@ class Engine:
             top_p=torch.tensor([st.top_p for st in settings], dtype=torch.float64),
             seeds=torch.tensor([s.seed for s in rows], dtype=torch.int64),
             positions=torch.tensor([len(s.tokens) for s in rows], dtype=torch.int64))
-        version = self.version()
+        version = self._version_now()
         for seq, token, logp, st, stop in zip(rows, tokens.tolist(), logprobs.tolist(), settings,
                                               stops):
             seq.tokens.append(token)
             seq.logprobs.append(logp)
-            seq.versions.append(NO_VERSION if version is None else version)
+            seq.versions.append(version)
             eos = token in stop
             full = self.context is not None and seq.length >= self.context
             if seq.episode is not None:
@@ -383,97 +384,10 @@ class Engine:
                           **self._texts(seq.prompt, seq.tokens), **trajectory)
         self._deliver(request, rollout)
 
-    # -- trajectories [Note: multi-turn rollouts in flowkit/ops/environments.py] ---------------
-    def _prompt_text(self, prompt: Any) -> str:
-        text = getattr(prompt, "text", None)
-        if text is not None:
-            return text
-        if self.tokenizer is None:
-            return bytes(t for t in prompt.tokens if 0 <= t < 256).decode(errors="replace")
-        return self.tokenizer.decode(list(prompt.tokens), skip_special_tokens=False)
-
-    def _after_agent_token(self, seq: Sequence, eos: bool, full: bool) -> None:
-        """A trajectory's turn ends at its stop token or its turn budget: its environment
-        steps on it. The context, or the total budget reached within a turn, ends it."""
-        agent, ep = seq.request.agent, seq.episode
-        turn = len(seq.tokens) - ep.turn_start
-        if full:
-            self._close(seq, finished=False, clipped=True)
-        elif eos or turn >= seq.request.sampling.max_new_tokens:
-            action = agent.turns.text(seq.tokens[ep.turn_start:len(seq.tokens) - int(eos)])
-            if not eos:
-                self._append_context(seq, agent.turns.closing())
-            if agent.keep_cache:
-                seq.on_hold = True
-            else:
-                self.slots[seq.slot], seq.slot = None, None
-            self.env_calls.start(seq, step_episode, ep.env, action, timeout_s=agent.timeout_s)
-        elif agent.max_total_tokens is not None and len(seq.tokens) >= agent.max_total_tokens:
-            self._close(seq, finished=False)
-
-    def _environments_answered(self) -> None:
-        for seq, result, error in self.env_calls.ended():
-            ep, agent = seq.episode, seq.request.agent
-            if error is not None:
-                ep.error = error
-                self._close(seq, finished=False)
-                continue
-            try:
-                if ep.env is None:  # it opened: its first turn may start
-                    ep.env, observation = result
-                    if observation:
-                        self._append_context(seq, agent.turns.opening(observation))
-                    self._next_turn(seq)
-                else:
-                    self._stepped(seq, result)
-            except StageError as problem:  # the flow's, not one sample's: its request fails
-                self._fail_request(seq.request, problem)
-
-    def _fail_request(self, request: Request, error: Exception) -> None:
-        mine = lambda s: s is not None and s.request is request  # noqa: E731
-        self.slots = [None if mine(s) else s for s in self.slots]
-        self.waiting = deque(s for s in self.waiting if not mine(s))
-        self.env_calls.drop(lambda s: not mine(s))
-        if not (request.deferred.finished or request.deferred.cancelled):
-            request.deferred.fail(error)
-
-    def _stepped(self, seq: Sequence, step: Any) -> None:
-        ep, agent = seq.episode, seq.request.agent
-        ep.reward += float(step.reward)
-        if step.done or ep.turns >= agent.max_turns:
-            self._close(seq, finished=bool(step.done))
-            return
-        observation = agent.turns.observation(str(step.observation))
-        after = len(seq.tokens) + len(observation)  # and no room left for a model token:
-        if after >= self.max_len - len(seq.prompt.tokens):  # the model's context
-            self._close(seq, finished=False, clipped=True)
-            return
-        if agent.max_total_tokens is not None and after >= agent.max_total_tokens:
-            self._close(seq, finished=False)
-            return
-        self._append_context(seq, observation)
-        self._next_turn(seq)
-
-    def _next_turn(self, seq: Sequence) -> None:
-        seq.episode.turns += 1
-        seq.episode.turn_start = len(seq.tokens)
-        if seq.on_hold:  # its row still holds its keys: the observation is prefilled next
-            seq.on_hold = False
-        else:
-            self.waiting.appendleft(seq)
-
-    def _append_context(self, seq: Sequence, tokens: list[int]) -> None:
+    def _version_now(self) -> int:
+        """What a token sampled now records as its weights version."""
         version = self.version()
-        seq.tokens.extend(tokens)
-        seq.logprobs.extend([0.0] * len(tokens))
-        seq.versions.extend([NO_VERSION if version is None else version] * len(tokens))
-        seq.mask.extend([0] * len(tokens))
-
-    def _close(self, seq: Sequence, *, finished: bool, clipped: bool = False) -> None:
-        if seq.slot is not None and self.slots[seq.slot] is seq:
-            self.slots[seq.slot] = None
-        seq.on_hold = False
-        self._finish(seq, finished=finished, interrupted=False, clipped=clipped)
+        return NO_VERSION if version is None else version
 
     def _texts(self, prompt: Any, response: list[int]) -> dict[str, str | None]:
         """A rollout's prompt_text and response_text [Note: rollout text]."""

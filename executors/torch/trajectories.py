@@ -1,0 +1,114 @@
+"""Multi-turn trajectories in the rollout engine [Note: multi-turn rollouts in
+flowkit/ops/environments.py]: what the engine (executors/torch/engine.py, whose base this is)
+does when a trajectory's turn ends, its environment answers, or its environment fails.
+
+A sequence's turn ends at its stop token or its turn budget; its environment then steps in a
+thread (turns.EnvCalls) while the engine decodes the others, the sequence holding its cache row
+(keep_cache) or giving it up. The answer is appended as context (mask 0) and the next turn
+starts, or the trajectory ends: done, out of turns, out of room, or its environment failed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from executors.torch.stage import StageError
+from executors.torch.turns import step_episode
+
+__all__ = ["Trajectories"]
+
+
+class Trajectories:
+    """The engine's trajectory steps; the engine provides slots, waiting, env_calls, max_len,
+    context, tokenizer, _finish and _version_now."""
+
+    def _prompt_text(self, prompt: Any) -> str:
+        text = getattr(prompt, "text", None)
+        if text is not None:
+            return text
+        if self.tokenizer is None:
+            return bytes(t for t in prompt.tokens if 0 <= t < 256).decode(errors="replace")
+        return self.tokenizer.decode(list(prompt.tokens), skip_special_tokens=False)
+
+    def _after_agent_token(self, seq: Any, eos: bool, full: bool) -> None:
+        """A trajectory's turn ends at its stop token or its turn budget: its environment
+        steps on it. The context, or the total budget reached within a turn, ends it."""
+        agent, ep = seq.request.agent, seq.episode
+        turn = len(seq.tokens) - ep.turn_start
+        if full:
+            self._close(seq, finished=False, clipped=True)
+        elif eos or turn >= seq.request.sampling.max_new_tokens:
+            action = agent.turns.text(seq.tokens[ep.turn_start:len(seq.tokens) - int(eos)])
+            if not eos:
+                self._append_context(seq, agent.turns.closing())
+            if agent.keep_cache:
+                seq.on_hold = True
+            else:
+                self.slots[seq.slot], seq.slot = None, None
+            self.env_calls.start(seq, step_episode, ep.env, action, timeout_s=agent.timeout_s)
+        elif agent.max_total_tokens is not None and len(seq.tokens) >= agent.max_total_tokens:
+            self._close(seq, finished=False)
+
+    def _environments_answered(self) -> None:
+        for seq, result, error in self.env_calls.ended():
+            ep, agent = seq.episode, seq.request.agent
+            if error is not None:
+                ep.error = error
+                self._close(seq, finished=False)
+                continue
+            try:
+                if ep.env is None:  # it opened: its first turn may start
+                    ep.env, observation = result
+                    if observation:
+                        self._append_context(seq, agent.turns.opening(observation))
+                    self._next_turn(seq)
+                else:
+                    self._stepped(seq, result)
+            except StageError as problem:  # the flow's, not one sample's: its request fails
+                self._fail_request(seq.request, problem)
+
+    def _fail_request(self, request: Any, error: Exception) -> None:
+        mine = lambda s: s is not None and s.request is request  # noqa: E731
+        self.slots = [None if mine(s) else s for s in self.slots]
+        self.waiting = deque(s for s in self.waiting if not mine(s))
+        self.env_calls.drop(lambda s: not mine(s))
+        if not (request.deferred.finished or request.deferred.cancelled):
+            request.deferred.fail(error)
+
+    def _stepped(self, seq: Any, step: Any) -> None:
+        ep, agent = seq.episode, seq.request.agent
+        ep.reward += float(step.reward)
+        if step.done or ep.turns >= agent.max_turns:
+            self._close(seq, finished=bool(step.done))
+            return
+        observation = agent.turns.observation(str(step.observation))
+        after = len(seq.tokens) + len(observation)  # and no room left for a model token:
+        if after >= self.max_len - len(seq.prompt.tokens):  # the model's context
+            self._close(seq, finished=False, clipped=True)
+            return
+        if agent.max_total_tokens is not None and after >= agent.max_total_tokens:
+            self._close(seq, finished=False)
+            return
+        self._append_context(seq, observation)
+        self._next_turn(seq)
+
+    def _next_turn(self, seq: Any) -> None:
+        seq.episode.turns += 1
+        seq.episode.turn_start = len(seq.tokens)
+        if seq.on_hold:  # its row still holds its keys: the observation is prefilled next
+            seq.on_hold = False
+        else:
+            self.waiting.appendleft(seq)
+
+    def _append_context(self, seq: Any, tokens: list[int]) -> None:
+        seq.tokens.extend(tokens)
+        seq.logprobs.extend([0.0] * len(tokens))
+        seq.versions.extend([self._version_now()] * len(tokens))
+        seq.mask.extend([0] * len(tokens))
+
+    def _close(self, seq: Any, *, finished: bool, clipped: bool = False) -> None:
+        if seq.slot is not None and self.slots[seq.slot] is seq:
+            self.slots[seq.slot] = None
+        seq.on_hold = False
+        self._finish(seq, finished=finished, interrupted=False, clipped=clipped)
