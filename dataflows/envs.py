@@ -7,6 +7,11 @@ prompts, the secret in each prompt's answer. Give a flow `environment="dataflows
 (its range in `env_config`), `max_turns` guesses and `reward=environment_reward`.
 `guess_transcripts` are games played by a noisy demonstrator, for a supervised warm-up of the
 built-in GPT on bytes (examples/guess_sft.py).
+
+The calculator task: `product_prompts` asks for products too large for a small model to
+multiply ("123*45="), which dataflows.tools' ToolEnvironment with its `calculator` answers in
+one call; `calculator_transcripts` are a demonstrator's answers that call it now and then, for a
+warm-up (examples/calculator_sft.py).
 """
 
 from __future__ import annotations
@@ -18,7 +23,12 @@ from flowkit.dsl import Stream, op
 from flowkit.ops import Environment, EnvStep
 from flowkit.ops.records import Prompt, TokenIds
 
-__all__ = ["GUESS_GPT", "GuessNumber", "guess_prompts", "guess_transcripts"]
+__all__ = ["CALCULATOR_GPT", "GUESS_GPT", "GuessNumber", "calculator_transcripts", "guess_prompts",
+           "guess_transcripts", "product_prompts"]
+
+CALCULATOR_GPT = {"vocab_size": 128, "block_size": 48, "n_layer": 2, "n_head": 4, "n_embd": 64}
+"""The built-in GPT of the calculator examples: bytes, room for a question, a call and the
+answer."""
 
 GUESS_GPT = {"vocab_size": 128, "block_size": 48, "n_layer": 2, "n_head": 4, "n_embd": 64}
 """The built-in GPT of the guessing examples: bytes, room for a prompt and three turns."""
@@ -94,3 +104,45 @@ def guess_transcripts(*, sequences: int = 64, seed: int = 0, step: int = 0, low:
             raise ValueError(f"guess_transcripts: a game of {len(ids)} tokens does not fit "
                              f"length={length}")
         yield torch.tensor(ids + [~0] * (length - len(ids)), dtype=torch.int64)
+
+
+@op
+def product_prompts(*, count: int = 16, seed: int = 0, step: int = 0) -> Stream[Prompt]:
+    """Step `step`'s `count` questions "A*B=" (A of 3 digits, B of 2), the product their
+    answer."""
+    rng = random.Random(f"product/{seed}/{step}")
+    for k in range(count):
+        a, b = _factors(rng)
+        yield Prompt(prompt_id=int(step) * int(count) + k, tokens=list(f"{a}*{b}=".encode()),
+                     answer=str(a * b))
+
+
+@op
+def calculator_transcripts(*, sequences: int = 64, seed: int = 0, step: int = 0,
+                           call_fraction: float = 0.25, length: int = 48) -> Stream[TokenIds]:
+    """`sequences` answers to product questions as the engine renders them, `length` int64 ids
+    each, the model's turns trained and the rest only read (as guess_transcripts'). In
+    `call_fraction` of them the demonstrator calls the calculator ("calculator(123*45)\\n",
+    the result "5535\\n") and copies its result; in the others it answers at once, a number of
+    the right length whose leading digits are right and the rest made up."""
+    import torch  # only executors run these ops; declaring a flow must not need torch
+
+    rng = random.Random(f"calculator-sft/{seed}/{step}")
+    for _ in range(sequences):
+        a, b = _factors(rng)
+        product = str(a * b)
+        ids = [~t for t in f"{a}*{b}=".encode()]
+        if rng.random() < call_fraction:
+            ids += list(f"calculator({a}*{b})\n".encode())
+            ids += [~t for t in f"{product}\n".encode()]
+            ids += list(f"{product}\n".encode())
+        else:
+            guess = product[:2] + "".join(rng.choice("0123456789") for _ in product[2:])
+            ids += list(f"{guess}\n".encode())
+        if len(ids) > length:
+            raise ValueError(f"calculator_transcripts: {len(ids)} tokens do not fit {length}")
+        yield torch.tensor(ids + [~0] * (length - len(ids)), dtype=torch.int64)
+
+
+def _factors(rng: random.Random) -> tuple[int, int]:
+    return rng.randint(100, 999), rng.randint(10, 99)
