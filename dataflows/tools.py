@@ -93,15 +93,18 @@ class ToolEnvironment(Environment):
     def step(self, action: str) -> EnvStep:
         call = self._call_in(action)
         if call is None:
-            return EnvStep(reward=self._score(action), done=True,
-                           info={"tool_calls": self.calls, "tool_errors": self.errors})
+            return EnvStep(reward=self._score(action), done=True, info=self._counts())
         self.calls += 1
         result = self._run(*call)
         if result.startswith("error:"):
             self.errors += 1
         if self.call_format == "hermes":
             result = f"<tool_response>\n{result}\n</tool_response>"
-        return EnvStep(observation=result)
+        return EnvStep(observation=result, info=self._counts())
+
+    def _counts(self) -> dict[str, int]:
+        """The episode's calls so far, and those that failed (the step's metrics)."""
+        return {"tool_calls": self.calls, "tool_errors": self.errors}
 
     def _call_in(self, action: str) -> tuple[str, Any] | None:
         if self.call_format == "simple":

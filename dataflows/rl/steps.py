@@ -165,12 +165,19 @@ def trajectory_metrics(samples: list) -> dict:
         return {}
     turns = [s.turns for s in trajectories]
     model = [sum(s.response_mask) for s in trajectories]
+    errors = [s.env_error for s in trajectories if s.env_error is not None]
+    keys = sorted({key for s in trajectories for key in s.env_info})
     return {"agent/turns_mean": statistics.fmean(turns), "agent/turns_max": float(max(turns)),
             "agent/model_tokens_per_turn": sum(model) / max(1, sum(turns)),
             "agent/env_tokens_mean": statistics.fmean(
                 len(s.response_mask) - m for s, m in zip(trajectories, model)),
-            "agent/env_error_fraction": sum(s.env_error is not None for s in trajectories)
-            / len(trajectories)}
+            "agent/env_error_fraction": len(errors) / len(trajectories),
+            "agent/env_timeout_fraction": sum("env_timeout_s" in e for e in errors)
+            / len(trajectories),
+            # each number the environments report, a mean over the trajectories (0 where one
+            # did not report it): env_seconds, a tool environment's tool_calls, ...
+            **{f"agent/{key}_mean": statistics.fmean(float(s.env_info.get(key, 0.0))
+                                                      for s in trajectories) for key in keys}}
 
 
 def staleness_metrics(samples: list, step: int) -> dict:

@@ -375,7 +375,7 @@ class Engine(Trajectories):
         ep = seq.episode
         trajectory = {} if ep is None else {
             "response_mask": seq.mask, "turns": ep.turns, "env_reward": ep.reward,
-            "env_error": ep.error}
+            "env_error": ep.error, "env_info": {**ep.info, "env_seconds": ep.seconds}}
         rollout = Rollout(prompt_id=seq.prompt.prompt_id, sample=seq.sample,
                           prompt_tokens=list(seq.prompt.tokens), response_tokens=seq.tokens,
                           logprobs=seq.logprobs, versions=seq.versions, finished=finished,

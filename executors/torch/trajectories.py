@@ -51,8 +51,9 @@ class Trajectories:
             self._close(seq, finished=False)
 
     def _environments_answered(self) -> None:
-        for seq, result, error in self.env_calls.ended():
+        for seq, result, error, seconds in self.env_calls.ended():
             ep, agent = seq.episode, seq.request.agent
+            ep.seconds += seconds
             if error is not None:
                 ep.error = error
                 self._close(seq, finished=False)
@@ -79,6 +80,8 @@ class Trajectories:
     def _stepped(self, seq: Any, step: Any) -> None:
         ep, agent = seq.episode, seq.request.agent
         ep.reward += float(step.reward)
+        ep.info = {str(k): float(v) for k, v in dict(step.info or {}).items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if step.done or ep.turns >= agent.max_turns:
             self._close(seq, finished=bool(step.done))
             return

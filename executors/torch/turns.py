@@ -20,6 +20,8 @@ from flowkit.ops import AgentConfig, Environment, EnvStep
 __all__ = ["Agent", "ByteTurns", "ChatTurns", "EnvCalls", "Episode", "agent_of", "open_episode",
            "step_episode"]
 
+TIMED_OUT = "the environment took longer than env_timeout_s"
+
 # the engine's environment calls at once: a trajectory waiting for its environment gives its turn
 # to the others, so a few threads keep slow steps (a tool, a sandboxed program) overlapping
 _ENV_THREADS = 8
@@ -43,6 +45,8 @@ class Episode:
 
     env: Environment | None = None
     reward: float = 0.0
+    seconds: float = 0.0  # in its environment's calls
+    info: dict[str, float] = attrs.field(factory=dict)  # the numbers of its last step's info
     turns: int = 0  # model turns begun
     turn_start: int = 0  # where in the response the model's current turn began
     error: str | None = None
@@ -88,34 +92,38 @@ class EnvCalls:
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
-        self.pending: dict[int, tuple[Any, Future, float]] = {}  # id(seq) -> (seq, call, by)
+        # id(seq) -> (seq, call, when it started, its deadline)
+        self.pending: dict[int, tuple[Any, Future, float, float]] = {}
 
     def start(self, seq: Any, fn: Callable[..., Any], *args: Any, timeout_s: float) -> None:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(_ENV_THREADS, thread_name_prefix="flowkit-env")
-        self.pending[id(seq)] = (seq, self._pool.submit(fn, *args), time.monotonic() + timeout_s)
+        now = time.monotonic()
+        self.pending[id(seq)] = (seq, self._pool.submit(fn, *args), now, now + timeout_s)
 
-    def ended(self) -> list[tuple[Any, Any, str | None]]:
-        """(sequence, result, None) for each call that returned, (sequence, None, why) for each
-        that raised or ran past its deadline (its thread is left to end on its own)."""
+    def ended(self) -> list[tuple[Any, Any, str | None, float]]:
+        """(sequence, result, None, seconds) for each call that returned, (sequence, None, why,
+        seconds) for each that raised or ran past its deadline (its thread is left to end on
+        its own)."""
         now, out = time.monotonic(), []
-        for key, (seq, call, by) in list(self.pending.items()):
+        for key, (seq, call, started, by) in list(self.pending.items()):
             if call.done():
                 error = call.exception()
-                out.append((seq, None, _why(error)) if error else (seq, call.result(), None))
+                out.append((seq, None, _why(error), now - started) if error
+                           else (seq, call.result(), None, now - started))
             elif now > by:
-                out.append((seq, None, "the environment took longer than env_timeout_s"))
+                out.append((seq, None, TIMED_OUT, now - started))
             else:
                 continue
             del self.pending[key]
         return out
 
     def waiting(self) -> list[Any]:
-        return [seq for seq, _, _ in self.pending.values()]
+        return [entry[0] for entry in self.pending.values()]
 
     def drop(self, keep: Callable[[Any], bool]) -> list[Any]:
         """Forget the calls of sequences `keep` refuses; those sequences."""
-        gone = [seq for seq, _, _ in self.pending.values() if not keep(seq)]
+        gone = [entry[0] for entry in self.pending.values() if not keep(entry[0])]
         for seq in gone:
             del self.pending[id(seq)]
         return gone

@@ -75,6 +75,9 @@ class Rollout:
     turns: int = 1  # the model's turns
     env_reward: float | None = None  # the sum of the environment's step rewards
     env_error: str | None = None  # why the environment ended the trajectory early
+    # the numbers its environment's last step reported (EnvStep.info: a tool environment's
+    # tool_calls, ...) and env_seconds, its time in environment calls
+    env_info: dict[str, float] = attrs.field(factory=dict)
 
     @property
     def trained_mask(self) -> list[int]:

@@ -21,8 +21,9 @@ def test_grpo_learns_to_call_the_calculator(tmp_path):
     lines = [json.loads(line) for line in
              (tmp_path / "calculator.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == list(range(20))
-    # a call takes a turn: two turns is a call and an answer
-    calls = [line["agent/turns_mean"] - 1 for line in lines]
+    # the tool environment's counts, reported with each step: calls, and none failing
+    calls = [line["agent/tool_calls_mean"] for line in lines]
+    assert all(line["agent/tool_errors_mean"] < 0.05 for line in lines)
     assert statistics.fmean(calls[:3]) < 0.5 and statistics.fmean(calls[-5:]) > 0.8, calls
     rewards = [line["reward_mean"] for line in lines]
     first, last = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])

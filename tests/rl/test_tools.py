@@ -57,7 +57,8 @@ def test_the_calculator_refuses_anything_else(expression):
 def test_simple_calls_run_and_the_answer_ends_the_episode():
     env = ToolEnvironment(CALC)
     env.reset("123*45=", "5535")
-    assert env.step("calculator(123*45)").observation == "5535"
+    first = env.step("calculator(123*45)")
+    assert first.observation == "5535" and first.info == {"tool_calls": 1, "tool_errors": 0}
     assert env.step("calculator(1//0)").observation.startswith("error: ZeroDivisionError")
     assert env.step("calc(2)").observation == "error: no tool 'calc'; the tools are calculator"
     assert env.step('calculator({"expression": "2*3"})').observation == "6"

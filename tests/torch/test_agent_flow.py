@@ -54,6 +54,8 @@ def test_the_steps_report_the_trajectories(runs):
         metrics = report.metrics
         assert 1 <= metrics["agent/turns_mean"] <= 3 and metrics["agent/turns_max"] <= 3
         assert metrics["agent/env_tokens_mean"] > 0 and metrics["agent/env_error_fraction"] == 0
+        assert metrics["agent/env_timeout_fraction"] == 0
+        assert metrics["agent/env_seconds_mean"] >= 0
         assert 0 <= metrics["reward_mean"] <= 1
 
 

@@ -41,7 +41,7 @@ class Countdown(Environment):
         self.actions.append(action)
         left = self.steps - len(self.actions)
         return EnvStep(observation=f"[{len(action)} bytes, {left} left]", reward=0.25,
-                       done=left == 0)
+                       done=left == 0, info={"left": left, "note": "not a number"})
 
 
 class Raises(Environment):
@@ -82,6 +82,9 @@ def test_each_turn_keeps_the_sampled_tokens_and_appends_the_environments_bytes()
     assert len(rollouts) == 6
     for r in rollouts:
         assert r.finished and r.turns == 3 and r.env_reward == pytest.approx(0.75)
+        # the numbers of the last step's info, and the time spent in the environment's calls
+        assert r.env_info["left"] == 0 and "note" not in r.env_info
+        assert r.env_info["env_seconds"] >= 0
         assert len(r.response_mask) == len(r.response_tokens) == len(r.logprobs)
         runs = _segments(r)
         if runs[-1][0] == 0:  # the last turn, cut by its budget, closed as its stop token would
@@ -158,6 +161,7 @@ def test_a_hanging_environment_ends_at_its_timeout_while_the_others_go_on():
     Hangs.release.set()
     assert time.monotonic() - started < 10
     assert not cut.finished and "env_timeout_s" in cut.env_error
+    assert cut.env_info["env_seconds"] >= 0.5
 
 
 @pytest.mark.parametrize(("settings", "words"), [
