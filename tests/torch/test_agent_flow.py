@@ -82,3 +82,17 @@ def test_a_prompt_source_of_games_draws_each_steps_secrets():
     assert [p.answer for p in first] == [p.answer for p in again]
     assert {p.prompt_id for p in first}.isdisjoint({p.prompt_id for p in later})
     assert all(1 <= int(p.answer) <= 4 for p in first + later)
+
+
+def test_an_asynchronous_run_trains_trajectories_sampled_across_weight_updates():
+    """Generation one version ahead of training: trajectories keep going while the rollout
+    executor loads new weights between their turns and tokens, each token recording the
+    version that sampled it; none is older than the bound allows."""
+    tags = [("train",), ("train",), ("rollout",)]
+    with executor_cluster(3, kind="torch", tags=tags) as (ctl, _):
+        runner = FlowRunner(ctl, lower_flow(_flow(max_staleness=1)), fuse=True)
+        reports = [runner.run_step(step) for step in range(4)]
+    for step, report in enumerate(reports):
+        metrics = report.metrics
+        assert metrics["agent/turns_mean"] >= 1 and metrics["agent/env_error_fraction"] == 0
+        assert metrics["staleness/max"] <= 1, (step, metrics["staleness/max"])
