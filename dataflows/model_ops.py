@@ -63,15 +63,36 @@ class Generate(ModelOp):
     ranges = {**SAMPLING_RANGES, **AGENT_RANGES}
 
     def node_problems(self, flow: Any, node: Any) -> list[Problem]:
-        eos = node.config.get("eos")
-        ids = eos if isinstance(eos, (list, tuple)) else [eos]
-        if eos is None or eos == "model" or all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-            return []
-        return [Problem(rule="bad-config", op=node.name, port="eos",
-                        message=f"eos={eos!r} is not a token id, a list of them, None or "
-                                "'model'",
-                        fix="leave eos='model' (the tokenizer's EOS), or pass eos=ID")]
+        return _eos_problems(node) + _environment_problems(node)
+
+
+def _eos_problems(node: Any) -> list[Problem]:
+    eos = node.config.get("eos")
+    ids = eos if isinstance(eos, (list, tuple)) else [eos]
+    if eos is None or eos == "model" or all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        return []
+    return [Problem(rule="bad-config", op=node.name, port="eos",
+                    message=f"eos={eos!r} is not a token id, a list of them, None or 'model'",
+                    fix="leave eos='model' (the tokenizer's EOS), or pass eos=ID")]
+
+
+def _environment_problems(node: Any) -> list[Problem]:
+    """The environment's name and settings, as far as the flow can tell: the rollout executor
+    imports the class [Note: multi-turn rollouts in flowkit/ops/environments.py]."""
+    env, settings = node.config.get("environment"), node.config.get("env_config")
+    module, _, name = env.partition(":") if isinstance(env, str) else ("", "", "")
+    if env is not None and not (module and name and all(
+            part.isidentifier() for part in [*module.split("."), *name.split(".")])):
+        return [Problem(rule="bad-config", op=node.name, port="environment",
+                        message=f"environment={env!r} is not a class's import name",
+                        fix="name it 'package.module:Class' (an Environment subclass), e.g. "
+                            "'dataflows.envs:GuessNumber'")]
+    if not isinstance(settings, dict) or not all(isinstance(k, str) for k in settings):
+        return [Problem(rule="bad-config", op=node.name, port="env_config",
+                        message=f"env_config={settings!r} is not a dict of keyword arguments",
+                        fix="pass the environment class's keyword arguments as a dict")]
+    return []
 
 
 class LogProbs(ModelOp):

@@ -92,7 +92,7 @@ class AgentConfig:
     giving the row to a waiting sample and prefilling its whole prefix again."""
 
     environment: str | None = _setting(None)
-    env_config: dict = _setting({})
+    env_config: dict = attrs.field(factory=dict)
     max_turns: int = _setting(1, low=1)
     max_total_tokens: int | None = _setting(None, low=1)
     env_timeout_s: float = _setting(30.0, low=0)

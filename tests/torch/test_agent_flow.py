@@ -19,10 +19,10 @@ GAME = {"low": 1, "high": 4}
 
 
 def _flow(**settings):
+    agent = {"environment": "dataflows.envs:GuessNumber", "env_config": GAME, "max_turns": 3}
     return grpo_flow(prompts=4, n=3, stages=2, microbatches=2, max_new_tokens=3, lr=1e-2,
                      schedule="1f1b", gpt=TINY, prompt_source=guess_prompts, source_config=GAME,
-                     reward=environment_reward, environment="dataflows.envs:GuessNumber",
-                     env_config=GAME, max_turns=3, **settings)
+                     reward=environment_reward, **{**agent, **settings})
 
 
 def _train(tmp_path, *, fuse: bool):
@@ -96,3 +96,14 @@ def test_an_asynchronous_run_trains_trajectories_sampled_across_weight_updates()
         metrics = report.metrics
         assert metrics["agent/turns_mean"] >= 1 and metrics["agent/env_error_fraction"] == 0
         assert metrics["staleness/max"] <= 1, (step, metrics["staleness/max"])
+
+
+@pytest.mark.parametrize(("settings", "words"), [
+    ({"environment": "dataflows.envs.GuessNumber"}, "is not a class's import name"),
+    ({"environment": "dataflows envs:Guess"}, "is not a class's import name"),
+    ({"env_config": ["low", 1]}, "is not a dict of keyword arguments"),
+    ({"max_turns": 0}, "max_turns"),
+])
+def test_bad_environment_settings_are_refused_before_anything_runs(settings, words):
+    with pytest.raises(Exception, match=words):
+        _flow(**settings).validate()
