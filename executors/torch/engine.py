@@ -191,7 +191,7 @@ class Engine(Trajectories):
         if request.agent is not None:
             raise StageError("a multi-turn trajectory cut by an abort cannot be continued yet: "
                              "its environment's state is gone; run agents without partial "
-                             "rollouts or asynchronous checkpoints")
+                             "rollouts (oversample=1)")
         prompt = Prompt(prompt_id=rollout.prompt_id, tokens=list(rollout.prompt_tokens),
                         answer=rollout.answer, text=rollout.prompt_text)
         versions = list(rollout.versions) or [NO_VERSION] * len(rollout.response_tokens)
