@@ -273,7 +273,8 @@ class Engine(Trajectories):
             if seq is not None and seq.request.deferred.cancelled:
                 self.slots[i] = None
         self.waiting = deque(s for s in self.waiting if not s.request.deferred.cancelled)
-        self.env_calls.drop(lambda s: not s.request.deferred.cancelled)
+        for seq in self.env_calls.drop(lambda s: not s.request.deferred.cancelled):
+            seq.episode.close()
 
     def _refill_stale(self) -> None:
         now = self.version()
@@ -373,6 +374,8 @@ class Engine(Trajectories):
         if clipped is None:
             clipped = not finished and not interrupted and len(seq.tokens) < st.max_new_tokens
         ep = seq.episode
+        if ep is not None:
+            ep.close()
         trajectory = {} if ep is None else {
             "response_mask": seq.mask, "turns": ep.turns, "env_reward": ep.reward,
             "env_error": ep.error, "env_info": {**ep.info, "env_seconds": ep.seconds}}

@@ -71,9 +71,11 @@ class Trajectories:
 
     def _fail_request(self, request: Any, error: Exception) -> None:
         mine = lambda s: s is not None and s.request is request  # noqa: E731
+        gone = [s for s in [*self.slots, *self.waiting] if mine(s)]
         self.slots = [None if mine(s) else s for s in self.slots]
         self.waiting = deque(s for s in self.waiting if not mine(s))
-        self.env_calls.drop(lambda s: not mine(s))
+        for seq in gone + self.env_calls.drop(lambda s: not mine(s)):
+            seq.episode.close()
         if not (request.deferred.finished or request.deferred.cancelled):
             request.deferred.fail(error)
 

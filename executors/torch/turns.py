@@ -7,6 +7,7 @@ environment's turn becomes tokens (`ChatTurns`, `ByteTurns`).
 from __future__ import annotations
 
 import importlib
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,6 +22,8 @@ __all__ = ["Agent", "ByteTurns", "ChatTurns", "EnvCalls", "Episode", "agent_of",
            "step_episode"]
 
 TIMED_OUT = "the environment took longer than env_timeout_s"
+
+log = logging.getLogger("flowkit.executor")
 
 # the engine's environment calls at once: a trajectory waiting for its environment gives its turn
 # to the others, so a few threads keep slow steps (a tool, a sandboxed program) overlapping
@@ -47,6 +50,19 @@ class Episode:
     reward: float = 0.0
     seconds: float = 0.0  # in its environment's calls
     info: dict[str, float] = attrs.field(factory=dict)  # the numbers of its last step's info
+
+    def close(self) -> None:
+        """Its environment's close(), once; a failure there is the environment's to log, and
+        ends nothing else."""
+        env, self.env = self.env, None
+        close = getattr(env, "close", None)
+        if close is None:
+            return
+        try:
+            close()
+        except Exception:  # the trajectory has ended already: nothing to fail
+            log.warning("the environment %s raised in close()", type(env).__name__,
+                        exc_info=True)
     turns: int = 0  # model turns begun
     turn_start: int = 0  # where in the response the model's current turn began
     error: str | None = None

@@ -14,7 +14,8 @@ out trajectories rather than single responses. Each sample gets its own environm
    whether the trajectory is done. The observation's tokens are appended as the model's chat
    format renders an environment turn (executors/torch/turns.py), never re-tokenizing what came
    before;
-4. until done, `max_turns` model turns, or `max_total_tokens` response tokens.
+4. until done, `max_turns` model turns, or `max_total_tokens` response tokens; then
+   ``close()``.
 
 The Rollout keeps every token: `response_mask` marks the model's (1: trained) and the
 environment's (0: context, neither trained nor counted in a token mean), `turns` counts the model
@@ -59,3 +60,7 @@ class Environment:
     def step(self, action: str) -> EnvStep:
         """The model's turn (its text, the stop token left out); the environment's answer."""
         raise NotImplementedError(f"{type(self).__name__} must define step(action) -> EnvStep")
+
+    def close(self) -> None:
+        """Called once its trajectory ends (finished, cut, aborted or failed), on the engine's
+        thread: release what the episode holds (a process, a sandbox folder); keep it quick."""

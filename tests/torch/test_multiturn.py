@@ -44,6 +44,18 @@ class Countdown(Environment):
                        done=left == 0, info={"left": left, "note": "not a number"})
 
 
+class Counted(Countdown):
+    """Countdown that counts its episodes open and closed."""
+
+    opened, closed = [], []
+
+    def reset(self, prompt: str, answer: str | None = None) -> None:
+        Counted.opened.append(prompt)
+
+    def close(self) -> None:
+        Counted.closed.append(self)
+
+
 class Raises(Environment):
     def step(self, action: str) -> EnvStep:
         raise RuntimeError("the tool broke")
@@ -222,3 +234,27 @@ def test_a_response_mask_of_the_wrong_length_is_refused_naming_the_sample():
     bad = attrs.evolve(_trajectory_experience([1, 0, 1], [0.1, 0.2, 0.3]), response_mask=[1, 0])
     with pytest.raises(ValueError, match="response_mask of 2 entries for 3 response tokens"):
         RLLoss([bad], [], RLSettings.from_config("grpo", {"kl_coef": 0.0}), torch.device("cpu"))
+
+
+def test_every_episode_is_closed_once_its_trajectory_ends():
+    Counted.opened.clear(), Counted.closed.clear()
+    _, rollouts = _trajectories(environment=f"{HERE}:Counted")
+    assert len(Counted.opened) == len(Counted.closed) == len(rollouts) == 6
+    assert len({id(env) for env in Counted.closed}) == 6
+
+
+def test_an_abort_closes_the_episodes_it_cuts():
+    Counted.opened.clear(), Counted.closed.clear()
+    ctx = op_context()
+    result = gen._generate(ctx, PROMPTS, **{**MODEL, "max_new_tokens": 6, "n": 2,
+                                            "environment": f"{HERE}:Counted", "max_turns": 5})
+    cut = []
+    result.bind(type("Sink", (), {"emit": lambda s, r: cut.append(r), "done": lambda s, r: None,
+                                  "fail": lambda s, e: None})())
+    engine = next(iter(ctx.background.values()))
+    while not Counted.opened or engine.env_calls:  # every episode open, none stepping
+        engine.step()
+    engine.step()
+    assert engine.abort() == 6
+    assert len(cut) == 6 and all(r.interrupted for r in cut)
+    assert len(Counted.closed) == 6 and len({id(env) for env in Counted.closed}) == 6
