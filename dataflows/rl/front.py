@@ -53,10 +53,6 @@ def sample_and_score(flow: Flow, actor: Model, reference: Model | None,
     if sampling.take is not None:
         raise ValueError(f"sampling.take={sampling.take!r}: the RL flows take the step's "
                          "prompts from an over-provisioned step; set oversample instead")
-    if oversample > 1 and config.agent.environment is not None:
-        raise ValueError("oversample > 1 (partial rollouts) with an environment: a trajectory "
-                         "cut between steps cannot be continued yet (its environment's state "
-                         "would be lost); sample whole trajectories (oversample=1)")
     weights = flow.feedback("actor_weights", Stream[WeightsVersion])
     partial = oversample > 1
     count = config.source_prompts

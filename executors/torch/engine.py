@@ -16,9 +16,8 @@ from executors.optable import Deferred
 from executors.torch import lm
 from executors.torch.held import evaluating, right_padded
 from executors.torch.sampling import sample_tokens, sequence_seed
-from executors.torch.stage import StageError
 from executors.torch.trajectories import Trajectories
-from executors.torch.turns import Agent, EnvCalls, Episode, open_episode
+from executors.torch.turns import Agent, EnvCalls, Episode
 from flowkit.ops.configs import SAMPLING
 from flowkit.ops.records import Prompt, Rollout
 
@@ -117,6 +116,7 @@ class Sequence:
     episode: Episode | None = None
     mask: list[int] = attrs.field(factory=list)
     on_hold: bool = False
+    call: tuple | None = None  # its environment call, when an abort took it from the engine
 
     @property
     def prefix(self) -> list[int]:
@@ -150,6 +150,7 @@ class Engine(Trajectories):
         self.aborted: set[str] = set()  # request keys aborted, also before they arrived
         self.paused = False
         self.env_calls = EnvCalls()  # trajectories' environment calls, in threads
+        self.parked: dict[tuple[int, int], Any] = {}  # aborted trajectories' episodes
         self.device = next(model.parameters()).device
         self.stats = {"steps": 0, "decode_tokens": 0, "prefill_tokens": 0}
 
@@ -171,6 +172,10 @@ class Engine(Trajectories):
                 request.left += 1
                 self.passing.append(request)
                 continue
+            if isinstance(item, Rollout) and agent is not None:
+                self._resume(request, item)  # [Note: parked trajectories] in trajectories.py
+                request.left += 1
+                continue
             if isinstance(item, Rollout):
                 self.waiting.append(self._continued(request, item))
                 request.left += 1
@@ -180,25 +185,25 @@ class Engine(Trajectories):
                 request.left += 1
                 if agent is None:
                     self.waiting.append(seq)
-                else:  # it waits for its environment to open first
-                    seq.episode = Episode()
-                    self.env_calls.start(seq, open_episode, agent.make, self._prompt_text(item),
-                                         getattr(item, "answer", None),
-                                         timeout_s=agent.timeout_s)
+                else:
+                    self._open(seq)
         return request.deferred
 
     def _continued(self, request: Request, rollout: Rollout) -> Sequence:
-        if request.agent is not None:
-            raise StageError("a multi-turn trajectory cut by an abort cannot be continued yet: "
-                             "its environment's state is gone; run agents without partial "
-                             "rollouts (oversample=1)")
-        prompt = Prompt(prompt_id=rollout.prompt_id, tokens=list(rollout.prompt_tokens),
-                        answer=rollout.answer, text=rollout.prompt_text)
+        prompt = self._prompt_of(rollout)
         versions = list(rollout.versions) or [NO_VERSION] * len(rollout.response_tokens)
         return Sequence(request, prompt, rollout.sample,
                         request.sampling.seed_of(rollout.prompt_id, rollout.sample),
                         tokens=list(rollout.response_tokens), logprobs=list(rollout.logprobs),
                         versions=versions, carried=len(rollout.response_tokens))
+
+    @staticmethod
+    def _prompt_of(rollout: Rollout) -> Prompt:
+        return Prompt(prompt_id=rollout.prompt_id, tokens=list(rollout.prompt_tokens),
+                      answer=rollout.answer, text=rollout.prompt_text)
+
+    def _sequence(self, *args: Any, **fields: Any) -> Sequence:
+        return Sequence(*args, **fields)
 
     def pause(self, paused: bool = True) -> None:
         """Stop (or restart) stepping; sequences keep their tokens and their cache."""
@@ -206,8 +211,8 @@ class Engine(Trajectories):
 
     def abort(self) -> int:
         """Every request's unfinished samples back now, `interrupted`; returns how many."""
-        live = ([s for s in self.slots if s is not None] + list(self.waiting)
-                + self.env_calls.drop(lambda s: False))
+        live = _once([s for s in self.slots if s is not None] + list(self.waiting)
+                     + self.env_calls.drop(lambda s: False))
         self.slots = [None] * self.max_batch
         self.waiting.clear()
         for seq in live:
@@ -218,9 +223,9 @@ class Engine(Trajectories):
         """The requests named `keys` end now, their unfinished samples `interrupted`;
         returns (samples, response tokens) cut."""
         self.aborted |= keys  # a request still on its way ends as it arrives
-        cut = [s for s in [*self.slots, *self.waiting]
-               if s is not None and s.request.key in keys]
-        cut += self.env_calls.drop(lambda s: s.request.key not in keys)
+        cut = _once([s for s in [*self.slots, *self.waiting]
+                     if s is not None and s.request.key in keys]
+                    + self.env_calls.drop(lambda s: s.request.key not in keys))
         self.slots = [None if s is not None and s.request.key in keys else s for s in self.slots]
         self.waiting = deque(s for s in self.waiting if s.request.key not in keys)
         for seq in cut:
@@ -238,8 +243,8 @@ class Engine(Trajectories):
         try:
             self._step()
         except Exception as error:
-            live = ([s for s in self.slots if s is not None] + list(self.waiting)
-                    + self.env_calls.drop(lambda s: False))
+            live = _once([s for s in self.slots if s is not None] + list(self.waiting)
+                         + self.env_calls.drop(lambda s: False))
             self.slots, self.waiting = [None] * self.max_batch, deque()
             for request in {id(s.request): s.request for s in live}.values():
                 if not (request.deferred.finished or request.deferred.cancelled):
@@ -374,7 +379,9 @@ class Engine(Trajectories):
         if clipped is None:
             clipped = not finished and not interrupted and len(seq.tokens) < st.max_new_tokens
         ep = seq.episode
-        if ep is not None:
+        if ep is not None and interrupted:
+            self._park(seq)  # a later request may continue it [Note: parked trajectories]
+        elif ep is not None:
             ep.close()
         trajectory = {} if ep is None else {
             "response_mask": seq.mask, "turns": ep.turns, "env_reward": ep.reward,
@@ -410,6 +417,12 @@ class Engine(Trajectories):
         request.deferred.emit(rollout)
         if request.left == 0:
             request.deferred.done(request.done)
+
+
+def _once(seqs: list[Sequence]) -> list[Sequence]:
+    """`seqs` without repeats: a trajectory waiting for its environment may hold its slot
+    (keep_cache) and be in both places."""
+    return list({id(seq): seq for seq in seqs}.values())
 
 
 def _samples(item: Any, n: int) -> list:

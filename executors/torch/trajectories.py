@@ -6,6 +6,16 @@ A sequence's turn ends at its stop token or its turn budget; its environment the
 thread (turns.EnvCalls) while the engine decodes the others, the sequence holding its cache row
 (keep_cache) or giving it up. The answer is appended as context (mask 0) and the next turn
 starts, or the trajectory ends: done, out of turns, out of room, or its environment failed.
+
+[Note: parked trajectories] An abort (partial rollouts cutting a step's leftover calls) hands a
+trajectory back as an interrupted Rollout, as any sample; its episode (the environment, its
+state, a step still running) stays parked on this engine under (prompt_id, sample). A later
+request given that Rollout takes the episode back and goes on where it stopped, its sampled
+tokens and the environment's state both kept, so it ends as it would have without the abort.
+A Rollout whose episode is not here (another executor's, one evicted, or a resumed run's: an
+environment's state is not checkpointed) starts again from its prompt, a fresh episode; no
+sample is lost or trained twice either way. At most _PARKED episodes wait, the oldest closed
+first.
 """
 
 from __future__ import annotations
@@ -14,14 +24,52 @@ from collections import deque
 from typing import Any
 
 from executors.torch.stage import StageError
-from executors.torch.turns import step_episode
+from executors.torch.turns import Episode, open_episode, step_episode
 
 __all__ = ["Trajectories"]
 
+_PARKED = 4096  # aborted trajectories' episodes kept for a continuation at most
+
 
 class Trajectories:
-    """The engine's trajectory steps; the engine provides slots, waiting, env_calls, max_len,
-    context, tokenizer, _finish and _version_now."""
+    """The engine's trajectory steps; the engine provides slots, waiting, env_calls, parked,
+    max_len, context, tokenizer, _finish, _version_now, _prompt_of and _sequence."""
+
+    def _open(self, seq: Any) -> None:
+        """A new trajectory: it waits for its environment to be built and reset."""
+        agent = seq.request.agent
+        seq.episode = Episode()
+        self.env_calls.start(seq, open_episode, agent.make, self._prompt_text(seq.prompt),
+                             getattr(seq.prompt, "answer", None), timeout_s=agent.timeout_s)
+
+    def _park(self, seq: Any) -> None:
+        """An aborted trajectory's episode, kept for a request that continues it."""
+        key = (seq.prompt.prompt_id, seq.sample)
+        self.parked.pop(key, None)
+        self.parked[key] = (seq.episode, len(seq.tokens), seq.call, seq.on_hold)
+        while len(self.parked) > _PARKED:
+            oldest = next(iter(self.parked))
+            self.parked.pop(oldest)[0].close()
+
+    def _resume(self, request: Any, rollout: Any) -> None:
+        """Continue an interrupted trajectory with its parked episode, or start it again."""
+        prompt = self._prompt_of(rollout)
+        seed = request.sampling.seed_of(rollout.prompt_id, rollout.sample)
+        parked = self.parked.pop((rollout.prompt_id, rollout.sample), None)
+        if parked is None or parked[1] != len(rollout.response_tokens):
+            if parked is not None:
+                parked[0].close()
+            self._open(self._sequence(request, prompt, rollout.sample, seed))
+            return
+        episode, length, call, _ = parked
+        seq = self._sequence(request, prompt, rollout.sample, seed,
+                       tokens=list(rollout.response_tokens), logprobs=list(rollout.logprobs),
+                       versions=list(rollout.versions), carried=length, episode=episode,
+                       mask=list(rollout.response_mask))
+        if call is not None:  # its environment was stepping: the answer is still to come
+            self.env_calls.restore(seq, call)
+        else:
+            self.waiting.append(seq)
 
     def _prompt_text(self, prompt: Any) -> str:
         text = getattr(prompt, "text", None)

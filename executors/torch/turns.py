@@ -138,11 +138,17 @@ class EnvCalls:
         return [entry[0] for entry in self.pending.values()]
 
     def drop(self, keep: Callable[[Any], bool]) -> list[Any]:
-        """Forget the calls of sequences `keep` refuses; those sequences."""
-        gone = [entry[0] for entry in self.pending.values() if not keep(entry[0])]
-        for seq in gone:
+        """Forget the calls of sequences `keep` refuses; those sequences, each with its call
+        as `seq.call` (a parked trajectory takes it back: `restore`)."""
+        gone = [entry for entry in self.pending.values() if not keep(entry[0])]
+        for seq, *call in gone:
             del self.pending[id(seq)]
-        return gone
+            seq.call = tuple(call)
+        return [entry[0] for entry in gone]
+
+    def restore(self, seq: Any, call: tuple) -> None:
+        """A call `drop` took, again pending for `seq` (still running, or already ended)."""
+        self.pending[id(seq)] = (seq, *call)
 
     def __bool__(self) -> bool:
         return bool(self.pending)

@@ -70,9 +70,23 @@ def test_the_game_answers_each_guess():
         GuessNumber().reset("guess 1-16:", None)
 
 
-def test_partial_rollouts_with_an_environment_are_refused_when_the_flow_is_built():
-    with pytest.raises(ValueError, match="cannot be continued yet"):
-        _flow(oversample=1.5)
+def test_partial_rollouts_carry_trajectories_over_with_their_episodes():
+    """Partial rollouts: half as many games again generate, the first groups to finish train,
+    the rest carry over to the next step (a trajectory cut mid-way continues with its parked
+    episode: [Note: parked trajectories] in executors/torch/trajectories.py); every step trains
+    its groups, none failing its environment."""
+    tags = [("train",), ("train",), ("rollout",)]
+    with executor_cluster(3, kind="torch", tags=tags) as (ctl, _):
+        runner = FlowRunner(ctl, lower_flow(_flow(max_staleness=1, oversample=1.5)),
+                            staleness=1, steps=4)
+        reports = [runner.run_step(step) for step in range(4)]
+    for report in reports:
+        metrics = report.metrics
+        assert metrics["rollout/samples"] >= 12 and metrics["agent/env_error_fraction"] == 0
+        assert metrics["staleness/max"] <= 1
+    # groups were carried into the step after (here whole: the games end fast; a trajectory
+    # cut mid-way continues as tests/torch/test_multiturn.py shows)
+    assert sum(r.metrics["rollout/resumed"] for r in reports) > 0
 
 
 def test_a_prompt_source_of_games_draws_each_steps_secrets():
@@ -90,7 +104,7 @@ def test_an_asynchronous_run_trains_trajectories_sampled_across_weight_updates()
     version that sampled it; none is older than the bound allows."""
     tags = [("train",), ("train",), ("rollout",)]
     with executor_cluster(3, kind="torch", tags=tags) as (ctl, _):
-        runner = FlowRunner(ctl, lower_flow(_flow(max_staleness=1)), fuse=True)
+        runner = FlowRunner(ctl, lower_flow(_flow(max_staleness=1)), staleness=1, steps=4)
         reports = [runner.run_step(step) for step in range(4)]
     for step, report in enumerate(reports):
         metrics = report.metrics

@@ -243,18 +243,53 @@ def test_every_episode_is_closed_once_its_trajectory_ends():
     assert len({id(env) for env in Counted.closed}) == 6
 
 
-def test_an_abort_closes_the_episodes_it_cuts():
+@pytest.mark.parametrize("keep_cache", [True, False])
+@pytest.mark.parametrize("steps", [2, 5, 9, 14])
+def test_an_aborted_trajectory_continues_where_it_stopped(steps, keep_cache):
+    """[Note: parked trajectories] An abort after `steps` engine steps (samples mid-turn,
+    waiting for their environment, some done): the interrupted Rollouts given to a new request
+    continue with their parked episodes and end as the uninterrupted run's, token for token;
+    every episode is closed once, at its end."""
+    settings = {**MODEL, "max_new_tokens": 6, "temperature": 1.0, "sample_seed": 3, "n": 2,
+                "environment": f"{HERE}:Counted", "max_turns": 5, "keep_cache": keep_cache}
+    _, whole = _trajectories(**settings)
     Counted.opened.clear(), Counted.closed.clear()
     ctx = op_context()
-    result = gen._generate(ctx, PROMPTS, **{**MODEL, "max_new_tokens": 6, "n": 2,
-                                            "environment": f"{HERE}:Counted", "max_turns": 5})
-    cut = []
-    result.bind(type("Sink", (), {"emit": lambda s, r: cut.append(r), "done": lambda s, r: None,
-                                  "fail": lambda s, e: None})())
+    result = gen._generate(ctx, PROMPTS, **settings)
+    first = []
+    result.bind(type("Sink", (), {"emit": lambda s, r: first.append(r),
+                                  "done": lambda s, r: None, "fail": lambda s, e: None})())
     engine = next(iter(ctx.background.values()))
-    while not Counted.opened or engine.env_calls:  # every episode open, none stepping
+    for _ in range(steps):
         engine.step()
-    engine.step()
-    assert engine.abort() == 6
-    assert len(cut) == 6 and all(r.interrupted for r in cut)
-    assert len(Counted.closed) == 6 and len({id(env) for env in Counted.closed}) == 6
+    time.sleep(0.05)  # some environment calls answered, maybe not taken yet
+    engine.abort()
+    cut = [r for r in first if r.interrupted]
+    assert len(first) == 6 and cut and len(engine.parked) == len(cut)
+    assert len(Counted.closed) == 6 - len(cut)  # the finished ones closed, the cut parked
+    rest = run_until_done(ctx.background, gen._generate(ctx, cut, **settings))
+    ended = {(r.prompt_id, r.sample): r for r in first if not r.interrupted}
+    ended |= {(r.prompt_id, r.sample): r for r in rest}
+    for want in whole:
+        got = ended[(want.prompt_id, want.sample)]
+        assert (got.response_tokens, got.response_mask, got.turns, got.finished) == (
+            want.response_tokens, want.response_mask, want.turns, want.finished)
+        assert got.env_reward == want.env_reward and got.logprobs == pytest.approx(
+            want.logprobs, abs=1e-9)
+    assert not engine.parked and len(Counted.closed) == len(Counted.opened) == 6
+    assert len({id(env) for env in Counted.closed}) == 6
+
+
+def test_a_trajectory_whose_episode_is_elsewhere_starts_again_from_its_prompt():
+    """Its sampled tokens are dropped, not continued without the environment's state; drawn
+    again with the same seeds, it is the same trajectory."""
+    settings = {**MODEL, "max_new_tokens": 6, "temperature": 1.0, "sample_seed": 3, "n": 1,
+                "environment": f"{HERE}:Counted", "max_turns": 5}
+    _, whole = _trajectories(prompts=PROMPTS[:1], **settings)
+    ctx = op_context()
+    interrupted = attrs.evolve(whole[0], interrupted=True, finished=False,
+                               response_tokens=whole[0].response_tokens[:4],
+                               response_mask=whole[0].response_mask[:4],
+                               logprobs=whole[0].logprobs[:4], versions=whole[0].versions[:4])
+    [again] = run_until_done(ctx.background, gen._generate(ctx, [interrupted], **settings))
+    assert (again.response_tokens, again.turns) == (whole[0].response_tokens, whole[0].turns)
