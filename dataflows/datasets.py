@@ -24,6 +24,7 @@ from typing import Any
 
 import attrs
 
+from dataflows.tools import schema_of, tool_function
 from flowkit.dsl import Metrics, Stream, op
 from flowkit.dsl.hf import check_tokenizer_dir
 from flowkit.ops.records import Prompt, TokenIds
@@ -241,15 +242,19 @@ def _dataset(path: str, prompt_field: str, answer_field: str | None, seed: int) 
 
 
 def render_prompt(tokenizer: Any, prompt: str, *, chat_template: bool = True,
-                  system: str | None = None) -> str:
+                  system: str | None = None, tools: list[str] | None = None) -> str:
     """The prompt as the model sees it: a user message (after a system one when given) in the
-    tokenizer's chat template, ending where the assistant's answer starts; or `prompt` itself
-    when `chat_template` is False."""
+    tokenizer's chat template, ending where the assistant's answer starts, the `tools`
+    ("module:function" names) given to the template as their JSON schemas (its `tools=`, how
+    a model learns what it may call: dataflows/tools.py); or `prompt` itself when
+    `chat_template` is False."""
     if not chat_template:
         return prompt if system is None else f"{system}\n\n{prompt}"
     messages = ([{"role": "system", "content": system}] if system is not None else []) + [
         {"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    schemas = [schema_of(tool_function(name)) for name in tools] if tools else None
+    return tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False,
+                                         add_generation_prompt=True)
 
 
 def _tokens(tokenizer: Any, text: str, *, chat_template: bool) -> list[int]:
@@ -265,6 +270,12 @@ def _check_source(config: dict[str, Any]) -> None:
         fields.append(config["answer_field"])
     check_fields(config["path"], fields)
     check_tokenizer_dir(config["tokenizer"], chat_template=bool(config["chat_template"]))
+    tools = config.get("tools")
+    if tools and not config["chat_template"]:
+        raise ValueError("tools are shown to the model by its chat template: keep "
+                         "chat_template=True, or leave tools out")
+    for name in tools or ():
+        schema_of(tool_function(name))  # a name that is no typed function fails here
 
 
 def _check_sft(config: dict[str, Any]) -> None:
@@ -277,16 +288,19 @@ def _check_sft(config: dict[str, Any]) -> None:
 @op(check=_check_source)
 def dataset_prompts(*, path: str, tokenizer: str, count: int = 16, seed: int = 0, step: int = 0,
                     prompt_field: str = "prompt", answer_field: str | None = "answer",
-                    chat_template: bool = True, system: str | None = None) -> Stream[Prompt]:
+                    chat_template: bool = True, system: str | None = None,
+                    tools: list[str] | None = None) -> Stream[Prompt]:
     """Step `step`'s `count` prompts of the dataset at `path` (jsonl, parquet or a saved
     `datasets` folder), shuffled per epoch by `seed` [Note: dataset positions]; each rendered
     with the chat template of the tokenizer in the folder `tokenizer` (a user message after an
-    optional `system` one; raw with chat_template=False) and tokenized by it. A prompt's id is
-    its global position, unique across steps; its answer is the `answer_field` (None: none)."""
+    optional `system` one, `tools` given to the template as their schemas; raw with
+    chat_template=False) and tokenized by it. A prompt's id is its global position, unique
+    across steps; its answer is the `answer_field` (None: none)."""
     data = _dataset(str(path), prompt_field, answer_field, int(seed))
     tok = load_tokenizer(tokenizer)
     for row in data.rows(int(step) * int(count), int(count)):
-        text = render_prompt(tok, row.prompt, chat_template=chat_template, system=system)
+        text = render_prompt(tok, row.prompt, chat_template=chat_template, system=system,
+                             tools=tools)
         yield Prompt(prompt_id=row.position, tokens=_tokens(tok, text, chat_template=chat_template),
                      text=text, answer=row.answer)
 
@@ -294,7 +308,8 @@ def dataset_prompts(*, path: str, tokenizer: str, count: int = 16, seed: int = 0
 @op
 def dataset_epoch(*, path: str, tokenizer: str = "", count: int = 16, seed: int = 0,
                   step: int = 0, prompt_field: str = "prompt", answer_field: str | None = "answer",
-                  chat_template: bool = True, system: str | None = None) -> Metrics:
+                  chat_template: bool = True, system: str | None = None,
+                  tools: list[str] | None = None) -> Metrics:
     """dataset_prompts' reporter, given the same config: `data/epoch`, the epochs read by the
     end of step `step` (1.5: one and a half passes over the rows), and `data/rows`. The RL
     flows add it beside the source they are given (dataflows/rl/front.py)."""

@@ -38,7 +38,7 @@ from typing import Any
 
 from flowkit.ops import Environment, EnvStep
 
-__all__ = ["ToolEnvironment", "calculator", "schema_of"]
+__all__ = ["ToolEnvironment", "calculator", "schema_of", "tool_function"]
 
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array",
                dict: "object"}
@@ -81,7 +81,7 @@ class ToolEnvironment(Environment):
                  last_number: bool = False) -> None:
         if call_format not in CALL_FORMATS:
             raise ValueError(f"call_format={call_format!r}: one of {', '.join(CALL_FORMATS)}")
-        self.tools = {fn.__name__: fn for fn in map(_tool, tools)}
+        self.tools = {fn.__name__: fn for fn in map(tool_function, tools)}
         self.schemas = [schema_of(fn) for fn in self.tools.values()]
         self.call_format, self.last_number = call_format, last_number
         self.answer: str | None = None
@@ -151,12 +151,14 @@ class ToolEnvironment(Environment):
         return float(action.strip() == self.answer.strip())
 
 
-def _tool(path: str) -> Callable[..., Any]:
+def tool_function(path: str) -> Callable[..., Any]:
+    """The tool a "package.module:function" name names, imported; one without a schema (a
+    parameter without a type hint) is refused here, not at its first call."""
     module_name, _, name = path.partition(":")
     fn = getattr(importlib.import_module(module_name), name, None) if name else None
     if not callable(fn):
         raise ValueError(f"tool {path!r} is not a function 'package.module:function'")
-    schema_of(fn)  # a tool without a schema is refused here, not at its first call
+    schema_of(fn)
     return fn
 
 

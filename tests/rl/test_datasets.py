@@ -225,3 +225,32 @@ def test_flowkit_check_and_run_refuse_bad_sources_before_any_executor_starts(tmp
     assert result.exit_code == 1, result.output
     assert "has no field 'prompt'" in result.output and "'question'" in result.output
     assert "executors:" not in result.output
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n"
+    "{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_prompt_shows_its_tools_as_the_template_renders_their_schemas(files, tmp_path):
+    """dataset_prompts(tools=[...]): each tool's JSON schema (dataflows.tools.schema_of) goes
+    to the chat template's `tools=`, as a model trained on tool calls expects to see them."""
+    from dataflows.tools import calculator, schema_of
+
+    folder = tmp_path / "tok"
+    tok = save_tokenizer(folder)
+    tok.chat_template = TOOLS_TEMPLATE
+    tok.save_pretrained(str(folder))
+    config = {"path": str(files["jsonl"]), "tokenizer": str(folder), "count": 2,
+              "tools": ["dataflows.tools:calculator"]}
+    prompts = list(dataset_prompts.fn(**config))
+    schema = json.dumps(schema_of(calculator))
+    assert all(p.text.startswith(f"<|im_start|>system\n# Tools\n{schema}\n") for p in prompts)
+    assert "Tools" not in list(dataset_prompts.fn(**{**config, "tools": None}))[0].text
+    with pytest.raises(ValueError, match="keep chat_template=True"):
+        dataset_prompts.check({**dataset_prompts.config, **config, "chat_template": False})
+    with pytest.raises(ValueError, match="is not a function"):
+        dataset_prompts.check({**dataset_prompts.config, **config, "tools": ["json:nothing"]})
