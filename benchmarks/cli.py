@@ -228,6 +228,24 @@ def evaluation(steps: int, every: int, json_out: Path | None) -> None:
 
 
 @bench.command(cls=_BenchCommand)
+@click.option("--samples", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Trajectories in the request.")
+@click.option("--turns", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Model turns of each trajectory.")
+@click.option("--latency", type=click.FloatRange(min=0), default=0.02, show_default=True,
+              help="Seconds each environment step takes.")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Times each way runs (medians).")
+@_json_option
+def agent(samples: int, turns: int, latency: float, repeats: int,
+          json_out: Path | None) -> None:
+    """Multi-turn rollouts with a slow environment: the engine's overlap against one call at
+    a time, and keeping cache rows against prefilling again."""
+    _report(_bench_function("agent", "run_agent_bench")(
+        samples=samples, turns=turns, latency=latency, repeats=repeats), json_out)
+
+
+@bench.command(cls=_BenchCommand)
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True,
               help="Times each budget and batching is timed (medians).")
 @_json_option

@@ -106,14 +106,15 @@ class EnvCalls:
     """Environment calls (an episode's start, its steps) in threads, each with a deadline; the
     engine takes the ended ones between its model steps."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int = _ENV_THREADS) -> None:
+        self.threads = max(1, int(threads))
         self._pool: ThreadPoolExecutor | None = None
         # id(seq) -> (seq, call, when it started, its deadline)
         self.pending: dict[int, tuple[Any, Future, float, float]] = {}
 
     def start(self, seq: Any, fn: Callable[..., Any], *args: Any, timeout_s: float) -> None:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(_ENV_THREADS, thread_name_prefix="flowkit-env")
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="flowkit-env")
         now = time.monotonic()
         self.pending[id(seq)] = (seq, self._pool.submit(fn, *args), now, now + timeout_s)
 
