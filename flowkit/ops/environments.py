@@ -7,8 +7,9 @@ out trajectories rather than single responses. Each sample gets its own environm
 ``Class(**env_config)``, built on the rollout executor, and:
 
 1. ``reset(prompt, answer)`` with the prompt's text and its answer (what a verifiable reward
-   checks against, or None); what it returns (None or "") is appended to the response as
-   context before the model's first turn;
+   checks against, or None); what it returns, unless None or "", is appended to the response
+   as context before the model's first turn (the built-in GPT's; a chat template's prompt
+   carries it instead);
 2. the model samples a turn, which ends at the stop token (EOS) or after `max_new_tokens`;
 3. ``step(action)`` gets the turn's text; its `EnvStep` says the observation, the reward, and
    whether the trajectory is done. The observation's tokens are appended as the model's chat
@@ -25,7 +26,10 @@ environment ended is `finished`; one cut by a budget is not (with `mask_truncate
 nothing). A step that raises, or runs past `env_timeout_s`, ends its trajectory, unfinished, with
 `env_error` saying why; it never stalls the engine, which steps the other samples meanwhile. An
 environment that runs untrusted code (a tool executing a model's program) runs it in the sandbox
-(dataflows/sandbox.py), since a thread past its timeout cannot be stopped, only abandoned.
+(dataflows/sandbox.py), since a thread past its timeout cannot be stopped, only abandoned. A
+trajectory cut by an abort (partial rollouts) keeps its episode on the executor and goes on
+when a later request continues it ([Note: parked trajectories] in
+executors/torch/trajectories.py).
 """
 
 from __future__ import annotations
