@@ -401,12 +401,9 @@ class Engine(Trajectories):
 
     def _texts(self, prompt: Any, response: list[int]) -> dict[str, str | None]:
         """A rollout's prompt_text and response_text [Note: rollout text]."""
-        text = getattr(prompt, "text", None)
         if self.tokenizer is None:
-            return {"prompt_text": text, "response_text": None}
-        if text is None:
-            text = self.tokenizer.decode(list(prompt.tokens), skip_special_tokens=False)
-        return {"prompt_text": text,
+            return {"prompt_text": getattr(prompt, "text", None), "response_text": None}
+        return {"prompt_text": self._prompt_text(prompt),
                 "response_text": self.tokenizer.decode(response, skip_special_tokens=True)}
 
     def _deliver(self, request: Request, rollout: Rollout) -> None:

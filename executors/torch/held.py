@@ -104,16 +104,26 @@ def _build(path: str, model_config: dict) -> torch.nn.Module:
 
 
 def _factory(path: str) -> Any:
-    """What `path` ("package.module:factory") names, imported."""
-    module_name, _, factory = path.partition(":")
+    """What a model build `path` ("package.module:factory") names, imported."""
+    return imported(path, "model build")
+
+
+def imported(path: str, what: str, shape: str = "name") -> Any:
+    """What `path` ("package.module:name", from the flow through its controller) names,
+    imported; `what` it is and the `shape` of its name, for the errors."""
+    module_name, _, name = path.partition(":")
+    if not name:
+        raise StageError(f"{what} {path!r} must be 'package.module:{shape}'")
     try:
         obj: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        raise StageError(f"model build {path!r}: no module {exc.name!r} on this executor "
+        raise StageError(f"{what} {path!r}: no module {exc.name!r} on this executor "
                          f"(searched {', '.join(sys.path[:4])}, ...): put it beside the flow "
                          "file or install it") from exc
-    for part in factory.split("."):
-        obj = getattr(obj, part)
+    for part in name.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise StageError(f"{what} {path!r}: module {module_name!r} has no {part!r}")
     return obj
 
 

@@ -24,7 +24,7 @@ from collections import deque
 from typing import Any
 
 from executors.torch.stage import StageError
-from executors.torch.turns import Episode, open_episode, step_episode
+from executors.torch.turns import ByteTurns, Episode, open_episode, step_episode
 
 __all__ = ["Trajectories"]
 
@@ -72,11 +72,13 @@ class Trajectories:
             self.waiting.append(seq)
 
     def _prompt_text(self, prompt: Any) -> str:
+        """The prompt as the model sees it: its text, or its tokens decoded (bytes for a model
+        without a tokenizer)."""
         text = getattr(prompt, "text", None)
         if text is not None:
             return text
         if self.tokenizer is None:
-            return bytes(t for t in prompt.tokens if 0 <= t < 256).decode(errors="replace")
+            return ByteTurns().text(list(prompt.tokens))
         return self.tokenizer.decode(list(prompt.tokens), skip_special_tokens=False)
 
     def _after_agent_token(self, seq: Any, eos: bool, full: bool) -> None:

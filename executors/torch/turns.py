@@ -6,7 +6,6 @@ environment's turn becomes tokens (`ChatTurns`, `ByteTurns`).
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
 from collections.abc import Callable
@@ -15,6 +14,7 @@ from typing import Any
 
 import attrs
 
+from executors.torch.held import imported
 from executors.torch.stage import StageError
 from flowkit.ops import AgentConfig, Environment, EnvStep
 
@@ -50,6 +50,9 @@ class Episode:
     reward: float = 0.0
     seconds: float = 0.0  # in its environment's calls
     info: dict[str, float] = attrs.field(factory=dict)  # the numbers of its last step's info
+    turns: int = 0  # model turns begun
+    turn_start: int = 0  # where in the response the model's current turn began
+    error: str | None = None
 
     def close(self) -> None:
         """Its environment's close(), once; a failure there is the environment's to log, and
@@ -63,9 +66,6 @@ class Episode:
         except Exception:  # the trajectory has ended already: nothing to fail
             log.warning("the environment %s raised in close()", type(env).__name__,
                         exc_info=True)
-    turns: int = 0  # model turns begun
-    turn_start: int = 0  # where in the response the model's current turn began
-    error: str | None = None
 
 
 def agent_of(config: AgentConfig, tokenizer: Any) -> Agent | None:
@@ -73,7 +73,10 @@ def agent_of(config: AgentConfig, tokenizer: Any) -> Agent | None:
     here, by the name the flow gave, as a model's build is (executors/torch/held.py)."""
     if config.environment is None:
         return None
-    cls = _environment_class(str(config.environment))
+    cls = imported(str(config.environment), "environment", "Class")
+    if not (isinstance(cls, type) and callable(getattr(cls, "step", None))):
+        raise StageError(f"environment {config.environment!r} is not a class with "
+                         "step(action) (subclass flowkit.ops.Environment)")
     settings = dict(config.env_config or {})
     if config.max_turns < 1:
         raise StageError(f"max_turns must be at least 1, got {config.max_turns}")
@@ -83,23 +86,6 @@ def agent_of(config: AgentConfig, tokenizer: Any) -> Agent | None:
                  max_total_tokens=None if config.max_total_tokens is None
                  else int(config.max_total_tokens),
                  timeout_s=float(config.env_timeout_s), keep_cache=bool(config.keep_cache))
-
-
-def _environment_class(path: str) -> type:
-    module_name, _, name = path.partition(":")
-    if not name:
-        raise StageError(f"environment {path!r} must be 'package.module:Class'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        raise StageError(f"environment {path!r}: no module {exc.name!r} on this executor: put "
-                         "it beside the flow file or install it") from exc
-    for part in name.split("."):
-        obj = getattr(obj, part, None)
-    if not (isinstance(obj, type) and callable(getattr(obj, "step", None))):
-        raise StageError(f"environment {path!r} is not a class with step(action) (subclass "
-                         "flowkit.ops.Environment)")
-    return obj
 
 
 class EnvCalls:
@@ -134,9 +120,6 @@ class EnvCalls:
                 continue
             del self.pending[key]
         return out
-
-    def waiting(self) -> list[Any]:
-        return [entry[0] for entry in self.pending.values()]
 
     def drop(self, keep: Callable[[Any], bool]) -> list[Any]:
         """Forget the calls of sequences `keep` refuses; those sequences, each with its call

@@ -38,8 +38,25 @@ def _setting(default: Any, *, low: float | None = None, high: float | None = Non
     return attrs.field(default=default, metadata=metadata)
 
 
+class _OpSettings:
+    """A settings record of an op: its fields are config keys of the op's tasks."""
+
+    def as_config(self) -> dict[str, Any]:
+        """The settings as an op's config keys."""
+        return attrs.asdict(self, recurse=False)  # type: ignore[arg-type]
+
+    @classmethod
+    def split(cls, config: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """A task's config as (its settings of this record, the other keys). A key it lacks
+        has the record's default: a task the planner made has every one (the op's config is
+        the record's), a direct call (a test, a bench) may leave some out."""
+        keys = {field.name for field in attrs.fields(cls)}  # type: ignore[arg-type]
+        given = {key: value for key, value in config.items() if key in keys}
+        return cls(**given), {key: v for key, v in config.items() if key not in keys}
+
+
 @attrs.frozen(kw_only=True)
-class SamplingConfig:
+class SamplingConfig(_OpSettings):
     """How generation samples: `n` samples per prompt of at most `max_new_tokens` tokens, at
     `temperature` (0: greedy) from the top-p set (`top_p` of the mass), each ending at `eos`
     (a token id, a list of them, None for none, or MODEL_EOS). `sample_seed` seeds the draws
@@ -57,18 +74,6 @@ class SamplingConfig:
     take: int | None = _setting(None, low=1)
     stale_segments: str = _setting("recompute", choices=STALE_SEGMENTS)
 
-    def as_config(self) -> dict[str, Any]:
-        """The settings as an op's config keys."""
-        return attrs.asdict(self, recurse=False)
-
-    @classmethod
-    def split(cls, config: Mapping[str, Any]) -> tuple[SamplingConfig, dict[str, Any]]:
-        """A task's config as (its sampling settings, the other keys). A key it lacks has the
-        record's default: a task the planner made has every one (Generate's config is this
-        record's), a direct call (a test, a bench) may leave some out."""
-        given = {key: value for key, value in config.items() if key in SAMPLING_KEYS}
-        return cls(**given), {key: v for key, v in config.items() if key not in SAMPLING_KEYS}
-
 
 SAMPLING = SamplingConfig()
 """The defaults, for a value that must be a plain default (a function's keyword)."""
@@ -81,7 +86,7 @@ SAMPLING_CHOICES = {field.name: field.metadata["choices"]
 
 
 @attrs.frozen(kw_only=True)
-class AgentConfig:
+class AgentConfig(_OpSettings):
     """Multi-turn rollouts [Note: multi-turn rollouts in flowkit/ops/environments.py]: each
     sample steps an `environment` ("package.module:Class", an Environment built with
     `env_config` on the rollout executor; None: one response, no environment) for at most
@@ -97,15 +102,6 @@ class AgentConfig:
     max_total_tokens: int | None = _setting(None, low=1)
     env_timeout_s: float = _setting(30.0, low=0)
     keep_cache: bool = _setting(True)
-
-    def as_config(self) -> dict[str, Any]:
-        return attrs.asdict(self, recurse=False)
-
-    @classmethod
-    def split(cls, config: Mapping[str, Any]) -> tuple[AgentConfig, dict[str, Any]]:
-        """As SamplingConfig.split."""
-        given = {key: value for key, value in config.items() if key in AGENT_KEYS}
-        return cls(**given), {key: v for key, v in config.items() if key not in AGENT_KEYS}
 
 
 AGENT = AgentConfig()

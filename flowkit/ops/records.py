@@ -80,11 +80,6 @@ class Rollout:
     env_info: dict[str, float] = attrs.field(factory=dict)
 
     @property
-    def trained_mask(self) -> list[int]:
-        """1 for each response token the model sampled, 0 for the environment's."""
-        return list(self.response_mask) or [1] * len(self.response_tokens)
-
-    @property
     def response_length(self) -> int:
         """What the runner learns of each sample without fetching it (a report key)."""
         return len(self.response_tokens)
