@@ -250,11 +250,16 @@ def render_prompt(tokenizer: Any, prompt: str, *, chat_template: bool = True,
     `chat_template` is False."""
     if not chat_template:
         return prompt if system is None else f"{system}\n\n{prompt}"
-    messages = ([{"role": "system", "content": system}] if system is not None else []) + [
-        {"role": "user", "content": prompt}]
+    messages = _messages(prompt, system)
     schemas = [schema_of(tool_function(name)) for name in tools] if tools else None
     return tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False,
                                          add_generation_prompt=True)
+
+
+def _messages(prompt: str, system: str | None) -> list[dict[str, str]]:
+    """A prompt's chat: a user message, after a system one when given."""
+    return ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": prompt}]
 
 
 def _tokens(tokenizer: Any, text: str, *, chat_template: bool) -> list[int]:
@@ -302,7 +307,8 @@ def dataset_prompts(*, path: str, tokenizer: str, count: int = 16, seed: int = 0
         text = render_prompt(tok, row.prompt, chat_template=chat_template, system=system,
                              tools=tools)
         yield Prompt(prompt_id=row.position, tokens=_tokens(tok, text, chat_template=chat_template),
-                     text=text, answer=row.answer)
+                     text=text, answer=row.answer,
+                     messages=_messages(row.prompt, system) if chat_template else None)
 
 
 @op

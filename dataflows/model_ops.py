@@ -81,18 +81,34 @@ def _environment_problems(node: Any) -> list[Problem]:
     """The environment's name and settings, as far as the flow can tell: the rollout executor
     imports the class [Note: multi-turn rollouts in flowkit/ops/environments.py]."""
     env, settings = node.config.get("environment"), node.config.get("env_config")
-    module, _, name = env.partition(":") if isinstance(env, str) else ("", "", "")
-    if env is not None and not (module and name and all(
-            part.isidentifier() for part in [*module.split("."), *name.split(".")])):
+    program = node.config.get("program")
+    if env is not None and not _import_name(env):
         return [Problem(rule="bad-config", op=node.name, port="environment",
                         message=f"environment={env!r} is not a class's import name",
                         fix="name it 'package.module:Class' (an Environment subclass), e.g. "
                             "'dataflows.envs:GuessNumber'")]
+    if program is not None and not _import_name(program):
+        return [Problem(rule="bad-config", op=node.name, port="program",
+                        message=f"program={program!r} is not a function's import name",
+                        fix="name it 'package.module:function', a function of a Task that "
+                            "talks to task.client() (an openai.OpenAI)")]
+    if env is not None and program is not None:
+        return [Problem(rule="bad-config", op=node.name, port="program",
+                        message=f"both environment={env!r} and program={program!r} are given",
+                        fix="a trajectory steps an environment or runs an agent program: "
+                            "give one")]
     if not isinstance(settings, dict) or not all(isinstance(k, str) for k in settings):
         return [Problem(rule="bad-config", op=node.name, port="env_config",
                         message=f"env_config={settings!r} is not a dict of keyword arguments",
                         fix="pass the environment class's keyword arguments as a dict")]
     return []
+
+
+def _import_name(path: Any) -> bool:
+    """Whether `path` has the shape of "package.module:name"."""
+    module, _, name = path.partition(":") if isinstance(path, str) else ("", "", "")
+    return bool(module and name and all(
+        part.isidentifier() for part in [*module.split("."), *name.split(".")]))
 
 
 class LogProbs(ModelOp):

@@ -37,13 +37,13 @@ from collections.abc import Callable
 from typing import Any
 
 from flowkit.ops import Environment, EnvStep
+from flowkit.ops.toolcalls import HERMES_CALL
 
 __all__ = ["ToolEnvironment", "calculator", "schema_of", "tool_function"]
 
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array",
                dict: "object"}
 _SIMPLE = re.compile(r"^\s*([A-Za-z_]\w*)\((.*)\)\s*$", re.DOTALL)
-_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 CALL_FORMATS = ("simple", "hermes")
 
@@ -110,7 +110,7 @@ class ToolEnvironment(Environment):
         if self.call_format == "simple":
             found = _SIMPLE.match(action)
             return None if found is None else (found.group(1), found.group(2))
-        found = _HERMES.search(action)
+        found = HERMES_CALL.search(action)
         if found is None:
             return None
         try:

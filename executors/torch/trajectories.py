@@ -23,8 +23,11 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+import attrs
+
 from executors.torch.stage import StageError
 from executors.torch.turns import ByteTurns, Episode, open_episode, step_episode
+from flowkit.ops import Conversation
 
 __all__ = ["Trajectories"]
 
@@ -39,8 +42,8 @@ class Trajectories:
         """A new trajectory: it waits for its environment to be built and reset."""
         agent = seq.request.agent
         seq.episode = Episode()
-        self.env_calls.start(seq, open_episode, agent.make, self._prompt_text(seq.prompt),
-                             getattr(seq.prompt, "answer", None), timeout_s=agent.timeout_s)
+        self.env_calls.start(seq, open_episode, agent.make, seq.prompt, seq.sample,
+                             self._prompt_text(seq.prompt), timeout_s=agent.timeout_s)
 
     def _park(self, seq: Any) -> None:
         """An aborted trajectory's episode, kept for a request that continues it."""
@@ -111,13 +114,28 @@ class Trajectories:
             try:
                 if ep.env is None:  # it opened: its first turn may start
                     ep.env, observation = result
-                    if observation:
+                    if isinstance(observation, Conversation):
+                        if not self._reprompt(seq, *agent.turns.prompt(observation)):
+                            continue
+                    elif observation:
                         self._append_context(seq, agent.turns.opening(observation))
                     self._next_turn(seq)
                 else:
                     self._stepped(seq, result)
             except StageError as problem:  # the flow's, not one sample's: its request fails
                 self._fail_request(seq.request, problem)
+
+    def _reprompt(self, seq: Any, tokens: list[int], text: str) -> bool:
+        """A Conversation opens the trajectory: its rendering is the prompt (whether it fits
+        the model's context, with room for a turn, told)."""
+        if len(tokens) + 1 >= self.max_len:
+            seq.episode.error = (f"the conversation that opens the trajectory has {len(tokens)} "
+                                 f"tokens, more than the model's context ({self.max_len}) holds")
+            self._close(seq, finished=False, clipped=True)
+            return False
+        if list(seq.prompt.tokens) != tokens:
+            seq.prompt = attrs.evolve(seq.prompt, tokens=tokens, text=text)
+        return True
 
     def _fail_request(self, request: Any, error: Exception) -> None:
         mine = lambda s: s is not None and s.request is request  # noqa: E731
@@ -137,7 +155,8 @@ class Trajectories:
         if step.done or ep.turns >= agent.max_turns:
             self._close(seq, finished=bool(step.done))
             return
-        observation = agent.turns.observation(str(step.observation))
+        observation = agent.turns.observation(
+            step.observation if isinstance(step.observation, list) else str(step.observation))
         after = len(seq.tokens) + len(observation)  # and no room left for a model token:
         if after >= self.max_len - len(seq.prompt.tokens):  # the model's context
             self._close(seq, finished=False, clipped=True)

@@ -16,7 +16,7 @@ import attrs
 
 from executors.torch.held import imported
 from executors.torch.stage import StageError
-from flowkit.ops import AgentConfig, Environment, EnvStep
+from flowkit.ops import AgentConfig, Conversation, Environment, EnvStep
 
 __all__ = ["Agent", "ByteTurns", "ChatTurns", "EnvCalls", "Episode", "agent_of", "open_episode",
            "step_episode"]
@@ -34,7 +34,7 @@ _ENV_THREADS = 8
 class Agent:
     """A request's environment settings, resolved on the executor."""
 
-    make: Callable[[], Environment]
+    make: Callable[[Any, int], Environment]  # (the Prompt, the sample) -> its environment
     turns: Any  # ByteTurns or ChatTurns: a turn's text, an observation's tokens
     max_turns: int
     max_total_tokens: int | None
@@ -69,23 +69,47 @@ class Episode:
 
 
 def agent_of(config: AgentConfig, tokenizer: Any) -> Agent | None:
-    """The request's Agent, or None for single responses. The environment's class is imported
-    here, by the name the flow gave, as a model's build is (executors/torch/held.py)."""
-    if config.environment is None:
+    """The request's Agent, or None for single responses. The environment's class (or the
+    agent program's function) is imported here, by the name the flow gave, as a model's build
+    is (executors/torch/held.py)."""
+    if config.environment is None and config.program is None:
         return None
+    if config.max_turns < 1:
+        raise StageError(f"max_turns must be at least 1, got {config.max_turns}")
+    turns = ByteTurns() if tokenizer is None else ChatTurns(tokenizer)
+    return Agent(make=_program_maker(config, turns) if config.program is not None
+                 else _environment_maker(config),
+                 turns=turns, max_turns=int(config.max_turns),
+                 max_total_tokens=None if config.max_total_tokens is None
+                 else int(config.max_total_tokens),
+                 timeout_s=float(config.env_timeout_s), keep_cache=bool(config.keep_cache))
+
+
+def _environment_maker(config: AgentConfig) -> Callable[[Any, int], Environment]:
     cls = imported(str(config.environment), "environment", "Class")
     if not (isinstance(cls, type) and callable(getattr(cls, "step", None))):
         raise StageError(f"environment {config.environment!r} is not a class with "
                          "step(action) (subclass flowkit.ops.Environment)")
     settings = dict(config.env_config or {})
-    if config.max_turns < 1:
-        raise StageError(f"max_turns must be at least 1, got {config.max_turns}")
-    return Agent(make=lambda: cls(**settings),
-                 turns=ByteTurns() if tokenizer is None else ChatTurns(tokenizer),
-                 max_turns=int(config.max_turns),
-                 max_total_tokens=None if config.max_total_tokens is None
-                 else int(config.max_total_tokens),
-                 timeout_s=float(config.env_timeout_s), keep_cache=bool(config.keep_cache))
+    return lambda prompt, sample: cls(**settings)
+
+
+def _program_maker(config: AgentConfig, turns: Any) -> Callable[[Any, int], Environment]:
+    """[Note: agent programs] in executors/torch/endpoint.py."""
+    from executors.torch.endpoint import ProgramEnvironment, shared_endpoint
+
+    if config.environment is not None:
+        raise StageError(f"give an environment or an agent program, not both (environment="
+                         f"{config.environment!r}, program={config.program!r})")
+    program = imported(str(config.program), "agent program", "function")
+    if not callable(program):
+        raise StageError(f"agent program {config.program!r} is not a function")
+    if not isinstance(turns, ChatTurns) or turns.tokenizer.chat_template is None:
+        raise StageError("an agent program speaks chat messages: its model needs a tokenizer "
+                         "with a chat template (a Hugging Face model's folder), not bytes")
+    endpoint, timeout_s = shared_endpoint(), float(config.env_timeout_s)
+    return lambda prompt, sample: ProgramEnvironment(program, endpoint, timeout_s=timeout_s,
+                                                     prompt=prompt, sample=sample)
 
 
 class EnvCalls:
@@ -142,12 +166,12 @@ def _why(error: BaseException) -> str:
     return f"the environment raised {type(error).__name__}: {str(error)[:200]}"
 
 
-def open_episode(make: Callable[[], Environment], prompt: str,
-                 answer: str | None) -> tuple[Environment, Any]:
-    """An episode's first call: its environment built, and reset on the prompt and its answer
-    (the observation, if any, opens the response)."""
-    env = make()
-    return env, env.reset(prompt, answer)
+def open_episode(make: Callable[[Any, int], Environment], prompt: Any, sample: int,
+                 text: str) -> tuple[Environment, Any]:
+    """An episode's first call: its environment built, and reset on the prompt's text and its
+    answer (what reset returns, if anything, opens the response or replaces the prompt)."""
+    env = make(prompt, sample)
+    return env, env.reset(text, getattr(prompt, "answer", None))
 
 
 def step_episode(env: Environment, action: str) -> EnvStep:
@@ -165,7 +189,10 @@ class ByteTurns:
     def text(self, tokens: list[int]) -> str:
         return bytes(t for t in tokens if 0 <= t < 256).decode(errors="replace")
 
-    def observation(self, text: str) -> list[int]:
+    def observation(self, text: Any) -> list[int]:
+        if not isinstance(text, str):
+            raise StageError("an environment's observation is a text for a model without a chat "
+                             "template (the built-in GPT on bytes), not a list of messages")
         return list(text.encode()) + [10]
 
     def closing(self) -> list[int]:
@@ -176,15 +203,21 @@ class ByteTurns:
         """reset's observation, before the model's first turn."""
         return self.observation(text)
 
+    def prompt(self, conversation: Conversation) -> tuple[list[int], str]:
+        raise StageError("a Conversation (an agent program's messages) needs a model whose "
+                         "tokenizer has a chat template: the built-in GPT reads bytes")
+
 
 class ChatTurns:
     """A model with a tokenizer and its chat template: a turn's text is decoded without special
     tokens; an environment's turn is what the template renders after the model's turn ends
-    (Qwen2's "\\n" after <|im_end|>), the observation as a user message and the next assistant
-    header, tokenized alone: the history is never tokenized again. The rendering is the
-    template's own, taken as the text it adds to a conversation (verl's and TRL's way)."""
+    (Qwen2's "\\n" after <|im_end|>): the observation as a user message (or its list of
+    messages) and the next assistant header, tokenized alone: the history is never tokenized
+    again. The rendering is the template's own, taken as the text it adds to a conversation
+    that ends with an assistant's turn (verl's and TRL's way)."""
 
-    _BASE = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    _BASE = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+             {"role": "assistant", "content": "a"}]
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -193,19 +226,34 @@ class ChatTurns:
     def text(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
-    def observation(self, text: str) -> list[int]:
-        render = self.tokenizer.apply_chat_template
+    def observation(self, observation: str | list[dict]) -> list[int]:
+        messages = ([{"role": "user", "content": observation}] if isinstance(observation, str)
+                    else list(observation))
         if getattr(self.tokenizer, "chat_template", None) is None:
-            return self.tokenizer.encode(text + "\n", add_special_tokens=False)
+            if not isinstance(observation, str):
+                raise StageError("an observation given as messages needs a tokenizer with a "
+                                 "chat template")
+            return self.tokenizer.encode(observation + "\n", add_special_tokens=False)
+        render = self.tokenizer.apply_chat_template
         base = render(self._BASE, tokenize=False)
-        full = render([*self._BASE, {"role": "user", "content": text}], tokenize=False,
-                      add_generation_prompt=True)
+        full = render([*self._BASE, *messages], tokenize=False, add_generation_prompt=True)
         if not full.startswith(base):
             raise StageError("the chat template renders a conversation's beginning differently "
                              "once a message follows, so an environment's turn cannot be "
                              "appended without tokenizing the history again")
         return self.tokenizer.encode(self.after_turn() + full[len(base):],
                                      add_special_tokens=False)
+
+    def prompt(self, conversation: Conversation) -> tuple[list[int], str]:
+        """The tokens and text of a conversation that opens a trajectory, as a prompt source
+        renders a prompt (dataflows/datasets.py: the template's text, its ids without the
+        tokenizer's own special tokens)."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise StageError("a Conversation needs a tokenizer with a chat template")
+        text = self.tokenizer.apply_chat_template(list(conversation.messages),
+                                                  tools=conversation.tools, tokenize=False,
+                                                  add_generation_prompt=True)
+        return list(self.tokenizer.encode(text, add_special_tokens=False)), text
 
     def closing(self) -> list[int]:
         """What ends a model turn cut by its token budget: the end-of-turn token the template
@@ -224,7 +272,7 @@ class ChatTurns:
             render = self.tokenizer.apply_chat_template
             eos = self.tokenizer.eos_token or ""
             marker = "\u2063turn\u2063"
-            whole = render([*self._BASE, {"role": "assistant", "content": marker}],
+            whole = render([*self._BASE[:2], {"role": "assistant", "content": marker}],
                            tokenize=False)
             tail = whole[whole.index(marker) + len(marker):]
             self._after_turn = tail[len(eos):] if eos and tail.startswith(eos) else ""

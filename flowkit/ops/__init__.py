@@ -23,7 +23,7 @@ from flowkit.ops.configs import (
     AgentConfig,
     SamplingConfig,
 )
-from flowkit.ops.environments import Environment, EnvStep
+from flowkit.ops.environments import Conversation, Environment, EnvStep
 from flowkit.ops.executor_ops import (
     EXECUTOR_OPS,
     LOWERED_OPS,
@@ -53,6 +53,6 @@ __all__ = ["AGENT", "AGENT_KEYS", "AGENT_RANGES", "EXECUTOR_OPS", "KL_ALIASES", 
            "LOSS_SPEC", "POLICY_LOSSES", "ROLLOUT_IS_LEVELS", "ROLLOUT_IS_MODES",
            "LOWERED_OPS", "MODEL_EOS", "PIPELINE_OPS", "PROXIMAL_LOSSES", "ROUND_KNOBS",
            "SAMPLING", "SAMPLING_CHOICES", "SAMPLING_KEYS", "SAMPLING_RANGES", "SIMULATED",
-           "STALE_SEGMENTS", "SUM_FORM_LOSSES", "AgentConfig", "EnvStep", "Environment", "OpSpec",
-           "SamplingConfig", "cut",
+           "STALE_SEGMENTS", "SUM_FORM_LOSSES", "AgentConfig", "Conversation", "EnvStep",
+           "Environment", "OpSpec", "SamplingConfig", "cut",
            "epoch_order", "minibatch_rounds", "missing_executor_ops", "rounds_of"]

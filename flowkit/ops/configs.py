@@ -94,9 +94,13 @@ class AgentConfig(_OpSettings):
     `max_total_tokens` response tokens in all (model and environment; None: no total bound);
     a step past `env_timeout_s` ends its trajectory. `keep_cache`: a sample waiting for its
     environment keeps its cache row (its next turn prefills the observation only) rather than
-    giving the row to a waiting sample and prefilling its whole prefix again."""
+    giving the row to a waiting sample and prefilling its whole prefix again. `program`
+    ("package.module:function", instead of an environment): each sample runs an agent
+    written against the OpenAI chat-completions API, served by the rollout engine ([Note:
+    agent programs] in executors/torch/endpoint.py)."""
 
     environment: str | None = _setting(None)
+    program: str | None = _setting(None)
     env_config: dict = attrs.field(factory=dict)
     max_turns: int = _setting(1, low=1)
     max_total_tokens: int | None = _setting(None, low=1)

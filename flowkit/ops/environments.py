@@ -9,12 +9,17 @@ out trajectories rather than single responses. Each sample gets its own environm
 1. ``reset(prompt, answer)`` with the prompt's text and its answer (what a verifiable reward
    checks against, or None); what it returns, unless None or "", is appended to the response
    as context before the model's first turn (the built-in GPT's; a chat template's prompt
-   carries it instead);
+   carries it instead). With a chat template it may return a `Conversation` instead: the
+   messages (and tools) that open the trajectory, rendered by the template in place of the
+   prompt source's rendering (an agent program's first request does so: [Note: agent
+   programs] in executors/torch/endpoint.py);
 2. the model samples a turn, which ends at the stop token (EOS) or after `max_new_tokens`;
 3. ``step(action)`` gets the turn's text; its `EnvStep` says the observation, the reward, and
    whether the trajectory is done. The observation's tokens are appended as the model's chat
    format renders an environment turn (executors/torch/turns.py), never re-tokenizing what came
-   before;
+   before: a text is a user message; with a chat template the observation may also be a list
+   of messages (a "tool" role's results, several at once), rendered as the template renders
+   them after an assistant turn;
 4. until done, `max_turns` model turns, or `max_total_tokens` response tokens; then
    ``close()``.
 
@@ -38,14 +43,28 @@ from typing import Any
 
 import attrs
 
-__all__ = ["EnvStep", "Environment"]
+__all__ = ["Conversation", "EnvStep", "Environment"]
+
+Message = dict[str, Any]  # a chat message: role, content, and tool_calls or tool_call_id
+
+
+@attrs.frozen(kw_only=True)
+class Conversation:
+    """What `reset` may return with a chat template: the conversation that opens the
+    trajectory (its messages, and the tools' schemas the template shows the model), rendered
+    with the generation prompt as the trajectory's prompt."""
+
+    messages: list[Message]
+    tools: list[dict[str, Any]] | None = None
 
 
 @attrs.frozen(kw_only=True)
 class EnvStep:
     """What one environment step returns."""
 
-    observation: str = ""  # appended as the environment's turn ("" with done: nothing)
+    # appended as the environment's turn ("" with done: nothing): a text is a user message; a
+    # list of messages is rendered as the chat template renders them (a model with one)
+    observation: str | list[Message] = ""
     reward: float = 0.0
     done: bool = False
     info: dict[str, Any] = attrs.field(factory=dict)
@@ -55,10 +74,10 @@ class Environment:
     """Subclass and override `step` (and `reset` where the episode needs the prompt). One
     instance serves one trajectory; its constructor takes the flow's `env_config`."""
 
-    def reset(self, prompt: str, answer: str | None = None) -> str | None:
+    def reset(self, prompt: str, answer: str | None = None) -> str | Conversation | None:
         """Start an episode on `prompt` (its text as the model sees it) whose ground truth is
         `answer` (the prompt's, None without one); an observation to show the model before its
-        first turn, or None."""
+        first turn, a Conversation to open it with instead of the prompt, or None."""
         return None
 
     def step(self, action: str) -> EnvStep:

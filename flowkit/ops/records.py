@@ -43,6 +43,9 @@ class Prompt:
     answer: str | None = None  # what a verifiable reward checks against, when there is one
     # the prompt as the model sees it (after the chat template), when a tokenizer made it
     text: str | None = None
+    # the chat messages the template rendered into `text`, when a prompt source kept them
+    # (an agent program starts its conversation from them: executors/torch/endpoint.py)
+    messages: list[dict] | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -1,0 +1,463 @@
+"""Agent programs: an OpenAI-compatible chat-completions endpoint served by the rollout engine's
+executor, and the environment that turns a program's requests into a trajectory's turns.
+
+[Note: agent programs] A generate call given `program="package.module:function"`
+(flowkit.ops.AgentConfig, instead of an `environment`) rolls out each sample by running that
+function, an ordinary agent written against the OpenAI chat-completions API, in a thread of the
+rollout executor. ``function(task)`` gets a `Task` (the prompt's messages and answer, the
+endpoint's `base_url` and the trajectory's `api_key`; ``task.client()`` makes an
+``openai.OpenAI`` on them) and returns the trajectory's reward (a number; None: the flow's
+reward op scores it). Each of its requests is one model turn of its trajectory:
+
+- The API key is the trajectory's own, a random token made for it: it admits the request and
+  says which trajectory the request continues. The server listens on 127.0.0.1 only, takes
+  one request at a time per trajectory, bounds the body it reads, and answers a request that is
+  not the API's shape with a 400 that says what was wrong, the server serving on.
+- The first request's messages (and its `tools`) open the trajectory: the model's chat template
+  renders them, with the generation prompt, as the trajectory's prompt (a `Conversation`,
+  which takes the place of the prompt source's rendering where the two differ).
+- Each later request repeats the conversation so far, the assistant's answers as the server
+  gave them, and adds messages after the last answer: only those are rendered, as the template
+  renders messages after an assistant's turn, and appended as context (ChatTurns in turns.py).
+  The history is never tokenized again: a request that rewrites it is refused (400) and ends
+  the trajectory, unfinished, with env_error saying so.
+- The answer is the model's turn, sampled by the engine with the flow's sampling settings (a
+  request's temperature, max_tokens or stop are not the flow's and are ignored; `n` above 1
+  and `stream` are refused). Given `tools`, the turn's Hermes ``<tool_call>`` blocks come back
+  as the message's `tool_calls` (flowkit/ops/toolcalls.py), finish_reason "tool_calls".
+- The trajectory ends when the function returns (done, its reward), raises or waits past
+  env_timeout_s (env_error), or a budget cuts it (max_turns, max_total_tokens, the context):
+  then a request still waiting is answered 409, "trajectory_ended", and later ones 401.
+
+Token in, token out: the trajectory's tokens are the engine's (sampled ids, the template's
+rendering of each new message), so the same program and seeds give the same trajectory as an
+in-process Environment that says the same things (tests/torch/test_endpoint.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import attrs
+
+from flowkit.ops import Conversation, Environment, EnvStep
+from flowkit.ops.toolcalls import hermes_calls
+
+__all__ = ["Endpoint", "ProgramEnvironment", "Task", "shared_endpoint"]
+
+log = logging.getLogger("flowkit.executor")
+
+MAX_BODY_BYTES = 8 << 20  # a request's JSON body: a long conversation, never a flood
+MAX_MESSAGES = 4096
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+ENDED = "trajectory_ended"
+
+
+@attrs.frozen(kw_only=True)
+class Task:
+    """What an agent program gets: its prompt, and where and as whom to ask the model."""
+
+    prompt_id: int
+    sample: int
+    prompt: str  # the prompt's text as the prompt source rendered it
+    messages: list[dict] | None  # the messages it rendered (dataset_prompts keeps them)
+    answer: str | None
+    base_url: str
+    api_key: str
+
+    def client(self, **settings: Any) -> Any:
+        """An ``openai.OpenAI`` client of this trajectory (the openai package: the agents
+        extra), without retries: a refused request is the program's to see."""
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key,
+                             **{"max_retries": 0, **settings})
+
+
+class RequestError(Exception):
+    """A request the endpoint refuses: its HTTP status, OpenAI's error code, and why."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+@attrs.define(eq=False)
+class _Call:
+    """One chat-completions request, waiting for its answer."""
+
+    body: dict
+    done: threading.Event = attrs.field(factory=threading.Event)
+    status: int = 200
+    reply: dict = attrs.field(factory=dict)
+
+    def answer(self, status: int, reply: dict) -> None:
+        if not self.done.is_set():
+            self.status, self.reply = status, reply
+            self.done.set()
+
+    def refuse(self, error: RequestError) -> None:
+        self.answer(error.status, _error_body(error.code, str(error)))
+
+
+def _error_body(code: str, message: str) -> dict:
+    return {"error": {"message": message, "type": "invalid_request_error", "code": code,
+                      "param": None}}
+
+
+class _Session:
+    """One trajectory's side of the endpoint: its program's requests and its end, in order."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.lock = threading.Lock()
+        self.waiting: _Call | None = None  # a request the engine has not answered yet
+        self.closed = False
+
+    def offer(self, call: _Call) -> None:
+        """A request from the program (the server's thread)."""
+        with self.lock:
+            if self.closed:
+                raise RequestError(409, ENDED, "this trajectory has ended")
+            if self.waiting is not None:
+                raise RequestError(409, "request_in_flight", "this trajectory is waiting for "
+                                   "the answer to its previous request: one at a time")
+            self.waiting = call
+        self.inbox.put(("request", call))
+
+    def end(self) -> None:
+        with self.lock:
+            self.closed, waiting, self.waiting = True, self.waiting, None
+        if waiting is not None:
+            waiting.refuse(RequestError(409, ENDED, "this trajectory has ended (a budget cut it, "
+                                        "or its environment call failed or timed out)"))
+        self.inbox.put(("closed", None))
+
+
+class Endpoint:
+    """The chat-completions server of this executor's agent programs, on loopback."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.sessions: dict[str, _Session] = {}
+        self._lock = threading.Lock()
+        self.server = ThreadingHTTPServer((host, 0), _handler_for(self))
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever,
+                                       name="flowkit-endpoint", daemon=True)
+        self.thread.start()
+
+    @property
+    def base_url(self) -> str:
+        host, port = self.server.server_address[:2]
+        return f"http://{host}:{port}/v1"
+
+    def open(self) -> _Session:
+        session = _Session(secrets.token_urlsafe(24))
+        with self._lock:
+            self.sessions[session.key] = session
+        return session
+
+    def close(self, session: _Session) -> None:
+        with self._lock:
+            self.sessions.pop(session.key, None)
+        session.end()
+
+    def session_of(self, key: str) -> _Session | None:
+        with self._lock:
+            return self.sessions.get(key)
+
+    def shutdown(self) -> None:
+        for session in list(self.sessions.values()):
+            self.close(session)
+        self.server.shutdown()
+        self.server.server_close()
+
+
+_shared: Endpoint | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_endpoint() -> Endpoint:
+    """This process's endpoint, started by its first agent program."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = Endpoint()
+        return _shared
+
+
+# -- the HTTP side ------------------------------------------------------------------------------
+def _handler_for(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
+    class Handler(_Handler):
+        pass
+
+    Handler.endpoint = endpoint
+    return Handler
+
+
+class _Handler(BaseHTTPRequestHandler):
+    endpoint: Endpoint
+    protocol_version = "HTTP/1.1"
+    server_version = "flowkit-agents"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
+        log.debug("endpoint: " + format, *args)
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        try:
+            self._session()
+            if self.path.rstrip("/") != "/v1/models":
+                raise RequestError(404, "not_found", f"no {self.path}: this endpoint serves "
+                                   "POST /v1/chat/completions and GET /v1/models")
+            self._send(200, {"object": "list", "data": [
+                {"id": "flowkit", "object": "model", "created": 0, "owned_by": "flowkit"}]})
+        except RequestError as error:
+            self._send(error.status, _error_body(error.code, str(error)))
+
+    def do_POST(self) -> None:  # noqa: N802
+        try:
+            session = self._session()
+            if self.path.rstrip("/") != "/v1/chat/completions":
+                raise RequestError(404, "not_found", f"no {self.path}: this endpoint serves "
+                                   "POST /v1/chat/completions and GET /v1/models")
+            call = _Call(body=_checked_request(self._body()))
+            session.offer(call)
+        except RequestError as error:
+            self._send(error.status, _error_body(error.code, str(error)))
+            return
+        call.done.wait()  # answered by the engine's turn, or by the trajectory's end
+        self._send(call.status, call.reply)
+
+    def _session(self) -> _Session:
+        auth = self.headers.get("Authorization", "")
+        key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
+        session = self.endpoint.session_of(key) if key else None
+        if session is None:
+            raise RequestError(401, "invalid_api_key", "the API key is no trajectory's in "
+                               "flight here: each trajectory's program gets its own "
+                               "(task.api_key), valid until the trajectory ends")
+        return session
+
+    def _body(self) -> dict:
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            raise RequestError(411, "length_required", "a request needs its Content-Length") \
+                from None
+        if not 0 <= length <= MAX_BODY_BYTES:
+            self.close_connection = True  # its body is left unread
+            raise RequestError(413, "request_too_large", f"a request's body is at most "
+                               f"{MAX_BODY_BYTES} bytes, this one has {length}")
+        raw = self.rfile.read(length)
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as error:
+            raise RequestError(400, "invalid_json", f"the body is not JSON: {error}") from None
+        if not isinstance(body, dict):
+            raise RequestError(400, "invalid_request", "the body must be a JSON object")
+        return body
+
+    def _send(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def _checked_request(body: dict) -> dict:
+    """The request's messages and tools, checked for what the engine relies on."""
+    if body.get("stream"):
+        raise RequestError(400, "unsupported", "stream=true is not served: ask without it")
+    if body.get("n", 1) != 1:
+        raise RequestError(400, "unsupported", "n must be 1: a trajectory is one sample (the "
+                           "flow's n samples are n trajectories, each its own program)")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
+        raise RequestError(400, "invalid_messages", f"messages must be a list of 1 to "
+                           f"{MAX_MESSAGES} chat messages")
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, dict) for t in tools)):
+        raise RequestError(400, "invalid_tools", "tools must be a list of tool objects")
+    return {"messages": [_message(m, k) for k, m in enumerate(messages)], "tools": tools or None,
+            "model": str(body.get("model", "flowkit"))[:200]}
+
+
+def _message(message: Any, index: int) -> dict:
+    """A message as the template and the history check read it: role, text content, and the
+    assistant's tool calls or a tool result's id."""
+    where = f"messages[{index}]"
+    if not isinstance(message, dict) or message.get("role") not in _ROLES:
+        raise RequestError(400, "invalid_messages", f"{where} must be an object whose role is "
+                           f"one of {', '.join(_ROLES)}")
+    content = message.get("content")
+    if isinstance(content, list):  # text parts
+        if not all(isinstance(p, dict) and p.get("type") == "text"
+                   and isinstance(p.get("text"), str) for p in content):
+            raise RequestError(400, "invalid_messages", f"{where}: only text content parts "
+                               "are served")
+        content = "".join(p["text"] for p in content)
+    if content is not None and not isinstance(content, str):
+        raise RequestError(400, "invalid_messages", f"{where}.content must be a string")
+    out: dict[str, Any] = {"role": message["role"], "content": content or ""}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls") for c in message["tool_calls"]]
+    for key in ("tool_call_id", "name"):
+        if isinstance(message.get(key), str):
+            out[key] = message[key]
+    return out
+
+
+def _tool_call(call: Any, where: str) -> dict:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+        raise RequestError(400, "invalid_messages", f"{where}: each call needs a function "
+                           "with a name")
+    arguments = function.get("arguments", "{}")
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        raise RequestError(400, "invalid_messages", f"{where}: arguments are not JSON") \
+            from None
+    return {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+
+
+# -- the environment side -----------------------------------------------------------------------
+class ProgramEnvironment(Environment):
+    """One trajectory of an agent program: its requests are the model's turns, the messages
+    each adds are the environment's, its return is the end and the reward."""
+
+    def __init__(self, program: Callable[[Task], Any], endpoint: Endpoint, *, timeout_s: float,
+                 prompt: Any, sample: int) -> None:
+        self.program, self.endpoint = program, endpoint
+        self.timeout_s = float(timeout_s)
+        self.prompt, self.sample = prompt, int(sample)
+        self.session: _Session | None = None
+        self.history: list[dict] = []  # the conversation as the server has answered it
+        self.tools: list[dict] | None = None
+        self.turns = 0
+
+    def reset(self, prompt: str, answer: str | None = None) -> Conversation:
+        self.session = self.endpoint.open()
+        task = Task(prompt_id=int(self.prompt.prompt_id), sample=self.sample, prompt=prompt,
+                    messages=getattr(self.prompt, "messages", None), answer=answer,
+                    base_url=self.endpoint.base_url, api_key=self.session.key)
+        threading.Thread(target=self._run, args=(task,), daemon=True,
+                         name=f"flowkit-agent-{task.prompt_id}-{task.sample}").start()
+        kind, value = self._next()
+        if kind != "request":
+            raise RuntimeError("the agent program returned before its first request: a "
+                               "trajectory needs at least one model turn")
+        self.history, self.tools = list(value.body["messages"]), value.body["tools"]
+        return Conversation(messages=list(self.history), tools=self.tools)
+
+    def step(self, action: str) -> EnvStep:
+        assert self.session is not None and self.session.waiting is not None
+        self.turns += 1
+        message = self._assistant(action)
+        self.history.append(message)
+        with self.session.lock:
+            call, self.session.waiting = self.session.waiting, None
+        call.answer(200, self._completion(message, call.body["model"]))
+        kind, value = self._next()
+        if kind == "returned":
+            return EnvStep(reward=_reward(value), done=True)
+        new = self._added(value)
+        self.history.extend(new)
+        return EnvStep(observation=new)
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.endpoint.close(self.session)
+
+    def _run(self, task: Task) -> None:
+        try:
+            result = ("returned", self.program(task))
+        except BaseException as error:  # the program's failure ends its trajectory
+            result = ("raised", error)
+        assert self.session is not None
+        self.session.inbox.put(result)
+
+    def _next(self) -> tuple[str, Any]:
+        """The program's next request or its end; bounded (past the environment call's own
+        deadline, which reports it), so an abandoned call frees its thread."""
+        assert self.session is not None
+        try:
+            kind, value = self.session.inbox.get(timeout=self.timeout_s + 1.0)
+        except queue.Empty:
+            raise TimeoutError("the agent program sent no request within env_timeout_s") \
+                from None
+        if kind == "raised":
+            raise RuntimeError(f"the agent program raised {type(value).__name__}: "
+                               f"{str(value)[:200]}")
+        if kind == "closed":
+            raise RuntimeError("the trajectory ended")
+        return kind, value
+
+    def _added(self, call: _Call) -> list[dict]:
+        """The messages a request adds after the conversation so far, which it must repeat."""
+        messages, tools = call.body["messages"], call.body["tools"]
+        problem = None
+        if tools != self.tools:
+            problem = "its tools differ from the first request's"
+        elif messages[:len(self.history)] != self.history:
+            problem = next(f"messages[{k}] differs from the conversation so far (the "
+                           "assistant's answers as given, earlier messages unchanged)"
+                           for k, (a, b) in enumerate(zip(messages, self.history)) if a != b) \
+                if len(messages) >= len(self.history) else \
+                f"it has {len(messages)} messages, fewer than the {len(self.history)} so far"
+        elif len(messages) == len(self.history):
+            problem = "it adds no message after the assistant's answer"
+        if problem is not None:
+            error = RequestError(400, "history_rewritten", f"this request does not continue "
+                                 f"the trajectory: {problem}. flowkit never tokenizes a "
+                                 "conversation again, so a trajectory only grows")
+            with self.session.lock:  # type: ignore[union-attr]
+                self.session.waiting = None  # type: ignore[union-attr]
+            call.refuse(error)
+            raise ValueError(str(error))
+        return messages[len(self.history):]
+
+    def _assistant(self, text: str) -> dict:
+        """The turn as the assistant's message, its tool calls read when tools were given."""
+        if not self.tools:
+            return {"role": "assistant", "content": text}
+        content, calls = hermes_calls(text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [{"type": "function", "function": call} for call in calls]
+        return message
+
+    def _completion(self, message: dict, model: str) -> dict:
+        wire = {"role": "assistant", "content": message["content"] or None}
+        if "tool_calls" in message:
+            wire["tool_calls"] = [
+                {"id": f"call_{self.turns}_{k}", "type": "function",
+                 "function": {"name": c["function"]["name"],
+                              "arguments": json.dumps(c["function"]["arguments"])}}
+                for k, c in enumerate(message["tool_calls"])]
+        return {"id": f"chatcmpl-{self.prompt.prompt_id}-{self.sample}-{self.turns}",
+                "object": "chat.completion", "created": int(time.time()), "model": model,
+                "choices": [{"index": 0, "message": wire, "logprobs": None,
+                             "finish_reason": "tool_calls" if "tool_calls" in message
+                             else "stop"}]}
+
+
+def _reward(value: Any) -> float:
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"the agent program returned {type(value).__name__}, not a reward (a "
+                        "number, or None)")
+    return float(value)
