@@ -200,7 +200,8 @@ class Engine(Trajectories):
     @staticmethod
     def _prompt_of(rollout: Rollout) -> Prompt:
         return Prompt(prompt_id=rollout.prompt_id, tokens=list(rollout.prompt_tokens),
-                      answer=rollout.answer, text=rollout.prompt_text)
+                      answer=rollout.answer, text=rollout.prompt_text,
+                      messages=rollout.prompt_messages)
 
     def _sequence(self, *args: Any, **fields: Any) -> Sequence:
         return Sequence(*args, **fields)
@@ -385,7 +386,8 @@ class Engine(Trajectories):
             ep.close()
         trajectory = {} if ep is None else {
             "response_mask": seq.mask, "turns": ep.turns, "env_reward": ep.reward,
-            "env_error": ep.error, "env_info": {**ep.info, "env_seconds": ep.seconds}}
+            "env_error": ep.error, "env_info": {**ep.info, "env_seconds": ep.seconds},
+            "prompt_messages": getattr(seq.prompt, "messages", None)}
         rollout = Rollout(prompt_id=seq.prompt.prompt_id, sample=seq.sample,
                           prompt_tokens=list(seq.prompt.tokens), response_tokens=seq.tokens,
                           logprobs=seq.logprobs, versions=seq.versions, finished=finished,

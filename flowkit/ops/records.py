@@ -81,6 +81,9 @@ class Rollout:
     # the numbers its environment's last step reported (EnvStep.info: a tool environment's
     # tool_calls, ...) and env_seconds, its time in environment calls
     env_info: dict[str, float] = attrs.field(factory=dict)
+    # a trajectory's prompt source messages (Prompt.messages), which an agent program starts
+    # from again if its trajectory restarts; None for single responses
+    prompt_messages: list[dict] | None = None
 
     @property
     def response_length(self) -> int:

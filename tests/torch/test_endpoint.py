@@ -278,3 +278,44 @@ def test_a_request_that_rewrites_the_history_ends_its_trajectory():
         env.close()
     finally:
         endpoint.shutdown()
+
+
+# -- trajectories cut by an abort (partial rollouts) ---------------------------------------------
+def _settings(qwen2) -> dict:
+    return {"model": "policy", "build": "executors.torch.models.hf:HFCausalLM",
+            "model_config": {"path": str(qwen2)}, "dtype": "float64", "seed": 0, "n": 4,
+            "max_new_tokens": 5, "temperature": 1.0, "sample_seed": 1, "max_turns": 4,
+            "program": f"{__name__}:feedback_program"}
+
+
+def test_an_aborted_programs_trajectory_goes_on_here_or_starts_again_elsewhere(qwen2):
+    """[Note: parked trajectories in executors/torch/trajectories.py]: on the engine that cut
+    it, a program's trajectory continues (its program still waiting for its answer) and ends
+    as the uninterrupted one; on another, it starts again from its prompt, its program given
+    the prompt's messages again."""
+    whole = {(r.prompt_id, r.sample): r for r in _rollouts(qwen2, **{
+        k: v for k, v in _settings(qwen2).items() if k in ("program", "max_turns")})}
+    prompts = [_prompt(load_tokenizer(str(qwen2)))]
+    ctx = op_context()
+    first: list = []
+    result = gen._generate(ctx, prompts, **_settings(qwen2))
+    result.bind(type("Sink", (), {"emit": lambda s, r: first.append(r),
+                                  "done": lambda s, r: None, "fail": lambda s, e: None})())
+    engine = next(iter(ctx.background.values()))
+    deadline = time.monotonic() + 20
+    while not any(s is not None and s.episode.turns >= 2 for s in engine.slots) \
+            and time.monotonic() < deadline:  # some trajectories into their second turn
+        engine.step()
+    engine.abort()
+    cut = [r for r in first if r.interrupted]
+    assert cut and all(r.prompt_messages == QUESTION for r in cut)
+    here = run_until_done(ctx.background, gen._generate(ctx, cut, **_settings(qwen2)))
+    for r in here:
+        want = whole[(r.prompt_id, r.sample)]
+        assert (r.response_tokens, r.response_mask, r.turns) == \
+            (want.response_tokens, want.response_mask, want.turns)
+    elsewhere = op_context("exec1")
+    again = run_until_done(elsewhere.background, gen._generate(elsewhere, cut,
+                                                               **_settings(qwen2)))
+    assert all(r.finished and r.turns == 3 and r.env_error is None for r in again)
+    assert {(r.prompt_id, r.sample) for r in again} == {(r.prompt_id, r.sample) for r in cut}
