@@ -25,8 +25,12 @@ def layer_flops(*, seq: int, micro_batch: int, hidden: int) -> tuple[float, floa
             float(sbh * 24 * hidden))
 
 
-def layer_memory(*, seq: int, micro_batch: int, hidden: int, heads: int) -> tuple[float, float]:
-    """(M_B, M_W): one layer's activations of one microbatch, and the part W needs after B."""
+def layer_memory(*, seq: int, micro_batch: int, hidden: int, heads: int,
+                 attention_scores: bool = True) -> tuple[float, float]:
+    """(M_B, M_W): one layer's activations of one microbatch in bytes (16-bit), and the part W
+    needs after B. `attention_scores` False leaves out the 5as² of the softmax's scores and
+    their dropout mask, which a fused (flash) attention never stores: M_B = 34sbh."""
     _positive(seq=seq, micro_batch=micro_batch, hidden=hidden, heads=heads)
     sb = seq * micro_batch
-    return float(sb * (34 * hidden + 5 * heads * seq)), float(32 * sb * hidden)
+    scores = 5 * heads * seq if attention_scores else 0
+    return float(sb * (34 * hidden + scores)), float(32 * sb * hidden)

@@ -63,6 +63,7 @@ def schedule_from_json(data: Mapping[str, Any]) -> LoadedSchedule:
     return LoadedSchedule(
         schedule=schedule,
         costs=Costs(F=_field(costs, "F"), B=_field(costs, "B"), W=_field(costs, "W"),
-                    comm=costs.get("comm", 0.0), per_op=costs.get("per_op", 0.0)),
+                    comm=costs.get("comm", 0.0), per_op=costs.get("per_op", 0.0),
+                    copy=costs.get("copy", ())),
         memory=MemoryModel(**{k: float(memory[k]) for k in ("F", "B", "W", "BW") if k in memory}),
         memory_limit=None if limit is None else float(limit), result=data.get("result", {}))

@@ -90,7 +90,8 @@ def _axes(schedule: Schedule, end: float, scale: float) -> list[str]:
 
 
 def _legend(schedule: Schedule, y: float) -> list[str]:
-    kinds = [k for k in Kind if any(a.kind is k for ops in schedule.device_ops for a in ops)]
+    kinds = [k for k in Kind if not k.is_copy
+             and any(a.kind is k for ops in schedule.device_ops for a in ops)]
     out, x = [], _LEFT
     for k in kinds:
         out.append(f'<rect x="{x}" y="{y}" width="14" height="14" fill="{COLOURS[k]}"/>')
@@ -170,7 +171,8 @@ def png_figure(schedule: Schedule, result: SimResult):
     ax.set_axisbelow(True)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
-    kinds = [k for k in Kind if any(a.kind is k for ops in schedule.device_ops for a in ops)]
+    kinds = [k for k in Kind if not k.is_copy
+             and any(a.kind is k for ops in schedule.device_ops for a in ops)]
     handles = [Patch(facecolor=COLOURS[k], label=_NAMES[k]) for k in kinds]
     if placement.chunks > 1:
         handles.append(Patch(facecolor="none", edgecolor="none",

@@ -27,9 +27,16 @@ class Kind(str, enum.Enum):
     B = "B"  # backward for the inputs only; stashes what W needs
     W = "W"  # backward for the weights, from what B stashed
     BW = "BW"  # B and W fused into one full backward
+    # copies on the device's copy engines, never its compute [Note: offload]
+    O = "O"  # noqa: E741 - offload: F's stashed activations to host memory
+    P = "P"  # prefetch: them back to the device, before the B (or BW)
 
     def __str__(self) -> str:
         return self.value
+
+    @property
+    def is_copy(self) -> bool:
+        return self is Kind.O or self is Kind.P
 
 
 ActionKey = tuple[int, str, int]
@@ -43,7 +50,7 @@ def action_key(stage: int, kind: Kind | None, microbatch: int) -> ActionKey:
     return (stage, "B" if backward else kind.value, microbatch)
 
 
-_ACTION_TEXT = re.compile(r"^\s*(\d+)(BW|F|B|W)(\d+)\s*$")
+_ACTION_TEXT = re.compile(r"^\s*(\d+)(BW|F|B|W|O|P)(\d+)\s*$")
 
 
 @attrs.frozen(order=True)
@@ -69,7 +76,7 @@ class Action:
         if match is None:
             raise ValueError(
                 f"cannot parse action {text!r}: expected {{stage}}{{kind}}{{microbatch}} "
-                "with kind one of F, B, W, BW, e.g. '2F0' or '3BW7'")
+                "with kind one of F, B, W, BW, O, P, e.g. '2F0' or '3BW7'")
         stage, kind, microbatch = match.groups()
         return cls(int(stage), Kind(kind), int(microbatch))
 
@@ -163,12 +170,19 @@ class Costs:
     # processes; the simulator adds it to each op, a fused BW included once.
     per_op: float = attrs.field(default=0.0, converter=float,
                                 validator=[_finite, attrs.validators.ge(0.0)])
+    # Time of one offload or prefetch copy of a microbatch's stash per stage (empty: copies
+    # take no time): bytes over the host link's bandwidth [Note: offload].
+    copy: tuple[float, ...] = attrs.field(default=(), converter=_as_float_tuple,
+                                          validator=_nonnegative)
 
     def __attrs_post_init__(self) -> None:
         if not (len(self.F) == len(self.B) == len(self.W)) or not self.F:
             raise ValueError(
                 f"F, B and W need one cost per stage each, got {len(self.F)}, {len(self.B)}, "
                 f"{len(self.W)}")
+        if self.copy and len(self.copy) != len(self.F):
+            raise ValueError(f"copy needs one cost per stage or none, got {len(self.copy)} for "
+                             f"{len(self.F)} stages")
 
     @property
     def num_stages(self) -> int:
@@ -176,24 +190,46 @@ class Costs:
 
     @classmethod
     def uniform(cls, stages: int, *, F: float = 1.0, B: float = 1.0, W: float = 1.0,
-                comm: float = 0.0) -> Costs:
-        return cls(F=[F] * stages, B=[B] * stages, W=[W] * stages, comm=comm)
+                comm: float = 0.0, copy: float | None = None) -> Costs:
+        return cls(F=[F] * stages, B=[B] * stages, W=[W] * stages, comm=comm,
+                   copy=[copy] * stages if copy is not None else ())
 
     @classmethod
     def from_dims(cls, *, layers_per_stage: Sequence[int], seq: int, micro_batch: int, hidden: int,
-                  flops_per_s: float = 1.0, comm: float = 0.0) -> Costs:
+                  flops_per_s: float = 1.0, comm: float = 0.0, heads: int | None = None,
+                  host_bytes_per_s: float | None = None,
+                  attention_scores: bool = True) -> Costs:
         """Costs from the paper's Table 1 FLOPs (`flowkit.planner.dims`), one entry per stage
         of `layers_per_stage` layers (the last may carry more: the LM head). `flops_per_s` turns
-        FLOPs into time; the default 1 leaves them in FLOPs, which is enough without `comm`."""
+        FLOPs into time; the default 1 leaves them in FLOPs, which is enough without `comm`.
+        With `heads` and `host_bytes_per_s` (a host link's bandwidth, same time unit), `copy`
+        is a stage's activation bytes (Table 1's M_B per layer; without the attention
+        scores where `attention_scores` is False, as a flash attention stores) over that
+        bandwidth."""
         if not math.isfinite(flops_per_s) or flops_per_s <= 0:
             raise ValueError(f"flops_per_s must be a positive number, got {flops_per_s!r}")
         f, b, w = layer_flops(seq=seq, micro_batch=micro_batch, hidden=hidden)
         times = [n / flops_per_s for n in layers_per_stage]
+        copy: list[float] = []
+        if host_bytes_per_s is not None:
+            if heads is None or not math.isfinite(host_bytes_per_s) or host_bytes_per_s <= 0:
+                raise ValueError("copy times need heads and a positive host_bytes_per_s, got "
+                                 f"heads={heads!r}, host_bytes_per_s={host_bytes_per_s!r}")
+            m_b, _ = layer_memory(seq=seq, micro_batch=micro_batch, hidden=hidden, heads=heads,
+                                  attention_scores=attention_scores)
+            copy = [n * m_b / host_bytes_per_s for n in layers_per_stage]
         return cls(F=[f * t for t in times], B=[b * t for t in times], W=[w * t for t in times],
-                   comm=comm)
+                   comm=comm, copy=copy)
 
     def of(self, action: Action) -> float:
+        if action.kind.is_copy:  # the copy engine's time; no executor dispatch [Note: offload]
+            return self.copy_of(action.stage)
         return self.per_op + self._work(action)
+
+    def copy_of(self, stage: int) -> float:
+        """Time to move one microbatch's stashed activations of `stage` between device and host
+        memory, one way (0 where `copy` is not given)."""
+        return self.copy[stage] if self.copy else 0.0
 
     def _work(self, action: Action) -> float:
         s = action.stage
@@ -213,15 +249,19 @@ class Costs:
                 f"{placement.num_devices} devices")
         v = placement.chunks
         d = placement.stage_to_device
-        return Costs(F=[self.F[d[s]] / v for s in range(placement.num_stages)],
-                     B=[self.B[d[s]] / v for s in range(placement.num_stages)],
-                     W=[self.W[d[s]] / v for s in range(placement.num_stages)],
-                     comm=self.comm, per_op=self.per_op)
+        stages = range(placement.num_stages)
+        return Costs(F=[self.F[d[s]] / v for s in stages],
+                     B=[self.B[d[s]] / v for s in stages],
+                     W=[self.W[d[s]] / v for s in stages],
+                     comm=self.comm, per_op=self.per_op,
+                     copy=[self.copy[d[s]] / v for s in stages] if self.copy else ())
 
     def to_json(self) -> dict:
         out = {"F": list(self.F), "B": list(self.B), "W": list(self.W), "comm": self.comm}
         if self.per_op:
             out["per_op"] = self.per_op
+        if self.copy:
+            out["copy"] = list(self.copy)
         return out
 
 
@@ -245,7 +285,16 @@ class MemoryModel:
         return cls(F=1.0, B=-(1.0 - kept), W=-kept, BW=-1.0)
 
     def delta(self, action: Action, chunks: int = 1) -> float:
+        """What the op adds when it runs; a copy's effect depends on its timing, so it is 0
+        here and `offloaded` says what it moves [Note: offload]."""
+        if action.kind.is_copy:
+            return 0.0
         return getattr(self, action.kind.value) / chunks
+
+    def offloaded(self, chunks: int = 1) -> float:
+        """What an offload takes off the device until its prefetch starts: all that the F
+        added (B, W and BW free it later, on the device)."""
+        return max(0.0, self.F) / chunks
 
     def to_json(self) -> dict:
         return {"F": self.F, "B": self.B, "W": self.W, "BW": self.BW}

@@ -12,11 +12,16 @@ ends run on different devices (never for W, never within a device); comm does no
 device. A device's span runs from its first op's start to its last op's end, and the bubble rate
 is (max span - busiest device's busy time) / max span: the Zero Bubble paper's definition, with
 which these rules reproduce its Table 5 (tests/planner/test_paper_table5.py).
+
+Offload (O) and prefetch (P) actions run on the device's copy engines, beside its compute, and
+a B or BW of an offloaded microbatch waits for its prefetch [Note: offload in
+flowkit/planner/offload.py]; they are not ops of the device's span or busy time.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 
 import attrs
 
@@ -31,7 +36,7 @@ from flowkit.planner.ir import (
     bubble_rate,
 )
 
-__all__ = ["ScheduleError", "SimResult", "Interval", "dependencies", "simulate"]
+__all__ = ["ScheduleError", "SimResult", "Interval", "dependencies", "memory_levels", "simulate"]
 
 
 class ScheduleError(ValueError):
@@ -63,6 +68,8 @@ class SimResult:
     busy: tuple[float, ...]  # total op time per device
     bubble_rate: float
     peak_memory: tuple[float, ...]
+    # per device, its O and P copies in the order listed [Note: offload]; empty without
+    copies: tuple[tuple[Interval, ...], ...] = ()
 
     def to_json(self) -> dict:
         return {"makespan": self.makespan, "device_span": list(self.device_span),
@@ -70,10 +77,15 @@ class SimResult:
 
 
 def dependencies(action: Action, num_stages: int) -> list[tuple[int, Kind | None, int]]:
-    """(stage, kind, microbatch) this action waits for; kind None means "B or BW"."""
+    """(stage, kind, microbatch) this action waits for; kind None means "B or BW". A B or BW
+    of an offloaded microbatch also waits for its P, which `simulate` adds [Note: offload]."""
     s, mb = action.stage, action.microbatch
     if action.kind is Kind.F:
         return [(s - 1, Kind.F, mb)] if s > 0 else []
+    if action.kind is Kind.O:
+        return [(s, Kind.F, mb)]
+    if action.kind is Kind.P:
+        return [(s, Kind.O, mb)]
     if action.kind is Kind.W:
         return [(s, None, mb)]
     if s == num_stages - 1:
@@ -90,21 +102,31 @@ def simulate(schedule: Schedule, costs: Costs, memory: MemoryModel | None = None
             f"costs cover {costs.num_stages} stages but schedule {schedule.kind!r} has "
             f"{placement.num_stages}")
     _check_actions_placed(schedule)
+    offloaded = {(a.stage, a.microbatch) for ops in schedule.device_ops for a in ops
+                 if a.kind is Kind.O}
     ends: dict[ActionKey, float] = {}
     done_on: dict[ActionKey, int] = {}
     waiting: dict[ActionKey, list[int]] = defaultdict(list)
     cursor = [0] * schedule.num_devices
     free_at = [0.0] * schedule.num_devices
+    # the last compute op's start (when the next copies are issued) and each copy engine's end
+    issued = [0.0] * schedule.num_devices
+    engine: dict[tuple[int, Kind], float] = defaultdict(float)
     out: list[list[Interval]] = [[] for _ in range(schedule.num_devices)]
+    copies: list[list[Interval]] = [[] for _ in range(schedule.num_devices)]
     ready = list(range(schedule.num_devices))
     while ready:
         device = ready.pop()
         ops = schedule.device_ops[device]
         while cursor[device] < len(ops):
             action = ops[cursor[device]]
-            start = free_at[device]
+            copy = action.kind.is_copy
+            start = max(issued[device], engine[device, action.kind]) if copy else free_at[device]
+            deps = dependencies(action, placement.num_stages)
+            if action.kind in (Kind.B, Kind.BW) and (action.stage, action.microbatch) in offloaded:
+                deps.append((action.stage, Kind.P, action.microbatch))
             blocked = None
-            for stage, kind, mb in dependencies(action, placement.num_stages):
+            for stage, kind, mb in deps:
                 key = action_key(stage, kind, mb)
                 if key not in ends:
                     blocked = key
@@ -121,8 +143,12 @@ def simulate(schedule: Schedule, costs: Costs, memory: MemoryModel | None = None
                     f"{action} runs twice: its (stage, kind, microbatch) was already scheduled",
                     schedule=schedule, marked=[action])
             ends[key], done_on[key] = end, device
-            free_at[device] = end
-            out[device].append(Interval(action, start, end))
+            if copy:
+                engine[device, action.kind] = end
+                copies[device].append(Interval(action, start, end))
+            else:
+                free_at[device], issued[device] = end, start
+                out[device].append(Interval(action, start, end))
             cursor[device] += 1
             ready.extend(waiting.pop(key, ()))
     stuck = [ops[cursor[d]] for d, ops in enumerate(schedule.device_ops) if cursor[d] < len(ops)]
@@ -131,7 +157,7 @@ def simulate(schedule: Schedule, costs: Costs, memory: MemoryModel | None = None
             "deadlock: no device can run its next action: "
             + ", ".join(f"device {placement.device_of(a.stage)} waits at {a}" for a in stuck),
             schedule=schedule, marked=stuck)
-    return _summarize(schedule, out, memory)
+    return _summarize(schedule, out, copies, memory)
 
 
 def _check_actions_placed(schedule: Schedule) -> None:
@@ -152,18 +178,48 @@ def _check_actions_placed(schedule: Schedule) -> None:
             raise ScheduleError(problem, schedule=schedule, marked=[action])
 
 
-def _summarize(schedule: Schedule, out: list[list[Interval]], memory: MemoryModel) -> SimResult:
-    chunks = schedule.placement.chunks
-    spans, busy, peaks = [], [], []
-    for intervals in out:
-        spans.append(intervals[-1].end - intervals[0].start if intervals else 0.0)
-        busy.append(sum(iv.end - iv.start for iv in intervals))
-        level = peak = 0.0
+def memory_levels(intervals: Sequence[Interval], copies: Sequence[Interval],
+                  memory: MemoryModel, chunks: int) -> list[tuple[float, Action]]:
+    """A device's activation memory after each change, with the action that made it. Compute
+    ops change it in their order (what the memory model counts: an addition at the op's start,
+    a release at its end, which comes to the same on one device); an offload takes the F's
+    share off when its copy ends and a prefetch puts it back when its copy starts
+    [Note: offload]. At equal times releases come first: memory freed at t is free for an
+    op that starts at t."""
+    if not copies:  # the common case: running sums in order
+        level, out = 0.0, []
         for iv in intervals:
             level += memory.delta(iv.action, chunks)
-            peak = max(peak, level)
-        peaks.append(peak)
+            out.append((level, iv.action))
+        return out
+    moved = memory.offloaded(chunks)
+    events = []
+    for iv in intervals:
+        delta = memory.delta(iv.action, chunks)
+        events.append((iv.start if delta > 0 else iv.end, delta > 0, delta, iv.action))
+    for iv in copies:
+        if iv.action.kind is Kind.O:
+            events.append((iv.end, False, -moved, iv.action))
+        else:
+            events.append((iv.start, True, moved, iv.action))
+    level, out = 0.0, []
+    for _, _, delta, action in sorted(events, key=lambda e: (e[0], e[1])):
+        level += delta
+        out.append((level, action))
+    return out
+
+
+def _summarize(schedule: Schedule, out: list[list[Interval]], copies: list[list[Interval]],
+               memory: MemoryModel) -> SimResult:
+    chunks = schedule.placement.chunks
+    spans, busy, peaks = [], [], []
+    for device, intervals in enumerate(out):
+        spans.append(intervals[-1].end - intervals[0].start if intervals else 0.0)
+        busy.append(sum(iv.end - iv.start for iv in intervals))
+        levels = memory_levels(intervals, copies[device] if copies else (), memory, chunks)
+        peaks.append(max([0.0] + [level for level, _ in levels]))
     return SimResult(intervals=tuple(tuple(iv) for iv in out),
                      makespan=max((ivs[-1].end for ivs in out if ivs), default=0.0),
                      device_span=tuple(spans), busy=tuple(busy),
-                     bubble_rate=bubble_rate(spans, busy), peak_memory=tuple(peaks))
+                     bubble_rate=bubble_rate(spans, busy), peak_memory=tuple(peaks),
+                     copies=tuple(tuple(c) for c in copies))

@@ -8,7 +8,7 @@ from collections import defaultdict
 from collections.abc import Collection, Iterable
 
 from flowkit.planner.ir import Action, Costs, Kind, MemoryModel, Schedule
-from flowkit.planner.simulate import ScheduleError, SimResult, simulate
+from flowkit.planner.simulate import ScheduleError, SimResult, memory_levels, simulate
 
 __all__ = ["render_grid", "validate"]
 
@@ -109,6 +109,43 @@ def _completeness_problems(schedule: Schedule) -> tuple[list[str], list[Action]]
     return problems, marked
 
 
+def _copy_problems(schedule: Schedule) -> tuple[list[str], list[Action]]:
+    """An offload needs its prefetch and the reverse, and on its device the order F, O, P, then
+    the backward (B or BW): a backward listed before its prefetch would read activations that
+    are still in host memory [Note: offload in flowkit/planner/offload.py]."""
+    problems: list[str] = []
+    marked: list[Action] = []
+    for device, ops in enumerate(schedule.device_ops):
+        where = {(a.stage, a.kind, a.microbatch): i for i, a in enumerate(ops)}
+        for i, action in enumerate(ops):
+            if not action.kind.is_copy:
+                continue
+            s, mb = action.stage, action.microbatch
+            if action.kind is Kind.O:
+                pairs = [(Kind.F, "F", False), (Kind.P, "P to bring them back", True)]
+            else:
+                pairs = [(Kind.O, "O", False)]
+            for kind, what, after in pairs:
+                j = where.get((s, kind, mb))
+                if j is None:
+                    problems.append(f"{action} on device {device} has no {what}")
+                    marked.append(action)
+                elif (j < i) == after:
+                    side = "after" if after else "before"
+                    problems.append(f"{action} needs {Action(s, kind, mb)} listed {side} it "
+                                    f"on device {device}")
+                    marked += [action, Action(s, kind, mb)]
+            if action.kind is Kind.P:
+                for kind in (Kind.B, Kind.BW):
+                    j = where.get((s, kind, mb))
+                    if j is not None and j < i:
+                        back = Action(s, kind, mb)
+                        problems.append(f"{back} runs before its prefetch {action} on device "
+                                        f"{device}: its activations are still in host memory")
+                        marked += [back, action]
+    return problems, marked
+
+
 def _missing(kinds: list[Kind]) -> str:
     have = set(kinds)
     if not have:
@@ -131,14 +168,13 @@ def _memory_problems(schedule: Schedule, result: SimResult, memory: MemoryModel,
     problems, marked = [], []
     chunks = schedule.placement.chunks
     for device, intervals in enumerate(result.intervals):
-        level = 0.0
-        for iv in intervals:
-            level += memory.delta(iv.action, chunks)
+        copies = result.copies[device] if result.copies else ()
+        for level, action in memory_levels(intervals, copies, memory, chunks):
             if level > limit + 1e-9:
                 peak = result.peak_memory[device]
                 problems.append(f"device {device} peaks at {peak:g} > memory limit {limit:g} "
-                                f"(first over after {iv.action})")
-                marked.append(iv.action)
+                                f"(first over after {action})")
+                marked.append(action)
                 break
     return problems, marked
 
@@ -153,6 +189,8 @@ def validate(schedule: Schedule, costs: Costs, memory: MemoryModel | None = None
     problems, marked = _placement_problems(schedule)
     if not problems:
         problems, marked = _completeness_problems(schedule)
+        copy_problems, copy_marked = _copy_problems(schedule)
+        problems, marked = problems + copy_problems, marked + copy_marked
     if problems:
         raise _fail(schedule, problems, marked)
     try:
