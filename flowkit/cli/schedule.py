@@ -6,13 +6,15 @@ import json
 import math
 from pathlib import Path
 
+import attrs
 import click
 from rich.console import Console
 from rich.table import Table
 
 from flowkit.cli._files import writing
-from flowkit.planner import Costs, MemoryModel, Schedule, ScheduleError, SimResult
+from flowkit.planner import Costs, Kind, MemoryModel, Schedule, ScheduleError, SimResult
 from flowkit.planner.export import schedule_to_json
+from flowkit.planner.offload import best_with_offload, offload_schedule
 from flowkit.planner.schedules import build_schedule, get_spec, schedule_kinds
 from flowkit.planner.validate import validate
 
@@ -219,6 +221,15 @@ def _check_output(ctx: click.Context, param: click.Parameter, value: Path | None
               help="Data parallel: the all-reduce of one device share's gradients over the "
               "replicas, in cost units; shows where each device's runs after its last op and "
               "what of it the schedule hides.")
+@click.option("--offload", type=click.Choice(["none", "half", "all", "auto"]), default="none",
+              show_default=True,
+              help="Offload stashed activations to host memory between F and B (PipeOffload): "
+              "half or all of those that can be; auto picks none, half or all, and the "
+              "schedule they let fit, under --memory-limit. Prints the run with and without.")
+@click.option("--copy", "copy_time", type=_FiniteFloat(min=0), default=0.0, show_default=True,
+              metavar="TIME",
+              help="Time to copy one microbatch's activations of one device share between "
+              "device and host, one way (activation bytes over the host link's bandwidth).")
 @click.option("--execute", type=click.IntRange(min=1), default=None, metavar="N",
               help="Also run the schedule on N simulator executor processes (N = devices) and "
               "print measured against simulated makespan and bubble rate.")
@@ -226,18 +237,22 @@ def _check_output(ctx: click.Context, param: click.Parameter, value: Path | None
               show_default=True,
               help="Seconds one cost unit takes on the simulator executors (with --execute).")
 def schedule(kind, devices, microbatches, cost_text, comm, memory_limit, mem_text, dims_text,
-             chunks, json_out, plot, allreduce, execute, unit_s) -> None:
+             chunks, json_out, plot, allreduce, offload, copy_time, execute, unit_s) -> None:
     """Build, validate and simulate a pipeline schedule (or `compare` all kinds)."""
     if mem_text is not None and dims_text is not None:
         raise click.UsageError("give --mem or --model-dims, not both")
-    build_kwargs = dict(devices=devices, microbatches=microbatches,
-                        costs=parse_costs(cost_text, devices=devices, comm=comm),
+    costs = parse_costs(cost_text, devices=devices, comm=comm)
+    if copy_time:
+        costs = attrs.evolve(costs, copy=[copy_time] * devices)
+    build_kwargs = dict(devices=devices, microbatches=microbatches, costs=costs,
                         memory=parse_model_dims(dims_text) if dims_text else
                         parse_memory(mem_text), memory_limit=memory_limit)
     console = Console()
     if not console.is_terminal:  # pipes and CliRunner: room for the compare table's reasons
         console.width = max(console.width, 120)
     if kind == "compare":
+        if offload != "none":
+            raise click.UsageError("--offload needs a single KIND, not compare")
         if json_out or plot:
             raise click.UsageError("--json and --plot need a single KIND, not compare")
         if execute or allreduce:
@@ -247,11 +262,58 @@ def schedule(kind, devices, microbatches, cost_text, comm, memory_limit, mem_tex
     if execute is not None and execute != devices:
         raise click.UsageError(f"--execute {execute}: the schedule has {devices} devices and "
                                f"runs one per executor; use --execute {devices}")
-    sched, stage_costs = _run_one(console, kind, chunks, build_kwargs, json_out, plot)
+    if offload == "auto" and memory_limit is None:
+        raise click.UsageError("--offload auto chooses under --memory-limit; give one")
+    if offload != "none" and (execute or allreduce):
+        raise click.UsageError("--execute and --allreduce run schedules without offload")
+    sched, stage_costs = _run_one(console, kind, chunks, build_kwargs, json_out, plot, offload)
     if allreduce:
         _reductions(console, sched, stage_costs, allreduce)
     if execute:
         _execute(console, sched, stage_costs, unit_s)
+
+
+def _offloaded(kind: str, chunks: int | None, build_kwargs: dict,
+               offload: str) -> tuple[Schedule, Schedule]:
+    """The schedule with offload, and the one without it to compare: for half and all the kind
+    built without a memory limit (the copies make the room; the limit is checked after), for
+    auto the choice of `best_with_offload` and the kind built at the limit without copies,
+    where one fits (else the unlimited build, shown over the limit)."""
+    limit = build_kwargs["memory_limit"]
+    kwargs = {**build_kwargs, "memory_limit": None}
+    if offload != "auto":
+        plain = build_schedule(kind, chunks=chunks, **kwargs)
+        costs = build_kwargs["costs"].for_placement(plain.placement)
+        return offload_schedule(plain, costs, offload), plain
+    pick = best_with_offload(kind, chunks=chunks, **build_kwargs)
+    try:
+        plain = build_schedule(kind, chunks=chunks, **build_kwargs)
+    except ScheduleError:
+        plain = build_schedule(kind, chunks=chunks, **kwargs)
+    if pick.offload == "none" and limit is not None:
+        plain = pick.schedule
+    return pick.schedule, plain
+
+
+def _offload_table(sched: Schedule, result: SimResult, plain: Schedule, stage_costs: Costs,
+                   memory: MemoryModel) -> Table:
+    """The schedule with and without offload, side by side, from the same costs."""
+    base = validate(plain, stage_costs, memory)
+    copies = sum(a.kind is Kind.O for ops in sched.device_ops for a in ops)
+    forwards = sum(a.kind is Kind.F for ops in sched.device_ops for a in ops)
+    table = Table(title=f"offload: {copies} of {forwards} forwards' activations to host memory "
+                  f"and back", title_justify="left")
+    for column in ("", "schedule", "makespan", "bubble rate", "peak memory",
+                   "peak memory per device"):
+        table.add_column(column, justify="left" if column in ("", "schedule") else "right")
+    for name, s, r in (("without", plain, base), ("with", sched, result)):
+        table.add_row(name, s.kind, f"{r.makespan:.6g}", f"{r.bubble_rate:.4f}",
+                      f"{max(r.peak_memory):.4g}", " ".join(f"{x:.3g}" for x in r.peak_memory))
+    growth = result.makespan / base.makespan - 1 if base.makespan else 0.0
+    drop = 1 - max(result.peak_memory) / max(base.peak_memory) if max(base.peak_memory) else 0.0
+    table.caption = f"makespan {growth:+.2%}, peak memory {-drop:+.2%}"
+    table.caption_justify = "left"
+    return table
 
 
 def _reductions(console: Console, sched: Schedule, stage_costs: Costs, allreduce: float) -> None:
@@ -309,9 +371,14 @@ def _run_one(
     build_kwargs: dict,
     json_out: Path | None,
     plot: Path | None,
+    offload: str = "none",
 ) -> tuple[Schedule, Costs]:
     try:
-        sched = build_schedule(kind, chunks=chunks, **build_kwargs)
+        if offload == "none":
+            sched = build_schedule(kind, chunks=chunks, **build_kwargs)
+            plain = None
+        else:
+            sched, plain = _offloaded(kind, chunks, build_kwargs, offload)
         stage_costs = build_kwargs["costs"].for_placement(sched.placement)
         result = validate(sched, stage_costs, build_kwargs["memory"], build_kwargs["memory_limit"])
     except ScheduleError as err:  # a schedule that cannot run: exit 1 with the grid
@@ -320,6 +387,8 @@ def _run_one(
         raise click.UsageError(str(err)) from None
     console.print(_device_table(sched, result))
     console.print(_summary(result))
+    if plain is not None:
+        console.print(_offload_table(sched, result, plain, stage_costs, build_kwargs["memory"]))
     if json_out is not None:
         data = schedule_to_json(
             sched,

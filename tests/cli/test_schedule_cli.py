@@ -245,3 +245,33 @@ def test_allreduce_shows_where_each_devices_reduction_runs():
 def test_allreduce_needs_one_kind():
     result = _run("compare", "-p", "2", "-m", "4", "--allreduce", "1")
     assert result.exit_code == 2 and "need a single KIND" in result.output
+
+
+def test_offload_prints_the_schedule_with_and_without(tmp_path):
+    out = tmp_path / "zb-h2.json"
+    result = _run("zb-h2", "-p", "4", "-m", "8", "--offload", "all", "--copy", "0.25",
+                  "--json", str(out))
+    assert result.exit_code == 0, result.output
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:7]]
+            for line in result.output.splitlines() if line.startswith("│")}
+    assert rows["without"] == ["zb-h2", "27", "0.0000", "7", "7 6 5 4"]
+    assert rows["with"] == ["zb-h2", "27", "0.0000", "4", "3 3 4 4"]
+    assert "24 of 32 forwards' activations" in result.output
+    loaded = schedule_from_json(json.loads(out.read_text()))
+    assert "0O0" in loaded.schedule.text()[0] and loaded.costs.copy == (0.25,) * 4
+    assert max(simulate(loaded.schedule, loaded.costs).peak_memory) == 4
+
+
+def test_offload_auto_fits_a_shorter_schedule_under_the_limit():
+    result = _run("auto", "-p", "4", "-m", "8", "--cost", "F=18.522,B=18.086,W=9.337",
+                  "--comm", "0.601", "--copy", "6", "--memory-limit", "4", "--offload", "auto")
+    assert result.exit_code == 0, result.output
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:6]]
+            for line in result.output.splitlines() if line.startswith("│")}
+    assert rows["without"] == ["auto", "456.585", "0.1950", "4"]
+    assert rows["with"] == ["zb-h2", "424.968", "0.1351", "4"]
+
+
+def test_offload_auto_needs_a_memory_limit():
+    result = _run("auto", "-p", "4", "-m", "8", "--offload", "auto")
+    assert result.exit_code == 2 and "--memory-limit" in result.output
