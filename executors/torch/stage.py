@@ -35,6 +35,7 @@ from executors.torch.deferred import (
     edges_of,
     storages,
 )
+from executors.torch.offload import HostStash
 
 __all__ = ["StageError", "StageRunner"]
 
@@ -54,6 +55,7 @@ class _Microbatch:
     consumers: Consumers = attrs.field(factory=dict)
     consumer_grads: list[torch.Tensor | None] = attrs.field(factory=list)
     stashed_bytes: int = 0
+    host: HostStash | None = None  # its forward offloads [Note: offloaded stash]
 
 
 def _per_input(count: int, indices: list[int], grads: Any) -> tuple[torch.Tensor | None, ...]:
@@ -90,12 +92,16 @@ class StageRunner:
     the module returns a scalar loss and B takes no grad_outputs.
     """
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, *, track_memory: bool = False) -> None:
         self.module = module
         tensors = [*module.parameters(), *module.buffers()]
         self.device = tensors[0].device if tensors else torch.device("cpu")
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._mbs: dict[Hashable, _Microbatch] = {}
+        # the most `device_bytes` held after any op, when `track_memory` (it costs a walk over
+        # every held tensor per op)
+        self.track_memory = track_memory
+        self.peak_device_bytes = 0
 
     def reset(self) -> None:
         """Forget every microbatch in flight and the gradients gathered so far: a step that
@@ -106,27 +112,59 @@ class StageRunner:
             param.grad = None
 
     # -- public ops ---------------------------------------------------------------------------
-    def forward(self, mb: Hashable, *inputs: Any, split: bool = True) -> Any:
+    def forward(self, mb: Hashable, *inputs: Any, split: bool = True,
+                offload: bool = False) -> Any:
         """The stage's outputs; with `split` False its backward will be BW, one plain
-        backward pass [Note: a fused backward]."""
+        backward pass [Note: a fused backward]; with `offload` what it stashes goes to host
+        memory at once, until `prefetch(mb)` or its backward [Note: offloaded stash]."""
         if mb in self._mbs:
             raise StageError(
                 f"forward of microbatch {mb!r} ran twice: its state is still held (phase "
                 f"{self._mbs[mb].phase}); run its W or BW before reusing the id")
         leaves = tuple(_as_input(v, self.device) for v in inputs)
         recorder = Recorder(self._params) if split else contextlib.nullcontext()
-        saved = SavedBytes(self._params)
+        if offload:
+            stay = [*self.module.buffers(), *(v for v in leaves if isinstance(v, torch.Tensor))]
+            saved: SavedBytes | HostStash = HostStash(self.module.parameters(), stay,
+                                                      self.device)
+        else:
+            saved = SavedBytes(self._params)
         with torch.enable_grad(), recorder, saved:
             output = self.module(*leaves)
         outputs = _flatten(output)
-        self._mbs[mb] = _Microbatch(inputs=leaves, outputs=outputs,
-                                    calls=recorder.calls if split else [], saved=saved.saved,
-                                    split=split)
+        state = _Microbatch(inputs=leaves, outputs=outputs,
+                            calls=recorder.calls if split else [], saved=saved.saved,
+                            split=split)
+        self._mbs[mb] = state
+        if isinstance(saved, HostStash):
+            state.host = saved
+            saved.keep(o for o in outputs if isinstance(o, torch.Tensor))
+            saved.offload((call, name) for call in state.calls
+                          for name in ("x", "mean", "rstd") if hasattr(call, name))
+        self._noted()
         detached = tuple(_detached(o) for o in outputs)
         return detached if isinstance(output, (tuple, list)) else detached[0]
 
+    def prefetch(self, mb: Hashable) -> None:
+        """Start bringing microbatch `mb`'s offloaded activations back to the device (nothing
+        for one that did not offload, or is back already) [Note: offloaded stash]."""
+        state = self._mbs.get(mb)
+        if state is None:
+            raise StageError(f"prefetch for microbatch {mb!r}, which has no forward pending on "
+                             "this stage; run its forward first")
+        if state.host is not None:
+            state.host.prefetch()
+        self._noted()
+
+    def offloaded(self, mb: Hashable) -> bool:
+        """Microbatch `mb`'s activations are in host memory now."""
+        state = self._mbs.get(mb)
+        return state is not None and state.host is not None and state.host.offloaded
+
     def backward_input(self, mb: Hashable, *grad_outputs: Any) -> tuple[torch.Tensor | None, ...]:
         state = self._state(mb, "backward_input", expect="F")
+        if state.host is not None:
+            state.host.wait()
         roots, root_grads = self._roots(mb, state, grad_outputs)
         grad_idx = [i for i, v in enumerate(state.inputs) if _needs_grad(v)]
         consumers = self._consumers(roots, state)
@@ -149,6 +187,8 @@ class StageRunner:
         state.stashed_bytes = self._stash_bytes(state)
         grads = _per_input(len(state.inputs), grad_idx, got[:n_in])
         state.inputs = ()
+        state.host = None  # the graph is gone or kept for W: stashed_bytes counts what is left
+        self._noted()
         return grads
 
     def backward_weight(self, mb: Hashable) -> None:
@@ -160,6 +200,7 @@ class StageRunner:
                 accumulate(param, grad)
         self._consumer_weight_grads(state)
         del self._mbs[mb]
+        self._noted()
 
     def backward(self, mb: Hashable, *grad_outputs: Any) -> tuple[torch.Tensor | None, ...]:
         """The fused BW op: the same arithmetic as B followed by W, or after a forward that
@@ -169,6 +210,8 @@ class StageRunner:
             grads = self.backward_input(mb, *grad_outputs)
             self.backward_weight(mb)
             return grads
+        if state.host is not None:
+            state.host.wait()
         roots, root_grads = self._roots(mb, state, grad_outputs)
         grad_idx = [i for i, v in enumerate(state.inputs) if _needs_grad(v)]
         targets = [state.inputs[i] for i in grad_idx] + self._params
@@ -179,6 +222,7 @@ class StageRunner:
             if grad is not None:
                 accumulate(param, grad)
         del self._mbs[mb]
+        self._noted()
         return _per_input(len(state.inputs), grad_idx, got[:len(grad_idx)])
 
     # -- accounting ---------------------------------------------------------------------------
@@ -191,6 +235,27 @@ class StageRunner:
         """Bytes held for W of microbatch `mb` (0 before its B and after its W)."""
         state = self._mbs.get(mb)
         return state.stashed_bytes if state is not None else 0
+
+    @property
+    def device_bytes(self) -> int:
+        """Activation bytes the microbatches in flight hold on the device now: after F what
+        autograd saved, the deferred calls' tensors and the stage's inputs and outputs, less
+        what is offloaded to host memory [Note: offloaded stash]; after B what W needs."""
+        return sum(self._held_bytes(state) for state in self._mbs.values())
+
+    def _held_bytes(self, state: _Microbatch) -> int:
+        if state.phase == "B":
+            return state.stashed_bytes
+        held = dict(state.host.device_storages()) if state.host is not None else \
+            dict(state.saved)
+        tensors = [t for c in state.calls for t in c.held()]
+        tensors += [t for t in (*state.inputs, *state.outputs) if isinstance(t, torch.Tensor)]
+        held.update(storages([t for t in tensors if t is not None and t.device == self.device]))
+        return sum(held.values())
+
+    def _noted(self) -> None:
+        if self.track_memory:
+            self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
 
     @property
     def pending(self) -> dict[Hashable, str]:

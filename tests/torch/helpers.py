@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 import torch.nn as nn
@@ -192,8 +192,10 @@ class Driver:
     """Drives `runners` action by action; activations and gradients pass by hand between them,
     as the runtime's data plane would carry them."""
 
-    def __init__(self, runners: list[StageRunner], data, *, split: bool = True) -> None:
+    def __init__(self, runners: list[StageRunner], data, *, split: bool = True,
+                 offload: Collection[tuple[int, int]] = ()) -> None:
         self.runners, self.data, self.split = runners, data, split
+        self.offload = set(offload)  # (stage, microbatch) whose forward offloads
         self.acts: dict[tuple[int, int], object] = {(0, m): x for m, (x, _) in enumerate(data)}
         self.grads: dict[tuple[int, int], object] = {}
         self.loss = 0.0
@@ -203,13 +205,18 @@ class Driver:
         last = len(self.runners) - 1
         if a.kind == Kind.F:
             extra = (self.data[m][1],) if s == last else ()
-            out = runner.forward(m, self.acts.pop((s, m)), *extra, split=self.split)
+            out = runner.forward(m, self.acts.pop((s, m)), *extra, split=self.split,
+                                 offload=(s, m) in self.offload)
             if s == last:
                 self.loss += float(out)
             else:
                 self.acts[(s + 1, m)] = out
         elif a.kind == Kind.W:
             runner.backward_weight(m)
+        elif a.kind == Kind.P:
+            runner.prefetch(m)
+        elif a.kind == Kind.O:
+            assert runner.offloaded(m)  # its forward offloaded at once [Note: offloaded stash]
         else:
             upstream = () if s == last else (self.grads.pop((s, m)),)
             op = runner.backward if a.kind == Kind.BW else runner.backward_input
