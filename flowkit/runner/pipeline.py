@@ -125,6 +125,11 @@ class StreamedSchedule:
         if len(executors) != schedule.num_devices:
             raise ValueError(f"schedule {schedule.kind!r} needs {schedule.num_devices} "
                              f"executors, got {len(executors)}")
+        if any(a.kind.is_copy for ops in schedule.device_ops for a in ops):
+            raise ValueError(
+                f"schedule {schedule.kind!r} offloads activations (O and P actions): the "
+                "planner simulates it and StageRunner runs it, but the runtime does not carry "
+                "the copies to executors yet; run it without offload")
         self.ctl, self.executors = ctl, executors
         self.config_for, self.lane, self.meta = config_for, lane, meta or {}
         self.on_submit = on_submit

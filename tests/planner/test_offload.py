@@ -208,3 +208,13 @@ def test_offload_properties(case):
     assert list(zero_result.peak_memory) == pytest.approx(_away_peaks(plain, zero, free, memory))
     assert len(offloadable(plain)) >= sum(
         a.kind is Kind.O for ops in offloaded.device_ops for a in ops)
+
+
+def test_the_runtime_refuses_copies_it_cannot_carry_yet():
+    from flowkit.runner.pipeline import StreamedSchedule
+
+    costs = Costs.uniform(2, copy=0.5)
+    sched = offload_schedule(build_schedule("1f1b", devices=2, microbatches=4, costs=costs),
+                             costs, "all")
+    with pytest.raises(ValueError, match="does not carry the copies to executors yet"):
+        StreamedSchedule(None, sched, [None, None])
