@@ -236,11 +236,19 @@ def evaluation(steps: int, every: int, json_out: Path | None) -> None:
               help="Seconds each environment step takes.")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
               help="Times each way runs (medians).")
+@click.option("--programs", is_flag=True,
+              help="Instead: an agent program through the endpoint against the same "
+                   "environment in-process (the hf and agents extras).")
 @_json_option
-def agent(samples: int, turns: int, latency: float, repeats: int,
+def agent(samples: int, turns: int, latency: float, repeats: int, programs: bool,
           json_out: Path | None) -> None:
     """Multi-turn rollouts with a slow environment: the engine's overlap against one call at
-    a time, and keeping cache rows against prefilling again."""
+    a time, and keeping cache rows against prefilling again; with --programs, what the
+    OpenAI-compatible endpoint costs a turn."""
+    if programs:
+        _report(_bench_function("agent", "run_program_bench")(
+            samples=samples, turns=turns, repeats=repeats), json_out)
+        return
     _report(_bench_function("agent", "run_agent_bench")(
         samples=samples, turns=turns, latency=latency, repeats=repeats), json_out)
 

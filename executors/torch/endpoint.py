@@ -38,11 +38,11 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import secrets
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -114,14 +114,29 @@ def _error_body(code: str, message: str) -> dict:
 
 
 class _Session:
-    """One trajectory's side of the endpoint: its program's requests and its end, in order."""
+    """One trajectory's side of the endpoint: its program's requests and its end, each the
+    answer to what the engine expects next (`expect`), in order."""
 
     def __init__(self, key: str) -> None:
         self.key = key
-        self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.lock = threading.Lock()
         self.waiting: _Call | None = None  # a request the engine has not answered yet
         self.closed = False
+        self._expected: Future | None = None  # the engine's wait for the program's next event
+        self._early: list[tuple[str, Any]] = []  # events before the engine asked
+
+    def expect(self) -> Future:
+        """The program's next event (a request, its return, its failure), as a Future; asked
+        before the answer that lets the program go on."""
+        future: Future = Future()
+        with self.lock:
+            if self.closed:
+                future.set_exception(RuntimeError("the trajectory ended"))
+            elif self._early:
+                future.set_result(self._early.pop(0))
+            else:
+                self._expected = future
+        return future
 
     def offer(self, call: _Call) -> None:
         """A request from the program (the server's thread)."""
@@ -132,15 +147,34 @@ class _Session:
                 raise RequestError(409, "request_in_flight", "this trajectory is waiting for "
                                    "the answer to its previous request: one at a time")
             self.waiting = call
-        self.inbox.put(("request", call))
+        self.event("request", call)
+
+    def event(self, kind: str, value: Any) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            future, self._expected = self._expected, None
+            if future is None:
+                self._early.append((kind, value))
+        if future is not None:  # its callbacks run here, outside the lock
+            future.set_result((kind, value))
 
     def end(self) -> None:
         with self.lock:
             self.closed, waiting, self.waiting = True, self.waiting, None
+            future, self._expected = self._expected, None
         if waiting is not None:
             waiting.refuse(RequestError(409, ENDED, "this trajectory has ended (a budget cut it, "
                                         "or its environment call failed or timed out)"))
-        self.inbox.put(("closed", None))
+        if future is not None:
+            future.set_exception(RuntimeError("the trajectory ended"))
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    # every trajectory's program connects at about the same time: socketserver's backlog of 5
+    # would have the kernel reset the connections past it
+    request_queue_size = 1024
 
 
 class Endpoint:
@@ -149,8 +183,7 @@ class Endpoint:
     def __init__(self, host: str = "127.0.0.1") -> None:
         self.sessions: dict[str, _Session] = {}
         self._lock = threading.Lock()
-        self.server = ThreadingHTTPServer((host, 0), _handler_for(self))
-        self.server.daemon_threads = True
+        self.server = _Server((host, 0), _handler_for(self))
         self.thread = threading.Thread(target=self.server.serve_forever,
                                        name="flowkit-endpoint", daemon=True)
         self.thread.start()
@@ -208,6 +241,9 @@ class _Handler(BaseHTTPRequestHandler):
     endpoint: Endpoint
     protocol_version = "HTTP/1.1"
     server_version = "flowkit-agents"
+    # an answer goes out as its headers, then its body: without this, Nagle's algorithm holds
+    # the body until the client acknowledges the headers, which it delays (40 ms a turn)
+    disable_nagle_algorithm = True
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
         log.debug("endpoint: " + format, *args)
@@ -336,7 +372,9 @@ def _tool_call(call: Any, where: str) -> dict:
 # -- the environment side -----------------------------------------------------------------------
 class ProgramEnvironment(Environment):
     """One trajectory of an agent program: its requests are the model's turns, the messages
-    each adds are the environment's, its return is the end and the reward."""
+    each adds are the environment's, its return is the end and the reward. The engine calls
+    `reset_async` and `step_async`, which answer at once with a Future of the program's next
+    event, so no thread waits while a program thinks; `reset` and `step` wait for it."""
 
     def __init__(self, program: Callable[[Task], Any], endpoint: Endpoint, *, timeout_s: float,
                  prompt: Any, sample: int) -> None:
@@ -349,62 +387,63 @@ class ProgramEnvironment(Environment):
         self.turns = 0
 
     def reset(self, prompt: str, answer: str | None = None) -> Conversation:
+        return self.reset_async(prompt, answer).result(self.timeout_s)
+
+    def step(self, action: str) -> EnvStep:
+        return self.step_async(action).result(self.timeout_s)
+
+    def reset_async(self, prompt: str, answer: str | None = None) -> Future:
+        """The program started; a Future of the Conversation its first request opens."""
         self.session = self.endpoint.open()
         task = Task(prompt_id=int(self.prompt.prompt_id), sample=self.sample, prompt=prompt,
                     messages=getattr(self.prompt, "messages", None), answer=answer,
                     base_url=self.endpoint.base_url, api_key=self.session.key)
+        opened = _then(self.session.expect(), self._opened)
         threading.Thread(target=self._run, args=(task,), daemon=True,
                          name=f"flowkit-agent-{task.prompt_id}-{task.sample}").start()
-        kind, value = self._next()
-        if kind != "request":
-            raise RuntimeError("the agent program returned before its first request: a "
-                               "trajectory needs at least one model turn")
-        self.history, self.tools = list(value.body["messages"]), value.body["tools"]
-        return Conversation(messages=list(self.history), tools=self.tools)
+        return opened
 
-    def step(self, action: str) -> EnvStep:
+    def step_async(self, action: str) -> Future:
+        """The model's turn answers the program's request; a Future of the EnvStep its next
+        request (or its end) makes."""
         assert self.session is not None and self.session.waiting is not None
         self.turns += 1
         message = self._assistant(action)
         self.history.append(message)
         with self.session.lock:
             call, self.session.waiting = self.session.waiting, None
+        stepped = _then(self.session.expect(), self._stepped)  # before the program goes on
         call.answer(200, self._completion(message, call.body["model"]))
-        kind, value = self._next()
-        if kind == "returned":
-            return EnvStep(reward=_reward(value), done=True)
-        new = self._added(value)
-        self.history.extend(new)
-        return EnvStep(observation=new)
+        return stepped
 
     def close(self) -> None:
         if self.session is not None:
             self.endpoint.close(self.session)
 
     def _run(self, task: Task) -> None:
+        assert self.session is not None
         try:
-            result = ("returned", self.program(task))
+            result = self.program(task)
         except BaseException as error:  # the program's failure ends its trajectory
-            result = ("raised", error)
-        assert self.session is not None
-        self.session.inbox.put(result)
+            self.session.event("raised", error)
+        else:
+            self.session.event("returned", result)
 
-    def _next(self) -> tuple[str, Any]:
-        """The program's next request or its end; bounded (past the environment call's own
-        deadline, which reports it), so an abandoned call frees its thread."""
-        assert self.session is not None
-        try:
-            kind, value = self.session.inbox.get(timeout=self.timeout_s + 1.0)
-        except queue.Empty:
-            raise TimeoutError("the agent program sent no request within env_timeout_s") \
-                from None
-        if kind == "raised":
-            raise RuntimeError(f"the agent program raised {type(value).__name__}: "
-                               f"{str(value)[:200]}")
-        if kind == "closed":
-            raise RuntimeError("the trajectory ended")
-        return kind, value
+    def _opened(self, event: tuple[str, Any]) -> Conversation:
+        kind, value = _checked(event)
+        if kind != "request":
+            raise RuntimeError("the agent program returned before its first request: a "
+                               "trajectory needs at least one model turn")
+        self.history, self.tools = list(value.body["messages"]), value.body["tools"]
+        return Conversation(messages=list(self.history), tools=self.tools)
 
+    def _stepped(self, event: tuple[str, Any]) -> EnvStep:
+        kind, value = _checked(event)
+        if kind == "returned":
+            return EnvStep(reward=_reward(value), done=True)
+        new = self._added(value)
+        self.history.extend(new)
+        return EnvStep(observation=new)
     def _added(self, call: _Call) -> list[dict]:
         """The messages a request adds after the conversation so far, which it must repeat."""
         messages, tools = call.body["messages"], call.body["tools"]
@@ -452,6 +491,27 @@ class ProgramEnvironment(Environment):
                 "choices": [{"index": 0, "message": wire, "logprobs": None,
                              "finish_reason": "tool_calls" if "tool_calls" in message
                              else "stop"}]}
+
+
+def _checked(event: tuple[str, Any]) -> tuple[str, Any]:
+    kind, value = event
+    if kind == "raised":
+        raise RuntimeError(f"the agent program raised {type(value).__name__}: {str(value)[:200]}")
+    return kind, value
+
+
+def _then(future: Future, fn: Callable[[Any], Any]) -> Future:
+    """A Future of `fn` of `future`'s result, computed by whichever thread completes it."""
+    out: Future = Future()
+
+    def done(source: Future) -> None:
+        try:
+            out.set_result(fn(source.result()))
+        except BaseException as error:  # the trajectory's failure, for the engine to see
+            out.set_exception(error)
+
+    future.add_done_callback(done)
+    return out
 
 
 def _reward(value: Any) -> float:

@@ -58,6 +58,7 @@ __all__ = ["Engine", "Sampling", "run_all_until_done", "run_until_done"]
 # reward ops on text read such a rollout's tokens as bytes (dataflows/rewards.py).
 
 NO_VERSION = -1  # a token sampled before any load_weights: the weights the model was built with
+_IDLE_WAIT_S = 0.001  # a step with nothing to compute waits this long for an environment
 
 
 @attrs.frozen(kw_only=True)
@@ -258,6 +259,12 @@ class Engine(Trajectories):
         self._refill_stale()
         self._admit()
         decoding, chunks = self._plan()
+        if not (decoding or chunks) and self.env_calls:
+            # every live trajectory waits for its environment: wait for one to answer, the
+            # GIL released, rather than spin (an agent program's threads need it: [Note:
+            # agent programs] in endpoint.py); short, so the executor still serves its sockets
+            self.env_calls.wait(_IDLE_WAIT_S)
+            return
         with evaluating(self.model):
             logits = self._forward(decoding, chunks)  # of the rows whose prefix is now in
         if logits:

@@ -21,12 +21,13 @@ first.
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import Future
 from typing import Any
 
 import attrs
 
 from executors.torch.stage import StageError
-from executors.torch.turns import ByteTurns, Episode, open_episode, step_episode
+from executors.torch.turns import ByteTurns, Episode, open_async, open_episode, step_episode
 from flowkit.ops import Conversation
 
 __all__ = ["Trajectories"]
@@ -42,8 +43,21 @@ class Trajectories:
         """A new trajectory: it waits for its environment to be built and reset."""
         agent = seq.request.agent
         seq.episode = Episode()
-        self.env_calls.start(seq, open_episode, agent.make, seq.prompt, seq.sample,
-                             self._prompt_text(seq.prompt), timeout_s=agent.timeout_s)
+        args = (agent.make, seq.prompt, seq.sample, self._prompt_text(seq.prompt))
+        if agent.asynchronous:
+            self._begin(seq, open_async, *args)
+        else:
+            self.env_calls.start(seq, open_episode, *args, timeout_s=agent.timeout_s)
+
+    def _begin(self, seq: Any, call: Any, *args: Any) -> None:
+        """An asynchronous environment's call, made here; its Future pending. One that raises
+        at once is a call that failed: its trajectory ends, alone."""
+        try:
+            future = call(*args)
+        except Exception as error:
+            future = Future()
+            future.set_exception(error)
+        self.env_calls.begin(seq, future, timeout_s=seq.request.agent.timeout_s)
 
     def _park(self, seq: Any) -> None:
         """An aborted trajectory's episode, kept for a request that continues it."""
@@ -99,7 +113,11 @@ class Trajectories:
                 seq.on_hold = True
             else:
                 self.slots[seq.slot], seq.slot = None, None
-            self.env_calls.start(seq, step_episode, ep.env, action, timeout_s=agent.timeout_s)
+            if agent.asynchronous:
+                self._begin(seq, ep.env.step_async, action)
+            else:
+                self.env_calls.start(seq, step_episode, ep.env, action,
+                                     timeout_s=agent.timeout_s)
         elif agent.max_total_tokens is not None and len(seq.tokens) >= agent.max_total_tokens:
             self._close(seq, finished=False)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -18,8 +19,8 @@ from executors.torch.held import imported
 from executors.torch.stage import StageError
 from flowkit.ops import AgentConfig, Conversation, Environment, EnvStep
 
-__all__ = ["Agent", "ByteTurns", "ChatTurns", "EnvCalls", "Episode", "agent_of", "open_episode",
-           "step_episode"]
+__all__ = ["Agent", "ByteTurns", "ChatTurns", "EnvCalls", "Episode", "agent_of", "open_async",
+           "open_episode", "step_episode"]
 
 TIMED_OUT = "the environment took longer than env_timeout_s"
 
@@ -40,6 +41,9 @@ class Agent:
     max_total_tokens: int | None
     timeout_s: float
     keep_cache: bool
+    # its environments answer with Futures (reset_async, step_async), called on the engine's
+    # thread, so none of the call threads waits on them (an agent program's)
+    asynchronous: bool = False
 
 
 @attrs.define(eq=False)
@@ -78,7 +82,7 @@ def agent_of(config: AgentConfig, tokenizer: Any) -> Agent | None:
         raise StageError(f"max_turns must be at least 1, got {config.max_turns}")
     turns = ByteTurns() if tokenizer is None else ChatTurns(tokenizer)
     return Agent(make=_program_maker(config, turns) if config.program is not None
-                 else _environment_maker(config),
+                 else _environment_maker(config), asynchronous=config.program is not None,
                  turns=turns, max_turns=int(config.max_turns),
                  max_total_tokens=None if config.max_total_tokens is None
                  else int(config.max_total_tokens),
@@ -145,6 +149,16 @@ class EnvCalls:
             del self.pending[key]
         return out
 
+    def begin(self, seq: Any, call: Future, *, timeout_s: float) -> None:
+        """A call already under way elsewhere (an asynchronous environment's Future)."""
+        now = time.monotonic()
+        self.pending[id(seq)] = (seq, call, now, now + timeout_s)
+
+    def wait(self, timeout_s: float) -> None:
+        """Until a call ends or `timeout_s` passes (a deadline passing is seen by `ended`)."""
+        futures.wait([call for _, call, _, _ in self.pending.values()], timeout=timeout_s,
+                     return_when=futures.FIRST_COMPLETED)
+
     def drop(self, keep: Callable[[Any], bool]) -> list[Any]:
         """Forget the calls of sequences `keep` refuses; those sequences, each with its call
         as `seq.call` (a parked trajectory takes it back: `restore`)."""
@@ -172,6 +186,17 @@ def open_episode(make: Callable[[Any, int], Environment], prompt: Any, sample: i
     answer (what reset returns, if anything, opens the response or replaces the prompt)."""
     env = make(prompt, sample)
     return env, env.reset(text, getattr(prompt, "answer", None))
+
+
+def open_async(make: Callable[[Any, int], Environment], prompt: Any, sample: int,
+               text: str) -> Future:
+    """open_episode for an asynchronous environment, on the engine's thread: a Future of the
+    environment and what its reset returns."""
+    env: Any = make(prompt, sample)
+    opened, out = env.reset_async(text, getattr(prompt, "answer", None)), Future()
+    opened.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception()
+                             else out.set_result((env, f.result())))
+    return out
 
 
 def step_episode(env: Environment, action: str) -> EnvStep:
