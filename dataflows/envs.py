@@ -63,6 +63,16 @@ class GuessNumber(Environment):
         return EnvStep(observation="higher" if guess < self.secret else "lower",
                        info={"valid": self.low <= guess <= self.high})
 
+    def state(self) -> dict:
+        """The game as plain data: a trajectory cut between guesses goes on elsewhere."""
+        return {"secret": self.secret}
+
+    def restore(self, state: dict) -> None:
+        secret = state["secret"]
+        if not isinstance(secret, int) or isinstance(secret, bool):
+            raise ValueError(f"a GuessNumber state's secret is a number, got {secret!r}")
+        self.secret = secret
+
 
 @op
 def guess_prompts(*, count: int = 16, seed: int = 0, step: int = 0, low: int = 1,

@@ -102,6 +102,19 @@ class ToolEnvironment(Environment):
             result = f"<tool_response>\n{result}\n</tool_response>"
         return EnvStep(observation=result, info=self._counts())
 
+    def state(self) -> dict:
+        """The episode as plain data (the tools are the flow's settings): a trajectory cut
+        between calls goes on elsewhere."""
+        return {"answer": self.answer, "calls": self.calls, "errors": self.errors}
+
+    def restore(self, state: dict) -> None:
+        answer, calls, errors = state["answer"], state["calls"], state["errors"]
+        if not (answer is None or isinstance(answer, str)) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                for n in (calls, errors)):
+            raise ValueError(f"not a ToolEnvironment's state: {state!r}"[:200])
+        self.answer, self.calls, self.errors = answer, calls, errors
+
     def _counts(self) -> dict[str, int]:
         """The episode's calls so far, and those that failed (the step's metrics)."""
         return {"tool_calls": self.calls, "tool_errors": self.errors}

@@ -386,12 +386,13 @@ class Engine(Trajectories):
         request, st = seq.request, seq.request.sampling
         if clipped is None:
             clipped = not finished and not interrupted and len(seq.tokens) < st.max_new_tokens
-        ep = seq.episode
+        ep, saved = seq.episode, None
         if ep is not None and interrupted:
-            self._park(seq)  # a later request may continue it [Note: parked trajectories]
+            saved = self._park(seq)  # a later request may continue it [Note: parked trajectories]
         elif ep is not None:
             ep.close()
         trajectory = {} if ep is None else {
+            "env_state": saved,
             "response_mask": seq.mask, "turns": ep.turns, "env_reward": ep.reward,
             "env_error": ep.error, "env_info": {**ep.info, "env_seconds": ep.seconds},
             "prompt_messages": getattr(seq.prompt, "messages", None)}

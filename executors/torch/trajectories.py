@@ -12,14 +12,20 @@ trajectory back as an interrupted Rollout, as any sample; its episode (the envir
 state, a step still running) stays parked on this engine under (prompt_id, sample). A later
 request given that Rollout takes the episode back and goes on where it stopped, its sampled
 tokens and the environment's state both kept, so it ends as it would have without the abort.
-A Rollout whose episode is not here (another executor's, one evicted, or a resumed run's: an
-environment's state is not checkpointed) starts again from its prompt, a fresh episode; no
+A Rollout whose episode is not here (another executor's, one evicted, or a resumed run's) goes
+on from its `env_state` when it has one: an environment that saves its state
+(Environment.state, plain data) and was cut between its steps is saved in its interrupted
+Rollout with where the trajectory stood (turns, reward, the turn's start), so a checkpoint holds
+it and any engine restores the episode (Environment.restore, no reset) and continues exactly.
+Otherwise (no state, a step under way at the abort, an agent program, a state that is not what
+`_saved` writes or that restore refuses) it starts again from its prompt, a fresh episode; no
 sample is lost or trained twice either way. At most _PARKED episodes wait, the oldest closed
 first.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from concurrent.futures import Future
 from typing import Any
@@ -31,6 +37,8 @@ from executors.torch.turns import ByteTurns, Episode, open_async, open_episode, 
 from flowkit.ops import Conversation
 
 __all__ = ["Trajectories"]
+
+log = logging.getLogger("flowkit.executor")
 
 _PARKED = 4096  # aborted trajectories' episodes kept for a continuation at most
 
@@ -59,14 +67,16 @@ class Trajectories:
             future.set_exception(error)
         self.env_calls.begin(seq, future, timeout_s=seq.request.agent.timeout_s)
 
-    def _park(self, seq: Any) -> None:
-        """An aborted trajectory's episode, kept for a request that continues it."""
+    def _park(self, seq: Any) -> dict | None:
+        """An aborted trajectory's episode, kept for a request that continues it; where it
+        stands as plain data, when its environment saves its state, for one elsewhere."""
         key = (seq.prompt.prompt_id, seq.sample)
         self.parked.pop(key, None)
         self.parked[key] = (seq.episode, len(seq.tokens), seq.call, seq.on_hold)
         while len(self.parked) > _PARKED:
             oldest = next(iter(self.parked))
             self.parked.pop(oldest)[0].close()
+        return _saved(seq)
 
     def _resume(self, request: Any, rollout: Any) -> None:
         """Continue an interrupted trajectory with its parked episode, or start it again."""
@@ -76,8 +86,11 @@ class Trajectories:
         if parked is None or parked[1] != len(rollout.response_tokens):
             if parked is not None:
                 parked[0].close()
-            self._open(self._sequence(request, prompt, rollout.sample, seed))
-            return
+            episode = _restored(request.agent, prompt, rollout)
+            if episode is None:
+                self._open(self._sequence(request, prompt, rollout.sample, seed))
+                return
+            parked = (episode, len(rollout.response_tokens), None, False)
         episode, length, call, _ = parked
         seq = self._sequence(request, prompt, rollout.sample, seed,
                        tokens=list(rollout.response_tokens), logprobs=list(rollout.logprobs),
@@ -204,3 +217,67 @@ class Trajectories:
             self.slots[seq.slot] = None
         seq.on_hold = False
         self._finish(seq, finished=finished, interrupted=False, clipped=clipped)
+
+
+def _saved(seq: Any) -> dict | None:
+    """An aborted trajectory's episode as plain data (Rollout.env_state): its environment's
+    `state()` and where the trajectory stood; None while a call of its environment is under
+    way, or when the environment saves nothing."""
+    ep = seq.episode
+    if seq.call is not None or ep.env is None or ep.error is not None:
+        return None
+    try:
+        state = getattr(ep.env, "state", lambda: None)()
+    except Exception:  # its trajectory starts again elsewhere, as one without state
+        log.warning("%s.state() raised", type(ep.env).__name__, exc_info=True)
+        return None
+    if state is None:
+        return None
+    if not _plain(state):
+        log.warning("%s.state() returned more than plain data (dicts with string keys, "
+                    "lists, strings, numbers, None): not saved", type(ep.env).__name__)
+        return None
+    return {"env": state, "reward": ep.reward, "seconds": ep.seconds, "info": dict(ep.info),
+            "turns": ep.turns, "turn_start": ep.turn_start}
+
+
+def _restored(agent: Any, prompt: Any, rollout: Any) -> Episode | None:
+    """An interrupted trajectory's episode from its Rollout's env_state, its environment built
+    and restored here; None (the trajectory starts again from its prompt) without one, or
+    when the state is not what `_saved` writes or `restore` refuses it."""
+    saved = rollout.env_state
+    if saved is None or agent.asynchronous:
+        return None
+    fields = {"reward": (int, float), "seconds": (int, float), "info": dict, "turns": int,
+              "turn_start": int}
+    if not (isinstance(saved, dict) and "env" in saved
+            and all(isinstance(saved.get(k), t) and not isinstance(saved.get(k), bool)
+                    for k, t in fields.items())
+            and 0 <= saved["turn_start"] <= len(rollout.response_tokens)
+            and 0 <= saved["turns"] <= agent.max_turns):
+        log.warning("a trajectory's env_state is not an episode's (prompt %s, sample %s): it "
+                    "starts again", rollout.prompt_id, rollout.sample)
+        return None
+    try:
+        env = agent.make(prompt, rollout.sample)
+        env.restore(saved["env"])
+    except Exception:
+        log.warning("restoring an episode failed (prompt %s, sample %s): it starts again",
+                    rollout.prompt_id, rollout.sample, exc_info=True)
+        return None
+    return Episode(env=env, reward=float(saved["reward"]), seconds=float(saved["seconds"]),
+                   info={str(k): float(v) for k, v in saved["info"].items()
+                         if isinstance(v, (int, float)) and not isinstance(v, bool)},
+                   turns=saved["turns"], turn_start=saved["turn_start"])
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    if depth > 32:
+        return False
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
+    return False

@@ -84,6 +84,19 @@ class Environment:
         """The model's turn (its text, the stop token left out); the environment's answer."""
         raise NotImplementedError(f"{type(self).__name__} must define step(action) -> EnvStep")
 
+    def state(self) -> Any:
+        """The episode's state as plain data (dicts with string keys, lists, strings, numbers,
+        booleans, None), or None (the default) when it cannot be saved. A trajectory cut by an
+        abort between its environment's steps carries it in its Rollout, so that another
+        executor, or a run resumed from a checkpoint, goes on with `restore` where it stopped
+        ([Note: parked trajectories] in executors/torch/trajectories.py) rather than drawing
+        the trajectory again from its prompt."""
+        return None
+
+    def restore(self, state: Any) -> None:
+        """Take up the episode `state()` returned, in place of reset."""
+        raise NotImplementedError(f"{type(self).__name__} saves no state")
+
     def close(self) -> None:
         """Called once its trajectory ends (finished, cut, aborted or failed), on the engine's
         thread: release what the episode holds (a process, a sandbox folder); keep it quick."""

@@ -84,6 +84,9 @@ class Rollout:
     # a trajectory's prompt source messages (Prompt.messages), which an agent program starts
     # from again if its trajectory restarts; None for single responses
     prompt_messages: list[dict] | None = None
+    # an interrupted trajectory's episode, when its environment saves its state (plain data:
+    # Environment.state, and where the trajectory stood), for an executor without it to go on
+    env_state: dict | None = None
 
     @property
     def response_length(self) -> int:

@@ -4,11 +4,15 @@ observation, and the calculator evaluates integer arithmetic and nothing else.""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dataflows.envs import GuessNumber
 from dataflows.tools import ToolEnvironment, calculator, schema_of
+from flowkit.ops.toolcalls import hermes_calls
 
 CALC = ["dataflows.tools:calculator"]
 
@@ -85,3 +89,41 @@ def test_hermes_calls_answer_inside_tool_response_tags():
 def test_a_bad_call_format_is_refused():
     with pytest.raises(ValueError, match="call_format='xml'"):
         ToolEnvironment(CALC, call_format="xml")
+
+
+def test_a_tool_episode_restored_from_its_state_goes_on_as_the_original():
+    env = ToolEnvironment(CALC)
+    env.reset("123*45=", "5535")
+    env.step("calculator(123*45)")
+    env.step("calc(2)")
+    state = env.state()
+    assert json.loads(json.dumps(state)) == state
+    again = ToolEnvironment(CALC)
+    again.restore(state)  # no reset: the answer comes from the state
+    assert again.step(" 5535 ") == env.step(" 5535 ")
+    with pytest.raises(ValueError, match="not a ToolEnvironment's state"):
+        ToolEnvironment(CALC).restore({"answer": 5, "calls": -1, "errors": 0})
+
+
+def test_a_game_restored_from_its_state_goes_on_as_the_original():
+    game = GuessNumber(low=1, high=8)
+    game.reset("guess 1-8:", "6")
+    game.step("3")
+    again = GuessNumber(low=1, high=8)
+    again.restore(json.loads(json.dumps(game.state())))
+    assert [again.step(g) for g in ("7", "6")] == [game.step(g) for g in ("7", "6")]
+    with pytest.raises(ValueError, match="secret is a number"):
+        GuessNumber().restore({"secret": "6"})
+
+
+def test_hermes_calls_are_read_back_as_calls_and_the_rest_as_text():
+    text = ('Two checks. <tool_call>{"name": "calculator", "arguments": {"expression": "3+4"}}'
+            '</tool_call> <tool_call>{"name": "calculator", "arguments": {"expression": "5"}}'
+            '</tool_call>')
+    content, calls = hermes_calls(text)
+    assert content == "Two checks." and calls == [
+        {"name": "calculator", "arguments": {"expression": "3+4"}},
+        {"name": "calculator", "arguments": {"expression": "5"}}]
+    # a block that is not a call stays as the model wrote it; no call: the text unchanged
+    assert hermes_calls("a <tool_call>[1]</tool_call>") == ("a <tool_call>[1]</tool_call>", [])
+    assert hermes_calls(" 7 ") == (" 7 ", [])

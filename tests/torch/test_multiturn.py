@@ -6,6 +6,7 @@ trajectory only."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -293,3 +294,100 @@ def test_a_trajectory_whose_episode_is_elsewhere_starts_again_from_its_prompt():
                                logprobs=whole[0].logprobs[:4], versions=whole[0].versions[:4])
     [again] = run_until_done(ctx.background, gen._generate(ctx, [interrupted], **settings))
     assert (again.response_tokens, again.turns) == (whole[0].response_tokens, whole[0].turns)
+
+
+class Saved(Countdown):
+    """Countdown that saves its state, and counts its resets and restores."""
+
+    resets, restores = [], []
+
+    def reset(self, prompt: str, answer: str | None = None) -> None:
+        Saved.resets.append(prompt)
+
+    def state(self):
+        return {"steps": self.steps, "actions": list(self.actions)}
+
+    def restore(self, state) -> None:
+        Saved.restores.append(state)
+        self.steps, self.actions = state["steps"], list(state["actions"])
+
+
+class Unsaveable(Countdown):
+    def state(self):
+        return {"env": object()}
+
+
+@pytest.mark.parametrize("steps", [3, 7, 12])
+def test_an_aborted_trajectory_goes_on_elsewhere_from_its_saved_state(steps):
+    """[Note: parked trajectories] An environment that saves its state: an interrupted
+    trajectory cut between its environment's steps carries it (Rollout.env_state, plain data),
+    and an engine that never saw it (another executor, a resumed run) restores the episode
+    and goes on where it stopped, without a reset: it ends as the uninterrupted run's."""
+    settings = {**MODEL, "max_new_tokens": 6, "temperature": 1.0, "sample_seed": 3, "n": 2,
+                "environment": f"{HERE}:Saved", "max_turns": 5}
+    _, whole = _trajectories(**settings)
+    ctx = op_context()
+    first: list = []
+    result = gen._generate(ctx, PROMPTS, **settings)
+    result.bind(type("Sink", (), {"emit": lambda s, r: first.append(r),
+                                  "done": lambda s, r: None, "fail": lambda s, e: None})())
+    engine = next(iter(ctx.background.values()))
+    for _ in range(steps):
+        engine.step()
+    engine.abort()
+    cut = [r for r in first if r.interrupted]
+    saved = [r for r in cut if r.env_state is not None]
+    assert saved, "some trajectory was cut between its environment's steps"
+    assert json.loads(json.dumps([r.env_state for r in saved])) == [r.env_state for r in saved]
+    Saved.resets.clear(), Saved.restores.clear()
+    elsewhere = op_context("exec1")
+    rest = run_until_done(elsewhere.background, gen._generate(elsewhere, cut, **settings))
+    assert len(Saved.restores) == len(saved) and len(Saved.resets) == len(cut) - len(saved)
+    ended = {(r.prompt_id, r.sample): r for r in first if not r.interrupted}
+    ended |= {(r.prompt_id, r.sample): r for r in rest}
+    for want in whole:
+        got = ended[(want.prompt_id, want.sample)]
+        assert (got.response_tokens, got.response_mask, got.turns, got.finished) == (
+            want.response_tokens, want.response_mask, want.turns, want.finished)
+        assert got.env_reward == want.env_reward and got.env_info["left"] == \
+            want.env_info["left"]
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-9)
+
+
+@pytest.mark.parametrize("env_state", [
+    {"env": {}, "reward": "lots", "seconds": 0, "info": {}, "turns": 1, "turn_start": 0},
+    {"env": {}, "reward": 0, "seconds": 0, "info": {}, "turns": 99, "turn_start": 0},
+    {"env": {}, "reward": 0, "seconds": 0, "info": {}, "turns": 1, "turn_start": 10_000},
+    {"env": {"steps": "three"}, "reward": 0, "seconds": 0, "info": {}, "turns": 1,
+     "turn_start": 0},
+    ["not", "a", "dict"],
+])
+def test_a_bad_saved_state_starts_the_trajectory_again(env_state):
+    """A Rollout's env_state comes from a peer or a checkpoint file: one that is not what the
+    engine writes, or that restore refuses, is dropped and the trajectory drawn again."""
+    settings = {**MODEL, "max_new_tokens": 6, "temperature": 1.0, "sample_seed": 3, "n": 1,
+                "environment": f"{HERE}:Saved", "max_turns": 5}
+    _, whole = _trajectories(prompts=PROMPTS[:1], **settings)
+    interrupted = attrs.evolve(whole[0], interrupted=True, finished=False, env_state=env_state,
+                               response_tokens=whole[0].response_tokens[:4],
+                               response_mask=whole[0].response_mask[:4],
+                               logprobs=whole[0].logprobs[:4], versions=whole[0].versions[:4])
+    ctx = op_context()
+    [again] = run_until_done(ctx.background, gen._generate(ctx, [interrupted], **settings))
+    assert (again.response_tokens, again.turns) == (whole[0].response_tokens, whole[0].turns)
+
+
+def test_a_state_that_is_not_plain_data_is_not_saved():
+    settings = {**MODEL, "max_new_tokens": 6, "temperature": 1.0, "sample_seed": 3, "n": 2,
+                "environment": f"{HERE}:Unsaveable", "max_turns": 5}
+    ctx = op_context()
+    first: list = []
+    result = gen._generate(ctx, PROMPTS, **settings)
+    result.bind(type("Sink", (), {"emit": lambda s, r: first.append(r),
+                                  "done": lambda s, r: None, "fail": lambda s, e: None})())
+    engine = next(iter(ctx.background.values()))
+    for _ in range(7):
+        engine.step()
+    engine.abort()
+    assert [r for r in first if r.interrupted]
+    assert all(r.env_state is None for r in first)
