@@ -65,9 +65,11 @@ def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tens
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
-class HostStash(torch.autograd.graph.saved_tensors_hooks):
-    """Active during an offloading forward: packs what autograd saves as movable references
-    [Note: offloaded stash]; `saved` notes every storage's bytes as `SavedBytes` does."""
+class HostStash:
+    """A context manager active during an offloading forward: packs what autograd saves as
+    movable references [Note: offloaded stash]; `saved` notes every storage's bytes as
+    `SavedBytes` does. The hooks object lives only for the forward: held by the stash, its
+    bound methods would make a cycle that keeps the device memory until a garbage collection."""
 
     def __init__(self, params: Iterable[torch.Tensor], keep: Iterable[torch.Tensor],
                  device: torch.device) -> None:
@@ -79,7 +81,16 @@ class HostStash(torch.autograd.graph.saved_tensors_hooks):
         self._keep = {t.untyped_storage().data_ptr() for t in keep}
         self._moved: list[tuple[Any, str, _Ref]] = []  # (object, attribute, ref) to restore
         self.offloaded = False
-        super().__init__(self._pack, self._unpack)
+        self._hooks: Any = None
+
+    def __enter__(self) -> HostStash:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        hooks, self._hooks = self._hooks, None
+        hooks.__exit__(*exc)
 
     # -- hooks ----------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:
@@ -148,6 +159,8 @@ class HostStash(torch.autograd.graph.saved_tensors_hooks):
             return
         cuda = self.device.type == "cuda"
         stream = _side_stream(self.device) if cuda else None
+        if stream is not None:  # its new blocks may be ones the compute stream has just freed
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         for held in self.storages.values():
             target = torch.empty(held.nbytes, dtype=torch.uint8, device=self.device)
             if stream is not None:

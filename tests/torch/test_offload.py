@@ -160,3 +160,24 @@ def test_in_place_edit_after_an_offloading_forward_is_refused():
     runner = StageRunner(Edits())
     with pytest.raises(RuntimeError, match="modified in place"):
         runner.forward(0, x, torch.zeros(3, 6, dtype=torch.float64), offload=True)
+
+
+def test_a_finished_microbatch_frees_its_stash_without_a_garbage_collection():
+    """Found on an H200: a stash that held its own hooks made a reference cycle, so every
+    finished microbatch's prefetched activations stayed on the device until Python's cyclic
+    collector ran, and the peak rose with offload instead of falling."""
+    import gc
+    import weakref
+
+    modules = make_stages("mlp_ln", 1)
+    data = make_data("mlp_ln", 1)
+    runner = StageRunner(modules[0])
+    gc.disable()
+    try:
+        runner.forward(0, *data[0], offload=True)
+        stash = weakref.ref(runner._mbs[0].host)
+        runner.prefetch(0)
+        runner.backward(0)
+        assert stash() is None
+    finally:
+        gc.enable()
