@@ -213,6 +213,7 @@ class Engine(Trajectories):
 
     def abort(self) -> int:
         """Every request's unfinished samples back now, `interrupted`; returns how many."""
+        self._environments_answered()  # answered trajectories cut between steps: their state
         live = _once([s for s in self.slots if s is not None] + list(self.waiting)
                      + self.env_calls.drop(lambda s: False))
         self.slots = [None] * self.max_batch
@@ -225,6 +226,7 @@ class Engine(Trajectories):
         """The requests named `keys` end now, their unfinished samples `interrupted`;
         returns (samples, response tokens) cut."""
         self.aborted |= keys  # a request still on its way ends as it arrives
+        self._environments_answered()  # answered trajectories cut between steps: their state
         cut = _once([s for s in [*self.slots, *self.waiting]
                      if s is not None and s.request.key in keys]
                     + self.env_calls.drop(lambda s: s.request.key not in keys))
@@ -333,11 +335,11 @@ class Engine(Trajectories):
             for b, seq in enumerate(decoding):
                 out[id(seq)] = logits[b, 0]
                 seq.filled += 1
-        if chunks:
-            parts = [seq.prefix[start:stop] for seq, start, stop in chunks]
-            logits = self._cached(right_padded(parts, self.device), [c[1] for c in chunks],
-                                  [seq for seq, _, _ in chunks])
-            for b, (seq, _, stop) in enumerate(chunks):
+        for batch in _fitting(chunks, self.max_len):
+            parts = [seq.prefix[start:stop] for seq, start, stop in batch]
+            logits = self._cached(right_padded(parts, self.device), [c[1] for c in batch],
+                                  [seq for seq, _, _ in batch])
+            for b, (seq, _, stop) in enumerate(batch):
                 seq.filled = stop
                 if stop == seq.length:  # the chunk reached its last token
                     out[id(seq)] = logits[b, len(parts[b]) - 1]
@@ -447,6 +449,28 @@ def _unstarted(rollout: Rollout) -> Rollout:
     if rollout.finished and rollout.response_tokens and not rollout.interrupted:
         return rollout
     return attrs.evolve(rollout, finished=False, interrupted=True)
+
+
+def _fitting(chunks: list[tuple[Sequence, int, int]],
+             max_len: int) -> list[list[tuple[Sequence, int, int]]]:
+    """Prefill chunks in forwards whose rows fit their cache rows: right-padded to the widest
+    chunk, a row's padding takes the positions after its own chunk, so a short chunk late in
+    its sequence (a trajectory's observation) goes in a forward of its own when the widest
+    chunk beside it would run past the cache's end."""
+    if not chunks or (max(c[1] for c in chunks) + max(c[2] - c[1] for c in chunks)
+                      <= max_len):
+        return [chunks] if chunks else []
+    batches: list[list[tuple[Sequence, int, int]]] = []
+    width = start = 0
+    for chunk in sorted(chunks, key=lambda c: c[2] - c[1]):
+        grown_width, grown_start = max(width, chunk[2] - chunk[1]), max(start, chunk[1])
+        if batches and grown_start + grown_width <= max_len:
+            batches[-1].append(chunk)
+            width, start = grown_width, grown_start
+        else:
+            batches.append([chunk])
+            width, start = chunk[2] - chunk[1], chunk[1]
+    return batches
 
 
 def run_until_done(backgrounds: dict, deferred: Deferred,

@@ -238,7 +238,8 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, seed: int = 0, max_ba
     spec = {**config, "seed": seed, "stages": 1}
     held = held_model(ctx, spec)
     model = whole_model(ctx, spec)
-    lm.check_prompts([_as_prompt(item) for item in items], lm.context_length(model))
+    lm.check_prompts([_as_prompt(item) for item in items if _continues(item)],
+                     lm.context_length(model))
     folder = tokenizer_folder(config)
     engine = ctx.background.get(f"generate:{config['model']}")
     if engine is None:
@@ -317,6 +318,12 @@ def _check_request(n: Any, max_new_tokens: Any) -> None:
         raise StageError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if int(n) < 1:
         raise StageError(f"n must be at least 1 (samples per prompt), got {n}")
+
+
+def _continues(item: Any) -> bool:
+    """Whether the engine generates from `item`: a prompt, or an interrupted rollout (a
+    finished one, carried, passes through: it may fill the context, cut there)."""
+    return not isinstance(item, Rollout) or item.interrupted
 
 
 def _as_prompt(item: Any) -> Any:

@@ -130,7 +130,8 @@ def resumable(items: list, min_version: int | None, stale_segments: str = "recom
     if stale_segments != "recompute":
         raise ValueError(f"stale_segments={stale_segments!r}: it is 'recompute' or 'drop'")
     return [attrs.evolve(item, response_tokens=[], logprobs=[], versions=[], finished=False,
-                         clipped=False, interrupted=True, response_text=None) if old else item
+                         clipped=False, interrupted=True, response_text=None,
+                         response_mask=[], env_state=None) if old else item
             for item, old in zip(items, stale)]
 
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from executors.optable import OpTable
 from executors.torch import generate as gen
-from executors.torch.engine import NO_VERSION, Engine, Sampling, run_until_done
+from executors.torch.engine import NO_VERSION, Engine, Sampling, _fitting, run_until_done
 from executors.torch.held import held_model
 from flowkit.ops.records import Prompt, Rollout
 from tests.harness import gpt_spec, op_context, seeded_gpt, tiny_gpt
@@ -298,3 +300,21 @@ def test_an_abort_that_comes_before_its_request_ends_the_request_at_once():
                                                        max_new_tokens=6, n=2, request="late"))
     assert [(r.sample, r.response_tokens, r.interrupted) for r in out] == [(0, [], True),
                                                                           (1, [], True)]
+
+
+@given(st.integers(8, 64).flatmap(lambda max_len: st.tuples(
+    st.just(max_len),
+    st.lists(st.integers(0, max_len - 1).flatmap(
+        lambda start: st.tuples(st.just(start), st.integers(start + 1, max_len))),
+        min_size=1, max_size=12))))
+def test_prefill_chunks_go_in_forwards_whose_padding_fits_the_cache(case):
+    """A forward right-pads its chunks to the widest, so each row's positions run to its
+    start plus that width: every chunk goes in exactly one forward, and in each forward the
+    latest start plus the widest chunk stays within the cache (a trajectory's observation,
+    late in its row, beside a fresh prompt's long chunk once ran past it)."""
+    max_len, spans = case
+    chunks = [(object(), start, stop) for start, stop in spans]
+    batches = _fitting(chunks, max_len)
+    assert sorted(map(id, (c for b in batches for c in b))) == sorted(map(id, chunks))
+    for batch in batches:
+        assert max(c[1] for c in batch) + max(c[2] - c[1] for c in batch) <= max_len
