@@ -17,6 +17,11 @@ group std, each response's summed loss over the generation budget (not its own l
 
 GSPO (Zheng et al. 2025): the sequence-level importance ratio, clipped per response at 3e-4
 below and 4e-4 above, averaged per response, no KL.
+
+`multi_turn_grpo_flow`: GRPO whose samples are multi-turn trajectories, in an environment or
+by an agent program ([Note: multi-turn rollouts] in flowkit/ops/environments.py), scored by the
+environment's rewards unless another reward is given. Every RL flow takes those settings; this
+one requires them, so a forgotten environment is an error rather than single responses.
 """
 
 from __future__ import annotations
@@ -28,10 +33,12 @@ from typing import Any
 import attrs
 
 from dataflows.grpo import grpo_flow
+from dataflows.rewards import environment_reward
 from dataflows.rl.config import GroupRLConfig, PolicyLoss, RLConfig, shortcuts_of, with_shortcuts
 from flowkit.dsl import Flow
 
-__all__ = ["DAPO", "DR_GRPO", "GSPO", "dapo_flow", "dr_grpo_flow", "gspo_flow"]
+__all__ = ["DAPO", "DR_GRPO", "GSPO", "dapo_flow", "dr_grpo_flow", "gspo_flow",
+           "multi_turn_grpo_flow"]
 
 DAPO = GroupRLConfig(kl_coef=0.0, filter_groups=True, filter_rounds=3,
                      policy=PolicyLoss(clip_ratio_low=0.2, clip_ratio_high=0.28,
@@ -76,3 +83,22 @@ def _recipe(recipe: GroupRLConfig, name: str,
 dapo_flow = _recipe(DAPO, "dapo_flow", _dapo_buffer)
 dr_grpo_flow = _recipe(DR_GRPO, "dr_grpo_flow")
 gspo_flow = _recipe(GSPO, "gspo_flow")
+
+
+def multi_turn_grpo_flow(config: RLConfig | None = None, **settings: Any) -> Flow:
+    """grpo_flow (its config or keyword shortcuts, `model=` any Model) whose samples are
+    trajectories: `environment` ("module:Class", with `env_config`) or `program` ("module:
+    function", an agent written against the OpenAI API), `max_turns`, ...; `reward`
+    defaults to environment_reward (the sum of the environment's step rewards, or what the
+    program returned)."""
+    agent = settings.get("agent") or (config.agent if config is not None else None)
+    given = [settings.get("environment"), settings.get("program"),
+             *((agent.environment, agent.program) if agent is not None else ())]
+    if not any(given):
+        raise ValueError("multi_turn_grpo_flow rolls out trajectories: give environment="
+                         "'package.module:Class' (and env_config) or program='package.module:"
+                         "function', e.g. environment='dataflows.envs:GuessNumber'")
+    if config is None:
+        settings.setdefault("reward", environment_reward)
+        return grpo_flow(**settings)
+    return grpo_flow(config, **settings)

@@ -207,3 +207,18 @@ def test_a_steps_loss_is_the_summed_losses_over_the_summed_normalizers():
     # a loss that is a mean already (lm) counts no normalizer: token-weighted as before
     lm = [MicrobatchStats(loss=1.0, tokens=3), MicrobatchStats(loss=3.0, tokens=1)]
     assert mean_loss(lm) == (pytest.approx(1.5), 4)
+
+
+def test_the_multi_turn_flow_needs_an_environment_and_scores_by_it():
+    from dataflows.envs import guess_prompts
+    from dataflows.recipes import multi_turn_grpo_flow
+
+    flow = multi_turn_grpo_flow(prompts=2, n=2, environment="dataflows.envs:GuessNumber",
+                                prompt_source=guess_prompts, max_turns=3)
+    assert "environment_reward" in flow.nodes
+    assert flow.nodes["generate"].config["environment"] == "dataflows.envs:GuessNumber"
+    assert flow.nodes["generate"].config["max_turns"] == 3
+    programmed = multi_turn_grpo_flow(prompts=2, n=2, program="mypkg.agents:solve")
+    assert programmed.nodes["generate"].config["program"] == "mypkg.agents:solve"
+    with pytest.raises(ValueError, match="give environment="):
+        multi_turn_grpo_flow(prompts=2, n=2)
