@@ -238,7 +238,8 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, seed: int = 0, max_ba
     spec = {**config, "seed": seed, "stages": 1}
     held = held_model(ctx, spec)
     model = whole_model(ctx, spec)
-    lm.check_prompts([_as_prompt(item) for item in items if _continues(item)],
+    trajectories = agent_settings.environment is not None or agent_settings.program is not None
+    lm.check_prompts([_as_prompt(item, trajectories) for item in items if _continues(item)],
                      lm.context_length(model))
     folder = tokenizer_folder(config)
     engine = ctx.background.get(f"generate:{config['model']}")
@@ -326,8 +327,13 @@ def _continues(item: Any) -> bool:
     return not isinstance(item, Rollout) or item.interrupted
 
 
-def _as_prompt(item: Any) -> Any:
-    """What the context check reads of an item: a prompt, or a rollout's prefix."""
+def _as_prompt(item: Any, trajectory: bool = False) -> Any:
+    """What the context check reads of an item: a prompt, or a rollout's prefix. A cut
+    trajectory's prefix may fill the context: cut while its environment answered its last
+    turn, the answer (done, or out of room) ends it, and one continued elsewhere without its
+    episode starts again from its prompt ([Note: parked trajectories] in trajectories.py)."""
+    if isinstance(item, Rollout) and trajectory:
+        return Prompt(prompt_id=item.prompt_id, tokens=list(item.prompt_tokens))
     if isinstance(item, Rollout):
         return Prompt(prompt_id=item.prompt_id,
                       tokens=list(item.prompt_tokens) + list(item.response_tokens))

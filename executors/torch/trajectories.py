@@ -83,10 +83,12 @@ class Trajectories:
         prompt = self._prompt_of(rollout)
         seed = request.sampling.seed_of(rollout.prompt_id, rollout.sample)
         parked = self.parked.pop((rollout.prompt_id, rollout.sample), None)
-        if parked is None or parked[1] != len(rollout.response_tokens):
+        room = len(rollout.prompt_tokens) + len(rollout.response_tokens) < self.max_len
+        if parked is None or parked[1] != len(rollout.response_tokens) or (
+                parked[2] is None and not room):  # a model turn next, and no room for one
             if parked is not None:
                 parked[0].close()
-            episode = _restored(request.agent, prompt, rollout)
+            episode = _restored(request.agent, prompt, rollout) if room else None
             if episode is None:
                 self._open(self._sequence(request, prompt, rollout.sample, seed))
                 return

@@ -391,3 +391,43 @@ def test_a_state_that_is_not_plain_data_is_not_saved():
     engine.abort()
     assert [r for r in first if r.interrupted]
     assert all(r.env_state is None for r in first)
+
+
+class SlowJudge(Environment):
+    """Ends the episode after its first turn, once `release` is set; reward 1."""
+
+    release = threading.Event()
+
+    def step(self, action: str) -> EnvStep:
+        SlowJudge.release.wait(30)
+        return EnvStep(reward=1.0, done=True)
+
+
+def test_a_trajectory_cut_at_the_context_while_its_environment_answers_still_ends():
+    """A turn cut by its budget one token short of the context gets its closing token: the
+    prefix fills the context while the environment answers. Cut then, the trajectory is
+    carried with a full prefix; given back, it takes its environment's answer (here: done,
+    reward 1) instead of failing the request for want of room."""
+    prompt = PROMPTS[0]
+    budget = GPT["block_size"] - len(prompt.tokens) - 1
+    settings = {**MODEL, "max_new_tokens": budget, "temperature": 1.0, "sample_seed": 3,
+                "n": 1, "eos": None, "environment": f"{HERE}:SlowJudge", "max_turns": 2}
+    SlowJudge.release.clear()
+    ctx = op_context()
+    first: list = []
+    result = gen._generate(ctx, [prompt], **settings)
+    result.bind(type("Sink", (), {"emit": lambda s, r: first.append(r),
+                                  "done": lambda s, r: None, "fail": lambda s, e: None})())
+    engine = next(iter(ctx.background.values()))
+    deadline = time.monotonic() + 20
+    while not any(seq.episode.turns == 1 for seq, *_ in engine.env_calls.pending.values()) \
+            and time.monotonic() < deadline:  # its first turn done, the judge thinking
+        engine.step()
+    engine.abort()
+    [cut] = first
+    assert cut.interrupted and len(cut.prompt_tokens) + len(cut.response_tokens) == \
+        GPT["block_size"]
+    SlowJudge.release.set()
+    [done] = run_until_done(ctx.background, gen._generate(ctx, [cut], **settings))
+    assert done.finished and done.env_reward == 1.0 and done.response_tokens == \
+        cut.response_tokens
