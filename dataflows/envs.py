@@ -89,13 +89,15 @@ def guess_prompts(*, count: int = 16, seed: int = 0, step: int = 0, low: int = 1
 @op
 def guess_transcripts(*, sequences: int = 64, seed: int = 0, step: int = 0, low: int = 1,
                       high: int = 8, turns: int = 3, follow_fraction: float = 0.5,
-                      length: int = 48) -> Stream[TokenIds]:
+                      bisect_fraction: float = 0.0, length: int = 48) -> Stream[TokenIds]:
     """`sequences` games as the engine renders them ("guess 1-8:" "4\\n" "higher\\n" "6\\n"
     ...), `length` int64 ids each: the model's guesses are trained, the prompt, the
     environment's answers and the padding only read (~t entries, flowkit.ops.records.TokenIds).
     The demonstrator follows the feedback (a number still possible, at random) in
     `follow_fraction` of its guesses and guesses anywhere in the range otherwise, for at most
-    `turns` guesses: it knows the format and wins sometimes, what RL then improves."""
+    `turns` guesses: it knows the format and wins sometimes, what RL then improves. Of the
+    guesses that follow, `bisect_fraction` take the middle of what is still possible (binary
+    search, the best play) rather than any of it."""
     import torch  # only executors run these ops; declaring a flow must not need torch
 
     rng = random.Random(f"guess-sft/{seed}/{step}")
@@ -104,7 +106,9 @@ def guess_transcripts(*, sequences: int = 64, seed: int = 0, step: int = 0, low:
         ids = [~t for t in f"guess {low}-{high}:".encode()]
         for _turn in range(turns):
             follow = rng.random() < follow_fraction and lo <= hi
-            guess = rng.randint(lo, hi) if follow else rng.randint(low, high)
+            bisect = follow and bisect_fraction > 0 and rng.random() < bisect_fraction
+            guess = ((lo + hi) // 2 if bisect else rng.randint(lo, hi)) if follow \
+                else rng.randint(low, high)
             ids += list(f"{guess}\n".encode())
             if guess == secret:
                 break

@@ -1,7 +1,7 @@
 """The multi-turn game example end to end, as its docstring runs it but shorter: a supervised
 warm-up on a noisy demonstrator's games, then GRPO with the environment stepping on the
 rollout executor [Note: multi-turn rollouts in flowkit/ops/environments.py]. What the game's
-40 steps learn is measured in docs/rl.md (.40 -> .57); the calculator example's test checks
+40 steps learn is measured in docs/rl.md (.53 -> .86); the calculator example's test checks
 learning (tests/cli/test_calculator_example.py). Here: that the two commands run as written
 and the steps report their trajectories."""
 
