@@ -62,11 +62,128 @@ def _activation(nbytes: int) -> Any:
     return numpy.empty(max(0, int(nbytes)), dtype=numpy.uint8)
 
 
+# -- offload copies and activation memory ------------------------------------------------------
+# [Note: simulated copy engines] As the planner's simulator models them (flowkit/planner/
+# simulate.py, [Note: offload] in flowkit/planner/offload.py): each executor has one copy engine
+# a direction beside its compute, each copying in the order it was given copies. An offloading
+# F's copy out starts when the F ends and its engine is free; a prefetch starts when the op
+# that carries it starts, its engine is free and its copy out has ended; the backward of an
+# offloaded microbatch waits for its prefetch (or, given none, copies it back itself). The
+# copies are times on the clock, not sleeps: compute goes on beside them. Activation memory is
+# counted in the planner's units (microbatch stashes): each pipeline op adds its `memory` (an
+# addition as it starts, a release as it ends), an offload takes the F's addition off when its
+# copy ends and a prefetch puts it back when its copy starts; `activation_memory` reads the
+# peak [Note: activation memory reports in flowkit/runner/flowtrain.py].
+@attrs.define
+class _Copies:
+    out_free: float = 0.0  # when each engine is free
+    in_free: float = 0.0
+    offloaded: dict = attrs.field(factory=dict)  # key -> (copy out's end, stash, seconds)
+    ready: dict = attrs.field(factory=dict)  # key -> prefetch's end
+    level: float = 0.0
+    peak: float = 0.0
+    events: list = attrs.field(factory=list)  # (time, is addition, delta): copies to come
+
+    def settle(self, now: float) -> None:
+        """Apply the copies' memory changes up to `now`, in time order, releases first."""
+        due = sorted(e for e in self.events if e[0] <= now)
+        self.events = [e for e in self.events if e[0] > now]
+        for _, _, delta in due:
+            self.change(delta)
+
+    def change(self, delta: float) -> None:
+        self.level += delta
+        self.peak = max(self.peak, self.level)
+
+    def offload(self, key: tuple, seconds: float, stash: float) -> None:
+        now = time.perf_counter()
+        end = max(now, self.out_free) + max(0.0, float(seconds))
+        self.out_free = end
+        self.offloaded[key] = (end, stash, float(seconds))
+        self.events.append((end, False, -stash))
+
+    def prefetch(self, key: tuple, seconds: float | None = None) -> None:
+        """Start copying `key` back (its copy out's time if `seconds` is None)."""
+        if key not in self.offloaded or key in self.ready:
+            return
+        out_end, stash, out_seconds = self.offloaded[key]
+        start = max(time.perf_counter(), self.in_free, out_end)
+        took = out_seconds if seconds is None else float(seconds)
+        self.in_free = self.ready[key] = start + max(0.0, took)
+        self.events.append((start, True, stash))
+
+    def wait(self, key: tuple, seconds: float | None) -> None:
+        """Before a backward: its microbatch back on the device."""
+        if key not in self.offloaded:
+            return
+        self.prefetch(key, seconds)  # none came: copy it back now
+        self.offloaded.pop(key)
+        ready = self.ready.pop(key)
+        while time.perf_counter() < ready:
+            time.sleep(max(0.0, min(ready - time.perf_counter() - _SPIN_S, 0.05)))
+        self.settle(ready)
+
+
+def _copies(ctx: OpContext) -> _Copies:
+    return ctx.state.setdefault("sim_copies", _Copies())
+
+
+def _stage_op(ctx: OpContext, meta: dict, memory: float, prefetch: Any,
+              work: Any) -> Any:
+    """Run a pipeline op's `work` as the copy engines and memory accounting see it: its
+    prefetches issued as it starts, its memory added as it starts or released as it ends."""
+    copies = _copies(ctx)
+    copies.settle(time.perf_counter())
+    for entry in prefetch or ():
+        if (int(entry[0]), int(entry[1])) != (meta.get("stage"), meta.get("microbatch")):
+            copies.prefetch(_key(meta, entry[0], entry[1]),
+                            float(entry[2]) if len(entry) > 2 else None)
+    if memory > 0:
+        copies.change(memory)
+    out = work()
+    copies.settle(time.perf_counter())
+    if memory < 0:
+        copies.change(memory)
+    return out
+
+
+def _key(meta: dict, stage: Any, microbatch: Any) -> tuple:
+    return (meta.get("model"), int(stage), int(microbatch))
+
+
+def _activation_memory(ctx: OpContext, *_: Any, model: str = "", reset: bool = True) -> dict:
+    """This executor's activation memory in microbatch stashes: its peak since the last reset
+    and now [Note: simulated copy engines]."""
+    copies = _copies(ctx)
+    copies.settle(time.perf_counter())
+    peak, now = copies.peak, copies.level
+    if reset:
+        copies.peak = copies.level
+    return {"peak": peak, "now": now, "unit": "microbatches"}
+
+
 # -- pipeline stage ops: F, B, W, BW -----------------------------------------------------------
 def _forward(ctx: OpContext, *inputs: Any, seconds: float = 0.0, out_bytes: int = 0,
-             last: bool = False, tokens: int = 0, **meta: Any) -> Any:
+             last: bool = False, tokens: int = 0, offload: bool = False,
+             copy_seconds: float = 0.0, prefetch: Any = (), memory: float = 0.0,
+             **meta: Any) -> Any:
     """An activation for the next stage (with the microbatch's token count), or on the last
-    stage this microbatch's loss stats."""
+    stage this microbatch's loss stats. `offload`: its stash's copy out follows it, and a
+    prefetch of its own microbatch after that [Note: simulated copy engines]."""
+    out = _stage_op(ctx, meta, memory, prefetch,
+                    lambda: _forward_work(ctx, inputs, seconds, out_bytes, last, tokens, meta))
+    if offload:
+        key = _key(meta, meta.get("stage", 0), meta.get("microbatch", 0))
+        copies = _copies(ctx)
+        copies.offload(key, copy_seconds, max(0.0, float(memory)))
+        for entry in prefetch or ():
+            if (int(entry[0]), int(entry[1])) == key[1:]:
+                copies.prefetch(key, entry[2] if len(entry) > 2 else copy_seconds)
+    return out
+
+
+def _forward_work(ctx: OpContext, inputs: tuple, seconds: float, out_bytes: int, last: bool,
+                  tokens: int, meta: dict) -> Any:
     busy_for(seconds)
     # the microbatch's token count rides with its activations, as real stages pass metadata on
     carried = [v["tokens"] for v in inputs if isinstance(v, dict) and "tokens" in v]
@@ -90,14 +207,31 @@ def _tokens(inputs: tuple) -> int:
 
 
 def _backward_input(ctx: OpContext, *inputs: Any, seconds: float = 0.0, out_bytes: int = 0,
-                    first: bool = False, **meta: Any) -> Any:
-    """The gradient for the previous stage's output (nothing on the first stage)."""
-    busy_for(seconds)
-    return None if first else _activation(out_bytes)
+                    first: bool = False, prefetch: Any = (), memory: float = 0.0,
+                    **meta: Any) -> Any:
+    """The gradient for the previous stage's output (nothing on the first stage), once an
+    offloaded microbatch is back [Note: simulated copy engines]."""
+    def work() -> Any:
+        key = _key(meta, meta.get("stage", 0), meta.get("microbatch", 0))
+        _copies(ctx).wait(key, _copy_seconds(prefetch, key))
+        busy_for(seconds)
+        return None if first else _activation(out_bytes)
+
+    return _stage_op(ctx, meta, memory, prefetch, work)
 
 
-def _backward_weight(ctx: OpContext, *inputs: Any, seconds: float = 0.0, **meta: Any) -> None:
-    busy_for(seconds)
+def _copy_seconds(prefetch: Any, key: tuple) -> float | None:
+    """A prefetch's seconds, for a backward that must copy its microbatch back itself: the
+    copy this op carries of it, else (None) its copy out's."""
+    for entry in prefetch or ():
+        if (int(entry[0]), int(entry[1])) == key[1:] and len(entry) > 2:
+            return float(entry[2])
+    return None
+
+
+def _backward_weight(ctx: OpContext, *inputs: Any, seconds: float = 0.0, prefetch: Any = (),
+                     memory: float = 0.0, **meta: Any) -> None:
+    _stage_op(ctx, meta, memory, prefetch, lambda: busy_for(seconds))
 
 
 def _grad_stats(ctx: OpContext, *inputs: Any, stage: int = 0, **config: Any) -> tuple:
@@ -322,6 +456,7 @@ def register(table: OpTable) -> None:
     table.register("B", _backward_input)
     table.register("W", _backward_weight)
     table.register("BW", _backward_input)  # one op doing both: its cost says how long
+    table.register("activation_memory", _activation_memory)
     table.register("grad_stats", _grad_stats)
     table.register("reduce_grads", _reduce_grads)
     table.register("optimizer_step", _optimizer_step)

@@ -55,31 +55,46 @@ LOSSES = ("lm", *RL_LOSSES)
 
 def _forward(ctx: OpContext, *inputs: Any, stage: int, stages: int, microbatch: int,
              loss_scale: float = 1.0, loss: str = "lm", fused_backward: bool = False,
-             **config: Any) -> Any:
+             offload: bool = False, copy_seconds: float = 0.0, prefetch: Any = (),
+             track_memory: bool = False, **config: Any) -> Any:
     """Stage 0 reads the microbatch's data, a later stage the activation before it; the last
     stage also reads the data for its loss and returns the microbatch's stats. The loss it
     backpropagates is scaled by `loss_scale`: for "lm" the microbatch's share of the batch
     (its loss is a mean); the RL losses are sums the optimizer step divides by the step's
     token count, so the runtime gives them 1 [Note: RL losses in sum form in rl_loss.py].
     `fused_backward`: the microbatch's backward on this stage is BW [Note: a fused backward
-    in executors/torch/stage.py]."""
+    in executors/torch/stage.py]. `offload`: what it stashes goes to host memory as it ends;
+    `prefetch`: copies to start first [Note: offload in the runtime in flowkit/ops]."""
     if loss not in LOSSES:
         raise StageError(f"unknown loss {loss!r}: the torch executor trains with "
                          f"{', '.join(LOSSES)}")
 
     held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
+    _prefetch(ctx, config, stages, prefetch, track_memory, skip=(stage, microbatch))
+    out = _forward_on(held, inputs, stage=stage, stages=stages, microbatch=microbatch,
+                      loss_scale=loss_scale, loss=loss, split=not fused_backward,
+                      offload=bool(offload), config=config)
+    # the copy's time is the simulator's; a prefetch listed after its own forward: as it ends
+    del copy_seconds
+    if [stage, microbatch] in [[int(p[0]), int(p[1])] for p in prefetch or ()]:
+        held.runner.prefetch(microbatch)
+    return out
+
+
+def _forward_on(held: HeldStage, inputs: tuple, *, stage: int, stages: int, microbatch: int,
+                loss_scale: float, loss: str, split: bool, offload: bool, config: dict) -> Any:
     first, last = stage == 0, stage == stages - 1
-    split = not fused_backward
     if loss in RL_LOSSES:
         return _rl_forward(held, inputs, first=first, last=last, microbatch=microbatch,
                            loss_scale=float(loss_scale),
-                           settings=RLSettings.from_config(loss, config), split=split)
+                           settings=RLSettings.from_config(loss, config), split=split,
+                           offload=offload)
     read, targets = split_tokens(_tokens(inputs[0] if first else inputs[-1])) \
         if first or last else (None, None)
     args: list[Any] = [read if first else inputs[0]]
     if last:
         args += [targets, float(loss_scale)]
-    out = held.runner.forward(microbatch, *args, split=split)
+    out = held.runner.forward(microbatch, *args, split=split, offload=offload)
     if not last:
         return out
     n_tokens = int(targets.ge(0).sum())
@@ -94,7 +109,8 @@ def split_tokens(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _rl_forward(held: HeldStage, inputs: tuple, *, first: bool, last: bool, microbatch: int,
-                loss_scale: float, settings: RLSettings, split: bool = True) -> Any:
+                loss_scale: float, settings: RLSettings, split: bool = True,
+                offload: bool = False) -> Any:
     """F under an RL loss. Inputs: (experiences[, reference scores]) on stage 0, the
     activation on a middle stage, (activation, experiences[, reference scores]) on the last;
     the last stage returns the microbatch's mean loss per response token, and its token count
@@ -104,11 +120,11 @@ def _rl_forward(held: HeldStage, inputs: tuple, *, first: bool, last: bool, micr
     experiences = records(data[0]) if data else []
     x = sequence_ids(experiences, held.runner.device) if first else inputs[0]
     if not last:
-        return held.runner.forward(microbatch, x, split=split)
+        return held.runner.forward(microbatch, x, split=split, offload=offload)
     refs = records(data[1]) if len(data) > 1 else []
     rl_loss = RLLoss(experiences, refs, settings, held.runner.device)
-    summed = float(held.runner.forward(microbatch, x, rl_loss, loss_scale, split=split)) / \
-        loss_scale
+    summed = float(held.runner.forward(microbatch, x, rl_loss, loss_scale, split=split,
+                                       offload=offload)) / loss_scale
     normalizer = rl_loss.normalizer
     return MicrobatchStats(loss=summed / normalizer if normalizer else 0.0,
                            tokens=rl_loss.tokens, normalizer=normalizer, values=rl_loss.values)
@@ -127,23 +143,42 @@ def _tokens(value: Any) -> torch.Tensor:
     return torch.cat(rows)
 
 
+def _prefetch(ctx: OpContext, config: dict, stages: int, prefetch: Any, track_memory: bool,
+              skip: tuple[int, int] | None = None) -> None:
+    """Start bringing back the offloaded microbatches [stage, microbatch, seconds] that this op
+    carries (`skip`: one that its own forward makes, brought back as it ends), and note the
+    activation memory from now on with `track_memory` [Note: activation memory reports]."""
+    for entry in prefetch or ():
+        s, mb = int(entry[0]), int(entry[1])
+        if (s, mb) != skip:
+            held_stage(ctx, {**config, "stage": s, "stages": stages}).runner.prefetch(mb)
+    if track_memory:
+        for held in held_model(ctx, {**config, "stages": stages}).stages.values():
+            held.runner.track_memory = True
+
+
 def _backward_input(ctx: OpContext, upstream: Any, *_: Any, stage: int, stages: int,
-                    microbatch: int, **config: Any) -> Any:
+                    microbatch: int, prefetch: Any = (), track_memory: bool = False,
+                    **config: Any) -> Any:
     """B: the gradient of the stage's input activation (None on stage 0, whose inputs are
     token ids). The last stage's B reads its own F's stats only to be ordered after it."""
     held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
+    _prefetch(ctx, config, stages, prefetch, track_memory)
     grad_outputs = () if stage == stages - 1 else (upstream,)  # the last stage starts from its loss
     return held.runner.backward_input(microbatch, *grad_outputs)[0]
 
 
 def _backward_weight(ctx: OpContext, *_: Any, stage: int, stages: int, microbatch: int,
-                     **config: Any) -> None:
-    held_stage(ctx, {**config, "stage": stage, "stages": stages}).runner.backward_weight(microbatch)
+                     prefetch: Any = (), track_memory: bool = False, **config: Any) -> None:
+    held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
+    _prefetch(ctx, config, stages, prefetch, track_memory)
+    held.runner.backward_weight(microbatch)
 
 
 def _backward(ctx: OpContext, upstream: Any, *_: Any, stage: int, stages: int, microbatch: int,
-              **config: Any) -> Any:
+              prefetch: Any = (), track_memory: bool = False, **config: Any) -> Any:
     held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
+    _prefetch(ctx, config, stages, prefetch, track_memory)
     grad_outputs = () if stage == stages - 1 else (upstream,)  # the last stage starts from its loss
     return held.runner.backward(microbatch, *grad_outputs)[0]
 
@@ -334,6 +369,20 @@ def _stage_parameters(ctx: OpContext, *_: Any, stage: int, stages: int,
     return {name: p.detach().cpu().clone() for name, p in held.module.named_parameters()}
 
 
+def _activation_memory(ctx: OpContext, *_: Any, model: str, reset: bool = True) -> dict:
+    """The activation bytes the model's stages here held at most since the last reset (the
+    StageRunners' accounting, noted by ops given track_memory; several stages here: the sum
+    of their peaks, at most that) and hold now [Note: activation memory reports]."""
+    runners = [held.runner for (name, _), kept in ctx.state.get("torch_models", {}).items()
+               if name == model for held in kept.stages.values()]
+    now = sum(r.device_bytes for r in runners)
+    peak = max(now, sum(r.peak_device_bytes for r in runners))
+    if reset:
+        for runner in runners:
+            runner.peak_device_bytes = runner.device_bytes
+    return {"peak": peak, "now": now, "unit": "bytes"}
+
+
 def _zero_grad(ctx: OpContext, *_: Any, stage: int, stages: int, **config: Any) -> None:
     held_stage(ctx, {**config, "stage": stage, "stages": stages}).module.zero_grad(set_to_none=True)
 
@@ -396,6 +445,7 @@ def register(table: OpTable) -> None:
     table.register("reduce_grads", _reduce_grads)
     table.register("optimizer_step", _optimizer_step)
     table.register("zero_grad", _zero_grad)
+    table.register("activation_memory", _activation_memory)
     table.register("stage_parameters", _stage_parameters)
     table.register("profile_stage", _profile)
     table.register("export_weights", export_weights)

@@ -60,6 +60,10 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
 @click.option("--schedule", default=None,
               help="Pipeline schedule of every backprop: gpipe, 1f1b, zb-h1, zb-h2, zb-v, "
               "auto, ... (flowkit schedule --help) [default: the flow's].")
+@click.option("--offload", type=click.Choice(("none", "half", "all")), default=None,
+              help="Offload that share of every backprop's activations to host memory between "
+              "F and B, overlapped with compute (PipeOffload); given, none included, each step "
+              "reports its peak activation memory [default: the flow's].")
 @click.option("--fuse/--no-fuse", default=_RUN.fuse, show_default=True,
               help="Start each op on the first items it can take (sample-level fusion), or run "
               "the flow stage by stage, each op waiting for its producers to finish.")
@@ -158,7 +162,7 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
 def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | None, device: str,
         steps: int, stages: int | None, replicas: int | None, shard_optimizer: bool,
         microbatches: int | None,
-        schedule: str | None,
+        schedule: str | None, offload: str | None,
         fuse: bool, asynchronous: bool | None, max_staleness: int | None, sim_cost: str,
         trace: Path | None, metrics: Path | None, loggers: tuple[str, ...], log_dir: Path,
         wandb_project: str, run_name: str | None, eval_every: int | None,
@@ -194,7 +198,7 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
             device=device, code=[path], stages=stages, replicas=replicas,
             shard_optimizer=shard_optimizer,
             microbatches=microbatches,
-            schedule=schedule, fuse=fuse, asynchronous=asynchronous,
+            schedule=schedule, offload=offload, fuse=fuse, asynchronous=asynchronous,
             max_staleness=max_staleness, sim_costs=costs, trace=trace, logs=logs,
             dashboard=dashboard, eval_every=eval_every, save_weights=save_weights,
             checkpoints=checkpoints,
@@ -217,8 +221,8 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
 
 
 # RunConfig's settings -> the option that sets them, so that an error names what was typed
-_OPTIONS = {"tags": "--tags", "schedule": "--schedule", "max_staleness": "--max-staleness",
-            "eval_every": "--eval-every",
+_OPTIONS = {"tags": "--tags", "schedule": "--schedule", "offload": "--offload",
+            "max_staleness": "--max-staleness", "eval_every": "--eval-every",
             "controller.keys": "--keys", "controller.bind": "--bind"}
 
 

@@ -27,6 +27,7 @@ from flowkit.ops.environments import Conversation, Environment, EnvStep
 from flowkit.ops.executor_ops import (
     EXECUTOR_OPS,
     LOWERED_OPS,
+    OFFLOAD_KEYS,
     PIPELINE_OPS,
     SIMULATED,
     OpSpec,
@@ -51,7 +52,8 @@ from flowkit.ops.records import STALE_SEGMENTS
 __all__ = ["AGENT", "AGENT_KEYS", "AGENT_RANGES", "EXECUTOR_OPS", "KL_ALIASES", "KL_KINDS",
            "LOSSES", "LOSS_AGG_MODES", "LOSS_KNOBS",
            "LOSS_SPEC", "POLICY_LOSSES", "ROLLOUT_IS_LEVELS", "ROLLOUT_IS_MODES",
-           "LOWERED_OPS", "MODEL_EOS", "PIPELINE_OPS", "PROXIMAL_LOSSES", "ROUND_KNOBS",
+           "LOWERED_OPS", "MODEL_EOS", "OFFLOAD_KEYS", "PIPELINE_OPS", "PROXIMAL_LOSSES",
+           "ROUND_KNOBS",
            "SAMPLING", "SAMPLING_CHOICES", "SAMPLING_KEYS", "SAMPLING_RANGES", "SIMULATED",
            "STALE_SEGMENTS", "SUM_FORM_LOSSES", "AgentConfig", "Conversation", "EnvStep",
            "Environment", "OpSpec", "SamplingConfig", "cut",

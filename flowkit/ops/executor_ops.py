@@ -17,8 +17,8 @@ import attrs
 from flowkit.ops.configs import AGENT_KEYS, SAMPLING_KEYS
 from flowkit.ops.losses import LOSS_KNOBS
 
-__all__ = ["EXECUTOR_OPS", "LOWERED_OPS", "PIPELINE_OPS", "SIMULATED", "STATE_OPS", "OpSpec",
-           "missing_executor_ops"]
+__all__ = ["EXECUTOR_OPS", "LOWERED_OPS", "OFFLOAD_KEYS", "PIPELINE_OPS", "SIMULATED", "STATE_OPS",
+           "OpSpec", "missing_executor_ops"]
 
 
 @attrs.frozen
@@ -31,7 +31,11 @@ class OpSpec:
 
 MODEL_KEYS = ("model", "build", "stages", "seed", "dtype", "model_config", "lora")  # model_spec's
 _STAGE = (*MODEL_KEYS, "stage")
-_PIPELINE = (*_STAGE, "microbatch", "loss", *LOSS_KNOBS, "seconds")
+# every pipeline op: the copies it issues as it starts [Note: offload in the runtime] and its
+# activation memory's change in microbatch stashes (the simulator's accounting; `track_memory`:
+# the executor notes its peak, which `activation_memory` reads)
+_PIPELINE = (*_STAGE, "microbatch", "loss", *LOSS_KNOBS, "seconds", "prefetch", "memory",
+             "track_memory")
 # the simulator's rollout engine and sampled lengths (flowkit/planner/simcosts.py)
 _SIM_ENGINE = ("seconds_per_seq", "seconds_per_prefill_token", "token_budget", "max_batch",
                "prompt_sigma")
@@ -46,14 +50,21 @@ PIPELINE_OPS = ("F", "B", "W", "BW")
 EXECUTOR_OPS = {spec.name: spec for spec in (
     OpSpec("F", "stage 0: the microbatch's data; a later stage: the activation before it, and "
            "on the last stage the data again, for the loss",
-           (*_PIPELINE, "loss_scale", "out_bytes", "last", "tokens", "fused_backward"),
+           (*_PIPELINE, "loss_scale", "out_bytes", "last", "tokens", "fused_backward", "offload",
+            "copy_seconds"),
            "forward; the last stage returns the microbatch's MicrobatchStats (fused_backward: "
-           "its backward will be one BW, so it need not prepare a split one)"),
+           "its backward will be one BW, so it need not prepare a split one; offload: what it "
+           "stashes goes to host memory once it ends, a copy of copy_seconds on the simulator)"),
     OpSpec("B", "the gradient of the stage's output (the last stage: its own F's stats)",
            (*_PIPELINE, "out_bytes", "first"), "input gradients; stashes what W needs"),
     OpSpec("W", "the stage's B output, only to be ordered after it", _PIPELINE,
            "weight gradients from what B stashed"),
     OpSpec("BW", "as B", (*_PIPELINE, "out_bytes", "first"), "B and W in one op"),
+    OpSpec("activation_memory", "anything, only to be ordered after it", ("model", "reset"),
+           "{peak, now, unit}: the activation memory the model's stages on this executor held at "
+           "most since the last reset (reset: start again from now) and hold now, as the "
+           "executor accounts it (torch: bytes, for pipeline ops given track_memory; the "
+           "simulator: microbatch stashes, from each op's `memory`)"),
     OpSpec("grad_stats", "on the last stage, the first stage's tied gradients", _OPTIMIZER,
            "a stage's squared gradient norm and its tied gradients"),
     OpSpec("reduce_grads", "every replica's last action of the stage, only to be ordered after "
@@ -111,13 +122,27 @@ LOWERED_OPS = {"pipeline": (*PIPELINE_OPS, "profile_stage"),
                "step": ("grad_stats", "optimizer_step")}
 """The executor ops a model op runs as, by its `ModelOp.lowering` (without one: its own)."""
 
-SIMULATED = frozenset(PIPELINE_OPS) | {"grad_stats", "reduce_grads", "optimizer_step",
+SIMULATED = frozenset(PIPELINE_OPS) | {"activation_memory", "grad_stats", "reduce_grads",
+                                       "optimizer_step",
                                        "generate", "generation",
                                        "logprobs", "values", "reward_model", "save_state",
                                        "load_state"}
 """The ops the timed simulator implements: every op a flow's model ops lower to, the rollout
 engine's control, and the run checkpoint's state ops. Not the replica groups: it models the
 all-reduce's time in reduce_grads instead of running one."""
+
+# [Note: offload in the runtime] A schedule's O and P actions (flowkit/planner/offload.py) are
+# no tasks of their own: they run on the device's copy engines beside its compute, issued with
+# the compute op listed before them, and the runtime (flowkit/runner/pipeline.py) hands them
+# to that op. An F whose O follows it gets `offload` (and the copy's `copy_seconds`): what it
+# stashes goes to host memory as soon as it ends. The compute op listed before a P gets
+# `prefetch`, a list of [stage, microbatch, copy seconds]: as it starts, the executor starts
+# copying those microbatches' activations back, beside the op; their B or BW waits for the
+# copy. Every executor that runs pipeline ops must read these keys (an executor that ignored
+# them would train right and keep every activation: the contract test holds both to it).
+OFFLOAD_KEYS = {"F": ("offload", "copy_seconds", "prefetch"), "B": ("prefetch",),
+                "W": ("prefetch",), "BW": ("prefetch",)}
+"""The config keys that carry offload, by pipeline op: each executor's op must name them."""
 
 STATE_OPS = ("save_state", "load_state")
 """The ops an executor takes part in a run checkpoint with [Note: run checkpoints in

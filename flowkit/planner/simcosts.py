@@ -67,6 +67,9 @@ class SimCosts:
     max_batch: int = attrs.field(default=256, converter=_count, validator=_counted)
     infer_token: float = attrs.field(default=0.00002, converter=float, validator=_seconds)
     activation_bytes: int = attrs.field(default=1 << 16, converter=int)
+    # one offload or prefetch copy of a microbatch's stashed activations, one way, on a copy
+    # engine beside compute [Note: offload in flowkit/planner/offload.py]
+    copy: float = attrs.field(default=0.0, converter=float, validator=_seconds)
     # response lengths: exponential (0), or log-normal with this sigma (a longer tail)
     length_sigma: float = attrs.field(default=0.0, converter=float, validator=_seconds)
     # how much prompts differ: each prompt's lengths are scaled by a log-normal factor with
@@ -109,7 +112,7 @@ class SimCosts:
         return wire + self.allreduce_latency
 
     def stage_costs(self, stages: int) -> Costs:
-        return Costs.uniform(stages, F=self.F, B=self.B, W=self.W)
+        return Costs.uniform(stages, F=self.F, B=self.B, W=self.W, copy=self.copy)
 
     def iteration_s(self, batch: int) -> float:
         """One decode iteration of `batch` live sequences, without prefill: t(b)."""

@@ -98,7 +98,8 @@ class Run:
         self.flow = with_training_options(flow, stages=config.stages, replicas=config.replicas,
                                           shard_optimizer=config.shard_optimizer,
                                           microbatches=config.microbatches,
-                                          schedule=config.schedule)
+                                          schedule=config.schedule,
+                                          offload=config.offload)
         self.plan = lower_flow(self.flow)
         self.staleness = config.staleness(self.flow.max_staleness)
         if self.staleness is not None:

@@ -150,6 +150,10 @@ class RunConfig:
     """Microbatches per step of every backprop; None: the flow's."""
     schedule: str | None = None
     """Pipeline schedule of every backprop (1f1b, zb-h1, zb-v, auto, ...); None: the flow's."""
+    offload: str | None = None
+    """Offload activations to host memory between F and B in every backprop's schedule:
+    "half", "all" or "none" [Note: offload in flowkit/planner/offload.py]; given (none
+    included), each step reports its peak activation memory; None: the flow's."""
     fuse: bool = True
     """Start each op on the first items it can take (sample-level fusion); False runs the flow
     stage by stage, the baseline fusion is measured against."""

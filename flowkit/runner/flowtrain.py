@@ -19,8 +19,9 @@ import attrs
 
 from flowkit.dsl import Model
 from flowkit.ops import cut, minibatch_rounds, rounds_of
-from flowkit.planner import Action, Costs, Kind, Schedule, simulate
+from flowkit.planner import Action, Costs, Kind, MemoryModel, Schedule, simulate
 from flowkit.planner.lower import InputRule, NodePlan
+from flowkit.planner.offload import offload_schedule
 from flowkit.planner.schedules import build_schedule
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runner.pipeline import PipelineRun, StreamedSchedule, stage_costs_config
@@ -108,6 +109,7 @@ class ModelTraining:
         self.last_trained: tuple | None = None  # the same of the latest step that trained
         self.rounds: Rounds | None = None  # this step's backprop, when it ran in rounds
         self.synced: list = []  # this step's weight exports to the generating executors
+        self.tracked: set[str] = set()  # backprop nodes whose activation memory is reported
         self.step = 0
         # called before new weights go to the generating executors: an evaluation that runs
         # alongside an asynchronous run finishes on the weights it started with (evaluation.py)
@@ -138,6 +140,38 @@ class ModelTraining:
         for export in self.synced:
             export.exception(timeout)  # waits for it, fetching nothing
         return sum(export.nbytes for export in self.synced)
+
+    # [Note: activation memory reports] A backprop told how to offload (its config's `offload`,
+    # "none" included: the baseline to compare with) has its pipeline ops note the activation
+    # memory they hold (`track_memory`), and after each step every device of the model says its
+    # peak since the step before (the `activation_memory` op, in the device's lane, so after
+    # the step's ops): torch executors in bytes by the StageRunner's accounting, the simulator
+    # in microbatch stashes of the planner's memory model. The step reports the most of any
+    # device, as `MODEL/peak_activation_UNIT`, and each device's (over replicas), as
+    # `MODEL/peak_activation_UNIT/deviceD`: the last stage, which has nothing to offload in
+    # most schedules, often holds the most.
+    def activation_memory(self, timeout: float) -> dict[str, float]:
+        """This step's peak activation memory of the model's devices, by unit, where its
+        backprop tracks it and its executors implement `activation_memory`."""
+        if not self.tracked or self.trained is None:
+            return {}
+        schedule = self.trained[0]
+        futures = []
+        for replica in range(self.replicas):
+            for device, info in enumerate(self.replica(replica)):
+                if device >= schedule.num_devices or "activation_memory" not in info.ops:
+                    continue
+                futures.append((device, self.ctl.submit(
+                    "activation_memory", config={"model": self.model.name, "reset": True},
+                    executor=info.id, lane=f"{replica_lane(self.model.name, replica)}/{device}",
+                    meta={"node": "activation_memory", "step": self.step})))
+        peaks: dict[str, float] = {}
+        for device, future in futures:
+            got = future.result(timeout=timeout)
+            name = f"{self.model.name}/peak_activation_{got['unit']}"
+            for key in (name, f"{name}/device{device}"):
+                peaks[key] = max(peaks.get(key, 0.0), float(got["peak"]))
+        return peaks
 
     def carried_state(self) -> dict:
         """What it carries from step to step that a run checkpoint keeps (checkpoint.py): the
@@ -236,7 +270,16 @@ class ModelTraining:
         their stats, registered under `lineage(global microbatch)`."""
         self.dp.set_up(lambda f: watch((), (f,), register=False))
         sim = self.sim_costs or SimCosts()
-        base = stage_costs_config(stage_costs, activation_bytes=sim.activation_bytes)
+        tracked = plan.config.get("offload") is not None  # [Note: activation memory reports]
+        base = stage_costs_config(stage_costs, activation_bytes=sim.activation_bytes,
+                                  memory=MemoryModel(), chunks=schedules[0].placement.chunks)
+        if tracked:
+            costed = base
+
+            def base(action: Action) -> dict:
+                return {**costed(action), "track_memory": True}
+
+            self.tracked.add(plan.name)
         spec = model_spec(self.model, schedules[0].num_stages)
         last, count = schedules[0].num_stages - 1, self.replicas
         submitters = []
@@ -263,19 +306,20 @@ class ModelTraining:
         """The schedule for this step, from the simulator's costs or, on executors that can
         measure (torch), from F/B/W times profiled once per model and stage count (on no
         `sample`, uniform costs until a step has items to profile on)."""
-        limit = plan.config.get("memory_limit")
+        limit, offload = plan.config.get("memory_limit"), plan.config.get("offload")
         devices = self.devices
         if self.sim_costs is not None or not all("profile_stage" in e.ops
                                                  for e in self.executors):
             costs = (self.sim_costs or SimCosts()).stage_costs(devices)
-            schedule = self._schedule(kind, devices, count, costs, limit)
+            schedule = self._schedule(kind, devices, count, costs, limit, offload)
             return costs.for_placement(schedule.placement), schedule
         placement = self._schedule(kind, devices, count, Costs.uniform(devices), limit).placement
         key = (self.model.name, placement.num_stages)
         if key not in self.profiles and sample is None:
             stage_costs = Costs.uniform(placement.num_stages)  # this step's only
             return stage_costs, self._schedule(kind, devices, count,
-                                               device_shares(stage_costs, placement), limit)
+                                               device_shares(stage_costs, placement), limit,
+                                               offload)
         if key not in self.profiles:
             try:
                 self.profiles[key] = profile_stages(
@@ -287,16 +331,21 @@ class ModelTraining:
                                    f"failed: {exc}") from exc
         stage_costs = self.profiles[key]
         schedule = self._schedule(kind, devices, count, device_shares(stage_costs, placement),
-                                  limit)
+                                  limit, offload)
         return stage_costs, schedule
 
     def _schedule(self, kind: str, devices: int, count: int, costs: Costs,
-                  limit: float | None) -> Any:
-        """Built once per input: `auto` searches, which must not cost every step its time."""
-        key = (kind, devices, count, costs, limit)
+                  limit: float | None, offload: str | None = None) -> Any:
+        """Built once per input: `auto` searches, which must not cost every step its time.
+        `offload` ("half", "all"): with that share of its activations offloaded."""
+        key = (kind, devices, count, costs, limit, offload)
         if key not in self.schedules:
-            self.schedules[key] = build_schedule(kind, devices=devices, microbatches=count,
-                                                 costs=costs, memory_limit=limit)
+            schedule = build_schedule(kind, devices=devices, microbatches=count,
+                                      costs=costs, memory_limit=limit)
+            if offload not in (None, "none"):  # [Note: offload in flowkit/planner/offload.py]
+                schedule = offload_schedule(schedule, costs.for_placement(schedule.placement),
+                                            offload)
+            self.schedules[key] = schedule
         return self.schedules[key]
 
     # -- minibatch rounds [Note: minibatch rounds in flowkit/ops/minibatches.py] ---------------

@@ -15,7 +15,16 @@ from typing import Any
 
 import attrs
 
-from flowkit.planner import Action, ActionKey, Costs, Kind, Schedule, action_key, bubble_rate
+from flowkit.planner import (
+    Action,
+    ActionKey,
+    Costs,
+    Kind,
+    MemoryModel,
+    Schedule,
+    action_key,
+    bubble_rate,
+)
 from flowkit.planner.simulate import dependencies
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.futures import Future, wait
@@ -125,11 +134,6 @@ class StreamedSchedule:
         if len(executors) != schedule.num_devices:
             raise ValueError(f"schedule {schedule.kind!r} needs {schedule.num_devices} "
                              f"executors, got {len(executors)}")
-        if any(a.kind.is_copy for ops in schedule.device_ops for a in ops):
-            raise ValueError(
-                f"schedule {schedule.kind!r} offloads activations (O and P actions): the "
-                "planner simulates it and StageRunner runs it, but the runtime does not carry "
-                "the copies to executors yet; run it without offload")
         self.ctl, self.executors = ctl, executors
         self.config_for, self.lane, self.meta = config_for, lane, meta or {}
         self.on_submit = on_submit
@@ -141,6 +145,8 @@ class StreamedSchedule:
         # [Note: a fused backward in executors/torch/stage.py]
         self._fused = {(a.stage, a.microbatch) for ops in schedule.device_ops for a in ops
                        if a.kind is Kind.BW}
+        # the copies each compute op issues as it starts [Note: offload in the runtime]
+        self._copies = _carried_copies(schedule, config_for)
 
     @property
     def done(self) -> bool:
@@ -161,6 +167,8 @@ class StreamedSchedule:
                                for mb in range(schedule.microbatches)]
 
     def _submit(self, device: int, action: Action) -> bool:
+        if action.kind.is_copy:  # no task: its compute op carries it
+            return True
         last = self.run.schedule.num_stages - 1
         reads_data = action.kind is Kind.F and action.stage in (0, last)
         if reads_data and action.microbatch not in self.inputs:
@@ -171,6 +179,10 @@ class StreamedSchedule:
         config = dict(self.config_for(action)) if self.config_for else {}
         if action.kind is Kind.F and (action.stage, action.microbatch) in self._fused:
             config["fused_backward"] = True
+        if self._copies:  # a backward finds its microbatch's copies by them
+            config.setdefault("stage", action.stage)
+            config.setdefault("microbatch", action.microbatch)
+            config.update(self._copies.get(action, {}))
         future = self.ctl.submit(action.kind.value, *inputs, config=config,
                                  executor=self.executors[device].id,
                                  lane=f"{self.lane}/{device}", meta=meta)
@@ -199,6 +211,38 @@ def submit_schedule(ctl: Controller, schedule: Schedule, executors: Sequence[Exe
     return streamed.run
 
 
+# [Note: offload in the runtime in flowkit/ops/executor_ops.py] An O is issued with its F and
+# waits for it, so the F carries it (`offload`); a P is issued as the compute op listed before
+# it starts, so that op carries it (`prefetch`), whichever stage or microbatch it is of.
+def _carried_copies(schedule: Schedule, config_for: ConfigFor | None) -> dict[Action, dict]:
+    """The offload keys of each compute op that issues copies: an F whose O follows it gets
+    `offload` and its copy's `copy_seconds`, the compute op before a P gets [stage,
+    microbatch, copy seconds] in its `prefetch` list. A copy's seconds are its config's."""
+    def seconds(copy: Action) -> float:
+        return float((config_for(copy) if config_for else {}).get("seconds", 0.0))
+
+    carried: dict[Action, dict] = {}
+    for device, ops in enumerate(schedule.device_ops):
+        carrier: Action | None = None
+        for action in ops:
+            if not action.kind.is_copy:
+                carrier = action
+                continue
+            if carrier is None:
+                raise ValueError(f"schedule {schedule.kind!r}: {action} on device {device} "
+                                 "comes before any compute op that could issue it")
+            keys = carried.setdefault(carrier, {})
+            if action.kind is Kind.O:
+                if carrier != Action(action.stage, Kind.F, action.microbatch):
+                    raise ValueError(f"schedule {schedule.kind!r}: {action} on device "
+                                     f"{device} does not follow its forward")
+                keys.update(offload=True, copy_seconds=seconds(action))
+            else:
+                keys.setdefault("prefetch", []).append(
+                    [action.stage, action.microbatch, seconds(action)])
+    return carried
+
+
 def _inputs_of(action: Action, outputs: dict, last: int, microbatch_inputs: dict) -> list:
     """Stage 0's F reads the microbatch; the last stage's F reads it too (its targets), after
     the activation; every other action reads what its dependencies made."""
@@ -211,12 +255,17 @@ def _inputs_of(action: Action, outputs: dict, last: int, microbatch_inputs: dict
     return [outputs[action_key(*dep)] for dep in dependencies(action, last + 1)] + given
 
 
-def stage_costs_config(costs: Costs, *, activation_bytes: int = 0) -> ConfigFor:
-    """Op configs for the simulator executor: each action's cost in seconds and its output size."""
+def stage_costs_config(costs: Costs, *, activation_bytes: int = 0,
+                       memory: MemoryModel | None = None, chunks: int = 1) -> ConfigFor:
+    """Op configs for the simulator executor: each action's cost in seconds and its output size,
+    and with `memory` what it adds to its device's activation memory (`MemoryModel.delta` of a
+    placement with `chunks` stages a device), which the simulator accounts."""
     last = costs.num_stages - 1
 
     def config_for(action: Action) -> dict:
-        config = {"seconds": costs.of(action)}
+        config = {"seconds": costs.of(action)}  # a copy's: its copy engine's time
+        if memory is not None and not action.kind.is_copy:
+            config["memory"] = memory.delta(action, chunks)
         if action.kind is Kind.F:
             config.update(out_bytes=activation_bytes, last=action.stage == last)
         elif action.kind in (Kind.B, Kind.BW):

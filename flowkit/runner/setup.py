@@ -59,14 +59,25 @@ def choose_executors(plan: list[NodePlan], kind: str) -> tuple[str, str | None]:
     return "torch", "executors: torch (it implements every model op of this flow)"
 
 
+def check_offload(value: object, where: str = "offload") -> None:
+    """RunConfigError unless `value` is None or one of OFFLOAD_CHOICES (none, half, all)."""
+    from flowkit.planner.offload import OFFLOAD_CHOICES
+
+    if value is not None and value not in OFFLOAD_CHOICES:
+        raise RunConfigError("offload", f"{where} {value!r}: expected one of "
+                             f"{', '.join(OFFLOAD_CHOICES)} (the share of each stage's "
+                             "activations kept in host memory between F and B)")
+
+
 def with_training_options(flow: Flow, *, stages: int | None, microbatches: int | None,
                           schedule: str | None, replicas: int | None = None,
-                          shard_optimizer: bool = False) -> Flow:
+                          shard_optimizer: bool = False, offload: str | None = None) -> Flow:
     """`flow` with every trained model cut into `stages` and trained by `replicas` (their
     optimizer states sharded over them with `shard_optimizer`), and every
-    backprop run with `microbatches` under `schedule`, where given (the flow is changed in
-    place). A backprop with fewer microbatches than its model's replicas is an error here,
-    before anything starts: each replica runs at least one."""
+    backprop run with `microbatches` under `schedule`, `offload` of its activations to host
+    memory, where given (the flow is changed in place; an offload the flow sets is checked).
+    A backprop with fewer microbatches than its model's replicas is an error here, before
+    anything starts: each replica runs at least one."""
     if schedule is not None:
         from flowkit.planner.schedules.registry import get_spec
 
@@ -86,6 +97,9 @@ def with_training_options(flow: Flow, *, stages: int | None, microbatches: int |
             node.config["microbatches"] = microbatches
         if schedule is not None:
             node.config["schedule"] = schedule
+        if offload is not None:
+            node.config["offload"] = offload
+        check_offload(node.config.get("offload"), f"{node.name!r}'s offload")
         count, model = node.config.get("microbatches") or 1, flow.models[node.model]
         if count < model.replicas:
             raise RunConfigError("microbatches", f"{node.name!r} runs {count} microbatch(es) a "

@@ -608,6 +608,7 @@ class StepRun:
             synced = training.sync_bytes(self.wiring.step_timeout)
             if synced is not None:
                 metrics[f"{training.model.name}/sync_bytes"] = synced
+            metrics.update(training.activation_memory(self.wiring.step_timeout))
         for node, count in self.incomplete_groups.items():
             metrics[f"{node}/incomplete_groups"] = count
         for policy in self.policies.values():

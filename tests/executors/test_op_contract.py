@@ -13,7 +13,7 @@ from executors.kinds import op_table
 from executors.torch import algos
 from executors.torch.pipeline_ops import LOSSES as TORCH_LOSSES
 from executors.torch.rl_loss import RLSettings
-from flowkit.ops import EXECUTOR_OPS, KL_KINDS, LOSS_KNOBS, LOSSES, SIMULATED
+from flowkit.ops import EXECUTOR_OPS, KL_KINDS, LOSS_KNOBS, LOSSES, OFFLOAD_KEYS, SIMULATED
 
 IMPLEMENTED = {"sim": SIMULATED, "torch": frozenset(EXECUTOR_OPS)}
 
@@ -39,6 +39,14 @@ def test_an_op_names_only_keywords_its_declaration_has(kind, op):
     unknown = _named_keywords(fn) - EXECUTOR_OPS[op].keywords
     assert not unknown, f"{kind}'s {op!r} reads {sorted(unknown)}, which flowkit.ops does not " \
                         "declare: declare them in EXECUTOR_OPS or drop them"
+
+
+@pytest.mark.parametrize(("kind", "op"), [(k, op) for k in sorted(IMPLEMENTED)
+                                          for op in sorted(OFFLOAD_KEYS)])
+def test_every_pipeline_op_reads_the_offload_keys(kind, op):
+    """An op that let them fall into its **config would train right and offload nothing."""
+    missing = set(OFFLOAD_KEYS[op]) - _named_keywords(op_table(kind).get(op))
+    assert not missing, f"{kind}'s {op!r} ignores {sorted(missing)} [Note: offload in the runtime]"
 
 
 def test_the_torch_executor_trains_with_every_declared_loss():

@@ -210,11 +210,25 @@ def test_offload_properties(case):
         a.kind is Kind.O for ops in offloaded.device_ops for a in ops)
 
 
-def test_the_runtime_refuses_copies_it_cannot_carry_yet():
-    from flowkit.runner.pipeline import StreamedSchedule
+def test_the_runtime_hands_each_copy_to_the_compute_op_that_issues_it():
+    """[Note: offload in the runtime in flowkit/ops/executor_ops.py]: an O to its F, a P to the
+    compute op listed before it; no copy is a task of its own."""
+    from flowkit.runner.pipeline import _carried_copies, stage_costs_config
 
     costs = Costs.uniform(2, copy=0.5)
     sched = offload_schedule(build_schedule("1f1b", devices=2, microbatches=4, costs=costs),
                              costs, "all")
-    with pytest.raises(ValueError, match="does not carry the copies to executors yet"):
-        StreamedSchedule(None, sched, [None, None])
+    carried = _carried_copies(sched, stage_costs_config(costs))
+    for ops in sched.device_ops:
+        compute = None
+        for a in ops:
+            if not a.kind.is_copy:
+                compute = a
+            elif a.kind is Kind.O:
+                assert compute == Action(a.stage, Kind.F, a.microbatch)
+                assert carried[compute]["offload"] and carried[compute]["copy_seconds"] == 0.5
+            else:
+                assert [a.stage, a.microbatch, 0.5] in carried[compute]["prefetch"]
+    copies = sum(a.kind.is_copy for ops in sched.device_ops for a in ops)
+    assert copies and copies == sum(
+        len(c.get("prefetch", ())) + bool(c.get("offload")) for c in carried.values())

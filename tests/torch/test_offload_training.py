@@ -1,0 +1,60 @@
+"""A flow trained under an offloading schedule on torch executor processes [Note: offload in the
+runtime in flowkit/ops/executor_ops.py]: the same parameters as the run without offload, bit for
+bit, and a lower peak of activation memory by the executors' own accounting [Note: activation
+memory reports in flowkit/runner/flowtrain.py]."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dataflows.pretrain import pretrain_flow
+from flowkit.planner import Kind
+from flowkit.runner.setup import with_training_options
+from tests.harness import executor_cluster, per_stage, tiny_gpt
+from tests.torch.test_pipeline_training import CORPUS
+
+DEVICES, MICROBATCHES, SEQUENCES, SEQ_LEN, STEPS = 4, 8, 8, 8, 2
+GPT_CONFIG = tiny_gpt(vocab_size=256, block_size=16, n_layer=4, n_embd=16)
+
+
+@pytest.fixture(scope="module")
+def torch_cluster():
+    with executor_cluster(DEVICES, kind="torch", tags=("train",)) as (ctl, _):
+        yield ctl
+
+
+def _train(ctl, schedule: str, offload: str, name: str) -> tuple[dict, list[dict], object]:
+    from flowkit.planner.lower import lower_flow
+    from flowkit.runner.flowrun import FlowRunner
+
+    flow = pretrain_flow(corpus=CORPUS, stages=DEVICES, microbatches=MICROBATCHES,
+                         schedule=schedule, batch_size=SEQUENCES, seq_len=SEQ_LEN,
+                         gpt={**GPT_CONFIG, "dtype": "float64", "seed": 3}, model_name=name,
+                         lr=1e-2, clip_grad_norm=0.5)
+    with_training_options(flow, stages=None, microbatches=None, schedule=None, offload=offload)
+    runner = FlowRunner(ctl, lower_flow(flow))
+    metrics = [runner.run_step(step).metrics for step in range(STEPS)]
+    return per_stage(ctl, runner, name, "stage_parameters"), metrics, runner.trained[name][0]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h2"])
+def test_offloaded_training_gives_the_parameters_of_the_plain_run_with_less_memory(
+        torch_cluster, schedule):
+    base, base_metrics, plain = _train(torch_cluster, schedule, "none", f"off-none-{schedule}")
+    assert not any(a.kind.is_copy for ops in plain.device_ops for a in ops)
+    peaks = {}
+    for which in ("half", "all"):
+        name = f"off-{which}-{schedule}"
+        params, metrics, sched = _train(torch_cluster, schedule, which, name)
+        assert any(a.kind is Kind.O for ops in sched.device_ops for a in ops)
+        for stage, named in base.items():
+            for key, value in named.items():
+                assert torch.equal(params[stage][key], value), f"{which}: stage {stage} {key}"
+        assert [m["backprop/loss"] for m in metrics] == \
+            [m["backprop/loss"] for m in base_metrics]
+        peaks[which] = [m[f"{name}/peak_activation_bytes/device0"] for m in metrics]
+    plain_peaks = [m[f"off-none-{schedule}/peak_activation_bytes/device0"]
+                   for m in base_metrics]
+    for step, plain_peak in enumerate(plain_peaks):
+        assert 0 < peaks["all"][step] < peaks["half"][step] < plain_peak, (peaks, plain_peaks)
