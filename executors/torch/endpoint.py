@@ -270,6 +270,10 @@ class _Handler(BaseHTTPRequestHandler):
         except RequestError as error:
             self._send(error.status, _error_body(error.code, str(error)))
             return
+        except Exception:  # a request no check foresaw: refused, and the server serves on
+            log.warning("endpoint: a request failed", exc_info=True)
+            self._send(400, _error_body("invalid_request", "the request could not be read"))
+            return
         call.done.wait()  # answered by the engine's turn, or by the trajectory's end
         self._send(call.status, call.reply)
 
@@ -289,14 +293,16 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             raise RequestError(411, "length_required", "a request needs its Content-Length") \
                 from None
-        if not 0 <= length <= MAX_BODY_BYTES:
+        if length < 0:
+            raise RequestError(400, "invalid_request", "a negative Content-Length")
+        if length > MAX_BODY_BYTES:
             self.close_connection = True  # its body is left unread
             raise RequestError(413, "request_too_large", f"a request's body is at most "
                                f"{MAX_BODY_BYTES} bytes, this one has {length}")
         raw = self.rfile.read(length)
         try:
             body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as error:
+        except (ValueError, UnicodeDecodeError, RecursionError) as error:
             raise RequestError(400, "invalid_json", f"the body is not JSON: {error}") from None
         if not isinstance(body, dict):
             raise RequestError(400, "invalid_request", "the body must be a JSON object")
@@ -347,8 +353,11 @@ def _message(message: Any, index: int) -> dict:
     if content is not None and not isinstance(content, str):
         raise RequestError(400, "invalid_messages", f"{where}.content must be a string")
     out: dict[str, Any] = {"role": message["role"], "content": content or ""}
-    if message.get("tool_calls"):
-        out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls") for c in message["tool_calls"]]
+    calls = message.get("tool_calls")
+    if calls is not None and not isinstance(calls, list):
+        raise RequestError(400, "invalid_messages", f"{where}.tool_calls must be a list")
+    if calls:
+        out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls") for c in calls]
     for key in ("tool_call_id", "name"):
         if isinstance(message.get(key), str):
             out[key] = message[key]

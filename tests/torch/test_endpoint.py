@@ -252,6 +252,11 @@ def test_the_endpoint_refuses_bad_requests_and_serves_on():
         assert _post(endpoint, {"messages": [{"role": "user", "content": 5}]},
                      key=key) == (400, "invalid_messages")
         assert _post(endpoint, {**ok, "tools": "all"}, key=key) == (400, "invalid_tools")
+        assert _post(endpoint, {"messages": [{"role": "assistant", "content": "x",
+                                              "tool_calls": 5}]}, key=key) == \
+            (400, "invalid_messages")
+        deep = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        assert _post(endpoint, None, key=key, raw=deep) == (400, "invalid_json")
         assert _post(endpoint, None, key=key, raw=b"{}",
                      headers={"Content-Length": str(1 << 30)}) == (413, "request_too_large")
         # its program's first request waits for the model's turn: a second is refused
