@@ -45,6 +45,19 @@ def op_context(name: str = "exec0") -> OpContext:
     return OpContext(name=name, device="cpu", tags=())
 
 
+def generating(items: list, name: str = "exec0", **settings: Any) -> tuple[OpContext, Any, list]:
+    """A generate request started in a fresh executor context and not stepped: the context,
+    its rollout engine (the test steps it, aborts it...) and the list the request's rollouts
+    stream into as they end."""
+    from executors.torch import generate as gen
+
+    ctx, streamed = op_context(name), []
+    gen._generate(ctx, items, **settings).bind(type("Sink", (), {
+        "emit": lambda s, r: streamed.append(r), "done": lambda s, r: None,
+        "fail": lambda s, e: None})())
+    return ctx, next(iter(ctx.background.values())), streamed
+
+
 def printed(renderable: Any, *, width: int) -> str:
     """What rich prints of `renderable` on a plain-text console `width` columns wide."""
     from rich.console import Console

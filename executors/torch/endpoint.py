@@ -51,7 +51,7 @@ import attrs
 from flowkit.ops import Conversation, Environment, EnvStep
 from flowkit.ops.toolcalls import hermes_calls
 
-__all__ = ["Endpoint", "ProgramEnvironment", "Task", "shared_endpoint"]
+__all__ = ["Endpoint", "ProgramEnvironment", "Task", "open_program", "shared_endpoint"]
 
 log = logging.getLogger("flowkit.executor")
 
@@ -500,6 +500,15 @@ class ProgramEnvironment(Environment):
                 "choices": [{"index": 0, "message": wire, "logprobs": None,
                              "finish_reason": "tool_calls" if "tool_calls" in message
                              else "stop"}]}
+
+
+def open_program(make: Callable[[Any, int], Any], prompt: Any, sample: int,
+                 text: str) -> Future:
+    """open_episode (turns.py) for an agent program, on the engine's thread: a Future of its
+    environment and the Conversation its first request opens."""
+    env = make(prompt, sample)
+    return _then(env.reset_async(text, getattr(prompt, "answer", None)),
+                 lambda conversation: (env, conversation))
 
 
 def _checked(event: tuple[str, Any]) -> tuple[str, Any]:

@@ -33,7 +33,7 @@ from typing import Any
 import attrs
 
 from executors.torch.stage import StageError
-from executors.torch.turns import ByteTurns, Episode, open_async, open_episode, step_episode
+from executors.torch.turns import ByteTurns, Episode, open_episode, step_episode
 from flowkit.ops import Conversation
 
 __all__ = ["Trajectories"]
@@ -52,8 +52,10 @@ class Trajectories:
         agent = seq.request.agent
         seq.episode = Episode()
         args = (agent.make, seq.prompt, seq.sample, self._prompt_text(seq.prompt))
-        if agent.asynchronous:
-            self._begin(seq, open_async, *args)
+        if agent.asynchronous:  # an agent program's (the endpoint loads with the first one)
+            from executors.torch.endpoint import open_program
+
+            self._begin(seq, open_program, *args)
         else:
             self.env_calls.start(seq, open_episode, *args, timeout_s=agent.timeout_s)
 

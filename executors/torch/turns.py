@@ -19,8 +19,8 @@ from executors.torch.held import imported
 from executors.torch.stage import StageError
 from flowkit.ops import AgentConfig, Conversation, Environment, EnvStep
 
-__all__ = ["Agent", "ByteTurns", "ChatTurns", "EnvCalls", "Episode", "agent_of", "open_async",
-           "open_episode", "step_episode"]
+__all__ = ["Agent", "ByteTurns", "ChatTurns", "EnvCalls", "Episode", "agent_of", "open_episode",
+           "step_episode"]
 
 TIMED_OUT = "the environment took longer than env_timeout_s"
 
@@ -188,17 +188,6 @@ def open_episode(make: Callable[[Any, int], Environment], prompt: Any, sample: i
     return env, env.reset(text, getattr(prompt, "answer", None))
 
 
-def open_async(make: Callable[[Any, int], Environment], prompt: Any, sample: int,
-               text: str) -> Future:
-    """open_episode for an asynchronous environment, on the engine's thread: a Future of the
-    environment and what its reset returns."""
-    env: Any = make(prompt, sample)
-    opened, out = env.reset_async(text, getattr(prompt, "answer", None)), Future()
-    opened.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception()
-                             else out.set_result((env, f.result())))
-    return out
-
-
 def step_episode(env: Environment, action: str) -> EnvStep:
     result = env.step(action)
     if not isinstance(result, EnvStep):
@@ -247,6 +236,7 @@ class ChatTurns:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._after_turn: str | None = None
+        self._base: str | None = None  # _BASE rendered: the same every observation
 
     def text(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -260,7 +250,9 @@ class ChatTurns:
                                  "chat template")
             return self.tokenizer.encode(observation + "\n", add_special_tokens=False)
         render = self.tokenizer.apply_chat_template
-        base = render(self._BASE, tokenize=False)
+        if self._base is None:
+            self._base = render(self._BASE, tokenize=False)
+        base = self._base
         full = render([*self._BASE, *messages], tokenize=False, add_generation_prompt=True)
         if not full.startswith(base):
             raise StageError("the chat template renders a conversation's beginning differently "

@@ -64,6 +64,18 @@ def metrics_lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def conserved(lines: list[dict]) -> None:
+    """Partial rollouts' books balance over a run's metrics lines: every sample started is
+    trained once, dropped, or still carried after the last step, and each step resumes what
+    the step before carried over."""
+    started = sum(line["rollout/started"] for line in lines)
+    trained = sum(line["rollout/samples"] for line in lines)
+    assert started == trained + sum(line["rollout/dropped"] for line in lines) \
+        + lines[-1]["rollout/carried_over"]
+    for before, after in zip(lines, lines[1:]):
+        assert after["rollout/resumed"] == before["rollout/carried_over"]
+
+
 def default_sigint() -> None:
     """In the child, before it runs: Ctrl-C's default, as a terminal gives its foreground job.
     A process that starts with SIGINT ignored keeps it ignored (Python installs no

@@ -10,21 +10,12 @@ from pathlib import Path
 
 from flowkit.runner.checkpoint import read_run_state
 from flowkit.runner.runstate import allowed_records
-from tests.cli.runs import FLOWS
+from tests.cli.runs import FLOWS, conserved
 from tests.cli.runs import metrics_lines as _lines
 from tests.cli.runs import run_ok as _run
 
 GUESS = str(FLOWS / "tiny_guess.py")
 STEPS, STOP = 4, 2
-
-
-def _conserved(lines: list[dict]) -> None:
-    started = sum(line["rollout/started"] for line in lines)
-    trained = sum(line["rollout/samples"] for line in lines)
-    assert started == trained + sum(line["rollout/dropped"] for line in lines) \
-        + lines[-1]["rollout/carried_over"]
-    for before, after in zip(lines, lines[1:]):
-        assert after["rollout/resumed"] == before["rollout/carried_over"]
 
 
 def test_a_resumed_agent_run_loses_no_trajectory_in_flight(tmp_path: Path):
@@ -44,6 +35,6 @@ def test_a_resumed_agent_run_loses_no_trajectory_in_flight(tmp_path: Path):
          str(checkpoint))
     lines = _lines(tmp_path / "resumed.jsonl")
     assert [line["step"] for line in lines] == list(range(STEPS))
-    _conserved(lines)
+    conserved(lines)
     assert all(line["agent/env_error_fraction"] == 0 and line["staleness/max"] <= 1
                for line in lines)

@@ -16,7 +16,7 @@ import pytest
 
 from flowkit.runner.checkpoint import complete_checkpoints, read_run_state
 from flowkit.runner.runstate import allowed_records
-from tests.cli.runs import GRPO, interrupted
+from tests.cli.runs import GRPO, conserved, interrupted
 from tests.cli.runs import metrics_lines as _lines
 from tests.cli.runs import refused as _refused
 from tests.cli.runs import run_ok as _run
@@ -161,16 +161,6 @@ def _oversampled(folder: Path) -> str:
     return str(flow)
 
 
-def _conserved(lines: list[dict], n: int = 4) -> None:
-    """Every sample started is trained once, dropped, or still carried after the last step."""
-    started = sum(line["rollout/started"] for line in lines)
-    trained = sum(line["rollout/samples"] for line in lines)
-    assert started == trained + sum(line["rollout/dropped"] for line in lines) \
-        + lines[-1]["rollout/carried_over"]
-    for before, after in zip(lines, lines[1:]):
-        assert after["rollout/resumed"] == before["rollout/carried_over"]
-
-
 @pytest.fixture(scope="module", params=["sim", "torch"])
 def partial_runs(request, tmp_path_factory) -> tuple[str, dict[str, Path]]:
     folder = tmp_path_factory.mktemp(f"partial-{request.param}")
@@ -190,7 +180,7 @@ def test_async_resume_loses_no_in_flight_rollout_openrlhf(partial_runs):
     for rollout in (r for c in work.carried for r in c.items):  # cut or done, with versions
         assert len(rollout.versions) == len(rollout.response_tokens)
     lines = _lines(paths["resumed"])
-    _conserved(lines)
+    conserved(lines)
     assert [line["step"] for line in lines] == list(range(STEPS))
     assert all(line["staleness/max"] <= 1 for line in lines)
     writer = _curve(paths["writer"], CURVE + ("rollout/carried_over", "rollout/resumed"))
@@ -335,7 +325,7 @@ def test_partial_rollouts_survive_killed_executors_with_every_sample_trained_onc
                     kills=2, seed=3, weights=False)
     lines = _lines(faulty / "m.jsonl")
     assert [line["step"] for line in lines] == list(range(14))
-    _conserved(lines)
+    conserved(lines)
     assert all(line["generate/taken_groups"] == 4 for line in lines)
     # a replayed request cut as it arrived would train samples without a token
     assert all(line["response_length_mean"] >= 1 for line in lines)

@@ -16,30 +16,20 @@ import pytest
 pytest.importorskip("transformers", reason="the hf extra: pip install 'flowkit[hf]'")
 openai = pytest.importorskip("openai", reason="the agents extra: pip install 'flowkit[agents]'")
 
+from dataflows.tools import calculator  # noqa: E402
 from executors.optable import Deferred  # noqa: E402
 from executors.torch import generate as gen  # noqa: E402
 from executors.torch.endpoint import Endpoint, ProgramEnvironment  # noqa: E402
 from executors.torch.engine import run_until_done  # noqa: E402
 from executors.torch.turns import ChatTurns  # noqa: E402
-from flowkit.ops import Conversation, Environment, EnvStep  # noqa: E402
+from flowkit.ops import Conversation, EnvStep  # noqa: E402
 from flowkit.ops.records import Prompt  # noqa: E402
 from flowkit.ops.tokenizers import load_tokenizer  # noqa: E402
-from tests.harness import op_context  # noqa: E402
+from tests.harness import generating, op_context  # noqa: E402
 from tests.hf_folders import save_tiny_qwen2, save_tokenizer  # noqa: E402
+from tests.torch.test_multiturn_hf import Feedback  # noqa: E402  (environment=...:Feedback here)
 
 QUESTION = [{"role": "user", "content": "What is 2+3?"}]
-
-
-class Feedback(Environment):
-    """Says how long each answer was; done after three, a point a turn."""
-
-    def __init__(self) -> None:
-        self.turns = 0
-
-    def step(self, action: str) -> EnvStep:
-        self.turns += 1
-        return EnvStep(observation=f"That was {len(action)} characters. Again?", reward=1.0,
-                       done=self.turns == 3)
 
 
 def feedback_program(task) -> float:
@@ -172,7 +162,7 @@ def calculator_program(task) -> float:
         for call in message.tool_calls:
             expression = json.loads(call.function.arguments)["expression"]
             messages.append({"role": "tool", "tool_call_id": call.id,
-                             "content": str(eval(expression, {"__builtins__": {}}))})  # noqa: S307
+                             "content": calculator(expression)})
 
 
 def _environment(program, endpoint, **prompt) -> ProgramEnvironment:
@@ -301,12 +291,7 @@ def test_an_aborted_programs_trajectory_goes_on_here_or_starts_again_elsewhere(q
     whole = {(r.prompt_id, r.sample): r for r in _rollouts(qwen2, **{
         k: v for k, v in _settings(qwen2).items() if k in ("program", "max_turns")})}
     prompts = [_prompt(load_tokenizer(str(qwen2)))]
-    ctx = op_context()
-    first: list = []
-    result = gen._generate(ctx, prompts, **_settings(qwen2))
-    result.bind(type("Sink", (), {"emit": lambda s, r: first.append(r),
-                                  "done": lambda s, r: None, "fail": lambda s, e: None})())
-    engine = next(iter(ctx.background.values()))
+    ctx, engine, first = generating(prompts, **_settings(qwen2))
     deadline = time.monotonic() + 20
     while not any(s is not None and s.episode.turns >= 2 for s in engine.slots) \
             and time.monotonic() < deadline:  # some trajectories into their second turn

@@ -20,7 +20,7 @@ from executors.torch.engine import run_until_done
 from executors.torch.held import whole_model
 from flowkit.ops import Environment, EnvStep
 from flowkit.ops.records import Prompt
-from tests.harness import gpt_spec, op_context, tiny_gpt
+from tests.harness import generating, gpt_spec, op_context, tiny_gpt
 
 GPT = tiny_gpt(vocab_size=256, block_size=96, n_layer=2, n_embd=16)
 MODEL = gpt_spec("actor", GPT, seed=5)
@@ -255,12 +255,7 @@ def test_an_aborted_trajectory_continues_where_it_stopped(steps, keep_cache):
                 "environment": f"{HERE}:Counted", "max_turns": 5, "keep_cache": keep_cache}
     _, whole = _trajectories(**settings)
     Counted.opened.clear(), Counted.closed.clear()
-    ctx = op_context()
-    result = gen._generate(ctx, PROMPTS, **settings)
-    first = []
-    result.bind(type("Sink", (), {"emit": lambda s, r: first.append(r),
-                                  "done": lambda s, r: None, "fail": lambda s, e: None})())
-    engine = next(iter(ctx.background.values()))
+    ctx, engine, first = generating(PROMPTS, **settings)
     for _ in range(steps):
         engine.step()
     time.sleep(0.05)  # some environment calls answered, maybe not taken yet
@@ -326,12 +321,7 @@ def test_an_aborted_trajectory_goes_on_elsewhere_from_its_saved_state(steps):
     settings = {**MODEL, "max_new_tokens": 6, "temperature": 1.0, "sample_seed": 3, "n": 2,
                 "environment": f"{HERE}:Saved", "max_turns": 5}
     _, whole = _trajectories(**settings)
-    ctx = op_context()
-    first: list = []
-    result = gen._generate(ctx, PROMPTS, **settings)
-    result.bind(type("Sink", (), {"emit": lambda s, r: first.append(r),
-                                  "done": lambda s, r: None, "fail": lambda s, e: None})())
-    engine = next(iter(ctx.background.values()))
+    ctx, engine, first = generating(PROMPTS, **settings)
     for _ in range(steps):
         engine.step()
     engine.abort()
@@ -380,12 +370,7 @@ def test_a_bad_saved_state_starts_the_trajectory_again(env_state):
 def test_a_state_that_is_not_plain_data_is_not_saved():
     settings = {**MODEL, "max_new_tokens": 6, "temperature": 1.0, "sample_seed": 3, "n": 2,
                 "environment": f"{HERE}:Unsaveable", "max_turns": 5}
-    ctx = op_context()
-    first: list = []
-    result = gen._generate(ctx, PROMPTS, **settings)
-    result.bind(type("Sink", (), {"emit": lambda s, r: first.append(r),
-                                  "done": lambda s, r: None, "fail": lambda s, e: None})())
-    engine = next(iter(ctx.background.values()))
+    ctx, engine, first = generating(PROMPTS, **settings)
     for _ in range(7):
         engine.step()
     engine.abort()
@@ -413,12 +398,7 @@ def test_a_trajectory_cut_at_the_context_while_its_environment_answers_still_end
     settings = {**MODEL, "max_new_tokens": budget, "temperature": 1.0, "sample_seed": 3,
                 "n": 1, "eos": None, "environment": f"{HERE}:SlowJudge", "max_turns": 2}
     SlowJudge.release.clear()
-    ctx = op_context()
-    first: list = []
-    result = gen._generate(ctx, [prompt], **settings)
-    result.bind(type("Sink", (), {"emit": lambda s, r: first.append(r),
-                                  "done": lambda s, r: None, "fail": lambda s, e: None})())
-    engine = next(iter(ctx.background.values()))
+    ctx, engine, first = generating([prompt], **settings)
     deadline = time.monotonic() + 20
     while not any(seq.episode.turns == 1 for seq, *_ in engine.env_calls.pending.values()) \
             and time.monotonic() < deadline:  # its first turn done, the judge thinking
