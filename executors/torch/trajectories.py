@@ -159,6 +159,11 @@ class Trajectories:
                     self._stepped(seq, result)
             except StageError as problem:  # the flow's, not one sample's: its request fails
                 self._fail_request(seq.request, problem)
+            except Exception as problem:  # this trajectory's messages (a template refusing
+                # them, an agent program's odd tools): it ends, the others go on
+                ep.error = (f"the environment's turn could not be rendered: "
+                            f"{type(problem).__name__}: {str(problem)[:200]}")
+                self._close(seq, finished=False)
 
     def _reprompt(self, seq: Any, tokens: list[int], text: str) -> bool:
         """A Conversation opens the trajectory: its rendering is the prompt (whether it fits

@@ -6,6 +6,8 @@ whole conversation, and the environment's pieces are the tokenizer's ids of that
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 pytest.importorskip("transformers", reason="the hf extra: pip install 'flowkit[hf]'")
@@ -106,3 +108,44 @@ def test_reset_with_a_chat_template_must_leave_the_opening_to_the_prompt(qwen2):
 class Opens(Feedback):
     def reset(self, prompt: str, answer: str | None = None) -> str:
         return "Here is a board."
+
+
+class Boom(Environment):
+    """The first of its instances answers with a message its model's template refuses; the
+    others as Feedback does."""
+
+    made = itertools.count()
+
+    def __init__(self) -> None:
+        self.boom, self.feedback = next(Boom.made) == 0, Feedback()
+
+    def step(self, action: str) -> EnvStep:
+        if self.boom:
+            return EnvStep(observation=[{"role": "user", "content": "boom"}])
+        return self.feedback.step(action)
+
+
+def test_a_turn_the_template_refuses_ends_its_own_trajectory_only(tmp_path):
+    """A chat template may raise on messages it refuses (raise_exception, as templates that
+    require alternating roles do): that trajectory ends with env_error saying so; the others
+    of the request finish."""
+    from examples.qwen2_build import CHAT_TEMPLATE
+
+    folder = save_tiny_qwen2(tmp_path)
+    tokenizer = load_tokenizer(str(folder))
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['content'] == 'boom' %}"
+                               "{{ raise_exception('no boom here') }}{% endif %}{% endfor %}"
+                               + CHAT_TEMPLATE)
+    tokenizer.save_pretrained(str(folder))
+    Boom.made = itertools.count()
+    ctx = op_context()
+    rollouts = run_until_done(ctx.background, gen._generate(
+        ctx, [Prompt(prompt_id=0, tokens=[5, 6, 7])], model="policy",
+        build="executors.torch.models.hf:HFCausalLM", model_config={"path": str(folder)},
+        dtype="float32", seed=0, n=4, max_new_tokens=3, environment=f"{__name__}:Boom",
+        max_turns=4))
+    failed = [r for r in rollouts if r.env_error]
+    assert len(rollouts) == 4 and len(failed) == 1
+    assert "could not be rendered" in failed[0].env_error and "no boom here" in \
+        failed[0].env_error and not failed[0].finished
+    assert all(r.finished and r.turns == 3 for r in rollouts if not r.env_error)
