@@ -116,7 +116,7 @@ class Replay:
         self.calls = {}
         return True
 
-    def admit(self, prompts: int) -> bool:
+    def admit(self, prompts: int, lineage: tuple) -> bool:
         return False  # the step's own prompts were generated before the checkpoint
 
     def config(self, lineage: tuple) -> dict:

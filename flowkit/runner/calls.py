@@ -40,8 +40,9 @@ class CallPolicy(Protocol):
         """Make the policy's own calls (carried, replayed); whether the step's own items may
         be called now (`prompts_closed`: all of them are in)."""
 
-    def admit(self, prompts: int) -> bool:
-        """Whether one more of the step's `prompts` own items is called (else skipped)."""
+    def admit(self, prompts: int, lineage: tuple) -> bool:
+        """Whether the step's own item `lineage`, one of its `prompts`, is called now (else
+        the policy skips it, or calls it later through the site)."""
 
     def config(self, lineage: tuple) -> dict:
         """What call `lineage` is told besides the node's config."""

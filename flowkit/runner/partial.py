@@ -32,11 +32,17 @@ __all__ = ["CARRIED", "Carried", "CarryOver", "PartialCalls", "PartialRollouts",
 #     finished ones pass through. A carried call keeps its origin step (its sampling seeds) and is
 #     keyed `"<origin>/<key>"` in the next step's groups, so it never merges with a new prompt of
 #     the same id;
-#   - a step runs as many calls as its source made prompts (oversample x the batch's): the carried
-#     ones, then its own prompts in the places left; those left over never run
-#     (`rollout/prompts_unused`: a step-seeded source draws fresh ones each step). So a step submits
-#     once the step before has closed its generation and handed over what it carries: the engines go
-#     on with the carried calls while the step before trains;
+#   - a step runs as many calls as its source made prompts (oversample x the batch's), P: the
+#     carried ones, and its own prompts in the places left; those left over never run
+#     (`rollout/prompts_unused`: a step-seeded source draws fresh ones each step). The step before
+#     carries at most P - T calls (it runs at most P and takes T), so a step calls T of its own
+#     prompts as soon as the admission gate lets its generation run [Note: asynchronous steps in
+#     flowrun.py], while the step before still generates: consecutive steps' generation overlaps,
+#     one in-flight budget of (η + 1) steps' calls across them, as APRIL over an asynchronous
+#     system has it. Its other own prompts wait until the step before has closed its generation
+#     and handed over what it carries (fewer than P - T when the step before dropped groups or
+#     ran short); carried calls are called the moment they arrive. A step that has taken its
+#     groups before the step before hands over passes the carried calls on, unrun;
 #   - a carried sample whose oldest token is older than the staleness bound allows for the step that
 #     will train it (version < step - η, the call's `version_floor`) is, as the node's
 #     `stale_segments` says, "recompute"d (sampled again from its prompt) or "drop"ped with its
@@ -136,9 +142,11 @@ class PartialCalls:
     streams_parts = False  # a group goes downstream whole, in one step or the next
     taken: int = 0
     aborting: bool = False
-    incoming: list[Carried] = attrs.field(factory=list)  # from the step before: first
+    incoming: list[Carried] = attrs.field(factory=list)  # from the step before, to run
     incoming_sent: int = 0
+    passed: int = 0  # from the step before, passed on unrun (this step had taken its groups)
     outgoing: list[Carried] = attrs.field(factory=list)  # to the next step
+    deferred: list[tuple] = attrs.field(factory=list)  # own prompts waiting for the count
     resumed: dict[tuple, Carried] = attrs.field(factory=dict)  # lineage here -> the call
     pending_calls: dict[tuple, str] = attrs.field(factory=dict)  # lineage -> request name
     aborts: list[Any] = attrs.field(factory=list)  # futures of [samples, tokens] cut
@@ -147,10 +155,9 @@ class PartialCalls:
     unused: int = 0  # and those it leaves: the carried calls took their places
 
     def submit(self, site: CallSite, prompts_closed: bool) -> bool:
-        """The calls carried from the step before, ahead of the step's own, once the number
-        of the step's own prompts is known and the step before carries nothing more."""
-        if not (prompts_closed and self.ledger.settled(self.name, self.step)):
-            return False
+        """The calls carried from the step before as they arrive; the step's own prompts once
+        they are all in (how many is `admit`'s), those deferred once the step before has
+        handed over all it carries."""
         floor = {self.setting.resumable.version_floor: self.version_floor}
         for carried in self.incoming[self.incoming_sent:]:
             lineage = carried.resumed_lineage
@@ -158,15 +165,43 @@ class PartialCalls:
             site.submit(lineage, carried.ref, extra={"step": carried.origin, **floor},
                         meta={"origin": carried.origin})
         self.incoming_sent = len(self.incoming)
-        return True
+        if self.deferred and self._settled():
+            self._call_deferred(site)
+        return prompts_closed
 
-    def admit(self, prompts: int) -> bool:
-        """A step runs as many calls as its source made prompts, the carried ones first."""
-        if len(self.incoming) + self.own >= prompts:
+    def admit(self, prompts: int, lineage: tuple) -> bool:
+        """Whether own prompt `lineage` of the step's `prompts` is called now: in the places
+        the carried calls leave, of which there are `take` at least (the step before carries
+        at most prompts - take); those past `take` are deferred until the count is known."""
+        if self.aborting:
+            self.unused += 1
+            return False
+        if not self._settled():
+            if self.own >= self.setting.take:
+                self.deferred.append(lineage)
+                return False
+        elif self.own + len(self.incoming) >= prompts:
             self.unused += 1
             return False
         self.own += 1
         return True
+
+    def _settled(self) -> bool:
+        return self.ledger.settled(self.name, self.step)
+
+    def _call_deferred(self, site: CallSite) -> None:
+        """The deferred own prompts, in the places the carried calls left (none once the
+        step has taken its groups)."""
+        deferred, self.deferred = set(self.deferred), []
+        prompts = site.lead_items()
+        for lineage, ref in prompts:
+            if lineage not in deferred:
+                continue
+            if self.aborting or self.own + len(self.incoming) >= len(prompts):
+                self.unused += 1
+                continue
+            self.own += 1
+            site.submit(lineage, ref)
 
     def config(self, lineage: tuple) -> dict:
         """Each call named, to abort it."""
@@ -209,14 +244,18 @@ class PartialCalls:
         self.outgoing.append(Carried(origin, lineage, ref))
 
     def may_close(self) -> bool:
-        return self.ledger.settled(self.name, self.step)
+        return self._settled() and not self.deferred
 
     def closed(self) -> None:
         self.ledger.carry(self.name, self.step, self.outgoing)
 
     def receive(self, calls: list, *, closed: bool) -> None:
-        """Run them first, or pass them on if the step has taken its groups already."""
-        (self.outgoing if self.aborting or closed else self.incoming).extend(calls)
+        """Run them, or pass them on if the step has taken its groups already."""
+        if self.aborting or closed:
+            self.outgoing.extend(calls)
+            self.passed += len(calls)
+        else:
+            self.incoming.extend(calls)
 
     def metrics(self, timeout: float) -> dict[str, float]:
         cut = [f.result(timeout=timeout) for f in self.aborts]
@@ -224,7 +263,8 @@ class PartialCalls:
         return {f"{self.name}/taken_groups": self.taken,
                 "rollout/carried_over": len(self.outgoing) * n,
                 "rollout/started": self.own * n,
-                "rollout/resumed": len(self.incoming) * n,
+                "rollout/resumed": (len(self.incoming) + self.passed) * n,
+                "rollout/passed_on": self.passed * n,
                 "rollout/prompts_unused": self.unused,
                 "rollout/aborted_samples": sum(int(c[0]) for c in cut if c),
                 "rollout/aborted_tokens": sum(int(c[1]) for c in cut if c),

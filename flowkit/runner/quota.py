@@ -38,7 +38,7 @@ class GroupQuota:
     def submit(self, site: CallSite, prompts_closed: bool) -> bool:
         return True
 
-    def admit(self, prompts: int) -> bool:
+    def admit(self, prompts: int, lineage: tuple) -> bool:
         return True
 
     def config(self, lineage: tuple) -> dict:

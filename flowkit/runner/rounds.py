@@ -65,7 +65,7 @@ class SamplingRounds:
             self.sent = 1
         return True
 
-    def admit(self, prompts: int) -> bool:
+    def admit(self, prompts: int, lineage: tuple) -> bool:
         """The first round's prompts; the others wait for `_next_round`, or never run."""
         if self.called >= self.round_size:
             return False

@@ -353,8 +353,8 @@ class StepRun:
             else:
                 del state.unpaired[lineage]
                 state.submitted.add(lineage)
-                if policy is not None and not policy.admit(len(lead.arrivals)):
-                    continue  # never called
+                if policy is not None and not policy.admit(len(lead.arrivals), lineage):
+                    continue  # never called, or called later by the policy
                 refs.update(gathered)
                 ready.append((lineage, refs))
         balancer = self.balancers.get(state.plan.name)
