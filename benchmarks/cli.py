@@ -164,11 +164,15 @@ def _check_sim_cost(text: str) -> None:
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
               help="The response token budget; lengths' median is an eighth of it "
               "[default: 512].")
+@click.option("--train-scale", type=click.FloatRange(min=0.0, min_open=True), default=None,
+              help="The training side's simulated costs (F, B, W, optimizer step, inference) "
+              "times this: 1 leaves the async modes bound by training, 0.25 by generation "
+              "[default: 1].")
 @_json_option
 def rl(mode: str | None, max_staleness: int | None, length_sigma: float | None,
-       max_new_tokens: int | None, json_out: Path | None) -> None:
+       max_new_tokens: int | None, train_scale: float | None, json_out: Path | None) -> None:
     """RL steps: barrier, fused, async, partial rollouts."""
-    kwargs = _rl_kwargs(mode, max_staleness, length_sigma, max_new_tokens)
+    kwargs = _rl_kwargs(mode, max_staleness, length_sigma, max_new_tokens, train_scale)
     _report(_bench_function("rl", "run_rl_bench")(**kwargs), json_out)
 
 
@@ -398,14 +402,15 @@ def _check_ray() -> None:
 
 
 def _rl_kwargs(mode: str | None, max_staleness: int | None, length_sigma: float | None,
-               max_new_tokens: int | None) -> dict:
+               max_new_tokens: int | None, train_scale: float | None = None) -> dict:
     """run_rl_bench's arguments: the options given, the bench's defaults for the others."""
     from benchmarks.rl import MODES, RLSetup
 
     if max_staleness is not None and mode in ("barrier", "fused"):
         raise click.BadParameter(f"the staleness bound is the async mode's; --mode {mode} "
                                  f"runs synchronously", param_hint="--max-staleness")
-    workload = {"length_sigma": length_sigma, "max_new_tokens": max_new_tokens}
+    workload = {"length_sigma": length_sigma, "max_new_tokens": max_new_tokens,
+                "train_scale": train_scale}
     kwargs: dict = {"setup": RLSetup(**{k: v for k, v in workload.items() if v is not None}),
                     "modes": MODES if mode in (None, "all") else (mode,)}
     if max_staleness is not None:

@@ -94,6 +94,18 @@ class RLSetup:
     B: float = 0.012
     W: float = 0.008
     optimizer_step: float = 0.01
+    # the training side's costs (F, B, W, the optimizer step, a token of inference) times this:
+    # at 1 the async modes are bound by the train executors (the reference log-probs and the
+    # backprop keep them busy), at 0.25 by generation's long tail, as in the RL systems
+    train_scale: float = 1.0
+
+    def sim_costs(self) -> Any:
+        from flowkit.planner.simcosts import SimCosts
+
+        scale = self.train_scale
+        return SimCosts(F=self.F * scale, B=self.B * scale, W=self.W * scale,
+                        optimizer_step=self.optimizer_step * scale, token=self.token,
+                        infer_token=self.infer_token * scale, length_sigma=self.length_sigma)
 
 
 def run_rl_bench(setup: RLSetup | None = None, *, modes: tuple[str, ...] = MODES,
@@ -102,17 +114,13 @@ def run_rl_bench(setup: RLSetup | None = None, *, modes: tuple[str, ...] = MODES
     staleness of the trained tokens (0 but asynchronously); then the same for the GRPO
     digit-sorting example's step on torch executors on this machine's CPU (`torch_steps`
     steps each, 0 to skip). `max_staleness`: the async mode's bound η."""
-    from flowkit.planner.simcosts import SimCosts
-
     setup = setup or RLSetup()
     for steps in (setup.steps, torch_steps or 2):
         if steps < 2:
             raise ValueError(f"the RL bench measures the steps after the first: needs >= 2, "
                              f"got {steps}")
     chosen = modes_named(modes, max_staleness=max_staleness)
-    costs = SimCosts(F=setup.F, B=setup.B, W=setup.W, optimizer_step=setup.optimizer_step,
-                     token=setup.token, infer_token=setup.infer_token,
-                     length_sigma=setup.length_sigma)
+    costs = setup.sim_costs()
     trim = max(mode.staleness or 0 for mode in chosen)
     tags = [("rollout",)] * setup.rollout_executors + [("train",)] * setup.train_executors
     figures: dict[str, Any] = {"setup": attrs.asdict(setup), "modes": [m.name for m in chosen],

@@ -46,3 +46,19 @@ def test_the_rl_bench_refuses_unknown_modes_and_too_few_steps():
         run_rl_bench(TINY, modes=("overlapped",), torch_steps=0)
     with pytest.raises(ValueError, match="needs >= 2"):
         run_rl_bench(RLSetup(steps=1), modes=("fused",), torch_steps=0)
+
+
+def test_the_train_scale_scales_the_training_sides_costs_and_not_generations():
+    costs, scaled = RLSetup().sim_costs(), RLSetup(train_scale=0.25).sim_costs()
+    for name in ("F", "B", "W", "optimizer_step", "infer_token"):
+        assert getattr(scaled, name) == pytest.approx(getattr(costs, name) / 4)
+    assert (scaled.token, scaled.length_sigma) == (costs.token, costs.length_sigma)
+
+
+def test_the_cli_refuses_a_train_scale_that_is_not_positive():
+    from click.testing import CliRunner
+
+    from flowkit.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "rl", "--train-scale", "0"])
+    assert result.exit_code == 2 and "--train-scale" in result.output
