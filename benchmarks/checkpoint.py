@@ -13,13 +13,14 @@ Figures are medians; `ratio` is checkpoint / baseline and `overhead_s` their dif
 a checkpoint costs beyond writing its bytes. The baseline writes serially and the executors in
 parallel, so on a disk that parallel writes speed up the ratio can fall below 1.
 
-Then `async`: what checkpoints cost an asynchronous run, whose checkpoint first lets the open
-steps' generation end ([Note: checkpoints of asynchronous runs] in
-flowkit/runner/asyncstate.py). A GRPO run on simulator executors (the rl bench's costs and
-long-tailed lengths, a smaller batch), `async_steps` steps with staleness bound η, with a
-checkpoint after every step (as `--max-restarts` writes them) and without, alternating,
-`async_rounds` runs each on the same executors; steps/s from the end of the first step to the
-end of the last, medians; `ratio` is with / without.
+Then `async`: what checkpoints cost an asynchronous run, whose checkpoint holds the open
+steps' generation and so finishes only once it has ended, while the run goes on ([Note:
+checkpoints that do not drain] in flowkit/runner/checkpoint.py). A GRPO run on simulator
+executors (the rl bench's costs and long-tailed lengths, a smaller batch), `async_steps` steps
+with staleness bound η, with a checkpoint after every step (`--checkpoint-every 1`) and without,
+alternating, `async_rounds` runs each on the same executors; steps/s from the end of the first
+step to the end of the last, medians; `ratio` is with / without; `checkpoint_s` the median
+seconds from a checkpoint's beginning at its step boundary to its folder renamed in.
 
 Each run is a `flowkit.Run` (benchmarks/runs.py); the checkpoints are of its `run.runner`.
 """
@@ -147,21 +148,27 @@ def run_async_checkpoint_bench(*, steps: int = 8, rounds: int = 2, max_staleness
 def _async_run(ctl: object, flow: object, costs: object, steps: int, staleness: int,
                root: Path | None) -> dict:
     """An asynchronous run of `flow` on `ctl`'s executors; with `root`, a checkpoint there
-    after every step, timed apart, as `write_checkpoint` writes it between steps."""
+    after every step as `flowkit run --checkpoint-every 1` writes them: begun at the step
+    boundary, finished while the run goes on [Note: checkpoints that do not drain in
+    flowkit/runner/checkpoint.py], each timed from its beginning to its folder renamed in."""
     from benchmarks.runs import bench_run
-    from flowkit.runner.checkpoint import write_checkpoint
+    from flowkit.runner.config import CheckpointConfig
 
-    ends, written, stale = [], [], []
+    ends, stale = [], []
+    settings = {} if root is None else {
+        "checkpoints": CheckpointConfig(root=root, every=1, keep=steps)}
     with bench_run(flow, controller=ctl, steps=steps, executors="sim", sim_costs=costs,
-                   asynchronous=True, max_staleness=staleness) as run:
+                   asynchronous=True, max_staleness=staleness, **settings) as run:
         for report in run.steps():
             stale.append(report.metrics.get("staleness/max", 0))
-            if root is not None:
-                started = time.perf_counter()
-                write_checkpoint(root, run.runner, step=report.step + 1, identity=run.identity,
-                                 executors=run.executors, kind="sim", records=[], keep=1,
-                                 run_id=run.run_id)
-                written.append(time.perf_counter() - started)
             ends.append(time.perf_counter())
+    written = [] if root is None else _written_s(root)
     return {"steps_per_s": (steps - 1) / (ends[-1] - ends[0]), "written_s": written,
             "staleness_max": max(stale)}
+
+
+def _written_s(root: Path) -> list[float]:
+    """Each kept checkpoint's seconds from begun to renamed in (its manifest's)."""
+    from flowkit.runner.checkpoint import complete_checkpoints, read_manifest
+
+    return [read_manifest(folder).written_s for folder in complete_checkpoints(root)]

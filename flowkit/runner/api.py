@@ -262,6 +262,12 @@ class Run:
     def _finish(self, ok: bool) -> list[Path]:
         """What the end of a run writes while the executors are still there."""
         config = self.config
+        if self._checkpoints is not None and self._checkpoints.pending:  # the steps were left
+            if not ok:
+                self._checkpoints.discard()
+                return []
+            with self._failures():
+                self._checkpoints.settle(self.runner)
         if not ok:
             return []
         if (self._checkpoints is not None and self._checkpoints.written is not None

@@ -6,8 +6,6 @@ The design: [Note: checkpoints of asynchronous runs] below.
 
 from __future__ import annotations
 
-import queue
-import time
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -15,24 +13,22 @@ import attrs
 
 from flowkit.runner.calls import CallSite
 from flowkit.runner.partial import Carried, CarryOver
-from flowkit.runner.stepstate import FlowRunError, RunnerState, sorted_lineages
+from flowkit.runner.stepstate import RunnerState, sorted_lineages
 from flowkit.wire.refs import Item
 
-__all__ = ["CarriedCall", "OpenCall", "OpenWork", "Replay", "drain", "open_work",
-           "resume_open"]
+__all__ = ["CarriedCall", "OpenCall", "OpenWork", "Replay", "open_work", "resume_open"]
 
 
 # [Note: checkpoints of asynchronous runs] At the boundary after step k-1 trained (k steps done),
 # steps k .. k+η-1 are open [Note: asynchronous steps in flowrun.py]: their generation may be done,
 # running, or (partial rollouts, [Note: partial rollouts in partial.py]) carried from one step to
 # the next. A checkpoint there
-#   1. drains: it lets every open step's generating nodes (gated nodes whose op declares its calls
-#      resumable, ModelOp.resumable: Generate's) end before it writes anything. Nothing trains
-#      meanwhile (a step's training starts only in the next `run_step`), so the executors' weights
-#      and optimizer states are step k-1's; the engines go on decoding the open steps' samples under
-#      the weights they have, as they would have without the checkpoint. This costs throughput at
-#      checkpoint steps only: the next step's training waits for the generation of the η open steps
-#      (with η = 1, its own);
+#   1. saves the executors' states at the boundary, where nothing trains (a step's training starts
+#      only in the next `run_step`), so their weights and optimizer states are step k-1's, and lets
+#      every open step's generating nodes (gated nodes whose op declares its calls resumable,
+#      ModelOp.resumable: Generate's) end while the run goes on: the engines decode the open steps'
+#      samples as they would have without the checkpoint, and the next step trains meanwhile
+#      ([Note: checkpoints that do not drain] in checkpoint.py);
 #   2. fetches, for each open step and generating node, every call's output: the rollouts (tokens,
 #      log-probs, the weights version of every token) in the order the call emitted them, and the
 #      partial-rollout metrics the step will report; and the calls carried past the last open step
@@ -146,19 +142,6 @@ class OpenSteps(Protocol):
 
     def open_resumable(self) -> dict[int, dict[str, bool]]:
         """Each open step's generating nodes: whether each has ended."""
-
-
-def drain(runner: OpenSteps, timeout: float) -> None:
-    """Run the open steps' reactions until every generating node of theirs has ended."""
-    deadline = time.monotonic() + timeout
-    while not all(all(nodes.values()) for nodes in runner.open_resumable().values()):
-        try:
-            runner.react(max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            still = sorted(f"{n} of step {s}" for s, nodes in runner.open_resumable().items()
-                           for n, ended in nodes.items() if not ended)
-            raise FlowRunError(f"a checkpoint waited {timeout} s for the generation of the "
-                               f"open steps; still running: {', '.join(still)}") from None
 
 
 def open_work(ctl: Any, state: RunnerState, timeout: float) -> OpenWork:

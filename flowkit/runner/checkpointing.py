@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,8 @@ import attrs
 
 from flowkit.runner.checkpoint import (
     Manifest,
+    PendingCheckpoint,
+    begin_checkpoint,
     check_resumable,
     latest_checkpoint,
     read_manifest,
@@ -36,14 +39,58 @@ class Checkpointing:
     def due(self, done: int) -> bool:
         return self.every is not None and done % self.every == 0
 
+    pending: list[PendingCheckpoint] = attrs.field(factory=list)  # begun, in order
+    _watcher: Any = None  # the runner's watcher that finishes them
+
     def write(self, runner: Any, executors: list, records: list[dict], done: int) -> Path:
-        """The checkpoint of `done` steps; CheckpointError when it cannot be written (an
-        executor lost meanwhile: a restart may recover)."""
+        """The checkpoint of `done` steps, those begun before it first; CheckpointError when
+        it cannot be written (an executor lost meanwhile: a restart may recover)."""
+        self.settle(runner)
         folder = write_checkpoint(self.root, runner, step=done, identity=self.identity,
                                   executors=executors, kind=self.kind, records=records,
                                   keep=self.keep, run_id=self.run_id)
         self.written = done
         return folder
+
+    def begin(self, runner: Any, executors: list, records: list[dict], done: int,
+              on_written: Callable[[Path], Any]) -> None:
+        """Begin the checkpoint of `done` steps of an asynchronous run; it finishes while the
+        run goes on, once the steps open now have generated (`on_written` is told its folder)
+        [Note: checkpoints that do not drain in checkpoint.py]."""
+        self.pending.append(begin_checkpoint(
+            self.root, runner, step=done, identity=self.identity, executors=executors,
+            kind=self.kind, records=records, keep=self.keep, run_id=self.run_id))
+        if self._watcher is None:
+            self._watcher = lambda: self._finish_ready(runner, on_written)
+            runner.watchers.append(self._watcher)
+
+    def _finish_ready(self, runner: Any, on_written: Callable[[Path], Any]) -> None:
+        while self.pending and self.pending[0].ready(runner):
+            pending = self.pending.pop(0)
+            on_written(pending.finish(runner))
+            self.written = pending.step
+        if not self.pending:
+            self._unwatch(runner)
+
+    def settle(self, runner: Any) -> None:
+        """Finish the checkpoints begun, waiting for what they wait for."""
+        self._unwatch(runner)  # none finishes twice: here only
+        while self.pending:
+            self.pending[0].wait(runner)
+            self.written = self.pending.pop(0).step
+        self._unwatch(runner)
+
+    def _unwatch(self, runner: Any) -> None:
+        if self._watcher is not None and self._watcher in runner.watchers:
+            runner.watchers.remove(self._watcher)
+        self._watcher = None
+
+    def discard(self) -> None:
+        """Give up the checkpoints begun (the run failed or stops at once)."""
+        for pending in self.pending:
+            pending.discard()
+        self.pending.clear()
+        self._watcher = None  # its runner is given up too
 
 
 def resume_point(path: Path, identity: dict, layout: list[dict],

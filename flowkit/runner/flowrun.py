@@ -13,7 +13,7 @@ import queue
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +125,9 @@ class FlowRunner:
                                                    for rule in node.inputs
                                                    if rule.group_key is not None),
                              op_configs=op_configs, fuse=fuse, step_timeout=step_timeout)
+        # called after each burst of reactions: what waits on the steps without holding them
+        # up (a checkpoint of an asynchronous run, [Note: checkpoints that do not drain])
+        self.watchers: list[Callable[[], None]] = []
         self.last_run: StepRun | None = None  # the step running, or the last one run
         self.step = 0  # the step running, or the next one
         self.resumed = Streams()  # the feedback a resumed run starts from
@@ -268,6 +271,8 @@ class FlowRunner:
         if self.handled_parts:  # settled: their consumers are submitted, or they wait
             self.ctl.handled(self.handled_parts)  # [Note: stream credits] in runtime/credits.py
             self.handled_parts = []
+        for watcher in list(self.watchers):
+            watcher()
 
     def _open(self, step: int) -> StepRun:
         run = self.open.get(step)
@@ -365,18 +370,40 @@ class FlowRunner:
     def state(self) -> RunnerState:
         """What a checkpoint holds of this runner at a step boundary (nothing trains): refs,
         which the checkpoint fetches; an asynchronous runner's open steps once drained."""
+        return attrs.evolve(self.boundary(), **self.open_state(self.open, self.carried))
+
+    def boundary(self) -> RunnerState:
+        """What a checkpoint holds at a step boundary of all but the open steps' generation,
+        copied (it is read once that generation has ended, [Note: checkpoints that do not
+        drain] in checkpoint.py)."""
         return RunnerState(
             staleness=self.staleness,
             placement={model: [e.name for e in chosen]
                        for model, chosen in sorted(self.placement.items())},
             feedback=self._feedback_refs_next(), profiles=dict(self.profiles),
-            training={name: t.carried_state() for name, t in self.training.items()},
-            open_calls={step: {name: run.outputs(name) for name in self.generating}
-                        for step, run in sorted(self.open.items())},
-            open_metrics={step: metrics for step, run in sorted(self.open.items())
-                          if (metrics := {name: policy.metrics(self.step_timeout)
-                                          for name, policy in run.policies.items()})},
-            carried={step: dict(by_node) for step, by_node in self.carried.items()})
+            training={name: t.carried_state() for name, t in self.training.items()})
+
+    def open_state(self, runs: Mapping[int, StepRun],
+                   carried: Mapping[int, dict[str, list[Carried]]]) -> dict[str, Any]:
+        """The part of a checkpoint that the open steps `runs` make once their generating
+        nodes have ended: each one's outputs and call metrics, and the calls carried past the
+        last (`carried`: those the ledger held at the boundary for steps not open then)."""
+        last = max(runs, default=None)
+        # the last open step's carried calls are its policy's (in the ledger or not, yet)
+        past = {step: dict(by_node) for step, by_node in carried.items()
+                if last is None or step != last + 1}
+        if last is not None:
+            for name in self.generating:
+                policy = runs[last].policies.get(name)
+                outgoing = list(getattr(policy, "outgoing", ()))
+                if outgoing:
+                    past.setdefault(last + 1, {})[name] = outgoing
+        return {"open_calls": {step: {name: run.outputs(name) for name in self.generating}
+                               for step, run in sorted(runs.items())},
+                "open_metrics": {step: metrics for step, run in sorted(runs.items())
+                                 if (metrics := {name: policy.metrics(self.step_timeout)
+                                                 for name, policy in run.policies.items()})},
+                "carried": dict(sorted(past.items()))}
 
     def _feedback_refs_next(self) -> dict[tuple[str, str], Any]:
         """The ref of the value each feedback input will read in the next step."""

@@ -84,7 +84,9 @@ class StepLoop:
                         done = step + 1
                         if self.checkpoints is not None and (self.checkpoints.due(done)
                                                              or stop.requested):
-                            self._checkpoint(done, board)
+                            self._checkpoint(done, board, later=not stop.requested)
+                        if done == self.steps and self.checkpoints is not None:
+                            self.checkpoints.settle(self.runner)
                     except STEP_FAILURES as exc:
                         step = self._recover(exc, board)
                         continue
@@ -98,10 +100,19 @@ class StepLoop:
                     step = done
         except KeyboardInterrupt:
             self.stopped, self.completed = True, self.runner.step
+            if self.checkpoints is not None:
+                self.checkpoints.discard()
 
-    def _checkpoint(self, done: int, board: Dashboard) -> None:
+    def _checkpoint(self, done: int, board: Dashboard, later: bool = False) -> None:
+        """The checkpoint of `done` steps; `later`: an asynchronous run's may finish while the
+        run goes on [Note: checkpoints that do not drain in checkpoint.py], unless it is the
+        run's last."""
         if self.evaluation is not None:  # no evaluation's calls on the engines it snapshots
             self.evaluation.join()
+        if later and self.runner.staleness is not None and done < self.steps:
+            self.checkpoints.begin(self.runner, self.executors, self.records, done,
+                                   lambda path: board.set_status(f"wrote {path}"))
+            return
         path = self.checkpoints.write(self.runner, self.executors, self.records, done)
         board.set_status(f"step {done}/{self.steps}: wrote {path}")
 
@@ -110,6 +121,8 @@ class StepLoop:
         newest checkpoint restored; `error` again when restarts cannot help."""
         if self.evaluation is not None:  # it ran on the executors the restart replaces
             self.evaluation.discard()
+        if self.checkpoints is not None:  # their open steps are lost with the runner
+            self.checkpoints.discard()
         while True:  # an executor may be lost again while the run recovers
             recovered = None if self.restarts is None else self.restarts.recover(
                 error, self.checkpoints.root, board.warn, origin=self.origin)
