@@ -265,7 +265,15 @@ class PendingCheckpoint:
         return "; ".join(still) or "nothing"
 
     def finish(self, runner: Checkpointed) -> Path:
-        """Write the run state and the manifest, rename the folder in, prune; returns it."""
+        """Write the run state and the manifest, rename the folder in, prune; returns it. If
+        that fails, its unfinished folder goes."""
+        try:
+            return self._finish(runner)
+        except BaseException:
+            self.discard()
+            raise
+
+    def _finish(self, runner: Checkpointed) -> Path:
         for future in self.saves:
             if future.exception() is not None:
                 raise CheckpointError(f"checkpoint of step {self.step}: {future.exception()}")

@@ -330,3 +330,24 @@ def test_partial_rollouts_survive_killed_executors_with_every_sample_trained_onc
     # a replayed request cut as it arrived would train samples without a token
     assert all(line["response_length_mean"] >= 1 for line in lines)
     assert all(line["staleness/max"] <= 1 for line in lines)
+
+
+def test_an_async_checkpoint_does_not_stop_generation(tmp_path):
+    """[Note: checkpoints that do not drain in flowkit/runner/checkpoint.py]: with a checkpoint
+    after every step, a step trains while the steps open at its boundary still generate (a
+    drained checkpoint let their generation end first), and every checkpoint is written."""
+    trace, checkpoints = tmp_path / "t.json", tmp_path / "ck"
+    _run(GRPO, "--executors", "sim", "--max-staleness", "2", "--steps", str(STEPS),
+         "--sim-cost", "token=0.02", "--checkpoint-dir", str(checkpoints),
+         "--checkpoint-every", "1", "--keep-checkpoints", "20", "--trace", str(trace))
+    trained, generated = {}, {}
+    for span in _spans(trace, "update_actor"):
+        step = span["args"]["step"]
+        trained[step] = min(trained.get(step, span["ts"]), span["ts"])
+    for span in _spans(trace, "generate"):
+        step = span["args"]["step"]
+        generated[step] = max(generated.get(step, 0), span["ts"] + span["dur"])
+    assert any(trained[step] < generated[step + 1] for step in range(1, STEPS - 1))
+    folders = complete_checkpoints(checkpoints)
+    assert [int(folder.name.split("-")[1]) for folder in folders] == list(range(1, STEPS + 1))
+    assert not list(checkpoints.glob(".step-*"))  # no unfinished folder left
