@@ -45,6 +45,27 @@ def op_context(name: str = "exec0") -> OpContext:
     return OpContext(name=name, device="cpu", tags=())
 
 
+def finished(ctx: OpContext, result: Any) -> Any:
+    """What an op returned, or, if it handed its work to a Background (a Deferred), what the
+    task ends with once the context's backgrounds are stepped to its end, as an executor's
+    loop steps them [Note: deferred ops in executors/optable.py]."""
+    from executors.optable import Deferred
+
+    if not isinstance(result, Deferred):
+        return result
+    outcome: list = []
+    result.bind(type("Sink", (), {"emit": lambda s, item: None,
+                                  "done": lambda s, value: outcome.append(value),
+                                  "fail": lambda s, error: outcome.append(error)})())
+    while not outcome:
+        for background in list(ctx.background.values()):
+            if background.busy():
+                background.step()
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
+
+
 def generating(items: list, name: str = "exec0", **settings: Any) -> tuple[OpContext, Any, list]:
     """A generate request started in a fresh executor context and not stepped: the context,
     its rollout engine (the test steps it, aborts it...) and the list the request's rollouts

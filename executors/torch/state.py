@@ -16,18 +16,19 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from executors.optable import OpContext
+from executors.optable import Deferred, OpContext
 from executors.torch.held import held_model, held_stage
 from executors.torch.reshard import recut
 from executors.torch.stage import StageError
 from flowkit.dsl.lora import lora_identity
 
-__all__ = ["load_state", "save_state", "state_of"]
+__all__ = ["StateWriter", "load_state", "save_state", "state_of"]
 
 _FORMAT = "flowkit.executor_state/1"
 
@@ -81,17 +82,82 @@ def _load_part(part: torch.nn.Module, tensors: dict, adapters_only: bool) -> Non
                            f"{list(unexpected)[:3]}")
 
 
-def save_state(ctx: OpContext, *_: Any, path: str) -> int:
+def save_state(ctx: OpContext, *_: Any, path: str) -> Deferred:
     """Write this executor's state to `path` (inside the checkpoint's unfinished folder, which
-    the controller renames when every part is in), a new file only its owner reads; returns the
-    bytes written."""
+    the controller renames when every part is in), a new file only its owner reads; the task
+    ends with the bytes written. [Note: a state written in the background]: the state is copied
+    to host memory here, so the tasks after this one may change the models at once, and a
+    thread writes the copy while the executor goes on."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     os.fchmod(fd, 0o600)  # whatever the umask
-    with os.fdopen(fd, "wb") as file:
-        torch.save(state_of(ctx), file)
-        file.flush()
-        os.fsync(file.fileno())  # on disk before the controller renames the checkpoint in
-    return Path(path).stat().st_size
+    snapshot = _on_host(state_of(ctx))
+    writer = ctx.background.setdefault(_WRITER, StateWriter())
+    return writer.write(fd, Path(path), snapshot)
+
+
+# [Note: a state written in the background] After DataStates-LLM and ByteCheckpoint: a checkpoint
+# copies what it saves out of the live tensors first (on a GPU, to host memory: the slow part of
+# writing is the disk, not the copy), then writes the copy from a thread. The executor's loop steps
+# the writer as a Background between its tasks: each step waits a millisecond at most for a
+# thread to end, then ends the save_state task it belongs to. So the next step's training runs
+# while the file is written, and the controller renames the checkpoint in only once every task
+# ended, that is, every file is on disk (fsync).
+_WRITER = "state_writer"
+_WAIT_S = 0.001  # a step's wait for a writing thread: the loop neither spins nor stalls
+
+
+class StateWriter:
+    """A Background [Note: deferred ops in executors/optable.py] that ends each save_state
+    task once its thread has written the file."""
+
+    def __init__(self) -> None:
+        self.writing: list[tuple[Deferred, threading.Thread, list]] = []
+
+    def write(self, fd: int, path: Path, snapshot: dict) -> Deferred:
+        deferred, outcome = Deferred(), []
+        thread = threading.Thread(target=_write, args=(fd, path, snapshot, outcome),
+                                  name=f"save {path.name}", daemon=True)
+        thread.start()
+        self.writing.append((deferred, thread, outcome))
+        return deferred
+
+    def busy(self) -> bool:
+        return bool(self.writing)
+
+    def step(self) -> None:
+        self.writing[0][1].join(_WAIT_S)
+        for entry in list(self.writing):
+            deferred, thread, outcome = entry
+            if thread.is_alive():
+                continue
+            self.writing.remove(entry)
+            if outcome and isinstance(outcome[0], BaseException):
+                deferred.fail(outcome[0])
+            else:
+                deferred.done(outcome[0])
+
+
+def _write(fd: int, path: Path, snapshot: dict, outcome: list) -> None:
+    try:
+        with os.fdopen(fd, "wb") as file:
+            torch.save(snapshot, file)
+            file.flush()
+            os.fsync(file.fileno())  # on disk before the controller renames the checkpoint in
+        outcome.append(path.stat().st_size)
+    except BaseException as exc:  # the task fails with it, naming it
+        outcome.append(exc)
+
+
+def _on_host(value: Any) -> Any:
+    """`value` with every tensor copied to host memory, apart from the live ones."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _on_host(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        copied = [_on_host(item) for item in value]
+        return copied if isinstance(value, list) else tuple(copied)
+    return value
 
 
 def load_state(ctx: OpContext, *_: Any, path: str, models: dict | None = None,

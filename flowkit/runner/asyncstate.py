@@ -145,9 +145,14 @@ class OpenSteps(Protocol):
 
 
 def open_work(ctl: Any, state: RunnerState, timeout: float) -> OpenWork:
-    """Fetch what the open steps of a drained runner's `state` generated and what is carried
-    past them."""
-    work, fetched = OpenWork(), _Fetcher(ctl, timeout)
+    """Fetch what the open steps of a runner's `state` generated and what is carried past
+    them, every value asked for at once."""
+    refs = [ref for by_node in state.open_calls.values() for items in by_node.values()
+            for ref in items.values()]
+    refs += [c.ref for by_node in state.carried.values() for carried in by_node.values()
+             for c in carried]
+    fetched = _Fetched(ctl, refs, timeout)
+    work = OpenWork()
     for step, by_node in sorted(state.open_calls.items()):
         for name, items in by_node.items():
             calls: dict[tuple, list] = {}
@@ -164,18 +169,22 @@ def open_work(ctl: Any, state: RunnerState, timeout: float) -> OpenWork:
     return work
 
 
-class _Fetcher:
-    """Item values, each call's list fetched once."""
+class _Fetched:
+    """The values of `refs` (futures, or items of a future's list), each future fetched once,
+    all of them together."""
 
-    def __init__(self, ctl: Any, timeout: float) -> None:
-        self.ctl, self.timeout, self.lists = ctl, timeout, {}
+    def __init__(self, ctl: Any, refs: list, timeout: float) -> None:
+        futures = {}
+        for ref in refs:
+            future = ref.future if isinstance(ref, Item) else ref
+            futures.setdefault(future.id, future)
+        values = ctl.fetch_many(list(futures.values()), timeout=timeout)
+        self.values = dict(zip(futures, values))
 
     def __call__(self, ref: Any) -> Any:
         if isinstance(ref, Item):
-            if ref.future.id not in self.lists:
-                self.lists[ref.future.id] = self.ctl.fetch(ref.future, timeout=self.timeout)
-            return self.lists[ref.future.id][ref.index]
-        return self.ctl.fetch(ref, timeout=self.timeout)
+            return self.values[ref.future.id][ref.index]
+        return self.values[ref.id]
 
 
 class Resuming(Protocol):

@@ -14,7 +14,7 @@ from executors.torch.stage import StageError
 from executors.torch.state import load_state, save_state
 from flowkit.dsl import Model
 from flowkit.runner.training import model_spec
-from tests.harness import op_context, tiny_gpt
+from tests.harness import finished, op_context, tiny_gpt
 
 GPT = "executors.torch.models.gpt:GPT"
 LORA = {"r": 2, "target_modules": ["c_attn", "c_fc"]}
@@ -36,7 +36,7 @@ def _trained_state(tmp_path):
             p.grad = torch.randn_like(p)
     stage.optimizer.step()
     path = tmp_path / "exec0.pt"
-    save_state(ctx, path=str(path))
+    finished(ctx, save_state(ctx, path=str(path)))
     return ctx, spec, path
 
 
@@ -70,6 +70,6 @@ def test_a_whole_copy_with_a_tied_head_saves_no_base_weight(tmp_path):
     ctx, spec = op_context(), {**_spec(), "stages": 1}
     held_model(ctx, spec).version = 1  # a loaded copy, as a generator's: saved whole
     path = tmp_path / "exec0.pt"
-    save_state(ctx, path=str(path))
+    finished(ctx, save_state(ctx, path=str(path)))
     saved = torch.load(path, weights_only=True)["models"][0]["parts"][0]
     assert saved and all(".lora_" in name for name in saved)
