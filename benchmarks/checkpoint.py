@@ -40,12 +40,17 @@ GPT = {"vocab_size": 256, "block_size": 64, "n_layer": 8, "n_head": 8, "n_embd":
 
 
 def run_checkpoint_bench(*, rounds: int = 5, gpt: dict | None = None, async_steps: int = 8,
-                         async_rounds: int = 2, max_staleness: int = 2) -> dict:
-    """The write figures, then (unless `async_steps` is 0) the asynchronous run's."""
+                         async_rounds: int = 2, max_staleness: int = 2,
+                         torch_steps: int = 10) -> dict:
+    """The write figures, then (unless `async_steps` is 0) the asynchronous simulated run's,
+    then (unless `torch_steps` is 0) the asynchronous torch run's."""
     figures = _write_bench(rounds=rounds, gpt=gpt)
     if async_steps:
         figures["async"] = run_async_checkpoint_bench(steps=async_steps, rounds=async_rounds,
                                                       max_staleness=max_staleness)
+    if torch_steps:
+        figures["async_torch"] = run_async_torch_checkpoint_bench(
+            steps=torch_steps, rounds=async_rounds, max_staleness=max_staleness)
     return figures
 
 
@@ -113,8 +118,7 @@ def run_async_checkpoint_bench(*, steps: int = 8, rounds: int = 2, max_staleness
     from flowkit.planner.simcosts import SimCosts
     from flowkit.runtime import Controller, LocalExecutors
 
-    if steps < 2:
-        raise ValueError(f"the bench measures the steps after the first: needs >= 2, got {steps}")
+    _check_steps(steps)
     setup = RLSetup(prompts=prompts, rollout_executors=rollout_executors, steps=steps)
     costs = SimCosts(F=setup.F, B=setup.B, W=setup.W, optimizer_step=setup.optimizer_step,
                      token=setup.token, infer_token=setup.infer_token,
@@ -123,14 +127,48 @@ def run_async_checkpoint_bench(*, steps: int = 8, rounds: int = 2, max_staleness
                      schedule=setup.schedule, microbatches=setup.microbatches,
                      max_new_tokens=setup.max_new_tokens)
     tags = [("rollout",)] * setup.rollout_executors + [("train",)] * setup.train_executors
+    with Controller() as ctl, LocalExecutors(ctl, len(tags), kind="sim", tags=tags):
+        # every run a Run on the same executors (its `controller=`)
+        figures = _with_and_without(flow, steps, rounds, max_staleness, controller=ctl,
+                                    executors="sim", sim_costs=costs)
+    return {**figures, "samples_per_step": setup.prompts * setup.n,
+            "method": "median steps/s over steps 2..N of an async GRPO run on simulator "
+                      "executors, a checkpoint after every step against none, alternating"}
+
+
+def run_async_torch_checkpoint_bench(*, steps: int = 10, rounds: int = 2,
+                                     max_staleness: int = 2) -> dict:
+    """The same on torch executors: the digit-sorting GRPO example from random weights on 1
+    rollout and 2 train executors, each run starting its own, so that every executor's
+    save_state writes real models and AdamW states."""
+    from benchmarks.rl import _sorting_flow
+
+    _check_steps(steps)
+    tags = [("rollout",), ("train",), ("train",)]
+    figures = _with_and_without(_sorting_flow(), steps, rounds, max_staleness,
+                                executors="torch", num_executors=len(tags), tags=tags)
+    return {**figures, "samples_per_step": 16 * 8,
+            "method": "median steps/s over steps 2..N of the async GRPO sorting example on 3 "
+                      "torch executors, a checkpoint after every step against none, "
+                      "alternating"}
+
+
+def _check_steps(steps: int) -> None:
+    if steps < 2:
+        raise ValueError(f"the bench measures the steps after the first: needs >= 2, got {steps}")
+
+
+def _with_and_without(flow: object, steps: int, rounds: int, max_staleness: int,
+                      **settings: object) -> dict:
+    """`rounds` asynchronous runs of `flow` with a checkpoint after every step and without,
+    alternating, with RunConfig `settings`: the medians and their ratio."""
     scratch = Path(tempfile.mkdtemp(prefix="flowkit-async-checkpoint-bench-"))
     runs: dict[str, list[dict]] = {"without": [], "with": []}
-    try:  # every run a Run on the same executors (its `controller=`)
-        with Controller() as ctl, LocalExecutors(ctl, len(tags), kind="sim", tags=tags):
-            for index in range(rounds):
-                for name in runs:
-                    root = scratch / f"{name}-{index}" if name == "with" else None
-                    runs[name].append(_async_run(ctl, flow, costs, steps, max_staleness, root))
+    try:
+        for index in range(rounds):
+            for name in runs:
+                root = scratch / f"{name}-{index}" if name == "with" else None
+                runs[name].append(_async_run(flow, steps, max_staleness, root, settings))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     without = statistics.median(r["steps_per_s"] for r in runs["without"])
@@ -139,26 +177,23 @@ def run_async_checkpoint_bench(*, steps: int = 8, rounds: int = 2, max_staleness
             "ratio": with_ / without,
             "checkpoint_s": statistics.median(s for r in runs["with"] for s in r["written_s"]),
             "staleness_max": max(r["staleness_max"] for rs in runs.values() for r in rs),
-            "max_staleness": max_staleness, "steps": steps, "rounds": rounds,
-            "samples_per_step": setup.prompts * setup.n,
-            "method": "median steps/s over steps 2..N of an async GRPO run on simulator "
-                      "executors, a checkpoint after every step against none, alternating"}
+            "max_staleness": max_staleness, "steps": steps, "rounds": rounds}
 
 
-def _async_run(ctl: object, flow: object, costs: object, steps: int, staleness: int,
-               root: Path | None) -> dict:
-    """An asynchronous run of `flow` on `ctl`'s executors; with `root`, a checkpoint there
-    after every step as `flowkit run --checkpoint-every 1` writes them: begun at the step
+def _async_run(flow: object, steps: int, staleness: int, root: Path | None,
+               settings: dict) -> dict:
+    """An asynchronous run of `flow` with RunConfig `settings`; with `root`, a checkpoint
+    there after every step as `flowkit run --checkpoint-every 1` writes them: begun at the step
     boundary, finished while the run goes on [Note: checkpoints that do not drain in
     flowkit/runner/checkpoint.py], each timed from its beginning to its folder renamed in."""
     from benchmarks.runs import bench_run
     from flowkit.runner.config import CheckpointConfig
 
     ends, stale = [], []
-    settings = {} if root is None else {
-        "checkpoints": CheckpointConfig(root=root, every=1, keep=steps)}
-    with bench_run(flow, controller=ctl, steps=steps, executors="sim", sim_costs=costs,
-                   asynchronous=True, max_staleness=staleness, **settings) as run:
+    if root is not None:
+        settings = {**settings, "checkpoints": CheckpointConfig(root=root, every=1, keep=steps)}
+    with bench_run(flow, steps=steps, asynchronous=True, max_staleness=staleness,
+                   **settings) as run:
         for report in run.steps():
             stale.append(report.metrics.get("staleness/max", 0))
             ends.append(time.perf_counter())
