@@ -41,7 +41,7 @@ GPT = {"vocab_size": 256, "block_size": 64, "n_layer": 8, "n_head": 8, "n_embd":
 
 def run_checkpoint_bench(*, rounds: int = 5, gpt: dict | None = None, async_steps: int = 8,
                          async_rounds: int = 2, max_staleness: int = 2,
-                         torch_steps: int = 10) -> dict:
+                         torch_steps: int = 12, torch_rounds: int = 4) -> dict:
     """The write figures, then (unless `async_steps` is 0) the asynchronous simulated run's,
     then (unless `torch_steps` is 0) the asynchronous torch run's."""
     figures = _write_bench(rounds=rounds, gpt=gpt)
@@ -50,7 +50,7 @@ def run_checkpoint_bench(*, rounds: int = 5, gpt: dict | None = None, async_step
                                                       max_staleness=max_staleness)
     if torch_steps:
         figures["async_torch"] = run_async_torch_checkpoint_bench(
-            steps=torch_steps, rounds=async_rounds, max_staleness=max_staleness)
+            steps=torch_steps, rounds=torch_rounds, max_staleness=max_staleness)
     return figures
 
 
@@ -136,7 +136,7 @@ def run_async_checkpoint_bench(*, steps: int = 8, rounds: int = 2, max_staleness
                       "executors, a checkpoint after every step against none, alternating"}
 
 
-def run_async_torch_checkpoint_bench(*, steps: int = 10, rounds: int = 2,
+def run_async_torch_checkpoint_bench(*, steps: int = 12, rounds: int = 4,
                                      max_staleness: int = 2) -> dict:
     """The same on torch executors: the digit-sorting GRPO example from random weights on 1
     rollout and 2 train executors, each run starting its own, so that every executor's
