@@ -43,6 +43,13 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
 @click.option("--tags", "tag_spec", default=None,
               help="Tags per executor, ';' between executors: 'train;train;rollout' "
               "[default: every executor gets every tag the flow asks for].")
+@click.option("--placement", type=click.Choice(("colocated", "disaggregated", "multiplexed")),
+              default=None,
+              help="Without --tags, which executors carry which tags: colocated (every "
+              "executor every tag), disaggregated (training on executors of its own, the other "
+              "ops on the rest), multiplexed (disaggregated, the training executors running "
+              "the other ops too, generation in their idle time) [default: colocated; the "
+              "split ones start twice training's executors].")
 @click.option("--device", default=_RUN.device, show_default=True,
               help="Device of the torch executors: cpu, cuda (executor i on cuda:i), or one per "
               "executor: cuda:0,cuda:1.")
@@ -159,7 +166,8 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
               help="With --launcher ray: Ray CPUs of each CPU executor's bundle (fractional "
               "packs several on a core); a cuda executor's bundle is one GPU.")
 @click.option("--debug", is_flag=True, help="Show a failed op's remote traceback.")
-def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | None, device: str,
+def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | None,
+        placement: str | None, device: str,
         steps: int, stages: int | None, replicas: int | None, shard_optimizer: bool,
         microbatches: int | None,
         schedule: str | None, offload: str | None,
@@ -195,7 +203,7 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
     try:
         config = RunConfig(
             steps=steps, executors=kind, num_executors=num_executors, tags=_tags(tag_spec),
-            device=device, code=[path], stages=stages, replicas=replicas,
+            placement=placement, device=device, code=[path], stages=stages, replicas=replicas,
             shard_optimizer=shard_optimizer,
             microbatches=microbatches,
             schedule=schedule, offload=offload, fuse=fuse, asynchronous=asynchronous,
@@ -221,7 +229,8 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
 
 
 # RunConfig's settings -> the option that sets them, so that an error names what was typed
-_OPTIONS = {"tags": "--tags", "schedule": "--schedule", "offload": "--offload",
+_OPTIONS = {"tags": "--tags", "placement": "--placement", "schedule": "--schedule",
+            "offload": "--offload",
             "max_staleness": "--max-staleness", "eval_every": "--eval-every",
             "controller.keys": "--keys", "controller.bind": "--bind"}
 

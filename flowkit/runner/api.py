@@ -113,10 +113,12 @@ class Run:
             self.console.print(chosen, soft_wrap=True)
         stages = max((n.model.stages * n.model.replicas for n in self.plan
                       if n.model is not None), default=1)
-        self.count = config.num_executors or max(2, stages)
+        # a split placement: as many executors again as training takes, for the rest
+        split = config.placement in ("disaggregated", "multiplexed") and config.tags is None
+        self.count = config.num_executors or (2 * stages if split else max(2, stages))
         if controller is not None:
             self.count = len(controller.executors())
-        self.tags = executor_tags(self.plan, self.count, config.tags)
+        self.tags = executor_tags(self.plan, self.count, config.tags, config.placement)
         self.keys = _keys(config)
         self.identity = flow_identity(self.flow.name, self.plan)
         self.evaluation = None if config.eval_every is None else Evaluation(

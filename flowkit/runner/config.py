@@ -74,6 +74,18 @@ def _tag_groups(value: Any) -> tuple[tuple[str, ...], ...] | None:
     return tuple(tuple(group) for group in value)
 
 
+PLACEMENTS = ("colocated", "disaggregated", "multiplexed")
+
+
+def _placement(run: Any, attribute: attrs.Attribute, value: str | None) -> None:
+    if value is not None and value not in PLACEMENTS:
+        raise RunConfigError("placement", f"placement={value!r}: it is one of "
+                             f"{', '.join(PLACEMENTS)}")
+    if value is not None and run.tags is not None:
+        raise RunConfigError("placement", f"--placement {value} decides the executors' tags, "
+                             "and --tags gives them: give one of the two")
+
+
 def _launcher(_: object, attribute: attrs.Attribute, value: str) -> None:
     from flowkit.runtime.launchers import LAUNCHERS
 
@@ -133,7 +145,12 @@ class RunConfig:
                                             validator=[_at_least(1), _at_most(MAX_EXECUTORS)])
     """Executor processes to start; None: the most pipeline stages × replicas, at least 2."""
     tags: tuple[tuple[str, ...], ...] | None = attrs.field(default=None, converter=_tag_groups)
-    """The tags of each executor; None: every executor gets every tag the flow asks for."""
+    """The tags of each executor; None: as `placement` says."""
+    placement: str | None = attrs.field(default=None, validator=_placement)
+    """Which executors carry which tags, without `tags`: "colocated" (every executor every
+    tag), "disaggregated" (as many as training needs carry its tags, the others the rest),
+    "multiplexed" (disaggregated, the training executors carrying the others' tags too, so
+    that their idle time runs generation); None: colocated."""
     device: str = "cpu"
     """The torch executors' device: cpu, cuda (executor i on cuda:i), or one per executor."""
     code: tuple[str, ...] = attrs.field(default=(), converter=_strings)

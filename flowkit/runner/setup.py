@@ -9,11 +9,11 @@ import attrs
 
 from flowkit.dsl import Flow
 from flowkit.ops import EXECUTOR_OPS, missing_executor_ops
-from flowkit.planner.lower import NodePlan
+from flowkit.planner.lower import Call, NodePlan
 from flowkit.runner.config import RunConfigError
 
 __all__ = ["check_kind", "choose_executors", "executor_kinds", "executor_tags",
-           "with_training_options"]
+           "training_executors", "with_training_options"]
 
 
 def executor_kinds() -> tuple[str, ...]:
@@ -31,15 +31,41 @@ def check_kind(kind: str) -> None:
 
 
 def executor_tags(plan: list[NodePlan], count: int,
-                  tags: tuple[tuple[str, ...], ...] | None) -> list[tuple[str, ...]]:
-    """One tag tuple per executor: as given, or every tag the flow asks for."""
+                  tags: tuple[tuple[str, ...], ...] | None,
+                  placement: str | None = None) -> list[tuple[str, ...]]:
+    """One tag tuple per executor: as given, or as `placement` says (RunConfig.placement;
+    None: colocated, every executor every tag the flow asks for)."""
     if tags is not None:
         if len(tags) != count:
             raise RunConfigError("tags", f"{len(tags)} tag groups for {count} executors: give "
                                  "one per executor, ';' between them")
         return [tuple(group) for group in tags]
     wanted = sorted({tag for node in plan for tag in node.tags})
-    return [tuple(wanted)] * count
+    if placement in (None, "colocated"):
+        return [tuple(wanted)] * count
+    trainers, training = training_executors(plan)
+    others = tuple(tag for tag in wanted if tag not in training)
+    if not others:
+        raise RunConfigError("placement", f"--placement {placement} puts training on executors "
+                             "of its own and the other ops on the rest, but every op of this "
+                             f"flow runs on training's tags ({', '.join(training)}): use "
+                             "--placement colocated")
+    if count <= trainers:
+        raise RunConfigError("placement", f"--placement {placement}: training takes "
+                             f"{trainers} executors (its stages x replicas) and none is left "
+                             f"for {', '.join(others)}: give --num-executors {trainers + 1} "
+                             "or more")
+    lent = tuple(wanted) if placement == "multiplexed" else training
+    return [lent] * trainers + [others] * (count - trainers)
+
+
+def training_executors(plan: list[NodePlan]) -> tuple[int, tuple[str, ...]]:
+    """How many executors the trained models take (the most stages x replicas: the models
+    share them) and the tags those executors carry (the trained models')."""
+    trained = [node.model for node in plan if node.model is not None
+               and node.call in (Call.PIPELINE, Call.STEP)]
+    count = max((model.stages * model.replicas for model in trained), default=0)
+    return count, tuple(sorted({tag for model in trained for tag in model.tags}))
 
 
 def choose_executors(plan: list[NodePlan], kind: str) -> tuple[str, str | None]:
