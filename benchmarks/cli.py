@@ -1,5 +1,5 @@
-"""`flowkit bench dispatch|transfer|pipeline|train|rl|rollout|scale|checkpoint|launch|loggers|trl|
-chaos`:
+"""`flowkit bench dispatch|transfer|pipeline|train|rl|placement|rollout|scale|checkpoint|launch|
+loggers|trl|chaos`:
 benchmarks, each against a baseline measured side by side in the same run (this machine is
 noisy: compare ratios, not times).
 
@@ -151,11 +151,13 @@ def _check_sim_cost(text: str) -> None:
 
 
 @bench.command(cls=_BenchCommand)
-@click.option("--mode", type=click.Choice(["barrier", "fused", "async", "partial", "all"]),
+@click.option("--mode", type=click.Choice(["barrier", "fused", "async", "partial",
+                                           "multiplexed", "colocated", "all"]),
               default=None,
               help="Run the steps stage by stage with barriers, fused, asynchronously, "
-              "asynchronously with partial rollouts (1.5x the prompts), or all of them side by "
-              "side [default: all].")
+              "asynchronously with partial rollouts (1.5x the prompts), asynchronously with "
+              "the train executors also generating (multiplexed) or with every executor doing "
+              "both (colocated), or all of them side by side [default: all].")
 @click.option("--max-staleness", type=click.IntRange(min=0), default=None,
               help="The async modes' staleness bound η, in weights versions [default: 2].")
 @click.option("--length-sigma", type=click.FloatRange(min=0.0), default=None,
@@ -174,6 +176,18 @@ def rl(mode: str | None, max_staleness: int | None, length_sigma: float | None,
     """RL steps: barrier, fused, async, partial rollouts."""
     kwargs = _rl_kwargs(mode, max_staleness, length_sigma, max_new_tokens, train_scale)
     _report(_bench_function("rl", "run_rl_bench")(**kwargs), json_out)
+
+
+@bench.command(cls=_BenchCommand)
+@click.option("--steps", type=click.IntRange(2), default=6, show_default=True,
+              help="Steps per placement; the first is left out.")
+@_json_option
+def placement(steps: int, json_out: Path | None) -> None:
+    """Lending the train executors to generation: disaggregated, multiplexed, colocated."""
+    from benchmarks.placement import PlacementSetup
+
+    _report(_bench_function("placement", "run_placement_bench")(PlacementSetup(steps=steps)),
+            json_out)
 
 
 @bench.command(cls=_BenchCommand)
@@ -406,7 +420,7 @@ def _rl_kwargs(mode: str | None, max_staleness: int | None, length_sigma: float 
     """run_rl_bench's arguments: the options given, the bench's defaults for the others."""
     from benchmarks.rl import MODES, RLSetup
 
-    if max_staleness is not None and mode in ("barrier", "fused"):
+    if max_staleness is not None and mode in ("barrier", "fused"):  # the rest are async
         raise click.BadParameter(f"the staleness bound is the async mode's; --mode {mode} "
                                  f"runs synchronously", param_hint="--max-staleness")
     workload = {"length_sigma": length_sigma, "max_new_tokens": max_new_tokens,

@@ -9,7 +9,10 @@ lengths, in three modes on the same samples, side by side:
   flowkit/runner/flowrun.py];
 - `partial`: async, with partial rollouts: each step generates 1.5 x its prompts, takes the
   first groups to finish and carries the rest over ([Note: partial rollouts] in
-  flowkit/runner/partial.py).
+  flowkit/runner/partial.py);
+- `multiplexed`: async, the train executors also carrying the rollout tag, so that generation
+  fills their idle time (`flowkit run --placement multiplexed`);
+- `colocated`: async, every executor both (`--placement colocated`).
 
 In async mode a step's time overlaps its neighbours', so every mode is measured alike by
 throughput: the wall-clock from the end of the first step (which profiles, warms up and learns
@@ -38,7 +41,7 @@ import attrs
 __all__ = ["MODES", "Mode", "RLSetup", "modes_named", "run_rl_bench"]
 
 # slowest first: each mode's ratio to those before it
-MODES = ("barrier", "fused", "async", "partial")
+MODES = ("barrier", "fused", "async", "partial", "multiplexed", "colocated")
 OVERSAMPLE = 1.5  # the partial mode's generated prompts per trained prompt (APRIL's 1.5-2x)
 
 
@@ -51,6 +54,7 @@ class Mode:
     fuse: bool = True
     staleness: int | None = None  # None: synchronous
     oversample: float = 1.0  # > 1: partial rollouts
+    placement: str = "disaggregated"  # flowkit run --placement's: which executor runs what
 
     def run_settings(self, steps: int) -> dict[str, Any]:
         """RunConfig's settings for `steps` steps in this mode."""
@@ -65,7 +69,9 @@ def modes_named(names: tuple[str, ...] | list[str], *, max_staleness: int) -> li
         raise ValueError(f"unknown bench modes {unknown}: choose from {list(MODES)}")
     table = {"barrier": Mode("barrier", fuse=False), "fused": Mode("fused"),
              "async": Mode("async", staleness=max_staleness),
-             "partial": Mode("partial", staleness=max(1, max_staleness), oversample=OVERSAMPLE)}
+             "partial": Mode("partial", staleness=max(1, max_staleness), oversample=OVERSAMPLE),
+             "multiplexed": Mode("multiplexed", staleness=max_staleness, placement="multiplexed"),
+             "colocated": Mode("colocated", staleness=max_staleness, placement="colocated")}
     return [table[name] for name in MODES if name in names]
 
 
@@ -99,6 +105,13 @@ class RLSetup:
     # backprop keep them busy), at 0.25 by generation's long tail, as in the RL systems
     train_scale: float = 1.0
 
+    def tags(self, placement: str) -> list[tuple[str, ...]]:
+        """The executors' tags: rollout ones, then train ones, as `placement` lends them."""
+        both = ("rollout", "train")
+        rollout = both if placement == "colocated" else ("rollout",)
+        train = ("train",) if placement == "disaggregated" else both
+        return [rollout] * self.rollout_executors + [train] * self.train_executors
+
     def sim_costs(self) -> Any:
         from flowkit.planner.simcosts import SimCosts
 
@@ -122,33 +135,41 @@ def run_rl_bench(setup: RLSetup | None = None, *, modes: tuple[str, ...] = MODES
     chosen = modes_named(modes, max_staleness=max_staleness)
     costs = setup.sim_costs()
     trim = max(mode.staleness or 0 for mode in chosen)
-    tags = [("rollout",)] * setup.rollout_executors + [("train",)] * setup.train_executors
     figures: dict[str, Any] = {"setup": attrs.asdict(setup), "modes": [m.name for m in chosen],
                                "max_staleness": max_staleness,
                                "samples_per_step": setup.prompts * setup.n,
                                "measured_steps": setup.steps - 1}
-    # one set of simulator executors for every run, each a Run on their controller (its
-    # `controller=`): starting ten processes costs more on
-    # this machine than a run's measured steps, and a run leaves nothing behind (its last
-    # step ends with nothing open; weights versions are each runner's own: a run's staleness
-    # reads as on fresh executors)
-    with _executors("sim", tags) as ctl:
-        for algo in ("grpo", "ppo"):
-            runs = {mode.name: _measured(_flow(setup, algo, mode.oversample), setup.steps,
-                                         mode, trim, controller=ctl, executors="sim",
-                                         sim_costs=costs)
-                    for mode in chosen}
-            figures[algo] = _compared(runs)
+    # one set of simulator executors per placement for every run, each a Run on their
+    # controller (its `controller=`): starting ten processes costs more on this machine than a
+    # run's measured steps, and a run leaves nothing behind (its last step ends with nothing
+    # open; weights versions are each runner's own: a run's staleness reads as on fresh
+    # executors)
+    runs: dict[str, dict[str, dict]] = {"grpo": {}, "ppo": {}}
+    for placement in dict.fromkeys(mode.placement for mode in chosen):
+        with _executors("sim", setup.tags(placement)) as ctl:
+            for algo in runs:
+                for mode in (m for m in chosen if m.placement == placement):
+                    runs[algo][mode.name] = _measured(
+                        _flow(setup, algo, mode.oversample), setup.steps, mode, trim,
+                        controller=ctl, executors="sim", sim_costs=costs)
+    for algo, by_mode in runs.items():  # in MODES' order
+        figures[algo] = _compared({mode.name: by_mode[mode.name] for mode in chosen})
     if torch_steps:
-        tags = [("rollout",), ("train",), ("train",)]
-        runs = {}
+        torch_runs = {}
         for mode in chosen:  # each run starts its own executors: it trains from random weights
-            runs[mode.name] = _measured(_sorting_flow(mode.oversample), torch_steps, mode, trim,
-                                        executors="torch", num_executors=len(tags), tags=tags)
-        figures["torch_cpu_grpo"] = {**_compared(runs), "executors": len(tags),
+            tags = _torch_tags(mode.placement)
+            torch_runs[mode.name] = _measured(_sorting_flow(mode.oversample), torch_steps, mode,
+                                              trim, executors="torch", num_executors=len(tags),
+                                              tags=tags)
+        figures["torch_cpu_grpo"] = {**_compared(torch_runs), "executors": 3,
                                      "measured_steps": torch_steps - 1,
                                      "flow": "examples/grpo_sort.py from random weights"}
     return figures
+
+
+def _torch_tags(placement: str) -> list[tuple[str, ...]]:
+    """The torch part's 1 rollout and 2 train executors, as `placement` lends them."""
+    return RLSetup(rollout_executors=1, train_executors=2).tags(placement)
 
 
 def _compared(runs: dict[str, dict]) -> dict:

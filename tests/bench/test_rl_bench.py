@@ -23,8 +23,10 @@ def test_the_rl_bench_reports_each_modes_throughput_and_their_ratios():
         assert result["barrier"]["staleness_max"] == result["fused"]["staleness_max"] == 0
         assert 0 <= result["async"]["staleness_mean"] <= result["async"]["staleness_max"] <= 1
         assert "generation_share" not in result["async"]  # steps overlap: no such share
-        assert set(result["speedup"]) == {"fused/barrier", "async/barrier", "async/fused",
-                                          "partial/barrier", "partial/fused", "partial/async"}
+        assert set(result["speedup"]) == {f"{later}/{earlier}" for i, later in enumerate(MODES)
+                                          for earlier in MODES[:i]}
+        for mode in ("multiplexed", "colocated"):  # asynchronous, on executors lent out
+            assert 0 <= result[mode]["staleness_mean"] <= result[mode]["staleness_max"] <= 1
         assert result["partial"]["staleness_max"] <= 1
         assert result["partial"]["carried_over_mean"] > 0  # 6 prompts generate, 4 train
         assert result["speedup"]["async/fused"] == (result["async"]["steps_per_s"]
@@ -38,7 +40,8 @@ def test_the_rl_bench_runs_one_mode_alone(mode):
         assert list(figures[algo]) == [mode, "speedup", "steady_speedup"]
         assert figures[algo]["speedup"] == {}
         assert figures[algo][mode]["steps_per_s"] > 0
-        assert figures[algo][mode]["staleness_max"] <= (2 if mode in ("async", "partial") else 0)
+        synchronous = mode in ("barrier", "fused")
+        assert figures[algo][mode]["staleness_max"] <= (0 if synchronous else 2)
 
 
 def test_the_rl_bench_refuses_unknown_modes_and_too_few_steps():
@@ -46,6 +49,13 @@ def test_the_rl_bench_refuses_unknown_modes_and_too_few_steps():
         run_rl_bench(TINY, modes=("overlapped",), torch_steps=0)
     with pytest.raises(ValueError, match="needs >= 2"):
         run_rl_bench(RLSetup(steps=1), modes=("fused",), torch_steps=0)
+
+
+def test_the_placements_lend_the_train_executors_or_every_executor():
+    setup = RLSetup(rollout_executors=2, train_executors=1)
+    assert setup.tags("disaggregated") == [("rollout",), ("rollout",), ("train",)]
+    assert setup.tags("multiplexed") == [("rollout",), ("rollout",), ("rollout", "train")]
+    assert setup.tags("colocated") == [("rollout", "train")] * 3
 
 
 def test_the_train_scale_scales_the_training_sides_costs_and_not_generations():
