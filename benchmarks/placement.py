@@ -14,10 +14,11 @@ not only by its longest sample), and three placements of the same executors, eac
 Per placement: steps/s from the end of the first step to the end of the last; and from the
 run's trace over the same steps, each executor's idle share (the part of the window in which
 none of its ops or rollout requests was running), averaged over the training executors and over
-the others. What the training executors' idle time allows (`allowed_speedup`): were their idle
-executor-seconds of the baseline taken by the other executors' work, spread evenly over every
-executor, the steps would take 1 - (N_train / N) x train_idle_share of the time; `realized` is
-the share of that growth, (speedup - 1) / (allowed - 1), a placement gets.
+the others. What the training executors' idle time allows (`allowed_speedup`, measured in the
+same run): lent to generation, those executors can at best do what as many more dedicated
+rollout executors would, free of training (`bound`: 4 rollout and 2 train executors,
+disaggregated); `realized` is the share of that growth, (speedup - 1) / (allowed - 1), a
+placement gets.
 """
 
 from __future__ import annotations
@@ -72,16 +73,19 @@ def run_placement_bench(setup: PlacementSetup | None = None,
                          f"{setup.steps}")
     runs = {placement: _measured(setup, placement) for placement in PLACEMENT_MODES
             if placement in placements}
+    # the ceiling: the training executors' idle time as good as that many more dedicated
+    # rollout executors, free of any training of their own
+    more = attrs.evolve(setup, rollout_executors=setup.rollout_executors
+                        + setup.train_executors)
+    bound = _measured(more, "disaggregated")
     first = next(iter(runs))
-    for run in runs.values():
+    for run in (*runs.values(), bound):
         run["speedup"] = run["steps_per_s"] / runs[first]["steps_per_s"]
-    baseline = runs[first]
-    share = setup.train_executors / (setup.train_executors + setup.rollout_executors)
-    allowed = 1 / (1 - share * baseline["train_idle_share"])
+    allowed = bound["speedup"]
     for run in runs.values():
         run["realized"] = (run["speedup"] - 1) / (allowed - 1) if allowed > 1 else None
     return {"setup": attrs.asdict(setup), "baseline": first, "allowed_speedup": allowed,
-            **runs}
+            "bound": bound, **runs}
 
 
 def _measured(setup: PlacementSetup, placement: str) -> dict:
