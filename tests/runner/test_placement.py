@@ -64,3 +64,22 @@ def test_a_split_run_starts_twice_trainings_executors_by_default_and_multiplexed
     generators = {e["pid"] for e in spans if e["args"].get("node") == "generate"}
     trainers = {e["pid"] for e in spans if e["args"].get("node") == "update_actor"}
     assert trainers and trainers <= generators  # the training executors generated too
+
+
+def test_multiplexed_torch_executors_generate_with_the_newest_weights(tmp_path):
+    """A training executor lent to generation holds a whole copy of the actor, synced with the
+    rollout executors': in a synchronous run every sample of step s, wherever it was generated,
+    has every token from the weights of step s (the initial ones at step 0)."""
+    trace = tmp_path / "t.json"
+    flow = grpo_flow(prompts=4, n=4, stages=2, microbatches=2, max_new_tokens=4)
+    with bench_run(flow, executors="torch", steps=3, placement="multiplexed",
+                   num_executors=3, trace=trace) as run:
+        list(run.steps())
+        trainers = {e.id for e in run.executors if "train" in e.tags}
+    spans = [e for e in json.loads(trace.read_text())["traceEvents"]
+             if e["ph"] == "X" and e["args"].get("node") == "generate"]
+    assert {span["pid"] for span in spans} & trainers  # some on the training executors
+    for span in spans:
+        step = span["args"]["step"]
+        for _, _, first, last, _ in span["args"]["items"]:
+            assert (first, last) == ((-1, -1) if step == 0 else (step, step)), span["pid"]
