@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -30,7 +30,10 @@ __all__ = ["Balancer", "LengthEstimates", "rank_correlation"]
 #     times the estimate, raised to the longest that finished), a greedy longest-processing-
 #     time-first assignment, learning each item's actual size as it finishes (a report key, so
 #     nothing is fetched). It reports how well the estimates ranked the lengths: the Spearman
-#     correlation of predicted and actual lengths over the items whose key had a history.
+#     correlation of predicted and actual lengths over the items whose key had a history;
+#   - lent executors (those that also train, `flowkit run --placement multiplexed`) take a call only
+#     while nothing else of theirs is outstanding, so generation fills their idle time and never
+#     queues ahead of their training; while every one is busy the calls go to the others.
 
 
 @attrs.define
@@ -88,10 +91,15 @@ class Balancer:
     dispatch]; `count` items per call, each of at most `budget` work."""
 
     def __init__(self, estimates: LengthEstimates, executors: Sequence[int], *, count: int,
-                 budget: float) -> None:
+                 budget: float, lent: frozenset[int] = frozenset(),
+                 outstanding: Callable[[int], int] | None = None) -> None:
         if not executors:
             raise ValueError("no executor to balance over")
         self.estimates, self.executors = estimates, list(executors)
+        # lent executors and their tasks outstanding: they take calls only when idle
+        self.lent = lent if outstanding is not None else frozenset()
+        self.outstanding = outstanding
+        self.dedicated = [e for e in self.executors if e not in self.lent]
         self.count, self.budget = max(1, int(count)), float(budget)
         self.calls: dict[tuple, _Call] = {}
         self.sizes: dict[Any, list[int]] = defaultdict(list)  # this step's, by key
@@ -110,12 +118,20 @@ class Balancer:
     def assign(self, lineage: tuple, key: Any) -> int:
         """The executor for a call: the least predicted work open, then the fewest calls."""
         load, calls = self.load, self.open_calls
-        executor = min(self.executors, key=lambda e: (load[e], calls[e]))
+        executor = min(self._candidates(), key=lambda e: (load[e], calls[e]))
         per_item, history = self.predicted(key)
         call = self.calls[lineage] = _Call(executor, key, self.count, per_item, history)
         load[executor] += call.remaining()
         calls[executor] += 1
         return executor
+
+    def _candidates(self) -> list[int]:
+        """The executors a call may go to: a lent one only with nothing but this node's calls
+        outstanding [Note: length-aware dispatch]."""
+        if not self.lent or not self.dedicated:
+            return self.executors
+        idle = [e for e in self.lent if self.outstanding(e) <= self.open_calls[e]]
+        return self.dedicated + idle
 
     def finished(self, lineage: tuple, size: Any) -> None:
         """An item of the call at `lineage` is done, its size reported (None: unknown)."""

@@ -36,11 +36,12 @@ class Checkpointing:
     run_id: str = ""  # the run's [Note: run checkpoints]: its folders are the only ones it prunes
     written: int | None = None  # the step count of the newest checkpoint written
 
+    # begun, not finished yet, in order [Note: checkpoints that do not drain in checkpoint.py]
+    pending: list[PendingCheckpoint] = attrs.field(factory=list)
+    _watcher: Any = None  # the runner's watcher that finishes them
+
     def due(self, done: int) -> bool:
         return self.every is not None and done % self.every == 0
-
-    pending: list[PendingCheckpoint] = attrs.field(factory=list)  # begun, in order
-    _watcher: Any = None  # the runner's watcher that finishes them
 
     def write(self, runner: Any, executors: list, records: list[dict], done: int) -> Path:
         """The checkpoint of `done` steps, those begun before it first; CheckpointError when

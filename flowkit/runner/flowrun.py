@@ -218,9 +218,13 @@ class FlowRunner:
         able = [e.id for e in self.ctl.executors() if e.runs(plan.op, frozenset(plan.tags))]
         if not able:
             return None  # the dispatcher says why when the first call is submitted
+        infos = {e.id: e for e in self.ctl.executors()}
+        lent = frozenset(e.id for model in self.training for e in self.placement[model]
+                         if e.id in able)
         return Balancer(self.workloads[name].estimates, able,
                         count=config.get(plan.workload.count, 1),
-                        budget=config.get(plan.workload.budget, 1))
+                        budget=config.get(plan.workload.budget, 1), lent=lent,
+                        outstanding=lambda executor: infos[executor].outstanding)
 
     # -- steps ---------------------------------------------------------------------------------
     def run_step(self, step: int) -> StepReport:

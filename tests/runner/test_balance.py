@@ -152,3 +152,23 @@ def test_the_open_work_kept_call_by_call_is_the_sum_over_the_calls(events):
             assert balancer.load[executor] == pytest.approx(
                 sum(c.remaining() for c in calls), abs=1e-6)
             assert balancer.open_calls[executor] == sum(c.open for c in calls)
+
+
+def test_a_lent_executor_takes_calls_only_while_nothing_else_of_its_is_outstanding():
+    """Executor 1 also trains (--placement multiplexed): while a training task of its is
+    outstanding the calls go to executor 0 alone; idle, it takes its share; the calls this
+    node sent it do not make it busy."""
+    training = {0: 0, 1: 1}  # tasks outstanding besides generation
+    balancer = Balancer(LengthEstimates(), [0, 1], count=1, budget=100, lent=frozenset({1}),
+                        outstanding=lambda e: training[e] + balancer.open_calls[e])
+    assert [balancer.assign((i,), None) for i in range(3)] == [0, 0, 0]
+    training[1] = 0  # its training ended
+    assert [balancer.assign((i,), None) for i in range(3, 6)] == [1, 1, 1]  # the least work
+    training[0] = 5  # a dedicated executor is never skipped, however busy
+    assert balancer.assign((6,), None) in (0, 1)
+
+
+def test_without_a_dedicated_executor_the_lent_ones_take_every_call():
+    balancer = Balancer(LengthEstimates(), [0, 1], count=1, budget=100, lent=frozenset({0, 1}),
+                        outstanding=lambda e: 9)
+    assert {balancer.assign((i,), None) for i in range(4)} == {0, 1}
