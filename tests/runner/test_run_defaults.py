@@ -17,6 +17,7 @@ from flowkit.runtime.raylaunch import RaySettings
 # the flag's parameter -> (record, field) whose default it must show
 FLAGS = {
     "kind": (RunConfig, "executors"), "num_executors": (RunConfig, "num_executors"),
+    "placement": (RunConfig, "placement"),
     "device": (RunConfig, "device"), "steps": (RunConfig, "steps"),
     "stages": (RunConfig, "stages"), "replicas": (RunConfig, "replicas"),
     "shard_optimizer": (RunConfig, "shard_optimizer"),
