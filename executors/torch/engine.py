@@ -45,6 +45,11 @@ __all__ = ["Engine", "Sampling", "run_all_until_done", "run_until_done"]
 # 6. streams each finished sample to its request's consumers at once, and completes a request when
 #    its last sample is done.
 #
+# An engine left with no sequence at all (none decoding, waiting, at its environment or passing)
+# lets its cache go and makes a new one when a request comes: a colocated or multiplexed executor
+# trains between its steps' generation, and the rows it would hold are memory training can use
+# (verl's hybrid engine frees its KV cache for the same reason); `stats["cache_releases"]`.
+#
 # A request or the whole engine can be paused (its sequences keep their tokens and give their slots
 # back) and resumed, or aborted (all requests, or those named by their keys): its unfinished samples
 # come back at once, marked `interrupted`, and a later request given such a Rollout continues it
@@ -153,7 +158,7 @@ class Engine(Trajectories):
         self.env_calls = EnvCalls()  # trajectories' environment calls, in threads
         self.parked: dict[tuple[int, int], Any] = {}  # aborted trajectories' episodes
         self.device = next(model.parameters()).device
-        self.stats = {"steps": 0, "decode_tokens": 0, "prefill_tokens": 0}
+        self.stats = {"steps": 0, "decode_tokens": 0, "prefill_tokens": 0, "cache_releases": 0}
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, items: list, sampling: Sampling, n: int, *, key: str | None = None,
@@ -246,6 +251,9 @@ class Engine(Trajectories):
         engine: they were in one batch, so they fail together."""
         try:
             self._step()
+            if self.cache is not None and self._empty():
+                self.cache = None  # [Note: rollout engine]: memory for the training in between
+                self.stats["cache_releases"] += 1
         except Exception as error:
             live = _once([s for s in self.slots if s is not None] + list(self.waiting)
                          + self.env_calls.drop(lambda s: False))
@@ -253,6 +261,10 @@ class Engine(Trajectories):
             for request in {id(s.request): s.request for s in live}.values():
                 if not (request.deferred.finished or request.deferred.cancelled):
                     request.deferred.fail(error)
+
+    def _empty(self) -> bool:
+        """No sequence anywhere: nothing holds a row of the cache (paused or not)."""
+        return not (self.waiting or any(self.slots) or self.passing or self.env_calls)
 
     def _step(self) -> None:
         self._pass_through()

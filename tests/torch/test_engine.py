@@ -318,3 +318,32 @@ def test_prefill_chunks_go_in_forwards_whose_padding_fits_the_cache(case):
     assert sorted(map(id, (c for b in batches for c in b))) == sorted(map(id, chunks))
     for batch in batches:
         assert max(c[1] for c in batch) + max(c[2] - c[1] for c in batch) <= max_len
+
+
+def test_an_idle_engine_lets_its_cache_go_and_the_next_request_samples_as_on_a_fresh_one(model):
+    """[Note: rollout engine]: with no sequence left the cache is released, memory a colocated
+    executor's training can use; the next request makes a new one, and what it samples is what
+    an engine that never released one samples."""
+    engine = _engine(model, max_batch=4)
+    first = _collect(engine.submit(PROMPTS[:2], SAMPLED, 2))
+    _drain(engine)
+    assert "done" in first and engine.cache is None and engine.stats["cache_releases"] == 1
+    again = _collect(engine.submit(PROMPTS[2:4], SAMPLED, 2))
+    _drain(engine)
+    fresh = _engine(model, max_batch=4)
+    alone = _collect(fresh.submit(PROMPTS[2:4], SAMPLED, 2))
+    _drain(fresh)
+    assert _keyed(again["done"]) == _keyed(alone["done"])
+    assert engine.stats["cache_releases"] == 2
+
+
+def test_a_paused_engine_keeps_the_cache_its_sequences_hold(model):
+    engine = _engine(model, max_batch=4)
+    _collect(engine.submit(PROMPTS[:2], GREEDY, 1))
+    engine.step()
+    engine.step()
+    engine.pause()
+    assert not engine.busy() and engine.cache is not None
+    engine.pause(False)
+    _drain(engine)
+    assert engine.cache is None and engine.stats["cache_releases"] == 1
