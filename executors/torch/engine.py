@@ -225,6 +225,7 @@ class Engine(Trajectories):
         self.waiting.clear()
         for seq in live:
             self._finish(seq, finished=False, interrupted=True)
+        self._release_if_empty()
         return len(live)
 
     def abort_requests(self, keys: set[str]) -> tuple[int, int]:
@@ -239,6 +240,7 @@ class Engine(Trajectories):
         self.waiting = deque(s for s in self.waiting if s.request.key not in keys)
         for seq in cut:
             self._finish(seq, finished=False, interrupted=True)
+        self._release_if_empty()
         return len(cut), sum(len(seq.tokens) - seq.carried for seq in cut)
 
     # -- the Background ------------------------------------------------------------------------
@@ -251,9 +253,7 @@ class Engine(Trajectories):
         engine: they were in one batch, so they fail together."""
         try:
             self._step()
-            if self.cache is not None and self._empty():
-                self.cache = None  # [Note: rollout engine]: memory for the training in between
-                self.stats["cache_releases"] += 1
+            self._release_if_empty()
         except Exception as error:
             live = _once([s for s in self.slots if s is not None] + list(self.waiting)
                          + self.env_calls.drop(lambda s: False))
@@ -261,6 +261,11 @@ class Engine(Trajectories):
             for request in {id(s.request): s.request for s in live}.values():
                 if not (request.deferred.finished or request.deferred.cancelled):
                     request.deferred.fail(error)
+
+    def _release_if_empty(self) -> None:
+        if self.cache is not None and self._empty():
+            self.cache = None  # [Note: rollout engine]: memory for the training in between
+            self.stats["cache_releases"] += 1
 
     def _empty(self) -> bool:
         """No sequence anywhere: nothing holds a row of the cache (paused or not)."""

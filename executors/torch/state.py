@@ -88,11 +88,16 @@ def save_state(ctx: OpContext, *_: Any, path: str) -> Deferred:
     ends with the bytes written. [Note: a state written in the background]: the state is copied
     to host memory here, so the tasks after this one may change the models at once, and a
     thread writes the copy while the executor goes on."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    os.fchmod(fd, 0o600)  # whatever the umask
-    snapshot = _on_host(state_of(ctx))
     writer = ctx.background.setdefault(_WRITER, StateWriter())
-    return writer.write(fd, Path(path), snapshot)
+    writer.wait_written()  # one copy on the way at most, however fast checkpoints come
+    snapshot = _on_host(state_of(ctx))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        return writer.write(fd, Path(path), snapshot)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 # [Note: a state written in the background] After DataStates-LLM and ByteCheckpoint: a checkpoint
@@ -101,7 +106,8 @@ def save_state(ctx: OpContext, *_: Any, path: str) -> Deferred:
 # the writer as a Background between its tasks: each step waits a millisecond at most for a
 # thread to end, then ends the save_state task it belongs to. So the next step's training runs
 # while the file is written, and the controller renames the checkpoint in only once every task
-# ended, that is, every file is on disk (fsync).
+# ended, that is, every file is on disk (fsync). A save waits for the write before it, so host
+# memory holds one copy at most when checkpoints come faster than the disk takes them.
 _WRITER = "state_writer"
 _WAIT_S = 0.001  # a step's wait for a writing thread: the loop neither spins nor stalls
 
@@ -121,6 +127,11 @@ class StateWriter:
         self.writing.append((deferred, thread, outcome))
         return deferred
 
+    def wait_written(self) -> None:
+        """Until every write begun has reached its file (its task ends at the next step)."""
+        for _, thread, _ in self.writing:
+            thread.join()
+
     def busy(self) -> bool:
         return bool(self.writing)
 
@@ -131,6 +142,8 @@ class StateWriter:
             if thread.is_alive():
                 continue
             self.writing.remove(entry)
+            if deferred.finished or deferred.cancelled:  # ended already (the executor failed it)
+                continue
             if outcome and isinstance(outcome[0], BaseException):
                 deferred.fail(outcome[0])
             else:

@@ -248,7 +248,8 @@ class Run:
         try:
             if loop.stopped:
                 self.console.print(f"{self.flow.name}: interrupted at step {loop.completed}")
-            weights = self._finish(exc[0] in (None, KeyboardInterrupt))
+            weights = self._finish(exc[0] in (None, KeyboardInterrupt),
+                                   at_once=exc[0] is KeyboardInterrupt)
             if self.shared is not None:  # its executors go on: the run's replica groups end
                 self._leave_groups()
         finally:
@@ -261,15 +262,16 @@ class Run:
             done = loop.completed
             self.console.print(f"{self.flow.name}: {done} step{'s' * (done > 1)} done")
 
-    def _finish(self, ok: bool) -> list[Path]:
-        """What the end of a run writes while the executors are still there."""
+    def _finish(self, ok: bool, at_once: bool = False) -> list[Path]:
+        """What the end of a run writes while the executors are still there; `at_once`: a
+        Ctrl-C outside the step loop (its second) waits for no checkpoint still open."""
         config = self.config
         if self._checkpoints is not None and self._checkpoints.pending:  # the steps were left
-            if not ok:
+            if not ok or at_once:
                 self._checkpoints.discard()
-                return []
-            with self._failures():
-                self._checkpoints.settle(self.runner)
+            else:
+                with self._failures():
+                    self._checkpoints.settle(self.runner)
         if not ok:
             return []
         if (self._checkpoints is not None and self._checkpoints.written is not None

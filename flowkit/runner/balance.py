@@ -31,9 +31,10 @@ __all__ = ["Balancer", "LengthEstimates", "rank_correlation"]
 #     time-first assignment, learning each item's actual size as it finishes (a report key, so
 #     nothing is fetched). It reports how well the estimates ranked the lengths: the Spearman
 #     correlation of predicted and actual lengths over the items whose key had a history;
-#   - lent executors (those that also train, `flowkit run --placement multiplexed`) take a call only
-#     while nothing else of theirs is outstanding, so generation fills their idle time and never
-#     queues ahead of their training; while every one is busy the calls go to the others.
+#   - lent executors (those that hold a training stage: `flowkit run --placement multiplexed`, or
+#     colocated ones that train) take a call only while nothing else of theirs is outstanding, so
+#     generation fills their idle time and never queues ahead of their training; while every one
+#     is busy the calls go to the others. Where every able executor trains, none is held back.
 
 
 @attrs.define

@@ -39,6 +39,7 @@ class Checkpointing:
     # begun, not finished yet, in order [Note: checkpoints that do not drain in checkpoint.py]
     pending: list[PendingCheckpoint] = attrs.field(factory=list)
     _watcher: Any = None  # the runner's watcher that finishes them
+    _watched: Any = None  # that runner
 
     def due(self, done: int) -> bool:
         return self.every is not None and done % self.every == 0
@@ -46,7 +47,9 @@ class Checkpointing:
     def write(self, runner: Any, executors: list, records: list[dict], done: int) -> Path:
         """The checkpoint of `done` steps, those begun before it first; CheckpointError when
         it cannot be written (an executor lost meanwhile: a restart may recover)."""
-        self.settle(runner)
+        finished = self.settle(runner)
+        if done in finished:  # begun at its boundary already (a Ctrl-C right after it)
+            return finished[done]
         folder = write_checkpoint(self.root, runner, step=done, identity=self.identity,
                                   executors=executors, kind=self.kind, records=records,
                                   keep=self.keep, run_id=self.run_id)
@@ -63,6 +66,7 @@ class Checkpointing:
             kind=self.kind, records=records, keep=self.keep, run_id=self.run_id))
         if self._watcher is None:
             self._watcher = lambda: self._finish_ready(runner, on_written)
+            self._watched = runner
             runner.watchers.append(self._watcher)
 
     def _finish_ready(self, runner: Any, on_written: Callable[[Path], Any]) -> None:
@@ -73,25 +77,28 @@ class Checkpointing:
         if not self.pending:
             self._unwatch(runner)
 
-    def settle(self, runner: Any) -> None:
-        """Finish the checkpoints begun, waiting for what they wait for."""
+    def settle(self, runner: Any) -> dict[int, Path]:
+        """Finish the checkpoints begun, waiting for what they wait for; their folders by
+        step."""
         self._unwatch(runner)  # none finishes twice: here only
+        finished = {}
         while self.pending:
-            self.pending[0].wait(runner)
+            finished[self.pending[0].step] = self.pending[0].wait(runner)
             self.written = self.pending.pop(0).step
-        self._unwatch(runner)
+        return finished
 
     def _unwatch(self, runner: Any) -> None:
-        if self._watcher is not None and self._watcher in runner.watchers:
-            runner.watchers.remove(self._watcher)
-        self._watcher = None
+        watched = self._watched if self._watched is not None else runner
+        if self._watcher is not None and self._watcher in watched.watchers:
+            watched.watchers.remove(self._watcher)
+        self._watcher = self._watched = None
 
     def discard(self) -> None:
         """Give up the checkpoints begun (the run failed or stops at once)."""
         for pending in self.pending:
             pending.discard()
         self.pending.clear()
-        self._watcher = None  # its runner is given up too
+        self._unwatch(self._watched)
 
 
 def resume_point(path: Path, identity: dict, layout: list[dict],

@@ -657,8 +657,17 @@ class _Site:
 
     def submit(self, lineage: tuple, lead: Any, *, extra: dict | None = None,
                meta: dict | None = None) -> None:
-        self.state.submitted.add(lineage)
-        self.run._submit(self.state, lineage, {self.lead.port: lead}, extra=extra, meta=meta)
+        """The call goes where the node's balancer says, as the step's own calls do."""
+        run, state = self.run, self.state
+        state.submitted.add(lineage)
+        name, executor = state.plan.name, None
+        balancer = run.balancers.get(name)
+        if balancer is not None:
+            workload = run.ctx.workloads[name]
+            keys = run.streams.of(workload.lead).keys if workload.keyed else {}
+            executor = balancer.assign(lineage, keys.get(lineage))
+        run._submit(state, lineage, {self.lead.port: lead}, executor=executor, extra=extra,
+                    meta=meta)
 
     def abort(self, requests: Sequence[str]) -> list[Any]:
         run, state = self.run, self.state

@@ -10,11 +10,16 @@ after it."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
 
+from benchmarks.runs import bench_run
+from flowkit.cli._flows import load_checked_flow
 from flowkit.runner.checkpoint import complete_checkpoints, read_run_state
+from flowkit.runner.config import CheckpointConfig
 from flowkit.runner.runstate import allowed_records
 from tests.cli.runs import GRPO, conserved, interrupted
 from tests.cli.runs import metrics_lines as _lines
@@ -351,3 +356,19 @@ def test_an_async_checkpoint_does_not_stop_generation(tmp_path):
     folders = complete_checkpoints(checkpoints)
     assert [int(folder.name.split("-")[1]) for folder in folders] == list(range(1, STEPS + 1))
     assert not list(checkpoints.glob(".step-*"))  # no unfinished folder left
+
+
+def test_a_ctrl_c_right_after_a_begun_checkpoint_writes_that_step_once(tmp_path):
+    """The checkpoint of the step a Ctrl-C stops after was begun at its boundary already: the
+    stop finishes it rather than writing it a second time (each executor saves once)."""
+    trace, root = tmp_path / "t.json", tmp_path / "ck"
+    with bench_run(load_checked_flow(GRPO), executors="sim", steps=6, asynchronous=True,
+                   max_staleness=2, trace=trace, code=[GRPO],
+                   checkpoints=CheckpointConfig(root=root, every=1, keep=10)) as run:
+        for report in run.steps():
+            if report.step == 1:  # the first Ctrl-C: finish this step, checkpoint, stop
+                os.kill(os.getpid(), signal.SIGINT)
+        executors = len(run.executors)
+    assert run.result.interrupted and run.result.steps == 2
+    assert len([s for s in _spans(trace, "checkpoint") if s["args"]["step"] == 2]) == executors
+    assert [int(f.name.split("-")[1]) for f in complete_checkpoints(root)] == [1, 2]

@@ -347,3 +347,13 @@ def test_a_paused_engine_keeps_the_cache_its_sequences_hold(model):
     engine.pause(False)
     _drain(engine)
     assert engine.cache is None and engine.stats["cache_releases"] == 1
+
+
+def test_an_abort_that_empties_the_engine_lets_its_cache_go(model):
+    engine = _engine(model, max_batch=4)
+    _collect(engine.submit(PROMPTS[:2], GREEDY, 1, key="a"))
+    engine.step()
+    engine.step()
+    assert engine.cache is not None
+    engine.abort_requests({"a"})
+    assert engine.cache is None and not engine.busy()

@@ -67,3 +67,21 @@ def test_an_existing_file_is_refused_at_once(tmp_path):
     (tmp_path / "exec0.pt").write_bytes(b"someone else's")
     with pytest.raises(FileExistsError):
         save_state(ctx, path=str(tmp_path / "exec0.pt"))
+
+
+def test_a_save_that_fails_before_writing_leaves_no_file_and_no_open_descriptor(
+        tmp_path, monkeypatch):
+    import os
+
+    ctx, _ = _training_stage()
+
+    def out_of_memory(_ctx):
+        raise MemoryError("the host copy")
+
+    monkeypatch.setattr("executors.torch.state.state_of", out_of_memory)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with pytest.raises(MemoryError):
+            save_state(ctx, path=str(tmp_path / "exec0.pt"))
+    assert not (tmp_path / "exec0.pt").exists()
+    assert len(os.listdir("/proc/self/fd")) == before
