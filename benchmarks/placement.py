@@ -55,9 +55,10 @@ class PlacementSetup:
     optimizer_step: float = 0.01
 
     def tags(self, placement: str) -> list[tuple[str, ...]]:
-        both = ("rollout", "train")
-        train = {"disaggregated": ("train",), "multiplexed": both, "colocated": both}[placement]
-        rest = both if placement == "colocated" else ("rollout",)
+        """The executors' tags: train ones, then the others, as `placement` lends them."""
+        from benchmarks.rl import placement_groups
+
+        rest, train = placement_groups(placement)
         return [train] * self.train_executors + [rest] * self.rollout_executors
 
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import attrs
 
-__all__ = ["MODES", "Mode", "RLSetup", "modes_named", "run_rl_bench"]
+__all__ = ["MODES", "Mode", "RLSetup", "modes_named", "placement_groups", "run_rl_bench"]
 
 # slowest first: each mode's ratio to those before it
 MODES = ("barrier", "fused", "async", "partial", "multiplexed", "colocated")
@@ -107,9 +107,7 @@ class RLSetup:
 
     def tags(self, placement: str) -> list[tuple[str, ...]]:
         """The executors' tags: rollout ones, then train ones, as `placement` lends them."""
-        both = ("rollout", "train")
-        rollout = both if placement == "colocated" else ("rollout",)
-        train = ("train",) if placement == "disaggregated" else both
+        rollout, train = placement_groups(placement)
         return [rollout] * self.rollout_executors + [train] * self.train_executors
 
     def sim_costs(self) -> Any:
@@ -119,6 +117,15 @@ class RLSetup:
         return SimCosts(F=self.F * scale, B=self.B * scale, W=self.W * scale,
                         optimizer_step=self.optimizer_step * scale, token=self.token,
                         infer_token=self.infer_token * scale, length_sigma=self.length_sigma)
+
+
+def placement_groups(placement: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The tags of a rollout executor and of a train executor under `placement`
+    (`flowkit run --placement`'s, for the benches' executors given by hand)."""
+    both = ("rollout", "train")
+    rollout = both if placement == "colocated" else ("rollout",)
+    train = ("train",) if placement == "disaggregated" else both
+    return rollout, train
 
 
 def run_rl_bench(setup: RLSetup | None = None, *, modes: tuple[str, ...] = MODES,

@@ -133,9 +133,6 @@ class Checkpointed(OpenSteps, Resuming, Protocol):
     carried: dict  # the ledger's carried calls for steps not open
     generating: list[str]  # the nodes whose calls an asynchronous checkpoint holds
 
-    def state(self) -> RunnerState:
-        """What it holds at a step boundary."""
-
     def boundary(self) -> RunnerState:
         """What it holds at a step boundary but the open steps' generation."""
 
@@ -571,7 +568,7 @@ def restore(folder: Path, runner: Checkpointed, executors: list[ExecutorInfo], *
     one to run). The run state is read and checked first: a damaged one changes nothing."""
     ctl = runner.ctl
     state = read_run_state(folder, records)
-    saved, placement = read_manifest(folder).placement, runner.state().placement
+    saved, placement = read_manifest(folder).placement, runner.boundary().placement
     trainings = getattr(runner, "training", {})
     try:  # [Note: resuming at another replica count] in replicas.py
         sources = state_sources(saved, placement,

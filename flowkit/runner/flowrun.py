@@ -371,11 +371,6 @@ class FlowRunner:
         return {step: {name: run.node_closed(name) for name in self.generating}
                 for step, run in self.open.items()}
 
-    def state(self) -> RunnerState:
-        """What a checkpoint holds of this runner at a step boundary (nothing trains): refs,
-        which the checkpoint fetches; an asynchronous runner's open steps once drained."""
-        return attrs.evolve(self.boundary(), **self.open_state(self.open, self.carried))
-
     def boundary(self) -> RunnerState:
         """What a checkpoint holds at a step boundary of all but the open steps' generation,
         copied (it is read once that generation has ended, [Note: checkpoints that do not

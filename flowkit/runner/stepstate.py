@@ -146,8 +146,8 @@ class BalancedCalls:
 @attrs.frozen
 class RunnerState:
     """A runner at a step boundary as a checkpoint reads it (checkpoint.py): refs, which the
-    checkpoint fetches. An asynchronous runner's open steps are in it once drained
-    [Note: checkpoints of asynchronous runs in asyncstate.py]."""
+    checkpoint fetches. An asynchronous runner's open steps are in it once they have generated
+    [Note: checkpoints that do not drain in checkpoint.py]."""
 
     staleness: int | None
     placement: dict[str, list[str]]  # model -> the executors holding its stages, by name
