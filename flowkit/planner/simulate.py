@@ -21,7 +21,7 @@ flowkit/planner/offload.py]; they are not ops of the device's span or busy time.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -36,7 +36,8 @@ from flowkit.planner.ir import (
     bubble_rate,
 )
 
-__all__ = ["ScheduleError", "SimResult", "Interval", "dependencies", "memory_levels", "simulate"]
+__all__ = ["ScheduleError", "SimResult", "Interval", "dependencies", "levels", "memory_levels",
+           "simulate", "summarize", "timeline"]
 
 
 class ScheduleError(ValueError):
@@ -58,6 +59,7 @@ class Interval:
     action: Action
     start: float
     end: float
+    model: int = 0  # which model's, in a fused schedule [Note: fused schedules]
 
 
 @attrs.frozen(kw_only=True)
@@ -102,62 +104,82 @@ def simulate(schedule: Schedule, costs: Costs, memory: MemoryModel | None = None
             f"costs cover {costs.num_stages} stages but schedule {schedule.kind!r} has "
             f"{placement.num_stages}")
     _check_actions_placed(schedule)
-    offloaded = {(a.stage, a.microbatch) for ops in schedule.device_ops for a in ops
+    out, copies = timeline([[(0, a) for a in ops] for ops in schedule.device_ops],
+                           stages=[placement.num_stages], costs=[costs], schedule=schedule)
+    chunks = placement.chunks
+    return summarize(out, copies, lambda iv: memory.delta(iv.action, chunks),
+                     lambda iv: memory.offloaded(chunks))
+
+
+def timeline(device_ops: Sequence[Sequence[tuple[int, Action]]], *, stages: Sequence[int],
+             costs: Sequence[Costs], schedule: Schedule | None = None,
+             names: Sequence[str] = ()) -> tuple[list[list[Interval]], list[list[Interval]]]:
+    """Each device's compute intervals and copies, running its (model, action) list in order:
+    one model's actions wait for that model's own (`dependencies`), never another's, and every
+    model's share a device's compute [Note: fused schedules in flowkit/planner/fused.py].
+    `stages` and `costs` are each model's; `names` name the models in errors."""
+    offloaded = {(m, a.stage, a.microbatch) for ops in device_ops for m, a in ops
                  if a.kind is Kind.O}
-    ends: dict[ActionKey, float] = {}
-    done_on: dict[ActionKey, int] = {}
-    waiting: dict[ActionKey, list[int]] = defaultdict(list)
-    cursor = [0] * schedule.num_devices
-    free_at = [0.0] * schedule.num_devices
+    devices = len(device_ops)
+    ends: dict[tuple[int, ActionKey], float] = {}
+    done_on: dict[tuple[int, ActionKey], int] = {}
+    waiting: dict[tuple[int, ActionKey], list[int]] = defaultdict(list)
+    cursor = [0] * devices
+    free_at = [0.0] * devices
     # the last compute op's start (when the next copies are issued) and each copy engine's end
-    issued = [0.0] * schedule.num_devices
+    issued = [0.0] * devices
     engine: dict[tuple[int, Kind], float] = defaultdict(float)
-    out: list[list[Interval]] = [[] for _ in range(schedule.num_devices)]
-    copies: list[list[Interval]] = [[] for _ in range(schedule.num_devices)]
-    ready = list(range(schedule.num_devices))
+    out: list[list[Interval]] = [[] for _ in range(devices)]
+    copies: list[list[Interval]] = [[] for _ in range(devices)]
+    ready = list(range(devices))
+
+    def named(model: int, action: Action) -> str:
+        return f"{names[model]}:{action}" if names else str(action)
+
     while ready:
         device = ready.pop()
-        ops = schedule.device_ops[device]
+        ops = device_ops[device]
         while cursor[device] < len(ops):
-            action = ops[cursor[device]]
+            model, action = ops[cursor[device]]
             copy = action.kind.is_copy
             start = max(issued[device], engine[device, action.kind]) if copy else free_at[device]
-            deps = dependencies(action, placement.num_stages)
-            if action.kind in (Kind.B, Kind.BW) and (action.stage, action.microbatch) in offloaded:
+            deps = dependencies(action, stages[model])
+            if (action.kind in (Kind.B, Kind.BW)
+                    and (model, action.stage, action.microbatch) in offloaded):
                 deps.append((action.stage, Kind.P, action.microbatch))
             blocked = None
             for stage, kind, mb in deps:
-                key = action_key(stage, kind, mb)
+                key = (model, action_key(stage, kind, mb))
                 if key not in ends:
                     blocked = key
                     break
-                hop = costs.comm if done_on[key] != device else 0.0
+                hop = costs[model].comm if done_on[key] != device else 0.0
                 start = max(start, ends[key] + hop)
             if blocked is not None:
                 waiting[blocked].append(device)
                 break
-            end = start + costs.of(action)
-            key = action.key
+            end = start + costs[model].of(action)
+            key = (model, action.key)
             if key in ends:
                 raise ScheduleError(
-                    f"{action} runs twice: its (stage, kind, microbatch) was already scheduled",
-                    schedule=schedule, marked=[action])
+                    f"{named(model, action)} runs twice: its (stage, kind, microbatch) was "
+                    "already scheduled", schedule=schedule, marked=[action])
             ends[key], done_on[key] = end, device
             if copy:
                 engine[device, action.kind] = end
-                copies[device].append(Interval(action, start, end))
+                copies[device].append(Interval(action, start, end, model))
             else:
                 free_at[device], issued[device] = end, start
-                out[device].append(Interval(action, start, end))
+                out[device].append(Interval(action, start, end, model))
             cursor[device] += 1
             ready.extend(waiting.pop(key, ()))
-    stuck = [ops[cursor[d]] for d, ops in enumerate(schedule.device_ops) if cursor[d] < len(ops)]
+    stuck = [(d, ops[cursor[d]]) for d, ops in enumerate(device_ops) if cursor[d] < len(ops)]
     if stuck:
         raise ScheduleError(
             "deadlock: no device can run its next action: "
-            + ", ".join(f"device {placement.device_of(a.stage)} waits at {a}" for a in stuck),
-            schedule=schedule, marked=stuck)
-    return _summarize(schedule, out, copies, memory)
+            + ", ".join(f"device {d} waits at {named(*head)}" for d, head in stuck),
+            schedule=schedule, marked=[action for _, (_, action) in stuck])
+    return out, copies
 
 
 def _check_actions_placed(schedule: Schedule) -> None:
@@ -186,38 +208,47 @@ def memory_levels(intervals: Sequence[Interval], copies: Sequence[Interval],
     share off when its copy ends and a prefetch puts it back when its copy starts
     [Note: offload]. At equal times releases come first: memory freed at t is free for an
     op that starts at t."""
+    return levels(intervals, copies, lambda iv: memory.delta(iv.action, chunks),
+                  lambda iv: memory.offloaded(chunks))
+
+
+def levels(intervals: Sequence[Interval], copies: Sequence[Interval],
+           delta: Callable[[Interval], float],
+           moved: Callable[[Interval], float]) -> list[tuple[float, Action]]:
+    """`memory_levels` with what each compute op adds (`delta`) and each copy moves (`moved`)
+    given per interval: several models' on a shared device each count by their own model."""
     if not copies:  # the common case: running sums in order
         level, out = 0.0, []
         for iv in intervals:
-            level += memory.delta(iv.action, chunks)
+            level += delta(iv)
             out.append((level, iv.action))
         return out
-    moved = memory.offloaded(chunks)
     events = []
     for iv in intervals:
-        delta = memory.delta(iv.action, chunks)
-        events.append((iv.start if delta > 0 else iv.end, delta > 0, delta, iv.action))
+        change = delta(iv)
+        events.append((iv.start if change > 0 else iv.end, change > 0, change, iv.action))
     for iv in copies:
         if iv.action.kind is Kind.O:
-            events.append((iv.end, False, -moved, iv.action))
+            events.append((iv.end, False, -moved(iv), iv.action))
         else:
-            events.append((iv.start, True, moved, iv.action))
+            events.append((iv.start, True, moved(iv), iv.action))
     level, out = 0.0, []
-    for _, _, delta, action in sorted(events, key=lambda e: (e[0], e[1])):
-        level += delta
+    for _, _, change, action in sorted(events, key=lambda e: (e[0], e[1])):
+        level += change
         out.append((level, action))
     return out
 
 
-def _summarize(schedule: Schedule, out: list[list[Interval]], copies: list[list[Interval]],
-               memory: MemoryModel) -> SimResult:
-    chunks = schedule.placement.chunks
+def summarize(out: list[list[Interval]], copies: list[list[Interval]],
+              delta: Callable[[Interval], float],
+              moved: Callable[[Interval], float]) -> SimResult:
+    """The result of a `timeline`, memory counted by `levels` with `delta` and `moved`."""
     spans, busy, peaks = [], [], []
     for device, intervals in enumerate(out):
         spans.append(intervals[-1].end - intervals[0].start if intervals else 0.0)
         busy.append(sum(iv.end - iv.start for iv in intervals))
-        levels = memory_levels(intervals, copies[device] if copies else (), memory, chunks)
-        peaks.append(max([0.0] + [level for level, _ in levels]))
+        changes = levels(intervals, copies[device], delta, moved)
+        peaks.append(max([0.0] + [level for level, _ in changes]))
     return SimResult(intervals=tuple(tuple(iv) for iv in out),
                      makespan=max((ivs[-1].end for ivs in out if ivs), default=0.0),
                      device_span=tuple(spans), busy=tuple(busy),
