@@ -147,7 +147,11 @@ class Backprop(ModelOp):
     train the step's batch `epochs` times, each time shuffled (seeded by `shuffle_seed` and the
     step) and cut into `minibatches`, with an optimizer step after each minibatch, configured
     by the OptimizerStep its stats feed [Note: minibatch rounds in flowkit/ops/minibatches.py].
-    Then `microbatches` is per minibatch, and the backprop waits for every item first."""
+    Then `microbatches` is per minibatch, and the backprop waits for every item first.
+
+    `fuse`: a group name that backprops of other models share (PPO's actor and critic): their
+    pipelines run as one fused schedule on the same executors, one model's bubbles filled with
+    the other's microbatches [Note: fused training in flowkit/runner/fusedtrain.py]."""
 
     executor_op = "backprop"
     lowering = "pipeline"
@@ -159,7 +163,7 @@ class Backprop(ModelOp):
     # loss: one of flowkit.ops.LOSSES, with its knobs; what the runner needs to know of it
     loss_spec = LOSS_SPEC
     config = {"loss": "lm", "schedule": "1f1b", "microbatches": 8, "memory_limit": None,
-              **ROUND_KNOBS, **LOSS_KNOBS}
+              "fuse": None, **ROUND_KNOBS, **LOSS_KNOBS}
     choices = {"loss": tuple(LOSSES), "kl_kind": (*KL_KINDS, *KL_ALIASES),
                "schedule": tuple(schedule_kinds()), "loss_agg_mode": (None, *LOSS_AGG_MODES),
                "policy_loss": POLICY_LOSSES, "rollout_is": (None, *ROLLOUT_IS_LEVELS),
@@ -181,7 +185,8 @@ class Backprop(ModelOp):
             problems += _round_problems(self.model, flow, node)
         flags = [_flag_problem(node, key) for key in ("decoupled", "mask_truncated")]
         rounds = 1 if problems else rounds_of(node.config)  # counts checked first
-        return problems + [p for p in flags if p] + _loss_problems(node, rounds)
+        return (problems + [p for p in flags if p] + _loss_problems(node, rounds)
+                + _fuse_problems(self.model, flow, node, rounds))
 
 
 class OptimizerStep(ModelOp):
@@ -199,6 +204,38 @@ class OptimizerStep(ModelOp):
 
 
 # -- checks of a Backprop's call: counts, and what minibatch rounds need -----------------------
+def _fuse_problems(model: str, flow: Any, node: Any, rounds: int) -> list[Problem]:
+    """A fuse group is a name that backprops of two or more models share, each trained in one
+    round [Note: fused training in flowkit/runner/fusedtrain.py]."""
+    group = node.config.get("fuse")
+    if group is None:
+        return []
+    if not isinstance(group, str) or not group:
+        return [Problem(rule="bad-config", op=node.name, port="fuse",
+                        message=f"fuse={group!r} is not a group name",
+                        fix="name the group its partners name too, e.g. fuse='train'")]
+    partners = [n for n in flow.nodes.values() if n is not node
+                and isinstance(n.operator, Backprop) and n.config.get("fuse") == group]
+    problems = []
+    if not any(n.operator.model != model for n in partners):
+        problems.append(Problem(
+            rule="fuse-alone", op=node.name, port="fuse",
+            message=f"fuse={group!r}: no backprop of another model names that group",
+            fix=f"pass fuse={group!r} to the other model's Backprop too, or leave fuse out"))
+    if any(n.operator.model == model for n in partners):
+        problems.append(Problem(
+            rule="fuse-twice", op=node.name, port="fuse",
+            message=f"fuse={group!r}: model {model!r} has another backprop in the group",
+            fix="fuse one backprop of each model"))
+    if rounds > 1:
+        problems.append(Problem(
+            rule="fuse-rounds", op=node.name, port="fuse",
+            message=f"fuse={group!r} with epochs x minibatches = {rounds}: a fused backprop "
+                    "trains the step's batch in one round",
+            fix="leave epochs and minibatches at 1, or leave fuse out"))
+    return problems
+
+
 _COUNTS = {
     "microbatches": "pipeline microbatches per (mini)batch, e.g. microbatches=8",
     "epochs": "passes over the step's batch (verl's ppo_epochs), e.g. epochs=2",

@@ -33,7 +33,8 @@ def ppo_flow(config: PPOConfig, *, model: Model | None = None, critic: Model | N
         experiences = make_experience(scored, ref, values, kl_coef=config.kl_coef)
         batch = gae(collect(experiences))  # whitening over the batch: a barrier
         train = dict(schedule=config.schedule, microbatches=config.microbatches,
-                     epochs=config.ppo_epochs, minibatches=config.minibatches)
+                     epochs=config.ppo_epochs, minibatches=config.minibatches,
+                     fuse="actor+critic" if config.fuse_models else None)
         actor_stats = Backprop(actor)(batch, loss="ppo", temperature=config.sampling.temperature,
                                       name="update_actor", **train, **actor_loss(config))
         critic_stats = Backprop(critic)(batch, loss="value", name="update_critic", **train)

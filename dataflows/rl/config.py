@@ -169,6 +169,9 @@ class PPOConfig(RLConfig):
     critic_lr: float = 1e-3
     ppo_epochs: int = ROUND_KNOBS["epochs"]
     minibatches: int = ROUND_KNOBS["minibatches"]
+    # train actor and critic as one fused pipeline schedule on the same executors, the
+    # critic's stages the other way round [Note: fused training in flowkit/runner/fusedtrain.py]
+    fuse_models: bool = False
 
 
 @attrs.frozen(kw_only=True)

@@ -27,6 +27,7 @@ from flowkit.runner.asyncstate import Replay
 from flowkit.runner.balance import Balancer, LengthEstimates
 from flowkit.runner.calls import CallPolicy
 from flowkit.runner.flowtrain import ModelTraining
+from flowkit.runner.fusedtrain import FusedTraining, fuse_groups
 from flowkit.runner.partial import Carried, CarryOver, PartialCalls, PartialRollouts
 from flowkit.runner.quota import GroupQuota, group_quotas
 from flowkit.runner.rounds import SamplingRounds, round_nodes
@@ -134,6 +135,8 @@ class FlowRunner:
         self.profiles: dict[tuple[str, int], Any] = {}  # (model, stages) -> profiled costs
         self.training = {node.model.name: self._training(node.model) for node in plan
                          if node.call is Call.PIPELINE}
+        self.fusions = [FusedTraining(group, [self.training[name] for name in names])
+                        for group, names in fuse_groups(plan).items()]
 
     def _workload(self, node: NodePlan) -> BalancedCalls:
         """Ask for what length-aware dispatch learns from without fetching anything: the key
@@ -186,10 +189,12 @@ class FlowRunner:
 
     # -- placement -----------------------------------------------------------------------------
     def _place_models(self) -> dict[str, list[ExecutorInfo]]:
-        placement = {}
+        placement: dict[str, list[ExecutorInfo]] = {}
+        followers = {name: names[0] for names in fuse_groups(self.plan).values()
+                     for name in names[1:]}
         for node in self.plan:
             model = node.model
-            if model is None or model.name in placement:
+            if model is None or model.name in placement or model.name in followers:
                 continue
             able = [e for e in self.ctl.executors()
                     if set(model.tags) <= set(e.tags) and "F" in e.ops]
@@ -210,7 +215,23 @@ class FlowRunner:
                     f"there: start {slots} (flowkit run --num-executors {slots}) or train with "
                     "fewer replicas")
             placement[model.name] = [able[(offset + s) % len(able)] for s in range(slots)]
+        for node in self.plan:
+            if node.model is not None and node.model.name in followers:
+                placement[node.model.name] = self._follow(node.model,
+                                                          placement[followers[node.model.name]])
         return placement
+
+    def _follow(self, model: Any, leader: list[ExecutorInfo]) -> list[ExecutorInfo]:
+        """A fused model's executors: its stages on its group leader's, the other way round
+        [Note: fused training in fusedtrain.py]."""
+        executors = [leader[(len(leader) - 1 - s) % len(leader)] for s in range(model.stages)]
+        for executor in executors:
+            if not set(model.tags) <= set(executor.tags) or "F" not in executor.ops:
+                raise FlowRunError(
+                    f"model {model.name!r} trains fused with the model on executor "
+                    f"{executor.name!r}, which lacks its tags {list(model.tags)} or the "
+                    "pipeline ops: give the fused models the same tags")
+        return executors
 
     def balancer(self, name: str, plan: NodePlan) -> Balancer | None:
         """A step's balancer of node `name`'s calls, over the estimates of every step."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -24,7 +24,14 @@ from flowkit.planner.lower import InputRule, NodePlan
 from flowkit.planner.offload import offload_schedule
 from flowkit.planner.schedules import build_schedule
 from flowkit.planner.simcosts import SimCosts
-from flowkit.runner.pipeline import PipelineRun, StreamedSchedule, stage_costs_config
+from flowkit.runner.pipeline import (
+    Gate,
+    Lane,
+    PipelineRun,
+    StreamedSchedule,
+    device_lane,
+    stage_costs_config,
+)
 from flowkit.runner.replicas import Replicas, ReplicatedSchedule, replica_counts, replica_lane
 from flowkit.runner.stepstate import FlowRunError, NodeState, Streams, sorted_lineages
 from flowkit.runner.training import (
@@ -44,6 +51,23 @@ from flowkit.wire.refs import Gather
 __all__ = ["Feeding", "ModelTraining", "Rounds", "Watch"]
 
 Watch = Callable[..., None]  # watch(lineage, futures, *, register, outputs=None)
+
+
+class Fusion(Protocol):
+    """The fused training a model's backprop is a member of (fusedtrain.FusedTraining)."""
+
+    predicted: dict[str, float]
+
+    def lanes(self, index: int) -> Callable[[int], str]: ...
+
+    def gate(self, index: int) -> Gate: ...
+
+    def start_step(self, step: int) -> None: ...
+
+    def planned_member(self, index: int, node: str, schedule: Schedule, costs: Costs,
+                       limit: float | None, submitter: Any) -> None: ...
+
+    def advance(self) -> None: ...
 
 
 @attrs.define
@@ -116,6 +140,19 @@ class ModelTraining:
         self.before_sync: Callable[[], None] | None = None
         self.dp = Replicas(ctl, model, executors, sim_costs or SimCosts())
         self.replicas, self.devices = self.dp.count, self.dp.devices
+        # the fused training it is member `fusion_index` of [Note: fused training]
+        self.fusion: Fusion | None = None
+        self.fusion_index = 0
+
+    def join_fusion(self, fusion: Fusion, index: int) -> None:
+        """Train as member `index` of `fusion` [Note: fused training in fusedtrain.py]."""
+        self.fusion, self.fusion_index = fusion, index
+
+    def lane_for(self, replica: int) -> Lane:
+        """The lanes of replica `replica`'s tasks: its own, or the fused group's."""
+        if self.fusion is not None:
+            return self.fusion.lanes(self.fusion_index)
+        return replica_lane(self.model.name, replica)
 
     def replica(self, index: int) -> list[ExecutorInfo]:
         """The executors of replica `index`, by device."""
@@ -131,6 +168,8 @@ class ModelTraining:
 
     def start_step(self, step: int) -> None:
         self.step, self.trained, self.rounds, self.synced = step, None, None, []
+        if self.fusion is not None:
+            self.fusion.start_step(step)
 
     def sync_bytes(self, timeout: float) -> int | None:
         """Bytes of this step's weight sync as serialized (one copy of what left the trainers:
@@ -163,7 +202,7 @@ class ModelTraining:
                     continue
                 futures.append((device, self.ctl.submit(
                     "activation_memory", config={"model": self.model.name, "reset": True},
-                    executor=info.id, lane=f"{replica_lane(self.model.name, replica)}/{device}",
+                    executor=info.id, lane=device_lane(self.lane_for(replica), device),
                     meta={"node": "activation_memory", "step": self.step})))
         peaks: dict[str, float] = {}
         for device, future in futures:
@@ -223,7 +262,10 @@ class ModelTraining:
         feeding: Feeding = state.pipeline
         if feeding.next_mb < len(feeding.sizes):
             _form_microbatches(feeding, streams, live, closed)
-        feeding.submitter.advance()
+        if self.fusion is None:
+            feeding.submitter.advance()
+        else:  # a member waiting for another's action goes on once that one is submitted
+            self.fusion.advance()
         if feeding.submitter.done and not state.started:
             state.started = True
             if feeding.taken:  # a step with no items (every group filtered out) teaches none:
@@ -252,6 +294,9 @@ class ModelTraining:
                                      lineage=lambda mb: (mb,),
                                      meta={"node": plan.name, "step": self.step})
         self.predicted_bubble[plan.name] = simulate(schedules[0], stage_costs).bubble_rate
+        if self.fusion is not None:
+            self.fusion.planned_member(self.fusion_index, plan.name, schedules[0], stage_costs,
+                                       plan.config.get("memory_limit"), submitter)
         streamed = plan.name in self.item_counts and self._streams(plan)
         return Feeding(submitter=submitter, sizes=sizes, streamed=streamed)
 
@@ -294,8 +339,9 @@ class ModelTraining:
 
             submitters.append(StreamedSchedule(
                 self.ctl, schedule, self.replica(replica), config_for=config_for,
-                lane=replica_lane(self.model.name, replica),
-                meta={**meta, "replica": replica} if count > 1 else meta, on_submit=on_submit))
+                lane=self.lane_for(replica),
+                meta={**meta, "replica": replica} if count > 1 else meta, on_submit=on_submit,
+                gate=None if self.fusion is None else self.fusion.gate(self.fusion_index)))
         self.trained = self.last_trained = (schedules[0], spec)
         replicated = ReplicatedSchedule(submitters)
         self.dp.current = replicated.runs
@@ -325,7 +371,7 @@ class ModelTraining:
                 self.profiles[key] = profile_stages(
                     self.ctl, self.replica(0), placement,
                     model_spec(self.model, placement.num_stages), sample(),
-                    lane=self.model.name, timeout=self.timeout)
+                    lane=self.lane_for(0), timeout=self.timeout)
             except RemoteError as exc:
                 raise FlowRunError(f"step {self.step}: profiling model {self.model.name!r} "
                                    f"failed: {exc}") from exc
@@ -447,7 +493,7 @@ class ModelTraining:
         for replica in range(self.replicas):
             quiet, report = submit_optimizer_step(
                 self.ctl, schedule, self.replica(replica), spec, stats, config,
-                lane=replica_lane(self.model.name, replica),
+                lane=self.lane_for(replica),
                 meta={**meta, "replica": replica} if self.replicas > 1 else meta,
                 outputs=outputs, reports=replica == 0, reduce=self.dp.reduction(schedule),
                 step_config=self.dp.sharding(schedule))
@@ -468,7 +514,7 @@ class ModelTraining:
         schedule, spec = self.trained  # replica 0's stages export: every replica holds them
         exports, loads = submit_weight_sync(
             self.ctl, schedule, self.executors, spec, version, list(targets.values()),
-            lane=self.model.name, meta={"node": f"{plan.name}/sync", "step": self.step})
+            lane=self.lane_for(0), meta={"node": f"{plan.name}/sync", "step": self.step})
         self.synced += exports
         return loads
 
@@ -483,13 +529,14 @@ class ModelTraining:
             raise FlowRunError(f"the executors of model {name!r} cannot save weights: save "
                                "them from torch executors (--executors torch)")
         schedule, spec = self.last_trained
-        exports = submit_exports(self.ctl, schedule, self.executors, spec, lane=name,
+        exports = submit_exports(self.ctl, schedule, self.executors, spec, lane=self.lane_for(0),
                                  meta={"node": "save", "step": self.step})
         first = schedule.placement.device_of(0)
         return self.ctl.submit("save_weights", *exports,
                                config={"path": str(Path(folder).resolve() / f"{name}.pt"),
                                        "spec": spec},
-                               executor=self.executors[first].id, lane=f"{name}/{first}",
+                               executor=self.executors[first].id,
+                               lane=device_lane(self.lane_for(0), first),
                                meta={"node": "save", "step": self.step})
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -30,10 +30,28 @@ from flowkit.runtime.controller import Controller
 from flowkit.runtime.futures import Future, wait
 from flowkit.runtime.registry import ExecutorInfo
 
-__all__ = ["PipelineRun", "StreamedSchedule", "measure", "stage_costs_config", "submit_schedule",
-           "submission_order"]
+__all__ = ["Gate", "Lane", "PipelineRun", "StreamedSchedule", "device_lane", "measure",
+           "stage_costs_config", "submit_schedule", "submission_order"]
 
 ConfigFor = Callable[[Action], dict]
+# a model's lanes: a prefix that each device's lane adds '/device' to, or each device's lane
+# (a model whose pipeline is fused with another's runs in lanes the models share [Note: fused
+# training in flowkit/runner/fusedtrain.py])
+Lane = str | Callable[[int], str]
+
+
+def device_lane(lane: Lane, device: int) -> str:
+    """The lane of a model's device `device`."""
+    return lane(device) if callable(lane) else f"{lane}/{device}"
+
+
+class Gate(Protocol):
+    """Says which action a device may submit next, where several schedules share the device's
+    lane and its order is theirs together [Note: fused training]."""
+
+    def allows(self, device: int, action: Action) -> bool: ...
+
+    def taken(self, device: int, action: Action) -> None: ...
 
 
 @attrs.define
@@ -125,18 +143,20 @@ class StreamedSchedule:
     """A schedule submitted as its microbatches form: `feed(mb, inputs)` gives microbatch mb its
     inputs, `advance()` submits every action whose dependencies and inputs exist, each device's
     actions in the schedule's order. Only the forwards of stage 0 and the last stage read a
-    microbatch's inputs, so the rest of the schedule never waits for data it does not read."""
+    microbatch's inputs, so the rest of the schedule never waits for data it does not read.
+    With a `gate`, a device submits only the action the gate allows next."""
 
     def __init__(self, ctl: Controller, schedule: Schedule, executors: Sequence[ExecutorInfo],
-                 *, config_for: ConfigFor | None = None, lane: str = "pipeline",
+                 *, config_for: ConfigFor | None = None, lane: Lane = "pipeline",
                  meta: dict | None = None,
-                 on_submit: Callable[[Action, Future], None] | None = None) -> None:
+                 on_submit: Callable[[Action, Future], None] | None = None,
+                 gate: Gate | None = None) -> None:
         if len(executors) != schedule.num_devices:
             raise ValueError(f"schedule {schedule.kind!r} needs {schedule.num_devices} "
                              f"executors, got {len(executors)}")
         self.ctl, self.executors = ctl, executors
         self.config_for, self.lane, self.meta = config_for, lane, meta or {}
-        self.on_submit = on_submit
+        self.on_submit, self.gate = on_submit, gate
         self.run = PipelineRun(schedule=schedule, futures={}, losses=[])
         self.inputs: dict[int, Any] = {}
         self._cursor = _Cursor(schedule)
@@ -167,6 +187,14 @@ class StreamedSchedule:
                                for mb in range(schedule.microbatches)]
 
     def _submit(self, device: int, action: Action) -> bool:
+        if self.gate is not None and not self.gate.allows(device, action):
+            return False
+        sent = self._send(device, action)
+        if sent and self.gate is not None:
+            self.gate.taken(device, action)
+        return sent
+
+    def _send(self, device: int, action: Action) -> bool:
         if action.kind.is_copy:  # no task: its compute op carries it
             return True
         last = self.run.schedule.num_stages - 1
@@ -185,7 +213,7 @@ class StreamedSchedule:
             config.update(self._copies.get(action, {}))
         future = self.ctl.submit(action.kind.value, *inputs, config=config,
                                  executor=self.executors[device].id,
-                                 lane=f"{self.lane}/{device}", meta=meta)
+                                 lane=device_lane(self.lane, device), meta=meta)
         self._outputs[action.key] = future
         self.run.futures[action] = future
         if self.on_submit is not None:

@@ -619,8 +619,11 @@ class StepRun:
         if runs:
             # over every executor's pipeline ops, whichever model they belong to: two models'
             # pipelines sharing executors fill each other's bubbles
-            metrics["bubble_rate"] = measure((f.location, f.timing) for run in runs
-                                             for f in run.futures.values())["bubble_rate"]
+            measured = measure((f.location, f.timing) for run in runs
+                               for f in run.futures.values())
+            metrics["bubble_rate"] = measured["bubble_rate"]
+            # the step's pipeline ops, first start to last end: the training part of the step
+            metrics["pipeline_makespan_s"] = measured["makespan"]
             metrics["predicted_bubble_rate"] = max(predicted) if predicted else None
         return StepReport(step=self.step, elapsed_s=time.time() - self.started, timing_s=timing,
                           metrics=metrics, warnings=tuple(self.warnings))

@@ -12,6 +12,7 @@ from typing import Any
 
 from flowkit.dsl import LossSpec, Model
 from flowkit.planner import Action, Costs, Kind, Placement, Schedule
+from flowkit.runner.pipeline import Lane, device_lane
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.futures import Future, wait
 from flowkit.runtime.registry import ExecutorInfo
@@ -58,14 +59,14 @@ def pipeline_config(base: Callable[[Action], dict], spec: dict, sizes: Sequence[
 
 
 def profile_stages(ctl: Controller, executors: Sequence[ExecutorInfo], placement: Placement,
-                   spec: dict, sample: Any, *, lane: str, timeout: float = 600.0) -> Costs:
+                   spec: dict, sample: Any, *, lane: Lane, timeout: float = 600.0) -> Costs:
     """Per-stage F, B, W seconds measured on the executors that will run each stage, on a
     microbatch like `sample` (the executors' `profile_stage` op), as the planner's costs."""
     futures = []
     for stage in range(placement.num_stages):
         device = placement.device_of(stage)
         futures.append(ctl.submit("profile_stage", sample, config={**spec, "stage": stage},
-                                  executor=executors[device].id, lane=f"{lane}/{device}",
+                                  executor=executors[device].id, lane=device_lane(lane, device),
                                   meta={"node": "profile", "stage": stage}))
     wait(futures, timeout=timeout)
     measured = [f.result(timeout=0) for f in futures]
@@ -87,7 +88,7 @@ def device_shares(stage_costs: Costs, placement: Placement) -> Costs:
 
 
 def submit_optimizer_step(ctl: Controller, schedule: Schedule, executors: Sequence[ExecutorInfo],
-                          spec: dict, stats: list, config: dict, *, lane: str, meta: dict,
+                          spec: dict, stats: list, config: dict, *, lane: Lane, meta: dict,
                           outputs: int, reports: bool = True,
                           reduce: Callable[[int], tuple[list, dict]] | None = None,
                           step_config: Callable[[int], dict] | None = None
@@ -108,7 +109,7 @@ def submit_optimizer_step(ctl: Controller, schedule: Schedule, executors: Sequen
     def submit(op: str, stage: int, *inputs: Any, n: int = 1, **more: Any) -> Any:
         device = placement.device_of(stage)
         return ctl.submit(op, *inputs, config={**config, **spec, "stage": stage, **more},
-                          executor=executors[device].id, lane=f"{lane}/{device}",
+                          executor=executors[device].id, lane=device_lane(lane, device),
                           outputs=n, meta={**meta, "stage": stage, "device": device})
 
     # with replicas, each stage's gradients are summed first, in its device's lane right after
@@ -137,7 +138,7 @@ def submit_optimizer_step(ctl: Controller, schedule: Schedule, executors: Sequen
 
 
 def submit_exports(ctl: Controller, schedule: Schedule, executors: Sequence[ExecutorInfo],
-                   spec: dict, *, lane: str, meta: dict) -> list[Future]:
+                   spec: dict, *, lane: Lane, meta: dict) -> list[Future]:
     """Each stage's weights by the unsplit model's names (the executors' `export_weights`), in
     its device's lane: after that stage's optimizer step."""
     placement = schedule.placement
@@ -145,14 +146,14 @@ def submit_exports(ctl: Controller, schedule: Schedule, executors: Sequence[Exec
     for stage in range(schedule.num_stages):
         device = placement.device_of(stage)
         futures.append(ctl.submit("export_weights", config={**spec, "stage": stage},
-                                  executor=executors[device].id, lane=f"{lane}/{device}",
+                                  executor=executors[device].id, lane=device_lane(lane, device),
                                   meta={**meta, "stage": stage, "device": device}))
     return futures
 
 
 def submit_weight_sync(ctl: Controller, schedule: Schedule, trainers: Sequence[ExecutorInfo],
                        spec: dict, version: Any, targets: Sequence[ExecutorInfo], *,
-                       lane: str, meta: dict) -> tuple[list[Future], list[Future]]:
+                       lane: Lane, meta: dict) -> tuple[list[Future], list[Future]]:
     """After an optimizer step: the new weights of the model to its whole copy on each of
     `targets` (the executors that may generate or score with it), over the data plane. A
     target that trains the model unsplit holds the very weights it would load: skipped
