@@ -1,5 +1,5 @@
-"""`flowkit bench dispatch|transfer|pipeline|train|rl|placement|rollout|scale|checkpoint|launch|
-loggers|trl|chaos`:
+"""`flowkit bench dispatch|transfer|pipeline|train|rl|placement|fused|rollout|scale|checkpoint|
+launch|loggers|trl|chaos`:
 benchmarks, each against a baseline measured side by side in the same run (this machine is
 noisy: compare ratios, not times).
 
@@ -187,6 +187,21 @@ def placement(steps: int, json_out: Path | None) -> None:
     from benchmarks.placement import PlacementSetup
 
     _report(_bench_function("placement", "run_placement_bench")(PlacementSetup(steps=steps)),
+            json_out)
+
+
+@bench.command(cls=_BenchCommand)
+@click.option("--steps", type=click.IntRange(2), default=4, show_default=True,
+              help="PPO steps per way; the first is left out.")
+@click.option("--torch/--no-torch", "with_torch", default=True, show_default=True,
+              help="Also measure on torch CPU executors.")
+@_json_option
+def fused(steps: int, with_torch: bool, json_out: Path | None) -> None:
+    """PPO's actor and critic: one fused pipeline schedule against the two in turn."""
+    from benchmarks.fused import FusedSetup
+
+    _report(_bench_function("fused", "run_fused_bench")(FusedSetup(steps=steps,
+                                                                    torch=with_torch)),
             json_out)
 
 

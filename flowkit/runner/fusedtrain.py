@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 
 __all__ = ["FusedTraining", "fuse_groups"]
 
+# the local search's bound on planning a group's schedule (once per step shape): the
+# controller's time, which a step waits for
+_SEARCH_SECONDS = 0.5
+
 
 def fuse_groups(plan: Sequence[NodePlan]) -> dict[str, list[str]]:
     """The models of each fuse group, in the plan's order, from their backprops' `fuse`;
@@ -85,6 +89,9 @@ class FusedTraining:
         # devices[m][d]: the shared device (executor) of member m's device d
         self.devices = [[shared[e.id] for e in member.replica(0)] for member in members]
         self.plans: dict[Any, FusedSchedule] = {}  # by the members' schedules, costs and limit
+        # what plans the fused schedule: the planner's search; a benchmark's baseline puts the
+        # models one after the other (flowkit.planner.fused.sequential) instead
+        self.plan_with: Callable[..., FusedSchedule] = fuse
         self.predicted: dict[str, float] = {}
         for index, member in enumerate(members):
             member.join_fusion(self, index)
@@ -123,8 +130,9 @@ class FusedTraining:
         key = (tuple(schedules), tuple(costs), limit)
         if key not in self.plans:
             try:
-                self.plans[key] = fuse(schedules, costs, devices=self.devices,
-                                       memory_limit=limit, names=self.names)
+                self.plans[key] = self.plan_with(schedules, costs, devices=self.devices,
+                                                 memory_limit=limit, names=self.names,
+                                                 seconds=_SEARCH_SECONDS)
             except ScheduleError as exc:
                 raise FlowRunError(f"fuse group {self.group!r}: {exc}") from None
         self.fused = self.plans[key]
