@@ -12,7 +12,15 @@ from rich.console import Console
 from rich.table import Table
 
 from flowkit.cli._files import writing
-from flowkit.planner import Costs, Kind, MemoryModel, Schedule, ScheduleError, SimResult
+from flowkit.planner import (
+    Costs,
+    Kind,
+    MemoryModel,
+    Schedule,
+    ScheduleError,
+    SimResult,
+    simulate,
+)
 from flowkit.planner.export import schedule_to_json
 from flowkit.planner.offload import best_with_offload, offload_schedule
 from flowkit.planner.schedules import build_schedule, get_spec, schedule_kinds
@@ -184,6 +192,13 @@ def _check_kind(ctx: click.Context, param: click.Parameter, value: str) -> str:
     return value
 
 
+def _check_fuse_kind(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and value not in schedule_kinds():
+        raise click.BadParameter(f"{value!r} is not a schedule kind; choose one of "
+                                 f"{', '.join(schedule_kinds())}")
+    return value
+
+
 def _check_output(ctx: click.Context, param: click.Parameter, value: Path | None):
     if value is not None and param.name == "plot" and value.suffix.lower() not in (".svg", ".png"):
         raise click.BadParameter("the chart file must end in .svg or .png")
@@ -230,6 +245,10 @@ def _check_output(ctx: click.Context, param: click.Parameter, value: Path | None
               metavar="TIME",
               help="Time to copy one microbatch's activations of one device share between "
               "device and host, one way (activation bytes over the host link's bandwidth).")
+@click.option("--fuse", "fuse_kind", default=None, metavar="KIND", callback=_check_fuse_kind,
+              help="Also fuse the schedule with a second model's KIND schedule on the same "
+              "devices, its stages the other way round (as flowkit run places PPO's critic "
+              "with fuse_models), and print each alone, the two in turn, and fused.")
 @click.option("--execute", type=click.IntRange(min=1), default=None, metavar="N",
               help="Also run the schedule on N simulator executor processes (N = devices) and "
               "print measured against simulated makespan and bubble rate.")
@@ -237,7 +256,8 @@ def _check_output(ctx: click.Context, param: click.Parameter, value: Path | None
               show_default=True,
               help="Seconds one cost unit takes on the simulator executors (with --execute).")
 def schedule(kind, devices, microbatches, cost_text, comm, memory_limit, mem_text, dims_text,
-             chunks, json_out, plot, allreduce, offload, copy_time, execute, unit_s) -> None:
+             chunks, json_out, plot, allreduce, offload, copy_time, fuse_kind, execute,
+             unit_s) -> None:
     """Build, validate and simulate a pipeline schedule (or `compare` all kinds)."""
     if mem_text is not None and dims_text is not None:
         raise click.UsageError("give --mem or --model-dims, not both")
@@ -255,8 +275,9 @@ def schedule(kind, devices, microbatches, cost_text, comm, memory_limit, mem_tex
             raise click.UsageError("--offload needs a single KIND, not compare")
         if json_out or plot:
             raise click.UsageError("--json and --plot need a single KIND, not compare")
-        if execute or allreduce:
-            raise click.UsageError("--execute and --allreduce need a single KIND, not compare")
+        if execute or allreduce or fuse_kind:
+            raise click.UsageError("--execute, --allreduce and --fuse need a single KIND, not "
+                                   "compare")
         _compare(console, chunks, build_kwargs)
         return
     if execute is not None and execute != devices:
@@ -267,10 +288,42 @@ def schedule(kind, devices, microbatches, cost_text, comm, memory_limit, mem_tex
     if offload != "none" and (execute or allreduce):
         raise click.UsageError("--execute and --allreduce run schedules without offload")
     sched, stage_costs = _run_one(console, kind, chunks, build_kwargs, json_out, plot, offload)
+    if fuse_kind is not None:
+        _fused(console, sched, stage_costs, fuse_kind, build_kwargs)
     if allreduce:
         _reductions(console, sched, stage_costs, allreduce)
     if execute:
         _execute(console, sched, stage_costs, unit_s)
+
+
+def _fused(console: Console, sched: Schedule, stage_costs: Costs, kind: str,
+           build_kwargs: dict) -> None:
+    """`sched` and a `kind` schedule of a second model fused on the same devices, the second
+    model's stages the other way round [Note: fused schedules in flowkit/planner/fused.py]."""
+    from flowkit.planner.fused import fuse, sequential, simulate_fused
+
+    try:
+        other = build_schedule(kind, **build_kwargs)
+        other_costs = build_kwargs["costs"].for_placement(other.placement)
+        devices = [range(sched.num_devices), range(sched.num_devices - 1, -1, -1)]
+        memory, limit = build_kwargs["memory"], build_kwargs["memory_limit"]
+        pair, costs = [sched, other], [stage_costs, other_costs]
+        fused = fuse(pair, costs, devices=devices, memory=memory, memory_limit=limit,
+                     names=("first", "second"))
+    except ScheduleError as err:
+        raise click.ClickException(str(err)) from None
+    except ValueError as err:
+        raise click.UsageError(str(err)) from None
+    table = Table("run", "makespan", "bubble rate", "peak memory", title="fused with "
+                  f"{kind} (the second model's stages the other way round)")
+    rows = [(f"first ({sched.kind}) alone", simulate(sched, stage_costs, memory)),
+            (f"second ({kind}) alone", simulate(other, other_costs, memory)),
+            ("one after the other", simulate_fused(sequential(pair, devices), costs, memory)),
+            ("fused", simulate_fused(fused, costs, memory))]
+    for name, result in rows:
+        table.add_row(name, f"{result.makespan:g}", f"{result.bubble_rate:.3f}",
+                      f"{max(result.peak_memory):g}")
+    console.print(table)
 
 
 def _offloaded(kind: str, chunks: int | None, build_kwargs: dict,

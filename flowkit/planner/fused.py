@@ -224,7 +224,8 @@ def _list_schedule(schedules: Sequence[Schedule], devices: Sequence[Sequence[int
                 if not ready or (not action.kind.is_copy
                                  and level[device] + delta(m, action) > cap + 1e-9):
                     continue
-                key = (start, priority(m, action, left[device][slot]), device, slot)
+                # starts equal but for float rounding tie, and the priority decides
+                key = (round(start, 9), priority(m, action, left[device][slot]), device, slot)
                 if best is None or key < best:
                     best = key
         if best is None:

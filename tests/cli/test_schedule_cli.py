@@ -275,3 +275,24 @@ def test_offload_auto_fits_a_shorter_schedule_under_the_limit():
 def test_offload_auto_needs_a_memory_limit():
     result = _run("auto", "-p", "4", "-m", "8", "--offload", "auto")
     assert result.exit_code == 2 and "--memory-limit" in result.output
+
+
+def test_fuse_prints_each_alone_in_turn_and_fused():
+    result = _run("1f1b", "-p", "4", "-m", "8", "--fuse", "1f1b")
+    assert result.exit_code == 0, result.output
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:5]]
+            for line in result.output.splitlines() if line.startswith("│")}
+    assert rows["first (1f1b) alone"] == rows["second (1f1b) alone"] == ["33", "0.273", "4"]
+    assert rows["one after the other"][0] == "63"
+    assert rows["fused"] == ["51", "0.059", "5"]
+    limited = _run("zb-h1", "-p", "4", "-m", "8", "--fuse", "1f1b", "--memory-limit", "4")
+    assert limited.exit_code == 0, limited.output
+    fused = next(line for line in limited.output.splitlines() if line.startswith("│ fused "))
+    assert [c.strip() for c in fused.split("│")[2:5]] == ["54", "0.111", "4"]
+
+
+def test_fuse_takes_a_kind_and_one_schedule():
+    assert "'nope' is not a schedule kind" in _run("1f1b", "-p", "2", "-m", "2", "--fuse",
+                                                   "nope").output
+    result = _run("compare", "-p", "2", "-m", "2", "--fuse", "1f1b")
+    assert result.exit_code == 2 and "need a single KIND" in result.output
