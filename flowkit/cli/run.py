@@ -67,10 +67,15 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
 @click.option("--schedule", default=None,
               help="Pipeline schedule of every backprop: gpipe, 1f1b, zb-h1, zb-h2, zb-v, "
               "auto, ... (flowkit schedule --help) [default: the flow's].")
-@click.option("--offload", type=click.Choice(("none", "half", "all")), default=None,
+@click.option("--offload", type=click.Choice(("none", "half", "all", "auto")), default=None,
               help="Offload that share of every backprop's activations to host memory between "
-              "F and B, overlapped with compute (PipeOffload); given, none included, each step "
-              "reports its peak activation memory [default: the flow's].")
+              "F and B, overlapped with compute (PipeOffload), or auto: none, half or all, and "
+              "the schedule they let fit, under --memory-limit; given, none included, each "
+              "step reports its peak activation memory [default: the flow's].")
+@click.option("--memory-limit", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Activation memory a device may hold in every backprop's schedule, in "
+              "microbatches of a device's share of the model (flowkit schedule "
+              "--memory-limit) [default: the flow's].")
 @click.option("--fuse/--no-fuse", default=_RUN.fuse, show_default=True,
               help="Start each op on the first items it can take (sample-level fusion), or run "
               "the flow stage by stage, each op waiting for its producers to finish.")
@@ -170,7 +175,7 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
         placement: str | None, device: str,
         steps: int, stages: int | None, replicas: int | None, shard_optimizer: bool,
         microbatches: int | None,
-        schedule: str | None, offload: str | None,
+        schedule: str | None, offload: str | None, memory_limit: float | None,
         fuse: bool, asynchronous: bool | None, max_staleness: int | None, sim_cost: str,
         trace: Path | None, metrics: Path | None, loggers: tuple[str, ...], log_dir: Path,
         wandb_project: str, run_name: str | None, eval_every: int | None,
@@ -206,7 +211,8 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
             placement=placement, device=device, code=[path], stages=stages, replicas=replicas,
             shard_optimizer=shard_optimizer,
             microbatches=microbatches,
-            schedule=schedule, offload=offload, fuse=fuse, asynchronous=asynchronous,
+            schedule=schedule, offload=offload, memory_limit=memory_limit, fuse=fuse,
+            asynchronous=asynchronous,
             max_staleness=max_staleness, sim_costs=costs, trace=trace, logs=logs,
             dashboard=dashboard, eval_every=eval_every, save_weights=save_weights,
             checkpoints=checkpoints,
@@ -230,7 +236,7 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
 
 # RunConfig's settings -> the option that sets them, so that an error names what was typed
 _OPTIONS = {"tags": "--tags", "placement": "--placement", "schedule": "--schedule",
-            "offload": "--offload",
+            "offload": "--offload", "memory_limit": "--memory-limit",
             "max_staleness": "--max-staleness", "eval_every": "--eval-every",
             "controller.keys": "--keys", "controller.bind": "--bind"}
 

@@ -99,7 +99,8 @@ class Run:
                                           shard_optimizer=config.shard_optimizer,
                                           microbatches=config.microbatches,
                                           schedule=config.schedule,
-                                          offload=config.offload)
+                                          offload=config.offload,
+                                          memory_limit=config.memory_limit)
         self.plan = lower_flow(self.flow)
         self.staleness = config.staleness(self.flow.max_staleness)
         if self.staleness is not None:

@@ -169,8 +169,12 @@ class RunConfig:
     """Pipeline schedule of every backprop (1f1b, zb-h1, zb-v, auto, ...); None: the flow's."""
     offload: str | None = None
     """Offload activations to host memory between F and B in every backprop's schedule:
-    "half", "all" or "none" [Note: offload in flowkit/planner/offload.py]; given (none
+    "half", "all" or "none" [Note: offload in flowkit/planner/offload.py], or "auto": none,
+    half or all, and the schedule they let fit, under the backprop's memory limit; given (none
     included), each step reports its peak activation memory; None: the flow's."""
+    memory_limit: float | None = attrs.field(default=None, validator=_at_least(0, above=True))
+    """Activation memory a device may hold in every backprop's schedule, in microbatches of a
+    device's share of the model (flowkit schedule --memory-limit); None: the flow's."""
     fuse: bool = True
     """Start each op on the first items it can take (sample-level fusion); False runs the flow
     stage by stage, the baseline fusion is measured against."""

@@ -19,9 +19,9 @@ import attrs
 
 from flowkit.dsl import Model
 from flowkit.ops import cut, minibatch_rounds, rounds_of
-from flowkit.planner import Action, Costs, Kind, MemoryModel, Schedule, simulate
+from flowkit.planner import Action, Costs, Kind, MemoryModel, Schedule, ScheduleError, simulate
 from flowkit.planner.lower import InputRule, NodePlan
-from flowkit.planner.offload import offload_schedule
+from flowkit.planner.offload import best_with_offload, offload_schedule
 from flowkit.planner.schedules import build_schedule
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runner.pipeline import (
@@ -359,7 +359,9 @@ class ModelTraining:
             costs = (self.sim_costs or SimCosts()).stage_costs(devices)
             schedule = self._schedule(kind, devices, count, costs, limit, offload)
             return costs.for_placement(schedule.placement), schedule
-        placement = self._schedule(kind, devices, count, Costs.uniform(devices), limit).placement
+        probe = "auto" if offload == "auto" else None  # auto may fit only with offload
+        placement = self._schedule(kind, devices, count, Costs.uniform(devices), limit,
+                                   probe).placement
         key = (self.model.name, placement.num_stages)
         if key not in self.profiles and sample is None:
             stage_costs = Costs.uniform(placement.num_stages)  # this step's only
@@ -383,9 +385,12 @@ class ModelTraining:
     def _schedule(self, kind: str, devices: int, count: int, costs: Costs,
                   limit: float | None, offload: str | None = None) -> Any:
         """Built once per input: `auto` searches, which must not cost every step its time.
-        `offload` ("half", "all"): with that share of its activations offloaded."""
+        `offload` ("half", "all"): with that share of its activations offloaded; "auto": none,
+        half or all, whichever gives the least makespan within `limit`."""
         key = (kind, devices, count, costs, limit, offload)
         if key not in self.schedules:
+            if offload == "auto":  # none, half or all: the least makespan within the limit
+                return self._auto_offload(key, kind, devices, count, costs, limit)
             schedule = build_schedule(kind, devices=devices, microbatches=count,
                                       costs=costs, memory_limit=limit)
             if offload not in (None, "none"):  # [Note: offload in flowkit/planner/offload.py]
@@ -393,6 +398,16 @@ class ModelTraining:
                                             offload)
             self.schedules[key] = schedule
         return self.schedules[key]
+
+    def _auto_offload(self, key: tuple, kind: str, devices: int, count: int, costs: Costs,
+                      limit: float) -> Schedule:
+        try:
+            pick = best_with_offload(kind, devices=devices, microbatches=count, costs=costs,
+                                     memory=MemoryModel(), memory_limit=limit)
+        except ScheduleError as exc:
+            raise FlowRunError(f"step {self.step}: model {self.model.name!r}: {exc}") from None
+        self.schedules[key] = pick.schedule
+        return pick.schedule
 
     # -- minibatch rounds [Note: minibatch rounds in flowkit/ops/minibatches.py] ---------------
     # Every round is submitted at once, the control plane running ahead of the data: a round's

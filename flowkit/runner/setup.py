@@ -85,23 +85,30 @@ def choose_executors(plan: list[NodePlan], kind: str) -> tuple[str, str | None]:
     return "torch", "executors: torch (it implements every model op of this flow)"
 
 
-def check_offload(value: object, where: str = "offload") -> None:
-    """RunConfigError unless `value` is None or one of OFFLOAD_CHOICES (none, half, all)."""
+def check_offload(value: object, where: str = "offload",
+                  memory_limit: object = None) -> None:
+    """RunConfigError unless `value` is None, one of OFFLOAD_CHOICES (none, half, all), or
+    auto with a `memory_limit` to choose under."""
     from flowkit.planner.offload import OFFLOAD_CHOICES
 
-    if value is not None and value not in OFFLOAD_CHOICES:
+    if value is not None and value not in (*OFFLOAD_CHOICES, "auto"):
         raise RunConfigError("offload", f"{where} {value!r}: expected one of "
                              f"{', '.join(OFFLOAD_CHOICES)} (the share of each stage's "
-                             "activations kept in host memory between F and B)")
+                             "activations kept in host memory between F and B) or auto")
+    if value == "auto" and memory_limit is None:
+        raise RunConfigError("offload", f"{where} auto chooses none, half or all under a "
+                             "memory limit, and there is none: give one (--memory-limit)")
 
 
 def with_training_options(flow: Flow, *, stages: int | None, microbatches: int | None,
                           schedule: str | None, replicas: int | None = None,
-                          shard_optimizer: bool = False, offload: str | None = None) -> Flow:
+                          shard_optimizer: bool = False, offload: str | None = None,
+                          memory_limit: float | None = None) -> Flow:
     """`flow` with every trained model cut into `stages` and trained by `replicas` (their
     optimizer states sharded over them with `shard_optimizer`), and every
     backprop run with `microbatches` under `schedule`, `offload` of its activations to host
-    memory, where given (the flow is changed in place; an offload the flow sets is checked).
+    memory and within `memory_limit`, where given (the flow is changed in place; an offload
+    the flow sets is checked).
     A backprop with fewer microbatches than its model's replicas is an error here, before
     anything starts: each replica runs at least one."""
     if schedule is not None:
@@ -125,7 +132,10 @@ def with_training_options(flow: Flow, *, stages: int | None, microbatches: int |
             node.config["schedule"] = schedule
         if offload is not None:
             node.config["offload"] = offload
-        check_offload(node.config.get("offload"), f"{node.name!r}'s offload")
+        if memory_limit is not None:
+            node.config["memory_limit"] = memory_limit
+        check_offload(node.config.get("offload"), f"{node.name!r}'s offload",
+                      node.config.get("memory_limit"))
         count, model = node.config.get("microbatches") or 1, flow.models[node.model]
         if count < model.replicas:
             raise RunConfigError("microbatches", f"{node.name!r} runs {count} microbatch(es) a "

@@ -56,3 +56,43 @@ def test_the_simulator_executors_hold_the_memory_the_planner_says(sims, which):
     assert all(abs(got - want) <= 1.0 for got, want in zip(peaks, expected)), \
         (which, peaks, list(expected), base_peaks)
     assert peaks[0] < base_peaks[0]
+
+
+def test_a_run_with_offload_auto_fits_the_memory_limit():
+    """ZB-H2 (p = 4, m = 8) holds 7 microbatches on device 0 and does not fit a limit of 5;
+    `--offload auto --memory-limit 5` runs the schedule that offload lets fit, and the
+    executors hold no more than that (to the microbatch a copy and an op may race by)."""
+    from pathlib import Path
+
+    from dataflows.model_ops import Backprop, OptimizerStep
+    from flowkit.dsl import Flow, Model, collect
+    from flowkit.planner.lower import lower_flow
+    from flowkit.planner.simcosts import SimCosts
+    from flowkit.runner.config import RunConfigError
+    from flowkit.runner.flowrun import FlowRunner
+    from flowkit.runner.setup import with_training_options
+    from tests.runner import flowdefs
+
+    def flow():
+        model = Model(name="m", build="pkg.models:build", stages=4, tags=("train",))
+        with Flow("offload_auto") as built:
+            stats = Backprop(model)(flowdefs.samples(count=16), schedule="zb-h2",
+                                    microbatches=8)
+            OptimizerStep(model)(collect(stats))
+        return built
+
+    with pytest.raises(RunConfigError, match="auto chooses none, half or all under a memory "
+                                             "limit, and there is none"):
+        with_training_options(flow(), stages=None, microbatches=None, schedule=None,
+                              offload="auto")
+    auto = with_training_options(flow(), stages=None, microbatches=None, schedule=None,
+                                 offload="auto", memory_limit=5.0)
+    code = [str(Path(flowdefs.__file__))]
+    costs = SimCosts(F=UNIT, B=UNIT, W=UNIT, copy=0.5 * UNIT)
+    with executor_cluster(4, kind="sim", tags=("train",), code=code) as (ctl, _):
+        runner = FlowRunner(ctl, lower_flow(auto), sim_costs=costs)
+        metrics = runner.run_step(0).metrics
+    schedule = runner.training["m"].trained[0]
+    assert any(a.kind.is_copy for ops in schedule.device_ops for a in ops)
+    assert max(simulate(schedule, costs.stage_costs(4)).peak_memory) <= 5.0
+    assert 0 < metrics["m/peak_activation_microbatches"] <= 6.0

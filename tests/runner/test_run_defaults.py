@@ -23,6 +23,7 @@ FLAGS = {
     "shard_optimizer": (RunConfig, "shard_optimizer"),
     "microbatches": (RunConfig, "microbatches"),
     "schedule": (RunConfig, "schedule"), "offload": (RunConfig, "offload"),
+    "memory_limit": (RunConfig, "memory_limit"),
     "fuse": (RunConfig, "fuse"),
     "asynchronous": (RunConfig, "asynchronous"), "max_staleness": (RunConfig, "max_staleness"),
     "trace": (RunConfig, "trace"), "save_weights": (RunConfig, "save_weights"),
