@@ -41,9 +41,9 @@ __all__ = ["FusedSchedule", "fuse", "fused_report", "sequential", "simulate_fuse
 # time) go by a priority; `fuse` builds one candidate per priority (each model first in turn,
 # the model with the most work left first, backwards before forwards), and the models one
 # after the other on each device, keeps the candidates within the memory cap, takes the
-# shortest, and improves it by a local search over the interleaving (swap two neighbours of
-# different models, or move an action past a few of the others' on its device), each move
-# kept only when the simulated makespan falls and the device stays within the cap; a move
+# shortest, and improves it by a local search over the interleaving (move a run of one
+# model's actions past a few of the others' on its device), each move
+# kept when the simulated makespan does not grow and the device stays within the cap; a move
 # that deadlocks does not simulate and is dropped. One after the other is always a candidate
 # and always fits where each model fits alone (each model's memory is back to none before the
 # next starts), so `fuse` is never worse than running the pipelines in turn.
@@ -320,7 +320,8 @@ def fuse(schedules: Sequence[Schedule], costs: Costs | Sequence[Costs], *,
 
 def _improve(best: _Scored, score: Callable[[FusedSchedule], _Scored | None], cap: float,
              evals: int, seconds: float, seed: int) -> _Scored:
-    """Local search over the interleaving: moves across models only, kept when better."""
+    """Local search over the interleaving: moves across models only, kept when no worse (so
+    that it walks across plateaus of equal makespan, which strict gains stop at)."""
     rng = random.Random(seed)
     stop = time.perf_counter() + seconds
     lists = [list(ops) for ops in best.fused.device_ops]
@@ -337,15 +338,18 @@ def _improve(best: _Scored, score: Callable[[FusedSchedule], _Scored | None], ca
         except ValueError:
             continue
         got = score(fused)
-        if got is not None and got.peak <= cap + 1e-9 and got.better_than(best):
+        if got is None or got.peak > cap + 1e-9:
+            continue
+        if not best.better_than(got):  # better, or as good: walks a plateau too
             best, lists = got, trial
     return best
 
 
 def _move(rng: random.Random, ops: list[Placed]) -> list[Placed] | None:
-    """Move one compute action, with the copies listed after it (it issues them), past one to
-    four of the other models' actions (each with its copies) next to it: every model's own
-    order stays."""
+    """Move a run of one to three of one model's compute actions, each with the copies listed
+    after it (it issues them), past one to four of the other models' actions next to it:
+    every model's own order stays. A run moves where one action alone cannot: an F and the
+    backward after it, when either alone would only wait longer."""
     units: list[list[Placed]] = []
     for placed in ops:
         if placed[1].kind.is_copy and units:
@@ -355,7 +359,11 @@ def _move(rng: random.Random, ops: list[Placed]) -> list[Placed] | None:
     if len(units) < 2:
         return None
     i = rng.randrange(len(units))
-    model, rest = units[i][0][0], units[:i] + units[i + 1:]
+    model = units[i][0][0]
+    j, length = i + 1, rng.randint(1, 3)
+    while j < len(units) and j - i < length and units[j][0][0] == model:
+        j += 1
+    run, rest = units[i:j], units[:i] + units[j:]
     at, step = i, rng.choice((-1, 1))
     for _ in range(rng.randint(1, 4)):
         neighbour = at - 1 if step < 0 else at
@@ -364,7 +372,7 @@ def _move(rng: random.Random, ops: list[Placed]) -> list[Placed] | None:
         at += step
     if at == i:
         return None
-    moved = rest[:at] + [units[i]] + rest[at:]
+    moved = rest[:at] + run + rest[at:]
     return [placed for unit in moved for placed in unit]
 
 
