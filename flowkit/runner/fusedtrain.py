@@ -88,7 +88,8 @@ class FusedTraining:
         self.lane = "+".join(names)
         # devices[m][d]: the shared device (executor) of member m's device d
         self.devices = [[shared[e.id] for e in member.replica(0)] for member in members]
-        self.plans: dict[Any, FusedSchedule] = {}  # by the members' schedules, costs and limit
+        # the plan and its predicted figures, by the members' schedules, costs and limit
+        self.plans: dict[Any, tuple[FusedSchedule, dict[str, float]]] = {}
         # what plans the fused schedule: the planner's search; a benchmark's baseline puts the
         # models one after the other (flowkit.planner.fused.sequential) instead
         self.plan_with: Callable[..., FusedSchedule] = fuse
@@ -130,16 +131,16 @@ class FusedTraining:
         key = (tuple(schedules), tuple(costs), limit)
         if key not in self.plans:
             try:
-                self.plans[key] = self.plan_with(schedules, costs, devices=self.devices,
-                                                 memory_limit=limit, names=self.names,
-                                                 seconds=_SEARCH_SECONDS)
+                fused = self.plan_with(schedules, costs, devices=self.devices,
+                                       memory_limit=limit, names=self.names,
+                                       seconds=_SEARCH_SECONDS)
             except ScheduleError as exc:
                 raise FlowRunError(f"fuse group {self.group!r}: {exc}") from None
-        self.fused = self.plans[key]
-        report = fused_report(self.fused, costs)
-        self.predicted = {"bubble_rate": report["fused"]["bubble_rate"],
-                          "makespan": report["fused"]["makespan"],
-                          "separate_makespan": report["sum_makespan"]}
+            report = fused_report(fused, costs)
+            self.plans[key] = (fused, {"bubble_rate": report["fused"]["bubble_rate"],
+                                       "makespan": report["fused"]["makespan"],
+                                       "separate_makespan": report["sum_makespan"]})
+        self.fused, self.predicted = self.plans[key]
         for index, member in enumerate(self.members):
             member.predicted_bubble[self.planned[index][4]] = self.predicted["bubble_rate"]
 
