@@ -10,12 +10,13 @@ Measured: a PPO step (16 prompts, actor and critic in 4 stages, 8 microbatches) 
 simulator executors whose F, B and W take 10 ms, and on torch executors (the tiny GPT in 2
 stages on 2 CPU executors, a third generating), three ways on the same executors, each its own
 run: `in turn` (the fused group with the models one after the other on each executor: the two
-separate pipelines' sum), `lanes` (no fusion: each model in its own lanes, the critic on
-other executors, and the executors interleaving whatever op of either model is ready: no
-memory bound), `fused`. Per way: the step's pipeline makespan (first pipeline op's start to
-the last one's end, `pipeline_makespan_s`, median over the steps after the first), its
-measured bubble rate, and on the simulator the most activation memory any executor held
-(microbatches of a device's share, both models together); with a memory limit of one model
+separate pipelines' sum), `lanes` (no fusion: each model in its own lanes, the critic on the
+same executors with its stages rotated, and the executors interleaving whatever op of either
+model is ready: no memory bound), `fused`. Per way: the step's pipeline makespan (first
+pipeline op's start to the last one's end, `pipeline_makespan_s`, median over the steps
+after the first), its measured bubble rate, and on the simulator the most activation memory
+any executor held (microbatches of a device's share, both models together); with a memory
+limit of one model
 alone too (`lanes` cannot keep one).
 """
 

@@ -204,6 +204,21 @@ class OptimizerStep(ModelOp):
 
 
 # -- checks of a Backprop's call: counts, and what minibatch rounds need -----------------------
+def _upstream(flow: Any, name: str) -> set[str]:
+    """The nodes `name` reads from, directly or not, over the wires that are no feedback."""
+    feeds: dict[str, list[str]] = {}
+    for wire in flow.wires:
+        if not wire.feedback:
+            feeds.setdefault(wire.dst, []).append(wire.src)
+    seen, todo = set(), [name]
+    while todo:
+        for src in feeds.get(todo.pop(), ()):
+            if src not in seen:
+                seen.add(src)
+                todo.append(src)
+    return seen
+
+
 def _fuse_problems(model: str, flow: Any, node: Any, rounds: int) -> list[Problem]:
     """A fuse group is a name that backprops of two or more models share, each trained in one
     round [Note: fused training in flowkit/runner/fusedtrain.py]."""
@@ -227,6 +242,15 @@ def _fuse_problems(model: str, flow: Any, node: Any, rounds: int) -> list[Proble
             rule="fuse-twice", op=node.name, port="fuse",
             message=f"fuse={group!r}: model {model!r} has another backprop in the group",
             fix="fuse one backprop of each model"))
+    upstream = _upstream(flow, node.name)
+    for partner in partners:
+        if partner.name in upstream:  # it would wait for the fused plan, which waits for it
+            problems.append(Problem(
+                rule="fuse-dependent", op=node.name, port="fuse",
+                message=f"fuse={group!r}: it reads what {partner.label!r}, in the same group, "
+                        "makes; fused backprops train side by side on the same batch",
+                fix=f"leave fuse out of one of them, or feed both from what comes before "
+                    f"{partner.label!r}"))
     if rounds > 1:
         problems.append(Problem(
             rule="fuse-rounds", op=node.name, port="fuse",

@@ -248,7 +248,9 @@ def _check_output(ctx: click.Context, param: click.Parameter, value: Path | None
 @click.option("--fuse", "fuse_kind", default=None, metavar="KIND", callback=_check_fuse_kind,
               help="Also fuse the schedule with a second model's KIND schedule on the same "
               "devices, its stages the other way round (as flowkit run places PPO's critic "
-              "with fuse_models), and print each alone, the two in turn, and fused.")
+              "with fuse_models), and print each alone, the two in turn, and fused. The "
+              "second is built with the same costs, memory and limit, its kind's own chunks "
+              "and no offload.")
 @click.option("--execute", type=click.IntRange(min=1), default=None, metavar="N",
               help="Also run the schedule on N simulator executor processes (N = devices) and "
               "print measured against simulated makespan and bubble rate.")

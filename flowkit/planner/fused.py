@@ -299,7 +299,10 @@ def fuse(schedules: Sequence[Schedule], costs: Costs | Sequence[Costs], *,
 
     candidates = [sequential(schedules, devices, names, order)
                   for order in (range(count), range(count - 1, -1, -1))]
+    stop = time.perf_counter() + seconds
     for priority in _priorities(count).values():
+        if time.perf_counter() > stop:  # `seconds` bounds the candidates and the search
+            break
         ops = _list_schedule(schedules, devices, costs, delta, cap, priority)
         if ops is not None:
             candidates.append(FusedSchedule(schedules=schedules, devices=devices,
@@ -315,7 +318,8 @@ def fuse(schedules: Sequence[Schedule], costs: Costs | Sequence[Costs], *,
     best = min(scored, key=lambda s: (s.makespan, s.span))
     total = sum(len(ops) for ops in best.fused.device_ops)
     budget = evals if evals is not None else max(20, min(300, 60_000 // max(total, 1)))
-    return _improve(best, score, cap, budget, seconds, seed).fused
+    left = max(0.0, stop - time.perf_counter())
+    return _improve(best, score, cap, budget, left, seed).fused
 
 
 def _improve(best: _Scored, score: Callable[[FusedSchedule], _Scored | None], cap: float,

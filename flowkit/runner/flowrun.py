@@ -224,7 +224,13 @@ class FlowRunner:
     def _follow(self, model: Any, leader: list[ExecutorInfo]) -> list[ExecutorInfo]:
         """A fused model's executors: its stages on its group leader's, the other way round
         [Note: fused training in fusedtrain.py]."""
-        executors = [leader[(len(leader) - 1 - s) % len(leader)] for s in range(model.stages)]
+        if model.stages > len(leader):
+            raise FlowRunError(
+                f"model {model.name!r} trains fused in {model.stages} stages on the executors "
+                f"of the group's first model, which has {len(leader)}: give it at most "
+                f"{len(leader)} stages (each stage of a fused model needs an executor of its "
+                "own)")
+        executors = [leader[len(leader) - 1 - s] for s in range(model.stages)]
         for executor in executors:
             if not set(model.tags) <= set(executor.tags) or "F" not in executor.ops:
                 raise FlowRunError(

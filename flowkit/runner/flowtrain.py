@@ -400,7 +400,10 @@ class ModelTraining:
         return self.schedules[key]
 
     def _auto_offload(self, key: tuple, kind: str, devices: int, count: int, costs: Costs,
-                      limit: float) -> Schedule:
+                      limit: float | None) -> Schedule:
+        if limit is None:
+            raise FlowRunError(f"model {self.model.name!r}: offload auto chooses under a "
+                               "memory limit, and its backprop has none: give it memory_limit")
         try:
             pick = best_with_offload(kind, devices=devices, microbatches=count, costs=costs,
                                      memory=MemoryModel(), memory_limit=limit)

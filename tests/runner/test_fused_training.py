@@ -99,3 +99,23 @@ def test_a_fuse_group_is_checked_with_the_flow():
         ppo_flow(fuse_models=True, ppo_epochs=2)
     rules = {p.rule for p in raised.value.problems}
     assert rules == {"fuse-rounds"}
+    two = Model(name="two", build="pkg.models:build", stages=2, tags=("train",))
+    with pytest.raises(FlowError) as raised:  # the second waits for the first's plan: refused
+        with Flow("chained"):
+            first = Backprop(one)(flowdefs.samples(count=4), fuse="g", name="first")
+            OptimizerStep(one)(collect(first), name="step1")
+            OptimizerStep(two)(collect(Backprop(two)(first, fuse="g", name="second")),
+                               name="step2")
+    (problem,) = raised.value.problems
+    assert (problem.rule, problem.op) == ("fuse-dependent", "second")
+    assert "it reads what 'first', in the same group, makes" in problem.message
+
+
+def test_a_fused_model_with_more_stages_than_the_first_is_refused(sim_cluster):
+    flow = ppo_flow(prompts=8, microbatches=4, stages=2, fuse_models=True,
+                    critic=Model(name="critic", build="pkg.models:build", stages=4,
+                                 tags=("train",)))
+    with pytest.raises(FlowRunError, match="model 'critic' trains fused in 4 stages on the "
+                                           "executors of the group's first model, which has "
+                                           "2: give it at most 2 stages"):
+        FlowRunner(sim_cluster, lower_flow(flow), sim_costs=SIM)
