@@ -16,8 +16,7 @@ model is ready: no memory bound), `fused`. Per way: the step's pipeline makespan
 pipeline op's start to the last one's end, `pipeline_makespan_s`, median over the steps
 after the first), its measured bubble rate, and on the simulator the most activation memory
 any executor held (microbatches of a device's share, both models together); with a memory
-limit of one model
-alone too (`lanes` cannot keep one).
+limit of one model alone too (`lanes` cannot keep one).
 """
 
 from __future__ import annotations
