@@ -2,11 +2,22 @@
 streaming producer runs at most `window` items ahead of a slow consumer on another executor,
 where without a window it runs away; the stream's result is the same either way."""
 
+import time
+
 import pytest
 
 from tests.harness import executor_cluster
 
 COUNT, CONSUMER_S = 120, 0.02
+
+
+def _handed_all(consumed: list, count: int, timeout: float = 10.0) -> None:
+    """Wait until on_part has run for every item: the IO thread runs the callbacks after it
+    handled the message, so the stream's result may wake its waiter before the last one ran
+    (CI saw 39 of 40)."""
+    deadline = time.monotonic() + timeout
+    while len(consumed) < count and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def _stream_into_slow_consumer(window):
@@ -22,6 +33,7 @@ def _stream_into_slow_consumer(window):
         stream = ctl.submit("countdown", config={"count": COUNT}, executor=producer.id,
                             on_part=on_part, window=window)
         result = stream.result(timeout=60)
+        _handed_all(consumed, COUNT)
         assert sorted(f.result(timeout=60) for f in consumed) == list(range(COUNT))
         return max(ahead), result
 
@@ -47,6 +59,7 @@ def test_without_a_window_the_producer_runs_away():
         stream = ctl.submit("countdown", config={"count": count}, executor=producer.id,
                             on_part=on_part)
         assert stream.result(timeout=60) == list(range(count))  # its parts came before its end
+        _handed_all(consumed, count)
         finished = sum(f.done() for f in consumed)
         assert len(consumed) == count
     assert finished < count - 4
