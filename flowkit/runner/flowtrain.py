@@ -391,8 +391,13 @@ class ModelTraining:
         if key not in self.schedules:
             if offload == "auto":  # none, half or all: the least makespan within the limit
                 return self._auto_offload(key, kind, devices, count, costs, limit)
-            schedule = build_schedule(kind, devices=devices, microbatches=count,
-                                      costs=costs, memory_limit=limit)
+            try:
+                schedule = build_schedule(kind, devices=devices, microbatches=count,
+                                          costs=costs, memory_limit=limit)
+            except ScheduleError as exc:  # one line, not the grid of the schedule
+                raise FlowRunError(f"step {self.step}: model {self.model.name!r}: "
+                                   f"{exc.problems[0]}: raise its memory_limit, or let "
+                                   "offload make room (offload auto)") from None
             if offload not in (None, "none"):  # [Note: offload in flowkit/planner/offload.py]
                 schedule = offload_schedule(schedule, costs.for_placement(schedule.placement),
                                             offload)

@@ -7,7 +7,8 @@ from importlib.metadata import entry_points
 
 import attrs
 
-from flowkit.dsl import Flow
+from flowkit.dsl import Flow, Model
+from flowkit.dsl.graph import Node
 from flowkit.ops import EXECUTOR_OPS, missing_executor_ops
 from flowkit.planner.lower import Call, NodePlan
 from flowkit.runner.config import RunConfigError
@@ -100,6 +101,28 @@ def check_offload(value: object, where: str = "offload",
                              "memory limit, and there is none: give one (--memory-limit)")
 
 
+def _check_memory_limit(node: Node, model: Model) -> None:
+    """A handcrafted schedule that cannot keep within its backprop's memory limit fails here,
+    before anything starts (its memory does not depend on the costs, which are profiled
+    later); `auto` searches with the costs, so its run says so at the first step."""
+    from flowkit.planner import Costs, ScheduleError
+    from flowkit.planner.schedules import build_schedule
+
+    limit, kind = node.config.get("memory_limit"), node.config.get("schedule") or "1f1b"
+    if limit is None or kind == "auto" or node.config.get("offload") == "auto":
+        return
+    count = -(-int(node.config.get("microbatches") or 1) // model.replicas)  # per replica
+    try:
+        build_schedule(kind, devices=model.stages, microbatches=count,
+                       costs=Costs.uniform(model.stages), memory_limit=limit)
+    except ScheduleError as exc:
+        raise RunConfigError("memory_limit", f"{node.name!r}: {exc.problems[0]}: raise "
+                             "the memory limit, pick a schedule that needs less (auto), or "
+                             "let offload make room (--offload auto)") from None
+    except ValueError:
+        return  # a shape the kind cannot take: the run says so as it did
+
+
 def with_training_options(flow: Flow, *, stages: int | None, microbatches: int | None,
                           schedule: str | None, replicas: int | None = None,
                           shard_optimizer: bool = False, offload: str | None = None,
@@ -136,6 +159,7 @@ def with_training_options(flow: Flow, *, stages: int | None, microbatches: int |
             node.config["memory_limit"] = memory_limit
         check_offload(node.config.get("offload"), f"{node.name!r}'s offload",
                       node.config.get("memory_limit"))
+        _check_memory_limit(node, flow.models[node.model])
         count, model = node.config.get("microbatches") or 1, flow.models[node.model]
         if count < model.replicas:
             raise RunConfigError("microbatches", f"{node.name!r} runs {count} microbatch(es) a "

@@ -85,6 +85,10 @@ def test_a_run_with_offload_auto_fits_the_memory_limit():
                                              "limit, and there is none"):
         with_training_options(flow(), stages=None, microbatches=None, schedule=None,
                               offload="auto")
+    with pytest.raises(RunConfigError, match="'backprop': device 0 peaks at 7 > memory limit 5 "
+                                             r".*let offload make room \(--offload auto\)"):
+        with_training_options(flow(), stages=None, microbatches=None, schedule=None,
+                              memory_limit=5.0)  # ZB-H2 does not fit 5 without offload
     auto = with_training_options(flow(), stages=None, microbatches=None, schedule=None,
                                  offload="auto", memory_limit=5.0)
     code = [str(Path(flowdefs.__file__))]
