@@ -309,9 +309,8 @@ def fuse(schedules: Sequence[Schedule], costs: Costs | Sequence[Costs], *,
                                             device_ops=ops, names=names))
     scored = [s for s in map(score, candidates) if s is not None and s.peak <= cap + 1e-9]
     if not scored:
-        peaks = [max(simulate_fused(c, costs, memories, scale).peak_memory)
-                 for c in candidates[:1]]
-        raise ScheduleError(f"the fused models need memory {peaks[0]:g} a device even one "
+        peak = max(simulate_fused(candidates[0], costs, memories, scale).peak_memory)
+        raise ScheduleError(f"the fused models need memory {peak:g} a device even one "
                             f"after the other, over the limit {memory_limit:g}: raise the "
                             "limit or give each model a schedule that needs less",
                             over_memory=True)

@@ -218,7 +218,9 @@ class Controller:
         being the task's result as usual; with `window` it runs at most that many items ahead
         of those its consumers are done with [Note: stream credits in runtime/credits.py]:
         an item's consumers are those submitted by the time `on_part` returns, or with
-        `handled_by_caller` by the time the caller passes the item to `handled`."""
+        `handled_by_caller` by the time the caller passes the item to `handled`. The callbacks
+        of one message run in order, the task's own after its items', but a thread that waits
+        on the result (not a callback) may wake before the last item's `on_part` has run."""
         if window is not None and (on_part is None or not 1 <= window <= MAX_WINDOW):
             raise ValueError(f"submit: window={window!r} needs on_part and 1 to {MAX_WINDOW}")
         spec = TaskSpec(op, config or {}, lane=lane, report_key=report_key,
