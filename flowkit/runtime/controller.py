@@ -55,7 +55,18 @@ _PING_TIMEOUT_S = 30.0
 # says more (the kernel closes a dying process's sockets a moment before it can be reaped)
 _EXIT_GRACE_S = 0.2
 _QUIET_S = 0.002  # the background thread drives after user threads left it alone this long
+_OVERDUE_S = 0.004  # ... or once nothing has read the router for this long [Note: overdue pumps]
 _HOT_S = 0.0005  # how long a waiting user watches the router before sleeping in poll
+
+# [Note: overdue pumps] The background thread leaves the IO lock to user threads while they
+# call in (each of its wake-ups would take the GIL from them), and drives once they have been
+# quiet for _QUIET_S. A user thread that never pauses that long (a runner submitting a
+# step's thousands of generation calls in turns, with its reactions between) then starved it:
+# nothing read the router, so the turns had nothing to react to, and the first finished
+# sample's downstream ops waited for the last call to go out (16k samples: 30-140 ms, 15 % of
+# generation). So the router is read at least every _OVERDUE_S: once a pump is overdue, the
+# background thread takes the lock between two user calls, reads what is there without
+# waiting in poll, and gives it back.
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: IntFlag arithmetic is slow
 
 
@@ -96,6 +107,7 @@ class Controller:
         self._drive = _Driving(self)  # holds no state of its own: one serves every call
         self._wanted = 0  # user threads waiting for the IO lock
         self._last_user = 0.0
+        self._last_pump = 0.0  # when a pump last read the router [Note: overdue pumps]
         self._lost: deque = deque()  # (executor id, reason) from the heartbeat thread
         self._released: deque = deque()  # ids of futures the user dropped [Note: object lifetime]
         self._processes: dict[int, Any] = {}
@@ -383,6 +395,7 @@ class Controller:
         if not ready:
             ready = any(sock is self._router for sock, _ in
                         self._poller.poll(int(timeout_s * 1000)))
+        self._last_pump = time.monotonic()
         if self._wake_pending:  # set, under the lock, before the wake-up is sent
             with self._wake_lock:
                 while self._wake_in.poll(0):
@@ -482,16 +495,20 @@ class Controller:
 
     def _drive_in_background(self) -> None:
         while not self._stopping:
-            # sleep out the quiet period: each wake-up takes the GIL from the user thread
-            quiet_left = self._last_user + _QUIET_S - time.monotonic()
-            if self._wanted or quiet_left > 0:
-                time.sleep(quiet_left if quiet_left > 0 else _QUIET_S / 2)
+            # sleep out the quiet period: each wake-up takes the GIL from the user thread;
+            # but not past an overdue pump [Note: overdue pumps]
+            now = time.monotonic()
+            quiet_left = self._last_user + _QUIET_S - now
+            overdue_in = self._last_pump + _OVERDUE_S - now
+            busy = self._wanted or quiet_left > 0
+            if busy and overdue_in > 0:
+                time.sleep(min(quiet_left if quiet_left > 0 else _QUIET_S / 2, overdue_in))
                 continue
             if not self._io_lock.acquire(timeout=0.05):
                 continue
             try:
                 if not self._stopping:
-                    self._pump(0.02)
+                    self._pump(0.0 if busy else 0.02)  # a busy user's lock back at once
             except BaseException:  # noqa: BLE001 - no KeyboardInterrupt reaches this thread
                 # this thread must outlive any one failure: runs wait on events that only
                 # its callbacks deliver, so its death would hang them until their timeout

@@ -79,6 +79,25 @@ def test_callbacks_and_wait(cluster):
         slow.result(timeout=0.05)
 
 
+def test_answers_are_read_while_a_user_thread_keeps_the_controller_busy(cluster):
+    """[Note: overdue pumps] A user thread that calls the controller without a pause (a runner
+    submitting a step's thousands of calls) must not hold back the answers that come
+    meanwhile: the background thread reads them within a few milliseconds, so a callback
+    runs while the user thread is still busy, not once it stops."""
+    ctl, _ = cluster
+    answered = threading.Event()
+    ctl.submit("noop").add_done_callback(lambda _: answered.set())
+
+    def listener(event, payload):
+        pass
+
+    deadline = time.monotonic() + 10
+    while not answered.is_set() and time.monotonic() < deadline:
+        ctl.add_listener(listener)  # a call that takes the IO lock, and nothing else
+        ctl.remove_listener(listener)
+    assert answered.is_set(), "the answer waited for the busy user thread to stop"
+
+
 def test_many_in_flight_all_resolve(cluster):
     ctl, _ = cluster
     futures = [ctl.submit("identity", i) for i in range(2000)]
