@@ -24,6 +24,7 @@ from flowkit.planner import (
 from flowkit.planner.export import schedule_to_json
 from flowkit.planner.offload import best_with_offload, offload_schedule
 from flowkit.planner.schedules import build_schedule, get_spec, schedule_kinds
+from flowkit.planner.simulate import Interval
 from flowkit.planner.validate import validate
 
 __all__ = ["parse_costs", "parse_memory", "parse_model_dims", "schedule"]
@@ -199,6 +200,24 @@ def _check_fuse_kind(ctx: click.Context, param: click.Parameter, value: str | No
     return value
 
 
+def _parse_fill(ctx: click.Context, param: click.Parameter, value: str | None) -> list | None:
+    """--fill's units: comma-separated COST or COSTxCOUNT (`0.5x40,2`)."""
+    if value is None:
+        return None
+    units = []
+    for entry in value.split(","):
+        cost_text, _, count_text = entry.strip().partition("x")
+        try:
+            cost, count = float(cost_text), int(count_text) if count_text else 1
+        except ValueError:
+            cost, count = math.nan, 0
+        if not (math.isfinite(cost) and cost >= 0 and 1 <= count <= 100_000):
+            raise click.BadParameter(f"{entry.strip()!r}: each entry is COST or COSTxCOUNT, a "
+                                     "cost >= 0 and a count from 1 to 100000 (e.g. 0.5x40)")
+        units += [cost] * count
+    return units
+
+
 def _check_output(ctx: click.Context, param: click.Parameter, value: Path | None):
     if value is not None and param.name == "plot" and value.suffix.lower() not in (".svg", ".png"):
         raise click.BadParameter("the chart file must end in .svg or .png")
@@ -251,6 +270,12 @@ def _check_output(ctx: click.Context, param: click.Parameter, value: Path | None
               "with fuse_models), and print each alone, the two in turn, and fused. The "
               "second is built with the same costs, memory and limit, its kind's own chunks "
               "and no offload.")
+@click.option("--bubbles", "show_bubbles", is_flag=True,
+              help="List each device's idle slots (bubbles) with their lengths.")
+@click.option("--fill", "fill_units", default=None, metavar="COSTxN,...", callback=_parse_fill,
+              help="Fit units of other work of these costs (e.g. scoring forwards: 0.5x40) into "
+              "the bubbles without moving any action, and print what fits and what the rest "
+              "adds to the makespan.")
 @click.option("--execute", type=click.IntRange(min=1), default=None, metavar="N",
               help="Also run the schedule on N simulator executor processes (N = devices) and "
               "print measured against simulated makespan and bubble rate.")
@@ -258,8 +283,8 @@ def _check_output(ctx: click.Context, param: click.Parameter, value: Path | None
               show_default=True,
               help="Seconds one cost unit takes on the simulator executors (with --execute).")
 def schedule(kind, devices, microbatches, cost_text, comm, memory_limit, mem_text, dims_text,
-             chunks, json_out, plot, allreduce, offload, copy_time, fuse_kind, execute,
-             unit_s) -> None:
+             chunks, json_out, plot, allreduce, offload, copy_time, fuse_kind, show_bubbles,
+             fill_units, execute, unit_s) -> None:
     """Build, validate and simulate a pipeline schedule (or `compare` all kinds)."""
     if mem_text is not None and dims_text is not None:
         raise click.UsageError("give --mem or --model-dims, not both")
@@ -277,9 +302,9 @@ def schedule(kind, devices, microbatches, cost_text, comm, memory_limit, mem_tex
             raise click.UsageError("--offload needs a single KIND, not compare")
         if json_out or plot:
             raise click.UsageError("--json and --plot need a single KIND, not compare")
-        if execute or allreduce or fuse_kind:
-            raise click.UsageError("--execute, --allreduce and --fuse need a single KIND, not "
-                                   "compare")
+        if execute or allreduce or fuse_kind or show_bubbles or fill_units:
+            raise click.UsageError("--execute, --allreduce, --fuse, --bubbles and --fill need "
+                                   "a single KIND, not compare")
         _compare(console, chunks, build_kwargs)
         return
     if execute is not None and execute != devices:
@@ -290,6 +315,8 @@ def schedule(kind, devices, microbatches, cost_text, comm, memory_limit, mem_tex
     if offload != "none" and (execute or allreduce):
         raise click.UsageError("--execute and --allreduce run schedules without offload")
     sched, stage_costs = _run_one(console, kind, chunks, build_kwargs, json_out, plot, offload)
+    if show_bubbles or fill_units:
+        _bubbles(console, simulate(sched, stage_costs, build_kwargs["memory"]), fill_units)
     if fuse_kind is not None:
         _fused(console, sched, stage_costs, fuse_kind, build_kwargs)
     if allreduce:
@@ -326,6 +353,41 @@ def _fused(console: Console, sched: Schedule, stage_costs: Costs, kind: str,
         table.add_row(name, f"{result.makespan:g}", f"{result.bubble_rate:.3f}",
                       f"{max(result.peak_memory):g}")
     console.print(table)
+
+
+def _bubbles(console: Console, result: SimResult, units: list[float] | None) -> None:
+    """Each device's bubbles, and with `units` the fill [Note: bubbles in
+    flowkit/planner/bubbles.py]."""
+    from flowkit.planner.bubbles import bubbles, fill
+
+    slots = bubbles(result)
+    table = Table(title="bubbles: each device's idle slots, start + length (after -> before)",
+                  title_justify="left")
+    for column in ("device", "idle", "slots"):
+        table.add_column(column, justify="left" if column == "slots" else "right")
+    for device in range(len(result.intervals)):
+        mine = [b for b in slots if b.device == device]
+        shown = ", ".join(f"{b.start:g}+{b.length:g} ({_name(b.after, 'start')} -> "
+                          f"{_name(b.before, 'end')})"
+                          for b in mine[:8]) + (f", ... {len(mine) - 8} more"
+                                                if len(mine) > 8 else "")
+        table.add_row(str(device), f"{sum(b.length for b in mine):g}", shown or "none")
+    console.print(table)
+    if units is None:
+        return
+    filling = fill(slots, units)
+    devices = len(result.intervals)
+    in_turn, filled = filling.extra_time(units, devices)
+    share = filling.used / filling.idle if filling.idle else 0.0
+    console.print(f"fill: {len(filling.placed)} of {len(units)} units fit in the bubbles, "
+                  f"{filling.used:g} of {filling.idle:g} idle ({share:.1%}); the actions do not "
+                  f"move. Makespan {result.makespan:g} alone, {result.makespan + in_turn:g} with "
+                  f"the units in turn (spread over the {devices} devices), "
+                  f"{result.makespan + filled:g} with them filled")
+
+
+def _name(interval: Interval | None, edge: str) -> str:
+    return edge if interval is None else str(interval.action)
 
 
 def _offloaded(kind: str, chunks: int | None, build_kwargs: dict,

@@ -296,3 +296,26 @@ def test_fuse_takes_a_kind_and_one_schedule():
                                                    "nope").output
     result = _run("compare", "-p", "2", "-m", "2", "--fuse", "1f1b")
     assert result.exit_code == 2 and "need a single KIND" in result.output
+
+
+def test_bubbles_lists_each_devices_idle_slots_and_fill_fits_work_into_them():
+    """1F1B, p = 4, m = 8: every device idle 9 of 33; 40 units of 0.5 fit, so the makespan
+    stays 33 where the same work in turn makes it 38 [Note: bubbles]."""
+    result = _run("1f1b", "-p", "4", "-m", "8", "--bubbles", "--fill", "0.5x40")
+    assert result.exit_code == 0, result.output
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:4]]
+            for line in result.output.splitlines() if line.startswith("│")}
+    assert rows["3"] == ["9", "0+3 (start -> 3F0), 27+6 (3BW7 -> end)"]
+    text = " ".join(result.output.split())
+    assert "40 of 40 units fit in the bubbles, 20 of 36 idle (55.6%)" in text
+    assert "Makespan 33 alone, 38 with the units in turn" in text and "33 with them filled" in text
+    wide = _run("zb-h1", "-p", "4", "-m", "8", "--fill", "7,1x2")  # 7 fits no slot of 3
+    assert "2 of 3 units fit" in " ".join(wide.output.split())
+
+
+def test_fill_takes_costs_and_counts_and_one_schedule():
+    for bad in ("0.5y", "-1", "1x0", "nan"):
+        result = _run("1f1b", "-p", "2", "-m", "2", "--fill", bad)
+        assert result.exit_code == 2 and "COST or COSTxCOUNT" in result.output, bad
+    result = _run("compare", "-p", "2", "-m", "2", "--bubbles")
+    assert result.exit_code == 2 and "need a single KIND" in result.output
