@@ -1,4 +1,4 @@
-"""`flowkit bench dispatch|transfer|pipeline|train|rl|placement|fused|rollout|scale|checkpoint|
+"""`flowkit bench dispatch|transfer|pipeline|train|rl|placement|fused|fill|rollout|scale|checkpoint|
 launch|loggers|trl|chaos`:
 benchmarks, each against a baseline measured side by side in the same run (this machine is
 noisy: compare ratios, not times).
@@ -203,6 +203,17 @@ def fused(steps: int, with_torch: bool, json_out: Path | None) -> None:
     _report(_bench_function("fused", "run_fused_bench")(FusedSetup(steps=steps,
                                                                     torch=with_torch)),
             json_out)
+
+
+@bench.command(cls=_BenchCommand)
+@click.option("--steps", type=click.IntRange(2), default=5, show_default=True,
+              help="GRPO steps per way; the first is left out.")
+@_json_option
+def fill(steps: int, json_out: Path | None) -> None:
+    """Scoring in the trainers' pipeline bubbles against beside them and apart."""
+    from benchmarks.fill import FillSetup
+
+    _report(_bench_function("fill", "run_fill_bench")(FillSetup(steps=steps)), json_out)
 
 
 @bench.command(cls=_BenchCommand)

@@ -83,9 +83,12 @@ class RLConfig:
     (clip-higher, aggregation, GSPO, rollout correction, ...; each a shortcut by its own name).
     `overlong_buffer` > 0: DAPO's soft overlong penalty, a response longer than
     max_new_tokens - overlong_buffer loses up to `overlong_penalty_factor` of its reward,
-    linearly over the buffer (overlong_penalty). `agent`: each sample a multi-turn trajectory
-    in an environment (flowkit.ops.AgentConfig, each setting a shortcut by its own name:
-    `environment=`, `max_turns=`, ...; [Note: multi-turn rollouts in
+    linearly over the buffer (overlong_penalty). `reference_tags`: the executors the
+    reference's log-probs run on (empty: the actor's tags), e.g. ("rollout",) beside the
+    engines, whose idle time `flowkit run --fill-bubbles` adds the trainers' pipeline bubbles
+    to ([Note: bubble filling] in flowkit/runner/fill.py). `agent`: each sample a multi-turn
+    trajectory in an environment (flowkit.ops.AgentConfig, each setting a shortcut by its own
+    name: `environment=`, `max_turns=`, ...; [Note: multi-turn rollouts in
     flowkit/ops/environments.py])."""
 
     prompts: int = 16
@@ -96,6 +99,7 @@ class RLConfig:
     microbatches: int = Backprop.config["microbatches"]
     lr: float = OptimizerStep.config["lr"]
     kl_coef: float = 0.001
+    reference_tags: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     max_staleness: int | None = None
     oversample: float = 1.0
     prompt_source: Operator = arithmetic_prompts

@@ -72,6 +72,6 @@ def sample_and_score(flow: Flow, actor: Model, reference: Model | None,
         scored = overlong_penalty(scored, max_new_tokens=sampling.max_new_tokens,
                                   buffer=config.overlong_buffer,
                                   penalty_factor=config.overlong_penalty_factor)
-    ref = None if reference is None else LogProbs(reference)(
+    ref = None if reference is None else LogProbs(reference, tags=config.reference_tags)(
         rollouts, name="ref_logprobs", temperature=sampling.temperature)
     return Sampled(weights, rollouts, scored, ref)

@@ -79,6 +79,11 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
 @click.option("--fuse/--no-fuse", default=_RUN.fuse, show_default=True,
               help="Start each op on the first items it can take (sample-level fusion), or run "
               "the flow stage by stage, each op waiting for its producers to finish.")
+@click.option("--fill-bubbles", is_flag=True, default=_RUN.fill_bubbles,
+              help="Lend the training executors' pipeline bubbles to the step's scoring "
+              "(reference log-probs, values) that waits for its own executors, sized to fit, "
+              "so no pipeline action moves (placing the reference apart: the RL flows' "
+              "reference_tags).")
 @click.option("--async/--sync", "asynchronous", default=None,
               help="Let generation run ahead of training by up to --max-staleness weights "
               "versions (AReaL's bounded staleness) [default: the flow's max_staleness "
@@ -176,7 +181,8 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
         steps: int, stages: int | None, replicas: int | None, shard_optimizer: bool,
         microbatches: int | None,
         schedule: str | None, offload: str | None, memory_limit: float | None,
-        fuse: bool, asynchronous: bool | None, max_staleness: int | None, sim_cost: str,
+        fuse: bool, fill_bubbles: bool, asynchronous: bool | None,
+        max_staleness: int | None, sim_cost: str,
         trace: Path | None, metrics: Path | None, loggers: tuple[str, ...], log_dir: Path,
         wandb_project: str, run_name: str | None, eval_every: int | None,
         save_weights: Path | None, checkpoint_dir: Path | None, checkpoint_every: int | None,
@@ -212,7 +218,7 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
             shard_optimizer=shard_optimizer,
             microbatches=microbatches,
             schedule=schedule, offload=offload, memory_limit=memory_limit, fuse=fuse,
-            asynchronous=asynchronous,
+            fill_bubbles=fill_bubbles, asynchronous=asynchronous,
             max_staleness=max_staleness, sim_costs=costs, trace=trace, logs=logs,
             dashboard=dashboard, eval_every=eval_every, save_weights=save_weights,
             checkpoints=checkpoints,

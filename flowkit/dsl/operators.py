@@ -423,7 +423,10 @@ class ModelOp(Operator):
     made it (a Rollout's version_span); small plain data, as it rides in every completion.
     `resumable`: its calls can be cut short and continued (a Resumable: generation), which
     partial rollouts and the checkpoints of asynchronous runs rely on. `loss_spec`: what the
-    runner needs to know of the loss its config names (a LossSpec: a backprop's).
+    runner needs to know of the loss its config names (a LossSpec: a backprop's). `scores`:
+    each call scores its items with the whole model and nothing but its outputs depends on
+    where it runs, so a run may lend it training executors' pipeline bubbles ([Note: bubble
+    filling] in flowkit/runner/fill.py: log-probs, values, a reward model's scores).
     `choices`: config keys whose value must be one of a known set (a loss, a
     schedule kind); `ranges`: numeric config keys and their (lowest, highest) allowed values,
     None for no bound (None as a value passes: "not set"). Both are checked when the flow is
@@ -439,6 +442,7 @@ class ModelOp(Operator):
     traced: ClassVar[str | None] = None
     resumable: ClassVar[Resumable | None] = None
     loss_spec: ClassVar[LossSpec | None] = None
+    scores: ClassVar[bool] = False
     choices: ClassVar[dict[str, Collection[str]]] = {}
     ranges: ClassVar[dict[str, tuple[float | None, float | None]]] = {}
     inputs: ClassVar[dict[str, Any]] = {}

@@ -85,6 +85,7 @@ class NodePlan:
     fan_out: tuple[str, str] | None = None  # (config key of the items a call yields, field)
     resumable: Resumable | None = None  # its calls can be cut short and continued
     loss_spec: LossSpec | None = None  # what it trains with
+    scores: bool = False  # may run in training executors' bubbles (ModelOp.scores)
 
     def items_per_call(self) -> int:
         """How many items each call yields, as its fan-out declares (else one)."""
@@ -123,7 +124,7 @@ def _plan_node(flow: Flow, node: Node, wires: list[Wire]) -> NodePlan:
         return NodePlan(call=call, op=operator.kind, many=(operator.many_per_call,) * len(outputs),
                         model=model, workload=operator.workload, trace_key=operator.traced,
                         fan_out=operator.fan_out, resumable=operator.resumable,
-                        loss_spec=operator.loss_spec,
+                        loss_spec=operator.loss_spec, scores=operator.scores,
                         **{**common, "tags": common["tags"] or tuple(model.tags)})
     target = operator.target if isinstance(operator, FunctionOp) else None
     fn = getattr(operator, "fn", None)

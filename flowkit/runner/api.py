@@ -231,7 +231,8 @@ class Run:
         costs = config.sim_costs if self.kind == "sim" else None  # other kinds time for real
         return FlowRunner(self.controller, self.plan, sim_costs=costs,
                           fuse=config.fuse, balance=config.balance, staleness=self.staleness,
-                          steps=config.steps, step_timeout=config.step_timeout)
+                          steps=config.steps, step_timeout=config.step_timeout,
+                          fill_bubbles=config.fill_bubbles)
 
     # -- the steps ----------------------------------------------------------------------------
     def steps(self) -> Iterator[StepReport]:

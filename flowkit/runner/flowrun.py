@@ -26,6 +26,7 @@ from flowkit.planner.simcosts import SimCosts
 from flowkit.runner.asyncstate import Replay
 from flowkit.runner.balance import Balancer, LengthEstimates
 from flowkit.runner.calls import CallPolicy
+from flowkit.runner.fill import BubbleFill
 from flowkit.runner.flowtrain import ModelTraining
 from flowkit.runner.fusedtrain import FusedTraining, fuse_groups
 from flowkit.runner.partial import Carried, CarryOver, PartialCalls, PartialRollouts
@@ -70,7 +71,7 @@ class FlowRunner:
     def __init__(self, ctl: Controller, plan: list[NodePlan], *,
                  sim_costs: SimCosts | None = None, step_timeout: float = 600.0,
                  fuse: bool = True, balance: bool = True, staleness: int | None = None,
-                 steps: int | None = None) -> None:
+                 steps: int | None = None, fill_bubbles: bool = False) -> None:
         if staleness is not None:
             check_async(plan, staleness)
             plan = _with_proximal(plan) if staleness >= 1 else plan
@@ -96,6 +97,8 @@ class FlowRunner:
         self.events: queue.SimpleQueue = queue.SimpleQueue()  # every open step's reactions
         self.handled_parts: list = []  # streamed items taken in since the steps settled
         self.open: dict[int, StepRun] = {}
+        # training executors' bubbles lent to scoring [Note: bubble filling in fill.py]
+        self.bubble_fill = BubbleFill(self.events, self._fill) if fill_bubbles else None
         self.carry_over = CarryOver(self.open)  # [Note: partial rollouts in partial.py]
         # a resumed asynchronous run's open steps: step -> node -> lineage -> the saved
         # rollouts of that call, and the partial-rollout metrics they report
@@ -158,7 +161,18 @@ class FlowRunner:
                  and node.model is not None and node.model.name == model.name]
         return ModelTraining(self.ctl, model, self.placement[model.name], users=users,
                              sim_costs=self.sim_costs, fuse=self.fuse,
-                             timeout=self.step_timeout, profiles=self.profiles, steps=steps)
+                             timeout=self.step_timeout, profiles=self.profiles, steps=steps,
+                             bubble_fill=self.bubble_fill)
+
+    def _fill(self, executor: int, seconds: float) -> list:
+        """A bubble of `seconds` on `executor`: the open steps' held scoring, oldest step first
+        [Note: bubble filling]; the futures that end the tasks sent."""
+        ends: list = []
+        for step in sorted(self.open):
+            if seconds <= 0:
+                break
+            seconds -= self.open[step].fill(executor, seconds, self.bubble_fill, ends)
+        return ends
 
     @property
     def trained(self) -> dict[str, tuple]:

@@ -24,6 +24,7 @@ from flowkit.planner.lower import InputRule, NodePlan
 from flowkit.planner.offload import best_with_offload, offload_schedule
 from flowkit.planner.schedules import build_schedule
 from flowkit.planner.simcosts import SimCosts
+from flowkit.runner.fill import BubbleFill
 from flowkit.runner.pipeline import (
     Gate,
     Lane,
@@ -121,7 +122,8 @@ class ModelTraining:
 
     def __init__(self, ctl: Controller, model: Model, executors: list[ExecutorInfo], *,
                  users: Sequence[tuple[str, frozenset]], sim_costs: SimCosts | None, fuse: bool,
-                 timeout: float, profiles: dict, steps: Sequence[NodePlan] = ()) -> None:
+                 timeout: float, profiles: dict, steps: Sequence[NodePlan] = (),
+                 bubble_fill: BubbleFill | None = None) -> None:
         self.ctl, self.model, self.executors = ctl, model, executors
         self.users, self.sim_costs, self.fuse, self.timeout = users, sim_costs, fuse, timeout
         self.steps = steps  # the flow's optimizer-step nodes of the model: configure rounds
@@ -143,6 +145,10 @@ class ModelTraining:
         # the fused training it is member `fusion_index` of [Note: fused training]
         self.fusion: Fusion | None = None
         self.fusion_index = 0
+        # its pipeline's bubbles lent to scoring, by the action that opens each
+        # [Note: bubble filling in fill.py]
+        self.bubble_fill = bubble_fill
+        self.bubbles_opened_by: dict = {}
 
     def join_fusion(self, fusion: Fusion, index: int) -> None:
         """Train as member `index` of `fusion` [Note: fused training in fusedtrain.py]."""
@@ -290,10 +296,16 @@ class ModelTraining:
         # no items (every group filtered out): one empty microbatch, nothing to profile on
         stage_costs, schedules = self._plan_replicas(plan, kind, count,
                                                      sample if items else None)
+        lends = self.bubble_fill is not None and self.replicas == 1 and self.fusion is None
+        self.bubbles_opened_by = {}
         submitter = self._replicated(plan, schedules, stage_costs, sizes, watch,
                                      lineage=lambda mb: (mb,),
                                      meta={"node": plan.name, "step": self.step})
         self.predicted_bubble[plan.name] = simulate(schedules[0], stage_costs).bubble_rate
+        if lends:  # [Note: bubble filling in fill.py]
+            runs = submitter.runs
+            self.bubbles_opened_by = self.bubble_fill.plan(
+                schedules[0], stage_costs, self.replica(0), started=lambda: bool(runs[0].futures))
         if self.fusion is not None:
             self.fusion.planned_member(self.fusion_index, plan.name, schedules[0], stage_costs,
                                        plan.config.get("memory_limit"), submitter)
@@ -336,6 +348,8 @@ class ModelTraining:
                 is_loss = action.kind is Kind.F and action.stage == last
                 key = lineage(action.microbatch * count + replica) if is_loss else ()
                 watch(key, (future,), register=is_loss)
+                if self.bubbles_opened_by:
+                    self.bubble_fill.watch(self.bubbles_opened_by, action, future)
 
             submitters.append(StreamedSchedule(
                 self.ctl, schedule, self.replica(replica), config_for=config_for,

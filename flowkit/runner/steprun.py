@@ -42,6 +42,7 @@ from flowkit.ops.records import mean_loss, mean_values
 from flowkit.planner.lower import Call, InputRule, NodePlan
 from flowkit.runner.balance import Balancer
 from flowkit.runner.calls import CallPolicy
+from flowkit.runner.fill import BubbleFill
 from flowkit.runner.flowtrain import ModelTraining
 from flowkit.runner.partial import carried_key
 from flowkit.runner.pipeline import measure
@@ -64,6 +65,7 @@ TRAINING_CALLS = (Call.PIPELINE, Call.STEP)  # a model's backprop and optimizer 
 _BATCH_ITEMS, _SPLIT_ITEMS = 256, 16
 _BATCHES_IN_FLIGHT = 2  # a node's tasks on the way per executor before its ready items wait
 _CALLS_PER_TURN = 64  # balanced calls sent between two bursts of reactions
+_FILL_TASK_S = 0.1  # predicted seconds of a scoring task while bubbles are filled
 # A streaming call runs at most this many items ahead of the items whose consumers are done
 # [Note: stream credits in flowkit/runtime/credits.py]: a bound on what a slow consumer lets
 # queue up, far above what a generation call streams between two reactions.
@@ -107,6 +109,10 @@ class StepContext(Protocol):
 
     def abort_calls(self, plan: NodePlan, requests: Sequence[str], step: int) -> list[Any]:
         """Cut the named calls of `plan`'s node short; the futures of the aborts."""
+
+    @property
+    def bubble_fill(self) -> BubbleFill | None:
+        """The lending of training executors' bubbles, when the run fills them."""
 
 
 class StepRun:
@@ -207,6 +213,9 @@ class StepRun:
         start, end = last.timing
         state.first_start = min(start, state.first_start or start)
         state.last_end = max(end, state.last_end or end)
+        fill = self.ctx.bubble_fill
+        if fill is not None and state.plan.scores:
+            fill.learn(name, end - start, len(batch.lineages))
         self._register_batch(state, batch, len(batch.lineages))
 
     def _register_batch(self, state: NodeState, batch: _Batch, upto: int) -> None:
@@ -392,6 +401,17 @@ class StepRun:
             ready, state.held = state.held + ready, []
         if not ready:
             return
+        state.varying = varying
+        cap = self._fill_cap(state.plan)
+        if cap:  # [Note: bubble filling in fill.py]: what waits, a bubble may take
+            room = max(0, _BATCHES_IN_FLIGHT * self._able_count(state.plan) - state.pending)
+            sent = min(len(ready), room * cap)
+            for begin in range(0, sent, cap):
+                self._submit_chunk(state, ready[begin:begin + cap], varying)
+            state.held = ready[sent:]
+            if state.held:
+                self.ctx.bubble_fill.waiting_items()
+            return
         if state.pending >= _BATCHES_IN_FLIGHT * self._able_count(state.plan):
             state.held = ready
         elif len(ready) > 1:
@@ -409,13 +429,48 @@ class StepRun:
         pieces = max(math.ceil(count / _BATCH_ITEMS), min(able, count // _SPLIT_ITEMS), 1)
         size = math.ceil(count / pieces)
         for begin in range(0, count, size):
-            chunk = ready[begin:begin + size]
-            if len(chunk) == 1:
-                self._submit(state, *chunk[0])
+            self._submit_chunk(state, ready[begin:begin + size], varying)
+
+    def _submit_chunk(self, state: NodeState, chunk: list[tuple[tuple, dict]],
+                      varying: list[str], executor: int | None = None) -> Any:
+        """Calls (lineage, refs) as one task, batched unless there is one; the future that
+        ends it."""
+        if len(chunk) == 1:
+            return self._submit(state, *chunk[0], executor=executor)
+        refs = {port: ref for port, ref in chunk[0][1].items() if port not in varying}
+        refs.update({port: [item_refs[port] for _, item_refs in chunk] for port in varying})
+        return self._submit_batch(state, [lineage for lineage, _ in chunk], refs, varying,
+                                  executor=executor)
+
+    def fill(self, executor: int, seconds: float, bubble_fill: BubbleFill,
+             ends: list) -> float:
+        """Give the held items of this step's scoring nodes to `executor` for a bubble of
+        `seconds` [Note: bubble filling in fill.py], adding to `ends` the future that ends
+        each task sent; the seconds they are predicted to take."""
+        used = 0.0
+        for name, state in self.states.items():
+            if state.closed or not state.held or not state.plan.scores:
                 continue
-            refs = {port: ref for port, ref in chunk[0][1].items() if port not in varying}
-            refs.update({port: [item_refs[port] for _, item_refs in chunk] for port in varying})
-            self._submit_batch(state, [lineage for lineage, _ in chunk], refs, varying)
+            count = min(len(state.held), _BATCH_ITEMS,
+                        bubble_fill.items_for(name, seconds - used))
+            if count < 1:
+                continue
+            chunk, state.held = state.held[:count], state.held[count:]
+            ends.append(self._submit_chunk(state, chunk, state.varying, executor=executor))
+            state.filled += count
+            used += count * bubble_fill.item_seconds[name]
+        return used
+
+    def _fill_cap(self, plan: NodePlan) -> int:
+        """Items a task of a scoring node while the run fills bubbles: about _FILL_TASK_S of
+        them at its learned cost, so that its own executors take no more than they start soon
+        and the rest waits for whichever frees first, one of them or a bubble; 0: not such a
+        node, or its cost is not known yet (its first tasks teach it)."""
+        fill = self.ctx.bubble_fill
+        if fill is None or not plan.scores:
+            return 0
+        per_item = fill.item_seconds.get(plan.name)
+        return max(1, min(_BATCH_ITEMS, int(_FILL_TASK_S / per_item))) if per_item else 0
 
     def _able_count(self, plan: NodePlan) -> int:
         """How many executors run `plan`'s op (looked up once a node)."""
@@ -427,7 +482,7 @@ class StepRun:
         return able
 
     def _submit_batch(self, state: NodeState, lineages: list[tuple], refs: dict[str, Any],
-                      varying: list[str]) -> None:
+                      varying: list[str], executor: int | None = None) -> Any:
         """One batched task of `lineages`' calls; `refs` holds a list of their refs for each
         port in `varying`, and the refs every call shares for the others."""
         plan, ctx = state.plan, self.ctx
@@ -439,6 +494,7 @@ class StepRun:
             plan.op, *(refs[p] for p in ports),
             per_item=[j for j, port in enumerate(ports) if port in varying],
             config=self._config(plan, (), None, ports), tags=plan.tags, outputs=outputs,
+            executor=executor,
             meta={"node": plan.name, "step": self.step, "batch_items": len(lineages)},
             report_key=self.wiring.report_keys.get(plan.name), trace_key=plan.trace_key,
             on_items=lambda early: events.put(
@@ -448,6 +504,7 @@ class StepRun:
         # the last item's future: when it is done, every item's is (or failed with it)
         batch.outputs[-1][0].add_done_callback(lambda _: events.put(
             functools.partial(self._on_batch_done, plan.name, batch)))
+        return batch.outputs[-1][0]
 
     def _arrived_since(self, state: NodeState, streaming: list[InputRule]) -> list[tuple]:
         """The lineages that may have become callable since the last call, in the order the
@@ -526,7 +583,7 @@ class StepRun:
     # -- submitting ----------------------------------------------------------------------------
     def _submit(self, state: NodeState, lineage: tuple, refs: dict[str, Any], *,
                 executor: int | None = None, extra: dict | None = None,
-                meta: dict | None = None) -> None:
+                meta: dict | None = None) -> Any:
         plan, ctx = state.plan, self.ctx
         refs.update(ctx.feedback_refs(plan, self.step))
         ports = [rule.port for rule in plan.inputs if rule.port in refs]
@@ -541,6 +598,7 @@ class StepRun:
                                  window=None if on_part is None else STREAM_WINDOW,
                                  handled_by_caller=on_part is not None)
         self._watch(state, lineage, futures if outputs > 1 else (futures,), register=True)
+        return futures[0] if outputs > 1 else futures
 
     def _config(self, plan: NodePlan, lineage: tuple, extra: dict | None,
                 ports: list[str]) -> dict:
@@ -611,6 +669,10 @@ class StepRun:
             metrics.update(training.activation_memory(self.wiring.step_timeout))
         for node, count in self.incomplete_groups.items():
             metrics[f"{node}/incomplete_groups"] = count
+        if self.ctx.bubble_fill is not None:  # [Note: bubble filling in fill.py]
+            for name, state in self.states.items():
+                if state.plan.scores:
+                    metrics[f"{name}/bubble_items"] = state.filled
         for policy in self.policies.values():
             metrics.update(policy.metrics(self.wiring.step_timeout))
         for node, balancer in self.balancers.items():

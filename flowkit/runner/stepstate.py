@@ -92,6 +92,8 @@ class NodeState:
     # per item: ready calls (lineage, refs) waiting for one of the node's tasks to end
     # [Note: batched per-item calls in steprun.py]
     held: list = attrs.field(factory=list)
+    varying: list = attrs.field(factory=list)  # the ports whose refs differ from call to call
+    filled: int = 0  # items run in training executors' bubbles [Note: bubble filling]
     pipeline: Any = None  # a backprop's Feeding (flowtrain.py)
     streamed: dict = attrs.field(factory=lambda: defaultdict(int))  # lineage -> items so far
 

@@ -24,7 +24,7 @@ FLAGS = {
     "microbatches": (RunConfig, "microbatches"),
     "schedule": (RunConfig, "schedule"), "offload": (RunConfig, "offload"),
     "memory_limit": (RunConfig, "memory_limit"),
-    "fuse": (RunConfig, "fuse"),
+    "fuse": (RunConfig, "fuse"), "fill_bubbles": (RunConfig, "fill_bubbles"),
     "asynchronous": (RunConfig, "asynchronous"), "max_staleness": (RunConfig, "max_staleness"),
     "trace": (RunConfig, "trace"), "save_weights": (RunConfig, "save_weights"),
     "eval_every": (RunConfig, "eval_every"),
