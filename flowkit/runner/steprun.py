@@ -180,6 +180,9 @@ class StepRun:
                 start, end = future.timing
                 state.first_start = min(start, state.first_start or start)
                 state.last_end = max(end, state.last_end or end)
+        fill = self.ctx.bubble_fill
+        if fill is not None and state.plan.scores and futures[0].timing is not None:
+            fill.learn(name, futures[0].timing[1] - futures[0].timing[0], 1)
         balancer = self.balancers.get(name)
         policy = self.policies.get(name) if register else None
         if policy is not None and not policy.done(lineage, futures[0], _Site(self, state)):
