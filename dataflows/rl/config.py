@@ -66,6 +66,11 @@ class PolicyLoss:
 POLICY_KEYS = tuple(field.name for field in attrs.fields(PolicyLoss))
 
 
+def _tags(value: str | tuple | list) -> tuple[str, ...]:
+    """Tags as given, a single one as a string too ("rollout")."""
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
 @attrs.frozen(kw_only=True)
 class RLConfig:
     """`prompts` a step, from `prompt_source` (`count=prompts`, plus `source_config`), each
@@ -99,7 +104,7 @@ class RLConfig:
     microbatches: int = Backprop.config["microbatches"]
     lr: float = OptimizerStep.config["lr"]
     kl_coef: float = 0.001
-    reference_tags: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    reference_tags: tuple[str, ...] = attrs.field(default=(), converter=_tags)
     max_staleness: int | None = None
     oversample: float = 1.0
     prompt_source: Operator = arithmetic_prompts

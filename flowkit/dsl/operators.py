@@ -424,9 +424,9 @@ class ModelOp(Operator):
     `resumable`: its calls can be cut short and continued (a Resumable: generation), which
     partial rollouts and the checkpoints of asynchronous runs rely on. `loss_spec`: what the
     runner needs to know of the loss its config names (a LossSpec: a backprop's). `scores`:
-    each call scores its items with the whole model and nothing but its outputs depends on
-    where it runs, so a run may lend it training executors' pipeline bubbles ([Note: bubble
-    filling] in flowkit/runner/fill.py: log-probs, values, a reward model's scores).
+    each call scores its items with the whole model, so a run may lend it training executors'
+    pipeline bubbles when the model is one the flow does not train ([Note: bubble filling] in
+    flowkit/runner/fill.py: log-probs, values, a reward model's scores).
     `choices`: config keys whose value must be one of a known set (a loss, a
     schedule kind); `ranges`: numeric config keys and their (lowest, highest) allowed values,
     None for no bound (None as a value passes: "not set"). Both are checked when the flow is

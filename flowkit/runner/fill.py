@@ -4,7 +4,7 @@ bubbles, sized to fit.
 [Note: bubble filling] `flowkit run --fill-bubbles` (RunConfig.fill_bubbles). A pipeline
 schedule leaves each training executor idle at moments the planner knows ([Note: bubbles] in
 flowkit/planner/bubbles.py): the warm-up before its first action, the slots where an action
-waits for another device's, the cool-down. Scoring of the step's samples (an op whose class
+waits for another device's, the cool-down (not lent: nothing of the step waits then). Scoring of the step's samples (an op whose class
 declares `scores`: reference log-probs, values, a reward model's scores) that waits for its own
 executors (its items held while two of its tasks an executor are on the way, [Note: batched
 per-item calls] in steprun.py) is lent those slots as they open:
@@ -17,18 +17,25 @@ per-item calls] in steprun.py) is lent those slots as they open:
   there ends: however soon the microbatch comes, device d's first action cannot start sooner
   than the bubble's length after it (a fused step waits for its first groups to be scored,
   which is when its trainers idle most);
-- as one opens, the open steps' held scoring items go to that executor as one batched task
-  (oldest step first), as many as the bubble's time left holds at the node's cost per item,
-  learned from its batched tasks (none before one has ended: a first bubble lends nothing);
+- as one opens, unless the action after it can start already (a late microbatch closed it),
+  the open steps' held scoring items go to that executor as one task (oldest step first), as
+  many as the bubble's time left holds at the node's learned cost: one item's (from its
+  one-item tasks) plus each further item's (from its batched ones), none before a task of it
+  has ended;
+- while bubbles are lent, a scoring node's own tasks hold about _FILL_TASK_S of work
+  (steprun.py), not everything ready, so that what waits goes to whichever frees first, one of
+  its executors or a bubble; the tasks lent out do not count against its executors' room;
 - an explicit executor skips the op's tags: what is lent is the training executor's time,
   and on torch it loads the scoring model whole there (memory the user gives it by asking).
 
 The pipeline's actions are submitted as before and never wait for a filler that keeps to its
 predicted time, so the schedule's critical path is unchanged; what the scoring gains is the
-training executors' idle time. Bubbles are those of the plan: a step whose microbatches arrive
-late (a fused step waiting for samples) idles more than planned, and that time is not lent.
-Not with data-parallel replicas or fused models (their lanes are shared), where no bubble is
-planned.
+training executors' idle time. Past the warm-up, bubbles are those of the plan: a step whose
+later microbatches come late idles more than planned, and that time is not lent.
+Only a frozen model's scoring is lent (a reference): a trained model's copy on a trainer would
+get none of its weight syncs. No bubble is lent with data-parallel replicas, fused models, or
+two trained models on one executor (each one's bubbles hold the other's ops); while nothing is
+lent, scoring tasks keep their usual size.
 """
 
 from __future__ import annotations
@@ -56,25 +63,32 @@ class BubbleFill:
     def __init__(self, events: queue.SimpleQueue,
                  fill: Callable[[int, float], list]) -> None:
         self.events, self._fill = events, fill
-        self.item_seconds: dict[str, float] = {}  # node -> predicted seconds an item
+        self.item_seconds: dict[str, float] = {}  # node -> seconds each item of a batch adds
+        self.one_item: dict[str, float] = {}  # node -> seconds of a task of one item
+        self.lending = False  # a pipeline's bubbles are lent (else scoring keeps its sizes)
+        self.ready: Callable[[Action], bool] = lambda action: False
         # executor -> (length, whether its pipeline started) of a warm-up bubble being lent,
         # and those whose fillers are running
         self.warm_ups: dict[int, tuple[float, Callable[[], bool]]] = {}
         self.lent: set[int] = set()
 
     def plan(self, schedule: Schedule, costs: Costs, executors: Sequence[ExecutorInfo],
-             started: Callable[[], bool]) -> dict[ActionKey, tuple[int, float]]:
+             started: Callable[[], bool],
+             ready: Callable[[Action], bool]) -> dict[ActionKey, tuple[int, float, Action]]:
         """The bubbles of `schedule` on `executors` by the action that opens each: (executor id,
-        planned length); the warm-up ones are lent until `started()` says the pipeline's first
-        action went out."""
+        planned length, the action that ends it); the warm-up ones are lent until `started()`
+        says the pipeline's first action went out. `ready(action)`: whether an action's inputs
+        are made (a bubble before it is gone)."""
+        self.lending, self.ready = True, ready
         opened_by = {}
         for slot in bubbles(simulate(schedule, costs)):
             executor = executors[slot.device].id
+            if slot.before is None or slot.before.action.kind.is_copy:
+                continue  # the cool-down: nothing of the step waits then; a copy: no task
             if slot.after is None:
-                if slot.before is not None:  # not a device with no action at all
-                    self._warm_up(executor, slot.length, started)
-            else:
-                opened_by[slot.after.action.key] = (executor, slot.length)
+                self._warm_up(executor, slot.length, started)
+            elif not slot.after.action.kind.is_copy:
+                opened_by[slot.after.action.key] = (executor, slot.length, slot.before.action)
         return opened_by
 
     def _warm_up(self, executor: int, length: float, started: Callable[[], bool]) -> None:
@@ -107,37 +121,42 @@ class BubbleFill:
             if executor not in self.lent:
                 self.events.put(functools.partial(self._lend_warm_up, executor))
 
-    def watch(self, opened_by: dict[ActionKey, tuple[int, float]], action: Action,
+    def watch(self, opened_by: dict[ActionKey, tuple[int, float, Action]], action: Action,
               future: Any) -> None:
         """Lend the bubble `action` opens, if any, when its task ends."""
         slot = opened_by.get(action.key)
         if slot is not None:
             future.add_done_callback(functools.partial(self._ended, *slot))
 
-    def _ended(self, executor: int, length: float, future: Any) -> None:
-        if future.exception() is None and future.timing is not None:
-            self.opened(executor, length, future.timing[1])
+    def _ended(self, executor: int, length: float, before: Action, future: Any) -> None:
+        if future.exception() is None and future.timing is not None:  # IO thread: queue it
+            self.events.put(functools.partial(self._lend, executor, length, future.timing[1],
+                                              before))
 
-    def opened(self, executor: int, length: float, since: float) -> None:
-        """A bubble of `length` seconds on `executor` from `since` (wall clock): any thread;
-        the runner fills it between two reactions."""
-        self.events.put(functools.partial(self._lend, executor, length, since))
-
-    def _lend(self, executor: int, length: float, since: float) -> None:
+    def _lend(self, executor: int, length: float, since: float, before: Action) -> None:
         left = length - max(0.0, time.time() - since)
-        if left > 0:
+        if left > 0 and not self.ready(before):
             self._fill(executor, left)
 
     def learn(self, node: str, seconds: float, items: int) -> None:
-        """A batched task of `node` took `seconds` for `items` items."""
-        if items > 0 and seconds >= 0:
-            per_item = seconds / items
-            old = self.item_seconds.get(node)
-            self.item_seconds[node] = per_item if old is None else (
-                _ALPHA * per_item + (1 - _ALPHA) * old)
+        """A task of `node` took `seconds` for `items` items: a one-item task teaches what one
+        item costs, a batch what each item adds (a task's fixed cost spread over its items)."""
+        if items < 1 or seconds < 0:
+            return
+        known = self.one_item if items == 1 else self.item_seconds
+        cost, old = seconds / items, known.get(node)
+        known[node] = cost if old is None else _ALPHA * cost + (1 - _ALPHA) * old
 
     def items_for(self, node: str, seconds: float) -> int:
-        """How many of `node`'s items are predicted to fit in `seconds` (0 while its cost is
-        not known)."""
+        """How many of `node`'s items are predicted to fit in `seconds`: one item's cost, then
+        each further item's (0 while no task of it has ended)."""
         per_item = self.item_seconds.get(node)
-        return int(seconds / per_item) if per_item else 0
+        one = self.one_item.get(node, per_item)
+        if not one or seconds < one:
+            return 0
+        return 1 + int((seconds - one) / (per_item or one))
+
+    def predicted(self, node: str, items: int) -> float:
+        """Seconds `items` of `node`'s items are predicted to take in one task."""
+        per_item = self.item_seconds.get(node) or self.one_item.get(node, 0.0)
+        return self.one_item.get(node, per_item) + (items - 1) * per_item

@@ -138,6 +138,11 @@ class FlowRunner:
         self.profiles: dict[tuple[str, int], Any] = {}  # (model, stages) -> profiled costs
         self.training = {node.model.name: self._training(node.model) for node in plan
                          if node.call is Call.PIPELINE}
+        for name, training in self.training.items():  # [Note: bubble filling in fill.py]
+            mine = {e.id for e in training.executors}
+            if any(mine & {e.id for e in other.executors}
+                   for other_name, other in self.training.items() if other_name != name):
+                training.bubble_fill = None  # its bubbles hold another model's ops
         self.fusions = [FusedTraining(group, [self.training[name] for name in names])
                         for group, names in fuse_groups(plan).items()]
 

@@ -11,6 +11,7 @@ flowkit/ops/minibatches.py].
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,11 +20,21 @@ import attrs
 
 from flowkit.dsl import Model
 from flowkit.ops import cut, minibatch_rounds, rounds_of
-from flowkit.planner import Action, Costs, Kind, MemoryModel, Schedule, ScheduleError, simulate
+from flowkit.planner import (
+    Action,
+    Costs,
+    Kind,
+    MemoryModel,
+    Schedule,
+    ScheduleError,
+    action_key,
+    simulate,
+)
 from flowkit.planner.lower import InputRule, NodePlan
 from flowkit.planner.offload import best_with_offload, offload_schedule
 from flowkit.planner.schedules import build_schedule
 from flowkit.planner.simcosts import SimCosts
+from flowkit.planner.simulate import dependencies
 from flowkit.runner.fill import BubbleFill
 from flowkit.runner.pipeline import (
     Gate,
@@ -145,10 +156,8 @@ class ModelTraining:
         # the fused training it is member `fusion_index` of [Note: fused training]
         self.fusion: Fusion | None = None
         self.fusion_index = 0
-        # its pipeline's bubbles lent to scoring, by the action that opens each
-        # [Note: bubble filling in fill.py]
+        # its pipeline's bubbles lent to scoring [Note: bubble filling in fill.py]
         self.bubble_fill = bubble_fill
-        self.bubbles_opened_by: dict = {}
 
     def join_fusion(self, fusion: Fusion, index: int) -> None:
         """Train as member `index` of `fusion` [Note: fused training in fusedtrain.py]."""
@@ -297,15 +306,17 @@ class ModelTraining:
         stage_costs, schedules = self._plan_replicas(plan, kind, count,
                                                      sample if items else None)
         lends = self.bubble_fill is not None and self.replicas == 1 and self.fusion is None
-        self.bubbles_opened_by = {}
+        opened_by: dict = {}  # [Note: bubble filling in fill.py]: filled in once planned
         submitter = self._replicated(plan, schedules, stage_costs, sizes, watch,
                                      lineage=lambda mb: (mb,),
-                                     meta={"node": plan.name, "step": self.step})
+                                     meta={"node": plan.name, "step": self.step},
+                                     opened_by=opened_by)
         self.predicted_bubble[plan.name] = simulate(schedules[0], stage_costs).bubble_rate
-        if lends:  # [Note: bubble filling in fill.py]
-            runs = submitter.runs
-            self.bubbles_opened_by = self.bubble_fill.plan(
-                schedules[0], stage_costs, self.replica(0), started=lambda: bool(runs[0].futures))
+        if lends:
+            run = submitter.runs[0]
+            opened_by.update(self.bubble_fill.plan(
+                schedules[0], stage_costs, self.replica(0), started=lambda: bool(run.futures),
+                ready=functools.partial(_inputs_made, run)))
         if self.fusion is not None:
             self.fusion.planned_member(self.fusion_index, plan.name, schedules[0], stage_costs,
                                        plan.config.get("memory_limit"), submitter)
@@ -321,7 +332,7 @@ class ModelTraining:
 
     def _replicated(self, plan: NodePlan, schedules: list[Schedule], stage_costs: Costs,
                     sizes: list[int], watch: Watch, *, lineage: Callable[[int], tuple],
-                    meta: dict) -> ReplicatedSchedule:
+                    meta: dict, opened_by: dict | None = None) -> ReplicatedSchedule:
         """Each replica's schedule, ready to be fed by global microbatch index (sizes: items per
         global microbatch); each submitted action is watched, the last stage's forwards for
         their stats, registered under `lineage(global microbatch)`."""
@@ -348,8 +359,8 @@ class ModelTraining:
                 is_loss = action.kind is Kind.F and action.stage == last
                 key = lineage(action.microbatch * count + replica) if is_loss else ()
                 watch(key, (future,), register=is_loss)
-                if self.bubbles_opened_by:
-                    self.bubble_fill.watch(self.bubbles_opened_by, action, future)
+                if opened_by:  # the bubbles this action opens [Note: bubble filling]
+                    self.bubble_fill.watch(opened_by, action, future)
 
             submitters.append(StreamedSchedule(
                 self.ctl, schedule, self.replica(replica), config_for=config_for,
@@ -618,3 +629,14 @@ def _chunk(items: list, count: int, index: int) -> list:
     base, extra = divmod(len(items), count)
     start = index * base + min(index, extra)
     return items[start:start + base + (1 if index < extra else 0)]
+
+
+def _inputs_made(run: PipelineRun, action: Action) -> bool:
+    """Whether what `action` reads is made, so the bubble before it is gone: the actions it
+    depends on are done, or for a first stage's forward, its microbatch came (it went out)."""
+    needs = dependencies(action, run.schedule.num_stages)
+    if not needs:
+        return action in run.futures
+    done = {a.key for a, future in run.futures.items() if future.done()}
+    return all(action_key(*dep) in done for dep in needs)
+

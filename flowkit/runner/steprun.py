@@ -407,7 +407,8 @@ class StepRun:
         state.varying = varying
         cap = self._fill_cap(state.plan)
         if cap:  # [Note: bubble filling in fill.py]: what waits, a bubble may take
-            room = max(0, _BATCHES_IN_FLIGHT * self._able_count(state.plan) - state.pending)
+            own = state.pending - state.lent  # the tasks on its own executors
+            room = max(0, _BATCHES_IN_FLIGHT * self._able_count(state.plan) - own)
             sent = min(len(ready), room * cap)
             for begin in range(0, sent, cap):
                 self._submit_chunk(state, ready[begin:begin + cap], varying)
@@ -452,17 +453,26 @@ class StepRun:
         each task sent; the seconds they are predicted to take."""
         used = 0.0
         for name, state in self.states.items():
-            if state.closed or not state.held or not state.plan.scores:
+            if state.closed or not state.held or not self._lendable(state.plan):
                 continue
             count = min(len(state.held), _BATCH_ITEMS,
                         bubble_fill.items_for(name, seconds - used))
             if count < 1:
                 continue
             chunk, state.held = state.held[:count], state.held[count:]
-            ends.append(self._submit_chunk(state, chunk, state.varying, executor=executor))
+            end = self._submit_chunk(state, chunk, state.varying, executor=executor)
+            ends.append(end)
             state.filled += count
-            used += count * bubble_fill.item_seconds[name]
+            state.lent += 1  # not its own executors' room [Note: bubble filling]
+            end.add_done_callback(lambda _, state=state: self.ctx.events.put(
+                functools.partial(_returned, state)))
+            used += bubble_fill.predicted(name, count)
         return used
+
+    def _lendable(self, plan: NodePlan) -> bool:
+        """Whether a node's calls may run in a trainer's bubble: scoring with a model the flow
+        does not train (a trained one's copy there would get none of its syncs)."""
+        return plan.scores and plan.model is not None and plan.model.name not in self.ctx.training
 
     def _fill_cap(self, plan: NodePlan) -> int:
         """Items a task of a scoring node while the run fills bubbles: about _FILL_TASK_S of
@@ -470,10 +480,10 @@ class StepRun:
         and the rest waits for whichever frees first, one of them or a bubble; 0: not such a
         node, or its cost is not known yet (its first tasks teach it)."""
         fill = self.ctx.bubble_fill
-        if fill is None or not plan.scores:
+        if fill is None or not fill.lending or not self._lendable(plan):
             return 0
-        per_item = fill.item_seconds.get(plan.name)
-        return max(1, min(_BATCH_ITEMS, int(_FILL_TASK_S / per_item))) if per_item else 0
+        one = fill.one_item.get(plan.name) or fill.item_seconds.get(plan.name)
+        return max(1, min(_BATCH_ITEMS, fill.items_for(plan.name, _FILL_TASK_S))) if one else 0
 
     def _able_count(self, plan: NodePlan) -> int:
         """How many executors run `plan`'s op (looked up once a node)."""
@@ -750,3 +760,9 @@ class _Site:
 
     def touch(self) -> None:
         self.run._touch(self.state.plan.name)
+
+
+def _returned(state: NodeState) -> None:
+    """A task lent a trainer's bubble ended [Note: bubble filling in fill.py]."""
+    state.lent -= 1
+

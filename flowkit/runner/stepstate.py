@@ -94,6 +94,7 @@ class NodeState:
     held: list = attrs.field(factory=list)
     varying: list = attrs.field(factory=list)  # the ports whose refs differ from call to call
     filled: int = 0  # items run in training executors' bubbles [Note: bubble filling]
+    lent: int = 0  # of its pending tasks, those in a trainer's bubble
     pipeline: Any = None  # a backprop's Feeding (flowtrain.py)
     streamed: dict = attrs.field(factory=lambda: defaultdict(int))  # lineage -> items so far
 

@@ -7,12 +7,13 @@ again) is checked without processes."""
 from __future__ import annotations
 
 import queue
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from dataflows.grpo import grpo_flow
-from flowkit.planner import Costs, Kind, action_key
+from flowkit.planner import Action, Costs, Kind, action_key
 from flowkit.planner.lower import lower_flow
 from flowkit.planner.schedules import build_schedule
 from flowkit.planner.simcosts import SimCosts
@@ -110,9 +111,10 @@ def test_the_warm_up_is_lent_until_the_pipeline_starts_and_actions_open_the_rest
     costs = Costs.uniform(4)
     schedule = build_schedule("1f1b", devices=4, microbatches=8, costs=costs)
     executors = [SimpleNamespace(id=10 + d) for d in range(4)]
-    started = [False]
-    opened_by = lending.plan(schedule, costs, executors, lambda: started[0])
-    assert opened_by[action_key(0, Kind.F, 3)] == (10, 6.0)
+    started, ready = [False], set()
+    opened_by = lending.plan(schedule, costs, executors, lambda: started[0],
+                             lambda action: str(action) in ready)
+    assert opened_by[action_key(0, Kind.F, 3)][:2] == (10, 6.0)
     _drain(events)
     assert sorted(fills.asked) == [(11, 1.0), (12, 2.0), (13, 3.0)]
     first = fills.asked[0][0]
@@ -127,12 +129,31 @@ def test_the_warm_up_is_lent_until_the_pipeline_starts_and_actions_open_the_rest
     lending.waiting_items()
     _drain(events)
     assert len(fills.asked) == 6 and lending.warm_ups == {}
+    # 0F3 ends: its bubble (6 long, up to 0BW0) is lent what is left of it, unless 0BW0 can
+    # start already (a late microbatch closed the bubble)
+    for closed in (True, False):
+        ready.clear()
+        if closed:
+            ready.add(str(opened_by[action_key(0, Kind.F, 3)][2]))
+        ended = SimpleNamespace(exception=lambda: None, timing=(0.0, time.time()))
+        lending.watch(opened_by, Action(0, Kind.F, 3), _Ending())
+        lending._ended(*opened_by[action_key(0, Kind.F, 3)], ended)
+        _drain(events)
+        assert len(fills.asked) == (6 if closed else 7)
+    executor, seconds = fills.asked[-1]
+    assert executor == 10 and 5.9 < seconds <= 6.0
 
 
-def test_an_items_cost_is_learned_from_batches_and_sizes_what_fits():
+def test_an_items_cost_is_learned_and_sizes_what_fits():
+    """One item's cost from one-item tasks, each further item's from batches: a forward's
+    fixed cost is paid once a task."""
     lending = BubbleFill(queue.SimpleQueue(), lambda executor, seconds: [])
     assert lending.items_for("ref", 1.0) == 0  # not known: nothing lent
-    lending.learn("ref", 0.5, 10)
+    lending.learn("ref", 0.5, 10)  # a batch alone: 0.05 an item, the first too
     assert lending.items_for("ref", 0.26) == 5
     lending.learn("ref", 0.1, 10)  # the newest batch weighs half
     assert lending.item_seconds["ref"] == pytest.approx(0.03)
+    lending.learn("ref", 0.2, 1)  # one item alone takes 0.2 (a forward's fixed cost)
+    assert lending.items_for("ref", 0.19) == 0
+    assert lending.items_for("ref", 0.27) == 3  # 0.2, then 0.03 each
+    assert lending.predicted("ref", 3) == pytest.approx(0.26)

@@ -6,13 +6,13 @@ takes depends on timing on a tiny CPU model (tests/runner/test_bubble_fill.py ch
 sizing on the simulator); here every bubble is taken to hold whatever waits, so that some
 scoring surely runs on the trainers on any machine."""
 
+import attrs
 import pytest
 import torch
 
 from dataflows.grpo import grpo_flow
 from flowkit.planner.lower import lower_flow
-from flowkit.runner import steprun
-from flowkit.runner.fill import BubbleFill
+from flowkit.runner import fill, steprun
 from flowkit.runner.flowrun import FlowRunner
 from tests.harness import executor_cluster, tiny_gpt
 
@@ -46,11 +46,13 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fill")
     with pytest.MonkeyPatch.context() as patch:
         # scoring tasks of one item, one at a time, so that the reference's items wait for the
-        # rollout executor; every bubble holds all that waits once an item's cost is known
+        # rollout executor; every bubble a thousand times its planned length: it holds all
+        # that waits once an item's cost is known
         patch.setattr(steprun, "_FILL_TASK_S", 1e-4)
         patch.setattr(steprun, "_BATCHES_IN_FLIGHT", 1)
-        patch.setattr(BubbleFill, "items_for",
-                      lambda self, node, seconds: 256 if node in self.item_seconds else 0)
+        planned = fill.bubbles
+        patch.setattr(fill, "bubbles", lambda result: [
+            attrs.evolve(b, end=b.start + 1000 * b.length) for b in planned(result)])
         return {fill: _train(tmp, fill) for fill in (False, True)}
 
 
