@@ -4,10 +4,11 @@ bubbles, sized to fit.
 [Note: bubble filling] `flowkit run --fill-bubbles` (RunConfig.fill_bubbles). A pipeline
 schedule leaves each training executor idle at moments the planner knows ([Note: bubbles] in
 flowkit/planner/bubbles.py): the warm-up before its first action, the slots where an action
-waits for another device's, the cool-down (not lent: nothing of the step waits then). Scoring of the step's samples (an op whose class
-declares `scores`: reference log-probs, values, a reward model's scores) that waits for its own
-executors (its items held while two of its tasks an executor are on the way, [Note: batched
-per-item calls] in steprun.py) is lent those slots as they open:
+waits for another device's, the cool-down (not lent: nothing of the step waits then).
+Scoring of the step's samples (an op whose class declares `scores`: reference log-probs,
+values, a reward model's scores) that waits for its own executors (its items held while two
+of its tasks an executor are on the way, [Note: batched per-item calls] in steprun.py) is
+lent those slots as they open:
 
 - when a pipeline is planned, each device's bubbles are taken from the simulation of its
   schedule, with the planned costs: each opens when the action before it ends (the executor's
