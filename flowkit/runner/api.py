@@ -32,6 +32,7 @@ from flowkit.runner.checkpoint import (
 from flowkit.runner.checkpointing import Checkpointing, resume_point
 from flowkit.runner.config import RunConfig, RunConfigError, RunError
 from flowkit.runner.evaluation import Evaluation
+from flowkit.runner.fill import lendable
 from flowkit.runner.flowrun import FlowRunError, FlowRunner, StepReport, check_async
 from flowkit.runner.restarts import Restarts, start_executors, temporary_checkpoints
 from flowkit.runner.runstate import allowed_records
@@ -108,6 +109,11 @@ class Run:
                 check_async(self.plan, self.staleness)
             except FlowRunError as exc:
                 raise RunConfigError("asynchronous", f"--async: {exc}") from None
+        if config.fill_bubbles and not lendable(self.plan):  # [Note: bubble filling]
+            raise RunConfigError("fill_bubbles", "--fill-bubbles: the flow scores nothing with a "
+                                 "model it does not train (reference log-probs, a frozen reward "
+                                 "model), so the trainers' bubbles have nothing to run; give the "
+                                 "flow a reference (kl_coef > 0) or leave --fill-bubbles out")
         self.kind, chosen = choose_executors(self.plan, config.executors)
         check_kind(self.kind)
         if chosen and controller is None:

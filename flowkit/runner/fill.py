@@ -49,11 +49,21 @@ from typing import Any
 
 from flowkit.planner import Action, ActionKey, Costs, Schedule, simulate
 from flowkit.planner.bubbles import bubbles
+from flowkit.planner.lower import Call, NodePlan
 from flowkit.runtime.registry import ExecutorInfo
 
-__all__ = ["BubbleFill"]
+__all__ = ["BubbleFill", "lendable"]
 
 _ALPHA = 0.5  # weight of a batch's newest cost per item in the moving average
+
+
+def lendable(plan: list[NodePlan]) -> frozenset[str]:
+    """The nodes whose calls may run in a trainer's bubble: scoring (ModelOp.scores) with a
+    model the flow does not train, whose copy on a trainer misses no weight sync."""
+    trained = {node.model.name for node in plan
+               if node.call is Call.PIPELINE and node.model is not None}
+    return frozenset(node.name for node in plan if node.scores and node.model is not None
+                     and node.model.name not in trained)
 
 
 class BubbleFill:
@@ -61,9 +71,10 @@ class BubbleFill:
     seconds)` is the runner's: it gives the open steps' held scoring items to `executor` for
     `seconds`, returning the futures that end each task it sent (none: nothing fitted)."""
 
-    def __init__(self, events: queue.SimpleQueue,
-                 fill: Callable[[int, float], list]) -> None:
+    def __init__(self, events: queue.SimpleQueue, fill: Callable[[int, float], list],
+                 nodes: frozenset[str] = frozenset()) -> None:
         self.events, self._fill = events, fill
+        self.nodes = nodes  # those whose calls it lends bubbles to (`lendable`)
         self.item_seconds: dict[str, float] = {}  # node -> seconds each item of a batch adds
         self.one_item: dict[str, float] = {}  # node -> seconds of a task of one item
         self.lending = False  # a pipeline's bubbles are lent (else scoring keeps its sizes)

@@ -26,7 +26,7 @@ from flowkit.planner.simcosts import SimCosts
 from flowkit.runner.asyncstate import Replay
 from flowkit.runner.balance import Balancer, LengthEstimates
 from flowkit.runner.calls import CallPolicy
-from flowkit.runner.fill import BubbleFill
+from flowkit.runner.fill import BubbleFill, lendable
 from flowkit.runner.flowtrain import ModelTraining
 from flowkit.runner.fusedtrain import FusedTraining, fuse_groups
 from flowkit.runner.partial import Carried, CarryOver, PartialCalls, PartialRollouts
@@ -98,7 +98,8 @@ class FlowRunner:
         self.handled_parts: list = []  # streamed items taken in since the steps settled
         self.open: dict[int, StepRun] = {}
         # training executors' bubbles lent to scoring [Note: bubble filling in fill.py]
-        self.bubble_fill = BubbleFill(self.events, self._fill) if fill_bubbles else None
+        self.bubble_fill = BubbleFill(self.events, self._fill, lendable(plan)) \
+            if fill_bubbles else None
         self.carry_over = CarryOver(self.open)  # [Note: partial rollouts in partial.py]
         # a resumed asynchronous run's open steps: step -> node -> lineage -> the saved
         # rollouts of that call, and the partial-rollout metrics they report

@@ -470,9 +470,9 @@ class StepRun:
         return used
 
     def _lendable(self, plan: NodePlan) -> bool:
-        """Whether a node's calls may run in a trainer's bubble: scoring with a model the flow
-        does not train (a trained one's copy there would get none of its syncs)."""
-        return plan.scores and plan.model is not None and plan.model.name not in self.ctx.training
+        """Whether a node's calls may run in a trainer's bubble (fill.py `lendable`)."""
+        fill = self.ctx.bubble_fill
+        return fill is not None and plan.name in fill.nodes
 
     def _fill_cap(self, plan: NodePlan) -> int:
         """Items a task of a scoring node while the run fills bubbles: about _FILL_TASK_S of
@@ -480,7 +480,7 @@ class StepRun:
         and the rest waits for whichever frees first, one of them or a bubble; 0: not such a
         node, or its cost is not known yet (its first tasks teach it)."""
         fill = self.ctx.bubble_fill
-        if fill is None or not fill.lending or not self._lendable(plan):
+        if not self._lendable(plan) or not fill.lending:
             return 0
         one = fill.one_item.get(plan.name) or fill.item_seconds.get(plan.name)
         return max(1, min(_BATCH_ITEMS, fill.items_for(plan.name, _FILL_TASK_S))) if one else 0

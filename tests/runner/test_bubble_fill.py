@@ -157,3 +157,19 @@ def test_an_items_cost_is_learned_and_sizes_what_fits():
     assert lending.items_for("ref", 0.19) == 0
     assert lending.items_for("ref", 0.27) == 3  # 0.2, then 0.03 each
     assert lending.predicted("ref", 3) == pytest.approx(0.26)
+
+
+def test_only_scoring_with_a_model_the_flow_does_not_train_is_lent():
+    """PPO's reference may take a trainer's bubble; its critic's values may not (the copy there
+    would get none of the critic's syncs). A flow with nothing to lend is refused before
+    anything starts, saying so."""
+    from dataflows.ppo import ppo_flow
+    from flowkit.runner import Run, RunConfig
+    from flowkit.runner.config import RunConfigError
+    from flowkit.runner.fill import lendable
+
+    assert lendable(lower_flow(ppo_flow(prompts=4, stages=2))) == {"ref_logprobs"}
+    with pytest.raises(RunConfigError, match="--fill-bubbles: the flow scores nothing with a "
+                                             "model it does not train"):
+        Run(grpo_flow(prompts=4, n=2, kl_coef=0.0), RunConfig(executors="sim",
+                                                               fill_bubbles=True))
