@@ -11,8 +11,10 @@ after a sequence change nothing before them).
 [Note: batch-invariant forwards] Which rollouts share a forward depends on when they finished,
 so a forward's shape must not change a rollout's scores: a matmul's rounding depends on its
 shape. Every forward therefore has a shape fixed by its rows' own lengths: a rollout's width is
-its length rounded up to a power of two (16 at least), rollouts of one width share forwards of
-exactly `rows` = min(max_batch, max_tokens // width) rows, padded with empty rows. A rollout's
+its length rounded up to a power of two or one and a half times one (16 at least: 16, 24, 32,
+48, 64, ...: a forward pads at most a third of its tokens where powers of two alone padded up
+to half, and the shapes stay few); rollouts of one width share forwards of exactly `rows` =
+min(max_batch, max_tokens // width) rows, padded with empty rows. A rollout's
 scores are then the same bits alone or in any batch (the approach of batch-invariant inference
 kernels), and a run's results do not depend on its timing. The price: a rollout that comes
 alone still runs a forward of `rows` rows. How many is the device's: a GPU's forward costs
@@ -58,7 +60,10 @@ def _logprobs(ctx: OpContext, rollouts: Any, *_: Any, temperature: float = 1.0,
     t = float(temperature) if float(temperature) > 0 else 1.0  # greedy records temperature 1
 
     def score(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = lm.logits_of(out, "logprobs")
+        # the vocabulary-wide log-softmax only where it is read (`targets` covers the real rows
+        # up to their last response token): each position normalises alone, so a row's values
+        # are the same whatever is computed beside them
+        logits = lm.logits_of(out, "logprobs")[:targets.size(0), :targets.size(1)]
         logp = F.log_softmax(logits.to(torch.float64) / t, dim=-1)  # (B, T, V)
         return logp.gather(-1, targets[..., None]).squeeze(-1)  # (B, T)
 
@@ -102,7 +107,7 @@ def _per_token(ctx: OpContext, rollouts: Any, score, limits: tuple[int, int],
         chunk = [items[i] for i in indices]
         full = [list(r.prompt_tokens) + list(r.response_tokens) for r in chunk]
         out = _run(model, [s[:-1] for s in full], chunk, shape)
-        targets = right_padded([s[1:] for s in full], out.device, shape)
+        targets = right_padded([s[1:] for s in full], out.device)  # the real rows' widths
         scores = score(out, targets)
         for b, (i, r) in enumerate(zip(indices, chunk)):
             start, stop = len(r.prompt_tokens) - 1, len(full[b]) - 1
@@ -161,8 +166,10 @@ def _forwards(items: list, limits: tuple[int, int], context: int | None, *,
 
 
 def _width(length: int) -> int:
-    """A forward's width for a sequence of `length` tokens: a power of two, 16 at least."""
-    return max(_MIN_WIDTH, 1 << max(0, length - 1).bit_length())
+    """A forward's width for a sequence of `length` tokens: the least power of two, or one and
+    a half times one, that holds it; 16 at least."""
+    power = 1 << max(0, length - 1).bit_length()  # the least power of two >= length
+    return max(_MIN_WIDTH, power * 3 // 4 if length <= power * 3 // 4 else power)
 
 
 def register(table: OpTable) -> None:

@@ -135,4 +135,13 @@ def test_a_forward_takes_256_tokens_on_a_cpu_unless_told():
     assert infer._limits(model, (32, 4096)) == (32, 4096)
     shapes = {shape for _, shape in infer._forwards(_ragged_rollouts(12),
                                                     infer._limits(model, (32, None)), None)}
-    assert shapes and all(rows * width == 256 for rows, width in shapes)
+    assert shapes and all(rows == 256 // width for rows, width in shapes)
+
+
+def test_a_rollouts_width_pads_at_most_a_third_of_its_tokens():
+    # [Note: batch-invariant forwards]: powers of two and one and a half times them
+    widths = {infer._width(n) for n in range(1, 4097)}
+    assert sorted(widths)[:6] == [16, 24, 32, 48, 64, 96] and len(widths) == 17  # 16 .. 4096
+    for n in range(16, 4097):
+        width = infer._width(n)
+        assert n <= width and 3 * n >= 2 * width, n
