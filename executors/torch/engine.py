@@ -38,7 +38,8 @@ __all__ = ["Engine", "Sampling", "run_all_until_done", "run_until_done"]
 #    still to fill (Sarathi-Serve's chunked prefill), so a long prompt never stalls the decoding
 #    ones;
 # 4. runs the model once over the decoding rows and once over the prefill chunks (the cache protocol
-#    of executors/torch/lm.py; a model without it runs every live row's whole prefix);
+#    of executors/torch/lm.py; a model without it runs every live row's whole prefix); the samples
+#    of one prompt fill it once [Note: shared prompts];
 # 5. samples the next token of every row whose prefix is now complete, all rows in one call
 #    (executors/torch/sampling.py: the draw of a token depends only on its sequence's seed and
 #    position, so the rollouts do not depend on the batch, the arrival order or a pause);
@@ -61,6 +62,16 @@ __all__ = ["Engine", "Sampling", "run_all_until_done", "run_until_done"]
 # prompt's `text` (what the prompt source rendered) or else its tokens decoded as they are. An
 # engine without one (the built-in GPT on bytes, any model without a tokenizer) leaves both None;
 # reward ops on text read such a rollout's tokens as bytes (dataflows/rewards.py).
+
+# [Note: shared prompts] A prompt's n samples begin with the same tokens, so one of them fills the
+# prompt's cache positions and the others copy them (the cache's optional `copy_prefix`: lm.py's
+# cache protocol), as vLLM's and SGLang's prefix caches share a prompt's blocks: a GRPO step's
+# prefill shrinks about n-fold. Each sample still runs the prompt's last token itself, for the
+# logits it draws its first token from, so what it draws is as if it had filled the prompt alone
+# (the same positions' keys, computed by the same forward's arithmetic). While the prompt fills,
+# the siblings wait instead of filling it too; a sibling admitted later copies what is there.
+# Only samples of one Prompt share (one request's `submit` item); a continued Rollout has its own
+# prompt, and a trajectory's prompt is its environment's.
 
 NO_VERSION = -1  # a token sampled before any load_weights: the weights the model was built with
 _IDLE_WAIT_S = 0.001  # a step with nothing to compute waits this long for an environment
@@ -158,7 +169,8 @@ class Engine(Trajectories):
         self.env_calls = EnvCalls()  # trajectories' environment calls, in threads
         self.parked: dict[tuple[int, int], Any] = {}  # aborted trajectories' episodes
         self.device = next(model.parameters()).device
-        self.stats = {"steps": 0, "decode_tokens": 0, "prefill_tokens": 0, "cache_releases": 0}
+        self.stats = {"steps": 0, "decode_tokens": 0, "prefill_tokens": 0, "cache_releases": 0,
+                      "shared_prefix_tokens": 0}
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, items: list, sampling: Sampling, n: int, *, key: str | None = None,
@@ -277,7 +289,7 @@ class Engine(Trajectories):
         self._environments_answered()
         self._refill_stale()
         self._admit()
-        decoding, chunks = self._plan()
+        decoding, chunks, copies = self._plan()
         if not (decoding or chunks) and self.env_calls:
             # every live trajectory waits for its environment: wait for one to answer, the
             # GIL released, rather than spin (an agent program's threads need it: [Note:
@@ -285,7 +297,7 @@ class Engine(Trajectories):
             self.env_calls.wait(_IDLE_WAIT_S)
             return
         with evaluating(self.model):
-            logits = self._forward(decoding, chunks)  # of the rows whose prefix is now in
+            logits = self._forward(decoding, chunks, copies)  # the rows whose prefix is in
         if logits:
             rows = [seq for seq in self.slots if seq is not None and id(seq) in logits]
             self._sample(rows, torch.stack([logits[id(seq)] for seq in rows]))
@@ -320,38 +332,67 @@ class Engine(Trajectories):
                 seq = self.slots[i] = self.waiting.popleft()
                 seq.slot, seq.filled, seq.cache_version = i, 0, self.version()
 
-    def _plan(self) -> tuple[list[Sequence], list[tuple[Sequence, int, int]]]:
-        """(rows that decode one token, (row, start, stop) prefill chunks) within the budget,
-        decodes first. `filled` positions of a row's prefix have their keys in its cache row;
-        a row filled up to its last token decodes that token, the others fill a chunk."""
+    def _plan(self) -> tuple[list[Sequence], list[tuple[Sequence, int, int]], list[_Copy]]:
+        """(rows that decode one token, (row, start, stop) prefill chunks, prompt copies to make
+        once the chunks are in) within the budget, decodes first. `filled` positions of a row's
+        prefix have their keys in its cache row; a row filled up to its last token decodes that
+        token, the others fill a chunk."""
         live = [s for s in self.slots if s is not None and not s.on_hold]
         if not self.cached:  # no cache to fill: every row runs its whole prefix
-            return live, []
+            return live, [], []
+        waiting = self._share_prompts(live)  # donor id -> the copy its siblings wait for
+        held = {id(seq) for copy in waiting.values() for seq in copy.takers}
         decoding = [s for s in live if s.filled == s.length - 1]
         budget = self.token_budget - len(decoding)
         chunks = []
         for seq in live:
-            if seq.filled < seq.length - 1 and budget > 0:
+            if seq.filled < seq.length - 1 and budget > 0 and id(seq) not in held:
                 stop = min(seq.length, seq.filled + budget)
                 chunks.append((seq, seq.filled, stop))
                 budget -= stop - seq.filled
-        return decoding, chunks
+        # siblings whose donor fills the rest of their shared prompt in this step's chunks copy
+        # it after them and decode in this step too
+        copies = [waiting[id(seq)] for seq, _, stop in chunks
+                  if id(seq) in waiting and stop >= waiting[id(seq)].length]
+        return decoding, chunks, copies
+
+    def _share_prompts(self, live: list[Sequence]) -> dict[int, _Copy]:
+        """[Note: shared prompts] Copy each prompt's filled cache positions from the sample that
+        has most of them to its siblings; what the siblings still waiting need, by donor id."""
+        if self.cache is None:
+            self.cache = self.model.new_cache(self.max_batch, self.max_len)
+        siblings: dict[int, list[Sequence]] = {}
+        if callable(getattr(self.cache, "copy_prefix", None)):
+            for seq in live:  # a trajectory's prompt may be its own: only plain samples share
+                if seq.episode is None and len(seq.prompt.tokens) > 1:
+                    siblings.setdefault(id(seq.prompt), []).append(seq)
+        waiting: dict[int, _Copy] = {}
+        for group in (g for g in siblings.values() if len(g) > 1):
+            shared = len(group[0].prompt.tokens) - 1  # each runs the last itself: its logits
+            donor = max(group, key=lambda seq: min(seq.filled, shared))
+            self._copy(_Copy(donor, [s for s in group if s.filled < min(donor.filled, shared)],
+                             min(donor.filled, shared)))
+            takers = [s for s in group if s is not donor and s.filled < shared]
+            if takers:
+                waiting[id(donor)] = _Copy(donor, takers, shared)
+        return waiting
+
+    def _copy(self, copy: _Copy) -> None:
+        if copy.takers:
+            self.cache.copy_prefix(copy.donor.slot, [s.slot for s in copy.takers], copy.length)
+            for seq in copy.takers:
+                self.stats["shared_prefix_tokens"] += copy.length - seq.filled
+                seq.filled = copy.length
 
     # -- the model -----------------------------------------------------------------------------
-    def _forward(self, decoding: list[Sequence],
-                 chunks: list[tuple[Sequence, int, int]]) -> dict[int, torch.Tensor]:
+    def _forward(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int, int]],
+                 copies: list[_Copy]) -> dict[int, torch.Tensor]:
         """The next-token logits of every row whose prefix is now all in (by id)."""
         if not self.cached:
             return self._recompute(decoding)
         if self.cache is None:
             self.cache = self.model.new_cache(self.max_batch, self.max_len)
         out: dict[int, torch.Tensor] = {}
-        if decoding:
-            idx = torch.tensor([[s.last_token] for s in decoding], device=self.device)
-            logits = self._cached(idx, [s.filled for s in decoding], decoding)
-            for b, seq in enumerate(decoding):
-                out[id(seq)] = logits[b, 0]
-                seq.filled += 1
         for batch in _fitting(chunks, self.max_len):
             parts = [seq.prefix[start:stop] for seq, start, stop in batch]
             logits = self._cached(right_padded(parts, self.device), [c[1] for c in batch],
@@ -360,6 +401,15 @@ class Engine(Trajectories):
                 seq.filled = stop
                 if stop == seq.length:  # the chunk reached its last token
                     out[id(seq)] = logits[b, len(parts[b]) - 1]
+        for copy in copies:  # their donors' chunks are in: copied, they decode now
+            self._copy(copy)
+            decoding = decoding + [s for s in copy.takers if s.filled == s.length - 1]
+        if decoding:
+            idx = torch.tensor([[s.last_token] for s in decoding], device=self.device)
+            logits = self._cached(idx, [s.filled for s in decoding], decoding)
+            for b, seq in enumerate(decoding):
+                out[id(seq)] = logits[b, 0]
+                seq.filled += 1
         self.stats["decode_tokens"] += len(decoding)
         self.stats["prefill_tokens"] += sum(stop - start for _, start, stop in chunks)
         return out
@@ -443,6 +493,15 @@ class Engine(Trajectories):
         request.deferred.emit(rollout)
         if request.left == 0:
             request.deferred.done(request.done)
+
+
+@attrs.frozen
+class _Copy:
+    """A prompt's first `length` cache positions, from its donor's row to its takers' rows."""
+
+    donor: Sequence
+    takers: list[Sequence]
+    length: int
 
 
 def _once(seqs: list[Sequence]) -> list[Sequence]:

@@ -110,6 +110,61 @@ def test_sampled_draws_do_not_depend_on_batch_size_or_arrival_order(model):
             assert logprobs == pytest.approx(results[0][key][1], abs=1e-9)
 
 
+def test_the_samples_of_a_prompt_fill_its_prefix_once_and_draw_as_alone(model):
+    # [Note: shared prompts]: one sample fills the prompt, the others copy its cache rows
+    engine = _engine(model, max_batch=8, token_budget=64)
+    shared = _collect(engine.submit([PROMPTS[3], PROMPTS[1]], SAMPLED, 4))
+    _drain(engine)
+    prompt_tokens = len(PROMPTS[3].tokens) + len(PROMPTS[1].tokens)  # 14 + 9
+    # each prompt's prefix (all but its last token) filled once, copied to its 3 other samples
+    assert engine.stats["shared_prefix_tokens"] == 3 * (prompt_tokens - 2)
+    alone = _engine(model, max_batch=1, token_budget=64)  # one row: no sibling to copy from
+    box = _collect(alone.submit([PROMPTS[3], PROMPTS[1]], SAMPLED, 4))
+    _drain(alone)
+    assert alone.stats["shared_prefix_tokens"] == 0
+    assert engine.stats["prefill_tokens"] < alone.stats["prefill_tokens"] - 2 * prompt_tokens
+    got, want = _keyed(shared["done"]), _keyed(box["done"])
+    assert got.keys() == want.keys() and len(got) == 8
+    for key, rollout in want.items():
+        assert got[key].response_tokens == rollout.response_tokens
+        assert got[key].logprobs == pytest.approx(rollout.logprobs, abs=1e-9)
+
+
+def test_a_cache_without_copy_prefix_fills_each_sample_itself(model):
+    # the cache protocol's copy_prefix is optional: without it, every sample fills its prompt
+    class Plain:
+        def __init__(self, cache):
+            self.inner = cache
+
+        def __getattr__(self, name):
+            if name == "copy_prefix":
+                raise AttributeError(name)
+            return getattr(self.inner, name)
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        context_length = SMALL["block_size"]
+
+        def forward(self, idx):
+            return self.inner(idx)
+
+        def new_cache(self, batch, max_len):
+            return Plain(self.inner.new_cache(batch, max_len))
+
+        def forward_cached(self, idx, cache, start, rows=None):
+            return self.inner.forward_cached(idx, cache.inner, start, rows)
+
+    engine = _engine(Wrapped(model), max_batch=8, token_budget=64)
+    box = _collect(engine.submit([PROMPTS[3]], SAMPLED, 4))
+    _drain(engine)
+    assert "error" not in box, box.get("error")
+    assert len(box["done"]) == 4 and engine.stats["shared_prefix_tokens"] == 0
+    assert engine.stats["prefill_tokens"] >= 4 * (len(PROMPTS[3].tokens) - 1)
+
+
 def test_a_pause_and_resume_under_unchanged_weights_changes_nothing(model):
     engine = _engine(model, max_batch=3, token_budget=6)
     box = _collect(engine.submit(PROMPTS, GREEDY, 1))

@@ -163,6 +163,13 @@ class KVCache:
     def max_len(self) -> int:
         return self.k[0].size(2)
 
+    def copy_prefix(self, src: int, dst: list[int], length: int) -> None:
+        """Positions [0, length) of row `src` into rows `dst` [Note: shared prompts in
+        executors/torch/engine.py]."""
+        rows = torch.tensor(dst, device=self.k[0].device)
+        for t in (*self.k, *self.v):
+            t[rows, :, :length] = t[src, :, :length]
+
 
 class GPT(nn.Module):
     """``GPT(GPTConfig(...))`` or ``GPT(**config)``; ``forward(idx, targets=None)``."""

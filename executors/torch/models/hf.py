@@ -475,3 +475,11 @@ class RowCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.max_len
+
+    def copy_prefix(self, src: int, dst: list[int], length: int) -> None:
+        """Positions [0, length) of row `src` into rows `dst` [Note: shared prompts in
+        executors/torch/engine.py]."""
+        rows = torch.tensor(dst, device=next(iter(self.layers.values()))[0].device)
+        for k, v in self.layers.values():
+            k[rows, :, :length] = k[src, :, :length]
+            v[rows, :, :length] = v[src, :, :length]
