@@ -29,11 +29,15 @@ __all__ = ["check_prompts", "context_length", "has_cache", "logits_of", "values_
 #   their logits (B, T, V). A query at position p sees positions <= p of its own row only. Rows are
 #   right-padded too (prompts of different lengths prefill together): what a pad writes past its
 #   row's real end must be overwritten by the row's next real token. Writing a row from start 0
-#   begins a new sequence in it (continuous batching reuses rows). The built-in GPT implements it
-#   ([Note: KV cache rows] in executors/torch/models/gpt.py); a Hugging Face causal LM can, through
-#   an adapter that keeps per-row keys and values and passes ``position_ids = start + arange(T)``
-#   with the matching attention mask. A recurrent model cannot resume a row after right padding, so
-#   it leaves the protocol out and decodes by recomputing.
+#   begins a new sequence in it (continuous batching reuses rows). A cache may also have
+#   ``copy_prefix(src, dst, length)``, copying positions [0, length) of row `src` into the rows
+#   `dst` (a list): the rollout engine then fills a prompt once for all its samples ([Note: shared
+#   prompts] in executors/torch/engine.py); without it, each sample fills its own. The built-in
+#   GPT implements it all ([Note: KV cache rows] in executors/torch/models/gpt.py); a Hugging Face
+#   causal LM can, through an adapter that keeps per-row keys and values and passes
+#   ``position_ids = start + arange(T)`` with the matching attention mask (models/hf.py's). A
+#   recurrent model cannot resume a row after right padding, so it leaves the protocol out and
+#   decodes by recomputing.
 
 
 def context_length(model: torch.nn.Module) -> int | None:
