@@ -1,5 +1,5 @@
-"""`flowkit bench dispatch|transfer|pipeline|train|rl|placement|fused|fill|rollout|scale|checkpoint|
-launch|loggers|trl|chaos`:
+"""`flowkit bench codec|dispatch|transfer|pipeline|train|rl|placement|fused|fill|rollout|scale|
+checkpoint|launch|loggers|trl|chaos`:
 benchmarks, each against a baseline measured side by side in the same run (this machine is
 noisy: compare ratios, not times).
 
@@ -221,6 +221,18 @@ def fill(steps: int, json_out: Path | None) -> None:
 def rollout(json_out: Path | None) -> None:
     """A step's generation against its lower bound."""
     _report(_bench_function("rollout", "run_rollout_bench")(), json_out)
+
+
+@bench.command(cls=_BenchCommand)
+@click.option("--records", type=click.IntRange(1), default=4096, show_default=True,
+              help="Records in the body (a step's experiences).")
+@click.option("--rounds", type=click.IntRange(1), default=7, show_default=True,
+              help="Times each way; the medians are reported.")
+@_json_option
+def codec(records: int, rounds: int, json_out: Path | None) -> None:
+    """A step's records through the wire codec against plain msgpack."""
+    _report(_bench_function("codec", "run_codec_bench")(records=records, rounds=rounds),
+            json_out)
 
 
 @bench.command(cls=_BenchCommand)

@@ -6,11 +6,18 @@ zmq frames (zero-copy on the sending side) and the body holds dtype, shape and a
 Records travel as their class path and fields; the receiver rebuilds them only from a class it
 already declares [Note: record registry], so a message can never make the receiver import a
 module or call arbitrary code.
+
+[Note: records inline] A record is a map of its fields with one more key, an empty extension of
+type 5 whose value is the class path: one msgpack pass packs or decodes it, and a hook on maps
+builds the record from the map that holds that key. Records used to travel as an extension
+holding their own msgpack body (type 3, still read), each packed by a msgpack call of its own
+(`flowkit bench codec` measures both forms).
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import importlib
 import sys
 import warnings
@@ -22,7 +29,19 @@ import msgpack
 __all__ = ["CONTRACT_MODULES", "SerializeError", "allow_records", "declare_modules",
            "declared_modules", "nbytes_of", "pack", "unpack"]
 
-_TENSOR, _NDARRAY, _RECORD, _TUPLE = 1, 2, 3, 4
+_TENSOR, _NDARRAY, _RECORD, _TUPLE, _RECORD_KEY = 1, 2, 3, 4, 5
+_KEY = msgpack.ExtType(_RECORD_KEY, b"")  # [Note: records inline]: its value is the class path
+
+
+class _RecordKey:
+    """What `_KEY` decodes to: a key no other value decodes to (hashed by identity)."""
+
+    __slots__ = ()
+
+
+_RECORD_KEY_DECODED = _RecordKey()
+_LAYOUTS: dict[type, tuple[str, tuple[str, ...]]] = {}  # class -> (path, field names)
+_PAUSE_GC_BYTES = 32 << 10  # bodies from this size decode with the collector paused
 
 # A received zmq frame is read-only memory that this process owns; the tensors built on it are
 # views that nothing else sees, so torch's warning about writing through them does not apply.
@@ -41,12 +60,24 @@ def pack(value: Any) -> tuple[bytes, list]:
 
 def unpack(body: bytes, frames: list) -> Any:
     """Rebuild a value from `pack`'s output; tensors become views of the received frames."""
+    # [Note: no collections while decoding] A body of a batch's records makes tens of thousands
+    # of lists and records, every one a container the cycle collector tracks: it would run
+    # every 700 of them and rescan what is already built and what the process holds, so that
+    # decoding cost grew faster than the body (`flowkit bench codec`). What a body decodes to
+    # holds no cycles: nothing is lost by collecting after it, as msgpack's documentation
+    # advises for large bodies.
+    paused = len(body) >= _PAUSE_GC_BYTES and gc.isenabled()
+    if paused:
+        gc.disable()
     try:
-        return _unpackb(body, _Unpacker(frames).ext_hook)
+        return _unpackb(body, _Unpacker(frames))
     except SerializeError:
         raise
     except Exception as exc:
         raise SerializeError(f"cannot decode value: {exc.__class__.__name__}: {exc}") from None
+    finally:
+        if paused:
+            gc.enable()
 
 
 # The hooks are bound methods of small objects rather than closures: a closure that passes
@@ -58,7 +89,10 @@ class _Packer:
     def __init__(self) -> None:
         self.frames: list = []
 
-    def default(self, obj: Any) -> msgpack.ExtType:
+    def default(self, obj: Any) -> Any:
+        layout = _LAYOUTS.get(type(obj))  # a record of a class seen before: the common case
+        if layout is not None:
+            return _inline(obj, layout)
         if isinstance(obj, tuple):
             return msgpack.ExtType(_TUPLE, _packb(list(obj), self.default))
         if _is_torch_tensor(obj):
@@ -66,11 +100,9 @@ class _Packer:
         if type(obj).__module__ == "numpy" and hasattr(obj, "__array_interface__"):
             return msgpack.ExtType(_NDARRAY, _packb(_numpy_meta(obj, self.frames),
                                                     self.default))
-        if attrs.has(type(obj)):
-            cls = type(obj)
-            fields = {f.name: getattr(obj, f.name) for f in attrs.fields(cls)}
-            path = f"{cls.__module__}:{cls.__qualname__}"
-            return msgpack.ExtType(_RECORD, _packb([path, fields], self.default))
+        layout = _layout(type(obj))
+        if layout is not None:
+            return _inline(obj, layout)
         raise SerializeError(
             f"cannot send a {type(obj).__qualname__}: values on the wire are plain data, attrs "
             "records, torch tensors or numpy arrays"
@@ -84,7 +116,9 @@ class _Unpacker:
         self.frames = frames
 
     def ext_hook(self, code: int, data: bytes) -> Any:
-        payload = _unpackb(data, self.ext_hook)
+        if code == _RECORD_KEY:
+            return _RECORD_KEY_DECODED
+        payload = _unpackb(data, self)
         if code == _TUPLE:
             return tuple(payload)
         if code == _TENSOR:
@@ -94,6 +128,11 @@ class _Unpacker:
         if code == _RECORD:
             return _record_from(*payload)
         raise SerializeError(f"unknown extension type {code} in a value")
+
+    @staticmethod
+    def object_hook(fields: dict) -> Any:
+        path = fields.pop(_RECORD_KEY_DECODED, fields)
+        return fields if path is fields else _record_from(path, fields)
 
 
 def nbytes_of(frames: list) -> int:
@@ -105,8 +144,27 @@ def _packb(value: Any, default) -> bytes:
     return msgpack.packb(value, default=default, use_bin_type=True, strict_types=True)
 
 
-def _unpackb(data: bytes, ext_hook) -> Any:
-    return msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=False)
+def _unpackb(data: bytes, unpacker: _Unpacker) -> Any:
+    return msgpack.unpackb(data, ext_hook=unpacker.ext_hook, object_hook=unpacker.object_hook,
+                           raw=False, strict_map_key=False)
+
+
+def _inline(record: Any, layout: tuple[str, tuple[str, ...]]) -> dict:
+    """A record as the map of its fields and its class path [Note: records inline]."""
+    path, names = layout
+    fields: dict = {_KEY: path}
+    for name in names:
+        fields[name] = getattr(record, name)
+    return fields
+
+
+def _layout(cls: type) -> tuple[str, tuple[str, ...]] | None:
+    """An attrs class's path and field names, kept; None for any other class."""
+    if not attrs.has(cls):
+        return None
+    layout = _LAYOUTS[cls] = (f"{cls.__module__}:{cls.__qualname__}",
+                              tuple(f.name for f in attrs.fields(cls)))
+    return layout
 
 
 def _is_torch_tensor(obj: Any) -> bool:
@@ -246,9 +304,16 @@ def allow_records(*classes: type) -> None:
 
 
 def _record_from(path: Any, fields: Any) -> Any:
-    if not isinstance(fields, dict) or not all(type(k) is str for k in fields):
+    if not isinstance(fields, dict):
         raise SerializeError(f"record {str(path)[:200]!r}: its fields must be a map of names")
-    return _record_class(path)(**fields)
+    cls = _record_class(path)
+    try:
+        return cls(**fields)  # keywords must be strings: checked only if it fails
+    except TypeError:
+        if not all(type(k) is str for k in fields):
+            raise SerializeError(f"record {str(path)[:200]!r}: its fields must be a map of "
+                                 "names") from None
+        raise
 
 
 def _record_class(path: Any) -> type:

@@ -30,7 +30,11 @@ _record = st.builds(lambda path, fields: msgpack.ExtType(3, msgpack.packb([path,
                     st.sampled_from(["os:system", "venv.__main__:x", "antigravity:x",
                                      "flowkit.ops.records:Prompt", "subprocess:Popen"]),
                     st.dictionaries(st.text(max_size=8), _leaf, max_size=3))
-_values = st.recursive(_leaf | _ext | _record,
+_inline_record = st.builds(  # [Note: records inline] in flowkit/wire/serialize.py
+    lambda path, fields: {msgpack.ExtType(5, b""): path, **fields},
+    st.sampled_from(["os:system", "antigravity:x", "flowkit.ops.records:Prompt", 7]),
+    st.dictionaries(st.text(max_size=8) | st.integers(0, 3), _leaf, max_size=3))
+_values = st.recursive(_leaf | _ext | _record | _inline_record,
                        lambda inner: st.lists(inner, max_size=4)
                        | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=10)
 _fields = st.dictionaries(st.sampled_from(

@@ -75,23 +75,73 @@ def test_a_truncated_tensor_frame_is_rejected():
         unpack(body, [])
 
 
-def _forged_record(path: str, fields=None) -> bytes:
+def _forged_record(path, fields=None, *, inline: bool = False) -> bytes:
+    """A record as a sender would write it: inline [Note: records inline], or as the extension
+    holding its own body that senders wrote before (still read)."""
+    if inline:
+        return msgpack.packb({msgpack.ExtType(5, b""): path, **(fields or {})})
     return msgpack.packb(msgpack.ExtType(3, msgpack.packb([path, fields or {}])))
 
 
-def test_records_are_only_rebuilt_from_declared_attrs_classes():
+@pytest.mark.parametrize("inline", [True, False])
+def test_records_are_only_rebuilt_from_declared_attrs_classes(inline):
     with pytest.raises(SerializeError, match="not one this process declares"):
-        unpack(_forged_record("os:getcwd"), [])
+        unpack(_forged_record("os:getcwd", inline=inline), [])
     with pytest.raises(SerializeError, match="not one this process declares"):
-        unpack(_forged_record("nowhere.at_all:Thing"), [])
+        unpack(_forged_record("nowhere.at_all:Thing", inline=inline), [])
+    with pytest.raises(SerializeError, match="not one this process declares"):
+        unpack(_forged_record(["flowkit.ops.records:Prompt"], inline=inline), [])
     # a declared module, but no attrs class by that name
     with pytest.raises(SerializeError, match="not an attrs record class"):
-        unpack(_forged_record("flowkit.ops.records:attrs"), [])
+        unpack(_forged_record("flowkit.ops.records:attrs", inline=inline), [])
     with pytest.raises(SerializeError, match="fields must be a map"):
-        unpack(_forged_record("flowkit.ops.records:Prompt", [1, 2]), [])
+        unpack(_forged_record("flowkit.ops.records:Prompt", {1: 2, "tokens": []}
+                              if inline else [1, 2], inline=inline), [])
+    with pytest.raises(SerializeError, match="unexpected keyword argument 'rogue'"):
+        unpack(_forged_record("flowkit.ops.records:Prompt", {"prompt_id": 1, "tokens": [],
+                                                               "rogue": 1}, inline=inline), [])
 
 
-def test_a_record_never_imports_the_module_it_names(tmp_path, monkeypatch):
+def test_a_record_travels_inline_and_the_older_form_still_reads():
+    from flowkit.ops.records import Prompt
+
+    value = [Prompt(prompt_id=3, tokens=[1, 2]), {"note": Prompt(prompt_id=4, tokens=[])}]
+    body, _ = pack(value)
+    raw = msgpack.unpackb(body, strict_map_key=False)  # a map with the path key
+    assert raw[0] == {msgpack.ExtType(5, b""): "flowkit.ops.records:Prompt", "prompt_id": 3,
+                      "tokens": [1, 2], "answer": None, "text": None, "messages": None}
+    assert unpack(body, []) == value
+    old = _forged_record("flowkit.ops.records:Prompt", {"prompt_id": 3, "tokens": [1, 2]})
+    assert unpack(old, []) == Prompt(prompt_id=3, tokens=[1, 2])
+
+
+def test_a_large_body_decodes_with_the_collector_paused_and_leaves_it_as_it_was(monkeypatch):
+    # [Note: no collections while decoding]
+    import gc
+
+    from flowkit.wire import serialize
+
+    seen = []
+    real = serialize._unpackb
+    monkeypatch.setattr(serialize, "_unpackb",
+                        lambda *a: seen.append(gc.isenabled()) or real(*a))
+    small, large = pack([Sample(1, [1])]), pack([Sample(i, [i] * 64) for i in range(400)])
+    assert len(large[0]) >= serialize._PAUSE_GC_BYTES > len(small[0])
+    assert unpack(*small) and unpack(*large) and gc.isenabled()
+    assert seen == [True, False]
+    with pytest.raises(SerializeError):  # a failure turns the collector back on too
+        unpack(large[0][:-3], [])
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        unpack(*large)
+        assert not gc.isenabled()  # left off, as its owner had it
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_a_record_never_imports_the_module_it_names(tmp_path, monkeypatch, inline):
     """A module on the path that would leave a sentinel file if imported stays unimported."""
     import sys
 
@@ -102,7 +152,7 @@ def test_a_record_never_imports_the_module_it_names(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     for path in ("rogue_records:Thing", "venv.__main__:x", "antigravity:x"):
         with pytest.raises(SerializeError):
-            unpack(_forged_record(path), [])
+            unpack(_forged_record(path, inline=inline), [])
     assert not sentinel.exists() and "rogue_records" not in sys.modules
     assert "antigravity" not in sys.modules
 
