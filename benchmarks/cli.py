@@ -168,13 +168,20 @@ def _check_sim_cost(text: str) -> None:
               "[default: 512].")
 @click.option("--train-scale", type=click.FloatRange(min=0.0, min_open=True), default=None,
               help="The training side's simulated costs (F, B, W, optimizer step, inference) "
-              "times this: 1 leaves the async modes bound by training, 0.25 by generation "
-              "[default: 1].")
+              "times this: 0.25 makes generation about three quarters of a stage-by-stage "
+              "step, as RL systems report; at 1 the async modes are bound by training "
+              "[default: 0.25].")
+@click.option("--stale-segments", type=click.Choice(["drop", "recompute"]), default=None,
+              help="The partial mode's carried groups too stale for the next step: dropped "
+              "(the step's own prompts all start at once) or sampled again from their prompts "
+              "(they wait for a place) [default: drop].")
 @_json_option
 def rl(mode: str | None, max_staleness: int | None, length_sigma: float | None,
-       max_new_tokens: int | None, train_scale: float | None, json_out: Path | None) -> None:
+       max_new_tokens: int | None, train_scale: float | None, stale_segments: str | None,
+       json_out: Path | None) -> None:
     """RL steps: barrier, fused, async, partial rollouts."""
-    kwargs = _rl_kwargs(mode, max_staleness, length_sigma, max_new_tokens, train_scale)
+    kwargs = _rl_kwargs(mode, max_staleness, length_sigma, max_new_tokens, train_scale,
+                        stale_segments)
     _report(_bench_function("rl", "run_rl_bench")(**kwargs), json_out)
 
 
@@ -454,7 +461,8 @@ def _check_ray() -> None:
 
 
 def _rl_kwargs(mode: str | None, max_staleness: int | None, length_sigma: float | None,
-               max_new_tokens: int | None, train_scale: float | None = None) -> dict:
+               max_new_tokens: int | None, train_scale: float | None = None,
+               stale_segments: str | None = None) -> dict:
     """run_rl_bench's arguments: the options given, the bench's defaults for the others."""
     from benchmarks.rl import MODES, RLSetup
 
@@ -462,7 +470,7 @@ def _rl_kwargs(mode: str | None, max_staleness: int | None, length_sigma: float 
         raise click.BadParameter(f"the staleness bound is the async mode's; --mode {mode} "
                                  f"runs synchronously", param_hint="--max-staleness")
     workload = {"length_sigma": length_sigma, "max_new_tokens": max_new_tokens,
-                "train_scale": train_scale}
+                "train_scale": train_scale, "stale_segments": stale_segments}
     kwargs: dict = {"setup": RLSetup(**{k: v for k, v in workload.items() if v is not None}),
                     "modes": MODES if mode in (None, "all") else (mode,)}
     if max_staleness is not None:

@@ -9,7 +9,8 @@ lengths, in three modes on the same samples, side by side:
   flowkit/runner/flowrun.py];
 - `partial`: async, with partial rollouts: each step generates 1.5 x its prompts, takes the
   first groups to finish and carries the rest over ([Note: partial rollouts] in
-  flowkit/runner/partial.py);
+  flowkit/runner/partial.py); a carried group too stale for the next step is dropped, so a
+  step's own prompts all start at once (`stale_segments`, [Note: own prompts first]);
 - `multiplexed`: async, the train executors also carrying the rollout tag, so that generation
   fills their idle time (`flowkit run --placement multiplexed`);
 - `colocated`: async, every executor both (`--placement colocated`).
@@ -90,10 +91,10 @@ class RLSetup:
     # drains it over the last, so it needs a few
     steps: int = 8
     # seconds: a decode iteration's fixed cost, a token of inference, one F / B / W of one
-    # microbatch on one stage. Every executor's 32 sequences decode together on its rollout
-    # engine (executors/simengine.py), so a 2 ms iteration makes generation about half of the
-    # step stage by stage: still short of the 70-90 % the RL systems report, which favours
-    # the barrier run (at 0.5 ms, a quarter of the step)
+    # microbatch on one stage (before `train_scale`). Every executor's 32 sequences decode
+    # together on its rollout engine (executors/simengine.py): with a 2 ms iteration and the
+    # training side at a quarter of these, generation is about three quarters of the step
+    # stage by stage, as the RL systems report (70-90 %)
     token: float = 0.002
     infer_token: float = 0.00002
     F: float = 0.012
@@ -101,9 +102,12 @@ class RLSetup:
     W: float = 0.008
     optimizer_step: float = 0.01
     # the training side's costs (F, B, W, the optimizer step, a token of inference) times this:
-    # at 1 the async modes are bound by the train executors (the reference log-probs and the
-    # backprop keep them busy), at 0.25 by generation's long tail, as in the RL systems
-    train_scale: float = 1.0
+    # at 0.25 the async modes are bound by generation's long tail, as in the RL systems; at 1 by
+    # the train executors (the reference log-probs and the backprop keep them busy), where no
+    # way of generating can raise the throughput
+    train_scale: float = 0.25
+    # the partial mode's carried groups too stale for the next step (flowkit.ops.SamplingConfig)
+    stale_segments: str = "drop"
 
     def tags(self, placement: str) -> list[tuple[str, ...]]:
         """The executors' tags: rollout ones, then train ones, as `placement` lends them."""
@@ -157,7 +161,8 @@ def run_rl_bench(setup: RLSetup | None = None, *, modes: tuple[str, ...] = MODES
             for algo in runs:
                 for mode in (m for m in chosen if m.placement == placement):
                     runs[algo][mode.name] = _measured(
-                        _flow(setup, algo, mode.oversample), setup.steps, mode, trim,
+                        _flow(setup, algo, mode.oversample, setup.stale_segments),
+                        setup.steps, mode, trim,
                         controller=ctl, executors="sim", sim_costs=costs)
     for algo, by_mode in runs.items():  # in MODES' order
         figures[algo] = _compared({mode.name: by_mode[mode.name] for mode in chosen})
@@ -165,9 +170,9 @@ def run_rl_bench(setup: RLSetup | None = None, *, modes: tuple[str, ...] = MODES
         torch_runs = {}
         for mode in chosen:  # each run starts its own executors: it trains from random weights
             tags = _torch_tags(mode.placement)
-            torch_runs[mode.name] = _measured(_sorting_flow(mode.oversample), torch_steps, mode,
-                                              trim, executors="torch", num_executors=len(tags),
-                                              tags=tags)
+            torch_runs[mode.name] = _measured(
+                _sorting_flow(mode.oversample, setup.stale_segments), torch_steps, mode, trim,
+                executors="torch", num_executors=len(tags), tags=tags)
         figures["torch_cpu_grpo"] = {**_compared(torch_runs), "executors": 3,
                                      "measured_steps": torch_steps - 1,
                                      "flow": "examples/grpo_sort.py from random weights"}
@@ -248,19 +253,27 @@ def _staleness(reports: list) -> dict:
             **({"carried_over_mean": statistics.fmean(carried)} if carried else {})}
 
 
-def _sorting_flow(oversample: float = 1.0) -> Any:
+def _sorting_flow(oversample: float = 1.0, stale_segments: str = "drop") -> Any:
     from dataflows.grpo import grpo_flow
     from dataflows.rl.tasks import SORT_GPT, sort_prompts, sort_reward
 
     return grpo_flow(prompts=16, n=8, stages=2, microbatches=4, schedule="1f1b",
                      max_new_tokens=8, gpt=SORT_GPT, prompt_source=sort_prompts,
-                     reward=sort_reward, source_config={"digits": 3}, oversample=oversample)
+                     reward=sort_reward, source_config={"digits": 3},
+                     **_partial(oversample, stale_segments))
 
 
-def _flow(setup: RLSetup, algo: str, oversample: float = 1.0) -> Any:
+def _partial(oversample: float, stale_segments: str) -> dict:
+    """The flow settings of partial rollouts (none at oversample 1)."""
+    return ({"oversample": oversample, "stale_segments": stale_segments} if oversample > 1
+            else {})
+
+
+def _flow(setup: RLSetup, algo: str, oversample: float = 1.0,
+          stale_segments: str = "drop") -> Any:
     train = dict(stages=setup.train_executors, schedule=setup.schedule,
                  microbatches=setup.microbatches, max_new_tokens=setup.max_new_tokens,
-                 oversample=oversample)
+                 **_partial(oversample, stale_segments))
     if algo == "grpo":
         from dataflows.grpo import grpo_flow
 

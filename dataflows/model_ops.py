@@ -52,7 +52,7 @@ class Generate(ModelOp):
     traced = "version_span"  # the trace shows which weights versions sampled each rollout
     # its calls can be aborted and continued: partial rollouts, asynchronous checkpoints
     resumable = Resumable(take="take", version_floor="min_version", request="request",
-                          abort_op="generation")
+                          abort_op="generation", stale="stale_segments")
     inputs = {"prompts": Stream[Prompt], "weights": Stream[WeightsVersion]}
     optional = ("weights",)
     outputs = {"rollouts": Stream[Rollout]}

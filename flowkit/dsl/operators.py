@@ -344,12 +344,15 @@ class Resumable:
     a call's config[take] says how many of a step's calls the step takes (None: all, no
     partial rollouts); a continued call is told in config[version_floor] the oldest weights
     version its items may keep; config[request] names a call so that the executor op
-    `abort_op` can cut it short (`abort_config`)."""
+    `abort_op` can cut it short (`abort_config`); config[stale] (optional) says what becomes of
+    a continued call's items older than that floor: "drop" (its group dropped whole) or any
+    other value (they are made again)."""
 
     take: str
     version_floor: str
     request: str
     abort_op: str
+    stale: str | None = None
 
     @staticmethod
     def abort_config(requests: Sequence[str]) -> dict[str, Any]:

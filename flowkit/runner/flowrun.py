@@ -542,7 +542,9 @@ def _partial_rollouts(plan: list[NodePlan], staleness: int | None
             raise FlowRunError(f"{node.name}: `{declared.take}` (partial rollouts) is a "
                                "setting of a generating op called per prompt, whose call "
                                "makes a group")
-        found[node.name] = PartialRollouts(int(take), node.items_per_call(), declared)
+        drop = declared.stale is not None and node.config.get(declared.stale) == "drop"
+        found[node.name] = PartialRollouts(int(take), node.items_per_call(), declared,
+                                           drop_stale=drop)
     return found
 
 

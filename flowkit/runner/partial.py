@@ -53,17 +53,33 @@ __all__ = ["CARRIED", "Carried", "CarryOver", "PartialCalls", "PartialRollouts",
 #     last step). Carried samples are one version stale at least, so partial rollouts run with a
 #     staleness bound >= 1.
 
+#
+# [Note: own prompts first] With `stale_segments="drop"` (the node's Resumable.stale setting), a
+# step calls all its own prompts as soon as its generation is admitted, and the calls carried from
+# the step before run beside them as they arrive, taking no place (a step runs at most its prompts
+# plus what the step before carries, prompts - take). The reason is the staleness bound: a step's
+# generation is admitted once the weights are at most η versions older than its own, so a call it
+# carries began under weights its next step may not train on. Resumed, such a call is sampled
+# again from its prompt (recompute) or dropped (drop): waiting for it to take a place only holds
+# the next step's prompts back (partial / async stays about 1 that way: `flowkit bench rl
+# --stale-segments recompute`). Dropped, it frees its place: the step's own over-provisioned
+# prompts all race from the start, and the first `take` groups to finish cut the long tail, as
+# in APRIL. A carried call whose tokens are all within the bound (one that had not started) still
+# runs and counts like any other group.
+
 CARRIED = "carried"  # the first part of a carried call's lineage in the step that resumes it
 
 
 @attrs.frozen
 class PartialRollouts:
-    """A node's setting: the calls (groups) a step takes, the items per call (for counting)
-    and how its calls are named, aborted and continued."""
+    """A node's setting: the calls (groups) a step takes, the items per call (for counting),
+    how its calls are named, aborted and continued, and whether a carried call's stale groups
+    are dropped (then carried calls take no places: [Note: own prompts first])."""
 
     take: int
     n: int
     resumable: Resumable
+    drop_stale: bool = False
 
 
 @attrs.define
@@ -172,10 +188,17 @@ class PartialCalls:
     def admit(self, prompts: int, lineage: tuple) -> bool:
         """Whether own prompt `lineage` of the step's `prompts` is called now: in the places
         the carried calls leave, of which there are `take` at least (the step before carries
-        at most prompts - take); those past `take` are deferred until the count is known."""
+        at most prompts - take); those past `take` are deferred until the count is known.
+        Where stale groups are dropped, every own prompt at once [Note: own prompts first]."""
         if self.aborting:
             self.unused += 1
             return False
+        if self.setting.drop_stale:  # [Note: own prompts first]
+            if self.own >= prompts:
+                self.unused += 1
+                return False
+            self.own += 1
+            return True
         if not self._settled():
             if self.own >= self.setting.take:
                 self.deferred.append(lineage)

@@ -59,7 +59,9 @@ def test_the_placements_lend_the_train_executors_or_every_executor():
 
 
 def test_the_train_scale_scales_the_training_sides_costs_and_not_generations():
-    costs, scaled = RLSetup().sim_costs(), RLSetup(train_scale=0.25).sim_costs()
+    # by default a quarter: generation is most of a step, as RL systems report
+    assert RLSetup().sim_costs() == RLSetup(train_scale=0.25).sim_costs()
+    costs, scaled = RLSetup(train_scale=1).sim_costs(), RLSetup(train_scale=0.25).sim_costs()
     for name in ("F", "B", "W", "optimizer_step", "infer_token"):
         assert getattr(scaled, name) == pytest.approx(getattr(costs, name) / 4)
     assert (scaled.token, scaled.length_sigma) == (costs.token, costs.length_sigma)

@@ -39,10 +39,12 @@ def test_the_rl_options_reach_the_bench(monkeypatch):
 
     monkeypatch.setattr(benchmarks.rl, "run_rl_bench", fake)
     result = CliRunner().invoke(main, ["bench", "rl", "--mode", "async", "--max-staleness", "4",
-                                       "--length-sigma", "1.5", "--max-new-tokens", "256"])
+                                       "--length-sigma", "1.5", "--max-new-tokens", "256",
+                                       "--stale-segments", "recompute"])
     assert result.exit_code == 0, result.output
     assert seen["modes"] == ("async",) and seen["max_staleness"] == 4
     assert seen["setup"].length_sigma == 1.5 and seen["setup"].max_new_tokens == 256
+    assert seen["setup"].stale_segments == "recompute"
     seen.clear()
     result = CliRunner().invoke(main, ["bench", "rl"])
     assert result.exit_code == 0, result.output

@@ -49,9 +49,11 @@ class _Site:
         pass
 
 
-def _policy(take: int, prompts: int, before: _Before | None) -> PartialCalls:
+def _policy(take: int, prompts: int, before: _Before | None, *,
+            drop_stale: bool = False) -> PartialCalls:
     ledger = CarryOver({0: before} if before is not None else {})
-    return PartialCalls("generate", 1, PartialRollouts(take, 4, RESUMABLE), ledger, "r:1", 0)
+    return PartialCalls("generate", 1, PartialRollouts(take, 4, RESUMABLE, drop_stale=drop_stale),
+                        ledger, "r:1", 0)
 
 
 def _own(policy: PartialCalls, site: _Site) -> list:
@@ -95,6 +97,38 @@ def test_a_step_never_runs_more_calls_than_its_prompts(take, extra, carried, ear
     assert policy.own + len(policy.incoming) == prompts
     assert policy.own + policy.unused == prompts and policy.may_close()
     assert len(set(own_now + site.submitted)) == prompts
+
+
+@given(take=st.integers(1, 6), extra=st.integers(0, 6), carried=st.integers(0, 6),
+       early=st.booleans())
+def test_where_stale_groups_drop_own_prompts_all_go_at_once_and_carried_calls_beside_them(
+        take, extra, carried, early):
+    # [Note: own prompts first]: no own prompt waits for the step before's handover
+    prompts = take + extra
+    carried = min(carried, extra)
+    before = _Before(closed=early)
+    policy = _policy(take, prompts, before, drop_stale=True)
+    site = _Site([(i,) for i in range(prompts)])
+    calls = [Carried(0, (100 + i,), None) for i in range(carried)]
+    if early:
+        policy.receive(calls, closed=False)
+    assert _own(policy, site) == site.prompts and policy.may_close() == early
+    before.closed = True
+    policy.receive([] if early else calls, closed=False)
+    policy.submit(site, True)
+    assert site.submitted == [("carried", 0, 100 + i) for i in range(carried)]
+    assert (policy.own, policy.unused, len(policy.incoming)) == (prompts, 0, carried)
+    assert policy.may_close()
+
+
+def test_with_drop_own_prompts_left_when_the_step_has_its_groups_are_unused():
+    policy, site = _policy(2, 3, _Before(), drop_stale=True), _Site([(0,), (1,), (2,)])
+    assert [policy.admit(3, (i,)) for i in range(2)] == [True, True]
+    policy.config((0,)), policy.config((1,))
+    policy.done((0,), object(), site)
+    policy.done((1,), object(), site)
+    assert policy.aborting and not policy.admit(3, (2,))
+    assert policy.metrics(1.0)["rollout/prompts_unused"] == 1
 
 
 def test_carried_calls_pass_on_unrun_once_the_step_has_taken_its_groups():
