@@ -67,9 +67,12 @@ __all__ = ["Engine", "Sampling", "run_all_until_done", "run_until_done"]
 # prompt's cache positions and the others copy them (the cache's optional `copy_prefix`: lm.py's
 # cache protocol), as vLLM's and SGLang's prefix caches share a prompt's blocks: a GRPO step's
 # prefill shrinks about n-fold. Each sample still runs the prompt's last token itself, for the
-# logits it draws its first token from, so what it draws is as if it had filled the prompt alone
-# (the same positions' keys, computed by the same forward's arithmetic). While the prompt fills,
-# the siblings wait instead of filling it too; a sibling admitted later copies what is there.
+# logits it draws its first token from: a one-token decode over the donor's keys, where alone it
+# would have read them from its own chunk's forward, so its logits equal those to rounding (as
+# any two chunkings of a prefix do), and its draws, which depend only on its seed and position,
+# are the same. While the prompt fills, the siblings wait instead of filling it too; a sibling
+# admitted later copies what is there. Siblings decode in the donor's step as far as the token
+# budget has room, the rest in the next.
 # Only samples of one Prompt share (one request's `submit` item); a continued Rollout has its own
 # prompt, and a trajectory's prompt is its environment's.
 
@@ -351,9 +354,13 @@ class Engine(Trajectories):
                 chunks.append((seq, seq.filled, stop))
                 budget -= stop - seq.filled
         # siblings whose donor fills the rest of their shared prompt in this step's chunks copy
-        # it after them and decode in this step too
-        copies = [waiting[id(seq)] for seq, _, stop in chunks
-                  if id(seq) in waiting and stop >= waiting[id(seq)].length]
+        # it after them and decode in this step too, as many as the budget has tokens left
+        copies = []
+        for seq, _, stop in chunks:
+            copy = waiting.get(id(seq))
+            if copy is not None and stop >= copy.length and budget > 0:
+                copies.append(attrs.evolve(copy, takers=copy.takers[:budget]))
+                budget -= len(copies[-1].takers)
         return decoding, chunks, copies
 
     def _share_prompts(self, live: list[Sequence]) -> dict[int, _Copy]:

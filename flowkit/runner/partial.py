@@ -56,16 +56,17 @@ __all__ = ["CARRIED", "Carried", "CarryOver", "PartialCalls", "PartialRollouts",
 #
 # [Note: own prompts first] With `stale_segments="drop"` (the node's Resumable.stale setting), a
 # step calls all its own prompts as soon as its generation is admitted, and the calls carried from
-# the step before run beside them as they arrive, taking no place (a step runs at most its prompts
-# plus what the step before carries, prompts - take). The reason is the staleness bound: a step's
-# generation is admitted once the weights are at most η versions older than its own, so a call it
-# carries began under weights its next step may not train on. Resumed, such a call is sampled
-# again from its prompt (recompute) or dropped (drop): waiting for it to take a place only holds
-# the next step's prompts back (partial / async stays about 1 that way: `flowkit bench rl
-# --stale-segments recompute`). Dropped, it frees its place: the step's own over-provisioned
-# prompts all race from the start, and the first `take` groups to finish cut the long tail, as
-# in APRIL. A carried call whose tokens are all within the bound (one that had not started) still
-# runs and counts like any other group.
+# the step before run beside them as they arrive, taking no place. A step carries at most
+# prompts - take calls on, and never one it was carried (those past either drop whole, counted in
+# `rollout/dropped`), so it runs at most its prompts plus prompts - take. The reason is the
+# staleness bound: a step's generation is admitted once the weights are at most η versions older
+# than its own, so a call it carries began under weights its next step may not train on.
+# Resumed, such a call is sampled again from its prompt (recompute) or dropped (drop): waiting
+# for it to take a place only holds the next step's prompts back (partial / async stays about 1
+# that way: `flowkit bench rl --stale-segments recompute`). Dropped, it frees its place: the
+# step's own over-provisioned prompts all race from the start, and the first `take` groups to
+# finish cut the long tail, as in APRIL. A carried call whose tokens are all within the bound
+# (one that had not started) still runs and counts like any other group.
 
 CARRIED = "carried"  # the first part of a carried call's lineage in the step that resumes it
 
@@ -169,6 +170,7 @@ class PartialCalls:
     dropped: int = 0
     own: int = 0  # of the step's own prompts, those it runs
     unused: int = 0  # and those it leaves: the carried calls took their places
+    prompts: int = 0  # the step's own prompts, as admit was told
 
     def submit(self, site: CallSite, prompts_closed: bool) -> bool:
         """The calls carried from the step before as they arrive; the step's own prompts once
@@ -193,6 +195,7 @@ class PartialCalls:
         if self.aborting:
             self.unused += 1
             return False
+        self.prompts = prompts
         if self.setting.drop_stale:  # [Note: own prompts first]
             if self.own >= prompts:
                 self.unused += 1
@@ -235,7 +238,7 @@ class PartialCalls:
         self.pending_calls.pop(lineage, None)
         dropped = self._dropped_whole(lineage, future)
         if self.aborting:  # after the step took its groups: to the next step
-            if not dropped:
+            if not dropped and not self._dropped_instead_of_carried(lineage):
                 self._carry(lineage, future)
             return False
         if not dropped:  # a call dropped whole is no group: the step still wants its `take`
@@ -258,6 +261,17 @@ class PartialCalls:
             return False
         self.dropped += self.setting.n - count
         return True
+
+    def _dropped_instead_of_carried(self, lineage: tuple) -> bool:
+        """[Note: own prompts first]: where stale groups drop, a call carried in is not
+        carried again, and a step carries at most prompts - take calls (its own run beside
+        the carried ones, so more could end after its take); the others drop whole."""
+        if not self.setting.drop_stale:
+            return False
+        if lineage in self.resumed or len(self.outgoing) >= self.prompts - self.setting.take:
+            self.dropped += self.setting.n
+            return True
+        return False
 
     def _carry(self, lineage: tuple, ref: Any) -> None:
         """A call of this step goes to the next one; a resumed call keeps its origin."""

@@ -9,9 +9,10 @@ module or call arbitrary code.
 
 [Note: records inline] A record is a map of its fields with one more key, an empty extension of
 type 5 whose value is the class path: one msgpack pass packs or decodes it, and a hook on maps
-builds the record from the map that holds that key. Records used to travel as an extension
-holding their own msgpack body (type 3, still read), each packed by a msgpack call of its own
-(`flowkit bench codec` measures both forms).
+builds the record from the map that holds that key. The key decodes to a marker no other value
+decodes to; a body in which one is left anywhere else (a list item, a field's value) is refused.
+Records used to travel as an extension holding their own msgpack body (type 3, still read),
+each packed by a msgpack call of its own (`flowkit bench codec` measures both forms).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import ctypes
 import gc
 import importlib
 import sys
+import threading
 import warnings
 from typing import Any
 
@@ -42,6 +44,7 @@ class _RecordKey:
 _RECORD_KEY_DECODED = _RecordKey()
 _LAYOUTS: dict[type, tuple[str, tuple[str, ...]]] = {}  # class -> (path, field names)
 _PAUSE_GC_BYTES = 32 << 10  # bodies from this size decode with the collector paused
+_MAX_EXT_DEPTH = 32  # extensions inside extensions, at most
 
 # A received zmq frame is read-only memory that this process owns; the tensors built on it are
 # views that nothing else sees, so torch's warning about writing through them does not apply.
@@ -66,18 +69,49 @@ def unpack(body: bytes, frames: list) -> Any:
     # decoding cost grew faster than the body (`flowkit bench codec`). What a body decodes to
     # holds no cycles: nothing is lost by collecting after it, as msgpack's documentation
     # advises for large bodies.
-    paused = len(body) >= _PAUSE_GC_BYTES and gc.isenabled()
+    # Threads decoding at once share one pause: the collector comes back when the last ends,
+    # as it was when the first began.
+    paused = len(body) >= _PAUSE_GC_BYTES
     if paused:
-        gc.disable()
+        _GC_PAUSE.enter()
+    unpacker = _Unpacker(frames)
     try:
-        return _unpackb(body, _Unpacker(frames))
+        value = _unpackb(body, unpacker)
     except SerializeError:
         raise
     except Exception as exc:
         raise SerializeError(f"cannot decode value: {exc.__class__.__name__}: {exc}") from None
     finally:
         if paused:
-            gc.enable()
+            _GC_PAUSE.leave()
+    if unpacker.keys:  # [Note: records inline]: a record key anywhere but heading a record
+        raise SerializeError("cannot decode value: a record key outside a record's map")
+    return value
+
+
+class _CollectorPause:
+    """[Note: no collections while decoding] held by any number of threads at once."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.holders = 0
+        self.was_enabled = False
+
+    def enter(self) -> None:
+        with self.lock:
+            if self.holders == 0:
+                self.was_enabled = gc.isenabled()
+                gc.disable()
+            self.holders += 1
+
+    def leave(self) -> None:
+        with self.lock:
+            self.holders -= 1
+            if self.holders == 0 and self.was_enabled:
+                gc.enable()
+
+
+_GC_PAUSE = _CollectorPause()
 
 
 # The hooks are bound methods of small objects rather than closures: a closure that passes
@@ -110,15 +144,30 @@ class _Packer:
 
 
 class _Unpacker:
-    __slots__ = ("frames",)
+    # keys: record keys decoded and not yet taken by their record's map (none may be left);
+    # depth: extensions being decoded inside one another (each is a msgpack call of its own on
+    # the C stack: a few hundred nested in a small body would crash the process)
+    __slots__ = ("depth", "frames", "keys")
 
     def __init__(self, frames: list) -> None:
         self.frames = frames
+        self.keys = 0
+        self.depth = 0
 
     def ext_hook(self, code: int, data: bytes) -> Any:
         if code == _RECORD_KEY:
+            if data:
+                raise SerializeError("a record key extension carries no data")
+            self.keys += 1
             return _RECORD_KEY_DECODED
-        payload = _unpackb(data, self)
+        if self.depth >= _MAX_EXT_DEPTH:
+            raise SerializeError(f"values nest extensions (tuples, tensors, records) more than "
+                                 f"{_MAX_EXT_DEPTH} deep")
+        self.depth += 1
+        try:
+            payload = _unpackb(data, self)
+        finally:
+            self.depth -= 1
         if code == _TUPLE:
             return tuple(payload)
         if code == _TENSOR:
@@ -129,10 +178,12 @@ class _Unpacker:
             return _record_from(*payload)
         raise SerializeError(f"unknown extension type {code} in a value")
 
-    @staticmethod
-    def object_hook(fields: dict) -> Any:
+    def object_hook(self, fields: dict) -> Any:
         path = fields.pop(_RECORD_KEY_DECODED, fields)
-        return fields if path is fields else _record_from(path, fields)
+        if path is fields:
+            return fields
+        self.keys -= 1
+        return _record_from(path, fields)
 
 
 def nbytes_of(frames: list) -> int:

@@ -121,6 +121,28 @@ def test_where_stale_groups_drop_own_prompts_all_go_at_once_and_carried_calls_be
     assert policy.may_close()
 
 
+@given(take=st.integers(1, 6), extra=st.integers(0, 6), carried=st.integers(0, 6))
+def test_where_stale_groups_drop_a_step_carries_at_most_prompts_less_take_and_none_twice(
+        take, extra, carried):
+    prompts = take + extra
+    carried = min(carried, extra)
+    policy = _policy(take, prompts, _Before(closed=True), drop_stale=True)
+    site = _Site([(i,) for i in range(prompts)])
+    policy.receive([Carried(0, (100 + i,), None) for i in range(carried)], closed=False)
+    own = _own(policy, site)
+    calls = [("carried", 0, 100 + i) for i in range(carried)] + own
+    for lineage in calls:
+        policy.config(lineage)
+    for lineage in calls[::-1]:  # own prompts end first, then the carried ones
+        policy.done(lineage, object(), site)
+    metrics = policy.metrics(1.0)
+    assert len(policy.outgoing) <= prompts - take
+    assert all(c.lineage[0] != "carried" and c.origin == 1 for c in policy.outgoing)
+    # the books: what started or came in is trained, dropped or carried on
+    assert (metrics["rollout/started"] + metrics["rollout/resumed"]
+            == 4 * take + metrics["rollout/dropped"] + metrics["rollout/carried_over"])
+
+
 def test_with_drop_own_prompts_left_when_the_step_has_its_groups_are_unused():
     policy, site = _policy(2, 3, _Before(), drop_stale=True), _Site([(0,), (1,), (2,)])
     assert [policy.admit(3, (i,)) for i in range(2)] == [True, True]

@@ -115,6 +115,25 @@ def test_a_record_travels_inline_and_the_older_form_still_reads():
     assert unpack(old, []) == Prompt(prompt_id=3, tokens=[1, 2])
 
 
+def test_a_record_key_anywhere_but_heading_a_record_is_refused():
+    # [Note: records inline]: the key's marker never reaches a value
+    key, prompt = msgpack.ExtType(5, b""), "flowkit.ops.records:Prompt"
+    for forged in ([key], {"a": key}, {key: prompt, "prompt_id": key, "tokens": []},
+                   {key: key}, [msgpack.ExtType(5, b"x")]):
+        with pytest.raises(SerializeError, match="record key|record class"):
+            unpack(msgpack.packb(forged), [])
+    assert unpack(msgpack.packb([{key: prompt, "prompt_id": 1, "tokens": []}]), [])
+
+
+def test_extensions_nested_past_a_bound_are_refused_not_a_crash():
+    body = msgpack.packb([])
+    for _ in range(400):  # each level a msgpack call of its own: this deep would crash
+        body = msgpack.packb(msgpack.ExtType(4, body))
+    with pytest.raises(SerializeError, match="more than 32 deep"):
+        unpack(body, [])
+    assert _round_trip(((((1,),),),)) == ((((1,),),),)  # a few levels are fine
+
+
 def test_a_large_body_decodes_with_the_collector_paused_and_leaves_it_as_it_was(monkeypatch):
     # [Note: no collections while decoding]
     import gc
