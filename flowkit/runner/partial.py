@@ -53,7 +53,6 @@ __all__ = ["CARRIED", "Carried", "CarryOver", "PartialCalls", "PartialRollouts",
 #     last step). Carried samples are one version stale at least, so partial rollouts run with a
 #     staleness bound >= 1.
 
-#
 # [Note: own prompts first] With `stale_segments="drop"` (the node's Resumable.stale setting), a
 # step calls all its own prompts as soon as its generation is admitted, and the calls carried from
 # the step before run beside them as they arrive, taking no place. A step carries at most
