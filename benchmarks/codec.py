@@ -85,7 +85,7 @@ def _experiences(count: int) -> list:
 def _fields(record: Any) -> dict:
     import attrs
 
-    return {f.name: getattr(record, f.name) for f in attrs.fields(type(record))}
+    return attrs.asdict(record, recurse=False)
 
 
 def _nested(record: Any) -> msgpack.ExtType:

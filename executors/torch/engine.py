@@ -397,9 +397,7 @@ class Engine(Trajectories):
         """The next-token logits of every row whose prefix is now all in (by id)."""
         if not self.cached:
             return self._recompute(decoding)
-        if self.cache is None:
-            self.cache = self.model.new_cache(self.max_batch, self.max_len)
-        out: dict[int, torch.Tensor] = {}
+        out: dict[int, torch.Tensor] = {}  # the cache is there: _plan made it if it was not
         for batch in _fitting(chunks, self.max_len):
             parts = [seq.prefix[start:stop] for seq, start, stop in batch]
             logits = self._cached(right_padded(parts, self.device), [c[1] for c in batch],
