@@ -3,7 +3,6 @@ local launcher starts it (flowkit/runtime/launch.py)."""
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import re
@@ -14,6 +13,7 @@ from pathlib import Path
 import click
 
 from executors.kinds import kinds
+from flowkit.wire.collection import fewer_collections
 from flowkit.wire.limits import CONTROL_FRAME_BYTES
 
 __all__ = ["executor", "route_source", "run_secret"]
@@ -114,11 +114,11 @@ def executor(connect: str, name: str | None, tags: str, device: str, kind: str,
     worker = Executor(connect=connect, name=name, ops=ops, tags=tag_list, device=device,
                       peer_host=peer_host, host_id=host_id, keys=keys, insecure=insecure,
                       max_frame_bytes=max_frame_bytes, secret=secret)
-    # [Note: garbage collection] in flowkit/runner/api.py: the code loaded is frozen out of
-    # the collector's walks, and young collections are rarer
-    gc.freeze()
-    gc.set_threshold(50_000, *gc.get_threshold()[1:])
-    raise SystemExit(worker.serve())
+    # [Note: garbage collection] in flowkit/wire/collection.py: the code loaded is frozen out
+    # of the collector's walks, and young collections are rarer
+    with fewer_collections():
+        code = worker.serve()
+    raise SystemExit(code)
 
 
 def run_secret(secret_file: Path | None) -> bytes | None:

@@ -9,7 +9,6 @@ loggers and the dashboard; leaving it shuts them down whatever happened, and wri
 from __future__ import annotations
 
 import contextlib
-import gc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,6 +47,7 @@ from flowkit.runtime.futures import wait
 from flowkit.runtime.launch import Launcher, LaunchError
 from flowkit.runtime.launchers import make_launcher
 from flowkit.wire.auth import InsecureBindError, Keys, KeysError, check_bind
+from flowkit.wire.collection import fewer_collections
 
 __all__ = ["Run", "RunResult", "run"]
 
@@ -396,24 +396,3 @@ def _error_line(error: BaseException, debug: bool) -> str:
     """What failed and why; the op's remote traceback only with `debug`."""
     text, found, _ = str(error).partition(RemoteError.MARK)
     return str(error) if debug or not found else f"{text} (--debug shows the traceback)"
-
-
-@contextlib.contextmanager
-def fewer_collections() -> Iterator[None]:
-    """[Note: garbage collection] A step holds hundreds of thousands of small objects (futures,
-    refs, lineages), few of them in cycles; CPython's default thresholds run a young collection
-    every 700 allocations and full ones that walk them all, a quarter of the controller's time
-    at 16k samples a step. While a run lasts, what exists at its start is frozen out of the
-    collector's walks and young collections run every 50,000 allocations; cycles are still
-    collected. Executors do the same (executors/serve.py)."""
-    threshold = gc.get_threshold()
-    gc.freeze()
-    gc.set_threshold(_YOUNG_COLLECTION, *threshold[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*threshold)
-        gc.unfreeze()
-
-
-_YOUNG_COLLECTION = 50_000  # allocations between young collections [Note: garbage collection]
