@@ -11,6 +11,7 @@ every live request together, one timed iteration at a time.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -358,13 +359,14 @@ def sample_rollout(prompt: Any, sample: int, *, step: int, min_new_tokens: int =
     `version`, the weights version the request was given (-1: none yet), as a real engine's
     tokens do (the simulator loads no weights, so a request never changes version)."""
     prompt_id = getattr(prompt, "prompt_id", prompt)
-    rng = random.Random(f"{prompt_id}/{sample}/{step}")
-    scale = random.Random(f"prompt/{prompt_id}").lognormvariate(0.0, prompt_sigma) \
+    key = f"{prompt_id}/{sample}/{step}"
+    scale = math.exp(prompt_sigma * _normal(_draws(f"prompt/{prompt_id}", 16))) \
         if prompt_sigma > 0 else 1.0
-    length = _sampled_length(rng, max(1, min_new_tokens), max_new_tokens, length_sigma, scale)
-    # from random bytes: a thousand-token sample costs microseconds, not the engine's time
-    tokens = [32 + byte % 95 for byte in rng.randbytes(length)]
-    logprobs = [byte * (-3 / 255) for byte in rng.randbytes(length)]
+    length = _sampled_length(_draws(key, 16), max(1, min_new_tokens), max_new_tokens,
+                             length_sigma, scale)
+    drawn = _draws(key, 16 + 2 * length)  # the same first 16 bytes, and a byte a token each
+    tokens = [32 + byte % 95 for byte in drawn[16:16 + length]]
+    logprobs = [byte * (-3 / 255) for byte in drawn[16 + length:]]
     return Rollout(prompt_id=getattr(prompt, "prompt_id", 0), sample=sample,
                    prompt_tokens=list(getattr(prompt, "tokens", [])), response_tokens=tokens,
                    logprobs=logprobs, versions=[version] * length,
@@ -372,13 +374,40 @@ def sample_rollout(prompt: Any, sample: int, *, step: int, min_new_tokens: int =
                    prompt_text=getattr(prompt, "text", None))
 
 
-def _sampled_length(rng: random.Random, low: int, high: int, sigma: float = 0.0,
+# [Note: simulator draws] What the simulator makes up for a sample (its length, tokens and
+# log-probabilities, a reference's scores) is a function of the sample's identity alone, so a run
+# is reproducible whatever decodes beside it. It is read from SHAKE-128 of that identity, an
+# extendable hash whose first bytes do not depend on how many are asked for: a microsecond a
+# sample, where seeding a Mersenne Twister from a string took five, and the simulator's own CPU
+# is not the engine's (`flowkit bench scale` counts every CPU second beside the simulated
+# model time as the engine's).
+def _draws(key: str, count: int) -> bytes:
+    return hashlib.shake_128(key.encode()).digest(count)
+
+
+def _uniform(drawn: bytes, at: int = 0) -> float:
+    """A uniform draw in [0, 1) from 8 bytes at `at`: 53 bits, as random.random's."""
+    return (int.from_bytes(drawn[at:at + 8], "little") >> 11) * _TWO_TO_MINUS_53
+
+
+_TWO_TO_MINUS_53 = 2.0 ** -53
+
+
+def _normal(drawn: bytes) -> float:
+    """A standard normal draw from 16 bytes (Box-Muller)."""
+    radius = math.sqrt(-2.0 * math.log(1.0 - _uniform(drawn, 0)))
+    return radius * math.cos(2.0 * math.pi * _uniform(drawn, 8))
+
+
+def _sampled_length(drawn: bytes, low: int, high: int, sigma: float = 0.0,
                     scale: float = 1.0) -> int:
+    """A response's length from 16 drawn bytes."""
     if sigma > 0:  # log-normal with its median at an eighth of the budget (times scale), clipped
         median = max(1, high) / 8 * scale
-        return max(low, min(high, int(rng.lognormvariate(math.log(median), sigma))))
+        return max(low, min(high, int(median * math.exp(sigma * _normal(drawn)))))
     # exponential around a quarter of the budget (times scale), clipped: a long tail at the top
-    return max(low, min(high, int(rng.expovariate(4.0 / (max(1, high) * scale))) + 1))
+    mean = max(1, high) * scale / 4.0
+    return max(low, min(high, int(-math.log(1.0 - _uniform(drawn)) * mean) + 1))
 
 
 def _token_scores(ctx: OpContext, rollout: Any, *_: Any, seconds_per_token: float = 0.0,
@@ -386,10 +415,10 @@ def _token_scores(ctx: OpContext, rollout: Any, *_: Any, seconds_per_token: floa
     """Per-token log-probabilities or values of one response."""
     tokens = len(getattr(rollout, "response_tokens", ()))
     busy_for(seconds_per_token * (tokens + len(getattr(rollout, "prompt_tokens", ()))))
-    rng = random.Random(f"{getattr(rollout, 'prompt_id', 0)}/{getattr(rollout, 'sample', 0)}")
-    return TokenScores(prompt_id=getattr(rollout, "prompt_id", 0),
-                       sample=getattr(rollout, "sample", 0),
-                       values=[-rng.random() * 3 for _ in range(tokens)])
+    prompt_id, sample = getattr(rollout, "prompt_id", 0), getattr(rollout, "sample", 0)
+    drawn = _draws(f"scores/{prompt_id}/{sample}", tokens)
+    return TokenScores(prompt_id=prompt_id, sample=sample,
+                       values=[byte * (-3 / 255) for byte in drawn])
 
 
 def _token_scores_batched(ctx: OpContext, rollouts: list, *_: Any,
@@ -406,7 +435,7 @@ def _reward_model(ctx: OpContext, rollout: Any, *, seconds_per_token: float = 0.
                   **config: Any) -> float:
     tokens = len(getattr(rollout, "response_tokens", ()))
     busy_for(seconds_per_token * tokens)
-    return random.Random(f"{getattr(rollout, 'prompt_id', 0)}").random()
+    return _uniform(_draws(f"reward/{getattr(rollout, 'prompt_id', 0)}", 8))
 
 
 def _simulated_seconds(ctx: OpContext) -> float:
