@@ -478,7 +478,9 @@ class Dispatcher:
                 self._maybe_free(self._objects[object_id])  # the values placed for it
             raise
         input_ids, failed = [], None
-        for object_id in _ids_of(refs):
+        # each object once, however many of its items the task reads (a microbatch reads the
+        # 8 samples of each group's list): it is routed, awaited and consumed once
+        for object_id in dict.fromkeys(_ids_of(refs)):
             record = self._objects[object_id]
             record.consumers = record.consumers or []
             record.consumers.append(task_id)
