@@ -12,8 +12,8 @@ container takes one off), so objects that are born and die within a step are nev
 are still collected, at most that many allocations late. A young collection walks every container
 made since the last one and what they hold (a record's token list, element by element), so it is
 measured in tens of milliseconds per 100,000: 400,000 keeps a 16k-sample step's objects clear
-of most collections and one collection's pause near a tenth of a second (`flowkit bench scale`
-beside 50,000 and 1,000,000, in docs/performance.md).
+of most collections and one collection's pause near a tenth of a second (measured beside
+50,000, 200,000 and 1,000,000 on `flowkit bench scale`'s 16k-sample step: docs/performance.md).
 """
 
 from __future__ import annotations
