@@ -625,11 +625,13 @@ class Dispatcher:
     # -- failures ------------------------------------------------------------------------------
     def _fail_task(self, task: TaskRecord, error: BaseException) -> None:
         """Fail `task`, its futures, and every task downstream of them. Holds the condition."""
-        stack = [(task, error)]
+        stack = [(task, error, False)]
         while stack:
-            current, reason = stack.pop()
+            current, reason, downstream = stack.pop()
             if current.state != "pending":
                 continue
+            if downstream:  # its executor is told once, however many of its inputs failed
+                self._cancel_on_executor(current)
             current.state = "failed"
             self._tasks.pop(current.id, None)
             self._emit("task_failed", {"task": current, "error": reason})
@@ -644,10 +646,9 @@ class Dispatcher:
                 for consumer_id in record.consumers:
                     consumer = self._tasks.get(consumer_id)
                     if consumer is not None and consumer.state == "pending":
-                        self._cancel_on_executor(consumer)
                         stack.append((consumer, TaskCancelled(
                             f"{consumer.op!r} not run: its input from {current.op!r} failed: "
-                            f"{reason}", op=consumer.op)))
+                            f"{reason}", op=consumer.op), True))
                 self._maybe_free(record)
             self._consumed(current)
 
