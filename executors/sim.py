@@ -359,12 +359,12 @@ def sample_rollout(prompt: Any, sample: int, *, step: int, min_new_tokens: int =
     `version`, the weights version the request was given (-1: none yet), as a real engine's
     tokens do (the simulator loads no weights, so a request never changes version)."""
     prompt_id = getattr(prompt, "prompt_id", prompt)
-    key = f"{prompt_id}/{sample}/{step}"
-    scale = math.exp(prompt_sigma * _normal(_draws(f"prompt/{prompt_id}", 16))) \
+    draws = _draws(f"{prompt_id}/{sample}/{step}")
+    scale = math.exp(prompt_sigma * _normal(_draws(f"prompt/{prompt_id}").digest(16))) \
         if prompt_sigma > 0 else 1.0
-    length = _sampled_length(_draws(key, 16), max(1, min_new_tokens), max_new_tokens,
+    length = _sampled_length(draws.digest(16), max(1, min_new_tokens), max_new_tokens,
                              length_sigma, scale)
-    drawn = _draws(key, 16 + 2 * length)  # the same first 16 bytes, and a byte a token each
+    drawn = draws.digest(16 + 2 * length)  # the same first 16 bytes, then a byte a token each
     tokens = [32 + byte % 95 for byte in drawn[16:16 + length]]
     logprobs = [byte * (-3 / 255) for byte in drawn[16 + length:]]
     return Rollout(prompt_id=getattr(prompt, "prompt_id", 0), sample=sample,
@@ -376,21 +376,23 @@ def sample_rollout(prompt: Any, sample: int, *, step: int, min_new_tokens: int =
 
 # [Note: simulator draws] What the simulator makes up for a sample (its length, tokens and
 # log-probabilities, a reference's scores) is a function of the sample's identity alone, so a run
-# is reproducible whatever decodes beside it. It is read from SHAKE-128 of that identity, an
-# extendable hash whose first bytes do not depend on how many are asked for: a microsecond a
-# sample, where seeding a Mersenne Twister from a string took five, and the simulator's own CPU
-# is not the engine's (`flowkit bench scale` counts every CPU second beside the simulated
-# model time as the engine's).
-def _draws(key: str, count: int) -> bytes:
-    return hashlib.shake_128(key.encode()).digest(count)
-
-
-def _uniform(drawn: bytes, at: int = 0) -> float:
-    """A uniform draw in [0, 1) from 8 bytes at `at`: 53 bits, as random.random's."""
-    return (int.from_bytes(drawn[at:at + 8], "little") >> 11) * _TWO_TO_MINUS_53
+# is reproducible whatever decodes beside it, on any machine. It is read from SHAKE-128 of that
+# identity, an extendable hash whose first bytes do not depend on how many are asked for: a
+# microsecond a sample, where seeding a Mersenne Twister from a string took five, and the
+# simulator's own CPU is not the engine's (`flowkit bench scale` counts every CPU second beside
+# the simulated model time as the engine's). Lengths are drawn from 53-bit uniforms; a token's
+# log-probability or score is one byte, on a grid of 256 values from 0 to -3.
+def _draws(key: str) -> Any:
+    """The draws of `key`: `.digest(n)` gives their first n bytes."""
+    return hashlib.shake_128(key.encode())
 
 
 _TWO_TO_MINUS_53 = 2.0 ** -53
+
+
+def _uniform(drawn: bytes, at: int = 0) -> float:
+    """A uniform draw in [0, 1) from the 8 bytes at `at`: 53 bits, as random.random's."""
+    return (int.from_bytes(drawn[at:at + 8], "little") >> 11) * _TWO_TO_MINUS_53
 
 
 def _normal(drawn: bytes) -> float:
@@ -416,7 +418,7 @@ def _token_scores(ctx: OpContext, rollout: Any, *_: Any, seconds_per_token: floa
     tokens = len(getattr(rollout, "response_tokens", ()))
     busy_for(seconds_per_token * (tokens + len(getattr(rollout, "prompt_tokens", ()))))
     prompt_id, sample = getattr(rollout, "prompt_id", 0), getattr(rollout, "sample", 0)
-    drawn = _draws(f"scores/{prompt_id}/{sample}", tokens)
+    drawn = _draws(f"scores/{prompt_id}/{sample}").digest(tokens)
     return TokenScores(prompt_id=prompt_id, sample=sample,
                        values=[byte * (-3 / 255) for byte in drawn])
 
@@ -435,7 +437,7 @@ def _reward_model(ctx: OpContext, rollout: Any, *, seconds_per_token: float = 0.
                   **config: Any) -> float:
     tokens = len(getattr(rollout, "response_tokens", ()))
     busy_for(seconds_per_token * tokens)
-    return _uniform(_draws(f"reward/{getattr(rollout, 'prompt_id', 0)}", 8))
+    return _uniform(_draws(f"reward/{getattr(rollout, 'prompt_id', 0)}").digest(8))
 
 
 def _simulated_seconds(ctx: OpContext) -> float:

@@ -3,23 +3,34 @@
 [Note: garbage collection] A step holds hundreds of thousands of small containers on every
 process (futures, refs and lineages on the controller; records and their token lists on the
 executors), and almost none of them is ever in a cycle: reference counting frees them when the
-step is done. CPython's default thresholds run a young collection every 700 net allocations and
-older ones that walk everything since, so that the collector re-walked each step's objects many
-times: a quarter of the controller's time at 16k samples a step. While a run lasts, each process
-freezes what exists at its start out of the collector's walks (the code loaded, the models) and
-runs a young collection only every `YOUNG_COLLECTION` net allocations. The count is net (a freed
-container takes one off), so objects that are born and die within a step are never walked; cycles
-are still collected, at most that many allocations late. A young collection walks every container
-made since the last one and what they hold (a record's token list, element by element), so it is
-measured in tens of milliseconds per 100,000: 400,000 keeps a 16k-sample step's objects clear
-of most collections and one collection's pause near a tenth of a second (measured beside
-50,000, 200,000 and 1,000,000 on `flowkit bench scale`'s 16k-sample step: docs/performance.md).
+step is done. CPython's generational collector (3.10–3.13; 3.14's incremental one reads the
+older thresholds differently) counts net allocations of containers and by default runs a young
+collection every 700, an older one every 10 of those, walking what has survived since. Each
+walk visits a container's contents (a record's token list element by element), and on the
+executors found nothing to free: at the defaults the collector took a quarter of the
+controller's time at 16k samples a step, and at 50,000 a young collection still cost an
+executor 20–26 ms. While a run lasts, each process:
+
+- freezes what exists out of the collector's walks (the code loaded and what the process
+  holds before its first step; a cycle already garbage then waits for the collections after
+  the run, which spares every run a full collection: a tenth of a second in a process that
+  loaded torch);
+- runs a young collection only every `YOUNG_COLLECTION` net allocations. The count is net (a
+  freed container takes one off), so what a step makes and frees before the count gets there
+  is never walked: at 400,000, a 16k-sample step's objects mostly come and go between two
+  collections, and one collection pauses its process 0.1–0.2 s (measured beside 50,000, 200,000
+  and 1,000,000 on `flowkit bench scale`'s 16k-sample step: docs/performance.md).
+
+Cycles are still collected: one that becomes garbage young within `YOUNG_COLLECTION`
+allocations, one that had lived into an older generation at that generation's next collection
+(every 10 young ones, or rarer).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 from collections.abc import Iterator
 
@@ -36,11 +47,14 @@ class _Policy:
         self.lock = threading.Lock()
         self.holders = 0
         self.saved: tuple[int, ...] = ()
+        self.unfreeze = False
 
     def enter(self) -> None:
         with self.lock:
             if self.holders == 0:
                 self.saved = gc.get_threshold()
+                # CPython unfreezes all or nothing: what someone else froze stays frozen
+                self.unfreeze = gc.get_freeze_count() == 0
                 gc.freeze()
                 gc.set_threshold(YOUNG_COLLECTION, *self.saved[1:])
             self.holders += 1
@@ -49,11 +63,17 @@ class _Policy:
         with self.lock:
             self.holders -= 1
             if self.holders == 0:
-                gc.set_threshold(*self.saved)
-                gc.unfreeze()
+                if gc.get_threshold()[0] == YOUNG_COLLECTION:  # unless set anew meanwhile
+                    gc.set_threshold(*self.saved)
+                if self.unfreeze:
+                    gc.unfreeze()
+
+    def after_fork(self) -> None:
+        self.lock = threading.Lock()  # a copy of a lock another thread held would never open
 
 
 _POLICY = _Policy()
+os.register_at_fork(after_in_child=_POLICY.after_fork)
 
 
 @contextlib.contextmanager

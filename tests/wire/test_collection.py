@@ -6,16 +6,42 @@ import gc
 import threading
 import weakref
 
+import pytest
+
 from flowkit.wire.collection import YOUNG_COLLECTION, fewer_collections
 
 
+@pytest.fixture(autouse=True)
+def _restored():
+    """Each test starts and ends with the process's own policy, nothing frozen."""
+    before = gc.get_threshold()
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
+    gc.set_threshold(*before)
+
+
 def test_a_run_freezes_what_exists_and_collects_young_objects_rarely() -> None:
-    before, frozen = gc.get_threshold(), gc.get_freeze_count()
+    before = gc.get_threshold()
     with fewer_collections():
         assert gc.get_threshold() == (YOUNG_COLLECTION, *before[1:])
-        assert gc.get_freeze_count() > frozen
+        assert gc.get_freeze_count() > 0
     assert gc.get_threshold() == before
-    assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() == 0
+
+
+def test_what_others_froze_stays_frozen() -> None:
+    gc.freeze()  # a host application's own freeze: CPython unfreezes all or nothing
+    frozen = gc.get_freeze_count()
+    with fewer_collections():
+        pass
+    assert gc.get_freeze_count() >= frozen
+
+
+def test_a_threshold_set_during_the_run_is_kept() -> None:
+    with fewer_collections():
+        gc.set_threshold(1234, 5, 6)
+    assert gc.get_threshold() == (1234, 5, 6)
 
 
 def test_runs_inside_one_another_restore_the_policy_only_when_the_last_ends() -> None:
@@ -24,37 +50,71 @@ def test_runs_inside_one_another_restore_the_policy_only_when_the_last_ends() ->
         with fewer_collections():
             pass
         assert gc.get_threshold()[0] == YOUNG_COLLECTION  # the outer run still works under it
-    assert gc.get_threshold() == before
+        assert gc.get_freeze_count() > 0
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
 
 
-def test_runs_on_threads_that_end_in_any_order_restore_the_policy() -> None:
+def test_a_run_that_raises_restores_the_policy() -> None:
     before = gc.get_threshold()
-    entered, release = threading.Barrier(3), threading.Event()
+    with pytest.raises(RuntimeError), fewer_collections():
+        raise RuntimeError("the run failed")
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
 
-    def run() -> None:
+
+def test_the_first_of_two_runs_on_threads_to_end_leaves_the_policy_to_the_other() -> None:
+    before = gc.get_threshold()
+    steps = {name: (threading.Event(), threading.Event()) for name in ("first", "second")}
+
+    def run(name: str) -> None:
+        entered, leave = steps[name]
         with fewer_collections():
-            entered.wait()
-            release.wait()
+            entered.set()
+            leave.wait()
 
-    threads = [threading.Thread(target=run) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    entered.wait()
-    assert gc.get_threshold()[0] == YOUNG_COLLECTION
-    release.set()
-    for thread in threads:
-        thread.join()
+    threads = {name: threading.Thread(target=run, args=(name,)) for name in steps}
+    threads["first"].start()
+    steps["first"][0].wait()
+    threads["second"].start()
+    steps["second"][0].wait()
+    steps["first"][1].set()
+    threads["first"].join()
+    assert gc.get_threshold()[0] == YOUNG_COLLECTION  # the second still runs
+    steps["second"][1].set()
+    threads["second"].join()
     assert gc.get_threshold() == before
 
 
-def test_cycles_are_still_collected_under_the_policy() -> None:
+def test_a_run_entered_on_one_thread_may_end_on_another() -> None:
+    before = gc.get_threshold()
+    policy = fewer_collections()
+    policy.__enter__()
+    ender = threading.Thread(target=policy.__exit__, args=(None, None, None))
+    ender.start()
+    ender.join()
+    assert gc.get_threshold() == before
+
+
+def test_cycles_are_still_collected_without_being_asked() -> None:
     class Node:
         pass
 
-    with fewer_collections():
-        node = Node()
-        node.me = node
-        alive = weakref.ref(node)
-        del node
-        gc.collect()
-        assert alive() is None
+    generations: list[int] = []
+
+    def watch(phase: str, info: dict) -> None:
+        if phase == "stop":
+            generations.append(info["generation"])
+
+    gc.callbacks.append(watch)
+    try:
+        with fewer_collections():
+            node = Node()
+            node.me = node
+            alive = weakref.ref(node)
+            del node
+            held = [[] for _ in range(YOUNG_COLLECTION // 2)]
+            assert alive() is not None  # not yet: young collections are rarer
+            held += [[] for _ in range(YOUNG_COLLECTION)]
+            assert alive() is None and 0 in generations
+            del held
+    finally:
+        gc.callbacks.remove(watch)
