@@ -11,7 +11,10 @@ import zmq
 
 from executors.optable import OpContext
 from flowkit.runtime import Controller, LocalExecutors
+from flowkit.runtime.dispatch import Dispatcher
+from flowkit.runtime.futures import new_condition
 from flowkit.runtime.registry import ExecutorInfo
+from flowkit.wire.protocol import Msg
 
 
 @contextlib.contextmanager
@@ -24,6 +27,27 @@ def executor_cluster(count: int = 2, *, kind: str = "base", tags=(), code=(),
     with Controller(**controller) as ctl, LocalExecutors(
             ctl, count, kind=kind, tags=tags, code=code, name_prefix=name_prefix) as infos:
         yield ctl, sorted(infos, key=lambda e: int(e.name.rsplit("-", 1)[1]))
+
+
+class _DispatcherOwner:
+    condition = new_condition()
+
+    def release(self, object_id: int) -> None:
+        pass
+
+
+def bare_dispatcher(executors: tuple[str, ...] = ("a", "b"), *,
+                    send_raw: Any = None) -> Dispatcher:
+    """A controller's bookkeeping alone, no sockets: a Dispatcher whose `executors` (ids 1, 2,
+    ... in order, each running op "op") have said hello; what it sends goes to `send_raw`."""
+    secret = b"s" * 32
+    state = Dispatcher(owner=_DispatcherOwner(), send_raw=send_raw or (lambda frames: None),
+                       ping_interval=1.0, ping_timeout=5.0, heartbeat_address="inproc://unused",
+                       secret=secret)
+    for name in executors:
+        state.on_message(name.encode(), {"t": Msg.HELLO, "name": name, "tags": [],
+                                         "ops": ["op"], "pid": 1, "secret": secret.hex()}, [])
+    return state
 
 
 def process_of(ctl: Controller, info: ExecutorInfo) -> Any:

@@ -5,12 +5,7 @@ import threading
 import time
 from collections import deque
 
-from flowkit.runtime.dispatch import Dispatcher
-from flowkit.runtime.futures import new_condition
-
-
-class _Owner:
-    condition = new_condition()
+from tests.harness import bare_dispatcher
 
 
 class _SlowToAnswerDeque(deque):
@@ -24,8 +19,7 @@ class _SlowToAnswerDeque(deque):
 
 
 def test_threads_draining_at_once_run_each_callback_once():
-    state = Dispatcher(owner=_Owner(), send_raw=lambda frames: None, ping_interval=1.0,
-                       ping_timeout=5.0, heartbeat_address="inproc://unused", secret=b"s" * 32)
+    state = bare_dispatcher(())
     state._callbacks = _SlowToAnswerDeque()
     ran: list[int] = []
     errors: list[BaseException] = []

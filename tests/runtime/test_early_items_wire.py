@@ -6,31 +6,17 @@ resolve nothing."""
 import pytest
 
 from flowkit.runtime.dispatch import Dispatcher
-from flowkit.runtime.futures import new_condition
 from flowkit.wire.protocol import Msg, ProtocolError, decode, encode
 from flowkit.wire.refs import Gather
 from flowkit.wire.serialize import pack
 from flowkit.wire.task import TaskSpec
-
-
-class _Owner:
-    condition = new_condition()
-
-    def release(self, object_id: int) -> None:
-        pass
-
-
-_SECRET = b"s" * 32
+from tests.harness import bare_dispatcher
 
 
 @pytest.fixture
 def batch():
     """(dispatcher, the batched task's id, its 3 items' futures, what on_items heard)."""
-    state = Dispatcher(owner=_Owner(), send_raw=lambda frames: None, ping_interval=1.0,
-                       ping_timeout=5.0, heartbeat_address="inproc://unused", secret=_SECRET)
-    for name in ("a", "b"):
-        state.on_message(name.encode(), {"t": Msg.HELLO, "name": name, "tags": [],
-                                         "ops": ["op"], "pid": 1, "secret": _SECRET.hex()}, [])
+    state = bare_dispatcher(("a", "b"))
     assert len(state.executors()) == 2
     heard: list = []
     futures = state.submit(TaskSpec("op", {}, items=3, per_item=(0,)), (Gather([0, 1, 2]),),

@@ -5,20 +5,10 @@ executor once, however many of its inputs failed, and an object read several tim
 import pytest
 
 from flowkit.runtime.dispatch import Dispatcher
-from flowkit.runtime.futures import new_condition
 from flowkit.wire.protocol import Msg, decode
 from flowkit.wire.refs import Gather, Item
 from flowkit.wire.task import TaskSpec
-
-
-class _Owner:
-    condition = new_condition()
-
-    def release(self, object_id: int) -> None:
-        pass
-
-
-_SECRET = b"s" * 32
+from tests.harness import bare_dispatcher
 
 
 @pytest.fixture
@@ -29,12 +19,7 @@ def dispatcher():
     def send_raw(frames: list) -> None:
         sent.append(decode(frames[1:])[0])
 
-    state = Dispatcher(owner=_Owner(), send_raw=send_raw, ping_interval=1.0, ping_timeout=5.0,
-                       heartbeat_address="inproc://unused", secret=_SECRET)
-    for name in ("a", "b"):
-        state.on_message(name.encode(), {"t": Msg.HELLO, "name": name, "tags": [],
-                                         "ops": ["op"], "pid": 1, "secret": _SECRET.hex()}, [])
-    return state, sent
+    return bare_dispatcher(("a", "b"), send_raw=send_raw), sent
 
 
 def _submit(state: Dispatcher, inputs: tuple, executor: int, outputs: int = 1) -> tuple:

@@ -11,13 +11,12 @@ import time
 import msgpack
 import pytest
 
-from flowkit.runtime.dispatch import Dispatcher
-from flowkit.runtime.futures import Future, RemoteError, new_condition
+from flowkit.runtime.futures import Future, RemoteError
 from flowkit.wire.hello import peer_tag
 from flowkit.wire.protocol import Msg, ProtocolError, encode
 from flowkit.wire.serialize import pack
 from flowkit.wire.task import TaskSpec
-from tests.harness import dealer, executor_cluster
+from tests.harness import bare_dispatcher, dealer, executor_cluster
 
 
 @pytest.fixture(scope="module")
@@ -145,23 +144,10 @@ def test_a_handler_that_raises_systemexit_rejects_its_message_and_io_goes_on(pai
         ctl.remove_listener(listener)
 
 
-class _Owner:
-    condition = new_condition()
-
-    def release(self, object_id: int) -> None:
-        pass
-
-
-_SECRET = b"s" * 32
-
-
 def _two_tasks_on_one_executor():
     """A dispatcher with one executor, "a", sent two one-output tasks: (the dispatcher, (the
     first task's output future, its task id), (the second's))."""
-    state = Dispatcher(owner=_Owner(), send_raw=lambda frames: None, ping_interval=1.0,
-                       ping_timeout=5.0, heartbeat_address="inproc://unused", secret=_SECRET)
-    state.on_message(b"a", {"t": Msg.HELLO, "name": "a", "tags": [], "ops": ["op"], "pid": 1,
-                            "secret": _SECRET.hex()}, [])
+    state = bare_dispatcher(("a",))
     futures = [state.submit(TaskSpec("op", {}), (), outputs=1, executor_id=1,
                             tags=frozenset(), meta={})[0] for _ in range(2)]
     return state, *zip(futures, sorted(state._tasks))
