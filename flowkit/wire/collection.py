@@ -34,46 +34,79 @@ import os
 import threading
 from collections.abc import Iterator
 
-__all__ = ["YOUNG_COLLECTION", "fewer_collections"]
+__all__ = ["COLLECTOR_PAUSE", "YOUNG_COLLECTION", "fewer_collections"]
 
 YOUNG_COLLECTION = 400_000  # net allocations between young collections
 
 
-class _Policy:
-    """Entered by any number of runs at once (threads, a run inside a test's): the first sets
-    the policy, the last out restores what was there before the first."""
+class _Held:
+    """A setting of the collector held by any number of holders at once (threads, a run inside
+    a test's): the first in sets it, the last out restores what was there before the first."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.holders = 0
-        self.saved: tuple[int, ...] = ()
-        self.unfreeze = False
 
     def enter(self) -> None:
         with self.lock:
             if self.holders == 0:
-                self.saved = gc.get_threshold()
-                # CPython unfreezes all or nothing: what someone else froze stays frozen
-                self.unfreeze = gc.get_freeze_count() == 0
-                gc.freeze()
-                gc.set_threshold(YOUNG_COLLECTION, *self.saved[1:])
+                self._set()
             self.holders += 1
 
     def leave(self) -> None:
         with self.lock:
             self.holders -= 1
             if self.holders == 0:
-                if gc.get_threshold()[0] == YOUNG_COLLECTION:  # unless set anew meanwhile
-                    gc.set_threshold(*self.saved)
-                if self.unfreeze:
-                    gc.unfreeze()
+                self._restore()
 
     def after_fork(self) -> None:
         self.lock = threading.Lock()  # a copy of a lock another thread held would never open
 
+    def _set(self) -> None:
+        raise NotImplementedError
 
-_POLICY = _Policy()
-os.register_at_fork(after_in_child=_POLICY.after_fork)
+    def _restore(self) -> None:
+        raise NotImplementedError
+
+
+class _Policy(_Held):
+    """[Note: garbage collection]: frozen, young collections rarer."""
+
+    saved: tuple[int, ...] = ()
+    unfreeze = False
+
+    def _set(self) -> None:
+        self.saved = gc.get_threshold()
+        # CPython unfreezes all or nothing: what someone else froze stays frozen
+        self.unfreeze = gc.get_freeze_count() == 0
+        gc.freeze()
+        gc.set_threshold(YOUNG_COLLECTION, *self.saved[1:])
+
+    def _restore(self) -> None:
+        if gc.get_threshold()[0] == YOUNG_COLLECTION:  # unless set anew meanwhile
+            gc.set_threshold(*self.saved)
+        if self.unfreeze:
+            gc.unfreeze()
+
+
+class _Pause(_Held):
+    """No collections at all ([Note: no collections while decoding] in serialize.py); the
+    collector comes back as it was when the first holder came in."""
+
+    was_enabled = False
+
+    def _set(self) -> None:
+        self.was_enabled = gc.isenabled()
+        gc.disable()
+
+    def _restore(self) -> None:
+        if self.was_enabled:
+            gc.enable()
+
+
+_POLICY, COLLECTOR_PAUSE = _Policy(), _Pause()
+for _held in (_POLICY, COLLECTOR_PAUSE):
+    os.register_at_fork(after_in_child=_held.after_fork)
 
 
 @contextlib.contextmanager

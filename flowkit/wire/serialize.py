@@ -18,15 +18,15 @@ each packed by a msgpack call of its own (`flowkit bench codec` measures both fo
 from __future__ import annotations
 
 import ctypes
-import gc
 import importlib
 import sys
-import threading
 import warnings
 from typing import Any
 
 import attrs
 import msgpack
+
+from flowkit.wire.collection import COLLECTOR_PAUSE
 
 __all__ = ["CONTRACT_MODULES", "SerializeError", "allow_records", "declare_modules",
            "declared_modules", "nbytes_of", "pack", "unpack"]
@@ -73,7 +73,7 @@ def unpack(body: bytes, frames: list) -> Any:
     # as it was when the first began.
     paused = len(body) >= _PAUSE_GC_BYTES
     if paused:
-        _GC_PAUSE.enter()
+        COLLECTOR_PAUSE.enter()
     unpacker = _Unpacker(frames)
     try:
         value = _unpackb(body, unpacker)
@@ -83,35 +83,10 @@ def unpack(body: bytes, frames: list) -> Any:
         raise SerializeError(f"cannot decode value: {exc.__class__.__name__}: {exc}") from None
     finally:
         if paused:
-            _GC_PAUSE.leave()
+            COLLECTOR_PAUSE.leave()
     if unpacker.keys:  # [Note: records inline]: a record key anywhere but heading a record
         raise SerializeError("cannot decode value: a record key outside a record's map")
     return value
-
-
-class _CollectorPause:
-    """[Note: no collections while decoding] held by any number of threads at once."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.holders = 0
-        self.was_enabled = False
-
-    def enter(self) -> None:
-        with self.lock:
-            if self.holders == 0:
-                self.was_enabled = gc.isenabled()
-                gc.disable()
-            self.holders += 1
-
-    def leave(self) -> None:
-        with self.lock:
-            self.holders -= 1
-            if self.holders == 0 and self.was_enabled:
-                gc.enable()
-
-
-_GC_PAUSE = _CollectorPause()
 
 
 # The hooks are bound methods of small objects rather than closures: a closure that passes
