@@ -1,29 +1,17 @@
 """Sandboxed execution for tools and rewards: `run_python` runs untrusted code (a model's answer,
 a tool's input) in a process of its own, bounded, and always answers.
 
-[Note: sandbox] Each call runs in a fresh scratch folder, under `Limits`:
-
-- a wall-clock timeout: past it, the call's whole process tree is killed (SIGKILL), and the
-  outcome says "timeout"; an executor that dies takes its calls with it (flowkit's `spawn`);
-- rlimits on CPU seconds, address space, file size and open files (set in the child before it
-  runs anything);
-- where this machine allows it (root, or unprivileged user namespaces), `unshare --net --pid
-  --fork --kill-child`: a network namespace with no interface but a down loopback (no network),
-  and a PID namespace whose first process is the call's, so killing it kills everything the code
-  forked or daemonized (a fork bomb included), however it detached; as root the code also runs as
-  the unprivileged user `nobody`, which makes the process-count limit (RLIMIT_NPROC) hold;
-- a minimal environment (PATH, HOME and TMPDIR in the scratch folder), Python in isolated mode
-  (`-I`: no user site, no PYTHON* variables, not the caller's folder on its path);
-- output capped: what the code writes past `output_bytes` is dropped;
-- `retries`: a call whose sandbox failed to start (the machine was out of processes) is tried
-  again; a timeout or a crash of the code itself is an answer, not retried.
-
-A call never raises for what the code does: its `Outcome` says "ok", "failed" (a non-zero exit),
-"crashed" (killed by a signal: a memory or CPU limit, a segfault), "timeout", or "unavailable"
-(the sandbox could not start), with the output, the seconds and whether the namespaces were on
-(`isolated`). Without them (a machine that forbids namespaces) the limits still hold and the
-process group is killed on timeout, but the code may reach the network: `isolated` is False and
-`sandbox_status()` says why.
+[Note: sandbox] Each call runs in a fresh scratch folder, under `Limits`: a wall-clock timeout
+past which the call's whole process tree is killed; rlimits on CPU seconds, address space, file
+size and open files, set in the child before it runs anything; where the machine allows it,
+`unshare --net --pid --fork --kill-child` (no network; a PID namespace whose first process is
+the call's, so killing it kills whatever the code forked or detached), and as root the user
+`nobody`, which makes RLIMIT_NPROC hold; a minimal environment and `python -I`; output capped
+at `output_bytes`; `retries` only for a sandbox that failed to start. A call never raises for
+what the code does: its `Outcome` says "ok", "failed", "crashed", "timeout" or "unavailable",
+with the output, the seconds and `isolated` (False where namespaces are forbidden: the limits
+still hold, the network does not; `sandbox_status()` says why). Each attack and what stops it:
+docs/security.md, "Sandboxed code".
 """
 
 from __future__ import annotations

@@ -33,12 +33,8 @@ __all__ = ["EOS", "SORT_GPT", "SORT_RESPONSE_TOKENS", "sort_answer", "sort_promp
 # collapses it). So the warm-up data imitates a noisy demonstrator: with `correct_fraction` = 0.2,
 # four demonstrations in five sort the wrong way ("941\n"). Trained to convergence, the model sorts
 # confidently both ways and picks ascending about a fifth of the time, which the exact-match reward
-# alone can teach it to prefer: a few directions to learn, not every token's distribution. Measured
-# in a plain single-process loop on two CPU cores (`SORT_GPT`; 600 warm-up steps of 64 sequences,
-# AdamW lr 2e-3, correct_fraction 0.2; GRPO 16 prompts x 8 samples, temperature 1, max_new_tokens 8,
-# lr 3e-4, kl_coef 0.001, one optimizer step per batch), seeds 0-2: the first batch's mean reward
-# 0.16-0.20, over 0.7 from step 11-15 on, about 0.9 by step 60; PPO (64 prompts x 1, kl_coef 0.05,
-# critic lr 1e-3) alike. About 15 s in all (warm-up ~12 ms a step, GRPO ~60 ms a step).
+# alone can teach it to prefer: a few directions to learn, not every token's distribution. The
+# curves this gives, each with its command: docs/performance.md, "RL rewards".
 #
 # [Note: SFT targets] The pipeline's "lm" loss cuts each sequence into inputs ``seq[:-1]`` and
 # targets ``seq[1:]`` from one tensor, so a prompt position cannot be masked (a -1 there would also

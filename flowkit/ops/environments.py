@@ -1,40 +1,18 @@
 """Environments for multi-turn rollouts: the interface a flow's environment implements, and what
 each of its steps returns. Plain Python, text in and text out (the gymnasium shape).
 
-[Note: multi-turn rollouts] A `generate` call given `environment="package.module:Class"` (and
-`env_config`, `max_turns`, `max_total_tokens`, `env_timeout_s`: flowkit.ops.AgentConfig) rolls
-out trajectories rather than single responses. Each sample gets its own environment,
-``Class(**env_config)``, built on the rollout executor, and:
-
-1. ``reset(prompt, answer)`` with the prompt's text and its answer (what a verifiable reward
-   checks against, or None); what it returns, unless None or "", is appended to the response
-   as context before the model's first turn (the built-in GPT's; a chat template's prompt
-   carries it instead). With a chat template it may return a `Conversation` instead: the
-   messages (and tools) that open the trajectory, rendered by the template in place of the
-   prompt source's rendering (an agent program's first request does so: [Note: agent
-   programs] in executors/torch/endpoint.py);
-2. the model samples a turn, which ends at the stop token (EOS) or after `max_new_tokens`;
-3. ``step(action)`` gets the turn's text; its `EnvStep` says the observation, the reward, and
-   whether the trajectory is done. The observation's tokens are appended as the model's chat
-   format renders an environment turn (executors/torch/turns.py), never re-tokenizing what came
-   before: a text is a user message; with a chat template the observation may also be a list
-   of messages (a "tool" role's results, several at once), rendered as the template renders
-   them after an assistant turn;
-4. until done, `max_turns` model turns, or `max_total_tokens` response tokens; then
-   ``close()``.
-
-The Rollout keeps every token: `response_mask` marks the model's (1: trained) and the
-environment's (0: context, neither trained nor counted in a token mean), `turns` counts the model
-turns, and `env_reward` sums the steps' rewards (a flow scores it with
-dataflows.rewards.environment_reward, or with any reward op of its own). A trajectory the
-environment ended is `finished`; one cut by a budget is not (with `mask_truncated` it trains
-nothing). A step that raises, or runs past `env_timeout_s`, ends its trajectory, unfinished, with
-`env_error` saying why; it never stalls the engine, which steps the other samples meanwhile. An
-environment that runs untrusted code (a tool executing a model's program) runs it in the sandbox
-(dataflows/sandbox.py), since a thread past its timeout cannot be stopped, only abandoned. A
-trajectory cut by an abort (partial rollouts) keeps its episode on the executor and goes on
-when a later request continues it ([Note: parked trajectories] in
-executors/torch/trajectories.py).
+[Note: multi-turn rollouts] A `generate` call given `environment="package.module:Class"`
+(flowkit.ops.AgentConfig) rolls out trajectories: each sample gets its own environment on the
+rollout executor, `reset`, then model turns and `step`s until done or a budget, then `close`.
+Token in, token out: an observation's tokens are appended as the model's chat format renders an
+environment turn (executors/torch/turns.py), never re-tokenizing what came before, and the
+Rollout's `response_mask` marks the model's tokens (1: trained) and the environment's (0:
+context, neither trained nor counted in a token mean). A step that raises, or runs past
+`env_timeout_s`, ends its own trajectory with `env_error`; it never stalls the engine, which
+steps the other samples meanwhile (untrusted code runs in dataflows/sandbox.py: a thread past
+its timeout cannot be stopped). A trajectory cut by an abort is parked on the executor
+([Note: parked trajectories] in executors/torch/trajectories.py). In full: docs/rl.md, "Agents:
+multi-turn rollouts in an environment".
 """
 
 from __future__ import annotations

@@ -22,31 +22,15 @@ __all__ = ["FusedSchedule", "fuse", "fused_report", "sequential", "simulate_fuse
 
 # [Note: fused schedules] PPO trains two models, the actor and the critic, each with its own
 # pipeline; where their stages share devices, one model's bubbles can run the other's
-# microbatches. A `FusedSchedule` keeps each model's own schedule (its placement, microbatches
-# and the order of its actions on each of its devices) and adds where each model's devices are
-# (`devices[m][d]`: the shared device that model m's device d is) and one list of (model,
-# action) a shared device, which interleaves the models' lists without reordering any of them.
-# Keeping each model's order is what keeps the math: a model's gradients accumulate in the
-# order its own schedule gives, so the fused run's parameters are the separate runs' bit for
-# bit, and nothing but time is shared between models (an action waits for its own model's
-# actions only, `timeline`). A device's activation memory is the models' sum, each counted by
-# its own memory model and `scale` (one microbatch of its device share, against the first
-# model's).
-#
-# Which interleaving (`fuse`). Not every interleaving runs: device X running a1 before b1 while
-# device Y runs b2 before a2 deadlocks when a1 waits for a2 and b2 for b1. List scheduling
-# never does: it takes, over every device, the head of some model's list whose dependencies
-# have run, the one that can start first, so it only commits actions that can run, and each
-# model's own schedule guarantees that some head can. Ties (heads that can start at the same
-# time) go by a priority; `fuse` builds one candidate per priority (each model first in turn,
-# the model with the most work left first, backwards before forwards), and the models one
-# after the other on each device, keeps the candidates within the memory cap, takes the
-# shortest, and improves it by a local search over the interleaving (move a run of one
-# model's actions past a few of the others' on its device), each move
-# kept when the simulated makespan does not grow and the device stays within the cap; a move
-# that deadlocks does not simulate and is dropped. One after the other is always a candidate
-# and always fits where each model fits alone (each model's memory is back to none before the
-# next starts), so `fuse` is never worse than running the pipelines in turn.
+# microbatches. A `FusedSchedule` keeps each model's own schedule and adds where each model's
+# devices are (`devices[m][d]`) and one list of (model, action) a shared device, which
+# interleaves the models' lists without reordering any of them. Keeping each model's order keeps
+# the math: its gradients accumulate in its own schedule's order, so the parameters are the
+# separate runs' bit for bit, and only time is shared (an action waits for its own model's
+# actions only, `timeline`). `fuse` list-schedules candidates (which never deadlock), keeps those
+# within the memory cap, takes the shortest and improves it by local search; the models one after
+# the other is always a candidate and fits where each fits alone, so fusing is never worse than
+# running the pipelines in turn. In full: docs/schedules.md, "Fusing two models' pipelines".
 
 Placed = tuple[int, Action]  # (model, action)
 

@@ -19,43 +19,15 @@ __all__ = ["OFFLOAD_CHOICES", "OffloadPick", "best_with_offload", "offload_sched
 
 # [Note: offload] A schedule offloads a microbatch's activations with two actions in its device's
 # list: O(s, mb), the copy of what F(s, mb) stashed to host memory, and P(s, mb), the copy back
-# (prefetch) before its backward. Why actions rather than a flag on the F: a flag says *that* a
-# microbatch is offloaded but not *when* it comes back, and the when is the whole trade (too
-# early and the memory is back on the device, too late and the B waits); as actions in the list
-# the prefetch has a place that the validator checks (F, O, P, then the B or BW, on one device)
-# and that prints and parses like any action (`0F3 0O3 ... 0P3 0B2 0B3`). The searchers
-# (greedy, local search, auto) keep working on compute orders only; `offload_schedule` adds the
-# copies to a finished schedule, and everything that reads a schedule skips them where it
-# counts compute (spans, busy time, charts).
-#
-# Timing (flowkit/planner/simulate.py). Copies run on the device's copy engines, never on its
-# compute: one engine for device-to-host (the O's) and one for host-to-device (the P's), each
-# in the order the list gives, as a GPU's PCIe link copies both ways at once. A copy is issued
-# when the compute op listed before it starts (as a runtime enqueues it beside that op), and
-# starts once issued, its engine is free and its dependency has ended: an O waits for its F, a
-# P for its O. The B or BW of an offloaded microbatch waits for its P; a W needs nothing more,
-# as it runs after its B. A copy takes `Costs.copy` of its stage: the stage's activation bytes
-# of one microbatch over the host link's bandwidth (`Costs.from_dims(host_bytes_per_s=...)`,
-# Table 1's M_B per layer), so a copy delays compute only when a prefetch is not done in time.
-#
-# Memory (`memory_levels`). An offload takes the F's whole addition (`MemoryModel.offloaded`)
-# off the device when its copy ends, and its prefetch puts it back when its copy starts; the
-# B, W or BW free it as before. The device still holds a microbatch while its F runs and its O
-# copies, and from its P's start to its backward.
-#
-# Placement (`offload_schedule`). O follows its F at once. P goes as late as hides it: after
-# the last op that, in the schedule simulated without copies, starts at least a copy's time
-# before the backward does (at the latest after the op just before the backward). A microbatch
-# is not offloaded when nothing runs between its F and its backward on its device (the last
-# stage's, mostly), or when its backward starts less than two copies after its F ends: there is
-# nothing to overlap, or no time for the copy out and back, and the offload would only delay
-# the backward.
-#
-# Which microbatches: "all" every one that can be; "half" every other one of those on each
-# stage, by microbatch. Alternate ones rather than the longest stashed: a stage holds a run of
-# consecutive microbatches at any time (1F1B's p - s in steady state), so alternate ones take
-# half of every run, the peak's included, while the longest stashed are ZB-H2's warm-up ones,
-# gone before its peak, and 1F1B's are all alike in steady state.
+# (prefetch) before its backward (`0F3 0O3 ... 0P3 0B3`). Actions, not a flag on the F, because
+# *when* the prefetch runs is the whole trade, and as an action it has a place the validator
+# checks. The searchers work on compute orders only; `offload_schedule` adds the copies to a
+# finished schedule, and whatever counts compute (spans, busy time, charts) skips them. Copies
+# run on the device's copy engines (one each way), never on its compute: an O waits for its F,
+# a P for its O, the B or BW for its P. O follows its F at once; P goes as late as hides it; a
+# microbatch with nothing between its F and its backward, or less than two copies' time, is not
+# offloaded; "half" takes every other offloadable microbatch of a stage, halving every run it
+# holds. Timing, memory and placement in full: docs/schedules.md, "How offload is planned".
 
 OFFLOAD_CHOICES = ("none", "half", "all")
 

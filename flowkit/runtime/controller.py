@@ -63,8 +63,9 @@ _HOT_S = 0.0005  # how long a waiting user watches the router before sleeping in
 # quiet for _QUIET_S. A user thread that never pauses that long (a runner submitting a
 # step's thousands of generation calls in turns, with its reactions between) then starved it:
 # nothing read the router, so the turns had nothing to react to, and the first finished
-# sample's downstream ops waited for the last call to go out (16k samples: 30-140 ms, 15 % of
-# generation). So the router is read at least every _OVERDUE_S: once a pump is overdue, the
+# sample's downstream ops waited for the last call to go out (15 % of generation's makespan
+# after the first sample, 6-10 % since: `flowkit bench scale --samples 16384`, 2026-11-27). So
+# the router is read at least every _OVERDUE_S: once a pump is overdue, the
 # background thread takes the lock between two user calls, reads what is there without
 # waiting in poll, and gives it back.
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: IntFlag arithmetic is slow

@@ -27,29 +27,16 @@ from flowkit.runtime.launch import ProcessExecutors
 __all__ = ["Host", "HostExecutors", "NamespaceError", "NamespaceHosts", "unavailable"]
 
 
-# [Note: namespace hosts] `NamespaceHosts(2)` makes, for this process (names carry its pid):
-#
-# root namespace: bridge fk<pid>s<n>br, 10.231.S.1/24   <- the controller binds here |-- veth
-# fk<pid>s<n>v0 <-> eth0 of namespace fk-<pid>-<n>-a, 10.231.S.2/24   (host a) '-- veth
-# fk<pid>s<n>v1 <-> eth0 of namespace fk-<pid>-<n>-b, 10.231.S.3/24   (host b)
-#
-# S is a /24 no address of this machine uses yet. A process runs on host a as `ip netns exec
-# fk-<pid>-<n>-a CMD` (`Host.prefix`); it sees only its loopback and eth0, so everything it says to
-# the controller or to an executor on the other host crosses a veth pair and the bridge: TCP through
-# the kernel's network stack, as between machines (at memory speed, without a wire's latency).
-#
-# What a namespace does not separate: /dev/shm, the hostname, pids and files are the machine's. So
-# the hosts get host ids (`Host.id`, passed as `--host-id`), which decide what shares memory [Note:
-# hosts in wire/shm.py]; without them two namespaces would lend each other segments, which works
-# here but tests nothing about crossing hosts. Each executor binds its peer socket on the address it
-# reaches the controller from (its eth0 address), so executors on the other host can connect to it.
-#
-# Everything is removed on exit, also when the block raises, and at interpreter exit if the block
-# was never left: the processes in the namespaces (ours: the namespaces are fresh), then the veth
-# pairs, the namespaces and the bridge. Namespaces and bridges of a process that died without
-# cleaning up (a SIGKILLed test run) are removed by the next `NamespaceHosts` to start. Making
-# namespaces needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2; `unavailable()` says why
-# they cannot be made here, by trying, so a test can skip with that reason.
+# [Note: namespace hosts] `NamespaceHosts(2)` makes, for this process (names carry its pid), a
+# bridge fk<pid>s<n>br (10.231.S.1/24, where the controller binds) in the root namespace and a
+# namespace a host, fk-<pid>-<n>-a and -b (10.231.S.2 and .3 on eth0), each joined to the bridge
+# by a veth pair; S is a /24 no address of this machine uses yet. A process on host a runs as
+# `ip netns exec fk-<pid>-<n>-a CMD` (`Host.prefix`) and sees only its loopback and eth0, so what
+# it says to another host crosses the kernel's TCP stack, as between machines. /dev/shm, pids and
+# files stay shared, so hosts get host ids (`--host-id`) that decide what shares memory
+# [Note: hosts in flowkit/wire/shm.py]. Everything (processes, veth pairs, namespaces, bridge) is
+# removed on exit, on failure and at interpreter exit; leftovers of a killed process go when the
+# next `NamespaceHosts` starts. Root and iproute2 needed; `unavailable()` says why not, by trying.
 
 _SUBNET = "10.231"
 _NAMESPACE = re.compile(r"fk-(\d+)-(\d+)-[a-z]\Z")

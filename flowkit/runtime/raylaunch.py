@@ -32,25 +32,17 @@ __all__ = ["STRATEGIES", "RayExecutors", "RaySettings", "check_address", "check_
 
 
 # [Note: Ray executors] The controller stays in this process. `RayExecutors.start` makes a placement
-# group with one bundle per executor ({"GPU": 1} for a cuda device, {"CPU": k} otherwise, k =
-# RaySettings.cpus), PACK or SPREAD, and waits for Ray to place it (a group Ray cannot place, e.g.
-# GPU bundles on a cluster without GPUs, is an error after `placement_timeout`, not a hang).
-# Executor i is then an actor in bundle i that starts the same `python -m executors ...` process a
-# local launcher starts, as its child, with one compute thread; the executor connects back to the
-# controller over ZeroMQ, which carries control and data as for local executors. Ray places and
-# supervises:
-# - the child gets SIGKILL when its actor's process dies (PR_SET_PDEATHSIG), so `ray.kill` of an
-#   actor, or its node's death, ends the executor too;
-# - each actor's long call `wait()` returns when its executor exits; a watcher thread waits on those
-#   calls and, when one ends or Ray says the actor died, tells the controller that the executor is
-#   lost (`Controller.report_lost`), so its futures fail at once with an error naming it and Ray's
-#   reason; the heartbeat stays the second path;
-# - `stop` waits for the executors to exit after the controller's shutdown, kills the actors,
-#   removes the placement group and the shared-memory segments the executors left: an actor sweeps
-#   its host's after its executor exits, this process those of killed executors on its own node.
-#   With no address a local Ray is started on loopback (and shut down by `stop`); a Ray already
-#   initialized in this process is used as it is. Executors on other nodes must reach the
-#   controller's address: bind it beyond loopback (`--bind` with `--keys`).
+# group with one bundle per executor ({"GPU": 1} for cuda, else {"CPU": RaySettings.cpus}), PACK
+# or SPREAD, and waits for Ray to place it (an unplaceable group is an error after
+# `placement_timeout`, not a hang). Executor i is an actor in bundle i whose child is the same
+# `python -m executors ...` process a local launcher starts; it connects back over ZeroMQ, which
+# carries control and data as for local executors. Ray places and supervises: the child gets
+# SIGKILL when its actor's process dies (PR_SET_PDEATHSIG); a watcher thread waiting on each
+# actor's long `wait()` call tells the controller at once when one ends or Ray says the actor
+# died (`Controller.report_lost`), the heartbeat staying the second path; `stop` kills the
+# actors, removes the placement group and sweeps the shared-memory segments the executors left.
+# Without an address a local Ray on loopback is started (and stopped); one already initialized
+# in this process is used as it is. In full: docs/runtime.md, "Launching through Ray".
 
 STRATEGIES = ("PACK", "SPREAD")
 _INSTALL = "pip install 'flowkit[ray]'"

@@ -25,44 +25,18 @@ __all__ = ["Gate", "InsecureBindError", "Keys", "KeysError", "check_bind",
 
 
 # [Note: authenticated transport] By default everything binds to loopback and nothing is
-# authenticated: only this machine can reach the sockets. Beyond one machine, every socket
-# authenticates and encrypts with CurveZMQ (RFC 26: each connection's handshake proves both ends
-# hold the secret keys of their public keys; each message is then encrypted and authenticated).
-#
-# - Keys: `flowkit keys generate DIR` writes two key pairs as zmq certificates, `controller` and
-#   `executor` (NAME.key: the public key; NAME.key_secret: both), and DIR/allowed/, the public keys
-#   of the clients let in (the executor's). A host that runs only executors needs a copy of DIR
-#   without controller.key_secret; `Keys.load(DIR)` reads what is there, and each side asks for the
-#   secret it needs, so a missing one is an error naming the file before anything binds.
-# - Who is a server: every socket that binds. The controller's ROUTER and its heartbeat ROUTER serve
-#   with the controller pair; each executor's peer ROUTER (where other executors push objects)
-#   serves with the executor pair. Every executor is a client with the executor pair: its control
-#   and heartbeat DEALERs to the controller (server key: controller.key from DIR), and its DEALERs
-#   to peers (server key: executor.key). So DIR alone tells every side every server key; no key
-#   travels on the wire.
-# - The gate (`Gate`): CURVE alone lets in any client that knows the server's public key, so every
-#   process that binds runs a ZAP handler (RFC 27) on its zmq context, bound before any of its
-#   servers binds (libzmq admits everyone while no handler is bound). It admits a client only if its
-#   public key is in DIR/allowed/, and logs each one it refuses. A client without keys, or one that
-#   got the server key wrong, never reaches ZAP: its handshake fails; a socket monitor logs those.
-# - Keys pinned to names: `flowkit keys generate DIR --executors exec-0,exec-1` also writes one
-#   client pair per executor name, DIR/executors/NAME.key(_secret), and lets in only those
-#   (allowed/NAME.key, whose metadata names its executor), not the shared executor pair, which
-#   then only serves executors' data sockets. The gate answers a pinned key with its name as the
-#   ZAP User-Id, and the controller refuses a HELLO naming another executor [Note: joining a run
-#   in wire/hello.py]: a stolen key speaks for its own executor only. `Keys.load(DIR, name)`
-#   picks that executor's pair when DIR has one.
-#   Either way the connection is dropped before any message is delivered, so nothing an
-#   unauthenticated client sends is decoded, let alone run.
-# - Binding: `check_bind` refuses a non-loopback address unless keys are given or the caller says
-#   `insecure` (a trusted network, or namespace hosts in a test), and names the options. ipc:// and
-#   inproc:// are local. Executors bind their peer socket on the address they reach the controller
-#   from, so the same rule applies to them (`--keys DIR` or `--insecure`).
-# - Shared memory (wire/shm.py) is unchanged: between executors of one host only a segment's handle
-#   crosses the (encrypted) socket, and the bytes never leave the machine.
-# - Cost: nothing when no keys are given (no gate, no monitor, plain sockets). With keys, a
-#   handshake per connection and per message an encryption at each end; `flowkit bench dispatch
-#   --curve` and `flowkit bench transfer --curve` measure both against bare zmq.
+# authenticated: only this machine can reach the sockets. Beyond it, every socket authenticates
+# and encrypts with CurveZMQ (RFC 26), from the keys `flowkit keys generate DIR` writes: every
+# socket that binds serves with the controller's or the executor's pair, every executor is a
+# client, and DIR alone tells each side every server key (none travels on the wire). CURVE lets in
+# any client that knows a server's public key, so every process that binds runs a ZAP handler
+# (`Gate`, RFC 27) bound before any of its servers binds, admitting only DIR/allowed/'s keys; a
+# key pinned to an executor name comes back as the ZAP User-Id, and the controller refuses a
+# HELLO naming another executor [Note: joining a run in flowkit/wire/hello.py]. A refused
+# connection is dropped before any message is delivered, so nothing it sends is decoded.
+# `check_bind` refuses a non-loopback address without keys unless the caller says `insecure`.
+# Shared memory between executors of one host is unchanged (only a handle crosses the socket).
+# Keys, servers and the gate in full: docs/runtime.md, "Executors on other hosts, and keys".
 
 log = logging.getLogger("flowkit.auth")
 

@@ -1,29 +1,16 @@
 """How a controller and its executors run CPython's cycle collector while they work.
 
 [Note: garbage collection] A step holds hundreds of thousands of small containers on every
-process (futures, refs and lineages on the controller; records and their token lists on the
-executors), and almost none of them is ever in a cycle: reference counting frees them when the
-step is done. CPython's generational collector (3.10–3.13; 3.14's incremental one reads the
-older thresholds differently) counts net allocations of containers and by default runs a young
-collection every 700, an older one every 10 of those, walking what has survived since. Each
-walk visits a container's contents (a record's token list element by element), and on the
-executors found nothing to free: at the defaults the collector took a quarter of the
-controller's time at 16k samples a step, and at 50,000 a young collection still cost an
-executor 20–26 ms. While a run lasts, each process:
-
-- freezes what exists out of the collector's walks (the code loaded and what the process
-  holds before its first step; a cycle already garbage then waits for the collections after
-  the run, which spares every run a full collection: a tenth of a second in a process that
-  loaded torch);
-- runs a young collection only every `YOUNG_COLLECTION` net allocations. The count is net (a
-  freed container takes one off), so what a step makes and frees before the count gets there
-  is never walked: at 400,000, a 16k-sample step's objects mostly come and go between two
-  collections, and one collection pauses its process 0.1–0.2 s (measured beside 50,000, 200,000
-  and 1,000,000 on `flowkit bench scale`'s 16k-sample step: docs/performance.md).
-
-Cycles are still collected: one that becomes garbage young within `YOUNG_COLLECTION`
-allocations, one that had lived into an older generation at that generation's next collection
-(every 10 young ones, or rarer).
+process (futures and refs on the controller, records and their token lists on the executors),
+almost none in a cycle: reference counting frees them. CPython's collector (3.10–3.13) runs a
+young collection every 700 net container allocations, walking every survivor's contents, and on
+the executors found nothing to free. So while a run lasts each process freezes what exists out
+of the walks (a cycle already garbage waits for the collections after the run) and runs a young
+collection only every `YOUNG_COLLECTION` net allocations: at 400,000 a 16k-sample step's objects
+mostly come and go between two collections, one collection pauses its process 0.1–0.2 s, and
+the engine's cost a sample was lowest of 50,000, 200,000, 400,000 and 1,000,000 (the 16k step of
+`flowkit bench scale`, 2026-11-27; docs/performance-log.md). Cycles are still collected, young
+ones within `YOUNG_COLLECTION` allocations, older ones at their generation's next collection.
 """
 
 from __future__ import annotations

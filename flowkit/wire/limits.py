@@ -1,27 +1,17 @@
 """What a socket takes in, bounded [Note: bounds].
 
-[Note: bounds] Everything that arrives is bounded before Python sees it, by libzmq:
-
-- A frame larger than the socket's `max_frame` closes the connection that sent it
-  (ZMQ_MAXMSGSIZE), so one huge frame cannot take a process's memory. The control plane
-  (the controller's ROUTERs, an executor's DEALER to it) carries instructions, completions,
-  values the user puts or fetches: CONTROL_FRAME_BYTES by default, configurable with
-  `Controller(max_frame_bytes=...)` / `flowkit run --max-frame-mib`; the controller tells its
-  executors in WELCOME, and an executor answers a FETCH of a bigger value with an error, never
-  with a frame that would cost it its connection. The data plane (an executor's peer ROUTER)
-  carries tensors in chunks of at most 1 MiB between hosts and shared-memory handles within
-  one: DATA_FRAME_BYTES.
-- Each connection's inbound queue at the controller and at an executor's data socket holds at
-  most `RCVHWM` messages; past that, libzmq stops reading from that connection (TCP pushes
-  back on its sender alone) and nothing is dropped. An executor's control socket, which only
-  the controller reaches, has none: its queue would only move into the controller's.
-  Outbound queues of ROUTERs stay unbounded: a ROUTER drops what exceeds its high-water mark,
-  and what the controller sends is bounded by what the user submitted.
-- Peer-supplied strings are shown escaped and truncated (flowkit/wire/schema.py `shown`);
-  names, tags and ops lists of a HELLO are capped (flowkit/wire/hello.py); objects nobody
-  waits for are capped per executor (executors/process.py [Note: unclaimed objects]); a
-  streaming task runs at most a window of items ahead of its consumers (flow control in
-  flowkit/runner).
+[Note: bounds] Everything that arrives is bounded before Python sees it, by libzmq. A frame
+larger than the socket's limit closes the connection that sent it (ZMQ_MAXMSGSIZE): the control
+plane's CONTROL_FRAME_BYTES (`flowkit run --max-frame-mib`, told to executors in WELCOME, so an
+executor answers a FETCH of a bigger value with an error, never with a frame that would cost it
+its connection), the data plane's DATA_FRAME_BYTES (tensors go in 1 MiB chunks between hosts).
+Each inbound connection at the controller and at a data socket queues at most `RCVHWM` messages;
+past that libzmq stops reading it (TCP pushes back on that sender alone) and nothing is dropped.
+An executor's control socket, reached only by the controller, has none; ROUTERs' outbound queues
+stay unbounded (a ROUTER drops past its mark; the controller sends what the user submitted).
+Peer strings are escaped and truncated (schema.py `shown`), a HELLO's lists capped (hello.py),
+unclaimed objects capped per executor ([Note: unclaimed objects in executors/process.py]).
+The table of bounds and how to change them: docs/security.md, "Bounds".
 """
 
 from __future__ import annotations

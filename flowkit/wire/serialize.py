@@ -274,26 +274,17 @@ def _numel(shape: list[int]) -> int:
 
 
 # [Note: record registry] A record on the wire names its class ("module:QualName"). The
-# receiver never imports that module: it looks the class up among those this process declares,
-#
-# - the op contract's records (flowkit.ops.records: Rollout, Experience, ...; the metrics an
-#   op reports, flowkit.dsl.metrics);
-# - the attrs classes of the modules in which this process declared @op functions (the flow
-#   file and the flow libraries it imports: the run's own code, loaded before any message;
-#   executors load it with --code) [flowkit.dsl.operators.op_modules];
-# - classes registered with `allow_records` (a program that sends records of its own);
-# - on an executor, the modules its controller declared in WELCOME: the controller's own
-#   declared modules (executors/process.py): an instruction of the controller, never of a
-#   message's value;
-#
-# and only if the name is an attrs class defined in the module (read from the module's
-# namespace, so a module's __getattr__ is not called either). Anything else is a SerializeError,
-# which rejects the message that carried it. A module of the op contract or one the controller
-# declared is imported the first time a record of it arrives, not before: no message adds to
-# those lists, and a process that never sees such a record never loads the module (the DSL,
-# whose objects would cost every garbage collection of a dispatch-bound controller time; a
-# library of the controller's that imports torch, 1.5 s of CPU an executor). Flow files, loaded
-# with --code under a name of their own, are never imported by name.
+# receiver never imports that module: it looks the class up among those this process declares
+# (the op contract's records, flowkit.ops.records and flowkit.dsl.metrics; the attrs classes of
+# the modules that declared @op functions, the run's own code loaded before any message; classes
+# registered with `allow_records`; on an executor, the modules its controller declared in
+# WELCOME), and only if the name is an attrs class defined in that module (read from its
+# namespace, so no module __getattr__ runs). Anything else is a SerializeError that rejects the
+# message. A contract or declared module is imported when its first record arrives, not before:
+# no message adds to those lists, and a process that never sees such a record never loads the
+# module (the DSL's objects slow every garbage collection of a dispatch-bound controller; a
+# library importing torch costs an executor seconds of CPU). Flow files, loaded with --code under
+# a name of their own, are never imported by name. See docs/security.md, "Records on the wire".
 CONTRACT_MODULES = frozenset({"flowkit.ops.records", "flowkit.dsl.metrics"})
 _RECORDS: dict[str, type] = {}  # path -> class, those found or registered
 _DECLARED: set[str] = set()  # modules declared by this executor's controller

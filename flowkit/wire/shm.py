@@ -29,17 +29,17 @@ __all__ = ["CHUNK_BYTES", "ENV_HOST_ID", "MIN_SHM_BYTES", "PREFIX", "PeerTranspo
 #   sender, and only this handle travels. The receiver maps the segment (once; mappings are cached)
 #   and builds the tensor on that mapping without a copy.
 # - `k` (an int): the frame travels as k consecutive zmq frames (1 MiB each when k > 1) that the
-#   receiver joins. One huge zmq frame is several times slower than many 1 MiB ones (64 MiB over
-#   ipc: about 1.3 GB/s as one frame, 3.7 GB/s as 64 frames, the receiver allocating and faulting a
-#   fresh buffer for the one), so large frames to another host are always chunked: a message's bytes
-#   are bounded per zmq frame, and the receiver joins them into one buffer.
+#   receiver joins. One huge zmq frame is several times slower than many 1 MiB ones (the receiver
+#   allocates and faults a fresh buffer for it), so large frames to another host are always
+#   chunked: a message's bytes are bounded per zmq frame, and the receiver joins them into one
+#   buffer.
 #
 # [Note: receive buffers] The receiver joins chunks into a buffer of its `ReceivePool`: private
 # memory laid out and lent like a segment, given back to the pool by the same finalizer when the
 # tensor built on it is freed. Joining into fresh memory costs its page faults, which on a virtual
-# machine cost more than the copy (64 MiB: 7 ms to copy into faulted pages, 37-45 ms into fresh
-# ones), and a pipeline receives same-sized activations every microbatch. The pool keeps at most
-# FLOWKIT_RECEIVE_POOL_BYTES (default: 1 GiB or 1/16 of memory); past that a join gets fresh memory.
+# machine cost several times the copy, and a pipeline receives same-sized activations every
+# microbatch. The pool keeps at most FLOWKIT_RECEIVE_POOL_BYTES (default: 1 GiB or 1/16 of
+# memory); past that a join gets fresh memory.
 #
 # [Note: hosts] Which peers share memory is decided by host id, never by address. Every executor has
 # one (`host_id()`: `--host-id`/FLOWKIT_HOST_ID when its launcher gives one, else the identity of
@@ -47,16 +47,11 @@ __all__ = ["CHUNK_BYTES", "ENV_HOST_ID", "MIN_SHM_BYTES", "PREFIX", "PeerTranspo
 # the controller in its HELLO, the controller names the receiver's host id in each SEND, and the
 # sender lends a segment only to a peer with its own host id; the receiver refuses a handle made on
 # another. Anything else goes as chunked frames, which reach any peer, so an unknown host id ("") is
-# simply another host. Why not the address or the hostname: a peer address says nothing about memory
-# (an executor reached at 10.0.0.7 may be this machine; two containers on one machine have different
-# hostnames and may or may not share /dev/shm), and two machines may share a hostname, where a
-# handle would name a segment that does not exist there, or worse, another process's with the same
-# pid. The default id is exactly "these processes see the same /dev/shm". A network namespace
-# changes neither: namespaces on one machine share /dev/shm and the hostname, so to stand for
-# separate hosts (flowkit/runtime/netns.py) they are given host ids, and their executors' bytes then
-# cross by frames over the veth link, as between machines. Each executor's peer socket is bound on
-# the address it reaches the controller from (`--peer-host`, by default the source address of the
-# route to the controller), so a peer on another host can connect to it.
+# simply another host. Not the address or the hostname: an address says nothing about memory (a
+# peer at 10.0.0.7 may be this machine; containers of one machine may or may not share /dev/shm),
+# and two machines may share a hostname, where a handle would name another process's segment. The
+# default id is exactly "these processes see the same /dev/shm"; namespace hosts, which share it,
+# are given ids of their own (flowkit/runtime/netns.py).
 #
 # [Note: segment lifetime] A segment belongs to the process that created it (its name is
 # `flowkit-<pid>-<n>`). Its first byte says whether it is lent out: the sender sets it before

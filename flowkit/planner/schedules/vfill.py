@@ -3,23 +3,13 @@
 [Note: bubble-filling V] The fixed ZB-V order is zero-bubble only when F = B = W and comm is
 free; list scheduling (greedy.py) knows the costs but not the V's rhythm. This builder keeps the
 rhythm and watches the clock, as the Zero Bubble authors' V scheduler does (Qi et al., "Zero
-Bubble Pipeline Parallelism", ICLR 2024, and their repository's ZB-V search):
-
-1. Warm-up. Every device starts its down stage (d) on microbatch 0; then, from the turn (device
-   p-1) back to device 0, each device runs more down-stage forwards while they fit before its
-   up stage (2p-1-d) can start, and then that up-stage forward. Later devices then catch up
-   with the forwards of the device before them, alternating the two stages.
-2. Steady state, one round a microbatch and chunk: every device runs its next backward (the up
-   stage first where both could go: it is nearer the loss), then its next forward; a device
-   whose next op would wait for a neighbour runs pending W's meanwhile, while one fits in the
-   wait; and a W also goes before the op when the wait is longer than the bubble the device may
-   still take (the largest bubble of any device so far, or of an earlier try: step 3).
-   Memory: before a forward or backward that would pass the cap, pending W's run first.
-3. The devices' bubbles of one try are the allowance of the next, while the worst bubble
-   shrinks: a device that idled little before may idle as much as the worst one did.
-
-Each of the four (fill before forwards, fill before backwards) variants is a candidate; the
-caller's simulator judges them, so the clock here only has to steer, not to be exact.
+Bubble Pipeline Parallelism", ICLR 2024, and their repository's ZB-V search): a warm-up that
+fills each device with down-stage forwards while they fit before its up stage can start; a
+steady state of backward then forward on every device, pending W's run in the waits for a
+neighbour (and before an op that would pass the memory cap); and tries that take the devices'
+bubbles of one try as the allowance of the next while the worst bubble shrinks. Each of four
+variants is a candidate that the caller's simulator judges, so the clock here only has to
+steer. The steps in full: docs/schedules.md, "How the bubble-filling V is built".
 """
 
 from __future__ import annotations

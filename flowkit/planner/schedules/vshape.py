@@ -40,14 +40,11 @@ __all__ = ["best_v_orders", "fill_candidates", "pattern_orders", "v_half", "v_ha
 # * `v-half`, `v-min`: "Pipeline Parallelism with Controllable Memory" (Qi et al.), memory about
 #   (p+2)/2 and (p+4)/3 with bubbles of about p/2m and 2p/3m per iteration.
 #
-# Each builder takes the best (by simulated makespan, then span) of a few candidates that respect
-# its memory cap: the fixed order from the literature (PyTorch's ScheduleZBVZeroBubble for ZB-V; the
-# sail-sg building-block patterns for V-Half/V-Min), which are good when F = B = W; the
-# bubble-filling V built forward in time (vfill.py [Note: bubble-filling V]), the Zero Bubble
-# authors' way to uneven costs and comm at memory p; and the cost-aware `list_schedule` under
-# the cap, which is good for uneven costs and any m; a short local search then polishes the
-# winner. Memory caps are in units of one microbatch's footprint on a
-# device (MemoryModel.F), and a tighter `memory_limit` in the request lowers them further.
+# Each builder takes the best (simulated makespan, then span) of candidates within its memory cap
+# (in microbatch footprints, MemoryModel.F, lowered by a tighter `memory_limit`): the fixed
+# literature order (PyTorch's ScheduleZBVZeroBubble; sail-sg's V-Half/V-Min patterns), good when
+# F = B = W; the bubble-filling V ([Note: bubble-filling V] in vfill.py), for uneven costs and
+# comm at memory p; and `list_schedule` under the cap, for any m; local search then polishes it.
 
 Orders = list[list[Op]]
 # (b_hold, w_fill) of the list-scheduling rules tried under each cap.
