@@ -136,7 +136,7 @@ def run_secret(secret_file: Path | None) -> bytes | None:
 
 def route_source(address: str) -> str:
     """The local address this machine reaches `address` (a zmq endpoint) from: where a peer
-    that reaches the controller can reach this executor too [Note: hosts in wire/shm.py]."""
+    that reaches the controller can reach this executor too [Note: hosts in flowkit/wire/shm.py]."""
     scheme, _, rest = address.partition("://")
     host, _, port = rest.rpartition(":")
     host = host.strip("[]")

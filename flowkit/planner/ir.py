@@ -43,9 +43,11 @@ ActionKey = tuple[int, str, int]
 
 
 def action_key(stage: int, kind: Kind | None, microbatch: int) -> ActionKey:
-    """What the actions that depend on this one wait for. [Note: B and BW share a key] A stage's
-    backward is made by B or by BW, whichever its schedule uses, and its dependents read either
-    alike: both map to "B", and so does a dependency's kind None ("B or BW")."""
+    """What the actions that depend on this one wait for.
+
+    [Note: B and BW share a key] A stage's backward is made by B or by BW, whichever its schedule
+    uses, and its dependents read either alike: both map to "B", and so does a dependency's kind
+    None ("B or BW")."""
     backward = kind is None or kind is Kind.B or kind is Kind.BW
     return (stage, "B" if backward else kind.value, microbatch)
 

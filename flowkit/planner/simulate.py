@@ -1,8 +1,9 @@
 """Discrete-event simulation of a pipeline schedule.
 
-Each device runs its actions in the order given. An action starts when its device is free and
-the actions it depends on have ended, plus the communication cost when a dependency ran on another
-device. [Note: pipeline dependencies]
+Each device runs its actions in the order given.
+
+[Note: pipeline dependencies] An action starts when its device is free and the actions it depends
+on have ended, plus the communication cost when a dependency ran on another device:
   F(s, mb)  after F(s-1, mb)
   B(s, mb)  after B(s+1, mb) (or its BW); on the last stage after F(s, mb)
   W(s, mb)  after B(s, mb)

@@ -23,7 +23,7 @@ class ExecutorInfo:
     peer_address: str
     identity: bytes = attrs.field(repr=False)
     resources: dict[str, Any] = attrs.field(factory=dict)
-    host_id: str = ""  # which executors share memory [Note: hosts] in shm.py
+    host_id: str = ""  # which executors share memory [Note: hosts] in flowkit/wire/shm.py
     last_seen: float = 0.0
     alive: bool = True
     outstanding: int = 0  # tasks sent and not yet completed

@@ -51,9 +51,9 @@ def one_f_one_b(request: ScheduleRequest) -> Schedule:
     return _schedule(request, [list(_one_f_one_b_ops(s, p, m)) for s in range(p)])
 
 
-# [Note: handcrafted zero-bubble orders]
-# Both orders are fixed (they do not look at the costs) and take each kind's microbatches in
-# order, so the paper's bubble formulas hold for them whenever W <= F and W <= B.
+# [Note: handcrafted zero-bubble orders] Both orders are fixed (they do not look at the costs)
+# and take each kind's microbatches in order, so the paper's bubble formulas hold for them
+# whenever W <= F and W <= B.
 # ZB-H1 is 1F1B with the backward split: stage s defers the W's of its first s backwards, and the
 # cooldown, where 1F1B idles waiting for gradients, runs them instead. A stage holds at most p
 # microbatches from F to W, as in 1F1B.
