@@ -2,7 +2,7 @@
 
 `SamplingConfig` is how a `generate` call samples, `AgentConfig` whether its samples are
 multi-turn trajectories in an environment. Generate's declaration (dataflows/model_ops.py)
-takes its config keys, defaults, ranges and choices from it; the executors (executors/sim.py,
+takes its config keys, defaults, ranges and choices from it; the executors (executors/sim/ops.py,
 executors/torch/generate.py) read a task's settings through it, so a key a task lacks gets the
 record's default, never one of the executor's own; the RL flows hold one
 (dataflows/rl/config.py). tests/test_defaults.py holds them all to the record.

@@ -14,7 +14,7 @@ from dataflows.rl.steps import (
     make_experience,
     with_reference,
 )
-from executors import sim
+from executors.sim import ops as sim
 from flowkit.ops.records import Prompt, Rollout, TokenScores, resumable
 from flowkit.wire.serialize import pack, unpack
 
