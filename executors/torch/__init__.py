@@ -4,7 +4,8 @@
 `executors.torch.models.gpt`.
 """
 
-from executors.torch.stage import StageError, StageRunner
+from executors.torch.errors import StageError
+from executors.torch.stage import StageRunner
 
 
 def register(table) -> None:

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from executors.optable import OpContext, OpTable
 from executors.torch import lm
 from executors.torch.engine import Engine, Sampling, run_until_done
+from executors.torch.errors import StageError
 from executors.torch.held import held_model, right_padded, whole_model
-from executors.torch.stage import StageError
 from executors.torch.turns import agent_of
 from flowkit.dsl.hf import has_tokenizer
 from flowkit.ops.configs import AGENT_KEYS, MODEL_EOS, SAMPLING_KEYS, AgentConfig, SamplingConfig

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from executors.torch import weights
-from executors.torch.stage import StageError
+from executors.torch.errors import StageError
 
 __all__ = ["LoRALinear", "adapter_dtype", "add_adapters", "adapter_names", "merge_adapters"]
 

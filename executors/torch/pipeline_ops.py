@@ -17,19 +17,19 @@ import torch
 
 from executors.optable import OpContext, OpTable
 from executors.torch import replicas
+from executors.torch.errors import StageError
 from executors.torch.held import (
-    HeldStage,
     export_weights,
     held_model,
-    held_stage,
     load_weights,
     right_padded,
     save_weights,
 )
+from executors.torch.held_stage import HeldStage, held_stage
 from executors.torch.memory import keep_freed_memory
 from executors.torch.replicas import all_reduce_grads, broadcast_shards, owned
 from executors.torch.rl_loss import RL_LOSSES, RLLoss, RLSettings, records, sequence_ids
-from executors.torch.stage import StageError, StageRunner
+from executors.torch.stage import StageRunner
 from flowkit.ops.records import MicrobatchStats, microbatch_stats, step_report
 
 __all__ = ["LOSSES", "register"]

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from executors.torch.errors import StageError
 from executors.torch.replicas import owned
-from executors.torch.stage import StageError
 
 __all__ = ["recut"]
 

@@ -35,13 +35,10 @@ from executors.torch.deferred import (
     edges_of,
     storages,
 )
+from executors.torch.errors import StageError
 from executors.torch.offload import HostStash
 
-__all__ = ["StageError", "StageRunner"]
-
-
-class StageError(RuntimeError):
-    """An op that does not fit the microbatch's state (B before F, W before B, F twice ...)."""
+__all__ = ["StageRunner"]
 
 
 @attrs.define(eq=False)

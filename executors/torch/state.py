@@ -23,9 +23,10 @@ from typing import Any
 import torch
 
 from executors.optable import Deferred, OpContext
-from executors.torch.held import held_model, held_stage
+from executors.torch.errors import StageError
+from executors.torch.held import held_model
+from executors.torch.held_stage import held_stage
 from executors.torch.reshard import recut
-from executors.torch.stage import StageError
 from flowkit.dsl.lora import lora_identity
 
 __all__ = ["StateWriter", "load_state", "save_state", "state_of"]

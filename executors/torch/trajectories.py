@@ -32,7 +32,7 @@ from typing import Any
 
 import attrs
 
-from executors.torch.stage import StageError
+from executors.torch.errors import StageError
 from executors.torch.turns import ByteTurns, Episode, open_episode, step_episode
 from flowkit.ops import Conversation
 

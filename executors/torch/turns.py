@@ -15,8 +15,8 @@ from typing import Any
 
 import attrs
 
+from executors.torch.errors import StageError
 from executors.torch.held import imported
-from executors.torch.stage import StageError
 from flowkit.ops import AgentConfig, Conversation, Environment, EnvStep
 
 __all__ = ["Agent", "ByteTurns", "ChatTurns", "EnvCalls", "Episode", "agent_of", "open_episode",

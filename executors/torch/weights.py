@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import torch
 
-from executors.torch.stage import StageError
+from executors.torch.errors import StageError
 
 __all__ = ["Layout", "aliases_of", "checked_layout", "export", "layout", "load", "load_checkpoint",
            "merge", "save_checkpoint", "to_local", "to_unsplit"]

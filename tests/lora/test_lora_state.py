@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executors.torch.held import held_model, held_stage
+from executors.torch.errors import StageError
+from executors.torch.held import held_model
+from executors.torch.held_stage import held_stage
 from executors.torch.pipeline_ops import new_optimizer
-from executors.torch.stage import StageError
 from executors.torch.state import load_state, save_state
 from flowkit.dsl import Model
 from flowkit.runner.training import model_spec

@@ -19,9 +19,9 @@ import torch
 from executors.optable import OpContext
 from executors.torch import pipeline_ops
 from executors.torch.algos import kl_penalty, ppo_policy_loss, value_loss
-from executors.torch.held import held_stage
+from executors.torch.errors import StageError
+from executors.torch.held_stage import held_stage
 from executors.torch.models.gpt import GPT
-from executors.torch.stage import StageError
 from flowkit.ops.records import Experience, MicrobatchStats, TokenScores, mean_values
 from tests.harness import (
     critic_of,

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executors.torch import StageError, StageRunner
+from executors.torch import StageRunner
+from executors.torch.errors import StageError
 from flowkit.planner.ir import Action, Kind
 from tests.torch.helpers import (
     KINDS,

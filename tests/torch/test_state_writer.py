@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from executors.optable import Deferred
-from executors.torch.held import held_stage
+from executors.torch.held_stage import held_stage
 from executors.torch.pipeline_ops import new_optimizer
 from executors.torch.state import save_state
 from flowkit.dsl import Model
