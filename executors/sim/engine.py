@@ -1,6 +1,6 @@
 """The simulator's rollout engine: a timed model of continuous batching, so that what runs on
-simulator executors sees the rollout side a real engine (vLLM, SGLang, executors/torch/engine.py)
-gives it.
+simulator executors sees the rollout side a real engine (vLLM, SGLang,
+executors/torch/rollout/engine.py) gives it.
 
 The design: [Note: simulated rollout engine] below.
 """

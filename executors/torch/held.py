@@ -4,9 +4,9 @@
 (``module:factory``) and model config with the same seed, or from the config's ``checkpoint``
 file, and keeps the stages it is asked for: all executors hold the same initial weights as a
 plain loop that builds the model once. An executor holds a model by (name, number of stages),
-so maybe in several splits (`held_model`): stages the pipeline ops (pipeline_ops.py) run
-(`held_stage`), a whole copy that generation (generate.py) and scoring (infer.py) run
-(`whole_model`). The `export_weights` and `load_weights` ops move weights between splits
+so maybe in several splits (`held_model`): stages the pipeline ops (train/pipeline_ops.py) run
+(`held_stage`), a whole copy that generation (rollout/generate.py) and scoring (rollout/infer.py)
+run (`whole_model`). The `export_weights` and `load_weights` ops move weights between splits
 [Note: unsplit names in weights.py].
 """
 
@@ -41,7 +41,7 @@ class HeldModel:
     spec: tuple
     parts: list[torch.nn.Module]
     device: torch.device
-    stages: dict[int, Any] = attrs.field(factory=dict)  # the ones it trains (held_stage.py)
+    stages: dict[int, Any] = attrs.field(factory=dict)  # the ones it trains (train/held_stage.py)
     layout: Any = None  # its names by the unsplit model's (executors/torch/weights.py)
     version: int | None = None  # of the weights load_weights last set
     config: dict = attrs.field(factory=dict)  # what built it, to build it again (state.py)

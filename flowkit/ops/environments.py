@@ -12,12 +12,12 @@ out trajectories rather than single responses. Each sample gets its own environm
    carries it instead). With a chat template it may return a `Conversation` instead: the
    messages (and tools) that open the trajectory, rendered by the template in place of the
    prompt source's rendering (an agent program's first request does so: [Note: agent
-   programs] in executors/torch/endpoint.py);
+   programs] in executors/torch/rollout/endpoint.py);
 2. the model samples a turn, which ends at the stop token (EOS) or after `max_new_tokens`;
 3. ``step(action)`` gets the turn's text; its `EnvStep` says the observation, the reward, and
    whether the trajectory is done. The observation's tokens are appended as the model's chat
-   format renders an environment turn (executors/torch/turns.py), never re-tokenizing what came
-   before: a text is a user message; with a chat template the observation may also be a list
+   format renders an environment turn (executors/torch/rollout/turns.py), never re-tokenizing what
+   came before: a text is a user message; with a chat template the observation may also be a list
    of messages (a "tool" role's results, several at once), rendered as the template renders
    them after an assistant turn;
 4. until done, `max_turns` model turns, or `max_total_tokens` response tokens; then
@@ -34,7 +34,7 @@ environment that runs untrusted code (a tool executing a model's program) runs i
 (dataflows/sandbox.py), since a thread past its timeout cannot be stopped, only abandoned. A
 trajectory cut by an abort (partial rollouts) keeps its episode on the executor and goes on
 when a later request continues it ([Note: parked trajectories] in
-executors/torch/trajectories.py).
+executors/torch/rollout/trajectories.py).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class Environment:
         booleans, None), or None (the default) when it cannot be saved. A trajectory cut by an
         abort between its environment's steps carries it in its Rollout, so that another
         executor, or a run resumed from a checkpoint, goes on with `restore` where it stopped
-        ([Note: parked trajectories] in executors/torch/trajectories.py) rather than drawing
+        ([Note: parked trajectories] in executors/torch/rollout/trajectories.py) rather than drawing
         the trajectory again from its prompt."""
         return None
 

@@ -1,4 +1,5 @@
-"""executors.torch.algos against verl: random inputs vs a transcription of verl, plus hand cases.
+"""executors.torch.train.algos against verl: random inputs vs a transcription of verl, plus hand
+cases.
 
 The `_verl_*` functions below transcribe verl's `core_algos.py` / `torch_functional.py` formulation
 (per-position loops, per-group dicts) so that a vectorization slip in algos.py cannot hide in both.
@@ -14,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executors.torch import algos
+from executors.torch.train import algos
 
 TOL = dict(rtol=1e-7, atol=1e-7)
 F64 = torch.float64

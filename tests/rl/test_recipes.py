@@ -14,7 +14,7 @@ from dataflows.model_ops import Backprop, OptimizerStep
 from dataflows.ppo import ppo_flow
 from dataflows.recipes import dapo_flow, dr_grpo_flow, gspo_flow
 from dataflows.rl.steps import arithmetic_prompts, grpo_advantages, overlong_penalty
-from executors.torch import algos
+from executors.torch.train import algos
 from flowkit.dsl import Flow, FlowError, Model, collect
 from flowkit.ops.records import Scored
 

@@ -21,7 +21,7 @@ import torch
 
 from dataflows.model_ops import Backprop, LogProbs, OptimizerStep
 from dataflows.models import GPT_BUILD
-from executors.torch.algos import ppo_policy_loss, ppo_policy_loss_stats
+from executors.torch.train.algos import ppo_policy_loss, ppo_policy_loss_stats
 from flowkit.dsl import Flow, Model, Stream, collect, op
 from flowkit.ops import cut, minibatch_rounds
 from flowkit.ops.records import Experience, StepMetrics

@@ -1,5 +1,5 @@
 """RL losses on the torch pipeline stages: F/B/W of microbatches of Experiences through the
-stage ops give the unsplit GPT's gradient of verl's token-mean losses (executors.torch.algos)
+stage ops give the unsplit GPT's gradient of verl's token-mean losses (executors.torch.train.algos)
 once divided by the step's normalizer, whatever the microbatches, padding or stage split.
 
 The op functions run here in one process on one OpContext, as one executor holding every stage
@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from executors.optable import OpContext
-from executors.torch import pipeline_ops
-from executors.torch.algos import kl_penalty, ppo_policy_loss, value_loss
 from executors.torch.errors import StageError
-from executors.torch.held_stage import held_stage
 from executors.torch.models.gpt import GPT
+from executors.torch.train import pipeline_ops
+from executors.torch.train.algos import kl_penalty, ppo_policy_loss, value_loss
+from executors.torch.train.held_stage import held_stage
 from flowkit.ops.records import Experience, MicrobatchStats, TokenScores, mean_values
 from tests.harness import (
     critic_of,

@@ -9,8 +9,8 @@ import torch
 from executors.optable import Deferred, OpContext, OpTable
 from executors.torch import register as register_torch
 from executors.torch import weights
-from executors.torch.engine import run_until_done
 from executors.torch.errors import StageError
+from executors.torch.rollout.engine import run_until_done
 from flowkit.ops.records import Prompt, Rollout, WeightsVersion
 from tests.harness import executor_cluster, gpt_spec, op_context, seeded_gpt, tiny_gpt
 

@@ -306,7 +306,7 @@ def aggregate_sum(losses: torch.Tensor, mask: torch.Tensor, agg: str,
     """(total, normalizer) with total / normalizer == the `agg` aggregate, where the
     normalizer is what the mode divides by over a whole batch (tokens, or responses with
     tokens): summed over any cut of the batch, the totals over the normalizers are the whole
-    batch's aggregate [Note: RL losses in sum form in executors/torch/rl_loss.py]."""
+    batch's aggregate [Note: RL losses in sum form in executors/torch/train/rl_loss.py]."""
     _check_agg(agg)
     if agg == "token-mean":
         return _masked_sum(losses, mask), mask.sum()

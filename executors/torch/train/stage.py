@@ -2,7 +2,7 @@
 
 A schedule may run the ops of different microbatches in any order it likes (F0 F1 B0 F2 W0 ...);
 the runner keeps each microbatch's state apart, from its F until its W (or BW), and then frees it.
-See [Note: deferred weight gradients] in `executors/torch/deferred.py` for how B and W share
+See [Note: deferred weight gradients] in `executors/torch/train/deferred.py` for how B and W share
 one backward pass.
 
 [Note: a fused backward] A schedule that never splits a microbatch's backward (1F1B, GPipe:
@@ -24,7 +24,8 @@ import attrs
 import torch
 from torch.autograd.graph import GradientEdge
 
-from executors.torch.deferred import (
+from executors.torch.errors import StageError
+from executors.torch.train.deferred import (
     Consumers,
     DeferredCall,
     Recorder,
@@ -35,8 +36,7 @@ from executors.torch.deferred import (
     edges_of,
     storages,
 )
-from executors.torch.errors import StageError
-from executors.torch.offload import HostStash
+from executors.torch.train.offload import HostStash
 
 __all__ = ["StageRunner"]
 

@@ -1,9 +1,9 @@
 """RL losses of the last pipeline stage on a microbatch of `Experience` records: the clipped
 policy loss of PPO and GRPO (GRPO with a KL term to a reference; with `decoupled`, AReaL's
 decoupled PPO objective for stale samples, Fu et al. 2025) and the critic's clipped value loss. The
-math is `executors.torch.algos` (verl's); this module lays the records out as the
+math is `executors.torch.train.algos` (verl's); this module lays the records out as the
 (batch, response) tensors it takes and reads the stage's output where each response token was
-predicted [Note: response positions in executors/torch/infer.py].
+predicted [Note: response positions in executors/torch/rollout/infer.py].
 
 [Note: RL losses in sum form] verl's token-mean divides the batch's summed per-token loss by
 the batch's response tokens. A microbatch must not divide by its own token count (its tokens
@@ -27,7 +27,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from executors.torch.algos import (
+from executors.torch.train.algos import (
     aggregate_sum,
     behav_weights,
     decoupled_weight_stats,

@@ -1,6 +1,6 @@
 """The stages of a held model that this executor trains [Note: one model, many holders in
-held.py]: each with its `StageRunner`, its optimizer once a step made one, and the last stage's
-loss scaled for gradient accumulation."""
+executors/torch/held.py]: each with its `StageRunner`, its optimizer once a step made one, and the
+last stage's loss scaled for gradient accumulation."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 
 from executors.optable import OpContext
 from executors.torch.held import held_model
-from executors.torch.rl_loss import RLLoss
-from executors.torch.stage import StageRunner
+from executors.torch.train.rl_loss import RLLoss
+from executors.torch.train.stage import StageRunner
 
 __all__ = ["HeldStage", "held_stage"]
 
@@ -24,7 +24,7 @@ class HeldStage:
     optimizer: torch.optim.Optimizer | None = None
     tied: tuple[str, ...] = ()  # names of parameters that are copies of another stage's
     # (rank, size) when its optimizer holds one replica's shard [Note: sharded optimizer states
-    # in executors/torch/replicas.py]
+    # in executors/torch/train/replicas.py]
     shard: tuple[int, int] | None = None
 
 

@@ -32,9 +32,9 @@ __all__ = ["check_prompts", "context_length", "has_cache", "logits_of", "values_
 #   begins a new sequence in it (continuous batching reuses rows). A cache may also have
 #   ``copy_prefix(src, dst, length)``, copying positions [0, length) of row `src` into the rows
 #   `dst` (a list): the rollout engine then fills a prompt once for all its samples ([Note: shared
-#   prompts] in executors/torch/engine.py); without it, each sample fills its own. The built-in
-#   GPT implements it all ([Note: KV cache rows] in executors/torch/models/gpt.py); a Hugging Face
-#   causal LM can, through an adapter that keeps per-row keys and values and passes
+#   prompts] in executors/torch/rollout/engine.py); without it, each sample fills its own. The
+#   built-in GPT implements it all ([Note: KV cache rows] in executors/torch/models/gpt.py); a
+#   Hugging Face causal LM can, through an adapter that keeps per-row keys and values and passes
 #   ``position_ids = start + arange(T)`` with the matching attention mask (models/hf.py's). A
 #   recurrent model cannot resume a row after right padding, so it leaves the protocol out and
 #   decodes by recomputing.

@@ -99,8 +99,8 @@ def _environment_maker(config: AgentConfig) -> Callable[[Any, int], Environment]
 
 
 def _program_maker(config: AgentConfig, turns: Any) -> Callable[[Any, int], Environment]:
-    """[Note: agent programs] in executors/torch/endpoint.py."""
-    from executors.torch.endpoint import ProgramEnvironment, shared_endpoint
+    """[Note: agent programs] in executors/torch/rollout/endpoint.py."""
+    from executors.torch.rollout.endpoint import ProgramEnvironment, shared_endpoint
 
     if config.environment is not None:
         raise StageError(f"give an environment or an agent program, not both (environment="
