@@ -19,7 +19,7 @@
   and what the controller sends is bounded by what the user submitted.
 - Peer-supplied strings are shown escaped and truncated (flowkit/wire/schema.py `shown`);
   names, tags and ops lists of a HELLO are capped (flowkit/wire/hello.py); objects nobody
-  waits for are capped per executor (executors/process.py [Note: unclaimed objects]); a
+  waits for are capped per executor (executors/store.py [Note: unclaimed objects]); a
   streaming task runs at most a window of items ahead of its consumers (flow control in
   flowkit/runner).
 """
@@ -36,7 +36,7 @@ CONTROL_FRAME_BYTES = 256 * MiB
 DATA_FRAME_BYTES = 256 * MiB
 CONTROL_RCVHWM = 10_000  # messages a connection may have queued: completions are small
 DATA_RCVHWM = 1_000
-# objects a peer pushed that no task on the executor waits for yet (executors/process.py)
+# objects a peer pushed that no task on the executor waits for yet (executors/store.py)
 UNCLAIMED_BYTES = 4 << 30
 
 
