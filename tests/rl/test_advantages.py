@@ -1,5 +1,5 @@
 """The advantage ops on records (dataflows/rl/advantages.py) against their tensor versions
-(executors/torch/train/algos.py, matched against verl in test_algos.py) on the same samples, plus
+(reference_algos.py, matched against verl in test_algos.py) on the same samples, plus
 hand cases. The ops are called through `.fn`, the plain function the executors run."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from dataflows.rl import advantages as adv
 from dataflows.rl.steps import gae, make_experience
-from executors.torch.train import algos
 from flowkit.ops.records import Experience, Scored, TokenScores
+from tests.rl import reference_algos as algos
 
 FAST = settings(max_examples=40, deadline=None)
 REWARD = st.floats(-5, 5, allow_nan=False)

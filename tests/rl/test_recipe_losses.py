@@ -1,7 +1,8 @@
-"""The recipes' losses in executors.torch.train.algos against transcriptions of verl (core_algos.py,
-its v0.6 mismatch_helper.py, torch_functional.py) and TRL (GRPOTrainer._compute_loss) on random
-float64 inputs: clip-higher, the four aggregation modes and their sum form, GSPO's sequence
-ratio, the rollout correction's weights (TIS / MIS) and mismatch metrics, token entropy."""
+"""The recipes' losses (reference_algos.py, executors/torch/train/algos.py) against transcriptions
+of verl (core_algos.py, its v0.6 mismatch_helper.py, torch_functional.py) and TRL
+(GRPOTrainer._compute_loss) on random float64 inputs: clip-higher, the four aggregation modes and
+their sum form, GSPO's sequence ratio, the rollout correction's weights (TIS / MIS) and mismatch
+metrics, token entropy."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executors.torch.train import algos
+from tests.rl import reference_algos as algos
 from tests.rl.test_algos import (
     _as_ours,
     _randn,
