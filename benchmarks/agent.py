@@ -57,7 +57,7 @@ def run_agent_bench(*, samples: int = 32, turns: int = 4, latency: float = 0.02,
 
     from dataflows.models import GPT_BUILD
     from executors.optable import OpContext
-    from executors.torch.held import whole_model
+    from executors.torch.models.built import whole_model
     from executors.torch.rollout.engine import Engine, Sampling, run_until_done
     from executors.torch.rollout.turns import Agent, ByteTurns, EnvCalls
     from flowkit.ops.records import Prompt
@@ -156,7 +156,7 @@ def run_program_bench(*, samples: int = 32, turns: int = 4, repeats: int = 3,
     import torch
 
     from executors.optable import OpContext
-    from executors.torch.held import whole_model
+    from executors.torch.models.built import whole_model
     from executors.torch.rollout.engine import Engine, Sampling, run_until_done
     from executors.torch.rollout.turns import agent_of
     from flowkit.ops import AgentConfig

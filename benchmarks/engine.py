@@ -65,7 +65,7 @@ def _prompts(count: int, length: int) -> list:
 def _per_prompt(model: Any, prompts: list, size: dict) -> int:
     import torch
 
-    from executors.torch.held import evaluating
+    from executors.torch.models.built import evaluating
     from executors.torch.rollout.generate import _Sampling, decode
 
     s = _Sampling(n=size["n"], max_new_tokens=size["max_new_tokens"], temperature=1.0,

@@ -5,7 +5,7 @@
 
 The texts are the rollout's [Note: rollout text in executors/torch/rollout/engine.py]: decoded by
 the model's tokenizer. A rollout without them (a model without a tokenizer: the built-in GPT, whose
-tokens are bytes) is read as bytes, as dataflows/rl/steps.answer_reward reads it.
+tokens are bytes) is read as bytes, as dataflows/rl/ops.answer_reward reads it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """LoRA adapters in a held model [Note: LoRA in flowkit/dsl/lora.py].
 
-`add_adapters` injects them into a model built and split by held.py: through the model's own
+`add_adapters` injects them into a model built and split by models/built.py: through the model's own
 ``add_lora(settings)`` where it has one (a Hugging Face model: peft's, models/hf.py), else as
 `LoRALinear` layers, which compute what peft's ``lora.Linear`` computes. Either way each target
 ``nn.Linear`` at ``P`` becomes a module with ``P.base_layer`` (the frozen layer) and ``P.lora_A``,

@@ -8,8 +8,8 @@ is read with torch's weights-only loader.
 
 A model no op changed since it was built (a frozen reference) is written by name only: it is
 built again from its build path and seed, which gives the same weights [Note: one model, many
-holders in held.py]. Building seeds torch's generator, so `load_state` builds every model first
-and restores the generators last: the next op draws what the uninterrupted run's would.
+holders in models/built.py]. Building seeds torch's generator, so `load_state` builds every model
+first and restores the generators last: the next op draws what the uninterrupted run's would.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from executors.optable import Deferred, OpContext
 from executors.torch.errors import StageError
-from executors.torch.held import held_model
+from executors.torch.models.built import held_model
 from executors.torch.train.held_stage import held_stage
 from executors.torch.train.reshard import recut
 from flowkit.dsl.lora import lora_identity

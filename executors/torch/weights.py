@@ -22,9 +22,9 @@ __all__ = ["Layout", "aliases_of", "checked_layout", "export", "layout", "load",
 
 
 # [Note: unsplit names] An executor may hold one model in several splits at once [Note: one model,
-# many holders in held.py]: "actor" cut in two stages to train and whole (one stage) to generate
-# with. Each split names its parameters locally (a GPT stage's ``h.0.attn.c_attn.weight``); weights
-# travel between splits, executors and checkpoint files by the unsplit model's names
+# many holders in models/built.py]: "actor" cut in two stages to train and whole (one stage) to
+# generate with. Each split names its parameters locally (a GPT stage's ``h.0.attn.c_attn.weight``);
+# weights travel between splits, executors and checkpoint files by the unsplit model's names
 # (``transformer.h.3.attn.c_attn.weight``, as ``GPT.state_dict()`` has them). A model maps the one
 # to the other with a method ``stage_names(stages, seq_len=...)`` (the GPT's, in models/gpt.py): per
 # stage, local name -> unsplit name. A model without one is mapped through its split sharing the
@@ -38,8 +38,8 @@ __all__ = ["Layout", "aliases_of", "checked_layout", "export", "layout", "load",
 #
 # The ops `export_weights`, `load_weights` and `save_weights` (which merges the stages' exports and
 # writes them with `save_checkpoint` on an executor: no tensor goes to the controller) are in
-# held.py. A model config key ``checkpoint`` names such a file, which `held_model` loads into the
-# whole model before splitting it (`load_checkpoint`).
+# models/built.py. A model config key ``checkpoint`` names such a file, which `held_model` loads
+# into the whole model before splitting it (`load_checkpoint`).
 
 
 # -- names ------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from executors.torch.errors import StageError
-from executors.torch.held import held_model
+from executors.torch.models.built import held_model
 from executors.torch.state import load_state, save_state
 from executors.torch.train.held_stage import held_stage
 from executors.torch.train.pipeline_ops import new_optimizer

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dataflows.rl import advantages as adv
-from dataflows.rl.steps import gae, make_experience
+from dataflows.rl.ops import gae, make_experience
 from flowkit.ops.records import Experience, Scored, TokenScores
 from tests.rl import reference_algos as algos
 
@@ -110,7 +110,7 @@ def test_reinforce_pp_baseline_equals_the_tensor_version(records):
 @FAST
 @given(records=samples(), data=st.data(), gamma=st.floats(0.5, 1.0), lam=st.floats(0.5, 1.0))
 def test_gae_equals_the_tensor_version(records, data, gamma, lam):
-    """PPO's gae op (dataflows/rl/steps.py) whitens as verl does, like every advantage here."""
+    """PPO's gae op (dataflows/rl/ops.py) whitens as verl does, like every advantage here."""
     experiences = []
     for record in records:
         rewards = adv._token_rewards(record)

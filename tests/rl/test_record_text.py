@@ -7,7 +7,7 @@ from __future__ import annotations
 import pickle
 
 from dataflows.rl.advantages import kl_token_rewards, reinforce_pp_advantages, rloo_advantages
-from dataflows.rl.steps import (
+from dataflows.rl.ops import (
     answer_reward,
     gae,
     grpo_advantages,

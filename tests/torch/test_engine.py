@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from executors.optable import OpTable
-from executors.torch.held import held_model
+from executors.torch.models.built import held_model
 from executors.torch.rollout import generate as gen
 from executors.torch.rollout.engine import NO_VERSION, Engine, Sampling, _fitting, run_until_done
 from flowkit.ops.records import Prompt, Rollout

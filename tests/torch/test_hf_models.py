@@ -44,7 +44,8 @@ GPT2 = {"architecture": "gpt2", "hf_config": dict(
 
 
 def _plain_model(config: dict, dtype: torch.dtype, seed: int = 3) -> HFCausalLM:
-    """The model as every holder of `config` and `seed` builds it (executors/torch/held.py)."""
+    """The model as every holder of `config` and `seed` builds it
+    (executors/torch/models/built.py)."""
     torch.manual_seed(seed)
     return HFCausalLM(**config).to(dtype)
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from executors.optable import Deferred
-from executors.torch.held import whole_model
+from executors.torch.models.built import whole_model
 from executors.torch.rollout import generate as gen
 from executors.torch.rollout.engine import run_until_done
 from flowkit.ops import Environment, EnvStep

@@ -216,7 +216,7 @@ class HFCausalLM(nn.Module):
     # -- export ------------------------------------------------------------------------------
     @property
     def pretrained_format(self) -> bool:
-        """Whether `save_pretrained` can write it (held.py's save_weights asks): a causal LM
+        """Whether `save_pretrained` can write it (built.py's save_weights asks): a causal LM
         can, a value-head model cannot."""
         return not self.value_head
 

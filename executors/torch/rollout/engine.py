@@ -13,7 +13,7 @@ import attrs
 import torch
 
 from executors.optable import Deferred
-from executors.torch.held import evaluating, right_padded
+from executors.torch.models.built import evaluating, right_padded
 from executors.torch.rollout import lm
 from executors.torch.rollout.sampling import sample_tokens, sequence_seed
 from executors.torch.rollout.trajectories import Trajectories

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from executors.optable import OpContext, OpTable
 from executors.torch.errors import StageError
-from executors.torch.held import held_model, right_padded, whole_model
+from executors.torch.models.built import held_model, right_padded, whole_model
 from executors.torch.rollout import lm
 from executors.torch.rollout.engine import Engine, Sampling, run_until_done
 from executors.torch.rollout.turns import agent_of
@@ -216,7 +216,7 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, seed: int = 0, max_ba
     `min_version` are recomputed or dropped as `stale_segments` says (records.resumable,
     [Note: partial rollouts] in flowkit/runner/partial.py). `weights`
     (versions) only order this task after a step: the model is the one this executor holds
-    by name. `seed` seeds the model's build (as in executors/torch/held.py) and, unless
+    by name. `seed` seeds the model's build (as in executors/torch/models/built.py) and, unless
     `sample_seed` is given, the sampling, which draws afresh each `step`. `max_batch` and
     `token_budget` size the engine when its first request makes it. A model whose folder has
     a tokenizer (an HF model's `path`) stops at that tokenizer's EOS unless `eos` names the

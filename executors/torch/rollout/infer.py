@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from executors.optable import OpContext, OpTable
-from executors.torch.held import evaluating, right_padded, whole_model
+from executors.torch.models.built import evaluating, right_padded, whole_model
 from executors.torch.rollout import lm
 from flowkit.ops.records import TokenScores
 

@@ -12,7 +12,7 @@ __all__ = ["check_prompts", "context_length", "has_cache", "logits_of", "values_
 
 
 # [Note: generation and scoring interface] The model is the `build` result's one-stage split (or the
-# module itself when it has no `split`), as executors/torch/held.py `whole_model` gives it:
+# module itself when it has no `split`), as executors/torch/models/built.py `whole_model` gives it:
 #
 # - ``forward(tokens)`` is all it needs: tokens (B, T) int64 -> logits (B, T, V) for a language
 #   model, values (B, T) for a critic or reward model (the two are told apart by that shape; a

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from executors.torch.errors import StageError
-from executors.torch.held import imported
+from executors.torch.models.built import imported
 from flowkit.ops import AgentConfig, Conversation, Environment, EnvStep
 
 __all__ = ["Agent", "ByteTurns", "ChatTurns", "EnvCalls", "Episode", "agent_of", "open_episode",
@@ -75,7 +75,7 @@ class Episode:
 def agent_of(config: AgentConfig, tokenizer: Any) -> Agent | None:
     """The request's Agent, or None for single responses. The environment's class (or the
     agent program's function) is imported here, by the name the flow gave, as a model's build
-    is (executors/torch/held.py)."""
+    is (executors/torch/models/built.py)."""
     if config.environment is None and config.program is None:
         return None
     if config.max_turns < 1:

@@ -1,6 +1,6 @@
 """The stages of a held model that this executor trains [Note: one model, many holders in
-executors/torch/held.py]: each with its `StageRunner`, its optimizer once a step made one, and the
-last stage's loss scaled for gradient accumulation."""
+executors/torch/models/built.py]: each with its `StageRunner`, its optimizer once a step made one,
+and the last stage's loss scaled for gradient accumulation."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import attrs
 import torch
 
 from executors.optable import OpContext
-from executors.torch.held import held_model
+from executors.torch.models.built import held_model
 from executors.torch.train.rl_loss import RLLoss
 from executors.torch.train.stage import StageRunner
 

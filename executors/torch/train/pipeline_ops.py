@@ -1,7 +1,8 @@
 """The torch executor's ops: pipeline stages of a model, held on this executor, run F, B, W and
 BW for microbatches, then a stage-wise optimizer step that equals the unsplit model's. Task
-configs say which model and stage [Note: one model, many holders in executors/torch/held.py];
-the ops are otherwise the StageRunner's (executors/torch/train/stage.py).
+configs say which model and stage [Note: one model, many holders in
+executors/torch/models/built.py]; the ops are otherwise the StageRunner's
+(executors/torch/train/stage.py).
 
 The design: [Note: the optimizer step across stages] below.
 """
@@ -17,7 +18,7 @@ import torch
 
 from executors.optable import OpContext, OpTable
 from executors.torch.errors import StageError
-from executors.torch.held import (
+from executors.torch.models.built import (
     export_weights,
     held_model,
     load_weights,

@@ -1,4 +1,5 @@
-"""Where the torch executor builds its models, splits them into stages and holds them.
+"""Where the torch executor builds its models, splits them into stages and holds them (the models
+it has built, by name and number of stages).
 
 [Note: one model, many holders] Every executor builds the whole model from its `build` path
 (``module:factory``) and model config with the same seed, or from the config's ``checkpoint``
