@@ -31,11 +31,11 @@ from executors.store import ObjectStore
 from executors.tasks import (
     Task,
     check_streamed,
-    describe,
-    described,
     failure_text,
     run_items,
     split_outputs,
+    summarize_completion,
+    summarize_output,
 )
 from executors.threads import CompletionWatch, Heartbeat
 from flowkit.wire.auth import (
@@ -581,8 +581,8 @@ class Executor:
         it [Note: parts in batches]. Runs on the op thread, which holds the sockets only for
         the moment it stores the item."""
         index = len(task.streamed)
-        described = describe(part_id(task.spec.outputs[0], index), value, task.spec.report_key,
-                             task.spec.trace_key, self.store.bodies)
+        described = summarize_output(part_id(task.spec.outputs[0], index), value,
+                                     task.spec.report_key, task.spec.trace_key, self.store.bodies)
         described.setdefault("nbytes", 0)  # None's description leaves it out
         task.streamed.append(described)
         with self.socket_lock:
@@ -661,7 +661,7 @@ class Executor:
         spec, first = task.spec, task.answered
         pairs = list(zip(spec.outputs[first:done], task.results[first:done]))
         try:
-            outputs = [describe(i, v, spec.report_key, spec.trace_key, self.store.bodies)
+            outputs = [summarize_output(i, v, spec.report_key, spec.trace_key, self.store.bodies)
                        for i, v in pairs]
         except SerializeError:
             self.batch_running = None  # answered no more early: its completion says why
@@ -698,7 +698,8 @@ class Executor:
             self.send_parts()
         if self.completions:
             items, self.completions = self.completions, []
-            self._send(Msg.DONE, {"items": [described(item, self.store.bodies) for item in items]})
+            bodies = self.store.bodies
+            self._send(Msg.DONE, {"items": [summarize_completion(item, bodies) for item in items]})
 
 
 _MAX_MODULES = 1024
