@@ -25,7 +25,7 @@ import torch.nn as nn
 from executors.torch import weights
 from executors.torch.errors import StageError
 
-__all__ = ["LoRALinear", "adapter_dtype", "add_adapters", "adapter_names", "merge_adapters"]
+__all__ = ["LoRALinear", "adapter_dtype", "add_adapters", "merge_adapters"]
 
 
 class LoRALinear(nn.Module):
@@ -82,11 +82,6 @@ def add_adapters(whole: nn.Module, parts: Sequence[nn.Module], lay: weights.Layo
         for p in module.parameters():
             p.requires_grad_(id(p) in adapters)
     return _renamed(lay, whole, parts, paths)
-
-
-def adapter_names(module: nn.Module) -> set[str]:
-    """The names of `module`'s adapter parameters (those that train)."""
-    return {name for name, p in module.named_parameters() if p.requires_grad}
 
 
 def merge_adapters(whole: nn.Module) -> None:

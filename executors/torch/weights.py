@@ -18,7 +18,7 @@ import torch
 from executors.torch.errors import StageError
 
 __all__ = ["Layout", "aliases_of", "checked_layout", "export", "layout", "load", "load_checkpoint",
-           "merge", "save_checkpoint", "to_local", "to_unsplit"]
+           "merge", "save_checkpoint"]
 
 
 # [Note: unsplit names] An executor may hold one model in several splits at once [Note: one model,
@@ -126,30 +126,6 @@ def _stage_names(whole: torch.nn.Module, parts: Sequence[torch.nn.Module],
             mapping[name] = by_id[id(p)]
         names.append(mapping)
     return names
-
-
-def to_unsplit(tensors: Mapping[str, Any], names: Mapping[str, str]) -> dict[str, Any]:
-    """One stage's values by its local names -> by the unsplit model's names."""
-    unknown = sorted(set(tensors) - set(names))
-    if unknown:
-        raise StageError(f"this stage has no parameters named {_few(unknown)}")
-    return {names[local]: value for local, value in tensors.items()}
-
-
-def to_local(tensors: Mapping[str, Any], names: Sequence[Mapping[str, str]],
-             aliases: Mapping[str, Sequence[str]] | None = None) -> list[dict[str, Any]]:
-    """Values by unsplit name -> per stage of a split named by `names`, by its local names.
-    A tied weight given under any of its `aliases` fills every local copy; names the values
-    lack are left out."""
-    out = []
-    for mapping in names:
-        stage = {}
-        for local, unsplit in mapping.items():
-            source = _source(unsplit, tensors, aliases or {})
-            if source is not None:
-                stage[local] = tensors[source]
-        out.append(stage)
-    return out
 
 
 def _source(unsplit: str, given: Mapping[str, Any], aliases: Mapping[str, Sequence[str]]):

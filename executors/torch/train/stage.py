@@ -228,11 +228,6 @@ class StageRunner:
         """Bytes the stash holds between B and W, over all microbatches (0 once all W ran)."""
         return sum(s.stashed_bytes for s in self._mbs.values())
 
-    def stash_bytes(self, mb: Hashable) -> int:
-        """Bytes held for W of microbatch `mb` (0 before its B and after its W)."""
-        state = self._mbs.get(mb)
-        return state.stashed_bytes if state is not None else 0
-
     @property
     def device_bytes(self) -> int:
         """Activation bytes the microbatches in flight hold on the device now: after F what
