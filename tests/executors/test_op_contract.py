@@ -10,7 +10,7 @@ import attrs
 import pytest
 
 from executors.kinds import op_table
-from executors.torch.train import algos
+from executors.torch.train import loss_terms as algos
 from executors.torch.train.pipeline_ops import LOSSES as TORCH_LOSSES
 from executors.torch.train.rl_loss import RLSettings
 from flowkit.ops import EXECUTOR_OPS, KL_KINDS, LOSS_KNOBS, LOSSES, OFFLOAD_KEYS, SIMULATED

@@ -3,7 +3,7 @@ REINFORCE++) and whole losses (PPO, GSPO, decoupled PPO, the value loss, verl's 
 aggregation) on padded (batch, response_length) tensors, as verl's `core_algos.py` computes them
 (test_algos.py matches them against a transcription of verl). dataflows/rl/advantages.py's
 record versions and the torch executor's RL loss are tested against them. The per-token terms
-the executor trains with are executors/torch/train/algos.py's, imported here and re-exported,
+the executor trains with are executors/torch/train/loss_terms.py's, imported here and re-exported,
 so that a test reads all of the math as `reference_algos.X`.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from executors.torch.train.algos import (
+from executors.torch.train.loss_terms import (
     AGG_MODES,
     KL_KINDS,
     ROLLOUT_IS_LEVELS,

@@ -1,4 +1,4 @@
-"""The RL math (reference_algos.py and executors/torch/train/algos.py) against verl: random
+"""The RL math (reference_algos.py and executors/torch/train/loss_terms.py) against verl: random
 inputs vs a transcription of verl, plus hand cases.
 
 The `_verl_*` functions below transcribe verl's `core_algos.py` / `torch_functional.py` formulation

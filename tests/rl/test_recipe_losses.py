@@ -1,5 +1,5 @@
-"""The recipes' losses (reference_algos.py, executors/torch/train/algos.py) against transcriptions
-of verl (core_algos.py, its v0.6 mismatch_helper.py, torch_functional.py) and TRL
+"""The recipes' losses (reference_algos.py, executors/torch/train/loss_terms.py) against
+transcriptions of verl (core_algos.py, its v0.6 mismatch_helper.py, torch_functional.py) and TRL
 (GRPOTrainer._compute_loss) on random float64 inputs: clip-higher, the four aggregation modes and
 their sum form, GSPO's sequence ratio, the rollout correction's weights (TIS / MIS) and mismatch
 metrics, token entropy."""
