@@ -14,7 +14,7 @@ trajectories of the guessing game's shape (prompt of 10 bytes, turns of 4 sample
 Each way runs `repeats` times, alternating; figures are medians.
 
 `run_program_bench` (`flowkit bench agent --programs`) prices agent programs [Note: agent
-programs in executors/torch/endpoint.py]: the same trajectories rolled out by an in-process
+programs in executors/torch/rollout/endpoint.py]: the same trajectories rolled out by an in-process
 environment and by an agent program that says the same things through the endpoint (an HTTP
 request a turn), once over bare http.client and once with the openai client, side by side, on
 a tiny random Qwen2 with the example's chat template (examples/qwen2_build.py's tokenizer
@@ -57,9 +57,9 @@ def run_agent_bench(*, samples: int = 32, turns: int = 4, latency: float = 0.02,
 
     from dataflows.models import GPT_BUILD
     from executors.optable import OpContext
-    from executors.torch.engine import Engine, Sampling, run_until_done
-    from executors.torch.held import whole_model
-    from executors.torch.turns import Agent, ByteTurns, EnvCalls
+    from executors.torch.models.built import whole_model
+    from executors.torch.rollout.engine import Engine, Sampling, run_until_done
+    from executors.torch.rollout.turns import Agent, ByteTurns, EnvCalls
     from flowkit.ops.records import Prompt
 
     if repeats < 1 or samples < 1 or turns < 1 or latency < 0:
@@ -156,9 +156,9 @@ def run_program_bench(*, samples: int = 32, turns: int = 4, repeats: int = 3,
     import torch
 
     from executors.optable import OpContext
-    from executors.torch.engine import Engine, Sampling, run_until_done
-    from executors.torch.held import whole_model
-    from executors.torch.turns import agent_of
+    from executors.torch.models.built import whole_model
+    from executors.torch.rollout.engine import Engine, Sampling, run_until_done
+    from executors.torch.rollout.turns import agent_of
     from flowkit.ops import AgentConfig
     from flowkit.ops.records import Prompt
     from flowkit.ops.tokenizers import load_tokenizer

@@ -2,10 +2,10 @@
 
 Both generate the same samples from the same model on this machine's CPU, in this process:
 `per_prompt` is the path before the engine (a generate task per prompt, decoding that prompt's
-n samples together, prompts one after another: executors/torch/generate.py `decode`); the
+n samples together, prompts one after another: executors/torch/rollout/generate.py `decode`); the
 engine takes every prompt as a request and decodes all live sequences together
-(executors/torch/engine.py). Every sample runs to max_new_tokens (no EOS), so both sides make
-the same number of tokens, and tokens/s compare directly. Runs alternate, and the median of
+(executors/torch/rollout/engine.py). Every sample runs to max_new_tokens (no EOS), so both sides
+make the same number of tokens, and tokens/s compare directly. Runs alternate, and the median of
 each side is reported with their ratio.
 """
 
@@ -65,8 +65,8 @@ def _prompts(count: int, length: int) -> list:
 def _per_prompt(model: Any, prompts: list, size: dict) -> int:
     import torch
 
-    from executors.torch.generate import _Sampling, decode
-    from executors.torch.held import evaluating
+    from executors.torch.models.built import evaluating
+    from executors.torch.rollout.generate import _Sampling, decode
 
     s = _Sampling(n=size["n"], max_new_tokens=size["max_new_tokens"], temperature=1.0,
                   top_p=1.0, eos=None, seed=0, max_batch=64)
@@ -79,7 +79,7 @@ def _per_prompt(model: Any, prompts: list, size: dict) -> int:
 
 
 def _engine(model: Any, prompts: list, size: dict) -> int:
-    from executors.torch.engine import Engine, Sampling, run_all_until_done
+    from executors.torch.rollout.engine import Engine, Sampling, run_all_until_done
 
     engine = Engine(model, version=lambda: None, max_batch=256, token_budget=2048)
     backgrounds = {"engine": engine}

@@ -1,6 +1,6 @@
 """Inference benchmark: reference log-probs of a step's rollouts on this CPU, at the CPU's 256
 padded tokens a forward against the GPU's 4096 ([Note: batch-invariant forwards] in
-executors/torch/infer.py), side by side in one run.
+executors/torch/rollout/infer.py), side by side in one run.
 
 Method: a built-in GPT the size of the README's tiny Qwen2 (vocabulary 300, 2 layers, 64 wide,
 float32, one thread); 128 rollouts of a GRPO step (prompts of 14 to 30 tokens, 4 response
@@ -32,7 +32,7 @@ def run_infer_bench(*, repeats: int = 5, seed: int = 0) -> dict:
 
     from dataflows.models import GPT_BUILD
     from executors.optable import OpContext, OpTable
-    from executors.torch import infer
+    from executors.torch.rollout import infer
     from flowkit.ops.records import Rollout
 
     if repeats < 1:

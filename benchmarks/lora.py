@@ -75,7 +75,7 @@ def _trained_parameters(gpt: dict, lora: dict) -> dict[str, int]:
     """The parameters each side trains, counted on the model as the executors build it."""
     from dataflows.models import GPT_BUILD
     from executors.optable import OpContext
-    from executors.torch.held import held_model
+    from executors.torch.models.built import held_model
     from flowkit.dsl import Model
     from flowkit.runner.training import model_spec
 

@@ -92,7 +92,7 @@ class RLSetup:
     steps: int = 8
     # seconds: a decode iteration's fixed cost, a token of inference, one F / B / W of one
     # microbatch on one stage (before `train_scale`). Every executor's 32 sequences decode
-    # together on its rollout engine (executors/simengine.py): with a 2 ms iteration and the
+    # together on its rollout engine (executors/sim/engine.py): with a 2 ms iteration and the
     # training side at a quarter of these, generation is about three quarters of the step
     # stage by stage, as the RL systems report (70-90 %)
     token: float = 0.002

@@ -1,5 +1,5 @@
 """Rollout benchmark: how close a step's generation comes to its lower bound on the simulator's
-rollout engines [Note: simulated rollout engine in executors/simengine.py], with length-aware
+rollout engines [Note: simulated rollout engine in executors/sim/engine.py], with length-aware
 dispatch [Note: length-aware dispatch in flowkit/runner/balance.py] against the dispatcher's
 count-based choice, on the same long-tailed samples; and how soon the first sample reaches the
 op downstream of generation.

@@ -4,7 +4,7 @@ measured side by side in one run on the stages of a split built-in GPT.
 Method: for every stage, each repeat runs four variants in turn on the same input, each after a
 fresh forward that is not timed unless it is F itself: the runner's F; its B then W (timed
 apart); its fused BW; the runner's F when the schedule fuses the backward (`F_unsplit`, no
-deferred-W recorder: [Note: a fused backward] in executors/torch/stage.py) and the BW after it
+deferred-W recorder: [Note: a fused backward] in executors/torch/train/stage.py) and the BW after it
 (`BW_unsplit`); and plain autograd (`loss.backward()` or `out.backward(grad)`) through the same
 stage module with a grad-requiring input, the baseline. Parameter gradients are reset to None
 before every backward, so every variant writes them fresh. Figures are medians over repeats, in

@@ -48,7 +48,7 @@ def run_train_bench(setup: TrainSetup | None = None, *,
     run_split_backward_bench (its configs and repeats); `model` sets the setup's model (a
     Hugging Face architecture measures HF decoder layers: `flowkit bench train --model llama`)."""
     from benchmarks.split_backward import DEFAULT_CONFIGS, run_split_backward_bench
-    from executors.torch.memory import keep_freed_memory
+    from executors.torch.train.memory import keep_freed_memory
 
     keep_freed_memory()  # as the torch executors do, for (a) and the plain loop alike
     setup = setup or TrainSetup()

@@ -9,7 +9,7 @@ from dataflows.models import reference_of
 from dataflows.rl.config import GroupRLConfig, RLConfig, actor_loss, rl_flow
 from dataflows.rl.evaluation import attach_evaluation
 from dataflows.rl.front import rl_actor, sample_and_score
-from dataflows.rl.steps import grpo_advantages, with_reference
+from dataflows.rl.ops import grpo_advantages, with_reference
 from flowkit.dsl import Flow, Model, collect, group_by
 
 __all__ = ["grpo_flow"]

@@ -9,7 +9,7 @@ from dataflows.models import critic_of, reference_of
 from dataflows.rl.config import PPOConfig, actor_loss, rl_flow
 from dataflows.rl.evaluation import attach_evaluation
 from dataflows.rl.front import rl_actor, sample_and_score
-from dataflows.rl.steps import gae, make_experience
+from dataflows.rl.ops import gae, make_experience
 from flowkit.dsl import Flow, Model, Stream, collect
 from flowkit.ops.records import WeightsVersion
 

@@ -3,9 +3,9 @@
 (`exact_match_reward`), as mathematics (`math_reward`), or the response's format
 (`format_reward`).
 
-The texts are the rollout's [Note: rollout text in executors/torch/engine.py]: decoded by the
-model's tokenizer. A rollout without them (a model without a tokenizer: the built-in GPT, whose
-tokens are bytes) is read as bytes, as dataflows/rl/steps.answer_reward reads it.
+The texts are the rollout's [Note: rollout text in executors/torch/rollout/engine.py]: decoded by
+the model's tokenizer. A rollout without them (a model without a tokenizer: the built-in GPT, whose
+tokens are bytes) is read as bytes, as dataflows/rl/ops.answer_reward reads it.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from pathlib import Path
 from flowkit.dsl import Stream, op
 from flowkit.ops.records import TokenIds
 
-__all__ = ["synthetic_corpus", "token_batches", "token_sequences"]
+__all__ = ["synthetic_corpus", "token_sequences"]
 
 
 @op
@@ -27,19 +27,6 @@ def token_sequences(*, path: str, sequences: int = 32, seq_len: int = 128, seed:
     for _ in range(sequences):
         start = rng.randrange(len(data) - seq_len - 1)
         yield data[start:start + seq_len + 1].clone()
-
-
-@op
-def token_batches(*, path: str, batch_size: int = 8, seq_len: int = 128, batches: int = 8,
-                  seed: int = 0, step: int = 0) -> Stream[TokenIds]:
-    """Like token_sequences, batch_size windows at a time: (batch_size, seq_len + 1) items."""
-    import torch
-
-    data = _bytes(path, seq_len)
-    rng = random.Random(f"{seed}/{step}")
-    for _ in range(batches):
-        starts = [rng.randrange(len(data) - seq_len - 1) for _ in range(batch_size)]
-        yield torch.stack([data[s:s + seq_len + 1] for s in starts])
 
 
 def _bytes(path: str, seq_len: int):

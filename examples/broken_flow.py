@@ -2,7 +2,7 @@
 `flowkit check examples/broken_flow.py` exits 1 and lists each one with its fix."""
 
 from dataflows.model_ops import Backprop, Generate, OptimizerStep
-from dataflows.rl.steps import answer_reward, arithmetic_prompts, grpo_advantages
+from dataflows.rl.ops import answer_reward, arithmetic_prompts, grpo_advantages
 from flowkit.dsl import Flow, Model
 
 actor = Model(name="actor", build="executors.torch.models.gpt:GPT", stages=2)

@@ -2,6 +2,6 @@
 `flowkit graph ... -o ppo.svg`."""
 
 from dataflows.ppo import ppo_flow
-from dataflows.rl.steps import ARITHMETIC_RESPONSE_TOKENS
+from dataflows.rl.ops import ARITHMETIC_RESPONSE_TOKENS
 
 flow = ppo_flow(prompts=64, stages=2, schedule="zb-h1", max_new_tokens=ARITHMETIC_RESPONSE_TOKENS)

@@ -4,7 +4,7 @@ sampled by the same flows (examples/lstm_sort_sft.py, examples/lstm_grpo_sort.py
 It follows the two contracts of the README's "Your own model": training (`forward(tokens,
 targets)` returns the mean loss, `split(stages)` cuts it into pipeline stages) and generation
 and scoring (`forward(tokens)` returns logits (B, T, V), or values (B, T) with `value_head`:
-[Note: generation and scoring interface] in executors/torch/lm.py). It has no cache protocol
+[Note: generation and scoring interface] in executors/torch/rollout/lm.py). It has no cache protocol
 and no context length: an LSTM cannot resume a right-padded row, so generation recomputes each
 prefix, which for sequences this short costs little. The flows name it
 ``build="tiny_lstm:TinyLSTM"``; executors import it from the flow file's folder.

@@ -5,14 +5,14 @@ One thread serves the sockets and runs ops (so a no-op costs microseconds, not a
 a second thread only exchanges heartbeats on a socket of its own, so a long op never makes the
 controller think this executor died, and a dead controller makes this process exit by itself;
 a third serves the sockets while an op runs long (both in executors/threads.py). A task, and how
-its outputs are described to the controller, is executors/tasks.py. With keys, every socket is
+its outputs are described to the controller, is executors/tasks.py; the objects it holds are in
+executors/store.py, its pushes to peers in executors/peers.py. With keys, every socket is
 a CurveZMQ client or server and the peer socket is behind a gate [Note: authenticated transport
 in flowkit/wire/auth.py].
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import re
@@ -26,15 +26,16 @@ from typing import Any
 import zmq
 
 from executors.optable import Deferred, OpContext, OpTable
-from executors.outbox import BATCH_BYTES, Outbox, packed
+from executors.peers import Peers
+from executors.store import ObjectStore
 from executors.tasks import (
     Task,
     check_streamed,
-    describe,
-    described,
     failure_text,
     run_items,
     split_outputs,
+    summarize_completion,
+    summarize_output,
 )
 from executors.threads import CompletionWatch, Heartbeat
 from flowkit.wire.auth import (
@@ -51,7 +52,6 @@ from flowkit.wire.limits import (
     CONTROL_FRAME_BYTES,
     DATA_FRAME_BYTES,
     DATA_RCVHWM,
-    UNCLAIMED_BYTES,
     bound_inbound,
 )
 from flowkit.wire.liveness import zmtp_heartbeats
@@ -99,8 +99,6 @@ class Executor:
         if keys is not None:
             keys.secret(EXECUTOR)  # a missing secret is an error before anything binds
         self.keys, self.secret = keys, secret
-        # what this executor's DATA carries, and what a peer's must [Note: joining a run]
-        self.peer_tag = None if secret is None else peer_tag(secret)
         self.ping_token = ""  # the WELCOME's: the controller answers only pings that carry it
         self.max_frame_bytes = max_frame_bytes  # [Note: bounds] in flowkit/wire/limits.py
         self.connect_address, self.name, self.ops = connect, name, ops
@@ -122,18 +120,17 @@ class Executor:
             self.gate.start()
         self.peer_address = f"tcp://{peer_host}:{port}"
         self.executor_id: int | None = None
-        self.objects: dict[int, Any] = {}
-        self.unclaimed: dict[int, int] = {}  # [Note: unclaimed objects]: id -> bytes
-        self.unclaimed_bytes = 0
+        self.cleanup_hooks: list = []  # run before exit, even when the controller died
+        self.store = ObjectStore()  # the objects held here (executors/store.py)
+        # pushes to peers (executors/peers.py); its DATA carries the run's tag, and a peer's
+        # must [Note: joining a run]
+        self.peers = Peers(self.store, self.client_socket, host_id=self.host_id,
+                           tag=None if secret is None else peer_tag(secret),
+                           cleanup_hooks=self.cleanup_hooks)
         self.waiting: dict[int, Task] = {}
         self.blocked: dict[int, list[Task]] = defaultdict(list)  # object id -> tasks needing it
         self.ready: deque[Task] = deque()
         self.lanes: dict[str, deque[Task]] = defaultdict(deque)  # [Note: lanes]
-        # object id -> (peer address, peer host id) to push it to once it exists
-        self.sends: dict[int, list[tuple[str, str]]] = defaultdict(list)
-        self.peers: dict[str, zmq.Socket] = {}
-        self.outbox = Outbox()  # small objects for peers [Note: objects in batches]
-        self.bodies: dict[int, bytes] = {}  # small objects packed (executors/outbox.py packed)
         self.completions: list[dict] = []
         self.deferred: dict[int, tuple[Task, Deferred]] = {}  # [Note: deferred ops]
         self.typical_op_s = 0.0  # a moving average of op time [Note: completion batching]
@@ -147,7 +144,6 @@ class Executor:
         self.credit = threading.Condition()
         self.watch = CompletionWatch(self)
         self.running = True
-        self.cleanup_hooks: list = []  # run before exit, even when the controller died
         self._handlers = {
             Msg.RUN: self._on_run, Msg.SEND: self._on_send, Msg.PUT: self._on_object,
             Msg.DATA: self._on_object, Msg.OBJECTS: self._on_objects,
@@ -208,8 +204,9 @@ class Executor:
         self.run_cleanup_hooks()
         if self.gate is not None:
             self.gate.stop()
-        for sock in (self.control, self.peer, *self.peers.values()):
+        for sock in (self.control, self.peer):
             sock.close(linger=0)
+        self.peers.close()
 
     def run_cleanup_hooks(self) -> None:
         for hook in self.cleanup_hooks:
@@ -314,10 +311,11 @@ class Executor:
                 self._complete_failed(spec.id, f"unknown op {spec.op!r}: this executor runs "
                                       f"{', '.join(self.ops.names())}", "")
                 continue
+            objects, unclaimed = self.store.objects, self.store.unclaimed
             for object_id in task.object_ids():
-                if self.unclaimed:
-                    self._claim(object_id)
-                if object_id not in self.objects:
+                if unclaimed:
+                    self.store.claim(object_id)
+                if object_id not in objects:
                     task.missing += 1
                     self.blocked[object_id].append(task)
             self.waiting[task.spec.id] = task
@@ -335,14 +333,14 @@ class Executor:
             raise ProtocolError(f"{header['t']}: meta must carry the value's msgpack body")
         from_peer = header["t"] == Msg.DATA
         if from_peer:
-            self._check_peer(header)
+            self.peers.check(header)
         self._take(header["t"], object_id, meta, frames, from_peer=from_peer)
 
     def _on_objects(self, header: dict, frames: list) -> None:
         """A peer's small objects [Note: objects in batches]: each taken as its own DATA
         message would be; one refused (already here, unreadable) is refused once the others
         are in, and the tasks waiting for it fail saying why."""
-        self._check_peer(header)
+        self.peers.check(header)
         refused = []
         for entry in header["objects"]:
             try:
@@ -355,28 +353,21 @@ class Executor:
             raise ProtocolError(f"objects: {len(refused)} of {len(header['objects'])} refused: "
                                 f"{refused[0]}")
 
-    def _check_peer(self, header: dict) -> None:
-        if self.peer_tag is not None and not (
-                type(header.get("auth")) is str and
-                hmac.compare_digest(header["auth"], self.peer_tag)):
-            raise ProtocolError(f"{header['t']}: not from a peer of this run (its run tag is "
-                                "missing or wrong); refused")
-
     def _take(self, kind: str, object_id: int, meta: dict, frames: list, *,
               from_peer: bool) -> None:
         """Keep an arriving object: `meta` holds its msgpack body (and, from a peer, how its
         frames travelled)."""
-        if from_peer and object_id in self.objects:
+        if from_peer and object_id in self.store.objects:
             raise ProtocolError(f"{kind}: object {object_id} is here already; a peer cannot "
                                 "replace it")
         try:
             if "layout" in meta:  # from a peer: shared-memory handles and chunks (wire/shm.py)
-                frames = self._peer_transport().decode(meta, frames)
+                frames = self.peers.transport().decode(meta, frames)
             if from_peer and object_id not in self.blocked:
-                self._hold_unclaimed(object_id, len(meta["body"]) + nbytes_of(frames))
+                self.store.hold_unclaimed(object_id, len(meta["body"]) + nbytes_of(frames))
             value = unpack(meta["body"], frames)
         except (ProtocolError, SerializeError) as exc:
-            self._claim(object_id)  # not held after all
+            self.store.claim(object_id)  # not held after all
             # the tasks that wait for it fail now, saying why, rather than wait for ever
             self._fail_waiting_for(object_id, f"{kind} of input object {object_id} could not "
                                               f"be read: {shown(str(exc))}")
@@ -386,25 +377,6 @@ class Executor:
             # cyclic GC runs; emptied, it cannot delay giving a segment back to its sender
             frames.clear()
         self._store(object_id, value)
-
-    def _hold_unclaimed(self, object_id: int, nbytes: int) -> None:
-        """[Note: unclaimed objects] A peer may push an object before the task that reads it
-        reaches this executor (the producer's SEND and this executor's RUN travel apart), so
-        an object no task waits for yet is kept, but only up to UNCLAIMED_BYTES of them: a
-        peer cannot fill this process with objects nobody asked for. A RUN that reads it
-        claims it; a FREE drops it."""
-        held = self.unclaimed_bytes + nbytes
-        if held > UNCLAIMED_BYTES:
-            raise ProtocolError(f"data: object {object_id} ({nbytes} bytes) is not awaited "
-                                f"here, and {self.unclaimed_bytes} bytes of such objects are "
-                                f"held already (at most {UNCLAIMED_BYTES})")
-        self.unclaimed[object_id] = nbytes
-        self.unclaimed_bytes = held
-
-    def _claim(self, object_id: int) -> None:
-        nbytes = self.unclaimed.pop(object_id, None)
-        if nbytes is not None:
-            self.unclaimed_bytes -= nbytes
 
     def _fail_waiting_for(self, object_id: int, error: str) -> None:
         for task in self.blocked.pop(object_id, ()):
@@ -420,18 +392,15 @@ class Executor:
         # a controller that names no host id means another host: frames reach any peer
         target = (header["address"], header.get("host_id", ""))
         for object_id in objects:
-            if object_id in self.objects:
-                self._push(object_id, *target)
-            else:
-                self.sends[object_id].append(target)
+            self.peers.send(object_id, *target)
 
     def _on_fetch(self, header: dict, frames: list) -> None:
         object_id = header["object"]
-        if object_id not in self.objects:
+        if object_id not in self.store.objects:
             self._send(Msg.VALUE, {"request": header["request"], "meta": {},
                                    "error": f"object {object_id} is not on {self.name}"})
             return
-        body, out = pack(self.objects[object_id])
+        body, out = pack(self.store.objects[object_id])
         largest = max([len(body), *(memoryview(f).nbytes for f in out)])
         if largest > self.max_frame_bytes:  # it would cost this executor its connection
             self._send(Msg.VALUE, {"request": header["request"], "meta": {}, "error": (
@@ -443,11 +412,8 @@ class Executor:
 
     def _on_free(self, header: dict, frames: list) -> None:
         for object_id in header["objects"]:
-            self.objects.pop(object_id, None)
-            self.bodies.pop(object_id, None)
-            self.sends.pop(object_id, None)
-            if self.unclaimed:
-                self._claim(object_id)
+            self.store.free(object_id)
+            self.peers.forget(object_id)
 
     def _on_cancel(self, header: dict, frames: list) -> None:
         cancelled = set(header["tasks"])
@@ -480,9 +446,9 @@ class Executor:
 
     # -- running tasks -------------------------------------------------------------------------
     def _store(self, object_id: int, value: Any) -> None:
-        self.objects[object_id] = value
-        for address, host_id in self.sends.pop(object_id, ()):
-            self._push(object_id, address, host_id)
+        self.store.objects[object_id] = value
+        if self.peers.waiting:
+            self.peers.stored(object_id)
         for task in self.blocked.pop(object_id, ()):
             task.missing -= 1
             if task.missing == 0 and task.spec.id in self.waiting and self._heads_lane(task):
@@ -500,44 +466,6 @@ class Executor:
             del self.lanes[task.spec.lane]
         elif was_head and lane[0].missing == 0:
             self.ready.append(lane[0])
-
-    def _push(self, object_id: int, address: str, host_id: str) -> None:
-        body, frames = packed(object_id, self.objects[object_id], self.bodies)
-        if not frames and len(body) <= BATCH_BYTES:  # goes with others [Note: objects in batches]
-            self.outbox.add((address, host_id), object_id, body)
-            return
-        meta, wire = self._peer_transport().encode(body, frames, host_id)
-        frames.clear()  # pack's closure cycle holds the list: see _on_object
-        self._send_peer(address, Msg.DATA, {"object": object_id, "meta": meta}, wire)
-
-    def flush_pushes(self) -> None:
-        """The small objects waiting for peers, each peer's in OBJECTS messages."""
-        for (address, _), batches in self.outbox.take().items():
-            for batch in batches:
-                objects = [{"object": object_id, "body": body} for object_id, body in batch]
-                self._send_peer(address, Msg.OBJECTS, {"objects": objects})
-
-    def _send_peer(self, address: str, kind: str, header: dict, frames: list = ()) -> None:
-        sock = self.peers.get(address)
-        if sock is None:
-            sock = self.peers[address] = self.client_socket(EXECUTOR)
-            sock.connect(address)
-        if self.peer_tag is not None:
-            header["auth"] = self.peer_tag
-        # zero-copy pays for a value's frames, not for a batch of small objects (_send)
-        sock.send_multipart(encode(kind, header, frames), copy=kind != Msg.OBJECTS)
-
-    _transport = None  # the PeerTransport, made on first use
-
-    def _peer_transport(self) -> Any:
-        """Shared memory to peers on this host, chunked frames to others (wire/shm.py)."""
-        if self._transport is None:
-            from flowkit.wire.shm import PeerTransport
-
-            self._transport = PeerTransport(host=self.host_id)
-            # close() and the heartbeat's exit run the hooks: the segments' names go with us
-            self.cleanup_hooks.append(self._transport.unlink_all)
-        return self._transport
 
     def _run_ready(self) -> None:
         ready, waiting, spent = self.ready, self.waiting, 0.0
@@ -576,10 +504,11 @@ class Executor:
         """Run `task` and queue its completion; returns how long the op took."""
         start = task.start = time.time()
         try:
+            objects = self.store.objects
             if task.plain:
-                args = [self.objects[i] for i in task.spec.inputs]
+                args = [objects[i] for i in task.spec.inputs]
             else:
-                args = [resolve(ref, self.objects) for ref in task.spec.inputs]
+                args = [resolve(ref, objects) for ref in task.spec.inputs]
             result = self._call(task, args)
             if isinstance(result, Deferred):  # it completes later [Note: deferred ops]
                 result.bind(_DeferredSink(self, task))
@@ -652,8 +581,8 @@ class Executor:
         it [Note: parts in batches]. Runs on the op thread, which holds the sockets only for
         the moment it stores the item."""
         index = len(task.streamed)
-        described = describe(part_id(task.spec.outputs[0], index), value, task.spec.report_key,
-                             task.spec.trace_key, self.bodies)
+        described = summarize_output(part_id(task.spec.outputs[0], index), value,
+                                     task.spec.report_key, task.spec.trace_key, self.store.bodies)
         described.setdefault("nbytes", 0)  # None's description leaves it out
         task.streamed.append(described)
         with self.socket_lock:
@@ -672,7 +601,7 @@ class Executor:
         if len(task.streamed) - task.credited < window:
             return
         with self.socket_lock:
-            if self.parts or self.outbox:
+            if self.parts or self.peers.outbox:
                 self.send_parts()
         with self.credit:
             while len(task.streamed) - task.credited >= window and self.running:
@@ -686,8 +615,8 @@ class Executor:
         runs long, and always before any completion (a task's parts must reach the controller
         before its end). The small objects waiting for peers go first [Note: objects in
         batches in executors/outbox.py]."""
-        if self.outbox:  # the objects told of may be what a peer waits for
-            self.flush_pushes()
+        if self.peers.outbox:  # the objects told of may be what a peer waits for
+            self.peers.flush()
         parts, self.parts = self.parts, {}
         if not parts:
             return
@@ -732,7 +661,7 @@ class Executor:
         spec, first = task.spec, task.answered
         pairs = list(zip(spec.outputs[first:done], task.results[first:done]))
         try:
-            outputs = [describe(i, v, spec.report_key, spec.trace_key, self.bodies)
+            outputs = [summarize_output(i, v, spec.report_key, spec.trace_key, self.store.bodies)
                        for i, v in pairs]
         except SerializeError:
             self.batch_running = None  # answered no more early: its completion says why
@@ -765,11 +694,12 @@ class Executor:
                                  "start": start or time.time(), "end": time.time()})
 
     def _flush_completions(self) -> None:
-        if self.parts or self.outbox:
+        if self.parts or self.peers.outbox:
             self.send_parts()
         if self.completions:
             items, self.completions = self.completions, []
-            self._send(Msg.DONE, {"items": [described(item, self.bodies) for item in items]})
+            bodies = self.store.bodies
+            self._send(Msg.DONE, {"items": [summarize_completion(item, bodies) for item in items]})
 
 
 _MAX_MODULES = 1024

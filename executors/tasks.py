@@ -12,8 +12,8 @@ from flowkit.wire.refs import object_ids
 from flowkit.wire.serialize import SerializeError, nbytes_of, pack
 from flowkit.wire.task import TaskSpec
 
-__all__ = ["ItemFailed", "Task", "check_streamed", "describe", "described", "failure_text",
-           "run_items", "split_outputs"]
+__all__ = ["ItemFailed", "Task", "check_streamed", "failure_text", "run_items", "split_outputs",
+           "summarize_completion", "summarize_output"]
 
 _INLINE_LIMIT = 2048  # outputs whose packed form is this small ride in the completion message
 _NONE_BODY = pack(None)[0]
@@ -122,7 +122,7 @@ def check_streamed(task: Task, result: Any) -> None:
                         f"{size}: a streaming op returns the list of what it emitted")
 
 
-def described(item: dict, bodies: dict[int, bytes] | None = None) -> dict:
+def summarize_completion(item: dict, bodies: dict[int, bytes] | None = None) -> dict:
     """A completion with its outputs described; a task whose output cannot be serialized fails
     (its outputs are not fetchable or movable) with an error that says so."""
     if not item["ok"]:
@@ -135,14 +135,15 @@ def described(item: dict, bodies: dict[int, bytes] | None = None) -> dict:
                             "nbytes": sum(part["nbytes"] for part in streamed)}]
         return item
     try:
-        item["outputs"] = [describe(i, v, key, trace_key, bodies) for i, v in item["outputs"]]
+        item["outputs"] = [summarize_output(i, v, key, trace_key, bodies)
+                           for i, v in item["outputs"]]
     except SerializeError as exc:
         return {"task": item["task"], "ok": False, "start": item["start"], "end": item["end"],
                 "error": f"its output cannot be sent: {exc}", "traceback": ""}
     return item
 
 
-def describe(object_id: int, value: Any, report_key: str | None = None,
+def summarize_output(object_id: int, value: Any, report_key: str | None = None,
              trace_key: str | None = None, bodies: dict[int, bytes] | None = None) -> dict:
     """What the controller learns of an output: its size, the value itself when tiny, and for
     a list (a Stream's items) its length and, if asked, each item's `report_key` field, so the

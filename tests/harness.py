@@ -94,7 +94,7 @@ def generating(items: list, name: str = "exec0", **settings: Any) -> tuple[OpCon
     """A generate request started in a fresh executor context and not stepped: the context,
     its rollout engine (the test steps it, aborts it...) and the list the request's rollouts
     stream into as they end."""
-    from executors.torch import generate as gen
+    from executors.torch.rollout import generate as gen
 
     ctx, streamed = op_context(name), []
     gen._generate(ctx, items, **settings).bind(type("Sink", (), {

@@ -95,8 +95,8 @@ def test_the_generate_op_spec_lists_every_setting_an_executor_gets():
 # -- the executors ----------------------------------------------------------------------------
 def _executor_functions() -> list:
     pytest.importorskip("torch")
-    from executors import sim
-    from executors.torch import engine, generate, infer
+    from executors.sim import ops as sim
+    from executors.torch.rollout import engine, generate, infer
 
     return [sim._generate, sim.sample_rollout, generate._generate, infer._logprobs,
             engine.Sampling]

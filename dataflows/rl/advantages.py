@@ -1,6 +1,6 @@
 """Critic-free advantage estimators on records: RLOO per prompt group, REINFORCE++ and
 REINFORCE++-baseline over the batch, and the token rewards they read, with the KL penalty to
-the reference folded in. Each equals its tensor version in executors/torch/algos.py (verl's
+the reference folded in. Each equals its tensor version in tests/rl/reference_algos.py (verl's
 formulas) on the same samples, right-padded (tests/rl/test_advantages.py).
 
 [Note: token rewards] A sample's token rewards are what the estimators start from, as verl's

@@ -25,7 +25,7 @@ import attrs
 
 from dataflows.model_ops import Backprop, OptimizerStep
 from dataflows.rl.advantages import reinforce_pp_advantages
-from dataflows.rl.steps import answer_reward, arithmetic_prompts
+from dataflows.rl.ops import answer_reward, arithmetic_prompts
 from flowkit.dsl import Flow, Operator
 from flowkit.ops import (
     AGENT_KEYS,

@@ -13,7 +13,7 @@ import attrs
 from dataflows.model_ops import Generate, LogProbs
 from dataflows.models import flow_model
 from dataflows.rl.config import RLConfig
-from dataflows.rl.steps import check_overlong, overlong_penalty, rollout_metrics
+from dataflows.rl.ops import check_overlong, overlong_penalty, rollout_metrics
 from flowkit.dsl import Flow, Model, Stream, collect
 from flowkit.ops.records import WeightsVersion
 

@@ -4,13 +4,17 @@
 `executors.torch.models.gpt`.
 """
 
-from executors.torch.stage import StageError, StageRunner
+from executors.torch.errors import StageError
+from executors.torch.train.stage import StageRunner
 
 
 def register(table) -> None:
-    """The torch executor kind's ops: pipeline stages and the optimizer step (pipeline_ops.py),
-    generation (generate.py), scoring (infer.py), run checkpoints (state.py)."""
-    from executors.torch import generate, infer, pipeline_ops, state
+    """The torch executor kind's ops: pipeline stages and the optimizer step
+    (train/pipeline_ops.py), generation (rollout/generate.py), scoring (rollout/infer.py), run
+    checkpoints (state.py)."""
+    from executors.torch import state
+    from executors.torch.rollout import generate, infer
+    from executors.torch.train import pipeline_ops
 
     pipeline_ops.register(table)
     table.register("save_state", state.save_state)

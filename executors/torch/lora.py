@@ -1,6 +1,6 @@
 """LoRA adapters in a held model [Note: LoRA in flowkit/dsl/lora.py].
 
-`add_adapters` injects them into a model built and split by held.py: through the model's own
+`add_adapters` injects them into a model built and split by models/built.py: through the model's own
 ``add_lora(settings)`` where it has one (a Hugging Face model: peft's, models/hf.py), else as
 `LoRALinear` layers, which compute what peft's ``lora.Linear`` computes. Either way each target
 ``nn.Linear`` at ``P`` becomes a module with ``P.base_layer`` (the frozen layer) and ``P.lora_A``,
@@ -23,9 +23,9 @@ import torch
 import torch.nn as nn
 
 from executors.torch import weights
-from executors.torch.stage import StageError
+from executors.torch.errors import StageError
 
-__all__ = ["LoRALinear", "adapter_dtype", "add_adapters", "adapter_names", "merge_adapters"]
+__all__ = ["LoRALinear", "adapter_dtype", "add_adapters", "merge_adapters"]
 
 
 class LoRALinear(nn.Module):
@@ -82,11 +82,6 @@ def add_adapters(whole: nn.Module, parts: Sequence[nn.Module], lay: weights.Layo
         for p in module.parameters():
             p.requires_grad_(id(p) in adapters)
     return _renamed(lay, whole, parts, paths)
-
-
-def adapter_names(module: nn.Module) -> set[str]:
-    """The names of `module`'s adapter parameters (those that train)."""
-    return {name for name, p in module.named_parameters() if p.requires_grad}
 
 
 def merge_adapters(whole: nn.Module) -> None:

@@ -8,8 +8,8 @@ is read with torch's weights-only loader.
 
 A model no op changed since it was built (a frozen reference) is written by name only: it is
 built again from its build path and seed, which gives the same weights [Note: one model, many
-holders in held.py]. Building seeds torch's generator, so `load_state` builds every model first
-and restores the generators last: the next op draws what the uninterrupted run's would.
+holders in models/built.py]. Building seeds torch's generator, so `load_state` builds every model
+first and restores the generators last: the next op draws what the uninterrupted run's would.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from typing import Any
 import torch
 
 from executors.optable import Deferred, OpContext
-from executors.torch.held import held_model, held_stage
-from executors.torch.reshard import recut
-from executors.torch.stage import StageError
+from executors.torch.errors import StageError
+from executors.torch.models.built import held_model
+from executors.torch.train.held_stage import held_stage
+from executors.torch.train.reshard import recut
 from flowkit.dsl.lora import lora_identity
 
 __all__ = ["StateWriter", "load_state", "save_state", "state_of"]
@@ -286,7 +287,7 @@ def _checked(entry: Any, index: int, path: str, models: dict) -> tuple[dict, dic
                          f"in {spec['stages']}")
     parts, optimizers = (_field(entry, key, dict, path, where) for key in ("parts", "optimizers"))
     held_stages = _field(entry, "held_stages", list, path, where)
-    # [Note: sharded optimizer states in executors/torch/replicas.py]; older files have none
+    # [Note: sharded optimizer states in executors/torch/train/replicas.py]; older files have none
     shards = entry.setdefault("shards", {})
     if not (isinstance(shards, dict) and all(
             isinstance(i, int) and i in optimizers and isinstance(v, list) and len(v) == 2
@@ -339,7 +340,7 @@ def _restore(ctx: OpContext, entry: dict, spec: dict, path: str, peers: tuple | 
     for index in entry["held_stages"]:
         held_stage(ctx, {**spec, "stage": index})
     for index, saved in entry["optimizers"].items():
-        from executors.torch.pipeline_ops import new_optimizer, trainable
+        from executors.torch.train.pipeline_ops import new_optimizer, trainable
 
         stage = held.stages[index]
         stage.shard = _shard(entry, index) if peers is None else peers[0]

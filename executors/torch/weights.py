@@ -15,16 +15,16 @@ from typing import Any
 import attrs
 import torch
 
-from executors.torch.stage import StageError
+from executors.torch.errors import StageError
 
 __all__ = ["Layout", "aliases_of", "checked_layout", "export", "layout", "load", "load_checkpoint",
-           "merge", "save_checkpoint", "to_local", "to_unsplit"]
+           "merge", "save_checkpoint"]
 
 
 # [Note: unsplit names] An executor may hold one model in several splits at once [Note: one model,
-# many holders in held.py]: "actor" cut in two stages to train and whole (one stage) to generate
-# with. Each split names its parameters locally (a GPT stage's ``h.0.attn.c_attn.weight``); weights
-# travel between splits, executors and checkpoint files by the unsplit model's names
+# many holders in models/built.py]: "actor" cut in two stages to train and whole (one stage) to
+# generate with. Each split names its parameters locally (a GPT stage's ``h.0.attn.c_attn.weight``);
+# weights travel between splits, executors and checkpoint files by the unsplit model's names
 # (``transformer.h.3.attn.c_attn.weight``, as ``GPT.state_dict()`` has them). A model maps the one
 # to the other with a method ``stage_names(stages, seq_len=...)`` (the GPT's, in models/gpt.py): per
 # stage, local name -> unsplit name. A model without one is mapped through its split sharing the
@@ -38,8 +38,8 @@ __all__ = ["Layout", "aliases_of", "checked_layout", "export", "layout", "load",
 #
 # The ops `export_weights`, `load_weights` and `save_weights` (which merges the stages' exports and
 # writes them with `save_checkpoint` on an executor: no tensor goes to the controller) are in
-# held.py. A model config key ``checkpoint`` names such a file, which `held_model` loads into the
-# whole model before splitting it (`load_checkpoint`).
+# models/built.py. A model config key ``checkpoint`` names such a file, which `held_model` loads
+# into the whole model before splitting it (`load_checkpoint`).
 
 
 # -- names ------------------------------------------------------------------------------------
@@ -126,30 +126,6 @@ def _stage_names(whole: torch.nn.Module, parts: Sequence[torch.nn.Module],
             mapping[name] = by_id[id(p)]
         names.append(mapping)
     return names
-
-
-def to_unsplit(tensors: Mapping[str, Any], names: Mapping[str, str]) -> dict[str, Any]:
-    """One stage's values by its local names -> by the unsplit model's names."""
-    unknown = sorted(set(tensors) - set(names))
-    if unknown:
-        raise StageError(f"this stage has no parameters named {_few(unknown)}")
-    return {names[local]: value for local, value in tensors.items()}
-
-
-def to_local(tensors: Mapping[str, Any], names: Sequence[Mapping[str, str]],
-             aliases: Mapping[str, Sequence[str]] | None = None) -> list[dict[str, Any]]:
-    """Values by unsplit name -> per stage of a split named by `names`, by its local names.
-    A tied weight given under any of its `aliases` fills every local copy; names the values
-    lack are left out."""
-    out = []
-    for mapping in names:
-        stage = {}
-        for local, unsplit in mapping.items():
-            source = _source(unsplit, tensors, aliases or {})
-            if source is not None:
-                stage[local] = tensors[source]
-        out.append(stage)
-    return out
 
 
 def _source(unsplit: str, given: Mapping[str, Any], aliases: Mapping[str, Sequence[str]]):

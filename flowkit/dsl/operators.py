@@ -78,7 +78,7 @@ class Model:
     # [Note: replicas in flowkit/runner/replicas.py]
     replicas: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     # ZeRO-1: each replica keeps the optimizer states of its share of the parameters only
-    # [Note: sharded optimizer states in executors/torch/replicas.py]
+    # [Note: sharded optimizer states in executors/torch/train/replicas.py]
     shard_optimizer: bool = False
     # low-rank adapters: only they train, sync to generation and save [Note: LoRA in
     # flowkit/dsl/lora.py]; None trains every weight

@@ -8,7 +8,7 @@ share (tokenizers.py, transformers imported when one is loaded). No torch, no zm
 Where an op lives, end to end: a flow declares it as a ModelOp (dataflows/model_ops.py) or an @op
 function; the planner lowers it into tasks (flowkit/planner/lower.py); the runtime submits and
 dispatches them (flowkit/runner/flowrun.py, controller.py, dispatch.py); an executor runs it
-from its op table (executors/optable.py; executors/sim.py, executors/torch/).
+from its op table (executors/optable.py; executors/sim/ops.py, executors/torch/).
 """
 
 from flowkit.ops.configs import (

@@ -2,9 +2,9 @@
 
 `SamplingConfig` is how a `generate` call samples, `AgentConfig` whether its samples are
 multi-turn trajectories in an environment. Generate's declaration (dataflows/model_ops.py)
-takes its config keys, defaults, ranges and choices from it; the executors (executors/sim.py,
-executors/torch/generate.py) read a task's settings through it, so a key a task lacks gets the
-record's default, never one of the executor's own; the RL flows hold one
+takes its config keys, defaults, ranges and choices from it; the executors (executors/sim/ops.py,
+executors/torch/rollout/generate.py) read a task's settings through it, so a key a task lacks gets
+the record's default, never one of the executor's own; the RL flows hold one
 (dataflows/rl/config.py). tests/test_defaults.py holds them all to the record.
 """
 
@@ -22,7 +22,7 @@ __all__ = ["AGENT", "AGENT_KEYS", "AGENT_RANGES", "MODEL_EOS", "SAMPLING", "SAMP
 
 MODEL_EOS = "model"
 """eos="model": stop at the model's tokenizer's EOS, or byte 10 for a model without one
-([Note: rollout text] in executors/torch/engine.py)."""
+([Note: rollout text] in executors/torch/rollout/engine.py)."""
 
 
 def _setting(default: Any, *, low: float | None = None, high: float | None = None,
@@ -97,7 +97,7 @@ class AgentConfig(_OpSettings):
     giving the row to a waiting sample and prefilling its whole prefix again. `program`
     ("package.module:function", instead of an environment): each sample runs an agent
     written against the OpenAI chat-completions API, served by the rollout engine ([Note:
-    agent programs] in executors/torch/endpoint.py)."""
+    agent programs] in executors/torch/rollout/endpoint.py)."""
 
     environment: str | None = _setting(None)
     program: str | None = _setting(None)

@@ -5,13 +5,13 @@ each of its steps returns. Plain Python, text in and text out (the gymnasium sha
 (flowkit.ops.AgentConfig) rolls out trajectories: each sample gets its own environment on the
 rollout executor, `reset`, then model turns and `step`s until done or a budget, then `close`.
 Token in, token out: an observation's tokens are appended as the model's chat format renders an
-environment turn (executors/torch/turns.py), never re-tokenizing what came before, and the
+environment turn (executors/torch/rollout/turns.py), never re-tokenizing what came before, and the
 Rollout's `response_mask` marks the model's tokens (1: trained) and the environment's (0:
 context, neither trained nor counted in a token mean). A step that raises, or runs past
 `env_timeout_s`, ends its own trajectory with `env_error`; it never stalls the engine, which
 steps the other samples meanwhile (untrusted code runs in dataflows/sandbox.py: a thread past
 its timeout cannot be stopped). A trajectory cut by an abort is parked on the executor
-([Note: parked trajectories] in executors/torch/trajectories.py). In full: docs/rl.md, "Agents:
+([Note: parked trajectories] in executors/torch/rollout/trajectories.py). In full: docs/rl.md, "Agents:
 multi-turn rollouts in an environment".
 """
 
@@ -67,7 +67,7 @@ class Environment:
         booleans, None), or None (the default) when it cannot be saved. A trajectory cut by an
         abort between its environment's steps carries it in its Rollout, so that another
         executor, or a run resumed from a checkpoint, goes on with `restore` where it stopped
-        ([Note: parked trajectories] in executors/torch/trajectories.py) rather than drawing
+        ([Note: parked trajectories] in executors/torch/rollout/trajectories.py) rather than drawing
         the trajectory again from its prompt."""
         return None
 

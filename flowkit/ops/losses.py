@@ -1,5 +1,5 @@
 """The losses a Backprop trains with, and their knobs: what the runtime puts in each pipeline
-op's config and the executors implement (executors/torch/rl_loss.py; the simulator only
+op's config and the executors implement (executors/torch/train/rl_loss.py; the simulator only
 reports a loss)."""
 
 from __future__ import annotations

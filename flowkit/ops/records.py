@@ -44,7 +44,7 @@ class Prompt:
     # the prompt as the model sees it (after the chat template), when a tokenizer made it
     text: str | None = None
     # the chat messages the template rendered into `text`, when a prompt source kept them
-    # (an agent program starts its conversation from them: executors/torch/endpoint.py)
+    # (an agent program starts its conversation from them: executors/torch/rollout/endpoint.py)
     messages: list[dict] | None = None
 
 

@@ -1,7 +1,7 @@
 """Tool calls as a model's turn writes them, read back: the Hermes format (Qwen2.5 and other
 Hermes-style chat templates), ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
 anywhere in the turn. dataflows/tools.py's ToolEnvironment and the agent programs' endpoint
-(executors/torch/endpoint.py) read calls the same way.
+(executors/torch/rollout/endpoint.py) read calls the same way.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ _COUNTS = ("token_budget", "max_batch")
 class SimCosts:
     """Defaults are a small GPT on one GPU: a few ms per pipeline op and per optimizer step.
 
-    Generation runs on a rollout engine (executors/simengine.py): one decode iteration advances
+    Generation runs on a rollout engine (executors/sim/engine.py): one decode iteration advances
     every live sequence of the executor by one token and costs `token + token_per_seq * b` for
     b live sequences. Decoding is memory-bound, so the weights' read (`token`) dominates: a
     lone sequence's iteration costs 0.5 ms, one of 256 sequences about twice that. `token`

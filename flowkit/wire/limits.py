@@ -10,7 +10,7 @@ past that libzmq stops reading it (TCP pushes back on that sender alone) and not
 An executor's control socket, reached only by the controller, has none; ROUTERs' outbound queues
 stay unbounded (a ROUTER drops past its mark; the controller sends what the user submitted).
 Peer strings are escaped and truncated (schema.py `shown`), a HELLO's lists capped (hello.py),
-unclaimed objects capped per executor ([Note: unclaimed objects in executors/process.py]).
+unclaimed objects capped per executor ([Note: unclaimed objects in executors/store.py]).
 The table of bounds and how to change them: docs/security.md, "Bounds".
 """
 
@@ -26,7 +26,7 @@ CONTROL_FRAME_BYTES = 256 * MiB
 DATA_FRAME_BYTES = 256 * MiB
 CONTROL_RCVHWM = 10_000  # messages a connection may have queued: completions are small
 DATA_RCVHWM = 1_000
-# objects a peer pushed that no task on the executor waits for yet (executors/process.py)
+# objects a peer pushed that no task on the executor waits for yet (executors/store.py)
 UNCLAIMED_BYTES = 4 << 30
 
 

@@ -80,7 +80,7 @@ _SCHEMA: dict[str, Schema] = {
     Msg.SHUTDOWN: {},
 }
 
-# An output as an executor describes it (executors/tasks.py describe): its object id, and as
+# An output as an executor describes it (executors/tasks.py summarize_output): its object id, and as
 # the case may be its size, its value inline, its length, its items' keys and traced values.
 _OUTPUT_FIELDS: dict[str, tuple[type, ...]] = {
     "id": (int,), "nbytes": (int,), "inline": (bytes,), "count": (int,), "keys": (list,),

@@ -1,6 +1,6 @@
 """Trajectories in flight across a checkpoint [Note: parked trajectories in
-executors/torch/trajectories.py]: an asynchronous run with partial rollouts of the guessing game
-checkpoints the trajectories it cut with their environments' state (Rollout.env_state), and
+executors/torch/rollout/trajectories.py]: an asynchronous run with partial rollouts of the guessing
+game checkpoints the trajectories it cut with their environments' state (Rollout.env_state), and
 the run resumed from it loses none: every game started is trained once, dropped, or still
 carried at the end, and no environment fails."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dataflows.model_ops import Backprop, Generate, OptimizerStep
-from dataflows.rl.steps import arithmetic_prompts
+from dataflows.rl.ops import arithmetic_prompts
 from flowkit.dsl import Flow, FlowError, Model, collect
 
 ACTOR = Model(name="actor", build="m:M")

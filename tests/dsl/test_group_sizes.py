@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dataflows.model_ops import Generate, LogProbs
-from dataflows.rl.steps import answer_reward, arithmetic_prompts, grpo_advantages, with_reference
+from dataflows.rl.ops import answer_reward, arithmetic_prompts, grpo_advantages, with_reference
 from flowkit.dsl import Flow, FlowError, Grouped, Model, Stream, group_by, op
 from flowkit.ops.records import Experience, Rollout
 

@@ -10,9 +10,9 @@ import attrs
 import pytest
 
 from executors.kinds import op_table
-from executors.torch import algos
-from executors.torch.pipeline_ops import LOSSES as TORCH_LOSSES
-from executors.torch.rl_loss import RLSettings
+from executors.torch.train import loss_terms as algos
+from executors.torch.train.pipeline_ops import LOSSES as TORCH_LOSSES
+from executors.torch.train.rl_loss import RLSettings
 from flowkit.ops import EXECUTOR_OPS, KL_KINDS, LOSS_KNOBS, LOSSES, OFFLOAD_KEYS, SIMULATED
 
 IMPLEMENTED = {"sim": SIMULATED, "torch": frozenset(EXECUTOR_OPS)}

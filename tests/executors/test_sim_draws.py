@@ -1,11 +1,11 @@
-"""The simulator's made-up values [Note: simulator draws in executors/sim.py]: a function of a
+"""The simulator's made-up values [Note: simulator draws in executors/sim/ops.py]: a function of a
 sample's identity alone, the same on any machine, with the laws the benches rely on."""
 
 from __future__ import annotations
 
 import statistics
 
-from executors.sim import _draws, _normal, _sampled_length, _uniform, sample_rollout
+from executors.sim.ops import _draws, _normal, _sampled_length, _uniform, sample_rollout
 from flowkit.ops.records import Prompt
 
 

@@ -1,4 +1,4 @@
-"""The simulator's rollout engine [Note: simulated rollout engine in executors/simengine.py]:
+"""The simulator's rollout engine [Note: simulated rollout engine in executors/sim/engine.py]:
 continuous batching on a fake clock, so the iteration costs show exactly in when each sample
 finishes; then on a simulator executor process."""
 
@@ -8,8 +8,8 @@ import attrs
 import pytest
 
 from executors.optable import Deferred
-from executors.sim import _generate, sample_rollout
-from executors.simengine import EngineCosts, SimEngine
+from executors.sim.engine import EngineCosts, SimEngine
+from executors.sim.ops import _generate, sample_rollout
 from flowkit.ops.records import Prompt, Rollout, WeightsVersion
 from tests.harness import executor_cluster, op_context
 
@@ -233,7 +233,7 @@ def test_pause_holds_the_engine_and_abort_cuts_every_sample_where_it_got():
 
 
 def test_the_generation_op_on_an_idle_simulator_does_nothing_and_names_bad_actions():
-    from executors.sim import _generation
+    from executors.sim.ops import _generation
 
     ctx = op_context()
     assert _generation(ctx, action="abort") == 0

@@ -51,7 +51,7 @@ def _train_on_executors(ctl, config: dict, schedule: str, name: str, saved: Path
 
 
 def _base(config: dict, dtype=torch.float64) -> torch.nn.Module:
-    """The HF model as every holder builds it (executors/torch/held.py), before adapters."""
+    """The HF model as every holder builds it (executors/torch/models/built.py), before adapters."""
     torch.manual_seed(SEED)
     return HFCausalLM(**config).to(dtype)._lm[0]
 

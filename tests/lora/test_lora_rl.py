@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dataflows.grpo import grpo_flow
-from executors.torch.held import export_weights, held_model, save_weights
+from executors.torch.models.built import export_weights, held_model, save_weights
 from executors.torch.models.gpt import GPT
 from executors.torch.weights import load_checkpoint
 from flowkit.dsl import Model

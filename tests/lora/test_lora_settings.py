@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from executors.torch.held import held_model
-from executors.torch.stage import StageError
+from executors.torch.errors import StageError
+from executors.torch.models.built import held_model
 from flowkit.dsl import Model
 from tests.harness import op_context, tiny_gpt
 

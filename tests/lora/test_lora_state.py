@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executors.torch.held import held_model, held_stage
-from executors.torch.pipeline_ops import new_optimizer
-from executors.torch.stage import StageError
+from executors.torch.errors import StageError
+from executors.torch.models.built import held_model
 from executors.torch.state import load_state, save_state
+from executors.torch.train.held_stage import held_stage
+from executors.torch.train.pipeline_ops import new_optimizer
 from flowkit.dsl import Model
 from flowkit.runner.training import model_spec
 from tests.harness import finished, op_context, tiny_gpt

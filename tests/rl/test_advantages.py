@@ -1,5 +1,5 @@
 """The advantage ops on records (dataflows/rl/advantages.py) against their tensor versions
-(executors/torch/algos.py, matched against verl in test_algos.py) on the same samples, plus
+(reference_algos.py, matched against verl in test_algos.py) on the same samples, plus
 hand cases. The ops are called through `.fn`, the plain function the executors run."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dataflows.rl import advantages as adv
-from dataflows.rl.steps import gae, make_experience
-from executors.torch import algos
+from dataflows.rl.ops import gae, make_experience
 from flowkit.ops.records import Experience, Scored, TokenScores
+from tests.rl import reference_algos as algos
 
 FAST = settings(max_examples=40, deadline=None)
 REWARD = st.floats(-5, 5, allow_nan=False)
@@ -110,7 +110,7 @@ def test_reinforce_pp_baseline_equals_the_tensor_version(records):
 @FAST
 @given(records=samples(), data=st.data(), gamma=st.floats(0.5, 1.0), lam=st.floats(0.5, 1.0))
 def test_gae_equals_the_tensor_version(records, data, gamma, lam):
-    """PPO's gae op (dataflows/rl/steps.py) whitens as verl does, like every advantage here."""
+    """PPO's gae op (dataflows/rl/ops.py) whitens as verl does, like every advantage here."""
     experiences = []
     for record in records:
         rewards = adv._token_rewards(record)

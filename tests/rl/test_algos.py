@@ -1,7 +1,9 @@
-"""executors.torch.algos against verl: random inputs vs a transcription of verl, plus hand cases.
+"""The RL math (reference_algos.py and executors/torch/train/loss_terms.py) against verl: random
+inputs vs a transcription of verl, plus hand cases.
 
 The `_verl_*` functions below transcribe verl's `core_algos.py` / `torch_functional.py` formulation
-(per-position loops, per-group dicts) so that a vectorization slip in algos.py cannot hide in both.
+(per-position loops, per-group dicts) so that a vectorization slip in the tensor code cannot hide in
+both.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executors.torch import algos
+from tests.rl import reference_algos as algos
 
 TOL = dict(rtol=1e-7, atol=1e-7)
 F64 = torch.float64

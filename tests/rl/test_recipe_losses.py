@@ -1,7 +1,8 @@
-"""The recipes' losses in executors.torch.algos against transcriptions of verl (core_algos.py,
-its v0.6 mismatch_helper.py, torch_functional.py) and TRL (GRPOTrainer._compute_loss) on random
-float64 inputs: clip-higher, the four aggregation modes and their sum form, GSPO's sequence
-ratio, the rollout correction's weights (TIS / MIS) and mismatch metrics, token entropy."""
+"""The recipes' losses (reference_algos.py, executors/torch/train/loss_terms.py) against
+transcriptions of verl (core_algos.py, its v0.6 mismatch_helper.py, torch_functional.py) and TRL
+(GRPOTrainer._compute_loss) on random float64 inputs: clip-higher, the four aggregation modes and
+their sum form, GSPO's sequence ratio, the rollout correction's weights (TIS / MIS) and mismatch
+metrics, token entropy."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executors.torch import algos
+from tests.rl import reference_algos as algos
 from tests.rl.test_algos import (
     _as_ours,
     _randn,
@@ -139,7 +140,7 @@ def test_clip_higher_lets_a_positive_advantage_rise_further_than_it_may_fall():
 @given(batch=batches(), agg=st.sampled_from(algos.AGG_MODES), data=st.data())
 def test_any_cut_of_the_batch_sums_to_the_whole_batchs_aggregate(batch, agg, data):
     """The sum form: each cut's total and normalizer, summed, give the whole batch's value
-    [Note: RL losses in sum form in executors/torch/rl_loss.py]."""
+    [Note: RL losses in sum form in executors/torch/train/rl_loss.py]."""
     generator, mask = batch
     losses = _randn(generator, mask)
     rows = mask.shape[0]

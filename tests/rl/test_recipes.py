@@ -13,10 +13,10 @@ from dataflows.grpo import grpo_flow
 from dataflows.model_ops import Backprop, OptimizerStep
 from dataflows.ppo import ppo_flow
 from dataflows.recipes import dapo_flow, dr_grpo_flow, gspo_flow
-from dataflows.rl.steps import arithmetic_prompts, grpo_advantages, overlong_penalty
-from executors.torch import algos
+from dataflows.rl.ops import arithmetic_prompts, grpo_advantages, overlong_penalty
 from flowkit.dsl import Flow, FlowError, Model, collect
 from flowkit.ops.records import Scored
+from tests.rl import reference_algos as algos
 
 FAST = settings(max_examples=40, deadline=None)
 ACTOR = Model(name="actor", build="m:M")

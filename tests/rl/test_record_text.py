@@ -1,20 +1,20 @@
 """A prompt's and a rollout's text survive every place that rebuilds them [Note: rollout text in
-executors/torch/engine.py]: rewards, advantages, the simulator, partial-rollout recomputation,
-the wire and a run checkpoint's pickle."""
+executors/torch/rollout/engine.py]: rewards, advantages, the simulator, partial-rollout
+recomputation, the wire and a run checkpoint's pickle."""
 
 from __future__ import annotations
 
 import pickle
 
 from dataflows.rl.advantages import kl_token_rewards, reinforce_pp_advantages, rloo_advantages
-from dataflows.rl.steps import (
+from dataflows.rl.ops import (
     answer_reward,
     gae,
     grpo_advantages,
     make_experience,
     with_reference,
 )
-from executors import sim
+from executors.sim import ops as sim
 from flowkit.ops.records import Prompt, Rollout, TokenScores, resumable
 from flowkit.wire.serialize import pack, unpack
 

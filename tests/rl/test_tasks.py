@@ -183,7 +183,7 @@ def test_prompt_and_a_max_new_tokens_8_response_fit_the_tuned_gpt():
 
 
 def test_rollout_metrics_count_and_warn_of_responses_the_context_cut():
-    from dataflows.rl.steps import rollout_metrics
+    from dataflows.rl.ops import rollout_metrics
     from flowkit.ops.records import Scored
 
     def scored(sample, clipped):

@@ -55,7 +55,7 @@ def test_a_schedule_runs_every_action_once_in_each_devices_order(sims, kind):
 
 @pytest.mark.parametrize(("kind", "fused"), [("1f1b", True), ("zb-h1", False)])
 def test_a_forward_is_told_when_its_backward_is_one_bw(sims, kind, fused):
-    """[Note: a fused backward in executors/torch/stage.py]: 1F1B's forwards need not record
+    """[Note: a fused backward in executors/torch/train/stage.py]: 1F1B's forwards need not record
     for a W of their own; a zero-bubble schedule's must."""
     ctl, infos = sims
     told = []

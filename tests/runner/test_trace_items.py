@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from executors.tasks import describe, described
+from executors.tasks import summarize_completion, summarize_output
 from flowkit.observe import TraceRecorder
 from flowkit.ops.records import Rollout
 from flowkit.runtime import RemoteError
@@ -33,13 +33,13 @@ def test_a_rollouts_version_span_names_it_and_bounds_its_versions():
 
 def test_describe_reports_each_items_traced_field_as_plain_data():
     items = [_rollout(0, [0, 0, 1]), _rollout(1, [1, 1, 1])]
-    out = describe(3, items, "prompt_id", "version_span")
+    out = summarize_output(3, items, "prompt_id", "version_span")
     assert out["keys"] == [7, 7] and out["trace"] == [[7, 0, 0, 1, 3], [7, 1, 1, 1, 3]]
-    assert describe(4, items[0], trace_key="version_span")["trace"] == [[7, 0, 0, 1, 3]]
-    assert "trace" not in describe(5, items)
+    assert summarize_output(4, items[0], trace_key="version_span")["trace"] == [[7, 0, 0, 1, 3]]
+    assert "trace" not in summarize_output(5, items)
     # anything not plain data goes as its text; missing fields as None; long lists are cut
     record = flowdefs.Sample(key=1, value=2.0)
-    odd = describe(6, [{"k": record}, {"k": list(range(1000))}, {}], trace_key="k")["trace"]
+    odd = summarize_output(6, [{"k": record}, {"k": list(range(1000))}, {}], trace_key="k")["trace"]
     assert odd[0] == str(record) and odd[1] == list(range(64)) and odd[2] is None
 
 
@@ -48,7 +48,7 @@ def test_a_streamed_tasks_completion_does_not_repeat_its_parts_traces():
             "report_key": None, "trace_key": "k",
             "streamed": [{"id": 1, "nbytes": 3, "trace": [1]}, {"id": 2, "nbytes": 3,
                                                                  "trace": [2]}]}
-    assert described(done)["outputs"] == [{"id": 9, "count": 2, "nbytes": 6}]
+    assert summarize_completion(done)["outputs"] == [{"id": 9, "count": 2, "nbytes": 6}]
 
 
 @pytest.mark.parametrize("bad", [5, ["version_span"], {"k": 1}])

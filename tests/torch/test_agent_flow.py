@@ -73,8 +73,8 @@ def test_the_game_answers_each_guess():
 def test_partial_rollouts_carry_trajectories_over_with_their_episodes():
     """Partial rollouts: half as many games again generate, the first groups to finish train,
     the rest carry over to the next step (a trajectory cut mid-way continues with its parked
-    episode: [Note: parked trajectories] in executors/torch/trajectories.py); every step trains
-    its groups, none failing its environment."""
+    episode: [Note: parked trajectories] in executors/torch/rollout/trajectories.py); every step
+    trains its groups, none failing its environment."""
     tags = [("train",), ("train",), ("rollout",)]
     with executor_cluster(3, kind="torch", tags=tags) as (ctl, _):
         runner = FlowRunner(ctl, lower_flow(_flow(max_staleness=1, oversample=1.5)),

@@ -13,17 +13,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executors.torch.algos import (
+from executors.torch.models.gpt import GPT
+from executors.torch.train.rl_loss import RLLoss, RLSettings, sequence_ids
+from flowkit.ops import LOSS_KNOBS
+from flowkit.ops.records import Experience
+from tests.harness import seeded_gpt, tiny_gpt
+from tests.rl.reference_algos import (
     AGG_MODES,
     decoupled_ppo_policy_loss,
     decoupled_weight_stats,
     ppo_policy_loss,
 )
-from executors.torch.models.gpt import GPT
-from executors.torch.rl_loss import RLLoss, RLSettings, sequence_ids
-from flowkit.ops import LOSS_KNOBS
-from flowkit.ops.records import Experience
-from tests.harness import seeded_gpt, tiny_gpt
 
 F64 = torch.float64
 TIGHT = 1e-10

@@ -1,5 +1,5 @@
-"""Agent programs [Note: agent programs in executors/torch/endpoint.py]: an agent written with
-the `openai` package against the rollout engine's chat-completions endpoint rolls out the same
+"""Agent programs [Note: agent programs in executors/torch/rollout/endpoint.py]: an agent written
+with the `openai` package against the rollout engine's chat-completions endpoint rolls out the same
 trajectory as an in-process environment saying the same things; tool calls come back as
 `tool_calls`; the endpoint refuses what is not the API's shape, or not its trajectory's, and
 serves on; a program that fails, or is cut by a budget, ends its trajectory alone."""
@@ -18,10 +18,10 @@ openai = pytest.importorskip("openai", reason="the agents extra: pip install 'fl
 
 from dataflows.tools import calculator  # noqa: E402
 from executors.optable import Deferred  # noqa: E402
-from executors.torch import generate as gen  # noqa: E402
-from executors.torch.endpoint import Endpoint, ProgramEnvironment  # noqa: E402
-from executors.torch.engine import run_until_done  # noqa: E402
-from executors.torch.turns import ChatTurns  # noqa: E402
+from executors.torch.rollout import generate as gen  # noqa: E402
+from executors.torch.rollout.endpoint import Endpoint, ProgramEnvironment  # noqa: E402
+from executors.torch.rollout.engine import run_until_done  # noqa: E402
+from executors.torch.rollout.turns import ChatTurns  # noqa: E402
 from flowkit.ops import Conversation, EnvStep  # noqa: E402
 from flowkit.ops.records import Prompt  # noqa: E402
 from flowkit.ops.tokenizers import load_tokenizer  # noqa: E402
@@ -284,8 +284,8 @@ def _settings(qwen2) -> dict:
 
 
 def test_an_aborted_programs_trajectory_goes_on_here_or_starts_again_elsewhere(qwen2):
-    """[Note: parked trajectories in executors/torch/trajectories.py]: on the engine that cut
-    it, a program's trajectory continues (its program still waiting for its answer) and ends
+    """[Note: parked trajectories in executors/torch/rollout/trajectories.py]: on the engine that
+    cut it, a program's trajectory continues (its program still waiting for its answer) and ends
     as the uninterrupted one; on another, it starts again from its prompt, its program given
     the prompt's messages again."""
     whole = {(r.prompt_id, r.sample): r for r in _rollouts(qwen2, **{

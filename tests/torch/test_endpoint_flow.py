@@ -1,5 +1,5 @@
 """A GRPO flow whose samples are agent programs [Note: agent programs in
-executors/torch/endpoint.py], end to end on torch executor processes: each sample's program
+executors/torch/rollout/endpoint.py], end to end on torch executor processes: each sample's program
 talks to the rollout executor's endpoint with the openai client, and the trajectories it makes
 train the Hugging Face actor. (That fused and stage by stage train a trajectory alike is
 tests/torch/test_agent_flow.py's.)"""

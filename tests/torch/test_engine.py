@@ -1,4 +1,4 @@
-"""The rollout engine [Note: rollout engine in executors/torch/engine.py]: what it generates
+"""The rollout engine [Note: rollout engine in executors/torch/rollout/engine.py]: what it generates
 does not depend on how requests were batched, chunked, interleaved, paused or aborted."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from executors.optable import OpTable
-from executors.torch import generate as gen
-from executors.torch.engine import NO_VERSION, Engine, Sampling, _fitting, run_until_done
-from executors.torch.held import held_model
+from executors.torch.models.built import held_model
+from executors.torch.rollout import generate as gen
+from executors.torch.rollout.engine import NO_VERSION, Engine, Sampling, _fitting, run_until_done
 from flowkit.ops.records import Prompt, Rollout
 from tests.harness import gpt_spec, op_context, seeded_gpt, tiny_gpt
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from executors.optable import Deferred, OpTable
-from executors.torch import generate as gen
-from executors.torch.engine import run_until_done
 from executors.torch.models.gpt import GPT, KVCache
+from executors.torch.rollout import generate as gen
+from executors.torch.rollout.engine import run_until_done
 from flowkit.ops.records import Prompt
 from tests.harness import gpt_spec, op_context, seeded_gpt, tiny_gpt
 

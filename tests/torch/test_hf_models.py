@@ -16,9 +16,9 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'flowkit[hf]'")
 
 from dataflows.pretrain import pretrain_flow  # noqa: E402
-from executors.torch import generate as gen  # noqa: E402
-from executors.torch.engine import run_until_done  # noqa: E402
 from executors.torch.models.hf import HFCausalLM  # noqa: E402
+from executors.torch.rollout import generate as gen  # noqa: E402
+from executors.torch.rollout.engine import run_until_done  # noqa: E402
 from flowkit.dsl import Model  # noqa: E402
 from flowkit.ops.records import Prompt  # noqa: E402
 from flowkit.planner.lower import lower_flow  # noqa: E402
@@ -44,7 +44,8 @@ GPT2 = {"architecture": "gpt2", "hf_config": dict(
 
 
 def _plain_model(config: dict, dtype: torch.dtype, seed: int = 3) -> HFCausalLM:
-    """The model as every holder of `config` and `seed` builds it (executors/torch/held.py)."""
+    """The model as every holder of `config` and `seed` builds it
+    (executors/torch/models/built.py)."""
     torch.manual_seed(seed)
     return HFCausalLM(**config).to(dtype)
 

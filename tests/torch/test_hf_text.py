@@ -1,7 +1,7 @@
 """Text on Hugging Face models: generation stops at the model's tokenizer's EOS and its rollouts
-carry their decoded text [Note: rollout text in executors/torch/engine.py]; a GRPO step reads its
-prompts from a dataset through the chat template and scores them with a reward on text, and a
-supervised warm-up trains on chat_sft_sequences, on real executor processes. The model and its
+carry their decoded text [Note: rollout text in executors/torch/rollout/engine.py]; a GRPO step
+reads its prompts from a dataset through the chat template and scores them with a reward on text,
+and a supervised warm-up trains on chat_sft_sequences, on real executor processes. The model and its
 tokenizer are a tiny Qwen2 and a BPE tokenizer built offline (tests/hf_folders.py)."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from dataflows.datasets import chat_sft_sequences, dataset_prompts  # noqa: E402
 from dataflows.grpo import grpo_flow  # noqa: E402
 from dataflows.pretrain import pretrain_flow  # noqa: E402
 from dataflows.rewards import text_reward  # noqa: E402
-from executors.torch import generate as gen  # noqa: E402
-from executors.torch.engine import run_until_done  # noqa: E402
+from executors.torch.rollout import generate as gen  # noqa: E402
+from executors.torch.rollout.engine import run_until_done  # noqa: E402
 from flowkit.dsl import Model  # noqa: E402
 from flowkit.ops.records import Prompt  # noqa: E402
 from flowkit.ops.tokenizers import eos_token_ids, load_tokenizer  # noqa: E402

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from executors.optable import OpTable
-from executors.torch import generate as gen
-from executors.torch import infer
+from executors.torch.rollout import generate as gen
+from executors.torch.rollout import infer
 from flowkit.ops.records import Prompt, Rollout, TokenScores
 from tests.harness import critic_of, gpt_spec, op_context, tiny_gpt
 

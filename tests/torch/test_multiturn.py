@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from executors.optable import Deferred
-from executors.torch import generate as gen
-from executors.torch.engine import run_until_done
-from executors.torch.held import whole_model
+from executors.torch.models.built import whole_model
+from executors.torch.rollout import generate as gen
+from executors.torch.rollout.engine import run_until_done
 from flowkit.ops import Environment, EnvStep
 from flowkit.ops.records import Prompt
 from tests.harness import generating, gpt_spec, op_context, tiny_gpt
@@ -203,7 +203,7 @@ def _trajectory_experience(mask: list[int], advantages: list[float]):
 def test_the_environments_tokens_train_nothing_and_count_in_no_mean(policy_loss, agg):
     """The loss and its gradient ignore what stands at the environment's positions (their
     advantages, the logits there), and its token count is the model's tokens."""
-    from executors.torch.rl_loss import RLLoss, RLSettings
+    from executors.torch.train.rl_loss import RLLoss, RLSettings
 
     mask = [1, 1, 0, 0, 0, 1, 1, 1, 0, 1]
     settings = RLSettings.from_config("grpo", {"kl_coef": 0.0, "policy_loss": policy_loss,
@@ -230,7 +230,7 @@ def test_the_environments_tokens_train_nothing_and_count_in_no_mean(policy_loss,
 
 
 def test_a_response_mask_of_the_wrong_length_is_refused_naming_the_sample():
-    from executors.torch.rl_loss import RLLoss, RLSettings
+    from executors.torch.train.rl_loss import RLLoss, RLSettings
 
     bad = attrs.evolve(_trajectory_experience([1, 0, 1], [0.1, 0.2, 0.3]), response_mask=[1, 0])
     with pytest.raises(ValueError, match="response_mask of 2 entries for 3 response tokens"):

@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("transformers", reason="the hf extra: pip install 'flowkit[hf]'")
 
 from executors.optable import Deferred  # noqa: E402
-from executors.torch import generate as gen  # noqa: E402
-from executors.torch.engine import run_until_done  # noqa: E402
+from executors.torch.rollout import generate as gen  # noqa: E402
+from executors.torch.rollout.engine import run_until_done  # noqa: E402
 from flowkit.ops import Environment, EnvStep  # noqa: E402
 from flowkit.ops.records import Prompt  # noqa: E402
 from flowkit.ops.tokenizers import load_tokenizer  # noqa: E402

@@ -1,5 +1,5 @@
 """Offloaded activations on the torch executor [Note: offloaded stash in
-executors/torch/offload.py]: the same gradients bit for bit as without offload, and less
+executors/torch/train/offload.py]: the same gradients bit for bit as without offload, and less
 activation memory on the device by the executor's own accounting."""
 
 from __future__ import annotations

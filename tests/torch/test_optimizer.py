@@ -1,5 +1,5 @@
 """The optimizer step's AdamW is torch.optim.AdamW without its first call's import of
-torch._dynamo [Note: AdamW without dynamo in executors/torch/pipeline_ops.py]: the same
+torch._dynamo [Note: AdamW without dynamo in executors/torch/train/pipeline_ops.py]: the same
 parameters, state and state dicts, step by step, and no torch._dynamo in the executor."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from executors.torch.pipeline_ops import new_optimizer
+from executors.torch.train.pipeline_ops import new_optimizer
 
 
 def _trained(make_optimizer, steps: int, *, resume_from: dict | None = None):
@@ -71,7 +71,7 @@ def test_stepping_saving_and_loading_import_no_torch_dynamo():
     """In a fresh interpreter, as an executor is: importing it costs a core 1.3 s."""
     script = (
         "import sys, torch\n"
-        "from executors.torch.pipeline_ops import new_optimizer\n"
+        "from executors.torch.train.pipeline_ops import new_optimizer\n"
         "model = torch.nn.Linear(4, 4)\n"
         "optimizer = new_optimizer(model, lr=1e-3)\n"
         "model(torch.randn(2, 4)).sum().backward()\n"

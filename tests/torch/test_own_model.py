@@ -1,6 +1,6 @@
 """A model that is not the built-in GPT generates and scores on real executor processes with
-nothing but `forward(tokens)` [Note: generation and scoring interface in executors/torch/lm.py]:
-no context length, no cache, so decoding recomputes every prefix."""
+nothing but `forward(tokens)` [Note: generation and scoring interface in
+executors/torch/rollout/lm.py]: no context length, no cache, so decoding recomputes every prefix."""
 
 from __future__ import annotations
 

@@ -21,7 +21,6 @@ import torch
 
 from dataflows.model_ops import Backprop, LogProbs, OptimizerStep
 from dataflows.models import GPT_BUILD
-from executors.torch.algos import ppo_policy_loss, ppo_policy_loss_stats
 from flowkit.dsl import Flow, Model, Stream, collect, op
 from flowkit.ops import cut, minibatch_rounds
 from flowkit.ops.records import Experience, StepMetrics
@@ -29,6 +28,7 @@ from flowkit.planner.lower import lower_flow
 from flowkit.runner.flowrun import FlowRunner
 from flowkit.runner.training import model_spec
 from tests.harness import executor_cluster, seeded_gpt, tiny_gpt
+from tests.rl.reference_algos import ppo_policy_loss, ppo_policy_loss_stats
 from tests.torch.helpers import padded_batch, response_logprobs
 
 GPT_CONFIG = tiny_gpt()

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executors.torch.pipeline_ops import new_optimizer, trainable
-from executors.torch.replicas import _replica_group, owned
-from executors.torch.reshard import recut
-from executors.torch.stage import StageError
+from executors.torch.errors import StageError
+from executors.torch.train.pipeline_ops import new_optimizer, trainable
+from executors.torch.train.replicas import _replica_group, owned
+from executors.torch.train.reshard import recut
 from tests.harness import op_context, seeded_gpt, tiny_gpt
 
 

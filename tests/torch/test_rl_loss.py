@@ -1,5 +1,5 @@
 """RL losses on the torch pipeline stages: F/B/W of microbatches of Experiences through the
-stage ops give the unsplit GPT's gradient of verl's token-mean losses (executors.torch.algos)
+stage ops give the unsplit GPT's gradient of verl's token-mean losses (tests/rl/reference_algos.py)
 once divided by the step's normalizer, whatever the microbatches, padding or stage split.
 
 The op functions run here in one process on one OpContext, as one executor holding every stage
@@ -17,11 +17,10 @@ import pytest
 import torch
 
 from executors.optable import OpContext
-from executors.torch import pipeline_ops
-from executors.torch.algos import kl_penalty, ppo_policy_loss, value_loss
-from executors.torch.held import held_stage
+from executors.torch.errors import StageError
 from executors.torch.models.gpt import GPT
-from executors.torch.stage import StageError
+from executors.torch.train import pipeline_ops
+from executors.torch.train.held_stage import held_stage
 from flowkit.ops.records import Experience, MicrobatchStats, TokenScores, mean_values
 from tests.harness import (
     critic_of,
@@ -31,6 +30,7 @@ from tests.harness import (
     seeded_gpt,
     tiny_gpt,
 )
+from tests.rl.reference_algos import kl_penalty, ppo_policy_loss, value_loss
 from tests.torch.helpers import padded_batch, response_logprobs
 
 POLICY = gpt_spec("policy", tiny_gpt(), seed=5)

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executors.torch import generate as gen
-from executors.torch import sampling as smp
+from executors.torch.rollout import generate as gen
+from executors.torch.rollout import sampling as smp
 
 INT64 = st.integers(-(2**63), 2**63 - 1)
 

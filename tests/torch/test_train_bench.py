@@ -6,7 +6,7 @@ import json
 import sys
 
 from benchmarks.train import TrainSetup, run_train_bench
-from executors.torch.memory import keep_freed_memory
+from executors.torch.train.memory import keep_freed_memory
 from tests.harness import tiny_gpt, tiny_split_bench
 
 TINY_GPT = tiny_gpt(vocab_size=256, block_size=16, n_embd=16)

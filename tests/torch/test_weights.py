@@ -3,16 +3,46 @@ whole copy that generates (on one executor or another), checkpoints, and the err
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import pytest
 import torch
 
 from executors.optable import Deferred, OpContext, OpTable
 from executors.torch import register as register_torch
 from executors.torch import weights
-from executors.torch.engine import run_until_done
-from executors.torch.stage import StageError
+from executors.torch.errors import StageError
+from executors.torch.rollout.engine import run_until_done
 from flowkit.ops.records import Prompt, Rollout, WeightsVersion
 from tests.harness import executor_cluster, gpt_spec, op_context, seeded_gpt, tiny_gpt
+
+
+# Weights by name between one split's stages and the unsplit model, which the round trip below
+# checks export and load against.
+def to_unsplit(tensors: Mapping[str, Any], names: Mapping[str, str]) -> dict[str, Any]:
+    """One stage's values by its local names -> by the unsplit model's names."""
+    unknown = sorted(set(tensors) - set(names))
+    if unknown:
+        raise StageError(f"this stage has no parameters named {weights._few(unknown)}")
+    return {names[local]: value for local, value in tensors.items()}
+
+
+def to_local(tensors: Mapping[str, Any], names: Sequence[Mapping[str, str]],
+             aliases: Mapping[str, Sequence[str]] | None = None) -> list[dict[str, Any]]:
+    """Values by unsplit name -> per stage of a split named by `names`, by its local names.
+    A tied weight given under any of its `aliases` fills every local copy; names the values
+    lack are left out."""
+    out = []
+    for mapping in names:
+        stage = {}
+        for local, unsplit in mapping.items():
+            source = weights._source(unsplit, tensors, aliases or {})
+            if source is not None:
+                stage[local] = tensors[source]
+        out.append(stage)
+    return out
+
 
 GPT_CONFIG = tiny_gpt(n_layer=4)
 SPEC = gpt_spec("actor", GPT_CONFIG, seed=3)
@@ -102,7 +132,7 @@ def test_weights_round_trip_from_any_split_to_any_other(n):
     exported = [weights.export(part, lay.names[s]) for s, part in enumerate(parts)]
     for s, part in enumerate(parts):
         local = {k: v.detach() for k, v in part.named_parameters(remove_duplicate=False)}
-        _assert_same(weights.to_unsplit(local, lay.names[s]), exported[s])
+        _assert_same(to_unsplit(local, lay.names[s]), exported[s])
     merged = weights.merge(exported)
     _assert_same(merged, {k: v for k, v in source.state_dict().items()})
     idx = torch.randint(0, 64, (2, 10))
@@ -110,10 +140,10 @@ def test_weights_round_trip_from_any_split_to_any_other(n):
         target = seeded_gpt(GPT_CONFIG, seed=1)  # other weights, to be overwritten
         tparts = target.split(m)
         tlay = weights.layout(target, tparts)
-        mine = weights.to_local(merged, tlay.names, tlay.aliases)
+        mine = to_local(merged, tlay.names, tlay.aliases)
         for s, part in enumerate(tparts):
             assert set(mine[s]) == {k for k, _ in part.named_parameters(remove_duplicate=False)}
-            _assert_same(weights.to_unsplit(mine[s], tlay.names[s]),
+            _assert_same(to_unsplit(mine[s], tlay.names[s]),
                          {tlay.names[s][k]: merged[tlay.names[s][k]] for k in mine[s]})
         weights.load(tparts, tlay, merged, complete=True)
         for s, part in enumerate(tparts):

@@ -56,7 +56,7 @@ __all__ = [
 # which no real query sees and the next real token overwrites. A row is reused for a new sequence by
 # writing its prompt from start 0 (continuous batching). `new_cache(batch, max_len)` makes an empty
 # one; with `context_length` (block_size) this is the cache protocol of [Note: generation and
-# scoring interface] in executors/torch/lm.py.
+# scoring interface] in executors/torch/rollout/lm.py.
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,7 +165,7 @@ class KVCache:
 
     def copy_prefix(self, src: int, dst: list[int], length: int) -> None:
         """Positions [0, length) of row `src` into rows `dst` [Note: shared prompts in
-        executors/torch/engine.py]."""
+        executors/torch/rollout/engine.py]."""
         rows = torch.tensor(dst, device=self.k[0].device)
         for t in (*self.k, *self.v):
             t[rows, :, :length] = t[src, :, :length]

@@ -41,11 +41,11 @@ __all__ = ["HFCausalLM", "HFModelError", "HFStage", "RowCache"]
 # reward models) replaces the LM head with ``score`` (hidden -> 1), HF's name for a token
 # classifier's head.
 #
-# Generation uses the cache protocol of [Note: generation and scoring interface in lm.py] through
-# `RowCache`, handed to the layers as their ``past_key_values``: the layers call ``update(keys,
-# values, layer_idx)``, which writes the new positions of each batch row into that row of a
-# preallocated cache and returns the row's whole cache; the additive mask lets a query at position p
-# see positions <= p of its own row ([Note: KV cache rows in gpt.py]).
+# Generation uses the cache protocol of [Note: generation and scoring interface in rollout/lm.py]
+# through `RowCache`, handed to the layers as their ``past_key_values``: the layers call
+# ``update(keys, values, layer_idx)``, which writes the new positions of each batch row into that
+# row of a preallocated cache and returns the row's whole cache; the additive mask lets a query at
+# position p see positions <= p of its own row ([Note: KV cache rows in gpt.py]).
 #
 # Nothing is fetched from a hub: a path is read with ``local_files_only``, and transformers is
 # imported only when such a model is built (the `hf` extra).
@@ -216,7 +216,7 @@ class HFCausalLM(nn.Module):
     # -- export ------------------------------------------------------------------------------
     @property
     def pretrained_format(self) -> bool:
-        """Whether `save_pretrained` can write it (held.py's save_weights asks): a causal LM
+        """Whether `save_pretrained` can write it (built.py's save_weights asks): a causal LM
         can, a value-head model cannot."""
         return not self.value_head
 
@@ -478,7 +478,7 @@ class RowCache:
 
     def copy_prefix(self, src: int, dst: list[int], length: int) -> None:
         """Positions [0, length) of row `src` into rows `dst` [Note: shared prompts in
-        executors/torch/engine.py]."""
+        executors/torch/rollout/engine.py]."""
         rows = torch.tensor(dst, device=next(iter(self.layers.values()))[0].device)
         for k, v in self.layers.values():
             k[rows, :, :length] = k[src, :, :length]

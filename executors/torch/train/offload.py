@@ -6,8 +6,8 @@ flowkit/planner/offload.py].
 tensor autograd saves is packed as a reference to its storage (a view's offset, size and stride
 kept beside it), so tensors that share a storage move as one copy and come back as views of one
 storage again. The deferred calls' tensors (a linear's X, a layer norm's statistics: what W needs
-[Note: deferred weight gradients in executors/torch/deferred.py]) are storages of the same kind
-and move with them. Parameters and buffers stay (the module holds them anyway), and so do the
+[Note: deferred weight gradients in executors/torch/train/deferred.py]) are storages of the same
+kind and move with them. Parameters and buffers stay (the module holds them anyway), and so do the
 stage's inputs and outputs: B differentiates with respect to those very tensors, so they cannot be
 swapped for copies, and they are one activation of the stage's many.
 

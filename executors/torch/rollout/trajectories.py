@@ -1,6 +1,6 @@
 """Multi-turn trajectories in the rollout engine [Note: multi-turn rollouts in
-flowkit/ops/environments.py]: what the engine (executors/torch/engine.py, whose base this is)
-does when a trajectory's turn ends, its environment answers, or its environment fails.
+flowkit/ops/environments.py]: what the engine (executors/torch/rollout/engine.py, whose base this
+is) does when a trajectory's turn ends, its environment answers, or its environment fails.
 
 A sequence's turn ends at its stop token or its turn budget; its environment then steps in a
 thread (turns.EnvCalls) while the engine decodes the others, the sequence holding its cache row
@@ -32,8 +32,8 @@ from typing import Any
 
 import attrs
 
-from executors.torch.stage import StageError
-from executors.torch.turns import ByteTurns, Episode, open_episode, step_episode
+from executors.torch.errors import StageError
+from executors.torch.rollout.turns import ByteTurns, Episode, open_episode, step_episode
 from flowkit.ops import Conversation
 
 __all__ = ["Trajectories"]
@@ -53,7 +53,7 @@ class Trajectories:
         seq.episode = Episode()
         args = (agent.make, seq.prompt, seq.sample, self._prompt_text(seq.prompt))
         if agent.asynchronous:  # an agent program's (the endpoint loads with the first one)
-            from executors.torch.endpoint import open_program
+            from executors.torch.rollout.endpoint import open_program
 
             self._begin(seq, open_program, *args)
         else:

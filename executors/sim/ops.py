@@ -5,7 +5,7 @@ real dispatch and real data movement, on a machine without a GPU.
 The planner's lowering puts each task's cost in its config (`seconds`, or `seconds_per_token` for
 ops whose time depends on what they produce); this module only obeys it. Sampled lengths and
 values come from a generator seeded by the task's identity, so a run is reproducible.
-`generate` is a deferred op: the executor's rollout engine (executors/simengine.py) decodes
+`generate` is a deferred op: the executor's rollout engine (executors/sim/engine.py) decodes
 every live request together, one timed iteration at a time.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 
 from executors.optable import OpContext, OpTable
-from executors.simengine import EngineCosts, engine_of
+from executors.sim.engine import EngineCosts, engine_of
 from flowkit.ops.configs import SAMPLING, AgentConfig, SamplingConfig
 from flowkit.ops.records import (
     MicrobatchStats,
@@ -265,7 +265,7 @@ def _generate(ctx: OpContext, prompt: Any, *weights: Any, seconds_per_token: flo
               request: str | None = None, min_version: int | None = None,
               **config: Any) -> Any:
     """n rollouts of a prompt, decoded by the executor's rollout engine together with every
-    other live request [Note: simulated rollout engine in executors/simengine.py]; each sample
+    other live request [Note: simulated rollout engine in executors/sim/engine.py]; each sample
     leaves the moment its last token is decoded (streamed when the task streams). Given a
     carried group (a list of Rollouts, [Note: partial rollouts] in flowkit/runner/partial.py)
     instead, its interrupted samples decode the rest of the lengths they were drawn with (by

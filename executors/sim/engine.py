@@ -1,6 +1,6 @@
 """The simulator's rollout engine: a timed model of continuous batching, so that what runs on
-simulator executors sees the rollout side a real engine (vLLM, SGLang, executors/torch/engine.py)
-gives it.
+simulator executors sees the rollout side a real engine (vLLM, SGLang,
+executors/torch/rollout/engine.py) gives it.
 
 The design: [Note: simulated rollout engine] below.
 """
@@ -34,7 +34,7 @@ __all__ = ["EngineCosts", "SimEngine", "engine_of"]
 #   - a sample whose last token was produced leaves at once (streamed when its task streams), and
 #     its slot goes to a waiting sample in the next iteration. A sample of length L is thus in the
 #     batch for exactly L iterations once its prompt is prefilled, whatever else is in the batch:
-#     the samples themselves are drawn before they join (executors/sim.py), so batch composition
+#     the samples themselves are drawn before they join (executors/sim/ops.py), so batch composition
 #     changes when they come out, never what they are.
 #
 # Time is kept against a running deadline rather than by sleeping each iteration's cost anew: the

@@ -13,11 +13,11 @@ import attrs
 import torch
 
 from executors.optable import Deferred
-from executors.torch import lm
-from executors.torch.held import evaluating, right_padded
-from executors.torch.sampling import sample_tokens, sequence_seed
-from executors.torch.trajectories import Trajectories
-from executors.torch.turns import Agent, EnvCalls, Episode
+from executors.torch.models.built import evaluating, right_padded
+from executors.torch.rollout import lm
+from executors.torch.rollout.sampling import sample_tokens, sequence_seed
+from executors.torch.rollout.trajectories import Trajectories
+from executors.torch.rollout.turns import Agent, EnvCalls, Episode
 from flowkit.ops.configs import SAMPLING
 from flowkit.ops.records import Prompt, Rollout
 
@@ -38,11 +38,11 @@ __all__ = ["Engine", "Sampling", "run_all_until_done", "run_until_done"]
 #    still to fill (Sarathi-Serve's chunked prefill), so a long prompt never stalls the decoding
 #    ones;
 # 4. runs the model once over the decoding rows and once over the prefill chunks (the cache protocol
-#    of executors/torch/lm.py; a model without it runs every live row's whole prefix); the samples
-#    of one prompt fill it once [Note: shared prompts];
+#    of executors/torch/rollout/lm.py; a model without it runs every live row's whole prefix); the
+#    samples of one prompt fill it once [Note: shared prompts];
 # 5. samples the next token of every row whose prefix is now complete, all rows in one call
-#    (executors/torch/sampling.py: the draw of a token depends only on its sequence's seed and
-#    position, so the rollouts do not depend on the batch, the arrival order or a pause);
+#    (executors/torch/rollout/sampling.py: the draw of a token depends only on its sequence's seed
+#    and position, so the rollouts do not depend on the batch, the arrival order or a pause);
 # 6. streams each finished sample to its request's consumers at once, and completes a request when
 #    its last sample is done.
 #
@@ -89,7 +89,7 @@ class Sampling:
     temperature: float = SAMPLING.temperature
     top_p: float = SAMPLING.top_p
     # the token, or tokens (a tokenizer's EOS and its generation config's), that end a sample:
-    # resolved from the setting's eos (executors/torch/generate.py); None: none
+    # resolved from the setting's eos (executors/torch/rollout/generate.py); None: none
     eos: int | tuple[int, ...] | None = None
     seed: int = 0  # the resolved sample seed: the setting's sample_seed, or the model's seed
     step: int = 0

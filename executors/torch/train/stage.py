@@ -2,7 +2,7 @@
 
 A schedule may run the ops of different microbatches in any order it likes (F0 F1 B0 F2 W0 ...);
 the runner keeps each microbatch's state apart, from its F until its W (or BW), and then frees it.
-See [Note: deferred weight gradients] in `executors/torch/deferred.py` for how B and W share
+See [Note: deferred weight gradients] in `executors/torch/train/deferred.py` for how B and W share
 one backward pass.
 
 [Note: a fused backward] A schedule that never splits a microbatch's backward (1F1B, GPipe:
@@ -24,7 +24,8 @@ import attrs
 import torch
 from torch.autograd.graph import GradientEdge
 
-from executors.torch.deferred import (
+from executors.torch.errors import StageError
+from executors.torch.train.deferred import (
     Consumers,
     DeferredCall,
     Recorder,
@@ -35,13 +36,9 @@ from executors.torch.deferred import (
     edges_of,
     storages,
 )
-from executors.torch.offload import HostStash
+from executors.torch.train.offload import HostStash
 
-__all__ = ["StageError", "StageRunner"]
-
-
-class StageError(RuntimeError):
-    """An op that does not fit the microbatch's state (B before F, W before B, F twice ...)."""
+__all__ = ["StageRunner"]
 
 
 @attrs.define(eq=False)
@@ -230,11 +227,6 @@ class StageRunner:
     def stashed_bytes(self) -> int:
         """Bytes the stash holds between B and W, over all microbatches (0 once all W ran)."""
         return sum(s.stashed_bytes for s in self._mbs.values())
-
-    def stash_bytes(self, mb: Hashable) -> int:
-        """Bytes held for W of microbatch `mb` (0 before its B and after its W)."""
-        state = self._mbs.get(mb)
-        return state.stashed_bytes if state is not None else 0
 
     @property
     def device_bytes(self) -> int:

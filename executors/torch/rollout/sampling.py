@@ -13,7 +13,7 @@ __all__ = ["sample_tokens", "sequence_seed", "uniforms"]
 
 
 # [Note: sampling] The log-probabilities follow [Note: sampler log-probabilities]
-# (executors/torch/generate.py): ``log_softmax(logits / temperature)[token]`` over the whole
+# (executors/torch/rollout/generate.py): ``log_softmax(logits / temperature)[token]`` over the whole
 # vocabulary in float64, before top-p truncation; greedy rows (``temperature <= 0``) take the argmax
 # and record ``log_softmax(logits)``. The top-p set is the one `generate._top_p` keeps, computed for
 # all rows at once.

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from executors.optable import OpContext
-from executors.torch.stage import StageError
+from executors.torch.errors import StageError
 
 __all__ = ["BUCKET_BYTES", "all_reduce_grads", "broadcast_shards", "owned", "register"]
 

@@ -1,7 +1,8 @@
 """The torch executor's ops: pipeline stages of a model, held on this executor, run F, B, W and
 BW for microbatches, then a stage-wise optimizer step that equals the unsplit model's. Task
-configs say which model and stage [Note: one model, many holders in executors/torch/held.py];
-the ops are otherwise the StageRunner's (executors/torch/stage.py).
+configs say which model and stage [Note: one model, many holders in
+executors/torch/models/built.py]; the ops are otherwise the StageRunner's
+(executors/torch/train/stage.py).
 
 The design: [Note: the optimizer step across stages] below.
 """
@@ -16,20 +17,20 @@ from typing import Any
 import torch
 
 from executors.optable import OpContext, OpTable
-from executors.torch import replicas
-from executors.torch.held import (
-    HeldStage,
+from executors.torch.errors import StageError
+from executors.torch.models.built import (
     export_weights,
     held_model,
-    held_stage,
     load_weights,
     right_padded,
     save_weights,
 )
-from executors.torch.memory import keep_freed_memory
-from executors.torch.replicas import all_reduce_grads, broadcast_shards, owned
-from executors.torch.rl_loss import RL_LOSSES, RLLoss, RLSettings, records, sequence_ids
-from executors.torch.stage import StageError, StageRunner
+from executors.torch.train import replicas
+from executors.torch.train.held_stage import HeldStage, held_stage
+from executors.torch.train.memory import keep_freed_memory
+from executors.torch.train.replicas import all_reduce_grads, broadcast_shards, owned
+from executors.torch.train.rl_loss import RL_LOSSES, RLLoss, RLSettings, records, sequence_ids
+from executors.torch.train.stage import StageRunner
 from flowkit.ops.records import MicrobatchStats, microbatch_stats, step_report
 
 __all__ = ["LOSSES", "register"]
@@ -44,8 +45,8 @@ __all__ = ["LOSSES", "register"]
 #                                    gradient; its squared norm counts that full gradient once
 #   optimizer_step(s, the microbatches' stats, every stage's grad stats[, the summed tied
 #                  grads on stage 0]) -> divide by the stats' normalizer (a loss summed over tokens,
-#                                    executors/torch/rl_loss.py), the global norm, clip, AdamW,
-#                                    zero the gradients
+#                                    executors/torch/train/rl_loss.py), the global norm, clip,
+#                                    AdamW, zero the gradients
 # Both copies then take the same AdamW step from the same state, and stay equal.
 
 # -- pipeline ops -----------------------------------------------------------------------------
@@ -63,7 +64,7 @@ def _forward(ctx: OpContext, *inputs: Any, stage: int, stages: int, microbatch: 
     (its loss is a mean); the RL losses are sums the optimizer step divides by the step's
     token count, so the runtime gives them 1 [Note: RL losses in sum form in rl_loss.py].
     `fused_backward`: the microbatch's backward on this stage is BW [Note: a fused backward
-    in executors/torch/stage.py]. `offload`: what it stashes goes to host memory as it ends;
+    in executors/torch/train/stage.py]. `offload`: what it stashes goes to host memory as it ends;
     `prefetch`: copies to start first [Note: offload in the runtime in flowkit/ops]."""
     if loss not in LOSSES:
         raise StageError(f"unknown loss {loss!r}: the torch executor trains with "
@@ -207,7 +208,7 @@ def _grad_stats(ctx: OpContext, *partner: Any, stage: int, stages: int, **config
 def _reduce_grads(ctx: OpContext, *_: Any, stage: int, stages: int, replica_group: str,
                   **config: Any) -> None:
     """Sum the stage's gradients over its replica group [Note: replica groups in
-    executors/torch/replicas.py]. Its inputs (every replica's last action of the stage) only
+    executors/torch/train/replicas.py]. Its inputs (every replica's last action of the stage) only
     order it: no member waits in the collective while another replica still computes."""
     held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
     all_reduce_grads(replicas.replica_group(ctx, replica_group), trainable(held.module))
@@ -233,7 +234,7 @@ def _optimizer_step(ctx: OpContext, *inputs: Any, stage: int, stages: int, step:
     are divided by the step's total first [Note: RL losses in sum form in rl_loss.py]. The
     stage that `report`s returns the step's metrics. With `shard_optimizer` over the stage's
     `replica_group`, this replica steps only the parameters it owns and the replicas exchange
-    them [Note: sharded optimizer states in executors/torch/replicas.py]."""
+    them [Note: sharded optimizer states in executors/torch/train/replicas.py]."""
     held = held_stage(ctx, {**config, "model": model, "stage": stage, "stages": stages})
     stats = [v for v in inputs if isinstance(v, dict) and "sqnorm" in v]
     if len(stats) != stages:
@@ -345,7 +346,7 @@ def new_optimizer(module: torch.nn.Module, *, shard: tuple[int, int] | None = No
     """An AdamW for `module` grouped as the optimizer step makes it (for a saved state to be
     loaded into, the defaults: its hyperparameters come with the state); with `shard`
     (rank, size), for the parameters that replica owns [Note: sharded optimizer states in
-    executors/torch/replicas.py]."""
+    executors/torch/train/replicas.py]."""
     params = trainable(module)
     if shard is not None:
         params = owned(params, *shard)
@@ -436,7 +437,7 @@ def _profile_once(runner: StageRunner, key: Any, args: list, *, fused: bool,
 
 
 def register(table: OpTable) -> None:
-    keep_freed_memory()  # executors/torch/memory.py: B after W must not page-fault
+    keep_freed_memory()  # executors/torch/train/memory.py: B after W must not page-fault
     table.register("F", _forward)
     table.register("B", _backward_input)
     table.register("W", _backward_weight)

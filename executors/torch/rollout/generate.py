@@ -1,5 +1,6 @@
 """The torch executor's `generate` op, a request to its model's rollout engine [Note: rollout
-engine in executors/torch/engine.py], and the `generation` op that pauses, resumes or aborts it.
+engine in executors/torch/rollout/engine.py], and the `generation` op that pauses, resumes or aborts
+it.
 
 The design: [Note: generate], [Note: sampler log-probabilities], [Note: one generator per sample]
 below.
@@ -16,11 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from executors.optable import OpContext, OpTable
-from executors.torch import lm
-from executors.torch.engine import Engine, Sampling, run_until_done
-from executors.torch.held import held_model, right_padded, whole_model
-from executors.torch.stage import StageError
-from executors.torch.turns import agent_of
+from executors.torch.errors import StageError
+from executors.torch.models.built import held_model, right_padded, whole_model
+from executors.torch.rollout import lm
+from executors.torch.rollout.engine import Engine, Sampling, run_until_done
+from executors.torch.rollout.turns import agent_of
 from flowkit.dsl.hf import has_tokenizer
 from flowkit.ops.configs import AGENT_KEYS, MODEL_EOS, SAMPLING_KEYS, AgentConfig, SamplingConfig
 from flowkit.ops.executor_ops import MODEL_KEYS
@@ -38,14 +39,14 @@ __all__ = ["EOS", "MODEL_EOS", "decode", "generate_now", "register", "sample_tok
 # [Note: sampler log-probabilities] A rollout's ``logprobs[k]`` is ``log_softmax(logits /
 # temperature)[token_k]`` over the whole vocabulary: the log-probability under the
 # temperature-scaled distribution, before top-p truncation (as verl's rollouts record it). That is
-# exactly what the `logprobs` op (executors/torch/infer.py) recomputes from the model with the same
-# `temperature`, so a PPO/GRPO ratio starts at 1. Greedy decoding (``temperature=0``) records
-# ``log_softmax(logits)``, i.e. temperature 1.
+# exactly what the `logprobs` op (executors/torch/rollout/infer.py) recomputes from the model with
+# the same `temperature`, so a PPO/GRPO ratio starts at 1. Greedy decoding (``temperature=0``)
+# records ``log_softmax(logits)``, i.e. temperature 1.
 #
 # [Note: one generator per sample] In `decode`, each (prompt, sample) draws from its own
 # torch.Generator, seeded from (seed, prompt_id, sample): what a sample draws does not depend on
 # which slot it got or on what else was in the batch. (The engine goes further: a draw depends only
-# on the sample's seed and the token's position, executors/torch/sampling.py.)
+# on the sample's seed and the token's position, executors/torch/rollout/sampling.py.)
 
 _STEP_SEEDS = 1_000_003  # step k samples with seed + k * this: fresh draws, same for a replay
 EOS = 10  # byte "\n": the example corpora are byte-tokenized one-line answers; eos=None: none
@@ -152,7 +153,7 @@ def decode(model: torch.nn.Module, prompts: list, s: _Sampling, device: torch.de
 
 class _Cached:
     """Next-token logits through the model's cache [Note: generation and scoring interface in
-    executors/torch/lm.py]: one cache row per slot; a fresh slot's prompt, right-padded with
+    executors/torch/rollout/lm.py]: one cache row per slot; a fresh slot's prompt, right-padded with
     the other fresh ones, writes its row from position 0, a busy one its last token only."""
 
     def __init__(self, model: torch.nn.Module, slots: int, max_len: int,
@@ -210,12 +211,12 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, seed: int = 0, max_ba
               min_version: int | None = None, **config: Any) -> Any:
     """n rollouts of each prompt (a Prompt or a list of them; an interrupted Rollout is
     continued instead, a finished one passes through), a request to the model's rollout
-    engine [Note: rollout engine in executors/torch/engine.py], which streams each sample as
+    engine [Note: rollout engine in executors/torch/rollout/engine.py], which streams each sample as
     it finishes. `request` names it, for `generation` to abort; carried rollouts older than
     `min_version` are recomputed or dropped as `stale_segments` says (records.resumable,
     [Note: partial rollouts] in flowkit/runner/partial.py). `weights`
     (versions) only order this task after a step: the model is the one this executor holds
-    by name. `seed` seeds the model's build (as in executors/torch/held.py) and, unless
+    by name. `seed` seeds the model's build (as in executors/torch/models/built.py) and, unless
     `sample_seed` is given, the sampling, which draws afresh each `step`. `max_batch` and
     `token_budget` size the engine when its first request makes it. A model whose folder has
     a tokenizer (an HF model's `path`) stops at that tokenizer's EOS unless `eos` names the

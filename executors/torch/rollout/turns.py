@@ -15,8 +15,8 @@ from typing import Any
 
 import attrs
 
-from executors.torch.held import imported
-from executors.torch.stage import StageError
+from executors.torch.errors import StageError
+from executors.torch.models.built import imported
 from flowkit.ops import AgentConfig, Conversation, Environment, EnvStep
 
 __all__ = ["Agent", "ByteTurns", "ChatTurns", "EnvCalls", "Episode", "agent_of", "open_episode",
@@ -75,7 +75,7 @@ class Episode:
 def agent_of(config: AgentConfig, tokenizer: Any) -> Agent | None:
     """The request's Agent, or None for single responses. The environment's class (or the
     agent program's function) is imported here, by the name the flow gave, as a model's build
-    is (executors/torch/held.py)."""
+    is (executors/torch/models/built.py)."""
     if config.environment is None and config.program is None:
         return None
     if config.max_turns < 1:
@@ -99,8 +99,8 @@ def _environment_maker(config: AgentConfig) -> Callable[[Any, int], Environment]
 
 
 def _program_maker(config: AgentConfig, turns: Any) -> Callable[[Any, int], Environment]:
-    """[Note: agent programs] in executors/torch/endpoint.py."""
-    from executors.torch.endpoint import ProgramEnvironment, shared_endpoint
+    """[Note: agent programs] in executors/torch/rollout/endpoint.py."""
+    from executors.torch.rollout.endpoint import ProgramEnvironment, shared_endpoint
 
     if config.environment is not None:
         raise StageError(f"give an environment or an agent program, not both (environment="

@@ -1,9 +1,9 @@
 """RL losses of the last pipeline stage on a microbatch of `Experience` records: the clipped
 policy loss of PPO and GRPO (GRPO with a KL term to a reference; with `decoupled`, AReaL's
 decoupled PPO objective for stale samples, Fu et al. 2025) and the critic's clipped value loss. The
-math is `executors.torch.algos` (verl's); this module lays the records out as the
+math is `executors.torch.train.loss_terms` (verl's); this module lays the records out as the
 (batch, response) tensors it takes and reads the stage's output where each response token was
-predicted [Note: response positions in executors/torch/infer.py].
+predicted [Note: response positions in executors/torch/rollout/infer.py].
 
 [Note: RL losses in sum form] verl's token-mean divides the batch's summed per-token loss by
 the batch's response tokens. A microbatch must not divide by its own token count (its tokens
@@ -12,7 +12,7 @@ would then weigh more or less depending on how the batch was cut) and cannot kno
 the SUM of the per-token loss over its microbatch's response tokens, its stats carry that
 token count as `normalizer`, and the optimizer step divides every gradient by the step's
 summed normalizer: the whole batch's token-mean gradient, however it was cut and padded.
-The other aggregation modes are alike (algos.aggregate_sum): the seq-mean ones sum each
+The other aggregation modes are alike (loss_terms.aggregate_sum): the seq-mean ones sum each
 response's token mean, sum or sum over the constant, and count responses with tokens as the
 normalizer. Every term of the loss (policy, KL, entropy) shares the mode, so one normalizer
 serves them all.
@@ -27,7 +27,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from executors.torch.algos import (
+from executors.torch.train.loss_terms import (
     aggregate_sum,
     behav_weights,
     decoupled_weight_stats,

@@ -1,5 +1,5 @@
 """Re-cutting a stage's AdamW states for another replica count [Note: sharded optimizer states
-in executors/torch/replicas.py]: a checkpoint's shards (or its whole state) merged per
+in executors/torch/train/replicas.py]: a checkpoint's shards (or its whole state) merged per
 parameter, then cut again for the shard this replica owns now (or kept whole).
 
 An AdamW state dict numbers its parameters in the order of its param groups, and the optimizer
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from executors.torch.replicas import owned
-from executors.torch.stage import StageError
+from executors.torch.errors import StageError
+from executors.torch.train.replicas import owned
 
 __all__ = ["recut"]
 

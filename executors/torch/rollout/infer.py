@@ -1,7 +1,7 @@
 """The torch executor's inference ops on rollouts: `logprobs` (a policy or frozen reference),
 `values` (a critic: a model whose forward gives values, such as the GPT with a value head) and
 `reward_model` (such a model read at the sequence's last position). Any model that follows
-[Note: generation and scoring interface] (executors/torch/lm.py) runs them.
+[Note: generation and scoring interface] (executors/torch/rollout/lm.py) runs them.
 
 Each takes one Rollout or a list of them and answers in kind (one result, or a list in the same
 order), so each is its own batched form: a batched task of ready rollouts [Note: batched forms
@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from executors.optable import OpContext, OpTable
-from executors.torch import lm
-from executors.torch.held import evaluating, right_padded, whole_model
+from executors.torch.models.built import evaluating, right_padded, whole_model
+from executors.torch.rollout import lm
 from flowkit.ops.records import TokenScores
 
 __all__ = ["register"]
@@ -56,7 +56,8 @@ _MIN_WIDTH = 16  # [Note: batch-invariant forwards]: the narrowest forward
 def _logprobs(ctx: OpContext, rollouts: Any, *_: Any, temperature: float = 1.0,
               max_batch: int = 32, max_tokens: int | None = None, **config: Any) -> Any:
     """Per-token ``log_softmax(logits / temperature)`` of each response token: the convention
-    of the sampler's logprobs [Note: sampler log-probabilities in executors/torch/generate.py]."""
+    of the sampler's logprobs [Note: sampler log-probabilities in
+    executors/torch/rollout/generate.py]."""
     t = float(temperature) if float(temperature) > 0 else 1.0  # greedy records temperature 1
 
     def score(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

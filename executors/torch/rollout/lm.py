@@ -12,7 +12,7 @@ __all__ = ["check_prompts", "context_length", "has_cache", "logits_of", "values_
 
 
 # [Note: generation and scoring interface] The model is the `build` result's one-stage split (or the
-# module itself when it has no `split`), as executors/torch/held.py `whole_model` gives it:
+# module itself when it has no `split`), as executors/torch/models/built.py `whole_model` gives it:
 #
 # - ``forward(tokens)`` is all it needs: tokens (B, T) int64 -> logits (B, T, V) for a language
 #   model, values (B, T) for a critic or reward model (the two are told apart by that shape; a
@@ -32,9 +32,9 @@ __all__ = ["check_prompts", "context_length", "has_cache", "logits_of", "values_
 #   begins a new sequence in it (continuous batching reuses rows). A cache may also have
 #   ``copy_prefix(src, dst, length)``, copying positions [0, length) of row `src` into the rows
 #   `dst` (a list): the rollout engine then fills a prompt once for all its samples ([Note: shared
-#   prompts] in executors/torch/engine.py); without it, each sample fills its own. The built-in
-#   GPT implements it all ([Note: KV cache rows] in executors/torch/models/gpt.py); a Hugging Face
-#   causal LM can, through an adapter that keeps per-row keys and values and passes
+#   prompts] in executors/torch/rollout/engine.py); without it, each sample fills its own. The
+#   built-in GPT implements it all ([Note: KV cache rows] in executors/torch/models/gpt.py); a
+#   Hugging Face causal LM can, through an adapter that keeps per-row keys and values and passes
 #   ``position_ids = start + arange(T)`` with the matching attention mask (models/hf.py's). A
 #   recurrent model cannot resume a row after right padding, so it leaves the protocol out and
 #   decodes by recomputing.

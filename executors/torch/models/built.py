@@ -1,12 +1,13 @@
-"""Where the torch executor builds its models, splits them into stages and holds them.
+"""Where the torch executor builds its models, splits them into stages and holds them (the models
+it has built, by name and number of stages).
 
 [Note: one model, many holders] Every executor builds the whole model from its `build` path
 (``module:factory``) and model config with the same seed, or from the config's ``checkpoint``
 file, and keeps the stages it is asked for: all executors hold the same initial weights as a
 plain loop that builds the model once. An executor holds a model by (name, number of stages),
-so maybe in several splits (`held_model`): stages the pipeline ops (pipeline_ops.py) run
-(`held_stage`), a whole copy that generation (generate.py) and scoring (infer.py) run
-(`whole_model`). The `export_weights` and `load_weights` ops move weights between splits
+so maybe in several splits (`held_model`): stages the pipeline ops (train/pipeline_ops.py) run
+(`held_stage`), a whole copy that generation (rollout/generate.py) and scoring (rollout/infer.py)
+run (`whole_model`). The `export_weights` and `load_weights` ops move weights between splits
 [Note: unsplit names in weights.py].
 """
 
@@ -23,27 +24,15 @@ import torch
 
 from executors.optable import OpContext
 from executors.torch import weights
+from executors.torch.errors import StageError
 from executors.torch.lora import add_adapters, merge_adapters
-from executors.torch.rl_loss import RLLoss
-from executors.torch.stage import StageError, StageRunner
 from flowkit.dsl.lora import check_lora, lora_identity
 from flowkit.ops.records import WeightsVersion
 
-__all__ = ["HeldModel", "HeldStage", "evaluating", "export_weights", "held_model", "held_stage",
-           "load_weights", "right_padded", "save_weights", "whole_model"]
+__all__ = ["HeldModel", "evaluating", "export_weights", "held_model", "load_weights",
+           "right_padded", "save_weights", "whole_model"]
 
 _DTYPES = {name: getattr(torch, name) for name in ("float32", "float64", "bfloat16", "float16")}
-
-
-@attrs.define(eq=False)
-class HeldStage:
-    module: torch.nn.Module
-    runner: StageRunner
-    optimizer: torch.optim.Optimizer | None = None
-    tied: tuple[str, ...] = ()  # names of parameters that are copies of another stage's
-    # (rank, size) when its optimizer holds one replica's shard [Note: sharded optimizer states
-    # in executors/torch/replicas.py]
-    shard: tuple[int, int] | None = None
 
 
 @attrs.define(eq=False)
@@ -53,7 +42,7 @@ class HeldModel:
     spec: tuple
     parts: list[torch.nn.Module]
     device: torch.device
-    stages: dict[int, HeldStage] = attrs.field(factory=dict)
+    stages: dict[int, Any] = attrs.field(factory=dict)  # the ones it trains (train/held_stage.py)
     layout: Any = None  # its names by the unsplit model's (executors/torch/weights.py)
     version: int | None = None  # of the weights load_weights last set
     config: dict = attrs.field(factory=dict)  # what built it, to build it again (state.py)
@@ -137,34 +126,6 @@ def _split(whole: torch.nn.Module, stages: int, seq_len: int | None) -> list[tor
         raise StageError(f"{type(whole).__name__} has no split(stages) method, so it cannot be "
                          f"cut into {stages} pipeline stages; give it one or use one stage")
     return [whole]
-
-
-def held_stage(ctx: OpContext, config: dict) -> HeldStage:
-    model = held_model(ctx, config)
-    s = int(config["stage"])
-    stage = model.stages.get(s)
-    if stage is None:
-        module = model.parts[s]
-        tied = tuple(getattr(module, "tied_copies", lambda: ())())
-        runs = _ScaledLoss(module) if s == len(model.parts) - 1 else module
-        stage = model.stages[s] = HeldStage(module=module, runner=StageRunner(runs), tied=tied)
-    return stage
-
-
-class _ScaledLoss(torch.nn.Module):
-    """The last stage with its loss scaled by the microbatch's share of the batch, so that
-    the gradients the microbatches add up are the batch's (gradient accumulation)."""
-
-    def __init__(self, stage: torch.nn.Module) -> None:
-        super().__init__()
-        self.stage = stage
-
-    def forward(self, *args: Any) -> torch.Tensor:
-        *inputs, scale = args
-        if inputs and isinstance(inputs[-1], RLLoss):  # an RL loss reads the stage's output
-            *inputs, rl_loss = inputs
-            return rl_loss(self.stage(*inputs)) * scale
-        return self.stage(*inputs) * scale
 
 
 # -- the whole model, to generate and score with ----------------------------------------------

@@ -1,0 +1,56 @@
+"""The stages of a held model that this executor trains [Note: one model, many holders in
+executors/torch/models/built.py]: each with its `StageRunner`, its optimizer once a step made one,
+and the last stage's loss scaled for gradient accumulation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from executors.optable import OpContext
+from executors.torch.models.built import held_model
+from executors.torch.train.rl_loss import RLLoss
+from executors.torch.train.stage import StageRunner
+
+__all__ = ["HeldStage", "held_stage"]
+
+
+@attrs.define(eq=False)
+class HeldStage:
+    module: torch.nn.Module
+    runner: StageRunner
+    optimizer: torch.optim.Optimizer | None = None
+    tied: tuple[str, ...] = ()  # names of parameters that are copies of another stage's
+    # (rank, size) when its optimizer holds one replica's shard [Note: sharded optimizer states
+    # in executors/torch/train/replicas.py]
+    shard: tuple[int, int] | None = None
+
+
+def held_stage(ctx: OpContext, config: dict) -> HeldStage:
+    model = held_model(ctx, config)
+    s = int(config["stage"])
+    stage = model.stages.get(s)
+    if stage is None:
+        module = model.parts[s]
+        tied = tuple(getattr(module, "tied_copies", lambda: ())())
+        runs = _ScaledLoss(module) if s == len(model.parts) - 1 else module
+        stage = model.stages[s] = HeldStage(module=module, runner=StageRunner(runs), tied=tied)
+    return stage
+
+
+class _ScaledLoss(torch.nn.Module):
+    """The last stage with its loss scaled by the microbatch's share of the batch, so that
+    the gradients the microbatches add up are the batch's (gradient accumulation)."""
+
+    def __init__(self, stage: torch.nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        *inputs, scale = args
+        if inputs and isinstance(inputs[-1], RLLoss):  # an RL loss reads the stage's output
+            *inputs, rl_loss = inputs
+            return rl_loss(self.stage(*inputs)) * scale
+        return self.stage(*inputs) * scale
