@@ -11,8 +11,8 @@ context, neither trained nor counted in a token mean). A step that raises, or ru
 `env_timeout_s`, ends its own trajectory with `env_error`; it never stalls the engine, which
 steps the other samples meanwhile (untrusted code runs in dataflows/sandbox.py: a thread past
 its timeout cannot be stopped). A trajectory cut by an abort is parked on the executor
-([Note: parked trajectories] in executors/torch/rollout/trajectories.py). In full: docs/rl.md, "Agents:
-multi-turn rollouts in an environment".
+([Note: parked trajectories] in executors/torch/rollout/trajectories.py). In full: docs/rl.md,
+"Agents: multi-turn rollouts in an environment".
 """
 
 from __future__ import annotations

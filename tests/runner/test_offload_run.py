@@ -1,6 +1,6 @@
 """Offloading schedules on simulator executor processes [Note: offload in the runtime in
-flowkit/ops/executor_ops.py], [Note: simulated copy engines in executors/sim/ops.py]: each executor's
-activation memory peaks where the planner's memory model says."""
+flowkit/ops/executor_ops.py], [Note: simulated copy engines in executors/sim/ops.py]: each
+executor's activation memory peaks where the planner's memory model says."""
 
 from __future__ import annotations
 
