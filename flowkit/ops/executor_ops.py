@@ -146,7 +146,7 @@ OFFLOAD_KEYS = {"F": ("offload", "copy_seconds", "prefetch"), "B": ("prefetch",)
 
 STATE_OPS = ("save_state", "load_state")
 """The ops an executor takes part in a run checkpoint with [Note: run checkpoints in
-flowkit/runner/checkpoint.py]."""
+flowkit/runner/checkpoints/format.py]."""
 
 
 def missing_executor_ops(nodes: Iterable[Any], implemented: Collection[str]) -> list[str]:

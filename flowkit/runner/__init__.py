@@ -4,10 +4,9 @@ and `Run` (api.py) are the public way in; RunConfig and its records are in confi
 - flowrun.py: a flow's steps, node by node as the lowering says (stepstate.py: the step's items,
   steprun.py: one step's progress); flowtrain.py: a trained model's pipeline, optimizer step,
   weight sync (training.py: what each of those tasks is told; pipeline.py: a pipeline schedule
-  as tasks; balance.py: stages by cost); asyncstate.py and partial.py: steps that overlap and
-  calls carried between them.
+  as tasks; balance.py: stages by cost); partial.py: calls carried between steps that overlap.
 - steploop.py: the steps one after the other with metrics, checkpoints and restarts;
-  checkpoint.py: a run's state on disk, checkpointing.py: when to write it, restarts.py: lost
+  checkpoints/: a run's state on disk, when to write it, the open steps it holds, and lost
   executors replaced; setup.py: what a run decides before anything starts.
 """
 

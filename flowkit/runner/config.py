@@ -101,7 +101,7 @@ def _path(value: Any) -> Path | None:
 @attrs.frozen(kw_only=True)
 class CheckpointConfig:
     """Where and how often a run checkpoints [Note: run checkpoints in
-    flowkit/runner/checkpoint.py]."""
+    flowkit/runner/checkpoints/format.py]."""
 
     root: Path = attrs.field(converter=Path)
     """The folder of the run's checkpoints (one sub-folder per checkpoint)."""
@@ -210,7 +210,7 @@ class RunConfig:
     """Go on from the newest complete checkpoint in this folder (or the folder itself)."""
     max_restarts: int = attrs.field(default=0, validator=_at_least(0))
     """Replace up to this many lost executors, replaying the failed step [Note: executor
-    restarts in flowkit/runner/restarts.py]."""
+    restarts in flowkit/runner/checkpoints/restarts.py]."""
     controller: ControllerConfig = attrs.field(factory=ControllerConfig)
     """The controller's address and keys."""
     launcher: str = attrs.field(default="local", validator=_launcher)

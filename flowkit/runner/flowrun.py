@@ -13,7 +13,7 @@ import queue
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,17 +23,17 @@ from flowkit.dsl import Granularity
 from flowkit.ops import rounds_of
 from flowkit.planner.lower import Call, InputRule, NodePlan
 from flowkit.planner.simcosts import SimCosts
-from flowkit.runner.asyncstate import Replay
 from flowkit.runner.balance import Balancer, LengthEstimates
 from flowkit.runner.calls import CallPolicy
+from flowkit.runner.checkpoints.adaptor import RunnerCheckpoints
 from flowkit.runner.fill import BubbleFill, lendable
 from flowkit.runner.flowtrain import ModelTraining
 from flowkit.runner.fusedtrain import FusedTraining, fuse_groups
-from flowkit.runner.partial import Carried, CarryOver, PartialCalls, PartialRollouts
+from flowkit.runner.partial import CarryOver, PartialCalls, PartialRollouts
 from flowkit.runner.quota import GroupQuota, group_quotas
 from flowkit.runner.rounds import SamplingRounds, round_nodes
 from flowkit.runner.steprun import TRAINING_CALLS, StepReport, StepRun
-from flowkit.runner.stepstate import BalancedCalls, FlowRunError, RunnerState, Streams, Wiring
+from flowkit.runner.stepstate import BalancedCalls, FlowRunError, Streams, Wiring
 from flowkit.runner.training import model_spec
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.registry import ExecutorInfo
@@ -59,7 +59,7 @@ _BURST = 4096  # reactions run before the steps look at what they touched, at mo
 # whose loss takes a proximal policy use the decoupled objective for stale samples (the knob their
 # LossSpec names, `decoupled`). A step's training starts in its own `run_step` call, never between
 # two: what a checkpoint at that boundary holds of the open steps is [Note: checkpoints of
-# asynchronous runs] in asyncstate.py.
+# asynchronous runs] in flowkit/runner/checkpoints/open_steps.py.
 
 
 class FlowRunner:
@@ -101,18 +101,10 @@ class FlowRunner:
         self.bubble_fill = BubbleFill(self.events, self._fill, lendable(plan)) \
             if fill_bubbles else None
         self.carry_over = CarryOver(self.open)  # [Note: partial rollouts in partial.py]
-        # a resumed asynchronous run's open steps: step -> node -> lineage -> the saved
-        # rollouts of that call, and the partial-rollout metrics they report
-        # [Note: checkpoints of asynchronous runs in asyncstate.py]
-        self._replay: dict[int, dict[str, dict[tuple, Any]]] = {}
-        self._replay_metrics: dict[int, dict[str, dict]] = {}
         self.attempt = uuid.uuid4().hex[:8]  # in request names: unique to this runner
         # the nodes admission control holds back [Note: asynchronous steps]
         self.gated = [node.name for node in plan if node.call not in TRAINING_CALLS
                       and any(rule.feedback for rule in node.inputs)]
-        # those whose calls a checkpoint drains and replays: resumable ones
-        self.generating = [node.name for node in plan
-                           if node.name in self.gated and node.resumable is not None]
         # (node, port) -> step -> that step's streams, for the steps after it
         self.produced_at: dict[tuple[str, str], dict[int, Streams]] = defaultdict(dict)
         # balance=False: calls of ops with a Workload go where the dispatcher's count says,
@@ -146,6 +138,9 @@ class FlowRunner:
                 training.bubble_fill = None  # its bubbles hold another model's ops
         self.fusions = [FusedTraining(group, [self.training[name] for name in names])
                         for group, names in fuse_groups(plan).items()]
+        # what its checkpoints copy, and a resumed run takes back [Note: run checkpoints in
+        # flowkit/runner/checkpoints/format.py]
+        self.checkpoints = RunnerCheckpoints(self)
 
     def _workload(self, node: NodePlan) -> BalancedCalls:
         """Ask for what length-aware dispatch learns from without fetching anything: the key
@@ -201,7 +196,7 @@ class FlowRunner:
         return run.streams if run is not None and run.closed else self.resumed
 
     def resume_feedback(self, step: int, streams: Streams) -> None:
-        """What a resumed run's step `step` reads as feedback (checkpoint.py)."""
+        """What a resumed run's step `step` reads as feedback (checkpoints/restore.py)."""
         self.step, self.resumed = step, streams
         for key in self.fed_back:
             if key in streams:
@@ -223,7 +218,8 @@ class FlowRunner:
                                    f"{list(model.tags)} and the pipeline ops; start executors "
                                    f"with those tags (flowkit run --tags ...)")
             # by name, not by id (the order executors connected in): a resumed run places each
-            # stage where the checkpointed run had it [Note: run checkpoints in checkpoint.py]
+            # stage where the checkpointed run had it [Note: run checkpoints in
+            # flowkit/runner/checkpoints/format.py]
             able.sort(key=lambda e: (e.name, e.id))
             offset = len(placement)  # spread the models' first stages over the executors
             slots = model.stages * model.replicas  # [Note: replicas] in replicas.py
@@ -295,7 +291,7 @@ class FlowRunner:
         del self.open[step]
         # the next step trains in the next call, not here: between two calls nothing trains,
         # so a checkpoint holds the weights of this step [Note: checkpoints of asynchronous
-        # runs in asyncstate.py]
+        # runs in flowkit/runner/checkpoints/open_steps.py]
         return run.report()
 
     def react(self, timeout: float) -> None:
@@ -377,14 +373,10 @@ class FlowRunner:
         return refs
 
     # -- call policies: partial rollouts and replay ([Note: partial rollouts in partial.py],
-    # [Note: checkpoints of asynchronous runs in asyncstate.py]) -------------------------------
+    # [Note: checkpoints of asynchronous runs in flowkit/runner/checkpoints/open_steps.py]) ------
     def call_policies(self, step: int) -> dict[str, CallPolicy]:
         """Step `step`'s nodes whose calls are replayed from a checkpoint, or partial."""
-        policies: dict[str, CallPolicy] = {}
-        metrics = self._replay_metrics.pop(step, {})
-        for name, calls in self._replay.pop(step, {}).items():
-            policies[name] = Replay(name, step, calls, metrics.get(name, {}), self.carry_over,
-                                    outgoing=self.carry_over.take(name, step))
+        policies: dict[str, CallPolicy] = dict(self.checkpoints.replays(step))
         floor = step - (self.staleness or 0)  # the oldest version a carried call may keep
         for name, setting in self.partial.items():
             if name not in policies:
@@ -397,11 +389,6 @@ class FlowRunner:
             policies.setdefault(name, SamplingRounds(name, rounds, policies[quota], self.fuse))
         return policies
 
-    @property
-    def carried(self) -> dict[int, dict[str, list[Carried]]]:
-        """Calls carried past the open steps, by the step that takes them and node."""
-        return self.carry_over.waiting
-
     def abort_calls(self, plan: NodePlan, requests: Sequence[str], step: int) -> list[Any]:
         """Ask every engine that may run `plan`'s calls to abort these requests with the
         op's declared abort op; each reply is [samples, tokens] cut."""
@@ -411,77 +398,6 @@ class FlowRunner:
         return [self.ctl.submit(abort_op, config=plan.resumable.abort_config(requests),
                                 executor=e.id, meta={"node": f"{plan.name}/abort", "step": step})
                 for e in targets]
-
-    # -- checkpoints [Note: run checkpoints in checkpoint.py] ----------------------------------
-    def open_resumable(self) -> dict[int, dict[str, bool]]:
-        """Each open step's generating nodes: whether each has ended."""
-        return {step: {name: run.node_closed(name) for name in self.generating}
-                for step, run in self.open.items()}
-
-    def boundary(self) -> RunnerState:
-        """What a checkpoint holds at a step boundary of all but the open steps' generation,
-        copied (it is read once that generation has ended, [Note: checkpoints that do not
-        drain] in checkpoint.py)."""
-        return RunnerState(
-            staleness=self.staleness,
-            placement={model: [e.name for e in chosen]
-                       for model, chosen in sorted(self.placement.items())},
-            feedback=self._feedback_refs_next(), profiles=dict(self.profiles),
-            training={name: t.carried_state() for name, t in self.training.items()})
-
-    def open_state(self, runs: Mapping[int, StepRun],
-                   carried: Mapping[int, dict[str, list[Carried]]]) -> dict[str, Any]:
-        """The part of a checkpoint that the open steps `runs` make once their generating
-        nodes have ended: each one's outputs and call metrics, and the calls carried past the
-        last (`carried`: those the ledger held at the boundary for steps not open then)."""
-        last = max(runs, default=None)
-        # the last open step's carried calls are its policy's (in the ledger or not, yet)
-        past = {step: dict(by_node) for step, by_node in carried.items()
-                if last is None or step != last + 1}
-        if last is not None:
-            for name in self.generating:
-                policy = runs[last].policies.get(name)
-                outgoing = list(getattr(policy, "outgoing", ()))
-                if outgoing:
-                    past.setdefault(last + 1, {})[name] = outgoing
-        return {"open_calls": {step: {name: run.outputs(name) for name in self.generating}
-                               for step, run in sorted(runs.items())},
-                "open_metrics": {step: metrics for step, run in sorted(runs.items())
-                                 if (metrics := {name: policy.metrics(self.step_timeout)
-                                                 for name, policy in run.policies.items()})},
-                "carried": dict(sorted(past.items()))}
-
-    def _feedback_refs_next(self) -> dict[tuple[str, str], Any]:
-        """The ref of the value each feedback input will read in the next step."""
-        refs = {}
-        for node in self.plan:
-            for rule in node.inputs:
-                key = (rule.src, rule.src_port)
-                stream = self.previous.get(key) if rule.feedback else None
-                if stream is not None and stream.items:
-                    refs[key] = stream.ordered()[-1]
-        return refs
-
-    def resume(self, step: int, feedback: Streams, profiles: dict,
-               training: Mapping[str, dict]) -> None:
-        """A resumed run goes on at `step` (checkpoint.py): its feedback, profiled costs and
-        what its trainings carry across steps."""
-        self.resume_feedback(step, feedback)
-        self.profiles.update(profiles)
-        for name, carried in training.items():
-            self.training[name].restore_carried(carried)
-
-    def resume_open_steps(self, calls: Mapping[int, dict[str, dict[tuple, Any]]],
-                          metrics: Mapping[int, dict[str, dict]],
-                          carried: Mapping[int, dict[str, list[Carried]]]) -> None:
-        """A resumed asynchronous run's open steps replay `calls` and report `metrics`;
-        `carried` wait for their steps [Note: checkpoints of asynchronous runs]."""
-        self._replay.update(calls)
-        self._replay_metrics.update(metrics)
-        for step, by_node in carried.items():
-            for name, calls_of_node in by_node.items():
-                self.carry_over.waiting.setdefault(step, {}).setdefault(name, []).extend(
-                    calls_of_node)
 
     def save_weights(self, folder: Path) -> list[Path]:
         """Each model trained so far (an interrupted step included), its stages' weights

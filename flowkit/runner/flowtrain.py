@@ -228,7 +228,7 @@ class ModelTraining:
         return peaks
 
     def carried_state(self) -> dict:
-        """What it carries from step to step that a run checkpoint keeps (checkpoint.py): the
+        """What it carries from step to step that a run checkpoint keeps (checkpoints/): the
         last schedule trained with, not the model's spec, which the flow gives again."""
         return {"item_counts": dict(self.item_counts),
                 "predicted_bubble": dict(self.predicted_bubble),
@@ -236,7 +236,8 @@ class ModelTraining:
 
     def restore_carried(self, carried: dict) -> None:
         """Take back what `carried_state` gave; the spec is this flow's model's, never one a
-        checkpoint file names [Note: run state on disk in runstate.py]."""
+        checkpoint file names [Note: run state on disk in
+        flowkit/runner/checkpoints/state_codec.py]."""
         self.item_counts.update(carried["item_counts"])
         self.predicted_bubble.update(carried["predicted_bubble"])
         schedule = carried["last_schedule"]

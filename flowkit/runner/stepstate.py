@@ -148,9 +148,9 @@ class BalancedCalls:
 
 @attrs.frozen
 class RunnerState:
-    """A runner at a step boundary as a checkpoint reads it (checkpoint.py): refs, which the
+    """A runner at a step boundary as a checkpoint reads it (checkpoints/): refs, which the
     checkpoint fetches. An asynchronous runner's open steps are in it once they have generated
-    [Note: checkpoints that do not drain in checkpoint.py]."""
+    [Note: checkpoints that do not drain in flowkit/runner/checkpoints/writer.py]."""
 
     staleness: int | None
     placement: dict[str, list[str]]  # model -> the executors holding its stages, by name
