@@ -7,7 +7,7 @@ flowkit/planner/bubbles.py): the warm-up before its first action, the slots wher
 waits for another device's, the cool-down (not lent: nothing of the step waits then).
 Scoring of the step's samples (an op whose class declares `scores`: reference log-probs,
 values, a reward model's scores) that waits for its own executors (its items held while two
-of its tasks an executor are on the way, [Note: batched per-item calls] in steprun.py) is
+of its tasks an executor are on the way, [Note: batched per-item calls] in stepbatching.py) is
 lent those slots as they open:
 
 - when a pipeline is planned, each device's bubbles are taken from the simulation of its

@@ -13,7 +13,7 @@ import queue
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +21,20 @@ import attrs
 
 from flowkit.dsl import Granularity
 from flowkit.ops import rounds_of
-from flowkit.planner.lower import Call, InputRule, NodePlan
+from flowkit.planner.lower import Call, NodePlan
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runner.balance import Balancer, LengthEstimates
-from flowkit.runner.calls import CallPolicy
 from flowkit.runner.checkpoints.adaptor import RunnerCheckpoints
+from flowkit.runner.feedback import Feedback
 from flowkit.runner.fill import BubbleFill, lendable
 from flowkit.runner.flowtrain import ModelTraining
 from flowkit.runner.fusedtrain import FusedTraining, fuse_groups
-from flowkit.runner.partial import CarryOver, PartialCalls, PartialRollouts
-from flowkit.runner.quota import GroupQuota, group_quotas
-from flowkit.runner.rounds import SamplingRounds, round_nodes
+from flowkit.runner.partial import CarryOver, PartialRollouts
+from flowkit.runner.quota import group_quotas
+from flowkit.runner.rounds import round_nodes
 from flowkit.runner.steprun import TRAINING_CALLS, StepReport, StepRun
 from flowkit.runner.stepstate import BalancedCalls, FlowRunError, Streams, Wiring
+from flowkit.runner.submission import Submission
 from flowkit.runner.training import model_spec
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.registry import ExecutorInfo
@@ -75,9 +76,8 @@ class FlowRunner:
         if staleness is not None:
             check_async(plan, staleness)
             plan = _with_proximal(plan) if staleness >= 1 else plan
-        self.partial = _partial_rollouts(plan, staleness)
-        self.quotas = group_quotas(plan)
-        self.rounds = _sampling_rounds(plan, self.partial)
+        partial = _partial_rollouts(plan, staleness)
+        rounds = _sampling_rounds(plan, partial)
         plan = [_without_take(node) if node.resumable is not None else node for node in plan]
         self.ctl, self.plan, self.sim_costs = ctl, plan, sim_costs
         self.staleness, self.steps = staleness, steps
@@ -85,28 +85,20 @@ class FlowRunner:
         self.step_timeout = step_timeout
         consumers: dict[str, list[str]] = defaultdict(list)
         self.report_keys: dict[str, str] = {}
-        self.fed_back: set[tuple[str, str]] = set()  # (node, port) read by a later step
         for node in plan:
             for rule in node.inputs:
-                if rule.feedback:
-                    self.fed_back.add((rule.src, rule.src_port))
-                else:
+                if not rule.feedback:
                     consumers[rule.src].append(node.name)
                 if rule.group_key is not None:
                     self.report_keys[rule.src] = rule.group_key
         self.events: queue.SimpleQueue = queue.SimpleQueue()  # every open step's reactions
-        self.handled_parts: list = []  # streamed items taken in since the steps settled
         self.open: dict[int, StepRun] = {}
+        # what the steps read of earlier ones, and the admission gate [Note: asynchronous steps]
+        self.feedback = Feedback(plan, staleness, self.open)
         # training executors' bubbles lent to scoring [Note: bubble filling in fill.py]
         self.bubble_fill = BubbleFill(self.events, self._fill, lendable(plan)) \
             if fill_bubbles else None
         self.carry_over = CarryOver(self.open)  # [Note: partial rollouts in partial.py]
-        self.attempt = uuid.uuid4().hex[:8]  # in request names: unique to this runner
-        # the nodes admission control holds back [Note: asynchronous steps]
-        self.gated = [node.name for node in plan if node.call not in TRAINING_CALLS
-                      and any(rule.feedback for rule in node.inputs)]
-        # (node, port) -> step -> that step's streams, for the steps after it
-        self.produced_at: dict[tuple[str, str], dict[int, Streams]] = defaultdict(dict)
         # balance=False: calls of ops with a Workload go where the dispatcher's count says,
         # in arrival order, the baseline of length-aware dispatch [Note: length-aware dispatch]
         self.workloads = {node.name: self._workload(node) for node in plan
@@ -141,6 +133,13 @@ class FlowRunner:
         # what its checkpoints copy, and a resumed run takes back [Note: run checkpoints in
         # flowkit/runner/checkpoints/format.py]
         self.checkpoints = RunnerCheckpoints(self)
+        trainers = frozenset(e.id for model in self.training for e in self.placement[model])
+        self.submission = Submission(
+            wiring=self.wiring, ctl=ctl, events=self.events, workloads=self.workloads,
+            trainers=trainers, bubble_fill=self.bubble_fill, partial=partial,
+            quotas=group_quotas(plan), rounds=rounds, carry_over=self.carry_over,
+            checkpoints=self.checkpoints, staleness=staleness,
+            attempt=uuid.uuid4().hex[:8])  # in request names: unique to this runner
 
     def _workload(self, node: NodePlan) -> BalancedCalls:
         """Ask for what length-aware dispatch learns from without fetching anything: the key
@@ -172,7 +171,7 @@ class FlowRunner:
         for step in sorted(self.open):
             if seconds <= 0:
                 break
-            seconds -= self.open[step].fill(executor, seconds, self.bubble_fill, ends)
+            seconds -= self.open[step].lending.fill(executor, seconds, self.bubble_fill, ends)
         return ends
 
     @property
@@ -198,9 +197,7 @@ class FlowRunner:
     def resume_feedback(self, step: int, streams: Streams) -> None:
         """What a resumed run's step `step` reads as feedback (checkpoints/restore.py)."""
         self.step, self.resumed = step, streams
-        for key in self.fed_back:
-            if key in streams:
-                self.produced_at[key] = {step - 1: streams}
+        self.feedback.resume(step, streams)
 
     # -- placement -----------------------------------------------------------------------------
     def _place_models(self) -> dict[str, list[ExecutorInfo]]:
@@ -255,20 +252,6 @@ class FlowRunner:
                     "pipeline ops: give the fused models the same tags")
         return executors
 
-    def balancer(self, name: str, plan: NodePlan) -> Balancer | None:
-        """A step's balancer of node `name`'s calls, over the estimates of every step."""
-        config = self.wiring.op_configs[name]
-        able = [e.id for e in self.ctl.executors() if e.runs(plan.op, frozenset(plan.tags))]
-        if not able:
-            return None  # the dispatcher says why when the first call is submitted
-        infos = {e.id: e for e in self.ctl.executors()}
-        lent = frozenset(e.id for model in self.training for e in self.placement[model]
-                         if e.id in able)
-        return Balancer(self.workloads[name].estimates, able,
-                        count=config.get(plan.workload.count, 1),
-                        budget=config.get(plan.workload.budget, 1), lent=lent,
-                        outstanding=lambda executor: infos[executor].outstanding)
-
     # -- steps ---------------------------------------------------------------------------------
     def run_step(self, step: int) -> StepReport:
         """Step `step` to its end; asynchronously, the steps after it within the staleness
@@ -298,7 +281,7 @@ class FlowRunner:
         """Run the next reaction (queue.Empty if none comes within `timeout`; none is waited
         for while a step has nodes to look at) and every one queued behind it, then let the
         open steps look at the nodes they touched [Note: batched per-item calls in
-        steprun.py]."""
+        stepbatching.py]."""
         events = self.events
         if any(run.touched for run in self.open.values()):  # a turn left to take: no wait
             try:
@@ -315,9 +298,11 @@ class FlowRunner:
             event()
         for run in list(self.open.values()):
             run.settle()
-        if self.handled_parts:  # settled: their consumers are submitted, or they wait
-            self.ctl.handled(self.handled_parts)  # [Note: stream credits] in runtime/credits.py
-            self.handled_parts = []
+        submission = self.submission
+        if submission.handled_parts:  # settled: their consumers are submitted, or they wait
+            # [Note: stream credits] in runtime/credits.py
+            self.ctl.handled(submission.handled_parts)
+            submission.handled_parts = []
         for watcher in list(self.watchers):
             watcher()
 
@@ -328,76 +313,10 @@ class FlowRunner:
             if trains:
                 for training in self.training.values():
                     training.start_step(step)
-            run = self.open[step] = StepRun(self, step, trains=trains)
+            run = self.open[step] = StepRun(self.submission, self.feedback, self.training, step,
+                                            trains=trains)
             run.start()
         return run
-
-    # -- feedback and admission [Note: asynchronous steps] -------------------------------------
-    def produced(self, run: StepRun, node: str, port: str) -> None:
-        """`run` added an item to (node, port): if later steps read it, they may go on."""
-        key = (node, port)
-        if key not in self.fed_back:
-            return
-        earlier = self.produced_at[key]
-        earlier[run.step] = run.streams
-        for old in [s for s in earlier if s < run.step - 1]:
-            del earlier[old]  # a step reads the newest weights only
-        for later in sorted(s for s in self.open if s > run.step):
-            for name in self.gated:
-                self.open[later].progress(name)
-
-    def _newest(self, rule: InputRule, step: int) -> tuple[int, Streams | None]:
-        """(version, streams) of the newest production of `rule`'s port before `step`."""
-        produced = self.produced_at.get((rule.src, rule.src_port), {})
-        earlier = [s for s in produced if s < step]
-        if not earlier:
-            return 0, None
-        newest = max(earlier)
-        return newest + 1, produced[newest]
-
-    def admits(self, step: int, plan: NodePlan) -> bool:
-        if self.staleness is None or plan.name not in self.gated:
-            return True
-        return all(self._newest(rule, step)[0] >= step - self.staleness
-                   for rule in plan.inputs if rule.feedback)
-
-    def feedback_refs(self, plan: NodePlan, step: int) -> dict[str, Any]:
-        """Inputs fed by an earlier step: the newest item of the producing port, if any."""
-        refs = {}
-        for rule in plan.inputs:
-            if rule.feedback:
-                _, streams = self._newest(rule, step)
-                stream = None if streams is None else streams.get((rule.src, rule.src_port))
-                if stream is not None and stream.items:
-                    refs[rule.port] = stream.ordered()[-1]
-        return refs
-
-    # -- call policies: partial rollouts and replay ([Note: partial rollouts in partial.py],
-    # [Note: checkpoints of asynchronous runs in flowkit/runner/checkpoints/open_steps.py]) ------
-    def call_policies(self, step: int) -> dict[str, CallPolicy]:
-        """Step `step`'s nodes whose calls are replayed from a checkpoint, or partial."""
-        policies: dict[str, CallPolicy] = dict(self.checkpoints.replays(step))
-        floor = step - (self.staleness or 0)  # the oldest version a carried call may keep
-        for name, setting in self.partial.items():
-            if name not in policies:
-                policies[name] = PartialCalls(name, step, setting, self.carry_over,
-                                              f"{self.attempt}:{step}", floor,
-                                              incoming=self.carry_over.take(name, step))
-        for name, take in self.quotas.items():  # [Note: group quota] in quota.py
-            policies.setdefault(name, GroupQuota(name, take))
-        for name, (quota, rounds) in self.rounds.items():  # [Note: sampling rounds]
-            policies.setdefault(name, SamplingRounds(name, rounds, policies[quota], self.fuse))
-        return policies
-
-    def abort_calls(self, plan: NodePlan, requests: Sequence[str], step: int) -> list[Any]:
-        """Ask every engine that may run `plan`'s calls to abort these requests with the
-        op's declared abort op; each reply is [samples, tokens] cut."""
-        abort_op = plan.resumable.abort_op
-        targets = [e for e in self.ctl.executors()
-                   if e.runs(plan.op, frozenset(plan.tags)) and abort_op in e.ops]
-        return [self.ctl.submit(abort_op, config=plan.resumable.abort_config(requests),
-                                executor=e.id, meta={"node": f"{plan.name}/abort", "step": step})
-                for e in targets]
 
     def save_weights(self, folder: Path) -> list[Path]:
         """Each model trained so far (an interrupted step included), its stages' weights
