@@ -4,9 +4,9 @@ and `Run` (api.py) are the public way in; RunConfig and its records are in confi
 - flowrun.py: a flow's steps, node by node as the lowering says; steprun.py: one step's progress
   (stepstate.py: its items; stepbatching.py, steplending.py, stepreport.py: its batched calls,
   its scoring lent to bubbles, its report), given the run's submission.py (what its calls go out
-  through) and feedback.py (what earlier steps fed back, and the admission gate); flowtrain.py:
+  through) and feedback.py (what earlier steps fed back, and the admission gate); model_training.py:
   a trained model's pipeline, optimizer step, weight sync (feeding.py: its microbatches;
-  trainschedule.py: its schedules; training.py: what each of those tasks is told; pipeline.py:
+  trainschedule.py: its schedules; training_tasks.py: what each of those tasks is told; pipeline.py:
   a pipeline schedule as tasks; balance.py: stages by cost); partial.py: calls carried between
   steps that overlap.
 - steploop.py: the steps one after the other with metrics, checkpoints and restarts;

@@ -183,7 +183,7 @@ class RunConfig:
     fill_bubbles: bool = False
     """Lend the training executors' pipeline bubbles to the step's scoring (reference
     log-probs, values) that waits for its own executors, sized to fit, so the pipeline's
-    actions do not move ([Note: bubble filling] in flowkit/runner/fill.py)."""
+    actions do not move ([Note: bubble filling] in flowkit/runner/bubble_fill.py)."""
     asynchronous: bool | None = None
     """Let generation run ahead of training by up to `max_staleness` weights versions; None:
     asynchronous when the flow or `max_staleness` says so."""

@@ -1,5 +1,5 @@
 """A backprop's microbatches as its step feeds them: a pipeline schedule fed microbatch by
-microbatch as items arrive (`Feeding`, [Note: streamed microbatches in flowtrain.py]), or every
+microbatch as items arrive (`Feeding`, [Note: streamed microbatches in model_training.py]), or every
 minibatch round at once (`MinibatchRounds`, [Note: minibatch rounds in
 flowkit/ops/minibatches.py]).
 """
@@ -134,7 +134,7 @@ def inputs_made(run: PipelineRun, action: Action) -> bool:
 # next round's ops after it, so no round reads weights its predecessor has not stepped.
 def train_rounds(training: Any, plan: NodePlan, inputs: Inputs,
                  watch: Any) -> MinibatchRounds:
-    """`training`'s (a flowtrain.ModelTraining's) backprop `plan` in minibatch rounds: shuffle
+    """`training`'s (a model_training.ModelTraining's) backprop `plan` in minibatch rounds: shuffle
     and cut the batch into the rounds' minibatches, run each under one schedule (as many
     microbatches as the smallest minibatch allows, up to the configured number) and step after
     each but the last, whose step is the optimizer-step node's."""

@@ -1,7 +1,7 @@
 """Run a flow on executors, step by step, following the planner's lowering rules
 ([Note: lowering by granularity] in flowkit/planner/lower.py). A step's items, node states and
 reactions to completions are its `StepRun` (steprun.py); the runner holds what lasts across
-steps: the models' placement and training (flowtrain.py), length estimates, the weights each
+steps: the models' placement and training (model_training.py), length estimates, the weights each
 step's generation reads.
 
 The design: [Note: asynchronous steps] below.
@@ -24,18 +24,18 @@ from flowkit.ops import rounds_of
 from flowkit.planner.lower import Call, NodePlan
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runner.balance import Balancer, LengthEstimates
+from flowkit.runner.bubble_fill import BubbleFill, bubble_scorers
 from flowkit.runner.checkpoints.adaptor import RunnerCheckpoints
 from flowkit.runner.feedback import Feedback
-from flowkit.runner.fill import BubbleFill, lendable
-from flowkit.runner.flowtrain import ModelTraining
 from flowkit.runner.fusedtrain import FusedTraining, fuse_groups
+from flowkit.runner.model_training import ModelTraining
 from flowkit.runner.partial import CarryOver, PartialRollouts
 from flowkit.runner.quota import group_quotas
-from flowkit.runner.rounds import round_nodes
+from flowkit.runner.sampling_rounds import round_nodes
 from flowkit.runner.steprun import TRAINING_CALLS, StepReport, StepRun
 from flowkit.runner.stepstate import BalancedCalls, FlowRunError, Streams, Wiring
 from flowkit.runner.submission import Submission
-from flowkit.runner.training import model_spec
+from flowkit.runner.training_tasks import model_spec
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.registry import ExecutorInfo
 
@@ -95,8 +95,8 @@ class FlowRunner:
         self.open: dict[int, StepRun] = {}
         # what the steps read of earlier ones, and the admission gate [Note: asynchronous steps]
         self.feedback = Feedback(plan, staleness, self.open)
-        # training executors' bubbles lent to scoring [Note: bubble filling in fill.py]
-        self.bubble_fill = BubbleFill(self.events, self._fill, lendable(plan)) \
+        # training executors' bubbles lent to scoring [Note: bubble filling in bubble_fill.py]
+        self.bubble_fill = BubbleFill(self.events, self._fill, bubble_scorers(plan)) \
             if fill_bubbles else None
         self.carry_over = CarryOver(self.open)  # [Note: partial rollouts in partial.py]
         # balance=False: calls of ops with a Workload go where the dispatcher's count says,
@@ -123,7 +123,7 @@ class FlowRunner:
         self.profiles: dict[tuple[str, int], Any] = {}  # (model, stages) -> profiled costs
         self.training = {node.model.name: self._training(node.model) for node in plan
                          if node.call is Call.PIPELINE}
-        for name, training in self.training.items():  # [Note: bubble filling in fill.py]
+        for name, training in self.training.items():  # [Note: bubble filling in bubble_fill.py]
             mine = {e.id for e in training.executors}
             if any(mine & {e.id for e in other.executors}
                    for other_name, other in self.training.items() if other_name != name):
@@ -267,7 +267,7 @@ class FlowRunner:
         deadline = time.monotonic() + self.step_timeout
         while not run.closed:
             try:
-                self.react(max(0.0, deadline - time.monotonic()))
+                self.run_reactions(max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 raise FlowRunError(f"step {step} did not finish in {self.step_timeout} s; "
                                    f"still open: {', '.join(run.open_nodes())}") from None
@@ -277,7 +277,7 @@ class FlowRunner:
         # runs in flowkit/runner/checkpoints/open_steps.py]
         return run.report()
 
-    def react(self, timeout: float) -> None:
+    def run_reactions(self, timeout: float) -> None:
         """Run the next reaction (queue.Empty if none comes within `timeout`; none is waited
         for while a step has nodes to look at) and every one queued behind it, then let the
         open steps look at the nodes they touched [Note: batched per-item calls in
@@ -297,7 +297,7 @@ class FlowRunner:
                 break
             event()
         for run in list(self.open.values()):
-            run.settle()
+            run.progress_touched()
         submission = self.submission
         if submission.handled_parts:  # settled: their consumers are submitted, or they wait
             # [Note: stream credits] in runtime/credits.py
@@ -343,7 +343,7 @@ def check_async(plan: list[NodePlan], staleness: Any) -> None:
             "step.weights)): this flow has none, so its steps have nothing to overlap")
     sampled = sorted({node.name for node in plan for rule in node.inputs
                       if getattr(rule, "group_rounds", None)})
-    if sampled:  # [Note: sampling rounds in rounds.py]
+    if sampled:  # [Note: sampling rounds in sampling_rounds.py]
         raise FlowRunError(f"{', '.join(sampled)}: group_by(..., rounds=) samples in rounds "
                            "within a step, which runs synchronously only: drop rounds (a "
                            "recipe's filter_rounds) or run synchronously")
@@ -384,7 +384,7 @@ def _partial_rollouts(plan: list[NodePlan], staleness: int | None
 
 
 def _sampling_rounds(plan: list[NodePlan], partial: dict) -> dict[str, tuple[str, int]]:
-    """The nodes whose prompts are called in rounds ([Note: sampling rounds] in rounds.py),
+    """The nodes whose prompts are called in rounds ([Note: sampling rounds] in sampling_rounds.py),
     checked: not a node with partial rollouts."""
     try:
         found = round_nodes(plan)

@@ -31,7 +31,7 @@ from flowkit.runtime.futures import Future, wait
 from flowkit.runtime.registry import ExecutorInfo
 
 __all__ = ["Gate", "Lane", "PipelineRun", "StreamedSchedule", "device_lane", "measure",
-           "stage_costs_config", "submit_schedule", "submission_order"]
+           "stage_costs_config", "submit_schedule"]
 
 ConfigFor = Callable[[Action], dict]
 # a model's lanes: a prefix that each device's lane adds '/device' to, or each device's lane
@@ -94,17 +94,6 @@ def measure(timings: Iterable[tuple[Hashable, tuple[float, float]]]) -> dict:
     last = max(e for w in windows for _, e in w)
     return {"makespan": last - first, "device_span": span, "busy": busy,
             "bubble_rate": bubble_rate(span, busy)}
-
-
-def submission_order(schedule: Schedule) -> list[tuple[int, Action]]:
-    """(device, action) in an order that keeps each device's order and submits every action
-    after the actions it reads from, so their futures exist when it is submitted."""
-    order: list[tuple[int, Action]] = []
-    cursor = _Cursor(schedule)
-    cursor.advance(lambda device, action: order.append((device, action)) or True)
-    if not cursor.done:
-        raise ValueError(f"schedule {schedule.kind!r} deadlocks: validate it with the planner")
-    return order
 
 
 class _Cursor:

@@ -5,7 +5,7 @@
 ready when the node is looked at, up to _BATCH_ITEMS a task and spread over the executors that
 run the op, as batched tasks ([Note: batched tasks] in flowkit/wire/task.py), each answered by
 one completion and handled by one reaction. Reactions only mark the nodes they touch; the run
-looks at those once the reactions queued so far have run (`settle`). A node keeps at most
+looks at those once the reactions queued so far have run (`progress_touched`). A node keeps at most
 _BATCHES_IN_FLIGHT of its tasks per executor able to run it on the way: ready items beyond
 that wait (`held`) until one of its tasks ends, and then go together (adaptive batching, as an
 inference server's dynamic batcher does). So the first finished sample goes downstream at once,
@@ -50,7 +50,7 @@ class ItemBatching:
             return
         state.varying = varying
         cap = self.run.lending.fill_cap(state.plan)
-        if cap:  # [Note: bubble filling in fill.py]: what waits, a bubble may take
+        if cap:  # [Note: bubble filling in bubble_fill.py]: what waits, a bubble may take
             own = state.pending - state.lent  # the tasks on its own executors
             room = max(0, _BATCHES_IN_FLIGHT * self.able_count(state.plan) - own)
             sent = min(len(ready), room * cap)

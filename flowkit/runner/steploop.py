@@ -87,7 +87,7 @@ class StepLoop:
                                                              or stop.requested):
                             self._checkpoint(done, board, later=not stop.requested)
                         if done == self.steps and self.checkpoints is not None:
-                            self.checkpoints.settle(self.runner.checkpoints)
+                            self.checkpoints.finish_pending(self.runner.checkpoints)
                     except STEP_FAILURES as exc:
                         step = self._recover(exc, board)
                         continue

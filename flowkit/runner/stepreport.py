@@ -55,7 +55,7 @@ def step_report(run: Any) -> StepReport:
         metrics.update(training.activation_memory(run.wiring.step_timeout))
     for node, count in run.incomplete_groups.items():
         metrics[f"{node}/incomplete_groups"] = count
-    if run.submission.bubble_fill is not None:  # [Note: bubble filling in fill.py]
+    if run.submission.bubble_fill is not None:  # [Note: bubble filling in bubble_fill.py]
         for name, state in run.states.items():
             if state.plan.scores:
                 metrics[f"{name}/bubble_items"] = state.filled

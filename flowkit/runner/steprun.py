@@ -6,8 +6,8 @@ trained models, length estimates) and, in an asynchronous run, several steps at 
 A per-item op is submitted the moment its item exists, a group the moment its last member is
 in, a barrier when every producer has closed ([Note: lowering by granularity] in
 flowkit/planner/lower.py); each trained model's backprop and optimizer step go to its
-`ModelTraining` (flowtrain.py). A per-item node whose calls a step makes or ends otherwise
-(partial rollouts, replay) has a call policy (calls.py) that the step asks at each turn.
+`ModelTraining` (model_training.py). A per-item node whose calls a step makes or ends otherwise
+(partial rollouts, replay) has a call policy (call_policy.py) that the step asks at each turn.
 
 Its ready per-item calls go out batched ([Note: batched per-item calls] in stepbatching.py);
 held scoring items may go to a trainer's bubble (steplending.py); what it reports when it ends is
@@ -30,9 +30,9 @@ from typing import Any
 from flowkit.dsl import Granularity
 from flowkit.planner.lower import Call, InputRule, NodePlan
 from flowkit.runner.balance import Balancer
-from flowkit.runner.calls import StepSite
+from flowkit.runner.call_policy import StepSite
 from flowkit.runner.feedback import Feedback
-from flowkit.runner.flowtrain import ModelTraining
+from flowkit.runner.model_training import ModelTraining
 from flowkit.runner.partial import carried_key
 from flowkit.runner.stepbatching import ItemBatching
 from flowkit.runner.steplending import BubbleLending
@@ -82,7 +82,7 @@ class StepRun:
         self.policies = submission.call_policies(step)
         self.touched: dict[str, None] = {}  # nodes to look at once the queued reactions ran
         self.batching = ItemBatching(self)  # [Note: batched per-item calls in stepbatching.py]
-        self.lending = BubbleLending(self)  # [Note: bubble filling in fill.py]
+        self.lending = BubbleLending(self)  # [Note: bubble filling in bubble_fill.py]
 
     @property
     def closed(self) -> bool:
@@ -148,14 +148,14 @@ class StepRun:
         self.touch(name)
 
     def touch(self, name: str) -> None:
-        """`name` has new outputs or work done: it and its consumers are looked at in `settle`
-        [Note: batched per-item calls in stepbatching.py]."""
+        """`name` has new outputs or work done: it and its consumers are looked at in
+        `progress_touched` [Note: batched per-item calls in stepbatching.py]."""
         touched = self.touched
         touched[name] = None
         for consumer in self.wiring.consumers[name]:
             touched[consumer] = None
 
-    def settle(self) -> None:
+    def progress_touched(self) -> None:
         """Look at the nodes the reactions since the last call touched, in the flow's order;
         a node with calls left to send touches itself again, for the next turn."""
         touched, self.touched = self.touched, {}
@@ -228,7 +228,7 @@ class StepRun:
             self._submit_groups(state, live, inputs_closed)
         elif plan.call is Call.PIPELINE:
             # the backprop reads its inputs, never the step's state [Note: streamed
-            # microbatches in flowtrain.py]
+            # microbatches in model_training.py]
             state.pipeline = self.trainings[plan.model.name].feed(
                 plan, Inputs(self.streams, live), inputs_closed,
                 functools.partial(self.watch, state))

@@ -1,5 +1,5 @@
 """What a running flow step knows: the items each output port produced, by lineage, and each
-node's progress. A step (steprun.py) owns it; a model's training (flowtrain.py) reads the items
+node's progress. A step (steprun.py) owns it; a model's training (model_training.py) reads the items
 its backprop is fed from through an `Inputs` view.
 
 Items carry a lineage (the path of call indices from the source that made them), so the inputs
@@ -127,7 +127,7 @@ class NodeState:
     varying: list = attrs.field(factory=list)  # the ports whose refs differ from call to call
     filled: int = 0  # items run in training executors' bubbles [Note: bubble filling]
     lent: int = 0  # of its pending tasks, those in a trainer's bubble
-    pipeline: Any = None  # a backprop's Feeding (flowtrain.py)
+    pipeline: Any = None  # a backprop's Feeding (model_training.py)
     streamed: dict = attrs.field(factory=lambda: defaultdict(int))  # lineage -> items so far
 
 

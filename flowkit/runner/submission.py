@@ -14,12 +14,12 @@ import attrs
 
 from flowkit.planner.lower import NodePlan
 from flowkit.runner.balance import Balancer
-from flowkit.runner.calls import CallPolicy
+from flowkit.runner.bubble_fill import BubbleFill
+from flowkit.runner.call_policy import CallPolicy
 from flowkit.runner.checkpoints.adaptor import RunnerCheckpoints
-from flowkit.runner.fill import BubbleFill
 from flowkit.runner.partial import CarryOver, PartialCalls, PartialRollouts
 from flowkit.runner.quota import GroupQuota
-from flowkit.runner.rounds import SamplingRounds
+from flowkit.runner.sampling_rounds import SamplingRounds
 from flowkit.runner.stepstate import BalancedCalls, Wiring
 from flowkit.runtime.controller import Controller
 
@@ -36,7 +36,7 @@ class Submission:
     workloads: dict[str, BalancedCalls]  # nodes whose calls are balanced by predicted work
     trainers: frozenset[int]  # the executors that train a model: lent to a balancer's count
     # the lending of training executors' bubbles to scoring, when the run fills them
-    # [Note: bubble filling in flowkit/runner/fill.py]
+    # [Note: bubble filling in flowkit/runner/bubble_fill.py]
     bubble_fill: BubbleFill | None
     # call policies [Note: partial rollouts in partial.py]: by node, what makes them
     partial: dict[str, PartialRollouts]

@@ -16,14 +16,14 @@ from flowkit.planner.schedules import build_schedule
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runner.replicas import replica_counts
 from flowkit.runner.stepstate import FlowRunError
-from flowkit.runner.training import device_shares, model_spec, profile_stages
+from flowkit.runner.training_tasks import device_shares, model_spec, profile_stages
 from flowkit.runtime.futures import RemoteError
 
 __all__ = ["TrainingSchedules"]
 
 
 class TrainingSchedules:
-    """The schedules of `training`'s (a flowtrain.ModelTraining's) backprops, and the stage
+    """The schedules of `training`'s (a model_training.ModelTraining's) backprops, and the stage
     costs they were chosen by, kept across steps."""
 
     def __init__(self, training: Any) -> None:

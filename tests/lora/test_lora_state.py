@@ -13,7 +13,7 @@ from executors.torch.pipeline_ops import new_optimizer
 from executors.torch.stage import StageError
 from executors.torch.state import load_state, save_state
 from flowkit.dsl import Model
-from flowkit.runner.training import model_spec
+from flowkit.runner.training_tasks import model_spec
 from tests.harness import finished, op_context, tiny_gpt
 
 GPT = "executors.torch.models.gpt:GPT"

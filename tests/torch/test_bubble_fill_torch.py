@@ -1,4 +1,4 @@
-"""Bubble filling on torch executors [Note: bubble filling in flowkit/runner/fill.py]: the
+"""Bubble filling on torch executors [Note: bubble filling in flowkit/runner/bubble_fill.py]: the
 reference's log-probs, placed beside the engine, also run on the two training executors in
 their pipeline's bubbles (the reference loaded whole there), and the actor trains to the same
 parameters as when they run beside the engine only (float64, 1e-10). Which items a bubble

@@ -27,7 +27,7 @@ from flowkit.ops import cut, minibatch_rounds
 from flowkit.ops.records import Experience, StepMetrics
 from flowkit.planner.lower import lower_flow
 from flowkit.runner.flowrun import FlowRunner
-from flowkit.runner.training import model_spec
+from flowkit.runner.training_tasks import model_spec
 from tests.harness import executor_cluster, seeded_gpt, tiny_gpt
 from tests.torch.helpers import padded_batch, response_logprobs
 

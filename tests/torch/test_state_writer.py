@@ -13,7 +13,7 @@ from executors.torch.held import held_stage
 from executors.torch.pipeline_ops import new_optimizer
 from executors.torch.state import save_state
 from flowkit.dsl import Model
-from flowkit.runner.training import model_spec
+from flowkit.runner.training_tasks import model_spec
 from tests.harness import finished, op_context, tiny_gpt
 
 

@@ -33,7 +33,7 @@ class _Runner(Protocol):
     watchers: list[Callable[[], None]]
     previous: Streams
 
-    def react(self, timeout: float) -> None: ...
+    def run_reactions(self, timeout: float) -> None: ...
 
     def resume_feedback(self, step: int, streams: Streams) -> None: ...
 
@@ -86,8 +86,8 @@ class RunnerCheckpoints:
         """Calls carried past the open steps, by the step that takes them and node."""
         return self.runner.carry_over.waiting
 
-    def react(self, timeout: float) -> None:
-        self.runner.react(timeout)
+    def run_reactions(self, timeout: float) -> None:
+        self.runner.run_reactions(timeout)
 
     # -- writing ------------------------------------------------------------------------------
     def open_resumable(self) -> dict[int, dict[str, bool]]:

@@ -36,7 +36,7 @@ class RunState:
     step: int
     records: list[dict]  # the metrics lines so far, as written
     feedback: dict[tuple, Any]  # (node, port) -> the last value the step before produced
-    # model -> what its ModelTraining carries across steps (flowtrain.carried_state)
+    # model -> what its ModelTraining carries across steps (model_training.carried_state)
     training: dict[str, dict]
     profiles: dict  # (model, stages) -> profiled stage costs
     # an asynchronous run's open steps [Note: checkpoints of asynchronous runs]; None: sync

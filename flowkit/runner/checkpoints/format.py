@@ -22,7 +22,7 @@ from flowkit.runner.checkpoints.controller_state import RunState, read_state
 from flowkit.runner.checkpoints.open_steps import OpenSteps, Resuming
 from flowkit.runner.checkpoints.state_codec import CheckpointError, read_private
 from flowkit.runner.stepstate import RunnerState, Streams
-from flowkit.runner.training import model_spec
+from flowkit.runner.training_tasks import model_spec
 from flowkit.runtime.registry import ExecutorInfo
 
 __all__ = ["FORMAT", "MANIFEST", "PICKLED_STATE", "PREFIX", "RUN_STATE", "CheckpointError",

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import attrs
 
-from flowkit.runner.calls import CallSite
+from flowkit.runner.call_policy import CallSite
 from flowkit.runner.partial import Carried, CarryOver
 from flowkit.runner.stepstate import RunnerState, sorted_lineages
 from flowkit.wire.refs import Item
@@ -94,7 +94,7 @@ class OpenWork:
 
 @attrs.define
 class Replay:
-    """A resumed open step's generating node (its call policy, calls.py): exactly the
+    """A resumed open step's generating node (its call policy, call_policy.py): exactly the
     checkpointed calls, each given its saved rollouts (passed through), in place of the
     step's own prompts, reporting the partial-rollout metrics the checkpointed step had."""
 
@@ -137,7 +137,7 @@ class Replay:
 class OpenSteps(Protocol):
     """What a checkpoint drains of a runner (flowrun.FlowRunner)."""
 
-    def react(self, timeout: float) -> None:
+    def run_reactions(self, timeout: float) -> None:
         """Run the queued reactions (queue.Empty if none comes within `timeout`)."""
 
     def open_resumable(self) -> dict[int, dict[str, bool]]:

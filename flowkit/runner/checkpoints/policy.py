@@ -47,7 +47,7 @@ class Checkpointing:
     def write(self, runner: Any, executors: list, records: list[dict], done: int) -> Path:
         """The checkpoint of `done` steps, those begun before it first; CheckpointError when
         it cannot be written (an executor lost meanwhile: a restart may recover)."""
-        finished = self.settle(runner)
+        finished = self.finish_pending(runner)
         if done in finished:  # begun at its boundary already (a Ctrl-C right after it)
             return finished[done]
         folder = write_checkpoint(self.root, runner, step=done, identity=self.identity,
@@ -77,7 +77,7 @@ class Checkpointing:
         if not self.pending:
             self._unwatch(runner)
 
-    def settle(self, runner: Any) -> dict[int, Path]:
+    def finish_pending(self, runner: Any) -> dict[int, Path]:
         """Finish the checkpoints begun, waiting for what they wait for; their folders by
         step."""
         self._unwatch(runner)  # none finishes twice: here only

@@ -11,7 +11,7 @@ declared op contract, flowkit/ops/records.py, and those the flow's ports carry, 
 subclasses already loaded), never imported; an unknown name is an error. Every field of the state
 is checked for its type and bounds before anything is built from it, and any problem is one
 CheckpointError naming the file and the field. A model's build and config are not part of it:
-a resumed training rebuilds them from the flow (flowtrain.ModelTraining.restore_carried).
+a resumed training rebuilds them from the flow (model_training.ModelTraining.restore_carried).
 """
 
 from __future__ import annotations

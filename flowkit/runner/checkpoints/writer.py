@@ -135,7 +135,7 @@ class PendingCheckpoint:
         deadline = time.monotonic() + self.timeout
         while not self.ready(runner):
             try:
-                runner.react(max(0.0, deadline - time.monotonic()))
+                runner.run_reactions(max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 raise CheckpointError(
                     f"the checkpoint of step {self.step} waited {self.timeout} s for "

@@ -29,6 +29,7 @@ from flowkit.planner import (
 )
 from flowkit.planner.lower import NodePlan
 from flowkit.planner.simcosts import SimCosts
+from flowkit.runner.bubble_fill import BubbleFill
 from flowkit.runner.feeding import (
     Feeding,
     MinibatchRounds,
@@ -37,7 +38,6 @@ from flowkit.runner.feeding import (
     inputs_made,
     train_rounds,
 )
-from flowkit.runner.fill import BubbleFill
 from flowkit.runner.pipeline import (
     Gate,
     Lane,
@@ -47,7 +47,7 @@ from flowkit.runner.pipeline import (
 )
 from flowkit.runner.replicas import Replicas, ReplicatedSchedule, replica_lane
 from flowkit.runner.stepstate import FlowRunError, Inputs
-from flowkit.runner.training import (
+from flowkit.runner.training_tasks import (
     model_spec,
     pipeline_config,
     submit_exports,
@@ -123,7 +123,7 @@ class ModelTraining:
         # the fused training it is member `fusion_index` of [Note: fused training]
         self.fusion: Fusion | None = None
         self.fusion_index = 0
-        # its pipeline's bubbles lent to scoring [Note: bubble filling in fill.py]
+        # its pipeline's bubbles lent to scoring [Note: bubble filling in bubble_fill.py]
         self.bubble_fill = bubble_fill
 
     def join_fusion(self, fusion: Fusion, index: int) -> None:
@@ -279,7 +279,7 @@ class ModelTraining:
         stage_costs, schedules = self.planning.replicas(plan, kind, count,
                                                         sample if items else None)
         lends = self.bubble_fill is not None and self.replicas == 1 and self.fusion is None
-        opened_by: dict = {}  # [Note: bubble filling in fill.py]: filled in once planned
+        opened_by: dict = {}  # [Note: bubble filling in bubble_fill.py]: filled in once planned
         submitter = self.replicated(plan, schedules, stage_costs, sizes, watch,
                                      lineage=lambda mb: (mb,),
                                      meta={"node": plan.name, "step": self.step},
