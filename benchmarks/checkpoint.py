@@ -182,9 +182,9 @@ def _with_and_without(flow: object, steps: int, rounds: int, max_staleness: int,
 
 def _async_run(flow: object, steps: int, staleness: int, root: Path | None,
                settings: dict) -> dict:
-    """An asynchronous run of `flow` with RunConfig `settings`; with `root`, a checkpoint
-    there after every step as `flowkit run --checkpoint-every 1` writes them: begun at the step
-    boundary, finished while the run goes on [Note: checkpoints that do not drain in
+    """An asynchronous run of `flow` with RunConfig `settings`; with `root`, a checkpoint there
+    after every step as `flowkit run --checkpoint-every 1` writes them: begun at the step boundary,
+    finished while the run goes on [Note: checkpoints that do not drain in
     flowkit/runner/checkpoints/writer.py], each timed from its beginning to its folder renamed
     in."""
     from benchmarks.runs import bench_run

@@ -1,8 +1,7 @@
-"""The executor ops that model ops lower to: each op's name, what it reads and which config keys
-the runtime may give it. The runtime submits them (flowkit/runner/model_training.py,
-training_tasks.py,
-flowrun.py), the simulator (executors/sim.py) and the torch executor (executors/torch/)
-implement them, and tests/executors/test_op_contract.py holds both implementations to this.
+"""The executor ops that model ops lower to: each op's name, what it reads and which config keys the
+runtime may give it. The runtime submits them (flowkit/runner/model_training.py, training_tasks.py,
+flowrun.py), the simulator (executors/sim.py) and the torch executor (executors/torch/) implement
+them, and tests/executors/test_op_contract.py holds both implementations to this.
 
 An executor op is called as ``op(ctx, *inputs, **config)``: the inputs are what the task reads
 (other ops' outputs, moved to it by the runtime), the config what the task was told.

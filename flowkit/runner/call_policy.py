@@ -1,9 +1,8 @@
-"""The seam between a step and the ways a per-item node's calls may differ from "one call per
-item, its items downstream when they exist": partial rollouts (partial.py) over-provision a
-step, take the calls that end first and carry the rest into the next step; a resumed
-asynchronous run replays a step's checkpointed calls (checkpoints/open_steps.py). A step
-(steprun.py) asks
-the node's `CallPolicy` at each turn instead of knowing either.
+"""The seam between a step and the ways a per-item node's calls may differ from "one call per item,
+its items downstream when they exist": partial rollouts (partial.py) over-provision a step, take the
+calls that end first and carry the rest into the next step; a resumed asynchronous run replays a
+step's checkpointed calls (checkpoints/open_steps.py). A step (steprun.py) asks the node's
+`CallPolicy` at each turn instead of knowing either.
 """
 
 from __future__ import annotations

@@ -49,9 +49,8 @@ __all__ = ["CARRIED", "Carried", "CarryOver", "PartialCalls", "PartialRollouts",
 #     whole group (a group-relative advantage needs all of it), counted in `rollout/dropped`. The
 #     runner reads all of it from the node's declaration, never from the op's names; a step runs it
 #     as the node's call policy (call_policy.py). Each generated sample is thus trained once, in the
-#     step
-#     that took its group, or is still carried at the end of the run (`rollout/carried_over` of the
-#     last step). Carried samples are one version stale at least, so partial rollouts run with a
+#     step that took its group, or is still carried at the end of the run (`rollout/carried_over` of
+#     the last step). Carried samples are one version stale at least, so partial rollouts run with a
 #     staleness bound >= 1.
 
 # [Note: own prompts first] With `stale_segments="drop"` (the node's Resumable.stale setting), a

@@ -105,10 +105,9 @@ class StepLoop:
                 self.checkpoints.discard()
 
     def _checkpoint(self, done: int, board: Dashboard, later: bool = False) -> None:
-        """The checkpoint of `done` steps; `later`: an asynchronous run's may finish while the
-        run goes on [Note: checkpoints that do not drain in flowkit/runner/checkpoints/writer.py],
-        unless it is the
-        run's last."""
+        """The checkpoint of `done` steps; `later`: an asynchronous run's may finish while the run
+        goes on [Note: checkpoints that do not drain in flowkit/runner/checkpoints/writer.py],
+        unless it is the run's last."""
         if self.evaluation is not None:  # no evaluation's calls on the engines it snapshots
             self.evaluation.join()
         if later and self.runner.staleness is not None and done < self.steps:

@@ -339,9 +339,8 @@ def test_partial_rollouts_survive_killed_executors_with_every_sample_trained_onc
 
 def test_an_async_checkpoint_does_not_stop_generation(tmp_path):
     """[Note: checkpoints that do not drain in flowkit/runner/checkpoints/writer.py]: with a
-    checkpoint
-    after every step, a step trains while the steps open at its boundary still generate (a
-    drained checkpoint let their generation end first), and every checkpoint is written."""
+    checkpoint after every step, a step trains while the steps open at its boundary still generate
+    (a drained checkpoint let their generation end first), and every checkpoint is written."""
     trace, checkpoints = tmp_path / "t.json", tmp_path / "ck"
     _run(GRPO, "--executors", "sim", "--max-staleness", "2", "--steps", str(STEPS),
          "--sim-cost", "token=0.02", "--checkpoint-dir", str(checkpoints),

@@ -1,9 +1,8 @@
 """Run checkpoints [Note: run checkpoints in flowkit/runner/checkpoints/format.py]: a synchronous
-run
-stopped and resumed from a checkpoint gives the curve and the final parameters of the run that
+run stopped and resumed from a checkpoint gives the curve and the final parameters of the run that
 was never stopped (float64, seeded), on torch executors (pipeline pretraining, GRPO) and on the
-simulator; the resume bugs of other RL frameworks, each a test named after it (those of
-asynchronous runs, and the ones only they can have, in test_async_resume.py); bad input."""
+simulator; the resume bugs of other RL frameworks, each a test named after it (those of asynchronous
+runs, and the ones only they can have, in test_async_resume.py); bad input."""
 
 from __future__ import annotations
 

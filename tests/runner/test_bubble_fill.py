@@ -1,9 +1,8 @@
 """Bubble filling [Note: bubble filling in flowkit/runner/bubble_fill.py]: the reference log-probs
-of a
-GRPO step, placed beside the engines, also run on the training executors inside their
+of a GRPO step, placed beside the engines, also run on the training executors inside their
 pipeline's bubbles, sized to fit; without --fill-bubbles they never do; the step's samples and
-tokens are the same either way. The lending itself (which bubbles, how much of them, when
-again) is checked without processes."""
+tokens are the same either way. The lending itself (which bubbles, how much of them, when again) is
+checked without processes."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Checkpoint and shared-memory hygiene [Note: run checkpoints in
-flowkit/runner/checkpoints/format.py]:
-files 0600 in 0700 folders whatever the umask; a fresh run refuses a folder holding another run's
-checkpoints; pruning touches only this run's steps; a tampered manifest or a symlinked step
-folder is one line naming the right path; dead processes' segments are swept when a run starts."""
+flowkit/runner/checkpoints/format.py]: files 0600 in 0700 folders whatever the umask; a fresh run
+refuses a folder holding another run's checkpoints; pruning touches only this run's steps; a
+tampered manifest or a symlinked step folder is one line naming the right path; dead processes'
+segments are swept when a run starts."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """A resume loads data, never code [Note: run state on disk in
-flowkit/runner/checkpoints/state_codec.py]:
-crafted checkpoints (a pickle payload, a record class or a model build that names a command,
-wrong types, a truncated file, missing keys, symbolic links) run no code (the sentinel file a
-payload would create never exists) and are refused with one line naming the file; the
-untouched checkpoint still resumes."""
+flowkit/runner/checkpoints/state_codec.py]: crafted checkpoints (a pickle payload, a record class or
+a model build that names a command, wrong types, a truncated file, missing keys, symbolic links) run
+no code (the sentinel file a payload would create never exists) and are refused with one line naming
+the file; the untouched checkpoint still resumes."""
 
 from __future__ import annotations
 

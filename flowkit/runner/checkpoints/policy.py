@@ -1,6 +1,5 @@
 """A run's checkpoints [Note: run checkpoints in flowkit/runner/checkpoints/format.py]: when to
-write
-one, what to check before resuming, and Ctrl-C that finishes the step and checkpoints."""
+write one, what to check before resuming, and Ctrl-C that finishes the step and checkpoints."""
 
 from __future__ import annotations
 

@@ -23,9 +23,8 @@ __all__ = ["Restarts", "start_executors", "temporary_checkpoints"]
 # [Note: executor restarts] With restarts allowed, the run checkpoints before its first step and
 # after every step (into --checkpoint-dir, or a temporary folder), [Note: run checkpoints] in
 # flowkit/runner/checkpoints/format.py. When a step fails because executors were lost (a process
-# killed, out
-# of memory, its host gone: the controller fails their tasks at once, or at the heartbeat timeout),
-# the run
+# killed, out of memory, its host gone: the controller fails their tasks at once, or at the
+# heartbeat timeout), the run
 #   1. waits for the other executors' tasks to end (those that needed the lost ones' outputs were
 #      cancelled), so nothing changes their state behind the reload;
 #   2. starts a new process for each lost executor, with its name, tags and device;
@@ -36,9 +35,8 @@ __all__ = ["Restarts", "start_executors", "temporary_checkpoints"]
 #      checkpointed state, so the run ends with the parameters and the curve of a run without
 #      faults. An asynchronous run's checkpoint also holds the rollouts of its open steps ([Note:
 #      checkpoints of asynchronous runs] in flowkit/runner/checkpoints/open_steps.py): a lost
-#      executor's
-#      generation in flight is replayed from it, no sample lost or trained twice, within the
-#      staleness bound; where generation under the same weights versions is deterministic (the
+#      executor's generation in flight is replayed from it, no sample lost or trained twice, within
+#      the staleness bound; where generation under the same weights versions is deterministic (the
 #      simulator) the run ends with the curve of a run without faults, on torch the versions of
 #      later steps' tokens depend on timing, as in any two runs. Each restart is a warning on the
 #      dashboard and counts in the metrics (`restarts`); past N restarts, or when no executor was
