@@ -15,7 +15,7 @@ parallel, so on a disk that parallel writes speed up the ratio can fall below 1.
 
 Then `async`: what checkpoints cost an asynchronous run, whose checkpoint holds the open
 steps' generation and so finishes only once it has ended, while the run goes on ([Note:
-checkpoints that do not drain] in flowkit/runner/checkpoint.py). A GRPO run on simulator
+checkpoints that do not drain] in flowkit/runner/checkpoints/writer.py). A GRPO run on simulator
 executors (the rl bench's costs and long-tailed lengths, a smaller batch), `async_steps` steps
 with staleness bound η, with a checkpoint after every step (`--checkpoint-every 1`) and without,
 alternating, `async_rounds` runs each on the same executors; steps/s from the end of the first
@@ -59,7 +59,7 @@ def _write_bench(*, rounds: int, gpt: dict | None) -> dict:
 
     from benchmarks.runs import bench_run
     from dataflows.pretrain import pretrain_flow
-    from flowkit.runner.checkpoint import write_checkpoint
+    from flowkit.runner.checkpoints.writer import write_checkpoint
 
     corpus = Path(__file__).resolve().parents[1] / "examples" / "data" / "corpus.txt"
     flow = pretrain_flow(corpus=str(corpus), stages=2, microbatches=2, schedule="1f1b",
@@ -73,7 +73,7 @@ def _write_bench(*, rounds: int, gpt: dict | None) -> dict:
                 pass
 
             def checkpoint() -> Path:  # the run's runner and executors, after its step
-                return write_checkpoint(scratch / "ck", run.runner, step=1,
+                return write_checkpoint(scratch / "ck", run.runner.checkpoints, step=1,
                                         identity=run.identity, executors=run.executors,
                                         kind="torch", records=[{}], keep=1,
                                         run_id=run.run_id)
@@ -182,10 +182,11 @@ def _with_and_without(flow: object, steps: int, rounds: int, max_staleness: int,
 
 def _async_run(flow: object, steps: int, staleness: int, root: Path | None,
                settings: dict) -> dict:
-    """An asynchronous run of `flow` with RunConfig `settings`; with `root`, a checkpoint
-    there after every step as `flowkit run --checkpoint-every 1` writes them: begun at the step
-    boundary, finished while the run goes on [Note: checkpoints that do not drain in
-    flowkit/runner/checkpoint.py], each timed from its beginning to its folder renamed in."""
+    """An asynchronous run of `flow` with RunConfig `settings`; with `root`, a checkpoint there
+    after every step as `flowkit run --checkpoint-every 1` writes them: begun at the step boundary,
+    finished while the run goes on [Note: checkpoints that do not drain in
+    flowkit/runner/checkpoints/writer.py], each timed from its beginning to its folder renamed
+    in."""
     from benchmarks.runs import bench_run
     from flowkit.runner.config import CheckpointConfig
 
@@ -204,6 +205,6 @@ def _async_run(flow: object, steps: int, staleness: int, root: Path | None,
 
 def _written_s(root: Path) -> list[float]:
     """Each kept checkpoint's seconds from begun to renamed in (its manifest's)."""
-    from flowkit.runner.checkpoint import complete_checkpoints, read_manifest
+    from flowkit.runner.checkpoints.format import complete_checkpoints, read_manifest
 
     return [read_manifest(folder).written_s for folder in complete_checkpoints(root)]

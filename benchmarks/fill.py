@@ -1,5 +1,5 @@
 """Bubble filling: what lending the training executors' pipeline bubbles to a step's scoring
-buys (`flowkit run --fill-bubbles`, [Note: bubble filling] in flowkit/runner/fill.py).
+buys (`flowkit run --fill-bubbles`, [Note: bubble filling] in flowkit/runner/bubble_fill.py).
 
 Method: a fused GRPO step (`grpo_flow(prompts=32, n=8, stages=4, microbatches=8,
 schedule="1f1b", max_new_tokens=64)`) on 2 rollout and 4 train simulator executors whose F, B

@@ -77,7 +77,7 @@ def _trained_parameters(gpt: dict, lora: dict) -> dict[str, int]:
     from executors.optable import OpContext
     from executors.torch.models.built import held_model
     from flowkit.dsl import Model
-    from flowkit.runner.training import model_spec
+    from flowkit.runner.training_tasks import model_spec
 
     counts = {}
     for side, settings in (("full", None), ("lora", lora)):

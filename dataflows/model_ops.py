@@ -115,7 +115,7 @@ class LogProbs(ModelOp):
     """Per-token log-probabilities of each response under the model (e.g. a frozen reference)."""
 
     executor_op = "logprobs"
-    scores = True  # [Note: bubble filling in flowkit/runner/fill.py]
+    scores = True  # [Note: bubble filling in flowkit/runner/bubble_fill.py]
     inputs = {"rollouts": Stream[Rollout]}
     outputs = {"logprobs": Stream[TokenScores]}
     config = {"temperature": SAMPLING.temperature}  # the sampler's: log_softmax(logits / T)
@@ -127,7 +127,7 @@ class Values(ModelOp):
     `weights` orders it after the critic's last update."""
 
     executor_op = "values"
-    scores = True  # [Note: bubble filling in flowkit/runner/fill.py]
+    scores = True  # [Note: bubble filling in flowkit/runner/bubble_fill.py]
     inputs = {"rollouts": Stream[Rollout], "weights": Stream[WeightsVersion]}
     optional = ("weights",)
     outputs = {"values": Stream[TokenScores]}
@@ -137,7 +137,7 @@ class RewardModel(ModelOp):
     """A sequence-level score of each response from a reward model."""
 
     executor_op = "reward_model"
-    scores = True  # [Note: bubble filling in flowkit/runner/fill.py]
+    scores = True  # [Note: bubble filling in flowkit/runner/bubble_fill.py]
     inputs = {"rollouts": Stream[Rollout]}
     outputs = {"scores": Stream[float]}
 

@@ -162,7 +162,7 @@ def plain_training(parameters: Any, loss_of: Any, *, corpus: str, steps: int, se
     import torch
 
     from dataflows.text import token_sequences
-    from flowkit.runner.flowtrain import _chunk
+    from flowkit.runner.feeding import chunk as _chunk
 
     parameters = list(parameters)
     decay = [p for p in parameters if p.dim() >= 2]

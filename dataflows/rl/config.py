@@ -91,7 +91,7 @@ class RLConfig:
     linearly over the buffer (overlong_penalty). `reference_tags`: the executors the
     reference's log-probs run on (empty: the actor's tags), e.g. ("rollout",) beside the
     engines, whose idle time `flowkit run --fill-bubbles` adds the trainers' pipeline bubbles
-    to ([Note: bubble filling] in flowkit/runner/fill.py). `agent`: each sample a multi-turn
+    to ([Note: bubble filling] in flowkit/runner/bubble_fill.py). `agent`: each sample a multi-turn
     trajectory in an environment (flowkit.ops.AgentConfig, each setting a shortcut by its own
     name: `environment=`, `max_turns=`, ...; [Note: multi-turn rollouts in
     flowkit/ops/environments.py])."""
@@ -142,7 +142,7 @@ class GroupRLConfig(RLConfig):
     dropped, and the step trains the first `prompts` of the others to be scored [Note: group
     quota in flowkit/runner/quota.py]; where too few differ, another round of as many prompts
     generates, up to `filter_rounds` rounds in all (verl's max_num_gen_batches) [Note: sampling
-    rounds in flowkit/runner/rounds.py], and a step still short trains fewer and says so in
+    rounds in flowkit/runner/sampling_rounds.py], and a step still short trains fewer and says so in
     `grpo_advantages/groups_short`."""
 
     sampling: SamplingConfig = SamplingConfig(n=8)

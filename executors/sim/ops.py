@@ -74,7 +74,7 @@ def _activation(nbytes: int) -> Any:
 # counted in the planner's units (microbatch stashes): each pipeline op adds its `memory` (an
 # addition as it starts, a release as it ends), an offload takes the F's addition off when its
 # copy ends and a prefetch puts it back when its copy starts; `activation_memory` reads the
-# peak [Note: activation memory reports in flowkit/runner/flowtrain.py].
+# peak [Note: activation memory reports in flowkit/runner/model_training.py].
 @attrs.define
 class _Copies:
     out_free: float = 0.0  # when each engine is free
@@ -451,7 +451,7 @@ def _seed(ctx: OpContext, meta: dict) -> str:
     return f"{meta.get('model')}/{meta.get('stage')}/{meta.get('microbatch')}/{meta.get('step')}"
 
 
-# -- run checkpoints [Note: run checkpoints in flowkit/runner/checkpoint.py] --------------------
+# -- run checkpoints [Note: run checkpoints in flowkit/runner/checkpoints/format.py] ---------
 def _save_state(ctx: OpContext, *_: Any, path: str) -> int:
     """The simulator holds no weights: its part of a checkpoint says so, and how many ops it ran
     (each op's outputs are seeded by its identity, not by what ran before)."""

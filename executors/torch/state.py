@@ -1,4 +1,5 @@
-"""An executor's part of a run checkpoint [Note: run checkpoints in flowkit/runner/checkpoint.py]:
+"""An executor's part of a run checkpoint
+[Note: run checkpoints in flowkit/runner/checkpoints/format.py]:
 `save_state` writes every model this executor holds that training or a weight sync changed
 (per split and stage: the parameters and buffers, the optimizer state, the weights version)
 and its random number generators; `load_state` builds the same models again, from the flow's
@@ -317,8 +318,8 @@ def _short(value: Any) -> str:
 def _forget_models(ctx: OpContext) -> None:
     """Drop every model this executor holds, and the rollout engines that decode with them,
     before a load: a step that failed part-way ([Note: executor restarts] in
-    flowkit/runner/restarts.py) may have changed any of them, also one the checkpoint holds by
-    name only, so each is built again from its seed. The engines have nothing in flight
+    flowkit/runner/checkpoints/restarts.py) may have changed any of them, also one the
+    checkpoint holds by name only, so each is built again from its seed. The engines have nothing in flight
     (the controller waits for that), and the next generate request makes a new one."""
     for held in ctx.state.pop("torch_models", {}).values():
         for stage in held.stages.values():

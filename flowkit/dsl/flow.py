@@ -60,7 +60,7 @@ def group_by(ref: Ref, *, key: str, size: int | None = None, take: int | None = 
     DAPO's dynamic sampling. `rounds` (with `take`): the step's source makes that many rounds
     of prompts, and the first per-item op after it (generation) runs one round, then the next
     only while the groups still to come cannot make up `take` [Note: sampling rounds in
-    flowkit/runner/rounds.py]."""
+    flowkit/runner/sampling_rounds.py]."""
     for name, value in (("take", take), ("rounds", rounds)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 1):

@@ -32,7 +32,7 @@ class GroupBy:
     """Form keyed groups of `size` items (None: as many as share the key by the end of the step);
     with `take`, the consumer's first `take` calls that yield anything are the step's, the
     later ones dropped (flowkit/runner/quota.py); with `rounds`, the step's prompts are called
-    a round at a time until `take` groups yield (flowkit/runner/rounds.py)."""
+    a round at a time until `take` groups yield (flowkit/runner/sampling_rounds.py)."""
 
     key: str
     size: int | None = None

@@ -368,7 +368,7 @@ class LossSpec:
     the config keys their pipeline ops read besides the name. A loss in `sum_form` is
     backpropagated as a sum over tokens that the optimizer step divides by the step's total,
     so a microbatch needs no batch total and may be formed before the batch is complete
-    ([Note: streamed microbatches] in flowkit/runner/flowtrain.py). A loss in `proximal`
+    ([Note: streamed microbatches] in flowkit/runner/model_training.py). A loss in `proximal`
     weighs samples of older weights against a proximal policy when the run is asynchronous:
     the runner turns config[proximal_knob] on ([Note: asynchronous steps] in
     flowkit/runner/flowrun.py)."""
@@ -429,7 +429,7 @@ class ModelOp(Operator):
     runner needs to know of the loss its config names (a LossSpec: a backprop's). `scores`:
     each call scores its items with the whole model, so a run may lend it training executors'
     pipeline bubbles when the model is one the flow does not train ([Note: bubble filling] in
-    flowkit/runner/fill.py: log-probs, values, a reward model's scores).
+    flowkit/runner/bubble_fill.py: log-probs, values, a reward model's scores).
     `choices`: config keys whose value must be one of a known set (a loss, a
     schedule kind); `ranges`: numeric config keys and their (lowest, highest) allowed values,
     None for no bound (None as a value passes: "not set"). Both are checked when the flow is

@@ -1,7 +1,8 @@
 """The executor ops that model ops lower to: each op's name, what it reads and which config keys
-the runtime may give it. The runtime submits them (flowkit/runner/flowtrain.py, training.py,
-flowrun.py), the simulator (executors/sim/ops.py) and the torch executor (executors/torch/)
-implement them, and tests/executors/test_op_contract.py holds both implementations to this.
+the runtime may give it. The runtime submits them (flowkit/runner/model_training.py,
+training_tasks.py, flowrun.py), the simulator (executors/sim/ops.py) and the torch executor
+(executors/torch/) implement them, and tests/executors/test_op_contract.py holds both
+implementations to this.
 
 An executor op is called as ``op(ctx, *inputs, **config)``: the inputs are what the task reads
 (other ops' outputs, moved to it by the runtime), the config what the task was told.
@@ -146,7 +147,7 @@ OFFLOAD_KEYS = {"F": ("offload", "copy_seconds", "prefetch"), "B": ("prefetch",)
 
 STATE_OPS = ("save_state", "load_state")
 """The ops an executor takes part in a run checkpoint with [Note: run checkpoints in
-flowkit/runner/checkpoint.py]."""
+flowkit/runner/checkpoints/format.py]."""
 
 
 def missing_executor_ops(nodes: Iterable[Any], implemented: Collection[str]) -> list[str]:

@@ -23,7 +23,7 @@ SUM_FORM_LOSSES = ("grpo", "ppo", "value")
 """Losses whose microbatches return sums that the optimizer step divides by the step's total
 (the `normalizer` of their stats), so a microbatch's loss needs no batch total: a backprop with
 one of them can start before its last item exists [Note: streamed microbatches in
-flowkit/runner/flowtrain.py]."""
+flowkit/runner/model_training.py]."""
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                   "seq-mean-token-sum-norm")

@@ -22,13 +22,13 @@ __all__ = ["ROUND_KNOBS", "cut", "epoch_order", "minibatch_rounds", "rounds_of"]
 # from step to step still makes M steps). With E = M = 1 nothing is shuffled: the one round is the
 # batch in its lineages' order, as before rounds existed.
 #
-# The runtime (flowkit/runner/flowtrain.py) makes rounds a barrier: they start once every item is
-# in. Each round runs the schedule over its minibatch's microbatches and then an optimizer step that
-# reads only that round's microbatch stats, so a sum-form loss (SUM_FORM_LOSSES) is divided by its
-# own minibatch's total and "lm" weighs a microbatch by its share of the minibatch: the plain loop
-# that steps once per minibatch. The steps of all rounds but the last are the backprop's; the last
-# is the OptimizerStep node's, whose report sums up the rounds (flowkit.ops.records.StepMetrics) and
-# whose weights alone go to the executors that generate.
+# The runtime (flowkit/runner/model_training.py) makes rounds a barrier: they start once every item
+# is in. Each round runs the schedule over its minibatch's microbatches and then an optimizer step
+# that reads only that round's microbatch stats, so a sum-form loss (SUM_FORM_LOSSES) is divided by
+# its own minibatch's total and "lm" weighs a microbatch by its share of the minibatch: the plain
+# loop that steps once per minibatch. The steps of all rounds but the last are the backprop's; the
+# last is the OptimizerStep node's, whose report sums up the rounds
+# (flowkit.ops.records.StepMetrics) and whose weights alone go to the executors that generate.
 
 T = TypeVar("T")
 

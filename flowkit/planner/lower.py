@@ -61,7 +61,8 @@ class InputRule:
     group_key: str | None = None
     group_size: int | None = None
     group_take: int | None = None  # the groups whose calls yield items that the step takes
-    group_rounds: int | None = None  # rounds of prompts that may run to fill them (rounds.py)
+    # rounds of prompts that may run to fill them (flowkit/runner/sampling_rounds.py)
+    group_rounds: int | None = None
     feedback: bool = False  # produced by the previous step
 
 

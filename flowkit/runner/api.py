@@ -20,7 +20,8 @@ from flowkit.dsl import Flow
 from flowkit.observe import Dashboard, RunStats, TraceRecorder
 from flowkit.observe.loggers import LoggerError, Loggers
 from flowkit.planner.lower import Call, lower_flow
-from flowkit.runner.checkpoint import (
+from flowkit.runner.bubble_fill import bubble_scorers
+from flowkit.runner.checkpoints.format import (
     CheckpointError,
     Manifest,
     check_root,
@@ -28,13 +29,12 @@ from flowkit.runner.checkpoint import (
     flow_models,
     new_run_id,
 )
-from flowkit.runner.checkpointing import Checkpointing, resume_point
+from flowkit.runner.checkpoints.policy import Checkpointing, resume_point
+from flowkit.runner.checkpoints.restarts import Restarts, start_executors, temporary_checkpoints
+from flowkit.runner.checkpoints.state_codec import allowed_records
 from flowkit.runner.config import RunConfig, RunConfigError, RunError
 from flowkit.runner.evaluation import Evaluation
-from flowkit.runner.fill import lendable
 from flowkit.runner.flowrun import FlowRunError, FlowRunner, StepReport, check_async
-from flowkit.runner.restarts import Restarts, start_executors, temporary_checkpoints
-from flowkit.runner.runstate import allowed_records
 from flowkit.runner.setup import (
     check_kind,
     choose_executors,
@@ -109,7 +109,7 @@ class Run:
                 check_async(self.plan, self.staleness)
             except FlowRunError as exc:
                 raise RunConfigError("asynchronous", f"--async: {exc}") from None
-        if config.fill_bubbles and not lendable(self.plan):  # [Note: bubble filling]
+        if config.fill_bubbles and not bubble_scorers(self.plan):  # [Note: bubble filling]
             raise RunConfigError("fill_bubbles", "--fill-bubbles: the flow scores nothing with a "
                                  "model it does not train (reference log-probs, a frozen reward "
                                  "model), so the trainers' bubbles have nothing to run; give the "
@@ -279,7 +279,7 @@ class Run:
                 self._checkpoints.discard()
             else:
                 with self._failures():
-                    self._checkpoints.settle(self.runner)
+                    self._checkpoints.finish_pending(self.runner.checkpoints)
         if not ok:
             return []
         if (self._checkpoints is not None and self._checkpoints.written is not None
@@ -342,7 +342,7 @@ class Run:
 
     def _check_checkpoint_root(self) -> None:
         """A --checkpoint-dir holding another run's checkpoints is refused before anything
-        starts [Note: run checkpoints in flowkit/runner/checkpoint.py]."""
+        starts [Note: run checkpoints in flowkit/runner/checkpoints/format.py]."""
         if self.config.checkpoints is None:
             return
         try:

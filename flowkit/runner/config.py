@@ -101,7 +101,7 @@ def _path(value: Any) -> Path | None:
 @attrs.frozen(kw_only=True)
 class CheckpointConfig:
     """Where and how often a run checkpoints [Note: run checkpoints in
-    flowkit/runner/checkpoint.py]."""
+    flowkit/runner/checkpoints/format.py]."""
 
     root: Path = attrs.field(converter=Path)
     """The folder of the run's checkpoints (one sub-folder per checkpoint)."""
@@ -183,7 +183,7 @@ class RunConfig:
     fill_bubbles: bool = False
     """Lend the training executors' pipeline bubbles to the step's scoring (reference
     log-probs, values) that waits for its own executors, sized to fit, so the pipeline's
-    actions do not move ([Note: bubble filling] in flowkit/runner/fill.py)."""
+    actions do not move ([Note: bubble filling] in flowkit/runner/bubble_fill.py)."""
     asynchronous: bool | None = None
     """Let generation run ahead of training by up to `max_staleness` weights versions; None:
     asynchronous when the flow or `max_staleness` says so."""
@@ -210,7 +210,7 @@ class RunConfig:
     """Go on from the newest complete checkpoint in this folder (or the folder itself)."""
     max_restarts: int = attrs.field(default=0, validator=_at_least(0))
     """Replace up to this many lost executors, replaying the failed step [Note: executor
-    restarts in flowkit/runner/restarts.py]."""
+    restarts in flowkit/runner/checkpoints/restarts.py]."""
     controller: ControllerConfig = attrs.field(factory=ControllerConfig)
     """The controller's address and keys."""
     launcher: str = attrs.field(default="local", validator=_launcher)

@@ -1,7 +1,7 @@
 """Run a flow on executors, step by step, following the planner's lowering rules
 ([Note: lowering by granularity] in flowkit/planner/lower.py). A step's items, node states and
 reactions to completions are its `StepRun` (steprun.py); the runner holds what lasts across
-steps: the models' placement and training (flowtrain.py), length estimates, the weights each
+steps: the models' placement and training (model_training.py), length estimates, the weights each
 step's generation reads.
 
 The design: [Note: asynchronous steps] below.
@@ -13,7 +13,7 @@ import queue
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,20 +21,21 @@ import attrs
 
 from flowkit.dsl import Granularity
 from flowkit.ops import rounds_of
-from flowkit.planner.lower import Call, InputRule, NodePlan
+from flowkit.planner.lower import Call, NodePlan
 from flowkit.planner.simcosts import SimCosts
-from flowkit.runner.asyncstate import Replay
 from flowkit.runner.balance import Balancer, LengthEstimates
-from flowkit.runner.calls import CallPolicy
-from flowkit.runner.fill import BubbleFill, lendable
-from flowkit.runner.flowtrain import ModelTraining
+from flowkit.runner.bubble_fill import BubbleFill, bubble_scorers
+from flowkit.runner.checkpoints.adaptor import RunnerCheckpoints
+from flowkit.runner.feedback import Feedback
 from flowkit.runner.fusedtrain import FusedTraining, fuse_groups
-from flowkit.runner.partial import Carried, CarryOver, PartialCalls, PartialRollouts
-from flowkit.runner.quota import GroupQuota, group_quotas
-from flowkit.runner.rounds import SamplingRounds, round_nodes
+from flowkit.runner.model_training import ModelTraining
+from flowkit.runner.partial import CarryOver, PartialRollouts
+from flowkit.runner.quota import group_quotas
+from flowkit.runner.sampling_rounds import round_nodes
 from flowkit.runner.steprun import TRAINING_CALLS, StepReport, StepRun
-from flowkit.runner.stepstate import BalancedCalls, FlowRunError, RunnerState, Streams, Wiring
-from flowkit.runner.training import model_spec
+from flowkit.runner.stepstate import BalancedCalls, FlowRunError, Streams, Wiring
+from flowkit.runner.submission import Submission
+from flowkit.runner.training_tasks import model_spec
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.registry import ExecutorInfo
 
@@ -59,7 +60,7 @@ _BURST = 4096  # reactions run before the steps look at what they touched, at mo
 # whose loss takes a proximal policy use the decoupled objective for stale samples (the knob their
 # LossSpec names, `decoupled`). A step's training starts in its own `run_step` call, never between
 # two: what a checkpoint at that boundary holds of the open steps is [Note: checkpoints of
-# asynchronous runs] in asyncstate.py.
+# asynchronous runs] in flowkit/runner/checkpoints/open_steps.py.
 
 
 class FlowRunner:
@@ -75,9 +76,8 @@ class FlowRunner:
         if staleness is not None:
             check_async(plan, staleness)
             plan = _with_proximal(plan) if staleness >= 1 else plan
-        self.partial = _partial_rollouts(plan, staleness)
-        self.quotas = group_quotas(plan)
-        self.rounds = _sampling_rounds(plan, self.partial)
+        partial = _partial_rollouts(plan, staleness)
+        rounds = _sampling_rounds(plan, partial)
         plan = [_without_take(node) if node.resumable is not None else node for node in plan]
         self.ctl, self.plan, self.sim_costs = ctl, plan, sim_costs
         self.staleness, self.steps = staleness, steps
@@ -85,43 +85,27 @@ class FlowRunner:
         self.step_timeout = step_timeout
         consumers: dict[str, list[str]] = defaultdict(list)
         self.report_keys: dict[str, str] = {}
-        self.fed_back: set[tuple[str, str]] = set()  # (node, port) read by a later step
         for node in plan:
             for rule in node.inputs:
-                if rule.feedback:
-                    self.fed_back.add((rule.src, rule.src_port))
-                else:
+                if not rule.feedback:
                     consumers[rule.src].append(node.name)
                 if rule.group_key is not None:
                     self.report_keys[rule.src] = rule.group_key
         self.events: queue.SimpleQueue = queue.SimpleQueue()  # every open step's reactions
-        self.handled_parts: list = []  # streamed items taken in since the steps settled
         self.open: dict[int, StepRun] = {}
-        # training executors' bubbles lent to scoring [Note: bubble filling in fill.py]
-        self.bubble_fill = BubbleFill(self.events, self._fill, lendable(plan)) \
+        # what the steps read of earlier ones, and the admission gate [Note: asynchronous steps]
+        self.feedback = Feedback(plan, staleness, self.open)
+        # training executors' bubbles lent to scoring [Note: bubble filling in bubble_fill.py]
+        self.bubble_fill = BubbleFill(self.events, self._fill, bubble_scorers(plan)) \
             if fill_bubbles else None
         self.carry_over = CarryOver(self.open)  # [Note: partial rollouts in partial.py]
-        # a resumed asynchronous run's open steps: step -> node -> lineage -> the saved
-        # rollouts of that call, and the partial-rollout metrics they report
-        # [Note: checkpoints of asynchronous runs in asyncstate.py]
-        self._replay: dict[int, dict[str, dict[tuple, Any]]] = {}
-        self._replay_metrics: dict[int, dict[str, dict]] = {}
-        self.attempt = uuid.uuid4().hex[:8]  # in request names: unique to this runner
-        # the nodes admission control holds back [Note: asynchronous steps]
-        self.gated = [node.name for node in plan if node.call not in TRAINING_CALLS
-                      and any(rule.feedback for rule in node.inputs)]
-        # those whose calls a checkpoint drains and replays: resumable ones
-        self.generating = [node.name for node in plan
-                           if node.name in self.gated and node.resumable is not None]
-        # (node, port) -> step -> that step's streams, for the steps after it
-        self.produced_at: dict[tuple[str, str], dict[int, Streams]] = defaultdict(dict)
         # balance=False: calls of ops with a Workload go where the dispatcher's count says,
         # in arrival order, the baseline of length-aware dispatch [Note: length-aware dispatch]
         self.workloads = {node.name: self._workload(node) for node in plan
                           if balance and node.workload is not None and node.call is Call.PER_ITEM}
         self.placement = self._place_models()
         # model ops name the model's whole copy [Note: one model, many holders in
-        # executors/torch/held.py], a simulator its costs
+        # executors/torch/models/built.py], a simulator its costs
         op_configs = {node.name: {**model_spec(node.model, 1), **node.config,
                                   **(sim_costs.config_for(node.op) if sim_costs else {})}
                       for node in plan if node.model is not None}
@@ -139,13 +123,23 @@ class FlowRunner:
         self.profiles: dict[tuple[str, int], Any] = {}  # (model, stages) -> profiled costs
         self.training = {node.model.name: self._training(node.model) for node in plan
                          if node.call is Call.PIPELINE}
-        for name, training in self.training.items():  # [Note: bubble filling in fill.py]
+        for name, training in self.training.items():  # [Note: bubble filling in bubble_fill.py]
             mine = {e.id for e in training.executors}
             if any(mine & {e.id for e in other.executors}
                    for other_name, other in self.training.items() if other_name != name):
                 training.bubble_fill = None  # its bubbles hold another model's ops
         self.fusions = [FusedTraining(group, [self.training[name] for name in names])
                         for group, names in fuse_groups(plan).items()]
+        # what its checkpoints copy, and a resumed run takes back [Note: run checkpoints in
+        # flowkit/runner/checkpoints/format.py]
+        self.checkpoints = RunnerCheckpoints(self)
+        trainers = frozenset(e.id for model in self.training for e in self.placement[model])
+        self.submission = Submission(
+            wiring=self.wiring, ctl=ctl, events=self.events, workloads=self.workloads,
+            trainers=trainers, bubble_fill=self.bubble_fill, partial=partial,
+            quotas=group_quotas(plan), rounds=rounds, carry_over=self.carry_over,
+            checkpoints=self.checkpoints, staleness=staleness,
+            attempt=uuid.uuid4().hex[:8])  # in request names: unique to this runner
 
     def _workload(self, node: NodePlan) -> BalancedCalls:
         """Ask for what length-aware dispatch learns from without fetching anything: the key
@@ -177,7 +171,7 @@ class FlowRunner:
         for step in sorted(self.open):
             if seconds <= 0:
                 break
-            seconds -= self.open[step].fill(executor, seconds, self.bubble_fill, ends)
+            seconds -= self.open[step].lending.fill(executor, seconds, self.bubble_fill, ends)
         return ends
 
     @property
@@ -201,11 +195,9 @@ class FlowRunner:
         return run.streams if run is not None and run.closed else self.resumed
 
     def resume_feedback(self, step: int, streams: Streams) -> None:
-        """What a resumed run's step `step` reads as feedback (checkpoint.py)."""
+        """What a resumed run's step `step` reads as feedback (checkpoints/restore.py)."""
         self.step, self.resumed = step, streams
-        for key in self.fed_back:
-            if key in streams:
-                self.produced_at[key] = {step - 1: streams}
+        self.feedback.resume(step, streams)
 
     # -- placement -----------------------------------------------------------------------------
     def _place_models(self) -> dict[str, list[ExecutorInfo]]:
@@ -223,7 +215,8 @@ class FlowRunner:
                                    f"{list(model.tags)} and the pipeline ops; start executors "
                                    f"with those tags (flowkit run --tags ...)")
             # by name, not by id (the order executors connected in): a resumed run places each
-            # stage where the checkpointed run had it [Note: run checkpoints in checkpoint.py]
+            # stage where the checkpointed run had it [Note: run checkpoints in
+            # flowkit/runner/checkpoints/format.py]
             able.sort(key=lambda e: (e.name, e.id))
             offset = len(placement)  # spread the models' first stages over the executors
             slots = model.stages * model.replicas  # [Note: replicas] in replicas.py
@@ -259,20 +252,6 @@ class FlowRunner:
                     "pipeline ops: give the fused models the same tags")
         return executors
 
-    def balancer(self, name: str, plan: NodePlan) -> Balancer | None:
-        """A step's balancer of node `name`'s calls, over the estimates of every step."""
-        config = self.wiring.op_configs[name]
-        able = [e.id for e in self.ctl.executors() if e.runs(plan.op, frozenset(plan.tags))]
-        if not able:
-            return None  # the dispatcher says why when the first call is submitted
-        infos = {e.id: e for e in self.ctl.executors()}
-        lent = frozenset(e.id for model in self.training for e in self.placement[model]
-                         if e.id in able)
-        return Balancer(self.workloads[name].estimates, able,
-                        count=config.get(plan.workload.count, 1),
-                        budget=config.get(plan.workload.budget, 1), lent=lent,
-                        outstanding=lambda executor: infos[executor].outstanding)
-
     # -- steps ---------------------------------------------------------------------------------
     def run_step(self, step: int) -> StepReport:
         """Step `step` to its end; asynchronously, the steps after it within the staleness
@@ -288,21 +267,21 @@ class FlowRunner:
         deadline = time.monotonic() + self.step_timeout
         while not run.closed:
             try:
-                self.react(max(0.0, deadline - time.monotonic()))
+                self.run_reactions(max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 raise FlowRunError(f"step {step} did not finish in {self.step_timeout} s; "
                                    f"still open: {', '.join(run.open_nodes())}") from None
         del self.open[step]
         # the next step trains in the next call, not here: between two calls nothing trains,
         # so a checkpoint holds the weights of this step [Note: checkpoints of asynchronous
-        # runs in asyncstate.py]
+        # runs in flowkit/runner/checkpoints/open_steps.py]
         return run.report()
 
-    def react(self, timeout: float) -> None:
+    def run_reactions(self, timeout: float) -> None:
         """Run the next reaction (queue.Empty if none comes within `timeout`; none is waited
         for while a step has nodes to look at) and every one queued behind it, then let the
         open steps look at the nodes they touched [Note: batched per-item calls in
-        steprun.py]."""
+        stepbatching.py]."""
         events = self.events
         if any(run.touched for run in self.open.values()):  # a turn left to take: no wait
             try:
@@ -318,10 +297,12 @@ class FlowRunner:
                 break
             event()
         for run in list(self.open.values()):
-            run.settle()
-        if self.handled_parts:  # settled: their consumers are submitted, or they wait
-            self.ctl.handled(self.handled_parts)  # [Note: stream credits] in runtime/credits.py
-            self.handled_parts = []
+            run.progress_touched()
+        submission = self.submission
+        if submission.handled_parts:  # settled: their consumers are submitted, or they wait
+            # [Note: stream credits] in runtime/credits.py
+            self.ctl.handled(submission.handled_parts)
+            submission.handled_parts = []
         for watcher in list(self.watchers):
             watcher()
 
@@ -332,156 +313,10 @@ class FlowRunner:
             if trains:
                 for training in self.training.values():
                     training.start_step(step)
-            run = self.open[step] = StepRun(self, step, trains=trains)
+            run = self.open[step] = StepRun(self.submission, self.feedback, self.training, step,
+                                            trains=trains)
             run.start()
         return run
-
-    # -- feedback and admission [Note: asynchronous steps] -------------------------------------
-    def produced(self, run: StepRun, node: str, port: str) -> None:
-        """`run` added an item to (node, port): if later steps read it, they may go on."""
-        key = (node, port)
-        if key not in self.fed_back:
-            return
-        earlier = self.produced_at[key]
-        earlier[run.step] = run.streams
-        for old in [s for s in earlier if s < run.step - 1]:
-            del earlier[old]  # a step reads the newest weights only
-        for later in sorted(s for s in self.open if s > run.step):
-            for name in self.gated:
-                self.open[later].progress(name)
-
-    def _newest(self, rule: InputRule, step: int) -> tuple[int, Streams | None]:
-        """(version, streams) of the newest production of `rule`'s port before `step`."""
-        produced = self.produced_at.get((rule.src, rule.src_port), {})
-        earlier = [s for s in produced if s < step]
-        if not earlier:
-            return 0, None
-        newest = max(earlier)
-        return newest + 1, produced[newest]
-
-    def admits(self, step: int, plan: NodePlan) -> bool:
-        if self.staleness is None or plan.name not in self.gated:
-            return True
-        return all(self._newest(rule, step)[0] >= step - self.staleness
-                   for rule in plan.inputs if rule.feedback)
-
-    def feedback_refs(self, plan: NodePlan, step: int) -> dict[str, Any]:
-        """Inputs fed by an earlier step: the newest item of the producing port, if any."""
-        refs = {}
-        for rule in plan.inputs:
-            if rule.feedback:
-                _, streams = self._newest(rule, step)
-                stream = None if streams is None else streams.get((rule.src, rule.src_port))
-                if stream is not None and stream.items:
-                    refs[rule.port] = stream.ordered()[-1]
-        return refs
-
-    # -- call policies: partial rollouts and replay ([Note: partial rollouts in partial.py],
-    # [Note: checkpoints of asynchronous runs in asyncstate.py]) -------------------------------
-    def call_policies(self, step: int) -> dict[str, CallPolicy]:
-        """Step `step`'s nodes whose calls are replayed from a checkpoint, or partial."""
-        policies: dict[str, CallPolicy] = {}
-        metrics = self._replay_metrics.pop(step, {})
-        for name, calls in self._replay.pop(step, {}).items():
-            policies[name] = Replay(name, step, calls, metrics.get(name, {}), self.carry_over,
-                                    outgoing=self.carry_over.take(name, step))
-        floor = step - (self.staleness or 0)  # the oldest version a carried call may keep
-        for name, setting in self.partial.items():
-            if name not in policies:
-                policies[name] = PartialCalls(name, step, setting, self.carry_over,
-                                              f"{self.attempt}:{step}", floor,
-                                              incoming=self.carry_over.take(name, step))
-        for name, take in self.quotas.items():  # [Note: group quota] in quota.py
-            policies.setdefault(name, GroupQuota(name, take))
-        for name, (quota, rounds) in self.rounds.items():  # [Note: sampling rounds]
-            policies.setdefault(name, SamplingRounds(name, rounds, policies[quota], self.fuse))
-        return policies
-
-    @property
-    def carried(self) -> dict[int, dict[str, list[Carried]]]:
-        """Calls carried past the open steps, by the step that takes them and node."""
-        return self.carry_over.waiting
-
-    def abort_calls(self, plan: NodePlan, requests: Sequence[str], step: int) -> list[Any]:
-        """Ask every engine that may run `plan`'s calls to abort these requests with the
-        op's declared abort op; each reply is [samples, tokens] cut."""
-        abort_op = plan.resumable.abort_op
-        targets = [e for e in self.ctl.executors()
-                   if e.runs(plan.op, frozenset(plan.tags)) and abort_op in e.ops]
-        return [self.ctl.submit(abort_op, config=plan.resumable.abort_config(requests),
-                                executor=e.id, meta={"node": f"{plan.name}/abort", "step": step})
-                for e in targets]
-
-    # -- checkpoints [Note: run checkpoints in checkpoint.py] ----------------------------------
-    def open_resumable(self) -> dict[int, dict[str, bool]]:
-        """Each open step's generating nodes: whether each has ended."""
-        return {step: {name: run.node_closed(name) for name in self.generating}
-                for step, run in self.open.items()}
-
-    def boundary(self) -> RunnerState:
-        """What a checkpoint holds at a step boundary of all but the open steps' generation,
-        copied (it is read once that generation has ended, [Note: checkpoints that do not
-        drain] in checkpoint.py)."""
-        return RunnerState(
-            staleness=self.staleness,
-            placement={model: [e.name for e in chosen]
-                       for model, chosen in sorted(self.placement.items())},
-            feedback=self._feedback_refs_next(), profiles=dict(self.profiles),
-            training={name: t.carried_state() for name, t in self.training.items()})
-
-    def open_state(self, runs: Mapping[int, StepRun],
-                   carried: Mapping[int, dict[str, list[Carried]]]) -> dict[str, Any]:
-        """The part of a checkpoint that the open steps `runs` make once their generating
-        nodes have ended: each one's outputs and call metrics, and the calls carried past the
-        last (`carried`: those the ledger held at the boundary for steps not open then)."""
-        last = max(runs, default=None)
-        # the last open step's carried calls are its policy's (in the ledger or not, yet)
-        past = {step: dict(by_node) for step, by_node in carried.items()
-                if last is None or step != last + 1}
-        if last is not None:
-            for name in self.generating:
-                policy = runs[last].policies.get(name)
-                outgoing = list(getattr(policy, "outgoing", ()))
-                if outgoing:
-                    past.setdefault(last + 1, {})[name] = outgoing
-        return {"open_calls": {step: {name: run.outputs(name) for name in self.generating}
-                               for step, run in sorted(runs.items())},
-                "open_metrics": {step: metrics for step, run in sorted(runs.items())
-                                 if (metrics := {name: policy.metrics(self.step_timeout)
-                                                 for name, policy in run.policies.items()})},
-                "carried": dict(sorted(past.items()))}
-
-    def _feedback_refs_next(self) -> dict[tuple[str, str], Any]:
-        """The ref of the value each feedback input will read in the next step."""
-        refs = {}
-        for node in self.plan:
-            for rule in node.inputs:
-                key = (rule.src, rule.src_port)
-                stream = self.previous.get(key) if rule.feedback else None
-                if stream is not None and stream.items:
-                    refs[key] = stream.ordered()[-1]
-        return refs
-
-    def resume(self, step: int, feedback: Streams, profiles: dict,
-               training: Mapping[str, dict]) -> None:
-        """A resumed run goes on at `step` (checkpoint.py): its feedback, profiled costs and
-        what its trainings carry across steps."""
-        self.resume_feedback(step, feedback)
-        self.profiles.update(profiles)
-        for name, carried in training.items():
-            self.training[name].restore_carried(carried)
-
-    def resume_open_steps(self, calls: Mapping[int, dict[str, dict[tuple, Any]]],
-                          metrics: Mapping[int, dict[str, dict]],
-                          carried: Mapping[int, dict[str, list[Carried]]]) -> None:
-        """A resumed asynchronous run's open steps replay `calls` and report `metrics`;
-        `carried` wait for their steps [Note: checkpoints of asynchronous runs]."""
-        self._replay.update(calls)
-        self._replay_metrics.update(metrics)
-        for step, by_node in carried.items():
-            for name, calls_of_node in by_node.items():
-                self.carry_over.waiting.setdefault(step, {}).setdefault(name, []).extend(
-                    calls_of_node)
 
     def save_weights(self, folder: Path) -> list[Path]:
         """Each model trained so far (an interrupted step included), its stages' weights
@@ -508,7 +343,7 @@ def check_async(plan: list[NodePlan], staleness: Any) -> None:
             "step.weights)): this flow has none, so its steps have nothing to overlap")
     sampled = sorted({node.name for node in plan for rule in node.inputs
                       if getattr(rule, "group_rounds", None)})
-    if sampled:  # [Note: sampling rounds in rounds.py]
+    if sampled:  # [Note: sampling rounds in sampling_rounds.py]
         raise FlowRunError(f"{', '.join(sampled)}: group_by(..., rounds=) samples in rounds "
                            "within a step, which runs synchronously only: drop rounds (a "
                            "recipe's filter_rounds) or run synchronously")
@@ -549,7 +384,7 @@ def _partial_rollouts(plan: list[NodePlan], staleness: int | None
 
 
 def _sampling_rounds(plan: list[NodePlan], partial: dict) -> dict[str, tuple[str, int]]:
-    """The nodes whose prompts are called in rounds ([Note: sampling rounds] in rounds.py),
+    """The nodes whose prompts are called in rounds ([Note: sampling rounds] in sampling_rounds.py),
     checked: not a node with partial rollouts."""
     try:
         found = round_nodes(plan)

@@ -31,7 +31,7 @@ from flowkit.planner.lower import Call, NodePlan
 from flowkit.runner.stepstate import FlowRunError
 
 if TYPE_CHECKING:
-    from flowkit.runner.flowtrain import ModelTraining
+    from flowkit.runner.model_training import ModelTraining
 
 __all__ = ["FusedTraining", "fuse_groups"]
 

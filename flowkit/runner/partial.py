@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import attrs
 
 from flowkit.dsl import Resumable
-from flowkit.runner.calls import CallSite
+from flowkit.runner.call_policy import CallSite
 
 __all__ = ["CARRIED", "Carried", "CarryOver", "PartialCalls", "PartialRollouts", "carried_key"]
 
@@ -48,9 +48,9 @@ __all__ = ["CARRIED", "Carried", "CarryOver", "PartialCalls", "PartialRollouts",
 #     `stale_segments` says, "recompute"d (sampled again from its prompt) or "drop"ped with its
 #     whole group (a group-relative advantage needs all of it), counted in `rollout/dropped`. The
 #     runner reads all of it from the node's declaration, never from the op's names; a step runs it
-#     as the node's call policy (calls.py). Each generated sample is thus trained once, in the step
-#     that took its group, or is still carried at the end of the run (`rollout/carried_over` of the
-#     last step). Carried samples are one version stale at least, so partial rollouts run with a
+#     as the node's call policy (call_policy.py). Each generated sample is thus trained once, in the
+#     step that took its group, or is still carried at the end of the run (`rollout/carried_over` of
+#     the last step). Carried samples are one version stale at least, so partial rollouts run with a
 #     staleness bound >= 1.
 
 # [Note: own prompts first] With `stale_segments="drop"` (the node's Resumable.stale setting), a
@@ -147,7 +147,7 @@ class CarryOver:
 
 @attrs.define
 class PartialCalls:
-    """One node's partial rollouts in one step: its call policy (calls.py)."""
+    """One node's partial rollouts in one step: its call policy (call_policy.py)."""
 
     name: str
     step: int

@@ -31,7 +31,7 @@ from flowkit.runtime.futures import Future, wait
 from flowkit.runtime.registry import ExecutorInfo
 
 __all__ = ["Gate", "Lane", "PipelineRun", "StreamedSchedule", "device_lane", "measure",
-           "stage_costs_config", "submit_schedule", "submission_order"]
+           "stage_costs_config", "submit_schedule"]
 
 ConfigFor = Callable[[Action], dict]
 # a model's lanes: a prefix that each device's lane adds '/device' to, or each device's lane
@@ -96,17 +96,6 @@ def measure(timings: Iterable[tuple[Hashable, tuple[float, float]]]) -> dict:
             "bubble_rate": bubble_rate(span, busy)}
 
 
-def submission_order(schedule: Schedule) -> list[tuple[int, Action]]:
-    """(device, action) in an order that keeps each device's order and submits every action
-    after the actions it reads from, so their futures exist when it is submitted."""
-    order: list[tuple[int, Action]] = []
-    cursor = _Cursor(schedule)
-    cursor.advance(lambda device, action: order.append((device, action)) or True)
-    if not cursor.done:
-        raise ValueError(f"schedule {schedule.kind!r} deadlocks: validate it with the planner")
-    return order
-
-
 class _Cursor:
     """Where each device's action list has been submitted up to. `advance(take)` moves every
     device on while its next action's dependencies are submitted and `take(device, action)`
@@ -162,7 +151,7 @@ class StreamedSchedule:
         self._cursor = _Cursor(schedule)
         self._outputs: dict[ActionKey, Future] = {}
         # (stage, microbatch) whose backward is one BW: its forward need not split it
-        # [Note: a fused backward in executors/torch/stage.py]
+        # [Note: a fused backward in executors/torch/train/stage.py]
         self._fused = {(a.stage, a.microbatch) for ops in schedule.device_ops for a in ops
                        if a.kind is Kind.BW}
         # the copies each compute op issues as it starts [Note: offload in the runtime]

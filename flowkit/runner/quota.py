@@ -7,7 +7,7 @@ The flow over-provisions the groups (more prompts than it trains on) and filters
 op: DAPO's dynamic sampling (Yu et al. 2025) keeps the groups whose rewards differ. Calls end in
 the order their groups complete, so which groups a step takes depends on timing, as with
 partial rollouts. A step whose groups run out before T reports how many it is short; it never
-waits for more. It is the group node's call policy (calls.py): the step asks it of each call.
+waits for more. It is the group node's call policy (call_policy.py): the step asks it of each call.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from flowkit.runner.calls import CallSite
+from flowkit.runner.call_policy import CallSite
 
 __all__ = ["GroupQuota", "group_quotas"]
 
@@ -32,7 +32,7 @@ class GroupQuota:
     taken: int = 0
     empty: int = 0  # calls that yielded nothing: groups the op filtered out
     surplus: int = 0  # calls that yielded items after the quota was met: dropped
-    # told after each group's call is decided (the step's sampling rounds: rounds.py)
+    # told after each group's call is decided (the step's sampling rounds: sampling_rounds.py)
     listener: Any = None
 
     def submit(self, site: CallSite, prompts_closed: bool) -> bool:

@@ -12,7 +12,7 @@ gradients add up to the global batch's.
 
 After a device's last action of the step, its lane runs `reduce_grads` for each of the device's
 stages, which sums that stage's gradients over its replica group through torch.distributed
-[Note: replica groups in executors/torch/replicas.py], never through the controller. It waits
+[Note: replica groups in executors/torch/train/replicas.py], never through the controller. It waits
 (as inputs) for every replica's last action of the stage, so no member blocks in the collective
 while another replica still computes, and the simulator, which has no collectives, starts its
 all-reduce's modelled time (SimCosts.allreduce_s) when the last replica is there; the planner
@@ -94,7 +94,7 @@ def setup_replica_groups(ctl: Controller, executors: Sequence[ExecutorInfo], *, 
                          devices: int, replicas: int,
                          watch: Callable[[Future], None]) -> list[str]:
     """Submit the process group of each device slot [Note: replica groups in
-    executors/torch/replicas.py], in the lanes the replicas' first ops will follow; returns
+    executors/torch/train/replicas.py], in the lanes the replicas' first ops will follow; returns
     the groups' names by device. `watch` is given every future, for its failure to end the
     step."""
     names = []
@@ -177,7 +177,7 @@ class Replicas:
 
     def sharding(self, schedule: Schedule) -> Callable[[int], dict] | None:
         """A sharded optimizer's group for each stage's optimizer step (torch replicas only)
-        [Note: sharded optimizer states in executors/torch/replicas.py]."""
+        [Note: sharded optimizer states in executors/torch/train/replicas.py]."""
         if not (self.model.shard_optimizer and self.groups):
             return None
         groups = self.groups
@@ -192,7 +192,7 @@ class Replicas:
 # optimizer states are the same on every replica too, unless sharded (ZeRO-1): then, and
 # whenever the run shards them otherwise than the checkpoint did, each executor is told the
 # shard it owns now and the files of every saved replica of its device (`optimizer_shards`),
-# and merges and re-cuts the states (executors/torch/reshard.py).
+# and merges and re-cuts the states (executors/torch/train/reshard.py).
 def state_sources(saved: Mapping[str, list], placement: Mapping[str, list],
                   devices: Mapping[str, int]) -> dict[str, str]:
     """Which checkpointed executor's state each executor of this run loads, where not its own

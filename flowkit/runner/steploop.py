@@ -12,11 +12,12 @@ import attrs
 
 from flowkit.observe import Dashboard, RunStats
 from flowkit.observe.loggers import Loggers
-from flowkit.runner.checkpoint import CheckpointError, restore
-from flowkit.runner.checkpointing import Checkpointing, GracefulStop
+from flowkit.runner.checkpoints.format import CheckpointError
+from flowkit.runner.checkpoints.policy import Checkpointing, GracefulStop
+from flowkit.runner.checkpoints.restarts import Restarts
+from flowkit.runner.checkpoints.restore import restore
 from flowkit.runner.evaluation import Evaluation
 from flowkit.runner.flowrun import FlowRunError, FlowRunner, StepReport
-from flowkit.runner.restarts import Restarts
 from flowkit.runtime.futures import ExecutorLost
 
 __all__ = ["StepLoop"]
@@ -42,8 +43,8 @@ class StepLoop:
     stopped: bool = False  # by Ctrl-C, before the last step
     completed: int = 0  # the steps done, a resumed checkpoint's included
     origin: Path | None = None  # the --resume'd checkpoint: where a restart with none newer goes
-    # what a checkpoint read back may hold: record classes by path (runstate.allowed_records),
-    # and the models executors build, the flow's specs by name (checkpoint.flow_models)
+    # what a checkpoint read back may hold: record classes by path (state_codec.allowed_records),
+    # and the models executors build, the flow's specs by name (format.flow_models)
     allowed_records: dict = attrs.field(factory=dict)
     models: dict = attrs.field(factory=dict)
     evaluation: Evaluation | None = None  # run after every few steps (--eval-every)
@@ -52,7 +53,7 @@ class StepLoop:
         """Go on from `folder`: the executors' and runner's state, and the loggers rewound
         to the checkpoint's step, so the steps after it do not duplicate the ones an
         interrupted run logged past it [Note: loggers on resume]."""
-        state = restore(folder, runner, self.executors, records=self.allowed_records,
+        state = restore(folder, runner.checkpoints, self.executors, records=self.allowed_records,
                         models=self.models)
         if self.origin is None:
             self.origin = folder
@@ -86,7 +87,7 @@ class StepLoop:
                                                              or stop.requested):
                             self._checkpoint(done, board, later=not stop.requested)
                         if done == self.steps and self.checkpoints is not None:
-                            self.checkpoints.settle(self.runner)
+                            self.checkpoints.finish_pending(self.runner.checkpoints)
                     except STEP_FAILURES as exc:
                         step = self._recover(exc, board)
                         continue
@@ -104,16 +105,16 @@ class StepLoop:
                 self.checkpoints.discard()
 
     def _checkpoint(self, done: int, board: Dashboard, later: bool = False) -> None:
-        """The checkpoint of `done` steps; `later`: an asynchronous run's may finish while the
-        run goes on [Note: checkpoints that do not drain in checkpoint.py], unless it is the
-        run's last."""
+        """The checkpoint of `done` steps; `later`: an asynchronous run's may finish while the run
+        goes on [Note: checkpoints that do not drain in flowkit/runner/checkpoints/writer.py],
+        unless it is the run's last."""
         if self.evaluation is not None:  # no evaluation's calls on the engines it snapshots
             self.evaluation.join()
         if later and self.runner.staleness is not None and done < self.steps:
-            self.checkpoints.begin(self.runner, self.executors, self.records, done,
+            self.checkpoints.begin(self.runner.checkpoints, self.executors, self.records, done,
                                    lambda path: board.set_status(f"wrote {path}"))
             return
-        path = self.checkpoints.write(self.runner, self.executors, self.records, done)
+        path = self.checkpoints.write(self.runner.checkpoints, self.executors, self.records, done)
         board.set_status(f"step {done}/{self.steps}: wrote {path}")
 
     def _recover(self, error: BaseException, board: Dashboard) -> int:

@@ -1,6 +1,6 @@
 """What a running flow step knows: the items each output port produced, by lineage, and each
-node's progress. The runner (flowrun.py) keeps it; a model's training (flowtrain.py) reads the
-items its backprop is fed from.
+node's progress. A step (steprun.py) owns it; a model's training (model_training.py) reads the items
+its backprop is fed from through an `Inputs` view.
 
 Items carry a lineage (the path of call indices from the source that made them), so the inputs
 of a per-item op pair up by sample whatever order they finish in.
@@ -14,12 +14,14 @@ from typing import Any
 
 import attrs
 
+from flowkit.dsl import Granularity
 from flowkit.planner.lower import InputRule, NodePlan
 from flowkit.runner.balance import LengthEstimates
 from flowkit.wire.refs import Gather
 
-__all__ = ["BalancedCalls", "FlowRunError", "ItemStream", "NodeState", "RunnerState", "Streams",
-           "Wiring", "lineage_order", "sorted_lineages"]
+__all__ = ["BalancedCalls", "FlowRunError", "Inputs", "ItemStream", "NodeState", "RunnerState",
+           "Streams", "Wiring", "arrived_since", "check_all_paired", "lineage_order",
+           "sorted_lineages"]
 
 
 class FlowRunError(RuntimeError):
@@ -71,6 +73,36 @@ class Streams(defaultdict):
         return Gather([items[lin] for lin in lineages])
 
 
+@attrs.frozen
+class Inputs:
+    """A node's live inputs as its step's streams hold them: what a model's training reads of
+    a backprop's items (the step owns the streams and alone writes them)."""
+
+    streams: Streams
+    rules: list[InputRule]
+
+    def complete(self) -> list[tuple]:
+        """Lineages every input has, in the order the first input's items arrived."""
+        return self.streams.complete(self.rules)
+
+    def gathered(self, lineages: list[tuple]) -> tuple[Gather, ...]:
+        """Each input's items of `lineages`, in that order."""
+        return tuple(self.streams.gathered(rule, lineages) for rule in self.rules)
+
+    def first(self, lineages: list[tuple]) -> Gather:
+        """The first input's items of `lineages`."""
+        return self.streams.gathered(self.rules[0], lineages)
+
+    @property
+    def lead_arrivals(self) -> list[tuple]:
+        """The first input's lineages, in the order they arrived."""
+        return self.streams.of(self.rules[0]).arrivals
+
+    def on_every_other(self, lineage: tuple) -> bool:
+        """Whether the inputs but the first have `lineage`."""
+        return all(lineage in self.streams.of(rule).items for rule in self.rules[1:])
+
+
 @attrs.define
 class NodeState:
     plan: NodePlan
@@ -90,13 +122,48 @@ class NodeState:
     first_item: float | None = None  # when its first streamed item was ready (wall clock)
     backlog: list = attrs.field(factory=list)  # balanced calls to send: (lineage, key, refs)
     # per item: ready calls (lineage, refs) waiting for one of the node's tasks to end
-    # [Note: batched per-item calls in steprun.py]
+    # [Note: batched per-item calls in stepbatching.py]
     held: list = attrs.field(factory=list)
     varying: list = attrs.field(factory=list)  # the ports whose refs differ from call to call
     filled: int = 0  # items run in training executors' bubbles [Note: bubble filling]
     lent: int = 0  # of its pending tasks, those in a trainer's bubble
-    pipeline: Any = None  # a backprop's Feeding (flowtrain.py)
+    pipeline: Any = None  # a backprop's Feeding (model_training.py)
     streamed: dict = attrs.field(factory=lambda: defaultdict(int))  # lineage -> items so far
+
+
+def arrived_since(streams: Streams, state: NodeState, streaming: list[InputRule]) -> list[tuple]:
+    """The lineages that may have become callable since the last call, in the order the
+    lead input's items arrived: its new items, and the waiting ones whose partner came.
+    Each input's arrivals are read from a cursor, so a step's pairing is linear in its
+    items, never a rescan of every arrival on every progress call."""
+    touched = set()
+    for index, rule in enumerate(streaming):
+        stream = streams.of(rule)
+        where = (rule.src, rule.src_port)
+        new = stream.arrivals[state.cursors.get(where, 0):]
+        state.cursors[where] = len(stream.arrivals)
+        if index == 0:  # the lead: its items are the calls, in its order
+            for lineage in new:
+                if lineage not in state.submitted and lineage not in state.unpaired:
+                    state.unpaired[lineage] = state.arrived
+                    state.arrived += 1
+                    touched.add(lineage)
+        else:
+            touched.update(lin for lin in new if lin in state.unpaired)
+    return sorted(touched, key=state.unpaired.__getitem__)
+
+
+def check_all_paired(streams: Streams, state: NodeState, live: list[InputRule]) -> None:
+    streaming = [r for r in live if r.granularity is Granularity.STREAM]
+    lead = streams.of(streaming[0])
+    unpaired = [lin for lin in lead.arrivals if lin not in state.submitted]
+    if unpaired:
+        ports = ", ".join(f"{r.port} (from {r.src})" for r in streaming)
+        raise FlowRunError(
+            f"op {state.plan.name!r} is called per item of {ports}, but {len(unpaired)} "
+            f"items of {streaming[0].port!r} have no partner in the other inputs: per-item "
+            "inputs must come from the same items (e.g. both scored from one generate); "
+            "collect() one of them if it is a different stream")
 
 
 def lineage_order(lineage: tuple) -> tuple:
@@ -148,9 +215,9 @@ class BalancedCalls:
 
 @attrs.frozen
 class RunnerState:
-    """A runner at a step boundary as a checkpoint reads it (checkpoint.py): refs, which the
+    """A runner at a step boundary as a checkpoint reads it (checkpoints/): refs, which the
     checkpoint fetches. An asynchronous runner's open steps are in it once they have generated
-    [Note: checkpoints that do not drain in checkpoint.py]."""
+    [Note: checkpoints that do not drain in flowkit/runner/checkpoints/writer.py]."""
 
     staleness: int | None
     placement: dict[str, list[str]]  # model -> the executors holding its stages, by name

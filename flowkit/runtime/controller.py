@@ -115,10 +115,10 @@ class Controller:
         self._stopping = False
         self._batching = 0  # > 0 inside `batch()`: submit queues without sending
         self.messages_in = self.messages_out = 0  # on the router: what the control plane moved
-        self._state = Dispatcher(owner=self, send_raw=self._send_raw,
-                                 ping_interval=ping_interval, ping_timeout=ping_timeout,
-                                 heartbeat_address=self._heartbeat.address,
-                                 max_frame_bytes=max_frame_bytes, secret=self.secret)
+        self._dispatcher = Dispatcher(owner=self, send_raw=self._send_raw,
+                                      ping_interval=ping_interval, ping_timeout=ping_timeout,
+                                      heartbeat_address=self._heartbeat.address,
+                                      max_frame_bytes=max_frame_bytes, secret=self.secret)
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_in, zmq.POLLIN)
@@ -176,12 +176,12 @@ class Controller:
         """Call `listener(event, payload)` for executor_joined, executor_lost, task_submitted,
         task_done and task_failed, on whichever thread drives IO: keep it short."""
         with self._driving():
-            self._state.add_listener(listener)
+            self._dispatcher.add_listener(listener)
 
     def remove_listener(self, listener: Listener) -> None:
         """Stop calling `listener` (a run that shared this controller has ended)."""
         with self._driving():
-            self._state.remove_listener(listener)
+            self._dispatcher.remove_listener(listener)
 
     def watch_process(self, process: Any) -> None:
         """Treat the exit of this local executor process (a Popen) as that executor's loss."""
@@ -195,20 +195,21 @@ class Controller:
 
     def executors(self) -> list[ExecutorInfo]:
         with self.condition:
-            return self._state.executors()
+            return self._dispatcher.executors()
 
     def wait_for_executors(self, count: int, timeout: float = 60.0) -> list[ExecutorInfo]:
         with self.condition:
-            if not self.condition.wait_for(lambda: len(self._state.executors()) >= count, timeout):
-                raise TimeoutError(f"{len(self._state.executors())} of {count} executors "
+            if not self.condition.wait_for(lambda: len(self._dispatcher.executors()) >= count,
+                                           timeout):
+                raise TimeoutError(f"{len(self._dispatcher.executors())} of {count} executors "
                                    f"connected to {self.address} within {timeout} s")
-            return self._state.executors()
+            return self._dispatcher.executors()
 
     def quiesce(self, timeout: float) -> None:
         """Wait until no live executor has a task outstanding: after a lost executor, the
         tasks that did not depend on it finish (those that did were cancelled), so that state
         can be reloaded with nothing left to change it."""
-        self.wait_until(lambda: not any(e.outstanding > 0 for e in self._state.executors()),
+        self.wait_until(lambda: not any(e.outstanding > 0 for e in self._dispatcher.executors()),
                         timeout, what="waiting for the executors' tasks to end")
 
     def submit(self, op: str, *inputs: Any, config: dict | None = None,
@@ -239,11 +240,11 @@ class Controller:
         spec = TaskSpec(op, config or {}, lane=lane, report_key=report_key,
                         trace_key=trace_key, stream=on_part is not None, window=window)
         with self._driving():
-            futures = self._state.submit(spec, inputs, outputs=outputs, executor_id=executor,
+            futures = self._dispatcher.submit(spec, inputs, outputs=outputs, executor_id=executor,
                                          tags=frozenset(tags), meta=meta or {},
                                          hold=self._batching > 0, on_part=on_part,
                                          handled_by_caller=handled_by_caller)
-        self._state.run_callbacks()
+        self._dispatcher.run_callbacks()
         return futures[0] if outputs == 1 else futures
 
     def submit_items(self, op: str, *inputs: Any, per_item: Sequence[int],
@@ -271,11 +272,11 @@ class Controller:
         spec = TaskSpec(op, config or {}, report_key=report_key, trace_key=trace_key,
                         items=count, per_item=tuple(per_item))
         with self._driving():
-            futures = self._state.submit(spec, tuple(wired), outputs=count * outputs,
+            futures = self._dispatcher.submit(spec, tuple(wired), outputs=count * outputs,
                                          executor_id=executor, tags=frozenset(tags),
                                          meta=meta or {}, hold=self._batching > 0,
                                          on_items=on_items)
-        self._state.run_callbacks()
+        self._dispatcher.run_callbacks()
         if outputs == 1:
             return list(futures)
         return [futures[i:i + outputs] for i in range(0, len(futures), outputs)]
@@ -284,7 +285,7 @@ class Controller:
         """The caller has submitted the consumers of these streamed items (or decided they
         wait): a windowed task's credit for them follows their consumers [Note: stream
         credits in runtime/credits.py]. Any thread; the next pump acts on it."""
-        self._state.credits.handled.extend(part.id for part in parts)
+        self._dispatcher.credits.handled.extend(part.id for part in parts)
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -298,25 +299,25 @@ class Controller:
             self._batching -= 1
             if not self._batching:
                 with self._driving():
-                    self._state.flush()
+                    self._dispatcher.flush()
 
     def put(self, value: Any, *, executor: int | None = None) -> Future:
         """Place `value` on an executor (the least loaded, unless named) as a future."""
         with self._driving():
-            future = self._state.put(value, executor)
-        self._state.run_callbacks()
+            future = self._dispatcher.put(value, executor)
+        self._dispatcher.run_callbacks()
         return future
 
     def fetch(self, future: Future, timeout: float | None = None) -> Any:
         """The value of a resolved future, copied from the executor holding it."""
         with self._driving():
-            request, slot = self._state.fetch(future.id)
+            request, slot = self._dispatcher.fetch(future.id)
         try:
             self.wait_until(lambda: slot[0], timeout, what=f"fetching {future!r}")
         finally:
             if not slot[0]:  # an answered request is forgotten already
                 with self._driving():
-                    self._state.forget_fetch(request)
+                    self._dispatcher.forget_fetch(request)
         if slot[2] is not None:
             raise slot[2]
         return slot[1]
@@ -325,7 +326,7 @@ class Controller:
         """The values of resolved futures, in their order: every request out at once, so that
         many small values cost one round trip's wait, not one each."""
         with self._driving():
-            asked = [self._state.fetch(future.id) for future in futures]
+            asked = [self._dispatcher.fetch(future.id) for future in futures]
         try:
             self.wait_until(lambda: all(slot[0] for _, slot in asked), timeout,
                             what=f"fetching {len(asked)} values")
@@ -334,7 +335,7 @@ class Controller:
             if unanswered:
                 with self._driving():
                     for request in unanswered:
-                        self._state.forget_fetch(request)
+                        self._dispatcher.forget_fetch(request)
         for _, slot in asked:
             if slot[2] is not None:
                 raise slot[2]
@@ -361,7 +362,7 @@ class Controller:
                 finally:
                     self._last_user = time.monotonic()
                     self._io_lock.release()
-                self._state.run_callbacks()
+                self._dispatcher.run_callbacks()
             else:
                 with self.condition:
                     if not predicate():
@@ -372,8 +373,8 @@ class Controller:
             return
         with self._driving():
             self._stopping = True
-            self._state.flush()
-            self._state.shutdown_all()
+            self._dispatcher.flush()
+            self._dispatcher.shutdown_all()
         self._background.join(timeout)
         self._heartbeat.stop()
         if self._gate is not None:
@@ -390,7 +391,7 @@ class Controller:
         """Send what is queued, wait (up to `timeout_s`) for messages or a wake-up, handle all
         that arrived, run queued commands. Holds the IO lock."""
         if until is not None or not self._batching:  # a user waiting inside batch() needs it
-            self._state.flush()
+            self._dispatcher.flush()
         # a question to a zmq socket is a syscall or two, zmq_poll a dozen: poll only if need be
         ready = until is not None and self._watch_router()
         if not ready:
@@ -426,7 +427,7 @@ class Controller:
             self.messages_in += 1
             try:
                 header, frames = decode(parts)
-                self._state.on_message(identity, header, frames, self._origin(envelope)
+                self._dispatcher.on_message(identity, header, frames, self._origin(envelope)
                                        if header["t"] == Msg.HELLO else _ANYWHERE)
             except KeyboardInterrupt:  # Ctrl-C, in a user thread that drives: the user's
                 raise
@@ -466,10 +467,10 @@ class Controller:
     def _run_commands(self) -> None:
         released, lost = self._released, self._lost
         while released:
-            self._state.release(released.popleft())
+            self._dispatcher.release(released.popleft())
         while lost:
-            self._state.lose(*lost.popleft())
-        self._state.credits.check()  # [Note: stream credits] in runtime/credits.py
+            self._dispatcher.lose(*lost.popleft())
+        self._dispatcher.credits.check()  # [Note: stream credits] in runtime/credits.py
 
     def _lose(self, executor_id: int, reason: str) -> None:
         """For the heartbeat thread, which must not block on the IO lock: the next driver acts."""
@@ -518,7 +519,7 @@ class Controller:
                     time.sleep(0.1)  # a failure that repeats must not spin
             finally:
                 self._io_lock.release()
-            self._state.run_callbacks()
+            self._dispatcher.run_callbacks()
 
 
 class _Driving:
@@ -637,7 +638,7 @@ class _Heartbeat(threading.Thread):
         except ProtocolError:
             return None
         executor, token = header.get("executor"), header.get("token")
-        expected = self.ctl._state.ping_token(executor) if type(executor) is int else None
+        expected = self.ctl._dispatcher.ping_token(executor) if type(executor) is int else None
         if header["t"] == Msg.PING and expected is not None and type(token) is str and \
                 hmac.compare_digest(token.encode("ascii", "replace"), expected.encode()):
             return executor

@@ -41,7 +41,8 @@ class Launcher(Protocol):
 
     `start` returns the executors once all are connected; `replace(names)` starts a new one for
     each lost executor of `names`, with its name, tags and device, and returns every connected
-    executor once they are in (a restart [Note: executor restarts] in flowkit/runner/restarts.py);
+    executor once they are in (a restart [Note: executor restarts] in
+    flowkit/runner/checkpoints/restarts.py);
     `stop`, after the controller's shutdown, leaves no process and no shared-memory segment."""
 
     controller: Controller

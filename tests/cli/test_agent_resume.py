@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flowkit.runner.checkpoint import read_run_state
-from flowkit.runner.runstate import allowed_records
+from flowkit.runner.checkpoints.format import read_run_state
+from flowkit.runner.checkpoints.state_codec import allowed_records
 from tests.cli.runs import FLOWS, conserved
 from tests.cli.runs import metrics_lines as _lines
 from tests.cli.runs import run_ok as _run

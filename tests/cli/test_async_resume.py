@@ -1,5 +1,5 @@
 """Checkpoints, resume and restarts of asynchronous runs [Note: checkpoints of asynchronous runs
-in flowkit/runner/asyncstate.py]: a checkpoint holds the open steps' rollouts with their
+in flowkit/runner/checkpoints/open_steps.py]: a checkpoint holds the open steps' rollouts with their
 per-token versions and the calls carried past them; a resumed run loses no sample, trains none
 twice, keeps the staleness bound, and on the simulator (where a request's tokens take the
 version of the weights it was sent with, so generation under the same versions is
@@ -18,9 +18,9 @@ import pytest
 
 from benchmarks.runs import bench_run
 from flowkit.cli._flows import load_checked_flow
-from flowkit.runner.checkpoint import complete_checkpoints, read_run_state
+from flowkit.runner.checkpoints.format import complete_checkpoints, read_run_state
+from flowkit.runner.checkpoints.state_codec import allowed_records
 from flowkit.runner.config import CheckpointConfig
-from flowkit.runner.runstate import allowed_records
 from tests.cli.runs import GRPO, conserved, interrupted
 from tests.cli.runs import metrics_lines as _lines
 from tests.cli.runs import refused as _refused
@@ -250,7 +250,7 @@ def test_resume_with_another_staleness_bound_names_both(sim_runs):
     assert complete_checkpoints(paths["writer"].parent / "ck")
 
 
-# -- restarts [Note: executor restarts in flowkit/runner/restarts.py] -------------------------
+# -- restarts [Note: executor restarts in flowkit/runner/checkpoints/restarts.py] ------------
 def test_async_run_with_killed_executors_ends_with_the_uninterrupted_curve_on_the_simulator(
         tmp_path):
     """Sim executors killed twice at random moments (in generation running ahead, a drain, a
@@ -338,9 +338,9 @@ def test_partial_rollouts_survive_killed_executors_with_every_sample_trained_onc
 
 
 def test_an_async_checkpoint_does_not_stop_generation(tmp_path):
-    """[Note: checkpoints that do not drain in flowkit/runner/checkpoint.py]: with a checkpoint
-    after every step, a step trains while the steps open at its boundary still generate (a
-    drained checkpoint let their generation end first), and every checkpoint is written."""
+    """[Note: checkpoints that do not drain in flowkit/runner/checkpoints/writer.py]: with a
+    checkpoint after every step, a step trains while the steps open at its boundary still generate
+    (a drained checkpoint let their generation end first), and every checkpoint is written."""
     trace, checkpoints = tmp_path / "t.json", tmp_path / "ck"
     _run(GRPO, "--executors", "sim", "--max-staleness", "2", "--steps", str(STEPS),
          "--sim-cost", "token=0.02", "--checkpoint-dir", str(checkpoints),

@@ -1,7 +1,7 @@
-"""Executor restarts [Note: executor restarts in flowkit/runner/restarts.py]: `kill -9` executors
-of a running `flowkit run --max-restarts` at random moments; the run replaces them, replays from
-its newest checkpoint and ends with the parameters and the curve of the run without faults
-(float64); without restarts, or past them, it fails with a clear error."""
+"""Executor restarts [Note: executor restarts in flowkit/runner/checkpoints/restarts.py]: `kill -9`
+executors of a running `flowkit run --max-restarts` at random moments; the run replaces them,
+replays from its newest checkpoint and ends with the parameters and the curve of the run without
+faults (float64); without restarts, or past them, it fails with a clear error."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Run checkpoints [Note: run checkpoints in flowkit/runner/checkpoint.py]: a synchronous run
-stopped and resumed from a checkpoint gives the curve and the final parameters of the run that
+"""Run checkpoints [Note: run checkpoints in flowkit/runner/checkpoints/format.py]: a synchronous
+run stopped and resumed from a checkpoint gives the curve and the final parameters of the run that
 was never stopped (float64, seeded), on torch executors (pipeline pretraining, GRPO) and on the
-simulator; the resume bugs of other RL frameworks, each a test named after it (those of
-asynchronous runs, and the ones only they can have, in test_async_resume.py); bad input."""
+simulator; the resume bugs of other RL frameworks, each a test named after it (those of asynchronous
+runs, and the ones only they can have, in test_async_resume.py); bad input."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from click.testing import CliRunner
 
 from flowkit.cli import main
-from flowkit.runner.checkpoint import complete_checkpoints
+from flowkit.runner.checkpoints.format import complete_checkpoints
 from tests.cli.runs import GRPO, PRETRAIN, interrupted, one_step_checkpoint
 from tests.cli.runs import metrics_lines as _lines
 from tests.cli.runs import run_ok as _run

@@ -8,8 +8,8 @@ from click.testing import CliRunner
 
 from flowkit.cli import main
 from flowkit.planner import simulate
-from flowkit.planner.export import schedule_from_json
 from flowkit.planner.schedules import schedule_kinds
+from tests.planner.schedule_json import schedule_from_json
 from tests.planner.test_export_gantt import SPEC_KEYS as JSON_KEYS  # --json writes the export
 
 

@@ -56,7 +56,7 @@ def test_only_the_controller_gives_instructions_and_unknown_ops_fail_on_the_exec
     peer.close()
     # an op the executor does not have, sent as the controller would: a failed completion
     with ctl._driving():
-        ctl._state._send(ctl._state.executor(first.id), Msg.RUN, {"tasks": [
+        ctl._dispatcher._send(ctl._dispatcher.executor(first.id), Msg.RUN, {"tasks": [
             {**task, "op": "rm_rf", "id": 999_998}]})
     time.sleep(0.3)
     started = time.monotonic()

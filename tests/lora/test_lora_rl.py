@@ -16,7 +16,7 @@ from executors.torch.weights import load_checkpoint
 from flowkit.dsl import Model
 from flowkit.planner.lower import lower_flow
 from flowkit.runner.flowrun import FlowRunner
-from flowkit.runner.training import model_spec
+from flowkit.runner.training_tasks import model_spec
 from tests.harness import executor_cluster, op_context, tiny_gpt
 
 GPT_CONFIG = tiny_gpt()

@@ -73,7 +73,7 @@ def test_a_hugging_face_target_peft_cannot_use_is_refused_naming_the_linear_laye
                                                                                    words):
     pytest.importorskip("peft", reason="the hf extra: pip install 'flowkit[hf]'")
     from executors.torch.models.hf import HFModelError
-    from flowkit.runner.training import model_spec
+    from flowkit.runner.training_tasks import model_spec
 
     llama = {"architecture": "llama", "hf_config": dict(
         hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

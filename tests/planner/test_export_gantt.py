@@ -6,9 +6,10 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from flowkit.planner import Costs, MemoryModel, simulate
-from flowkit.planner.export import schedule_from_json, schedule_to_json
+from flowkit.planner.export import schedule_to_json
 from flowkit.planner.gantt import COLOURS, png_figure, render_svg, write_chart
 from flowkit.planner.schedules import build_schedule
+from tests.planner.schedule_json import schedule_from_json
 
 SPEC_KEYS = {"kind", "stages", "devices", "microbatches", "stage_to_device", "costs",
              "memory_limit", "memory_model", "device_ops", "result"}

@@ -7,11 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowkit.planner import Action, Costs, Kind, MemoryModel, Placement, Schedule, ScheduleError
-from flowkit.planner.export import schedule_from_json, schedule_to_json
+from flowkit.planner.export import schedule_to_json
 from flowkit.planner.offload import best_with_offload, offload_schedule, offloadable
 from flowkit.planner.schedules import build_schedule
 from flowkit.planner.simulate import simulate
 from flowkit.planner.validate import validate
+from tests.planner.schedule_json import schedule_from_json
 from tests.planner.strategies import draw_shares
 
 

@@ -1,7 +1,8 @@
-"""DAPO's dynamic sampling generating again [Note: sampling rounds in flowkit/runner/rounds.py]:
-when the first round's groups all have equal rewards, a GRPO step with filter_rounds generates
-the next round's prompts and trains exactly `prompts` groups, every one with rewards that
-differ, counting the rounds it ran; an asynchronous flow with rounds is refused when built."""
+"""DAPO's dynamic sampling generating again [Note: sampling rounds in
+flowkit/runner/sampling_rounds.py]: when the first round's groups all have equal rewards, a GRPO
+step with filter_rounds generates the next round's prompts and trains exactly `prompts` groups,
+every one with rewards that differ, counting the rounds it ran; an asynchronous flow with rounds is
+refused when built."""
 
 from __future__ import annotations
 

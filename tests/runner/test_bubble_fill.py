@@ -1,8 +1,8 @@
-"""Bubble filling [Note: bubble filling in flowkit/runner/fill.py]: the reference log-probs of a
-GRPO step, placed beside the engines, also run on the training executors inside their
+"""Bubble filling [Note: bubble filling in flowkit/runner/bubble_fill.py]: the reference log-probs
+of a GRPO step, placed beside the engines, also run on the training executors inside their
 pipeline's bubbles, sized to fit; without --fill-bubbles they never do; the step's samples and
-tokens are the same either way. The lending itself (which bubbles, how much of them, when
-again) is checked without processes."""
+tokens are the same either way. The lending itself (which bubbles, how much of them, when again) is
+checked without processes."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from flowkit.planner import Action, Costs, Kind, action_key
 from flowkit.planner.lower import lower_flow
 from flowkit.planner.schedules import build_schedule
 from flowkit.planner.simcosts import SimCosts
-from flowkit.runner.fill import BubbleFill
+from flowkit.runner.bubble_fill import BubbleFill
 from flowkit.runner.flowrun import FlowRunner
 from tests.harness import executor_cluster
 
@@ -165,10 +165,10 @@ def test_only_scoring_with_a_model_the_flow_does_not_train_is_lent():
     anything starts, saying so."""
     from dataflows.ppo import ppo_flow
     from flowkit.runner import Run, RunConfig
+    from flowkit.runner.bubble_fill import bubble_scorers
     from flowkit.runner.config import RunConfigError
-    from flowkit.runner.fill import lendable
 
-    assert lendable(lower_flow(ppo_flow(prompts=4, stages=2))) == {"ref_logprobs"}
+    assert bubble_scorers(lower_flow(ppo_flow(prompts=4, stages=2))) == {"ref_logprobs"}
     with pytest.raises(RunConfigError, match="--fill-bubbles: the flow scores nothing with a "
                                              "model it does not train"):
         Run(grpo_flow(prompts=4, n=2, kl_coef=0.0), RunConfig(executors="sim",

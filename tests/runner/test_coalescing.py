@@ -1,4 +1,4 @@
-"""[Note: batched per-item calls] in flowkit/runner/steprun.py: a per-item node sends its first
+"""[Note: batched per-item calls] in flowkit/runner/stepbatching.py: a per-item node sends its first
 ready item at once, and while enough of its tasks are on the way the items that come meanwhile
 wait and go together; groups complete at once go as one batched task. The results are those of
 one call per item."""

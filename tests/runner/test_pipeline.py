@@ -2,16 +2,25 @@
 
 import pytest
 
-from flowkit.planner import Action, Costs, Kind
+from flowkit.planner import Action, Costs, Kind, Schedule
 from flowkit.planner.schedules import build_schedule
-from flowkit.runner.pipeline import (
-    stage_costs_config,
-    submission_order,
-    submit_schedule,
-)
+from flowkit.runner.pipeline import _Cursor, stage_costs_config, submit_schedule
 from tests.harness import executor_cluster
 
 P, M = 3, 6
+
+
+# The order the pipeline's cursor submits a whole schedule in, as the runner's submit_schedule and
+# StreamedSchedule walk it: only this test asks for it as a list, so it lives here.
+def submission_order(schedule: Schedule) -> list[tuple[int, Action]]:
+    """(device, action) in an order that keeps each device's order and submits every action
+    after the actions it reads from, so their futures exist when it is submitted."""
+    order: list[tuple[int, Action]] = []
+    cursor = _Cursor(schedule)
+    cursor.advance(lambda device, action: order.append((device, action)) or True)
+    if not cursor.done:
+        raise ValueError(f"schedule {schedule.kind!r} deadlocks: validate it with the planner")
+    return order
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""group_by(..., take=T, rounds=R) [Note: sampling rounds in flowkit/runner/rounds.py]: the
+"""group_by(..., take=T, rounds=R) [Note: sampling rounds in flowkit/runner/sampling_rounds.py]: the
 source makes R rounds of prompts, the first per-item op after it calls a round at a time, the
 next one only while the groups still to come cannot fill the quota; the step takes exactly T
 groups when the rounds allow it, counts the rounds run and the prompts never called, and a flow

@@ -1,5 +1,5 @@
 """What the runtime tells a model's pipeline ops: the loss, its knobs and the loss scale
-(flowkit/runner/training.py); the torch side is tested in tests/torch/test_rl_loss.py."""
+(flowkit/runner/training_tasks.py); the torch side is tested in tests/torch/test_rl_loss.py."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from flowkit.ops import LOSS_KNOBS, LOSS_SPEC, SUM_FORM_LOSSES
 from flowkit.planner import Action, Kind
-from flowkit.runner.training import pipeline_config
+from flowkit.runner.training_tasks import pipeline_config
 
 LOSS_KEYS = ("loss", *LOSS_KNOBS)  # the Backprop config keys the stage ops read
 

@@ -1,7 +1,8 @@
-"""Checkpoint and shared-memory hygiene [Note: run checkpoints in flowkit/runner/checkpoint.py]:
-files 0600 in 0700 folders whatever the umask; a fresh run refuses a folder holding another run's
-checkpoints; pruning touches only this run's steps; a tampered manifest or a symlinked step
-folder is one line naming the right path; dead processes' segments are swept when a run starts."""
+"""Checkpoint and shared-memory hygiene [Note: run checkpoints in
+flowkit/runner/checkpoints/format.py]: files 0600 in 0700 folders whatever the umask; a fresh run
+refuses a folder holding another run's checkpoints; pruning touches only this run's steps; a
+tampered manifest or a symlinked step folder is one line naming the right path; dead processes'
+segments are swept when a run starts."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from flowkit.runner import checkpoint
-from flowkit.runner.checkpoint import complete_checkpoints, read_manifest
+from flowkit.runner.checkpoints import writer
+from flowkit.runner.checkpoints.format import complete_checkpoints, read_manifest
 from flowkit.wire.shm import SHM_DIR, sweep_stale
 from tests.cli.runs import PRETRAIN, refused, run_ok
 
@@ -94,7 +95,7 @@ def test_pruning_touches_only_this_runs_steps(written, tmp_path):
     own = complete_checkpoints(root)
     theirs = [_as_other_run(own[0], 77), _as_other_run(own[0], 78)]
     run_id = read_manifest(own[0]).run["id"]
-    checkpoint._prune(root, 1, run_id)
+    writer._prune(root, 1, run_id)
     assert complete_checkpoints(root) == [own[1], *theirs]
 
 

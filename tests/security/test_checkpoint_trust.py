@@ -1,8 +1,8 @@
-"""A resume loads data, never code [Note: run state on disk in flowkit/runner/runstate.py]:
-crafted checkpoints (a pickle payload, a record class or a model build that names a command,
-wrong types, a truncated file, missing keys, symbolic links) run no code (the sentinel file a
-payload would create never exists) and are refused with one line naming the file; the
-untouched checkpoint still resumes."""
+"""A resume loads data, never code [Note: run state on disk in
+flowkit/runner/checkpoints/state_codec.py]: crafted checkpoints (a pickle payload, a record class or
+a model build that names a command, wrong types, a truncated file, missing keys, symbolic links) run
+no code (the sentinel file a payload would create never exists) and are refused with one line naming
+the file; the untouched checkpoint still resumes."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ import msgpack
 import pytest
 import torch
 
-from flowkit.runner.checkpoint import RUN_STATE, CheckpointError, read_run_state
-from flowkit.runner.runstate import allowed_records
+from flowkit.runner.checkpoints.format import RUN_STATE, CheckpointError, read_run_state
+from flowkit.runner.checkpoints.state_codec import allowed_records
 from tests.cli.runs import GRPO, PRETRAIN, one_step_checkpoint, refused, run_ok
 
-_RECORD = 2  # runstate's extension type of a record
+_RECORD = 2  # state_codec's extension type of a record
 
 
 class _Payload:

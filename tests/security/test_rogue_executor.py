@@ -124,7 +124,7 @@ def test_a_live_executors_name_is_refused(run, rogue):
 ])
 def test_a_hello_out_of_bounds_is_refused_in_one_short_line(run, rogue, fields, said, caplog):
     caplog.set_level(logging.WARNING, logger="flowkit.controller")
-    run[0]._state.refusals._last.clear()  # earlier tests' refusals must not silence this one
+    run[0]._dispatcher.refusals._last.clear()  # earlier tests' refusals must not silence this one
     reason = _refusal(rogue.hello(secret=run[0].secret.hex(), **fields))
     assert said in reason and len(reason) < 400
     (line,) = [r.getMessage() for r in caplog.records if "refused an executor" in r.getMessage()]
@@ -134,7 +134,7 @@ def test_a_hello_out_of_bounds_is_refused_in_one_short_line(run, rogue, fields, 
 
 def test_repeated_refusals_are_logged_once_a_while(run, caplog):
     caplog.set_level(logging.WARNING, logger="flowkit.controller")
-    run[0]._state.refusals._last.clear()
+    run[0]._dispatcher.refusals._last.clear()
     rogues = [Rogue(run[0].address) for _ in range(30)]
     for each in rogues:  # all at once, then each one's answer
         each.send(Msg.HELLO, {"name": "rogue", "tags": [], "ops": [], "pid": 1,
@@ -158,7 +158,7 @@ def test_a_peer_address_on_another_host_is_refused(run, rogue, address):
 
 
 def _task_of(ctl, future) -> int:
-    return next(t.id for t in list(ctl._state._tasks.values()) if future.id in t.outputs)
+    return next(t.id for t in list(ctl._dispatcher._tasks.values()) if future.id in t.outputs)
 
 
 def test_forged_completions_for_another_executors_task_do_not_count(run, rogue):
@@ -194,9 +194,9 @@ def test_a_forged_value_does_not_answer_a_fetch(run, rogue):
         fetcher = threading.Thread(target=lambda: fetched.append(ctl.fetch(placed, 30)))
         fetcher.start()
         deadline = time.monotonic() + 10
-        while not ctl._state._fetches and time.monotonic() < deadline:
+        while not ctl._dispatcher._fetches and time.monotonic() < deadline:
             time.sleep(0.01)
-        (request,) = list(ctl._state._fetches)
+        (request,) = list(ctl._dispatcher._fetches)
         rogue.send(Msg.VALUE, {"request": request, "meta": {"body": pack("forged")[0]}})
         (answer,) = rogue.answers(3.0)
         assert answer["t"] == Msg.ERROR and "was not sent to" in answer["reason"]

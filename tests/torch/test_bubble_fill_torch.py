@@ -1,4 +1,4 @@
-"""Bubble filling on torch executors [Note: bubble filling in flowkit/runner/fill.py]: the
+"""Bubble filling on torch executors [Note: bubble filling in flowkit/runner/bubble_fill.py]: the
 reference's log-probs, placed beside the engine, also run on the two training executors in
 their pipeline's bubbles (the reference loaded whole there), and the actor trains to the same
 parameters as when they run beside the engine only (float64, 1e-10). Which items a bubble
@@ -12,7 +12,7 @@ import torch
 
 from dataflows.grpo import grpo_flow
 from flowkit.planner.lower import lower_flow
-from flowkit.runner import fill, steprun
+from flowkit.runner import bubble_fill, stepbatching, steplending
 from flowkit.runner.flowrun import FlowRunner
 from tests.harness import executor_cluster, tiny_gpt
 
@@ -48,10 +48,10 @@ def runs(tmp_path_factory):
         # scoring tasks of one item, one at a time, so that the reference's items wait for the
         # rollout executor; every bubble a thousand times its planned length: it holds all
         # that waits once an item's cost is known
-        patch.setattr(steprun, "_FILL_TASK_S", 1e-4)
-        patch.setattr(steprun, "_BATCHES_IN_FLIGHT", 1)
-        planned = fill.bubbles
-        patch.setattr(fill, "bubbles", lambda result: [
+        patch.setattr(steplending, "_FILL_TASK_S", 1e-4)
+        patch.setattr(stepbatching, "_BATCHES_IN_FLIGHT", 1)
+        planned = bubble_fill.bubbles
+        patch.setattr(bubble_fill, "bubbles", lambda result: [
             attrs.evolve(b, end=b.start + 1000 * b.length) for b in planned(result)])
         return {fill: _train(tmp, fill) for fill in (False, True)}
 

@@ -233,7 +233,7 @@ def test_rl_steps_train_an_hf_actor_and_sync_it_to_the_generator_by_hf_names(tmp
                                                                             algorithm):
     from dataflows.grpo import grpo_flow
     from dataflows.ppo import ppo_flow
-    from flowkit.runner.training import model_spec
+    from flowkit.runner.training_tasks import model_spec
 
     actor = Model(name="actor", build="hf", config={**SMALL_VOCAB, "dtype": "float64",
                                                     "seed": 3}, stages=2, tags=("train",))

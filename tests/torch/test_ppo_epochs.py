@@ -26,7 +26,7 @@ from flowkit.ops import cut, minibatch_rounds
 from flowkit.ops.records import Experience, StepMetrics
 from flowkit.planner.lower import lower_flow
 from flowkit.runner.flowrun import FlowRunner
-from flowkit.runner.training import model_spec
+from flowkit.runner.training_tasks import model_spec
 from tests.harness import executor_cluster, seeded_gpt, tiny_gpt
 from tests.rl.reference_algos import ppo_policy_loss, ppo_policy_loss_stats
 from tests.torch.helpers import padded_batch, response_logprobs

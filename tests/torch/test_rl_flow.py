@@ -10,7 +10,7 @@ from dataflows.grpo import grpo_flow
 from dataflows.recipes import dapo_flow, dr_grpo_flow
 from flowkit.planner.lower import lower_flow
 from flowkit.runner.flowrun import FlowRunner
-from flowkit.runner.training import model_spec
+from flowkit.runner.training_tasks import model_spec
 from tests.harness import executor_cluster, seeded_gpt, tiny_gpt
 from tests.torch.rl_ops import staged_reward
 

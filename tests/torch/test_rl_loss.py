@@ -347,7 +347,7 @@ def _executor_step(ctl, infos, name: str, schedule_kind: str, data: list[tuple],
     from flowkit.planner import Costs
     from flowkit.planner.schedules import build_schedule
     from flowkit.runner.pipeline import submit_schedule
-    from flowkit.runner.training import pipeline_config, submit_optimizer_step
+    from flowkit.runner.training_tasks import pipeline_config, submit_optimizer_step
     from flowkit.runtime import Gather
 
     spec = {**POLICY, "model": name, "stages": 2}

@@ -11,7 +11,7 @@ from dataflows.grpo import grpo_flow
 from flowkit.planner.lower import lower_flow
 from flowkit.runner.flowrun import FlowRunner
 from flowkit.runner.setup import with_training_options
-from flowkit.runner.training import model_spec
+from flowkit.runner.training_tasks import model_spec
 from tests.harness import executor_cluster, tiny_gpt
 
 TINY = {**tiny_gpt(), "dtype": "float64", "seed": 3}

@@ -13,7 +13,7 @@ from executors.torch.state import save_state
 from executors.torch.train.held_stage import held_stage
 from executors.torch.train.pipeline_ops import new_optimizer
 from flowkit.dsl import Model
-from flowkit.runner.training import model_spec
+from flowkit.runner.training_tasks import model_spec
 from tests.harness import finished, op_context, tiny_gpt
 
 

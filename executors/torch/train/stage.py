@@ -103,7 +103,7 @@ class StageRunner:
     def reset(self) -> None:
         """Forget every microbatch in flight and the gradients gathered so far: a step that
         failed part-way is replayed from a checkpoint ([Note: executor restarts] in
-        flowkit/runner/restarts.py)."""
+        flowkit/runner/checkpoints/restarts.py)."""
         self._mbs.clear()
         for param in self.module.parameters():
             param.grad = None

@@ -1,5 +1,5 @@
-"""A run's checkpoints [Note: run checkpoints in flowkit/runner/checkpoint.py]: when to write
-one, what to check before resuming, and Ctrl-C that finishes the step and checkpoints."""
+"""A run's checkpoints [Note: run checkpoints in flowkit/runner/checkpoints/format.py]: when to
+write one, what to check before resuming, and Ctrl-C that finishes the step and checkpoints."""
 
 from __future__ import annotations
 
@@ -11,13 +11,11 @@ from typing import Any
 
 import attrs
 
-from flowkit.runner.checkpoint import (
-    Manifest,
+from flowkit.runner.checkpoints.format import Manifest, latest_checkpoint, read_manifest
+from flowkit.runner.checkpoints.restore import check_resumable
+from flowkit.runner.checkpoints.writer import (
     PendingCheckpoint,
     begin_checkpoint,
-    check_resumable,
-    latest_checkpoint,
-    read_manifest,
     write_checkpoint,
 )
 
@@ -36,7 +34,8 @@ class Checkpointing:
     run_id: str = ""  # the run's [Note: run checkpoints]: its folders are the only ones it prunes
     written: int | None = None  # the step count of the newest checkpoint written
 
-    # begun, not finished yet, in order [Note: checkpoints that do not drain in checkpoint.py]
+    # begun, not finished yet, in order [Note: checkpoints that do not drain in
+    # flowkit/runner/checkpoints/writer.py]
     pending: list[PendingCheckpoint] = attrs.field(factory=list)
     _watcher: Any = None  # the runner's watcher that finishes them
     _watched: Any = None  # that runner
@@ -47,7 +46,7 @@ class Checkpointing:
     def write(self, runner: Any, executors: list, records: list[dict], done: int) -> Path:
         """The checkpoint of `done` steps, those begun before it first; CheckpointError when
         it cannot be written (an executor lost meanwhile: a restart may recover)."""
-        finished = self.settle(runner)
+        finished = self.finish_pending(runner)
         if done in finished:  # begun at its boundary already (a Ctrl-C right after it)
             return finished[done]
         folder = write_checkpoint(self.root, runner, step=done, identity=self.identity,
@@ -60,7 +59,7 @@ class Checkpointing:
               on_written: Callable[[Path], Any]) -> None:
         """Begin the checkpoint of `done` steps of an asynchronous run; it finishes while the
         run goes on, once the steps open now have generated (`on_written` is told its folder)
-        [Note: checkpoints that do not drain in checkpoint.py]."""
+        [Note: checkpoints that do not drain in flowkit/runner/checkpoints/writer.py]."""
         self.pending.append(begin_checkpoint(
             self.root, runner, step=done, identity=self.identity, executors=executors,
             kind=self.kind, records=records, keep=self.keep, run_id=self.run_id))
@@ -77,7 +76,7 @@ class Checkpointing:
         if not self.pending:
             self._unwatch(runner)
 
-    def settle(self, runner: Any) -> dict[int, Path]:
+    def finish_pending(self, runner: Any) -> dict[int, Path]:
         """Finish the checkpoints begun, waiting for what they wait for; their folders by
         step."""
         self._unwatch(runner)  # none finishes twice: here only

@@ -7,7 +7,7 @@ flowkit/planner/bubbles.py): the warm-up before its first action, the slots wher
 waits for another device's, the cool-down (not lent: nothing of the step waits then).
 Scoring of the step's samples (an op whose class declares `scores`: reference log-probs,
 values, a reward model's scores) that waits for its own executors (its items held while two
-of its tasks an executor are on the way, [Note: batched per-item calls] in steprun.py) is
+of its tasks an executor are on the way, [Note: batched per-item calls] in stepbatching.py) is
 lent those slots as they open:
 
 - when a pipeline is planned, each device's bubbles are taken from the simulation of its
@@ -52,12 +52,12 @@ from flowkit.planner.bubbles import bubbles
 from flowkit.planner.lower import Call, NodePlan
 from flowkit.runtime.registry import ExecutorInfo
 
-__all__ = ["BubbleFill", "lendable"]
+__all__ = ["BubbleFill", "bubble_scorers"]
 
 _ALPHA = 0.5  # weight of a batch's newest cost per item in the moving average
 
 
-def lendable(plan: list[NodePlan]) -> frozenset[str]:
+def bubble_scorers(plan: list[NodePlan]) -> frozenset[str]:
     """The nodes whose calls may run in a trainer's bubble: scoring (ModelOp.scores) with a
     model the flow does not train, whose copy on a trainer misses no weight sync."""
     trained = {node.model.name for node in plan
@@ -74,7 +74,7 @@ class BubbleFill:
     def __init__(self, events: queue.SimpleQueue, fill: Callable[[int, float], list],
                  nodes: frozenset[str] = frozenset()) -> None:
         self.events, self._fill = events, fill
-        self.nodes = nodes  # those whose calls it lends bubbles to (`lendable`)
+        self.nodes = nodes  # those whose calls it lends bubbles to (`bubble_scorers`)
         self.item_seconds: dict[str, float] = {}  # node -> seconds each item of a batch adds
         self.one_item: dict[str, float] = {}  # node -> seconds of a task of one item
         self.lending = False  # a pipeline's bubbles are lent (else scoring keeps its sizes)

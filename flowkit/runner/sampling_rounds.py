@@ -17,7 +17,7 @@ after it. That needs a fused run: stage by stage, the quota's node runs only onc
 ended, so such a step runs its first round only and reports its short groups as a step without
 rounds does. Synchronous runs only, without partial rollouts: both call generation through
 policies of their own (the runner refuses the mix before anything starts). It is the round
-node's call policy (calls.py), holding the quota's policy of the same step.
+node's call policy (call_policy.py), holding the quota's policy of the same step.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import attrs
 
 from flowkit.dsl import Granularity
 from flowkit.planner.lower import Call
-from flowkit.runner.calls import CallSite
+from flowkit.runner.call_policy import CallSite
 from flowkit.runner.quota import GroupQuota
 
 __all__ = ["SamplingRounds", "round_nodes"]

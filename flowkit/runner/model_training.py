@@ -1,10 +1,11 @@
 """One trained model's part of a flow run: its backprop's pipeline schedule fed with microbatches,
 its optimizer step across stages, the weight sync after it, and saving its weights.
 
-The runner (flowrun.py) owns the step's streams and node states and calls a `ModelTraining`
-through four methods: `start_step`, `feed` (the backprop node, whenever its inputs grow),
-`optimizer_step` (the optimizer-step node) and `save`; each submitted future is handed back
-through the `watch` callback it is given. A backprop with several minibatch rounds also takes
+A step (steprun.py) owns its streams and node states and calls a `ModelTraining` through
+four methods: `start_step`, `feed` (the backprop node, whenever its inputs grow: it reads them
+through an `Inputs` view and returns the step's backprop, feeding.py), `optimizer_step` (the
+optimizer-step node) and `save`; each submitted future is handed back through the `Watch` it is
+given. Its schedules are trainschedule.py's. A backprop with several minibatch rounds also takes
 the optimizer steps of all rounds but the last itself [Note: minibatch rounds in
 flowkit/ops/minibatches.py].
 """
@@ -16,53 +17,59 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-import attrs
-
 from flowkit.dsl import Model
-from flowkit.ops import cut, minibatch_rounds, rounds_of
+from flowkit.ops import rounds_of
 from flowkit.planner import (
     Action,
     Costs,
     Kind,
     MemoryModel,
     Schedule,
-    ScheduleError,
-    action_key,
     simulate,
 )
-from flowkit.planner.lower import InputRule, NodePlan
-from flowkit.planner.offload import best_with_offload, offload_schedule
-from flowkit.planner.schedules import build_schedule
+from flowkit.planner.lower import NodePlan
 from flowkit.planner.simcosts import SimCosts
-from flowkit.planner.simulate import dependencies
-from flowkit.runner.fill import BubbleFill
+from flowkit.runner.bubble_fill import BubbleFill
+from flowkit.runner.feeding import (
+    Feeding,
+    MinibatchRounds,
+    chunk,
+    form_microbatches,
+    inputs_made,
+    train_rounds,
+)
 from flowkit.runner.pipeline import (
     Gate,
     Lane,
-    PipelineRun,
     StreamedSchedule,
     device_lane,
     stage_costs_config,
 )
-from flowkit.runner.replicas import Replicas, ReplicatedSchedule, replica_counts, replica_lane
-from flowkit.runner.stepstate import FlowRunError, NodeState, Streams, sorted_lineages
-from flowkit.runner.training import (
-    device_shares,
+from flowkit.runner.replicas import Replicas, ReplicatedSchedule, replica_lane
+from flowkit.runner.stepstate import FlowRunError, Inputs
+from flowkit.runner.training_tasks import (
     model_spec,
     pipeline_config,
-    profile_stages,
     submit_exports,
     submit_optimizer_step,
     submit_weight_sync,
 )
+from flowkit.runner.trainschedule import TrainingSchedules
 from flowkit.runtime.controller import Controller
-from flowkit.runtime.futures import RemoteError
 from flowkit.runtime.registry import ExecutorInfo
 from flowkit.wire.refs import Gather
 
-__all__ = ["Feeding", "ModelTraining", "Rounds", "Watch"]
+__all__ = ["ModelTraining", "Watch"]
 
-Watch = Callable[..., None]  # watch(lineage, futures, *, register, outputs=None)
+
+
+class Watch(Protocol):
+    """How the step that feeds a training hears of each future it submits: `watch(lineage,
+    futures, register=..., outputs=None)` accounts for them and, with `register`, adds them
+    (or `outputs` in their place) to the node's outputs under `lineage`."""
+
+    def __call__(self, lineage: tuple, futures: tuple, *, register: bool,
+                 outputs: tuple | None = None) -> None: ...
 
 
 class Fusion(Protocol):
@@ -82,48 +89,6 @@ class Fusion(Protocol):
     def advance(self) -> None: ...
 
 
-@attrs.define
-class Feeding:
-    """A backprop's schedule being fed microbatches [Note: streamed microbatches], one run per
-    replica [Note: replicas in flowkit/runner/replicas.py]."""
-
-    submitter: ReplicatedSchedule
-    sizes: list[int]  # planned items per microbatch
-    streamed: bool  # microbatches form as items arrive, not after the inputs close
-    next_mb: int = 0
-    taken: set = attrs.field(factory=set)  # lineages already in a microbatch
-    # what arrived, kept as it comes so each event looks only at the new items
-    seen: int = 0  # the first input's arrivals looked at
-    waiting: list = attrs.field(factory=list)  # arrived there, not yet on every other input
-    pool: list = attrs.field(factory=list)  # on every input, in no microbatch yet
-
-    optimizer_steps = 1
-
-    @property
-    def runs(self) -> list[PipelineRun]:
-        """Each replica's run."""
-        return self.submitter.runs
-
-
-@attrs.define
-class Rounds:
-    """A backprop's minibatch rounds, every one submitted once the items are in: each round's
-    schedule, then its optimizer step in the same lanes, so that the next round's ops run on the
-    weights it made [Note: minibatch rounds in flowkit/ops/minibatches.py]."""
-
-    rounds: list[list[PipelineRun]]  # per round, each replica's run
-    reports: list  # the StepMetrics futures of every round's step but the last's
-    streamed: bool = False  # rounds cut the whole batch: a barrier
-
-    @property
-    def runs(self) -> list[PipelineRun]:
-        return [run for runs in self.rounds for run in runs]
-
-    @property
-    def optimizer_steps(self) -> int:
-        return len(self.rounds)
-
-
 class ModelTraining:
     """The pipeline training of one model on `executors` (stage s on the device the schedule
     gives it; with replicas, D pipelines one after the other [Note: replicas in
@@ -139,12 +104,13 @@ class ModelTraining:
         self.users, self.sim_costs, self.fuse, self.timeout = users, sim_costs, fuse, timeout
         self.steps = steps  # the flow's optimizer-step nodes of the model: configure rounds
         self.profiles = profiles  # (model, stages) -> profiled costs, shared with the runner
-        self.schedules: dict[tuple, Any] = {}  # built schedules by their inputs
         self.item_counts: dict[str, int] = {}  # backprop node -> items it trained on last step
         self.predicted_bubble: dict[str, float] = {}  # backprop node -> the simulator's
         self.trained: tuple | None = None  # (schedule, spec) of this step's backprop
         self.last_trained: tuple | None = None  # the same of the latest step that trained
-        self.rounds: Rounds | None = None  # this step's backprop, when it ran in rounds
+        self.rounds: MinibatchRounds | None = None  # this step's backprop, when in rounds
+        # backprop node -> this step's Feeding or MinibatchRounds, once planned
+        self.backprops: dict[str, Feeding | MinibatchRounds] = {}
         self.synced: list = []  # this step's weight exports to the generating executors
         self.tracked: set[str] = set()  # backprop nodes whose activation memory is reported
         self.step = 0
@@ -152,11 +118,12 @@ class ModelTraining:
         # alongside an asynchronous run finishes on the weights it started with (evaluation.py)
         self.before_sync: Callable[[], None] | None = None
         self.dp = Replicas(ctl, model, executors, sim_costs or SimCosts())
+        self.planning = TrainingSchedules(self)  # this step's schedules, built once an input
         self.replicas, self.devices = self.dp.count, self.dp.devices
         # the fused training it is member `fusion_index` of [Note: fused training]
         self.fusion: Fusion | None = None
         self.fusion_index = 0
-        # its pipeline's bubbles lent to scoring [Note: bubble filling in fill.py]
+        # its pipeline's bubbles lent to scoring [Note: bubble filling in bubble_fill.py]
         self.bubble_fill = bubble_fill
 
     def join_fusion(self, fusion: Fusion, index: int) -> None:
@@ -183,6 +150,7 @@ class ModelTraining:
 
     def start_step(self, step: int) -> None:
         self.step, self.trained, self.rounds, self.synced = step, None, None, []
+        self.backprops = {}
         if self.fusion is not None:
             self.fusion.start_step(step)
 
@@ -228,7 +196,7 @@ class ModelTraining:
         return peaks
 
     def carried_state(self) -> dict:
-        """What it carries from step to step that a run checkpoint keeps (checkpoint.py): the
+        """What it carries from step to step that a run checkpoint keeps (checkpoints/): the
         last schedule trained with, not the model's spec, which the flow gives again."""
         return {"item_counts": dict(self.item_counts),
                 "predicted_bubble": dict(self.predicted_bubble),
@@ -236,7 +204,8 @@ class ModelTraining:
 
     def restore_carried(self, carried: dict) -> None:
         """Take back what `carried_state` gave; the spec is this flow's model's, never one a
-        checkpoint file names [Note: run state on disk in runstate.py]."""
+        checkpoint file names [Note: run state on disk in
+        flowkit/runner/checkpoints/state_codec.py]."""
         self.item_counts.update(carried["item_counts"])
         self.predicted_bubble.update(carried["predicted_bubble"])
         schedule = carried["last_schedule"]
@@ -258,56 +227,60 @@ class ModelTraining:
     # the step's total, so the gradient does not depend on how the items were cut.
     # A backprop in minibatch rounds (epochs x minibatches > 1) is always a barrier: an epoch
     # shuffles the whole batch [Note: minibatch rounds in flowkit/ops/minibatches.py].
-    def feed(self, state: NodeState, streams: Streams, live: list[InputRule], closed: bool,
-             watch: Watch) -> None:
-        """Form microbatches from the items that are in and submit what of the schedule they
-        let run; with every input closed, the rest."""
-        plan = state.plan
+    def feed(self, plan: NodePlan, inputs: Inputs, closed: bool,
+             watch: Watch) -> Feeding | MinibatchRounds | None:
+        """Form microbatches from the items of `inputs` that are in and submit what of the
+        schedule they let run; with every input `closed`, the rest. The backprop of `plan` in
+        this step once it is planned (None until then); its `submitted` says when every action
+        is out."""
+        backprop = self.backprops.get(plan.name)
         if rounds_of(plan.config) > 1:
-            if closed and state.pipeline is None:
-                state.pipeline = self._train_rounds(plan, streams, live, watch)
-                state.started = True
-            return
-        if state.pipeline is None:
+            if closed and backprop is None:
+                backprop = self.backprops[plan.name] = train_rounds(self, plan, inputs, watch)
+                self.rounds = backprop
+            return backprop
+        if backprop is None:
             expected = self.item_counts.get(plan.name) if self._streams(plan) else None
             if expected is None and not closed:
-                return  # a barrier: the microbatches are cut from every item
-            count = len(streams.complete(live)) if expected is None else expected
-            state.pipeline = self._start_pipeline(plan, streams, live, count, watch)
-        feeding: Feeding = state.pipeline
+                return None  # a barrier: the microbatches are cut from every item
+            count = len(inputs.complete()) if expected is None else expected
+            backprop = self.backprops[plan.name] = self._start_pipeline(plan, inputs, count,
+                                                                        watch)
+        feeding: Feeding = backprop
         if feeding.next_mb < len(feeding.sizes):
-            _form_microbatches(feeding, streams, live, closed)
+            form_microbatches(feeding, inputs, closed)
         if self.fusion is None:
             feeding.submitter.advance()
         else:  # a member waiting for another's action goes on once that one is submitted
             self.fusion.advance()
-        if feeding.submitter.done and not state.started:
-            state.started = True
+        if feeding.submitter.done and not feeding.counted:
+            feeding.counted = True
             if feeding.taken:  # a step with no items (every group filtered out) teaches none:
                 self.item_counts[plan.name] = len(feeding.taken)  # the next step is a barrier
+        return feeding
 
     def _streams(self, plan: NodePlan) -> bool:
         """Whether a backprop may start before its inputs close: when fusing, and when its loss
         is normalized once at the optimizer step, so a microbatch needs no batch total."""
         return self.fuse and plan.loss_spec is not None and plan.loss_spec.summed(plan.config)
 
-    def _start_pipeline(self, plan: NodePlan, streams: Streams, live: list[InputRule],
-                        items: int, watch: Watch) -> Feeding:
+    def _start_pipeline(self, plan: NodePlan, inputs: Inputs, items: int,
+                        watch: Watch) -> Feeding:
         """The schedule for `items` items in the configured number of microbatches, ready to
         be fed; each submitted action is watched, the last stage's forwards for their stats."""
         count = max(self.replicas, min(int(plan.config.get("microbatches") or 1), items or 1))
-        sizes = [len(_chunk(range(items), count, mb)) for mb in range(count)]
+        sizes = [len(chunk(range(items), count, mb)) for mb in range(count)]
         kind = plan.config.get("schedule") or "1f1b"
 
         def sample() -> Gather:  # the first microbatch: formed, for a barrier
-            return streams.gathered(live[0], streams.complete(live)[:sizes[0]])
+            return inputs.first(inputs.complete()[:sizes[0]])
 
         # no items (every group filtered out): one empty microbatch, nothing to profile on
-        stage_costs, schedules = self._plan_replicas(plan, kind, count,
-                                                     sample if items else None)
+        stage_costs, schedules = self.planning.replicas(plan, kind, count,
+                                                        sample if items else None)
         lends = self.bubble_fill is not None and self.replicas == 1 and self.fusion is None
-        opened_by: dict = {}  # [Note: bubble filling in fill.py]: filled in once planned
-        submitter = self._replicated(plan, schedules, stage_costs, sizes, watch,
+        opened_by: dict = {}  # [Note: bubble filling in bubble_fill.py]: filled in once planned
+        submitter = self.replicated(plan, schedules, stage_costs, sizes, watch,
                                      lineage=lambda mb: (mb,),
                                      meta={"node": plan.name, "step": self.step},
                                      opened_by=opened_by)
@@ -316,21 +289,14 @@ class ModelTraining:
             run = submitter.runs[0]
             opened_by.update(self.bubble_fill.plan(
                 schedules[0], stage_costs, self.replica(0), started=lambda: bool(run.futures),
-                ready=functools.partial(_inputs_made, run)))
+                ready=functools.partial(inputs_made, run)))
         if self.fusion is not None:
             self.fusion.planned_member(self.fusion_index, plan.name, schedules[0], stage_costs,
                                        plan.config.get("memory_limit"), submitter)
         streamed = plan.name in self.item_counts and self._streams(plan)
         return Feeding(submitter=submitter, sizes=sizes, streamed=streamed)
 
-    def _plan_replicas(self, plan: NodePlan, kind: str, count: int,
-                       sample: Callable[[], Any] | None) -> tuple[Costs, list[Schedule]]:
-        """Each replica's schedule for its share of `count` microbatches (replica_counts)."""
-        planned = [self._plan_schedule(plan, kind, share, sample)
-                   for share in replica_counts(count, self.replicas)]
-        return planned[0][0], [schedule for _, schedule in planned]
-
-    def _replicated(self, plan: NodePlan, schedules: list[Schedule], stage_costs: Costs,
+    def replicated(self, plan: NodePlan, schedules: list[Schedule], stage_costs: Costs,
                     sizes: list[int], watch: Watch, *, lineage: Callable[[int], tuple],
                     meta: dict, opened_by: dict | None = None) -> ReplicatedSchedule:
         """Each replica's schedule, ready to be fed by global microbatch index (sizes: items per
@@ -372,138 +338,6 @@ class ModelTraining:
         self.dp.current = replicated.runs
         return replicated
 
-    def _plan_schedule(self, plan: NodePlan, kind: str, count: int,
-                       sample: Callable[[], Any] | None) -> tuple[Costs, Any]:
-        """The schedule for this step, from the simulator's costs or, on executors that can
-        measure (torch), from F/B/W times profiled once per model and stage count (on no
-        `sample`, uniform costs until a step has items to profile on)."""
-        limit, offload = plan.config.get("memory_limit"), plan.config.get("offload")
-        devices = self.devices
-        if self.sim_costs is not None or not all("profile_stage" in e.ops
-                                                 for e in self.executors):
-            costs = (self.sim_costs or SimCosts()).stage_costs(devices)
-            schedule = self._schedule(kind, devices, count, costs, limit, offload)
-            return costs.for_placement(schedule.placement), schedule
-        probe = "auto" if offload == "auto" else None  # auto may fit only with offload
-        placement = self._schedule(kind, devices, count, Costs.uniform(devices), limit,
-                                   probe).placement
-        key = (self.model.name, placement.num_stages)
-        if key not in self.profiles and sample is None:
-            stage_costs = Costs.uniform(placement.num_stages)  # this step's only
-            return stage_costs, self._schedule(kind, devices, count,
-                                               device_shares(stage_costs, placement), limit,
-                                               offload)
-        if key not in self.profiles:
-            try:
-                self.profiles[key] = profile_stages(
-                    self.ctl, self.replica(0), placement,
-                    model_spec(self.model, placement.num_stages), sample(),
-                    lane=self.lane_for(0), timeout=self.timeout)
-            except RemoteError as exc:
-                raise FlowRunError(f"step {self.step}: profiling model {self.model.name!r} "
-                                   f"failed: {exc}") from exc
-        stage_costs = self.profiles[key]
-        schedule = self._schedule(kind, devices, count, device_shares(stage_costs, placement),
-                                  limit, offload)
-        return stage_costs, schedule
-
-    def _schedule(self, kind: str, devices: int, count: int, costs: Costs,
-                  limit: float | None, offload: str | None = None) -> Any:
-        """Built once per input: `auto` searches, which must not cost every step its time.
-        `offload` ("half", "all"): with that share of its activations offloaded; "auto": none,
-        half or all, whichever gives the least makespan within `limit`."""
-        key = (kind, devices, count, costs, limit, offload)
-        if key not in self.schedules:
-            if offload == "auto":  # none, half or all: the least makespan within the limit
-                return self._auto_offload(key, kind, devices, count, costs, limit)
-            try:
-                schedule = build_schedule(kind, devices=devices, microbatches=count,
-                                          costs=costs, memory_limit=limit)
-            except ScheduleError as exc:  # one line, not the grid of the schedule
-                raise FlowRunError(f"step {self.step}: model {self.model.name!r}: "
-                                   f"{exc.problems[0]}: raise its memory_limit, or let "
-                                   "offload make room (offload auto)") from None
-            if offload not in (None, "none"):  # [Note: offload in flowkit/planner/offload.py]
-                schedule = offload_schedule(schedule, costs.for_placement(schedule.placement),
-                                            offload)
-            self.schedules[key] = schedule
-        return self.schedules[key]
-
-    def _auto_offload(self, key: tuple, kind: str, devices: int, count: int, costs: Costs,
-                      limit: float | None) -> Schedule:
-        if limit is None:
-            raise FlowRunError(f"model {self.model.name!r}: offload auto chooses under a "
-                               "memory limit, and its backprop has none: give it memory_limit")
-        try:
-            pick = best_with_offload(kind, devices=devices, microbatches=count, costs=costs,
-                                     memory=MemoryModel(), memory_limit=limit)
-        except ScheduleError as exc:
-            raise FlowRunError(f"step {self.step}: model {self.model.name!r}: {exc}") from None
-        self.schedules[key] = pick.schedule
-        return pick.schedule
-
-    # -- minibatch rounds [Note: minibatch rounds in flowkit/ops/minibatches.py] ---------------
-    # Every round is submitted at once, the control plane running ahead of the data: a round's
-    # optimizer step runs in each device's lane after that device's F/B/W of the round, and the
-    # next round's ops after it, so no round reads weights its predecessor has not stepped.
-    def _train_rounds(self, plan: NodePlan, streams: Streams, live: list[InputRule],
-                      watch: Watch) -> Rounds:
-        """Shuffle and cut the batch into the rounds' minibatches, run each under one schedule
-        (as many microbatches as the smallest minibatch allows, up to the configured number)
-        and step after each but the last, whose step is the optimizer-step node's."""
-        step_plan = self._step_plan(plan)
-        ordered = sorted_lineages(streams.complete(live))
-        config = plan.config
-        try:
-            rounds = minibatch_rounds(len(ordered), epochs=config["epochs"],
-                                      minibatches=config["minibatches"],
-                                      seed=config.get("shuffle_seed") or 0, step=self.step)
-        except ValueError as exc:
-            raise FlowRunError(f"step {self.step}: {plan.name!r}: {exc}") from None
-        count = max(self.replicas, min(int(config.get("microbatches") or 1),
-                                       *map(len, rounds)))
-        cuts = [cut([ordered[i] for i in indices], count) for indices in rounds]
-        stage_costs, schedules = self._plan_replicas(
-            plan, config.get("schedule") or "1f1b", count,
-            lambda: streams.gathered(live[0], cuts[0][0]))
-        self.predicted_bubble[plan.name] = simulate(schedules[0], stage_costs).bubble_rate
-        self.item_counts[plan.name] = len(ordered)
-        runs, reports = [], []
-        for index, microbatches in enumerate(cuts):
-            runs.append(self._submit_round(plan, index, microbatches, schedules, stage_costs,
-                                           streams, live, watch))
-            if index < len(cuts) - 1:
-                losses = [f for run in runs[-1] for f in run.losses]
-                report = self._submit_step(step_plan, [Gather(losses)], watch, outputs=2,
-                                           round_index=index)
-                watch((), report, register=False)
-                reports.append(report[0])  # the round's StepMetrics, for the last one's report
-        self.rounds = Rounds(rounds=runs, reports=reports)
-        return self.rounds
-
-    def _submit_round(self, plan: NodePlan, index: int, microbatches: list[list],
-                      schedules: list[Schedule], stage_costs: Costs, streams: Streams,
-                      live: list[InputRule], watch: Watch) -> list[PipelineRun]:
-        """One round's schedules, its microbatches fed at once; the last stage's forwards are
-        the backprop's stats, by (round, global microbatch). Each replica's run."""
-        submitter = self._replicated(plan, schedules, stage_costs, [len(m) for m in microbatches],
-                                     watch, lineage=lambda mb: (index, mb),
-                                     meta={"node": plan.name, "step": self.step, "round": index})
-        for mb, chosen in enumerate(microbatches):
-            submitter.feed(mb, tuple(streams.gathered(rule, chosen) for rule in live))
-        submitter.advance()
-        return submitter.runs
-
-    def _step_plan(self, plan: NodePlan) -> NodePlan:
-        """The optimizer-step node that `plan`'s stats feed: its config steps every round."""
-        for step in self.steps:
-            if any(rule.src == plan.name and not rule.feedback for rule in step.inputs):
-                return step
-        raise FlowRunError(f"step {self.step}: {plan.name!r} trains model {self.model.name!r} "
-                           f"in {rounds_of(plan.config)} minibatch rounds (epochs x "
-                           "minibatches), each followed by an optimizer step configured by the "
-                           "OptimizerStep its stats feed, but its stats feed none")
-
     # -- the optimizer step and what follows it ------------------------------------------------
     def optimizer_step(self, plan: NodePlan, stats: list, watch: Watch) -> None:
         """The optimizer step across the model's stages, each in its device's lane (after its
@@ -517,7 +351,7 @@ class ModelTraining:
         if self.rounds is not None:
             losses = [f for run in self.rounds.rounds[-1] for f in run.losses]
             stats = [Gather(losses), Gather(self.rounds.reports)]
-        report = self._submit_step(plan, stats, watch, outputs=len(plan.outputs))
+        report = self.submit_step(plan, stats, watch, outputs=len(plan.outputs))
         registered = report
         if "weights" in plan.outputs:
             loads = self._sync_weights(plan, report[plan.outputs.index("weights")])
@@ -528,7 +362,7 @@ class ModelTraining:
                                    for port, future in zip(plan.outputs, report))
         watch((), report, register=True, outputs=registered)
 
-    def _submit_step(self, plan: NodePlan, stats: list, watch: Watch, *, outputs: int,
+    def submit_step(self, plan: NodePlan, stats: list, watch: Watch, *, outputs: int,
                      round_index: int | None = None) -> tuple:
         """Submit one optimizer step with `plan`'s config on every replica, watching the ops
         that report nothing; returns replica 0's reporting stage's `outputs` futures."""
@@ -586,57 +420,4 @@ class ModelTraining:
                                executor=self.executors[first].id,
                                lane=device_lane(self.lane_for(0), first),
                                meta={"node": "save", "step": self.step})
-
-
-def _form_microbatches(feeding: Feeding, streams: Streams, live: list[InputRule],
-                       closed: bool) -> None:
-    """Feed the next microbatches that the items in let form: each its planned size, the last
-    (or, once the inputs close, every one left) from what remains."""
-    _take_arrivals(feeding, streams, live)
-    pool = feeding.pool
-    if not feeding.streamed:
-        pool[:] = sorted_lineages(pool)  # a barrier cuts the items in their lineages' order
-    while feeding.next_mb < len(feeding.sizes):
-        mb, left = feeding.next_mb, len(feeding.sizes) - feeding.next_mb
-        if closed:  # the rest, spread over the microbatches still to form
-            size = len(pool) // left + (1 if len(pool) % left else 0)
-        elif mb == len(feeding.sizes) - 1 or len(pool) < feeding.sizes[mb]:
-            break  # the last microbatch takes whatever is left when the inputs close
-        else:
-            size = feeding.sizes[mb]
-        chosen, pool = pool[:size], pool[size:]
-        feeding.taken.update(chosen)
-        feeding.submitter.feed(mb, tuple(streams.gathered(r, chosen) for r in live))
-        feeding.next_mb += 1
-    feeding.pool = pool
-
-
-def _take_arrivals(feeding: Feeding, streams: Streams, live: list[InputRule]) -> None:
-    """Move the lineages every input now has into the pool, looking only at new arrivals of
-    the first input and those still waiting for a partner."""
-    lead = streams.of(live[0])
-    feeding.waiting += lead.arrivals[feeding.seen:]
-    feeding.seen = len(lead.arrivals)
-    others = [streams.of(r).items for r in live[1:]]
-    still = []
-    for lin in feeding.waiting:
-        (feeding.pool if all(lin in items for items in others) else still).append(lin)
-    feeding.waiting = still
-
-
-def _chunk(items: list, count: int, index: int) -> list:
-    """The index-th of `count` contiguous, near-equal slices of `items`."""
-    base, extra = divmod(len(items), count)
-    start = index * base + min(index, extra)
-    return items[start:start + base + (1 if index < extra else 0)]
-
-
-def _inputs_made(run: PipelineRun, action: Action) -> bool:
-    """Whether what `action` reads is made, so the bubble before it is gone: the actions it
-    depends on are done, or for a first stage's forward, its microbatch came (it went out)."""
-    needs = dependencies(action, run.schedule.num_stages)
-    if not needs:
-        return action in run.futures
-    done = {a.key for a, future in run.futures.items() if future.done()}
-    return all(action_key(*dep) in done for dep in needs)
 

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import attrs
 
-from flowkit.runner.calls import CallSite
+from flowkit.runner.call_policy import CallSite
 from flowkit.runner.partial import Carried, CarryOver
 from flowkit.runner.stepstate import RunnerState, sorted_lineages
 from flowkit.wire.refs import Item
@@ -28,7 +28,7 @@ __all__ = ["CarriedCall", "OpenCall", "OpenWork", "Replay", "open_work", "resume
 #      every open step's generating nodes (gated nodes whose op declares its calls resumable,
 #      ModelOp.resumable: Generate's) end while the run goes on: the engines decode the open steps'
 #      samples as they would have without the checkpoint, and the next step trains meanwhile
-#      ([Note: checkpoints that do not drain] in checkpoint.py);
+#      ([Note: checkpoints that do not drain] in writer.py);
 #   2. fetches, for each open step and generating node, every call's output: the rollouts (tokens,
 #      log-probs, the weights version of every token) in the order the call emitted them, and the
 #      partial-rollout metrics the step will report; and the calls carried past the last open step
@@ -55,7 +55,7 @@ __all__ = ["CarriedCall", "OpenCall", "OpenWork", "Replay", "open_work", "resume
 #     inference with a critic fed back) are not saved: a resumed run computes them again with the
 #     newest weights, within the bound. Request names carry the runner's attempt, so an abort
 #     remembered by a surviving executor from before a restart never cuts a replayed request ([Note:
-#     executor restarts] in flowkit/runner/restarts.py).
+#     executor restarts] in flowkit/runner/checkpoints/restarts.py).
 
 
 @attrs.frozen
@@ -94,7 +94,7 @@ class OpenWork:
 
 @attrs.define
 class Replay:
-    """A resumed open step's generating node (its call policy, calls.py): exactly the
+    """A resumed open step's generating node (its call policy, call_policy.py): exactly the
     checkpointed calls, each given its saved rollouts (passed through), in place of the
     step's own prompts, reporting the partial-rollout metrics the checkpointed step had."""
 
@@ -137,7 +137,7 @@ class Replay:
 class OpenSteps(Protocol):
     """What a checkpoint drains of a runner (flowrun.FlowRunner)."""
 
-    def react(self, timeout: float) -> None:
+    def run_reactions(self, timeout: float) -> None:
         """Run the queued reactions (queue.Empty if none comes within `timeout`)."""
 
     def open_resumable(self) -> dict[int, dict[str, bool]]:

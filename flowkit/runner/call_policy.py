@@ -1,8 +1,8 @@
-"""The seam between a step and the ways a per-item node's calls may differ from "one call per
-item, its items downstream when they exist": partial rollouts (partial.py) over-provision a
-step, take the calls that end first and carry the rest into the next step; a resumed
-asynchronous run replays a step's checkpointed calls (asyncstate.py). A step (steprun.py) asks
-the node's `CallPolicy` at each turn instead of knowing either.
+"""The seam between a step and the ways a per-item node's calls may differ from "one call per item,
+its items downstream when they exist": partial rollouts (partial.py) over-provision a step, take the
+calls that end first and carry the rest into the next step; a resumed asynchronous run replays a
+step's checkpointed calls (checkpoints/open_steps.py). A step (steprun.py) asks the node's
+`CallPolicy` at each turn instead of knowing either.
 """
 
 from __future__ import annotations
@@ -10,7 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-__all__ = ["CallPolicy", "CallSite"]
+from flowkit.planner.lower import InputRule
+from flowkit.runner.stepstate import NodeState
+
+__all__ = ["CallPolicy", "CallSite", "StepSite"]
 
 
 class CallSite(Protocol):
@@ -61,3 +64,39 @@ class CallPolicy(Protocol):
 
     def metrics(self, timeout: float) -> dict[str, float]:
         """What the step reports of the node's calls."""
+
+
+class StepSite:
+    """A node of a step (steprun.StepRun) as its call policy acts on it: the CallSite a step
+    gives its policies."""
+
+    def __init__(self, run: Any, state: NodeState, lead: InputRule | None = None) -> None:
+        self.run, self.state, self.lead = run, state, lead
+
+    def submit(self, lineage: tuple, lead: Any, *, extra: dict | None = None,
+               meta: dict | None = None) -> None:
+        """The call goes where the node's balancer says, as the step's own calls do."""
+        run, state = self.run, self.state
+        state.submitted.add(lineage)
+        name, executor = state.plan.name, None
+        balancer = run.balancers.get(name)
+        if balancer is not None:
+            workload = run.submission.workloads[name]
+            keys = run.streams.of(workload.lead).keys if workload.keyed else {}
+            executor = balancer.assign(lineage, keys.get(lineage))
+        run.submit(state, lineage, {self.lead.port: lead}, executor=executor, extra=extra,
+                   meta=meta)
+
+    def abort(self, requests: Sequence[str]) -> list[Any]:
+        run, state = self.run, self.state
+        aborts = run.submission.abort_calls(state.plan, requests, run.step)
+        for abort in aborts:
+            run.watch(state, (), (abort,), register=False)
+        return aborts
+
+    def lead_items(self) -> list[tuple[tuple, Any]]:
+        stream = self.run.streams.of(self.lead)
+        return [(lineage, stream.items[lineage]) for lineage in stream.arrivals]
+
+    def touch(self) -> None:
+        self.run.touch(self.state.plan.name)

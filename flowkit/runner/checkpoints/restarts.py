@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from flowkit.runner.checkpoint import CheckpointError, latest_checkpoint
+from flowkit.runner.checkpoints.format import CheckpointError, latest_checkpoint
 from flowkit.runtime.launch import ExecutorExited, Launcher
 from flowkit.runtime.registry import ExecutorInfo
 
@@ -22,9 +22,9 @@ __all__ = ["Restarts", "start_executors", "temporary_checkpoints"]
 
 # [Note: executor restarts] With restarts allowed, the run checkpoints before its first step and
 # after every step (into --checkpoint-dir, or a temporary folder), [Note: run checkpoints] in
-# flowkit/runner/checkpoint.py. When a step fails because executors were lost (a process killed, out
-# of memory, its host gone: the controller fails their tasks at once, or at the heartbeat timeout),
-# the run
+# flowkit/runner/checkpoints/format.py. When a step fails because executors were lost (a process
+# killed, out of memory, its host gone: the controller fails their tasks at once, or at the
+# heartbeat timeout), the run
 #   1. waits for the other executors' tasks to end (those that needed the lost ones' outputs were
 #      cancelled), so nothing changes their state behind the reload;
 #   2. starts a new process for each lost executor, with its name, tags and device;
@@ -34,9 +34,9 @@ __all__ = ["Restarts", "start_executors", "temporary_checkpoints"]
 #   4. replays the steps from that checkpoint on. A synchronous step is a function of the
 #      checkpointed state, so the run ends with the parameters and the curve of a run without
 #      faults. An asynchronous run's checkpoint also holds the rollouts of its open steps ([Note:
-#      checkpoints of asynchronous runs] in flowkit/runner/asyncstate.py): a lost executor's
-#      generation in flight is replayed from it, no sample lost or trained twice, within the
-#      staleness bound; where generation under the same weights versions is deterministic (the
+#      checkpoints of asynchronous runs] in flowkit/runner/checkpoints/open_steps.py): a lost
+#      executor's generation in flight is replayed from it, no sample lost or trained twice, within
+#      the staleness bound; where generation under the same weights versions is deterministic (the
 #      simulator) the run ends with the curve of a run without faults, on torch the versions of
 #      later steps' tokens depend on timing, as in any two runs. Each restart is a warning on the
 #      dashboard and counts in the metrics (`restarts`); past N restarts, or when no executor was

@@ -1,8 +1,8 @@
 """Training a model's pipeline stages through the runtime: what each F/B/W task is told, the
 profiling warm-up that gives the planner real costs, and the optimizer step across stages.
 
-The ops themselves live with the executors (executors/torch/pipeline_ops.py,
-executors/sim.py); this module only decides what to submit where. It never imports torch.
+The ops themselves live with the executors (executors/torch/train/pipeline_ops.py,
+executors/sim/ops.py); this module only decides what to submit where. It never imports torch.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ __all__ = ["model_spec", "pipeline_config", "profile_stages", "submit_exports",
 
 def model_spec(model: Model, num_stages: int) -> dict:
     """The task config that names a model to its holders: every op of one model carries the
-    same, so each executor builds the same weights (executors/torch/held.py)."""
+    same, so each executor builds the same weights (executors/torch/models/built.py)."""
     config = dict(model.config)
     spec = {"model": model.name, "build": model.build, "stages": num_stages,
             "seed": int(config.pop("seed", 0)), "dtype": str(config.pop("dtype", "float32"))}
@@ -94,7 +94,7 @@ def submit_optimizer_step(ctl: Controller, schedule: Schedule, executors: Sequen
                           step_config: Callable[[int], dict] | None = None
                           ) -> tuple[list[Future], Any]:
     """The step across stages ([Note: the optimizer step across stages] in
-    executors/torch/pipeline_ops.py): grad stats per stage (the last stage's adds in the first
+    executors/torch/train/pipeline_ops.py): grad stats per stage (the last stage's adds in the first
     stage's tied gradients), then one optimizer step per stage that reads them all, and the
     microbatches' `stats` (a loss summed over tokens leaves there the normalizer every stage
     divides its gradients by). Each op runs in its device's lane, so after that device's W

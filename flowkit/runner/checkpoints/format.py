@@ -1,0 +1,276 @@
+"""Run checkpoints: everything a synchronous flow run needs to go on from a step boundary as if it
+had never stopped. This module holds their format (a folder of a manifest, the controller's state
+and each executor's) and reading it back; writer.py writes one, restore.py resumes from one.
+
+The design: [Note: run checkpoints] below.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+
+from flowkit.planner.lower import NodePlan
+from flowkit.runner.checkpoints.controller_state import RunState, read_state
+from flowkit.runner.checkpoints.open_steps import OpenSteps, Resuming
+from flowkit.runner.checkpoints.state_codec import CheckpointError, read_private
+from flowkit.runner.stepstate import RunnerState, Streams
+from flowkit.runner.training_tasks import model_spec
+from flowkit.runtime.registry import ExecutorInfo
+
+__all__ = ["FORMAT", "MANIFEST", "PICKLED_STATE", "PREFIX", "RUN_STATE", "CheckpointError",
+           "Checkpointed",
+           "Manifest", "RunState", "check_root", "complete_checkpoints", "executor_layout",
+           "flow_identity", "flow_models", "latest_checkpoint", "new_run_id", "read_manifest",
+           "read_run_state", "run_of", "run_record"]
+
+
+# [Note: run checkpoints] A checkpoint is a folder `step-NNNNNNNN` (N: the steps done) under the
+# run's checkpoint root:
+#
+# manifest.json       the flow's identity, the run's (`run`: its id, flow and the flow's hash),
+#                     the step, the executors; written last
+# run.msgpack         the controller's state (`RunState`): plain values checked against a schema
+#                     when read, never pickle [Note: run state on disk in
+#                     flowkit/runner/checkpoints/state_codec.py]
+# executors/NAME      each executor's state: the `save_state` op (executors/torch/state.py,
+#                     executors/sim/ops.py) writes its held models' weights and optimizer states per
+#                     split and stage, their weights versions and its random generators (tensors
+#                     and plain values, read back with torch.load(weights_only=True); the models
+#                     are built again from the flow's build and config, never the file's)
+#
+# It is written into a hidden `.step-...tmp` folder that is renamed when every part is in, so a
+# checkpoint is complete or absent; the newest `keep` of this run are kept. Files are 0600 and
+# folders 0700 whatever the umask. A run has an id, made when it starts and kept by a resumed
+# run: a fresh run refuses a root that holds another run's checkpoints (check_root), and pruning
+# touches only its own. Executors write their parts themselves (no tensor comes to the
+# controller), so the root must be a path they share with it.
+#
+# What makes a resumed step k draw exactly what step k drew in the uninterrupted run: sources and
+# samplers derive their randomness from (seed, step[, prompt, sample]) alone (token_sequences,
+# sort_prompts, the rollout engine's counter-based sampler, the simulator), so they need no state
+# but the step; executors' torch and Python generators are in their state; the feedback a step reads
+# from the previous one (weights versions) is fetched and put back; each trained model's item counts
+# (which decide from step 2 on how fused microbatches are cut) and profiled stage costs (which
+# decide cost-driven schedules) are in `RunState`. Every op of a step is done at its boundary, so
+# nothing is in flight. An asynchronous run's boundary has steps open: its checkpoint also holds
+# their generated rollouts and the calls carried past them ([Note: checkpoints of asynchronous runs]
+# in open_steps.py, `RunState.open_work`), and its manifest the staleness bound, which a resumed run
+# must keep.
+
+FORMAT = "flowkit.run_checkpoint/2"
+MANIFEST = "manifest.json"
+RUN_STATE = "run.msgpack"
+PICKLED_STATE = "run.pkl"  # an older flowkit's run state: refused, never unpickled
+PREFIX = "step-"
+_MAX_MANIFEST = 1 << 24  # bytes
+
+
+@attrs.frozen(kw_only=True)
+class Manifest:
+    step: int  # steps done: a resumed run goes on with this step
+    identity: dict  # flow_identity's
+    executors: list[dict]  # name, tags, kind of each, in name order
+    run: dict  # the run that wrote it: id, flow, flow_hash
+    placement: dict = attrs.field(factory=dict)  # model -> the executor of each stage, by name
+    written_s: float = 0.0  # seconds the checkpoint took to write
+    format: str = FORMAT
+    staleness: int | None = None  # an asynchronous run's bound; None: a synchronous run
+
+
+def new_run_id() -> str:
+    """A fresh run's id: random, so two runs never share one."""
+    return secrets.token_hex(8)
+
+
+def flow_identity(name: str, plan: list[NodePlan]) -> dict:
+    """What a checkpoint must match to be resumed by a flow: its name, its nodes, and each
+    model's build, config, seed, dtype and stages. JSON-shaped, so it compares after a round
+    trip through the manifest."""
+    identity = {"flow": name, "nodes": sorted(f"{node.name}:{node.op}" for node in plan),
+                "models": flow_models(plan)}
+    return json.loads(json.dumps(identity, sort_keys=True, default=repr))
+
+
+def flow_models(plan: list[NodePlan]) -> dict[str, dict]:
+    """Each model's spec as the flow declares it: what a resumed executor builds its models
+    from (executors/torch/state.py), never a checkpoint file's."""
+    return {node.model.name: model_spec(node.model, node.model.stages)
+            for node in plan if node.model is not None}
+
+
+def run_record(run_id: str, identity: dict) -> dict:
+    """What a checkpoint says of the run that wrote it."""
+    text = json.dumps(identity, sort_keys=True)
+    return {"id": run_id, "flow": identity["flow"],
+            "flow_hash": hashlib.sha256(text.encode()).hexdigest()[:16]}
+
+
+class Checkpointed(OpenSteps, Resuming, Protocol):
+    """A runner as its checkpoints see it (flowrun.FlowRunner)."""
+
+    ctl: Any  # the controller its executors are reached through
+    staleness: int | None  # its bound, None: synchronous
+    events: Any  # its reactions' queue
+    open: dict  # step -> its open steps' runs
+    carried: dict  # the ledger's carried calls for steps not open
+    generating: list[str]  # the nodes whose calls an asynchronous checkpoint holds
+
+    def boundary(self) -> RunnerState:
+        """What it holds at a step boundary but the open steps' generation."""
+
+    def open_state(self, runs: Mapping[int, Any],
+                   carried: Mapping[int, dict[str, list]]) -> dict[str, Any]:
+        """The open steps' part, once their generating nodes have ended."""
+
+    def resume(self, step: int, feedback: Streams, profiles: dict,
+               training: Mapping[str, dict]) -> None:
+        """Go on at `step` from what a checkpoint held."""
+
+
+
+def executor_layout(executors: list[ExecutorInfo], kind: str) -> list[dict]:
+    return [{"name": e.name, "tags": sorted(e.tags), "kind": kind}
+            for e in sorted(executors, key=lambda e: e.name)]
+
+
+def run_of(folder: Path) -> str | None:
+    """The id of the run that wrote checkpoint `folder`; None when its manifest cannot say."""
+    try:
+        return read_manifest(folder).run["id"]
+    except CheckpointError:
+        return None
+
+
+def check_root(root: Path, run_id: str) -> None:
+    """A CheckpointError of one line when checkpoint root `root` holds checkpoints of another
+    run than `run_id` (a fresh run's new id, or the id of the run a resumed one goes on)."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    steps = sorted(p for p in root.glob(f"{PREFIX}*"))
+    others = [p for p in steps if run_of(p) != run_id]
+    if others:
+        first = others[0]
+        try:
+            manifest = read_manifest(first)
+            whose = f"run {manifest.run['id']} of flow {manifest.run['flow']!r}"
+        except CheckpointError as exc:
+            whose = f"a run this flowkit cannot read ({str(exc).split(': ', 2)[-1]})"
+        names = ", ".join(p.name for p in others[:3]) + (", ..." if len(others) > 3 else "")
+        raise CheckpointError(f"--checkpoint-dir {root} holds checkpoints of another run "
+                              f"({names}: {whose}): go on with it with --resume {root}, or give "
+                              "another --checkpoint-dir")
+
+
+
+# -- reading ------------------------------------------------------------------------------
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The complete checkpoints under `root`, oldest first (symbolic links among them too:
+    reading one refuses it, naming it)."""
+    found = [p for p in Path(root).glob(f"{PREFIX}*") if os.path.lexists(p / MANIFEST)]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_checkpoint(path: Path) -> Path:
+    """`path` itself if it is a checkpoint, else the newest complete one under it."""
+    path = Path(path)
+    if os.path.lexists(path / MANIFEST):
+        return path
+    if not path.is_dir():
+        raise CheckpointError(f"--resume {path}: no such directory")
+    found = complete_checkpoints(path)
+    if not found:
+        raise CheckpointError(f"--resume {path}: not a run checkpoint (no {MANIFEST} in it, and "
+                              f"no complete {PREFIX}* checkpoint under it)")
+    return found[-1]
+
+
+def read_manifest(folder: Path) -> Manifest:
+    """The manifest of checkpoint `folder`, every field checked: a CheckpointError of one line
+    naming the file otherwise."""
+    folder = Path(folder)
+    if folder.is_symlink():
+        raise CheckpointError(f"--resume {folder}: the checkpoint folder is a symbolic link; "
+                              "give the folder itself")
+    path = folder / MANIFEST
+    data = read_private(path, f"--resume {folder}", _MAX_MANIFEST)
+    try:
+        fields = json.loads(data)
+    except ValueError as exc:
+        raise CheckpointError(f"--resume {folder}: unreadable {MANIFEST}: {exc}") from None
+    if not isinstance(fields, dict) or fields.get("format") != FORMAT:
+        found = fields.get("format") if isinstance(fields, dict) else None
+        older = (f" (its {PICKLED_STATE} is a pickle, which this flowkit never loads: it "
+                 "could run code)" if os.path.lexists(folder / PICKLED_STATE) else "")
+        raise CheckpointError(f"--resume {folder}: a checkpoint of format {found!r}; this "
+                              f"flowkit reads {FORMAT!r}{older}")
+    problem = _manifest_problem(fields)
+    if problem:
+        raise CheckpointError(f"--resume {path}: {problem}; the file is damaged or was not "
+                              "written by flowkit")
+    return Manifest(**fields)
+
+
+_MANIFEST_FIELDS = {"step", "identity", "executors", "run", "placement", "written_s", "format",
+                    "staleness"}
+
+
+def _manifest_problem(fields: dict) -> str:
+    """What is wrong with a manifest's fields, or ""."""
+    if set(fields) != _MANIFEST_FIELDS:
+        return (f"fields {sorted(map(str, fields))[:10]}, expected "
+                f"{sorted(_MANIFEST_FIELDS)}")
+    checks = [
+        (_whole(fields["step"]), "step is not a whole number >= 0"),
+        (fields["staleness"] is None or _whole(fields["staleness"]),
+         "staleness is not a whole number or null"),
+        (isinstance(fields["written_s"], (int, float)), "written_s is not a number"),
+        (_is_run(fields["run"]), "run is not {id, flow, flow_hash} of strings"),
+        (_is_identity(fields["identity"]), "identity is not {flow, nodes, models}"),
+        (isinstance(fields["executors"], list) and all(
+            isinstance(e, dict) and set(e) == {"name", "tags", "kind"}
+            and isinstance(e["name"], str) and isinstance(e["kind"], str) and _strings(e["tags"])
+            for e in fields["executors"]), "executors is not a list of {name, tags, kind}"),
+        (isinstance(fields["placement"], dict) and all(
+            isinstance(k, str) and _strings(v) for k, v in fields["placement"].items()),
+         "placement is not a map of model to executor names"),
+    ]
+    return next((problem for ok, problem in checks if not ok), "")
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _is_run(value: Any) -> bool:
+    return (isinstance(value, dict) and set(value) == {"id", "flow", "flow_hash"}
+            and all(isinstance(v, str) for v in value.values()))
+
+
+def _is_identity(value: Any) -> bool:
+    return (isinstance(value, dict) and set(value) == {"flow", "nodes", "models"}
+            and isinstance(value["flow"], str) and _strings(value["nodes"])
+            and isinstance(value["models"], dict)
+            and all(isinstance(k, str) and isinstance(v, dict)
+                    and isinstance(v.get("model_config", {}), dict)
+                    for k, v in value["models"].items()))
+
+
+def read_run_state(folder: Path, records: Mapping[str, type]) -> RunState:
+    """The controller's state in checkpoint `folder`, its record classes looked up in
+    `records` (state_codec.allowed_records): data only, checked field by field."""
+    return read_state(Path(folder) / RUN_STATE, records)
+
+

@@ -1,0 +1,143 @@
+"""Resuming from a run checkpoint ([Note: run checkpoints in
+flowkit/runner/checkpoints/format.py]): whether this run may, and putting the executors' and the
+runner's state back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from flowkit.runner.checkpoints.controller_state import RunState
+from flowkit.runner.checkpoints.format import (
+    Checkpointed,
+    Manifest,
+    read_manifest,
+    read_run_state,
+)
+from flowkit.runner.checkpoints.open_steps import resume_open
+from flowkit.runner.checkpoints.state_codec import CheckpointError
+from flowkit.runner.replicas import optimizer_shards, state_sources
+from flowkit.runner.stepstate import Streams
+from flowkit.runtime.futures import wait
+from flowkit.runtime.registry import ExecutorInfo
+
+__all__ = ["check_resumable", "restore"]
+
+
+def check_resumable(manifest: Manifest, identity: dict, layout: list[dict],
+                    folder: Path, staleness: int | None = None,
+                    replicas: Mapping[str, int] | None = None) -> None:
+    """CheckpointError naming the first mismatch between the checkpoint and this run (of
+    staleness bound `staleness`, None: synchronous; training its models with `replicas`, by
+    name: other counts than the checkpoint's change how many executors it needs [Note:
+    resuming at another replica count])."""
+    saved = manifest.identity
+    where = f"--resume {folder}:"
+    if manifest.staleness and manifest.staleness != staleness:  # its open steps' samples
+        raise CheckpointError(
+            f"{where} a checkpoint of an asynchronous run with --max-staleness "
+            f"{manifest.staleness}, whose open steps hold samples generated under that bound; "
+            f"this run is {_mode(staleness)}: resume it with --max-staleness "
+            f"{manifest.staleness}")
+    if saved["flow"] != identity["flow"]:
+        raise CheckpointError(f"{where} a checkpoint of flow {saved['flow']!r}, not of "
+                              f"{identity['flow']!r}")
+    for name in sorted(set(saved["models"]) | set(identity["models"])):
+        mine, theirs = identity["models"].get(name), saved["models"].get(name)
+        if mine is None or theirs is None:
+            raise CheckpointError(f"{where} model {name!r} is only in "
+                                  f"{'the checkpoint' if mine is None else 'this flow'}")
+        problem = _spec_difference(theirs, mine)
+        if problem:
+            raise CheckpointError(f"{where} model {name!r} differs: {problem}")
+    if saved["nodes"] != identity["nodes"]:
+        gone = sorted(set(saved["nodes"]) - set(identity["nodes"]))
+        new = sorted(set(identity["nodes"]) - set(saved["nodes"]))
+        raise CheckpointError(f"{where} the flow's ops differ: only in the checkpoint "
+                              f"{gone or '-'}, only in this run {new or '-'}")
+    if not _same_executors(manifest, layout, identity, replicas or {}):
+        raise CheckpointError(f"{where} written by executors {_layout_text(manifest.executors)}; "
+                              f"this run starts {_layout_text(layout)}: give the same "
+                              "--executors, --num-executors and --tags")
+
+
+def _mode(staleness: int | None) -> str:
+    return "synchronous" if staleness is None else f"run with --max-staleness {staleness}"
+
+
+def _spec_difference(saved: dict, mine: dict) -> str:
+    config_saved, config_mine = saved.get("model_config", {}), mine.get("model_config", {})
+    for key in sorted(set(config_saved) | set(config_mine)):
+        if config_saved.get(key) != config_mine.get(key):
+            return (f"{key}={config_saved.get(key)!r} in the checkpoint, "
+                    f"{config_mine.get(key)!r} in this run")
+    for key in sorted(set(saved) | set(mine)):
+        if key != "model_config" and saved.get(key) != mine.get(key):
+            return f"{key}={saved.get(key)!r} in the checkpoint, {mine.get(key)!r} in this run"
+    return ""
+
+
+def _same_executors(manifest: Manifest, layout: list[dict], identity: dict,
+                    replicas: Mapping[str, int]) -> bool:
+    """The executors both runs have are alike, and the counts differ by what other replica
+    counts make (restore() then checks which executor loads which state)."""
+    saved = {e["name"]: e for e in manifest.executors}
+    now = {e["name"]: e for e in layout}
+    if any(saved[name] != now[name] for name in saved.keys() & now.keys()):
+        return False
+    extra = 0
+    for model, count in replicas.items():
+        stages = int(identity["models"].get(model, {}).get("stages", 1))
+        held = len(manifest.placement.get(model, ()))
+        if held:
+            extra += stages * count - held
+    return len(now) - len(saved) == extra
+
+
+def _layout_text(layout: list[dict]) -> str:
+    kinds = sorted({e["kind"] for e in layout})
+    tags = "; ".join(f"{e['name']}: {','.join(e['tags']) or '-'}" for e in layout)
+    return f"{len(layout)} {'/'.join(kinds)} ({tags})"
+
+
+def restore(folder: Path, runner: Checkpointed, executors: list[ExecutorInfo], *,
+            records: Mapping[str, type], models: Mapping[str, dict],
+            timeout: float = 600.0) -> RunState:
+    """Put the checkpoint in `folder` back: every executor loads its state (its models built
+    from `models`, the flow's specs by name, never from what the file says), the runner its
+    feedback and what its trainings carry; returns the controller's state (its step: the next
+    one to run). The run state is read and checked first: a damaged one changes nothing."""
+    ctl = runner.ctl
+    state = read_run_state(folder, records)
+    saved, placement = read_manifest(folder).placement, runner.boundary().placement
+    trainings = getattr(runner, "training", {})
+    try:  # [Note: resuming at another replica count] in replicas.py
+        sources = state_sources(saved, placement,
+                                {name: t.devices for name, t in trainings.items()})
+    except ValueError as exc:
+        raise CheckpointError(f"--resume {folder}: {exc}") from None
+    shards = optimizer_shards(folder, saved, placement, trainings)
+    loads = []
+    for e in executors:
+        part = Path(folder) / "executors" / sources.get(e.name, e.name)
+        if part.is_symlink():
+            raise CheckpointError(f"--resume {folder}: {part} is a symbolic link; a "
+                                  "checkpoint's files must be its own")
+        if part.exists():
+            config = {"path": str(part.absolute()), "models": dict(models),
+                      "optimizer_shards": shards.get(e.name, {})}
+            loads.append(ctl.submit("load_state", config=config, executor=e.id,
+                                    meta={"node": "resume"}))
+    wait(loads, timeout=timeout)
+    for future in loads:
+        if future.exception() is not None:
+            raise CheckpointError(f"--resume {folder}: {future.exception()}")
+    previous = Streams()
+    for key, value in state.feedback.items():
+        previous[key].add((0,), ctl.put(value))
+        previous[key].closed = True
+    runner.resume(state.step, previous, state.profiles, state.training)
+    if state.open_work is not None:
+        resume_open(runner, ctl, state.open_work)
+    return state

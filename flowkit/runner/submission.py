@@ -1,0 +1,90 @@
+"""What every step of a run sends its calls through: the flow's wiring, the controller, the queue of
+reactions the run takes one at a time, the balancers' estimates, the call policies a step's nodes
+get, and the lending of trainers' bubbles. The runner (flowrun.py) builds one for the run; each
+`StepRun` (steprun.py) is given it.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from flowkit.planner.lower import NodePlan
+from flowkit.runner.balance import Balancer
+from flowkit.runner.bubble_fill import BubbleFill
+from flowkit.runner.call_policy import CallPolicy
+from flowkit.runner.checkpoints.adaptor import RunnerCheckpoints
+from flowkit.runner.partial import CarryOver, PartialCalls, PartialRollouts
+from flowkit.runner.quota import GroupQuota
+from flowkit.runner.sampling_rounds import SamplingRounds
+from flowkit.runner.stepstate import BalancedCalls, Wiring
+from flowkit.runtime.controller import Controller
+
+__all__ = ["Submission"]
+
+
+@attrs.define(kw_only=True, eq=False)
+class Submission:
+    """A run's way out for its steps' calls."""
+
+    wiring: Wiring
+    ctl: Controller
+    events: queue.SimpleQueue  # every open step's reactions, run one at a time by the run
+    workloads: dict[str, BalancedCalls]  # nodes whose calls are balanced by predicted work
+    trainers: frozenset[int]  # the executors that train a model: lent to a balancer's count
+    # the lending of training executors' bubbles to scoring, when the run fills them
+    # [Note: bubble filling in flowkit/runner/bubble_fill.py]
+    bubble_fill: BubbleFill | None
+    # call policies [Note: partial rollouts in partial.py]: by node, what makes them
+    partial: dict[str, PartialRollouts]
+    quotas: dict[str, int]
+    rounds: dict[str, tuple[str, int]]
+    carry_over: CarryOver
+    checkpoints: RunnerCheckpoints  # a resumed run's replays
+    staleness: int | None
+    attempt: str  # in request names: unique to this runner
+    handled_parts: list = attrs.field(factory=list)  # streamed items taken in since settling
+
+    def balancer(self, name: str, plan: NodePlan) -> Balancer | None:
+        """A step's balancer of node `name`'s calls, over the estimates of every step."""
+        config = self.wiring.op_configs[name]
+        able = [e.id for e in self.ctl.executors() if e.runs(plan.op, frozenset(plan.tags))]
+        if not able:
+            return None  # the dispatcher says why when the first call is submitted
+        infos = {e.id: e for e in self.ctl.executors()}
+        return Balancer(self.workloads[name].estimates, able,
+                        count=config.get(plan.workload.count, 1),
+                        budget=config.get(plan.workload.budget, 1),
+                        lent=frozenset(e for e in self.trainers if e in able),
+                        outstanding=lambda executor: infos[executor].outstanding)
+
+    # -- call policies: partial rollouts and replay ([Note: partial rollouts in partial.py],
+    # [Note: checkpoints of asynchronous runs in flowkit/runner/checkpoints/open_steps.py]) ---
+    def call_policies(self, step: int) -> dict[str, CallPolicy]:
+        """Step `step`'s nodes whose calls are replayed from a checkpoint, or partial."""
+        policies: dict[str, CallPolicy] = dict(self.checkpoints.replays(step))
+        floor = step - (self.staleness or 0)  # the oldest version a carried call may keep
+        for name, setting in self.partial.items():
+            if name not in policies:
+                policies[name] = PartialCalls(name, step, setting, self.carry_over,
+                                              f"{self.attempt}:{step}", floor,
+                                              incoming=self.carry_over.take(name, step))
+        for name, take in self.quotas.items():  # [Note: group quota] in quota.py
+            policies.setdefault(name, GroupQuota(name, take))
+        for name, (quota, rounds) in self.rounds.items():  # [Note: sampling rounds]
+            policies.setdefault(name, SamplingRounds(name, rounds, policies[quota],
+                                                     self.wiring.fuse))
+        return policies
+
+    def abort_calls(self, plan: NodePlan, requests: Sequence[str], step: int) -> list[Any]:
+        """Ask every engine that may run `plan`'s calls to abort these requests with the
+        op's declared abort op; each reply is [samples, tokens] cut."""
+        abort_op = plan.resumable.abort_op
+        targets = [e for e in self.ctl.executors()
+                   if e.runs(plan.op, frozenset(plan.tags)) and abort_op in e.ops]
+        return [self.ctl.submit(abort_op, config=plan.resumable.abort_config(requests),
+                                executor=e.id, meta={"node": f"{plan.name}/abort", "step": step})
+                for e in targets]

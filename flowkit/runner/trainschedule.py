@@ -1,0 +1,111 @@
+"""The schedules one model's backprop runs under, chosen per step: from the simulator's costs, or
+from F/B/W times profiled once per model and stage count on executors that can measure (torch);
+each built once for its inputs, offloading as the backprop's config says ([Note: offload in
+flowkit/planner/offload.py]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from flowkit.planner import Costs, MemoryModel, Schedule, ScheduleError
+from flowkit.planner.lower import NodePlan
+from flowkit.planner.offload import best_with_offload, offload_schedule
+from flowkit.planner.schedules import build_schedule
+from flowkit.planner.simcosts import SimCosts
+from flowkit.runner.replicas import replica_counts
+from flowkit.runner.stepstate import FlowRunError
+from flowkit.runner.training_tasks import device_shares, model_spec, profile_stages
+from flowkit.runtime.futures import RemoteError
+
+__all__ = ["TrainingSchedules"]
+
+
+class TrainingSchedules:
+    """The schedules of `training`'s (a model_training.ModelTraining's) backprops, and the stage
+    costs they were chosen by, kept across steps."""
+
+    def __init__(self, training: Any) -> None:
+        self.training = training
+        self.schedules: dict[tuple, Any] = {}  # built schedules by their inputs
+
+    def replicas(self, plan: NodePlan, kind: str, count: int,
+                 sample: Callable[[], Any] | None) -> tuple[Costs, list[Schedule]]:
+        """Each replica's schedule for its share of `count` microbatches (replica_counts)."""
+        planned = [self._plan(plan, kind, share, sample)
+                   for share in replica_counts(count, self.training.replicas)]
+        return planned[0][0], [schedule for _, schedule in planned]
+
+    def _plan(self, plan: NodePlan, kind: str, count: int,
+              sample: Callable[[], Any] | None) -> tuple[Costs, Any]:
+        """The schedule for this step, from the simulator's costs or, on executors that can
+        measure (torch), from F/B/W times profiled once per model and stage count (on no
+        `sample`, uniform costs until a step has items to profile on)."""
+        training = self.training
+        limit, offload = plan.config.get("memory_limit"), plan.config.get("offload")
+        devices = training.devices
+        if training.sim_costs is not None or not all("profile_stage" in e.ops
+                                                     for e in training.executors):
+            costs = (training.sim_costs or SimCosts()).stage_costs(devices)
+            schedule = self.schedule(kind, devices, count, costs, limit, offload)
+            return costs.for_placement(schedule.placement), schedule
+        probe = "auto" if offload == "auto" else None  # auto may fit only with offload
+        placement = self.schedule(kind, devices, count, Costs.uniform(devices), limit,
+                                  probe).placement
+        key = (training.model.name, placement.num_stages)
+        if key not in training.profiles and sample is None:
+            stage_costs = Costs.uniform(placement.num_stages)  # this step's only
+            return stage_costs, self.schedule(kind, devices, count,
+                                              device_shares(stage_costs, placement), limit,
+                                              offload)
+        if key not in training.profiles:
+            try:
+                training.profiles[key] = profile_stages(
+                    training.ctl, training.replica(0), placement,
+                    model_spec(training.model, placement.num_stages), sample(),
+                    lane=training.lane_for(0), timeout=training.timeout)
+            except RemoteError as exc:
+                raise FlowRunError(f"step {training.step}: profiling model "
+                                   f"{training.model.name!r} failed: {exc}") from exc
+        stage_costs = training.profiles[key]
+        schedule = self.schedule(kind, devices, count, device_shares(stage_costs, placement),
+                                 limit, offload)
+        return stage_costs, schedule
+
+    def schedule(self, kind: str, devices: int, count: int, costs: Costs,
+                 limit: float | None, offload: str | None = None) -> Any:
+        """Built once per input: `auto` searches, which must not cost every step its time.
+        `offload` ("half", "all"): with that share of its activations offloaded; "auto": none,
+        half or all, whichever gives the least makespan within `limit`."""
+        key = (kind, devices, count, costs, limit, offload)
+        if key not in self.schedules:
+            if offload == "auto":  # none, half or all: the least makespan within the limit
+                return self._auto_offload(key, kind, devices, count, costs, limit)
+            try:
+                schedule = build_schedule(kind, devices=devices, microbatches=count,
+                                          costs=costs, memory_limit=limit)
+            except ScheduleError as exc:  # one line, not the grid of the schedule
+                raise FlowRunError(f"step {self.training.step}: model "
+                                   f"{self.training.model.name!r}: "
+                                   f"{exc.problems[0]}: raise its memory_limit, or let "
+                                   "offload make room (offload auto)") from None
+            if offload not in (None, "none"):  # [Note: offload in flowkit/planner/offload.py]
+                schedule = offload_schedule(schedule, costs.for_placement(schedule.placement),
+                                            offload)
+            self.schedules[key] = schedule
+        return self.schedules[key]
+
+    def _auto_offload(self, key: tuple, kind: str, devices: int, count: int, costs: Costs,
+                      limit: float | None) -> Schedule:
+        name = self.training.model.name
+        if limit is None:
+            raise FlowRunError(f"model {name!r}: offload auto chooses under a "
+                               "memory limit, and its backprop has none: give it memory_limit")
+        try:
+            pick = best_with_offload(kind, devices=devices, microbatches=count, costs=costs,
+                                     memory=MemoryModel(), memory_limit=limit)
+        except ScheduleError as exc:
+            raise FlowRunError(f"step {self.training.step}: model {name!r}: {exc}") from None
+        self.schedules[key] = pick.schedule
+        return pick.schedule
