@@ -319,8 +319,9 @@ def _forget_models(ctx: OpContext) -> None:
     """Drop every model this executor holds, and the rollout engines that decode with them,
     before a load: a step that failed part-way ([Note: executor restarts] in
     flowkit/runner/checkpoints/restarts.py) may have changed any of them, also one the
-    checkpoint holds by name only, so each is built again from its seed. The engines have nothing in flight
-    (the controller waits for that), and the next generate request makes a new one."""
+    checkpoint holds by name only, so each is built again from its seed. The engines have
+    nothing in flight (the controller waits for that), and the next generate request makes a
+    new one."""
     for held in ctx.state.pop("torch_models", {}).values():
         for stage in held.stages.values():
             stage.runner.reset()
