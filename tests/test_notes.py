@@ -19,17 +19,9 @@ NOTE_MAX_LINES = 15
 # being moved and split): their lines now. Each may only shrink, and leaves this list once it is
 # within the limit; no other note may pass it.
 KNOWN_LONG = {
-    "checkpoints of asynchronous runs": 37,  # flowkit/runner/checkpoints/open_steps.py
-    "bubble filling": 36,  # flowkit/runner/bubble_fill.py
-    "partial rollouts": 36,  # flowkit/runner/partial.py
-    "deferred weight gradients": 35,  # executors/torch/train/deferred.py
-    "rollout engine": 33,  # executors/torch/rollout/engine.py
-    "run checkpoints": 31,  # flowkit/runner/checkpoints/format.py
     "agent programs": 31,  # executors/torch/rollout/endpoint.py
     "generation and scoring interface": 27,  # executors/torch/rollout/lm.py
     "Hugging Face stages": 27,  # executors/torch/models/hf.py
-    "executor restarts": 26,  # flowkit/runner/checkpoints/restarts.py
-    "checkpoints that do not drain": 21,  # flowkit/runner/checkpoints/format.py
     "replicas": 20,  # flowkit/runner/replicas.py
     "length-aware dispatch": 19,  # flowkit/runner/balance.py
     "simulated rollout engine": 19,  # executors/sim/engine.py

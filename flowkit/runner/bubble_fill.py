@@ -3,40 +3,18 @@ bubbles, sized to fit.
 
 [Note: bubble filling] `flowkit run --fill-bubbles` (RunConfig.fill_bubbles). A pipeline
 schedule leaves each training executor idle at moments the planner knows ([Note: bubbles] in
-flowkit/planner/bubbles.py): the warm-up before its first action, the slots where an action
-waits for another device's, the cool-down (not lent: nothing of the step waits then).
-Scoring of the step's samples (an op whose class declares `scores`: reference log-probs,
-values, a reward model's scores) that waits for its own executors (its items held while two
-of its tasks an executor are on the way, [Note: batched per-item calls] in stepbatching.py) is
-lent those slots as they open:
-
-- when a pipeline is planned, each device's bubbles are taken from the simulation of its
-  schedule, with the planned costs: each opens when the action before it ends (the executor's
-  own end time of the task);
-- a warm-up bubble (device d waits for the first forward to come through the stages before
-  it) is lent while the pipeline waits for its first microbatch, again each time a filler
-  there ends: however soon the microbatch comes, device d's first action cannot start sooner
-  than the bubble's length after it (a fused step waits for its first groups to be scored,
-  which is when its trainers idle most);
-- as one opens, unless the action after it can start already (a late microbatch closed it),
-  the open steps' held scoring items go to that executor as one task (oldest step first), as
-  many as the bubble's time left holds at the node's learned cost: one item's (from its
-  one-item tasks) plus each further item's (from its batched ones), none before a task of it
-  has ended;
-- while bubbles are lent, a scoring node's own tasks hold about _FILL_TASK_S of work
-  (steprun.py), not everything ready, so that what waits goes to whichever frees first, one of
-  its executors or a bubble; the tasks lent out do not count against its executors' room;
-- an explicit executor skips the op's tags: what is lent is the training executor's time,
-  and on torch it loads the scoring model whole there (memory the user gives it by asking).
-
-The pipeline's actions are submitted as before and never wait for a filler that keeps to its
-predicted time, so the schedule's critical path is unchanged; what the scoring gains is the
-training executors' idle time. Past the warm-up, bubbles are those of the plan: a step whose
-later microbatches come late idles more than planned, and that time is not lent.
-Only a frozen model's scoring is lent (a reference): a trained model's copy on a trainer would
-get none of its weight syncs. No bubble is lent with data-parallel replicas, fused models, or
-two trained models on one executor (each one's bubbles hold the other's ops); while nothing is
-lent, scoring tasks keep their usual size.
+flowkit/planner/bubbles.py). Scoring of the step's samples (an op whose class declares `scores`)
+that waits for its own executors ([Note: batched per-item calls] in stepbatching.py) is lent
+those slots as they open: bubbles come from the simulation of the planned schedule; a warm-up
+bubble is lent while the pipeline waits for its first microbatch; an opening bubble gets the
+held scoring items, oldest step first, as many as its time left holds at the node's learned
+cost; while bubbles are lent a scoring node's own tasks hold about _FILL_TASK_S of work
+(steplending.py). Why: the pipeline's actions never wait for a filler that keeps to its
+predicted time, so the critical path is unchanged and scoring gains the trainers' idle time.
+Only a frozen model's scoring is lent (a trained copy would miss its weight syncs); nothing is
+lent with data-parallel replicas, fused models or two trained models on one executor. Measured
+by `flowkit bench fill` (docs/performance.md, "Bubble filling"). In full: docs/schedules.md,
+"Bubbles lent in a run".
 """
 
 from __future__ import annotations

@@ -16,42 +16,21 @@ from flowkit.runner.call_policy import CallSite
 __all__ = ["CARRIED", "Carried", "CarryOver", "PartialCalls", "PartialRollouts", "carried_key"]
 
 
-# [Note: partial rollouts] After APRIL (Zhou et al. 2025, "APRIL: active partial rollouts in
-# reinforcement learning to tame long-tail generation"). A node whose op declares its calls
-# resumable (ModelOp.resumable: Generate's), with T in its config key `take` (the RL flows set it
-# from `oversample`, e.g. 1.5 x the step's prompts):
-#   - its calls (one per prompt: the prompt's n samples, a group) run as usual, but do not stream
-#     their samples: a call's samples go downstream when the whole group is done, so a group never
-#     reaches training half in one step and half in the next;
-#   - the first T calls to end are the step's; when the T-th ends, the node asks the engines to
-#     abort its calls still running (the op's declared `abort_op`, told the calls' names): each
-#     comes back with its finished samples and its unfinished ones `interrupted`, with the per-token
-#     versions they have;
-#   - every call that ends after that carries over to the next step, which submits them before its
-#     own prompts: interrupted samples continue from their prefix under the weights then current,
-#     finished ones pass through. A carried call keeps its origin step (its sampling seeds) and is
-#     keyed `"<origin>/<key>"` in the next step's groups, so it never merges with a new prompt of
-#     the same id;
-#   - a step runs as many calls as its source made prompts (oversample x the batch's), P: the
-#     carried ones, and its own prompts in the places left; those left over never run
-#     (`rollout/prompts_unused`: a step-seeded source draws fresh ones each step). The step before
-#     carries at most P - T calls (it runs at most P and takes T), so a step calls T of its own
-#     prompts as soon as the admission gate lets its generation run [Note: asynchronous steps in
-#     flowrun.py], while the step before still generates: consecutive steps' generation overlaps,
-#     one in-flight budget of (η + 1) steps' calls across them, as APRIL over an asynchronous
-#     system has it. Its other own prompts wait until the step before has closed its generation
-#     and handed over what it carries (fewer than P - T when the step before dropped groups or
-#     ran short); carried calls are called the moment they arrive. A step that has taken its
-#     groups before the step before hands over passes the carried calls on, unrun;
-#   - a carried sample whose oldest token is older than the staleness bound allows for the step that
-#     will train it (version < step - η, the call's `version_floor`) is, as the node's
-#     `stale_segments` says, "recompute"d (sampled again from its prompt) or "drop"ped with its
-#     whole group (a group-relative advantage needs all of it), counted in `rollout/dropped`. The
-#     runner reads all of it from the node's declaration, never from the op's names; a step runs it
-#     as the node's call policy (call_policy.py). Each generated sample is thus trained once, in the
-#     step that took its group, or is still carried at the end of the run (`rollout/carried_over` of
-#     the last step). Carried samples are one version stale at least, so partial rollouts run with a
-#     staleness bound >= 1.
+# [Note: partial rollouts] After APRIL (Zhou et al. 2025). A node whose op declares its calls
+# resumable (ModelOp.resumable: Generate's), with T in its config key `take` (from `oversample`):
+#   - a call (one prompt's group of n samples) goes downstream only when the whole group is done,
+#     so a group never trains half in one step and half in the next;
+#   - the first T calls to end are the step's; then the node aborts the rest (the op's
+#     `abort_op`), which come back with finished samples and `interrupted` ones with their
+#     per-token versions, and carry over: the next step submits them first, keyed
+#     `"<origin>/<key>"` and keeping their origin step's seeds;
+#   - a step runs P calls (its source's prompts), carried ones in the places of its own; it calls
+#     T of its own as soon as the admission gate lets it [Note: asynchronous steps in
+#     flowrun.py], the rest once the step before has handed over what it carries;
+#   - a carried sample older than the bound (version < step - η, `version_floor`) is recomputed or
+#     its group dropped, per the node's `stale_segments`. So each sample trains once, is dropped,
+#     or is still carried after the last step; partial rollouts need η >= 1. In full: docs/rl.md,
+#     "Asynchronous RL: bounded staleness and partial rollouts".
 
 # [Note: own prompts first] With `stale_segments="drop"` (the node's Resumable.stale setting), a
 # step calls all its own prompts as soon as its generation is admitted, and the calls carried from

@@ -24,38 +24,20 @@ from flowkit.ops.records import Prompt, Rollout
 __all__ = ["Engine", "Sampling", "run_all_until_done", "run_until_done"]
 
 
-# [Note: rollout engine] A `generate` task is a request to the engine of its model (the op returns a
-# Deferred: executors/optable.py [Note: deferred ops]); its prompts x n become sequences that wait
-# for a slot (a row of the model's cache). Each engine step, which the executor runs between
-# messages:
-#
-# 1. drops the sequences of cancelled requests, and forgets the cache of every sequence whose cached
-#    keys were computed under other weights than the model holds now (a weight load ran between two
-#    steps): it is refilled from its prefix, so its next tokens come from the new weights, as each
-#    token's recorded version says;
-# 2. gives free slots to waiting sequences, across requests, in arrival order;
-# 3. spends a token budget: one token for every decoding sequence first, then chunks of the prefixes
-#    still to fill (Sarathi-Serve's chunked prefill), so a long prompt never stalls the decoding
-#    ones;
-# 4. runs the model once over the decoding rows and once over the prefill chunks (the cache protocol
-#    of executors/torch/rollout/lm.py; a model without it runs every live row's whole prefix); the
-#    samples of one prompt fill it once [Note: shared prompts];
-# 5. samples the next token of every row whose prefix is now complete, all rows in one call
-#    (executors/torch/rollout/sampling.py: the draw of a token depends only on its sequence's seed
-#    and position, so the rollouts do not depend on the batch, the arrival order or a pause);
-# 6. streams each finished sample to its request's consumers at once, and completes a request when
-#    its last sample is done.
-#
-# An engine left with no sequence at all (none decoding, waiting, at its environment or passing)
-# lets its cache go and makes a new one when a request comes: a colocated or multiplexed executor
-# trains between its steps' generation, and the rows it would hold are memory training can use
-# (verl's hybrid engine frees its KV cache for the same reason); `stats["cache_releases"]`.
-#
-# A request or the whole engine can be paused (its sequences keep their tokens and give their slots
-# back) and resumed, or aborted (all requests, or those named by their keys): its unfinished samples
-# come back at once, marked `interrupted`, and a later request given such a Rollout continues it
-# from its prefix; a finished Rollout given again passes through (a group carried over whole: [Note:
-# partial rollouts] in flowkit/runner/partial.py).
+# [Note: rollout engine] A `generate` task is a request to its model's engine (a Deferred:
+# executors/optable.py [Note: deferred ops]); its prompts x n become sequences waiting for a
+# slot (a row of the cache). Each engine step, run between messages: drops cancelled sequences
+# and forgets the cache of any sequence computed under older weights (refilled from its prefix,
+# so each token's recorded version holds); gives free slots in arrival order; spends a token
+# budget, decoding rows first, then prefill chunks (Sarathi-Serve) so a long prompt never stalls
+# decoding; runs the model over both (the cache protocol of executors/torch/rollout/lm.py; the
+# samples of one prompt fill it once [Note: shared prompts]); samples every complete row in one
+# call (executors/torch/rollout/sampling.py: a draw depends only on seed and position, not on
+# the batch); streams each finished sample at once. An idle engine frees its cache so colocated
+# training can use the memory (`stats["cache_releases"]`). Requests can be paused, resumed or
+# aborted (unfinished samples come back `interrupted`; given again, continued from their prefix
+# or passed through: [Note: partial rollouts] in flowkit/runner/partial.py). `flowkit bench
+# rollout` measures it. In full: docs/rl.md, "The rollout engine".
 #
 # [Note: rollout text] An engine given its model's tokenizer (an HF model folder that holds one)
 # decodes each sample as it leaves: `response_text` skips special tokens, `prompt_text` is the

@@ -21,40 +21,19 @@ __all__ = ["Consumers", "DeferredCall", "EmbeddingCall", "LayerNormCall", "Linea
 
 
 # [Note: deferred weight gradients] B (`StageRunner.backward_input`) and W
-# (`StageRunner.backward_weight`) split one backward pass:
-#
-# - Linear, LayerNorm and Embedding layers, and per-channel scales. While a stage runs its forward,
-#   every `F.linear`, `F.layer_norm`, `F.embedding` and product of an activation with a 1-D
-#   parameter over its channels (``weight * x``: an RMSNorm's weight as Hugging Face models apply
-#   it) whose parameters belong to the stage goes through a deferred autograd Function whose
-#   backward computes the input gradient only (dX = dY·W for a linear, the normalization part for a
-#   LayerNorm, nothing for an embedding: ids have no gradient). The recorder keeps what the weight
-#   part needs (the layer input X as a detached alias: the forward already holds it, no copy; a
-#   LayerNorm's mean and 1/std as well), B captures dY at the node's gradient edge, and W computes
-#   dW = dYᵀX and db = ΣdY, or calls the LayerNorm / embedding backward kernel for the weight
-#   outputs only.
-# - Any other parameter (convolutions, a user's own `nn.Parameter`). B also captures the gradient
-#   flowing into each autograd node that takes such a parameter directly (its "consumer") and keeps
-#   the graph; W runs each consumer node once on its captured gradient and keeps the parameter
-#   parts. This is the split `torch.distributed.pipelining` makes in `stage_backward_input/weight`,
-#   taken at the consumer nodes so that W never walks the chain between two consumers. A node whose
-#   parameters no other consumer uses (the usual case) runs through the autograd engine with only
-#   its parameters as targets, so it computes the weight part alone; a node sharing a parameter with
-#   another consumer (one parameter used twice on a path) is called directly, since the engine would
-#   walk down to the other use and count it twice: that call recomputes the node's own input
-#   gradient, never a chain of them.
-#
-# Why the common layers are deferred rather than left to the generic split: a kept graph holds every
-# activation the forward saved until W, so B cannot free them as it goes and allocates all its
-# gradients in fresh memory (on CPU that means page faults, which made B + W up to 2x a plain
-# backward). A stage whose parameters all sit in deferred layers, as every GPT stage, has no
-# consumers, so B releases the graph node by node like a plain backward.
-#
-# Neither half re-runs the forward, and the sum of what W accumulates over all consumers and
-# deferred calls is the ordinary gradient: every path from the loss to a parameter ends in exactly
-# one edge from a consumer node or in a deferred call, and B captured the total gradient entering
-# each of those nodes. Tied weights (one parameter used by an embedding and by a linear head) simply
-# receive both contributions.
+# (`StageRunner.backward_weight`) split one backward pass. Every `F.linear`, `F.layer_norm`,
+# `F.embedding` and per-channel scale (``weight * x``) of the stage's parameters runs through a
+# deferred autograd Function whose backward computes the input gradient only; the recorder keeps
+# what the weight part needs (the input as a detached alias, a LayerNorm's mean and 1/std), B
+# captures dY and W computes dW = dYᵀX, db = ΣdY (or the kernel's weight outputs). Any other
+# parameter: B captures the gradient entering each autograd node that takes it directly (its
+# consumer) and keeps the graph; W runs each consumer once, as `torch.distributed.pipelining`
+# does; a node sharing a parameter with another consumer is called directly so it is not counted
+# twice. Why defer the common layers: a kept graph holds every saved activation until W, so B
+# could not free as it goes; a stage with no consumers (every GPT stage) releases its graph like
+# a plain backward. Neither half re-runs the forward, and W's sum is the ordinary gradient (tied
+# weights get both parts). `flowkit bench train` times B + W against a fused backward. In full:
+# docs/training.md, "How B and W split a backward".
 
 
 def _check_unchanged(t: torch.Tensor, version: int) -> None:

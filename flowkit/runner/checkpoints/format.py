@@ -33,37 +33,19 @@ __all__ = ["FORMAT", "MANIFEST", "PICKLED_STATE", "PREFIX", "RUN_STATE", "Checkp
 
 
 # [Note: run checkpoints] A checkpoint is a folder `step-NNNNNNNN` (N: the steps done) under the
-# run's checkpoint root:
-#
-# manifest.json       the flow's identity, the run's (`run`: its id, flow and the flow's hash),
-#                     the step, the executors; written last
-# run.msgpack         the controller's state (`RunState`): plain values checked against a schema
-#                     when read, never pickle [Note: run state on disk in
-#                     flowkit/runner/checkpoints/state_codec.py]
-# executors/NAME      each executor's state: the `save_state` op (executors/torch/state.py,
-#                     executors/sim/ops.py) writes its held models' weights and optimizer states per
-#                     split and stage, their weights versions and its random generators (tensors
-#                     and plain values, read back with torch.load(weights_only=True); the models
-#                     are built again from the flow's build and config, never the file's)
-#
-# It is written into a hidden `.step-...tmp` folder that is renamed when every part is in, so a
-# checkpoint is complete or absent; the newest `keep` of this run are kept. Files are 0600 and
-# folders 0700 whatever the umask. A run has an id, made when it starts and kept by a resumed
-# run: a fresh run refuses a root that holds another run's checkpoints (check_root), and pruning
-# touches only its own. Executors write their parts themselves (no tensor comes to the
-# controller), so the root must be a path they share with it.
-#
-# What makes a resumed step k draw exactly what step k drew in the uninterrupted run: sources and
-# samplers derive their randomness from (seed, step[, prompt, sample]) alone (token_sequences,
-# sort_prompts, the rollout engine's counter-based sampler, the simulator), so they need no state
-# but the step; executors' torch and Python generators are in their state; the feedback a step reads
-# from the previous one (weights versions) is fetched and put back; each trained model's item counts
-# (which decide from step 2 on how fused microbatches are cut) and profiled stage costs (which
-# decide cost-driven schedules) are in `RunState`. Every op of a step is done at its boundary, so
-# nothing is in flight. An asynchronous run's boundary has steps open: its checkpoint also holds
-# their generated rollouts and the calls carried past them ([Note: checkpoints of asynchronous runs]
-# in open_steps.py, `RunState.open_work`), and its manifest the staleness bound, which a resumed run
-# must keep.
+# run's checkpoint root: manifest.json (the flow's and the run's identity, the step, the
+# executors; written last), run.msgpack (the controller's `RunState`: plain values checked against
+# a schema, never pickle [Note: run state on disk in flowkit/runner/checkpoints/state_codec.py])
+# and executors/NAME (each executor's `save_state`: weights, optimizer states, weights versions,
+# random generators, read with torch.load(weights_only=True)). It is written into a hidden
+# `.step-...tmp` folder renamed when every part is in, so it is complete or absent; files 0600,
+# folders 0700; a run's id keeps a fresh run off another run's root (check_root). Executors write
+# their parts themselves, so the root must be a path they share with the controller. Why a
+# resumed step k draws what step k drew: sources and samplers derive their randomness from
+# (seed, step[, prompt, sample]) alone; generators, feedback versions, item counts and profiled
+# costs are saved. An asynchronous run's checkpoint also holds its open steps' rollouts ([Note:
+# checkpoints of asynchronous runs] in open_steps.py) and its staleness bound. In full:
+# docs/running-flows.md, "Checkpoints and resume".
 
 FORMAT = "flowkit.run_checkpoint/2"
 MANIFEST = "manifest.json"

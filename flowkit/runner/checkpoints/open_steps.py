@@ -19,43 +19,21 @@ from flowkit.wire.refs import Item
 __all__ = ["CarriedCall", "OpenCall", "OpenWork", "Replay", "open_work", "resume_open"]
 
 
-# [Note: checkpoints of asynchronous runs] At the boundary after step k-1 trained (k steps done),
-# steps k .. k+η-1 are open [Note: asynchronous steps in flowrun.py]: their generation may be done,
-# running, or (partial rollouts, [Note: partial rollouts in partial.py]) carried from one step to
-# the next. A checkpoint there
-#   1. saves the executors' states at the boundary, where nothing trains (a step's training starts
-#      only in the next `run_step`), so their weights and optimizer states are step k-1's, and lets
-#      every open step's generating nodes (gated nodes whose op declares its calls resumable,
-#      ModelOp.resumable: Generate's) end while the run goes on: the engines decode the open steps'
-#      samples as they would have without the checkpoint, and the next step trains meanwhile
-#      ([Note: checkpoints that do not drain] in writer.py);
-#   2. fetches, for each open step and generating node, every call's output: the rollouts (tokens,
-#      log-probs, the weights version of every token) in the order the call emitted them, and the
-#      partial-rollout metrics the step will report; and the calls carried past the last open step
-#      (interrupted samples with their per-token versions) — `OpenWork`, in the controller's
-#      `RunState`;
-#   3. writes the executors' states and the run state as a synchronous checkpoint does. A resumed
-#      run opens steps k .. k+η-1 as the uninterrupted one would, but each of their generating nodes
-#      makes exactly the saved calls (its call policy is a `Replay`), each given its saved rollouts,
-#      which the engines pass through unchanged (a finished Rollout given to `generate` is its
-#      output); the step's own prompts are not generated again. Everything downstream (rewards,
-#      reference scores, advantages, training) runs as before. The carried calls go back into the
-#      runner and continue from their prefixes in step k+η, as they would have. So:
-#   - no sample is lost and none trained twice: every sample generated before the checkpoint is
-#     trained in the step that took it, or carried, exactly as in the run that wrote it;
-#   - the step counter goes on from k, and the source of step s draws step s's prompts;
-#   - the staleness bound is the uninterrupted run's: the saved rollouts were admitted under it, the
-#     restored feedback is version k (as at the boundary), and the runner opens steps s+1 .. s+η
-#     while step s runs, no further;
-#   - steps k .. k+η-1 train the same samples with the same per-token versions as the run that wrote
-#     the checkpoint; later steps generate under whatever weights are newest, which on the simulator
-#     (a request's tokens take the version of the weights it was sent with) is the uninterrupted
-#     run's, so its curve is equal, and on torch (weights reach a running engine between its
-#     iterations) depends on timing even between two uninterrupted runs. Other gated nodes (value
-#     inference with a critic fed back) are not saved: a resumed run computes them again with the
-#     newest weights, within the bound. Request names carry the runner's attempt, so an abort
-#     remembered by a surviving executor from before a restart never cuts a replayed request ([Note:
-#     executor restarts] in flowkit/runner/checkpoints/restarts.py).
+# [Note: checkpoints of asynchronous runs] At the boundary after step k-1 trained, steps
+# k .. k+η-1 are open [Note: asynchronous steps in flowrun.py] and may be generating, or carry
+# calls from step to step [Note: partial rollouts in partial.py]. A checkpoint there saves the
+# executors' states at the boundary (nothing trains: weights and optimizer states are step k-1's),
+# lets the open steps' generating nodes (ModelOp.resumable) end while step k trains ([Note:
+# checkpoints that do not drain] in writer.py), then fetches every call's rollouts (tokens,
+# log-probs, per-token versions) in emitted order, the partial-rollout metrics and the calls
+# carried past the last open step: `OpenWork`, in the controller's `RunState`. A resumed run
+# opens the same steps, each generating node makes exactly the saved calls (a `Replay` call
+# policy) and the engines pass the saved rollouts through; carried calls continue in step k+η.
+# Why: no sample is lost or trained twice, the step counter and the staleness bound are the
+# uninterrupted run's. Other gated nodes (value inference) are recomputed with the newest
+# weights; request names carry the runner's attempt ([Note: executor restarts] in
+# flowkit/runner/checkpoints/restarts.py). In full: docs/running-flows.md, "Checkpoints of
+# asynchronous runs".
 
 
 @attrs.frozen

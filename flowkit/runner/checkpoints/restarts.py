@@ -21,31 +21,18 @@ __all__ = ["Restarts", "start_executors", "temporary_checkpoints"]
 
 
 # [Note: executor restarts] With restarts allowed, the run checkpoints before its first step and
-# after every step (into --checkpoint-dir, or a temporary folder), [Note: run checkpoints] in
-# flowkit/runner/checkpoints/format.py. When a step fails because executors were lost (a process
-# killed, out of memory, its host gone: the controller fails their tasks at once, or at the
-# heartbeat timeout), the run
-#   1. waits for the other executors' tasks to end (those that needed the lost ones' outputs were
-#      cancelled), so nothing changes their state behind the reload;
-#   2. starts a new process for each lost executor, with its name, tags and device;
-#   3. builds a fresh runner (the models land on the same executors: placement is by name) and
-#      restores every executor and the runner from the newest checkpoint, as `--resume` does: the
-#      survivors drop whatever the failed step did to their weights and optimizer states;
-#   4. replays the steps from that checkpoint on. A synchronous step is a function of the
-#      checkpointed state, so the run ends with the parameters and the curve of a run without
-#      faults. An asynchronous run's checkpoint also holds the rollouts of its open steps ([Note:
-#      checkpoints of asynchronous runs] in flowkit/runner/checkpoints/open_steps.py): a lost
-#      executor's generation in flight is replayed from it, no sample lost or trained twice, within
-#      the staleness bound; where generation under the same weights versions is deterministic (the
-#      simulator) the run ends with the curve of a run without faults, on torch the versions of
-#      later steps' tokens depend on timing, as in any two runs. Each restart is a warning on the
-#      dashboard and counts in the metrics (`restarts`); past N restarts, or when no executor was
-#      lost, the step's error ends the run as without restarts.
-# A loss at any other moment is one too: an executor that exits while the executors start
-# (`start_executors`) or while a replacement starts (the launcher says which, at once) is
-# started again; one lost before the first checkpoint is complete (while it is written) has
-# nothing to go back to but the start, so every executor is started afresh and the run begins
-# again from step 0, which nothing has trained yet.
+# after every step ([Note: run checkpoints] in flowkit/runner/checkpoints/format.py). When a step
+# fails because executors were lost (killed, out of memory, host gone: their tasks fail at once or
+# at the heartbeat timeout), the run waits for the other executors' tasks to end, so nothing
+# changes their state behind the reload; starts a new process for each lost one with its name,
+# tags and device; builds a fresh runner and restores every executor from the newest checkpoint,
+# as `--resume` does; and replays from there. Why it gives the faultless run: a synchronous step
+# is a function of the checkpointed state; an asynchronous checkpoint also holds its open steps'
+# rollouts ([Note: checkpoints of asynchronous runs] in
+# flowkit/runner/checkpoints/open_steps.py), so no sample is lost or trained twice. Each restart
+# counts in `restarts`; past N, or with no executor lost, the error ends the run. A loss while
+# executors or a replacement start restarts that one; one before the first checkpoint is complete
+# starts every executor afresh from step 0. In full: docs/running-flows.md, "Lost executors".
 
 _QUIESCE_S = 120.0  # the survivors' tasks of the failed step: generation may have a long tail
 

@@ -40,27 +40,20 @@ __all__ = ["PendingCheckpoint", "begin_checkpoint", "write_checkpoint"]
 
 
 # -- writing ----------------------------------------------------------------------------------
-# [Note: checkpoints that do not drain] An asynchronous run's checkpoint at a step boundary holds
-# what its open steps generate ([Note: checkpoints of asynchronous runs] in open_steps.py), which
-# is done only once their generating nodes have ended. Waiting for that at the boundary stopped
-# training for the η open steps' generation (29 % of the throughput with a checkpoint every
-# step). Instead a checkpoint is begun at the boundary and finished when that generation has
-# ended, while the run goes on (`begin_checkpoint`, `PendingCheckpoint`):
-#   - at the boundary (nothing trains): the executors are told to save their states, ahead of any
-#     task of the next step, so what they write is the boundary's; the runner's part but the open
-#     steps (placement, feedback refs, training counters, profiles) is copied, and so are the
-#     open steps' runs and the ledger's calls for steps not open yet (`FlowRunner.boundary`);
-#   - the run goes on: the open steps generate as they would have, the next step trains. After
-#     each burst of reactions the runner asks the checkpoint whether the states are written and
-#     the boundary's open steps' generating nodes have ended; then it fetches their outputs, metrics
-#     and carried calls (`FlowRunner.open_state`), writes the run state and the manifest and renames
-#     the folder in, as a drained checkpoint would have held them: the open steps' samples are
-#     the same whether the next step trained meanwhile or not (a sample keeps the versions its
-#     tokens had), and nothing of the steps opened after the boundary is in it;
-#   - checkpoints finish in the order they began; the run's end, a Ctrl-C and a synchronous run
-#     wait for theirs at once. A run that fails before a checkpoint finishes loses only that one:
-#     its folder was never renamed in, and a restart goes back to the newest finished one.
-# A synchronous run's boundary has no open steps: its checkpoint finishes as soon as it begins.
+# [Note: checkpoints that do not drain] An asynchronous run's checkpoint holds what its open
+# steps generate ([Note: checkpoints of asynchronous runs] in open_steps.py), which is done only
+# once their generating nodes have ended. Waiting for that at the boundary would stop training
+# for the open steps' generation, so a checkpoint is begun at the boundary and finished later,
+# while the run goes on (`begin_checkpoint`, `PendingCheckpoint`): at the boundary the executors
+# save their states ahead of any task of the next step and the runner's part is copied
+# (`FlowRunner.boundary`); after each burst of reactions the runner asks whether the states are
+# written and the open steps' generation has ended, then fetches their outputs
+# (`FlowRunner.open_state`), writes the run state and manifest and renames the folder in. The
+# samples are the same whether the next step trained meanwhile or not (a sample keeps its tokens'
+# versions). Checkpoints finish in order; the run's end and a Ctrl-C wait for theirs; a failure
+# loses only unfinished ones. A synchronous boundary's checkpoint finishes as it begins.
+# `flowkit bench checkpoint` measures the cost of one every step. In full: docs/running-flows.md,
+# "Checkpoints of asynchronous runs".
 def write_checkpoint(root: Path, runner: Checkpointed, *, step: int, identity: dict,
                      executors: list[ExecutorInfo], kind: str, records: list[dict], keep: int,
                      run_id: str, timeout: float = 600.0) -> Path:
