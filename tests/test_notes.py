@@ -19,9 +19,6 @@ NOTE_MAX_LINES = 15
 # being moved and split): their lines now. Each may only shrink, and leaves this list once it is
 # within the limit; no other note may pass it.
 KNOWN_LONG = {
-    "agent programs": 31,  # executors/torch/rollout/endpoint.py
-    "generation and scoring interface": 27,  # executors/torch/rollout/lm.py
-    "Hugging Face stages": 27,  # executors/torch/models/hf.py
     "replicas": 20,  # flowkit/runner/replicas.py
     "length-aware dispatch": 19,  # flowkit/runner/balance.py
     "simulated rollout engine": 19,  # executors/sim/engine.py

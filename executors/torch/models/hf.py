@@ -23,32 +23,20 @@ __all__ = ["HFCausalLM", "HFModelError", "HFStage", "RowCache"]
 
 
 # [Note: Hugging Face stages] The whole model is the HF model's own modules re-hung under the same
-# attribute names (``model.embed_tokens``, ``model.layers.3``, ``lm_head``, or GPT-2's
-# ``transformer.h.3``), so every parameter keeps its HF name, in the whole model and in every stage:
-# weights sync, export and load by the names `save_pretrained` writes (weights.py maps names
-# identically). A stage holds the embeddings if first (GPT-2's position table too), a contiguous run
-# of decoder layers (keyed by their global index, so ``self_attn.layer_idx`` and the names stay
-# those of the unsplit model), and the final norm and LM head if last; the rotary embedding (buffers
-# only) is shared by every stage. Stages call each decoder layer with keywords only, as the HF
-# model's own forward does, with an explicit additive mask: causal, within the sliding window of a
-# sliding layer. The inputs and loss are the built-in GPT's [Note: GPT stage inputs in gpt.py]:
-# token ids in, hidden states between stages, mean cross-entropy (target -1 masked) out of the last
-# stage given targets, logits (or a value head's values) without.
-#
-# Tied embeddings (Qwen2's small models, GPT-2) are handled as the GPT's [Note: tied embedding
-# across stages]: a split in several stages gives the last stage its own copy of the LM head, and
-# the optimizer step sums the two copies' gradients. A value head (``value_head=True``: critics,
-# reward models) replaces the LM head with ``score`` (hidden -> 1), HF's name for a token
-# classifier's head.
-#
+# attribute names (``model.layers.3``, ``lm_head``, GPT-2's ``transformer.h.3``), so every
+# parameter keeps its HF name in the whole model and in every stage: weights sync, export and
+# load by the names `save_pretrained` writes (weights.py maps names identically). A stage holds
+# the embeddings if first, a contiguous run of decoder layers keyed by their global index (so
+# ``self_attn.layer_idx`` stays the unsplit model's), the final norm and LM head if last; the
+# rotary embedding is on every stage. Layers are called with keywords only, as HF's forward does,
+# with an explicit additive mask (causal, within a sliding layer's window). Inputs and loss are
+# the GPT's [Note: GPT stage inputs in gpt.py]; tied embeddings as its [Note: tied embedding
+# across stages]; ``value_head=True`` replaces the LM head with ``score`` (hidden -> 1).
 # Generation uses the cache protocol of [Note: generation and scoring interface in rollout/lm.py]
-# through `RowCache`, handed to the layers as their ``past_key_values``: the layers call
-# ``update(keys, values, layer_idx)``, which writes the new positions of each batch row into that
-# row of a preallocated cache and returns the row's whole cache; the additive mask lets a query at
-# position p see positions <= p of its own row ([Note: KV cache rows in gpt.py]).
-#
-# Nothing is fetched from a hub: a path is read with ``local_files_only``, and transformers is
-# imported only when such a model is built (the `hf` extra).
+# through `RowCache`, the layers' ``past_key_values``: ``update(keys, values, layer_idx)`` writes
+# each row's new positions into its preallocated row ([Note: KV cache rows in gpt.py]). Nothing
+# is fetched from a hub (``local_files_only``); transformers is imported only when such a model
+# is built. In full: docs/training.md, "Hugging Face models".
 
 class HFModelError(ValueError):
     """A Hugging Face model that cannot be loaded or split; the message says how to fix it."""

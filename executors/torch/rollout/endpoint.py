@@ -3,35 +3,18 @@ executor, and the environment that turns a program's requests into a trajectory'
 
 [Note: agent programs] A generate call given `program="package.module:function"`
 (flowkit.ops.AgentConfig, instead of an `environment`) rolls out each sample by running that
-function, an ordinary agent written against the OpenAI chat-completions API, in a thread of the
-rollout executor. ``function(task)`` gets a `Task` (the prompt's messages and answer, the
-endpoint's `base_url` and the trajectory's `api_key`; ``task.client()`` makes an
-``openai.OpenAI`` on them) and returns the trajectory's reward (a number; None: the flow's
-reward op scores it). Each of its requests is one model turn of its trajectory:
-
-- The API key is the trajectory's own, a random token made for it: it admits the request and
-  says which trajectory the request continues. The server listens on 127.0.0.1 only, takes
-  one request at a time per trajectory, bounds the body it reads, and answers a request that is
-  not the API's shape with a 400 that says what was wrong, the server serving on.
-- The first request's messages (and its `tools`) open the trajectory: the model's chat template
-  renders them, with the generation prompt, as the trajectory's prompt (a `Conversation`,
-  which takes the place of the prompt source's rendering where the two differ).
-- Each later request repeats the conversation so far, the assistant's answers as the server
-  gave them, and adds messages after the last answer: only those are rendered, as the template
-  renders messages after an assistant's turn, and appended as context (ChatTurns in turns.py).
-  The history is never tokenized again: a request that rewrites it is refused (400) and ends
-  the trajectory, unfinished, with env_error saying so.
-- The answer is the model's turn, sampled by the engine with the flow's sampling settings (a
-  request's temperature, max_tokens or stop are not the flow's and are ignored; `n` above 1
-  and `stream` are refused). Given `tools`, the turn's Hermes ``<tool_call>`` blocks come back
-  as the message's `tool_calls` (flowkit/ops/toolcalls.py), finish_reason "tool_calls".
-- The trajectory ends when the function returns (done, its reward), raises or waits past
-  env_timeout_s (env_error), or a budget cuts it (max_turns, max_total_tokens, the context):
-  then a request still waiting is answered 409, "trajectory_ended", and later ones 401.
-
-Token in, token out: the trajectory's tokens are the engine's (sampled ids, the template's
-rendering of each new message), so the same program and seeds give the same trajectory as an
-in-process Environment that says the same things (tests/torch/test_endpoint.py).
+function, an agent written against the OpenAI chat-completions API, in a thread of the rollout
+executor. ``function(task)`` gets a `Task` (messages, answer, `base_url`, the trajectory's own
+`api_key`; ``task.client()``) and returns the reward (None: the flow's reward op scores it).
+Each request is one model turn: its key says which trajectory it continues (127.0.0.1 only, one
+request at a time per trajectory, bounded bodies, 400 naming what was wrong); the first
+request's messages and tools, rendered by the chat template, are the prompt; each later one
+repeats the conversation so far and only its new messages are rendered and appended (ChatTurns
+in turns.py): the history is never tokenized again, and a request that rewrites it ends the
+trajectory. Turns are sampled with the flow's settings; Hermes ``<tool_call>`` blocks come back
+as `tool_calls`. Why: token in, token out, so the same program and seeds give an in-process
+Environment's trajectory (tests/torch/test_endpoint.py); `flowkit bench agent --programs` times
+a turn. In full: docs/rl.md, "Agent programs: an OpenAI-compatible endpoint".
 """
 
 from __future__ import annotations

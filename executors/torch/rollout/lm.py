@@ -11,33 +11,21 @@ import torch
 __all__ = ["check_prompts", "context_length", "has_cache", "logits_of", "values_of"]
 
 
-# [Note: generation and scoring interface] The model is the `build` result's one-stage split (or the
-# module itself when it has no `split`), as executors/torch/models/built.py `whole_model` gives it:
-#
-# - ``forward(tokens)`` is all it needs: tokens (B, T) int64 -> logits (B, T, V) for a language
-#   model, values (B, T) for a critic or reward model (the two are told apart by that shape; a
-#   trailing dimension of 1 is squeezed). Rows are right-padded with token 0, so the model must be
-#   causal: position t's output depends on tokens 0..t only.
-# - ``context_length`` (optional, an int attribute or property): the longest sequence it runs;
-#   absent or None means unlimited. A prompt that leaves no room for one new token is an error; a
-#   response that reaches the context is cut there (its Rollout says ``clipped``).
-# - The cache protocol (optional; both methods, or neither) makes decoding cost one token per step
-#   instead of the whole prefix again: ``new_cache(batch, max_len)`` returns a cache of `batch` rows
-#   of up to `max_len` positions (max_len <= context_length), on the model's device and in its
-#   dtype; and ``forward_cached(tokens, cache, start, rows)`` runs new tokens (B, T) of cache rows
-#   `rows` (B,) whose first sits at position ``start`` (B,), writes them to those rows and returns
-#   their logits (B, T, V). A query at position p sees positions <= p of its own row only. Rows are
-#   right-padded too (prompts of different lengths prefill together): what a pad writes past its
-#   row's real end must be overwritten by the row's next real token. Writing a row from start 0
-#   begins a new sequence in it (continuous batching reuses rows). A cache may also have
-#   ``copy_prefix(src, dst, length)``, copying positions [0, length) of row `src` into the rows
-#   `dst` (a list): the rollout engine then fills a prompt once for all its samples ([Note: shared
-#   prompts] in executors/torch/rollout/engine.py); without it, each sample fills its own. The
-#   built-in GPT implements it all ([Note: KV cache rows] in executors/torch/models/gpt.py); a
-#   Hugging Face causal LM can, through an adapter that keeps per-row keys and values and passes
-#   ``position_ids = start + arange(T)`` with the matching attention mask (models/hf.py's). A
-#   recurrent model cannot resume a row after right padding, so it leaves the protocol out and
-#   decodes by recomputing.
+# [Note: generation and scoring interface] The model is the `build` result's one-stage split (or
+# the module itself without `split`), as executors/torch/models/built.py `whole_model` gives it:
+# - ``forward(tokens)`` (B, T) -> logits (B, T, V), or values (B, T) for a critic or reward model
+#   (told apart by shape). Rows are right-padded with token 0, so the model must be causal;
+# - ``context_length`` (optional; None: unlimited): a prompt with no room for one new token is an
+#   error, a response that reaches it is cut (``clipped``);
+# - the cache protocol (optional, both methods or neither), so decoding costs one token a step:
+#   ``new_cache(batch, max_len)`` and ``forward_cached(tokens, cache, start, rows)``, which writes
+#   new tokens of rows `rows` from positions `start` and returns their logits; a query at p sees
+#   positions <= p of its own row; a pad's write past its row's end is overwritten by the next
+#   real token; writing from start 0 begins a new sequence. An optional ``copy_prefix(src, dst,
+#   length)`` lets the engine fill a prompt once for its samples ([Note: shared prompts] in
+#   executors/torch/rollout/engine.py). The GPT implements it ([Note: KV cache rows] in
+#   executors/torch/models/gpt.py); a recurrent model leaves it out and recomputes. In full:
+#   docs/training.md, "Your own model".
 
 
 def context_length(model: torch.nn.Module) -> int | None:
