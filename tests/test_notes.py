@@ -19,10 +19,6 @@ NOTE_MAX_LINES = 15
 # being moved and split): their lines now. Each may only shrink, and leaves this list once it is
 # within the limit; no other note may pass it.
 KNOWN_LONG = {
-    "replicas": 20,  # flowkit/runner/replicas.py
-    "length-aware dispatch": 19,  # flowkit/runner/balance.py
-    "simulated rollout engine": 19,  # executors/sim/engine.py
-    "unsplit names": 19,  # executors/torch/weights.py
     "sampling rounds": 18,  # flowkit/runner/sampling_rounds.py
     "asynchronous steps": 17,  # flowkit/runner/flowrun.py
     "fused training": 17,  # flowkit/runner/fusedtrain.py

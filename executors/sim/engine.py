@@ -22,24 +22,16 @@ __all__ = ["EngineCosts", "SimEngine", "engine_of"]
 
 
 # [Note: simulated rollout engine] Requests (n samples of one prompt, their lengths already drawn)
-# join the running batch whenever they arrive. One `step()` is one decode iteration:
-#   - up to `max_batch` sequences hold a slot; free slots go to waiting samples in arrival order,
-#     and a request's samples share its prompt's prefill (done once, as with a prefix cache);
-#   - a per-iteration `token_budget`: every decoding sequence takes one token of it first, then
-#     chunks of admitted prompts' prefill take the rest (Sarathi-Serve's chunked prefill), so a long
-#     prompt never stalls decoding; the chunk that ends a prompt's prefill also yields its samples'
-#     first token;
-#   - the iteration costs `token + per_seq * b` for b sequences that produce a token, plus
-#     `prefill_token` per prompt token prefilled;
-#   - a sample whose last token was produced leaves at once (streamed when its task streams), and
-#     its slot goes to a waiting sample in the next iteration. A sample of length L is thus in the
-#     batch for exactly L iterations once its prompt is prefilled, whatever else is in the batch:
-#     the samples themselves are drawn before they join (executors/sim/ops.py), so batch composition
-#     changes when they come out, never what they are.
-#
-# Time is kept against a running deadline rather than by sleeping each iteration's cost anew: the
-# oversleep of one iteration is taken off the next (up to _CATCH_UP_S), as a GPU's queue runs ahead
-# of the host, so a thousand-iteration decode does not drift by a thousand wake-ups.
+# join the running batch whenever they arrive. One `step()` is one decode iteration: up to
+# `max_batch` sequences hold a slot, given in arrival order, and a request's samples share one
+# prefill; a `token_budget` goes to one token per decoding sequence first, then chunks of prefill
+# (Sarathi-Serve), the chunk ending a prefill also yielding the first tokens; the iteration costs
+# `token + per_seq * b` plus `prefill_token` per prompt token prefilled; a finished sample leaves
+# at once. Why: a sample of length L stays exactly L iterations after its prefill whatever else
+# is in the batch, since samples are drawn before they join (executors/sim/ops.py). Time is kept
+# against a running deadline, one iteration's oversleep taken off the next (up to _CATCH_UP_S),
+# so a long decode does not drift by a wake-up per iteration. In full: docs/running-flows.md,
+# "On the simulator".
 
 _CATCH_UP_S = 0.005  # a host stall longer than this is real lost time, not oversleep
 

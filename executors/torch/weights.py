@@ -22,24 +22,17 @@ __all__ = ["Layout", "aliases_of", "checked_layout", "export", "layout", "load",
 
 
 # [Note: unsplit names] An executor may hold one model in several splits at once [Note: one model,
-# many holders in models/built.py]: "actor" cut in two stages to train and whole (one stage) to
-# generate with. Each split names its parameters locally (a GPT stage's ``h.0.attn.c_attn.weight``);
-# weights travel between splits, executors and checkpoint files by the unsplit model's names
-# (``transformer.h.3.attn.c_attn.weight``, as ``GPT.state_dict()`` has them). A model maps the one
-# to the other with a method ``stage_names(stages, seq_len=...)`` (the GPT's, in models/gpt.py): per
-# stage, local name -> unsplit name. A model without one is mapped through its split sharing the
-# whole model's parameter tensors (a model that is not split is its own single stage).
-#
-# A weight tied in the unsplit model (a GPT's ``transformer.wte.weight`` and ``lm_head.weight``) is
-# one weight under two names. A split with two copies of it (the first stage's ``wte``, the last
-# stage's ``lm_head`` [Note: tied embedding across stages]) exports each copy under its own name;
-# after an optimizer step the two are equal. Loading either name sets every copy of the weight in
-# the split loaded into, so one split's export fills any other split.
-#
-# The ops `export_weights`, `load_weights` and `save_weights` (which merges the stages' exports and
-# writes them with `save_checkpoint` on an executor: no tensor goes to the controller) are in
-# models/built.py. A model config key ``checkpoint`` names such a file, which `held_model` loads
-# into the whole model before splitting it (`load_checkpoint`).
+# many holders in models/built.py]: "actor" in two stages to train and whole to generate with.
+# Each split names its parameters locally (a GPT stage's ``h.0.attn.c_attn.weight``); weights
+# travel between splits, executors and files by the unsplit model's names
+# (``transformer.h.3.attn.c_attn.weight``), mapped by the model's ``stage_names(stages,
+# seq_len=...)`` (local -> unsplit, per stage; models/gpt.py), or else through its split sharing
+# the whole model's tensors. A tied weight (``wte`` and ``lm_head``) is one weight under two
+# names: a split with two copies [Note: tied embedding across stages] exports each under its own
+# name, and loading either sets every copy, so one split's export fills any other split. The ops
+# `export_weights`, `load_weights` and `save_weights` are in models/built.py; a config key
+# ``checkpoint`` names a file `held_model` loads before splitting. In full: docs/training.md,
+# "Your own model".
 
 
 # -- names ------------------------------------------------------------------------------------

@@ -17,24 +17,17 @@ __all__ = ["Balancer", "LengthEstimates", "rank_correlation"]
 
 
 # [Note: length-aware dispatch] An op declares how to predict a call's work (a Workload in
-# flowkit/dsl/operators.py: for Generate, n samples of a prompt's estimated length). Per step, the
-# runner:
-#   - estimates each call's per-item work from its key's history: an exponential moving average,
-#     across steps, of the mean length its items reached; without one, from the items of the same
-#     key that finished this step (the longest of them: the first to finish are the shortest, and
-#     the rest are at least as long); else the running mean of every length seen; else half the
-#     budget;
-#   - submits the calls that are ready together longest first (the rollout engine admits requests in
-#     arrival order, so the long ones start first and do not become the tail);
-#   - sends each to the able executor with the least predicted work still open (remaining items
-#     times the estimate, raised to the longest that finished), a greedy longest-processing-
-#     time-first assignment, learning each item's actual size as it finishes (a report key, so
-#     nothing is fetched). It reports how well the estimates ranked the lengths: the Spearman
-#     correlation of predicted and actual lengths over the items whose key had a history;
-#   - lent executors (those that hold a training stage: `flowkit run --placement multiplexed`, or
-#     colocated ones that train) take a call only while nothing else of theirs is outstanding, so
-#     generation fills their idle time and never queues ahead of their training; while every one
-#     is busy the calls go to the others. Where every able executor trains, none is held back.
+# flowkit/dsl/operators.py: for Generate, n samples of a prompt's estimated length). Per step the
+# runner estimates each call's per-item work from its key's history (an EMA across steps of the
+# mean length its items reached), else from the longest of its key's items finished this step
+# (the first to finish are the shortest), else the running mean of all lengths, else half the
+# budget; submits the ready calls longest first (the engine admits in arrival order, so the long
+# ones start first and do not become the tail); and sends each to the able executor with the
+# least predicted work open, greedy longest-processing-time-first, learning each item's size as
+# it finishes (a report key, nothing fetched); `generate/length_rank_corr` (Spearman) says how
+# well it ranked. Lent executors (holding a training stage) take a call only while nothing else
+# of theirs is outstanding, so generation never queues ahead of their training; where every able
+# executor trains, none is held back. In full: docs/running-flows.md, "On the simulator".
 
 
 @attrs.define

@@ -1,25 +1,18 @@
 """Data parallel × pipeline parallel: a model trained by D replicas of its P-device pipeline.
 
 [Note: replicas] A model with `replicas=D` is placed on D × P executors, replica r on
-executors[r*P:(r+1)*P] (device d of replica r is executors[r*P + d]); the runner keeps them
-distinct, so no executor holds two replicas of one stage. A step's microbatches are numbered
-once, globally, as the backprop forms them (streamed or not), and global microbatch g runs on
-replica g % D as that replica's microbatch g // D: the first microbatches to form start every
-replica at once, and uneven counts (M not a multiple of D) leave the first replicas one more.
-Each replica runs the flow's schedule built for its own count, in lanes of its own; the loss
-scale of a mean loss is its microbatch's share of the whole global batch, so the replicas'
-gradients add up to the global batch's.
-
-After a device's last action of the step, its lane runs `reduce_grads` for each of the device's
-stages, which sums that stage's gradients over its replica group through torch.distributed
-[Note: replica groups in executors/torch/train/replicas.py], never through the controller. It waits
-(as inputs) for every replica's last action of the stage, so no member blocks in the collective
-while another replica still computes, and the simulator, which has no collectives, starts its
-all-reduce's modelled time (SimCosts.allreduce_s) when the last replica is there; the planner
-times the same (flowkit/planner/replicas.py). `grad_stats` and the optimizer step follow as
-without replicas: every replica clips by the same global norm and takes the same AdamW step
-(on its shard, with sharded optimizer states), so the replicas stay equal; replica 0 stands for
-the model (it reports the step, exports the weights to sync and save).
+executors[r*P:(r+1)*P]; no executor holds two replicas of one stage. A step's microbatches are
+numbered once, globally, as the backprop forms them, and microbatch g runs on replica g % D as
+its microbatch g // D, so the first to form start every replica at once. Each replica runs the
+schedule built for its own count, in lanes of its own; a mean loss is scaled by its
+microbatch's share of the global batch, so the replicas' gradients add up to the global batch's.
+After a device's last action of the step its lane runs `reduce_grads` per stage, summing over
+the replica group through torch.distributed [Note: replica groups in
+executors/torch/train/replicas.py], never the controller, and waiting for every replica's last
+action of the stage so no member blocks in the collective while another computes (the simulator
+starts SimCosts.allreduce_s then; the planner times the same, flowkit/planner/replicas.py).
+Every replica clips by the same global norm and takes the same AdamW step, so they stay equal;
+replica 0 stands for the model. In full: docs/training.md, "Data parallel × pipeline parallel".
 """
 
 from __future__ import annotations
