@@ -15,18 +15,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CODE_DIRS = ("flowkit", "executors", "dataflows", "benchmarks", "tests", "examples")
 NOTE_MAX_LINES = 15
-# Notes longer than NOTE_MAX_LINES when this check came in, in flowkit/runner and executors (then
-# being moved and split): their lines now. Each may only shrink, and leaves this list once it is
-# within the limit; no other note may pass it.
-KNOWN_LONG = {
-    "sampling rounds": 18,  # flowkit/runner/sampling_rounds.py
-    "asynchronous steps": 17,  # flowkit/runner/flowrun.py
-    "fused training": 17,  # flowkit/runner/fusedtrain.py
-    "offloaded stash": 17,  # executors/torch/train/offload.py
-    "replica groups": 17,  # executors/torch/train/replicas.py
-    "batch-invariant forwards": 16,  # executors/torch/rollout/infer.py
-}
-
 _OPEN = "[Note: "
 # what may stand before a definition's tag on its line: a comment's or a docstring's opening
 _DEFINITION_LEAD = re.compile(r'^\s*(#\s*|[rbuRBU]?("""|\'\'\'))?\s*$')
@@ -197,20 +185,9 @@ def test_every_note_reference_names_a_note():
 
 
 def test_notes_stay_short():
-    problems = []
-    seen = set()
-    for where, name, lines in long_notes():
-        seen.add(name)
-        allowed = KNOWN_LONG.get(name)
-        if allowed is None:
-            problems.append(f"{where}: [Note: {name}] has {lines} lines, more than "
-                            f"{NOTE_MAX_LINES}: say what, why and the number with its command; "
-                            "move a design to a page of docs/ and point to it")
-        elif lines > allowed:
-            problems.append(f"{where}: [Note: {name}] grew to {lines} lines from {allowed}; "
-                            "a note on the known-long list may only shrink")
-    problems += [f"[Note: {name}] is within {NOTE_MAX_LINES} lines now (or gone): take it off "
-                 "KNOWN_LONG in tests/test_notes.py" for name in sorted(set(KNOWN_LONG) - seen)]
+    problems = [f"{where}: [Note: {name}] has {lines} lines, more than {NOTE_MAX_LINES}: say what, "
+                "why and the number with its command; move a design to a page of docs/ and point "
+                "to it" for where, name, lines in long_notes()]
     assert not problems, "\n".join(problems)
 
 

@@ -48,19 +48,15 @@ _BURST = 4096  # reactions run before the steps look at what they touched, at mo
 # reads the weights step k-1's optimizer step made. With a staleness bound η (`staleness=η`,
 # `flowkit run --async --max-staleness η`) steps k+1 .. k+η are open while step k runs, and a node
 # that reads weights fed back from an earlier step (generation, value and score inference) is
-# admitted once the newest weights are at most η versions older than the weights its step's training
-# will update: step s's at version s (one optimizer step per step), so version >= s - η, the newest
-# weights then. That is AReaL's admission control (Fu et al. 2025, "AReaL: a large-scale
-# asynchronous reinforcement learning system"): samples trained plus samples in flight never exceed
-# (η + version + 1) x the batch. Weight loads reach a running engine between its iterations, so
-# sequences in flight go on under the new weights, each token recording its version; no trained
-# token's version lags the weights it updates by more than η. Training runs step after step in order
-# (a step's backprop starts when the step before has ended). With η = 0 step k's generation waits
-# for step k-1's weights: the synchronous run, operation for operation. With η >= 1 the backprops
-# whose loss takes a proximal policy use the decoupled objective for stale samples (the knob their
-# LossSpec names, `decoupled`). A step's training starts in its own `run_step` call, never between
-# two: what a checkpoint at that boundary holds of the open steps is [Note: checkpoints of
-# asynchronous runs] in flowkit/runner/checkpoints/open_steps.py.
+# admitted once the newest weights are at most η versions older than its step's: step s needs
+# version >= s - η. That is AReaL's admission control (Fu et al. 2025): samples trained plus in
+# flight never exceed (η + version + 1) x the batch. Weight loads reach a running engine between
+# its iterations, each token recording its version, so no trained token lags the weights it
+# updates by more than η. Training runs step after step; η = 0 is the synchronous run, operation
+# for operation; with η >= 1 a loss with a proximal policy uses the decoupled objective (its
+# LossSpec's `decoupled`). A step's training starts in its own `run_step` call, never between two
+# ([Note: checkpoints of asynchronous runs] in flowkit/runner/checkpoints/open_steps.py). In full:
+# docs/rl.md, "Asynchronous RL: bounded staleness and partial rollouts".
 
 
 class FlowRunner:

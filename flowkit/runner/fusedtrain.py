@@ -3,20 +3,15 @@
 [Note: fused training] Backprops that name the same `fuse` group (PPO's actor and critic) train
 under one schedule a step: the planner's `fuse` interleaves their schedules on the executors
 they share [Note: fused schedules in flowkit/planner/fused.py], and each shared executor runs
-the group's actions in one lane, in the fused order. The models' own schedules are built as
-without fusion (their kind, microbatches, costs); each member submits its actions through a
-gate that lets a device's next action go only when it is the fused list's next there, and
-every member's feed advances all of them, so a member waiting for another's action moves on
-as soon as that one is submitted. The fused schedule is planned once every member has its
-schedule in the step (both backprops of PPO start from the same batch). Everything else of a
-member that must follow its pipeline ops on an executor (its optimizer step, weight exports,
-activation reports, profiling) runs in the same shared lanes.
-
-Where the models are: the first model of the group is placed as any model is; every other one
-on the same executors, its stages the other way round (stage s on the executor of the first
-model's stage P-1-s), RLHFuse's layout, in which one pipeline's warm-up runs in the other's
-cool-down (`flowrun.FlowRunner._place_models`). Each model's stages must be on distinct
-executors, and a fused model trains as one replica.
+the group's actions in one lane, in the fused order. Each model's own schedule is built as
+without fusion; each member submits its actions through a gate that lets a device's next action
+go only when it is the fused list's next there, and every member's feed advances all of them.
+The fused schedule is planned once every member has its schedule in the step; a member's
+optimizer step, exports, reports and profiling run in the same shared lanes. Placement: the
+first model as any model; every other on the same executors, its stages the other way round
+(stage s on the first model's stage P-1-s: RLHFuse's layout, one pipeline's warm-up in the
+other's cool-down, `flowrun.FlowRunner._place_models`); stages on distinct executors, one
+replica. In full: docs/schedules.md, "Fusing two models' pipelines", and docs/rl.md.
 """
 
 from __future__ import annotations

@@ -2,22 +2,17 @@
 
 [Note: sampling rounds] DAPO's dynamic sampling (Yu et al. 2025) generates another batch when
 too few groups of a batch have rewards that differ, up to a cap (verl's max_num_gen_batches).
-Here the step's source makes R rounds of prompts at once (the flow asks it for R times a round's
-prompts), and the round node, the first per-item node after the source (generation), calls them
-a round at a time: the first round at once, the next only when the groups not yet decided can
-no longer make up the quota, taken + undecided < T, where a group is decided once the quota's
-node has run on it (taken, empty or surplus: quota.py). A later round's groups go through the
-same nodes as the first's, and the quota keeps counting. The round node ends, and every node
-after it in turn, once T groups are taken or the R rounds are spent; prompts of rounds never run
-are counted unused. Each prompt makes one group, so the round node's calls and the quota's
-groups are counted alike (the flow check holds a group to its call's fan-out, n samples).
-
-The round node stays open while its decision is pending, so what reads its stream ends only
-after it. That needs a fused run: stage by stage, the quota's node runs only once generation has
-ended, so such a step runs its first round only and reports its short groups as a step without
-rounds does. Synchronous runs only, without partial rollouts: both call generation through
-policies of their own (the runner refuses the mix before anything starts). It is the round
-node's call policy (call_policy.py), holding the quota's policy of the same step.
+Here the step's source makes R rounds of prompts at once, and the round node (the first
+per-item node after the source: generation) calls them a round at a time: the next only when
+the groups not yet decided can no longer make up the quota, taken + undecided < T, a group being
+decided once the quota's node has run on it (quota.py). The round node, and every node after it
+in turn, ends once T groups are taken or the R rounds are spent; prompts never run are counted
+unused. Each prompt makes one group, so calls and groups count alike. The round node stays open
+while its decision is pending, which needs a fused run (stage by stage, a step runs its first
+round only); synchronous runs only, without partial rollouts (each calls generation through a
+policy of its own; refused before anything starts). It is the round node's call policy
+(call_policy.py), holding the quota's policy of the same step. In full: docs/rl.md, "Recipes:
+DAPO, Dr. GRPO, GSPO, and the loss settings".
 """
 
 from __future__ import annotations

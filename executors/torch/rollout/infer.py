@@ -12,17 +12,14 @@ after a sequence change nothing before them).
 so a forward's shape must not change a rollout's scores: a matmul's rounding depends on its
 shape. Every forward therefore has a shape fixed by its rows' own lengths: a rollout's width is
 its length rounded up to a power of two or one and a half times one (16 at least: 16, 24, 32,
-48, 64, ...: a forward pads at most a third of its tokens where powers of two alone padded up
-to half, and the shapes stay few); rollouts of one width share forwards of exactly `rows` =
-min(max_batch, max_tokens // width) rows, padded with empty rows. A rollout's
-scores are then the same bits alone or in any batch (the approach of batch-invariant inference
-kernels), and a run's results do not depend on its timing. The price: a rollout that comes
-alone still runs a forward of `rows` rows. How many is the device's: a GPU's forward costs
-about the same for one row as for 32 (it waits on memory and launches), so its forwards take
-4096 tokens (32 rows of 16 tokens, 8 of 512); a CPU's forward costs in proportion to its rows
-beyond a few, so its forwards take 256 tokens (16 rows of 16 tokens, 8 of 32, 1 of 256 or
-more). `flowkit bench infer` measures both budgets side by side on a step's 128 rollouts,
-arriving in the uneven batches a run makes of them and all at once (docs/performance.md).
+48, ...: at most a third of a forward's tokens are padding, and the shapes stay few); rollouts
+of one width share forwards of exactly `rows` = min(max_batch, max_tokens // width) rows,
+padded with empty rows. A rollout's scores are then the same bits alone or in any batch (the
+approach of batch-invariant inference kernels), and a run's results do not depend on its timing.
+The price: a rollout that comes alone still runs a forward of `rows` rows. The token budget is
+the device's: 4096 on a GPU, whose forward costs about as much for one row as for 32, and 256 on
+a CPU, whose forward costs in proportion to its rows; `flowkit bench infer` measures both
+budgets on a step's 128 rollouts (docs/performance.md).
 
 [Note: response positions] Response token k of a rollout with P prompt tokens sits at position
 P + k of prompt + response, and is predicted by the model's output at position P + k - 1. Its

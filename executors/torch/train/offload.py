@@ -4,21 +4,16 @@ flowkit/planner/offload.py].
 
 [Note: offloaded stash] An offloading forward runs under `HostStash`'s saved-tensor hooks: each
 tensor autograd saves is packed as a reference to its storage (a view's offset, size and stride
-kept beside it), so tensors that share a storage move as one copy and come back as views of one
-storage again. The deferred calls' tensors (a linear's X, a layer norm's statistics: what W needs
-[Note: deferred weight gradients in executors/torch/train/deferred.py]) are storages of the same
-kind and move with them. Parameters and buffers stay (the module holds them anyway), and so do the
-stage's inputs and outputs: B differentiates with respect to those very tensors, so they cannot be
-swapped for copies, and they are one activation of the stage's many.
-
-`offload()` copies every storage to host memory and drops the device's reference: pinned memory
-and a non-blocking copy on a side stream on CUDA, which first waits for the compute stream (the
-forward must have written them), and whose device blocks the allocator keeps until the copy is
-done (`record_stream`); a plain copy on CPU, where host and device are the same memory but the
-executor's accounting (`device_bytes`) shows the mechanism. `prefetch()` allocates device memory
-and copies back, again on the side stream on CUDA; `wait()` makes the compute stream wait for
-it before B reads the activations, and is called by the backward itself, so a backward that no
-prefetch preceded still finds its activations (it copies them then, on the spot).
+beside it), so tensors that share a storage move as one copy and come back as views of one
+storage. The deferred calls' tensors (what W needs [Note: deferred weight gradients in
+executors/torch/train/deferred.py]) move with them. Parameters, buffers and the stage's inputs
+and outputs stay: B differentiates with respect to those very tensors. `offload()` copies every
+storage to host memory and drops the device's reference: on CUDA into pinned memory,
+non-blocking on a side stream that first waits for the compute stream, the device blocks kept
+until the copy is done (`record_stream`); on CPU a plain copy, so `device_bytes` shows the
+mechanism. `prefetch()` copies back, on the side stream on CUDA; `wait()` makes the compute
+stream wait for it and is called by the backward itself, so a backward with no prefetch still
+finds its activations. In full: docs/schedules.md, "Offload in a flow run".
 """
 
 from __future__ import annotations

@@ -2,22 +2,18 @@
 all-reduce of their gradients, through torch.distributed.
 
 [Note: replica groups] A model trained as D replicas of a P-device pipeline has one process
-group per device slot d: the D executors that hold device d of each replica (the stages a
-schedule puts on that device; a V schedule puts two there). The controller sets a group up
-once, before the model's first step (flowkit/runner/replicas.py): `replica_store` on the
-group's rank 0 opens a TCPStore on the address its peers reach it at and returns where it
-listens; `replica_group` on every member, given that address as an input (the controller
-hands it out, it never opens a socket itself), joins a gloo group (NCCL on CUDA devices)
-under a prefix of its own, so one store could serve several groups. The gradients never pass
-through the controller: after the device's last action of the step, `reduce_grads` sums each
-of its stages' gradients over the group (`all_reduce_grads`), bucketed, every bucket in flight
-at once, and every replica then holds the sum over the whole global batch; the clipping norm
-and the AdamW step that follow are the same on every replica, so the replicas stay equal.
-
-Collectives must run in the same order on every member: each member runs its group's ops in
-its device's lane, in the order the controller submitted them, and the controller submits the
-same schedule to every replica, so the order is the same. A member never holds two replicas
-of one stage (the runner places replicas on distinct executors).
+group per device slot d: the D executors that hold device d of each replica. The controller
+sets a group up once, before the model's first step (flowkit/runner/replicas.py):
+`replica_store` on the group's rank 0 opens a TCPStore and returns where it listens;
+`replica_group` on every member, given that address as an input (the controller never opens a
+socket itself), joins a gloo group (NCCL on CUDA) under a prefix of its own. Gradients never
+pass through the controller: after the device's last action of the step, `reduce_grads` sums
+each of its stages' gradients over the group (`all_reduce_grads`, bucketed, every bucket in
+flight at once); the clipping norm and AdamW step that follow are the same on every replica, so
+the replicas stay equal. Why the order holds: collectives must run in the same order on every
+member, and each member runs its group's ops in its device's lane in the order the controller
+submitted them, the same schedule to every replica. In full: docs/training.md, "Data parallel ×
+pipeline parallel".
 """
 
 from __future__ import annotations
