@@ -293,9 +293,10 @@ def trainable(module: torch.nn.Module) -> list[torch.Tensor]:
 
 # [Note: AdamW without dynamo] torch's optimizers wrap __init__'s add_param_group, state_dict,
 # load_state_dict (torch._disable_dynamo) and step (_use_grad_for_differentiable) in wrappers
-# whose first call imports torch._dynamo, for torch.compile's sake: 1.3 s of one CPU core in
-# every executor that steps an optimizer (sympy, inductor, ...; importing torch itself costs
-# about as much), for nothing here, where no optimizer runs under torch.compile. `_EagerAdamW`
+# whose first call imports torch._dynamo, for torch.compile's sake: seconds of one CPU core in
+# every executor that steps an optimizer (sympy, inductor, ...; measure with `python -c "import
+# time, torch; t = time.perf_counter(); import torch._dynamo; print(time.perf_counter() - t)"`),
+# for nothing here, where no optimizer runs under torch.compile. `_EagerAdamW`
 # calls the undecorated functions that the wrappers call (functools.wraps keeps them as
 # __wrapped__), with grad mode set as step's wrapper sets it: the same arithmetic, state and
 # state dicts as torch.optim.AdamW (tests/torch/test_optimizer.py compares them). Where a
