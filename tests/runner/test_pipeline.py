@@ -9,14 +9,13 @@ from flowkit.runner.pipeline import (
     submission_order,
     submit_schedule,
 )
-from tests.harness import executor_cluster
 
 P, M = 3, 6
 
 
 @pytest.fixture(scope="module")
-def sims():
-    with executor_cluster(P, kind="sim", name_prefix="sim") as started:
+def sims(pool):
+    with pool.shared(P, kind="sim", name_prefix="sim") as started:
         yield started
 
 
