@@ -92,6 +92,24 @@ class ExecutorPool:
             self._clusters.popitem()[1][0].close()
 
 
+def pooled_run(pool: ExecutorPool, flow: Any, config: Any, **options: Any) -> Any:
+    """`flowkit.run(flow, config)` on the executors the run would start itself (its kind, count
+    and tags, config.code loaded), drawn from `pool` and shared through
+    `Run(flow, config, controller=ctl)`; its RunResult. For runs whose result, not their
+    launch, is under test: a local launch on the CPU, no controller settings, no restarts."""
+    from flowkit.runner.api import Run
+
+    assert config.launcher == "local" and config.device == "cpu" and not config.max_restarts
+    assert config.controller == type(config.controller)()
+    planned = Run(flow, config, **options)  # plans the run and starts nothing
+    ctl, _ = pool.cluster(planned.count, kind=planned.kind, tags=planned.tags,
+                          code=config.code)
+    with Run(flow, config, controller=ctl, **options) as run:
+        for _ in run.steps():
+            pass
+    return run.result
+
+
 class _DispatcherOwner:
     condition = new_condition()
 
