@@ -92,11 +92,11 @@ class ExecutorPool:
             self._clusters.popitem()[1][0].close()
 
 
-def pooled_run(pool: ExecutorPool, flow: Any, config: Any, **options: Any) -> Any:
-    """`flowkit.run(flow, config)` on the executors the run would start itself (its kind, count
-    and tags, config.code loaded), drawn from `pool` and shared through
-    `Run(flow, config, controller=ctl)`; its RunResult. For runs whose result, not their
-    launch, is under test: a local launch on the CPU, no controller settings, no restarts."""
+def shared_run(pool: ExecutorPool, flow: Any, config: Any, **options: Any) -> Any:
+    """`Run(flow, config)` on the executors the run would start itself (its kind, count and
+    tags, config.code loaded), drawn from `pool` and shared through `Run(flow, config,
+    controller=ctl)`. For runs whose steps, not their launch, are under test: a local launch
+    on the CPU, no controller settings, no restarts."""
     from flowkit.runner.api import Run
 
     assert config.launcher == "local" and config.device == "cpu" and not config.max_restarts
@@ -104,7 +104,12 @@ def pooled_run(pool: ExecutorPool, flow: Any, config: Any, **options: Any) -> An
     planned = Run(flow, config, **options)  # plans the run and starts nothing
     ctl, _ = pool.cluster(planned.count, kind=planned.kind, tags=planned.tags,
                           code=config.code)
-    with Run(flow, config, controller=ctl, **options) as run:
+    return Run(flow, config, controller=ctl, **options)
+
+
+def pooled_run(pool: ExecutorPool, flow: Any, config: Any, **options: Any) -> Any:
+    """`flowkit.run(flow, config)` as a shared_run: its RunResult."""
+    with shared_run(pool, flow, config, **options) as run:
         for _ in run.steps():
             pass
     return run.result
