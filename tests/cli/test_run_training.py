@@ -1,10 +1,10 @@
 """`flowkit run` on the pretraining example: torch executors chosen, options override the flow,
 the loss falls, and the metrics carry what the issue asks for."""
 
-import pytest
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from flowkit.cli import main

@@ -6,10 +6,10 @@ which the spans of consecutive steps' generation ran."""
 
 from __future__ import annotations
 
-import pytest
 import json
 
 import attrs
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
