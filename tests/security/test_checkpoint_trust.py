@@ -20,6 +20,8 @@ from flowkit.runner.checkpoint import RUN_STATE, CheckpointError, read_run_state
 from flowkit.runner.runstate import allowed_records
 from tests.cli.runs import GRPO, PRETRAIN, one_step_checkpoint, refused, run_ok
 
+pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
+
 _RECORD = 2  # runstate's extension type of a record
 
 
