@@ -132,6 +132,7 @@ def test_the_rl_examples_run_on_simulator_executors(sim_cluster, example):
     assert len(generated) == _RL_EXAMPLES[example]
 
 
+@pytest.mark.slow
 def test_flowkit_run_writes_a_trace_and_metrics(tmp_path):
     trace, metrics = tmp_path / "t.json", tmp_path / "m.jsonl"
     result = CliRunner().invoke(main, ["run", str(EXAMPLES / "grpo.py"), "--no-dashboard",

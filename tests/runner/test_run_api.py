@@ -145,6 +145,7 @@ def test_an_unknown_executor_kind_is_refused_before_anything_starts():
     assert error.value.setting == "executors" and "sim" in str(error.value)
 
 
+@pytest.mark.slow
 def test_steps_called_again_after_a_break_goes_on_where_it_stopped():
     with Run(_pretrain(), RunConfig(steps=3, executors="sim", dashboard=False)) as run:
         for _ in run.steps():
@@ -153,6 +154,7 @@ def test_steps_called_again_after_a_break_goes_on_where_it_stopped():
     assert [r["step"] for r in run.result.records] == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_caller_works_on_a_report_checkpoints_that_step(tmp_path):
     import os
     import signal
