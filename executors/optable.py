@@ -154,6 +154,23 @@ def _fail(ctx: OpContext, *inputs: Any, message: str = "failed on purpose") -> N
     raise RuntimeError(message)
 
 
+def _reset(ctx: OpContext, *inputs: Any) -> int:
+    """Forget what earlier tasks left in this executor's context (models, rollout engines,
+    replica groups: ctx.state and ctx.background) and seed the random generators from the OS as
+    a fresh process does, so that executors outlive one user (a test suite's shared pool) without
+    the next one seeing it. Run it with nothing in flight. Returns how many entries it dropped."""
+    import random
+    import sys
+
+    dropped = len(ctx.state) + len(ctx.background)
+    ctx.state.clear()
+    ctx.background.clear()
+    random.seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
+    return dropped
+
+
 class _Countdowns:
     """The background of `countdown` tasks: each step gives every live task its next number."""
 
@@ -270,6 +287,7 @@ def builtin_ops() -> OpTable:
     table.register("identity", _identity)
     table.register("sleep", _sleep)
     table.register("fail", _fail)
+    table.register("reset", _reset)
     table.register("clock", _clock)
     table.register("countdown", _countdown)
     table.register("python", _python)

@@ -2,14 +2,26 @@ import contextlib
 
 import pytest
 
-from tests.harness import executor_cluster
+from tests.harness import ExecutorPool, executor_cluster
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def cluster():
-    """A controller with two local executor processes, a rollout one and a train one."""
+    """A controller with two local executor processes, a rollout one and a train one, shared by
+    a module's tests (a test that kills or stops an executor takes `start_cluster`)."""
     with executor_cluster(2, tags=[("rollout",), ("train",)]) as started:
         yield started
+
+
+@pytest.fixture(scope="session")
+def pool():
+    """The session's (each xdist worker's) executor pool: `pool.cluster(count, kind=...,
+    tags=..., code=...)` hands out a cluster started once for those settings and reset
+    between tests (tests.harness.ExecutorPool); a run shares one through
+    `Run(flow, config, controller=ctl)`."""
+    shared = ExecutorPool()
+    yield shared
+    shared.close()
 
 
 @pytest.fixture

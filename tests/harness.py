@@ -13,6 +13,7 @@ from executors.optable import OpContext
 from flowkit.runtime import Controller, LocalExecutors
 from flowkit.runtime.dispatch import Dispatcher
 from flowkit.runtime.futures import new_condition
+from flowkit.runtime.launch import per_executor_tags
 from flowkit.runtime.registry import ExecutorInfo
 from flowkit.wire.protocol import Msg
 
@@ -27,6 +28,91 @@ def executor_cluster(count: int = 2, *, kind: str = "base", tags=(), code=(),
     with Controller(**controller) as ctl, LocalExecutors(
             ctl, count, kind=kind, tags=tags, code=code, name_prefix=name_prefix) as infos:
         yield ctl, sorted(infos, key=lambda e: int(e.name.rsplit("-", 1)[1]))
+
+
+class ExecutorPool:
+    """Clusters of executor processes that outlive one test: `pool.cluster(count, kind=...,
+    tags=..., code=...)` is executor_cluster's (ctl, infos), started the first time those
+    settings are asked for and handed out again after that, each executor `reset` first
+    (models, engines, replica groups: the op in executors/optable.py). Starting a cluster costs
+    each process its imports of flowkit and torch, seconds of a core; the suite asks for a few
+    settings many times. At most `keep` clusters stay up (the least recently used stops first,
+    never one a `shared` block holds); one that lost an executor (a test killed it) starts
+    again."""
+
+    def __init__(self, keep: int = 3) -> None:
+        self.keep = keep
+        self._clusters: dict[tuple, tuple[contextlib.ExitStack, Controller, list]] = {}
+        self._held: dict[tuple, int] = {}
+
+    @staticmethod
+    def _key(count: int, kind: str = "base", tags=(), code=(), name_prefix: str = "exec"
+             ) -> tuple:
+        return (count, kind, tuple(map(tuple, per_executor_tags(tags, count))),
+                tuple(str(path) for path in code), name_prefix)
+
+    def cluster(self, count: int = 2, *, kind: str = "base", tags=(), code=(),
+                name_prefix: str = "exec") -> tuple[Controller, list[ExecutorInfo]]:
+        key = self._key(count, kind, tags, code, name_prefix)
+        found = self._clusters.pop(key, None)
+        if found is not None:
+            stack, ctl, infos = found
+            alive = {e.id for e in ctl.executors()}
+            if all(e.id in alive for e in infos) and len(alive) == count:
+                for reset in [ctl.submit("reset", executor=e.id) for e in infos]:
+                    reset.result(timeout=60)
+                self._clusters[key] = found  # the most recently used last
+                return ctl, infos
+            stack.close()
+        idle = [k for k in self._clusters if not self._held.get(k)]
+        while idle and len(self._clusters) >= self.keep:
+            self._clusters.pop(idle.pop(0))[0].close()
+        stack = contextlib.ExitStack()
+        ctl, infos = stack.enter_context(executor_cluster(
+            count, kind=kind, tags=tags, code=code, name_prefix=name_prefix))
+        self._clusters[key] = (stack, ctl, infos)
+        return ctl, infos
+
+    @contextlib.contextmanager
+    def shared(self, count: int = 2, **settings: Any
+               ) -> Iterator[tuple[Controller, list[ExecutorInfo]]]:
+        """`with pool.shared(...) as (ctl, infos):` where a test had `with executor_cluster(...)`
+        (a module fixture too): the cluster stays up while the block runs, and after it for the
+        next test that asks for the same settings."""
+        key = self._key(count, **settings)
+        started = self.cluster(count, **settings)
+        self._held[key] = self._held.get(key, 0) + 1
+        try:
+            yield started
+        finally:
+            self._held[key] -= 1
+
+    def close(self) -> None:
+        while self._clusters:
+            self._clusters.popitem()[1][0].close()
+
+
+def shared_run(pool: ExecutorPool, flow: Any, config: Any, **options: Any) -> Any:
+    """`Run(flow, config)` on the executors the run would start itself (its kind, count and
+    tags, config.code loaded), drawn from `pool` and shared through `Run(flow, config,
+    controller=ctl)`. For runs whose steps, not their launch, are under test: a local launch
+    on the CPU, no controller settings, no restarts."""
+    from flowkit.runner.api import Run
+
+    assert config.launcher == "local" and config.device == "cpu" and not config.max_restarts
+    assert config.controller == type(config.controller)()
+    planned = Run(flow, config, **options)  # plans the run and starts nothing
+    ctl, _ = pool.cluster(planned.count, kind=planned.kind, tags=planned.tags,
+                          code=config.code)
+    return Run(flow, config, controller=ctl, **options)
+
+
+def pooled_run(pool: ExecutorPool, flow: Any, config: Any, **options: Any) -> Any:
+    """`flowkit.run(flow, config)` as a shared_run: its RunResult."""
+    with shared_run(pool, flow, config, **options) as run:
+        for _ in run.steps():
+            pass
+    return run.result
 
 
 class _DispatcherOwner:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 from click.testing import CliRunner
 
 from benchmarks.codec import run_codec_bench
 from flowkit.cli import main
 
 
+@pytest.mark.slow
 def test_the_codec_bench_reports_each_way_and_the_ratios():
     figures = run_codec_bench(records=64, rounds=2)
     assert figures["records"] == 64 and figures["bytes_per_record"] > 100

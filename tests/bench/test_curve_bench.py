@@ -37,12 +37,14 @@ def test_the_dispatch_bench_measures_all_four_sides():
     assert _keys_folders() == before
 
 
+@pytest.mark.slow
 def test_the_transfer_bench_moves_frames_on_all_four_sides():
     figures = run_transfer_curve((2,), rounds=2, warmup=1)
     assert set(figures["gbps"]["2"]) == SIDES and min(figures["gbps"]["2"].values()) > 0
     _measured(figures, "2")
 
 
+@pytest.mark.slow
 def test_the_cli_runs_the_curve_bench_and_writes_its_figures(tmp_path):
     out = tmp_path / "d.json"
     result = CliRunner().invoke(main, ["bench", "dispatch", "--curve", "--json", str(out)])
@@ -50,6 +52,7 @@ def test_the_cli_runs_the_curve_bench_and_writes_its_figures(tmp_path):
     assert '"raw_zmq_curve"' in out.read_text()
 
 
+@pytest.mark.slow
 def test_the_transfer_bench_across_namespace_hosts():
     why = unavailable()
     if why is not None:

@@ -3,9 +3,12 @@ side on the same executors (behaviour, not timings)."""
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.evaluation import run_eval_bench
 
 
+@pytest.mark.slow
 def test_the_eval_bench_measures_both_modes_with_and_without():
     figures = run_eval_bench(steps=3, rounds=1, every=1, eval_prompts=8)
     for mode in ("sync", "async"):

@@ -23,6 +23,7 @@ def _namespaces_and_links() -> set[str]:
             if name.startswith((f"fk-{pid}-", f"fk{pid}s"))}
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_the_dispatch_bench_runs_across_hosts_against_bare_zmq_across_them():
     before = _namespaces_and_links()
@@ -34,6 +35,7 @@ def test_the_dispatch_bench_runs_across_hosts_against_bare_zmq_across_them():
     assert _namespaces_and_links() == before
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_the_transfer_bench_moves_64_mib_across_hosts_against_bare_zmq_across_them():
     before = _namespaces_and_links()

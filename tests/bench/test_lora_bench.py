@@ -3,9 +3,12 @@ executors, and the LoRA run trains and syncs its adapters only (behaviour, not t
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.lora import run_lora_bench
 
 
+@pytest.mark.slow
 def test_the_lora_bench_measures_both_sides_and_lora_moves_the_adapters_only():
     figures = run_lora_bench(steps=2, rounds=1, rank=2, n_embd=32, n_layer=2)
     full, lora, ratio = figures["full"], figures["lora"], figures["lora_over_full"]

@@ -13,6 +13,7 @@ TINY = PlacementSetup(prompts=4, n=2, max_new_tokens=16, microbatches=2, steps=2
                       token=0.0005, token_per_seq=0.0001, F=0.002, B=0.002, W=0.001)
 
 
+@pytest.mark.slow
 def test_each_placement_runs_on_its_tags_and_reports_its_idle_shares():
     figures = run_placement_bench(TINY)
     assert figures["baseline"] == "disaggregated" and figures["allowed_speedup"] > 0

@@ -9,6 +9,7 @@ TINY = RLSetup(prompts=4, n=2, max_new_tokens=32, rollout_executors=2, microbatc
                steps=3, token=0.0002, F=0.002, B=0.002, W=0.001)
 
 
+@pytest.mark.slow
 def test_the_rl_bench_reports_each_modes_throughput_and_their_ratios():
     figures = run_rl_bench(TINY, torch_steps=0, max_staleness=1)
     assert figures["setup"]["prompts"] == 4
@@ -33,6 +34,7 @@ def test_the_rl_bench_reports_each_modes_throughput_and_their_ratios():
                                                     / result["fused"]["steps_per_s"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_the_rl_bench_runs_one_mode_alone(mode):
     figures = run_rl_bench(TINY, modes=(mode,), torch_steps=0, max_staleness=2)

@@ -12,6 +12,8 @@ from click.testing import CliRunner
 
 from flowkit.cli import main
 
+pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
+
 
 def test_both_sides_run_the_steps_asked_and_report_curves_and_times(tmp_path):
     pytest.importorskip("trl", reason="the trl extra: pip install -e '.[trl]'")

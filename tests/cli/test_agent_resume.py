@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from flowkit.runner.checkpoints.format import read_run_state
 from flowkit.runner.checkpoints.state_codec import allowed_records
 from tests.cli.runs import FLOWS, conserved
 from tests.cli.runs import metrics_lines as _lines
 from tests.cli.runs import run_ok as _run
+
+pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
 
 GUESS = str(FLOWS / "tiny_guess.py")
 STEPS, STOP = 4, 2

@@ -22,6 +22,7 @@ def _weights(folder: Path) -> dict:
     return torch.load(folder / "actor.pt", weights_only=True)
 
 
+@pytest.mark.slow
 def test_async_with_no_staleness_gives_the_synchronous_parameters(tmp_path):
     _run(GRPO, "--executors", "torch", "--steps", "3", "--save-weights", str(tmp_path / "sync"))
     _run(GRPO, "--executors", "torch", "--steps", "3", "--async", "--max-staleness", "0",
@@ -35,6 +36,7 @@ def test_async_with_no_staleness_gives_the_synchronous_parameters(tmp_path):
     assert not any("update_actor/behav_weight_mean" in line for line in lines)  # plain GRPO
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bound", [1, 2])
 def test_no_trained_token_lags_its_update_by_more_than_the_bound(tmp_path, bound):
     metrics = tmp_path / "m.jsonl"
@@ -53,6 +55,7 @@ def test_no_trained_token_lags_its_update_by_more_than_the_bound(tmp_path, bound
     assert lines[1]["staleness/max"] >= 1
 
 
+@pytest.mark.slow
 def test_a_flow_setting_runs_asynchronously_and_sync_overrides_it(tmp_path):
     flow = tmp_path / "flow.py"
     flow.write_text(Path(GRPO).read_text().replace("source_config={\"digits\": 3})",
@@ -65,6 +68,7 @@ def test_a_flow_setting_runs_asynchronously_and_sync_overrides_it(tmp_path):
     assert max(line["staleness/max"] for line in _lines(metrics)) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bound", [0, 1])
 def test_the_trace_shows_the_weights_versions_of_every_generated_sample(tmp_path, bound):
     """Each generate span's `items` are its samples' Rollout.version_span: [prompt_id, sample,
@@ -137,6 +141,7 @@ def _conserved(lines: list[dict], n: int = 4) -> None:
     conserved(lines)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sim", "torch"])
 def test_partial_rollouts_train_every_sample_once_within_the_bound(tmp_path, kind):
     metrics = tmp_path / "m.jsonl"
@@ -150,6 +155,7 @@ def test_partial_rollouts_train_every_sample_once_within_the_bound(tmp_path, kin
     assert lines[-1]["rollout/prompts_unused"] == 4  # the carried groups took their places
 
 
+@pytest.mark.slow
 def test_stale_carried_groups_can_be_dropped(tmp_path):
     metrics = tmp_path / "m.jsonl"
     _run(_oversampled(tmp_path, 2.0, "drop"), "--executors", "torch", "--steps", "4",

@@ -26,6 +26,8 @@ from tests.cli.runs import metrics_lines as _lines
 from tests.cli.runs import refused as _refused
 from tests.cli.runs import run_ok as _run
 
+pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
+
 STEPS, STOP = 6, 2  # the runs' steps; the checkpoint resumed from: after STOP steps
 CURVE = ("loss", "reward_mean", "response_length_mean", "update_actor/tokens",
          "staleness/versions", "rollout/samples")

@@ -14,6 +14,8 @@ pytest.importorskip("transformers", reason="the hf extra: pip install 'flowkit[h
 from tests.cli.runs import metrics_lines, run_ok  # noqa: E402
 from tests.hf_folders import save_tokenizer  # noqa: E402
 
+pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
+
 _FLOW = """
 from dataflows.datasets import dataset_prompts
 from dataflows.grpo import grpo_flow

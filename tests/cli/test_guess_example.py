@@ -8,7 +8,11 @@ and the steps report their trajectories."""
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.cli.runs import run_ok_in
+
+pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 

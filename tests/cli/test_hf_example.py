@@ -16,6 +16,8 @@ pytest.importorskip("transformers", reason="the hf extra: pip install 'flowkit[h
 
 from tests.cli.runs import run_ok_in  # noqa: E402
 
+pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
+
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
 

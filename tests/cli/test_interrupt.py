@@ -15,6 +15,8 @@ import pytest
 
 from tests.cli.runs import default_sigint
 
+pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -81,6 +81,7 @@ def test_run_refuses_a_missing_or_incomplete_keys_folder(flow_file, tmp_path):
     assert "no controller.key" in _usage_error("run", flow_file, "--keys", str(tmp_path / "half"))
 
 
+@pytest.mark.slow
 def test_a_run_with_keys_binds_beyond_loopback_and_runs(flow_file, tmp_path):
     _invoke("keys", "generate", str(tmp_path / "keys"))
     result = _invoke("run", flow_file, "--no-dashboard", "--bind", "tcp://0.0.0.0:0",

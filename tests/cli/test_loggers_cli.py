@@ -23,6 +23,7 @@ def _losses(lines: list[dict]) -> list[tuple[int, float]]:
     return [(line["step"], line["loss"]) for line in lines]
 
 
+@pytest.mark.slow
 def test_tensorboard_and_wandb_hold_the_json_lines_losses_of_a_torch_run(tmp_path):
     runs, metrics = tmp_path / "runs", tmp_path / "m.jsonl"
     run_ok(PRETRAIN, "--executors", "torch", "--steps", "3", "--metrics", str(metrics),
@@ -42,6 +43,7 @@ def test_tensorboard_and_wandb_hold_the_json_lines_losses_of_a_torch_run(tmp_pat
                                                         for line in lines]
 
 
+@pytest.mark.slow
 def test_a_resumed_run_continues_its_curves_without_duplicated_steps(tmp_path):
     """The first run logs step 3 past its checkpoint at 3 steps; the resumed run logs steps
     3 and 4 again: TensorBoard shows each step once, and the W&B run goes on under its id."""
@@ -63,6 +65,7 @@ def test_a_resumed_run_continues_its_curves_without_duplicated_steps(tmp_path):
     assert [(row["_step"], row["loss"]) for row in wandb_history(resumed)] == _losses(lines)[3:]
 
 
+@pytest.mark.slow
 def test_jsonl_logger_alone_writes_the_metrics_in_the_runs_folder(tmp_path):
     run_ok(PRETRAIN, "--executors", "sim", "--steps", "2", "--logger", "jsonl",
            "--log-dir", str(tmp_path))
@@ -70,6 +73,7 @@ def test_jsonl_logger_alone_writes_the_metrics_in_the_runs_folder(tmp_path):
     assert [line["step"] for line in lines] == [0, 1]
 
 
+@pytest.mark.slow
 def test_run_name_names_the_runs_folder_and_a_second_run_gets_its_own(tmp_path):
     for _ in range(2):
         run_ok(PRETRAIN, "--executors", "sim", "--steps", "1", "--logger", "jsonl",
@@ -93,6 +97,7 @@ def test_an_unknown_logger_is_a_usage_error():
     assert "'mlflow' is not one of 'jsonl', 'tensorboard', 'wandb'" in result.output
 
 
+@pytest.mark.slow
 def test_the_logger_env_var_chooses_the_default(tmp_path, monkeypatch):
     monkeypatch.setenv("FLOWKIT_LOGGER", "jsonl tensorboard")
     run_ok(PRETRAIN, "--executors", "sim", "--steps", "1", "--log-dir", str(tmp_path))

@@ -6,9 +6,12 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from flowkit.cli import main
+
+pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 

@@ -28,6 +28,8 @@ from flowkit.runtime.raylaunch import RayExecutors, RaySettings
 from flowkit.wire.shm import leftover_segments
 from tests.cli.runs import GRPO, PRETRAIN, metrics_lines, refused, run_ok
 
+pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
+
 TORCH = ("--executors", "torch")
 STEPS = "8"  # pretraining: enough steps (~0.1 s each) for a kill to land while it runs
 

@@ -37,6 +37,7 @@ def runs(tmp_path_factory) -> dict:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("before", "after"), [
     ("2", "2"), ("2", "1"), ("1", "2"),
     # sharded states merged for one replica, or for two that do not shard, and cut for two
@@ -53,6 +54,7 @@ def test_a_checkpoint_resumes_at_the_same_or_another_replica_count(runs, tmp_pat
     assert resumed_losses[-1] == pytest.approx(losses[-1], abs=1e-10)
 
 
+@pytest.mark.slow
 def test_each_replica_checkpoints_its_own_shard_of_the_optimizer_states(runs):
     root, _, _ = runs["zero2"]
     step = sorted(root.iterdir())[-1]

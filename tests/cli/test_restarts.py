@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
+
 FLOWS = Path(__file__).parent / "flows"
 GRPO = str(FLOWS / "tiny_grpo.py")
 PRETRAIN = str(FLOWS / "tiny_pretrain.py")

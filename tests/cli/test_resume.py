@@ -47,6 +47,7 @@ def _straight_and_resumed(tmp_path: Path, flow: str, *options: str, steps: int, 
     return straight, resumed
 
 
+@pytest.mark.slow
 def test_pipeline_pretraining_resumed_gives_the_same_losses_and_parameters(tmp_path):
     straight, resumed = _straight_and_resumed(tmp_path, PRETRAIN, "--executors", "torch",
                                               steps=6, stop=3)
@@ -55,6 +56,7 @@ def test_pipeline_pretraining_resumed_gives_the_same_losses_and_parameters(tmp_p
     _same_weights(tmp_path / "w1" / "gpt.pt", tmp_path / "w2" / "gpt.pt")
 
 
+@pytest.mark.slow
 def test_grpo_on_torch_executors_resumed_gives_the_same_curve_and_parameters(tmp_path):
     # --no-fuse: microbatches are cut in the items' order, not as they arrive, so the run is
     # bit-reproducible (fused, the gradient's float64 sum depends on arrival order)
@@ -65,6 +67,7 @@ def test_grpo_on_torch_executors_resumed_gives_the_same_curve_and_parameters(tmp
     _same_weights(tmp_path / "w1" / "actor.pt", tmp_path / "w2" / "actor.pt")
 
 
+@pytest.mark.slow
 def test_grpo_on_the_simulator_resumed_gives_the_same_curve(tmp_path):
     # --no-fuse as above: fused, which samples share a microbatch follows their finishing
     # order, and the simulator's loss is a token-weighted mean over microbatches
@@ -75,6 +78,7 @@ def test_grpo_on_the_simulator_resumed_gives_the_same_curve(tmp_path):
 
 
 # -- the resume bugs of other frameworks, by name -----------------------------------------------
+@pytest.mark.slow
 def test_step_counter_not_incremented_twice_after_resume_verl(tmp_path):
     checkpoints, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     _run(PRETRAIN, "--executors", "sim", "--steps", "2", "--metrics", str(metrics),
@@ -87,6 +91,7 @@ def test_step_counter_not_incremented_twice_after_resume_verl(tmp_path):
                                                                    "step-00000005"]
 
 
+@pytest.mark.slow
 def test_no_steps_skipped_at_a_checkpoint_boundary_verl_and_no_cursor_runs_ahead_nemo_rl(
         tmp_path):
     """The sources derive a step's data from the step alone (no cursor to run ahead of the
@@ -98,6 +103,7 @@ def test_no_steps_skipped_at_a_checkpoint_boundary_verl_and_no_cursor_runs_ahead
                                                                 "backprop/tokens")
 
 
+@pytest.mark.slow
 def test_metrics_not_duplicated_after_resume(tmp_path):
     """An interrupted run wrote lines past its last checkpoint: the resumed run replaces them,
     so every step has one line, the checkpoint's lines unchanged (their times too)."""
@@ -134,11 +140,13 @@ def test_resume_from_a_directory_that_is_not_a_checkpoint_names_it(tmp_path):
     assert "not a run checkpoint" in output and "junk" in output
 
 
+@pytest.mark.slow
 def test_resume_from_a_checkpoint_of_another_flow_names_both(pretrain_checkpoint):
     output = _error(GRPO, "--executors", "sim", "--resume", str(pretrain_checkpoint))
     assert "a checkpoint of flow 'pretrain', not of 'grpo'" in output
 
 
+@pytest.mark.slow
 def test_resume_from_a_checkpoint_of_a_model_of_another_shape_names_the_difference(
         pretrain_checkpoint):
     output = _error(f"{PRETRAIN}:wider", "--executors", "sim", "--resume",
@@ -146,6 +154,7 @@ def test_resume_from_a_checkpoint_of_a_model_of_another_shape_names_the_differen
     assert "model 'gpt' differs: n_embd=16 in the checkpoint, 32 in this run" in output
 
 
+@pytest.mark.slow
 def test_resume_with_other_executors_names_them(pretrain_checkpoint):
     output = _error(PRETRAIN, "--executors", "sim", "-n", "3", "--resume",
                     str(pretrain_checkpoint))
@@ -153,6 +162,7 @@ def test_resume_with_other_executors_names_them(pretrain_checkpoint):
 
 
 # -- Ctrl-C ----------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_ctrl_c_with_checkpoints_finishes_the_step_checkpoints_it_and_the_resume_goes_on(
         tmp_path):
     metrics, checkpoints = tmp_path / "m.jsonl", tmp_path / "ck"

@@ -4,6 +4,7 @@ the loss falls, and the metrics carry what the issue asks for."""
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from flowkit.cli import main
@@ -11,6 +12,7 @@ from flowkit.cli import main
 EXAMPLE = str(Path(__file__).parents[2] / "examples" / "pretrain_pp.py")
 
 
+@pytest.mark.slow
 def test_the_pretraining_example_trains_on_torch_executors_and_the_loss_falls(tmp_path):
     metrics = tmp_path / "m.jsonl"
     result = CliRunner().invoke(main, [
@@ -54,12 +56,14 @@ def _own_model_flow(tmp_path: Path, module: str) -> Path:
     return flow
 
 
+@pytest.mark.slow
 def test_a_model_module_beside_the_flow_file_trains_without_pythonpath(tmp_path):
     flow = _own_model_flow(tmp_path, "mymodel")
     result = CliRunner().invoke(main, ["run", str(flow), "--steps", "1", "--no-dashboard"])
     assert result.exit_code == 0, result.output
 
 
+@pytest.mark.slow
 def test_a_model_module_that_is_nowhere_is_named_with_where_it_was_looked_for(tmp_path):
     flow = _own_model_flow(tmp_path, "not_my_model")
     result = CliRunner().invoke(main, ["run", str(flow), "--steps", "1", "--no-dashboard"])

@@ -180,6 +180,7 @@ def test_env_var_sets_costs(monkeypatch):
     assert result.exit_code == 0 and "makespan 12" in result.output
 
 
+@pytest.mark.slow
 def test_execute_runs_the_schedule_on_simulator_executors():
     result = _run("zb-h1", "-p", "2", "-m", "4", "--execute", "2", "--unit", "0.001")
     assert result.exit_code == 0, result.output

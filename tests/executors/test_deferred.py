@@ -9,12 +9,12 @@ import time
 import pytest
 
 from executors.optable import Deferred, _countdown
-from tests.harness import executor_cluster, op_context
+from tests.harness import op_context
 
 
 @pytest.fixture(scope="module")
-def one():
-    with executor_cluster(1) as (ctl, (executor,)):
+def one(pool):
+    with pool.shared(1) as (ctl, (executor,)):
         yield ctl, executor
 
 

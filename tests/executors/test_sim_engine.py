@@ -11,7 +11,7 @@ from executors.optable import Deferred
 from executors.sim.engine import EngineCosts, SimEngine
 from executors.sim.ops import _generate, sample_rollout
 from flowkit.ops.records import Prompt, Rollout, WeightsVersion
-from tests.harness import executor_cluster, op_context
+from tests.harness import op_context
 
 
 class _Clock:
@@ -174,8 +174,8 @@ def test_a_bad_request_fails_alone_naming_its_prompt_and_key(key, value):
 
 # -- on a simulator executor process -----------------------------------------------------------
 @pytest.fixture(scope="module")
-def sim():
-    with executor_cluster(1, kind="sim") as (ctl, (executor,)):
+def sim(pool):
+    with pool.shared(1, kind="sim") as (ctl, (executor,)):
         yield ctl, executor
 
 

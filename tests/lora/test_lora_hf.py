@@ -18,7 +18,7 @@ peft = pytest.importorskip("peft", reason="the hf extra: pip install 'flowkit[hf
 from dataflows.pretrain import pretrain_flow  # noqa: E402
 from executors.torch.models.hf import HFCausalLM  # noqa: E402
 from flowkit.dsl import Model  # noqa: E402
-from tests.harness import executor_cluster, per_stage, plain_training, trained_on_executors  # noqa: E402
+from tests.harness import per_stage, plain_training, trained_on_executors  # noqa: E402
 
 CORPUS = str(Path(__file__).parents[2] / "examples" / "data" / "corpus.txt")
 DEVICES, MICROBATCHES, SEQUENCES, SEQ_LEN, STEPS, SEED = 2, 4, 8, 8, 2, 3
@@ -31,8 +31,8 @@ LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 
 
 @pytest.fixture(scope="module")
-def torch_cluster():
-    with executor_cluster(DEVICES, kind="torch", tags=("train",)) as (ctl, _):
+def torch_cluster(pool):
+    with pool.shared(DEVICES, kind="torch", tags=("train",)) as (ctl, _):
         yield ctl
 
 

@@ -16,7 +16,6 @@ from executors.torch import weights
 from executors.torch.lora import add_adapters
 from flowkit.dsl import Model
 from tests.harness import (
-    executor_cluster,
     per_stage,
     plain_training,
     seeded_gpt,
@@ -38,8 +37,8 @@ def lora_gpt(name: str, *, dtype: str = "float64", lora: dict | None = None) -> 
 
 
 @pytest.fixture(scope="module")
-def torch_cluster():
-    with executor_cluster(DEVICES, kind="torch", tags=("train",)) as (ctl, _):
+def torch_cluster(pool):
+    with pool.shared(DEVICES, kind="torch", tags=("train",)) as (ctl, _):
         yield ctl
 
 

@@ -17,7 +17,7 @@ from flowkit.dsl import Model
 from flowkit.planner.lower import lower_flow
 from flowkit.runner.flowrun import FlowRunner
 from flowkit.runner.training_tasks import model_spec
-from tests.harness import executor_cluster, op_context, tiny_gpt
+from tests.harness import op_context, tiny_gpt
 
 GPT_CONFIG = tiny_gpt()
 LORA = {"r": 2, "alpha": 4, "target_modules": ["c_attn", "c_proj"]}
@@ -28,10 +28,10 @@ STEPS = 2
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(pool, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora-grpo")
     tags = [("train",), ("train",), ("rollout",)]
-    with executor_cluster(3, kind="torch", tags=tags) as (ctl, infos):
+    with pool.shared(3, kind="torch", tags=tags) as (ctl, infos):
         flow = grpo_flow(model=ACTOR, prompts=4, n=3, microbatches=2, max_new_tokens=5,
                          lr=1e-2, kl_coef=0.01, schedule="zb-h1")
         flow.nodes["update_actor"].config["clip_ratio"] = 10.0  # every token's gradient kept

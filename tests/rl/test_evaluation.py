@@ -11,12 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import flowkit
 from dataflows.grpo import grpo_flow
 from dataflows.rl.evaluation import eval_metrics, pass_at_k
 from dataflows.rl.tasks import sort_prompts, sort_reward
 from flowkit import RunConfig
 from flowkit.ops.records import Scored
+from tests.harness import pooled_run
 
 
 @settings(max_examples=60, deadline=None)
@@ -74,10 +74,10 @@ def test_an_rl_flow_with_an_eval_source_carries_its_evaluation_flow():
     assert grpo_flow().evaluation is None
 
 
-def test_eval_every_runs_the_evaluation_after_every_k_steps():
-    result = flowkit.run(_flow(eval_n=3, eval_temperature=1.0),
-                         RunConfig(steps=5, executors="sim", dashboard=False, eval_every=2,
-                                   stages=3))
+def test_eval_every_runs_the_evaluation_after_every_k_steps(pool):
+    result = pooled_run(pool, _flow(eval_n=3, eval_temperature=1.0),
+                        RunConfig(steps=5, executors="sim", dashboard=False, eval_every=2,
+                                  stages=3))
     evaluated = [r["step"] for r in result.records if "eval/pass@1" in r]
     assert evaluated == [1, 3]
     for record in result.records:
@@ -92,11 +92,12 @@ def test_bad_evaluation_settings_are_refused_when_the_flow_is_built():
         _flow(eval_prompts=0)
 
 
-def test_an_asynchronous_run_evaluates_alongside_the_next_step():
+def test_an_asynchronous_run_evaluates_alongside_the_next_step(pool):
     """[Note: evaluation during training]: the evaluation of step s's weights lands in step
     s+1's line (eval/step = s); the last step's before its own line."""
-    result = flowkit.run(_flow(), RunConfig(steps=6, executors="sim", dashboard=False,
-                                            eval_every=2, asynchronous=True, max_staleness=1))
+    result = pooled_run(pool, _flow(), RunConfig(steps=6, executors="sim", dashboard=False,
+                                                 eval_every=2, asynchronous=True,
+                                                 max_staleness=1))
     evaluated = {r["step"]: r["eval/step"] for r in result.records if "eval/pass@1" in r}
     assert evaluated == {2: 1, 4: 3, 5: 5}
 

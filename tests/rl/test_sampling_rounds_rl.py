@@ -12,16 +12,17 @@ import flowkit
 from dataflows.recipes import dapo_flow
 from flowkit import RunConfig
 from flowkit.runner.config import RunConfigError
+from tests.harness import pooled_run
 from tests.torch.rl_ops import second_round_reward
 
 SETTINGS = dict(prompts=4, n=4, microbatches=2, max_new_tokens=6, reward=second_round_reward)
 
 
 @pytest.mark.parametrize("rounds, taken, ran", [(3, 4, 2), (1, 0, None)])
-def test_a_short_first_round_generates_the_next(rounds, taken, ran):
+def test_a_short_first_round_generates_the_next(pool, rounds, taken, ran):
     """With 3 rounds the second fills the step; with 1 (no rounds) it trains nothing."""
     flow = dapo_flow(filter_rounds=rounds, **SETTINGS)
-    result = flowkit.run(flow, RunConfig(steps=2, executors="sim", dashboard=False))
+    result = pooled_run(pool, flow, RunConfig(steps=2, executors="sim", dashboard=False))
     for line in result.records:
         assert line["grpo_advantages/groups_taken"] == taken
         assert line["grpo_advantages/groups_empty"] == 8  # the first round's 8 groups

@@ -101,17 +101,16 @@ def test_rank_correlation_by_hand():
 
 
 # -- in a running flow -------------------------------------------------------------------------
-def test_a_grpo_step_dispatches_prompts_longest_first_and_reports_the_rank_correlation():
+def test_a_grpo_step_dispatches_prompts_longest_first_and_reports_the_rank_correlation(pool):
     from dataflows.grpo import grpo_flow
     from flowkit.planner.lower import lower_flow
     from flowkit.planner.simcosts import SimCosts
     from flowkit.runner.flowrun import FlowRunner
-    from tests.harness import executor_cluster
 
     flow = grpo_flow(prompts=8, n=4, stages=1, microbatches=2, max_new_tokens=64)
     costs = SimCosts(token=0.0002, length_sigma=1.0, prompt_sigma=1.0)
     tags = [("rollout",), ("rollout",), ("train",)]
-    with executor_cluster(3, kind="sim", tags=tags) as (ctl, executors):
+    with pool.shared(3, kind="sim", tags=tags) as (ctl, executors):
         runner = FlowRunner(ctl, lower_flow(flow), sim_costs=costs)
         reports = [runner.run_step(step) for step in range(2)]
     assert "generate/length_rank_corr" not in reports[0].metrics  # no history yet

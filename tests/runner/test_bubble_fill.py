@@ -19,7 +19,6 @@ from flowkit.planner.schedules import build_schedule
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runner.bubble_fill import BubbleFill
 from flowkit.runner.flowrun import FlowRunner
-from tests.harness import executor_cluster
 
 # scoring (0.2 ms a token of about 30) outweighs generation, so its items wait for the two
 # rollout executors; 4 training executors in a 1F1B pipeline of 10 ms ops
@@ -28,9 +27,9 @@ SIM = SimCosts(F=0.01, B=0.01, W=0.01, optimizer_step=0.005, token=0.0005, token
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(pool):
     tags = [("rollout",)] * 2 + [("train",)] * 4
-    with executor_cluster(6, kind="sim", tags=tags) as (ctl, infos):
+    with pool.shared(6, kind="sim", tags=tags) as (ctl, infos):
         yield ctl, {e.id for e in infos if "train" in e.tags}
 
 

@@ -9,7 +9,6 @@ import pytest
 
 from flowkit.planner.lower import lower_flow
 from flowkit.runner.flowrun import FlowRunner
-from tests.harness import executor_cluster
 from tests.runner import flowdefs
 
 FLOWDEFS = str(Path(flowdefs.__file__))
@@ -17,8 +16,8 @@ COUNT = 200
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with executor_cluster(2, code=[FLOWDEFS]) as (ctl, _):
+def cluster(pool):
+    with pool.shared(2, code=[FLOWDEFS]) as (ctl, _):
         yield ctl
 
 

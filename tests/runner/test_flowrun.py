@@ -11,7 +11,6 @@ from flowkit.cli import main
 from flowkit.planner.lower import Call, lower_flow
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runner.flowrun import FlowRunError, FlowRunner
-from tests.harness import executor_cluster
 from tests.runner import flowdefs
 
 FLOWDEFS = str(Path(flowdefs.__file__))
@@ -19,14 +18,14 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 
 
 @pytest.fixture(scope="module")
-def sim_cluster():
-    with executor_cluster(2, kind="sim", tags=("train", "rollout"), code=[FLOWDEFS]) as (ctl, _):
+def sim_cluster(pool):
+    with pool.shared(2, kind="sim", tags=("train", "rollout"), code=[FLOWDEFS]) as (ctl, _):
         yield ctl
 
 
 @pytest.fixture(scope="module")
-def map_reduce():
-    with executor_cluster(3, tags=[("map",), ("map",), ("reduce",)], code=[FLOWDEFS]) as (ctl, _):
+def map_reduce(pool):
+    with pool.shared(3, tags=[("map",), ("map",), ("reduce",)], code=[FLOWDEFS]) as (ctl, _):
         yield ctl
 
 
@@ -133,6 +132,7 @@ def test_the_rl_examples_run_on_simulator_executors(sim_cluster, example):
     assert len(generated) == _RL_EXAMPLES[example]
 
 
+@pytest.mark.slow
 def test_flowkit_run_writes_a_trace_and_metrics(tmp_path):
     trace, metrics = tmp_path / "t.json", tmp_path / "m.jsonl"
     result = CliRunner().invoke(main, ["run", str(EXAMPLES / "grpo.py"), "--no-dashboard",

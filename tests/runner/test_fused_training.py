@@ -18,16 +18,15 @@ from flowkit.dsl import Flow, FlowError, Model, collect
 from flowkit.planner.lower import lower_flow
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runner.flowrun import FlowRunError, FlowRunner
-from tests.harness import executor_cluster
 from tests.runner import flowdefs
 
 SIM = SimCosts(F=0.002, B=0.002, W=0.002)
 
 
 @pytest.fixture(scope="module")
-def sim_cluster():
+def sim_cluster(pool):
     code = [str(Path(flowdefs.__file__))]
-    with executor_cluster(4, kind="sim", tags=("train", "rollout"), code=code) as (ctl, _):
+    with pool.shared(4, kind="sim", tags=("train", "rollout"), code=code) as (ctl, _):
         yield ctl
 
 

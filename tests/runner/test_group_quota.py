@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-import flowkit
 from flowkit import RunConfig
 from flowkit.dsl import Flow, FlowError, collect, group_by
+from tests.harness import pooled_run
 from tests.runner.quota_ops import keep_odd, kept, keyed_prompts
 
 
@@ -23,9 +23,9 @@ def _flow(take: int | None, groups: int = 6) -> Flow:
 @pytest.mark.parametrize("fuse", [True, False])
 @pytest.mark.parametrize("take, taken, surplus, short", [(2, 2, 1, 0), (3, 3, 0, 0),
                                                          (5, 3, 0, 2)])
-def test_the_step_takes_the_first_groups_that_yield(fuse, take, taken, surplus, short):
-    result = flowkit.run(_flow(take), RunConfig(steps=2, executors="base", dashboard=False,
-                                                fuse=fuse))
+def test_the_step_takes_the_first_groups_that_yield(pool, fuse, take, taken, surplus, short):
+    result = pooled_run(pool, _flow(take), RunConfig(steps=2, executors="base",
+                                                     dashboard=False, fuse=fuse))
     for line in result.records:  # 6 groups of 3: the odd three yield, the even three do not
         assert (line["kept/groups"], line["kept/items"]) == (taken, 3 * taken)
         assert line["keep_odd/groups_taken"] == taken
@@ -34,8 +34,9 @@ def test_the_step_takes_the_first_groups_that_yield(fuse, take, taken, surplus, 
         assert line["keep_odd/groups_short"] == short
 
 
-def test_without_take_every_group_goes_on():
-    result = flowkit.run(_flow(None), RunConfig(steps=1, executors="base", dashboard=False))
+def test_without_take_every_group_goes_on(pool):
+    result = pooled_run(pool, _flow(None), RunConfig(steps=1, executors="base",
+                                                     dashboard=False))
     (line,) = result.records
     assert line["kept/groups"] == 3 and "keep_odd/groups_taken" not in line
 

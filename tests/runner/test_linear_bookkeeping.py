@@ -11,13 +11,14 @@ from pathlib import Path
 from rich.console import Console
 
 import flowkit
-from flowkit import Run, RunConfig
+from flowkit import RunConfig
+from tests.harness import shared_run
 from tests.runner import flowdefs
 
 RUNNER = str(Path(flowkit.__file__).parent / "runner")
 
 
-def _runner_lines(items: int) -> int:
+def _runner_lines(pool, items: int) -> int:
     """Lines of flowkit/runner executed by one step of `flowdefs.paired_flow(items)`: per-item
     ops, one of them pairing two streams by sample, then a barrier."""
     count = 0
@@ -32,7 +33,8 @@ def _runner_lines(items: int) -> int:
         return lines if frame.f_code.co_filename.startswith(RUNNER) else None
 
     config = RunConfig(steps=1, executors="base", code=[flowdefs.__file__], dashboard=False)
-    with Run(flowdefs.paired_flow(items), config, console=Console(quiet=True)) as run:
+    with shared_run(pool, flowdefs.paired_flow(items), config,
+                    console=Console(quiet=True)) as run:
         threading.settrace(calls)
         sys.settrace(calls)
         try:
@@ -44,7 +46,7 @@ def _runner_lines(items: int) -> int:
     return count
 
 
-def test_doubling_a_steps_items_doubles_the_runners_work():
-    counts = {items: _runner_lines(items) for items in (100, 200, 400)}
+def test_doubling_a_steps_items_doubles_the_runners_work(pool):
+    counts = {items: _runner_lines(pool, items) for items in (100, 200, 400)}
     assert counts[200] / counts[100] < 2.3, counts
     assert counts[400] / counts[200] < 2.3, counts

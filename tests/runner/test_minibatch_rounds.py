@@ -18,7 +18,6 @@ from flowkit.ops import cut, epoch_order, minibatch_rounds
 from flowkit.planner.lower import lower_flow
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runner.flowrun import FlowRunError, FlowRunner
-from tests.harness import executor_cluster
 from tests.runner import flowdefs
 
 SIM = SimCosts(F=0.001, B=0.001, W=0.0005)
@@ -54,9 +53,9 @@ def test_more_minibatches_than_items_is_an_error_naming_both():
 
 # -- on simulator executors -------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def sim_cluster():
+def sim_cluster(pool):
     code = [str(Path(flowdefs.__file__))]
-    with executor_cluster(2, kind="sim", tags=("train", "rollout"), code=code) as (ctl, _):
+    with pool.shared(2, kind="sim", tags=("train", "rollout"), code=code) as (ctl, _):
         yield ctl
 
 

@@ -11,14 +11,13 @@ from flowkit.planner.offload import offload_schedule
 from flowkit.planner.schedules import build_schedule
 from flowkit.planner.simulate import simulate
 from flowkit.runner.pipeline import stage_costs_config, submit_schedule
-from tests.harness import executor_cluster
 
 UNIT = 0.02  # seconds of F, B and W: dispatch (about a millisecond an op) stays small beside it
 
 
 @pytest.fixture(scope="module")
-def sims():
-    with executor_cluster(4, kind="sim") as cluster:
+def sims(pool):
+    with pool.shared(4, kind="sim") as cluster:
         yield cluster
 
 
@@ -58,7 +57,7 @@ def test_the_simulator_executors_hold_the_memory_the_planner_says(sims, which):
     assert peaks[0] < base_peaks[0]
 
 
-def test_a_run_with_offload_auto_fits_the_memory_limit():
+def test_a_run_with_offload_auto_fits_the_memory_limit(pool):
     """ZB-H2 (p = 4, m = 8) holds 7 microbatches on device 0 and does not fit a limit of 5;
     `--offload auto --memory-limit 5` runs the schedule that offload lets fit, and the
     executors hold no more than that (to the microbatch a copy and an op may race by)."""
@@ -93,7 +92,7 @@ def test_a_run_with_offload_auto_fits_the_memory_limit():
                                  offload="auto", memory_limit=5.0)
     code = [str(Path(flowdefs.__file__))]
     costs = SimCosts(F=UNIT, B=UNIT, W=UNIT, copy=0.5 * UNIT)
-    with executor_cluster(4, kind="sim", tags=("train",), code=code) as (ctl, _):
+    with pool.shared(4, kind="sim", tags=("train",), code=code) as (ctl, _):
         runner = FlowRunner(ctl, lower_flow(auto), sim_costs=costs)
         metrics = runner.run_step(0).metrics
     schedule = runner.training["m"].trained[0]

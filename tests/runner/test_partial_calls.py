@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import attrs
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -170,6 +171,7 @@ def test_carried_calls_pass_on_unrun_once_the_step_has_taken_its_groups():
     assert metrics["rollout/carried_over"] == 4 and metrics["rollout/prompts_unused"] == 1
 
 
+@pytest.mark.slow
 def test_consecutive_steps_generation_overlaps_with_partial_rollouts(tmp_path):
     """A step's own prompts start while the step before is still generating: some span of step
     s + 1's generation begins before the last of step s's ends."""

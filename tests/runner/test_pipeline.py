@@ -5,7 +5,6 @@ import pytest
 from flowkit.planner import Action, Costs, Kind, Schedule
 from flowkit.planner.schedules import build_schedule
 from flowkit.runner.pipeline import _Cursor, stage_costs_config, submit_schedule
-from tests.harness import executor_cluster
 
 P, M = 3, 6
 
@@ -24,8 +23,8 @@ def submission_order(schedule: Schedule) -> list[tuple[int, Action]]:
 
 
 @pytest.fixture(scope="module")
-def sims():
-    with executor_cluster(P, kind="sim", name_prefix="sim") as started:
+def sims(pool):
+    with pool.shared(P, kind="sim", name_prefix="sim") as started:
         yield started
 
 

@@ -51,6 +51,7 @@ def test_a_placement_and_tags_together_or_an_unknown_one_are_refused():
         RunConfig(placement="disaggregated", tags=(("train",), ("rollout",)))
 
 
+@pytest.mark.slow
 def test_a_split_run_starts_twice_trainings_executors_by_default_and_multiplexed_ones_generate(
         tmp_path):
     trace = tmp_path / "t.json"
@@ -66,6 +67,7 @@ def test_a_split_run_starts_twice_trainings_executors_by_default_and_multiplexed
     assert trainers and trainers <= generators  # the training executors generated too
 
 
+@pytest.mark.slow
 def test_multiplexed_torch_executors_generate_with_the_newest_weights(tmp_path):
     """A training executor lent to generation holds a whole copy of the actor, synced with the
     rollout executors': in a synchronous run every sample of step s, wherever it was generated,

@@ -7,15 +7,14 @@ from dataflows.grpo import grpo_flow
 from flowkit.planner.lower import lower_flow
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runner.flowrun import FlowRunner
-from tests.harness import executor_cluster
 
 COSTS = SimCosts(F=0.004, B=0.004, W=0.002, token=0.001, length_sigma=1.0)
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(pool):
     tags = [("rollout",)] * 2 + [("train",)] * 2
-    with executor_cluster(4, kind="sim", tags=tags) as (ctl, _):
+    with pool.shared(4, kind="sim", tags=tags) as (ctl, _):
         yield ctl
 
 

@@ -21,6 +21,7 @@ def _pretrain():
     return load_flow(PRETRAIN)
 
 
+@pytest.mark.slow
 def test_run_trains_and_returns_every_steps_metrics_line(tmp_path):
     metrics = tmp_path / "m.jsonl"
     config = RunConfig(steps=3, executors="torch", dashboard=False,
@@ -35,6 +36,7 @@ def test_run_trains_and_returns_every_steps_metrics_line(tmp_path):
     assert torch.load(result.weights[0], weights_only=True)
 
 
+@pytest.mark.slow
 def test_run_step_by_step_gives_each_report_and_its_runner(tmp_path):
     with Run(_pretrain(), RunConfig(steps=2, executors="sim", dashboard=False)) as run:
         assert run.controller is not None and len(run.controller.executors()) == 2
@@ -43,6 +45,7 @@ def test_run_step_by_step_gives_each_report_and_its_runner(tmp_path):
     assert run.result.steps == 2 and len(run.result.records) == 2
 
 
+@pytest.mark.slow
 def test_the_same_config_resumes_from_its_checkpoints(tmp_path):
     checkpoints = CheckpointConfig(root=tmp_path / "ck", every=1)
     first = flowkit.run(_pretrain(), RunConfig(steps=2, executors="torch", dashboard=False,
@@ -86,6 +89,7 @@ def test_a_setting_out_of_range_is_refused_by_the_record(settings, setting):
     assert error.value.setting == setting
 
 
+@pytest.mark.slow
 def test_a_failing_step_is_a_run_error_of_one_line(tmp_path):
     flow = tmp_path / "failing.py"
     flow.write_text(
@@ -100,6 +104,7 @@ def test_a_failing_step_is_a_run_error_of_one_line(tmp_path):
     assert "\n" not in str(error.value).strip()
 
 
+@pytest.mark.slow
 def test_runs_side_by_side_on_a_controllers_executors_leave_them_running():
     from flowkit.runtime import Controller
 
@@ -140,6 +145,7 @@ def test_an_unknown_executor_kind_is_refused_before_anything_starts():
     assert error.value.setting == "executors" and "sim" in str(error.value)
 
 
+@pytest.mark.slow
 def test_steps_called_again_after_a_break_goes_on_where_it_stopped():
     with Run(_pretrain(), RunConfig(steps=3, executors="sim", dashboard=False)) as run:
         for _ in run.steps():
@@ -148,6 +154,7 @@ def test_steps_called_again_after_a_break_goes_on_where_it_stopped():
     assert [r["step"] for r in run.result.records] == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_caller_works_on_a_report_checkpoints_that_step(tmp_path):
     import os
     import signal

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-import flowkit
 from flowkit import RunConfig
 from flowkit.dsl import Flow, collect, group_by
+from tests.harness import pooled_run
 from tests.runner.quota_ops import keep_odd, kept, numbered_prompts, three_of
 
 
@@ -22,9 +22,9 @@ def _flow(*, prompts: int, take: int, rounds: int | None) -> Flow:
     return flow
 
 
-def _lines(flow: Flow, **settings) -> list[dict]:
+def _lines(pool, flow: Flow, **settings) -> list[dict]:
     config = {"steps": 2, "executors": "base", "dashboard": False, **settings}
-    return flowkit.run(flow, RunConfig(**config)).records
+    return pooled_run(pool, flow, RunConfig(**config)).records
 
 
 @pytest.mark.parametrize(("prompts", "take", "rounds", "taken", "ran", "unused"), [
@@ -32,8 +32,8 @@ def _lines(flow: Flow, **settings) -> list[dict]:
     (12, 2, 3, 2, 1, 8),  # round 1 is enough: rounds 2 and 3 never run
     (8, 5, 2, 4, 2, 0),  # both rounds run and the step is one group short
 ])
-def test_rounds_run_until_the_quota_fills(prompts, take, rounds, taken, ran, unused):
-    for line in _lines(_flow(prompts=prompts, take=take, rounds=rounds)):
+def test_rounds_run_until_the_quota_fills(pool, prompts, take, rounds, taken, ran, unused):
+    for line in _lines(pool, _flow(prompts=prompts, take=take, rounds=rounds)):
         assert (line["kept/groups"], line["kept/items"]) == (taken, 3 * taken)
         assert line["keep_odd/groups_taken"] == taken
         assert line["keep_odd/groups_short"] == max(0, take - taken)
@@ -41,8 +41,8 @@ def test_rounds_run_until_the_quota_fills(prompts, take, rounds, taken, ran, unu
         assert line["three_of/prompts_unused"] == unused
 
 
-def test_stage_by_stage_a_step_runs_its_first_round_only():
-    for line in _lines(_flow(prompts=12, take=3, rounds=3), fuse=False):
+def test_stage_by_stage_a_step_runs_its_first_round_only(pool):
+    for line in _lines(pool, _flow(prompts=12, take=3, rounds=3), fuse=False):
         assert line["kept/groups"] == 2 and line["keep_odd/groups_short"] == 1
         assert (line["three_of/sampling_rounds"], line["three_of/prompts_unused"]) == (1, 8)
 
@@ -54,9 +54,9 @@ def test_rounds_need_a_take():
         _flow(prompts=4, take=2, rounds=0)
 
 
-def test_rounds_need_a_per_item_op_between_the_source_and_the_groups():
+def test_rounds_need_a_per_item_op_between_the_source_and_the_groups(pool):
     with Flow("bare") as flow:
         kept(collect(keep_odd(group_by(numbered_prompts(prompts=4), key="prompt_id", size=1,
                                        take=2, rounds=2))))
     with pytest.raises(Exception, match="no per-item op feeds it"):
-        _lines(flow)
+        _lines(pool, flow)

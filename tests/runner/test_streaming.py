@@ -12,7 +12,6 @@ import pytest
 from flowkit.planner.lower import lower_flow
 from flowkit.runner.flowrun import FlowRunner
 from flowkit.wire.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode, part_id
-from tests.harness import executor_cluster
 from tests.runner import flowdefs
 from tests.runner.test_flowrun import FLOWDEFS
 
@@ -21,8 +20,8 @@ TRICKLE = {"target": flowdefs.trickle.target, "config": {"count": 3, "gap": 0.3}
 
 
 @pytest.fixture(scope="module")
-def pair():
-    with executor_cluster(2, code=[FLOWDEFS]) as started:
+def pair(pool):
+    with pool.shared(2, code=[FLOWDEFS]) as started:
         yield started
 
 
@@ -96,7 +95,7 @@ def test_unfused_the_same_flow_gives_the_same_result_without_streaming(pair):
     assert [ref.result(timeout=5) for ref in runner.previous[("total", "out")].ordered()] == [6.0]
 
 
-def test_a_samples_reward_starts_before_the_other_samples_of_its_prompt_finish():
+def test_a_samples_reward_starts_before_the_other_samples_of_its_prompt_finish(pool):
     """GRPO on simulator executors whose generation takes 100 ms a token: each sample is
     scored as soon as it is done, on the other executor, while its prompt's longer samples
     still decode."""
@@ -104,7 +103,7 @@ def test_a_samples_reward_starts_before_the_other_samples_of_its_prompt_finish()
     from flowkit.planner.simcosts import SimCosts
 
     flow = grpo_flow(prompts=1, n=4, stages=1, microbatches=2, max_new_tokens=16)
-    with executor_cluster(2, kind="sim", tags=("train", "rollout")) as (ctl, _):
+    with pool.shared(2, kind="sim", tags=("train", "rollout")) as (ctl, _):
         runner = FlowRunner(ctl, lower_flow(flow), sim_costs=SimCosts(token=0.1))
         runner.run_step(0)
     generated = runner.previous[("generate", "rollouts")]
@@ -113,11 +112,11 @@ def test_a_samples_reward_starts_before_the_other_samples_of_its_prompt_finish()
     assert max(early) > 0.05, early  # scored while its prompt was still generating
 
 
-def test_on_torch_a_sample_is_scored_while_its_prompt_still_generates():
+def test_on_torch_a_sample_is_scored_while_its_prompt_still_generates(pool):
     """The torch rollout engine streams too: an early sample's reward starts before its
     prompt's last sample is generated (the trace shows the same spans)."""
     flow = flowdefs.torch_streaming_flow()
-    with executor_cluster(2, kind="torch", tags=[("rollout",), ("score",)],
+    with pool.shared(2, kind="torch", tags=[("rollout",), ("score",)],
                           code=[FLOWDEFS]) as (ctl, _):
         runner = FlowRunner(ctl, lower_flow(flow))
         runner.run_step(0)

@@ -13,7 +13,6 @@ from flowkit.ops.records import Rollout
 from flowkit.runtime import RemoteError
 from flowkit.wire.protocol import ProtocolError
 from flowkit.wire.task import TaskSpec
-from tests.harness import executor_cluster
 from tests.runner import flowdefs
 
 FLOWDEFS = str(Path(flowdefs.__file__))
@@ -59,9 +58,11 @@ def test_a_trace_key_that_is_not_a_field_name_is_malformed(bad):
 
 
 @pytest.fixture(scope="module")
-def traced():
-    with executor_cluster(2, code=[FLOWDEFS]) as (ctl, executors):
-        yield ctl, executors, TraceRecorder().attach(ctl)
+def traced(pool):
+    with pool.shared(2, code=[FLOWDEFS]) as (ctl, executors):
+        recorder = TraceRecorder().attach(ctl)
+        yield ctl, executors, recorder
+        ctl.remove_listener(recorder)  # the executors go on to other tests
 
 
 def _span_of(ctl, recorder, future, tag):

@@ -200,6 +200,7 @@ def test_an_executors_peer_socket_takes_objects_only_from_allowed_keys(keys, int
     assert (f"executor {b.name}" in logged) == bool(options), logged
 
 
+@pytest.mark.slow
 def test_across_namespace_hosts_objects_cross_encrypted_and_no_intruder_gets_in(keys):
     """Executors on two network-namespace hosts (flowkit/runtime/netns.py), the controller on
     the bridge: bytes cross as frames over CURVE, and a client of ours on the bridge, with

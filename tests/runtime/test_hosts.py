@@ -61,6 +61,7 @@ def _hosts_cluster(placement: list[Host], **controller):
     assert leftover_segments(pids) == []
 
 
+@pytest.mark.slow
 def test_executors_with_other_host_ids_move_64_mib_as_chunked_frames_not_shared_memory():
     with _hosts_cluster([Host(id="host-x"), Host(id="host-y")]) as (ctl, (x, y)):
         assert (x.host_id, y.host_id) == ("host-x", "host-y")
@@ -69,6 +70,7 @@ def test_executors_with_other_host_ids_move_64_mib_as_chunked_frames_not_shared_
         assert leftover_segments([x.pid, y.pid]) == []  # nothing was lent: it all went as frames
 
 
+@pytest.mark.slow
 def test_receive_buffers_are_reused_only_once_the_tensors_on_them_are_freed():
     with _hosts_cluster([Host(id="host-x"), Host(id="host-y")]) as (ctl, (x, y)):
         kept = []
@@ -84,6 +86,7 @@ def test_receive_buffers_are_reused_only_once_the_tensors_on_them_are_freed():
                                torch.full((MiB // 4,), float(i), dtype=torch.float64)), i
 
 
+@pytest.mark.slow
 def test_executors_with_one_host_id_share_memory():
     with _hosts_cluster([Host(id="host-x"), Host(id="host-x")]) as (ctl, (x, y)):
         assert torch.equal(_move(ctl, x, y, 4 * MiB), _pattern(4 * MiB))
@@ -114,6 +117,7 @@ def two_hosts(namespaces):
     assert leftover_segments(p.pid for p in processes) == []
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_the_controller_binds_the_interface_it_is_given_and_executors_join_from_each_host(
         two_hosts):
@@ -146,6 +150,7 @@ def test_a_namespace_is_no_host_of_its_own_without_a_host_id(two_hosts):
     assert inside.stdout.strip() == host_id()
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_a_pipeline_split_across_two_hosts_trains_to_the_one_host_parameters(two_hosts):
     _, ctl, _ = two_hosts
@@ -186,6 +191,7 @@ def _train(ctl, schedule: str) -> tuple[tuple[list, dict], list]:
     return (losses, params), placed
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_hosts_are_removed_when_the_block_fails_leaving_no_process_or_segment():
     with pytest.raises(RuntimeError, match="on purpose"), NamespaceHosts(2) as hosts:
@@ -218,6 +224,7 @@ def _left_open(then: str) -> subprocess.Popen:
     return process
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_hosts_never_left_are_removed_at_exit_and_after_a_kill_by_the_next_hosts():
     exited = _left_open("import sys; sys.exit(0)")

@@ -17,6 +17,8 @@ from benchmarks.chaos import (
     same_weights,
 )
 
+pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
+
 SEEDS = (0, 1)  # a few: each run takes seconds on this machine; the bench runs 20
 
 

@@ -21,6 +21,8 @@ from flowkit.runner.checkpoints.format import complete_checkpoints, read_manifes
 from flowkit.wire.shm import SHM_DIR, sweep_stale
 from tests.cli.runs import PRETRAIN, refused, run_ok
 
+pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
+
 _SIM = ("--executors", "sim")
 
 

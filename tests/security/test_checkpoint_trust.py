@@ -20,6 +20,8 @@ from flowkit.runner.checkpoints.format import RUN_STATE, CheckpointError, read_r
 from flowkit.runner.checkpoints.state_codec import allowed_records
 from tests.cli.runs import GRPO, PRETRAIN, one_step_checkpoint, refused, run_ok
 
+pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
+
 _RECORD = 2  # state_codec's extension type of a record
 
 

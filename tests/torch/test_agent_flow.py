@@ -12,7 +12,7 @@ from dataflows.grpo import grpo_flow
 from dataflows.rewards import environment_reward
 from flowkit.planner.lower import lower_flow
 from flowkit.runner.flowrun import FlowRunner
-from tests.harness import executor_cluster, tiny_gpt
+from tests.harness import tiny_gpt
 
 TINY = {**tiny_gpt(vocab_size=256, block_size=64), "dtype": "float64", "seed": 3}
 GAME = {"low": 1, "high": 4}
@@ -25,9 +25,9 @@ def _flow(**settings):
                      reward=environment_reward, **{**agent, **settings})
 
 
-def _train(tmp_path, *, fuse: bool):
+def _train(pool, tmp_path, *, fuse: bool):
     tags = [("train",), ("train",), ("rollout",)]
-    with executor_cluster(3, kind="torch", tags=tags) as (ctl, _):
+    with pool.shared(3, kind="torch", tags=tags) as (ctl, _):
         flow = _flow()
         flow.nodes["update_actor"].config["clip_ratio"] = 10.0  # every token's gradient kept
         runner = FlowRunner(ctl, lower_flow(flow), fuse=fuse)
@@ -37,9 +37,9 @@ def _train(tmp_path, *, fuse: bool):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, pool):
     tmp = tmp_path_factory.mktemp("agent")
-    return {fuse: _train(tmp, fuse=fuse) for fuse in (True, False)}
+    return {fuse: _train(pool, tmp, fuse=fuse) for fuse in (True, False)}
 
 
 def test_fused_and_stage_by_stage_train_the_same_parameters(runs):
@@ -70,13 +70,13 @@ def test_the_game_answers_each_guess():
         GuessNumber().reset("guess 1-16:", None)
 
 
-def test_partial_rollouts_carry_trajectories_over_with_their_episodes():
+def test_partial_rollouts_carry_trajectories_over_with_their_episodes(pool):
     """Partial rollouts: half as many games again generate, the first groups to finish train,
     the rest carry over to the next step (a trajectory cut mid-way continues with its parked
     episode: [Note: parked trajectories] in executors/torch/rollout/trajectories.py); every step
     trains its groups, none failing its environment."""
     tags = [("train",), ("train",), ("rollout",)]
-    with executor_cluster(3, kind="torch", tags=tags) as (ctl, _):
+    with pool.shared(3, kind="torch", tags=tags) as (ctl, _):
         runner = FlowRunner(ctl, lower_flow(_flow(max_staleness=1, oversample=1.5)),
                             staleness=1, steps=4)
         reports = [runner.run_step(step) for step in range(4)]
@@ -98,12 +98,12 @@ def test_a_prompt_source_of_games_draws_each_steps_secrets():
     assert all(1 <= int(p.answer) <= 4 for p in first + later)
 
 
-def test_an_asynchronous_run_trains_trajectories_sampled_across_weight_updates():
+def test_an_asynchronous_run_trains_trajectories_sampled_across_weight_updates(pool):
     """Generation one version ahead of training: trajectories keep going while the rollout
     executor loads new weights between their turns and tokens, each token recording the
     version that sampled it; none is older than the bound allows."""
     tags = [("train",), ("train",), ("rollout",)]
-    with executor_cluster(3, kind="torch", tags=tags) as (ctl, _):
+    with pool.shared(3, kind="torch", tags=tags) as (ctl, _):
         runner = FlowRunner(ctl, lower_flow(_flow(max_staleness=1)), staleness=1, steps=4)
         reports = [runner.run_step(step) for step in range(4)]
     for step, report in enumerate(reports):

@@ -14,18 +14,18 @@ from dataflows.grpo import grpo_flow
 from flowkit.planner.lower import lower_flow
 from flowkit.runner import bubble_fill, stepbatching, steplending
 from flowkit.runner.flowrun import FlowRunner
-from tests.harness import executor_cluster, tiny_gpt
+from tests.harness import tiny_gpt
 
 TINY = {**tiny_gpt(), "dtype": "float64", "seed": 3}
 STEPS = 3  # the first learns the scoring's cost; the later ones lend
 
 
-def _train(tmp_path, fill: bool):
+def _train(pool, tmp_path, fill: bool):
     tags = [("train",), ("train",), ("rollout",)]
     flow = grpo_flow(prompts=8, n=4, stages=2, microbatches=2, max_new_tokens=6, lr=1e-2,
                      kl_coef=0.01, schedule="1f1b", gpt=TINY, reference_tags=("rollout",))
     flow.nodes["update_actor"].config["clip_ratio"] = 10.0  # every token's gradient kept
-    with executor_cluster(3, kind="torch", tags=tags) as (ctl, infos):
+    with pool.shared(3, kind="torch", tags=tags) as (ctl, infos):
         trainers = {e.id for e in infos if "train" in e.tags}
         scored_on = []
 
@@ -38,11 +38,12 @@ def _train(tmp_path, fill: bool):
         runner = FlowRunner(ctl, lower_flow(flow), fill_bubbles=fill)
         reports = [runner.run_step(step) for step in range(STEPS)]
         (path,) = runner.save_weights(tmp_path / ("filled" if fill else "apart"))
+        ctl.remove_listener(listen)  # the executors go on to other tests
     return torch.load(path, weights_only=True), reports, scored_on
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, pool):
     tmp = tmp_path_factory.mktemp("fill")
     with pytest.MonkeyPatch.context() as patch:
         # scoring tasks of one item, one at a time, so that the reference's items wait for the
@@ -53,7 +54,7 @@ def runs(tmp_path_factory):
         planned = bubble_fill.bubbles
         patch.setattr(bubble_fill, "bubbles", lambda result: [
             attrs.evolve(b, end=b.start + 1000 * b.length) for b in planned(result)])
-        return {fill: _train(tmp, fill) for fill in (False, True)}
+        return {fill: _train(pool, tmp, fill) for fill in (False, True)}
 
 
 def test_filled_scoring_trains_the_same_parameters(runs):

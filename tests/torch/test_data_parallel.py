@@ -20,7 +20,7 @@ from flowkit.planner.lower import lower_flow
 from flowkit.runner.config import RunConfigError
 from flowkit.runner.flowrun import FlowRunError, FlowRunner
 from flowkit.runner.setup import with_training_options
-from tests.harness import executor_cluster, plain_training, seeded_gpt, tiny_gpt
+from tests.harness import plain_training, seeded_gpt, tiny_gpt
 
 CORPUS = str(Path(__file__).parents[2] / "examples" / "data" / "corpus.txt")
 REPLICAS, SEQ_LEN, STEPS = 2, 8, 2
@@ -29,8 +29,8 @@ HPARAMS = {"lr": 1e-2, "clip_grad_norm": 0.5}  # small enough a norm that clippi
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with executor_cluster(4, kind="torch", tags=("train",), code=[__file__]) as (ctl, _):
+def cluster(pool):
+    with pool.shared(4, kind="torch", tags=("train",), code=[__file__]) as (ctl, _):
         yield ctl
 
 

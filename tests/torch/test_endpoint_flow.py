@@ -20,7 +20,6 @@ from dataflows.rewards import environment_reward  # noqa: E402
 from flowkit.dsl import Model  # noqa: E402
 from flowkit.planner.lower import lower_flow  # noqa: E402
 from flowkit.runner.flowrun import FlowRunner  # noqa: E402
-from tests.harness import executor_cluster  # noqa: E402
 from tests.hf_folders import save_tiny_qwen2  # noqa: E402
 
 
@@ -59,9 +58,9 @@ def task(tmp_path_factory):
     return folder, data
 
 
-def test_programs_trajectories_train_the_actor(task, tmp_path):
+def test_programs_trajectories_train_the_actor(pool, task, tmp_path):
     folder, data = task
-    with executor_cluster(3, kind="torch", tags=[("train",), ("train",), ("rollout",)]) \
+    with pool.shared(3, kind="torch", tags=[("train",), ("train",), ("rollout",)]) \
             as (ctl, _):
         runner = FlowRunner(ctl, lower_flow(_flow(folder, data)))
         reports = [runner.run_step(step) for step in range(2)]

@@ -158,11 +158,9 @@ def test_each_sample_is_emitted_the_moment_it_finishes():
     assert emitted[0].prompt_id == 1 and emitted[0].finished
 
 
-def test_a_streaming_generate_task_hands_over_each_sample_before_it_ends():
-    from tests.harness import executor_cluster
-
+def test_a_streaming_generate_task_hands_over_each_sample_before_it_ends(pool):
     parts = []
-    with executor_cluster(1, kind="torch") as (ctl, (executor,)):
+    with pool.shared(1, kind="torch") as (ctl, (executor,)):
         whole = ctl.submit("generate", PROMPTS[:2], executor=executor.id, on_part=parts.append,
                            config={**MODEL, "eos": None, "n": 3, "max_new_tokens": 12,
                                    "max_batch": 1})  # one sample at a time: finishing apart

@@ -24,7 +24,6 @@ from flowkit.ops.records import Prompt  # noqa: E402
 from flowkit.planner.lower import lower_flow  # noqa: E402
 from flowkit.runner.flowrun import FlowRunner  # noqa: E402
 from tests.harness import (  # noqa: E402
-    executor_cluster,
     op_context,
     per_stage,
     plain_training,
@@ -51,8 +50,8 @@ def _plain_model(config: dict, dtype: torch.dtype, seed: int = 3) -> HFCausalLM:
 
 
 @pytest.fixture(scope="module")
-def torch_cluster():
-    with executor_cluster(DEVICES, kind="torch", tags=("train",)) as (ctl, _):
+def torch_cluster(pool):
+    with pool.shared(DEVICES, kind="torch", tags=("train",)) as (ctl, _):
         yield ctl
 
 
@@ -229,7 +228,7 @@ def test_a_value_head_gives_one_value_per_position_and_ties_nothing():
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
-def test_rl_steps_train_an_hf_actor_and_sync_it_to_the_generator_by_hf_names(tmp_path,
+def test_rl_steps_train_an_hf_actor_and_sync_it_to_the_generator_by_hf_names(pool, tmp_path,
                                                                             algorithm):
     from dataflows.grpo import grpo_flow
     from dataflows.ppo import ppo_flow
@@ -241,7 +240,7 @@ def test_rl_steps_train_an_hf_actor_and_sync_it_to_the_generator_by_hf_names(tmp
     flow = make(prompts=4, n=2, microbatches=2, max_new_tokens=4, schedule="1f1b", lr=1e-2,
                 model=actor)
     tags = [("train",), ("train",), ("rollout",)]
-    with executor_cluster(3, kind="torch", tags=tags) as (ctl, infos):
+    with pool.shared(3, kind="torch", tags=tags) as (ctl, infos):
         runner = FlowRunner(ctl, lower_flow(flow))
         reports = [runner.run_step(step) for step in range(2)]
         saved = dict(zip(runner.training, runner.save_weights(tmp_path)))

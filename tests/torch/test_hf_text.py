@@ -27,7 +27,7 @@ from flowkit.ops.records import Prompt  # noqa: E402
 from flowkit.ops.tokenizers import eos_token_ids, load_tokenizer  # noqa: E402
 from flowkit.planner.lower import lower_flow  # noqa: E402
 from flowkit.runner.flowrun import FlowRunner  # noqa: E402
-from tests.harness import executor_cluster, op_context  # noqa: E402
+from tests.harness import op_context  # noqa: E402
 from tests.hf_folders import save_tiny_qwen2  # noqa: E402
 
 QUESTIONS = [{"prompt": f"What is {i}+{i}?", "answer": str(2 * i)} for i in range(12)]
@@ -143,14 +143,15 @@ def saw_text(prompt: str, response: str, answer: str | None) -> float:
         {row["answer"] for row in QUESTIONS})
 
 
-def test_a_grpo_step_on_dataset_prompts_with_a_text_reward_runs_on_executors(qwen2, questions):
+def test_a_grpo_step_on_dataset_prompts_with_a_text_reward_runs_on_executors(pool, qwen2,
+                                                                             questions):
     actor = Model(name="actor", build="hf", config={"path": str(qwen2)}, stages=2,
                   tags=("train",))
     flow = grpo_flow(model=actor, prompts=2, n=2, microbatches=2, max_new_tokens=6,
                      schedule="1f1b", prompt_source=dataset_prompts, reward=saw_text,
                      source_config={"path": questions, "tokenizer": str(qwen2), "seed": 1})
     tags = [("train",), ("train",), ("rollout",)]
-    with executor_cluster(3, kind="torch", tags=tags) as (ctl, _):
+    with pool.shared(3, kind="torch", tags=tags) as (ctl, _):
         runner = FlowRunner(ctl, lower_flow(flow))
         reports = [runner.run_step(step) for step in range(2)]
     for step, report in enumerate(reports):
@@ -160,13 +161,13 @@ def test_a_grpo_step_on_dataset_prompts_with_a_text_reward_runs_on_executors(qwe
         assert report.metrics["reward_mean"] == 1.0, "every reward read its rollout's text"
 
 
-def test_a_supervised_warm_up_trains_an_hf_model_on_chat_sft_sequences(qwen2, questions):
+def test_a_supervised_warm_up_trains_an_hf_model_on_chat_sft_sequences(pool, qwen2, questions):
     model = Model(name="policy", build="hf", config={"path": str(qwen2)}, stages=2,
                   tags=("train",))
     flow = pretrain_flow(model=model, source=chat_sft_sequences, batch_size=4, microbatches=2,
                          source_config={"path": questions, "tokenizer": str(qwen2),
                                         "seq_len": 32})
-    with executor_cluster(2, kind="torch", tags=("train",)) as (ctl, _):
+    with pool.shared(2, kind="torch", tags=("train",)) as (ctl, _):
         runner = FlowRunner(ctl, lower_flow(flow))
         steps = [runner.run_step(step).metrics for step in range(3)]
     # step 0's loss is the untrained model's cross-entropy on the answers and EOS alone

@@ -11,7 +11,7 @@ import torch
 from dataflows.pretrain import pretrain_flow
 from flowkit.planner import Kind
 from flowkit.runner.setup import with_training_options
-from tests.harness import executor_cluster, per_stage, tiny_gpt
+from tests.harness import per_stage, tiny_gpt
 from tests.torch.test_pipeline_training import CORPUS
 
 DEVICES, MICROBATCHES, SEQUENCES, SEQ_LEN, STEPS = 4, 8, 8, 8, 2
@@ -19,8 +19,8 @@ GPT_CONFIG = tiny_gpt(vocab_size=256, block_size=16, n_layer=4, n_embd=16)
 
 
 @pytest.fixture(scope="module")
-def torch_cluster():
-    with executor_cluster(DEVICES, kind="torch", tags=("train",)) as (ctl, _):
+def torch_cluster(pool):
+    with pool.shared(DEVICES, kind="torch", tags=("train",)) as (ctl, _):
         yield ctl
 
 

@@ -15,7 +15,6 @@ import torch
 from dataflows.pretrain import pretrain_flow
 from executors.torch.models.gpt import GPT
 from tests.harness import (
-    executor_cluster,
     per_stage,
     plain_training,
     seeded_gpt,
@@ -30,8 +29,8 @@ HPARAMS = {"lr": 1e-2, "clip_grad_norm": 0.5}  # small enough a norm that clippi
 
 
 @pytest.fixture(scope="module")
-def torch_cluster():
-    with executor_cluster(DEVICES, kind="torch", tags=("train",)) as (ctl, _):
+def torch_cluster(pool):
+    with pool.shared(DEVICES, kind="torch", tags=("train",)) as (ctl, _):
         yield ctl
 
 

@@ -27,7 +27,7 @@ from flowkit.ops.records import Experience, StepMetrics
 from flowkit.planner.lower import lower_flow
 from flowkit.runner.flowrun import FlowRunner
 from flowkit.runner.training_tasks import model_spec
-from tests.harness import executor_cluster, seeded_gpt, tiny_gpt
+from tests.harness import seeded_gpt, tiny_gpt
 from tests.rl.reference_algos import ppo_policy_loss, ppo_policy_loss_stats
 from tests.torch.helpers import padded_batch, response_logprobs
 
@@ -131,9 +131,9 @@ def _summed_policy_loss(model, part: list[Experience]) -> tuple[torch.Tensor, fl
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(pool):
     tags = [("train",), ("train",), ("rollout",)]
-    with executor_cluster(3, kind="torch", tags=tags, code=[__file__]) as (ctl, _):
+    with pool.shared(3, kind="torch", tags=tags, code=[__file__]) as (ctl, _):
         yield ctl
 
 
@@ -147,11 +147,11 @@ def test_rounds_train_to_the_plain_loops_parameters(cluster, plain, tmp_path, sc
     _assert_plain(_train(cluster, tmp_path, schedule), plain, schedule)
 
 
-def test_two_replicas_train_the_rounds_to_the_plain_loops_parameters(plain, tmp_path):
+def test_two_replicas_train_the_rounds_to_the_plain_loops_parameters(pool, plain, tmp_path):
     """Each round's 2 microbatches, one on each replica, and its optimizer step on both
     [Note: replicas in flowkit/runner/replicas.py]."""
     tags = [("train",)] * 4 + [("rollout",)]
-    with executor_cluster(5, kind="torch", tags=tags, code=[__file__]) as (ctl, _):
+    with pool.shared(5, kind="torch", tags=tags, code=[__file__]) as (ctl, _):
         _assert_plain(_train(ctl, tmp_path, "1f1b", replicas=2), plain, "1f1b x 2 replicas")
 
 

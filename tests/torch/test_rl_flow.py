@@ -11,7 +11,7 @@ from dataflows.recipes import dapo_flow, dr_grpo_flow
 from flowkit.planner.lower import lower_flow
 from flowkit.runner.flowrun import FlowRunner
 from flowkit.runner.training_tasks import model_spec
-from tests.harness import executor_cluster, seeded_gpt, tiny_gpt
+from tests.harness import seeded_gpt, tiny_gpt
 from tests.torch.rl_ops import staged_reward
 
 GPT_CONFIG = tiny_gpt()
@@ -39,9 +39,9 @@ def _flow(name: str):
     return flow
 
 
-def _train(tmp_path, name: str, *, fuse: bool):
+def _train(pool, tmp_path, name: str, *, fuse: bool):
     tags = [("train",), ("train",), ("rollout",)]
-    with executor_cluster(3, kind="torch", tags=tags) as (ctl, infos):
+    with pool.shared(3, kind="torch", tags=tags) as (ctl, infos):
         flow = _flow(name)
         runner = FlowRunner(ctl, lower_flow(flow), fuse=fuse)
         reports = [runner.run_step(step) for step in range(STEPS[name])]
@@ -55,9 +55,9 @@ def _train(tmp_path, name: str, *, fuse: bool):
 
 
 @pytest.fixture(scope="module", params=list(FLOWS))
-def runs(request, tmp_path_factory):
+def runs(request, tmp_path_factory, pool):
     tmp = tmp_path_factory.mktemp(request.param)
-    return {fuse: _train(tmp, request.param, fuse=fuse) for fuse in (True, False)}
+    return {fuse: _train(pool, tmp, request.param, fuse=fuse) for fuse in (True, False)}
 
 
 def test_fused_and_stage_by_stage_train_the_same_parameters(runs):

@@ -24,7 +24,6 @@ from executors.torch.train.held_stage import held_stage
 from flowkit.ops.records import Experience, MicrobatchStats, TokenScores, mean_values
 from tests.harness import (
     critic_of,
-    executor_cluster,
     gpt_spec,
     op_context,
     seeded_gpt,
@@ -382,7 +381,7 @@ def _assert_same_step(got: tuple, want: tuple, what: str) -> None:
     assert metrics.loss == pytest.approx(want_metrics.loss, abs=TIGHT), what
 
 
-def test_pipelines_on_torch_executors_train_like_one_microbatch_in_one_process():
+def test_pipelines_on_torch_executors_train_like_one_microbatch_in_one_process(pool):
     """pipeline_config gives the RL loss its knobs and scale 1, submit_optimizer_step gives
     every stage the microbatches' stats (their normalizer): three microbatches on two executor
     processes, under 1F1B and ZB-H1, take the step one microbatch takes here, with GRPO's loss
@@ -395,7 +394,7 @@ def test_pipelines_on_torch_executors_train_like_one_microbatch_in_one_process()
     data = [(exps[a:b], refs[a:b]) for a, b in cuts]
     losses = {"grpo": GRPO_K2, **{name: {**GRPO_K2, **knobs} if knobs["loss"] == "grpo"
                                   else knobs for name, knobs in RECIPES.items()}}
-    with executor_cluster(2, kind="torch", tags=("train",)) as (ctl, infos):
+    with pool.shared(2, kind="torch", tags=("train",)) as (ctl, infos):
         for name, loss in losses.items():
             want = _one_step(POLICY, [(exps, refs)], stages=2, hparams=NO_CLIP, **loss)
             for schedule_kind in ("1f1b", "zb-h1"):

@@ -12,13 +12,13 @@ from flowkit.planner.lower import lower_flow
 from flowkit.runner.flowrun import FlowRunner
 from flowkit.runner.setup import with_training_options
 from flowkit.runner.training_tasks import model_spec
-from tests.harness import executor_cluster, tiny_gpt
+from tests.harness import tiny_gpt
 
 TINY = {**tiny_gpt(), "dtype": "float64", "seed": 3}
 STEPS = 2
 
 
-def _train(replicas: int, *, staleness: int | None = None) -> tuple[dict, dict]:
+def _train(pool, replicas: int, *, staleness: int | None = None) -> tuple[dict, dict]:
     """The actor's saved weights after the steps, and the rollout executor's copy."""
     flow = grpo_flow(prompts=4, n=3, stages=2, microbatches=2, max_new_tokens=5,
                      schedule="1f1b", kl_coef=0.01, lr=1e-2, gpt=TINY)
@@ -26,7 +26,7 @@ def _train(replicas: int, *, staleness: int | None = None) -> tuple[dict, dict]:
     flow = with_training_options(flow, stages=None, microbatches=None, schedule=None,
                                  replicas=replicas)
     tags = [("train",)] * (2 * replicas) + [("rollout",)]
-    with executor_cluster(len(tags), kind="torch", tags=tags) as (ctl, infos):
+    with pool.shared(len(tags), kind="torch", tags=tags) as (ctl, infos):
         runner = FlowRunner(ctl, lower_flow(flow), staleness=staleness, steps=STEPS)
         for step in range(STEPS):
             runner.run_step(step)
@@ -58,16 +58,16 @@ def _assert_equal(got: dict, want: dict, where: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def one_replica():
-    return _train(1)
+def one_replica(pool):
+    return _train(pool, 1)
 
 
-def test_two_replicas_train_what_one_does(one_replica):
-    trained, generator = _train(2)
+def test_two_replicas_train_what_one_does(pool, one_replica):
+    trained, generator = _train(pool, 2)
     _assert_equal(trained, one_replica[0], "2 replicas against 1")
     _assert_equal(generator, trained, "the rollout executor's weights")
 
 
-def test_asynchronous_with_no_staleness_equals_synchronous(one_replica):
-    trained, _ = _train(2, staleness=0)
+def test_asynchronous_with_no_staleness_equals_synchronous(pool, one_replica):
+    trained, _ = _train(pool, 2, staleness=0)
     _assert_equal(trained, one_replica[0], "async eta=0 with 2 replicas against sync")

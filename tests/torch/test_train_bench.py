@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from benchmarks.train import TrainSetup, run_train_bench
 from executors.torch.train.memory import keep_freed_memory
 from tests.harness import tiny_gpt, tiny_split_bench
@@ -12,6 +14,7 @@ from tests.harness import tiny_gpt, tiny_split_bench
 TINY_GPT = tiny_gpt(vocab_size=256, block_size=16, n_embd=16)
 
 
+@pytest.mark.slow
 def test_the_train_bench_reports_split_backward_bubbles_and_tokens_per_s():
     setup = TrainSetup(stages=2, microbatches=2, batch_size=4, seq_len=8, steps=3, gpt=TINY_GPT)
     tiny = tiny_split_bench(2)
@@ -33,6 +36,7 @@ def test_freed_memory_stays_in_the_process_on_glibc():
         assert keep_freed_memory()
 
 
+@pytest.mark.slow
 def test_the_train_bench_measures_hugging_face_decoder_layers_with_model():
     import attrs
     import pytest

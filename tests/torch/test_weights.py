@@ -15,7 +15,7 @@ from executors.torch import weights
 from executors.torch.errors import StageError
 from executors.torch.rollout.engine import run_until_done
 from flowkit.ops.records import Prompt, Rollout, WeightsVersion
-from tests.harness import executor_cluster, gpt_spec, op_context, seeded_gpt, tiny_gpt
+from tests.harness import gpt_spec, op_context, seeded_gpt, tiny_gpt
 
 
 # Weights by name between one split's stages and the unsplit model, which the round trip below
@@ -327,10 +327,10 @@ def test_a_model_without_stage_names_is_named_through_its_split():
 
 
 # -- real executors ---------------------------------------------------------------------------
-def test_trainer_stages_sync_into_a_generator_on_real_executors(tmp_path):
+def test_trainer_stages_sync_into_a_generator_on_real_executors(pool, tmp_path):
     """Stage 0 on one executor, stage 1 on another that also holds the whole copy: its
     exports there, generation after the load; a checkpoint then starts a third holder."""
-    with executor_cluster(2, kind="torch", tags=("train",)) as (ctl, infos):
+    with pool.shared(2, kind="torch", tags=("train",)) as (ctl, infos):
         ex = [info.id for info in infos]
         two = {**SPEC, "stages": 2}
 

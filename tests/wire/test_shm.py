@@ -202,6 +202,7 @@ def test_numpy_arrays_arrive_intact(pair):
     assert got.dtype == array.dtype and (got == array).all()
 
 
+@pytest.mark.slow
 def test_forced_frames_path_moves_data_without_shared_memory(monkeypatch):
     monkeypatch.setenv("FLOWKIT_PEER_TRANSPORT", "frames")
     with _cluster() as (ctl, (a, b)):
@@ -225,6 +226,7 @@ def test_segments_go_back_to_the_pool_when_the_consumer_frees_them(pair):
     assert len(leftover_segments([a.pid])) <= before + 1
 
 
+@pytest.mark.slow
 def test_no_segment_is_left_after_an_op_fails():
     with _cluster() as (ctl, (a, b)):
         made = ctl.submit("make_tensor", config={"nbytes": 4 * MiB}, executor=a.id)
@@ -233,6 +235,7 @@ def test_no_segment_is_left_after_an_op_fails():
         assert leftover_segments([a.pid])
 
 
+@pytest.mark.slow
 def test_a_killed_executor_leaves_no_segment_after_the_run():
     with _cluster() as (ctl, (a, b)):
         made = ctl.submit("make_tensor", config={"nbytes": 4 * MiB}, executor=a.id)
@@ -256,6 +259,7 @@ def _send_data(address: str, layout, frames: list, body: bytes) -> None:
     sock.close()
 
 
+@pytest.mark.slow
 def test_truncated_handles_and_chunks_are_refused_and_the_executor_keeps_serving(caplog):
     body, frames = pack(torch.zeros(3 * MiB, dtype=torch.uint8))
     chunks = [bytes(MiB), bytes(MiB), bytes(MiB // 2)]  # the last chunk cut short
