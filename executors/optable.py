@@ -154,14 +154,19 @@ def _fail(ctx: OpContext, *inputs: Any, message: str = "failed on purpose") -> N
     raise RuntimeError(message)
 
 
-def _reset(ctx: OpContext, *inputs: Any) -> int:
+def _reset_executor(ctx: OpContext, *inputs: Any) -> int:
     """Forget what earlier tasks left in this executor's context (models, rollout engines,
     replica groups: ctx.state and ctx.background) and seed the random generators from the OS as
-    a fresh process does, so that executors outlive one user (a test suite's shared pool) without
-    the next one seeing it. Run it with nothing in flight. Returns how many entries it dropped."""
+    a fresh process does, so that executors outlive one user (runs one after another on a shared
+    controller, a test suite's pool) without the next one seeing it. Refused while a background
+    still has work: the tasks it serves would never end. Returns how many entries it dropped."""
     import random
     import sys
 
+    working = sorted(name for name, background in ctx.background.items() if background.busy())
+    if working:
+        raise RuntimeError(f"reset_executor while {', '.join(working)} still work: wait for "
+                           "their tasks (or cancel them) first")
     dropped = len(ctx.state) + len(ctx.background)
     ctx.state.clear()
     ctx.background.clear()
@@ -287,7 +292,7 @@ def builtin_ops() -> OpTable:
     table.register("identity", _identity)
     table.register("sleep", _sleep)
     table.register("fail", _fail)
-    table.register("reset", _reset)
+    table.register("reset_executor", _reset_executor)
     table.register("clock", _clock)
     table.register("countdown", _countdown)
     table.register("python", _python)

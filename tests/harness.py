@@ -33,12 +33,13 @@ def executor_cluster(count: int = 2, *, kind: str = "base", tags=(), code=(),
 class ExecutorPool:
     """Clusters of executor processes that outlive one test: `pool.cluster(count, kind=...,
     tags=..., code=...)` is executor_cluster's (ctl, infos), started the first time those
-    settings are asked for and handed out again after that, each executor `reset` first
-    (models, engines, replica groups: the op in executors/optable.py). Starting a cluster costs
-    each process its imports of flowkit and torch, seconds of a core; the suite asks for a few
-    settings many times. At most `keep` clusters stay up (the least recently used stops first,
-    never one a `shared` block holds); one that lost an executor (a test killed it) starts
-    again."""
+    settings are asked for and handed out again after that, each executor reset first (models,
+    engines, replica groups: the built-in op `reset_executor` in executors/optable.py).
+    Starting a cluster costs each process its imports of flowkit and torch, seconds of a core;
+    the suite asks for a few settings many times. At most `keep` clusters stay up (the least
+    recently used stops first, never one a `shared` block holds); one that lost an executor (a
+    test killed it) starts again. Objects a test left in an executor's store go when their
+    futures do (the controller releases them), not at the reset."""
 
     def __init__(self, keep: int = 3) -> None:
         self.keep = keep
@@ -59,7 +60,7 @@ class ExecutorPool:
             stack, ctl, infos = found
             alive = {e.id for e in ctl.executors()}
             if all(e.id in alive for e in infos) and len(alive) == count:
-                for reset in [ctl.submit("reset", executor=e.id) for e in infos]:
+                for reset in [ctl.submit("reset_executor", executor=e.id) for e in infos]:
                     reset.result(timeout=60)
                 self._clusters[key] = found  # the most recently used last
                 return ctl, infos

@@ -105,9 +105,9 @@ def _take_arrivals(feeding: Feeding, inputs: Inputs) -> None:
     arrivals = inputs.lead_arrivals
     feeding.waiting += arrivals[feeding.seen:]
     feeding.seen = len(arrivals)
-    still = []
+    others, still = inputs.others(), []
     for lin in feeding.waiting:
-        (feeding.pool if inputs.on_every_other(lin) else still).append(lin)
+        (feeding.pool if all(lin in items for items in others) else still).append(lin)
     feeding.waiting = still
 
 

@@ -2,7 +2,7 @@
 `StepRun` (steprun.py) that decides how ready items go out.
 
 [Note: batched per-item calls] A per-item op's ready items go out together: everything that is
-ready when the node is looked at, up to _BATCH_ITEMS a task and spread over the executors that
+ready when the node is looked at, up to BATCH_ITEMS a task and spread over the executors that
 run the op, as batched tasks ([Note: batched tasks] in flowkit/wire/task.py), each answered by
 one completion and handled by one reaction. Reactions only mark the nodes they touch; the run
 looks at those once the reactions queued so far have run (`progress_touched`). A node keeps at most

@@ -98,9 +98,9 @@ class Inputs:
         """The first input's lineages, in the order they arrived."""
         return self.streams.of(self.rules[0]).arrivals
 
-    def on_every_other(self, lineage: tuple) -> bool:
-        """Whether the inputs but the first have `lineage`."""
-        return all(lineage in self.streams.of(rule).items for rule in self.rules[1:])
+    def others(self) -> list[dict]:
+        """The items of each input but the first, by lineage: look them up once a pass."""
+        return [self.streams.of(rule).items for rule in self.rules[1:]]
 
 
 @attrs.define
