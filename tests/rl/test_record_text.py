@@ -1,6 +1,6 @@
 """A prompt's and a rollout's text survive every place that rebuilds them [Note: rollout text in
 executors/torch/rollout/engine.py]: rewards, advantages, the simulator, partial-rollout
-recomputation, the wire and a run checkpoint's pickle."""
+recomputation, the wire and a run checkpoint's codec."""
 
 from __future__ import annotations
 

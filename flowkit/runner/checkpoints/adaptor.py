@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from flowkit.planner.lower import Call, NodePlan
+from flowkit.planner.lower import NodePlan
 from flowkit.runner.checkpoints.open_steps import Replay
 from flowkit.runner.partial import Carried, CarryOver
 from flowkit.runner.stepstate import RunnerState, Streams
@@ -21,6 +21,7 @@ class _Runner(Protocol):
 
     ctl: Any
     plan: list[NodePlan]
+    feedback: Any  # its Feedback (feedback.py): the nodes admission control holds back
     staleness: int | None
     step: int
     step_timeout: float
@@ -45,11 +46,11 @@ class RunnerCheckpoints:
 
     def __init__(self, runner: _Runner) -> None:
         self.runner = runner
-        # those whose calls a checkpoint drains and replays: the generating nodes admission
-        # control holds back [Note: asynchronous steps in flowkit/runner/flowrun.py]
-        self.generating = [node.name for node in runner.plan if node.resumable is not None
-                           and node.call not in (Call.PIPELINE, Call.STEP)
-                           and any(rule.feedback for rule in node.inputs)]
+        # those whose calls a checkpoint drains and replays: the nodes admission control holds
+        # back (the feedback's gated ones) that can be aborted and continued
+        # [Note: asynchronous steps in flowkit/runner/flowrun.py]
+        resumable = {node.name for node in runner.plan if node.resumable is not None}
+        self.generating = [name for name in runner.feedback.gated if name in resumable]
         # a resumed asynchronous run's open steps: step -> node -> lineage -> the saved
         # rollouts of that call, and the partial-rollout metrics they report
         # [Note: checkpoints of asynchronous runs in flowkit/runner/checkpoints/open_steps.py]
