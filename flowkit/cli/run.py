@@ -51,8 +51,9 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
               "the other ops too, generation in their idle time) [default: colocated; the "
               "split ones start twice training's executors].")
 @click.option("--device", default=_RUN.device, show_default=True,
-              help="Device of the torch executors: cpu, cuda (executor i on cuda:i), or one per "
-              "executor: cuda:0,cuda:1.")
+              help="Device of the torch executors: cpu, cuda (one GPU each: executor i on GPU "
+              "i), cuda:0 (all share GPU 0), or one per executor: cuda:0,cuda:1. Each local "
+              "executor sees only its GPU (CUDA_VISIBLE_DEVICES).")
 @click.option("--steps", type=click.IntRange(min=1), default=_RUN.steps, show_default=True,
               help="Steps of the flow to run, one after the other.")
 @click.option("--stages", type=click.IntRange(min=1), default=None,

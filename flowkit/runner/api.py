@@ -43,6 +43,7 @@ from flowkit.runner.setup import (
 )
 from flowkit.runner.steploop import STEP_FAILURES, StepLoop
 from flowkit.runtime import Controller, RemoteError
+from flowkit.runtime.devices import DeviceError, local_devices
 from flowkit.runtime.futures import wait
 from flowkit.runtime.launch import Launcher, LaunchError
 from flowkit.runtime.launchers import make_launcher
@@ -126,6 +127,11 @@ class Run:
         if controller is not None:
             self.count = len(controller.executors())
         self.tags = executor_tags(self.plan, self.count, config.tags, config.placement)
+        if controller is None and config.launcher == "local":
+            try:  # refused here, before any executor starts [Note: one GPU per executor]
+                local_devices(config.device, self.count)
+            except DeviceError as exc:
+                raise RunConfigError("device", str(exc)) from None
         self.keys = _keys(config)
         self.identity = flow_identity(self.flow.name, self.plan)
         self.evaluation = None if config.eval_every is None else Evaluation(

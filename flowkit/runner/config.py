@@ -152,7 +152,10 @@ class RunConfig:
     "multiplexed" (disaggregated, the training executors carrying the others' tags too, so
     that their idle time runs generation); None: colocated."""
     device: str = "cpu"
-    """The torch executors' device: cpu, cuda (executor i on cuda:i), or one per executor."""
+    """The torch executors' device: cpu, cuda (one GPU each: executor i on GPU i), cuda:K (all
+    share GPU K), or one per executor ("cuda:0,cuda:1", cycled); more GPUs than the machine has
+    is refused before any executor starts [Note: one GPU per executor in
+    flowkit/runtime/devices.py]."""
     code: tuple[str, ...] = attrs.field(default=(), converter=_strings)
     """Python files the executors import, for the flow's @op functions (its own file)."""
     stages: int | None = attrs.field(default=None, validator=_at_least(1))

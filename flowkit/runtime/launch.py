@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from flowkit.runtime.controller import Controller
+from flowkit.runtime.devices import local_devices
 from flowkit.runtime.registry import ExecutorInfo
 from flowkit.runtime.spawn import spawn
 
@@ -154,8 +155,12 @@ class ProcessExecutors:
                                   f"{self.controller.address} within {self.startup_timeout:g} "
                                   f"s (see the executors' output above)")
 
+    def _env(self, i: int) -> dict[str, str]:
+        """What executor i's process adds to this one's environment."""
+        return {}
+
     def _spawn(self, i: int) -> subprocess.Popen:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **self._env(i),
                **self.controller.executor_env()}  # the run's secret: never on argv
         # a session of its own: Ctrl-C in the terminal reaches the controller alone, which
         # stops the run cleanly and then shuts its executors down
@@ -178,7 +183,8 @@ class ProcessExecutors:
 
 class LocalExecutors(ProcessExecutors):
     """Start `count` executor processes on this machine connected to `controller`; stop them on
-    exit."""
+    exit. Each gets its device as runtime/devices.py assigns it [Note: one GPU per executor]:
+    a setting this machine cannot honour raises DeviceError here, before any process starts."""
 
     def __init__(self, controller: Controller, count: int, *, kind: str = "base",
                  tags: Sequence[str] | Sequence[Sequence[str]] = (), device: str = "cpu",
@@ -187,15 +193,19 @@ class LocalExecutors(ProcessExecutors):
         super().__init__(controller, count, name_prefix=name_prefix,
                          startup_timeout=startup_timeout)
         self.kind, self.device, self.log_level = kind, device, log_level
+        self.devices = local_devices(device, count)
         self.tags = per_executor_tags(tags, count)
         self.code = [str(path) for path in code]  # flow files whose @op functions may run
 
     def _command(self, i: int) -> list[str]:
         return [sys.executable, "-m", "executors", "--connect", self.controller.address,
                 "--name", f"{self.name_prefix}-{i}", "--kind", self.kind,
-                "--device", device_of(self.device, i), "--tags", ",".join(self.tags[i]),
+                "--device", self.devices[i].device, "--tags", ",".join(self.tags[i]),
                 "--log-level", self.log_level, *self.controller.executor_options(),
                 *(arg for path in self.code for arg in ("--code", path))]
+
+    def _env(self, i: int) -> dict[str, str]:
+        return dict(self.devices[i].env)
 
 
 def stop_processes(processes: Sequence[subprocess.Popen], timeout: float = 5.0) -> None:
@@ -223,8 +233,9 @@ def per_executor_tags(tags: Sequence, count: int) -> list[tuple[str, ...]]:
 
 
 def device_of(spec: str, index: int) -> str:
-    """Executor `index`'s device: `spec` lists one per executor ('cuda:0,cuda:1', cycled), or
-    names one for all; a bare 'cuda' gives executor i the GPU cuda:i."""
+    """Executor `index`'s device as `spec` names it: one per executor ('cuda:0,cuda:1',
+    cycled), or one for all; a bare 'cuda' gives executor i the GPU cuda:i (the Ray launcher's
+    bundles; local executors are pinned by runtime/devices.py)."""
     devices = [d.strip() for d in spec.split(",") if d.strip()] or ["cpu"]
     device = devices[index % len(devices)]
     return f"cuda:{index}" if device == "cuda" else device
