@@ -63,6 +63,10 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
               "executors [default: the flow's].")
 @click.option("--shard-optimizer", is_flag=True, default=_RUN.shard_optimizer,
               help="Shard each trained model's optimizer states over its replicas (ZeRO-1).")
+@click.option("--precision", type=click.Choice(["fp32", "bf16"]), default=None,
+              help="Compute precision of every model: bf16 keeps fp32 weights, gradients and "
+              "optimizer states and runs the forwards under bf16 autocast [default: each "
+              "model's own, fp32 unless it says].")
 @click.option("--microbatches", type=click.IntRange(min=1), default=None,
               help="Microbatches per step of every backprop [default: the flow's].")
 @click.option("--schedule", default=None,
@@ -180,7 +184,7 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
 def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | None,
         placement: str | None, device: str,
         steps: int, stages: int | None, replicas: int | None, shard_optimizer: bool,
-        microbatches: int | None,
+        precision: str | None, microbatches: int | None,
         schedule: str | None, offload: str | None, memory_limit: float | None,
         fuse: bool, fill_bubbles: bool, asynchronous: bool | None,
         max_staleness: int | None, sim_cost: str,
@@ -216,7 +220,7 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
         config = RunConfig(
             steps=steps, executors=kind, num_executors=num_executors, tags=_tags(tag_spec),
             placement=placement, device=device, code=[path], stages=stages, replicas=replicas,
-            shard_optimizer=shard_optimizer,
+            shard_optimizer=shard_optimizer, precision=precision,
             microbatches=microbatches,
             schedule=schedule, offload=offload, memory_limit=memory_limit, fuse=fuse,
             fill_bubbles=fill_bubbles, asynchronous=asynchronous,
@@ -245,7 +249,8 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
 _OPTIONS = {"tags": "--tags", "placement": "--placement", "schedule": "--schedule",
             "offload": "--offload", "memory_limit": "--memory-limit",
             "max_staleness": "--max-staleness", "eval_every": "--eval-every",
-            "controller.keys": "--keys", "controller.bind": "--bind"}
+            "controller.keys": "--keys", "controller.bind": "--bind", "device": "--device",
+            "precision": "--precision"}
 
 
 def _usage_error(error: Exception) -> click.ClickException:

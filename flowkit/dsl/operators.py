@@ -60,6 +60,26 @@ def _valid_name(_instance: object, attribute: attrs.Attribute, value: str) -> No
         )
 
 
+# [Note: mixed precision] precision="bf16" is mixed precision as torchtitan and verl run it:
+# the weights, their gradients and the optimizer states stay fp32 (the master copy), and every
+# forward of the model (training stages, generation, scoring) runs under bf16 autocast, its
+# backward in the dtypes autocast chose (executors/torch/train/deferred.py). A whole-model cast
+# (config dtype="bfloat16") instead updates bf16 weights, where an RL-sized step is mostly
+# lost: use it for frozen copies only. `flowkit bench train --precision bf16,fp32` compares.
+PRECISIONS = ("fp32", "bf16")
+
+
+def check_precision(precision: str, dtype: str, what: str) -> None:
+    """A precision there is, and weights it can keep a master copy in."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"{what}: precision must be one of {', '.join(PRECISIONS)}, not "
+                         f"{precision!r} (fp16 needs loss scaling, which flowkit does not do)")
+    if precision == "bf16" and dtype != "float32":
+        raise ValueError(f"{what}: precision='bf16' keeps fp32 weights and computes in bf16; "
+                         f"its config's dtype={dtype!r} would cast the weights themselves: "
+                         "leave dtype out")
+
+
 @attrs.frozen(kw_only=True)
 class Model:
     """A model resource: ops that name the same Model share its weights.
@@ -83,9 +103,14 @@ class Model:
     # low-rank adapters: only they train, sync to generation and save [Note: LoRA in
     # flowkit/dsl/lora.py]; None trains every weight
     lora: Mapping[str, Any] | None = attrs.field(default=None, hash=False)
+    # the compute precision of its forwards, training and generation alike [Note: mixed
+    # precision]: "fp32", or "bf16" (fp32 weights, gradients and optimizer states)
+    precision: str = "fp32"
 
     def __attrs_post_init__(self) -> None:  # checked and normalized once the name is known
         object.__setattr__(self, "lora", check_lora(self.lora, model=self.name))
+        check_precision(self.precision, self.config.get("dtype", "float32"),
+                        f"Model {self.name!r}")
         if self.lora is not None and self.config.get("value_head"):
             raise ValueError(f"Model {self.name!r}: lora trains the adapters only, and a value "
                              "head (value_head=True: a critic, a reward model) starts untrained: "

@@ -30,7 +30,8 @@ class OpSpec:
     doc: str = ""
 
 
-MODEL_KEYS = ("model", "build", "stages", "seed", "dtype", "model_config", "lora")  # model_spec's
+MODEL_KEYS = ("model", "build", "stages", "seed", "dtype", "precision", "model_config",
+              "lora")  # model_spec's
 _STAGE = (*MODEL_KEYS, "stage")
 # every pipeline op: the copies it issues as it starts [Note: offload in the runtime] and its
 # activation memory's change in microbatch stashes (the simulator's accounting; `track_memory`:

@@ -102,7 +102,8 @@ class Run:
                                           microbatches=config.microbatches,
                                           schedule=config.schedule,
                                           offload=config.offload,
-                                          memory_limit=config.memory_limit)
+                                          memory_limit=config.memory_limit,
+                                          precision=config.precision)
         self.plan = lower_flow(self.flow)
         self.staleness = config.staleness(self.flow.max_staleness)
         if self.staleness is not None:

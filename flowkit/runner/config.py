@@ -163,6 +163,11 @@ class RunConfig:
     replicas: int | None = attrs.field(default=None, validator=_at_least(1))
     """Data-parallel replicas of every trained model's pipeline (each on its own executors,
     gradients summed through torch.distributed); None: the flow's."""
+    precision: str | None = attrs.field(default=None, validator=attrs.validators.optional(
+        attrs.validators.in_(("fp32", "bf16"))))
+    """Compute precision of every model: "bf16" (fp32 weights, gradients and optimizer
+    states, forwards under bf16 autocast) or "fp32" [Note: mixed precision in
+    flowkit/dsl/operators.py]; None: each Model's own."""
     shard_optimizer: bool = False
     """Keep each trained model's optimizer states sharded over its replicas (ZeRO-1); False:
     as the flow's models say."""

@@ -126,12 +126,14 @@ def _check_memory_limit(node: Node, model: Model) -> None:
 def with_training_options(flow: Flow, *, stages: int | None, microbatches: int | None,
                           schedule: str | None, replicas: int | None = None,
                           shard_optimizer: bool = False, offload: str | None = None,
-                          memory_limit: float | None = None) -> Flow:
+                          memory_limit: float | None = None,
+                          precision: str | None = None) -> Flow:
     """`flow` with every trained model cut into `stages` and trained by `replicas` (their
     optimizer states sharded over them with `shard_optimizer`), and every
     backprop run with `microbatches` under `schedule`, `offload` of its activations to host
-    memory and within `memory_limit`, where given (the flow is changed in place; an offload
-    the flow sets is checked).
+    memory and within `memory_limit`, and every model computing in `precision` [Note: mixed
+    precision in flowkit/dsl/operators.py], where given (the flow is changed in place; an
+    offload the flow sets is checked).
     A backprop with fewer microbatches than its model's replicas is an error here, before
     anything starts: each replica runs at least one."""
     if schedule is not None:
@@ -141,6 +143,12 @@ def with_training_options(flow: Flow, *, stages: int | None, microbatches: int |
             get_spec(schedule)
         except ValueError as exc:
             raise RunConfigError("schedule", str(exc)) from None
+    if precision is not None:
+        for name, model in flow.models.items():
+            try:
+                flow.models[name] = attrs.evolve(model, precision=precision)
+            except ValueError as exc:
+                raise RunConfigError("precision", f"--precision {precision}: {exc}") from None
     backprops = [node for node in flow.nodes.values()
                  if getattr(node.operator, "lowering", None) == "pipeline"]
     for name in {node.model for node in backprops}:

@@ -26,7 +26,8 @@ def model_spec(model: Model, num_stages: int) -> dict:
     same, so each executor builds the same weights (executors/torch/models/built.py)."""
     config = dict(model.config)
     spec = {"model": model.name, "build": model.build, "stages": num_stages,
-            "seed": int(config.pop("seed", 0)), "dtype": str(config.pop("dtype", "float32"))}
+            "seed": int(config.pop("seed", 0)), "dtype": str(config.pop("dtype", "float32")),
+            "precision": model.precision}
     spec["model_config"] = config
     if model.lora is not None:  # [Note: LoRA in flowkit/dsl/lora.py]
         spec["lora"] = dict(model.lora)

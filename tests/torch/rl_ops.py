@@ -21,3 +21,12 @@ def second_round_reward(rollout: Rollout) -> Scored:
     a round, only the second round's groups differ."""
     hit = rollout.prompt_id >= 8 and rollout.sample % 2 == 0
     return Scored(**attrs.asdict(rollout, recurse=False), reward=float(hit))
+
+
+@op
+def even_token_reward(rollout: Rollout) -> Scored:
+    """The share of the response's tokens that are even: a reward every sample earns some of,
+    so each group's advantages differ from the first step (an untrained model learns from it)."""
+    tokens = rollout.response_tokens
+    share = sum(1 for t in tokens if t % 2 == 0) / len(tokens) if tokens else 0.0
+    return Scored(**attrs.asdict(rollout, recurse=False), reward=share)

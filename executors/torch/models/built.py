@@ -13,9 +13,10 @@ run (`whole_model`). The `export_weights` and `load_weights` ops move weights be
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
-from contextlib import contextmanager
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,9 @@ __all__ = ["HeldModel", "evaluating", "export_weights", "held_model", "load_weig
            "right_padded", "save_weights", "whole_model"]
 
 _DTYPES = {name: getattr(torch, name) for name in ("float32", "float64", "bfloat16", "float16")}
+# a model's precision: the dtype its forward computes in under autocast over its own weights
+# (None: in the weights' dtype) [Note: mixed precision in flowkit/dsl/operators.py]
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 
 
 @attrs.define(eq=False)
@@ -47,6 +51,7 @@ class HeldModel:
     version: int | None = None  # of the weights load_weights last set
     config: dict = attrs.field(factory=dict)  # what built it, to build it again (state.py)
     lora: dict | None = None  # its adapters' settings: only they train, export and save
+    autocast: torch.dtype | None = None  # its forwards' compute dtype (PRECISIONS)
 
 
 def held_model(ctx: OpContext, config: dict) -> HeldModel:
@@ -68,6 +73,10 @@ def held_model(ctx: OpContext, config: dict) -> HeldModel:
         if (other, stages) == (name, num_stages):
             return held
     device = torch.device(ctx.device if ctx.device not in ("", "auto") else "cpu")
+    precision = config.get("precision", "fp32")
+    if precision not in PRECISIONS:
+        raise StageError(f"model {name!r}: unknown precision {precision!r}; use one of "
+                         f"{', '.join(PRECISIONS)}")
     torch.manual_seed(int(config.get("seed", 0)))  # every holder builds the same weights
     model_config = dict(config.get("model_config", {}))
     checkpoint = model_config.pop("checkpoint", None)  # a file to start from, not an argument
@@ -81,10 +90,13 @@ def held_model(ctx: OpContext, config: dict) -> HeldModel:
         torch.manual_seed(int(config.get("seed", 0)))  # adapters drawn alike in every split
         layout = add_adapters(whole, parts, layout, lora_settings)
     built_from = {key: config[key] for key in ("model", "build", "stages", "seed", "dtype",
-                                               "model_config", "seq_len", "lora") if key in config}
+                                               "precision", "model_config", "seq_len", "lora")
+                  if key in config}
     held = models[(name, num_stages)] = HeldModel(
         spec=spec, parts=parts, device=device, config=built_from, layout=layout,
-        lora=lora_settings)
+        lora=lora_settings, autocast=PRECISIONS[precision])
+    for part in parts:  # generation and scoring compute as training does (`evaluating`)
+        _AUTOCAST[part] = held.autocast
     return held
 
 
@@ -144,13 +156,20 @@ def whole_model(ctx: OpContext, config: dict) -> torch.nn.Module:
     return held.parts[0]
 
 
-@contextmanager
+# a held part's compute dtype under its model's precision, for forwards outside training
+_AUTOCAST: weakref.WeakKeyDictionary[torch.nn.Module, torch.dtype | None] = \
+    weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
 def evaluating(module: torch.nn.Module):
     """Eval mode and no autograd for the block, restoring the module's mode afterwards (the
-    module may be a training stage too)."""
-    was = module.training
+    module may be a training stage too); a held model's forwards under its precision's
+    autocast [Note: mixed precision in flowkit/dsl/operators.py]."""
+    was, dtype = module.training, _AUTOCAST.get(module)
+    device = next((p.device.type for p in module.parameters()), "cpu")
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=dtype is not None):
             yield module.eval()
     finally:
         module.train(was)

@@ -103,8 +103,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split(C, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         r = rows[:, None]  # (B, 1) broadcasts against pos (B, T)
-        k_cache[r, :, pos] = k.view(B, T, self.n_head, C // self.n_head)
-        v_cache[r, :, pos] = v.view(B, T, self.n_head, C // self.n_head)
+        k_cache[r, :, pos] = k.view(B, T, self.n_head, C // self.n_head).to(k_cache.dtype)
+        v_cache[r, :, pos] = v.view(B, T, self.n_head, C // self.n_head).to(v_cache.dtype)
         keys, values = k_cache[rows], v_cache[rows]  # (B, nh, L, hs)
         seen = torch.arange(keys.size(2), device=x.device)[None, None, :] <= pos[:, :, None]
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=seen[:, None])
@@ -138,6 +138,14 @@ class Block(nn.Module):
     def forward_cached(self, x, k_cache, v_cache, rows, pos) -> torch.Tensor:
         x = x + self.attn.forward_cached(self.ln_1(x), k_cache, v_cache, rows, pos)
         return x + self.mlp(self.ln_2(x))
+
+
+def cache_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype of a KV cache made now for a model with this `weight`: autocast's where the
+    forwards run under it (a bf16-precision model's fp32 weights: a bf16 cache, half the
+    memory), else the weight's."""
+    kind = weight.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else weight.dtype
 
 
 @dataclass(eq=False)
@@ -222,10 +230,10 @@ class GPT(nn.Module):
         return self.config.block_size
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
-        """An empty KV cache of ``batch`` rows of ``max_len`` positions, where the weights are
-        [Note: KV cache rows]."""
+        """An empty KV cache of ``batch`` rows of ``max_len`` positions, where the weights are,
+        in the dtype the forwards compute in [Note: KV cache rows]."""
         w = self.lm_head.weight
-        return KVCache.empty(self.config, batch, max_len, device=w.device, dtype=w.dtype)
+        return KVCache.empty(self.config, batch, max_len, device=w.device, dtype=cache_dtype(w))
 
     @torch.no_grad()
     def forward_cached(self, idx: torch.Tensor, cache: KVCache, start: torch.Tensor,
@@ -315,7 +323,7 @@ class GPTStage(nn.Module):
         """`GPT.new_cache`, for a stage that is the whole model (a one-stage split)."""
         self._need_whole("new_cache")
         w = self.lm_head.weight
-        return KVCache.empty(self.config, batch, max_len, device=w.device, dtype=w.dtype)
+        return KVCache.empty(self.config, batch, max_len, device=w.device, dtype=cache_dtype(w))
 
     @torch.no_grad()
     def forward_cached(self, idx: torch.Tensor, cache: KVCache, start: torch.Tensor,

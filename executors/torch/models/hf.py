@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from executors.torch.models.gpt import _balanced
+from executors.torch.models.gpt import _balanced, cache_dtype
 from flowkit.dsl.hf import FAMILIES, check_family, check_model_dir
 
 __all__ = ["HFCausalLM", "HFModelError", "HFStage", "RowCache"]
@@ -344,7 +344,7 @@ class HFStage(nn.Module):
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         w = self.head.weight
         shape = (batch, heads, max_len, head_dim)
-        make = lambda: torch.zeros(shape, device=w.device, dtype=w.dtype)  # noqa: E731
+        make = lambda: torch.zeros(shape, device=w.device, dtype=cache_dtype(w))  # noqa: E731
         return RowCache({int(i): (make(), make()) for i in self.blocks})
 
     @torch.no_grad()

@@ -129,11 +129,31 @@ class ScaleCall(DeferredCall):
         return [(self.weight, dw)]
 
 
+# [Note: deferred calls under autocast] Under bf16 mixed precision the stage's forward runs in
+# torch.autocast over fp32 weights (executors/torch/train/stage.py). The recorder sees each
+# layer before autocast does, so it does autocast's part itself: a linear runs on X and W cast
+# to the autocast dtype (X's cast stays in the graph, so dX reaches an fp32 X as fp32), B's dX
+# uses the cast W, and W's dW = dYᵀX comes out in bf16 and is accumulated into the fp32 `.grad`
+# (`accumulate` casts), as autograd's cast node would; a layer norm runs in its (fp32) weight's
+# dtype, as CUDA's autocast runs it. So the split B/W equals the fused backward under autocast
+# (tests/torch/test_precision.py).
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast runs matmuls in on x's device; None where autocast is off."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    return t if t is None or dtype is None or t.dtype == dtype else t.to(dtype)
+
+
 class _DeferredLinear(torch.autograd.Function):
     """`F.linear` whose backward yields the input gradient only; W does the weight part."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        # [Note: deferred calls under autocast]: X comes cast already, W and b are cast here
+        weight, bias = _cast(weight, _autocast_dtype(x)), _cast(bias, _autocast_dtype(x))
         ctx.save_for_backward(weight)  # dX needs W only; X itself lives in the LinearCall
         return F.linear(x, weight, bias)
 
@@ -206,6 +226,7 @@ def _record_linear(rec: Recorder, args: tuple, kwargs: dict) -> torch.Tensor | N
     x, weight, bias = _bind(args, kwargs, ("input", "weight", "bias"), (None, None, None))
     if not rec.owns(weight, bias):
         return None
+    x = _cast(x, _autocast_dtype(x))  # [Note: deferred calls under autocast]
     out = _DeferredLinear.apply(x, weight, bias)
     xd = x.detach()
     rec.calls.append(LinearCall(out.grad_fn, xd, xd._version, weight=weight, bias=bias))
@@ -217,6 +238,8 @@ def _record_layer_norm(rec: Recorder, args: tuple, kwargs: dict) -> torch.Tensor
     x, shape, weight, bias, eps = _bind(args, kwargs, names, (None, None, None, None, 1e-5))
     if not rec.owns(weight, bias):
         return None
+    if _autocast_dtype(x) is not None:  # [Note: deferred calls under autocast]
+        x = _cast(x, torch.float32 if weight is None else weight.dtype)
     xd = x.detach()
     shape = [shape] if isinstance(shape, int) else list(shape)
     call = LayerNormCall(None, xd, xd._version, shape=shape, weight=weight, bias=bias)
@@ -330,8 +353,12 @@ def consumer_nodes(roots: Sequence[Node], params: Sequence[torch.nn.Parameter],
 
 
 def accumulate(param: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """Add `grad` to `param.grad`, in the parameter's dtype (a bf16 dW into an fp32 `.grad`
+    [Note: deferred calls under autocast])."""
     if grad is None:
         return
+    if grad.dtype != param.dtype:
+        grad = grad.to(param.dtype)
     with torch.no_grad():
         if param.grad is None:
             param.grad = grad.detach().clone() if grad._base is not None else grad.detach()

@@ -36,7 +36,8 @@ def held_stage(ctx: OpContext, config: dict) -> HeldStage:
         module = model.parts[s]
         tied = tuple(getattr(module, "tied_copies", lambda: ())())
         runs = _ScaledLoss(module) if s == len(model.parts) - 1 else module
-        stage = model.stages[s] = HeldStage(module=module, runner=StageRunner(runs), tied=tied)
+        runner = StageRunner(runs, autocast=model.autocast)
+        stage = model.stages[s] = HeldStage(module=module, runner=runner, tied=tied)
     return stage
 
 

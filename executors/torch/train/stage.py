@@ -89,8 +89,12 @@ class StageRunner:
     the module returns a scalar loss and B takes no grad_outputs.
     """
 
-    def __init__(self, module: torch.nn.Module, *, track_memory: bool = False) -> None:
+    def __init__(self, module: torch.nn.Module, *, track_memory: bool = False,
+                 autocast: torch.dtype | None = None) -> None:
         self.module = module
+        # the forward's compute dtype over the module's own (fp32) weights: bf16 mixed precision
+        # [Note: deferred calls under autocast in executors/torch/train/deferred.py]
+        self.autocast = autocast
         tensors = [*module.parameters(), *module.buffers()]
         self.device = tensors[0].device if tensors else torch.device("cpu")
         self._params = [p for p in module.parameters() if p.requires_grad]
@@ -126,7 +130,7 @@ class StageRunner:
                                                       self.device)
         else:
             saved = SavedBytes(self._params)
-        with torch.enable_grad(), recorder, saved:
+        with torch.enable_grad(), self._autocast(), recorder, saved:
             output = self.module(*leaves)
         outputs = _flatten(output)
         state = _Microbatch(inputs=leaves, outputs=outputs,
@@ -221,6 +225,11 @@ class StageRunner:
         del self._mbs[mb]
         self._noted()
         return _per_input(len(state.inputs), grad_idx, got[:len(grad_idx)])
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
 
     # -- accounting ---------------------------------------------------------------------------
     @property
