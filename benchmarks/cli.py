@@ -111,12 +111,28 @@ def pipeline(json_out: Path | None) -> None:
 @click.option("--sim-cost", default=None,
               help="With --replicas: the simulator runs' costs, NAME=VALUE,... (grad_bytes, "
               "allreduce_gbps, F, B, W, ...) [default: the bench's].")
+@click.option("--precision", "precisions", default=None, metavar="P,P,...",
+              help="Instead: the same pipeline training at each precision (fp32, bf16) side "
+              "by side: tokens/s, each step's loss and the loss gap to the first one's.")
+@click.option("--device", default="cpu", show_default=True,
+              help="With --precision: the executors' device (cpu, cuda:0, cuda, ...).")
 @_json_option
 def train(model: str | None, replicas: str | None, sim_replicas: str, sim_stages: int,
-          sim_microbatches: int, sim_cost: str | None, json_out: Path | None) -> None:
+          sim_microbatches: int, sim_cost: str | None, precisions: str | None, device: str,
+          json_out: Path | None) -> None:
     """Pipeline training steps against their simulation.
 
     Also B + W against a fused backward, and tokens/s against a plain training loop."""
+    if precisions is not None:
+        chosen = tuple(p.strip() for p in precisions.split(",") if p.strip())
+        bad = [p for p in chosen if p not in ("fp32", "bf16")]
+        if bad or not chosen:
+            raise click.BadParameter(f"{', '.join(bad) or 'nothing'}: give fp32 and/or bf16, "
+                                     "e.g. bf16,fp32", param_hint="--precision")
+        setup = None if model is None else _train_setup(model)
+        bench_fn = _bench_function("train", "run_precision_bench")
+        _report(bench_fn(chosen, setup=setup, device=device), json_out)
+        return
     if replicas is not None:
         sim = {"sim_replicas": _replica_counts(sim_replicas, "--sim-replicas"),
                "sim_stages": sim_stages, "sim_microbatches": sim_microbatches}
@@ -128,6 +144,12 @@ def train(model: str | None, replicas: str | None, sim_replicas: str, sim_stages
         return
     kwargs = {} if model is None else {"model": model}
     _report(_bench_function("train", "run_train_bench")(**kwargs), json_out)
+
+
+def _train_setup(model: str):
+    from benchmarks.train import TrainSetup
+
+    return TrainSetup(model=model)
 
 
 def _replica_counts(text: str, option: str) -> tuple[int, ...]:

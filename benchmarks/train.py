@@ -23,7 +23,7 @@ import attrs
 
 from flowkit.planner import simulate
 
-__all__ = ["run_train_bench"]
+__all__ = ["run_precision_bench", "run_train_bench"]
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "zb-v", "auto")
 
@@ -177,3 +177,44 @@ def _plain_loop(setup: TrainSetup, corpus: str) -> dict:
     step_s = statistics.median(times[1:])
     return {"threads": threads, "step_s": step_s,
             "tokens_per_s": setup.batch_size * setup.seq_len / step_s}
+
+
+def run_precision_bench(precisions: tuple[str, ...] = ("fp32", "bf16"), *,
+                        setup: TrainSetup | None = None, schedule: str = "zb-h1",
+                        device: str = "cpu", steps: int = 10) -> dict:
+    """`flowkit bench train --precision bf16,fp32`: the same pipeline training (model, data,
+    schedule, executors) at each precision [Note: mixed precision in flowkit/dsl/operators.py],
+    side by side in one run: tokens/s and the loss of every step, and each precision's loss gap
+    to the first one's (the largest over the steps, relative)."""
+    from benchmarks.runs import bench_run
+    from dataflows.pretrain import pretrain_flow
+    from flowkit.runtime import Controller, LocalExecutors
+
+    setup = setup or TrainSetup()
+    out: dict = {"setup": attrs.asdict(setup), "schedule": schedule, "device": device,
+                 "steps": steps, "precisions": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = _corpus(Path(tmp))
+        with Controller() as ctl, LocalExecutors(ctl, setup.stages, kind="torch",
+                                                 tags=("train",), device=device):
+            for precision in precisions:
+                name = f"{setup.model}-{precision}"
+                model = attrs.evolve(_model(setup, name), precision=precision)
+                flow = pretrain_flow(corpus=corpus, microbatches=setup.microbatches,
+                                     schedule=schedule, batch_size=setup.batch_size,
+                                     seq_len=setup.seq_len, model=model)
+                with bench_run(flow, controller=ctl, steps=steps, executors="torch") as run:
+                    reports = list(run.steps())
+                out["precisions"][precision] = _precision_figures(reports, setup)
+    base = out["precisions"][precisions[0]]["losses"]
+    for figures in out["precisions"].values():
+        figures["max_loss_gap"] = max(abs(a - b) / abs(b) for a, b in zip(figures["losses"], base))
+    return out
+
+
+def _precision_figures(reports: list, setup: TrainSetup) -> dict:
+    timed = reports[1:]  # the first step profiles and warms up
+    step_s = statistics.median(r.elapsed_s for r in timed)
+    losses = [r.metrics.get("loss", r.metrics.get("backprop/loss")) for r in reports]
+    return {"step_s": step_s, "tokens_per_s": setup.batch_size * setup.seq_len / step_s,
+            "losses": losses, "mfu": timed[-1].metrics.get("mfu")}
