@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from typing import Any
 
 import torch
 
 from executors.optable import OpContext, OpTable
+from executors.torch.device import device_clock
 from executors.torch.errors import StageError
 from executors.torch.models.built import (
     export_weights,
@@ -418,8 +418,9 @@ def _profile(ctx: OpContext, sample: Any, *, stage: int, stages: int, repeats: i
 
 def _profile_once(runner: StageRunner, key: Any, args: list, *, fused: bool,
                   last: bool) -> dict[str, float]:
-    """One microbatch through the stage: F then BW, or F, B and W; seconds of each."""
-    clock = time.perf_counter
+    """One microbatch through the stage: F then BW, or F, B and W; seconds of each, from and
+    to the stage's device synchronized [Note: device time in executors/torch/device.py]."""
+    clock = device_clock(runner.device)
     start = clock()
     out = runner.forward(key, *args)
     spent = {"F": clock() - start}
