@@ -124,8 +124,8 @@ def _rl_forward(held: HeldStage, inputs: tuple, *, first: bool, last: bool, micr
         return held.runner.forward(microbatch, x, split=split, offload=offload)
     refs = records(data[1]) if len(data) > 1 else []
     rl_loss = RLLoss(experiences, refs, settings, held.runner.device)
-    summed = float(held.runner.forward(microbatch, x, rl_loss, loss_scale, split=split,
-                                       offload=offload)) / loss_scale
+    out = held.runner.forward(microbatch, x, rl_loss, loss_scale, split=split, offload=offload)
+    summed = rl_loss.settle(out) / loss_scale  # one transfer of its statistics a microbatch
     normalizer = rl_loss.normalizer
     return MicrobatchStats(loss=summed / normalizer if normalizer else 0.0,
                            tokens=rl_loss.tokens, normalizer=normalizer, values=rl_loss.values)
@@ -201,8 +201,15 @@ def _grad_stats(ctx: OpContext, *partner: Any, stage: int, stages: int, **config
         _accumulate(mine, grad)
         out[name] = mine.grad.clone()  # the full gradient, back to stage 0 by its own name
     counted = [p for n, p in params.items() if not (stage == 0 and n in held.tied)]
-    sq = sum(float(p.grad.detach().double().pow(2).sum()) for p in counted if p.grad is not None)
-    return {"stage": stage, "sqnorm": sq}, out
+    return {"stage": stage, "sqnorm": squared_norm([p.grad for p in counted])}, out
+
+
+def squared_norm(grads: list[torch.Tensor | None]) -> float:
+    """The summed squares of `grads` in float64, with one transfer from the device: each
+    tensor's sum stays there, and the host adds them up in order (the sum a loop of
+    `float(...)` makes, bit for bit)."""
+    sums = [g.detach().double().pow(2).sum() for g in grads if g is not None]
+    return sum(torch.stack(sums).tolist()) if sums else 0
 
 
 def _reduce_grads(ctx: OpContext, *_: Any, stage: int, stages: int, replica_group: str,
