@@ -328,7 +328,7 @@ class _EagerAdamW(torch.optim.AdamW):
         return _STATE_DICT(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        _LOAD_STATE_DICT(self, state_dict)
+        _LOAD_STATE_DICT(self, _with_own_kernels(self.param_groups, state_dict))
 
     def step(self, closure: Any = None) -> Any:
         enabled = torch.is_grad_enabled()
@@ -339,6 +339,29 @@ class _EagerAdamW(torch.optim.AdamW):
             torch.set_grad_enabled(enabled)
 
 
+# [Note: AdamW kernels] On CUDA the step is torch's fused kernel (one launch for every
+# parameter instead of a dozen per parameter); elsewhere the single-tensor loop, whose numbers
+# the tests compare with a plain loop's bit for bit. The kernel follows where the parameters
+# are, not a loaded state: a state saved on a GPU loads on a CPU and back.
+_KERNEL_KEYS = ("fused", "foreach")
+
+
+def adamw_kernel(device_types: set[str]) -> dict[str, bool]:
+    """AdamW's kernel settings for parameters on devices of `device_types` [Note: AdamW
+    kernels]."""
+    return {"fused": True} if device_types == {"cuda"} else {"foreach": False}
+
+
+def _with_own_kernels(groups: list[dict], state_dict: dict[str, Any]) -> dict[str, Any]:
+    """`state_dict` with the kernel settings of this optimizer's `groups` [Note: AdamW
+    kernels]; one of another shape as it is (loading refuses it)."""
+    saved = state_dict.get("param_groups")
+    if not isinstance(saved, list) or len(saved) != len(groups):
+        return state_dict
+    own = [{**g, **{k: mine.get(k) for k in _KERNEL_KEYS}} for g, mine in zip(saved, groups)]
+    return {**state_dict, "param_groups": own}
+
+
 def _adamw(params: list[torch.Tensor], **hparams: Any) -> torch.optim.AdamW:
     """AdamW with decay on matrices only (not biases, norms), as nanoGPT configures it."""
     decay = [p for p in params if p.dim() >= 2]
@@ -346,7 +369,8 @@ def _adamw(params: list[torch.Tensor], **hparams: Any) -> torch.optim.AdamW:
     groups = [{"params": decay, "weight_decay": hparams.pop("weight_decay")},
               {"params": plain, "weight_decay": 0.0}]
     hparams["betas"] = tuple(hparams["betas"])
-    return _EagerAdamW([g for g in groups if g["params"]], foreach=False, **hparams)
+    kernel = adamw_kernel({p.device.type for p in params})
+    return _EagerAdamW([g for g in groups if g["params"]], **kernel, **hparams)
 
 
 def new_optimizer(module: torch.nn.Module, *, shard: tuple[int, int] | None = None,
