@@ -26,6 +26,7 @@ from executors.torch.models.built import (
     save_weights,
 )
 from executors.torch.train import replicas
+from executors.torch.train.flops import model_flops
 from executors.torch.train.held_stage import HeldStage, held_stage
 from executors.torch.train.memory import keep_freed_memory
 from executors.torch.train.replicas import all_reduce_grads, broadcast_shards, owned
@@ -93,6 +94,8 @@ def _forward_on(held: HeldStage, inputs: tuple, *, stage: int, stages: int, micr
     read, targets = split_tokens(_tokens(inputs[0] if first else inputs[-1])) \
         if first or last else (None, None)
     args: list[Any] = [read if first else inputs[0]]
+    if first:
+        held.tokens_run += read.numel()  # [Note: model FLOPs in executors/torch/train/flops.py]
     if last:
         args += [targets, float(loss_scale)]
     out = held.runner.forward(microbatch, *args, split=split, offload=offload)
@@ -120,6 +123,8 @@ def _rl_forward(held: HeldStage, inputs: tuple, *, first: bool, last: bool, micr
     data = inputs if first else inputs[1:]
     experiences = records(data[0]) if data else []
     x = sequence_ids(experiences, held.runner.device) if first else inputs[0]
+    if first:
+        held.tokens_run += x.numel()  # [Note: model FLOPs in executors/torch/train/flops.py]
     if not last:
         return held.runner.forward(microbatch, x, split=split, offload=offload)
     refs = records(data[1]) if len(data) > 1 else []
@@ -482,6 +487,7 @@ def register(table: OpTable) -> None:
     table.register("activation_memory", _activation_memory)
     table.register("stage_parameters", _stage_parameters)
     table.register("profile_stage", _profile)
+    table.register("model_flops", model_flops)
     table.register("export_weights", export_weights)
     table.register("load_weights", load_weights)
     table.register("save_weights", save_weights)
