@@ -101,6 +101,14 @@ class OpTable:
     def __init__(self) -> None:
         self._ops: dict[str, Op] = {}
         self._batched: dict[str, Op] = {}
+        self.op_end_hooks: list[Callable[[OpContext], None]] = []
+
+    def on_op_end(self, hook: Callable[[OpContext], None]) -> None:
+        """Call `hook(ctx)` after each op returns, before the executor reads the clock that ends
+        its time: a kind whose ops queue work on a device waits for it there (the torch kind:
+        [Note: device time] in executors/torch/device.py)."""
+        if hook not in self.op_end_hooks:
+            self.op_end_hooks.append(hook)
 
     def register(self, name: str, fn: Op | None = None, *, batched: Op | None = None) -> Any:
         """`table.register("noop", fn)` or as a decorator `@table.register("noop")`;

@@ -642,8 +642,12 @@ class Executor:
         self.watch.op_started()
         try:
             if batched:
-                return run_items(task, self.ctx, args, self.ops.batched(task.spec.op))
-            return task.fn(self.ctx, *args, **task.spec.config)
+                result = run_items(task, self.ctx, args, self.ops.batched(task.spec.op))
+            else:
+                result = task.fn(self.ctx, *args, **task.spec.config)
+            for hook in self.ops.op_end_hooks:  # its device's work done before its end is read
+                hook(self.ctx)
+            return result
         finally:
             self.in_op = False
             self.ctx.emit = None

@@ -12,10 +12,12 @@ def register(table) -> None:
     """The torch executor kind's ops: pipeline stages and the optimizer step
     (train/pipeline_ops.py), generation (rollout/generate.py), scoring (rollout/infer.py), run
     checkpoints (state.py)."""
-    from executors.torch import state
+    from executors.torch import device, state
     from executors.torch.rollout import generate, infer
     from executors.torch.train import pipeline_ops
 
+    device.configure_tf32()  # fp32 matmuls on CUDA as TF32, unless FLOWKIT_TF32=0
+    table.on_op_end(device.synchronize_op)  # [Note: device time] in executors/torch/device.py
     pipeline_ops.register(table)
     table.register("save_state", state.save_state)
     table.register("load_state", state.load_state)

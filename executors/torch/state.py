@@ -15,6 +15,7 @@ first and restores the generators last: the next op draws what the uninterrupted
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import threading
@@ -30,9 +31,12 @@ from executors.torch.train.held_stage import held_stage
 from executors.torch.train.reshard import recut
 from flowkit.dsl.lora import lora_identity
 
-__all__ = ["StateWriter", "load_state", "save_state", "state_of"]
+__all__ = ["StateWriter", "checked_cuda_rng", "checked_rng", "cuda_rng_states", "load_state",
+           "restore_cuda_rng", "save_state", "state_of", "usable_cuda_rng"]
 
 _FORMAT = "flowkit.executor_state/1"
+
+log = logging.getLogger("flowkit.executor")
 
 
 def state_of(ctx: OpContext) -> dict[str, Any]:
@@ -52,8 +56,70 @@ def state_of(ctx: OpContext) -> dict[str, Any]:
         models.append({"name": name, "stages": stages, "config": held.config, "parts": parts,
                        "optimizers": optimizers, "shards": shards, "version": held.version,
                        "held_stages": sorted(held.stages)})
-    return {"format": _FORMAT, "models": models, "torch_rng": torch.get_rng_state(),
-            "python_rng": random.getstate()}
+    state = {"format": _FORMAT, "models": models, "torch_rng": torch.get_rng_state(),
+             "python_rng": random.getstate()}
+    cuda_rng = cuda_rng_states()
+    if cuda_rng:
+        state["cuda_rng"] = cuda_rng
+    return state
+
+
+# [Note: CUDA random state] Dropout on a GPU draws from the CUDA generators, not the CPU's: a
+# state saves each visible device's ({index: uint8 tensor}, as torch.cuda.get_rng_state gives
+# it) when this process has used CUDA (asking sooner would make a context on every device), and
+# load_state sets them back. A state without them (written on a CPU, or by an older flowkit)
+# loads as before, and one written with them loads on a CPU with a warning: there is nothing
+# there to draw from them.
+_RNG_BYTES = 1 << 16  # the CPU's Mersenne Twister state is 5,056 bytes, CUDA's Philox one 16
+
+
+def cuda_rng_states() -> dict[int, torch.Tensor]:
+    """Each visible CUDA device's generator state, when this process has used CUDA."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    return {i: torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())}
+
+
+def checked_rng(value: Any, what: str, path: str) -> torch.Tensor:
+    """A saved generator state: a 1-D uint8 tensor of at most _RNG_BYTES, else a StageError."""
+    if not (isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1
+            and 0 < value.numel() <= _RNG_BYTES):
+        shown = (f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+                 if isinstance(value, torch.Tensor) else f"a {type(value).__name__}")
+        raise StageError(f"{path}: {what} is {shown}, not a generator state (a 1-D uint8 "
+                         f"tensor of at most {_RNG_BYTES} bytes): the file is damaged")
+    return value
+
+
+def checked_cuda_rng(state: dict, path: str) -> dict[int, torch.Tensor]:
+    """The file's CUDA generator states by device [Note: CUDA random state], checked; {} in a
+    file without them."""
+    saved = state.get("cuda_rng", {})
+    if not isinstance(saved, dict) or len(saved) > 1024 or not all(
+            type(i) is int and i >= 0 for i in saved):
+        raise StageError(f"{path}: cuda_rng is not a map of device indices to generator "
+                         "states: the file is damaged")
+    return {i: checked_rng(v, f"cuda_rng[{i}]", path) for i, v in sorted(saved.items())}
+
+
+def usable_cuda_rng(states: dict[int, torch.Tensor], path: str) -> dict[int, torch.Tensor]:
+    """The saved CUDA generator states this executor can set [Note: CUDA random state]: none
+    without CUDA (with a warning); a device it does not see is an error."""
+    if states and not torch.cuda.is_available():
+        log.warning("%s holds the CUDA generators' state, and this executor has no CUDA: "
+                    "a resumed run's GPU draws cannot be restored here", path)
+        return {}
+    count = torch.cuda.device_count() if states else 0
+    missing = [i for i in states if i >= count]
+    if missing:
+        raise StageError(f"{path} holds the random state of CUDA device(s) {missing}, and this "
+                         f"executor sees {count}: resume on the devices it was saved on")
+    return states
+
+
+def restore_cuda_rng(states: dict[int, torch.Tensor]) -> None:
+    for index, value in states.items():
+        torch.cuda.set_rng_state(value, index)
 
 
 def _saved(part: torch.nn.Module, adapters_only: bool) -> dict[str, torch.Tensor]:
@@ -192,13 +258,15 @@ def load_state(ctx: OpContext, *_: Any, path: str, models: dict | None = None,
     # every file read and checked before anything held here is dropped
     peers = {entry["name"]: _peers(entry, plans.get(entry["name"]), path, models or {})
              for entry, _ in entries}
-    torch_rng = _field(state, "torch_rng", torch.Tensor, path)
+    torch_rng = checked_rng(state.get("torch_rng"), "torch_rng", path)
+    cuda_rng = usable_cuda_rng(checked_cuda_rng(state, path), path)
     python_rng = _field(state, "python_rng", tuple, path)
     _forget_models(ctx)
     for entry, spec in entries:
         _restore(ctx, entry, spec, path, peers[entry["name"]])
     try:
         torch.set_rng_state(torch_rng)
+        restore_cuda_rng(cuda_rng)
         random.setstate(python_rng)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise StageError(f"{path}: its random generators' state is damaged ({exc})") from None

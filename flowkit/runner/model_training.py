@@ -38,6 +38,7 @@ from flowkit.runner.feeding import (
     inputs_made,
     train_rounds,
 )
+from flowkit.runner.mfu import peak_override
 from flowkit.runner.pipeline import (
     Gate,
     Lane,
@@ -113,6 +114,7 @@ class ModelTraining:
         self.backprops: dict[str, Feeding | MinibatchRounds] = {}
         self.synced: list = []  # this step's weight exports to the generating executors
         self.tracked: set[str] = set()  # backprop nodes whose activation memory is reported
+        self.flops_unknown = False  # no MFU to report: stop asking (model_flops)
         self.step = 0
         # called before new weights go to the generating executors: an evaluation that runs
         # alongside an asynchronous run finishes on the weights it started with (evaluation.py)
@@ -194,6 +196,31 @@ class ModelTraining:
             for key in (name, f"{name}/device{device}"):
                 peaks[key] = max(peaks.get(key, 0.0), float(got["peak"]))
         return peaks
+
+    def model_flops(self, timeout: float) -> tuple[float, dict[int, float | None]] | None:
+        """This step's model FLOPs on the model's devices and each device's peak FLOP/s, by
+        executor [Note: model FLOPs in executors/torch/train/flops.py]; None where its
+        executors cannot say, or said on the first step that no device knows its peak and no
+        FLOWKIT_PEAK_TFLOPS sets one (no MFU to make: not asked again)."""
+        if self.trained is None or self.flops_unknown:
+            return None
+        schedule, asked = self.trained[0], {}
+        for replica in range(self.replicas):
+            for device, info in enumerate(self.replica(replica)):
+                if device < schedule.num_devices and "model_flops" in info.ops \
+                        and info.id not in asked:
+                    asked[info.id] = self.ctl.submit(
+                        "model_flops", config={"model": self.model.name, "reset": True},
+                        executor=info.id, lane=device_lane(self.lane_for(replica), device),
+                        meta={"node": "model_flops", "step": self.step})
+        got = {executor: future.result(timeout=timeout) for executor, future in asked.items()}
+        per_token = next((g["flops_per_token"] for g in got.values() if g["flops_per_token"]),
+                         None)
+        peaks = {executor: g["peak_flops"] for executor, g in got.items()}
+        if per_token is None or not any(peaks.values()) and peak_override() is None:
+            self.flops_unknown = True
+            return None
+        return per_token * sum(g["tokens"] for g in got.values()), peaks
 
     def carried_state(self) -> dict:
         """What it carries from step to step that a run checkpoint keeps (checkpoints/): the

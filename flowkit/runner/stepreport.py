@@ -12,6 +12,7 @@ import attrs
 from flowkit.dsl import Metrics
 from flowkit.ops.records import mean_loss, mean_values
 from flowkit.planner.lower import NodePlan
+from flowkit.runner.mfu import mfu
 from flowkit.runner.pipeline import measure
 from flowkit.wire.refs import Item
 
@@ -73,7 +74,13 @@ def step_report(run: Any) -> StepReport:
         # the step's pipeline ops, first start to last end: the training part of the step
         metrics["pipeline_makespan_s"] = measured["makespan"]
         metrics["predicted_bubble_rate"] = max(predicted) if predicted else None
-    return StepReport(step=run.step, elapsed_s=time.time() - run.started, timing_s=timing,
+    flops = [training.model_flops(run.wiring.step_timeout)
+             for training in run.trainings.values()]
+    elapsed = time.time() - run.started
+    utilization = mfu(flops, elapsed)
+    if utilization is not None:
+        metrics["mfu"] = utilization
+    return StepReport(step=run.step, elapsed_s=elapsed, timing_s=timing,
                       metrics=metrics, warnings=tuple(run.warnings))
 
 

@@ -80,3 +80,35 @@ def test_stepping_saving_and_loading_import_no_torch_dynamo():
         "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+# -- [Note: AdamW kernels] ---------------------------------------------------------------------
+def test_the_kernel_is_fused_on_cuda_and_the_single_tensor_loop_elsewhere():
+    from executors.torch.train.pipeline_ops import adamw_kernel
+
+    assert adamw_kernel({"cuda"}) == {"fused": True}
+    assert adamw_kernel({"cpu"}) == {"foreach": False}
+    assert adamw_kernel({"cuda", "cpu"}) == {"foreach": False}  # fused needs every one on CUDA
+    group = _ours(torch.nn.Linear(2, 2)).param_groups[0]
+    assert group["foreach"] is False and not group["fused"]
+
+
+def test_a_state_saved_by_the_fused_kernel_loads_and_steps_with_this_devices_kernel():
+    """A GPU run's optimizer state (fused) resumed on a CPU steps as the CPU's own state does."""
+    model, optimizer = _trained(_ours, 3)
+    saved = optimizer.state_dict()
+    as_if_fused = copy.deepcopy(saved)
+    for group in as_if_fused["param_groups"]:
+        group.update(fused=True, foreach=None)
+    resumed = _trained(_ours, 2, resume_from={"model": model.state_dict(),
+                                               "optimizer": as_if_fused})
+    assert all(not g["fused"] and g["foreach"] is False for g in resumed[1].param_groups)
+    _assert_same(resumed, _trained(_torch_adamw, 5))
+
+
+def test_a_state_of_another_shape_is_left_for_loading_to_refuse():
+    import pytest
+
+    optimizer = _ours(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="different number of parameter groups"):
+        optimizer.load_state_dict({"state": {}, "param_groups": []})

@@ -26,6 +26,9 @@ class HeldStage:
     # (rank, size) when its optimizer holds one replica's shard [Note: sharded optimizer states
     # in executors/torch/train/replicas.py]
     shard: tuple[int, int] | None = None
+    # stage 0: the tokens its forwards ran since the runner last asked [Note: model FLOPs in
+    # executors/torch/train/flops.py]
+    tokens_run: int = 0
 
 
 def held_stage(ctx: OpContext, config: dict) -> HeldStage:

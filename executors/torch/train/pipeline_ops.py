@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from typing import Any
 
 import torch
 
 from executors.optable import OpContext, OpTable
+from executors.torch.device import device_clock
 from executors.torch.errors import StageError
 from executors.torch.models.built import (
     export_weights,
@@ -26,6 +26,7 @@ from executors.torch.models.built import (
     save_weights,
 )
 from executors.torch.train import replicas
+from executors.torch.train.flops import model_flops
 from executors.torch.train.held_stage import HeldStage, held_stage
 from executors.torch.train.memory import keep_freed_memory
 from executors.torch.train.replicas import all_reduce_grads, broadcast_shards, owned
@@ -93,6 +94,8 @@ def _forward_on(held: HeldStage, inputs: tuple, *, stage: int, stages: int, micr
     read, targets = split_tokens(_tokens(inputs[0] if first else inputs[-1])) \
         if first or last else (None, None)
     args: list[Any] = [read if first else inputs[0]]
+    if first:
+        held.tokens_run += read.numel()  # [Note: model FLOPs in executors/torch/train/flops.py]
     if last:
         args += [targets, float(loss_scale)]
     out = held.runner.forward(microbatch, *args, split=split, offload=offload)
@@ -120,12 +123,14 @@ def _rl_forward(held: HeldStage, inputs: tuple, *, first: bool, last: bool, micr
     data = inputs if first else inputs[1:]
     experiences = records(data[0]) if data else []
     x = sequence_ids(experiences, held.runner.device) if first else inputs[0]
+    if first:
+        held.tokens_run += x.numel()  # [Note: model FLOPs in executors/torch/train/flops.py]
     if not last:
         return held.runner.forward(microbatch, x, split=split, offload=offload)
     refs = records(data[1]) if len(data) > 1 else []
     rl_loss = RLLoss(experiences, refs, settings, held.runner.device)
-    summed = float(held.runner.forward(microbatch, x, rl_loss, loss_scale, split=split,
-                                       offload=offload)) / loss_scale
+    out = held.runner.forward(microbatch, x, rl_loss, loss_scale, split=split, offload=offload)
+    summed = rl_loss.settle(out) / loss_scale  # one transfer of its statistics a microbatch
     normalizer = rl_loss.normalizer
     return MicrobatchStats(loss=summed / normalizer if normalizer else 0.0,
                            tokens=rl_loss.tokens, normalizer=normalizer, values=rl_loss.values)
@@ -201,8 +206,15 @@ def _grad_stats(ctx: OpContext, *partner: Any, stage: int, stages: int, **config
         _accumulate(mine, grad)
         out[name] = mine.grad.clone()  # the full gradient, back to stage 0 by its own name
     counted = [p for n, p in params.items() if not (stage == 0 and n in held.tied)]
-    sq = sum(float(p.grad.detach().double().pow(2).sum()) for p in counted if p.grad is not None)
-    return {"stage": stage, "sqnorm": sq}, out
+    return {"stage": stage, "sqnorm": squared_norm([p.grad for p in counted])}, out
+
+
+def squared_norm(grads: list[torch.Tensor | None]) -> float:
+    """The summed squares of `grads` in float64, with one transfer from the device: each
+    tensor's sum stays there, and the host adds them up in order (the sum a loop of
+    `float(...)` makes, bit for bit)."""
+    sums = [g.detach().double().pow(2).sum() for g in grads if g is not None]
+    return sum(torch.stack(sums).tolist()) if sums else 0
 
 
 def _reduce_grads(ctx: OpContext, *_: Any, stage: int, stages: int, replica_group: str,
@@ -321,7 +333,7 @@ class _EagerAdamW(torch.optim.AdamW):
         return _STATE_DICT(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        _LOAD_STATE_DICT(self, state_dict)
+        _LOAD_STATE_DICT(self, _with_own_kernels(self.param_groups, state_dict))
 
     def step(self, closure: Any = None) -> Any:
         enabled = torch.is_grad_enabled()
@@ -332,6 +344,29 @@ class _EagerAdamW(torch.optim.AdamW):
             torch.set_grad_enabled(enabled)
 
 
+# [Note: AdamW kernels] On CUDA the step is torch's fused kernel (one launch for every
+# parameter instead of a dozen per parameter); elsewhere the single-tensor loop, whose numbers
+# the tests compare with a plain loop's bit for bit. The kernel follows where the parameters
+# are, not a loaded state: a state saved on a GPU loads on a CPU and back.
+_KERNEL_KEYS = ("fused", "foreach")
+
+
+def adamw_kernel(device_types: set[str]) -> dict[str, bool]:
+    """AdamW's kernel settings for parameters on devices of `device_types` [Note: AdamW
+    kernels]."""
+    return {"fused": True} if device_types == {"cuda"} else {"foreach": False}
+
+
+def _with_own_kernels(groups: list[dict], state_dict: dict[str, Any]) -> dict[str, Any]:
+    """`state_dict` with the kernel settings of this optimizer's `groups` [Note: AdamW
+    kernels]; one of another shape as it is (loading refuses it)."""
+    saved = state_dict.get("param_groups")
+    if not isinstance(saved, list) or len(saved) != len(groups):
+        return state_dict
+    own = [{**g, **{k: mine.get(k) for k in _KERNEL_KEYS}} for g, mine in zip(saved, groups)]
+    return {**state_dict, "param_groups": own}
+
+
 def _adamw(params: list[torch.Tensor], **hparams: Any) -> torch.optim.AdamW:
     """AdamW with decay on matrices only (not biases, norms), as nanoGPT configures it."""
     decay = [p for p in params if p.dim() >= 2]
@@ -339,7 +374,8 @@ def _adamw(params: list[torch.Tensor], **hparams: Any) -> torch.optim.AdamW:
     groups = [{"params": decay, "weight_decay": hparams.pop("weight_decay")},
               {"params": plain, "weight_decay": 0.0}]
     hparams["betas"] = tuple(hparams["betas"])
-    return _EagerAdamW([g for g in groups if g["params"]], foreach=False, **hparams)
+    kernel = adamw_kernel({p.device.type for p in params})
+    return _EagerAdamW([g for g in groups if g["params"]], **kernel, **hparams)
 
 
 def new_optimizer(module: torch.nn.Module, *, shard: tuple[int, int] | None = None,
@@ -418,8 +454,9 @@ def _profile(ctx: OpContext, sample: Any, *, stage: int, stages: int, repeats: i
 
 def _profile_once(runner: StageRunner, key: Any, args: list, *, fused: bool,
                   last: bool) -> dict[str, float]:
-    """One microbatch through the stage: F then BW, or F, B and W; seconds of each."""
-    clock = time.perf_counter
+    """One microbatch through the stage: F then BW, or F, B and W; seconds of each, from and
+    to the stage's device synchronized [Note: device time in executors/torch/device.py]."""
+    clock = device_clock(runner.device)
     start = clock()
     out = runner.forward(key, *args)
     spent = {"F": clock() - start}
@@ -450,6 +487,7 @@ def register(table: OpTable) -> None:
     table.register("activation_memory", _activation_memory)
     table.register("stage_parameters", _stage_parameters)
     table.register("profile_stage", _profile)
+    table.register("model_flops", model_flops)
     table.register("export_weights", export_weights)
     table.register("load_weights", load_weights)
     table.register("save_weights", save_weights)

@@ -143,7 +143,9 @@ class RLLoss:
     """The last stage's loss on one microbatch, called on the stage's output (logits (B, T, V)
     or values (B, T)) inside its forward so that the runner's graph reaches it. Returns the sum
     form [Note: RL losses in sum form]: `normalizer` is what the sum is over (tokens, or
-    responses with tokens), `tokens` the response tokens trained on."""
+    responses with tokens), `tokens` the response tokens trained on. Its statistics stay on
+    the device until `settle` fetches them with the loss, in one transfer: `normalizer` and
+    `values` are known from then."""
 
     def __init__(self, experiences: Sequence[Any], refs: Sequence[Any], settings: RLSettings,
                  device: torch.device) -> None:
@@ -151,6 +153,8 @@ class RLLoss:
         self.settings = settings
         self.values: dict[str, float] = {}  # token means the loss reports besides itself
         self.normalizer = 0.0
+        # what `settle` fetches: the normalizer and the values, as tensors on the device
+        self._pending: dict[str, torch.Tensor] = {}
         self.kind = "value" if settings.loss == "value" else "policy"
         exps = list(experiences)
         width = max([len(e.response_tokens) for e in exps] + [0])
@@ -169,9 +173,10 @@ class RLLoss:
         # environment's tokens in a trajectory train nothing either [Note: multi-turn rollouts
         # in flowkit/ops/environments.py]
         trained = [not settings.mask_truncated or e.finished for e in exps]
-        self.mask = padded([[float(keep and bit) for bit in _trained_mask(e)]
-                            for e, keep in zip(exps, trained)], torch.float64)
-        self.tokens = int(self.mask.sum())
+        mask_rows = [[float(keep and bit) for bit in _trained_mask(e)]
+                     for e, keep in zip(exps, trained)]
+        self.mask = padded(mask_rows, torch.float64)
+        self.tokens = int(sum(sum(row) for row in mask_rows))  # counted on the host
         self.columns = {name: padded(_per_token(exps, name), torch.float64)
                         for name in _PER_TOKEN_FIELDS[self.kind]}
         if settings.uses_reference:
@@ -188,8 +193,21 @@ class RLLoss:
             losses, mask = self._policy_losses(output)
         total, normalizer = aggregate_sum(losses, mask, self.settings.agg,
                                           self.settings.loss_scale_factor)
-        self.normalizer = float(normalizer)
+        self._pending[_NORMALIZER] = normalizer
         return total
+
+    def settle(self, loss: torch.Tensor) -> float:
+        """The forward's `loss` as a float, fetched with the normalizer and the values this
+        loss computed in one transfer from the device (rather than one each)."""
+        names = list(self._pending)
+        fetched = torch.stack([loss.detach().reshape(()).to(torch.float64)] + [
+            _double(self._pending[n], loss.device) for n in names]).tolist()
+        got = dict(zip(names, fetched[1:]))
+        if _NORMALIZER in got:
+            self.normalizer = got.pop(_NORMALIZER)
+        self.values.update(got)
+        self._pending.clear()
+        return fetched[0]
 
     def _policy_losses(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each response token's loss (B, R): the policy loss, plus kl_coef x the KL to the
@@ -212,7 +230,7 @@ class RLLoss:
         else:  # reported only: a response at a time, so the vocabulary-wide temporaries stay
             with torch.no_grad():  # one response's (B x R x V of them would double the peak)
                 entropy = torch.stack([entropy_from_logprobs(row) for row in every])
-        self.values["entropy"] = _token_mean(entropy, mask)
+        self._pending["entropy"] = _token_mean(entropy, mask)
         return losses, mask
 
     def _policy_term(self, logp: torch.Tensor, col: dict, mask: torch.Tensor) -> torch.Tensor:
@@ -231,8 +249,8 @@ class RLLoss:
             losses, stats = ppo_token_losses_and_stats(
                 old, logp, col["advantages"], mask, s.clip_ratio, s.clip_ratio_c,
                 clip_ratio_low=s.clip_ratio_low, clip_ratio_high=s.clip_ratio_high)
-            self.values.update({"pg_clipfrac": float(stats["clipfrac"]),
-                                "ppo_kl": float(stats["approx_kl"])})
+            self._pending.update({"pg_clipfrac": stats["clipfrac"],
+                                  "ppo_kl": stats["approx_kl"]})
         if not s.proximal:
             return losses
         return losses * self._sampler_weights(col["logprobs"], logp.detach(), mask)
@@ -242,13 +260,13 @@ class RLLoss:
         s = self.settings
         if s.rollout_is is None:  # the decoupled objective's: token level, capped
             stats = decoupled_weight_stats(behav, prox, mask, s.behav_cap)
-            self.values.update({key: float(value) for key, value in stats.items()})
+            self._pending.update(stats)
             return behav_weights(behav, prox, s.behav_cap)[0]
         weights, metrics = rollout_is_weights(
             prox, behav, mask, level=s.rollout_is, mode=s.rollout_is_mode,
             threshold=s.rollout_is_threshold, threshold_lower=s.rollout_is_threshold_lower,
             veto_threshold=s.rollout_is_veto_threshold)
-        self.values.update({key: float(value) for key, value in metrics.items()})
+        self._pending.update(metrics)
         return weights
 
     def _value_losses(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,9 +293,20 @@ def _side(value: float | None, clip_ratio: float) -> float:
     return clip_ratio if value is None else value
 
 
-def _token_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+def _token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     kept = torch.where(mask.bool(), values.detach(), torch.zeros_like(values))
-    return float(kept.sum() / mask.sum())
+    return kept.sum() / mask.sum()
+
+
+_NORMALIZER = " normalizer"  # no value's name: a space
+
+
+def _double(value: Any, device: torch.device) -> torch.Tensor:
+    """A statistic (a 0-d tensor or a number) as a float64 0-d tensor on `device`: exact,
+    as float(value) is."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().reshape(()).to(device=device, dtype=torch.float64)
+    return torch.tensor(float(value), dtype=torch.float64, device=device)
 
 
 def _check_agg(settings: RLSettings) -> None:

@@ -1,0 +1,107 @@
+"""What the torch executor does about its device beyond running ops on it: waits for its queued
+kernels where a time is read [Note: device time], sets fp32 matmuls to TF32 on CUDA, and knows
+the device's peak FLOP/s for MFU.
+
+[Note: device time] CUDA kernels run asynchronously: a clock read when an op returns measures
+the launches, not the work (and the next op then waits for this one's kernels, so its time is
+wrong too). Each op's end, and each profiled F/B/W, first synchronizes the executor's device;
+on the CPU nothing is queued and nothing is done.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["PEAK_TFLOPS_ENV", "TF32_ENV", "configure_tf32", "cuda_device", "device_clock",
+           "peak_flops", "synchronize_op"]
+
+TF32_ENV = "FLOWKIT_TF32"
+PEAK_TFLOPS_ENV = "FLOWKIT_PEAK_TFLOPS"
+
+
+def cuda_device(device: str | torch.device) -> str | None:
+    """`device` as a CUDA device name ("cuda", "cuda:1"), or None when it is no CUDA device."""
+    name = str(device)
+    return name if name == "cuda" or name.startswith("cuda:") else None
+
+
+def synchronize_op(ctx: Any) -> None:
+    """The op-end hook of the torch executor kind [Note: device time]: wait for the kernels the
+    op queued on the executor's device. A process that never touched CUDA has none queued (and
+    synchronizing would create a context: a second and hundreds of MiB)."""
+    device = cuda_device(ctx.device)
+    if device is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize(device)
+
+
+def device_clock(device: str | torch.device) -> Callable[[], float]:
+    """perf_counter, after waiting for `device`'s queued kernels on CUDA [Note: device time]."""
+    cuda = cuda_device(device)
+    if cuda is None:
+        return time.perf_counter
+
+    def clock() -> float:
+        torch.cuda.synchronize(cuda)
+        return time.perf_counter()
+
+    return clock
+
+
+def configure_tf32(environ: Mapping[str, str] = os.environ) -> bool:
+    """Let fp32 matmuls and convolutions on CUDA use TF32 tensor cores (about 8x faster on an
+    A100 or H100, with a 10-bit mantissa in the products), unless FLOWKIT_TF32=0. Only CUDA's
+    flags: CPU matmuls keep full fp32 (the tests compare them bit for bit). Returns the
+    setting."""
+    enabled = environ.get(TF32_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    if hasattr(matmul, "fp32_precision"):  # torch >= 2.9: per backend (mixing APIs errs)
+        matmul.fp32_precision = conv.fp32_precision = "tf32" if enabled else "ieee"
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
+    return enabled
+
+
+# Dense bf16 tensor-core peaks, TFLOP/s, from the vendors' data sheets (the sparse figures are
+# twice these). Matched in order on the device name: the more specific names first.
+_PEAK_TFLOPS = (
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),
+    ("H800", 989.0),
+    ("GH200", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("L40", 181.0),
+    ("L4", 121.0),
+    ("A10", 125.0),
+    ("RTX 4090", 165.0),
+    ("V100", 125.0),  # fp16: a V100 has no bf16
+    ("T4", 65.0),  # fp16
+)
+
+
+def peak_flops(device: str | torch.device, environ: Mapping[str, str] = os.environ,
+               name: Callable[[str], str] | None = None) -> float | None:
+    """The device's peak FLOP/s for MFU: FLOWKIT_PEAK_TFLOPS if set, else a known GPU's dense
+    bf16 peak by its name (`name(device)`, default torch.cuda.get_device_name); None for a CPU
+    or an unknown GPU."""
+    given = environ.get(PEAK_TFLOPS_ENV, "").strip()
+    if given:
+        try:
+            tflops = float(given)
+        except ValueError:
+            raise ValueError(f"{PEAK_TFLOPS_ENV}={given!r} is not a number of TFLOP/s") from None
+        return tflops * 1e12 if tflops > 0 else None
+    cuda = cuda_device(device)
+    if cuda is None or (name is None and not torch.cuda.is_available()):
+        return None
+    model = (name or torch.cuda.get_device_name)(cuda)
+    return next((tflops * 1e12 for key, tflops in _PEAK_TFLOPS if key in model), None)

@@ -1,0 +1,62 @@
+"""The torch executor's device settings (executors/torch/device.py): TF32 for fp32 matmuls on
+CUDA unless FLOWKIT_TF32=0, never the CPU's precision; a device's peak FLOP/s for MFU from
+FLOWKIT_PEAK_TFLOPS or a known GPU's name, none for a CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executors.torch.device import configure_tf32, peak_flops
+
+
+def _cuda_precision() -> tuple:
+    """What configure_tf32 sets: the per-backend settings, or the older flags."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        return matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+    return matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+
+
+@pytest.fixture
+def tf32_settings():
+    """The settings configure_tf32 changes, put back after the test."""
+    before = _cuda_precision()
+    yield
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before
+    else:
+        matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+@pytest.mark.parametrize("env, enabled", [({}, True), ({"FLOWKIT_TF32": "1"}, True),
+                                          ({"FLOWKIT_TF32": "0"}, False),
+                                          ({"FLOWKIT_TF32": "off"}, False)])
+def test_tf32_is_on_for_cuda_unless_turned_off(tf32_settings, env, enabled):
+    cpu = torch.backends.mkldnn.matmul.fp32_precision \
+        if hasattr(torch.backends.mkldnn, "matmul") else None
+    assert configure_tf32(env) is enabled
+    on = _cuda_precision()
+    assert on in ((("tf32", "tf32"), (True, True)) if enabled else
+                  (("ieee", "ieee"), (False, False)))
+    if cpu is not None:  # CPU matmuls keep their precision
+        assert torch.backends.mkldnn.matmul.fp32_precision == cpu
+
+
+@pytest.mark.parametrize("name, tflops", [
+    ("NVIDIA H200", 989), ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756),
+    ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A10", 125), ("NVIDIA L40S", 362),
+    ("NVIDIA L4", 121), ("Tesla V100-SXM2-16GB", 125), ("NVIDIA GeForce GTX 1080", None),
+])
+def test_a_known_gpu_has_its_dense_bf16_peak(name, tflops):
+    got = peak_flops("cuda:0", {}, name=lambda device: name)
+    assert got == (None if tflops is None else tflops * 1e12)
+
+
+def test_a_cpu_has_no_peak_unless_one_is_set():
+    assert peak_flops("cpu", {}) is None
+    assert peak_flops("cpu", {"FLOWKIT_PEAK_TFLOPS": "2.5"}) == 2.5e12
+    assert peak_flops("cuda:0", {"FLOWKIT_PEAK_TFLOPS": "100"}, name=lambda d: "H100") == 1e14
+    with pytest.raises(ValueError, match="FLOWKIT_PEAK_TFLOPS='fast' is not a number"):
+        peak_flops("cpu", {"FLOWKIT_PEAK_TFLOPS": "fast"})
