@@ -6,9 +6,11 @@ The design: [Note: generation and scoring interface] below.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
-__all__ = ["check_prompts", "context_length", "has_cache", "logits_of", "values_of"]
+__all__ = ["check_prompts", "context_length", "has_cache", "logits_of", "reads_last", "values_of"]
 
 
 # [Note: generation and scoring interface] The model is the `build` result's one-stage split (or
@@ -23,9 +25,13 @@ __all__ = ["check_prompts", "context_length", "has_cache", "logits_of", "values_
 #   positions <= p of its own row; a pad's write past its row's end is overwritten by the next
 #   real token; writing from start 0 begins a new sequence. An optional ``copy_prefix(src, dst,
 #   length)`` lets the engine fill a prompt once for its samples ([Note: shared prompts] in
-#   executors/torch/rollout/engine.py). The GPT implements it ([Note: KV cache rows] in
-#   executors/torch/models/gpt.py); a recurrent model leaves it out and recomputes. In full:
-#   docs/training.md, "Your own model".
+#   executors/torch/rollout/engine.py), an optional ``grown(batch, max_len)`` gives a larger
+#   cache holding its rows ([Note: engine cache size] there; without it the engine refills them),
+#   and an optional keyword ``last`` (B,) of ``forward_cached`` asks for the logits of one token a
+#   row, (B, 1, V): a prefill's head then runs on one position, not all; a model that takes it
+#   also takes `start` on the host (`reads_last`). The GPT implements it all ([Note: KV cache
+#   rows] in executors/torch/models/gpt.py); a recurrent model leaves it out and recomputes. In
+#   full: docs/training.md, "Your own model".
 
 
 def context_length(model: torch.nn.Module) -> int | None:
@@ -39,6 +45,15 @@ def has_cache(model: torch.nn.Module) -> bool:
     `forward_cached`)."""
     return callable(getattr(model, "new_cache", None)) and \
         callable(getattr(model, "forward_cached", None))
+
+
+def reads_last(model: torch.nn.Module) -> bool:
+    """Whether the model's `forward_cached` takes the keyword `last` (and `start` on the host)
+    [Note: generation and scoring interface]."""
+    try:
+        return "last" in inspect.signature(model.forward_cached).parameters
+    except (AttributeError, TypeError, ValueError):  # no forward_cached, or no signature
+        return False
 
 
 def check_prompts(prompts: list, context: int | None) -> None:
