@@ -6,6 +6,13 @@ the device's peak FLOP/s for MFU.
 the launches, not the work (and the next op then waits for this one's kernels, so its time is
 wrong too). Each op's end, and each profiled F/B/W, first synchronizes the executor's device;
 on the CPU nothing is queued and nothing is done.
+
+[Note: transfers without a wait] A plain copy of a CPU tensor to a GPU (``torch.tensor(values,
+device="cuda")``, ``t.to("cuda")``) synchronizes the stream: the host waits until every kernel
+queued so far has run, so it cannot queue the next ones meanwhile. A copy from pinned memory with
+``non_blocking=True`` is queued like a kernel instead; torch's pinned-memory allocator keeps the
+block until the copy has run, so the temporary is safe to drop at once. The rollout engine moves
+its token ids, positions and sampling settings this way every step.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from typing import Any
 import torch
 
 __all__ = ["PEAK_TFLOPS_ENV", "TF32_ENV", "configure_tf32", "cuda_device", "device_clock",
-           "peak_flops", "synchronize_op"]
+           "peak_flops", "synchronize_op", "to_device"]
 
 TF32_ENV = "FLOWKIT_TF32"
 PEAK_TFLOPS_ENV = "FLOWKIT_PEAK_TFLOPS"
@@ -105,3 +112,13 @@ def peak_flops(device: str | torch.device, environ: Mapping[str, str] = os.envir
         return None
     model = (name or torch.cuda.get_device_name)(cuda)
     return next((tflops * 1e12 for key, tflops in _PEAK_TFLOPS if key in model), None)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`, queued without a wait when it goes from the host to a GPU [Note:
+    transfers without a wait]; `t` itself when it is there already."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

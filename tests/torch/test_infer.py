@@ -8,7 +8,7 @@ import torch
 
 from executors.optable import OpTable
 from executors.torch.rollout import generate as gen
-from executors.torch.rollout import infer
+from executors.torch.rollout import infer, sampling
 from flowkit.ops.records import Prompt, Rollout, TokenScores
 from tests.harness import critic_of, gpt_spec, op_context, tiny_gpt
 
@@ -145,3 +145,27 @@ def test_a_rollouts_width_pads_at_most_a_third_of_its_tokens():
     for n in range(16, 4097):
         width = infer._width(n)
         assert n <= width and 3 * n >= 2 * width, n
+
+
+def test_logprobs_in_chunks_of_positions_are_the_same_bits_and_a_float32_models_close():
+    """[Note: chunked log-probabilities in executors/torch/rollout/sampling.py]: a chunk of a
+    few positions gives what one of the whole forward gives; a float32 model's log-softmax is
+    float32's, within its rounding of the float64 one."""
+    ctx = op_context()
+    rollouts = _ragged_rollouts(6)
+    whole = infer._logprobs(ctx, rollouts, **POLICY, temperature=0.7)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sampling, "_CHUNK_ELEMENTS", 3 * 32)  # three positions of 32 tokens
+        chunked = infer._logprobs(ctx, rollouts, **POLICY, temperature=0.7)
+    assert chunked == whole
+    single = {**POLICY, "model": "policy32", "dtype": "float32"}
+    low = infer._logprobs(ctx, rollouts, **single, temperature=0.7)
+    model = gen.whole_model(ctx, single)
+    for r, scores in zip(rollouts, low):
+        seq = torch.tensor([r.prompt_tokens + r.response_tokens])
+        with torch.no_grad():
+            logits = model(seq)[0].to(torch.float64) / 0.7
+        logp = torch.log_softmax(logits, -1)
+        n = len(r.prompt_tokens)
+        want = [float(logp[n - 1 + i, t]) for i, t in enumerate(r.response_tokens)]
+        assert scores.values == pytest.approx(want, abs=1e-5)

@@ -133,6 +133,48 @@ def test_low_precision_logits_sample_as_their_float64_values():
         assert torch.equal(got, want)
 
 
+# -- memory: chunks of rows and positions [Note: chunked log-probabilities] --------------------
+@settings(max_examples=30, deadline=None)
+@given(rng_seed=st.integers(0, 2**32), b=st.integers(1, 20), v=st.integers(2, 50),
+       chunk_rows=st.integers(1, 20))
+def test_a_batch_sampled_a_chunk_of_rows_at_a_time_draws_as_whole(rng_seed, b, v, chunk_rows):
+    rows = _rows(rng_seed, b, v)
+    whole = _sample(rows)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(smp, "_CHUNK_ELEMENTS", chunk_rows * v)
+        chunked = _sample(rows)
+    assert torch.equal(chunked[0], whole[0]) and torch.equal(chunked[1], whole[1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(rng_seed=st.integers(0, 2**32), b=st.integers(1, 5), t=st.integers(1, 9),
+       v=st.integers(2, 50), chunk=st.integers(1, 60), sliced=st.booleans(),
+       temperature=st.sampled_from([1.0, 0.7, 2.5]),
+       dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]))
+def test_token_logprobs_in_chunks_are_the_whole_vocabularys_log_softmax(
+        rng_seed, b, t, v, chunk, sliced, temperature, dtype):
+    """Any chunk of positions gives the bits of the log-softmax of all positions at once, in
+    the logits' precision (at least float32), read at the tokens; float64 logits give float64's
+    exact values, lower ones agree with them to float32's rounding."""
+    g = torch.Generator().manual_seed(rng_seed)
+    logits = (torch.randn(b + 1, t + 2, v, generator=g, dtype=torch.float64) * 4).to(dtype)
+    if sliced:  # as the logprobs op reads a padded forward: its real rows and widths
+        logits = logits[:b, :t]
+    tokens = torch.randint(0, v, logits.shape[:2], generator=g)
+    got = smp.token_logprobs(logits, tokens, temperature=temperature, chunk=chunk)
+    wide = torch.promote_types(dtype, torch.float32)
+    whole = F.log_softmax(logits.to(wide) / temperature, dim=-1)
+    assert got.dtype == torch.float64 and got.shape == tokens.shape
+    assert torch.equal(got, whole.gather(-1, tokens[..., None])[..., 0].to(torch.float64))
+    exact = F.log_softmax(logits.to(torch.float64) / temperature, dim=-1)
+    exact = exact.gather(-1, tokens[..., None])[..., 0]
+    torch.testing.assert_close(got, exact, rtol=0, atol=0 if dtype == torch.float64 else 1e-4)
+    flat = smp.token_logprobs(logits[0], tokens[0], temperature=temperature, chunk=chunk)
+    assert torch.equal(flat, got[0])  # (T, V) as well as (B, T, V)
+    in64 = smp.token_logprobs(logits, tokens, temperature=temperature, dtype=torch.float64)
+    assert torch.equal(in64, exact)  # the exact path, asked for
+
+
 # -- top-p ------------------------------------------------------------------------------------
 @settings(max_examples=60, deadline=None)
 @given(logits=st.lists(st.lists(st.integers(-6, 6) | st.floats(-20, 20), min_size=12,

@@ -13,11 +13,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from executors.torch.device import to_device
+
 __all__ = [
     "GPT",
     "GPTConfig",
     "GPTStage",
     "KVCache",
+    "cache_positions",
     "layers_per_stage",
     "split_gpt",
     "stage_names",
@@ -56,7 +59,8 @@ __all__ = [
 # which no real query sees and the next real token overwrites. A row is reused for a new sequence by
 # writing its prompt from start 0 (continuous batching). `new_cache(batch, max_len)` makes an empty
 # one; with `context_length` (block_size) this is the cache protocol of [Note: generation and
-# scoring interface] in executors/torch/rollout/lm.py.
+# scoring interface] in executors/torch/rollout/lm.py, with its options: `grown` (a larger cache
+# holding this one's rows), `last` (logits of one position a row) and `start` on the host.
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,6 +175,15 @@ class KVCache:
     def max_len(self) -> int:
         return self.k[0].size(2)
 
+    def grown(self, batch: int, max_len: int) -> KVCache:
+        """A cache of `batch` rows of `max_len` positions (no fewer than this one's) holding
+        this one's rows; this one is emptied as it goes, so the two are never whole at once."""
+        k, v = [], []
+        while self.k:
+            k.append(_enlarged(self.k.pop(0), batch, max_len))
+            v.append(_enlarged(self.v.pop(0), batch, max_len))
+        return KVCache(k=k, v=v)
+
     def copy_prefix(self, src: int, dst: list[int], length: int) -> None:
         """Positions [0, length) of row `src` into rows `dst` [Note: shared prompts in
         executors/torch/rollout/engine.py]."""
@@ -237,11 +250,14 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def forward_cached(self, idx: torch.Tensor, cache: KVCache, start: torch.Tensor,
-                       rows: torch.Tensor | None = None) -> torch.Tensor:
+                       rows: torch.Tensor | None = None, *,
+                       last: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (or values) of new tokens ``idx`` (B, T) written to cache ``rows`` (default
-        all) from positions ``start`` (B,) on [Note: KV cache rows]."""
+        all) from positions ``start`` (B,) on [Note: KV cache rows]; with ``last`` (B,), only
+        those of each row's token ``last`` (B, 1, V)."""
         t = self.transformer
-        return _forward_cached(self.config, t, t.h, t.ln_f, self.lm_head, idx, cache, start, rows)
+        return _forward_cached(self.config, t, t.h, t.ln_f, self.lm_head, idx, cache, start, rows,
+                               last)
 
 
 def _embed(transformer: nn.ModuleDict, idx: torch.Tensor) -> torch.Tensor:
@@ -254,17 +270,43 @@ def _embed(transformer: nn.ModuleDict, idx: torch.Tensor) -> torch.Tensor:
     return transformer.drop(transformer.wte(idx) + transformer.wpe(pos))
 
 
-def _forward_cached(config, embed, blocks, ln_f, lm_head, idx, cache, start, rows):
+def _forward_cached(config, embed, blocks, ln_f, lm_head, idx, cache, start, rows, last=None):
     """The cached forward of a whole model (`GPT`, or a `GPTStage` both first and last)."""
     B, T = idx.shape
-    rows = torch.arange(B, device=idx.device) if rows is None else rows.to(idx.device)
-    pos = start.to(idx.device)[:, None] + torch.arange(T, device=idx.device)[None, :]  # (B, T)
-    if int(pos.max()) >= cache.max_len:
-        raise ValueError(f"position {int(pos.max())} is past the cache's {cache.max_len}")
+    rows = torch.arange(B, device=idx.device) if rows is None else to_device(rows, idx.device)
+    pos = cache_positions(start, T, cache.max_len, idx.device)  # (B, T)
     x = embed.drop(embed.wte(idx) + embed.wpe(pos))  # (B, T, C)
     for i, block in enumerate(blocks):
         x = block.forward_cached(x, cache.k[i], cache.v[i], rows, pos)
-    return _head(config, ln_f, lm_head, x, None)
+    return _head(config, ln_f, lm_head, at_positions(x, last), None)
+
+
+def cache_positions(start: torch.Tensor, T: int, max_len: int,
+                    device: torch.device) -> torch.Tensor:
+    """Positions (B, T) on `device` of T new tokens a row whose first sits at `start` (B,); one
+    past a cache of `max_len` positions is an error, checked where `start` is: given on the
+    host, without waiting for the device ([Note: transfers without a wait] in device.py)."""
+    end = int(start.max()) + T - 1
+    if end >= max_len:
+        raise ValueError(f"position {end} is past the cache's {max_len}")
+    return to_device(start, device)[:, None] + torch.arange(T, device=device)[None, :]
+
+
+def at_positions(x: torch.Tensor, last: torch.Tensor | None) -> torch.Tensor:
+    """Hidden states ``x`` (B, T, C) of the token ``last`` (B,) of each row (B, 1, C), or all of
+    them without `last`: a prefill's head runs on the one position it reads."""
+    if last is None:
+        return x
+    rows = torch.arange(x.size(0), device=x.device)
+    return x[rows, to_device(last, x.device)][:, None]
+
+
+def _enlarged(t: torch.Tensor, batch: int, max_len: int) -> torch.Tensor:
+    """Cache tensor ``t`` (rows, heads, positions, head size) copied into the first rows and
+    positions of a zeroed one of `batch` rows and `max_len` positions."""
+    out = t.new_zeros((max(batch, t.size(0)), t.size(1), max(max_len, t.size(2)), t.size(3)))
+    out[:t.size(0), :, :t.size(2)] = t
+    return out
 
 
 def _head(config: GPTConfig, ln_f: nn.Module, lm_head: nn.Module, x, targets):
@@ -327,11 +369,12 @@ class GPTStage(nn.Module):
 
     @torch.no_grad()
     def forward_cached(self, idx: torch.Tensor, cache: KVCache, start: torch.Tensor,
-                       rows: torch.Tensor | None = None) -> torch.Tensor:
+                       rows: torch.Tensor | None = None, *,
+                       last: torch.Tensor | None = None) -> torch.Tensor:
         """`GPT.forward_cached`, for a stage that is the whole model (a one-stage split)."""
         self._need_whole("forward_cached")
         return _forward_cached(self.config, self, self.h, self.ln_f, self.lm_head, idx, cache,
-                               start, rows)
+                               start, rows, last)
 
     def _need_whole(self, what: str) -> None:
         if not (self.first and self.last):

@@ -16,7 +16,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from executors.torch.models.gpt import _balanced, cache_dtype
+from executors.torch.device import to_device
+from executors.torch.models.gpt import (
+    _balanced,
+    _enlarged,
+    at_positions,
+    cache_dtype,
+    cache_positions,
+)
 from flowkit.dsl.hf import FAMILIES, check_family, check_model_dir
 
 __all__ = ["HFCausalLM", "HFModelError", "HFStage", "RowCache"]
@@ -156,8 +163,8 @@ class HFCausalLM(nn.Module):
     def new_cache(self, batch: int, max_len: int) -> RowCache:
         return self.whole().new_cache(batch, max_len)
 
-    def forward_cached(self, idx, cache, start, rows=None):
-        return self.whole().forward_cached(idx, cache, start, rows)
+    def forward_cached(self, idx, cache, start, rows=None, *, last=None):
+        return self.whole().forward_cached(idx, cache, start, rows, last=last)
 
     # -- LoRA [Note: LoRA in flowkit/dsl/lora.py] --------------------------------------------
     def add_lora(self, settings: dict) -> None:
@@ -349,20 +356,20 @@ class HFStage(nn.Module):
 
     @torch.no_grad()
     def forward_cached(self, idx: torch.Tensor, cache: RowCache, start: torch.Tensor,
-                       rows: torch.Tensor | None = None) -> torch.Tensor:
+                       rows: torch.Tensor | None = None, *,
+                       last: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (or values) of new tokens ``idx`` (B, T) written to cache ``rows`` (default
-        all) from positions ``start`` (B,) on [Note: KV cache rows in gpt.py]."""
+        all) from positions ``start`` (B,) on [Note: KV cache rows in gpt.py]; with ``last``
+        (B,), only those of each row's token ``last`` (B, 1, V)."""
         self._need_whole("forward_cached")
         B, T = idx.shape
-        rows = torch.arange(B, device=idx.device) if rows is None else rows.to(idx.device)
-        pos = start.to(idx.device)[:, None] + torch.arange(T, device=idx.device)[None, :]
-        if int(pos.max()) >= cache.max_len:
-            raise ValueError(f"position {int(pos.max())} is past the cache's {cache.max_len}")
+        rows = torch.arange(B, device=idx.device) if rows is None else to_device(rows, idx.device)
+        pos = cache_positions(start, T, cache.max_len, idx.device)
         cache.rows, cache.pos = rows, pos
         keys = torch.arange(cache.max_len, device=idx.device)
         x = self._embed(idx, pos)
         x = self._layers(x, pos, lambda window: _mask(pos, keys, window, x.dtype), cache)
-        return self._head(x, None)
+        return self._head(at_positions(x, last), None)
 
     def _need_whole(self, what: str) -> None:
         if not (self.first and self.last):
@@ -463,6 +470,15 @@ class RowCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.max_len
+
+    def grown(self, batch: int, max_len: int) -> RowCache:
+        """A cache of `batch` rows of `max_len` positions (no fewer than this one's) holding
+        this one's rows; this one is emptied as it goes, so the two are never whole at once."""
+        layers = {}
+        for i in list(self.layers):
+            k, v = self.layers.pop(i)
+            layers[i] = (_enlarged(k, batch, max_len), _enlarged(v, batch, max_len))
+        return RowCache(layers)
 
     def copy_prefix(self, src: int, dst: list[int], length: int) -> None:
         """Positions [0, length) of row `src` into rows `dst` [Note: shared prompts in

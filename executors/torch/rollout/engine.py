@@ -13,6 +13,7 @@ import attrs
 import torch
 
 from executors.optable import Deferred
+from executors.torch.device import to_device
 from executors.torch.models.built import evaluating, right_padded
 from executors.torch.rollout import lm
 from executors.torch.rollout.sampling import sample_tokens, sequence_seed
@@ -33,11 +34,10 @@ __all__ = ["Engine", "Sampling", "run_all_until_done", "run_until_done"]
 # decoding; runs the model over both (the cache protocol of executors/torch/rollout/lm.py; the
 # samples of one prompt fill it once [Note: shared prompts]); samples every complete row in one
 # call (executors/torch/rollout/sampling.py: a draw depends only on seed and position, not on
-# the batch); streams each finished sample at once. An idle engine frees its cache so colocated
-# training can use the memory (`stats["cache_releases"]`). Requests can be paused, resumed or
-# aborted (unfinished samples come back `interrupted`; given again, continued from their prefix
-# or passed through: [Note: partial rollouts] in flowkit/runner/partial.py). `flowkit bench
-# rollout` measures it. In full: docs/rl.md, "The rollout engine".
+# the batch); streams each finished sample at once. The cache holds what its sequences need
+# [Note: engine cache size]; an idle engine frees it for colocated training. Requests can be
+# paused, resumed or aborted ([Note: partial rollouts] in flowkit/runner/partial.py). `flowkit
+# bench rollout` measures it. In full: docs/rl.md, "The rollout engine".
 #
 # [Note: rollout text] An engine given its model's tokenizer (an HF model folder that holds one)
 # decodes each sample as it leaves: `response_text` skips special tokens, `prompt_text` is the
@@ -57,6 +57,15 @@ __all__ = ["Engine", "Sampling", "run_all_until_done", "run_until_done"]
 # budget has room, the rest in the next.
 # Only samples of one Prompt share (one request's `submit` item); a continued Rollout has its own
 # prompt, and a trajectory's prompt is its environment's.
+
+# [Note: engine cache size] The cache holds as many rows as the highest slot in use and as many
+# positions as the longest of its sequences needs (prompt + max_new_tokens - 1; a trajectory,
+# as far as it has come), not max_batch rows of the whole context (64 x 32k positions of
+# Qwen2.5-0.5B are 25.8 GB in bf16). A sequence that needs more grows it to at least twice that
+# size, up to max_batch rows and the context (lm.py's optional `grown` keeps what it holds; a
+# cache without it is made anew and its sequences refill their prefixes, as after new weights).
+# An idle engine drops it and empties torch's CUDA allocator (`_free_device_memory`), so a
+# neighbour on the same GPU (a colocated trainer in another process) can take the memory.
 
 NO_VERSION = -1  # a token sampled before any load_weights: the weights the model was built with
 _IDLE_WAIT_S = 0.001  # a step with nothing to compute waits this long for an environment
@@ -144,8 +153,10 @@ class Engine(Trajectories):
         self.max_batch, self.token_budget = max(1, max_batch), max(1, token_budget)
         self.context = lm.context_length(model)
         self.cached = lm.has_cache(model)
-        self.max_len = self.context or max_len
-        self.cache = None  # made on first use: max_batch rows of max_len positions
+        self.reads_last = lm.reads_last(model)  # its prefills compute one position's logits
+        self.max_len = self.context or max_len  # the longest sequence, the cache's bound
+        self.cache = None  # made on first use, as large as needed [Note: engine cache size]
+        self.cache_shape = (0, 0)  # its (rows, positions)
         self.slots: list[Sequence | None] = [None] * self.max_batch
         self.waiting: deque[Sequence] = deque()
         self.passing: list[Request] = []  # requests with finished Rollouts to hand back
@@ -155,7 +166,7 @@ class Engine(Trajectories):
         self.parked: dict[tuple[int, int], Any] = {}  # aborted trajectories' episodes
         self.device = next(model.parameters()).device
         self.stats = {"steps": 0, "decode_tokens": 0, "prefill_tokens": 0, "cache_releases": 0,
-                      "shared_prefix_tokens": 0}
+                      "cache_grown": 0, "shared_prefix_tokens": 0}
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, items: list, sampling: Sampling, n: int, *, key: str | None = None,
@@ -163,6 +174,7 @@ class Engine(Trajectories):
         """n samples of each Prompt, or the continuation of each interrupted Rollout (one
         sample each, from its prefix), as one request; a finished Rollout passes through.
         With `agent`, each sample is a trajectory in its own environment."""
+        lm.check_prompts([item for item in items if not isinstance(item, Rollout)], self.context)
         request = Request(deferred=Deferred(), sampling=sampling, left=0, key=key, agent=agent)
         if key is not None and key in self.aborted:  # its abort came first: it ends at once
             request.passing = [_unstarted(s) for item in items for s in _samples(item, n)]
@@ -261,8 +273,9 @@ class Engine(Trajectories):
 
     def _release_if_empty(self) -> None:
         if self.cache is not None and self._empty():
-            self.cache = None  # [Note: rollout engine]: memory for the training in between
+            self.cache, self.cache_shape = None, (0, 0)  # [Note: engine cache size]
             self.stats["cache_releases"] += 1
+            _free_device_memory(self.device)
 
     def _empty(self) -> bool:
         """No sequence anywhere: nothing holds a row of the cache (paused or not)."""
@@ -325,6 +338,7 @@ class Engine(Trajectories):
         live = [s for s in self.slots if s is not None and not s.on_hold]
         if not self.cached:  # no cache to fill: every row runs its whole prefix
             return live, [], []
+        self._fit_cache()  # before `filled` is read: a cache made anew refills its rows
         waiting = self._share_prompts(live)  # donor id -> the copy its siblings wait for
         held = {id(seq) for copy in waiting.values() for seq in copy.takers}
         decoding = [s for s in live if s.filled == s.length - 1]
@@ -348,8 +362,6 @@ class Engine(Trajectories):
     def _share_prompts(self, live: list[Sequence]) -> dict[int, _Copy]:
         """[Note: shared prompts] Copy each prompt's filled cache positions from the sample that
         has most of them to its siblings; what the siblings still waiting need, by donor id."""
-        if self.cache is None:
-            self.cache = self.model.new_cache(self.max_batch, self.max_len)
         siblings: dict[int, list[Sequence]] = {}
         if callable(getattr(self.cache, "copy_prefix", None)):
             for seq in live:  # a trajectory's prompt may be its own: only plain samples share
@@ -366,6 +378,30 @@ class Engine(Trajectories):
                 waiting[id(donor)] = _Copy(donor, takers, shared)
         return waiting
 
+    def _fit_cache(self) -> None:
+        """Make or grow the cache to hold every sequence in a slot [Note: engine cache size]."""
+        held = [s for s in self.slots if s is not None]
+        if not held:
+            return
+        rows = max(seq.slot for seq in held) + 1
+        length = min(self.max_len, max(_positions_needed(seq) for seq in held))
+        if self.cache is None:
+            self.cache, self.cache_shape = self.model.new_cache(rows, length), (rows, length)
+            return
+        have_rows, have_length = self.cache_shape
+        if rows <= have_rows and length <= have_length:
+            return
+        shape = (_grown(have_rows, rows, self.max_batch), _grown(have_length, length, self.max_len))
+        if callable(getattr(self.cache, "grown", None)):
+            self.cache = self.cache.grown(*shape)
+        else:  # made anew: every row refills its prefix, as under new weights
+            self.cache = None  # the old one's memory first
+            self.cache = self.model.new_cache(*shape)
+            for seq in held:
+                seq.filled = 0
+        self.cache_shape = shape
+        self.stats["cache_grown"] += 1
+
     def _copy(self, copy: _Copy) -> None:
         if copy.takers:
             self.cache.copy_prefix(copy.donor.slot, [s.slot for s in copy.takers], copy.length)
@@ -380,31 +416,43 @@ class Engine(Trajectories):
         if not self.cached:
             return self._recompute(decoding)
         out: dict[int, torch.Tensor] = {}  # the cache is there: _plan made it if it was not
-        for batch in _fitting(chunks, self.max_len):
+        for batch in _fitting(chunks, self.cache_shape[1]):
             parts = [seq.prefix[start:stop] for seq, start, stop in batch]
-            logits = self._cached(right_padded(parts, self.device), [c[1] for c in batch],
-                                  [seq for seq, _, _ in batch])
+            logits = self._cached(right_padded(parts, torch.device("cpu")),
+                                  [c[1] for c in batch], [seq for seq, _, _ in batch],
+                                  [len(part) - 1 for part in parts])
             for b, (seq, _, stop) in enumerate(batch):
                 seq.filled = stop
                 if stop == seq.length:  # the chunk reached its last token
-                    out[id(seq)] = logits[b, len(parts[b]) - 1]
+                    out[id(seq)] = logits[b]
         for copy in copies:  # their donors' chunks are in: copied, they decode now
             self._copy(copy)
             decoding = decoding + [s for s in copy.takers if s.filled == s.length - 1]
         if decoding:
-            idx = torch.tensor([[s.last_token] for s in decoding], device=self.device)
-            logits = self._cached(idx, [s.filled for s in decoding], decoding)
+            idx = torch.tensor([[s.last_token] for s in decoding])
+            logits = self._cached(idx, [s.filled for s in decoding], decoding, [0] * len(decoding))
             for b, seq in enumerate(decoding):
-                out[id(seq)] = logits[b, 0]
+                out[id(seq)] = logits[b]
                 seq.filled += 1
         self.stats["decode_tokens"] += len(decoding)
         self.stats["prefill_tokens"] += sum(stop - start for _, start, stop in chunks)
         return out
 
-    def _cached(self, idx: torch.Tensor, starts: list[int], rows: list[Sequence]) -> torch.Tensor:
-        start = torch.tensor(starts, device=self.device)
-        slots = torch.tensor([s.slot for s in rows], device=self.device)
-        return lm.logits_of(self.model.forward_cached(idx, self.cache, start, slots), "generate")
+    def _cached(self, idx: torch.Tensor, starts: list[int], rows: list[Sequence],
+                last: list[int]) -> torch.Tensor:
+        """Logits (B, V) of each row's token `last` of `idx` (B, T), given on the host and
+        moved without a wait ([Note: transfers without a wait] in executors/torch/device.py);
+        a model that reads them computes no others (lm.py's optional `last`)."""
+        start, last_at = torch.tensor(starts), torch.tensor(last)
+        idx, slots = to_device(idx, self.device), to_device(torch.tensor([s.slot for s in rows]),
+                                                            self.device)
+        if self.reads_last:  # it takes `start` on the host too
+            out = self.model.forward_cached(idx, self.cache, start, slots, last=last_at)
+            return lm.logits_of(out, "generate")[:, 0]
+        out = self.model.forward_cached(idx, self.cache, to_device(start, self.device), slots)
+        logits = lm.logits_of(out, "generate")
+        return logits[torch.arange(len(rows), device=logits.device), to_device(last_at,
+                                                                               logits.device)]
 
     def _recompute(self, rows: list[Sequence]) -> dict[int, torch.Tensor]:
         seqs = [s.prefix for s in rows]
@@ -423,8 +471,9 @@ class Engine(Trajectories):
             seeds=torch.tensor([s.seed for s in rows], dtype=torch.int64),
             positions=torch.tensor([len(s.tokens) for s in rows], dtype=torch.int64))
         version = self._version_now()
-        for seq, token, logp, st, stop in zip(rows, tokens.tolist(), logprobs.tolist(), settings,
-                                              stops):
+        # one copy to the host, the step's one wait for the device (a token id < 2^53 is exact)
+        tokens, logprobs = torch.stack([tokens.to(torch.float64), logprobs]).tolist()
+        for seq, token, logp, st, stop in zip(rows, map(int, tokens), logprobs, settings, stops):
             seq.tokens.append(token)
             seq.logprobs.append(logp)
             seq.versions.append(version)
@@ -489,6 +538,25 @@ class _Copy:
     donor: Sequence
     takers: list[Sequence]
     length: int
+
+
+def _positions_needed(seq: Sequence) -> int:
+    """Cache positions a sequence fills by its end [Note: engine cache size]: its last token
+    is never run, so prompt + max_new_tokens - 1, or as far as it has come (a trajectory)."""
+    return max(len(seq.prompt.tokens) + seq.request.sampling.max_new_tokens - 1, seq.length)
+
+
+def _grown(have: int, need: int, most: int) -> int:
+    """A cache dimension of `have` that must hold `need`: at least doubled, so a sequence that
+    grows step by step (a trajectory) regrows it a logarithmic number of times; `most` at most."""
+    return have if need <= have else min(most, max(need, 2 * have))
+
+
+def _free_device_memory(device: torch.device) -> None:
+    """Hand the blocks torch's CUDA allocator keeps for this process back to the GPU, for a
+    neighbour on it [Note: engine cache size]; nothing on a CPU."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _once(seqs: list[Sequence]) -> list[Sequence]:

@@ -39,9 +39,10 @@ __all__ = ["EOS", "MODEL_EOS", "decode", "generate_now", "register", "sample_tok
 # [Note: sampler log-probabilities] A rollout's ``logprobs[k]`` is ``log_softmax(logits /
 # temperature)[token_k]`` over the whole vocabulary: the log-probability under the
 # temperature-scaled distribution, before top-p truncation (as verl's rollouts record it). That is
-# exactly what the `logprobs` op (executors/torch/rollout/infer.py) recomputes from the model with
-# the same `temperature`, so a PPO/GRPO ratio starts at 1. Greedy decoding (``temperature=0``)
-# records ``log_softmax(logits)``, i.e. temperature 1.
+# what the `logprobs` op (executors/torch/rollout/infer.py) recomputes from the model with the
+# same `temperature` (exactly for a float64 model, a lower one's in float32: [Note: chunked
+# log-probabilities] in sampling.py), so a PPO/GRPO ratio starts at 1. Greedy decoding
+# (``temperature=0``) records ``log_softmax(logits)``, i.e. temperature 1.
 #
 # [Note: one generator per sample] In `decode`, each (prompt, sample) draws from its own
 # torch.Generator, seeded from (seed, prompt_id, sample): what a sample draws does not depend on
@@ -56,7 +57,7 @@ EOS = 10  # byte "\n": the example corpora are byte-tokenized one-line answers; 
 def sample_token(logits: torch.Tensor, *, temperature: float, top_p: float,
                  generator: torch.Generator | None) -> tuple[int, float]:
     """One token from ``logits`` (V,) and its log-probability [Note: sampler log-probabilities],
-    in float64 as the `logprobs` op computes it."""
+    in float64 as the `logprobs` op computes a float64 model's."""
     logits = logits.to(torch.float64)
     if temperature <= 0:  # greedy
         token = int(torch.argmax(logits))

@@ -34,18 +34,18 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from executors.optable import OpContext, OpTable
 from executors.torch.models.built import evaluating, right_padded, whole_model
 from executors.torch.rollout import lm
+from executors.torch.rollout.sampling import token_logprobs
 from flowkit.ops.records import TokenScores
 
 __all__ = ["register"]
 
 # padded tokens in one forward, by device [Note: batch-invariant forwards]: bounds its
-# activations (a float64 copy of the logits is tokens x vocabulary x 8 bytes) and what a lone
-# rollout's fixed-shape forward costs
+# activations (its logits are tokens x vocabulary; their log-softmax is taken in chunks: [Note:
+# chunked log-probabilities] in sampling.py) and what a lone rollout's fixed-shape forward costs
 _MAX_TOKENS = {"cuda": 4096, "cpu": 256}
 _MIN_WIDTH = 16  # [Note: batch-invariant forwards]: the narrowest forward
 
@@ -54,7 +54,8 @@ def _logprobs(ctx: OpContext, rollouts: Any, *_: Any, temperature: float = 1.0,
               max_batch: int = 32, max_tokens: int | None = None, **config: Any) -> Any:
     """Per-token ``log_softmax(logits / temperature)`` of each response token: the convention
     of the sampler's logprobs [Note: sampler log-probabilities in
-    executors/torch/rollout/generate.py]."""
+    executors/torch/rollout/generate.py], in chunks of positions, in the model's precision (at
+    least float32) [Note: chunked log-probabilities in executors/torch/rollout/sampling.py]."""
     t = float(temperature) if float(temperature) > 0 else 1.0  # greedy records temperature 1
 
     def score(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -62,8 +63,7 @@ def _logprobs(ctx: OpContext, rollouts: Any, *_: Any, temperature: float = 1.0,
         # up to their last response token): each position normalises alone, so a row's values
         # are the same whatever is computed beside them
         logits = lm.logits_of(out, "logprobs")[:targets.size(0), :targets.size(1)]
-        logp = F.log_softmax(logits.to(torch.float64) / t, dim=-1)  # (B, T, V)
-        return logp.gather(-1, targets[..., None]).squeeze(-1)  # (B, T)
+        return token_logprobs(logits, targets, temperature=t)  # (B, T)
 
     return _per_token(ctx, rollouts, score, (max_batch, max_tokens), config)
 

@@ -6,9 +6,11 @@ The design: [Note: generation and scoring interface] below.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
-__all__ = ["check_prompts", "context_length", "has_cache", "logits_of", "values_of"]
+__all__ = ["check_prompts", "context_length", "has_cache", "logits_of", "reads_last", "values_of"]
 
 
 # [Note: generation and scoring interface] The model is the `build` result's one-stage split (or
@@ -22,10 +24,10 @@ __all__ = ["check_prompts", "context_length", "has_cache", "logits_of", "values_
 #   new tokens of rows `rows` from positions `start` and returns their logits; a query at p sees
 #   positions <= p of its own row; a pad's write past its row's end is overwritten by the next
 #   real token; writing from start 0 begins a new sequence. An optional ``copy_prefix(src, dst,
-#   length)`` lets the engine fill a prompt once for its samples ([Note: shared prompts] in
-#   executors/torch/rollout/engine.py). The GPT implements it ([Note: KV cache rows] in
-#   executors/torch/models/gpt.py); a recurrent model leaves it out and recomputes. In full:
-#   docs/training.md, "Your own model".
+#   length)``, ``grown(batch, max_len)`` and a keyword ``last`` of ``forward_cached`` are
+#   optional speed-ups. The GPT implements it all ([Note: KV cache rows] in
+#   executors/torch/models/gpt.py); a recurrent model leaves it out and recomputes. In full,
+#   each option too: docs/training.md, "Your own model".
 
 
 def context_length(model: torch.nn.Module) -> int | None:
@@ -39,6 +41,15 @@ def has_cache(model: torch.nn.Module) -> bool:
     `forward_cached`)."""
     return callable(getattr(model, "new_cache", None)) and \
         callable(getattr(model, "forward_cached", None))
+
+
+def reads_last(model: torch.nn.Module) -> bool:
+    """Whether the model's `forward_cached` takes the keyword `last` (and `start` on the host)
+    [Note: generation and scoring interface]."""
+    try:
+        return "last" in inspect.signature(model.forward_cached).parameters
+    except (AttributeError, TypeError, ValueError):  # no forward_cached, or no signature
+        return False
 
 
 def check_prompts(prompts: list, context: int | None) -> None:

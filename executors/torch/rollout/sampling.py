@@ -1,7 +1,8 @@
 """Vectorized, reproducible token sampling for the rollout engine: one call samples a whole batch
 of rows (B, V), each with its own temperature, top-p, seed and position.
 
-The design: [Note: sampling], [Note: inverse-CDF order], [Note: counter-based sampling] below.
+The design: [Note: sampling], [Note: inverse-CDF order], [Note: counter-based sampling], [Note:
+chunked log-probabilities] below.
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["sample_tokens", "sequence_seed", "uniforms"]
+from executors.torch.device import to_device
+
+__all__ = ["sample_tokens", "sequence_seed", "token_logprobs", "uniforms"]
 
 
 # [Note: sampling] The log-probabilities follow [Note: sampler log-probabilities]
@@ -35,11 +38,18 @@ __all__ = ["sample_tokens", "sequence_seed", "uniforms"]
 # 32-bit halves, counter = (position's two 32-bit halves, 0, 0), and 53 bits of its first two output
 # words make a float64 in [0, 1). Philox passes TestU01's BigCrush for every key, and distinct (key,
 # counter) pairs give independent-looking outputs, so different seeds and positions never share a
-# stream. It runs in torch int64 arithmetic with every intermediate below 2^63 (the 32x32-bit
-# products are split into 16-bit halves; see `_mulhilo`): no signed overflow, which C++ leaves
-# undefined, and the same bits on CPU and CUDA. (torch 2.13 has no shifts or adds on uint64 on CPU,
-# so a 64-bit mixer such as splitmix64 would need the signed overflow.) Known-answer vectors from
-# Random123 pin it in tests/torch/test_sampling.py.
+# stream. It runs in torch int64 arithmetic with every intermediate below 2^63 (`_mulhilo`
+# splits the 32x32-bit products): no signed overflow (undefined in C++), the same bits on CPU and
+# CUDA. Known-answer vectors from Random123 pin it in tests/torch/test_sampling.py.
+#
+# [Note: chunked log-probabilities] Scoring reads one log-probability a position, but its
+# log-softmax spans the vocabulary: a 4,096-token forward's all at once in float64 is 4,096 x 152k
+# x 8 bytes = 5 GB. `token_logprobs` takes a chunk of positions at a time (_CHUNK_ELEMENTS logits,
+# 64 MiB in float32) in the logits' precision, at least float32: a float64 model's log-probs stay
+# exactly float64's (the path the equality tests compare), a bf16 or float32 model's are float32's.
+# The kernel normalises each position alone, so a chunk changes no bit of it and scores stay
+# batch-invariant. The sampler keeps float64, in which its draws are defined, and bounds its
+# memory by rows instead: `sample_tokens` takes _CHUNK_ELEMENTS logits' worth of rows at a time.
 
 _MASK32 = 0xFFFF_FFFF
 _MASK64 = 0xFFFF_FFFF_FFFF_FFFF
@@ -47,6 +57,7 @@ _PHILOX_M = (0xD251_1F53, 0xCD9E_8D57)  # round multipliers of Philox4x32 (Rando
 _PHILOX_W = (0x9E37_79B9, 0xBB67_AE85)  # key schedule increments (golden ratio, sqrt(3) - 1)
 _CANDIDATES = 1024  # a top-p row sorts only this many likeliest tokens when they hold its set
 _PHILOX_ROUNDS = 10  # Random123's default; 7 already passes BigCrush, 10 is its safety margin
+_CHUNK_ELEMENTS = 1 << 24  # logits a log-softmax takes at once [Note: chunked log-probabilities]
 
 
 # -- the batch sampler ------------------------------------------------------------------------
@@ -56,11 +67,25 @@ def sample_tokens(logits: torch.Tensor, *, temperature: torch.Tensor, top_p: tor
     """One token per row of ``logits`` (B, V) and its log-probability [Note: sampler
     log-probabilities]: tokens (B,) int64, logprobs (B,) float64. Each row has its own
     temperature (0: greedy), top_p, seed and position [Note: counter-based sampling]; any dtype
-    of logits, computed in float64 on their device. Settings given on the CPU cost no host
-    synchronization; given on the GPU, one (which rows need top-p)."""
+    of logits, computed in float64 on their device, a chunk of rows at a time [Note: chunked
+    log-probabilities]. Settings given on the CPU cost no host synchronization; given on the GPU,
+    one a chunk (which rows need top-p)."""
+    settings, nucleus = _rows(logits, temperature, top_p, seeds, positions)
+    rows = max(1, _CHUNK_ELEMENTS // max(1, logits.size(-1)))
+    parts = [_sample_chunk(logits[i:i + rows], [s[i:i + rows] for s in settings],
+                           nucleus[i:i + rows]) for i in range(0, max(1, len(logits)), rows)]
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _sample_chunk(logits: torch.Tensor, settings: list[torch.Tensor],
+                  nucleus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_tokens` of some rows: their settings on the logits' device, and which of them
+    sample from a top-p set (bool, where the settings were given)."""
     x = logits.to(torch.float64)  # (B, V)
-    temperature, top_p, seeds, positions, nucleus = _rows(x, temperature, top_p, seeds,
-                                                          positions)
+    temperature, top_p, seeds, positions = settings
+    nucleus = to_device(torch.nonzero(nucleus)[:, 0], x.device)
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
     logp = F.log_softmax(x / t[:, None], dim=-1)  # (B, V); greedy rows at temperature 1
@@ -110,9 +135,10 @@ def _top_p_draw(probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> to
     return tokens
 
 
-def _rows(x: torch.Tensor, temperature, top_p, seeds, positions) -> tuple[torch.Tensor, ...]:
+def _rows(x: torch.Tensor, temperature, top_p, seeds, positions
+          ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The per-row settings as (B,) tensors on the logits' device, shape errors all at once, and
-    the rows that sample from a top-p set (sampling, top_p < 1), found where top_p lies."""
+    which rows sample from a top-p set (sampling, top_p < 1): a mask where top_p lies."""
     if x.dim() != 2:
         raise ValueError(f"sample_tokens: logits must be (B, V), got shape {tuple(x.shape)}")
     b = x.shape[0]
@@ -128,8 +154,8 @@ def _rows(x: torch.Tensor, temperature, top_p, seeds, positions) -> tuple[torch.
     if errors:
         raise ValueError(f"sample_tokens: {len(errors)} errors: " + "; ".join(errors))
     temperature, top_p = given[:2]
-    nucleus = torch.nonzero((top_p < 1.0) & (temperature.to(top_p.device) > 0))[:, 0]
-    return (*(v.to(x.device) for v in given), nucleus.to(x.device))
+    nucleus = (top_p < 1.0) & (temperature.to(top_p.device) > 0)
+    return [to_device(v, x.device) for v in given], nucleus
 
 
 def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,6 +167,28 @@ def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, to
     keep = (before < top_p[:, None]) | (top_p >= 1.0)[:, None]
     keep[:, 0] = True
     return sorted_p.masked_fill(~keep, 0.0), order
+
+
+# -- scoring ----------------------------------------------------------------------------------
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0,
+                   dtype: torch.dtype | None = None, chunk: int | None = None) -> torch.Tensor:
+    """``log_softmax(logits / temperature)[token]`` at each position of logits (B, T, V) or
+    (T, V) and tokens (B, T) or (T,): float64, computed `chunk` positions at a time in `dtype`
+    (the logits' own, at least float32) [Note: chunked log-probabilities]."""
+    if logits.dim() == 2:
+        return token_logprobs(logits[None], tokens[None], temperature=temperature, dtype=dtype,
+                              chunk=chunk)[0]
+    dtype = dtype or torch.promote_types(logits.dtype, torch.float32)
+    B, T, V = logits.shape
+    chunk = max(1, chunk or _CHUNK_ELEMENTS // V)  # positions a step
+    rows, width = max(1, chunk // T), min(T, chunk)  # whole rows, or pieces of one
+    out = torch.empty((B, T), dtype=torch.float64, device=logits.device)
+    for b in range(0, B, rows):
+        for t in range(0, T, width):
+            x = logits[b:b + rows, t:t + width].to(dtype) / temperature
+            picked = tokens[b:b + rows, t:t + width, None].to(x.device)
+            out[b:b + rows, t:t + width] = F.log_softmax(x, dim=-1).gather(-1, picked)[..., 0]
+    return out
 
 
 # -- counter-based uniforms -------------------------------------------------------------------
@@ -161,8 +209,8 @@ def _philox4x32(counter: torch.Tensor, key: torch.Tensor,
     """Philox4x32-R of counters (4, B) under keys (2, B), as Random123's philox4x32_R: all words
     int64 in [0, 2^32). Round r > 0 first bumps the key by the Weyl increments."""
     device = counter.device
-    m = torch.tensor(_PHILOX_M, dtype=torch.int64, device=device)[:, None]  # (2, 1)
-    w = torch.tensor(_PHILOX_W, dtype=torch.int64, device=device)[:, None]
+    m = to_device(torch.tensor(_PHILOX_M, dtype=torch.int64), device)[:, None]  # (2, 1)
+    w = to_device(torch.tensor(_PHILOX_W, dtype=torch.int64), device)[:, None]
     for r in range(rounds):
         if r > 0:
             key = (key + w) & _MASK32
