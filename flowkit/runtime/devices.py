@@ -88,7 +88,7 @@ def _too_few(spec: str, count: int, indices: list[int | None], have: int,
     needed = max(k for k in indices if k is not None) + 1
     if spec.strip() == "cuda":
         hint = (f"give --device cuda:0 to share one GPU between the {count} executors "
-                "(colocated), or run fewer executors (--executors)")
+                "(colocated), or run fewer executors (-n)")
     else:
         hint = f"name GPUs cuda:0 to cuda:{max(have - 1, 0)} only" if have else \
             "run on the CPU (--device cpu)"
