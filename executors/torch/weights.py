@@ -243,7 +243,9 @@ def load_checkpoint(whole: torch.nn.Module, path: str | os.PathLike) -> None:
         raise StageError(f"checkpoint {str(path)!r} is not a file (on executor host, cwd "
                          f"{os.getcwd()!r}); write one with `flowkit run FLOW --save-weights DIR` "
                          "(it writes DIR/MODEL.pt), or drop the model config's `checkpoint`")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    # mapped, not read: a parameter's bytes are read as they are copied to it [Note: models
+    # from a checkpoint in executors/torch/models/built.py]
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     if not isinstance(state, Mapping):
         raise StageError(f"checkpoint {str(path)!r} holds a {type(state).__name__}, not a dict "
                          "of weights by name")

@@ -80,10 +80,8 @@ def held_model(ctx: OpContext, config: dict) -> HeldModel:
     torch.manual_seed(int(config.get("seed", 0)))  # every holder builds the same weights
     model_config = dict(config.get("model_config", {}))
     checkpoint = model_config.pop("checkpoint", None)  # a file to start from, not an argument
-    whole = _build(config["build"], model_config)
-    whole = whole.to(device=device, dtype=_DTYPES[config.get("dtype", "float32")])
-    if checkpoint:
-        weights.load_checkpoint(whole, checkpoint)
+    whole = _built(config["build"], model_config, checkpoint, device,
+                   _DTYPES[config.get("dtype", "float32")])
     parts = _split(whole, num_stages, config.get("seq_len"))
     layout = weights.layout(whole, parts, seq_len=config.get("seq_len"))
     if lora_settings:  # [Note: LoRA in flowkit/dsl/lora.py]
@@ -102,6 +100,61 @@ def held_model(ctx: OpContext, config: dict) -> HeldModel:
 
 def _build(path: str, model_config: dict) -> torch.nn.Module:
     return _factory(path)(**model_config)
+
+
+# [Note: models from a checkpoint] A model that starts from a checkpoint file is built with its
+# parameters on the meta device (no memory, no random init: `_parameters_on_meta`, as
+# accelerate's init_empty_weights does), each then made empty once on its device in its dtype,
+# and filled from the file read through mmap: host memory at build is about the model's size,
+# not twice it, and a GPU model never holds an fp32 copy on the host (tests/torch/
+# test_model_build.py measures it). Buffers are built as usual (a rotary table is computed, not
+# saved). A model without a checkpoint is built on the CPU from the seeded CPU generator, so that
+# every holder, and a plain loop, draws the same weights.
+def _built(path: str, model_config: dict, checkpoint: str | None, device: torch.device,
+           dtype: torch.dtype) -> torch.nn.Module:
+    if not checkpoint:
+        return _build(path, model_config).to(device=device, dtype=dtype)
+    with _parameters_on_meta():
+        whole = _build(path, model_config)
+    _materialize(whole, device, dtype)
+    whole.to(device=device, dtype=dtype)  # the buffers; the parameters are there already
+    weights.load_checkpoint(whole, checkpoint)
+    return whole
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Every parameter a module registers in the block is replaced by its meta twin [Note:
+    models from a checkpoint]."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = torch.nn.Parameter(
+                param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _materialize(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Each meta parameter made empty on `device` in `dtype` (floating ones), once: a parameter
+    two modules share (tied weights) stays one."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for owner in module.modules():
+        for name, param in owner._parameters.items():
+            if param is None or param.device.type != "meta":
+                continue
+            if id(param) not in made:
+                kind = dtype if param.is_floating_point() else param.dtype
+                made[id(param)] = torch.nn.Parameter(
+                    torch.empty(param.shape, device=device, dtype=kind),
+                    requires_grad=param.requires_grad)
+            owner._parameters[name] = made[id(param)]
 
 
 def _factory(path: str) -> Any:
@@ -249,10 +302,8 @@ def _base_for_save(spec: dict) -> torch.nn.Module:
     config = dict(spec.get("model_config", {}))
     checkpoint = config.pop("checkpoint", None)
     torch.manual_seed(int(spec.get("seed", 0)))
-    whole = _build(spec["build"], config).to(dtype=_DTYPES[spec.get("dtype", "float32")])
-    if checkpoint:
-        weights.load_checkpoint(whole, checkpoint)
-    return whole
+    return _built(spec["build"], config, checkpoint, torch.device("cpu"),
+                  _DTYPES[spec.get("dtype", "float32")])
 
 
 def load_weights(ctx: OpContext, *dicts: Any, model: str, build: str, stages: int,
