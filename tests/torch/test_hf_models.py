@@ -255,3 +255,21 @@ def test_rl_steps_train_an_hf_actor_and_sync_it_to_the_generator_by_hf_names(poo
     start = _plain_model(SMALL_VOCAB, torch.float64)
     moved = [n for n, p in start.named_parameters() if not torch.equal(p, synced[n])]
     assert moved, "the actor did not train"
+
+
+@pytest.mark.parametrize("config", [LLAMA, QWEN2_TIED, GPT2], ids=["llama", "qwen2", "gpt2"])
+def test_the_training_forward_lets_sdpa_be_causal_itself(config, monkeypatch):
+    """Without a mask SDPA runs its flash or memory-efficient kernel (is_causal); the logits and
+    the loss equal those under the explicit causal mask, which eager attention still gets."""
+    import executors.torch.models.hf as hf
+
+    model = _plain_model(config, torch.float64)
+    ids = torch.randint(0, 256, (3, 12), generator=torch.Generator().manual_seed(0))
+    seen: list = []
+    original = hf._mask
+    monkeypatch.setattr(hf, "_mask", lambda *a: seen.append(a) or original(*a))
+    fast = model(ids)
+    assert model.whole()._causal_kernel and not seen  # no mask was made
+    monkeypatch.setattr(type(model.whole()), "_causal_kernel", property(lambda self: False))
+    masked = model(ids)
+    assert seen and torch.allclose(fast, masked, atol=1e-10)

@@ -337,8 +337,16 @@ class HFStage(nn.Module):
         if self.first:
             x = self._embed(x, pos)
         keys = torch.arange(T, device=x.device)
-        x = self._layers(x, pos, lambda window: _mask(pos, keys, window, x.dtype), None)
+        x = self._layers(x, pos, lambda window: None if window is None and self._causal_kernel
+                         else _mask(pos, keys, window, x.dtype), None)
         return self._head(x, targets) if self.last else x
+
+    @property
+    def _causal_kernel(self) -> bool:
+        """The attention takes no mask for a plain causal layer over whole rows: SDPA then
+        runs its flash or memory-efficient kernel with is_causal, which an explicit mask rules
+        out (eager attention needs the mask)."""
+        return getattr(self.config, "_attn_implementation", "eager") in _CAUSAL_KERNELS
 
     # -- generation ------------------------------------------------------------------------
     def new_cache(self, batch: int, max_len: int) -> RowCache:
@@ -410,6 +418,10 @@ class HFStage(nn.Module):
             return out
         return F.cross_entropy(out.reshape(-1, out.size(-1)), targets.reshape(-1),
                                ignore_index=-1)
+
+
+# attention implementations that make a layer causal themselves when given no mask
+_CAUSAL_KERNELS = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 
 def _context_length(config: Any) -> int:
