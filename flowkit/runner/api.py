@@ -129,10 +129,7 @@ class Run:
             self.count = len(controller.executors())
         self.tags = executor_tags(self.plan, self.count, config.tags, config.placement)
         if controller is None and config.launcher == "local":
-            try:  # refused here, before any executor starts [Note: one GPU per executor]
-                local_devices(config.device, self.count)
-            except DeviceError as exc:
-                raise RunConfigError("device", str(exc)) from None
+            self._check_devices(config.device)
         self.keys = _keys(config)
         self.identity = flow_identity(self.flow.name, self.plan)
         self.evaluation = None if config.eval_every is None else Evaluation(
@@ -151,6 +148,25 @@ class Run:
         self._started = False  # the executors are in: the trace is worth writing
         self._startup_restarts = 0  # executors that exited while they started, started again
         self._exits = contextlib.ExitStack()
+
+    def _check_devices(self, spec: str) -> None:
+        """The local executors' devices, refused here, before any executor starts, where the
+        machine lacks the GPUs asked for or the replicas of a model would share one (NCCL runs
+        one rank of a group a GPU) [Note: one GPU per executor in flowkit/runtime/devices.py]."""
+        try:
+            devices = local_devices(spec, self.count)
+        except DeviceError as exc:
+            raise RunConfigError("device", str(exc)) from None
+        gpus = {d.env["CUDA_VISIBLE_DEVICES"] for d in devices if d.gpu is not None}
+        models = {n.model.name: n.model for n in self.plan if n.model is not None}
+        crowded = [m for m in models.values() if gpus and m.replicas > len(gpus)]
+        if crowded:
+            model = crowded[0]
+            raise RunConfigError("replicas", f"model {model.name!r} trains as {model.replicas} "
+                                 f"replicas, and --device {spec} gives the executors "
+                                 f"{len(gpus)} GPU(s): NCCL runs one rank of a replica group "
+                                 "a GPU, so each replica needs its own; give one GPU per "
+                                 "executor (--device cuda) or fewer replicas")
 
     @property
     def runner(self) -> FlowRunner | None:

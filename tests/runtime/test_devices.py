@@ -77,3 +77,13 @@ def test_a_run_asking_for_missing_gpus_is_refused_before_executors_start(monkeyp
     with pytest.raises(RunConfigError, match="asks for 2 GPU.*has 1") as err:
         flowkit.run(flow, RunConfig(device="cuda", dashboard=False))
     assert err.value.setting == "device"
+
+
+def test_replicas_that_would_share_a_gpu_are_refused_before_executors_start(monkeypatch):
+    from examples.grpo_sort import flow
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(RunConfigError, match=r"'actor' trains as 2 replicas, and --device "
+                       r"cuda:0 gives the executors 1 GPU\(s\): NCCL runs one rank") as err:
+        flowkit.run(flow, RunConfig(device="cuda:0", replicas=2, dashboard=False))
+    assert err.value.setting == "replicas"
