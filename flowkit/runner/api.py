@@ -34,6 +34,7 @@ from flowkit.runner.checkpoints.restarts import Restarts, start_executors, tempo
 from flowkit.runner.checkpoints.state_codec import allowed_records
 from flowkit.runner.config import RunConfig, RunConfigError, RunError
 from flowkit.runner.evaluation import Evaluation
+from flowkit.runner.flowcode import code_to_ship
 from flowkit.runner.flowrun import FlowRunError, FlowRunner, StepReport, check_async
 from flowkit.runner.setup import (
     check_kind,
@@ -134,6 +135,8 @@ class Run:
             except DeviceError as exc:
                 raise RunConfigError("device", str(exc)) from None
         self.keys = _keys(config)
+        # what its own executors load at start [Note: shipped code in flowkit/runner/flowcode.py]
+        self.code = code_to_ship(self.flow, given=config.code)
         self.identity = flow_identity(self.flow.name, self.plan)
         self.evaluation = None if config.eval_every is None else Evaluation(
             self.flow, config.eval_every,
@@ -217,7 +220,7 @@ class Run:
         if config.controller.secret_file is not None:
             self._write_secret(ctl, config.controller.secret_file)
         launcher = make_launcher(config.launcher, ctl, self.count, kind=self.kind,
-                                 tags=self.tags, code=list(config.code), device=config.device,
+                                 tags=self.tags, code=list(self.code), device=config.device,
                                  settings=config.launcher_settings)
         exits.callback(launcher.stop)
         exits.callback(ctl.shutdown)
