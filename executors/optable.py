@@ -9,6 +9,7 @@ packages plug in through the entry-point group `flowkit.ops`: each entry point n
 from __future__ import annotations
 
 import importlib
+import sys
 import time
 from collections.abc import Callable
 from importlib.metadata import entry_points
@@ -286,7 +287,14 @@ def _function_op(target: str) -> Any:
     from flowkit.dsl.operators import FunctionOp
 
     module_name, _, qualname = target.partition(":")
-    obj: Any = importlib.import_module(module_name)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:  # which, and where it looked [Note: shipped code in
+        # flowkit/runner/flowcode.py]
+        raise ModuleNotFoundError(
+            f"@op {target}: no module {exc.name!r} on this executor (searched "
+            f"{', '.join(sys.path[:6])}, ...): a run ships the modules of its flow that it "
+            "finds; give RunConfig(code=[its folder]) for one it cannot", name=exc.name) from None
     for part in qualname.split("."):
         obj = getattr(obj, part)
     if not isinstance(obj, FunctionOp):

@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import socket
+import sys
 import warnings
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from executors.kinds import kinds
 from flowkit.wire.collection import fewer_collections
 from flowkit.wire.limits import CONTROL_FRAME_BYTES
 
-__all__ = ["executor", "route_source", "run_secret"]
+__all__ = ["executor", "load_code", "route_source", "run_secret"]
 
 
 def _address(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -48,8 +49,9 @@ _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
               help="Executors with one host id share memory; others get chunked frames "
               "[default: this machine's boot and /dev/shm identity] [env FLOWKIT_HOST_ID].")
 @click.option("--code", "code_files", multiple=True,
-              type=click.Path(exists=True, dir_okay=False),
-              help="A flow file whose @op functions this executor may run (repeatable).")
+              type=click.Path(exists=True),
+              help="A flow file whose @op functions this executor may run, or a folder it "
+              "imports the flow's modules from, first on its import path (repeatable).")
 @click.option("--keys", "keys_dir", default=None, envvar="FLOWKIT_KEYS",
               type=click.Path(file_okay=False, path_type=Path),
               help="Authenticate and encrypt every socket with the CurveZMQ keys in DIR "
@@ -99,16 +101,8 @@ def executor(connect: str, name: str | None, tags: str, device: str, kind: str,
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     from executors.kinds import op_table
     from executors.process import Executor
-    from flowkit.dsl.load import import_flow_file
 
-    # Code is fixed when the executor starts: a message can name an @op, never a file to load.
-    for path in code_files:
-        try:
-            import_flow_file(Path(path))
-        except Exception as exc:  # noqa: BLE001 - the user's file failed: one line, no traceback
-            raise click.BadParameter(f"{path}: importing it raised {type(exc).__name__}: "
-                                     f"{str(exc)[:300]}", param_hint="--code") from None
-
+    load_code(code_files)
     ops = op_table(kind)
     tag_list = tuple(t for t in tags.split(",") if t)
     worker = Executor(connect=connect, name=name, ops=ops, tags=tag_list, device=device,
@@ -119,6 +113,22 @@ def executor(connect: str, name: str | None, tags: str, device: str, kind: str,
     with fewer_collections():
         code = worker.serve()
     raise SystemExit(code)
+
+
+def load_code(paths: tuple[str, ...] | list[str]) -> None:
+    """The run's code, fixed when the executor starts: a message can name an @op, never a file
+    to load. Folders go first on the import path, in their order; then each flow file loads
+    [Note: shipped code in flowkit/runner/flowcode.py]."""
+    from flowkit.dsl.load import import_flow_file
+
+    folders = [str(Path(p).resolve()) for p in paths if Path(p).is_dir()]
+    sys.path[0:0] = [f for f in folders if f not in sys.path]
+    for path in (p for p in paths if not Path(p).is_dir()):
+        try:
+            import_flow_file(Path(path))
+        except Exception as exc:  # noqa: BLE001 - the user's file failed: one line, no traceback
+            raise click.BadParameter(f"{path}: importing it raised {type(exc).__name__}: "
+                                     f"{str(exc)[:300]}", param_hint="--code") from None
 
 
 def run_secret(secret_file: Path | None) -> bytes | None:

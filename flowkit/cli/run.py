@@ -250,7 +250,7 @@ _OPTIONS = {"tags": "--tags", "placement": "--placement", "schedule": "--schedul
             "offload": "--offload", "memory_limit": "--memory-limit",
             "max_staleness": "--max-staleness", "eval_every": "--eval-every",
             "controller.keys": "--keys", "controller.bind": "--bind", "device": "--device",
-            "precision": "--precision", "replicas": "--replicas"}
+            "precision": "--precision", "replicas": "--replicas", "stages": "--stages"}
 
 
 def _usage_error(error: Exception) -> click.ClickException:

@@ -17,6 +17,7 @@ import attrs
 from rich.console import Console
 
 from flowkit.dsl import Flow
+from flowkit.dsl.models import checkpoint_problems, stages_problems
 from flowkit.observe import Dashboard, RunStats, TraceRecorder
 from flowkit.observe.loggers import LoggerError, Loggers
 from flowkit.planner.lower import Call, lower_flow
@@ -34,6 +35,7 @@ from flowkit.runner.checkpoints.restarts import Restarts, start_executors, tempo
 from flowkit.runner.checkpoints.state_codec import allowed_records
 from flowkit.runner.config import RunConfig, RunConfigError, RunError
 from flowkit.runner.evaluation import Evaluation
+from flowkit.runner.flowcode import code_to_ship
 from flowkit.runner.flowrun import FlowRunError, FlowRunner, StepReport, check_async
 from flowkit.runner.setup import (
     check_kind,
@@ -43,6 +45,7 @@ from flowkit.runner.setup import (
 )
 from flowkit.runner.steploop import STEP_FAILURES, StepLoop
 from flowkit.runtime import Controller, RemoteError
+from flowkit.runtime.controller import BindError
 from flowkit.runtime.devices import DeviceError, local_devices
 from flowkit.runtime.futures import wait
 from flowkit.runtime.launch import Launcher, LaunchError
@@ -104,6 +107,7 @@ class Run:
                                           offload=config.offload,
                                           memory_limit=config.memory_limit,
                                           precision=config.precision)
+        _check_stages(self.flow, config)
         self.plan = lower_flow(self.flow)
         self.staleness = config.staleness(self.flow.max_staleness)
         if self.staleness is not None:
@@ -130,7 +134,11 @@ class Run:
         self.tags = executor_tags(self.plan, self.count, config.tags, config.placement)
         if controller is None and config.launcher == "local":
             self._check_devices(config.device)
+        if self.kind == "torch":  # the simulator loads no weights
+            _check_checkpoints(self.flow)
         self.keys = _keys(config)
+        # what its own executors load at start [Note: shipped code in flowkit/runner/flowcode.py]
+        self.code = code_to_ship(self.flow, given=config.code)
         self.identity = flow_identity(self.flow.name, self.plan)
         self.evaluation = None if config.eval_every is None else Evaluation(
             self.flow, config.eval_every,
@@ -227,13 +235,16 @@ class Run:
         if self.shared is not None:
             self.controller = self.shared
             return None, self.shared.executors()
-        self.controller = ctl = exits.enter_context(Controller(
-            bind=config.controller.bind, keys=self.keys, insecure=config.controller.insecure,
-            max_frame_bytes=config.controller.max_frame_mib << 20))
+        try:  # before any executor starts
+            self.controller = ctl = exits.enter_context(Controller(
+                bind=config.controller.bind, keys=self.keys, insecure=config.controller.insecure,
+                max_frame_bytes=config.controller.max_frame_mib << 20))
+        except BindError as exc:
+            raise RunError(exc.strerror) from None
         if config.controller.secret_file is not None:
             self._write_secret(ctl, config.controller.secret_file)
         launcher = make_launcher(config.launcher, ctl, self.count, kind=self.kind,
-                                 tags=self.tags, code=list(config.code), device=config.device,
+                                 tags=self.tags, code=list(self.code), device=config.device,
                                  settings=config.launcher_settings)
         exits.callback(launcher.stop)
         exits.callback(ctl.shutdown)
@@ -393,6 +404,18 @@ class Run:
             return
         self.recorder.write_chrome(path)
         self.console.print(f"wrote {path} (open it in https://ui.perfetto.dev)")
+
+
+def _check_stages(flow: Flow, config: RunConfig) -> None:
+    """A model cut into more stages than it has layers, before anything starts: `stages` when
+    the run's setting cut it, the flow's own otherwise."""
+    for problem in stages_problems(flow):
+        raise RunConfigError("stages" if config.stages is not None else "flow", problem)
+
+
+def _check_checkpoints(flow: Flow) -> None:
+    for problem in checkpoint_problems(flow):
+        raise RunConfigError("flow", problem)
 
 
 def _keys(config: RunConfig) -> Keys | None:

@@ -15,6 +15,7 @@ With keys, both ROUTERs are CurveZMQ servers behind a gate that admits only know
 from __future__ import annotations
 
 import contextlib
+import errno
 import hmac
 import logging
 import os
@@ -40,7 +41,7 @@ from flowkit.wire.schema import shown
 from flowkit.wire.serialize import SerializeError
 from flowkit.wire.task import MAX_ITEMS, MAX_WINDOW, TaskSpec
 
-__all__ = ["Controller", "NoExecutor"]
+__all__ = ["BindError", "Controller", "NoExecutor"]
 
 log = logging.getLogger("flowkit.controller")
 
@@ -71,6 +72,21 @@ _HOT_S = 0.0005  # how long a waiting user watches the router before sleeping in
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: IntFlag arithmetic is slow
 
 
+class BindError(OSError):
+    """The controller's address cannot be bound: taken by another process, or not this
+    machine's. The text names the address and what to give instead."""
+
+    def __init__(self, address: str, error: zmq.ZMQError) -> None:
+        scheme, _, rest = address.partition("://")
+        free = f"{scheme}://{rest.rpartition(':')[0]}:0" if scheme == "tcp" else None
+        why = {errno.EADDRINUSE: "is in use by another process",
+               errno.EADDRNOTAVAIL: "is not an address of this machine"}.get(
+            error.errno, f"cannot be bound ({error.strerror})")
+        fix = f": give another port, or {free} for any free one" if free else (
+            ": give another address")
+        super().__init__(error.errno, f"the controller's address {address} {why}{fix}")
+
+
 class Controller:
     """`with Controller() as ctl: ctl.wait_for_executors(2); ctl.submit("noop").result()`.
 
@@ -94,7 +110,11 @@ class Controller:
         self._zmq = zmq.Context()
         # the gate is bound before any server: libzmq admits anyone while no gate is there
         self._gate = None if keys is None else Gate(self._zmq, keys, owner="the controller")
-        self._router = self._socket(zmq.ROUTER, bind, server=True)
+        try:
+            self._router = self._socket(zmq.ROUTER, bind, server=True)
+        except BindError:
+            self._zmq.destroy(linger=0)  # nothing else holds it yet
+            raise
         self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._heartbeat = _Heartbeat(self, _sibling(bind), ping_interval, ping_timeout)
         self._wake_in = self._socket(zmq.PULL, f"inproc://flowkit-wake-{id(self)}")
@@ -141,7 +161,11 @@ class Controller:
             zmtp_heartbeats(sock)
         if server and self._gate is not None:
             curve_server(sock, self.keys, CONTROLLER)
-        sock.bind(bind)
+        try:
+            sock.bind(bind)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise BindError(bind, exc) from None
         if server and self._gate is not None:
             self._gate.watch(sock)
         return sock

@@ -171,8 +171,18 @@ def latest_checkpoint(path: Path) -> Path:
     found = complete_checkpoints(path)
     if not found:
         raise CheckpointError(f"--resume {path}: not a run checkpoint (no {MANIFEST} in it, and "
-                              f"no complete {PREFIX}* checkpoint under it)")
+                              f"no complete {PREFIX}* checkpoint under it): {_resumable(path)}")
     return found[-1]
+
+
+def _resumable(path: Path) -> str:
+    """Where run checkpoints come from, and how weights (a --save-weights folder's) are used."""
+    weights = sorted(p.name for p in path.glob("*.pt"))
+    held = f" (this folder's {weights[0]})" if weights else ""
+    example = str(path / weights[0]) if weights else "DIR/MODEL.pt"
+    return (f"run checkpoints come from --checkpoint-dir (with --checkpoint-every); weights "
+            f"that --save-weights wrote{held} start a run when the model's config names the "
+            f"file: checkpoint={example!r}")
 
 
 def read_manifest(folder: Path) -> Manifest:
