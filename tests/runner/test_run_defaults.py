@@ -20,7 +20,7 @@ FLAGS = {
     "placement": (RunConfig, "placement"),
     "device": (RunConfig, "device"), "steps": (RunConfig, "steps"),
     "stages": (RunConfig, "stages"), "replicas": (RunConfig, "replicas"),
-    "shard_optimizer": (RunConfig, "shard_optimizer"),
+    "shard_optimizer": (RunConfig, "shard_optimizer"), "precision": (RunConfig, "precision"),
     "microbatches": (RunConfig, "microbatches"),
     "schedule": (RunConfig, "schedule"), "offload": (RunConfig, "offload"),
     "memory_limit": (RunConfig, "memory_limit"),
