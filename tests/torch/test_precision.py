@@ -150,3 +150,21 @@ def test_precision_settings_that_cannot_work_are_refused():
               config={"dtype": "bfloat16"})
     with pytest.raises(ValueError, match="'precision' must be in"):
         RunConfig(precision="half")
+
+
+def test_a_bf16_models_engine_keeps_its_cache_in_bf16():
+    """Half the cache memory of the fp32 weights', and generation runs under autocast."""
+    from executors.torch.rollout.engine import Engine, Sampling
+    from flowkit.ops.records import Prompt
+    from tests.torch.test_engine_memory import run
+
+    ctx = OpContext(name="precision", device="cpu", tags=())
+    whole = held_model(ctx, {**_spec("generating", precision="bf16"), "stages": 1}).parts[0]
+    engine = Engine(whole, version=lambda: None, max_batch=4)
+    prompts = [Prompt(prompt_id=i, tokens=[1 + i, 2, 3]) for i in range(3)]
+    rollouts, _ = run(engine, [engine.submit(prompts, Sampling(max_new_tokens=4,
+                                                               temperature=0.0), 1)])
+    assert [len(r.response_tokens) for r in rollouts] == [4, 4, 4]
+    engine.submit(prompts[:1], Sampling(max_new_tokens=4, temperature=0.0), 1)
+    engine.step()
+    assert engine.cache.k[0].dtype == BF16

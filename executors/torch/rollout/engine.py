@@ -338,7 +338,8 @@ class Engine(Trajectories):
         live = [s for s in self.slots if s is not None and not s.on_hold]
         if not self.cached:  # no cache to fill: every row runs its whole prefix
             return live, [], []
-        self._fit_cache()  # before `filled` is read: a cache made anew refills its rows
+        with evaluating(self.model):  # a cache in the dtype its forwards compute in
+            self._fit_cache()  # before `filled` is read: a cache made anew refills its rows
         waiting = self._share_prompts(live)  # donor id -> the copy its siblings wait for
         held = {id(seq) for copy in waiting.values() for seq in copy.takers}
         decoding = [s for s in live if s.filled == s.length - 1]
