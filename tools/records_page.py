@@ -29,8 +29,9 @@ What a flow's ops pass each other in an RL step, in `flowkit.ops.records`: a pro
 yields `Prompt`s, generation turns each into `Rollout`s (n samples a prompt), a reward op
 turns each `Rollout` into a `Scored`, and the advantage estimators turn `Scored` records into
 the `Experience`s that training consumes. Each is a frozen attrs class taking keyword
-arguments; each adds fields to the one before it from `Rollout` on, so a reward op builds its
-`Scored` from the rollout's fields and the reward ([Your own task](your-own-task.md)):
+arguments. `Scored` is a `Rollout` with more fields and `Experience` a `Scored` with more, so a
+reward op builds its `Scored` from the rollout's fields and the reward
+([Your own task](your-own-task.md)):
 
 ```python
 return Scored(**attrs.asdict(rollout, recurse=False), reward=reward)
