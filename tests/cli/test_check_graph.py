@@ -36,7 +36,8 @@ def test_version_and_help(runner):
 
 
 @pytest.mark.parametrize("example", ["ppo.py", "grpo.py", "pretrain_pp.py", "rloo_sort.py",
-                                     "reinforce_pp_sort.py"])
+                                     "reinforce_pp_sort.py", "reverse_task.py",
+                                     "reverse_task.py:warmup"])  # docs/your-own-task.md's
 def test_every_example_flow_checks(runner, example, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the RL examples start from the warm-up's weights, written
     (tmp_path / "checkpoints").mkdir()  # by examples/sort_sft.py: a missing one is an error
