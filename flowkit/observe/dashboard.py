@@ -2,8 +2,9 @@
 
 The dashboard renders a snapshot: the controller's IO thread only updates `RunStats` counters;
 rich's `Live(get_renderable=...)` asks `render()` for a fresh view a few times a second from its
-own thread. When the console is not a terminal (a log file, CI), plain
-lines are printed every few seconds instead.
+own thread. When the console is not a terminal (a log file, CI), a short plain line (the step,
+its loss, reward and time) is printed every few seconds instead; every figure of every step
+is in the metrics file.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Dashboard:
         self.title = title
         self.status = ""
         self._metrics: dict[str, Any] = {}
+        self._last_step: Mapping[str, Any] = {}  # the latest step's metrics line
         self._live: Live | None = None
         self._stop = threading.Event()
         self._printer: threading.Thread | None = None
@@ -65,6 +67,7 @@ class Dashboard:
 
     def show_step(self, record: Mapping[str, Any], records: list[Mapping[str, Any]]) -> None:
         """Show a step's metrics line: its headline figures and the curves so far."""
+        self._last_step = dict(record)
         self.set_metrics(step_figures(record, records))
 
     @property
@@ -119,22 +122,20 @@ class Dashboard:
     def render(self) -> RenderableType:
         """The view of the current snapshot: the executor table and the run-wide footer."""
         snapshot = self.stats.snapshot()
+        predicted = self._last_step.get("predicted_bubble_rate")
         body = Group(_executor_table(snapshot), Text(""),
-                     *_footer(snapshot, self.status, self._metrics))
+                     *_footer(snapshot, self.status, self._metrics, predicted))
         return Panel(body, title=self.title, title_align="left", expand=False)
 
     def plain_line(self) -> str:
-        """`[12.3s] ops 1520 (124.0/s) bubble 0.081 errors 0 | exec-0 util 83% q 3 op F | ...`"""
+        """`[1m02s] step 4/40 · loss 0.0123 · reward 0.45 · step 4.20s`: what a user watches in
+        a log; before the first step ends, the ops done show that the run is alive."""
         snapshot = self.stats.snapshot()
-        bubble = "-" if snapshot.bubble_rate is None else f"{snapshot.bubble_rate:.3f}"
-        parts = [f"[{snapshot.elapsed_s:.1f}s] ops {snapshot.done} ({snapshot.ops_per_s:.1f}/s) "
-                 f"bubble {bubble} errors {snapshot.errors}"]
-        parts += [_plain_executor(executor) for executor in snapshot.executors]
-        if self.status:
-            parts.append(self.status)
-        if self._metrics:
-            parts.append(" ".join(f"{k} {_number(v)}" for k, v in self._metrics.items()))
-        return " | ".join(parts)
+        parts = [f"[{_elapsed(snapshot.elapsed_s)}] {self.status}".rstrip()]
+        parts += _watched(self._last_step) or [f"ops {snapshot.done}"]
+        if snapshot.errors:
+            parts.append(f"errors {snapshot.errors}")
+        return " · ".join(parts)
 
     def print_plain(self) -> None:
         """Print one plain line, and the last error when it is new."""
@@ -167,7 +168,8 @@ def _executor_cells(executor: ExecutorStats) -> list[RenderableType]:
         op = Text("idle", style="dim")
     else:
         op = Text(executor.current_op)
-    util = Text(f"{executor.utilization:.0%}", style=_utilization_style(executor.utilization))
+    recent = executor.recent_utilization
+    util = Text(f"{recent:.0%}", style=_utilization_style(recent))
     failed = Text(str(executor.failed), style="red" if executor.failed else "")
     # Text, not str: a str cell is read as markup, and names and tags are the executors' own
     return [Text(executor.label.name), Text(",".join(executor.label.tags) or "-"), op, util,
@@ -179,15 +181,22 @@ def _utilization_style(utilization: float) -> str:
     return "green" if utilization >= 0.7 else "yellow" if utilization >= 0.3 else "red"
 
 
-def _footer(snapshot: StatsSnapshot, status: str, metrics: Mapping[str, Any]) -> list[Text]:
-    bubble = "-" if snapshot.bubble_rate is None else f"{snapshot.bubble_rate:.1%}"
+_BUBBLE_LEGEND = ("measured: idle share of pipeline time so far · "
+                  "predicted: the planner's simulation of the schedule")
+
+
+def _footer(snapshot: StatsSnapshot, status: str, metrics: Mapping[str, Any],
+            predicted: float | None = None) -> list[Text]:
     lines = [Text.assemble(
         ("elapsed ", "dim"), _elapsed(snapshot.elapsed_s),
         ("  ops ", "dim"), f"{snapshot.done} ({snapshot.ops_per_s:.1f}/s)",
-        ("  bubble ", "dim"), bubble,
+        ("  bubble ", "dim"), _bubble(snapshot.bubble_rate, predicted),
         ("  bytes ", "dim"), _bytes(snapshot.bytes_out),
         ("  errors ", "dim"), (str(snapshot.errors), "bold red" if snapshot.errors else ""),
     )]
+    if snapshot.bubble_rate is not None:  # three bubble figures unexplained read as a puzzle
+        lines.append(Text(_BUBBLE_LEGEND if predicted is not None
+                          else _BUBBLE_LEGEND.split(" · ")[0], style="dim"))
     if snapshot.last_error:
         lines.append(Text(f"last error: {snapshot.last_error}", style="red"))
     if status:
@@ -197,11 +206,20 @@ def _footer(snapshot: StatsSnapshot, status: str, metrics: Mapping[str, Any]) ->
     return lines
 
 
-def _plain_executor(executor: ExecutorStats) -> str:
-    if not executor.alive:
-        return f"{executor.label.name} lost"
-    text = f"{executor.label.name} util {executor.utilization:.0%} q {executor.queued}"
-    return text if executor.current_op is None else f"{text} op {executor.current_op}"
+def _bubble(measured: float | None, predicted: float | None) -> str:
+    if measured is None:
+        return "-"
+    text = f"{measured:.1%} measured"
+    return text if predicted is None else f"{text}, {predicted:.1%} predicted"
+
+
+def _watched(record: Mapping[str, Any]) -> list[str]:
+    """The figures of a step a user watches, where the step has them."""
+    parts = [f"{label} {_number(record[key])}" for key, label in
+             (("loss", "loss"), ("reward_mean", "reward")) if record.get(key) is not None]
+    if record.get("step_s") is not None:
+        parts.append(f"step {record['step_s']:.2f}s")
+    return parts
 
 
 def _elapsed(seconds: float) -> str:
@@ -232,8 +250,9 @@ def _number(value: Any) -> str:
 def step_figures(record: Mapping[str, Any], records: list[Mapping[str, Any]]) -> dict:
     """What the dashboard shows of a step's metrics line: losses, rewards, timings and
     throughput, and the loss and the mean reward so far as a sparkline."""
+    # the bubble figures join the dashboard's one bubble figure (Dashboard.render)
     shown = {k: v for k, v in record.items()
-             if k.endswith(("loss", "bubble_rate")) or k.startswith(("timing_s/", "reward"))
+             if k.endswith("loss") or k.startswith(("timing_s/", "reward"))
              or k in ("step_s", "tokens_per_s", "response_length_mean", "staleness/mean",
                       "staleness/max", "rollout/carried_over")}
     for key in ("loss", "reward_mean"):  # RL flows show their reward, all their loss

@@ -11,6 +11,7 @@ import json
 import re
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -21,7 +22,11 @@ from flowkit.observe.spans import BubbleMeter, ExecutorLabel, error_line, jsonab
 from flowkit.runtime.futures import ExecutorLost, TaskCancelled
 from flowkit.runtime.registry import ExecutorInfo, TaskRecord
 
-__all__ = ["ExecutorStats", "MetricsWriter", "RunStats", "StatsSnapshot"]
+__all__ = ["UTILIZATION_WINDOW_S", "ExecutorStats", "MetricsWriter", "RunStats", "StatsSnapshot"]
+
+# What the dashboard's utilization is over: long enough to smooth over a step's ops, short
+# enough that an executor gone idle reads 0 % within seconds, not its average since the start.
+UTILIZATION_WINDOW_S = 10.0
 
 # The dispatcher words a remote failure "op 'F' failed on exec-0 (id 1, pid ..., tags ...): why";
 # the dashboard already names the op and executor, so only "why" is kept.
@@ -76,7 +81,10 @@ class ExecutorStats:
     completed: int
     failed: int
     busy_s: float
-    utilization: float  # busy time / wall time since the run started
+    utilization: float  # busy time / wall time since the run started: the metrics file's
+    # time in ops that finished within the last UTILIZATION_WINDOW_S: the dashboard's (an op
+    # still running counts once it finishes; queued work may be waiting on its inputs)
+    recent_utilization: float
     bytes_out: int
 
 
@@ -120,6 +128,8 @@ class _ExecutorCounters:
     failed: int = 0
     busy_s: float = 0.0
     bytes_out: int = 0
+    # (start, end) of the ops that finished lately: enough to cover UTILIZATION_WINDOW_S
+    recent: deque[tuple[float, float]] = attrs.field(factory=deque)
 
 
 class RunStats:
@@ -187,6 +197,7 @@ class RunStats:
         self._start(task.start)
         counters.completed += 1
         counters.busy_s += duration
+        _remember(counters.recent, task.start, task.end, self._clock())
         counters.bytes_out += task.nbytes_out
         self._done += 1
         self._bytes += task.nbytes_out
@@ -230,7 +241,7 @@ class RunStats:
         now = self._clock()
         with self._lock:
             elapsed = 0.0 if self.started is None else max(0.0, now - self.started)
-            executors = tuple(_executor_stats(c, elapsed)
+            executors = tuple(_executor_stats(c, elapsed, now)
                               for _, c in sorted(self._executors.items()))
             return StatsSnapshot(
                 elapsed_s=elapsed, done=self._done, failed=self._failed, errors=self._errors,
@@ -250,7 +261,23 @@ def _op_label(task: TaskRecord) -> str:
     return task.op if step is None else f"{task.op} · step {step}"
 
 
-def _executor_stats(counters: _ExecutorCounters, elapsed: float) -> ExecutorStats:
+def _remember(recent: deque, start: float, end: float, now: float) -> None:
+    if end > start:
+        recent.append((start, end))
+    while recent and recent[0][1] < now - 2 * UTILIZATION_WINDOW_S:  # clocks may differ a little
+        recent.popleft()
+
+
+def _recent_utilization(recent: deque, elapsed: float, now: float) -> float:
+    window = min(UTILIZATION_WINDOW_S, elapsed)
+    if window <= 0.0:
+        return 0.0
+    since = now - window
+    busy = sum(max(0.0, min(end, now) - max(start, since)) for start, end in recent)
+    return min(1.0, busy / window)
+
+
+def _executor_stats(counters: _ExecutorCounters, elapsed: float, now: float) -> ExecutorStats:
     oldest = next(iter(counters.outstanding.values()), None)
     current = None if oldest is None else _op_label(oldest)
     # Executor clocks can run a little ahead of the controller's: never show more than 100 %.
@@ -259,4 +286,5 @@ def _executor_stats(counters: _ExecutorCounters, elapsed: float) -> ExecutorStat
         label=counters.label, alive=counters.alive, lost_reason=counters.lost_reason,
         current_op=current, queued=len(counters.outstanding), completed=counters.completed,
         failed=counters.failed, busy_s=counters.busy_s, utilization=utilization,
+        recent_utilization=_recent_utilization(counters.recent, elapsed, now),
         bytes_out=counters.bytes_out)

@@ -38,14 +38,19 @@ padding), as ignore_index does for a separate labels tensor."""
 
 @attrs.frozen(kw_only=True)
 class Prompt:
+    """One prompt to sample responses to: what a prompt source op yields."""
+
     prompt_id: int
+    """Its number within the step; a group of samples of one prompt shares it (`group_by`)."""
     tokens: list[int]
-    answer: str | None = None  # what a verifiable reward checks against, when there is one
-    # the prompt as the model sees it (after the chat template), when a tokenizer made it
+    """The prompt's token ids, as the model reads them (after the chat template, if any)."""
+    answer: str | None = None
+    """What a verifiable reward checks the response against, when there is one."""
     text: str | None = None
-    # the chat messages the template rendered into `text`, when a prompt source kept them
-    # (an agent program starts its conversation from them: executors/torch/rollout/endpoint.py)
+    """The prompt as the model sees it (after the chat template), when a tokenizer made it."""
     messages: list[dict] | None = None
+    """The chat messages the template rendered into `text`, when a prompt source kept them (an
+    agent program starts its conversation from them: executors/torch/rollout/endpoint.py)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -53,40 +58,52 @@ class Rollout:
     """One sampled response to one prompt, with the sampler's per-token log-probabilities."""
 
     prompt_id: int
-    sample: int  # index among the n samples of its prompt
+    """The `Prompt.prompt_id` it answers."""
+    sample: int
+    """Its index among the n samples of its prompt."""
     prompt_tokens: list[int]
+    """The prompt's token ids (`Prompt.tokens`)."""
     response_tokens: list[int]
+    """The sampled token ids, the end-of-sequence token included when it was sampled."""
     logprobs: list[float]
-    finished: bool = True  # False when cut at max_new_tokens or by the model's context
+    """The sampler's log-probability of each response token."""
+    finished: bool = True
+    """False when cut at max_new_tokens or by the model's context."""
     answer: str | None = None
-    # True when the model's context cut it before max_new_tokens (then finished is False): a
-    # flow reports the fraction, since such responses are shorter than the flow asked for
+    """The prompt's `answer`, carried along for the reward."""
     clipped: bool = False
-    # the weights version that sampled each response token (-1: the weights it was built with)
+    """True when the model's context cut it before max_new_tokens (then `finished` is False): a
+    flow reports the fraction, since such responses are shorter than the flow asked for."""
     versions: list[int] = attrs.field(factory=list)
-    # True when generation was stopped before the sample ended (an abort): a later generate
-    # given this Rollout continues it from its prefix
+    """The weights version that sampled each response token (-1: the weights it was built
+    with)."""
     interrupted: bool = False
-    # [Note: rollout text] the prompt and the response as text, decoded by the generating
-    # model's tokenizer; None for a model without one (the built-in GPT on bytes)
+    """True when generation was stopped before the sample ended (an abort): a later generate
+    given this Rollout continues it from its prefix."""
     prompt_text: str | None = None
+    """The prompt as text, decoded by the generating model's tokenizer; None for a model without
+    one (the built-in GPT on bytes) [Note: rollout text in executors/torch/rollout/engine.py]."""
     response_text: str | None = None
-    # [Note: multi-turn rollouts in flowkit/ops/environments.py] a trajectory's response holds
-    # the model's turns and the environment's: 1 for a token the model sampled (trained), 0 for
-    # one the environment gave (context); empty: every response token is the model's
+    """The response as text, decoded as `prompt_text` is."""
     response_mask: list[int] = attrs.field(factory=list)
-    turns: int = 1  # the model's turns
-    env_reward: float | None = None  # the sum of the environment's step rewards
-    env_error: str | None = None  # why the environment ended the trajectory early
-    # the numbers its environment's last step reported (EnvStep.info: a tool environment's
-    # tool_calls, ...) and env_seconds, its time in environment calls
+    """A multi-turn trajectory's response holds the model's turns and the environment's: 1 for
+    a token the model sampled (trained), 0 for one the environment gave (context); empty: every
+    response token is the model's [Note: multi-turn rollouts in flowkit/ops/environments.py]."""
+    turns: int = 1
+    """The model's turns."""
+    env_reward: float | None = None
+    """The sum of the environment's step rewards."""
+    env_error: str | None = None
+    """Why the environment ended the trajectory early."""
     env_info: dict[str, float] = attrs.field(factory=dict)
-    # a trajectory's prompt source messages (Prompt.messages), which an agent program starts
-    # from again if its trajectory restarts; None for single responses
+    """The numbers its environment's last step reported (EnvStep.info: a tool environment's
+    tool_calls, ...) and env_seconds, its time in environment calls."""
     prompt_messages: list[dict] | None = None
-    # an interrupted trajectory's episode, when its environment saves its state (plain data:
-    # Environment.state, and where the trajectory stood), for an executor without it to go on
+    """A trajectory's prompt source messages (`Prompt.messages`), which an agent program starts
+    from again if its trajectory restarts; None for single responses."""
     env_state: dict | None = None
+    """An interrupted trajectory's episode, when its environment saves its state (plain data:
+    Environment.state, and where the trajectory stood), for an executor without it to go on."""
 
     @property
     def response_length(self) -> int:
@@ -137,11 +154,14 @@ def resumable(items: list, min_version: int | None, stale_segments: str = "recom
 
 @attrs.frozen(kw_only=True)
 class Scored(Rollout):
-    """A rollout with its sequence-level reward; `task_reward` is the reward before any shaping
-    changed it (DAPO's overlong penalty), None when nothing did."""
+    """A rollout with its sequence-level reward: a reward op builds it from its Rollout,
+    `Scored(**attrs.asdict(rollout, recurse=False), reward=...)`."""
 
     reward: float
+    """The sequence-level reward the advantages are computed from."""
     task_reward: float | None = None
+    """The reward before any shaping changed it (DAPO's overlong penalty), None when nothing
+    did."""
 
 
 @attrs.frozen(kw_only=True)
@@ -158,9 +178,17 @@ class Experience(Scored):
     """A scored rollout with per-token advantages and returns: ready to train on."""
 
     advantages: list[float]
+    """One advantage per response token: GRPO's and RLOO's group-relative advantage of the
+    sample on each token, PPO's GAE whitened over the batch. Before an estimator runs it holds
+    token rewards (the KL penalty on each token, the reward on the last: kl_token_rewards)."""
     returns: list[float] = attrs.field(factory=list)
+    """One return per response token, what a value model is trained toward (PPO's GAE advantage
+    plus value); empty where no estimator sets them."""
     ref_logprobs: list[float] = attrs.field(factory=list)
+    """The reference model's log-probability of each response token, for the KL term; empty
+    without a reference."""
     values: list[float] = attrs.field(factory=list)
+    """The value model's estimate at each response token (PPO); empty without a critic."""
 
 
 @attrs.frozen(kw_only=True)

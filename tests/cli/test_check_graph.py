@@ -36,7 +36,8 @@ def test_version_and_help(runner):
 
 
 @pytest.mark.parametrize("example", ["ppo.py", "grpo.py", "pretrain_pp.py", "rloo_sort.py",
-                                     "reinforce_pp_sort.py"])
+                                     "reinforce_pp_sort.py", "reverse_task.py",
+                                     "reverse_task.py:warmup"])  # docs/your-own-task.md's
 def test_every_example_flow_checks(runner, example, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the RL examples start from the warm-up's weights, written
     (tmp_path / "checkpoints").mkdir()  # by examples/sort_sft.py: a missing one is an error
@@ -53,6 +54,17 @@ def test_broken_example_lists_every_error_and_exits_1(runner):
     for rule in ("unknown-config", "unknown-model", "type-mismatch", "missing-group-by",
                  "missing-collect"):
         assert rule in result.output
+
+
+def test_the_dsl_pages_sample_error_is_the_real_one(runner):
+    """docs/dsl.md shows the start of `flowkit check examples/broken_flow.py`: each line it
+    shows is a line the command prints (a key the executors learn lengthens the real one)."""
+    page = (EXAMPLES.parent / "docs" / "dsl.md").read_text(encoding="utf-8")
+    sample = page.split("$ flowkit check examples/broken_flow.py\n", 1)[1].split("```", 1)[0]
+    shown = [line for line in sample.splitlines() if line.strip() not in ("", "...")]
+    result = runner.invoke(main, ["check", str(EXAMPLES / "broken_flow.py")])
+    printed = result.output.splitlines()
+    assert shown == printed[:len(shown)], "regenerate docs/dsl.md's sample from the command"
 
 
 _HEAD = textwrap.dedent("""

@@ -39,10 +39,26 @@ def test_compare_lists_every_kind_and_reasons():
     rows = {line.split("│")[1].strip(): line for line in result.output.splitlines()
             if line.startswith("│")}
     # gpipe runs, just not within the limit: its figures are shown with the one reason
-    assert [c.strip() for c in rows["gpipe"].split("│")[2:7]] == [
-        "1", "33", "0.2727", "8", "over memory limit"]
+    assert [c.strip() for c in rows["gpipe"].split("│")[2:8]] == [
+        "1", "33", "0.2727", "0.2727", "8", "over memory limit"]
     assert rows["1f1b"].rstrip("│ ").endswith("ok")
     assert "invalid" not in result.output
+
+
+def test_compare_says_what_the_bubble_rate_counts():
+    """ZB-H2 at 0.0000 beside ZB-H1's 0.1111 at the same makespan puzzles a reader: the rate
+    leaves out the staggered start (a device's idle time before its first op), which the
+    column of idle time within the makespan counts, and a legend says so."""
+    result = CliRunner(env={"COLUMNS": "160"}).invoke(
+        main, ["schedule", "compare", "-p", "4", "-m", "8"])
+    assert result.exit_code == 0, result.output
+    rows = {line.split("│")[1].strip(): [cell.strip() for cell in line.split("│")[2:-1]]
+            for line in result.output.splitlines() if line.startswith("│")}
+    # chunks, makespan, bubble rate, idle of makespan, ...: 4 devices x 27 - 24 busy each
+    assert rows["zb-h1"][:4] == ["1", "27", "0.1111", "0.1111"]
+    assert rows["zb-h2"][:4] == ["1", "27", "0.0000", "0.1111"]
+    text = " ".join(result.output.split())
+    assert "staggered start" in text and "first op" in text
 
 
 def test_compare_says_why_auto_cannot_fit():

@@ -155,3 +155,20 @@ def test_metrics_writer_appends_when_asked(tmp_path):
         metrics.write(RunStats().summary())
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert records[0]["a"] == 1 and records[1]["tasks/done"] == 0
+
+
+def test_recent_utilization_is_over_the_last_window_and_drops_to_0_when_idle():
+    """What the dashboard shows: the share of the last 10 s spent in finished ops, so an
+    executor that went idle reads 0 % and not its average so far."""
+    from flowkit.observe.metrics import UTILIZATION_WINDOW_S
+
+    assert UTILIZATION_WINDOW_S == 10.0
+    clock = FakeClock(T0)
+    stats, a = RunStats(clock=clock), executor(1)
+    run(stats, task("F", a, 0, 5), a)
+    for now, recent in [(5.0, 1.0), (10.0, 0.5), (12.0, 0.3), (15.0, 0.0), (60.0, 0.0)]:
+        clock.now = T0 + now
+        (row,) = stats.snapshot().executors
+        assert row.recent_utilization == pytest.approx(recent), now
+    assert row.utilization == pytest.approx(5 / 60)  # the whole run's, for the metrics file
+    assert stats.summary()[f"perf/utilization/{a.name}"] == pytest.approx(5 / 60, abs=1e-6)
