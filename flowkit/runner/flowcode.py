@@ -83,7 +83,7 @@ def _graph_references(flow: Flow) -> Iterator[Reference]:
             if isinstance(path, str) and ":" in path:
                 yield Reference(path.partition(":")[0], f"the {what} of {node.name!r}")
     for model in flow.models.values():
-        yield Reference(model.build.partition(":")[0], f"model {model.name!r}'s build")
+        yield Reference(model.build.partition(":")[0], f"the build of model {model.name!r}")
 
 
 def _shipped(ref: Reference) -> str | None:
@@ -115,10 +115,10 @@ def _import_root(ref: Reference, module) -> Path | None:
     except (ImportError, ValueError):
         spec = None
     if spec is None:
-        raise RunConfigError("code", f"{ref.by} names module {ref.module!r}, found nowhere "
-                             f"(searched {_searched()}): put it beside the flow file or in the "
-                             "working directory, install it, or give RunConfig(code=[its "
-                             "folder or file])")
+        raise RunConfigError("code", f"{ref.by} names no module this machine has: no module "
+                             f"{ref.module!r} (searched {_searched()}): put it beside the flow "
+                             "file or in the working directory, install it, or give "
+                             "RunConfig(code=[its folder or file])")
     if spec.submodule_search_locations:  # a package: the folder above its own
         return Path(list(spec.submodule_search_locations)[0]).resolve().parent
     if spec.origin in (None, "built-in", "frozen"):

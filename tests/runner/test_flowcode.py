@@ -128,7 +128,7 @@ def test_references_name_ops_model_builds_and_environments(imported_from):
     flow.nodes["reverse_prompts"].config["environment"] = "myenvs_d.games:Guess"
     found = {(r.module, r.by) for r in flow_references(flow)}
     assert found == {("reverse_task_d", "op 'reverse_prompts'"),
-                     ("mymodels_d", "model 'actor''s build"),
+                     ("mymodels_d", "the build of model 'actor'"),
                      ("myenvs_d.games", "the environment of 'reverse_prompts'")}
 
 
@@ -139,7 +139,7 @@ def test_a_module_found_nowhere_is_one_line_naming_it_and_the_folders_searched(i
         code_to_ship(flow)
     text = str(raised.value)
     assert "\n" not in text and raised.value.setting == "code"
-    assert "no_such_models_e" in text and "model 'actor''s build" in text
+    assert "no_such_models_e" in text and "the build of model 'actor'" in text
     assert "searched" in text and str(Path.cwd()) in text
     assert "code=" in text  # the way out for what cannot be found
 
