@@ -65,12 +65,11 @@ def configure_tf32(environ: Mapping[str, str] = os.environ) -> bool:
     flags: CPU matmuls keep full fp32 (the tests compare them bit for bit). Returns the
     setting."""
     enabled = environ.get(TF32_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
-    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
-    if hasattr(matmul, "fp32_precision"):  # torch >= 2.9: per backend (mixing APIs errs)
-        matmul.fp32_precision = conv.fp32_precision = "tf32" if enabled else "ieee"
-    else:
-        torch.backends.cuda.matmul.allow_tf32 = enabled
-        torch.backends.cudnn.allow_tf32 = enabled
+    # the legacy flags: torch >= 2.9 maps them onto its per-backend settings, and both APIs
+    # still read back after (setting the new one makes a read of the old one raise, and
+    # torch.get_float32_matmul_precision, which inductor calls, with it)
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
     return enabled
 
 

@@ -168,3 +168,17 @@ def test_a_bf16_models_engine_keeps_its_cache_in_bf16():
     engine.submit(prompts[:1], Sampling(max_new_tokens=4, temperature=0.0), 1)
     engine.step()
     assert engine.cache.k[0].dtype == BF16
+
+
+def test_a_microbatch_under_bf16_holds_no_copy_of_the_weights():
+    """B's dX casts W when it runs: the forward saves the fp32 parameter itself, which is not
+    activation memory, so a microbatch in flight holds its activations only."""
+    module = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    held = {}
+    for autocast in (None, BF16):
+        runner = StageRunner(module, autocast=autocast)
+        runner.forward(0, torch.randn(2, 4, 256))
+        held[autocast] = runner.device_bytes
+        runner.reset()
+    weights = sum(p.numel() * p.element_size() for p in module.parameters())
+    assert held[BF16] <= held[None] < weights / 16, held

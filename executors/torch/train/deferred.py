@@ -152,16 +152,18 @@ class _DeferredLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-        # [Note: deferred calls under autocast]: X comes cast already, W and b are cast here
-        weight, bias = _cast(weight, _autocast_dtype(x)), _cast(bias, _autocast_dtype(x))
-        ctx.save_for_backward(weight)  # dX needs W only; X itself lives in the LinearCall
-        return F.linear(x, weight, bias)
+        # dX needs W only (X itself lives in the LinearCall): the parameter, not a cast copy a
+        # microbatch would hold until its B [Note: deferred calls under autocast]
+        ctx.save_for_backward(weight)
+        low = _autocast_dtype(x)  # X comes cast already, W and b are cast here
+        return F.linear(x, _cast(weight, low), _cast(bias, low))
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):
         (weight,) = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None
+        weight = _cast(weight, dy.dtype)  # as autocast cast it in the forward
         dx = dy.reshape(-1, dy.shape[-1]).mm(weight)  # (N, out) @ (out, in): one BLAS call
         return dx.view(*dy.shape[:-1], weight.shape[-1]), None, None
 
