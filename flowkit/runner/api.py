@@ -134,7 +134,8 @@ class Run:
         self.tags = executor_tags(self.plan, self.count, config.tags, config.placement)
         if controller is None and config.launcher == "local":
             self._check_devices(config.device)
-        if self.kind == "torch":  # the simulator loads no weights
+        # the simulator loads no weights; executors elsewhere read their own hosts' files
+        if self.kind == "torch" and controller is None and config.launcher == "local":
             _check_checkpoints(self.flow)
         self.keys = _keys(config)
         # what its own executors load at start [Note: shipped code in flowkit/runner/flowcode.py]
@@ -165,16 +166,15 @@ class Run:
             devices = local_devices(spec, self.count)
         except DeviceError as exc:
             raise RunConfigError("device", str(exc)) from None
-        gpus = {d.env["CUDA_VISIBLE_DEVICES"] for d in devices if d.gpu is not None}
         models = {n.model.name: n.model for n in self.plan if n.model is not None}
-        crowded = [m for m in models.values() if gpus and m.replicas > len(gpus)]
-        if crowded:
-            model = crowded[0]
-            raise RunConfigError("replicas", f"model {model.name!r} trains as {model.replicas} "
-                                 f"replicas, and --device {spec} gives the executors "
-                                 f"{len(gpus)} GPU(s): NCCL runs one rank of a replica group "
-                                 "a GPU, so each replica needs its own; give one GPU per "
-                                 "executor (--device cuda) or fewer replicas")
+        for model in models.values():
+            shared = _shared_gpu(model.stages, model.replicas, devices)
+            if shared is not None:
+                raise RunConfigError(
+                    "replicas", f"model {model.name!r} trains as {model.replicas} replicas, and "
+                    f"--device {spec} puts two of them (executors {shared[0]} and {shared[1]}, "
+                    "the same stage) on one GPU: NCCL runs one rank of a replica group a GPU; "
+                    "give one GPU per executor (--device cuda) or fewer replicas")
 
     @property
     def runner(self) -> FlowRunner | None:
@@ -411,6 +411,23 @@ def _check_stages(flow: Flow, config: RunConfig) -> None:
     the run's setting cut it, the flow's own otherwise."""
     for problem in stages_problems(flow):
         raise RunConfigError("stages" if config.stages is not None else "flow", problem)
+
+
+def _shared_gpu(stages: int, replicas: int, devices: list) -> tuple[int, int] | None:
+    """Two executors of one stage's replica group on one GPU, if any: replica r of a model
+    trains on the executors r x stages ... (r + 1) x stages - 1, as flowkit/runner/replicas.py
+    places them."""
+    for stage in range(stages):
+        seen: dict[str, int] = {}
+        for replica in range(replicas):
+            index = replica * stages + stage
+            if index >= len(devices) or devices[index].gpu is None:
+                continue
+            gpu = devices[index].env["CUDA_VISIBLE_DEVICES"]
+            if gpu in seen:
+                return seen[gpu], index
+            seen[gpu] = index
+    return None
 
 
 def _check_checkpoints(flow: Flow) -> None:

@@ -143,12 +143,10 @@ def with_training_options(flow: Flow, *, stages: int | None, microbatches: int |
             get_spec(schedule)
         except ValueError as exc:
             raise RunConfigError("schedule", str(exc)) from None
-    if precision is not None:
+    if precision is not None:  # a model cast to another dtype (a frozen copy) stays as it is
         for name, model in flow.models.items():
-            try:
+            if model.config.get("dtype", "float32") == "float32":
                 flow.models[name] = attrs.evolve(model, precision=precision)
-            except ValueError as exc:
-                raise RunConfigError("precision", f"--precision {precision}: {exc}") from None
     backprops = [node for node in flow.nodes.values()
                  if getattr(node.operator, "lowering", None) == "pipeline"]
     for name in {node.model for node in backprops}:

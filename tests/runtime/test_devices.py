@@ -84,6 +84,23 @@ def test_replicas_that_would_share_a_gpu_are_refused_before_executors_start(monk
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     with pytest.raises(RunConfigError, match=r"'actor' trains as 2 replicas, and --device "
-                       r"cuda:0 gives the executors 1 GPU\(s\): NCCL runs one rank") as err:
+                       r"cuda:0 puts two of them \(executors 0 and 2, the same stage\) on one "
+                       r"GPU: NCCL runs one rank") as err:
         flowkit.run(flow, RunConfig(device="cuda:0", replicas=2, dashboard=False))
     assert err.value.setting == "replicas"
+    # two GPUs cycled over 2 stages x 2 replicas: each stage's replicas share one
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(RunConfigError, match=r"executors 0 and 2, the same stage"):
+        flowkit.run(flow, RunConfig(device="cuda:0,cuda:1", replicas=2, dashboard=False))
+    with pytest.raises(RunConfigError, match="asks for 4 GPU"):  # cuda: 4 executors, 2 GPUs
+        flowkit.run(flow, RunConfig(device="cuda", replicas=2, dashboard=False))
+
+
+def test_replicas_on_their_own_gpus_pass():
+    from flowkit.runner.api import _shared_gpu
+
+    # 2 stages x 2 replicas: replica 0 on GPU 0 (executors 0, 1), replica 1 on GPU 1 (2, 3)
+    devices = local_devices("cuda:0,cuda:0,cuda:1,cuda:1", 4, gpus=2, environ={})
+    assert _shared_gpu(2, 2, devices) is None
+    assert _shared_gpu(2, 2, local_devices("cuda:0,cuda:1", 4, gpus=2, environ={})) == (0, 2)
+    assert _shared_gpu(2, 2, local_devices("cpu", 4, environ={})) is None

@@ -182,3 +182,15 @@ def test_a_microbatch_under_bf16_holds_no_copy_of_the_weights():
         runner.reset()
     weights = sum(p.numel() * p.element_size() for p in module.parameters())
     assert held[BF16] <= held[None] < weights / 16, held
+
+
+def test_the_runs_precision_leaves_a_model_cast_to_bf16_as_it_is():
+    """--precision bf16 on a flow with a frozen bf16 copy (tis_bf16's actor): that model keeps
+    its cast, the others compute in bf16."""
+    from examples.grpo_sort import tis_bf16
+    from flowkit.runner.setup import with_training_options
+
+    flow = with_training_options(tis_bf16, stages=None, microbatches=None, schedule=None,
+                                 precision="bf16")
+    assert {m.config.get("dtype", "float32"): m.precision for m in flow.models.values()} == {
+        "bfloat16": "fp32"}
