@@ -70,7 +70,10 @@ def state_of(ctx: OpContext) -> dict[str, Any]:
 # load_state sets them back. A state without them (written on a CPU, or by an older flowkit)
 # loads as before, and one written with them loads on a CPU with a warning: there is nothing
 # there to draw from them.
-_RNG_BYTES = 1 << 16  # the CPU's Mersenne Twister state is 5,056 bytes, CUDA's Philox one 16
+# the sizes torch's generators take, checked before anything held is dropped: the CPU's Mersenne
+# Twister state (5,056 bytes in torch 2.x) and CUDA's Philox seed and offset (16)
+_CPU_RNG_BYTES = torch.get_rng_state().numel()
+_CUDA_RNG_BYTES = 16
 
 
 def cuda_rng_states() -> dict[int, torch.Tensor]:
@@ -80,14 +83,15 @@ def cuda_rng_states() -> dict[int, torch.Tensor]:
     return {i: torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())}
 
 
-def checked_rng(value: Any, what: str, path: str) -> torch.Tensor:
-    """A saved generator state: a 1-D uint8 tensor of at most _RNG_BYTES, else a StageError."""
+def checked_rng(value: Any, what: str, path: str, size: int = _CPU_RNG_BYTES) -> torch.Tensor:
+    """A saved generator state: a 1-D uint8 tensor of the `size` its generator takes, else a
+    StageError (before anything held changes: torch would refuse it only once set)."""
     if not (isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1
-            and 0 < value.numel() <= _RNG_BYTES):
+            and value.numel() == size):
         shown = (f"a {value.dtype} tensor of shape {tuple(value.shape)}"
                  if isinstance(value, torch.Tensor) else f"a {type(value).__name__}")
         raise StageError(f"{path}: {what} is {shown}, not a generator state (a 1-D uint8 "
-                         f"tensor of at most {_RNG_BYTES} bytes): the file is damaged")
+                         f"tensor of {size} bytes): the file is damaged")
     return value
 
 
@@ -99,7 +103,8 @@ def checked_cuda_rng(state: dict, path: str) -> dict[int, torch.Tensor]:
             type(i) is int and i >= 0 for i in saved):
         raise StageError(f"{path}: cuda_rng is not a map of device indices to generator "
                          "states: the file is damaged")
-    return {i: checked_rng(v, f"cuda_rng[{i}]", path) for i, v in sorted(saved.items())}
+    return {i: checked_rng(v, f"cuda_rng[{i}]", path, _CUDA_RNG_BYTES)
+            for i, v in sorted(saved.items())}
 
 
 def usable_cuda_rng(states: dict[int, torch.Tensor], path: str) -> dict[int, torch.Tensor]:
