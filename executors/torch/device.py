@@ -24,11 +24,12 @@ from typing import Any
 
 import torch
 
+from flowkit.ops.peak import PEAK_TFLOPS_ENV, peak_override
+
 __all__ = ["PEAK_TFLOPS_ENV", "TF32_ENV", "configure_tf32", "cuda_device", "device_clock",
            "peak_flops", "synchronize_op", "to_device"]
 
 TF32_ENV = "FLOWKIT_TF32"
-PEAK_TFLOPS_ENV = "FLOWKIT_PEAK_TFLOPS"
 
 
 def cuda_device(device: str | torch.device) -> str | None:
@@ -99,13 +100,9 @@ def peak_flops(device: str | torch.device, environ: Mapping[str, str] = os.envir
     """The device's peak FLOP/s for MFU: FLOWKIT_PEAK_TFLOPS if set, else a known GPU's dense
     bf16 peak by its name (`name(device)`, default torch.cuda.get_device_name); None for a CPU
     or an unknown GPU."""
-    given = environ.get(PEAK_TFLOPS_ENV, "").strip()
-    if given:
-        try:
-            tflops = float(given)
-        except ValueError:
-            raise ValueError(f"{PEAK_TFLOPS_ENV}={given!r} is not a number of TFLOP/s") from None
-        return tflops * 1e12 if tflops > 0 else None
+    given = peak_override(environ)
+    if given is not None:
+        return given
     cuda = cuda_device(device)
     if cuda is None or (name is None and not torch.cuda.is_available()):
         return None

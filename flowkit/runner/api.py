@@ -20,6 +20,7 @@ from flowkit.dsl import Flow
 from flowkit.dsl.models import checkpoint_problems, stages_problems
 from flowkit.observe import Dashboard, RunStats, TraceRecorder
 from flowkit.observe.loggers import LoggerError, Loggers
+from flowkit.ops.peak import peak_override
 from flowkit.planner.lower import Call, lower_flow
 from flowkit.runner.bubble_fill import bubble_scorers
 from flowkit.runner.checkpoints.format import (
@@ -137,6 +138,10 @@ class Run:
         # the simulator loads no weights; executors elsewhere read their own hosts' files
         if self.kind == "torch" and controller is None and config.launcher == "local":
             _check_checkpoints(self.flow)
+        try:  # an MFU setting that cannot be read fails here, not after the first step
+            peak_override()
+        except ValueError as exc:
+            raise RunConfigError("environment", str(exc)) from None
         self.keys = _keys(config)
         # what its own executors load at start [Note: shipped code in flowkit/runner/flowcode.py]
         self.code = code_to_ship(self.flow, given=config.code)

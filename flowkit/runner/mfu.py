@@ -8,22 +8,9 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 
+from flowkit.ops.peak import PEAK_TFLOPS_ENV, peak_override
+
 __all__ = ["PEAK_TFLOPS_ENV", "mfu", "peak_override"]
-
-PEAK_TFLOPS_ENV = "FLOWKIT_PEAK_TFLOPS"
-
-
-def peak_override(environ: Mapping[str, str] = os.environ) -> float | None:
-    """Every device's peak FLOP/s as FLOWKIT_PEAK_TFLOPS sets it, or None."""
-    given = environ.get(PEAK_TFLOPS_ENV, "").strip()
-    if not given:
-        return None
-    try:
-        tflops = float(given)
-    except ValueError:
-        raise ValueError(f"{PEAK_TFLOPS_ENV}={given!r} is not a number of TFLOP/s") from None
-    return tflops * 1e12 if tflops > 0 else None
-
 
 def mfu(trainings: Iterable[tuple[float, Mapping[int, float | None]] | None], seconds: float,
         environ: Mapping[str, str] = os.environ) -> float | None:

@@ -52,5 +52,5 @@ def test_a_cpu_has_no_peak_unless_one_is_set():
     assert peak_flops("cpu", {}) is None
     assert peak_flops("cpu", {"FLOWKIT_PEAK_TFLOPS": "2.5"}) == 2.5e12
     assert peak_flops("cuda:0", {"FLOWKIT_PEAK_TFLOPS": "100"}, name=lambda d: "H100") == 1e14
-    with pytest.raises(ValueError, match="FLOWKIT_PEAK_TFLOPS='fast' is not a number"):
+    with pytest.raises(ValueError, match="FLOWKIT_PEAK_TFLOPS='fast' is not a positive number"):
         peak_flops("cpu", {"FLOWKIT_PEAK_TFLOPS": "fast"})

@@ -56,7 +56,7 @@ def test_the_step_mfu_is_its_flops_over_seconds_and_each_devices_peak_once():
     assert mfu([(1e12, {1: None})], 1.0, {}) is None  # a CPU: no peak of its own
     assert mfu([None], 1.0, {"FLOWKIT_PEAK_TFLOPS": "5"}) is None
     assert mfu([(1e12, {1: 1e12, 2: None})], 1.0, {}) is None
-    with pytest.raises(ValueError, match="FLOWKIT_PEAK_TFLOPS='x' is not a number"):
+    with pytest.raises(ValueError, match="FLOWKIT_PEAK_TFLOPS='x' is not a positive number"):
         mfu([one], 1.0, {"FLOWKIT_PEAK_TFLOPS": "x"})
 
 
@@ -92,3 +92,16 @@ def test_without_a_peak_a_cpu_step_reports_none_and_stops_asking(torch_cluster, 
     runner, reports = _step(torch_cluster, "mfu-unset")
     assert not any("mfu" in report.metrics for report in reports)
     assert all(training.flops_unknown for training in runner.training.values())
+
+
+@pytest.mark.parametrize("value", ["fast", "0", "-3", "inf"])
+def test_a_peak_setting_that_is_not_a_positive_number_is_refused_before_the_run(
+        monkeypatch, value):
+    from examples.sort_sft import flow
+    from flowkit import RunConfig, run
+    from flowkit.runner.config import RunConfigError
+
+    monkeypatch.setenv("FLOWKIT_PEAK_TFLOPS", value)
+    with pytest.raises(RunConfigError, match=rf"FLOWKIT_PEAK_TFLOPS='{value}' is not a "
+                       "positive number of TFLOP/s"):
+        run(flow, RunConfig(dashboard=False))
