@@ -68,9 +68,9 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
            "executor accounts it (torch: bytes, for pipeline ops given track_memory; the "
            "simulator: microbatch stashes, from each op's `memory`)"),
     OpSpec("model_flops", "anything, only to be ordered after it", ("model", "reset"),
-           "{flops_per_token, tokens, peak_flops}: the model's training FLOPs a token, the "
-           "tokens its stage 0 ran here since the last reset, this device's peak FLOP/s (None "
-           "where unknown) [Note: model FLOPs in executors/torch/train/flops.py]"),
+           "{flops, tokens, peak_flops}: the model's training FLOPs of the rows its stage 0 "
+           "ran here since the last reset, their tokens, this device's peak FLOP/s (None where "
+           "unknown) [Note: model FLOPs in executors/torch/train/flops.py]"),
     OpSpec("grad_stats", "on the last stage, the first stage's tied gradients", _OPTIMIZER,
            "a stage's squared gradient norm and its tied gradients"),
     OpSpec("reduce_grads", "every replica's last action of the stage, only to be ordered after "

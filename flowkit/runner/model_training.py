@@ -214,13 +214,12 @@ class ModelTraining:
                         executor=info.id, lane=device_lane(self.lane_for(replica), device),
                         meta={"node": "model_flops", "step": self.step})
         got = {executor: future.result(timeout=timeout) for executor, future in asked.items()}
-        per_token = next((g["flops_per_token"] for g in got.values() if g["flops_per_token"]),
-                         None)
+        counted = [g["flops"] for g in got.values() if g["flops"] is not None]
         peaks = {executor: g["peak_flops"] for executor, g in got.items()}
-        if per_token is None or not any(peaks.values()) and peak_override() is None:
+        if not counted or not any(peaks.values()) and peak_override() is None:
             self.flops_unknown = True
             return None
-        return per_token * sum(g["tokens"] for g in got.values()), peaks
+        return sum(counted), peaks
 
     def carried_state(self) -> dict:
         """What it carries from step to step that a run checkpoint keeps (checkpoints/): the

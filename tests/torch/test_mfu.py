@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from executors.torch.models.gpt import GPT
-from executors.torch.train.flops import flops_per_token, non_embedding_parameters
+from executors.torch.train.flops import non_embedding_parameters, training_flops
 from flowkit.runner.mfu import mfu
 from tests.harness import tiny_gpt
 from tests.torch.test_pipeline_training import CORPUS
@@ -29,24 +29,45 @@ def _nanogpt_flops_per_token(model: GPT) -> float:
 @pytest.mark.parametrize("config", [{}, GPT_CONFIG], ids=["default", "tiny"])
 @pytest.mark.parametrize("stages", [1, 2, 4])
 def test_a_tokens_flops_are_nanogpts_however_the_model_is_split(config, stages):
+    """nanoGPT counts rows of block_size tokens: one such row costs its tokens' FLOPs."""
     model = GPT(**config)
     parts = model.split(stages)
-    assert flops_per_token(parts) == _nanogpt_flops_per_token(GPT(**config))
+    T = model.config.block_size
+    assert training_flops(parts, T, T * T) == pytest.approx(
+        T * _nanogpt_flops_per_token(GPT(**config)), rel=1e-12)
     # the default GPT: 6 x 0.80M weights + 12 x 4 layers x 128 wide x 128 positions
     if not config and stages == 1:
         assert non_embedding_parameters(parts) == 4 * (12 * 128 * 128 + 13 * 128) + 2 * 128 \
             + 256 * 128
 
 
-def test_a_run_sequence_length_sets_the_attention_term():
+def test_the_attention_term_counts_each_rows_own_length():
     parts = GPT(**GPT_CONFIG).split(2)
-    assert flops_per_token(parts, seq_len=8) == flops_per_token(parts) - 12 * 4 * 16 * 8
+    # two rows of 8 tokens: 16 tokens, each attending 8 positions
+    assert training_flops(parts, 16, 2 * 8 * 8) - training_flops(parts, 16, 0) == \
+        12 * 4 * 16 * 2 * 8 * 8
+
+
+def test_an_untied_input_embedding_is_a_lookup_and_a_tied_one_counts_once():
+    from executors.torch.models.hf import HFCausalLM
+
+    rope = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, intermediate_size=32, vocab_size=256,
+                max_position_embeddings=32)
+    for tied in (False, True):
+        model = HFCausalLM(architecture="qwen2", hf_config={**rope,
+                                                            "tie_word_embeddings": tied})
+        every = {id(p): p.numel() for p in model.parameters()}
+        embedding = 256 * 16
+        for stages in (1, 2):
+            counted = non_embedding_parameters(model.split(stages))
+            assert counted == sum(every.values()) - (0 if tied else embedding), (tied, stages)
 
 
 def test_a_model_whose_config_names_no_layers_has_no_flop_count():
     import torch
 
-    assert flops_per_token([torch.nn.Linear(4, 4)]) is None
+    assert training_flops([torch.nn.Linear(4, 4)], 4, 16) is None
 
 
 def test_the_step_mfu_is_its_flops_over_seconds_and_each_devices_peak_once():
@@ -81,9 +102,10 @@ def _step(ctl, name: str):
 def test_a_training_step_reports_mfu_where_a_peak_is_set(torch_cluster, monkeypatch):
     monkeypatch.setenv("FLOWKIT_PEAK_TFLOPS", "0.5")
     _, reports = _step(torch_cluster, "mfu-set")
-    per_token = flops_per_token(GPT(**GPT_CONFIG).split(DEVICES))
-    for report in reports:  # each step's own tokens: stage 0's count starts again each step
-        expected = per_token * SEQUENCES * SEQ_LEN / report.elapsed_s / (DEVICES * 0.5e12)
+    flops = training_flops(GPT(**GPT_CONFIG).split(DEVICES), SEQUENCES * SEQ_LEN,
+                           SEQUENCES * SEQ_LEN * SEQ_LEN)
+    for report in reports:  # each step's own rows: stage 0's count starts again each step
+        expected = flops / report.elapsed_s / (DEVICES * 0.5e12)
         assert report.metrics["mfu"] == pytest.approx(expected, rel=1e-9)
 
 

@@ -29,6 +29,7 @@ class HeldStage:
     # stage 0: the tokens its forwards ran since the runner last asked [Note: model FLOPs in
     # executors/torch/train/flops.py]
     tokens_run: int = 0
+    attended: int = 0  # the squared lengths of the rows those tokens were in, summed
 
 
 def held_stage(ctx: OpContext, config: dict) -> HeldStage:

@@ -95,7 +95,7 @@ def _forward_on(held: HeldStage, inputs: tuple, *, stage: int, stages: int, micr
         if first or last else (None, None)
     args: list[Any] = [read if first else inputs[0]]
     if first:
-        held.tokens_run += read.numel()  # [Note: model FLOPs in executors/torch/train/flops.py]
+        _count_rows(held, read)
     if last:
         args += [targets, float(loss_scale)]
     out = held.runner.forward(microbatch, *args, split=split, offload=offload)
@@ -103,6 +103,12 @@ def _forward_on(held: HeldStage, inputs: tuple, *, stage: int, stages: int, micr
         return out
     n_tokens = int(targets.ge(0).sum())
     return MicrobatchStats(loss=float(out) / float(loss_scale), tokens=n_tokens)
+
+
+def _count_rows(held: HeldStage, ids: torch.Tensor) -> None:
+    """Stage 0's (B, T) rows, for MFU [Note: model FLOPs in executors/torch/train/flops.py]."""
+    held.tokens_run += ids.numel()
+    held.attended += ids.numel() * ids.size(-1)
 
 
 def split_tokens(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +130,7 @@ def _rl_forward(held: HeldStage, inputs: tuple, *, first: bool, last: bool, micr
     experiences = records(data[0]) if data else []
     x = sequence_ids(experiences, held.runner.device) if first else inputs[0]
     if first:
-        held.tokens_run += x.numel()  # [Note: model FLOPs in executors/torch/train/flops.py]
+        _count_rows(held, x)
     if not last:
         return held.runner.forward(microbatch, x, split=split, offload=offload)
     refs = records(data[1]) if len(data) > 1 else []
