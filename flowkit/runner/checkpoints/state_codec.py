@@ -27,6 +27,7 @@ import attrs
 import msgpack
 
 from flowkit.ops import records as contract_records
+from flowkit.wire.serialize import TORCH_DTYPES
 
 __all__ = ["CheckpointError", "STATE_FORMAT", "allowed_records", "decode_state", "encode_state",
            "read_private", "reason", "short",
@@ -36,8 +37,6 @@ STATE_FORMAT = "flowkit.run_state/1"
 
 _TUPLE, _RECORD, _TENSOR, _NDARRAY = 1, 2, 3, 4
 _MAX_FILE = 1 << 36  # 64 GiB: far past any real state, and a bound on what a read allocates
-_TORCH_DTYPES = frozenset("bool uint8 int8 int16 int32 int64 float16 bfloat16 float32 float64 "
-                          "complex64 complex128".split())
 _NUMPY_KINDS = frozenset("biufc")  # no object arrays: their items would be unpickled
 
 
@@ -225,7 +224,7 @@ def _shape(value: Any, what: str) -> list[int]:
 
 def _tensor(payload: Any) -> Any:
     dtype_name, shape, data = _triple(payload, "a tensor")
-    if dtype_name not in _TORCH_DTYPES:
+    if type(dtype_name) is not str or dtype_name not in TORCH_DTYPES:
         raise CheckpointError(f"a tensor of dtype {str(dtype_name)[:40]!r}")
     torch = _torch()
     dtype, dims = getattr(torch, dtype_name), _shape(shape, "a tensor")
