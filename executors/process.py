@@ -52,11 +52,13 @@ from flowkit.wire.limits import (
     CONTROL_FRAME_BYTES,
     DATA_FRAME_BYTES,
     DATA_RCVHWM,
+    DATA_SNDHWM,
     bound_inbound,
 )
 from flowkit.wire.liveness import zmtp_heartbeats
 from flowkit.wire.protocol import Msg, ProtocolError, decode, encode, part_id, send_frames
 from flowkit.wire.refs import resolve
+from flowkit.wire.refusals import Refusals
 from flowkit.wire.schema import shown
 from flowkit.wire.serialize import (
     SerializeError,
@@ -112,6 +114,8 @@ class Executor:
         self.peer = self.zmq.socket(zmq.ROUTER)
         self.peer.setsockopt(zmq.LINGER, 0)
         bound_inbound(self.peer, max_frame=DATA_FRAME_BYTES, rcvhwm=DATA_RCVHWM)
+        self.peer.setsockopt(zmq.SNDHWM, DATA_SNDHWM)
+        self.refusals = Refusals(log)  # [Note: refusals] in flowkit/wire/refusals.py
         if keys is not None:
             curve_server(self.peer, keys, EXECUTOR)
         port = self.peer.bind_to_random_port(f"tcp://{peer_host}")
@@ -288,13 +292,26 @@ class Executor:
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # noqa: BLE001 - [Note: a message never kills IO]
-            # in flowkit/runtime/controller.py: whatever a message makes a handler raise,
-            # SystemExit included, rejects that message and this executor serves on
-            known = isinstance(exc, (ProtocolError, SerializeError))
-            reason = shown(str(exc) if known else f"{type(exc).__name__}: {exc}", 300)
-            log.warning("rejected a message%s: %s", " from a peer" if peer else "", reason,
-                        exc_info=None if known else exc)
-            self._send(Msg.ERROR, {"reason": reason})  # the controller's log tells of it
+            self._reject(exc, peer=peer)
+
+    def _reject(self, exc: BaseException, *, peer: bool) -> None:
+        """[Note: a message never kills IO] in flowkit/runtime/controller.py: whatever a message
+        makes a handler raise, SystemExit included, rejects that message and this executor
+        serves on. The controller hears of its own rejected messages; what a peer sent (maybe
+        a stranger flooding the data socket) is counted and logged a line a while, and never
+        relayed to the controller's log [Note: refusals in flowkit/wire/refusals.py]."""
+        known = isinstance(exc, (ProtocolError, SerializeError))
+
+        def reason() -> str:
+            return shown(str(exc) if known else f"{type(exc).__name__}: {exc}", 300)
+
+        if peer:
+            self.refusals.warn(f"peer {type(exc).__name__}",
+                               lambda: f"rejected a message from a peer: {reason()}")
+            return
+        text = reason()
+        log.warning("rejected a message: %s", text, exc_info=None if known else exc)
+        self._send(Msg.ERROR, {"reason": text})  # the controller's log tells of it
 
     def _send(self, kind: str, fields: dict | None = None, frames: list = ()) -> None:
         # zero-copy only pays for big frames (see Controller._send_raw)

@@ -33,6 +33,7 @@ from flowkit.ops.records import (
     resumable,
     step_report,
 )
+from flowkit.wire.files import FileRefused, open_regular, read_bounded
 
 __all__ = ["busy_for", "register", "sample_rollout"]
 
@@ -452,28 +453,35 @@ def _seed(ctx: OpContext, meta: dict) -> str:
 
 
 # -- run checkpoints [Note: run checkpoints in flowkit/runner/checkpoints/format.py] ---------
-def _save_state(ctx: OpContext, *_: Any, path: str) -> int:
+def _save_state(ctx: OpContext, *_: Any, path: str) -> dict:
     """The simulator holds no weights: its part of a checkpoint says so, and how many ops it ran
-    (each op's outputs are seeded by its identity, not by what ran before)."""
-    text = json.dumps({"format": "flowkit.sim_state/1", "executor": ctx.name})
+    (each op's outputs are seeded by its identity, not by what ran before). Returns its bytes
+    and SHA-256 [Note: checkpoint checksums in flowkit/runner/checkpoints/writer.py]."""
+    data = json.dumps({"format": "flowkit.sim_state/1", "executor": ctx.name}).encode()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     os.fchmod(fd, 0o600)  # a checkpoint's files are its owner's alone, whatever the umask
-    with os.fdopen(fd, "w", encoding="utf-8") as file:
-        file.write(text)
-    return len(text)
+    with os.fdopen(fd, "wb") as file:
+        file.write(data)
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def _load_state(ctx: OpContext, *_: Any, path: str, models: dict | None = None,
-                optimizer_shards: dict | None = None) -> int:
+                optimizer_shards: dict | None = None, checksums: dict | None = None) -> int:
     """Nothing to build (`models` and `optimizer_shards` are for executors that hold
-    weights); the file must be a simulator's state, a plain file."""
+    weights); the file must be a simulator's state, a regular file of its SHA-256 in
+    `checksums` [Note: contained files in flowkit/wire/files.py]."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        with os.fdopen(fd, encoding="utf-8") as file:
-            state = json.loads(file.read(1 << 16))
-    except (OSError, ValueError) as exc:
-        reason = "it is a symbolic link" if os.path.islink(path) else exc
-        raise ValueError(f"cannot read simulator state {path}: {reason}") from None
+        fd, size = open_regular(path, limit=1 << 16)
+        try:
+            data = read_bounded(fd, size, path)
+        finally:
+            os.close(fd)
+        if checksums is not None and checksums.get(path) != hashlib.sha256(data).hexdigest():
+            raise FileRefused(f"{path} does not match its SHA-256 in manifest.json: it "
+                              "changed after it was written")
+        state = json.loads(data)
+    except ValueError as exc:  # FileRefused too
+        raise ValueError(f"cannot read simulator state: {exc}") from None
     if not isinstance(state, dict) or state.get("format") != "flowkit.sim_state/1":
         raise ValueError(f"{path} is not a simulator executor's state")
     return 0

@@ -15,6 +15,7 @@ first and restores the generators last: the next op draws what the uninterrupted
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import random
@@ -30,11 +31,13 @@ from executors.torch.models.built import held_model
 from executors.torch.train.held_stage import held_stage
 from executors.torch.train.reshard import recut
 from flowkit.dsl.lora import lora_identity
+from flowkit.wire.files import FileRefused, open_regular, sha256_of
 
 __all__ = ["StateWriter", "checked_cuda_rng", "checked_rng", "cuda_rng_states", "load_state",
            "restore_cuda_rng", "save_state", "state_of", "usable_cuda_rng"]
 
 _FORMAT = "flowkit.executor_state/1"
+_MAX_STATE = 1 << 40  # bytes: past any model this runs, a bound on what a load may read
 
 log = logging.getLogger("flowkit.executor")
 
@@ -226,12 +229,29 @@ class StateWriter:
 def _write(fd: int, path: Path, snapshot: dict, outcome: list) -> None:
     try:
         with os.fdopen(fd, "wb") as file:
-            torch.save(snapshot, file)
+            # hashed as written [Note: checkpoint checksums in flowkit/runner/checkpoints/writer.py]
+            hashing = _Hashing(file)
+            torch.save(snapshot, hashing)
             file.flush()
             os.fsync(file.fileno())  # on disk before the controller renames the checkpoint in
-        outcome.append(path.stat().st_size)
+        outcome.append({"bytes": hashing.bytes, "sha256": hashing.digest.hexdigest()})
     except BaseException as exc:  # the task fails with it, naming it
         outcome.append(exc)
+
+
+class _Hashing:
+    """A file that hashes what is written to it (torch.save only writes and flushes)."""
+
+    def __init__(self, file: Any) -> None:
+        self.file, self.digest, self.bytes = file, hashlib.sha256(), 0
+
+    def write(self, data: Any) -> int:
+        self.digest.update(data)
+        self.bytes += memoryview(data).nbytes
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
 
 
 def _on_host(value: Any) -> Any:
@@ -247,7 +267,7 @@ def _on_host(value: Any) -> Any:
 
 
 def load_state(ctx: OpContext, *_: Any, path: str, models: dict | None = None,
-               optimizer_shards: dict | None = None) -> int:
+               optimizer_shards: dict | None = None, checksums: dict | None = None) -> int:
     """Build the models `path` holds from `models` (the flow's spec of each, by name: what the
     controller sends, never what the file says) and load their weights, optimizer states and
     versions, then this executor's random generators; returns how many models it holds. A
@@ -256,13 +276,13 @@ def load_state(ctx: OpContext, *_: Any, path: str, models: dict | None = None,
     and the files of every saved replica of its device) differs from how the file cut them,
     the states are merged from those files and cut again [Note: resuming at another replica
     count in flowkit/runner/replicas.py]."""
-    state = _read(path)
+    state = _read(path, checksums)
     entries = [_checked(entry, i, path, models or {}) for i, entry in
                enumerate(_field(state, "models", list, path))]
     plans = optimizer_shards or {}
     # every file read and checked before anything held here is dropped
-    peers = {entry["name"]: _peers(entry, plans.get(entry["name"]), path, models or {})
-             for entry, _ in entries}
+    peers = {entry["name"]: _peers(entry, plans.get(entry["name"]), path, models or {},
+                                   checksums) for entry, _ in entries}
     torch_rng = checked_rng(state.get("torch_rng"), "torch_rng", path)
     cuda_rng = usable_cuda_rng(checked_cuda_rng(state, path), path)
     python_rng = _field(state, "python_rng", tuple, path)
@@ -278,7 +298,8 @@ def load_state(ctx: OpContext, *_: Any, path: str, models: dict | None = None,
     return len(entries)
 
 
-def _peers(entry: dict, plan: dict | None, path: str, models: dict) -> tuple:
+def _peers(entry: dict, plan: dict | None, path: str, models: dict,
+           checksums: dict | None) -> tuple:
     """(target shard, the saved states to cut it from: (shard, state dict) by stage) when the
     file's optimizer states are cut otherwise than this executor needs them, else None."""
     target = None if not plan or plan.get("target") is None else tuple(plan["target"])
@@ -289,7 +310,7 @@ def _peers(entry: dict, plan: dict | None, path: str, models: dict) -> tuple:
     files = [] if not plan else plan.get("peers", [])
     cuts: dict[int, list] = {index: [] for index in entry["optimizers"]}
     for peer in files[:1024]:
-        state = _read(str(peer))
+        state = _read(str(peer), checksums)
         for i, other in enumerate(_field(state, "models", list, str(peer))):
             if other.get("name") == entry["name"] and other.get("stages") == entry["stages"]:
                 checked, _ = _checked(other, i, str(peer), models)
@@ -310,21 +331,25 @@ def _shard(entry: dict, index: int) -> tuple[int, int] | None:
     return None if shard is None else (int(shard[0]), int(shard[1]))
 
 
-def _read(path: str) -> dict:
+def _read(path: str, checksums: dict | None = None) -> dict:
     """The state in `path`: tensors and plain values only (torch's weights-only loader: no
-    object of the file's choosing is built, no code runs); a link or a damaged file is one
-    line."""
+    object of the file's choosing is built, no code runs), a regular file checked against its
+    SHA-256 in `checksums` (by path; None: a checkpoint written before them) before torch
+    parses a byte of it [Note: contained files in flowkit/wire/files.py]; a link, another
+    kind of file or a damaged one is one line."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as exc:
-        reason = "it is a symbolic link" if os.path.islink(path) else exc.strerror or exc
-        raise StageError(f"cannot read executor state {path}: {reason}") from None
-    try:
-        with os.fdopen(fd, "rb") as file:
+        fd, size = open_regular(path, limit=_MAX_STATE)
+    except FileRefused as exc:
+        raise StageError(f"cannot read executor state: {exc}") from None
+    with os.fdopen(fd, "rb") as file:
+        if checksums is not None and checksums.get(path) != sha256_of(fd, size):
+            raise StageError(f"{path} does not match its SHA-256 in manifest.json: it changed "
+                             "after it was written")
+        try:
             state = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - a damaged or crafted file: whatever torch raises
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        raise StageError(f"cannot read executor state {path}: {first}") from None
+        except Exception as exc:  # noqa: BLE001 - a damaged or crafted file: whatever torch raises
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise StageError(f"cannot read executor state {path}: {first}") from None
     if not isinstance(state, dict) or state.get("format") != _FORMAT:
         raise StageError(f"{path} is not an executor state of this flowkit ({_FORMAT})")
     return state

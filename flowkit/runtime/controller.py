@@ -21,22 +21,28 @@ import logging
 import os
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import zmq
 
-from flowkit.runtime.admit import Refusals
 from flowkit.runtime.dispatch import Dispatcher, Listener, NoExecutor
 from flowkit.runtime.futures import Future, new_condition
 from flowkit.runtime.registry import ExecutorInfo
 from flowkit.wire.auth import CONTROLLER, Gate, Keys, check_bind, curve_server
 from flowkit.wire.hello import SECRET_ENV, Origin, new_secret, write_secret_file
-from flowkit.wire.limits import CONTROL_FRAME_BYTES, CONTROL_RCVHWM, bound_inbound
+from flowkit.wire.limits import (
+    CONTROL_FRAME_BYTES,
+    CONTROL_RCVHWM,
+    CONTROL_SNDHWM,
+    bound_inbound,
+)
 from flowkit.wire.liveness import ZMTP_TIMEOUT_S, ConnectionWatch, zmtp_heartbeats
 from flowkit.wire.protocol import Msg, ProtocolError, decode, encode, send_frames
 from flowkit.wire.refs import Gather
+from flowkit.wire.refusals import Refusals
 from flowkit.wire.schema import shown
 from flowkit.wire.serialize import SerializeError
 from flowkit.wire.task import MAX_ITEMS, MAX_WINDOW, TaskSpec
@@ -70,6 +76,7 @@ _HOT_S = 0.0005  # how long a waiting user watches the router before sleeping in
 # background thread takes the lock between two user calls, reads what is there without
 # waiting in poll, and gives it back.
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: IntFlag arithmetic is slow
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 class BindError(OSError):
@@ -115,6 +122,7 @@ class Controller:
         except BindError:
             self._zmq.destroy(linger=0)  # nothing else holds it yet
             raise
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # [Note: a full send queue]
         self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._heartbeat = _Heartbeat(self, _sibling(bind), ping_interval, ping_timeout)
         self._wake_in = self._socket(zmq.PULL, f"inproc://flowkit-wake-{id(self)}")
@@ -152,11 +160,10 @@ class Controller:
     def _socket(self, kind: int, bind: str, *, server: bool = False) -> zmq.Socket:
         sock = self._zmq.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
-        # An unbounded outbound queue: a ROUTER silently drops what exceeds its high-water
-        # mark, and the amount in flight is bounded by the tasks the user submitted anyway.
-        # Inbound, every connection is bounded [Note: bounds in flowkit/wire/limits.py].
-        sock.setsockopt(zmq.SNDHWM, 0)
+        # Every connection's queues are bounded, in and out [Note: bounds in wire/limits.py];
+        # a full one out is refused, not dropped in silence [Note: a full send queue]
         bound_inbound(sock, max_frame=self.max_frame_bytes, rcvhwm=CONTROL_RCVHWM)
+        sock.setsockopt(zmq.SNDHWM, CONTROL_SNDHWM)
         if server:  # the executors' connections [Note: liveness]
             zmtp_heartbeats(sock)
         if server and self._gate is not None:
@@ -458,9 +465,7 @@ class Controller:
             except (ProtocolError, SerializeError) as exc:
                 self._reject(identity, exc)
             except BaseException as exc:  # noqa: BLE001 - [Note: a message never kills IO]
-                log.error("handling a message from %s failed", shown(identity),
-                          exc_info=exc)
-                self._reject(identity, exc)
+                self._reject(identity, exc)  # its traceback logged with it
             if self._wanted or until is not None and until():
                 return  # what is left goes to the next driver (a user blocked on the lock, soon)
             # EVENTS costs less than the zmq.Again a non-blocking recv raises when empty
@@ -469,11 +474,26 @@ class Controller:
 
     def _reject(self, identity: bytes, exc: BaseException) -> None:
         """[Note: a message never kills IO] Whatever handling a message raises, SystemExit
-        included, rejects that message alone: its sender hears why, the IO thread goes on."""
-        reason = shown(f"{type(exc).__name__}: {exc}" if not isinstance(
-            exc, (ProtocolError, SerializeError)) else str(exc), 300)
-        log.warning("rejected a message from %s: %s", shown(identity), reason)
-        self._send_raw([identity, *encode(Msg.ERROR, {"reason": reason})])
+        included, rejects that message alone and the IO thread goes on: an executor of the run
+        hears why; a stranger (no valid HELLO on this connection) hears nothing, and its
+        refusals are counted and logged a line a while [Note: refusals in wire/refusals.py]."""
+        known = isinstance(exc, (ProtocolError, SerializeError))
+        executor = self._dispatcher.executor_at(identity)
+
+        def reason() -> str:
+            return shown(str(exc) if known else f"{type(exc).__name__}: {exc}", 300)
+
+        def line() -> str:
+            who = shown(identity) if executor is None else executor.describe()
+            text = f"rejected a message from {who}: {reason()}"
+            return text if known else "".join([text, "\n", *traceback.format_exception(exc)])
+
+        kind = type(exc).__name__
+        self._dispatcher.refusals.warn(
+            f"{kind} from a stranger" if executor is None else f"{kind} from {executor.name}",
+            line)
+        if executor is not None:
+            self._send_raw([identity, *encode(Msg.ERROR, {"reason": reason()})])
 
     def _origin(self, envelope: zmq.Frame) -> Origin:
         """Where a HELLO came from: the peer's address (tcp only), and with keys the name the
@@ -485,8 +505,24 @@ class Controller:
     def _send_raw(self, parts: list) -> None:
         # Small messages go by copy: a zero-copy send makes pyzmq track the buffer's release
         # through a thread of its own, which costs more than copying a few hundred bytes.
-        send_frames(self._router, parts, copy=len(parts) <= 2)
+        try:
+            send_frames(self._router, parts, copy=len(parts) <= 2, flags=_NOBLOCK)
+        except zmq.ZMQError as exc:  # [Note: a full send queue]
+            self._undeliverable(parts[0], exc)
+            return
         self.messages_out += 1
+
+    def _undeliverable(self, identity: bytes, exc: zmq.ZMQError) -> None:
+        """[Note: a full send queue] The router's queue to each connection holds at most
+        CONTROL_SNDHWM messages, and the router refuses (ROUTER_MANDATORY) rather than drop in
+        silence: a live executor's libzmq empties its queue as fast as it fills, so one that
+        stays full belongs to a peer that does not read, and an executor that does not read is
+        lost. A connection that is gone (EHOSTUNREACH) loses what was sent to it, as before."""
+        executor = self._dispatcher.executor_at(identity)
+        if exc.errno != zmq.EAGAIN or executor is None:
+            return
+        self._lose(executor.id, f"it does not read what is sent to it: its queue of "
+                                f"{CONTROL_SNDHWM:,} messages is full")
 
     def _run_commands(self) -> None:
         released, lost = self._released, self._lost

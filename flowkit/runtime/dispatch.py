@@ -17,7 +17,6 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from flowkit.runtime.admit import Refusals
 from flowkit.runtime.credits import StreamCredits
 from flowkit.runtime.futures import ExecutorLost, Future, Owner, RemoteError, TaskCancelled
 from flowkit.runtime.registry import ExecutorInfo, ObjectRecord, TaskRecord
@@ -26,6 +25,7 @@ from flowkit.wire.hello import HelloRefused, Origin, check_hello, check_origin, 
 from flowkit.wire.limits import CONTROL_FRAME_BYTES
 from flowkit.wire.protocol import Msg, ProtocolError, encode, part_id
 from flowkit.wire.refs import Gather, Item, object_ids
+from flowkit.wire.refusals import Refusals
 from flowkit.wire.schema import shown
 from flowkit.wire.serialize import SerializeError, declared_modules, pack, unpack
 from flowkit.wire.task import TaskSpec
@@ -38,6 +38,7 @@ Listener = Callable[[str, dict], Any]
 
 
 _NO_ORIGIN = Origin()  # a message handed over directly, not off a socket
+_HELLOS_REMEMBERED = 4096  # connections whose HELLO was refused and answered [Note: refusals]
 
 
 class NoExecutor(RuntimeError):
@@ -67,6 +68,7 @@ class Dispatcher:
         self._ids = itertools.count(1)
         self._executors: dict[int, ExecutorInfo] = {}
         self._by_identity: dict[bytes, int] = {}
+        self._hellos_refused: dict[bytes, None] = {}  # connections answered once, oldest first
         self._tasks: dict[int, TaskRecord] = {}
         self._objects: dict[int, ObjectRecord] = {}
         # Pending futures only: a future is dropped from here once resolved, so the user's last
@@ -190,9 +192,9 @@ class Dispatcher:
             self._on_items(executor, header)
         elif kind == Msg.VALUE:
             self._on_value(executor, header, frames)
-        elif kind == Msg.ERROR:
-            log.warning("%s rejected a message: %s", executor.describe(),
-                        shown(header["reason"], 400))  # an executor's own reason, bounded
+        elif kind == Msg.ERROR:  # an executor's own reason, bounded [Note: refusals]
+            self.refusals.warn(f"{executor.name} rejected", lambda: (
+                f"{executor.describe()} rejected a message: {shown(header['reason'], 400)}"))
         else:
             raise ProtocolError(f"a controller does not take {kind!r} messages")
 
@@ -239,12 +241,23 @@ class Dispatcher:
         executor = self._executors.get(executor_id)
         return executor.ping_token if executor is not None and executor.alive else None
 
+    def executor_at(self, identity: bytes) -> ExecutorInfo | None:
+        """The live executor that said hello on this connection, if any."""
+        executor = self._executors.get(self._by_identity.get(identity, 0))
+        return executor if executor is not None and executor.alive else None
+
     def _refuse_hello(self, identity: bytes, header: dict, exc: ProtocolError) -> None:
-        """No WELCOME, no record; a warning (one a while per kind) and an ERROR that tells a
-        misconfigured executor why, so it exits saying so rather than wait."""
+        """No WELCOME, no record; a warning (one a while per kind) and, the first time on a
+        connection, an ERROR that tells a misconfigured executor why, so it exits saying so
+        rather than wait; a connection that says HELLO again hears nothing [Note: refusals]."""
         reason = str(exc)
-        self.refusals.warn(f"hello {reason[:40]}", f"refused an executor calling itself "
-                           f"{shown(header.get('name'), 60)}: {reason}")
+        self.refusals.warn(f"hello {reason[:40]}", lambda: (
+            f"refused an executor calling itself {shown(header.get('name'), 60)}: {reason}"))
+        if identity in self._hellos_refused:
+            return
+        if len(self._hellos_refused) >= _HELLOS_REMEMBERED:
+            self._hellos_refused.pop(next(iter(self._hellos_refused)))
+        self._hellos_refused[identity] = None
         self._send_raw([identity, *encode(Msg.ERROR, {"reason": reason, "refused": True})])
 
     def _on_done(self, executor: ExecutorInfo, items: list) -> None:

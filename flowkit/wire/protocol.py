@@ -239,10 +239,11 @@ def part_id(object_id: int, index: int) -> int:
 _SNDMORE = int(zmq.SNDMORE)
 
 
-def send_frames(sock: zmq.Socket, parts: Sequence, *, copy: bool = True) -> None:
-    """`sock.send_multipart(parts, copy=copy)` without its IntFlag arithmetic on every frame,
-    microseconds a message on the dispatch path."""
-    last = len(parts) - 1
+def send_frames(sock: zmq.Socket, parts: Sequence, *, copy: bool = True, flags: int = 0
+                ) -> None:
+    """`sock.send_multipart(parts, flags, copy=copy)` without its IntFlag arithmetic on every
+    frame, microseconds a message on the dispatch path (`flags`: a plain int)."""
+    last, more = len(parts) - 1, _SNDMORE | flags
     for i, part in enumerate(parts):
-        sock.send(part, _SNDMORE if i < last else 0, copy=copy)
+        sock.send(part, more if i < last else flags, copy=copy)
 

@@ -28,8 +28,14 @@ import msgpack
 
 from flowkit.wire.collection import COLLECTOR_PAUSE
 
-__all__ = ["CONTRACT_MODULES", "SerializeError", "allow_records", "declare_modules",
-           "declared_modules", "nbytes_of", "pack", "unpack"]
+__all__ = ["CONTRACT_MODULES", "TORCH_DTYPES", "SerializeError", "allow_records",
+           "declare_modules", "declared_modules", "nbytes_of", "pack", "unpack"]
+
+# The dtypes a tensor may name, on the wire and in a checkpoint's run state: a name is looked
+# up on `torch` only once it is one of these (any other attribute might import a submodule,
+# `_inductor`'s 1,745 modules, or be a function)
+TORCH_DTYPES = frozenset("bool uint8 int8 int16 int32 int64 float16 bfloat16 float32 float64 "
+                         "complex64 complex128".split())
 
 _TENSOR, _NDARRAY, _RECORD, _TUPLE, _RECORD_KEY = 1, 2, 3, 4, 5
 _KEY = msgpack.ExtType(_RECORD_KEY, b"")  # [Note: records inline]: its value is the class path
@@ -221,9 +227,11 @@ def _raw_buffer(tensor: Any) -> memoryview:
 def _torch_from(meta: dict, frames: list) -> Any:
     import torch
 
-    dtype = getattr(torch, meta["dtype"], None)
-    if not isinstance(dtype, torch.dtype):
-        raise SerializeError(f"unknown torch dtype {meta['dtype']!r}")
+    name = meta["dtype"]
+    if type(name) is not str or name not in TORCH_DTYPES:
+        raise SerializeError(f"unknown torch dtype {str(name)[:40]!r}: one of "
+                             f"{', '.join(sorted(TORCH_DTYPES))} is expected")
+    dtype = getattr(torch, name)
     buffer = _frame(frames, meta["frame"])
     shape = [int(d) for d in meta["shape"]]
     if buffer.nbytes == 0:

@@ -15,7 +15,7 @@ from flowkit.runtime import (
     TaskCancelled,
     wait,
 )
-from flowkit.wire.protocol import Msg, decode, encode
+from flowkit.wire.protocol import Msg, encode
 from flowkit.wire.refs import Gather, Item
 from tests.harness import dealer, executor_cluster
 
@@ -159,18 +159,18 @@ def test_a_hung_executor_is_noticed_by_heartbeat(start_cluster):
     os.kill(only.pid, signal.SIGKILL)  # stopped, it would not exit when told to
 
 
-def test_controller_rejects_garbage_and_unknown_types_and_keeps_serving(cluster):
+def test_controller_rejects_garbage_and_unknown_types_silently_and_keeps_serving(cluster):
+    """A stranger (no valid HELLO) hears nothing back, its messages counted [Note: refusals in
+    flowkit/wire/refusals.py]."""
     ctl, _ = cluster
+    refused = ctl._dispatcher.refusals.count
     client = dealer(ctl.address)
     client.send_multipart([b"not msgpack at all"])
-    reply = client.poll(2000) and client.recv_multipart()
-    header, _ = decode(reply)
-    assert header["t"] == Msg.ERROR and "not msgpack" in header["reason"]
     client.send_multipart(encode(Msg.DONE, {"items": []}))
-    header, _ = decode(client.recv_multipart())
-    assert "never said hello" in header["reason"]
+    assert not client.poll(500)
     client.close()
     assert ctl.submit("noop").result(timeout=5) is None
+    assert ctl._dispatcher.refusals.count == refused + 2
 
 
 def test_a_fetch_asks_the_producer_not_an_executor_the_object_is_still_on_its_way_to(cluster):

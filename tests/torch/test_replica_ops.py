@@ -71,3 +71,31 @@ def test_a_saved_shard_that_is_not_an_adamw_state_is_refused(damage):
     bad = {**optimizer.state_dict(), **damage}
     with pytest.raises(StageError, match="not an AdamW state dict"):
         recut(trainable(model), [(None, bad)], None, new_optimizer(model).state_dict())
+
+
+def _listening(port: int) -> list[str]:
+    """The local addresses a TCP socket listens on at `port` (IPv4 and IPv6, from /proc)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as lines:
+            for line in list(lines)[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.rsplit(":", 1)
+                if state == "0A" and int(hex_port, 16) == port:
+                    found.append(address)
+    return found
+
+
+def test_the_replica_store_listens_on_the_executors_peer_host_only(pool):
+    """[finding 4 of issue 53] A data-parallel run's TCPStore listened on every interface
+    (`*:PORT`); it binds to the host it is given, the executor's peer host: loopback here."""
+    ctl, (first, second) = pool.cluster(2, kind="torch")
+    store = ctl.submit("replica_store", config={"group": "listen-test", "size": 2,
+                                                "host": "127.0.0.1"}, executor=first.id)
+    address = store.result(timeout=60)
+    assert address["host"] == "127.0.0.1"
+    assert _listening(address["port"]) == ["0100007F"]  # 127.0.0.1, and nothing else
+    joined = [ctl.submit("replica_group", store, config={"group": "listen-test", "rank": rank,
+                                                         "size": 2}, executor=member.id)
+              for rank, member in enumerate((first, second))]
+    assert [f.result(timeout=60) for f in joined] == [0, 1]

@@ -5,6 +5,8 @@ naming why."""
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 
@@ -39,8 +41,9 @@ def test_the_file_holds_the_state_when_the_task_ran_not_what_changed_after(tmp_p
         for p in stage.module.parameters():
             p.add_(1.0)
         stage.optimizer.step()
-    size = finished(ctx, pending)
-    assert size == (tmp_path / "exec0.pt").stat().st_size > 0
+    written = finished(ctx, pending)
+    data = (tmp_path / "exec0.pt").read_bytes()  # hashed as it was written
+    assert written == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} and data
     saved = torch.load(tmp_path / "exec0.pt", weights_only=True)["models"][0]
     for name, value in saved["parts"][0].items():
         assert torch.equal(value, before[name]), name

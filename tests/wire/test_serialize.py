@@ -75,6 +75,33 @@ def test_a_truncated_tensor_frame_is_rejected():
         unpack(body, [])
 
 
+_CHECK_DTYPES = """
+import sys, msgpack, torch
+from flowkit.wire.serialize import SerializeError, pack, unpack
+_, frames = pack(torch.zeros(4))
+for name in ("_inductor", "has_cuda", "Tensor", "float32x"):
+    meta = msgpack.packb({"dtype": name, "shape": [4], "frame": 0})
+    try:
+        unpack(msgpack.packb(msgpack.ExtType(1, meta)), frames)
+    except SerializeError as exc:
+        print(exc)
+print("torch._inductor" in sys.modules)
+"""
+
+
+def test_a_tensor_dtype_is_one_of_torchs_dtypes_and_naming_one_imports_nothing():
+    """[finding 6 of issue 53] `getattr(torch, name)` for any name imported torch._inductor."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    lines = subprocess.run([sys.executable, "-c", _CHECK_DTYPES], cwd=root, check=True,
+                           capture_output=True, text=True, timeout=120).stdout.splitlines()
+    assert lines[-1] == "False", lines
+    assert len(lines) == 5 and all("unknown torch dtype" in line for line in lines[:4]), lines
+
+
 def _forged_record(path, fields=None, *, inline: bool = False) -> bytes:
     """A record as a sender would write it: inline [Note: records inline], or as the extension
     holding its own body that senders wrote before (still read)."""

@@ -19,6 +19,7 @@ pipeline parallel".
 from __future__ import annotations
 
 import datetime
+import socket
 from typing import Any
 
 import torch
@@ -42,11 +43,25 @@ def _replica_store(ctx: OpContext, *_: Any, group: str, size: int, host: str = "
     """Rank 0 of `group`: open its TCPStore on `host` (this executor's peer host) at a free
     port; returns {"host", "port"} for the other members."""
     stores = ctx.state.setdefault("replica_stores", {})
+    host = host or "127.0.0.1"
     if group not in stores:
-        stores[group] = dist.TCPStore(host or "127.0.0.1", 0, int(size), is_master=True,
-                                      wait_for_workers=False,
+        listener = _listen_on(host)
+        stores[group] = dist.TCPStore(host, listener.getsockname()[1], int(size),
+                                      is_master=True, wait_for_workers=False,
+                                      master_listen_fd=listener.detach(),
                                       timeout=datetime.timedelta(seconds=float(timeout_s)))
-    return {"host": host or "127.0.0.1", "port": int(stores[group].port)}
+    return {"host": host, "port": int(stores[group].port)}
+
+
+def _listen_on(host: str) -> socket.socket:
+    """A socket listening on `host` alone at a free port, for the store to serve on: given
+    only a port, TCPStore listens on every interface, and neither it nor gloo authenticates
+    who connects (docs/security.md, data parallel's trust domain)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    listener.bind(address)
+    listener.listen(1024)
+    return listener
 
 
 def _replica_group(ctx: OpContext, address: Any, *_: Any, group: str, rank: int, size: int,

@@ -22,10 +22,13 @@ from flowkit.runner.checkpoints.state_codec import (
     short,
 )
 
-__all__ = ["RunState", "read_state", "state_bytes"]
+__all__ = ["MAX_RUN_STATE", "RunState", "read_state", "state_bytes"]
 
 _MAX_DEPTH = 32  # nesting of a plain metrics value
 _MAX_STEP = 1 << 40
+# bytes of a run state: what one read allocates, checked before it; an asynchronous run's open
+# steps' rollouts are the largest part (tokens of thousands of samples: tens of MiB)
+MAX_RUN_STATE = 2 << 30
 
 
 # -- the state and its schema ------------------------------------------------------------------
@@ -67,10 +70,11 @@ def state_bytes(state: RunState) -> bytes:
     })
 
 
-def read_state(path: Path, records: Mapping[str, type]) -> RunState:
-    """The run state in file `path`, every field checked; a CheckpointError of one line naming
-    `path` and the field otherwise."""
-    plain = decode_state(read_private(path, "--resume"), path, records)
+def read_state(path: Path, records: Mapping[str, type], sha256: str | None = None
+               ) -> RunState:
+    """The run state in file `path` (of that SHA-256, when given), every field checked; a
+    CheckpointError of one line naming `path` and the field otherwise."""
+    plain = decode_state(read_private(path, "--resume", MAX_RUN_STATE, sha256), path, records)
     check = _Check(path)
     fields = check.keys(plain, "the state", {"format", "step", "records", "feedback", "training",
                                              "profiles", "open_work"})

@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,10 +26,12 @@ from flowkit.runner.checkpoints.state_codec import CheckpointError, read_private
 from flowkit.runner.stepstate import RunnerState, Streams
 from flowkit.runner.training_tasks import model_spec
 from flowkit.runtime.registry import ExecutorInfo
+from flowkit.wire.files import is_plain_name
 
 __all__ = ["FORMAT", "MANIFEST", "PICKLED_STATE", "PREFIX", "RUN_STATE", "CheckpointError",
            "Checkpointed",
            "Manifest", "RunState", "check_root", "complete_checkpoints", "executor_layout",
+           "executor_states",
            "flow_identity", "flow_models", "latest_checkpoint", "new_run_id", "read_manifest",
            "read_run_state", "run_of", "run_record"]
 
@@ -65,6 +69,9 @@ class Manifest:
     written_s: float = 0.0  # seconds the checkpoint took to write
     format: str = FORMAT
     staleness: int | None = None  # an asynchronous run's bound; None: a synchronous run
+    # the SHA-256 of each file by its path in the folder [Note: checkpoint checksums]; None in
+    # a checkpoint written before them
+    files: dict[str, str] | None = None
 
 
 def new_run_id() -> str:
@@ -213,13 +220,14 @@ def read_manifest(folder: Path) -> Manifest:
 
 _MANIFEST_FIELDS = {"step", "identity", "executors", "run", "placement", "written_s", "format",
                     "staleness"}
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def _manifest_problem(fields: dict) -> str:
     """What is wrong with a manifest's fields, or ""."""
-    if set(fields) != _MANIFEST_FIELDS:
+    if set(fields) - {"files"} != _MANIFEST_FIELDS:
         return (f"fields {sorted(map(str, fields))[:10]}, expected "
-                f"{sorted(_MANIFEST_FIELDS)}")
+                f"{sorted(_MANIFEST_FIELDS | {'files'})}")
     checks = [
         (_whole(fields["step"]), "step is not a whole number >= 0"),
         (fields["staleness"] is None or _whole(fields["staleness"]),
@@ -234,8 +242,28 @@ def _manifest_problem(fields: dict) -> str:
         (isinstance(fields["placement"], dict) and all(
             isinstance(k, str) and _strings(v) for k, v in fields["placement"].items()),
          "placement is not a map of model to executor names"),
+        (fields.get("files") is None or isinstance(fields["files"], dict) and all(
+            _in_folder(k) and isinstance(v, str) and _SHA256.fullmatch(v)
+            for k, v in fields["files"].items()),
+         "files is not a map of the folder's files to their SHA-256"),
     ]
-    return next((problem for ok, problem in checks if not ok), "")
+    problem = next((problem for ok, problem in checks if not ok), "")
+    if problem:
+        return problem
+    names = [e["name"] for e in fields["executors"]] + [
+        name for names in fields["placement"].values() for name in names]
+    escaping = next((name for name in names if not is_plain_name(name)), None)
+    if escaping is not None:  # a path out of executors/ [Note: contained files]
+        return f"executor name {escaping[:80]!r} is not a plain name (a file of executors/)"
+    return ""
+
+
+def _in_folder(name: Any) -> bool:
+    """A name of a checkpoint's own file: run.msgpack, or executors/NAME."""
+    if name == RUN_STATE:
+        return True
+    folder, _, part = str(name).partition("/")
+    return folder == "executors" and is_plain_name(part)
 
 
 def _whole(value: Any) -> bool:
@@ -260,9 +288,28 @@ def _is_identity(value: Any) -> bool:
                     for k, v in value["models"].items()))
 
 
-def read_run_state(folder: Path, records: Mapping[str, type]) -> RunState:
-    """The controller's state in checkpoint `folder`, its record classes looked up in
-    `records` (state_codec.allowed_records): data only, checked field by field."""
-    return read_state(Path(folder) / RUN_STATE, records)
+def read_run_state(folder: Path, records: Mapping[str, type], sha256: str | None = None
+                   ) -> RunState:
+    """The controller's state in checkpoint `folder` (of that SHA-256, when given), its record
+    classes looked up in `records` (state_codec.allowed_records): data only, checked field by
+    field."""
+    return read_state(Path(folder) / RUN_STATE, records, sha256)
+
+
+def executor_states(folder: Path) -> Path:
+    """The folder of checkpoint `folder`'s executor states, a folder of its own: a symbolic
+    link in its place would make the executors read files elsewhere [Note: contained files in
+    flowkit/wire/files.py]."""
+    states = Path(folder) / "executors"
+    try:
+        info = os.lstat(states)
+    except FileNotFoundError:
+        return states  # none saved (a run without executor states)
+    if stat.S_ISLNK(info.st_mode):
+        raise CheckpointError(f"--resume {folder}: {states} is a symbolic link; a "
+                              "checkpoint's files must be its own")
+    if not stat.S_ISDIR(info.st_mode):
+        raise CheckpointError(f"--resume {folder}: {states} is not a folder")
+    return states
 
 

@@ -5,13 +5,18 @@ runner's state back.
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
 from flowkit.runner.checkpoints.controller_state import RunState
 from flowkit.runner.checkpoints.format import (
+    MANIFEST,
+    RUN_STATE,
     Checkpointed,
     Manifest,
+    executor_states,
     read_manifest,
     read_run_state,
 )
@@ -23,6 +28,8 @@ from flowkit.runtime.futures import wait
 from flowkit.runtime.registry import ExecutorInfo
 
 __all__ = ["check_resumable", "restore"]
+
+log = logging.getLogger("flowkit.runner")
 
 
 def check_resumable(manifest: Manifest, identity: dict, layout: list[dict],
@@ -60,6 +67,26 @@ def check_resumable(manifest: Manifest, identity: dict, layout: list[dict],
         raise CheckpointError(f"{where} written by executors {_layout_text(manifest.executors)}; "
                               f"this run starts {_layout_text(layout)}: give the same "
                               "--executors, --num-executors and --tags")
+
+
+def _checksums(folder: Path, manifest: Manifest) -> dict[str, str] | None:
+    """[Note: checkpoint checksums] in writer.py: each file's SHA-256 by its absolute path, or
+    None for a checkpoint written before them (loaded, with a warning)."""
+    if manifest.files is None:
+        log.warning("--resume %s: written before checkpoints carried checksums: its files are "
+                    "loaded unverified", folder)
+        return None
+    return {str((Path(folder) / name).absolute()): digest
+            for name, digest in manifest.files.items()}
+
+
+def _checksum(checksums: dict[str, str] | None, path: Path) -> str | None:
+    if checksums is None:
+        return None
+    digest = checksums.get(str(path.absolute()))
+    if digest is None:
+        raise CheckpointError(f"--resume: {path} has no SHA-256 in {MANIFEST}")
+    return digest
 
 
 def _mode(staleness: int | None) -> str:
@@ -108,9 +135,11 @@ def restore(folder: Path, runner: Checkpointed, executors: list[ExecutorInfo], *
     from `models`, the flow's specs by name, never from what the file says), the runner its
     feedback and what its trainings carry; returns the controller's state (its step: the next
     one to run). The run state is read and checked first: a damaged one changes nothing."""
-    ctl = runner.ctl
-    state = read_run_state(folder, records)
-    saved, placement = read_manifest(folder).placement, runner.boundary().placement
+    ctl, manifest = runner.ctl, read_manifest(folder)
+    states = executor_states(folder)
+    checksums = _checksums(folder, manifest)
+    state = read_run_state(folder, records, _checksum(checksums, Path(folder) / RUN_STATE))
+    saved, placement = manifest.placement, runner.boundary().placement
     trainings = getattr(runner, "training", {})
     try:  # [Note: resuming at another replica count] in replicas.py
         sources = state_sources(saved, placement,
@@ -120,13 +149,13 @@ def restore(folder: Path, runner: Checkpointed, executors: list[ExecutorInfo], *
     shards = optimizer_shards(folder, saved, placement, trainings)
     loads = []
     for e in executors:
-        part = Path(folder) / "executors" / sources.get(e.name, e.name)
+        part = states / sources.get(e.name, e.name)
         if part.is_symlink():
             raise CheckpointError(f"--resume {folder}: {part} is a symbolic link; a "
                                   "checkpoint's files must be its own")
-        if part.exists():
+        if os.path.lexists(part):
             config = {"path": str(part.absolute()), "models": dict(models),
-                      "optimizer_shards": shards.get(e.name, {})}
+                      "optimizer_shards": shards.get(e.name, {}), "checksums": checksums}
             loads.append(ctl.submit("load_state", config=config, executor=e.id,
                                     meta={"node": "resume"}))
     wait(loads, timeout=timeout)

@@ -16,9 +16,9 @@ a resumed training rebuilds them from the flow (model_training.ModelTraining.res
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
-import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,8 @@ import attrs
 import msgpack
 
 from flowkit.ops import records as contract_records
+from flowkit.wire.files import FileRefused, open_regular, read_bounded
+from flowkit.wire.serialize import TORCH_DTYPES
 
 __all__ = ["CheckpointError", "STATE_FORMAT", "allowed_records", "decode_state", "encode_state",
            "read_private", "reason", "short",
@@ -36,8 +38,6 @@ STATE_FORMAT = "flowkit.run_state/1"
 
 _TUPLE, _RECORD, _TENSOR, _NDARRAY = 1, 2, 3, 4
 _MAX_FILE = 1 << 36  # 64 GiB: far past any real state, and a bound on what a read allocates
-_TORCH_DTYPES = frozenset("bool uint8 int8 int16 int32 int64 float16 bfloat16 float32 float64 "
-                          "complex64 complex128".split())
 _NUMPY_KINDS = frozenset("biufc")  # no object arrays: their items would be unpickled
 
 
@@ -59,27 +59,23 @@ def write_private(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def read_private(path: Path, what: str, limit: int = _MAX_FILE) -> bytes:
-    """The bytes of regular file `path`; a CheckpointError naming it when it is a symlink, not
-    a regular file, over `limit` bytes or unreadable."""
+def read_private(path: Path, what: str, limit: int = _MAX_FILE, sha256: str | None = None
+                 ) -> bytearray:
+    """The bytes of regular file `path` [Note: contained files in flowkit/wire/files.py]; a
+    CheckpointError naming it when it is a symlink, not a regular file, over `limit` bytes,
+    unreadable, or (given its `sha256`) not the file that was written."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as exc:
-        if os.path.islink(path):
-            raise CheckpointError(f"{what}: {path} is a symbolic link; a checkpoint's files "
-                                  "must be its own") from None
-        raise CheckpointError(f"{what}: cannot read {path}: {exc.strerror or exc}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise CheckpointError(f"{what}: {path} is not a regular file")
-        if info.st_size > limit:
-            raise CheckpointError(f"{what}: {path} has {info.st_size} bytes, more than the "
-                                  f"{limit} a checkpoint's file may have")
-        with os.fdopen(fd, "rb", closefd=False) as file:
-            return file.read(info.st_size)
-    finally:
-        os.close(fd)
+        fd, size = open_regular(path, limit=limit)
+        try:
+            data = read_bounded(fd, size, path)
+        finally:
+            os.close(fd)
+        if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+            raise FileRefused(f"{path} does not match its SHA-256 in manifest.json: it "
+                              "changed after it was written")
+        return data
+    except FileRefused as exc:
+        raise CheckpointError(f"{what}: {exc}") from None
 
 
 # -- the records a run allows ------------------------------------------------------------------
@@ -225,7 +221,7 @@ def _shape(value: Any, what: str) -> list[int]:
 
 def _tensor(payload: Any) -> Any:
     dtype_name, shape, data = _triple(payload, "a tensor")
-    if dtype_name not in _TORCH_DTYPES:
+    if type(dtype_name) is not str or dtype_name not in TORCH_DTYPES:
         raise CheckpointError(f"a tensor of dtype {str(dtype_name)[:40]!r}")
     torch = _torch()
     dtype, dims = getattr(torch, dtype_name), _shape(shape, "a tensor")

@@ -5,6 +5,7 @@ oldest of the run pruned.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
@@ -16,7 +17,7 @@ from typing import Any
 import attrs
 
 from flowkit.ops.executor_ops import STATE_OPS
-from flowkit.runner.checkpoints.controller_state import RunState, state_bytes
+from flowkit.runner.checkpoints.controller_state import MAX_RUN_STATE, RunState, state_bytes
 from flowkit.runner.checkpoints.format import (
     MANIFEST,
     PREFIX,
@@ -80,15 +81,17 @@ def begin_checkpoint(root: Path, runner: Checkpointed, *, step: int, identity: d
     _private_dir(temp)
     _private_dir(temp / "executors")
     ctl = runner.ctl
+    saving = [e for e in executors if all(op in e.ops for op in STATE_OPS)]
     saves = [ctl.submit("save_state", config={"path": str(temp / "executors" / e.name)},
                         executor=e.id, meta={"node": "checkpoint", "step": step})
-             for e in executors if all(op in e.ops for op in STATE_OPS)]
+             for e in saving]
     for future in saves:  # the runner looks at the checkpoint again once it is saved
         future.add_done_callback(lambda _: runner.events.put(_nothing))
     return PendingCheckpoint(
         root=root, final=final, temp=temp, step=step, identity=identity,
         layout=executor_layout(executors, kind), records=list(records), keep=keep,
-        run_id=run_id, timeout=timeout, saves=saves, boundary=runner.boundary(),
+        run_id=run_id, timeout=timeout, saves=saves, saved=[e.name for e in saving],
+        boundary=runner.boundary(),
         open_runs=dict(runner.open), waiting=dict(runner.carried))
 
 
@@ -112,6 +115,7 @@ class PendingCheckpoint:
     run_id: str
     timeout: float
     saves: list  # each executor's save_state future
+    saved: list[str]  # the names of the executors of `saves`, in their order
     boundary: RunnerState  # the runner's part but the open steps', at the boundary
     open_runs: dict  # step -> the step's run, open at the boundary
     waiting: dict  # the ledger's carried calls at the boundary, for steps not open then
@@ -165,12 +169,16 @@ class PendingCheckpoint:
                                    for key, ref in snapshot.feedback.items()},
                          training=snapshot.training, profiles=snapshot.profiles,
                          open_work=work)
-        write_private(temp / RUN_STATE, state_bytes(state))
+        data = state_bytes(state)
+        if len(data) > MAX_RUN_STATE:
+            raise CheckpointError(f"checkpoint of step {self.step}: a run state of {len(data)} "
+                                  f"bytes, more than the {MAX_RUN_STATE} a resume reads")
+        write_private(temp / RUN_STATE, data)
         manifest = Manifest(step=self.step, identity=self.identity, executors=self.layout,
                             run=run_record(self.run_id, self.identity),
                             placement=snapshot.placement,
                             written_s=time.perf_counter() - self.started,
-                            staleness=snapshot.staleness)
+                            staleness=snapshot.staleness, files=self._checksums(data))
         write_private(temp / MANIFEST, json.dumps(attrs.asdict(manifest), indent=1).encode())
         if os.path.lexists(final):  # the same step again (a resumed run interrupted at once)
             _replaceable(final, self.run_id)
@@ -179,6 +187,18 @@ class PendingCheckpoint:
         _fsync_dir(self.root)
         _prune(self.root, self.keep, self.run_id)
         return final
+
+    def _checksums(self, run_state: bytes) -> dict[str, str]:
+        """[Note: checkpoint checksums] Every file of a checkpoint has its SHA-256 in the
+        manifest, taken as it was written (an executor hashes its state as it writes it, the
+        controller the run state's bytes): a resume checks each file against it before any of
+        it is parsed, and a file that differs is one line naming it. It finds a file damaged
+        or changed since, not one forged with its manifest: whoever can write the folder can
+        write both (docs/security.md). A checkpoint without checksums, written before them,
+        still loads, with a warning (restore.py)."""
+        files = {f"executors/{name}": future.result()["sha256"]
+                 for name, future in zip(self.saved, self.saves, strict=True)}
+        return {RUN_STATE: hashlib.sha256(run_state).hexdigest(), **files}
 
     def discard(self) -> None:
         """Give it up (the run failed or stops at once): its unfinished folder goes."""
