@@ -18,7 +18,7 @@ from pathlib import Path
 
 import attrs
 
-__all__ = ["DeviceError", "ExecutorDevice", "gpu_count", "local_devices"]
+__all__ = ["DeviceError", "ExecutorDevice", "gpu_count", "local_devices", "wants_gpu"]
 
 _NVIDIA_PROC = Path("/proc/driver/nvidia/gpus")
 
@@ -68,6 +68,14 @@ def local_devices(spec: str, count: int, *, gpus: int | None = None,
     return [ExecutorDevice(device=entry) if k is None else
             ExecutorDevice(device="cuda:0", gpu=k, env={"CUDA_VISIBLE_DEVICES": visible[k]})
             for entry, k in zip(wanted, indices)]
+
+
+def wants_gpu(spec: str, count: int) -> list[bool]:
+    """Whether each of `count` executors asks for a GPU under `spec`, checked as
+    `local_devices` checks it but without counting this machine's (a Ray cluster's are
+    elsewhere)."""
+    entries = [d.strip() for d in spec.split(",") if d.strip()] or ["cpu"]
+    return [_gpu_index(entries[i % len(entries)], i, spec) is not None for i in range(count)]
 
 
 def _gpu_index(entry: str, executor: int, spec: str) -> int | None:

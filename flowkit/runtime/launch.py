@@ -18,7 +18,7 @@ from flowkit.runtime.registry import ExecutorInfo
 from flowkit.runtime.spawn import spawn
 
 __all__ = ["ExecutorExited", "LaunchError", "Launcher", "LocalExecutors", "ProcessExecutors",
-           "device_of", "per_executor_tags", "stop_processes"]
+           "per_executor_tags", "stop_processes"]
 
 # how often a launcher waiting for its executors to connect looks at their processes
 _WATCH_S = 0.05
@@ -230,12 +230,3 @@ def per_executor_tags(tags: Sequence, count: int) -> list[tuple[str, ...]]:
             raise ValueError(f"{len(tags)} tag lists for {count} executors")
         return [tuple(t) for t in tags]
     return [tuple(tags)] * count
-
-
-def device_of(spec: str, index: int) -> str:
-    """Executor `index`'s device as `spec` names it: one per executor ('cuda:0,cuda:1',
-    cycled), or one for all; a bare 'cuda' gives executor i the GPU cuda:i (the Ray launcher's
-    bundles; local executors are pinned by runtime/devices.py)."""
-    devices = [d.strip() for d in spec.split(",") if d.strip()] or ["cpu"]
-    device = devices[index % len(devices)]
-    return f"cuda:{index}" if device == "cuda" else device

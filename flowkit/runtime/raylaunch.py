@@ -23,7 +23,8 @@ from typing import Any
 import attrs
 
 from flowkit.runtime.controller import Controller
-from flowkit.runtime.launch import LaunchError, device_of, per_executor_tags
+from flowkit.runtime.devices import wants_gpu
+from flowkit.runtime.launch import LaunchError, per_executor_tags
 from flowkit.runtime.registry import ExecutorInfo
 from flowkit.wire.shm import sweep
 
@@ -143,8 +144,8 @@ class RayExecutors:
 
     def bundles(self) -> list[dict[str, float]]:
         """One placement-group bundle per executor: a GPU for a cuda device, else CPUs."""
-        return [{"GPU": 1.0} if device_of(self.device, i).startswith("cuda")
-                else {"CPU": self.settings.cpus} for i in range(self.count)]
+        return [{"GPU": 1.0} if gpu else {"CPU": self.settings.cpus}
+                for gpu in wants_gpu(self.device, self.count)]
 
     def start(self) -> list[ExecutorInfo]:
         """Place the group, start an actor per bundle; the executors once all are connected,
@@ -297,7 +298,7 @@ class RayExecutors:
     def _arguments(self, i: int) -> list[str]:
         """What executor i's actor passes to `python -m executors`; under Ray a GPU executor
         sees only the GPU of its bundle, as cuda:0."""
-        device = "cuda:0" if device_of(self.device, i).startswith("cuda") else "cpu"
+        device = "cuda:0" if wants_gpu(self.device, self.count)[i] else "cpu"
         return ["--connect", self.controller.address, "--name", self.names[i],
                 "--kind", self.kind, "--device", device, "--tags", ",".join(self.tags[i]),
                 "--log-level", self.log_level, *self.controller.executor_options(),
