@@ -13,6 +13,7 @@ from rich.console import Console
 
 from flowkit.cli._files import writing
 from flowkit.cli._flows import load_checked_flow
+from flowkit.dsl.operators import PRECISIONS
 from flowkit.observe.loggers import LOGGERS
 from flowkit.observe.logsetup import LogSetup, check_run_name
 from flowkit.runner.config import MAX_EXECUTORS, CheckpointConfig, RunConfig
@@ -63,7 +64,7 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
               "executors [default: the flow's].")
 @click.option("--shard-optimizer", is_flag=True, default=_RUN.shard_optimizer,
               help="Shard each trained model's optimizer states over its replicas (ZeRO-1).")
-@click.option("--precision", type=click.Choice(["fp32", "bf16"]), default=None,
+@click.option("--precision", type=click.Choice(PRECISIONS), default=None,
               help="Compute precision of every model: bf16 keeps fp32 weights, gradients and "
               "optimizer states and runs the forwards under bf16 autocast [default: each "
               "model's own, fp32 unless it says].")

@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 
+from flowkit.dsl.operators import PRECISIONS
 from flowkit.observe.logsetup import LogSetup
 from flowkit.planner.simcosts import SimCosts
 
@@ -164,7 +165,7 @@ class RunConfig:
     """Data-parallel replicas of every trained model's pipeline (each on its own executors,
     gradients summed through torch.distributed); None: the flow's."""
     precision: str | None = attrs.field(default=None, validator=attrs.validators.optional(
-        attrs.validators.in_(("fp32", "bf16"))))
+        attrs.validators.in_(PRECISIONS)))
     """Compute precision of every model: "bf16" (fp32 weights, gradients and optimizer
     states, forwards under bf16 autocast) or "fp32" [Note: mixed precision in
     flowkit/dsl/operators.py]; None: each Model's own."""

@@ -28,6 +28,7 @@ from executors.torch import weights
 from executors.torch.errors import StageError
 from executors.torch.lora import add_adapters, merge_adapters
 from flowkit.dsl.lora import check_lora, lora_identity
+from flowkit.dsl.operators import PRECISIONS
 from flowkit.ops.records import WeightsVersion
 
 __all__ = ["HeldModel", "evaluating", "export_weights", "held_model", "load_weights",
@@ -36,7 +37,8 @@ __all__ = ["HeldModel", "evaluating", "export_weights", "held_model", "load_weig
 _DTYPES = {name: getattr(torch, name) for name in ("float32", "float64", "bfloat16", "float16")}
 # a model's precision: the dtype its forward computes in under autocast over its own weights
 # (None: in the weights' dtype) [Note: mixed precision in flowkit/dsl/operators.py]
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16}
+assert tuple(AUTOCAST) == PRECISIONS  # the DSL's names, each with its autocast dtype
 
 
 @attrs.define(eq=False)
@@ -51,7 +53,7 @@ class HeldModel:
     version: int | None = None  # of the weights load_weights last set
     config: dict = attrs.field(factory=dict)  # what built it, to build it again (state.py)
     lora: dict | None = None  # its adapters' settings: only they train, export and save
-    autocast: torch.dtype | None = None  # its forwards' compute dtype (PRECISIONS)
+    autocast: torch.dtype | None = None  # its forwards' compute dtype (AUTOCAST)
 
 
 def held_model(ctx: OpContext, config: dict) -> HeldModel:
@@ -74,9 +76,9 @@ def held_model(ctx: OpContext, config: dict) -> HeldModel:
             return held
     device = torch.device(ctx.device if ctx.device not in ("", "auto") else "cpu")
     precision = config.get("precision", "fp32")
-    if precision not in PRECISIONS:
+    if precision not in AUTOCAST:
         raise StageError(f"model {name!r}: unknown precision {precision!r}; use one of "
-                         f"{', '.join(PRECISIONS)}")
+                         f"{', '.join(AUTOCAST)}")
     torch.manual_seed(int(config.get("seed", 0)))  # every holder builds the same weights
     model_config = dict(config.get("model_config", {}))
     checkpoint = model_config.pop("checkpoint", None)  # a file to start from, not an argument
@@ -92,9 +94,9 @@ def held_model(ctx: OpContext, config: dict) -> HeldModel:
                   if key in config}
     held = models[(name, num_stages)] = HeldModel(
         spec=spec, parts=parts, device=device, config=built_from, layout=layout,
-        lora=lora_settings, autocast=PRECISIONS[precision])
+        lora=lora_settings, autocast=AUTOCAST[precision])
     for part in parts:  # generation and scoring compute as training does (`evaluating`)
-        _AUTOCAST[part] = held.autocast
+        _COMPUTE_DTYPE[part] = held.autocast
     return held
 
 
@@ -210,7 +212,7 @@ def whole_model(ctx: OpContext, config: dict) -> torch.nn.Module:
 
 
 # a held part's compute dtype under its model's precision, for forwards outside training
-_AUTOCAST: weakref.WeakKeyDictionary[torch.nn.Module, torch.dtype | None] = \
+_COMPUTE_DTYPE: weakref.WeakKeyDictionary[torch.nn.Module, torch.dtype | None] = \
     weakref.WeakKeyDictionary()
 
 
@@ -219,7 +221,7 @@ def evaluating(module: torch.nn.Module):
     """Eval mode and no autograd for the block, restoring the module's mode afterwards (the
     module may be a training stage too); a held model's forwards under its precision's
     autocast [Note: mixed precision in flowkit/dsl/operators.py]."""
-    was, dtype = module.training, _AUTOCAST.get(module)
+    was, dtype = module.training, _COMPUTE_DTYPE.get(module)
     device = next((p.device.type for p in module.parameters()), "cpu")
     try:
         with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=dtype is not None):
