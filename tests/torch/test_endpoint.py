@@ -309,3 +309,30 @@ def test_an_aborted_programs_trajectory_goes_on_here_or_starts_again_elsewhere(q
                                                                **_settings(qwen2)))
     assert all(r.finished and r.turns == 3 and r.env_error is None for r in again)
     assert {(r.prompt_id, r.sample) for r in again} == {(r.prompt_id, r.sample) for r in cut}
+
+
+def test_idle_connections_hold_at_most_the_cap_of_threads_and_time_out():
+    """[Note: bounded endpoint]: 600 connections that never send a byte hold at most
+    `max_connections` threads, the rest are closed at once; the held ones close after the idle
+    timeout, and the endpoint serves on."""
+    import socket
+
+    endpoint = Endpoint(max_connections=16, idle_timeout_s=1.0)
+    host, port = endpoint.server.server_address[:2]
+    before = threading.active_count()
+    idle = [socket.create_connection((host, port)) for _ in range(600)]
+    try:
+        deadline = time.monotonic() + 30
+        while endpoint.server.refused < 600 - 16 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert endpoint.server.refused == 600 - 16
+        assert threading.active_count() - before <= 16
+        time.sleep(1.5)  # past the idle timeout: the held connections are closed
+        assert threading.active_count() - before <= 1
+        client = http.client.HTTPConnection(host, port, timeout=5)
+        client.request("GET", "/v1/models")
+        assert client.getresponse().status == 401  # served (no key: refused, as ever)
+    finally:
+        for sock in idle:
+            sock.close()
+        endpoint.shutdown()

@@ -153,20 +153,51 @@ class _Session:
             future.set_exception(RuntimeError("the trajectory ended"))
 
 
+# [Note: bounded endpoint] A connection holds a thread, so connections are capped
+# (`max_connections`, 512: a program needs one at a time, and an executor runs at most a few
+# hundred trajectories): one past the cap is closed at once, before a thread or a byte of it,
+# and counted (`refused`). A connection that sends nothing for `idle_timeout_s` (60 s; a
+# keep-alive one between a program's turns too: its client reconnects) is closed, so idle
+# connections cannot keep the slots (tests/torch/test_endpoint.py holds 600 idle ones).
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     # every trajectory's program connects at about the same time: socketserver's backlog of 5
     # would have the kernel reset the connections past it
     request_queue_size = 1024
 
+    def __init__(self, address: tuple, handler: type, max_connections: int) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.refused = 0
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):  # [Note: bounded endpoint]
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
 
 class Endpoint:
-    """The chat-completions server of this executor's agent programs, on loopback."""
+    """The chat-completions server of this executor's agent programs, on loopback, with at
+    most `max_connections` at once, each closed after `idle_timeout_s` without a byte [Note:
+    bounded endpoint]."""
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", *, max_connections: int = 512,
+                 idle_timeout_s: float = 60.0) -> None:
         self.sessions: dict[str, _Session] = {}
         self._lock = threading.Lock()
-        self.server = _Server((host, 0), _handler_for(self))
+        self.server = _Server((host, 0), _handler_for(self, idle_timeout_s), max_connections)
         self.thread = threading.Thread(target=self.server.serve_forever,
                                        name="flowkit-endpoint", daemon=True)
         self.thread.start()
@@ -212,11 +243,12 @@ def shared_endpoint() -> Endpoint:
 
 
 # -- the HTTP side ------------------------------------------------------------------------------
-def _handler_for(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
+def _handler_for(endpoint: Endpoint, idle_timeout_s: float) -> type[BaseHTTPRequestHandler]:
     class Handler(_Handler):
         pass
 
     Handler.endpoint = endpoint
+    Handler.timeout = idle_timeout_s  # the socket's: a read that waits longer ends it
     return Handler
 
 
