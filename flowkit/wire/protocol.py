@@ -102,6 +102,13 @@ def encode(kind: str, fields: dict[str, Any] | None = None, frames: Sequence = (
         return [_PACKER.pack(header), *frames]
 
 
+# [Note: header limits] A header's arrays and maps are refused past twice the most items a
+# message carries (a batched task's MAX_ITEMS in flowkit/wire/task.py) as msgpack reads their
+# lengths, before it allocates them: an insider's DONE of 10^6 items costs the controller a
+# ProtocolError, not 600 MB (tests/wire/test_protocol_limits.py).
+_HEADER_LIMITS = {"max_array_len": 1 << 17, "max_map_len": 1 << 17}
+
+
 def decode(parts: Sequence) -> tuple[dict[str, Any], list]:
     """(header, raw frames) of a received message, or ProtocolError saying what is wrong. A RUN
     header gains `specs`: its `tasks` decoded, each a TaskSpec or, where malformed, a
@@ -111,8 +118,8 @@ def decode(parts: Sequence) -> tuple[dict[str, Any], list]:
     first = parts[0]
     raw = first if type(first) is bytes else getattr(first, "bytes", first)  # a zmq.Frame
     try:
-        header = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several types for garbage
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=False, **_HEADER_LIMITS)
+    except Exception as exc:  # msgpack raises several types for garbage, and past a limit
         raise ProtocolError(f"header is not msgpack: {exc.__class__.__name__}: {exc}") from None
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a map, got {type(header).__name__}")
