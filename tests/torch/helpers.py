@@ -270,3 +270,36 @@ def response_logprobs(model: nn.Module, ids: torch.Tensor, positions: torch.Tens
     logits = model(ids)  # (B, T, V)
     picked = logits.gather(1, positions[..., None].expand(-1, -1, logits.size(-1)))
     return torch.log_softmax(picked / temperature, dim=-1).gather(-1, tokens[..., None])[..., 0]
+
+
+# -- a model whose cache leaves out optional methods of the cache protocol --------------------
+def with_cache_lacking(model: nn.Module, *missing: str) -> nn.Module:
+    """`model` (one with the cache protocol of executors/torch/rollout/lm.py) whose caches
+    lack the optional methods `missing` (copy_prefix, grown): the engine's paths without them."""
+
+    class Cache:
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name: str):
+            if name in missing:
+                raise AttributeError(name)
+            return getattr(self.inner, name)
+
+    class Wrapped(nn.Module):
+        context_length = model.context_length
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+
+        def forward(self, idx):
+            return self.inner(idx)
+
+        def new_cache(self, batch, max_len):
+            return Cache(self.inner.new_cache(batch, max_len))
+
+        def forward_cached(self, idx, cache, start, rows=None):
+            return self.inner.forward_cached(idx, cache.inner, start, rows)
+
+    return Wrapped()

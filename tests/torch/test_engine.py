@@ -15,6 +15,7 @@ from executors.torch.rollout import generate as gen
 from executors.torch.rollout.engine import NO_VERSION, Engine, Sampling, _fitting, run_until_done
 from flowkit.ops.records import Prompt, Rollout
 from tests.harness import gpt_spec, op_context, seeded_gpt, tiny_gpt
+from tests.torch.helpers import with_cache_lacking
 
 SMALL = tiny_gpt(vocab_size=32, block_size=40, n_embd=16)
 PROMPTS = [Prompt(prompt_id=i, tokens=[(5 * i + j) % 32 for j in range(length)])
@@ -140,32 +141,7 @@ def test_the_samples_of_a_prompt_fill_its_prefix_once_and_draw_as_alone(model, m
 
 def test_a_cache_without_copy_prefix_fills_each_sample_itself(model):
     # the cache protocol's copy_prefix is optional: without it, every sample fills its prompt
-    class Plain:
-        def __init__(self, cache):
-            self.inner = cache
-
-        def __getattr__(self, name):
-            if name == "copy_prefix":
-                raise AttributeError(name)
-            return getattr(self.inner, name)
-
-    class Wrapped(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        context_length = SMALL["block_size"]
-
-        def forward(self, idx):
-            return self.inner(idx)
-
-        def new_cache(self, batch, max_len):
-            return Plain(self.inner.new_cache(batch, max_len))
-
-        def forward_cached(self, idx, cache, start, rows=None):
-            return self.inner.forward_cached(idx, cache.inner, start, rows)
-
-    engine = _engine(Wrapped(model), max_batch=8, token_budget=64)
+    engine = _engine(with_cache_lacking(model, "copy_prefix"), max_batch=8, token_budget=64)
     box = _collect(engine.submit([PROMPTS[3]], SAMPLED, 4))
     _drain(engine)
     assert "error" not in box, box.get("error")

@@ -14,6 +14,7 @@ from executors.torch.rollout import lm
 from executors.torch.rollout.engine import Engine, Sampling
 from flowkit.ops.records import Prompt
 from tests.harness import seeded_gpt, tiny_gpt
+from tests.torch.helpers import with_cache_lacking
 
 LONG = tiny_gpt(vocab_size=32, block_size=4096, n_embd=16)  # a long context, short requests
 PROMPTS = [Prompt(prompt_id=i, tokens=[(5 * i + j) % 32 for j in range(length)])
@@ -117,31 +118,8 @@ def test_a_longer_request_grows_the_cache_and_keeps_what_it_holds(model):
 def test_a_cache_that_cannot_grow_in_place_is_made_anew_and_its_rows_refilled(model):
     """The cache protocol's `grown` is optional: without it, a larger cache is made and every
     sequence refills its prefix (as after new weights), drawing what it would have drawn."""
-    class Plain:  # a cache with no `grown`
-        def __init__(self, inner):
-            self.inner = inner
-
-        def copy_prefix(self, *args):
-            self.inner.copy_prefix(*args)
-
-    class Wrapped(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        context_length = LONG["block_size"]
-
-        def forward(self, idx):
-            return self.inner(idx)
-
-        def new_cache(self, batch, max_len):
-            return Plain(self.inner.new_cache(batch, max_len))
-
-        def forward_cached(self, idx, cache, start, rows=None):
-            return self.inner.forward_cached(idx, cache.inner, start, rows)
-
     results = []
-    for m in (Wrapped(model), model):
+    for m in (with_cache_lacking(model, "grown"), model):
         engine = Engine(m, version=lambda: None, max_batch=8, token_budget=6)
         first = {}
         engine.submit(PROMPTS[:2], SAMPLED, 1).bind(_Sink(first))
