@@ -22,7 +22,8 @@
 #      sync path (export -> pack -> load) against device-to-device and pinned copies
 #   d. the GRPO example through the CLI on cuda:0 (sort_sft warm-up, grpo_sort, its tis_bf16
 #      variant), `--device cuda` with 2 executors on one GPU, and a CPU reference
-#   e. an NCCL group as executors/torch/replicas.py builds it (one rank)
+#   e. an NCCL group as executors/torch/replicas.py builds it (one rank); TF32 flags, to_device,
+#      CUDA generator states set back, an idle engine's empty_cache
 # Output: a compact summary at the end; $OUT/device_check.json, device_check.log,
 # engine_profile.txt, grpo_cuda_metrics.jsonl. FK_DRYRUN_CPU=1 FK_PYTHON=... runs it all on
 # the CPU with tiny sizes and no installs (to check the script itself).
@@ -814,8 +815,31 @@ def nccl() -> None:
         R.broadcast_shards(group, [p])
         sync()
         return {"backend": type(group).__name__, "ok": bool(torch.all(p.grad == 2.0)),
-                "note": "two replicas on one GPU (e.g. --device cuda:0 --replicas 2) are not "
-                        "checked here: NCCL refuses two ranks on one device"}
+                "note": "two replicas on one GPU (--device cuda:0 --replicas 2) are refused "
+                        "before a run starts: NCCL takes one rank a device"}
+
+    # what the CPU tests check only through stubs of torch.cuda
+    @guarded("cuda_settings_and_state")
+    def _():
+        from executors.torch.device import configure_tf32, peak_flops, to_device
+        from executors.torch.rollout.engine import _free_device_memory
+        from executors.torch.state import cuda_rng_states
+        out = {"tf32": configure_tf32(), "matmul_precision": torch.get_float32_matmul_precision(),
+               "peak_flops": peak_flops(str(DEV))}
+        host = torch.arange(1 << 20, dtype=torch.float32)
+        out["to_device_equal"] = bool(torch.equal(to_device(host, DEV).cpu(), host))
+        if DEV.type == "cuda":
+            torch.rand(1, device=DEV)
+            states = cuda_rng_states()
+            first = torch.rand(4, device=DEV)
+            torch.cuda.set_rng_state(states[0], 0)
+            out["cuda_rng_restored"] = bool(torch.equal(torch.rand(4, device=DEV), first))
+            x = torch.empty(1 << 28, dtype=torch.uint8, device=DEV)
+            del x
+            before = torch.cuda.memory_reserved()
+            _free_device_memory(DEV)
+            out["empty_cache_released_gib"] = gib(before - torch.cuda.memory_reserved())
+        return out
 
     save("nccl")
 
@@ -945,6 +969,7 @@ for row in g("engine", "qwen05b_engine_profile", "decode_step_top_ops", default=
     print(f"    profile: {row}")
 print(f"    weight sync path: {g('engine', 'weight_sync_path')}")
 print(f"nccl (replicas.py, one rank): {g('nccl', 'replica_group_size1')}")
+print(f"cuda settings and state: {g('nccl', 'cuda_settings_and_state')}")
 for name in RUNS:
     m = result.get(f"{name}_metrics")
     if m:
