@@ -293,10 +293,10 @@ def checkpoint(json_out: Path | None) -> None:
 @bench.command(cls=_BenchCommand)
 @_json_option
 def launch(json_out: Path | None) -> None:
-    """Executors' start-up under Ray against local.
+    """Executors' start-up: fresh processes, forked, under Ray.
 
-    Needs the ray extra."""
-    _check_ray()
+    Fresh local processes against the fork server's children (cold and warm), and Ray actors
+    where the ray extra is installed."""
     _report(_bench_function("launch", "run_launch_bench")(), json_out)
 
 
@@ -469,17 +469,6 @@ def _hosts_kwargs(hosts: int | None) -> dict:
         if why is not None:
             raise click.ClickException(f"--hosts {hosts} runs on network namespaces, and {why}")
     return {"hosts": hosts}
-
-
-def _check_ray() -> None:
-    """`flowkit bench launch` starts executors under Ray: say so before anything starts."""
-    from flowkit.runtime.launch import LaunchError
-    from flowkit.runtime.raylaunch import check_installed
-
-    try:
-        check_installed()
-    except LaunchError as exc:
-        raise click.ClickException(str(exc)) from None
 
 
 def _rl_kwargs(mode: str | None, max_staleness: int | None, length_sigma: float | None,

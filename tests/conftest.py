@@ -1,8 +1,33 @@
 import contextlib
+import os
 
 import pytest
 
 from tests.harness import ExecutorPool, executor_cluster
+
+
+# What the suite's fork server imports once, so that no executor process a test starts (its own,
+# or a `flowkit run` child's) imports them again: the kinds and the HF models the tests build.
+_PRELOAD = ("executors.torch", "executors.sim", "transformers",
+            "transformers.models.auto.modeling_auto", "transformers.models.qwen2.modeling_qwen2",
+            "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server():
+    """One fork server per xdist worker [Note: fork server in executors/forkserver.py], named
+    in FLOWKIT_FORKSERVER for every launcher of this process and of the processes it starts; a
+    test of the launchers' own server unsets it for its run."""
+    from flowkit.runtime.forkserver import start_server
+
+    if os.environ.get("FLOWKIT_FORKSERVER"):
+        yield None
+        return
+    server = start_server(_PRELOAD)
+    os.environ["FLOWKIT_FORKSERVER"] = server.path
+    yield server
+    os.environ.pop("FLOWKIT_FORKSERVER", None)
+    server.close()
 
 
 @pytest.fixture(scope="module")

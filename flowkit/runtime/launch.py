@@ -14,11 +14,15 @@ from typing import Any, Protocol
 
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.devices import local_devices
+from flowkit.runtime.forkserver import ForkedProcess, start_executor
 from flowkit.runtime.registry import ExecutorInfo
 from flowkit.runtime.spawn import spawn
 
 __all__ = ["ExecutorExited", "LaunchError", "Launcher", "LocalExecutors", "ProcessExecutors",
            "per_executor_tags", "stop_processes"]
+
+# what a kind's fork server imports before it forks [Note: fork server in executors/forkserver.py]
+_PRELOAD = {"torch": ("executors.torch",), "sim": ("executors.sim",)}
 
 # how often a launcher waiting for its executors to connect looks at their processes
 _WATCH_S = 0.05
@@ -159,13 +163,17 @@ class ProcessExecutors:
         """What executor i's process adds to this one's environment."""
         return {}
 
-    def _spawn(self, i: int) -> subprocess.Popen:
+    def _forked(self, i: int, env: dict[str, str]) -> ForkedProcess | None:
+        """Executor i forked from a fork server, where one can start it; None otherwise."""
+        return None
+
+    def _spawn(self, i: int) -> subprocess.Popen | ForkedProcess:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **self._env(i),
                **self.controller.executor_env()}  # the run's secret: never on argv
         # a session of its own: Ctrl-C in the terminal reaches the controller alone, which
         # stops the run cleanly and then shuts its executors down
-        process = spawn(self._command(i), env=env, stdin=subprocess.DEVNULL,
-                        start_new_session=True)
+        process = self._forked(i, env) or spawn(self._command(i), env=env,
+                                                stdin=subprocess.DEVNULL, start_new_session=True)
         self.processes.append(process)
         self.by_name[f"{self.name_prefix}-{i}"] = process
         self.controller.watch_process(process)
@@ -206,6 +214,13 @@ class LocalExecutors(ProcessExecutors):
 
     def _env(self, i: int) -> dict[str, str]:
         return dict(self.devices[i].env)
+
+    def _forked(self, i: int, env: dict[str, str]) -> ForkedProcess | None:
+        # a GPU executor starts afresh: CUDA_VISIBLE_DEVICES must be set before anything in
+        # the process touches CUDA, which a fork server cannot promise of what it imported
+        if self.devices[i].device != "cpu":
+            return None
+        return start_executor(self._command(i)[3:], env, preload=_PRELOAD.get(self.kind, ()))
 
 
 def stop_processes(processes: Sequence[subprocess.Popen], timeout: float = 5.0) -> None:

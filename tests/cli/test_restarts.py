@@ -33,8 +33,13 @@ def _command(flow: str, folder: Path, *args: str, weights: bool = True) -> list[
             "torch", "--metrics", str(folder / "m.jsonl"), *save, *args]
 
 
-def _executor_pids(parent: int) -> list[int]:
-    """The executor processes `flowkit run` started (its children)."""
+def _own_fork_server() -> dict[str, str]:
+    """The environment of a run with its own fork server, not the suite's: its executors are
+    then its grandchildren."""
+    return {k: v for k, v in os.environ.items() if k != "FLOWKIT_FORKSERVER"}
+
+
+def _children(parent: int) -> list[int]:
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -44,6 +49,19 @@ def _executor_pids(parent: int) -> list[int]:
                 continue
             if int(fields[1]) == parent:
                 pids.append(int(entry.name))
+    return pids
+
+
+def _executor_pids(parent: int) -> list[int]:
+    """The executor processes `flowkit run` started: the children of its fork server (the run's
+    own: the tests run these without the suite's, see _command)."""
+    pids = []
+    for child in _children(parent):
+        try:
+            command = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        pids += _children(child) if b"executors.forkserver" in command else [child]
     return pids
 
 
@@ -64,7 +82,7 @@ def _run_with_kills(flow: str, folder: Path, steps: int, *args: str, kills: int,
                                         "--checkpoint-dir", str(folder / "ck"), *args,
                                         weights=weights),
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+                               text=True, env=_own_fork_server())
     killed, deadline = 0, time.monotonic() + 300
     while process.poll() is None and killed < kills and time.monotonic() < deadline:
         lines = _lines(folder / "m.jsonl")
@@ -123,7 +141,8 @@ def test_an_executor_lost_in_the_first_step_is_replaced_and_nothing_is_trained_t
 
 def test_without_restarts_a_killed_executor_fails_the_run_with_a_clear_error(tmp_path):
     process = subprocess.Popen(_command(PRETRAIN, tmp_path, "--steps", "40"), cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=_own_fork_server())
     deadline = time.monotonic() + 120
     while not _lines(tmp_path / "m.jsonl") and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -1,0 +1,245 @@
+"""The fork server: `python -m executors.forkserver --socket PATH [--preload torch,...]`, a
+process that imports what executors need once and then forks each executor a launcher asks for
+(flowkit/runtime/forkserver.py is the launcher's side; flowkit/wire/forkserver.py the messages).
+
+[Note: fork server]
+An executor process spends ~2 s of a core importing torch (~3.5 s more for transformers' model
+code) before it serves. The local launcher asks this server instead, which has imported them
+once: a child is a fork that runs `python -m executors ARGV` in the launcher's cwd,
+environment and standard streams, in a session of its own, and dies with the launcher (a pidfd
+watch in place of the parent-death signal). The server itself only imports: no thread of its own
+and no torch work, so a fork copies nothing half-done. Restarts fork in milliseconds too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import gc
+import importlib
+import os
+import select
+import selectors
+import signal
+import socket
+import struct
+import sys
+import threading
+import traceback
+from typing import Any
+
+from flowkit.wire.forkserver import ForkServerError, check_start, fingerprint, receive, send
+
+__all__ = ["ForkServer", "main"]
+
+def preload(modules: list[str]) -> None:
+    """Import the executor and `modules` (a kind's, `executors.torch`, brings torch; those not
+    installed are skipped), then freeze them out of the collector's walks, so that
+    collections in the children leave the shared pages shared."""
+    import executors.process  # noqa: F401
+    import executors.serve  # noqa: F401
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    gc.collect()
+    gc.freeze()
+
+
+class ForkServer:
+    """Serves start requests on a Unix socket at `path` from processes of this user whose
+    hello matches this process's fingerprint, one thread, until killed."""
+
+    def __init__(self, path: str) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(path)
+        self.listener.listen(64)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ)
+        self.greeted: set[socket.socket] = set()
+        self.owner: dict[int, socket.socket] = {}  # child pid -> the connection that asked
+        self.wakeup_read, wakeup_write = os.pipe()
+        os.set_blocking(wakeup_write, False)
+        signal.set_wakeup_fd(wakeup_write)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # only to wake the selector
+        self.selector.register(self.wakeup_read, selectors.EVENT_READ)
+        self.own_fds = [self.listener.fileno(), self.wakeup_read, wakeup_write]
+        self.fingerprint = fingerprint()
+
+    def serve(self) -> None:
+        while True:
+            for key, _ in self.selector.select():
+                if key.fileobj is self.listener:
+                    self._accept()
+                elif key.fileobj == self.wakeup_read:
+                    os.read(self.wakeup_read, 4096)
+                    self._reap()
+                else:
+                    self._serve(key.fileobj)
+
+    def _accept(self) -> None:
+        conn, _ = self.listener.accept()
+        uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                  struct.calcsize("3i")))[1]
+        if uid != os.getuid():
+            conn.close()  # another user's process: not a word
+            return
+        self.selector.register(conn, selectors.EVENT_READ)
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            message, fds = receive(conn)
+        except (ForkServerError, OSError) as exc:
+            self._reply(conn, {"refused": str(exc)})
+            return
+        if message is None:
+            self._drop(conn)
+            return
+        try:
+            if conn not in self.greeted:
+                self._greet(conn, message, fds)
+            elif set(message) == {"start"}:
+                self._reply(conn, {"started": self._fork(check_start(message["start"], fds),
+                                                         fds, conn)})
+            else:
+                raise ForkServerError(f"unknown message {sorted(message)[:4]}")
+        except ForkServerError as exc:
+            for fd in fds:
+                os.close(fd)
+            self._reply(conn, {"refused": str(exc)})
+
+    def _greet(self, conn: socket.socket, message: dict, fds: list[int]) -> None:
+        if fds or set(message) != {"hello"}:
+            raise ForkServerError("the first message is a hello alone")
+        if message["hello"] != self.fingerprint:
+            raise ForkServerError(f"this server imports {self.fingerprint}, not "
+                                  f"{str(message['hello'])[:500]}")
+        self.greeted.add(conn)
+        self._reply(conn, {"ok": True})
+
+    def _fork(self, request: dict[str, Any], fds: list[int], conn: socket.socket) -> int:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()  # or the child writes this process's buffered output again
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            raise ForkServerError(f"fork failed: {exc}") from None
+        if pid == 0:
+            closing = [*self.own_fds, *(key.fd for key in self.selector.get_map().values())]
+            if isinstance(self.selector, selectors.EpollSelector):
+                closing.append(self.selector.fileno())
+            become_executor(request, fds, closing)  # never returns
+        for fd in fds:
+            os.close(fd)
+        self.owner[pid] = conn
+        return pid
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.owner.pop(pid, None)
+            if conn is not None:
+                self._reply(conn, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+
+    def _reply(self, conn: socket.socket, message: dict) -> None:
+        try:
+            send(conn, message)
+        except OSError:  # the launcher is gone; its children die with it
+            self._drop(conn)
+
+    def _drop(self, conn: socket.socket) -> None:
+        if conn.fileno() >= 0:
+            self.selector.unregister(conn)
+            conn.close()
+        self.greeted.discard(conn)
+        for pid in [pid for pid, owner in self.owner.items() if owner is conn]:
+            del self.owner[pid]
+
+
+def become_executor(request: dict[str, Any], fds: list[int], closing: list[int]) -> None:
+    """In the forked child: the launcher's streams, cwd and environment, a session of its own,
+    death with the launcher, then `python -m executors ARGV`; exits, never returns."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        for signum in (signal.SIGCHLD, signal.SIGINT):
+            signal.signal(signum, signal.SIG_DFL)
+        for fd in set(closing):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        os.setsid()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in set(fds) - {0, 1, 2}:
+            os.close(fd)
+        die_with(request["watch"])
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.path[0] = request["cwd"]  # as `python -m` started in that folder has it
+        from executors.serve import executor
+
+        sys.argv = ["python -m executors", *request["argv"]]
+        executor.main(args=request["argv"], prog_name="python -m executors")
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except BaseException:  # noqa: BLE001 - the child's end: printed, as Python would
+        traceback.print_exc()
+    finally:
+        try:
+            atexit._run_exitfuncs()  # what an interpreter's exit runs (os._exit skips it)
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _exit_code(code: Any) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def die_with(pid: int) -> None:
+    """SIGKILL this process when process `pid` ends (its launcher), as the parent-death signal
+    does for a direct child (flowkit/runtime/spawn.py)."""
+    try:
+        watched = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return
+
+    def watch() -> None:
+        select.select([watched], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="flowkit-launcher-watch", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m executors.forkserver",
+                                     description="Fork executors from one process that has "
+                                     "imported what they need.")
+    parser.add_argument("--socket", required=True, help="The Unix socket to serve on.")
+    parser.add_argument("--preload", default="", help="Comma-separated modules to import.")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
+    preload([m for m in args.preload.split(",") if m])
+    ForkServer(args.socket).serve()
+
+
+if __name__ == "__main__":
+    main()

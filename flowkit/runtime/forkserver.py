@@ -1,0 +1,239 @@
+"""The launcher's side of the fork server [Note: fork server in executors/forkserver.py]:
+`start_executor(argv, env, preload=...)` forks `python -m executors ARGV` from a server that has
+imported what it needs, and returns a `ForkedProcess`, which answers as a subprocess.Popen does
+(pid, poll, wait, kill, returncode); None where no server can serve it, and the caller starts a
+process as before.
+
+Which server, by FLOWKIT_FORKSERVER: unset, one of this process's own, started on first use
+per preload set (it dies with this process); a socket path, a server that someone else runs
+(the test suite runs one per worker: CLI runs of the tests share it); `off`, none."""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from flowkit.runtime.spawn import spawn
+from flowkit.wire.forkserver import ForkServerError, fingerprint, receive, send
+
+__all__ = ["ForkServer", "ForkedProcess", "start_executor", "start_server"]
+
+log = logging.getLogger(__name__)
+
+_START_TIMEOUT_S = 120.0  # a server's imports, on a loaded machine
+_UNKNOWN_EXIT = 255  # a child whose server went away before it could say how it ended
+
+
+class ForkedProcess:
+    """A child of a fork server, as much of subprocess.Popen as the launchers use."""
+
+    def __init__(self, pid: int, args: Sequence[str]) -> None:
+        self.pid, self.args = pid, list(args)
+        self.returncode: int | None = None
+        self._ended = threading.Event()
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except OSError:  # already gone and reaped: its "exited" is on its way
+            self._pidfd = None
+
+    def _exited(self, code: int) -> None:
+        if self.returncode is None:
+            self.returncode = code
+        self._ended.set()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def _orphaned(self) -> None:
+        """Its server went away: from now on its end is seen through its pidfd alone."""
+        if self._pidfd is None or select.select([self._pidfd], [], [], 0)[0]:
+            self._exited(_UNKNOWN_EXIT)
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, signum: int) -> None:
+        pidfd = self._pidfd
+        if self.returncode is not None or pidfd is None:
+            return
+        try:  # through the pidfd: never a later process that got the same pid
+            signal.pidfd_send_signal(pidfd, signum)
+        except (ProcessLookupError, OSError):
+            pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+class ForkServer:
+    """A connection to a fork server at `path`; ForkServerError if it refuses this process
+    (another interpreter, import path or flowkit) or is not there."""
+
+    def __init__(self, path: str, process: subprocess.Popen | None = None) -> None:
+        self.path, self.process = path, process
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.sock.connect(path)
+            send(self.sock, {"hello": fingerprint()})
+            reply, _ = receive(self.sock)
+        except OSError as exc:
+            self.sock.close()
+            raise ForkServerError(f"no fork server at {path} ({exc})") from None
+        if reply != {"ok": True}:
+            self.sock.close()
+            raise ForkServerError(f"the fork server at {path} refused: {_why(reply)}")
+        self.alive = True
+        self._lock = threading.Lock()  # one start at a time: replies come in order
+        self._started: list[ForkedProcess | ForkServerError] = []
+        self._answered = threading.Condition()
+        self._children: dict[int, ForkedProcess] = {}
+        threading.Thread(target=self._read, name="flowkit-forkserver", daemon=True).start()
+
+    def start(self, argv: Sequence[str], env: dict[str, str],
+              streams: tuple[int, int, int]) -> ForkedProcess:
+        request = {"argv": list(argv), "env": dict(env), "cwd": os.getcwd(),
+                   "watch": os.getpid()}
+        with self._lock, self._answered:
+            if not self.alive:
+                raise ForkServerError(f"the fork server at {self.path} is gone")
+            send(self.sock, {"start": request}, streams)
+            if not self._answered.wait_for(lambda: self._started or not self.alive, 30.0):
+                raise ForkServerError(f"the fork server at {self.path} did not answer")
+            if not self._started:
+                raise ForkServerError(f"the fork server at {self.path} went away")
+            answer = self._started.pop(0)
+        if isinstance(answer, ForkServerError):
+            raise answer
+        return answer
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message, fds = receive(self.sock)
+                for fd in fds:
+                    os.close(fd)
+                if message is None:
+                    break
+                self._take(message)
+        except (OSError, ForkServerError) as exc:
+            log.warning("the fork server at %s: %s", self.path, exc)
+        with self._answered:
+            self.alive = False
+            self._answered.notify_all()
+        for child in list(self._children.values()):
+            child._orphaned()
+
+    def _take(self, message: dict[str, Any]) -> None:
+        if "exited" in message:
+            child = self._children.pop(message["exited"], None)
+            if child is not None and isinstance(message.get("code"), int):
+                child._exited(message["code"])
+            return
+        if isinstance(message.get("started"), int):
+            child = ForkedProcess(message["started"], ["python", "-m", "executors"])
+            self._children[child.pid] = child
+            answer: ForkedProcess | ForkServerError = child
+        else:
+            answer = ForkServerError(f"the fork server refused: {_why(message)}")
+        with self._answered:
+            self._started.append(answer)
+            self._answered.notify_all()
+
+    def close(self) -> None:
+        self.sock.close()
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
+
+
+def _why(reply: Any) -> str:
+    return str(reply.get("refused") if isinstance(reply, dict) else reply)[:500]
+
+
+def start_server(preload: Sequence[str] = (), *, env: dict[str, str] | None = None,
+                 timeout: float = _START_TIMEOUT_S) -> ForkServer:
+    """A fork server of this process's own (it dies with this process), connected, once its
+    imports of `preload` are done."""
+    folder = tempfile.mkdtemp(prefix="flowkit-fork-")  # owner-only: the socket's first guard
+    path = os.path.join(folder, "socket")
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                   **(env or {})}  # torch reads them as it loads, in the server
+    process = spawn([sys.executable, "-m", "executors.forkserver", "--socket", path,
+                     "--preload", ",".join(preload)], env=environment, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    while True:
+        if os.path.exists(path):
+            try:
+                return ForkServer(path, process)
+            except ForkServerError:
+                pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            process.wait()
+            shutil.rmtree(folder, ignore_errors=True)
+            raise ForkServerError(f"the fork server did not start (exit {process.returncode})")
+        time.sleep(0.02)
+
+
+_servers: dict[Any, ForkServer | None] = {}
+_servers_lock = threading.Lock()
+_servers_owner = os.getpid()
+
+
+def _server_for(preload: tuple[str, ...]) -> ForkServer | None:
+    global _servers_owner
+    setting = os.environ.get("FLOWKIT_FORKSERVER", "")
+    if setting.lower() in ("off", "0", "no", "false"):
+        return None
+    key = setting or preload
+    with _servers_lock:
+        if _servers_owner != os.getpid():  # a forked copy of this process: none are its own
+            _servers.clear()
+            _servers_owner = os.getpid()
+        server = _servers.get(key)
+        if server is not None and server.alive:
+            return server
+        try:
+            server = ForkServer(setting) if setting else start_server(preload)
+        except ForkServerError as exc:
+            log.warning("executors start without a fork server: %s", exc)
+            server = None
+        _servers[key] = server
+        return server
+
+
+def start_executor(argv: Sequence[str], env: dict[str, str], *,
+                   preload: Sequence[str] = ()) -> ForkedProcess | None:
+    """`python -m executors ARGV` in `env`, forked from a fork server that imported `preload`;
+    None where none can (FLOWKIT_FORKSERVER=off, a server that refused or went away)."""
+    if not hasattr(os, "pidfd_open"):
+        return None
+    server = _server_for(tuple(preload))
+    if server is None:
+        return None
+    with open(os.devnull, "rb") as devnull:
+        try:
+            return server.start(argv, env, (devnull.fileno(), 1, 2))
+        except (ForkServerError, OSError) as exc:
+            log.warning("executor started without the fork server: %s", exc)
+            return None
