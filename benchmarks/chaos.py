@@ -18,6 +18,8 @@ from typing import Any
 
 import attrs
 
+from flowkit.runtime.forkserver import executor_processes, without_shared_server
+
 ROOT = Path(__file__).resolve().parents[1]
 FLOW = str(Path(__file__).with_name("chaos_flow.py"))
 STEPS = 30  # a few seconds a run: start-up, steps, recoveries and checkpoints all get kills
@@ -46,7 +48,7 @@ def clean_run(folder: Path, steps: int = STEPS) -> tuple[Path, float]:
     it took: the kills of the runs under test fall within that span, whatever the machine."""
     started = time.monotonic()
     subprocess.run(command(folder, "--steps", str(steps)), cwd=ROOT, check=True,
-                   capture_output=True)
+                   capture_output=True, env=without_shared_server())
     return folder / "w", time.monotonic() - started
 
 
@@ -54,22 +56,6 @@ def kill_window(span_s: float) -> dict:
     """When kills fall in a run that takes `span_s` without faults: the first from 0.2 s to
     most of the span (start-up included), each next within a fraction of it (a recovery)."""
     return {"first_s": (0.2, max(0.3, 0.7 * span_s)), "gap_s": (0.0, max(0.1, 0.4 * span_s))}
-
-
-def executors_of(parent: int) -> dict[int, str]:
-    """The executor processes `flowkit run` started (its children): pid -> name."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if int(fields[1]) == parent and b"--name" in argv:
-            found[int(entry.name)] = argv[argv.index(b"--name") + 1].decode()
-    return found
 
 
 def chaos_run(folder: Path, seed: int, *args: str, kills: int = 2, steps: int = STEPS,
@@ -84,14 +70,16 @@ def chaos_run(folder: Path, seed: int, *args: str, kills: int = 2, steps: int = 
         moments.append(at)
         at += rng.uniform(*gap_s)
     started = time.monotonic()
+    # the run's own fork server, as a user's run has it: its executors are its descendants
     process = subprocess.Popen(command(folder, "--steps", str(steps), *args), cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=without_shared_server())
     killed: list[tuple[str, float]] = []
     last_kill = None
     while process.poll() is None and len(killed) < kills:
         now = time.monotonic() - started
         if now >= moments[len(killed)]:
-            executors = executors_of(process.pid)
+            executors = executor_processes(process.pid)
             if executors:
                 pid = rng.choice(sorted(executors))
                 with _gone_ok():

@@ -5,7 +5,6 @@ import pytest
 
 from tests.harness import ExecutorPool, executor_cluster
 
-
 # What the suite's fork server imports once, so that no executor process a test starts (its own,
 # or a `flowkit run` child's) imports them again: the kinds and the HF models the tests build.
 _PRELOAD = ("executors.torch", "executors.sim", "transformers",

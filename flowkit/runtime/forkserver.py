@@ -10,6 +10,7 @@ per preload set (it dies with this process); a socket path, a server that someon
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import select
@@ -27,7 +28,8 @@ from typing import Any
 from flowkit.runtime.spawn import spawn
 from flowkit.wire.forkserver import ForkServerError, fingerprint, receive, send
 
-__all__ = ["ForkServer", "ForkedProcess", "start_executor", "start_server"]
+__all__ = ["ForkServer", "ForkedProcess", "executor_processes", "start_executor",
+           "start_server", "without_shared_server"]
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +216,11 @@ def _server_for(preload: tuple[str, ...]) -> ForkServer | None:
         if server is not None and server.alive:
             return server
         try:
-            server = ForkServer(setting) if setting else start_server(preload)
+            if setting:
+                server = ForkServer(setting)
+            else:
+                server = start_server(preload)
+                atexit.register(server.close)  # gone before this process is: nothing outlives it
         except ForkServerError as exc:
             log.warning("executors start without a fork server: %s", exc)
             server = None
@@ -237,3 +243,49 @@ def start_executor(argv: Sequence[str], env: dict[str, str], *,
         except (ForkServerError, OSError) as exc:
             log.warning("executor started without the fork server: %s", exc)
             return None
+
+
+def without_shared_server(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """An environment for a `flowkit run` that starts its own fork server, whatever server
+    this process was told to use (the executors are then the run's descendants)."""
+    return {k: v for k, v in (os.environ if environ is None else environ).items()
+            if k != "FLOWKIT_FORKSERVER"}
+
+
+def executor_processes(parent: int) -> dict[int, str]:
+    """The local executors process `parent` started, pid -> name: its children that run
+    `python -m executors --name NAME`, and the children of its fork server, named by their
+    process name (which a forked executor sets to its --name, up to 15 bytes)."""
+    found = {}
+    for pid, argv in _children(parent).items():
+        if b"executors.forkserver" in argv:
+            unnamed = _process_name(pid)  # a child that has not yet named itself is not yet one
+            for child in _children(pid):
+                found[child] = "" if _process_name(child) == unnamed else _process_name(child)
+        elif b"--name" in argv:
+            found[pid] = argv[argv.index(b"--name") + 1].decode()
+    return {pid: name for pid, name in found.items() if name}
+
+
+def _children(parent: int) -> dict[int, list[bytes]]:
+    found = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as stat:
+                ppid = int(stat.read().rsplit(b")", 1)[1].split()[1])
+            if ppid == parent:
+                with open(f"/proc/{entry.name}/cmdline", "rb") as cmdline:
+                    found[int(entry.name)] = cmdline.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue  # gone while we looked
+    return found
+
+
+def _process_name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as comm:
+            return comm.read().strip()
+    except OSError:
+        return ""

@@ -40,10 +40,8 @@ class ForkServerError(Exception):
 def fingerprint() -> dict[str, str]:
     """What must match for a forked child to be the process `python -m executors` would start
     here: the interpreter, the import path's additions, and the flowkit it imports."""
-    import flowkit
-
     return {"executable": sys.executable, "pythonpath": os.environ.get("PYTHONPATH", ""),
-            "flowkit": str(Path(flowkit.__file__).resolve().parent)}
+            "flowkit": str(Path(__file__).resolve().parents[1])}
 
 
 def send(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from flowkit.runtime.forkserver import without_shared_server
 from tests.cli.runs import default_sigint
 
 pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
@@ -32,6 +33,13 @@ def _processes_of(mark: str) -> set[int]:
     return pids
 
 
+def _wait_for_two_steps(run: subprocess.Popen, metrics: Path) -> None:
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert run.poll() is None and time.monotonic() < deadline, run.stdout.read()
+        time.sleep(0.2)
+
+
 def test_ctrl_c_stops_the_run_writes_the_weights_and_exits_130(tmp_path):
     mark = f"FLOWKIT_TEST_RUN={uuid.uuid4().hex}"
     metrics, weights = tmp_path / "m.jsonl", tmp_path / "weights"
@@ -40,14 +48,18 @@ def test_ctrl_c_stops_the_run_writes_the_weights_and_exits_130(tmp_path):
          "--steps", "100000", "--no-dashboard", "--metrics", str(metrics),
          "--save-weights", str(weights)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, mark.split("=")[0]: mark.split("=")[1]},
+        # the run's own fork server (not the suite's), started with the run's environment:
+        # it and the executors forked from it carry the mark
+        env={**without_shared_server(),
+             mark.split("=")[0]: mark.split("=")[1]},
         start_new_session=True,  # its own process group, as a terminal's foreground job
         preexec_fn=default_sigint)
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        assert run.poll() is None and time.monotonic() < deadline, run.stdout.read()
-        time.sleep(0.2)
-    assert len(_processes_of(mark)) >= 3  # the run and its two executors
+    try:
+        _wait_for_two_steps(run, metrics)
+        assert len(_processes_of(mark)) >= 3  # the run and its two executors (and fork server)
+    except BaseException:
+        os.killpg(run.pid, signal.SIGKILL)  # a failed test leaves no run behind
+        raise
     os.killpg(run.pid, signal.SIGINT)  # what Ctrl-C sends: the whole foreground group
     try:
         output, _ = run.communicate(timeout=60)

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from flowkit.runtime.forkserver import executor_processes, without_shared_server
+
 pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
 
 FLOWS = Path(__file__).parent / "flows"
@@ -31,38 +33,6 @@ def _command(flow: str, folder: Path, *args: str, weights: bool = True) -> list[
     save = ["--save-weights", str(folder / "w")] if weights else []
     return [sys.executable, "-m", "flowkit", "run", flow, "--no-dashboard", "--executors",
             "torch", "--metrics", str(folder / "m.jsonl"), *save, *args]
-
-
-def _own_fork_server() -> dict[str, str]:
-    """The environment of a run with its own fork server, not the suite's: its executors are
-    then its grandchildren."""
-    return {k: v for k, v in os.environ.items() if k != "FLOWKIT_FORKSERVER"}
-
-
-def _children(parent: int) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == parent:
-                pids.append(int(entry.name))
-    return pids
-
-
-def _executor_pids(parent: int) -> list[int]:
-    """The executor processes `flowkit run` started: the children of its fork server (the run's
-    own: the tests run these without the suite's, see _command)."""
-    pids = []
-    for child in _children(parent):
-        try:
-            command = Path(f"/proc/{child}/cmdline").read_bytes()
-        except OSError:
-            continue
-        pids += _children(child) if b"executors.forkserver" in command else [child]
-    return pids
 
 
 def _lines(path: Path) -> list[dict]:
@@ -82,7 +52,7 @@ def _run_with_kills(flow: str, folder: Path, steps: int, *args: str, kills: int,
                                         "--checkpoint-dir", str(folder / "ck"), *args,
                                         weights=weights),
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, env=_own_fork_server())
+                               text=True, env=without_shared_server())
     killed, deadline = 0, time.monotonic() + 300
     while process.poll() is None and killed < kills and time.monotonic() < deadline:
         lines = _lines(folder / "m.jsonl")
@@ -90,7 +60,7 @@ def _run_with_kills(flow: str, folder: Path, steps: int, *args: str, kills: int,
         started = (folder / "ck" / "step-00000000").is_dir()
         if recovered and started and len(lines) >= points[killed]:
             time.sleep(rng.uniform(0.0, 0.03))
-            pids = _executor_pids(process.pid)
+            pids = list(executor_processes(process.pid))
             if pids:
                 os.kill(rng.choice(pids), signal.SIGKILL)
                 killed += 1
@@ -142,11 +112,11 @@ def test_an_executor_lost_in_the_first_step_is_replaced_and_nothing_is_trained_t
 def test_without_restarts_a_killed_executor_fails_the_run_with_a_clear_error(tmp_path):
     process = subprocess.Popen(_command(PRETRAIN, tmp_path, "--steps", "40"), cwd=ROOT,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=_own_fork_server())
+                               env=without_shared_server())
     deadline = time.monotonic() + 120
     while not _lines(tmp_path / "m.jsonl") and time.monotonic() < deadline:
         time.sleep(0.1)
-    os.kill(_executor_pids(process.pid)[0], signal.SIGKILL)
+    os.kill(list(executor_processes(process.pid))[0], signal.SIGKILL)
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 1
     assert "was lost" in output and "Traceback" not in output
