@@ -35,7 +35,9 @@ def test_what_others_froze_stays_frozen() -> None:
     frozen = gc.get_freeze_count()
     with fewer_collections():
         pass
-    assert gc.get_freeze_count() >= frozen
+    # an unfreeze would leave none; a few frozen objects may be freed meanwhile by other threads
+    # of this process (the suite's pools, its fork server's reader)
+    assert gc.get_freeze_count() >= 0.9 * frozen
 
 
 def test_a_threshold_set_during_the_run_is_kept() -> None:
