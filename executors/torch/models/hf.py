@@ -24,6 +24,7 @@ from executors.torch.models.gpt import (
     cache_dtype,
     cache_positions,
 )
+from executors.torch.models.packing import BlockCausal
 from flowkit.dsl.hf import FAMILIES, check_family, check_model_dir
 
 __all__ = ["HFCausalLM", "HFModelError", "HFStage", "RowCache"]
@@ -157,8 +158,9 @@ class HFCausalLM(nn.Module):
                                        last=True, head=self.head))
         return self._whole[0]
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        return self.whole()(idx, targets)
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None):
+        return self.whole()(idx, targets, positions)
 
     def new_cache(self, batch: int, max_len: int) -> RowCache:
         return self.whole().new_cache(batch, max_len)
@@ -331,7 +333,16 @@ class HFStage(nn.Module):
     def context_length(self) -> int:
         return _context_length(self.config)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None):
+        """With `positions` (B, T), packed rows: each sequence's own rotary positions and a
+        block-diagonal causal mask [Note: packed rows in packing.py]."""
+        if positions is not None:
+            packed = BlockCausal(positions)
+            if self.first:
+                x = self._embed(x, positions)
+            x = self._layers(x, positions, lambda window: packed.additive(x.dtype, window), None)
+            return self._head(x, targets) if self.last else x
         T = x.size(1)
         pos = torch.arange(T, device=x.device)[None, :]  # (1, T)
         if self.first:
