@@ -68,6 +68,10 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
               help="Compute precision of every model: bf16 keeps fp32 weights, gradients and "
               "optimizer states and runs the forwards under bf16 autocast [default: each "
               "model's own, fp32 unless it says].")
+@click.option("--packing", is_flag=True, default=_RUN.packing,
+              help="Pack several sequences into one row (own positions, attention within each) "
+              "in every model's training and scoring forwards, instead of padding each row "
+              "to its longest [default: as each model says].")
 @click.option("--microbatches", type=click.IntRange(min=1), default=None,
               help="Microbatches per step of every backprop [default: the flow's].")
 @click.option("--schedule", default=None,
@@ -185,7 +189,7 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
 def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | None,
         placement: str | None, device: str,
         steps: int, stages: int | None, replicas: int | None, shard_optimizer: bool,
-        precision: str | None, microbatches: int | None,
+        precision: str | None, packing: bool, microbatches: int | None,
         schedule: str | None, offload: str | None, memory_limit: float | None,
         fuse: bool, fill_bubbles: bool, asynchronous: bool | None,
         max_staleness: int | None, sim_cost: str,
@@ -221,7 +225,7 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
         config = RunConfig(
             steps=steps, executors=kind, num_executors=num_executors, tags=_tags(tag_spec),
             placement=placement, device=device, code=[path], stages=stages, replicas=replicas,
-            shard_optimizer=shard_optimizer, precision=precision,
+            shard_optimizer=shard_optimizer, precision=precision, packing=packing,
             microbatches=microbatches,
             schedule=schedule, offload=offload, memory_limit=memory_limit, fuse=fuse,
             fill_bubbles=fill_bubbles, asynchronous=asynchronous,

@@ -106,6 +106,10 @@ class Model:
     # the compute precision of its forwards, training and generation alike [Note: mixed
     # precision]: "fp32", or "bf16" (fp32 weights, gradients and optimizer states)
     precision: str = "fp32"
+    # several sequences to a row in its training, scoring and critic forwards, each with its own
+    # positions and attending only within itself (executors/torch/models/packing.py): far fewer
+    # padded tokens on long-tailed lengths; its forward must take `positions`
+    packing: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self) -> None:  # checked and normalized once the name is known
         object.__setattr__(self, "lora", check_lora(self.lora, model=self.name))

@@ -31,7 +31,7 @@ class OpSpec:
 
 
 MODEL_KEYS = ("model", "build", "stages", "seed", "dtype", "precision", "model_config",
-              "lora")  # model_spec's
+              "lora", "packing")  # model_spec's
 _STAGE = (*MODEL_KEYS, "stage")
 # every pipeline op: the copies it issues as it starts [Note: offload in the runtime] and its
 # activation memory's change in microbatch stashes (the simulator's accounting; `track_memory`:

@@ -107,7 +107,8 @@ class Run:
                                           schedule=config.schedule,
                                           offload=config.offload,
                                           memory_limit=config.memory_limit,
-                                          precision=config.precision)
+                                          precision=config.precision,
+                                          packing=config.packing)
         _check_stages(self.flow, config)
         self.plan = lower_flow(self.flow)
         self.staleness = config.staleness(self.flow.max_staleness)

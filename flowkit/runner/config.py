@@ -172,6 +172,10 @@ class RunConfig:
     shard_optimizer: bool = False
     """Keep each trained model's optimizer states sharded over its replicas (ZeRO-1); False:
     as the flow's models say."""
+    packing: bool = False
+    """Pack several sequences into one row in every model's training and scoring forwards
+    (per-sequence positions, attention within each; [Note: packed rows in
+    executors/torch/models/packing.py]); False: as the flow's models say."""
     microbatches: int | None = attrs.field(default=None, validator=_at_least(1))
     """Microbatches per step of every backprop; None: the flow's."""
     schedule: str | None = None

@@ -127,12 +127,13 @@ def with_training_options(flow: Flow, *, stages: int | None, microbatches: int |
                           schedule: str | None, replicas: int | None = None,
                           shard_optimizer: bool = False, offload: str | None = None,
                           memory_limit: float | None = None,
-                          precision: str | None = None) -> Flow:
+                          precision: str | None = None, packing: bool = False) -> Flow:
     """`flow` with every trained model cut into `stages` and trained by `replicas` (their
     optimizer states sharded over them with `shard_optimizer`), and every
     backprop run with `microbatches` under `schedule`, `offload` of its activations to host
-    memory and within `memory_limit`, and every model computing in `precision` [Note: mixed
-    precision in flowkit/dsl/operators.py], where given (the flow is changed in place; an
+    memory and within `memory_limit`, every model computing in `precision` [Note: mixed
+    precision in flowkit/dsl/operators.py] and with `packing` in packed rows, where given
+    (the flow is changed in place; an
     offload the flow sets is checked).
     A backprop with fewer microbatches than its model's replicas is an error here, before
     anything starts: each replica runs at least one."""
@@ -147,6 +148,9 @@ def with_training_options(flow: Flow, *, stages: int | None, microbatches: int |
         for name, model in flow.models.items():
             if model.config.get("dtype", "float32") == "float32":
                 flow.models[name] = attrs.evolve(model, precision=precision)
+    if packing:
+        for name, model in flow.models.items():
+            flow.models[name] = attrs.evolve(model, packing=True)
     backprops = [node for node in flow.nodes.values()
                  if getattr(node.operator, "lowering", None) == "pipeline"]
     for name in {node.model for node in backprops}:

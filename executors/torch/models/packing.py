@@ -15,6 +15,7 @@ with a row of two or more sequences is packed; otherwise the rows go as before, 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -95,8 +96,6 @@ def packed_rows(seqs: Sequence[Sequence[int]], device: torch.device
 
 def accepts_positions(module: torch.nn.Module) -> bool:
     """Whether `module`'s forward takes `positions` [Note: packed rows]."""
-    import inspect
-
     return "positions" in inspect.signature(module.forward).parameters
 
 
