@@ -116,13 +116,19 @@ def pipeline(json_out: Path | None) -> None:
               "by side: tokens/s, each step's loss and the loss gap to the first one's.")
 @click.option("--device", default="cpu", show_default=True,
               help="With --precision: the executors' device (cpu, cuda:0, cuda, ...).")
+@click.option("--packing", is_flag=True,
+              help="Instead: tokens/s of packed rows against padded ones, the same model, data "
+              "(log-normal response lengths: median 64, sigma 1, budget 512) and executors.")
 @_json_option
 def train(model: str | None, replicas: str | None, sim_replicas: str, sim_stages: int,
           sim_microbatches: int, sim_cost: str | None, precisions: str | None, device: str,
-          json_out: Path | None) -> None:
+          packing: bool, json_out: Path | None) -> None:
     """Pipeline training steps against their simulation.
 
     Also B + W against a fused backward, and tokens/s against a plain training loop."""
+    if packing:
+        _report(_bench_function("packing", "run_packing_bench")(), json_out)
+        return
     if precisions is not None:
         chosen = tuple(p.strip() for p in precisions.split(",") if p.strip())
         bad = [p for p in chosen if p not in ("fp32", "bf16")]
