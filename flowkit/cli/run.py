@@ -74,6 +74,9 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
               "to its longest [default: as each model says].")
 @click.option("--microbatches", type=click.IntRange(min=1), default=None,
               help="Microbatches per step of every backprop [default: the flow's].")
+@click.option("--microbatch-tokens", type=click.IntRange(min=1), default=None,
+              help="Tokens per microbatch of every backprop instead of a count: microbatches "
+              "formed by tokens, replicas balanced by them [default: the flow's].")
 @click.option("--schedule", default=None,
               help="Pipeline schedule of every backprop: gpipe, 1f1b, zb-h1, zb-h2, zb-v, "
               "auto, ... (flowkit schedule --help) [default: the flow's].")
@@ -190,7 +193,7 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
         placement: str | None, device: str,
         steps: int, stages: int | None, replicas: int | None, shard_optimizer: bool,
         precision: str | None, packing: bool, microbatches: int | None,
-        schedule: str | None, offload: str | None, memory_limit: float | None,
+        microbatch_tokens: int | None, schedule: str | None, offload: str | None, memory_limit: float | None,
         fuse: bool, fill_bubbles: bool, asynchronous: bool | None,
         max_staleness: int | None, sim_cost: str,
         trace: Path | None, metrics: Path | None, loggers: tuple[str, ...], log_dir: Path,
@@ -226,7 +229,7 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
             steps=steps, executors=kind, num_executors=num_executors, tags=_tags(tag_spec),
             placement=placement, device=device, code=[path], stages=stages, replicas=replicas,
             shard_optimizer=shard_optimizer, precision=precision, packing=packing,
-            microbatches=microbatches,
+            microbatches=microbatches, microbatch_tokens=microbatch_tokens,
             schedule=schedule, offload=offload, memory_limit=memory_limit, fuse=fuse,
             fill_bubbles=fill_bubbles, asynchronous=asynchronous,
             max_staleness=max_staleness, sim_costs=costs, trace=trace, logs=logs,
@@ -255,7 +258,8 @@ _OPTIONS = {"tags": "--tags", "placement": "--placement", "schedule": "--schedul
             "offload": "--offload", "memory_limit": "--memory-limit",
             "max_staleness": "--max-staleness", "eval_every": "--eval-every",
             "controller.keys": "--keys", "controller.bind": "--bind", "device": "--device",
-            "precision": "--precision", "replicas": "--replicas", "stages": "--stages"}
+            "precision": "--precision", "replicas": "--replicas", "stages": "--stages",
+            "microbatch_tokens": "--microbatch-tokens"}
 
 
 def _usage_error(error: Exception) -> click.ClickException:

@@ -459,6 +459,9 @@ class ModelOp(Operator):
     each call scores its items with the whole model, so a run may lend it training executors'
     pipeline bubbles when the model is one the flow does not train ([Note: bubble filling] in
     flowkit/runner/bubble_fill.py: log-probs, values, a reward model's scores).
+    `item_tokens`: a field (or property) of its first input's items that says each item's
+    tokens, reported as it is made, so that config `microbatch_tokens` can form microbatches
+    by tokens ([Note: token-budget microbatches] in flowkit/runner/token_microbatches.py).
     `choices`: config keys whose value must be one of a known set (a loss, a
     schedule kind); `ranges`: numeric config keys and their (lowest, highest) allowed values,
     None for no bound (None as a value passes: "not set"). Both are checked when the flow is
@@ -475,6 +478,7 @@ class ModelOp(Operator):
     resumable: ClassVar[Resumable | None] = None
     loss_spec: ClassVar[LossSpec | None] = None
     scores: ClassVar[bool] = False
+    item_tokens: ClassVar[str | None] = None
     choices: ClassVar[dict[str, Collection[str]]] = {}
     ranges: ClassVar[dict[str, tuple[float | None, float | None]]] = {}
     inputs: ClassVar[dict[str, Any]] = {}

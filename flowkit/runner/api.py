@@ -104,6 +104,7 @@ class Run:
         self.flow = with_training_options(flow, stages=config.stages, replicas=config.replicas,
                                           shard_optimizer=config.shard_optimizer,
                                           microbatches=config.microbatches,
+                                          microbatch_tokens=config.microbatch_tokens,
                                           schedule=config.schedule,
                                           offload=config.offload,
                                           memory_limit=config.memory_limit,

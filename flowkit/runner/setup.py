@@ -127,10 +127,12 @@ def with_training_options(flow: Flow, *, stages: int | None, microbatches: int |
                           schedule: str | None, replicas: int | None = None,
                           shard_optimizer: bool = False, offload: str | None = None,
                           memory_limit: float | None = None,
-                          precision: str | None = None, packing: bool = False) -> Flow:
+                          precision: str | None = None, packing: bool = False,
+                          microbatch_tokens: int | None = None) -> Flow:
     """`flow` with every trained model cut into `stages` and trained by `replicas` (their
     optimizer states sharded over them with `shard_optimizer`), and every
-    backprop run with `microbatches` under `schedule`, `offload` of its activations to host
+    backprop run with `microbatches` (or `microbatch_tokens`) under `schedule`, `offload` of
+    its activations to host
     memory and within `memory_limit`, every model computing in `precision` [Note: mixed
     precision in flowkit/dsl/operators.py] and with `packing` in packed rows, where given
     (the flow is changed in place; an
@@ -161,6 +163,8 @@ def with_training_options(flow: Flow, *, stages: int | None, microbatches: int |
     for node in backprops:
         if microbatches is not None:
             node.config["microbatches"] = microbatches
+        if microbatch_tokens is not None:
+            node.config["microbatch_tokens"] = microbatch_tokens
         if schedule is not None:
             node.config["schedule"] = schedule
         if offload is not None:
@@ -171,7 +175,7 @@ def with_training_options(flow: Flow, *, stages: int | None, microbatches: int |
                       node.config.get("memory_limit"))
         _check_memory_limit(node, flow.models[node.model])
         count, model = node.config.get("microbatches") or 1, flow.models[node.model]
-        if count < model.replicas:
+        if count < model.replicas and node.config.get("microbatch_tokens") is None:
             raise RunConfigError("microbatches", f"{node.name!r} runs {count} microbatch(es) a "
                                  f"step, but model {model.name!r} trains as {model.replicas} "
                                  "replicas, each of which runs at least one: give at least "
