@@ -8,6 +8,7 @@ from importlib.metadata import entry_points
 import attrs
 
 from flowkit.dsl import Flow, Model
+from flowkit.dsl.errors import FlowError
 from flowkit.dsl.graph import Node
 from flowkit.ops import EXECUTOR_OPS, missing_executor_ops
 from flowkit.planner.lower import Call, NodePlan
@@ -123,6 +124,9 @@ def _check_memory_limit(node: Node, model: Model) -> None:
         return  # a shape the kind cannot take: the run says so as it did
 
 
+_BACKPROP_OPTIONS = ("microbatches", "microbatch_tokens", "schedule", "offload", "memory_limit")
+
+
 def with_training_options(flow: Flow, *, stages: int | None, microbatches: int | None,
                           schedule: str | None, replicas: int | None = None,
                           shard_optimizer: bool = False, offload: str | None = None,
@@ -180,5 +184,13 @@ def with_training_options(flow: Flow, *, stages: int | None, microbatches: int |
                                  f"step, but model {model.name!r} trains as {model.replicas} "
                                  "replicas, each of which runs at least one: give at least "
                                  f"{model.replicas} (--microbatches {model.replicas})")
-    flow.validate()
+    try:
+        flow.validate()
+    except FlowError as exc:  # a backprop setting an option gave, as that option's error
+        if any(p.port not in _BACKPROP_OPTIONS for p in exc.problems):
+            raise
+        problem = exc.problems[0]
+        fix = f" ({problem.fix})" if problem.fix else ""
+        raise RunConfigError(problem.port or "flow",
+                             f"{problem.op!r}: {problem.message}{fix}") from None
     return flow

@@ -50,7 +50,7 @@ def _experiences(lengths: list[tuple[int, int]], seed: int) -> list[Experience]:
     rng = random.Random(seed)
     out = []
     for i, (p, r) in enumerate(lengths):
-        noise = lambda scale: [rng.gauss(0.0, scale) for _ in range(r)]  # noqa: E731
+        noise = lambda scale, r=r: [rng.gauss(0.0, scale) for _ in range(r)]  # noqa: E731
         out.append(Experience(
             prompt_id=i, sample=0, prompt_tokens=[rng.randrange(64) for _ in range(p)],
             response_tokens=[rng.randrange(64) for _ in range(r)],
