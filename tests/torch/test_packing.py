@@ -259,3 +259,12 @@ def test_a_model_keeps_packing_through_evolve():
     assert attrs.evolve(model, stages=2).packing
     with pytest.raises(TypeError):
         Model(name="m", build="x.y:Z", packing="yes")
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_profiling_runs_an_experience_microbatch_as_training_will(packing):
+    exps = _experiences(LENGTHS, seed=7)
+    for s in range(3):
+        seconds = pipeline_ops._profile(op_context(), exps, **GPT, stage=s, stages=3,
+                                        repeats=1, packing=packing)
+        assert set(seconds) == {"F", "B", "W", "BW"} and all(v > 0 for v in seconds.values())

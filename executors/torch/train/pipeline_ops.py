@@ -25,7 +25,7 @@ from executors.torch.train.held_stage import HeldStage, held_stage
 from executors.torch.train.memory import keep_freed_memory
 from executors.torch.train.replicas import all_reduce_grads, broadcast_shards, owned
 from executors.torch.train.rl_loss import RL_LOSSES, RLLoss, RLSettings, records
-from executors.torch.train.rows import activation, experience_rows, lm_rows, sent, split_tokens
+from executors.torch.train.rows import activation, experience_rows, lm_rows, sent
 from executors.torch.train.rows import tokens_of as _tokens
 from executors.torch.train.stage import StageRunner
 from flowkit.ops.records import MicrobatchStats, microbatch_stats, step_report
@@ -428,12 +428,15 @@ def _profile(ctx: OpContext, sample: Any, *, stage: int, stages: int, repeats: i
     model = held_model(ctx, {**config, "stages": stages})
     # A microbatch of experiences (an RL loss) is timed on its sequences under the LM loss: the
     # same stages on the same tokens, and at the head a log-softmax over the vocabulary too.
-    x, targets = split_tokens(_tokens(sample).to(model.device))
+    x, targets, positions = lm_rows(_tokens(sample).to(model.device),
+                                    bool(config.get("packing")))
+    packed = () if positions is None else (None, positions)  # as its microbatches run
     with torch.no_grad():
         for s in range(stage):
-            x = model.parts[s](x)
+            x = model.parts[s](x, *packed)
     last = stage == stages - 1
-    args = [x] + ([targets, 1.0] if last else [])
+    args = [x, targets, positions] if positions is not None else [x, targets]
+    args = (args if last else [x, *packed]) + ([1.0] if last else [])
     runner = held_stage(ctx, {**config, "stage": stage, "stages": stages}).runner
     times: dict[str, list[float]] = {"F": [], "B": [], "W": [], "BW": []}
     for rep in range(repeats + 1):  # round 0 warms up

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from executors.torch.models.built import right_padded
 from executors.torch.models.packing import Packing, packed_rows
 from executors.torch.train.rl_loss import records, sequence_ids
 
@@ -25,13 +24,15 @@ __all__ = ["activation", "experience_rows", "lm_rows", "sent", "split_tokens", "
 
 def tokens_of(value: Any) -> torch.Tensor:
     """A microbatch of token sequences: a (B, T+1) tensor, or a list of them or of rows; or
-    records with prompt and response tokens (experiences), right-padded with token 0."""
+    records with prompt and response tokens (experiences), right-padded with masked token 0
+    (~0: read as 0, never a target) [TokenIds in flowkit/ops/records.py]."""
     if isinstance(value, torch.Tensor):
         return value if value.dim() == 2 else value.unsqueeze(0)
     items = records(value)
     if items and hasattr(items[0], "response_tokens"):
         seqs = [list(e.prompt_tokens) + list(e.response_tokens) for e in items]
-        return right_padded(seqs, torch.device("cpu"))
+        width = max(len(s) for s in seqs)
+        return torch.tensor([s + [~0] * (width - len(s)) for s in seqs], dtype=torch.long)
     rows = [v if v.dim() == 2 else v.unsqueeze(0) for v in items]
     return torch.cat(rows)
 
