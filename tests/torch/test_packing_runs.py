@@ -1,7 +1,8 @@
 """Packed rows end to end on torch executor processes [Note: packed rows in
 executors/torch/models/packing.py]: GRPO (the reference's log-probs scored packed) and PPO (the
 critic's values scored packed, its value loss trained packed) train the parameters of the same
-runs on padded rows, in float64; `--packing` reaches every model of a run."""
+runs on padded rows, in float64, GRPO on two replicas too; `--packing` reaches every model of a
+run."""
 
 import attrs
 import pytest
@@ -20,7 +21,11 @@ SETTINGS = dict(prompts=4, n=3, stages=2, microbatches=2, max_new_tokens=12, lr=
                 reward=even_token_reward)
 STOPS = list(range(0, 64, 6))  # responses stop early or run on: lengths that pack
 FLOWS = {"grpo": lambda: grpo_flow(schedule="zb-h1", kl_coef=0.05, **SETTINGS),
-         "ppo": lambda: ppo_flow(schedule="1f1b", **SETTINGS)}
+         "ppo": lambda: ppo_flow(schedule="1f1b", **SETTINGS),
+         # two replicas of one stage: the packed microbatches' gradients all-reduced
+         "grpo-replicas": lambda: with_training_options(
+             grpo_flow(schedule="1f1b", kl_coef=0.05, **{**SETTINGS, "stages": 1}),
+             stages=None, microbatches=None, schedule=None, replicas=2)}
 
 
 def _train(pool, tmp_path, name: str, *, packing: bool) -> tuple[dict, list]:
