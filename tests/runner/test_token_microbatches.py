@@ -92,3 +92,22 @@ def test_too_small_a_budget_is_refused_before_the_run():
                               microbatch_tokens=32)
     with_training_options(grpo_flow(prompts=4, n=2, max_new_tokens=64), stages=None,
                           microbatches=None, schedule=None, microbatch_tokens=65)
+
+
+@pytest.mark.parametrize("carried", [{"update_actor": 300}, None])
+def test_a_run_checkpoint_keeps_the_last_steps_tokens(tmp_path, carried):
+    from flowkit.runner.checkpoints.controller_state import read_state
+    from flowkit.runner.checkpoints.state_codec import allowed_records, encode_state
+
+    training = {"item_counts": {"update_actor": 12}, "predicted_bubble": {},
+                "last_schedule": None}
+    if carried is not None:  # a file written before token counts has none
+        training["token_counts"] = carried
+    path = tmp_path / "state"
+    path.write_bytes(encode_state({"step": 3, "records": [], "feedback": [],
+                                   "training": {"actor": training}, "profiles": [],
+                                   "open_work": None}))
+    path.chmod(0o600)
+    read = read_state(path, allowed_records())
+    assert read.training["actor"]["token_counts"] == (carried or {})
+    assert read.training["actor"]["item_counts"] == {"update_actor": 12}
