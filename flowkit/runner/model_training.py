@@ -333,17 +333,19 @@ class ModelTraining:
         configured count, or with `microbatch_tokens` as many as the items' tokens fill (the
         last step's, streamed) [Note: token-budget microbatches in token_microbatches.py]."""
         budget = plan.config.get("microbatch_tokens")
-        if budget is None:
-            count = max(self.replicas, min(int(plan.config.get("microbatches") or 1),
-                                           items or 1))
-            return count, [len(chunk(range(items), count, mb)) for mb in range(count)], None
-        if self._streams(plan) and plan.name in self.item_counts:  # streamed: as last step
-            last = self.token_counts.get(plan.name)
-            count = planned_count(last, budget, self.replicas) if last else \
-                max(self.replicas, min(int(plan.config.get("microbatches") or 1), items or 1))
-            return count, [len(chunk(range(items), count, mb)) for mb in range(count)], \
-                TokenSlots.of(count, self.replicas)
-        lineages = sorted_lineages(inputs.complete())  # a barrier: every item is in
+        streamed = self._streams(plan) and plan.name in self.item_counts
+        if budget is not None and not streamed:
+            return self._token_barrier(inputs, budget)
+        count = max(self.replicas, min(int(plan.config.get("microbatches") or 1), items or 1))
+        if budget is not None and self.token_counts.get(plan.name):  # as last step's filled
+            count = planned_count(self.token_counts[plan.name], budget, self.replicas)
+        sizes = [len(chunk(range(items), count, mb)) for mb in range(count)]
+        return count, sizes, None if budget is None else TokenSlots.of(count, self.replicas)
+
+    def _token_barrier(self, inputs: Inputs,
+                       budget: int) -> tuple[int, list[int], TokenSlots]:
+        """`_microbatch_plan` of a barrier with a token budget: every item is in, packed."""
+        lineages = sorted_lineages(inputs.complete())
         tokens = inputs.tokens(lineages)
         count = max(self.replicas, len(first_fit_decreasing(lineages, tokens, budget)))
         sizes = [0] * count

@@ -42,7 +42,8 @@ __all__ = [
 # more input of the last stage. (A value head's float returns are the one exception: the runner
 # treats them as activations and computes a gradient for them that nobody reads.) Each microbatch's
 # loss is its mean over tokens; a plain loop that accumulates gradients over the same microbatches
-# sums the same losses.
+# sums the same losses. Packed rows add ``positions`` (B, T) as every stage's third input
+# [Note: packed rows in packing.py].
 #
 # [Note: tied embedding across stages] The unsplit model ties ``lm_head.weight`` to ``wte.weight``.
 # Stages in different processes cannot share a parameter, so a split with more than one stage gives
