@@ -7,8 +7,10 @@ The design: [Note: Hugging Face stages] below.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -337,20 +339,22 @@ class HFStage(nn.Module):
                 positions: torch.Tensor | None = None):
         """With `positions` (B, T), packed rows: each sequence's own rotary positions and a
         block-diagonal causal mask [Note: packed rows in packing.py]."""
-        if positions is not None:
-            packed = BlockCausal(positions)
-            if self.first:
-                x = self._embed(x, positions)
-            x = self._layers(x, positions, lambda window: packed.additive(x.dtype, window), None)
-            return self._head(x, targets) if self.last else x
         T = x.size(1)
-        pos = torch.arange(T, device=x.device)[None, :]  # (1, T)
+        pos = torch.arange(T, device=x.device)[None, :] if positions is None else positions
         if self.first:
             x = self._embed(x, pos)
-        keys = torch.arange(T, device=x.device)
-        x = self._layers(x, pos, lambda window: None if window is None and self._causal_kernel
-                         else _mask(pos, keys, window, x.dtype), None)
+        x = self._layers(x, pos, self._masks(pos, positions, x.dtype), None)
         return self._head(x, targets) if self.last else x
+
+    def _masks(self, pos: torch.Tensor, positions: torch.Tensor | None,
+               dtype: torch.dtype) -> Callable[[int | None], torch.Tensor | None]:
+        """A layer's mask by its window: block-diagonal causal over packed rows, else causal
+        (None where the attention kernel is causal itself)."""
+        if positions is not None:
+            return functools.partial(BlockCausal(positions).additive, dtype)
+        keys = torch.arange(pos.size(-1), device=pos.device)
+        return lambda window: None if window is None and self._causal_kernel \
+            else _mask(pos, keys, window, dtype)
 
     @property
     def _causal_kernel(self) -> bool:
