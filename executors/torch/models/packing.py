@@ -127,6 +127,7 @@ class BlockCausal:
         self.positions = positions
         self.segments = torch.cumsum(positions == 0, dim=-1)  # (B, T)
         self._mask: torch.Tensor | None = None
+        self._segments_end_to_end: tuple[torch.Tensor, int] | None = None
 
     def mask(self) -> torch.Tensor:
         """(B, 1, T, T) bool: a query sees the keys of its segment at or before it."""
@@ -154,15 +155,22 @@ class BlockCausal:
             return self.varlen(q, k, v, kernel)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(), dropout_p=dropout_p)
 
+    def end_to_end(self) -> tuple[torch.Tensor, int]:
+        """(cumulative starts (N+1,) int32, the longest segment) of the segments laid end to
+        end, made once a forward: the longest is read on the host, one sync, not one a layer."""
+        if self._segments_end_to_end is None:
+            flat = self.positions.reshape(-1)
+            starts = torch.nonzero(flat == 0).reshape(-1)
+            cu = torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
+            self._segments_end_to_end = (cu, int(flat.max()) + 1)
+        return self._segments_end_to_end
+
     def varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kernel: Kernel) -> torch.Tensor:
         """`kernel` (varlen_attn's signature) over the segments end to end [Note: varlen
         attention]; back to (B, nh, T, hs)."""
         B, nh, T, hs = q.shape
-        flat = self.positions.reshape(-1)
-        starts = torch.nonzero(flat == 0).reshape(-1)
-        cu = torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
-        longest = int(flat.max()) + 1
+        cu, longest = self.end_to_end()
 
         def tokens(t: torch.Tensor) -> torch.Tensor:  # (B, h, T, hs) -> (B*T, h, hs)
             return t.transpose(1, 2).reshape(B * T, t.size(1), hs)
