@@ -268,3 +268,26 @@ def test_profiling_runs_an_experience_microbatch_as_training_will(packing):
         seconds = pipeline_ops._profile(op_context(), exps, **GPT, stage=s, stages=3,
                                         repeats=1, packing=packing)
         assert set(seconds) == {"F", "B", "W", "BW"} and all(v > 0 for v in seconds.values())
+
+
+def test_a_model_on_the_varlen_path_gives_the_padded_outputs(monkeypatch):
+    """The GPT's attention through the varlen plumbing, as on CUDA in half precision, with
+    the reference kernel standing in for torch's flash one."""
+    from executors.torch.models import packing
+    from executors.torch.models.built import right_padded
+    from executors.torch.models.packing import packed_rows
+    from tests.harness import seeded_gpt
+
+    used = []
+    monkeypatch.setattr(packing, "varlen_kernel",
+                        lambda q: used.append(q.shape) or _reference_varlen)
+    model = seeded_gpt(tiny_gpt(n_layer=2), seed=1, dtype=torch.float64)
+    seqs = [[(7 * i + j) % 64 for j in range(n)] for i, n in enumerate([9, 3, 5, 2, 8, 4])]
+    ids, positions, layout = packed_rows(seqs, torch.device("cpu"))
+    assert positions is not None
+    with torch.no_grad():
+        packed, padded = model(ids, None, positions), model(right_padded(seqs, ids.device))
+    assert len(used) == 2  # one call a layer
+    for (row, offset), seq, want in zip(layout.places, seqs, padded):
+        got = packed[row, offset:offset + len(seq)]
+        assert (got - want[:len(seq)]).abs().max().item() < 1e-12
