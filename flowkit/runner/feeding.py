@@ -17,12 +17,7 @@ from flowkit.planner.simulate import dependencies
 from flowkit.runner.pipeline import PipelineRun
 from flowkit.runner.replicas import ReplicatedSchedule
 from flowkit.runner.stepstate import FlowRunError, Inputs, sorted_lineages
-from flowkit.runner.token_microbatches import (
-    TokenSlots,
-    fill_one,
-    first_fit_decreasing,
-    spread,
-)
+from flowkit.runner.token_microbatches import TokenSlots, fill_one, spread
 from flowkit.wire.refs import Gather
 
 __all__ = ["Feeding", "MinibatchRounds", "chunk", "form_microbatches", "inputs_made",
@@ -120,7 +115,7 @@ def _form_by_tokens(feeding: Feeding, inputs: Inputs, closed: bool) -> None:
     tokens = inputs.tokens(pool)
     slots, budget = feeding.slots, feeding.budget
     if closed:
-        for microbatch, chosen in token_bins(pool, tokens, budget, slots):
+        for microbatch, chosen in token_bins(pool, tokens, slots):
             _feed_tokens(feeding, inputs, microbatch, chosen, tokens)
         feeding.pool = []
         return
@@ -133,14 +128,11 @@ def _form_by_tokens(feeding: Feeding, inputs: Inputs, closed: bool) -> None:
     feeding.pool = pool
 
 
-def token_bins(lineages: list, tokens: dict, budget: int,
-               slots: TokenSlots) -> list[tuple[int, list]]:
-    """(global microbatch, its lineages) of every slot left: `lineages` packed in `budget`
-    bins, spread over the slots where more bins than slots, the heaviest placed first."""
-    bins = first_fit_decreasing(lineages, tokens, budget)
-    if len(bins) > slots.left:
-        bins = spread(lineages, tokens, slots.left)
-    bins += [[] for _ in range(slots.left - len(bins))]
+def token_bins(lineages: list, tokens: dict, slots: TokenSlots) -> list[tuple[int, list]]:
+    """(global microbatch, its lineages) of every slot left: `lineages` spread over them,
+    largest first onto the lightest, the heaviest placed first [Note: token-budget
+    microbatches in token_microbatches.py]."""
+    bins = spread(lineages, tokens, slots.left)
     bins.sort(key=lambda b: -sum(tokens[lin] for lin in b))
     return [(slots.take(sum(tokens[lin] for lin in b)), b) for b in bins]
 

@@ -347,9 +347,10 @@ class ModelTraining:
         """`_microbatch_plan` of a barrier with a token budget: every item is in, packed."""
         lineages = sorted_lineages(inputs.complete())
         tokens = inputs.tokens(lineages)
-        count = max(self.replicas, len(first_fit_decreasing(lineages, tokens, budget)))
+        bins = len(first_fit_decreasing(lineages, tokens, budget))
+        count = self.replicas * max(1, -(-bins // self.replicas))  # as many for each replica
         sizes = [0] * count
-        for microbatch, chosen in token_bins(lineages, tokens, budget,
+        for microbatch, chosen in token_bins(lineages, tokens,
                                              TokenSlots.of(count, self.replicas)):
             sizes[microbatch] = len(chosen)
         return count, sizes, TokenSlots.of(count, self.replicas)
@@ -365,12 +366,15 @@ class ModelTraining:
         tracked = plan.config.get("offload") is not None  # [Note: activation memory reports]
         base = stage_costs_config(stage_costs, activation_bytes=sim.activation_bytes,
                                   memory=MemoryModel(), chunks=schedules[0].placement.chunks)
-        if tracked:
+        if tracked or sim.per_token("F") or sim.per_token("BW"):
             costed = base
 
-            def base(action: Action) -> dict:
-                return {**costed(action), "track_memory": True}
+            def base(action: Action) -> dict:  # [Note: per-token costs in executors/sim/ops.py]
+                per_token = sim.per_token(action.kind.name)
+                return {**costed(action), **({"track_memory": True} if tracked else {}),
+                        **({"seconds_per_token": per_token} if per_token else {})}
 
+        if tracked:
             self.tracked.add(plan.name)
         spec = model_spec(self.model, schedules[0].num_stages)
         last, count = schedules[0].num_stages - 1, self.replicas

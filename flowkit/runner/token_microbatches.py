@@ -3,14 +3,15 @@ tokens of its items, not their count, and gives each to the replica with the few
 
 [Note: token-budget microbatches] Each item of a backprop with `microbatch_tokens=N` reports its
 tokens (the field its op declares, ModelOp.item_tokens; a report key, nothing fetched). A
-barrier (the first step) packs every item first-fit by decreasing tokens into microbatches of at
-most N (an item longer than N alone); a streamed step plans as many microbatches as the last
-step's tokens fill and forms one each time the items in fill a budget (largest first that fit),
-the rest at the close spread over the microbatches left, largest first onto the lightest.
-Each microbatch, heaviest first where several form at once, goes to the replica with the fewest
-tokens among those with a slot left (replica r runs global microbatches r, r + D, ...), so the
-replicas reach their all-reduce together. Losses in sum form make any cut the whole batch's
-(tests/runner/test_token_microbatches.py, tests/torch/test_token_microbatch_runs.py).
+barrier (the first step) plans as many microbatches as first-fit by decreasing tokens fills
+with N, a streamed step as many as the last step's tokens fill, either rounded up to as many
+for each replica. A streamed step forms one each time the items in fill a budget (largest first
+that fit); what is left at the close (a barrier's every item) is spread over the microbatches
+left, largest first onto the lightest. Each microbatch, heaviest first where several form at
+once, goes to the replica with the fewest tokens among those with a slot left (replica r runs
+global microbatches r, r + D, ...), so the replicas reach their all-reduce together. Losses in
+sum form make any cut the whole batch's (tests/runner/test_token_microbatches.py,
+tests/torch/test_token_microbatch_runs.py; `flowkit bench train --microbatch-tokens` times it).
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ def spread(items: Sequence[Hashable], tokens: dict, count: int) -> list[list]:
 
 
 def planned_count(total_tokens: int, budget: int, replicas: int) -> int:
-    """Microbatches a step whose items hold `total_tokens` fills: at least one a replica."""
-    return max(replicas, math.ceil(total_tokens / budget))
+    """Microbatches a step whose items hold `total_tokens` fills, as many for each replica."""
+    return replicas * max(1, math.ceil(math.ceil(total_tokens / budget) / replicas))
 
 
 @attrs.define

@@ -65,9 +65,9 @@ def test_replicas_are_given_microbatches_by_tokens():
 @given(SIZES, st.integers(64, 512), st.integers(1, 4))
 def test_token_bins_fill_every_slot_and_balance_the_replicas(sizes, budget, replicas):
     tokens = dict(enumerate(sizes))
-    count = max(replicas, len(first_fit_decreasing(list(tokens), tokens, budget)))
+    count = planned_count(sum(sizes), budget, replicas)
     slots = TokenSlots.of(count, replicas)
-    placed = token_bins(list(tokens), tokens, budget, slots)
+    placed = token_bins(list(tokens), tokens, slots)
     assert sorted(g for g, _ in placed) == list(range(count)) and slots.left == 0
     assert sorted(i for _, b in placed for i in b) == list(tokens)
     per_replica = [sum(tokens[i] for g, b in placed if g % replicas == r for i in b)
@@ -77,7 +77,8 @@ def test_token_bins_fill_every_slot_and_balance_the_replicas(sizes, budget, repl
 
 
 def test_a_streamed_step_plans_as_many_as_the_last_steps_tokens_fill():
-    assert planned_count(5000, 1024, 2) == 5
+    assert planned_count(5000, 1024, 1) == 5
+    assert planned_count(5000, 1024, 2) == 6  # as many for each replica
     assert planned_count(100, 1024, 2) == 2  # one a replica at least
 
 
