@@ -291,3 +291,10 @@ def test_a_model_on_the_varlen_path_gives_the_padded_outputs(monkeypatch):
     for (row, offset), seq, want in zip(layout.places, seqs, padded):
         got = packed[row, offset:offset + len(seq)]
         assert (got - want[:len(seq)]).abs().max().item() < 1e-12
+
+
+def test_packed_training_with_offloaded_activations_equals_the_padded():
+    """A packed microbatch's stash goes to host memory and back like any other: its positions
+    (an input) stay on the device [Note: offloaded stash in executors/torch/train/offload.py]."""
+    exps = _experiences(LENGTHS, seed=8)
+    _assert_same_training(GPT, [(exps[:4],), (exps[4:],)], stages=2, loss="ppo", offload=True)
