@@ -109,20 +109,34 @@ def pipeline(json_out: Path | None) -> None:
 @click.option("--sim-microbatches", type=click.IntRange(min=1), default=8, show_default=True,
               help="With --replicas: the simulator runs' microbatches a replica.")
 @click.option("--sim-cost", default=None,
-              help="With --replicas: the simulator runs' costs, NAME=VALUE,... (grad_bytes, "
-              "allreduce_gbps, F, B, W, ...) [default: the bench's].")
+              help="With --replicas or --microbatch-tokens: the simulator runs' costs, "
+              "NAME=VALUE,... (grad_bytes, allreduce_gbps, F, B, W, F_token, ...) [default: "
+              "the bench's].")
 @click.option("--precision", "precisions", default=None, metavar="P,P,...",
               help="Instead: the same pipeline training at each precision (fp32, bf16) side "
               "by side: tokens/s, each step's loss and the loss gap to the first one's.")
 @click.option("--device", default="cpu", show_default=True,
               help="With --precision: the executors' device (cpu, cuda:0, cuda, ...).")
+@click.option("--packing", is_flag=True,
+              help="Instead: tokens/s of packed rows against padded ones, the same model, data "
+              "(log-normal response lengths: median 64, sigma 1, budget 512) and executors.")
+@click.option("--microbatch-tokens", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Instead: D = 4 simulator replicas with per-token F/B/W costs, a step's "
+              "microbatches cut by count against by N tokens: the step and each replica's wait "
+              "before its all-reduce (e.g. 1024).")
 @_json_option
 def train(model: str | None, replicas: str | None, sim_replicas: str, sim_stages: int,
           sim_microbatches: int, sim_cost: str | None, precisions: str | None, device: str,
-          json_out: Path | None) -> None:
+          packing: bool, microbatch_tokens: int | None, json_out: Path | None) -> None:
     """Pipeline training steps against their simulation.
 
     Also B + W against a fused backward, and tokens/s against a plain training loop."""
+    if packing:
+        _report(_bench_function("packing", "run_packing_bench")(), json_out)
+        return
+    if microbatch_tokens is not None:
+        _report(_token_balance(microbatch_tokens, sim_cost), json_out)
+        return
     if precisions is not None:
         chosen = tuple(p.strip() for p in precisions.split(",") if p.strip())
         bad = [p for p in chosen if p not in ("fp32", "bf16")]
@@ -144,6 +158,16 @@ def train(model: str | None, replicas: str | None, sim_replicas: str, sim_stages
         return
     kwargs = {} if model is None else {"model": model}
     _report(_bench_function("train", "run_train_bench")(**kwargs), json_out)
+
+
+def _token_balance(microbatch_tokens: int, sim_cost: str | None) -> dict:
+    from benchmarks.token_balance import BalanceSetup
+
+    setup = BalanceSetup(microbatch_tokens=microbatch_tokens)
+    if sim_cost is not None:
+        _check_sim_cost(sim_cost)
+        setup = BalanceSetup(microbatch_tokens=microbatch_tokens, costs=sim_cost)
+    return _bench_function("token_balance", "run_token_balance_bench")(setup)
 
 
 def _train_setup(model: str):

@@ -154,7 +154,11 @@ class Backprop(ModelOp):
 
     `fuse`: a group name that backprops of other models share (PPO's actor and critic): their
     pipelines run as one fused schedule on the same executors, one model's bubbles filled with
-    the other's microbatches [Note: fused training in flowkit/runner/fusedtrain.py]."""
+    the other's microbatches [Note: fused training in flowkit/runner/fusedtrain.py].
+
+    `microbatch_tokens`: form microbatches of about that many tokens (prompt and response)
+    instead of `microbatches` by count, and balance the replicas by tokens [Note: token-budget
+    microbatches in flowkit/runner/token_microbatches.py]."""
 
     executor_op = "backprop"
     lowering = "pipeline"
@@ -165,8 +169,9 @@ class Backprop(ModelOp):
     outputs = {"stats": Stream[MicrobatchStats]}
     # loss: one of flowkit.ops.LOSSES, with its knobs; what the runner needs to know of it
     loss_spec = LOSS_SPEC
-    config = {"loss": "lm", "schedule": "1f1b", "microbatches": 8, "memory_limit": None,
-              "fuse": None, **ROUND_KNOBS, **LOSS_KNOBS}
+    item_tokens = "sequence_length"  # Rollout.sequence_length: what microbatch_tokens reads
+    config = {"loss": "lm", "schedule": "1f1b", "microbatches": 8, "microbatch_tokens": None,
+              "memory_limit": None, "fuse": None, **ROUND_KNOBS, **LOSS_KNOBS}
     choices = {"loss": tuple(LOSSES), "kl_kind": (*KL_KINDS, *KL_ALIASES),
                "schedule": tuple(schedule_kinds()), "loss_agg_mode": (None, *LOSS_AGG_MODES),
                "policy_loss": POLICY_LOSSES, "rollout_is": (None, *ROLLOUT_IS_LEVELS),
@@ -189,7 +194,8 @@ class Backprop(ModelOp):
         flags = [_flag_problem(node, key) for key in ("decoupled", "mask_truncated")]
         rounds = 1 if problems else rounds_of(node.config)  # counts checked first
         return (problems + [p for p in flags if p] + _loss_problems(node, rounds)
-                + _fuse_problems(self.model, flow, node, rounds))
+                + _fuse_problems(self.model, flow, node, rounds)
+                + _token_problems(flow, node, rounds))
 
 
 class OptimizerStep(ModelOp):
@@ -269,6 +275,35 @@ _COUNTS = {
     "minibatches": "optimizer steps per epoch: the batch is cut into that many, e.g. "
                    "minibatches=4 (verl's ppo_mini_batch_size is the batch size / minibatches)",
 }
+
+
+def _token_problems(flow: Any, node: Any, rounds: int) -> list[Problem]:
+    """`microbatch_tokens`: a whole number, at least one sequence's worth (the longest response
+    a generation in the flow may make, and a prompt token), and not with minibatch rounds,
+    which cut the batch by count."""
+    budget = node.config.get("microbatch_tokens")
+    if budget is None:
+        return []
+    fix = "e.g. microbatch_tokens=4096: several sequences' tokens a microbatch"
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        return [Problem(rule="bad-count", op=node.name, port="microbatch_tokens",
+                        message=f"microbatch_tokens={budget!r} is not a whole number >= 1",
+                        fix=fix)]
+    if rounds > 1:
+        return [Problem(rule="bad-config", op=node.name, port="microbatch_tokens",
+                        message="microbatch_tokens forms microbatches by tokens, and minibatch "
+                                "rounds (epochs x minibatches) cut the batch by count",
+                        fix="give microbatches with rounds, or no rounds")]
+    longest = max([int(n.config[n.operator.workload.budget]) + 1
+                   for n in flow.nodes.values()
+                   if getattr(n.operator, "workload", None) is not None
+                   and isinstance(n.config.get(n.operator.workload.budget), int)], default=0)
+    if budget < longest:
+        return [Problem(rule="bad-config", op=node.name, port="microbatch_tokens",
+                        message=f"microbatch_tokens={budget} is smaller than one sequence: "
+                                f"a response of up to {longest - 1} tokens and its prompt",
+                        fix=f"give microbatch_tokens >= {longest}, better several sequences'")]
+    return []
 
 
 def _count_problem(node: Any, key: str, fix: str) -> Problem | None:

@@ -168,12 +168,14 @@ def _activation_memory(ctx: OpContext, *_: Any, model: str = "", reset: bool = T
 def _forward(ctx: OpContext, *inputs: Any, seconds: float = 0.0, out_bytes: int = 0,
              last: bool = False, tokens: int = 0, offload: bool = False,
              copy_seconds: float = 0.0, prefetch: Any = (), memory: float = 0.0,
-             **meta: Any) -> Any:
+             seconds_per_token: float = 0.0, **meta: Any) -> Any:
     """An activation for the next stage (with the microbatch's token count), or on the last
     stage this microbatch's loss stats. `offload`: its stash's copy out follows it, and a
-    prefetch of its own microbatch after that [Note: simulated copy engines]."""
+    prefetch of its own microbatch after that [Note: simulated copy engines].
+    `seconds_per_token`: each of its tokens costs that on top [Note: per-token costs]."""
     out = _stage_op(ctx, meta, memory, prefetch,
-                    lambda: _forward_work(ctx, inputs, seconds, out_bytes, last, tokens, meta))
+                    lambda: _forward_work(ctx, inputs, (seconds, seconds_per_token), out_bytes,
+                                          last, tokens, meta))
     if offload:
         key = _key(meta, meta.get("stage", 0), meta.get("microbatch", 0))
         copies = _copies(ctx)
@@ -184,12 +186,19 @@ def _forward(ctx: OpContext, *inputs: Any, seconds: float = 0.0, out_bytes: int 
     return out
 
 
-def _forward_work(ctx: OpContext, inputs: tuple, seconds: float, out_bytes: int, last: bool,
-                  tokens: int, meta: dict) -> Any:
-    busy_for(seconds)
+# [Note: per-token costs] With SimCosts.F_token, B_token and W_token a pipeline op costs its
+# microbatch's seconds plus that much per token of the microbatch, as a real stage's matmuls
+# do: the F counts its tokens (stage 0 from the records, later stages from what the activation
+# carries) and keeps them for the same microbatch's B and W on this executor. So microbatches
+# of unequal tokens cost unequally, which token-budget microbatches even out
+# (flowkit/runner/token_microbatches.py; `flowkit bench train --microbatch-tokens`).
+def _forward_work(ctx: OpContext, inputs: tuple, seconds: tuple[float, float], out_bytes: int,
+                  last: bool, tokens: int, meta: dict) -> Any:
     # the microbatch's token count rides with its activations, as real stages pass metadata on
     carried = [v["tokens"] for v in inputs if isinstance(v, dict) and "tokens" in v]
     count = int(tokens) or (carried[0] if carried else _tokens(inputs))
+    _microbatch_tokens(ctx)[_key(meta, meta.get("stage", 0), meta.get("microbatch", 0))] = count
+    busy_for(seconds[0] + seconds[1] * count)
     if last:
         rng = random.Random(_seed(ctx, meta))
         return MicrobatchStats(loss=2.0 + rng.random(), tokens=count)
@@ -208,15 +217,20 @@ def _tokens(inputs: tuple) -> int:
     return count
 
 
+def _microbatch_tokens(ctx: OpContext) -> dict:
+    """(model, stage, microbatch) -> the tokens its F counted [Note: per-token costs]."""
+    return ctx.state.setdefault("sim_microbatch_tokens", {})
+
+
 def _backward_input(ctx: OpContext, *inputs: Any, seconds: float = 0.0, out_bytes: int = 0,
                     first: bool = False, prefetch: Any = (), memory: float = 0.0,
-                    **meta: Any) -> Any:
+                    seconds_per_token: float = 0.0, **meta: Any) -> Any:
     """The gradient for the previous stage's output (nothing on the first stage), once an
     offloaded microbatch is back [Note: simulated copy engines]."""
     def work() -> Any:
         key = _key(meta, meta.get("stage", 0), meta.get("microbatch", 0))
         _copies(ctx).wait(key, _copy_seconds(prefetch, key))
-        busy_for(seconds)
+        busy_for(seconds + seconds_per_token * _microbatch_tokens(ctx).get(key, 0))
         return None if first else _activation(out_bytes)
 
     return _stage_op(ctx, meta, memory, prefetch, work)
@@ -232,8 +246,10 @@ def _copy_seconds(prefetch: Any, key: tuple) -> float | None:
 
 
 def _backward_weight(ctx: OpContext, *inputs: Any, seconds: float = 0.0, prefetch: Any = (),
-                     memory: float = 0.0, **meta: Any) -> None:
-    _stage_op(ctx, meta, memory, prefetch, lambda: busy_for(seconds))
+                     memory: float = 0.0, seconds_per_token: float = 0.0, **meta: Any) -> None:
+    key = _key(meta, meta.get("stage", 0), meta.get("microbatch", 0))
+    tokens = _microbatch_tokens(ctx).get(key, 0)
+    _stage_op(ctx, meta, memory, prefetch, lambda: busy_for(seconds + seconds_per_token * tokens))
 
 
 def _grad_stats(ctx: OpContext, *inputs: Any, stage: int = 0, **config: Any) -> tuple:

@@ -68,8 +68,15 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
               help="Compute precision of every model: bf16 keeps fp32 weights, gradients and "
               "optimizer states and runs the forwards under bf16 autocast [default: each "
               "model's own, fp32 unless it says].")
+@click.option("--packing", is_flag=True, default=_RUN.packing,
+              help="Pack several sequences into one row (own positions, attention within each) "
+              "in every model's training and scoring forwards, instead of padding each row "
+              "to its longest [default: as each model says].")
 @click.option("--microbatches", type=click.IntRange(min=1), default=None,
               help="Microbatches per step of every backprop [default: the flow's].")
+@click.option("--microbatch-tokens", type=click.IntRange(min=1), default=None,
+              help="Tokens per microbatch of every backprop instead of a count: microbatches "
+              "formed by tokens, replicas balanced by them [default: the flow's].")
 @click.option("--schedule", default=None,
               help="Pipeline schedule of every backprop: gpipe, 1f1b, zb-h1, zb-h2, zb-v, "
               "auto, ... (flowkit schedule --help) [default: the flow's].")
@@ -185,8 +192,9 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
 def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | None,
         placement: str | None, device: str,
         steps: int, stages: int | None, replicas: int | None, shard_optimizer: bool,
-        precision: str | None, microbatches: int | None,
-        schedule: str | None, offload: str | None, memory_limit: float | None,
+        precision: str | None, packing: bool, microbatches: int | None,
+        microbatch_tokens: int | None, schedule: str | None, offload: str | None,
+        memory_limit: float | None,
         fuse: bool, fill_bubbles: bool, asynchronous: bool | None,
         max_staleness: int | None, sim_cost: str,
         trace: Path | None, metrics: Path | None, loggers: tuple[str, ...], log_dir: Path,
@@ -221,8 +229,8 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
         config = RunConfig(
             steps=steps, executors=kind, num_executors=num_executors, tags=_tags(tag_spec),
             placement=placement, device=device, code=[path], stages=stages, replicas=replicas,
-            shard_optimizer=shard_optimizer, precision=precision,
-            microbatches=microbatches,
+            shard_optimizer=shard_optimizer, precision=precision, packing=packing,
+            microbatches=microbatches, microbatch_tokens=microbatch_tokens,
             schedule=schedule, offload=offload, memory_limit=memory_limit, fuse=fuse,
             fill_bubbles=fill_bubbles, asynchronous=asynchronous,
             max_staleness=max_staleness, sim_costs=costs, trace=trace, logs=logs,
@@ -251,7 +259,8 @@ _OPTIONS = {"tags": "--tags", "placement": "--placement", "schedule": "--schedul
             "offload": "--offload", "memory_limit": "--memory-limit",
             "max_staleness": "--max-staleness", "eval_every": "--eval-every",
             "controller.keys": "--keys", "controller.bind": "--bind", "device": "--device",
-            "precision": "--precision", "replicas": "--replicas", "stages": "--stages"}
+            "precision": "--precision", "replicas": "--replicas", "stages": "--stages",
+            "microbatch_tokens": "--microbatch-tokens"}
 
 
 def _usage_error(error: Exception) -> click.ClickException:

@@ -106,6 +106,10 @@ class Model:
     # the compute precision of its forwards, training and generation alike [Note: mixed
     # precision]: "fp32", or "bf16" (fp32 weights, gradients and optimizer states)
     precision: str = "fp32"
+    # several sequences to a row in its training, scoring and critic forwards, each with its own
+    # positions and attending only within itself (executors/torch/models/packing.py): far fewer
+    # padded tokens on long-tailed lengths; its forward must take `positions`
+    packing: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self) -> None:  # checked and normalized once the name is known
         object.__setattr__(self, "lora", check_lora(self.lora, model=self.name))
@@ -455,6 +459,9 @@ class ModelOp(Operator):
     each call scores its items with the whole model, so a run may lend it training executors'
     pipeline bubbles when the model is one the flow does not train ([Note: bubble filling] in
     flowkit/runner/bubble_fill.py: log-probs, values, a reward model's scores).
+    `item_tokens`: a field (or property) of its first input's items that says each item's
+    tokens, reported as it is made, so that config `microbatch_tokens` can form microbatches
+    by tokens ([Note: token-budget microbatches] in flowkit/runner/token_microbatches.py).
     `choices`: config keys whose value must be one of a known set (a loss, a
     schedule kind); `ranges`: numeric config keys and their (lowest, highest) allowed values,
     None for no bound (None as a value passes: "not set"). Both are checked when the flow is
@@ -471,6 +478,7 @@ class ModelOp(Operator):
     resumable: ClassVar[Resumable | None] = None
     loss_spec: ClassVar[LossSpec | None] = None
     scores: ClassVar[bool] = False
+    item_tokens: ClassVar[str | None] = None
     choices: ClassVar[dict[str, Collection[str]]] = {}
     ranges: ClassVar[dict[str, tuple[float | None, float | None]]] = {}
     inputs: ClassVar[dict[str, Any]] = {}

@@ -31,13 +31,13 @@ class OpSpec:
 
 
 MODEL_KEYS = ("model", "build", "stages", "seed", "dtype", "precision", "model_config",
-              "lora")  # model_spec's
+              "lora", "packing")  # model_spec's
 _STAGE = (*MODEL_KEYS, "stage")
 # every pipeline op: the copies it issues as it starts [Note: offload in the runtime] and its
 # activation memory's change in microbatch stashes (the simulator's accounting; `track_memory`:
 # the executor notes its peak, which `activation_memory` reads)
-_PIPELINE = (*_STAGE, "microbatch", "loss", *LOSS_KNOBS, "seconds", "prefetch", "memory",
-             "track_memory")
+_PIPELINE = (*_STAGE, "microbatch", "loss", *LOSS_KNOBS, "seconds", "seconds_per_token",
+             "prefetch", "memory", "track_memory")
 # the simulator's rollout engine and sampled lengths (flowkit/planner/simcosts.py)
 _SIM_ENGINE = ("seconds_per_seq", "seconds_per_prefill_token", "token_budget", "max_batch",
                "prompt_sigma")

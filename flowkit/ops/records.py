@@ -111,6 +111,12 @@ class Rollout:
         return len(self.response_tokens)
 
     @property
+    def sequence_length(self) -> int:
+        """Its tokens, prompt and response: what a backprop with microbatch_tokens learns of
+        each item without fetching it (a report key)."""
+        return len(self.prompt_tokens) + len(self.response_tokens)
+
+    @property
     def oldest_version(self) -> int | None:
         """The version of its first response token (versions never decrease along a
         sample), -1 counting as 0: the weights the run started from."""

@@ -87,6 +87,7 @@ class NodePlan:
     resumable: Resumable | None = None  # its calls can be cut short and continued
     loss_spec: LossSpec | None = None  # what it trains with
     scores: bool = False  # may run in training executors' bubbles (ModelOp.scores)
+    item_tokens: str | None = None  # its lead input items' field of their tokens
 
     def items_per_call(self) -> int:
         """How many items each call yields, as its fan-out declares (else one)."""
@@ -126,6 +127,7 @@ def _plan_node(flow: Flow, node: Node, wires: list[Wire]) -> NodePlan:
                         model=model, workload=operator.workload, trace_key=operator.traced,
                         fan_out=operator.fan_out, resumable=operator.resumable,
                         loss_spec=operator.loss_spec, scores=operator.scores,
+                        item_tokens=operator.item_tokens,
                         **{**common, "tags": common["tags"] or tuple(model.tags)})
     target = operator.target if isinstance(operator, FunctionOp) else None
     fn = getattr(operator, "fn", None)

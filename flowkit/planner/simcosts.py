@@ -57,6 +57,11 @@ class SimCosts:
     B: float = attrs.field(default=0.002, converter=float, validator=_seconds)
     W: float = attrs.field(default=0.001, converter=float, validator=_seconds)
     optimizer_step: float = attrs.field(default=0.002, converter=float, validator=_seconds)
+    # F, B and W per token of the microbatch, on top of the above (0: a microbatch costs the
+    # same whatever its tokens) [Note: per-token costs in executors/sim/ops.py]
+    F_token: float = attrs.field(default=0.0, converter=float, validator=_seconds)
+    B_token: float = attrs.field(default=0.0, converter=float, validator=_seconds)
+    W_token: float = attrs.field(default=0.0, converter=float, validator=_seconds)
     # a decode iteration: fixed (weights read once per iteration) + per live sequence (its KV)
     token: float = attrs.field(default=0.0005, converter=float, validator=_seconds)
     token_per_seq: float = attrs.field(default=0.000002, converter=float, validator=_seconds)
@@ -110,6 +115,11 @@ class SimCosts:
         share = self.grad_bytes / max(1, devices)
         wire = 2 * (replicas - 1) / replicas * share * 8 / (self.allreduce_gbps * 1e9)
         return wire + self.allreduce_latency
+
+    def per_token(self, kind: str) -> float:
+        """Seconds per token of a pipeline op of `kind` (F, B, W, or BW: B and W)."""
+        return {"F": self.F_token, "B": self.B_token, "W": self.W_token,
+                "BW": self.B_token + self.W_token}.get(kind, 0.0)
 
     def stage_costs(self, stages: int) -> Costs:
         return Costs.uniform(stages, F=self.F, B=self.B, W=self.W, copy=self.copy)

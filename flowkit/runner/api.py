@@ -104,10 +104,12 @@ class Run:
         self.flow = with_training_options(flow, stages=config.stages, replicas=config.replicas,
                                           shard_optimizer=config.shard_optimizer,
                                           microbatches=config.microbatches,
+                                          microbatch_tokens=config.microbatch_tokens,
                                           schedule=config.schedule,
                                           offload=config.offload,
                                           memory_limit=config.memory_limit,
-                                          precision=config.precision)
+                                          precision=config.precision,
+                                          packing=config.packing)
         _check_stages(self.flow, config)
         self.plan = lower_flow(self.flow)
         self.staleness = config.staleness(self.flow.max_staleness)

@@ -172,8 +172,16 @@ class RunConfig:
     shard_optimizer: bool = False
     """Keep each trained model's optimizer states sharded over its replicas (ZeRO-1); False:
     as the flow's models say."""
+    packing: bool = False
+    """Pack several sequences into one row in every model's training and scoring forwards
+    (per-sequence positions, attention within each; [Note: packed rows in
+    executors/torch/models/packing.py]); False: as the flow's models say."""
     microbatches: int | None = attrs.field(default=None, validator=_at_least(1))
     """Microbatches per step of every backprop; None: the flow's."""
+    microbatch_tokens: int | None = attrs.field(default=None, validator=_at_least(1))
+    """Tokens per microbatch of every backprop, instead of a count: microbatches formed by
+    tokens, replicas balanced by them [Note: token-budget microbatches in
+    flowkit/runner/token_microbatches.py]; None: the flow's."""
     schedule: str | None = None
     """Pipeline schedule of every backprop (1f1b, zb-h1, zb-v, auto, ...); None: the flow's."""
     offload: str | None = None

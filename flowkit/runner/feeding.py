@@ -17,10 +17,11 @@ from flowkit.planner.simulate import dependencies
 from flowkit.runner.pipeline import PipelineRun
 from flowkit.runner.replicas import ReplicatedSchedule
 from flowkit.runner.stepstate import FlowRunError, Inputs, sorted_lineages
+from flowkit.runner.token_microbatches import TokenSlots, fill_one, spread
 from flowkit.wire.refs import Gather
 
 __all__ = ["Feeding", "MinibatchRounds", "chunk", "form_microbatches", "inputs_made",
-           "train_rounds"]
+           "token_bins", "train_rounds"]
 
 
 @attrs.define
@@ -39,6 +40,11 @@ class Feeding:
     pool: list = attrs.field(factory=list)  # on every input, in no microbatch yet
 
     counted: bool = False  # its item count is the next step's plan (once all is submitted)
+    # microbatch_tokens: the budget, the global microbatches left by replica, the tokens
+    # formed so far [Note: token-budget microbatches in token_microbatches.py]
+    budget: int | None = None
+    slots: TokenSlots | None = None
+    tokens_taken: int = 0
 
     optimizer_steps = 1
 
@@ -79,8 +85,11 @@ class MinibatchRounds:
 
 def form_microbatches(feeding: Feeding, inputs: Inputs, closed: bool) -> None:
     """Feed the next microbatches that the items in let form: each its planned size, the last
-    (or, once the inputs close, every one left) from what remains."""
+    (or, once the inputs close, every one left) from what remains; by tokens with a budget."""
     _take_arrivals(feeding, inputs)
+    if feeding.budget is not None:
+        _form_by_tokens(feeding, inputs, closed)
+        return
     pool = feeding.pool
     if not feeding.streamed:
         pool[:] = sorted_lineages(pool)  # a barrier cuts the items in their lineages' order
@@ -97,6 +106,43 @@ def form_microbatches(feeding: Feeding, inputs: Inputs, closed: bool) -> None:
         feeding.submitter.feed(mb, inputs.gathered(chosen))
         feeding.next_mb += 1
     feeding.pool = pool
+
+
+def _form_by_tokens(feeding: Feeding, inputs: Inputs, closed: bool) -> None:
+    """[Note: token-budget microbatches in token_microbatches.py]: one microbatch each time the
+    items in fill the budget, keeping the last slot for the close; at the close every slot."""
+    pool = feeding.pool if feeding.streamed else sorted_lineages(feeding.pool)
+    tokens = inputs.tokens(pool)
+    slots, budget = feeding.slots, feeding.budget
+    if closed:
+        for microbatch, chosen in token_bins(pool, tokens, slots):
+            _feed_tokens(feeding, inputs, microbatch, chosen, tokens)
+        feeding.pool = []
+        return
+    while slots.left > 1 and sum(tokens[lin] for lin in pool) >= budget:
+        chosen = fill_one(pool, tokens, budget)
+        _feed_tokens(feeding, inputs, slots.take(sum(tokens[lin] for lin in chosen)), chosen,
+                     tokens)
+        taken = set(chosen)
+        pool = [lin for lin in pool if lin not in taken]
+    feeding.pool = pool
+
+
+def token_bins(lineages: list, tokens: dict, slots: TokenSlots) -> list[tuple[int, list]]:
+    """(global microbatch, its lineages) of every slot left: `lineages` spread over them,
+    largest first onto the lightest, the heaviest placed first [Note: token-budget
+    microbatches in token_microbatches.py]."""
+    bins = spread(lineages, tokens, slots.left)
+    bins.sort(key=lambda b: -sum(tokens[lin] for lin in b))
+    return [(slots.take(sum(tokens[lin] for lin in b)), b) for b in bins]
+
+
+def _feed_tokens(feeding: Feeding, inputs: Inputs, microbatch: int, chosen: list,
+                 tokens: dict) -> None:
+    feeding.taken.update(chosen)
+    feeding.tokens_taken += sum(tokens[lin] for lin in chosen)
+    feeding.submitter.feed(microbatch, inputs.gathered(chosen))
+    feeding.next_mb += 1
 
 
 def _take_arrivals(feeding: Feeding, inputs: Inputs) -> None:

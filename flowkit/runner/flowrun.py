@@ -87,6 +87,8 @@ class FlowRunner:
                     consumers[rule.src].append(node.name)
                 if rule.group_key is not None:
                     self.report_keys[rule.src] = rule.group_key
+        for node in plan:
+            _ask_item_tokens(node, self.report_keys)
         self.events: queue.SimpleQueue = queue.SimpleQueue()  # every open step's reactions
         self.open: dict[int, StepRun] = {}
         # what the steps read of earlier ones, and the admission gate [Note: asynchronous steps]
@@ -405,3 +407,20 @@ def _with_proximal(plan: list[NodePlan]) -> list[NodePlan]:
     return [attrs.evolve(node, config=node.loss_spec.with_proximal(node.config))
             if node.call is Call.PIPELINE and node.loss_spec is not None else node
             for node in plan]
+
+
+def _ask_item_tokens(node: NodePlan, report_keys: dict[str, str]) -> None:
+    """A backprop with `microbatch_tokens` has its items' producer report their tokens [Note:
+    token-budget microbatches in token_microbatches.py]; a producer that reports another
+    field already cannot."""
+    if node.call is not Call.PIPELINE or node.config.get("microbatch_tokens") is None:
+        return
+    lead = next(rule for rule in node.inputs if not rule.feedback)
+    if node.item_tokens is None:
+        raise FlowRunError(f"{node.name!r} has microbatch_tokens, but its op declares no field "
+                           "that says an item's tokens (ModelOp.item_tokens)")
+    field = report_keys.setdefault(lead.src, node.item_tokens)
+    if field != node.item_tokens:
+        raise FlowRunError(f"{node.name!r} forms microbatches by tokens, which its items' "
+                           f"producer {lead.src!r} would report as {node.item_tokens!r}, but it "
+                           f"reports {field!r} already: give {node.name!r} microbatches instead")

@@ -36,6 +36,7 @@ from flowkit.runner.feeding import (
     chunk,
     form_microbatches,
     inputs_made,
+    token_bins,
     train_rounds,
 )
 from flowkit.runner.mfu import peak_override
@@ -47,7 +48,8 @@ from flowkit.runner.pipeline import (
     stage_costs_config,
 )
 from flowkit.runner.replicas import Replicas, ReplicatedSchedule, replica_lane
-from flowkit.runner.stepstate import FlowRunError, Inputs
+from flowkit.runner.stepstate import FlowRunError, Inputs, sorted_lineages
+from flowkit.runner.token_microbatches import TokenSlots, first_fit_decreasing, planned_count
 from flowkit.runner.training_tasks import (
     model_spec,
     pipeline_config,
@@ -106,6 +108,7 @@ class ModelTraining:
         self.steps = steps  # the flow's optimizer-step nodes of the model: configure rounds
         self.profiles = profiles  # (model, stages) -> profiled costs, shared with the runner
         self.item_counts: dict[str, int] = {}  # backprop node -> items it trained on last step
+        self.token_counts: dict[str, int] = {}  # ... and their tokens, with microbatch_tokens
         self.predicted_bubble: dict[str, float] = {}  # backprop node -> the simulator's
         self.trained: tuple | None = None  # (schedule, spec) of this step's backprop
         self.last_trained: tuple | None = None  # the same of the latest step that trained
@@ -224,7 +227,7 @@ class ModelTraining:
     def carried_state(self) -> dict:
         """What it carries from step to step that a run checkpoint keeps (checkpoints/): the
         last schedule trained with, not the model's spec, which the flow gives again."""
-        return {"item_counts": dict(self.item_counts),
+        return {"item_counts": dict(self.item_counts), "token_counts": dict(self.token_counts),
                 "predicted_bubble": dict(self.predicted_bubble),
                 "last_schedule": None if self.last_trained is None else self.last_trained[0]}
 
@@ -233,6 +236,7 @@ class ModelTraining:
         checkpoint file names [Note: run state on disk in
         flowkit/runner/checkpoints/state_codec.py]."""
         self.item_counts.update(carried["item_counts"])
+        self.token_counts.update(carried.get("token_counts", {}))
         self.predicted_bubble.update(carried["predicted_bubble"])
         schedule = carried["last_schedule"]
         self.last_trained = None if schedule is None else (
@@ -283,6 +287,7 @@ class ModelTraining:
             feeding.counted = True
             if feeding.taken:  # a step with no items (every group filtered out) teaches none:
                 self.item_counts[plan.name] = len(feeding.taken)  # the next step is a barrier
+                self.token_counts[plan.name] = feeding.tokens_taken
         return feeding
 
     def _streams(self, plan: NodePlan) -> bool:
@@ -294,8 +299,7 @@ class ModelTraining:
                         watch: Watch) -> Feeding:
         """The schedule for `items` items in the configured number of microbatches, ready to
         be fed; each submitted action is watched, the last stage's forwards for their stats."""
-        count = max(self.replicas, min(int(plan.config.get("microbatches") or 1), items or 1))
-        sizes = [len(chunk(range(items), count, mb)) for mb in range(count)]
+        count, sizes, slots = self._microbatch_plan(plan, inputs, items)
         kind = plan.config.get("schedule") or "1f1b"
 
         def sample() -> Gather:  # the first microbatch: formed, for a barrier
@@ -320,7 +324,36 @@ class ModelTraining:
             self.fusion.planned_member(self.fusion_index, plan.name, schedules[0], stage_costs,
                                        plan.config.get("memory_limit"), submitter)
         streamed = plan.name in self.item_counts and self._streams(plan)
-        return Feeding(submitter=submitter, sizes=sizes, streamed=streamed)
+        return Feeding(submitter=submitter, sizes=sizes, streamed=streamed,
+                       budget=plan.config.get("microbatch_tokens"), slots=slots)
+
+    def _microbatch_plan(self, plan: NodePlan, inputs: Inputs,
+                         items: int) -> tuple[int, list[int], TokenSlots | None]:
+        """(microbatches, items in each, their slots by replica with a token budget): the
+        configured count, or with `microbatch_tokens` as many as the items' tokens fill (the
+        last step's, streamed) [Note: token-budget microbatches in token_microbatches.py]."""
+        budget = plan.config.get("microbatch_tokens")
+        streamed = self._streams(plan) and plan.name in self.item_counts
+        if budget is not None and not streamed:
+            return self._token_barrier(inputs, budget)
+        count = max(self.replicas, min(int(plan.config.get("microbatches") or 1), items or 1))
+        if budget is not None and self.token_counts.get(plan.name):  # as last step's filled
+            count = planned_count(self.token_counts[plan.name], budget, self.replicas)
+        sizes = [len(chunk(range(items), count, mb)) for mb in range(count)]
+        return count, sizes, None if budget is None else TokenSlots.of(count, self.replicas)
+
+    def _token_barrier(self, inputs: Inputs,
+                       budget: int) -> tuple[int, list[int], TokenSlots]:
+        """`_microbatch_plan` of a barrier with a token budget: every item is in, packed."""
+        lineages = sorted_lineages(inputs.complete())
+        tokens = inputs.tokens(lineages)
+        bins = len(first_fit_decreasing(lineages, tokens, budget))
+        count = self.replicas * max(1, -(-bins // self.replicas))  # as many for each replica
+        sizes = [0] * count
+        for microbatch, chosen in token_bins(lineages, tokens,
+                                             TokenSlots.of(count, self.replicas)):
+            sizes[microbatch] = len(chosen)
+        return count, sizes, TokenSlots.of(count, self.replicas)
 
     def replicated(self, plan: NodePlan, schedules: list[Schedule], stage_costs: Costs,
                     sizes: list[int], watch: Watch, *, lineage: Callable[[int], tuple],
@@ -333,12 +366,15 @@ class ModelTraining:
         tracked = plan.config.get("offload") is not None  # [Note: activation memory reports]
         base = stage_costs_config(stage_costs, activation_bytes=sim.activation_bytes,
                                   memory=MemoryModel(), chunks=schedules[0].placement.chunks)
-        if tracked:
+        if tracked or sim.per_token("F") or sim.per_token("BW"):
             costed = base
 
-            def base(action: Action) -> dict:
-                return {**costed(action), "track_memory": True}
+            def base(action: Action) -> dict:  # [Note: per-token costs in executors/sim/ops.py]
+                per_token = sim.per_token(action.kind.name)
+                return {**costed(action), **({"track_memory": True} if tracked else {}),
+                        **({"seconds_per_token": per_token} if per_token else {})}
 
+        if tracked:
             self.tracked.add(plan.name)
         spec = model_spec(self.model, schedules[0].num_stages)
         last, count = schedules[0].num_stages - 1, self.replicas

@@ -8,6 +8,7 @@ from importlib.metadata import entry_points
 import attrs
 
 from flowkit.dsl import Flow, Model
+from flowkit.dsl.errors import FlowError
 from flowkit.dsl.graph import Node
 from flowkit.ops import EXECUTOR_OPS, missing_executor_ops
 from flowkit.planner.lower import Call, NodePlan
@@ -123,16 +124,22 @@ def _check_memory_limit(node: Node, model: Model) -> None:
         return  # a shape the kind cannot take: the run says so as it did
 
 
+_BACKPROP_OPTIONS = ("microbatches", "microbatch_tokens", "schedule", "offload", "memory_limit")
+
+
 def with_training_options(flow: Flow, *, stages: int | None, microbatches: int | None,
                           schedule: str | None, replicas: int | None = None,
                           shard_optimizer: bool = False, offload: str | None = None,
                           memory_limit: float | None = None,
-                          precision: str | None = None) -> Flow:
+                          precision: str | None = None, packing: bool = False,
+                          microbatch_tokens: int | None = None) -> Flow:
     """`flow` with every trained model cut into `stages` and trained by `replicas` (their
     optimizer states sharded over them with `shard_optimizer`), and every
-    backprop run with `microbatches` under `schedule`, `offload` of its activations to host
-    memory and within `memory_limit`, and every model computing in `precision` [Note: mixed
-    precision in flowkit/dsl/operators.py], where given (the flow is changed in place; an
+    backprop run with `microbatches` (or `microbatch_tokens`) under `schedule`, `offload` of
+    its activations to host
+    memory and within `memory_limit`, every model computing in `precision` [Note: mixed
+    precision in flowkit/dsl/operators.py] and with `packing` in packed rows, where given
+    (the flow is changed in place; an
     offload the flow sets is checked).
     A backprop with fewer microbatches than its model's replicas is an error here, before
     anything starts: each replica runs at least one."""
@@ -147,6 +154,9 @@ def with_training_options(flow: Flow, *, stages: int | None, microbatches: int |
         for name, model in flow.models.items():
             if model.config.get("dtype", "float32") == "float32":
                 flow.models[name] = attrs.evolve(model, precision=precision)
+    if packing:
+        for name, model in flow.models.items():
+            flow.models[name] = attrs.evolve(model, packing=True)
     backprops = [node for node in flow.nodes.values()
                  if getattr(node.operator, "lowering", None) == "pipeline"]
     for name in {node.model for node in backprops}:
@@ -157,6 +167,8 @@ def with_training_options(flow: Flow, *, stages: int | None, microbatches: int |
     for node in backprops:
         if microbatches is not None:
             node.config["microbatches"] = microbatches
+        if microbatch_tokens is not None:
+            node.config["microbatch_tokens"] = microbatch_tokens
         if schedule is not None:
             node.config["schedule"] = schedule
         if offload is not None:
@@ -167,10 +179,18 @@ def with_training_options(flow: Flow, *, stages: int | None, microbatches: int |
                       node.config.get("memory_limit"))
         _check_memory_limit(node, flow.models[node.model])
         count, model = node.config.get("microbatches") or 1, flow.models[node.model]
-        if count < model.replicas:
+        if count < model.replicas and node.config.get("microbatch_tokens") is None:
             raise RunConfigError("microbatches", f"{node.name!r} runs {count} microbatch(es) a "
                                  f"step, but model {model.name!r} trains as {model.replicas} "
                                  "replicas, each of which runs at least one: give at least "
                                  f"{model.replicas} (--microbatches {model.replicas})")
-    flow.validate()
+    try:
+        flow.validate()
+    except FlowError as exc:  # a backprop setting an option gave, as that option's error
+        if any(p.port not in _BACKPROP_OPTIONS for p in exc.problems):
+            raise
+        problem = exc.problems[0]
+        fix = f" ({problem.fix})" if problem.fix else ""
+        raise RunConfigError(problem.port or "flow",
+                             f"{problem.op!r}: {problem.message}{fix}") from None
     return flow

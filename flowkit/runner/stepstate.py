@@ -89,6 +89,18 @@ class Inputs:
         """Each input's items of `lineages`, in that order."""
         return tuple(self.streams.gathered(rule, lineages) for rule in self.rules)
 
+    def tokens(self, lineages: list[tuple]) -> dict[tuple, int]:
+        """Each lineage's tokens, as the first input's items reported them [Note: token-budget
+        microbatches in token_microbatches.py]."""
+        stream, rule = self.streams.of(self.rules[0]), self.rules[0]
+        out = {lin: stream.keys.get(lin) for lin in lineages}
+        missing = [lin for lin, n in out.items() if not isinstance(n, int)]
+        if missing:
+            raise FlowRunError(f"microbatch_tokens forms microbatches by the tokens of each "
+                               f"item of {rule.src!r}, but its item {missing[0]} said none "
+                               "(records that report their tokens: Rollout, Experience)")
+        return out
+
     def first(self, lineages: list[tuple]) -> Gather:
         """The first input's items of `lineages`."""
         return self.streams.gathered(self.rules[0], lineages)

@@ -28,6 +28,8 @@ def model_spec(model: Model, num_stages: int) -> dict:
     spec = {"model": model.name, "build": model.build, "stages": num_stages,
             "seed": int(config.pop("seed", 0)), "dtype": str(config.pop("dtype", "float32")),
             "precision": model.precision}
+    if model.packing:  # [Note: packed rows in executors/torch/models/packing.py]
+        spec["packing"] = True
     spec["model_config"] = config
     if model.lora is not None:  # [Note: LoRA in flowkit/dsl/lora.py]
         spec["lora"] = dict(model.lora)

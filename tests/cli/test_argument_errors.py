@@ -83,3 +83,14 @@ def test_through_flowkit_every_argument_error_is_exactly_one_line(args):
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert result.exit_code == 2 and len(lines) == 1, result.output
     assert lines[0].startswith("Error: ") and "--help`" in lines[0]
+
+
+def test_a_token_budget_under_one_sequence_is_one_line_before_the_run(tmp_path):
+    flow = tmp_path / "grpo_budget.py"
+    flow.write_text("from dataflows.grpo import grpo_flow\n"
+                    "flow = grpo_flow(prompts=4, n=2, max_new_tokens=12)\n")
+    result = CliRunner().invoke(main, ["run", str(flow), "--microbatch-tokens", "8"])
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert "Invalid value for --microbatch-tokens: 'update_actor': microbatch_tokens=8 is " \
+           "smaller than one sequence: a response of up to 12 tokens" in lines[0]

@@ -27,6 +27,7 @@ from executors.optable import OpContext
 from executors.torch import weights
 from executors.torch.errors import StageError
 from executors.torch.lora import add_adapters, merge_adapters
+from executors.torch.models.packing import accepts_positions
 from flowkit.dsl.lora import check_lora, lora_identity
 from flowkit.dsl.operators import PRECISIONS
 from flowkit.ops.records import WeightsVersion
@@ -85,6 +86,8 @@ def held_model(ctx: OpContext, config: dict) -> HeldModel:
     whole = _built(config["build"], model_config, checkpoint, device,
                    _DTYPES[config.get("dtype", "float32")])
     parts = _split(whole, num_stages, config.get("seq_len"))
+    if config.get("packing"):
+        _check_packing(name, parts)
     layout = weights.layout(whole, parts, seq_len=config.get("seq_len"))
     if lora_settings:  # [Note: LoRA in flowkit/dsl/lora.py]
         torch.manual_seed(int(config.get("seed", 0)))  # adapters drawn alike in every split
@@ -98,6 +101,16 @@ def held_model(ctx: OpContext, config: dict) -> HeldModel:
     for part in parts:  # generation and scoring compute as training does (`evaluating`)
         _COMPUTE_DTYPE[part] = held.autocast
     return held
+
+
+def _check_packing(name: str, parts: list[torch.nn.Module]) -> None:
+    """A packed model's stages must take the positions of packed rows [Note: packed rows in
+    executors/torch/models/packing.py]."""
+    lacking = [part for part in parts if not accepts_positions(part)]
+    if lacking:
+        raise StageError(f"model {name!r} has packing on, but its {type(lacking[0]).__name__}."
+                         "forward takes no `positions` (the positions of packed rows): turn "
+                         "packing off, or give its forward (x, targets=None, positions=None)")
 
 
 def _build(path: str, model_config: dict) -> torch.nn.Module:

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from executors.torch.device import to_device
+from executors.torch.models.packing import BlockCausal
 
 __all__ = [
     "GPT",
@@ -41,7 +42,8 @@ __all__ = [
 # more input of the last stage. (A value head's float returns are the one exception: the runner
 # treats them as activations and computes a gradient for them that nobody reads.) Each microbatch's
 # loss is its mean over tokens; a plain loop that accumulates gradients over the same microbatches
-# sums the same losses.
+# sums the same losses. Packed rows add ``positions`` (B, T) as every stage's third input
+# [Note: packed rows in packing.py].
 #
 # [Note: tied embedding across stages] The unsplit model ties ``lm_head.weight`` to ``wte.weight``.
 # Stages in different processes cannot share a parameter, so a split with more than one stage gives
@@ -88,14 +90,19 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.dropout = config.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, packed: BlockCausal | None = None) -> torch.Tensor:
+        """Causal over each row, or within each sequence of `packed` rows [Note: packed rows
+        in packing.py]."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, nh, T, hs)
+        if packed is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            y = packed.attend(q, k, v, dropout_p=p)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
         return self.resid_dropout(self.c_proj(y))
 
@@ -135,8 +142,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, packed: BlockCausal | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), packed)
         return x + self.mlp(self.ln_2(x))
 
     def forward_cached(self, x, k_cache, v_cache, rows, pos) -> torch.Tensor:
@@ -231,10 +238,14 @@ class GPT(nn.Module):
         (executors/torch/weights.py moves weights between splits by them): see `stage_names`."""
         return stage_names(self.config, stages, seq_len=seq_len)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        x = _embed(self.transformer, idx)  # (B, T, C)
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None):
+        """Logits, values or the loss of rows `idx` (B, T); with `positions` (B, T), of
+        packed rows [Note: packed rows in packing.py]."""
+        x = _embed(self.transformer, idx, positions)  # (B, T, C)
+        packed = None if positions is None else BlockCausal(positions)
         for block in self.transformer.h:
-            x = block(x)
+            x = block(x, packed)
         return _head(self.config, self.transformer.ln_f, self.lm_head, x, targets)
 
     @property
@@ -260,13 +271,15 @@ class GPT(nn.Module):
                                last)
 
 
-def _embed(transformer: nn.ModuleDict, idx: torch.Tensor) -> torch.Tensor:
-    """Token plus position embeddings of ``idx`` (B, T) -> (B, T, C)."""
+def _embed(transformer: nn.ModuleDict, idx: torch.Tensor,
+           positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Token plus position embeddings of ``idx`` (B, T) -> (B, T, C), at `positions` (B, T)
+    where given (packed rows), else 0 … T-1."""
     T = idx.size(1)
     block_size = transformer.wpe.num_embeddings
     if T > block_size:
         raise ValueError(f"cannot forward a sequence of length {T}; block_size is {block_size}")
-    pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T)
+    pos = torch.arange(T, dtype=torch.long, device=idx.device) if positions is None else positions
     return transformer.drop(transformer.wte(idx) + transformer.wpe(pos))
 
 
@@ -348,11 +361,13 @@ class GPTStage(nn.Module):
         """On the last stage: the first stage's tied parameter -> this stage's copy."""
         return {"wte.weight": "lm_head.weight"} if self.tied_copies() and self.last else {}
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None):
         if self.first:
-            x = _embed(self, x)  # (B, T) ids -> (B, T, C)
+            x = _embed(self, x, positions)  # (B, T) ids -> (B, T, C)
+        packed = None if positions is None else BlockCausal(positions)
         for block in self.h:
-            x = block(x)
+            x = block(x, packed)
         if self.last:
             return _head(self.config, self.ln_f, self.lm_head, x, targets)
         return x

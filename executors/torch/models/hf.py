@@ -7,8 +7,10 @@ The design: [Note: Hugging Face stages] below.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from executors.torch.models.gpt import (
     cache_dtype,
     cache_positions,
 )
+from executors.torch.models.packing import BlockCausal
 from flowkit.dsl.hf import FAMILIES, check_family, check_model_dir
 
 __all__ = ["HFCausalLM", "HFModelError", "HFStage", "RowCache"]
@@ -157,8 +160,9 @@ class HFCausalLM(nn.Module):
                                        last=True, head=self.head))
         return self._whole[0]
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        return self.whole()(idx, targets)
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None):
+        return self.whole()(idx, targets, positions)
 
     def new_cache(self, batch: int, max_len: int) -> RowCache:
         return self.whole().new_cache(batch, max_len)
@@ -331,15 +335,26 @@ class HFStage(nn.Module):
     def context_length(self) -> int:
         return _context_length(self.config)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None):
+        """With `positions` (B, T), packed rows: each sequence's own rotary positions and a
+        block-diagonal causal mask [Note: packed rows in packing.py]."""
         T = x.size(1)
-        pos = torch.arange(T, device=x.device)[None, :]  # (1, T)
+        pos = torch.arange(T, device=x.device)[None, :] if positions is None else positions
         if self.first:
             x = self._embed(x, pos)
-        keys = torch.arange(T, device=x.device)
-        x = self._layers(x, pos, lambda window: None if window is None and self._causal_kernel
-                         else _mask(pos, keys, window, x.dtype), None)
+        x = self._layers(x, pos, self._masks(pos, positions, x.dtype), None)
         return self._head(x, targets) if self.last else x
+
+    def _masks(self, pos: torch.Tensor, positions: torch.Tensor | None,
+               dtype: torch.dtype) -> Callable[[int | None], torch.Tensor | None]:
+        """A layer's mask by its window: block-diagonal causal over packed rows, else causal
+        (None where the attention kernel is causal itself)."""
+        if positions is not None:
+            return functools.partial(BlockCausal(positions).additive, dtype)
+        keys = torch.arange(pos.size(-1), device=pos.device)
+        return lambda window: None if window is None and self._causal_kernel \
+            else _mask(pos, keys, window, dtype)
 
     @property
     def _causal_kernel(self) -> bool:

@@ -37,6 +37,7 @@ import torch
 
 from executors.optable import OpContext, OpTable
 from executors.torch.models.built import evaluating, right_padded, whole_model
+from executors.torch.models.packing import Packing, pack
 from executors.torch.rollout import lm
 from executors.torch.rollout.sampling import token_logprobs
 from flowkit.ops.records import TokenScores
@@ -82,6 +83,11 @@ def _reward_model(ctx: OpContext, rollouts: Any, *_: Any, max_batch: int = 32,
     items, one = _as_list(rollouts)
     model = whole_model(ctx, config)
     scores: list = [None] * len(items)
+    if config.get("packing"):
+        for i, seq, out in _packed(model, items, _limits(model, (max_batch, max_tokens)),
+                                   whole=True):
+            scores[i] = float(lm.values_of(out[None], "reward_model")[0, len(seq) - 1])
+        return scores[0] if one else scores
     context = lm.context_length(model)
     for indices, shape in _forwards(items, _limits(model, (max_batch, max_tokens)), context,
                                     whole=True):
@@ -101,6 +107,15 @@ def _per_token(ctx: OpContext, rollouts: Any, score, limits: tuple[int, int],
     items, one = _as_list(rollouts)
     model = whole_model(ctx, config)
     results: list = [None] * len(items)
+    if config.get("packing"):
+        for i, seq, out in _packed(model, items, _limits(model, limits)):
+            r = items[i]
+            targets = torch.tensor([list(r.prompt_tokens)[1:] + list(r.response_tokens)],
+                                   dtype=torch.long, device=out.device)
+            row = score(out[None], targets)[0]
+            results[i] = TokenScores(prompt_id=r.prompt_id, sample=r.sample,
+                                     values=row[len(r.prompt_tokens) - 1:len(seq)].tolist())
+        return results[0] if one else results
     for indices, shape in _forwards(items, _limits(model, limits), lm.context_length(model)):
         chunk = [items[i] for i in indices]
         full = [list(r.prompt_tokens) + list(r.response_tokens) for r in chunk]
@@ -118,6 +133,42 @@ def _run(model: torch.nn.Module, seqs: list[list[int]], rollouts: list,
          shape: tuple[int, int]) -> torch.Tensor:
     """The model's output on the sequences (those of `rollouts`) padded to `shape` (rows,
     width) [Note: batch-invariant forwards]: logits (rows, width, V) or values (rows, width)."""
+    _check_context(model, seqs, rollouts)
+    device = next(model.parameters()).device
+    with evaluating(model):
+        return model(right_padded(seqs, device, shape))
+
+
+# [Note: packed scoring] A model with packing scores a call's rollouts in packed rows (rows of
+# its longest sequence's width, at most max_tokens of them a forward; [Note: packed rows in
+# executors/torch/models/packing.py]): fewer padded tokens, but a forward's shape then depends
+# on which rollouts share it, so its scores equal the padded path's to rounding, not bit for
+# bit alone and in any batch [Note: batch-invariant forwards].
+def _packed(model: torch.nn.Module, items: list, limits: tuple[int, int], *,
+            whole: bool = False) -> Iterator[tuple[int, list[int], torch.Tensor]]:
+    """(index, sequence, the model's output over its positions) of each rollout, in packed
+    rows [Note: packed scoring]; a sequence is prompt + response, less its last token unless
+    `whole`."""
+    seqs = [(list(r.prompt_tokens) + list(r.response_tokens))[:None if whole else -1]
+            for r in items]
+    _check_context(model, seqs, items)
+    layout = pack([len(s) for s in seqs])
+    per = max(1, min(limits[0], limits[1] // layout.width))
+    device = next(model.parameters()).device
+    for first in range(0, layout.rows, per):
+        indices = [i for i, (row, _) in enumerate(layout.places) if first <= row < first + per]
+        part = Packing(width=layout.width, rows=min(per, layout.rows - first),
+                       places=tuple((layout.places[i][0] - first, layout.places[i][1])
+                                    for i in indices),
+                       lengths=tuple(layout.lengths[i] for i in indices))
+        positions = part.positions(device) if part.packed else None
+        with evaluating(model):
+            out = model(part.tokens([seqs[i] for i in indices], device), None, positions)
+        for i, (row, offset) in zip(indices, part.places):
+            yield i, seqs[i], out[row, offset:offset + len(seqs[i])]
+
+
+def _check_context(model: torch.nn.Module, seqs: list[list[int]], rollouts: list) -> None:
     context = lm.context_length(model)
     long = [(r, len(s)) for r, s in zip(rollouts, seqs) if context and len(s) > context]
     if long:
@@ -125,9 +176,6 @@ def _run(model: torch.nn.Module, seqs: list[list[int]], rollouts: list,
         raise ValueError(f"rollout (prompt {r.prompt_id}, sample {r.sample}) runs {n} tokens, "
                          f"past the model's context_length {context}{more}: score with a model "
                          "whose context holds prompt + response")
-    device = next(model.parameters()).device
-    with evaluating(model):
-        return model(right_padded(seqs, device, shape))
 
 
 def _limits(model: torch.nn.Module, limits: tuple[int, int | None]) -> tuple[int, int]:

@@ -18,19 +18,15 @@ import torch
 from executors.optable import OpContext, OpTable
 from executors.torch.device import device_clock
 from executors.torch.errors import StageError
-from executors.torch.models.built import (
-    export_weights,
-    held_model,
-    load_weights,
-    right_padded,
-    save_weights,
-)
+from executors.torch.models.built import export_weights, held_model, load_weights, save_weights
 from executors.torch.train import replicas
 from executors.torch.train.flops import model_flops
 from executors.torch.train.held_stage import HeldStage, held_stage
 from executors.torch.train.memory import keep_freed_memory
 from executors.torch.train.replicas import all_reduce_grads, broadcast_shards, owned
-from executors.torch.train.rl_loss import RL_LOSSES, RLLoss, RLSettings, records, sequence_ids
+from executors.torch.train.rl_loss import RL_LOSSES, RLLoss, RLSettings, records
+from executors.torch.train.rows import activation, experience_rows, lm_rows, sent
+from executors.torch.train.rows import tokens_of as _tokens
 from executors.torch.train.stage import StageRunner
 from flowkit.ops.records import MicrobatchStats, microbatch_stats, step_report
 
@@ -86,21 +82,26 @@ def _forward(ctx: OpContext, *inputs: Any, stage: int, stages: int, microbatch: 
 def _forward_on(held: HeldStage, inputs: tuple, *, stage: int, stages: int, microbatch: int,
                 loss_scale: float, loss: str, split: bool, offload: bool, config: dict) -> Any:
     first, last = stage == 0, stage == stages - 1
+    packing = bool(config.get("packing"))
     if loss in RL_LOSSES:
         return _rl_forward(held, inputs, first=first, last=last, microbatch=microbatch,
                            loss_scale=float(loss_scale),
                            settings=RLSettings.from_config(loss, config), split=split,
-                           offload=offload)
-    read, targets = split_tokens(_tokens(inputs[0] if first else inputs[-1])) \
-        if first or last else (None, None)
-    args: list[Any] = [read if first else inputs[0]]
+                           offload=offload, packing=packing)
+    x, positions = (None, None) if first else activation(inputs[0])
+    if first or last:
+        read, targets, positions = lm_rows(_tokens(inputs[0] if first else inputs[-1]), packing)
     if first:
+        x = read
         _count_rows(held, read)
+    args = [x, targets] if last else [x]
+    if positions is not None:  # the stage's forward(x, targets=None, positions=None)
+        args = [x, targets if last else None, positions]
     if last:
-        args += [targets, float(loss_scale)]
+        args.append(float(loss_scale))
     out = held.runner.forward(microbatch, *args, split=split, offload=offload)
     if not last:
-        return out
+        return sent(out, positions)
     n_tokens = int(targets.ge(0).sum())
     return MicrobatchStats(loss=float(out) / float(loss_scale), tokens=n_tokens)
 
@@ -111,16 +112,9 @@ def _count_rows(held: HeldStage, ids: torch.Tensor) -> None:
     held.attended += ids.numel() * ids.size(-1)
 
 
-def split_tokens(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A (B, T+1) batch of TokenIds as the model reads it, (B, T) with each masked ~t read as t,
-    and its (B, T) targets, -1 (what the losses ignore) where masked [TokenIds in
-    flowkit/ops/records.py]."""
-    return torch.where(tokens < 0, ~tokens, tokens)[:, :-1], tokens[:, 1:].clamp(min=-1)
-
-
 def _rl_forward(held: HeldStage, inputs: tuple, *, first: bool, last: bool, microbatch: int,
                 loss_scale: float, settings: RLSettings, split: bool = True,
-                offload: bool = False) -> Any:
+                offload: bool = False, packing: bool = False) -> Any:
     """F under an RL loss. Inputs: (experiences[, reference scores]) on stage 0, the
     activation on a middle stage, (activation, experiences[, reference scores]) on the last;
     the last stage returns the microbatch's mean loss per response token, and its token count
@@ -128,31 +122,25 @@ def _rl_forward(held: HeldStage, inputs: tuple, *, first: bool, last: bool, micr
     seq-mean aggregation modes)."""
     data = inputs if first else inputs[1:]
     experiences = records(data[0]) if data else []
-    x = sequence_ids(experiences, held.runner.device) if first else inputs[0]
+    x, positions = (None, None) if first else activation(inputs[0])
+    layout = None
+    if first or last:
+        ids, positions, layout = experience_rows(experiences, held.runner.device, packing)
     if first:
+        x = ids
         _count_rows(held, x)
+    args = [x] if positions is None else [x, None, positions]
     if not last:
-        return held.runner.forward(microbatch, x, split=split, offload=offload)
+        return sent(held.runner.forward(microbatch, *args, split=split, offload=offload),
+                    positions)
     refs = records(data[1]) if len(data) > 1 else []
-    rl_loss = RLLoss(experiences, refs, settings, held.runner.device)
-    out = held.runner.forward(microbatch, x, rl_loss, loss_scale, split=split, offload=offload)
+    rl_loss = RLLoss(experiences, refs, settings, held.runner.device, layout=layout)
+    out = held.runner.forward(microbatch, *args, rl_loss, loss_scale, split=split,
+                              offload=offload)
     summed = rl_loss.settle(out) / loss_scale  # one transfer of its statistics a microbatch
     normalizer = rl_loss.normalizer
     return MicrobatchStats(loss=summed / normalizer if normalizer else 0.0,
                            tokens=rl_loss.tokens, normalizer=normalizer, values=rl_loss.values)
-
-
-def _tokens(value: Any) -> torch.Tensor:
-    """A microbatch of token sequences: a (B, T+1) tensor, or a list of them or of rows; or
-    records with prompt and response tokens (experiences), right-padded with token 0."""
-    if isinstance(value, torch.Tensor):
-        return value if value.dim() == 2 else value.unsqueeze(0)
-    items = records(value)
-    if items and hasattr(items[0], "response_tokens"):
-        seqs = [list(e.prompt_tokens) + list(e.response_tokens) for e in items]
-        return right_padded(seqs, torch.device("cpu"))
-    rows = [v if v.dim() == 2 else v.unsqueeze(0) for v in items]
-    return torch.cat(rows)
 
 
 def _prefetch(ctx: OpContext, config: dict, stages: int, prefetch: Any, track_memory: bool,
@@ -440,12 +428,15 @@ def _profile(ctx: OpContext, sample: Any, *, stage: int, stages: int, repeats: i
     model = held_model(ctx, {**config, "stages": stages})
     # A microbatch of experiences (an RL loss) is timed on its sequences under the LM loss: the
     # same stages on the same tokens, and at the head a log-softmax over the vocabulary too.
-    x, targets = split_tokens(_tokens(sample).to(model.device))
+    x, targets, positions = lm_rows(_tokens(sample).to(model.device),
+                                    bool(config.get("packing")))
+    packed = () if positions is None else (None, positions)  # as its microbatches run
     with torch.no_grad():
         for s in range(stage):
-            x = model.parts[s](x)
+            x = model.parts[s](x, *packed)
     last = stage == stages - 1
-    args = [x] + ([targets, 1.0] if last else [])
+    args = [x, targets, positions] if positions is not None else [x, targets]
+    args = (args if last else [x, *packed]) + ([1.0] if last else [])
     runner = held_stage(ctx, {**config, "stage": stage, "stages": stages}).runner
     times: dict[str, list[float]] = {"F": [], "B": [], "W": [], "BW": []}
     for rep in range(repeats + 1):  # round 0 warms up

@@ -145,10 +145,12 @@ class RLLoss:
     form [Note: RL losses in sum form]: `normalizer` is what the sum is over (tokens, or
     responses with tokens), `tokens` the response tokens trained on. Its statistics stay on
     the device until `settle` fetches them with the loss, in one transfer: `normalizer` and
-    `values` are known from then."""
+    `values` are known from then. With a `layout` (a Packing) the output's rows are packed
+    rows and each experience is read where the layout put it [Note: packed rows in
+    executors/torch/models/packing.py]; without one, experience i is row i."""
 
     def __init__(self, experiences: Sequence[Any], refs: Sequence[Any], settings: RLSettings,
-                 device: torch.device) -> None:
+                 device: torch.device, *, layout: Any = None) -> None:
         _check_agg(settings)
         self.settings = settings
         self.values: dict[str, float] = {}  # token means the loss reports besides itself
@@ -165,9 +167,13 @@ class RLLoss:
             return torch.tensor(rows, dtype=dtype, device=device).reshape(len(exps), width)
 
         # response token k of a sample with P prompt tokens is predicted at position P + k - 1
-        self.positions = padded([[len(e.prompt_tokens) - 1 + k
-                                  for k in range(len(e.response_tokens))] for e in exps],
-                                torch.long)
+        # of its sequence, which starts at column `offset` of output row `row`
+        places = layout.places if layout is not None else [(i, 0) for i in range(len(exps))]
+        self.rows = torch.tensor([row for row, _ in places], dtype=torch.long,
+                                 device=device).reshape(len(exps), 1)
+        self.positions = padded([[offset + len(e.prompt_tokens) - 1 + k
+                                  for k in range(len(e.response_tokens))]
+                                 for e, (_, offset) in zip(exps, places)], torch.long)
         self.tokens_at = padded([e.response_tokens for e in exps], torch.long)
         # a cut response trains nothing with mask_truncated: its row is all padding; an
         # environment's tokens in a trajectory train nothing either [Note: multi-turn rollouts
@@ -217,7 +223,7 @@ class RLLoss:
         dtype = torch.promote_types(logits.dtype, torch.float32)
         col = {k: v.to(dtype) for k, v in self.columns.items()}
         mask = self.mask.to(dtype)
-        picked = logits.gather(1, self.positions[..., None].expand(-1, -1, logits.size(-1)))
+        picked = logits[self.rows, self.positions]  # (B, R, V)
         temperature = s.temperature if s.temperature > 0 else 1.0  # greedy records 1
         every = F.log_softmax(picked.to(dtype) / temperature, dim=-1)  # (B, R, V)
         logp = every.gather(-1, self.tokens_at[..., None]).squeeze(-1)  # (B, R)
@@ -271,7 +277,7 @@ class RLLoss:
 
     def _value_losses(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = torch.promote_types(values.dtype, torch.float32)
-        predicted = values.gather(1, self.positions).to(dtype)  # (B, R)
+        predicted = values[self.rows, self.positions].to(dtype)  # (B, R)
         col = {k: v.to(dtype) for k, v in self.columns.items()}
         losses = value_token_losses(predicted, col["returns"], col["values"],
                                     self.mask.to(dtype),

@@ -53,6 +53,7 @@ def state_bytes(state: RunState) -> bytes:
         "step": state.step, "records": list(state.records),
         "feedback": [[node, port, value] for (node, port), value in state.feedback.items()],
         "training": {model: {"item_counts": dict(carried["item_counts"]),
+                             "token_counts": dict(carried.get("token_counts", {})),
                              "predicted_bubble": dict(carried["predicted_bubble"]),
                              "last_schedule": _schedule_plain(carried["last_schedule"])}
                      for model, carried in state.training.items()},
@@ -175,16 +176,20 @@ class _Check:
         return value
 
     def training(self, value: Any, where: str) -> dict:
-        fields = self.keys(value, where, {"item_counts", "predicted_bubble", "last_schedule"})
-        counts = {self.name(k, f"{where} item_counts"): self.count(v, f"{where} item_counts",
-                                                                   _MAX_STEP)
-                  for k, v in self.map(fields["item_counts"], f"{where} item_counts").items()}
+        expected = {"item_counts", "predicted_bubble", "last_schedule"}
+        if isinstance(value, dict) and "token_counts" in value:  # not in files before it
+            expected.add("token_counts")
+        fields = self.keys(value, where, expected)
+        counts, tokens = ({self.name(k, f"{where} {key}"): self.count(v, f"{where} {key}",
+                                                                      _MAX_STEP)
+                           for k, v in self.map(fields.get(key, {}), f"{where} {key}").items()}
+                          for key in ("item_counts", "token_counts"))
         bubbles = {self.name(k, f"{where} predicted_bubble"):
                    self.number(v, f"{where} predicted_bubble")
                    for k, v in self.map(fields["predicted_bubble"],
                                         f"{where} predicted_bubble").items()}
         schedule = fields["last_schedule"]
-        return {"item_counts": counts, "predicted_bubble": bubbles,
+        return {"item_counts": counts, "token_counts": tokens, "predicted_bubble": bubbles,
                 "last_schedule": None if schedule is None
                 else self.schedule(schedule, f"{where} last_schedule")}
 
