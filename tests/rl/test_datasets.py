@@ -167,6 +167,23 @@ def test_chat_sft_sequences_are_prompt_answer_eos_padded_to_seq_len(files, token
         list(chat_sft_sequences.fn(**config, seq_len=8))
 
 
+def test_a_later_epoch_serves_the_same_rows_tokenized_once(files, tokenizer_dir, monkeypatch):
+    """[Note: tokenized rows] in dataflows/datasets.py: the chat template is rendered once per
+    row, however many epochs serve it."""
+    import dataflows.datasets as datasets
+
+    rendered = []
+    monkeypatch.setattr(datasets, "render_prompt",
+                        lambda *args, **kw: rendered.append(args[1]) or render_prompt(*args, **kw))
+    datasets._sft_tokens.cache_clear()
+    config = {"path": str(files["jsonl"]), "tokenizer": tokenizer_dir, "sequences": 5,
+              "seq_len": 40}
+    epochs = [[t.tolist() for t in chat_sft_sequences.fn(**config, step=step)]
+              for step in range(4)]  # 10 rows: steps 0-1 are epoch 0, steps 2-3 epoch 1
+    assert len(rendered) == len(ROWS)
+    assert sorted(epochs[0] + epochs[1]) == sorted(epochs[2] + epochs[3])
+
+
 # -- bad input, before any executor starts -------------------------------------------------------
 def _problems(**config) -> str:
     with pytest.raises(FlowError) as info, Flow("source"):  # a Flow validates as it closes
