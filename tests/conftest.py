@@ -12,6 +12,33 @@ _PRELOAD = ("executors.torch", "executors.sim", "transformers",
             "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2")
 
 
+# Longest first: pytest-xdist hands out test files as workers free up, by default the
+# files with the most tests first: the end-to-end examples (one test each, 1-3 minutes) came
+# last, and one worker ran them alone at the end. The longest go first instead (a longest-job-
+# first schedule), then every other file with a slow test, then the rest.
+_LONGEST = ("tests/cli/test_hf_example.py", "tests/cli/test_calculator_example.py",
+            "tests/cli/test_rl_example.py", "tests/security/test_chaos.py",
+            "tests/cli/test_ray_launch.py", "tests/cli/test_restarts.py")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's, in its controller
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    slow_files = {item.nodeid.split("::")[0] for item in items
+                  if item.get_closest_marker("slow")}
+
+    def start_order(item) -> tuple[int, int]:
+        path = item.nodeid.split("::")[0]
+        if path in _LONGEST:
+            return (0, _LONGEST.index(path))
+        return (1 if path in slow_files else 2, 0)
+
+    items.sort(key=start_order)  # stable: each file's tests keep their order
+
+
 @pytest.fixture(scope="session", autouse=True)
 def fork_server():
     """One fork server per xdist worker [Note: fork server in executors/forkserver.py], named
