@@ -400,9 +400,13 @@ def loggers(json_out: Path | None) -> None:
 @click.option("--warm-steps", type=click.IntRange(min=1), default=600, show_default=True,
               help="Steps of the supervised warm-up both sides start from.")
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Torch threads per process: each flowkit executor's and TRL's.")
+              help="Torch threads of each flowkit executor (the example runs two).")
+@click.option("--trl-threads", type=click.IntRange(min=1), default=None,
+              help="Torch threads of TRL's process [default: the same cores, as many as "
+              "flowkit's executors have together].")
 @_json_option
-def trl(steps: int, seeds: int, warm_steps: int, threads: int, json_out: Path | None) -> None:
+def trl(steps: int, seeds: int, warm_steps: int, threads: int, trl_threads: int | None,
+        json_out: Path | None) -> None:
     """flowkit's GRPO beside TRL's GRPOTrainer on the Qwen2 example.
 
     Same model, data, reward and settings, on this CPU, one after the other. Needs the trl
@@ -414,7 +418,8 @@ def trl(steps: int, seeds: int, warm_steps: int, threads: int, json_out: Path | 
     except TRLMissingError as exc:
         raise click.ClickException(str(exc)) from None
     figures = _bench_function("trl", "run_trl_bench")(steps=steps, seeds=seeds,
-                                                       warm_steps=warm_steps, threads=threads)
+                                                       warm_steps=warm_steps, threads=threads,
+                                                       trl_threads=trl_threads)
     Console().print(_trl_table(figures))
     if json_out is not None:
         with writing(json_out):
@@ -428,8 +433,11 @@ def _trl_table(figures: dict) -> Any:
     from rich.table import Table
 
     setup = figures["setup"]
+    threads = setup["threads"]
     table = Table(title=f"GRPO beside TRL {setup['trl']}: {setup['prompts']} x {setup['n']} "
-                  f"a step, {setup['steps']} steps, {setup['threads']} thread(s) a process")
+                  f"a step, {setup['steps']} steps; threads: flowkit "
+                  f"{threads['flowkit_executors']} x {threads['flowkit_per_executor']}, TRL "
+                  f"{threads['trl']}")
     for column in ("seed", "side", "s/step", "wall s", "reward, last 10", "flowkit / TRL"):
         table.add_column(column, justify="left" if column == "side" else "right")
     rows = [(str(run["seed"]), run, run["step_ratio"]) for run in figures["runs"]]

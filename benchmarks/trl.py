@@ -17,8 +17,10 @@ Method:
   warm weights), a loss averaged over the step's tokens (TRL's "dapo"), constant lr. What
   differs: group advantages divide by std + 1e-6 (flowkit) or + 1e-4 (TRL), and the random
   draws (each side seeds its own sampler from the seed);
-- torch threads are fixed at `threads` per process: flowkit's executors (2, one per stage) and
-  TRL's one process.
+- the same cores on both sides: flowkit's executors (2, one per stage) get `threads` torch
+  threads each, and TRL's one process `trl_threads`, by default as many as flowkit's executors
+  have together (2 × `threads`); `trl_threads=threads` is the older comparison, which gave TRL
+  one process's share of the cores.
 
 Per side: `step_s`, the median of the seconds between consecutive step ends after the first
 (the first loads and warms up); `wall_s`, the whole run from before it starts (executors or
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 import statistics
 import tempfile
 import time
@@ -48,6 +49,9 @@ __all__ = ["INSTALL_HINT", "GRPOSetup", "TRLMissingError", "grpo_flow", "require
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 INSTALL_HINT = "pip install -e '.[trl]'"
+
+
+FLOWKIT_EXECUTORS = 2  # the example's two pipeline stages, one executor each
 
 
 class TRLMissingError(ImportError):
@@ -88,27 +92,33 @@ class GRPOSetup:
 
 
 def run_trl_bench(*, steps: int = 40, seeds: int = 3, warm_steps: int = 600, threads: int = 1,
-                  setup: GRPOSetup | None = None) -> dict:
+                  trl_threads: int | None = None, setup: GRPOSetup | None = None) -> dict:
     """`steps` GRPO steps per side and seed (seeds 0 .. seeds - 1) after a `warm_steps` warm-up;
-    the figures of the module's docstring."""
+    the figures of the module's docstring. `trl_threads`: None, the cores of flowkit's
+    executors together."""
     trl_version = require_trl()
     if steps < 2:
         raise ValueError(f"the bench measures the steps after the first: needs >= 2, got {steps}")
     if seeds < 1 or warm_steps < 1:
         raise ValueError(f"needs seeds >= 1 and warm_steps >= 1, got {seeds} and {warm_steps}")
     setup = setup or GRPOSetup()
-    figures: dict[str, Any] = {"setup": {**attrs.asdict(setup), "steps": steps, "seeds": seeds,
-                                         "threads": threads, **_versions(trl_version)}}
-    with (tempfile.TemporaryDirectory(prefix="flowkit-bench-trl-") as tmp, _threads(threads),
+    trl_threads = FLOWKIT_EXECUTORS * threads if trl_threads is None else trl_threads
+    figures: dict[str, Any] = {"setup": {
+        **attrs.asdict(setup), "steps": steps, "seeds": seeds,
+        "threads": {"flowkit_executors": FLOWKIT_EXECUTORS, "flowkit_per_executor": threads,
+                    "trl": trl_threads}, **_versions(trl_version)}}
+    with (tempfile.TemporaryDirectory(prefix="flowkit-bench-trl-") as tmp,
           _quiet_transformers()):
         folder = Path(tmp)
         _build(folder / "qwen2-tiny")
-        figures["warm_up"] = _warm_up(setup, folder / "qwen2-tiny", folder / "warm", warm_steps)
+        figures["warm_up"] = _warm_up(setup, folder / "qwen2-tiny", folder / "warm", warm_steps,
+                                      threads)
         warm = folder / "warm" / "actor"
         runs = []
         for seed in range(seeds):
-            sides = {"flowkit": lambda s=seed: _flowkit_side(setup, warm, steps, s),
-                     "trl": lambda s=seed: _trl_side(setup, warm, steps, s, folder / "trl")}
+            sides = {"flowkit": lambda s=seed: _flowkit_side(setup, warm, steps, s, threads),
+                     "trl": lambda s=seed: _trl_side(setup, warm, steps, s, folder / "trl",
+                                                     trl_threads)}
             order = list(sides) if seed % 2 == 0 else list(reversed(sides))
             run = {"seed": seed, "order": order, **{name: sides[name]() for name in order}}
             run["step_ratio"] = run["flowkit"]["step_s"] / run["trl"]["step_s"]
@@ -128,21 +138,15 @@ def _versions(trl_version: str) -> dict:
 
 @contextlib.contextmanager
 def _threads(threads: int) -> Iterator[None]:
-    """`threads` torch threads in this process (TRL's) and in the executors it starts
-    (flowkit's, which read OMP_NUM_THREADS), both as they were afterwards."""
+    """`threads` torch threads in this process (TRL's), as they were afterwards."""
     import torch
 
-    before, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    os.environ["OMP_NUM_THREADS"] = str(threads)
     try:
         yield
     finally:
         torch.set_num_threads(before)
-        if env is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = env
 
 
 def _build(folder: Path) -> None:
@@ -153,25 +157,27 @@ def _build(folder: Path) -> None:
     module.build(folder, data=EXAMPLES / "data")
 
 
-def _warm_up(setup: GRPOSetup, model: Path, out: Path, steps: int) -> dict:
+def _warm_up(setup: GRPOSetup, model: Path, out: Path, steps: int, threads: int) -> dict:
     """examples/qwen2_sft.py's flow on `model` for `steps` steps, its weights saved to
     out/actor (an HF folder with the tokenizer)."""
     from benchmarks.runs import bench_run
 
     start, losses = time.perf_counter(), []
     with bench_run(warm_up_flow(setup, model), steps=steps, executors="torch",
-                   save_weights=out) as run:
+                   save_weights=out, executor_threads=threads) as run:
         losses = [report.metrics["backprop/loss"] for report in run.steps()]
     return {"steps": steps, "wall_s": time.perf_counter() - start, "first_loss": losses[0],
             "last_loss": losses[-1]}
 
 
-def _flowkit_side(setup: GRPOSetup, warm: Path, steps: int, seed: int) -> dict:
-    """examples/qwen2_grpo.py's flow from `warm`, sampling from `seed`, on torch executors."""
+def _flowkit_side(setup: GRPOSetup, warm: Path, steps: int, seed: int, threads: int) -> dict:
+    """examples/qwen2_grpo.py's flow from `warm`, sampling from `seed`, on torch executors of
+    `threads` threads each."""
     from benchmarks.runs import bench_run
 
     start, ends, rewards = time.perf_counter(), [], []
-    with bench_run(grpo_flow(setup, warm, seed), steps=steps, executors="torch") as run:
+    with bench_run(grpo_flow(setup, warm, seed), steps=steps, executors="torch",
+                   executor_threads=threads) as run:
         for report in run.steps():
             ends.append(time.perf_counter())
             rewards.append(float(report.metrics["reward_mean"]))
@@ -242,8 +248,10 @@ def _over_seeds(runs: list[dict]) -> dict:
 
 
 # -- TRL's side ---------------------------------------------------------------------------------
-def _trl_side(setup: GRPOSetup, warm: Path, steps: int, seed: int, out: Path) -> dict:
-    """TRL's GRPOTrainer from `warm`, set up as flowkit's flow (the module's docstring)."""
+def _trl_side(setup: GRPOSetup, warm: Path, steps: int, seed: int, out: Path,
+              threads: int) -> dict:
+    """TRL's GRPOTrainer from `warm`, set up as flowkit's flow (the module's docstring), in this
+    process on `threads` torch threads."""
     from transformers import PrinterCallback
     from trl import GRPOTrainer
 
@@ -254,7 +262,8 @@ def _trl_side(setup: GRPOSetup, warm: Path, steps: int, seed: int, out: Path) ->
                           train_dataset=_trl_dataset(setup, warm, steps),
                           processing_class=_tokenizer(warm), callbacks=[clock])
     trainer.remove_callback(PrinterCallback)  # it prints every step's logs
-    trainer.train()
+    with _threads(threads):
+        trainer.train()
     end = time.perf_counter()
     if len(clock.ends) != steps or len(clock.rewards) != steps:
         raise RuntimeError(f"TRL ran {len(clock.ends)} optimizer steps and logged "

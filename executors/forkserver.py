@@ -189,6 +189,7 @@ def become_executor(request: dict[str, Any], fds: list[int], closing: list[int])
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        _threads_as_asked()
         sys.path[0] = request["cwd"]  # as `python -m` started in that folder has it
         from executors.serve import executor
 
@@ -216,6 +217,15 @@ def name_process(argv: list[str]) -> None:
     name = argv[argv.index("--name") + 1].encode()[:15]
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
+
+
+def _threads_as_asked() -> None:
+    """torch's compute threads as OMP_NUM_THREADS now says: torch read the server's as it
+    loaded, and a fresh process would read the launcher's."""
+    torch = sys.modules.get("torch")
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
 
 
 def _exit_code(code: Any) -> int:

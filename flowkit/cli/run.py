@@ -55,6 +55,10 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
               help="Device of the torch executors: cpu, cuda (one GPU each: executor i on GPU "
               "i), cuda:0 (all share GPU 0), or one per executor: cuda:0,cuda:1. Each local "
               "executor sees only its GPU (CUDA_VISIBLE_DEVICES).")
+@click.option("--executor-threads", type=click.IntRange(min=1), default=_RUN.executor_threads,
+              show_default=True,
+              help="Torch compute threads of each executor: 1 suits several executors sharing "
+              "the cores; more when the executors are fewer than the cores.")
 @click.option("--steps", type=click.IntRange(min=1), default=_RUN.steps, show_default=True,
               help="Steps of the flow to run, one after the other.")
 @click.option("--stages", type=click.IntRange(min=1), default=None,
@@ -190,7 +194,7 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
               "packs several on a core); a cuda executor's bundle is one GPU.")
 @click.option("--debug", is_flag=True, help="Show a failed op's remote traceback.")
 def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | None,
-        placement: str | None, device: str,
+        placement: str | None, device: str, executor_threads: int,
         steps: int, stages: int | None, replicas: int | None, shard_optimizer: bool,
         precision: str | None, packing: bool, microbatches: int | None,
         microbatch_tokens: int | None, schedule: str | None, offload: str | None,
@@ -228,7 +232,8 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
     try:
         config = RunConfig(
             steps=steps, executors=kind, num_executors=num_executors, tags=_tags(tag_spec),
-            placement=placement, device=device, code=[path], stages=stages, replicas=replicas,
+            placement=placement, device=device, executor_threads=executor_threads, code=[path],
+            stages=stages, replicas=replicas,
             shard_optimizer=shard_optimizer, precision=precision, packing=packing,
             microbatches=microbatches, microbatch_tokens=microbatch_tokens,
             schedule=schedule, offload=offload, memory_limit=memory_limit, fuse=fuse,
@@ -259,7 +264,8 @@ _OPTIONS = {"tags": "--tags", "placement": "--placement", "schedule": "--schedul
             "offload": "--offload", "memory_limit": "--memory-limit",
             "max_staleness": "--max-staleness", "eval_every": "--eval-every",
             "controller.keys": "--keys", "controller.bind": "--bind", "device": "--device",
-            "precision": "--precision", "replicas": "--replicas", "stages": "--stages",
+            "executor_threads": "--executor-threads", "precision": "--precision",
+            "replicas": "--replicas", "stages": "--stages",
             "microbatch_tokens": "--microbatch-tokens"}
 
 

@@ -252,7 +252,8 @@ class Run:
             self._write_secret(ctl, config.controller.secret_file)
         launcher = make_launcher(config.launcher, ctl, self.count, kind=self.kind,
                                  tags=self.tags, code=list(self.code), device=config.device,
-                                 settings=config.launcher_settings)
+                                 settings=config.launcher_settings,
+                                 threads=config.executor_threads)
         exits.callback(launcher.stop)
         exits.callback(ctl.shutdown)
         try:  # with restarts, one that exits while they start is started again

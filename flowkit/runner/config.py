@@ -157,6 +157,10 @@ class RunConfig:
     share GPU K), or one per executor ("cuda:0,cuda:1", cycled); more GPUs than the machine has
     is refused before any executor starts [Note: one GPU per executor in
     flowkit/runtime/devices.py]."""
+    executor_threads: int = attrs.field(default=1, validator=_at_least(1))
+    """Torch compute threads of each executor (OMP_NUM_THREADS); 1, the default, suits several
+    executors sharing a machine's cores: give more when the executors are fewer than the cores
+    (one executor on 8 cores: 8)."""
     code: tuple[str, ...] = attrs.field(default=(), converter=_strings)
     """Python files the executors import, for the flow's @op functions (its own file)."""
     stages: int | None = attrs.field(default=None, validator=_at_least(1))

@@ -19,7 +19,7 @@ from flowkit.runtime.registry import ExecutorInfo
 from flowkit.runtime.spawn import spawn
 
 __all__ = ["ExecutorExited", "LaunchError", "Launcher", "LocalExecutors", "ProcessExecutors",
-           "per_executor_tags", "stop_processes"]
+           "per_executor_tags", "stop_processes", "thread_env"]
 
 # what a kind's fork server imports before it forks [Note: fork server in executors/forkserver.py]
 _PRELOAD = {"torch": ("executors.torch",), "sim": ("executors.sim",)}
@@ -67,14 +67,15 @@ class ProcessExecutors:
     """A launcher of executor processes that this process starts itself, `count` of them named
     `{name_prefix}-{i}`; subclasses say which command starts executor i (`_command`).
 
-    Each gets one compute thread (several share the cores), dies with this process, and is
+    Each gets `threads` compute threads (1: several share the cores), dies with this process,
+    and is
     watched, so its exit is noticed at once rather than at the heartbeat timeout: while they
     start too, when it fails `start` or `replace` with an ExecutorExited naming it."""
 
     def __init__(self, controller: Controller, count: int, *, name_prefix: str = "exec",
-                 startup_timeout: float = 60.0) -> None:
+                 startup_timeout: float = 60.0, threads: int = 1) -> None:
         self.controller, self.count, self.name_prefix = controller, count, name_prefix
-        self.startup_timeout = startup_timeout
+        self.startup_timeout, self.threads = startup_timeout, threads
         self.processes: list[subprocess.Popen] = []
         self.by_name: dict[str, subprocess.Popen] = {}  # the newest process of each executor
 
@@ -168,7 +169,7 @@ class ProcessExecutors:
         return None
 
     def _spawn(self, i: int) -> subprocess.Popen | ForkedProcess:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **self._env(i),
+        env = {**os.environ, **thread_env(self.threads), **self._env(i),
                **self.controller.executor_env()}  # the run's secret: never on argv
         # a session of its own: Ctrl-C in the terminal reaches the controller alone, which
         # stops the run cleanly and then shuts its executors down
@@ -197,9 +198,10 @@ class LocalExecutors(ProcessExecutors):
     def __init__(self, controller: Controller, count: int, *, kind: str = "base",
                  tags: Sequence[str] | Sequence[Sequence[str]] = (), device: str = "cpu",
                  name_prefix: str = "exec", log_level: str = "WARNING",
-                 startup_timeout: float = 60.0, code: Sequence[str] = ()) -> None:
+                 startup_timeout: float = 60.0, code: Sequence[str] = (),
+                 threads: int = 1) -> None:
         super().__init__(controller, count, name_prefix=name_prefix,
-                         startup_timeout=startup_timeout)
+                         startup_timeout=startup_timeout, threads=threads)
         self.kind, self.device, self.log_level = kind, device, log_level
         self.devices = local_devices(device, count)
         self.tags = per_executor_tags(tags, count)
@@ -221,6 +223,14 @@ class LocalExecutors(ProcessExecutors):
         if self.devices[i].device != "cpu":
             return None
         return start_executor(self._command(i)[3:], env, preload=_PRELOAD.get(self.kind, ()))
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    """What an executor's environment says of its compute threads (torch reads it as it
+    loads; a forked executor sets it then: executors/forkserver.py)."""
+    if threads < 1:
+        raise ValueError(f"an executor needs at least 1 thread, not {threads}")
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
 def stop_processes(processes: Sequence[subprocess.Popen], timeout: float = 5.0) -> None:

@@ -17,10 +17,11 @@ LAUNCHERS = ("local", "ray")
 
 def make_launcher(name: str, controller: Controller, count: int, *, kind: str,
                   tags: Sequence[Sequence[str]], device: str = "cpu", code: Sequence[str] = (),
-                  settings: Any = None) -> Launcher:
+                  settings: Any = None, threads: int = 1) -> Launcher:
     """The launcher `name` of `count` executors of `kind` for `controller`, executor i with
-    `tags[i]`; `settings` are the launcher's own (raylaunch.RaySettings for `ray`)."""
-    common = {"kind": kind, "tags": tags, "device": device, "code": code}
+    `tags[i]` and `threads` compute threads; `settings` are the launcher's own
+    (raylaunch.RaySettings for `ray`)."""
+    common = {"kind": kind, "tags": tags, "device": device, "code": code, "threads": threads}
     if name == "local":
         if settings is not None:
             raise ValueError(f"the local launcher takes no settings, not {settings!r}")

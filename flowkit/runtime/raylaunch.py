@@ -24,7 +24,7 @@ import attrs
 
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.devices import wants_gpu
-from flowkit.runtime.launch import LaunchError, per_executor_tags
+from flowkit.runtime.launch import LaunchError, per_executor_tags, thread_env
 from flowkit.runtime.registry import ExecutorInfo
 from flowkit.wire.shm import sweep
 
@@ -116,8 +116,9 @@ class RayExecutors:
                  tags: Sequence[str] | Sequence[Sequence[str]] = (), device: str = "cpu",
                  name_prefix: str = "exec", log_level: str = "WARNING",
                  startup_timeout: float = 60.0, code: Sequence[str] = (),
-                 settings: RaySettings = RaySettings()) -> None:
+                 settings: RaySettings = RaySettings(), threads: int = 1) -> None:
         self.controller, self.count, self.kind = controller, count, kind
+        self.threads = threads
         self.tags, self.device = per_executor_tags(tags, count), device
         self.name_prefix, self.log_level = name_prefix, log_level
         self.startup_timeout, self.settings = startup_timeout, settings
@@ -252,7 +253,7 @@ class RayExecutors:
             ).remote()
             self.actors[name] = actor
             calls[name] = actor.start.remote(self._arguments(i), {
-                **_EXECUTOR_ENV, **self.controller.executor_env()})
+                **thread_env(self.threads), **self.controller.executor_env()})
         here = self._ray.get_runtime_context().get_node_id()
         waits = {}
         for name, call in calls.items():
@@ -360,8 +361,6 @@ class _ExecutorActor:
         return code
 
 
-# one compute thread per executor, as local executors get: several share a node's cores
-_EXECUTOR_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 _PR_SET_PDEATHSIG = 1
 
 

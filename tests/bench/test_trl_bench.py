@@ -24,6 +24,9 @@ def test_both_sides_run_the_steps_asked_and_report_curves_and_times(tmp_path):
     assert "flowkit / TRL" in result.output
     figures = json.loads(out.read_text())
     assert figures["setup"]["steps"] == 2 and figures["setup"]["trl"]
+    # the same cores: TRL's process as many threads as flowkit's executors together
+    assert figures["setup"]["threads"] == {"flowkit_executors": 2, "flowkit_per_executor": 1,
+                                           "trl": 2}
     assert figures["warm_up"]["steps"] == 1 and figures["warm_up"]["wall_s"] > 0
     (run,) = figures["runs"]
     assert run["seed"] == 0 and sorted(run["order"]) == ["flowkit", "trl"]

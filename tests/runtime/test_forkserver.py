@@ -158,3 +158,22 @@ def test_a_refused_start_raises_and_start_executor_falls_back(server, monkeypatc
     assert start_executor(["--help"], {"": "x"}) is None
     with pytest.raises(ForkServerError, match="no fork server at"):
         ForkServer(server.path + ".missing")
+
+
+@pytest.mark.parametrize("fork", ["off", "server"])
+def test_an_executor_computes_on_the_threads_it_was_given(server, monkeypatch, tmp_path, fork):
+    """--executor-threads reaches torch in a forked executor as in a fresh one (torch read
+    the server's OMP_NUM_THREADS as it loaded)."""
+    from pathlib import Path
+
+    from flowkit.dsl.load import import_flow_file
+
+    code = tmp_path / "threads_op.py"
+    code.write_text("from flowkit.dsl import op\n\n\n@op\ndef threads() -> int:\n"
+                    "    import torch\n    return torch.get_num_threads()\n")
+    target = f"{import_flow_file(Path(code)).__name__}:threads"
+    monkeypatch.setenv("FLOWKIT_FORKSERVER", "off" if fork == "off" else server.path)
+    for threads in (1, 2):
+        with Controller() as ctl, LocalExecutors(ctl, 1, kind="sim", code=[str(code)],
+                                                 threads=threads):
+            assert ctl.submit("python", config={"target": target}).result(timeout=30) == threads
