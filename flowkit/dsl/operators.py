@@ -455,6 +455,8 @@ class ModelOp(Operator):
     each call scores its items with the whole model, so a run may lend it training executors'
     pipeline bubbles when the model is one the flow does not train ([Note: bubble filling] in
     flowkit/runner/bubble_fill.py: log-probs, values, a reward model's scores).
+    `engine_key`: the config key naming the rollout engine its calls run on (generation's
+    `engine`), which a run's `rollout_engine` (--rollout-engine) sets on every such op.
     `choices`: config keys whose value must be one of a known set (a loss, a
     schedule kind); `ranges`: numeric config keys and their (lowest, highest) allowed values,
     None for no bound (None as a value passes: "not set"). Both are checked when the flow is
@@ -471,6 +473,7 @@ class ModelOp(Operator):
     resumable: ClassVar[Resumable | None] = None
     loss_spec: ClassVar[LossSpec | None] = None
     scores: ClassVar[bool] = False
+    engine_key: ClassVar[str | None] = None
     choices: ClassVar[dict[str, Collection[str]]] = {}
     ranges: ClassVar[dict[str, tuple[float | None, float | None]]] = {}
     inputs: ClassVar[dict[str, Any]] = {}
