@@ -42,6 +42,9 @@ __all__ = ["VLLMEngine", "engine_args", "sampling_params", "vllm_engine_of", "we
 _MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # a GPU's share vLLM takes for weights and KV cache: a colocated trainer needs the rest
 GPU_MEMORY_ENV = "FLOWKIT_VLLM_GPU_MEMORY"
+# on a CPU, the KV cache's MiB (vLLM would otherwise reserve a share of the host's memory and
+# refuse to start when other processes hold it)
+CPU_KV_CACHE_ENV = "FLOWKIT_VLLM_KV_CACHE_MIB"
 
 
 def engine_args(*, folder: str, dtype: str, device: str, seed: int, max_batch: int,
@@ -55,6 +58,8 @@ def engine_args(*, folder: str, dtype: str, device: str, seed: int, max_batch: i
             "enforce_eager": not on_gpu}  # CUDA graphs on a GPU; nothing to capture on a CPU
     if on_gpu:
         args["gpu_memory_utilization"] = float(os.environ.get(GPU_MEMORY_ENV, "0.5"))
+    else:
+        args["kv_cache_memory_bytes"] = int(os.environ.get(CPU_KV_CACHE_ENV, "256")) << 20
     return args
 
 
@@ -361,8 +366,27 @@ def reload_weights(llm: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> Non
     def load(worker: Any) -> None:
         runner = getattr(worker, "model_runner", worker)
         runner.reload_weights(weights_iterator=iter(given))
+        _tie_head(runner.get_model())
 
     llm.collective_rpc(load)
+
+
+def _tie_head(model: torch.nn.Module) -> None:
+    """A tied LM head made again from the embedding just loaded: vLLM 0.32's in-place reload
+    loads the embedding and keeps the head's kernel form of the old weights (its loaders skip
+    `lm_head` of a tied model; on a CPU the head computes through a GEMM prepared from its
+    weight), so greedy tokens may still agree while every log-prob is the old weights'."""
+    config = getattr(model, "config", None)
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if not getattr(config, "tie_word_embeddings", False) or head is None or embed is None:
+        return
+    with torch.no_grad():
+        if head.weight is not embed.weight:
+            head.weight.copy_(embed.weight)
+        method = getattr(head, "quant_method", None)
+        if method is not None:  # the head's kernel form, prepared from the new weight
+            method.process_weights_after_loading(head)
 
 
 def _sampled_logprobs(logprobs: Any, tokens: list[int]) -> list[float]:
