@@ -1,8 +1,10 @@
 """GRPO steps with `rollout_engine="vllm"` on real executor processes: the actor trains on one
 executor, a vLLM engine generates on the other, the weights reach it each step over the data
-plane; synchronously and with `max_staleness=1` (generation a version ahead), the books balance
-as on flowkit's engine: every step trains its prompts x n samples, whose tokens are at most the
-bound behind. A run starts its own engine (tens of seconds): `slow`."""
+plane; synchronously, with `max_staleness=1` (generation a version ahead) and with partial
+rollouts (samples aborted at the step's end and continued in the next), the books balance as on
+flowkit's engine: every step trains its prompts x n samples, whose tokens are at most the bound
+behind, and every sample started is trained, dropped or carried. A run starts its own engine
+(tens of seconds): `slow`."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from dataflows.grpo import grpo_flow  # noqa: E402
 from dataflows.rewards import exact_match_reward  # noqa: E402
 from flowkit import LogSetup, RunConfig  # noqa: E402
 from flowkit.dsl import Model  # noqa: E402
+from tests.cli.runs import conserved  # noqa: E402
 from tests.hf_folders import VLLM_SHAPE, save_tiny_qwen2  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -34,14 +37,15 @@ def task(tmp_path_factory):
     return str(folder), str(data)
 
 
-@pytest.mark.parametrize("staleness", [None, 1], ids=["sync", "async"])
+@pytest.mark.parametrize(("staleness", "oversample"), [(None, 1.0), (1, 1.0), (1, 2.0)],
+                         ids=["sync", "async", "partial"])
 def test_grpo_steps_generate_on_vllm_with_the_books_of_flowkits_engine(task, tmp_path,
-                                                                      staleness):
+                                                                      staleness, oversample):
     folder, data = task
     actor = Model(name="actor", build="hf", config={"path": folder}, tags=("train",))
     flow = grpo_flow(model=actor, prompts=2, n=2, microbatches=2, max_new_tokens=6,
                      kl_coef=0.001, prompt_source=dataset_prompts, reward=exact_match_reward,
-                     source_config={"path": data, "tokenizer": folder})
+                     source_config={"path": data, "tokenizer": folder}, oversample=oversample)
     metrics = tmp_path / "m.jsonl"
     result = flowkit.run(flow, RunConfig(
         steps=4, rollout_engine="vllm", tags=[("train",), ("rollout",)], dashboard=False,
@@ -55,3 +59,6 @@ def test_grpo_steps_generate_on_vllm_with_the_books_of_flowkits_engine(task, tmp
         versions = {int(v) for v in line["staleness/versions"]}
         assert max(versions) <= step  # no token from weights a step has not made yet
     assert lines[-1]["actor/sync_bytes"] > 0  # the weights went to the vLLM executor
+    if oversample > 1:
+        conserved(lines)
+        assert sum(line["rollout/resumed"] for line in lines) > 0  # carried, then continued
