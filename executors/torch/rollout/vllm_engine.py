@@ -136,6 +136,10 @@ class VLLMEngine:
         self.llm = llm if llm is not None else _start(engine_args(
             folder=folder, dtype=dtype, device=device, seed=seed, max_batch=max_batch,
             logprobs_mode=logprobs_mode))
+        # a request's vllm.SamplingParams from sampling_params' keywords (a test's stand-in
+        # for vllm takes them as they are)
+        self.make_params: Callable[[dict[str, Any]], Any] = (
+            _streamed_params if llm is None else dict)
         self.loaded: tuple | None = None  # the fingerprint of the weights vLLM holds
         self.waiting: deque[_Sample] = deque()
         self.live: dict[str, _Sample] = {}
@@ -285,7 +289,7 @@ class VLLMEngine:
                 continue
             self._ids += 1
             sample.rid = f"{self._ids}"
-            params = _streamed_params(sampling_params(sample.request.sampling,
+            params = self.make_params(sampling_params(sample.request.sampling,
                                                       seed=sample.seed, max_tokens=room))
             prefix = list(sample.prompt.tokens) + sample.tokens
             self.llm.add_request(sample.rid, {"prompt_token_ids": prefix}, params)
