@@ -59,7 +59,8 @@ class _OpSettings:
 @attrs.frozen(kw_only=True)
 class SamplingConfig(_OpSettings):
     """How generation samples: `n` samples per prompt of at most `max_new_tokens` tokens, at
-    `temperature` (0: greedy) from the top-p set (`top_p` of the mass), each ending at `eos`
+    `temperature` (0: greedy) from the top-p set (`top_p` of the mass) within the `top_k` most
+    likely tokens (0: all), each ending at `eos`
     (a token id, a list of them, None for none, or MODEL_EOS). `sample_seed` seeds the draws
     (None: the model's seed); a run's step k draws afresh from it. `take` (partial rollouts):
     a step takes the first `take` groups of an over-provisioned call and carries the rest
@@ -72,6 +73,7 @@ class SamplingConfig(_OpSettings):
     max_new_tokens: int = _setting(256, low=1)
     temperature: float = _setting(1.0, low=0)
     top_p: float = _setting(1.0, low=0, high=1)
+    top_k: int = _setting(0, low=0)
     eos: Any = _setting(MODEL_EOS)
     sample_seed: int | None = _setting(None)
     take: int | None = _setting(None, low=1)

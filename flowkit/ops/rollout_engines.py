@@ -45,17 +45,17 @@ def head_size(hf_config: Mapping[str, Any]) -> int | None:
     return int(hidden) // int(heads) if hidden and heads else None
 
 
-def vllm_logprobs_mode(temperature: float, top_p: float) -> tuple[str, ...]:
+def vllm_logprobs_mode(temperature: float, top_p: float, top_k: int = 0) -> tuple[str, ...]:
     """The vLLM `logprobs_mode`s whose per-token log-probs are flowkit's, log_softmax(logits /
     temperature) over the whole vocabulary ([Note: sampler log-probabilities] in
     executors/torch/rollout/generate.py): "raw_logprobs" (of the logits before temperature)
     when the temperature is 1 or greedy (flowkit records greedy at temperature 1);
-    "processed_logprobs" (after temperature and top-p truncation) when nothing is truncated.
-    Empty: neither, at another temperature with top-p below 1."""
+    "processed_logprobs" (after temperature and top-k/top-p truncation) when nothing is
+    truncated. Empty: neither, at another temperature with top-p below 1 or a top k."""
     modes = []
     if float(temperature) in (0.0, 1.0):
         modes.append("raw_logprobs")
-    if float(top_p) >= 1.0 or float(temperature) == 0.0:
+    if (float(top_p) >= 1.0 and int(top_k) <= 0) or float(temperature) == 0.0:
         modes.append("processed_logprobs")
     return tuple(modes)
 
@@ -121,12 +121,14 @@ def _sampling_problems(model: str, sampling: Mapping[str, Any]) -> list[str]:
     """What of a generate's settings vLLM cannot honour as flowkit's engine does."""
     problems = []
     temperature, top_p = sampling.get("temperature", 1.0), sampling.get("top_p", 1.0)
-    if not vllm_logprobs_mode(temperature, top_p):
+    top_k = sampling.get("top_k", 0)
+    if not vllm_logprobs_mode(temperature, top_p, top_k):
         problems.append(f"--rollout-engine vllm: generation of {model!r} samples at "
-                        f"temperature={temperature} with top_p={top_p}, and vLLM's log-probs "
-                        "of such a sampler are those of the truncated distribution, not "
-                        "log_softmax(logits / temperature) as the trainer computes them: give "
-                        "top_p=1 or temperature=1, or use --rollout-engine flowkit")
+                        f"temperature={temperature} with top_p={top_p}, top_k={top_k}, and "
+                        "vLLM's log-probs of such a sampler are those of the truncated "
+                        "distribution, not log_softmax(logits / temperature) as the trainer "
+                        "computes them: give top_p=1 and top_k=0, or temperature=1, or use "
+                        "--rollout-engine flowkit")
     for key, what in (("environment", "multi-turn trajectories (environment)"),
                       ("program", "agent programs (program)")):
         if sampling.get(key) is not None:

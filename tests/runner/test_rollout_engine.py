@@ -96,10 +96,16 @@ def test_the_logprobs_mode_that_gives_flowkits_log_probs(temperature, top_p, mod
     assert vllm_logprobs_mode(temperature, top_p) == modes
 
 
+def test_a_top_k_truncates_as_top_p_does():
+    assert vllm_logprobs_mode(1.0, 1.0, top_k=20) == ("raw_logprobs",)
+    assert vllm_logprobs_mode(0.7, 1.0, top_k=20) == ()
+    assert vllm_logprobs_mode(0.0, 1.0, top_k=20) == ("raw_logprobs", "processed_logprobs")
+
+
 def test_a_top_p_sampler_at_another_temperature_is_refused(tmp_path):
     [line] = _problems(model_config={"path": _hf_folder(tmp_path)},
                        sampling={"temperature": 0.7, "top_p": 0.9})
-    assert "temperature=0.7 with top_p=0.9" in line and "top_p=1 or temperature=1" in line
+    assert "temperature=0.7 with top_p=0.9, top_k=0" in line and "temperature=1" in line
 
 
 @pytest.mark.parametrize(("setting", "value", "expected"), [

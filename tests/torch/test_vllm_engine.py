@@ -214,7 +214,7 @@ def test_a_finished_rollout_passes_through_and_pause_stops_stepping(ctx, folder)
 def test_a_sampler_vllm_cannot_honour_is_refused_by_the_op(ctx, folder):
     from executors.torch.errors import StageError
 
-    with pytest.raises(StageError, match="temperature=0.7 with top_p=0.9"):
+    with pytest.raises(StageError, match="temperature=0.7 with top_p=0.9, top_k=0"):
         gen._generate(ctx, [_prompt(0)], **_spec(folder), engine="vllm", temperature=0.7,
                       top_p=0.9)
 

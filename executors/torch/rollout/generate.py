@@ -224,7 +224,7 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, seed: int = 0, max_ba
     a tokenizer (an HF model's `path`) stops at that tokenizer's EOS unless `eos` names the
     token (or tokens; None: never), and its rollouts carry their text [Note: rollout text in
     engine.py]; any other model stops at EOS (byte 10). The sampling settings (n,
-    max_new_tokens, temperature, top_p, eos, sample_seed, stale_segments) are the task's
+    max_new_tokens, temperature, top_p, top_k, eos, sample_seed, stale_segments) are the task's
     (flowkit.ops.SamplingConfig); with an `environment` (flowkit.ops.AgentConfig) each sample
     is a multi-turn trajectory [Note: multi-turn rollouts in flowkit/ops/environments.py]."""
     s, config = SamplingConfig.split(config)
@@ -247,7 +247,7 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, seed: int = 0, max_ba
     folder = tokenizer_folder(config)
     sample_seed = seed if s.sample_seed is None else s.sample_seed
     sampling = Sampling(max_new_tokens=int(s.max_new_tokens), temperature=float(s.temperature),
-                        top_p=float(s.top_p), eos=_stop_tokens(s.eos, folder),
+                        top_p=float(s.top_p), top_k=int(s.top_k), eos=_stop_tokens(s.eos, folder),
                         seed=int(sample_seed), step=int(step))
     if s.engine == "vllm":  # [Note: vLLM engine] in executors/torch/rollout/vllm_engine.py
         engine = vllm_engine_of(

@@ -68,7 +68,7 @@ def sampling_params(sampling: Sampling, *, seed: int, max_tokens: int) -> dict[s
     tokens are exactly flowkit's (ignore_eos: vLLM adds none of its own), one log-prob a token
     (the sampled one's), tokens streamed as they come."""
     return {"n": 1, "temperature": float(sampling.temperature), "top_p": float(sampling.top_p),
-            "top_k": int(getattr(sampling, "top_k", 0) or 0), "seed": int(seed),
+            "top_k": int(sampling.top_k), "seed": int(seed),
             "max_tokens": int(max_tokens), "stop_token_ids": sorted(sampling.stop_tokens),
             "ignore_eos": True, "logprobs": 0, "detokenize": False}
 
@@ -98,7 +98,8 @@ def vllm_engine_of(ctx: OpContext, held: Any, config: dict[str, Any], *, max_bat
         raise StageError(f"model {config['model']!r} generates on flowkit's engine on this "
                          "executor: its generate ops must all name one engine")
     if engine is None:
-        modes = vllm_logprobs_mode(config.get("temperature", 1.0), config.get("top_p", 1.0))
+        modes = vllm_logprobs_mode(config.get("temperature", 1.0), config.get("top_p", 1.0),
+                                   config.get("top_k", 0))
         whole = held.parts[0]
         engine = ctx.background[name] = VLLMEngine(
             whole, folder=str(model_config["path"]), version=lambda: held.version,
@@ -157,11 +158,12 @@ class VLLMEngine:
         request; a finished Rollout passes through (the own engine's contract)."""
         if self.dead is not None:
             raise StageError(f"the vLLM engine here failed earlier: {self.dead}")
-        if self.logprobs_mode not in vllm_logprobs_mode(sampling.temperature, sampling.top_p):
+        modes = vllm_logprobs_mode(sampling.temperature, sampling.top_p, sampling.top_k)
+        if self.logprobs_mode not in modes:
             raise StageError(
                 f"this vLLM engine records {self.logprobs_mode}, which are not flowkit's "
-                f"log-probs at temperature={sampling.temperature}, top_p={sampling.top_p}: "
-                "sample the model's generate ops alike")
+                f"log-probs at temperature={sampling.temperature}, top_p={sampling.top_p}, "
+                f"top_k={sampling.top_k}: sample the model's generate ops alike")
         request = Request(deferred=Deferred(), sampling=sampling, left=0, key=key)
         if key is not None and key in self.aborted:
             request.passing = [_unstarted(r) for item in items for r in _as_rollouts(item, n)]
