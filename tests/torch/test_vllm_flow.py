@@ -43,13 +43,18 @@ def test_grpo_steps_generate_on_vllm_with_the_books_of_flowkits_engine(task, tmp
                                                                       staleness, oversample):
     folder, data = task
     actor = Model(name="actor", build="hf", config={"path": folder}, tags=("train",))
+    source = {"path": data, "tokenizer": folder}
+    evaluate = staleness is None  # the synchronous run evaluates too, greedily, on vLLM
     flow = grpo_flow(model=actor, prompts=2, n=2, microbatches=2, max_new_tokens=6,
                      kl_coef=0.001, prompt_source=dataset_prompts, reward=exact_match_reward,
-                     source_config={"path": data, "tokenizer": folder}, oversample=oversample)
+                     source_config=source, oversample=oversample,
+                     **({"eval_source": dataset_prompts, "eval_prompts": 2,
+                         "eval_source_config": {**source, "seed": 1}} if evaluate else {}))
     metrics = tmp_path / "m.jsonl"
     result = flowkit.run(flow, RunConfig(
         steps=4, rollout_engine="vllm", tags=[("train",), ("rollout",)], dashboard=False,
-        max_staleness=staleness, logs=LogSetup(metrics=metrics)))
+        max_staleness=staleness, logs=LogSetup(metrics=metrics),
+        eval_every=2 if evaluate else None))
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert result.steps == 4 and len(lines) == 4
     for step, line in enumerate(lines):
@@ -59,6 +64,8 @@ def test_grpo_steps_generate_on_vllm_with_the_books_of_flowkits_engine(task, tmp
         versions = {int(v) for v in line["staleness/versions"]}
         assert max(versions) <= step  # no token from weights a step has not made yet
     assert lines[-1]["actor/sync_bytes"] > 0  # the weights went to the vLLM executor
+    if evaluate:
+        assert [line.get("eval/prompts") for line in lines] == [None, 2, None, 2]
     if oversample > 1:
         conserved(lines)
         assert sum(line["rollout/resumed"] for line in lines) > 0  # carried, then continued
