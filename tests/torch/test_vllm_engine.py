@@ -219,6 +219,17 @@ def test_a_sampler_vllm_cannot_honour_is_refused_by_the_op(ctx, folder):
                       top_p=0.9)
 
 
+def test_an_engine_that_cannot_start_says_why_in_one_line(tmp_path):
+    from executors.torch.errors import StageError
+    from executors.torch.rollout.vllm_engine import _start, engine_args
+
+    args = engine_args(folder=str(tmp_path / "none"), dtype="float32", device="cpu", seed=0,
+                       max_batch=4, logprobs_mode="raw_logprobs")
+    with pytest.raises(StageError, match="did not start") as error:
+        _start(args)
+    assert "\n" not in str(error.value)
+
+
 def test_a_failing_engine_fails_its_requests_and_refuses_more(ctx, folder, monkeypatch):
     """Last in the module: it leaves the engine dead."""
     from executors.torch.errors import StageError

@@ -428,13 +428,18 @@ def _streamed_params(params: dict[str, Any]) -> Any:
 def _start(args: dict[str, Any]) -> Any:
     """A vllm LLMEngine with its engine core in this process [Note: vLLM engine]."""
     os.environ[_MULTIPROCESSING] = "0"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a model folder: nothing is downloaded
     try:
+        from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
     except ImportError as exc:
         from flowkit.ops.rollout_engines import VLLM_INSTALL
 
         raise StageError(f"--rollout-engine vllm: vllm cannot be imported here ({exc}); "
                          f"{VLLM_INSTALL}") from None
-    from vllm import EngineArgs
-
-    return LLMEngine.from_engine_args(EngineArgs(**args))
+    try:
+        return LLMEngine.from_engine_args(EngineArgs(**args))
+    except Exception as exc:  # vLLM's own reason, on one line
+        reason = next((line for line in str(exc).splitlines() if line.strip()), "")
+        raise StageError(f"the vLLM engine of {args['model']!r} did not start: "
+                         f"{type(exc).__name__}: {reason}") from exc
