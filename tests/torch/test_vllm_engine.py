@@ -16,7 +16,9 @@ from executors.torch.rollout import generate as gen  # noqa: E402
 from executors.torch.rollout import infer, lm  # noqa: E402
 from executors.torch.rollout.engine import run_until_done  # noqa: E402
 from executors.torch.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from flowkit.ops import Environment, EnvStep  # noqa: E402
 from flowkit.ops.records import Prompt, Rollout, WeightsVersion  # noqa: E402
+from flowkit.ops.tokenizers import load_tokenizer  # noqa: E402
 from tests.harness import op_context  # noqa: E402
 from tests.hf_folders import VLLM_SHAPE, save_tiny_qwen2  # noqa: E402
 
@@ -209,6 +211,42 @@ def test_a_finished_rollout_passes_through_and_pause_stops_stepping(ctx, folder)
     gen._generation(ctx, action="abort")
     while engine.busy():
         engine.step()
+
+
+class Feedback(Environment):
+    """Says how long each answer was; done after three (tests/torch/test_multiturn_hf.py's)."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    def step(self, action: str) -> EnvStep:
+        self.turns += 1
+        return EnvStep(observation=f"That was {len(action)} characters. Again?", reward=1.0,
+                       done=self.turns == 3)
+
+
+def test_a_multi_turn_trajectory_is_the_own_engines_token_for_token(ctx, folder):
+    """Token in, token out: each model turn a vLLM request over the whole prefix, the
+    environment's tokens context (mask 0). Greedy, both engines on the same weights (the
+    own engine under another model name) make the same trajectory."""
+    tokenizer = load_tokenizer(str(folder))
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+3?"}],
+                                         tokenize=False, add_generation_prompt=True)
+    prompt = Prompt(prompt_id=0, tokens=tokenizer.encode(text, add_special_tokens=False),
+                    text=text)
+    agent = {"environment": f"{__name__}:Feedback", "max_turns": 4, "max_new_tokens": 5,
+             "temperature": 0.0}
+    [mine] = _run(ctx, folder, [prompt], **agent)
+    own = {**_spec(folder), "model": "reference"}
+    load_weights(ctx, {n: p.detach() for n, p in _model(ctx, folder).named_parameters()},
+                 **own, stages=1)  # the weights the earlier tests left on the vLLM one
+    [theirs] = run_until_done(ctx.background, gen._generate(ctx, [prompt], **own, eos=None,
+                                                            **agent))
+    assert mine.turns == theirs.turns == 3 and mine.env_reward == theirs.env_reward == 3.0
+    assert mine.response_tokens == theirs.response_tokens
+    assert mine.response_mask == theirs.response_mask and 0 in mine.response_mask
+    assert _close(mine.logprobs, theirs.logprobs)
+    assert mine.finished == theirs.finished and mine.response_text == theirs.response_text
 
 
 def test_a_sampler_vllm_cannot_honour_is_refused_by_the_op(ctx, folder):

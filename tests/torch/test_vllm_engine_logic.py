@@ -14,12 +14,14 @@ import torch
 from executors.torch.errors import StageError
 from executors.torch.rollout.engine import Sampling, run_until_done
 from executors.torch.rollout.sampling import sequence_seed
+from executors.torch.rollout.turns import agent_of
 from executors.torch.rollout.vllm_engine import (
     VLLMEngine,
     engine_args,
     sampling_params,
     weights_fingerprint,
 )
+from flowkit.ops import AgentConfig, Environment, EnvStep
 from flowkit.ops.records import Prompt
 
 STOP = 40
@@ -251,3 +253,32 @@ class _Sink:
     def fail(self, error) -> None:
         self.box["error"] = error
 
+
+
+class Twice(Environment):
+    """Answers "ok" to the model's first turn, ends the episode at its second."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    def step(self, action: str) -> EnvStep:
+        self.turns += 1
+        return EnvStep(observation="ok", reward=0.5, done=self.turns == 2)
+
+
+def test_a_trajectory_is_a_vllm_request_a_turn_over_its_whole_prefix(setup):
+    engine, _, _, llm = setup
+    agent = agent_of(AgentConfig(environment=f"{__name__}:Twice", max_turns=3), None)
+    deferred = engine.submit([Prompt(prompt_id=0, tokens=[1, 2])], _sampling(eos=None,
+                                                                             max_new_tokens=3),
+                             1, agent=agent)
+    [rollout] = run_until_done({"vllm": engine}, deferred)
+    first, second = llm.added  # one request a model turn
+    assert first[1] == [1, 2] and second[1][:5] == [1, 2, 3, 4, 5]  # token in: the prefix
+    context = second[1][5:]  # the turn's closing (byte 10: it ended at max_new_tokens), "ok"
+    assert context[0] == 10 and len(context) > 1
+    turn = [(context[-1] + k) % 50 for k in (1, 2, 3)]
+    assert rollout.response_tokens == [3, 4, 5, *context, *turn, 10]
+    assert rollout.response_mask == [1, 1, 1] + [0] * len(context) + [1, 1, 1, 0]
+    assert rollout.turns == 2 and rollout.env_reward == 1.0 and rollout.finished
+    assert len(rollout.logprobs) == len(rollout.versions) == len(rollout.response_tokens)

@@ -254,7 +254,8 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, seed: int = 0, max_ba
             ctx, held, {**spec, **s.as_config(), **agent_settings.as_config()},
             max_batch=int(max_batch), aborted=_aborted(ctx),
             tokenizer=None if folder is None else load_tokenizer(folder))
-        return engine.submit(items, sampling, int(s.n), key=request)
+        return engine.submit(items, sampling, int(s.n), key=request,
+                             agent=agent_of(agent_settings, engine.tokenizer))
     engine = ctx.background.get(f"generate:{config['model']}")
     if engine is None:
         engine = ctx.background[f"generate:{config['model']}"] = Engine(

@@ -19,6 +19,8 @@ from executors.optable import Deferred, OpContext
 from executors.torch.errors import StageError
 from executors.torch.rollout import lm
 from executors.torch.rollout.engine import NO_VERSION, Request, Sampling
+from executors.torch.rollout.trajectories import Trajectories
+from executors.torch.rollout.turns import Agent, EnvCalls, Episode, step_episode
 from flowkit.ops.records import Prompt, Rollout
 from flowkit.ops.rollout_engines import vllm_logprobs_mode, vllm_problems
 
@@ -37,7 +39,8 @@ __all__ = ["VLLMEngine", "engine_args", "sampling_params", "vllm_engine_of", "we
 # if they moved, feeds them to vLLM's workers (`reload_weights`, no file) and resets the prefix
 # cache with running requests preempted, so they refill under the new weights, as the own
 # engine refills its cache rows. Log-probs are flowkit's convention through the logprobs_mode
-# that gives it (flowkit/ops/rollout_engines.py).
+# that gives it (flowkit/ops/rollout_engines.py). A trajectory is a vLLM request a model turn,
+# token ids in and out; between turns trajectories.py runs its environment as for the own engine.
 
 _MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # a GPU's share vLLM takes for weights and KV cache: a colocated trainer needs the rest
@@ -45,6 +48,7 @@ GPU_MEMORY_ENV = "FLOWKIT_VLLM_GPU_MEMORY"
 # on a CPU, the KV cache's MiB (vLLM would otherwise reserve a share of the host's memory and
 # refuse to start when other processes hold it)
 CPU_KV_CACHE_ENV = "FLOWKIT_VLLM_KV_CACHE_MIB"
+_IDLE_WAIT_S = 0.001  # a step with only environments to wait for waits this long
 
 
 def engine_args(*, folder: str, dtype: str, device: str, seed: int, max_batch: int,
@@ -122,11 +126,20 @@ class _Sample:
     carried: int = 0  # response tokens it came with (a continued Rollout's)
     limit: int = 0  # response tokens it may have in all: max_new_tokens, or the context's room
     rid: str | None = None  # its vLLM request id, once added
+    # a trajectory's, as the own engine's Sequence (engine.py): its episode, which response
+    # tokens the model sampled (1) or the environment gave (0); each model turn is a vLLM
+    # request of its own over the whole prefix (its prefix cache keeps the earlier turns)
+    episode: Episode | None = None
+    mask: list[int] = attrs.field(factory=list)
+    call: tuple | None = None  # its environment call, when an abort took it from the engine
+    slot: None = None  # vLLM holds its cache: never a slot of the own engine's
+    on_hold: bool = False
 
 
-class VLLMEngine:
+class VLLMEngine(Trajectories):
     """A Background over one vllm LLMEngine (busy, step), with the own engine's control: submit,
-    pause, abort, abort_requests (generate.py's `generation` op calls them)."""
+    pause, abort, abort_requests (generate.py's `generation` op calls them); multi-turn
+    trajectories as the own engine runs them (trajectories.py), a vLLM request a model turn."""
 
     def __init__(self, model: torch.nn.Module, *, folder: str, version: Callable[[], Any],
                  device: str, dtype: str, seed: int, max_batch: int, logprobs_mode: str,
@@ -148,14 +161,19 @@ class VLLMEngine:
         self.aborted: set[str] = set()
         self.paused = False
         self.dead: BaseException | None = None
+        self.slots: list = []  # none: vLLM holds the cache (Trajectories reads it)
+        self.env_calls = EnvCalls()  # trajectories' environment calls, in threads
+        self.parked: dict[tuple[int, int], Any] = {}  # aborted trajectories' episodes
+        self.max_len = context or 2048  # the longest sequence
         self.stats = {"steps": 0, "decode_tokens": 0, "weight_syncs": 0, "sync_seconds": 0.0}
         self._ids = 0
 
     # -- requests ------------------------------------------------------------------------------
-    def submit(self, items: list, sampling: Sampling, n: int, *,
-               key: str | None = None) -> Deferred:
+    def submit(self, items: list, sampling: Sampling, n: int, *, key: str | None = None,
+               agent: Agent | None = None) -> Deferred:
         """n samples of each Prompt, or the continuation of each interrupted Rollout, as one
-        request; a finished Rollout passes through (the own engine's contract)."""
+        request; a finished Rollout passes through (the own engine's contract). With `agent`,
+        each sample is a trajectory in its own environment."""
         if self.dead is not None:
             raise StageError(f"the vLLM engine here failed earlier: {self.dead}")
         modes = vllm_logprobs_mode(sampling.temperature, sampling.top_p, sampling.top_k)
@@ -164,7 +182,7 @@ class VLLMEngine:
                 f"this vLLM engine records {self.logprobs_mode}, which are not flowkit's "
                 f"log-probs at temperature={sampling.temperature}, top_p={sampling.top_p}, "
                 f"top_k={sampling.top_k}: sample the model's generate ops alike")
-        request = Request(deferred=Deferred(), sampling=sampling, left=0, key=key)
+        request = Request(deferred=Deferred(), sampling=sampling, left=0, key=key, agent=agent)
         if key is not None and key in self.aborted:
             request.passing = [_unstarted(r) for item in items for r in _as_rollouts(item, n)]
             request.left = len(request.passing)
@@ -177,10 +195,17 @@ class VLLMEngine:
                 if request not in self.passing:
                     self.passing.append(request)
                 continue
+            if isinstance(item, Rollout) and agent is not None:
+                self._resume(request, item)  # [Note: parked trajectories] in trajectories.py
+                request.left += 1
+                continue
             for sample in (self._continued(request, item) if isinstance(item, Rollout)
                            else self._fresh(request, item, n)):
                 request.left += 1
-                self.waiting.append(sample)
+                if agent is None:
+                    self.waiting.append(sample)
+                else:
+                    self._open(sample)  # its first turn once its environment is reset
         return request.deferred
 
     def _fresh(self, request: Request, prompt: Any, n: int) -> list[_Sample]:
@@ -189,15 +214,24 @@ class VLLMEngine:
                         limit=self._limit(len(prompt.tokens), st.max_new_tokens))
                 for k in range(n)]
 
+    def _sequence(self, request: Request, prompt: Any, sample: int, seed: int,
+                  **fields: Any) -> _Sample:
+        """A trajectory's sample (Trajectories makes them)."""
+        return _Sample(request, prompt, sample, seed, **fields)
+
+    @staticmethod
+    def _prompt_of(rollout: Rollout) -> Prompt:
+        return Prompt(prompt_id=rollout.prompt_id, tokens=list(rollout.prompt_tokens),
+                      answer=rollout.answer, text=rollout.prompt_text,
+                      messages=rollout.prompt_messages)
+
     def _continued(self, request: Request, rollout: Rollout) -> list[_Sample]:
         st = request.sampling
-        prompt = Prompt(prompt_id=rollout.prompt_id, tokens=list(rollout.prompt_tokens),
-                        answer=rollout.answer, text=rollout.prompt_text,
-                        messages=rollout.prompt_messages)
+        prompt = self._prompt_of(rollout)
         done = len(rollout.response_tokens)
         versions = list(rollout.versions) or [NO_VERSION] * done
         return [_Sample(request, prompt, rollout.sample,
-                        st.seed_of(rollout.prompt_id, rollout.sample) + done,
+                        st.seed_of(rollout.prompt_id, rollout.sample),
                         tokens=list(rollout.response_tokens), logprobs=list(rollout.logprobs),
                         versions=versions, carried=done,
                         limit=self._limit(len(prompt.tokens), st.max_new_tokens))]
@@ -213,7 +247,9 @@ class VLLMEngine:
 
     def abort(self) -> int:
         """Every request's unfinished samples back now, `interrupted`; returns how many."""
-        cut = list(self.live.values()) + list(self.waiting)
+        self._environments_answered()  # answered trajectories cut between steps: their state
+        cut = _once(list(self.live.values()) + list(self.waiting)
+                    + self.env_calls.drop(lambda s: False))
         self._drop(cut)
         for sample in cut:
             self._finish(sample, finished=False, interrupted=True)
@@ -223,7 +259,9 @@ class VLLMEngine:
         """The requests named `keys` end now, their unfinished samples `interrupted`;
         returns (samples, response tokens) cut."""
         self.aborted |= keys
-        cut = [s for s in [*self.live.values(), *self.waiting] if s.request.key in keys]
+        self._environments_answered()
+        cut = _once([s for s in [*self.live.values(), *self.waiting] if s.request.key in keys]
+                    + self.env_calls.drop(lambda s: s.request.key not in keys))
         self._drop(cut)
         for sample in cut:
             self._finish(sample, finished=False, interrupted=True)
@@ -240,7 +278,8 @@ class VLLMEngine:
 
     # -- the Background ------------------------------------------------------------------------
     def busy(self) -> bool:
-        return not self.paused and (bool(self.waiting) or bool(self.live) or bool(self.passing))
+        return not self.paused and (bool(self.waiting) or bool(self.live) or bool(self.passing)
+                                    or bool(self.env_calls))
 
     def step(self) -> None:
         """One vLLM iteration. A failure of vLLM fails every request it holds (they ran in one
@@ -249,7 +288,8 @@ class VLLMEngine:
             self._step()
         except Exception as error:
             self.dead = error
-            failed = {id(s.request): s.request for s in [*self.live.values(), *self.waiting]}
+            failed = {id(s.request): s.request for s in [*self.live.values(), *self.waiting,
+                                                         *self.env_calls.drop(lambda s: False)]}
             self.live, self.waiting = {}, deque()
             for request in failed.values():
                 if not (request.deferred.finished or request.deferred.cancelled):
@@ -259,9 +299,14 @@ class VLLMEngine:
         self._pass_through()
         self._drop([s for s in [*self.live.values(), *self.waiting]
                     if s.request.deferred.cancelled])
+        for sample in self.env_calls.drop(lambda s: not s.request.deferred.cancelled):
+            sample.episode.close()
+        self._environments_answered()
         self.sync_weights()
         self._admit()
         if not self.live:
+            if self.env_calls:  # every trajectory waits for its environment: wait, not spin
+                self.env_calls.wait(_IDLE_WAIT_S)
             return
         version = self._version_now()
         for out in self.llm.step():
@@ -273,29 +318,71 @@ class VLLMEngine:
             sample.tokens += new
             sample.logprobs += _sampled_logprobs(completion.logprobs, new)
             sample.versions += [version] * len(new)
+            if sample.episode is not None:
+                sample.mask += [1] * len(new)  # the model's
             self.stats["decode_tokens"] += len(new)
             if out.finished:
                 del self.live[out.request_id]
                 stopped = completion.finish_reason == "stop"
-                self._finish(sample, finished=stopped, interrupted=False)
+                if sample.episode is None:
+                    self._finish(sample, finished=stopped, interrupted=False)
+                else:
+                    self._turn_ended(sample, stopped)
         self.stats["steps"] += 1
+
+    def _turn_ended(self, sample: _Sample, eos: bool) -> None:
+        """A model turn's vLLM request ended: the trajectory goes on as the own engine's does
+        after the turn's last token (Trajectories._after_agent_token)."""
+        agent, ep = sample.request.agent, sample.episode
+        full = len(sample.prompt.tokens) + len(sample.tokens) >= self.max_len
+        turn = len(sample.tokens) - ep.turn_start
+        if full:  # as the own engine: a turn that fills the context ends its trajectory
+            self._close(sample, finished=False, clipped=True)
+        elif eos or turn >= sample.request.sampling.max_new_tokens:
+            action = agent.turns.text(sample.tokens[ep.turn_start:len(sample.tokens) - int(eos)])
+            if not eos:
+                self._append_context(sample, agent.turns.closing())
+            if agent.asynchronous:
+                self._begin(sample, ep.env.step_async, action)
+            else:
+                self.env_calls.start(sample, step_episode, ep.env, action,
+                                     timeout_s=agent.timeout_s)
+        else:  # its total budget (max_total_tokens) ended the turn
+            self._close(sample, finished=False)
 
     def _admit(self) -> None:
         """Hand vLLM every waiting sample: its scheduler batches them (max_num_seqs at once).
         A sample with no room left in the context ends here, clipped."""
         while self.waiting:
             sample = self.waiting.popleft()
-            room = sample.limit - len(sample.tokens)
+            room = self._room(sample)
+            if room <= 0 and sample.episode is not None:
+                self._close(sample, finished=False, clipped=True)
+                continue
             if room <= 0:
                 self._finish(sample, finished=False, interrupted=False)
                 continue
             self._ids += 1
             sample.rid = f"{self._ids}"
-            params = self.make_params(sampling_params(sample.request.sampling,
-                                                      seed=sample.seed, max_tokens=room))
+            # a continuation (a later turn, a carried sample) draws on from where it stands
+            seed = (sample.seed + len(sample.tokens)) % (1 << 63)
+            params = self.make_params(sampling_params(sample.request.sampling, seed=seed,
+                                                      max_tokens=room))
             prefix = list(sample.prompt.tokens) + sample.tokens
             self.llm.add_request(sample.rid, {"prompt_token_ids": prefix}, params)
             self.live[sample.rid] = sample
+
+    def _room(self, sample: _Sample) -> int:
+        """The tokens its next vLLM request may sample: the rest of its max_new_tokens (a
+        trajectory: of its turn's, and of max_total_tokens), within the context."""
+        if sample.episode is None:
+            return sample.limit - len(sample.tokens)
+        st, agent = sample.request.sampling, sample.request.agent
+        room = [st.max_new_tokens - (len(sample.tokens) - sample.episode.turn_start),
+                self.max_len - len(sample.prompt.tokens) - len(sample.tokens)]
+        if agent.max_total_tokens is not None:
+            room.append(agent.max_total_tokens - len(sample.tokens))
+        return min(room)
 
     def sync_weights(self) -> bool:
         """Give vLLM the held weights if they changed since it last got them (see the Note);
@@ -324,15 +411,27 @@ class VLLMEngine:
         version = self.version()
         return NO_VERSION if version is None else int(version)
 
-    def _finish(self, sample: _Sample, *, finished: bool, interrupted: bool) -> None:
+    def _finish(self, sample: _Sample, *, finished: bool, interrupted: bool,
+                clipped: bool | None = None) -> None:
         st = sample.request.sampling
-        clipped = not finished and not interrupted and len(sample.tokens) < st.max_new_tokens
-        prompt = sample.prompt
+        if clipped is None:
+            clipped = not finished and not interrupted and len(sample.tokens) < st.max_new_tokens
+        prompt, ep, saved = sample.prompt, sample.episode, None
+        if ep is not None and interrupted:
+            saved = self._park(sample)  # a later request may continue it
+        elif ep is not None:
+            ep.close()
+        trajectory = {} if ep is None else {
+            "env_state": saved, "response_mask": sample.mask, "turns": ep.turns,
+            "env_reward": ep.reward, "env_error": ep.error,
+            "env_info": {**ep.info, "env_seconds": ep.seconds},
+            "prompt_messages": getattr(prompt, "messages", None)}
         rollout = Rollout(prompt_id=prompt.prompt_id, sample=sample.sample,
                           prompt_tokens=list(prompt.tokens), response_tokens=sample.tokens,
                           logprobs=sample.logprobs, versions=sample.versions, finished=finished,
                           clipped=clipped, interrupted=interrupted,
-                          answer=getattr(prompt, "answer", None), **self._texts(prompt, sample))
+                          answer=getattr(prompt, "answer", None), **self._texts(prompt, sample),
+                          **trajectory)
         self._deliver(sample.request, rollout)
 
     def _texts(self, prompt: Any, sample: _Sample) -> dict[str, str | None]:
@@ -401,6 +500,10 @@ def _sampled_logprobs(logprobs: Any, tokens: list[int]) -> list[float]:
         raise StageError("vLLM returned no log-probs for a sampled token (logprobs=0 asks for "
                          "the sampled one's)")
     return [float(logprobs[-len(tokens) + i][token].logprob) for i, token in enumerate(tokens)]
+
+
+def _once(samples: list[_Sample]) -> list[_Sample]:
+    return list({id(sample): sample for sample in samples}.values())
 
 
 def _as_rollouts(item: Any, n: int) -> list[Rollout]:
