@@ -69,3 +69,29 @@ def test_grpo_steps_generate_on_vllm_with_the_books_of_flowkits_engine(task, tmp
     if oversample > 1:
         conserved(lines)
         assert sum(line["rollout/resumed"] for line in lines) > 0  # carried, then continued
+
+
+def test_multi_turn_trajectories_with_partial_rollouts_on_vllm(task, tmp_path):
+    """The guessing game (dataflows/envs.py) on the vLLM engine, asynchronous with partial
+    rollouts: trajectories cut at a step's end continue in the next with their parked
+    episodes; every step trains its groups, no environment failing."""
+    from dataflows.envs import guess_prompts
+    from dataflows.rewards import environment_reward
+
+    folder, _ = task
+    game = {"low": 1, "high": 4}
+    actor = Model(name="actor", build="hf", config={"path": folder}, tags=("train",))
+    flow = grpo_flow(model=actor, prompts=2, n=2, microbatches=2, max_new_tokens=3,
+                     prompt_source=guess_prompts, source_config=game,
+                     reward=environment_reward, environment="dataflows.envs:GuessNumber",
+                     env_config=game, max_turns=3, max_staleness=1, oversample=1.5)
+    metrics = tmp_path / "m.jsonl"
+    flowkit.run(flow, RunConfig(steps=3, rollout_engine="vllm", tags=[("train",), ("rollout",)],
+                                dashboard=False, logs=LogSetup(metrics=metrics)))
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert len(lines) == 3
+    for line in lines:
+        assert line["rollout/samples"] == 4
+        assert 1 <= line["agent/turns_mean"] <= 3 and line["agent/env_error_fraction"] == 0
+        assert line["agent/env_tokens_mean"] > 0
+    conserved(lines)
