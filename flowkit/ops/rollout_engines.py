@@ -129,8 +129,4 @@ def _sampling_problems(model: str, sampling: Mapping[str, Any]) -> list[str]:
                         "distribution, not log_softmax(logits / temperature) as the trainer "
                         "computes them: give top_p=1 and top_k=0, or temperature=1, or use "
                         "--rollout-engine flowkit")
-    if sampling.get("program") is not None:
-        problems.append(f"--rollout-engine vllm: generation of {model!r} runs agent programs "
-                        "(program), which the vLLM engine does not serve yet: use "
-                        "--rollout-engine flowkit")
     return problems

@@ -115,12 +115,10 @@ def test_model_settings_vllm_cannot_take(tmp_path, setting, value, expected):
     assert expected in line
 
 
-def test_agent_programs_are_not_served_on_vllm_yet(tmp_path):
-    folder = _hf_folder(tmp_path)
-    [line] = _problems(model_config={"path": folder}, sampling={"program": "pkg.mod:solve"})
-    assert "does not serve yet" in line
-    assert _problems(model_config={"path": folder}, sampling={"environment": "pkg.mod:Env"}) \
-        == []  # multi-turn environments run on it
+@pytest.mark.parametrize("key", ["environment", "program"])
+def test_trajectories_run_on_vllm(tmp_path, key):
+    assert _problems(model_config={"path": _hf_folder(tmp_path)},
+                     sampling={key: "pkg.mod:thing"}) == []
 
 
 # -- the run: set on every generate, refused before anything starts ----------------------------

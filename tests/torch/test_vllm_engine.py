@@ -249,6 +249,38 @@ def test_a_multi_turn_trajectory_is_the_own_engines_token_for_token(ctx, folder)
     assert mine.finished == theirs.finished and mine.response_text == theirs.response_text
 
 
+def feedback_program(task) -> float:
+    """Feedback as an agent program: the conversation through the openai client
+    (tests/torch/test_endpoint.py's)."""
+    client, env, reward = task.client(), Feedback(), 0.0
+    messages = list(task.messages)
+    while True:
+        reply = client.chat.completions.create(model="actor", messages=messages)
+        text = reply.choices[0].message.content or ""
+        step = env.step(text)
+        reward += step.reward
+        if step.done:
+            return reward
+        messages += [{"role": "assistant", "content": text},
+                     {"role": "user", "content": step.observation}]
+
+
+def test_an_agent_program_through_the_endpoint_is_the_environments_trajectory(ctx, folder):
+    pytest.importorskip("openai", reason="the agents extra: pip install 'flowkit[agents]'")
+    tokenizer = load_tokenizer(str(folder))
+    question = [{"role": "user", "content": "What is 2+3?"}]
+    text = tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+    prompt = Prompt(prompt_id=0, tokens=tokenizer.encode(text, add_special_tokens=False),
+                    text=text, messages=question)
+    common = {"max_turns": 4, "max_new_tokens": 5, "temperature": 0.0}
+    [direct] = _run(ctx, folder, [prompt], environment=f"{__name__}:Feedback", **common)
+    [served] = _run(ctx, folder, [prompt], program=f"{__name__}:feedback_program", **common)
+    assert served.turns == 3 and served.env_reward == 3.0 and served.env_error is None
+    assert (served.response_tokens, served.response_mask) == (direct.response_tokens,
+                                                              direct.response_mask)
+    assert _close(served.logprobs, direct.logprobs)
+
+
 def test_a_sampler_vllm_cannot_honour_is_refused_by_the_op(ctx, folder):
     from executors.torch.errors import StageError
 
