@@ -76,6 +76,7 @@ def vllm_problems(*, model: str, build: str, model_config: Mapping[str, Any],
 
 def _model_problems(*, model: str, build: str, model_config: Mapping[str, Any], dtype: str,
                     lora: Any, device: str) -> list[str]:
+    """(A LoRA model is served: its adapters merged into the weights vLLM gets.)"""
     problems = []
     if build != _HF_BUILD:
         return [f"--rollout-engine vllm: model {model!r} is built by {build!r}, and vLLM "
@@ -94,9 +95,6 @@ def _model_problems(*, model: str, build: str, model_config: Mapping[str, Any], 
         problems.append(f"--rollout-engine vllm: model {model!r} is in {dtype}, which vLLM does "
                         f"not compute in ({', '.join(_DTYPES)}): give the Model another dtype, "
                         "or use --rollout-engine flowkit")
-    if lora:
-        problems.append(f"--rollout-engine vllm: model {model!r} trains LoRA adapters, which "
-                        "are not synced to a vLLM engine yet: use --rollout-engine flowkit")
     if model_config.get("value_head"):
         problems.append(f"--rollout-engine vllm: model {model!r} has a value head, not an LM "
                         "head: it cannot generate")

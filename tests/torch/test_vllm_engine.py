@@ -281,6 +281,34 @@ def test_an_agent_program_through_the_endpoint_is_the_environments_trajectory(ct
     assert _close(served.logprobs, direct.logprobs)
 
 
+def test_a_lora_models_adapters_reach_vllm_merged(ctx, folder):
+    """A second engine here, for a model with peft's adapters: what it samples is the
+    adapted model's, after the adapters change as a step changes them."""
+    pytest.importorskip("peft", reason="the hf extra: pip install 'flowkit[hf]'")
+    spec = {**_spec(folder), "model": "adapted",
+            "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}}
+    prompt = _prompt(7)
+    run_until_done(ctx.background, gen._generate(ctx, [prompt], **spec, engine="vllm",
+                                                 eos=None, max_new_tokens=1))
+    model = held_model(ctx, {**spec, "stages": 1}).parts[0]
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
+    result = gen._generate(ctx, [prompt], **spec, engine="vllm", eos=None, max_new_tokens=8,
+                           temperature=0.0)
+    [rollout] = run_until_done(ctx.background, result)
+    assert rollout.response_tokens == _greedy(model, prompt.tokens, 8)
+    [trainer] = infer._logprobs(ctx, [rollout], temperature=1.0, **spec)
+    assert _close(rollout.logprobs, list(map(float, trainer.values)))
+    with torch.no_grad():  # and the adapters mattered: without them the log-probs differ
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.zero_()
+    [base] = infer._logprobs(ctx, [rollout], temperature=1.0, **spec)
+    assert not _close(rollout.logprobs, list(map(float, base.values)))
+
+
 def test_a_sampler_vllm_cannot_honour_is_refused_by_the_op(ctx, folder):
     from executors.torch.errors import StageError
 

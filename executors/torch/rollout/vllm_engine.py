@@ -17,6 +17,7 @@ import torch
 
 from executors.optable import Deferred, OpContext
 from executors.torch.errors import StageError
+from executors.torch.lora import adapted_layers
 from executors.torch.rollout import lm
 from executors.torch.rollout.engine import NO_VERSION, Request, Sampling
 from executors.torch.rollout.trajectories import Trajectories
@@ -458,9 +459,32 @@ class VLLMEngine(Trajectories):
 def named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The held model's parameters by their Hugging Face names (an HFCausalLM keeps them:
     [Note: Hugging Face stages] in models/hf.py), as a checkpoint names them; a tied LM head
-    once, under the embedding's name, which vLLM's loaders take for both."""
+    once, under the embedding's name, which vLLM's loaders take for both. A layer with LoRA
+    adapters (executors/torch/lora.py) gives its weight with the adapters' update merged in,
+    under the layer's own name, as a merged checkpoint would."""
+    adapted = {path: model.get_submodule(path) for path in adapted_layers(model)}
     for name, param in model.named_parameters():
-        yield name, param.detach()
+        path = next((p for p in adapted if name.startswith(p + ".")), None)
+        if path is None:
+            yield name, param.detach()
+        elif name == f"{path}.base_layer.weight":
+            yield f"{path}.weight", _merged(adapted[path])
+        elif name == f"{path}.base_layer.bias":
+            yield f"{path}.bias", param.detach()
+        # the adapters themselves are in the merged weight
+
+
+@torch.no_grad()
+def _merged(layer: torch.nn.Module) -> torch.Tensor:
+    """A LoRA layer's base weight plus its adapters' update (peft's get_delta_weight of its
+    active adapter, or flowkit's LoRALinear's B A × alpha / r), in the weight's dtype."""
+    base = layer.base_layer.weight
+    if hasattr(layer, "get_delta_weight"):  # peft's
+        (adapter,) = layer.active_adapters
+        delta = layer.get_delta_weight(adapter)
+    else:
+        delta = (layer.lora_B.weight @ layer.lora_A.weight) * layer.scaling
+    return (base.to(delta.dtype) + delta).to(base.dtype)
 
 
 def reload_weights(llm: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
