@@ -556,6 +556,7 @@ def _start(args: dict[str, Any]) -> Any:
     """A vllm LLMEngine with its engine core in this process [Note: vLLM engine]."""
     os.environ[_MULTIPROCESSING] = "0"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a model folder: nothing is downloaded
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its start, not each step, in logs
     try:
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
