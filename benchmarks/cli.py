@@ -270,10 +270,25 @@ def fill(steps: int, json_out: Path | None) -> None:
 
 
 @bench.command(cls=_BenchCommand)
+@click.option("--engine", "engines", default=None,
+              help="Rollout engines to measure instead, comma-separated (flowkit,vllm): each "
+              "one's tokens/s on the same prompts and Hugging Face model, and its weight sync "
+              "per step.")
+@click.option("--model", type=click.Path(exists=True, file_okay=False), default=None,
+              help="With --engine: a Hugging Face model folder [default: a tiny Qwen2 built "
+              "here].")
 @_json_option
-def rollout(json_out: Path | None) -> None:
-    """A step's generation against its lower bound."""
-    _report(_bench_function("rollout", "run_rollout_bench")(), json_out)
+def rollout(engines: str | None, model: str | None, json_out: Path | None) -> None:
+    """A step's generation against its lower bound; with --engine, the rollout engines."""
+    if engines is None:
+        _report(_bench_function("rollout", "run_rollout_bench")(), json_out)
+        return
+    names = tuple(name.strip() for name in engines.split(",") if name.strip())
+    try:
+        figures = _bench_function("rollout_engines", "engines_figures")(names, model=model)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--engine") from None
+    _report(figures, json_out)
 
 
 @bench.command(cls=_BenchCommand)

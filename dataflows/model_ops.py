@@ -53,6 +53,7 @@ class Generate(ModelOp):
     # its calls can be aborted and continued: partial rollouts, asynchronous checkpoints
     resumable = Resumable(take="take", version_floor="min_version", request="request",
                           abort_op="generation", stale="stale_segments")
+    engine_key = "engine"  # SamplingConfig.engine: flowkit's engine or vLLM (--rollout-engine)
     inputs = {"prompts": Stream[Prompt], "weights": Stream[WeightsVersion]}
     optional = ("weights",)
     outputs = {"rollouts": Stream[Rollout]}

@@ -3,6 +3,7 @@ arithmetic data, with a chat template and <|im_end|> as EOS, beside a tiny rando
 (tied embeddings, as Qwen2's small models), both written with save_pretrained:
 
     python examples/qwen2_build.py models/qwen2-tiny
+    python examples/qwen2_build.py models/qwen2-tiny --vllm   # head size 32, for vLLM on a CPU
 
 `python examples/qwen2_build.py --data examples/data` writes the two jsonl files again (the
 RL prompts with their answers, and the noisy demonstrations of the supervised warm-up); they
@@ -29,6 +30,8 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN2_TINY = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
               "tie_word_embeddings": True, "rope_theta": 10000.0}
+# the same width in 2 heads of 32 (1 KV head): vLLM's CPU attention runs no head of 16
+QWEN2_TINY_VLLM = {**QWEN2_TINY, "num_attention_heads": 2, "num_key_value_heads": 1}
 
 
 def arithmetic_rows(*, count: int, seed: int, correct_fraction: float = 1.0) -> list[dict]:
@@ -68,7 +71,7 @@ def build_tokenizer(texts: list[str], *, vocab_size: int = 300,
                                    pad_token="<|endoftext|>", chat_template=chat_template)
 
 
-def build(folder: Path, *, data: Path, seed: int = 0) -> None:
+def build(folder: Path, *, data: Path, seed: int = 0, shape: dict | None = None) -> None:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -78,7 +81,8 @@ def build(folder: Path, *, data: Path, seed: int = 0) -> None:
     tokenizer = build_tokenizer(texts)
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **QWEN2_TINY)
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+                         **(shape or QWEN2_TINY))
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -90,6 +94,8 @@ def main(argv: list[str]) -> None:
         write_data(Path(argv[1]) if len(argv) > 1 else here)
     elif len(argv) == 1:
         build(Path(argv[0]), data=here)
+    elif len(argv) == 2 and argv[1] == "--vllm":
+        build(Path(argv[0]), data=here, shape=QWEN2_TINY_VLLM)
     else:
         sys.exit(__doc__)
 

@@ -22,16 +22,23 @@ def save_tokenizer(folder: str | Path, *, chat_template: bool = True, vocab_size
     return tokenizer
 
 
-def save_tiny_qwen2(folder: str | Path, *, chat_template: bool = True, seed: int = 0) -> Path:
-    """A tiny random Qwen2 (2 layers, width 16) and its tokenizer in `folder`; its vocabulary
-    is the tokenizer's, its EOS the tokenizer's."""
+# a tiny Qwen2 whose attention heads vLLM's CPU attention runs (head size 32, not 16 or 4)
+VLLM_SHAPE = {"hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "intermediate_size": 128}
+
+
+def save_tiny_qwen2(folder: str | Path, *, chat_template: bool = True, seed: int = 0,
+                    shape: dict | None = None) -> Path:
+    """A tiny random Qwen2 (2 layers, width 16, or as `shape` says) and its tokenizer in
+    `folder`; its vocabulary is the tokenizer's, its EOS the tokenizer's."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     folder = Path(folder)
     tokenizer = save_tokenizer(folder, chat_template=chat_template)
-    config = Qwen2Config(hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=32, vocab_size=len(tokenizer),
+    sizes = shape or {"hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2,
+                      "intermediate_size": 32}
+    config = Qwen2Config(**sizes, num_hidden_layers=2, vocab_size=len(tokenizer),
                          max_position_embeddings=128, tie_word_embeddings=True,
                          eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id,

@@ -25,7 +25,7 @@ import torch.nn as nn
 from executors.torch import weights
 from executors.torch.errors import StageError
 
-__all__ = ["LoRALinear", "adapter_dtype", "add_adapters", "merge_adapters"]
+__all__ = ["LoRALinear", "adapted_layers", "adapter_dtype", "add_adapters", "merge_adapters"]
 
 
 class LoRALinear(nn.Module):
@@ -75,7 +75,7 @@ def add_adapters(whole: nn.Module, parts: Sequence[nn.Module], lay: weights.Layo
         add_lora(settings)
     else:
         _inject(whole, settings)
-    paths = _adapted(whole)
+    paths = adapted_layers(whole)
     adapters = {id(p) for path in paths for name, p in whole.get_submodule(path).named_parameters()
                 if ".lora_" in f".{name}"}
     for module in (whole, *parts):
@@ -87,7 +87,7 @@ def add_adapters(whole: nn.Module, parts: Sequence[nn.Module], lay: weights.Layo
 def merge_adapters(whole: nn.Module) -> None:
     """Fold every adapter into its base layer and put the base layer back in its place: the
     model's own names and function, with the update added in."""
-    for path in _adapted(whole):
+    for path in adapted_layers(whole):
         layer = whole.get_submodule(path)
         layer.merge()
         parent, _, leaf = path.rpartition(".")
@@ -112,7 +112,7 @@ def _inject(whole: nn.Module, settings: dict) -> None:
             module, r=settings["r"], alpha=settings["alpha"], dropout=settings["dropout"]))
 
 
-def _adapted(whole: nn.Module) -> list[str]:
+def adapted_layers(whole: nn.Module) -> list[str]:
     """Paths of the layers that carry adapters (ours or peft's)."""
     return [name for name, m in whole.named_modules()
             if hasattr(m, "base_layer") and hasattr(m, "lora_A")]

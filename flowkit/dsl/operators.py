@@ -462,6 +462,8 @@ class ModelOp(Operator):
     `item_tokens`: a field (or property) of its first input's items that says each item's
     tokens, reported as it is made, so that config `microbatch_tokens` can form microbatches
     by tokens ([Note: token-budget microbatches] in flowkit/runner/token_microbatches.py).
+    `engine_key`: the config key naming the rollout engine its calls run on (generation's
+    `engine`), which a run's `rollout_engine` (--rollout-engine) sets on every such op.
     `choices`: config keys whose value must be one of a known set (a loss, a
     schedule kind); `ranges`: numeric config keys and their (lowest, highest) allowed values,
     None for no bound (None as a value passes: "not set"). Both are checked when the flow is
@@ -479,6 +481,7 @@ class ModelOp(Operator):
     loss_spec: ClassVar[LossSpec | None] = None
     scores: ClassVar[bool] = False
     item_tokens: ClassVar[str | None] = None
+    engine_key: ClassVar[str | None] = None
     choices: ClassVar[dict[str, Collection[str]]] = {}
     ranges: ClassVar[dict[str, tuple[float | None, float | None]]] = {}
     inputs: ClassVar[dict[str, Any]] = {}

@@ -48,13 +48,15 @@ from flowkit.ops.losses import (
 )
 from flowkit.ops.minibatches import ROUND_KNOBS, cut, epoch_order, minibatch_rounds, rounds_of
 from flowkit.ops.records import STALE_SEGMENTS
+from flowkit.ops.rollout_engines import ROLLOUT_ENGINES, vllm_problems
 
 __all__ = ["AGENT", "AGENT_KEYS", "AGENT_RANGES", "EXECUTOR_OPS", "KL_ALIASES", "KL_KINDS",
            "LOSSES", "LOSS_AGG_MODES", "LOSS_KNOBS",
            "LOSS_SPEC", "POLICY_LOSSES", "ROLLOUT_IS_LEVELS", "ROLLOUT_IS_MODES",
            "LOWERED_OPS", "MODEL_EOS", "OFFLOAD_KEYS", "PIPELINE_OPS", "PROXIMAL_LOSSES",
-           "ROUND_KNOBS",
+           "ROLLOUT_ENGINES", "ROUND_KNOBS",
            "SAMPLING", "SAMPLING_CHOICES", "SAMPLING_KEYS", "SAMPLING_RANGES", "SIMULATED",
            "STALE_SEGMENTS", "SUM_FORM_LOSSES", "AgentConfig", "Conversation", "EnvStep",
            "Environment", "OpSpec", "SamplingConfig", "cut",
-           "epoch_order", "minibatch_rounds", "missing_executor_ops", "rounds_of"]
+           "epoch_order", "minibatch_rounds", "missing_executor_ops", "rounds_of",
+           "vllm_problems"]

@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 
 from flowkit.ops.records import STALE_SEGMENTS
+from flowkit.ops.rollout_engines import ROLLOUT_ENGINES
 
 __all__ = ["AGENT", "AGENT_KEYS", "AGENT_RANGES", "MODEL_EOS", "SAMPLING", "SAMPLING_CHOICES",
            "SAMPLING_KEYS", "SAMPLING_RANGES", "AgentConfig", "SamplingConfig"]
@@ -58,21 +59,26 @@ class _OpSettings:
 @attrs.frozen(kw_only=True)
 class SamplingConfig(_OpSettings):
     """How generation samples: `n` samples per prompt of at most `max_new_tokens` tokens, at
-    `temperature` (0: greedy) from the top-p set (`top_p` of the mass), each ending at `eos`
+    `temperature` (0: greedy) from the top-p set (`top_p` of the mass) within the `top_k` most
+    likely tokens (0: all), each ending at `eos`
     (a token id, a list of them, None for none, or MODEL_EOS). `sample_seed` seeds the draws
     (None: the model's seed); a run's step k draws afresh from it. `take` (partial rollouts):
     a step takes the first `take` groups of an over-provisioned call and carries the rest
     over, recomputing or dropping those too stale as `stale_segments` says ([Note: partial
-    rollouts] in flowkit/runner/partial.py); the runner reads it, executors never get it."""
+    rollouts] in flowkit/runner/partial.py); the runner reads it, executors never get it.
+    `engine` is the rollout engine that samples (flowkit.ops.ROLLOUT_ENGINES: the executor's
+    own, or vLLM's); a run's `rollout_engine` (--rollout-engine) sets it for every generate."""
 
     n: int = _setting(1, low=1)
     max_new_tokens: int = _setting(256, low=1)
     temperature: float = _setting(1.0, low=0)
     top_p: float = _setting(1.0, low=0, high=1)
+    top_k: int = _setting(0, low=0)
     eos: Any = _setting(MODEL_EOS)
     sample_seed: int | None = _setting(None)
     take: int | None = _setting(None, low=1)
     stale_segments: str = _setting("recompute", choices=STALE_SEGMENTS)
+    engine: str = _setting("flowkit", choices=ROLLOUT_ENGINES)
 
 
 SAMPLING = SamplingConfig()

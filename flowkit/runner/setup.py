@@ -194,3 +194,43 @@ def with_training_options(flow: Flow, *, stages: int | None, microbatches: int |
         raise RunConfigError(problem.port or "flow",
                              f"{problem.op!r}: {problem.message}{fix}") from None
     return flow
+
+
+def with_rollout_engine(flow: Flow, engine: str | None) -> list[Node]:
+    """Every op of `flow` (and of its evaluation flow) that declares an `engine_key` (generation)
+    set to sample on `engine`, where given; returns the ops that sample on vLLM."""
+    flows = [flow] + ([flow.evaluation] if flow.evaluation is not None else [])
+    on_vllm = []
+    for each in flows:
+        for node in each.nodes.values():
+            key = getattr(node.operator, "engine_key", None)
+            if key is None:
+                continue
+            if engine is not None:
+                node.config[key] = engine
+            if node.config.get(key) == "vllm":
+                on_vllm.append(node)
+    return on_vllm
+
+
+def check_vllm_nodes(flow: Flow, nodes: list[Node], *, kind: str, device: str,
+                     local: bool) -> None:
+    """What a vLLM engine cannot serve, refused before any executor starts: the first problem
+    of the first op as one line (flowkit.ops.vllm_problems says each). Whether vllm is
+    installed is looked up here only for executors this machine starts (`local`)."""
+    from flowkit.ops import vllm_problems
+    from flowkit.runner.training_tasks import model_spec
+
+    if nodes and kind != "torch":
+        raise RunConfigError("rollout_engine", f"--rollout-engine vllm runs on torch executors, "
+                             f"and this run's are {kind}: give --executors torch, or leave "
+                             "--rollout-engine out")
+    for node in nodes:
+        models = flow.models if node.model in flow.models else flow.evaluation.models
+        spec = model_spec(models[node.model], 1)
+        problems = vllm_problems(model=node.model, build=spec["build"],
+                                 model_config=spec["model_config"], sampling=node.config,
+                                 dtype=spec["dtype"], lora=spec.get("lora"), device=device,
+                                 installed=None if local else True)
+        if problems:
+            raise RunConfigError("rollout_engine", problems[0])

@@ -265,7 +265,7 @@ def test_the_generation_op_pauses_resumes_and_aborts_the_engine_here():
 @pytest.mark.parametrize(("kw", "error"), [
     ({"n": 0}, "n must be at least 1"),
     ({"max_new_tokens": 0}, "max_new_tokens must be at least 1"),
-    ({"top_k": 5}, "generate does not take 'top_k': its settings are n, max_new_tokens"),
+    ({"top_q": 5}, "generate does not take 'top_q': its settings are n, max_new_tokens"),
     ({"prompts": [Prompt(prompt_id=9, tokens=[1] * 40)]}, "prompt 9 .40 tokens. leaves no room"),
 ])
 def test_bad_requests_fail_alone_naming_what_was_wrong(kw, error):

@@ -348,3 +348,44 @@ def test_cuda_draws_what_the_cpu_draws():
     on_gpu = _sample({k: v.cuda() for k, v in rows.items()})
     assert torch.equal(on_gpu[0].cpu(), on_cpu[0])
     torch.testing.assert_close(on_gpu[1].cpu(), on_cpu[1])
+
+
+# -- top-k ------------------------------------------------------------------------------------
+@settings(max_examples=30, deadline=None)
+@given(rng_seed=st.integers(0, 2**32), b=st.integers(1, 8), v=st.integers(2, 40),
+       data=st.data())
+def test_a_top_k_row_draws_among_its_k_likeliest_and_keeps_the_whole_log_prob(rng_seed, b, v,
+                                                                              data):
+    rows = _rows(rng_seed, b, v, greedy=False)
+    k = torch.tensor(data.draw(st.lists(st.integers(1, v + 2), min_size=b, max_size=b)))
+    tokens, logprobs = smp.sample_tokens(rows["logits"], temperature=rows["temperature"],
+                                         top_p=rows["top_p"], seeds=rows["seeds"],
+                                         positions=rows["positions"], top_k=k)
+    for i in range(b):
+        logp = F.log_softmax(rows["logits"][i] / rows["temperature"][i], dim=-1)
+        kth = torch.topk(logp, int(min(k[i], v))).values[-1]
+        assert logp[tokens[i]] >= kth  # one of the k likeliest (ties at the k-th included)
+        assert logprobs[i] == pytest.approx(float(logp[tokens[i]]))  # before truncation
+
+
+def test_top_k_one_is_greedy_and_zero_is_off():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 30, generator=g, dtype=torch.float64)
+    common = dict(temperature=torch.full((6,), 1.3), top_p=torch.ones(6),
+                  seeds=torch.arange(6), positions=torch.zeros(6, dtype=torch.int64))
+    one, _ = smp.sample_tokens(logits, top_k=torch.ones(6, dtype=torch.int64), **common)
+    assert torch.equal(one, logits.argmax(dim=-1))
+    off, _ = smp.sample_tokens(logits, top_k=torch.zeros(6, dtype=torch.int64), **common)
+    assert torch.equal(off, smp.sample_tokens(logits, **common)[0])
+
+
+def test_a_rows_top_k_draw_does_not_depend_on_the_rows_beside_it():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 30, generator=g, dtype=torch.float64)
+    settings = dict(temperature=torch.full((5,), 0.8), top_p=torch.tensor([1, .9, 1, .5, 1.]),
+                    seeds=torch.arange(5) * 7, positions=torch.arange(5),
+                    top_k=torch.tensor([3, 0, 5, 2, 0]))
+    together, _ = smp.sample_tokens(logits, **settings)
+    alone = [smp.sample_tokens(logits[i:i + 1], **{n: s[i:i + 1] for n, s in
+                                                   settings.items()})[0] for i in range(5)]
+    assert together.tolist() == [int(t) for t in alone]

@@ -79,6 +79,7 @@ class Sampling:
     max_new_tokens: int
     temperature: float = SAMPLING.temperature
     top_p: float = SAMPLING.top_p
+    top_k: int = SAMPLING.top_k  # 0: every token
     # the token, or tokens (a tokenizer's EOS and its generation config's), that end a sample:
     # resolved from the setting's eos (executors/torch/rollout/generate.py); None: none
     eos: int | tuple[int, ...] | None = None
@@ -469,6 +470,7 @@ class Engine(Trajectories):
             logits,
             temperature=torch.tensor([st.temperature for st in settings], dtype=torch.float64),
             top_p=torch.tensor([st.top_p for st in settings], dtype=torch.float64),
+            top_k=torch.tensor([st.top_k for st in settings], dtype=torch.int64),
             seeds=torch.tensor([s.seed for s in rows], dtype=torch.int64),
             positions=torch.tensor([len(s.tokens) for s in rows], dtype=torch.int64))
         version = self._version_now()

@@ -22,6 +22,7 @@ from executors.torch.models.built import held_model, right_padded, whole_model
 from executors.torch.rollout import lm
 from executors.torch.rollout.engine import Engine, Sampling, run_until_done
 from executors.torch.rollout.turns import agent_of
+from executors.torch.rollout.vllm_engine import vllm_engine_of
 from flowkit.dsl.hf import has_tokenizer
 from flowkit.ops.configs import AGENT_KEYS, MODEL_EOS, SAMPLING_KEYS, AgentConfig, SamplingConfig
 from flowkit.ops.executor_ops import MODEL_KEYS
@@ -223,7 +224,7 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, seed: int = 0, max_ba
     a tokenizer (an HF model's `path`) stops at that tokenizer's EOS unless `eos` names the
     token (or tokens; None: never), and its rollouts carry their text [Note: rollout text in
     engine.py]; any other model stops at EOS (byte 10). The sampling settings (n,
-    max_new_tokens, temperature, top_p, eos, sample_seed, stale_segments) are the task's
+    max_new_tokens, temperature, top_p, top_k, eos, sample_seed, stale_segments) are the task's
     (flowkit.ops.SamplingConfig); with an `environment` (flowkit.ops.AgentConfig) each sample
     is a multi-turn trajectory [Note: multi-turn rollouts in flowkit/ops/environments.py]."""
     s, config = SamplingConfig.split(config)
@@ -244,6 +245,17 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, seed: int = 0, max_ba
     lm.check_prompts([_as_prompt(item, trajectories) for item in items if _continues(item)],
                      lm.context_length(model))
     folder = tokenizer_folder(config)
+    sample_seed = seed if s.sample_seed is None else s.sample_seed
+    sampling = Sampling(max_new_tokens=int(s.max_new_tokens), temperature=float(s.temperature),
+                        top_p=float(s.top_p), top_k=int(s.top_k), eos=_stop_tokens(s.eos, folder),
+                        seed=int(sample_seed), step=int(step))
+    if s.engine == "vllm":  # [Note: vLLM engine] in executors/torch/rollout/vllm_engine.py
+        engine = vllm_engine_of(
+            ctx, held, {**spec, **s.as_config(), **agent_settings.as_config()},
+            max_batch=int(max_batch), aborted=_aborted(ctx),
+            tokenizer=None if folder is None else load_tokenizer(folder))
+        return engine.submit(items, sampling, int(s.n), key=request,
+                             agent=agent_of(agent_settings, engine.tokenizer))
     engine = ctx.background.get(f"generate:{config['model']}")
     if engine is None:
         engine = ctx.background[f"generate:{config['model']}"] = Engine(
@@ -251,10 +263,9 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, seed: int = 0, max_ba
             token_budget=int(token_budget),
             tokenizer=None if folder is None else load_tokenizer(folder))
         engine.aborted = _aborted(ctx)  # also those aborted before this engine existed
-    sample_seed = seed if s.sample_seed is None else s.sample_seed
-    sampling = Sampling(max_new_tokens=int(s.max_new_tokens), temperature=float(s.temperature),
-                        top_p=float(s.top_p), eos=_stop_tokens(s.eos, folder),
-                        seed=int(sample_seed), step=int(step))
+    if not isinstance(engine, Engine):
+        raise StageError(f"model {config['model']!r} generates on vLLM on this executor: its "
+                         "generate ops must all name one engine")
     return engine.submit(items, sampling, int(s.n), key=request,
                          agent=agent_of(agent_settings, engine.tokenizer))
 

@@ -62,40 +62,59 @@ _CHUNK_ELEMENTS = 1 << 24  # logits a log-softmax takes at once [Note: chunked l
 
 # -- the batch sampler ------------------------------------------------------------------------
 def sample_tokens(logits: torch.Tensor, *, temperature: torch.Tensor, top_p: torch.Tensor,
-                  seeds: torch.Tensor, positions: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  seeds: torch.Tensor, positions: torch.Tensor,
+                  top_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` (B, V) and its log-probability [Note: sampler
     log-probabilities]: tokens (B,) int64, logprobs (B,) float64. Each row has its own
-    temperature (0: greedy), top_p, seed and position [Note: counter-based sampling]; any dtype
-    of logits, computed in float64 on their device, a chunk of rows at a time [Note: chunked
-    log-probabilities]. Settings given on the CPU cost no host synchronization; given on the GPU,
-    one a chunk (which rows need top-p)."""
-    settings, nucleus = _rows(logits, temperature, top_p, seeds, positions)
+    temperature (0: greedy), top_p, top_k (0 or None: every token; the top-p set is taken
+    within the top k, as vLLM takes it), seed and position [Note: counter-based sampling]; any
+    dtype of logits, computed in float64 on their device, a chunk of rows at a time [Note:
+    chunked log-probabilities]. Settings given on the CPU cost no host synchronization; given
+    on the GPU, one a chunk (which rows need top-p)."""
+    top_k = torch.zeros(len(logits), dtype=torch.int64) if top_k is None else top_k
+    settings, nucleus, limited = _rows(logits, temperature, top_p, seeds, positions, top_k)
     rows = max(1, _CHUNK_ELEMENTS // max(1, logits.size(-1)))
     parts = [_sample_chunk(logits[i:i + rows], [s[i:i + rows] for s in settings],
-                           nucleus[i:i + rows]) for i in range(0, max(1, len(logits)), rows)]
+                           nucleus[i:i + rows], limited[i:i + rows])
+             for i in range(0, max(1, len(logits)), rows)]
     if len(parts) == 1:
         return parts[0]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def _sample_chunk(logits: torch.Tensor, settings: list[torch.Tensor],
-                  nucleus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sample_tokens` of some rows: their settings on the logits' device, and which of them
-    sample from a top-p set (bool, where the settings were given)."""
+def _sample_chunk(logits: torch.Tensor, settings: list[torch.Tensor], nucleus: torch.Tensor,
+                  limited: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_tokens` of some rows: their settings on the logits' device, which of them
+    sample from a top-p set (bool, where the settings were given) and which from a top-k set
+    (bool, on the host)."""
     x = logits.to(torch.float64)  # (B, V)
-    temperature, top_p, seeds, positions = settings
+    temperature, top_p, seeds, positions, top_k = settings
     nucleus = to_device(torch.nonzero(nucleus)[:, 0], x.device)
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
     logp = F.log_softmax(x / t[:, None], dim=-1)  # (B, V); greedy rows at temperature 1
     probs = logp.exp()
+    if bool(limited.any()):  # the log-probs stay the whole vocabulary's [Note: sampling]
+        probs = _top_k(probs, top_k, to_device(torch.nonzero(limited)[:, 0], x.device))
     u = uniforms(seeds, positions)  # (B,)
     sampled = _inverse_cdf(probs, u)  # [Note: inverse-CDF order]
     if len(nucleus):  # only top-p rows pay for a sort
         sampled[nucleus] = _top_p_draw(probs[nucleus], top_p[nucleus], u[nucleus])
     tokens = torch.where(greedy, torch.argmax(x, dim=-1), sampled)
     return tokens, logp.gather(1, tokens[:, None])[:, 0]
+
+
+def _top_k(probs: torch.Tensor, top_k: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`probs` with each of `rows` keeping its `top_k` most likely tokens (ties at the k-th
+    kept too: the set is a function of the row's probabilities alone), renormalized, so that
+    a top-p set within it is taken of its mass; the other rows as they are."""
+    chosen = probs[rows]
+    k = top_k[rows].clamp(max=probs.shape[-1])
+    kth = torch.topk(chosen, int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+    chosen = chosen.masked_fill(chosen < kth, 0.0)
+    out = probs.clone()
+    out[rows] = chosen / chosen.sum(dim=-1, keepdim=True)
+    return out
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -135,10 +154,11 @@ def _top_p_draw(probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> to
     return tokens
 
 
-def _rows(x: torch.Tensor, temperature, top_p, seeds, positions
-          ) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _rows(x: torch.Tensor, temperature, top_p, seeds, positions, top_k
+          ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """The per-row settings as (B,) tensors on the logits' device, shape errors all at once, and
-    which rows sample from a top-p set (sampling, top_p < 1): a mask where top_p lies."""
+    which rows sample from a top-p set (sampling, top_p < 1) and from a top-k set (sampling,
+    top_k > 0): masks where top_p and top_k lie."""
     if x.dim() != 2:
         raise ValueError(f"sample_tokens: logits must be (B, V), got shape {tuple(x.shape)}")
     b = x.shape[0]
@@ -146,16 +166,18 @@ def _rows(x: torch.Tensor, temperature, top_p, seeds, positions
     for name, value, dtype in (("temperature", temperature, torch.float64),
                                ("top_p", top_p, torch.float64),
                                ("seeds", seeds, torch.int64),
-                               ("positions", positions, torch.int64)):
+                               ("positions", positions, torch.int64),
+                               ("top_k", top_k, torch.int64)):
         value = torch.as_tensor(value).to(dtype)
         if value.shape != (b,):
             errors.append(f"{name} must be ({b},) like the logits' rows, got {tuple(value.shape)}")
         given.append(value)
     if errors:
         raise ValueError(f"sample_tokens: {len(errors)} errors: " + "; ".join(errors))
-    temperature, top_p = given[:2]
+    temperature, top_p, top_k = given[0], given[1], given[4]
     nucleus = (top_p < 1.0) & (temperature.to(top_p.device) > 0)
-    return [to_device(v, x.device) for v in given], nucleus
+    limited = (top_k > 0) & (temperature.to(top_k.device) > 0)
+    return [to_device(v, x.device) for v in given], nucleus, limited
 
 
 def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

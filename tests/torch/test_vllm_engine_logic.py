@@ -1,0 +1,284 @@
+"""The vLLM engine's own logic (executors/torch/rollout/vllm_engine.py) against a stand-in for
+vllm's LLMEngine, so that it runs where vllm is not installed: the settings given to vLLM one to
+one, a sample per request streamed as it finishes, each token stamped with the weights version
+of the step that sampled it, a weight change handed to vLLM before the next step (running
+requests refilled), aborts, continuations, cancels, the context's room and a failing engine.
+tests/torch/test_vllm_engine.py runs the real one."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+from executors.torch.errors import StageError
+from executors.torch.rollout.engine import Sampling, run_until_done
+from executors.torch.rollout.sampling import sequence_seed
+from executors.torch.rollout.turns import agent_of
+from executors.torch.rollout.vllm_engine import (
+    VLLMEngine,
+    engine_args,
+    sampling_params,
+    weights_fingerprint,
+)
+from flowkit.ops import AgentConfig, Environment, EnvStep
+from flowkit.ops.records import Prompt
+
+STOP = 40
+
+
+@attrs.define
+class _Logprob:
+    logprob: float
+
+
+@attrs.define
+class _Completion:
+    token_ids: list
+    logprobs: list
+    finish_reason: str | None
+
+
+@attrs.define
+class _Output:
+    request_id: str
+    finished: bool
+    outputs: list
+
+
+class FakeLLM:
+    """One token a step per request: the last one + 1 (mod 50), log-prob -(its count)/10; a
+    request stops at its stop tokens or max_tokens, as vLLM's would."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, dict] = {}
+        self.added, self.aborted, self.resets, self.reloads = [], [], [], []
+
+    def add_request(self, rid, prompt, params):
+        self.requests[rid] = {"tokens": list(prompt["prompt_token_ids"]), "params": params,
+                              "made": 0}
+        self.added.append((rid, list(prompt["prompt_token_ids"]), params))
+
+    def step(self):
+        out = []
+        for rid, r in list(self.requests.items()):
+            token = (r["tokens"][-1] + 1) % 50
+            r["tokens"].append(token)
+            r["made"] += 1
+            stop = token in r["params"]["stop_token_ids"]
+            done = stop or r["made"] >= r["params"]["max_tokens"]
+            reason = "stop" if stop else ("length" if done else None)
+            out.append(_Output(rid, done, [_Completion([token], [{token: _Logprob(
+                -r["made"] / 10)}], reason)]))
+            if done:
+                del self.requests[rid]
+        return out
+
+    def abort_request(self, ids):
+        for rid in ids:
+            self.requests.pop(rid, None)
+        self.aborted += ids
+
+    def reset_prefix_cache(self, reset_running_requests=False):
+        self.resets.append(reset_running_requests)
+
+    def collective_rpc(self, fn):
+        fn(_Worker(self))
+
+
+@attrs.define
+class _Worker:
+    llm: FakeLLM
+
+    @property
+    def model_runner(self):
+        return self
+
+    def reload_weights(self, weights_iterator):
+        self.llm.reloads.append({name: t.clone() for name, t in weights_iterator})
+
+    def get_model(self):
+        return torch.nn.Module()  # no tied head to make again
+
+
+class _Held:
+    version = None
+
+
+@pytest.fixture
+def setup():
+    model, held, llm = torch.nn.Linear(2, 2), _Held(), FakeLLM()
+    engine = VLLMEngine(model, folder="unused", version=lambda: held.version, device="cpu",
+                        dtype="float32", seed=0, max_batch=8, logprobs_mode="raw_logprobs",
+                        context=32, llm=llm)
+    return engine, model, held, llm
+
+
+def _sampling(**given) -> Sampling:
+    return Sampling(**{"max_new_tokens": 4, "temperature": 1.0, "eos": STOP, "seed": 5,
+                       "step": 2, **given})
+
+
+def _run(engine, items, n=1, on_item=None, **given):
+    return run_until_done({"vllm": engine}, engine.submit(items, _sampling(**given), n),
+                          on_item)
+
+
+def test_the_settings_reach_vllm_one_to_one():
+    st = Sampling(max_new_tokens=9, temperature=0.7, top_p=0.9, eos=(2, 7), seed=1)
+    assert sampling_params(st, seed=11, max_tokens=6) == {
+        "n": 1, "temperature": 0.7, "top_p": 0.9, "top_k": 0, "seed": 11, "max_tokens": 6,
+        "stop_token_ids": [2, 7], "ignore_eos": True, "logprobs": 0, "detokenize": False}
+    cpu = engine_args(folder="m", dtype="float32", device="cpu", seed=3, max_batch=16,
+                      logprobs_mode="raw_logprobs")
+    assert cpu["enforce_eager"] and cpu["kv_cache_memory_bytes"] > 0
+    assert (cpu["max_num_seqs"], cpu["seed"], cpu["dtype"]) == (16, 3, "float32")
+    gpu = engine_args(folder="m", dtype="bfloat16", device="cuda:0", seed=3, max_batch=16,
+                      logprobs_mode="processed_logprobs")
+    assert not gpu["enforce_eager"] and 0 < gpu["gpu_memory_utilization"] < 1
+
+
+def test_each_sample_is_a_request_with_its_own_seed_and_streams_as_it_finishes(setup):
+    engine, _, _, llm = setup
+    prompts = [Prompt(prompt_id=0, tokens=[37, 38]), Prompt(prompt_id=1, tokens=[10, 11])]
+    streamed = []
+    done = _run(engine, prompts, n=2, on_item=streamed.append)
+    assert streamed == done
+    assert [r.prompt_id for r in done] == [0, 0, 1, 1]  # 39, 40: prompt 0 stops first
+    assert done[0].response_tokens == [39, 40] and done[0].finished
+    assert done[2].response_tokens == [12, 13, 14, 15] and not done[2].finished
+    assert not done[2].clipped  # max_new_tokens, not the context
+    assert [params["seed"] for _, _, params in llm.added] == [
+        sequence_seed(5, p, k, step=2) for p in (0, 1) for k in (0, 1)]
+    assert done[2].logprobs == pytest.approx([-0.1, -0.2, -0.3, -0.4])
+
+
+def test_a_weight_change_reaches_vllm_before_the_next_step_and_stamps_the_tokens(setup):
+    engine, model, held, llm = setup
+    deferred = engine.submit([Prompt(prompt_id=0, tokens=[1])], _sampling(eos=None), 1)
+    box = {}
+    deferred.bind(_Sink(box))
+    engine.step()  # the first step loads the held weights: they may differ from the folder's
+    assert len(llm.reloads) == 1 and llm.resets == [True]
+    engine.step()
+    held.version = 3  # a load_weights, or a colocated optimizer step
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    engine.step()
+    assert len(llm.reloads) == 2 and llm.resets == [True, True]  # running requests refill
+    assert torch.equal(llm.reloads[-1]["weight"], model.weight)
+    engine.step()
+    [rollout] = box["done"]
+    assert rollout.versions == [-1, -1, 3, 3]
+    assert weights_fingerprint(model, 3) == engine.loaded
+
+
+def test_an_in_place_update_alone_is_a_change(setup):
+    engine, model, _, llm = setup
+    engine.sync_weights()
+    assert not engine.sync_weights()
+    with torch.no_grad():
+        model.bias.mul_(2.0)  # an optimizer step on a colocated, unsplit model: no version
+    assert engine.sync_weights() and len(llm.reloads) == 2
+
+
+def test_an_abort_cuts_a_request_and_its_continuation_picks_up_its_tokens(setup):
+    engine, _, _, llm = setup
+    deferred = engine.submit([Prompt(prompt_id=4, tokens=[1, 2])], _sampling(eos=None,
+                                                                             max_new_tokens=6),
+                             1, key="r1")
+    box = {}
+    deferred.bind(_Sink(box))
+    engine.step()
+    engine.step()
+    assert engine.abort_requests({"r1"}) == (1, 2)
+    [cut] = box["done"]
+    assert cut.interrupted and cut.response_tokens == [3, 4] and llm.aborted == ["1"]
+    [whole] = _run(engine, [cut], eos=None, max_new_tokens=6)
+    _, prompt, params = llm.added[-1]
+    assert prompt == [1, 2, 3, 4] and params["max_tokens"] == 4  # the rest of its budget
+    assert whole.response_tokens == [3, 4, 5, 6, 7, 8] and not whole.interrupted
+    assert whole.logprobs[:2] == cut.logprobs and len(whole.versions) == 6
+    late = engine.submit([Prompt(prompt_id=5, tokens=[1])], _sampling(), 2, key="r1")
+    assert run_until_done({"vllm": engine}, late)[0].interrupted  # aborted before it came
+
+
+def test_a_cancelled_request_is_aborted_in_vllm(setup):
+    engine, _, _, llm = setup
+    deferred = engine.submit([Prompt(prompt_id=0, tokens=[1])], _sampling(eos=None), 1)
+    deferred.bind(_Sink({}))
+    engine.step()
+    deferred.cancel()
+    engine.step()
+    assert llm.aborted == ["1"] and not engine.busy()
+
+
+def test_a_sample_stops_at_the_contexts_end_clipped(setup):
+    engine, _, _, llm = setup
+    [rollout] = _run(engine, [Prompt(prompt_id=0, tokens=[1] * 30)], eos=None,
+                     max_new_tokens=8)
+    assert llm.added[-1][2]["max_tokens"] == 2  # the context (32) has room for 2
+    assert rollout.clipped and not rollout.finished and len(rollout.response_tokens) == 2
+
+
+def test_a_failing_engine_fails_its_requests_and_refuses_more(setup):
+    engine, _, _, llm = setup
+
+    def broken():
+        raise RuntimeError("engine core died")
+
+    llm.step = broken
+    with pytest.raises(StageError, match="the vLLM engine failed: engine core died"):
+        _run(engine, [Prompt(prompt_id=0, tokens=[1])])
+    with pytest.raises(StageError, match="failed earlier"):
+        engine.submit([Prompt(prompt_id=0, tokens=[1])], _sampling(), 1)
+
+
+def test_a_sampler_another_log_prob_mode_serves_is_refused(setup):
+    engine = setup[0]  # raw_logprobs: temperature 1 or greedy
+    with pytest.raises(StageError, match="raw_logprobs"):
+        engine.submit([Prompt(prompt_id=0, tokens=[1])], _sampling(temperature=0.7), 1)
+
+
+class _Sink:
+    def __init__(self, box: dict) -> None:
+        self.box = box
+
+    def emit(self, item) -> None:
+        self.box.setdefault("items", []).append(item)
+
+    def done(self, result) -> None:
+        self.box["done"] = result
+
+    def fail(self, error) -> None:
+        self.box["error"] = error
+
+
+
+class Twice(Environment):
+    """Answers "ok" to the model's first turn, ends the episode at its second."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    def step(self, action: str) -> EnvStep:
+        self.turns += 1
+        return EnvStep(observation="ok", reward=0.5, done=self.turns == 2)
+
+
+def test_a_trajectory_is_a_vllm_request_a_turn_over_its_whole_prefix(setup):
+    engine, _, _, llm = setup
+    agent = agent_of(AgentConfig(environment=f"{__name__}:Twice", max_turns=3), None)
+    deferred = engine.submit([Prompt(prompt_id=0, tokens=[1, 2])], _sampling(eos=None,
+                                                                             max_new_tokens=3),
+                             1, agent=agent)
+    [rollout] = run_until_done({"vllm": engine}, deferred)
+    first, second = llm.added  # one request a model turn
+    assert first[1] == [1, 2] and second[1][:5] == [1, 2, 3, 4, 5]  # token in: the prefix
+    context = second[1][5:]  # the turn's closing (byte 10: it ended at max_new_tokens), "ok"
+    assert context[0] == 10 and len(context) > 1
+    turn = [(context[-1] + k) % 50 for k in (1, 2, 3)]
+    assert rollout.response_tokens == [3, 4, 5, *context, *turn, 10]
+    assert rollout.response_mask == [1, 1, 1] + [0] * len(context) + [1, 1, 1, 0]
+    assert rollout.turns == 2 and rollout.env_reward == 1.0 and rollout.finished
+    assert len(rollout.logprobs) == len(rollout.versions) == len(rollout.response_tokens)
