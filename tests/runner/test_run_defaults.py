@@ -19,6 +19,7 @@ FLAGS = {
     "kind": (RunConfig, "executors"), "num_executors": (RunConfig, "num_executors"),
     "placement": (RunConfig, "placement"),
     "device": (RunConfig, "device"), "steps": (RunConfig, "steps"),
+    "executor_threads": (RunConfig, "executor_threads"),
     "stages": (RunConfig, "stages"), "replicas": (RunConfig, "replicas"),
     "shard_optimizer": (RunConfig, "shard_optimizer"), "precision": (RunConfig, "precision"),
     "microbatches": (RunConfig, "microbatches"), "packing": (RunConfig, "packing"),
