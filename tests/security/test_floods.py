@@ -35,7 +35,8 @@ _DRIVER = textwrap.dedent("""
     from flowkit.runtime import Controller, LocalExecutors
     with Controller() as ctl, LocalExecutors(ctl, 2) as infos:
         a, b = sorted(infos, key=lambda e: e.name)
-        print(json.dumps({"address": ctl.address, "peer": b.peer_address}), flush=True)
+        print(json.dumps({"address": ctl.address, "peer": b.peer_address, "peer_pid": b.pid}),
+              flush=True)
         for line in sys.stdin:
             start = time.perf_counter()
             moved = [ctl.submit("identity", ctl.put(i, executor=a.id), executor=b.id)
@@ -47,8 +48,8 @@ _DRIVER = textwrap.dedent("""
 
 
 class Run:
-    def __init__(self, log: Path) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    def __init__(self, log: Path, **env: str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
         self.log = log
         self.process = subprocess.Popen(
             [sys.executable, "-c", _DRIVER], cwd=ROOT, env=env, text=True,
@@ -63,8 +64,9 @@ class Run:
         assert answer["got"] == [*range(20), *range(tasks)]
         return answer["s"]
 
-    def rss_mib(self) -> float:
-        with open(f"/proc/{self.process.pid}/status") as status:
+    def rss_mib(self, pid: int | None = None) -> float:
+        """The controller's RSS, or process `pid`'s."""
+        with open(f"/proc/{pid or self.process.pid}/status") as status:
             line = next(line for line in status if line.startswith("VmRSS:"))
         return int(line.split()[1]) / 1024
 
