@@ -35,8 +35,8 @@ _DRIVER = textwrap.dedent("""
     from flowkit.runtime import Controller, LocalExecutors
     with Controller() as ctl, LocalExecutors(ctl, 2) as infos:
         a, b = sorted(infos, key=lambda e: e.name)
-        print(json.dumps({"address": ctl.address, "peer": b.peer_address, "peer_pid": b.pid}),
-              flush=True)
+        print(json.dumps({"address": ctl.address, "peer": b.peer_address, "peer_pid": b.pid,
+                          "secret": ctl.secret.hex()}), flush=True)
         for line in sys.stdin:
             start = time.perf_counter()
             moved = [ctl.submit("identity", ctl.put(i, executor=a.id), executor=b.id)
@@ -64,10 +64,10 @@ class Run:
         assert answer["got"] == [*range(20), *range(tasks)]
         return answer["s"]
 
-    def rss_mib(self, pid: int | None = None) -> float:
-        """The controller's RSS, or process `pid`'s."""
+    def rss_mib(self, pid: int | None = None, field: str = "VmRSS") -> float:
+        """The controller's RSS (or `field`: VmHWM, its peak), or process `pid`'s."""
         with open(f"/proc/{pid or self.process.pid}/status") as status:
-            line = next(line for line in status if line.startswith("VmRSS:"))
+            line = next(line for line in status if line.startswith(f"{field}:"))
         return int(line.split()[1]) / 1024
 
     def log_bytes(self) -> int:
