@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import msgpack
 import pytest
 
+from benchmarks.flood import Run
 from flowkit.wire.protocol import PROTOCOL_VERSION, Msg, decode, encode
 from tests.harness import dealer
-from tests.security.test_floods import Run
 
 _BODY = {"task": 1, "index": 0, "outputs": [{"id": 1, "nbytes": 0}]}
 _OUTPUTS = [{"id": 1, "nbytes": 0}] * 125_000

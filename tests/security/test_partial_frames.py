@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from benchmarks.flood import Run
 from flowkit.wire.limits import CONTROL_FRAME_BYTES, DATA_FRAME_BYTES
-from tests.security.test_floods import Run
 
 MiB = 1 << 20
 TIMEOUT_S = 3.0
