@@ -1,8 +1,8 @@
 """An insider (a client that joined with the run's secret) sends a STREAMS message of 10^6
 bodies, and one of 10^6 outputs nested under the per-array limit, and a DONE of each kind:
 the controller, a process of its own, refuses each one (an ERROR back), before it has built
-the whole, its memory stays bounded, and the run goes on to its results [Note: header limits,
-Note: header totals in flowkit/wire/protocol.py]."""
+the whole, its memory stays bounded, and the run goes on to its results ([Note: header limits]
+and [Note: header totals] in flowkit/wire/protocol.py)."""
 
 from __future__ import annotations
 
