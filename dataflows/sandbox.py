@@ -268,7 +268,8 @@ _NOBODY_USER = ("setpriv", f"--reuid={_NOBODY}", f"--regid={_NOBODY}", "--clear-
 # namespace alone: what it writes there goes with the namespace, and it sees no other process.
 # Where a memory cgroup can be made (v1 `memory`, or v2 with `memory` delegated), the call runs
 # in one of its own whose limit is memory_mib for all of its processes together, tmpfs pages
-# included; elsewhere RLIMIT_AS bounds each process, and the processes limit their number.
+# included (removed after it; a killed executor's are removed by the next process's first
+# call); elsewhere RLIMIT_AS bounds each process, and the processes limit their number.
 _MOUNT_NS = ("--mount", "--propagation", "private", "--mount-proc")
 _SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
 # as root, inside the namespaces, before setpriv: $1 the scratch folder, $2 tmpfs MiB, $3 the
@@ -319,7 +320,7 @@ def _memory_cgroups() -> tuple[str, str] | str:
         return f"no /proc/self/cgroup: {exc}"
     for _, controllers, path in entries:
         if "memory" in controllers.split(","):
-            return f"/sys/fs/cgroup/memory{path.rstrip('/')}", "memory.limit_in_bytes"
+            return _swept(f"/sys/fs/cgroup/memory{path.rstrip('/')}"), "memory.limit_in_bytes"
     for number, controllers, path in entries:
         if number == "0" and not controllers:
             for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
@@ -327,10 +328,32 @@ def _memory_cgroups() -> tuple[str, str] | str:
                 try:
                     with open(os.path.join(folder, "cgroup.subtree_control")) as enabled:
                         if "memory" in enabled.read().split():
-                            return folder, "memory.max"
+                            return _swept(folder), "memory.max"
                 except OSError:
                     continue
     return "no memory cgroup to make calls' own in (v1 memory, or v2 with memory delegated)"
+
+
+def _swept(parent: str) -> str:
+    """`parent`, rid of the empty cgroups of calls whose process is gone (an executor killed
+    mid-call could not remove its call's)."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return parent
+    for name in names:
+        parts = name.split("-")
+        if name.startswith("flowkit-sandbox-") and len(parts) == 4 and parts[2].isdigit():
+            try:
+                os.kill(int(parts[2]), 0)
+            except ProcessLookupError:
+                try:
+                    os.rmdir(os.path.join(parent, name))
+                except OSError:
+                    pass
+            except (PermissionError, OverflowError):
+                pass
+    return parent
 
 
 def _new_cgroup(limits: Limits) -> tuple[str, str] | None:
