@@ -1,5 +1,5 @@
 """`flowkit bench codec|dispatch|transfer|pipeline|train|rl|placement|fused|fill|rollout|scale|
-checkpoint|launch|loggers|trl|chaos`:
+checkpoint|launch|loggers|trl|chaos|flood`:
 benchmarks, each against a baseline measured side by side in the same run (this machine is
 noisy: compare ratios, not times).
 
@@ -479,6 +479,23 @@ def chaos(seeds: int, json_out: Path | None) -> None:
     """kill -9 executors at random moments: runs recovered to the clean weights under
     --max-restarts, runs failing fast and naming the executor without."""
     _report(_bench_function("chaos", "run_chaos_bench")(seeds=seeds), json_out)
+
+
+@bench.command(cls=_BenchCommand)
+@click.option("--seconds", type=click.FloatRange(min=1), default=60, show_default=True,
+              help="How long the flood lasts.")
+@click.option("--target", type=click.Choice(["controller", "data"]), default="controller",
+              show_default=True, help="The controller's socket, or an executor's data socket.")
+@click.option("--frames", "kind", type=click.Choice(["1-byte", "done"]), default="1-byte",
+              show_default=True, help="What the stranger sends: 1-byte frames or DONEs.")
+@click.option("--rate", type=click.FloatRange(min=0), default=0, show_default=True,
+              help="Messages a second (0: as fast as it can).")
+@_json_option
+def flood(seconds: float, target: str, kind: str, rate: float, json_out: Path | None) -> None:
+    """A stranger's non-reading flood against a run: the controller's RSS and log growth, the
+    answers it got, the run's rounds before and under it."""
+    _report(_bench_function("flood", "run_flood_bench")(seconds=seconds, target=target,
+                                                         kind=kind, rate=rate), json_out)
 
 
 def _bench_function(module: str, function: str) -> Callable[..., dict]:

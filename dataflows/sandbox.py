@@ -10,13 +10,16 @@ the call's, so killing it kills whatever the code forked or detached), and as ro
 at `output_bytes`; `retries` only for a sandbox that failed to start. A call never raises for
 what the code does: its `Outcome` says "ok", "failed", "crashed", "timeout" or "unavailable",
 with the output, the seconds and `isolated` (False where namespaces are forbidden: the limits
-still hold, the network does not; `sandbox_status()` says why). Each attack and what stops it:
-docs/security.md, "Sandboxed code".
+still hold, the network does not; `sandbox_status()` says why). Where the machine allows, a
+call also has its own /tmp and /proc and a memory limit for all its processes together
+([Note: sandbox per call]; `sandbox_features()` says what holds). Each attack and what stops
+it: docs/security.md, "Sandboxed code".
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import resource
 import shutil
@@ -33,9 +36,10 @@ import attrs
 
 from flowkit.runtime.spawn import spawn
 
-__all__ = ["Limits", "Outcome", "run_python", "sandbox_status"]
+__all__ = ["Limits", "Outcome", "run_python", "sandbox_features", "sandbox_status"]
 
 _NOBODY = 65534
+_CALLS = itertools.count()
 
 
 @attrs.frozen(kw_only=True)
@@ -90,6 +94,7 @@ def run_python(code: str, *, stdin: str = "", limits: Limits | None = None,
 
 def _run_once(code: str, stdin: str, limits: Limits, files: dict[str, str]) -> Outcome:
     isolated = sandbox_status() is None
+    cgroup = None
     scratch = tempfile.mkdtemp(prefix="flowkit-sandbox-")
     started = time.monotonic()
     try:
@@ -103,8 +108,12 @@ def _run_once(code: str, stdin: str, limits: Limits, files: dict[str, str]) -> O
             for path in [scratch, *(os.path.join(scratch, n) for n in os.listdir(scratch))]:
                 os.chown(path, _NOBODY, _NOBODY)
         prlimit = shutil.which("prlimit")
+        mounts = isolated and _private_mounts() is None
+        cgroup = _new_cgroup(limits)
+        wrapper = _wrapper(scratch, limits, cgroup, mounts) if mounts or cgroup else ()
         command = [*(_prlimit(prlimit, limits, as_nobody) if prlimit else ()),
-                   *(_UNSHARE if isolated else ()), *(_NOBODY_USER if as_nobody else ()),
+                   *((*_UNSHARE, *_MOUNT_NS) if mounts else _UNSHARE if isolated else ()),
+                   *wrapper, *(_NOBODY_USER if as_nobody else ()),
                    sys.executable, "-I", *(("-c", _INIT) if isolated else ()), "main.py"]
         settings = dict(cwd=scratch, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", "HOME": scratch,
@@ -129,6 +138,8 @@ def _run_once(code: str, stdin: str, limits: Limits, files: dict[str, str]) -> O
         return Outcome(status, code_, stdout, stderr, seconds, isolated)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        if cgroup is not None:
+            _remove_cgroup(cgroup)
 
 
 def _communicate(process: subprocess.Popen, stdin: str,
@@ -249,6 +260,150 @@ os._exit(status if status >= 0 else 128 - status)
 """
 # inside the namespaces (unshare needs root's rights, the code must not keep them)
 _NOBODY_USER = ("setpriv", f"--reuid={_NOBODY}", f"--regid={_NOBODY}", "--clear-groups", "--")
+
+
+# [Note: sandbox per call] Where the machine allows a mount namespace (root, as unshare's
+# namespaces need here), a call gets its own empty tmpfs on /tmp, /var/tmp and /dev/shm (each at
+# most the call's memory_mib), its scratch folder bound back at its path, and a /proc of its PID
+# namespace alone: what it writes there goes with the namespace, and it sees no other process.
+# Where a memory cgroup can be made (v1 `memory`, or v2 with `memory` delegated), the call runs
+# in one of its own whose limit is memory_mib for all of its processes together, tmpfs pages
+# included (removed after it; a killed executor's are removed by the next process's first
+# call); elsewhere RLIMIT_AS bounds each process, and the processes limit their number.
+_MOUNT_NS = ("--mount", "--propagation", "private", "--mount-proc")
+_SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
+# as root, inside the namespaces, before setpriv: $1 the scratch folder, $2 tmpfs MiB, $3 the
+# cgroup's procs file or "", $4 1 to mount; then the command
+_WRAP = """set -e
+[ -z "$3" ] || echo $$ > "$3"
+if [ "$4" = 1 ]; then
+  for d in /tmp /var/tmp /dev/shm; do
+    [ ! -d "$d" ] || mount -t tmpfs -o "size=$2m,mode=1777,nosuid,nodev" tmpfs "$d"
+  done
+  mkdir -p "$1" && mount --no-canonicalize --bind . "$1" && cd "$1"
+fi
+shift 4
+exec "$@"
+"""
+
+
+def _wrapper(scratch: str, limits: Limits, cgroup: tuple[str, str] | None,
+             mounts: bool) -> tuple[str, ...]:
+    procs = os.path.join(cgroup[0], "cgroup.procs") if cgroup else ""
+    return ("sh", "-c", _WRAP, "sh", scratch, str(int(limits.memory_mib)), procs,
+            "1" if mounts else "0")
+
+
+@functools.cache
+def _private_mounts() -> str | None:
+    """None when a call can have its own /tmp, /var/tmp, /dev/shm and /proc, else why not."""
+    if sandbox_status() is not None:
+        return sandbox_status()
+    try:
+        done = subprocess.run([*_UNSHARE, *_MOUNT_NS, "sh", "-c",
+                               "mount -t tmpfs -o size=1m tmpfs /tmp"],
+                              capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unshare --mount failed: {exc}"
+    if done.returncode != 0:
+        return f"no mount namespace here: {done.stderr.decode(errors='replace').strip()}"
+    return None
+
+
+@functools.cache
+def _memory_cgroups() -> tuple[str, str] | str:
+    """(the folder under which a call's cgroup is made, its limit file's name), or why none."""
+    try:
+        with open("/proc/self/cgroup") as lines:
+            entries = [line.rstrip("\n").split(":", 2) for line in lines]
+    except OSError as exc:
+        return f"no /proc/self/cgroup: {exc}"
+    for _, controllers, path in entries:
+        if "memory" in controllers.split(","):
+            return _swept(f"/sys/fs/cgroup/memory{path.rstrip('/')}"), "memory.limit_in_bytes"
+    for number, controllers, path in entries:
+        if number == "0" and not controllers:
+            for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+                folder = f"{root}{path.rstrip('/')}"
+                try:
+                    with open(os.path.join(folder, "cgroup.subtree_control")) as enabled:
+                        if "memory" in enabled.read().split():
+                            return _swept(folder), "memory.max"
+                except OSError:
+                    continue
+    return "no memory cgroup to make calls' own in (v1 memory, or v2 with memory delegated)"
+
+
+def _swept(parent: str) -> str:
+    """`parent`, rid of the empty cgroups of calls whose process is gone (an executor killed
+    mid-call could not remove its call's)."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return parent
+    for name in names:
+        parts = name.split("-")
+        if name.startswith("flowkit-sandbox-") and len(parts) == 4 and parts[2].isdigit():
+            try:
+                os.kill(int(parts[2]), 0)
+            except ProcessLookupError:
+                try:
+                    os.rmdir(os.path.join(parent, name))
+                except OSError:
+                    pass
+            except (PermissionError, OverflowError):
+                pass
+    return parent
+
+
+def _new_cgroup(limits: Limits) -> tuple[str, str] | None:
+    """A memory cgroup of its own for one call, limited to memory_mib, or None where the
+    machine allows none [Note: sandbox per call]."""
+    found = _memory_cgroups()
+    if isinstance(found, str):
+        return None
+    parent, limit_file = found
+    folder = os.path.join(parent, f"flowkit-sandbox-{os.getpid()}-{next(_CALLS)}")
+    try:
+        os.mkdir(folder)
+    except OSError:
+        return None
+    limit = str(int(limits.memory_mib) << 20)
+    try:
+        with open(os.path.join(folder, limit_file), "w") as f:
+            f.write(limit)
+    except OSError:
+        _remove_cgroup((folder, limit_file))
+        return None
+    for extra in ("memory.memsw.limit_in_bytes", "memory.swap.max"):  # no swapping past it
+        try:
+            with open(os.path.join(folder, extra), "w") as f:
+                f.write(limit if extra.endswith("bytes") else "0")
+        except OSError:
+            pass
+    return folder, limit_file
+
+
+def _remove_cgroup(cgroup: tuple[str, str]) -> None:
+    """rmdir the call's cgroup once its processes are gone (killed with the namespace: a
+    moment)."""
+    for _ in range(100):
+        try:
+            os.rmdir(cgroup[0])
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.01)
+
+
+def sandbox_features() -> dict[str, str | None]:
+    """What holds on this machine, each None when it does, else why not: "namespaces"
+    (network and PID), "private_tmp_and_proc" (its own /tmp, /var/tmp, /dev/shm and /proc),
+    "memory_per_call" (a cgroup)."""
+    cgroups = _memory_cgroups()
+    return {"namespaces": sandbox_status(), "private_tmp_and_proc": _private_mounts(),
+            "memory_per_call": cgroups if isinstance(cgroups, str) else None}
 
 
 @functools.cache

@@ -30,6 +30,7 @@ import traceback
 from typing import Any
 
 from flowkit.wire.forkserver import ForkServerError, check_start, fingerprint, receive, send
+from flowkit.wire.shm import sweep
 
 __all__ = ["ForkServer", "main"]
 
@@ -147,6 +148,7 @@ class ForkServer:
                 return
             if pid == 0:
                 return
+            sweep([pid])  # a child killed (SIGKILL, the OOM killer) could not unlink its own
             conn = self.owner.pop(pid, None)
             if conn is not None:
                 self._reply(conn, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
@@ -248,9 +250,20 @@ def die_with(pid: int) -> None:
 
     def watch() -> None:
         select.select([watched], [], [])
+        _unlink_own_segments()
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="flowkit-launcher-watch", daemon=True).start()
+
+
+def _unlink_own_segments() -> None:
+    """[Note: segments of a killed run] This process's shared-memory segments, unlinked as it
+    dies with its launcher: the SIGKILL that follows leaves nothing to clean up after it. A
+    segment another thread makes meanwhile is left, for the next run's sweep_stale."""
+    try:
+        sweep([os.getpid()])
+    except Exception:  # noqa: BLE001 - dying anyway: the next run's sweep_stale is the backstop
+        pass
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -115,6 +115,8 @@ class Executor:
         self.peer.setsockopt(zmq.LINGER, 0)
         bound_inbound(self.peer, max_frame=DATA_FRAME_BYTES, rcvhwm=DATA_RCVHWM)
         self.peer.setsockopt(zmq.SNDHWM, DATA_SNDHWM)
+        # a peer silent mid-frame is dropped, its partial frame freed [Note: bounds]
+        zmtp_heartbeats(self.peer)
         self.refusals = Refusals(log)  # [Note: refusals] in flowkit/wire/refusals.py
         if keys is not None:
             curve_server(self.peer, keys, EXECUTOR)

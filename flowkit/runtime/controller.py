@@ -39,7 +39,7 @@ from flowkit.wire.limits import (
     CONTROL_SNDHWM,
     bound_inbound,
 )
-from flowkit.wire.liveness import ZMTP_TIMEOUT_S, ConnectionWatch, zmtp_heartbeats
+from flowkit.wire.liveness import ConnectionWatch, zmtp_heartbeats, zmtp_timeout_s
 from flowkit.wire.protocol import Msg, ProtocolError, decode, encode, send_frames
 from flowkit.wire.refs import Gather
 from flowkit.wire.refusals import Refusals
@@ -681,7 +681,7 @@ class _Heartbeat(threading.Thread):
                 reason = f"its process exited with code {code}"
             elif closed is not None and now - closed > _EXIT_GRACE_S:
                 reason = ("its heartbeat connection closed (its process or host is gone, or "
-                          f"it was silent to libzmq for {ZMTP_TIMEOUT_S:g} s)")
+                          f"it was silent to libzmq for {zmtp_timeout_s():g} s)")
             elif now - seen > self.timeout:
                 reason = f"no heartbeat for {now - seen:.1f} s"
             else:

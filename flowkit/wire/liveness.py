@@ -15,10 +15,13 @@ flowkit/runtime/launch.py).
 
 from __future__ import annotations
 
+import os
+
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-__all__ = ["ZMTP_IVL_S", "ZMTP_TIMEOUT_S", "ConnectionWatch", "zmtp_heartbeats"]
+__all__ = ["ZMTP_IVL_S", "ZMTP_TIMEOUT_S", "ConnectionWatch", "zmtp_heartbeats",
+           "zmtp_timeout_s"]
 
 # A PING after this much silence on a connection; no traffic at all for ZMTP_TIMEOUT_S closes
 # it. A process whose IO thread is not scheduled for 20 s is as good as gone; a busy one
@@ -27,10 +30,17 @@ ZMTP_IVL_S = 2.0
 ZMTP_TIMEOUT_S = 20.0
 
 
+def zmtp_timeout_s() -> float:
+    """ZMTP_TIMEOUT_S, or FLOWKIT_ZMTP_TIMEOUT_S of this process's environment (executors
+    inherit it; read at each call, as a fork server's children get their environment late)."""
+    return float(os.environ.get("FLOWKIT_ZMTP_TIMEOUT_S", ZMTP_TIMEOUT_S))
+
+
 def zmtp_heartbeats(sock: zmq.Socket, *, interval: float = ZMTP_IVL_S,
-                    timeout: float = ZMTP_TIMEOUT_S) -> None:
+                    timeout: float | None = None) -> None:
     """Have libzmq keep `sock`'s connections alive and close those whose peer went silent.
     Set before bind/connect: options apply to the connections made afterwards."""
+    timeout = zmtp_timeout_s() if timeout is None else timeout
     sock.setsockopt(zmq.HEARTBEAT_IVL, int(interval * 1000))
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(timeout * 1000))
     # the peer's timeout for us, should it send no PINGs of its own

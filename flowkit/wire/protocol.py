@@ -107,6 +107,32 @@ def encode(kind: str, fields: dict[str, Any] | None = None, frames: Sequence = (
 # lengths, before it allocates them: an insider's DONE of 10^6 items costs the controller a
 # ProtocolError, not 600 MB (tests/wire/test_protocol_limits.py).
 _HEADER_LIMITS = {"max_array_len": 1 << 17, "max_map_len": 1 << 17}
+# [Note: header totals] Those limits bound one array, not a message: a STREAMS of 8 bodies of
+# 131,072 outputs each, or a DONE of 8 completions of as many, is 10^6 objects all the same. A
+# header over COUNTED_ABOVE bytes (a usual one is well under) is decoded with hooks that count
+# every array and map and their items as msgpack finishes each, and refused past
+# MAX_HEADER_OBJECTS, well before the whole is built (the most a legit DONE of MAX_ITEMS
+# completions holds is about 10^6); smaller headers cannot inflate far and skip the count.
+COUNTED_ABOVE = 64 << 10
+MAX_HEADER_OBJECTS = 1 << 21
+
+
+class _TooMany(Exception):
+    pass
+
+
+def _unpack_counted(raw: bytes) -> Any:
+    left = MAX_HEADER_OBJECTS
+
+    def count(container: Any) -> Any:
+        nonlocal left
+        left -= 1 + len(container)
+        if left < 0:
+            raise _TooMany
+        return container
+
+    return msgpack.unpackb(raw, raw=False, strict_map_key=False, list_hook=count,
+                           object_hook=count, **_HEADER_LIMITS)
 
 
 def decode(parts: Sequence) -> tuple[dict[str, Any], list]:
@@ -118,7 +144,13 @@ def decode(parts: Sequence) -> tuple[dict[str, Any], list]:
     first = parts[0]
     raw = first if type(first) is bytes else getattr(first, "bytes", first)  # a zmq.Frame
     try:
-        header = msgpack.unpackb(raw, raw=False, strict_map_key=False, **_HEADER_LIMITS)
+        if len(raw) <= COUNTED_ABOVE:
+            header = msgpack.unpackb(raw, raw=False, strict_map_key=False, **_HEADER_LIMITS)
+        else:  # [Note: header totals]
+            header = _unpack_counted(raw)
+    except _TooMany:
+        raise ProtocolError(f"header holds more than {MAX_HEADER_OBJECTS} objects "
+                            f"({len(raw)} bytes)") from None
     except Exception as exc:  # msgpack raises several types for garbage, and past a limit
         raise ProtocolError(f"header is not msgpack: {exc.__class__.__name__}: {exc}") from None
     if not isinstance(header, dict):

@@ -504,7 +504,8 @@ def sweep_stale() -> list[str]:
 
 
 def _running(pid: int) -> bool:
-    """Whether a process of this pid exists (a reused pid counts: its segments are kept)."""
+    """Whether a process of this pid exists and is not a zombie (a reused pid counts: its
+    segments are kept)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -513,7 +514,11 @@ def _running(pid: int) -> bool:
         return True
     except OverflowError:
         return False
-    return True
+    try:  # a zombie (killed, not yet reaped by whoever adopted it) uses no segment again
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 def sweep(pids: Iterable[int]) -> list[str]:

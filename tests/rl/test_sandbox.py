@@ -12,7 +12,7 @@ import time
 import pytest
 
 from dataflows.rewards import code_reward, response_code
-from dataflows.sandbox import Limits, run_python, sandbox_status
+from dataflows.sandbox import Limits, _memory_cgroups, run_python, sandbox_features, sandbox_status
 from flowkit.ops.records import Rollout
 
 ISOLATION = sandbox_status()
@@ -161,3 +161,48 @@ def test_a_flood_of_output_is_read_to_the_cap_and_the_rest_dropped():
 def test_input_the_code_never_reads_does_not_block_the_call():
     outcome = run_python("print('done')", stdin="x" * (1 << 22))
     assert outcome.ok and outcome.stdout == "done\n"
+
+
+FEATURES = sandbox_features()
+private = pytest.mark.skipif(FEATURES["private_tmp_and_proc"] is not None,
+                             reason=f"no mount namespace here: {FEATURES['private_tmp_and_proc']}")
+
+
+@private
+def test_a_call_writes_its_own_tmp_and_sees_no_other_process():
+    """[Note: sandbox per call]: /tmp, /var/tmp and /dev/shm are the call's own tmpfs, gone
+    with it; its /proc holds its PID namespace alone; TMPDIR is its scratch folder."""
+    name = f"flowkit-sandbox-left-{os.getpid()}"
+    code = ("import os, tempfile\n"
+            f"for folder in ('/tmp', '/var/tmp', '/dev/shm'):\n"
+            f"    open(os.path.join(folder, {name!r}), 'wb').write(bytes(8 << 20))\n"
+            "pids = [p for p in os.listdir('/proc') if p.isdigit()]\n"
+            "print(len(pids), tempfile.gettempdir() == os.getcwd())\n")
+    outcome = run_python(code, limits=Limits(memory_mib=256))
+    assert outcome.ok, outcome.stderr
+    seen, tmpdir_is_scratch = outcome.stdout.split()
+    assert int(seen) <= 3 and tmpdir_is_scratch == "True"  # unshare's child, the code's
+    for folder in ("/tmp", "/var/tmp", "/dev/shm"):
+        assert not os.path.exists(os.path.join(folder, name))
+
+
+@pytest.mark.skipif(FEATURES["memory_per_call"] is not None,
+                    reason=f"no memory cgroup here: {FEATURES['memory_per_call']}")
+def test_memory_is_limited_per_call_not_per_process():
+    """Eight processes of 200 MiB each, each under RLIMIT_AS's 512 MiB: the call's cgroup of
+    512 MiB holds two or so of them at once; the rest are killed."""
+    hog = ("import os, time\n"
+           "for i in range(8):\n"
+           "    if os.fork() == 0:\n"
+           "        block = bytearray(200 << 20)\n"
+           "        block[::4096] = bytes(len(block[::4096]))  # its pages, touched\n"
+           "        print('held', flush=True)\n"
+           "        time.sleep(3)\n"
+           "        os._exit(0)\n"
+           "print(*(os.waitstatus_to_exitcode(os.wait()[1]) for _ in range(8)))\n")
+    outcome = run_python(hog, limits=Limits(memory_mib=512, timeout_s=15))
+    held, codes = outcome.stdout.count("held"), outcome.stdout.split("\n")[-2].split()
+    print(held, codes)  # 2 held, six -9 (killed at the call's limit)
+    assert outcome.ok and held <= 3 and codes.count("-9") >= 5, outcome
+    parent = _memory_cgroups()[0]  # the call's cgroup goes with it
+    assert not [n for n in os.listdir(parent) if n.startswith(f"flowkit-sandbox-{os.getpid()}-")]

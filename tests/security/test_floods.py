@@ -6,70 +6,14 @@ lines, not one a message; its memory stays bounded; the stranger hears nothing b
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-import threading
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
-import zmq
 
+from benchmarks.flood import Run, under_flood
 from flowkit.wire.protocol import Msg, encode
-from tests.harness import dealer
 
-ROOT = Path(__file__).resolve().parents[2]
-FLOOD_S = 5.0
-
-# The run under attack: a controller and two executors (their stderr is the controller's, so
-# the one log file holds all three processes' lines). Each line on stdin asks for a round of
-# tasks, values moved between the executors included; it answers the results and the seconds.
-_DRIVER = textwrap.dedent("""
-    import json, logging, sys, time
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    from flowkit.runtime import Controller, LocalExecutors
-    with Controller() as ctl, LocalExecutors(ctl, 2) as infos:
-        a, b = sorted(infos, key=lambda e: e.name)
-        print(json.dumps({"address": ctl.address, "peer": b.peer_address}), flush=True)
-        for line in sys.stdin:
-            start = time.perf_counter()
-            moved = [ctl.submit("identity", ctl.put(i, executor=a.id), executor=b.id)
-                     for i in range(20)]
-            tasks = [ctl.submit("identity", i) for i in range(int(line))]
-            got = [f.result(timeout=60) for f in moved + tasks]
-            print(json.dumps({"got": got, "s": time.perf_counter() - start}), flush=True)
-""")
-
-
-class Run:
-    def __init__(self, log: Path) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.log = log
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", _DRIVER], cwd=ROOT, env=env, text=True,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"))
-        self.addresses = json.loads(self.process.stdout.readline())
-
-    def round(self, tasks: int = 200) -> float:
-        """A round of the run's work; its seconds, once its results are checked."""
-        self.process.stdin.write(f"{tasks}\n")
-        self.process.stdin.flush()
-        answer = json.loads(self.process.stdout.readline())
-        assert answer["got"] == [*range(20), *range(tasks)]
-        return answer["s"]
-
-    def rss_mib(self) -> float:
-        with open(f"/proc/{self.process.pid}/status") as status:
-            line = next(line for line in status if line.startswith("VmRSS:"))
-        return int(line.split()[1]) / 1024
-
-    def log_bytes(self) -> int:
-        return self.log.stat().st_size
+FLOOD_S = 5.0  # `flowkit bench flood --seconds 60` is the long figure (docs/security.md)
 
 
 @pytest.fixture(scope="module")
@@ -78,50 +22,11 @@ def run(tmp_path_factory) -> Iterator[Run]:
     for _ in range(3):  # warm: imports, first tasks
         started.round()
     yield started
-    started.process.stdin.close()
-    started.process.wait(30)
-
-
-@contextmanager
-def flood(address: str, frames: list[bytes]) -> Iterator[dict]:
-    """A thread sends `frames` as one message, over and over, to `address` and never reads;
-    the dict counts the messages sent."""
-    sock, stop, sent = dealer(address), threading.Event(), {"messages": 0, "answers": 0}
-    sock.setsockopt(zmq.SNDTIMEO, 100)  # past the receiver's mark: try again, not hang
-
-    def send() -> None:
-        while not stop.is_set():
-            try:
-                sock.send_multipart(frames)
-                sent["messages"] += 1
-            except zmq.Again:
-                pass
-
-    thread = threading.Thread(target=send, daemon=True)
-    thread.start()
-    try:
-        yield sent
-    finally:
-        stop.set()
-        thread.join(5)
-        while sock.poll(200):  # what it was sent meanwhile, read only now
-            sock.recv_multipart()
-            sent["answers"] += 1
-        sock.close()
+    started.close()
 
 
 def _under_flood(run: Run, address: str, frames: list[bytes]) -> dict:
-    """Rounds of the run's work before and during a flood: the figures of the bound."""
-    before = min(run.round() for _ in range(3))
-    rss, log = run.rss_mib(), run.log_bytes()
-    rounds = []
-    with flood(address, frames) as sent:
-        deadline = time.monotonic() + FLOOD_S
-        while time.monotonic() < deadline:
-            rounds.append(run.round())
-    figures = {"sent": sent["messages"], "answers": sent["answers"],
-               "log_bytes": run.log_bytes() - log, "rss_mib": run.rss_mib() - rss,
-               "round_s": before, "flooded_round_s": sorted(rounds)[len(rounds) // 2]}
+    figures = under_flood(run, address, frames, FLOOD_S)
     print(figures)
     return figures
 
