@@ -174,7 +174,8 @@ def _forward(ctx: OpContext, *inputs: Any, seconds: float = 0.0, out_bytes: int 
     prefetch of its own microbatch after that [Note: simulated copy engines].
     `seconds_per_token`: each of its tokens costs that on top [Note: per-token costs]."""
     out = _stage_op(ctx, meta, memory, prefetch,
-                    lambda: _forward_work(ctx, inputs, (seconds, seconds_per_token), out_bytes,
+                    lambda: _forward_work(ctx, inputs,
+                                          (float(seconds), float(seconds_per_token)), out_bytes,
                                           last, tokens, meta))
     if offload:
         key = _key(meta, meta.get("stage", 0), meta.get("microbatch", 0))
@@ -230,7 +231,7 @@ def _backward_input(ctx: OpContext, *inputs: Any, seconds: float = 0.0, out_byte
     def work() -> Any:
         key = _key(meta, meta.get("stage", 0), meta.get("microbatch", 0))
         _copies(ctx).wait(key, _copy_seconds(prefetch, key))
-        busy_for(seconds + seconds_per_token * _microbatch_tokens(ctx).get(key, 0))
+        busy_for(float(seconds) + float(seconds_per_token) * _microbatch_tokens(ctx).get(key, 0))
         return None if first else _activation(out_bytes)
 
     return _stage_op(ctx, meta, memory, prefetch, work)
@@ -249,7 +250,8 @@ def _backward_weight(ctx: OpContext, *inputs: Any, seconds: float = 0.0, prefetc
                      memory: float = 0.0, seconds_per_token: float = 0.0, **meta: Any) -> None:
     key = _key(meta, meta.get("stage", 0), meta.get("microbatch", 0))
     tokens = _microbatch_tokens(ctx).get(key, 0)
-    _stage_op(ctx, meta, memory, prefetch, lambda: busy_for(seconds + seconds_per_token * tokens))
+    _stage_op(ctx, meta, memory, prefetch,
+              lambda: busy_for(float(seconds) + float(seconds_per_token) * tokens))
 
 
 def _grad_stats(ctx: OpContext, *inputs: Any, stage: int = 0, **config: Any) -> tuple:
