@@ -20,9 +20,10 @@ from executors.torch.rollout.sampling import sample_tokens, sequence_seed
 from executors.torch.rollout.trajectories import Trajectories
 from executors.torch.rollout.turns import Agent, EnvCalls, Episode
 from flowkit.ops.configs import SAMPLING
-from flowkit.ops.records import Prompt, Rollout
+from flowkit.ops.records import Rollout
 
-__all__ = ["Engine", "Sampling", "run_all_until_done", "run_until_done"]
+__all__ = ["Engine", "Sampling", "as_rollouts", "distinct", "run_all_until_done",
+           "run_until_done", "unstarted"]
 
 
 # [Note: rollout engine] A `generate` task is a request to its model's engine (a Deferred:
@@ -178,7 +179,7 @@ class Engine(Trajectories):
         lm.check_prompts([item for item in items if not isinstance(item, Rollout)], self.context)
         request = Request(deferred=Deferred(), sampling=sampling, left=0, key=key, agent=agent)
         if key is not None and key in self.aborted:  # its abort came first: it ends at once
-            request.passing = [_unstarted(s) for item in items for s in _samples(item, n)]
+            request.passing = [unstarted(s) for item in items for s in as_rollouts(item, n)]
             request.left = len(request.passing)
             self.passing.append(request)
             return request.deferred
@@ -213,12 +214,6 @@ class Engine(Trajectories):
                         tokens=list(rollout.response_tokens), logprobs=list(rollout.logprobs),
                         versions=versions, carried=len(rollout.response_tokens))
 
-    @staticmethod
-    def _prompt_of(rollout: Rollout) -> Prompt:
-        return Prompt(prompt_id=rollout.prompt_id, tokens=list(rollout.prompt_tokens),
-                      answer=rollout.answer, text=rollout.prompt_text,
-                      messages=rollout.prompt_messages)
-
     def _sequence(self, *args: Any, **fields: Any) -> Sequence:
         return Sequence(*args, **fields)
 
@@ -229,7 +224,7 @@ class Engine(Trajectories):
     def abort(self) -> int:
         """Every request's unfinished samples back now, `interrupted`; returns how many."""
         self._environments_answered()  # answered trajectories cut between steps: their state
-        live = _once([s for s in self.slots if s is not None] + list(self.waiting)
+        live = distinct([s for s in self.slots if s is not None] + list(self.waiting)
                      + self.env_calls.drop(lambda s: False))
         self.slots = [None] * self.max_batch
         self.waiting.clear()
@@ -243,7 +238,7 @@ class Engine(Trajectories):
         returns (samples, response tokens) cut."""
         self.aborted |= keys  # a request still on its way ends as it arrives
         self._environments_answered()  # answered trajectories cut between steps: their state
-        cut = _once([s for s in [*self.slots, *self.waiting]
+        cut = distinct([s for s in [*self.slots, *self.waiting]
                      if s is not None and s.request.key in keys]
                     + self.env_calls.drop(lambda s: s.request.key not in keys))
         self.slots = [None if s is not None and s.request.key in keys else s for s in self.slots]
@@ -265,7 +260,7 @@ class Engine(Trajectories):
             self._step()
             self._release_if_empty()
         except Exception as error:
-            live = _once([s for s in self.slots if s is not None] + list(self.waiting)
+            live = distinct([s for s in self.slots if s is not None] + list(self.waiting)
                          + self.env_calls.drop(lambda s: False))
             self.slots, self.waiting = [None] * self.max_batch, deque()
             for request in {id(s.request): s.request for s in live}.values():
@@ -301,15 +296,6 @@ class Engine(Trajectories):
             rows = [seq for seq in self.slots if seq is not None and id(seq) in logits]
             self._sample(rows, torch.stack([logits[id(seq)] for seq in rows]))
         self.stats["steps"] += 1
-
-    def _pass_through(self) -> None:
-        """Hand back the finished Rollouts requests were given (bound by now: the op that
-        made the request has returned)."""
-        requests, self.passing = self.passing, []
-        for request in requests:
-            items, request.passing = request.passing, []
-            for rollout in items:
-                self._deliver(request, rollout)
 
     def _drop_cancelled(self) -> None:
         for i, seq in enumerate(self.slots):
@@ -562,13 +548,13 @@ def _free_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _once(seqs: list[Sequence]) -> list[Sequence]:
+def distinct(seqs: list) -> list:
     """`seqs` without repeats: a trajectory waiting for its environment may hold its slot
-    (keep_cache) and be in both places."""
+    (keep_cache) and be in both places (either engine's samples)."""
     return list({id(seq): seq for seq in seqs}.values())
 
 
-def _samples(item: Any, n: int) -> list:
+def as_rollouts(item: Any, n: int) -> list:
     """A request's samples as Rollouts: a Prompt's n, each with no response yet."""
     if isinstance(item, Rollout):
         return [item]
@@ -578,7 +564,7 @@ def _samples(item: Any, n: int) -> list:
             for k in range(n)]
 
 
-def _unstarted(rollout: Rollout) -> Rollout:
+def unstarted(rollout: Rollout) -> Rollout:
     """A sample of an aborted request, as it stands: finished, or interrupted where it got."""
     if rollout.finished and rollout.response_tokens and not rollout.interrupted:
         return rollout

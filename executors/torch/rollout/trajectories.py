@@ -35,6 +35,7 @@ import attrs
 from executors.torch.errors import StageError
 from executors.torch.rollout.turns import ByteTurns, Episode, open_episode, step_episode
 from flowkit.ops import Conversation
+from flowkit.ops.records import Prompt, Rollout
 
 __all__ = ["Trajectories"]
 
@@ -44,8 +45,24 @@ _PARKED = 4096  # aborted trajectories' episodes kept for a continuation at most
 
 
 class Trajectories:
-    """The engine's trajectory steps; the engine provides slots, waiting, env_calls, parked,
-    max_len, context, tokenizer, _finish, _version_now, _prompt_of and _sequence."""
+    """The engine's trajectory steps, and what both engines do alike with a request's
+    prompts and finished rollouts; the engine provides slots, waiting, env_calls, parked,
+    passing, max_len, context, tokenizer, _deliver, _finish, _version_now and _sequence."""
+
+    @staticmethod
+    def _prompt_of(rollout: Rollout) -> Prompt:
+        return Prompt(prompt_id=rollout.prompt_id, tokens=list(rollout.prompt_tokens),
+                      answer=rollout.answer, text=rollout.prompt_text,
+                      messages=rollout.prompt_messages)
+
+    def _pass_through(self) -> None:
+        """Hand back the finished Rollouts requests were given (bound by now: the op that
+        made the request has returned)."""
+        requests, self.passing = self.passing, []
+        for request in requests:
+            items, request.passing = request.passing, []
+            for rollout in items:
+                self._deliver(request, rollout)
 
     def _open(self, seq: Any) -> None:
         """A new trajectory: it waits for its environment to be built and reset."""

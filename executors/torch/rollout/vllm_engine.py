@@ -19,10 +19,17 @@ from executors.optable import Deferred, OpContext
 from executors.torch.errors import StageError
 from executors.torch.lora import adapted_layers
 from executors.torch.rollout import lm
-from executors.torch.rollout.engine import NO_VERSION, Request, Sampling
+from executors.torch.rollout.engine import (
+    NO_VERSION,
+    Request,
+    Sampling,
+    as_rollouts,
+    distinct,
+    unstarted,
+)
 from executors.torch.rollout.trajectories import Trajectories
 from executors.torch.rollout.turns import Agent, EnvCalls, Episode, step_episode
-from flowkit.ops.records import Prompt, Rollout
+from flowkit.ops.records import Rollout
 from flowkit.ops.rollout_engines import vllm_logprobs_mode, vllm_problems
 
 __all__ = ["VLLMEngine", "engine_args", "sampling_params", "vllm_engine_of", "weights_fingerprint"]
@@ -185,7 +192,7 @@ class VLLMEngine(Trajectories):
                 f"top_k={sampling.top_k}: sample the model's generate ops alike")
         request = Request(deferred=Deferred(), sampling=sampling, left=0, key=key, agent=agent)
         if key is not None and key in self.aborted:
-            request.passing = [_unstarted(r) for item in items for r in _as_rollouts(item, n)]
+            request.passing = [unstarted(r) for item in items for r in as_rollouts(item, n)]
             request.left = len(request.passing)
             self.passing.append(request)
             return request.deferred
@@ -220,12 +227,6 @@ class VLLMEngine(Trajectories):
         """A trajectory's sample (Trajectories makes them)."""
         return _Sample(request, prompt, sample, seed, **fields)
 
-    @staticmethod
-    def _prompt_of(rollout: Rollout) -> Prompt:
-        return Prompt(prompt_id=rollout.prompt_id, tokens=list(rollout.prompt_tokens),
-                      answer=rollout.answer, text=rollout.prompt_text,
-                      messages=rollout.prompt_messages)
-
     def _continued(self, request: Request, rollout: Rollout) -> list[_Sample]:
         st = request.sampling
         prompt = self._prompt_of(rollout)
@@ -249,7 +250,7 @@ class VLLMEngine(Trajectories):
     def abort(self) -> int:
         """Every request's unfinished samples back now, `interrupted`; returns how many."""
         self._environments_answered()  # answered trajectories cut between steps: their state
-        cut = _once(list(self.live.values()) + list(self.waiting)
+        cut = distinct(list(self.live.values()) + list(self.waiting)
                     + self.env_calls.drop(lambda s: False))
         self._drop(cut)
         for sample in cut:
@@ -261,7 +262,7 @@ class VLLMEngine(Trajectories):
         returns (samples, response tokens) cut."""
         self.aborted |= keys
         self._environments_answered()
-        cut = _once([s for s in [*self.live.values(), *self.waiting] if s.request.key in keys]
+        cut = distinct([s for s in [*self.live.values(), *self.waiting] if s.request.key in keys]
                     + self.env_calls.drop(lambda s: s.request.key not in keys))
         self._drop(cut)
         for sample in cut:
@@ -401,13 +402,6 @@ class VLLMEngine(Trajectories):
         self.stats["sync_seconds"] += time.perf_counter() - start
         return True
 
-    def _pass_through(self) -> None:
-        requests, self.passing = self.passing, []
-        for request in requests:
-            items, request.passing = request.passing, []
-            for rollout in items:
-                self._deliver(request, rollout)
-
     def _version_now(self) -> int:
         version = self.version()
         return NO_VERSION if version is None else int(version)
@@ -524,24 +518,6 @@ def _sampled_logprobs(logprobs: Any, tokens: list[int]) -> list[float]:
         raise StageError("vLLM returned no log-probs for a sampled token (logprobs=0 asks for "
                          "the sampled one's)")
     return [float(logprobs[-len(tokens) + i][token].logprob) for i, token in enumerate(tokens)]
-
-
-def _once(samples: list[_Sample]) -> list[_Sample]:
-    return list({id(sample): sample for sample in samples}.values())
-
-
-def _as_rollouts(item: Any, n: int) -> list[Rollout]:
-    if isinstance(item, Rollout):
-        return [item]
-    return [Rollout(prompt_id=item.prompt_id, sample=k, prompt_tokens=list(item.tokens),
-                    response_tokens=[], logprobs=[], answer=getattr(item, "answer", None),
-                    prompt_text=getattr(item, "text", None)) for k in range(n)]
-
-
-def _unstarted(rollout: Rollout) -> Rollout:
-    if rollout.finished and rollout.response_tokens and not rollout.interrupted:
-        return rollout
-    return attrs.evolve(rollout, finished=False, interrupted=True)
 
 
 def _streamed_params(params: dict[str, Any]) -> Any:
