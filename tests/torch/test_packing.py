@@ -241,6 +241,30 @@ def test_the_varlen_plumbing_equals_the_block_mask(kv_heads):
     assert (got - want).abs().max().item() < 1e-12
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU device check)")
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_the_varlen_kernel_on_cuda_equals_the_block_mask(kv_heads):
+    """torch's own varlen kernel, where packing uses it (CUDA, half precision), against the
+    block mask in float32 on the same inputs."""
+    from executors.torch.models.packing import varlen_kernel
+
+    layout = pack([5, 9, 3, 2, 7, 1])
+    positions = layout.positions(torch.device("cuda"))
+    B, T = positions.shape
+    q = torch.randn(B, 4, T, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, kv_heads, T, 64, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2))
+    packed = BlockCausal(positions)
+    kernel = varlen_kernel(q)
+    assert kernel is not None, "this torch has no varlen kernel for CUDA"
+    got = packed.varlen(q, k, v, kernel).float()
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                          attn_mask=packed.mask(), enable_gqa=kv_heads != 4)
+    for (row, offset), n in zip(layout.places, [5, 9, 3, 2, 7, 1]):  # padding is not compared
+        span = slice(offset, offset + n)
+        assert (got[row, :, span] - want[row, :, span]).abs().max().item() < 3e-2
+
+
 # -- refusals ---------------------------------------------------------------------------------
 def test_packing_a_model_that_takes_no_positions_is_one_line():
     spec = {"model": "lstm", "build": "torch.nn:Linear", "dtype": "float64",

@@ -11,7 +11,8 @@
 #      (PyPI's default Linux wheel is a CUDA build), falling back to `pip install torch`
 #   1. installs the project (-e, no deps, offline) and pyzmq from carried wheels (FK_WHEELS,
 #      default ./.whl) when the interpreter lacks it
-#   a. the device-parametrised tests: tests/torch/test_sampling.py (its CUDA test)
+#   a. the device-parametrised tests: tests/torch/test_sampling.py (its CUDA test) and
+#      packing's varlen kernel (tests/torch/test_packing.py)
 #   b. pipeline F/B/W ops of the built-in GPT (124M) on cuda vs a plain loop: gradients and
 #      weights after one AdamW step, ms/step (plain fp32/tf32/autocast, split, fused, bf16),
 #      grad_stats and the optimizer step, autocast around the split backward, offload on the
@@ -158,10 +159,11 @@ main() {
   section install_project 200 install_project
   echo "prepare $(( $(date +%s) - t0 ))s"
   section env 60 "$PY" "$WORK/fk_devcheck.py" env
-  # (a) the device-parametrised tests: the suite has one, in test_sampling.py
+  # (a) the device-parametrised tests: test_sampling.py's, and packing's varlen kernel
   grep -rln --include='*.py' -e 'cuda' tests | sed 's/^/  mentions cuda: /'
   section a_pytest_sampling 60 "$PY" -m pytest -q -p no:cacheprovider -rs \
-    --junitxml="$FK_PARTS/junit.xml" tests/torch/test_sampling.py
+    --junitxml="$FK_PARTS/junit.xml" tests/torch/test_sampling.py \
+    tests/torch/test_packing.py::test_the_varlen_kernel_on_cuda_equals_the_block_mask
   section b_pipeline 150 "$PY" "$WORK/fk_devcheck.py" pipeline
   # (d) the GRPO example on the device: warm-up, GRPO, its bf16 variant (the sampler/trainer
   # mismatch metrics), 2 executors given a bare `--device cuda` on one GPU, a CPU reference
@@ -947,7 +949,7 @@ print(f"device: {env.get('device', 'n/a')}  torch {env.get('torch')} (cuda {env.
 print("sections (rc, s): " + ", ".join(f"{k}={v['rc']}/{v['seconds']:.0f}"
                                           for k, v in result["sections"].items()))
 ps = result.get("pytest_sampling", {})
-print(f"(a) tests/torch/test_sampling.py: {ps.get('tests')} tests, {ps.get('failures')} failed,"
+print(f"(a) test_sampling.py + packing's varlen kernel: {ps.get('tests')} tests, {ps.get('failures')} failed,"
       f" {ps.get('errors')} errors, {ps.get('skipped')} skipped; cuda: {ps.get('cuda_tests')}")
 pipe = result.get("pipeline", {})
 eq = pipe.get("equality_fp32", {})
