@@ -303,3 +303,24 @@ def with_cache_lacking(model: nn.Module, *missing: str) -> nn.Module:
             return self.inner.forward_cached(idx, cache.inner, start, rows)
 
     return Wrapped()
+
+
+def run_microbatches(ctx, spec: dict, microbatches: list[tuple], *, stages: int,
+                     loss_scale: float = 1.0, **loss_config) -> list:
+    """F, B, W of each microbatch (a tuple of the F's data inputs) through every stage of the
+    stage ops on one executor's context `ctx`; each microbatch's last-stage stats."""
+    from executors.torch.train import pipeline_ops
+
+    config = {**spec, "stages": stages, "loss_scale": loss_scale, **loss_config}
+    stats = []
+    for mb, data in enumerate(microbatches):
+        x = None
+        for s in range(stages):
+            inputs = data if s == 0 else (x, *data) if s == stages - 1 else (x,)
+            x = pipeline_ops._forward(ctx, *inputs, stage=s, microbatch=mb, **config)
+        stats.append(x)
+        grad = None
+        for s in reversed(range(stages)):
+            grad = pipeline_ops._backward_input(ctx, grad, stage=s, microbatch=mb, **config)
+            pipeline_ops._backward_weight(ctx, stage=s, microbatch=mb, **config)
+    return stats

@@ -23,6 +23,7 @@ from executors.torch.train import pipeline_ops
 from executors.torch.train.held_stage import held_stage
 from flowkit.ops.records import Experience, Rollout, TokenScores
 from tests.harness import critic_of, gpt_spec, op_context, tiny_gpt
+from tests.torch.helpers import run_microbatches
 
 TIGHT = 1e-10
 GPT = gpt_spec("policy", tiny_gpt(n_layer=3), seed=5)
@@ -81,17 +82,8 @@ def _train(spec: dict, microbatches: list[tuple], *, stages: int, packing: bool,
     tokens stage 0 ran, padding included)."""
     ctx: OpContext = op_context()
     config = {**spec, "stages": stages, "loss_scale": 0.25, "packing": packing, **loss_config}
-    stats = []
-    for mb, data in enumerate(microbatches):
-        x = None
-        for s in range(stages):
-            inputs = data if s == 0 else (x, *data) if s == stages - 1 else (x,)
-            x = pipeline_ops._forward(ctx, *inputs, stage=s, microbatch=mb, **config)
-        stats.append(x)
-        grad = None
-        for s in reversed(range(stages)):
-            grad = pipeline_ops._backward_input(ctx, grad, stage=s, microbatch=mb, **config)
-            pipeline_ops._backward_weight(ctx, stage=s, microbatch=mb, **config)
+    stats = run_microbatches(ctx, spec, microbatches, stages=stages, loss_scale=0.25,
+                             packing=packing, **loss_config)
     grads = {(s, n): p.grad.clone() for s in range(stages)
              for n, p in held_stage(ctx, {**config, "stage": s}).module.named_parameters()
              if p.grad is not None}

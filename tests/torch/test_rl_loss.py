@@ -21,7 +21,7 @@ from executors.torch.errors import StageError
 from executors.torch.models.gpt import GPT
 from executors.torch.train import pipeline_ops
 from executors.torch.train.held_stage import held_stage
-from flowkit.ops.records import Experience, MicrobatchStats, TokenScores, mean_values
+from flowkit.ops.records import Experience, TokenScores, mean_values
 from tests.harness import (
     critic_of,
     gpt_spec,
@@ -30,7 +30,7 @@ from tests.harness import (
     tiny_gpt,
 )
 from tests.rl.reference_algos import kl_penalty, ppo_policy_loss, value_loss
-from tests.torch.helpers import padded_batch, response_logprobs
+from tests.torch.helpers import padded_batch, response_logprobs, run_microbatches
 
 POLICY = gpt_spec("policy", tiny_gpt(), seed=5)
 CRITIC = critic_of(POLICY)
@@ -94,24 +94,6 @@ def _ref_scores(exps: list[Experience], model: GPT, *, seed: int) -> list[TokenS
 
 
 # -- running the stage ops --------------------------------------------------------------------
-def _run_microbatches(ctx: OpContext, spec: dict, microbatches: list[tuple], *, stages: int,
-                      **loss_config) -> list[MicrobatchStats]:
-    """F, B, W of each microbatch (a tuple of the F's data inputs) through every stage."""
-    config = {**spec, "stages": stages, "loss_scale": 1.0, **loss_config}
-    stats = []
-    for mb, data in enumerate(microbatches):
-        x = None
-        for s in range(stages):
-            inputs = data if s == 0 else (x, *data) if s == stages - 1 else (x,)
-            x = pipeline_ops._forward(ctx, *inputs, stage=s, microbatch=mb, **config)
-        stats.append(x)
-        grad = None
-        for s in reversed(range(stages)):
-            grad = pipeline_ops._backward_input(ctx, grad, stage=s, microbatch=mb, **config)
-            pipeline_ops._backward_weight(ctx, stage=s, microbatch=mb, **config)
-    return stats
-
-
 def _stage_grads(ctx: OpContext, spec: dict, stages: int) -> dict[tuple[int, str], torch.Tensor]:
     """Each stage's parameter gradients, the tied copies' shares summed into both."""
     modules = [held_stage(ctx, {**spec, "stage": s, "stages": stages}).module
@@ -174,7 +156,7 @@ def test_pipeline_gradients_equal_the_unsplit_models_token_mean_loss(loss, kl_co
     data = [(cut, refs[i: i + len(cut)]) if use_ref_input else (cut,)
             for cut, i in zip(cuts, (0, 2, 3))]
     ctx = op_context()
-    stats = _run_microbatches(ctx, POLICY, data, stages=2, loss=loss, kl_coef=kl_coef,
+    stats = run_microbatches(ctx, POLICY, data, stages=2, loss=loss, kl_coef=kl_coef,
                               temperature=temperature)
     normalizer = sum(s.normalizer for s in stats)
     tokens = sum(len(e.response_tokens) for e in exps)
@@ -191,7 +173,7 @@ def test_pipeline_gradients_equal_the_unsplit_models_token_mean_loss(loss, kl_co
 def test_at_ratio_one_without_kl_the_loss_is_minus_the_mean_advantage():
     model = _whole(POLICY)
     exps = _near_current(_experiences(4, seed=7), model, noise=0.0, seed=0)
-    stats = _run_microbatches(op_context(), POLICY, [(exps,)], stages=2, loss="grpo", kl_coef=0.0)
+    stats = run_microbatches(op_context(), POLICY, [(exps,)], stages=2, loss="grpo", kl_coef=0.0)
     advantages = [a for e in exps for a in e.advantages]
     assert stats[0].loss == pytest.approx(-sum(advantages) / len(advantages), abs=1e-12)
 
@@ -207,7 +189,7 @@ def test_a_longer_sample_in_the_microbatch_leaves_a_samples_contribution_unchang
     sums, grads = [], []
     for mb in ([short], [longer], [short, longer]):
         ctx = op_context()
-        (s,) = _run_microbatches(ctx, POLICY, [(mb,)], stages=stages, loss="ppo")
+        (s,) = run_microbatches(ctx, POLICY, [(mb,)], stages=stages, loss="ppo")
         sums.append(s.loss * s.normalizer)
         grads.append(_stage_grads(ctx, POLICY, stages))
     assert sums[2] == pytest.approx(sums[0] + sums[1], abs=TIGHT)
@@ -219,7 +201,7 @@ def _one_step(spec: dict, data: list[tuple], *, stages: int, hparams: dict = STE
     """F/B/W of the microbatches, then grad_stats and optimizer_step as the runtime submits
     them (every stage reads the microbatches' stats); the parameters and the step's report."""
     ctx = op_context()
-    stats = _run_microbatches(ctx, spec, data, stages=stages, **loss_config)
+    stats = run_microbatches(ctx, spec, data, stages=stages, **loss_config)
     step = {**spec, "stages": stages, **hparams}
     first, tied = pipeline_ops._grad_stats(ctx, stage=0, **step)
     grad_stats, summed = [first], None
@@ -261,7 +243,7 @@ def test_the_value_loss_gradients_equal_verls_clipped_value_loss_on_the_unsplit_
     critic = _whole(CRITIC)
     exps = _experiences(5, seed=31)
     ctx = op_context()
-    stats = _run_microbatches(ctx, CRITIC, [(exps[:3],), (exps[3:],)], stages=2, loss="value",
+    stats = run_microbatches(ctx, CRITIC, [(exps[:3],), (exps[3:],)], stages=2, loss="value",
                               cliprange_value=0.1)
     ids, positions, _, mask, f = padded_batch(exps, ["values", "returns"])
     predicted = critic(ids).gather(1, positions)  # (B, R)
@@ -276,7 +258,7 @@ def test_the_value_loss_gradients_equal_verls_clipped_value_loss_on_the_unsplit_
 
 def test_an_empty_microbatch_contributes_nothing():
     ctx = op_context()
-    (stats,) = _run_microbatches(ctx, POLICY, [([],)], stages=2, loss="grpo")
+    (stats,) = run_microbatches(ctx, POLICY, [([],)], stages=2, loss="grpo")
     assert (stats.loss, stats.tokens, stats.normalizer) == (0.0, 0, 0.0)
     assert all(float(g.abs().max()) == 0.0 for g in _stage_grads(ctx, POLICY, 2).values())
 
@@ -483,7 +465,7 @@ def test_each_recipes_pipeline_gradients_equal_verls_loss_on_the_unsplit_model(r
     refs = _ref_scores(exps, model, seed=9)
     exps = [attrs.evolve(e, ref_logprobs=r.values) for e, r in zip(exps, refs)]
     ctx = op_context()
-    stats = _run_microbatches(ctx, POLICY, [(exps[:2],), (exps[2:3],), (exps[3:],)],
+    stats = run_microbatches(ctx, POLICY, [(exps[:2],), (exps[2:3],), (exps[3:],)],
                               stages=2, **knobs)
     normalizer = sum(s.normalizer for s in stats)
     plain, entropy = _plain_recipe_loss(model, exps, knobs)
