@@ -324,3 +324,20 @@ def run_microbatches(ctx, spec: dict, microbatches: list[tuple], *, stages: int,
             grad = pipeline_ops._backward_input(ctx, grad, stage=s, microbatch=mb, **config)
             pipeline_ops._backward_weight(ctx, stage=s, microbatch=mb, **config)
     return stats
+
+
+def assert_same_training(want: dict, got: dict, want_reports: list, got_reports: list) -> None:
+    """Two runs trained the same: every saved tensor (`{file: {key: tensor}}`) within 1e-9,
+    every step's losses within 1e-12."""
+    import pytest
+
+    assert want.keys() == got.keys() and want
+    for file, weights in want.items():
+        for key, tensor in weights.items():
+            diff = (got[file][key] - tensor).abs().max().item()
+            assert diff < 1e-9, f"{file} {key}: differs by {diff:.3g}"
+    for wanted, gotten in zip(want_reports, got_reports):
+        losses = [key for key in wanted.metrics if key.endswith("/loss")]
+        assert losses
+        for key in losses:
+            assert gotten.metrics[key] == pytest.approx(wanted.metrics[key], abs=1e-12), key

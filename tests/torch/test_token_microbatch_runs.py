@@ -13,6 +13,7 @@ from flowkit.planner.lower import lower_flow
 from flowkit.runner.flowrun import FlowRunner
 from flowkit.runner.setup import with_training_options
 from tests.harness import tiny_gpt
+from tests.torch.helpers import assert_same_training
 from tests.torch.rl_ops import even_token_reward
 
 TINY = {**tiny_gpt(), "dtype": "float64", "seed": 3}
@@ -55,13 +56,4 @@ def test_token_budget_microbatches_train_the_parameters_of_count_based_ones(pool
     # the last step formed its microbatches by tokens as the items came, more than by count
     assert feeding.streamed and feeding.budget == 40 and len(feeding.sizes) > 2
     assert feeding.slots.left == 0 and len(feeding.taken) == 12
-    assert counted.keys() == tokened.keys() and counted
-    for file, weights in counted.items():
-        for key, want in weights.items():
-            diff = (tokened[file][key] - want).abs().max().item()
-            assert diff < 1e-9, f"{file} {key}: differs by {diff:.3g}"
-    for want, got in zip(counted_reports, reports):
-        losses = [key for key in want.metrics if key.endswith("/loss")]
-        assert losses
-        for key in losses:
-            assert got.metrics[key] == pytest.approx(want.metrics[key], abs=1e-12), key
+    assert_same_training(counted, tokened, counted_reports, reports)
