@@ -1,9 +1,23 @@
-"""@op functions the RL flow tests run on executors by import path, as flows' are."""
+"""@op functions the RL flow tests run on executors by import path, as flows' are, and the
+multi-turn tests' environment."""
 
 import attrs
 
 from flowkit.dsl import op
+from flowkit.ops import Environment, EnvStep
 from flowkit.ops.records import Rollout, Scored
+
+
+class Feedback(Environment):
+    """Says how long each answer was; done after three (the multi-turn tests' environment)."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    def step(self, action: str) -> EnvStep:
+        self.turns += 1
+        return EnvStep(observation=f"That was {len(action)} characters. Again?", reward=1.0,
+                       done=self.turns == 3)
 
 
 @op

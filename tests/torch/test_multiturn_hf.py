@@ -20,18 +20,7 @@ from flowkit.ops.records import Prompt  # noqa: E402
 from flowkit.ops.tokenizers import load_tokenizer  # noqa: E402
 from tests.harness import op_context  # noqa: E402
 from tests.hf_folders import save_tiny_qwen2  # noqa: E402
-
-
-class Feedback(Environment):
-    """Says how long each answer was; done after three."""
-
-    def __init__(self) -> None:
-        self.turns = 0
-
-    def step(self, action: str) -> EnvStep:
-        self.turns += 1
-        return EnvStep(observation=f"That was {len(action)} characters. Again?", reward=1.0,
-                       done=self.turns == 3)
+from tests.torch.rl_ops import Feedback  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +39,7 @@ def test_the_trajectory_is_the_templates_rendering_of_the_conversation(qwen2):
                            build="executors.torch.models.hf:HFCausalLM",
                            model_config={"path": str(qwen2)}, dtype="float32", seed=0, n=4,
                            max_new_tokens=5, temperature=1.0, sample_seed=1,
-                           environment=f"{__name__}:Feedback", max_turns=4)
+                           environment=f"{Feedback.__module__}:Feedback", max_turns=4)
     assert isinstance(result, Deferred)
     rollouts = run_until_done(ctx.background, result)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")

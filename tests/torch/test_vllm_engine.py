@@ -16,11 +16,11 @@ from executors.torch.rollout import generate as gen  # noqa: E402
 from executors.torch.rollout import infer, lm  # noqa: E402
 from executors.torch.rollout.engine import run_until_done  # noqa: E402
 from executors.torch.rollout.vllm_engine import VLLMEngine  # noqa: E402
-from flowkit.ops import Environment, EnvStep  # noqa: E402
 from flowkit.ops.records import Prompt, Rollout, WeightsVersion  # noqa: E402
 from flowkit.ops.tokenizers import load_tokenizer  # noqa: E402
 from tests.harness import op_context  # noqa: E402
 from tests.hf_folders import VLLM_SHAPE, save_tiny_qwen2  # noqa: E402
+from tests.torch.rl_ops import Feedback  # noqa: E402
 
 HF = "executors.torch.models.hf:HFCausalLM"
 TOL = 2e-4  # float32 through two attention kernels (vLLM's CPU one, torch's SDPA)
@@ -213,18 +213,6 @@ def test_a_finished_rollout_passes_through_and_pause_stops_stepping(ctx, folder)
         engine.step()
 
 
-class Feedback(Environment):
-    """Says how long each answer was; done after three (tests/torch/test_multiturn_hf.py's)."""
-
-    def __init__(self) -> None:
-        self.turns = 0
-
-    def step(self, action: str) -> EnvStep:
-        self.turns += 1
-        return EnvStep(observation=f"That was {len(action)} characters. Again?", reward=1.0,
-                       done=self.turns == 3)
-
-
 def test_a_multi_turn_trajectory_is_the_own_engines_token_for_token(ctx, folder):
     """Token in, token out: each model turn a vLLM request over the whole prefix, the
     environment's tokens context (mask 0). Greedy, both engines on the same weights (the
@@ -234,7 +222,7 @@ def test_a_multi_turn_trajectory_is_the_own_engines_token_for_token(ctx, folder)
                                          tokenize=False, add_generation_prompt=True)
     prompt = Prompt(prompt_id=0, tokens=tokenizer.encode(text, add_special_tokens=False),
                     text=text)
-    agent = {"environment": f"{__name__}:Feedback", "max_turns": 4, "max_new_tokens": 5,
+    agent = {"environment": f"{Feedback.__module__}:Feedback", "max_turns": 4, "max_new_tokens": 5,
              "temperature": 0.0}
     [mine] = _run(ctx, folder, [prompt], **agent)
     own = {**_spec(folder), "model": "reference"}
@@ -273,7 +261,7 @@ def test_an_agent_program_through_the_endpoint_is_the_environments_trajectory(ct
     prompt = Prompt(prompt_id=0, tokens=tokenizer.encode(text, add_special_tokens=False),
                     text=text, messages=question)
     common = {"max_turns": 4, "max_new_tokens": 5, "temperature": 0.0}
-    [direct] = _run(ctx, folder, [prompt], environment=f"{__name__}:Feedback", **common)
+    [direct] = _run(ctx, folder, [prompt], environment=f"{Feedback.__module__}:Feedback", **common)
     [served] = _run(ctx, folder, [prompt], program=f"{__name__}:feedback_program", **common)
     assert served.turns == 3 and served.env_reward == 3.0 and served.env_error is None
     assert (served.response_tokens, served.response_mask) == (direct.response_tokens,
