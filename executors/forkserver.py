@@ -23,13 +23,19 @@ import select
 import selectors
 import signal
 import socket
-import struct
 import sys
 import threading
 import traceback
 from typing import Any
 
-from flowkit.wire.forkserver import ForkServerError, check_start, fingerprint, receive, send
+from flowkit.wire.forkserver import (
+    ForkServerError,
+    check_start,
+    fingerprint,
+    peer_uid,
+    receive,
+    send,
+)
 from flowkit.wire.shm import sweep
 
 __all__ = ["ForkServer", "main"]
@@ -85,9 +91,7 @@ class ForkServer:
 
     def _accept(self) -> None:
         conn, _ = self.listener.accept()
-        uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                  struct.calcsize("3i")))[1]
-        if uid != os.getuid():
+        if peer_uid(conn) != os.getuid():
             conn.close()  # another user's process: not a word
             return
         self.selector.register(conn, selectors.EVENT_READ)

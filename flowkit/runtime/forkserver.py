@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from flowkit.runtime.spawn import spawn
-from flowkit.wire.forkserver import ForkServerError, fingerprint, receive, send
+from flowkit.wire.forkserver import ForkServerError, fingerprint, peer_uid, receive, send
 
 __all__ = ["ForkServer", "ForkedProcess", "executor_processes", "start_executor",
            "start_server", "without_shared_server"]
@@ -95,6 +95,11 @@ class ForkServer:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.sock.connect(path)
+            owner = peer_uid(self.sock)
+            if owner != os.getuid():  # it would see the executors' environment, secret included
+                self.sock.close()
+                raise ForkServerError(f"the fork server at {path} runs as user {owner}, not "
+                                      f"as this one ({os.getuid()}): refused")
             send(self.sock, {"hello": fingerprint()})
             reply, _ = receive(self.sock)
         except OSError as exc:

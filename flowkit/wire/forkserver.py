@@ -18,14 +18,15 @@ from __future__ import annotations
 import array
 import os
 import socket
+import struct
 import sys
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
-__all__ = ["MAX_PACKET", "ForkServerError", "fingerprint", "receive", "send",
-           "check_start"]
+__all__ = ["MAX_PACKET", "ForkServerError", "check_start", "fingerprint", "peer_uid", "receive",
+           "send"]
 
 MAX_PACKET = 1 << 20  # an environment of a few hundred variables fits many times over
 _LIMITS = {"max_str_len": MAX_PACKET, "max_bin_len": 0, "max_array_len": 4096,
@@ -42,6 +43,13 @@ def fingerprint() -> dict[str, str]:
     here: the interpreter, the import path's additions, and the flowkit it imports."""
     return {"executable": sys.executable, "pythonpath": os.environ.get("PYTHONPATH", ""),
             "flowkit": str(Path(__file__).resolve().parents[1])}
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The user id of the process at the other end of a connected Unix socket (the kernel's
+    word, SO_PEERCRED): each side talks only to its own user's processes."""
+    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                               struct.calcsize("3i")))[1]
 
 
 def send(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:

@@ -177,3 +177,13 @@ def test_an_executor_computes_on_the_threads_it_was_given(server, monkeypatch, t
         with Controller() as ctl, LocalExecutors(ctl, 1, kind="sim", code=[str(code)],
                                                  threads=threads):
             assert ctl.submit("python", config={"target": target}).result(timeout=30) == threads
+
+
+def test_a_launcher_refuses_a_server_of_another_user(server, monkeypatch):
+    """The server would see the executors' environment, the run's secret included: a server
+    socket owned by another user is refused before anything is sent."""
+    import flowkit.runtime.forkserver as client
+
+    monkeypatch.setattr(client.os, "getuid", lambda: os.geteuid() + 12345)
+    with pytest.raises(ForkServerError, match="runs as user .*not as this one"):
+        ForkServer(server.path)
