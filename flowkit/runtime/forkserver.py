@@ -279,8 +279,9 @@ def _children(parent: int) -> dict[int, list[bytes]]:
             continue
         try:
             with open(f"/proc/{entry.name}/stat", "rb") as stat:
-                ppid = int(stat.read().rsplit(b")", 1)[1].split()[1])
-            if ppid == parent:
+                state, ppid = stat.read().rsplit(b")", 1)[1].split()[:2]
+            # a dead child not yet reaped (a zombie) keeps its name: it is no executor
+            if int(ppid) == parent and state not in (b"Z", b"X"):
                 with open(f"/proc/{entry.name}/cmdline", "rb") as cmdline:
                     found[int(entry.name)] = cmdline.read().split(b"\0")
         except (OSError, ValueError, IndexError):

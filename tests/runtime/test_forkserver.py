@@ -187,3 +187,22 @@ def test_a_launcher_refuses_a_server_of_another_user(server, monkeypatch):
     monkeypatch.setattr(client.os, "getuid", lambda: os.geteuid() + 12345)
     with pytest.raises(ForkServerError, match="runs as user .*not as this one"):
         ForkServer(server.path)
+
+
+def test_a_dead_child_not_yet_reaped_is_no_executor():
+    """A zombie keeps its process name until its parent reaps it: listing it as an executor
+    let the chaos bench spend a kill on a process already dead."""
+    from flowkit.runtime.forkserver import _children
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 10
+    while _state(child.pid) != "Z" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _state(child.pid) == "Z"
+    assert child.pid not in _children(os.getpid())
+    child.wait()
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
