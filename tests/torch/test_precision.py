@@ -194,3 +194,15 @@ def test_the_runs_precision_leaves_a_model_cast_to_bf16_as_it_is():
                                  precision="bf16")
     assert {m.config.get("dtype", "float32"): m.precision for m in flow.models.values()} == {
         "bfloat16": "fp32"}
+
+
+def test_evaluating_restores_a_training_module_and_leaves_an_eval_one_as_it_was():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))
+    with evaluating(model) as inside:
+        assert not any(m.training for m in inside.modules())
+        assert not torch.is_grad_enabled()
+    assert all(m.training for m in model.modules())
+    model.eval()
+    with evaluating(model):
+        assert not any(m.training for m in model.modules())
+    assert not any(m.training for m in model.modules())

@@ -389,3 +389,16 @@ def test_a_rows_top_k_draw_does_not_depend_on_the_rows_beside_it():
     alone = [smp.sample_tokens(logits[i:i + 1], **{n: s[i:i + 1] for n, s in
                                                    settings.items()})[0] for i in range(5)]
     assert together.tolist() == [int(t) for t in alone]
+
+
+@settings(max_examples=50, deadline=None)
+@given(seeds=st.lists(INT64, min_size=1, max_size=40), position=INT64)
+def test_host_uniforms_are_the_same_bits_as_the_device_rounds(seeds, position):
+    """The host path (numpy) and the tensor rounds that a GPU runs give the same uniforms."""
+    s = torch.tensor(seeds)
+    p = torch.tensor([position] * len(seeds)) + torch.arange(len(seeds))
+    key = torch.stack([s & smp._MASK32, (s >> 32) & smp._MASK32])
+    counter = torch.stack([p & smp._MASK32, (p >> 32) & smp._MASK32, 0 * p, 0 * p])
+    out = smp._philox4x32(counter, key)
+    want = ((out[0] >> 5) * (1 << 26) + (out[1] >> 6)).to(torch.float64) * 2.0**-53
+    assert torch.equal(smp.uniforms(s, p), want)
