@@ -17,17 +17,19 @@ its token ids, positions and sampling settings this way every step.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from flowkit.ops.peak import PEAK_TFLOPS_ENV, peak_override
 
-__all__ = ["PEAK_TFLOPS_ENV", "TF32_ENV", "configure_tf32", "cuda_device", "device_clock",
-           "peak_flops", "synchronize_op", "to_device"]
+__all__ = ["PEAK_TFLOPS_ENV", "TF32_ENV", "build_target", "building_on", "configure_tf32",
+           "cuda_device", "device_clock", "peak_flops", "synchronize_op", "to_device"]
 
 TF32_ENV = "FLOWKIT_TF32"
 
@@ -118,3 +120,27 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda" and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+# -- where a model being built will live -------------------------------------------------------
+_BUILD_TARGET: contextvars.ContextVar[tuple[torch.device, torch.dtype] | None] = \
+    contextvars.ContextVar("build_target", default=None)
+
+
+@contextlib.contextmanager
+def building_on(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    """Within the block, a model build that loads weights may load them onto `device` in
+    `dtype` at once (`build_target`) instead of as float32 on the host, which the caller then
+    casts and moves: an HF folder of a 7B model in bf16 then never holds its 28 GB float32
+    copy in host memory."""
+    token = _BUILD_TARGET.set((torch.device(device), dtype))
+    try:
+        yield
+    finally:
+        _BUILD_TARGET.reset(token)
+
+
+def build_target() -> tuple[torch.device, torch.dtype]:
+    """(device, dtype) the model being built will be moved to; the host's float32 outside
+    `building_on`."""
+    return _BUILD_TARGET.get() or (torch.device("cpu"), torch.float32)

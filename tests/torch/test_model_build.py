@@ -88,3 +88,26 @@ def test_the_weights_are_the_checkpoints_on_their_device_in_their_dtype(tmp_path
     named = dict(whole.named_parameters(remove_duplicate=False))
     embedding = next(p for n, p in named.items() if n.endswith("wte.weight"))
     assert named["lm_head.weight"] is embedding  # still tied
+
+
+
+def test_an_hf_folder_is_loaded_in_the_dtype_and_on_the_device_of_its_build(tmp_path):
+    """`from_pretrained` gets the build's dtype (and a GPU as its device_map), so a bf16 model
+    never materializes its float32 copy; the weights are the file's, cast."""
+    transformers = __import__("pytest").importorskip("transformers")
+    from executors.torch.device import building_on
+    from executors.torch.models.hf import HFCausalLM
+
+    config = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(3)
+    saved = transformers.Qwen2ForCausalLM(config)
+    saved.save_pretrained(tmp_path / "qwen2")
+    with building_on(torch.device("cpu"), torch.bfloat16):
+        model = HFCausalLM(path=str(tmp_path / "qwen2"))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    for (name, got), want in zip(model._lm[0].named_parameters(), saved.parameters()):
+        assert torch.equal(got, want.to(torch.bfloat16)), name
+    assert {p.dtype for p in HFCausalLM(path=str(tmp_path / "qwen2")).parameters()} == \
+        {torch.float32}  # outside a build: as before, float32 on the host

@@ -25,6 +25,7 @@ import torch
 
 from executors.optable import OpContext
 from executors.torch import weights
+from executors.torch.device import building_on
 from executors.torch.errors import StageError
 from executors.torch.lora import add_adapters, merge_adapters
 from executors.torch.models.packing import accepts_positions
@@ -124,11 +125,14 @@ def _build(path: str, model_config: dict) -> torch.nn.Module:
 # not twice it, and a GPU model never holds an fp32 copy on the host (tests/torch/
 # test_model_build.py measures it). Buffers are built as usual (a rotary table is computed, not
 # saved). A model without a checkpoint is built on the CPU from the seeded CPU generator, so that
-# every holder, and a plain loop, draws the same weights.
+# every holder, and a plain loop, draws the same weights; one whose build loads a folder (an HF
+# model's `path`) has `from_pretrained` load it in its dtype onto its device (`building_on`).
 def _built(path: str, model_config: dict, checkpoint: str | None, device: torch.device,
            dtype: torch.dtype) -> torch.nn.Module:
-    if not checkpoint:
-        return _build(path, model_config).to(device=device, dtype=dtype)
+    if not checkpoint:  # an HF folder loads onto `device` in `dtype` (`building_on`)
+        with building_on(device, dtype):
+            whole = _build(path, model_config)
+        return whole.to(device=device, dtype=dtype)
     with _parameters_on_meta():
         whole = _build(path, model_config)
     _materialize(whole, device, dtype)

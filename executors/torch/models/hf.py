@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from executors.torch.device import to_device
+from executors.torch.device import build_target, to_device
 from executors.torch.models.gpt import (
     _balanced,
     _enlarged,
@@ -266,9 +266,10 @@ def _load(path: str | None, architecture: str | None, hf_config: dict,
     hf_logging.disable_progress_bar()
     if path is not None:
         check_model_dir(path)
+        device, dtype = build_target()  # [Note: models from a checkpoint in built.py]
         return AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=torch.float32,
-            attn_implementation=attn_implementation)
+            path, local_files_only=True, dtype=dtype, attn_implementation=attn_implementation,
+            device_map=None if device.type == "cpu" else device)
     check_family(architecture, architecture)
     config = AutoConfig.for_model(architecture, **hf_config)
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
