@@ -102,6 +102,7 @@ class OpTable:
     def __init__(self) -> None:
         self._ops: dict[str, Op] = {}
         self._batched: dict[str, Op] = {}
+        self._merges: set[str] = set()
         self.op_end_hooks: list[Callable[[OpContext], None]] = []
 
     def on_op_end(self, hook: Callable[[OpContext], None]) -> None:
@@ -111,9 +112,12 @@ class OpTable:
         if hook not in self.op_end_hooks:
             self.op_end_hooks.append(hook)
 
-    def register(self, name: str, fn: Op | None = None, *, batched: Op | None = None) -> Any:
+    def register(self, name: str, fn: Op | None = None, *, batched: Op | None = None,
+                 merges: bool = False) -> Any:
         """`table.register("noop", fn)` or as a decorator `@table.register("noop")`;
-        `batched`: the op's form on lists of items [Note: batched forms]."""
+        `batched`: the op's form on lists of items [Note: batched forms]; `merges`: its
+        batched tasks waiting together may run as one call, the op's results being the same
+        whichever items share it [Note: merged tasks in executors/tasks.py]."""
 
         def add(op: Op) -> Op:
             if name in self._ops and self._ops[name] is not op:
@@ -121,6 +125,8 @@ class OpTable:
             self._ops[name] = op
             if batched is not None:
                 self._batched[name] = batched
+                if merges:
+                    self._merges.add(name)
             return op
 
         return add(fn) if fn is not None else add
@@ -131,6 +137,10 @@ class OpTable:
     def batched(self, name: str) -> Op | None:
         """The op's batched form, if it has one [Note: batched forms]."""
         return self._batched.get(name)
+
+    def merges(self, name: str) -> bool:
+        """Whether the op's waiting batched tasks may run as one call [Note: merged tasks]."""
+        return name in self._merges
 
     def names(self) -> list[str]:
         return sorted(self._ops)

@@ -29,10 +29,14 @@ from executors.optable import Deferred, OpContext, OpTable
 from executors.peers import Peers
 from executors.store import ObjectStore
 from executors.tasks import (
+    MERGED_ITEMS,
     Task,
     check_streamed,
     failure_text,
+    merged,
+    merges_with,
     run_items,
+    shares_of,
     split_outputs,
     summarize_completion,
     summarize_output,
@@ -501,7 +505,8 @@ class Executor:
             # trip and the ops/s this keeps.
             if self.completions and self.typical_op_s > _TINY_OP_S:
                 self.watch.send_now = True
-            took = self._run(task)
+            partners = self._merging(task)  # [Note: merged tasks] in executors/tasks.py
+            took = self._run_merged([task, *partners]) if partners else self._run(task)
             self.typical_op_s += 0.2 * (took - self.typical_op_s)
             if task.spec.lane is not None:
                 self._leave_lane(task)
@@ -521,15 +526,50 @@ class Executor:
         self._drain(self.control, peer=False, all_queued=True)
         self._drain(self.peer, peer=True, all_queued=True)
 
+    def _merging(self, task: Task) -> list[Task]:
+        """The ready tasks that run in one call with `task`, taken out of the queue [Note:
+        merged tasks in executors/tasks.py]."""
+        if task.spec.items is None or task.spec.lane is not None \
+                or not self.ops.merges(task.spec.op):
+            return []
+        partners, items = [], task.spec.items
+        for other in list(self.ready):
+            if items + (other.spec.items or 0) > MERGED_ITEMS:
+                break
+            if other.spec.id in self.waiting and merges_with(task, other):
+                self.ready.remove(other)
+                del self.waiting[other.spec.id]
+                partners.append(other)
+                items += other.spec.items
+        return partners
+
+    def _run_merged(self, tasks: list[Task]) -> float:
+        """Run batched `tasks` as one call and queue each one's completion [Note: merged
+        tasks]; returns how long it took."""
+        start = time.time()
+        for task in tasks:
+            task.start = start
+        try:
+            together, args = merged(tasks, [self._args(task) for task in tasks])
+            results = self._call(together, args, early=False)
+        except Exception:  # each alone, so that only a task whose items fail fails
+            return time.time() - start + sum(self._run(task) for task in tasks)
+        end = time.time()
+        for task, outputs in zip(tasks, shares_of(tasks, results)):
+            self._complete(task, outputs, end)
+        return end - start
+
+    def _args(self, task: Task) -> list:
+        objects = self.store.objects
+        if task.plain:
+            return [objects[i] for i in task.spec.inputs]
+        return [resolve(ref, objects) for ref in task.spec.inputs]
+
     def _run(self, task: Task) -> float:
         """Run `task` and queue its completion; returns how long the op took."""
         start = task.start = time.time()
         try:
-            objects = self.store.objects
-            if task.plain:
-                args = [objects[i] for i in task.spec.inputs]
-            else:
-                args = [resolve(ref, objects) for ref in task.spec.inputs]
+            args = self._args(task)
             result = self._call(task, args)
             if isinstance(result, Deferred):  # it completes later [Note: deferred ops]
                 result.bind(_DeferredSink(self, task))
@@ -649,14 +689,15 @@ class Executor:
         else:  # a rollout engine's iteration ends samples of many calls: one message for all
             self._send(Msg.STREAMS, {"end": now, "tasks": bodies})
 
-    def _call(self, task: Task, args: list) -> Any:
+    def _call(self, task: Task, args: list, *, early: bool = True) -> Any:
         """Run one op; while it runs the sockets belong to the watch, which takes them over if
-        the op turns out long [Note: completion batching]."""
+        the op turns out long [Note: completion batching], and answers a batched task's items
+        done so far unless not `early` (a merged call's, whose task is no real one)."""
         self.op_seq += 1
         self.in_op = True
         self.ctx.emit = (lambda value: self._emit(task, value)) if task.spec.stream else None
         batched = task.spec.items is not None
-        self.batch_running = task if batched else None
+        self.batch_running = task if batched and early else None
         self.socket_lock.release()
         self.watch.op_started()
         try:

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
+
 from executors.optable import Deferred
 from executors.outbox import packed
 from flowkit.wire.refs import object_ids
 from flowkit.wire.serialize import SerializeError, nbytes_of, pack
 from flowkit.wire.task import TaskSpec
 
-__all__ = ["ItemFailed", "Task", "check_streamed", "failure_text", "run_items", "split_outputs",
-           "summarize_completion", "summarize_output"]
+__all__ = ["MERGED_ITEMS", "ItemFailed", "Task", "check_streamed", "failure_text", "merged",
+           "merges_with", "run_items", "shares_of", "split_outputs", "summarize_completion",
+           "summarize_output"]
 
 _INLINE_LIMIT = 2048  # outputs whose packed form is this small ride in the completion message
 _NONE_BODY = pack(None)[0]
@@ -199,3 +202,44 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value[:_TRACE_LIMIT]]
     return _plain(str(value))
+
+
+# [Note: merged tasks] Batched tasks of an op whose results do not depend on which items share
+# a call (the inference ops' batch-invariant forwards, executors/torch/rollout/infer.py) run
+# as one call when they wait together: the controller sends a scoring node's items as they
+# finish, a few at a time, and each task paid its forwards' padded rows alone (the README's
+# GRPO step: 208 rows scored for 128 rollouts). Only tasks of the same op, config, per-item
+# ports and shared inputs, outside lanes, up to MERGED_ITEMS items; each is still answered
+# alone, in its own order.
+MERGED_ITEMS = 256
+
+
+def merges_with(task: Task, other: Task) -> bool:
+    """Whether `other` may run in one call with `task` [Note: merged tasks]."""
+    a, b = task.spec, other.spec
+    if b.op != a.op or b.items is None or b.lane is not None or b.stream or other.missing:
+        return False
+    if b.per_item != a.per_item or len(b.inputs) != len(a.inputs) or b.config != a.config:
+        return False
+    return all(x == y for j, (x, y) in enumerate(zip(a.inputs, b.inputs)) if j not in a.per_item)
+
+
+def merged(tasks: list[Task], args: list[list]) -> tuple[Task, list]:
+    """One task standing for `tasks` (each with its resolved `args`), and its arguments: the
+    per-item inputs joined in order, the shared ones the first task's."""
+    first = tasks[0].spec
+    spec = attrs.evolve(first, items=sum(t.spec.items for t in tasks),
+                        outputs=[i for t in tasks for i in t.spec.outputs])
+    joined = [[v for a in args for v in a[j]] if j in first.per_item else args[0][j]
+              for j in range(len(args[0]))]
+    return Task(spec, tasks[0].fn), joined
+
+
+def shares_of(tasks: list[Task], results: list) -> list[list]:
+    """The merged call's flat outputs cut back into each task's."""
+    cut, out = 0, []
+    for task in tasks:
+        count = len(task.spec.outputs)
+        out.append(results[cut:cut + count])
+        cut += count
+    return out

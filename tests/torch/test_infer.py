@@ -10,6 +10,7 @@ from executors.optable import OpTable
 from executors.torch.rollout import generate as gen
 from executors.torch.rollout import infer, sampling
 from flowkit.ops.records import Prompt, Rollout, TokenScores
+from flowkit.runtime import RemoteError
 from tests.harness import critic_of, gpt_spec, op_context, tiny_gpt
 
 POLICY = gpt_spec("policy", tiny_gpt(vocab_size=32, block_size=24, n_embd=16), seed=1)
@@ -169,3 +170,43 @@ def test_logprobs_in_chunks_of_positions_are_the_same_bits_and_a_float32_models_
         n = len(r.prompt_tokens)
         want = [float(logp[n - 1 + i, t]) for i, t in enumerate(r.response_tokens)]
         assert scores.values == pytest.approx(want, abs=1e-5)
+
+
+def test_scoring_tasks_waiting_together_run_as_one_call_with_the_same_scores(pool):
+    """[Note: merged tasks] in executors/tasks.py: batched logprobs tasks queued behind a slow
+    op run as one call, each answered with what it gets alone, bit for bit."""
+    ctl, (executor,) = pool.cluster(1, kind="torch")
+    rollouts = [Rollout(prompt_id=i, sample=0, prompt_tokens=[(3 * i + j) % 32 for j in range(5)],
+                        response_tokens=[(i + j) % 32 for j in range(1 + i % 4)],
+                        logprobs=[0.0] * (1 + i % 4)) for i in range(9)]
+    chunks = [rollouts[:3], rollouts[3:5], rollouts[5:]]
+    slow = {"target": "tests.runtime.batch_ops:slow_on_last", "ports": ["x"]}
+    with ctl.batch():  # all three wait behind the half-second op
+        ctl.submit("python", 3, config=slow, executor=executor.id)
+        together = [ctl.submit_items("logprobs", chunk, per_item=[0], config=POLICY,
+                                     executor=executor.id) for chunk in chunks]
+    alone = []
+    for chunk in chunks:  # one at a time: nothing to merge with
+        futures = ctl.submit_items("logprobs", chunk, per_item=[0], config=POLICY,
+                                   executor=executor.id)
+        alone.append([f.result(timeout=60).values for f in futures])
+    assert [[f.result(timeout=60).values for f in fs] for fs in together] == alone
+    assert len({fs[-1].timing for fs in together}) == 1  # one call: one start, one end
+
+
+def test_a_merged_call_that_fails_fails_only_the_task_whose_item_is_bad(pool):
+    ctl, (executor,) = pool.cluster(1, kind="torch")
+    good = Rollout(prompt_id=0, sample=0, prompt_tokens=[1, 2], response_tokens=[3],
+                   logprobs=[0.0])
+    too_long = Rollout(prompt_id=1, sample=0, prompt_tokens=[1] * 30, response_tokens=[2],
+                       logprobs=[0.0])  # past the model's context of 24
+    slow = {"target": "tests.runtime.batch_ops:slow_on_last", "ports": ["x"]}
+    with ctl.batch():
+        ctl.submit("python", 3, config=slow, executor=executor.id)
+        first = ctl.submit_items("logprobs", [good, good], per_item=[0], config=POLICY,
+                                 executor=executor.id)
+        second = ctl.submit_items("logprobs", [good, too_long], per_item=[0], config=POLICY,
+                                  executor=executor.id)
+    assert [len(f.result(timeout=60).values) for f in first] == [1, 1]
+    with pytest.raises(RemoteError, match="past the model's context_length 24"):
+        second[0].result(timeout=60)

@@ -220,6 +220,7 @@ def _width(length: int) -> int:
 
 def register(table: OpTable) -> None:
     # each takes a list of rollouts as well: that is its batched form
-    table.register("logprobs", _logprobs, batched=_logprobs)
-    table.register("values", _values, batched=_values)
-    table.register("reward_model", _reward_model, batched=_reward_model)
+    # batch-invariant forwards: their batched tasks merge [Note: merged tasks in tasks.py]
+    table.register("logprobs", _logprobs, batched=_logprobs, merges=True)
+    table.register("values", _values, batched=_values, merges=True)
+    table.register("reward_model", _reward_model, batched=_reward_model, merges=True)
