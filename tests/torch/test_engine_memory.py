@@ -216,3 +216,22 @@ def test_a_forward_asked_for_one_position_a_row_gives_its_logits_alone(model, wh
     torch.testing.assert_close(some[:, 0], every[torch.arange(3), last], rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="position 20 is past the cache's 20"):
         model.forward_cached(idx, model.new_cache(3, 20), torch.tensor([0, 12, 0]), last=last)
+
+
+def test_a_cached_forward_reads_its_live_positions_and_its_first_rows_as_a_view(model):
+    """[Note: live cache window] in executors/torch/models/gpt.py: a forward into a cache of
+    4,096 positions holding 6 reads 6 (+ its own tokens), its rows 0 .. B-1 without a copy; the
+    logits are those of the whole sequence run afresh."""
+    from executors.torch.models.gpt import CacheWindow
+
+    cache = model.new_cache(3, 4096)
+    seqs = torch.tensor([[(7 * b + j) % 32 for j in range(7)] for b in range(3)])
+    model.forward_cached(seqs[:, :6], cache, torch.zeros(3, dtype=torch.long))
+    window = CacheWindow.of(None, 3, torch.full((3,), 6), 1, 4096, torch.device("cpu"))
+    assert window.live == 7 and window.read(cache.k[0]).shape[2] == 7
+    assert window.read(cache.k[0])._base is cache.k[0]  # a view: nothing gathered
+    picked = CacheWindow.of(torch.tensor([2, 0]), 2, torch.full((2,), 6), 1, 4096,
+                            torch.device("cpu"))
+    assert picked.read(cache.k[0]).shape[:3] == (2, cache.k[0].shape[1], 7)
+    last = model.forward_cached(seqs[:, 6:], cache, torch.full((3,), 6))[:, -1]
+    assert torch.allclose(last, model(seqs)[:, -1], rtol=0, atol=1e-12)

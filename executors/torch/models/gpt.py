@@ -21,6 +21,7 @@ __all__ = [
     "GPTConfig",
     "GPTStage",
     "KVCache",
+    "CacheWindow",
     "cache_positions",
     "layers_per_stage",
     "split_gpt",
@@ -107,16 +108,18 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
     def forward_cached(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+                       rows: torch.Tensor, pos: torch.Tensor, window: CacheWindow
+                       ) -> torch.Tensor:
         """``x`` (B, T, C) at positions ``pos`` (B, T) of cache rows ``rows`` (B): write their
-        keys and values, attend over the row's cache [Note: KV cache rows]."""
+        keys and values, attend over the row's cache up to the window's live positions [Note:
+        KV cache rows]."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         r = rows[:, None]  # (B, 1) broadcasts against pos (B, T)
         k_cache[r, :, pos] = k.view(B, T, self.n_head, C // self.n_head).to(k_cache.dtype)
         v_cache[r, :, pos] = v.view(B, T, self.n_head, C // self.n_head).to(v_cache.dtype)
-        keys, values = k_cache[rows], v_cache[rows]  # (B, nh, L, hs)
+        keys, values = window.read(k_cache), window.read(v_cache)  # (B, nh, live, hs)
         seen = torch.arange(keys.size(2), device=x.device)[None, None, :] <= pos[:, :, None]
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=seen[:, None])
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
@@ -146,8 +149,8 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x), packed)
         return x + self.mlp(self.ln_2(x))
 
-    def forward_cached(self, x, k_cache, v_cache, rows, pos) -> torch.Tensor:
-        x = x + self.attn.forward_cached(self.ln_1(x), k_cache, v_cache, rows, pos)
+    def forward_cached(self, x, k_cache, v_cache, rows, pos, window) -> torch.Tensor:
+        x = x + self.attn.forward_cached(self.ln_1(x), k_cache, v_cache, rows, pos, window)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -286,12 +289,45 @@ def _embed(transformer: nn.ModuleDict, idx: torch.Tensor,
 def _forward_cached(config, embed, blocks, ln_f, lm_head, idx, cache, start, rows, last=None):
     """The cached forward of a whole model (`GPT`, or a `GPTStage` both first and last)."""
     B, T = idx.shape
+    window = CacheWindow.of(rows, B, start, T, cache.max_len, idx.device)
     rows = torch.arange(B, device=idx.device) if rows is None else to_device(rows, idx.device)
     pos = cache_positions(start, T, cache.max_len, idx.device)  # (B, T)
     x = embed.drop(embed.wte(idx) + embed.wpe(pos))  # (B, T, C)
     for i, block in enumerate(blocks):
-        x = block.forward_cached(x, cache.k[i], cache.v[i], rows, pos)
+        x = block.forward_cached(x, cache.k[i], cache.v[i], rows, pos, window)
     return _head(config, ln_f, lm_head, at_positions(x, last), None)
+
+
+# [Note: live cache window] A cached forward reads each row's keys and values only up to the
+# batch's last live position (`live`, from `start` on the host) rather than the cache's whole
+# length, and, when its rows are the cache's first B in order (a full continuous batch, every
+# prefill of a fresh cache), as a view of them instead of a gathered copy: attention and the
+# copy then cost what the sequences hold, not what the cache was sized for (a cache doubles as
+# it grows: up to twice the positions; on a GPU a gather of a long cache every decode step is
+# the engine's largest memory traffic). Positions past `live` are masked anyway, so the logits
+# equal the whole-cache forward's to rounding (tests/torch/test_engine.py).
+@dataclass(frozen=True)
+class CacheWindow:
+    """Which cache rows (a slice of the first B, or a row tensor) and positions a cached
+    forward reads [Note: live cache window]."""
+
+    rows: slice | torch.Tensor
+    live: int
+
+    @classmethod
+    def of(cls, rows: torch.Tensor | None, batch: int, start: torch.Tensor, T: int,
+           max_len: int, device: torch.device) -> CacheWindow:
+        """The window of a forward of T tokens a row from `start` (B,) into `rows` (None: the
+        first `batch`) of a cache on `device`; rows given on the host are read as a slice when
+        they are 0 .. B-1."""
+        live = min(max_len, int(start.max()) + T)
+        if rows is None or (rows.device.type == "cpu" and rows.tolist() == list(range(batch))):
+            return cls(slice(0, batch), live)
+        return cls(to_device(rows, device), live)
+
+    def read(self, cache: torch.Tensor) -> torch.Tensor:
+        """(B, heads, live, head_dim) of a layer's keys or values (batch, heads, max_len, hd)."""
+        return cache[self.rows, :, :self.live]
 
 
 def cache_positions(start: torch.Tensor, T: int, max_len: int,

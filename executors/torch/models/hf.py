@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from executors.torch.device import build_target, to_device
 from executors.torch.models.gpt import (
+    CacheWindow,
     _balanced,
     _enlarged,
     at_positions,
@@ -387,10 +388,11 @@ class HFStage(nn.Module):
         (B,), only those of each row's token ``last`` (B, 1, V)."""
         self._need_whole("forward_cached")
         B, T = idx.shape
+        cache.window = CacheWindow.of(rows, B, start, T, cache.max_len, idx.device)
         rows = torch.arange(B, device=idx.device) if rows is None else to_device(rows, idx.device)
         pos = cache_positions(start, T, cache.max_len, idx.device)
         cache.rows, cache.pos = rows, pos
-        keys = torch.arange(cache.max_len, device=idx.device)
+        keys = torch.arange(cache.window.live, device=idx.device)  # [Note: live cache window]
         x = self._embed(idx, pos)
         x = self._layers(x, pos, lambda window: _mask(pos, keys, window, x.dtype), cache)
         return self._head(at_positions(x, last), None)
@@ -483,6 +485,7 @@ class RowCache:
         self.layers = layers
         self.rows: torch.Tensor | None = None
         self.pos: torch.Tensor | None = None
+        self.window: CacheWindow | None = None
 
     @property
     def max_len(self) -> int:
@@ -494,7 +497,7 @@ class RowCache:
         r = self.rows[:, None]  # (B, 1) against pos (B, T)
         k[r, :, self.pos] = key_states.transpose(1, 2).to(k.dtype)
         v[r, :, self.pos] = value_states.transpose(1, 2).to(v.dtype)
-        return k[self.rows], v[self.rows]
+        return self.window.read(k), self.window.read(v)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.max_len

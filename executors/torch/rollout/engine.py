@@ -432,8 +432,9 @@ class Engine(Trajectories):
         moved without a wait ([Note: transfers without a wait] in executors/torch/device.py);
         a model that reads them computes no others (lm.py's optional `last`)."""
         start, last_at = torch.tensor(starts), torch.tensor(last)
-        idx, slots = to_device(idx, self.device), to_device(torch.tensor([s.slot for s in rows]),
-                                                            self.device)
+        # the slots stay on the host: the model reads them as a slice when they are its first
+        # rows in order [Note: live cache window in executors/torch/models/gpt.py]
+        idx, slots = to_device(idx, self.device), torch.tensor([s.slot for s in rows])
         if self.reads_last:  # it takes `start` on the host too
             out = self.model.forward_cached(idx, self.cache, start, slots, last=last_at)
             return lm.logits_of(out, "generate")[:, 0]
