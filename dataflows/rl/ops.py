@@ -165,7 +165,8 @@ def _model_tokens(sample: Scored) -> int:
 def group_metrics(samples: list) -> dict:
     """Over the prompts sampled two or more times: the share whose samples' rewards are all
     equal (`groups/zero_advantage_fraction`: a group-relative advantage is 0 for every sample,
-    so it trains nothing), and the mean samples per prompt. Nothing when each prompt has one."""
+    so it trains nothing), and the mean and most samples per prompt (they vary with adaptive
+    sampling). Nothing when each prompt has one."""
     rewards: dict[int, list[float]] = collections.defaultdict(list)
     for s in samples:
         rewards[s.prompt_id].append(s.reward)
@@ -174,7 +175,8 @@ def group_metrics(samples: list) -> dict:
         return {}
     return {"groups/zero_advantage_fraction": sum(min(r) == max(r) for r in groups)
             / len(groups),
-            "groups/samples_mean": statistics.fmean(len(r) for r in rewards.values())}
+            "groups/samples_mean": statistics.fmean(len(r) for r in rewards.values()),
+            "groups/samples_max": float(max(len(r) for r in rewards.values()))}
 
 
 def trajectory_metrics(samples: list) -> dict:
