@@ -1,5 +1,5 @@
 """`flowkit bench codec|dispatch|transfer|pipeline|train|rl|placement|fused|fill|rollout|scale|
-checkpoint|launch|loggers|trl|chaos|flood`:
+checkpoint|launch|loggers|trl|chaos|flood|adaptive`:
 benchmarks, each against a baseline measured side by side in the same run (this machine is
 noisy: compare ratios, not times).
 
@@ -469,6 +469,27 @@ def _trl_table(figures: dict) -> Any:
                      f"warm-up {figures['warm_up']['steps']} steps, "
                      f"{figures['warm_up']['wall_s']:.0f} s")
     return table
+
+
+@bench.command(cls=_BenchCommand)
+@click.option("--seeds", "adaptive_seeds", type=click.IntRange(min=1), default=3,
+              show_default=True, help="Seeds; each runs both sides, alternating.")
+@click.option("--warm-steps", type=click.IntRange(min=1), default=600, show_default=True,
+              help="Steps of the supervised warm-up (examples/sort_sft.py).")
+@click.option("--token-budget", type=click.IntRange(min=1), default=40_000,
+              show_default=True, help="Response tokens each side generates.")
+@click.option("--pool", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Distinct prompts the steps take in turn.")
+@_json_option
+def adaptive(adaptive_seeds: int, warm_steps: int, token_budget: int, pool: int,
+             json_out: Path | None) -> None:
+    """Adaptive samples per prompt against fixed n=8 at an equal budget of generated tokens:
+    tokens to a mean reward of 0.8, and the share of zero-advantage groups."""
+    module = importlib.import_module("benchmarks.adaptive")
+    _bench_function("adaptive", "run_adaptive_bench")  # one thread per op, as the others
+    setup = module.AdaptiveBench(seeds=adaptive_seeds, warm_steps=warm_steps,
+                                 token_budget=token_budget, pool=pool)
+    _report(module.run_adaptive_bench(setup), json_out)
 
 
 @bench.command(cls=_BenchCommand)

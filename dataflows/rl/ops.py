@@ -165,8 +165,10 @@ def _model_tokens(sample: Scored) -> int:
 def group_metrics(samples: list) -> dict:
     """Over the prompts sampled two or more times: the share whose samples' rewards are all
     equal (`groups/zero_advantage_fraction`: a group-relative advantage is 0 for every sample,
-    so it trains nothing), and the mean and most samples per prompt (they vary with adaptive
-    sampling). Nothing when each prompt has one."""
+    so it trains nothing), the mean and most samples per prompt (they vary with adaptive
+    sampling), and `groups/reward_mean`, the mean over prompts of each one's mean reward: the
+    policy's reward on the step's prompts whatever their samples (reward_mean weighs a prompt
+    by its samples). Nothing when each prompt has one."""
     rewards: dict[int, list[float]] = collections.defaultdict(list)
     for s in samples:
         rewards[s.prompt_id].append(s.reward)
@@ -176,7 +178,9 @@ def group_metrics(samples: list) -> dict:
     return {"groups/zero_advantage_fraction": sum(min(r) == max(r) for r in groups)
             / len(groups),
             "groups/samples_mean": statistics.fmean(len(r) for r in rewards.values()),
-            "groups/samples_max": float(max(len(r) for r in rewards.values()))}
+            "groups/samples_max": float(max(len(r) for r in rewards.values())),
+            "groups/reward_mean": statistics.fmean(statistics.fmean(r)
+                                                   for r in rewards.values())}
 
 
 def trajectory_metrics(samples: list) -> dict:
