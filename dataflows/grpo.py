@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataflows.model_ops import Backprop, OptimizerStep
 from dataflows.models import reference_of
+from dataflows.rl.adaptive import check_adaptive
 from dataflows.rl.config import GroupRLConfig, RLConfig, actor_loss, rl_flow
 from dataflows.rl.evaluation import attach_evaluation
-from dataflows.rl.adaptive import check_adaptive
 from dataflows.rl.front import group_size, rl_actor, sample_and_score
 from dataflows.rl.ops import grpo_advantages, with_reference
 from flowkit.dsl import Flow, Model, collect, group_by
