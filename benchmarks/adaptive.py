@@ -12,8 +12,8 @@ reward, averaged over prompts: adaptive sampling weighs prompts unequally, so re
 not compare), smoothed over the last `window` steps; `tokens_to_target` is the tokens generated
 up to the first step where that reaches `target` (None: not within the budget).
 `zero_advantage_share` is the mean over steps of the share of groups whose rewards were all
-equal. `ratio` is adaptive's median tokens_to_target over fixed's (the seeds where both got
-there).
+equal, `zero_advantage_tokens_share` of the generated tokens those groups hold. `ratio` is
+adaptive's median tokens_to_target over fixed's (the seeds where both got there).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def _side(bench: AdaptiveBench, weights: Path, seed: int, side: str) -> dict:
     """One side's run until its tokens are spent: its curve and figures."""
     from benchmarks.runs import bench_run
 
-    tokens, rewards, zero, spent = [], [], [], 0
+    tokens, rewards, zero, zero_tokens, spent = [], [], [], [], 0
     with bench_run(grpo_side(bench, weights, seed, side), steps=bench.max_steps,
                    executors="torch") as run:
         for report in run.steps():
@@ -107,6 +107,7 @@ def _side(bench: AdaptiveBench, weights: Path, seed: int, side: str) -> dict:
             tokens.append(spent)
             rewards.append(float(report.metrics["groups/reward_mean"]))
             zero.append(float(report.metrics["groups/zero_advantage_fraction"]))
+            zero_tokens.append(float(report.metrics["groups/zero_advantage_tokens_fraction"]))
             if spent >= bench.token_budget:
                 break
     smoothed = [statistics.fmean(rewards[max(0, i + 1 - bench.window):i + 1])
@@ -114,7 +115,9 @@ def _side(bench: AdaptiveBench, weights: Path, seed: int, side: str) -> dict:
     reached = next((tokens[i] for i, r in enumerate(smoothed)
                     if i + 1 >= bench.window and r >= bench.target), None)
     return {"steps": len(tokens), "tokens": spent, "tokens_to_target": reached,
-            "zero_advantage_share": statistics.fmean(zero), "reward_last": smoothed[-1],
+            "zero_advantage_share": statistics.fmean(zero),
+            "zero_advantage_tokens_share": statistics.fmean(zero_tokens),
+            "reward_last": smoothed[-1],
             "reward_curve": rewards, "tokens_curve": tokens}
 
 
@@ -127,6 +130,8 @@ def _over_seeds(runs: list[dict]) -> dict:
                      "tokens_to_target_median": statistics.median(got) if got else None,
                      "zero_advantage_share": statistics.fmean(
                          run[side]["zero_advantage_share"] for run in runs),
+                     "zero_advantage_tokens_share": statistics.fmean(
+                         run[side]["zero_advantage_tokens_share"] for run in runs),
                      "reward_last": statistics.fmean(run[side]["reward_last"] for run in runs)}
     both = [(run["fixed"]["tokens_to_target"], run["adaptive"]["tokens_to_target"])
             for run in runs if None not in (run["fixed"]["tokens_to_target"],

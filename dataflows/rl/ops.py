@@ -165,18 +165,23 @@ def _model_tokens(sample: Scored) -> int:
 def group_metrics(samples: list) -> dict:
     """Over the prompts sampled two or more times: the share whose samples' rewards are all
     equal (`groups/zero_advantage_fraction`: a group-relative advantage is 0 for every sample,
-    so it trains nothing), the mean and most samples per prompt (they vary with adaptive
-    sampling), and `groups/reward_mean`, the mean over prompts of each one's mean reward: the
-    policy's reward on the step's prompts whatever their samples (reward_mean weighs a prompt
-    by its samples). Nothing when each prompt has one."""
+    so it trains nothing) and the share of the step's generated tokens they hold
+    (`groups/zero_advantage_tokens_fraction`: what they cost); the mean and most samples per
+    prompt (they vary with adaptive sampling); and `groups/reward_mean`, the mean over prompts
+    of each one's mean reward: the policy's reward on the step's prompts whatever their samples
+    (reward_mean weighs a prompt by its samples). Nothing when each prompt has one."""
     rewards: dict[int, list[float]] = collections.defaultdict(list)
+    tokens: dict[int, int] = collections.defaultdict(int)
     for s in samples:
         rewards[s.prompt_id].append(s.reward)
-    groups = [r for r in rewards.values() if len(r) > 1]
+        tokens[s.prompt_id] += _model_tokens(s)
+    groups = [p for p, r in rewards.items() if len(r) > 1]
     if not groups:
         return {}
-    return {"groups/zero_advantage_fraction": sum(min(r) == max(r) for r in groups)
-            / len(groups),
+    zero = [p for p in groups if min(rewards[p]) == max(rewards[p])]
+    return {"groups/zero_advantage_fraction": len(zero) / len(groups),
+            "groups/zero_advantage_tokens_fraction": sum(tokens[p] for p in zero)
+            / max(1, sum(tokens.values())),
             "groups/samples_mean": statistics.fmean(len(r) for r in rewards.values()),
             "groups/samples_max": float(max(len(r) for r in rewards.values())),
             "groups/reward_mean": statistics.fmean(statistics.fmean(r)

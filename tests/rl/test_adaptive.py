@@ -120,7 +120,9 @@ def test_rloo_advantages_of_groups_of_varying_size_leave_one_out_of_their_own_gr
 
 def test_metrics_count_zero_advantage_groups_and_generated_tokens():
     samples = _group(0) + [_scored(5, k, 1.0, 2) for k in range(4)] + [_scored(6, 0, 0.0)]
-    want = {"groups/zero_advantage_fraction": 0.5, "groups/samples_mean": 8 / 3,
+    # prompt 5's group is all 1.0: zero advantage, 8 of the 20 tokens
+    want = {"groups/zero_advantage_fraction": 0.5,
+            "groups/zero_advantage_tokens_fraction": 8 / 20, "groups/samples_mean": 8 / 3,
             "groups/samples_max": 4.0, "groups/reward_mean": (1 / 3 + 1.0 + 0.0) / 3}
     assert group_metrics(samples) == pytest.approx(want)
     metrics = rollout_metrics.fn(samples).values
