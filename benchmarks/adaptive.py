@@ -38,7 +38,7 @@ class AdaptiveBench:
     n: int = 8
     pool: int = 64
     n_min: int = 2
-    n_max: int = 16
+    n_max: int = 8  # the fixed side's n: a settled prompt's samples are saved
     target: float = 0.8
     window: int = 3
     max_steps: int = 500  # a bound on one side's steps, whatever its tokens

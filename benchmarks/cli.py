@@ -482,9 +482,10 @@ def _trl_table(figures: dict) -> Any:
               help="Distinct prompts the steps take in turn.")
 @click.option("--n-min", type=click.IntRange(min=1), default=2, show_default=True,
               help="The adaptive side's samples for every prompt.")
-@click.option("--n-max", type=click.IntRange(min=1), default=16, show_default=True,
+@click.option("--n-max", type=click.IntRange(min=1), default=8, show_default=True,
               help="The adaptive side's most samples for one prompt (8: never more than the "
-                   "fixed side, so a settled prompt's samples are saved, not spent elsewhere).")
+                   "fixed side, so a settled prompt's samples are saved; 16: spent on the "
+                   "uncertain ones).")
 @_json_option
 def adaptive(adaptive_seeds: int, warm_steps: int, token_budget: int, pool: int, n_min: int,
              n_max: int, json_out: Path | None) -> None:
