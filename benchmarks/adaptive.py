@@ -4,13 +4,14 @@ dataflows/rl/adaptive.py], at an equal budget of generated tokens.
 Method: the digit-sorting warm-up (examples/sort_sft.py's flow, `warm_steps` steps, fresh
 weights), then per seed, alternating in one command, GRPO from those weights (examples/
 grpo_sort.py's task: `prompts` prompts a step, exact-match reward, the actor in 2 stages) with
-fixed n = `n` and with adaptive sampling (the same samples budget a step, n_min..n_max by
-XRPO's uncertainty), each until it has generated `token_budget` response tokens. The prompts
-come in turn from a pool of `pool` (sort_prompts' pool, by the seed), so that a prompt comes
-back with its history. A side's reward at a step is `groups/reward_mean` (each prompt's mean
-reward, averaged over prompts: adaptive sampling weighs prompts unequally, so reward_mean would
-not compare), smoothed over the last `window` steps; `tokens_to_target` is the tokens generated
-up to the first step where that reaches `target` (None: not within the budget).
+fixed n = `n` and with adaptive sampling (`budget` samples a step, by default the fixed
+side's, n_min..n_max by XRPO's uncertainty), each until it has generated `token_budget`
+response tokens. The prompts come in turn from a pool of `pool` (sort_prompts' pool, by the
+seed), so that a prompt comes back with its history. A side's reward at a step is
+`groups/reward_mean` (each prompt's mean reward, averaged over prompts: adaptive sampling
+weighs prompts unequally, so reward_mean would not compare), smoothed over the last `window`
+steps; `tokens_to_target` is the tokens generated up to the first step where that reaches
+`target` (None: not within the budget).
 `zero_advantage_share` is the mean over steps of the share of groups whose rewards were all
 equal, `zero_advantage_tokens_share` of the generated tokens those groups hold. `ratio` is
 adaptive's median tokens_to_target over fixed's (the seeds where both got there).
@@ -39,6 +40,7 @@ class AdaptiveBench:
     pool: int = 64
     n_min: int = 2
     n_max: int = 8  # the fixed side's n: a settled prompt's samples are saved
+    budget: int | None = None  # the adaptive side's samples a step (None: prompts x n)
     target: float = 0.8
     window: int = 3
     max_steps: int = 500  # a bound on one side's steps, whatever its tokens
@@ -85,7 +87,7 @@ def grpo_side(bench: AdaptiveBench, weights: Path, seed: int, side: str) -> Any:
     from dataflows.rl.adaptive import AdaptiveSampling
     from dataflows.rl.tasks import SORT_GPT, SORT_RESPONSE_TOKENS, sort_prompts, sort_reward
 
-    adaptive = AdaptiveSampling(n_min=bench.n_min, n_max=bench.n_max) \
+    adaptive = AdaptiveSampling(n_min=bench.n_min, n_max=bench.n_max, budget=bench.budget) \
         if side == "adaptive" else None
     return grpo_flow(prompts=bench.prompts, n=bench.n, stages=2, microbatches=4,
                      schedule="1f1b", max_new_tokens=SORT_RESPONSE_TOKENS, lr=3e-4,

@@ -486,16 +486,18 @@ def _trl_table(figures: dict) -> Any:
               help="The adaptive side's most samples for one prompt (8: never more than the "
                    "fixed side, so a settled prompt's samples are saved; 16: spent on the "
                    "uncertain ones).")
+@click.option("--budget", type=click.IntRange(min=1), default=None,
+              help="The adaptive side's samples a step (default: the fixed side's, 16 x 8).")
 @_json_option
 def adaptive(adaptive_seeds: int, warm_steps: int, token_budget: int, pool: int, n_min: int,
-             n_max: int, json_out: Path | None) -> None:
+             n_max: int, budget: int | None, json_out: Path | None) -> None:
     """Adaptive samples per prompt against fixed n=8 at an equal budget of generated tokens:
     tokens to a mean reward of 0.8, and the share of zero-advantage groups."""
     module = importlib.import_module("benchmarks.adaptive")
     _bench_function("adaptive", "run_adaptive_bench")  # one thread per op, as the others
     setup = module.AdaptiveBench(seeds=adaptive_seeds, warm_steps=warm_steps,
                                  token_budget=token_budget, pool=pool, n_min=n_min,
-                                 n_max=n_max)
+                                 n_max=n_max, budget=budget)
     _report(module.run_adaptive_bench(setup), json_out)
 
 
