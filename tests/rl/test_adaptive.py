@@ -177,3 +177,22 @@ def test_flowkit_run_refuses_a_bad_budget_in_one_line_before_the_run(tmp_path):
     last = result.output.strip().splitlines()[-1]
     assert last.startswith("ValueError: adaptive budget=3 samples is smaller than 2 sample(s)")
     assert last.endswith("give budget >= 8, or fewer prompts")
+
+
+def test_the_simulator_makes_each_prompts_own_n_and_groups_them(pool):
+    """On simulator executors: every step stays within the budget, the groups' sizes follow
+    the pass rates (they vary once the prompts come back), and each prompt's n is one group."""
+    from dataflows.rl.tasks import sort_prompts
+    from flowkit import RunConfig
+    from tests.harness import pooled_run
+    from tests.torch.rl_ops import even_token_reward
+
+    flow = grpo_flow(prompts=4, n=4, microbatches=2, max_new_tokens=6, prompt_source=sort_prompts,
+                     source_config={"digits": 3, "pool": 4}, reward=even_token_reward,
+                     adaptive=AdaptiveSampling(n_min=2, n_max=10, pass_reward=0.5))
+    result = pooled_run(pool, flow, RunConfig(steps=3, executors="sim", dashboard=False))
+    lines = result.records
+    assert [line["rollout/samples"] for line in lines][0] == 16  # no history: 4 each
+    assert all(line["rollout/samples"] <= 16 for line in lines)
+    assert "groups/zero_advantage_fraction" in lines[-1]
+    assert max(line["groups/samples_max"] for line in lines[1:]) > 4
