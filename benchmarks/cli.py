@@ -1,5 +1,5 @@
 """`flowkit bench codec|dispatch|transfer|pipeline|train|rl|placement|fused|fill|rollout|scale|
-checkpoint|launch|loggers|trl|chaos|flood`:
+checkpoint|launch|loggers|trl|chaos|flood|adaptive`:
 benchmarks, each against a baseline measured side by side in the same run (this machine is
 noisy: compare ratios, not times).
 
@@ -469,6 +469,36 @@ def _trl_table(figures: dict) -> Any:
                      f"warm-up {figures['warm_up']['steps']} steps, "
                      f"{figures['warm_up']['wall_s']:.0f} s")
     return table
+
+
+@bench.command(cls=_BenchCommand)
+@click.option("--seeds", "adaptive_seeds", type=click.IntRange(min=1), default=3,
+              show_default=True, help="Seeds; each runs both sides, alternating.")
+@click.option("--warm-steps", type=click.IntRange(min=1), default=600, show_default=True,
+              help="Steps of the supervised warm-up (examples/sort_sft.py).")
+@click.option("--token-budget", type=click.IntRange(min=1), default=40_000,
+              show_default=True, help="Response tokens each side generates.")
+@click.option("--pool", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Distinct prompts the steps take in turn.")
+@click.option("--n-min", type=click.IntRange(min=1), default=2, show_default=True,
+              help="The adaptive side's samples for every prompt.")
+@click.option("--n-max", type=click.IntRange(min=1), default=8, show_default=True,
+              help="The adaptive side's most samples for one prompt (8: never more than the "
+                   "fixed side, so a settled prompt's samples are saved; 16: spent on the "
+                   "uncertain ones).")
+@click.option("--budget", type=click.IntRange(min=1), default=None,
+              help="The adaptive side's samples a step (default: the fixed side's, 16 x 8).")
+@_json_option
+def adaptive(adaptive_seeds: int, warm_steps: int, token_budget: int, pool: int, n_min: int,
+             n_max: int, budget: int | None, json_out: Path | None) -> None:
+    """Adaptive samples per prompt against fixed n=8 at an equal budget of generated tokens:
+    tokens to a mean reward of 0.8, and the share of zero-advantage groups."""
+    module = importlib.import_module("benchmarks.adaptive")
+    _bench_function("adaptive", "run_adaptive_bench")  # one thread per op, as the others
+    setup = module.AdaptiveBench(seeds=adaptive_seeds, warm_steps=warm_steps,
+                                 token_budget=token_budget, pool=pool, n_min=n_min,
+                                 n_max=n_max, budget=budget)
+    _report(module.run_adaptive_bench(setup), json_out)
 
 
 @bench.command(cls=_BenchCommand)

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from dataflows.model_ops import Backprop, OptimizerStep
 from dataflows.models import reference_of
+from dataflows.rl.adaptive import check_adaptive
 from dataflows.rl.config import GroupRLConfig, RLConfig, actor_loss, rl_flow
 from dataflows.rl.evaluation import attach_evaluation
-from dataflows.rl.front import rl_actor, sample_and_score
+from dataflows.rl.front import group_size, rl_actor, sample_and_score
 from dataflows.rl.ops import grpo_advantages, with_reference
 from flowkit.dsl import Flow, Model, collect, group_by
 
@@ -24,6 +25,7 @@ def grpo_flow(config: RLConfig, *, model: Model | None = None, gpt: dict | None 
     max_new_tokens, ...) says the rest; `stages` re-cuts the actor, `max_staleness` runs
     asynchronously ([Note: asynchronous steps] in flowkit/runner/flowrun.py)."""
     _check_filter(config)
+    _check_adaptive(config)
     actor = rl_actor(model, gpt=gpt, stages=config.stages)
     # without a KL term (DAPO, Dr. GRPO, GSPO) nothing reads the reference: none is run
     reference = reference_of(actor) if config.kl_coef else None
@@ -36,7 +38,7 @@ def grpo_flow(config: RLConfig, *, model: Model | None = None, gpt: dict | None 
         take = config.prompts if config.filter_groups else None
         rounds = config.filter_rounds if take and config.filter_rounds > 1 else None
         experiences = grpo_advantages(
-            group_by(samples, key="prompt_id", size=config.sampling.n, take=take,
+            group_by(samples, key="prompt_id", size=group_size(config), take=take,
                      rounds=rounds),
             scale_rewards=config.scale_rewards, filter_groups=config.filter_groups)
         stats = Backprop(actor)(experiences, loss="grpo", kl_coef=config.kl_coef,
@@ -70,3 +72,19 @@ def _check_filter(config: RLConfig) -> None:
     if rounds > 1 and config.max_staleness is not None:
         raise ValueError(f"filter_rounds={rounds} generates again within a step, which runs "
                          "synchronously only: drop max_staleness, or set filter_rounds=1")
+
+
+def _check_adaptive(config: RLConfig) -> None:
+    """Adaptive sampling's settings, before the flow is built."""
+    adaptive = getattr(config, "adaptive", None)
+    if adaptive is None:
+        return
+    others = [name for name, on in (("filter_groups", config.filter_groups),
+                                    ("oversample", config.oversample > 1),
+                                    ("max_staleness", config.max_staleness is not None)) if on]
+    if others:
+        raise ValueError(f"adaptive sampling runs synchronous steps of whole groups, without "
+                         f"{', '.join(others)}: drop {'it' if len(others) == 1 else 'them'} or "
+                         "adaptive")
+    check_adaptive(adaptive, prompts=config.prompts, n=config.sampling.n,
+                   max_new_tokens=config.sampling.max_new_tokens)

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from dataflows.model_ops import Backprop, OptimizerStep
 from dataflows.models import reference_of
+from dataflows.rl.adaptive import check_adaptive
 from dataflows.rl.advantages import kl_token_rewards, rloo_advantages
 from dataflows.rl.config import GroupRLConfig, RLConfig, actor_loss, rl_flow
 from dataflows.rl.evaluation import attach_evaluation
-from dataflows.rl.front import rl_actor, sample_and_score
+from dataflows.rl.front import group_size, rl_actor, sample_and_score
 from flowkit.dsl import Flow, Model, collect, group_by
 
 __all__ = ["rloo_flow"]
@@ -23,7 +24,14 @@ def rloo_flow(config: RLConfig, *, model: Model | None = None, gpt: dict | None 
     `use_kl_in_reward`); its advantage, that score minus the mean of the other n-1 samples of
     its prompt. The loss is the clipped PPO policy loss ("ppo"), with no KL term of its own."""
     n = config.sampling.n
-    if n < 2:
+    if config.adaptive is not None:
+        if config.max_staleness is not None or config.oversample > 1:
+            raise ValueError("adaptive sampling runs synchronous steps of whole groups: drop "
+                             "max_staleness and oversample, or adaptive")
+        check_adaptive(config.adaptive, prompts=config.prompts, n=n,
+                       max_new_tokens=config.sampling.max_new_tokens,
+                       needs_siblings="rloo_flow's leave-one-out baseline")
+    elif n < 2:
         raise ValueError(f"rloo_flow needs n >= 2 samples per prompt (got n={n}): a sample's "
                          "baseline is the mean reward of the others to its prompt")
     grpo_only = [name for name, on in (("filter_groups", config.filter_groups),
@@ -38,7 +46,8 @@ def rloo_flow(config: RLConfig, *, model: Model | None = None, gpt: dict | None 
         weights, scored, ref = sampled.weights, sampled.scored, sampled.ref_logprobs
         token_rewards = kl_token_rewards(scored, ref, kl_coef=config.kl_coef)
         # No batch statistic: each group trains as soon as its n samples are scored.
-        experiences = rloo_advantages(group_by(token_rewards, key="prompt_id", size=n))
+        experiences = rloo_advantages(group_by(token_rewards, key="prompt_id",
+                                               size=group_size(config)))
         stats = Backprop(actor)(experiences, loss="ppo", temperature=config.sampling.temperature,
                                 schedule=config.schedule, microbatches=config.microbatches,
                                 name="update_actor", **actor_loss(config))

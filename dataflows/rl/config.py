@@ -24,6 +24,7 @@ from typing import Any
 import attrs
 
 from dataflows.model_ops import Backprop, OptimizerStep
+from dataflows.rl.adaptive import AdaptiveSampling
 from dataflows.rl.advantages import reinforce_pp_advantages
 from dataflows.rl.ops import answer_reward, arithmetic_prompts
 from flowkit.dsl import Flow, Operator
@@ -143,13 +144,16 @@ class GroupRLConfig(RLConfig):
     quota in flowkit/runner/quota.py]; where too few differ, another round of as many prompts
     generates, up to `filter_rounds` rounds in all (verl's max_num_gen_batches) [Note: sampling
     rounds in flowkit/runner/sampling_rounds.py], and a step still short trains fewer and says so in
-    `grpo_advantages/groups_short`."""
+    `grpo_advantages/groups_short`. `adaptive` (an AdaptiveSampling): each prompt's n from the
+    pass rate of its earlier samples, within a step budget, groups of varying size [Note:
+    adaptive sampling in dataflows/rl/adaptive.py]."""
 
     sampling: SamplingConfig = SamplingConfig(n=8)
     scale_rewards: bool = True
     filter_groups: bool = False
     filter_oversample: float = 2.0
     filter_rounds: int = 1
+    adaptive: AdaptiveSampling | None = None
 
     @property
     def generated_prompts(self) -> int:

@@ -12,12 +12,13 @@ import attrs
 
 from dataflows.model_ops import Generate, LogProbs
 from dataflows.models import flow_model
+from dataflows.rl.adaptive import Difficulty, allocate_samples, samples_budget, update_difficulty
 from dataflows.rl.config import RLConfig
 from dataflows.rl.ops import check_overlong, overlong_penalty, rollout_metrics
 from flowkit.dsl import Flow, Model, Stream, collect
 from flowkit.ops.records import WeightsVersion
 
-__all__ = ["SMALL_GPT", "Sampled", "rl_actor", "sample_and_score"]
+__all__ = ["SMALL_GPT", "Sampled", "group_size", "rl_actor", "sample_and_score"]
 
 # the built-in GPT the RL flows default to (byte vocabulary, nothing to download)
 SMALL_GPT = {"vocab_size": 256, "n_layer": 4, "n_embd": 128}
@@ -60,6 +61,15 @@ def sample_and_score(flow: Flow, actor: Model, reference: Model | None,
     prompt_items = source(count=count, **source_config)
     if source.reporter is not None:  # the source's own metrics (a dataset's epoch)
         source.reporter(count=count, **source_config)
+    adaptive = getattr(config, "adaptive", None)
+    if adaptive is not None:  # [Note: adaptive sampling] in dataflows/rl/adaptive.py
+        difficulty = flow.feedback("difficulty", Difficulty)
+        prompt_items = allocate_samples(
+            collect(prompt_items), difficulty,
+            budget=samples_budget(adaptive, prompts=prompts, n=sampling.n),
+            token_budget=adaptive.token_budget, n_min=adaptive.n_min, n_max=adaptive.n_max,
+            allocation=adaptive.allocation, prior=adaptive.prior,
+            max_new_tokens=sampling.max_new_tokens)
     # generation runs on `rollout` executors, training on `train` ones: the two overlap
     take = prompts if partial else None
     rollouts = Generate(actor, tags=("rollout",))(
@@ -67,6 +77,9 @@ def sample_and_score(flow: Flow, actor: Model, reference: Model | None,
         **config.agent.as_config())
     scored = config.reward(rollouts)
     rollout_metrics(collect(scored))  # the task's own reward, before any shaping
+    if adaptive is not None:
+        difficulty.bind(update_difficulty(collect(scored), difficulty, ema=adaptive.ema,
+                                          pass_reward=adaptive.pass_reward))
     if config.overlong_buffer:
         check_overlong(sampling.max_new_tokens, config.overlong_buffer)  # before anything runs
         scored = overlong_penalty(scored, max_new_tokens=sampling.max_new_tokens,
@@ -75,3 +88,9 @@ def sample_and_score(flow: Flow, actor: Model, reference: Model | None,
     ref = None if reference is None else LogProbs(reference, tags=config.reference_tags)(
         rollouts, name="ref_logprobs", temperature=sampling.temperature)
     return Sampled(weights, rollouts, scored, ref)
+
+
+def group_size(config: RLConfig) -> int | None:
+    """group_by's size for a prompt's samples: the flow's n, or None (a group is what arrived of
+    its prompt when the step's samples end) when adaptive sampling gives each prompt its own n."""
+    return None if getattr(config, "adaptive", None) is not None else config.sampling.n

@@ -16,8 +16,8 @@ from flowkit.dsl import Batch, Grouped, Metrics, Stream, op
 from flowkit.ops.records import Experience, Prompt, Rollout, Scored, TokenScores
 
 __all__ = ["ARITHMETIC_RESPONSE_TOKENS", "answer_reward", "arithmetic_prompts",
-           "check_overlong", "gae", "grpo_advantages", "make_experience", "overlong_penalty",
-           "rollout_metrics", "staleness_metrics", "with_reference"]
+           "check_overlong", "gae", "group_metrics", "grpo_advantages", "make_experience",
+           "overlong_penalty", "rollout_metrics", "staleness_metrics", "with_reference"]
 
 
 ARITHMETIC_RESPONSE_TOKENS = 8
@@ -151,8 +151,41 @@ def rollout_metrics(scored: Batch[Scored], *, step: int = 0) -> Metrics:
                     "finished_fraction": statistics.fmean(
                         [float(s.finished) for s in scored] or [0.0]),
                     "response/clipped_fraction": len(clipped) / max(1, len(scored)),
-                    **staleness_metrics(scored, step), **trajectory_metrics(scored)},
+                    "rollout/tokens": sum(_model_tokens(s) for s in scored),
+                    **group_metrics(scored), **staleness_metrics(scored, step),
+                    **trajectory_metrics(scored)},
                    warnings=[_clipped_warning(clipped)] if clipped else [])
+
+
+def _model_tokens(sample: Scored) -> int:
+    """The tokens the model generated for a sample (a trajectory's: not the environment's)."""
+    return sum(sample.response_mask) if sample.response_mask else len(sample.response_tokens)
+
+
+def group_metrics(samples: list) -> dict:
+    """Over the prompts sampled two or more times: the share whose samples' rewards are all
+    equal (`groups/zero_advantage_fraction`: a group-relative advantage is 0 for every sample,
+    so it trains nothing) and the share of the step's generated tokens they hold
+    (`groups/zero_advantage_tokens_fraction`: what they cost); the mean and most samples per
+    prompt (they vary with adaptive sampling); and `groups/reward_mean`, the mean over prompts
+    of each one's mean reward: the policy's reward on the step's prompts whatever their samples
+    (reward_mean weighs a prompt by its samples). Nothing when each prompt has one."""
+    rewards: dict[int, list[float]] = collections.defaultdict(list)
+    tokens: dict[int, int] = collections.defaultdict(int)
+    for s in samples:
+        rewards[s.prompt_id].append(s.reward)
+        tokens[s.prompt_id] += _model_tokens(s)
+    groups = [p for p, r in rewards.items() if len(r) > 1]
+    if not groups:
+        return {}
+    zero = [p for p in groups if min(rewards[p]) == max(rewards[p])]
+    return {"groups/zero_advantage_fraction": len(zero) / len(groups),
+            "groups/zero_advantage_tokens_fraction": sum(tokens[p] for p in zero)
+            / max(1, sum(tokens.values())),
+            "groups/samples_mean": statistics.fmean(len(r) for r in rewards.values()),
+            "groups/samples_max": float(max(len(r) for r in rewards.values())),
+            "groups/reward_mean": statistics.fmean(statistics.fmean(r)
+                                                   for r in rewards.values())}
 
 
 def trajectory_metrics(samples: list) -> dict:

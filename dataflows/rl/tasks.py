@@ -64,15 +64,27 @@ def _draw(rng: random.Random, length: int) -> str:
 
 
 @op
-def sort_prompts(*, count: int = 16, seed: int = 0, step: int = 0, digits: int = 3
-                 ) -> Stream[Prompt]:
+def sort_prompts(*, count: int = 16, seed: int = 0, step: int = 0, digits: int = 3,
+                 pool: int | None = None) -> Stream[Prompt]:
     """`count` prompts "sort 419:" of `digits` random digits (repeats allowed), answer "149";
-    the same for one (seed, step), different from step to step (the runtime passes `step`)."""
-    rng = random.Random(f"sort-prompts/{seed}/{step}")
-    for prompt_id in range(count):
-        shown = _draw(rng, digits)
-        yield Prompt(prompt_id=prompt_id, tokens=list(sort_prompt_text(shown).encode()),
-                     answer=sort_answer(shown))
+    the same for one (seed, step), different from step to step (the runtime passes `step`).
+    `pool`: the prompts come in turn from a fixed set of that many (by `seed`), `count` a step,
+    each with its place in the set as prompt_id, so that a prompt comes back with the same id
+    (as a dataset's rows do, epoch after epoch): what adaptive sampling's history needs."""
+    if pool is None:
+        rng = random.Random(f"sort-prompts/{seed}/{step}")
+        shown = [(prompt_id, _draw(rng, digits)) for prompt_id in range(count)]
+    else:
+        if not 1 <= count <= pool:
+            raise ValueError(f"sort_prompts(pool={pool}) draws count={count} distinct prompts "
+                             "a step from the pool: give 1 <= count <= pool")
+        rng = random.Random(f"sort-pool/{seed}")
+        every = [_draw(rng, digits) for _ in range(pool)]
+        ids = [(step * count + k) % pool for k in range(count)]
+        shown = [(prompt_id, every[prompt_id]) for prompt_id in ids]
+    for prompt_id, digits_shown in shown:
+        yield Prompt(prompt_id=prompt_id, tokens=list(sort_prompt_text(digits_shown).encode()),
+                     answer=sort_answer(digits_shown))
 
 
 @op

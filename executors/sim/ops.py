@@ -31,6 +31,7 @@ from flowkit.ops.records import (
     TokenScores,
     WeightsVersion,
     resumable,
+    samples_of,
     step_report,
 )
 from flowkit.wire.files import FileRefused, open_regular, read_bounded
@@ -308,8 +309,9 @@ def _generate(ctx: OpContext, prompt: Any, *weights: Any, seconds_per_token: flo
                      zip(rollouts, lengths))
     else:
         prompt_id = getattr(prompt, "prompt_id", prompt)
-        _check_counts(prompt_id, n=n, max_new_tokens=max_new_tokens)
-        rollouts = [sample_rollout(prompt, sample, **draw) for sample in range(n)]
+        _check_counts(prompt_id, n=samples_of(prompt, n), max_new_tokens=max_new_tokens)
+        rollouts = [sample_rollout(prompt, sample, **draw)
+                    for sample in range(samples_of(prompt, n))]
         lengths = [len(r.response_tokens) for r in rollouts]
         prefix = len(getattr(prompt, "tokens", ()))
     costs = EngineCosts(token=seconds_per_token, per_seq=seconds_per_seq,

@@ -7,6 +7,8 @@ need tensors build them at their boundary.
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from flowkit.dsl import Tensor
@@ -26,6 +28,7 @@ __all__ = [
     "mean_values",
     "microbatch_stats",
     "resumable",
+    "samples_of",
     "step_report",
 ]
 
@@ -51,6 +54,9 @@ class Prompt:
     messages: list[dict] | None = None
     """The chat messages the template rendered into `text`, when a prompt source kept them (an
     agent program starts its conversation from them: executors/torch/rollout/endpoint.py)."""
+    n: int | None = None
+    """How many samples of it to generate, when a flow chose so per prompt (adaptive sampling,
+    dataflows/rl/adaptive.py); None: the generate op's `n`."""
 
 
 @attrs.frozen(kw_only=True)
@@ -131,6 +137,13 @@ class Rollout:
         versions = self.versions
         first, last = (versions[0], versions[-1]) if versions else (None, None)
         return [self.prompt_id, self.sample, first, last, len(self.response_tokens)]
+
+
+def samples_of(prompt: Any, n: int) -> int:
+    """How many samples of `prompt` a generate request makes: its own `n` when a flow set one
+    (adaptive sampling), else the request's `n`."""
+    own = getattr(prompt, "n", None)
+    return n if own is None else int(own)
 
 
 STALE_SEGMENTS = ("recompute", "drop")  # what a carried sample too stale to train becomes

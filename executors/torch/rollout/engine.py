@@ -20,7 +20,7 @@ from executors.torch.rollout.sampling import sample_tokens, sequence_seed
 from executors.torch.rollout.trajectories import Trajectories
 from executors.torch.rollout.turns import Agent, EnvCalls, Episode
 from flowkit.ops.configs import SAMPLING
-from flowkit.ops.records import Rollout
+from flowkit.ops.records import Rollout, samples_of
 
 __all__ = ["Engine", "Sampling", "as_rollouts", "distinct", "run_all_until_done",
            "run_until_done", "unstarted"]
@@ -197,7 +197,7 @@ class Engine(Trajectories):
                 self.waiting.append(self._continued(request, item))
                 request.left += 1
                 continue
-            for sample in range(n):
+            for sample in range(samples_of(item, n)):
                 seq = Sequence(request, item, sample, sampling.seed_of(item.prompt_id, sample))
                 request.left += 1
                 if agent is None:
@@ -562,7 +562,7 @@ def as_rollouts(item: Any, n: int) -> list:
     return [Rollout(prompt_id=item.prompt_id, sample=k, prompt_tokens=list(item.tokens),
                     response_tokens=[], logprobs=[], answer=getattr(item, "answer", None),
                     prompt_text=getattr(item, "text", None))
-            for k in range(n)]
+            for k in range(samples_of(item, n))]
 
 
 def unstarted(rollout: Rollout) -> Rollout:

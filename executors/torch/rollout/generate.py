@@ -26,7 +26,7 @@ from executors.torch.rollout.vllm_engine import vllm_engine_of
 from flowkit.dsl.hf import has_tokenizer
 from flowkit.ops.configs import AGENT_KEYS, MODEL_EOS, SAMPLING_KEYS, AgentConfig, SamplingConfig
 from flowkit.ops.executor_ops import MODEL_KEYS
-from flowkit.ops.records import Prompt, Rollout, resumable
+from flowkit.ops.records import Prompt, Rollout, resumable, samples_of
 from flowkit.ops.tokenizers import eos_token_ids, load_tokenizer
 
 __all__ = ["EOS", "MODEL_EOS", "decode", "generate_now", "register", "sample_token",
@@ -122,7 +122,7 @@ def decode(model: torch.nn.Module, prompts: list, s: _Sampling, device: torch.de
     in executors/optable.py). A sample ends at EOS, at max_new_tokens, or when it fills the model's
     context (clipped)."""
     queue = deque(_Seq(p, k, _generator(s.seed, p.prompt_id, k, device))
-                  for p in prompts for k in range(s.n))
+                  for p in prompts for k in range(samples_of(p, s.n)))
     context = lm.context_length(model)
     max_len = max(len(p.tokens) for p in prompts) + s.max_new_tokens
     max_len = max_len if context is None else min(context, max_len)

@@ -29,7 +29,7 @@ from executors.torch.rollout.engine import (
 )
 from executors.torch.rollout.trajectories import Trajectories
 from executors.torch.rollout.turns import Agent, EnvCalls, Episode, step_episode
-from flowkit.ops.records import Rollout
+from flowkit.ops.records import Rollout, samples_of
 from flowkit.ops.rollout_engines import vllm_logprobs_mode, vllm_problems
 
 __all__ = ["VLLMEngine", "engine_args", "sampling_params", "vllm_engine_of", "weights_fingerprint"]
@@ -220,7 +220,7 @@ class VLLMEngine(Trajectories):
         st = request.sampling
         return [_Sample(request, prompt, k, st.seed_of(prompt.prompt_id, k),
                         limit=self._limit(len(prompt.tokens), st.max_new_tokens))
-                for k in range(n)]
+                for k in range(samples_of(prompt, n))]
 
     def _sequence(self, request: Request, prompt: Any, sample: int, seed: int,
                   **fields: Any) -> _Sample:

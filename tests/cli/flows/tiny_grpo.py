@@ -2,7 +2,9 @@
 generation on its own executor: small enough for a resume test."""
 
 from dataflows.grpo import grpo_flow
+from dataflows.rl.adaptive import AdaptiveSampling
 from dataflows.rl.tasks import sort_prompts, sort_reward
+from tests.torch.rl_ops import even_token_reward
 
 TINY_GPT = {"vocab_size": 128, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 16,
             "dtype": "float64"}
@@ -10,3 +12,18 @@ TINY_GPT = {"vocab_size": 128, "block_size": 32, "n_layer": 2, "n_head": 2, "n_e
 flow = grpo_flow(prompts=4, n=4, stages=2, microbatches=2, schedule="1f1b", max_new_tokens=6,
                  kl_coef=0.001, lr=1e-2, gpt=TINY_GPT, prompt_source=sort_prompts,
                  reward=sort_reward, source_config={"digits": 3})
+
+# Adaptive sampling [Note: adaptive sampling in dataflows/rl/adaptive.py]: `:adaptive_at_n`
+# gives every prompt the flow's n (the fixed flow's samples and update); `:adaptive` spreads
+# a step's 16 samples by each prompt's pass rate (half its tokens even passes), the prompts
+# coming back from a pool of 6 so that they have a history
+adaptive_at_n = grpo_flow(prompts=4, n=4, stages=2, microbatches=2, schedule="1f1b",
+                          max_new_tokens=6, kl_coef=0.001, lr=1e-2, gpt=TINY_GPT,
+                          prompt_source=sort_prompts, reward=sort_reward,
+                          source_config={"digits": 3},
+                          adaptive=AdaptiveSampling(n_min=4, n_max=4))
+adaptive = grpo_flow(prompts=4, n=4, stages=2, microbatches=2, schedule="1f1b",
+                     max_new_tokens=6, kl_coef=0.001, lr=1e-2, gpt=TINY_GPT,
+                     prompt_source=sort_prompts, reward=even_token_reward,
+                     source_config={"digits": 3, "pool": 6},
+                     adaptive=AdaptiveSampling(n_min=2, n_max=8, pass_reward=0.5))

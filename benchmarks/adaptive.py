@@ -1,0 +1,143 @@
+"""Adaptive samples per prompt against a fixed n [Note: adaptive sampling in
+dataflows/rl/adaptive.py], at an equal budget of generated tokens.
+
+Method: the digit-sorting warm-up (examples/sort_sft.py's flow, `warm_steps` steps, fresh
+weights), then per seed, alternating in one command, GRPO from those weights (examples/
+grpo_sort.py's task: `prompts` prompts a step, exact-match reward, the actor in 2 stages) with
+fixed n = `n` and with adaptive sampling (`budget` samples a step, by default the fixed
+side's, n_min..n_max by XRPO's uncertainty), each until it has generated `token_budget`
+response tokens. The prompts come in turn from a pool of `pool` (sort_prompts' pool, by the
+seed), so that a prompt comes back with its history. A side's reward at a step is
+`groups/reward_mean` (each prompt's mean reward, averaged over prompts: adaptive sampling
+weighs prompts unequally, so reward_mean would not compare), smoothed over the last `window`
+steps; `tokens_to_target` is the tokens generated up to the first step where that reaches
+`target` (None: not within the budget).
+`zero_advantage_share` is the mean over steps of the share of groups whose rewards were all
+equal, `zero_advantage_tokens_share` of the generated tokens those groups hold. `ratio` is
+adaptive's median tokens_to_target over fixed's (the seeds where both got there).
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+__all__ = ["AdaptiveBench", "run_adaptive_bench"]
+
+
+@attrs.frozen(kw_only=True)
+class AdaptiveBench:
+    seeds: int = 3
+    warm_steps: int = 600
+    token_budget: int = 40_000  # response tokens each side may generate
+    prompts: int = 16
+    n: int = 8
+    pool: int = 64
+    n_min: int = 2
+    n_max: int = 8  # the fixed side's n: a settled prompt's samples are saved
+    budget: int | None = None  # the adaptive side's samples a step (None: prompts x n)
+    target: float = 0.8
+    window: int = 3
+    max_steps: int = 500  # a bound on one side's steps, whatever its tokens
+
+
+def run_adaptive_bench(bench: AdaptiveBench = AdaptiveBench()) -> dict:
+    """The warm-up, then both sides per seed, alternating; figures per seed and over seeds."""
+    if bench.seeds < 1 or bench.warm_steps < 1 or bench.window < 1:
+        raise ValueError(f"needs seeds, warm_steps and window >= 1, got {bench.seeds}, "
+                         f"{bench.warm_steps} and {bench.window}")
+    with tempfile.TemporaryDirectory(prefix="flowkit-adaptive-") as folder:
+        warm = _warm_up(bench, Path(folder) / "warm")
+        runs = []
+        for seed in range(bench.seeds):
+            runs.append({"seed": seed, **{side: _side(bench, warm["weights"], seed, side)
+                                          for side in ("fixed", "adaptive")}})
+    warm.pop("weights")
+    return {"setup": attrs.asdict(bench), "warm_up": warm, "runs": runs,
+            **_over_seeds(runs), "method": __doc__.split("Method: ", 1)[1].strip()}
+
+
+def _warm_up(bench: AdaptiveBench, out: Path) -> dict:
+    """examples/sort_sft.py's flow for `warm_steps` steps, the actor's weights to out."""
+    from benchmarks.runs import bench_run
+    from dataflows.pretrain import pretrain_flow
+    from dataflows.rl.tasks import SORT_GPT, sort_sequences
+
+    flow = pretrain_flow(source=sort_sequences,
+                         source_config={"digits": 3, "correct_fraction": 0.2}, batch_size=64,
+                         stages=2, microbatches=4, schedule="1f1b", gpt=SORT_GPT, lr=2e-3,
+                         model_name="actor", name="sort_sft")
+    start = time.perf_counter()
+    with bench_run(flow, steps=bench.warm_steps, executors="torch", save_weights=out) as run:
+        for _ in run.steps():
+            pass
+    return {"steps": bench.warm_steps, "wall_s": time.perf_counter() - start,
+            "weights": out / "actor.pt"}
+
+
+def grpo_side(bench: AdaptiveBench, weights: Path, seed: int, side: str) -> Any:
+    """examples/grpo_sort.py's GRPO from `weights`, prompts from the pool and samples drawn
+    by `seed`; `side` "adaptive" spreads the same samples a step by pass rate."""
+    from dataflows.grpo import grpo_flow
+    from dataflows.rl.adaptive import AdaptiveSampling
+    from dataflows.rl.tasks import SORT_GPT, SORT_RESPONSE_TOKENS, sort_prompts, sort_reward
+
+    adaptive = AdaptiveSampling(n_min=bench.n_min, n_max=bench.n_max, budget=bench.budget) \
+        if side == "adaptive" else None
+    return grpo_flow(prompts=bench.prompts, n=bench.n, stages=2, microbatches=4,
+                     schedule="1f1b", max_new_tokens=SORT_RESPONSE_TOKENS, lr=3e-4,
+                     kl_coef=0.001, gpt={**SORT_GPT, "checkpoint": str(weights)},
+                     prompt_source=sort_prompts, reward=sort_reward, sample_seed=seed,
+                     source_config={"digits": 3, "pool": bench.pool, "seed": seed},
+                     adaptive=adaptive)
+
+
+def _side(bench: AdaptiveBench, weights: Path, seed: int, side: str) -> dict:
+    """One side's run until its tokens are spent: its curve and figures."""
+    from benchmarks.runs import bench_run
+
+    tokens, rewards, zero, zero_tokens, spent = [], [], [], [], 0
+    with bench_run(grpo_side(bench, weights, seed, side), steps=bench.max_steps,
+                   executors="torch") as run:
+        for report in run.steps():
+            spent += int(report.metrics["rollout/tokens"])
+            tokens.append(spent)
+            rewards.append(float(report.metrics["groups/reward_mean"]))
+            zero.append(float(report.metrics["groups/zero_advantage_fraction"]))
+            zero_tokens.append(float(report.metrics["groups/zero_advantage_tokens_fraction"]))
+            if spent >= bench.token_budget:
+                break
+    smoothed = [statistics.fmean(rewards[max(0, i + 1 - bench.window):i + 1])
+                for i in range(len(rewards))]
+    reached = next((tokens[i] for i, r in enumerate(smoothed)
+                    if i + 1 >= bench.window and r >= bench.target), None)
+    return {"steps": len(tokens), "tokens": spent, "tokens_to_target": reached,
+            "zero_advantage_share": statistics.fmean(zero),
+            "zero_advantage_tokens_share": statistics.fmean(zero_tokens),
+            "reward_last": smoothed[-1],
+            "reward_curve": rewards, "tokens_curve": tokens}
+
+
+def _over_seeds(runs: list[dict]) -> dict:
+    out: dict[str, Any] = {}
+    for side in ("fixed", "adaptive"):
+        reached = [run[side]["tokens_to_target"] for run in runs]
+        got = [t for t in reached if t is not None]
+        out[side] = {"reached": f"{len(got)}/{len(runs)}",
+                     "tokens_to_target_median": statistics.median(got) if got else None,
+                     "zero_advantage_share": statistics.fmean(
+                         run[side]["zero_advantage_share"] for run in runs),
+                     "zero_advantage_tokens_share": statistics.fmean(
+                         run[side]["zero_advantage_tokens_share"] for run in runs),
+                     "reward_last": statistics.fmean(run[side]["reward_last"] for run in runs)}
+    both = [(run["fixed"]["tokens_to_target"], run["adaptive"]["tokens_to_target"])
+            for run in runs if None not in (run["fixed"]["tokens_to_target"],
+                                            run["adaptive"]["tokens_to_target"])]
+    out["ratio"] = (statistics.median(a for _, a in both) / statistics.median(f for f, _ in both)
+                    if both else None)
+    return out

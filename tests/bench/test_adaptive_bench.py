@@ -1,0 +1,32 @@
+"""`flowkit bench adaptive` at tiny settings: a short warm-up, then both sides per seed until
+each has generated its token budget; the figures are the runs' own (behaviour, not timings)."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from benchmarks.adaptive import AdaptiveBench, run_adaptive_bench
+from flowkit.cli import main
+
+
+@pytest.mark.slow
+def test_both_sides_spend_the_same_token_budget_and_report_their_figures():
+    bench = AdaptiveBench(seeds=1, warm_steps=2, token_budget=300, prompts=4, n=4, pool=8,
+                          target=0.0, window=1)
+    figures = run_adaptive_bench(bench)
+    (run,) = figures["runs"]
+    for side in ("fixed", "adaptive"):
+        got = run[side]
+        assert got["tokens_curve"][-2] < 300 <= got["tokens"]  # it stopped once spent
+        assert got["tokens_curve"][-1] == got["tokens"] and got["steps"] >= 2
+        assert got["tokens_to_target"] == got["tokens_curve"][0]  # a target of 0: step one
+        assert 0 <= got["zero_advantage_share"] <= 1
+        assert 0 <= got["zero_advantage_tokens_share"] <= 1
+    assert figures["ratio"] == run["adaptive"]["tokens_curve"][0] / run["fixed"]["tokens_curve"][0]
+    assert figures["warm_up"]["steps"] == 2 and "weights" not in figures["warm_up"]
+
+
+def test_the_bench_command_refuses_a_bad_setting_before_it_starts():
+    result = CliRunner().invoke(main, ["bench", "adaptive", "--seeds", "0"])
+    assert result.exit_code == 2 and "--seeds" in result.output
