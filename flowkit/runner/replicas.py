@@ -159,11 +159,15 @@ class Replicas:
         ends = [(run.futures, last_actions(run.schedule)) for run in self.current]
         seconds = self.sim_costs.allreduce_s(self.count, self.devices)
         groups = self.groups
+        # FSDP: the reduce cuts the stage and keeps this replica's rows [Note: FSDP within a
+        # stage in executors/torch/train/fsdp.py]
+        sharding = {"shard": self.model.shard} if self.model.shard else {}
 
         def reduce(stage: int) -> tuple[list, dict]:
             after = [futures[last[stage]] for futures, last in ends if stage in last]
             if groups:
-                return after, {"replica_group": groups[schedule.placement.device_of(stage)]}
+                return after, {"replica_group": groups[schedule.placement.device_of(stage)],
+                               **sharding}
             return after, {"allreduce_seconds": seconds}
 
         return reduce
