@@ -30,6 +30,9 @@ class HeldStage:
     # its rows of the stage once FSDP cut it [Note: FSDP within a stage in
     # executors/torch/train/fsdp.py]; None: the stage is whole here
     fsdp: StageShards | None = None
+    # AdamW states by parameter name that a checkpoint's FSDP shares left for the optimizer
+    # the next step makes [Note: FSDP checkpoints in executors/torch/train/fsdp_state.py]
+    saved_states: dict[str, dict] | None = None
     # stage 0: the tokens its forwards ran since the runner last asked [Note: model FLOPs in
     # executors/torch/train/flops.py]
     tokens_run: int = 0

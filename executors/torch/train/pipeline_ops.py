@@ -21,6 +21,7 @@ from executors.torch.errors import StageError
 from executors.torch.models.built import export_weights, held_model, load_weights, save_weights
 from executors.torch.train import fsdp, fsdp_ops, replicas
 from executors.torch.train.flops import model_flops
+from executors.torch.train.fsdp_state import load_named_states, states_by_name
 from executors.torch.train.held_stage import HeldStage, held_stage
 from executors.torch.train.memory import keep_freed_memory
 from executors.torch.train.replicas import all_reduce_grads, broadcast_shards, owned
@@ -231,6 +232,9 @@ def _reduce_grads(ctx: OpContext, *_: Any, stage: int, stages: int, replica_grou
     if held.fsdp is None:
         where = f"model {config.get('model', '')!r} stage {stage}"
         held.fsdp = fsdp.shard_stage(group, held.module, held.tied, where)
+        if held.optimizer is not None:  # a whole stage's states, loaded: cut at the step
+            held.saved_states = states_by_name(held.optimizer, held.module)
+            held.optimizer = None
     fsdp.reduce_and_release(held.fsdp)
 
 
@@ -306,6 +310,7 @@ def _adamw_step(ctx: OpContext, held: HeldStage, replica_group: str | None,
     if held.fsdp is not None:
         if held.optimizer is None:
             held.optimizer = _adamw(held.fsdp.optimized(), **{**_ADAMW_DEFAULTS, **hparams})
+            _load_saved_states(held)
         held.optimizer.step()
         held.fsdp.zero_grad()
         return
@@ -313,10 +318,20 @@ def _adamw_step(ctx: OpContext, held: HeldStage, replica_group: str | None,
     if held.optimizer is None:
         held.shard = None if group is None else (group.rank(), group.size())
         held.optimizer = new_optimizer(held.module, shard=held.shard, **hparams)
+        _load_saved_states(held)
     held.optimizer.step()
     held.module.zero_grad(set_to_none=True)
     if group is not None:
         broadcast_shards(group, trainable(held.module))
+
+
+def _load_saved_states(held: HeldStage) -> None:
+    """The AdamW states a checkpoint's FSDP shares left, into the optimizer just made [Note:
+    FSDP checkpoints in executors/torch/train/fsdp_state.py]."""
+    if held.saved_states is not None:
+        load_named_states(held.optimizer, dict(held.module.named_parameters()),
+                          held.saved_states, held.fsdp)
+        held.saved_states = None
 
 
 def trainable(module: torch.nn.Module) -> list[torch.Tensor]:
