@@ -25,7 +25,7 @@ from typing import Any
 from flowkit.dsl import Model
 from flowkit.planner import Action, Schedule
 from flowkit.planner.simcosts import SimCosts
-from flowkit.runner.pipeline import PipelineRun, StreamedSchedule
+from flowkit.runner.pipeline import PipelineRun, StreamedSchedule, device_lane
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.futures import Future
 from flowkit.runtime.registry import ExecutorInfo
@@ -171,6 +171,20 @@ class Replicas:
             return after, {"allreduce_seconds": seconds}
 
         return reduce
+
+    def gather_whole(self, schedule: Schedule, spec: dict, lane_for: Callable[[int], Any],
+                     meta: dict) -> list[Future]:
+        """Under FSDP, every replica makes each stage whole in its device's lanes, for replica 0
+        to export it next (the next step's F finds it whole) [Note: FSDP within a stage in
+        executors/torch/train/fsdp.py]; nothing otherwise."""
+        if self.model.shard != "fsdp" or not self.groups:
+            return []
+        placement = schedule.placement
+        return [self.ctl.submit("fsdp_gather", config={**spec, "stage": stage},
+                                executor=self.of(replica)[placement.device_of(stage)].id,
+                                lane=device_lane(lane_for(replica), placement.device_of(stage)),
+                                meta={**meta, "stage": stage, "replica": replica})
+                for replica in range(self.count) for stage in range(schedule.num_stages)]
 
     def sharding(self, schedule: Schedule) -> Callable[[int], dict] | None:
         """A sharded optimizer's group for each stage's optimizer step (torch replicas only)

@@ -10,7 +10,7 @@ import torch
 
 from executors.optable import OpContext, OpTable
 from executors.torch.errors import StageError
-from executors.torch.train.fsdp import shards_of
+from executors.torch.train.fsdp import gather, shards_of
 from executors.torch.train.held_stage import held_stage
 
 __all__ = ["register"]
@@ -24,6 +24,13 @@ def _fsdp_shards(ctx: OpContext, *_: Any, stage: int, stages: int, **config: Any
         raise StageError(f"stage {stage} of model {config.get('model', '')!r} is not sharded "
                          "here: FSDP cuts a stage at its first reduce_grads (shard='fsdp')")
     return shards_of(held.fsdp, held.optimizer)
+
+
+def _gather(ctx: OpContext, *_: Any, stage: int, stages: int, **config: Any) -> None:
+    """Make an FSDP stage whole here, with every replica of it, for an export to read."""
+    held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
+    if held.fsdp is not None:
+        gather(held.fsdp)
 
 
 def _state_bytes(ctx: OpContext, *_: Any, stage: int, stages: int, **config: Any) -> dict:
@@ -49,4 +56,5 @@ def _bytes(tensors: Any) -> int:
 
 def register(table: OpTable) -> None:
     table.register("fsdp_shards", _fsdp_shards)
+    table.register("fsdp_gather", _gather)
     table.register("stage_state_bytes", _state_bytes)
