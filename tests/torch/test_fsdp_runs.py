@@ -96,3 +96,29 @@ def test_each_fsdp_replica_keeps_about_half_of_the_state_bytes(cluster):
     assert whole[0] == whole[1] > 0
     for sharded in per_replica[True]:
         assert 0.45 * whole[0] <= sharded <= 0.55 * whole[0], (sharded, whole[0])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_fsdp_over_two_replicas_of_an_hf_llama_trains_to_the_plain_hf_loop(cluster, schedule):
+    """A Hugging Face Llama (GQA, rotary), one stage, two replicas."""
+    pytest.importorskip("transformers", reason="the hf extra: pip install 'flowkit[hf]'")
+    from flowkit.dsl import Model
+    from tests.torch import test_hf_models as hf
+
+    name = f"fsdp-llama-{schedule}"
+    model = Model(name=name, build="hf", config={**hf.LLAMA, "dtype": "float64", "seed": 3},
+                  stages=1, replicas=REPLICAS, shard="fsdp", tags=("train",))
+    flow = pretrain_flow(model=model, corpus=CORPUS, microbatches=hf.MICROBATCHES,
+                         schedule=schedule, batch_size=hf.SEQUENCES, seq_len=hf.SEQ_LEN,
+                         **HPARAMS)
+    losses, runner = _train(cluster, flow, name, steps=hf.STEPS)
+    shares = _on_each_replica(cluster, runner, name, "fsdp_shards")
+    params, _ = full_stage_state([shares[r][0] for r in range(REPLICAS)])
+    lm, plain_losses = hf._train_plain(hf.LLAMA, torch.float64)
+
+    def close(got, want, where):
+        diff = (got - want).abs().max().item()
+        assert diff < 1e-10, f"{name}: {where} differs by {diff:.3g}"
+
+    hf._assert_match(lm, params, close)
+    assert losses == pytest.approx(plain_losses, abs=1e-10)
