@@ -10,7 +10,8 @@ replica, sums the gradients, keeps this rank's rows and frees the whole paramete
 gradients. Tied copies and parameters with fewer rows than replicas stay whole on every replica
 and are all-reduced as without FSDP. torch's `fully_shard` is not used: it needs a DeviceMesh
 over the default process group, and an executor here is in several replica groups at once
-(executors/torch/train/replicas.py) and has no default group. In full: docs/training.md, "FSDP".
+(executors/torch/train/replicas.py) and has no default group. In full: docs/training.md, "FSDP
+within a stage".
 """
 
 from __future__ import annotations
