@@ -122,3 +122,36 @@ def test_fsdp_over_two_replicas_of_an_hf_llama_trains_to_the_plain_hf_loop(clust
 
     hf._assert_match(lm, params, close)
     assert losses == pytest.approx(plain_losses, abs=1e-10)
+
+
+def test_fsdp_over_two_replicas_trains_lora_adapters_to_the_plain_loop(cluster):
+    """LoRA adapters (r = 4 rows or columns: each sharded over 2) on 2 stages; the frozen base
+    weights are not trained, and stay whole."""
+    from flowkit.dsl import Model
+    from tests.lora import test_lora_pipeline as lora
+
+    name = "fsdp-lora"
+    model = Model(name=name, build="executors.torch.models.gpt:GPT",
+                  config={**lora.GPT_CONFIG, "dtype": "float64", "seed": lora.SEED}, stages=2,
+                  replicas=REPLICAS, shard="fsdp", tags=("train",), lora=lora.LORA)
+    flow = pretrain_flow(model=model, corpus=CORPUS, microbatches=lora.MICROBATCHES,
+                         schedule="1f1b", batch_size=lora.SEQUENCES, seq_len=lora.SEQ_LEN,
+                         **HPARAMS)
+    losses, runner = _train(cluster, flow, name, steps=lora.STEPS)
+    shares = _on_each_replica(cluster, runner, name, "fsdp_shards")
+    plain = lora.plain_lora_gpt()
+    trained = [p for p in plain.parameters() if p.requires_grad]
+    plain_losses = plain_training(trained, lambda b: plain(b[:, :-1], b[:, 1:]), corpus=CORPUS,
+                                  steps=lora.STEPS, sequences=lora.SEQUENCES,
+                                  seq_len=lora.SEQ_LEN, microbatches=lora.MICROBATCHES, **HPARAMS)
+    assert losses == pytest.approx(plain_losses, abs=1e-10)
+    checked = 0
+    for stage, module in enumerate(plain.split(2)):
+        params, _ = full_stage_state([shares[r][stage] for r in range(REPLICAS)])
+        assert params and all("lora" in n for n in params)  # the adapters alone
+        for param_name, want in module.named_parameters():
+            if param_name in params:
+                diff = (params[param_name] - want.detach()).abs().max().item()
+                assert diff < 1e-10, f"stage {stage} {param_name} differs by {diff:.3g}"
+                checked += 1
+    assert checked == len(trained)
