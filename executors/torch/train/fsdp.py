@@ -132,8 +132,10 @@ def sharded_squared_norm(shards: StageShards, local: float) -> float:
     norm of the sharded gradients, summed over the group."""
     sums = [s.rows.grad.detach().double().pow(2).sum() for s in shards.sharded
             if s.rows.grad is not None]
-    total = torch.stack(sums).sum().reshape(1) if sums else torch.zeros(1, dtype=torch.float64)
-    total = total.to(torch.float64)
+    # on the rows' device: NCCL reduces CUDA tensors only
+    device = shards.sharded[0].rows.device
+    total = torch.stack(sums).sum().reshape(1) if sums else \
+        torch.zeros(1, dtype=torch.float64, device=device)
     shards.group.allreduce([total]).wait()
     return float(local) + float(total.item())
 
