@@ -377,6 +377,8 @@ class ModelTraining:
         if tracked:
             self.tracked.add(plan.name)
         spec = model_spec(self.model, schedules[0].num_stages)
+        self.dp.check_sharding(schedules[0], spec, self.lane_for,
+                               lambda f: watch((), (f,), register=False))
         last, count = schedules[0].num_stages - 1, self.replicas
         submitters = []
         for replica, schedule in enumerate(schedules):

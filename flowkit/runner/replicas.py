@@ -125,6 +125,7 @@ class Replicas:
         self.devices = len(self.executors) // self.count  # of one replica's pipeline
         self.sim_costs = sim_costs
         self.groups: list[str] | None = None  # by device, once set up ([] on the simulator)
+        self.sharding_checked = False
         self.current: list[PipelineRun] = []  # each replica's latest run: its step follows
 
     def of(self, replica: int) -> list[ExecutorInfo]:
@@ -171,6 +172,22 @@ class Replicas:
             return after, {"allreduce_seconds": seconds}
 
         return reduce
+
+    def check_sharding(self, schedule: Schedule, spec: dict, lane_for: Callable[[int], Any],
+                       watch: Callable[[Future], None]) -> None:
+        """Under FSDP, once, before the model's first ops: replica 0's executors refuse a stage
+        with nothing to shard (every replica's stage has the same shapes)."""
+        if self.model.shard != "fsdp" or not self.groups or self.sharding_checked:
+            return
+        self.sharding_checked = True
+        placement = schedule.placement
+        for stage in range(schedule.num_stages):
+            device = placement.device_of(stage)
+            watch(self.ctl.submit("fsdp_check", config={**spec, "stage": stage,
+                                                        "replicas": self.count},
+                                  executor=self.of(0)[device].id,
+                                  lane=device_lane(lane_for(0), device),
+                                  meta={"node": "replica_groups", "stage": stage}))
 
     def gather_whole(self, schedule: Schedule, spec: dict, lane_for: Callable[[int], Any],
                      meta: dict) -> list[Future]:

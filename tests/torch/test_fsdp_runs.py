@@ -155,3 +155,41 @@ def test_fsdp_over_two_replicas_trains_lora_adapters_to_the_plain_loop(cluster):
                 assert diff < 1e-10, f"stage {stage} {param_name} differs by {diff:.3g}"
                 checked += 1
     assert checked == len(trained)
+
+
+# A model whose one parameter is a single row of logits: nothing for FSDP to cut over 2.
+_ONE_ROW = '''
+import torch
+import torch.nn.functional as F
+
+
+class OneRow(torch.nn.Module):
+    def __init__(self, vocab_size=256):
+        super().__init__()
+        self.logits = torch.nn.Parameter(torch.zeros(1, vocab_size))
+
+    def forward(self, tokens, targets=None):
+        logits = self.logits.expand(*tokens.shape, -1)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+'''
+
+
+def test_a_stage_fsdp_cannot_shard_is_refused_before_the_models_first_op(pool, tmp_path):
+    from flowkit.dsl import Model
+    from flowkit.runner.flowrun import FlowRunError
+
+    path = tmp_path / "fsdp_one_row.py"
+    path.write_text(_ONE_ROW)
+    model = Model(name="one-row", build="fsdp_one_row:OneRow", config={"dtype": "float64"},
+                  replicas=REPLICAS, shard="fsdp", tags=("train",))
+    flow = pretrain_flow(model=model, corpus=CORPUS, microbatches=MICROBATCHES,
+                         schedule="1f1b", batch_size=SEQUENCES, seq_len=SEQ_LEN, **HPARAMS)
+    with pool.shared(2, kind="torch", tags=("train",), code=[str(path)]) as (ctl, _):
+        runner = FlowRunner(ctl, lower_flow(flow))
+        with pytest.raises(FlowRunError) as raised:
+            runner.run_step(0)
+    first = str(raised.value).splitlines()[0]  # the check before any F, not the first reduce
+    assert "op 'fsdp_check' failed" in first, first
+    assert "finds no parameter to shard (trainable: logits;" in first, first

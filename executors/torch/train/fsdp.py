@@ -25,8 +25,9 @@ import torch
 from executors.torch.errors import StageError
 from executors.torch.train.replicas import all_reduce_grads
 
-__all__ = ["ShardedParam", "StageShards", "full_stage_state", "gather", "reduce_and_release",
-           "shard_rows", "shard_stage", "sharded_squared_norm", "shards_of"]
+__all__ = ["ShardedParam", "StageShards", "check_shardable", "full_stage_state", "gather",
+           "reduce_and_release", "shard_rows", "shard_stage", "sharded_squared_norm",
+           "shards_of"]
 
 
 @attrs.define(eq=False)
@@ -73,26 +74,37 @@ def shard_rows(tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     return tensor[rank * chunk:(rank + 1) * chunk]
 
 
+def check_shardable(module: torch.nn.Module, tied: tuple[str, ...], size: int,
+                    where: str) -> None:
+    """Refuse a stage with nothing to shard over `size` replicas: FSDP would save nothing."""
+    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if not any(_shardable(n, p, tied, size) for n, p in trainable):
+        names = ", ".join(n for n, _ in trainable) or "none"
+        raise StageError(f"{where}: FSDP over {size} replicas finds no parameter to shard "
+                         f"(trainable: {names}; each needs at least {size} rows and no tied "
+                         "copy): train this model without shard='fsdp' (--fsdp)")
+
+
+def _shardable(name: str, param: torch.Tensor, tied: tuple[str, ...], size: int) -> bool:
+    return name not in tied and param.dim() > 0 and param.size(0) >= size
+
+
 def shard_stage(group: Any, module: torch.nn.Module, tied: tuple[str, ...],
                 where: str) -> StageShards:
     """Cut `module`'s trainable parameters over `group`; the whole parameters stay gathered
-    until `release`. A stage with nothing to shard is refused: FSDP would save nothing."""
+    until `reduce_and_release`."""
     rank, size = int(group.rank()), int(group.size())
+    check_shardable(module, tied, size, where)
     sharded, whole = [], []
     for name, param in module.named_parameters():
         if not param.requires_grad:
             continue
-        if name in tied or param.dim() == 0 or param.size(0) < size:
+        if not _shardable(name, param, tied, size):
             whole.append((name, param))
         else:
             rows = torch.nn.Parameter(shard_rows(param.detach(), rank, size).clone())
             sharded.append(ShardedParam(name=name, param=param, rows=rows,
                                         shape=tuple(param.shape)))
-    if not sharded:
-        names = ", ".join(n for n, _ in whole) or "none"
-        raise StageError(f"{where}: FSDP over {size} replicas finds no parameter to shard "
-                         f"(trainable: {names}; each needs at least {size} rows and no tied "
-                         "copy): train this model without shard='fsdp' (--fsdp)")
     return StageShards(group=group, sharded=sharded, whole=whole)
 
 

@@ -10,7 +10,7 @@ import torch
 
 from executors.optable import OpContext, OpTable
 from executors.torch.errors import StageError
-from executors.torch.train.fsdp import gather, shards_of
+from executors.torch.train.fsdp import check_shardable, gather, shards_of
 from executors.torch.train.held_stage import held_stage
 
 __all__ = ["register"]
@@ -24,6 +24,14 @@ def _fsdp_shards(ctx: OpContext, *_: Any, stage: int, stages: int, **config: Any
         raise StageError(f"stage {stage} of model {config.get('model', '')!r} is not sharded "
                          "here: FSDP cuts a stage at its first reduce_grads (shard='fsdp')")
     return shards_of(held.fsdp, held.optimizer)
+
+
+def _check(ctx: OpContext, *_: Any, stage: int, stages: int, replicas: int,
+           **config: Any) -> None:
+    """Before a model's first ops: refuse a stage FSDP would find nothing to shard in."""
+    held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
+    check_shardable(held.module, held.tied, int(replicas),
+                    f"model {config.get('model', '')!r} stage {stage}")
 
 
 def _gather(ctx: OpContext, *_: Any, stage: int, stages: int, **config: Any) -> None:
@@ -57,4 +65,5 @@ def _bytes(tensors: Any) -> int:
 def register(table: OpTable) -> None:
     table.register("fsdp_shards", _fsdp_shards)
     table.register("fsdp_gather", _gather)
+    table.register("fsdp_check", _check)
     table.register("stage_state_bytes", _state_bytes)
