@@ -119,3 +119,29 @@ def test_shares_of_missing_ranks_are_refused():
 def test_model_sharding_that_cannot_work_is_refused(settings, says):
     with pytest.raises(ValueError, match=says):
         Model(name="m", build="executors.torch.models.gpt:GPT", replicas=2, **settings)
+
+
+def test_rows_that_do_not_divide_evenly_gather_and_reduce_exactly():
+    """A 5 × 3 weight and a bias of 5 over 2 ranks: 3 rows and 2, the short chunk padded."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(3, 5, dtype=torch.float64) for _ in range(2)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    expected = {n: p.detach().clone() for n, p in layers[0].named_parameters()}
+    for rank, layer in enumerate(layers):
+        layer(torch.full((4, 3), float(rank + 1), dtype=torch.float64)).pow(2).sum().backward()
+    summed = {n: layers[0].get_parameter(n).grad + layers[1].get_parameter(n).grad
+              for n in expected}
+
+    def work(group):
+        shards = shard_stage(group, layers[group.rank()], (), "test stage")
+        reduce_and_release(shards)
+        kept = {s.name: s.rows.grad for s in shards.sharded}
+        gather(shards)
+        return kept, {n: p.detach().clone() for n, p in layers[group.rank()].named_parameters()}
+
+    for rank, (kept, gathered) in enumerate(_on_two_ranks(work)):
+        assert {n: g.size(0) for n, g in kept.items()} == {"weight": 3 - rank, "bias": 3 - rank}
+        for name, grad in kept.items():
+            assert torch.equal(grad, shard_rows(summed[name], rank, 2)), name
+        for name, value in expected.items():
+            assert torch.equal(gathered[name], value), name

@@ -6,12 +6,12 @@ steps, only its rows of each parameter (dim 0 cut in D even chunks, FSDP2's Shar
 their gradient and their AdamW states. The stage's first F of a step all-gathers the whole
 parameters (same objects, new `.data`: the recorder and autograd see the weights they always
 see, so F, B, W and BW run unchanged); `reduce_grads`, after the stage's last action on every
-replica, sums the gradients, keeps this rank's rows and frees the whole parameters and
-gradients. Tied copies and parameters with fewer rows than replicas stay whole on every replica
-and are all-reduced as without FSDP. torch's `fully_shard` is not used: it needs a DeviceMesh
-over the default process group, and an executor here is in several replica groups at once
-(executors/torch/train/replicas.py) and has no default group. In full: docs/training.md, "FSDP
-within a stage".
+replica, reduce-scatters the gradients (each rank gets the sum of its rows) and frees the
+whole parameters and gradients. Tied copies and parameters with fewer rows than replicas stay
+whole on every replica and are all-reduced as without FSDP. torch's `fully_shard` is not used:
+it needs a DeviceMesh over the default process group, and an executor here is in several
+replica groups at once (executors/torch/train/replicas.py) and has no default group. In full:
+docs/training.md, "FSDP within a stage".
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import attrs
 import torch
 
 from executors.torch.errors import StageError
-from executors.torch.train.replicas import all_reduce_grads
+from executors.torch.train.replicas import BUCKET_BYTES, all_reduce_grads
 
 __all__ = ["ShardedParam", "StageShards", "check_shardable", "full_stage_state", "gather",
            "reduce_and_release", "shard_rows", "shard_stage", "sharded_squared_norm",
@@ -127,16 +127,75 @@ def gather(shards: StageShards) -> None:
 
 
 def reduce_and_release(shards: StageShards) -> None:
-    """Sum every gradient over the group; keep this rank's rows of the sharded ones and free
-    the whole parameters and gradients until the next step's first F."""
-    params = [s.param for s in shards.sharded] + [p for _, p in shards.whole]
-    all_reduce_grads(shards.group, params)
-    rank, size = shards.rank, shards.size
+    """Sum the gradients over the group: each rank gets the sum of its rows of the sharded ones
+    (a reduce-scatter, half an all-reduce's traffic) and the whole ones whole; then free the
+    whole parameters and gradients until the next step's first F."""
+    all_reduce_grads(shards.group, [p for _, p in shards.whole])
+    pending = [_reduce_scatter(shards, bucket) for bucket in _buckets(shards.sharded)]
+    for bucket, mine, work in pending:
+        work.wait()
+        _keep_rows(bucket, mine, shards.size)
     for shard in shards.sharded:
-        shard.rows.grad = shard_rows(shard.param.grad, rank, size).clone()
         shard.param.grad = None
         shard.param.data = shard.param.data.new_empty((0,))
     shards.gathered = False
+
+
+def _buckets(sharded: list[ShardedParam]) -> list[list[ShardedParam]]:
+    """Consecutive parameters of one dtype and device, up to BUCKET_BYTES a bucket."""
+    buckets: list[list[ShardedParam]] = []
+    size = 0
+    for shard in sharded:
+        nbytes = shard.param.numel() * shard.param.element_size()
+        last = buckets[-1][-1].param if buckets else None
+        if (last is None or size + nbytes > BUCKET_BYTES or last.dtype != shard.param.dtype
+                or last.device != shard.param.device):
+            buckets.append([shard])
+            size = nbytes
+        else:
+            buckets[-1].append(shard)
+            size += nbytes
+    return buckets
+
+
+def _reduce_scatter(shards: StageShards, bucket: list[ShardedParam]) -> tuple:
+    """Start the bucket's reduce-scatter: rank r's part is every parameter's rows r, padded
+    to the chunk's rows and flattened, so every part has one size."""
+    size = shards.size
+    parts = []
+    for rank in range(size):
+        rows = [_padded(_grad(s), s.shape, rank, size).reshape(-1) for s in bucket]
+        parts.append(torch.cat(rows))
+    mine = torch.empty_like(parts[0])
+    return bucket, mine, shards.group.reduce_scatter([mine], [parts])
+
+
+def _grad(shard: ShardedParam) -> torch.Tensor:
+    """The parameter's gradient; zeros where it has none (a replica may have no microbatch
+    that reaches it, and every rank takes part in the collective)."""
+    if shard.param.grad is None:
+        shard.param.grad = torch.zeros_like(shard.param)
+    return shard.param.grad
+
+
+def _padded(tensor: torch.Tensor, shape: tuple[int, ...], rank: int,
+            size: int) -> torch.Tensor:
+    """`rank`'s rows of `tensor`, with zero rows up to the chunk's ceil(rows / size)."""
+    rows = shard_rows(tensor, rank, size)
+    padded = tensor.new_zeros((math.ceil(shape[0] / size), *shape[1:]))
+    padded[:rows.size(0)] = rows
+    return padded
+
+
+def _keep_rows(bucket: list[ShardedParam], mine: torch.Tensor, size: int) -> None:
+    """Each parameter's summed rows, out of this rank's part of the bucket."""
+    offset = 0
+    for shard in bucket:
+        chunk = math.ceil(shard.shape[0] / size)
+        count = chunk * math.prod(shard.shape[1:])
+        piece = mine[offset:offset + count].view(chunk, *shard.shape[1:])
+        shard.rows.grad = piece[:shard.rows.size(0)].clone()
+        offset += count
 
 
 def sharded_squared_norm(shards: StageShards, local: float) -> float:
