@@ -117,6 +117,9 @@ def pipeline(json_out: Path | None) -> None:
               "by side: tokens/s, each step's loss and the loss gap to the first one's.")
 @click.option("--device", default="cpu", show_default=True,
               help="With --precision: the executors' device (cpu, cuda:0, cuda, ...).")
+@click.option("--fsdp", is_flag=True,
+              help="Instead: FSDP over 2 replicas against 2 whole replicas on the CPU, the same "
+              "model, data and executors: tokens/s and each replica's state bytes.")
 @click.option("--packing", is_flag=True,
               help="Instead: tokens/s of packed rows against padded ones, the same model, data "
               "(log-normal response lengths: median 64, sigma 1, budget 512) and executors.")
@@ -127,10 +130,14 @@ def pipeline(json_out: Path | None) -> None:
 @_json_option
 def train(model: str | None, replicas: str | None, sim_replicas: str, sim_stages: int,
           sim_microbatches: int, sim_cost: str | None, precisions: str | None, device: str,
-          packing: bool, microbatch_tokens: int | None, json_out: Path | None) -> None:
+          fsdp: bool, packing: bool, microbatch_tokens: int | None,
+          json_out: Path | None) -> None:
     """Pipeline training steps against their simulation.
 
     Also B + W against a fused backward, and tokens/s against a plain training loop."""
+    if fsdp:
+        _report(_bench_function("fsdp", "run_fsdp_bench")(), json_out)
+        return
     if packing:
         _report(_bench_function("packing", "run_packing_bench")(), json_out)
         return

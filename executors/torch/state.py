@@ -28,6 +28,7 @@ import torch
 from executors.optable import Deferred, OpContext
 from executors.torch.errors import StageError
 from executors.torch.models.built import held_model
+from executors.torch.train.fsdp_state import fsdp_shares, join_saved_shares, restore_whole
 from executors.torch.train.held_stage import held_stage
 from executors.torch.train.reshard import recut
 from flowkit.dsl.lora import lora_identity
@@ -49,15 +50,19 @@ def state_of(ctx: OpContext) -> dict[str, Any]:
         changed = held.version is not None or any(
             s.optimizer is not None for s in held.stages.values())
         parts = {}
+        # [Note: FSDP checkpoints in executors/torch/train/fsdp_state.py]
+        fsdp = fsdp_shares(held.stages)
         if changed:  # every stage of a loaded copy; only the trained ones of a training split
             indices = range(len(held.parts)) if held.version is not None else sorted(held.stages)
-            parts = {i: _saved(held.parts[i], held.lora is not None) for i in indices}
+            parts = {i: _saved(held.parts[i], held.lora is not None) for i in indices
+                     if i not in fsdp}
         optimizers = {i: s.optimizer.state_dict() for i, s in held.stages.items()
-                      if s.optimizer is not None}
+                      if s.optimizer is not None and i not in fsdp}
         shards = {i: list(s.shard) for i, s in held.stages.items()
                   if s.optimizer is not None and s.shard is not None}
         models.append({"name": name, "stages": stages, "config": held.config, "parts": parts,
-                       "optimizers": optimizers, "shards": shards, "version": held.version,
+                       "optimizers": optimizers, "shards": shards, "fsdp": fsdp,
+                       "version": held.version,
                        "held_stages": sorted(held.stages)})
     state = {"format": _FORMAT, "models": models, "torch_rng": torch.get_rng_state(),
              "python_rng": random.getstate()}
@@ -283,12 +288,15 @@ def load_state(ctx: OpContext, *_: Any, path: str, models: dict | None = None,
     # every file read and checked before anything held here is dropped
     peers = {entry["name"]: _peers(entry, plans.get(entry["name"]), path, models or {},
                                    checksums) for entry, _ in entries}
+    fsdp = {entry["name"]: join_saved_shares(entry, _device_entries(
+        entry, plans.get(entry["name"]), models or {}, checksums), path)
+        for entry, _ in entries if entry.get("fsdp")}
     torch_rng = checked_rng(state.get("torch_rng"), "torch_rng", path)
     cuda_rng = usable_cuda_rng(checked_cuda_rng(state, path), path)
     python_rng = _field(state, "python_rng", tuple, path)
     _forget_models(ctx)
     for entry, spec in entries:
-        _restore(ctx, entry, spec, path, peers[entry["name"]])
+        _restore(ctx, entry, spec, path, peers[entry["name"]], fsdp.get(entry["name"], {}))
     try:
         torch.set_rng_state(torch_rng)
         restore_cuda_rng(cuda_rng)
@@ -324,6 +332,20 @@ def _peers(entry: dict, plan: dict | None, path: str, models: dict,
                              f"states in {size} shards, and the checkpoint's files of this "
                              f"device hold {len(found)} of them: they cannot be cut again")
     return target, cuts
+
+
+def _device_entries(entry: dict, plan: dict | None, models: dict,
+                    checksums: dict | None) -> list[dict]:
+    """The model's entries in the checkpoint's files of every saved replica of this device
+    (the plan's peers; without them, this file's alone) [Note: FSDP checkpoints in
+    executors/torch/train/fsdp_state.py]."""
+    found = []
+    for peer in ([] if not plan else plan.get("peers", []))[:1024]:
+        state = _read(str(peer), checksums)
+        for i, other in enumerate(_field(state, "models", list, str(peer))):
+            if other.get("name") == entry["name"] and other.get("stages") == entry["stages"]:
+                found.append(_checked(other, i, str(peer), models)[0])
+    return found or [entry]
 
 
 def _shard(entry: dict, index: int) -> tuple[int, int] | None:
@@ -427,9 +449,12 @@ def _forget_models(ctx: OpContext) -> None:
         del ctx.background[name]
 
 
-def _restore(ctx: OpContext, entry: dict, spec: dict, path: str, peers: tuple | None) -> None:
+def _restore(ctx: OpContext, entry: dict, spec: dict, path: str, peers: tuple | None,
+             fsdp: dict[int, tuple]) -> None:
     held = held_model(ctx, spec)
     what = f"model {entry['name']!r} in {entry['stages']} stage(s) (from {path})"
+    for index, (params, _) in fsdp.items():  # whole again, from every replica's share
+        restore_whole(held.parts[index], params, f"{what}, stage {index}")
     for index, tensors in entry["parts"].items():
         try:
             _load_part(held.parts[index], tensors, held.lora is not None)
@@ -439,6 +464,8 @@ def _restore(ctx: OpContext, entry: dict, spec: dict, path: str, peers: tuple | 
                              .strip()) from None
     for index in entry["held_stages"]:
         held_stage(ctx, {**spec, "stage": index})
+    for index, (_, states) in fsdp.items():  # for the optimizer the next step makes
+        held_stage(ctx, {**spec, "stage": index}).saved_states = states
     for index, saved in entry["optimizers"].items():
         from executors.torch.train.pipeline_ops import new_optimizer, trainable
 

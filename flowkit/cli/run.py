@@ -69,6 +69,9 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
               "executors [default: the flow's].")
 @click.option("--shard-optimizer", is_flag=True, default=_RUN.shard_optimizer,
               help="Shard each trained model's optimizer states over its replicas (ZeRO-1).")
+@click.option("--fsdp", is_flag=True, default=_RUN.fsdp,
+              help="Shard each trained model's parameters, gradients and optimizer states over "
+              "the replicas of each stage (FSDP; needs --replicas 2 or more).")
 @click.option("--precision", type=click.Choice(PRECISIONS), default=None,
               help="Compute precision of every model: bf16 keeps fp32 weights, gradients and "
               "optimizer states and runs the forwards under bf16 autocast [default: each "
@@ -201,7 +204,7 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
 @click.option("--debug", is_flag=True, help="Show a failed op's remote traceback.")
 def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | None,
         placement: str | None, device: str, executor_threads: int,
-        steps: int, stages: int | None, replicas: int | None, shard_optimizer: bool,
+        steps: int, stages: int | None, replicas: int | None, shard_optimizer: bool, fsdp: bool,
         precision: str | None, packing: bool, microbatches: int | None,
         microbatch_tokens: int | None, schedule: str | None, rollout_engine: str | None,
         offload: str | None, memory_limit: float | None,
@@ -240,7 +243,7 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
             steps=steps, executors=kind, num_executors=num_executors, tags=_tags(tag_spec),
             placement=placement, device=device, executor_threads=executor_threads, code=[path],
             stages=stages, replicas=replicas,
-            shard_optimizer=shard_optimizer, precision=precision, packing=packing,
+            shard_optimizer=shard_optimizer, fsdp=fsdp, precision=precision, packing=packing,
             microbatches=microbatches, microbatch_tokens=microbatch_tokens,
             schedule=schedule, offload=offload, memory_limit=memory_limit, fuse=fuse,
             rollout_engine=rollout_engine,

@@ -69,6 +69,20 @@ def _valid_name(_instance: object, attribute: attrs.Attribute, value: str) -> No
 PRECISIONS = ("fp32", "bf16")
 
 
+SHARDINGS = ("fsdp",)
+
+
+def check_sharding(model: Model) -> None:
+    """A sharding there is, and not two of them at once."""
+    if model.shard is not None and model.shard not in SHARDINGS:
+        raise ValueError(f"Model {model.name!r}: shard must be one of {', '.join(SHARDINGS)} "
+                         f"or None, not {model.shard!r}")
+    if model.shard == "fsdp" and model.shard_optimizer:
+        raise ValueError(f"Model {model.name!r}: shard='fsdp' shards the optimizer states "
+                         "already, with the parameters and gradients: leave shard_optimizer "
+                         "(ZeRO-1, --shard-optimizer) out")
+
+
 def check_precision(precision: str, dtype: str, what: str) -> None:
     """A precision there is, and weights it can keep a master copy in."""
     if precision not in PRECISIONS:
@@ -100,6 +114,10 @@ class Model:
     # ZeRO-1: each replica keeps the optimizer states of its share of the parameters only
     # [Note: sharded optimizer states in executors/torch/train/replicas.py]
     shard_optimizer: bool = False
+    # "fsdp": each replica of a stage keeps its rows of the parameters, gradients and optimizer
+    # states between steps [Note: FSDP within a stage in executors/torch/train/fsdp.py];
+    # None: every replica keeps the whole stage
+    shard: str | None = None
     # low-rank adapters: only they train, sync to generation and save [Note: LoRA in
     # flowkit/dsl/lora.py]; None trains every weight
     lora: Mapping[str, Any] | None = attrs.field(default=None, hash=False)
@@ -112,6 +130,7 @@ class Model:
     packing: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self) -> None:  # checked and normalized once the name is known
+        check_sharding(self)
         object.__setattr__(self, "lora", check_lora(self.lora, model=self.name))
         check_precision(self.precision, self.config.get("dtype", "float32"),
                         f"Model {self.name!r}")

@@ -74,7 +74,7 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
     OpSpec("grad_stats", "on the last stage, the first stage's tied gradients", _OPTIMIZER,
            "a stage's squared gradient norm and its tied gradients"),
     OpSpec("reduce_grads", "every replica's last action of the stage, only to be ordered after "
-           "them", (*_STAGE, "replica_group", "allreduce_seconds"),
+           "them", (*_STAGE, "replica_group", "allreduce_seconds", "shard"),
            "sum the stage's gradients over its replicas [Note: replicas]: through "
            "torch.distributed (replica_group), or its modelled seconds on the simulator"),
     OpSpec("replica_store", "nothing", ("group", "size", "host", "timeout_s"),

@@ -105,6 +105,7 @@ class Run:
         self.console = console or Console()
         self.flow = with_training_options(flow, stages=config.stages, replicas=config.replicas,
                                           shard_optimizer=config.shard_optimizer,
+                                          fsdp=config.fsdp,
                                           microbatches=config.microbatches,
                                           microbatch_tokens=config.microbatch_tokens,
                                           schedule=config.schedule,

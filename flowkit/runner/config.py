@@ -184,6 +184,10 @@ class RunConfig:
     shard_optimizer: bool = False
     """Keep each trained model's optimizer states sharded over its replicas (ZeRO-1); False:
     as the flow's models say."""
+    fsdp: bool = False
+    """Shard each trained model's parameters, gradients and optimizer states over the replicas
+    of each stage (FSDP, Model(shard="fsdp"); needs replicas >= 2, not with shard_optimizer);
+    False: as the flow's models say."""
     packing: bool = False
     """Pack several sequences into one row in every model's training and scoring forwards
     (per-sequence positions, attention within each; [Note: packed rows in

@@ -377,6 +377,8 @@ class ModelTraining:
         if tracked:
             self.tracked.add(plan.name)
         spec = model_spec(self.model, schedules[0].num_stages)
+        self.dp.check_sharding(schedules[0], spec, self.lane_for,
+                               lambda f: watch((), (f,), register=False))
         last, count = schedules[0].num_stages - 1, self.replicas
         submitters = []
         for replica, schedule in enumerate(schedules):
@@ -456,6 +458,7 @@ class ModelTraining:
         if self.before_sync is not None:
             self.before_sync()
         schedule, spec = self.trained  # replica 0's stages export: every replica holds them
+        self.dp.gather_whole(schedule, spec, self.lane_for, {"node": f"{plan.name}/sync"})
         exports, loads = submit_weight_sync(
             self.ctl, schedule, self.executors, spec, version, list(targets.values()),
             lane=self.lane_for(0), meta={"node": f"{plan.name}/sync", "step": self.step})
@@ -473,6 +476,7 @@ class ModelTraining:
             raise FlowRunError(f"the executors of model {name!r} cannot save weights: save "
                                "them from torch executors (--executors torch)")
         schedule, spec = self.last_trained
+        self.dp.gather_whole(schedule, spec, self.lane_for, {"node": "save"})
         exports = submit_exports(self.ctl, schedule, self.executors, spec, lane=self.lane_for(0),
                                  meta={"node": "save", "step": self.step})
         first = schedule.placement.device_of(0)

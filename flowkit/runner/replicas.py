@@ -25,7 +25,7 @@ from typing import Any
 from flowkit.dsl import Model
 from flowkit.planner import Action, Schedule
 from flowkit.planner.simcosts import SimCosts
-from flowkit.runner.pipeline import PipelineRun, StreamedSchedule
+from flowkit.runner.pipeline import PipelineRun, StreamedSchedule, device_lane
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.futures import Future
 from flowkit.runtime.registry import ExecutorInfo
@@ -125,6 +125,7 @@ class Replicas:
         self.devices = len(self.executors) // self.count  # of one replica's pipeline
         self.sim_costs = sim_costs
         self.groups: list[str] | None = None  # by device, once set up ([] on the simulator)
+        self.sharding_checked = False
         self.current: list[PipelineRun] = []  # each replica's latest run: its step follows
 
     def of(self, replica: int) -> list[ExecutorInfo]:
@@ -159,14 +160,48 @@ class Replicas:
         ends = [(run.futures, last_actions(run.schedule)) for run in self.current]
         seconds = self.sim_costs.allreduce_s(self.count, self.devices)
         groups = self.groups
+        # FSDP: the reduce cuts the stage and keeps this replica's rows [Note: FSDP within a
+        # stage in executors/torch/train/fsdp.py]
+        sharding = {"shard": self.model.shard} if self.model.shard else {}
 
         def reduce(stage: int) -> tuple[list, dict]:
             after = [futures[last[stage]] for futures, last in ends if stage in last]
             if groups:
-                return after, {"replica_group": groups[schedule.placement.device_of(stage)]}
+                return after, {"replica_group": groups[schedule.placement.device_of(stage)],
+                               **sharding}
             return after, {"allreduce_seconds": seconds}
 
         return reduce
+
+    def check_sharding(self, schedule: Schedule, spec: dict, lane_for: Callable[[int], Any],
+                       watch: Callable[[Future], None]) -> None:
+        """Under FSDP, once, before the model's first ops: replica 0's executors refuse a stage
+        with nothing to shard (every replica's stage has the same shapes)."""
+        if self.model.shard != "fsdp" or not self.groups or self.sharding_checked:
+            return
+        self.sharding_checked = True
+        placement = schedule.placement
+        for stage in range(schedule.num_stages):
+            device = placement.device_of(stage)
+            watch(self.ctl.submit("fsdp_check", config={**spec, "stage": stage,
+                                                        "replicas": self.count},
+                                  executor=self.of(0)[device].id,
+                                  lane=device_lane(lane_for(0), device),
+                                  meta={"node": "replica_groups", "stage": stage}))
+
+    def gather_whole(self, schedule: Schedule, spec: dict, lane_for: Callable[[int], Any],
+                     meta: dict) -> list[Future]:
+        """Under FSDP, every replica makes each stage whole in its device's lanes, for replica 0
+        to export it next (the next step's F finds it whole) [Note: FSDP within a stage in
+        executors/torch/train/fsdp.py]; nothing otherwise."""
+        if self.model.shard != "fsdp" or not self.groups:
+            return []
+        placement = schedule.placement
+        return [self.ctl.submit("fsdp_gather", config={**spec, "stage": stage},
+                                executor=self.of(replica)[placement.device_of(stage)].id,
+                                lane=device_lane(lane_for(replica), placement.device_of(stage)),
+                                meta={**meta, "stage": stage, "replica": replica})
+                for replica in range(self.count) for stage in range(schedule.num_stages)]
 
     def sharding(self, schedule: Schedule) -> Callable[[int], dict] | None:
         """A sharded optimizer's group for each stage's optimizer step (torch replicas only)

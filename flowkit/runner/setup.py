@@ -127,14 +127,32 @@ def _check_memory_limit(node: Node, model: Model) -> None:
 _BACKPROP_OPTIONS = ("microbatches", "microbatch_tokens", "schedule", "offload", "memory_limit")
 
 
+def _trained_as(model: Model, *, stages: int, replicas: int, shard_optimizer: bool,
+                shard: str | None) -> Model:
+    """`model` with the run's layout, its sharding checked [Note: FSDP within a stage in
+    executors/torch/train/fsdp.py]: FSDP needs replicas to shard over, and replaces ZeRO-1."""
+    if shard == "fsdp" and shard_optimizer:
+        raise RunConfigError("fsdp", f"model {model.name!r}: FSDP shards the optimizer states "
+                             "already, with the parameters and gradients: leave "
+                             "--shard-optimizer (ZeRO-1) out")
+    if shard == "fsdp" and replicas < 2:
+        raise RunConfigError("fsdp", f"model {model.name!r}: FSDP shards each stage over its "
+                             f"replicas, and it trains as {replicas}: give --replicas 2 or "
+                             "more, or leave --fsdp (shard='fsdp') out")
+    return attrs.evolve(model, stages=stages, replicas=replicas,
+                        shard_optimizer=shard_optimizer, shard=shard)
+
+
 def with_training_options(flow: Flow, *, stages: int | None, microbatches: int | None,
                           schedule: str | None, replicas: int | None = None,
-                          shard_optimizer: bool = False, offload: str | None = None,
+                          shard_optimizer: bool = False, fsdp: bool = False,
+                          offload: str | None = None,
                           memory_limit: float | None = None,
                           precision: str | None = None, packing: bool = False,
                           microbatch_tokens: int | None = None) -> Flow:
     """`flow` with every trained model cut into `stages` and trained by `replicas` (their
-    optimizer states sharded over them with `shard_optimizer`), and every
+    optimizer states sharded over them with `shard_optimizer`, their parameters, gradients and
+    optimizer states with `fsdp`), and every
     backprop run with `microbatches` (or `microbatch_tokens`) under `schedule`, `offload` of
     its activations to host
     memory and within `memory_limit`, every model computing in `precision` [Note: mixed
@@ -161,9 +179,10 @@ def with_training_options(flow: Flow, *, stages: int | None, microbatches: int |
                  if getattr(node.operator, "lowering", None) == "pipeline"]
     for name in {node.model for node in backprops}:
         model = flow.models[name]
-        flow.models[name] = attrs.evolve(model, stages=stages or model.stages,
-                                         replicas=replicas or model.replicas,
-                                         shard_optimizer=shard_optimizer or model.shard_optimizer)
+        flow.models[name] = _trained_as(model, stages=stages or model.stages,
+                                        replicas=replicas or model.replicas,
+                                        shard_optimizer=shard_optimizer or model.shard_optimizer,
+                                        shard="fsdp" if fsdp else model.shard)
     for node in backprops:
         if microbatches is not None:
             node.config["microbatches"] = microbatches

@@ -276,6 +276,11 @@ def export_weights(ctx: OpContext, *_: Any, stage: int, stages: int, model: str,
     held = held_model(ctx, {**config, "model": model, "build": build, "stages": stages})
     if not 0 <= int(stage) < len(held.parts):
         raise StageError(f"model {model!r} has stages 0..{len(held.parts) - 1}, not {stage}")
+    trained = held.stages.get(int(stage))
+    if trained is not None and trained.fsdp is not None and not trained.fsdp.gathered:
+        raise StageError(f"model {model!r} stage {stage} is sharded over its replicas between "
+                         "steps (FSDP): every replica gathers it first (fsdp_gather), as the "
+                         "runner does before an export")
     return weights.export(held.parts[int(stage)], held.layout.check().names[int(stage)],
                           trained_only=held.lora is not None)
 

@@ -11,6 +11,7 @@ import torch
 
 from executors.optable import OpContext
 from executors.torch.models.built import held_model
+from executors.torch.train.fsdp import StageShards
 from executors.torch.train.rl_loss import RLLoss
 from executors.torch.train.stage import StageRunner
 
@@ -26,6 +27,12 @@ class HeldStage:
     # (rank, size) when its optimizer holds one replica's shard [Note: sharded optimizer states
     # in executors/torch/train/replicas.py]
     shard: tuple[int, int] | None = None
+    # its rows of the stage once FSDP cut it [Note: FSDP within a stage in
+    # executors/torch/train/fsdp.py]; None: the stage is whole here
+    fsdp: StageShards | None = None
+    # AdamW states by parameter name that a checkpoint's FSDP shares left for the optimizer
+    # the next step makes [Note: FSDP checkpoints in executors/torch/train/fsdp_state.py]
+    saved_states: dict[str, dict] | None = None
     # stage 0: the tokens its forwards ran since the runner last asked [Note: model FLOPs in
     # executors/torch/train/flops.py]
     tokens_run: int = 0

@@ -19,8 +19,9 @@ from executors.optable import OpContext, OpTable
 from executors.torch.device import device_clock
 from executors.torch.errors import StageError
 from executors.torch.models.built import export_weights, held_model, load_weights, save_weights
-from executors.torch.train import replicas
+from executors.torch.train import fsdp, fsdp_ops, replicas
 from executors.torch.train.flops import model_flops
+from executors.torch.train.fsdp_state import load_named_states, states_by_name
 from executors.torch.train.held_stage import HeldStage, held_stage
 from executors.torch.train.memory import keep_freed_memory
 from executors.torch.train.replicas import all_reduce_grads, broadcast_shards, owned
@@ -68,6 +69,8 @@ def _forward(ctx: OpContext, *inputs: Any, stage: int, stages: int, microbatch: 
                          f"{', '.join(LOSSES)}")
 
     held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
+    if held.fsdp is not None:  # the step's first F makes the stage whole again
+        fsdp.gather(held.fsdp)
     _prefetch(ctx, config, stages, prefetch, track_memory, skip=(stage, microbatch))
     out = _forward_on(held, inputs, stage=stage, stages=stages, microbatch=microbatch,
                       loss_scale=loss_scale, loss=loss, split=not fused_backward,
@@ -200,7 +203,10 @@ def _grad_stats(ctx: OpContext, *partner: Any, stage: int, stages: int, **config
         _accumulate(mine, grad)
         out[name] = mine.grad.clone()  # the full gradient, back to stage 0 by its own name
     counted = [p for n, p in params.items() if not (stage == 0 and n in held.tied)]
-    return {"stage": stage, "sqnorm": squared_norm([p.grad for p in counted])}, out
+    sqnorm = squared_norm([p.grad for p in counted])
+    if held.fsdp is not None:  # the sharded rows' share, summed over the replicas
+        sqnorm = fsdp.sharded_squared_norm(held.fsdp, sqnorm)
+    return {"stage": stage, "sqnorm": sqnorm}, out
 
 
 def squared_norm(grads: list[torch.Tensor | None]) -> float:
@@ -212,12 +218,24 @@ def squared_norm(grads: list[torch.Tensor | None]) -> float:
 
 
 def _reduce_grads(ctx: OpContext, *_: Any, stage: int, stages: int, replica_group: str,
-                  **config: Any) -> None:
+                  shard: str | None = None, **config: Any) -> None:
     """Sum the stage's gradients over its replica group [Note: replica groups in
     executors/torch/train/replicas.py]. Its inputs (every replica's last action of the stage) only
-    order it: no member waits in the collective while another replica still computes."""
+    order it: no member waits in the collective while another replica still computes. With
+    `shard` "fsdp" the first one cuts the stage over the group, and each keeps this replica's
+    rows [Note: FSDP within a stage in executors/torch/train/fsdp.py]."""
     held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
-    all_reduce_grads(replicas.replica_group(ctx, replica_group), trainable(held.module))
+    group = replicas.replica_group(ctx, replica_group)
+    if shard != "fsdp":
+        all_reduce_grads(group, trainable(held.module))
+        return
+    if held.fsdp is None:
+        where = f"model {config.get('model', '')!r} stage {stage}"
+        held.fsdp = fsdp.shard_stage(group, held.module, held.tied, where)
+        if held.optimizer is not None:  # a whole stage's states, loaded: cut at the step
+            held.saved_states = states_by_name(held.optimizer, held.module)
+            held.optimizer = None
+    fsdp.reduce_and_release(held.fsdp)
 
 
 def _partner_name(held: HeldStage, name: str) -> str:
@@ -252,12 +270,16 @@ def _optimizer_step(ctx: OpContext, *inputs: Any, stage: int, stages: int, step:
         for name, grad in tied.items():
             params[name].grad = grad.to(params[name].device, params[name].dtype).clone()
     grads = [p.grad for p in params.values() if p.grad is not None]
+    if held.fsdp is not None:  # the module's sharded parameters hold no gradient: the rows do
+        grads += [s.rows.grad for s in held.fsdp.sharded if s.rows.grad is not None]
     trained = microbatch_stats(inputs)
     if trained and not any(s.tokens for s in trained):
         # nothing was trained on (every group filtered out, every response masked): AdamW's
         # momentum and weight decay would still move the weights. The runtime gives every
         # stage the stats, so every stage decides alike
         held.module.zero_grad(set_to_none=True)
+        if held.fsdp is not None:
+            held.fsdp.zero_grad()
         return step_report(inputs, model=model, step=step, grad_norm=0.0) if report else None
     normalizer = sum(s.normalizer for s in microbatch_stats(inputs))
     if normalizer > 0:
@@ -282,15 +304,34 @@ def _optimizer_step(ctx: OpContext, *inputs: Any, stage: int, stages: int, step:
 def _adamw_step(ctx: OpContext, held: HeldStage, replica_group: str | None,
                 **hparams: Any) -> None:
     """One AdamW step of the stage, made on first use; over a replica group's shards, this
-    replica's share, then the replicas exchange theirs."""
+    replica's share, then the replicas exchange theirs. An FSDP stage steps its rows and its
+    whole parameters, and exchanges nothing: the next F gathers [Note: FSDP within a stage in
+    executors/torch/train/fsdp.py]."""
+    if held.fsdp is not None:
+        if held.optimizer is None:
+            held.optimizer = _adamw(held.fsdp.optimized(), **{**_ADAMW_DEFAULTS, **hparams})
+            _load_saved_states(held)
+        held.optimizer.step()
+        held.fsdp.zero_grad()
+        return
     group = None if replica_group is None else replicas.replica_group(ctx, replica_group)
     if held.optimizer is None:
         held.shard = None if group is None else (group.rank(), group.size())
         held.optimizer = new_optimizer(held.module, shard=held.shard, **hparams)
+        _load_saved_states(held)
     held.optimizer.step()
     held.module.zero_grad(set_to_none=True)
     if group is not None:
         broadcast_shards(group, trainable(held.module))
+
+
+def _load_saved_states(held: HeldStage) -> None:
+    """The AdamW states a checkpoint's FSDP shares left, into the optimizer just made [Note:
+    FSDP checkpoints in executors/torch/train/fsdp_state.py]."""
+    if held.saved_states is not None:
+        load_named_states(held.optimizer, dict(held.module.named_parameters()),
+                          held.saved_states, held.fsdp)
+        held.saved_states = None
 
 
 def trainable(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -372,6 +413,9 @@ def _adamw(params: list[torch.Tensor], **hparams: Any) -> torch.optim.AdamW:
     return _EagerAdamW([g for g in groups if g["params"]], **kernel, **hparams)
 
 
+_ADAMW_DEFAULTS = {"lr": 3e-4, "weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8}
+
+
 def new_optimizer(module: torch.nn.Module, *, shard: tuple[int, int] | None = None,
                   **hparams: Any) -> torch.optim.AdamW:
     """An AdamW for `module` grouped as the optimizer step makes it (for a saved state to be
@@ -385,8 +429,7 @@ def new_optimizer(module: torch.nn.Module, *, shard: tuple[int, int] | None = No
             raise StageError(f"replica {shard[0]} of {shard[1]} owns none of the stage's "
                              f"{len(trainable(module))} parameters: shard the optimizer over "
                              "fewer replicas")
-    defaults = {"lr": 3e-4, "weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8}
-    return _adamw(params, **{**defaults, **hparams})
+    return _adamw(params, **{**_ADAMW_DEFAULTS, **hparams})
 
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -398,6 +441,9 @@ def _stage_parameters(ctx: OpContext, *_: Any, stage: int, stages: int,
                       **config: Any) -> dict[str, Any]:
     """A copy of the stage's parameters by name, on the CPU (checks, checkpoints, syncing)."""
     held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
+    if held.fsdp is not None and not held.fsdp.gathered:
+        raise StageError(f"stage {stage} is sharded over its replicas between steps (FSDP): "
+                         "read every replica's fsdp_shards and join them (full_stage_state)")
     return {name: p.detach().cpu().clone() for name, p in held.module.named_parameters()}
 
 
@@ -489,3 +535,4 @@ def register(table: OpTable) -> None:
     table.register("load_weights", load_weights)
     table.register("save_weights", save_weights)
     replicas.register(table)
+    fsdp_ops.register(table)
