@@ -76,7 +76,7 @@ def _activation(nbytes: int) -> Any:
 # counted in the planner's units (microbatch stashes): each pipeline op adds its `memory` (an
 # addition as it starts, a release as it ends), an offload takes the F's addition off when its
 # copy ends and a prefetch puts it back when its copy starts; `activation_memory` reads the
-# peak [Note: activation memory reports in flowkit/runner/model_training.py].
+# peak [Note: activation memory reports in flowkit/runner/device_reports.py].
 @attrs.define
 class _Copies:
     out_free: float = 0.0  # when each engine is free

@@ -17,7 +17,6 @@ import attrs
 from rich.console import Console
 
 from flowkit.dsl import Flow
-from flowkit.dsl.models import checkpoint_problems, stages_problems
 from flowkit.observe import Dashboard, RunStats, TraceRecorder
 from flowkit.observe.loggers import LoggerError, Loggers
 from flowkit.ops.peak import peak_override
@@ -38,6 +37,7 @@ from flowkit.runner.config import RunConfig, RunConfigError, RunError
 from flowkit.runner.evaluation import Evaluation
 from flowkit.runner.flowcode import code_to_ship
 from flowkit.runner.flowrun import FlowRunError, FlowRunner, StepReport, check_async
+from flowkit.runner.run_checks import check_checkpoints, check_devices, check_stages, run_keys
 from flowkit.runner.setup import (
     check_kind,
     check_vllm_nodes,
@@ -49,11 +49,9 @@ from flowkit.runner.setup import (
 from flowkit.runner.steploop import STEP_FAILURES, StepLoop
 from flowkit.runtime import Controller, RemoteError
 from flowkit.runtime.controller import BindError
-from flowkit.runtime.devices import DeviceError, local_devices
 from flowkit.runtime.futures import wait
 from flowkit.runtime.launch import Launcher, LaunchError
 from flowkit.runtime.launchers import make_launcher
-from flowkit.wire.auth import InsecureBindError, Keys, KeysError, check_bind
 from flowkit.wire.collection import fewer_collections
 
 __all__ = ["Run", "RunResult", "run"]
@@ -114,7 +112,7 @@ class Run:
                                           precision=config.precision,
                                           packing=config.packing)
         on_vllm = with_rollout_engine(self.flow, config.rollout_engine)
-        _check_stages(self.flow, config)
+        check_stages(self.flow, config)
         self.plan = lower_flow(self.flow)
         self.staleness = config.staleness(self.flow.max_staleness)
         if self.staleness is not None:
@@ -142,15 +140,15 @@ class Run:
             self.count = len(controller.executors())
         self.tags = executor_tags(self.plan, self.count, config.tags, config.placement)
         if controller is None and config.launcher == "local":
-            self._check_devices(config.device)
+            check_devices(config.device, self.count, self.plan)
         # the simulator loads no weights; executors elsewhere read their own hosts' files
         if self.kind == "torch" and controller is None and config.launcher == "local":
-            _check_checkpoints(self.flow)
+            check_checkpoints(self.flow)
         try:  # an MFU setting that cannot be read fails here, not after the first step
             peak_override()
         except ValueError as exc:
             raise RunConfigError("environment", str(exc)) from None
-        self.keys = _keys(config)
+        self.keys = run_keys(config)
         # what its own executors load at start [Note: shipped code in flowkit/runner/flowcode.py]
         self.code = code_to_ship(self.flow, given=config.code)
         self.identity = flow_identity(self.flow.name, self.plan)
@@ -170,24 +168,6 @@ class Run:
         self._started = False  # the executors are in: the trace is worth writing
         self._startup_restarts = 0  # executors that exited while they started, started again
         self._exits = contextlib.ExitStack()
-
-    def _check_devices(self, spec: str) -> None:
-        """The local executors' devices, refused here, before any executor starts, where the
-        machine lacks the GPUs asked for or the replicas of a model would share one (NCCL runs
-        one rank of a group a GPU) [Note: one GPU per executor in flowkit/runtime/devices.py]."""
-        try:
-            devices = local_devices(spec, self.count)
-        except DeviceError as exc:
-            raise RunConfigError("device", str(exc)) from None
-        models = {n.model.name: n.model for n in self.plan if n.model is not None}
-        for model in models.values():
-            shared = _shared_gpu(model.stages, model.replicas, devices)
-            if shared is not None:
-                raise RunConfigError(
-                    "replicas", f"model {model.name!r} trains as {model.replicas} replicas, and "
-                    f"--device {spec} puts two of them (executors {shared[0]} and {shared[1]}, "
-                    "the same stage) on one GPU: NCCL runs one rank of a replica group a GPU; "
-                    "give one GPU per executor (--device cuda) or fewer replicas")
 
     @property
     def runner(self) -> FlowRunner | None:
@@ -418,55 +398,6 @@ class Run:
             return
         self.recorder.write_chrome(path)
         self.console.print(f"wrote {path} (open it in https://ui.perfetto.dev)")
-
-
-def _check_stages(flow: Flow, config: RunConfig) -> None:
-    """A model cut into more stages than it has layers, before anything starts: `stages` when
-    the run's setting cut it, the flow's own otherwise."""
-    for problem in stages_problems(flow):
-        raise RunConfigError("stages" if config.stages is not None else "flow", problem)
-
-
-def _shared_gpu(stages: int, replicas: int, devices: list) -> tuple[int, int] | None:
-    """Two executors of one stage's replica group on one GPU, if any: replica r of a model
-    trains on the executors r x stages ... (r + 1) x stages - 1, as flowkit/runner/replicas.py
-    places them."""
-    for stage in range(stages):
-        seen: dict[str, int] = {}
-        for replica in range(replicas):
-            index = replica * stages + stage
-            if index >= len(devices) or devices[index].gpu is None:
-                continue
-            gpu = devices[index].env["CUDA_VISIBLE_DEVICES"]
-            if gpu in seen:
-                return seen[gpu], index
-            seen[gpu] = index
-    return None
-
-
-def _check_checkpoints(flow: Flow) -> None:
-    for problem in checkpoint_problems(flow):
-        raise RunConfigError("flow", problem)
-
-
-def _keys(config: RunConfig) -> Keys | None:
-    """The controller's keys, and its address checked against them [Note: authenticated
-    transport in flowkit/wire/auth.py]."""
-    settings = config.controller
-    try:
-        keys = None if settings.keys is None else Keys.load(settings.keys)
-        if keys is not None:
-            keys.secret("controller")
-    except KeysError as exc:
-        raise RunConfigError("controller.keys", str(exc)) from None
-    if not settings.bind.startswith(("tcp://", "ipc://")):
-        raise RunConfigError("controller.bind", f"{settings.bind!r} is not a zmq address: give "
-                             "tcp://HOST:PORT (PORT 0: any free port) or ipc://PATH")
-    try:
-        check_bind(settings.bind, keys=keys, insecure=settings.insecure, who="the controller")
-    except InsecureBindError as exc:
-        raise RunConfigError("controller.bind", str(exc)) from None
-    return keys
 
 
 def _error_line(error: BaseException, debug: bool) -> str:

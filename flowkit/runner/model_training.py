@@ -39,7 +39,6 @@ from flowkit.runner.feeding import (
     token_bins,
     train_rounds,
 )
-from flowkit.runner.mfu import peak_override
 from flowkit.runner.pipeline import (
     Gate,
     Lane,
@@ -167,62 +166,6 @@ class ModelTraining:
         for export in self.synced:
             export.exception(timeout)  # waits for it, fetching nothing
         return sum(export.nbytes for export in self.synced)
-
-    # [Note: activation memory reports] A backprop told how to offload (its config's `offload`,
-    # "none" included: the baseline to compare with) has its pipeline ops note the activation
-    # memory they hold (`track_memory`), and after each step every device of the model says its
-    # peak since the step before (the `activation_memory` op, in the device's lane, so after
-    # the step's ops): torch executors in bytes by the StageRunner's accounting, the simulator
-    # in microbatch stashes of the planner's memory model. The step reports the most of any
-    # device, as `MODEL/peak_activation_UNIT`, and each device's (over replicas), as
-    # `MODEL/peak_activation_UNIT/deviceD`: the last stage, which has nothing to offload in
-    # most schedules, often holds the most.
-    def activation_memory(self, timeout: float) -> dict[str, float]:
-        """This step's peak activation memory of the model's devices, by unit, where its
-        backprop tracks it and its executors implement `activation_memory`."""
-        if not self.tracked or self.trained is None:
-            return {}
-        schedule = self.trained[0]
-        futures = []
-        for replica in range(self.replicas):
-            for device, info in enumerate(self.replica(replica)):
-                if device >= schedule.num_devices or "activation_memory" not in info.ops:
-                    continue
-                futures.append((device, self.ctl.submit(
-                    "activation_memory", config={"model": self.model.name, "reset": True},
-                    executor=info.id, lane=device_lane(self.lane_for(replica), device),
-                    meta={"node": "activation_memory", "step": self.step})))
-        peaks: dict[str, float] = {}
-        for device, future in futures:
-            got = future.result(timeout=timeout)
-            name = f"{self.model.name}/peak_activation_{got['unit']}"
-            for key in (name, f"{name}/device{device}"):
-                peaks[key] = max(peaks.get(key, 0.0), float(got["peak"]))
-        return peaks
-
-    def model_flops(self, timeout: float) -> tuple[float, dict[int, float | None]] | None:
-        """This step's model FLOPs on the model's devices and each device's peak FLOP/s, by
-        executor [Note: model FLOPs in executors/torch/train/flops.py]; None where its
-        executors cannot say, or said on the first step that no device knows its peak and no
-        FLOWKIT_PEAK_TFLOPS sets one (no MFU to make: not asked again)."""
-        if self.trained is None or self.flops_unknown:
-            return None
-        schedule, asked = self.trained[0], {}
-        for replica in range(self.replicas):
-            for device, info in enumerate(self.replica(replica)):
-                if device < schedule.num_devices and "model_flops" in info.ops \
-                        and info.id not in asked:
-                    asked[info.id] = self.ctl.submit(
-                        "model_flops", config={"model": self.model.name, "reset": True},
-                        executor=info.id, lane=device_lane(self.lane_for(replica), device),
-                        meta={"node": "model_flops", "step": self.step})
-        got = {executor: future.result(timeout=timeout) for executor, future in asked.items()}
-        counted = [g["flops"] for g in got.values() if g["flops"] is not None]
-        peaks = {executor: g["peak_flops"] for executor, g in got.items()}
-        if not counted or not any(peaks.values()) and peak_override() is None:
-            self.flops_unknown = True
-            return None
-        return sum(counted), peaks
 
     def carried_state(self) -> dict:
         """What it carries from step to step that a run checkpoint keeps (checkpoints/): the

@@ -12,6 +12,7 @@ import attrs
 from flowkit.dsl import Metrics
 from flowkit.ops.records import mean_loss, mean_values
 from flowkit.planner.lower import NodePlan
+from flowkit.runner.device_reports import activation_memory, model_flops
 from flowkit.runner.mfu import mfu
 from flowkit.runner.pipeline import measure
 from flowkit.wire.refs import Item
@@ -53,7 +54,7 @@ def step_report(run: Any) -> StepReport:
         synced = training.sync_bytes(run.wiring.step_timeout)
         if synced is not None:
             metrics[f"{training.model.name}/sync_bytes"] = synced
-        metrics.update(training.activation_memory(run.wiring.step_timeout))
+        metrics.update(activation_memory(training, run.wiring.step_timeout))
     for node, count in run.incomplete_groups.items():
         metrics[f"{node}/incomplete_groups"] = count
     if run.submission.bubble_fill is not None:  # [Note: bubble filling in bubble_fill.py]
@@ -74,7 +75,7 @@ def step_report(run: Any) -> StepReport:
         # the step's pipeline ops, first start to last end: the training part of the step
         metrics["pipeline_makespan_s"] = measured["makespan"]
         metrics["predicted_bubble_rate"] = max(predicted) if predicted else None
-    flops = [training.model_flops(run.wiring.step_timeout)
+    flops = [model_flops(training, run.wiring.step_timeout)
              for training in run.trainings.values()]
     elapsed = time.time() - run.started
     utilization = mfu(flops, elapsed)

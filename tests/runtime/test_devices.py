@@ -97,7 +97,7 @@ def test_replicas_that_would_share_a_gpu_are_refused_before_executors_start(monk
 
 
 def test_replicas_on_their_own_gpus_pass():
-    from flowkit.runner.api import _shared_gpu
+    from flowkit.runner.run_checks import _shared_gpu
 
     # 2 stages x 2 replicas: replica 0 on GPU 0 (executors 0, 1), replica 1 on GPU 1 (2, 3)
     devices = local_devices("cuda:0,cuda:0,cuda:1,cuda:1", 4, gpus=2, environ={})

@@ -1,7 +1,7 @@
 """A flow trained under an offloading schedule on torch executor processes [Note: offload in the
 runtime in flowkit/ops/executor_ops.py]: the same parameters as the run without offload, bit for
 bit, and a lower peak of activation memory by the executors' own accounting [Note: activation
-memory reports in flowkit/runner/model_training.py]."""
+memory reports in flowkit/runner/device_reports.py]."""
 
 from __future__ import annotations
 
