@@ -69,7 +69,7 @@ def test_an_rl_flow_with_an_eval_source_carries_its_evaluation_flow():
     generate = evaluation.nodes["generate"]
     assert (generate.config["n"], generate.config["temperature"]) == (4, 0.7)
     assert evaluation.nodes["sort_prompts"].config == {"count": 6, "seed": 1, "step": 0,
-                                                      "digits": 3}
+                                                      "digits": 3, "pool": None}
     assert not any("backprop" in n or "optimizer" in n for n in evaluation.nodes)
     assert grpo_flow().evaluation is None
 

@@ -136,7 +136,8 @@ def test_a_record_travels_inline_and_the_older_form_still_reads():
     body, _ = pack(value)
     raw = msgpack.unpackb(body, strict_map_key=False)  # a map with the path key
     assert raw[0] == {msgpack.ExtType(5, b""): "flowkit.ops.records:Prompt", "prompt_id": 3,
-                      "tokens": [1, 2], "answer": None, "text": None, "messages": None}
+                      "tokens": [1, 2], "answer": None, "text": None, "messages": None,
+                      "n": None}
     assert unpack(body, []) == value
     old = _forged_record("flowkit.ops.records:Prompt", {"prompt_id": 3, "tokens": [1, 2]})
     assert unpack(old, []) == Prompt(prompt_id=3, tokens=[1, 2])
