@@ -55,6 +55,9 @@ class HeldModel:
     config: dict = attrs.field(factory=dict)  # what built it, to build it again (state.py)
     lora: dict | None = None  # its adapters' settings: only they train, export and save
     autocast: torch.dtype | None = None  # its forwards' compute dtype (AUTOCAST)
+    # a resumed model's AdamW states by unsplit name, until its stages' optimizers take them
+    # [Note: layout-free checkpoints in executors/torch/layout_free.py]
+    resumed: dict | None = None
 
 
 def held_model(ctx: OpContext, config: dict) -> HeldModel:

@@ -10,6 +10,7 @@ import attrs
 import torch
 
 from executors.optable import OpContext
+from executors.torch.layout_free import stage_states
 from executors.torch.models.built import held_model
 from executors.torch.train.rl_loss import RLLoss
 from executors.torch.train.stage import StageRunner
@@ -30,6 +31,9 @@ class HeldStage:
     # executors/torch/train/flops.py]
     tokens_run: int = 0
     attended: int = 0  # the squared lengths of the rows those tokens were in, summed
+    # a resumed run's AdamW states of this stage, for its optimizer once made [Note:
+    # layout-free checkpoints in executors/torch/layout_free.py]
+    resumed: dict | None = None
 
 
 def held_stage(ctx: OpContext, config: dict) -> HeldStage:
@@ -41,7 +45,8 @@ def held_stage(ctx: OpContext, config: dict) -> HeldStage:
         tied = tuple(getattr(module, "tied_copies", lambda: ())())
         runs = _ScaledLoss(module) if s == len(model.parts) - 1 else module
         runner = StageRunner(runs, autocast=model.autocast)
-        stage = model.stages[s] = HeldStage(module=module, runner=runner, tied=tied)
+        stage = model.stages[s] = HeldStage(module=module, runner=runner, tied=tied,
+                                            resumed=stage_states(model, s))
     return stage
 
 

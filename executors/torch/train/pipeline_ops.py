@@ -18,6 +18,7 @@ import torch
 from executors.optable import OpContext, OpTable
 from executors.torch.device import device_clock
 from executors.torch.errors import StageError
+from executors.torch.layout_free import fill_optimizer
 from executors.torch.models.built import export_weights, held_model, load_weights, save_weights
 from executors.torch.train import replicas
 from executors.torch.train.flops import model_flops
@@ -287,6 +288,9 @@ def _adamw_step(ctx: OpContext, held: HeldStage, replica_group: str | None,
     if held.optimizer is None:
         held.shard = None if group is None else (group.rank(), group.size())
         held.optimizer = new_optimizer(held.module, shard=held.shard, **hparams)
+        if held.resumed is not None:  # [Note: layout-free checkpoints in layout_free.py]
+            fill_optimizer(held.optimizer, held.module, held.resumed)
+            held.resumed = None
     held.optimizer.step()
     held.module.zero_grad(set_to_none=True)
     if group is not None:
