@@ -15,7 +15,9 @@ from pathlib import Path
 
 import msgpack
 import pytest
+import safetensors.torch
 import torch
+from safetensors import safe_open
 
 from flowkit.runner.checkpoints.format import RUN_STATE, CheckpointError, read_run_state
 from flowkit.runner.checkpoints.state_codec import allowed_records
@@ -198,10 +200,14 @@ def test_the_untouched_checkpoint_still_resumes(sim_checkpoint, tmp_path):
 
 # -- executor states ------------------------------------------------------------------------------
 def _rewrite_executor_state(root: Path, change) -> Path:
+    """Change the plain values of exec-0's state (its safetensors metadata) and write it."""
     path = _step(root) / "executors" / "exec-0"
-    state = torch.load(path, weights_only=True)
+    with safe_open(str(path), "pt") as file:
+        meta = file.metadata()
+    state = json.loads(meta["flowkit"])
     change(state)
-    torch.save(state, path)
+    tensors = safetensors.torch.load_file(path)
+    safetensors.torch.save_file(tensors, path, metadata={"flowkit": json.dumps(state)})
     return path
 
 
