@@ -2,26 +2,32 @@
 executors/torch/layout_free.py]: 5 steps of 10 on one layout, the rest on another (other
 --stages, fewer replicas, a ZeRO-1 run resumed plain), end with the parameters and the last
 loss of the run that went on uninterrupted (float64, 1e-10); the built-in GPT and a Hugging
-Face Llama. Bad input (a missing file, a changed one) is one line before anything starts."""
+Face Llama. `flowkit export` writes a checkpoint's model for tools that know nothing of
+flowkit. Bad input (a missing file, a changed one, an unknown model) is one line before
+anything starts."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
+from click.testing import CliRunner
 
+from executors.torch.export import export
 from tests.cli.flows import tiny_layouts
 from tests.cli.runs import metrics_lines, refused, run_ok
 
 pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
 
 FLOWS = Path(tiny_layouts.__file__)
-GPT, LLAMA = f"{FLOWS}:flow", f"{FLOWS}:llama"
+GPT_FLOW, LLAMA = f"{FLOWS}:flow", f"{FLOWS}:llama"
+GPT = GPT_FLOW
 LAYOUTS = {"P3": ("--stages", "3"), "P2": ("--stages", "2"), "P4": ("--stages", "4"),
            "D2P2-zero1": ("--stages", "2", "--replicas", "2", "--shard-optimizer")}
 
@@ -120,3 +126,63 @@ def _metadata(path: Path) -> dict:
 
     with safe_open(str(path), "pt") as file:
         return file.metadata()
+
+
+# -- flowkit export --------------------------------------------------------------------------
+def _export(*args: str):
+    """`flowkit export ARGS` (the command torch executors add to flowkit's CLI)."""
+    return CliRunner().invoke(export, [*map(str, args)])
+
+
+def test_an_hf_checkpoint_exported_mid_run_loads_with_from_pretrained_and_the_runs_logits(
+        source, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    checkpoint, _, _ = source(LLAMA, "P3")
+    result = _export(checkpoint, tmp_path / "hf", "--model", "llama")
+    assert result.exit_code == 0, result.output
+    assert {"config.json", "model.safetensors"} <= {p.name for p in (tmp_path / "hf").iterdir()}
+    # the run's own model after step 5: a run of 5 steps (on another layout) saving it
+    run_ok(LLAMA, "--executors", "torch", "--steps", "5", "--stages", "2", "--save-weights",
+           str(tmp_path / "w"))
+    (saved,) = (tmp_path / "w").iterdir()
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    logits = [AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float64)(ids).logits
+              for folder in (tmp_path / "hf", saved)]
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-10)
+
+
+def test_a_gpt_checkpoint_exports_its_state_dict_as_safetensors(source, tmp_path):
+    from executors.torch.models.gpt import GPT
+
+    checkpoint, whole, _ = source(GPT_FLOW, "P2")
+    result = _export(checkpoint.parent, tmp_path / "gpt", "--model", "gpt")  # the newest: 10
+    assert result.exit_code == 0, result.output
+    state = safetensors.torch.load_file(tmp_path / "gpt" / "model.safetensors")
+    for name in whole:
+        assert torch.equal(state[name], whole[name]), name
+    config = json.loads((tmp_path / "gpt" / "config.json").read_text())
+    model = GPT(**{k: v for k, v in config["model_config"].items()})
+    model.load_state_dict(state)  # every key, none missing
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("model", "no model 'critic' in this checkpoint; --model takes one of gpt"),
+    ("missing", "executors/exec-1 is missing, and manifest.json lists it"),
+    ("changed", "does not match its SHA-256 in manifest.json")])
+def test_export_of_bad_input_is_one_line(source, tmp_path, damage, says):
+    folder = _copy(source(GPT_FLOW, "P2")[0], tmp_path)
+    if damage == "missing":
+        (folder / "executors" / "exec-1").unlink()
+    if damage == "changed":
+        with open(folder / "executors" / "exec-0", "r+b") as file:
+            file.seek(-1, os.SEEK_END)
+            last = file.read(1)
+            file.seek(-1, os.SEEK_END)
+            file.write(bytes([last[0] ^ 0x40]))
+    result = _export(folder, tmp_path / "out", "--model",
+                     "critic" if damage == "model" else "gpt")
+    assert result.exit_code == 1
+    (line,) = result.output.strip().splitlines()
+    assert line.startswith("Error: ") and says in line
+    assert not (tmp_path / "out").exists()

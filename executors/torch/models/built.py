@@ -32,8 +32,8 @@ from flowkit.dsl.lora import check_lora, lora_identity
 from flowkit.dsl.operators import PRECISIONS
 from flowkit.ops.records import WeightsVersion
 
-__all__ = ["HeldModel", "evaluating", "export_weights", "held_model", "load_weights",
-           "right_padded", "save_weights", "whole_model"]
+__all__ = ["HeldModel", "built_whole", "evaluating", "export_weights", "held_model",
+           "load_weights", "right_padded", "save_weights", "whole_model"]
 
 _DTYPES = {name: getattr(torch, name) for name in ("float32", "float64", "bfloat16", "float16")}
 # a model's precision: the dtype its forward computes in under autocast over its own weights
@@ -302,7 +302,7 @@ def _save_lora(adapters: dict[str, torch.Tensor], path: Path, spec: dict) -> Pat
 
 def _save_lora_built(adapters: dict[str, torch.Tensor], path: Path, spec: dict,
                      settings: dict) -> Path:
-    whole = _base_for_save(spec)
+    whole = built_whole(spec)
     pretrained = getattr(whole, "pretrained_format", False)
     if settings["save"] == "adapter":
         return whole.save_lora(path.with_suffix(""), settings, adapters)
@@ -315,7 +315,7 @@ def _save_lora_built(adapters: dict[str, torch.Tensor], path: Path, spec: dict,
     return weights.save_checkpoint(path, weights.export(whole, weights.layout(whole).names[0]))
 
 
-def _base_for_save(spec: dict) -> torch.nn.Module:
+def built_whole(spec: dict) -> torch.nn.Module:
     """The model `spec` names, built as its holders built it, before any adapter."""
     config = dict(spec.get("model_config", {}))
     checkpoint = config.pop("checkpoint", None)
