@@ -108,10 +108,9 @@ def load_trained(held: Any, name: str, files: list[tuple[str, dict, dict]]) -> N
 
 
 def _check_adapters(held: Any, found: dict, what: str) -> None:
-    lacking = [unsplit for index, part in enumerate(held.parts)
-               for local, p in part.named_parameters()
-               if p.requires_grad and _find(held.layout.names[index][local], found,
-                                            held.layout.aliases) is None]
+    adapters = [held.layout.names[index][local] for index, part in enumerate(held.parts)
+                for local, p in part.named_parameters() if p.requires_grad]
+    lacking = [name for name in adapters if _find(name, found, held.layout.aliases) is None]
     if lacking:
         raise StageError(f"{what}: no file holds adapters {sorted(lacking)[:3]}")
 

@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import struct
-from typing import Any
 
 import safetensors.torch
 import torch

@@ -29,7 +29,8 @@ from flowkit.runtime.controller import Controller
 from flowkit.runtime.futures import Future
 from flowkit.runtime.registry import ExecutorInfo
 
-__all__ = ["ReplicatedSchedule", "Replicas", "last_actions", "replica_counts", "replica_lane", "setup_replica_groups", "state_sources"]
+__all__ = ["ReplicatedSchedule", "Replicas", "last_actions", "replica_counts", "replica_lane",
+           "setup_replica_groups", "state_sources"]
 
 _GROUP_IDS = itertools.count()
 

@@ -1,5 +1,6 @@
 """The executor side of replicas, in one process: who owns which parameter's optimizer states,
-AdamW states saved by name filling the shards of another count, and a store address that is not one."""
+AdamW states saved by name filling the shards of another count, and a store address that is
+not one."""
 
 from __future__ import annotations
 

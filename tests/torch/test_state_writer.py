@@ -1,7 +1,7 @@
 """[Note: a state written in the background in executors/torch/state.py]: save_state copies the
 executor's state when it runs and a thread writes the copy (a safetensors file, by the unsplit
-model's names); the task ends once the file is on disk. What the tasks after it change is not in the file, and a write that fails fails the task,
-naming why."""
+model's names); the task ends once the file is on disk. What the tasks after it change is not
+in the file, and a write that fails fails the task, naming why."""
 
 from __future__ import annotations
 
