@@ -40,8 +40,9 @@ __all__ = ["FORMAT", "MANIFEST", "PICKLED_STATE", "PREFIX", "RUN_STATE", "Checkp
 # run's checkpoint root: manifest.json (the flow's and the run's identity, the step, the
 # executors; written last), run.msgpack (the controller's `RunState`: plain values checked against
 # a schema, never pickle [Note: run state on disk in flowkit/runner/checkpoints/state_codec.py])
-# and executors/NAME (each executor's `save_state`: weights, optimizer states, weights versions,
-# random generators, read with torch.load(weights_only=True)). It is written into a hidden
+# and executors/NAME (each executor's `save_state`: a safetensors file of its trained weights and
+# optimizer states by the unsplit model's names, versions, random generators [Note: layout-free
+# checkpoints in executors/torch/layout_free.py]). It is written into a hidden
 # `.step-...tmp` folder renamed when every part is in, so it is complete or absent; files 0600,
 # folders 0700; a run's id keeps a fresh run off another run's root (check_root). Executors write
 # their parts themselves, so the root must be a path they share with the controller. Why a
