@@ -228,8 +228,9 @@ def load_state(ctx: OpContext, *_: Any, path: str | None = None, files: list | N
             _restore_copy(ctx, entry, spec, tensors, where)
     for name, found in trained.items():
         held = held_model(ctx, specs[name])
-        load_trained(held, name, found)
-        held.version = found[0][1]["version"]
+        if found:  # else no executor had trained it yet (a step-0 checkpoint): as built
+            load_trained(held, name, found)
+            held.version = found[0][1]["version"]
     if rng is not None:
         _set_generators(*rng, where)
     return len(ctx.state.get("torch_models", {}))
@@ -238,7 +239,7 @@ def load_state(ctx: OpContext, *_: Any, path: str | None = None, files: list | N
 def _trained_files(name: str, path: str | None, own: tuple[dict, dict], files: list,
                    specs: dict, checksums: dict | None) -> list[tuple[str, dict, dict]]:
     """(path, entry, tensors) of each executor state that holds trained model `name`, this
-    executor's own first."""
+    executor's own first; none before any executor trained it."""
     if name not in specs:
         raise StageError(f"this executor is to train model {name!r}, which the flow does not "
                          f"declare (it has {sorted(specs) or 'none'})")
@@ -247,10 +248,6 @@ def _trained_files(name: str, path: str | None, own: tuple[dict, dict], files: l
         found.extend(_trained_in(name, str(other), read_state_file(str(other), checksums),
                                  specs))
     mine = _trained_in(name, path, own, specs) if path else []
-    if not mine and not found:
-        raise StageError(f"model {name!r}: none of the checkpoint's {len(files)} executor "
-                         "state(s) holds its trained weights: resume from a checkpoint of a "
-                         "run that trained it")
     return mine + found
 
 
@@ -322,13 +319,27 @@ def _checked(entry: Any, index: int, path: str, models: dict) -> tuple[dict, dic
                          f"in {spec['stages']}")
     for key in ("shards", "hyper"):
         _field(entry, key, dict, path, where)
-    if not all(isinstance(v, dict) for v in entry["hyper"].values()):
+    if not all(kind in ("decay", "plain") and isinstance(group, dict)
+               and all(key in _HYPER and _hyper_value(v) for key, v in group.items())
+               for kind, group in entry["hyper"].items()):
         raise StageError(f"{path}: model {name!r} has optimizer hyperparameters that are not "
-                         "maps")
+                         f"AdamW's ({_short(entry['hyper'])})")
     version = entry.get("version")
     if version is not None and not isinstance(version, int):
         raise StageError(f"{path}: model {name!r} has a weights version that is not a number")
     return entry, {**spec, "stages": stages}
+
+
+# what an AdamW param group holds besides its parameters (torch 2.x), each a number, a flag,
+# None, or the two betas
+_HYPER = {"lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable",
+          "differentiable", "fused", "decoupled_weight_decay", "initial_lr"}
+
+
+def _hyper_value(value: Any) -> bool:
+    if isinstance(value, list):
+        return len(value) == 2 and all(_hyper_value(v) and v is not None for v in value)
+    return value is None or isinstance(value, (bool, int, float))
 
 
 def _identity(key: str, value: Any) -> Any:

@@ -25,6 +25,7 @@ FORMAT = "flowkit.executor_state/2"
 MAX_STATE = 1 << 40  # bytes: past any model this runs, a bound on what a load may read
 _MAX_HEADER = 1 << 26  # bytes of a safetensors header: its tensors' names, shapes and offsets
 _META_KEY = "flowkit"
+_ZIP = b"PK\x03\x04"  # how a torch.save file begins (flowkit.executor_state/1 was one)
 
 
 def encode(meta: dict, tensors: dict[str, torch.Tensor]) -> bytes:
@@ -51,6 +52,10 @@ def decode(data: bytes | bytearray, path: str) -> tuple[dict, dict[str, torch.Te
 def _metadata(data: bytes | bytearray, path: str) -> dict:
     """The JSON a state keeps in its safetensors header (8 bytes of its length, then JSON)."""
     problem = f"cannot read executor state {path}: not a safetensors file"
+    if bytes(data[:4]) == _ZIP:
+        raise StageError(f"cannot read executor state {path}: a torch.save file, an older "
+                         f"flowkit's executor state; this flowkit reads {FORMAT!r} (safetensors): "
+                         "resume it with the flowkit that wrote it")
     if len(data) < 8:
         raise StageError(f"{problem} (only {len(data)} bytes)")
     (size,) = struct.unpack("<Q", bytes(data[:8]))

@@ -58,6 +58,7 @@ RUN_STATE = "run.msgpack"
 PICKLED_STATE = "run.pkl"  # an older flowkit's run state: refused, never unpickled
 PREFIX = "step-"
 _MAX_MANIFEST = 1 << 24  # bytes
+_TORCH_SAVE = b"PK\x03\x04"  # how a torch.save file (an older executor state) begins
 MAX_EXECUTOR_STATE = 1 << 40  # bytes: past any model flowkit runs (executors/torch/state_file.py)
 
 
@@ -334,9 +335,13 @@ def verify_files(folder: Path, manifest: Manifest) -> None:
         except FileRefused as exc:
             raise CheckpointError(f"--resume {folder}: {exc}") from None
         try:
-            found = sha256_of(fd, size)
+            found, start = sha256_of(fd, size), os.pread(fd, 4, 0)
         finally:
             os.close(fd)
+        if name != RUN_STATE and start == _TORCH_SAVE:
+            raise CheckpointError(f"--resume {folder}: {name} is a torch.save file, an executor "
+                                  "state of an older flowkit; this one reads safetensors "
+                                  "states: resume it with the flowkit that wrote it")
         if found != digest:
             raise CheckpointError(f"--resume {folder}: {path} does not match its SHA-256 in "
                                   f"{MANIFEST}: it changed after it was written; resume from "
