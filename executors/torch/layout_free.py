@@ -5,9 +5,10 @@ parameters and AdamW states by the unsplit model's names, whatever the split tha
 AdamW states of the parameters its optimizer holds (one ZeRO-1 shard, or all) as tensors named
 `MODEL/train/param/NAME` and `MODEL/train/optim/KEY/NAME`, NAME the unsplit name [Note: unsplit
 names in weights.py]; the union of a checkpoint's files is the whole model, however its
-stages, replicas and shards were cut. A resumed executor that trains a model builds it in the
-run's own split, sets every part from that union, and keeps the states aside (`resumed` on the
-held model): a stage's optimizer takes its parameters' states when its first step makes it
+stages, replicas and shards were cut. A resumed executor that trains a model keeps that union,
+and each split of the model it builds then (in whatever stages the run's schedule cuts it)
+is set from it (models/built.py, its generators kept: the build's seeding draws nothing); a
+stage's optimizer takes its parameters' states when its first step makes it
 (pipeline_ops._adamw_step), for whichever shard that step owns. A copy that generation holds
 (`MODEL/copy{S}/param/NAME`) goes back only to the executor that saved it.
 """
@@ -21,7 +22,10 @@ import torch
 from executors.torch import weights
 from executors.torch.errors import StageError
 
-__all__ = ["fill_optimizer", "load_trained", "saved_model", "stage_states"]
+__all__ = ["RESUMED", "fill_optimizer", "load_trained", "saved_model", "stage_states",
+           "trained_union"]
+
+RESUMED = "resumed_models"  # ctx.state: model name -> its trained_union, after a resume
 
 _JSON_TYPES = (int, float, bool, str, list, tuple, type(None))
 
@@ -84,10 +88,10 @@ def _local_names(module: torch.nn.Module) -> dict[int, str]:
     return names
 
 
-def load_trained(held: Any, name: str, files: list[tuple[str, dict, dict]]) -> None:
-    """Set every part of `held` (the run's split of trained model `name`) from the union of
-    the checkpoint's `files` ((path, entry, tensors), each holding the model's trained
-    weights), and keep their AdamW states and hyperparameters aside for the optimizers."""
+def trained_union(name: str, files: list[tuple[str, dict, dict]]) -> dict:
+    """What the checkpoint's `files` ((path, entry, tensors), each holding trained weights of
+    model `name`) hold of it between them: its parameters, AdamW states and hyperparameters by
+    unsplit name, and its weights version (the first file's)."""
     prefix = train_prefix(name)
     found: dict[str, torch.Tensor] = {}
     states: dict[str, dict[str, torch.Tensor]] = {}
@@ -100,11 +104,21 @@ def load_trained(held: Any, name: str, files: list[tuple[str, dict, dict]]) -> N
             elif key.startswith(prefix + "optim/"):
                 state_key, _, unsplit = key[len(prefix) + 6:].partition("/")
                 states.setdefault(unsplit, {}).setdefault(state_key, value)
-    what = f"model {name!r} (from {len(files)} executor state(s) of the checkpoint)"
+    return {"params": found, "states": states, "hyper": hyper,
+            "version": files[0][1]["version"], "files": len(files)}
+
+
+def load_trained(held: Any, name: str, union: dict) -> None:
+    """Set every part of `held`, a split of trained model `name` built after a resume, from
+    the checkpoint's `union` (trained_union), and keep the AdamW states aside for its stages'
+    optimizers."""
+    what = f"model {name!r} (from {union['files']} executor state(s) of the checkpoint)"
+    found = union["params"]
     weights.load(held.parts, held.layout, found, complete=held.lora is None, what=what)
     if held.lora is not None:
         _check_adapters(held, found, what)
-    held.resumed = {"states": states, "hyper": hyper}
+    held.resumed = {"states": union["states"], "hyper": union["hyper"]}
+    held.version = union["version"]
 
 
 def _check_adapters(held: Any, found: dict, what: str) -> None:

@@ -29,7 +29,7 @@ import torch
 from executors.optable import Deferred, OpContext
 from executors.torch import weights
 from executors.torch.errors import StageError
-from executors.torch.layout_free import load_trained, saved_model, train_prefix
+from executors.torch.layout_free import RESUMED, saved_model, train_prefix, trained_union
 from executors.torch.models.built import held_model
 from executors.torch.state_file import encode, read_state_file
 from flowkit.dsl.lora import lora_identity
@@ -209,11 +209,11 @@ def load_state(ctx: OpContext, *_: Any, path: str | None = None, files: list | N
                checksums: dict | None = None) -> int:
     """Put a checkpoint back on this executor: the models its own state `path` holds (None:
     it had none) built from `models` (the flow's spec of each, by name: what the controller
-    sends, never what the file says) and the models it `trains` in this run, in this run's
-    split, set from every executor state in `files` [Note: layout-free checkpoints in
-    layout_free.py]; then its random generators. A file whose saved build or config differs
-    from the flow's is refused, naming both. Every file is read and checked before anything
-    held here is dropped. Returns how many models it holds."""
+    sends, never what the file says), and what every executor state in `files` holds of the
+    models it `trains` in this run, for the splits it builds of them [Note: layout-free
+    checkpoints in layout_free.py]; then its random generators. A file whose saved build or
+    config differs from the flow's is refused, naming both. Every file is read and checked
+    before anything held here is dropped. Returns how many models it holds or will build."""
     specs = models or {}
     meta, tensors = read_state_file(path, checksums) if path else ({"models": []}, {})
     where = path or "(no state of its own)"
@@ -227,13 +227,12 @@ def load_state(ctx: OpContext, *_: Any, path: str | None = None, files: list | N
         if not entry["trains"]:
             _restore_copy(ctx, entry, spec, tensors, where)
     for name, found in trained.items():
-        held = held_model(ctx, specs[name])
         if found:  # else no executor had trained it yet (a step-0 checkpoint): as built
-            load_trained(held, name, found)
-            held.version = found[0][1]["version"]
+            ctx.state.setdefault(RESUMED, {})[name] = trained_union(name, found)
     if rng is not None:
         _set_generators(*rng, where)
-    return len(ctx.state.get("torch_models", {}))
+    return len({name for name, _ in ctx.state.get("torch_models", {})}
+               | set(ctx.state.get(RESUMED, {})))
 
 
 def _trained_files(name: str, path: str | None, own: tuple[dict, dict], files: list,
@@ -364,6 +363,7 @@ def _forget_models(ctx: OpContext) -> None:
     for held in ctx.state.pop("torch_models", {}).values():
         for stage in held.stages.values():
             stage.runner.reset()
+    ctx.state.pop(RESUMED, None)
     for name in [n for n in ctx.background if n.startswith("generate:")]:
         del ctx.background[name]
 

@@ -1,6 +1,6 @@
 """A checkpoint resumes on another layout [Note: layout-free checkpoints in
 executors/torch/layout_free.py]: 5 steps of 10 on one layout, the rest on another (other
---stages, fewer replicas, a ZeRO-1 run resumed plain), end with the parameters and the last
+--stages, fewer replicas, a ZeRO-1 run resumed plain, 1F1B resumed under ZB-V), end with the parameters and the last
 loss of the run that went on uninterrupted (float64, 1e-10); the built-in GPT and a Hugging
 Face Llama. `flowkit export` writes a checkpoint's model for tools that know nothing of
 flowkit. Bad input (a missing file, a changed one, an unknown model) is one line before
@@ -29,6 +29,8 @@ FLOWS = Path(tiny_layouts.__file__)
 GPT_FLOW, LLAMA = f"{FLOWS}:flow", f"{FLOWS}:llama"
 GPT = GPT_FLOW
 LAYOUTS = {"P3": ("--stages", "3"), "P2": ("--stages", "2"), "P4": ("--stages", "4"),
+           # a V schedule: 4 stages on 2 devices, two on each
+           "P2-zbv": ("--stages", "2", "--schedule", "zb-v"),
            "D2P2-zero1": ("--stages", "2", "--replicas", "2", "--shard-optimizer")}
 
 
@@ -68,7 +70,7 @@ def source(tmp_path_factory):
 
 @pytest.mark.parametrize(("flow", "before", "after"), [
     (GPT, "P3", "P2"), (GPT, "P2", "P4"), (LLAMA, "P3", "P2"),
-    (GPT, "D2P2-zero1", "P3")])
+    (GPT, "D2P2-zero1", "P3"), (GPT, "P2", "P2-zbv")])
 def test_a_checkpoint_resumes_on_another_layout_as_if_never_stopped(source, tmp_path, flow,
                                                                    before, after):
     checkpoint, whole, last = source(flow, before)

@@ -26,6 +26,7 @@ import torch
 from executors.optable import OpContext
 from executors.torch import weights
 from executors.torch.errors import StageError
+from executors.torch.layout_free import RESUMED, load_trained
 from executors.torch.lora import add_adapters, merge_adapters
 from executors.torch.models.packing import accepts_positions
 from flowkit.dsl.lora import check_lora, lora_identity
@@ -83,18 +84,20 @@ def held_model(ctx: OpContext, config: dict) -> HeldModel:
     if precision not in AUTOCAST:
         raise StageError(f"model {name!r}: unknown precision {precision!r}; use one of "
                          f"{', '.join(AUTOCAST)}")
-    torch.manual_seed(int(config.get("seed", 0)))  # every holder builds the same weights
-    model_config = dict(config.get("model_config", {}))
-    checkpoint = model_config.pop("checkpoint", None)  # a file to start from, not an argument
-    whole = _built(config["build"], model_config, checkpoint, device,
-                   _DTYPES[config.get("dtype", "float32")])
-    parts = _split(whole, num_stages, config.get("seq_len"))
-    if config.get("packing"):
-        _check_packing(name, parts)
-    layout = weights.layout(whole, parts, seq_len=config.get("seq_len"))
-    if lora_settings:  # [Note: LoRA in flowkit/dsl/lora.py]
-        torch.manual_seed(int(config.get("seed", 0)))  # adapters drawn alike in every split
-        layout = add_adapters(whole, parts, layout, lora_settings)
+    resumed = ctx.state.get(RESUMED, {}).get(name)
+    with _generators_kept(resumed is not None):
+        torch.manual_seed(int(config.get("seed", 0)))  # every holder builds the same weights
+        model_config = dict(config.get("model_config", {}))
+        checkpoint = model_config.pop("checkpoint", None)  # a file to start from, not an argument
+        whole = _built(config["build"], model_config, checkpoint, device,
+                       _DTYPES[config.get("dtype", "float32")])
+        parts = _split(whole, num_stages, config.get("seq_len"))
+        if config.get("packing"):
+            _check_packing(name, parts)
+        layout = weights.layout(whole, parts, seq_len=config.get("seq_len"))
+        if lora_settings:  # [Note: LoRA in flowkit/dsl/lora.py]
+            torch.manual_seed(int(config.get("seed", 0)))  # adapters drawn alike in every split
+            layout = add_adapters(whole, parts, layout, lora_settings)
     built_from = {key: config[key] for key in ("model", "build", "stages", "seed", "dtype",
                                                "precision", "model_config", "seq_len", "lora")
                   if key in config}
@@ -103,7 +106,21 @@ def held_model(ctx: OpContext, config: dict) -> HeldModel:
         lora=lora_settings, autocast=AUTOCAST[precision])
     for part in parts:  # generation and scoring compute as training does (`evaluating`)
         _COMPUTE_DTYPE[part] = held.autocast
+    if resumed is not None:  # [Note: layout-free checkpoints in executors/torch/layout_free.py]
+        load_trained(held, name, resumed)
     return held
+
+
+@contextlib.contextmanager
+def _generators_kept(keep: bool):
+    """Building seeds torch's generators; a split built after a resume must leave them as the
+    checkpoint set them, as the run that never stopped built it before they moved on."""
+    if not keep:
+        yield
+        return
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        yield
 
 
 def _check_packing(name: str, parts: list[torch.nn.Module]) -> None:
