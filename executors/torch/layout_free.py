@@ -23,7 +23,7 @@ from executors.torch import weights
 from executors.torch.errors import StageError
 
 __all__ = ["RESUMED", "fill_optimizer", "load_trained", "saved_model", "stage_states",
-           "trained_union"]
+           "train_prefix", "trained_union"]
 
 RESUMED = "resumed_models"  # ctx.state: model name -> its trained_union, after a resume
 
@@ -31,6 +31,7 @@ _JSON_TYPES = (int, float, bool, str, list, tuple, type(None))
 
 
 def train_prefix(model: str) -> str:
+    """Where a trained model's tensors are named in an executor state."""
     return f"{model}/train/"
 
 

@@ -171,9 +171,15 @@ def test_a_gpt_checkpoint_exports_its_state_dict_as_safetensors(source, tmp_path
 @pytest.mark.parametrize("damage, says", [
     ("model", "no model 'critic' in this checkpoint; --model takes one of gpt"),
     ("missing", "executors/exec-1 is missing, and manifest.json lists it"),
-    ("changed", "does not match its SHA-256 in manifest.json")])
+    ("changed", "does not match its SHA-256 in manifest.json"),
+    # a build path in a checkpoint is never imported: it could name any callable
+    ("build", "model 'gpt' is built by 'os:system'; export builds only flowkit's own")])
 def test_export_of_bad_input_is_one_line(source, tmp_path, damage, says):
     folder = _copy(source(GPT_FLOW, "P2")[0], tmp_path)
+    if damage == "build":
+        manifest = json.loads((folder / "manifest.json").read_text())
+        manifest["identity"]["models"]["gpt"]["build"] = "os:system"
+        (folder / "manifest.json").write_text(json.dumps(manifest))
     if damage == "missing":
         (folder / "executors" / "exec-1").unlink()
     if damage == "changed":
