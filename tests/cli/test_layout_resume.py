@@ -1,10 +1,10 @@
 """A checkpoint resumes on another layout [Note: layout-free checkpoints in
 executors/torch/layout_free.py]: 5 steps of 10 on one layout, the rest on another (other
---stages, fewer replicas, a ZeRO-1 run resumed plain, 1F1B resumed under ZB-V), end with the parameters and the last
-loss of the run that went on uninterrupted (float64, 1e-10); the built-in GPT and a Hugging
-Face Llama. `flowkit export` writes a checkpoint's model for tools that know nothing of
-flowkit. Bad input (a missing file, a changed one, an unknown model) is one line before
-anything starts."""
+--stages, fewer replicas, a ZeRO-1 run resumed plain, 1F1B resumed under ZB-V), end with the
+parameters and the last loss of the run that went on uninterrupted (float64, 1e-10); the
+built-in GPT and a Hugging Face Llama. `flowkit export` writes a checkpoint's model for tools
+that know nothing of flowkit. Bad input (a missing file, a changed one, an unknown model, a
+build that is not flowkit's) is one line before anything starts."""
 
 from __future__ import annotations
 
