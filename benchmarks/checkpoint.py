@@ -6,8 +6,8 @@ step runs, so every stage has its AdamW state. Then, `rounds` times each, altern
 - checkpoint: `write_checkpoint` as `flowkit run --checkpoint-every` calls it (both executors
   write their state files in parallel, with fsync; the controller writes its state and manifest,
   renames the folder in, prunes old ones);
-- baseline: this process writes the same tensors (the executors' state files, loaded once
-  here) with a plain `torch.save` to a file each, with fsync, one after the other.
+- baseline: this process writes the same bytes (the executors' safetensors state files, read
+  once here) to a file each, with fsync, one after the other.
 
 Figures are medians; `ratio` is checkpoint / baseline and `overhead_s` their difference: what
 a checkpoint costs beyond writing its bytes. The baseline writes serially and the executors in
@@ -55,8 +55,6 @@ def run_checkpoint_bench(*, rounds: int = 5, gpt: dict | None = None, async_step
 
 
 def _write_bench(*, rounds: int, gpt: dict | None) -> dict:
-    import torch
-
     from benchmarks.runs import bench_run
     from dataflows.pretrain import pretrain_flow
     from flowkit.runner.checkpoints.writer import write_checkpoint
@@ -80,7 +78,7 @@ def _write_bench(*, rounds: int, gpt: dict | None) -> dict:
 
             folder = checkpoint()
             parts = sorted((folder / "executors").iterdir())
-            states = [torch.load(p, weights_only=True) for p in parts]
+            states = [p.read_bytes() for p in parts]  # safetensors, as the executors wrote them
             nbytes = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
             for _ in range(rounds):
                 started_at = time.perf_counter()
@@ -97,14 +95,12 @@ def _write_bench(*, rounds: int, gpt: dict | None) -> dict:
             "overhead_s": ckpt - plain, "bytes": nbytes, "mb_per_s": nbytes / ckpt / 1e6,
             "plain_mb_per_s": nbytes / plain / 1e6, "rounds": rounds, "model": gpt or GPT,
             "method": "median of write_checkpoint (2 torch executors, fsync, rename) against "
-                      "torch.save + fsync of the same executor states in one process"}
+                      "a write + fsync of the same executor states' bytes in one process"}
 
 
-def _plain_save(state: dict, path: Path) -> None:
-    import torch
-
+def _plain_save(state: bytes, path: Path) -> None:
     with open(path, "wb") as file:
-        torch.save(state, file)
+        file.write(state)
         file.flush()
         os.fsync(file.fileno())
 

@@ -485,11 +485,14 @@ def _save_state(ctx: OpContext, *_: Any, path: str) -> dict:
     return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def _load_state(ctx: OpContext, *_: Any, path: str, models: dict | None = None,
-                optimizer_shards: dict | None = None, checksums: dict | None = None) -> int:
-    """Nothing to build (`models` and `optimizer_shards` are for executors that hold
-    weights); the file must be a simulator's state, a regular file of its SHA-256 in
-    `checksums` [Note: contained files in flowkit/wire/files.py]."""
+def _load_state(ctx: OpContext, *_: Any, path: str | None = None, files: list | None = None,
+                models: dict | None = None, trains: list | None = None,
+                checksums: dict | None = None) -> int:
+    """Nothing to build (`files`, `models` and `trains` are for executors that hold
+    weights); the file, where this executor saved one, must be a simulator's state, a regular
+    file of its SHA-256 in `checksums` [Note: contained files in flowkit/wire/files.py]."""
+    if path is None:
+        return 0
     try:
         fd, size = open_regular(path, limit=1 << 16)
         try:

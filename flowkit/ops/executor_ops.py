@@ -119,10 +119,11 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
            "write what this executor holds for a run checkpoint (weights, optimizer states, "
            "versions, random generators) to path; returns {bytes, sha256} of the file"),
     OpSpec("load_state", "anything, only to be ordered after it",
-           ("path", "models", "optimizer_shards", "checksums"),
+           ("path", "files", "models", "trains", "checksums"),
            "build the models (models: the flow's spec of each, by name) and load what "
-           "save_state wrote to path, each file read first checked against its SHA-256 in "
-           "checksums (by path); a saved build or config that differs is refused"),
+           "save_state wrote to path, and the models it trains (trains) in this run's split "
+           "from every executor state in files; each file read first checked against its "
+           "SHA-256 in checksums (by path); a saved build or config that differs is refused"),
 )}
 
 LOWERED_OPS = {"pipeline": (*PIPELINE_OPS, "profile_stage"),

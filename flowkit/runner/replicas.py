@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from flowkit.dsl import Model
@@ -30,8 +29,8 @@ from flowkit.runtime.controller import Controller
 from flowkit.runtime.futures import Future
 from flowkit.runtime.registry import ExecutorInfo
 
-__all__ = ["ReplicatedSchedule", "Replicas", "last_actions", "optimizer_shards",
-           "replica_counts", "replica_lane", "setup_replica_groups", "state_sources"]
+__all__ = ["ReplicatedSchedule", "Replicas", "last_actions", "replica_counts", "replica_lane",
+           "setup_replica_groups", "state_sources"]
 
 _GROUP_IDS = itertools.count()
 
@@ -213,62 +212,24 @@ class Replicas:
                               "shard_optimizer": True}
 
 
-# [Note: resuming at another replica count] Every replica of a model holds the same weights, so
-# a checkpoint written at D replicas resumes at D': the executors both runs place alike load
-# their own state, an executor the checkpointed run did not have takes the state of its
-# counterpart in replica 0, and the checkpoint's other replicas are not read for weights. The
-# optimizer states are the same on every replica too, unless sharded (ZeRO-1): then, and
-# whenever the run shards them otherwise than the checkpoint did, each executor is told the
-# shard it owns now and the files of every saved replica of its device (`optimizer_shards`),
-# and merges and re-cuts the states (executors/torch/train/reshard.py).
+# [Note: resuming at another replica count] Every replica of a model holds the same weights and,
+# once merged, the same optimizer states; a checkpoint keeps them under layout-free names
+# [Note: layout-free checkpoints in executors/torch/layout_free.py], so a run resumes at another
+# replica count, --stages or sharding: each executor that trains a model sets it from all the
+# checkpoint's files. What else an executor saved (its random generators, the copies generation
+# holds) it loads itself; an executor the checkpointed run did not have, that holds a replica of
+# a model placed as before, takes its counterpart's in replica 0 (`state_sources`).
 def state_sources(saved: Mapping[str, list], placement: Mapping[str, list],
                   devices: Mapping[str, int]) -> dict[str, str]:
-    """Which checkpointed executor's state each executor of this run loads, where not its own
-    [Note: resuming at another replica count]; a ValueError saying why a placement cannot
-    resume."""
+    """Which checkpointed executor's own state each executor of this run loads, where not its
+    own [Note: resuming at another replica count]: none where a model's stages moved."""
     sources: dict[str, str] = {}
     held_before = {name for names in saved.values() for name in names}
-    held_now = {name for names in placement.values() for name in names}
-    for model in sorted(set(saved) | set(placement)):
-        was, now, per = saved.get(model), placement.get(model), devices.get(model)
-        if was == now:
+    for model in sorted(set(saved) & set(placement)):
+        was, now, per = saved[model], placement[model], devices.get(model)
+        if was == now or not per or len(was) % per or now[:len(was)] != was[:len(now)]:
             continue
-        shared = min(len(was or ()), len(now or ()))
-        if (was is None or now is None or not per or len(was) % per or len(now) % per
-                or was[:shared] != now[:shared]):
-            raise ValueError(f"the checkpointed run placed the models' "
-                                  f"stages on {dict(saved)}, this run on {dict(placement)}: "
-                                  "resume with the same executors and --stages")
         for index in range(len(was), len(now)):
-            if now[index] in held_before:
-                raise ValueError(f"{now[index]} would hold replica "
-                                      f"{index // per} of model {model!r}, but it held other "
-                                      "stages in the checkpointed run: start more executors")
-            sources[now[index]] = was[index % per]
-        for index in range(len(now), len(was)):  # a replica this run does not have
-            if was[index] in held_now:
-                raise ValueError(f"{was[index]} held replica "
-                                      f"{index // per} of model {model!r} in the checkpointed "
-                                      "run and other stages in this one: start more executors")
+            if now[index] not in held_before:
+                sources.setdefault(now[index], was[index % per])
     return sources
-
-
-def optimizer_shards(folder: Path, saved: Mapping[str, list], placement: Mapping[str, list],
-                     trainings: Mapping[str, Any]) -> dict[str, dict]:
-    """executor name -> {model: {"target": [rank, size] or None, "peers": [paths]}}: the shard
-    of each trained model's optimizer states it owns in this run (None: all of them) and the
-    checkpoint's files of every replica of its device [Note: resuming at another replica
-    count]."""
-    plans: dict[str, dict] = {}
-    for model, training in trainings.items():
-        now, was, per = placement.get(model, []), saved.get(model, []), training.devices
-        if not now or not was:
-            continue
-        sharded = training.model.shard_optimizer and training.replicas > 1
-        for index, name in enumerate(now):
-            replica, device = divmod(index, per)
-            peers = [str((Path(folder) / "executors" / was[r * per + device]).absolute())
-                     for r in range(len(was) // per)]
-            plans.setdefault(name, {})[model] = {
-                "target": [replica, training.replicas] if sharded else None, "peers": peers}
-    return plans

@@ -1,7 +1,7 @@
 """`flowkit run --fsdp`: a model whose stages are sharded over two replicas (FSDP) trains as
 two whole replicas do, and its checkpoint resumes with FSDP or at one replica without it; a
 whole replicas' checkpoint resumes under FSDP [Note: FSDP checkpoints in
-executors/torch/train/fsdp_state.py]. The settings that cannot work are refused in one line
+executors/torch/fsdp_rows.py]. The settings that cannot work are refused in one line
 before anything starts."""
 
 from __future__ import annotations

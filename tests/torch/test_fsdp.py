@@ -145,3 +145,22 @@ def test_rows_that_do_not_divide_evenly_gather_and_reduce_exactly():
             assert torch.equal(grad, shard_rows(summed[name], rank, 2)), name
         for name, value in expected.items():
             assert torch.equal(gathered[name], value), name
+
+
+def test_a_checkpoints_fsdp_rows_join_only_when_they_tile_the_parameter():
+    """[Note: FSDP checkpoints] in executors/torch/fsdp_rows.py: rows by their first row, in
+    any order, join into the parameter; a gap or an overlap is refused, as is a name whose
+    rows are not a number; a scalar state (AdamW's step) is one replica's."""
+    from executors.torch.errors import StageError
+    from executors.torch.fsdp_rows import joined_rows, split_rows_name
+
+    whole = torch.arange(15.0).reshape(5, 3)
+    assert torch.equal(joined_rows("w", {3: whole[3:], 0: whole[:3]}), whole)
+    assert joined_rows("step", {0: torch.tensor(4.0), 3: torch.tensor(4.0)}).item() == 4.0
+    for pieces in ({0: whole[:2], 3: whole[3:]}, {0: whole[:3], 2: whole[2:]}):
+        with pytest.raises(StageError, match="do not tile it"):
+            joined_rows("w", pieces)
+    assert split_rows_name("h.0.w@rows=3") == ("h.0.w", 3)
+    assert split_rows_name("h.0.w") == ("h.0.w", None)
+    with pytest.raises(StageError, match="rows must start at a row number"):
+        split_rows_name("h.0.w@rows=x")

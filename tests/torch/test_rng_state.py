@@ -15,6 +15,7 @@ from executors.optable import OpContext
 from executors.torch import state as executor_state
 from executors.torch.errors import StageError
 from executors.torch.state import checked_rng, load_state, state_of
+from executors.torch.state_file import decode, encode
 
 
 class _StubCuda:
@@ -31,9 +32,13 @@ class _StubCuda:
             monkeypatch.setattr(torch.cuda, name, fn)
 
 
-def _saved(ctx: OpContext, path) -> str:
-    torch.save(state_of(ctx), path)
+def _write(state: tuple[dict, dict], path) -> str:
+    path.write_bytes(encode(*state))
     return str(path)
+
+
+def _saved(ctx: OpContext, path) -> str:
+    return _write(state_of(ctx), path)
 
 
 def _ctx() -> OpContext:
@@ -65,19 +70,18 @@ def test_a_malformed_generator_state_is_refused_naming_it(bad, shown):
 
 
 @pytest.mark.parametrize("field, value, says", [
-    ("torch_rng", torch.zeros(5056, dtype=torch.int64), "torch_rng is a torch.int64 tensor"),
-    ("cuda_rng", {0: torch.zeros(3, 3)}, r"cuda_rng\[0\] is a torch.float32 tensor"),
-    ("cuda_rng", {"0": torch.zeros(16, dtype=torch.uint8)}, "cuda_rng is not a map"),
-    ("cuda_rng", [torch.zeros(16, dtype=torch.uint8)], "cuda_rng is not a map"),
+    ("rng.torch", torch.zeros(5056, dtype=torch.int64), "torch_rng is a torch.int64 tensor"),
+    ("rng.cuda.0", torch.zeros(3, 3), r"cuda_rng\[0\] is a torch.float32 tensor"),
+    ("rng.cuda.x", torch.zeros(16, dtype=torch.uint8), "cuda_rng is not a map"),
+    ("rng.cuda.-1", torch.zeros(16, dtype=torch.uint8), "cuda_rng is not a map"),
     # the right kind of tensor of the wrong size: torch would refuse it only once set
-    ("torch_rng", torch.zeros(100, dtype=torch.uint8), r"torch_rng is .* shape \(100,\)"),
-    ("cuda_rng", {0: torch.zeros(17, dtype=torch.uint8)}, r"cuda_rng\[0\] is .* \(17,\)"),
+    ("rng.torch", torch.zeros(100, dtype=torch.uint8), r"torch_rng is .* shape \(100,\)"),
+    ("rng.cuda.0", torch.zeros(17, dtype=torch.uint8), r"cuda_rng\[0\] is .* \(17,\)"),
 ])
 def test_a_file_with_a_damaged_generator_state_is_refused_before_anything_changes(
         tmp_path, field, value, says):
-    state = state_of(_ctx())
-    state[field] = value
-    torch.save(state, tmp_path / "state")
+    meta, tensors = state_of(_ctx())
+    _write((meta, {**tensors, field: value}), tmp_path / "state")
     ctx = _ctx()
     ctx.state["torch_models"] = {"kept": "until the file is known good"}
     with pytest.raises(StageError, match=rf"{tmp_path / 'state'}: {says}"):
@@ -88,9 +92,9 @@ def test_a_file_with_a_damaged_generator_state_is_refused_before_anything_change
 def test_the_cuda_generators_are_saved_and_set_where_cuda_was_used(tmp_path, monkeypatch):
     cuda = _StubCuda(monkeypatch)
     saved = state_of(_ctx())
-    assert sorted(saved["cuda_rng"]) == [0, 1]
-    assert all(torch.equal(saved["cuda_rng"][i], cuda.states[i]) for i in (0, 1))
-    torch.save(saved, tmp_path / "state")
+    assert sorted(k for k in saved[1] if k.startswith("rng.cuda.")) == ["rng.cuda.0", "rng.cuda.1"]
+    assert all(torch.equal(saved[1][f"rng.cuda.{i}"], cuda.states[i]) for i in (0, 1))
+    _write(saved, tmp_path / "state")
     load_state(_ctx(), path=str(tmp_path / "state"))
     assert sorted(cuda.set) == [0, 1]
     assert all(torch.equal(cuda.set[i], cuda.states[i]) for i in (0, 1))
@@ -98,12 +102,13 @@ def test_the_cuda_generators_are_saved_and_set_where_cuda_was_used(tmp_path, mon
 
 def test_a_process_that_never_used_cuda_saves_no_cuda_state(monkeypatch):
     _StubCuda(monkeypatch, initialized=False)
-    assert "cuda_rng" not in state_of(_ctx())
+    assert not [k for k in state_of(_ctx())[1] if k.startswith("rng.cuda.")]
 
 
 def test_a_state_without_cuda_generators_loads_and_sets_none(tmp_path, monkeypatch):
     path = _saved(_ctx(), tmp_path / "state")  # this CPU: none saved, as in an older file
-    assert "cuda_rng" not in torch.load(path, weights_only=True)
+    _, tensors = decode((tmp_path / "state").read_bytes(), path)
+    assert not [k for k in tensors if k.startswith("rng.cuda.")]
     cuda = _StubCuda(monkeypatch)
     assert load_state(_ctx(), path=path) == 0
     assert cuda.set == {}

@@ -1,13 +1,14 @@
 """[Note: a state written in the background in executors/torch/state.py]: save_state copies the
-executor's state when it runs and a thread writes the copy; the task ends once the file is on
-disk. What the tasks after it change is not in the file, and a write that fails fails the task,
-naming why."""
+executor's state when it runs and a thread writes the copy (a safetensors file, by the unsplit
+model's names); the task ends once the file is on disk. What the tasks after it change is not
+in the file, and a write that fails fails the task, naming why."""
 
 from __future__ import annotations
 
 import hashlib
 
 import pytest
+import safetensors.torch
 import torch
 
 from executors.optable import Deferred
@@ -31,6 +32,12 @@ def _training_stage():
     return ctx, stage
 
 
+def stage_names_of(ctx) -> dict[str, str]:
+    """Stage 0's local parameter names -> the unsplit model's."""
+    (held,) = ctx.state["torch_models"].values()
+    return held.layout.names[0]
+
+
 def test_the_file_holds_the_state_when_the_task_ran_not_what_changed_after(tmp_path):
     ctx, stage = _training_stage()
     before = {name: value.clone() for name, value in stage.module.state_dict().items()}
@@ -44,11 +51,18 @@ def test_the_file_holds_the_state_when_the_task_ran_not_what_changed_after(tmp_p
     written = finished(ctx, pending)
     data = (tmp_path / "exec0.pt").read_bytes()  # hashed as it was written
     assert written == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} and data
-    saved = torch.load(tmp_path / "exec0.pt", weights_only=True)["models"][0]
-    for name, value in saved["parts"][0].items():
-        assert torch.equal(value, before[name]), name
-    for index, state in saved["optimizers"][0]["state"].items():
-        assert torch.equal(state["exp_avg"], moments[index])
+    # layout-free: by the unsplit GPT's names [Note: layout-free checkpoints]
+    saved = safetensors.torch.load(data)
+    names = {local: f"actor/train/param/{unsplit}"
+             for local, unsplit in stage_names_of(ctx).items()}
+    for name, value in before.items():
+        if name in names:
+            assert torch.equal(saved[names[name]], value), name
+    params = [p for group in stage.optimizer.param_groups for p in group["params"]]
+    local = {id(p): name for name, p in stage.module.named_parameters()}
+    for index, moment in moments.items():
+        unsplit = names[local[id(params[index])]].replace("/param/", "/optim/exp_avg/")
+        assert torch.equal(saved[unsplit], moment)
     assert not ctx.background["state_writer"].busy()
 
 
@@ -58,7 +72,7 @@ def test_a_write_that_fails_fails_the_task_naming_why(tmp_path, monkeypatch):
     def full_disk(*_args, **_kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("executors.torch.state.torch.save", full_disk)
+    monkeypatch.setattr("executors.torch.state.encode", full_disk)
     pending = save_state(ctx, path=str(tmp_path / "exec0.pt"))
     with pytest.raises(OSError, match="No space left"):
         finished(ctx, pending)

@@ -27,14 +27,15 @@ from executors.optable import OpContext
 from executors.torch import weights
 from executors.torch.device import building_on
 from executors.torch.errors import StageError
+from executors.torch.layout_free import RESUMED, load_trained
 from executors.torch.lora import add_adapters, merge_adapters
 from executors.torch.models.packing import accepts_positions
 from flowkit.dsl.lora import check_lora, lora_identity
 from flowkit.dsl.operators import PRECISIONS
 from flowkit.ops.records import WeightsVersion
 
-__all__ = ["HeldModel", "evaluating", "export_weights", "held_model", "load_weights",
-           "right_padded", "save_weights", "whole_model"]
+__all__ = ["HeldModel", "built_whole", "evaluating", "export_weights", "held_model",
+           "load_weights", "right_padded", "save_weights", "whole_model"]
 
 _DTYPES = {name: getattr(torch, name) for name in ("float32", "float64", "bfloat16", "float16")}
 # a model's precision: the dtype its forward computes in under autocast over its own weights
@@ -56,6 +57,9 @@ class HeldModel:
     config: dict = attrs.field(factory=dict)  # what built it, to build it again (state.py)
     lora: dict | None = None  # its adapters' settings: only they train, export and save
     autocast: torch.dtype | None = None  # its forwards' compute dtype (AUTOCAST)
+    # a resumed model's AdamW states by unsplit name, until its stages' optimizers take them
+    # [Note: layout-free checkpoints in executors/torch/layout_free.py]
+    resumed: dict | None = None
 
 
 def held_model(ctx: OpContext, config: dict) -> HeldModel:
@@ -81,18 +85,20 @@ def held_model(ctx: OpContext, config: dict) -> HeldModel:
     if precision not in AUTOCAST:
         raise StageError(f"model {name!r}: unknown precision {precision!r}; use one of "
                          f"{', '.join(AUTOCAST)}")
-    torch.manual_seed(int(config.get("seed", 0)))  # every holder builds the same weights
-    model_config = dict(config.get("model_config", {}))
-    checkpoint = model_config.pop("checkpoint", None)  # a file to start from, not an argument
-    whole = _built(config["build"], model_config, checkpoint, device,
-                   _DTYPES[config.get("dtype", "float32")])
-    parts = _split(whole, num_stages, config.get("seq_len"))
-    if config.get("packing"):
-        _check_packing(name, parts)
-    layout = weights.layout(whole, parts, seq_len=config.get("seq_len"))
-    if lora_settings:  # [Note: LoRA in flowkit/dsl/lora.py]
-        torch.manual_seed(int(config.get("seed", 0)))  # adapters drawn alike in every split
-        layout = add_adapters(whole, parts, layout, lora_settings)
+    resumed = ctx.state.get(RESUMED, {}).get(name)
+    with _generators_kept(resumed is not None):
+        torch.manual_seed(int(config.get("seed", 0)))  # every holder builds the same weights
+        model_config = dict(config.get("model_config", {}))
+        checkpoint = model_config.pop("checkpoint", None)  # a file to start from, not an argument
+        whole = _built(config["build"], model_config, checkpoint, device,
+                       _DTYPES[config.get("dtype", "float32")])
+        parts = _split(whole, num_stages, config.get("seq_len"))
+        if config.get("packing"):
+            _check_packing(name, parts)
+        layout = weights.layout(whole, parts, seq_len=config.get("seq_len"))
+        if lora_settings:  # [Note: LoRA in flowkit/dsl/lora.py]
+            torch.manual_seed(int(config.get("seed", 0)))  # adapters drawn alike in every split
+            layout = add_adapters(whole, parts, layout, lora_settings)
     built_from = {key: config[key] for key in ("model", "build", "stages", "seed", "dtype",
                                                "precision", "model_config", "seq_len", "lora")
                   if key in config}
@@ -101,7 +107,21 @@ def held_model(ctx: OpContext, config: dict) -> HeldModel:
         lora=lora_settings, autocast=AUTOCAST[precision])
     for part in parts:  # generation and scoring compute as training does (`evaluating`)
         _COMPUTE_DTYPE[part] = held.autocast
+    if resumed is not None:  # [Note: layout-free checkpoints in executors/torch/layout_free.py]
+        load_trained(held, name, resumed)
     return held
+
+
+@contextlib.contextmanager
+def _generators_kept(keep: bool):
+    """Building seeds torch's generators; a split built after a resume must leave them as the
+    checkpoint set them, as the run that never stopped built it before they moved on."""
+    if not keep:
+        yield
+        return
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        yield
 
 
 def _check_packing(name: str, parts: list[torch.nn.Module]) -> None:
@@ -319,7 +339,7 @@ def _save_lora(adapters: dict[str, torch.Tensor], path: Path, spec: dict) -> Pat
 
 def _save_lora_built(adapters: dict[str, torch.Tensor], path: Path, spec: dict,
                      settings: dict) -> Path:
-    whole = _base_for_save(spec)
+    whole = built_whole(spec)
     pretrained = getattr(whole, "pretrained_format", False)
     if settings["save"] == "adapter":
         return whole.save_lora(path.with_suffix(""), settings, adapters)
@@ -332,7 +352,7 @@ def _save_lora_built(adapters: dict[str, torch.Tensor], path: Path, spec: dict,
     return weights.save_checkpoint(path, weights.export(whole, weights.layout(whole).names[0]))
 
 
-def _base_for_save(spec: dict) -> torch.nn.Module:
+def built_whole(spec: dict) -> torch.nn.Module:
     """The model `spec` names, built as its holders built it, before any adapter."""
     config = dict(spec.get("model_config", {}))
     checkpoint = config.pop("checkpoint", None)

@@ -10,6 +10,7 @@ import attrs
 import torch
 
 from executors.optable import OpContext
+from executors.torch.layout_free import stage_states
 from executors.torch.models.built import held_model
 from executors.torch.train.fsdp import StageShards
 from executors.torch.train.rl_loss import RLLoss
@@ -30,13 +31,17 @@ class HeldStage:
     # its rows of the stage once FSDP cut it [Note: FSDP within a stage in
     # executors/torch/train/fsdp.py]; None: the stage is whole here
     fsdp: StageShards | None = None
-    # AdamW states by parameter name that a checkpoint's FSDP shares left for the optimizer
-    # the next step makes [Note: FSDP checkpoints in executors/torch/train/fsdp_state.py]
+    # the whole stage's AdamW states by parameter name, held when FSDP first cut it, for the
+    # optimizer of its rows that the next step makes [Note: FSDP checkpoints in
+    # executors/torch/fsdp_rows.py]
     saved_states: dict[str, dict] | None = None
     # stage 0: the tokens its forwards ran since the runner last asked [Note: model FLOPs in
     # executors/torch/train/flops.py]
     tokens_run: int = 0
     attended: int = 0  # the squared lengths of the rows those tokens were in, summed
+    # a resumed run's AdamW states of this stage, for its optimizer once made [Note:
+    # layout-free checkpoints in executors/torch/layout_free.py]
+    resumed: dict | None = None
 
 
 def held_stage(ctx: OpContext, config: dict) -> HeldStage:
@@ -48,7 +53,8 @@ def held_stage(ctx: OpContext, config: dict) -> HeldStage:
         tied = tuple(getattr(module, "tied_copies", lambda: ())())
         runs = _ScaledLoss(module) if s == len(model.parts) - 1 else module
         runner = StageRunner(runs, autocast=model.autocast)
-        stage = model.stages[s] = HeldStage(module=module, runner=runner, tied=tied)
+        stage = model.stages[s] = HeldStage(module=module, runner=runner, tied=tied,
+                                            resumed=stage_states(model, s))
     return stage
 
 

@@ -18,6 +18,7 @@ import torch
 from executors.optable import OpContext, OpTable
 from executors.torch.device import device_clock
 from executors.torch.errors import StageError
+from executors.torch.layout_free import fill_optimizer
 from executors.torch.models.built import export_weights, held_model, load_weights, save_weights
 from executors.torch.train import fsdp, fsdp_ops, replicas
 from executors.torch.train.flops import model_flops
@@ -318,7 +319,9 @@ def _adamw_step(ctx: OpContext, held: HeldStage, replica_group: str | None,
     if held.optimizer is None:
         held.shard = None if group is None else (group.rank(), group.size())
         held.optimizer = new_optimizer(held.module, shard=held.shard, **hparams)
-        _load_saved_states(held)
+        if held.resumed is not None:  # [Note: layout-free checkpoints in layout_free.py]
+            fill_optimizer(held.optimizer, held.module, held.resumed)
+            held.resumed = None
     held.optimizer.step()
     held.module.zero_grad(set_to_none=True)
     if group is not None:
@@ -326,12 +329,15 @@ def _adamw_step(ctx: OpContext, held: HeldStage, replica_group: str | None,
 
 
 def _load_saved_states(held: HeldStage) -> None:
-    """The AdamW states a checkpoint's FSDP shares left, into the optimizer just made [Note:
-    FSDP checkpoints in executors/torch/train/fsdp_state.py]."""
-    if held.saved_states is not None:
-        load_named_states(held.optimizer, dict(held.module.named_parameters()),
-                          held.saved_states, held.fsdp)
-        held.saved_states = None
+    """Into an FSDP stage's optimizer just made, cut to this rank's rows: the whole stage's
+    states its optimizer held before FSDP cut it, or a resumed checkpoint's by name [Note:
+    FSDP checkpoints in executors/torch/fsdp_rows.py]."""
+    saved = held.saved_states if held.saved_states is not None else \
+        (held.resumed or {}).get("states")
+    if saved:
+        load_named_states(held.optimizer, dict(held.module.named_parameters()), saved,
+                          held.fsdp)
+    held.saved_states = held.resumed = None
 
 
 def trainable(module: torch.nn.Module) -> list[torch.Tensor]:

@@ -20,28 +20,29 @@ from typing import Any, Protocol
 import attrs
 
 from flowkit.planner.lower import NodePlan
-from flowkit.runner.checkpoints.controller_state import RunState, read_state
+from flowkit.runner.checkpoints.controller_state import MAX_RUN_STATE, RunState, read_state
 from flowkit.runner.checkpoints.open_steps import OpenSteps, Resuming
 from flowkit.runner.checkpoints.state_codec import CheckpointError, read_private
 from flowkit.runner.stepstate import RunnerState, Streams
 from flowkit.runner.training_tasks import model_spec
 from flowkit.runtime.registry import ExecutorInfo
-from flowkit.wire.files import is_plain_name
+from flowkit.wire.files import FileRefused, is_plain_name, open_regular, sha256_of
 
 __all__ = ["FORMAT", "MANIFEST", "PICKLED_STATE", "PREFIX", "RUN_STATE", "CheckpointError",
            "Checkpointed",
            "Manifest", "RunState", "check_root", "complete_checkpoints", "executor_layout",
            "executor_states",
            "flow_identity", "flow_models", "latest_checkpoint", "new_run_id", "read_manifest",
-           "read_run_state", "run_of", "run_record"]
+           "read_run_state", "run_of", "run_record", "verify_files"]
 
 
 # [Note: run checkpoints] A checkpoint is a folder `step-NNNNNNNN` (N: the steps done) under the
 # run's checkpoint root: manifest.json (the flow's and the run's identity, the step, the
 # executors; written last), run.msgpack (the controller's `RunState`: plain values checked against
 # a schema, never pickle [Note: run state on disk in flowkit/runner/checkpoints/state_codec.py])
-# and executors/NAME (each executor's `save_state`: weights, optimizer states, weights versions,
-# random generators, read with torch.load(weights_only=True)). It is written into a hidden
+# and executors/NAME (each executor's `save_state`: a safetensors file of its trained weights and
+# optimizer states by the unsplit model's names, versions, random generators [Note: layout-free
+# checkpoints in executors/torch/layout_free.py]). It is written into a hidden
 # `.step-...tmp` folder renamed when every part is in, so it is complete or absent; files 0600,
 # folders 0700; a run's id keeps a fresh run off another run's root (check_root). Executors write
 # their parts themselves, so the root must be a path they share with the controller. Why a
@@ -57,6 +58,8 @@ RUN_STATE = "run.msgpack"
 PICKLED_STATE = "run.pkl"  # an older flowkit's run state: refused, never unpickled
 PREFIX = "step-"
 _MAX_MANIFEST = 1 << 24  # bytes
+_TORCH_SAVE = b"PK\x03\x04"  # how a torch.save file (an older executor state) begins
+MAX_EXECUTOR_STATE = 1 << 40  # bytes: past any model flowkit runs (executors/torch/state_file.py)
 
 
 @attrs.frozen(kw_only=True)
@@ -313,3 +316,33 @@ def executor_states(folder: Path) -> Path:
     return states
 
 
+
+
+def verify_files(folder: Path, manifest: Manifest) -> None:
+    """Every file the manifest lists is there, a regular file of its SHA-256 [Note: checkpoint
+    checksums in writer.py]: checked before any executor starts, so a checkpoint missing a file
+    or holding a changed one is one line naming it, not a failure half-way through a resume.
+    A checkpoint written before checksums has nothing to check here (restore.py warns)."""
+    executor_states(folder)  # not a link to files elsewhere
+    for name, digest in sorted((manifest.files or {}).items()):
+        path = Path(folder) / name
+        if not os.path.lexists(path):
+            raise CheckpointError(f"--resume {folder}: {name} is missing, and {MANIFEST} lists "
+                                  "it: the checkpoint is incomplete; resume from another one")
+        limit = MAX_RUN_STATE if name == RUN_STATE else MAX_EXECUTOR_STATE
+        try:
+            fd, size = open_regular(path, limit=limit)
+        except FileRefused as exc:
+            raise CheckpointError(f"--resume {folder}: {exc}") from None
+        try:
+            found, start = sha256_of(fd, size), os.pread(fd, 4, 0)
+        finally:
+            os.close(fd)
+        if name != RUN_STATE and start == _TORCH_SAVE:
+            raise CheckpointError(f"--resume {folder}: {name} is a torch.save file, an executor "
+                                  "state of an older flowkit; this one reads safetensors "
+                                  "states: resume it with the flowkit that wrote it")
+        if found != digest:
+            raise CheckpointError(f"--resume {folder}: {path} does not match its SHA-256 in "
+                                  f"{MANIFEST}: it changed after it was written; resume from "
+                                  "another checkpoint")

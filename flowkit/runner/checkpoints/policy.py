@@ -11,7 +11,12 @@ from typing import Any
 
 import attrs
 
-from flowkit.runner.checkpoints.format import Manifest, latest_checkpoint, read_manifest
+from flowkit.runner.checkpoints.format import (
+    Manifest,
+    latest_checkpoint,
+    read_manifest,
+    verify_files,
+)
 from flowkit.runner.checkpoints.restore import check_resumable
 from flowkit.runner.checkpoints.writer import (
     PendingCheckpoint,
@@ -108,6 +113,7 @@ def resume_point(path: Path, identity: dict, layout: list[dict],
     folder = latest_checkpoint(path)
     manifest = read_manifest(folder)
     check_resumable(manifest, identity, layout, folder, staleness, replicas)
+    verify_files(folder, manifest)
     return folder, manifest
 
 

@@ -22,7 +22,7 @@ from flowkit.runner.checkpoints.format import (
 )
 from flowkit.runner.checkpoints.open_steps import resume_open
 from flowkit.runner.checkpoints.state_codec import CheckpointError
-from flowkit.runner.replicas import optimizer_shards, state_sources
+from flowkit.runner.replicas import state_sources
 from flowkit.runner.stepstate import Streams
 from flowkit.runtime.futures import wait
 from flowkit.runtime.registry import ExecutorInfo
@@ -100,7 +100,8 @@ def _spec_difference(saved: dict, mine: dict) -> str:
             return (f"{key}={config_saved.get(key)!r} in the checkpoint, "
                     f"{config_mine.get(key)!r} in this run")
     for key in sorted(set(saved) | set(mine)):
-        if key != "model_config" and saved.get(key) != mine.get(key):
+        # another --stages is not a difference [Note: layout-free checkpoints]
+        if key not in ("model_config", "stages") and saved.get(key) != mine.get(key):
             return f"{key}={saved.get(key)!r} in the checkpoint, {mine.get(key)!r} in this run"
     return ""
 
@@ -108,7 +109,7 @@ def _spec_difference(saved: dict, mine: dict) -> str:
 def _same_executors(manifest: Manifest, layout: list[dict], identity: dict,
                     replicas: Mapping[str, int]) -> bool:
     """The executors both runs have are alike, and the counts differ by what other replica
-    counts make (restore() then checks which executor loads which state)."""
+    counts and stages make, or not at all."""
     saved = {e["name"]: e for e in manifest.executors}
     now = {e["name"]: e for e in layout}
     if any(saved[name] != now[name] for name in saved.keys() & now.keys()):
@@ -119,7 +120,9 @@ def _same_executors(manifest: Manifest, layout: list[dict], identity: dict,
         held = len(manifest.placement.get(model, ()))
         if held:
             extra += stages * count - held
-    return len(now) - len(saved) == extra
+    # the same executors in another layout (other --stages of a model beside the executors
+    # that generate) keep every executor's own state [Note: layout-free checkpoints]
+    return len(now) - len(saved) in (extra, 0)
 
 
 def _layout_text(layout: list[dict]) -> str:
@@ -141,21 +144,21 @@ def restore(folder: Path, runner: Checkpointed, executors: list[ExecutorInfo], *
     state = read_run_state(folder, records, _checksum(checksums, Path(folder) / RUN_STATE))
     saved, placement = manifest.placement, runner.boundary().placement
     trainings = getattr(runner, "training", {})
-    try:  # [Note: resuming at another replica count] in replicas.py
-        sources = state_sources(saved, placement,
-                                {name: t.devices for name, t in trainings.items()})
-    except ValueError as exc:
-        raise CheckpointError(f"--resume {folder}: {exc}") from None
-    shards = optimizer_shards(folder, saved, placement, trainings)
+    sources = state_sources(saved, placement, {name: t.devices for name, t in trainings.items()})
+    files = [str((states / e["name"]).absolute()) for e in manifest.executors
+             if os.path.lexists(states / e["name"])]
     loads = []
     for e in executors:
         part = states / sources.get(e.name, e.name)
         if part.is_symlink():
             raise CheckpointError(f"--resume {folder}: {part} is a symbolic link; a "
                                   "checkpoint's files must be its own")
-        if os.path.lexists(part):
-            config = {"path": str(part.absolute()), "models": dict(models),
-                      "optimizer_shards": shards.get(e.name, {}), "checksums": checksums}
+        own = str(part.absolute()) if os.path.lexists(part) else None
+        # [Note: layout-free checkpoints in executors/torch/layout_free.py]
+        trains = sorted(m for m in trainings if e.name in placement.get(m, ()))
+        if own is not None or trains:
+            config = {"path": own, "files": files if trains else [], "models": dict(models),
+                      "trains": trains, "checksums": checksums}
             loads.append(ctl.submit("load_state", config=config, executor=e.id,
                                     meta={"node": "resume"}))
     wait(loads, timeout=timeout)
