@@ -75,15 +75,20 @@ def chaos_run(folder: Path, seed: int, *args: str, kills: int = 2, steps: int = 
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env=without_shared_server())
     killed: list[tuple[str, float]] = []
+    # a process killed a moment ago may still be exiting (a torch process takes tens of ms
+    # to give its memory back), named as it was: a kill is never spent on it again
+    dead: set[int] = set()
     last_kill = None
     while process.poll() is None and len(killed) < kills:
         now = time.monotonic() - started
         if now >= moments[len(killed)]:
-            executors = executor_processes(process.pid)
+            executors = {pid: name for pid, name in executor_processes(process.pid).items()
+                         if pid not in dead}
             if executors:
                 pid = rng.choice(sorted(executors))
                 with _gone_ok():
                     os.kill(pid, signal.SIGKILL)
+                    dead.add(pid)
                     killed.append((executors[pid], round(now, 3)))
                     last_kill = time.monotonic()
         time.sleep(0.005)

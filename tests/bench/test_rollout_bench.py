@@ -20,7 +20,11 @@ def test_the_rollout_bench_reports_makespan_bound_and_first_sample_per_dispatch(
         assert set(result) == _FIGURES
         assert result["samples"] == 8 and result["makespan_s"] > 0 < result["lower_bound_s"]
         assert result["makespan_over_bound"] == result["makespan_s"] / result["lower_bound_s"]
-        assert 0 < result["first_downstream_s"] <= result["makespan_s"]
+        # when the first sample's downstream op starts is a timing: on a loaded machine it can
+        # come after the simulated generation's end; the figure is its share of the makespan
+        assert result["first_downstream_s"] > 0
+        assert result["first_downstream_over_makespan"] == \
+            result["first_downstream_s"] / result["makespan_s"]
     with pytest.raises(ValueError, match="unknown rollout bench part 'gpu'; parts: sim, torch"):
         run_rollout_bench(setup, parts=("gpu",))
 
