@@ -67,7 +67,11 @@ class SamplingConfig(_OpSettings):
     over, recomputing or dropping those too stale as `stale_segments` says ([Note: partial
     rollouts] in flowkit/runner/partial.py); the runner reads it, executors never get it.
     `engine` is the rollout engine that samples (flowkit.ops.ROLLOUT_ENGINES: the executor's
-    own, or vLLM's); a run's `rollout_engine` (--rollout-engine) sets it for every generate."""
+    own, or vLLM's); a run's `rollout_engine` (--rollout-engine) sets it for every generate.
+    Tree rollouts (LATR, BranchGRPO): a sample that reaches a response depth in `branch_at`
+    forks into `branches` samples sharing its prefix, so a prompt has up to
+    n * branches ** len(branch_at) samples ([Note: tree rollouts] in
+    executors/torch/rollout/branching.py; flowkit's own engine only)."""
 
     n: int = _setting(1, low=1)
     max_new_tokens: int = _setting(256, low=1)
@@ -79,6 +83,8 @@ class SamplingConfig(_OpSettings):
     take: int | None = _setting(None, low=1)
     stale_segments: str = _setting("recompute", choices=STALE_SEGMENTS)
     engine: str = _setting("flowkit", choices=ROLLOUT_ENGINES)
+    branch_at: tuple = _setting(())
+    branches: int = _setting(1, low=1)
 
 
 SAMPLING = SamplingConfig()
