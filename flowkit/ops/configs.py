@@ -87,6 +87,30 @@ class SamplingConfig(_OpSettings):
     branches: int = _setting(1, low=1)
 
 
+    @property
+    def branching(self) -> bool:
+        """Whether it grows tree rollouts: some depth to branch at, into 2 or more."""
+        return bool(self.branch_at) and self.branches > 1
+
+    def branching_errors(self) -> list[str]:
+        """What is wrong with its tree rollouts' settings, each a sentence; none: usable."""
+        errors = []
+        if int(self.branches) < 1:
+            errors.append(f"branches must be at least 1 (samples a branch point forks into), "
+                          f"got {self.branches}")
+        depths = [int(d) for d in self.branch_at]
+        if len(set(depths)) != len(depths):
+            errors.append(f"branch_at must not repeat a depth, got {tuple(self.branch_at)}")
+        errors += [f"branch_at depth {d} must lie in 1 .. max_new_tokens - 1 = "
+                   f"{int(self.max_new_tokens) - 1} (a branch draws its token d itself)"
+                   for d in depths if not 1 <= d < int(self.max_new_tokens)]
+        if self.branching and self.engine != "flowkit":
+            errors.append(f"tree rollouts (branch_at, branches) run on flowkit's own engine, "
+                          f"not engine={self.engine!r}: drop them or sample with "
+                          "engine='flowkit'")
+        return errors
+
+
 SAMPLING = SamplingConfig()
 """The defaults, for a value that must be a plain default (a function's keyword)."""
 

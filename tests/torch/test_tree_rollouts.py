@@ -48,7 +48,8 @@ def test_each_sample_grows_into_its_leaves_numbered_by_the_tree(model):
     roots = [r for r in tree.values() if r.branch_of is None]
     assert sorted({r.sample for r in roots}) == [0, 9]
     assert {r.shared_tokens for r in tree.values() if r.branch_of is not None} == {2, 6}
-    assert branch_samples(9, 2, (2, 6), 3) == [12, 15] and branch_samples(12, 6, (2, 6), 3) == [13, 14]
+    assert branch_samples(9, 2, (2, 6), 3) == [12, 15]
+    assert branch_samples(12, 6, (2, 6), 3) == [13, 14]
 
 
 def test_a_branch_shares_its_parents_prefix_and_draws_on_with_its_own_seed(model):

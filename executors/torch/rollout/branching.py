@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["branch_depth_errors", "branch_samples", "leaves_per_root", "root_sample"]
+__all__ = ["branch_samples", "leaves_per_root", "root_sample"]
 
 
 # [Note: tree rollouts] Branching at fixed depths, as LATR and BranchGRPO do: a sample that has
@@ -40,19 +40,3 @@ def branch_samples(sample: int, depth: int, branch_at: Sequence[int], branches: 
     level = sorted(branch_at).index(depth)
     stride = branches ** (len(branch_at) - 1 - level)
     return [sample + b * stride for b in range(1, branches)]
-
-
-def branch_depth_errors(branch_at: Sequence[int], branches: int, max_new_tokens: int) -> list[str]:
-    """What is wrong with a branching setting, each error a sentence; none: it is usable."""
-    errors = []
-    if int(branches) < 1:
-        errors.append(f"branches must be at least 1 (samples a branch point forks into), "
-                      f"got {branches}")
-    depths = [int(d) for d in branch_at]
-    if len(set(depths)) != len(depths):
-        errors.append(f"branch_at must not repeat a depth, got {tuple(branch_at)}")
-    for d in depths:
-        if not 1 <= d < int(max_new_tokens):
-            errors.append(f"branch_at depth {d} must lie in 1 .. max_new_tokens - 1 = "
-                          f"{int(max_new_tokens) - 1} (a branch draws its token d itself)")
-    return errors

@@ -20,7 +20,6 @@ from executors.optable import OpContext, OpTable
 from executors.torch.errors import StageError
 from executors.torch.models.built import held_model, right_padded, whole_model
 from executors.torch.rollout import lm
-from executors.torch.rollout.branching import branch_depth_errors
 from executors.torch.rollout.engine import Engine, Sampling, run_until_done
 from executors.torch.rollout.turns import agent_of
 from executors.torch.rollout.vllm_engine import vllm_engine_of
@@ -340,17 +339,13 @@ def _check_request(n: Any, max_new_tokens: Any) -> None:
 def _check_branching(s: SamplingConfig, agent: AgentConfig) -> tuple[int, ...]:
     """The branch depths of tree rollouts, sorted, or what is wrong with them in one line
     [Note: tree rollouts in executors/torch/rollout/branching.py]."""
-    branch_at = tuple(sorted(int(d) for d in s.branch_at))
-    errors = branch_depth_errors(branch_at, s.branches, s.max_new_tokens)
+    errors = s.branching_errors()
+    if s.branching and (agent.environment or agent.program):
+        errors.append("tree rollouts (branch_at, branches) branch single responses, not "
+                      "multi-turn trajectories: drop them or the environment")
     if errors:
         raise StageError("; ".join(errors))
-    if branch_at and int(s.branches) > 1 and s.engine != "flowkit":
-        raise StageError(f"tree rollouts (branch_at, branches) run on flowkit's own engine, "
-                         f"not engine={s.engine!r}: drop them or sample with engine='flowkit'")
-    if branch_at and int(s.branches) > 1 and (agent.environment or agent.program):
-        raise StageError("tree rollouts (branch_at, branches) branch single responses, not "
-                         "multi-turn trajectories: drop them or the environment")
-    return branch_at
+    return tuple(sorted(int(d) for d in s.branch_at))
 
 
 def _continues(item: Any) -> bool:
