@@ -66,3 +66,13 @@ def test_bad_tree_settings_are_refused_in_one_line_when_the_flow_is_built(settin
     with pytest.raises(ValueError, match="^" + re.escape(message)) as raised:
         grpo_flow(**{**SETTINGS, **settings})
     assert "\n" not in str(raised.value)
+
+
+def test_the_simulator_refuses_a_tree_rather_than_sample_plain_ones():
+    from executors.sim.ops import _generate
+    from flowkit.ops.records import Prompt
+    from tests.harness import op_context
+
+    with pytest.raises(ValueError, match="^simulator executors sample no tree rollouts"):
+        _generate(op_context(), Prompt(prompt_id=0, tokens=[1, 2]), n=2, max_new_tokens=4,
+                  branch_at=(2,), branches=2)
