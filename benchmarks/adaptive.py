@@ -14,7 +14,7 @@ steps; `tokens_to_target` is the tokens generated up to the first step where tha
 `target` (None: not within the budget).
 `zero_advantage_share` is the mean over steps of the share of groups whose rewards were all
 equal, `zero_advantage_tokens_share` of the generated tokens those groups hold. `ratio` is
-adaptive's median tokens_to_target over fixed's (the seeds where both got there).
+the second side's median tokens_to_target over fixed's (the seeds where both got there).
 With `tree`, the second side is tree rollouts instead ([Note: tree rollouts] in
 executors/torch/rollout/branching.py): n / branches ** len(branch_at) roots a prompt, each
 branching at the response depths `branch_at` into `branches`, so as many leaves a prompt as the
