@@ -14,7 +14,11 @@ steps; `tokens_to_target` is the tokens generated up to the first step where tha
 `target` (None: not within the budget).
 `zero_advantage_share` is the mean over steps of the share of groups whose rewards were all
 equal, `zero_advantage_tokens_share` of the generated tokens those groups hold. `ratio` is
-adaptive's median tokens_to_target over fixed's (the seeds where both got there).
+the second side's median tokens_to_target over fixed's (the seeds where both got there).
+With `tree`, the second side is tree rollouts instead ([Note: tree rollouts] in
+executors/torch/rollout/branching.py): n / branches ** len(branch_at) roots a prompt, each
+branching at the response depths `branch_at` into `branches`, so as many leaves a prompt as the
+fixed side's n where no sample ends early; its tokens count a shared prefix once.
 """
 
 from __future__ import annotations
@@ -44,6 +48,18 @@ class AdaptiveBench:
     target: float = 0.8
     window: int = 3
     max_steps: int = 500  # a bound on one side's steps, whatever its tokens
+    tree: bool = False  # the second side: tree rollouts, not adaptive sampling
+    branch_at: tuple[int, ...] = (1, 2)  # the sorted digits' first two: where answers diverge
+    branches: int = 2
+
+    @property
+    def sides(self) -> tuple[str, str]:
+        return ("fixed", "tree" if self.tree else "adaptive")
+
+    @property
+    def tree_roots(self) -> int:
+        """The tree side's samples a prompt before branching."""
+        return max(1, self.n // self.branches ** len(self.branch_at))
 
 
 def run_adaptive_bench(bench: AdaptiveBench = AdaptiveBench()) -> dict:
@@ -56,7 +72,7 @@ def run_adaptive_bench(bench: AdaptiveBench = AdaptiveBench()) -> dict:
         runs = []
         for seed in range(bench.seeds):
             runs.append({"seed": seed, **{side: _side(bench, warm["weights"], seed, side)
-                                          for side in ("fixed", "adaptive")}})
+                                          for side in bench.sides}})
     warm.pop("weights")
     return {"setup": attrs.asdict(bench), "warm_up": warm, "runs": runs,
             **_over_seeds(runs), "method": __doc__.split("Method: ", 1)[1].strip()}
@@ -82,14 +98,17 @@ def _warm_up(bench: AdaptiveBench, out: Path) -> dict:
 
 def grpo_side(bench: AdaptiveBench, weights: Path, seed: int, side: str) -> Any:
     """examples/grpo_sort.py's GRPO from `weights`, prompts from the pool and samples drawn
-    by `seed`; `side` "adaptive" spreads the same samples a step by pass rate."""
+    by `seed`; `side` "adaptive" spreads the same samples a step by pass rate, "tree" grows
+    them as tree rollouts."""
     from dataflows.grpo import grpo_flow
     from dataflows.rl.adaptive import AdaptiveSampling
     from dataflows.rl.tasks import SORT_GPT, SORT_RESPONSE_TOKENS, sort_prompts, sort_reward
 
     adaptive = AdaptiveSampling(n_min=bench.n_min, n_max=bench.n_max, budget=bench.budget) \
         if side == "adaptive" else None
-    return grpo_flow(prompts=bench.prompts, n=bench.n, stages=2, microbatches=4,
+    tree = {"n": bench.tree_roots, "branch_at": bench.branch_at, "branches": bench.branches} \
+        if side == "tree" else {"n": bench.n}
+    return grpo_flow(prompts=bench.prompts, **tree, stages=2, microbatches=4,
                      schedule="1f1b", max_new_tokens=SORT_RESPONSE_TOKENS, lr=3e-4,
                      kl_coef=0.001, gpt={**SORT_GPT, "checkpoint": str(weights)},
                      prompt_source=sort_prompts, reward=sort_reward, sample_seed=seed,
@@ -125,7 +144,8 @@ def _side(bench: AdaptiveBench, weights: Path, seed: int, side: str) -> dict:
 
 def _over_seeds(runs: list[dict]) -> dict:
     out: dict[str, Any] = {}
-    for side in ("fixed", "adaptive"):
+    fixed, other = "fixed", _other_side(runs)
+    for side in (fixed, other):
         reached = [run[side]["tokens_to_target"] for run in runs]
         got = [t for t in reached if t is not None]
         out[side] = {"reached": f"{len(got)}/{len(runs)}",
@@ -135,9 +155,14 @@ def _over_seeds(runs: list[dict]) -> dict:
                      "zero_advantage_tokens_share": statistics.fmean(
                          run[side]["zero_advantage_tokens_share"] for run in runs),
                      "reward_last": statistics.fmean(run[side]["reward_last"] for run in runs)}
-    both = [(run["fixed"]["tokens_to_target"], run["adaptive"]["tokens_to_target"])
-            for run in runs if None not in (run["fixed"]["tokens_to_target"],
-                                            run["adaptive"]["tokens_to_target"])]
+    both = [(run[fixed]["tokens_to_target"], run[other]["tokens_to_target"])
+            for run in runs if None not in (run[fixed]["tokens_to_target"],
+                                            run[other]["tokens_to_target"])]
     out["ratio"] = (statistics.median(a for _, a in both) / statistics.median(f for f, _ in both)
                     if both else None)
     return out
+
+
+def _other_side(runs: list[dict]) -> str:
+    """The side the fixed one is compared with: adaptive sampling or tree rollouts."""
+    return "tree" if "tree" in runs[0] else "adaptive"

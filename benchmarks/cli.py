@@ -495,16 +495,30 @@ def _trl_table(figures: dict) -> Any:
                    "uncertain ones).")
 @click.option("--budget", type=click.IntRange(min=1), default=None,
               help="The adaptive side's samples a step (default: the fixed side's, 16 x 8).")
+@click.option("--tree", is_flag=True,
+              help="Compare tree rollouts with the fixed side instead of adaptive sampling.")
+@click.option("--branch-at", default="1,2", show_default=True,
+              help="The tree side's branch depths, comma-separated.")
+@click.option("--branches", type=click.IntRange(min=2), default=2, show_default=True,
+              help="The samples each branch point of the tree side forks into.")
 @_json_option
 def adaptive(adaptive_seeds: int, warm_steps: int, token_budget: int, pool: int, n_min: int,
-             n_max: int, budget: int | None, json_out: Path | None) -> None:
-    """Adaptive samples per prompt against fixed n=8 at an equal budget of generated tokens:
-    tokens to a mean reward of 0.8, and the share of zero-advantage groups."""
+             n_max: int, budget: int | None, tree: bool, branch_at: str, branches: int,
+             json_out: Path | None) -> None:
+    """Adaptive samples per prompt (or, with --tree, tree rollouts) against fixed n=8 at an
+    equal budget of generated tokens: tokens to a mean reward of 0.8, and the share of
+    zero-advantage groups."""
+    try:
+        depths = tuple(int(d) for d in branch_at.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{branch_at!r}: whole numbers, comma-separated",
+                                 param_hint="--branch-at") from None
     module = importlib.import_module("benchmarks.adaptive")
     _bench_function("adaptive", "run_adaptive_bench")  # one thread per op, as the others
     setup = module.AdaptiveBench(seeds=adaptive_seeds, warm_steps=warm_steps,
                                  token_budget=token_budget, pool=pool, n_min=n_min,
-                                 n_max=n_max, budget=budget)
+                                 n_max=n_max, budget=budget, tree=tree, branch_at=depths,
+                                 branches=branches)
     _report(module.run_adaptive_bench(setup), json_out)
 
 

@@ -9,7 +9,7 @@ from dataflows.models import reference_of
 from dataflows.rl.adaptive import check_adaptive
 from dataflows.rl.config import GroupRLConfig, RLConfig, actor_loss, rl_flow
 from dataflows.rl.evaluation import attach_evaluation
-from dataflows.rl.front import group_size, rl_actor, sample_and_score
+from dataflows.rl.front import check_tree, group_size, rl_actor, sample_and_score
 from dataflows.rl.ops import grpo_advantages, with_reference
 from flowkit.dsl import Flow, Model, collect, group_by
 
@@ -26,6 +26,7 @@ def grpo_flow(config: RLConfig, *, model: Model | None = None, gpt: dict | None 
     asynchronously ([Note: asynchronous steps] in flowkit/runner/flowrun.py)."""
     _check_filter(config)
     _check_adaptive(config)
+    check_tree(config)
     actor = rl_actor(model, gpt=gpt, stages=config.stages)
     # without a KL term (DAPO, Dr. GRPO, GSPO) nothing reads the reference: none is run
     reference = reference_of(actor) if config.kl_coef else None

@@ -11,7 +11,7 @@ from dataflows.rl.adaptive import check_adaptive
 from dataflows.rl.advantages import kl_token_rewards, rloo_advantages
 from dataflows.rl.config import GroupRLConfig, RLConfig, actor_loss, rl_flow
 from dataflows.rl.evaluation import attach_evaluation
-from dataflows.rl.front import group_size, rl_actor, sample_and_score
+from dataflows.rl.front import check_tree, group_size, rl_actor, sample_and_score
 from flowkit.dsl import Flow, Model, collect, group_by
 
 __all__ = ["rloo_flow"]
@@ -24,6 +24,7 @@ def rloo_flow(config: RLConfig, *, model: Model | None = None, gpt: dict | None 
     `use_kl_in_reward`); its advantage, that score minus the mean of the other n-1 samples of
     its prompt. The loss is the clipped PPO policy loss ("ppo"), with no KL term of its own."""
     n = config.sampling.n
+    check_tree(config)
     if config.adaptive is not None:
         if config.max_staleness is not None or config.oversample > 1:
             raise ValueError("adaptive sampling runs synchronous steps of whole groups: drop "
@@ -31,7 +32,7 @@ def rloo_flow(config: RLConfig, *, model: Model | None = None, gpt: dict | None 
         check_adaptive(config.adaptive, prompts=config.prompts, n=n,
                        max_new_tokens=config.sampling.max_new_tokens,
                        needs_siblings="rloo_flow's leave-one-out baseline")
-    elif n < 2:
+    elif n < 2 and not config.sampling.branching:  # a tree's leaves are siblings
         raise ValueError(f"rloo_flow needs n >= 2 samples per prompt (got n={n}): a sample's "
                          "baseline is the mean reward of the others to its prompt")
     grpo_only = [name for name, on in (("filter_groups", config.filter_groups),

@@ -18,7 +18,7 @@ from dataflows.rl.ops import check_overlong, overlong_penalty, rollout_metrics
 from flowkit.dsl import Flow, Model, Stream, collect
 from flowkit.ops.records import WeightsVersion
 
-__all__ = ["SMALL_GPT", "Sampled", "group_size", "rl_actor", "sample_and_score"]
+__all__ = ["SMALL_GPT", "Sampled", "check_tree", "group_size", "rl_actor", "sample_and_score"]
 
 # the built-in GPT the RL flows default to (byte vocabulary, nothing to download)
 SMALL_GPT = {"vocab_size": 256, "n_layer": 4, "n_embd": 128}
@@ -90,7 +90,30 @@ def sample_and_score(flow: Flow, actor: Model, reference: Model | None,
     return Sampled(weights, rollouts, scored, ref)
 
 
+def check_tree(config: RLConfig) -> None:
+    """Tree rollouts' settings, before the flow is built, every error in one line [Note: tree
+    rollouts in executors/torch/rollout/branching.py]."""
+    errors = config.sampling.branching_errors()
+    if config.sampling.branching:
+        others = [name for name, on in (
+            ("adaptive", getattr(config, "adaptive", None) is not None),
+            ("filter_groups", getattr(config, "filter_groups", False)),
+            ("oversample", config.oversample > 1),
+            ("max_staleness", config.max_staleness is not None),
+            ("an environment", config.agent.environment or config.agent.program)) if on]
+        if others:
+            errors.append(f"tree rollouts (branch_at, branches) run synchronous steps of whole "
+                          f"trees of single responses, without {', '.join(others)}: drop "
+                          f"{'it' if len(others) == 1 else 'them'} or the branching")
+    if errors:
+        raise ValueError(f"{len(errors)} error(s) in the sampling settings: " + "; ".join(errors))
+
+
 def group_size(config: RLConfig) -> int | None:
     """group_by's size for a prompt's samples: the flow's n, or None (a group is what arrived of
-    its prompt when the step's samples end) when adaptive sampling gives each prompt its own n."""
-    return None if getattr(config, "adaptive", None) is not None else config.sampling.n
+    its prompt when the step's samples end) when adaptive sampling gives each prompt its own n
+    or tree rollouts grow each sample into leaves (fewer where a sample ends before a branch
+    depth) [Note: tree rollouts in executors/torch/rollout/branching.py]."""
+    if getattr(config, "adaptive", None) is not None or config.sampling.branching:
+        return None
+    return config.sampling.n

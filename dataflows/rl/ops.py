@@ -152,14 +152,30 @@ def rollout_metrics(scored: Batch[Scored], *, step: int = 0) -> Metrics:
                         [float(s.finished) for s in scored] or [0.0]),
                     "response/clipped_fraction": len(clipped) / max(1, len(scored)),
                     "rollout/tokens": sum(_model_tokens(s) for s in scored),
+                    **_branch_metrics(scored),
                     **group_metrics(scored), **staleness_metrics(scored, step),
                     **trajectory_metrics(scored)},
                    warnings=[_clipped_warning(clipped)] if clipped else [])
 
 
+def _branch_metrics(scored: list[Scored]) -> dict:
+    """Tree rollouts' share of the step: `rollout/branch_saved_tokens`, the response tokens
+    its branches share with the samples they forked from (generated once, not again), and
+    `rollout/branches`, how many samples are branches. Nothing without any."""
+    branched = [s for s in scored if s.branch_of is not None]
+    if not branched:
+        return {}
+    return {"rollout/branch_saved_tokens": sum(s.shared_tokens for s in branched),
+            "rollout/branches": len(branched)}
+
+
 def _model_tokens(sample: Scored) -> int:
-    """The tokens the model generated for a sample (a trajectory's: not the environment's)."""
-    return sum(sample.response_mask) if sample.response_mask else len(sample.response_tokens)
+    """The tokens the model generated for a sample (a trajectory's: not the environment's; a
+    tree rollout's branch: not those it shares with the sample it forked from, which that one
+    generated [Note: tree rollouts in executors/torch/rollout/branching.py])."""
+    if sample.response_mask:
+        return sum(sample.response_mask)
+    return len(sample.response_tokens) - sample.shared_tokens
 
 
 def group_metrics(samples: list) -> dict:

@@ -296,6 +296,9 @@ def _generate(ctx: OpContext, prompt: Any, *weights: Any, seconds_per_token: flo
     if AgentConfig.split(config)[0].environment is not None:
         raise ValueError("simulator executors sample no multi-turn trajectories: a generate "
                          "with an environment runs on torch executors (--executor torch)")
+    if sampling.branching:
+        raise ValueError("simulator executors sample no tree rollouts: a generate with "
+                         "branch_at and branches runs on torch executors (--executor torch)")
     n, max_new_tokens = sampling.n, sampling.max_new_tokens
     version = _newest_version(weights)
     draw = {"step": step, "min_new_tokens": min_new_tokens, "max_new_tokens": max_new_tokens,

@@ -67,7 +67,11 @@ class SamplingConfig(_OpSettings):
     over, recomputing or dropping those too stale as `stale_segments` says ([Note: partial
     rollouts] in flowkit/runner/partial.py); the runner reads it, executors never get it.
     `engine` is the rollout engine that samples (flowkit.ops.ROLLOUT_ENGINES: the executor's
-    own, or vLLM's); a run's `rollout_engine` (--rollout-engine) sets it for every generate."""
+    own, or vLLM's); a run's `rollout_engine` (--rollout-engine) sets it for every generate.
+    Tree rollouts (LATR, BranchGRPO): a sample that reaches a response depth in `branch_at`
+    forks into `branches` samples sharing its prefix, so a prompt has up to
+    n * branches ** len(branch_at) samples ([Note: tree rollouts] in
+    executors/torch/rollout/branching.py; flowkit's own engine only)."""
 
     n: int = _setting(1, low=1)
     max_new_tokens: int = _setting(256, low=1)
@@ -79,6 +83,32 @@ class SamplingConfig(_OpSettings):
     take: int | None = _setting(None, low=1)
     stale_segments: str = _setting("recompute", choices=STALE_SEGMENTS)
     engine: str = _setting("flowkit", choices=ROLLOUT_ENGINES)
+    branch_at: tuple = _setting(())
+    branches: int = _setting(1, low=1)
+
+
+    @property
+    def branching(self) -> bool:
+        """Whether it grows tree rollouts: some depth to branch at, into 2 or more."""
+        return bool(self.branch_at) and self.branches > 1
+
+    def branching_errors(self) -> list[str]:
+        """What is wrong with its tree rollouts' settings, each a sentence; none: usable."""
+        errors = []
+        if int(self.branches) < 1:
+            errors.append(f"branches must be at least 1 (samples a branch point forks into), "
+                          f"got {self.branches}")
+        depths = [int(d) for d in self.branch_at]
+        if len(set(depths)) != len(depths):
+            errors.append(f"branch_at must not repeat a depth, got {tuple(self.branch_at)}")
+        errors += [f"branch_at depth {d} must lie in 1 .. max_new_tokens - 1 = "
+                   f"{int(self.max_new_tokens) - 1} (a branch draws its token d itself)"
+                   for d in depths if not 1 <= d < int(self.max_new_tokens)]
+        if self.branching and self.engine != "flowkit":
+            errors.append(f"tree rollouts (branch_at, branches) run on flowkit's own engine, "
+                          f"not engine={self.engine!r}: drop them or sample with "
+                          "engine='flowkit'")
+        return errors
 
 
 SAMPLING = SamplingConfig()

@@ -110,6 +110,13 @@ class Rollout:
     env_state: dict | None = None
     """An interrupted trajectory's episode, when its environment saves its state (plain data:
     Environment.state, and where the trajectory stood), for an executor without it to go on."""
+    branch_of: int | None = None
+    """A tree rollout's branch: the sample whose first `shared_tokens` response tokens it shares
+    (and their cache) and from where it drew on alone; None: a sample of its own [Note: tree
+    rollouts in executors/torch/rollout/branching.py]."""
+    shared_tokens: int = 0
+    """How many leading response tokens it shares with sample `branch_of` (0 without one): a
+    step's generated tokens count them once."""
 
     @property
     def response_length(self) -> int:

@@ -30,3 +30,15 @@ def test_both_sides_spend_the_same_token_budget_and_report_their_figures():
 def test_the_bench_command_refuses_a_bad_setting_before_it_starts():
     result = CliRunner().invoke(main, ["bench", "adaptive", "--seeds", "0"])
     assert result.exit_code == 2 and "--seeds" in result.output
+
+
+@pytest.mark.slow
+def test_the_tree_side_spends_the_same_token_budget_counting_shared_prefixes_once():
+    bench = AdaptiveBench(seeds=1, warm_steps=2, token_budget=300, prompts=4, n=4, pool=8,
+                          target=0.0, window=1, tree=True, branch_at=(1, 2), branches=2)
+    figures = run_adaptive_bench(bench)
+    (run,) = figures["runs"]
+    assert set(run) == {"seed", "fixed", "tree"} and bench.tree_roots == 1
+    got = run["tree"]
+    assert got["tokens_curve"][-2] < 300 <= got["tokens"] and got["steps"] >= 2
+    assert figures["ratio"] == got["tokens_curve"][0] / run["fixed"]["tokens_curve"][0]

@@ -16,6 +16,7 @@ from executors.optable import Deferred
 from executors.torch.device import to_device
 from executors.torch.models.built import evaluating, right_padded
 from executors.torch.rollout import lm
+from executors.torch.rollout.branching import branch_samples, root_sample
 from executors.torch.rollout.sampling import sample_tokens, sequence_seed
 from executors.torch.rollout.trajectories import Trajectories
 from executors.torch.rollout.turns import Agent, EnvCalls, Episode
@@ -86,6 +87,10 @@ class Sampling:
     eos: int | tuple[int, ...] | None = None
     seed: int = 0  # the resolved sample seed: the setting's sample_seed, or the model's seed
     step: int = 0
+    # tree rollouts [Note: tree rollouts in executors/torch/rollout/branching.py]: a sample
+    # forks into `branches` samples on reaching each response depth of `branch_at`
+    branch_at: tuple[int, ...] = ()
+    branches: int = 1
 
     @property
     def stop_tokens(self) -> frozenset[int]:
@@ -95,6 +100,10 @@ class Sampling:
 
     def seed_of(self, prompt_id: int, sample: int) -> int:
         return sequence_seed(self.seed, prompt_id, sample, step=self.step)
+
+    def root_of(self, root: int) -> int:
+        """The sample index of a prompt's root sample `root` [Note: tree rollouts]."""
+        return root_sample(root, self.branch_at, self.branches)
 
 
 @attrs.define(eq=False)
@@ -130,6 +139,12 @@ class Sequence:
     mask: list[int] = attrs.field(factory=list)
     on_hold: bool = False
     call: tuple | None = None  # its environment call, when an abort took it from the engine
+    # a tree rollout's branch [Note: tree rollouts in executors/torch/rollout/branching.py]: the
+    # sample it forked from, the response tokens it shares with it, and, until its cache row
+    # has them, the sequence whose row it copies them from
+    branch_of: int | None = None
+    shared_tokens: int = 0
+    donor: Sequence | None = None
 
     @property
     def prefix(self) -> list[int]:
@@ -179,7 +194,8 @@ class Engine(Trajectories):
         lm.check_prompts([item for item in items if not isinstance(item, Rollout)], self.context)
         request = Request(deferred=Deferred(), sampling=sampling, left=0, key=key, agent=agent)
         if key is not None and key in self.aborted:  # its abort came first: it ends at once
-            request.passing = [unstarted(s) for item in items for s in as_rollouts(item, n)]
+            request.passing = [unstarted(s) for item in items
+                               for s in as_rollouts(item, n, sampling)]
             request.left = len(request.passing)
             self.passing.append(request)
             return request.deferred
@@ -197,7 +213,8 @@ class Engine(Trajectories):
                 self.waiting.append(self._continued(request, item))
                 request.left += 1
                 continue
-            for sample in range(samples_of(item, n)):
+            for root in range(samples_of(item, n)):
+                sample = sampling.root_of(root)
                 seq = Sequence(request, item, sample, sampling.seed_of(item.prompt_id, sample))
                 request.left += 1
                 if agent is None:
@@ -212,7 +229,8 @@ class Engine(Trajectories):
         return Sequence(request, prompt, rollout.sample,
                         request.sampling.seed_of(rollout.prompt_id, rollout.sample),
                         tokens=list(rollout.response_tokens), logprobs=list(rollout.logprobs),
-                        versions=versions, carried=len(rollout.response_tokens))
+                        versions=versions, carried=len(rollout.response_tokens),
+                        branch_of=rollout.branch_of, shared_tokens=rollout.shared_tokens)
 
     def _sequence(self, *args: Any, **fields: Any) -> Sequence:
         return Sequence(*args, **fields)
@@ -327,6 +345,7 @@ class Engine(Trajectories):
             return live, [], []
         with evaluating(self.model):  # a cache in the dtype its forwards compute in
             self._fit_cache()  # before `filled` is read: a cache made anew refills its rows
+        self._share_branches(live)
         waiting = self._share_prompts(live)  # donor id -> the copy its siblings wait for
         held = {id(seq) for copy in waiting.values() for seq in copy.takers}
         decoding = [s for s in live if s.filled == s.length - 1]
@@ -365,6 +384,22 @@ class Engine(Trajectories):
             if takers:
                 waiting[id(donor)] = _Copy(donor, takers, shared)
         return waiting
+
+    def _share_branches(self, live: list[Sequence]) -> None:
+        """[Note: tree rollouts] A new branch copies its prefix but its last token from the
+        row of the sample it forked from, if that one still holds it under the same weights;
+        otherwise it fills its prefix itself, to the same keys."""
+        for seq in live:
+            donor, seq.donor = seq.donor, None
+            length = seq.length - 1  # it runs its last token itself: its logits
+            if (donor is None or seq.filled > 0 or donor.slot is None
+                    or self.slots[donor.slot] is not donor or donor.filled < length
+                    or donor.cache_version != seq.cache_version
+                    or not callable(getattr(self.cache, "copy_prefix", None))):
+                continue
+            self.cache.copy_prefix(donor.slot, [seq.slot], length)
+            seq.filled = length
+            self.stats["shared_prefix_tokens"] += length
 
     def _fit_cache(self) -> None:
         """Make or grow the cache to hold every sequence in a slot [Note: engine cache size]."""
@@ -475,6 +510,20 @@ class Engine(Trajectories):
             elif eos or len(seq.tokens) >= st.max_new_tokens or full:
                 self.slots[seq.slot] = None
                 self._finish(seq, finished=eos, interrupted=False)
+            elif len(seq.tokens) in st.branch_at and st.branches > 1:
+                self._fork(seq)
+
+    def _fork(self, seq: Sequence) -> None:
+        """[Note: tree rollouts] `seq`'s new branches, first in line for a slot, so its row
+        still holds their prefix when they take one."""
+        st, depth = seq.request.sampling, len(seq.tokens)
+        for sample in reversed(branch_samples(seq.sample, depth, st.branch_at, st.branches)):
+            self.waiting.appendleft(Sequence(
+                seq.request, seq.prompt, sample, st.seed_of(seq.prompt.prompt_id, sample),
+                tokens=list(seq.tokens), logprobs=list(seq.logprobs),
+                versions=list(seq.versions), carried=depth, branch_of=seq.sample,
+                shared_tokens=depth, donor=seq))
+            seq.request.left += 1
 
     def _finish(self, seq: Sequence, *, finished: bool, interrupted: bool,
                 clipped: bool | None = None) -> None:
@@ -496,6 +545,7 @@ class Engine(Trajectories):
                           logprobs=seq.logprobs, versions=seq.versions, finished=finished,
                           clipped=clipped, interrupted=interrupted,
                           answer=getattr(seq.prompt, "answer", None),
+                          branch_of=seq.branch_of, shared_tokens=seq.shared_tokens,
                           **self._texts(seq.prompt, seq.tokens), **trajectory)
         self._deliver(request, rollout)
 
@@ -555,11 +605,13 @@ def distinct(seqs: list) -> list:
     return list({id(seq): seq for seq in seqs}.values())
 
 
-def as_rollouts(item: Any, n: int) -> list:
-    """A request's samples as Rollouts: a Prompt's n, each with no response yet."""
+def as_rollouts(item: Any, n: int, sampling: Sampling | None = None) -> list:
+    """A request's samples as Rollouts: a Prompt's n roots, each with no response yet (their
+    indices as `sampling`'s trees number them [Note: tree rollouts in branching.py])."""
     if isinstance(item, Rollout):
         return [item]
-    return [Rollout(prompt_id=item.prompt_id, sample=k, prompt_tokens=list(item.tokens),
+    root = (lambda k: k) if sampling is None else sampling.root_of
+    return [Rollout(prompt_id=item.prompt_id, sample=root(k), prompt_tokens=list(item.tokens),
                     response_tokens=[], logprobs=[], answer=getattr(item, "answer", None),
                     prompt_text=getattr(item, "text", None))
             for k in range(samples_of(item, n))]

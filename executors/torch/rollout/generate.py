@@ -236,6 +236,7 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, seed: int = 0, max_ba
         raise StageError(f"generate does not take {', '.join(map(repr, unknown))}: its settings "
                          f"are {', '.join(_SETTINGS)}")
     _check_request(s.n, s.max_new_tokens)
+    branch_at = _check_branching(s, agent_settings)
     if not items:
         return []
     spec = {**config, "seed": seed, "stages": 1}
@@ -248,7 +249,8 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, seed: int = 0, max_ba
     sample_seed = seed if s.sample_seed is None else s.sample_seed
     sampling = Sampling(max_new_tokens=int(s.max_new_tokens), temperature=float(s.temperature),
                         top_p=float(s.top_p), top_k=int(s.top_k), eos=_stop_tokens(s.eos, folder),
-                        seed=int(sample_seed), step=int(step))
+                        seed=int(sample_seed), step=int(step), branch_at=branch_at,
+                        branches=int(s.branches))
     if s.engine == "vllm":  # [Note: vLLM engine] in executors/torch/rollout/vllm_engine.py
         engine = vllm_engine_of(
             ctx, held, {**spec, **s.as_config(), **agent_settings.as_config()},
@@ -332,6 +334,18 @@ def _check_request(n: Any, max_new_tokens: Any) -> None:
         raise StageError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if int(n) < 1:
         raise StageError(f"n must be at least 1 (samples per prompt), got {n}")
+
+
+def _check_branching(s: SamplingConfig, agent: AgentConfig) -> tuple[int, ...]:
+    """The branch depths of tree rollouts, sorted, or what is wrong with them in one line
+    [Note: tree rollouts in executors/torch/rollout/branching.py]."""
+    errors = s.branching_errors()
+    if s.branching and (agent.environment or agent.program):
+        errors.append("tree rollouts (branch_at, branches) branch single responses, not "
+                      "multi-turn trajectories: drop them or the environment")
+    if errors:
+        raise StageError("; ".join(errors))
+    return tuple(sorted(int(d) for d in s.branch_at))
 
 
 def _continues(item: Any) -> bool:

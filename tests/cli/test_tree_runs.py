@@ -1,0 +1,32 @@
+"""Tree rollouts end to end on torch executors [Note: tree rollouts in
+executors/torch/rollout/branching.py], float64 and seeded: a depth with one branch gives the
+plain run's samples and parameters; branched leaves train, grouped by prompt, their shared
+prefixes counted once in the step's generated tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.cli.runs import GRPO, metrics_lines
+from tests.cli.test_adaptive_runs import _assert_same_curve, _assert_same_weights, _run
+
+pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
+
+
+def test_a_depth_with_one_branch_gives_the_plain_runs_samples_and_update(tmp_path):
+    plain = _run(tmp_path, GRPO, "plain", "--steps", "2")
+    unbranched = _run(tmp_path, f"{GRPO}:tree_unbranched", "unbranched", "--steps", "2")
+    _assert_same_curve(plain, unbranched)
+    _assert_same_weights(tmp_path / "plain", tmp_path / "unbranched")
+
+
+def test_branched_leaves_train_as_groups_and_count_their_shared_prefix_once(tmp_path):
+    lines = metrics_lines(_run(tmp_path, f"{GRPO}:tree", "tree", "--steps", "2"))
+    assert len(lines) == 2
+    for line in lines:
+        # 4 roots and their branches: up to 3 a root, fewer where a root ends before a depth
+        assert line["rollout/samples"] == 4 + line["rollout/branches"]
+        assert 1 <= line["rollout/branches"] <= 12
+        generated = line["response_length_mean"] * line["rollout/samples"]
+        assert line["rollout/tokens"] + line["rollout/branch_saved_tokens"] == generated
+        assert line["rollout/branch_saved_tokens"] > 0

@@ -1,0 +1,78 @@
+"""Tree rollouts in the group flows [Note: tree rollouts in executors/torch/rollout/branching.py],
+without executors: a prompt's leaves are its group, their advantages against their siblings, the
+step's generated tokens count a shared prefix once, and bad settings are refused when the flow
+is built, in one line."""
+
+from __future__ import annotations
+
+import re
+import statistics
+
+import pytest
+
+from dataflows.grpo import grpo_flow
+from dataflows.recipes import dr_grpo_flow, gspo_flow
+from dataflows.rl.ops import grpo_advantages, rollout_metrics
+from dataflows.rloo import rloo_flow
+from flowkit.ops.records import Scored
+
+SETTINGS = dict(prompts=4, n=2, max_new_tokens=8, branch_at=(3,), branches=2)
+
+
+def _leaf(sample: int, reward: float, *, branch_of: int | None = None, shared: int = 0,
+          length: int = 6) -> Scored:
+    return Scored(prompt_id=0, sample=sample, prompt_tokens=[1], response_tokens=[7] * length,
+                  logprobs=[-0.5] * length, reward=reward, branch_of=branch_of,
+                  shared_tokens=shared)
+
+
+# two roots (0, 2), each forked once at depth 3 (1 from 0, 3 from 2)
+TREE = [_leaf(0, 1.0), _leaf(1, 0.0, branch_of=0, shared=3), _leaf(2, 0.0),
+        _leaf(3, 1.0, branch_of=2, shared=3, length=4)]
+
+
+@pytest.mark.parametrize("flow", [grpo_flow, dr_grpo_flow, gspo_flow, rloo_flow])
+def test_each_group_flow_groups_a_prompts_leaves_whatever_their_number(flow):
+    built = flow(**{**SETTINGS, "n": 1} if flow is rloo_flow else SETTINGS)
+    (grouped,) = [w for w in built.wires if w.dst_port == "group"]
+    assert grouped.adapter.key == "prompt_id" and grouped.adapter.size is None
+
+
+def test_a_leafs_advantage_is_against_all_its_prompts_leaves():
+    rewards = [leaf.reward for leaf in TREE]
+    mean, std = statistics.fmean(rewards), statistics.stdev(rewards)
+    got = [e.advantages[0] for e in grpo_advantages.fn(TREE)]
+    assert got == pytest.approx([(r - mean) / (std + 1e-6) for r in rewards], abs=1e-12)
+
+
+def test_the_steps_generated_tokens_count_a_shared_prefix_once():
+    metrics = rollout_metrics.fn(TREE).values
+    assert metrics["rollout/tokens"] == 6 + (6 - 3) + 6 + (4 - 3)
+    assert metrics["rollout/branch_saved_tokens"] == 6 and metrics["rollout/branches"] == 2
+    assert "rollout/branch_saved_tokens" not in rollout_metrics.fn([TREE[0], TREE[2]]).values
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(branch_at=(8,)), "1 error(s) in the sampling settings: branch_at depth 8 must lie in "
+                           "1 .. max_new_tokens - 1 = 7"),
+    (dict(branches=0), "1 error(s) in the sampling settings: branches must be at least 1"),
+    (dict(engine="vllm"), "1 error(s) in the sampling settings: tree rollouts (branch_at, "
+                          "branches) run on flowkit's own engine, not engine='vllm'"),
+    (dict(max_staleness=1), "1 error(s) in the sampling settings: tree rollouts (branch_at, "
+                            "branches) run synchronous steps of whole trees of single "
+                            "responses, without max_staleness"),
+])
+def test_bad_tree_settings_are_refused_in_one_line_when_the_flow_is_built(settings, message):
+    with pytest.raises(ValueError, match="^" + re.escape(message)) as raised:
+        grpo_flow(**{**SETTINGS, **settings})
+    assert "\n" not in str(raised.value)
+
+
+def test_the_simulator_refuses_a_tree_rather_than_sample_plain_ones():
+    from executors.sim.ops import _generate
+    from flowkit.ops.records import Prompt
+    from tests.harness import op_context
+
+    with pytest.raises(ValueError, match="^simulator executors sample no tree rollouts"):
+        _generate(op_context(), Prompt(prompt_id=0, tokens=[1, 2]), n=2, max_new_tokens=4,
+                  branch_at=(2,), branches=2)

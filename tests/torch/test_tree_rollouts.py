@@ -1,0 +1,130 @@
+"""Tree rollouts in flowkit's own engine [Note: tree rollouts in
+executors/torch/rollout/branching.py]: samples fork at fixed depths and share their prefix."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+from executors.torch.rollout import generate as gen
+from executors.torch.rollout.branching import branch_samples, leaves_per_root
+from executors.torch.rollout.engine import Engine, Sampling, run_all_until_done, run_until_done
+from executors.torch.rollout.sampling import sequence_seed
+from flowkit.ops.records import Prompt
+from tests.harness import gpt_spec, op_context, seeded_gpt, tiny_gpt
+
+SMALL = tiny_gpt(vocab_size=32, block_size=40, n_embd=16)
+PROMPTS = [Prompt(prompt_id=i, tokens=[(5 * i + j) % 32 for j in range(length)])
+           for i, length in enumerate([1, 9, 3, 14])]
+PLAIN = Sampling(max_new_tokens=10, temperature=1.0, top_p=0.9, seed=7, step=2)
+TREE = attrs.evolve(PLAIN, branch_at=(2, 6), branches=3)
+
+
+@pytest.fixture
+def model():
+    return seeded_gpt(SMALL, seed=1, dtype=torch.float64).eval()
+
+
+def _run(model, sampling: Sampling, n: int, prompts=PROMPTS, **engine_kw):
+    engine = Engine(model, version=lambda: None, **{"max_batch": 64, **engine_kw})
+    deferreds = [engine.submit([p], sampling, n) for p in prompts]
+    rollouts = [r for done in run_all_until_done({"engine": engine}, deferreds) for r in done]
+    return {(r.prompt_id, r.sample): r for r in rollouts}, engine
+
+
+@pytest.mark.parametrize("no_branching", [{"branch_at": ()}, {"branch_at": (3,), "branches": 1}])
+def test_without_branching_the_rollouts_are_the_plain_ones_bit_for_bit(model, no_branching):
+    plain, _ = _run(model, PLAIN, 3)
+    tree, _ = _run(model, attrs.evolve(PLAIN, **no_branching), 3)
+    assert plain == tree
+
+
+def test_each_sample_grows_into_its_leaves_numbered_by_the_tree(model):
+    tree, _ = _run(model, TREE, 2)  # eos None: no sample ends before a branch depth
+    assert leaves_per_root(TREE.branch_at, TREE.branches) == 9
+    for prompt in PROMPTS:
+        assert sorted(s for p, s in tree if p == prompt.prompt_id) == list(range(18))
+    roots = [r for r in tree.values() if r.branch_of is None]
+    assert sorted({r.sample for r in roots}) == [0, 9]
+    assert {r.shared_tokens for r in tree.values() if r.branch_of is not None} == {2, 6}
+    assert branch_samples(9, 2, (2, 6), 3) == [12, 15]
+    assert branch_samples(12, 6, (2, 6), 3) == [13, 14]
+
+
+def test_a_branch_shares_its_parents_prefix_and_draws_on_with_its_own_seed(model):
+    tree, _ = _run(model, TREE, 2)
+    diverged = 0
+    for (prompt_id, _), leaf in tree.items():
+        if leaf.branch_of is None:
+            continue
+        parent, shared = tree[(prompt_id, leaf.branch_of)], leaf.shared_tokens
+        assert leaf.response_tokens[:shared] == parent.response_tokens[:shared]
+        assert leaf.logprobs[:shared] == parent.logprobs[:shared]
+        diverged += leaf.response_tokens[shared:] != parent.response_tokens[shared:]
+    assert diverged > 0  # its own draws, not its parent's
+    # a branch's seed is a pure function of (seed, step, prompt, its index in the tree)
+    assert TREE.seed_of(3, 12) == sequence_seed(7, 3, 12, step=2) != TREE.seed_of(3, 9)
+
+
+@torch.no_grad()
+def test_a_leafs_logprobs_equal_a_plain_forward_over_its_tokens(model):
+    tree, engine = _run(model, TREE, 2, max_batch=8, token_budget=16)
+    prompt_copies = sum(3 * (len(p.tokens) - 1) for p in PROMPTS if len(p.tokens) > 1)
+    assert engine.stats["shared_prefix_tokens"] > prompt_copies  # branches copied their prefix
+    for leaf in tree.values():
+        sequence = torch.tensor([leaf.prompt_tokens + leaf.response_tokens])
+        logits = model(sequence)[0].to(torch.float64)
+        start = len(leaf.prompt_tokens) - 1
+        logp = torch.log_softmax(logits[start:start + len(leaf.response_tokens)], dim=-1)
+        want = logp.gather(1, torch.tensor(leaf.response_tokens)[:, None])[:, 0]
+        assert leaf.logprobs == pytest.approx(want.tolist(), abs=1e-9)
+
+
+@pytest.mark.parametrize(("max_batch", "budget", "order"), [(2, 7, -1), (5, 3, 1), (64, 512, -1)])
+def test_the_trees_do_not_depend_on_batch_size_budget_or_arrival_order(model, max_batch, budget,
+                                                                       order):
+    want, _ = _run(model, TREE, 2)
+    got, _ = _run(model, TREE, 2, prompts=PROMPTS[::order], max_batch=max_batch,
+                  token_budget=budget)
+    assert got.keys() == want.keys()
+    for key, rollout in want.items():
+        assert got[key].response_tokens == rollout.response_tokens
+        assert got[key].logprobs == pytest.approx(rollout.logprobs, abs=1e-9)
+        assert (got[key].branch_of, got[key].shared_tokens) == (rollout.branch_of,
+                                                                rollout.shared_tokens)
+
+
+def test_a_sample_that_ends_before_a_branch_depth_does_not_branch(model):
+    tree, _ = _run(model, attrs.evolve(TREE, max_new_tokens=4, branch_at=(2, 3), eos=None), 1)
+    short, _ = _run(model, attrs.evolve(TREE, max_new_tokens=4, branch_at=(2, 3),
+                                         eos=tuple(range(32))), 1)  # every token ends it
+    assert len(tree) == 9 * len(PROMPTS)
+    assert len(short) == len(PROMPTS) and all(r.branch_of is None for r in short.values())
+
+
+SPEC = {**gpt_spec("policy", SMALL, seed=1), "eos": None, "max_new_tokens": 4}
+
+
+@pytest.mark.parametrize(("kw", "error"), [
+    ({"branch_at": (4,), "branches": 2}, r"branch_at depth 4 must lie in 1 \.\. max_new_tokens"),
+    ({"branch_at": (0,), "branches": 2}, r"branch_at depth 0 must lie in 1"),
+    ({"branch_at": (2,), "branches": 0}, "branches must be at least 1"),
+    ({"branch_at": (2, 2), "branches": 2}, "branch_at must not repeat a depth"),
+    ({"branch_at": (2,), "branches": 2, "engine": "vllm"},
+     "tree rollouts .branch_at, branches. run on flowkit's own engine, not engine='vllm'"),
+])
+def test_bad_branching_is_refused_in_one_line_before_any_sample(kw, error):
+    ctx = op_context()
+    with pytest.raises(Exception, match=error) as raised:
+        gen._generate(ctx, PROMPTS[:1], **{**SPEC, **kw})
+    assert "\n" not in str(raised.value)
+    assert not ctx.background  # no engine was made
+
+
+def test_the_generate_op_grows_trees_through_its_settings():
+    ctx = op_context()
+    done = run_until_done(ctx.background, gen._generate(ctx, PROMPTS[:2], **SPEC, n=2,
+                                                        branch_at=[1], branches=2))
+    assert sorted((r.prompt_id, r.sample) for r in done) == [(p, s) for p in (0, 1)
+                                                             for s in range(4)]
