@@ -13,6 +13,7 @@ in flowkit/wire/auth.py].
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -83,6 +84,7 @@ log = logging.getLogger("flowkit.executor")
 _HOT_SECONDS = 0.001
 _TINY_OP_S = 0.00005
 _SERVE_EVERY_S = 0.001  # of tasks run back to back [Note: serving between tasks]
+_MERGE_LOOKAHEAD = 64  # waiting tasks looked at for a scoring task's merge [Note: merged tasks]
 _UNBOUNDED = 1 << 62  # the credit of a stream that waits for none any more
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: IntFlag arithmetic is slow
 
@@ -533,14 +535,16 @@ class Executor:
                 or not self.ops.merges(task.spec.op):
             return []
         partners, items = [], task.spec.items
-        for other in list(self.ready):
-            if items + (other.spec.items or 0) > MERGED_ITEMS:
+        # the next few waiting tasks only: a burst of thousands is not scanned at each one
+        for other in list(itertools.islice(self.ready, _MERGE_LOOKAHEAD)):
+            if other.spec.id not in self.waiting or not merges_with(task, other):
+                continue
+            if items + other.spec.items > MERGED_ITEMS:
                 break
-            if other.spec.id in self.waiting and merges_with(task, other):
-                self.ready.remove(other)
-                del self.waiting[other.spec.id]
-                partners.append(other)
-                items += other.spec.items
+            self.ready.remove(other)
+            del self.waiting[other.spec.id]
+            partners.append(other)
+            items += other.spec.items
         return partners
 
     def _run_merged(self, tasks: list[Task]) -> float:

@@ -34,7 +34,7 @@ from flowkit.ops.records import (
     samples_of,
     step_report,
 )
-from flowkit.wire.files import FileRefused, open_regular, read_bounded
+from flowkit.wire.files import FileRefused, read_regular
 
 __all__ = ["busy_for", "register", "sample_rollout"]
 
@@ -497,11 +497,7 @@ def _load_state(ctx: OpContext, *_: Any, path: str | None = None, files: list | 
     if path is None:
         return 0
     try:
-        fd, size = open_regular(path, limit=1 << 16)
-        try:
-            data = read_bounded(fd, size, path)
-        finally:
-            os.close(fd)
+        data = read_regular(path, limit=1 << 16)
         if checksums is not None and checksums.get(path) != hashlib.sha256(data).hexdigest():
             raise FileRefused(f"{path} does not match its SHA-256 in manifest.json: it "
                               "changed after it was written")

@@ -26,7 +26,7 @@ from executors.torch.errors import StageError
 from executors.torch.layout_free import train_prefix
 from executors.torch.models.built import built_whole, save_weights
 from executors.torch.state_file import read_state_file
-from flowkit.wire.files import FileRefused, is_plain_name, open_regular, read_bounded, sha256_of
+from flowkit.wire.files import FileRefused, is_plain_name, open_regular, read_regular, sha256_of
 
 __all__ = ["export", "export_model"]
 
@@ -92,11 +92,7 @@ def _manifest(folder: Path) -> dict:
     models' specs."""
     path = folder / _MANIFEST
     try:
-        fd, size = open_regular(path, limit=_MAX_MANIFEST)
-        try:
-            fields = json.loads(read_bounded(fd, size, path))
-        finally:
-            os.close(fd)
+        fields = json.loads(read_regular(path, limit=_MAX_MANIFEST))
     except (FileRefused, ValueError) as exc:
         raise ExportError(f"{path}: unreadable ({exc})") from None
     if not isinstance(fields, dict) or fields.get("format") != _RUN_FORMAT:

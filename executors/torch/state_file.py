@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
 
 import safetensors.torch
 import torch
 
 from executors.torch.errors import StageError
-from flowkit.wire.files import FileRefused, open_regular, read_bounded
+from flowkit.wire.files import FileRefused, read_regular
 
 __all__ = ["FORMAT", "MAX_STATE", "decode", "encode", "read_state_file"]
 
@@ -77,11 +76,7 @@ def read_state_file(path: str, checksums: dict | None) -> tuple[dict, dict[str, 
     parsed [Note: contained files in flowkit/wire/files.py]; a link, another kind of file or a
     damaged one is one line."""
     try:
-        fd, size = open_regular(path, limit=MAX_STATE)
-        try:
-            data = read_bounded(fd, size, path)
-        finally:
-            os.close(fd)
+        data = read_regular(path, limit=MAX_STATE)
     except FileRefused as exc:
         raise StageError(f"cannot read executor state: {exc}") from None
     if checksums is not None and checksums.get(path) != hashlib.sha256(data).hexdigest():

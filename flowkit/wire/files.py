@@ -17,7 +17,8 @@ import os
 import re
 import stat
 
-__all__ = ["FileRefused", "is_plain_name", "open_regular", "read_bounded", "sha256_of"]
+__all__ = ["FileRefused", "is_plain_name", "open_regular", "read_bounded", "read_regular",
+           "sha256_of"]
 
 _PIECE = 16 << 20  # bytes read or hashed at a time
 _PLAIN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@+-]{0,127}")
@@ -64,6 +65,16 @@ def read_bounded(fd: int, size: int, path: str | os.PathLike) -> bytearray:
             raise FileRefused(f"{path} ended after {done} of its {size} bytes")
         done += got
     return buffer
+
+
+def read_regular(path: str | os.PathLike, *, limit: int) -> bytearray:
+    """The bytes of regular file `path`, opened as `open_regular` opens it (no link, no other
+    kind of file, at most `limit` bytes) and read in pieces; FileRefused otherwise."""
+    fd, size = open_regular(path, limit=limit)
+    try:
+        return read_bounded(fd, size, path)
+    finally:
+        os.close(fd)
 
 
 def sha256_of(fd: int, size: int) -> str:

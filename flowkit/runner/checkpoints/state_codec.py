@@ -27,7 +27,7 @@ import attrs
 import msgpack
 
 from flowkit.ops import records as contract_records
-from flowkit.wire.files import FileRefused, open_regular, read_bounded
+from flowkit.wire.files import FileRefused, read_regular
 from flowkit.wire.serialize import TORCH_DTYPES
 
 __all__ = ["CheckpointError", "STATE_FORMAT", "allowed_records", "decode_state", "encode_state",
@@ -65,11 +65,7 @@ def read_private(path: Path, what: str, limit: int = _MAX_FILE, sha256: str | No
     CheckpointError naming it when it is a symlink, not a regular file, over `limit` bytes,
     unreadable, or (given its `sha256`) not the file that was written."""
     try:
-        fd, size = open_regular(path, limit=limit)
-        try:
-            data = read_bounded(fd, size, path)
-        finally:
-            os.close(fd)
+        data = read_regular(path, limit=limit)
         if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
             raise FileRefused(f"{path} does not match its SHA-256 in manifest.json: it "
                               "changed after it was written")
