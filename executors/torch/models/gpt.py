@@ -305,7 +305,7 @@ def _forward_cached(config, embed, blocks, ln_f, lm_head, idx, cache, start, row
 # copy then cost what the sequences hold, not what the cache was sized for (a cache doubles as
 # it grows: up to twice the positions; on a GPU a gather of a long cache every decode step is
 # the engine's largest memory traffic). Positions past `live` are masked anyway, so the logits
-# equal the whole-cache forward's to rounding (tests/torch/test_engine.py).
+# equal the whole-cache forward's to rounding (tests/torch/test_engine_memory.py).
 @dataclass(frozen=True)
 class CacheWindow:
     """Which cache rows (a slice of the first B, or a row tensor) and positions a cached
