@@ -554,21 +554,6 @@ class Engine(Trajectories):
         version = self.version()
         return NO_VERSION if version is None else version
 
-    def _texts(self, prompt: Any, response: list[int]) -> dict[str, str | None]:
-        """A rollout's prompt_text and response_text [Note: rollout text]."""
-        if self.tokenizer is None:
-            return {"prompt_text": getattr(prompt, "text", None), "response_text": None}
-        return {"prompt_text": self._prompt_text(prompt),
-                "response_text": self.tokenizer.decode(response, skip_special_tokens=True)}
-
-    def _deliver(self, request: Request, rollout: Rollout) -> None:
-        request.done.append(rollout)
-        request.left -= 1
-        if request.deferred.cancelled or request.deferred.finished:
-            return
-        request.deferred.emit(rollout)
-        if request.left == 0:
-            request.deferred.done(request.done)
 
 
 @attrs.frozen

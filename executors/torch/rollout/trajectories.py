@@ -47,7 +47,7 @@ _PARKED = 4096  # aborted trajectories' episodes kept for a continuation at most
 class Trajectories:
     """The engine's trajectory steps, and what both engines do alike with a request's
     prompts and finished rollouts; the engine provides slots, waiting, env_calls, parked,
-    passing, max_len, context, tokenizer, _deliver, _finish, _version_now and _sequence."""
+    passing, max_len, context, tokenizer, _finish, _version_now and _sequence."""
 
     @staticmethod
     def _prompt_of(rollout: Rollout) -> Prompt:
@@ -121,6 +121,23 @@ class Trajectories:
             self.env_calls.restore(seq, call)
         else:
             self.waiting.append(seq)
+
+    def _texts(self, prompt: Any, response: list[int]) -> dict[str, str | None]:
+        """A rollout's prompt_text and response_text [Note: rollout text in engine.py]."""
+        if self.tokenizer is None:
+            return {"prompt_text": getattr(prompt, "text", None), "response_text": None}
+        return {"prompt_text": self._prompt_text(prompt),
+                "response_text": self.tokenizer.decode(response, skip_special_tokens=True)}
+
+    def _deliver(self, request: Any, rollout: Any) -> None:
+        """A finished rollout to its request: streamed, and the request done with its last."""
+        request.done.append(rollout)
+        request.left -= 1
+        if request.deferred.cancelled or request.deferred.finished:
+            return
+        request.deferred.emit(rollout)
+        if request.left == 0:
+            request.deferred.done(request.done)
 
     def _prompt_text(self, prompt: Any) -> str:
         """The prompt as the model sees it: its text, or its tokens decoded (bytes for a model

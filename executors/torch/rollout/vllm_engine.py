@@ -425,28 +425,9 @@ class VLLMEngine(Trajectories):
                           prompt_tokens=list(prompt.tokens), response_tokens=sample.tokens,
                           logprobs=sample.logprobs, versions=sample.versions, finished=finished,
                           clipped=clipped, interrupted=interrupted,
-                          answer=getattr(prompt, "answer", None), **self._texts(prompt, sample),
-                          **trajectory)
+                          answer=getattr(prompt, "answer", None),
+                          **self._texts(prompt, sample.tokens), **trajectory)
         self._deliver(sample.request, rollout)
-
-    def _texts(self, prompt: Any, sample: _Sample) -> dict[str, str | None]:
-        """[Note: rollout text in engine.py], as the own engine decodes them."""
-        text = getattr(prompt, "text", None)
-        if self.tokenizer is None:
-            return {"prompt_text": text, "response_text": None}
-        if text is None:
-            text = self.tokenizer.decode(list(prompt.tokens), skip_special_tokens=False)
-        return {"prompt_text": text,
-                "response_text": self.tokenizer.decode(sample.tokens, skip_special_tokens=True)}
-
-    def _deliver(self, request: Request, rollout: Rollout) -> None:
-        request.done.append(rollout)
-        request.left -= 1
-        if request.deferred.cancelled or request.deferred.finished:
-            return
-        request.deferred.emit(rollout)
-        if request.left == 0:
-            request.deferred.done(request.done)
 
 
 # -- weights ----------------------------------------------------------------------------------
