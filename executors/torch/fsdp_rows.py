@@ -59,8 +59,13 @@ def joined_rows(name: str, pieces: dict[int, torch.Tensor]) -> torch.Tensor:
     ordered = sorted(pieces.items())
     if ordered[0][1].dim() == 0:
         return ordered[0][1]
+    head = ordered[0][1]
     row = 0
     for first, piece in ordered:
+        if piece.dim() == 0 or piece.shape[1:] != head.shape[1:] or piece.dtype != head.dtype:
+            raise StageError(f"the checkpoint's FSDP rows of {name!r} differ in shape or dtype "
+                             f"({tuple(head.shape)} {head.dtype}, {tuple(piece.shape)} "
+                             f"{piece.dtype}): the files are damaged or not one run's")
         if first != row:
             raise StageError(f"the checkpoint's FSDP rows of {name!r} start at "
                              f"{[f for f, _ in ordered]}, which do not tile it: resume from a "

@@ -162,5 +162,7 @@ def test_a_checkpoints_fsdp_rows_join_only_when_they_tile_the_parameter():
             joined_rows("w", pieces)
     assert split_rows_name("h.0.w@rows=3") == ("h.0.w", 3)
     assert split_rows_name("h.0.w") == ("h.0.w", None)
+    with pytest.raises(StageError, match="differ in shape or dtype"):
+        joined_rows("w", {0: whole[:3], 3: whole[3:, :2]})
     with pytest.raises(StageError, match="rows must start at a row number"):
         split_rows_name("h.0.w@rows=x")
