@@ -666,6 +666,23 @@ def engine() -> None:
                 rollouts, torch.tensor([r.response_tokens for r in on_cpu]))
         return out
 
+    @guarded("hf_folder_loads_on_device")
+    def _():
+        # an HF folder loaded by a build straight in its dtype on its device (building_on)
+        import tempfile
+
+        from executors.torch.device import building_on
+        cfg = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, intermediate_size=128, vocab_size=256)
+        folder = tempfile.mkdtemp()
+        HFCausalLM(architecture="qwen2", hf_config=cfg)._lm[0].save_pretrained(folder)
+        dtype = torch.bfloat16 if DEV.type == "cuda" else torch.float32
+        with building_on(DEV, dtype):
+            loaded = HFCausalLM(path=folder)
+        kinds = {(p.device.type, str(p.dtype)) for p in loaded.parameters()}
+        assert kinds == {(DEV.type, str(dtype))}, kinds
+        return {"parameters": sorted(kinds)}
+
     # 2. a Qwen2.5-0.5B-shaped model (random weights, bf16): throughput
     if DRY:
         big = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
