@@ -541,12 +541,17 @@ def chaos(seeds: int, json_out: Path | None) -> None:
               show_default=True, help="What the stranger sends: 1-byte frames or DONEs.")
 @click.option("--rate", type=click.FloatRange(min=0), default=0, show_default=True,
               help="Messages a second (0: as fast as it can).")
+@click.option("--who", type=click.Choice(["stranger", "past-gate"]), default="stranger",
+              show_default=True, help="A stranger (no password: dropped in its handshake), or "
+              "a client with the run's transport password that says no HELLO.")
 @_json_option
-def flood(seconds: float, target: str, kind: str, rate: float, json_out: Path | None) -> None:
-    """A stranger's non-reading flood against a run: the controller's RSS and log growth, the
-    answers it got, the run's rounds before and under it."""
+def flood(seconds: float, target: str, kind: str, rate: float, who: str,
+          json_out: Path | None) -> None:
+    """A non-reading flood against a run: the controller's RSS and log growth, the answers it
+    got, the run's rounds before and under it."""
     _report(_bench_function("flood", "run_flood_bench")(seconds=seconds, target=target,
-                                                         kind=kind, rate=rate), json_out)
+                                                         kind=kind, rate=rate, who=who),
+            json_out)
 
 
 def _bench_function(module: str, function: str) -> Callable[..., dict]:

@@ -1,7 +1,10 @@
-"""`flowkit bench flood --seconds 60`: a stranger's flood against a running run, the figures of
-issue 53's judgement. A raw DEALER without the run's secret sends 1-byte frames (or DONEs) as
-fast as it can, or at `--rate` messages a second, and never reads, to the run's controller or
-to an executor's data socket; meanwhile the run (a controller process of its own and two
+"""`flowkit bench flood --seconds 60`: a flood against a running run, the figures of issue 53's
+judgement. A raw DEALER sends 1-byte frames (or DONEs) as fast as it can, or at `--rate`
+messages a second, and never reads, to the run's controller or to an executor's data socket:
+a stranger's (`--who stranger`, no password: its gate drops each connection in the handshake,
+[Note: strangers stop at the handshake] in flowkit/wire/auth.py), or one past the gate
+(`--who past-gate`: the run's transport password, no HELLO, so its messages fill its queue
+there and are refused one by one); meanwhile the run (a controller process of its own and two
 executors, their log in one file) does rounds of 200 tasks and 20 values moved between its
 executors. Reported: the controller's RSS growth (at its peak and at the end) and its log's
 growth over the flood, the messages sent and the answers the stranger got, the median round
@@ -24,6 +27,7 @@ from pathlib import Path
 
 import zmq
 
+from flowkit.wire.auth import plain_client
 from flowkit.wire.protocol import Msg, encode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,13 +90,16 @@ class Run:
 
 
 @contextmanager
-def flood(address: str, frames: list[bytes], rate: float = 0.0) -> Iterator[dict]:
+def flood(address: str, frames: list[bytes], rate: float = 0.0, secret: bytes | None = None
+          ) -> Iterator[dict]:
     """A thread sends `frames` as one message, over and over (at most `rate` a second, when
-    given), to `address` and never reads; the dict counts the messages sent, and once it ends
-    the answers that came."""
+    given), to `address` and never reads, with the transport password of the run of `secret`
+    when given; the dict counts the messages sent, and once it ends the answers that came."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDTIMEO, 100)  # past the receiver's mark: try again, not hang
+    if secret is not None:
+        plain_client(sock, secret)
     sock.connect(address)
     stop, sent = threading.Event(), {"messages": 0, "answers": 0}
 
@@ -122,18 +129,19 @@ def flood(address: str, frames: list[bytes], rate: float = 0.0) -> Iterator[dict
 
 
 def under_flood(run: Run, address: str, frames: list[bytes], seconds: float,
-                rate: float = 0.0) -> dict:
-    """Rounds of the run's work before and during a flood of `seconds`: the figures of the
-    bound."""
+                rate: float = 0.0, who: str = "stranger") -> dict:
+    """Rounds of the run's work before and during a flood of `seconds` by `who` (stranger or
+    past-gate): the figures of the bound."""
+    secret = bytes.fromhex(run.addresses["secret"]) if who == "past-gate" else None
     before = [run.round() for _ in range(5)]
     rss, log = run.rss_mib(), run.log_bytes()
     rounds, peak = [], 0.0
-    with flood(address, frames, rate) as sent:
+    with flood(address, frames, rate, secret) as sent:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             rounds.append(run.round())
             peak = max(peak, run.rss_mib() - rss)
-    return {"seconds": seconds, "sent": sent["messages"], "answers": sent["answers"],
+    return {"who": who, "seconds": seconds, "sent": sent["messages"], "answers": sent["answers"],
             "log_bytes": run.log_bytes() - log, "rss_mib": run.rss_mib() - rss,
             "rss_peak_mib": peak, "round_s": statistics.median(before),
             "flooded_round_s": statistics.median(rounds), "rounds": len(rounds),
@@ -141,14 +149,14 @@ def under_flood(run: Run, address: str, frames: list[bytes], seconds: float,
 
 
 def run_flood_bench(seconds: float = 60.0, target: str = "controller", kind: str = "1-byte",
-                    rate: float = 0.0) -> dict:
+                    rate: float = 0.0, who: str = "stranger") -> dict:
     with tempfile.TemporaryDirectory(prefix="flowkit-flood-") as folder:
         run = Run(Path(folder) / "run.log")
         try:
             for _ in range(3):  # warm: imports, first tasks
                 run.round()
             address = run.addresses["address" if target == "controller" else "peer"]
-            figures = under_flood(run, address, FRAMES[kind], seconds, rate)
+            figures = under_flood(run, address, FRAMES[kind], seconds, rate, who)
         finally:
             run.close()
     return {"target": target, "frames": kind, "rate": rate or "unthrottled", **figures}

@@ -25,6 +25,7 @@ from collections import defaultdict, deque
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from executors.optable import Deferred, OpContext, OpTable
 from executors.peers import Peers
@@ -51,6 +52,8 @@ from flowkit.wire.auth import (
     check_bind,
     curve_client,
     curve_server,
+    plain_client,
+    plain_server,
 )
 from flowkit.wire.hello import HelloRefused, peer_tag
 from flowkit.wire.limits import (
@@ -60,7 +63,7 @@ from flowkit.wire.limits import (
     DATA_SNDHWM,
     bound_inbound,
 )
-from flowkit.wire.liveness import zmtp_heartbeats
+from flowkit.wire.liveness import zmtp_heartbeats, zmtp_quiet_server
 from flowkit.wire.protocol import Msg, ProtocolError, decode, encode, part_id, send_frames
 from flowkit.wire.refs import resolve
 from flowkit.wire.refusals import Refusals
@@ -87,6 +90,10 @@ _SERVE_EVERY_S = 0.001  # of tasks run back to back [Note: serving between tasks
 _MERGE_LOOKAHEAD = 64  # waiting tasks looked at for a scoring task's merge [Note: merged tasks]
 _UNBOUNDED = 1 << 62  # the credit of a stream that waits for none any more
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: IntFlag arithmetic is slow
+# a HELLO's connection refused: by the gate (at once), or handshakes failing this many times
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_RETRIES = 3
 
 
 class Executor:
@@ -106,6 +113,9 @@ class Executor:
                    who="this executor's data socket")
         if keys is not None:
             keys.secret(EXECUTOR)  # a missing secret is an error before anything binds
+        if secret is None:
+            raise ValueError("an executor joins a run with the run's secret: start it with the "
+                             "launcher, or by hand with `flowkit executor --secret-file PATH`")
         self.keys, self.secret = keys, secret
         self.ping_token = ""  # the WELCOME's: the controller answers only pings that carry it
         self.max_frame_bytes = max_frame_bytes  # [Note: bounds] in flowkit/wire/limits.py
@@ -116,20 +126,23 @@ class Executor:
         self.zmq = zmq.Context.instance()
         self.control = self.client_socket(CONTROLLER)
         # the gate is bound before the peer socket: libzmq admits anyone while none is there
-        self.gate = None if keys is None else Gate(self.zmq, keys, owner=f"executor {name}")
+        self.gate = (Gate(self.zmq, keys, owner=f"executor {name}") if keys is not None else
+                     Gate(self.zmq, secret=secret, owner=f"executor {name}"))
         self.peer = self.zmq.socket(zmq.ROUTER)
         self.peer.setsockopt(zmq.LINGER, 0)
         bound_inbound(self.peer, max_frame=DATA_FRAME_BYTES, rcvhwm=DATA_RCVHWM)
         self.peer.setsockopt(zmq.SNDHWM, DATA_SNDHWM)
-        # a peer silent mid-frame is dropped, its partial frame freed [Note: bounds]
-        zmtp_heartbeats(self.peer)
+        # no PINGs of its own; a peer's handshake silent mid-frame is dropped, its partial
+        # frame freed [Note: liveness]
+        zmtp_quiet_server(self.peer)
         self.refusals = Refusals(log)  # [Note: refusals] in flowkit/wire/refusals.py
         if keys is not None:
             curve_server(self.peer, keys, EXECUTOR)
+        else:
+            plain_server(self.peer)
         port = self.peer.bind_to_random_port(f"tcp://{peer_host}")
-        if self.gate is not None:
-            self.gate.watch(self.peer)
-            self.gate.start()
+        self.gate.watch(self.peer)
+        self.gate.start()
         self.peer_address = f"tcp://{peer_host}:{port}"
         self.executor_id: int | None = None
         self.cleanup_hooks: list = []  # run before exit, even when the controller died
@@ -137,7 +150,7 @@ class Executor:
         # pushes to peers (executors/peers.py); its DATA carries the run's tag, and a peer's
         # must [Note: joining a run]
         self.peers = Peers(self.store, self.client_socket, host_id=self.host_id,
-                           tag=None if secret is None else peer_tag(secret),
+                           tag=peer_tag(secret),
                            cleanup_hooks=self.cleanup_hooks)
         self.waiting: dict[int, Task] = {}
         self.blocked: dict[int, list[Task]] = defaultdict(list)  # object id -> tasks needing it
@@ -210,12 +223,13 @@ class Executor:
         bound_inbound(sock, max_frame=self.max_frame_bytes, rcvhwm=0)
         if self.keys is not None:
             curve_client(sock, self.keys, server)
+        else:
+            plain_client(sock, self.secret)
         return sock
 
     def close(self) -> None:
         self.run_cleanup_hooks()
-        if self.gate is not None:
-            self.gate.stop()
+        self.gate.stop()
         for sock in (self.control, self.peer):
             sock.close(linger=0)
         self.peers.close()
@@ -230,12 +244,10 @@ class Executor:
     def _register(self, timeout: float) -> dict | None:
         hello = {"name": self.name, "tags": list(self.ctx.tags), "ops": self.ops.names(),
                  "pid": os.getpid(), "host": pysocket.gethostname(), "host_id": self.host_id,
-                 "device": self.ctx.device,
+                 "device": self.ctx.device, "secret": self.secret.hex(),
                  "resources": self.resources, "peer_address": self.peer_address}
-        if self.secret is not None:
-            hello["secret"] = self.secret.hex()
         self.control.send_multipart(encode(Msg.HELLO, hello))
-        if not self.control.poll(int(timeout * 1000)):
+        if not self._answered(timeout):
             return None
         header, _ = decode(self.control.recv_multipart())
         if header["t"] == Msg.ERROR and header.get("refused"):
@@ -243,6 +255,36 @@ class Executor:
         if header["t"] != Msg.WELCOME:
             raise ProtocolError(f"expected welcome, got {header['t']!r}")
         return header
+
+    def _answered(self, timeout: float) -> bool:
+        """Whether the controller answered within `timeout`; HelloRefused at once when its gate
+        refuses this executor's credentials, or its handshakes fail again and again (libzmq
+        would retry them until the timeout)."""
+        monitor = self.control.get_monitor_socket(_HANDSHAKE_FAILED,
+                                                  addr=f"inproc://flowkit-hello-{id(self)}")
+        try:
+            poller = zmq.Poller()
+            poller.register(self.control, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
+            deadline, failed = time.monotonic() + timeout, 0
+            while (left := deadline - time.monotonic()) > 0:
+                if dict(poller.poll(int(left * 1000))).get(self.control):
+                    return True
+                while monitor.poll(0):
+                    event = parse_monitor_message(monitor.recv_multipart())["event"]
+                    failed += 1 if event != zmq.EVENT_HANDSHAKE_FAILED_AUTH else _RETRIES
+                if failed >= _RETRIES:
+                    raise HelloRefused(f"its gate refused the connection: {self._refused_as()}"
+                                       f" (give the executor the secret file, or --keys DIR, "
+                                       f"of this run's controller)")
+            return False
+        finally:
+            self.control.disable_monitor()
+            monitor.close(linger=0)
+
+    def _refused_as(self) -> str:
+        return ("keys not among the controller's allowed ones, or not its keys" if self.keys
+                else "a wrong secret, not this run's")
 
     # -- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:

@@ -15,6 +15,7 @@ from flowkit.runtime.dispatch import Dispatcher
 from flowkit.runtime.futures import new_condition
 from flowkit.runtime.launch import per_executor_tags
 from flowkit.runtime.registry import ExecutorInfo
+from flowkit.wire.auth import plain_client
 from flowkit.wire.protocol import Msg
 
 
@@ -142,11 +143,14 @@ def process_of(ctl: Controller, info: ExecutorInfo) -> Any:
     return ctl._processes[info.pid]
 
 
-def dealer(address: str, *, linger: int = 0) -> zmq.Socket:
+def dealer(address: str, *, secret: bytes | None = None, linger: int = 0) -> zmq.Socket:
     """A bare socket to a controller's or an executor's address, to send what no flowkit peer
-    would send."""
+    would send: with the run's `secret` an insider's, whose messages get past the gate; without,
+    a stranger's, dropped in its handshake [Note: strangers stop at the handshake]."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, linger)
+    if secret is not None:
+        plain_client(sock, secret)
     sock.connect(address)
     return sock
 

@@ -8,8 +8,9 @@ moment, so completions, callbacks and frees progress while the user computes. He
 a socket and thread of their own, so a user thread that holds the lock for long never makes an
 executor think its controller died.
 
-With keys, both ROUTERs are CurveZMQ servers behind a gate that admits only known public keys
-[Note: authenticated transport in flowkit/wire/auth.py].
+Both ROUTERs are servers behind a gate: with keys CurveZMQ, admitting only known public keys
+[Note: authenticated transport in flowkit/wire/auth.py]; without, PLAIN, admitting only holders
+of the run's secret [Note: strangers stop at the handshake].
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import zmq
 from flowkit.runtime.dispatch import Dispatcher, Listener, NoExecutor
 from flowkit.runtime.futures import Future, new_condition
 from flowkit.runtime.registry import ExecutorInfo
-from flowkit.wire.auth import CONTROLLER, Gate, Keys, check_bind, curve_server
+from flowkit.wire.auth import CONTROLLER, Gate, Keys, check_bind, curve_server, plain_server
 from flowkit.wire.hello import SECRET_ENV, Origin, new_secret, write_secret_file
 from flowkit.wire.limits import (
     CONTROL_FRAME_BYTES,
@@ -39,7 +40,12 @@ from flowkit.wire.limits import (
     CONTROL_SNDHWM,
     bound_inbound,
 )
-from flowkit.wire.liveness import ConnectionWatch, zmtp_heartbeats, zmtp_timeout_s
+from flowkit.wire.liveness import (
+    ConnectionWatch,
+    zmtp_heartbeats,
+    zmtp_quiet_server,
+    zmtp_timeout_s,
+)
 from flowkit.wire.protocol import Msg, ProtocolError, decode, encode, send_frames
 from flowkit.wire.refs import Gather
 from flowkit.wire.refusals import Refusals
@@ -116,9 +122,10 @@ class Controller:
         self.condition = new_condition()
         self._zmq = zmq.Context()
         # the gate is bound before any server: libzmq admits anyone while no gate is there
-        self._gate = None if keys is None else Gate(self._zmq, keys, owner="the controller")
+        self._gate = (Gate(self._zmq, keys, owner="the controller") if keys is not None else
+                      Gate(self._zmq, secret=self.secret, owner="the controller"))
         try:
-            self._router = self._socket(zmq.ROUTER, bind, server=True)
+            self._router = self._socket(zmq.ROUTER, bind, server="quiet")
         except BindError:
             self._zmq.destroy(linger=0)  # nothing else holds it yet
             raise
@@ -150,30 +157,36 @@ class Controller:
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_in, zmq.POLLIN)
-        if self._gate is not None:
-            self._gate.start()
+        self._gate.start()
         self._heartbeat.start()
         self._background = threading.Thread(target=self._drive_in_background,
                                             name="flowkit-controller", daemon=True)
         self._background.start()
 
-    def _socket(self, kind: int, bind: str, *, server: bool = False) -> zmq.Socket:
+    def _socket(self, kind: int, bind: str, *, server: str = "") -> zmq.Socket:
+        """A socket bound to `bind`; `server`: "quiet" (the executors' bulk traffic, no PINGs
+        of ours) or "pinging" (the heartbeats), both behind the gate [Note: liveness]."""
         sock = self._zmq.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         # Every connection's queues are bounded, in and out [Note: bounds in wire/limits.py];
         # a full one out is refused, not dropped in silence [Note: a full send queue]
         bound_inbound(sock, max_frame=self.max_frame_bytes, rcvhwm=CONTROL_RCVHWM)
         sock.setsockopt(zmq.SNDHWM, CONTROL_SNDHWM)
-        if server:  # the executors' connections [Note: liveness]
-            zmtp_heartbeats(sock)
-        if server and self._gate is not None:
-            curve_server(sock, self.keys, CONTROLLER)
+        if server:
+            zmtp_quiet_server(sock)
+            if server == "pinging":
+                zmtp_heartbeats(sock)
+            if self.keys is not None:
+                curve_server(sock, self.keys, CONTROLLER)
+            else:
+                plain_server(sock)
         try:
             sock.bind(bind)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
             raise BindError(bind, exc) from None
-        if server and self._gate is not None:
+        # a socket has one monitor: without keys the heartbeat socket's is its ConnectionWatch
+        if server and (self._gate.curve or server == "quiet"):
             self._gate.watch(sock)
         return sock
 
@@ -408,8 +421,7 @@ class Controller:
             self._dispatcher.shutdown_all()
         self._background.join(timeout)
         self._heartbeat.stop()
-        if self._gate is not None:
-            self._gate.stop()
+        self._gate.stop()
         for sock in (self._router, self._wake_in, self._wake_out):
             sock.close(linger=0)
         self._zmq.term()
@@ -611,11 +623,12 @@ class _Heartbeat(threading.Thread):
     def __init__(self, ctl: Controller, bind: str, interval: float, timeout: float) -> None:
         super().__init__(name="flowkit-heartbeat", daemon=True)
         self.ctl, self.interval, self.timeout = ctl, interval, timeout
-        self.sock = ctl._socket(zmq.ROUTER, bind, server=True)
+        self.sock = ctl._socket(zmq.ROUTER, bind, server="pinging")
         self.address = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         # a socket has one monitor, and with keys the gate's watches the handshakes: then a
         # closed connection is seen by the process's exit or the ping timeout alone
-        self.connections = None if ctl._gate is not None else ConnectionWatch(self.sock)
+        self.connections = (None if ctl._gate.curve else
+                            ConnectionWatch(self.sock, on_failed=ctl._gate.failed))
         self.last_seen: dict[int, float] = {}
         self.lost: set[int] = set()
         self.refusals = Refusals(log)  # its own: the IO thread's is not for this thread

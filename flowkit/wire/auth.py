@@ -1,10 +1,12 @@
-"""Keys, CurveZMQ on every socket, and the gate that admits only known public keys.
+"""Keys, CurveZMQ on every socket, and the gate that admits only known public keys (or, without
+keys, only holders of the run's secret).
 
 The design: [Note: authenticated transport] below.
 """
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import logging
 import re
@@ -21,11 +23,12 @@ from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 __all__ = ["Gate", "InsecureBindError", "Keys", "KeysError", "check_bind",
-           "curve_client", "curve_server", "generate_keys", "is_loopback"]
+           "curve_client", "curve_server", "generate_keys", "is_loopback", "plain_client",
+           "plain_server", "transport_password"]
 
 
-# [Note: authenticated transport] By default everything binds to loopback and nothing is
-# authenticated: only this machine can reach the sockets. Beyond it, every socket authenticates
+# [Note: authenticated transport] By default everything binds to loopback, and a connection is
+# let in by the run's secret alone (below). Beyond loopback, every socket authenticates
 # and encrypts with CurveZMQ (RFC 26), from the keys `flowkit keys generate DIR` writes: every
 # socket that binds serves with the controller's or the executor's pair, every executor is a
 # client, and DIR alone tells each side every server key (none travels on the wire). CURVE lets in
@@ -37,12 +40,26 @@ __all__ = ["Gate", "InsecureBindError", "Keys", "KeysError", "check_bind",
 # `check_bind` refuses a non-loopback address without keys unless the caller says `insecure`.
 # Shared memory between executors of one host is unchanged (only a handle crosses the socket).
 # Keys, servers and the gate in full: docs/runtime.md, "Executors on other hosts, and keys".
+#
+# [Note: strangers stop at the handshake] Without keys the gate still stands: every server is a
+# ZMTP PLAIN server that admits only a client whose password is derived from the run's secret
+# [Note: joining a run in flowkit/wire/hello.py], so a stranger's connection is dropped in its
+# handshake, before any of its messages is queued or decoded. A stranger's messages must not
+# reach a socket's queues: libzmq 4.3.5 aborts the whole process (`Assertion failed: !_io_error
+# (src/stream_engine_base.cpp:310)`) when a connection whose receive queue is full closes and a
+# ZMTP PING is then due on it (zeromq/libzmq#4364, #4841; no fix released). A flood that hung
+# up did it to the controller in 1 of 4 runs of tests/security/test_floods.py; test_zmtp.py
+# shows it in a second. The bulk servers send no PINGs [Note: liveness], and a stranger never
+# fills a queue. PLAIN costs nothing per message (the gate checks the password once a
+# connection); it is not encryption: the password crosses loopback in clear, as the HELLO's
+# secret always did.
 
 log = logging.getLogger("flowkit.auth")
 
 CONTROLLER, EXECUTOR, ALLOWED = "controller", "executor", "allowed"
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by RFC 27: one handler per zmq context
 _ZAP_DOMAIN = b"flowkit"
+_PLAIN_USER = b"flowkit"
 _LOG_EVERY_S = 60.0
 _EXECUTORS = "executors"  # DIR/executors/NAME.key(_secret): a pair pinned to an executor name
 _NAME_FIELD = "executor-name"
@@ -248,15 +265,41 @@ def curve_client(sock: zmq.Socket, keys: Keys, server: str) -> None:
     sock.curve_serverkey = keys.public(server)
 
 
+def transport_password(secret: bytes) -> bytes:
+    """What a keyless connection presents in its PLAIN handshake: derived from the run's secret
+    (HMAC-SHA256), never the secret itself [Note: strangers stop at the handshake]."""
+    return hmac.new(secret, b"flowkit transport", "sha256").hexdigest().encode()
+
+
+def plain_server(sock: zmq.Socket) -> None:
+    """Make `sock` (before it binds) a PLAIN server: its gate checks each client's password."""
+    sock.zap_domain = _ZAP_DOMAIN
+    sock.plain_server = True
+
+
+def plain_client(sock: zmq.Socket, secret: bytes) -> None:
+    """Make `sock` (before it connects) a PLAIN client of a server of the run of `secret`."""
+    sock.plain_username = _PLAIN_USER
+    sock.plain_password = transport_password(secret)
+
+
 # -- the gate ------------------------------------------------------------------------------------
 class Gate(threading.Thread):
     """The ZAP handler of one zmq context, and the monitor of its servers' handshakes:
-    `gate = Gate(context, keys)` before the first server socket binds, `gate.watch(sock)`
-    after each binds, `gate.start()`, and `gate.stop()` before the sockets close."""
+    `gate = Gate(context, keys)` (or `Gate(context, secret=...)` without keys) before the first
+    server socket binds, `gate.watch(sock)` after each binds, `gate.start()`, and `gate.stop()`
+    before the sockets close."""
 
-    def __init__(self, context: zmq.Context, keys: Keys, *, owner: str) -> None:
+    def __init__(self, context: zmq.Context, keys: Keys | None = None, *,
+                 secret: bytes | None = None, owner: str) -> None:
         super().__init__(name="flowkit-gate", daemon=True)
-        self.allowed, self.pinned, self.owner = keys.allowed, keys.pinned, owner
+        if (keys is None) == (secret is None):
+            raise ValueError("a gate admits by keys or by the run's secret: give one of them")
+        self.curve = keys is not None
+        self.allowed = keys.allowed if keys is not None else frozenset()
+        self.pinned = keys.pinned if keys is not None else {}
+        self.password = None if secret is None else transport_password(secret)
+        self.owner = owner
         self.refused = 0  # connections dropped, for tests and logs
         self.zap = context.socket(zmq.REP)
         self.zap.setsockopt(zmq.LINGER, 0)
@@ -265,7 +308,7 @@ class Gate(threading.Thread):
         except zmq.ZMQError as exc:
             self.zap.close()
             raise RuntimeError(f"{owner}: another gate already serves this zmq context ({exc});"
-                               " give each keyed server process its own context") from None
+                               " give each server process its own context") from None
         self.monitors: list[zmq.Socket] = []
         self._stop_event = threading.Event()
         self._logged: dict[str, float] = {}  # what was refused -> when it was last logged
@@ -287,7 +330,7 @@ class Gate(threading.Thread):
                     if sock is self.zap:
                         self._answer(sock.recv_multipart())
                     else:
-                        self._failed(recv_monitor_message(sock))
+                        self.failed(recv_monitor_message(sock))
         finally:
             for sock in (self.zap, *self.monitors):
                 sock.close(linger=0)
@@ -295,23 +338,41 @@ class Gate(threading.Thread):
     def _answer(self, request: list[bytes]) -> None:
         # RFC 27: version, request id, domain, address, identity, mechanism, credentials...
         version, request_id, _, address, _, mechanism, *credentials = request
+        admitted, what = (self._curve_client(mechanism, credentials) if self.curve else
+                          self._plain_client(mechanism, credentials))
+        if admitted is not None:
+            self.zap.send_multipart([version, request_id, b"200", b"OK", admitted, b""])
+            return
+        self._refuse(f"refused a client at {address.decode(errors='replace')}: its {what}")
+        self.zap.send_multipart([version, request_id, b"400", b"not allowed", b"", b""])
+
+    def _curve_client(self, mechanism: bytes, credentials: list[bytes]
+                      ) -> tuple[bytes | None, str]:
+        """(the User-Id to admit it with, or None), and what was wrong."""
         key = z85.encode(credentials[0]) if mechanism == b"CURVE" and credentials else None
         if key is not None and key in self.allowed:  # certificates hold Z85 text
             # a pinned key's name becomes the connection's User-Id, which the controller
             # holds its HELLO to
-            user = self.pinned.get(key, "").encode()
-            self.zap.send_multipart([version, request_id, b"200", b"OK", user, b""])
-            return
-        what = (f"public key {key.decode()} is not an allowed one" if key is not None
-                else f"mechanism {mechanism.decode(errors='replace')} is not CURVE")
-        self._refuse(f"refused a client at {address.decode(errors='replace')}: its {what}")
-        self.zap.send_multipart([version, request_id, b"400", b"not allowed", b"", b""])
+            return self.pinned.get(key, "").encode(), ""
+        return None, (f"public key {key.decode()} is not an allowed one" if key is not None
+                      else f"mechanism {mechanism.decode(errors='replace')} is not CURVE")
 
-    def _failed(self, event: dict) -> None:
+    def _plain_client(self, mechanism: bytes, credentials: list[bytes]
+                      ) -> tuple[bytes | None, str]:
+        if mechanism != b"PLAIN" or len(credentials) != 2:
+            return None, f"mechanism {mechanism.decode(errors='replace')} is not PLAIN"
+        if hmac.compare_digest(credentials[1], self.password):
+            return b"", ""
+        return None, "password is not this run's (it holds no secret of this run)"
+
+    def failed(self, event: dict) -> None:
+        """A failed handshake's monitor event: counted and logged (at a bounded rate)."""
         if event["event"] == zmq.EVENT_MONITOR_STOPPED:
             return
+        what = ("CURVE handshake failed (no keys, or not this server's public key)" if self.curve
+                else "handshake failed (no PLAIN password: not a client of this run)")
         self._refuse(f"dropped a connection to {event['endpoint'].decode(errors='replace')}: "
-                     f"its CURVE handshake failed (no keys, or not this server's public key)")
+                     f"its {what}")
 
     def _refuse(self, what: str) -> None:
         # a refused client retries every 100 ms or so: one line per kind a minute is enough

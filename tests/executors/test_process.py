@@ -32,7 +32,8 @@ def cluster():
 
 def test_malformed_frames_get_an_error_reply_and_the_executor_keeps_serving(cluster):
     ctl, (first, _) = cluster
-    peer = dealer(first.peer_address)  # talk to the executor's data socket directly
+    # talk to the executor's data socket directly, past its gate
+    peer = dealer(first.peer_address, secret=ctl.secret)
     tensor_body, _ = pack(torch.zeros(16))
     bad_messages = [
         [b"\x00\xffgarbage"],
@@ -50,7 +51,7 @@ def test_malformed_frames_get_an_error_reply_and_the_executor_keeps_serving(clus
 
 def test_only_the_controller_gives_instructions_and_unknown_ops_fail_on_the_executor(cluster):
     ctl, (first, _) = cluster
-    peer = dealer(first.peer_address)
+    peer = dealer(first.peer_address, secret=ctl.secret)
     task = {"id": 999_999, "op": "sleep", "config": {"seconds": 5}, "inputs": [], "outputs": []}
     peer.send_multipart(encode(Msg.RUN, {"tasks": [task]}))  # a peer may not run tasks
     peer.close()

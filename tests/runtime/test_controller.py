@@ -160,11 +160,11 @@ def test_a_hung_executor_is_noticed_by_heartbeat(start_cluster):
 
 
 def test_controller_rejects_garbage_and_unknown_types_silently_and_keeps_serving(cluster):
-    """A stranger (no valid HELLO) hears nothing back, its messages counted [Note: refusals in
-    flowkit/wire/refusals.py]."""
+    """A client past the gate that said no valid HELLO hears nothing back, its messages
+    counted [Note: refusals in flowkit/wire/refusals.py]."""
     ctl, _ = cluster
     refused = ctl._dispatcher.refusals.count
-    client = dealer(ctl.address)
+    client = dealer(ctl.address, secret=ctl.secret)
     client.send_multipart([b"not msgpack at all"])
     client.send_multipart(encode(Msg.DONE, {"items": []}))
     assert not client.poll(500)

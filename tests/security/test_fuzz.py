@@ -78,7 +78,7 @@ def _rss_mib(pid: int) -> int:
 
 def _insider(ctl):
     """A client that joined with the run's secret: it may speak, for itself only."""
-    sock = dealer(ctl.address)
+    sock = dealer(ctl.address, secret=ctl.secret)
     sock.send_multipart(encode(Msg.HELLO, {"name": "insider", "tags": [], "ops": ["noop"],
                                            "pid": 1, "secret": ctl.secret.hex()}))
     assert sock.poll(10_000), "the insider got no WELCOME"
@@ -105,9 +105,11 @@ def test_random_messages_crash_nothing_and_the_run_goes_on():
         pids = [os.getpid(), *(process_of(ctl, e).pid for e in executors)]
         before = [_rss_mib(pid) for pid in pids]
         tag = peer_tag(ctl.secret)
-        senders = [(dealer(ctl.address), None), (_insider(ctl), None),
-                   (dealer(executors[1].peer_address), None),
-                   (dealer(executors[1].peer_address), tag)]
+        # past the gate (a stranger's connection is dropped in its handshake): without a
+        # HELLO, an insider, a peer without the run's tag and one with it
+        senders = [(dealer(ctl.address, secret=ctl.secret), None), (_insider(ctl), None),
+                   (dealer(executors[1].peer_address, secret=ctl.secret), None),
+                   (dealer(executors[1].peer_address, secret=ctl.secret), tag)]
 
         @settings(max_examples=300, deadline=None, database=None,
                   suppress_health_check=list(HealthCheck))

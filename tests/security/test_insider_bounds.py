@@ -37,7 +37,7 @@ def run(tmp_path_factory) -> Iterator[Run]:
 
 @pytest.fixture(scope="module")
 def insider(run):
-    sock = dealer(run.addresses["address"])
+    sock = dealer(run.addresses["address"], secret=bytes.fromhex(run.addresses["secret"]))
     sock.send_multipart(encode(Msg.HELLO, {"name": "insider", "tags": [], "ops": ["noop"],
                                            "pid": 1, "secret": run.addresses["secret"]}))
     assert sock.poll(10_000), "the insider got no WELCOME"

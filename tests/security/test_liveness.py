@@ -60,7 +60,7 @@ def test_a_run_four_times_oversubscribed_finishes_with_every_executor_alive(star
 
 def test_a_run_receiving_a_64_mib_hello_finishes_with_every_executor_alive(start_cluster):
     ctl, infos = start_cluster(2)
-    rogue = dealer(ctl.address)
+    rogue = dealer(ctl.address, secret=ctl.secret)  # past the gate: the HELLO is decoded
     try:
         hello = {"name": "x" * (64 << 20), "tags": [], "ops": [], "pid": 1, "host": "h",
                  "host_id": "h", "device": "cpu", "resources": {},

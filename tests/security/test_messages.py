@@ -6,10 +6,12 @@ run's results stay right."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import msgpack
 import pytest
+import zmq
 
 from flowkit.runtime.futures import Future, RemoteError
 from flowkit.wire.hello import peer_tag
@@ -25,12 +27,20 @@ def pair():
         yield ctl, executors
 
 
-def _push(address: str, object_id: int, body: bytes, *, tag: str | None) -> None:
+def _push(address: str, object_id: int, body: bytes, *, secret: bytes | None,
+          tag: str | None) -> None:
+    """A DATA pushed to `address`: past the gate with the run's `secret`, else a stranger's,
+    dropped in its handshake."""
     header = {"object": object_id, "meta": {"body": body}}
     if tag is not None:
         header["auth"] = tag
-    sock = dealer(address, linger=1000)
-    sock.send_multipart(encode(Msg.DATA, header))
+    _send(address, secret, encode(Msg.DATA, header))
+
+
+def _send(address: str, secret: bytes | None, message: list[bytes]) -> None:
+    sock = dealer(address, secret=secret, linger=1000)
+    with contextlib.suppress(zmq.Again):  # a stranger's connection may be gone already
+        sock.send_multipart(message, zmq.NOBLOCK)
     sock.close()
 
 
@@ -42,17 +52,22 @@ def _awaited(ctl, a, b, value=5, seconds=1.0):
     return produced, consumer
 
 
-def test_a_strangers_push_of_an_awaited_input_is_refused_and_the_real_one_counts(pair):
+@pytest.mark.parametrize("past_the_gate", [False, True], ids=["stranger", "without-tag"])
+def test_a_strangers_push_of_an_awaited_input_is_refused_and_the_real_one_counts(
+        pair, past_the_gate):
+    """Dropped in its handshake, or, past the gate, refused for its lack of the run's tag."""
     ctl, (a, b) = pair
     produced, consumer = _awaited(ctl, a, b)
-    _push(b.peer_address, produced.id, pack(666)[0], tag=None)
+    _push(b.peer_address, produced.id, pack(666)[0],
+          secret=ctl.secret if past_the_gate else None, tag=None)
     assert consumer.result(timeout=30) == 5
 
 
 def test_a_peer_cannot_replace_an_object_held(pair):
     ctl, (a, b) = pair
     held = ctl.put([1, 2], executor=b.id)
-    _push(b.peer_address, held.id, pack([6, 6, 6])[0], tag=peer_tag(ctl.secret))
+    _push(b.peer_address, held.id, pack([6, 6, 6])[0], secret=ctl.secret,
+          tag=peer_tag(ctl.secret))
     time.sleep(0.2)
     assert ctl.submit("identity", held, executor=b.id).result(timeout=30) == [1, 2]
 
@@ -68,7 +83,7 @@ def test_a_record_naming_a_module_to_import_is_refused_and_nothing_is_imported(
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     forged = msgpack.packb(msgpack.ExtType(3, msgpack.packb(["rogue_module:Thing", {}])))
     with executor_cluster(1) as (ctl, (only,)):
-        _push(only.peer_address, 10**15, forged, tag=peer_tag(ctl.secret))
+        _push(only.peer_address, 10**15, forged, secret=ctl.secret, tag=peer_tag(ctl.secret))
         kept = ctl.put(7, executor=only.id)  # the executor serves on
         assert ctl.submit("identity", kept, executor=only.id).result(timeout=30) == 7
         time.sleep(0.2)
@@ -79,21 +94,20 @@ def test_an_undecodable_push_of_an_awaited_input_fails_its_task_at_once(pair):
     ctl, (a, b) = pair
     produced, consumer = _awaited(ctl, a, b, seconds=2.0)
     started = time.monotonic()
-    _push(b.peer_address, produced.id, b"\xc1 not msgpack", tag=peer_tag(ctl.secret))
+    _push(b.peer_address, produced.id, b"\xc1 not msgpack", secret=ctl.secret,
+          tag=peer_tag(ctl.secret))
     with pytest.raises(RemoteError, match="could not be read"):
         consumer.result(timeout=30)
     assert time.monotonic() - started < 1.5  # not when the real push would have come
     assert produced.result(timeout=30) == 5
 
 
-def _push_many(address: str, objects: list[tuple[int, bytes]], *, tag: str | None,
-               extra: dict | None = None) -> None:
+def _push_many(address: str, objects: list[tuple[int, bytes]], *, secret: bytes | None,
+               tag: str | None, extra: dict | None = None) -> None:
     header = {"objects": [{"object": i, "body": body, **(extra or {})} for i, body in objects]}
     if tag is not None:
         header["auth"] = tag
-    sock = dealer(address, linger=1000)
-    sock.send_multipart(encode(Msg.OBJECTS, header))
-    sock.close()
+    _send(address, secret, encode(Msg.OBJECTS, header))
 
 
 def test_a_strangers_batch_of_objects_is_refused_whole(pair):
@@ -101,7 +115,8 @@ def test_a_strangers_batch_of_objects_is_refused_whole(pair):
     tag brings nothing in, neither the awaited input nor another object."""
     ctl, (a, b) = pair
     produced, consumer = _awaited(ctl, a, b)
-    _push_many(b.peer_address, [(produced.id, pack(666)[0]), (10**15, pack(1)[0])], tag=None)
+    _push_many(b.peer_address, [(produced.id, pack(666)[0]), (10**15, pack(1)[0])],
+               secret=ctl.secret, tag=None)
     assert consumer.result(timeout=30) == 5
 
 
@@ -119,7 +134,8 @@ def test_in_a_batch_of_objects_each_bad_one_is_refused_and_the_others_count(pair
     started = time.monotonic()
     _push_many(b.peer_address, [(held.id, pack([6, 6, 6])[0]),
                                 (produced.id, b"\xc1 not msgpack"),
-                                (good.id, pack(4)[0])], tag=peer_tag(ctl.secret),
+                                (good.id, pack(4)[0])], secret=ctl.secret,
+               tag=peer_tag(ctl.secret),
                extra={"layout": [{"name": "flowkit-not-a-segment", "size": 1 << 30}]})
     with pytest.raises(RemoteError, match="could not be read"):
         consumer.result(timeout=30)

@@ -1,9 +1,11 @@
-"""A stranger speaks ZMTP over a raw TCP connection, announces a 200 MiB frame, sends part of
-it and goes silent: libzmq holds the part in memory until the connection closes. The
-executor's data socket, as the controller's sockets, PINGs a silent connection and closes it
-within the ZMTP timeout (3 s here, FLOWKIT_ZMTP_TIMEOUT_S; 20 s by default), and the memory is
-given back. A frame announced over the socket's limit closes the connection at once, before a
-byte of it is held. The run goes on [Note: bounds in flowkit/wire/limits.py]."""
+"""A stranger speaks ZMTP over a raw TCP connection. Without a password (NULL) it is closed at
+once [Note: strangers stop at the handshake in flowkit/wire/auth.py]. Saying PLAIN, it
+announces a 200 MiB handshake frame, sends part of it and goes silent: libzmq holds the part in
+memory until the connection closes. The executor's data socket and the controller's close a
+handshake not done within the ZMTP timeout (3 s here, FLOWKIT_ZMTP_TIMEOUT_S; 20 s by default),
+and the memory is given back. A frame announced over the socket's limit closes the connection
+at once, before a byte of it is held. The run goes on [Note: bounds in
+flowkit/wire/limits.py]."""
 
 from __future__ import annotations
 
@@ -21,21 +23,23 @@ MiB = 1 << 20
 TIMEOUT_S = 3.0
 
 
-def zmtp_client(address: str) -> socket.socket:
-    """A raw TCP connection that has said the ZMTP 3.0 greeting and a DEALER's READY."""
+def zmtp_client(address: str, mechanism: bytes = b"PLAIN") -> socket.socket:
+    """A raw TCP connection that has said the ZMTP 3.0 greeting (as a client of `mechanism`;
+    NULL's READY too)."""
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
     conn = socket.create_connection((host, int(port)), timeout=5)
-    conn.sendall(b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0")
+    conn.sendall(b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + mechanism.ljust(20, b"\0")
                  + b"\0" + bytes(31))
-    ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
-    conn.sendall(b"\x04" + bytes([len(ready)]) + ready)
+    if mechanism == b"NULL":
+        ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+        conn.sendall(b"\x04" + bytes([len(ready)]) + ready)
     return conn
 
 
 def announce(conn: socket.socket, size: int, part: int) -> None:
-    """Announce a frame of `size` bytes (a long frame, the last of its message) and send
+    """Announce a frame of `size` bytes (a long command frame: the handshake's) and send
     `part` of them."""
-    conn.sendall(b"\x02" + struct.pack(">Q", size))
+    conn.sendall(b"\x06" + struct.pack(">Q", size))
     chunk = bytes(MiB)
     for _ in range(part // MiB):
         conn.sendall(chunk)
@@ -64,6 +68,17 @@ def run(tmp_path_factory) -> Iterator[Run]:
     yield started
     started.process.stdin.close()
     started.process.wait(30)
+
+
+@pytest.mark.parametrize("target", ["peer", "address"], ids=["executor-data", "controller"])
+def test_a_client_without_a_password_is_closed_at_once(run, target):
+    conn = zmtp_client(run.addresses[target], b"NULL")
+    try:
+        closed = closed_within(conn, 2.0)
+    finally:
+        conn.close()
+    assert closed is not None and closed < 1.0, closed
+    run.round()
 
 
 @pytest.mark.parametrize("target", ["peer", "address"], ids=["executor-data", "controller"])

@@ -1,8 +1,10 @@
 """A rogue executor: a plain pyzmq client on this machine that reaches a run's loopback ports
-[Note: joining a run in flowkit/wire/hello.py]. Without the run's secret it gets no WELCOME and
-no task; with it (an insider) it still cannot take a live executor's name, point peers at
-another host, answer for another executor's tasks or fetches, or keep a hung executor alive.
-Each time the legitimate run goes on to the results it has without the rogue."""
+[Note: joining a run in flowkit/wire/hello.py]. Without the run's secret its connection is
+dropped in the handshake [Note: strangers stop at the handshake in flowkit/wire/auth.py]; past
+that gate, a HELLO without the secret gets no WELCOME and no task; with it (an insider) it still
+cannot take a live executor's name, point peers at another host, answer for another executor's
+tasks or fetches, or keep a hung executor alive. Each time the legitimate run goes on to the
+results it has without the rogue."""
 
 from __future__ import annotations
 
@@ -29,10 +31,11 @@ from tests.harness import dealer, executor_cluster
 
 
 class Rogue:
-    """A bare DEALER that says what it likes to a controller's socket."""
+    """A bare DEALER that says what it likes to a controller's socket; with `secret`, past the
+    gate (the HELLO's own checks are what these tests try)."""
 
-    def __init__(self, address: str) -> None:
-        self.sock = dealer(address)
+    def __init__(self, address: str, secret: bytes | None) -> None:
+        self.sock = dealer(address, secret=secret)
 
     def send(self, kind: str, fields: dict) -> None:
         self.sock.send_multipart(encode(kind, fields))
@@ -70,7 +73,7 @@ def run():
 
 @pytest.fixture
 def rogue(run):
-    made = Rogue(run[0].address)
+    made = Rogue(run[0].address, run[0].secret)
     yield made
     made.close()
 
@@ -98,6 +101,32 @@ def _still_clean(run) -> None:
     names = sorted(e.name for e in ctl.executors() if not e.name.startswith("insider"))
     assert names == ["exec-0", "exec-1"]
     assert _legit_run(ctl, executors) == clean
+
+
+@pytest.mark.parametrize("address", ["address", "heartbeat"])
+def test_a_stranger_is_dropped_in_its_handshake_and_nothing_it_sends_is_read(run, address):
+    """No password, or another run's: the gate refuses the connection, so not one message of
+    the stranger's is queued at the controller (none can fill a queue there)."""
+    ctl = run[0]
+    target = ctl.address if address == "address" else ctl._heartbeat.address
+    refused = ctl._gate.refused
+    strangers = [Rogue(target, None), Rogue(target, b"x" * 32)]
+    try:
+        for stranger in strangers:
+            stranger.sock.setsockopt(zmq.SNDTIMEO, 0)
+            with pytest.raises(zmq.Again):  # no connection to send on: never one made
+                for _ in range(2_000):
+                    stranger.send(Msg.HELLO, {"name": "s", "tags": [], "ops": [], "pid": 1,
+                                              "secret": ctl.secret.hex()})
+        deadline = time.monotonic() + 10
+        while ctl._gate.refused < refused + 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ctl._gate.refused >= refused + 2
+        assert all(stranger.answers(0.3) == [] for stranger in strangers)
+    finally:
+        for stranger in strangers:
+            stranger.close()
+    _still_clean(run)
 
 
 @pytest.mark.parametrize("secret", [None, "00" * 32, 12345, "not hex at all"])
@@ -135,7 +164,7 @@ def test_a_hello_out_of_bounds_is_refused_in_one_short_line(run, rogue, fields, 
 def test_repeated_refusals_are_logged_once_a_while(run, caplog):
     caplog.set_level(logging.WARNING, logger="flowkit.controller")
     run[0]._dispatcher.refusals._last.clear()
-    rogues = [Rogue(run[0].address) for _ in range(30)]
+    rogues = [Rogue(run[0].address, run[0].secret) for _ in range(30)]
     for each in rogues:  # all at once, then each one's answer
         each.send(Msg.HELLO, {"name": "rogue", "tags": [], "ops": [], "pid": 1,
                               "secret": "00" * 32})
@@ -214,7 +243,7 @@ def test_a_ping_for_another_executor_does_not_keep_it_alive(start_cluster):
     ctl._processes.clear()  # heartbeats alone, as for a remote executor
     future = ctl.submit("sleep", config={"seconds": 30})
     time.sleep(0.2)
-    rogue, stop, pongs = Rogue(ctl._heartbeat.address), threading.Event(), []
+    rogue, stop, pongs = Rogue(ctl._heartbeat.address, ctl.secret), threading.Event(), []
 
     def keep_pinging() -> None:
         while not stop.is_set():
@@ -374,10 +403,12 @@ def test_flowkit_run_writes_the_secret_for_hand_started_executors_and_says_where
 _ROGUE_ON_A_HOST = """
 import json, os, sys
 import zmq
+from flowkit.wire.auth import plain_client
 from flowkit.wire.protocol import Msg, decode, encode
 address, name, advertised = sys.argv[1:]
 sock = zmq.Context().socket(zmq.DEALER)
 sock.setsockopt(zmq.LINGER, 0)
+plain_client(sock, bytes.fromhex(os.environ["SECRET"]))
 sock.connect(address)
 sock.send_multipart(encode(Msg.HELLO, {"name": name, "tags": [], "ops": ["insider-only"],
                                         "pid": 1, "peer_address": advertised,

@@ -258,8 +258,9 @@ def test_a_killed_executor_leaves_no_segment_after_the_run():
     assert leftover_segments([a.pid, b.pid]) == []
 
 
-def _send_data(address: str, tag: str, layout, frames: list, body: bytes) -> None:
-    sock = dealer(address, linger=1000)
+def _send_data(address: str, secret: bytes, layout, frames: list, body: bytes) -> None:
+    tag = peer_tag(secret)
+    sock = dealer(address, secret=secret, linger=1000)
     sock.send_multipart(encode(Msg.DATA, {"object": 10**9, "auth": tag, "meta": {
         "body": body, "layout": layout}}, frames))
     sock.close()
@@ -272,13 +273,13 @@ def test_truncated_handles_and_chunks_are_refused_and_the_executor_keeps_serving
     body, frames = pack(torch.zeros(3 * MiB, dtype=torch.uint8))
     chunks = [bytes(MiB), bytes(MiB), bytes(MiB // 2)]  # the last chunk cut short
     with _cluster() as (ctl, (a, b)):
-        tag = peer_tag(ctl.secret)
-        _send_data(b.peer_address, tag, [3], chunks, body)
-        _send_data(b.peer_address, tag, [3], chunks[:2], body)  # a chunk missing
-        _send_data(b.peer_address, tag, [["shm", f"flowkit-{a.pid}-404", 4096, 3 * MiB, "?"]],
+        secret = ctl.secret
+        _send_data(b.peer_address, secret, [3], chunks, body)
+        _send_data(b.peer_address, secret, [3], chunks[:2], body)  # a chunk missing
+        _send_data(b.peer_address, secret, [["shm", f"flowkit-{a.pid}-404", 4096, 3 * MiB, "?"]],
                    [], body)
-        _send_data(b.peer_address, tag, [["shm", "flowkit-x"]], [], body)
-        _send_data(b.peer_address, tag, [1], [b"\x00" * 10], b"\xc1garbage")
+        _send_data(b.peer_address, secret, [["shm", "flowkit-x"]], [], body)
+        _send_data(b.peer_address, secret, [1], [b"\x00" * 10], b"\xc1garbage")
         deadline, logged = time.monotonic() + 10, ""
         while time.monotonic() < deadline and "rejected a message from a peer" not in logged:
             assert ctl.submit("identity", 5, executor=b.id).result(timeout=10) == 5
