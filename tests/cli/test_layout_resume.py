@@ -2,9 +2,9 @@
 executors/torch/layout_free.py]: 5 steps of 10 on one layout, the rest on another (other
 --stages, fewer replicas, a ZeRO-1 run resumed plain, 1F1B resumed under ZB-V), end with the
 parameters and the loss curve of the run that went on uninterrupted (float64, 1e-10); the
-built-in GPT, a Hugging Face Llama, and a fused GRPO. `flowkit export` writes a checkpoint's model for tools
-that know nothing of flowkit. Bad input (a missing file, a changed one, an unknown model, a
-build that is not flowkit's) is one line before anything starts."""
+built-in GPT, a Hugging Face Llama, and a fused GRPO. `flowkit export` writes a checkpoint's
+model for tools that know nothing of flowkit. Bad input (a missing file, a changed one, an
+unknown model, a build that is not flowkit's) is one line before anything starts."""
 
 from __future__ import annotations
 
