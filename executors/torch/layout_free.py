@@ -10,7 +10,8 @@ and each split of the model it builds then (in whatever stages the run's schedul
 is set from it (models/built.py, its generators kept: the build's seeding draws nothing); a
 stage's optimizer takes its parameters' states when its first step makes it
 (pipeline_ops._adamw_step), for whichever shard that step owns. A copy that generation holds
-(`MODEL/copy{S}/param/NAME`) goes back only to the executor that saved it.
+(`MODEL/copy{S}/param/NAME`) goes back only to the executor that saved it, and not when that
+executor now trains the model in S stages: that split is the trained one (state._trained_here).
 """
 
 from __future__ import annotations

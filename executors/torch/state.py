@@ -21,6 +21,7 @@ import logging
 import os
 import random
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -224,7 +225,7 @@ def load_state(ctx: OpContext, *_: Any, path: str | None = None, files: list | N
     rng = _generators(meta, tensors, path) if path else None
     _forget_models(ctx)
     for entry, spec in entries:
-        if not entry["trains"]:
+        if not entry["trains"] and not _trained_here(entry, trains or (), specs):
             _restore_copy(ctx, entry, spec, tensors, where)
     for name, found in trained.items():
         if found:  # else no executor had trained it yet (a step-0 checkpoint): as built
@@ -233,6 +234,16 @@ def load_state(ctx: OpContext, *_: Any, path: str | None = None, files: list | N
         _set_generators(*rng, where)
     return len({name for name, _ in ctx.state.get("torch_models", {})}
                | set(ctx.state.get(RESUMED, {})))
+
+
+def _trained_here(entry: dict, trains: Sequence[str], specs: dict) -> bool:
+    """Whether a saved copy is, in this run, a split this executor trains: a copy and a trained
+    split in as many stages are one held model [Note: one model, many holders], as in a run on
+    this layout that never stopped, where generation here reads the trained split. It is set
+    from the checkpoint's trained union then, its AdamW states kept for its optimizer; the
+    copy, built first, would take that split's place without them (the run on another layout
+    that resumed from it went on with fresh moments)."""
+    return entry["name"] in trains and entry["stages"] == int(specs[entry["name"]]["stages"])
 
 
 def _trained_files(name: str, path: str | None, own: tuple[dict, dict], files: list,

@@ -217,6 +217,8 @@ class ModelTraining:
             if expected is None and not closed:
                 return None  # a barrier: the microbatches are cut from every item
             count = len(inputs.complete()) if expected is None else expected
+            if not closed and self._awaits_profile_sample(plan, inputs, count):
+                return None
             backprop = self.backprops[plan.name] = self._start_pipeline(plan, inputs, count,
                                                                         watch)
         feeding: Feeding = backprop
@@ -238,6 +240,16 @@ class ModelTraining:
         is normalized once at the optimizer step, so a microbatch needs no batch total."""
         return self.fuse and plan.loss_spec is not None and plan.loss_spec.summed(plan.config)
 
+    def _awaits_profile_sample(self, plan: NodePlan, inputs: Inputs, items: int) -> bool:
+        """Whether a streamed backprop waits to be planned until its first microbatch's items
+        are in: planning profiles a stage count not profiled before on such a microbatch. A
+        run profiles its layout in its first step, a barrier; a run resumed on another layout
+        (another stage count) meets it in a streamed step. Planning later changes nothing the
+        step computes: the microbatches are formed from the items in their arrival order."""
+        count, sizes, _ = self._microbatch_plan(plan, inputs, items)
+        return (len(inputs.complete()) < sizes[0]
+                and self.planning.unprofiled(plan, plan.config.get("schedule") or "1f1b", count))
+
     def _start_pipeline(self, plan: NodePlan, inputs: Inputs, items: int,
                         watch: Watch) -> Feeding:
         """The schedule for `items` items in the configured number of microbatches, ready to
@@ -245,12 +257,13 @@ class ModelTraining:
         count, sizes, slots = self._microbatch_plan(plan, inputs, items)
         kind = plan.config.get("schedule") or "1f1b"
 
-        def sample() -> Gather:  # the first microbatch: formed, for a barrier
+        def sample() -> Gather:  # the first microbatch's items: in (a barrier's, or
+            # those a streamed step waited for: _awaits_profile_sample)
             return inputs.first(inputs.complete()[:sizes[0]])
 
-        # no items (every group filtered out): one empty microbatch, nothing to profile on
+        # no items in (every group filtered out): one empty microbatch, nothing to profile on
         stage_costs, schedules = self.planning.replicas(plan, kind, count,
-                                                        sample if items else None)
+                                                        sample if inputs.complete() else None)
         lends = self.bubble_fill is not None and self.replicas == 1 and self.fusion is None
         opened_by: dict = {}  # [Note: bubble filling in bubble_fill.py]: filled in once planned
         submitter = self.replicated(plan, schedules, stage_costs, sizes, watch,

@@ -37,6 +37,27 @@ class TrainingSchedules:
                    for share in replica_counts(count, self.training.replicas)]
         return planned[0][0], [schedule for _, schedule in planned]
 
+    def unprofiled(self, plan: NodePlan, kind: str, count: int) -> bool:
+        """Whether planning `count` microbatches would profile the model first: on executors
+        that measure, in a stage count it has no profile of yet."""
+        return self._measures() and any(
+            self._placement(plan, kind, share)[1] not in self.training.profiles
+            for share in replica_counts(count, self.training.replicas))
+
+    def _measures(self) -> bool:
+        """Whether the costs are profiled: executors that measure, no simulator's costs."""
+        training = self.training
+        return training.sim_costs is None and all("profile_stage" in e.ops
+                                                  for e in training.executors)
+
+    def _placement(self, plan: NodePlan, kind: str, count: int) -> tuple[Any, tuple]:
+        """(the placement, its profile's key) of the schedule for `count` microbatches."""
+        limit, offload = plan.config.get("memory_limit"), plan.config.get("offload")
+        probe = "auto" if offload == "auto" else None  # auto may fit only with offload
+        placement = self.schedule(kind, self.training.devices, count,
+                                  Costs.uniform(self.training.devices), limit, probe).placement
+        return placement, (self.training.model.name, placement.num_stages)
+
     def _plan(self, plan: NodePlan, kind: str, count: int,
               sample: Callable[[], Any] | None) -> tuple[Costs, Any]:
         """The schedule for this step, from the simulator's costs or, on executors that can
@@ -45,15 +66,11 @@ class TrainingSchedules:
         training = self.training
         limit, offload = plan.config.get("memory_limit"), plan.config.get("offload")
         devices = training.devices
-        if training.sim_costs is not None or not all("profile_stage" in e.ops
-                                                     for e in training.executors):
+        if not self._measures():
             costs = (training.sim_costs or SimCosts()).stage_costs(devices)
             schedule = self.schedule(kind, devices, count, costs, limit, offload)
             return costs.for_placement(schedule.placement), schedule
-        probe = "auto" if offload == "auto" else None  # auto may fit only with offload
-        placement = self.schedule(kind, devices, count, Costs.uniform(devices), limit,
-                                  probe).placement
-        key = (training.model.name, placement.num_stages)
+        placement, key = self._placement(plan, kind, count)
         if key not in training.profiles and sample is None:
             stage_costs = Costs.uniform(placement.num_stages)  # this step's only
             return stage_costs, self.schedule(kind, devices, count,

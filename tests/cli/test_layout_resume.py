@@ -1,10 +1,10 @@
 """A checkpoint resumes on another layout [Note: layout-free checkpoints in
 executors/torch/layout_free.py]: 5 steps of 10 on one layout, the rest on another (other
 --stages, fewer replicas, a ZeRO-1 run resumed plain, 1F1B resumed under ZB-V), end with the
-parameters and the last loss of the run that went on uninterrupted (float64, 1e-10); the
-built-in GPT and a Hugging Face Llama. `flowkit export` writes a checkpoint's model for tools
-that know nothing of flowkit. Bad input (a missing file, a changed one, an unknown model, a
-build that is not flowkit's) is one line before anything starts."""
+parameters and the loss curve of the run that went on uninterrupted (float64, 1e-10); the
+built-in GPT, a Hugging Face Llama, and a fused GRPO. `flowkit export` writes a checkpoint's
+model for tools that know nothing of flowkit. Bad input (a missing file, a changed one, an
+unknown model, a build that is not flowkit's) is one line before anything starts."""
 
 from __future__ import annotations
 
@@ -26,27 +26,27 @@ from tests.cli.runs import metrics_lines, refused, run_ok
 pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
 
 FLOWS = Path(tiny_layouts.__file__)
-GPT_FLOW, LLAMA = f"{FLOWS}:flow", f"{FLOWS}:llama"
+GPT_FLOW, LLAMA, GRPO = f"{FLOWS}:flow", f"{FLOWS}:llama", f"{FLOWS}:grpo"
 GPT = GPT_FLOW
-LAYOUTS = {"P3": ("--stages", "3"), "P2": ("--stages", "2"), "P4": ("--stages", "4"),
+LAYOUTS = {"P1": ("--stages", "1"), "P2": ("--stages", "2"), "P3": ("--stages", "3"),
+           "P4": ("--stages", "4"),
            # a V schedule: 4 stages on 2 devices, two on each
            "P2-zbv": ("--stages", "2", "--schedule", "zb-v"),
            "D2P2-zero1": ("--stages", "2", "--replicas", "2", "--shard-optimizer")}
 
 
-def _run(flow: str, folder: Path, *flags: str) -> tuple[dict, dict]:
-    """The saved weights and the last metrics line of a run of `flow` up to step 10; a
-    resumed one must go on at step 5, not start again."""
+def _run(flow: str, folder: Path, *flags: str) -> tuple[dict, list[dict]]:
+    """The saved weights and the metrics lines of a run of `flow` up to step 10; a resumed
+    one must go on at step 5, not start again."""
     output = run_ok(flow, "--executors", "torch", "--steps", "10", "--save-weights",
                     str(folder / "w"), "--metrics", str(folder / "m.jsonl"), *flags)
     lines = metrics_lines(folder / "m.jsonl")
     assert [line["step"] for line in lines] == list(range(10))  # a resumed run's 5 restored
     assert ("(step 5 of 10)" in " ".join(output.split())) == ("--resume" in flags)
-    last = lines[-1]
     (path,) = [*(folder / "w").glob("*.pt"), *(folder / "w").glob("*/model.safetensors")]
     if path.suffix == ".safetensors":  # a Hugging Face model's folder
-        return safetensors.torch.load_file(path), last
-    return torch.load(path, weights_only=True), last
+        return safetensors.torch.load_file(path), lines
+    return torch.load(path, weights_only=True), lines
 
 
 _SOURCES: dict = {}
@@ -60,26 +60,30 @@ def source(tmp_path_factory):
     def make(flow: str, layout: str) -> tuple[Path, dict, dict]:
         if (flow, layout) not in _SOURCES:
             folder = tmp_path_factory.mktemp(f"source-{layout}")
-            weights, last = _run(flow, folder, *LAYOUTS[layout], "--checkpoint-dir",
-                                 str(folder / "ck"), "--checkpoint-every", "5")
-            _SOURCES[(flow, layout)] = (folder / "ck" / "step-00000005", weights, last)
+            weights, lines = _run(flow, folder, *LAYOUTS[layout], "--checkpoint-dir",
+                                  str(folder / "ck"), "--checkpoint-every", "5")
+            _SOURCES[(flow, layout)] = (folder / "ck" / "step-00000005", weights, lines)
         return _SOURCES[(flow, layout)]
 
     return make
 
 
+# GRPO: fused, its backprop streams from the second step on, so the resumed run's first step
+# plans its pipeline before any sample is in, on a layout the checkpoint has no profile of
 @pytest.mark.parametrize(("flow", "before", "after"), [
     (GPT, "P3", "P2"), (GPT, "P2", "P4"), (LLAMA, "P3", "P2"),
-    (GPT, "D2P2-zero1", "P3"), (GPT, "P2", "P2-zbv")])
+    (GPT, "D2P2-zero1", "P3"), (GPT, "P2", "P2-zbv"), (GRPO, "P2", "P1"), (GRPO, "P1", "P2")])
 def test_a_checkpoint_resumes_on_another_layout_as_if_never_stopped(source, tmp_path, flow,
                                                                    before, after):
-    checkpoint, whole, last = source(flow, before)
-    resumed, resumed_last = _run(flow, tmp_path, *LAYOUTS[after], "--resume", str(checkpoint))
+    checkpoint, whole, lines = source(flow, before)
+    resumed, resumed_lines = _run(flow, tmp_path, *LAYOUTS[after], "--resume", str(checkpoint))
     assert resumed.keys() == whole.keys()
     for name in whole:
         torch.testing.assert_close(resumed[name], whole[name], rtol=0, atol=1e-10)
-    assert resumed_last["step"] == last["step"] == 9
-    assert resumed_last["loss"] == pytest.approx(last["loss"], abs=1e-10)
+    assert resumed_lines[-1]["step"] == lines[-1]["step"] == 9
+    for key in ("loss", "reward_mean"):  # the whole curve; the pretraining runs have no reward
+        assert [line.get(key) for line in resumed_lines] == pytest.approx(
+            [line.get(key) for line in lines], abs=1e-10)
 
 
 def test_each_file_is_safetensors_by_the_unsplit_names(source):

@@ -263,11 +263,15 @@ def test_an_empty_microbatch_contributes_nothing():
     assert all(float(g.abs().max()) == 0.0 for g in _stage_grads(ctx, POLICY, 2).values())
 
 
-def test_profiling_accepts_an_experience_microbatch():
+def test_profiling_accepts_an_experience_microbatch_and_leaves_the_generators_as_they_were():
+    """A run resumed on a stage count it had not profiled profiles mid-run: its draws (stage
+    0's output gradients) must not move what the run draws next."""
     exps = _experiences(3, seed=41)
     for s in range(2):
+        before = torch.get_rng_state()
         seconds = pipeline_ops._profile(op_context(), exps, **POLICY, stage=s, stages=2, repeats=1)
         assert set(seconds) == {"F", "B", "W", "BW"} and all(v > 0 for v in seconds.values())
+        assert torch.equal(torch.get_rng_state(), before)
 
 
 # -- clear errors ---------------------------------------------------------------------------

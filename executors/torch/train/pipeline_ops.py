@@ -476,7 +476,17 @@ def _profile(ctx: OpContext, sample: Any, *, stage: int, stages: int, repeats: i
              **config: Any) -> dict:
     """Median seconds of F, B, W and BW of this stage on a microbatch like `sample`, for the
     planner's cost model. Earlier stages run locally to make a real input activation; the
-    stage's gradients are cleared afterwards, so run it before a step's first op."""
+    stage's gradients are cleared afterwards, so run it before a step's first op. Torch's
+    generators are left as they were (it draws output gradients, and a dropout's masks): a
+    run may profile mid-run (resumed on a stage count it had not profiled), and must draw on
+    as the run that profiled at its start."""
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        return _measured(ctx, sample, stage=stage, stages=stages, repeats=repeats, **config)
+
+
+def _measured(ctx: OpContext, sample: Any, *, stage: int, stages: int, repeats: int,
+              **config: Any) -> dict:
     model = held_model(ctx, {**config, "stages": stages})
     # A microbatch of experiences (an RL loss) is timed on its sequences under the LM loss: the
     # same stages on the same tokens, and at the head a log-softmax over the vocabulary too.
