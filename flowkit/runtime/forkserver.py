@@ -11,6 +11,7 @@ per preload set (it dies with this process); a socket path, a server that someon
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import select
@@ -113,6 +114,7 @@ class ForkServer:
         self._started: list[ForkedProcess | ForkServerError] = []
         self._answered = threading.Condition()
         self._children: dict[int, ForkedProcess] = {}
+        self._closing = False
         threading.Thread(target=self._read, name="flowkit-forkserver", daemon=True).start()
 
     def start(self, argv: Sequence[str], env: dict[str, str],
@@ -142,7 +144,8 @@ class ForkServer:
                     break
                 self._take(message)
         except (OSError, ForkServerError) as exc:
-            log.warning("the fork server at %s: %s", self.path, exc)
+            if not self._closing:  # else this process closed the socket under the read
+                log.warning("the fork server at %s: %s", self.path, exc)
         with self._answered:
             self.alive = False
             self._answered.notify_all()
@@ -166,6 +169,9 @@ class ForkServer:
             self._answered.notify_all()
 
     def close(self) -> None:
+        self._closing = True
+        with contextlib.suppress(OSError):  # the reader sees the end, not a closed descriptor
+            self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
         if self.process is not None:
             self.process.kill()

@@ -4,12 +4,14 @@ server refuses strangers and bad requests and keeps serving."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import msgpack
@@ -206,3 +208,16 @@ def test_a_dead_child_not_yet_reaped_is_no_executor():
 def _state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as stat:
         return stat.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_launcher_that_closes_its_connection_warns_of_nothing(server, caplog):
+    """The reader thread sees the connection end, not a descriptor closed under its read (the
+    `[Errno 9] Bad file descriptor` line that ended runs)."""
+    caplog.set_level(logging.WARNING)
+    before = set(threading.enumerate())
+    client = ForkServer(server.path)
+    (reader,) = set(threading.enumerate()) - before
+    client.close()
+    reader.join(5)
+    assert not reader.is_alive() and not client.alive
+    assert caplog.records == []
