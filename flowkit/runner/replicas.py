@@ -9,8 +9,8 @@ microbatch's share of the global batch, so the replicas' gradients add up to the
 After a device's last action of the step its lane runs `reduce_grads` per stage, summing over
 the replica group through torch.distributed [Note: replica groups in
 executors/torch/train/replicas.py], never the controller, and waiting for every replica's last
-action of the stage so no member blocks in the collective while another computes (the simulator
-starts SimCosts.allreduce_s then; the planner times the same, flowkit/planner/replicas.py).
+action of the stage (the simulator sleeps SimCosts.allreduce_s then; flowkit/planner/replicas.py
+times it); the stage's last W started its buckets already where it could (`early_reduce`).
 Every replica clips by the same global norm and takes the same AdamW step, so they stay equal;
 replica 0 stands for the model. In full: docs/training.md, "Data parallel × pipeline parallel".
 """

@@ -7,13 +7,13 @@ sets a group up once, before the model's first step (flowkit/runner/replicas.py)
 `replica_store` on the group's rank 0 opens a TCPStore and returns where it listens;
 `replica_group` on every member, given that address as an input (the controller never opens a
 socket itself), joins a gloo group (NCCL on CUDA) under a prefix of its own. Gradients never
-pass through the controller: after the device's last action of the step, `reduce_grads` sums
-each of its stages' gradients over the group (`all_reduce_grads`, bucketed, every bucket in
-flight at once); the clipping norm and AdamW step that follow are the same on every replica, so
-the replicas stay equal. Why the order holds: collectives must run in the same order on every
-member, and each member runs its group's ops in its device's lane in the order the controller
-submitted them, the same schedule to every replica. In full: docs/training.md, "Data parallel ×
-pipeline parallel".
+pass through the controller: the stage's last W starts its buckets ([Note: all-reduce in the
+last W]) or, after the device's last action, `reduce_grads` does (`all_reduce_grads`), and
+`reduce_grads` waits for them; the clipping norm and AdamW step that follow are the same on
+every replica, so the replicas stay equal. Why the order holds: collectives must run in the
+same order on every member, and each member runs its group's ops in its device's lane in the
+order the controller submitted them, the same schedule to every replica. In full:
+docs/training.md, "Data parallel × pipeline parallel".
 """
 
 from __future__ import annotations
