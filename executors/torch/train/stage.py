@@ -198,9 +198,10 @@ class StageRunner:
         W in executors/torch/train/replicas.py]."""
         state = self._state(mb, "backward_weight", expect="B")
         calls = [c for c in state.calls if c.dy is not None]  # else it did not reach the loss
-        consumed = [p for uses in state.consumers.values() for _, p in uses]
-        finals = _finals([c.params() for c in calls] + [consumed])
+        finals: list[list[torch.Tensor]] = [[] for _ in calls]
         if grads_final is not None:
+            consumed = [p for uses in state.consumers.values() for _, p in uses]
+            finals = _finals([c.params() for c in calls] + [consumed])
             grads_final.final_except([p for step in finals for p in step])
         for call, done in zip(calls, finals):
             for param, grad in call.weight_grads():
