@@ -123,6 +123,10 @@ def pipeline(json_out: Path | None) -> None:
 @click.option("--packing", is_flag=True,
               help="Instead: tokens/s of packed rows against padded ones, the same model, data "
               "(log-normal response lengths: median 64, sigma 1, budget 512) and executors.")
+@click.option("--allreduce-overlap", is_flag=True,
+              help="Instead: the planner's timing of a 1B model at D = 8, P = 4 (in a second): "
+              "the all-reduce's hidden share and the step, after each device's last action "
+              "against overlapped bucket by bucket with its last W, at 10-400 Gb/s.")
 @click.option("--microbatch-tokens", type=click.IntRange(min=1), default=None, metavar="N",
               help="Instead: D = 4 simulator replicas with per-token F/B/W costs, a step's "
               "microbatches cut by count against by N tokens: the step and each replica's wait "
@@ -130,7 +134,7 @@ def pipeline(json_out: Path | None) -> None:
 @_json_option
 def train(model: str | None, replicas: str | None, sim_replicas: str, sim_stages: int,
           sim_microbatches: int, sim_cost: str | None, precisions: str | None, device: str,
-          fsdp: bool, packing: bool, microbatch_tokens: int | None,
+          fsdp: bool, packing: bool, allreduce_overlap: bool, microbatch_tokens: int | None,
           json_out: Path | None) -> None:
     """Pipeline training steps against their simulation.
 
@@ -140,6 +144,9 @@ def train(model: str | None, replicas: str | None, sim_replicas: str, sim_stages
         return
     if packing:
         _report(_bench_function("packing", "run_packing_bench")(), json_out)
+        return
+    if allreduce_overlap:
+        _report(_bench_function("replicas", "run_overlap_bench")(), json_out)
         return
     if microbatch_tokens is not None:
         _report(_token_balance(microbatch_tokens, sim_cost), json_out)

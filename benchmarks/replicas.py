@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-__all__ = ["run_replicas_bench"]
+__all__ = ["run_overlap_bench", "run_replicas_bench"]
 
 PARAMS, TOKENS, FLOPS = 1e9, 8192, 200e12  # (c): the model, a microbatch, effective device speed
 GBPS = (10.0, 25.0, 100.0, 400.0)
@@ -171,29 +171,63 @@ def _sim_processes(steps: int, counts: tuple[int, ...], devices: int, microbatch
 
 
 def _planner_grid() -> dict:
-    """(c): scaling efficiency = step(D=1) / step(D) of a 1B-parameter model."""
+    """(c): scaling efficiency = step(D=1) / step(D) of a 1B-parameter model, the all-reduce
+    after each device's last action (today's runtime) and overlapped with its last W
+    [Note: overlapped all-reduce in flowkit/planner/replicas.py]."""
+    out: dict[str, Any] = _planner_setup()
+    for kind in ("1f1b", "zb-h1"):
+        for devices in (2, 4):
+            for gbps in GBPS:
+                for count in (1, 2, 4, 8):
+                    out[f"{kind} P={devices} {gbps:g}Gb/s D={count}"] = _planner_row(
+                        kind, devices, gbps, count)
+    return out
+
+
+def run_overlap_bench(*, replicas: int = 8, devices: int = 4) -> dict:
+    """The planner alone, in a second: the share of the all-reduce hidden and the step of the
+    1B model at D = `replicas`, P = `devices` under 1f1b and zb-h1 at each link speed, reduced
+    after the device's last action against overlapped with its last W, bucket by bucket."""
+    out: dict[str, Any] = _planner_setup()
+    out.update(replicas=replicas, devices=devices)
+    for kind in ("1f1b", "zb-h1"):
+        for gbps in GBPS:
+            out[f"{kind} {gbps:g}Gb/s"] = _planner_row(kind, devices, gbps, replicas)
+    return out
+
+
+def _planner_setup() -> dict:
+    from flowkit.planner.replicas import GRAD_BUCKET_BYTES
+
+    return {"params": PARAMS, "grad_bytes": 4 * PARAMS, "tokens_per_microbatch": TOKENS,
+            "microbatches_per_replica": 32, "F_B_W_whole_model_s": _whole_model_s(),
+            "bucket_bytes": GRAD_BUCKET_BYTES}
+
+
+def _whole_model_s() -> float:
+    """One microbatch's forward through the whole model."""
+    return 2 * PARAMS * TOKENS / FLOPS
+
+
+def _planner_row(kind: str, devices: int, gbps: float, count: int) -> dict:
+    """One setting timed both ways: the keys without a suffix are today's runtime (the
+    all-reduce after the device's last action), `_overlapped` the buckets reduced as the
+    device's last W makes them final."""
     from flowkit.planner import Costs
-    from flowkit.planner.replicas import simulate_replicas
+    from flowkit.planner.replicas import buckets_for, simulate_replicas
     from flowkit.planner.schedules import build_schedule
     from flowkit.planner.simcosts import SimCosts
 
-    whole = 2 * PARAMS * TOKENS / FLOPS  # one microbatch's forward through the whole model
-    out: dict[str, Any] = {"params": PARAMS, "grad_bytes": 4 * PARAMS,
-                           "tokens_per_microbatch": TOKENS, "microbatches_per_replica": 32,
-                           "F_B_W_whole_model_s": whole}
-    for kind in ("1f1b", "zb-h1"):
-        for devices in (2, 4):
-            costs = Costs.uniform(devices, F=whole / devices, B=whole / devices,
-                                  W=whole / devices)
-            schedule = build_schedule(kind, devices=devices, microbatches=32, costs=costs)
-            stage_costs = costs.for_placement(schedule.placement)
-            for gbps in GBPS:
-                sim = SimCosts(grad_bytes=4 * PARAMS, allreduce_gbps=gbps)
-                base = simulate_replicas(schedule, stage_costs, 0.0).step
-                for count in (1, 2, 4, 8):
-                    timed = simulate_replicas(schedule, stage_costs,
-                                              sim.allreduce_s(count, devices))
-                    out[f"{kind} P={devices} {gbps:g}Gb/s D={count}"] = {
-                        "step_s": timed.step, "allreduce_s": timed.allreduce,
-                        "hidden": timed.hidden, "scaling_efficiency": base / timed.step}
-    return out
+    share = _whole_model_s() / devices
+    costs = Costs.uniform(devices, F=share, B=share, W=share)
+    schedule = build_schedule(kind, devices=devices, microbatches=32, costs=costs)
+    stage_costs = costs.for_placement(schedule.placement)
+    seconds = SimCosts(grad_bytes=4 * PARAMS, allreduce_gbps=gbps).allreduce_s(count, devices)
+    base = simulate_replicas(schedule, stage_costs, 0.0).step
+    after = simulate_replicas(schedule, stage_costs, seconds)
+    overlapped = simulate_replicas(schedule, stage_costs, seconds, overlap=True,
+                                   buckets=buckets_for(4 * PARAMS / devices))
+    return {"step_s": after.step, "allreduce_s": after.allreduce, "hidden": after.hidden,
+            "scaling_efficiency": base / after.step, "step_s_overlapped": overlapped.step,
+            "hidden_overlapped": overlapped.hidden,
+            "scaling_efficiency_overlapped": base / overlapped.step}

@@ -338,8 +338,8 @@ class ModelTraining:
         last, count = schedules[0].num_stages - 1, self.replicas
         submitters = []
         for replica, schedule in enumerate(schedules):
-            config_for = pipeline_config(base, spec, sizes[replica::count], plan.config,
-                                         plan.loss_spec, total=sum(sizes))
+            config_for = self.dp.early_reduce(schedule, pipeline_config(
+                base, spec, sizes[replica::count], plan.config, plan.loss_spec, total=sum(sizes)))
 
             def on_submit(action: Action, future: Any, replica: int = replica) -> None:
                 is_loss = action.kind is Kind.F and action.stage == last

@@ -9,8 +9,8 @@ microbatch's share of the global batch, so the replicas' gradients add up to the
 After a device's last action of the step its lane runs `reduce_grads` per stage, summing over
 the replica group through torch.distributed [Note: replica groups in
 executors/torch/train/replicas.py], never the controller, and waiting for every replica's last
-action of the stage so no member blocks in the collective while another computes (the simulator
-starts SimCosts.allreduce_s then; the planner times the same, flowkit/planner/replicas.py).
+action of the stage (the simulator sleeps SimCosts.allreduce_s then; flowkit/planner/replicas.py
+times it); the stage's last W started its buckets already where it could (`early_reduce`).
 Every replica clips by the same global norm and takes the same AdamW step, so they stay equal;
 replica 0 stands for the model. In full: docs/training.md, "Data parallel × pipeline parallel".
 """
@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from flowkit.dsl import Model
-from flowkit.planner import Action, Schedule
+from flowkit.planner import Action, Kind, Schedule
 from flowkit.planner.simcosts import SimCosts
 from flowkit.runner.pipeline import PipelineRun, StreamedSchedule, device_lane
 from flowkit.runtime.controller import Controller
@@ -33,6 +33,7 @@ __all__ = ["ReplicatedSchedule", "Replicas", "last_actions", "replica_counts", "
            "setup_replica_groups", "state_sources"]
 
 _GROUP_IDS = itertools.count()
+_WEIGHTS = (Kind.W, Kind.BW)  # the ops that make a stage's weight gradients final
 
 
 def replica_counts(microbatches: int, replicas: int) -> list[int]:
@@ -171,6 +172,27 @@ class Replicas:
             return after, {"allreduce_seconds": seconds}
 
         return reduce
+
+    def early_reduce(self, schedule: Schedule,
+                     config_for: Callable[[Action], dict]) -> Callable[[Action], dict]:
+        """`config_for`, with each stage's last W (or BW) of a replica's `schedule` told to start
+        the stage's all-reduce [Note: all-reduce in the last W in
+        executors/torch/train/replicas.py]: torch replicas, whole stages (FSDP reduce-scatters
+        in its reduce_grads), and only where a device holds one stage, whose group then sees
+        the same collectives in the same order on every replica."""
+        groups, placement = self.groups, schedule.placement
+        if not groups or self.model.shard == "fsdp" or placement.num_devices != \
+                schedule.num_stages:
+            return config_for
+        last = {action: groups[placement.device_of(stage)]
+                for stage, action in last_actions(schedule).items() if action.kind in _WEIGHTS}
+
+        def config(action: Action) -> dict:
+            found = last.get(action)
+            return config_for(action) if found is None else \
+                {**config_for(action), "reduce_group": found}
+
+        return config
 
     def check_sharding(self, schedule: Schedule, spec: dict, lane_for: Callable[[int], Any],
                        watch: Callable[[Future], None]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from click.testing import CliRunner
 
 from benchmarks.cli import bench
-from benchmarks.replicas import _planner_grid
+from benchmarks.replicas import _planner_grid, run_overlap_bench
 
 
 def test_the_planner_grid_scales_a_1b_model_to_8_replicas_at_100_gbps():
@@ -19,6 +19,21 @@ def test_the_planner_grid_scales_a_1b_model_to_8_replicas_at_100_gbps():
     slower = [grid[f"1f1b P=4 {gbps}Gb/s D=8"]["scaling_efficiency"]
               for gbps in ("400", "100", "25", "10")]
     assert slower == sorted(slower, reverse=True)
+
+
+def test_the_overlapped_all_reduce_hides_more_under_both_schedules_in_one_command():
+    """`flowkit bench train --allreduce-overlap`: D = 8, P = 4 at every link speed, the step
+    overlapped never longer and more of the all-reduce hidden wherever there is any to hide."""
+    result = CliRunner().invoke(bench, ["train", "--allreduce-overlap"])
+    assert result.exit_code == 0, result.output
+    out = run_overlap_bench()
+    assert (out["replicas"], out["devices"]) == (8, 4)
+    for kind in ("1f1b", "zb-h1"):
+        for gbps in ("10", "25", "100", "400"):
+            row = out[f"{kind} {gbps}Gb/s"]
+            assert row["step_s_overlapped"] <= row["step_s"] + 1e-9
+            assert 0.0 <= row["hidden"] < row["hidden_overlapped"] <= 1.0, (kind, gbps, row)
+    assert out["zb-h1 25Gb/s"]["hidden"] == 0.0  # every ZB-H1 device ends together
 
 
 def test_replica_counts_need_the_one_replica_baseline():

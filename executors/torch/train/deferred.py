@@ -61,6 +61,12 @@ class DeferredCall:
         """The tensors kept for W (for stash accounting)."""
         return [self.x, self.dy] if self.dy is not None else [self.x]
 
+    def params(self) -> list[torch.Tensor]:
+        """The tensors weight_grads may give gradients for: every call kind keeps them as
+        `weight` and `bias` (a frozen one too: more than it gives is safe to name)."""
+        found = (getattr(self, "weight", None), getattr(self, "bias", None))
+        return [p for p in found if isinstance(p, torch.Tensor)]
+
 
 def _wants(param: torch.Tensor | None) -> bool:
     return param is not None and param.requires_grad

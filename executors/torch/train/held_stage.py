@@ -42,6 +42,9 @@ class HeldStage:
     # a resumed run's AdamW states of this stage, for its optimizer once made [Note:
     # layout-free checkpoints in executors/torch/layout_free.py]
     resumed: dict | None = None
+    # (replica group, buckets) the stage's last W of the step started, for its reduce_grads to
+    # wait on [Note: all-reduce in the last W in executors/torch/train/replicas.py]
+    reducing: tuple[str, Any] | None = None
 
 
 def held_stage(ctx: OpContext, config: dict) -> HeldStage:

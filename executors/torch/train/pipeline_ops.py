@@ -173,18 +173,43 @@ def _backward_input(ctx: OpContext, upstream: Any, *_: Any, stage: int, stages: 
 
 
 def _backward_weight(ctx: OpContext, *_: Any, stage: int, stages: int, microbatch: int,
-                     prefetch: Any = (), track_memory: bool = False, **config: Any) -> None:
+                     prefetch: Any = (), track_memory: bool = False,
+                     reduce_group: str | None = None, **config: Any) -> None:
+    """W. `reduce_group`: the stage's last W of the step starts its all-reduce over that
+    replica group bucket by bucket [Note: all-reduce in the last W in
+    executors/torch/train/replicas.py]."""
     held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
     _prefetch(ctx, config, stages, prefetch, track_memory)
-    held.runner.backward_weight(microbatch)
+    buckets = _start_reducing(ctx, held, reduce_group)
+    held.runner.backward_weight(microbatch, buckets)
+    if buckets is not None:
+        buckets.finish()
 
 
 def _backward(ctx: OpContext, upstream: Any, *_: Any, stage: int, stages: int, microbatch: int,
-              prefetch: Any = (), track_memory: bool = False, **config: Any) -> Any:
+              prefetch: Any = (), track_memory: bool = False,
+              reduce_group: str | None = None, **config: Any) -> Any:
+    """BW; `reduce_group` as for W."""
     held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
     _prefetch(ctx, config, stages, prefetch, track_memory)
     grad_outputs = () if stage == stages - 1 else (upstream,)  # the last stage starts from its loss
-    return held.runner.backward(microbatch, *grad_outputs)[0]
+    buckets = _start_reducing(ctx, held, reduce_group)
+    out = held.runner.backward(microbatch, *grad_outputs, grads_final=buckets)[0]
+    if buckets is not None:
+        buckets.finish()
+    return out
+
+
+def _start_reducing(ctx: OpContext, held: HeldStage,
+                    group: str | None) -> replicas.BucketsInFlight | None:
+    """The buckets the stage's last W of the step starts, kept for its reduce_grads; None
+    when it is not that W, or the stage is FSDP's (which reduce-scatters instead)."""
+    if group is None or held.fsdp is not None:
+        return None
+    buckets = replicas.BucketsInFlight(replicas.replica_group(ctx, group),
+                                       trainable(held.module))
+    held.reducing = (group, buckets)
+    return buckets
 
 
 # -- the optimizer step [Note: the optimizer step across stages] ------------------------------
@@ -228,7 +253,14 @@ def _reduce_grads(ctx: OpContext, *_: Any, stage: int, stages: int, replica_grou
     held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
     group = replicas.replica_group(ctx, replica_group)
     if shard != "fsdp":
-        all_reduce_grads(group, trainable(held.module))
+        started, held.reducing = held.reducing, None
+        if started is None:
+            all_reduce_grads(group, trainable(held.module))
+        elif started[0] != replica_group:
+            raise StageError(f"stage {stage}'s last W reduced over {started[0]!r}, not "
+                             f"{replica_group!r}")
+        else:
+            started[1].wait()  # [Note: all-reduce in the last W]
         return
     if held.fsdp is None:
         where = f"model {config.get('model', '')!r} stage {stage}"

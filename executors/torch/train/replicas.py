@@ -7,13 +7,13 @@ sets a group up once, before the model's first step (flowkit/runner/replicas.py)
 `replica_store` on the group's rank 0 opens a TCPStore and returns where it listens;
 `replica_group` on every member, given that address as an input (the controller never opens a
 socket itself), joins a gloo group (NCCL on CUDA) under a prefix of its own. Gradients never
-pass through the controller: after the device's last action of the step, `reduce_grads` sums
-each of its stages' gradients over the group (`all_reduce_grads`, bucketed, every bucket in
-flight at once); the clipping norm and AdamW step that follow are the same on every replica, so
-the replicas stay equal. Why the order holds: collectives must run in the same order on every
-member, and each member runs its group's ops in its device's lane in the order the controller
-submitted them, the same schedule to every replica. In full: docs/training.md, "Data parallel ×
-pipeline parallel".
+pass through the controller: the stage's last W starts its buckets ([Note: all-reduce in the
+last W]) or, after the device's last action, `reduce_grads` does (`all_reduce_grads`), and
+`reduce_grads` waits for them; the clipping norm and AdamW step that follow are the same on
+every replica, so the replicas stay equal. Why the order holds: collectives must run in the
+same order on every member, and each member runs its group's ops in its device's lane in the
+order the controller submitted them, the same schedule to every replica. In full:
+docs/training.md, "Data parallel × pipeline parallel".
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import torch.distributed as dist
 from executors.optable import OpContext
 from executors.torch.errors import StageError
 
-__all__ = ["BUCKET_BYTES", "all_reduce_grads", "broadcast_shards", "owned", "register"]
+__all__ = ["BUCKET_BYTES", "BucketsInFlight", "all_reduce_grads", "broadcast_shards", "owned",
+           "register"]
 
 BUCKET_BYTES = 25 << 20  # torch DDP's default bucket size: few calls, each large enough to pay
 _TIMEOUT_S = 600.0  # a member that does not arrive in this long fails the collective
@@ -120,16 +121,63 @@ def all_reduce_grads(group: Any, params: list[torch.Tensor],
     dtype up to `bucket_bytes`, every bucket's all-reduce in flight before the first is waited
     on, so gloo's threads (or NCCL's stream) overlap them. A parameter without a gradient
     takes part with zeros (another replica may have one: a replica with no microbatch)."""
-    for param in params:
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-    pending = []
-    for bucket in _buckets(params, bucket_bytes):
+    buckets = BucketsInFlight(group, params, bucket_bytes)
+    buckets.finish()
+    buckets.wait()
+
+
+class BucketsInFlight:
+    """[Note: all-reduce in the last W] A stage's gradient all-reduce started from inside its
+    device's last W (or BW) of the step: the op tells `mark_final(params)` as each deferred call's
+    gradients are done for good, and each bucket starts (async, gloo's threads or NCCL's
+    stream) once it and every bucket before it are final, so every replica starts the same
+    buckets in the same order, today's order (`all_reduce_grads`, the same cut: the same sums,
+    bit for bit); `finish` starts the rest as the op ends. The stage's `reduce_grads` then only
+    waits and copies back. Only a device that holds one stage does this (flowkit/runner/
+    replicas.py, `Replicas.early_reduce`): with two, replicas of uneven microbatch counts could
+    end their stages' W in other orders. The planner's model: [Note: overlapped all-reduce]."""
+
+    def __init__(self, group: Any, params: list[torch.Tensor],
+                 bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.group = group
+        self.buckets = _buckets(params, bucket_bytes)
+        self.final_ids: set[int] = set()  # ids of the parameters whose gradients are final
+        self.pending: list[tuple[list[torch.Tensor], torch.Tensor, Any]] = []
+
+    def final_except(self, touched: list[torch.Tensor]) -> None:
+        """Everything but `touched` is final already: the op adds to those alone."""
+        later = {id(p) for p in touched}
+        self.mark_final(p for bucket in self.buckets for p in bucket if id(p) not in later)
+
+    def mark_final(self, params: Any) -> None:
+        self.final_ids.update(id(p) for p in params)
+        while len(self.pending) < len(self.buckets) and all(
+                id(p) in self.final_ids for p in self.buckets[len(self.pending)]):
+            self._start(self.buckets[len(self.pending)])
+
+    def finish(self) -> None:
+        self.mark_final(p for bucket in self.buckets for p in bucket)
+
+    @property
+    def started(self) -> int:
+        return len(self.pending)
+
+    def wait(self) -> None:
+        """Wait for every bucket (all started: `finish` first) and copy the sums back."""
+        if len(self.pending) != len(self.buckets):
+            raise StageError(f"{len(self.buckets) - len(self.pending)} of {len(self.buckets)} "
+                             "gradient buckets never started: the op that ends the stage's "
+                             "backward did not finish them")
+        for bucket, flat, work in self.pending:
+            work.wait()
+            _unflatten(flat, [p.grad for p in bucket])
+
+    def _start(self, bucket: list[torch.Tensor]) -> None:
+        for param in bucket:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
         flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-        pending.append((bucket, flat, group.allreduce([flat])))
-    for bucket, flat, work in pending:
-        work.wait()
-        _unflatten(flat, [p.grad for p in bucket])
+        self.pending.append((bucket, flat, self.group.allreduce([flat])))
 
 
 # [Note: sharded optimizer states] With `shard_optimizer` (ZeRO stage 1), each replica of a

@@ -192,24 +192,35 @@ class StageRunner:
         self._noted()
         return grads
 
-    def backward_weight(self, mb: Hashable) -> None:
+    def backward_weight(self, mb: Hashable, grads_final: Any = None) -> None:
+        """W. `grads_final` (the stage's last W of the step, with replicas) is told which
+        parameters' gradients are final as each call's are added [Note: all-reduce in the last
+        W in executors/torch/train/replicas.py]."""
         state = self._state(mb, "backward_weight", expect="B")
-        for call in state.calls:
-            if call.dy is None:  # the layer's output did not reach the loss
-                continue
+        calls = [c for c in state.calls if c.dy is not None]  # else it did not reach the loss
+        finals: list[list[torch.Tensor]] = [[] for _ in calls]
+        if grads_final is not None:
+            consumed = [p for uses in state.consumers.values() for _, p in uses]
+            finals = _finals([c.params() for c in calls] + [consumed])
+            grads_final.final_except([p for step in finals for p in step])
+        for call, done in zip(calls, finals):
             for param, grad in call.weight_grads():
                 accumulate(param, grad)
+            if grads_final is not None:
+                grads_final.mark_final(done)
         self._consumer_weight_grads(state)
         del self._mbs[mb]
         self._noted()
 
-    def backward(self, mb: Hashable, *grad_outputs: Any) -> tuple[torch.Tensor | None, ...]:
+    def backward(self, mb: Hashable, *grad_outputs: Any,
+                 grads_final: Any = None) -> tuple[torch.Tensor | None, ...]:
         """The fused BW op: the same arithmetic as B followed by W, or after a forward that
-        did not split, one plain backward pass [Note: a fused backward]."""
+        did not split, one plain backward pass [Note: a fused backward]; `grads_final` as for
+        W, told only by the split path (the plain pass makes every gradient at once)."""
         state = self._mbs.get(mb)
         if state is None or state.split or state.phase != "F":
             grads = self.backward_input(mb, *grad_outputs)
-            self.backward_weight(mb)
+            self.backward_weight(mb, grads_final)
             return grads
         if state.host is not None:
             state.host.wait()
@@ -318,6 +329,12 @@ class StageRunner:
         kept = dict(state.saved) if state.consumers else {}
         kept.update(storages(held))
         return sum(kept.values())
+
+
+def _finals(steps: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """For each step of a W, the parameters no later step adds to: final after it."""
+    last = {id(p): index for index, params in enumerate(steps) for p in params}
+    return [[p for p in params if last[id(p)] == index] for index, params in enumerate(steps)]
 
 
 def _needs_grad(value: Any) -> bool:
