@@ -123,7 +123,10 @@ class Executor:
         self.host_id = host_id or default_host_id()  # [Note: hosts] in flowkit/wire/shm.py
         self.ctx = OpContext(name=name, device=device, tags=tuple(tags))
         self.resources = resources or {}
-        self.zmq = zmq.Context.instance()
+        # its own context: the gate's ZAP handler and monitors are the context's, and an
+        # executor started in a process that has other sockets (a test's) must leave them as
+        # they were
+        self.zmq = zmq.Context()
         self.control = self.client_socket(CONTROLLER)
         # the gate is bound before the peer socket: libzmq admits anyone while none is there
         self.gate = (Gate(self.zmq, keys, owner=f"executor {name}") if keys is not None else

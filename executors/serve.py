@@ -94,10 +94,6 @@ def executor(connect: str, name: str | None, tags: str, device: str, kind: str,
                    who="this executor's data socket")
     except InsecureBindError as exc:
         raise click.UsageError(str(exc)) from None
-    if secret is None:
-        raise click.UsageError("no run secret: an executor joins a run with it; give "
-                               "--secret-file PATH (`flowkit run --secret-file PATH` writes "
-                               "one), or start executors with the run's launcher")
     # One compute thread per executor: several share the machine's cores.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # torch's CPU wheel warns on import when numpy is absent; flowkit does not need numpy
@@ -107,6 +103,10 @@ def executor(connect: str, name: str | None, tags: str, device: str, kind: str,
     from executors.process import Executor
 
     load_code(code_files)
+    if secret is None:
+        raise click.UsageError("no run secret: an executor joins a run with it; give "
+                               "--secret-file PATH (`flowkit run --secret-file PATH` writes "
+                               "one), or start executors with the run's launcher")
     ops = op_table(kind)
     tag_list = tuple(t for t in tags.split(",") if t)
     worker = Executor(connect=connect, name=name, ops=ops, tags=tag_list, device=device,

@@ -59,9 +59,11 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
            "stashes goes to host memory once it ends, a copy of copy_seconds on the simulator)"),
     OpSpec("B", "the gradient of the stage's output (the last stage: its own F's stats)",
            (*_PIPELINE, "out_bytes", "first"), "input gradients; stashes what W needs"),
-    OpSpec("W", "the stage's B output, only to be ordered after it", _PIPELINE,
-           "weight gradients from what B stashed"),
-    OpSpec("BW", "as B", (*_PIPELINE, "out_bytes", "first"), "B and W in one op"),
+    OpSpec("W", "the stage's B output, only to be ordered after it", (*_PIPELINE, "reduce_group"),
+           "weight gradients from what B stashed (reduce_group: the stage's last W of the step "
+           "starts its gradient all-reduce over that replica group, bucket by bucket)"),
+    OpSpec("BW", "as B", (*_PIPELINE, "out_bytes", "first", "reduce_group"),
+           "B and W in one op (reduce_group: as W's)"),
     OpSpec("activation_memory", "anything, only to be ordered after it", ("model", "reset"),
            "{peak, now, unit}: the activation memory the model's stages on this executor held at "
            "most since the last reset (reset: start again from now) and hold now, as the "
