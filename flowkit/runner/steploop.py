@@ -148,6 +148,8 @@ class StepLoop:
         record = {"time": time.time(), **self.stats.step_line(report)}
         if self.restarts is not None:
             record["restarts"] = self.restarts.used
+            if self.restarts.elastic is not None:  # [Note: elastic runs]
+                record["shrinks"] = self.restarts.elastic.shrinks
         self.records.append(record)
         board.show_step(record, self.records)
         self.loggers.log(step, record)

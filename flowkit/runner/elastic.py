@@ -1,0 +1,115 @@
+"""Elastic runs (`RunConfig.elastic`, `flowkit run --elastic`): lost executors that are not
+replaced shrink the run instead of ending it.
+
+The design: [Note: elastic runs] below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from flowkit.dsl import Flow
+from flowkit.runner.config import RunConfig, RunConfigError
+from flowkit.runtime.controller import Controller
+from flowkit.runtime.registry import ExecutorInfo
+
+__all__ = ["Elastic", "check_elastic", "layout_for", "relayout", "trained_layout"]
+
+
+# [Note: elastic runs] An elastic run is a restart ([Note: executor restarts] in
+# flowkit/runner/checkpoints/restarts.py) whose replacements do not come: once the launcher may
+# replace no more (past --max-restarts, or none allowed), the run waits --elastic-wait seconds
+# for executors started by hand to join, then re-plans the flow on the layout the executors it
+# has allow, and restores the newest checkpoint on it as `--resume` on another layout does
+# ([Note: layout-free checkpoints] in executors/torch/layout_free.py). Fewer replicas first, as
+# many as fit beside the stages (the batch is the same, split over fewer: a step computes the
+# same sums); fewer stages only when the executors left cannot hold one replica's. So the run
+# from there is the run that was stopped at that checkpoint and resumed on the smaller layout,
+# curve and weights. The layout is one for every trained model, as --stages and --replicas
+# give it, over executors that each carry every tag (colocated): other placements are refused.
+
+_QUIESCE_S = 120.0  # as restarts: the survivors' tasks of the failed step end first
+
+
+def check_elastic(config: RunConfig, shared: bool) -> None:
+    """RunConfigError, before any executor starts, for an elastic run that cannot work."""
+    if not config.elastic:
+        return
+    checkpoints = config.checkpoints
+    if checkpoints is None or checkpoints.every is None:
+        raise RunConfigError("elastic", "--elastic goes on from the newest checkpoint on the "
+                             "executors left: give --checkpoint-dir and --checkpoint-every")
+    if shared:
+        raise RunConfigError("elastic", "an elastic run re-plans the executors it started: "
+                             "give no controller, or no elastic")
+    if config.tags is not None or config.placement not in (None, "colocated"):
+        raise RunConfigError("elastic", "--elastic re-plans over executors that each carry "
+                             "every tag: leave --tags and --placement out (colocated)")
+
+
+def layout_for(flow: Flow, count: int) -> tuple[int, int] | None:
+    """(stages, replicas) of the trained models on `count` executors: the flow's stages and
+    as many of its replicas as fit, else one replica in as many stages as executors; None
+    when that is the flow's layout already (nothing to shrink) or no executor is left."""
+    now = trained_layout(flow)
+    if now is None or count < 1:
+        return None
+    stages, replicas = now
+    if count >= stages:
+        layout = (stages, min(replicas, count // stages))
+    else:
+        layout = (count, 1)
+    return None if layout == (stages, replicas) and count >= stages * replicas else layout
+
+
+def trained_layout(flow: Flow) -> tuple[int, int] | None:
+    """(stages, replicas) of the flow's trained models, the most of each; None: it trains
+    none."""
+    trained = [flow.models[node.model] for node in flow.nodes.values()
+               if getattr(node.operator, "lowering", None) == "pipeline"]
+    if not trained:
+        return None
+    return max(m.stages for m in trained), max(m.replicas for m in trained)
+
+
+def relayout(flow: Flow, stages: int, replicas: int) -> None:
+    """The trained models of `flow` (in place) in `stages` and `replicas`: an FSDP model on
+    one replica trains unsharded, which is what it computes anyway."""
+    for node in flow.nodes.values():
+        if getattr(node.operator, "lowering", None) != "pipeline":
+            continue
+        model = flow.models[node.model]
+        shard = None if model.shard == "fsdp" and replicas < 2 else model.shard
+        flow.models[node.model] = attrs.evolve(model, stages=stages, replicas=replicas,
+                                               shard=shard)
+
+
+@attrs.define(kw_only=True)
+class Elastic:
+    """What a run needs to go on with the executors it has [Note: elastic runs]."""
+
+    wait_s: float  # for executors started by hand to join
+    replan: Callable[[int], tuple[Any, str]]  # executors -> (a fresh runner, its layout)
+    shrinks: int = 0
+
+    def go_on(self, controller: Controller, wanted: int, warn: Callable[[str], None]
+              ) -> tuple[Any, list[ExecutorInfo]]:
+        """(a fresh runner, every executor) on the executors connected once the survivors'
+        tasks end and `wanted` are in, or `wait_s` is over."""
+        controller.quiesce(_QUIESCE_S)
+        if len(controller.executors()) < wanted and self.wait_s > 0:
+            warn(f"waiting up to {self.wait_s:g} s for executors started by hand to join")
+            try:
+                controller.wait_for_executors(wanted, timeout=self.wait_s)
+            except TimeoutError:
+                pass
+        executors = controller.executors()
+        runner, layout = self.replan(len(executors))
+        self.shrinks += 1
+        warn(f"the run goes on with {len(executors)} executor{'s' * (len(executors) > 1)}: "
+             f"{layout}")
+        return runner, executors
+
