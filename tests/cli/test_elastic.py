@@ -1,0 +1,96 @@
+"""Elastic runs [Note: elastic runs in flowkit/runner/elastic.py]: `kill -9` an executor of a
+`flowkit run --elastic` that may not replace it; the run goes on with the executors left, on
+fewer replicas (or fewer stages), and ends with the parameters and the curve of the run that
+stopped at that checkpoint and was resumed on the smaller layout (float64, 1e-10). Settings an
+elastic run cannot work with are refused in one line before any executor starts."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowkit.runtime.forkserver import executor_processes, without_shared_server
+from tests.cli.runs import PRETRAIN, metrics_lines, refused
+from tests.cli.test_restarts import ROOT, _command, _lines
+
+pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
+
+STEPS = 8
+
+
+def _elastic_run_with_a_kill(folder: Path, *layout: str, after: int) -> tuple[str, int]:
+    """An elastic run (no restarts) of STEPS steps whose last executor is killed once `after`
+    steps are recorded: its output and the checkpoint step it shrank from."""
+    process = subprocess.Popen(
+        _command(PRETRAIN, folder, "--steps", str(STEPS), *layout, "--checkpoint-dir",
+                 str(folder / "ck"), "--checkpoint-every", "1", "--elastic", "--elastic-wait",
+                 "0.2"),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=without_shared_server())
+    deadline = time.monotonic() + 120
+    while len(_lines(folder / "m.jsonl")) < after and time.monotonic() < deadline:
+        time.sleep(0.02)
+    pids = sorted(executor_processes(process.pid))
+    os.kill(pids[-1], signal.SIGKILL)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output
+    shrunk = re.search(r"the run shrinks and goes on from step-(\d+)", output)
+    assert shrunk, output
+    return output, int(shrunk.group(1))
+
+
+def _switched_layout_run(folder: Path, before: tuple[str, ...], after: tuple[str, ...],
+                         at: int) -> None:
+    """STEPS steps on `before` with a checkpoint each step, then the run resumed from step `at`
+    on `after`: what the elastic run must end as."""
+    subprocess.run(_command(PRETRAIN, folder / "whole", "--steps", str(STEPS), *before,
+                            "--checkpoint-dir", str(folder / "ck"), "--checkpoint-every", "1",
+                            "--keep-checkpoints", str(STEPS + 1), weights=False),
+                   cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(_command(PRETRAIN, folder, "--steps", str(STEPS), *after, "--resume",
+                            str(folder / "ck" / f"step-{at:08d}")),
+                   cwd=ROOT, check=True, capture_output=True)
+
+
+@pytest.mark.parametrize(("before", "after"), [
+    (("--replicas", "2"), ("--stages", "2", "--replicas", "1")),  # 4 executors -> 3
+    (("--replicas", "1"), ("--stages", "1", "--replicas", "1")),  # 2 executors -> 1
+])
+def test_a_lost_executor_not_replaced_shrinks_the_run_to_the_layout_left(tmp_path, before,
+                                                                         after):
+    elastic, switched = tmp_path / "elastic", tmp_path / "switched"
+    output, at = _elastic_run_with_a_kill(elastic, *before, after=3)
+    assert f"goes on with {3 if before[1] == '2' else 1} executor" in output
+    assert " ".join(after) in output
+    _switched_layout_run(switched, before, after, at)
+    got, want = torch.load(elastic / "w" / "gpt.pt"), torch.load(switched / "w" / "gpt.pt")
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-10)
+    lines, reference = metrics_lines(elastic / "m.jsonl"), metrics_lines(switched / "m.jsonl")
+    assert [line["step"] for line in lines] == list(range(STEPS))  # each step once
+    assert [line["loss"] for line in lines] == pytest.approx(
+        [line["loss"] for line in reference], abs=1e-10)
+    assert [line["shrinks"] for line in lines] == [0] * at + [1] * (STEPS - at)
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    ((), "give --checkpoint-dir and --checkpoint-every"),
+    (("--checkpoint-dir", "CK"), "give --checkpoint-dir and --checkpoint-every"),
+    (("--checkpoint-dir", "CK", "--checkpoint-every", "1", "--placement", "disaggregated"),
+     "leave --tags and --placement out"),
+])
+def test_settings_an_elastic_run_cannot_work_with_are_refused_in_one_line(tmp_path, flags,
+                                                                          says):
+    flags = tuple(str(tmp_path / "ck") if flag == "CK" else flag for flag in flags)
+    out = refused(PRETRAIN, "--executors", "torch", "--steps", "2", "--elastic", *flags)
+    (line,) = [text for text in out.splitlines() if text.startswith("Error:")]
+    assert "--elastic" in line and says in " ".join(out.split())
+    assert not (tmp_path / "ck").exists()  # refused before anything started
