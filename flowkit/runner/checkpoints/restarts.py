@@ -98,8 +98,11 @@ class Restarts:
         try:
             runner, executors = self.elastic.go_on(self.launcher.controller, len(self.names),
                                                    warn)
-        except (RuntimeError, TimeoutError) as error_again:  # lost again meanwhile
-            return self.recover(error_again, root, warn, origin=origin)
+        except (RuntimeError, TimeoutError) as error_again:
+            if len(self.lost(error_again)) <= len(lost):  # no new loss: it would fail again
+                warn(f"the run cannot go on with the executors left: {error_again}")
+                return None
+            return self.recover(error_again, root, warn, origin=origin)  # lost more meanwhile
         self.names = frozenset(e.name for e in executors)
         return runner, executors, folder
 
