@@ -22,14 +22,14 @@ __all__ = ["Elastic", "check_elastic", "layout_for", "relayout", "trained_layout
 # [Note: elastic runs] An elastic run is a restart ([Note: executor restarts] in
 # flowkit/runner/checkpoints/restarts.py) whose replacements do not come: once the launcher may
 # replace no more (past --max-restarts, or none allowed), the run waits --elastic-wait seconds
-# for executors started by hand to join, then re-plans the flow on the layout the executors it
-# has allow, and restores the newest checkpoint on it as `--resume` on another layout does
-# ([Note: layout-free checkpoints] in executors/torch/layout_free.py). Fewer replicas first, as
-# many as fit beside the stages (the batch is the same, split over fewer: a step computes the
-# same sums); fewer stages only when the executors left cannot hold one replica's. So the run
-# from there is the run that was stopped at that checkpoint and resumed on the smaller layout,
-# curve and weights. The layout is one for every trained model, as --stages and --replicas
-# give it, over executors that each carry every tag (colocated): other placements are refused.
+# for executors started by hand to join (they may keep the layout), re-plans the flow on the
+# layout the executors it has allow, and restores the newest checkpoint on it as `--resume` on
+# another layout does ([Note: layout-free checkpoints] in executors/torch/layout_free.py).
+# Fewer replicas first, as many as fit beside the stages (the batch is the same, split over
+# fewer: a step computes the same sums); fewer stages only when the executors left cannot hold
+# one replica's. So the run from there is the run stopped at that checkpoint and resumed on the
+# smaller layout, curve and weights. One layout for every trained model, as --stages and
+# --replicas give it, over executors that each carry every tag: other placements are refused.
 
 _QUIESCE_S = 120.0  # as restarts: the survivors' tasks of the failed step end first
 
@@ -93,7 +93,7 @@ class Elastic:
 
     wait_s: float  # for executors started by hand to join
     replan: Callable[[int], tuple[Any, str]]  # executors -> (a fresh runner, its layout)
-    shrinks: int = 0
+    shrinks: int = 0  # recoveries with fewer executors than before
 
     def go_on(self, controller: Controller, wanted: int, warn: Callable[[str], None]
               ) -> tuple[Any, list[ExecutorInfo]]:
@@ -108,8 +108,11 @@ class Elastic:
                 pass
         executors = controller.executors()
         runner, layout = self.replan(len(executors))
-        self.shrinks += 1
-        warn(f"the run goes on with {len(executors)} executor{'s' * (len(executors) > 1)}: "
-             f"{layout}")
+        if len(executors) < wanted:
+            self.shrinks += 1
+            warn(f"the run shrinks to {len(executors)} executor"
+                 f"{'s' * (len(executors) > 1)}: {layout}")
+        else:
+            warn(f"executors started by hand took the lost ones' place: {layout}")
         return runner, executors
 

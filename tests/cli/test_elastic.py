@@ -2,7 +2,8 @@
 `flowkit run --elastic` that may not replace it; the run goes on with the executors left, on
 fewer replicas (or fewer stages), and ends with the parameters and the curve of the run that
 stopped at that checkpoint and was resumed on the smaller layout (float64, 1e-10). Settings an
-elastic run cannot work with are refused in one line before any executor starts."""
+elastic run cannot work with are refused in one line before any executor starts; an executor
+started by hand while the run waits takes the lost one's place instead."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from flowkit.runtime.forkserver import executor_processes, without_shared_server
+from flowkit.wire.hello import SECRET_ENV
 from tests.cli.runs import PRETRAIN, metrics_lines, refused
 from tests.cli.test_restarts import ROOT, _command, _lines
 
@@ -41,7 +44,7 @@ def _elastic_run_with_a_kill(folder: Path, *layout: str, after: int) -> tuple[st
     os.kill(pids[-1], signal.SIGKILL)
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output
-    shrunk = re.search(r"the run shrinks and goes on from step-(\d+)", output)
+    shrunk = re.search(r"no restart left: the run goes on from step-(\d+)", output)
     assert shrunk, output
     return output, int(shrunk.group(1))
 
@@ -67,7 +70,7 @@ def test_a_lost_executor_not_replaced_shrinks_the_run_to_the_layout_left(tmp_pat
                                                                          after):
     elastic, switched = tmp_path / "elastic", tmp_path / "switched"
     output, at = _elastic_run_with_a_kill(elastic, *before, after=3)
-    assert f"goes on with {3 if before[1] == '2' else 1} executor" in output
+    assert f"the run shrinks to {3 if before[1] == '2' else 1} executor" in output
     assert " ".join(after) in output
     _switched_layout_run(switched, before, after, at)
     got, want = torch.load(elastic / "w" / "gpt.pt"), torch.load(switched / "w" / "gpt.pt")
@@ -94,3 +97,42 @@ def test_settings_an_elastic_run_cannot_work_with_are_refused_in_one_line(tmp_pa
     (line,) = [text for text in out.splitlines() if text.startswith("Error:")]
     assert "--elastic" in line and says in " ".join(out.split())
     assert not (tmp_path / "ck").exists()  # refused before anything started
+
+
+def test_an_executor_started_by_hand_in_the_wait_takes_the_lost_ones_place(tmp_path):
+    """`flowkit executor --secret-file` started once an executor is lost: the run keeps its
+    layout on it and ends with the parameters and the curve of the run without faults."""
+    elastic, clean = tmp_path / "elastic", tmp_path / "clean"
+    subprocess.run(_command(PRETRAIN, clean, "--steps", str(STEPS), "--replicas", "2"),
+                   cwd=ROOT, check=True, capture_output=True)
+    process = subprocess.Popen(
+        _command(PRETRAIN, elastic, "--steps", str(STEPS), "--replicas", "2",
+                 "--checkpoint-dir", str(elastic / "ck"), "--checkpoint-every", "1",
+                 "--elastic", "--elastic-wait", "60", "--secret-file", str(tmp_path / "secret")),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=without_shared_server())
+    address = re.search(r"--connect (\S+)", process.stdout.readline()).group(1)
+    deadline = time.monotonic() + 120
+    while len(_lines(elastic / "m.jsonl")) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(sorted(executor_processes(process.pid))[-1], signal.SIGKILL)
+    env = {k: v for k, v in without_shared_server().items() if k != SECRET_ENV}  # the file's
+    by_hand = subprocess.Popen(
+        [sys.executable, "-m", "executors", "--connect", address, "--name", "by-hand", "--kind",
+         "torch", "--tags", "train", "--code", PRETRAIN, "--secret-file",
+         str(tmp_path / "secret")], cwd=ROOT, env=env, stdin=subprocess.DEVNULL)
+    try:
+        output, _ = process.communicate(timeout=300)
+    finally:
+        by_hand.kill()
+        by_hand.wait()
+    assert process.returncode == 0, output
+    assert "took the lost ones' place: --stages 2 --replicas 2" in output
+    got, want = torch.load(elastic / "w" / "gpt.pt"), torch.load(clean / "w" / "gpt.pt")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-10)
+    lines = _lines(elastic / "m.jsonl")
+    assert [line["step"] for line in lines] == list(range(STEPS))
+    assert [line["loss"] for line in lines] == pytest.approx(
+        [line["loss"] for line in _lines(clean / "m.jsonl")], abs=1e-10)
+    assert lines[-1]["shrinks"] == 0

@@ -93,8 +93,8 @@ class Restarts:
         if self.elastic is None or folder is None:
             return None
         reason = str(error).splitlines()[0]
-        warn(f"{', '.join(lost)} lost ({reason}); no replacement: the run shrinks and goes "
-             f"on from {folder.name}")
+        warn(f"{', '.join(lost)} lost ({reason}); no restart left: the run goes on from "
+             f"{folder.name} with the executors it has")
         try:
             runner, executors = self.elastic.go_on(self.launcher.controller, len(self.names),
                                                    warn)
