@@ -223,8 +223,9 @@ class Run:
                                           make_runner=self._make_runner,
                                           names=frozenset(e.name for e in started))
         if config.elastic:  # [Note: elastic runs in flowkit/runner/elastic.py]
+            self._full_layout = trained_layout(self.flow) or (1, 1)
             self.loop.restarts.elastic = Elastic(wait_s=config.elastic_wait,
-                                                 replan=self._replan)
+                                                 replan=self._replan, larger=self._larger)
         if self.resumed is not None:
             with self._failures():
                 self.loop.resume(self.runner, self.resumed[0])
@@ -282,15 +283,19 @@ class Run:
     def _replan(self, count: int) -> tuple[FlowRunner, str]:
         """A fresh runner of the flow on the layout `count` executors allow, and that layout
         in words [Note: elastic runs in flowkit/runner/elastic.py]."""
-        layout = layout_for(self.flow, count)
-        if layout is not None:
+        layout = layout_for(self._full_layout, count)
+        if layout != trained_layout(self.flow):
             relayout(self.flow, *layout)
             self.plan = lower_flow(self.flow)
             self.identity = flow_identity(self.flow.name, self.plan)
             self._checkpoints.identity = self.identity  # what its next checkpoints say
             self.loop.models = flow_models(self.plan)
-        stages, replicas = trained_layout(self.flow) or (1, 1)
-        return self._make_runner(), f"--stages {stages} --replicas {replicas}"
+        return self._make_runner(), f"--stages {layout[0]} --replicas {layout[1]}"
+
+    def _larger(self, count: int) -> bool:
+        stages, replicas = layout_for(self._full_layout, count)
+        now = trained_layout(self.flow) or (1, 1)
+        return stages * replicas > now[0] * now[1]
 
     # -- the steps ----------------------------------------------------------------------------
     def steps(self) -> Iterator[StepReport]:

@@ -30,6 +30,9 @@ __all__ = ["Elastic", "check_elastic", "layout_for", "relayout", "trained_layout
 # one replica's. So the run from there is the run stopped at that checkpoint and resumed on the
 # smaller layout, curve and weights. One layout for every trained model, as --stages and
 # --replicas give it, over executors that each carry every tag: other placements are refused.
+# Executors that join later (started by hand) grow the run back, up to the layout it started
+# with, at the next checkpoint it writes: the run goes on from that checkpoint on the larger
+# layout, which changes no sum either.
 
 _QUIESCE_S = 120.0  # as restarts: the survivors' tasks of the failed step end first
 
@@ -50,19 +53,14 @@ def check_elastic(config: RunConfig, shared: bool) -> None:
                              "every tag: leave --tags and --placement out (colocated)")
 
 
-def layout_for(flow: Flow, count: int) -> tuple[int, int] | None:
-    """(stages, replicas) of the trained models on `count` executors: the flow's stages and
-    as many of its replicas as fit, else one replica in as many stages as executors; None
-    when that is the flow's layout already (nothing to shrink) or no executor is left."""
-    now = trained_layout(flow)
-    if now is None or count < 1:
-        return None
-    stages, replicas = now
+def layout_for(full: tuple[int, int], count: int) -> tuple[int, int]:
+    """(stages, replicas) of the trained models on `count` executors, for a run whose whole
+    layout is `full`: its stages and as many of its replicas as fit, else one replica in as many
+    stages as executors."""
+    stages, replicas = full
     if count >= stages:
-        layout = (stages, min(replicas, count // stages))
-    else:
-        layout = (count, 1)
-    return None if layout == (stages, replicas) and count >= stages * replicas else layout
+        return stages, max(1, min(replicas, count // stages))
+    return max(1, count), 1
 
 
 def trained_layout(flow: Flow) -> tuple[int, int] | None:
@@ -93,7 +91,9 @@ class Elastic:
 
     wait_s: float  # for executors started by hand to join
     replan: Callable[[int], tuple[Any, str]]  # executors -> (a fresh runner, its layout)
+    larger: Callable[[int], bool]  # whether that many executors allow a larger layout
     shrinks: int = 0  # recoveries with fewer executors than before
+    grows: int = 0  # re-plans on more executors, at a checkpoint
 
     def go_on(self, controller: Controller, wanted: int, warn: Callable[[str], None]
               ) -> tuple[Any, list[ExecutorInfo]]:
@@ -116,3 +116,17 @@ class Elastic:
             warn(f"executors started by hand took the lost ones' place: {layout}")
         return runner, executors
 
+    def grow(self, controller: Controller, names: frozenset, warn: Callable[[str], None]
+             ) -> tuple[Any, list[ExecutorInfo]] | None:
+        """(a fresh runner, every executor) on a larger layout when executors started by hand
+        joined a run that shrank, and allow one; None otherwise. Called at a checkpoint, with
+        no task open: the run goes on from it [Note: elastic runs]."""
+        executors = controller.executors()
+        if len(executors) <= len(names) or not self.larger(len(executors)):
+            return None
+        controller.quiesce(_QUIESCE_S)  # nothing of the last step may change what reloads
+        runner, layout = self.replan(len(executors))
+        self.grows += 1
+        warn(f"{len(executors) - len(names)} executor(s) joined: the run grows to "
+             f"{len(executors)}: {layout}")
+        return runner, executors

@@ -3,7 +3,8 @@
 fewer replicas (or fewer stages), and ends with the parameters and the curve of the run that
 stopped at that checkpoint and was resumed on the smaller layout (float64, 1e-10). Settings an
 elastic run cannot work with are refused in one line before any executor starts; an executor
-started by hand while the run waits takes the lost one's place instead."""
+started by hand while the run waits takes the lost one's place instead, and one started after
+it shrank grows it back at a checkpoint."""
 
 from __future__ import annotations
 
@@ -99,6 +100,26 @@ def test_settings_an_elastic_run_cannot_work_with_are_refused_in_one_line(tmp_pa
     assert not (tmp_path / "ck").exists()  # refused before anything started
 
 
+def _start_by_hand(address: str, secret: Path) -> subprocess.Popen:
+    """`flowkit executor` as a user starts one for the run: its kind, tags and flow code."""
+    env = {k: v for k, v in without_shared_server().items() if k != SECRET_ENV}  # the file's
+    return subprocess.Popen(
+        [sys.executable, "-m", "executors", "--connect", address, "--name", "by-hand", "--kind",
+         "torch", "--tags", "train", "--code", PRETRAIN, "--secret-file", str(secret)],
+        cwd=ROOT, env=env, stdin=subprocess.DEVNULL)
+
+
+def _same_as_clean(run: Path, clean: Path, steps: int) -> None:
+    """The parameters and the curve of the run without faults, each step once."""
+    got, want = torch.load(run / "w" / "gpt.pt"), torch.load(clean / "w" / "gpt.pt")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-10)
+    lines = _lines(run / "m.jsonl")
+    assert [line["step"] for line in lines] == list(range(steps))
+    assert [line["loss"] for line in lines] == pytest.approx(
+        [line["loss"] for line in _lines(clean / "m.jsonl")], abs=1e-10)
+
+
 def test_an_executor_started_by_hand_in_the_wait_takes_the_lost_ones_place(tmp_path):
     """`flowkit executor --secret-file` started once an executor is lost: the run keeps its
     layout on it and ends with the parameters and the curve of the run without faults."""
@@ -116,11 +137,7 @@ def test_an_executor_started_by_hand_in_the_wait_takes_the_lost_ones_place(tmp_p
     while len(_lines(elastic / "m.jsonl")) < 3 and time.monotonic() < deadline:
         time.sleep(0.02)
     os.kill(sorted(executor_processes(process.pid))[-1], signal.SIGKILL)
-    env = {k: v for k, v in without_shared_server().items() if k != SECRET_ENV}  # the file's
-    by_hand = subprocess.Popen(
-        [sys.executable, "-m", "executors", "--connect", address, "--name", "by-hand", "--kind",
-         "torch", "--tags", "train", "--code", PRETRAIN, "--secret-file",
-         str(tmp_path / "secret")], cwd=ROOT, env=env, stdin=subprocess.DEVNULL)
+    by_hand = _start_by_hand(address, tmp_path / "secret")
     try:
         output, _ = process.communicate(timeout=300)
     finally:
@@ -128,11 +145,39 @@ def test_an_executor_started_by_hand_in_the_wait_takes_the_lost_ones_place(tmp_p
         by_hand.wait()
     assert process.returncode == 0, output
     assert "took the lost ones' place: --stages 2 --replicas 2" in output
-    got, want = torch.load(elastic / "w" / "gpt.pt"), torch.load(clean / "w" / "gpt.pt")
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-10)
-    lines = _lines(elastic / "m.jsonl")
-    assert [line["step"] for line in lines] == list(range(STEPS))
-    assert [line["loss"] for line in lines] == pytest.approx(
-        [line["loss"] for line in _lines(clean / "m.jsonl")], abs=1e-10)
-    assert lines[-1]["shrinks"] == 0
+    _same_as_clean(elastic, clean, STEPS)
+    assert _lines(elastic / "m.jsonl")[-1]["shrinks"] == 0
+
+
+def test_a_shrunk_run_grows_back_at_a_checkpoint_when_an_executor_joins(tmp_path):
+    """Shrunk to one replica, the run takes an executor started by hand at its next checkpoint
+    after it joined, goes on with two again, and ends as the run without faults."""
+    steps, elastic, clean = 80, tmp_path / "elastic", tmp_path / "clean"  # time to join
+    subprocess.run(_command(PRETRAIN, clean, "--steps", str(steps), "--replicas", "2"),
+                   cwd=ROOT, check=True, capture_output=True)
+    process = subprocess.Popen(
+        _command(PRETRAIN, elastic, "--steps", str(steps), "--replicas", "2",
+                 "--checkpoint-dir", str(elastic / "ck"), "--checkpoint-every", "1",
+                 "--elastic", "--elastic-wait", "0", "--secret-file", str(tmp_path / "secret")),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=without_shared_server())
+    address = re.search(r"--connect (\S+)", process.stdout.readline()).group(1)
+    deadline = time.monotonic() + 120
+    while len(_lines(elastic / "m.jsonl")) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(sorted(executor_processes(process.pid))[-1], signal.SIGKILL)
+    while (not any(line.get("shrinks") for line in _lines(elastic / "m.jsonl"))
+           and time.monotonic() < deadline):
+        time.sleep(0.02)
+    by_hand = _start_by_hand(address, tmp_path / "secret")
+    try:
+        output, _ = process.communicate(timeout=300)
+    finally:
+        by_hand.kill()
+        by_hand.wait()
+    assert process.returncode == 0, output
+    assert "the run shrinks to 3 executors: --stages 2 --replicas 1" in output
+    assert "the run grows to 4: --stages 2 --replicas 2" in output
+    _same_as_clean(elastic, clean, steps)
+    assert (_lines(elastic / "m.jsonl")[-1]["shrinks"], _lines(elastic / "m.jsonl")[-1]["grows"]
+            ) == (1, 1)

@@ -106,6 +106,17 @@ class Restarts:
         self.names = frozenset(e.name for e in executors)
         return runner, executors, folder
 
+    def grow(self, warn: Callable[[str], None]) -> tuple[Any, list] | None:
+        """(a fresh runner, every executor) when executors joined an elastic run that shrank
+        [Note: elastic runs in flowkit/runner/elastic.py]; None otherwise."""
+        if self.elastic is None:
+            return None
+        grown = self.elastic.grow(self.launcher.controller, self.names, warn)
+        if grown is not None:
+            self.names = frozenset(e.name for e in grown[1])
+        return grown
+
+
 
 def start_executors(launcher: Launcher, allowed: int, warn: Callable[[str], None]
                     ) -> tuple[list[ExecutorInfo], int]:
