@@ -1,10 +1,10 @@
 """Elastic runs [Note: elastic runs in flowkit/runner/elastic.py]: `kill -9` an executor of a
-`flowkit run --elastic` that may not replace it; the run goes on with the executors left, on
-fewer replicas (or fewer stages), and ends with the parameters and the curve of the run that
-stopped at that checkpoint and was resumed on the smaller layout (float64, 1e-10). Settings an
-elastic run cannot work with are refused in one line before any executor starts; an executor
-started by hand while the run waits takes the lost one's place instead, and one started after
-it shrank grows it back at a checkpoint."""
+`flowkit run --elastic` that may not replace it; the run (pretraining, or a GRPO) goes on with
+the executors left, on fewer replicas (or fewer stages), and ends with the parameters and the
+curve of the run that stopped at that checkpoint and was resumed on the smaller layout
+(float64, 1e-10). Settings an elastic run cannot work with are refused in one line before any
+executor starts; an executor started by hand while the run waits takes the lost one's place
+instead, and one started after it shrank grows it back at a checkpoint."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 
 from flowkit.runtime.forkserver import executor_processes, without_shared_server
 from flowkit.wire.hello import SECRET_ENV
-from tests.cli.runs import PRETRAIN, metrics_lines, refused
+from tests.cli.runs import GRPO, PRETRAIN, metrics_lines, refused
 from tests.cli.test_restarts import ROOT, _command, _lines
 
 pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
@@ -29,11 +29,12 @@ pytestmark = pytest.mark.slow  # end to end: runs that start their own executor 
 STEPS = 8
 
 
-def _elastic_run_with_a_kill(folder: Path, *layout: str, after: int) -> tuple[str, int]:
+def _elastic_run_with_a_kill(flow: str, folder: Path, *layout: str, after: int
+                             ) -> tuple[str, int]:
     """An elastic run (no restarts) of STEPS steps whose last executor is killed once `after`
     steps are recorded: its output and the checkpoint step it shrank from."""
     process = subprocess.Popen(
-        _command(PRETRAIN, folder, "--steps", str(STEPS), *layout, "--checkpoint-dir",
+        _command(flow, folder, "--steps", str(STEPS), *layout, "--checkpoint-dir",
                  str(folder / "ck"), "--checkpoint-every", "1", "--elastic", "--elastic-wait",
                  "0.2"),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -50,38 +51,41 @@ def _elastic_run_with_a_kill(folder: Path, *layout: str, after: int) -> tuple[st
     return output, int(shrunk.group(1))
 
 
-def _switched_layout_run(folder: Path, before: tuple[str, ...], after: tuple[str, ...],
-                         at: int) -> None:
+def _switched_layout_run(flow: str, folder: Path, before: tuple[str, ...],
+                         after: tuple[str, ...], at: int) -> None:
     """STEPS steps on `before` with a checkpoint each step, then the run resumed from step `at`
     on `after`: what the elastic run must end as."""
-    subprocess.run(_command(PRETRAIN, folder / "whole", "--steps", str(STEPS), *before,
+    subprocess.run(_command(flow, folder / "whole", "--steps", str(STEPS), *before,
                             "--checkpoint-dir", str(folder / "ck"), "--checkpoint-every", "1",
                             "--keep-checkpoints", str(STEPS + 1), weights=False),
                    cwd=ROOT, check=True, capture_output=True)
-    subprocess.run(_command(PRETRAIN, folder, "--steps", str(STEPS), *after, "--resume",
+    subprocess.run(_command(flow, folder, "--steps", str(STEPS), *after, "--resume",
                             str(folder / "ck" / f"step-{at:08d}")),
                    cwd=ROOT, check=True, capture_output=True)
 
 
-@pytest.mark.parametrize(("before", "after"), [
-    (("--replicas", "2"), ("--stages", "2", "--replicas", "1")),  # 4 executors -> 3
-    (("--replicas", "1"), ("--stages", "1", "--replicas", "1")),  # 2 executors -> 1
+@pytest.mark.parametrize(("flow", "before", "after"), [
+    (PRETRAIN, ("--replicas", "2"), ("--stages", "2", "--replicas", "1")),  # 4 executors -> 3
+    (PRETRAIN, ("--replicas", "1"), ("--stages", "1", "--replicas", "1")),  # 2 executors -> 1
+    (GRPO, ("--replicas", "1"), ("--stages", "1", "--replicas", "1")),  # generation too
 ])
-def test_a_lost_executor_not_replaced_shrinks_the_run_to_the_layout_left(tmp_path, before,
-                                                                         after):
+def test_a_lost_executor_not_replaced_shrinks_the_run_to_the_layout_left(tmp_path, flow,
+                                                                         before, after):
     elastic, switched = tmp_path / "elastic", tmp_path / "switched"
-    output, at = _elastic_run_with_a_kill(elastic, *before, after=3)
+    output, at = _elastic_run_with_a_kill(flow, elastic, *before, after=3)
     assert f"the run shrinks to {3 if before[1] == '2' else 1} executor" in output
     assert " ".join(after) in output
-    _switched_layout_run(switched, before, after, at)
-    got, want = torch.load(elastic / "w" / "gpt.pt"), torch.load(switched / "w" / "gpt.pt")
+    _switched_layout_run(flow, switched, before, after, at)
+    (weights,) = [p.name for p in (switched / "w").glob("*.pt")]
+    got, want = torch.load(elastic / "w" / weights), torch.load(switched / "w" / weights)
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-10)
     lines, reference = metrics_lines(elastic / "m.jsonl"), metrics_lines(switched / "m.jsonl")
     assert [line["step"] for line in lines] == list(range(STEPS))  # each step once
-    assert [line["loss"] for line in lines] == pytest.approx(
-        [line["loss"] for line in reference], abs=1e-10)
+    for key in ("loss", "reward_mean"):  # the pretraining runs have no reward
+        assert [line.get(key) for line in lines] == pytest.approx(
+            [line.get(key) for line in reference], abs=1e-10)
     assert [line["shrinks"] for line in lines] == [0] * at + [1] * (STEPS - at)
 
 
