@@ -2,13 +2,18 @@
 moments from its first second on (while they start, in the first step, during a recovery or a
 checkpoint's writing) and count the runs under --max-restarts that end with the weights of a
 run without faults, bit for bit; and, without restarts, the runs that fail within 2 s of the
-kill with an error naming the executor. tests/security/test_chaos.py runs a few seeds."""
+kill with an error naming the executor. Each recovery's time (MTTR), from a kill in a run that
+was stepping to the first step it completed after it, in runs of 2 replicas killed once after
+their first step: under --max-restarts, and elastic (--elastic, no restart: it shrinks).
+tests/security/test_chaos.py runs a few seeds."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,12 +40,14 @@ class ChaosRun:
     output: str
     killed: list[tuple[str, float]]
     exit_after_kill_s: float | None  # from the last kill to the run's exit
+    kill_times: list[float] = attrs.field(factory=list)  # time.time() of each kill
 
 
 def command(folder: Path, *args: str) -> list[str]:
     """`flowkit run` of the chaos flow on torch executors, its final weights into folder/w."""
     return [sys.executable, "-m", "flowkit", "run", FLOW, "--no-dashboard", "--executors",
-            "torch", "--save-weights", str(folder / "w"), *args]
+            "torch", "--save-weights", str(folder / "w"), "--metrics", str(folder / "m.jsonl"),
+            *args]
 
 
 def clean_run(folder: Path, steps: int = STEPS) -> tuple[Path, float]:
@@ -61,10 +68,11 @@ def kill_window(span_s: float) -> dict:
 
 def chaos_run(folder: Path, seed: int, *args: str, kills: int = 2, steps: int = STEPS,
               first_s: tuple[float, float] = (0.2, 5.0), gap_s: tuple[float, float] = (0.0, 3.0),
-              ) -> ChaosRun:
+              after_steps: int = 0) -> ChaosRun:
     """Run the flow and kill -9 a random executor `kills` times: the first a random moment in
-    `first_s` after the start, each next one a random moment in `gap_s` after the one before
-    (during the recovery, often). A kill due while no executor process exists waits for one."""
+    `first_s` after the start (with `after_steps`: after that many steps' metrics lines), each
+    next one a random moment in `gap_s` after the one before (during the recovery, often). A
+    kill due while no executor process exists waits for one."""
     rng = random.Random(seed)
     moments, at = [], rng.uniform(*first_s)
     for _ in range(kills):
@@ -76,11 +84,14 @@ def chaos_run(folder: Path, seed: int, *args: str, kills: int = 2, steps: int = 
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env=without_shared_server())
     killed: list[tuple[str, float]] = []
+    kill_times: list[float] = []
     # a process killed a moment ago may still be exiting (a torch process takes tens of ms
     # to give its memory back), named as it was: a kill is never spent on it again
     dead: set[int] = set()
     last_kill = None
     while process.poll() is None and len(killed) < kills:
+        if not killed and after_steps and len(step_times(folder)) < after_steps:
+            started = time.monotonic()  # the clock starts once those steps are done
         now = time.monotonic() - started
         if now >= moments[len(killed)]:
             executors = {pid: name for pid, name in executor_processes(process.pid).items()
@@ -91,11 +102,42 @@ def chaos_run(folder: Path, seed: int, *args: str, kills: int = 2, steps: int = 
                     os.kill(pid, signal.SIGKILL)
                     dead.add(pid)
                     killed.append((executors[pid], round(now, 3)))
+                    kill_times.append(time.time())
                     last_kill = time.monotonic()
         time.sleep(0.005)
     output, _ = process.communicate(timeout=600)
     after = None if last_kill is None else time.monotonic() - last_kill
-    return ChaosRun(process.returncode, output, killed, after)
+    return ChaosRun(process.returncode, output, killed, after, kill_times)
+
+
+def step_times(folder: Path) -> list[float]:
+    """When each step the run logged ended (time.time()), in the order written."""
+    path = folder / "m.jsonl"
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    return [json.loads(line)["time"] for line in lines if line.endswith("}")]
+
+
+def recovery_times(run: ChaosRun, folder: Path) -> list[float]:
+    """For each kill of a run that was stepping (a step ended before it), the seconds to the
+    first step that ended after it: the time to recover (detection, waiting for the survivors'
+    tasks, replacement or re-planning, restore, the replayed step)."""
+    ends = step_times(folder)
+    times = []
+    for kill in run.kill_times:
+        after = [end for end in ends if end > kill]
+        if after and any(end < kill for end in ends):
+            times.append(after[0] - kill)
+    return times
+
+
+def summary(times: list[float]) -> dict:
+    """Median and max of recovery times, in seconds, and how many."""
+    if not times:
+        return {"kills": 0}
+    return {"kills": len(times), "median_s": round(statistics.median(times), 3),
+            "max_s": round(max(times), 3)}
 
 
 class _gone_ok:
@@ -128,7 +170,8 @@ def same_weights(got: Path, want: Path) -> bool:
 def run_chaos_bench(seeds: int = 20, kills: int = 2) -> dict:
     """`seeds` runs under --max-restarts with `kills` kills each, and `seeds` runs without
     restarts with one kill each: how many recovered to the clean weights, how many failed
-    fast naming the executor."""
+    fast naming the executor; and the recovery times of `seeds` runs killed once under
+    restarts, and as many elastic ones."""
     with tempfile.TemporaryDirectory(prefix="flowkit-chaos-") as tmp:
         root = Path(tmp)
         clean, span_s = clean_run(root / "clean")
@@ -141,6 +184,10 @@ def run_chaos_bench(seeds: int = 20, kills: int = 2) -> dict:
             else:
                 failures.append({"seed": seed, "killed": run.killed, "code": run.returncode,
                                  "tail": run.output.strip().splitlines()[-3:]})
+        restarted, restart_times = one_kill_runs(root / "mttr-restart", seeds, "--max-restarts",
+                                                 "1")
+        shrunk, shrink_times = one_kill_runs(root / "mttr-elastic", seeds, "--elastic",
+                                             "--elastic-wait", "0")
         fast, slow = 0, []
         for seed in range(seeds):
             run = chaos_run(root / f"f{seed}", seed, kills=1, steps=10 * STEPS)
@@ -152,7 +199,24 @@ def run_chaos_bench(seeds: int = 20, kills: int = 2) -> dict:
                              "tail": run.output.strip().splitlines()[-2:]})
     return {"seeds": seeds, "kills_per_run": kills, "recovered": recovered,
             "not_recovered": failures, "failed_fast_naming_the_executor": fast,
-            "without_restarts_otherwise": slow}
+            "without_restarts_otherwise": slow, "restarted_after_one_kill": restarted,
+            "mttr_restart": summary(restart_times), "elastic_went_on": shrunk,
+            "mttr_elastic_shrink": summary(shrink_times)}
+
+
+def one_kill_runs(root: Path, seeds: int, *args: str) -> tuple[int, list[float]]:
+    """`seeds` runs of 2 replicas (4 executors) with `args` (restarts, or elastic), one kill
+    each at a random moment after a random step (in an op, a weight sync, a checkpoint being
+    written), a checkpoint each step: how many ended well, and the recovery times."""
+    ended, times = 0, []
+    for seed in range(seeds):
+        folder, rng = root / f"s{seed}", random.Random(seed)
+        run = chaos_run(folder, seed, "--replicas", "2", "--checkpoint-dir", str(folder / "ck"),
+                        "--checkpoint-every", "1", *args, kills=1, first_s=(0.0, 0.05),
+                        after_steps=rng.randint(1, STEPS // 2))
+        times += recovery_times(run, folder)
+        ended += run.returncode == 0 and len(run.killed) == 1
+    return ended, times
 
 
 def fails_fast_naming(run: ChaosRun) -> bool:

@@ -165,6 +165,14 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
               show_default=True,
               help="Replace up to N lost executors and replay the failed step from the newest "
               "checkpoint (one each step, in --checkpoint-dir or a temporary folder).")
+@click.option("--elastic", is_flag=True,
+              help="When lost executors are not replaced (past --max-restarts), go on with "
+              "those left: fewer replicas (or stages) from the newest checkpoint; needs "
+              "--checkpoint-dir and --checkpoint-every.")
+@click.option("--elastic-wait", type=click.FloatRange(min=0), default=_RUN.elastic_wait,
+              show_default=True, metavar="SECONDS",
+              help="With --elastic: how long to wait for executors started by hand to join "
+              "in the lost ones' place before the run shrinks.")
 @click.option("--dashboard/--no-dashboard", default=_RUN.dashboard,
               help="The live dashboard [default: on when the output is a terminal].")
 @click.option("--max-frame-mib", type=click.IntRange(1, 1 << 20),
@@ -213,7 +221,8 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
         trace: Path | None, metrics: Path | None, loggers: tuple[str, ...], log_dir: Path,
         wandb_project: str, run_name: str | None, eval_every: int | None,
         save_weights: Path | None, checkpoint_dir: Path | None, checkpoint_every: int | None,
-        keep_checkpoints: int, resume: Path | None, max_restarts: int, dashboard: bool | None,
+        keep_checkpoints: int, resume: Path | None, max_restarts: int, elastic: bool,
+        elastic_wait: float, dashboard: bool | None,
         max_frame_mib: int, bind: str, keys_dir: Path | None, insecure: bool,
         secret_file: Path | None, launcher: str,
         ray_address: str | None, ray_strategy: str, ray_cpus: float, debug: bool) -> None:
@@ -251,7 +260,8 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
             max_staleness=max_staleness, sim_costs=costs, trace=trace, logs=logs,
             dashboard=dashboard, eval_every=eval_every, save_weights=save_weights,
             checkpoints=checkpoints,
-            resume=resume, max_restarts=max_restarts, launcher=launcher,
+            resume=resume, max_restarts=max_restarts, elastic=elastic,
+            elastic_wait=elastic_wait, launcher=launcher,
             launcher_settings=settings, debug=debug,
             controller=ControllerConfig(bind=bind, keys=keys_dir, insecure=insecure,
                                         max_frame_mib=max_frame_mib,
@@ -276,7 +286,8 @@ _OPTIONS = {"tags": "--tags", "placement": "--placement", "schedule": "--schedul
             "controller.keys": "--keys", "controller.bind": "--bind", "device": "--device",
             "executor_threads": "--executor-threads", "precision": "--precision",
             "replicas": "--replicas", "stages": "--stages",
-            "microbatch_tokens": "--microbatch-tokens", "rollout_engine": "--rollout-engine"}
+            "microbatch_tokens": "--microbatch-tokens", "rollout_engine": "--rollout-engine",
+            "elastic": "--elastic"}
 
 
 def _usage_error(error: Exception) -> click.ClickException:

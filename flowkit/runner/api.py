@@ -34,6 +34,13 @@ from flowkit.runner.checkpoints.policy import Checkpointing, resume_point
 from flowkit.runner.checkpoints.restarts import Restarts, start_executors, temporary_checkpoints
 from flowkit.runner.checkpoints.state_codec import allowed_records
 from flowkit.runner.config import RunConfig, RunConfigError, RunError
+from flowkit.runner.elastic import (
+    Elastic,
+    check_elastic,
+    layout_for,
+    relayout,
+    trained_layout,
+)
 from flowkit.runner.evaluation import Evaluation
 from flowkit.runner.flowcode import code_to_ship
 from flowkit.runner.flowrun import FlowRunError, FlowRunner, StepReport, check_async
@@ -100,6 +107,7 @@ class Run:
             raise RunConfigError("max_restarts", "restarts replace lost executors through the "
                                  "launcher that started them: give no controller, or no "
                                  "max_restarts")
+        check_elastic(config, shared=controller is not None)
         self.console = console or Console()
         self.flow = with_training_options(flow, stages=config.stages, replicas=config.replicas,
                                           shard_optimizer=config.shard_optimizer,
@@ -209,11 +217,15 @@ class Run:
                              checkpoints=checkpoints, say=self.console.print,
                              executors=started, allowed_records=allowed_records(self.flow),
                              models=flow_models(self.plan), evaluation=self.evaluation)
-        if config.max_restarts:
+        if config.max_restarts or config.elastic:
             self.loop.restarts = Restarts(allowed=config.max_restarts, launcher=launcher,
                                           used=self._startup_restarts,
                                           make_runner=self._make_runner,
                                           names=frozenset(e.name for e in started))
+        if config.elastic:  # [Note: elastic runs in flowkit/runner/elastic.py]
+            self._full_layout = trained_layout(self.flow) or (1, 1)
+            self.loop.restarts.elastic = Elastic(wait_s=config.elastic_wait,
+                                                 replan=self._replan, larger=self._larger)
         if self.resumed is not None:
             with self._failures():
                 self.loop.resume(self.runner, self.resumed[0])
@@ -267,6 +279,23 @@ class Run:
                           fuse=config.fuse, balance=config.balance, staleness=self.staleness,
                           steps=config.steps, step_timeout=config.step_timeout,
                           fill_bubbles=config.fill_bubbles)
+
+    def _replan(self, count: int) -> tuple[FlowRunner, str]:
+        """A fresh runner of the flow on the layout `count` executors allow, and that layout
+        in words [Note: elastic runs in flowkit/runner/elastic.py]."""
+        layout = layout_for(self._full_layout, count)
+        if layout != trained_layout(self.flow):
+            relayout(self.flow, *layout)
+            self.plan = lower_flow(self.flow)
+            self.identity = flow_identity(self.flow.name, self.plan)
+            self._checkpoints.identity = self.identity  # what its next checkpoints say
+            self.loop.models = flow_models(self.plan)
+        return self._make_runner(), f"--stages {layout[0]} --replicas {layout[1]}"
+
+    def _larger(self, count: int) -> bool:
+        stages, replicas = layout_for(self._full_layout, count)
+        now = trained_layout(self.flow) or (1, 1)
+        return stages * replicas > now[0] * now[1]
 
     # -- the steps ----------------------------------------------------------------------------
     def steps(self) -> Iterator[StepReport]:

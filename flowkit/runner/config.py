@@ -248,6 +248,13 @@ class RunConfig:
     max_restarts: int = attrs.field(default=0, validator=_at_least(0))
     """Replace up to this many lost executors, replaying the failed step [Note: executor
     restarts in flowkit/runner/checkpoints/restarts.py]."""
+    elastic: bool = False
+    """When lost executors are not replaced (past `max_restarts`, or none allowed), go on with
+    the executors left, re-planned on the layout they allow from the newest checkpoint
+    [Note: elastic runs in flowkit/runner/elastic.py]; needs `checkpoints` with `every`."""
+    elastic_wait: float = attrs.field(default=30.0, validator=_at_least(0))
+    """With `elastic`: seconds to wait for executors started by hand to join in the lost ones'
+    place before the run shrinks to those it has."""
     controller: ControllerConfig = attrs.field(factory=ControllerConfig)
     """The controller's address and keys."""
     launcher: str = attrs.field(default="local", validator=_launcher)

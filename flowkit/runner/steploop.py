@@ -12,7 +12,7 @@ import attrs
 
 from flowkit.observe import Dashboard, RunStats
 from flowkit.observe.loggers import Loggers
-from flowkit.runner.checkpoints.format import CheckpointError
+from flowkit.runner.checkpoints.format import CheckpointError, latest_checkpoint
 from flowkit.runner.checkpoints.policy import Checkpointing, GracefulStop
 from flowkit.runner.checkpoints.restarts import Restarts
 from flowkit.runner.checkpoints.restore import restore
@@ -86,6 +86,7 @@ class StepLoop:
                         if self.checkpoints is not None and (self.checkpoints.due(done)
                                                              or stop.requested):
                             self._checkpoint(done, board, later=not stop.requested)
+                            self._grow(done, board)
                         if done == self.steps and self.checkpoints is not None:
                             self.checkpoints.finish_pending(self.runner.checkpoints)
                     except STEP_FAILURES as exc:
@@ -116,6 +117,17 @@ class StepLoop:
             return
         path = self.checkpoints.write(self.runner.checkpoints, self.executors, self.records, done)
         board.set_status(f"step {done}/{self.steps}: wrote {path}")
+
+    def _grow(self, done: int, board: Dashboard) -> None:
+        """Executors that joined an elastic run that shrank: it goes on from the checkpoint of
+        `done` steps just written, on a larger layout [Note: elastic runs in
+        flowkit/runner/elastic.py]. Only once that checkpoint is complete."""
+        if self.restarts is None or self.checkpoints.written != done or done == self.steps:
+            return
+        grown = self.restarts.grow(board.warn)
+        if grown is not None:
+            self.runner, self.executors = grown
+            self.resume(self.runner, latest_checkpoint(self.checkpoints.root))
 
     def _recover(self, error: BaseException, board: Dashboard) -> int:
         """The step to go on with after `error`, once lost executors are replaced and the
@@ -148,6 +160,9 @@ class StepLoop:
         record = {"time": time.time(), **self.stats.step_line(report)}
         if self.restarts is not None:
             record["restarts"] = self.restarts.used
+            if self.restarts.elastic is not None:  # [Note: elastic runs]
+                record["shrinks"] = self.restarts.elastic.shrinks
+                record["grows"] = self.restarts.elastic.grows
         self.records.append(record)
         board.show_step(record, self.records)
         self.loggers.log(step, record)

@@ -81,7 +81,7 @@ def test_a_wrong_setting_names_itself_before_any_executor_starts(monkeypatch, se
 @pytest.mark.parametrize(("settings", "setting"), [
     ({"steps": 0}, "steps"), ({"max_restarts": -1}, "max_restarts"),
     ({"num_executors": 0}, "num_executors"), ({"step_timeout": 0}, "step_timeout"),
-    ({"eval_every": 0}, "eval_every"),
+    ({"eval_every": 0}, "eval_every"), ({"elastic_wait": -1}, "elastic_wait"),
 ])
 def test_a_setting_out_of_range_is_refused_by_the_record(settings, setting):
     with pytest.raises(RunConfigError) as error:
@@ -124,6 +124,24 @@ def test_restarts_need_the_launcher_of_their_own_executors():
     with Controller() as ctl, pytest.raises(RunConfigError) as error:
         Run(_pretrain(), RunConfig(executors="sim", max_restarts=1), controller=ctl)
     assert error.value.setting == "max_restarts"
+
+
+def test_an_elastic_run_needs_checkpoints_and_its_own_executors(tmp_path):
+    """[Note: elastic runs in flowkit/runner/elastic.py]: refused when the Run is made."""
+    from flowkit.runner import CheckpointConfig
+    from flowkit.runtime import Controller
+
+    every = CheckpointConfig(root=tmp_path / "ck", every=1)
+    for config in (RunConfig(executors="sim", elastic=True),
+                   RunConfig(executors="sim", elastic=True,
+                             checkpoints=CheckpointConfig(root=tmp_path / "ck"))):
+        with pytest.raises(RunConfigError, match="--checkpoint-every") as error:
+            Run(_pretrain(), config)
+        assert error.value.setting == "elastic"
+    with Controller() as ctl, pytest.raises(RunConfigError) as error:
+        Run(_pretrain(), RunConfig(executors="sim", elastic=True, checkpoints=every),
+            controller=ctl)
+    assert error.value.setting == "elastic" and "controller" in str(error.value)
 
 
 @pytest.mark.parametrize(("settings", "setting"), [

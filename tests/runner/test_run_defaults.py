@@ -32,6 +32,7 @@ FLAGS = {
     "trace": (RunConfig, "trace"), "save_weights": (RunConfig, "save_weights"),
     "eval_every": (RunConfig, "eval_every"),
     "resume": (RunConfig, "resume"), "max_restarts": (RunConfig, "max_restarts"),
+    "elastic": (RunConfig, "elastic"), "elastic_wait": (RunConfig, "elastic_wait"),
     "dashboard": (RunConfig, "dashboard"), "debug": (RunConfig, "debug"),
     "launcher": (RunConfig, "launcher"),
     "metrics": (LogSetup, "metrics"), "log_dir": (LogSetup, "log_dir"),

@@ -46,6 +46,7 @@ class Restarts:
     make_runner: Callable[[], Any]
     used: int = 0
     names: frozenset = frozenset()  # the run's executors
+    elastic: Any = None  # elastic.Elastic: past `allowed`, go on with those left
 
     def lost(self, error: BaseException | None = None) -> list[str]:
         """The run's executors that are gone: those the controller lost, and the one whose
@@ -62,12 +63,14 @@ class Restarts:
         after `error`, or None when it is not a loss this run may recover from. With no
         checkpoint in `root` yet, a resumed run goes back to `origin`, what it resumed."""
         lost = self.lost(error)
-        if not lost or self.used >= self.allowed:
+        if not lost:
             return None
         try:
             folder: Path | None = latest_checkpoint(root)
         except CheckpointError:  # lost before the first checkpoint was complete
             folder = origin
+        if self.used >= self.allowed:
+            return self._shrink(lost, error, folder, root, warn, origin)
         self.used += 1
         reason = str(error).splitlines()[0]
         again = (f"the run goes on from {folder.name}" if folder is not None else
@@ -81,6 +84,38 @@ class Restarts:
         except (RuntimeError, TimeoutError) as error_again:  # lost again: another restart
             return self.recover(error_again, root, warn, origin=origin)
         return self.make_runner(), executors, folder
+
+    def _shrink(self, lost: list[str], error: BaseException, folder: Path | None, root: Path,
+                warn: Callable[[str], None], origin: Path | None
+                ) -> tuple[Any, list, Path] | None:
+        """With no restart left, an elastic run goes on with the executors it has from the
+        newest checkpoint [Note: elastic runs in flowkit/runner/elastic.py]; None otherwise."""
+        if self.elastic is None or folder is None:
+            return None
+        reason = str(error).splitlines()[0]
+        warn(f"{', '.join(lost)} lost ({reason}); no restart left: the run goes on from "
+             f"{folder.name} with the executors it has")
+        try:
+            runner, executors = self.elastic.go_on(self.launcher.controller, len(self.names),
+                                                   warn)
+        except (RuntimeError, TimeoutError) as error_again:
+            if len(self.lost(error_again)) <= len(lost):  # no new loss: it would fail again
+                warn(f"the run cannot go on with the executors left: {error_again}")
+                return None
+            return self.recover(error_again, root, warn, origin=origin)  # lost more meanwhile
+        self.names = frozenset(e.name for e in executors)
+        return runner, executors, folder
+
+    def grow(self, warn: Callable[[str], None]) -> tuple[Any, list] | None:
+        """(a fresh runner, every executor) when executors joined an elastic run that shrank
+        [Note: elastic runs in flowkit/runner/elastic.py]; None otherwise."""
+        if self.elastic is None:
+            return None
+        grown = self.elastic.grow(self.launcher.controller, self.names, warn)
+        if grown is not None:
+            self.names = frozenset(e.name for e in grown[1])
+        return grown
+
 
 
 def start_executors(launcher: Launcher, allowed: int, warn: Callable[[str], None]
