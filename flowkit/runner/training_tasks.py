@@ -14,7 +14,8 @@ from flowkit.dsl import LossSpec, Model
 from flowkit.planner import Action, Costs, Kind, Placement, Schedule
 from flowkit.runner.pipeline import Lane, device_lane
 from flowkit.runtime.controller import Controller
-from flowkit.runtime.futures import Future, wait
+from flowkit.runtime.dispatch import NoExecutor
+from flowkit.runtime.futures import ExecutorLost, Future, wait
 from flowkit.runtime.registry import ExecutorInfo
 
 __all__ = ["model_spec", "pipeline_config", "profile_stages", "submit_exports",
@@ -72,7 +73,10 @@ def profile_stages(ctl: Controller, executors: Sequence[ExecutorInfo], placement
                                   executor=executors[device].id, lane=device_lane(lane, device),
                                   meta={"node": "profile", "stage": stage}))
     wait(futures, timeout=timeout)
-    measured = [f.result(timeout=0) for f in futures]
+    try:
+        measured = [f.result(timeout=0) for f in futures]
+    except NoExecutor as exc:  # its executor was lost before: a step failure, as its tasks'
+        raise ExecutorLost(str(exc)) from None
     return Costs(F=[m["F"] for m in measured], B=[m["B"] for m in measured],
                  W=[m["W"] for m in measured])
 

@@ -124,16 +124,19 @@ def _same_as_clean(run: Path, clean: Path, steps: int) -> None:
         [line["loss"] for line in _lines(clean / "m.jsonl")], abs=1e-10)
 
 
-def test_an_executor_started_by_hand_in_the_wait_takes_the_lost_ones_place(tmp_path):
-    """`flowkit executor --secret-file` started once an executor is lost: the run keeps its
-    layout on it and ends with the parameters and the curve of the run without faults."""
+def _killed_once(tmp_path: Path, steps: int, *, wait_s: float
+                 ) -> tuple[subprocess.Popen, str, float]:
+    """The clean run of `steps` in tmp_path/clean; then an elastic one in tmp_path/elastic
+    (replicas 2, a checkpoint a step, its secret in tmp_path/secret), one of whose executors
+    is killed after its third step: (its process, its address, the deadline to wait by)."""
     elastic, clean = tmp_path / "elastic", tmp_path / "clean"
-    subprocess.run(_command(PRETRAIN, clean, "--steps", str(STEPS), "--replicas", "2"),
+    subprocess.run(_command(PRETRAIN, clean, "--steps", str(steps), "--replicas", "2"),
                    cwd=ROOT, check=True, capture_output=True)
     process = subprocess.Popen(
-        _command(PRETRAIN, elastic, "--steps", str(STEPS), "--replicas", "2",
+        _command(PRETRAIN, elastic, "--steps", str(steps), "--replicas", "2",
                  "--checkpoint-dir", str(elastic / "ck"), "--checkpoint-every", "1",
-                 "--elastic", "--elastic-wait", "60", "--secret-file", str(tmp_path / "secret")),
+                 "--elastic", "--elastic-wait", f"{wait_s:g}",
+                 "--secret-file", str(tmp_path / "secret")),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=without_shared_server())
     address = re.search(r"--connect (\S+)", process.stdout.readline()).group(1)
@@ -141,13 +144,28 @@ def test_an_executor_started_by_hand_in_the_wait_takes_the_lost_ones_place(tmp_p
     while len(_lines(elastic / "m.jsonl")) < 3 and time.monotonic() < deadline:
         time.sleep(0.02)
     os.kill(sorted(executor_processes(process.pid))[-1], signal.SIGKILL)
-    by_hand = _start_by_hand(address, tmp_path / "secret")
+    return process, address, deadline
+
+
+def _ends_with_one_by_hand(process: subprocess.Popen, address: str, secret: Path) -> str:
+    """The output of the run of `process`, an executor started by hand joining it meanwhile;
+    the run must end well."""
+    by_hand = _start_by_hand(address, secret)
     try:
         output, _ = process.communicate(timeout=300)
     finally:
         by_hand.kill()
         by_hand.wait()
     assert process.returncode == 0, output
+    return output
+
+
+def test_an_executor_started_by_hand_in_the_wait_takes_the_lost_ones_place(tmp_path):
+    """`flowkit executor --secret-file` started once an executor is lost: the run keeps its
+    layout on it and ends with the parameters and the curve of the run without faults."""
+    elastic, clean = tmp_path / "elastic", tmp_path / "clean"
+    process, address, _ = _killed_once(tmp_path, STEPS, wait_s=60)
+    output = _ends_with_one_by_hand(process, address, tmp_path / "secret")
     assert "took the lost ones' place: --stages 2 --replicas 2" in output
     _same_as_clean(elastic, clean, STEPS)
     assert _lines(elastic / "m.jsonl")[-1]["shrinks"] == 0
@@ -157,29 +175,11 @@ def test_a_shrunk_run_grows_back_at_a_checkpoint_when_an_executor_joins(tmp_path
     """Shrunk to one replica, the run takes an executor started by hand at its next checkpoint
     after it joined, goes on with two again, and ends as the run without faults."""
     steps, elastic, clean = 80, tmp_path / "elastic", tmp_path / "clean"  # time to join
-    subprocess.run(_command(PRETRAIN, clean, "--steps", str(steps), "--replicas", "2"),
-                   cwd=ROOT, check=True, capture_output=True)
-    process = subprocess.Popen(
-        _command(PRETRAIN, elastic, "--steps", str(steps), "--replicas", "2",
-                 "--checkpoint-dir", str(elastic / "ck"), "--checkpoint-every", "1",
-                 "--elastic", "--elastic-wait", "0", "--secret-file", str(tmp_path / "secret")),
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=without_shared_server())
-    address = re.search(r"--connect (\S+)", process.stdout.readline()).group(1)
-    deadline = time.monotonic() + 120
-    while len(_lines(elastic / "m.jsonl")) < 3 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    os.kill(sorted(executor_processes(process.pid))[-1], signal.SIGKILL)
+    process, address, deadline = _killed_once(tmp_path, steps, wait_s=0)
     while (not any(line.get("shrinks") for line in _lines(elastic / "m.jsonl"))
            and time.monotonic() < deadline):
         time.sleep(0.02)
-    by_hand = _start_by_hand(address, tmp_path / "secret")
-    try:
-        output, _ = process.communicate(timeout=300)
-    finally:
-        by_hand.kill()
-        by_hand.wait()
-    assert process.returncode == 0, output
+    output = _ends_with_one_by_hand(process, address, tmp_path / "secret")
     assert "the run shrinks to 3 executors: --stages 2 --replicas 1" in output
     assert "the run grows to 4: --stages 2 --replicas 2" in output
     _same_as_clean(elastic, clean, steps)
