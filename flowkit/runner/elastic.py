@@ -13,6 +13,7 @@ import attrs
 
 from flowkit.dsl import Flow
 from flowkit.runner.config import RunConfig, RunConfigError
+from flowkit.runner.setup import backprops_of, trained_as
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.registry import ExecutorInfo
 
@@ -66,8 +67,7 @@ def layout_for(full: tuple[int, int], count: int) -> tuple[int, int]:
 def trained_layout(flow: Flow) -> tuple[int, int] | None:
     """(stages, replicas) of the flow's trained models, the most of each; None: it trains
     none."""
-    trained = [flow.models[node.model] for node in flow.nodes.values()
-               if getattr(node.operator, "lowering", None) == "pipeline"]
+    trained = [flow.models[node.model] for node in backprops_of(flow)]
     if not trained:
         return None
     return max(m.stages for m in trained), max(m.replicas for m in trained)
@@ -76,13 +76,11 @@ def trained_layout(flow: Flow) -> tuple[int, int] | None:
 def relayout(flow: Flow, stages: int, replicas: int) -> None:
     """The trained models of `flow` (in place) in `stages` and `replicas`: an FSDP model on
     one replica trains unsharded, which is what it computes anyway."""
-    for node in flow.nodes.values():
-        if getattr(node.operator, "lowering", None) != "pipeline":
-            continue
-        model = flow.models[node.model]
+    for name in {node.model for node in backprops_of(flow)}:
+        model = flow.models[name]
         shard = None if model.shard == "fsdp" and replicas < 2 else model.shard
-        flow.models[node.model] = attrs.evolve(model, stages=stages, replicas=replicas,
-                                               shard=shard)
+        flow.models[name] = trained_as(model, stages=stages, replicas=replicas,
+                                       shard_optimizer=model.shard_optimizer, shard=shard)
 
 
 @attrs.define(kw_only=True)

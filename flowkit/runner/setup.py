@@ -14,8 +14,8 @@ from flowkit.ops import EXECUTOR_OPS, missing_executor_ops
 from flowkit.planner.lower import Call, NodePlan
 from flowkit.runner.config import RunConfigError
 
-__all__ = ["check_kind", "choose_executors", "executor_kinds", "executor_tags",
-           "training_executors", "with_training_options"]
+__all__ = ["backprops_of", "check_kind", "choose_executors", "executor_kinds",
+           "executor_tags", "trained_as", "training_executors", "with_training_options"]
 
 
 def executor_kinds() -> tuple[str, ...]:
@@ -127,7 +127,13 @@ def _check_memory_limit(node: Node, model: Model) -> None:
 _BACKPROP_OPTIONS = ("microbatches", "microbatch_tokens", "schedule", "offload", "memory_limit")
 
 
-def _trained_as(model: Model, *, stages: int, replicas: int, shard_optimizer: bool,
+def backprops_of(flow: Flow) -> list[Node]:
+    """The nodes of `flow` that train a model (lowered to a pipeline)."""
+    return [node for node in flow.nodes.values()
+            if getattr(node.operator, "lowering", None) == "pipeline"]
+
+
+def trained_as(model: Model, *, stages: int, replicas: int, shard_optimizer: bool,
                 shard: str | None) -> Model:
     """`model` with the run's layout, its sharding checked [Note: FSDP within a stage in
     executors/torch/train/fsdp.py]: FSDP needs replicas to shard over, and replaces ZeRO-1."""
@@ -175,11 +181,10 @@ def with_training_options(flow: Flow, *, stages: int | None, microbatches: int |
     if packing:
         for name, model in flow.models.items():
             flow.models[name] = attrs.evolve(model, packing=True)
-    backprops = [node for node in flow.nodes.values()
-                 if getattr(node.operator, "lowering", None) == "pipeline"]
+    backprops = backprops_of(flow)
     for name in {node.model for node in backprops}:
         model = flow.models[name]
-        flow.models[name] = _trained_as(model, stages=stages or model.stages,
+        flow.models[name] = trained_as(model, stages=stages or model.stages,
                                         replicas=replicas or model.replicas,
                                         shard_optimizer=shard_optimizer or model.shard_optimizer,
                                         shard="fsdp" if fsdp else model.shard)

@@ -77,7 +77,8 @@ def test_a_lost_executor_not_replaced_shrinks_the_run_to_the_layout_left(tmp_pat
     assert " ".join(after) in output
     _switched_layout_run(flow, switched, before, after, at)
     (weights,) = [p.name for p in (switched / "w").glob("*.pt")]
-    got, want = torch.load(elastic / "w" / weights), torch.load(switched / "w" / weights)
+    got, want = torch.load(elastic / "w" / weights, weights_only=True), torch.load(
+        switched / "w" / weights, weights_only=True)
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-10)
@@ -115,7 +116,8 @@ def _start_by_hand(address: str, secret: Path) -> subprocess.Popen:
 
 def _same_as_clean(run: Path, clean: Path, steps: int) -> None:
     """The parameters and the curve of the run without faults, each step once."""
-    got, want = torch.load(run / "w" / "gpt.pt"), torch.load(clean / "w" / "gpt.pt")
+    got, want = torch.load(run / "w" / "gpt.pt", weights_only=True), torch.load(
+        clean / "w" / "gpt.pt", weights_only=True)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-10)
     lines = _lines(run / "m.jsonl")
