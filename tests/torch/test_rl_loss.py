@@ -274,6 +274,17 @@ def test_profiling_accepts_an_experience_microbatch_and_leaves_the_generators_as
         assert torch.equal(torch.get_rng_state(), before)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU device check)")
+def test_profiling_on_cuda_leaves_its_generator_as_it_was():
+    """As on the CPU: the profile's draws on a CUDA stage are forked off (fork_rng with the
+    initialized devices), so the run's CUDA generator goes on as if no profile had run."""
+    torch.cuda.init()
+    ctx = OpContext(name="exec0", device="cuda", tags=())
+    before = torch.cuda.get_rng_state()
+    pipeline_ops._profile(ctx, _experiences(3, seed=41), **POLICY, stage=0, stages=2, repeats=1)
+    assert torch.equal(torch.cuda.get_rng_state(), before)
+
+
 # -- clear errors ---------------------------------------------------------------------------
 def _last_forward(spec: dict, *data, **config):
     """The last stage's F of a two-stage split on the given data inputs."""

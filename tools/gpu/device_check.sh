@@ -11,8 +11,9 @@
 #      (PyPI's default Linux wheel is a CUDA build), falling back to `pip install torch`
 #   1. installs the project (-e, no deps, offline) and pyzmq from carried wheels (FK_WHEELS,
 #      default ./.whl) when the interpreter lacks it
-#   a. the device-parametrised tests: tests/torch/test_sampling.py (its CUDA test) and
-#      packing's varlen kernel (tests/torch/test_packing.py)
+#   a. the device-parametrised tests: tests/torch/test_sampling.py (its CUDA test),
+#      packing's varlen kernel (tests/torch/test_packing.py) and a profile's CUDA generator
+#      (tests/torch/test_rl_loss.py)
 #   b. pipeline F/B/W ops of the built-in GPT (124M) on cuda vs a plain loop: gradients and
 #      weights after one AdamW step, ms/step (plain fp32/tf32/autocast, split, fused, bf16),
 #      grad_stats and the optimizer step, autocast around the split backward, offload on the
@@ -163,7 +164,8 @@ main() {
   grep -rln --include='*.py' -e 'cuda' tests | sed 's/^/  mentions cuda: /'
   section a_pytest_sampling 60 "$PY" -m pytest -q -p no:cacheprovider -rs \
     --junitxml="$FK_PARTS/junit.xml" tests/torch/test_sampling.py \
-    tests/torch/test_packing.py::test_the_varlen_kernel_on_cuda_equals_the_block_mask
+    tests/torch/test_packing.py::test_the_varlen_kernel_on_cuda_equals_the_block_mask \
+    tests/torch/test_rl_loss.py::test_profiling_on_cuda_leaves_its_generator_as_it_was
   section b_pipeline 150 "$PY" "$WORK/fk_devcheck.py" pipeline
   # (d) the GRPO example on the device: warm-up, GRPO, its bf16 variant (the sampler/trainer
   # mismatch metrics), 2 executors given a bare `--device cuda` on one GPU, a CPU reference
