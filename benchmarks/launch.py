@@ -24,12 +24,12 @@ from collections.abc import Iterator
 
 from flowkit.runtime import Controller
 from flowkit.runtime.forkserver import start_server
+from flowkit.runtime.launch import preload_for
 from flowkit.runtime.launchers import make_launcher
 
 __all__ = ["run_launch_bench"]
 
 _WAYS = ("fresh", "forked_cold", "forked_warm", "ray")
-_PRELOAD = {"torch": ("executors.torch",), "sim": ("executors.sim",)}
 
 
 def run_launch_bench(*, executors: int = 2, rounds: int = 5, kind: str = "torch",
@@ -39,7 +39,7 @@ def run_launch_bench(*, executors: int = 2, rounds: int = 5, kind: str = "torch"
     ways = [w for w in _WAYS if ray or w != "ray"]
     owned, ray_init_s = _start_ray(executors) if ray else (False, None)
     times = {way: {"start": [], "replace": [], "stop": []} for way in ways}
-    warm = start_server(_PRELOAD.get(kind, ()))
+    warm = start_server(preload_for(kind))
     try:
         for _ in range(rounds):
             for way in ways:
@@ -100,7 +100,7 @@ def _launch(way: str, executors: int, kind: str, warm_path: str) -> dict[str, fl
     begin = time.perf_counter()
     cold = None
     if way == "forked_cold":
-        cold = start_server(_PRELOAD.get(kind, ()))
+        cold = start_server(preload_for(kind))
     setting = {"fresh": "off", "forked_cold": cold and cold.path, "forked_warm": warm_path,
                "ray": "off"}[way]
     try:

@@ -4,9 +4,7 @@ the `flowkit` command offers the installed kinds without importing any of them."
 
 from __future__ import annotations
 
-from importlib.metadata import entry_points
-
-from executors.optable import OpTable, builtin_ops, load_plugin_ops
+from executors.optable import OpTable, builtin_ops, installed_entries, load_plugin_ops
 
 __all__ = ["base", "kinds", "op_table"]
 
@@ -19,12 +17,12 @@ def base(table: OpTable) -> None:
 
 def kinds() -> tuple[str, ...]:
     """The installed kinds, by name."""
-    return tuple(sorted({entry.name for entry in entry_points(group=GROUP)}))
+    return tuple(sorted({entry.name for entry in installed_entries(GROUP)}))
 
 
 def op_table(kind: str) -> OpTable:
     table = builtin_ops()
-    found = {entry.name: entry for entry in entry_points(group=GROUP)}
+    found = {entry.name: entry for entry in installed_entries(GROUP)}
     if kind not in found:
         raise ValueError(f"unknown executor kind {kind!r}: known are {', '.join(sorted(found))}"
                          " (a kind is an entry of the `flowkit.executors` group; is the package"

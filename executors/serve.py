@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from executors.kinds import kinds
-from flowkit.wire.collection import fewer_collections
+from flowkit.wire.collection import fewer_collections_for_good
 from flowkit.wire.limits import CONTROL_FRAME_BYTES
 
 __all__ = ["executor", "load_code", "route_source", "run_secret"]
@@ -114,9 +114,8 @@ def executor(connect: str, name: str | None, tags: str, device: str, kind: str,
                       max_frame_bytes=max_frame_bytes, secret=secret)
     # [Note: garbage collection] in flowkit/wire/collection.py: the code loaded is frozen out
     # of the collector's walks, and young collections are rarer
-    with fewer_collections():
-        code = worker.serve()
-    raise SystemExit(code)
+    fewer_collections_for_good()
+    raise SystemExit(worker.serve())
 
 
 def load_code(paths: tuple[str, ...] | list[str]) -> None:

@@ -3,11 +3,13 @@ import os
 
 import pytest
 
+from flowkit.runtime.launch import preload_for
 from tests.harness import ExecutorPool, executor_cluster
 
 # What the suite's fork server imports once, so that no executor process a test starts (its own,
-# or a `flowkit run` child's) imports them again: the kinds and the HF models the tests build.
-_PRELOAD = ("executors.torch", "executors.sim", "transformers",
+# or a `flowkit run` child's) imports them again: what the kinds' servers do, and the HF models
+# the tests build.
+_PRELOAD = (*preload_for("torch"), *preload_for("sim"), "transformers",
             "transformers.models.auto.modeling_auto", "transformers.models.qwen2.modeling_qwen2",
             "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2")
 

@@ -19,10 +19,25 @@ from flowkit.runtime.registry import ExecutorInfo
 from flowkit.runtime.spawn import spawn
 
 __all__ = ["ExecutorExited", "LaunchError", "Launcher", "LocalExecutors", "ProcessExecutors",
-           "per_executor_tags", "stop_processes", "thread_env"]
+           "per_executor_tags", "preload_for", "stop_processes", "thread_env"]
 
-# what a kind's fork server imports before it forks [Note: fork server in executors/forkserver.py]
-_PRELOAD = {"torch": ("executors.torch",), "sim": ("executors.sim",)}
+# What a kind's fork server imports before it forks [Note: fork server in executors/forkserver.py]:
+# the kind, the modules its op table registers, and what flow code imports (the DSL, networkx for
+# its checks, dataflows' flows), which every executor imported again after its fork: 0.4 s of a
+# core each (`python -X importtime`, networkx 0.26 s of it)
+_FLOW_CODE = ("flowkit.dsl", "networkx", "dataflows.grpo", "dataflows.pretrain",
+              "dataflows.datasets")
+_PRELOAD = {
+    "torch": ("executors.torch", "executors.torch.train.pipeline_ops",
+              "executors.torch.rollout.generate", "executors.torch.rollout.infer",
+              "executors.torch.state", *_FLOW_CODE),
+    "sim": ("executors.sim", *_FLOW_CODE),
+}
+
+
+def preload_for(kind: str) -> tuple[str, ...]:
+    """The modules a fork server for executors of `kind` imports before it forks."""
+    return _PRELOAD.get(kind, ())
 
 # how often a launcher waiting for its executors to connect looks at their processes
 _WATCH_S = 0.05
@@ -222,7 +237,7 @@ class LocalExecutors(ProcessExecutors):
         # the process touches CUDA, which a fork server cannot promise of what it imported
         if self.devices[i].device != "cpu":
             return None
-        return start_executor(self._command(i)[3:], env, preload=_PRELOAD.get(self.kind, ()))
+        return start_executor(self._command(i)[3:], env, preload=preload_for(self.kind))
 
 
 def thread_env(threads: int) -> dict[str, str]:

@@ -8,7 +8,11 @@ import weakref
 
 import pytest
 
-from flowkit.wire.collection import YOUNG_COLLECTION, fewer_collections
+from flowkit.wire.collection import (
+    YOUNG_COLLECTION,
+    fewer_collections,
+    fewer_collections_for_good,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -38,6 +42,17 @@ def test_what_others_froze_stays_frozen() -> None:
     # an unfreeze would leave none; a few frozen objects may be freed meanwhile by other threads
     # of this process (the suite's pools, its fork server's reader)
     assert gc.get_freeze_count() >= 0.9 * frozen
+
+
+def test_an_executor_works_under_the_policy_for_the_rest_of_its_life() -> None:
+    """An executor's process sets the policy once (the fixture restores this one's)."""
+    before = gc.get_threshold()
+    fewer_collections_for_good()
+    assert gc.get_threshold() == (YOUNG_COLLECTION, *before[1:])
+    assert gc.get_freeze_count() > 0
+    with fewer_collections():  # a run inside it leaves it as it was
+        pass
+    assert gc.get_threshold() == (YOUNG_COLLECTION, *before[1:])
 
 
 def test_a_threshold_set_during_the_run_is_kept() -> None:
