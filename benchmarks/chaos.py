@@ -23,7 +23,7 @@ from typing import Any
 
 import attrs
 
-from flowkit.runtime.forkserver import executor_processes, without_shared_server
+from flowkit.runtime.forkserver import executor_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOW = str(Path(__file__).with_name("chaos_flow.py"))
@@ -55,7 +55,7 @@ def clean_run(folder: Path, steps: int = STEPS) -> tuple[Path, float]:
     it took: the kills of the runs under test fall within that span, whatever the machine."""
     started = time.monotonic()
     subprocess.run(command(folder, "--steps", str(steps)), cwd=ROOT, check=True,
-                   capture_output=True, env=without_shared_server())
+                   capture_output=True)
     return folder / "w", time.monotonic() - started
 
 
@@ -79,10 +79,10 @@ def chaos_run(folder: Path, seed: int, *args: str, kills: int = 2, steps: int = 
         moments.append(at)
         at += rng.uniform(*gap_s)
     started = time.monotonic()
-    # the run's own fork server, as a user's run has it: its executors are its descendants
+    # a user's run forks its executors from a fork server of its own; the suite's runs share
+    # the suite's (FLOWKIT_FORKSERVER), which says which of its children are this run's
     process = subprocess.Popen(command(folder, "--steps", str(steps), *args), cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=without_shared_server())
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killed: list[tuple[str, float]] = []
     kill_times: list[float] = []
     # a process killed a moment ago may still be exiting (a torch process takes tens of ms

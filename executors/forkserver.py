@@ -31,6 +31,7 @@ from typing import Any
 
 from flowkit.wire.forkserver import (
     ForkServerError,
+    check_pid,
     check_start,
     fingerprint,
     peer_uid,
@@ -76,6 +77,7 @@ class ForkServer:
         self.selector.register(self.listener, selectors.EVENT_READ)
         self.greeted: set[socket.socket] = set()
         self.owner: dict[int, socket.socket] = {}  # child pid -> the connection that asked
+        self.launcher: dict[int, int] = {}  # child pid -> the pid it dies with (its launcher)
         self.wakeup_read, wakeup_write = os.pipe()
         os.set_blocking(wakeup_write, False)
         signal.set_wakeup_fd(wakeup_write)
@@ -117,6 +119,10 @@ class ForkServer:
             elif set(message) == {"start"}:
                 self._reply(conn, {"started": self._fork(check_start(message["start"], fds),
                                                          fds, conn)})
+            elif set(message) == {"children_of"} and not fds:
+                launcher = check_pid(message["children_of"], "children_of")
+                self._reply(conn, {"children": sorted(
+                    pid for pid, watched in self.launcher.items() if watched == launcher)})
             else:
                 raise ForkServerError(f"unknown message {sorted(message)[:4]}")
         except ForkServerError as exc:
@@ -148,6 +154,7 @@ class ForkServer:
         for fd in fds:
             os.close(fd)
         self.owner[pid] = conn
+        self.launcher[pid] = request["watch"]
         return pid
 
     def _reap(self) -> None:
@@ -160,6 +167,7 @@ class ForkServer:
                 return
             sweep([pid])  # a child killed (SIGKILL, the OOM killer) could not unlink its own
             conn = self.owner.pop(pid, None)
+            self.launcher.pop(pid, None)
             if conn is not None:
                 self._reply(conn, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
 

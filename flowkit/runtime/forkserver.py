@@ -27,7 +27,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from flowkit.runtime.spawn import spawn
-from flowkit.wire.forkserver import ForkServerError, fingerprint, peer_uid, receive, send
+from flowkit.wire.forkserver import (
+    ForkServerError,
+    fingerprint,
+    peer_pid,
+    peer_uid,
+    receive,
+    send,
+)
 
 __all__ = ["ForkServer", "ForkedProcess", "executor_processes", "start_executor",
            "start_server", "without_shared_server"]
@@ -36,6 +43,7 @@ log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 120.0  # a server's imports, on a loaded machine
 _UNKNOWN_EXIT = 255  # a child whose server went away before it could say how it ended
+_OFF = ("off", "0", "no", "false")  # FLOWKIT_FORKSERVER's settings for no server
 
 
 class ForkedProcess:
@@ -93,22 +101,7 @@ class ForkServer:
 
     def __init__(self, path: str, process: subprocess.Popen | None = None) -> None:
         self.path, self.process = path, process
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            self.sock.connect(path)
-            owner = peer_uid(self.sock)
-            if owner != os.getuid():  # it would see the executors' environment, secret included
-                self.sock.close()
-                raise ForkServerError(f"the fork server at {path} runs as user {owner}, not "
-                                      f"as this one ({os.getuid()}): refused")
-            send(self.sock, {"hello": fingerprint()})
-            reply, _ = receive(self.sock)
-        except OSError as exc:
-            self.sock.close()
-            raise ForkServerError(f"no fork server at {path} ({exc})") from None
-        if reply != {"ok": True}:
-            self.sock.close()
-            raise ForkServerError(f"the fork server at {path} refused: {_why(reply)}")
+        self.sock = _greeted(path)
         self.alive = True
         self._lock = threading.Lock()  # one start at a time: replies come in order
         self._started: list[ForkedProcess | ForkServerError] = []
@@ -179,6 +172,27 @@ class ForkServer:
             shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
 
 
+def _greeted(path: str) -> socket.socket:
+    """A connection to the fork server at `path` that has said hello and been answered."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.connect(path)
+        owner = peer_uid(sock)
+        if owner != os.getuid():  # it would see the executors' environment, secret included
+            sock.close()
+            raise ForkServerError(f"the fork server at {path} runs as user {owner}, not "
+                                  f"as this one ({os.getuid()}): refused")
+        send(sock, {"hello": fingerprint()})
+        reply, _ = receive(sock)
+    except OSError as exc:
+        sock.close()
+        raise ForkServerError(f"no fork server at {path} ({exc})") from None
+    if reply != {"ok": True}:
+        sock.close()
+        raise ForkServerError(f"the fork server at {path} refused: {_why(reply)}")
+    return sock
+
+
 def _why(reply: Any) -> str:
     return str(reply.get("refused") if isinstance(reply, dict) else reply)[:500]
 
@@ -216,7 +230,7 @@ _servers_owner = os.getpid()
 def _server_for(preload: tuple[str, ...]) -> ForkServer | None:
     global _servers_owner
     setting = os.environ.get("FLOWKIT_FORKSERVER", "")
-    if setting.lower() in ("off", "0", "no", "false"):
+    if setting.lower() in _OFF:
         return None
     key = setting or preload
     with _servers_lock:
@@ -265,17 +279,40 @@ def without_shared_server(environ: dict[str, str] | None = None) -> dict[str, st
 
 def executor_processes(parent: int) -> dict[int, str]:
     """The local executors process `parent` started, pid -> name: its children that run
-    `python -m executors --name NAME`, and the children of its fork server, named by their
-    process name (which a forked executor sets to its --name, up to 15 bytes)."""
+    `python -m executors --name NAME`, the children of its fork server, and those the shared
+    server FLOWKIT_FORKSERVER names forked for it; a forked one by its process name (which it
+    sets to its --name, up to 15 bytes, first thing: until then it is not yet one)."""
     found = {}
     for pid, argv in _children(parent).items():
         if b"executors.forkserver" in argv:
-            unnamed = _process_name(pid)  # a child that has not yet named itself is not yet one
+            unnamed = _process_name(pid)
             for child in _children(pid):
                 found[child] = "" if _process_name(child) == unnamed else _process_name(child)
         elif b"--name" in argv:
             found[pid] = argv[argv.index(b"--name") + 1].decode()
+    shared = os.environ.get("FLOWKIT_FORKSERVER", "")
+    if shared and shared.lower() not in _OFF:
+        found.update(_served_for(shared, parent))
     return {pid: name for pid, name in found.items() if name}
+
+
+def _served_for(path: str, launcher: int) -> dict[int, str]:
+    """The live children the fork server at `path` forked for `launcher`, pid -> name; one
+    that has not yet named itself still has the server's name, and is left out."""
+    try:
+        sock = _greeted(path)
+    except ForkServerError:
+        return {}
+    with sock:
+        send(sock, {"children_of": launcher})
+        reply, _ = receive(sock)
+        unnamed = _process_name(peer_pid(sock))
+    children = reply.get("children") if isinstance(reply, dict) else None
+    if not isinstance(children, list):
+        return {}
+    return {pid: name for pid in children if isinstance(pid, int)
+            and (name := _process_name(pid)) and name != unnamed and _alive(pid)}
+
 
 
 def _children(parent: int) -> dict[int, list[bytes]]:
@@ -293,6 +330,15 @@ def _children(parent: int) -> dict[int, list[bytes]]:
         except (OSError, ValueError, IndexError):
             continue  # gone while we looked
     return found
+
+
+def _alive(pid: int) -> bool:
+    """Neither gone nor dead and not yet reaped (a zombie keeps its name)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
 
 
 def _process_name(pid: int) -> str:

@@ -25,8 +25,8 @@ from typing import Any
 
 import msgpack
 
-__all__ = ["MAX_PACKET", "ForkServerError", "check_start", "fingerprint", "peer_uid", "receive",
-           "send"]
+__all__ = ["MAX_PACKET", "ForkServerError", "check_pid", "check_start", "fingerprint", "peer_pid",
+           "peer_uid", "receive", "send"]
 
 MAX_PACKET = 1 << 20  # an environment of a few hundred variables fits many times over
 _LIMITS = {"max_str_len": MAX_PACKET, "max_bin_len": 0, "max_array_len": 4096,
@@ -48,8 +48,17 @@ def fingerprint() -> dict[str, str]:
 def peer_uid(sock: socket.socket) -> int:
     """The user id of the process at the other end of a connected Unix socket (the kernel's
     word, SO_PEERCRED): each side talks only to its own user's processes."""
+    return _peer_credentials(sock)[1]
+
+
+def peer_pid(sock: socket.socket) -> int:
+    """The process id at the other end of a connected Unix socket (SO_PEERCRED)."""
+    return _peer_credentials(sock)[0]
+
+
+def _peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                               struct.calcsize("3i")))[1]
+                                               struct.calcsize("3i")))
 
 
 def send(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
@@ -108,6 +117,12 @@ def check_start(request: Any, fds: list[int]) -> dict[str, Any]:
         raise ForkServerError("env maps variable names to strings")
     if not isinstance(cwd, str) or "\0" in cwd or not os.path.isdir(cwd):
         raise ForkServerError(f"cwd {str(cwd)[:200]!r} is not a folder")
-    if not isinstance(watch, int) or isinstance(watch, bool) or watch <= 1:
-        raise ForkServerError("watch is the pid of the process the child dies with")
+    check_pid(watch, "watch", "the pid of the process the child dies with")
     return {"argv": argv, "env": env, "cwd": cwd, "watch": watch}
+
+
+def check_pid(value: Any, field: str, what: str = "a process id") -> int:
+    """A pid in a message: an int above 1 (0 and 1 are no launcher's) that fits a pid_t."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 < value < 1 << 31:
+        raise ForkServerError(f"{field} is {what}")
+    return value

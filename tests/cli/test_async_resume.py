@@ -258,15 +258,12 @@ def test_async_run_with_killed_executors_ends_with_the_uninterrupted_curve_on_th
     """Sim executors killed twice at random moments (in generation running ahead, a drain, a
     checkpoint being written): each lost one is replaced, the newest checkpoint replays its
     open steps' saved samples, and the run gives the curve of the run without faults."""
-    import subprocess
-
-    from tests.cli.test_restarts import ROOT, _command, _run_with_kills
+    from tests.cli.test_restarts import _clean_run, _run_with_kills
 
     options = ("--executors", "sim", "--no-fuse", "--max-staleness", "1",
                "--sim-cost", "token=0.004")
     clean, faulty = tmp_path / "clean", tmp_path / "faulty"
-    subprocess.run(_command(GRPO, clean, "--steps", "16", *options, weights=False), cwd=ROOT,
-                   check=True, capture_output=True)
+    _clean_run(GRPO, clean, "--steps", "16", *options, weights=False)
     output = _run_with_kills(GRPO, faulty, 16, *options, "--max-restarts", "3", kills=2,
                              seed=5, weights=False)
     assert output.count("lost (") == 2

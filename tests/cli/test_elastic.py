@@ -22,7 +22,7 @@ import torch
 from flowkit.runtime.forkserver import executor_processes, without_shared_server
 from flowkit.wire.hello import SECRET_ENV
 from tests.cli.runs import GRPO, PRETRAIN, metrics_lines, refused
-from tests.cli.test_restarts import ROOT, _command, _lines
+from tests.cli.test_restarts import ROOT, _clean_run, _command, _lines
 
 pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
 
@@ -37,8 +37,7 @@ def _elastic_run_with_a_kill(flow: str, folder: Path, *layout: str, after: int
         _command(flow, folder, "--steps", str(STEPS), *layout, "--checkpoint-dir",
                  str(folder / "ck"), "--checkpoint-every", "1", "--elastic", "--elastic-wait",
                  "0.2"),
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=without_shared_server())
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     while len(_lines(folder / "m.jsonl")) < after and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -55,13 +54,11 @@ def _switched_layout_run(flow: str, folder: Path, before: tuple[str, ...],
                          after: tuple[str, ...], at: int) -> None:
     """STEPS steps on `before` with a checkpoint each step, then the run resumed from step `at`
     on `after`: what the elastic run must end as."""
-    subprocess.run(_command(flow, folder / "whole", "--steps", str(STEPS), *before,
-                            "--checkpoint-dir", str(folder / "ck"), "--checkpoint-every", "1",
-                            "--keep-checkpoints", str(STEPS + 1), weights=False),
-                   cwd=ROOT, check=True, capture_output=True)
-    subprocess.run(_command(flow, folder, "--steps", str(STEPS), *after, "--resume",
-                            str(folder / "ck" / f"step-{at:08d}")),
-                   cwd=ROOT, check=True, capture_output=True)
+    _clean_run(flow, folder / "whole", "--steps", str(STEPS), *before, "--checkpoint-dir",
+               str(folder / "ck"), "--checkpoint-every", "1", "--keep-checkpoints",
+               str(STEPS + 1), weights=False)
+    _clean_run(flow, folder, "--steps", str(STEPS), *after, "--resume",
+               str(folder / "ck" / f"step-{at:08d}"))
 
 
 @pytest.mark.parametrize(("flow", "before", "after"), [
@@ -132,15 +129,13 @@ def _killed_once(tmp_path: Path, steps: int, *, wait_s: float
     (replicas 2, a checkpoint a step, its secret in tmp_path/secret), one of whose executors
     is killed after its third step: (its process, its address, the deadline to wait by)."""
     elastic, clean = tmp_path / "elastic", tmp_path / "clean"
-    subprocess.run(_command(PRETRAIN, clean, "--steps", str(steps), "--replicas", "2"),
-                   cwd=ROOT, check=True, capture_output=True)
+    _clean_run(PRETRAIN, clean, "--steps", str(steps), "--replicas", "2")
     process = subprocess.Popen(
         _command(PRETRAIN, elastic, "--steps", str(steps), "--replicas", "2",
                  "--checkpoint-dir", str(elastic / "ck"), "--checkpoint-every", "1",
                  "--elastic", "--elastic-wait", f"{wait_s:g}",
                  "--secret-file", str(tmp_path / "secret")),
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=without_shared_server())
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     address = re.search(r"--connect (\S+)", process.stdout.readline()).group(1)
     deadline = time.monotonic() + 120
     while len(_lines(elastic / "m.jsonl")) < 3 and time.monotonic() < deadline:

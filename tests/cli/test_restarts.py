@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowkit.runtime.forkserver import executor_processes, without_shared_server
+from flowkit.runtime.forkserver import executor_processes
+from tests.cli.runs import run_ok
 
 pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
 
@@ -27,12 +28,23 @@ PRETRAIN = str(FLOWS / "tiny_pretrain.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _command(flow: str, folder: Path, *args: str, weights: bool = True) -> list[str]:
-    """`flowkit run` on torch executors (a later --executors wins), writing metrics and,
+def _arguments(flow: str, folder: Path, *args: str, weights: bool = True) -> list[str]:
+    """`flowkit run`'s on torch executors (a later --executors wins), writing metrics and,
     with `weights`, the final weights into `folder`."""
     save = ["--save-weights", str(folder / "w")] if weights else []
-    return [sys.executable, "-m", "flowkit", "run", flow, "--no-dashboard", "--executors",
-            "torch", "--metrics", str(folder / "m.jsonl"), *save, *args]
+    return [flow, "--executors", "torch", "--metrics", str(folder / "m.jsonl"), *save, *args]
+
+
+def _command(flow: str, folder: Path, *args: str, weights: bool = True) -> list[str]:
+    """The `flowkit run` of _arguments as a process of its own (its executors forked by the
+    suite's fork server, found by executor_processes through it)."""
+    return [sys.executable, "-m", "flowkit", "run", "--no-dashboard",
+            *_arguments(flow, folder, *args, weights=weights)]
+
+
+def _clean_run(flow: str, folder: Path, *args: str, weights: bool = True) -> None:
+    """The run of _arguments in this process: the run without faults to compare with."""
+    run_ok(*_arguments(flow, folder, *args, weights=weights))
 
 
 def _lines(path: Path) -> list[dict]:
@@ -52,7 +64,7 @@ def _run_with_kills(flow: str, folder: Path, steps: int, *args: str, kills: int,
                                         "--checkpoint-dir", str(folder / "ck"), *args,
                                         weights=weights),
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, env=without_shared_server())
+                               text=True)
     killed, deadline = 0, time.monotonic() + 300
     while process.poll() is None and killed < kills and time.monotonic() < deadline:
         lines = _lines(folder / "m.jsonl")
@@ -91,8 +103,7 @@ def _same_run(faulty: Path, clean: Path, *keys: str) -> None:
                                             (GRPO, ("loss", "reward_mean"))])
 def test_killed_executors_are_replaced_and_the_run_ends_as_without_faults(tmp_path, flow, keys):
     clean, faulty = tmp_path / "clean", tmp_path / "faulty"
-    subprocess.run(_command(flow, clean, "--steps", "12"), cwd=ROOT, check=True,
-                   capture_output=True)
+    _clean_run(flow, clean, "--steps", "12")
     output = _run_with_kills(flow, faulty, 12, "--max-restarts", "3", kills=2,
                              seed=len(keys))
     assert output.count("lost (") == 2 and "restart 2 of 3" in output
@@ -103,16 +114,14 @@ def test_killed_executors_are_replaced_and_the_run_ends_as_without_faults(tmp_pa
 def test_an_executor_lost_in_the_first_step_is_replaced_and_nothing_is_trained_twice(tmp_path):
     """The survivors may have stepped their stage already: the reload rebuilds every model."""
     clean, faulty = tmp_path / "clean", tmp_path / "faulty"
-    subprocess.run(_command(PRETRAIN, clean, "--steps", "6"), cwd=ROOT, check=True,
-                   capture_output=True)
+    _clean_run(PRETRAIN, clean, "--steps", "6")
     _run_with_kills(PRETRAIN, faulty, 6, "--max-restarts", "1", kills=1, seed=0, first=0)
     _same_run(faulty, clean, "loss")
 
 
 def test_without_restarts_a_killed_executor_fails_the_run_with_a_clear_error(tmp_path):
     process = subprocess.Popen(_command(PRETRAIN, tmp_path, "--steps", "40"), cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=without_shared_server())
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     while not _lines(tmp_path / "m.jsonl") and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -127,8 +136,7 @@ def test_a_killed_replica_is_replaced_and_its_group_rebuilt(tmp_path):
     groups, and the run ends with the parameters of the run without faults."""
     clean, faulty = tmp_path / "clean", tmp_path / "faulty"
     replicas = ("--replicas", "2")
-    subprocess.run(_command(PRETRAIN, clean, "--steps", "10", *replicas), cwd=ROOT,
-                   check=True, capture_output=True)
+    _clean_run(PRETRAIN, clean, "--steps", "10", *replicas)
     output = _run_with_kills(PRETRAIN, faulty, 10, "--max-restarts", "1", *replicas, kills=1,
                              seed=5)
     assert output.count("lost (") == 1

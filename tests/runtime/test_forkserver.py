@@ -103,6 +103,54 @@ def test_a_child_dies_with_its_launcher(server, tmp_path):
     assert _gone(pid, 10), "the forked executor outlived its launcher"
 
 
+def test_the_executors_a_launcher_had_forked_are_found_through_the_server(server, tmp_path,
+                                                                          monkeypatch):
+    """executor_processes(pid) of a `flowkit run` whose executors a shared server forked (the
+    suite's CLI runs, killed by tests): the server says which children each launcher asked
+    for; a process that asked for none has none."""
+    from flowkit.runtime.forkserver import executor_processes
+
+    script = tmp_path / "launcher.py"
+    script.write_text(textwrap.dedent("""
+        import time
+        from flowkit.runtime import Controller, LocalExecutors
+        with Controller() as ctl, LocalExecutors(ctl, 2, kind="sim") as infos:
+            print(*sorted(e.pid for e in infos), flush=True)
+            time.sleep(600)
+    """))
+    monkeypatch.setenv("FLOWKIT_FORKSERVER", server.path)
+    launcher = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                                text=True)
+    try:
+        pids = [int(pid) for pid in launcher.stdout.readline().split()]
+        assert executor_processes(launcher.pid) == {pids[0]: "exec-0", pids[1]: "exec-1"}
+        with subprocess.Popen(["sleep", "60"]) as stranger:
+            assert executor_processes(stranger.pid) == {}
+            stranger.kill()
+        os.kill(pids[0], signal.SIGKILL)
+        assert _gone(pids[0], 10)
+        deadline = time.monotonic() + 10  # until the server reaped it
+        while pids[0] in executor_processes(launcher.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert executor_processes(launcher.pid) == {pids[1]: "exec-1"}
+    finally:
+        launcher.kill()
+        launcher.wait()
+        launcher.stdout.close()
+
+
+@pytest.mark.parametrize("question", [True, "1234", -5, 1, 1 << 40, None])
+def test_a_bad_question_for_children_is_refused_and_the_server_keeps_serving(server,
+                                                                             question):
+    with _connected(server.path) as sock:
+        send(sock, {"hello": fingerprint()})
+        assert receive(sock)[0] == {"ok": True}
+        send(sock, {"children_of": question})
+        assert "children_of is a process id" in receive(sock)[0]["refused"]
+        send(sock, {"children_of": os.getpid()})
+        assert receive(sock)[0] == {"children": []}
+
+
 def _connected(path: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.connect(path)
