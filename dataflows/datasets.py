@@ -343,9 +343,10 @@ def chat_sft_sequences(*, path: str, tokenizer: str, sequences: int = 64, seq_le
     tok = load_tokenizer(tokenizer)
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer {tokenizer!r} has no EOS token: set eos_token and save it")
+    folder = str(Path(tokenizer).resolve())  # once: a resolve is a few system calls
     for row in data.rows(int(step) * int(sequences), int(sequences)):
-        yield torch.tensor(_sft_tokens(str(Path(tokenizer).resolve()), row.row, row.prompt,
-                                       row.answer or "", int(seq_len), bool(chat_template),
+        yield torch.tensor(_sft_tokens(folder, row.row, row.prompt, row.answer or "",
+                                       int(seq_len), bool(chat_template),
                                        bool(completion_only_loss)), dtype=torch.int64)
 
 
