@@ -19,11 +19,12 @@ from collections import defaultdict
 
 import attrs
 
+from dataflows.rl.trees import shared_prefix_weights
 from flowkit.dsl import Batch, Grouped, Stream, op
 from flowkit.ops.records import Experience, Scored, TokenScores
 
 __all__ = ["kl_token_rewards", "reinforce_pp_advantages", "reinforce_pp_baseline_advantages",
-           "rloo_advantages", "whiten"]
+           "rloo_advantages", "whiten", "with_advantages"]
 
 # verl whitens with rsqrt(var + 1e-8): equal advantages whiten to 0 rather than NaN
 _WHITEN_EPS = 1e-8
@@ -53,9 +54,11 @@ def rloo_advantages(group: Grouped[Scored]) -> Stream[Experience]:
     on every token. A group of one has no other sample and keeps its score (as verl)."""
     scores = [sum(_token_rewards(s)) for s in group]
     n, total = len(scores), sum(scores)
+    weights = shared_prefix_weights(group)  # a tree's leaves: [Note: tree rollouts' shared prefix]
     for record, score in zip(group, scores):
         advantage = score if n == 1 else score - (total - score) / (n - 1)
-        yield _with_advantages(record, [advantage] * len(record.response_tokens))
+        yield with_advantages(record, [advantage] * len(record.response_tokens),
+                              token_weights=weights.get((record.prompt_id, record.sample), []))
 
 
 @op
@@ -66,7 +69,7 @@ def reinforce_pp_advantages(experiences: Batch[Scored], *, gamma: float = 1.0
     replaces a critic: the reason this op's input is a barrier). `returns` keeps the raw
     returns."""
     returns = [_returns_to_go(_token_rewards(e), gamma) for e in experiences]
-    return [_with_advantages(e, advantages, returns=r)
+    return [with_advantages(e, advantages, returns=r)
             for e, advantages, r in zip(experiences, whiten(returns), returns)]
 
 
@@ -82,7 +85,7 @@ def reinforce_pp_baseline_advantages(experiences: Batch[Scored]) -> Batch[Experi
     means = {p: 0.0 if len(s) == 1 else statistics.fmean(s) for p, s in by_prompt.items()}
     centered = [[score - means[e.prompt_id]] * len(e.response_tokens)
                 for e, score in zip(experiences, scores)]
-    return [_with_advantages(e, advantages)
+    return [with_advantages(e, advantages)
             for e, advantages in zip(experiences, whiten(centered))]
 
 
@@ -121,9 +124,13 @@ def whiten(rows: list[list[float]]) -> list[list[float]]:
     return [[(v - mean) * scale for v in row] for row in rows]
 
 
-def _with_advantages(record: Scored, advantages: list[float], *,
-                     returns: list[float] | None = None) -> Experience:
+def with_advantages(record: Scored, advantages: list[float], *,
+                    returns: list[float] | None = None,
+                    token_weights: list[float] | None = None) -> Experience:
+    """`record` as an Experience with these advantages (and returns, token weights)."""
     extra = {} if returns is None else {"returns": returns}
+    if token_weights:
+        extra["token_weights"] = token_weights
     if isinstance(record, Experience):
         return attrs.evolve(record, advantages=advantages, **extra)
     return Experience(**attrs.asdict(record, recurse=False), advantages=advantages, **extra)

@@ -105,8 +105,24 @@ def check_tree(config: RLConfig) -> None:
             errors.append(f"tree rollouts (branch_at, branches) run synchronous steps of whole "
                           f"trees of single responses, without {', '.join(others)}: drop "
                           f"{'it' if len(others) == 1 else 'them'} or the branching")
+        errors += _tree_loss_errors(config.policy)
     if errors:
         raise ValueError(f"{len(errors)} error(s) in the sampling settings: " + "; ".join(errors))
+
+
+def _tree_loss_errors(policy: Any) -> list[str]:
+    """A tree's leaves weigh their shared prefix so that it trains once [Note: tree rollouts'
+    shared prefix in dataflows/rl/trees.py]: a loss that spreads a response's loss over all its
+    tokens cannot be weighed so."""
+    if policy.policy_loss == "gspo":
+        return ["tree rollouts train a shared prefix once by weighing its tokens, and GSPO's "
+                "sequence-level ratio spreads each response's loss over all of its tokens: "
+                "use the token-level loss (policy_loss='vanilla') or drop the branching"]
+    if policy.loss_agg_mode == "seq-mean-token-mean":
+        return ["tree rollouts train a shared prefix once by weighing its tokens, which "
+                "loss_agg_mode='seq-mean-token-mean' would weigh again in each response's "
+                "mean: aggregate 'token-mean' or 'seq-mean-token-sum-norm'"]
+    return []
 
 
 def group_size(config: RLConfig) -> int | None:

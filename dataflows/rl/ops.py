@@ -11,7 +11,8 @@ import statistics
 
 import attrs
 
-from dataflows.rl.advantages import whiten
+from dataflows.rl.advantages import whiten, with_advantages
+from dataflows.rl.trees import shared_prefix_weights
 from flowkit.dsl import Batch, Grouped, Metrics, Stream, op
 from flowkit.ops.records import Experience, Prompt, Rollout, Scored, TokenScores
 
@@ -105,14 +106,12 @@ def grpo_advantages(group: Grouped[Scored], *, eps: float = 1e-6, scale_rewards:
     single = len(rewards) == 1
     mean = 0.0 if single else statistics.fmean(rewards)
     std = 1.0 if single else statistics.stdev(rewards)
+    weights = shared_prefix_weights(group)  # a tree's leaves: [Note: tree rollouts' shared prefix]
     for scored in group:
         centered = scored.reward - mean
         advantage = centered / (std + eps) if scale_rewards else centered
-        advantages = [advantage] * len(scored.response_tokens)
-        if isinstance(scored, Experience):
-            yield attrs.evolve(scored, advantages=advantages)
-        else:
-            yield Experience(**attrs.asdict(scored, recurse=False), advantages=advantages)
+        yield with_advantages(scored, [advantage] * len(scored.response_tokens),
+                              token_weights=weights.get((scored.prompt_id, scored.sample), []))
 
 
 @op

@@ -215,6 +215,11 @@ class Experience(Scored):
     without a reference."""
     values: list[float] = attrs.field(factory=list)
     """The value model's estimate at each response token (PPO); empty without a critic."""
+    token_weights: list[float] = attrs.field(factory=list)
+    """How much each response token weighs in the loss, in (0, 1]; empty: 1 each. A tree
+    rollout's leaf weighs a token it shares with other leaves 1 / (the leaves sharing it), so
+    that summed over them the prefix trains once [Note: tree rollouts' shared prefix in
+    dataflows/rl/trees.py]."""
 
 
 @attrs.frozen(kw_only=True)

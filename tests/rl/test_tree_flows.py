@@ -9,11 +9,16 @@ import re
 import statistics
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dataflows.grpo import grpo_flow
 from dataflows.recipes import dr_grpo_flow, gspo_flow
+from dataflows.rl.advantages import rloo_advantages
 from dataflows.rl.ops import grpo_advantages, rollout_metrics
+from dataflows.rl.trees import shared_prefix_weights
 from dataflows.rloo import rloo_flow
+from executors.torch.rollout.branching import branch_samples
 from flowkit.ops.records import Scored
 
 SETTINGS = dict(prompts=4, n=2, max_new_tokens=8, branch_at=(3,), branches=2)
@@ -31,7 +36,7 @@ TREE = [_leaf(0, 1.0), _leaf(1, 0.0, branch_of=0, shared=3), _leaf(2, 0.0),
         _leaf(3, 1.0, branch_of=2, shared=3, length=4)]
 
 
-@pytest.mark.parametrize("flow", [grpo_flow, dr_grpo_flow, gspo_flow, rloo_flow])
+@pytest.mark.parametrize("flow", [grpo_flow, dr_grpo_flow, rloo_flow])
 def test_each_group_flow_groups_a_prompts_leaves_whatever_their_number(flow):
     built = flow(**{**SETTINGS, "n": 1} if flow is rloo_flow else SETTINGS)
     (grouped,) = [w for w in built.wires if w.dst_port == "group"]
@@ -43,6 +48,50 @@ def test_a_leafs_advantage_is_against_all_its_prompts_leaves():
     mean, std = statistics.fmean(rewards), statistics.stdev(rewards)
     got = [e.advantages[0] for e in grpo_advantages.fn(TREE)]
     assert got == pytest.approx([(r - mean) / (std + 1e-6) for r in rewards], abs=1e-12)
+
+
+def test_a_shared_prefix_weighs_one_over_the_leaves_that_share_it():
+    """[Note: tree rollouts' shared prefix]: each leaf of TREE shares its first 3 tokens with
+    one other; GRPO's and RLOO's experiences carry the weights, a lone sample none."""
+    half = [0.5] * 3
+    assert shared_prefix_weights(TREE) == {(0, 0): half + [1.0] * 3, (0, 1): half + [1.0] * 3,
+                                           (0, 2): half + [1.0] * 3, (0, 3): half + [1.0]}
+    for estimator in (grpo_advantages, rloo_advantages):
+        assert [e.token_weights for e in estimator.fn(TREE)][1] == half + [1.0] * 3
+        assert [e.token_weights for e in estimator.fn([_leaf(0, 1.0), _leaf(1, 0.0)])] == [
+            [], []]
+
+
+@st.composite
+def _trees(draw) -> list[Scored]:
+    """A prompt's samples as the engine grows them [Note: tree rollouts]: roots at r * k^D, a
+    sample that goes on past a depth of `depths` forks into k - 1 more, each of a random
+    length past that depth."""
+    k = draw(st.integers(1, 3))
+    depths = sorted(draw(st.sets(st.integers(1, 6), max_size=3)))
+    roots = draw(st.integers(1, 3))
+    stride = k ** len(depths) if k > 1 else 1
+    samples, todo = [], [(r * stride, None, 0, 0) for r in range(roots)]
+    while todo:
+        index, parent, shared, level = todo.pop()
+        length = draw(st.integers(max(shared, 1), 9))
+        samples.append(_leaf(index, 0.0, branch_of=parent, shared=shared, length=length))
+        for i, depth in enumerate(depths[level:], start=level):
+            if k > 1 and length > depth:
+                todo += [(child, index, depth, i + 1)
+                         for child in branch_samples(index, depth, depths, k)]
+    return samples
+
+
+@given(_trees())
+def test_summed_over_the_leaves_each_token_generated_weighs_one(tree):
+    weights = shared_prefix_weights(tree)
+    generated = sum(len(s.response_tokens) - s.shared_tokens for s in tree)
+    summed = sum(sum(weights.get((0, s.sample), [1.0] * len(s.response_tokens))) for s in tree)
+    assert summed == pytest.approx(generated, abs=1e-9)
+    assert all(0.0 < w <= 1.0 for row in weights.values() for w in row)
+    assert all(len(weights[(0, s.sample)]) == len(s.response_tokens)
+               for s in tree if (0, s.sample) in weights)
 
 
 def test_the_steps_generated_tokens_count_a_shared_prefix_once():
@@ -61,6 +110,12 @@ def test_the_steps_generated_tokens_count_a_shared_prefix_once():
     (dict(max_staleness=1), "1 error(s) in the sampling settings: tree rollouts (branch_at, "
                             "branches) run synchronous steps of whole trees of single "
                             "responses, without max_staleness"),
+    (dict(policy_loss="gspo"), "1 error(s) in the sampling settings: tree rollouts train a "
+                               "shared prefix once by weighing its tokens, and GSPO's"),
+    (dict(loss_agg_mode="seq-mean-token-mean"), "1 error(s) in the sampling settings: tree "
+                                                "rollouts train a shared prefix once by "
+                                                "weighing its tokens, which "
+                                                "loss_agg_mode='seq-mean-token-mean'"),
 ])
 def test_bad_tree_settings_are_refused_in_one_line_when_the_flow_is_built(settings, message):
     with pytest.raises(ValueError, match="^" + re.escape(message)) as raised:
@@ -76,3 +131,9 @@ def test_the_simulator_refuses_a_tree_rather_than_sample_plain_ones():
     with pytest.raises(ValueError, match="^simulator executors sample no tree rollouts"):
         _generate(op_context(), Prompt(prompt_id=0, tokens=[1, 2]), n=2, max_new_tokens=4,
                   branch_at=(2,), branches=2)
+
+
+def test_the_gspo_recipe_with_a_tree_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="GSPO's sequence-level ratio") as raised:
+        gspo_flow(**SETTINGS)
+    assert "\n" not in str(raised.value)

@@ -16,6 +16,7 @@ import attrs
 import pytest
 import torch
 
+from dataflows.rl.trees import shared_prefix_weights
 from executors.optable import OpContext
 from executors.torch.errors import StageError
 from executors.torch.models.gpt import GPT
@@ -176,6 +177,51 @@ def test_at_ratio_one_without_kl_the_loss_is_minus_the_mean_advantage():
     stats = run_microbatches(op_context(), POLICY, [(exps,)], stages=2, loss="grpo", kl_coef=0.0)
     advantages = [a for e in exps for a in e.advantages]
     assert stats[0].loss == pytest.approx(-sum(advantages) / len(advantages), abs=1e-12)
+
+
+def test_a_trees_shared_prefix_trains_once_on_the_mean_advantage_of_its_leaves():
+    """[Note: tree rollouts' shared prefix in dataflows/rl/trees.py]: two leaves that share 3
+    response tokens, each weighing them 1/2, train on policy (loss, normalizer, gradients) as
+    the prefix once on their mean advantage and each leaf's own tokens on its own."""
+    model = _whole(POLICY)
+    prefix = [5, 9, 2]
+    first = Experience(prompt_id=1, sample=0, prompt_tokens=[3, 4], reward=1.0,
+                       response_tokens=prefix + [7, 1, 8], logprobs=[0.0] * 6,
+                       advantages=[0.8] * 6)
+    second = Experience(prompt_id=1, sample=1, prompt_tokens=[3, 4], reward=0.0,
+                        response_tokens=prefix + [6, 6], logprobs=[0.0] * 5,
+                        advantages=[-0.4] * 5, branch_of=0, shared_tokens=3)
+    weights = shared_prefix_weights([first, second])
+    weighted = [attrs.evolve(e, token_weights=weights[(1, e.sample)]) for e in (first, second)]
+    once = [attrs.evolve(first, advantages=[0.2] * 3 + [0.8] * 3),
+            attrs.evolve(second, response_mask=[0] * 3 + [1] * 2)]  # its prefix: context only
+    results = []
+    for exps in (weighted, once):
+        ctx = op_context()
+        (stats,) = run_microbatches(ctx, POLICY, [(_near_current(exps, model, noise=0.0,
+                                                                  seed=0),)],
+                                    stages=2, loss="grpo", kl_coef=0.0)
+        results.append((stats, _stage_grads(ctx, POLICY, 2)))
+    (got, got_grads), (want, want_grads) = results
+    assert got.normalizer == want.normalizer == 3 + 3 + 2  # the tokens generated
+    assert got.loss == pytest.approx(want.loss, abs=TIGHT)
+    _assert_grads_equal(got_grads, want_grads)
+
+
+@pytest.mark.parametrize("weights, agg, error", [
+    ([0.5, 1.0], None, "token_weights of 2 entries for 3 response tokens"),
+    ([0.5, 0.0, 1.0], None, "one float in (0, 1] each"),
+    ([0.5, 1.0, 1.0], "seq-mean-token-mean", "which seq-mean-token-mean's mean"),
+])
+def test_bad_token_weights_are_refused_naming_the_sample(weights, agg, error):
+    exp = Experience(prompt_id=7, sample=2, prompt_tokens=[1], response_tokens=[2, 3, 4],
+                     logprobs=[0.0] * 3, reward=0.0, advantages=[1.0] * 3,
+                     token_weights=weights)
+    config = {"loss_agg_mode": agg} if agg else {}
+    with pytest.raises(ValueError, match="prompt_id=7 sample=2") as raised:
+        run_microbatches(op_context(), POLICY, [([exp],)], stages=1, loss="grpo",
+                         kl_coef=0.0, **config)
+    assert error in str(raised.value)
 
 
 @pytest.mark.parametrize("stages", [1, 2])

@@ -183,6 +183,9 @@ class RLLoss:
                      for e, keep in zip(exps, trained)]
         self.mask = padded(mask_rows, torch.float64)
         self.tokens = int(sum(sum(row) for row in mask_rows))  # counted on the host
+        # a tree rollout's leaf weighs the tokens it shares [Note: tree rollouts' shared prefix
+        # in dataflows/rl/trees.py]; the aggregate weighs them so, its normalizer included
+        self.weights = padded([_token_weights(e, settings) for e in exps], torch.float64)
         self.columns = {name: padded(_per_token(exps, name), torch.float64)
                         for name in _PER_TOKEN_FIELDS[self.kind]}
         if settings.uses_reference:
@@ -197,8 +200,8 @@ class RLLoss:
             losses, mask = self._value_losses(output)
         else:
             losses, mask = self._policy_losses(output)
-        total, normalizer = aggregate_sum(losses, mask, self.settings.agg,
-                                          self.settings.loss_scale_factor)
+        total, normalizer = aggregate_sum(losses, mask * self.weights.to(mask.dtype),
+                                          self.settings.agg, self.settings.loss_scale_factor)
         self._pending[_NORMALIZER] = normalizer
         return total
 
@@ -344,6 +347,23 @@ def _trained_mask(e: Any) -> list[int]:
         raise ValueError(f"sample {_name(e)} has a response_mask of {len(mask)} entries for "
                          f"{len(e.response_tokens)} response tokens; it must be one 0 or 1 each")
     return mask or [1] * len(e.response_tokens)
+
+
+def _token_weights(e: Any, settings: RLSettings) -> list[float]:
+    """Each response token's weight in the loss: the record's, each in (0, 1], or 1 each."""
+    weights = list(getattr(e, "token_weights", ()))
+    if not weights:
+        return [1.0] * len(e.response_tokens)
+    if len(weights) != len(e.response_tokens) or not all(
+            isinstance(w, float) and 0.0 < w <= 1.0 for w in weights):
+        raise ValueError(f"sample {_name(e)} has token_weights of {len(weights)} entries for "
+                         f"{len(e.response_tokens)} response tokens; it must be one float in "
+                         "(0, 1] each")
+    if settings.agg == "seq-mean-token-mean":
+        raise ValueError(f"sample {_name(e)} weighs its tokens (a tree rollout's shared prefix), "
+                         "which seq-mean-token-mean's mean over each response would weigh "
+                         "again: aggregate token-mean or seq-mean-token-sum-norm")
+    return weights
 
 
 def _per_token(exps: list, field: str) -> list[list[float]]:

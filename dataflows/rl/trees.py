@@ -1,0 +1,53 @@
+"""Tree rollouts' shared prefixes in the loss: each token a prompt's leaves share trains once.
+
+[Note: tree rollouts' shared prefix] A leaf of a tree rollout holds its whole response, the
+tokens it shares with its siblings included ([Note: tree rollouts] in
+executors/torch/rollout/branching.py), so a prefix shared by c leaves would train c times. Each
+leaf weighs such a token 1 / c instead (Experience.token_weights): summed over the leaves, the
+prefix trains once, on the mean of their losses; on policy (the ratio at 1) that is the token
+trained once on the mean advantage of the leaves below it, as BranchGRPO and TreeRL give a
+prefix. The token-mean loss divides by the summed weights, the tokens generated. Leaves share
+tokens only as the tree says (`branch_of`, `shared_tokens`): two samples that drew the same
+tokens on their own are two samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["shared_prefix_weights"]
+
+
+def shared_prefix_weights(samples: Sequence[Any]) -> dict[tuple[Any, int], list[float]]:
+    """(prompt_id, sample) -> a weight per response token, for each sample of a tree (one that
+    forked or was forked from); samples of no tree are left out (they weigh 1 each)."""
+    by_prompt: dict[Any, dict[int, Any]] = {}
+    for s in samples:
+        by_prompt.setdefault(s.prompt_id, {})[s.sample] = s
+    weights = {}
+    for prompt_id, leaves in by_prompt.items():
+        in_trees = {i for i, s in leaves.items() if s.branch_of is not None} | {
+            s.branch_of for s in leaves.values() if s.branch_of in leaves}
+        lineages = {i: _lineage(leaves, i) for i in in_trees}
+        for i in in_trees:
+            shared = [_common_prefix(lineages[i], lineages[j]) for j in in_trees]
+            weights[(prompt_id, i)] = [1.0 / sum(1 for n in shared if n > t)
+                                       for t in range(len(leaves[i].response_tokens))]
+    return weights
+
+
+def _lineage(leaves: dict[int, Any], sample: int) -> dict[int, float]:
+    """Each sample `sample` descends from (itself first) -> the response tokens they share."""
+    lineage, shared, at = {sample: float("inf")}, float("inf"), leaves[sample]
+    while at.branch_of is not None and at.branch_of in leaves and at.branch_of not in lineage:
+        shared = min(shared, at.shared_tokens)
+        lineage[at.branch_of] = shared
+        at = leaves[at.branch_of]
+    return lineage
+
+
+def _common_prefix(first: dict[int, float], second: dict[int, float]) -> float:
+    """The response tokens two samples share: through the nearest sample both descend from."""
+    return max((min(shared, first[ancestor]) for ancestor, shared in second.items()
+                if ancestor in first), default=0)
