@@ -51,6 +51,7 @@ class AdaptiveBench:
     tree: bool = False  # the second side: tree rollouts, not adaptive sampling
     branch_at: tuple[int, ...] = (1, 2)  # the sorted digits' first two: where answers diverge
     branches: int = 2
+    shared_prefix: str = "once"  # the tree side's ([Note: tree rollouts' shared prefix])
 
     @property
     def sides(self) -> tuple[str, str]:
@@ -106,8 +107,8 @@ def grpo_side(bench: AdaptiveBench, weights: Path, seed: int, side: str) -> Any:
 
     adaptive = AdaptiveSampling(n_min=bench.n_min, n_max=bench.n_max, budget=bench.budget) \
         if side == "adaptive" else None
-    tree = {"n": bench.tree_roots, "branch_at": bench.branch_at, "branches": bench.branches} \
-        if side == "tree" else {"n": bench.n}
+    tree = {"n": bench.tree_roots, "branch_at": bench.branch_at, "branches": bench.branches,
+            "shared_prefix": bench.shared_prefix} if side == "tree" else {"n": bench.n}
     return grpo_flow(prompts=bench.prompts, **tree, stages=2, microbatches=4,
                      schedule="1f1b", max_new_tokens=SORT_RESPONSE_TOKENS, lr=3e-4,
                      kl_coef=0.001, gpt={**SORT_GPT, "checkpoint": str(weights)},

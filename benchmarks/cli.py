@@ -508,10 +508,14 @@ def _trl_table(figures: dict) -> Any:
               help="The tree side's branch depths, comma-separated.")
 @click.option("--branches", type=click.IntRange(min=2), default=2, show_default=True,
               help="The samples each branch point of the tree side forks into.")
+@click.option("--shared-prefix", type=click.Choice(["once", "per_leaf"]), default="once",
+              show_default=True,
+              help="How the tree side's leaves train the tokens they share: once in all, or "
+                   "once in each leaf.")
 @_json_option
 def adaptive(adaptive_seeds: int, warm_steps: int, token_budget: int, pool: int, n_min: int,
              n_max: int, budget: int | None, tree: bool, branch_at: str, branches: int,
-             json_out: Path | None) -> None:
+             shared_prefix: str, json_out: Path | None) -> None:
     """Adaptive samples per prompt (or, with --tree, tree rollouts) against fixed n=8 at an
     equal budget of generated tokens: tokens to a mean reward of 0.8, and the share of
     zero-advantage groups."""
@@ -525,7 +529,7 @@ def adaptive(adaptive_seeds: int, warm_steps: int, token_budget: int, pool: int,
     setup = module.AdaptiveBench(seeds=adaptive_seeds, warm_steps=warm_steps,
                                  token_budget=token_budget, pool=pool, n_min=n_min,
                                  n_max=n_max, budget=budget, tree=tree, branch_at=depths,
-                                 branches=branches)
+                                 branches=branches, shared_prefix=shared_prefix)
     _report(module.run_adaptive_bench(setup), json_out)
 
 

@@ -41,7 +41,8 @@ def grpo_flow(config: RLConfig, *, model: Model | None = None, gpt: dict | None 
         experiences = grpo_advantages(
             group_by(samples, key="prompt_id", size=group_size(config), take=take,
                      rounds=rounds),
-            scale_rewards=config.scale_rewards, filter_groups=config.filter_groups)
+            scale_rewards=config.scale_rewards, filter_groups=config.filter_groups,
+            shared_prefix=config.shared_prefix)
         stats = Backprop(actor)(experiences, loss="grpo", kl_coef=config.kl_coef,
                                 temperature=config.sampling.temperature,
                                 schedule=config.schedule, microbatches=config.microbatches,

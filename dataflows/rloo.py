@@ -48,7 +48,8 @@ def rloo_flow(config: RLConfig, *, model: Model | None = None, gpt: dict | None 
         token_rewards = kl_token_rewards(scored, ref, kl_coef=config.kl_coef)
         # No batch statistic: each group trains as soon as its n samples are scored.
         experiences = rloo_advantages(group_by(token_rewards, key="prompt_id",
-                                               size=group_size(config)))
+                                               size=group_size(config)),
+                                      shared_prefix=config.shared_prefix)
         stats = Backprop(actor)(experiences, loss="ppo", temperature=config.sampling.temperature,
                                 schedule=config.schedule, microbatches=config.microbatches,
                                 name="update_actor", **actor_loss(config))

@@ -49,12 +49,13 @@ def kl_token_rewards(scored: Scored, ref_logprobs: TokenScores, *, kl_coef: floa
 
 
 @op
-def rloo_advantages(group: Grouped[Scored]) -> Stream[Experience]:
+def rloo_advantages(group: Grouped[Scored], *, shared_prefix: str = "once"
+                    ) -> Stream[Experience]:
     """RLOO: each sample's score minus the mean score of the other n-1 samples of its prompt,
     on every token. A group of one has no other sample and keeps its score (as verl)."""
     scores = [sum(_token_rewards(s)) for s in group]
     n, total = len(scores), sum(scores)
-    weights = shared_prefix_weights(group)  # a tree's leaves: [Note: tree rollouts' shared prefix]
+    weights = shared_prefix_weights(group, shared_prefix)
     for record, score in zip(group, scores):
         advantage = score if n == 1 else score - (total - score) / (n - 1)
         yield with_advantages(record, [advantage] * len(record.response_tokens),

@@ -15,6 +15,7 @@ from dataflows.models import flow_model
 from dataflows.rl.adaptive import Difficulty, allocate_samples, samples_budget, update_difficulty
 from dataflows.rl.config import RLConfig
 from dataflows.rl.ops import check_overlong, overlong_penalty, rollout_metrics
+from dataflows.rl.trees import SHARED_PREFIX
 from flowkit.dsl import Flow, Model, Stream, collect
 from flowkit.ops.records import WeightsVersion
 
@@ -105,6 +106,11 @@ def check_tree(config: RLConfig) -> None:
             errors.append(f"tree rollouts (branch_at, branches) run synchronous steps of whole "
                           f"trees of single responses, without {', '.join(others)}: drop "
                           f"{'it' if len(others) == 1 else 'them'} or the branching")
+    shared_prefix = getattr(config, "shared_prefix", "once")
+    if shared_prefix not in SHARED_PREFIX:
+        errors.append(f"shared_prefix={shared_prefix!r}: one of {', '.join(SHARED_PREFIX)} (a "
+                      "token a tree's leaves share trains once in all, or once in each)")
+    elif shared_prefix == "once" and config.sampling.branching:
         errors += _tree_loss_errors(config.policy)
     if errors:
         raise ValueError(f"{len(errors)} error(s) in the sampling settings: " + "; ".join(errors))
@@ -117,11 +123,13 @@ def _tree_loss_errors(policy: Any) -> list[str]:
     if policy.policy_loss == "gspo":
         return ["tree rollouts train a shared prefix once by weighing its tokens, and GSPO's "
                 "sequence-level ratio spreads each response's loss over all of its tokens: "
-                "use the token-level loss (policy_loss='vanilla') or drop the branching"]
+                "use the token-level loss (policy_loss='vanilla'), shared_prefix='per_leaf', "
+                "or no branching"]
     if policy.loss_agg_mode == "seq-mean-token-mean":
         return ["tree rollouts train a shared prefix once by weighing its tokens, which "
                 "loss_agg_mode='seq-mean-token-mean' would weigh again in each response's "
-                "mean: aggregate 'token-mean' or 'seq-mean-token-sum-norm'"]
+                "mean: aggregate 'token-mean' or 'seq-mean-token-sum-norm', or "
+                "shared_prefix='per_leaf'"]
     return []
 
 

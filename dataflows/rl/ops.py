@@ -91,14 +91,17 @@ def with_reference(scored: Scored, ref_logprobs: TokenScores) -> Experience:
 
 @op
 def grpo_advantages(group: Grouped[Scored], *, eps: float = 1e-6, scale_rewards: bool = True,
-                    filter_groups: bool = False) -> Stream[Experience]:
+                    filter_groups: bool = False, shared_prefix: str = "once"
+                    ) -> Stream[Experience]:
     """Each sample's reward minus its group's mean, over the group's (unbiased) std, on every
     token; a group of one has mean 0 and std 1, as in established GRPO implementations.
     `scale_rewards=False` leaves out the std (Dr. GRPO, Liu et al. 2025: the division favours
     prompts whose rewards barely differ; verl's norm_adv_by_std_in_grpo=False).
     `filter_groups`: a group of two or more whose task rewards (before any shaping, such as
     the overlong penalty: DAPO filters on accuracy) are all equal yields nothing (DAPO's
-    dynamic sampling: it teaches nothing about the task, and would only dilute the batch)."""
+    dynamic sampling: it teaches nothing about the task, and would only dilute the batch).
+    `shared_prefix` says how a tree rollout's leaves train the tokens they share
+    (shared_prefix_weights)."""
     rewards = [s.reward for s in group]
     tasks = [s.reward if s.task_reward is None else s.task_reward for s in group]
     if filter_groups and len(tasks) > 1 and min(tasks) == max(tasks):
@@ -106,7 +109,7 @@ def grpo_advantages(group: Grouped[Scored], *, eps: float = 1e-6, scale_rewards:
     single = len(rewards) == 1
     mean = 0.0 if single else statistics.fmean(rewards)
     std = 1.0 if single else statistics.stdev(rewards)
-    weights = shared_prefix_weights(group)  # a tree's leaves: [Note: tree rollouts' shared prefix]
+    weights = shared_prefix_weights(group, shared_prefix)
     for scored in group:
         centered = scored.reward - mean
         advantage = centered / (std + eps) if scale_rewards else centered

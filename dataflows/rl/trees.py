@@ -16,12 +16,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["shared_prefix_weights"]
+__all__ = ["SHARED_PREFIX", "shared_prefix_weights"]
+
+SHARED_PREFIX = ("once", "per_leaf")
+"""How a tree's leaves train the tokens they share: once in all (each leaf's copy weighs 1/c),
+or once in each leaf (the prefix c times, on each leaf's advantage: more signal on the early
+tokens than they would get in one sample; `flowkit bench adaptive --tree` compares them)."""
 
 
-def shared_prefix_weights(samples: Sequence[Any]) -> dict[tuple[Any, int], list[float]]:
+def shared_prefix_weights(samples: Sequence[Any], shared_prefix: str = "once"
+                          ) -> dict[tuple[Any, int], list[float]]:
     """(prompt_id, sample) -> a weight per response token, for each sample of a tree (one that
-    forked or was forked from); samples of no tree are left out (they weigh 1 each)."""
+    forked or was forked from) when `shared_prefix` is "once"; samples of no tree are left
+    out, as is every sample with "per_leaf" (they weigh 1 each)."""
+    if shared_prefix not in SHARED_PREFIX:
+        raise ValueError(f"shared_prefix={shared_prefix!r}: one of {', '.join(SHARED_PREFIX)}")
+    if shared_prefix == "per_leaf":
+        return {}
     by_prompt: dict[Any, dict[int, Any]] = {}
     for s in samples:
         by_prompt.setdefault(s.prompt_id, {})[s.sample] = s

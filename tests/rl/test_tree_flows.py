@@ -133,6 +133,15 @@ def test_the_simulator_refuses_a_tree_rather_than_sample_plain_ones():
                   branch_at=(2,), branches=2)
 
 
+def test_per_leaf_trains_the_shared_prefix_in_each_leaf_and_gspo_may_branch_so():
+    assert shared_prefix_weights(TREE, "per_leaf") == {}
+    assert all(e.token_weights == [] for e in grpo_advantages.fn(TREE, shared_prefix="per_leaf"))
+    gspo_flow(**SETTINGS, shared_prefix="per_leaf")  # nothing to weigh: built
+    with pytest.raises(ValueError, match=r"^1 error\(s\) in the sampling settings: "
+                                         r"shared_prefix='twice': one of once, per_leaf"):
+        grpo_flow(prompts=4, n=2, shared_prefix="twice")
+
+
 def test_the_gspo_recipe_with_a_tree_is_refused_in_one_line():
     with pytest.raises(ValueError, match="GSPO's sequence-level ratio") as raised:
         gspo_flow(**SETTINGS)

@@ -19,6 +19,7 @@ import torch
 from dataflows.rl.trees import shared_prefix_weights
 from executors.optable import OpContext
 from executors.torch.errors import StageError
+from executors.torch.models.built import held_model
 from executors.torch.models.gpt import GPT
 from executors.torch.train import pipeline_ops
 from executors.torch.train.held_stage import held_stage
@@ -263,6 +264,20 @@ def _one_step(spec: dict, data: list[tuple], *, stages: int, hparams: dict = STE
     params = {(s, n): p for s in range(stages)
               for n, p in pipeline_ops._stage_parameters(ctx, stage=s, **step).items()}
     return params, metrics
+
+
+def test_a_step_labels_the_model_it_trains_with_the_version_it_makes():
+    """A fused actor in one stage generates on the model it trains, which no weights load
+    labels: the optimizer step does, so the tokens sampled after it record its version (an
+    async run's staleness read -1, "the weights the run started from", for them)."""
+    ctx = op_context()
+    exps = _near_current(_experiences(2, seed=3), _whole(POLICY), noise=0.0, seed=0)
+    stats = run_microbatches(ctx, POLICY, [(exps,)], stages=1, loss="grpo", kl_coef=0.0)
+    step = {**POLICY, "stages": 1, **STEP}
+    grad_stats, _ = pipeline_ops._grad_stats(ctx, stage=0, **step)
+    _, version = pipeline_ops._optimizer_step(ctx, stats, grad_stats, stage=0, step=4,
+                                              report=True, **step)
+    assert held_model(ctx, {**POLICY, "stages": 1}).version == version.version == 5
 
 
 @pytest.mark.parametrize("spec, loss", [(POLICY, "grpo"), (CRITIC, "value")])

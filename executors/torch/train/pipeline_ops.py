@@ -293,6 +293,10 @@ def _optimizer_step(ctx: OpContext, *inputs: Any, stage: int, stages: int, step:
     `replica_group`, this replica steps only the parameters it owns and the replicas exchange
     them [Note: sharded optimizer states in executors/torch/train/replicas.py]."""
     held = held_stage(ctx, {**config, "model": model, "stage": stage, "stages": stages})
+    # what the model's generation here samples with from now on is this step's weights (a
+    # fused actor in one stage generates on the model it trains, which no weights load labels)
+    held_model(ctx, {**config, "model": model, "stage": stage, "stages": stages}).version = (
+        int(step) + 1)
     stats = [v for v in inputs if isinstance(v, dict) and "sqnorm" in v]
     if len(stats) != stages:
         raise StageError(f"optimizer_step of stage {stage} needs the grad stats of all "

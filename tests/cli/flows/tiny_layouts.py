@@ -29,6 +29,14 @@ llama = pretrain_flow(model=Model(name="llama", build="executors.torch.models.hf
 
 # the actor's 2 layers in 1 or 2 stages; a reward every sample earns some of, so each step's
 # advantages differ and the policy gradient moves the weights (sort_reward's is 0 here)
-grpo = grpo_flow(prompts=4, n=4, stages=2, microbatches=2, schedule="1f1b", max_new_tokens=6,
-                 kl_coef=0.001, lr=1e-2, gpt=TINY_GPT, prompt_source=sort_prompts,
-                 reward=even_token_reward, source_config={"digits": 3})
+_GRPO = {"prompts": 4, "n": 4, "stages": 2, "microbatches": 2, "schedule": "1f1b",
+         "max_new_tokens": 6, "kl_coef": 0.001, "lr": 1e-2, "prompt_source": sort_prompts,
+         "reward": even_token_reward, "source_config": {"digits": 3}}
+grpo = grpo_flow(gpt=TINY_GPT, **_GRPO)
+# the same with LoRA adapters on the actor's attention (its base frozen), and run asynchronously
+# (generation a weights version ahead of training)
+lora = grpo_flow(model=Model(name="actor", build="executors.torch.models.gpt:GPT",
+                             config={**TINY_GPT, "seed": 3}, stages=2, tags=("train",),
+                             lora={"r": 2, "alpha": 4, "target_modules": ["c_attn", "c_proj"]}),
+                 **{**_GRPO, "lr": 5e-2})
+grpo_async = grpo_flow(gpt=TINY_GPT, max_staleness=1, **_GRPO)
