@@ -51,7 +51,7 @@ class AdaptiveBench:
     tree: bool = False  # the second side: tree rollouts, not adaptive sampling
     branch_at: tuple[int, ...] = (1, 2)  # the sorted digits' first two: where answers diverge
     branches: int = 2
-    shared_prefix: str = "once"  # the tree side's ([Note: tree rollouts' shared prefix])
+    shared_prefix: str = "per_leaf"  # the tree side's ([Note: tree rollouts' shared prefix])
 
     @property
     def sides(self) -> tuple[str, str]:

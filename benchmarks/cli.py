@@ -508,10 +508,10 @@ def _trl_table(figures: dict) -> Any:
               help="The tree side's branch depths, comma-separated.")
 @click.option("--branches", type=click.IntRange(min=2), default=2, show_default=True,
               help="The samples each branch point of the tree side forks into.")
-@click.option("--shared-prefix", type=click.Choice(["once", "per_leaf"]), default="once",
+@click.option("--shared-prefix", type=click.Choice(["per_leaf", "once"]), default="per_leaf",
               show_default=True,
-              help="How the tree side's leaves train the tokens they share: once in all, or "
-                   "once in each leaf.")
+              help="How the tree side's leaves train the tokens they share: once in each "
+                   "leaf, or once in all.")
 @_json_option
 def adaptive(adaptive_seeds: int, warm_steps: int, token_budget: int, pool: int, n_min: int,
              n_max: int, budget: int | None, tree: bool, branch_at: str, branches: int,

@@ -49,7 +49,7 @@ def kl_token_rewards(scored: Scored, ref_logprobs: TokenScores, *, kl_coef: floa
 
 
 @op
-def rloo_advantages(group: Grouped[Scored], *, shared_prefix: str = "once"
+def rloo_advantages(group: Grouped[Scored], *, shared_prefix: str = "per_leaf"
                     ) -> Stream[Experience]:
     """RLOO: each sample's score minus the mean score of the other n-1 samples of its prompt,
     on every token. A group of one has no other sample and keeps its score (as verl)."""

@@ -146,8 +146,8 @@ class GroupRLConfig(RLConfig):
     rounds in flowkit/runner/sampling_rounds.py], and a step still short trains fewer and says so in
     `grpo_advantages/groups_short`. `adaptive` (an AdaptiveSampling): each prompt's n from the
     pass rate of its earlier samples, within a step budget, groups of varying size [Note:
-    adaptive sampling in dataflows/rl/adaptive.py]. `shared_prefix` (tree rollouts): "once", a
-    token its leaves share trains once in all, or "per_leaf", once in each leaf [Note: tree
+    adaptive sampling in dataflows/rl/adaptive.py]. `shared_prefix` (tree rollouts): "per_leaf",
+    a token its leaves share trains once in each leaf, or "once", once in all [Note: tree
     rollouts' shared prefix in dataflows/rl/trees.py]."""
 
     sampling: SamplingConfig = SamplingConfig(n=8)
@@ -156,7 +156,7 @@ class GroupRLConfig(RLConfig):
     filter_oversample: float = 2.0
     filter_rounds: int = 1
     adaptive: AdaptiveSampling | None = None
-    shared_prefix: str = "once"
+    shared_prefix: str = "per_leaf"
 
     @property
     def generated_prompts(self) -> int:

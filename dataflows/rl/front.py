@@ -106,7 +106,7 @@ def check_tree(config: RLConfig) -> None:
             errors.append(f"tree rollouts (branch_at, branches) run synchronous steps of whole "
                           f"trees of single responses, without {', '.join(others)}: drop "
                           f"{'it' if len(others) == 1 else 'them'} or the branching")
-    shared_prefix = getattr(config, "shared_prefix", "once")
+    shared_prefix = getattr(config, "shared_prefix", "per_leaf")
     if shared_prefix not in SHARED_PREFIX:
         errors.append(f"shared_prefix={shared_prefix!r}: one of {', '.join(SHARED_PREFIX)} (a "
                       "token a tree's leaves share trains once in all, or once in each)")

@@ -91,7 +91,7 @@ def with_reference(scored: Scored, ref_logprobs: TokenScores) -> Experience:
 
 @op
 def grpo_advantages(group: Grouped[Scored], *, eps: float = 1e-6, scale_rewards: bool = True,
-                    filter_groups: bool = False, shared_prefix: str = "once"
+                    filter_groups: bool = False, shared_prefix: str = "per_leaf"
                     ) -> Stream[Experience]:
     """Each sample's reward minus its group's mean, over the group's (unbiased) std, on every
     token; a group of one has mean 0 and std 1, as in established GRPO implementations.

@@ -1,14 +1,15 @@
-"""Tree rollouts' shared prefixes in the loss: each token a prompt's leaves share trains once.
+"""Tree rollouts' shared prefixes in the loss: in each leaf, or once in all.
 
 [Note: tree rollouts' shared prefix] A leaf of a tree rollout holds its whole response, the
 tokens it shares with its siblings included ([Note: tree rollouts] in
-executors/torch/rollout/branching.py), so a prefix shared by c leaves would train c times. Each
-leaf weighs such a token 1 / c instead (Experience.token_weights): summed over the leaves, the
-prefix trains once, on the mean of their losses; on policy (the ratio at 1) that is the token
-trained once on the mean advantage of the leaves below it, as BranchGRPO and TreeRL give a
-prefix. The token-mean loss divides by the summed weights, the tokens generated. Leaves share
-tokens only as the tree says (`branch_of`, `shared_tokens`): two samples that drew the same
-tokens on their own are two samples.
+executors/torch/rollout/branching.py). "per_leaf": a prefix c leaves share trains in each, c
+times on their advantages. "once": each leaf weighs it 1 / c (Experience.token_weights), so it
+trains once on the mean of their losses (on policy: once on the mean advantage of the leaves
+below it, BranchGRPO's and TreeRL's prefix), the token-mean loss over the summed weights, the
+tokens generated. Leaves share only as the tree says (`branch_of`, `shared_tokens`). Per leaf
+is the default: on sorting it reached a mean reward of 0.8 on 0.69x fixed n = 8's tokens, once
+on 1.34x (`flowkit bench adaptive --tree --seeds 3 --warm-steps 600 --token-budget 20000
+--shared-prefix per_leaf|once`); the early, decisive digits get c times the signal.
 """
 
 from __future__ import annotations
@@ -18,13 +19,12 @@ from typing import Any
 
 __all__ = ["SHARED_PREFIX", "shared_prefix_weights"]
 
-SHARED_PREFIX = ("once", "per_leaf")
-"""How a tree's leaves train the tokens they share: once in all (each leaf's copy weighs 1/c),
-or once in each leaf (the prefix c times, on each leaf's advantage: more signal on the early
-tokens than they would get in one sample; `flowkit bench adaptive --tree` compares them)."""
+SHARED_PREFIX = ("per_leaf", "once")
+"""How a tree's leaves train the tokens they share: once in each leaf (the default), or once
+in all (each leaf's copy weighs 1/c) [Note: tree rollouts' shared prefix]."""
 
 
-def shared_prefix_weights(samples: Sequence[Any], shared_prefix: str = "once"
+def shared_prefix_weights(samples: Sequence[Any], shared_prefix: str
                           ) -> dict[tuple[Any, int], list[float]]:
     """(prompt_id, sample) -> a weight per response token, for each sample of a tree (one that
     forked or was forked from) when `shared_prefix` is "once"; samples of no tree are left

@@ -36,7 +36,7 @@ TREE = [_leaf(0, 1.0), _leaf(1, 0.0, branch_of=0, shared=3), _leaf(2, 0.0),
         _leaf(3, 1.0, branch_of=2, shared=3, length=4)]
 
 
-@pytest.mark.parametrize("flow", [grpo_flow, dr_grpo_flow, rloo_flow])
+@pytest.mark.parametrize("flow", [grpo_flow, dr_grpo_flow, gspo_flow, rloo_flow])
 def test_each_group_flow_groups_a_prompts_leaves_whatever_their_number(flow):
     built = flow(**{**SETTINGS, "n": 1} if flow is rloo_flow else SETTINGS)
     (grouped,) = [w for w in built.wires if w.dst_port == "group"]
@@ -50,16 +50,20 @@ def test_a_leafs_advantage_is_against_all_its_prompts_leaves():
     assert got == pytest.approx([(r - mean) / (std + 1e-6) for r in rewards], abs=1e-12)
 
 
-def test_a_shared_prefix_weighs_one_over_the_leaves_that_share_it():
+def test_a_prefix_trained_once_weighs_one_over_the_leaves_that_share_it():
     """[Note: tree rollouts' shared prefix]: each leaf of TREE shares its first 3 tokens with
-    one other; GRPO's and RLOO's experiences carry the weights, a lone sample none."""
+    one other; GRPO's and RLOO's experiences carry the weights with shared_prefix="once", a
+    lone sample none, and per leaf (the default) no leaf any."""
     half = [0.5] * 3
-    assert shared_prefix_weights(TREE) == {(0, 0): half + [1.0] * 3, (0, 1): half + [1.0] * 3,
-                                           (0, 2): half + [1.0] * 3, (0, 3): half + [1.0]}
+    assert shared_prefix_weights(TREE, "once") == {
+        (0, 0): half + [1.0] * 3, (0, 1): half + [1.0] * 3, (0, 2): half + [1.0] * 3,
+        (0, 3): half + [1.0]}
     for estimator in (grpo_advantages, rloo_advantages):
-        assert [e.token_weights for e in estimator.fn(TREE)][1] == half + [1.0] * 3
-        assert [e.token_weights for e in estimator.fn([_leaf(0, 1.0), _leaf(1, 0.0)])] == [
-            [], []]
+        once = [e.token_weights for e in estimator.fn(TREE, shared_prefix="once")]
+        assert once[1] == half + [1.0] * 3
+        assert [e.token_weights for e in estimator.fn(
+            [_leaf(0, 1.0), _leaf(1, 0.0)], shared_prefix="once")] == [[], []]
+        assert all(e.token_weights == [] for e in estimator.fn(TREE))
 
 
 @st.composite
@@ -85,7 +89,7 @@ def _trees(draw) -> list[Scored]:
 
 @given(_trees())
 def test_summed_over_the_leaves_each_token_generated_weighs_one(tree):
-    weights = shared_prefix_weights(tree)
+    weights = shared_prefix_weights(tree, "once")
     generated = sum(len(s.response_tokens) - s.shared_tokens for s in tree)
     summed = sum(sum(weights.get((0, s.sample), [1.0] * len(s.response_tokens))) for s in tree)
     assert summed == pytest.approx(generated, abs=1e-9)
@@ -110,12 +114,12 @@ def test_the_steps_generated_tokens_count_a_shared_prefix_once():
     (dict(max_staleness=1), "1 error(s) in the sampling settings: tree rollouts (branch_at, "
                             "branches) run synchronous steps of whole trees of single "
                             "responses, without max_staleness"),
-    (dict(policy_loss="gspo"), "1 error(s) in the sampling settings: tree rollouts train a "
-                               "shared prefix once by weighing its tokens, and GSPO's"),
-    (dict(loss_agg_mode="seq-mean-token-mean"), "1 error(s) in the sampling settings: tree "
-                                                "rollouts train a shared prefix once by "
-                                                "weighing its tokens, which "
-                                                "loss_agg_mode='seq-mean-token-mean'"),
+    (dict(policy_loss="gspo", shared_prefix="once"),
+     "1 error(s) in the sampling settings: tree rollouts train a shared prefix once by weighing "
+     "its tokens, and GSPO's"),
+    (dict(loss_agg_mode="seq-mean-token-mean", shared_prefix="once"),
+     "1 error(s) in the sampling settings: tree rollouts train a shared prefix once by weighing "
+     "its tokens, which loss_agg_mode='seq-mean-token-mean'"),
 ])
 def test_bad_tree_settings_are_refused_in_one_line_when_the_flow_is_built(settings, message):
     with pytest.raises(ValueError, match="^" + re.escape(message)) as raised:
@@ -133,16 +137,14 @@ def test_the_simulator_refuses_a_tree_rather_than_sample_plain_ones():
                   branch_at=(2,), branches=2)
 
 
-def test_per_leaf_trains_the_shared_prefix_in_each_leaf_and_gspo_may_branch_so():
+def test_per_leaf_weighs_nothing_and_an_unknown_setting_is_refused_in_one_line():
     assert shared_prefix_weights(TREE, "per_leaf") == {}
-    assert all(e.token_weights == [] for e in grpo_advantages.fn(TREE, shared_prefix="per_leaf"))
-    gspo_flow(**SETTINGS, shared_prefix="per_leaf")  # nothing to weigh: built
     with pytest.raises(ValueError, match=r"^1 error\(s\) in the sampling settings: "
-                                         r"shared_prefix='twice': one of once, per_leaf"):
+                                         r"shared_prefix='twice': one of per_leaf, once"):
         grpo_flow(prompts=4, n=2, shared_prefix="twice")
 
 
-def test_the_gspo_recipe_with_a_tree_is_refused_in_one_line():
+def test_the_gspo_recipe_with_a_tree_trained_once_is_refused_in_one_line():
     with pytest.raises(ValueError, match="GSPO's sequence-level ratio") as raised:
-        gspo_flow(**SETTINGS)
+        gspo_flow(**SETTINGS, shared_prefix="once")
     assert "\n" not in str(raised.value)

@@ -192,7 +192,7 @@ def test_a_trees_shared_prefix_trains_once_on_the_mean_advantage_of_its_leaves()
     second = Experience(prompt_id=1, sample=1, prompt_tokens=[3, 4], reward=0.0,
                         response_tokens=prefix + [6, 6], logprobs=[0.0] * 5,
                         advantages=[-0.4] * 5, branch_of=0, shared_tokens=3)
-    weights = shared_prefix_weights([first, second])
+    weights = shared_prefix_weights([first, second], "once")
     weighted = [attrs.evolve(e, token_weights=weights[(1, e.sample)]) for e in (first, second)]
     once = [attrs.evolve(first, advantages=[0.2] * 3 + [0.8] * 3),
             attrs.evolve(second, response_mask=[0] * 3 + [1] * 2)]  # its prefix: context only
