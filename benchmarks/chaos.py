@@ -4,7 +4,9 @@ checkpoint's writing) and count the runs under --max-restarts that end with the 
 run without faults, bit for bit; and, without restarts, the runs that fail within 2 s of the
 kill with an error naming the executor. Each recovery's time (MTTR), from a kill in a run that
 was stepping to the first step it completed after it, in runs of 2 replicas killed once after
-their first step: under --max-restarts, and elastic (--elastic, no restart: it shrinks).
+their first step: under --max-restarts, elastic (--elastic, no restart: it shrinks), and resumed
+by hand (no restart: the run fails, and `flowkit run --resume` its newest checkpoint); with
+each run's steps a second after its recovery over before (`throughput_after_x`).
 tests/security/test_chaos.py runs a few seeds."""
 
 from __future__ import annotations
@@ -132,12 +134,28 @@ def recovery_times(run: ChaosRun, folder: Path) -> list[float]:
     return times
 
 
-def summary(times: list[float]) -> dict:
-    """Median and max of recovery times, in seconds, and how many."""
+def throughput_after(ends: list[float], kill: float) -> float | None:
+    """Steps a second after the recovery from a kill at `kill` over those before it (the
+    median time between two steps' ends on each side, the recovery's own step left out);
+    None without two intervals on each side."""
+    before = [b - a for a, b in zip(ends, ends[1:]) if b < kill]
+    later = [end for end in ends if end > kill][1:]  # from the first step after the recovery
+    after = [b - a for a, b in zip(later, later[1:])]
+    if len(before) < 2 or len(after) < 2:
+        return None
+    return statistics.median(before) / statistics.median(after)
+
+
+def summary(times: list[float], throughputs: list[float] = ()) -> dict:
+    """Median and max of recovery times, in seconds, and how many; with `throughputs`, the
+    median of each run's steps a second after its recovery over before."""
     if not times:
         return {"kills": 0}
-    return {"kills": len(times), "median_s": round(statistics.median(times), 3),
-            "max_s": round(max(times), 3)}
+    out = {"kills": len(times), "median_s": round(statistics.median(times), 3),
+           "max_s": round(max(times), 3)}
+    if throughputs:
+        out["throughput_after_x"] = round(statistics.median(throughputs), 3)
+    return out
 
 
 class _gone_ok:
@@ -184,10 +202,11 @@ def run_chaos_bench(seeds: int = 20, kills: int = 2) -> dict:
             else:
                 failures.append({"seed": seed, "killed": run.killed, "code": run.returncode,
                                  "tail": run.output.strip().splitlines()[-3:]})
-        restarted, restart_times = one_kill_runs(root / "mttr-restart", seeds, "--max-restarts",
-                                                 "1")
-        shrunk, shrink_times = one_kill_runs(root / "mttr-elastic", seeds, "--elastic",
-                                             "--elastic-wait", "0")
+        restarted, restart_times, restart_rates = one_kill_runs(
+            root / "mttr-restart", seeds, "--max-restarts", "1")
+        shrunk, shrink_times, shrink_rates = one_kill_runs(
+            root / "mttr-elastic", seeds, "--elastic", "--elastic-wait", "0")
+        resumed, resume_times, resume_rates = resumed_runs(root / "mttr-resume", seeds)
         fast, slow = 0, []
         for seed in range(seeds):
             run = chaos_run(root / f"f{seed}", seed, kills=1, steps=10 * STEPS)
@@ -200,23 +219,58 @@ def run_chaos_bench(seeds: int = 20, kills: int = 2) -> dict:
     return {"seeds": seeds, "kills_per_run": kills, "recovered": recovered,
             "not_recovered": failures, "failed_fast_naming_the_executor": fast,
             "without_restarts_otherwise": slow, "restarted_after_one_kill": restarted,
-            "mttr_restart": summary(restart_times), "elastic_went_on": shrunk,
-            "mttr_elastic_shrink": summary(shrink_times)}
+            "mttr_restart": summary(restart_times, restart_rates), "elastic_went_on": shrunk,
+            "mttr_elastic_shrink": summary(shrink_times, shrink_rates),
+            "resumed_after_one_kill": resumed,
+            "mttr_resume": summary(resume_times, resume_rates)}
 
 
-def one_kill_runs(root: Path, seeds: int, *args: str) -> tuple[int, list[float]]:
-    """`seeds` runs of 2 replicas (4 executors) with `args` (restarts, or elastic), one kill
-    each at a random moment after a random step (in an op, a weight sync, a checkpoint being
-    written), a checkpoint each step: how many ended well, and the recovery times."""
-    ended, times = 0, []
+def _one_kill(folder: Path, seed: int, *args: str) -> ChaosRun:
+    """A run of 2 replicas (4 executors) with `args`, a checkpoint each step, killed once at
+    a random moment after a random step (in an op, a weight sync, a checkpoint's writing)."""
+    return chaos_run(folder, seed, "--replicas", "2", "--checkpoint-dir", str(folder / "ck"),
+                     "--checkpoint-every", "1", *args, kills=1, first_s=(0.0, 0.05),
+                     after_steps=random.Random(seed).randint(1, STEPS // 2))
+
+
+def one_kill_runs(root: Path, seeds: int, *args: str) -> tuple[int, list[float], list[float]]:
+    """`seeds` _one_kill runs with `args` (restarts, or elastic): how many ended well, the
+    recovery times, and each run's throughput after its recovery over before."""
+    ended, times, rates = 0, [], []
     for seed in range(seeds):
-        folder, rng = root / f"s{seed}", random.Random(seed)
-        run = chaos_run(folder, seed, "--replicas", "2", "--checkpoint-dir", str(folder / "ck"),
-                        "--checkpoint-every", "1", *args, kills=1, first_s=(0.0, 0.05),
-                        after_steps=rng.randint(1, STEPS // 2))
+        folder = root / f"s{seed}"
+        run = _one_kill(folder, seed, *args)
         times += recovery_times(run, folder)
+        rates += [r for r in (throughput_after(step_times(folder), k) for k in run.kill_times)
+                  if r is not None]
         ended += run.returncode == 0 and len(run.killed) == 1
-    return ended, times
+    return ended, times, rates
+
+
+def resumed_runs(root: Path, seeds: int) -> tuple[int, list[float], list[float]]:
+    """`seeds` _one_kill runs without restarts, each then resumed by hand from its newest
+    checkpoint (`flowkit run ... --resume`, a fresh process): how many resumed runs ended
+    well, the times from the kill to the resumed run's first step, and the throughputs."""
+    ended, times, rates = 0, [], []
+    for seed in range(seeds):
+        folder = root / f"s{seed}"
+        run = _one_kill(folder, seed)
+        newest = sorted((folder / "ck").glob("step-*"))
+        if run.returncode == 0 or not newest or not run.kill_times:
+            continue  # it ended before its kill: nothing to resume
+        again = folder / "resumed"  # checkpointing each step as before, for a fair throughput
+        resumed = subprocess.run(command(again, "--steps", str(STEPS), "--replicas", "2",
+                                         "--checkpoint-dir", str(again / "ck"),
+                                         "--checkpoint-every", "1", "--resume", str(newest[-1])),
+                                 cwd=ROOT, capture_output=True, text=True)
+        ended += resumed.returncode == 0
+        kill = run.kill_times[0]
+        after = [end for end in step_times(folder / "resumed") if end > kill]
+        if after:
+            times.append(after[0] - kill)
+            rate = throughput_after([e for e in step_times(folder) if e < kill] + after, kill)
+            rates += [rate] if rate is not None else []
+    return ended, times, rates
 
 
 def fails_fast_naming(run: ChaosRun) -> bool:

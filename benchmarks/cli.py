@@ -540,7 +540,8 @@ def adaptive(adaptive_seeds: int, warm_steps: int, token_budget: int, pool: int,
 def chaos(seeds: int, json_out: Path | None) -> None:
     """kill -9 executors at random moments: runs recovered to the clean weights under
     --max-restarts, runs failing fast and naming the executor without, and each recovery's
-    time (MTTR) for restarts and for elastic runs that shrink."""
+    time (MTTR) and throughput after, for restarts, elastic runs that shrink, and a resume by
+    hand from the newest checkpoint."""
     _report(_bench_function("chaos", "run_chaos_bench")(seeds=seeds), json_out)
 
 

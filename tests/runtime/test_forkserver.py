@@ -21,6 +21,8 @@ from flowkit.runtime import Controller, LocalExecutors
 from flowkit.runtime.forkserver import ForkedProcess, ForkServer, start_executor, start_server
 from flowkit.wire.forkserver import ForkServerError, fingerprint, receive, send
 
+pytestmark = pytest.mark.slow  # end to end: a fork server of its own and the executors it forks
+
 
 @pytest.fixture(scope="module")
 def server():

@@ -17,6 +17,7 @@ from benchmarks.chaos import (
     fails_fast_naming,
     kill_window,
     same_weights,
+    throughput_after,
 )
 
 pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
@@ -59,3 +60,11 @@ def test_without_restarts_a_kill_fails_the_run_at_once_naming_the_executor(tmp_p
     run = chaos_run(tmp_path, seed, kills=1, steps=10 * STEPS, first_s=(0.2, 5.0))
     assert run.killed, run.output
     assert fails_fast_naming(run), (run.killed, run.exit_after_kill_s, run.output)
+
+
+def test_throughput_after_a_recovery_compares_step_rates_either_side_of_it():
+    """The bench's `throughput_after_x`: steps a second after the recovery (its own step left
+    out) over before; None without two intervals on a side."""
+    ends = [0.0, 1.0, 2.0, 3.0, 10.0, 12.0, 14.0, 16.0]  # killed at 3.5, recovered at 10
+    assert throughput_after(ends, 3.5) == 0.5
+    assert throughput_after(ends[:6], 3.5) is None and throughput_after(ends, 1.5) is None
