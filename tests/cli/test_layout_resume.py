@@ -129,6 +129,17 @@ def test_a_checkpoint_missing_a_file_is_refused_in_one_line(source, tmp_path):
     assert "executors/exec-1 is missing, and manifest.json lists it" in line
 
 
+def test_a_layout_whose_memory_limit_cannot_hold_the_model_is_refused_in_one_line(source):
+    """Resumed on 4 stages under a limit of half a microbatch's activations a device: no
+    schedule fits, said before any executor starts."""
+    checkpoint = source(GPT, "P2")[0]
+    out = refused(GPT, "--executors", "torch", "--steps", "10", "--stages", "4",
+                  "--memory-limit", "0.5", "--resume", str(checkpoint))
+    (line,) = [text for text in out.splitlines() if text.startswith("Error:")]
+    assert "memory limit 0.5" in line, out
+    assert "executors: torch" not in out  # refused before any executor started
+
+
 def test_a_file_whose_checksum_differs_is_refused_in_one_line(source, tmp_path):
     folder = _copy(source(GPT, "P2")[0], tmp_path)
     path = folder / "executors" / "exec-0"
