@@ -72,7 +72,7 @@ def source(tmp_path_factory):
 # GRPO: fused, its backprop streams from the second step on, so the resumed run's first step
 # plans its pipeline before any sample is in, on a layout the checkpoint has no profile of
 @pytest.mark.parametrize(("flow", "before", "after"), [
-    (GPT, "P3", "P2"), (GPT, "P2", "P4"), (LLAMA, "P3", "P2"),
+    (GPT, "P3", "P2"), (GPT, "P2", "P4"), (LLAMA, "P3", "P2"), (LLAMA, "P2", "P4"),
     (GPT, "D2P2-zero1", "P3"), (GPT, "P2", "P2-zbv"), (GRPO, "P2", "P1"), (GRPO, "P1", "P2"),
     (LORA, "P2", "P1")])
 def test_a_checkpoint_resumes_on_another_layout_as_if_never_stopped(source, tmp_path, flow,
