@@ -304,15 +304,17 @@ def _served_for(path: str, launcher: int) -> dict[int, str]:
     except ForkServerError:
         return {}
     with sock:
-        send(sock, {"children_of": launcher})
-        reply, _ = receive(sock)
+        try:
+            send(sock, {"children_of": launcher})
+            reply, _ = receive(sock)
+        except (ForkServerError, OSError):  # it went away meanwhile
+            return {}
         unnamed = _process_name(peer_pid(sock))
     children = reply.get("children") if isinstance(reply, dict) else None
     if not isinstance(children, list):
         return {}
     return {pid: name for pid in children if isinstance(pid, int)
             and (name := _process_name(pid)) and name != unnamed and _alive(pid)}
-
 
 
 def _children(parent: int) -> dict[int, list[bytes]]:

@@ -8,6 +8,8 @@ child's standard streams passed as file descriptors beside a start request.
                        + 3 fds (stdin, stdout, stderr)
   server -> launcher   {"started": PID} | {"refused": WHY}
   server -> launcher   {"exited": PID, "code": CODE}   (any time after "started")
+  anyone -> server     {"children_of": PID}   (after its hello: a test that kills a run's
+  server -> anyone     {"children": [PID, ...]}   executors, executor_processes)
 
 Everything received is checked here, on both sides: a peer is another process, and the
 server's peer a stranger until its hello matches (besides the socket's owner-only folder and
