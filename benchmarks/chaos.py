@@ -25,6 +25,7 @@ from typing import Any
 
 import attrs
 
+from flowkit.runner.checkpoints.format import complete_checkpoints
 from flowkit.runtime.forkserver import executor_processes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -255,7 +256,8 @@ def resumed_runs(root: Path, seeds: int) -> tuple[int, list[float], list[float]]
     for seed in range(seeds):
         folder = root / f"s{seed}"
         run = _one_kill(folder, seed)
-        newest = sorted((folder / "ck").glob("step-*"))
+        # the newest complete one: a kill may land while a checkpoint is being written
+        newest = complete_checkpoints(folder / "ck")
         if run.returncode == 0 or not newest or not run.kill_times:
             continue  # it ended before its kill: nothing to resume
         again = folder / "resumed"  # checkpointing each step as before, for a fair throughput
