@@ -232,8 +232,9 @@ def become_executor(request: dict[str, Any], fds: list[int], closing: list[int])
 
 def _leave_the_servers_finalizers() -> None:
     """The weakref finalizers of what the server imported (torch's operator libraries: 6 % of
-    a ten-step executor's CPU, run at its exit; a temporary folder's removal) are the server's:
-    the child's exit frees its copy of those objects without them."""
+    a ten-step executor's CPU at its exit, in `py-spy record --subprocesses` of the fork server
+    under a tests/cli/flows/tiny_layouts.py run; a temporary folder's removal) are the
+    server's: the child's exit frees its copy of those objects without them."""
     for finalizer in list(getattr(weakref.finalize, "_registry", {})):
         finalizer.atexit = False
 

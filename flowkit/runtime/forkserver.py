@@ -314,7 +314,7 @@ def _served_for(path: str, launcher: int) -> dict[int, str]:
     if not isinstance(children, list):
         return {}
     return {pid: name for pid in children if isinstance(pid, int)
-            and (name := _process_name(pid)) and name != unnamed and _alive(pid)}
+            and (name := _process_name(pid)) and name != unnamed and _live_parent(pid) is not None}
 
 
 def _children(parent: int) -> dict[int, list[bytes]]:
@@ -322,25 +322,26 @@ def _children(parent: int) -> dict[int, list[bytes]]:
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
+        pid = int(entry.name)
+        if _live_parent(pid) != parent:
+            continue
         try:
-            with open(f"/proc/{entry.name}/stat", "rb") as stat:
-                state, ppid = stat.read().rsplit(b")", 1)[1].split()[:2]
-            # a dead child not yet reaped (a zombie) keeps its name: it is no executor
-            if int(ppid) == parent and state not in (b"Z", b"X"):
-                with open(f"/proc/{entry.name}/cmdline", "rb") as cmdline:
-                    found[int(entry.name)] = cmdline.read().split(b"\0")
-        except (OSError, ValueError, IndexError):
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                found[pid] = cmdline.read().split(b"\0")
+        except OSError:
             continue  # gone while we looked
     return found
 
 
-def _alive(pid: int) -> bool:
-    """Neither gone nor dead and not yet reaped (a zombie keeps its name)."""
+def _live_parent(pid: int) -> int | None:
+    """The parent of process `pid`; None when it is gone, or dead and not yet reaped (a zombie
+    keeps its name: it is no executor)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return False
+            state, ppid = stat.read().rsplit(b")", 1)[1].split()[:2]
+        return None if state in (b"Z", b"X") else int(ppid)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _process_name(pid: int) -> str:

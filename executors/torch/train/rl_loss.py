@@ -185,7 +185,8 @@ class RLLoss:
         self.tokens = int(sum(sum(row) for row in mask_rows))  # counted on the host
         # a tree rollout's leaf weighs the tokens it shares [Note: tree rollouts' shared prefix
         # in dataflows/rl/trees.py]; the aggregate weighs them so, its normalizer included
-        self.weights = padded([_token_weights(e, settings) for e in exps], torch.float64)
+        self.weights = padded([_token_weights(e, settings) for e in exps], torch.float64) \
+            if any(getattr(e, "token_weights", ()) for e in exps) else None
         self.columns = {name: padded(_per_token(exps, name), torch.float64)
                         for name in _PER_TOKEN_FIELDS[self.kind]}
         if settings.uses_reference:
@@ -200,8 +201,9 @@ class RLLoss:
             losses, mask = self._value_losses(output)
         else:
             losses, mask = self._policy_losses(output)
-        total, normalizer = aggregate_sum(losses, mask * self.weights.to(mask.dtype),
-                                          self.settings.agg, self.settings.loss_scale_factor)
+        weighed = mask if self.weights is None else mask * self.weights.to(mask.dtype)
+        total, normalizer = aggregate_sum(losses, weighed, self.settings.agg,
+                                          self.settings.loss_scale_factor)
         self._pending[_NORMALIZER] = normalizer
         return total
 
