@@ -206,3 +206,24 @@ def test_evaluating_restores_a_training_module_and_leaves_an_eval_one_as_it_was(
     with evaluating(model):
         assert not any(m.training for m in model.modules())
     assert not any(m.training for m in model.modules())
+
+
+def test_evaluating_puts_back_each_submodules_own_mode():
+    """A submodule kept in eval mode on a training model (a frozen norm) stays so afterwards;
+    one whose class overrides train() is switched through it."""
+    calls = []
+
+    class Frozen(torch.nn.Module):
+        def train(self, mode: bool = True):
+            calls.append(mode)
+            return super().train(mode)
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    model[1].eval()
+    with evaluating(model):
+        assert not any(m.training for m in model.modules())
+    assert [m.training for m in model.modules()] == [True, True, False]
+    wrapped = torch.nn.Sequential(Frozen(), torch.nn.Dropout(0.5))
+    with evaluating(wrapped):
+        assert not any(m.training for m in wrapped.modules())
+    assert all(m.training for m in wrapped.modules()) and calls == [False, True]
