@@ -227,3 +227,18 @@ def test_evaluating_puts_back_each_submodules_own_mode():
     with evaluating(wrapped):
         assert not any(m.training for m in wrapped.modules())
     assert all(m.training for m in wrapped.modules()) and calls == [False, True]
+
+
+def test_evaluating_switches_a_hugging_face_model_in_one_flat_pass():
+    """transformers' PreTrainedModel.train (hub kernels aside) only sets flags: the flat pass
+    takes it, and puts the model back in training mode."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1)
+    model = transformers.Qwen2ForCausalLM(config).train()
+    switched = []
+    model.train = lambda mode=True: switched.append(mode)  # not called by the flat pass
+    with evaluating(model):
+        assert not any(m.training for m in model.modules())
+    assert all(m.training for m in model.modules()) and switched == []

@@ -284,7 +284,7 @@ def _to_eval(module: torch.nn.Module) -> Callable[[], None]:
     modules = list(module.modules())
     if not any(m.training for m in modules):
         return _nothing  # a whole copy only sampled or scored stays as it is
-    if any(type(m).train is not torch.nn.Module.train for m in modules):
+    if not all(_plain_mode(m) for m in modules):
         module.eval()
         return lambda: module.train(True)
     was = [m.training for m in modules]
@@ -295,6 +295,16 @@ def _to_eval(module: torch.nn.Module) -> Callable[[], None]:
         for m, mode in zip(modules, was):
             m.__dict__["training"] = mode
     return restore
+
+
+def _plain_mode(module: torch.nn.Module) -> bool:
+    """Whether train(mode) on `module` only sets its flag and its children's: torch's own, or
+    transformers' PreTrainedModel.train, which also re-applies hub kernels when they are used."""
+    train = type(module).train
+    if train is torch.nn.Module.train:
+        return True
+    return (getattr(train, "__qualname__", "") == "PreTrainedModel.train"
+            and not getattr(module, "use_kernels", False))
 
 
 def _nothing() -> None:
