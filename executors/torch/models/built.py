@@ -17,8 +17,8 @@ import contextlib
 import importlib
 import sys
 import weakref
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
