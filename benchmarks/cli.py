@@ -433,9 +433,12 @@ def loggers(json_out: Path | None) -> None:
 @click.option("--trl-threads", type=click.IntRange(min=1), default=None,
               help="Torch threads of TRL's process [default: the same cores, as many as "
               "flowkit's executors have together].")
+@click.option("--pipeline", is_flag=True,
+              help="Also run flowkit with the actor in 2 pipeline stages (1F1B, 4 microbatches) "
+              "on the same executors: the layout against the example's replicas.")
 @_json_option
 def trl(steps: int, seeds: int, warm_steps: int, threads: int, trl_threads: int | None,
-        json_out: Path | None) -> None:
+        pipeline: bool, json_out: Path | None) -> None:
     """flowkit's GRPO beside TRL's GRPOTrainer on the Qwen2 example.
 
     Same model, data, reward and settings, on this CPU, one after the other. Needs the trl
@@ -448,7 +451,8 @@ def trl(steps: int, seeds: int, warm_steps: int, threads: int, trl_threads: int 
         raise click.ClickException(str(exc)) from None
     figures = _bench_function("trl", "run_trl_bench")(steps=steps, seeds=seeds,
                                                        warm_steps=warm_steps, threads=threads,
-                                                       trl_threads=trl_threads)
+                                                       trl_threads=trl_threads,
+                                                       pipeline=pipeline)
     Console().print(_trl_table(figures))
     if json_out is not None:
         with writing(json_out):
@@ -469,15 +473,15 @@ def _trl_table(figures: dict) -> Any:
                   f"{threads['trl']}")
     for column in ("seed", "side", "s/step", "wall s", "reward, last 10", "flowkit / TRL"):
         table.add_column(column, justify="left" if column == "side" else "right")
-    rows = [(str(run["seed"]), run, run["step_ratio"]) for run in figures["runs"]]
-    rows.append(("all", figures, figures["step_ratio"]))
-    for seed, where, ratio in rows:
-        for side in ("flowkit", "trl"):
+    names = {"flowkit": "flowkit", "flowkit_pipeline": "flowkit, 2 stages", "trl": "TRL"}
+    ratios = {"flowkit": "step_ratio", "flowkit_pipeline": "pipeline_step_ratio"}
+    rows = [(str(run["seed"]), run) for run in figures["runs"]] + [("all", figures)]
+    for seed, where in rows:
+        for side in [name for name in names if name in where]:
             got = where[side]
-            table.add_row(seed, "flowkit" if side == "flowkit" else "TRL",
-                          f"{got['step_s']:.3f}", f"{got['wall_s']:.1f}",
+            table.add_row(seed, names[side], f"{got['step_s']:.3f}", f"{got['wall_s']:.1f}",
                           f"{got['reward_last10']:.3f}",
-                          f"{ratio:.2f}x" if side == "flowkit" else "",
+                          f"{where[ratios[side]]:.2f}x" if side in ratios else "",
                           end_section=side == "trl")
     table.caption = (f"reward curves' mean gap {figures['reward_curve_gap']:.3f} a step; "
                      f"warm-up {figures['warm_up']['steps']} steps, "

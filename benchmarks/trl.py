@@ -6,18 +6,18 @@ Method:
 - the tiny Qwen2 and its tokenizer are built offline by examples/qwen2_build.py's own code,
   then warmed up once by the supervised flow of examples/qwen2_sft.py (through the run API,
   `warm_steps` steps), its weights saved as a Hugging Face folder that both sides start from;
-- per seed, flowkit's GRPO flow of examples/qwen2_grpo.py (torch executors, 2 pipeline stages,
-  1F1B over 4 microbatches) and TRL's GRPOTrainer on that folder, the order alternating from
+- per seed, flowkit's GRPO flow of examples/qwen2_grpo.py (torch executors, 2 data-parallel
+  replicas of one microbatch each) and TRL's GRPOTrainer on that folder, the order alternating from
   seed to seed. Both train on the same prompts in the same order (step k's 16 rows of
   examples/data/arithmetic.jsonl as flowkit's `dataset_prompts` reads them, TRL's shuffling
   off), rendered by the same chat template, 8 completions each of at most 4 tokens at
   temperature 1, scored by the same op (dataflows.rewards.exact_match_reward); one AdamW step
-  per 128 completions (TRL: 4 accumulated microbatches of 32), the same lr, betas, weight decay
+  per 128 completions (TRL: 2 accumulated microbatches of 64), the same lr, betas, weight decay
   (matrices only, on both sides), gradient clipping, clip epsilon, KL coefficient (k3 to the
   warm weights), a loss averaged over the step's tokens (TRL's "dapo"), constant lr. What
   differs: group advantages divide by std + 1e-6 (flowkit) or + 1e-4 (TRL), and the random
   draws (each side seeds its own sampler from the seed);
-- the same cores on both sides: flowkit's executors (2, one per stage) get `threads` torch
+- the same cores on both sides: flowkit's executors (2, one per replica) get `threads` torch
   threads each, and TRL's one process `trl_threads`, by default as many as flowkit's executors
   have together (2 × `threads`); `trl_threads=threads` is the older comparison, which gave TRL
   one process's share of the cores.
@@ -51,7 +51,7 @@ EXAMPLES = REPO / "examples"
 INSTALL_HINT = "pip install -e '.[trl]'"
 
 
-FLOWKIT_EXECUTORS = 2  # the example's two pipeline stages, one executor each
+FLOWKIT_EXECUTORS = 2  # the example's two replicas, one executor each
 
 
 class TRLMissingError(ImportError):
@@ -76,7 +76,8 @@ class GRPOSetup:
 
     prompts: int = 16
     n: int = 8
-    microbatches: int = 4  # flowkit's pipeline microbatches; TRL's gradient accumulation
+    replicas: int = 2  # flowkit's data-parallel replicas of the actor, one executor each
+    microbatches: int = 2  # flowkit's microbatches over the replicas; TRL's gradient accumulation
     max_new_tokens: int = 4
     temperature: float = 1.0
     kl_coef: float = 0.001
@@ -86,16 +87,24 @@ class GRPOSetup:
     betas: tuple[float, float] = (0.9, 0.95)
     clip_grad_norm: float = 1.0
     # examples/qwen2_sft.py's
+    warm_stages: int = 2
+    warm_microbatches: int = 4
     warm_batch: int = 64
     warm_lr: float = 2e-3
     warm_seq_len: int = 16
 
 
+# the example's actor as a pipeline instead (`pipeline=True`): what it was before replicas
+PIPELINE = {"stages": 2, "replicas": 1, "microbatches": 4}
+
+
 def run_trl_bench(*, steps: int = 40, seeds: int = 3, warm_steps: int = 600, threads: int = 1,
-                  trl_threads: int | None = None, setup: GRPOSetup | None = None) -> dict:
+                  trl_threads: int | None = None, setup: GRPOSetup | None = None,
+                  pipeline: bool = False) -> dict:
     """`steps` GRPO steps per side and seed (seeds 0 .. seeds - 1) after a `warm_steps` warm-up;
     the figures of the module's docstring. `trl_threads`: None, the cores of flowkit's
-    executors together."""
+    executors together. `pipeline`: a third side, flowkit with the actor in `PIPELINE`'s two
+    stages (1F1B) on the same two executors, its ratio to TRL as `pipeline_step_ratio`."""
     trl_version = require_trl()
     if steps < 2:
         raise ValueError(f"the bench measures the steps after the first: needs >= 2, got {steps}")
@@ -119,9 +128,12 @@ def run_trl_bench(*, steps: int = 40, seeds: int = 3, warm_steps: int = 600, thr
             sides = {"flowkit": lambda s=seed: _flowkit_side(setup, warm, steps, s, threads),
                      "trl": lambda s=seed: _trl_side(setup, warm, steps, s, folder / "trl",
                                                      trl_threads)}
+            if pipeline:
+                sides["flowkit_pipeline"] = lambda s=seed: _flowkit_side(
+                    setup, warm, steps, s, threads, layout=PIPELINE)
             order = list(sides) if seed % 2 == 0 else list(reversed(sides))
             run = {"seed": seed, "order": order, **{name: sides[name]() for name in order}}
-            run["step_ratio"] = run["flowkit"]["step_s"] / run["trl"]["step_s"]
+            run.update(_ratios(run))
             runs.append(run)
     figures["runs"] = runs
     figures.update(_over_seeds(runs))
@@ -170,14 +182,16 @@ def _warm_up(setup: GRPOSetup, model: Path, out: Path, steps: int, threads: int)
             "last_loss": losses[-1]}
 
 
-def _flowkit_side(setup: GRPOSetup, warm: Path, steps: int, seed: int, threads: int) -> dict:
+def _flowkit_side(setup: GRPOSetup, warm: Path, steps: int, seed: int, threads: int,
+                  layout: dict | None = None) -> dict:
     """examples/qwen2_grpo.py's flow from `warm`, sampling from `seed`, on torch executors of
-    `threads` threads each."""
+    `threads` threads each; `layout`: stages, replicas and microbatches instead of its own."""
     from benchmarks.runs import bench_run
 
     start, ends, rewards = time.perf_counter(), [], []
     with bench_run(grpo_flow(setup, warm, seed), steps=steps, executors="torch",
-                   executor_threads=threads) as run:
+                   executor_threads=threads, num_executors=FLOWKIT_EXECUTORS,
+                   **(layout or {})) as run:
         for report in run.steps():
             ends.append(time.perf_counter())
             rewards.append(float(report.metrics["reward_mean"]))
@@ -189,10 +203,10 @@ def warm_up_flow(setup: GRPOSetup, model: Path) -> Any:
     from dataflows.datasets import chat_sft_sequences
     from dataflows.pretrain import pretrain_flow
 
-    return pretrain_flow(model=_actor(model), source=chat_sft_sequences,
+    return pretrain_flow(model=_actor(model, stages=setup.warm_stages), source=chat_sft_sequences,
                          source_config={"path": str(EXAMPLES / "data" / "arithmetic_sft.jsonl"),
                                         "tokenizer": str(model), "seq_len": setup.warm_seq_len},
-                         batch_size=setup.warm_batch, microbatches=setup.microbatches,
+                         batch_size=setup.warm_batch, microbatches=setup.warm_microbatches,
                          schedule="1f1b", lr=setup.warm_lr, name="qwen2_sft")
 
 
@@ -202,7 +216,7 @@ def grpo_flow(setup: GRPOSetup, warm: Path, seed: int) -> Any:
     from dataflows.grpo import grpo_flow as flow
     from dataflows.rewards import exact_match_reward
 
-    return flow(model=_actor(warm), prompts=setup.prompts, n=setup.n,
+    return flow(model=_actor(warm, replicas=setup.replicas), prompts=setup.prompts, n=setup.n,
                 microbatches=setup.microbatches, schedule="1f1b",
                 max_new_tokens=setup.max_new_tokens, temperature=setup.temperature,
                 kl_coef=setup.kl_coef, lr=setup.lr,
@@ -211,11 +225,11 @@ def grpo_flow(setup: GRPOSetup, warm: Path, seed: int) -> Any:
                 reward=exact_match_reward)
 
 
-def _actor(folder: Path) -> Any:
+def _actor(folder: Path, *, stages: int = 1, replicas: int = 1) -> Any:
     from flowkit.dsl import Model
 
-    return Model(name="actor", build="hf", config={"path": str(folder)}, stages=2,
-                 tags=("train",))
+    return Model(name="actor", build="hf", config={"path": str(folder)}, stages=stages,
+                 replicas=replicas, tags=("train",))
 
 
 def _prompts_file() -> Path:
@@ -230,18 +244,27 @@ def _side(start: float, ends: list[float], end: float, rewards: list[float]) -> 
             "reward_curve": rewards}
 
 
+def _ratios(figures: dict) -> dict:
+    """flowkit's step_s over TRL's (and the pipeline side's, where it ran)."""
+    out = {"step_ratio": figures["flowkit"]["step_s"] / figures["trl"]["step_s"]}
+    if "flowkit_pipeline" in figures:
+        out["pipeline_step_ratio"] = (figures["flowkit_pipeline"]["step_s"]
+                                      / figures["trl"]["step_s"])
+    return out
+
+
 def _over_seeds(runs: list[dict]) -> dict:
     """Per side the median step_s over seeds, the mean of reward_last10 and the mean curve;
-    the ratio of the medians."""
+    the ratios of the medians."""
     out: dict[str, Any] = {}
-    for side in ("flowkit", "trl"):
+    for side in [name for name in runs[0] if name in ("flowkit", "trl", "flowkit_pipeline")]:
         curves = [run[side]["reward_curve"] for run in runs]
         out[side] = {"step_s": statistics.median(run[side]["step_s"] for run in runs),
                      "wall_s": statistics.median(run[side]["wall_s"] for run in runs),
                      "reward_last10": statistics.fmean(run[side]["reward_last10"]
                                                        for run in runs),
                      "reward_curve": [statistics.fmean(step) for step in zip(*curves)]}
-    out["step_ratio"] = out["flowkit"]["step_s"] / out["trl"]["step_s"]
+    out.update(_ratios(out))
     out["reward_curve_gap"] = statistics.fmean(
         abs(a - b) for a, b in zip(out["flowkit"]["reward_curve"], out["trl"]["reward_curve"]))
     return out
@@ -298,7 +321,7 @@ def _trl_config(setup: GRPOSetup, steps: int, seed: int, out: Path) -> Any:
         output_dir=str(out), report_to="none", save_strategy="no", logging_steps=1,
         disable_tqdm=True, use_cpu=True, bf16=False, activation_checkpointing=False,
         seed=seed, max_steps=steps, shuffle_dataset=False,
-        # one optimizer step per 128 completions, accumulated over 4 microbatches of 32
+        # one optimizer step per 128 completions, accumulated over flowkit's microbatches
         per_device_train_batch_size=batch // setup.microbatches,
         gradient_accumulation_steps=setup.microbatches, num_generations=setup.n,
         max_completion_length=setup.max_new_tokens, temperature=setup.temperature,

@@ -10,6 +10,11 @@ mean reward rises from about 0.15:
 
 `--save-weights out` writes the trained actor as a Hugging Face folder, out/actor, that
 `AutoModelForCausalLM.from_pretrained` loads.
+
+The actor trains as two data-parallel replicas, one microbatch of 64 samples each, rather than
+two pipeline stages: at 142k parameters each stage's ops cost well over half the whole model's,
+and a pipeline adds hops and a bubble; the replicas' step is 0.87x the stages' (`flowkit bench
+trl --pipeline`, docs/performance.md). A model too large for one executor takes `stages=`.
 """
 
 import attrs
@@ -22,8 +27,8 @@ from flowkit.dsl import Model
 
 WARM = "checkpoints/actor"  # what the warm-up's --save-weights wrote
 
-actor = Model(name="actor", build="hf", config={"path": WARM}, stages=2, tags=("train",))
-TASK = dict(model=actor, prompts=16, n=8, microbatches=4, schedule="1f1b", max_new_tokens=4,
+actor = Model(name="actor", build="hf", config={"path": WARM}, replicas=2, tags=("train",))
+TASK = dict(model=actor, prompts=16, n=8, microbatches=2, schedule="1f1b", max_new_tokens=4,
             lr=5e-4, prompt_source=dataset_prompts,
             source_config={"path": "examples/data/arithmetic.jsonl", "tokenizer": WARM},
             reward=exact_match_reward)

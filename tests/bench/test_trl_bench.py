@@ -19,9 +19,9 @@ def test_both_sides_run_the_steps_asked_and_report_curves_and_times(tmp_path):
     pytest.importorskip("trl", reason="the trl extra: pip install -e '.[trl]'")
     out = tmp_path / "figures.json"
     result = CliRunner().invoke(main, ["bench", "trl", "--steps", "2", "--seeds", "1",
-                                       "--warm-steps", "1", "--json", str(out)])
+                                       "--warm-steps", "1", "--pipeline", "--json", str(out)])
     assert result.exit_code == 0, result.output
-    assert "flowkit / TRL" in result.output
+    assert "flowkit / TRL" in result.output and "flowkit, 2 stages" in result.output
     figures = json.loads(out.read_text())
     assert figures["setup"]["steps"] == 2 and figures["setup"]["trl"]
     # the same cores: TRL's process as many threads as flowkit's executors together
@@ -29,16 +29,18 @@ def test_both_sides_run_the_steps_asked_and_report_curves_and_times(tmp_path):
                                            "trl": 2}
     assert figures["warm_up"]["steps"] == 1 and figures["warm_up"]["wall_s"] > 0
     (run,) = figures["runs"]
-    assert run["seed"] == 0 and sorted(run["order"]) == ["flowkit", "trl"]
+    assert run["seed"] == 0 and sorted(run["order"]) == ["flowkit", "flowkit_pipeline", "trl"]
     for where in (run, figures):
-        for side in ("flowkit", "trl"):
+        for side in ("flowkit", "flowkit_pipeline", "trl"):
             got = where[side]
             assert len(got["reward_curve"]) == 2
             assert all(0.0 <= reward <= 1.0 for reward in got["reward_curve"])
             assert 0.0 <= got["reward_last10"] <= 1.0
             assert 0 < got["step_s"] < got["wall_s"]
         assert where["step_ratio"] == where["flowkit"]["step_s"] / where["trl"]["step_s"]
-    assert run["flowkit"]["steps"] == run["trl"]["steps"] == 2
+        assert where["pipeline_step_ratio"] == (where["flowkit_pipeline"]["step_s"]
+                                                / where["trl"]["step_s"])
+    assert run["flowkit"]["steps"] == run["flowkit_pipeline"]["steps"] == run["trl"]["steps"] == 2
     assert 0.0 <= figures["reward_curve_gap"] <= 1.0
 
 
@@ -77,8 +79,8 @@ def test_the_bench_runs_the_examples_flows_with_their_settings(tmp_path, monkeyp
         assert list(bench.nodes) == list(example.nodes)
         for name, node in example.nodes.items():
             assert _settings(bench.nodes[name].config) == _settings(node.config), name
-        assert {k: m.stages for k, m in bench.models.items()} == {
-            k: m.stages for k, m in example.models.items()}
+        assert {k: (m.stages, m.replicas) for k, m in bench.models.items()} == {
+            k: (m.stages, m.replicas) for k, m in example.models.items()}
     assert pairs[1][1].nodes["generate"].config["sample_seed"] == 3
     update, step = (pairs[1][0].nodes[name].config for name in ("update_actor", "optimizer_step"))
     assert (setup.clip_ratio, setup.kl_coef, setup.temperature) == (
