@@ -115,7 +115,8 @@ def run_trl_bench(*, steps: int = 40, seeds: int = 3, warm_steps: int = 600, thr
     figures: dict[str, Any] = {"setup": {
         **attrs.asdict(setup), "steps": steps, "seeds": seeds,
         "threads": {"flowkit_executors": FLOWKIT_EXECUTORS, "flowkit_per_executor": threads,
-                    "trl": trl_threads}, **_versions(trl_version)}}
+                    "trl": trl_threads}, "pipeline": PIPELINE if pipeline else None,
+        **_versions(trl_version)}}
     with (tempfile.TemporaryDirectory(prefix="flowkit-bench-trl-") as tmp,
           _quiet_transformers()):
         folder = Path(tmp)
