@@ -99,3 +99,20 @@ def test_a_failing_stage_fails_everything_downstream_and_nothing_hangs(sims):
         run.wait(timeout=30)
     assert run.futures[Action(2, Kind.F, 2)].exception(timeout=5) is not None
     assert run.futures[Action(0, Kind.F, 0)].exception(timeout=5) is None
+
+
+@pytest.mark.parametrize("kind", ["zb-h1", "zb-h2"])
+def test_a_split_schedule_on_one_device_and_one_replica_runs_fused_backwards(kind):
+    """[Note: one device, one backward]: nothing for a separate W to fill or start early; on
+    two devices, or with replicas (W's all-reduce may start before the end), W stays apart."""
+    from types import SimpleNamespace
+
+    from flowkit.runner.trainschedule import TrainingSchedules
+
+    def kinds(devices: int, replicas: int) -> tuple[str, set[Kind]]:
+        planning = TrainingSchedules(SimpleNamespace(replicas=replicas))
+        schedule = planning.schedule(kind, devices, 4, Costs.uniform(devices), None)
+        return schedule.kind, {a.kind for ops in schedule.device_ops for a in ops}
+
+    assert kinds(1, 1) == ("1f1b", {Kind.F, Kind.BW})
+    assert Kind.W in kinds(1, 2)[1] and Kind.W in kinds(2, 1)[1]
