@@ -108,10 +108,12 @@ def _check_memory_limit(node: Node, model: Model) -> None:
     later); `auto` searches with the costs, so its run says so at the first step."""
     from flowkit.planner import Costs, ScheduleError
     from flowkit.planner.schedules import build_schedule
+    from flowkit.runner.trainschedule import backprop_kind
 
     limit, kind = node.config.get("memory_limit"), node.config.get("schedule") or "1f1b"
     if limit is None or kind == "auto" or node.config.get("offload") == "auto":
         return
+    kind = backprop_kind(kind, model.stages, model.replicas)  # the schedule the run builds
     count = -(-int(node.config.get("microbatches") or 1) // model.replicas)  # per replica
     try:
         build_schedule(kind, devices=model.stages, microbatches=count,

@@ -19,14 +19,16 @@ from flowkit.runner.stepstate import FlowRunError
 from flowkit.runner.training_tasks import device_shares, model_spec, profile_stages
 from flowkit.runtime.futures import RemoteError
 
-__all__ = ["TrainingSchedules"]
+__all__ = ["TrainingSchedules", "backprop_kind"]
 
 # [Note: one device, one backward] On one device and one replica, no bubble exists for a
 # separate W to fill and no all-reduce for it to start early: ZB-H1's and ZB-H2's B and W apart
 # only cost their bookkeeping. The README's Qwen2 GRPO trained on one stage took 0.44 and
-# 0.46 s a step under ZB-H1 against 0.41 and 0.40 under 1F1B (alternating runs of
-# benchmarks/trl.py's flow with `RunConfig(stages=1, replicas=1, schedule=...)`). Such a
-# backprop runs 1F1B, its B and W one fused backward; the gradients are the same.
+# 0.46 s a step under ZB-H1 against 0.41 and 0.40 under 1F1B (two alternating pairs of runs
+# by a throwaway script before this change, `RunConfig(stages=1, replicas=1, schedule=...)`;
+# no command reproduces them, since both now run 1F1B). Such a backprop runs 1F1B, its B and
+# W one fused backward; the gradients are the same. The memory-limit check before a run
+# (setup.py) checks the same schedule.
 _SPLIT_ON_ONE_DEVICE = frozenset({"zb-h1", "zb-h2"})
 
 
@@ -103,7 +105,7 @@ class TrainingSchedules:
         """Built once per input: `auto` searches, which must not cost every step its time.
         `offload` ("half", "all"): with that share of its activations offloaded; "auto": none,
         half or all, whichever gives the least makespan within `limit`."""
-        kind = _fused_on_one_device(kind, devices, self.training.replicas)
+        kind = backprop_kind(kind, devices, self.training.replicas)
         key = (kind, devices, count, costs, limit, offload)
         if key not in self.schedules:
             if offload == "auto":  # none, half or all: the least makespan within the limit
@@ -137,7 +139,7 @@ class TrainingSchedules:
         return pick.schedule
 
 
-def _fused_on_one_device(kind: str, devices: int, replicas: int) -> str:
+def backprop_kind(kind: str, devices: int, replicas: int) -> str:
     """The schedule kind a backprop runs: 1F1B for a split kind on one device and one replica
     [Note: one device, one backward], else `kind`."""
     if devices == 1 and replicas == 1 and kind in _SPLIT_ON_ONE_DEVICE:

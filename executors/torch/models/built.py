@@ -277,10 +277,10 @@ def _to_eval(module: torch.nn.Module) -> Callable[[], None]:
 
     [Note: flat mode switch] eval() and train() call themselves down the tree, each setting
     `training` through Module.__setattr__: on the tiny Qwen2 (33 modules) the pair takes
-    0.5 ms, and around the engine's steps on a training model it took 10 % of an executor's
-    CPU in the README's GRPO step (`py-spy record --subprocesses` of `flowkit bench trl`). One
-    flat pass that sets the flags directly takes 0.02 ms; a module whose class overrides
-    train() with more than that gets its own.
+    0.5 ms and one flat pass setting the flags directly 0.02 ms (a timing loop in a throwaway
+    script); around the engine's steps on a training model the walks took 10 % of an
+    executor's CPU in the README's GRPO step (`py-spy record --subprocesses` of `flowkit bench
+    trl`). A module whose class overrides train() with more than that gets its own.
     """
     modules = list(module.modules())
     if not any(m.training for m in modules):

@@ -301,15 +301,17 @@ class Engine(Trajectories):
         self._environments_answered()
         self._refill_stale()
         self._admit()
-        decoding, chunks, copies = self._plan()
-        if not (decoding or chunks) and self.env_calls:
+        with evaluating(self.model):  # one mode switch a step: the plan may make the cache
+            decoding, chunks, copies = self._plan()
+            idle = not (decoding or chunks) and bool(self.env_calls)
+            # the next-token logits of the rows whose prefix is in
+            logits = {} if idle else self._forward(decoding, chunks, copies)
+        if idle:
             # every live trajectory waits for its environment: wait for one to answer, the
             # GIL released, rather than spin (an agent program's threads need it: [Note:
             # agent programs] in endpoint.py); short, so the executor still serves its sockets
             self.env_calls.wait(_IDLE_WAIT_S)
             return
-        with evaluating(self.model):
-            logits = self._forward(decoding, chunks, copies)  # the rows whose prefix is in
         if logits:
             rows = [seq for seq in self.slots if seq is not None and id(seq) in logits]
             self._sample(rows, torch.stack([logits[id(seq)] for seq in rows]))
@@ -343,8 +345,8 @@ class Engine(Trajectories):
         live = [s for s in self.slots if s is not None and not s.on_hold]
         if not self.cached:  # no cache to fill: every row runs its whole prefix
             return live, [], []
-        with evaluating(self.model):  # a cache in the dtype its forwards compute in
-            self._fit_cache()  # before `filled` is read: a cache made anew refills its rows
+        # under _step's `evaluating`: a cache in the dtype its forwards compute in
+        self._fit_cache()  # before `filled` is read: a cache made anew refills its rows
         self._share_branches(live)
         waiting = self._share_prompts(live)  # donor id -> the copy its siblings wait for
         held = {id(seq) for copy in waiting.values() for seq in copy.takers}
