@@ -184,7 +184,6 @@ class Executor:
     # -- lifecycle -----------------------------------------------------------------------------
     def serve(self, *, hello_timeout: float = 30.0) -> int:
         """Register, then serve until shutdown (exit code 0) or controller loss (exit code 3)."""
-        self.control.connect(self.connect_address)
         try:
             welcome = self._register(hello_timeout)
         except HelloRefused as exc:
@@ -245,13 +244,26 @@ class Executor:
                 log.exception("cleanup hook failed")
 
     def _register(self, timeout: float) -> dict | None:
-        hello = {"name": self.name, "tags": list(self.ctx.tags), "ops": self.ops.names(),
-                 "pid": os.getpid(), "host": pysocket.gethostname(), "host_id": self.host_id,
-                 "device": self.ctx.device, "secret": self.secret.hex(),
-                 "resources": self.resources, "peer_address": self.peer_address}
-        self.control.send_multipart(encode(Msg.HELLO, hello))
-        if not self._answered(timeout):
-            return None
+        """Connect and say HELLO: the WELCOME, None when no controller answered within
+        `timeout`, or HelloRefused. The handshake's monitor is attached before the connection
+        is made: a refusal by the controller's gate comes once (libzmq ends a connection that
+        failed its handshake), and a monitor attached after it would miss it and wait out the
+        timeout."""
+        monitor = self.control.get_monitor_socket(_HANDSHAKE_FAILED,
+                                                  addr=f"inproc://flowkit-hello-{id(self)}")
+        try:
+            self.control.connect(self.connect_address)
+            hello = {"name": self.name, "tags": list(self.ctx.tags), "ops": self.ops.names(),
+                     "pid": os.getpid(), "host": pysocket.gethostname(),
+                     "host_id": self.host_id, "device": self.ctx.device,
+                     "secret": self.secret.hex(), "resources": self.resources,
+                     "peer_address": self.peer_address}
+            self.control.send_multipart(encode(Msg.HELLO, hello))
+            if not self._answered(monitor, timeout):
+                return None
+        finally:
+            self.control.disable_monitor()
+            monitor.close(linger=0)
         header, _ = decode(self.control.recv_multipart())
         if header["t"] == Msg.ERROR and header.get("refused"):
             raise HelloRefused(header["reason"])
@@ -259,31 +271,25 @@ class Executor:
             raise ProtocolError(f"expected welcome, got {header['t']!r}")
         return header
 
-    def _answered(self, timeout: float) -> bool:
+    def _answered(self, monitor: zmq.Socket, timeout: float) -> bool:
         """Whether the controller answered within `timeout`; HelloRefused at once when its gate
         refuses this executor's credentials, or its handshakes fail again and again (libzmq
         would retry them until the timeout)."""
-        monitor = self.control.get_monitor_socket(_HANDSHAKE_FAILED,
-                                                  addr=f"inproc://flowkit-hello-{id(self)}")
-        try:
-            poller = zmq.Poller()
-            poller.register(self.control, zmq.POLLIN)
-            poller.register(monitor, zmq.POLLIN)
-            deadline, failed = time.monotonic() + timeout, 0
-            while (left := deadline - time.monotonic()) > 0:
-                if dict(poller.poll(int(left * 1000))).get(self.control):
-                    return True
-                while monitor.poll(0):
-                    event = parse_monitor_message(monitor.recv_multipart())["event"]
-                    failed += 1 if event != zmq.EVENT_HANDSHAKE_FAILED_AUTH else _RETRIES
-                if failed >= _RETRIES:
-                    raise HelloRefused(f"its gate refused the connection: {self._refused_as()}"
-                                       f" (give the executor the secret file, or --keys DIR, "
-                                       f"of this run's controller)")
-            return False
-        finally:
-            self.control.disable_monitor()
-            monitor.close(linger=0)
+        poller = zmq.Poller()
+        poller.register(self.control, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        deadline, failed = time.monotonic() + timeout, 0
+        while (left := deadline - time.monotonic()) > 0:
+            if dict(poller.poll(int(left * 1000))).get(self.control):
+                return True
+            while monitor.poll(0):
+                event = parse_monitor_message(monitor.recv_multipart())["event"]
+                failed += 1 if event != zmq.EVENT_HANDSHAKE_FAILED_AUTH else _RETRIES
+            if failed >= _RETRIES:
+                raise HelloRefused(f"its gate refused the connection: {self._refused_as()}"
+                                   f" (give the executor the secret file, or --keys DIR, "
+                                   f"of this run's controller)")
+        return False
 
     def _refused_as(self) -> str:
         return ("keys not among the controller's allowed ones, or not its keys" if self.keys

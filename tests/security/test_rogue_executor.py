@@ -280,6 +280,31 @@ def test_an_executor_with_another_runs_secret_exits_saying_so(run):
     _still_clean(run)
 
 
+def test_a_refusal_in_the_handshake_is_heard_however_late_the_hello_is_built(run, monkeypatch,
+                                                                             caplog):
+    """libzmq reports a connection's failed handshake once and does not retry it: the executor
+    watches the handshake from before it connects, so a slow start (here the HELLO's host
+    name, read after the connection is made) still hears the gate's refusal, not a silence."""
+    import socket as pysocket
+
+    from executors.optable import OpTable
+    from executors.process import Executor
+
+    slow_hostname = pysocket.gethostname
+    monkeypatch.setattr("executors.process.pysocket.gethostname",
+                        lambda: (time.sleep(1.0), slow_hostname())[1])
+    stray = Executor(connect=run[0].address, name="stray", ops=OpTable(), secret=b"\xab" * 32)
+    began = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="flowkit.executor"):
+        try:
+            assert stray.serve(hello_timeout=8) == 2
+        finally:
+            stray.close()
+    assert time.monotonic() - began < 6
+    assert "refused this executor" in caplog.text and "wrong secret" in caplog.text
+    _still_clean(run)
+
+
 def test_a_hand_started_executor_joins_with_the_secret_file(run, tmp_path):
     """`flowkit executor --secret-file`: the file the controller wrote, readable by its owner
     alone; the executor joins and serves."""
