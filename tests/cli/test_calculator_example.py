@@ -17,9 +17,10 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 
 
 def test_grpo_learns_to_call_the_calculator(tmp_path):
-    # the docs' run warms up 800 steps and trains 40 (.35 -> .79); half of each here
-    run_ok_in(tmp_path, str(EXAMPLES / "calculator_sft.py"), "--steps", "400",
-              "--save-weights", "checkpoints")
+    # the docs' run warms up 800 steps and trains 40 (.35 -> .79); half of each here, the
+    # warm-up in one stage and one microbatch of 64 (its gradients, in 60 % of the CPU time)
+    run_ok_in(tmp_path, str(EXAMPLES / "calculator_sft.py"), "--steps", "400", "--stages", "1",
+              "--microbatches", "1", "--save-weights", "checkpoints")
     run_ok_in(tmp_path, str(EXAMPLES / "calculator_grpo.py"), "--steps", "20", "--metrics",
               "calculator.jsonl")
     lines = [json.loads(line) for line in
@@ -30,6 +31,7 @@ def test_grpo_learns_to_call_the_calculator(tmp_path):
     assert all(line["agent/tool_errors_mean"] < 0.05 for line in lines)
     assert statistics.fmean(calls[:3]) < 0.5 and statistics.fmean(calls[-5:]) > 0.8, calls
     rewards = [line["reward_mean"] for line in lines]
-    first, last = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])
-    # measured .24 -> .49 (deterministic on a 2-core CPU)
+    # where it starts (the first two steps, before their updates tell) and where it ends:
+    # measured .13 -> .65 (deterministic on a 2-core CPU)
+    first, last = statistics.fmean(rewards[:2]), statistics.fmean(rewards[-5:])
     assert first < 0.35 and last > first + 0.15, rewards
