@@ -18,7 +18,10 @@ the second side's median tokens_to_target over fixed's (the seeds where both got
 With `tree`, the second side is tree rollouts instead ([Note: tree rollouts] in
 executors/torch/rollout/branching.py): n / branches ** len(branch_at) roots a prompt, each
 branching at the response depths `branch_at` into `branches`, so as many leaves a prompt as the
-fixed side's n where no sample ends early; its tokens count a shared prefix once.
+fixed side's n where no sample ends early; its tokens count a shared prefix once. With
+`branch_entropy`, a level forks at the first token from its depth whose distribution has that
+entropy ([Note: entropy branching] in executors/torch/rollout/branching.py): fewer leaves where
+the model is sure.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class AdaptiveBench:
     tree: bool = False  # the second side: tree rollouts, not adaptive sampling
     branch_at: tuple[int, ...] = (1, 2)  # the sorted digits' first two: where answers diverge
     branches: int = 2
+    branch_entropy: float | None = None  # the tree side forks at uncertain tokens (nats)
     shared_prefix: str = "per_leaf"  # the tree side's ([Note: tree rollouts' shared prefix])
 
     @property
@@ -108,6 +112,7 @@ def grpo_side(bench: AdaptiveBench, weights: Path, seed: int, side: str) -> Any:
     adaptive = AdaptiveSampling(n_min=bench.n_min, n_max=bench.n_max, budget=bench.budget) \
         if side == "adaptive" else None
     tree = {"n": bench.tree_roots, "branch_at": bench.branch_at, "branches": bench.branches,
+            "branch_entropy": bench.branch_entropy,
             "shared_prefix": bench.shared_prefix} if side == "tree" else {"n": bench.n}
     return grpo_flow(prompts=bench.prompts, **tree, stages=2, microbatches=4,
                      schedule="1f1b", max_new_tokens=SORT_RESPONSE_TOKENS, lr=3e-4,

@@ -71,7 +71,11 @@ class SamplingConfig(_OpSettings):
     Tree rollouts (LATR, BranchGRPO): a sample that reaches a response depth in `branch_at`
     forks into `branches` samples sharing its prefix, so a prompt has up to
     n * branches ** len(branch_at) samples ([Note: tree rollouts] in
-    executors/torch/rollout/branching.py; flowkit's own engine only)."""
+    executors/torch/rollout/branching.py; flowkit's own engine only). With `branch_entropy`
+    (nats), each depth of `branch_at` is where a level may begin, and a sample forks at its
+    first token from there whose sampling distribution has at least that entropy: branches
+    part where the model is unsure ([Note: entropy branching] in
+    executors/torch/rollout/branching.py)."""
 
     n: int = _setting(1, low=1)
     max_new_tokens: int = _setting(256, low=1)
@@ -85,7 +89,7 @@ class SamplingConfig(_OpSettings):
     engine: str = _setting("flowkit", choices=ROLLOUT_ENGINES)
     branch_at: tuple = _setting(())
     branches: int = _setting(1, low=1)
-
+    branch_entropy: float | None = _setting(None, low=0)
 
     @property
     def branching(self) -> bool:
@@ -104,6 +108,10 @@ class SamplingConfig(_OpSettings):
         errors += [f"branch_at depth {d} must lie in 1 .. max_new_tokens - 1 = "
                    f"{int(self.max_new_tokens) - 1} (a branch draws its token d itself)"
                    for d in depths if not 1 <= d < int(self.max_new_tokens)]
+        if self.branch_entropy is not None and not self.branching:
+            errors.append(f"branch_entropy={self.branch_entropy} picks where tree rollouts "
+                          f"fork, and none grow: give branch_at (where each level may begin) "
+                          f"and branches >= 2, or drop branch_entropy")
         if self.branching and self.engine != "flowkit":
             errors.append(f"tree rollouts (branch_at, branches) run on flowkit's own engine, "
                           f"not engine={self.engine!r}: drop them or sample with "

@@ -27,9 +27,14 @@ def test_both_sides_spend_the_same_token_budget_and_report_their_figures():
     assert figures["warm_up"]["steps"] == 2 and "weights" not in figures["warm_up"]
 
 
-def test_the_bench_command_refuses_a_bad_setting_before_it_starts():
-    result = CliRunner().invoke(main, ["bench", "adaptive", "--seeds", "0"])
-    assert result.exit_code == 2 and "--seeds" in result.output
+@pytest.mark.parametrize(("args", "named"), [
+    (["--seeds", "0"], "--seeds"),
+    (["--branch-entropy", "0.5"], "--branch-entropy is for the tree side: add --tree"),
+    (["--tree", "--branch-entropy", "-1"], "--branch-entropy"),
+])
+def test_the_bench_command_refuses_a_bad_setting_before_it_starts(args, named):
+    result = CliRunner().invoke(main, ["bench", "adaptive", *args])
+    assert result.exit_code == 2 and named in result.output
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """Tree rollouts end to end on torch executors [Note: tree rollouts in
 executors/torch/rollout/branching.py], float64 and seeded: a depth with one branch gives the
 plain run's samples and parameters; branched leaves train, grouped by prompt, their shared
-prefixes counted once in the step's generated tokens."""
+prefixes counted once in the step's generated tokens; branching by entropy at 0 nats is the
+fixed-depth run [Note: entropy branching]."""
 
 from __future__ import annotations
 
@@ -20,8 +21,14 @@ def test_a_depth_with_one_branch_gives_the_plain_runs_samples_and_update(tmp_pat
     _assert_same_weights(tmp_path / "plain", tmp_path / "unbranched")
 
 
-def test_branched_leaves_train_as_groups_and_count_their_shared_prefix_once(tmp_path):
-    lines = metrics_lines(_run(tmp_path, f"{GRPO}:tree", "tree", "--steps", "2"))
+@pytest.fixture(scope="module")
+def tree_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tree")
+    return folder, _run(folder, f"{GRPO}:tree", "tree", "--steps", "2")
+
+
+def test_branched_leaves_train_as_groups_and_count_their_shared_prefix_once(tree_run):
+    lines = metrics_lines(tree_run[1])
     assert len(lines) == 2
     for line in lines:
         # 4 roots and their branches: up to 3 a root, fewer where a root ends before a depth
@@ -30,3 +37,10 @@ def test_branched_leaves_train_as_groups_and_count_their_shared_prefix_once(tmp_
         generated = line["response_length_mean"] * line["rollout/samples"]
         assert line["rollout/tokens"] + line["rollout/branch_saved_tokens"] == generated
         assert line["rollout/branch_saved_tokens"] > 0
+
+
+def test_branching_by_entropy_at_zero_nats_is_the_fixed_depth_run(tmp_path, tree_run):
+    folder, fixed = tree_run
+    uncertain = _run(tmp_path, f"{GRPO}:tree_entropy", "entropy", "--steps", "2")
+    _assert_same_curve(fixed, uncertain)
+    _assert_same_weights(folder / "tree", tmp_path / "entropy")

@@ -111,6 +111,9 @@ def test_the_steps_generated_tokens_count_a_shared_prefix_once():
     (dict(branches=0), "1 error(s) in the sampling settings: branches must be at least 1"),
     (dict(engine="vllm"), "1 error(s) in the sampling settings: tree rollouts (branch_at, "
                           "branches) run on flowkit's own engine, not engine='vllm'"),
+    (dict(branch_at=(), branch_entropy=0.5), "1 error(s) in the sampling settings: "
+                                             "branch_entropy=0.5 picks where tree rollouts "
+                                             "fork, and none grow"),
     (dict(max_staleness=1), "1 error(s) in the sampling settings: tree rollouts (branch_at, "
                             "branches) run synchronous steps of whole trees of single "
                             "responses, without max_staleness"),

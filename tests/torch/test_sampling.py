@@ -402,3 +402,26 @@ def test_host_uniforms_are_the_same_bits_as_the_device_rounds(seeds, position):
     out = smp._philox4x32(counter, key)
     want = ((out[0] >> 5) * (1 << 26) + (out[1] >> 6)).to(torch.float64) * 2.0**-53
     assert torch.equal(smp.uniforms(s, p), want)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rng_seed=st.integers(0, 2**32), b=st.integers(1, 8), v=st.integers(2, 40),
+       data=st.data())
+def test_the_entropy_asked_is_each_rows_at_its_temperature_and_changes_no_draw(rng_seed, b, v,
+                                                                              data):
+    """[Note: entropy branching in executors/torch/rollout/branching.py]: nats, over the whole
+    vocabulary at the row's temperature (greedy rows at 1), whatever its top-k or top-p."""
+    rows = _rows(rng_seed, b, v, greedy=data.draw(st.booleans()))
+    k = torch.tensor(data.draw(st.lists(st.integers(0, v), min_size=b, max_size=b)))
+    plain = smp.sample_tokens(rows["logits"], temperature=rows["temperature"],
+                              top_p=rows["top_p"], seeds=rows["seeds"],
+                              positions=rows["positions"], top_k=k)
+    tokens, logprobs, entropy = smp.sample_tokens(
+        rows["logits"], temperature=rows["temperature"], top_p=rows["top_p"],
+        seeds=rows["seeds"], positions=rows["positions"], top_k=k, entropy=True)
+    assert torch.equal(tokens, plain[0]) and torch.equal(logprobs, plain[1])
+    t = torch.where(rows["temperature"] > 0, rows["temperature"], 1.0).to(torch.float64)
+    p = torch.softmax(rows["logits"].to(torch.float64) / t[:, None], dim=-1)
+    want = -(p * torch.log(p)).nan_to_num().sum(-1)
+    assert entropy.dtype == torch.float64
+    assert entropy.tolist() == pytest.approx(want.tolist(), abs=1e-9)

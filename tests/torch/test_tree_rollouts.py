@@ -1,5 +1,6 @@
 """Tree rollouts in flowkit's own engine [Note: tree rollouts in
-executors/torch/rollout/branching.py]: samples fork at fixed depths and share their prefix."""
+executors/torch/rollout/branching.py]: samples fork at fixed depths, or at uncertain tokens
+[Note: entropy branching], and share their prefix."""
 
 from __future__ import annotations
 
@@ -113,6 +114,8 @@ SPEC = {**gpt_spec("policy", SMALL, seed=1), "eos": None, "max_new_tokens": 4}
     ({"branch_at": (2, 2), "branches": 2}, "branch_at must not repeat a depth"),
     ({"branch_at": (2,), "branches": 2, "engine": "vllm"},
      "tree rollouts .branch_at, branches. run on flowkit's own engine, not engine='vllm'"),
+    ({"branch_entropy": 1.0}, "branch_entropy=1.0 picks where tree rollouts fork, and none grow"),
+    ({"branch_at": (2,), "branches": 1, "branch_entropy": 1.0}, "and branches >= 2"),
 ])
 def test_bad_branching_is_refused_in_one_line_before_any_sample(kw, error):
     ctx = op_context()
@@ -126,5 +129,77 @@ def test_the_generate_op_grows_trees_through_its_settings():
     ctx = op_context()
     done = run_until_done(ctx.background, gen._generate(ctx, PROMPTS[:2], **SPEC, n=2,
                                                         branch_at=[1], branches=2))
+    assert sorted((r.prompt_id, r.sample) for r in done) == [(p, s) for p in (0, 1)
+                                                             for s in range(4)]
+
+
+# -- entropy branching ----------------------------------------------------------------------------
+
+@torch.no_grad()
+def _entropies(model, rollout) -> list[float]:
+    """The entropy (nats, temperature 1) of the distribution each response token was drawn
+    from, by a plain forward over the rollout's tokens."""
+    sequence = torch.tensor([rollout.prompt_tokens + rollout.response_tokens])
+    start = len(rollout.prompt_tokens) - 1
+    logits = model(sequence)[0].to(torch.float64)[start:start + len(rollout.response_tokens)]
+    return torch.special.entr(torch.softmax(logits, dim=-1)).sum(-1).tolist()
+
+
+def test_at_entropy_zero_the_trees_are_the_fixed_depth_ones(model):
+    fixed, _ = _run(model, TREE, 2)
+    uncertain, _ = _run(model, attrs.evolve(TREE, branch_entropy=0.0), 2)
+    assert uncertain.keys() == fixed.keys()
+    for key, rollout in fixed.items():  # forks a step later: other batches, the same draws
+        assert uncertain[key].response_tokens == rollout.response_tokens
+        assert uncertain[key].logprobs == pytest.approx(rollout.logprobs, abs=1e-9)
+        assert (uncertain[key].branch_of, uncertain[key].shared_tokens) == (
+            rollout.branch_of, rollout.shared_tokens)
+
+
+def test_a_threshold_no_token_reaches_grows_no_branch(model):
+    tree, _ = _run(model, attrs.evolve(TREE, branch_entropy=1e9), 2)
+    assert sorted(s for p, s in tree if p == 0) == [0, 9]  # the roots alone, as the tree numbers
+    assert all(r.branch_of is None for r in tree.values())
+
+
+def test_a_sample_forks_at_its_first_token_past_the_levels_depth_as_uncertain_as_asked(model):
+    sampling = attrs.evolve(PLAIN, top_p=1.0, branch_at=(1, 3), branches=2)
+    spread = [h for r in _run(model, sampling, 2)[0].values() for h in _entropies(model, r)]
+    threshold = sorted(spread)[len(spread) * 3 // 4]  # a quarter of the tokens reach it
+    tree, _ = _run(model, attrs.evolve(sampling, branch_entropy=threshold), 3)
+    forked = [r for r in tree.values() if r.branch_of is not None]
+    assert forked and len(tree) < 3 * 4 * len(PROMPTS)  # some forks, not every one
+    for leaf in forked:
+        parent = tree[(leaf.prompt_id, leaf.branch_of)]
+        level = 0 if leaf.sample - parent.sample == 2 else 1  # root r: 4r + 2 b0 + b1
+        # the parent's tokens this level could fork at: from the level's depth, past the one
+        # the parent was forked at, and past its fork of level 0
+        begin = [sampling.branch_at[level], parent.shared_tokens + 1]
+        if level == 1 and parent.branch_of is None and (leaf.prompt_id, parent.sample + 2) in tree:
+            begin.append(tree[(leaf.prompt_id, parent.sample + 2)].shared_tokens + 1)
+        at, entropies, earliest = leaf.shared_tokens, _entropies(model, parent), max(begin)
+        assert at >= earliest and entropies[at] >= threshold - 1e-9
+        assert all(h < threshold + 1e-9 for h in entropies[earliest:at])  # the first such
+        assert leaf.response_tokens[:at] == parent.response_tokens[:at]
+
+
+def test_a_sample_forks_at_an_uncertain_token_that_ends_it(model):
+    every_token_ends = attrs.evolve(TREE, branch_at=(1,), branches=2, branch_entropy=0.0,
+                                    eos=tuple(range(32)))
+    tree, _ = _run(model, every_token_ends, 1)
+    # each root ends at its first token and never reaches depth 1; with max_new_tokens 2 it
+    # would draw token 1 and fork there as it ends
+    assert all(r.branch_of is None for r in tree.values())
+    two = attrs.evolve(every_token_ends, eos=None, max_new_tokens=2)
+    tree, _ = _run(model, two, 1)
+    assert sorted(s for p, s in tree if p == 0) == [0, 1]
+    assert {r.shared_tokens for r in tree.values() if r.branch_of is not None} == {1}
+
+
+def test_the_generate_op_branches_by_entropy_through_its_settings():
+    ctx = op_context()
+    done = run_until_done(ctx.background, gen._generate(ctx, PROMPTS[:2], **SPEC, n=2,
+                                                        branch_at=[1], branches=2,
+                                                        branch_entropy=0.0))
     assert sorted((r.prompt_id, r.sample) for r in done) == [(p, s) for p in (0, 1)
                                                              for s in range(4)]

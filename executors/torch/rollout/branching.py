@@ -1,13 +1,14 @@
-"""Tree rollouts: samples that fork at fixed response depths and share their prefix's cache.
+"""Tree rollouts: samples that fork at fixed response depths, or where the model is unsure,
+and share their prefix's cache.
 
-The design: [Note: tree rollouts] below.
+The design: [Note: tree rollouts] and [Note: entropy branching] below.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["branch_samples", "leaves_per_root", "root_sample"]
+__all__ = ["branch_samples", "leaves_per_root", "level_branches", "root_sample"]
 
 
 # [Note: tree rollouts] Branching at fixed depths, as LATR and BranchGRPO do: a sample that has
@@ -23,6 +24,16 @@ __all__ = ["branch_samples", "leaves_per_root", "root_sample"]
 # indices are 0..n-1 and the samples are plain ones, bit for bit. A leaf records the sample it
 # forked from (`branch_of`) and the response tokens it shares (`shared_tokens`).
 
+# [Note: entropy branching] With `branch_entropy` H, the i-th depth of `branch_at` is where
+# level i may begin: a sample on level i forks at its first response token t >= that depth
+# (and past the token it was itself forked at) whose sampling distribution, at the sampling's
+# temperature over the whole vocabulary, has entropy >= H (nats), as ETTRL and TreeRL fork at
+# uncertain tokens. The branches hold the t tokens before it and draw token t themselves, as
+# a fixed-depth fork at t does, so the tree's indices and seeds are the same; the parent forks
+# after drawing token t, even when that token ends it. At H = 0 every token qualifies and the
+# trees are the fixed-depth ones (tests/torch/test_tree_rollouts.py). A token whose entropy is
+# within rounding of H (1e-12) may fork in one batch and not in another.
+
 
 def leaves_per_root(branch_at: Sequence[int], branches: int) -> int:
     """The most leaves one sample grows into: k^D."""
@@ -37,6 +48,10 @@ def root_sample(root: int, branch_at: Sequence[int], branches: int) -> int:
 def branch_samples(sample: int, depth: int, branch_at: Sequence[int], branches: int) -> list[int]:
     """The indices of the new samples that `sample` forks into at response depth `depth` (one
     of `branch_at`): branches 1 .. k-1 of that level; the sample itself goes on as branch 0."""
-    level = sorted(branch_at).index(depth)
-    stride = branches ** (len(branch_at) - 1 - level)
+    return level_branches(sample, sorted(branch_at).index(depth), len(branch_at), branches)
+
+
+def level_branches(sample: int, level: int, levels: int, branches: int) -> list[int]:
+    """The indices of the new samples that `sample` forks into on level `level` of `levels`."""
+    stride = branches ** (levels - 1 - level)
     return [sample + b * stride for b in range(1, branches)]

@@ -16,7 +16,7 @@ from executors.optable import Deferred
 from executors.torch.device import to_device
 from executors.torch.models.built import evaluating, right_padded
 from executors.torch.rollout import lm
-from executors.torch.rollout.branching import branch_samples, root_sample
+from executors.torch.rollout.branching import level_branches, root_sample
 from executors.torch.rollout.sampling import sample_tokens, sequence_seed
 from executors.torch.rollout.trajectories import Trajectories
 from executors.torch.rollout.turns import Agent, EnvCalls, Episode
@@ -88,9 +88,12 @@ class Sampling:
     seed: int = 0  # the resolved sample seed: the setting's sample_seed, or the model's seed
     step: int = 0
     # tree rollouts [Note: tree rollouts in executors/torch/rollout/branching.py]: a sample
-    # forks into `branches` samples on reaching each response depth of `branch_at`
+    # forks into `branches` samples on reaching each response depth of `branch_at`, or with
+    # `branch_entropy` at its first token from there as uncertain as that [Note: entropy
+    # branching in executors/torch/rollout/branching.py]
     branch_at: tuple[int, ...] = ()
     branches: int = 1
+    branch_entropy: float | None = None
 
     @property
     def stop_tokens(self) -> frozenset[int]:
@@ -145,6 +148,7 @@ class Sequence:
     branch_of: int | None = None
     shared_tokens: int = 0
     donor: Sequence | None = None
+    forks: int = 0  # levels of its tree its path has forked at (branch_at's index it is at)
 
     @property
     def prefix(self) -> list[int]:
@@ -490,20 +494,26 @@ class Engine(Trajectories):
     def _sample(self, rows: list[Sequence], logits: torch.Tensor) -> None:
         settings = [s.request.sampling for s in rows]
         stops = [st.stop_tokens for st in settings]
-        tokens, logprobs = sample_tokens(
+        by_entropy = any(st.branch_entropy is not None for st in settings)
+        drawn = sample_tokens(
             logits,
             temperature=torch.tensor([st.temperature for st in settings], dtype=torch.float64),
             top_p=torch.tensor([st.top_p for st in settings], dtype=torch.float64),
             top_k=torch.tensor([st.top_k for st in settings], dtype=torch.int64),
             seeds=torch.tensor([s.seed for s in rows], dtype=torch.int64),
-            positions=torch.tensor([len(s.tokens) for s in rows], dtype=torch.int64))
+            positions=torch.tensor([len(s.tokens) for s in rows], dtype=torch.int64),
+            entropy=by_entropy)
         version = self._version_now()
         # one copy to the host, the step's one wait for the device (a token id < 2^53 is exact)
-        tokens, logprobs = torch.stack([tokens.to(torch.float64), logprobs]).tolist()
-        for seq, token, logp, st, stop in zip(rows, map(int, tokens), logprobs, settings, stops):
+        tokens, logprobs, *spread = torch.stack([drawn[0].to(torch.float64), *drawn[1:]]).tolist()
+        entropies = spread[0] if spread else [0.0] * len(rows)
+        for seq, token, logp, st, stop, entropy in zip(rows, map(int, tokens), logprobs, settings,
+                                                       stops, entropies):
             seq.tokens.append(token)
             seq.logprobs.append(logp)
             seq.versions.append(version)
+            if st.branch_entropy is not None and self._uncertain(seq, st, entropy):
+                self._fork(seq, len(seq.tokens) - 1)  # at the token just drawn, however it ends
             eos = token in stop
             full = self.context is not None and seq.length >= self.context
             if seq.episode is not None:
@@ -512,19 +522,31 @@ class Engine(Trajectories):
             elif eos or len(seq.tokens) >= st.max_new_tokens or full:
                 self.slots[seq.slot] = None
                 self._finish(seq, finished=eos, interrupted=False)
-            elif len(seq.tokens) in st.branch_at and st.branches > 1:
-                self._fork(seq)
+            elif (st.branch_entropy is None and st.branches > 1 and seq.forks < len(st.branch_at)
+                  and len(seq.tokens) == st.branch_at[seq.forks]):
+                self._fork(seq, len(seq.tokens))
 
-    def _fork(self, seq: Sequence) -> None:
-        """[Note: tree rollouts] `seq`'s new branches, first in line for a slot, so its row
-        still holds their prefix when they take one."""
-        st, depth = seq.request.sampling, len(seq.tokens)
-        for sample in reversed(branch_samples(seq.sample, depth, st.branch_at, st.branches)):
+    @staticmethod
+    def _uncertain(seq: Sequence, st: Sampling, entropy: float) -> bool:
+        """Whether `seq` forks at the token it just drew: a level is left, the token lies at or
+        past the level's depth and past the one `seq` was forked at, and its distribution's
+        entropy reaches the threshold [Note: entropy branching in branching.py]."""
+        at = len(seq.tokens) - 1
+        return (st.branches > 1 and seq.forks < len(st.branch_at) and at >= st.branch_at[seq.forks]
+                and at > seq.shared_tokens and entropy >= st.branch_entropy)
+
+    def _fork(self, seq: Sequence, depth: int) -> None:
+        """[Note: tree rollouts] `seq`'s new branches, holding its first `depth` response
+        tokens, first in line for a slot, so its row still holds their prefix when they take
+        one."""
+        st, level = seq.request.sampling, seq.forks
+        seq.forks += 1
+        for sample in reversed(level_branches(seq.sample, level, len(st.branch_at), st.branches)):
             self.waiting.appendleft(Sequence(
                 seq.request, seq.prompt, sample, st.seed_of(seq.prompt.prompt_id, sample),
-                tokens=list(seq.tokens), logprobs=list(seq.logprobs),
-                versions=list(seq.versions), carried=depth, branch_of=seq.sample,
-                shared_tokens=depth, donor=seq))
+                tokens=seq.tokens[:depth], logprobs=seq.logprobs[:depth],
+                versions=seq.versions[:depth], carried=depth, branch_of=seq.sample,
+                shared_tokens=depth, donor=seq, forks=seq.forks))
             seq.request.left += 1
 
     def _finish(self, seq: Sequence, *, finished: bool, interrupted: bool,

@@ -250,7 +250,9 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, seed: int = 0, max_ba
     sampling = Sampling(max_new_tokens=int(s.max_new_tokens), temperature=float(s.temperature),
                         top_p=float(s.top_p), top_k=int(s.top_k), eos=_stop_tokens(s.eos, folder),
                         seed=int(sample_seed), step=int(step), branch_at=branch_at,
-                        branches=int(s.branches))
+                        branches=int(s.branches),
+                        branch_entropy=None if s.branch_entropy is None
+                        else float(s.branch_entropy))
     if s.engine == "vllm":  # [Note: vLLM engine] in executors/torch/rollout/vllm_engine.py
         engine = vllm_engine_of(
             ctx, held, {**spec, **s.as_config(), **agent_settings.as_config()},

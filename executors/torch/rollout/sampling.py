@@ -64,27 +64,29 @@ _CHUNK_ELEMENTS = 1 << 24  # logits a log-softmax takes at once [Note: chunked l
 # -- the batch sampler ------------------------------------------------------------------------
 def sample_tokens(logits: torch.Tensor, *, temperature: torch.Tensor, top_p: torch.Tensor,
                   seeds: torch.Tensor, positions: torch.Tensor,
-                  top_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  top_k: torch.Tensor | None = None, entropy: bool = False) -> tuple:
     """One token per row of ``logits`` (B, V) and its log-probability [Note: sampler
     log-probabilities]: tokens (B,) int64, logprobs (B,) float64. Each row has its own
     temperature (0: greedy), top_p, top_k (0 or None: every token; the top-p set is taken
     within the top k, as vLLM takes it), seed and position [Note: counter-based sampling]; any
     dtype of logits, computed in float64 on their device, a chunk of rows at a time [Note:
     chunked log-probabilities]. Settings given on the CPU cost no host synchronization; given
-    on the GPU, one a chunk (which rows need top-p)."""
+    on the GPU, one a chunk (which rows need top-p). With `entropy`, a third tensor: each
+    row's entropy in nats (B,) float64, of the distribution at its temperature over the whole
+    vocabulary (greedy rows: at temperature 1) [Note: entropy branching in branching.py]."""
     top_k = torch.zeros(len(logits), dtype=torch.int64) if top_k is None else top_k
     settings, nucleus, limited = _rows(logits, temperature, top_p, seeds, positions, top_k)
     rows = max(1, _CHUNK_ELEMENTS // max(1, logits.size(-1)))
     parts = [_sample_chunk(logits[i:i + rows], [s[i:i + rows] for s in settings],
-                           nucleus[i:i + rows], limited[i:i + rows])
+                           nucleus[i:i + rows], limited[i:i + rows], entropy)
              for i in range(0, max(1, len(logits)), rows)]
     if len(parts) == 1:
         return parts[0]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return tuple(torch.cat([p[i] for p in parts]) for i in range(len(parts[0])))
 
 
 def _sample_chunk(logits: torch.Tensor, settings: list[torch.Tensor], nucleus: torch.Tensor,
-                  limited: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  limited: torch.Tensor, entropy: bool = False) -> tuple:
     """`sample_tokens` of some rows: their settings on the logits' device, which of them
     sample from a top-p set (bool, where the settings were given) and which from a top-k set
     (bool, on the host)."""
@@ -95,6 +97,7 @@ def _sample_chunk(logits: torch.Tensor, settings: list[torch.Tensor], nucleus: t
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
     logp = F.log_softmax(x / t[:, None], dim=-1)  # (B, V); greedy rows at temperature 1
     probs = logp.exp()
+    spread = torch.special.entr(probs).sum(dim=-1) if entropy else None  # before any top-k
     if bool(limited.any()):  # the log-probs stay the whole vocabulary's [Note: sampling]
         probs = _top_k(probs, top_k, to_device(torch.nonzero(limited)[:, 0], x.device))
     u = uniforms(seeds, positions)  # (B,)
@@ -102,7 +105,8 @@ def _sample_chunk(logits: torch.Tensor, settings: list[torch.Tensor], nucleus: t
     if len(nucleus):  # only top-p rows pay for a sort
         sampled[nucleus] = _top_p_draw(probs[nucleus], top_p[nucleus], u[nucleus])
     tokens = torch.where(greedy, torch.argmax(x, dim=-1), sampled)
-    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+    chosen = logp.gather(1, tokens[:, None])[:, 0]
+    return (tokens, chosen) if spread is None else (tokens, chosen, spread)
 
 
 def _top_k(probs: torch.Tensor, top_k: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
