@@ -81,11 +81,12 @@ def _check_adaptive(config: RLConfig) -> None:
     adaptive = getattr(config, "adaptive", None)
     if adaptive is None:
         return
+    # asynchronous steps keep its books: each step folds into the difficulty of the step
+    # just before (a chained feedback, sample_and_score)
     others = [name for name, on in (("filter_groups", config.filter_groups),
-                                    ("oversample", config.oversample > 1),
-                                    ("max_staleness", config.max_staleness is not None)) if on]
+                                    ("oversample", config.oversample > 1)) if on]
     if others:
-        raise ValueError(f"adaptive sampling runs synchronous steps of whole groups, without "
+        raise ValueError(f"adaptive sampling runs steps of whole groups, without "
                          f"{', '.join(others)}: drop {'it' if len(others) == 1 else 'them'} or "
                          "adaptive")
     check_adaptive(adaptive, prompts=config.prompts, n=config.sampling.n,

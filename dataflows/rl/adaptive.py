@@ -11,6 +11,9 @@ with either. `n_max` caps one prompt's samples (BroRL's breadth). After scoring,
 back from step to step (flow.feedback "difficulty"), so they live in the run and its
 checkpoints, restored exactly on resume; a prompt is known by its `prompt_id`, which a source
 that makes the same prompt again must give it again (a dataset's row, sort_prompts' pool).
+The feedback is chained: in an asynchronous run a step allocates by, and folds into, the
+estimates of the step just before (its generation waits for that step's scores, not its
+training), so no step's samples are left out of them.
 """
 
 from __future__ import annotations

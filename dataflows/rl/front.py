@@ -64,7 +64,8 @@ def sample_and_score(flow: Flow, actor: Model, reference: Model | None,
         source.reporter(count=count, **source_config)
     adaptive = getattr(config, "adaptive", None)
     if adaptive is not None:  # [Note: adaptive sampling] in dataflows/rl/adaptive.py
-        difficulty = flow.feedback("difficulty", Difficulty)
+        # chained: an asynchronous step allocates by, and folds into, the step just before's
+        difficulty = flow.feedback("difficulty", Difficulty, chained=True)
         prompt_items = allocate_samples(
             collect(prompt_items), difficulty,
             budget=samples_budget(adaptive, prompts=prompts, n=sampling.n),

@@ -104,9 +104,12 @@ class Flow(FlowGraph):
         self.models.setdefault(model.name, model)
         return model
 
-    def feedback(self, name: str, ptype: Any) -> Feedback:
-        """Declare a value that a later op produces for the next step; `.bind(ref)` it there."""
-        fb = Feedback(self, name, port_type(ptype))
+    def feedback(self, name: str, ptype: Any, *, chained: bool = False) -> Feedback:
+        """Declare a value that a later op produces for the next step; `.bind(ref)` it there.
+        `chained`: each step reads the value of the step just before it, even in an
+        asynchronous run, where other feedback may be up to max_staleness steps older (a
+        running estimate that folds in every step, as adaptive sampling's difficulty)."""
+        fb = Feedback(self, name, port_type(ptype), chained=chained)
         if name in self.feedbacks:
             self._problem("duplicate-name", f"feedback name {name!r} is used twice",
                           fix="give each feedback its own name")

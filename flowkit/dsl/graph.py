@@ -75,6 +75,7 @@ class Wire:
     dst_port: str
     adapter: Collect | GroupBy | None = None
     feedback: bool = False  # feeds the next step: not part of this step's dependency graph
+    chained: bool = False  # a feedback each step reads from the step just before, even async
 
 
 @attrs.frozen(eq=False)
@@ -97,8 +98,9 @@ class Feedback(FlowValue):
     """A value consumed this step and produced by a later op for the next step (e.g. weights
     synced from the trainer back to generation). Its wire is not a cycle."""
 
-    def __init__(self, flow: FlowGraph, name: str, ptype: PortType) -> None:
-        self.flow, self.name, self.type = flow, name, ptype
+    def __init__(self, flow: FlowGraph, name: str, ptype: PortType, *,
+                 chained: bool = False) -> None:
+        self.flow, self.name, self.type, self.chained = flow, name, ptype, chained
         self.source: Ref | None = None
 
     def bind(self, ref: Ref) -> None:
@@ -135,10 +137,11 @@ class FlowGraph:
     @property
     def wires(self) -> list[Wire]:
         """All wires, including feedback wires from bound feedbacks to their consumers."""
-        bound = [(fb.source, dst, port) for fb, dst, port in self._feedback_inputs
+        bound = [(fb, dst, port) for fb, dst, port in self._feedback_inputs
                  if fb.source is not None]
-        return [*self._wires, *(Wire(src.node, src.port, dst, port, src.adapter, feedback=True)
-                                for src, dst, port in bound)]
+        return [*self._wires, *(Wire(fb.source.node, fb.source.port, dst, port,
+                                     fb.source.adapter, feedback=True, chained=fb.chained)
+                                for fb, dst, port in bound)]
 
     @property
     def direct_wires(self) -> tuple[Wire, ...]:

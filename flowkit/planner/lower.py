@@ -64,6 +64,7 @@ class InputRule:
     # rounds of prompts that may run to fill them (flowkit/runner/sampling_rounds.py)
     group_rounds: int | None = None
     feedback: bool = False  # produced by the previous step
+    chained: bool = False  # a feedback read from the step just before, even asynchronously
 
 
 @attrs.frozen
@@ -144,7 +145,7 @@ def _input_rule(flow: Flow, wire: Wire) -> InputRule:
                      granularity=seen.granularity, group_key=group and group.key,
                      group_size=group and group.size, group_take=group and group.take,
                      group_rounds=group and group.rounds,
-                     feedback=wire.feedback)
+                     feedback=wire.feedback, chained=wire.chained)
 
 
 def _call_of(inputs: tuple[InputRule, ...]) -> Call:

@@ -60,10 +60,12 @@ class Feedback:
 
     def admits(self, step: int, plan: NodePlan) -> bool:
         """The admission gate: whether step `step`'s node may run with the weights there are
-        [Note: asynchronous steps]."""
+        [Note: asynchronous steps]; a chained feedback's reader waits for the step just before
+        (`flow.feedback(..., chained=True)`)."""
         if self.staleness is None or plan.name not in self.gated:
             return True
-        return all(self._newest(rule, step)[0] >= step - self.staleness
+        return all(self._newest(rule, step)[0] >= (step if rule.chained
+                                                   else step - self.staleness)
                    for rule in plan.inputs if rule.feedback)
 
     def refs(self, plan: NodePlan, step: int) -> dict[str, Any]:

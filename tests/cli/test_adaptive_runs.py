@@ -82,3 +82,19 @@ def test_varying_groups_train_and_resume_with_their_history_exactly(tmp_path):
     assert history == _difficulty(last[1])
     assert len(history.prompt_ids) == 6 and sum(history.samples) == sum(
         line["rollout/samples"] for line in lines)
+
+
+def test_asynchronous_steps_fold_every_steps_samples_into_the_difficulty_across_a_resume(
+        tmp_path):
+    """With --async each step allocates by, and folds into, the step just before's estimates
+    (a chained feedback): over a run stopped and resumed, every step's samples are in the
+    history once."""
+    ck, run_async = tmp_path / "ck", ("--async", "--max-staleness", "1")
+    _run(tmp_path, f"{GRPO}:adaptive", "run", "--steps", "2", *run_async,
+         "--checkpoint-dir", str(ck), "--checkpoint-every", "1")
+    _run(tmp_path, f"{GRPO}:adaptive", "run", "--steps", "5", *run_async, "--resume", str(ck),
+         "--checkpoint-dir", str(ck), "--checkpoint-every", "1")
+    lines = metrics_lines(tmp_path / "run.jsonl")
+    assert [line["step"] for line in lines] == list(range(5))
+    history = _difficulty(complete_checkpoints(ck)[-1])
+    assert sum(history.samples) == sum(line["rollout/samples"] for line in lines)

@@ -151,8 +151,10 @@ def test_each_group_flow_takes_adaptive_sampling_and_groups_by_prompt_of_any_siz
      "adaptive token_budget=40 cannot pay for n_min=2 sample(s) of max_new_tokens=6"),
     (grpo_flow, dict(adaptive=AdaptiveSampling(allocation="uniform")),
      "adaptive allocation='uniform': choose one of xrpo, dars"),
-    (grpo_flow, dict(adaptive=AdaptiveSampling(), max_staleness=1),
-     "adaptive sampling runs synchronous steps of whole groups, without max_staleness"),
+    (grpo_flow, dict(adaptive=AdaptiveSampling(), oversample=2),
+     "adaptive sampling runs steps of whole groups, without oversample"),
+    (rloo_flow, dict(adaptive=AdaptiveSampling(), oversample=2),
+     "adaptive sampling runs steps of whole groups, without oversample"),
 ])
 def test_bad_settings_are_refused_when_the_flow_is_built(flow, settings, message):
     with pytest.raises(ValueError, match="^" + _literal(message)):
