@@ -1,8 +1,8 @@
 """The Hugging Face example end to end, as the README runs it: a tokenizer and a tiny Qwen2 built
-offline, a supervised warm-up on chat-formatted demonstrations saved as an HF folder, then GRPO
-from that folder with prompts from a jsonl file, the chat template applied and EOS from the
-tokenizer; the mean reward rises clearly and the trained actor is an HF folder that
-transformers loads."""
+offline, a supervised warm-up on chat-formatted demonstrations (in one stage here: the same
+gradients as the README's two) saved as an HF folder, then GRPO from that folder with prompts
+from a jsonl file, the chat template applied and EOS from the tokenizer; the mean reward rises
+clearly and the trained actor is an HF folder that transformers loads."""
 
 import json
 import statistics
