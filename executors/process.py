@@ -245,20 +245,22 @@ class Executor:
 
     def _register(self, timeout: float) -> dict | None:
         """Connect and say HELLO: the WELCOME, None when no controller answered within
-        `timeout`, or HelloRefused. The handshake's monitor is attached before the connection
-        is made: a refusal by the controller's gate comes once (libzmq ends a connection that
-        failed its handshake), and a monitor attached after it would miss it and wait out the
-        timeout."""
+        `timeout`, or HelloRefused. libzmq reports a failed handshake once and does not
+        reconnect after the gate refused one, so the monitor is attached before the connection
+        is made, and the HELLO is built before it and queued without blocking: a refusal that
+        came first would leave a blocking send no peer to wait for."""
+        hello = {"name": self.name, "tags": list(self.ctx.tags), "ops": self.ops.names(),
+                 "pid": os.getpid(), "host": pysocket.gethostname(), "host_id": self.host_id,
+                 "device": self.ctx.device, "secret": self.secret.hex(),
+                 "resources": self.resources, "peer_address": self.peer_address}
         monitor = self.control.get_monitor_socket(_HANDSHAKE_FAILED,
                                                   addr=f"inproc://flowkit-hello-{id(self)}")
         try:
             self.control.connect(self.connect_address)
-            hello = {"name": self.name, "tags": list(self.ctx.tags), "ops": self.ops.names(),
-                     "pid": os.getpid(), "host": pysocket.gethostname(),
-                     "host_id": self.host_id, "device": self.ctx.device,
-                     "secret": self.secret.hex(), "resources": self.resources,
-                     "peer_address": self.peer_address}
-            self.control.send_multipart(encode(Msg.HELLO, hello))
+            try:
+                self.control.send_multipart(encode(Msg.HELLO, hello), flags=zmq.NOBLOCK)
+            except zmq.Again:  # the connection is gone already: the monitor says why
+                pass
             if not self._answered(monitor, timeout):
                 return None
         finally:

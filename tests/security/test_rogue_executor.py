@@ -283,24 +283,26 @@ def test_an_executor_with_another_runs_secret_exits_saying_so(run):
 def test_a_refusal_in_the_handshake_is_heard_however_late_the_hello_is_built(run, monkeypatch,
                                                                              caplog):
     """libzmq reports a connection's failed handshake once and does not retry it: the executor
-    watches the handshake from before it connects, so a slow start (here the HELLO's host
-    name, read after the connection is made) still hears the gate's refusal, not a silence."""
-    import socket as pysocket
-
+    watches the handshake from before it connects and queues its HELLO without blocking, so a
+    slow moment after it connects (here the HELLO's encoding, a second late) still hears the
+    gate's refusal: no silence, no send blocked on a connection already gone."""
+    import executors.process as process
     from executors.optable import OpTable
-    from executors.process import Executor
 
-    slow_hostname = pysocket.gethostname
-    monkeypatch.setattr("executors.process.pysocket.gethostname",
-                        lambda: (time.sleep(1.0), slow_hostname())[1])
-    stray = Executor(connect=run[0].address, name="stray", ops=OpTable(), secret=b"\xab" * 32)
-    began = time.monotonic()
+    encode = process.encode
+    monkeypatch.setattr(process, "encode", lambda *a: (time.sleep(1.0), encode(*a))[1])
+    stray = process.Executor(connect=run[0].address, name="stray", ops=OpTable(),
+                             secret=b"\xab" * 32)
+    began, codes = time.monotonic(), []
     with caplog.at_level(logging.ERROR, logger="flowkit.executor"):
-        try:
-            assert stray.serve(hello_timeout=8) == 2
-        finally:
-            stray.close()
-    assert time.monotonic() - began < 6
+        # in a thread, so that a send blocked for good fails this test instead of hanging it
+        serving = threading.Thread(target=lambda: codes.append(stray.serve(hello_timeout=8)),
+                                   daemon=True)
+        serving.start()
+        serving.join(timeout=30)
+    assert not serving.is_alive(), "the executor is stuck in its HELLO"
+    stray.close()
+    assert codes == [2] and time.monotonic() - began < 6
     assert "refused this executor" in caplog.text and "wrong secret" in caplog.text
     _still_clean(run)
 
