@@ -327,9 +327,11 @@ class Dispatcher:
                 future = Future(record.id, self._owner)
                 future.keys, future.timing = out.get("keys"), timing
                 self._callbacks += _resolve(future, executor.id, record.nbytes, out)
-                self._callbacks.append((task.on_part, future))
-                if task.window is not None and not task.handled_by_caller:  # on_part ran
-                    self._callbacks.append((self.credits.checks.append, (task, record)))
+                if task.window is not None and not task.handled_by_caller:
+                    self._callbacks.append((_then_credit(task.on_part, self.credits.checks,
+                                                         task, record), future))
+                else:
+                    self._callbacks.append((task.on_part, future))
             self.condition.notify_all()
 
     def _on_streams(self, executor: ExecutorInfo, bodies: list) -> None:
@@ -728,6 +730,19 @@ def _oldest(executor: ExecutorInfo) -> float:
 
 
 _NONE_BODY = pack(None)[0]
+
+
+def _then_credit(on_part: Callable, checks: deque, task: TaskRecord,
+                 record: ObjectRecord) -> Callable:
+    """`on_part`, then its item's credit check [Note: stream credits in credits.py], in one
+    callback: several threads may drain the callbacks at once, and a check run beside an
+    on_part that has not yet submitted the item's consumers would find none and credit it."""
+    def run(future: Future) -> None:
+        try:
+            on_part(future)
+        finally:
+            checks.append((task, record))
+    return run
 
 
 def _resolve(future: Future, executor_id: int, nbytes: int, out: dict) -> Sequence:
