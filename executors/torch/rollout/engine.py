@@ -5,6 +5,7 @@ The design: [Note: rollout engine], [Note: rollout text] below.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -506,7 +507,7 @@ class Engine(Trajectories):
         version = self._version_now()
         # one copy to the host, the step's one wait for the device (a token id < 2^53 is exact)
         tokens, logprobs, *spread = torch.stack([drawn[0].to(torch.float64), *drawn[1:]]).tolist()
-        entropies = spread[0] if spread else [0.0] * len(rows)
+        entropies = spread[0] if spread else itertools.repeat(0.0)  # read by entropy trees only
         for seq, token, logp, st, stop, entropy in zip(rows, map(int, tokens), logprobs, settings,
                                                        stops, entropies):
             seq.tokens.append(token)
