@@ -294,8 +294,9 @@ class FlowRunner:
             except queue.Empty:
                 break
             event()
-        for run in list(self.open.values()):
-            run.progress_touched()
+        with self.ctl.batch():  # what the reactions made ready goes out in one message each
+            for run in list(self.open.values()):
+                run.progress_touched()
         submission = self.submission
         if submission.handled_parts:  # settled: their consumers are submitted, or they wait
             # [Note: stream credits] in runtime/credits.py
