@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from flowkit.ops.records import STALE_SEGMENTS
-from flowkit.ops.rollout_engines import ROLLOUT_ENGINES
+from flowkit.ops.rollout_engines import ENTROPY_ON_VLLM, ROLLOUT_ENGINES
 
 __all__ = ["AGENT", "AGENT_KEYS", "AGENT_RANGES", "MODEL_EOS", "SAMPLING", "SAMPLING_CHOICES",
            "SAMPLING_KEYS", "SAMPLING_RANGES", "AgentConfig", "SamplingConfig"]
@@ -71,11 +71,11 @@ class SamplingConfig(_OpSettings):
     Tree rollouts (LATR, BranchGRPO): a sample that reaches a response depth in `branch_at`
     forks into `branches` samples sharing its prefix, so a prompt has up to
     n * branches ** len(branch_at) samples ([Note: tree rollouts] in
-    executors/torch/rollout/branching.py; flowkit's own engine only). With `branch_entropy`
+    executors/torch/rollout/branching.py; on vLLM: [Note: vLLM trees]). With `branch_entropy`
     (nats), each depth of `branch_at` is where a level may begin, and a sample forks at its
     first token from there whose sampling distribution has at least that entropy: branches
     part where the model is unsure ([Note: entropy branching] in
-    executors/torch/rollout/branching.py)."""
+    executors/torch/rollout/branching.py; flowkit's own engine only)."""
 
     n: int = _setting(1, low=1)
     max_new_tokens: int = _setting(256, low=1)
@@ -112,10 +112,8 @@ class SamplingConfig(_OpSettings):
             errors.append(f"branch_entropy={self.branch_entropy} picks where tree rollouts "
                           f"fork, and none grow: give branch_at (where each level may begin) "
                           f"and branches >= 2, or drop branch_entropy")
-        if self.branching and self.engine != "flowkit":
-            errors.append(f"tree rollouts (branch_at, branches) run on flowkit's own engine, "
-                          f"not engine={self.engine!r}: drop them or sample with "
-                          "engine='flowkit'")
+        if self.branching and self.branch_entropy is not None and self.engine != "flowkit":
+            errors.append(ENTROPY_ON_VLLM)
         return errors
 
 

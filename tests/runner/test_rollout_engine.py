@@ -117,6 +117,16 @@ def test_model_settings_vllm_cannot_take(tmp_path):
     assert _problems(model_config={"path": folder}, lora={"r": 8}) == []  # merged for vLLM
 
 
+def test_trees_at_fixed_depths_run_on_vllm_and_by_entropy_are_refused(tmp_path):
+    folder = _hf_folder(tmp_path)
+    tree = {"branch_at": (2,), "branches": 2}
+    assert _problems(model_config={"path": folder}, sampling=tree) == []
+    [line] = _problems(model_config={"path": folder}, sampling={**tree, "branch_entropy": 0.5})
+    assert "branch_entropy forks where a token's whole-vocabulary entropy" in line
+    assert "drop branch_entropy" in line and "--rollout-engine flowkit" in line
+    assert _problems(model_config={"path": folder}, sampling={"branch_entropy": None}) == []
+
+
 @pytest.mark.parametrize("key", ["environment", "program"])
 def test_trajectories_run_on_vllm(tmp_path, key):
     assert _problems(model_config={"path": _hf_folder(tmp_path)},
@@ -157,6 +167,15 @@ def test_vllm_missing_is_refused_before_any_executor_starts(tmp_path, monkeypatc
 def test_the_head_size_is_refused_before_any_executor_starts(tmp_path, installed):
     with pytest.raises(RunConfigError, match="heads of size 16"):
         Run(_hf_grpo(_hf_folder(tmp_path, heads=4)), RunConfig(rollout_engine="vllm"))
+
+
+def test_an_entropy_tree_is_refused_on_vllm_before_any_executor_starts(tmp_path, installed):
+    folder = _hf_folder(tmp_path)
+    flow = _hf_grpo(folder, branch_at=(2,), branches=2, branch_entropy=0.5)
+    with pytest.raises(RunConfigError, match="branch_entropy forks where") as error:
+        Run(flow, RunConfig(rollout_engine="vllm"))
+    assert error.value.setting == "rollout_engine"
+    Run(_hf_grpo(folder, branch_at=(2,), branches=2), RunConfig(rollout_engine="vllm"))
 
 
 def test_the_simulator_does_not_run_vllm(tmp_path, installed):

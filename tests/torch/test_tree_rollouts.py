@@ -112,8 +112,9 @@ SPEC = {**gpt_spec("policy", SMALL, seed=1), "eos": None, "max_new_tokens": 4}
     ({"branch_at": (0,), "branches": 2}, r"branch_at depth 0 must lie in 1"),
     ({"branch_at": (2,), "branches": 0}, "branches must be at least 1"),
     ({"branch_at": (2, 2), "branches": 2}, "branch_at must not repeat a depth"),
-    ({"branch_at": (2,), "branches": 2, "engine": "vllm"},
-     "tree rollouts .branch_at, branches. run on flowkit's own engine, not engine='vllm'"),
+    ({"branch_at": (2,), "branches": 2, "branch_entropy": 0.5, "engine": "vllm"},
+     "branch_entropy forks where a token's whole-vocabulary entropy reaches a threshold, and "
+     "vLLM returns the sampled token's log-prob, not that entropy"),
     ({"branch_entropy": 1.0}, "branch_entropy=1.0 picks where tree rollouts fork, and none grow"),
     ({"branch_at": (2,), "branches": 1, "branch_entropy": 1.0}, "and branches >= 2"),
 ])

@@ -166,6 +166,25 @@ def test_each_sample_streams_as_it_finishes_and_stops_at_its_stop_tokens(ctx, fo
     assert done[0].prompt_id == 2  # the shorter sample left first
 
 
+def test_a_tree_forks_over_its_shared_prefix_with_the_trainers_log_probs(ctx, folder):
+    """[Note: vLLM trees]: each root's branch holds its first 2 tokens and draws on from its
+    own seed; every leaf's log-probs are the trainer's over its whole response."""
+    prompts = [_prompt(5), _prompt(6)]
+    done = _run(ctx, folder, prompts, n=2, max_new_tokens=6, temperature=1.0, branch_at=[2],
+                branches=2)
+    leaves = {(r.prompt_id, r.sample): r for r in done}
+    assert sorted(leaves) == [(p.prompt_id, s) for p in prompts for s in range(4)]
+    pairs = [(leaves[(p.prompt_id, s)], leaves[(p.prompt_id, s + 1)]) for p in prompts
+             for s in (0, 2)]
+    for parent, branch in pairs:
+        assert (branch.branch_of, branch.shared_tokens) == (parent.sample, 2)
+        assert branch.response_tokens[:2] == parent.response_tokens[:2]
+        assert branch.logprobs[:2] == parent.logprobs[:2]
+    assert any(b.response_tokens[2:] != p.response_tokens[2:] for p, b in pairs)
+    for rollout, trainer in zip(done, _trainer_logprobs(ctx, folder, done)):
+        assert _close(rollout.logprobs, trainer), (rollout.logprobs, trainer)
+
+
 def test_an_aborted_request_comes_back_interrupted_and_continues(ctx, folder):
     engine = _engine(ctx)
     result = gen._generate(ctx, [_prompt(4)], **_spec(folder), engine="vllm", eos=None,

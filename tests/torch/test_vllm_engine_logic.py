@@ -221,6 +221,61 @@ def test_a_sample_stops_at_the_contexts_end_clipped(setup):
     assert rollout.clipped and not rollout.finished and len(rollout.response_tokens) == 2
 
 
+# -- tree rollouts [Note: vLLM trees] ----------------------------------------------------------
+def test_a_tree_forks_at_its_depth_into_requests_over_the_shared_prefix(setup):
+    engine, _, _, llm = setup
+    prompt = Prompt(prompt_id=3, tokens=[1, 2])
+    done = _run(engine, [prompt], n=2, eos=None, max_new_tokens=4, branch_at=(2,), branches=2)
+    leaves = {r.sample: r for r in done}
+    assert sorted(leaves) == [0, 1, 2, 3]  # root k is sample 2k, its branch 2k + 1
+    for root in (0, 2):
+        parent, branch = leaves[root], leaves[root + 1]
+        assert parent.branch_of is None and parent.shared_tokens == 0
+        assert (branch.branch_of, branch.shared_tokens) == (root, 2)
+        assert branch.response_tokens[:2] == parent.response_tokens[:2] == [3, 4]
+        assert branch.logprobs[:2] == parent.logprobs[:2]
+        assert len(branch.logprobs) == len(branch.versions) == 4
+    seed = {k: sequence_seed(5, 3, k, step=2) for k in range(4)}
+    asked = [(tokens, params["max_tokens"], params["seed"]) for _, tokens, params in llm.added]
+    assert asked[:2] == [([1, 2], 2, seed[0]), ([1, 2], 2, seed[2])]  # up to the depth
+    # each parent goes on, then its branch, over prompt + the 2 shared tokens, from seed + 2
+    assert sorted(asked[2:]) == sorted([([1, 2, 3, 4], 2, seed[k] + 2) for k in range(4)])
+
+
+def test_a_tree_of_two_levels_numbers_its_leaves_as_the_own_engine(setup):
+    engine, _, _, _ = setup
+    done = _run(engine, [Prompt(prompt_id=0, tokens=[1])], n=1, eos=None, max_new_tokens=4,
+                branch_at=(1, 3), branches=2)
+    shape = sorted((r.sample, r.branch_of, r.shared_tokens) for r in done)
+    # level 1 (depth 1) adds 2, level 2 (depth 3) adds 1: [Note: tree rollouts]
+    assert shape == [(0, None, 0), (1, 0, 3), (2, 0, 1), (3, 2, 3)]
+    assert all(len(r.response_tokens) == 4 for r in done)
+
+
+def test_a_sample_ended_before_its_depth_does_not_fork(setup):
+    engine, _, _, llm = setup
+    stopped = _run(engine, [Prompt(prompt_id=0, tokens=[38])], n=1, max_new_tokens=4,
+                   branch_at=(2,), branches=2)  # 39, then the stop token 40
+    assert [(r.sample, r.response_tokens, r.finished) for r in stopped] == [(0, [39, 40], True)]
+    [clipped] = _run(engine, [Prompt(prompt_id=1, tokens=[1] * 30)], n=1, eos=None,
+                     max_new_tokens=4, branch_at=(2,), branches=2)  # the context holds 2
+    assert clipped.clipped and clipped.branch_of is None and len(llm.added) == 2
+
+
+def test_an_abort_counts_a_branchs_shared_tokens_once(setup):
+    engine, _, _, _ = setup
+    deferred = engine.submit([Prompt(prompt_id=0, tokens=[1])],
+                             _sampling(eos=None, max_new_tokens=6, branch_at=(2,), branches=2),
+                             1, key="t")
+    box = {}
+    deferred.bind(_Sink(box))
+    for _ in range(3):  # two tokens, the fork, one more token each
+        engine.step()
+    # the parent's 3 tokens and the branch's own 1: the 2 shared ones count once
+    assert engine.abort_requests({"t"}) == (2, 3 + 1)
+    assert sorted(r.sample for r in box["done"]) == [0, 1]
+
+
 def test_a_failing_engine_fails_its_requests_and_refuses_more(setup):
     engine, _, _, llm = setup
 

@@ -71,6 +71,26 @@ def test_grpo_steps_generate_on_vllm_with_the_books_of_flowkits_engine(task, tmp
         assert sum(line["rollout/resumed"] for line in lines) > 0  # carried, then continued
 
 
+def test_tree_rollouts_grow_on_vllm_and_each_leaf_trains(task, tmp_path):
+    """[Note: vLLM trees]: GRPO's trees at a fixed depth on the vLLM engine; each step trains
+    its roots and every branch they grew."""
+    folder, data = task
+    actor = Model(name="actor", build="hf", config={"path": folder}, tags=("train",))
+    flow = grpo_flow(model=actor, prompts=2, n=2, microbatches=2, max_new_tokens=6,
+                     prompt_source=dataset_prompts, reward=exact_match_reward,
+                     source_config={"path": data, "tokenizer": folder}, branch_at=(2,),
+                     branches=2)
+    metrics = tmp_path / "m.jsonl"
+    flowkit.run(flow, RunConfig(steps=2, rollout_engine="vllm", tags=[("train",), ("rollout",)],
+                                dashboard=False, logs=LogSetup(metrics=metrics)))
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert len(lines) == 2
+    for line in lines:
+        assert line["rollout/branches"] > 0
+        assert line["rollout/samples"] == 4 + line["rollout/branches"]  # a branch each fork
+        assert math.isfinite(line["update_actor/loss"])
+
+
 def test_multi_turn_trajectories_with_partial_rollouts_on_vllm(task, tmp_path):
     """The guessing game (dataflows/envs.py) on the vLLM engine, asynchronous with partial
     rollouts: trajectories cut at a step's end continue in the next with their parked

@@ -19,6 +19,7 @@ from executors.optable import Deferred, OpContext
 from executors.torch.errors import StageError
 from executors.torch.lora import adapted_layers
 from executors.torch.rollout import lm
+from executors.torch.rollout.branching import level_branches
 from executors.torch.rollout.engine import (
     NO_VERSION,
     Request,
@@ -49,6 +50,14 @@ __all__ = ["VLLMEngine", "engine_args", "sampling_params", "vllm_engine_of", "we
 # engine refills its cache rows. Log-probs are flowkit's convention through the logprobs_mode
 # that gives it (flowkit/ops/rollout_engines.py). A trajectory is a vLLM request a model turn,
 # token ids in and out; between turns trajectories.py runs its environment as for the own engine.
+
+# [Note: vLLM trees] Tree rollouts at fixed depths ([Note: tree rollouts] in branching.py): a
+# sample's request asks for tokens up to its next branch depth only; when it ends there by
+# length, the sample forks as in the own engine (the same indices and seeds), and the parent and
+# its new branches go on as requests over prompt + the shared tokens, which vLLM's prefix cache
+# finds computed (its full blocks). A continuation draws from seed + tokens so far, as every
+# continued request here does. Branching by entropy needs each token's whole-vocabulary entropy,
+# which vLLM does not return: refused (flowkit/ops/rollout_engines.py).
 
 _MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # a GPU's share vLLM takes for weights and KV cache: a colocated trainer needs the rest
@@ -142,6 +151,10 @@ class _Sample:
     call: tuple | None = None  # its environment call, when an abort took it from the engine
     slot: None = None  # vLLM holds its cache: never a slot of the own engine's
     on_hold: bool = False
+    # a tree rollout's, as the own engine's Sequence [Note: vLLM trees]
+    branch_of: int | None = None
+    shared_tokens: int = 0
+    forks: int = 0  # levels of its tree its path has forked at
 
 
 class VLLMEngine(Trajectories):
@@ -218,9 +231,10 @@ class VLLMEngine(Trajectories):
 
     def _fresh(self, request: Request, prompt: Any, n: int) -> list[_Sample]:
         st = request.sampling
-        return [_Sample(request, prompt, k, st.seed_of(prompt.prompt_id, k),
+        roots = [st.root_of(k) for k in range(samples_of(prompt, n))]  # [Note: vLLM trees]
+        return [_Sample(request, prompt, root, st.seed_of(prompt.prompt_id, root),
                         limit=self._limit(len(prompt.tokens), st.max_new_tokens))
-                for k in range(samples_of(prompt, n))]
+                for root in roots]
 
     def _sequence(self, request: Request, prompt: Any, sample: int, seed: int,
                   **fields: Any) -> _Sample:
@@ -326,7 +340,9 @@ class VLLMEngine(Trajectories):
             if out.finished:
                 del self.live[out.request_id]
                 stopped = completion.finish_reason == "stop"
-                if sample.episode is None:
+                if sample.episode is None and not stopped and self._at_fork(sample):
+                    self._fork(sample)
+                elif sample.episode is None:
                     self._finish(sample, finished=stopped, interrupted=False)
                 else:
                     self._turn_ended(sample, stopped)
@@ -378,13 +394,36 @@ class VLLMEngine(Trajectories):
         """The tokens its next vLLM request may sample: the rest of its max_new_tokens (a
         trajectory: of its turn's, and of max_total_tokens), within the context."""
         if sample.episode is None:
-            return sample.limit - len(sample.tokens)
+            depth = _next_fork(sample)  # a tree's sample asks up to its branch depth
+            end = sample.limit if depth is None else min(sample.limit, depth)
+            return end - len(sample.tokens)
         st, agent = sample.request.sampling, sample.request.agent
         room = [st.max_new_tokens - (len(sample.tokens) - sample.episode.turn_start),
                 self.max_len - len(sample.prompt.tokens) - len(sample.tokens)]
         if agent.max_total_tokens is not None:
             room.append(agent.max_total_tokens - len(sample.tokens))
         return min(room)
+
+    def _at_fork(self, sample: _Sample) -> bool:
+        """Whether a sample whose request ended by length stands at its tree's next branch
+        depth, with tokens left to draw past it [Note: vLLM trees]."""
+        return len(sample.tokens) == _next_fork(sample) and len(sample.tokens) < sample.limit
+
+    def _fork(self, sample: _Sample) -> None:
+        """[Note: vLLM trees] The sample and its new branches, holding its tokens so far, go on
+        as requests of their own, first in line (the prefix cache still holds the prefix)."""
+        st, level, depth = sample.request.sampling, sample.forks, len(sample.tokens)
+        sample.forks += 1
+        sample.rid = None
+        for index in reversed(level_branches(sample.sample, level, len(st.branch_at),
+                                             st.branches)):
+            self.waiting.appendleft(_Sample(
+                sample.request, sample.prompt, index, st.seed_of(sample.prompt.prompt_id, index),
+                tokens=list(sample.tokens), logprobs=list(sample.logprobs),
+                versions=list(sample.versions), carried=depth, limit=sample.limit,
+                branch_of=sample.sample, shared_tokens=depth, forks=sample.forks))
+            sample.request.left += 1
+        self.waiting.appendleft(sample)
 
     def sync_weights(self) -> bool:
         """Give vLLM the held weights if they changed since it last got them (see the Note);
@@ -426,8 +465,18 @@ class VLLMEngine(Trajectories):
                           logprobs=sample.logprobs, versions=sample.versions, finished=finished,
                           clipped=clipped, interrupted=interrupted,
                           answer=getattr(prompt, "answer", None),
+                          branch_of=sample.branch_of, shared_tokens=sample.shared_tokens,
                           **self._texts(prompt, sample.tokens), **trajectory)
         self._deliver(sample.request, rollout)
+
+
+def _next_fork(sample: _Sample) -> int | None:
+    """The response depth at which a tree's sample forks next; None: it forks no more (or
+    branches by entropy, which vLLM cannot: refused before it gets here)."""
+    st = sample.request.sampling
+    if st.branches < 2 or st.branch_entropy is not None or sample.forks >= len(st.branch_at):
+        return None
+    return st.branch_at[sample.forks]
 
 
 # -- weights ----------------------------------------------------------------------------------
