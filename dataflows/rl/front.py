@@ -101,11 +101,10 @@ def check_tree(config: RLConfig) -> None:
             ("adaptive", getattr(config, "adaptive", None) is not None),
             ("filter_groups", getattr(config, "filter_groups", False)),
             ("oversample", config.oversample > 1),
-            ("max_staleness", config.max_staleness is not None),
             ("an environment", config.agent.environment or config.agent.program)) if on]
         if others:
-            errors.append(f"tree rollouts (branch_at, branches) run synchronous steps of whole "
-                          f"trees of single responses, without {', '.join(others)}: drop "
+            errors.append(f"tree rollouts (branch_at, branches) grow every tree of a step "
+                          f"whole, of single responses, without {', '.join(others)}: drop "
                           f"{'it' if len(others) == 1 else 'them'} or the branching")
     shared_prefix = getattr(config, "shared_prefix", "per_leaf")
     if shared_prefix not in SHARED_PREFIX:

@@ -2,7 +2,8 @@
 executors/torch/rollout/branching.py], float64 and seeded: a depth with one branch gives the
 plain run's samples and parameters; branched leaves train, grouped by prompt, their shared
 prefixes counted once in the step's generated tokens; branching by entropy at 0 nats is the
-fixed-depth run [Note: entropy branching]."""
+fixed-depth run [Note: entropy branching]; asynchronous trees keep the staleness bound and
+resume their open step's saved leaves."""
 
 from __future__ import annotations
 
@@ -44,3 +45,22 @@ def test_branching_by_entropy_at_zero_nats_is_the_fixed_depth_run(tmp_path, tree
     uncertain = _run(tmp_path, f"{GRPO}:tree_entropy", "entropy", "--steps", "2")
     _assert_same_curve(fixed, uncertain)
     _assert_same_weights(folder / "tree", tmp_path / "entropy")
+
+
+def test_asynchronous_trees_keep_the_bound_and_resume_the_open_steps_leaves(tmp_path):
+    """--max-staleness 1: every step trains its roots and each branch they grew, no token more
+    than a version behind; resumed from the checkpoint after step 2 (step 2 open there), the
+    open step trains the leaves it saved, as the writer did."""
+    ck, run_async = tmp_path / "ck", ("--async", "--max-staleness", "1")
+    writer = metrics_lines(_run(tmp_path, f"{GRPO}:tree", "writer", "--steps", "4", *run_async,
+                                "--checkpoint-dir", str(ck), "--checkpoint-every", "1",
+                                "--keep-checkpoints", "10"))
+    resumed = metrics_lines(_run(tmp_path, f"{GRPO}:tree", "resumed", "--steps", "4",
+                                 *run_async, "--resume", str(ck / "step-00000002")))
+    assert [line["step"] for line in writer] == [0, 1, 2, 3] == [line["step"] for line in resumed]
+    for line in writer + resumed:
+        assert line["rollout/samples"] == 4 + line["rollout/branches"]
+        assert line["staleness/max"] <= 1
+    curve = ("loss", "reward_mean", "rollout/samples", "rollout/branches", "staleness/versions")
+    assert [[line[key] for key in curve] for line in resumed[:3]] == [
+        [line[key] for key in curve] for line in writer[:3]]

@@ -116,9 +116,10 @@ def test_the_steps_generated_tokens_count_a_shared_prefix_once():
     (dict(branch_at=(), branch_entropy=0.5), "1 error(s) in the sampling settings: "
                                              "branch_entropy=0.5 picks where tree rollouts "
                                              "fork, and none grow"),
-    (dict(max_staleness=1), "1 error(s) in the sampling settings: tree rollouts (branch_at, "
-                            "branches) run synchronous steps of whole trees of single "
-                            "responses, without max_staleness"),
+    (dict(max_staleness=1, oversample=2.0), "1 error(s) in the sampling settings: tree "
+                                            "rollouts (branch_at, branches) grow every tree of "
+                                            "a step whole, of single responses, without "
+                                            "oversample"),
     (dict(policy_loss="gspo", shared_prefix="once"),
      "1 error(s) in the sampling settings: tree rollouts train a shared prefix once by weighing "
      "its tokens, and GSPO's"),
