@@ -29,8 +29,8 @@ from flowkit.runtime.controller import Controller
 from flowkit.runtime.futures import Future
 from flowkit.runtime.registry import ExecutorInfo
 
-__all__ = ["ReplicatedSchedule", "Replicas", "last_actions", "replica_counts", "replica_lane",
-           "setup_replica_groups", "state_sources"]
+__all__ = ["ReplicatedSchedule", "Replicas", "last_actions", "reduce_orders", "replica_counts",
+           "replica_lane", "setup_replica_groups", "state_sources"]
 
 _GROUP_IDS = itertools.count()
 _WEIGHTS = (Kind.W, Kind.BW)  # the ops that make a stage's weight gradients final
@@ -81,6 +81,20 @@ def last_actions(schedule: Schedule) -> dict[int, Action]:
         for action in ops:
             last[action.stage] = action
     return last
+
+
+def reduce_orders(schedules: Sequence[Schedule]) -> dict[int, str]:
+    """Each stage's gradient buckets' start order, one for every replica of the step
+    [Note: all-reduce in the last W in executors/torch/train/replicas.py]: "reverse" (the last
+    bucket first) where every replica's last action of the stage is a fused BW, whose backward
+    pass makes the last layers' gradients first; else "forward", as the W's deferred calls
+    finish them."""
+    kinds: dict[int, set[Kind]] = {}
+    for schedule in schedules:
+        for stage, action in last_actions(schedule).items():
+            kinds.setdefault(stage, set()).add(action.kind)
+    return {stage: "reverse" if found == {Kind.BW} else "forward"
+            for stage, found in kinds.items()}
 
 
 def setup_replica_groups(ctl: Controller, executors: Sequence[ExecutorInfo], *, model: str,
@@ -158,6 +172,7 @@ class Replicas:
         if self.count == 1:
             return None
         ends = [(run.futures, last_actions(run.schedule)) for run in self.current]
+        orders = reduce_orders([run.schedule for run in self.current])
         seconds = self.sim_costs.allreduce_s(self.count, self.devices)
         groups = self.groups
         # FSDP: the reduce cuts the stage and keeps this replica's rows [Note: FSDP within a
@@ -168,29 +183,31 @@ class Replicas:
             after = [futures[last[stage]] for futures, last in ends if stage in last]
             if groups:
                 return after, {"replica_group": groups[schedule.placement.device_of(stage)],
-                               **sharding}
+                               "reduce_order": orders.get(stage, "forward"), **sharding}
             return after, {"allreduce_seconds": seconds}
 
         return reduce
 
-    def early_reduce(self, schedule: Schedule,
-                     config_for: Callable[[Action], dict]) -> Callable[[Action], dict]:
+    def early_reduce(self, schedule: Schedule, config_for: Callable[[Action], dict],
+                     schedules: Sequence[Schedule]) -> Callable[[Action], dict]:
         """`config_for`, with each stage's last W (or BW) of a replica's `schedule` told to start
-        the stage's all-reduce [Note: all-reduce in the last W in
-        executors/torch/train/replicas.py]: torch replicas, whole stages (FSDP reduce-scatters
-        in its reduce_grads), and only where a device holds one stage, whose group then sees
-        the same collectives in the same order on every replica."""
+        the stage's all-reduce, in the order `reduce_orders` gives over every replica's
+        `schedules` [Note: all-reduce in the last W in executors/torch/train/replicas.py]:
+        torch replicas, whole stages (FSDP reduce-scatters in its reduce_grads), and only where
+        a device holds one stage, whose group then sees the same collectives in the same order
+        on every replica."""
         groups, placement = self.groups, schedule.placement
         if not groups or self.model.shard == "fsdp" or placement.num_devices != \
                 schedule.num_stages:
             return config_for
-        last = {action: groups[placement.device_of(stage)]
+        orders = reduce_orders(schedules)
+        last = {action: {"reduce_group": groups[placement.device_of(stage)],
+                         "reduce_order": orders[stage]}
                 for stage, action in last_actions(schedule).items() if action.kind in _WEIGHTS}
 
         def config(action: Action) -> dict:
             found = last.get(action)
-            return config_for(action) if found is None else \
-                {**config_for(action), "reduce_group": found}
+            return config_for(action) if found is None else {**config_for(action), **found}
 
         return config
 

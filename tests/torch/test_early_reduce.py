@@ -1,7 +1,9 @@
 """The gradient all-reduce started inside a stage's last W [Note: all-reduce in the last W in
 executors/torch/train/replicas.py], in one process: buckets start while the W still computes
 the later ones' gradients, in bucket order, and the sums come back as all_reduce_grads leaves
-them. On real replicas (gloo, 2 and 4 processes): tests/torch/test_data_parallel.py."""
+them; inside a fused BW's plain backward pass, last bucket first, as the pass makes the last
+layers' gradients first. On real replicas (gloo, 2 and 4 processes):
+tests/torch/test_data_parallel.py."""
 
 from __future__ import annotations
 
@@ -100,3 +102,45 @@ def test_waiting_before_every_bucket_started_is_an_error(gloo):
     buckets = BucketsInFlight(gloo, trainable(stage))
     with pytest.raises(Exception, match="never started"):
         buckets.wait()
+
+
+def _after_f(kind: str = "linear"):
+    """A one-stage runner whose only microbatch has run an unsplit F: BW is next."""
+    (stage,) = make_stages(kind, 1)
+    runner = StageRunner(stage)
+    (x, y), = make_data(kind, 1)
+    runner.forward(0, x, y, split=False)
+    return stage, runner
+
+
+def test_buckets_start_inside_a_plain_backward_last_bucket_first(gloo):
+    stage, runner = _after_f()
+    params = trainable(stage)
+    watched = _Watched(gloo, params)
+    buckets = BucketsInFlight(watched, params, bucket_bytes=1, reverse=True)
+    runner.backward(0, grads_final=buckets)
+    assert buckets.started == len(params) > 2  # all in flight as the BW returns
+    assert [numel for numel, _ in watched.starts] == [p.numel() for p in reversed(params)]
+    first_had = watched.starts[0][1]
+    assert first_had[-1] and not first_had[0]  # the first layers' gradients were not made yet
+    buckets.finish()
+    buckets.wait()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bucket_bytes", [1, 1024, 25 << 20])
+def test_the_sums_equal_all_reduce_grads_after_a_plain_backward(gloo, kind, bucket_bytes):
+    """The gradients a hook added during the pass, the rest after it: the plain BW's own
+    gradients, bit for bit, as all_reduce_grads after it leaves them (a parameter used twice,
+    "shared", gets its whole gradient once)."""
+    early_stage, early = _after_f(kind)
+    later_stage, later = _after_f(kind)
+    buckets = BucketsInFlight(gloo, trainable(early_stage), bucket_bytes=bucket_bytes,
+                              reverse=True)
+    early.backward(0, grads_final=buckets)
+    buckets.finish()
+    buckets.wait()
+    later.backward(0)
+    all_reduce_grads(gloo, trainable(later_stage), bucket_bytes=bucket_bytes, reverse=True)
+    for p, q in zip(trainable(early_stage), trainable(later_stage), strict=True):
+        assert torch.equal(p.grad, q.grad)

@@ -174,13 +174,14 @@ def _backward_input(ctx: OpContext, upstream: Any, *_: Any, stage: int, stages: 
 
 def _backward_weight(ctx: OpContext, *_: Any, stage: int, stages: int, microbatch: int,
                      prefetch: Any = (), track_memory: bool = False,
-                     reduce_group: str | None = None, **config: Any) -> None:
+                     reduce_group: str | None = None, reduce_order: str = "forward",
+                     **config: Any) -> None:
     """W. `reduce_group`: the stage's last W of the step starts its all-reduce over that
-    replica group bucket by bucket [Note: all-reduce in the last W in
+    replica group bucket by bucket, in `reduce_order` [Note: all-reduce in the last W in
     executors/torch/train/replicas.py]."""
     held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
     _prefetch(ctx, config, stages, prefetch, track_memory)
-    buckets = _start_reducing(ctx, held, reduce_group)
+    buckets = _start_reducing(ctx, held, reduce_group, reduce_order)
     held.runner.backward_weight(microbatch, buckets)
     if buckets is not None:
         buckets.finish()
@@ -188,26 +189,27 @@ def _backward_weight(ctx: OpContext, *_: Any, stage: int, stages: int, microbatc
 
 def _backward(ctx: OpContext, upstream: Any, *_: Any, stage: int, stages: int, microbatch: int,
               prefetch: Any = (), track_memory: bool = False,
-              reduce_group: str | None = None, **config: Any) -> Any:
-    """BW; `reduce_group` as for W."""
+              reduce_group: str | None = None, reduce_order: str = "forward",
+              **config: Any) -> Any:
+    """BW; `reduce_group` and `reduce_order` as for W."""
     held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
     _prefetch(ctx, config, stages, prefetch, track_memory)
     grad_outputs = () if stage == stages - 1 else (upstream,)  # the last stage starts from its loss
-    buckets = _start_reducing(ctx, held, reduce_group)
+    buckets = _start_reducing(ctx, held, reduce_group, reduce_order)
     out = held.runner.backward(microbatch, *grad_outputs, grads_final=buckets)[0]
     if buckets is not None:
         buckets.finish()
     return out
 
 
-def _start_reducing(ctx: OpContext, held: HeldStage,
-                    group: str | None) -> replicas.BucketsInFlight | None:
+def _start_reducing(ctx: OpContext, held: HeldStage, group: str | None,
+                    order: str) -> replicas.BucketsInFlight | None:
     """The buckets the stage's last W of the step starts, kept for its reduce_grads; None
     when it is not that W, or the stage is FSDP's (which reduce-scatters instead)."""
     if group is None or held.fsdp is not None:
         return None
     buckets = replicas.BucketsInFlight(replicas.replica_group(ctx, group),
-                                       trainable(held.module))
+                                       trainable(held.module), reverse=_reversed(order))
     held.reducing = (group, buckets)
     return buckets
 
@@ -243,8 +245,18 @@ def squared_norm(grads: list[torch.Tensor | None]) -> float:
     return sum(torch.stack(sums).tolist()) if sums else 0
 
 
+def _reversed(order: str) -> bool:
+    """Whether the stage's gradient buckets start last first [Note: all-reduce in the last W
+    in executors/torch/train/replicas.py]."""
+    if order not in ("forward", "reverse"):
+        raise StageError(f"reduce_order {order!r}: 'forward' or 'reverse', the order the "
+                         "stage's gradient buckets start in")
+    return order == "reverse"
+
+
 def _reduce_grads(ctx: OpContext, *_: Any, stage: int, stages: int, replica_group: str,
-                  shard: str | None = None, **config: Any) -> None:
+                  shard: str | None = None, reduce_order: str = "forward",
+                  **config: Any) -> None:
     """Sum the stage's gradients over its replica group [Note: replica groups in
     executors/torch/train/replicas.py]. Its inputs (every replica's last action of the stage) only
     order it: no member waits in the collective while another replica still computes. With
@@ -255,7 +267,7 @@ def _reduce_grads(ctx: OpContext, *_: Any, stage: int, stages: int, replica_grou
     if shard != "fsdp":
         started, held.reducing = held.reducing, None
         if started is None:
-            all_reduce_grads(group, trainable(held.module))
+            all_reduce_grads(group, trainable(held.module), reverse=_reversed(reduce_order))
         elif started[0] != replica_group:
             raise StageError(f"stage {stage}'s last W reduced over {started[0]!r}, not "
                              f"{replica_group!r}")

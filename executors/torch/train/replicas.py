@@ -116,12 +116,12 @@ def replica_group(ctx: OpContext, group: str) -> Any:
 
 
 def all_reduce_grads(group: Any, params: list[torch.Tensor],
-                     bucket_bytes: int = BUCKET_BYTES) -> None:
+                     bucket_bytes: int = BUCKET_BYTES, *, reverse: bool = False) -> None:
     """Sum the gradients of `params` over `group`, in place: flattened into buckets of one
     dtype up to `bucket_bytes`, every bucket's all-reduce in flight before the first is waited
     on, so gloo's threads (or NCCL's stream) overlap them. A parameter without a gradient
     takes part with zeros (another replica may have one: a replica with no microbatch)."""
-    buckets = BucketsInFlight(group, params, bucket_bytes)
+    buckets = BucketsInFlight(group, params, bucket_bytes, reverse=reverse)
     buckets.finish()
     buckets.wait()
 
@@ -131,16 +131,19 @@ class BucketsInFlight:
     device's last W (or BW) of the step: the op tells `mark_final(params)` as each deferred call's
     gradients are done for good, and each bucket starts (async, gloo's threads or NCCL's
     stream) once it and every bucket before it are final, so every replica starts the same
-    buckets in the same order, today's order (`all_reduce_grads`, the same cut: the same sums,
-    bit for bit); `finish` starts the rest as the op ends. The stage's `reduce_grads` then only
-    waits and copies back. Only a device that holds one stage does this (flowkit/runner/
-    replicas.py, `Replicas.early_reduce`): with two, replicas of uneven microbatch counts could
-    end their stages' W in other orders. The planner's model: [Note: overlapped all-reduce]."""
+    buckets in the same order (`all_reduce_grads` too: the same cut, the same sums, bit for
+    bit); `finish` starts the rest as the op ends. `reverse`: the last bucket first, for a fused
+    BW, whose backward pass makes the last layers' gradients first (the runner picks one order
+    per stage for every replica). The stage's `reduce_grads` then only waits and copies back.
+    Only a device that holds one stage does this (flowkit/runner/replicas.py,
+    `Replicas.early_reduce`): with two, replicas of uneven microbatch counts could end their
+    stages' W in other orders. The planner's model: [Note: overlapped all-reduce]."""
 
     def __init__(self, group: Any, params: list[torch.Tensor],
-                 bucket_bytes: int = BUCKET_BYTES) -> None:
+                 bucket_bytes: int = BUCKET_BYTES, *, reverse: bool = False) -> None:
         self.group = group
         self.buckets = _buckets(params, bucket_bytes)
+        self.order = self.buckets[::-1] if reverse else self.buckets  # the start order
         self.final_ids: set[int] = set()  # ids of the parameters whose gradients are final
         self.pending: list[tuple[list[torch.Tensor], torch.Tensor, Any]] = []
 
@@ -151,9 +154,9 @@ class BucketsInFlight:
 
     def mark_final(self, params: Any) -> None:
         self.final_ids.update(id(p) for p in params)
-        while len(self.pending) < len(self.buckets) and all(
-                id(p) in self.final_ids for p in self.buckets[len(self.pending)]):
-            self._start(self.buckets[len(self.pending)])
+        while len(self.pending) < len(self.order) and all(
+                id(p) in self.final_ids for p in self.order[len(self.pending)]):
+            self._start(self.order[len(self.pending)])
 
     def finish(self) -> None:
         self.mark_final(p for bucket in self.buckets for p in bucket)

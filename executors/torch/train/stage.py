@@ -216,7 +216,7 @@ class StageRunner:
                  grads_final: Any = None) -> tuple[torch.Tensor | None, ...]:
         """The fused BW op: the same arithmetic as B followed by W, or after a forward that
         did not split, one plain backward pass [Note: a fused backward]; `grads_final` as for
-        W, told only by the split path (the plain pass makes every gradient at once)."""
+        W, told of each parameter as the pass makes its gradient (the last layers' first)."""
         state = self._mbs.get(mb)
         if state is None or state.split or state.phase != "F":
             grads = self.backward_input(mb, *grad_outputs)
@@ -228,10 +228,12 @@ class StageRunner:
         grad_idx = [i for i, v in enumerate(state.inputs) if _needs_grad(v)]
         targets = [state.inputs[i] for i in grad_idx] + self._params
         got: tuple[Any, ...] = (None,) * len(targets)
-        if roots:
-            got = torch.autograd.grad(roots, targets, root_grads, allow_unused=True)
+        added: set[int] = set()  # the parameters whose gradient a hook added already
+        with _telling_final(self._params, grads_final, added):
+            if roots:
+                got = torch.autograd.grad(roots, targets, root_grads, allow_unused=True)
         for param, grad in zip(self._params, got[len(grad_idx):]):
-            if grad is not None:
+            if grad is not None and id(param) not in added:
                 accumulate(param, grad)
         del self._mbs[mb]
         self._noted()
@@ -339,3 +341,30 @@ def _finals(steps: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
 
 def _needs_grad(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.requires_grad
+
+
+@contextlib.contextmanager
+def _telling_final(params: list[torch.Tensor], grads_final: Any,
+                   added: set[int]) -> Any:
+    """Inside, a plain backward pass adds each parameter's gradient as the pass makes it, and
+    tells `grads_final` it is final, so its bucket's all-reduce may start while the pass goes
+    on [Note: all-reduce in the last W in executors/torch/train/replicas.py]; the ids of those
+    added go to `added`. A leaf's hook sees its whole gradient once, however often it is used."""
+    if grads_final is None:
+        yield
+        return
+
+    def hook_of(param: torch.Tensor) -> Any:
+        def final(grad: torch.Tensor) -> torch.Tensor:
+            accumulate(param, grad)
+            added.add(id(param))
+            grads_final.mark_final([param])
+            return grad
+        return final
+
+    handles = [p.register_hook(hook_of(p)) for p in params if p.requires_grad]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
