@@ -59,11 +59,13 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
            "stashes goes to host memory once it ends, a copy of copy_seconds on the simulator)"),
     OpSpec("B", "the gradient of the stage's output (the last stage: its own F's stats)",
            (*_PIPELINE, "out_bytes", "first"), "input gradients; stashes what W needs"),
-    OpSpec("W", "the stage's B output, only to be ordered after it", (*_PIPELINE, "reduce_group"),
+    OpSpec("W", "the stage's B output, only to be ordered after it",
+           (*_PIPELINE, "reduce_group", "reduce_order"),
            "weight gradients from what B stashed (reduce_group: the stage's last W of the step "
-           "starts its gradient all-reduce over that replica group, bucket by bucket)"),
-    OpSpec("BW", "as B", (*_PIPELINE, "out_bytes", "first", "reduce_group"),
-           "B and W in one op (reduce_group: as W's)"),
+           "starts its gradient all-reduce over that replica group, bucket by bucket, in "
+           "reduce_order: forward, or reverse, the last bucket first)"),
+    OpSpec("BW", "as B", (*_PIPELINE, "out_bytes", "first", "reduce_group", "reduce_order"),
+           "B and W in one op (reduce_group, reduce_order: as W's)"),
     OpSpec("activation_memory", "anything, only to be ordered after it", ("model", "reset"),
            "{peak, now, unit}: the activation memory the model's stages on this executor held at "
            "most since the last reset (reset: start again from now) and hold now, as the "
@@ -76,7 +78,7 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
     OpSpec("grad_stats", "on the last stage, the first stage's tied gradients", _OPTIMIZER,
            "a stage's squared gradient norm and its tied gradients"),
     OpSpec("reduce_grads", "every replica's last action of the stage, only to be ordered after "
-           "them", (*_STAGE, "replica_group", "allreduce_seconds", "shard"),
+           "them", (*_STAGE, "replica_group", "reduce_order", "allreduce_seconds", "shard"),
            "sum the stage's gradients over its replicas [Note: replicas]: through "
            "torch.distributed (replica_group), or its modelled seconds on the simulator"),
     OpSpec("replica_store", "nothing", ("group", "size", "host", "timeout_s"),
