@@ -82,12 +82,11 @@ def _check_adaptive(config: RLConfig) -> None:
     if adaptive is None:
         return
     # asynchronous steps keep its books: each step folds into the difficulty of the step
-    # just before (a chained feedback, sample_and_score)
-    others = [name for name, on in (("filter_groups", config.filter_groups),
-                                    ("oversample", config.oversample > 1)) if on]
-    if others:
-        raise ValueError(f"adaptive sampling runs steps of whole groups, without "
-                         f"{', '.join(others)}: drop {'it' if len(others) == 1 else 'them'} or "
-                         "adaptive")
+    # just before (a chained feedback, sample_and_score); partial rollouts count each call's
+    # own samples (flowkit/runner/partial.py)
+    if config.filter_groups:
+        raise ValueError("adaptive sampling allocates a step's samples before they are drawn, "
+                         "and filter_groups draws rounds until enough groups differ: drop "
+                         "filter_groups or adaptive")
     check_adaptive(adaptive, prompts=config.prompts, n=config.sampling.n,
                    max_new_tokens=config.sampling.max_new_tokens)

@@ -26,9 +26,6 @@ def rloo_flow(config: RLConfig, *, model: Model | None = None, gpt: dict | None 
     n = config.sampling.n
     check_tree(config)
     if config.adaptive is not None:
-        if config.oversample > 1:
-            raise ValueError("adaptive sampling runs steps of whole groups, without oversample: "
-                             "drop it or adaptive")
         check_adaptive(config.adaptive, prompts=config.prompts, n=n,
                        max_new_tokens=config.sampling.max_new_tokens,
                        needs_siblings="rloo_flow's leave-one-out baseline")

@@ -51,9 +51,10 @@ CARRIED = "carried"  # the first part of a carried call's lineage in the step th
 
 @attrs.frozen
 class PartialRollouts:
-    """A node's setting: the calls (groups) a step takes, the items per call (for counting),
-    how its calls are named, aborted and continued, and whether a carried call's stale groups
-    are dropped (then carried calls take no places: [Note: own prompts first])."""
+    """A node's setting: the calls (groups) a step takes, the items a call makes unless its
+    output says how many (adaptive n, trees: each call its own count), how its calls are named,
+    aborted and continued, and whether a carried call's stale groups are dropped (then carried
+    calls take no places: [Note: own prompts first])."""
 
     take: int
     n: int
@@ -69,10 +70,22 @@ class Carried:
     origin: int  # the step whose prompt it is (its sampling seeds)
     lineage: tuple  # in the origin step
     ref: Any
+    count: int | None = None  # its samples, where `ref` does not say (one put back on resume)
 
     @property
     def resumed_lineage(self) -> tuple:
         return (CARRIED, self.origin, *self.lineage)
+
+    def samples(self, n: int) -> int:
+        """The samples it carries: every sample of its group, finished or interrupted (its
+        output's count), or `n` where nothing says."""
+        return self.count if self.count is not None else _count(self.ref, n)
+
+
+def _count(future: Any, n: int) -> int:
+    """A done call's item count (a Future's), else `n`."""
+    count = getattr(future, "count", None)
+    return count if isinstance(count, int) else n
 
 
 def carried_origin(lineage: tuple) -> int | None:
@@ -139,13 +152,15 @@ class PartialCalls:
     aborting: bool = False
     incoming: list[Carried] = attrs.field(factory=list)  # from the step before, to run
     incoming_sent: int = 0
-    passed: int = 0  # from the step before, passed on unrun (this step had taken its groups)
+    # from the step before, passed on unrun (this step had taken its groups)
+    passed: list[Carried] = attrs.field(factory=list)
     outgoing: list[Carried] = attrs.field(factory=list)  # to the next step
     deferred: list[tuple] = attrs.field(factory=list)  # own prompts waiting for the count
     resumed: dict[tuple, Carried] = attrs.field(factory=dict)  # lineage here -> the call
     pending_calls: dict[tuple, str] = attrs.field(factory=dict)  # lineage -> request name
     aborts: list[Any] = attrs.field(factory=list)  # futures of [samples, tokens] cut
     dropped: int = 0
+    started: int = 0  # samples of the step's own calls (taken or carried on)
     own: int = 0  # of the step's own prompts, those it runs
     unused: int = 0  # and those it leaves: the carried calls took their places
     prompts: int = 0  # the step's own prompts, as admit was told
@@ -214,9 +229,11 @@ class PartialCalls:
 
     def done(self, lineage: tuple, future: Any, site: CallSite) -> bool:
         self.pending_calls.pop(lineage, None)
+        if lineage not in self.resumed:
+            self.started += _count(future, self.setting.n)
         dropped = self._dropped_whole(lineage, future)
         if self.aborting:  # after the step took its groups: to the next step
-            if not dropped and not self._dropped_instead_of_carried(lineage):
+            if not dropped and not self._dropped_instead_of_carried(lineage, future):
                 self._carry(lineage, future)
             return False
         if not dropped:  # a call dropped whole is no group: the step still wants its `take`
@@ -235,19 +252,22 @@ class PartialCalls:
         """Whether a resumed call came back short: its group dropped as stale (counted here,
         neither trained nor carried again)."""
         count = getattr(future, "count", None)
-        if lineage not in self.resumed or count is None or count >= self.setting.n:
+        if lineage not in self.resumed:
             return False
-        self.dropped += self.setting.n - count
+        carried = self.resumed[lineage].samples(self.setting.n)
+        if count is None or count >= carried:
+            return False
+        self.dropped += carried - count
         return True
 
-    def _dropped_instead_of_carried(self, lineage: tuple) -> bool:
+    def _dropped_instead_of_carried(self, lineage: tuple, future: Any) -> bool:
         """[Note: own prompts first]: where stale groups drop, a call carried in is not
         carried again, and a step carries at most prompts - take calls (its own run beside
         the carried ones, so more could end after its take); the others drop whole."""
         if not self.setting.drop_stale:
             return False
         if lineage in self.resumed or len(self.outgoing) >= self.prompts - self.setting.take:
-            self.dropped += self.setting.n
+            self.dropped += _count(future, self.setting.n)
             return True
         return False
 
@@ -268,18 +288,19 @@ class PartialCalls:
         """Run them, or pass them on if the step has taken its groups already."""
         if self.aborting or closed:
             self.outgoing.extend(calls)
-            self.passed += len(calls)
+            self.passed.extend(calls)
         else:
             self.incoming.extend(calls)
 
     def metrics(self, timeout: float) -> dict[str, float]:
         cut = [f.result(timeout=timeout) for f in self.aborts]
         n = self.setting.n
+        passed = self.passed
         return {f"{self.name}/taken_groups": self.taken,
-                "rollout/carried_over": len(self.outgoing) * n,
-                "rollout/started": self.own * n,
-                "rollout/resumed": (len(self.incoming) + self.passed) * n,
-                "rollout/passed_on": self.passed * n,
+                "rollout/carried_over": sum(c.samples(n) for c in self.outgoing),
+                "rollout/started": self.started,
+                "rollout/resumed": sum(c.samples(n) for c in [*self.incoming, *passed]),
+                "rollout/passed_on": sum(c.samples(n) for c in passed),
                 "rollout/prompts_unused": self.unused,
                 "rollout/aborted_samples": sum(int(c[0]) for c in cut if c),
                 "rollout/aborted_tokens": sum(int(c[1]) for c in cut if c),

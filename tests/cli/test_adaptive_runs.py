@@ -1,7 +1,8 @@
 """Adaptive sampling end to end on torch executors [Note: adaptive sampling in
 dataflows/rl/adaptive.py], float64 and seeded: every prompt at the flow's n gives the fixed-n
 run's samples and parameters; groups of varying size train, and a run stopped and resumed from
-a checkpoint gives the straight run's curve, parameters and pass-rate history, exactly."""
+a checkpoint gives the straight run's curve, parameters and pass-rate history, exactly; with
+partial rollouts the books balance call by call."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataflows.rl.adaptive import Difficulty
 from flowkit.runner.checkpoints.controller_state import read_state
 from flowkit.runner.checkpoints.format import RUN_STATE, complete_checkpoints
 from flowkit.runner.checkpoints.state_codec import allowed_records
-from tests.cli.runs import GRPO, metrics_lines, run_ok
+from tests.cli.runs import GRPO, conserved, metrics_lines, run_ok
 
 pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
 
@@ -96,5 +97,25 @@ def test_asynchronous_steps_fold_every_steps_samples_into_the_difficulty_across_
          "--checkpoint-dir", str(ck), "--checkpoint-every", "1")
     lines = metrics_lines(tmp_path / "run.jsonl")
     assert [line["step"] for line in lines] == list(range(5))
+    history = _difficulty(complete_checkpoints(ck)[-1])
+    assert sum(history.samples) == sum(line["rollout/samples"] for line in lines)
+
+
+def test_partial_rollouts_with_adaptive_n_keep_their_books_across_a_resume(tmp_path):
+    """oversample=1.5 with --async: each call counts its own samples (its prompt's n), so every
+    sample started is trained once, dropped or still carried, through a checkpoint and a
+    resume that puts the carried calls back; the difficulty holds every trained sample once."""
+    ck, run_async = tmp_path / "ck", ("--async", "--max-staleness", "1")
+    _run(tmp_path, f"{GRPO}:adaptive_partial", "run", "--steps", "3", *run_async,
+         "--checkpoint-dir", str(ck), "--checkpoint-every", "1")
+    _run(tmp_path, f"{GRPO}:adaptive_partial", "run", "--steps", "6", *run_async,
+         "--resume", str(ck), "--checkpoint-dir", str(ck), "--checkpoint-every", "1")
+    lines = metrics_lines(tmp_path / "run.jsonl")
+    assert [line["step"] for line in lines] == list(range(6))
+    assert all(line["generate/taken_groups"] == 4 for line in lines)
+    assert sum(line["rollout/resumed"] for line in lines) > 0  # calls were carried
+    # a call's size is its prompt's n (2 .. 8), not the flow's 4
+    assert any(line["rollout/started"] % 4 for line in lines)
+    conserved(lines)
     history = _difficulty(complete_checkpoints(ck)[-1])
     assert sum(history.samples) == sum(line["rollout/samples"] for line in lines)

@@ -151,14 +151,22 @@ def test_each_group_flow_takes_adaptive_sampling_and_groups_by_prompt_of_any_siz
      "adaptive token_budget=40 cannot pay for n_min=2 sample(s) of max_new_tokens=6"),
     (grpo_flow, dict(adaptive=AdaptiveSampling(allocation="uniform")),
      "adaptive allocation='uniform': choose one of xrpo, dars"),
-    (grpo_flow, dict(adaptive=AdaptiveSampling(), oversample=2),
-     "adaptive sampling runs steps of whole groups, without oversample"),
-    (rloo_flow, dict(adaptive=AdaptiveSampling(), oversample=2),
-     "adaptive sampling runs steps of whole groups, without oversample"),
+    (grpo_flow, dict(adaptive=AdaptiveSampling(), filter_groups=True),
+     "adaptive sampling allocates a step's samples before they are drawn, and filter_groups "
+     "draws rounds"),
 ])
 def test_bad_settings_are_refused_when_the_flow_is_built(flow, settings, message):
     with pytest.raises(ValueError, match="^" + _literal(message)):
         flow(**{**SETTINGS, **settings})
+
+
+@pytest.mark.parametrize("flow", [grpo_flow, rloo_flow])
+def test_partial_rollouts_with_adaptive_n_build(flow):
+    """Each call counts its own samples in the partial-rollout books (flowkit/runner/
+    partial.py): oversample is no longer refused with adaptive sampling."""
+    built = flow(**{**SETTINGS, "adaptive": AdaptiveSampling(), "oversample": 1.5,
+                    "max_staleness": 1})
+    assert "difficulty" in built.feedbacks
 
 
 def _literal(text: str) -> str:

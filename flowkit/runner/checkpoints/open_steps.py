@@ -182,5 +182,5 @@ def resume_open(runner: Resuming, ctl: Any, work: OpenWork) -> None:
     carried: dict[int, dict[str, list[Carried]]] = {}
     for c in work.carried:
         carried.setdefault(c.step, {}).setdefault(c.node, []).append(
-            Carried(c.origin, c.lineage, ctl.put(list(c.items))))
+            Carried(c.origin, c.lineage, ctl.put(list(c.items)), count=len(c.items)))
     runner.resume_open_steps(calls, work.partial, carried)

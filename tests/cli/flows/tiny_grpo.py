@@ -27,6 +27,12 @@ adaptive = grpo_flow(prompts=4, n=4, stages=2, microbatches=2, schedule="1f1b",
                      prompt_source=sort_prompts, reward=even_token_reward,
                      source_config={"digits": 3, "pool": 6},
                      adaptive=AdaptiveSampling(n_min=2, n_max=8, pass_reward=0.5))
+# `:adaptive_partial`: the same with partial rollouts (--async): 6 prompts start, 4 train a step
+adaptive_partial = grpo_flow(prompts=4, n=4, stages=2, microbatches=2, schedule="1f1b",
+                             max_new_tokens=6, kl_coef=0.001, lr=1e-2, gpt=TINY_GPT,
+                             prompt_source=sort_prompts, reward=even_token_reward,
+                             source_config={"digits": 3, "pool": 6}, oversample=1.5,
+                             adaptive=AdaptiveSampling(n_min=2, n_max=8, pass_reward=0.5))
 
 # Tree rollouts [Note: tree rollouts in executors/torch/rollout/branching.py]: `:tree` grows
 # each prompt's one root into 4 leaves (2 branches at depths 2 and 4), as many samples as the
