@@ -100,8 +100,13 @@ def check_tree(config: RLConfig) -> None:
         others = [name for name, on in (
             ("adaptive", getattr(config, "adaptive", None) is not None),
             ("filter_groups", getattr(config, "filter_groups", False)),
-            ("oversample", config.oversample > 1),
             ("an environment", config.agent.environment or config.agent.program)) if on]
+        if config.oversample > 1 and not _carries_trees(config):
+            errors.append("partial rollouts (oversample) carry trees over at fixed depths only "
+                          "(a continued sample's level is known there), their stale groups "
+                          "dropped whole (a stale branch sampled again from its prompt would no "
+                          "longer share its parent's prefix): drop branch_entropy and give "
+                          "stale_segments='drop', or drop oversample")
         if others:
             errors.append(f"tree rollouts (branch_at, branches) grow every tree of a step "
                           f"whole, of single responses, without {', '.join(others)}: drop "
@@ -114,6 +119,14 @@ def check_tree(config: RLConfig) -> None:
         errors += _tree_loss_errors(config.policy)
     if errors:
         raise ValueError(f"{len(errors)} error(s) in the sampling settings: " + "; ".join(errors))
+
+
+def _carries_trees(config: RLConfig) -> bool:
+    """Whether partial rollouts may carry its trees over [Note: tree rollouts in
+    executors/torch/rollout/branching.py]: at fixed depths (a continued sample's level is
+    those at or below its tokens), their stale groups dropped whole (sampled again from the
+    prompt, a branch would no longer share its parent's prefix)."""
+    return config.sampling.branch_entropy is None and config.sampling.stale_segments == "drop"
 
 
 def _tree_loss_errors(policy: Any) -> list[str]:

@@ -161,6 +161,7 @@ class PartialCalls:
     aborts: list[Any] = attrs.field(factory=list)  # futures of [samples, tokens] cut
     dropped: int = 0
     started: int = 0  # samples of the step's own calls (taken or carried on)
+    grown: int = 0  # samples a resumed call's trees grew past those it was carried with
     own: int = 0  # of the step's own prompts, those it runs
     unused: int = 0  # and those it leaves: the carried calls took their places
     prompts: int = 0  # the step's own prompts, as admit was told
@@ -256,6 +257,7 @@ class PartialCalls:
             return False
         carried = self.resumed[lineage].samples(self.setting.n)
         if count is None or count >= carried:
+            self.grown += 0 if count is None else count - carried  # a tree's new branches
             return False
         self.dropped += carried - count
         return True
@@ -304,4 +306,5 @@ class PartialCalls:
                 "rollout/prompts_unused": self.unused,
                 "rollout/aborted_samples": sum(int(c[0]) for c in cut if c),
                 "rollout/aborted_tokens": sum(int(c[1]) for c in cut if c),
-                "rollout/dropped": self.dropped}
+                "rollout/dropped": self.dropped,
+                "rollout/grown": self.grown}

@@ -65,10 +65,10 @@ def metrics_lines(path: Path) -> list[dict]:
 
 
 def conserved(lines: list[dict]) -> None:
-    """Partial rollouts' books balance over a run's metrics lines: every sample started is
-    trained once, dropped, or still carried after the last step, and each step resumes what
-    the step before carried over."""
-    started = sum(line["rollout/started"] for line in lines)
+    """Partial rollouts' books balance over a run's metrics lines: every sample started (or
+    grown by a resumed tree) is trained once, dropped, or still carried after the last step,
+    and each step resumes what the step before carried over."""
+    started = sum(line["rollout/started"] + line["rollout/grown"] for line in lines)
     trained = sum(line["rollout/samples"] for line in lines)
     assert started == trained + sum(line["rollout/dropped"] for line in lines) \
         + lines[-1]["rollout/carried_over"]

@@ -3,13 +3,13 @@ executors/torch/rollout/branching.py], float64 and seeded: a depth with one bran
 plain run's samples and parameters; branched leaves train, grouped by prompt, their shared
 prefixes counted once in the step's generated tokens; branching by entropy at 0 nats is the
 fixed-depth run [Note: entropy branching]; asynchronous trees keep the staleness bound and
-resume their open step's saved leaves."""
+resume their open step's saved leaves; partial rollouts carry trees over and grow them on."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.cli.runs import GRPO, metrics_lines
+from tests.cli.runs import GRPO, conserved, metrics_lines
 from tests.cli.test_adaptive_runs import _assert_same_curve, _assert_same_weights, _run
 
 pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
@@ -64,3 +64,19 @@ def test_asynchronous_trees_keep_the_bound_and_resume_the_open_steps_leaves(tmp_
     curve = ("loss", "reward_mean", "rollout/samples", "rollout/branches", "staleness/versions")
     assert [[line[key] for key in curve] for line in resumed[:3]] == [
         [line[key] for key in curve] for line in writer[:3]]
+
+
+def test_partial_rollouts_carry_trees_over_and_grow_them_on(tmp_path):
+    """oversample 1.5 with --async: the trees a step does not take are cut and carried, then
+    grow on in the next step from where they stood (a continued sample forks at the depths
+    past its tokens); every sample started or grown trains once, is dropped or is carried."""
+    lines = metrics_lines(_run(tmp_path, f"{GRPO}:tree_partial", "partial", "--steps", "6",
+                               "--async", "--max-staleness", "1"))
+    assert len(lines) == 6
+    assert all(line["generate/taken_groups"] == 4 for line in lines)
+    assert sum(line["rollout/resumed"] for line in lines) > 0
+    conserved(lines)
+    for line in lines:
+        # 4 whole trees a step: 4 roots and the branches they grew
+        assert line["rollout/samples"] == 4 + line["rollout/branches"]
+        assert line["staleness/max"] <= 1

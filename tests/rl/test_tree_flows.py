@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from dataflows.grpo import grpo_flow
 from dataflows.recipes import dr_grpo_flow, gspo_flow
+from dataflows.rl.adaptive import AdaptiveSampling
 from dataflows.rl.advantages import rloo_advantages
 from dataflows.rl.ops import grpo_advantages, rollout_metrics
 from dataflows.rl.trees import shared_prefix_weights
@@ -116,10 +117,14 @@ def test_the_steps_generated_tokens_count_a_shared_prefix_once():
     (dict(branch_at=(), branch_entropy=0.5), "1 error(s) in the sampling settings: "
                                              "branch_entropy=0.5 picks where tree rollouts "
                                              "fork, and none grow"),
-    (dict(max_staleness=1, oversample=2.0), "1 error(s) in the sampling settings: tree "
-                                            "rollouts (branch_at, branches) grow every tree of "
-                                            "a step whole, of single responses, without "
-                                            "oversample"),
+    (dict(max_staleness=1, oversample=2.0), "1 error(s) in the sampling settings: partial "
+                                            "rollouts (oversample) carry trees over at fixed "
+                                            "depths only"),
+    (dict(max_staleness=1, oversample=2.0, stale_segments="drop", branch_entropy=0.5),
+     "1 error(s) in the sampling settings: partial rollouts (oversample) carry trees over"),
+    (dict(adaptive=AdaptiveSampling()), "1 error(s) in the sampling settings: tree rollouts "
+                                        "(branch_at, branches) grow every tree of a step "
+                                        "whole, of single responses, without adaptive"),
     (dict(policy_loss="gspo", shared_prefix="once"),
      "1 error(s) in the sampling settings: tree rollouts train a shared prefix once by weighing "
      "its tokens, and GSPO's"),

@@ -126,6 +126,46 @@ def test_bad_branching_is_refused_in_one_line_before_any_sample(kw, error):
     assert not ctx.background  # no engine was made
 
 
+@pytest.mark.parametrize("steps", [1, 3, 5])
+def test_a_tree_cut_and_continued_grows_into_the_uninterrupted_tree(model, steps):
+    """Partial rollouts carry a cut tree over: each continued sample goes on from its tokens,
+    forking at the depths past them and at none before, so the leaves are the uninterrupted
+    tree's, token for token (counter-based draws)."""
+    whole, _ = _run(model, TREE, 2)
+    engine = Engine(model, version=lambda: None, max_batch=8)
+    box = {}
+    deferred = engine.submit(PROMPTS, TREE, 2)
+    deferred.bind(_Sink(box))
+    for _ in range(steps):
+        engine.step()
+    assert engine.abort() > 0
+    cut = [r for r in box["done"] if r.interrupted]
+    done = {(r.prompt_id, r.sample): r for r in box["done"] if not r.interrupted}
+    again = Engine(model, version=lambda: None, max_batch=64)
+    resumed = run_until_done({"engine": again}, again.submit(cut, TREE, 1))
+    done.update({(r.prompt_id, r.sample): r for r in resumed})
+    assert sorted(done) == sorted(whole)
+    for key, leaf in whole.items():
+        assert done[key].response_tokens == leaf.response_tokens
+        assert (done[key].branch_of, done[key].shared_tokens) == (leaf.branch_of,
+                                                                  leaf.shared_tokens)
+        assert done[key].logprobs == pytest.approx(leaf.logprobs, abs=1e-9)
+
+
+class _Sink:
+    def __init__(self, box):
+        self.box = box
+
+    def emit(self, item):
+        pass
+
+    def done(self, result):
+        self.box["done"] = result
+
+    def fail(self, error):
+        raise error
+
+
 def test_the_generate_op_grows_trees_through_its_settings():
     ctx = op_context()
     done = run_until_done(ctx.background, gen._generate(ctx, PROMPTS[:2], **SPEC, n=2,

@@ -276,6 +276,25 @@ def test_an_abort_counts_a_branchs_shared_tokens_once(setup):
     assert sorted(r.sample for r in box["done"]) == [0, 1]
 
 
+def test_a_tree_cut_and_continued_grows_into_the_uninterrupted_tree(setup):
+    engine, _, _, _ = setup
+    tree = dict(eos=None, max_new_tokens=6, branch_at=(2, 4), branches=2)
+    whole = _run(engine, [Prompt(prompt_id=0, tokens=[1])], n=1, **tree)
+    deferred = engine.submit([Prompt(prompt_id=0, tokens=[1])], _sampling(**tree), 1, key="t")
+    box = {}
+    deferred.bind(_Sink(box))
+    for _ in range(3):  # the root's first 2 tokens, its fork, a token each
+        engine.step()
+    engine.abort_requests({"t"})
+    done = _run(engine, box["done"], **tree)  # the finished pass, the cut go on
+
+    def shape(rollouts):
+        return sorted((r.sample, r.branch_of, r.shared_tokens, tuple(r.response_tokens))
+                      for r in rollouts)
+
+    assert shape(done) == shape(whole) and len(whole) == 4
+
+
 def test_a_failing_engine_fails_its_requests_and_refuses_more(setup):
     engine, _, _, llm = setup
 

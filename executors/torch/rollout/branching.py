@@ -6,9 +6,10 @@ The design: [Note: tree rollouts] and [Note: entropy branching] below.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
-__all__ = ["branch_samples", "leaves_per_root", "level_branches", "root_sample"]
+__all__ = ["branch_samples", "leaves_per_root", "level_branches", "levels_passed", "root_sample"]
 
 
 # [Note: tree rollouts] Branching at fixed depths, as LATR and BranchGRPO do: a sample that has
@@ -49,6 +50,13 @@ def branch_samples(sample: int, depth: int, branch_at: Sequence[int], branches: 
     """The indices of the new samples that `sample` forks into at response depth `depth` (one
     of `branch_at`): branches 1 .. k-1 of that level; the sample itself goes on as branch 0."""
     return level_branches(sample, sorted(branch_at).index(depth), len(branch_at), branches)
+
+
+def levels_passed(tokens: int, branch_at: Sequence[int]) -> int:
+    """The levels a fixed-depth tree's sample holding `tokens` response tokens has forked at
+    (its own level included, if a branch): a sample forks on drawing token d, d in `branch_at`,
+    so one carried over and continued goes on from the next depth."""
+    return bisect.bisect_right(sorted(branch_at), tokens)
 
 
 def level_branches(sample: int, level: int, levels: int, branches: int) -> list[int]:

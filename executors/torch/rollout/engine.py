@@ -17,7 +17,7 @@ from executors.optable import Deferred
 from executors.torch.device import to_device
 from executors.torch.models.built import evaluating, right_padded
 from executors.torch.rollout import lm
-from executors.torch.rollout.branching import level_branches, root_sample
+from executors.torch.rollout.branching import level_branches, levels_passed, root_sample
 from executors.torch.rollout.sampling import sample_tokens, sequence_seed
 from executors.torch.rollout.trajectories import Trajectories
 from executors.torch.rollout.turns import Agent, EnvCalls, Episode
@@ -104,6 +104,11 @@ class Sampling:
 
     def seed_of(self, prompt_id: int, sample: int) -> int:
         return sequence_seed(self.seed, prompt_id, sample, step=self.step)
+
+    @property
+    def branching_by_depth(self) -> bool:
+        """Tree rollouts that fork at the fixed depths of branch_at."""
+        return self.branches > 1 and bool(self.branch_at) and self.branch_entropy is None
 
     def root_of(self, root: int) -> int:
         """The sample index of a prompt's root sample `root` [Note: tree rollouts]."""
@@ -235,7 +240,8 @@ class Engine(Trajectories):
                         request.sampling.seed_of(rollout.prompt_id, rollout.sample),
                         tokens=list(rollout.response_tokens), logprobs=list(rollout.logprobs),
                         versions=versions, carried=len(rollout.response_tokens),
-                        branch_of=rollout.branch_of, shared_tokens=rollout.shared_tokens)
+                        branch_of=rollout.branch_of, shared_tokens=rollout.shared_tokens,
+                        forks=_forks_of(request.sampling, len(rollout.response_tokens)))
 
     def _sequence(self, *args: Any, **fields: Any) -> Sequence:
         return Sequence(*args, **fields)
@@ -588,6 +594,12 @@ class _Copy:
     donor: Sequence
     takers: list[Sequence]
     length: int
+
+
+def _forks_of(st: Sampling, tokens: int) -> int:
+    """A continued sample's levels forked at: a fixed-depth tree's are those at or below its
+    tokens [Note: tree rollouts in branching.py]; an entropy tree is never carried over."""
+    return levels_passed(tokens, st.branch_at) if st.branching_by_depth else 0
 
 
 def _positions_needed(seq: Sequence) -> int:

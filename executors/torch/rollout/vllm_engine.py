@@ -19,7 +19,7 @@ from executors.optable import Deferred, OpContext
 from executors.torch.errors import StageError
 from executors.torch.lora import adapted_layers
 from executors.torch.rollout import lm
-from executors.torch.rollout.branching import level_branches
+from executors.torch.rollout.branching import level_branches, levels_passed
 from executors.torch.rollout.engine import (
     NO_VERSION,
     Request,
@@ -250,7 +250,9 @@ class VLLMEngine(Trajectories):
                         st.seed_of(rollout.prompt_id, rollout.sample),
                         tokens=list(rollout.response_tokens), logprobs=list(rollout.logprobs),
                         versions=versions, carried=done,
-                        limit=self._limit(len(prompt.tokens), st.max_new_tokens))]
+                        limit=self._limit(len(prompt.tokens), st.max_new_tokens),
+                        branch_of=rollout.branch_of, shared_tokens=rollout.shared_tokens,
+                        forks=levels_passed(done, st.branch_at) if st.branching_by_depth else 0)]
 
     def _limit(self, prompt_length: int, max_new_tokens: int) -> int:
         if self.context is None:

@@ -40,6 +40,13 @@ adaptive_partial = grpo_flow(prompts=4, n=4, stages=2, microbatches=2, schedule=
 tree = grpo_flow(prompts=4, n=1, stages=2, microbatches=2, schedule="1f1b", max_new_tokens=6,
                  kl_coef=0.001, lr=1e-2, gpt=TINY_GPT, prompt_source=sort_prompts,
                  reward=sort_reward, source_config={"digits": 3}, branch_at=(2, 4), branches=2)
+# `:tree_partial`: the trees with partial rollouts (--async): 6 prompts start, 4 trees train a
+# step, the rest carried over and grown on in the next; a stale one dropped whole
+tree_partial = grpo_flow(prompts=4, n=1, stages=2, microbatches=2, schedule="1f1b",
+                         max_new_tokens=6, kl_coef=0.001, lr=1e-2, gpt=TINY_GPT,
+                         prompt_source=sort_prompts, reward=sort_reward,
+                         source_config={"digits": 3}, branch_at=(2, 4), branches=2,
+                         oversample=1.5, stale_segments="drop")
 # `:tree_entropy` forks where the model is unsure [Note: entropy branching in
 # executors/torch/rollout/branching.py]; at 0 nats every token is, and it grows `:tree`'s trees
 tree_entropy = grpo_flow(prompts=4, n=1, stages=2, microbatches=2, schedule="1f1b",
