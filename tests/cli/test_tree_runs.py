@@ -67,9 +67,10 @@ def test_asynchronous_trees_keep_the_bound_and_resume_the_open_steps_leaves(tmp_
 
 
 def test_partial_rollouts_carry_trees_over_and_grow_them_on(tmp_path):
-    """oversample 1.5 with --async: the trees a step does not take are cut and carried, then
-    grow on in the next step from where they stood (a continued sample forks at the depths
-    past its tokens); every sample started or grown trains once, is dropped or is carried."""
+    """oversample 1.5 with --async: the trees a step does not take are carried over (cut, if
+    unfinished) and go on in the next step, or drop whole when stale; every sample started or
+    grown trains once, is dropped or is carried. A cut tree growing on into the uninterrupted
+    one: tests/torch/test_tree_rollouts.py."""
     lines = metrics_lines(_run(tmp_path, f"{GRPO}:tree_partial", "partial", "--steps", "6",
                                "--async", "--max-staleness", "1"))
     assert len(lines) == 6
