@@ -296,8 +296,7 @@ class PartialCalls:
 
     def metrics(self, timeout: float) -> dict[str, float]:
         cut = [f.result(timeout=timeout) for f in self.aborts]
-        n = self.setting.n
-        passed = self.passed
+        n, passed = self.setting.n, self.passed
         return {f"{self.name}/taken_groups": self.taken,
                 "rollout/carried_over": sum(c.samples(n) for c in self.outgoing),
                 "rollout/started": self.started,

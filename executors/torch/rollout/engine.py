@@ -105,10 +105,20 @@ class Sampling:
     def seed_of(self, prompt_id: int, sample: int) -> int:
         return sequence_seed(self.seed, prompt_id, sample, step=self.step)
 
-    @property
-    def branching_by_depth(self) -> bool:
-        """Tree rollouts that fork at the fixed depths of branch_at."""
-        return self.branches > 1 and bool(self.branch_at) and self.branch_entropy is None
+    def next_fork_depth(self, forks: int) -> int | None:
+        """The response depth at which a fixed-depth tree's sample that has forked at `forks`
+        levels forks next; None: it forks no more, or the tree branches by entropy."""
+        if self.branches < 2 or self.branch_entropy is not None or forks >= len(self.branch_at):
+            return None
+        return self.branch_at[forks]
+
+    def continued_forks(self, tokens: int) -> int:
+        """The levels a continued sample holding `tokens` response tokens has forked at: a
+        fixed-depth tree's, those at or below its tokens [Note: tree rollouts in
+        branching.py]; an entropy tree is never carried over."""
+        if self.branches < 2 or self.branch_entropy is not None:
+            return 0
+        return levels_passed(tokens, self.branch_at)
 
     def root_of(self, root: int) -> int:
         """The sample index of a prompt's root sample `root` [Note: tree rollouts]."""
@@ -241,7 +251,7 @@ class Engine(Trajectories):
                         tokens=list(rollout.response_tokens), logprobs=list(rollout.logprobs),
                         versions=versions, carried=len(rollout.response_tokens),
                         branch_of=rollout.branch_of, shared_tokens=rollout.shared_tokens,
-                        forks=_forks_of(request.sampling, len(rollout.response_tokens)))
+                        forks=request.sampling.continued_forks(len(rollout.response_tokens)))
 
     def _sequence(self, *args: Any, **fields: Any) -> Sequence:
         return Sequence(*args, **fields)
@@ -594,12 +604,6 @@ class _Copy:
     donor: Sequence
     takers: list[Sequence]
     length: int
-
-
-def _forks_of(st: Sampling, tokens: int) -> int:
-    """A continued sample's levels forked at: a fixed-depth tree's are those at or below its
-    tokens [Note: tree rollouts in branching.py]; an entropy tree is never carried over."""
-    return levels_passed(tokens, st.branch_at) if st.branching_by_depth else 0
 
 
 def _positions_needed(seq: Sequence) -> int:

@@ -19,7 +19,7 @@ from executors.optable import Deferred, OpContext
 from executors.torch.errors import StageError
 from executors.torch.lora import adapted_layers
 from executors.torch.rollout import lm
-from executors.torch.rollout.branching import level_branches, levels_passed
+from executors.torch.rollout.branching import level_branches
 from executors.torch.rollout.engine import (
     NO_VERSION,
     Request,
@@ -252,7 +252,7 @@ class VLLMEngine(Trajectories):
                         versions=versions, carried=done,
                         limit=self._limit(len(prompt.tokens), st.max_new_tokens),
                         branch_of=rollout.branch_of, shared_tokens=rollout.shared_tokens,
-                        forks=levels_passed(done, st.branch_at) if st.branching_by_depth else 0)]
+                        forks=st.continued_forks(done))]
 
     def _limit(self, prompt_length: int, max_new_tokens: int) -> int:
         if self.context is None:
@@ -475,10 +475,7 @@ class VLLMEngine(Trajectories):
 def _next_fork(sample: _Sample) -> int | None:
     """The response depth at which a tree's sample forks next; None: it forks no more (or
     branches by entropy, which vLLM cannot: refused before it gets here)."""
-    st = sample.request.sampling
-    if st.branches < 2 or st.branch_entropy is not None or sample.forks >= len(st.branch_at):
-        return None
-    return st.branch_at[sample.forks]
+    return sample.request.sampling.next_fork_depth(sample.forks)
 
 
 # -- weights ----------------------------------------------------------------------------------
