@@ -272,8 +272,12 @@ def _check_output(ctx: click.Context, param: click.Parameter, value: Path | None
 @click.option("--allreduce", type=_FiniteFloat(min=0, min_open=True), default=None,
               metavar="TIME",
               help="Data parallel: the all-reduce of one device share's gradients over the "
-              "replicas, in cost units; shows where each device's runs after its last op and "
-              "what of it the schedule hides.")
+              "replicas, in cost units; shows where each device's runs, started after its "
+              "last op or bucket by bucket inside each stage's last W (as the torch "
+              "executors run it), and what of it the schedule hides.")
+@click.option("--buckets", type=click.IntRange(min=1), default=4, show_default=True,
+              help="With --allreduce: the buckets a stage's gradients are reduced in (the "
+              "runtime's: the stage's gradient bytes / 25 MiB).")
 @click.option("--offload", type=click.Choice(["none", "half", "all", "auto"]), default="none",
               show_default=True,
               help="Offload stashed activations to host memory between F and B (PipeOffload): "
@@ -302,8 +306,8 @@ def _check_output(ctx: click.Context, param: click.Parameter, value: Path | None
               show_default=True,
               help="Seconds one cost unit takes on the simulator executors (with --execute).")
 def schedule(kind, devices, microbatches, cost_text, comm, memory_limit, mem_text, dims_text,
-             chunks, json_out, plot, allreduce, offload, copy_time, fuse_kind, show_bubbles,
-             fill_units, execute, unit_s) -> None:
+             chunks, json_out, plot, allreduce, buckets, offload, copy_time, fuse_kind,
+             show_bubbles, fill_units, execute, unit_s) -> None:
     """Build, validate and simulate a pipeline schedule (or `compare` all kinds)."""
     if mem_text is not None and dims_text is not None:
         raise click.UsageError("give --mem or --model-dims, not both")
@@ -339,7 +343,7 @@ def schedule(kind, devices, microbatches, cost_text, comm, memory_limit, mem_tex
     if fuse_kind is not None:
         _fused(console, sched, stage_costs, fuse_kind, build_kwargs)
     if allreduce:
-        _reductions(console, sched, stage_costs, allreduce)
+        _reductions(console, sched, stage_costs, allreduce, buckets)
     if execute:
         _execute(console, sched, stage_costs, unit_s)
 
@@ -452,26 +456,33 @@ def _offload_table(sched: Schedule, result: SimResult, plain: Schedule, stage_co
     return table
 
 
-def _reductions(console: Console, sched: Schedule, stage_costs: Costs, allreduce: float) -> None:
-    """Each device's all-reduce after its last op (flowkit/planner/replicas.py)."""
+def _reductions(console: Console, sched: Schedule, stage_costs: Costs, allreduce: float,
+                buckets: int) -> None:
+    """Each stage's all-reduce started after its device's last op, and bucket by bucket inside
+    the stage's last W or BW (flowkit/planner/replicas.py; the torch executors run the latter
+    [Note: all-reduce in the last W in executors/torch/train/replicas.py])."""
     from flowkit.planner.replicas import simulate_replicas
 
     placement = sched.placement
     per_stage = [allreduce / len(placement.stages_on(placement.device_of(s)))
                  for s in range(placement.num_stages)]
-    result = simulate_replicas(sched, stage_costs, per_stage)
-    table = Table(title=f"all-reduce over the replicas: {allreduce:g} a device share",
-                  title_justify="left")
-    for column in ("stage", "device", "gradients final", "reduced", "past the makespan"):
+    after = simulate_replicas(sched, stage_costs, per_stage)
+    inside = simulate_replicas(sched, stage_costs, per_stage, overlap=True, buckets=buckets)
+    table = Table(title=f"all-reduce over the replicas: {allreduce:g} a device share, "
+                  f"{buckets} bucket(s) a stage", title_justify="left")
+    for column in ("stage", "device", "gradients final", "after the last op",
+                   "inside the last W", "past the makespan"):
         table.add_column(column, justify="right")
-    end = result.first + result.pipeline.makespan
-    for r in result.reductions:
-        table.add_row(str(r.stage), str(r.device), f"{r.ready:.6g}",
-                      f"{r.start:.6g} - {r.end:.6g}", f"{max(0.0, r.end - end):.6g}")
+    end = inside.first + inside.pipeline.makespan
+    for a, i in zip(after.reductions, inside.reductions, strict=True):
+        table.add_row(str(a.stage), str(a.device), f"{i.ready:.6g}",
+                      f"{a.start:.6g} - {a.end:.6g}", f"{i.start:.6g} - {i.end:.6g}",
+                      f"{max(0.0, a.end - end):.6g} / {max(0.0, i.end - end):.6g}")
     console.print(table)
-    console.print(f"step {result.step:.6g} = makespan {result.pipeline.makespan:.6g} + "
-                  f"{result.exposed:.6g} shown; {result.hidden:.1%} of the all-reduce time "
-                  "hidden behind other devices' ops")
+    for name, result in (("after the last op", after), ("inside the last W", inside)):
+        console.print(f"{name}: step {result.step:.6g} = makespan "
+                      f"{result.pipeline.makespan:.6g} + {result.exposed:.6g} shown; "
+                      f"{result.hidden:.1%} of the all-reduce time hidden behind other ops")
 
 
 def _execute(console: Console, sched: Schedule, stage_costs: Costs, unit_s: float) -> None:

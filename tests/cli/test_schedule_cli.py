@@ -251,12 +251,26 @@ def test_the_help_lists_the_schedule_kinds():
 
 
 def test_allreduce_shows_where_each_devices_reduction_runs():
-    """1F1B on 4 devices: the last three devices' all-reduces end before the first device's
-    last op, the first device's shows whole."""
+    """1F1B on 4 devices: after the last op, the last three devices' all-reduces end before the
+    first device's last op and the first device's shows whole; in 4 buckets inside the last W,
+    the first device's shows its last bucket only (its W takes 2: a bucket is ready every 0.5,
+    each reduces in 0.5)."""
     result = _run("1f1b", "-p", "4", "-m", "8", "--allreduce", "2")
     assert result.exit_code == 0, result.output
-    assert "all-reduce over the replicas" in result.output
-    assert "step 35 = makespan 33 + 2 shown; 75.0% of the all-reduce time hidden" in result.output
+    assert "4 bucket(s) a stage" in result.output
+    text = " ".join(result.output.split())
+    assert "after the last op: step 35 = makespan 33 + 2 shown; 75.0% of the all-reduce" in text
+    assert "inside the last W: step 33.5 = makespan 33 + 0.5 shown; 93.8% of the" in text
+
+
+def test_allreduce_on_a_v_schedule_reduces_both_stages_of_a_device():
+    """ZB-V holds two stages a device: each gets half the device's share, and a device's
+    buckets share one stream; one bucket a stage starts each at its W's end."""
+    result = _run("zb-v", "-p", "2", "-m", "4", "--allreduce", "2", "--buckets", "1")
+    assert result.exit_code == 0, result.output
+    rows = [line.split("│")[1:3] for line in result.output.splitlines()
+            if line.startswith("│") and "-" in line.split("│")[4]]
+    assert sorted((int(s), int(d)) for s, d in rows) == [(0, 0), (1, 1), (2, 1), (3, 0)]
 
 
 def test_allreduce_needs_one_kind():
