@@ -29,8 +29,9 @@ from flowkit.runtime.controller import Controller
 from flowkit.runtime.futures import Future
 from flowkit.runtime.registry import ExecutorInfo
 
-__all__ = ["ReplicatedSchedule", "Replicas", "last_actions", "reduce_orders", "replica_counts",
-           "replica_lane", "setup_replica_groups", "state_sources"]
+__all__ = ["ReplicatedSchedule", "Replicas", "agreed_devices", "finish_order", "last_actions",
+           "reduce_orders", "replica_counts", "replica_lane", "setup_replica_groups",
+           "state_sources"]
 
 _GROUP_IDS = itertools.count()
 _WEIGHTS = (Kind.W, Kind.BW)  # the ops that make a stage's weight gradients final
@@ -81,6 +82,26 @@ def last_actions(schedule: Schedule) -> dict[int, Action]:
         for action in ops:
             last[action.stage] = action
     return last
+
+
+def finish_order(schedule: Schedule, device: int) -> tuple[int, ...]:
+    """The stages `device` holds, in the order of their last actions in the schedule."""
+    ops = schedule.device_ops[device]
+    return tuple(reversed(dict.fromkeys(a.stage for a in reversed(ops))))
+
+
+def agreed_devices(schedules: Sequence[Schedule]) -> set[int]:
+    """The devices whose stages every replica that runs on them finishes in one order (always
+    where a device holds one stage): there the stages' last W can start their all-reduces over
+    the device's one replica group, every replica starting the same collectives in the same
+    order, and `reduce_grads` in that order on a replica with no microbatch (the optimizer
+    step submits them so: flowkit/runner/training_tasks.py)."""
+    found: dict[int, set[tuple[int, ...]]] = {}
+    for schedule in schedules:
+        for device, ops in enumerate(schedule.device_ops):
+            if ops:
+                found.setdefault(device, set()).add(finish_order(schedule, device))
+    return {device for device, orders in found.items() if len(orders) == 1}
 
 
 def reduce_orders(schedules: Sequence[Schedule]) -> dict[int, str]:
@@ -193,17 +214,19 @@ class Replicas:
         """`config_for`, with each stage's last W (or BW) of a replica's `schedule` told to start
         the stage's all-reduce, in the order `reduce_orders` gives over every replica's
         `schedules` [Note: all-reduce in the last W in executors/torch/train/replicas.py]:
-        torch replicas, whole stages (FSDP reduce-scatters in its reduce_grads), and only where
-        a device holds one stage, whose group then sees the same collectives in the same order
-        on every replica."""
+        torch replicas, whole stages (FSDP reduce-scatters in its reduce_grads), and only on
+        the devices whose stages every replica finishes in one order (`agreed_devices`), whose
+        group then sees the same collectives in the same order on every replica."""
         groups, placement = self.groups, schedule.placement
-        if not groups or self.model.shard == "fsdp" or placement.num_devices != \
-                schedule.num_stages:
+        if not groups or self.model.shard == "fsdp":
             return config_for
-        orders = reduce_orders(schedules)
+        orders, agreed = reduce_orders(schedules), agreed_devices(schedules)
         last = {action: {"reduce_group": groups[placement.device_of(stage)],
                          "reduce_order": orders[stage]}
-                for stage, action in last_actions(schedule).items() if action.kind in _WEIGHTS}
+                for stage, action in last_actions(schedule).items()
+                if action.kind in _WEIGHTS and placement.device_of(stage) in agreed}
+        if not last:
+            return config_for
 
         def config(action: Action) -> dict:
             found = last.get(action)

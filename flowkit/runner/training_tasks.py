@@ -120,8 +120,11 @@ def submit_optimizer_step(ctl: Controller, schedule: Schedule, executors: Sequen
                           outputs=n, meta={**meta, "stage": stage, "device": device})
 
     # with replicas, each stage's gradients are summed first, in its device's lane right after
-    # the device's last action: a device that ends early reduces while the others compute
-    reduced = [submit("reduce_grads", stage, *after, **more) for stage in range(last + 1)
+    # the device's last action: a device that ends early reduces while the others compute. A
+    # device's stages in the order their last W started their buckets on every replica
+    # (agreed_devices in flowkit/runner/replicas.py), so a replica with no microbatch starts
+    # the same collectives in the same order.
+    reduced = [submit("reduce_grads", stage, *after, **more) for stage in _finish_order(schedule)
                for after, more in [reduce(stage)]] if reduce is not None else []
     first_stats, tied = submit("grad_stats", 0, n=2)
     stage_stats, summed = [first_stats], None
@@ -174,3 +177,11 @@ def submit_weight_sync(ctl: Controller, schedule: Schedule, trainers: Sequence[E
     exports = submit_exports(ctl, schedule, trainers, spec, lane=lane, meta=meta)
     return exports, [ctl.submit("load_weights", *exports, version, config=whole,
                                 executor=e.id, meta={**meta, "device": e.id}) for e in targets]
+
+
+def _finish_order(schedule: Schedule) -> list[int]:
+    """Every stage, each device's in the order of their last actions (stage order where the
+    schedule has none: no microbatch)."""
+    position = {action.stage: index for ops in schedule.device_ops
+                for index, action in enumerate(ops)}
+    return sorted(range(schedule.num_stages), key=lambda stage: position.get(stage, -1))

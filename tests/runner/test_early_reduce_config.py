@@ -1,18 +1,21 @@
 """Which ops start a stage's all-reduce [Note: all-reduce in the last W in
 executors/torch/train/replicas.py]: each stage's last W (or BW) of a replica's schedule, told
 its device's replica group and the order its buckets start in (last first after a fused BW,
-for every replica); nothing where a device holds two stages, under FSDP, or on the
-simulator."""
+for every replica); on a device holding two stages (ZB-V) only where every replica ends them in
+one order; nothing under FSDP or on the simulator."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from flowkit.dsl import Model
 from flowkit.planner import Costs
 from flowkit.planner.schedules import build_schedule
 from flowkit.planner.simcosts import SimCosts
-from flowkit.runner.replicas import Replicas, last_actions, reduce_orders
+from flowkit.runner.replicas import (Replicas, agreed_devices, finish_order, last_actions,
+                                     reduce_orders)
+from flowkit.runner.training_tasks import submit_optimizer_step
 
 
 def _replicas(devices: int, *, groups, shard=None) -> Replicas:
@@ -48,7 +51,6 @@ def test_only_each_stages_last_w_or_bw_is_told_its_group(kind, microbatches):
 
 
 @pytest.mark.parametrize("groups, kind, shard", [
-    (["g0", "g1"], "zb-v", None),  # two stages a device: their order may differ by replica
     (["g0", "g1"], "1f1b", "fsdp"),  # FSDP reduce-scatters in its reduce_grads
     ([], "1f1b", None),  # the simulator: no groups, the all-reduce is modelled
 ])
@@ -71,3 +73,58 @@ def test_one_order_a_stage_for_every_replica():
     assert reduce_orders([fused, split]) == {0: "forward", 1: "forward"}
     config_for = _replicas(2, groups=["g0", "g1"]).early_reduce(fused, lambda a: {}, [fused, split])
     assert {config_for(a)["reduce_order"] for a in last_actions(fused).values()} == {"forward"}
+
+
+@pytest.mark.parametrize("microbatches", [(4, 4), (3, 2), (1, 1)])
+def test_a_v_schedules_two_stages_a_device_start_their_all_reduce_over_its_group(microbatches):
+    """ZB-V ends the later stage of each device first, at every microbatch count: both stages'
+    last W start their buckets over the device's one group, in that order on every replica."""
+    schedules = [_schedule("zb-v", 2, m) for m in microbatches]
+    assert [finish_order(schedules[0], d) for d in range(2)] == [(3, 0), (2, 1)]
+    assert agreed_devices(schedules) == {0, 1}
+    config_for = _replicas(2, groups=["g0", "g1"]).early_reduce(schedules[1], lambda a: {},
+                                                                schedules)
+    told = {a.stage: config_for(a)["reduce_group"] for a in last_actions(schedules[1]).values()}
+    assert told == {0: "g0", 3: "g0", 1: "g1", 2: "g1"}
+
+
+def _first_finisher_last(schedule, device: int):
+    """`schedule` with the last action of the device's first-finished stage moved to its end."""
+    ops = list(schedule.device_ops)
+    moved = last_actions(schedule)[finish_order(schedule, device)[0]]
+    ops[device] = (*[a for a in ops[device] if a != moved], moved)
+    return attrs.evolve(schedule, device_ops=tuple(ops))
+
+
+def test_a_device_whose_stages_replicas_end_in_other_orders_reduces_in_reduce_grads():
+    plain = _schedule("zb-v", 2)
+    swapped = _first_finisher_last(plain, 0)
+    assert finish_order(swapped, 0) == (0, 3) and finish_order(plain, 0) == (3, 0)
+    assert agreed_devices([plain, swapped]) == {1}
+    config_for = _replicas(2, groups=["g0", "g1"]).early_reduce(plain, lambda a: {},
+                                                                [plain, swapped])
+    told = {a.stage for a in last_actions(plain).values() if "reduce_group" in config_for(a)}
+    assert told == {1, 2}
+
+
+class _Recorder:
+    def __init__(self):
+        self.ops = []
+
+    def submit(self, op, *inputs, config, executor, **_):
+        self.ops.append((op, config["stage"], executor))
+        return object() if op != "grad_stats" else (object(), object())
+
+
+@pytest.mark.parametrize("kind, order", [("zb-v", [(3, "e0"), (0, "e0")]),
+                                         ("1f1b", [(0, "e0")])])
+def test_reduce_grads_follow_each_devices_finish_order(kind, order):
+    """A replica with no microbatch starts a device's collectives in reduce_grads: in the
+    order the other replicas' last W's started them."""
+    schedule = _schedule(kind, 2)
+    recorder = _Recorder()
+    executors = [attrs.make_class("E", ["id"])(f"e{d}") for d in range(2)]
+    submit_optimizer_step(recorder, schedule, executors, {}, [], {}, lane="m", meta={},
+                          outputs=1, reduce=lambda stage: ([], {}))
+    reduces = [(stage, e) for op, stage, e in recorder.ops if op == "reduce_grads"]
+    assert [r for r in reduces if r[1] == "e0"] == order

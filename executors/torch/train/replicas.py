@@ -135,9 +135,10 @@ class BucketsInFlight:
     bit); `finish` starts the rest as the op ends. `reverse`: the last bucket first, for a fused
     BW, whose backward pass makes the last layers' gradients first (the runner picks one order
     per stage for every replica). The stage's `reduce_grads` then only waits and copies back.
-    Only a device that holds one stage does this (flowkit/runner/replicas.py,
-    `Replicas.early_reduce`): with two, replicas of uneven microbatch counts could end their
-    stages' W in other orders. The planner's model: [Note: overlapped all-reduce]."""
+    A device holding two stages (ZB-V) does this only where every replica ends them in one
+    order, and its reduce_grads follow that order (flowkit/runner/replicas.py,
+    `agreed_devices`): they share one replica group. The planner's model: [Note: overlapped
+    all-reduce]."""
 
     def __init__(self, group: Any, params: list[torch.Tensor],
                  bucket_bytes: int = BUCKET_BYTES, *, reverse: bool = False) -> None:
