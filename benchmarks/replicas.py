@@ -186,11 +186,12 @@ def _planner_grid() -> dict:
 
 def run_overlap_bench(*, replicas: int = 8, devices: int = 4) -> dict:
     """The planner alone, in a second: the share of the all-reduce hidden and the step of the
-    1B model at D = `replicas`, P = `devices` under 1f1b and zb-h1 at each link speed, reduced
-    after the device's last action against overlapped with its last W, bucket by bucket."""
+    1B model at D = `replicas`, P = `devices` under 1f1b, zb-h1 and zb-v (two stages a
+    device) at each link speed, reduced after the device's last action against overlapped with
+    each stage's last W, bucket by bucket."""
     out: dict[str, Any] = _planner_setup()
     out.update(replicas=replicas, devices=devices)
-    for kind in ("1f1b", "zb-h1"):
+    for kind in ("1f1b", "zb-h1", "zb-v"):
         for gbps in GBPS:
             out[f"{kind} {gbps:g}Gb/s"] = _planner_row(kind, devices, gbps, replicas)
     return out
@@ -222,11 +223,13 @@ def _planner_row(kind: str, devices: int, gbps: float, count: int) -> dict:
     costs = Costs.uniform(devices, F=share, B=share, W=share)
     schedule = build_schedule(kind, devices=devices, microbatches=32, costs=costs)
     stage_costs = costs.for_placement(schedule.placement)
-    seconds = SimCosts(grad_bytes=4 * PARAMS, allreduce_gbps=gbps).allreduce_s(count, devices)
+    chunks = schedule.num_stages // devices  # a device's share split over its stages
+    seconds = SimCosts(grad_bytes=4 * PARAMS, allreduce_gbps=gbps).allreduce_s(count, devices) \
+        / chunks
     base = simulate_replicas(schedule, stage_costs, 0.0).step
     after = simulate_replicas(schedule, stage_costs, seconds)
     overlapped = simulate_replicas(schedule, stage_costs, seconds, overlap=True,
-                                   buckets=buckets_for(4 * PARAMS / devices))
+                                   buckets=buckets_for(4 * PARAMS / devices / chunks))
     return {"step_s": after.step, "allreduce_s": after.allreduce, "hidden": after.hidden,
             "scaling_efficiency": base / after.step, "step_s_overlapped": overlapped.step,
             "hidden_overlapped": overlapped.hidden,
