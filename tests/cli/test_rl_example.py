@@ -48,7 +48,9 @@ def test_rl_on_digit_sorting_raises_the_mean_reward(warmed_up, example):
         assert [line["step"] for line in evals] == [4, 9, 14, 19, 24, 29]
         assert all(line["eval/prompts"] == 64 for line in evals)
         passed = [line["eval/pass@1"] for line in evals]
-        assert passed[0] < 0.5 and passed[-1] > 0.8, passed
+        # greedy decoding passes more than sampling does: after step 4 it has read 0.3-0.61
+        # (a run's microbatches form in arrival order, so runs differ in their float sums)
+        assert passed[-1] > 0.8 and passed[-1] - passed[0] >= 0.2, passed
 
 
 def test_reinforce_pp_runs_on_torch_and_reports_rewards(warmed_up):
