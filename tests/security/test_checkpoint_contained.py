@@ -49,7 +49,7 @@ def _resume(flow: str, kind: str, root: Path) -> tuple[int, str, float, str]:
     process = subprocess.run(
         [sys.executable, "-m", "flowkit", "run", flow, "--no-dashboard", "--executors", kind,
          "--steps", "2", "--resume", str(root)], cwd=ROOT, capture_output=True, text=True,
-        timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        timeout=120)
     seconds = time.monotonic() - start
     errors = [line for line in process.stdout.splitlines() + process.stderr.splitlines()
               if line.startswith("Error:")]
