@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import zmq
 
 from executors.optable import OpContext
@@ -115,6 +117,16 @@ def pooled_run(pool: ExecutorPool, flow: Any, config: Any, **options: Any) -> An
         for _ in run.steps():
             pass
     return run.result
+
+
+def requires(package: str, extra: str) -> None:
+    """At a test module's top: skip the module where `package` is missing, as
+    pytest.importorskip does, but without importing it. Every xdist worker imports every test
+    module to collect it (transformers' top level took 2.5 s, peft 6 s, of each worker), so a
+    heavy package is imported by the tests that use it, in the worker that runs them."""
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"the {extra} extra: pip install 'flowkit[{extra}]'",
+                    allow_module_level=True)
 
 
 class _DispatcherOwner:

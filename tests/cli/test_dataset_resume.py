@@ -9,7 +9,9 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("transformers", reason="the hf extra: pip install 'flowkit[hf]'")
+from tests.harness import requires
+
+requires("transformers", "hf")
 
 from tests.cli.runs import metrics_lines, run_ok  # noqa: E402
 from tests.hf_folders import save_tokenizer  # noqa: E402

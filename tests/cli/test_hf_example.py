@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers", reason="the hf extra: pip install 'flowkit[hf]'")
+from tests.harness import requires
+
+requires("transformers", "hf")
 
 from tests.cli.runs import run_ok_in  # noqa: E402
 

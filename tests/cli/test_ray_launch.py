@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 
 from flowkit.cli._flows import load_checked_flow
@@ -36,7 +35,10 @@ STEPS = "8"  # pretraining: enough steps (~0.1 s each) for a kill to land while 
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_head():
-    """A local Ray head on loopback for the module; launchers use it as it is."""
+    """A local Ray head on loopback for the module; launchers use it as it is. Ray is imported
+    here, not to collect the module (tests.harness.installed says why)."""
+    import ray
+
     ray.init(num_cpus=2, object_store_memory=100 * 2**20, include_dashboard=False,
              _node_ip_address="127.0.0.1", logging_level="WARNING")
     yield
@@ -112,6 +114,8 @@ def test_a_killed_actor_fails_the_step_long_before_the_ping_timeout_naming_it_an
         killed: dict[str, float] = {}
 
         def kill() -> None:
+            import ray
+
             time.sleep(0.6)
             killed["at"] = time.monotonic()
             ray.kill(launcher.actors["exec-1"])
@@ -232,7 +236,9 @@ def test_gpu_bundles_on_a_cluster_without_gpus_are_an_error_after_the_timeout_no
             launcher.start()
     assert time.monotonic() - started < 10
     assert "2 x {'GPU': 1.0}" in str(failure.value) and "the cluster has" in str(failure.value)
-    states = {g["state"] for g in ray.util.placement_group_table().values()}
+    from ray.util import placement_group_table
+
+    states = {g["state"] for g in placement_group_table().values()}
     assert states <= {"REMOVED"}, states  # the pending group was removed, like every other
 
 

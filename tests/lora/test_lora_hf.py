@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'flowkit[hf]'")
-peft = pytest.importorskip("peft", reason="the hf extra: pip install 'flowkit[hf]'")
+from tests.harness import requires
+
+requires("transformers", "hf")
 
 from dataflows.pretrain import pretrain_flow  # noqa: E402
 from executors.torch.models.hf import HFCausalLM  # noqa: E402
@@ -61,6 +62,8 @@ def _train_plain_peft(config: dict, dtype=torch.float64):
     holders seed their adapters, the same batches, accumulation, clipping and AdamW."""
     lm = _base(config, dtype)
     torch.manual_seed(SEED)
+    import peft
+
     wrapped = peft.get_peft_model(lm, peft.LoraConfig(
         r=LORA["r"], lora_alpha=LORA["alpha"], target_modules=LORA["target_modules"]))
 
@@ -92,7 +95,9 @@ def test_pipeline_lora_equals_a_plain_peft_loop_and_saves_a_peft_adapter(
     folder = tmp_path / name
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {
         p.name for p in folder.iterdir()}
-    loaded = peft.PeftModel.from_pretrained(_base(config), folder)
+    from peft import PeftModel
+
+    loaded = PeftModel.from_pretrained(_base(config), folder)
     idx = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (loaded(input_ids=idx).logits - wrapped(input_ids=idx).logits).abs().max().item()
@@ -103,8 +108,10 @@ def test_pipeline_lora_equals_a_plain_peft_loop_and_saves_a_peft_adapter(
 
 
 def test_a_merged_save_loads_with_from_pretrained_alone(torch_cluster, tmp_path):
+    from transformers import AutoModelForCausalLM
+
     _train_on_executors(torch_cluster, LLAMA, "1f1b", "merged", tmp_path, save="merged")
-    merged = transformers.AutoModelForCausalLM.from_pretrained(
+    merged = AutoModelForCausalLM.from_pretrained(
         tmp_path / "merged", local_files_only=True, dtype=torch.float64)
     assert not any("lora" in n for n, _ in merged.named_parameters())
     wrapped, _ = _train_plain_peft(LLAMA)
@@ -132,5 +139,7 @@ def test_a_bfloat16_models_peft_adapters_train_in_float32_as_get_peft_models_do(
         assert value.dtype == want[n].dtype == torch.float32, n
         diff = (value - want[n]).abs().max().item()
         assert diff <= 2 * HPARAMS["lr"] * STEPS, f"{n} differs by {diff:.3g}"
-    loaded = peft.PeftModel.from_pretrained(_base(LLAMA, torch.bfloat16), tmp_path / "llama-bf16")
+    from peft import PeftModel
+
+    loaded = PeftModel.from_pretrained(_base(LLAMA, torch.bfloat16), tmp_path / "llama-bf16")
     assert {p.dtype for n, p in loaded.named_parameters() if "lora_" in n} == {torch.float32}

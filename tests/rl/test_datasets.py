@@ -10,7 +10,9 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("transformers", reason="the hf extra: pip install 'flowkit[hf]'")
+from tests.harness import requires
+
+requires("transformers", "hf")
 
 from click.testing import CliRunner  # noqa: E402
 

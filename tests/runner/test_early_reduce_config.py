@@ -13,8 +13,13 @@ from flowkit.dsl import Model
 from flowkit.planner import Costs
 from flowkit.planner.schedules import build_schedule
 from flowkit.planner.simcosts import SimCosts
-from flowkit.runner.replicas import (Replicas, agreed_devices, finish_order, last_actions,
-                                     reduce_orders)
+from flowkit.runner.replicas import (
+    Replicas,
+    agreed_devices,
+    finish_order,
+    last_actions,
+    reduce_orders,
+)
 from flowkit.runner.training_tasks import submit_optimizer_step
 
 

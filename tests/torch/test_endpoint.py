@@ -13,8 +13,10 @@ import time
 
 import pytest
 
-pytest.importorskip("transformers", reason="the hf extra: pip install 'flowkit[hf]'")
-openai = pytest.importorskip("openai", reason="the agents extra: pip install 'flowkit[agents]'")
+from tests.harness import requires
+
+requires("transformers", "hf")
+requires("openai", "agents")  # imported where used
 
 from dataflows.tools import calculator  # noqa: E402
 from executors.optable import Deferred  # noqa: E402
@@ -106,9 +108,11 @@ CUT_SEEN: list = []  # what cut_program's requests were answered with, when refu
 
 
 def cut_program(task) -> float:
+    from openai import APIStatusError
+
     try:
         return feedback_program(task)
-    except openai.APIStatusError as error:
+    except APIStatusError as error:
         CUT_SEEN.append((error.status_code, error.body.get("code")))
         raise
 

@@ -11,8 +11,10 @@ import json
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="the hf extra: pip install 'flowkit[hf]'")
-pytest.importorskip("openai", reason="the agents extra: pip install 'flowkit[agents]'")
+from tests.harness import requires
+
+requires("transformers", "hf")
+requires("openai", "agents")
 
 from dataflows.datasets import dataset_prompts  # noqa: E402
 from dataflows.grpo import grpo_flow  # noqa: E402

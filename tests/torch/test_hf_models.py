@@ -13,7 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'flowkit[hf]'")
+from tests.harness import requires
+
+requires("transformers", "hf")
 
 from dataflows.pretrain import pretrain_flow  # noqa: E402
 from executors.torch.models.hf import HFCausalLM  # noqa: E402
@@ -161,12 +163,14 @@ def test_sampled_log_probs_equal_the_recomputed_ones():
 
 # -- round trips and bad input -----------------------------------------------------------------
 def test_a_saved_model_loads_with_from_pretrained_and_gives_the_same_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
     model = _plain_model(QWEN2_TIED, torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01)  # "trained": not the weights a fresh build would give
     folder = model.save_pretrained(tmp_path / "out")
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
     idx = torch.randint(0, 256, (2, 9))
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=idx).logits, model(idx), rtol=0, atol=0)
@@ -176,9 +180,11 @@ def test_a_saved_model_loads_with_from_pretrained_and_gives_the_same_logits(tmp_
 
 
 def test_save_weights_writes_an_hf_folder_with_the_trained_weights(torch_cluster, tmp_path):
+    from transformers import AutoModelForCausalLM
+
     _, params = _train_on_executors(torch_cluster, QWEN2_TIED, "zb-h1", "float64", "saved",
                                     saved=tmp_path)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+    loaded = AutoModelForCausalLM.from_pretrained(
         tmp_path / "saved", local_files_only=True, dtype=torch.float64)
     assert (tmp_path / "saved" / "config.json").is_file()
     for name, value in loaded.named_parameters(remove_duplicate=False):
@@ -230,6 +236,8 @@ def test_a_value_head_gives_one_value_per_position_and_ties_nothing():
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_rl_steps_train_an_hf_actor_and_sync_it_to_the_generator_by_hf_names(pool, tmp_path,
                                                                             algorithm):
+    from transformers import AutoModelForCausalLM
+
     from dataflows.grpo import grpo_flow
     from dataflows.ppo import ppo_flow
     from flowkit.runner.training_tasks import model_spec
@@ -248,7 +256,7 @@ def test_rl_steps_train_an_hf_actor_and_sync_it_to_the_generator_by_hf_names(poo
         synced = ctl.submit("export_weights", config={**model_spec(actor, 1), "stage": 0},
                             executor=rollout.id).result(timeout=60)
     assert all(math.isfinite(r.metrics["update_actor/loss"]) for r in reports)
-    trained = transformers.AutoModelForCausalLM.from_pretrained(
+    trained = AutoModelForCausalLM.from_pretrained(
         saved["actor"], local_files_only=True, dtype=torch.float64)
     for name, value in trained.named_parameters():
         assert torch.equal(synced[name], value.detach()), name

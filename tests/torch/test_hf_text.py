@@ -12,8 +12,9 @@ import shutil
 
 import pytest
 
-transformers = pytest.importorskip("transformers",
-                                   reason="the hf extra: pip install 'flowkit[hf]'")
+from tests.harness import requires
+
+requires("transformers", "hf")
 import torch  # noqa: E402
 
 from dataflows.datasets import chat_sft_sequences, dataset_prompts  # noqa: E402
@@ -64,11 +65,13 @@ def _prompts(folder, questions, count=2):
 def _with_eos(base, folder, stop: int, *, in_tokenizer: bool):
     """A copy of the model folder `base` that ends responses at token `stop`: as its
     tokenizer's EOS, or (in_tokenizer=False) as a second EOS its generation_config names."""
+    from transformers import AutoTokenizer
+
     shutil.copytree(base, folder)
     generation = folder / "generation_config.json"
     config = json.loads(generation.read_text())
     if in_tokenizer:
-        tok = transformers.AutoTokenizer.from_pretrained(base)  # load_tokenizer's is shared
+        tok = AutoTokenizer.from_pretrained(base)  # load_tokenizer's is shared
         tok.eos_token = tok.convert_ids_to_tokens(stop)
         tok.save_pretrained(str(folder))
         config.pop("eos_token_id", None)
@@ -162,6 +165,8 @@ def test_a_grpo_step_on_dataset_prompts_with_a_text_reward_runs_on_executors(poo
 
 
 def test_a_supervised_warm_up_trains_an_hf_model_on_chat_sft_sequences(pool, qwen2, questions):
+    from transformers import AutoModelForCausalLM
+
     model = Model(name="policy", build="hf", config={"path": str(qwen2)}, stages=2,
                   tags=("train",))
     flow = pretrain_flow(model=model, source=chat_sft_sequences, batch_size=4, microbatches=2,
@@ -174,7 +179,7 @@ def test_a_supervised_warm_up_trains_an_hf_model_on_chat_sft_sequences(pool, qwe
     rows = torch.stack(list(chat_sft_sequences.fn(path=questions, tokenizer=str(qwen2),
                                                   seq_len=32, sequences=4)))
     targets = rows[:, 1:].clamp(min=-1)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(qwen2)
+    hf = AutoModelForCausalLM.from_pretrained(qwen2)
     with torch.no_grad():
         logits = hf(torch.where(rows < 0, ~rows, rows)[:, :-1]).logits
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),

@@ -10,7 +10,9 @@ import itertools
 
 import pytest
 
-pytest.importorskip("transformers", reason="the hf extra: pip install 'flowkit[hf]'")
+from tests.harness import requires
+
+requires("transformers", "hf")
 
 from executors.optable import Deferred  # noqa: E402
 from executors.torch.rollout import generate as gen  # noqa: E402
