@@ -60,7 +60,7 @@ class Run:
     processes' environment."""
 
     def __init__(self, log: Path, **env: str) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+        env = {**os.environ, **env}  # cwd=ROOT puts the checkout on its path (python -c)
         self.log = log
         self.process = subprocess.Popen(
             [sys.executable, "-c", _DRIVER], cwd=ROOT, env=env, text=True,
