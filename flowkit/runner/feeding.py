@@ -17,7 +17,7 @@ from flowkit.planner.simulate import dependencies
 from flowkit.runner.pipeline import PipelineRun
 from flowkit.runner.replicas import ReplicatedSchedule
 from flowkit.runner.stepstate import FlowRunError, Inputs, sorted_lineages
-from flowkit.runner.token_microbatches import TokenSlots, fill_one, spread
+from flowkit.runner.token_microbatches import TokenSlots, fill_one
 from flowkit.wire.refs import Gather
 
 __all__ = ["Feeding", "MinibatchRounds", "chunk", "form_microbatches", "inputs_made",
@@ -119,22 +119,20 @@ def _form_by_tokens(feeding: Feeding, inputs: Inputs, closed: bool) -> None:
             _feed_tokens(feeding, inputs, microbatch, chosen, tokens)
         feeding.pool = []
         return
-    while slots.left > 1 and sum(tokens[lin] for lin in pool) >= budget:
+    while slots.spare and sum(tokens[lin] for lin in pool) >= budget:
         chosen = fill_one(pool, tokens, budget)
-        _feed_tokens(feeding, inputs, slots.take(sum(tokens[lin] for lin in chosen)), chosen,
-                     tokens)
+        _feed_tokens(feeding, inputs, slots.take(sum(tokens[lin] for lin in chosen),
+                                                 keep_last=True), chosen, tokens)
         taken = set(chosen)
         pool = [lin for lin in pool if lin not in taken]
     feeding.pool = pool
 
 
 def token_bins(lineages: list, tokens: dict, slots: TokenSlots) -> list[tuple[int, list]]:
-    """(global microbatch, its lineages) of every slot left: `lineages` spread over them,
-    largest first onto the lightest, the heaviest placed first [Note: token-budget
+    """(global microbatch, its lineages) of every slot left, the heaviest first: `lineages`
+    placed to even out the replicas' tokens (TokenSlots.place) [Note: token-budget
     microbatches in token_microbatches.py]."""
-    bins = spread(lineages, tokens, slots.left)
-    bins.sort(key=lambda b: -sum(tokens[lin] for lin in b))
-    return [(slots.take(sum(tokens[lin] for lin in b)), b) for b in bins]
+    return slots.place(lineages, tokens)
 
 
 def _feed_tokens(feeding: Feeding, inputs: Inputs, microbatch: int, chosen: list,

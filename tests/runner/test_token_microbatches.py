@@ -15,7 +15,6 @@ from flowkit.runner.token_microbatches import (
     fill_one,
     first_fit_decreasing,
     planned_count,
-    spread,
 )
 
 SIZES = st.lists(st.integers(1, 300), max_size=40)
@@ -35,13 +34,40 @@ def test_bins_hold_every_item_once_within_the_budget(sizes, budget):
 
 
 @settings(max_examples=80, deadline=None)
-@given(SIZES, st.integers(1, 6))
-def test_spread_fills_exactly_the_slots_largest_first_onto_the_lightest(sizes, count):
+@given(SIZES, st.integers(1, 4), st.integers(1, 3), st.lists(st.integers(0, 900), max_size=4))
+def test_the_close_evens_out_the_replicas_totals_not_the_microbatches(sizes, replicas, each,
+                                                                      given_before):
+    """Whatever the replicas were given before, every item goes, largest first, to the replica
+    with the fewest tokens: where they started even, they end within one item (LPT's bound);
+    else the lighter ones are filled first."""
     tokens = dict(enumerate(sizes))
-    bins = spread(list(tokens), tokens, count)
-    assert len(bins) == count and sorted(i for b in bins for i in b) == list(tokens)
-    loads = [sum(tokens[i] for i in b) for b in bins]
-    assert max(loads) - min(loads) <= max(sizes, default=0)  # LPT's bound
+    slots = TokenSlots.of(replicas * each, replicas)
+    before = (given_before + [0] * replicas)[:replicas]
+    slots.tokens = list(before)
+    placed = slots.place(list(tokens), tokens)
+    assert sorted(g for g, _ in placed) == list(range(replicas * each)) and slots.left == 0
+    assert sorted(i for _, b in placed for i in b) == list(tokens)
+    loads = [sum(tokens[i] for i in b) for _, b in placed]
+    assert loads == sorted(loads, reverse=True)  # the heaviest first
+    totals = [before[r] + sum(tokens[i] for g, b in placed if g % replicas == r for i in b)
+              for r in range(replicas)]
+    assert totals == slots.tokens
+    if len(set(before)) == 1:
+        assert max(totals) - min(totals) <= max(sizes, default=0)
+    else:  # a replica given an item ends at most one item above the lightest
+        gained = [t - b for t, b in zip(totals, before)]
+        assert all(t <= min(totals) + max(sizes, default=0) for t, g in zip(totals, gained) if g)
+
+
+def test_a_streamed_microbatch_leaves_each_replica_its_last_slot_for_the_close():
+    slots = TokenSlots.of(4, 2)  # replica 0 runs 0, 2; replica 1 runs 1, 3
+    assert [slots.take(n, keep_last=True) for n in (500, 100)] == [0, 1]
+    assert not slots.spare and slots.free == [[2], [3]]
+    with pytest.raises(ValueError):
+        slots.take(1, keep_last=True)
+    tokens = {"a": 450, "b": 50}  # the close tops up the lighter replica first
+    assert dict(slots.place(list(tokens), tokens)) == {3: ["a"], 2: ["b"]}
+    assert slots.tokens == [550, 550]
 
 
 def test_one_microbatch_takes_the_largest_that_fit():
