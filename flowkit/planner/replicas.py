@@ -4,11 +4,11 @@ all-reduce falls after a replica's schedule, and what of it the schedule hides.
 The model is the runtime's [Note: replicas in flowkit/runner/replicas.py]: every replica runs
 the same schedule (the slowest, with uneven microbatch counts, is the one given); each stage's
 all-reduce is a task in its device's lane after the device's last action, so a device's
-reductions start when its last action ends and run one after the other, in stage order, each
-taking `allreduce_s` for its stage's share of the gradients. Devices that finish early reduce
-while the others still compute: in 1F1B the last device's all-reduce hides behind the first
-device's last backward passes. The optimizer step starts when the last all-reduce ends: the
-step's time is the pipeline's makespan plus what no action hid.
+reductions start when its last action ends and run one after the other, in the order it ended
+its stages, each taking `allreduce_s` for its stage's share of the gradients. Devices that
+finish early reduce while the others still compute: in 1F1B the last device's all-reduce hides
+behind the first device's last backward passes. The optimizer step starts when the last
+all-reduce ends: the step's time is the pipeline's makespan plus what no action hid.
 
 With `overlap=True` the reduction starts inside the device's last weight-gradient op of each
 stage instead [Note: overlapped all-reduce], as the torch executors run it (not under FSDP)
@@ -139,11 +139,14 @@ def _stages_on(intervals: Sequence[Interval]) -> list[int]:
 
 def _after_last_action(device: int, intervals: Sequence[Interval], seconds: list[float],
                        _counts: list[int]) -> list[Reduction]:
-    """Today's runtime: the device's lane reduces its stages in order after its last action."""
+    """The device's lane reduces its stages after its last action, in the order it ended
+    them (the runtime's reduce_grads order: flowkit/runner/training_tasks.py)."""
     clock = intervals[-1].end
     reductions = []
-    for stage in _stages_on(intervals):
-        ready = max(i.end for i in intervals if i.action.stage == stage)
+    ends = {stage: max(i.end for i in intervals if i.action.stage == stage)
+            for stage in _stages_on(intervals)}
+    for stage in sorted(ends, key=lambda s: (ends[s], s)):
+        ready = ends[stage]
         reductions.append(Reduction(stage=stage, device=device, ready=ready, start=clock,
                                     end=clock + seconds[stage]))
         clock += seconds[stage]

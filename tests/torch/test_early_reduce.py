@@ -144,3 +144,29 @@ def test_the_sums_equal_all_reduce_grads_after_a_plain_backward(gloo, kind, buck
     all_reduce_grads(gloo, trainable(later_stage), bucket_bytes=bucket_bytes, reverse=True)
     for p, q in zip(trainable(early_stage), trainable(later_stage), strict=True):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_a_later_backprop_of_the_step_makes_the_started_buckets_stale(gloo):
+    """Two backprops of one stage before its reduce_grads, only the first's W told to start
+    the all-reduce: the second's W lets those buckets go, and reduce_grads sums both
+    backprops' gradients, as with no early start."""
+    from executors.optable import OpContext
+    from executors.torch.train import pipeline_ops as po
+    from tests.harness import gpt_spec, tiny_gpt
+
+    def two_backprops(early: bool) -> list[torch.Tensor]:
+        ctx = OpContext(name="exec0", device="cpu", tags=())
+        ctx.state["replica_groups"] = {"g": gloo}
+        spec = {**gpt_spec("m", tiny_gpt(), seed=0), "stage": 0, "stages": 1}
+        tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
+        for first in (True, False):
+            stats = po._forward(ctx, tokens, microbatch=0, **spec)
+            po._backward_input(ctx, stats, microbatch=0, **spec)
+            told = {"reduce_group": "g"} if early and first else {}
+            po._backward_weight(ctx, microbatch=0, **spec, **told)
+        po._reduce_grads(ctx, replica_group="g", **spec)
+        module = po.held_stage(ctx, spec).module
+        return [p.grad.clone() for p in trainable(module)]
+
+    for got, want in zip(two_backprops(early=True), two_backprops(early=False), strict=True):
+        assert torch.equal(got, want)

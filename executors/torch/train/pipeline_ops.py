@@ -205,7 +205,11 @@ def _backward(ctx: OpContext, upstream: Any, *_: Any, stage: int, stages: int, m
 def _start_reducing(ctx: OpContext, held: HeldStage, group: str | None,
                     order: str) -> replicas.BucketsInFlight | None:
     """The buckets the stage's last W of the step starts, kept for its reduce_grads; None
-    when it is not that W, or the stage is FSDP's (which reduce-scatters instead)."""
+    when it is not that W, or the stage is FSDP's (which reduce-scatters instead). A W after
+    buckets started (a later backprop of the model in the step) makes them stale."""
+    if held.reducing is not None:
+        held.reducing[1].discard()
+        held.reducing = None
     if group is None or held.fsdp is not None:
         return None
     buckets = replicas.BucketsInFlight(replicas.replica_group(ctx, group),

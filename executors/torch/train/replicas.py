@@ -176,6 +176,14 @@ class BucketsInFlight:
             work.wait()
             _unflatten(flat, [p.grad for p in bucket])
 
+    def discard(self) -> None:
+        """Let the buckets started go, their sums unread: a later backprop of the step adds
+        to the gradients, so the stage's reduce_grads sums them anew. Every replica discards
+        the same ones (its W ops are told the same), so the group's collectives still match."""
+        for _, _, work in self.pending:
+            work.wait()
+        self.pending = []
+
     def _start(self, bucket: list[torch.Tensor]) -> None:
         for param in bucket:
             if param.grad is None:
