@@ -275,9 +275,9 @@ def _check_output(ctx: click.Context, param: click.Parameter, value: Path | None
               "replicas, in cost units; shows where each device's runs, started after its "
               "last op or bucket by bucket inside each stage's last W (as the torch "
               "executors run it), and what of it the schedule hides.")
-@click.option("--buckets", type=click.IntRange(min=1), default=4, show_default=True,
+@click.option("--buckets", type=click.IntRange(min=1), default=None,
               help="With --allreduce: the buckets a stage's gradients are reduced in (the "
-              "runtime's: the stage's gradient bytes / 25 MiB).")
+              "runtime's: the stage's gradient bytes / 25 MiB); 4 if not given.")
 @click.option("--offload", type=click.Choice(["none", "half", "all", "auto"]), default="none",
               show_default=True,
               help="Offload stashed activations to host memory between F and B (PipeOffload): "
@@ -311,6 +311,9 @@ def schedule(kind, devices, microbatches, cost_text, comm, memory_limit, mem_tex
     """Build, validate and simulate a pipeline schedule (or `compare` all kinds)."""
     if mem_text is not None and dims_text is not None:
         raise click.UsageError("give --mem or --model-dims, not both")
+    if buckets is not None and not allreduce:
+        raise click.UsageError("--buckets cuts the all-reduce of --allreduce: give --allreduce "
+                               "TIME too")
     costs = parse_costs(cost_text, devices=devices, comm=comm)
     if copy_time:
         costs = attrs.evolve(costs, copy=[copy_time] * devices)
@@ -343,7 +346,7 @@ def schedule(kind, devices, microbatches, cost_text, comm, memory_limit, mem_tex
     if fuse_kind is not None:
         _fused(console, sched, stage_costs, fuse_kind, build_kwargs)
     if allreduce:
-        _reductions(console, sched, stage_costs, allreduce, buckets)
+        _reductions(console, sched, stage_costs, allreduce, buckets or 4)
     if execute:
         _execute(console, sched, stage_costs, unit_s)
 

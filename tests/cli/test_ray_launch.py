@@ -26,7 +26,9 @@ from flowkit.runtime.launch import LaunchError
 from flowkit.runtime.raylaunch import RayExecutors, RaySettings
 from flowkit.wire.shm import leftover_segments
 from tests.cli.runs import GRPO, PRETRAIN, metrics_lines, refused, run_ok
+from tests.harness import requires
 
+requires("ray", "ray")
 pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
 
 TORCH = ("--executors", "torch")
@@ -36,7 +38,7 @@ STEPS = "8"  # pretraining: enough steps (~0.1 s each) for a kill to land while 
 @pytest.fixture(scope="module", autouse=True)
 def ray_head():
     """A local Ray head on loopback for the module; launchers use it as it is. Ray is imported
-    here, not to collect the module (tests.harness.installed says why)."""
+    here, not to collect the module (tests.harness.requires says why)."""
     import ray
 
     ray.init(num_cpus=2, object_store_memory=100 * 2**20, include_dashboard=False,

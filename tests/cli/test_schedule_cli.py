@@ -278,6 +278,12 @@ def test_allreduce_needs_one_kind():
     assert result.exit_code == 2 and "need a single KIND" in result.output
 
 
+@pytest.mark.parametrize("kind", ["1f1b", "compare"])
+def test_buckets_need_an_allreduce_to_cut(kind):
+    result = _run(kind, "-p", "2", "-m", "4", "--buckets", "2")
+    assert result.exit_code == 2 and "give --allreduce TIME too" in result.output
+
+
 def test_offload_prints_the_schedule_with_and_without(tmp_path):
     out = tmp_path / "zb-h2.json"
     result = _run("zb-h2", "-p", "4", "-m", "8", "--offload", "all", "--copy", "0.25",

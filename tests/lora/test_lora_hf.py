@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from tests.harness import requires
 
 requires("transformers", "hf")
+requires("peft", "hf")  # imported by the tests that use it
 
 from dataflows.pretrain import pretrain_flow  # noqa: E402
 from executors.torch.models.hf import HFCausalLM  # noqa: E402
