@@ -26,9 +26,10 @@ def rloo_flow(config: RLConfig, *, model: Model | None = None, gpt: dict | None 
     n = config.sampling.n
     check_tree(config)
     if config.adaptive is not None:
+        siblings = None if config.sampling.branching else "rloo_flow's leave-one-out baseline"
         check_adaptive(config.adaptive, prompts=config.prompts, n=n,
                        max_new_tokens=config.sampling.max_new_tokens,
-                       needs_siblings="rloo_flow's leave-one-out baseline")
+                       needs_siblings=siblings)  # a tree's leaves are siblings
     elif n < 2 and not config.sampling.branching:  # a tree's leaves are siblings
         raise ValueError(f"rloo_flow needs n >= 2 samples per prompt (got n={n}): a sample's "
                          "baseline is the mean reward of the others to its prompt")

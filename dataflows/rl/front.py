@@ -98,9 +98,9 @@ def check_tree(config: RLConfig) -> None:
     errors = config.sampling.branching_errors()
     if config.sampling.branching:
         others = [name for name, on in (
-            ("adaptive", getattr(config, "adaptive", None) is not None),
             ("filter_groups", getattr(config, "filter_groups", False)),
             ("an environment", config.agent.environment or config.agent.program)) if on]
+        errors += _adaptive_tree_errors(config)
         if config.oversample > 1 and not _carries_trees(config):
             errors.append("partial rollouts (oversample) carry trees over at fixed depths only "
                           "(a continued sample's level is known there), their stale groups "
@@ -119,6 +119,24 @@ def check_tree(config: RLConfig) -> None:
         errors += _tree_loss_errors(config.policy)
     if errors:
         raise ValueError(f"{len(errors)} error(s) in the sampling settings: " + "; ".join(errors))
+
+
+def _adaptive_tree_errors(config: RLConfig) -> list[str]:
+    """Adaptive sampling of trees: its n (n_min, n_max, budget) counts a prompt's roots, each
+    growing up to branches^depths leaves [Note: tree rollouts in
+    executors/torch/rollout/branching.py]."""
+    adaptive = getattr(config, "adaptive", None)
+    if adaptive is None:
+        return []
+    errors = []
+    if adaptive.token_budget is not None:
+        errors.append("adaptive token_budget costs a prompt's samples at its mean response "
+                      "length, and a tree's root generates its shared prefix once and each "
+                      "branch's rest: drop token_budget (budget, n_min and n_max count roots)")
+    if config.oversample > 1:
+        errors.append("adaptive sampling of trees with partial rollouts (oversample) is not "
+                      "built: drop oversample, adaptive or the branching")
+    return errors
 
 
 def _carries_trees(config: RLConfig) -> bool:

@@ -3,14 +3,21 @@ executors/torch/rollout/branching.py], float64 and seeded: a depth with one bran
 plain run's samples and parameters; branched leaves train, grouped by prompt, their shared
 prefixes counted once in the step's generated tokens; branching by entropy at 0 nats is the
 fixed-depth run [Note: entropy branching]; asynchronous trees keep the staleness bound and
-resume their open step's saved leaves; partial rollouts carry trees over and grow them on."""
+resume their open step's saved leaves; partial rollouts carry trees over and grow them on;
+adaptive sampling spreads a step's roots by pass rate, and at the flow's n is the fixed run."""
 
 from __future__ import annotations
 
 import pytest
 
+from flowkit.runner.checkpoints.format import complete_checkpoints
 from tests.cli.runs import GRPO, conserved, metrics_lines
-from tests.cli.test_adaptive_runs import _assert_same_curve, _assert_same_weights, _run
+from tests.cli.test_adaptive_runs import (
+    _assert_same_curve,
+    _assert_same_weights,
+    _difficulty,
+    _run,
+)
 
 pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
 
@@ -45,6 +52,35 @@ def test_branching_by_entropy_at_zero_nats_is_the_fixed_depth_run(tmp_path, tree
     uncertain = _run(tmp_path, f"{GRPO}:tree_entropy", "entropy", "--steps", "2")
     _assert_same_curve(fixed, uncertain)
     _assert_same_weights(folder / "tree", tmp_path / "entropy")
+
+
+def test_adaptive_trees_at_the_flows_n_are_its_fixed_trees(tmp_path, tree_run):
+    folder, fixed = tree_run
+    at_n = _run(tmp_path, f"{GRPO}:tree_adaptive_at_n", "at_n", "--steps", "2")
+    _assert_same_curve(fixed, at_n)
+    _assert_same_weights(folder / "tree", tmp_path / "at_n")
+
+
+def test_adaptive_trees_spread_the_roots_and_resume_with_their_history_exactly(tmp_path):
+    """8 roots a step over 4 prompts by pass rate, each growing up to 4 leaves; the pass rates
+    count leaves. Stopped after step 2 and resumed: the straight run's curve, parameters and
+    history."""
+    every = ("--checkpoint-every", "1")
+    straight = _run(tmp_path, f"{GRPO}:tree_adaptive", "straight", "--steps", "3",
+                    "--checkpoint-dir", str(tmp_path / "ck1"), *every)
+    resumed = _run(tmp_path, f"{GRPO}:tree_adaptive", "resumed", "--steps", "2",
+                   "--checkpoint-dir", str(tmp_path / "ck2"), *every)
+    _run(tmp_path, f"{GRPO}:tree_adaptive", "resumed", "--steps", "3", "--resume",
+         str(tmp_path / "ck2"), "--checkpoint-dir", str(tmp_path / "ck2"), *every)
+    _assert_same_curve(straight, resumed)
+    _assert_same_weights(tmp_path / "straight", tmp_path / "resumed")
+    lines = metrics_lines(straight)
+    assert all(line["rollout/samples"] <= 8 * 4 for line in lines)
+    assert max(line["groups/samples_max"] for line in lines) > 4  # a prompt drew 2+ roots
+    last = [complete_checkpoints(tmp_path / ck)[-1] for ck in ("ck1", "ck2")]
+    history = _difficulty(last[0])
+    assert history == _difficulty(last[1])
+    assert sum(history.samples) == sum(line["rollout/samples"] for line in lines)
 
 
 def test_asynchronous_trees_keep_the_bound_and_resume_the_open_steps_leaves(tmp_path):

@@ -122,9 +122,13 @@ def test_the_steps_generated_tokens_count_a_shared_prefix_once():
                                             "depths only"),
     (dict(max_staleness=1, oversample=2.0, stale_segments="drop", branch_entropy=0.5),
      "1 error(s) in the sampling settings: partial rollouts (oversample) carry trees over"),
-    (dict(adaptive=AdaptiveSampling()), "1 error(s) in the sampling settings: tree rollouts "
-                                        "(branch_at, branches) grow every tree of a step "
-                                        "whole, of single responses, without adaptive"),
+    (dict(adaptive=AdaptiveSampling(n_min=1, token_budget=10**6)),
+     "1 error(s) in the sampling settings: adaptive token_budget costs a prompt's samples at "
+     "its mean response length, and a tree's root generates its shared prefix once"),
+    (dict(adaptive=AdaptiveSampling(n_min=1), max_staleness=1, oversample=2.0,
+          stale_segments="drop"),
+     "1 error(s) in the sampling settings: adaptive sampling of trees with partial rollouts "
+     "(oversample) is not built"),
     (dict(policy_loss="gspo", shared_prefix="once"),
      "1 error(s) in the sampling settings: tree rollouts train a shared prefix once by weighing "
      "its tokens, and GSPO's"),
@@ -136,6 +140,13 @@ def test_bad_tree_settings_are_refused_in_one_line_when_the_flow_is_built(settin
     with pytest.raises(ValueError, match="^" + re.escape(message)) as raised:
         grpo_flow(**{**SETTINGS, **settings})
     assert "\n" not in str(raised.value)
+
+
+def test_adaptive_sampling_counts_a_trees_roots_and_rloo_takes_one_root_a_prompt():
+    """n_min=1 root: its leaves are the siblings a leave-one-out baseline needs."""
+    for make in (grpo_flow, rloo_flow):
+        flow = make(**{**SETTINGS, "adaptive": AdaptiveSampling(n_min=1, n_max=3)})
+        assert "allocate_samples" in flow.nodes
 
 
 def test_the_simulator_refuses_a_tree_rather_than_sample_plain_ones():

@@ -54,6 +54,19 @@ tree_entropy = grpo_flow(prompts=4, n=1, stages=2, microbatches=2, schedule="1f1
                          prompt_source=sort_prompts, reward=sort_reward,
                          source_config={"digits": 3}, branch_at=(2, 4), branches=2,
                          branch_entropy=0.0)
+# Adaptive sampling of trees: n counts a prompt's roots. `:tree_adaptive_at_n` gives every
+# prompt the flow's one root (`:tree`'s trees); `:tree_adaptive` spreads 8 roots a step over 4
+# prompts of a pool of 6 by pass rate, each root growing up to 4 leaves
+tree_adaptive_at_n = grpo_flow(prompts=4, n=1, stages=2, microbatches=2, schedule="1f1b",
+                               max_new_tokens=6, kl_coef=0.001, lr=1e-2, gpt=TINY_GPT,
+                               prompt_source=sort_prompts, reward=sort_reward,
+                               source_config={"digits": 3}, branch_at=(2, 4), branches=2,
+                               adaptive=AdaptiveSampling(n_min=1, n_max=1))
+tree_adaptive = grpo_flow(prompts=4, n=2, stages=2, microbatches=2, schedule="1f1b",
+                          max_new_tokens=6, kl_coef=0.001, lr=1e-2, gpt=TINY_GPT,
+                          prompt_source=sort_prompts, reward=even_token_reward,
+                          source_config={"digits": 3, "pool": 6}, branch_at=(2, 4), branches=2,
+                          adaptive=AdaptiveSampling(n_min=1, n_max=4, pass_reward=0.5))
 tree_unbranched = grpo_flow(prompts=4, n=4, stages=2, microbatches=2, schedule="1f1b",
                             max_new_tokens=6, kl_coef=0.001, lr=1e-2, gpt=TINY_GPT,
                             prompt_source=sort_prompts, reward=sort_reward,
