@@ -21,7 +21,8 @@ branching at the response depths `branch_at` into `branches`, so as many leaves 
 fixed side's n where no sample ends early; its tokens count a shared prefix once. With
 `branch_entropy`, a level forks at the first token from its depth whose distribution has that
 entropy ([Note: entropy branching] in executors/torch/rollout/branching.py): fewer leaves where
-the model is sure.
+the model is sure. With `adaptive_tree`, the tree side spreads its roots by pass rate too
+(n_min..n_max roots a prompt, `budget` roots a step, by default prompts x its roots).
 """
 
 from __future__ import annotations
@@ -56,10 +57,13 @@ class AdaptiveBench:
     branches: int = 2
     branch_entropy: float | None = None  # the tree side forks at uncertain tokens (nats)
     shared_prefix: str = "per_leaf"  # the tree side's ([Note: tree rollouts' shared prefix])
+    adaptive_tree: bool = False  # the tree side's roots by pass rate (n_min..n_max roots)
 
     @property
     def sides(self) -> tuple[str, str]:
-        return ("fixed", "tree" if self.tree else "adaptive")
+        if self.tree:
+            return ("fixed", "adaptive_tree" if self.adaptive_tree else "tree")
+        return ("fixed", "adaptive")
 
     @property
     def tree_roots(self) -> int:
@@ -110,10 +114,10 @@ def grpo_side(bench: AdaptiveBench, weights: Path, seed: int, side: str) -> Any:
     from dataflows.rl.tasks import SORT_GPT, SORT_RESPONSE_TOKENS, sort_prompts, sort_reward
 
     adaptive = AdaptiveSampling(n_min=bench.n_min, n_max=bench.n_max, budget=bench.budget) \
-        if side == "adaptive" else None
+        if side in ("adaptive", "adaptive_tree") else None
     tree = {"n": bench.tree_roots, "branch_at": bench.branch_at, "branches": bench.branches,
-            "branch_entropy": bench.branch_entropy,
-            "shared_prefix": bench.shared_prefix} if side == "tree" else {"n": bench.n}
+            "branch_entropy": bench.branch_entropy, "shared_prefix": bench.shared_prefix} \
+        if side in ("tree", "adaptive_tree") else {"n": bench.n}
     return grpo_flow(prompts=bench.prompts, **tree, stages=2, microbatches=4,
                      schedule="1f1b", max_new_tokens=SORT_RESPONSE_TOKENS, lr=3e-4,
                      kl_coef=0.001, gpt={**SORT_GPT, "checkpoint": str(weights)},
@@ -170,5 +174,6 @@ def _over_seeds(runs: list[dict]) -> dict:
 
 
 def _other_side(runs: list[dict]) -> str:
-    """The side the fixed one is compared with: adaptive sampling or tree rollouts."""
-    return "tree" if "tree" in runs[0] else "adaptive"
+    """The side the fixed one is compared with: adaptive sampling or tree rollouts (their
+    roots adaptive or not)."""
+    return next(side for side in ("adaptive_tree", "tree", "adaptive") if side in runs[0])

@@ -515,6 +515,9 @@ def _trl_table(figures: dict) -> Any:
 @click.option("--branch-entropy", type=click.FloatRange(min=0), default=None,
               help="The tree side forks at its first token from each branch depth whose "
                    "distribution has at least this entropy (nats), not at the depth itself.")
+@click.option("--adaptive", "adaptive_tree", is_flag=True,
+              help="With --tree: the tree side spreads its roots by pass rate too; --n-min, "
+                   "--n-max and --budget then count roots (e.g. --n-min 1 --n-max 4).")
 @click.option("--shared-prefix", type=click.Choice(["per_leaf", "once"]), default="per_leaf",
               show_default=True,
               help="How the tree side's leaves train the tokens they share: once in each "
@@ -522,12 +525,16 @@ def _trl_table(figures: dict) -> Any:
 @_json_option
 def adaptive(adaptive_seeds: int, warm_steps: int, token_budget: int, pool: int, n_min: int,
              n_max: int, budget: int | None, tree: bool, branch_at: str, branches: int,
-             branch_entropy: float | None, shared_prefix: str, json_out: Path | None) -> None:
+             branch_entropy: float | None, adaptive_tree: bool, shared_prefix: str,
+             json_out: Path | None) -> None:
     """Adaptive samples per prompt (or, with --tree, tree rollouts) against fixed n=8 at an
     equal budget of generated tokens: tokens to a mean reward of 0.8, and the share of
     zero-advantage groups."""
     if branch_entropy is not None and not tree:
         raise click.UsageError("--branch-entropy is for the tree side: add --tree")
+    if adaptive_tree and not tree:
+        raise click.UsageError("--adaptive spreads the tree side's roots: add --tree (without "
+                               "it the second side is adaptive sampling already)")
     try:
         depths = tuple(int(d) for d in branch_at.split(","))
     except ValueError:
@@ -539,7 +546,7 @@ def adaptive(adaptive_seeds: int, warm_steps: int, token_budget: int, pool: int,
                                  token_budget=token_budget, pool=pool, n_min=n_min,
                                  n_max=n_max, budget=budget, tree=tree, branch_at=depths,
                                  branches=branches, branch_entropy=branch_entropy,
-                                 shared_prefix=shared_prefix)
+                                 adaptive_tree=adaptive_tree, shared_prefix=shared_prefix)
     _report(module.run_adaptive_bench(setup), json_out)
 
 

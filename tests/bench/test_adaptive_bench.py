@@ -31,6 +31,7 @@ def test_both_sides_spend_the_same_token_budget_and_report_their_figures():
     (["--seeds", "0"], "--seeds"),
     (["--branch-entropy", "0.5"], "--branch-entropy is for the tree side: add --tree"),
     (["--tree", "--branch-entropy", "-1"], "--branch-entropy"),
+    (["--adaptive"], "--adaptive spreads the tree side's roots: add --tree"),
 ])
 def test_the_bench_command_refuses_a_bad_setting_before_it_starts(args, named):
     result = CliRunner().invoke(main, ["bench", "adaptive", *args])
@@ -45,5 +46,18 @@ def test_the_tree_side_spends_the_same_token_budget_counting_shared_prefixes_onc
     (run,) = figures["runs"]
     assert set(run) == {"seed", "fixed", "tree"} and bench.tree_roots == 1
     got = run["tree"]
+    assert got["tokens_curve"][-2] < 300 <= got["tokens"] and got["steps"] >= 2
+    assert figures["ratio"] == got["tokens_curve"][0] / run["fixed"]["tokens_curve"][0]
+
+
+@pytest.mark.slow
+def test_the_adaptive_tree_side_spreads_its_roots_within_the_budget():
+    bench = AdaptiveBench(seeds=1, warm_steps=2, token_budget=300, prompts=4, n=8, pool=8,
+                          target=0.0, window=1, tree=True, branch_at=(1, 2), branches=2,
+                          adaptive_tree=True, n_min=1, n_max=3)
+    figures = run_adaptive_bench(bench)
+    (run,) = figures["runs"]
+    assert set(run) == {"seed", "fixed", "adaptive_tree"} and bench.tree_roots == 2
+    got = run["adaptive_tree"]
     assert got["tokens_curve"][-2] < 300 <= got["tokens"] and got["steps"] >= 2
     assert figures["ratio"] == got["tokens_curve"][0] / run["fixed"]["tokens_curve"][0]
