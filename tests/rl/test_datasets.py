@@ -177,7 +177,7 @@ def test_a_later_epoch_serves_the_same_rows_tokenized_once(files, tokenizer_dir,
     rendered = []
     monkeypatch.setattr(datasets, "render_prompt",
                         lambda *args, **kw: rendered.append(args[1]) or render_prompt(*args, **kw))
-    datasets._sft_tokens.cache_clear()
+    datasets._kept.clear()
     config = {"path": str(files["jsonl"]), "tokenizer": tokenizer_dir, "sequences": 5,
               "seq_len": 40}
     epochs = [[t.tolist() for t in chat_sft_sequences.fn(**config, step=step)]
@@ -273,3 +273,22 @@ def test_a_prompt_shows_its_tools_as_the_template_renders_their_schemas(files, t
         dataset_prompts.check({**dataset_prompts.config, **config, "chat_template": False})
     with pytest.raises(ValueError, match="is not a function"):
         dataset_prompts.check({**dataset_prompts.config, **config, "tools": ["json:nothing"]})
+
+
+def test_a_step_longer_than_the_dataset_tokenizes_each_row_once_in_one_batch(
+        files, tokenizer_dir, monkeypatch):
+    """[Note: tokenized rows]: 25 rows of a 10-row file in one step (its epochs wrap) are the
+    rows a step of one row each gives, and each row is rendered once."""
+    import dataflows.datasets as datasets
+
+    datasets._kept.clear()
+    rendered = []
+    monkeypatch.setattr(datasets, "render_prompt",
+                        lambda *args, **kw: rendered.append(args[1]) or render_prompt(*args, **kw))
+    config = {"path": str(files["jsonl"]), "tokenizer": tokenizer_dir, "seq_len": 40}
+    whole = [t.tolist() for t in chat_sft_sequences.fn(**config, sequences=25, step=0)]
+    assert len(whole) == 25 and len(rendered) == len(ROWS)
+    datasets._kept.clear()
+    one_by_one = [t.tolist() for step in range(25)
+                  for t in chat_sft_sequences.fn(**config, sequences=1, step=step)]
+    assert whole == one_by_one
