@@ -60,12 +60,14 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
     OpSpec("B", "the gradient of the stage's output (the last stage: its own F's stats)",
            (*_PIPELINE, "out_bytes", "first"), "input gradients; stashes what W needs"),
     OpSpec("W", "the stage's B output, only to be ordered after it",
-           (*_PIPELINE, "reduce_group", "reduce_order"),
+           (*_PIPELINE, "reduce_group", "reduce_order", "shard"),
            "weight gradients from what B stashed (reduce_group: the stage's last W of the step "
            "starts its gradient all-reduce over that replica group, bucket by bucket, in "
-           "reduce_order: forward, or reverse, the last bucket first)"),
-    OpSpec("BW", "as B", (*_PIPELINE, "out_bytes", "first", "reduce_group", "reduce_order"),
-           "B and W in one op (reduce_group, reduce_order: as W's)"),
+           "reduce_order: forward, or reverse, the last bucket first; shard 'fsdp': its "
+           "reduce-scatter, once the stage is cut)"),
+    OpSpec("BW", "as B", (*_PIPELINE, "out_bytes", "first", "reduce_group", "reduce_order",
+                          "shard"),
+           "B and W in one op (reduce_group, reduce_order, shard: as W's)"),
     OpSpec("activation_memory", "anything, only to be ordered after it", ("model", "reset"),
            "{peak, now, unit}: the activation memory the model's stages on this executor held at "
            "most since the last reset (reset: start again from now) and hold now, as the "

@@ -11,8 +11,8 @@ behind the first device's last backward passes. The optimizer step starts when t
 all-reduce ends: the step's time is the pipeline's makespan plus what no action hid.
 
 With `overlap=True` the reduction starts inside the device's last weight-gradient op of each
-stage instead [Note: overlapped all-reduce], as the torch executors run it (not under FSDP)
-[Note: all-reduce in the last W in executors/torch/train/replicas.py].
+stage instead [Note: overlapped all-reduce], as the torch executors run it (FSDP's
+reduce-scatter too) [Note: all-reduce in the last W in executors/torch/train/replicas.py].
 """
 
 from __future__ import annotations

@@ -214,15 +214,17 @@ class Replicas:
         """`config_for`, with each stage's last W (or BW) of a replica's `schedule` told to start
         the stage's all-reduce, in the order `reduce_orders` gives over every replica's
         `schedules` [Note: all-reduce in the last W in executors/torch/train/replicas.py]:
-        torch replicas, whole stages (FSDP reduce-scatters in its reduce_grads), and only on
-        the devices whose stages every replica finishes in one order (`agreed_devices`), whose
-        group then sees the same collectives in the same order on every replica."""
+        torch replicas (an FSDP stage's reduce-scatter from its second step on: its first
+        reduce_grads cuts it), and only on the devices whose stages every replica finishes in
+        one order (`agreed_devices`), whose group then sees the same collectives in the same
+        order on every replica."""
         groups, placement = self.groups, schedule.placement
-        if not groups or self.model.shard == "fsdp":
+        if not groups:
             return config_for
         orders, agreed = reduce_orders(schedules), agreed_devices(schedules)
+        sharding = {"shard": "fsdp"} if self.model.shard == "fsdp" else {}
         last = {action: {"reduce_group": groups[placement.device_of(stage)],
-                         "reduce_order": orders[stage]}
+                         "reduce_order": orders[stage], **sharding}
                 for stage, action in last_actions(schedule).items()
                 if action.kind in _WEIGHTS and placement.device_of(stage) in agreed}
         if not last:

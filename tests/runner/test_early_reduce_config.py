@@ -2,7 +2,8 @@
 executors/torch/train/replicas.py]: each stage's last W (or BW) of a replica's schedule, told
 its device's replica group and the order its buckets start in (last first after a fused BW,
 for every replica); on a device holding two stages (ZB-V) only where every replica ends them in
-one order; nothing under FSDP or on the simulator."""
+one order; under FSDP told so (its reduce-scatter starts there once the stage is cut); nothing
+on the simulator."""
 
 from __future__ import annotations
 
@@ -56,7 +57,6 @@ def test_only_each_stages_last_w_or_bw_is_told_its_group(kind, microbatches):
 
 
 @pytest.mark.parametrize("groups, kind, shard", [
-    (["g0", "g1"], "1f1b", "fsdp"),  # FSDP reduce-scatters in its reduce_grads
     ([], "1f1b", None),  # the simulator: no groups, the all-reduce is modelled
 ])
 def test_no_op_starts_the_all_reduce_where_it_stays_in_reduce_grads(groups, kind, shard):
@@ -67,6 +67,15 @@ def test_no_op_starts_the_all_reduce_where_it_stays_in_reduce_grads(groups, kind
 
     assert _replicas(2, groups=groups, shard=shard).early_reduce(schedule, config_for,
                                                                  [schedule]) is config_for
+
+
+def test_an_fsdp_stages_last_w_is_told_to_start_its_reduce_scatter():
+    schedule = _schedule("1f1b", 2)
+    config_for = _replicas(2, groups=["g0", "g1"], shard="fsdp").early_reduce(
+        schedule, lambda a: {}, [schedule])
+    told = [config_for(a) for a in last_actions(schedule).values()]
+    assert [c["shard"] for c in told] == ["fsdp", "fsdp"]
+    assert sorted(c["reduce_group"] for c in told) == ["g0", "g1"]
 
 
 def test_one_order_a_stage_for_every_replica():

@@ -5,9 +5,10 @@ replica group.
 steps, only its rows of each parameter (dim 0 cut in D even chunks, FSDP2's Shard(0) layout),
 their gradient and their AdamW states. The stage's first F of a step all-gathers the whole
 parameters (same objects, new `.data`: the recorder and autograd see the weights they always
-see, so F, B, W and BW run unchanged); `reduce_grads`, after the stage's last action on every
-replica, reduce-scatters the gradients (each rank gets the sum of its rows) and frees the
-whole parameters and gradients. Tied copies and parameters with fewer rows than replicas stay
+see, so F, B, W and BW run unchanged); the gradients are reduce-scattered (each rank gets
+the sum of its rows), from the second step started inside the stage's last W (ShardsInFlight),
+and `reduce_grads`, after the stage's last action on every replica, frees the whole
+parameters and gradients. Tied copies and parameters with fewer rows than replicas stay
 whole on every replica and are all-reduced as without FSDP. torch's `fully_shard` is not used:
 it needs a DeviceMesh over the default process group, and an executor here is in several
 replica groups at once (executors/torch/train/replicas.py) and has no default group. In full:
@@ -23,11 +24,11 @@ import attrs
 import torch
 
 from executors.torch.errors import StageError
-from executors.torch.train.replicas import BUCKET_BYTES, all_reduce_grads
+from executors.torch.train.replicas import BUCKET_BYTES, BucketsInFlight, all_reduce_grads
 
-__all__ = ["ShardedParam", "StageShards", "check_shardable", "full_stage_state", "gather",
-           "reduce_and_release", "shard_rows", "shard_stage", "sharded_squared_norm",
-           "shards_of"]
+__all__ = ["ShardedParam", "ShardsInFlight", "StageShards", "check_shardable",
+           "full_stage_state", "gather", "reduce_and_release", "shard_rows", "shard_stage",
+           "sharded_squared_norm", "shards_of"]
 
 
 @attrs.define(eq=False)
@@ -132,6 +133,10 @@ def reduce_and_release(shards: StageShards) -> None:
     whole parameters and gradients until the next step's first F."""
     all_reduce_grads(shards.group, [p for _, p in shards.whole])
     pending = [_reduce_scatter(shards, bucket) for bucket in _buckets(shards.sharded)]
+    _keep_and_release(shards, pending)
+
+
+def _keep_and_release(shards: StageShards, pending: list[tuple]) -> None:
     for bucket, mine, work in pending:
         work.wait()
         _keep_rows(bucket, mine, shards.size)
@@ -139,6 +144,57 @@ def reduce_and_release(shards: StageShards) -> None:
         shard.param.grad = None
         shard.param.data = shard.param.data.new_empty((0,))
     shards.gathered = False
+
+
+class ShardsInFlight:
+    """reduce_and_release started from inside the stage's last W (or BW) of the step, as
+    BucketsInFlight starts an all-reduce [Note: all-reduce in the last W in
+    executors/torch/train/replicas.py]: the whole parameters' buckets all-reduce and the sharded
+    ones' reduce-scatter as the op makes their gradients final, each kind in its bucket order
+    (`reverse`: last first), so every replica starts the same collectives in the same order;
+    `wait_and_release` then ends as reduce_and_release does, the same sums bit for bit."""
+
+    def __init__(self, shards: StageShards, *, reverse: bool = False) -> None:
+        self.shards = shards
+        self.whole = BucketsInFlight(shards.group, [p for _, p in shards.whole],
+                                     reverse=reverse)
+        buckets = _buckets(shards.sharded)
+        self.order = buckets[::-1] if reverse else buckets
+        self.final_ids: set[int] = set()
+        self.pending: list[tuple] = []
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for _, p in self.shards.whole] + [s.param for s in self.shards.sharded]
+
+    def final_except(self, touched: list[torch.Tensor]) -> None:
+        later = {id(p) for p in touched}
+        self.mark_final(p for p in self._params() if id(p) not in later)
+
+    def mark_final(self, params: Any) -> None:
+        params = list(params)
+        self.whole.mark_final(params)
+        self.final_ids.update(id(p) for p in params)
+        while len(self.pending) < len(self.order) and all(
+                id(s.param) in self.final_ids for s in self.order[len(self.pending)]):
+            self.pending.append(_reduce_scatter(self.shards, self.order[len(self.pending)]))
+
+    def finish(self) -> None:
+        self.mark_final(self._params())
+
+    def wait_and_release(self) -> None:
+        if len(self.pending) != len(self.order):
+            raise StageError(f"{len(self.order) - len(self.pending)} of {len(self.order)} "
+                             "sharded gradient buckets never started: the op that ends the "
+                             "stage's backward did not finish them")
+        self.whole.wait()
+        _keep_and_release(self.shards, self.pending)
+
+    def discard(self) -> None:
+        """As BucketsInFlight.discard: the sums unread, for reduce_grads to make anew."""
+        self.whole.discard()
+        for _, _, work in self.pending:
+            work.wait()
+        self.pending = []
 
 
 def _buckets(sharded: list[ShardedParam]) -> list[list[ShardedParam]]:

@@ -175,13 +175,14 @@ def _backward_input(ctx: OpContext, upstream: Any, *_: Any, stage: int, stages: 
 def _backward_weight(ctx: OpContext, *_: Any, stage: int, stages: int, microbatch: int,
                      prefetch: Any = (), track_memory: bool = False,
                      reduce_group: str | None = None, reduce_order: str = "forward",
-                     **config: Any) -> None:
+                     shard: str | None = None, **config: Any) -> None:
     """W. `reduce_group`: the stage's last W of the step starts its all-reduce over that
     replica group bucket by bucket, in `reduce_order` [Note: all-reduce in the last W in
-    executors/torch/train/replicas.py]."""
+    executors/torch/train/replicas.py] (`shard` "fsdp": its reduce-scatter, once the stage is
+    cut)."""
     held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
     _prefetch(ctx, config, stages, prefetch, track_memory)
-    buckets = _start_reducing(ctx, held, reduce_group, reduce_order)
+    buckets = _start_reducing(ctx, held, reduce_group, reduce_order, shard)
     held.runner.backward_weight(microbatch, buckets)
     if buckets is not None:
         buckets.finish()
@@ -190,30 +191,34 @@ def _backward_weight(ctx: OpContext, *_: Any, stage: int, stages: int, microbatc
 def _backward(ctx: OpContext, upstream: Any, *_: Any, stage: int, stages: int, microbatch: int,
               prefetch: Any = (), track_memory: bool = False,
               reduce_group: str | None = None, reduce_order: str = "forward",
-              **config: Any) -> Any:
-    """BW; `reduce_group` and `reduce_order` as for W."""
+              shard: str | None = None, **config: Any) -> Any:
+    """BW; `reduce_group`, `reduce_order` and `shard` as for W."""
     held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
     _prefetch(ctx, config, stages, prefetch, track_memory)
     grad_outputs = () if stage == stages - 1 else (upstream,)  # the last stage starts from its loss
-    buckets = _start_reducing(ctx, held, reduce_group, reduce_order)
+    buckets = _start_reducing(ctx, held, reduce_group, reduce_order, shard)
     out = held.runner.backward(microbatch, *grad_outputs, grads_final=buckets)[0]
     if buckets is not None:
         buckets.finish()
     return out
 
 
-def _start_reducing(ctx: OpContext, held: HeldStage, group: str | None,
-                    order: str) -> replicas.BucketsInFlight | None:
-    """The buckets the stage's last W of the step starts, kept for its reduce_grads; None
-    when it is not that W, or the stage is FSDP's (which reduce-scatters instead). A W after
-    buckets started (a later backprop of the model in the step) makes them stale."""
+def _start_reducing(ctx: OpContext, held: HeldStage, group: str | None, order: str,
+                    shard: str | None) -> Any:
+    """The buckets the stage's last W of the step starts, kept for its reduce_grads (an FSDP
+    stage's reduce-scatter too, once its first reduce_grads cut it); None when it is not that
+    W. A W after buckets started (a later backprop of the model in the step) makes them
+    stale."""
     if held.reducing is not None:
         held.reducing[1].discard()
         held.reducing = None
-    if group is None or held.fsdp is not None:
-        return None
-    buckets = replicas.BucketsInFlight(replicas.replica_group(ctx, group),
-                                       trainable(held.module), reverse=_reversed(order))
+    if group is None or (shard == "fsdp" and held.fsdp is None):
+        return None  # an FSDP stage's first reduce_grads cuts it, then reduce-scatters
+    if held.fsdp is not None:
+        buckets = fsdp.ShardsInFlight(held.fsdp, reverse=_reversed(order))
+    else:
+        buckets = replicas.BucketsInFlight(replicas.replica_group(ctx, group),
+                                           trainable(held.module), reverse=_reversed(order))
     held.reducing = (group, buckets)
     return buckets
 
@@ -268,15 +273,18 @@ def _reduce_grads(ctx: OpContext, *_: Any, stage: int, stages: int, replica_grou
     rows [Note: FSDP within a stage in executors/torch/train/fsdp.py]."""
     held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
     group = replicas.replica_group(ctx, replica_group)
+    started, held.reducing = held.reducing, None
+    if started is not None and started[0] != replica_group:
+        raise StageError(f"stage {stage}'s last W reduced over {started[0]!r}, not "
+                         f"{replica_group!r}")
     if shard != "fsdp":
-        started, held.reducing = held.reducing, None
         if started is None:
             all_reduce_grads(group, trainable(held.module), reverse=_reversed(reduce_order))
-        elif started[0] != replica_group:
-            raise StageError(f"stage {stage}'s last W reduced over {started[0]!r}, not "
-                             f"{replica_group!r}")
         else:
             started[1].wait()  # [Note: all-reduce in the last W]
+        return
+    if started is not None:  # the cut stage's reduce-scatter, started in its last W
+        started[1].wait_and_release()
         return
     if held.fsdp is None:
         where = f"model {config.get('model', '')!r} stage {stage}"
