@@ -13,6 +13,7 @@ from typing import Any
 from flowkit.dsl import LossSpec, Model
 from flowkit.planner import Action, Costs, Kind, Placement, Schedule
 from flowkit.runner.pipeline import Lane, device_lane
+from flowkit.runner.replicas import finish_order
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.dispatch import NoExecutor
 from flowkit.runtime.futures import ExecutorLost, Future, wait
@@ -180,8 +181,8 @@ def submit_weight_sync(ctl: Controller, schedule: Schedule, trainers: Sequence[E
 
 
 def _finish_order(schedule: Schedule) -> list[int]:
-    """Every stage, each device's in the order of their last actions (stage order where the
-    schedule has none: no microbatch)."""
-    position = {action.stage: index for ops in schedule.device_ops
-                for index, action in enumerate(ops)}
-    return sorted(range(schedule.num_stages), key=lambda stage: position.get(stage, -1))
+    """Every stage, each device's in the order of their last actions (finish_order), then
+    those the schedule has none of (no microbatch), in stage order."""
+    done = [stage for device in range(schedule.num_devices)
+            for stage in finish_order(schedule, device)]
+    return done + [stage for stage in range(schedule.num_stages) if stage not in done]

@@ -146,7 +146,7 @@ def _keep_and_release(shards: StageShards, pending: list[tuple]) -> None:
     shards.gathered = False
 
 
-class ShardsInFlight:
+class ShardsInFlight(BucketsInFlight):
     """reduce_and_release started from inside the stage's last W (or BW) of the step, as
     BucketsInFlight starts an all-reduce [Note: all-reduce in the last W in
     executors/torch/train/replicas.py]: the whole parameters' buckets all-reduce and the sharded
@@ -155,46 +155,37 @@ class ShardsInFlight:
     `wait_and_release` then ends as reduce_and_release does, the same sums bit for bit."""
 
     def __init__(self, shards: StageShards, *, reverse: bool = False) -> None:
-        self.shards = shards
+        self.shards, self.group = shards, shards.group
         self.whole = BucketsInFlight(shards.group, [p for _, p in shards.whole],
                                      reverse=reverse)
-        buckets = _buckets(shards.sharded)
-        self.order = buckets[::-1] if reverse else buckets
+        self.buckets = _buckets(shards.sharded)
+        self.order = self.buckets[::-1] if reverse else self.buckets
         self.final_ids: set[int] = set()
         self.pending: list[tuple] = []
-
-    def _params(self) -> list[torch.Tensor]:
-        return [p for _, p in self.shards.whole] + [s.param for s in self.shards.sharded]
-
-    def final_except(self, touched: list[torch.Tensor]) -> None:
-        later = {id(p) for p in touched}
-        self.mark_final(p for p in self._params() if id(p) not in later)
 
     def mark_final(self, params: Any) -> None:
         params = list(params)
         self.whole.mark_final(params)
-        self.final_ids.update(id(p) for p in params)
-        while len(self.pending) < len(self.order) and all(
-                id(s.param) in self.final_ids for s in self.order[len(self.pending)]):
-            self.pending.append(_reduce_scatter(self.shards, self.order[len(self.pending)]))
-
-    def finish(self) -> None:
-        self.mark_final(self._params())
+        super().mark_final(params)
 
     def wait_and_release(self) -> None:
-        if len(self.pending) != len(self.order):
-            raise StageError(f"{len(self.order) - len(self.pending)} of {len(self.order)} "
-                             "sharded gradient buckets never started: the op that ends the "
-                             "stage's backward did not finish them")
+        self._check_started()
         self.whole.wait()
         _keep_and_release(self.shards, self.pending)
 
     def discard(self) -> None:
-        """As BucketsInFlight.discard: the sums unread, for reduce_grads to make anew."""
         self.whole.discard()
-        for _, _, work in self.pending:
-            work.wait()
-        self.pending = []
+        super().discard()
+
+    def _params(self) -> list[torch.Tensor]:
+        return self.whole._params() + super()._params()
+
+    @staticmethod
+    def _tensors(bucket: list) -> list[torch.Tensor]:
+        return [shard.param for shard in bucket]
+
+    def _start(self, bucket: list) -> None:
+        self.pending.append(_reduce_scatter(self.shards, bucket))
 
 
 def _buckets(sharded: list[ShardedParam]) -> list[list[ShardedParam]]:

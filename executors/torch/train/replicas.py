@@ -151,16 +151,16 @@ class BucketsInFlight:
     def final_except(self, touched: list[torch.Tensor]) -> None:
         """Everything but `touched` is final already: the op adds to those alone."""
         later = {id(p) for p in touched}
-        self.mark_final(p for bucket in self.buckets for p in bucket if id(p) not in later)
+        self.mark_final(p for p in self._params() if id(p) not in later)
 
     def mark_final(self, params: Any) -> None:
         self.final_ids.update(id(p) for p in params)
         while len(self.pending) < len(self.order) and all(
-                id(p) in self.final_ids for p in self.order[len(self.pending)]):
+                id(p) in self.final_ids for p in self._tensors(self.order[len(self.pending)])):
             self._start(self.order[len(self.pending)])
 
     def finish(self) -> None:
-        self.mark_final(p for bucket in self.buckets for p in bucket)
+        self.mark_final(self._params())
 
     @property
     def started(self) -> int:
@@ -168,13 +168,25 @@ class BucketsInFlight:
 
     def wait(self) -> None:
         """Wait for every bucket (all started: `finish` first) and copy the sums back."""
+        self._check_started()
+        for bucket, flat, work in self.pending:
+            work.wait()
+            _unflatten(flat, [p.grad for p in bucket])
+
+    def _check_started(self) -> None:
         if len(self.pending) != len(self.buckets):
             raise StageError(f"{len(self.buckets) - len(self.pending)} of {len(self.buckets)} "
                              "gradient buckets never started: the op that ends the stage's "
                              "backward did not finish them")
-        for bucket, flat, work in self.pending:
-            work.wait()
-            _unflatten(flat, [p.grad for p in bucket])
+
+    def _params(self) -> list[torch.Tensor]:
+        """Every parameter whose gradient it sums."""
+        return [p for bucket in self.buckets for p in self._tensors(bucket)]
+
+    @staticmethod
+    def _tensors(bucket: list) -> list[torch.Tensor]:
+        """A bucket's parameters (a subclass's buckets may hold other records of them)."""
+        return bucket
 
     def discard(self) -> None:
         """Let the buckets started go, their sums unread: a later backprop of the step adds
