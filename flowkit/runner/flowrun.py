@@ -32,6 +32,7 @@ from flowkit.runner.model_training import ModelTraining
 from flowkit.runner.partial import CarryOver, PartialRollouts
 from flowkit.runner.quota import group_quotas
 from flowkit.runner.sampling_rounds import round_nodes
+from flowkit.runner.sources_ahead import SourcesAhead, is_source
 from flowkit.runner.steprun import TRAINING_CALLS, StepReport, StepRun
 from flowkit.runner.stepstate import BalancedCalls, FlowRunError, Streams, Wiring
 from flowkit.runner.submission import Submission
@@ -138,6 +139,11 @@ class FlowRunner:
             quotas=group_quotas(plan), rounds=rounds, carry_over=self.carry_over,
             checkpoints=self.checkpoints, staleness=staleness,
             attempt=uuid.uuid4().hex[:8])  # in request names: unique to this runner
+        sources = [node for node in plan if is_source(node)]
+        if not staleness and steps is not None and sources:  # [Note: sources ahead]
+            submission = self.submission
+            submission.ahead = SourcesAhead(sources, submission.send_source, self.events,
+                                            lambda part: submission.handled_parts.append(part))
 
     def _workload(self, node: NodePlan) -> BalancedCalls:
         """Ask for what length-aware dispatch learns from without fetching anything: the key
@@ -259,6 +265,9 @@ class FlowRunner:
         if not run.trains:  # opened ahead: its training waited for the step before to end
             run.start_training()
         self.last_run = run
+        sources = self.submission.ahead
+        if sources is not None:  # [Note: sources ahead in sources_ahead.py]
+            sources.after(step, step + 1 if step + 1 < self.steps else None)
         for ahead in range(step + 1, step + 1 + (self.staleness or 0)):
             if self.steps is None or ahead < self.steps:
                 self._open(ahead)
@@ -269,6 +278,8 @@ class FlowRunner:
             except queue.Empty:
                 raise FlowRunError(f"step {step} did not finish in {self.step_timeout} s; "
                                    f"still open: {', '.join(run.open_nodes())}") from None
+            if sources is not None:
+                sources.look(run.node_closed)
         del self.open[step]
         # the next step trains in the next call, not here: between two calls nothing trains,
         # so a checkpoint holds the weights of this step [Note: checkpoints of asynchronous

@@ -46,17 +46,13 @@ from flowkit.runner.stepstate import (
     check_all_paired,
     sorted_lineages,
 )
-from flowkit.runner.submission import Submission
+from flowkit.runner.submission import Submission, function_config, streams_parts
 from flowkit.wire.refs import Gather, Item
 
-__all__ = ["STREAM_WINDOW", "StepReport", "StepRun", "TRAINING_CALLS"]
+__all__ = ["StepReport", "StepRun", "TRAINING_CALLS"]
 
 TRAINING_CALLS = (Call.PIPELINE, Call.STEP)  # a model's backprop and optimizer step
 _CALLS_PER_TURN = 64  # balanced calls sent between two bursts of reactions
-# A streaming call runs at most this many items ahead of the items whose consumers are done
-# [Note: stream credits in flowkit/runtime/credits.py]: a bound on what a slow consumer lets
-# queue up, far above what a generation call streams between two reactions.
-STREAM_WINDOW = 1024
 
 
 class StepRun:
@@ -163,9 +159,10 @@ class StepRun:
             if node.name in touched:
                 self.progress(node.name)
 
-    def _on_part(self, name: str, lineage: tuple, part: Any) -> None:
+    def _on_part(self, name: str, lineage: tuple, part: Any, credited: bool = False) -> None:
         """Item j of a streaming call [Note: streaming ops in executors/optable.py]: into the
-        node's stream at once, so per-item consumers start on it before the call ends."""
+        node's stream at once, so per-item consumers start on it before the call ends
+        (`credited`: a source called ahead took it in already, sources_ahead.py)."""
         state = self.states[name]
         j = state.streamed[lineage]
         state.streamed[lineage] += 1
@@ -177,7 +174,8 @@ class StepRun:
         (port,) = state.plan.outputs
         key = part.keys[0] if part.keys else None
         self.streams[(name, port)].add(lineage + (j,), part, self._key(name, lineage, key))
-        self.submission.handled_parts.append(part)  # credited once the run has looked at it
+        if not credited:  # credited once the run has looked at it
+            self.submission.handled_parts.append(part)
         for consumer in self.wiring.consumers[name]:
             self.touched[consumer] = None
 
@@ -364,30 +362,29 @@ class StepRun:
     def submit(self, state: NodeState, lineage: tuple, refs: dict[str, Any], *,
                executor: int | None = None, extra: dict | None = None,
                meta: dict | None = None) -> Any:
-        plan, ctl = state.plan, self.submission.ctl
-        refs.update(self.feedback.refs(plan, self.step))
-        ports = [rule.port for rule in plan.inputs if rule.port in refs]
-        meta = {"node": plan.name, "step": self.step, **(meta or {})}
-        outputs = max(1, len(plan.outputs))
-        config = self.config(plan, lineage, extra, ports)
-        on_part = self._part_watch(plan, lineage)
-        futures = ctl.submit(plan.op, *(refs[p] for p in ports), config=config,
-                             executor=executor, tags=plan.tags, outputs=outputs,
-                             meta=meta, report_key=self.wiring.report_keys.get(plan.name),
-                             on_part=on_part, trace_key=plan.trace_key,
-                             window=None if on_part is None else STREAM_WINDOW,
-                             handled_by_caller=on_part is not None)
-        self.watch(state, lineage, futures if outputs > 1 else (futures,), register=True)
-        return futures[0] if outputs > 1 else futures
+        plan, submission = state.plan, self.submission
+        ahead = None if submission.ahead is None or plan.call is not Call.SOURCE else \
+            submission.ahead.take(self.step, plan.name,
+                                  functools.partial(self._on_part, plan.name, lineage))
+        if ahead is not None:  # [Note: sources ahead in sources_ahead.py]
+            futures = ahead
+        else:
+            refs.update(self.feedback.refs(plan, self.step))
+            ports = [rule.port for rule in plan.inputs if rule.port in refs]
+            futures = submission.send(plan, self.step, [refs[p] for p in ports],
+                                      self.config(plan, lineage, extra, ports),
+                                      executor=executor, meta=meta,
+                                      on_part=self._part_watch(plan, lineage))
+        several = len(plan.outputs) > 1
+        self.watch(state, lineage, futures if several else (futures,), register=True)
+        return futures[0] if several else futures
 
     def config(self, plan: NodePlan, lineage: tuple, extra: dict | None,
                 ports: list[str]) -> dict:
         """The config of a call of `plan`'s op on inputs `ports` (a model op's sampling config
         afresh: its call policy may change it per call)."""
         if plan.op == "python":
-            fn_config = {**plan.config, "step": self.step} if plan.takes_step else plan.config
-            return {"target": plan.target, "config": fn_config, "ports": ports,
-                    "outputs": list(plan.outputs), "many": list(plan.many)}
+            return function_config(plan, self.step, ports)
         config = {**self.wiring.op_configs[plan.name], "step": self.step}
         policy = self.policies.get(plan.name)
         if policy is not None:
@@ -396,14 +393,8 @@ class StepRun:
         return config
 
     def _streams_parts(self, plan: NodePlan) -> bool:
-        """Whether a call's items go downstream each as it is yielded: one output of many
-        items, in a fused run (unfused, consumers wait for the whole stream anyway), of a call
-        that is not a group's. A group is complete when it is called, so its items come as fast
-        as the op computes them; its calls go batched instead, and a batched task that runs
-        long still answers the groups it has finished [Note: early items]."""
-        policy = self.policies.get(plan.name)
-        return self.wiring.fuse and plan.many == (True,) and plan.call is not Call.PER_GROUP \
-            and (policy is None or policy.streams_parts)  # a partial-rollout group goes whole
+        """Whether a call's items go downstream each as it is yielded (submission.py)."""
+        return streams_parts(self.wiring.fuse, plan, self.policies.get(plan.name))
 
     def _part_watch(self, plan: NodePlan, lineage: tuple) -> Any:
         """The call's items, each as it is yielded, if it streams them (`_streams_parts`)."""

@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from flowkit.planner.lower import NodePlan
+from flowkit.planner.lower import Call, NodePlan
 from flowkit.runner.balance import Balancer
 from flowkit.runner.bubble_fill import BubbleFill
 from flowkit.runner.call_policy import CallPolicy
@@ -23,7 +23,12 @@ from flowkit.runner.sampling_rounds import SamplingRounds
 from flowkit.runner.stepstate import BalancedCalls, Wiring
 from flowkit.runtime.controller import Controller
 
-__all__ = ["Submission"]
+__all__ = ["STREAM_WINDOW", "Submission", "function_config", "streams_parts"]
+
+# A streaming call runs at most this many items ahead of the items whose consumers are done
+# [Note: stream credits in flowkit/runtime/credits.py]: a bound on what a slow consumer lets
+# queue up, far above what a generation call streams between two reactions.
+STREAM_WINDOW = 1024
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -47,6 +52,26 @@ class Submission:
     staleness: int | None
     attempt: str  # in request names: unique to this runner
     handled_parts: list = attrs.field(factory=list)  # streamed items taken in since settling
+    ahead: Any = None  # a synchronous run's next sources [Note: sources ahead in sources_ahead.py]
+
+    def send(self, plan: NodePlan, step: int, args: Sequence, config: dict, *,
+             executor: int | None = None, meta: dict | None = None,
+             on_part: Any = None) -> Any:
+        """One call of `plan`'s op in step `step` on `args`: its future (a tuple of them for
+        several outputs); `on_part(part)`: each item as the call yields it."""
+        return self.ctl.submit(plan.op, *args, config=config, executor=executor, tags=plan.tags,
+                               outputs=max(1, len(plan.outputs)),
+                               meta={"node": plan.name, "step": step, **(meta or {})},
+                               report_key=self.wiring.report_keys.get(plan.name),
+                               on_part=on_part, trace_key=plan.trace_key,
+                               window=None if on_part is None else STREAM_WINDOW,
+                               handled_by_caller=on_part is not None)
+
+    def send_source(self, plan: NodePlan, step: int, on_part: Any) -> Any:
+        """A source's call in step `step` [Note: sources ahead in sources_ahead.py]."""
+        streams = streams_parts(self.wiring.fuse, plan, None)
+        return self.send(plan, step, (), function_config(plan, step, []),
+                         on_part=on_part if streams else None)
 
     def balancer(self, name: str, plan: NodePlan) -> Balancer | None:
         """A step's balancer of node `name`'s calls, over the estimates of every step."""
@@ -88,3 +113,20 @@ class Submission:
         return [self.ctl.submit(abort_op, config=plan.resumable.abort_config(requests),
                                 executor=e.id, meta={"node": f"{plan.name}/abort", "step": step})
                 for e in targets]
+
+
+def function_config(plan: NodePlan, step: int, ports: list[str]) -> dict:
+    """The config of a call of function op `plan` in step `step` on inputs `ports`."""
+    config = {**plan.config, "step": step} if plan.takes_step else plan.config
+    return {"target": plan.target, "config": config, "ports": ports,
+            "outputs": list(plan.outputs), "many": list(plan.many)}
+
+
+def streams_parts(fuse: bool, plan: NodePlan, policy: CallPolicy | None) -> bool:
+    """Whether a call's items go downstream each as it is yielded: one output of many items,
+    in a fused run (unfused, consumers wait for the whole stream anyway), of a call that is not
+    a group's. A group is complete when it is called, so its items come as fast as the op
+    computes them; its calls go batched instead, and a batched task that runs long still
+    answers the groups it has finished [Note: early items in executors/process.py]."""
+    return fuse and plan.many == (True,) and plan.call is not Call.PER_GROUP \
+        and (policy is None or policy.streams_parts)  # a partial-rollout group goes whole

@@ -200,3 +200,20 @@ def paced_flow(count: int) -> Flow:
         plus = slow_plus_one(paced_samples(count=count, keys=8))
         total(collect(group_sum(group_by(plus, key="key", size=count // 8))))
     return flow
+
+
+@op
+def step_samples(*, count: int = 4, step: int = 0, fail_at: int = -1) -> Stream[Sample]:
+    """`count` samples of step `step`, each valued by it (fails at step `fail_at`)."""
+    if step == fail_at:
+        raise ValueError(f"no samples for step {step}")
+    for i in range(count):
+        yield Sample(key=i % 2, value=float(step * 1000 + i))
+
+
+def stepped_flow(count: int = 4, delay: float = 0.0, fail_at: int = -1) -> Flow:
+    """step_samples -> double each (the one valued 5 after `delay`) -> total."""
+    with Flow("stepped") as flow:
+        total(collect(slow_double(step_samples(count=count, fail_at=fail_at),
+                                  last_delay=delay)))
+    return flow
