@@ -143,7 +143,7 @@ class FlowRunner:
         if not staleness and steps is not None and sources:  # [Note: sources ahead]
             submission = self.submission
             submission.ahead = SourcesAhead(sources, submission.send_source, self.events,
-                                            lambda part: submission.handled_parts.append(part))
+                                            ctl.handled)
 
     def _workload(self, node: NodePlan) -> BalancedCalls:
         """Ask for what length-aware dispatch learns from without fetching anything: the key

@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 
 from flowkit.planner.lower import Call, NodePlan
+from flowkit.runtime.futures import ExecutorLost
 
 __all__ = ["SourcesAhead", "is_source"]
 
@@ -31,32 +32,55 @@ def is_source(plan: NodePlan) -> bool:
 
 @attrs.define(eq=False)
 class _Call:
-    """One source call made ahead: its futures, and the items it streamed before a step took it
-    (credited as they came, so the executor goes on streaming meanwhile)."""
+    """One source call made ahead: its futures, and until a step takes it the items it streamed
+    and whether it ended (each a reaction, in the order the controller saw them)."""
 
-    futures: Any = None
+    futures: Any
+    events: Any
     parts: list = attrs.field(factory=list)
-    route: Callable[..., None] | None = None  # the step's handler, once one took the call
+    ended: bool = False
+    route: Callable[[Any], None] | None = None  # the step's, once it took the call
+    done: Callable[[], None] | None = None
 
-    def part(self, credit: Callable[[Any], None], part: Any) -> None:
-        """A streamed item, on the run's thread (a reaction)."""
+    def part(self, part: Any) -> None:
         if self.route is not None:
             self.route(part)
         else:
             self.parts.append(part)
-            credit(part)
+
+    def end(self) -> None:
+        if self.done is not None:
+            self.done()
+        else:
+            self.ended = True
+
+    def lost(self) -> bool:
+        """Ended with its executor lost: the step calls its source afresh instead."""
+        first = self.futures[0] if isinstance(self.futures, tuple) else self.futures
+        return self.ended and isinstance(first.exception(), ExecutorLost)
+
+    def adopt(self, route: Callable[[Any], None], done: Callable[[], None]) -> None:
+        """The step's handlers from now on: the items so far to `route` at once, the end once
+        they are in (next in the queue if it came already)."""
+        for part in self.parts:
+            route(part)
+        self.parts, self.route, self.done = [], route, done
+        if self.ended:
+            self.events.put(done)
 
 
 @attrs.define(eq=False)
 class SourcesAhead:
     """The sources of a run's plan, called a step ahead through `send(plan, step, on_part)`;
-    `events`: the run's reactions, which a streamed item comes through; `credit(part)`: the
-    item is taken in ([Note: stream credits] in flowkit/runtime/credits.py)."""
+    `events`: the run's reactions, which a call's items and end come through; `credit(parts)`:
+    take items in, from any thread ([Note: stream credits] in flowkit/runtime/credits.py):
+    nothing reads an item called ahead before its step, so it is credited as it comes, and the
+    executor goes on streaming between steps, when the run reads no reaction."""
 
     sources: list[NodePlan]
     send: Callable[[NodePlan, int, Any], Any]
     events: Any
-    credit: Callable[[Any], None]
+    credit: Callable[[list], None]
     calls: dict[tuple[int, str], _Call] = attrs.field(factory=dict)
     _due: int | None = None  # the step whose sources are called once its own step's are done
 
@@ -73,22 +97,21 @@ class SourcesAhead:
         if step is None or not all(closed(plan.name) for plan in self.sources):
             return
         self._due = None
-        for plan in self.sources:
-            call = self.calls[(step, plan.name)] = _Call()
-            call.futures = self.send(plan, step, self._streamed(call))
-
-    def _streamed(self, call: _Call) -> Callable[[Any], None]:
         events, credit = self.events, self.credit
-        return lambda part: events.put(functools.partial(call.part, credit, part))
+        for plan in self.sources:
+            call = self.calls[(step, plan.name)] = _Call(None, events)
 
-    def take(self, step: int, name: str, route: Callable[..., None]) -> Any:
-        """The futures of `name`'s call for `step` if it was made ahead (None if not), its
-        items streamed so far given to `route(part, credited=True)` and later ones to
-        `route(part)`."""
+            def streamed(part: Any, call: _Call = call) -> None:  # on the IO thread
+                credit([part])
+                events.put(functools.partial(call.part, part))
+
+            call.futures = self.send(plan, step, streamed)
+            first = call.futures[0] if isinstance(call.futures, tuple) else call.futures
+            # as a step's own calls are watched: right after sending, so the end's reaction
+            # follows its items'
+            first.add_done_callback(lambda _, call=call: events.put(call.end))
+
+    def take(self, step: int, name: str) -> _Call | None:
+        """`name`'s call for `step` if it was made ahead (and its executor was not lost)."""
         call = self.calls.pop((step, name), None)
-        if call is None:
-            return None
-        for part in call.parts:
-            route(part, credited=True)
-        call.route, call.parts = route, []
-        return call.futures
+        return None if call is None or call.lost() else call

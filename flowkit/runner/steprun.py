@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from flowkit.dsl import Granularity
@@ -364,18 +364,19 @@ class StepRun:
                meta: dict | None = None) -> Any:
         plan, submission = state.plan, self.submission
         ahead = None if submission.ahead is None or plan.call is not Call.SOURCE else \
-            submission.ahead.take(self.step, plan.name,
-                                  functools.partial(self._on_part, plan.name, lineage))
-        if ahead is not None:  # [Note: sources ahead in sources_ahead.py]
-            futures = ahead
-        else:
-            refs.update(self.feedback.refs(plan, self.step))
-            ports = [rule.port for rule in plan.inputs if rule.port in refs]
-            futures = submission.send(plan, self.step, [refs[p] for p in ports],
-                                      self.config(plan, lineage, extra, ports),
-                                      executor=executor, meta=meta,
-                                      on_part=self._part_watch(plan, lineage))
+            submission.ahead.take(self.step, plan.name)
         several = len(plan.outputs) > 1
+        if ahead is not None:  # [Note: sources ahead in sources_ahead.py]
+            futures = ahead.futures
+            route = functools.partial(self._on_part, plan.name, lineage, credited=True)
+            self.watch(state, lineage, futures if several else (futures,), register=True,
+                       ended=functools.partial(ahead.adopt, route))
+            return futures[0] if several else futures
+        refs.update(self.feedback.refs(plan, self.step))
+        ports = [rule.port for rule in plan.inputs if rule.port in refs]
+        futures = submission.send(plan, self.step, [refs[p] for p in ports],
+                                  self.config(plan, lineage, extra, ports), executor=executor,
+                                  meta=meta, on_part=self._part_watch(plan, lineage))
         self.watch(state, lineage, futures if several else (futures,), register=True)
         return futures[0] if several else futures
 
@@ -404,14 +405,21 @@ class StepRun:
         return lambda part: events.put(functools.partial(self._on_part, plan.name, lineage, part))
 
     def watch(self, state: NodeState, lineage: tuple, futures: tuple, *,
-               register: bool, outputs: tuple | None = None) -> None:
+              register: bool, outputs: tuple | None = None,
+              ended: Callable[[Callable[[], None]], None] | None = None) -> None:
         """When `futures` are done, account for them and (with `register`) add them, or
-        `outputs` in their place, to the node's output streams."""
+        `outputs` in their place, to the node's output streams; `ended(then)`: how else to
+        learn of their end (a source called ahead, whose reactions run `then` after its
+        items)."""
         state.pending += 1
         events = self.submission.events
         shown = futures if outputs is None else outputs
-        futures[0].add_done_callback(lambda _: events.put(
-            functools.partial(self._on_done, state.plan.name, lineage, futures, register, shown)))
+        then = functools.partial(self._on_done, state.plan.name, lineage, futures, register,
+                                 shown)
+        if ended is not None:
+            ended(then)
+        else:
+            futures[0].add_done_callback(lambda _: events.put(then))
 
     def report(self) -> StepReport:
         """What the step reports now that it has ended (stepreport.py)."""

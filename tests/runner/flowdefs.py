@@ -203,17 +203,44 @@ def paced_flow(count: int) -> Flow:
 
 
 @op
-def step_samples(*, count: int = 4, step: int = 0, fail_at: int = -1) -> Stream[Sample]:
-    """`count` samples of step `step`, each valued by it (fails at step `fail_at`)."""
+def step_samples(*, count: int = 4, step: int = 0, fail_at: int = -1,
+                 gap: float = 0.0) -> Stream[Sample]:
+    """`count` samples of step `step`, each valued by it, `gap` s apart (fails at step
+    `fail_at`)."""
     if step == fail_at:
         raise ValueError(f"no samples for step {step}")
     for i in range(count):
+        if gap:
+            time.sleep(gap)
         yield Sample(key=i % 2, value=float(step * 1000 + i))
 
 
-def stepped_flow(count: int = 4, delay: float = 0.0, fail_at: int = -1) -> Flow:
+def stepped_flow(count: int = 4, delay: float = 0.0, fail_at: int = -1,
+                 gap: float = 0.0) -> Flow:
     """step_samples -> double each (the one valued 5 after `delay`) -> total."""
     with Flow("stepped") as flow:
-        total(collect(slow_double(step_samples(count=count, fail_at=fail_at),
+        total(collect(slow_double(step_samples(count=count, fail_at=fail_at, gap=gap),
                                   last_delay=delay)))
+    return flow
+
+
+@op(tags=("src",))
+def step_samples_on_src(*, count: int = 4, step: int = 0, gap: float = 0.0) -> Stream[Sample]:
+    yield from step_samples.fn(count=count, step=step, gap=gap)
+
+
+@op(tags=("work",))
+def plus_one_on_work(sample: Sample) -> Sample:
+    return plus_one.fn(sample)
+
+
+@op(tags=("work",))
+def total_on_work(groups: Batch[Sample]) -> float:
+    return total.fn(groups)
+
+
+def split_flow(count: int, gap: float) -> Flow:
+    """step_samples on a `src` executor -> +1 and the total on a `work` one."""
+    with Flow("split") as flow:
+        total_on_work(collect(plus_one_on_work(step_samples_on_src(count=count, gap=gap))))
     return flow

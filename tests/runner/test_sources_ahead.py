@@ -20,26 +20,28 @@ def one_executor(pool):
         yield ctl
 
 
-def _run(ctl, flow, steps: int | None, count: int = 3):
+def _run(ctl, flow, steps: int | None, count: int = 3, between=None, node="step_samples",
+         total="total"):
     """Each step's total and the steps the source was called for, in order; `steps`: the run's
     length the runner is told (None: none, so nothing is called ahead)."""
     calls = []
 
     def listen(event, payload):
         task = payload.get("task")
-        if event == "task_submitted" and (task.meta or {}).get("node") == "step_samples":
+        if event == "task_submitted" and (task.meta or {}).get("node") == node:
             calls.append(task.meta["step"])
 
     ctl.add_listener(listen)
     try:
-        runner = FlowRunner(ctl, lower_flow(flow), steps=steps)
+        runner = FlowRunner(ctl, lower_flow(flow), steps=steps, step_timeout=30)
         totals, starts = [], []
         for step in range(count):
+            if step and between is not None:
+                between()
             runner.run_step(step)
-            (ref,) = runner.previous[("total", "out")].ordered()
+            (ref,) = runner.previous[(total, "out")].ordered()
             totals.append(ref.result(timeout=5))
-            starts.append((runner.states["step_samples"].first_start,
-                           runner.states["total"].last_end))
+            starts.append((runner.states[node].first_start, runner.states[total].last_end))
     finally:
         ctl.remove_listener(listen)
     return totals, calls, starts
@@ -61,6 +63,28 @@ def test_a_stream_longer_than_the_credit_window_does_not_stall_the_step_before(o
     count = STREAM_WINDOW + 200
     totals, _, _ = _run(one_executor, flowdefs.stepped_flow(count=count), steps=2, count=2)
     assert totals == [sum(2 * (s * 1000 + i) for i in range(count)) for s in range(2)]
+
+
+@pytest.fixture(scope="module")
+def source_and_work(pool):
+    with pool.shared(2, kind="sim", tags=[("src",), ("work",)], code=[FLOWDEFS]) as (ctl, infos):
+        yield ctl, next(e.id for e in infos if "src" in e.tags)
+
+
+def test_a_source_called_ahead_streams_on_between_steps_when_the_run_reads_nothing(
+        source_and_work):
+    # step 1's source streams on its own executor, past the window, after step 0 has ended on
+    # the other: a task sent to the source's executor between the steps (an evaluation's, a
+    # checkpoint's) runs once the source is done instead of waiting on its credits for ever
+    ctl, source = source_and_work
+    count = STREAM_WINDOW + 200
+    ran = []
+    totals, _, _ = _run(ctl, flowdefs.split_flow(count=count, gap=0.0005), steps=2, count=2,
+                        node="step_samples_on_src", total="total_on_work",
+                        between=lambda: ran.append(ctl.submit("noop", config={},
+                                                              executor=source).result(20)))
+    assert totals == [sum(s * 1000 + i + 1 for i in range(count)) for s in range(2)]
+    assert len(ran) == 1
 
 
 def test_a_source_called_ahead_that_fails_fails_its_own_step(one_executor):
