@@ -54,10 +54,14 @@ class _Call:
         else:
             self.ended = True
 
+    @property
+    def first(self) -> Any:
+        """The future that ends the call (its first, for several outputs)."""
+        return self.futures[0] if isinstance(self.futures, tuple) else self.futures
+
     def lost(self) -> bool:
         """Ended with its executor lost: the step calls its source afresh instead."""
-        first = self.futures[0] if isinstance(self.futures, tuple) else self.futures
-        return self.ended and isinstance(first.exception(), ExecutorLost)
+        return self.ended and isinstance(self.first.exception(), ExecutorLost)
 
     def adopt(self, route: Callable[[Any], None], done: Callable[[], None]) -> None:
         """The step's handlers from now on: the items so far to `route` at once, the end once
@@ -106,10 +110,9 @@ class SourcesAhead:
                 events.put(functools.partial(call.part, part))
 
             call.futures = self.send(plan, step, streamed)
-            first = call.futures[0] if isinstance(call.futures, tuple) else call.futures
             # as a step's own calls are watched: right after sending, so the end's reaction
             # follows its items'
-            first.add_done_callback(lambda _, call=call: events.put(call.end))
+            call.first.add_done_callback(lambda _, call=call: events.put(call.end))
 
     def take(self, step: int, name: str) -> _Call | None:
         """`name`'s call for `step` if it was made ahead (and its executor was not lost)."""
