@@ -55,6 +55,7 @@ from flowkit.wire.auth import (
     plain_client,
     plain_server,
 )
+from flowkit.wire.collection import promote_new_imports
 from flowkit.wire.hello import HelloRefused, peer_tag
 from flowkit.wire.limits import (
     CONTROL_FRAME_BYTES,
@@ -562,6 +563,7 @@ class Executor:
                 self.watch.send_now = True
             partners = self._merging(task)  # [Note: merged tasks] in executors/tasks.py
             took = self._run_merged([task, *partners]) if partners else self._run(task)
+            promote_new_imports()  # [Note: imports promoted] in flowkit/wire/collection.py
             self.typical_op_s += 0.2 * (took - self.typical_op_s)
             if task.spec.lane is not None:
                 self._leave_lane(task)

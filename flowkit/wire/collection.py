@@ -11,6 +11,12 @@ mostly come and go between two collections, one collection pauses its process 0.
 the engine's cost a sample was lowest of 50,000, 200,000, 400,000 and 1,000,000 (the 16k step of
 `flowkit bench scale`, 2026-11-27; docs/performance-log.md). Cycles are still collected, young
 ones within `YOUNG_COLLECTION` allocations, older ones at their generation's next collection.
+
+[Note: imports promoted] An op that imports modules (transformers' lazy imports at an executor's
+first Hugging Face build or tokenizer) leaves tens of thousands of long-lived objects young, and
+the first young collection walked them all: 0.27-0.34 s on each executor of the README's Qwen2
+GRPO, both at step 18-20 (a gc callback's log). So an executor collects generations 0 and 1 right
+after such an op (`promote_new_imports`), at start-up, and its later young walks skip them.
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import sys
 import threading
 from collections.abc import Iterator
 
-__all__ = ["COLLECTOR_PAUSE", "YOUNG_COLLECTION", "fewer_collections", "fewer_collections_for_good"]
+__all__ = ["COLLECTOR_PAUSE", "YOUNG_COLLECTION", "fewer_collections", "fewer_collections_for_good",
+           "promote_new_imports"]
 
 YOUNG_COLLECTION = 400_000  # net allocations between young collections
 
@@ -113,3 +121,19 @@ def fewer_collections_for_good() -> None:
     executors/forkserver.py)."""
     gc.freeze()
     gc.set_threshold(YOUNG_COLLECTION, *gc.get_threshold()[1:])
+    _IMPORTED[0] = len(sys.modules)
+
+
+_IMPORTED = [0]  # the modules this process had at its last promotion
+
+
+def promote_new_imports() -> bool:
+    """[Note: imports promoted] If modules were imported since the last call, collect
+    generations 0 and 1 now, so that what the imports made is walked once, here, and not by
+    every young collection until the next one of generation 1. Whether it collected."""
+    count = len(sys.modules)
+    if count == _IMPORTED[0]:
+        return False
+    _IMPORTED[0] = count
+    gc.collect(1)
+    return True

@@ -12,6 +12,7 @@ from flowkit.wire.collection import (
     YOUNG_COLLECTION,
     fewer_collections,
     fewer_collections_for_good,
+    promote_new_imports,
 )
 
 
@@ -53,6 +54,26 @@ def test_an_executor_works_under_the_policy_for_the_rest_of_its_life() -> None:
     with fewer_collections():  # a run inside it leaves it as it was
         pass
     assert gc.get_threshold() == (YOUNG_COLLECTION, *before[1:])
+
+
+def test_what_an_import_made_leaves_the_young_generation_once(tmp_path, monkeypatch) -> None:
+    """[Note: imports promoted]: a new module's objects are collected once, after the op that
+    imported it, and then skipped by young collections; no new module, no collection."""
+    fewer_collections_for_good()
+    assert not promote_new_imports()
+    (tmp_path / "fresh_module_for_promotion.py").write_text(
+        "TABLES = [{'row': [i]} for i in range(2000)]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import fresh_module_for_promotion
+
+    young = {id(o) for o in gc.get_objects(generation=0)}
+    assert id(fresh_module_for_promotion.TABLES) in young
+    assert promote_new_imports()
+    young = {id(o) for o in gc.get_objects(generation=0)}
+    assert id(fresh_module_for_promotion.TABLES) not in young
+    assert not young & {id(t) for t in fresh_module_for_promotion.TABLES}
+    assert not promote_new_imports()
+    monkeypatch.delitem(__import__("sys").modules, "fresh_module_for_promotion")
 
 
 def test_a_threshold_set_during_the_run_is_kept() -> None:
