@@ -81,6 +81,7 @@ class GRPOSetup:
     max_new_tokens: int = 4
     temperature: float = 1.0
     kl_coef: float = 0.001
+    reference_in_forward: bool = True  # flowkit's: the KL term's reference in its forward
     clip_ratio: float = 0.2
     lr: float = 5e-4
     weight_decay: float = 0.1
@@ -220,8 +221,8 @@ def grpo_flow(setup: GRPOSetup, warm: Path, seed: int) -> Any:
     return flow(model=_actor(warm, replicas=setup.replicas), prompts=setup.prompts, n=setup.n,
                 microbatches=setup.microbatches, schedule="1f1b",
                 max_new_tokens=setup.max_new_tokens, temperature=setup.temperature,
-                kl_coef=setup.kl_coef, lr=setup.lr,
-                sample_seed=seed, prompt_source=dataset_prompts,
+                kl_coef=setup.kl_coef, reference_in_forward=setup.reference_in_forward,
+                lr=setup.lr, sample_seed=seed, prompt_source=dataset_prompts,
                 source_config={"path": str(_prompts_file()), "tokenizer": str(warm)},
                 reward=exact_match_reward)
 

@@ -26,12 +26,15 @@ def grpo_flow(config: RLConfig, *, model: Model | None = None, gpt: dict | None 
     asynchronously ([Note: asynchronous steps] in flowkit/runner/flowrun.py)."""
     _check_filter(config)
     _check_adaptive(config)
+    _check_reference(config)
     check_tree(config)
     actor = rl_actor(model, gpt=gpt, stages=config.stages)
     # without a KL term (DAPO, Dr. GRPO, GSPO) nothing reads the reference: none is run
     reference = reference_of(actor) if config.kl_coef else None
+    # [Note: reference in the F in executors/torch/train/rows.py]
+    in_forward = config.reference_in_forward
     with Flow("grpo", description=__doc__, max_staleness=config.max_staleness) as flow:
-        sampled = sample_and_score(flow, actor, reference, config)
+        sampled = sample_and_score(flow, actor, None if in_forward else reference, config)
         weights, scored, ref = sampled.weights, sampled.scored, sampled.ref_logprobs
         samples = scored if ref is None else with_reference(scored, ref)
         # No batch statistic: each group trains as soon as its n samples are scored.
@@ -43,13 +46,23 @@ def grpo_flow(config: RLConfig, *, model: Model | None = None, gpt: dict | None 
                      rounds=rounds),
             scale_rewards=config.scale_rewards, filter_groups=config.filter_groups,
             shared_prefix=config.shared_prefix)
+        forward_reference = {"reference": flow.add_model(reference).name} if in_forward else {}
         stats = Backprop(actor)(experiences, loss="grpo", kl_coef=config.kl_coef,
                                 temperature=config.sampling.temperature,
                                 schedule=config.schedule, microbatches=config.microbatches,
-                                name="update_actor", **actor_loss(config))
+                                name="update_actor", **actor_loss(config), **forward_reference)
         step = OptimizerStep(actor)(collect(stats), lr=config.lr)
         weights.bind(step.weights)
     return attach_evaluation(flow, actor, config)
+
+
+def _check_reference(config: RLConfig) -> None:
+    if not isinstance(config.reference_in_forward, bool):
+        raise ValueError(f"reference_in_forward={config.reference_in_forward!r} is not True or "
+                         "False")
+    if config.reference_in_forward and not config.kl_coef:
+        raise ValueError("reference_in_forward=True, but kl_coef=0: without a KL term no "
+                         "reference is run; give a kl_coef, or drop reference_in_forward")
 
 
 def _check_filter(config: RLConfig) -> None:

@@ -159,7 +159,11 @@ class Backprop(ModelOp):
 
     `microbatch_tokens`: form microbatches of about that many tokens (prompt and response)
     instead of `microbatches` by count, and balance the replicas by tokens [Note: token-budget
-    microbatches in flowkit/runner/token_microbatches.py]."""
+    microbatches in flowkit/runner/token_microbatches.py].
+
+    `reference`: the name of a frozen model of the flow (held whole) whose log-probs of each
+    microbatch's responses the last stage's forward takes for GRPO's KL term, instead of a
+    wired ref_logprobs input [Note: reference in the F in executors/torch/train/rows.py]."""
 
     executor_op = "backprop"
     lowering = "pipeline"
@@ -172,7 +176,8 @@ class Backprop(ModelOp):
     loss_spec = LOSS_SPEC
     item_tokens = "sequence_length"  # Rollout.sequence_length: what microbatch_tokens reads
     config = {"loss": "lm", "schedule": "1f1b", "microbatches": 8, "microbatch_tokens": None,
-              "memory_limit": None, "fuse": None, **ROUND_KNOBS, **LOSS_KNOBS}
+              "memory_limit": None, "fuse": None, "reference": None, **ROUND_KNOBS,
+              **LOSS_KNOBS}
     choices = {"loss": tuple(LOSSES), "kl_kind": (*KL_KINDS, *KL_ALIASES),
                "schedule": tuple(schedule_kinds()), "loss_agg_mode": (None, *LOSS_AGG_MODES),
                "policy_loss": POLICY_LOSSES, "rollout_is": (None, *ROLLOUT_IS_LEVELS),
@@ -195,6 +200,7 @@ class Backprop(ModelOp):
         flags = [_flag_problem(node, key) for key in ("decoupled", "mask_truncated")]
         rounds = 1 if problems else rounds_of(node.config)  # counts checked first
         return (problems + [p for p in flags if p] + _loss_problems(node, rounds)
+                + _reference_problems(self.model, flow, node)
                 + _fuse_problems(self.model, flow, node, rounds)
                 + _token_problems(flow, node, rounds))
 
@@ -350,6 +356,39 @@ def _loss_problems(node: Any, rounds: int) -> list[Problem]:
                     f"{rounds}",
             fix="leave epochs and minibatches at 1, or rollout_is=None"))
     return problems
+
+
+def _reference_problems(model: str, flow: Any, node: Any) -> list[Problem]:
+    """`reference`: a frozen model of the flow, held whole, whose log-probs the last stage's
+    forward takes for GRPO's KL term [Note: reference in the F in executors/torch/train/rows.py],
+    in place of a wired ref_logprobs input."""
+    name = node.config.get("reference")
+    if name is None:
+        return []
+
+    def problem(message: str, fix: str) -> list[Problem]:
+        return [Problem(rule="bad-config", op=node.name, port="reference", message=message,
+                        fix=fix)]
+
+    known = flow.models.get(name) if isinstance(name, str) else None
+    if known is None:
+        return problem(f"reference={name!r} names no model of the flow",
+                       "flow.add_model(reference) and pass its name, e.g. reference='reference'")
+    if name == model:
+        return problem(f"reference={name!r} is the model this backprop trains",
+                       "pass a frozen copy of it (dataflows.models.reference_of)")
+    if node.config.get("loss") != "grpo" or not node.config.get("kl_coef"):
+        return problem(f"reference={name!r}: only loss 'grpo' with kl_coef > 0 reads the "
+                       f"reference in its loss (here loss={node.config.get('loss')!r}, "
+                       f"kl_coef={node.config.get('kl_coef')!r})",
+                       "drop reference, or train with loss='grpo' and a kl_coef")
+    if known.stages != 1:
+        return problem(f"reference {name!r} is cut in {known.stages} stages; the forward runs "
+                       "it whole", "give the reference stages=1")
+    if any(w.dst == node.name and w.dst_port == "ref_logprobs" for w in flow.wires):
+        return problem(f"reference={name!r} and a wired ref_logprobs input both give the "
+                       "reference's log-probs", "wire one of them")
+    return []
 
 
 def _round_problems(model: str, flow: Any, node: Any) -> list[Problem]:

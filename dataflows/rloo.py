@@ -38,6 +38,11 @@ def rloo_flow(config: RLConfig, *, model: Model | None = None, gpt: dict | None 
     if grpo_only:
         raise ValueError(f"{', '.join(grpo_only)}: GRPO's settings (its advantages), which "
                          "rloo_flow's leave-one-out advantages do not take; use grpo_flow")
+    if config.reference_in_forward:
+        raise ValueError("reference_in_forward=True: rloo_flow folds the KL into each sample's "
+                         "rewards before its advantages, so the reference scores every "
+                         "rollout first; only grpo_flow (the KL in its loss) takes it in the "
+                         "forward")
     actor = rl_actor(model, gpt=gpt, stages=config.stages)
     reference = reference_of(actor)
     with Flow("rloo", description=__doc__, max_staleness=config.max_staleness) as flow:

@@ -15,6 +15,9 @@ The actor trains as two data-parallel replicas, one microbatch of 64 samples eac
 two pipeline stages: at 142k parameters each stage's ops cost well over half the whole model's,
 and a pipeline adds hops and a bubble; the replicas' step is 0.87x the stages' (`flowkit bench
 trl --pipeline`, docs/performance.md). A model too large for one executor takes `stages=`.
+The reference's log-probs for the KL term come from the actor's own forward, one batched
+forward of each microbatch (`reference_in_forward`), rather than a scoring op per batch of
+finished samples: 0.87x the step at this size (docs/training.md).
 """
 
 import attrs
@@ -32,7 +35,7 @@ TASK = dict(model=actor, prompts=16, n=8, microbatches=2, schedule="1f1b", max_n
             lr=5e-4, prompt_source=dataset_prompts,
             source_config={"path": "examples/data/arithmetic.jsonl", "tokenizer": WARM},
             reward=exact_match_reward)
-flow = grpo_flow(kl_coef=0.001, **TASK)
+flow = grpo_flow(kl_coef=0.001, reference_in_forward=True, **TASK)
 
 # the recipes (dataflows/recipes.py): `flowkit run examples/qwen2_grpo.py:dapo`, ...
 dapo = dapo_flow(**TASK)

@@ -148,7 +148,10 @@ class GroupRLConfig(RLConfig):
     pass rate of its earlier samples, within a step budget, groups of varying size [Note:
     adaptive sampling in dataflows/rl/adaptive.py]. `shared_prefix` (tree rollouts): "per_leaf",
     a token its leaves share trains once in each leaf, or "once", once in all [Note: tree
-    rollouts' shared prefix in dataflows/rl/trees.py]."""
+    rollouts' shared prefix in dataflows/rl/trees.py]. `reference_in_forward` (GRPO, whose KL
+    term is in the loss): the actor's last stage takes the reference's log-probs in its own
+    forward, one batched forward a microbatch, instead of scoring each rollout as it finishes
+    [Note: reference in the F in executors/torch/train/rows.py]."""
 
     sampling: SamplingConfig = SamplingConfig(n=8)
     scale_rewards: bool = True
@@ -157,6 +160,7 @@ class GroupRLConfig(RLConfig):
     filter_rounds: int = 1
     adaptive: AdaptiveSampling | None = None
     shared_prefix: str = "per_leaf"
+    reference_in_forward: bool = False
 
     @property
     def generated_prompts(self) -> int:

@@ -53,10 +53,12 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
     OpSpec("F", "stage 0: the microbatch's data; a later stage: the activation before it, and "
            "on the last stage the data again, for the loss",
            (*_PIPELINE, "loss_scale", "out_bytes", "last", "tokens", "fused_backward", "offload",
-            "copy_seconds"),
+            "copy_seconds", "reference"),
            "forward; the last stage returns the microbatch's MicrobatchStats (fused_backward: "
            "its backward will be one BW, so it need not prepare a split one; offload: what it "
-           "stashes goes to host memory once it ends, a copy of copy_seconds on the simulator)"),
+           "stashes goes to host memory once it ends, a copy of copy_seconds on the simulator; "
+           "reference: the model spec of a frozen reference whose log-probs the last stage "
+           "takes for the KL term itself)"),
     OpSpec("B", "the gradient of the stage's output (the last stage: its own F's stats)",
            (*_PIPELINE, "out_bytes", "first"), "input gradients; stashes what W needs"),
     OpSpec("W", "the stage's B output, only to be ordered after it",

@@ -89,6 +89,8 @@ class NodePlan:
     loss_spec: LossSpec | None = None  # what it trains with
     scores: bool = False  # may run in training executors' bubbles (ModelOp.scores)
     item_tokens: str | None = None  # its lead input items' field of their tokens
+    # a backprop's frozen reference, run in its last stage's forward (config "reference")
+    reference: Model | None = None
 
     def items_per_call(self) -> int:
         """How many items each call yields, as its fan-out declares (else one)."""
@@ -129,6 +131,7 @@ def _plan_node(flow: Flow, node: Node, wires: list[Wire]) -> NodePlan:
                         fan_out=operator.fan_out, resumable=operator.resumable,
                         loss_spec=operator.loss_spec, scores=operator.scores,
                         item_tokens=operator.item_tokens,
+                        reference=flow.models.get(node.config.get("reference") or ""),
                         **{**common, "tags": common["tags"] or tuple(model.tags)})
     target = operator.target if isinstance(operator, FunctionOp) else None
     fn = getattr(operator, "fn", None)

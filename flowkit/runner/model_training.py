@@ -339,7 +339,8 @@ class ModelTraining:
         submitters = []
         for replica, schedule in enumerate(schedules):
             config_for = self.dp.early_reduce(schedule, pipeline_config(
-                base, spec, sizes[replica::count], plan.config, plan.loss_spec, total=sum(sizes)),
+                base, spec, sizes[replica::count], plan.config, plan.loss_spec, total=sum(sizes),
+                reference=plan.reference),
                 schedules)
 
             def on_submit(action: Action, future: Any, replica: int = replica) -> None:

@@ -39,16 +39,19 @@ def model_spec(model: Model, num_stages: int) -> dict:
 
 
 def pipeline_config(base: Callable[[Action], dict], spec: dict, sizes: Sequence[int],
-                    extra: dict, loss_spec: LossSpec | None, *, total: int | None = None
-                    ) -> Callable[[Action], dict]:
+                    extra: dict, loss_spec: LossSpec | None, *, total: int | None = None,
+                    reference: Model | None = None) -> Callable[[Action], dict]:
     """Each action's config: the simulator's cost keys, the model, stage and microbatch, the
     loss `extra` names and its knobs (as the backprop's `loss_spec` says: none without one),
     and on the last stage's F the scale of its loss: for a loss that is a mean per token the
     microbatch's share of the batch, so that the microbatches' gradients add up to the whole
     batch's (gradient accumulation); 1 for a loss in sum form, which the optimizer step
     normalizes instead. `total`: the items of the whole batch when `sizes` are one replica's
-    share of it [Note: replicas in flowkit/runner/replicas.py]."""
+    share of it [Note: replicas in flowkit/runner/replicas.py]. `reference`: a frozen model
+    whose log-probs that F takes for the KL term [Note: reference in the F in
+    executors/torch/train/rows.py]."""
     total = max(1, sum(sizes) if total is None else total)
+    ref_spec = None if reference is None else model_spec(reference, 1)
     last = spec["stages"] - 1
     keep = loss_spec.settings(extra) if loss_spec is not None else {}
     summed = loss_spec is not None and loss_spec.summed(extra)
@@ -58,6 +61,8 @@ def pipeline_config(base: Callable[[Action], dict], spec: dict, sizes: Sequence[
                   "microbatch": action.microbatch}
         if action.kind is Kind.F and action.stage == last:
             config["loss_scale"] = 1.0 if summed else sizes[action.microbatch] / total
+            if ref_spec is not None:
+                config["reference"] = ref_spec
         return config
 
     return config_for

@@ -88,6 +88,7 @@ def test_the_bench_runs_the_examples_flows_with_their_settings(tmp_path, monkeyp
     assert (setup.lr, setup.weight_decay, setup.betas, setup.clip_grad_norm) == (
         step["lr"], step["weight_decay"], tuple(step["betas"]), step["clip_grad_norm"])
     assert update["kl_kind"] == "k3" and update["microbatches"] == setup.microbatches
+    assert update["reference"] == ("reference" if setup.reference_in_forward else None)
 
 
 def _settings(config: dict) -> dict:

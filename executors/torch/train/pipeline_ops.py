@@ -19,7 +19,13 @@ from executors.optable import OpContext, OpTable
 from executors.torch.device import device_clock
 from executors.torch.errors import StageError
 from executors.torch.layout_free import fill_optimizer
-from executors.torch.models.built import export_weights, held_model, load_weights, save_weights
+from executors.torch.models.built import (
+    export_weights,
+    held_model,
+    load_weights,
+    save_weights,
+    whole_model,
+)
 from executors.torch.train import fsdp, fsdp_ops, replicas
 from executors.torch.train.flops import model_flops
 from executors.torch.train.fsdp_state import load_named_states, states_by_name
@@ -27,7 +33,13 @@ from executors.torch.train.held_stage import HeldStage, held_stage
 from executors.torch.train.memory import keep_freed_memory
 from executors.torch.train.replicas import all_reduce_grads, broadcast_shards, owned
 from executors.torch.train.rl_loss import RL_LOSSES, RLLoss, RLSettings, records
-from executors.torch.train.rows import activation, experience_rows, lm_rows, sent
+from executors.torch.train.rows import (
+    activation,
+    experience_rows,
+    lm_rows,
+    reference_forward,
+    sent,
+)
 from executors.torch.train.rows import tokens_of as _tokens
 from executors.torch.train.stage import StageRunner
 from flowkit.ops.records import MicrobatchStats, microbatch_stats, step_report
@@ -73,9 +85,10 @@ def _forward(ctx: OpContext, *inputs: Any, stage: int, stages: int, microbatch: 
     if held.fsdp is not None:  # the step's first F makes the stage whole again
         fsdp.gather(held.fsdp)
     _prefetch(ctx, config, stages, prefetch, track_memory, skip=(stage, microbatch))
+    reference = whole_model(ctx, config["reference"]) if config.get("reference") else None
     out = _forward_on(held, inputs, stage=stage, stages=stages, microbatch=microbatch,
                       loss_scale=loss_scale, loss=loss, split=not fused_backward,
-                      offload=bool(offload), config=config)
+                      offload=bool(offload), config=config, reference=reference)
     # the copy's time is the simulator's; a prefetch listed after its own forward: as it ends
     del copy_seconds
     if [stage, microbatch] in [[int(p[0]), int(p[1])] for p in prefetch or ()]:
@@ -84,14 +97,18 @@ def _forward(ctx: OpContext, *inputs: Any, stage: int, stages: int, microbatch: 
 
 
 def _forward_on(held: HeldStage, inputs: tuple, *, stage: int, stages: int, microbatch: int,
-                loss_scale: float, loss: str, split: bool, offload: bool, config: dict) -> Any:
+                loss_scale: float, loss: str, split: bool, offload: bool, config: dict,
+                reference: torch.nn.Module | None = None) -> Any:
     first, last = stage == 0, stage == stages - 1
     packing = bool(config.get("packing"))
     if loss in RL_LOSSES:
         return _rl_forward(held, inputs, first=first, last=last, microbatch=microbatch,
                            loss_scale=float(loss_scale),
                            settings=RLSettings.from_config(loss, config), split=split,
-                           offload=offload, packing=packing)
+                           offload=offload, packing=packing, reference=reference)
+    if reference is not None:
+        raise StageError(f"loss {loss!r} reads no reference: only an RL loss with a KL term "
+                         "takes the reference's log-probs in its forward")
     x, positions = (None, None) if first else activation(inputs[0])
     if first or last:
         read, targets, positions = lm_rows(_tokens(inputs[0] if first else inputs[-1]), packing)
@@ -118,12 +135,14 @@ def _count_rows(held: HeldStage, ids: torch.Tensor) -> None:
 
 def _rl_forward(held: HeldStage, inputs: tuple, *, first: bool, last: bool, microbatch: int,
                 loss_scale: float, settings: RLSettings, split: bool = True,
-                offload: bool = False, packing: bool = False) -> Any:
+                offload: bool = False, packing: bool = False,
+                reference: torch.nn.Module | None = None) -> Any:
     """F under an RL loss. Inputs: (experiences[, reference scores]) on stage 0, the
     activation on a middle stage, (activation, experiences[, reference scores]) on the last;
     the last stage returns the microbatch's mean loss per response token, and its token count
     as the normalizer of the summed loss it backpropagates (responses with tokens for the
-    seq-mean aggregation modes)."""
+    seq-mean aggregation modes). `reference`: the last stage runs this whole model on the
+    microbatch's rows for the KL term's log-probs [Note: reference in the F]."""
     data = inputs if first else inputs[1:]
     experiences = records(data[0]) if data else []
     x, positions = (None, None) if first else activation(inputs[0])
@@ -138,7 +157,13 @@ def _rl_forward(held: HeldStage, inputs: tuple, *, first: bool, last: bool, micr
         return sent(held.runner.forward(microbatch, *args, split=split, offload=offload),
                     positions)
     refs = records(data[1]) if len(data) > 1 else []
-    rl_loss = RLLoss(experiences, refs, settings, held.runner.device, layout=layout)
+    if reference is not None and refs:
+        raise StageError("the reference's log-probs come both from the ref_logprobs input and "
+                         "from the forward's own reference: wire one of them")
+    reference_logits = None if reference is None else \
+        lambda: reference_forward(reference, ids, positions)
+    rl_loss = RLLoss(experiences, refs, settings, held.runner.device, layout=layout,
+                     reference=reference_logits)
     out = held.runner.forward(microbatch, *args, rl_loss, loss_scale, split=split,
                               offload=offload)
     summed = rl_loss.settle(out) / loss_scale  # one transfer of its statistics a microbatch

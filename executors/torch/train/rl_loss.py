@@ -20,7 +20,7 @@ serves them all.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -150,7 +150,8 @@ class RLLoss:
     executors/torch/models/packing.py]; without one, experience i is row i."""
 
     def __init__(self, experiences: Sequence[Any], refs: Sequence[Any], settings: RLSettings,
-                 device: torch.device, *, layout: Any = None) -> None:
+                 device: torch.device, *, layout: Any = None,
+                 reference: Callable[[], torch.Tensor] | None = None) -> None:
         _check_agg(settings)
         self.settings = settings
         self.values: dict[str, float] = {}  # token means the loss reports besides itself
@@ -189,7 +190,11 @@ class RLLoss:
             if any(getattr(e, "token_weights", ()) for e in exps) else None
         self.columns = {name: padded(_per_token(exps, name), torch.float64)
                         for name in _PER_TOKEN_FIELDS[self.kind]}
-        if settings.uses_reference:
+        if settings.uses_reference and reference is not None:  # [Note: reference in the F]
+            with torch.no_grad():
+                self.columns["ref_logprobs"] = self._picked_logprobs(reference()).gather(
+                    -1, self.tokens_at[..., None]).squeeze(-1).to(torch.float64)
+        elif settings.uses_reference:
             self.columns["ref_logprobs"] = padded(_reference_logprobs(exps, refs, settings),
                                                   torch.float64)
 
@@ -224,13 +229,10 @@ class RLLoss:
         """Each response token's loss (B, R): the policy loss, plus kl_coef x the KL to the
         reference, minus entropy_coeff x the token's entropy."""
         s = self.settings
-        # float32 at least: a bf16 log-softmax is too coarse for a ratio that starts at 1
-        dtype = torch.promote_types(logits.dtype, torch.float32)
+        dtype = torch.promote_types(logits.dtype, torch.float32)  # as _picked_logprobs's
         col = {k: v.to(dtype) for k, v in self.columns.items()}
         mask = self.mask.to(dtype)
-        picked = logits[self.rows, self.positions]  # (B, R, V)
-        temperature = s.temperature if s.temperature > 0 else 1.0  # greedy records 1
-        every = F.log_softmax(picked.to(dtype) / temperature, dim=-1)  # (B, R, V)
+        every = self._picked_logprobs(logits)  # (B, R, V)
         logp = every.gather(-1, self.tokens_at[..., None]).squeeze(-1)  # (B, R)
         losses = self._policy_term(logp, col, mask)
         if s.uses_reference:
@@ -243,6 +245,15 @@ class RLLoss:
                 entropy = torch.stack([entropy_from_logprobs(row) for row in every])
         self._pending["entropy"] = _token_mean(entropy, mask)
         return losses, mask
+
+    def _picked_logprobs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The vocabulary's log-probabilities (B, R, V) where each response token was
+        predicted, at the sampler's temperature, in float32 at least: a bf16 log-softmax is
+        too coarse for a ratio that starts at 1."""
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        picked = logits[self.rows, self.positions]  # (B, R, V)
+        temperature = self.settings.temperature if self.settings.temperature > 0 else 1.0
+        return F.log_softmax(picked.to(dtype) / temperature, dim=-1)  # greedy records 1
 
     def _policy_term(self, logp: torch.Tensor, col: dict, mask: torch.Tensor) -> torch.Tensor:
         """The clipped policy loss per token. Against the records' log-probs (the sampler's,

@@ -16,10 +16,13 @@ from typing import Any
 
 import torch
 
+from executors.torch.errors import StageError
+from executors.torch.models.built import evaluating
 from executors.torch.models.packing import Packing, packed_rows
 from executors.torch.train.rl_loss import records, sequence_ids
 
-__all__ = ["activation", "experience_rows", "lm_rows", "sent", "split_tokens", "tokens_of"]
+__all__ = ["activation", "experience_rows", "lm_rows", "reference_forward", "sent", "split_tokens",
+           "tokens_of"]
 
 
 def tokens_of(value: Any) -> torch.Tensor:
@@ -85,3 +88,23 @@ def activation(value: Any) -> tuple[Any, torch.Tensor | None]:
 def sent(out: Any, positions: torch.Tensor | None) -> Any:
     """What a stage sends the next: its output, with the positions of packed rows."""
     return out if positions is None else (out, positions)
+
+
+# [Note: reference in the F] With Backprop's `reference` (grpo_flow's reference_in_forward), the
+# last stage's F takes the KL term's reference log-probs itself: the frozen reference, held
+# whole on that executor, runs the microbatch's own rows (no autograd) just before the actor's
+# forward, and the loss reads them where it reads the actor's. A LogProbs op instead scores
+# rollouts as they finish, in forwards of a fixed shape per width (batch-invariant, [Note:
+# batch-invariant forwards in executors/torch/rollout/infer.py]) that small batches pad: on
+# the README's Qwen2 GRPO those calls took about 30 % of each executor (py-spy) and the step
+# ran 0.230 s against 0.175 s without a reference. The price: these scores depend on which
+# rows share the microbatch to rounding, as the actor's own log-probs do.
+def reference_forward(model: torch.nn.Module, ids: torch.Tensor,
+                      positions: torch.Tensor | None) -> torch.Tensor:
+    """The reference's logits (B, T, V) over the microbatch's rows [Note: reference in the F]."""
+    with evaluating(model):
+        out = model(ids) if positions is None else model(ids, None, positions)
+    if out.dim() != 3 or out.size(-1) < 2:
+        raise StageError(f"the reference must be a language model whose forward returns logits "
+                         f"(B, T, V); it returned shape {tuple(out.shape)}")
+    return out

@@ -1,0 +1,112 @@
+"""The reference in the actor's forward [Note: reference in the F in
+executors/torch/train/rows.py]: GRPO with `reference_in_forward` trains the parameters of the
+same run with the reference's log-probs scored by a LogProbs op, in float64, on a 2-stage
+pipeline (the reference whole on the last stage's executor), on two replicas and with packed
+rows; and no LogProbs op runs. Settings that cannot work are refused before anything starts."""
+
+import attrs
+import pytest
+import torch
+
+from dataflows.grpo import grpo_flow
+from dataflows.model_ops import Backprop, LogProbs
+from dataflows.models import reference_of
+from dataflows.rloo import rloo_flow
+from flowkit.dsl import Flow, FlowError
+from flowkit.planner.lower import lower_flow
+from flowkit.runner.flowrun import FlowRunner
+from flowkit.runner.setup import with_training_options
+from tests.harness import tiny_gpt
+from tests.torch.helpers import assert_same_training
+from tests.torch.rl_ops import even_token_reward
+
+TINY = {**tiny_gpt(), "dtype": "float64", "seed": 3}
+SETTINGS = dict(prompts=4, n=3, microbatches=2, max_new_tokens=12, lr=1e-2, gpt=TINY,
+                reward=even_token_reward, kl_coef=0.05, schedule="1f1b")
+LAYOUTS = {"stages": dict(stages=2), "replicas": dict(stages=1), "packed": dict(stages=2)}
+
+
+def _flow(layout: str, in_forward: bool) -> Flow:
+    flow = grpo_flow(reference_in_forward=in_forward, **{**SETTINGS, **LAYOUTS[layout]})
+    # every token's gradient counts: the KL term's reference log-probs reach the update
+    flow.nodes["update_actor"].config["clip_ratio"] = 10.0
+    if layout == "packed":
+        for key, model in flow.models.items():
+            flow.models[key] = attrs.evolve(model, packing=True)
+    if layout == "replicas":
+        flow = with_training_options(flow, stages=None, microbatches=None, schedule=None,
+                                     replicas=2)
+    return flow
+
+
+def _train(pool, tmp_path, layout: str, *, in_forward: bool) -> tuple[dict, list, list]:
+    tags = [("train",), ("train",), ("rollout",)]
+    ran = []
+
+    def listen(event, payload):
+        if event == "task_submitted":
+            ran.append((payload["task"].meta or {}).get("node"))
+
+    with pool.shared(3, kind="torch", tags=tags) as (ctl, _):
+        ctl.add_listener(listen)
+        try:
+            runner = FlowRunner(ctl, lower_flow(_flow(layout, in_forward)))
+            reports = [runner.run_step(step) for step in range(2)]
+            paths = runner.save_weights(tmp_path / f"{layout}-{in_forward}")
+        finally:
+            ctl.remove_listener(listen)
+    return {p.name: torch.load(p, weights_only=True) for p in paths}, reports, ran
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_reference_in_the_forward_trains_as_the_scored_one(pool, tmp_path, layout):
+    scored, scored_reports, scored_ran = _train(pool, tmp_path, layout, in_forward=False)
+    fused, fused_reports, fused_ran = _train(pool, tmp_path, layout, in_forward=True)
+    assert "ref_logprobs" in scored_ran and "ref_logprobs" not in fused_ran
+    assert_same_training(scored, fused, scored_reports, fused_reports)
+
+
+def test_a_reference_without_a_kl_term_is_refused():
+    with pytest.raises(ValueError, match="kl_coef=0"):
+        grpo_flow(reference_in_forward=True, **{**SETTINGS, "kl_coef": 0.0})
+
+
+def test_rloo_refuses_the_reference_in_the_forward():
+    with pytest.raises(ValueError, match="only grpo_flow"):
+        rloo_flow(reference_in_forward=True, **SETTINGS)
+
+
+def _backprop_flow(reference, *, loss="grpo", kl_coef=0.05, wired=False, stages=1) -> None:
+    """A GRPO-shaped flow whose Backprop names `reference`."""
+    from flowkit.dsl import Model, Stream, op
+    from flowkit.ops.records import Experience, Rollout
+
+    @op
+    def experiences(*, step: int = 0) -> Stream[Experience]:
+        yield from ()
+
+    actor = Model(name="actor", build="executors.torch.models.gpt:GPT", config=TINY)
+    frozen = attrs.evolve(reference_of(actor), stages=stages)
+    with Flow("bad") as flow:
+        flow.add_model(frozen)
+        items = experiences()
+        refs = {}
+        if wired:
+            @op
+            def rollouts(*, step: int = 0) -> Stream[Rollout]:
+                yield from ()
+            refs = {"ref_logprobs": LogProbs(frozen)(rollouts())}
+        Backprop(actor)(items, loss=loss, kl_coef=kl_coef, reference=reference, **refs)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(reference="critic"), "names no model of the flow"),
+    (dict(reference="actor"), "is the model this backprop trains"),
+    (dict(reference="reference", loss="ppo"), "only loss 'grpo' with kl_coef > 0"),
+    (dict(reference="reference", kl_coef=0.0), "only loss 'grpo' with kl_coef > 0"),
+    (dict(reference="reference", stages=2), "the forward runs it whole"),
+    (dict(reference="reference", wired=True), "both give the reference's log-probs"),
+])
+def test_a_backprop_reference_that_cannot_work_is_refused(kwargs, message):
+    with pytest.raises(FlowError, match=message):
+        _backprop_flow(**kwargs)
