@@ -436,9 +436,12 @@ def loggers(json_out: Path | None) -> None:
 @click.option("--pipeline", is_flag=True,
               help="Also run flowkit with the actor in 2 pipeline stages (1F1B, 4 microbatches) "
               "on the same executors: the layout against the example's replicas.")
+@click.option("--scored-reference", is_flag=True,
+              help="Also run flowkit with the reference's log-probs scored by a LogProbs op "
+              "instead of in the actor's forward (the example's reference_in_forward).")
 @_json_option
 def trl(steps: int, seeds: int, warm_steps: int, threads: int, trl_threads: int | None,
-        pipeline: bool, json_out: Path | None) -> None:
+        pipeline: bool, scored_reference: bool, json_out: Path | None) -> None:
     """flowkit's GRPO beside TRL's GRPOTrainer on the Qwen2 example.
 
     Same model, data, reward and settings, on this CPU, one after the other. Needs the trl
@@ -452,7 +455,8 @@ def trl(steps: int, seeds: int, warm_steps: int, threads: int, trl_threads: int 
     figures = _bench_function("trl", "run_trl_bench")(steps=steps, seeds=seeds,
                                                        warm_steps=warm_steps, threads=threads,
                                                        trl_threads=trl_threads,
-                                                       pipeline=pipeline)
+                                                       pipeline=pipeline,
+                                                       scored_reference=scored_reference)
     Console().print(_trl_table(figures))
     if json_out is not None:
         with writing(json_out):
@@ -473,8 +477,10 @@ def _trl_table(figures: dict) -> Any:
                   f"{threads['trl']}")
     for column in ("seed", "side", "s/step", "wall s", "reward, last 10", "flowkit / TRL"):
         table.add_column(column, justify="left" if column == "side" else "right")
-    names = {"flowkit": "flowkit", "flowkit_pipeline": "flowkit, 2 stages", "trl": "TRL"}
-    ratios = {"flowkit": "step_ratio", "flowkit_pipeline": "pipeline_step_ratio"}
+    names = {"flowkit": "flowkit", "flowkit_pipeline": "flowkit, 2 stages",
+             "flowkit_scored": "flowkit, ref op", "trl": "TRL"}
+    ratios = {"flowkit": "step_ratio", "flowkit_pipeline": "pipeline_step_ratio",
+              "flowkit_scored": "scored_step_ratio"}
     rows = [(str(run["seed"]), run) for run in figures["runs"]] + [("all", figures)]
     for seed, where in rows:
         for side in [name for name in names if name in where]:

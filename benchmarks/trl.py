@@ -101,11 +101,13 @@ PIPELINE = {"stages": 2, "replicas": 1, "microbatches": 4}
 
 def run_trl_bench(*, steps: int = 40, seeds: int = 3, warm_steps: int = 600, threads: int = 1,
                   trl_threads: int | None = None, setup: GRPOSetup | None = None,
-                  pipeline: bool = False) -> dict:
+                  pipeline: bool = False, scored_reference: bool = False) -> dict:
     """`steps` GRPO steps per side and seed (seeds 0 .. seeds - 1) after a `warm_steps` warm-up;
     the figures of the module's docstring. `trl_threads`: None, the cores of flowkit's
-    executors together. `pipeline`: a third side, flowkit with the actor in `PIPELINE`'s two
-    stages (1F1B) on the same two executors, its ratio to TRL as `pipeline_step_ratio`."""
+    executors together. `pipeline`: another side, flowkit with the actor in `PIPELINE`'s two
+    stages (1F1B) on the same two executors, its ratio to TRL as `pipeline_step_ratio`.
+    `scored_reference`: another, flowkit with the reference's log-probs scored by a LogProbs op
+    rather than in the actor's forward (the example's), as `scored_step_ratio`."""
     trl_version = require_trl()
     if steps < 2:
         raise ValueError(f"the bench measures the steps after the first: needs >= 2, got {steps}")
@@ -117,7 +119,8 @@ def run_trl_bench(*, steps: int = 40, seeds: int = 3, warm_steps: int = 600, thr
         **attrs.asdict(setup), "steps": steps, "seeds": seeds,
         "threads": {"flowkit_executors": FLOWKIT_EXECUTORS, "flowkit_per_executor": threads,
                     "trl": trl_threads}, "pipeline": PIPELINE if pipeline else None,
-        **_versions(trl_version)}}
+        "scored_reference": scored_reference, **_versions(trl_version)}}
+    scored = attrs.evolve(setup, reference_in_forward=False)
     with (tempfile.TemporaryDirectory(prefix="flowkit-bench-trl-") as tmp,
           _quiet_transformers()):
         folder = Path(tmp)
@@ -133,6 +136,9 @@ def run_trl_bench(*, steps: int = 40, seeds: int = 3, warm_steps: int = 600, thr
             if pipeline:
                 sides["flowkit_pipeline"] = lambda s=seed: _flowkit_side(
                     setup, warm, steps, s, threads, layout=PIPELINE)
+            if scored_reference:
+                sides["flowkit_scored"] = lambda s=seed: _flowkit_side(
+                    scored, warm, steps, s, threads)
             order = list(sides) if seed % 2 == 0 else list(reversed(sides))
             run = {"seed": seed, "order": order, **{name: sides[name]() for name in order}}
             run.update(_ratios(run))
@@ -246,12 +252,17 @@ def _side(start: float, ends: list[float], end: float, rewards: list[float]) -> 
             "reward_curve": rewards}
 
 
+SIDES = ("flowkit", "trl", "flowkit_pipeline", "flowkit_scored")
+
+
 def _ratios(figures: dict) -> dict:
-    """flowkit's step_s over TRL's (and the pipeline side's, where it ran)."""
+    """flowkit's step_s over TRL's (and each other flowkit side's, where it ran: the
+    pipeline's as pipeline_step_ratio, the scored reference's as scored_step_ratio)."""
     out = {"step_ratio": figures["flowkit"]["step_s"] / figures["trl"]["step_s"]}
-    if "flowkit_pipeline" in figures:
-        out["pipeline_step_ratio"] = (figures["flowkit_pipeline"]["step_s"]
-                                      / figures["trl"]["step_s"])
+    for side in SIDES[2:]:
+        if side in figures:
+            out[f"{side.removeprefix('flowkit_')}_step_ratio"] = (
+                figures[side]["step_s"] / figures["trl"]["step_s"])
     return out
 
 
@@ -259,7 +270,7 @@ def _over_seeds(runs: list[dict]) -> dict:
     """Per side the median step_s over seeds, the mean of reward_last10 and the mean curve;
     the ratios of the medians."""
     out: dict[str, Any] = {}
-    for side in [name for name in runs[0] if name in ("flowkit", "trl", "flowkit_pipeline")]:
+    for side in [name for name in runs[0] if name in SIDES]:
         curves = [run[side]["reward_curve"] for run in runs]
         out[side] = {"step_s": statistics.median(run[side]["step_s"] for run in runs),
                      "wall_s": statistics.median(run[side]["wall_s"] for run in runs),

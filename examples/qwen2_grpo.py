@@ -17,7 +17,7 @@ and a pipeline adds hops and a bubble; the replicas' step is 0.87x the stages' (
 trl --pipeline`, docs/performance.md). A model too large for one executor takes `stages=`.
 The reference's log-probs for the KL term come from the actor's own forward, one batched
 forward of each microbatch (`reference_in_forward`), rather than a scoring op per batch of
-finished samples: 0.87x the step at this size (docs/training.md).
+finished samples: 0.81x the step at this size (docs/rl.md).
 """
 
 import attrs

@@ -19,9 +19,11 @@ def test_both_sides_run_the_steps_asked_and_report_curves_and_times(tmp_path):
     pytest.importorskip("trl", reason="the trl extra: pip install -e '.[trl]'")
     out = tmp_path / "figures.json"
     result = CliRunner().invoke(main, ["bench", "trl", "--steps", "2", "--seeds", "1",
-                                       "--warm-steps", "1", "--pipeline", "--json", str(out)])
+                                       "--warm-steps", "1", "--pipeline", "--scored-reference",
+                                       "--json", str(out)])
     assert result.exit_code == 0, result.output
     assert "flowkit / TRL" in result.output and "flowkit, 2 stages" in result.output
+    assert "flowkit, ref op" in result.output
     figures = json.loads(out.read_text())
     assert figures["setup"]["steps"] == 2 and figures["setup"]["trl"]
     # the same cores: TRL's process as many threads as flowkit's executors together
@@ -29,9 +31,10 @@ def test_both_sides_run_the_steps_asked_and_report_curves_and_times(tmp_path):
                                            "trl": 2}
     assert figures["warm_up"]["steps"] == 1 and figures["warm_up"]["wall_s"] > 0
     (run,) = figures["runs"]
-    assert run["seed"] == 0 and sorted(run["order"]) == ["flowkit", "flowkit_pipeline", "trl"]
+    assert run["seed"] == 0 and sorted(run["order"]) == ["flowkit", "flowkit_pipeline",
+                                                         "flowkit_scored", "trl"]
     for where in (run, figures):
-        for side in ("flowkit", "flowkit_pipeline", "trl"):
+        for side in ("flowkit", "flowkit_pipeline", "flowkit_scored", "trl"):
             got = where[side]
             assert len(got["reward_curve"]) == 2
             assert all(0.0 <= reward <= 1.0 for reward in got["reward_curve"])
@@ -40,7 +43,10 @@ def test_both_sides_run_the_steps_asked_and_report_curves_and_times(tmp_path):
         assert where["step_ratio"] == where["flowkit"]["step_s"] / where["trl"]["step_s"]
         assert where["pipeline_step_ratio"] == (where["flowkit_pipeline"]["step_s"]
                                                 / where["trl"]["step_s"])
+        assert where["scored_step_ratio"] == (where["flowkit_scored"]["step_s"]
+                                              / where["trl"]["step_s"])
     assert run["flowkit"]["steps"] == run["flowkit_pipeline"]["steps"] == run["trl"]["steps"] == 2
+    assert run["flowkit_scored"]["steps"] == 2
     assert 0.0 <= figures["reward_curve_gap"] <= 1.0
 
 
