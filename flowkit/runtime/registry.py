@@ -27,6 +27,8 @@ class ExecutorInfo:
     last_seen: float = 0.0
     alive: bool = True
     outstanding: int = 0  # tasks sent and not yet completed
+    # their expected seconds [Note: placement by load in flowkit/runtime/dispatch.py]
+    expected_s: float = 0.0
     # task id -> when it was submitted (monotonic), oldest first: who may be stuck in a long op.
     # Ordered, not a dict: tasks leave from the front, and a dict walks every entry removed
     # from its front to find its first until it resizes (1.5 us a look with 20k in flight).
@@ -70,6 +72,8 @@ class TaskRecord:
     window: int | None = None  # streaming: items it may run ahead [Note: stream credits]
     credited: int = 0  # streaming with a window: items credited back to it
     handled_by_caller: bool = False  # its items count as handled when the caller says so
+    kind: tuple = ()  # (op, node), what its span teaches; () a stream's (it teaches none)
+    expect: float = 0.0  # the seconds its executor's expected_s counts for it
 
 
 @attrs.define(eq=False)
