@@ -114,8 +114,10 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
            "pause, resume or abort the rollout engine(s) here; abort returns the requests' "
            "unfinished samples as interrupted Rollouts: the count, or with `requests` (the "
            "generate requests to abort, by name) [samples, tokens] cut"),
-    OpSpec("profile_stage", "a microbatch like the ones to come", (*_STAGE, "repeats"),
-           "median seconds of F, B, W, BW: the planner's costs"),
+    OpSpec("profile_stage", "a microbatch like the ones to come",
+           (*_STAGE, "repeats", "reference"),
+           "median seconds of F, B, W, BW: the planner's costs (reference: the last stage's F "
+           "runs that model's forward too, as F does)"),
     OpSpec("export_weights", "anything, only to be ordered after it", _STAGE,
            "a stage's weights by the unsplit model's names"),
     OpSpec("load_weights", "export_weights dicts and weights versions",

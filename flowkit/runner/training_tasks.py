@@ -69,13 +69,19 @@ def pipeline_config(base: Callable[[Action], dict], spec: dict, sizes: Sequence[
 
 
 def profile_stages(ctl: Controller, executors: Sequence[ExecutorInfo], placement: Placement,
-                   spec: dict, sample: Any, *, lane: Lane, timeout: float = 600.0) -> Costs:
+                   spec: dict, sample: Any, *, lane: Lane, timeout: float = 600.0,
+                   reference: Model | None = None) -> Costs:
     """Per-stage F, B, W seconds measured on the executors that will run each stage, on a
-    microbatch like `sample` (the executors' `profile_stage` op), as the planner's costs."""
-    futures = []
+    microbatch like `sample` (the executors' `profile_stage` op), as the planner's costs; the
+    last stage's F with `reference`'s forward in it [Note: reference in the F in
+    executors/torch/train/rows.py]."""
+    futures, last = [], placement.num_stages - 1
     for stage in range(placement.num_stages):
         device = placement.device_of(stage)
-        futures.append(ctl.submit("profile_stage", sample, config={**spec, "stage": stage},
+        config = {**spec, "stage": stage}
+        if reference is not None and stage == last:
+            config["reference"] = model_spec(reference, 1)
+        futures.append(ctl.submit("profile_stage", sample, config=config,
                                   executor=executors[device].id, lane=device_lane(lane, device),
                                   meta={"node": "profile", "stage": stage}))
     wait(futures, timeout=timeout)

@@ -91,7 +91,8 @@ class TrainingSchedules:
                 training.profiles[key] = profile_stages(
                     training.ctl, training.replica(0), placement,
                     model_spec(training.model, placement.num_stages), sample(),
-                    lane=training.lane_for(0), timeout=training.timeout)
+                    lane=training.lane_for(0), timeout=training.timeout,
+                    reference=plan.reference)
             except RemoteError as exc:
                 raise FlowRunError(f"step {training.step}: profiling model "
                                    f"{training.model.name!r} failed: {exc}") from exc

@@ -45,7 +45,10 @@ def _train(pool, tmp_path, layout: str, *, in_forward: bool) -> tuple[dict, list
 
     def listen(event, payload):
         if event == "task_submitted":
-            ran.append((payload["task"].meta or {}).get("node"))
+            task = payload["task"]
+            ran.append((task.meta or {}).get("node"))
+            if task.op == "profile_stage":  # the planner's costs: the last F with the reference
+                ran.append(("profiled", task.config["stage"], "reference" in task.config))
 
     with pool.shared(3, kind="torch", tags=tags) as (ctl, _):
         ctl.add_listener(listen)
@@ -63,6 +66,9 @@ def test_the_reference_in_the_forward_trains_as_the_scored_one(pool, tmp_path, l
     scored, scored_reports, scored_ran = _train(pool, tmp_path, layout, in_forward=False)
     fused, fused_reports, fused_ran = _train(pool, tmp_path, layout, in_forward=True)
     assert "ref_logprobs" in scored_ran and "ref_logprobs" not in fused_ran
+    last = LAYOUTS[layout]["stages"] - 1
+    assert {r for r in fused_ran if isinstance(r, tuple)} == {
+        ("profiled", stage, stage == last) for stage in range(last + 1)}
     assert_same_training(scored, fused, scored_reports, fused_reports)
 
 
@@ -110,3 +116,30 @@ def _backprop_flow(reference, *, loss="grpo", kl_coef=0.05, wired=False, stages=
 def test_a_backprop_reference_that_cannot_work_is_refused(kwargs, message):
     with pytest.raises(FlowError, match=message):
         _backprop_flow(**kwargs)
+
+
+def test_the_profile_of_the_last_stage_times_the_reference_in_its_forward(monkeypatch):
+    """The planner's F of the last stage is the actor's forward and the reference's."""
+    from dataflows.models import GPT_BUILD
+    from executors.optable import OpContext, OpTable
+    from executors.torch.train import pipeline_ops
+
+    config = {k: v for k, v in TINY.items() if k not in ("seed", "dtype")}
+    spec = {"model": "actor", "build": GPT_BUILD, "seed": 3, "dtype": "float64",
+            "model_config": config}
+    reference = {**spec, "model": "reference", "stages": 1}
+    ran = []
+    real = pipeline_ops.reference_forward
+    monkeypatch.setattr(pipeline_ops, "reference_forward",
+                        lambda model, ids, positions: ran.append(ids.shape) or real(
+                            model, ids, positions))
+    table = OpTable()
+    pipeline_ops.register(table)
+    ctx = OpContext(name="profiled", device="cpu", tags=())
+    sample = torch.randint(0, TINY["vocab_size"], (4, 9))
+    for stage in (0, 1):
+        times = table.get("profile_stage")(ctx, sample, stage=stage, stages=2, repeats=2,
+                                           **spec, reference=reference)
+        assert set(times) == {"F", "B", "W", "BW"} and times["F"] > 0
+    assert ran == [(4, 8)] * 3  # the last stage's only: a warm-up and 2 timed
+

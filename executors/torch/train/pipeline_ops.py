@@ -577,6 +577,7 @@ def _measured(ctx: OpContext, sample: Any, *, stage: int, stages: int, repeats: 
     # same stages on the same tokens, and at the head a log-softmax over the vocabulary too.
     x, targets, positions = lm_rows(_tokens(sample).to(model.device),
                                     bool(config.get("packing")))
+    ids = x
     packed = () if positions is None else (None, positions)  # as its microbatches run
     with torch.no_grad():
         for s in range(stage):
@@ -593,7 +594,23 @@ def _measured(ctx: OpContext, sample: Any, *, stage: int, stages: int, repeats: 
                 if rep:
                     times[kind].append(seconds)
     held_stage(ctx, {**config, "stage": stage, "stages": stages}).module.zero_grad(set_to_none=True)
-    return {kind: statistics.median(values) for kind, values in times.items()}
+    medians = {kind: statistics.median(values) for kind, values in times.items()}
+    if last and config.get("reference"):  # [Note: reference in the F]: its forward is F's
+        medians["F"] += _reference_seconds(whole_model(ctx, config["reference"]), ids,
+                                           positions, runner.device, repeats)
+    return medians
+
+
+def _reference_seconds(model: torch.nn.Module, ids: torch.Tensor,
+                       positions: torch.Tensor | None, device: torch.device,
+                       repeats: int) -> float:
+    """Median seconds of the reference's forward on a microbatch's rows (the first warms up)."""
+    clock, spent = device_clock(device), []
+    for _ in range(repeats + 1):
+        start = clock()
+        reference_forward(model, ids, positions)
+        spent.append(clock() - start)
+    return statistics.median(spent[1:])
 
 
 def _profile_once(runner: StageRunner, key: Any, args: list, *, fused: bool,
