@@ -57,10 +57,12 @@ def test_pipeline_pretraining_resumed_gives_the_same_losses_and_parameters(tmp_p
 
 
 @pytest.mark.slow
-def test_grpo_on_torch_executors_resumed_gives_the_same_curve_and_parameters(tmp_path):
+@pytest.mark.parametrize("flow", [GRPO, f"{GRPO}:reference_in_forward"])
+def test_grpo_on_torch_executors_resumed_gives_the_same_curve_and_parameters(tmp_path, flow):
     # --no-fuse: microbatches are cut in the items' order, not as they arrive, so the run is
-    # bit-reproducible (fused, the gradient's float64 sum depends on arrival order)
-    straight, resumed = _straight_and_resumed(tmp_path, GRPO, "--executors", "torch",
+    # bit-reproducible (fused, the gradient's float64 sum depends on arrival order); the
+    # reference in the forward is held on the last stage's executor and checkpointed there
+    straight, resumed = _straight_and_resumed(tmp_path, flow, "--executors", "torch",
                                               "--no-fuse", steps=4, stop=2)
     keys = ("loss", "reward_mean", "response_length_mean")
     assert _curve(resumed, *keys) == _curve(straight, *keys)

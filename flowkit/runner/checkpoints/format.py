@@ -93,9 +93,11 @@ def flow_identity(name: str, plan: list[NodePlan]) -> dict:
 
 def flow_models(plan: list[NodePlan]) -> dict[str, dict]:
     """Each model's spec as the flow declares it: what a resumed executor builds its models
-    from (executors/torch/state.py), never a checkpoint file's."""
-    return {node.model.name: model_spec(node.model, node.model.stages)
-            for node in plan if node.model is not None}
+    from (executors/torch/state.py), never a checkpoint file's. A backprop's reference is one
+    (its last stage holds it [Note: reference in the F in executors/torch/train/rows.py])."""
+    models = [model for node in plan for model in (node.model, node.reference)
+              if model is not None]
+    return {model.name: model_spec(model, model.stages) for model in models}
 
 
 def run_record(run_id: str, identity: dict) -> dict:

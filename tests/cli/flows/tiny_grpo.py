@@ -12,6 +12,12 @@ TINY_GPT = {"vocab_size": 128, "block_size": 32, "n_layer": 2, "n_head": 2, "n_e
 flow = grpo_flow(prompts=4, n=4, stages=2, microbatches=2, schedule="1f1b", max_new_tokens=6,
                  kl_coef=0.001, lr=1e-2, gpt=TINY_GPT, prompt_source=sort_prompts,
                  reward=sort_reward, source_config={"digits": 3})
+# `:reference_in_forward`: the reference's log-probs in the actor's last F [Note: reference in
+# the F in executors/torch/train/rows.py], the reference held there and checkpointed with it
+reference_in_forward = grpo_flow(prompts=4, n=4, stages=2, microbatches=2, schedule="1f1b",
+                                 max_new_tokens=6, kl_coef=0.001, lr=1e-2, gpt=TINY_GPT,
+                                 prompt_source=sort_prompts, reward=sort_reward,
+                                 source_config={"digits": 3}, reference_in_forward=True)
 
 # Adaptive sampling [Note: adaptive sampling in dataflows/rl/adaptive.py]: `:adaptive_at_n`
 # gives every prompt the flow's n (the fixed flow's samples and update); `:adaptive` spreads
