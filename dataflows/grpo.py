@@ -63,6 +63,10 @@ def _check_reference(config: RLConfig) -> None:
     if config.reference_in_forward and not config.kl_coef:
         raise ValueError("reference_in_forward=True, but kl_coef=0: without a KL term no "
                          "reference is run; give a kl_coef, or drop reference_in_forward")
+    if config.reference_in_forward and config.reference_tags:
+        raise ValueError(f"reference_in_forward=True runs the reference on the actor's last "
+                         f"stage, so reference_tags={config.reference_tags!r} would place "
+                         "nothing: drop one of them")
 
 
 def _check_filter(config: RLConfig) -> None:

@@ -385,6 +385,10 @@ def _reference_problems(model: str, flow: Any, node: Any) -> list[Problem]:
     if known.stages != 1:
         return problem(f"reference {name!r} is cut in {known.stages} stages; the forward runs "
                        "it whole", "give the reference stages=1")
+    if any(isinstance(n.operator, Backprop) and n.operator.model == name
+           for n in flow.nodes.values()):
+        return problem(f"reference {name!r} is trained in this flow, and the copy the forward "
+                       "holds would never see its updates", "give a frozen model")
     if any(w.dst == node.name and w.dst_port == "ref_logprobs" for w in flow.wires):
         return problem(f"reference={name!r} and a wired ref_logprobs input both give the "
                        "reference's log-probs", "wire one of them")

@@ -13,7 +13,7 @@ mean reward rises from about 0.15:
 
 The actor trains as two data-parallel replicas, one microbatch of 64 samples each, rather than
 two pipeline stages: at 142k parameters each stage's ops cost well over half the whole model's,
-and a pipeline adds hops and a bubble; the replicas' step is 0.87x the stages' (`flowkit bench
+and a pipeline adds hops and a bubble; the replicas' step is 0.76x the stages' (`flowkit bench
 trl --pipeline`, docs/performance.md). A model too large for one executor takes `stages=`.
 The reference's log-probs for the KL term come from the actor's own forward, one batched
 forward of each microbatch (`reference_in_forward`), rather than a scoring op per batch of

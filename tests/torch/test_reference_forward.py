@@ -77,12 +77,18 @@ def test_a_reference_without_a_kl_term_is_refused():
         grpo_flow(reference_in_forward=True, **{**SETTINGS, "kl_coef": 0.0})
 
 
+def test_reference_tags_with_the_reference_in_the_forward_are_refused():
+    with pytest.raises(ValueError, match="would place nothing"):
+        grpo_flow(reference_in_forward=True, reference_tags=("rollout",), **SETTINGS)
+
+
 def test_rloo_refuses_the_reference_in_the_forward():
     with pytest.raises(ValueError, match="only grpo_flow"):
         rloo_flow(reference_in_forward=True, **SETTINGS)
 
 
-def _backprop_flow(reference, *, loss="grpo", kl_coef=0.05, wired=False, stages=1) -> None:
+def _backprop_flow(reference, *, loss="grpo", kl_coef=0.05, wired=False, stages=1,
+                   trained=False) -> None:
     """A GRPO-shaped flow whose Backprop names `reference`."""
     from flowkit.dsl import Model, Stream, op
     from flowkit.ops.records import Experience, Rollout
@@ -103,6 +109,8 @@ def _backprop_flow(reference, *, loss="grpo", kl_coef=0.05, wired=False, stages=
                 yield from ()
             refs = {"ref_logprobs": LogProbs(frozen)(rollouts())}
         Backprop(actor)(items, loss=loss, kl_coef=kl_coef, reference=reference, **refs)
+        if trained:
+            Backprop(frozen)(experiences(), loss="grpo", kl_coef=kl_coef, name="update_ref")
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -112,6 +120,7 @@ def _backprop_flow(reference, *, loss="grpo", kl_coef=0.05, wired=False, stages=
     (dict(reference="reference", kl_coef=0.0), "only loss 'grpo' with kl_coef > 0"),
     (dict(reference="reference", stages=2), "the forward runs it whole"),
     (dict(reference="reference", wired=True), "both give the reference's log-probs"),
+    (dict(reference="reference", trained=True), "would never see its updates"),
 ])
 def test_a_backprop_reference_that_cannot_work_is_refused(kwargs, message):
     with pytest.raises(FlowError, match=message):
