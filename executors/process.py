@@ -615,6 +615,7 @@ class Executor:
             return time.time() - start + sum(self._run(task) for task in tasks)
         end = time.time()
         for task, outputs in zip(tasks, shares_of(tasks, results)):
+            task.busy = (end - start) / len(tasks)  # [Note: placement by load] each its share
             self._complete(task, outputs, end)
         return end - start
 
@@ -633,7 +634,8 @@ class Executor:
             if isinstance(result, Deferred):  # it completes later [Note: deferred ops]
                 result.bind(_DeferredSink(self, task))
                 self.deferred[task.spec.id] = (task, result)
-                return time.time() - start
+                task.busy = time.time() - start  # what it held [Note: placement by load]
+                return task.busy
             if task.spec.items is not None:  # the items' outputs [Note: batched tasks]
                 outputs = result
             else:
@@ -807,10 +809,12 @@ class Executor:
         for object_id, value in pairs:
             self._store(object_id, value)
         # described when sent: packing them to learn their size can wait for the flush
-        self.completions.append({"task": spec.id, "ok": True, "start": task.start, "end": end,
-                                 "outputs": pairs,
-                                 "report_key": spec.report_key, "trace_key": spec.trace_key,
-                                 "streamed": task.streamed})
+        done = {"task": spec.id, "ok": True, "start": task.start, "end": end, "outputs": pairs,
+                "report_key": spec.report_key, "trace_key": spec.trace_key,
+                "streamed": task.streamed}
+        if task.busy is not None:  # [Note: placement by load in flowkit/runtime/dispatch.py]
+            done["busy"] = task.busy
+        self.completions.append(done)
 
     def _complete_failed(self, task_id: int, error: str, tb: str, *,
                          start: float = 0.0) -> None:

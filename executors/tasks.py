@@ -29,7 +29,7 @@ class Task:
     pipeline schedule's per-device order is a lane."""
 
     __slots__ = ("spec", "fn", "missing", "plain", "streamed", "start", "results", "answered",
-                 "credited")
+                 "credited", "busy")
 
     def __init__(self, spec: TaskSpec, fn: Any) -> None:
         self.spec, self.fn = spec, fn
@@ -42,6 +42,9 @@ class Task:
         self.answered = 0
         self.start = 0.0
         self.credited = 0  # a streaming task's items the controller credited back
+        # seconds it held the op thread, when not its span: a deferred op's, a merged share
+        # [Note: placement by load in flowkit/runtime/dispatch.py]
+        self.busy: float | None = None
 
     def object_ids(self) -> list[int]:
         if self.plain:

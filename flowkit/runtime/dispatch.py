@@ -289,7 +289,7 @@ class Dispatcher:
                 executor.outstanding -= 1
                 inflight.pop(task.id, None)
                 task.start, task.end = item.get("start", 0.0), item.get("end", 0.0)
-                self._learned(task, executor)
+                self._learned(task, executor, item)
                 if ok:
                     self._complete(task, executor, outputs)
                 else:
@@ -566,13 +566,16 @@ class Dispatcher:
             self._maybe_free(record)
 
     # -- placement, routing, freeing -----------------------------------------------------------
-    def _learned(self, task: TaskRecord, executor: ExecutorInfo) -> None:
+    def _learned(self, task: TaskRecord, executor: ExecutorInfo, item: dict) -> None:
         """`task` completed: its executor's expected seconds without it, and what its kind
-        takes [Note: placement by load]."""
+        takes when it succeeded: the seconds it held its executor's op thread, its span unless
+        the executor says otherwise (`busy`: a deferred op, a share of a merged call) [Note:
+        placement by load]."""
         executor.expected_s = max(0.0, executor.expected_s - task.expect) \
             if executor.outstanding else 0.0
-        took = task.end - task.start
-        if task.kind and 0.0 <= took < _LONGEST_EXPECTED_S:
+        busy = item.get("busy")
+        took = busy if type(busy) in (float, int) else task.end - task.start
+        if task.kind and item.get("ok") is True and 0.0 <= took < _LONGEST_EXPECTED_S:
             typical = self._typical.get(task.kind)
             self._typical[task.kind] = took if typical is None else typical + 0.25 * (
                 took - typical)
@@ -746,14 +749,14 @@ _NEVER = float("inf")  # an executor with nothing in flight: its oldest task is 
 
 
 # [Note: placement by load] A task no one pinned goes to the least loaded executor: its tasks
-# outstanding, plus the seconds they are expected to take (each kind, (op, node), what it took
-# before, an average) in units of _TASK_S, so that a 40 ms forward weighs as 9 tasks and ops of
-# microseconds as the tasks they are; a stream counts as one task (generation yields to other
-# tasks between its iterations). Counting tasks alone put a group's advantages (1 ms) behind a
-# replica's 30 ms backward on the README's Qwen2 GRPO while the other executor held two 1 ms
-# rewards, and the step waited. 20 traced steps of it: rewards and advantages that waited over
-# 20 ms 5 of 206, against 11 of 211; the step 0.98x (3 alternating pairs, 40 steps: 1.05, 0.93,
-# 0.95, within noise); `flowkit bench scale --samples 16384` within noise of before.
+# outstanding, plus the seconds they are expected to take in units of _TASK_S (each kind, (op,
+# node), what it held the executor's op thread before, an average; a deferred op or a merged
+# call's share says what), so that a 40 ms forward weighs as 9 tasks and ops of microseconds as
+# the tasks they are; a stream counts as one task. Counting tasks alone put a group's
+# advantages (1 ms) behind a replica's 30 ms backward on the README's Qwen2 GRPO while the other
+# executor held two 1 ms rewards, and the step waited. 20 traced steps of it: rewards and
+# advantages that waited over 20 ms 5 of 206, against 11 of 211; the step 0.98x (3 alternating
+# pairs, 40 steps: 1.05, 0.93, 0.95, within noise); `flowkit bench scale` within noise.
 _TASK_S = 0.005
 _LONGEST_EXPECTED_S = 60.0  # a longer span is a stall, not what its kind takes
 
