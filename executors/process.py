@@ -320,6 +320,8 @@ class Executor:
             if busy:
                 self._step_background()
             self._flush_completions()
+            # after the completions went out: a collection must not hold them back
+            promote_new_imports()  # [Note: imports promoted] in flowkit/wire/collection.py
 
     def _drain(self, sock: zmq.Socket, *, peer: bool, ready: bool = False,
                all_queued: bool = False) -> None:
@@ -563,7 +565,6 @@ class Executor:
                 self.watch.send_now = True
             partners = self._merging(task)  # [Note: merged tasks] in executors/tasks.py
             took = self._run_merged([task, *partners]) if partners else self._run(task)
-            promote_new_imports()  # [Note: imports promoted] in flowkit/wire/collection.py
             self.typical_op_s += 0.2 * (took - self.typical_op_s)
             if task.spec.lane is not None:
                 self._leave_lane(task)
