@@ -571,8 +571,7 @@ class Dispatcher:
         takes when it succeeded: the seconds it held its executor's op thread, its span unless
         the executor says otherwise (`busy`: a deferred op, a share of a merged call) [Note:
         placement by load]."""
-        executor.expected_s = max(0.0, executor.expected_s - task.expect) \
-            if executor.outstanding else 0.0
+        _unqueued(executor, task)
         busy = item.get("busy")
         took = busy if type(busy) in (float, int) else task.end - task.start
         if task.kind and item.get("ok") is True and 0.0 <= took < _LONGEST_EXPECTED_S:
@@ -692,8 +691,7 @@ class Dispatcher:
     def _cancel_on_executor(self, task: TaskRecord) -> None:
         executor = self._executors[task.executor]
         executor.outstanding -= 1
-        executor.expected_s = max(0.0, executor.expected_s - task.expect) \
-            if executor.outstanding else 0.0
+        _unqueued(executor, task)
         executor.inflight.pop(task.id, None)
         if executor.alive:
             self._send(executor, Msg.CANCEL, {"tasks": [task.id]})
@@ -759,6 +757,13 @@ _NEVER = float("inf")  # an executor with nothing in flight: its oldest task is 
 # pairs, 40 steps: 1.05, 0.93, 0.95, within noise); `flowkit bench scale` within noise.
 _TASK_S = 0.005
 _LONGEST_EXPECTED_S = 60.0  # a longer span is a stall, not what its kind takes
+
+
+def _unqueued(executor: ExecutorInfo, task: TaskRecord) -> None:
+    """`executor`'s expected seconds without `task` (its outstanding count already is): none
+    once nothing is outstanding, so rounding never adds up [Note: placement by load]."""
+    executor.expected_s = max(0.0, executor.expected_s - task.expect) \
+        if executor.outstanding else 0.0
 
 
 def _oldest(executor: ExecutorInfo) -> float:

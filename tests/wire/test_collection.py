@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import weakref
 
@@ -73,7 +74,7 @@ def test_what_an_import_made_leaves_the_young_generation_once(tmp_path, monkeypa
     assert id(fresh_module_for_promotion.TABLES) not in young
     assert not young & {id(t) for t in fresh_module_for_promotion.TABLES}
     assert not promote_new_imports()
-    monkeypatch.delitem(__import__("sys").modules, "fresh_module_for_promotion")
+    monkeypatch.delitem(sys.modules, "fresh_module_for_promotion")
 
 
 def test_a_threshold_set_during_the_run_is_kept() -> None:

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from executors.torch.errors import StageError
 from executors.torch.models.built import evaluating
 from executors.torch.models.packing import Packing, packed_rows
+from executors.torch.rollout import lm
 from executors.torch.train.rl_loss import records, sequence_ids
 
 __all__ = ["activation", "experience_rows", "lm_rows", "reference_forward", "sent", "split_tokens",
@@ -105,7 +105,4 @@ def reference_forward(model: torch.nn.Module, ids: torch.Tensor,
     """The reference's logits (B, T, V) over the microbatch's rows [Note: reference in the F]."""
     with evaluating(model):
         out = model(ids) if positions is None else model(ids, None, positions)
-    if out.dim() != 3 or out.size(-1) < 2:
-        raise StageError(f"the reference must be a language model whose forward returns logits "
-                         f"(B, T, V); it returned shape {tuple(out.shape)}")
-    return out
+    return lm.logits_of(out, "the reference in the forward")
