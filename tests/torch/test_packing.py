@@ -207,7 +207,7 @@ def test_rows_pack_first_fit_by_decreasing_length():
     assert not alone.packed and alone.places == ((0, 0), (1, 0), (2, 0))
 
 
-def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size, enable_gqa):
+def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size, enable_gqa=False):
     """What torch's varlen flash kernel computes, segment by segment on the CPU."""
     assert window_size == (-1, 0) and torch.equal(cu_q, cu_k) and max_q == max_k
     assert max_q == int((cu_q[1:] - cu_q[:-1]).max())
@@ -230,6 +230,27 @@ def test_the_varlen_plumbing_equals_the_block_mask(kv_heads):
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=packed.mask(),
                                           enable_gqa=kv_heads != 4)
     got = packed.varlen(q, k, v, _reference_varlen)
+    assert (got - want).abs().max().item() < 1e-12
+
+
+def _varlen_of_torch_2_11(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False):
+    """A kernel with an older signature: causal by a flag, no grouped-query heads (torch 2.11's
+    varlen_attn, which the GPU machine's torch has, takes no `enable_gqa`)."""
+    assert is_causal and k.size(1) == q.size(1), "grouped heads reach a kernel that has none"
+    return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(-1, 0))
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_a_varlen_kernel_without_grouped_heads_gets_them_repeated(kv_heads):
+    layout = pack([5, 9, 3, 2, 7, 1])
+    positions = layout.positions(torch.device("cpu"))
+    B, T = positions.shape
+    q = torch.randn(B, 4, T, 8, dtype=torch.float64)
+    k, v = (torch.randn(B, kv_heads, T, 8, dtype=torch.float64) for _ in range(2))
+    packed = BlockCausal(positions)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=packed.mask(),
+                                          enable_gqa=kv_heads != 4)
+    got = packed.varlen(q, k, v, _varlen_of_torch_2_11)
     assert (got - want).abs().max().item() < 1e-12
 
 

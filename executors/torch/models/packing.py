@@ -175,6 +175,13 @@ class BlockCausal:
         def tokens(t: torch.Tensor) -> torch.Tensor:  # (B, h, T, hs) -> (B*T, h, hs)
             return t.transpose(1, 2).reshape(B * T, t.size(1), hs)
 
-        y = kernel(tokens(q), tokens(k), tokens(v), cu, cu, longest, longest,
-                   window_size=(-1, 0), enable_gqa=k.size(1) != nh)
+        k, v = tokens(k), tokens(v)
+        takes = inspect.signature(kernel).parameters
+        causal = {"window_size": (-1, 0)} if "window_size" in takes else {"is_causal": True}
+        if k.size(1) != nh and "enable_gqa" not in takes:
+            # torch before 2.13 has no `enable_gqa`: each key/value head serves its query group
+            k, v = (t.repeat_interleave(nh // t.size(1), dim=1) for t in (k, v))
+        elif k.size(1) != nh:
+            causal["enable_gqa"] = True
+        y = kernel(tokens(q), k, v, cu, cu, longest, longest, **causal)
         return y.reshape(B, T, nh, hs).transpose(1, 2)
