@@ -17,6 +17,7 @@ def register(table) -> None:
     from executors.torch.train import pipeline_ops
 
     device.configure_tf32()  # fp32 matmuls on CUDA as TF32, unless FLOWKIT_TF32=0
+    device.configure_attention()  # [Note: no cuDNN attention] in executors/torch/device.py
     table.on_op_end(device.synchronize_op)  # [Note: device time] in executors/torch/device.py
     pipeline_ops.register(table)
     table.register("save_state", state.save_state)

@@ -1,6 +1,6 @@
 """What the torch executor does about its device beyond running ops on it: waits for its queued
 kernels where a time is read [Note: device time], sets fp32 matmuls to TF32 on CUDA, and knows
-the device's peak FLOP/s for MFU.
+the device's peak FLOP/s for MFU, and keeps cuDNN's attention out of SDPA on CUDA.
 
 [Note: device time] CUDA kernels run asynchronously: a clock read when an op returns measures
 the launches, not the work (and the next op then waits for this one's kernels, so its time is
@@ -28,10 +28,12 @@ import torch
 
 from flowkit.ops.peak import PEAK_TFLOPS_ENV, peak_override
 
-__all__ = ["PEAK_TFLOPS_ENV", "TF32_ENV", "build_target", "building_on", "configure_tf32",
+__all__ = ["CUDNN_ATTENTION_ENV", "PEAK_TFLOPS_ENV", "TF32_ENV", "build_target", "building_on",
+           "configure_attention", "configure_tf32",
            "cuda_device", "device_clock", "peak_flops", "synchronize_op", "to_device"]
 
 TF32_ENV = "FLOWKIT_TF32"
+CUDNN_ATTENTION_ENV = "FLOWKIT_CUDNN_ATTENTION"
 
 
 def cuda_device(device: str | torch.device) -> str | None:
@@ -73,6 +75,21 @@ def configure_tf32(environ: Mapping[str, str] = os.environ) -> bool:
     # torch.get_float32_matmul_precision, which inductor calls, with it)
     torch.backends.cuda.matmul.allow_tf32 = enabled
     torch.backends.cudnn.allow_tf32 = enabled
+    return enabled
+
+
+# [Note: no cuDNN attention] On a Hopper GPU torch's SDPA picks cuDNN's attention first, and
+# cuDNN builds a graph for every new shape of q, k and v. A rollout's decode step attends over
+# keys one longer than the last step's, and packed or padded microbatches change width every
+# step, so nearly every call builds one. On an H200 (Qwen2.5-0.5B's shape in bf16, 64 rows,
+# 128 new tokens) the engine took 97 ms a decode step with it and 26-29 ms without, and HF
+# generate 8.2 s against 2.4 s (`bash tools/gpu/device_check.sh`, qwen05b_attention_backend).
+# Flash and memory-efficient attention compile nothing at run time.
+def configure_attention(environ: Mapping[str, str] = os.environ) -> bool:
+    """Leave cuDNN out of SDPA's choices [Note: no cuDNN attention], unless
+    FLOWKIT_CUDNN_ATTENTION=1. Returns whether cuDNN attention is on."""
+    enabled = environ.get(CUDNN_ATTENTION_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+    torch.backends.cuda.enable_cudnn_sdp(enabled)
     return enabled
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executors.torch.device import configure_tf32, peak_flops
+from executors.torch.device import configure_attention, configure_tf32, peak_flops
 
 
 def _cuda_flags() -> tuple[bool, bool]:
@@ -54,3 +54,16 @@ def test_a_cpu_has_no_peak_unless_one_is_set():
     assert peak_flops("cuda:0", {"FLOWKIT_PEAK_TFLOPS": "100"}, name=lambda d: "H100") == 1e14
     with pytest.raises(ValueError, match="FLOWKIT_PEAK_TFLOPS='fast' is not a positive number"):
         peak_flops("cpu", {"FLOWKIT_PEAK_TFLOPS": "fast"})
+
+
+@pytest.mark.parametrize("env, enabled", [({}, False), ({"FLOWKIT_CUDNN_ATTENTION": "0"}, False),
+                                          ({"FLOWKIT_CUDNN_ATTENTION": "1"}, True)])
+def test_cudnn_attention_is_off_unless_asked_for(env, enabled):
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        assert configure_attention(env) is enabled
+        assert torch.backends.cuda.cudnn_sdp_enabled() is enabled
+        # flash and memory-efficient attention stay where they were
+        assert torch.backends.cuda.flash_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
