@@ -242,6 +242,59 @@ def test_loading_one_stage_into_a_split_sets_only_that_stage():
     _assert_same(weights.merge(_export(ctx, 2)), weights.merge([e0, e1]))
 
 
+# -- one host buffer [Note: one host buffer in executors/torch/weights.py] ------------------------
+def _mixed_tensors() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(3, 5, generator=g),
+            torch.randn(7, generator=g).to(torch.bfloat16),
+            torch.randint(0, 9, (2, 3), generator=g),
+            torch.randn(4, 6, generator=g).t(),  # not contiguous
+            torch.zeros(0, 4),
+            torch.tensor(2.5, dtype=torch.float64),
+            torch.tensor([True, False, True])]
+
+
+def test_host_views_copy_every_tensor_into_one_aligned_buffer():
+    tensors = _mixed_tensors()
+    views = weights.host_views(tensors, pinned=False)
+    base = views[0].untyped_storage().data_ptr()
+    spans = []
+    for t, v in zip(tensors, views):
+        assert v.dtype == t.dtype and v.shape == t.shape and torch.equal(v, t)
+        assert v.untyped_storage().data_ptr() == base and v.is_contiguous()  # one buffer
+        if v.numel() == 0:  # an empty tensor has no address
+            continue
+        assert (v.data_ptr() - base) % 64 == 0
+        spans.append((v.data_ptr(), v.data_ptr() + v.numel() * v.element_size()))
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # in order, no overlap
+    tensors[0].add_(1.0)  # copies, not the sources
+    assert not torch.equal(views[0], tensors[0])
+
+
+def test_a_checkpoint_of_one_buffers_views_loads_back_equal(tmp_path):
+    model = seeded_gpt(tiny_gpt())
+    lay = weights.layout(model)
+    params = [p.detach() for p in model.parameters()]
+    views = dict(zip([lay.names[0][n] for n, _ in model.named_parameters()],
+                     weights.host_views(params, pinned=False)))
+    path = weights.save_checkpoint(tmp_path / "actor.pt", views)
+    fresh = seeded_gpt(tiny_gpt(), seed=1)
+    weights.load_checkpoint(fresh, path)
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_an_export_of_a_cpu_module_with_one_buffer_is_plain_copies():
+    model = seeded_gpt(tiny_gpt())
+    lay = weights.layout(model)
+    plain = weights.export(model, lay.names[0])
+    one = weights.export(model, lay.names[0], one_buffer=True)
+    assert plain.keys() == one.keys()
+    assert all(torch.equal(plain[k], one[k]) for k in plain)
+    storages = {t.untyped_storage().data_ptr() for t in one.values()}
+    assert len(storages) == len({id(p) for p in model.parameters()})  # tied: one copy
+
+
 # -- checkpoints ------------------------------------------------------------------------------
 def test_a_checkpoint_of_the_exports_starts_every_holder_from_it(tmp_path):
     trainer = op_context()

@@ -336,7 +336,7 @@ def export_weights(ctx: OpContext, *_: Any, stage: int, stages: int, model: str,
                          "steps (FSDP): every replica gathers it first (fsdp_gather), as the "
                          "runner does before an export")
     return weights.export(held.parts[int(stage)], held.layout.check().names[int(stage)],
-                          trained_only=held.lora is not None)
+                          trained_only=held.lora is not None, one_buffer=True)
 
 
 def save_weights(ctx: OpContext, *exports: Any, path: str, spec: dict | None = None) -> str:
