@@ -53,6 +53,17 @@ class FakeLLM:
     def __init__(self) -> None:
         self.requests: dict[str, dict] = {}
         self.added, self.aborted, self.resets, self.reloads = [], [], [], []
+        self.asleep: set[str] = set()  # what vLLM's sleep mode has discarded
+        self.calls: list = []  # sleeps and wakes, in order
+
+    def sleep(self, level=1):
+        assert not self.requests, "vLLM sleeps with no request running"
+        self.asleep = {"weights", "kv_cache"} if level >= 2 else {"kv_cache"}
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.asleep -= set(tags or ("weights", "kv_cache"))
+        self.calls.append(("wake", tuple(tags or ())))
 
     def add_request(self, rid, prompt, params):
         self.requests[rid] = {"tokens": list(prompt["prompt_token_ids"]), "params": params,
@@ -60,6 +71,7 @@ class FakeLLM:
         self.added.append((rid, list(prompt["prompt_token_ids"]), params))
 
     def step(self):
+        assert not self.asleep, f"a step with its {sorted(self.asleep)} asleep"
         out = []
         for rid, r in list(self.requests.items()):
             token = (r["tokens"][-1] + 1) % 50
@@ -80,6 +92,7 @@ class FakeLLM:
         self.aborted += ids
 
     def reset_prefix_cache(self, reset_running_requests=False):
+        assert "kv_cache" not in self.asleep, "the prefix cache reset while the cache sleeps"
         self.resets.append(reset_running_requests)
 
     def collective_rpc(self, fn):
@@ -95,6 +108,7 @@ class _Worker:
         return self
 
     def reload_weights(self, weights_iterator):
+        assert "weights" not in self.llm.asleep, "weights loaded into discarded memory"
         self.llm.reloads.append({name: t.clone() for name, t in weights_iterator})
 
     def get_model(self):
@@ -306,6 +320,72 @@ def test_a_failing_engine_fails_its_requests_and_refuses_more(setup):
         _run(engine, [Prompt(prompt_id=0, tokens=[1])])
     with pytest.raises(StageError, match="failed earlier"):
         engine.submit([Prompt(prompt_id=0, tokens=[1])], _sampling(), 1)
+
+
+# -- sleep mode [Note: vLLM sleeps beside a trainer] -------------------------------------------
+def test_an_idle_engine_beside_a_trainer_sleeps_and_wakes_with_the_held_weights(setup):
+    engine, model, held, llm = setup
+    trains = {"now": True}
+    engine.sleeps = lambda: trains["now"]
+    first = _run(engine, [Prompt(prompt_id=0, tokens=[1])], eos=None)
+    assert llm.calls == [("sleep", 2)] and engine.asleep  # idle once its request finished
+    assert engine.stats["sleeps"] == 1
+    held.version = 4  # the colocated trainer's step, while vLLM sleeps
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    assert not engine.sync_weights()  # nothing is loaded into a sleeping engine
+    second = _run(engine, [Prompt(prompt_id=0, tokens=[1])], eos=None)
+    # weights woken, loaded from the held model, then the cache: vLLM's RLHF order
+    assert llm.calls == [("sleep", 2), ("wake", ("weights",)), ("wake", ("kv_cache",)),
+                         ("sleep", 2)]
+    assert torch.equal(llm.reloads[-1]["weight"], model.weight)
+    assert first[0].versions == [-1] * 4 and second[0].versions == [4] * 4
+    assert second[0].response_tokens == first[0].response_tokens
+
+
+def test_an_engine_that_trains_nothing_here_never_sleeps(setup):
+    engine, _, _, llm = setup  # the default: no trainer beside it
+    _run(engine, [Prompt(prompt_id=0, tokens=[1])], eos=None)
+    _run(engine, [Prompt(prompt_id=1, tokens=[2])], eos=None)
+    assert llm.calls == [] and not engine.asleep and len(llm.reloads) == 1
+
+
+def test_a_busy_engine_does_not_sleep_between_its_requests(setup):
+    engine, _, _, llm = setup
+    engine.sleeps = lambda: True
+    a = engine.submit([Prompt(prompt_id=0, tokens=[1])], _sampling(eos=None, max_new_tokens=2), 1)
+    b = engine.submit([Prompt(prompt_id=1, tokens=[2])], _sampling(eos=None, max_new_tokens=6), 1)
+    boxes = [{}, {}]
+    a.bind(_Sink(boxes[0]))
+    b.bind(_Sink(boxes[1]))
+    while engine.busy():
+        engine.step()
+        if "done" in boxes[0] and "done" not in boxes[1]:
+            assert not engine.asleep  # b still runs
+    assert llm.calls == [("sleep", 2)] and len(boxes[1]["done"][0].response_tokens) == 6
+
+
+def test_sleep_mode_is_asked_of_vllm_on_a_gpu_unless_turned_off(monkeypatch):
+    args = dict(folder="m", dtype="bfloat16", device="cuda:0", seed=3, max_batch=16,
+                logprobs_mode="processed_logprobs")
+    assert engine_args(**args)["enable_sleep_mode"]
+    monkeypatch.setenv("FLOWKIT_VLLM_SLEEP", "0")
+    assert not engine_args(**args)["enable_sleep_mode"]
+    assert "enable_sleep_mode" not in engine_args(**{**args, "device": "cpu"})
+
+
+def test_an_executor_trains_here_once_a_stage_of_a_held_model_trains():
+    from executors.torch.rollout.vllm_engine import trains_here
+
+    class Ctx:
+        state: dict = {}
+
+    ctx = Ctx()
+    assert not trains_here(ctx)
+    ctx.state = {"torch_models": {("actor", 1): attrs.make_class("H", ["stages"])({})}}
+    assert not trains_here(ctx)  # held to generate with only
+    ctx.state["torch_models"][("actor", 1)].stages = {0: object()}
+    assert trains_here(ctx)
 
 
 def test_a_sampler_another_log_prob_mode_serves_is_refused(setup):

@@ -33,7 +33,8 @@ from executors.torch.rollout.turns import Agent, EnvCalls, Episode, step_episode
 from flowkit.ops.records import Rollout, samples_of
 from flowkit.ops.rollout_engines import vllm_logprobs_mode, vllm_problems
 
-__all__ = ["VLLMEngine", "engine_args", "sampling_params", "vllm_engine_of", "weights_fingerprint"]
+__all__ = ["VLLMEngine", "engine_args", "sampling_params", "trains_here", "vllm_engine_of",
+           "weights_fingerprint"]
 
 
 # [Note: vLLM engine] One vllm LLMEngine per generating model on an executor, its engine core in
@@ -59,12 +60,21 @@ __all__ = ["VLLMEngine", "engine_args", "sampling_params", "vllm_engine_of", "we
 # continued request here does. Branching by entropy needs each token's whole-vocabulary entropy,
 # which vLLM does not return: refused (flowkit/ops/rollout_engines.py).
 
+# [Note: vLLM sleeps beside a trainer] vLLM takes its share of a GPU for weights and KV cache
+# when it starts (FLOWKIT_VLLM_GPU_MEMORY, half by default) and keeps it. On an executor that
+# also trains a model (colocated), an idle engine puts vLLM to sleep at level 2, its weights
+# and KV cache handed back to the GPU for the training ops; the next request wakes the weights,
+# reloads them from the held model (they changed with the step anyway, and a copy on the GPU
+# costs little) and then the KV cache. A rollout-only executor never sleeps: a wake within a
+# step would only cost it. Sleep mode is CUDA's (vLLM's allocator maps the memory itself): on a
+# CPU nothing sleeps; FLOWKIT_VLLM_SLEEP=0 turns it off. As verl runs a colocated vLLM.
 _MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # a GPU's share vLLM takes for weights and KV cache: a colocated trainer needs the rest
 GPU_MEMORY_ENV = "FLOWKIT_VLLM_GPU_MEMORY"
 # on a CPU, the KV cache's MiB (vLLM would otherwise reserve a share of the host's memory and
 # refuse to start when other processes hold it)
 CPU_KV_CACHE_ENV = "FLOWKIT_VLLM_KV_CACHE_MIB"
+SLEEP_ENV = "FLOWKIT_VLLM_SLEEP"  # 0: vLLM keeps its GPU memory, idle or not
 _IDLE_WAIT_S = 0.001  # a step with only environments to wait for waits this long
 
 
@@ -79,9 +89,15 @@ def engine_args(*, folder: str, dtype: str, device: str, seed: int, max_batch: i
             "enforce_eager": not on_gpu}  # CUDA graphs on a GPU; nothing to capture on a CPU
     if on_gpu:
         args["gpu_memory_utilization"] = float(os.environ.get(GPU_MEMORY_ENV, "0.5"))
+        args["enable_sleep_mode"] = sleep_mode()  # [Note: vLLM sleeps beside a trainer]
     else:
         args["kv_cache_memory_bytes"] = int(os.environ.get(CPU_KV_CACHE_ENV, "256")) << 20
     return args
+
+
+def sleep_mode() -> bool:
+    """Whether vLLM starts with its sleep mode on a GPU [Note: vLLM sleeps beside a trainer]."""
+    return os.environ.get(SLEEP_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def sampling_params(sampling: Sampling, *, seed: int, max_tokens: int) -> dict[str, Any]:
@@ -126,9 +142,16 @@ def vllm_engine_of(ctx: OpContext, held: Any, config: dict[str, Any], *, max_bat
             whole, folder=str(model_config["path"]), version=lambda: held.version,
             device=device, dtype=config.get("dtype", "float32"), seed=int(config.get("seed", 0)),
             max_batch=max_batch, logprobs_mode=modes[0], tokenizer=tokenizer,
-            context=lm.context_length(whole))
+            context=lm.context_length(whole),
+            sleeps=lambda: device.startswith("cuda") and sleep_mode() and trains_here(ctx))
         engine.aborted = aborted  # also those aborted before this engine existed
     return engine
+
+
+def trains_here(ctx: OpContext) -> bool:
+    """Whether this executor trains a model (some stage of one held here has an optimizer's
+    state): a colocated vLLM then sleeps when idle [Note: vLLM sleeps beside a trainer]."""
+    return any(held.stages for held in ctx.state.get("torch_models", {}).values())
 
 
 @attrs.define(eq=False)
@@ -165,8 +188,11 @@ class VLLMEngine(Trajectories):
     def __init__(self, model: torch.nn.Module, *, folder: str, version: Callable[[], Any],
                  device: str, dtype: str, seed: int, max_batch: int, logprobs_mode: str,
                  tokenizer: Any = None, context: int | None = None,
-                 llm: Any = None) -> None:
+                 llm: Any = None, sleeps: Callable[[], bool] | None = None) -> None:
         self.model, self.version, self.tokenizer = model, version, tokenizer
+        # whether an idle engine sleeps now [Note: vLLM sleeps beside a trainer]
+        self.sleeps = sleeps if sleeps is not None else (lambda: False)
+        self.asleep = False
         self.context, self.logprobs_mode = context, logprobs_mode
         self.llm = llm if llm is not None else _start(engine_args(
             folder=folder, dtype=dtype, device=device, seed=seed, max_batch=max_batch,
@@ -186,7 +212,8 @@ class VLLMEngine(Trajectories):
         self.env_calls = EnvCalls()  # trajectories' environment calls, in threads
         self.parked: dict[tuple[int, int], Any] = {}  # aborted trajectories' episodes
         self.max_len = context or 2048  # the longest sequence
-        self.stats = {"steps": 0, "decode_tokens": 0, "weight_syncs": 0, "sync_seconds": 0.0}
+        self.stats = {"steps": 0, "decode_tokens": 0, "weight_syncs": 0, "sync_seconds": 0.0,
+                      "sleeps": 0}
         self._ids = 0
 
     # -- requests ------------------------------------------------------------------------------
@@ -304,6 +331,7 @@ class VLLMEngine(Trajectories):
         batch) and the engine: a later request is refused with the same error."""
         try:
             self._step()
+            self._sleep_if_idle()
         except Exception as error:
             self.dead = error
             failed = {id(s.request): s.request for s in [*self.live.values(), *self.waiting,
@@ -320,6 +348,8 @@ class VLLMEngine(Trajectories):
         for sample in self.env_calls.drop(lambda s: not s.request.deferred.cancelled):
             sample.episode.close()
         self._environments_answered()
+        if self.asleep and self.waiting:
+            self._wake()
         self.sync_weights()
         self._admit()
         if not self.live:
@@ -430,18 +460,45 @@ class VLLMEngine(Trajectories):
     def sync_weights(self) -> bool:
         """Give vLLM the held weights if they changed since it last got them (see the Note);
         returns whether it did."""
+        if self.asleep:  # the wake loads them
+            return False
         now = weights_fingerprint(self.model, self.version())
         if now == self.loaded:
             return False
+        self._load_weights(now)
+        self.llm.reset_prefix_cache(reset_running_requests=True)
+        return True
+
+    def _load_weights(self, fingerprint: tuple) -> None:
         import time
 
         start = time.perf_counter()
         reload_weights(self.llm, named_weights(self.model))
-        self.llm.reset_prefix_cache(reset_running_requests=True)
-        self.loaded = now
+        self.loaded = fingerprint
         self.stats["weight_syncs"] += 1
         self.stats["sync_seconds"] += time.perf_counter() - start
-        return True
+
+    def _sleep_if_idle(self) -> None:
+        """vLLM's GPU memory handed back while nothing runs here, on an executor that also
+        trains [Note: vLLM sleeps beside a trainer]."""
+        if self.asleep or self.waiting or self.live or self.passing or self.env_calls \
+                or not self.sleeps():
+            return
+        self.llm.sleep(level=2)  # weights and KV cache discarded
+        self.asleep, self.loaded = True, None
+        self.stats["sleeps"] += 1
+
+    def _wake(self) -> None:
+        """Weights back first, loaded from the held model, then the KV cache, as vLLM's RLHF
+        recipe orders it; the blocks torch's allocator keeps go back to the GPU first, for vLLM
+        to map its memory again."""
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        self.llm.wake_up(tags=["weights"])
+        self._load_weights(weights_fingerprint(self.model, self.version()))
+        self.llm.wake_up(tags=["kv_cache"])
+        self.llm.reset_prefix_cache(reset_running_requests=True)
+        self.asleep = False
 
     def _version_now(self) -> int:
         version = self.version()
