@@ -29,7 +29,7 @@ import torch
 from flowkit.ops.peak import PEAK_TFLOPS_ENV, peak_override
 
 __all__ = ["CUDNN_ATTENTION_ENV", "PEAK_TFLOPS_ENV", "TF32_ENV", "build_target", "building_on",
-           "configure_attention", "configure_tf32",
+           "configure_attention", "configure_tf32", "make_room",
            "cuda_device", "device_clock", "peak_flops", "synchronize_op", "to_device"]
 
 TF32_ENV = "FLOWKIT_TF32"
@@ -91,6 +91,16 @@ def configure_attention(environ: Mapping[str, str] = os.environ) -> bool:
     enabled = environ.get(CUDNN_ATTENTION_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
     torch.backends.cuda.enable_cudnn_sdp(enabled)
     return enabled
+
+
+def make_room(ctx: Any) -> None:
+    """Before a training op: each idle generation engine of this executor that can hand its
+    device memory back does (vLLM's sleep: [Note: vLLM sleeps beside a trainer in
+    executors/torch/rollout/vllm_engine.py]); other backgrounds are left alone."""
+    for background in list(ctx.background.values()):
+        release = getattr(background, "make_room", None)
+        if release is not None:
+            release()
 
 
 # Dense bf16 tensor-core peaks, TFLOP/s, from the vendors' data sheets (the sparse figures are

@@ -157,9 +157,10 @@ def export(module: torch.nn.Module, names: Mapping[str, str], *,
 # 0.99 GB at 1.5 GB/s so (0.65 s), and the same bytes into pinned memory, queued without a wait,
 # at 53 GB/s (19 ms; `bash tools/gpu/device_check.sh`, weight_sync_path). So the export lays
 # every parameter in one pinned buffer (each at a 64-byte boundary, so each view takes its
-# dtype), queues every copy and waits once; torch's pinned allocator keeps the buffer for the
-# next sync. `host_views(..., pinned=False)` is the same layout on the CPU, where it is tested;
-# the device check times this export itself (export_d2h_s against export_pageable_s).
+# dtype), queues every copy and waits once. The price: torch's pinned allocator keeps the
+# buffer (the model's bytes rounded up to a power of two) in host memory for the next sync.
+# `host_views(..., pinned=False)` is the same layout on the CPU, where it is tested; the
+# device check times this export (export_d2h_s against export_pageable_s).
 _ALIGN = 64
 
 

@@ -322,47 +322,63 @@ def test_a_failing_engine_fails_its_requests_and_refuses_more(setup):
         engine.submit([Prompt(prompt_id=0, tokens=[1])], _sampling(), 1)
 
 
-# -- sleep mode [Note: vLLM sleeps beside a trainer] -------------------------------------------
-def test_an_idle_engine_beside_a_trainer_sleeps_and_wakes_with_the_held_weights(setup):
+# -- sleep mode [Note: vLLM sleeps beside a trainer in executors/torch/rollout/vllm_engine.py] ---
+def test_an_idle_engine_asked_for_room_sleeps_and_wakes_with_the_held_weights(setup):
     engine, model, held, llm = setup
-    trains = {"now": True}
-    engine.sleeps = lambda: trains["now"]
+    engine.may_sleep = True  # vLLM on a GPU
     first = _run(engine, [Prompt(prompt_id=0, tokens=[1])], eos=None)
-    assert llm.calls == [("sleep", 2)] and engine.asleep  # idle once its request finished
-    assert engine.stats["sleeps"] == 1
-    held.version = 4  # the colocated trainer's step, while vLLM sleeps
+    assert llm.calls == [] and not engine.asleep  # idle, but no training op asked
+    engine.make_room()  # a training F on this executor
+    assert llm.calls == [("sleep", 2)] and engine.asleep and engine.stats["sleeps"] == 1
+    engine.make_room()  # asleep already: nothing more
+    held.version = 4  # the step's optimizer, while vLLM sleeps
     with torch.no_grad():
         model.weight.add_(1.0)
     assert not engine.sync_weights()  # nothing is loaded into a sleeping engine
     second = _run(engine, [Prompt(prompt_id=0, tokens=[1])], eos=None)
     # weights woken, loaded from the held model, then the cache: vLLM's RLHF order
-    assert llm.calls == [("sleep", 2), ("wake", ("weights",)), ("wake", ("kv_cache",)),
-                         ("sleep", 2)]
-    assert torch.equal(llm.reloads[-1]["weight"], model.weight)
+    assert llm.calls == [("sleep", 2), ("wake", ("weights",)), ("wake", ("kv_cache",))]
+    assert torch.equal(llm.reloads[-1]["weight"], model.weight) and engine.stats["wakes"] == 1
     assert first[0].versions == [-1] * 4 and second[0].versions == [4] * 4
     assert second[0].response_tokens == first[0].response_tokens
 
 
-def test_an_engine_that_trains_nothing_here_never_sleeps(setup):
-    engine, _, _, llm = setup  # the default: no trainer beside it
+def test_a_busy_engine_keeps_its_memory_and_an_aborted_one_gives_it(setup):
+    engine, _, _, llm = setup
+    engine.may_sleep = True
+    deferred = engine.submit([Prompt(prompt_id=0, tokens=[1])], _sampling(eos=None,
+                                                                          max_new_tokens=8),
+                             1, key="r1")
+    box = {}
+    deferred.bind(_Sink(box))
+    engine.step()
+    engine.make_room()  # a sample in flight: training overlaps generation, vLLM stays
+    assert llm.calls == [] and not engine.asleep
+    engine.abort_requests({"r1"})  # a partial rollouts step ends its generation
+    assert not engine.busy()
+    engine.make_room()
+    assert llm.calls == [("sleep", 2)]
+
+
+def test_on_a_cpu_or_turned_off_an_engine_never_sleeps(setup):
+    engine, _, _, llm = setup  # may_sleep is False: vLLM on a CPU, or FLOWKIT_VLLM_SLEEP=0
     _run(engine, [Prompt(prompt_id=0, tokens=[1])], eos=None)
+    engine.make_room()
     _run(engine, [Prompt(prompt_id=1, tokens=[2])], eos=None)
     assert llm.calls == [] and not engine.asleep and len(llm.reloads) == 1
 
 
-def test_a_busy_engine_does_not_sleep_between_its_requests(setup):
+def test_a_failing_sleep_fails_the_engine_not_the_training_op(setup):
     engine, _, _, llm = setup
-    engine.sleeps = lambda: True
-    a = engine.submit([Prompt(prompt_id=0, tokens=[1])], _sampling(eos=None, max_new_tokens=2), 1)
-    b = engine.submit([Prompt(prompt_id=1, tokens=[2])], _sampling(eos=None, max_new_tokens=6), 1)
-    boxes = [{}, {}]
-    a.bind(_Sink(boxes[0]))
-    b.bind(_Sink(boxes[1]))
-    while engine.busy():
-        engine.step()
-        if "done" in boxes[0] and "done" not in boxes[1]:
-            assert not engine.asleep  # b still runs
-    assert llm.calls == [("sleep", 2)] and len(boxes[1]["done"][0].response_tokens) == 6
+    engine.may_sleep = True
+
+    def broken(level=1):
+        raise RuntimeError("cuMemUnmap failed")
+
+    llm.sleep = broken
+    engine.make_room()  # no exception here
+    with pytest.raises(StageError, match="failed earlier: cuMemUnmap failed"):
+        engine.submit([Prompt(prompt_id=0, tokens=[1])], _sampling(), 1)
 
 
 def test_sleep_mode_is_asked_of_vllm_on_a_gpu_unless_turned_off(monkeypatch):
@@ -372,20 +388,6 @@ def test_sleep_mode_is_asked_of_vllm_on_a_gpu_unless_turned_off(monkeypatch):
     monkeypatch.setenv("FLOWKIT_VLLM_SLEEP", "0")
     assert not engine_args(**args)["enable_sleep_mode"]
     assert "enable_sleep_mode" not in engine_args(**{**args, "device": "cpu"})
-
-
-def test_an_executor_trains_here_once_a_stage_of_a_held_model_trains():
-    from executors.torch.rollout.vllm_engine import trains_here
-
-    class Ctx:
-        state: dict = {}
-
-    ctx = Ctx()
-    assert not trains_here(ctx)
-    ctx.state = {"torch_models": {("actor", 1): attrs.make_class("H", ["stages"])({})}}
-    assert not trains_here(ctx)  # held to generate with only
-    ctx.state["torch_models"][("actor", 1)].stages = {0: object()}
-    assert trains_here(ctx)
 
 
 def test_a_sampler_another_log_prob_mode_serves_is_refused(setup):

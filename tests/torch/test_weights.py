@@ -295,6 +295,30 @@ def test_an_export_of_a_cpu_module_with_one_buffer_is_plain_copies():
     assert len(storages) == len({id(p) for p in model.parameters()})  # tied: one copy
 
 
+class _Engine:
+    """A background that can hand memory back, as the vLLM engine does when idle."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def busy(self) -> bool:
+        return False
+
+    def step(self) -> None:
+        pass
+
+    def make_room(self) -> None:
+        self.asked += 1
+
+
+def test_every_training_forward_first_asks_the_executors_engines_for_room():
+    ctx = op_context()
+    engine = ctx.background["generate:actor"] = _Engine()
+    ctx.background["countdown"] = object()  # a background with no memory to give: left alone
+    _train_step(ctx, 0)
+    assert engine.asked == 2 * len(_batches(0))  # each F of both stages
+
+
 # -- checkpoints ------------------------------------------------------------------------------
 def test_a_checkpoint_of_the_exports_starts_every_holder_from_it(tmp_path):
     trainer = op_context()

@@ -15,6 +15,7 @@ with a row of two or more sequences is packed; otherwise the rows go as before, 
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 
@@ -119,6 +120,12 @@ def varlen_kernel(q: torch.Tensor) -> Kernel | None:
     return varlen_attn
 
 
+@functools.lru_cache(maxsize=8)
+def _arguments(kernel: Kernel) -> frozenset[str]:
+    """The keyword arguments a varlen kernel takes: torch's has changed between versions."""
+    return frozenset(inspect.signature(kernel).parameters)
+
+
 class BlockCausal:
     """Causal attention within the segments that `positions` (B, T) mark [Note: packed rows];
     made once a forward, used by every layer."""
@@ -176,10 +183,12 @@ class BlockCausal:
             return t.transpose(1, 2).reshape(B * T, t.size(1), hs)
 
         k, v = tokens(k), tokens(v)
-        takes = inspect.signature(kernel).parameters
+        takes = _arguments(kernel)
         causal = {"window_size": (-1, 0)} if "window_size" in takes else {"is_causal": True}
+        if nh % k.size(1):
+            raise ValueError(f"{nh} query heads cannot share {k.size(1)} key/value heads evenly")
         if k.size(1) != nh and "enable_gqa" not in takes:
-            # torch before 2.13 has no `enable_gqa`: each key/value head serves its query group
+            # torch 2.11's kernel takes no `enable_gqa`: each key/value head serves its group
             k, v = (t.repeat_interleave(nh // t.size(1), dim=1) for t in (k, v))
         elif k.size(1) != nh:
             causal["enable_gqa"] = True

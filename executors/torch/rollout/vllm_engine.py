@@ -33,8 +33,7 @@ from executors.torch.rollout.turns import Agent, EnvCalls, Episode, step_episode
 from flowkit.ops.records import Rollout, samples_of
 from flowkit.ops.rollout_engines import vllm_logprobs_mode, vllm_problems
 
-__all__ = ["VLLMEngine", "engine_args", "sampling_params", "trains_here", "vllm_engine_of",
-           "weights_fingerprint"]
+__all__ = ["VLLMEngine", "engine_args", "sampling_params", "vllm_engine_of", "weights_fingerprint"]
 
 
 # [Note: vLLM engine] One vllm LLMEngine per generating model on an executor, its engine core in
@@ -61,13 +60,14 @@ __all__ = ["VLLMEngine", "engine_args", "sampling_params", "trains_here", "vllm_
 # which vLLM does not return: refused (flowkit/ops/rollout_engines.py).
 
 # [Note: vLLM sleeps beside a trainer] vLLM takes its share of a GPU for weights and KV cache
-# when it starts (FLOWKIT_VLLM_GPU_MEMORY, half by default) and keeps it. On an executor that
-# also trains a model (colocated), an idle engine puts vLLM to sleep at level 2, its weights
-# and KV cache handed back to the GPU for the training ops; the next request wakes the weights,
-# reloads them from the held model (they changed with the step anyway, and a copy on the GPU
-# costs little) and then the KV cache. A rollout-only executor never sleeps: a wake within a
-# step would only cost it. Sleep mode is CUDA's (vLLM's allocator maps the memory itself): on a
-# CPU nothing sleeps; FLOWKIT_VLLM_SLEEP=0 turns it off. As verl runs a colocated vLLM.
+# when it starts (FLOWKIT_VLLM_GPU_MEMORY, half by default) and keeps it. So every training F
+# on the executor first asks its engines to make room (`make_room` in executors/torch/device.py):
+# an idle vLLM engine sleeps at level 2, its weights and KV cache handed back to the GPU. The
+# next request wakes the weights, reloads them from the held model (the step changed them
+# anyway, and a copy on the GPU costs little), then the KV cache. An executor that never trains
+# never sleeps, and a busy engine is left alone. Sleep mode is CUDA's (vLLM's allocator maps its
+# memory itself): on a CPU nothing sleeps; FLOWKIT_VLLM_SLEEP=0 turns it off. As verl runs a
+# colocated vLLM.
 _MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # a GPU's share vLLM takes for weights and KV cache: a colocated trainer needs the rest
 GPU_MEMORY_ENV = "FLOWKIT_VLLM_GPU_MEMORY"
@@ -143,15 +143,9 @@ def vllm_engine_of(ctx: OpContext, held: Any, config: dict[str, Any], *, max_bat
             device=device, dtype=config.get("dtype", "float32"), seed=int(config.get("seed", 0)),
             max_batch=max_batch, logprobs_mode=modes[0], tokenizer=tokenizer,
             context=lm.context_length(whole),
-            sleeps=lambda: device.startswith("cuda") and sleep_mode() and trains_here(ctx))
+            may_sleep=device.startswith("cuda") and sleep_mode())
         engine.aborted = aborted  # also those aborted before this engine existed
     return engine
-
-
-def trains_here(ctx: OpContext) -> bool:
-    """Whether this executor trains a model (some stage of one held here has an optimizer's
-    state): a colocated vLLM then sleeps when idle [Note: vLLM sleeps beside a trainer]."""
-    return any(held.stages for held in ctx.state.get("torch_models", {}).values())
 
 
 @attrs.define(eq=False)
@@ -188,10 +182,9 @@ class VLLMEngine(Trajectories):
     def __init__(self, model: torch.nn.Module, *, folder: str, version: Callable[[], Any],
                  device: str, dtype: str, seed: int, max_batch: int, logprobs_mode: str,
                  tokenizer: Any = None, context: int | None = None,
-                 llm: Any = None, sleeps: Callable[[], bool] | None = None) -> None:
+                 llm: Any = None, may_sleep: bool = False) -> None:
         self.model, self.version, self.tokenizer = model, version, tokenizer
-        # whether an idle engine sleeps now [Note: vLLM sleeps beside a trainer]
-        self.sleeps = sleeps if sleeps is not None else (lambda: False)
+        self.may_sleep = may_sleep  # [Note: vLLM sleeps beside a trainer]
         self.asleep = False
         self.context, self.logprobs_mode = context, logprobs_mode
         self.llm = llm if llm is not None else _start(engine_args(
@@ -213,7 +206,7 @@ class VLLMEngine(Trajectories):
         self.parked: dict[tuple[int, int], Any] = {}  # aborted trajectories' episodes
         self.max_len = context or 2048  # the longest sequence
         self.stats = {"steps": 0, "decode_tokens": 0, "weight_syncs": 0, "sync_seconds": 0.0,
-                      "sleeps": 0}
+                      "sleeps": 0, "wakes": 0}
         self._ids = 0
 
     # -- requests ------------------------------------------------------------------------------
@@ -331,7 +324,6 @@ class VLLMEngine(Trajectories):
         batch) and the engine: a later request is refused with the same error."""
         try:
             self._step()
-            self._sleep_if_idle()
         except Exception as error:
             self.dead = error
             failed = {id(s.request): s.request for s in [*self.live.values(), *self.waiting,
@@ -470,6 +462,7 @@ class VLLMEngine(Trajectories):
         return True
 
     def _load_weights(self, fingerprint: tuple) -> None:
+        """The held weights into vLLM (a sync, or a wake's reload): counted as weight_syncs."""
         import time
 
         start = time.perf_counter()
@@ -478,13 +471,18 @@ class VLLMEngine(Trajectories):
         self.stats["weight_syncs"] += 1
         self.stats["sync_seconds"] += time.perf_counter() - start
 
-    def _sleep_if_idle(self) -> None:
-        """vLLM's GPU memory handed back while nothing runs here, on an executor that also
-        trains [Note: vLLM sleeps beside a trainer]."""
-        if self.asleep or self.waiting or self.live or self.passing or self.env_calls \
-                or not self.sleeps():
+    def make_room(self) -> None:
+        """Asked before a training op here: an idle engine hands vLLM's GPU memory back
+        [Note: vLLM sleeps beside a trainer]. A failing sleep fails the engine, whose next
+        request is refused with vLLM's reason, not the training op."""
+        if self.asleep or not self.may_sleep or self.dead is not None or self.waiting \
+                or self.live or self.passing or self.env_calls:
             return
-        self.llm.sleep(level=2)  # weights and KV cache discarded
+        try:
+            self.llm.sleep(level=2)  # weights and KV cache discarded
+        except Exception as error:
+            self.dead = error
+            return
         self.asleep, self.loaded = True, None
         self.stats["sleeps"] += 1
 
@@ -499,6 +497,7 @@ class VLLMEngine(Trajectories):
         self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache(reset_running_requests=True)
         self.asleep = False
+        self.stats["wakes"] += 1
 
     def _version_now(self) -> int:
         version = self.version()

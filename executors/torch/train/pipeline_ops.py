@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from executors.optable import OpContext, OpTable
-from executors.torch.device import device_clock
+from executors.torch.device import device_clock, make_room
 from executors.torch.errors import StageError
 from executors.torch.layout_free import fill_optimizer
 from executors.torch.models.built import (
@@ -81,6 +81,9 @@ def _forward(ctx: OpContext, *inputs: Any, stage: int, stages: int, microbatch: 
         raise StageError(f"unknown loss {loss!r}: the torch executor trains with "
                          f"{', '.join(LOSSES)}")
 
+    # an idle vLLM engine here hands its GPU memory back first [Note: vLLM sleeps beside a
+    # trainer in executors/torch/rollout/vllm_engine.py]
+    make_room(ctx)
     held = held_stage(ctx, {**config, "stage": stage, "stages": stages})
     if held.fsdp is not None:  # the step's first F makes the stage whole again
         fsdp.gather(held.fsdp)
