@@ -219,20 +219,6 @@ def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size, enable_
     return out
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2])
-def test_the_varlen_plumbing_equals_the_block_mask(kv_heads):
-    layout = pack([5, 9, 3, 2, 7, 1])
-    positions = layout.positions(torch.device("cpu"))
-    B, T = positions.shape
-    q = torch.randn(B, 4, T, 8, dtype=torch.float64)
-    k, v = (torch.randn(B, kv_heads, T, 8, dtype=torch.float64) for _ in range(2))
-    packed = BlockCausal(positions)
-    want = F.scaled_dot_product_attention(q, k, v, attn_mask=packed.mask(),
-                                          enable_gqa=kv_heads != 4)
-    got = packed.varlen(q, k, v, _reference_varlen)
-    assert (got - want).abs().max().item() < 1e-12
-
-
 def _varlen_of_torch_2_11(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False):
     """A kernel with an older signature: causal by a flag, no grouped-query heads (torch 2.11's
     varlen_attn, which the GPU machine's torch has, takes no `enable_gqa`)."""
@@ -240,8 +226,10 @@ def _varlen_of_torch_2_11(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False)
     return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(-1, 0))
 
 
+@pytest.mark.parametrize("kernel", [_reference_varlen, _varlen_of_torch_2_11],
+                         ids=["torch 2.13", "torch 2.11"])
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_a_varlen_kernel_without_grouped_heads_gets_them_repeated(kv_heads):
+def test_the_varlen_plumbing_equals_the_block_mask(kv_heads, kernel):
     layout = pack([5, 9, 3, 2, 7, 1])
     positions = layout.positions(torch.device("cpu"))
     B, T = positions.shape
@@ -250,8 +238,16 @@ def test_a_varlen_kernel_without_grouped_heads_gets_them_repeated(kv_heads):
     packed = BlockCausal(positions)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=packed.mask(),
                                           enable_gqa=kv_heads != 4)
-    got = packed.varlen(q, k, v, _varlen_of_torch_2_11)
+    got = packed.varlen(q, k, v, kernel)
     assert (got - want).abs().max().item() < 1e-12
+
+
+def test_query_heads_that_key_value_heads_do_not_divide_are_refused():
+    positions = pack([3, 2]).positions(torch.device("cpu"))
+    q = torch.randn(1, 4, positions.shape[1], 8)
+    k = v = torch.randn(1, 3, positions.shape[1], 8)
+    with pytest.raises(ValueError, match="4 query heads cannot share 3 key/value heads"):
+        BlockCausal(positions).varlen(q, k, v, _varlen_of_torch_2_11)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU device check)")
