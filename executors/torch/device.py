@@ -29,8 +29,8 @@ import torch
 from flowkit.ops.peak import PEAK_TFLOPS_ENV, peak_override
 
 __all__ = ["CUDNN_ATTENTION_ENV", "PEAK_TFLOPS_ENV", "TF32_ENV", "build_target", "building_on",
-           "configure_attention", "configure_tf32", "make_room",
-           "cuda_device", "device_clock", "peak_flops", "synchronize_op", "to_device"]
+           "configure_attention", "configure_tf32", "cuda_device", "device_clock", "make_room",
+           "peak_flops", "synchronize_op", "to_device"]
 
 TF32_ENV = "FLOWKIT_TF32"
 CUDNN_ATTENTION_ENV = "FLOWKIT_CUDNN_ATTENTION"
