@@ -603,6 +603,21 @@ def pipeline() -> None:
         out["peak_flops_assumed"] = PEAK_BF16
         return out
 
+    # 8. cuDNN attention in training at a fixed shape (the executors turn it off for the
+    # decode steps' sake: executors/torch/device.py), the bf16 mixed step with it off and on
+    @guarded("bf16_mixed_attention_backend")
+    def _():
+        spec = {**spec_of("float32", "_mixed"), "precision": "bf16"}
+        before, out = torch.backends.cuda.cudnn_sdp_enabled(), {}
+        try:
+            for label, cudnn in (("cudnn_off", False), ("cudnn_on", True)):
+                torch.backends.cuda.enable_cudnn_sdp(cudnn)
+                seconds = time_it(lambda: pipe_pass(spec, split=False), lambda: zero(spec))
+                out[label] = {"ms_per_step": round(seconds * 1e3, 2)}
+        finally:
+            torch.backends.cuda.enable_cudnn_sdp(before)
+        return out
+
     # 7. where a bf16 mixed-precision pipeline step goes, against a plain autocast loop: the
     # ops by CPU and by device time, and the host syncs (pipeline_profile.txt)
     @guarded("bf16_mixed_profile")
@@ -1082,6 +1097,8 @@ for k, v in g("pipeline", "timing", default={}).items():
 print(f"    autocast around split B/W: {g('pipeline', 'split_backward_under_autocast')}")
 print(f"    offload on device: {g('pipeline', 'offload')}")
 print(f"    bf16 mixed precision: {g('pipeline', 'bf16_mixed_precision')}")
+print(f"    bf16 mixed step, cuDNN attention off and on: "
+      f"{g('pipeline', 'bf16_mixed_attention_backend')}")
 print(f"    bf16 mixed step, profiled: {g('pipeline', 'bf16_mixed_profile')}")
 print(f"    bf16 params, weights unchanged by one AdamW step: "
       f"{g('pipeline', 'bf16_param_updates')}")
