@@ -30,7 +30,7 @@ from flowkit.ops.peak import PEAK_TFLOPS_ENV, peak_override
 
 __all__ = ["CUDNN_ATTENTION_ENV", "PEAK_TFLOPS_ENV", "TF32_ENV", "build_target", "building_on",
            "configure_attention", "configure_tf32", "cuda_device", "device_clock", "make_room",
-           "peak_flops", "synchronize_op", "to_device"]
+           "peak_flops", "switch", "synchronize_op", "to_device"]
 
 TF32_ENV = "FLOWKIT_TF32"
 CUDNN_ATTENTION_ENV = "FLOWKIT_CUDNN_ATTENTION"
@@ -64,12 +64,22 @@ def device_clock(device: str | torch.device) -> Callable[[], float]:
     return clock
 
 
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def switch(environ: Mapping[str, str], name: str, default: bool) -> bool:
+    """An on/off setting from the environment: 1/true/yes/on or 0/false/no/off, anything else
+    (or nothing) the default."""
+    word = environ.get(name, "").strip().lower()
+    return True if word in _ON else False if word in _OFF else default
+
+
 def configure_tf32(environ: Mapping[str, str] = os.environ) -> bool:
     """Let fp32 matmuls and convolutions on CUDA use TF32 tensor cores (about 8x faster on an
     A100 or H100, with a 10-bit mantissa in the products), unless FLOWKIT_TF32=0. Only CUDA's
     flags: CPU matmuls keep full fp32 (the tests compare them bit for bit). Returns the
     setting."""
-    enabled = environ.get(TF32_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    enabled = switch(environ, TF32_ENV, True)
     # the legacy flags: torch >= 2.9 maps them onto its per-backend settings, and both APIs
     # still read back after (setting the new one makes a read of the old one raise, and
     # torch.get_float32_matmul_precision, which inductor calls, with it)
@@ -88,7 +98,7 @@ def configure_tf32(environ: Mapping[str, str] = os.environ) -> bool:
 def configure_attention(environ: Mapping[str, str] = os.environ) -> bool:
     """Leave cuDNN out of SDPA's choices [Note: no cuDNN attention], unless
     FLOWKIT_CUDNN_ATTENTION=1. Returns whether cuDNN attention is on."""
-    enabled = environ.get(CUDNN_ATTENTION_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+    enabled = switch(environ, CUDNN_ATTENTION_ENV, False)
     torch.backends.cuda.enable_cudnn_sdp(enabled)
     return enabled
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executors.torch.device import configure_attention, configure_tf32, peak_flops
+from executors.torch.device import configure_attention, configure_tf32, peak_flops, switch
 
 
 def _cuda_flags() -> tuple[bool, bool]:
@@ -67,3 +67,11 @@ def test_cudnn_attention_is_off_unless_asked_for(env, enabled):
         assert torch.backends.cuda.flash_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+@pytest.mark.parametrize("value, default, got", [
+    (None, True, True), (None, False, False), ("off", True, False), (" Yes ", False, True),
+    ("banana", True, True), ("banana", False, False), ("", False, False)])
+def test_an_on_off_setting_reads_the_usual_words_and_else_keeps_its_default(value, default, got):
+    environ = {} if value is None else {"FLOWKIT_X": value}
+    assert switch(environ, "FLOWKIT_X", default) is got

@@ -19,6 +19,7 @@ from executors.torch.rollout.vllm_engine import (
     VLLMEngine,
     engine_args,
     sampling_params,
+    sleep_mode,
     weights_fingerprint,
 )
 from flowkit.ops import AgentConfig, Environment, EnvStep
@@ -388,6 +389,9 @@ def test_sleep_mode_is_asked_of_vllm_on_a_gpu_unless_turned_off(monkeypatch):
     monkeypatch.setenv("FLOWKIT_VLLM_SLEEP", "0")
     assert not engine_args(**args)["enable_sleep_mode"]
     assert "enable_sleep_mode" not in engine_args(**{**args, "device": "cpu"})
+    assert not sleep_mode("cuda:0") and not sleep_mode("cpu")
+    monkeypatch.setenv("FLOWKIT_VLLM_SLEEP", "1")
+    assert sleep_mode("cuda:0") and not sleep_mode("cpu")  # what an engine's may_sleep is
 
 
 def test_a_sampler_another_log_prob_mode_serves_is_refused(setup):

@@ -16,6 +16,7 @@ import attrs
 import torch
 
 from executors.optable import Deferred, OpContext
+from executors.torch.device import switch
 from executors.torch.errors import StageError
 from executors.torch.lora import adapted_layers
 from executors.torch.rollout import lm
@@ -89,15 +90,16 @@ def engine_args(*, folder: str, dtype: str, device: str, seed: int, max_batch: i
             "enforce_eager": not on_gpu}  # CUDA graphs on a GPU; nothing to capture on a CPU
     if on_gpu:
         args["gpu_memory_utilization"] = float(os.environ.get(GPU_MEMORY_ENV, "0.5"))
-        args["enable_sleep_mode"] = sleep_mode()  # [Note: vLLM sleeps beside a trainer]
+        args["enable_sleep_mode"] = sleep_mode(device)  # [Note: vLLM sleeps beside a trainer]
     else:
         args["kv_cache_memory_bytes"] = int(os.environ.get(CPU_KV_CACHE_ENV, "256")) << 20
     return args
 
 
-def sleep_mode() -> bool:
-    """Whether vLLM starts with its sleep mode on a GPU [Note: vLLM sleeps beside a trainer]."""
-    return os.environ.get(SLEEP_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+def sleep_mode(device: str) -> bool:
+    """Whether vLLM on `device` starts with its sleep mode and sleeps when a training op asks
+    for room [Note: vLLM sleeps beside a trainer]: on a GPU, unless FLOWKIT_VLLM_SLEEP=0."""
+    return device.startswith("cuda") and switch(os.environ, SLEEP_ENV, True)
 
 
 def sampling_params(sampling: Sampling, *, seed: int, max_tokens: int) -> dict[str, Any]:
@@ -143,7 +145,7 @@ def vllm_engine_of(ctx: OpContext, held: Any, config: dict[str, Any], *, max_bat
             device=device, dtype=config.get("dtype", "float32"), seed=int(config.get("seed", 0)),
             max_batch=max_batch, logprobs_mode=modes[0], tokenizer=tokenizer,
             context=lm.context_length(whole),
-            may_sleep=device.startswith("cuda") and sleep_mode())
+            may_sleep=sleep_mode(device))
         engine.aborted = aborted  # also those aborted before this engine existed
     return engine
 
