@@ -899,6 +899,9 @@ def engine() -> None:
         t = [now()]
         exported = W.export(model, lay.names[0], one_buffer=True)  # as export_weights does
         t.append(now())
+        named = dict(model.named_parameters())
+        one_buffer_equal = all(torch.equal(exported[lay.names[0][k]], p.detach().cpu())
+                               for k, p in named.items() if k in lay.names[0])
         body, frames = pack(exported)
         copies = []
         for fr in frames:  # the one memcpy into a shared-memory segment
@@ -924,7 +927,7 @@ def engine() -> None:
         gbps = lambda s: round(nbytes / s / 1e9, 2) if s else None  # noqa: E731
         return {"gbytes": round(nbytes / 1e9, 3),
                 "export_d2h_s": round(t[1] - t[0], 3), "export_GBps": gbps(t[1] - t[0]),
-                "export_pageable_s": round(pageable, 3),
+                "export_pageable_s": round(pageable, 3), "one_buffer_equal": one_buffer_equal,
                 "pack_and_copy_s": round(t[2] - t[1], 3),
                 "unpack_and_load_h2d_s": round(t[3] - t[2], 3), "load_GBps": gbps(t[3] - t[2]),
                 "total_s": round(t[3] - t[0], 3),
