@@ -145,7 +145,7 @@ def test_a_request_past_the_context_is_refused_by_name():
 # -- an idle engine's memory ------------------------------------------------------------------
 def test_an_idle_engine_drops_its_cache_and_makes_one_on_next_use(model, monkeypatch):
     freed = []
-    monkeypatch.setattr(engine_module, "_free_device_memory", freed.append)
+    monkeypatch.setattr(engine_module, "free_device_memory", freed.append)
     engine = Engine(model, version=lambda: None, max_batch=8)
     run(engine, [engine.submit(PROMPTS[:3], GREEDY, 1)])
     assert engine.cache is None and freed == [torch.device("cpu")]
@@ -159,9 +159,9 @@ def test_an_idle_engine_drops_its_cache_and_makes_one_on_next_use(model, monkeyp
 def test_freeing_device_memory_empties_cudas_cache_and_is_nothing_on_a_cpu(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("emptied"))
-    engine_module._free_device_memory(torch.device("cpu"))
+    engine_module.free_device_memory(torch.device("cpu"))
     assert calls == []
-    engine_module._free_device_memory(torch.device("cuda", 0))
+    engine_module.free_device_memory(torch.device("cuda", 0))
     assert calls == ["emptied"]
 
 

@@ -344,6 +344,20 @@ def test_an_idle_engine_asked_for_room_sleeps_and_wakes_with_the_held_weights(se
     assert second[0].response_tokens == first[0].response_tokens
 
 
+def test_a_wake_first_hands_torchs_cached_blocks_back_to_the_device(setup, monkeypatch):
+    from executors.torch.rollout import vllm_engine
+
+    engine, _, _, llm = setup
+    engine.may_sleep, order = True, []
+    monkeypatch.setattr(vllm_engine, "free_device_memory",
+                        lambda device: order.append(("freed", str(device))))
+    real_wake = llm.wake_up
+    llm.wake_up = lambda tags=None: (order.append(("wake", tuple(tags))), real_wake(tags))
+    engine.make_room()
+    _run(engine, [Prompt(prompt_id=0, tokens=[1])], eos=None)
+    assert order == [("freed", "cpu"), ("wake", ("weights",)), ("wake", ("kv_cache",))]
+
+
 def test_a_busy_engine_keeps_its_memory_and_an_aborted_one_gives_it(setup):
     engine, _, _, llm = setup
     engine.may_sleep = True

@@ -962,7 +962,7 @@ def nccl() -> None:
     @guarded("cuda_settings_and_state")
     def _():
         from executors.torch.device import configure_tf32, peak_flops, to_device
-        from executors.torch.rollout.engine import _free_device_memory
+        from executors.torch.rollout.engine import free_device_memory
         from executors.torch.state import cuda_rng_states
         out = {"tf32": configure_tf32(), "matmul_precision": torch.get_float32_matmul_precision(),
                "peak_flops": peak_flops(str(DEV))}
@@ -977,7 +977,7 @@ def nccl() -> None:
             x = torch.empty(1 << 28, dtype=torch.uint8, device=DEV)
             del x
             before = torch.cuda.memory_reserved()
-            _free_device_memory(DEV)
+            free_device_memory(DEV)
             out["empty_cache_released_gib"] = gib(before - torch.cuda.memory_reserved())
         return out
 

@@ -24,8 +24,8 @@ from executors.torch.rollout.turns import Agent, EnvCalls, Episode
 from flowkit.ops.configs import SAMPLING
 from flowkit.ops.records import Rollout, samples_of
 
-__all__ = ["Engine", "Sampling", "as_rollouts", "distinct", "run_all_until_done",
-           "run_until_done", "unstarted"]
+__all__ = ["Engine", "Sampling", "as_rollouts", "distinct", "free_device_memory",
+           "run_all_until_done", "run_until_done", "unstarted"]
 
 
 # [Note: rollout engine] A `generate` task is a request to its model's engine (a Deferred:
@@ -67,7 +67,7 @@ __all__ = ["Engine", "Sampling", "as_rollouts", "distinct", "run_all_until_done"
 # Qwen2.5-0.5B are 25.8 GB in bf16). A sequence that needs more grows it to at least twice that
 # size, up to max_batch rows and the context (lm.py's optional `grown` keeps what it holds; a
 # cache without it is made anew and its sequences refill their prefixes, as after new weights).
-# An idle engine drops it and empties torch's CUDA allocator (`_free_device_memory`), so a
+# An idle engine drops it and empties torch's CUDA allocator (`free_device_memory`), so a
 # neighbour on the same GPU (a colocated trainer in another process) can take the memory.
 
 NO_VERSION = -1  # a token sampled before any load_weights: the weights the model was built with
@@ -310,7 +310,7 @@ class Engine(Trajectories):
         if self.cache is not None and self._empty():
             self.cache, self.cache_shape = None, (0, 0)  # [Note: engine cache size]
             self.stats["cache_releases"] += 1
-            _free_device_memory(self.device)
+            free_device_memory(self.device)
 
     def _empty(self) -> bool:
         """No sequence anywhere: nothing holds a row of the cache (paused or not)."""
@@ -618,7 +618,7 @@ def _grown(have: int, need: int, most: int) -> int:
     return have if need <= have else min(most, max(need, 2 * have))
 
 
-def _free_device_memory(device: torch.device) -> None:
+def free_device_memory(device: torch.device) -> None:
     """Hand the blocks torch's CUDA allocator keeps for this process back to the GPU, for a
     neighbour on it [Note: engine cache size]; nothing on a CPU."""
     if device.type == "cuda":

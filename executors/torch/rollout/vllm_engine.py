@@ -27,6 +27,7 @@ from executors.torch.rollout.engine import (
     Sampling,
     as_rollouts,
     distinct,
+    free_device_memory,
     unstarted,
 )
 from executors.torch.rollout.trajectories import Trajectories
@@ -186,6 +187,7 @@ class VLLMEngine(Trajectories):
                  tokenizer: Any = None, context: int | None = None,
                  llm: Any = None, may_sleep: bool = False) -> None:
         self.model, self.version, self.tokenizer = model, version, tokenizer
+        self.device = torch.device(device)
         self.may_sleep = may_sleep  # [Note: vLLM sleeps beside a trainer]
         self.asleep = False
         self.context, self.logprobs_mode = context, logprobs_mode
@@ -492,8 +494,7 @@ class VLLMEngine(Trajectories):
         """Weights back first, loaded from the held model, then the KV cache, as vLLM's RLHF
         recipe orders it; the blocks torch's allocator keeps go back to the GPU first, for vLLM
         to map its memory again."""
-        if torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
+        free_device_memory(self.device)
         self.llm.wake_up(tags=["weights"])
         self._load_weights(weights_fingerprint(self.model, self.version()))
         self.llm.wake_up(tags=["kv_cache"])
