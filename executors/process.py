@@ -29,6 +29,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from executors.optable import Deferred, OpContext, OpTable
 from executors.peers import Peers
+from executors.settings import gpu_identity
 from executors.store import ObjectStore
 from executors.tasks import (
     MERGED_ITEMS,
@@ -123,7 +124,10 @@ class Executor:
         self.connect_address, self.name, self.ops = connect, name, ops
         self.host_id = host_id or default_host_id()  # [Note: hosts] in flowkit/wire/shm.py
         self.ctx = OpContext(name=name, device=device, tags=tuple(tags))
-        self.resources = resources or {}
+        self.resources = dict(resources or {})
+        gpu = gpu_identity(device, self.host_id, os.environ)  # [Note: weights on one GPU]
+        if gpu is not None:
+            self.resources.setdefault("gpu", gpu)
         # its own context: the gate's ZAP handler and monitors are the context's, and an
         # executor started in a process that has other sockets (a test's) must leave them as
         # they were

@@ -26,11 +26,12 @@ from typing import Any
 
 import torch
 
+from executors.settings import switch
 from flowkit.ops.peak import PEAK_TFLOPS_ENV, peak_override
 
 __all__ = ["CUDNN_ATTENTION_ENV", "PEAK_TFLOPS_ENV", "TF32_ENV", "build_target", "building_on",
            "configure_attention", "configure_tf32", "cuda_device", "device_clock", "make_room",
-           "peak_flops", "switch", "synchronize_op", "to_device"]
+           "peak_flops", "synchronize_op", "to_device"]
 
 TF32_ENV = "FLOWKIT_TF32"
 CUDNN_ATTENTION_ENV = "FLOWKIT_CUDNN_ATTENTION"
@@ -62,16 +63,6 @@ def device_clock(device: str | torch.device) -> Callable[[], float]:
         return time.perf_counter()
 
     return clock
-
-
-_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def switch(environ: Mapping[str, str], name: str, default: bool) -> bool:
-    """An on/off setting from the environment: 1/true/yes/on or 0/false/no/off, anything else
-    (or nothing) the default."""
-    word = environ.get(name, "").strip().lower()
-    return True if word in _ON else False if word in _OFF else default
 
 
 def configure_tf32(environ: Mapping[str, str] = os.environ) -> bool:

@@ -6,6 +6,7 @@ The design: [Note: unsplit names] below.
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
@@ -17,8 +18,9 @@ import torch
 
 from executors.torch.errors import StageError
 
-__all__ = ["Layout", "aliases_of", "checked_layout", "export", "host_views", "layout", "load",
-           "load_checkpoint", "merge", "save_checkpoint"]
+__all__ = ["Layout", "aliases_of", "checked_layout", "export", "exported", "host_views", "layout",
+           "load", "load_checkpoint", "merge", "packed_offsets", "packed_views",
+           "save_checkpoint"]
 
 
 # [Note: unsplit names] An executor may hold one model in several splits at once [Note: one model,
@@ -137,19 +139,28 @@ def export(module: torch.nn.Module, names: Mapping[str, str], *,
     that take gradients (a LoRA model's adapters). With `one_buffer`, a GPU module's copies are
     views of one pinned buffer [Note: one host buffer] (not for a file: safetensors refuses
     tensors that share memory)."""
-    unique: dict[int, torch.Tensor] = {}
-    named = []
+    params, named = exported(module, names, trained_only=trained_only)
+    if one_buffer and any(p.is_cuda for p in params):
+        copies = host_views(params, pinned=True)
+    else:
+        copies = [p.to(device="cpu", copy=True) for p in params]
+    return {name: copies[i] for name, i in named}
+
+
+def exported(module: torch.nn.Module, names: Mapping[str, str], *, trained_only: bool = False
+             ) -> tuple[list[torch.Tensor], list[tuple[str, int]]]:
+    """What `export` copies: the module's distinct parameters, detached (a tied one once), and
+    each unsplit name with the index of its parameter among them."""
+    index: dict[int, int] = {}
+    params, named = [], []
     for local, p in module.named_parameters(remove_duplicate=False):
         if trained_only and not p.requires_grad:
             continue
-        unique.setdefault(id(p), p.detach())
-        named.append((names[local], id(p)))
-    params = list(unique.values())
-    if one_buffer and any(p.is_cuda for p in params):
-        copies = dict(zip(unique, host_views(params, pinned=True)))
-    else:
-        copies = {key: p.to(device="cpu", copy=True) for key, p in unique.items()}
-    return {name: copies[key] for name, key in named}
+        if id(p) not in index:
+            index[id(p)] = len(params)
+            params.append(p.detach())
+        named.append((names[local], index[id(p)]))
+    return params, named
 
 
 # [Note: one host buffer] A weight sync copies a GPU model's parameters to the host for the
@@ -167,21 +178,35 @@ _ALIGN = 64
 def host_views(tensors: Sequence[torch.Tensor], *, pinned: bool) -> list[torch.Tensor]:
     """Copies of `tensors` on the host as views of one buffer [Note: one host buffer]; pinned,
     the copies from a GPU queued without a wait and waited for once."""
+    offsets, end = packed_offsets(tensors)
+    flat = torch.empty(end, dtype=torch.uint8, pin_memory=pinned)
+    views = packed_views(flat, [(t.dtype, t.shape, start) for t, start in zip(tensors, offsets)])
+    for view, t in zip(views, tensors):
+        view.copy_(t, non_blocking=pinned and t.is_cuda)
+    if pinned:
+        for device in {t.device for t in tensors if t.is_cuda}:
+            torch.cuda.synchronize(device)
+    return views
+
+
+def packed_offsets(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    """Where each of `tensors` starts in one byte buffer that holds them all, each at a 64-byte
+    boundary (so each view takes its dtype), and the buffer's length."""
     offsets, end = [], 0
     for t in tensors:
         start = -(-end // _ALIGN) * _ALIGN
         offsets.append(start)
         end = start + t.numel() * t.element_size()
-    flat = torch.empty(end, dtype=torch.uint8, pin_memory=pinned)
+    return offsets, end
+
+
+def packed_views(flat: torch.Tensor, places: Iterable[tuple[torch.dtype, Sequence[int], int]]
+                 ) -> list[torch.Tensor]:
+    """Views of the uint8 buffer `flat`, one per (dtype, shape, byte offset)."""
     views = []
-    for t, start in zip(tensors, offsets):
-        size = t.numel() * t.element_size()
-        view = flat[start:start + size].view(t.dtype).view(t.shape)
-        view.copy_(t, non_blocking=pinned and t.is_cuda)
-        views.append(view)
-    if pinned:
-        for device in {t.device for t in tensors if t.is_cuda}:
-            torch.cuda.synchronize(device)
+    for dtype, shape, start in places:
+        size = math.prod(shape) * dtype.itemsize
+        views.append(flat[start:start + size].view(dtype).view(tuple(shape)))
     return views
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "Rollout",
     "STALE_SEGMENTS",
     "Scored",
+    "SharedWeights",
     "StepMetrics",
     "TokenIds",
     "TokenScores",
@@ -255,6 +256,23 @@ class WeightsVersion:
 
     model: str
     version: int
+
+
+@attrs.frozen(kw_only=True)
+class SharedWeights:
+    """One stage's exported weights left on its GPU, for executors on the same GPU to copy
+    without the host [Note: weights on one GPU in executors/torch/cuda_share.py]: the CUDA IPC
+    handle of one device buffer and where each tensor lies in it. Its fields come over the
+    wire: the executor that opens it checks every one first."""
+
+    gpu: str  # the device's UUID
+    pid: int  # the exporting process
+    key: int  # the export, in that process
+    handle: bytes  # the buffer's cudaIpcMemHandle
+    size: int  # the buffer's bytes
+    offset: int  # its place in the IPC block
+    readers: dict  # executor name -> [ref counter file, slot, event handle, event to wait on]
+    tensors: list  # [unsplit name, dtype, shape, byte offset] each
 
 
 def microbatch_stats(inputs: tuple) -> list[MicrobatchStats]:

@@ -19,7 +19,7 @@ from flowkit.runtime.dispatch import NoExecutor
 from flowkit.runtime.futures import ExecutorLost, Future, wait
 from flowkit.runtime.registry import ExecutorInfo
 
-__all__ = ["model_spec", "pipeline_config", "profile_stages", "submit_exports",
+__all__ = ["model_spec", "one_gpu", "pipeline_config", "profile_stages", "submit_exports",
            "submit_optimizer_step", "submit_weight_sync"]
 
 
@@ -160,10 +160,16 @@ def submit_optimizer_step(ctl: Controller, schedule: Schedule, executors: Sequen
 
 
 def submit_exports(ctl: Controller, schedule: Schedule, executors: Sequence[ExecutorInfo],
-                   spec: dict, *, lane: Lane, meta: dict) -> list[Future]:
+                   spec: dict, *, lane: Lane, meta: dict,
+                   share_with: Sequence[ExecutorInfo] = ()) -> list[Future]:
     """Each stage's weights by the unsplit model's names (the executors' `export_weights`), in
-    its device's lane: after that stage's optimizer step."""
+    its device's lane: after that stage's optimizer step; left on the GPU for `share_with`
+    where they all report the exporter's [Note: weights on one GPU in
+    executors/torch/cuda_share.py]."""
     placement = schedule.placement
+    exporters = [executors[placement.device_of(stage)] for stage in range(schedule.num_stages)]
+    if share_with and one_gpu([*exporters, *share_with]):
+        spec = {**spec, "share_with": [e.name for e in share_with]}
     futures = []
     for stage in range(schedule.num_stages):
         device = placement.device_of(stage)
@@ -186,9 +192,17 @@ def submit_weight_sync(ctl: Controller, schedule: Schedule, trainers: Sequence[E
     targets = [e for e in targets if e.id not in shared]
     if not targets:
         return [], []
-    exports = submit_exports(ctl, schedule, trainers, spec, lane=lane, meta=meta)
+    exports = submit_exports(ctl, schedule, trainers, spec, lane=lane, meta=meta,
+                             share_with=targets)
     return exports, [ctl.submit("load_weights", *exports, version, config=whole,
                                 executor=e.id, meta={**meta, "device": e.id}) for e in targets]
+
+
+def one_gpu(executors: Sequence[ExecutorInfo]) -> bool:
+    """Whether every one of `executors` reports the same GPU (`resources["gpu"]`, which an
+    executor on a GPU sends unless FLOWKIT_CUDA_IPC=0)."""
+    gpus = {e.resources.get("gpu") for e in executors}
+    return len(gpus) == 1 and None not in gpus
 
 
 def _finish_order(schedule: Schedule) -> list[int]:

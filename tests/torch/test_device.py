@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executors.torch.device import configure_attention, configure_tf32, peak_flops, switch
+from executors.settings import switch
+from executors.torch.device import configure_attention, configure_tf32, peak_flops
 
 
 def _cuda_flags() -> tuple[bool, bool]:

@@ -26,6 +26,8 @@
 #      variant), `--device cuda` with 2 executors on one GPU, and a CPU reference
 #   e. an NCCL group as executors/torch/replicas.py builds it (one rank); TF32 flags, to_device,
 #      CUDA generator states set back, an idle engine's empty_cache
+#   f. weights between two processes on one GPU through CUDA IPC (executors/torch/cuda_share.py)
+#      against the host path, and the GRPO example with FLOWKIT_CUDA_IPC=0 beside d_grpo
 # FK_SECTIONS='b_|c_' runs only the parts whose names match (install and env always run).
 # Output: a compact summary at the end; $OUT/device_check.json, device_check.log,
 # engine_profile.txt, grpo_cuda_metrics.jsonl. FK_DRYRUN_CPU=1 FK_PYTHON=... runs it all on
@@ -188,6 +190,12 @@ main() {
     tail -n 15 "$WORK/logs/d_bare_cuda.log" 2>/dev/null | "$PY" -c 'import json,sys;
 json.dump(sys.stdin.read(), open(sys.argv[1], "w"))' "$FK_PARTS/cli_bare_cuda.json"
   fi
+  # (f) weights between two processes on one GPU through CUDA IPC, and d_grpo again with the
+  # host path (FLOWKIT_CUDA_IPC=0): its sync bytes and step time beside d_grpo's
+  section f_weights_ipc 90 "$PY" "$WORK/fk_devcheck.py" ipc
+  section f_grpo_host_sync 120 env FLOWKIT_CUDA_IPC=0 "${CLI[@]}" "$PY" -m flowkit run \
+    "$REPO/examples/grpo_sort.py" --steps "$GRPO_STEPS" --device "$DEV0" \
+    --metrics "$FK_PARTS/grpo_host_sync_cuda.jsonl"
   section c_engine 150 "$PY" "$WORK/fk_devcheck.py" engine
   section e_nccl 40 "$PY" "$WORK/fk_devcheck.py" nccl
   # `flowkit bench train --precision`: bf16 mixed precision against fp32 side by side (tokens/s,
@@ -207,7 +215,7 @@ write_python_files() {
   cat >"$WORK/fk_devcheck.py" <<'FK_PY_EOF'
 """flowkit GPU device checks, run by device_check.sh (one section per process).
 
-    python fk_devcheck.py SECTION      SECTION: env | pipeline | engine | nccl
+    python fk_devcheck.py SECTION      SECTION: env | pipeline | engine | nccl | ipc
 
 Each section writes $FK_PARTS/SECTION.json. FK_DRYRUN_CPU=1 runs the same code on the CPU with
 tiny sizes (to check the script itself on a machine without a GPU).
@@ -983,10 +991,112 @@ def nccl() -> None:
 
     save("nccl")
 
+# -- weights between two processes on one GPU (CUDA IPC) against the host path ----------------
+IPC_LAYERS, IPC_WIDTH = (2, 256) if DRY else (20, 5000)  # 20 x 5000^2 in bf16: 1.0 GB
+
+
+def ipc_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(IPC_WIDTH, IPC_WIDTH, bias=True) for _ in range(IPC_LAYERS)]
+    return torch.nn.Sequential(*layers).to(DEV, torch.bfloat16)
+
+
+def checksum(model: torch.nn.Module) -> float:
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+
+def ipc() -> None:
+    """A trainer-side process shares a 1 GB model through CUDA IPC (cuda_share.share) with a
+    reader process that loads it as load_weights does; three rounds, each after a change."""
+    import subprocess
+    from executors.torch import cuda_share
+    from executors.torch import weights as W
+    from flowkit.wire.serialize import pack, unpack
+
+    @guarded("weights_ipc")
+    def _():
+        model = ipc_model()
+        lay = W.layout(model)
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        reader = "self" if DRY else "reader"  # no IPC on a CPU: the same-process path
+        child = None if DRY else subprocess.Popen(
+            [sys.executable, __file__, "ipc_reader"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE)
+        rounds, allocated = [], []
+        for k in range(3):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1e-2)
+            t0 = now()
+            params, named = W.exported(model, lay.names[0])
+            record = cuda_share.share(params, named, [reader], "self")
+            del params
+            share_s = now() - t0
+            body, frames = pack(record)
+            if child is None:
+                t1 = now()
+                got = cuda_share.opened(record, "self", DEV)
+                twin = ipc_model()
+                W.load([twin], W.layout(twin), got)
+                reply = {"load_s": now() - t1, "checksum": checksum(twin)}
+                del got, twin
+            else:
+                child.stdin.write(len(body).to_bytes(8, "little") + body)
+                child.stdin.flush()
+                reply = json.loads(child.stdout.readline())
+            rounds.append({"share_s": round(share_s, 4), "load_s": round(reply["load_s"], 4),
+                           "equal": reply["checksum"] == checksum(model),
+                           "record_bytes": len(body), "frames": len(frames)})
+            del record
+            if DEV.type == "cuda":
+                torch.cuda.ipc_collect()
+                allocated.append(gib(torch.cuda.memory_allocated()))
+        if child is not None:
+            child.stdin.close()
+            child.wait(timeout=60)
+        # the host path for the same model in one process: export (one pinned buffer), load
+        twin = ipc_model()
+        W.export(model, lay.names[0], one_buffer=True)  # pins its buffer once
+        t0 = now()
+        exported = W.export(model, lay.names[0], one_buffer=True)
+        W.load([twin], W.layout(twin), unpack(*pack(exported)))
+        host_s = now() - t0
+        return {"gbytes": round(nbytes / 1e9, 3), "rounds": rounds,
+                "allocated_gib_after_each_round": allocated,
+                "host_path_export_and_load_s": round(host_s, 4),
+                "host_path_equal": checksum(twin) == checksum(model)}
+
+    save("ipc")
+
+
+def ipc_reader() -> None:
+    """The reader process of ipc(): each record from stdin loaded into its own model."""
+    from executors.torch import cuda_share
+    from executors.torch import weights as W
+    from flowkit.wire.serialize import unpack
+
+    model = ipc_model()
+    lay = W.layout(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    while True:
+        size = sys.stdin.buffer.read(8)
+        if len(size) < 8:
+            return
+        record = unpack(sys.stdin.buffer.read(int.from_bytes(size, "little")), [])
+        t0 = now()
+        got = cuda_share.opened(record, "reader", DEV)
+        W.load([model], lay, got)
+        del got  # releases the exporter's buffer (torch's IPC counter)
+        load_s = now() - t0
+        print(json.dumps({"load_s": load_s, "checksum": checksum(model)}), flush=True)
+
 
 if __name__ == "__main__":
     SECTION = sys.argv[1]
-    {"env": env, "pipeline": pipeline, "engine": engine, "nccl": nccl}[SECTION]()
+    {"env": env, "pipeline": pipeline, "engine": engine, "nccl": nccl, "ipc": ipc,
+     "ipc_reader": ipc_reader}[SECTION]()
 FK_PY_EOF
   cat >"$WORK/fk_summary.py" <<'FK_PY_EOF'
 """Merge the device check's parts into $OUT/device_check.json and print a compact summary."""
@@ -1054,8 +1164,8 @@ def metrics(path: str) -> dict:
     return out
 
 
-RUNS = ("sft_cuda", "grpo_cuda", "grpo_bf16_cuda", "grpo_shared_cuda0", "grpo_tis_bf16_cuda",
-        "grpo_cpu")
+RUNS = ("sft_cuda", "grpo_cuda", "grpo_host_sync_cuda", "grpo_bf16_cuda", "grpo_shared_cuda0",
+        "grpo_tis_bf16_cuda", "grpo_cpu")
 for name in RUNS:
     path = os.path.join(parts, f"{name}.jsonl")
     if os.path.exists(path):
@@ -1115,6 +1225,7 @@ print(f"    engine at the model's context: {g('engine', 'qwen05b_engine_at_model
 for row in g("engine", "qwen05b_engine_profile", "decode_step_top_ops", default=[])[:6]:
     print(f"    profile: {row}")
 print(f"    weight sync path: {g('engine', 'weight_sync_path')}")
+print(f"(f) weights through CUDA IPC: {g('ipc', 'weights_ipc')}")
 print(f"nccl (replicas.py, one rank): {g('nccl', 'replica_group_size1')}")
 print(f"cuda settings and state: {g('nccl', 'cuda_settings_and_state')}")
 for name in RUNS:

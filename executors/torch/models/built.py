@@ -25,7 +25,7 @@ import attrs
 import torch
 
 from executors.optable import OpContext
-from executors.torch import weights
+from executors.torch import cuda_share, weights
 from executors.torch.device import building_on
 from executors.torch.errors import StageError
 from executors.torch.layout_free import RESUMED, load_trained
@@ -33,7 +33,7 @@ from executors.torch.lora import add_adapters, merge_adapters
 from executors.torch.models.packing import accepts_positions
 from flowkit.dsl.lora import check_lora, lora_identity
 from flowkit.dsl.operators import PRECISIONS
-from flowkit.ops.records import WeightsVersion
+from flowkit.ops.records import SharedWeights, WeightsVersion
 
 __all__ = ["HeldModel", "built_whole", "evaluating", "export_weights", "held_model",
            "load_weights", "right_padded", "save_weights", "whole_model"]
@@ -323,10 +323,13 @@ def right_padded(seqs: list[list[int]], device: torch.device,
 
 # -- weights between splits [Note: unsplit names in executors/torch/weights.py] ---------------
 def export_weights(ctx: OpContext, *_: Any, stage: int, stages: int, model: str, build: str,
-                   **config: Any) -> dict[str, torch.Tensor]:
+                   share_with: list | None = None, **config: Any
+                   ) -> dict[str, torch.Tensor] | SharedWeights:
     """Stage `stage` of the model held here in `stages` stages: its parameters by unsplit name,
-    detached CPU copies (of a LoRA model, its adapters only: the rest never changes). Inputs
-    only order it (after a step)."""
+    detached CPU copies (of a LoRA model, its adapters only: the rest never changes); with
+    `share_with` (the names of executors on this GPU) a stage on a GPU is left there for them
+    [Note: weights on one GPU in executors/torch/cuda_share.py]. Inputs only order it (after a
+    step)."""
     held = held_model(ctx, {**config, "model": model, "build": build, "stages": stages})
     if not 0 <= int(stage) < len(held.parts):
         raise StageError(f"model {model!r} has stages 0..{len(held.parts) - 1}, not {stage}")
@@ -335,8 +338,13 @@ def export_weights(ctx: OpContext, *_: Any, stage: int, stages: int, model: str,
         raise StageError(f"model {model!r} stage {stage} is sharded over its replicas between "
                          "steps (FSDP): every replica gathers it first (fsdp_gather), as the "
                          "runner does before an export")
-    return weights.export(held.parts[int(stage)], held.layout.check().names[int(stage)],
-                          trained_only=held.lora is not None, one_buffer=True)
+    part, names = held.parts[int(stage)], held.layout.check().names[int(stage)]
+    if share_with and held.device.type == "cuda":
+        if not (type(share_with) is list and all(type(r) is str for r in share_with)):
+            raise StageError(f"share_with must name executors, not {share_with!r:.80}")
+        params, named = weights.exported(part, names, trained_only=held.lora is not None)
+        return cuda_share.share(params, named, share_with, ctx.name)
+    return weights.export(part, names, trained_only=held.lora is not None, one_buffer=True)
 
 
 def save_weights(ctx: OpContext, *exports: Any, path: str, spec: dict | None = None) -> str:
@@ -402,11 +410,15 @@ def load_weights(ctx: OpContext, *dicts: Any, model: str, build: str, stages: in
     held here in `stages` stages (only its stage `stage` if given), then record `version`.
     Unknown names and wrong shapes are errors; missing ones only with `complete`. Inputs that
     are WeightsVersions only order it; the newest gives the version when `version` is None.
-    Returns the WeightsVersion loaded (for generate to wait on), or None with no version.
+    SharedWeights are opened here first [Note: weights on one GPU in
+    executors/torch/cuda_share.py]. Returns the WeightsVersion loaded (for generate to wait
+    on), or None with no version.
     Optimizer state, where this split trains, is kept."""
     versions = [int(value.version) for value in dicts if isinstance(value, WeightsVersion)]
-    tensors = [value for value in dicts if not isinstance(value, WeightsVersion)]
     held = held_model(ctx, {**config, "model": model, "build": build, "stages": stages})
+    tensors = [cuda_share.opened(value, ctx.name, held.device)
+               if isinstance(value, SharedWeights) else value
+               for value in dicts if not isinstance(value, WeightsVersion)]
     which = None if stage is None else [int(stage)]
     if which and not 0 <= which[0] < len(held.parts):
         raise StageError(f"model {model!r} has stages 0..{len(held.parts) - 1}, not {stage}")

@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from executors.optable import Deferred, OpContext
-from executors.torch.device import switch
+from executors.settings import switch
 from executors.torch.errors import StageError
 from executors.torch.lora import adapted_layers
 from executors.torch.rollout import lm
