@@ -145,8 +145,16 @@ def checked_places(shared: Any, reader: str) -> list[tuple[str, tuple[torch.dtyp
 
 
 def _check_handle(handle: Any, entry: Any, pid: int, bad) -> None:
-    if type(handle) is not bytes or len(handle) != _HANDLE_BYTES:
-        raise bad(f"the memory handle must be {_HANDLE_BYTES} bytes")
+    # torch's caching allocator names a block by a version byte, a type byte and the handle:
+    # "c" and cudaIpcMemHandle's 64 bytes, or "e" and an expandable segment's description;
+    # torch before the versions, by the 64 bytes alone
+    version = handle[0] if type(handle) is bytes and handle else 0
+    kind = handle[1:2] if 0 < version < 16 else b""
+    if not (type(handle) is bytes and (len(handle) == _HANDLE_BYTES
+                                       or kind == b"c" and len(handle) == 2 + _HANDLE_BYTES
+                                       or kind == b"e" and len(handle) <= 4096)):
+        raise bad(f"the memory handle must be torch's: a version, b'c' and {_HANDLE_BYTES} "
+                  "bytes (or b'e' and at most 4096 in all)")
     if not (type(entry) is list and len(entry) == 4):
         raise bad("a reader's entry must be [counter file, slot, event handle, wait]")
     counter, slot, event, wait = entry

@@ -82,7 +82,7 @@ def test_weights_on_the_cpu_are_not_shared_with_another_process():
 # -- a record from another process, as the wire brings it -------------------------------------
 def _remote(**changes) -> SharedWeights:
     fields = dict(
-        gpu="GPU-1", pid=os.getpid() + 1, key=7, handle=b"h" * 64, size=4096, offset=512,
+        gpu="GPU-1", pid=os.getpid() + 1, key=7, handle=b"\x02c" + b"h" * 64, size=4096, offset=512,
         readers={"exec1": [f"/torch_{os.getpid() + 1}_123_4", 3, b"e" * 64, True]},
         tensors=[["a.weight", "float32", [4, 8], 0], ["b.bias", "bfloat16", [8], 128]])
     fields.update(changes)
@@ -110,7 +110,10 @@ def _entry(**changes) -> dict:
     ({"size": 1 << 50}, "size"),
     ({"offset": -4}, "offset"),
     ({"readers": {"exec2": None}}, "not one of its readers"),
-    ({"handle": b"h" * 63}, "memory handle"),
+    ({"handle": b"h" * 65}, "memory handle"),
+    ({"handle": b"\x02c" + b"h" * 63}, "memory handle"),
+    ({"handle": b"\x02e" + b"h" * 4096}, "memory handle"),
+    ({"handle": b""}, "memory handle"),
     ({"readers": {"exec1": ["/torch_1_2_3", 3, b"e" * 64, True]}}, "counter file of the"),
     ({"readers": _entry(counter="/dev/shm/flowkit_x")}, "counter file of the"),
     ({"readers": _entry(counter=f"/torch_{os.getpid() + 1}_1_2/../x")}, "counter file of the"),
