@@ -264,8 +264,9 @@ _NOBODY_USER = ("setpriv", f"--reuid={_NOBODY}", f"--regid={_NOBODY}", "--clear-
 
 # [Note: sandbox per call] Where the machine allows a mount namespace (root, as unshare's
 # namespaces need here), a call gets its own empty tmpfs on /tmp, /var/tmp and /dev/shm (each at
-# most the call's memory_mib), its scratch folder bound back at its path, and a /proc of its PID
-# namespace alone: what it writes there goes with the namespace, and it sees no other process.
+# most the call's memory_mib), its scratch folder bound back at its path (and, read-only, the
+# interpreter's folders there: a venv in /tmp), and a /proc of its PID namespace alone: what it
+# writes there goes with the namespace, and it sees no other process.
 # Where a memory cgroup can be made (v1 `memory`, or v2 with `memory` delegated), the call runs
 # in one of its own whose limit is memory_mib for all of its processes together, tmpfs pages
 # included (removed after it; a killed executor's are removed by the next process's first
@@ -273,16 +274,33 @@ _NOBODY_USER = ("setpriv", f"--reuid={_NOBODY}", f"--regid={_NOBODY}", "--clear-
 _MOUNT_NS = ("--mount", "--propagation", "private", "--mount-proc")
 _SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
 # as root, inside the namespaces, before setpriv: $1 the scratch folder, $2 tmpfs MiB, $3 the
-# cgroup's procs file or "", $4 1 to mount; then the command
+# cgroup's procs file or "", $4 1 to mount, $5 how many of the next arguments are folders of the
+# interpreter to keep (bound back over the tmpfs from a descriptor opened before it); then the
+# command
 _WRAP = """set -e
-[ -z "$3" ] || echo $$ > "$3"
-if [ "$4" = 1 ]; then
-  for d in /tmp /var/tmp /dev/shm; do
-    [ ! -d "$d" ] || mount -t tmpfs -o "size=$2m,mode=1777,nosuid,nodev" tmpfs "$d"
+scratch=$1 mib=$2 procs=$3 mounts=$4 kept=$5
+shift 5
+[ -z "$procs" ] || echo $$ > "$procs"
+if [ "$mounts" = 1 ]; then
+  i=0
+  for p in "$@"; do
+    [ "$i" -lt "$kept" ] || break
+    i=$((i + 1)); eval "exec $((i + 2))<\\"\\$p\\""
   done
-  mkdir -p "$1" && mount --no-canonicalize --bind . "$1" && cd "$1"
+  for d in /tmp /var/tmp /dev/shm; do
+    [ ! -d "$d" ] || mount -t tmpfs -o "size=${mib}m,mode=1777,nosuid,nodev" tmpfs "$d"
+  done
+  i=0
+  for p in "$@"; do
+    [ "$i" -lt "$kept" ] || break
+    i=$((i + 1)); mkdir -p "$p"
+    mount --no-canonicalize --bind "/proc/self/fd/$((i + 2))" "$p"
+    mount -o remount,bind,ro "$p" 2>/dev/null || true
+    eval "exec $((i + 2))<&-"
+  done
+  mkdir -p "$scratch" && mount --no-canonicalize --bind . "$scratch" && cd "$scratch"
 fi
-shift 4
+shift "$kept"
 exec "$@"
 """
 
@@ -290,8 +308,29 @@ exec "$@"
 def _wrapper(scratch: str, limits: Limits, cgroup: tuple[str, str] | None,
              mounts: bool) -> tuple[str, ...]:
     procs = os.path.join(cgroup[0], "cgroup.procs") if cgroup else ""
+    kept = interpreter_folders() if mounts else ()
     return ("sh", "-c", _WRAP, "sh", scratch, str(int(limits.memory_mib)), procs,
-            "1" if mounts else "0")
+            "1" if mounts else "0", str(len(kept)), *kept)
+
+
+def interpreter_folders() -> tuple[str, ...]:
+    """This interpreter's folders under /tmp, /var/tmp or /dev/shm (a fresh clone's venv in
+    /tmp), which a call's own tmpfs there would hide, its python exiting 127 unfound: they are
+    bound back into the call's namespace, read-only. One of those roots itself cannot be kept
+    apart from the rest of it: a ValueError names it."""
+    paths = set()
+    for path in (sys.executable, os.path.realpath(sys.executable)):
+        paths.add(os.path.dirname(path))
+    for path in (sys.prefix, sys.exec_prefix, sys.base_prefix):
+        paths.update((path, os.path.realpath(path)))
+    under = sorted(p for p in paths if any(p == root or p.startswith(root + "/")
+                                           for root in _SHARED_TMP))
+    roots = [p for p in under if p in _SHARED_TMP]
+    if roots:
+        raise ValueError(f"this python lives in {roots[0]} itself ({sys.executable}), which "
+                         "each sandboxed call gets empty: install it (or its venv) in a folder "
+                         "of its own, e.g. python -m venv ~/venv")
+    return tuple(p for p in under if not any(p.startswith(q + "/") for q in under))
 
 
 @functools.cache

@@ -7,12 +7,20 @@ scores code against tests through it."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import pytest
 
 from dataflows.rewards import code_reward, response_code
-from dataflows.sandbox import Limits, _memory_cgroups, run_python, sandbox_features, sandbox_status
+from dataflows.sandbox import (
+    Limits,
+    _memory_cgroups,
+    interpreter_folders,
+    run_python,
+    sandbox_features,
+    sandbox_status,
+)
 from flowkit.ops.records import Rollout
 
 ISOLATION = sandbox_status()
@@ -206,3 +214,26 @@ def test_memory_is_limited_per_call_not_per_process():
     assert outcome.ok and held <= 3 and codes.count("-9") >= 5, outcome
     parent = _memory_cgroups()[0]  # the call's cgroup goes with it
     assert not [n for n in os.listdir(parent) if n.startswith(f"flowkit-sandbox-{os.getpid()}-")]
+
+
+@private
+def test_an_interpreter_under_tmp_still_runs_the_call_and_its_folder_is_read_only(tmp_path,
+                                                                               monkeypatch):
+    """A fresh clone's venv in /tmp: the call's own tmpfs on /tmp would hide its python (exit
+    127, no word why); its folders are bound back, read-only (`interpreter_folders`)."""
+    venv_bin = tmp_path / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "python").symlink_to(os.path.realpath(sys.executable))
+    monkeypatch.setattr(sys, "executable", str(venv_bin / "python"))
+    assert interpreter_folders() == (str(venv_bin),)
+    code = ("import os, sys\n"
+            "print(sys.executable, os.access(os.path.dirname(sys.executable), os.W_OK))\n")
+    outcome = run_python(code)
+    assert outcome.ok, (outcome.returncode, outcome.stderr)
+    assert outcome.stdout.split() == [str(venv_bin / "python"), "False"]
+
+
+def test_an_interpreter_in_tmp_itself_is_refused_naming_the_path(monkeypatch):
+    monkeypatch.setattr(sys, "prefix", "/tmp")
+    with pytest.raises(ValueError, match="lives in /tmp itself.*folder of its own"):
+        interpreter_folders()
