@@ -15,7 +15,6 @@ import torch
 from executors.torch import weights
 from executors.torch.errors import StageError
 from flowkit.ops.records import SharedWeights
-from flowkit.wire.serialize import TORCH_DTYPES
 
 __all__ = ["checked_places", "gpu_uuid", "opened", "share"]
 
@@ -28,8 +27,8 @@ __all__ = ["checked_places", "gpu_uuid", "opened", "share"]
 # dropped: torch's IPC reference counting keeps the block until every reader has released it.
 # A reader in the exporting process takes the buffer itself. The runner asks for this only
 # where every executor reports the same GPU (`resources["gpu"]`, executors/settings.py); the
-# reader checks the GPU's UUID and every field before it opens anything. FLOWKIT_CUDA_IPC=0
-# keeps the host path. On an H200, 1.0 GB: shared in 1.5-2.8 ms and loaded by another process
+# reader checks the GPU's UUID and every field before it opens anything. `--weight-sync
+# host` keeps the host path. On an H200, 1.0 GB: shared in 1.5-2.8 ms and loaded by another process
 # in 1.9-2.9 ms, against 38 ms through one pinned host buffer in one process (`bash
 # tools/gpu/device_check.sh`, weights_ipc).
 
@@ -37,8 +36,7 @@ _HANDLE_BYTES = 64  # CUDA_IPC_HANDLE_SIZE: a memory or an event handle
 _COUNTER_SLOTS = 10_000  # CUDA_IPC_REF_COUNTER_FILE_SIZE: the slots of one counter file
 # a counter file's name as torch makes it (NewProcessWideShmHandle: /torch_PID_RANDOM_COUNT)
 _COUNTER_FILE = re.compile(r"/torch_([0-9]{1,10})_[0-9]{1,20}_[0-9]{1,20}")
-_MAX_BYTES = 1 << 44
-_MAX_DIMS = 8
+_MAX_BYTES = weights.MAX_PACKED_BYTES
 _KEPT = 2  # buffers kept for a reader in this process: the newest export and one before it
 _keys = itertools.count()
 _kept: dict[int, torch.Tensor] = {}
@@ -59,14 +57,10 @@ def share(params: Sequence[torch.Tensor], named: Sequence[tuple[str, int]],
     if remote and device.type != "cuda":
         raise StageError(f"weights on {device} cannot be shared with executors {remote}: "
                          "only a GPU's are, through CUDA IPC")
-    offsets, end = weights.packed_offsets(params)
-    flat = torch.empty(end, dtype=torch.uint8, device=device)
-    places = [(p.dtype, p.shape, start) for p, start in zip(params, offsets)]
-    for view, p in zip(weights.packed_views(flat, places), params):
-        view.copy_(p)
+    flat, entries = weights.packed_copy(params, named)
     key = next(_keys)
     storage = flat.untyped_storage()
-    handle, size, offset, counters = b"", end, 0, {}
+    handle, size, offset, counters = b"", flat.numel(), 0, {}
     for reader in readers:
         if reader == own_name:
             counters[reader] = None
@@ -83,8 +77,7 @@ def share(params: Sequence[torch.Tensor], named: Sequence[tuple[str, int]],
     return SharedWeights(
         gpu=gpu_uuid(device) if cuda else str(device), pid=os.getpid(), key=key,
         handle=bytes(handle), size=int(size), offset=int(offset), readers=counters,
-        tensors=[[name, str(params[i].dtype).removeprefix("torch."), list(params[i].shape),
-                  offsets[i]] for name, i in named])
+        tensors=entries)
 
 
 def opened(shared: SharedWeights, reader: str, device: torch.device) -> dict[str, torch.Tensor]:
@@ -105,13 +98,13 @@ def opened(shared: SharedWeights, reader: str, device: torch.device) -> dict[str
 def _opened_buffer(shared: SharedWeights, reader: str, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         raise StageError(f"executor {reader!r} holds the model on {device}, so it cannot open "
-                         "weights shared on a GPU; set FLOWKIT_CUDA_IPC=0 to sync through the "
-                         "host")
+                         "weights shared on a GPU; give --weight-sync host to sync through "
+                         "the host")
     own = gpu_uuid(device)
     if own != shared.gpu:
         raise StageError(f"weights shared on GPU {shared.gpu[:64]} cannot be opened by executor "
                          f"{reader!r} on GPU {own}: executors that report one GPU must be on "
-                         "one; set FLOWKIT_CUDA_IPC=0 to sync through the host")
+                         "one; give --weight-sync host to sync through the host")
     counter, slot, event, wait = shared.readers[reader]
     index = device.index if device.index is not None else torch.cuda.current_device()
     storage = torch.UntypedStorage._new_shared_cuda(
@@ -142,7 +135,7 @@ def checked_places(shared: Any, reader: str) -> list[tuple[str, tuple[torch.dtyp
         raise bad(f"executor {reader!r} is not one of its readers")
     if shared.pid != os.getpid():
         _check_handle(shared.handle, shared.readers[reader], shared.pid, bad)
-    return _checked_tensors(shared.tensors, shared.size, bad)
+    return weights.checked_places(shared.tensors, shared.size, bad)
 
 
 def _check_handle(handle: Any, entry: Any, pid: int, bad) -> None:
@@ -166,31 +159,3 @@ def _check_handle(handle: Any, entry: Any, pid: int, bad) -> None:
         raise bad(f"the counter's slot must be 0..{_COUNTER_SLOTS - 1}")
     if type(event) is not bytes or len(event) != _HANDLE_BYTES or type(wait) is not bool:
         raise bad(f"the event handle must be {_HANDLE_BYTES} bytes and its wait a bool")
-
-
-def _checked_tensors(tensors: Any, size: int, bad) -> list:
-    if type(tensors) is not list or not tensors:
-        raise bad("its tensors must be a non-empty list")
-    places, names = [], set()
-    for entry in tensors:
-        if not (type(entry) is list and len(entry) == 4):
-            raise bad("a tensor must be [name, dtype, shape, byte offset]")
-        name, dtype_name, shape, start = entry
-        if type(name) is not str or name in names:
-            raise bad(f"tensor names must be distinct strings ({str(name)[:80]!r})")
-        if type(dtype_name) is not str or dtype_name not in TORCH_DTYPES:
-            raise bad(f"tensor {name!r} has an unknown dtype {str(dtype_name)[:40]!r}")
-        dtype = getattr(torch, dtype_name)
-        if not (type(shape) is list and len(shape) <= _MAX_DIMS
-                and all(type(n) is int and 0 <= n <= _MAX_BYTES for n in shape)):
-            raise bad(f"tensor {name!r}'s shape must be at most {_MAX_DIMS} sizes >= 0")
-        nbytes = dtype.itemsize
-        for n in shape:
-            nbytes *= n
-        if type(start) is not int or start < 0 or start % dtype.itemsize \
-                or start + nbytes > size:
-            raise bad(f"tensor {name!r} ({nbytes} bytes at {str(start)[:20]}) does not lie "
-                      f"within the {size}-byte buffer at its dtype's alignment")
-        names.add(name)
-        places.append((name, (dtype, shape, start)))
-    return places

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +17,11 @@ import attrs
 import torch
 
 from executors.torch.errors import StageError
+from flowkit.wire.serialize import TORCH_DTYPES
 
-__all__ = ["Layout", "aliases_of", "checked_layout", "export", "exported", "host_views", "layout",
-           "load", "load_checkpoint", "merge", "packed_offsets", "packed_views",
-           "save_checkpoint"]
+__all__ = ["MAX_PACKED_BYTES", "Layout", "aliases_of", "checked_layout", "checked_places", "export",
+           "exported", "host_views", "layout", "load", "load_checkpoint", "merge",
+           "packed_copy", "packed_offsets", "packed_views", "save_checkpoint"]
 
 
 # [Note: unsplit names] An executor may hold one model in several splits at once [Note: one model,
@@ -173,6 +174,8 @@ def exported(module: torch.nn.Module, names: Mapping[str, str], *, trained_only:
 # `host_views(..., pinned=False)` is the same layout on the CPU, where it is tested; the
 # device check times this export (export_d2h_s against export_pageable_s).
 _ALIGN = 64
+MAX_PACKED_BYTES = 1 << 44  # a packed buffer a peer describes may say at most this
+_MAX_DIMS = 8
 
 
 def host_views(tensors: Sequence[torch.Tensor], *, pinned: bool) -> list[torch.Tensor]:
@@ -208,6 +211,53 @@ def packed_views(flat: torch.Tensor, places: Iterable[tuple[torch.dtype, Sequenc
         size = math.prod(shape) * dtype.itemsize
         views.append(flat[start:start + size].view(dtype).view(tuple(shape)))
     return views
+
+
+def packed_copy(params: Sequence[torch.Tensor], named: Sequence[tuple[str, int]]
+                ) -> tuple[torch.Tensor, list[list]]:
+    """`params` copied into one uint8 buffer on their device (`packed_offsets`' layout), and
+    each unsplit name's place in it as a record lists it: [name, dtype, shape, byte offset]
+    (`named`: each name and the index of its parameter, as `exported` gives them)."""
+    offsets, end = packed_offsets(params)
+    flat = torch.empty(end, dtype=torch.uint8, device=params[0].device)
+    places = [(p.dtype, p.shape, start) for p, start in zip(params, offsets)]
+    for view, p in zip(packed_views(flat, places), params):
+        view.copy_(p)
+    return flat, [[name, str(params[i].dtype).removeprefix("torch."), list(params[i].shape),
+                   offsets[i]] for name, i in named]
+
+
+def checked_places(tensors: Any, size: int, bad: Callable[[str], Exception]
+                   ) -> list[tuple[str, tuple[torch.dtype, list, int]]]:
+    """Each of `tensors` ([unsplit name, dtype, shape, byte offset], as a record from the wire
+    lists them) as (name, (dtype, shape, offset)) in a `size`-byte packed buffer, once checked:
+    distinct names, known dtypes, shapes of at most 8 sizes, each within the buffer at its
+    dtype's alignment. `bad(what)` makes the error raised."""
+    if type(tensors) is not list or not tensors:
+        raise bad("its tensors must be a non-empty list")
+    places, names = [], set()
+    for entry in tensors:
+        if not (type(entry) is list and len(entry) == 4):
+            raise bad("a tensor must be [name, dtype, shape, byte offset]")
+        name, dtype_name, shape, start = entry
+        if type(name) is not str or name in names:
+            raise bad(f"tensor names must be distinct strings ({str(name)[:80]!r})")
+        if type(dtype_name) is not str or dtype_name not in TORCH_DTYPES:
+            raise bad(f"tensor {name!r} has an unknown dtype {str(dtype_name)[:40]!r}")
+        dtype = getattr(torch, dtype_name)
+        if not (type(shape) is list and len(shape) <= _MAX_DIMS
+                and all(type(n) is int and 0 <= n <= MAX_PACKED_BYTES for n in shape)):
+            raise bad(f"tensor {name!r}'s shape must be at most {_MAX_DIMS} sizes >= 0")
+        nbytes = dtype.itemsize
+        for n in shape:
+            nbytes *= n
+        if type(start) is not int or start < 0 or start % dtype.itemsize \
+                or start + nbytes > size:
+            raise bad(f"tensor {name!r} ({nbytes} bytes at {str(start)[:20]}) does not lie "
+                      f"within the {size}-byte buffer at its dtype's alignment")
+        names.add(name)
+        places.append((name, (dtype, shape, start)))
+    return places
 
 
 def load(parts: Sequence[torch.nn.Module], lay: Layout, tensors: Mapping[str, Any], *,
