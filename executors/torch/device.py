@@ -4,8 +4,8 @@ the device's peak FLOP/s for MFU, and keeps cuDNN's attention out of SDPA on CUD
 
 [Note: device time] CUDA kernels run asynchronously: a clock read when an op returns measures
 the launches, not the work (and the next op then waits for this one's kernels, so its time is
-wrong too). Each op's end, and each profiled F/B/W, first synchronizes the executor's device;
-on the CPU nothing is queued and nothing is done.
+wrong too). Each op's end waits for its device's current stream, and each profiled F/B/W for
+the whole device; on the CPU nothing is queued and nothing is done.
 
 [Note: transfers without a wait] A plain copy of a CPU tensor to a GPU (``torch.tensor(values,
 device="cuda")``, ``t.to("cuda")``) synchronizes the stream: the host waits until every kernel
@@ -45,11 +45,14 @@ def cuda_device(device: str | torch.device) -> str | None:
 
 def synchronize_op(ctx: Any) -> None:
     """The op-end hook of the torch executor kind [Note: device time]: wait for the kernels the
-    op queued on the executor's device. A process that never touched CUDA has none queued (and
-    synchronizing would create a context: a second and hundreds of MiB)."""
+    op queued on the executor's device, on its current stream: not for a collective's own
+    stream, where a weight broadcast waits for receivers whose loads start only once this op
+    has ended [Note: weights by broadcast in executors/torch/weight_broadcast.py]. A process
+    that never touched CUDA has none queued (and synchronizing would create a context: a
+    second and hundreds of MiB)."""
     device = cuda_device(ctx.device)
     if device is not None and torch.cuda.is_initialized():
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 def device_clock(device: str | torch.device) -> Callable[[], float]:

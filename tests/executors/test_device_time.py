@@ -16,10 +16,19 @@ from executors.torch.train.pipeline_ops import _profile_once
 from flowkit.runtime import Controller
 
 
+class _Stream:
+    def __init__(self, device, synced: list[str]) -> None:
+        self.device, self.synced = device, synced
+
+    def synchronize(self) -> None:
+        self.synced.append(f"stream {self.device}")
+
+
 def _stub_cuda(monkeypatch, initialized: bool = True) -> list[str]:
     synced: list[str] = []
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialized)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: synced.append(str(d)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: _Stream(d, synced))
     return synced
 
 
@@ -58,11 +67,12 @@ def test_the_torch_kind_registers_the_device_sync():
     assert op_table("base").op_end_hooks == []
 
 
-def test_the_sync_waits_for_a_cuda_device_and_does_nothing_on_the_cpu(monkeypatch):
+def test_the_sync_waits_for_a_cuda_devices_current_stream_and_does_nothing_on_the_cpu(
+        monkeypatch):
     synced = _stub_cuda(monkeypatch)
     for name in ("cpu", "", "auto", "cudax", "cuda:1", "cuda"):
         device.synchronize_op(OpContext(name="e", device=name, tags=()))
-    assert synced == ["cuda:1", "cuda"]
+    assert synced == ["stream cuda:1", "stream cuda"]  # not the device: a collective's stream
 
 
 def test_the_sync_leaves_a_process_that_never_used_cuda_alone(monkeypatch):
