@@ -118,9 +118,10 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
            (*_STAGE, "repeats", "reference"),
            "median seconds of F, B, W, BW: the planner's costs (reference: the last stage's F "
            "runs that model's forward too, as F does)"),
-    OpSpec("export_weights", "anything, only to be ordered after it", (*_STAGE, "share_with"),
+    OpSpec("export_weights", "anything, only to be ordered after it",
+           (*_STAGE, "share_with", "broadcast"),
            "a stage's weights by the unsplit model's names (left on its GPU for the executors "
-           "share_with names)"),
+           "share_with names, or broadcast to a group's)"),
     OpSpec("load_weights", "export_weights dicts and weights versions",
            (*_STAGE, "version", "complete"), "load them into the model held here"),
     OpSpec("save_weights", "export_weights dicts of every stage", ("path", "spec"),

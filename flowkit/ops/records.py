@@ -14,6 +14,7 @@ import attrs
 from flowkit.dsl import Tensor
 
 __all__ = [
+    "BroadcastWeights",
     "Experience",
     "MicrobatchStats",
     "Prompt",
@@ -256,6 +257,18 @@ class WeightsVersion:
 
     model: str
     version: int
+
+
+@attrs.frozen(kw_only=True)
+class BroadcastWeights:
+    """One stage's exported weights sent through a process group (NCCL across GPUs, gloo on
+    CPUs) instead of the data plane [Note: weights by broadcast in
+    executors/torch/weight_broadcast.py]: the group, the buffer's bytes and where each tensor
+    lies in it. Its fields come over the wire: the executor that receives it checks them."""
+
+    group: str
+    size: int
+    tensors: list  # [unsplit name, dtype, shape, byte offset] each
 
 
 @attrs.frozen(kw_only=True)

@@ -25,7 +25,7 @@ import attrs
 import torch
 
 from executors.optable import OpContext
-from executors.torch import cuda_share, weights
+from executors.torch import cuda_share, weight_broadcast, weights
 from executors.torch.device import building_on
 from executors.torch.errors import StageError
 from executors.torch.layout_free import RESUMED, load_trained
@@ -33,7 +33,7 @@ from executors.torch.lora import add_adapters, merge_adapters
 from executors.torch.models.packing import accepts_positions
 from flowkit.dsl.lora import check_lora, lora_identity
 from flowkit.dsl.operators import PRECISIONS
-from flowkit.ops.records import SharedWeights, WeightsVersion
+from flowkit.ops.records import BroadcastWeights, SharedWeights, WeightsVersion
 
 __all__ = ["HeldModel", "built_whole", "evaluating", "export_weights", "held_model",
            "load_weights", "right_padded", "save_weights", "whole_model"]
@@ -323,13 +323,14 @@ def right_padded(seqs: list[list[int]], device: torch.device,
 
 # -- weights between splits [Note: unsplit names in executors/torch/weights.py] ---------------
 def export_weights(ctx: OpContext, *_: Any, stage: int, stages: int, model: str, build: str,
-                   share_with: list | None = None, **config: Any
-                   ) -> dict[str, torch.Tensor] | SharedWeights:
+                   share_with: list | None = None, broadcast: str | None = None,
+                   **config: Any) -> dict[str, torch.Tensor] | SharedWeights | BroadcastWeights:
     """Stage `stage` of the model held here in `stages` stages: its parameters by unsplit name,
     detached CPU copies (of a LoRA model, its adapters only: the rest never changes); with
     `share_with` (the names of executors on this GPU) a stage on a GPU is left there for them
-    [Note: weights on one GPU in executors/torch/cuda_share.py]. Inputs only order it (after a
-    step)."""
+    [Note: weights on one GPU in executors/torch/cuda_share.py]; with `broadcast` (a group
+    this executor is rank 0 of) sent to the group's members [Note: weights by broadcast in
+    executors/torch/weight_broadcast.py]. Inputs only order it (after a step)."""
     held = held_model(ctx, {**config, "model": model, "build": build, "stages": stages})
     if not 0 <= int(stage) < len(held.parts):
         raise StageError(f"model {model!r} has stages 0..{len(held.parts) - 1}, not {stage}")
@@ -339,6 +340,9 @@ def export_weights(ctx: OpContext, *_: Any, stage: int, stages: int, model: str,
                          "steps (FSDP): every replica gathers it first (fsdp_gather), as the "
                          "runner does before an export")
     part, names = held.parts[int(stage)], held.layout.check().names[int(stage)]
+    if broadcast is not None:
+        params, named = weights.exported(part, names, trained_only=held.lora is not None)
+        return weight_broadcast.send(ctx, params, named, broadcast)
     if share_with and held.device.type == "cuda":
         if not (type(share_with) is list and all(type(r) is str for r in share_with)):
             raise StageError(f"share_with must name executors, not {share_with!r:.80}")
@@ -410,15 +414,13 @@ def load_weights(ctx: OpContext, *dicts: Any, model: str, build: str, stages: in
     held here in `stages` stages (only its stage `stage` if given), then record `version`.
     Unknown names and wrong shapes are errors; missing ones only with `complete`. Inputs that
     are WeightsVersions only order it; the newest gives the version when `version` is None.
-    SharedWeights are opened here first [Note: weights on one GPU in
-    executors/torch/cuda_share.py]. Returns the WeightsVersion loaded (for generate to wait
-    on), or None with no version.
-    Optimizer state, where this split trains, is kept."""
+    SharedWeights are opened and BroadcastWeights received here first (`_opened`). Returns
+    the WeightsVersion loaded (for generate to wait on), or None with no version. Optimizer
+    state, where this split trains, is kept."""
     versions = [int(value.version) for value in dicts if isinstance(value, WeightsVersion)]
     held = held_model(ctx, {**config, "model": model, "build": build, "stages": stages})
-    tensors = [cuda_share.opened(value, ctx.name, held.device)
-               if isinstance(value, SharedWeights) else value
-               for value in dicts if not isinstance(value, WeightsVersion)]
+    tensors = [_opened(ctx, value, held) for value in dicts
+               if not isinstance(value, WeightsVersion)]
     which = None if stage is None else [int(stage)]
     if which and not 0 <= which[0] < len(held.parts):
         raise StageError(f"model {model!r} has stages 0..{len(held.parts) - 1}, not {stage}")
@@ -427,3 +429,16 @@ def load_weights(ctx: OpContext, *dicts: Any, model: str, build: str, stages: in
     version = max(versions) if version is None and versions else version
     held.version = None if version is None else int(version)
     return None if version is None else WeightsVersion(model=model, version=int(version))
+
+
+def _opened(ctx: OpContext, value: Any, held: HeldModel) -> Any:
+    """Weights another executor left on this GPU [Note: weights on one GPU in
+    executors/torch/cuda_share.py] or broadcast [Note: weights by broadcast in
+    executors/torch/weight_broadcast.py], by unsplit name; anything else as it is."""
+    if isinstance(value, SharedWeights):
+        return cuda_share.opened(value, ctx.name, held.device)
+    if isinstance(value, BroadcastWeights):
+        weights_count = sum(p.numel() for part in held.parts for p in part.parameters())
+        limit = 8 * weights_count + 64 * sum(1 for part in held.parts for _ in part.parameters())
+        return weight_broadcast.received(ctx, value, held.device, limit)
+    return value

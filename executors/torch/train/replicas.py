@@ -27,16 +27,13 @@ import torch.distributed as dist
 
 from executors.optable import OpContext
 from executors.torch.errors import StageError
+from executors.torch.process_groups import groups_joined
 
 __all__ = ["BUCKET_BYTES", "BucketsInFlight", "all_reduce_grads", "broadcast_shards", "owned",
            "register"]
 
 BUCKET_BYTES = 25 << 20  # torch DDP's default bucket size: few calls, each large enough to pay
 _TIMEOUT_S = 600.0  # a member that does not arrive in this long fails the collective
-
-
-def _groups(ctx: OpContext) -> dict[str, Any]:
-    return ctx.state.setdefault("replica_groups", {})
 
 
 def _replica_store(ctx: OpContext, *_: Any, group: str, size: int, host: str = "",
@@ -74,7 +71,7 @@ def _replica_group(ctx: OpContext, address: Any, *_: Any, group: str, rank: int,
             and 0 < len(address["host"]) <= 255):
         raise StageError(f"replica group {group!r}: expected the store's address as "
                          f"{{'host', 'port'}}, got {str(address)[:200]}")
-    groups = _groups(ctx)
+    groups = groups_joined(ctx)
     if group in groups:
         return int(groups[group].rank())
     timeout = datetime.timedelta(seconds=float(timeout_s))
@@ -98,17 +95,18 @@ def _replica_group(ctx: OpContext, address: Any, *_: Any, group: str, rank: int,
 def _leave_replica_groups(ctx: OpContext, *_: Any, groups: list | None = None) -> int:
     """Drop the named groups this executor is in (a run on executors that outlive it ends);
     returns how many it was in."""
-    held, stores = _groups(ctx), ctx.state.get("replica_stores", {})
+    held, stores = groups_joined(ctx), ctx.state.get("replica_stores", {})
     left = 0
     for name in groups or ():
         left += held.pop(str(name), None) is not None
         stores.pop(str(name), None)
+        ctx.state.get("weight_sends", {}).pop(str(name), None)  # [Note: weights by broadcast]
     return left
 
 
 def replica_group(ctx: OpContext, group: str) -> Any:
     """The process group `group` this executor joined, or a clear error."""
-    found = _groups(ctx).get(group)
+    found = groups_joined(ctx).get(group)
     if found is None:
         raise StageError(f"this executor is in no replica group {group!r}: the runner sets "
                          "each group up before the model's first step (replica_group)")
