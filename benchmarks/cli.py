@@ -414,6 +414,23 @@ def lora(steps: int, rank: int, n_embd: int, json_out: Path | None) -> None:
             json_out)
 
 
+@bench.command("weight-sync", cls=_BenchCommand)
+@click.option("--steps", type=click.IntRange(min=2), default=6, show_default=True,
+              help="GRPO steps per run (the first is not timed).")
+@click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Runs of each side, alternating.")
+@click.option("--n-embd", type=click.IntRange(min=8), default=256, show_default=True,
+              help="The GPT's width.")
+@click.option("--n-layer", type=click.IntRange(min=1), default=4, show_default=True,
+              help="The GPT's layers.")
+@_json_option
+def weight_sync(steps: int, rounds: int, n_embd: int, n_layer: int,
+                json_out: Path | None) -> None:
+    """GRPO whose weights reach the generator by broadcast against through the host."""
+    _report(_bench_function("weight_sync", "run_weight_sync_bench")(
+        steps=steps, rounds=rounds, n_embd=n_embd, n_layer=n_layer), json_out)
+
+
 @bench.command(cls=_BenchCommand)
 @_json_option
 def loggers(json_out: Path | None) -> None:

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["CUDA_IPC_ENV", "gpu_identity", "switch"]
+__all__ = ["gpu_identity", "switch"]
 
-CUDA_IPC_ENV = "FLOWKIT_CUDA_IPC"  # 0: weights between executors on one GPU go through the host
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -20,13 +19,12 @@ def switch(environ: Mapping[str, str], name: str, default: bool) -> bool:
 
 def gpu_identity(device: str, host: str, environ: Mapping[str, str]) -> str | None:
     """Which of its host's GPUs `device` is ("HOST/ENTRY", the CUDA_VISIBLE_DEVICES entry or
-    the ordinal), reported to the controller so that it hands weights between executors on
-    one GPU device to device [Note: weights on one GPU in executors/torch/cuda_share.py]; None
-    for a CPU, for an ordinal this process cannot see, or with FLOWKIT_CUDA_IPC=0. A GPU named
-    two ways (an ordinal here, a UUID there) only misses the shortcut: the reader checks the
-    GPU's own UUID before it opens anything."""
+    the ordinal), reported to the controller so that it picks how weights reach the executors
+    on GPUs [Note: weight sync paths in flowkit/runner/weight_sync.py]; None for a CPU, or for
+    an ordinal this process cannot see. A GPU named two ways (an ordinal here, a UUID there)
+    only misses CUDA IPC: the reader checks the GPU's own UUID before it opens anything."""
     kind, _, index = device.partition(":")
-    if kind != "cuda" or not switch(environ, CUDA_IPC_ENV, True):
+    if kind != "cuda":
         return None
     if not (index or "0").isdigit():
         return None

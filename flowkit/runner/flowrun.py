@@ -69,7 +69,8 @@ class FlowRunner:
     def __init__(self, ctl: Controller, plan: list[NodePlan], *,
                  sim_costs: SimCosts | None = None, step_timeout: float = 600.0,
                  fuse: bool = True, balance: bool = True, staleness: int | None = None,
-                 steps: int | None = None, fill_bubbles: bool = False) -> None:
+                 steps: int | None = None, fill_bubbles: bool = False,
+                 weight_sync: str = "auto") -> None:
         if staleness is not None:
             check_async(plan, staleness)
             plan = _with_proximal(plan) if staleness >= 1 else plan
@@ -78,7 +79,7 @@ class FlowRunner:
         plan = [_without_take(node) if node.resumable is not None else node for node in plan]
         self.ctl, self.plan, self.sim_costs = ctl, plan, sim_costs
         self.staleness, self.steps = staleness, steps
-        self.fuse = fuse
+        self.fuse, self.weight_sync = fuse, weight_sync  # [Note: weight sync paths]
         self.step_timeout = step_timeout
         consumers: dict[str, list[str]] = defaultdict(list)
         self.report_keys: dict[str, str] = {}
@@ -166,7 +167,7 @@ class FlowRunner:
         return ModelTraining(self.ctl, model, self.placement[model.name], users=users,
                              sim_costs=self.sim_costs, fuse=self.fuse,
                              timeout=self.step_timeout, profiles=self.profiles, steps=steps,
-                             bubble_fill=self.bubble_fill)
+                             bubble_fill=self.bubble_fill, weight_sync=self.weight_sync)
 
     def _fill(self, executor: int, seconds: float) -> list:
         """A bubble of `seconds` on `executor`: the open steps' held scoring, oldest step first

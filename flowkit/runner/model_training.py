@@ -54,9 +54,9 @@ from flowkit.runner.training_tasks import (
     pipeline_config,
     submit_exports,
     submit_optimizer_step,
-    submit_weight_sync,
 )
 from flowkit.runner.trainschedule import TrainingSchedules
+from flowkit.runner.weight_sync import WeightSync
 from flowkit.runtime.controller import Controller
 from flowkit.runtime.registry import ExecutorInfo
 from flowkit.wire.refs import Gather
@@ -101,7 +101,7 @@ class ModelTraining:
     def __init__(self, ctl: Controller, model: Model, executors: list[ExecutorInfo], *,
                  users: Sequence[tuple[str, frozenset]], sim_costs: SimCosts | None, fuse: bool,
                  timeout: float, profiles: dict, steps: Sequence[NodePlan] = (),
-                 bubble_fill: BubbleFill | None = None) -> None:
+                 bubble_fill: BubbleFill | None = None, weight_sync: str = "auto") -> None:
         self.ctl, self.model, self.executors = ctl, model, executors
         self.users, self.sim_costs, self.fuse, self.timeout = users, sim_costs, fuse, timeout
         self.steps = steps  # the flow's optimizer-step nodes of the model: configure rounds
@@ -122,6 +122,7 @@ class ModelTraining:
         # alongside an asynchronous run finishes on the weights it started with (evaluation.py)
         self.before_sync: Callable[[], None] | None = None
         self.dp = Replicas(ctl, model, executors, sim_costs or SimCosts())
+        self.sync = WeightSync(ctl, model.name, weight_sync)  # [Note: weight sync paths]
         self.planning = TrainingSchedules(self)  # this step's schedules, built once an input
         self.replicas, self.devices = self.dp.count, self.dp.devices
         # the fused training it is member `fusion_index` of [Note: fused training]
@@ -150,7 +151,7 @@ class ModelTraining:
         return self.dp.groups
 
     def leave_groups(self) -> list:
-        return self.dp.leave()
+        return self.dp.leave() + self.sync.leave()
 
     def start_step(self, step: int) -> None:
         self.step, self.trained, self.rounds, self.synced = step, None, None, []
@@ -376,7 +377,7 @@ class ModelTraining:
         report = self.submit_step(plan, stats, watch, outputs=len(plan.outputs))
         registered = report
         if "weights" in plan.outputs:
-            loads = self._sync_weights(plan, report[plan.outputs.index("weights")])
+            loads = self._sync_weights(plan, report[plan.outputs.index("weights")], watch)
             for future in loads:
                 watch((), (future,), register=False)
             if loads:  # the next step's generation waits for the weights on its executor
@@ -406,7 +407,7 @@ class ModelTraining:
                 watch((), (future,), register=False)
         return reported if outputs > 1 else (reported,)
 
-    def _sync_weights(self, plan: NodePlan, version: Any) -> list:
+    def _sync_weights(self, plan: NodePlan, version: Any, watch: Watch) -> list:
         """Submit the new weights to every executor that may generate or score with the model
         in this flow (where the executors can load weights: torch, not the simulator)."""
         targets = {e.id: e for op, tags in self.users for e in self.ctl.executors()
@@ -417,9 +418,10 @@ class ModelTraining:
             self.before_sync()
         schedule, spec = self.trained  # replica 0's stages export: every replica holds them
         self.dp.gather_whole(schedule, spec, self.lane_for, {"node": f"{plan.name}/sync"})
-        exports, loads = submit_weight_sync(
-            self.ctl, schedule, self.executors, spec, version, list(targets.values()),
-            lane=self.lane_for(0), meta={"node": f"{plan.name}/sync", "step": self.step})
+        exports, loads = self.sync.submit(
+            schedule, self.executors, spec, version, list(targets.values()),
+            lane=self.lane_for(0), meta={"node": f"{plan.name}/sync", "step": self.step},
+            watch=lambda future: watch((), (future,), register=False))
         self.synced += exports
         return loads
 

@@ -19,8 +19,8 @@ from flowkit.runtime.dispatch import NoExecutor
 from flowkit.runtime.futures import ExecutorLost, Future, wait
 from flowkit.runtime.registry import ExecutorInfo
 
-__all__ = ["model_spec", "one_gpu", "pipeline_config", "profile_stages", "submit_exports",
-           "submit_optimizer_step", "submit_weight_sync"]
+__all__ = ["model_spec", "pipeline_config", "profile_stages", "submit_exports",
+           "submit_optimizer_step"]
 
 
 def model_spec(model: Model, num_stages: int) -> dict:
@@ -160,49 +160,23 @@ def submit_optimizer_step(ctl: Controller, schedule: Schedule, executors: Sequen
 
 
 def submit_exports(ctl: Controller, schedule: Schedule, executors: Sequence[ExecutorInfo],
-                   spec: dict, *, lane: Lane, meta: dict,
-                   share_with: Sequence[ExecutorInfo] = ()) -> list[Future]:
+                   spec: dict, *, lane: Lane, meta: dict, extra: Sequence[dict] = (),
+                   after: Sequence[tuple] = ()) -> list[Future]:
     """Each stage's weights by the unsplit model's names (the executors' `export_weights`), in
-    its device's lane: after that stage's optimizer step; left on the GPU for `share_with`
-    where they all report the exporter's [Note: weights on one GPU in
-    executors/torch/cuda_share.py]."""
+    its device's lane: after that stage's optimizer step; `extra`, each stage's config besides
+    (how the weights travel: flowkit/runner/weight_sync.py), `after`, futures each stage's
+    export waits for."""
     placement = schedule.placement
-    exporters = [executors[placement.device_of(stage)] for stage in range(schedule.num_stages)]
-    if share_with and one_gpu([*exporters, *share_with]):
-        spec = {**spec, "share_with": [e.name for e in share_with]}
     futures = []
     for stage in range(schedule.num_stages):
         device = placement.device_of(stage)
-        futures.append(ctl.submit("export_weights", config={**spec, "stage": stage},
+        more = extra[stage] if extra else {}
+        inputs = after[stage] if after else ()
+        futures.append(ctl.submit("export_weights", *inputs,
+                                  config={**spec, **more, "stage": stage},
                                   executor=executors[device].id, lane=device_lane(lane, device),
                                   meta={**meta, "stage": stage, "device": device}))
     return futures
-
-
-def submit_weight_sync(ctl: Controller, schedule: Schedule, trainers: Sequence[ExecutorInfo],
-                       spec: dict, version: Any, targets: Sequence[ExecutorInfo], *,
-                       lane: Lane, meta: dict) -> tuple[list[Future], list[Future]]:
-    """After an optimizer step: the new weights of the model to its whole copy on each of
-    `targets` (the executors that may generate or score with it), over the data plane. A
-    target that trains the model unsplit holds the very weights it would load: skipped
-    (shared when colocated). Returns the exports' futures and the loads', each load resolving
-    to the version."""
-    whole = {**spec, "stages": 1}
-    shared = {e.id for e in trainers} if schedule.num_stages == 1 else set()
-    targets = [e for e in targets if e.id not in shared]
-    if not targets:
-        return [], []
-    exports = submit_exports(ctl, schedule, trainers, spec, lane=lane, meta=meta,
-                             share_with=targets)
-    return exports, [ctl.submit("load_weights", *exports, version, config=whole,
-                                executor=e.id, meta={**meta, "device": e.id}) for e in targets]
-
-
-def one_gpu(executors: Sequence[ExecutorInfo]) -> bool:
-    """Whether every one of `executors` reports the same GPU (`resources["gpu"]`, which an
-    executor on a GPU sends unless FLOWKIT_CUDA_IPC=0)."""
-    gpus = {e.resources.get("gpu") for e in executors}
-    return len(gpus) == 1 and None not in gpus
 
 
 def _finish_order(schedule: Schedule) -> list[int]:

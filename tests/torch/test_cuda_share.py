@@ -17,7 +17,7 @@ from executors.torch import register as register_torch
 from executors.torch.errors import StageError
 from executors.torch.models.built import held_model
 from flowkit.ops.records import SharedWeights, WeightsVersion
-from flowkit.runner.training_tasks import one_gpu
+from flowkit.runner.weight_sync import one_gpu
 from flowkit.runtime.registry import ExecutorInfo
 from flowkit.wire.serialize import pack, unpack
 from tests.harness import gpt_spec, op_context, tiny_gpt
@@ -138,7 +138,7 @@ def test_every_field_of_a_record_is_checked_before_anything_is_opened(changes, s
 
 
 def test_a_record_from_another_process_is_refused_on_a_cpu_device():
-    with pytest.raises(StageError, match="holds the model on cpu.*FLOWKIT_CUDA_IPC=0"):
+    with pytest.raises(StageError, match="holds the model on cpu.*--weight-sync host"):
         cuda_share.opened(_remote(), "exec1", torch.device("cpu"))
 
 
@@ -158,8 +158,6 @@ def test_something_other_than_a_record_is_refused():
     ("cuda:2", {"CUDA_VISIBLE_DEVICES": "4,5"}, None),
     ("cuda:0", {"CUDA_VISIBLE_DEVICES": ""}, None),
     ("cuda:x", {}, None),
-    ("cuda:0", {"FLOWKIT_CUDA_IPC": "0"}, None),
-    ("cuda:0", {"FLOWKIT_CUDA_IPC": "on"}, "h/0"),
 ])
 def test_an_executor_reports_which_gpu_it_is_on(device, environ, expected):
     assert gpu_identity(device, "h", environ) == expected

@@ -27,7 +27,7 @@
 #   e. an NCCL group as executors/torch/replicas.py builds it (one rank); TF32 flags, to_device,
 #      CUDA generator states set back, an idle engine's empty_cache
 #   f. weights between two processes on one GPU through CUDA IPC (executors/torch/cuda_share.py)
-#      against the host path, and the GRPO example with FLOWKIT_CUDA_IPC=0 beside d_grpo
+#      against the host path, and the GRPO example with --weight-sync host beside d_grpo
 # FK_SECTIONS='b_|c_' runs only the parts whose names match (install and env always run).
 # Output: a compact summary at the end; $OUT/device_check.json, device_check.log,
 # engine_profile.txt, grpo_cuda_metrics.jsonl. FK_DRYRUN_CPU=1 FK_PYTHON=... runs it all on
@@ -191,11 +191,17 @@ main() {
 json.dump(sys.stdin.read(), open(sys.argv[1], "w"))' "$FK_PARTS/cli_bare_cuda.json"
   fi
   # (f) weights between two processes on one GPU through CUDA IPC, and d_grpo again with the
-  # host path (FLOWKIT_CUDA_IPC=0): its sync bytes and step time beside d_grpo's
+  # host path (--weight-sync host): its sync bytes and step time beside d_grpo's
   section f_weights_ipc 90 "$PY" "$WORK/fk_devcheck.py" ipc
-  section f_grpo_host_sync 120 env FLOWKIT_CUDA_IPC=0 "${CLI[@]}" "$PY" -m flowkit run \
-    "$REPO/examples/grpo_sort.py" --steps "$GRPO_STEPS" --device "$DEV0" \
+  section f_grpo_host_sync 120 "${CLI[@]}" "$PY" -m flowkit run \
+    "$REPO/examples/grpo_sort.py" --steps "$GRPO_STEPS" --device "$DEV0" --weight-sync host \
     --metrics "$FK_PARTS/grpo_host_sync_cuda.jsonl"
+  if [ "$DRY" != 1 ]; then  # a broadcast between executors on one GPU: refused, one line
+    section f_broadcast_one_gpu 60 "${CLI[@]}" "$PY" -m flowkit run "$REPO/examples/grpo_sort.py" \
+      --steps 1 --device cuda:0 --weight-sync broadcast
+    tail -n 4 "$WORK/logs/f_broadcast_one_gpu.log" 2>/dev/null | "$PY" -c 'import json,sys;
+json.dump(sys.stdin.read(), open(sys.argv[1], "w"))' "$FK_PARTS/cli_broadcast_one_gpu.json"
+  fi
   section c_engine 150 "$PY" "$WORK/fk_devcheck.py" engine
   section e_nccl 40 "$PY" "$WORK/fk_devcheck.py" nccl
   # `flowkit bench train --precision`: bf16 mixed precision against fp32 side by side (tokens/s,
@@ -1232,6 +1238,8 @@ for name in RUNS:
     m = result.get(f"{name}_metrics")
     if m:
         print(f"(d) {name}: {json.dumps(m, default=str)[:600]}")
+if "cli_broadcast_one_gpu" in result:
+    print(f"(f) --weight-sync broadcast, 2 executors, 1 GPU: ...{str(result['cli_broadcast_one_gpu'])[-400:]}")
 if "cli_bare_cuda" in result:
     print(f"(d) --device cuda, 2 executors, 1 GPU: ...{str(result['cli_bare_cuda'])[-500:]}")
 print(f"results: {os.path.join(out, 'device_check.json')}")
