@@ -55,6 +55,16 @@ def _json_option(command: Callable) -> Callable:
                         help="Also write the figures as JSON.")(command)
 
 
+def _timed_steps_option(default: int) -> Callable[[Callable], Callable]:
+    return click.option("--steps", type=click.IntRange(min=2), default=default,
+                        show_default=True, help="GRPO steps per run (the first is not timed).")
+
+
+def _width_option(help_text: str) -> Callable[[Callable], Callable]:
+    return click.option("--n-embd", type=click.IntRange(min=8), default=256, show_default=True,
+                        help=help_text)
+
+
 def _hosts_option(command: Callable) -> Callable:
     return click.option("--hosts", type=click.IntRange(1, 2), default=None,
                         help="2 runs the executors (and the bare-zmq baseline) on two "
@@ -401,12 +411,10 @@ def infer(repeats: int, json_out: Path | None) -> None:
 
 
 @bench.command(cls=_BenchCommand)
-@click.option("--steps", type=click.IntRange(min=2), default=8, show_default=True,
-              help="GRPO steps per run (the first is not timed).")
+@_timed_steps_option(8)
 @click.option("--rank", type=click.IntRange(min=1), default=8, show_default=True,
               help="The adapters' rank.")
-@click.option("--n-embd", type=click.IntRange(min=8), default=256, show_default=True,
-              help="The GPT's width (n_layer 4).")
+@_width_option("The GPT's width (n_layer 4).")
 @_json_option
 def lora(steps: int, rank: int, n_embd: int, json_out: Path | None) -> None:
     """GRPO training LoRA adapters against training every weight."""
@@ -415,12 +423,10 @@ def lora(steps: int, rank: int, n_embd: int, json_out: Path | None) -> None:
 
 
 @bench.command("weight-sync", cls=_BenchCommand)
-@click.option("--steps", type=click.IntRange(min=2), default=6, show_default=True,
-              help="GRPO steps per run (the first is not timed).")
+@_timed_steps_option(6)
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
               help="Runs of each side, alternating.")
-@click.option("--n-embd", type=click.IntRange(min=8), default=256, show_default=True,
-              help="The GPT's width.")
+@_width_option("The GPT's width.")
 @click.option("--n-layer", type=click.IntRange(min=1), default=4, show_default=True,
               help="The GPT's layers.")
 @_json_option
