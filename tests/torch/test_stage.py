@@ -258,3 +258,20 @@ def test_in_place_edit_of_a_linear_input_is_refused():
     runner.backward_input(0)
     with pytest.raises(RuntimeError, match="modified in place"):
         runner.backward_weight(0)
+
+
+def test_every_tensor_input_reaches_the_stage_through_to_device(monkeypatch):
+    """[Note: transfers without a wait]: an activation off the wire goes to the stage's device
+    queued (pinned, non-blocking on a GPU), never by a pageable copy that waits."""
+    from executors.torch.train import stage as stage_module
+
+    moved: list[torch.device] = []
+
+    def recorded(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        moved.append(device)
+        return t.to(device)
+
+    monkeypatch.setattr(stage_module, "to_device", recorded)
+    runner = StageRunner(torch.nn.Linear(3, 2))
+    runner.forward("mb", torch.ones(4, 3))
+    assert moved == [torch.device("cpu")]

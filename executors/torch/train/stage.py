@@ -24,6 +24,7 @@ import attrs
 import torch
 from torch.autograd.graph import GradientEdge
 
+from executors.torch.device import to_device
 from executors.torch.errors import StageError
 from executors.torch.train.deferred import (
     Consumers,
@@ -68,10 +69,13 @@ def _flatten(output: Any) -> tuple[Any, ...]:
 
 
 def _as_input(value: Any, device: torch.device) -> Any:
-    """Float activations become fresh leaves that collect their gradient; ids stay as they are."""
+    """Float activations become fresh leaves that collect their gradient; ids stay as they are.
+    One from the host (another executor's, off the wire) goes to a GPU queued without a wait
+    [Note: transfers without a wait in executors/torch/device.py]: a pageable copy would hold
+    the host until every kernel queued before it had run."""
     if not isinstance(value, torch.Tensor):
         return value
-    value = value.to(device)
+    value = to_device(value, device)
     return value.detach().requires_grad_(True) if value.is_floating_point() else value
 
 
