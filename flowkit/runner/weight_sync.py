@@ -31,6 +31,9 @@ WEIGHT_SYNC = ("auto", "host", "broadcast")
 # `--weight-sync` (RunConfig.weight_sync): auto picks ipc, then broadcast, else host; host
 # always the host; broadcast always the group's, gloo on CPUs (what the tests run).
 _GROUP_IDS = itertools.count()
+# a weight group's collectives fail after this long: a receiver whose exporter died waits no
+# longer (NCCL does not see a dead peer; the broadcast itself takes seconds, even of a 7B model)
+GROUP_TIMEOUT_S = 120.0
 
 
 def one_gpu(executors: Sequence[ExecutorInfo]) -> bool:
@@ -139,12 +142,14 @@ class WeightSync:
         host = first.peer_address.removeprefix("tcp://").rpartition(":")[0].strip("[]") \
             or "127.0.0.1"
         store = self.ctl.submit("replica_store", config={"group": name, "size": len(members),
-                                                         "host": host},
+                                                         "host": host,
+                                                         "timeout_s": GROUP_TIMEOUT_S},
                                 executor=first.id, lane=self.lane,
                                 meta={"node": "weight_groups"})
         watch(store)
         joins = [self.ctl.submit("replica_group", store,
-                                 config={"group": name, "rank": rank, "size": len(members)},
+                                 config={"group": name, "rank": rank, "size": len(members),
+                                         "timeout_s": GROUP_TIMEOUT_S},
                                  executor=member.id, lane=self.lane,
                                  meta={"node": "weight_groups"})
                  for rank, member in enumerate(members)]
