@@ -31,7 +31,7 @@ from flowkit.runtime.registry import ExecutorInfo
 
 __all__ = ["ReplicatedSchedule", "Replicas", "agreed_devices", "finish_order", "last_actions",
            "reduce_orders", "replica_counts", "replica_lane", "setup_replica_groups",
-           "state_sources"]
+           "state_sources", "store_host"]
 
 _GROUP_IDS = itertools.count()
 _WEIGHTS = (Kind.W, Kind.BW)  # the ops that make a stage's weight gradients final
@@ -118,6 +118,13 @@ def reduce_orders(schedules: Sequence[Schedule]) -> dict[int, str]:
             for stage, found in kinds.items()}
 
 
+def store_host(executor: ExecutorInfo) -> str:
+    """Where a process group whose rank 0 is `executor` has its store listen: the host of its
+    data socket (the address its peers already reach)."""
+    return executor.peer_address.removeprefix("tcp://").rpartition(":")[0].strip("[]") \
+        or "127.0.0.1"
+
+
 def setup_replica_groups(ctl: Controller, executors: Sequence[ExecutorInfo], *, model: str,
                          devices: int, replicas: int,
                          watch: Callable[[Future], None]) -> list[str]:
@@ -130,10 +137,8 @@ def setup_replica_groups(ctl: Controller, executors: Sequence[ExecutorInfo], *, 
     for device in range(devices):
         name = f"{model}/{devices}x{replicas}/{device}/{serial}"
         first = executors[device]
-        host = first.peer_address.removeprefix("tcp://").rpartition(":")[0].strip("[]") \
-            or "127.0.0.1"
         store = ctl.submit("replica_store", config={"group": name, "size": replicas,
-                                                    "host": host},
+                                                    "host": store_host(first)},
                            executor=first.id, lane=f"{replica_lane(model, 0)}/{device}",
                            meta={"node": "replica_groups", "device": device})
         watch(store)

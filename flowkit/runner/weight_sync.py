@@ -10,6 +10,7 @@ from typing import Any
 
 from flowkit.planner import Schedule
 from flowkit.runner.pipeline import Lane
+from flowkit.runner.replicas import store_host
 from flowkit.runner.stepstate import FlowRunError
 from flowkit.runner.training_tasks import submit_exports
 from flowkit.runtime.controller import Controller
@@ -77,7 +78,6 @@ class WeightSync:
         self.ctl, self.model, self.mode = ctl, model, mode
         self.groups: dict[tuple[int, tuple[int, ...]], str] = {}  # (stage, member ids) -> name
         self.members: dict[str, list[ExecutorInfo]] = {}
-        self.last_path: str | None = None
 
     def submit(self, schedule: Schedule, trainers: Sequence[ExecutorInfo], spec: dict,
                version: Any, targets: Sequence[ExecutorInfo], *, lane: Lane, meta: dict,
@@ -94,7 +94,7 @@ class WeightSync:
                      for s in range(schedule.num_stages)]
         groups = [[exporter, *(e for e in targets if e.id != exporter.id)]
                   for exporter in exporters]
-        path = self.last_path = sync_path(self.mode, groups)
+        path = sync_path(self.mode, groups)
         extra: list[dict] = []
         after: list[tuple] = []
         if path == "broadcast":
@@ -138,13 +138,10 @@ class WeightSync:
 
     def _join(self, name: str, members: list[ExecutorInfo], watch: Callable[[Future], None]
               ) -> list[Future]:
-        first = members[0]
-        host = first.peer_address.removeprefix("tcp://").rpartition(":")[0].strip("[]") \
-            or "127.0.0.1"
         store = self.ctl.submit("replica_store", config={"group": name, "size": len(members),
-                                                         "host": host,
+                                                         "host": store_host(members[0]),
                                                          "timeout_s": GROUP_TIMEOUT_S},
-                                executor=first.id, lane=self.lane,
+                                executor=members[0].id, lane=self.lane,
                                 meta={"node": "weight_groups"})
         watch(store)
         joins = [self.ctl.submit("replica_group", store,
