@@ -25,10 +25,11 @@ __all__ = ["checked_places", "gpu_uuid", "opened", "share"]
 # record, bytes not gigabytes); each reader copies from it into its own weights, device to
 # device. The buffer is shared once per reader (its own reference counter and event), then
 # dropped: torch's IPC reference counting keeps the block until every reader has released it.
-# A reader in the exporting process takes the buffer itself. The runner asks for this only
+# A reader in the exporting process takes the buffer itself. The price: a second copy of the
+# stage on the GPU until its readers have loaded it. The runner asks for this only
 # where every executor reports the same GPU (`resources["gpu"]`, executors/settings.py); the
-# reader checks the GPU's UUID and every field before it opens anything. `--weight-sync
-# host` keeps the host path. On an H200, 1.0 GB: shared in 1.5-2.8 ms and loaded by another process
+# reader checks the GPU's UUID and every field before it opens anything; `--weight-sync host`
+# keeps the host path. On an H200, 1.0 GB: shared in 1.5-2.8 ms and loaded by another process
 # in 1.9-2.9 ms, against 38 ms through one pinned host buffer in one process (`bash
 # tools/gpu/device_check.sh`, weights_ipc).
 
