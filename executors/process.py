@@ -125,7 +125,8 @@ class Executor:
         self.host_id = host_id or default_host_id()  # [Note: hosts] in flowkit/wire/shm.py
         self.ctx = OpContext(name=name, device=device, tags=tuple(tags))
         self.resources = dict(resources or {})
-        gpu = gpu_identity(device, self.host_id, os.environ)  # [Note: weights on one GPU]
+        # which GPU it is on, for the way weights reach it [Note: weight sync paths]
+        gpu = gpu_identity(device, self.host_id, os.environ)
         if gpu is not None:
             self.resources.setdefault("gpu", gpu)
         # its own context: the gate's ZAP handler and monitors are the context's, and an
