@@ -27,6 +27,7 @@ FLAGS = {
     "microbatch_tokens": (RunConfig, "microbatch_tokens"),
     "schedule": (RunConfig, "schedule"), "offload": (RunConfig, "offload"),
     "memory_limit": (RunConfig, "memory_limit"), "rollout_engine": (RunConfig, "rollout_engine"),
+    "weight_sync": (RunConfig, "weight_sync"),
     "fuse": (RunConfig, "fuse"), "fill_bubbles": (RunConfig, "fill_bubbles"),
     "asynchronous": (RunConfig, "asynchronous"), "max_staleness": (RunConfig, "max_staleness"),
     "trace": (RunConfig, "trace"), "save_weights": (RunConfig, "save_weights"),
