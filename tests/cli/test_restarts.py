@@ -141,3 +141,17 @@ def test_a_killed_replica_is_replaced_and_its_group_rebuilt(tmp_path):
                              seed=5)
     assert output.count("lost (") == 1
     _same_run(faulty, clean, "loss")
+
+
+def test_a_killed_executor_of_a_broadcast_weight_sync_is_replaced_and_its_groups_rebuilt(
+        tmp_path):
+    """Weights by broadcast [Note: weights by broadcast in executors/torch/weight_broadcast.py]:
+    a kill at any moment (in a sync, a receiver blocked in a broadcast included) is recovered:
+    the replacement joins new weight groups, and the run ends as the run without faults."""
+    clean, faulty = tmp_path / "clean", tmp_path / "faulty"
+    broadcast = ("--weight-sync", "broadcast")
+    _clean_run(GRPO, clean, "--steps", "12", *broadcast)
+    output = _run_with_kills(GRPO, faulty, 12, "--max-restarts", "2", *broadcast, kills=1,
+                             seed=7)
+    assert output.count("lost (") == 1
+    _same_run(faulty, clean, "loss", "reward_mean")
