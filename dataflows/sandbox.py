@@ -295,7 +295,7 @@ if [ "$mounts" = 1 ]; then
     [ "$i" -lt "$kept" ] || break
     i=$((i + 1)); mkdir -p "$p"
     mount --no-canonicalize --bind "/proc/self/fd/$((i + 2))" "$p"
-    mount -o remount,bind,ro "$p" 2>/dev/null || true
+    mount -o remount,bind,ro "$p"
     eval "exec $((i + 2))<&-"
   done
   mkdir -p "$scratch" && mount --no-canonicalize --bind . "$scratch" && cd "$scratch"
