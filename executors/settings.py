@@ -21,8 +21,10 @@ def gpu_identity(device: str, host: str, environ: Mapping[str, str]) -> str | No
     """Which of its host's GPUs `device` is ("HOST/ENTRY", the CUDA_VISIBLE_DEVICES entry or
     the ordinal), reported to the controller so that it picks how weights reach the executors
     on GPUs [Note: weight sync paths in flowkit/runner/weight_sync.py]; None for a CPU, or for
-    an ordinal this process cannot see. A GPU named two ways (an ordinal here, a UUID there)
-    only misses CUDA IPC: the reader checks the GPU's own UUID before it opens anything."""
+    an ordinal this process cannot see. The launchers name every executor's GPU one way; one
+    named two ways (an ordinal here, a UUID there) would look like two GPUs: CUDA IPC missed,
+    or a broadcast that NCCL refuses (it sees one GPU twice) and `--weight-sync host` avoids.
+    A reader checks the GPU's own UUID before it opens anything shared on it."""
     kind, _, index = device.partition(":")
     if kind != "cuda":
         return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,9 +39,10 @@ _COUNTER_SLOTS = 10_000  # CUDA_IPC_REF_COUNTER_FILE_SIZE: the slots of one coun
 # a counter file's name as torch makes it (NewProcessWideShmHandle: /torch_PID_RANDOM_COUNT)
 _COUNTER_FILE = re.compile(r"/torch_([0-9]{1,10})_[0-9]{1,20}_[0-9]{1,20}")
 _MAX_BYTES = weights.MAX_PACKED_BYTES
-_KEPT = 2  # buffers kept for a reader in this process: the newest export and one before it
+_KEPT = 2  # buffers of one stage kept for a reader in this process: the newest and one before
+_PROCESS = secrets.token_hex(8)  # this process, as no pid says it (pids repeat in namespaces)
 _keys = itertools.count()
-_kept: dict[int, torch.Tensor] = {}
+_kept: dict[str, dict[int, torch.Tensor]] = {}  # a stage's exports kept, by export key
 
 
 def gpu_uuid(device: torch.device) -> str:
@@ -49,10 +51,11 @@ def gpu_uuid(device: torch.device) -> str:
 
 
 def share(params: Sequence[torch.Tensor], named: Sequence[tuple[str, int]],
-          readers: Sequence[str], own_name: str) -> SharedWeights:
+          readers: Sequence[str], own_name: str, *, slot: str = "") -> SharedWeights:
     """`params` (on one GPU) copied into one device buffer, shared with each of `readers`
     (executor names) [Note: weights on one GPU]; `named`: each unsplit name and the index of
-    its parameter (weights.exported)."""
+    its parameter (weights.exported); `slot`: the stage it is (what a reader here keeps, it
+    keeps for each stage apart)."""
     device = params[0].device
     remote = [reader for reader in readers if reader != own_name]
     if remote and device.type != "cuda":
@@ -69,14 +72,16 @@ def share(params: Sequence[torch.Tensor], named: Sequence[tuple[str, int]],
         _, handle, size, offset, counter, slot, event, wait = storage._share_cuda_()
         counters[reader] = [counter.decode(), int(slot), bytes(event), bool(wait)]
     if own_name in readers:
-        _kept[key] = flat
-        for old in sorted(_kept)[:-_KEPT]:
-            del _kept[old]
+        kept = _kept.setdefault(slot, {})
+        kept[key] = flat
+        for old in sorted(kept)[:-_KEPT]:
+            del kept[old]
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.ipc_collect()  # blocks of earlier exports whose readers all released them
     return SharedWeights(
-        gpu=gpu_uuid(device) if cuda else str(device), pid=os.getpid(), key=key,
+        gpu=gpu_uuid(device) if cuda else str(device), pid=os.getpid(), process=_PROCESS,
+        key=key,
         handle=bytes(handle), size=int(size), offset=int(offset), readers=counters,
         tensors=entries)
 
@@ -85,11 +90,13 @@ def opened(shared: SharedWeights, reader: str, device: torch.device) -> dict[str
     """The weights `shared` hands `reader` (this executor), by unsplit name: views of the
     exporter's buffer on `device`, released when they are dropped."""
     places = checked_places(shared, reader)
-    if shared.pid == os.getpid():
-        flat = _kept.pop(shared.key, None)
+    if shared.process == _PROCESS:
+        flat = next((kept.pop(shared.key) for kept in _kept.values() if shared.key in kept),
+                    None)
         if flat is None:
             raise StageError(f"export {shared.key} of this executor's weights is no longer "
-                             f"kept (only the last {_KEPT} are): load each export as it comes")
+                             f"kept (only a stage's last {_KEPT} are): load each export as "
+                             "it comes")
     else:
         flat = _opened_buffer(shared, reader, device)
     views = weights.packed_views(flat, [place for _, place in places])
@@ -126,30 +133,35 @@ def checked_places(shared: Any, reader: str) -> list[tuple[str, tuple[torch.dtyp
 
     if type(shared.gpu) is not str or len(shared.gpu) > 64:
         raise bad("the GPU must be a UUID string")
-    if type(shared.pid) is not int or shared.pid <= 0 or type(shared.key) is not int:
-        raise bad("pid and key must be positive integers")
+    if type(shared.pid) is not int or shared.pid <= 0 or type(shared.key) is not int \
+            or type(shared.process) is not str or len(shared.process) > 64:
+        raise bad("pid and key must be positive integers, the process a short name")
     if type(shared.size) is not int or not 0 < shared.size <= _MAX_BYTES:
         raise bad(f"the buffer's size must be 1..{_MAX_BYTES} bytes")
     if type(shared.offset) is not int or not 0 <= shared.offset <= _MAX_BYTES:
         raise bad(f"the buffer's offset must be 0..{_MAX_BYTES}")
     if type(shared.readers) is not dict or reader not in shared.readers:
         raise bad(f"executor {reader!r} is not one of its readers")
-    if shared.pid != os.getpid():
+    if shared.process != _PROCESS:
         _check_handle(shared.handle, shared.readers[reader], shared.pid, bad)
     return weights.checked_places(shared.tensors, shared.size, bad)
 
 
 def _check_handle(handle: Any, entry: Any, pid: int, bad) -> None:
     # torch's caching allocator names a block by a version byte, a type byte and the handle:
-    # "c" and cudaIpcMemHandle's 64 bytes, or "e" and an expandable segment's description;
-    # torch before the versions, by the 64 bytes alone
+    # "c" and cudaIpcMemHandle's 64 bytes (torch before the versions: the 64 bytes alone). An
+    # expandable segment's ("e") has a process's file descriptors fetched by its pid, which a
+    # peer's record could point anywhere: refused
     version = handle[0] if type(handle) is bytes and handle else 0
     kind = handle[1:2] if 0 < version < 16 else b""
+    if kind == b"e":
+        raise bad("its memory is an expandable segment's (PYTORCH_CUDA_ALLOC_CONF "
+                  "expandable_segments:True on the exporter), whose handle names a process; "
+                  "give --weight-sync host, or run without expandable segments")
     if not (type(handle) is bytes and (len(handle) == _HANDLE_BYTES
-                                       or kind == b"c" and len(handle) == 2 + _HANDLE_BYTES
-                                       or kind == b"e" and len(handle) <= 4096)):
+                                       or kind == b"c" and len(handle) == 2 + _HANDLE_BYTES)):
         raise bad(f"the memory handle must be torch's: a version, b'c' and {_HANDLE_BYTES} "
-                  "bytes (or b'e' and at most 4096 in all)")
+                  "bytes")
     if not (type(entry) is list and len(entry) == 4):
         raise bad("a reader's entry must be [counter file, slot, event handle, wait]")
     counter, slot, event, wait = entry

@@ -22,7 +22,7 @@ from flowkit.runtime.registry import ExecutorInfo
 from flowkit.wire.serialize import pack, unpack
 from tests.harness import gpt_spec, op_context, tiny_gpt
 
-SPEC = gpt_spec("actor", tiny_gpt(n_layer=2), seed=3)
+SPEC = gpt_spec("actor", tiny_gpt(n_layer=4), seed=3)
 _TABLE = OpTable()
 register_torch(_TABLE)
 
@@ -31,8 +31,8 @@ def _shared_gpt(ctx, stages: int = 2) -> tuple[list[SharedWeights], dict[str, to
     """Each stage of a GPT held here, shared with this executor alone, and its plain export."""
     held = held_model(ctx, {**SPEC, "stages": stages})
     names = held.layout.check().names
-    shared = [cuda_share.share(*weights.exported(part, names[s]), [ctx.name], ctx.name)
-              for s, part in enumerate(held.parts)]
+    shared = [cuda_share.share(*weights.exported(part, names[s]), [ctx.name], ctx.name,
+                               slot=f"actor/{stages}/{s}") for s, part in enumerate(held.parts)]
     plain = weights.merge([weights.export(part, names[s]) for s, part in enumerate(held.parts)])
     return shared, plain
 
@@ -64,6 +64,16 @@ def test_load_weights_takes_shared_weights_as_it_takes_host_copies():
     assert all(torch.equal(got[name], plain[name]) for name in got)
 
 
+def test_an_executor_holding_many_stages_keeps_each_ones_export_for_its_own_load():
+    """A stage's exports are kept apart from another's: three stages (interleaved chunks), two
+    syncs each before the loads, evict none of the newest."""
+    ctx = op_context()
+    _shared_gpt(ctx, stages=3)
+    shared, plain = _shared_gpt(ctx, stages=3)
+    opened = weights.merge([cuda_share.opened(s, ctx.name, torch.device("cpu")) for s in shared])
+    assert all(torch.equal(opened[name], value) for name, value in plain.items())
+
+
 def test_a_shared_export_is_kept_for_its_reader_only_a_short_while():
     ctx = op_context()
     first, _ = _shared_gpt(ctx, stages=1)
@@ -82,7 +92,8 @@ def test_weights_on_the_cpu_are_not_shared_with_another_process():
 # -- a record from another process, as the wire brings it -------------------------------------
 def _remote(**changes) -> SharedWeights:
     fields = dict(
-        gpu="GPU-1", pid=os.getpid() + 1, key=7, handle=b"\x02c" + b"h" * 64, size=4096, offset=512,
+        gpu="GPU-1", pid=os.getpid() + 1, process="another", key=7,
+        handle=b"\x02c" + b"h" * 64, size=4096, offset=512,
         readers={"exec1": [f"/torch_{os.getpid() + 1}_123_4", 3, b"e" * 64, True]},
         tensors=[["a.weight", "float32", [4, 8], 0], ["b.bias", "bfloat16", [8], 128]])
     fields.update(changes)
@@ -112,7 +123,7 @@ def _entry(**changes) -> dict:
     ({"readers": {"exec2": None}}, "not one of its readers"),
     ({"handle": b"h" * 65}, "memory handle"),
     ({"handle": b"\x02c" + b"h" * 63}, "memory handle"),
-    ({"handle": b"\x02e" + b"h" * 4096}, "memory handle"),
+    ({"handle": b"\x02e" + b"h" * 64}, "expandable segment"),
     ({"handle": b""}, "memory handle"),
     ({"readers": {"exec1": ["/torch_1_2_3", 3, b"e" * 64, True]}}, "counter file of the"),
     ({"readers": _entry(counter="/dev/shm/flowkit_x")}, "counter file of the"),
