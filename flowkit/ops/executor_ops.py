@@ -87,7 +87,8 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
            "torch.distributed (replica_group), or its modelled seconds on the simulator"),
     OpSpec("replica_store", "nothing", ("group", "size", "host", "timeout_s"),
            "on a replica group's rank 0: open its rendezvous store; returns {host, port}"),
-    OpSpec("replica_group", "replica_store's address", ("group", "rank", "size", "timeout_s"),
+    OpSpec("replica_group", "replica_store's address",
+           ("group", "rank", "size", "timeout_s", "weights"),
            "join the replica group (gloo, NCCL on CUDA) [Note: replica groups]"),
     OpSpec("leave_replica_groups", "anything, only to be ordered after it", ("groups",),
            "drop the named replica groups"),
@@ -119,7 +120,7 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
            "median seconds of F, B, W, BW: the planner's costs (reference: the last stage's F "
            "runs that model's forward too, as F does)"),
     OpSpec("export_weights", "anything, only to be ordered after it",
-           (*_STAGE, "share_with", "broadcast"),
+           (*_STAGE, "share_with", "broadcast", "self_load"),
            "a stage's weights by the unsplit model's names (left on its GPU for the executors "
            "share_with names, or broadcast to a group's)"),
     OpSpec("load_weights", "export_weights dicts and weights versions",

@@ -267,6 +267,7 @@ class BroadcastWeights:
     lies in it. Its fields come over the wire: the executor that receives it checks them."""
 
     group: str
+    serial: int  # the group's broadcasts, in the order they were sent
     size: int
     tensors: list  # [unsplit name, dtype, shape, byte offset] each
 
@@ -280,6 +281,7 @@ class SharedWeights:
 
     gpu: str  # the device's UUID
     pid: int  # the exporting process
+    process: str  # ... a random name of it (pids repeat across PID namespaces)
     key: int  # the export, in that process
     handle: bytes  # the buffer's cudaIpcMemHandle
     size: int  # the buffer's bytes

@@ -122,7 +122,8 @@ class ModelTraining:
         # alongside an asynchronous run finishes on the weights it started with (evaluation.py)
         self.before_sync: Callable[[], None] | None = None
         self.dp = Replicas(ctl, model, executors, sim_costs or SimCosts())
-        self.sync = WeightSync(ctl, model.name, weight_sync)  # [Note: weight sync paths]
+        self.sync = WeightSync(ctl, model.name, weight_sync,  # [Note: weight sync paths]
+                               trainer_lanes=(executors, self.dp.devices, self.lane_for))
         self.planning = TrainingSchedules(self)  # this step's schedules, built once an input
         self.replicas, self.devices = self.dp.count, self.dp.devices
         # the fused training it is member `fusion_index` of [Note: fused training]

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from flowkit.planner import Schedule
-from flowkit.runner.pipeline import Lane
+from flowkit.runner.pipeline import Lane, device_lane
 from flowkit.runner.replicas import store_host
 from flowkit.runner.stepstate import FlowRunError
 from flowkit.runner.training_tasks import submit_exports
@@ -32,9 +32,6 @@ WEIGHT_SYNC = ("auto", "host", "broadcast")
 # `--weight-sync` (RunConfig.weight_sync): auto picks ipc, then broadcast, else host; host
 # always the host; broadcast always the group's, gloo on CPUs (what the tests run).
 _GROUP_IDS = itertools.count()
-# a weight group's collectives fail after this long: a receiver whose exporter died waits no
-# longer (NCCL does not see a dead peer; the broadcast itself takes seconds, even of a 7B model)
-GROUP_TIMEOUT_S = 120.0
 
 
 def one_gpu(executors: Sequence[ExecutorInfo]) -> bool:
@@ -74,8 +71,13 @@ class WeightSync:
     """The weight syncs of one trained model: which way each goes, and the process groups its
     broadcasts use (set up once for each set of members, left at the run's end)."""
 
-    def __init__(self, ctl: Controller, model: str, mode: str) -> None:
+    def __init__(self, ctl: Controller, model: str, mode: str, *,
+                 trainer_lanes: tuple[Sequence[ExecutorInfo], int, Callable[[int], Lane]]
+                 ) -> None:
+        """`trainer_lanes`: the model's trainers (replica by replica, device by device), the
+        devices of a replica, and each replica's lanes: where a trainer's weight work goes."""
         self.ctl, self.model, self.mode = ctl, model, mode
+        self.trainer_lanes = trainer_lanes
         self.groups: dict[tuple[int, tuple[int, ...]], str] = {}  # (stage, member ids) -> name
         self.members: dict[str, list[ExecutorInfo]] = {}
 
@@ -99,7 +101,9 @@ class WeightSync:
         after: list[tuple] = []
         if path == "broadcast":
             joined = self._groups(groups, watch)
-            extra = [{"broadcast": name} for name, _ in joined]
+            target_ids = {e.id for e in targets}
+            extra = [{"broadcast": name, "self_load": exporter.id in target_ids}
+                     for (name, _), exporter in zip(joined, exporters)]
             after = [(joins[0],) if joins else () for _, joins in joined]
         elif path == "ipc":
             extra = [{"share_with": [e.name for e in targets]}] * len(exporters)
@@ -107,22 +111,27 @@ class WeightSync:
                                  extra=extra, after=after)
         loads = [self.ctl.submit("load_weights", *exports, version,
                                  config={**spec, "stages": 1}, executor=e.id,
-                                 lane=self.lane if path == "broadcast" else None,
+                                 lane=self.lane(e) if path == "broadcast" else None,
                                  meta={**meta, "device": e.id}) for e in targets]
         return exports, loads
 
-    @property
-    def lane(self) -> str:
-        """Where a member joins the model's weight groups and a target loads its weights
-        when they are broadcast: one lane, so the members join the groups in one order and a
-        group's broadcasts are received in the order they were sent."""
-        return f"weights/{self.model}"
+    def lane(self, executor: ExecutorInfo) -> str:
+        """Where `executor` joins the model's weight groups and, when they are broadcast,
+        loads its weights: one lane, so that it joins the groups in one order and receives a
+        group's broadcasts in the order they were sent. A trainer's is its training lane: its
+        joins, which wait for every member, come after its step's collectives (two replicas
+        waiting in a join and an all-reduce for each other would wait for ever)."""
+        trainers, devices, lane_for = self.trainer_lanes
+        index = next((i for i, e in enumerate(trainers) if e.id == executor.id), None)
+        if index is None:
+            return f"weights/{self.model}"
+        return device_lane(lane_for(index // devices), index % devices)
 
     def _groups(self, groups: list[list[ExecutorInfo]], watch: Callable[[Future], None]
                 ) -> list[tuple[str, list[Future]]]:
         """Each stage's group's name, and the futures of its exporter joining it (none when it
-        joined at an earlier sync). A member joins every group it is in in one lane, in stage
-        order: gloo's joins wait for every member, so two members that joined two groups in
+        joined at an earlier sync). A member joins every group it is in in its one lane, in
+        stage order: joins wait for every member, so two members that joined two groups in
         opposite orders would wait for each other."""
         out = []
         for stage, members in enumerate(groups):
@@ -139,15 +148,14 @@ class WeightSync:
     def _join(self, name: str, members: list[ExecutorInfo], watch: Callable[[Future], None]
               ) -> list[Future]:
         store = self.ctl.submit("replica_store", config={"group": name, "size": len(members),
-                                                         "host": store_host(members[0]),
-                                                         "timeout_s": GROUP_TIMEOUT_S},
-                                executor=members[0].id, lane=self.lane,
+                                                         "host": store_host(members[0])},
+                                executor=members[0].id, lane=self.lane(members[0]),
                                 meta={"node": "weight_groups"})
         watch(store)
         joins = [self.ctl.submit("replica_group", store,
                                  config={"group": name, "rank": rank, "size": len(members),
-                                         "timeout_s": GROUP_TIMEOUT_S},
-                                 executor=member.id, lane=self.lane,
+                                         "weights": True},
+                                 executor=member.id, lane=self.lane(member),
                                  meta={"node": "weight_groups"})
                  for rank, member in enumerate(members)]
         for join in joins:

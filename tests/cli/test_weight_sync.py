@@ -22,11 +22,17 @@ def _weights(folder: Path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
-def test_a_broadcast_sync_trains_as_the_host_path(tmp_path, placement):
+@pytest.mark.parametrize("layout", [("--placement", "colocated"),
+                                    ("--placement", "disaggregated"),
+                                    ("--placement", "colocated", "--replicas", "2")],
+                         ids=["colocated", "disaggregated", "colocated-replicas"])
+def test_a_broadcast_sync_trains_as_the_host_path(tmp_path, layout):
+    """Colocated, each exporter is the other's receiver; with replicas, a trainer joins its
+    weight groups after its step's all-reduce (in its training lane), or the two would wait
+    for each other."""
     runs = {}
     for way in ("host", "broadcast"):
-        run_ok(GRPO, "--executors", "torch", "--steps", "3", "--placement", placement,
+        run_ok(GRPO, "--executors", "torch", "--steps", "3", *layout,
                "--weight-sync", way, "--save-weights", str(tmp_path / way),
                "--metrics", str(tmp_path / f"{way}.jsonl"))
         runs[way] = metrics_lines(tmp_path / f"{way}.jsonl")

@@ -324,12 +324,14 @@ def right_padded(seqs: list[list[int]], device: torch.device,
 # -- weights between splits [Note: unsplit names in executors/torch/weights.py] ---------------
 def export_weights(ctx: OpContext, *_: Any, stage: int, stages: int, model: str, build: str,
                    share_with: list | None = None, broadcast: str | None = None,
-                   **config: Any) -> dict[str, torch.Tensor] | SharedWeights | BroadcastWeights:
+                   self_load: bool = False, **config: Any
+                   ) -> dict[str, torch.Tensor] | SharedWeights | BroadcastWeights:
     """Stage `stage` of the model held here in `stages` stages: its parameters by unsplit name,
     detached CPU copies (of a LoRA model, its adapters only: the rest never changes); with
     `share_with` (the names of executors on this GPU) a stage on a GPU is left there for them
     [Note: weights on one GPU in executors/torch/cuda_share.py]; with `broadcast` (a group
-    this executor is rank 0 of) sent to the group's members [Note: weights by broadcast in
+    this executor is rank 0 of) sent to the group's members, kept for this executor's own
+    load with `self_load` [Note: weights by broadcast in
     executors/torch/weight_broadcast.py]. Inputs only order it (after a step)."""
     held = held_model(ctx, {**config, "model": model, "build": build, "stages": stages})
     if not 0 <= int(stage) < len(held.parts):
@@ -342,12 +344,13 @@ def export_weights(ctx: OpContext, *_: Any, stage: int, stages: int, model: str,
     part, names = held.parts[int(stage)], held.layout.check().names[int(stage)]
     if broadcast is not None:
         params, named = weights.exported(part, names, trained_only=held.lora is not None)
-        return weight_broadcast.send(ctx, params, named, broadcast)
+        return weight_broadcast.send(ctx, params, named, broadcast, for_self=bool(self_load))
     if share_with and held.device.type == "cuda":
         if not (type(share_with) is list and all(type(r) is str for r in share_with)):
             raise StageError(f"share_with must name executors, not {share_with!r:.80}")
         params, named = weights.exported(part, names, trained_only=held.lora is not None)
-        return cuda_share.share(params, named, share_with, ctx.name)
+        return cuda_share.share(params, named, share_with, ctx.name,
+                                slot=f"{model}/{stages}/{stage}")
     return weights.export(part, names, trained_only=held.lora is not None, one_buffer=True)
 
 

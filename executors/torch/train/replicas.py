@@ -63,9 +63,13 @@ def _listen_on(host: str) -> socket.socket:
 
 
 def _replica_group(ctx: OpContext, address: Any, *_: Any, group: str, rank: int, size: int,
-                   timeout_s: float = _TIMEOUT_S) -> int:
+                   timeout_s: float = _TIMEOUT_S, weights: bool = False) -> int:
     """Join `group` as `rank` of `size` through the store at `address` (rank 0's
-    `replica_store`); blocks until every member has joined. Returns the rank."""
+    `replica_store`); blocks until every member has joined. Returns the rank. A weight group
+    (`weights`) [Note: weights by broadcast in executors/torch/weight_broadcast.py] is
+    connected here, by one small broadcast: NCCL connects at a group's first collective, and
+    a weight group's first is an export's, which its receivers join only once it has
+    ended."""
     if not (isinstance(address, dict) and isinstance(address.get("port"), int)
             and 0 < address["port"] < 65536 and isinstance(address.get("host"), str)
             and 0 < len(address["host"]) <= 255):
@@ -89,6 +93,10 @@ def _replica_group(ctx: OpContext, address: Any, *_: Any, group: str, rank: int,
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=str(address["host"]))]
         options._timeout = timeout
         groups[group] = dist.ProcessGroupGloo(prefixed, int(rank), int(size), options)
+    if weights:
+        ctx.state.setdefault("weight_groups", set()).add(group)
+        probe = torch.zeros(1, device=ctx.device if ctx.device.startswith("cuda") else "cpu")
+        groups[group].broadcast(probe, 0).wait()
     return int(rank)
 
 
@@ -101,6 +109,7 @@ def _leave_replica_groups(ctx: OpContext, *_: Any, groups: list | None = None) -
         left += held.pop(str(name), None) is not None
         stores.pop(str(name), None)
         ctx.state.get("weight_sends", {}).pop(str(name), None)  # [Note: weights by broadcast]
+        ctx.state.get("weight_groups", set()).discard(str(name))
     return left
 
 
