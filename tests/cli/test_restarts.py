@@ -131,27 +131,19 @@ def test_without_restarts_a_killed_executor_fails_the_run_with_a_clear_error(tmp
     assert "was lost" in output and "Traceback" not in output
 
 
-def test_a_killed_replica_is_replaced_and_its_group_rebuilt(tmp_path):
-    """Two replicas of the 2-stage pipeline (4 executors): a replacement joins new replica
-    groups, and the run ends with the parameters of the run without faults."""
+@pytest.mark.parametrize(("flow", "steps", "settings", "keys", "seed"), [
+    (PRETRAIN, 10, ("--replicas", "2"), ("loss",), 5),
+    (GRPO, 12, ("--weight-sync", "broadcast"), ("loss", "reward_mean"), 7)],
+    ids=["replica-groups", "weight-groups"])
+def test_a_killed_member_of_process_groups_is_replaced_and_its_groups_rebuilt(
+        tmp_path, flow, steps, settings, keys, seed):
+    """Two replicas of the 2-stage pipeline (4 executors), or weights by broadcast [Note:
+    weights by broadcast in executors/torch/weight_broadcast.py]: a kill at a random moment (in
+    a sync too) is recovered, a replacement joins new groups, and the run ends with the
+    parameters of the run without faults."""
     clean, faulty = tmp_path / "clean", tmp_path / "faulty"
-    replicas = ("--replicas", "2")
-    _clean_run(PRETRAIN, clean, "--steps", "10", *replicas)
-    output = _run_with_kills(PRETRAIN, faulty, 10, "--max-restarts", "1", *replicas, kills=1,
-                             seed=5)
+    _clean_run(flow, clean, "--steps", str(steps), *settings)
+    output = _run_with_kills(flow, faulty, steps, "--max-restarts", "1", *settings, kills=1,
+                             seed=seed)
     assert output.count("lost (") == 1
-    _same_run(faulty, clean, "loss")
-
-
-def test_a_killed_executor_of_a_broadcast_weight_sync_is_replaced_and_its_groups_rebuilt(
-        tmp_path):
-    """Weights by broadcast [Note: weights by broadcast in executors/torch/weight_broadcast.py]:
-    a kill at any moment (in a sync, a receiver blocked in a broadcast included) is recovered:
-    the replacement joins new weight groups, and the run ends as the run without faults."""
-    clean, faulty = tmp_path / "clean", tmp_path / "faulty"
-    broadcast = ("--weight-sync", "broadcast")
-    _clean_run(GRPO, clean, "--steps", "12", *broadcast)
-    output = _run_with_kills(GRPO, faulty, 12, "--max-restarts", "2", *broadcast, kills=1,
-                             seed=7)
-    assert output.count("lost (") == 1
-    _same_run(faulty, clean, "loss", "reward_mean")
+    _same_run(faulty, clean, *keys)
