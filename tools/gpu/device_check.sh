@@ -24,7 +24,8 @@
 #      sync path (export -> pack -> load) against device-to-device and pinned copies
 #   d. the GRPO example through the CLI on cuda:0 (sort_sft warm-up, grpo_sort, its tis_bf16
 #      variant), `--device cuda` with 2 executors on one GPU, and a CPU reference
-#   e. an NCCL group as executors/torch/replicas.py builds it (one rank); TF32 flags, to_device,
+#   e. an NCCL group as executors/torch/replicas.py builds it (one rank), and a weight group
+#      (connected on joining, an exporter's self-load through it); TF32 flags, to_device,
 #      CUDA generator states set back, an idle engine's empty_cache
 #   f. weights between two processes on one GPU through CUDA IPC (executors/torch/cuda_share.py)
 #      against the host path, and the GRPO example with --weight-sync host beside d_grpo
@@ -995,6 +996,23 @@ def nccl() -> None:
             out["empty_cache_released_gib"] = gib(before - torch.cuda.memory_reserved())
         return out
 
+    # a weight group as the runner joins one (weights=True: connected by one small broadcast,
+    # NCCL on a GPU) and an exporter's self-load through it (one rank: one GPU)
+    @guarded("weight_group_size1")
+    def _():
+        from executors.torch import weight_broadcast as B
+        ctx = OpContext(name="weights", device=str(DEV), tags=())
+        address = R._replica_store(ctx, group="w", size=1)
+        R._replica_group(ctx, address, group="w", rank=0, size=1, weights=True)
+        params = [torch.randn(1 << 20, device=DEV), torch.randn(64, 64, device=DEV)]
+        record = B.send(ctx, params, [("a", 0), ("b", 1)], "w", for_self=True)
+        got = B.received(ctx, record, DEV, limit=1 << 30)
+        sync()
+        return {"backend": type(R.replica_group(ctx, "w")).__name__,
+                "equal": bool(torch.equal(got["a"], params[0]) and torch.equal(got["b"],
+                                                                              params[1])),
+                "note": "a broadcast to other ranks needs a GPU each: not on one GPU"}
+
     save("nccl")
 
 # -- weights between two processes on one GPU (CUDA IPC) against the host path ----------------
@@ -1233,6 +1251,7 @@ for row in g("engine", "qwen05b_engine_profile", "decode_step_top_ops", default=
 print(f"    weight sync path: {g('engine', 'weight_sync_path')}")
 print(f"(f) weights through CUDA IPC: {g('ipc', 'weights_ipc')}")
 print(f"nccl (replicas.py, one rank): {g('nccl', 'replica_group_size1')}")
+print(f"weight group (one rank): {g('nccl', 'weight_group_size1')}")
 print(f"cuda settings and state: {g('nccl', 'cuda_settings_and_state')}")
 for name in RUNS:
     m = result.get(f"{name}_metrics")
