@@ -342,16 +342,16 @@ def export_weights(ctx: OpContext, *_: Any, stage: int, stages: int, model: str,
                          "steps (FSDP): every replica gathers it first (fsdp_gather), as the "
                          "runner does before an export")
     part, names = held.parts[int(stage)], held.layout.check().names[int(stage)]
+    trained_only = held.lora is not None
+    shared = bool(share_with) and held.device.type == "cuda"
+    if shared and not (type(share_with) is list and all(type(r) is str for r in share_with)):
+        raise StageError(f"share_with must name executors, not {share_with!r:.80}")
+    if broadcast is None and not shared:
+        return weights.export(part, names, trained_only=trained_only, one_buffer=True)
+    params, named = weights.exported(part, names, trained_only=trained_only)
     if broadcast is not None:
-        params, named = weights.exported(part, names, trained_only=held.lora is not None)
         return weight_broadcast.send(ctx, params, named, broadcast, for_self=bool(self_load))
-    if share_with and held.device.type == "cuda":
-        if not (type(share_with) is list and all(type(r) is str for r in share_with)):
-            raise StageError(f"share_with must name executors, not {share_with!r:.80}")
-        params, named = weights.exported(part, names, trained_only=held.lora is not None)
-        return cuda_share.share(params, named, share_with, ctx.name,
-                                slot=f"{model}/{stages}/{stage}")
-    return weights.export(part, names, trained_only=held.lora is not None, one_buffer=True)
+    return cuda_share.share(params, named, share_with, ctx.name, slot=f"{model}/{stages}/{stage}")
 
 
 def save_weights(ctx: OpContext, *exports: Any, path: str, spec: dict | None = None) -> str:
@@ -441,7 +441,7 @@ def _opened(ctx: OpContext, value: Any, held: HeldModel) -> Any:
     if isinstance(value, SharedWeights):
         return cuda_share.opened(value, ctx.name, held.device)
     if isinstance(value, BroadcastWeights):
-        weights_count = sum(p.numel() for part in held.parts for p in part.parameters())
-        limit = 8 * weights_count + 64 * sum(1 for part in held.parts for _ in part.parameters())
+        # at most this model's weights at 8 bytes each, each at a 64-byte boundary
+        limit = sum(8 * p.numel() + 64 for part in held.parts for p in part.parameters())
         return weight_broadcast.received(ctx, value, held.device, limit)
     return value
