@@ -31,7 +31,7 @@ from flowkit.ops.records import (
     TokenScores,
     WeightsVersion,
     resumable,
-    samples_of,
+    sample_indices,
     step_report,
 )
 from flowkit.wire.files import FileRefused, read_regular
@@ -283,10 +283,11 @@ def _generate(ctx: OpContext, prompt: Any, *weights: Any, seconds_per_token: flo
               token_budget: int = 2048, max_batch: int = 256, min_new_tokens: int = 1,
               length_sigma: float = 0.0, prompt_sigma: float = 0.0, step: int = 0,
               request: str | None = None, min_version: int | None = None,
-              **config: Any) -> Any:
-    """n rollouts of a prompt, decoded by the executor's rollout engine together with every
-    other live request [Note: simulated rollout engine in executors/sim/engine.py]; each sample
-    leaves the moment its last token is decoded (streamed when the task streams). Given a
+              first_sample: int = 0, **config: Any) -> Any:
+    """n rollouts of a prompt (numbered from `first_sample`: records.sample_indices), decoded
+    by the executor's rollout engine together with every other live request [Note: simulated
+    rollout engine in executors/sim/engine.py]; each sample leaves the moment its last token
+    is decoded (streamed when the task streams). Given a
     carried group (a list of Rollouts, [Note: partial rollouts] in flowkit/runner/partial.py)
     instead, its interrupted samples decode the rest of the lengths they were drawn with (by
     their origin `step`) and its finished ones pass through; stale ones as the torch op does.
@@ -312,9 +313,9 @@ def _generate(ctx: OpContext, prompt: Any, *weights: Any, seconds_per_token: flo
                      zip(rollouts, lengths))
     else:
         prompt_id = getattr(prompt, "prompt_id", prompt)
-        _check_counts(prompt_id, n=samples_of(prompt, n), max_new_tokens=max_new_tokens)
-        rollouts = [sample_rollout(prompt, sample, **draw)
-                    for sample in range(samples_of(prompt, n))]
+        samples = sample_indices(prompt, n, int(first_sample))
+        _check_counts(prompt_id, n=len(samples), max_new_tokens=max_new_tokens)
+        rollouts = [sample_rollout(prompt, sample, **draw) for sample in samples]
         lengths = [len(r.response_tokens) for r in rollouts]
         prefix = len(getattr(prompt, "tokens", ()))
     costs = EngineCosts(token=seconds_per_token, per_seq=seconds_per_seq,

@@ -227,17 +227,22 @@ def _group_take_problems(flow: FlowGraph, wire: Wire) -> list[Problem]:
     called per group and yield a Stream of one output [Note: group quota in
     flowkit/runner/quota.py]."""
     adapter = wire.adapter
-    if not isinstance(adapter, GroupBy) or adapter.take is None:
+    if not isinstance(adapter, GroupBy) or (adapter.take is None and
+                                            adapter.second_round is None):
         return []
     operator = flow.nodes[wire.dst].operator
     if yields_many(operator) == (True,):
         return []
+    what = f"takes the first {adapter.take} groups that op {wire.dst!r} yields items for" \
+        if adapter.take is not None else f"samples again the groups op {wire.dst!r} yields " \
+        "nothing for"
+    setting = "take" if adapter.take is not None else "second_round"
     return [Problem(
         rule="group-take", op=wire.dst, port=wire.dst_port,
-        message=f"group_by(..., take={adapter.take}) takes the first {adapter.take} groups "
-        f"that op {wire.dst!r} yields items for, but it does not yield a Stream of one output",
-        fix="give the op one output, -> Stream[...], yielding a group's items (none to drop "
-        "it), or drop take")]
+        message=f"group_by(..., {setting}=...) {what}, but it does not yield a Stream of one "
+        "output",
+        fix=f"give the op one output, -> Stream[...], yielding a group's items (none to drop "
+        f"it), or drop {setting}")]
 
 
 def _fan_out_source(flow: FlowGraph, name: str, port: str, key: str, seen: set

@@ -52,7 +52,8 @@ def collect(ref: Ref) -> Ref:
 
 
 def group_by(ref: Ref, *, key: str, size: int | None = None, take: int | None = None,
-             rounds: int | None = None) -> Ref:
+             rounds: int | None = None, second_round: int | None = None,
+             second_round_budget: int | None = None) -> Ref:
     """Group a Stream's items by the record field `key`, `size` items per group. `take`: the
     consuming op (called per group, yielding a Stream) runs on every group, and the first
     `take` groups it yields items for are the step's; the items of later ones are dropped, as
@@ -60,16 +61,44 @@ def group_by(ref: Ref, *, key: str, size: int | None = None, take: int | None = 
     DAPO's dynamic sampling. `rounds` (with `take`): the step's source makes that many rounds
     of prompts, and the first per-item op after it (generation) runs one round, then the next
     only while the groups still to come cannot make up `take` [Note: sampling rounds in
-    flowkit/runner/sampling_rounds.py]."""
-    for name, value in (("take", take), ("rounds", rounds)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
+    flowkit/runner/sampling_rounds.py]. `second_round` (size None): the op runs on a group as
+    soon as its prompt's samples are in, and a group it yields nothing for (rewards that all
+    agree) gets `second_round` more samples of its prompt from generation, while the step's
+    `second_round_budget` samples last (None: every such group); the op then runs on all of
+    them [Note: second rounds in flowkit/runner/second_round.py]."""
+    for name, value in (("take", take), ("rounds", rounds), ("second_round", second_round)):
+        if value is not None and not _whole(value, low=1):
             raise ValueError(f"group_by({name}={value!r}): a whole number >= 1 (None: "
-                             f"{'every group' if name == 'take' else 'one round'})")
+                             f"{_NONE_MEANS[name]})")
     if rounds is not None and take is None:
         raise ValueError(f"group_by(rounds={rounds}) calls the prompts in rounds until `take` "
                          "groups yield: give take too")
-    return _adapt(ref, GroupBy(key, size, take, rounds))
+    _check_second_round(size, take, second_round, second_round_budget)
+    return _adapt(ref, GroupBy(key, size, take, rounds, second_round, second_round_budget))
+
+
+_NONE_MEANS = {"take": "every group", "rounds": "one round", "second_round": "no second round"}
+
+
+def _whole(value: object, *, low: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= low
+
+
+def _check_second_round(size: int | None, take: int | None, second_round: int | None,
+                        budget: int | None) -> None:
+    """A second round's settings [Note: second rounds in flowkit/runner/second_round.py]."""
+    if budget is not None and (second_round is None or not _whole(budget, low=0)):
+        raise ValueError(f"group_by(second_round_budget={budget!r}): the most second-round "
+                         "samples a step draws, a whole number >= 0, with second_round")
+    if second_round is None:
+        return
+    if size is not None:
+        raise ValueError(f"group_by(size={size}, second_round={second_round}): a second round "
+                         "grows a group past its first samples, so its size is what arrived "
+                         "of its prompt: drop size")
+    if take is not None:
+        raise ValueError(f"group_by(take={take}, second_round={second_round}): a quota of "
+                         "groups and a second round both decide which groups train; use one")
 
 
 def _adapt(ref: Ref, adapter: Collect | GroupBy) -> Ref:

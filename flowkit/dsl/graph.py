@@ -32,16 +32,22 @@ class GroupBy:
     """Form keyed groups of `size` items (None: as many as share the key by the end of the step);
     with `take`, the consumer's first `take` calls that yield anything are the step's, the
     later ones dropped (flowkit/runner/quota.py); with `rounds`, the step's prompts are called
-    a round at a time until `take` groups yield (flowkit/runner/sampling_rounds.py)."""
+    a round at a time until `take` groups yield (flowkit/runner/sampling_rounds.py); with
+    `second_round`, a group the consumer yields nothing for gets that many more samples of its
+    prompt, `second_round_budget` a step at most (flowkit/runner/second_round.py)."""
 
     key: str
     size: int | None = None
     take: int | None = None
     rounds: int | None = None
+    second_round: int | None = None
+    second_round_budget: int | None = None
 
     def __str__(self) -> str:
         extra = "".join(f", {name}={value}" for name, value in (
-            ("size", self.size), ("take", self.take), ("rounds", self.rounds)) if value)
+            ("size", self.size), ("take", self.take), ("rounds", self.rounds),
+            ("second_round", self.second_round),
+            ("second_round_budget", self.second_round_budget)) if value)
         return f"group_by({self.key}{extra})"
 
     def apply(self, ptype: PortType) -> PortType:

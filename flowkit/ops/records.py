@@ -30,6 +30,7 @@ __all__ = [
     "mean_values",
     "microbatch_stats",
     "resumable",
+    "sample_indices",
     "samples_of",
     "step_report",
 ]
@@ -153,6 +154,16 @@ def samples_of(prompt: Any, n: int) -> int:
     (adaptive sampling), else the request's `n`."""
     own = getattr(prompt, "n", None)
     return n if own is None else int(own)
+
+
+def sample_indices(prompt: Any, n: int, first_sample: int = 0) -> range:
+    """The indices of a generate request's fresh samples of `prompt`: `samples_of` them, from
+    0; a later round of the prompt's samples (`first_sample` > 0, [Note: second rounds] in
+    flowkit/runner/second_round.py) the request's own `n`, numbered on from `first_sample`, so
+    they draw what the samples of those indices would have drawn in one request."""
+    if first_sample:
+        return range(first_sample, first_sample + n)
+    return range(samples_of(prompt, n))
 
 
 STALE_SEGMENTS = ("recompute", "drop")  # what a carried sample too stale to train becomes

@@ -63,6 +63,10 @@ class InputRule:
     group_take: int | None = None  # the groups whose calls yield items that the step takes
     # rounds of prompts that may run to fill them (flowkit/runner/sampling_rounds.py)
     group_rounds: int | None = None
+    # a group's consumer yields nothing for: that many more samples of its prompt, at most
+    # the budget a step (flowkit/runner/second_round.py)
+    group_second_round: int | None = None
+    group_second_budget: int | None = None
     feedback: bool = False  # produced by the previous step
     chained: bool = False  # a feedback read from the step just before, even asynchronously
 
@@ -148,6 +152,8 @@ def _input_rule(flow: Flow, wire: Wire) -> InputRule:
                      granularity=seen.granularity, group_key=group and group.key,
                      group_size=group and group.size, group_take=group and group.take,
                      group_rounds=group and group.rounds,
+                     group_second_round=group and group.second_round,
+                     group_second_budget=group and group.second_round_budget,
                      feedback=wire.feedback, chained=wire.chained)
 
 

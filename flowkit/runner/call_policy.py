@@ -30,8 +30,9 @@ class CallSite(Protocol):
         """The items of the node's item-leading input so far, (lineage, ref) in arrival
         order."""
 
-    def touch(self) -> None:
-        """Have the step look at the node again (its policy's answers may have changed)."""
+    def touch(self, node: str | None = None) -> None:
+        """Have the step look at the node (or `node`) again (its policy's answers may have
+        changed)."""
 
 
 class CallPolicy(Protocol):
@@ -98,5 +99,5 @@ class StepSite:
         stream = self.run.streams.of(self.lead)
         return [(lineage, stream.items[lineage]) for lineage in stream.arrivals]
 
-    def touch(self) -> None:
-        self.run.touch(self.state.plan.name)
+    def touch(self, node: str | None = None) -> None:
+        self.run.touch(node or self.state.plan.name)

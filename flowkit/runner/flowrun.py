@@ -31,7 +31,8 @@ from flowkit.runner.fusedtrain import FusedTraining, fuse_groups
 from flowkit.runner.model_training import ModelTraining
 from flowkit.runner.partial import CarryOver, PartialRollouts
 from flowkit.runner.quota import group_quotas
-from flowkit.runner.sampling_rounds import round_nodes
+from flowkit.runner.sampling_rounds import checked_round_nodes
+from flowkit.runner.second_round import checked_second_rounds
 from flowkit.runner.sources_ahead import SourcesAhead, is_source
 from flowkit.runner.steprun import TRAINING_CALLS, StepReport, StepRun
 from flowkit.runner.stepstate import BalancedCalls, FlowRunError, Streams, Wiring
@@ -75,7 +76,8 @@ class FlowRunner:
             check_async(plan, staleness)
             plan = _with_proximal(plan) if staleness >= 1 else plan
         partial = _partial_rollouts(plan, staleness)
-        rounds = _sampling_rounds(plan, partial)
+        rounds = checked_round_nodes(plan, partial)  # [Note: sampling rounds]
+        second_rounds = checked_second_rounds(plan, partial, rounds)  # [Note: second rounds]
         plan = [_without_take(node) if node.resumable is not None else node for node in plan]
         self.ctl, self.plan, self.sim_costs = ctl, plan, sim_costs
         self.staleness, self.steps = staleness, steps
@@ -137,7 +139,8 @@ class FlowRunner:
         self.submission = Submission(
             wiring=self.wiring, ctl=ctl, events=self.events, workloads=self.workloads,
             trainers=trainers, bubble_fill=self.bubble_fill, partial=partial,
-            quotas=group_quotas(plan), rounds=rounds, carry_over=self.carry_over,
+            quotas=group_quotas(plan), rounds=rounds, second_rounds=second_rounds,
+            carry_over=self.carry_over,
             checkpoints=self.checkpoints, staleness=staleness,
             attempt=uuid.uuid4().hex[:8])  # in request names: unique to this runner
         sources = [node for node in plan if is_source(node)]
@@ -358,6 +361,12 @@ def check_async(plan: list[NodePlan], staleness: Any) -> None:
         raise FlowRunError(f"{', '.join(sampled)}: group_by(..., rounds=) samples in rounds "
                            "within a step, which runs synchronously only: drop rounds (a "
                            "recipe's filter_rounds) or run synchronously")
+    again = sorted({node.name for node in plan for rule in node.inputs
+                    if getattr(rule, "group_second_round", None)})
+    if again:  # [Note: second rounds in second_round.py]
+        raise FlowRunError(f"{', '.join(again)}: group_by(..., second_round=) samples a group "
+                           "again within a step, which runs synchronously only: drop the "
+                           "second round (adaptive second_round) or run synchronously")
     if staleness >= 1:
         rounds = [node.name for node in plan if node.call is Call.PIPELINE
                   and rounds_of(node.config) > 1]
@@ -391,21 +400,6 @@ def _partial_rollouts(plan: list[NodePlan], staleness: int | None
         drop = declared.stale is not None and node.config.get(declared.stale) == "drop"
         found[node.name] = PartialRollouts(int(take), node.items_per_call(), declared,
                                            drop_stale=drop)
-    return found
-
-
-def _sampling_rounds(plan: list[NodePlan], partial: dict) -> dict[str, tuple[str, int]]:
-    """The nodes whose prompts are called in rounds ([Note: sampling rounds] in sampling_rounds.py),
-    checked: not a node with partial rollouts."""
-    try:
-        found = round_nodes(plan)
-    except ValueError as exc:
-        raise FlowRunError(str(exc)) from None
-    for name, (quota, rounds) in found.items():  # asynchronous: refused by check_async
-        if name in partial:
-            raise FlowRunError(f"{name}: partial rollouts (oversample) and sampling rounds "
-                               f"(group_by(..., rounds={rounds}) at {quota}) both decide which "
-                               "of its calls run; use one")
     return found
 
 

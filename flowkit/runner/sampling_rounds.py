@@ -26,8 +26,9 @@ from flowkit.dsl import Granularity
 from flowkit.planner.lower import Call
 from flowkit.runner.call_policy import CallSite
 from flowkit.runner.quota import GroupQuota
+from flowkit.runner.stepstate import FlowRunError
 
-__all__ = ["SamplingRounds", "round_nodes"]
+__all__ = ["SamplingRounds", "checked_round_nodes", "round_nodes"]
 
 
 @attrs.define
@@ -142,4 +143,19 @@ def round_nodes(plan: Sequence[Any]) -> dict[str, tuple[str, int]]:
                 raise ValueError(f"{at}: two group_by(..., rounds=) downstream call it in "
                                  "rounds; give one of them rounds")
             found[at] = (node.name, int(rule.group_rounds))
+    return found
+
+
+def checked_round_nodes(plan: Sequence[Any], partial: dict) -> dict[str, tuple[str, int]]:
+    """`round_nodes(plan)`, checked before anything starts: not a node with partial rollouts
+    (`partial`); the asynchronous case is refused by flowrun.check_async."""
+    try:
+        found = round_nodes(plan)
+    except ValueError as exc:
+        raise FlowRunError(str(exc)) from None
+    for name, (quota, rounds) in found.items():
+        if name in partial:
+            raise FlowRunError(f"{name}: partial rollouts (oversample) and sampling rounds "
+                               f"(group_by(..., rounds={rounds}) at {quota}) both decide which "
+                               "of its calls run; use one")
     return found

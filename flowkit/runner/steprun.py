@@ -317,23 +317,32 @@ class StepRun:
             self.touched[state.plan.name] = None
 
     def _submit_groups(self, state: NodeState, live: list[InputRule], closed: bool) -> None:
-        """Each group the moment its last member is in; the groups complete at once go
-        together, as a per-item op's ready items do [Note: batched per-item calls in
-        stepbatching.py]."""
+        """Each group the moment its last member is in (or when its policy says: [Note: second
+        rounds in second_round.py]); the groups complete at once go together, as a per-item
+        op's ready items do [Note: batched per-item calls in stepbatching.py]."""
         (rule,) = [r for r in live if r.granularity is Granularity.GROUPED]
         stream, ready = self.streams.of(rule), []
-        for lineage in stream.arrivals[state.seen:]:
-            key = stream.keys.get(lineage)
-            members = state.groups[key]
-            members.append(lineage)
-            if rule.group_size is not None and len(members) == rule.group_size:
-                ready.append(self._group_call(state, rule, key))
-        state.seen = len(stream.arrivals)
-        if closed:  # what is left: groups of unknown size, or cut short
-            if rule.group_size is not None and state.groups:
-                self._warn_incomplete(state.plan.name, rule, state.groups)
-            ready += [self._group_call(state, rule, key) for key in list(state.groups)]
-        if self._streams_parts(state.plan) or state.plan.name in self.policies:
+        policy = self.policies.get(state.plan.name)
+        forms = getattr(policy, "ready", None)
+        if forms is not None:  # the policy forms the groups
+            arrivals = [(lin, stream.keys.get(lin)) for lin in stream.arrivals[state.seen:]]
+            state.seen = len(stream.arrivals)
+            ready = [self._group_of(rule, key, members) for key, members in
+                     forms(arrivals, closed)]
+        else:
+            for lineage in stream.arrivals[state.seen:]:
+                key = stream.keys.get(lineage)
+                members = state.groups[key]
+                members.append(lineage)
+                if rule.group_size is not None and len(members) == rule.group_size:
+                    ready.append(self._group_of(rule, key, state.groups.pop(key)))
+            state.seen = len(stream.arrivals)
+            if closed:  # what is left: groups of unknown size, or cut short
+                if rule.group_size is not None and state.groups:
+                    self._warn_incomplete(state.plan.name, rule, state.groups)
+                ready += [self._group_of(rule, key, state.groups.pop(key))
+                          for key in list(state.groups)]
+        if self._streams_parts(state.plan) or policy is not None:
             for lineage, refs in ready:  # a policy hears of each call [Note: group quota]
                 self.submit(state, lineage, refs)
         else:
@@ -347,11 +356,10 @@ class StepRun:
             f" of {rule.group_size} items when the step's inputs ended; they ran incomplete. "
             f"Make group_by's size the number of items per {rule.group_key!r}")
 
-    def _group_call(self, state: NodeState, rule: InputRule, key: Any) -> tuple[tuple, dict]:
-        """The call (lineage, refs) of the group `key`, its members in lineage order."""
-        members = sorted_lineages(state.groups.pop(key))
+    def _group_of(self, rule: InputRule, key: Any, members: list) -> tuple[tuple, dict]:
+        """The call (lineage, refs) of the group `key` of `members`, in lineage order."""
         items = self.streams.of(rule).items
-        return (key,), {rule.port: Gather([items[m] for m in members])}
+        return (key,), {rule.port: Gather([items[m] for m in sorted_lineages(members)])}
 
     def _submit_once(self, state: NodeState) -> None:
         refs = {rule.port: Gather(self.streams.of(rule).ordered())
@@ -385,7 +393,7 @@ class StepRun:
         """The config of a call of `plan`'s op on inputs `ports` (a model op's sampling config
         afresh: its call policy may change it per call)."""
         if plan.op == "python":
-            return function_config(plan, self.step, ports)
+            return function_config(plan, self.step, ports, extra)
         config = {**self.wiring.op_configs[plan.name], "step": self.step}
         policy = self.policies.get(plan.name)
         if policy is not None:

@@ -20,6 +20,7 @@ from flowkit.runner.checkpoints.adaptor import RunnerCheckpoints
 from flowkit.runner.partial import CarryOver, PartialCalls, PartialRollouts
 from flowkit.runner.quota import GroupQuota
 from flowkit.runner.sampling_rounds import SamplingRounds
+from flowkit.runner.second_round import GenerationCalls, SecondRound, SecondRoundGroups
 from flowkit.runner.stepstate import BalancedCalls, Wiring
 from flowkit.runtime.controller import Controller
 
@@ -47,6 +48,7 @@ class Submission:
     partial: dict[str, PartialRollouts]
     quotas: dict[str, int]
     rounds: dict[str, tuple[str, int]]
+    second_rounds: dict[str, tuple[str, int, int | None]]  # [Note: second rounds]
     carry_over: CarryOver
     checkpoints: RunnerCheckpoints  # a resumed run's replays
     staleness: int | None
@@ -102,6 +104,9 @@ class Submission:
         for name, (quota, rounds) in self.rounds.items():  # [Note: sampling rounds]
             policies.setdefault(name, SamplingRounds(name, rounds, policies[quota],
                                                      self.wiring.fuse))
+        for name, (group, more, budget) in self.second_rounds.items():  # [Note: second rounds]
+            shared = SecondRound(name, group, more, budget, self.wiring.fuse)
+            policies[name], policies[group] = GenerationCalls(shared), SecondRoundGroups(shared)
         return policies
 
     def abort_calls(self, plan: NodePlan, requests: Sequence[str], step: int) -> list[Any]:
@@ -115,9 +120,12 @@ class Submission:
                 for e in targets]
 
 
-def function_config(plan: NodePlan, step: int, ports: list[str]) -> dict:
-    """The config of a call of function op `plan` in step `step` on inputs `ports`."""
+def function_config(plan: NodePlan, step: int, ports: list[str],
+                    extra: dict | None = None) -> dict:
+    """The config of a call of function op `plan` in step `step` on inputs `ports`, with a
+    call policy's `extra` keyword arguments (a second round's n and first_sample)."""
     config = {**plan.config, "step": step} if plan.takes_step else plan.config
+    config = {**config, **extra} if extra else config
     return {"target": plan.target, "config": config, "ports": ports,
             "outputs": list(plan.outputs), "many": list(plan.many)}
 

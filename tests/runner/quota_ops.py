@@ -36,3 +36,37 @@ def three_of(prompt: Prompt) -> Stream[Prompt]:
     """The prompt three times: a group of three, as generation makes n samples of it."""
     for j in range(3):
         yield Prompt(prompt_id=prompt.prompt_id, tokens=[*prompt.tokens, j])
+
+
+@op
+def drawn(prompt: Prompt, *, n: int = 3, first_sample: int = 0) -> Stream[Prompt]:
+    """Samples `first_sample`.. of a prompt, as generation draws them: its samples in a group,
+    tokens [prompt_id, sample] [Note: second rounds in flowkit/runner/second_round.py]."""
+    for j in range(first_sample, first_sample + n):
+        yield Prompt(prompt_id=prompt.prompt_id, tokens=[prompt.prompt_id, j])
+
+
+@op
+def judged(sample: Prompt) -> Prompt:
+    """A sample's pass ("1") or fail ("0"): sample 1 of a prompt whose id is a multiple of 3
+    passes, and sample 3 of an odd one; so prompts 0 and 3 differ in their first three samples,
+    1 and 5 only with a fourth, and 2 and 4 never."""
+    prompt_id, j = sample.tokens
+    passed = (j == 1 and prompt_id % 3 == 0) or (j == 3 and prompt_id % 2 == 1)
+    return Prompt(prompt_id=prompt_id, tokens=list(sample.tokens), answer=str(int(passed)))
+
+
+@op
+def differing(group: Grouped[Prompt]) -> Stream[Prompt]:
+    """The group if its samples' passes differ; nothing if they agree (GRPO's filter)."""
+    if len({s.answer for s in group}) > 1:
+        yield from group
+
+
+@op
+def kept_samples(samples: Batch[Prompt]) -> Metrics:
+    """Each kept prompt's sample numbers, as "prompt_id:0,1,2" metrics."""
+    by_prompt: dict[int, list[int]] = {}
+    for s in samples:
+        by_prompt.setdefault(s.prompt_id, []).append(s.tokens[1])
+    return Metrics({f"kept/{p}": ",".join(map(str, sorted(js))) for p, js in by_prompt.items()})

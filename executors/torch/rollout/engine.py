@@ -22,7 +22,7 @@ from executors.torch.rollout.sampling import sample_tokens, sequence_seed
 from executors.torch.rollout.trajectories import Trajectories
 from executors.torch.rollout.turns import Agent, EnvCalls, Episode
 from flowkit.ops.configs import SAMPLING
-from flowkit.ops.records import Rollout, samples_of
+from flowkit.ops.records import Rollout, sample_indices, samples_of
 
 __all__ = ["Engine", "Sampling", "as_rollouts", "distinct", "free_device_memory",
            "run_all_until_done", "run_until_done", "unstarted"]
@@ -95,6 +95,7 @@ class Sampling:
     branch_at: tuple[int, ...] = ()
     branches: int = 1
     branch_entropy: float | None = None
+    first_sample: int = 0  # a later round's first sample index [Note: second rounds]
 
     @property
     def stop_tokens(self) -> frozenset[int]:
@@ -123,6 +124,11 @@ class Sampling:
     def root_of(self, root: int) -> int:
         """The sample index of a prompt's root sample `root` [Note: tree rollouts]."""
         return root_sample(root, self.branch_at, self.branches)
+
+    def samples(self, prompt: Any, n: int) -> list[int]:
+        """The sample indices of a request's fresh samples of `prompt` (records.sample_indices,
+        each a tree's root)."""
+        return [self.root_of(k) for k in sample_indices(prompt, n, self.first_sample)]
 
 
 @attrs.define(eq=False)
@@ -233,8 +239,7 @@ class Engine(Trajectories):
                 self.waiting.append(self._continued(request, item))
                 request.left += 1
                 continue
-            for root in range(samples_of(item, n)):
-                sample = sampling.root_of(root)
+            for sample in sampling.samples(item, n):
                 seq = Sequence(request, item, sample, sampling.seed_of(item.prompt_id, sample))
                 request.left += 1
                 if agent is None:
@@ -636,11 +641,11 @@ def as_rollouts(item: Any, n: int, sampling: Sampling | None = None) -> list:
     indices as `sampling`'s trees number them [Note: tree rollouts in branching.py])."""
     if isinstance(item, Rollout):
         return [item]
-    root = (lambda k: k) if sampling is None else sampling.root_of
-    return [Rollout(prompt_id=item.prompt_id, sample=root(k), prompt_tokens=list(item.tokens),
+    samples = range(samples_of(item, n)) if sampling is None else sampling.samples(item, n)
+    return [Rollout(prompt_id=item.prompt_id, sample=k, prompt_tokens=list(item.tokens),
                     response_tokens=[], logprobs=[], answer=getattr(item, "answer", None),
                     prompt_text=getattr(item, "text", None))
-            for k in range(samples_of(item, n))]
+            for k in samples]
 
 
 def unstarted(rollout: Rollout) -> Rollout:

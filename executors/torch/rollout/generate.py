@@ -210,13 +210,14 @@ def _rollout(seq: _Seq, finished: bool, max_new_tokens: int) -> Any:
 # -- the op -----------------------------------------------------------------------------------
 def _generate(ctx: OpContext, prompts: Any, *weights: Any, seed: int = 0, max_batch: int = 64,
               token_budget: int = 512, step: int = 0, request: str | None = None,
-              min_version: int | None = None, **config: Any) -> Any:
+              min_version: int | None = None, first_sample: int = 0, **config: Any) -> Any:
     """n rollouts of each prompt (a Prompt or a list of them; an interrupted Rollout is
     continued instead, a finished one passes through), a request to the model's rollout
     engine [Note: rollout engine in executors/torch/rollout/engine.py], which streams each sample as
     it finishes. `request` names it, for `generation` to abort; carried rollouts older than
     `min_version` are recomputed or dropped as `stale_segments` says (records.resumable,
-    [Note: partial rollouts] in flowkit/runner/partial.py). `weights`
+    [Note: partial rollouts] in flowkit/runner/partial.py). `first_sample` > 0: a later round
+    of each prompt's samples, n of them numbered on from there (records.sample_indices). `weights`
     (versions) only order this task after a step: the model is the one this executor holds
     by name. `seed` seeds the model's build (as in executors/torch/models/built.py) and, unless
     `sample_seed` is given, the sampling, which draws afresh each `step`. `max_batch` and
@@ -235,7 +236,7 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, seed: int = 0, max_ba
     if unknown:
         raise StageError(f"generate does not take {', '.join(map(repr, unknown))}: its settings "
                          f"are {', '.join(_SETTINGS)}")
-    _check_request(s.n, s.max_new_tokens)
+    _check_request(s.n, s.max_new_tokens, first_sample)
     branch_at = _check_branching(s, agent_settings)
     if not items:
         return []
@@ -252,7 +253,7 @@ def _generate(ctx: OpContext, prompts: Any, *weights: Any, seed: int = 0, max_ba
                         seed=int(sample_seed), step=int(step), branch_at=branch_at,
                         branches=int(s.branches),
                         branch_entropy=None if s.branch_entropy is None
-                        else float(s.branch_entropy))
+                        else float(s.branch_entropy), first_sample=int(first_sample))
     if s.engine == "vllm":  # [Note: vLLM engine] in executors/torch/rollout/vllm_engine.py
         engine = vllm_engine_of(
             ctx, held, {**spec, **s.as_config(), **agent_settings.as_config()},
@@ -328,14 +329,17 @@ def generate_now(ctx: OpContext, prompts: Any, **config: Any) -> list:
 
 
 _SETTINGS = (*SAMPLING_KEYS, *AGENT_KEYS, "seed", "max_batch", "token_budget", "step", "request",
-             "min_version")
+             "min_version", "first_sample")
 
 
-def _check_request(n: Any, max_new_tokens: Any) -> None:
+def _check_request(n: Any, max_new_tokens: Any, first_sample: Any = 0) -> None:
     if int(max_new_tokens) < 1:
         raise StageError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if int(n) < 1:
         raise StageError(f"n must be at least 1 (samples per prompt), got {n}")
+    if isinstance(first_sample, bool) or not isinstance(first_sample, int) or first_sample < 0:
+        raise StageError(f"first_sample must be a whole number >= 0 (the index of a later "
+                         f"round's first sample), got {first_sample!r}")
 
 
 def _check_branching(s: SamplingConfig, agent: AgentConfig) -> tuple[int, ...]:

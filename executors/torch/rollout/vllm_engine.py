@@ -32,7 +32,7 @@ from executors.torch.rollout.engine import (
 )
 from executors.torch.rollout.trajectories import Trajectories
 from executors.torch.rollout.turns import Agent, EnvCalls, Episode, step_episode
-from flowkit.ops.records import Rollout, samples_of
+from flowkit.ops.records import Rollout
 from flowkit.ops.rollout_engines import vllm_logprobs_mode, vllm_problems
 
 __all__ = ["VLLMEngine", "engine_args", "sampling_params", "vllm_engine_of", "weights_fingerprint"]
@@ -255,7 +255,7 @@ class VLLMEngine(Trajectories):
 
     def _fresh(self, request: Request, prompt: Any, n: int) -> list[_Sample]:
         st = request.sampling
-        roots = [st.root_of(k) for k in range(samples_of(prompt, n))]  # [Note: vLLM trees]
+        roots = st.samples(prompt, n)  # [Note: vLLM trees]
         return [_Sample(request, prompt, root, st.seed_of(prompt.prompt_id, root),
                         limit=self._limit(len(prompt.tokens), st.max_new_tokens))
                 for root in roots]
