@@ -41,10 +41,13 @@ def grpo_flow(config: RLConfig, *, model: Model | None = None, gpt: dict | None 
         # with filter_groups, the step trains the first `prompts` groups whose rewards differ
         take = config.prompts if config.filter_groups else None
         rounds = config.filter_rounds if take and config.filter_rounds > 1 else None
+        # a second round samples again the groups the advantages drop [Note: second rounds]
+        again = config.adaptive.group_settings() if config.adaptive else {}
         experiences = grpo_advantages(
             group_by(samples, key="prompt_id", size=group_size(config), take=take,
-                     rounds=rounds),
-            scale_rewards=config.scale_rewards, filter_groups=config.filter_groups,
+                     rounds=rounds, **again),
+            scale_rewards=config.scale_rewards,
+            filter_groups=config.filter_groups or bool(again),
             shared_prefix=config.shared_prefix)
         forward_reference = {"reference": flow.add_model(reference).name} if in_forward else {}
         stats = Backprop(actor)(experiences, loss="grpo", kl_coef=config.kl_coef,
@@ -107,3 +110,11 @@ def _check_adaptive(config: RLConfig) -> None:
                          "filter_groups or adaptive")
     check_adaptive(adaptive, prompts=config.prompts, n=config.sampling.n,
                    max_new_tokens=config.sampling.max_new_tokens)
+    if adaptive.second_round and config.max_staleness is not None:
+        raise ValueError(f"adaptive second_round={adaptive.second_round} samples again within "
+                         "a step, which runs synchronously only: drop max_staleness, or set "
+                         "second_round=0")
+    if adaptive.second_round and config.oversample > 1:
+        raise ValueError(f"adaptive second_round={adaptive.second_round} and partial rollouts "
+                         f"(oversample={config.oversample}) both decide which generation calls "
+                         "run: use one")

@@ -30,6 +30,11 @@ def rloo_flow(config: RLConfig, *, model: Model | None = None, gpt: dict | None 
         check_adaptive(config.adaptive, prompts=config.prompts, n=n,
                        max_new_tokens=config.sampling.max_new_tokens,
                        needs_siblings=siblings)  # a tree's leaves are siblings
+        if config.adaptive.second_round:
+            raise ValueError(f"adaptive second_round={config.adaptive.second_round} samples "
+                             "again the groups whose rewards agree, which GRPO's advantages "
+                             "drop; RLOO's leave-one-out advantages drop none: use grpo_flow, "
+                             "or set second_round=0")
     elif n < 2 and not config.sampling.branching:  # a tree's leaves are siblings
         raise ValueError(f"rloo_flow needs n >= 2 samples per prompt (got n={n}): a sample's "
                          "baseline is the mean reward of the others to its prompt")

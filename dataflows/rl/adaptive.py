@@ -55,6 +55,21 @@ class AdaptiveSampling:
     """Pass rate assumed for a prompt never sampled (0.5: most uncertain)."""
     pass_reward: float = 1.0
     """A sample passes when its task reward is at least this."""
+    second_round: int = 0
+    """More samples for a prompt whose first samples' task rewards all agree, drawn within the
+    step (DARS's second stage; 0: none); its group then trains on all of them, and a group
+    that still agrees is dropped, as DAPO's filter does [Note: second rounds in
+    flowkit/runner/second_round.py]. GRPO's flows, synchronous runs."""
+    second_round_budget: int | None = None
+    """Second-round samples a step may draw at most (None: every group that agrees gets its
+    second round)."""
+
+    def group_settings(self) -> dict:
+        """group_by's settings of a second round: none without one."""
+        if not self.second_round:
+            return {}
+        return {"second_round": self.second_round,
+                "second_round_budget": self.second_round_budget}
 
 
 @attrs.frozen(kw_only=True)
@@ -83,6 +98,7 @@ def check_adaptive(adaptive: AdaptiveSampling, *, prompts: int, n: int,
     if needs_siblings and adaptive.n_min < 2:
         raise ValueError(f"adaptive n_min={adaptive.n_min} makes groups of one sample, and "
                          f"{needs_siblings} needs siblings in every group: set n_min >= 2")
+    _check_second_round(adaptive)
     if not 0 < adaptive.ema <= 1 or not 0 <= adaptive.prior <= 1:
         raise ValueError(f"adaptive ema={adaptive.ema}, prior={adaptive.prior}: ema in (0, 1] "
                          "and prior in [0, 1]")
@@ -96,6 +112,14 @@ def check_adaptive(adaptive: AdaptiveSampling, *, prompts: int, n: int,
         raise ValueError(f"adaptive token_budget={adaptive.token_budget} cannot pay for n_min="
                          f"{adaptive.n_min} sample(s) of max_new_tokens={max_new_tokens} for "
                          f"each of {prompts} prompts: give token_budget >= {floor}")
+
+
+def _check_second_round(adaptive: AdaptiveSampling) -> None:
+    for name in ("second_round", "second_round_budget"):
+        value = getattr(adaptive, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 0):
+            raise ValueError(f"adaptive {name}={value!r}: a whole number of samples >= 0")
 
 
 def samples_budget(adaptive: AdaptiveSampling, *, prompts: int, n: int) -> int:

@@ -136,6 +136,9 @@ def _adaptive_tree_errors(config: RLConfig) -> list[str]:
     if config.oversample > 1:
         errors.append("adaptive sampling of trees with partial rollouts (oversample) is not "
                       "built: drop oversample, adaptive or the branching")
+    if adaptive.second_round:
+        errors.append("a second round of a tree's prompt would number its roots on from its "
+                      "first leaves, which a group counts: drop second_round or the branching")
     return errors
 
 

@@ -38,6 +38,15 @@ def second_round_reward(rollout: Rollout) -> Scored:
 
 
 @op
+def late_sample_reward(rollout: Rollout) -> Scored:
+    """1 for sample 5 of an even prompt, else 0: 4 first samples of a prompt always agree, and
+    a second round of 4 more (samples 4-7) makes an even prompt's group differ [Note: second
+    rounds in flowkit/runner/second_round.py]."""
+    hit = rollout.prompt_id % 2 == 0 and rollout.sample == 5
+    return Scored(**attrs.asdict(rollout, recurse=False), reward=float(hit))
+
+
+@op
 def even_token_reward(rollout: Rollout) -> Scored:
     """The share of the response's tokens that are even: a reward every sample earns some of,
     so each group's advantages differ from the first step (an untrained model learns from it)."""

@@ -3,10 +3,12 @@ batching that emits every sample whatever the slot count, top-p and EOS."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
 from executors.optable import Deferred, OpTable
+from executors.torch.errors import StageError
 from executors.torch.models.gpt import GPT, KVCache
 from executors.torch.rollout import generate as gen
 from executors.torch.rollout.engine import run_until_done
@@ -74,6 +76,21 @@ def test_continuous_batching_gives_every_sample_whatever_the_slots():
         {k: r.response_tokens for k, r in _by_key(many).items()}
     samples = [r.response_tokens for r in few if r.prompt_id == 3]
     assert len({tuple(s) for s in samples}) > 1  # n samples of a prompt differ
+
+
+def test_a_later_round_draws_what_one_request_for_all_the_samples_would():
+    """first_sample [Note: second rounds in flowkit/runner/second_round.py]: n=2 numbered from
+    3 are samples 3 and 4 of a request for 5, token for token and log-prob for log-prob; a
+    prompt's own n (adaptive sampling) is the first round's, not a later one's."""
+    whole = _by_key(_generate(n=5, max_new_tokens=6, seed=3))
+    later = _by_key(_generate(n=2, first_sample=3, max_new_tokens=6, seed=3,
+                              prompts=[attrs.evolve(p, n=3) for p in PROMPTS]))
+    assert sorted(later) == [(p.prompt_id, k) for p in PROMPTS for k in (3, 4)]
+    for key, rollout in later.items():
+        assert rollout.response_tokens == whole[key].response_tokens
+        assert rollout.logprobs == pytest.approx(whole[key].logprobs, abs=1e-6)
+    with pytest.raises(StageError, match="first_sample must be a whole number >= 0"):
+        _generate(n=2, first_sample=-1)
 
 
 def test_tiny_top_p_is_greedy():

@@ -168,6 +168,16 @@ def test_each_sample_is_a_request_with_its_own_seed_and_streams_as_it_finishes(s
     assert done[2].logprobs == pytest.approx([-0.1, -0.2, -0.3, -0.4])
 
 
+def test_a_later_round_numbers_its_samples_on_with_their_seeds(setup):
+    """first_sample [Note: second rounds in flowkit/runner/second_round.py]: samples 3 and 4,
+    seeded as a request for 5 would seed them, whatever the prompt's own n."""
+    engine, _, _, llm = setup
+    done = _run(engine, [Prompt(prompt_id=1, tokens=[10], n=3)], n=2, first_sample=3)
+    assert sorted(r.sample for r in done) == [3, 4]
+    assert [params["seed"] for _, _, params in llm.added] == [
+        sequence_seed(5, 1, k, step=2) for k in (3, 4)]
+
+
 def test_a_weight_change_reaches_vllm_before_the_next_step_and_stamps_the_tokens(setup):
     engine, model, held, llm = setup
     deferred = engine.submit([Prompt(prompt_id=0, tokens=[1])], _sampling(eos=None), 1)
