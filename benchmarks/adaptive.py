@@ -22,7 +22,11 @@ fixed side's n where no sample ends early; its tokens count a shared prefix once
 `branch_entropy`, a level forks at the first token from its depth whose distribution has that
 entropy ([Note: entropy branching] in executors/torch/rollout/branching.py): fewer leaves where
 the model is sure. With `adaptive_tree`, the tree side spreads its roots by pass rate too
-(n_min..n_max roots a prompt, `budget` roots a step, by default prompts x its roots).
+(n_min..n_max roots a prompt, `budget` roots a step, by default prompts x its roots). With
+`second_round`, the adaptive side samples that many more times, within the step, each prompt
+whose first samples agree (DARS's second stage, [Note: second rounds] in
+flowkit/runner/second_round.py), `second_round_budget` samples a step at most; its tokens
+count both rounds.
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ class AdaptiveBench:
     branch_entropy: float | None = None  # the tree side forks at uncertain tokens (nats)
     shared_prefix: str = "per_leaf"  # the tree side's ([Note: tree rollouts' shared prefix])
     adaptive_tree: bool = False  # the tree side's roots by pass rate (n_min..n_max roots)
+    second_round: int = 0  # the adaptive side samples again the prompts that agree (DARS)
+    second_round_budget: int | None = None  # its second-round samples a step (None: all)
 
     @property
     def sides(self) -> tuple[str, str]:
@@ -113,8 +119,10 @@ def grpo_side(bench: AdaptiveBench, weights: Path, seed: int, side: str) -> Any:
     from dataflows.rl.adaptive import AdaptiveSampling
     from dataflows.rl.tasks import SORT_GPT, SORT_RESPONSE_TOKENS, sort_prompts, sort_reward
 
-    adaptive = AdaptiveSampling(n_min=bench.n_min, n_max=bench.n_max, budget=bench.budget) \
-        if side in ("adaptive", "adaptive_tree") else None
+    second = {"second_round": bench.second_round,
+              "second_round_budget": bench.second_round_budget} if side == "adaptive" else {}
+    adaptive = AdaptiveSampling(n_min=bench.n_min, n_max=bench.n_max, budget=bench.budget,
+                                **second) if side in ("adaptive", "adaptive_tree") else None
     tree = {"n": bench.tree_roots, "branch_at": bench.branch_at, "branches": bench.branches,
             "branch_entropy": bench.branch_entropy, "shared_prefix": bench.shared_prefix} \
         if side in ("tree", "adaptive_tree") else {"n": bench.n}

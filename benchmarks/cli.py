@@ -551,10 +551,17 @@ def _trl_table(figures: dict) -> Any:
               show_default=True,
               help="How the tree side's leaves train the tokens they share: once in each "
                    "leaf, or once in all.")
+@click.option("--second-round", type=click.IntRange(min=0), default=0, show_default=True,
+              help="The adaptive side samples each prompt whose first samples agree this many "
+                   "more times within the step (DARS; e.g. --n-min 4 --n-max 4 "
+                   "--second-round 4).")
+@click.option("--second-round-budget", type=click.IntRange(min=0), default=None,
+              help="The adaptive side's second-round samples a step (default: no bound).")
 @_json_option
 def adaptive(adaptive_seeds: int, warm_steps: int, token_budget: int, pool: int, n_min: int,
              n_max: int, budget: int | None, tree: bool, branch_at: str, branches: int,
              branch_entropy: float | None, adaptive_tree: bool, shared_prefix: str,
+             second_round: int, second_round_budget: int | None,
              json_out: Path | None) -> None:
     """Adaptive samples per prompt (or, with --tree, tree rollouts) against fixed n=8 at an
     equal budget of generated tokens: tokens to a mean reward of 0.8, and the share of
@@ -564,6 +571,11 @@ def adaptive(adaptive_seeds: int, warm_steps: int, token_budget: int, pool: int,
     if adaptive_tree and not tree:
         raise click.UsageError("--adaptive spreads the tree side's roots: add --tree (without "
                                "it the second side is adaptive sampling already)")
+    if (second_round or second_round_budget is not None) and tree:
+        raise click.UsageError("--second-round samples the adaptive side again: drop --tree")
+    if second_round_budget is not None and not second_round:
+        raise click.UsageError("--second-round-budget bounds a second round: add "
+                               "--second-round")
     try:
         depths = tuple(int(d) for d in branch_at.split(","))
     except ValueError:
@@ -575,7 +587,9 @@ def adaptive(adaptive_seeds: int, warm_steps: int, token_budget: int, pool: int,
                                  token_budget=token_budget, pool=pool, n_min=n_min,
                                  n_max=n_max, budget=budget, tree=tree, branch_at=depths,
                                  branches=branches, branch_entropy=branch_entropy,
-                                 adaptive_tree=adaptive_tree, shared_prefix=shared_prefix)
+                                 adaptive_tree=adaptive_tree, shared_prefix=shared_prefix,
+                                 second_round=second_round,
+                                 second_round_budget=second_round_budget)
     _report(module.run_adaptive_bench(setup), json_out)
 
 

@@ -32,10 +32,24 @@ def test_both_sides_spend_the_same_token_budget_and_report_their_figures():
     (["--branch-entropy", "0.5"], "--branch-entropy is for the tree side: add --tree"),
     (["--tree", "--branch-entropy", "-1"], "--branch-entropy"),
     (["--adaptive"], "--adaptive spreads the tree side's roots: add --tree"),
+    (["--tree", "--second-round", "4"], "--second-round samples the adaptive side again"),
+    (["--second-round-budget", "8"], "--second-round-budget bounds a second round"),
+    (["--second-round", "-1"], "--second-round"),
 ])
 def test_the_bench_command_refuses_a_bad_setting_before_it_starts(args, named):
     result = CliRunner().invoke(main, ["bench", "adaptive", *args])
     assert result.exit_code == 2 and named in result.output
+
+
+@pytest.mark.slow
+def test_the_second_round_side_counts_the_tokens_of_both_rounds():
+    bench = AdaptiveBench(seeds=1, warm_steps=2, token_budget=300, prompts=4, n=4, pool=8,
+                          target=0.0, window=1, n_min=2, n_max=2, second_round=2)
+    figures = run_adaptive_bench(bench)
+    (run,) = figures["runs"]
+    got = run["adaptive"]
+    assert got["tokens_curve"][-2] < 300 <= got["tokens"] and got["steps"] >= 2
+    assert figures["setup"]["second_round"] == 2
 
 
 @pytest.mark.slow
