@@ -2,7 +2,7 @@
 dataflows/rl/adaptive.py], float64 and seeded: every prompt at the flow's n gives the fixed-n
 run's samples and parameters; groups of varying size train, and a run stopped and resumed from
 a checkpoint gives the straight run's curve, parameters and pass-rate history, exactly; with
-partial rollouts the books balance call by call."""
+partial rollouts the books balance call by call; second rounds train and resume."""
 
 from __future__ import annotations
 
@@ -119,3 +119,36 @@ def test_partial_rollouts_with_adaptive_n_keep_their_books_across_a_resume(tmp_p
     conserved(lines)
     history = _difficulty(complete_checkpoints(ck)[-1])
     assert sum(history.samples) == sum(line["rollout/samples"] for line in lines)
+
+
+def test_second_rounds_train_and_resume_with_their_history_exactly(tmp_path):
+    """[Note: second rounds in flowkit/runner/second_round.py], fused (a second round needs
+    it): every prompt's first 4 samples agree, so each is sampled again; the even prompts'
+    groups then differ and train on 8 samples. A run stopped and resumed gives the straight
+    run's curve, parameters and pass-rate history, which holds both rounds' samples."""
+    fused = ("--executors", "torch")
+    runs = {}
+    for name, steps, resume in (("straight", 3, False), ("resumed", 2, False),
+                                ("resumed", 3, True)):
+        ck = tmp_path / f"ck-{name}"
+        metrics = tmp_path / f"{name}.jsonl"
+        run_ok(f"{GRPO}:second_round", *fused, "--metrics", str(metrics), "--save-weights",
+               str(tmp_path / name), "--steps", str(steps), "--checkpoint-dir", str(ck),
+               "--checkpoint-every", "1", *(("--resume", str(ck)) if resume else ()))
+        runs[name] = metrics
+    keys = ("rollout/samples", "generate/second_rounds", "grpo_advantages/second_round_kept",
+            "groups/samples_max", "groups/zero_advantage_fraction")
+    straight, resumed = metrics_lines(runs["straight"]), metrics_lines(runs["resumed"])
+    assert [[line[k] for k in keys] for line in resumed] == \
+        [[line[k] for k in keys] for line in straight]
+    for a, b in zip(straight, resumed):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-9)
+    for line in straight:  # prompts 0-3, then 4, 5, 0, 1, then 2-5: two even ones a step
+        assert (line["rollout/samples"], line["generate/second_rounds"]) == (32, 4)
+        assert (line["grpo_advantages/second_round_kept"], line["groups/samples_max"]) == (2, 8)
+        assert line["update_actor/tokens"] > 0
+    _assert_same_weights(tmp_path / "straight", tmp_path / "resumed")
+    histories = [_difficulty(complete_checkpoints(tmp_path / f"ck-{name}")[-1])
+                 for name in ("straight", "resumed")]
+    assert histories[0] == histories[1]
+    assert sum(histories[0].samples) == sum(line["rollout/samples"] for line in straight)

@@ -4,7 +4,7 @@ generation on its own executor: small enough for a resume test."""
 from dataflows.grpo import grpo_flow
 from dataflows.rl.adaptive import AdaptiveSampling
 from dataflows.rl.tasks import sort_prompts, sort_reward
-from tests.torch.rl_ops import even_token_reward
+from tests.torch.rl_ops import even_token_reward, late_sample_reward
 
 TINY_GPT = {"vocab_size": 128, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 16,
             "dtype": "float64"}
@@ -39,6 +39,14 @@ adaptive_partial = grpo_flow(prompts=4, n=4, stages=2, microbatches=2, schedule=
                              prompt_source=sort_prompts, reward=even_token_reward,
                              source_config={"digits": 3, "pool": 6}, oversample=1.5,
                              adaptive=AdaptiveSampling(n_min=2, n_max=8, pass_reward=0.5))
+
+# `:second_round` [Note: second rounds in flowkit/runner/second_round.py]: 4 first samples a
+# prompt always agree, and a second round of 4 makes an even prompt's group differ
+second_round = grpo_flow(prompts=4, n=4, stages=2, microbatches=2, schedule="1f1b",
+                         max_new_tokens=6, kl_coef=0.001, lr=1e-2, gpt=TINY_GPT,
+                         prompt_source=sort_prompts, reward=late_sample_reward,
+                         source_config={"digits": 3, "pool": 6},
+                         adaptive=AdaptiveSampling(n_min=4, n_max=4, second_round=4))
 
 # Tree rollouts [Note: tree rollouts in executors/torch/rollout/branching.py]: `:tree` grows
 # each prompt's one root into 4 leaves (2 branches at depths 2 and 4), as many samples as the
