@@ -63,6 +63,7 @@ class ExecutorPool:
             stack, ctl, infos = found
             alive = {e.id for e in ctl.executors()}
             if all(e.id in alive for e in infos) and len(alive) == count:
+                ctl.cancel_pending("the test before ended")  # none may hold a lane
                 for reset in [ctl.submit("reset_executor", executor=e.id) for e in infos]:
                     reset.result(timeout=60)
                 self._clusters[key] = found  # the most recently used last

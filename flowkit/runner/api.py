@@ -316,6 +316,8 @@ class Run:
             weights = self._finish(exc[0] in (None, KeyboardInterrupt),
                                    at_once=exc[0] is KeyboardInterrupt)
             if self.shared is not None:  # its executors go on: the run's replica groups end
+                if exc[0] is not None or loop.stopped:  # and no task of its waits there
+                    self.shared.cancel_pending(f"the run of {self.flow.name!r} ended")
                 self._leave_groups()
         finally:
             self._exits.close()

@@ -256,6 +256,15 @@ class Controller:
         self.wait_until(lambda: not any(e.outstanding > 0 for e in self._dispatcher.executors()),
                         timeout, what="waiting for the executors' tasks to end")
 
+    def cancel_pending(self, reason: str) -> int:
+        """Fail every task not yet done with `TaskCancelled(reason)` and have its executor drop
+        it: a run on a shared controller leaves nothing behind when it fails. Returns how
+        many were pending."""
+        with self._driving():
+            count = self._dispatcher.cancel_pending(reason)
+        self._dispatcher.run_callbacks()
+        return count
+
     def submit(self, op: str, *inputs: Any, config: dict | None = None,
                executor: int | None = None, tags: Iterable[str] = (), outputs: int = 1,
                meta: dict | None = None, lane: str | None = None,

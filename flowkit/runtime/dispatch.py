@@ -696,6 +696,20 @@ class Dispatcher:
         if executor.alive:
             self._send(executor, Msg.CANCEL, {"tasks": [task.id]})
 
+    def cancel_pending(self, reason: str) -> int:
+        """Fail every pending task, `TaskCancelled(reason)`, each executor told to drop its
+        own: what a run that ended leaves behind on a shared controller's executors. A task
+        waiting in a lane for an input that will never come would hold that lane's next task
+        for good [Note: lanes]. Returns how many were pending."""
+        with self.condition:
+            pending = [task for task in self._tasks.values() if task.state == "pending"]
+            for task in pending:
+                if task.state == "pending":  # not failed meanwhile as another's consumer
+                    self._cancel_on_executor(task)
+                    self._fail_task(task, TaskCancelled(reason, op=task.op))
+            self.condition.notify_all()
+        return len(pending)
+
     def lose(self, executor_id: int, reason: str) -> None:
         executor = self._executors.get(executor_id)
         if executor is None or not executor.alive:

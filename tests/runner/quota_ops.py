@@ -1,4 +1,5 @@
-"""@op functions of the group-quota tests, run on executors by import path as flows' are."""
+"""@op functions of the runner's tests (group quotas, sampling and second rounds, failing
+steps), run on executors by import path as flows' are."""
 
 from flowkit.dsl import Batch, Grouped, Metrics, Stream, op
 from flowkit.ops.records import Prompt
@@ -70,3 +71,17 @@ def kept_samples(samples: Batch[Prompt]) -> Metrics:
     for s in samples:
         by_prompt.setdefault(s.prompt_id, []).append(s.tokens[1])
     return Metrics({f"kept/{p}": ",".join(map(str, sorted(js))) for p, js in by_prompt.items()})
+
+
+@op
+def breaks(prompt: Prompt) -> Prompt:
+    raise ValueError(f"prompt {prompt.prompt_id} breaks")
+
+
+@op
+def sleepy(prompt: Prompt) -> Prompt:
+    """The prompt, a second later."""
+    import time
+
+    time.sleep(1.0)
+    return prompt

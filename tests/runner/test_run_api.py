@@ -13,6 +13,7 @@ import flowkit
 from flowkit import CheckpointConfig, ControllerConfig, Run, RunConfig, RunConfigError, RunError
 from flowkit.dsl import load_flow
 from flowkit.runtime.launch import LocalExecutors
+from tests.harness import shared_run
 
 PRETRAIN = str(Path(__file__).parents[1] / "cli" / "flows" / "tiny_pretrain.py")
 
@@ -102,6 +103,23 @@ def test_a_failing_step_is_a_run_error_of_one_line(tmp_path):
         flowkit.run(load_flow(str(flow)), config)
     assert "no good" in str(error.value) and "--debug shows the traceback" in str(error.value)
     assert "\n" not in str(error.value).strip()
+
+
+def test_a_failed_run_on_a_shared_controller_leaves_no_task_pending(pool):
+    """`sleepy`'s calls were still running when `breaks` failed the step: the run cancels
+    them, so nothing of it holds the executors (or a lane) for the next run."""
+    from flowkit.dsl import Flow, collect
+    from tests.runner.quota_ops import breaks, kept, numbered_prompts, sleepy
+
+    with Flow("breaks") as flow:
+        prompts = numbered_prompts(prompts=2)
+        kept(collect(sleepy(prompts)))
+        kept(collect(breaks(prompts)), name="kept_broken")
+    config = RunConfig(steps=1, executors="base", dashboard=False)
+    with pytest.raises(RunError, match="breaks"):
+        with shared_run(pool, flow, config) as run:
+            list(run.steps())
+    assert not any(e.outstanding for e in run.controller.executors())
 
 
 @pytest.mark.slow

@@ -76,3 +76,18 @@ def test_a_cancelled_task_does_not_block_its_lane(cluster):
     after = ctl.submit("identity", 6, executor=second.id, lane="l")
     assert after.result(timeout=5) == 6
     assert cancelled.exception(timeout=5) is not None
+
+
+def test_cancelling_what_is_pending_frees_a_lane_held_by_an_input_that_will_not_come(cluster):
+    """What a failed run leaves on a shared controller (Run's exit, the suite's pool): a task
+    in a lane waiting for an input still being made holds the lane's next task; cancelled,
+    both fail, naming why, and the lane serves again at once."""
+    ctl, (first, second) = cluster
+    endless = ctl.submit("countdown", config={"count": 10_000, "seconds": 0.05},
+                         executor=first.id)
+    held = ctl.submit("identity", endless, executor=second.id, lane="held")
+    assert ctl.cancel_pending("the run ended") == 2
+    for future in (endless, held):
+        assert "the run ended" in str(future.exception(timeout=5))
+    assert ctl.submit("identity", 7, executor=second.id, lane="held").result(timeout=5) == 7
+    assert ctl.submit("identity", 8, executor=first.id).result(timeout=5) == 8
