@@ -138,7 +138,7 @@ def _side(bench: AdaptiveBench, weights: Path, seed: int, side: str) -> dict:
     """One side's run until its tokens are spent: its curve and figures."""
     from benchmarks.runs import bench_run
 
-    tokens, rewards, zero, zero_tokens, spent = [], [], [], [], 0
+    tokens, rewards, zero, zero_tokens, spent, again = [], [], [], [], 0, 0
     with bench_run(grpo_side(bench, weights, seed, side), steps=bench.max_steps,
                    executors="torch") as run:
         for report in run.steps():
@@ -147,6 +147,7 @@ def _side(bench: AdaptiveBench, weights: Path, seed: int, side: str) -> dict:
             rewards.append(float(report.metrics["groups/reward_mean"]))
             zero.append(float(report.metrics["groups/zero_advantage_fraction"]))
             zero_tokens.append(float(report.metrics["groups/zero_advantage_tokens_fraction"]))
+            again += int(report.metrics.get("generate/second_round_samples", 0))
             if spent >= bench.token_budget:
                 break
     smoothed = [statistics.fmean(rewards[max(0, i + 1 - bench.window):i + 1])
@@ -156,7 +157,7 @@ def _side(bench: AdaptiveBench, weights: Path, seed: int, side: str) -> dict:
     return {"steps": len(tokens), "tokens": spent, "tokens_to_target": reached,
             "zero_advantage_share": statistics.fmean(zero),
             "zero_advantage_tokens_share": statistics.fmean(zero_tokens),
-            "reward_last": smoothed[-1],
+            "second_round_samples": again, "reward_last": smoothed[-1],
             "reward_curve": rewards, "tokens_curve": tokens}
 
 

@@ -120,6 +120,13 @@ def _check_second_round(adaptive: AdaptiveSampling) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 0):
             raise ValueError(f"adaptive {name}={value!r}: a whole number of samples >= 0")
+    if adaptive.second_round_budget is not None and not adaptive.second_round:
+        raise ValueError(f"adaptive second_round_budget={adaptive.second_round_budget} bounds "
+                         "a second round: give second_round too")
+    if adaptive.second_round and adaptive.n_min < 2:
+        raise ValueError(f"adaptive second_round={adaptive.second_round} samples again a prompt "
+                         f"whose first samples agree, and n_min={adaptive.n_min} gives a prompt "
+                         "one sample, which agrees with nothing: set n_min >= 2")
 
 
 def samples_budget(adaptive: AdaptiveSampling, *, prompts: int, n: int) -> int:

@@ -32,6 +32,7 @@ from flowkit.ops.records import (
     WeightsVersion,
     resumable,
     sample_indices,
+    samples_of,
     step_report,
 )
 from flowkit.wire.files import FileRefused, read_regular
@@ -313,8 +314,13 @@ def _generate(ctx: OpContext, prompt: Any, *weights: Any, seconds_per_token: flo
                      zip(rollouts, lengths))
     else:
         prompt_id = getattr(prompt, "prompt_id", prompt)
-        samples = sample_indices(prompt, n, int(first_sample))
-        _check_counts(prompt_id, n=len(samples), max_new_tokens=max_new_tokens)
+        if isinstance(first_sample, bool) or not isinstance(first_sample, int) \
+                or first_sample < 0:
+            raise ValueError(f"first_sample must be a whole number >= 0 (the index of a later "
+                             f"round's first sample), got {first_sample!r}")
+        _check_counts(prompt_id, n=n if first_sample else samples_of(prompt, n),
+                      max_new_tokens=max_new_tokens)
+        samples = sample_indices(prompt, n, first_sample)
         rollouts = [sample_rollout(prompt, sample, **draw) for sample in samples]
         lengths = [len(r.response_tokens) for r in rollouts]
         prefix = len(getattr(prompt, "tokens", ()))

@@ -47,7 +47,7 @@ class GroupBy:
         extra = "".join(f", {name}={value}" for name, value in (
             ("size", self.size), ("take", self.take), ("rounds", self.rounds),
             ("second_round", self.second_round),
-            ("second_round_budget", self.second_round_budget)) if value)
+            ("second_round_budget", self.second_round_budget)) if value is not None)
         return f"group_by({self.key}{extra})"
 
     def apply(self, ptype: PortType) -> PortType:

@@ -100,9 +100,11 @@ EXECUTOR_OPS = {spec.name: spec for spec in (
     OpSpec("generate", "a prompt (or a list of them; an interrupted Rollout is continued, a "
            "finished one passes through), then weights versions to wait for",
            (*_SCORING, *_SAMPLING, *AGENT_KEYS, "token_budget", "min_new_tokens",
-            "length_sigma", *_SIM_ENGINE, "request", "min_version"),
-           "n Rollouts per prompt, each streamed as it finishes; `request` names it for an "
-           "abort, carried Rollouts older than `min_version` are recomputed or dropped as "
+            "length_sigma", *_SIM_ENGINE, "request", "min_version", "first_sample"),
+           "n Rollouts per prompt (numbered from `first_sample`, a later round's "
+           "[Note: second rounds]), each streamed as it finishes; `request` names it for an "
+           "abort, "
+           "carried Rollouts older than `min_version` are recomputed or dropped as "
            "`stale_segments` says [Note: partial rollouts]; with an `environment`, each a "
            "multi-turn trajectory [Note: multi-turn rollouts]"),
     OpSpec("logprobs", "a rollout (or a list of them)", (*_SCORING, "temperature"),

@@ -84,6 +84,8 @@ class NodePlan:
     model: Model | None = None
     target: str | None = None  # a function op's import path
     takes_step: bool = False  # the function has a `step` parameter: it is told the step number
+    # a function op's keyword parameters (None: a model op's, or any: it takes **kwargs)
+    keywords: frozenset[str] | None = None
     reports: bool = False  # its outputs are Metrics, which the runner adds to the step's own
     workload: Workload | None = None  # calls balanced by predicted work (a ModelOp's)
     trace_key: str | None = None  # its items' field a trace records (ModelOp.traced)
@@ -141,7 +143,19 @@ def _plan_node(flow: Flow, node: Node, wires: list[Wire]) -> NodePlan:
     fn = getattr(operator, "fn", None)
     takes_step = fn is not None and "step" in inspect.signature(fn).parameters
     return NodePlan(call=_call_of(inputs), op="python", many=yields_many(operator),
-                    target=target, takes_step=takes_step, **common)
+                    target=target, takes_step=takes_step, keywords=_keywords(fn), **common)
+
+
+def _keywords(fn: Any) -> frozenset[str] | None:
+    """The keyword parameters of a function op (None: none known, or **kwargs takes any)."""
+    if fn is None:
+        return None
+    parameters = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return frozenset(p.name for p in parameters
+                     if p.kind in (inspect.Parameter.KEYWORD_ONLY,
+                                   inspect.Parameter.POSITIONAL_OR_KEYWORD))
 
 
 def _input_rule(flow: Flow, wire: Wire) -> InputRule:

@@ -77,7 +77,7 @@ class FlowRunner:
             plan = _with_proximal(plan) if staleness >= 1 else plan
         partial = _partial_rollouts(plan, staleness)
         rounds = checked_round_nodes(plan, partial)  # [Note: sampling rounds]
-        second_rounds = checked_second_rounds(plan, partial, rounds)  # [Note: second rounds]
+        second_rounds = checked_second_rounds(plan, partial, rounds, fuse=fuse)
         plan = [_without_take(node) if node.resumable is not None else node for node in plan]
         self.ctl, self.plan, self.sim_costs = ctl, plan, sim_costs
         self.staleness, self.steps = staleness, steps

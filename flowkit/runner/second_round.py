@@ -11,9 +11,10 @@ more times, numbered on from its first samples, so they draw what one request fo
 would, while the step's `B` second-round samples last. The op then runs on all of the prompt's
 samples, and what it yields is the step's. Generation (the first per-item node on the path from
 the source, as sampling rounds find it; each node after it makes one item per call) stays open
-while a first answer is pending: a fused, synchronous run (unfused, no second round is drawn;
-asynchronous, refused before anything starts). Both nodes' call policies (call_policy.py) share
-one `SecondRound`. In full: docs/rl.md, "A second round for groups that agree".
+while a first answer is pending: a fused, synchronous run (else refused before anything
+starts). With a budget, which groups get it depends on which are judged first, as a group
+quota's do. Both nodes' call policies (call_policy.py) share one `SecondRound`. In full:
+docs/rl.md, "A second round for groups that agree".
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ class SecondRound:
     group: str
     more: int  # samples a second round draws
     budget: int | None  # second-round samples a step may draw (None: no bound)
-    fused: bool  # unfused, the group runs once generation has closed: no second round
     counts: dict = attrs.field(factory=dict)  # generation call -> its items, once it ended
     arrived: Counter = attrs.field(factory=Counter)  # generation call -> its items grouped
     call_key: dict = attrs.field(factory=dict)  # generation call -> its items' key
@@ -74,8 +74,6 @@ class SecondRound:
 
     def undecided(self) -> bool:
         """Whether a group may still ask generation for a second round."""
-        if not self.fused:
-            return False
         if any(self.arrived[call] < count for call, count in self.counts.items()
                if call[-1:] != (SECOND,)):
             return True  # a first sample is on its way to its group
@@ -108,7 +106,7 @@ class SecondRound:
         for key in keys:
             group = self.groups[key]
             if group.phase == "first" and (closed or self._in(group.calls)):
-                group.phase = "judged" if self.fused and not closed else "final"
+                group.phase = "final" if closed else "judged"
                 out.append((key, list(group.members)))
             elif group.phase == "second" and (closed or self._in({group.second})):
                 group.phase = "final"
@@ -136,7 +134,7 @@ class SecondRound:
 
     def _sample_again(self, key: Any, group: _Group, granted: int) -> None:
         (first,) = group.calls
-        if self.prompts is None:
+        if self.prompts is None or first not in self.prompts:  # the source may still stream
             self.prompts = dict(self.site.lead_items())
         group.second, group.phase = first + (SECOND,), "second"
         self.call_key[group.second] = key
@@ -251,6 +249,7 @@ def second_round_nodes(plan: Sequence[Any]) -> dict[str, tuple[str, int, int | N
                 raise ValueError(f"{node.name}: group_by(..., second_round=) samples a group's "
                                  "prompt again with the per-item op that generated it, and no "
                                  f"per-item op feeds it (its input comes from {rule.src!r})")
+            _check_generation(node.name, by_name[generation])
             many = [name for name in between if any(by_name[name].many)]
             if many:
                 raise ValueError(f"{node.name}: group_by(..., second_round=) needs one item per "
@@ -264,14 +263,36 @@ def second_round_nodes(plan: Sequence[Any]) -> dict[str, tuple[str, int, int | N
     return found
 
 
-def checked_second_rounds(plan: Sequence[Any], partial: dict, rounds: dict
+def _check_generation(group: str, generation: Any) -> None:
+    """Generation makes a Stream of a prompt's samples, and is told a later round's n and
+    first_sample (a model's generate is; a function op must take them)."""
+    if generation.many != (True,):
+        raise ValueError(f"{group}: group_by(..., second_round=) samples a group's prompt again "
+                         f"with {generation.name!r}, which makes one item a call, not a Stream "
+                         "of the prompt's samples")
+    keywords = generation.keywords
+    if generation.op == "python" and keywords is not None and \
+            not {"n", "first_sample"} <= keywords:
+        raise ValueError(f"{group}: group_by(..., second_round=) tells {generation.name!r} a "
+                         "later round's n and first_sample (the index of its first sample), "
+                         "and the function takes no such keywords: give it n and first_sample "
+                         "parameters")
+
+
+def checked_second_rounds(plan: Sequence[Any], partial: dict, rounds: dict, *, fuse: bool
                           ) -> dict[str, tuple[str, int, int | None]]:
-    """`second_round_nodes(plan)`, checked before anything starts: not a node with partial
-    rollouts or sampling rounds; the asynchronous case is refused by flowrun.check_async."""
+    """`second_round_nodes(plan)`, checked before anything starts: a fused run (stage by stage
+    a group runs once generation has closed), not a node with partial rollouts or sampling
+    rounds; the asynchronous case is refused by flowrun.check_async."""
     try:
         found = second_round_nodes(plan)
     except ValueError as exc:
         raise FlowRunError(str(exc)) from None
+    if found and not fuse:
+        raise FlowRunError(f"{', '.join(group for group, _, _ in found.values())}: "
+                           "group_by(..., second_round=) samples a group again while its step "
+                           "generates, and stage by stage (--no-fuse) a group runs once "
+                           "generation has ended: run fused, or drop the second round")
     for name, (group, _, _) in found.items():
         for other, what in ((partial, "partial rollouts (oversample)"),
                             (rounds, "sampling rounds (group_by(..., rounds=))")):

@@ -105,7 +105,7 @@ class Submission:
             policies.setdefault(name, SamplingRounds(name, rounds, policies[quota],
                                                      self.wiring.fuse))
         for name, (group, more, budget) in self.second_rounds.items():  # [Note: second rounds]
-            shared = SecondRound(name, group, more, budget, self.wiring.fuse)
+            shared = SecondRound(name, group, more, budget)
             policies[name], policies[group] = GenerationCalls(shared), SecondRoundGroups(shared)
         return policies
 

@@ -50,6 +50,7 @@ def test_the_second_round_side_counts_the_tokens_of_both_rounds():
     got = run["adaptive"]
     assert got["tokens_curve"][-2] < 300 <= got["tokens"] and got["steps"] >= 2
     assert figures["setup"]["second_round"] == 2
+    assert got["second_round_samples"] > 0 and run["fixed"]["second_round_samples"] == 0
 
 
 @pytest.mark.slow

@@ -20,8 +20,8 @@ SETTINGS = dict(prompts=4, n=4, microbatches=2, max_new_tokens=6, reward=late_sa
 
 
 def _again(more: int = 4, budget: int | None = None, **settings) -> AdaptiveSampling:
-    return AdaptiveSampling(n_min=4, n_max=4, second_round=more, second_round_budget=budget,
-                            **settings)
+    return AdaptiveSampling(**{"n_min": 4, "n_max": 4, "second_round": more,
+                               "second_round_budget": budget, **settings})
 
 
 @pytest.mark.parametrize("budget, again, kept", [(None, 4, 2), (0, 0, 0)])
@@ -48,6 +48,9 @@ def test_second_round_settings_that_cannot_work_are_refused_when_the_flow_is_bui
         (dict(adaptive=_again(), oversample=1.5), "both decide which generation calls run"),
         (dict(adaptive=_again(more=-1)), "adaptive second_round=-1: a whole number"),
         (dict(adaptive=_again(budget=-2)), "adaptive second_round_budget=-2"),
+        (dict(adaptive=_again(more=0, budget=8)), "second_round_budget=8 bounds a second "
+         "round: give second_round too"),
+        (dict(adaptive=_again(n_min=1)), "n_min=1 gives a prompt one sample"),
         (dict(adaptive=_again(), branch_at=(2,), branches=2),
          "a second round of a tree's prompt"),
     ]

@@ -85,3 +85,21 @@ def sleepy(prompt: Prompt) -> Prompt:
 
     time.sleep(1.0)
     return prompt
+
+
+@op
+def slow_prompts(*, prompts: int = 4, seconds: float = 0.05) -> Stream[Prompt]:
+    """numbered_prompts, one every `seconds`: a source still streaming while the first groups
+    are judged."""
+    import time
+
+    for i in range(prompts):
+        yield Prompt(prompt_id=i, tokens=[i])
+        time.sleep(seconds)
+
+
+@op
+def drawn_plain(prompt: Prompt, *, n: int = 3) -> Stream[Prompt]:
+    """drawn without first_sample: it cannot draw a later round."""
+    for j in range(n):
+        yield Prompt(prompt_id=prompt.prompt_id, tokens=[prompt.prompt_id, j])

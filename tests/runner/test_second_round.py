@@ -1,9 +1,8 @@
 """group_by(..., second_round=k, second_round_budget=B) [Note: second rounds in
 flowkit/runner/second_round.py]: the group's op runs as soon as a prompt's first samples are in;
 a group it yields nothing for gets k more samples of its prompt, numbered on from the first,
-while the step's budget lasts, and the op runs again on all of them. Unfused, no second round is
-drawn; a flow that cannot sample again is refused before anything starts. On executor
-processes."""
+while the step's budget lasts, and the op runs again on all of them. A flow that cannot sample
+again (stage by stage among them) is refused before anything starts. On executor processes."""
 
 from __future__ import annotations
 
@@ -15,18 +14,20 @@ from tests.harness import pooled_run
 from tests.runner.quota_ops import (
     differing,
     drawn,
+    drawn_plain,
     judged,
     kept_samples,
     keyed_prompts,
     numbered_prompts,
+    slow_prompts,
     three_of,
 )
 
 
 def _flow(*, prompts: int = 6, more: int = 2, budget: int | None = None,
-          judge: bool = True) -> Flow:
+          judge: bool = True, source=numbered_prompts) -> Flow:
     with Flow("again") as flow:
-        samples = drawn(numbered_prompts(prompts=prompts))
+        samples = drawn(source(prompts=prompts))
         samples = judged(samples) if judge else samples
         kept_samples(collect(differing(group_by(samples, key="prompt_id", second_round=more,
                                                 second_round_budget=budget))))
@@ -42,10 +43,12 @@ def _kept(line: dict) -> dict[str, str]:
     return {key.split("/")[1]: value for key, value in line.items() if key.startswith("kept/")}
 
 
-def test_groups_that_agree_are_sampled_again_and_trained_on_all_their_samples(pool):
+@pytest.mark.parametrize("source", [numbered_prompts, slow_prompts], ids=["at_once", "streaming"])
+def test_groups_that_agree_are_sampled_again_and_trained_on_all_their_samples(pool, source):
     """Prompts 0 and 3 differ in their first samples; 1 and 5 with their fourth, drawn in the
-    second round; 2 and 4 agree in both rounds and are dropped."""
-    for line in _lines(pool, _flow()):
+    second round; 2 and 4 agree in both rounds and are dropped. From a source still streaming
+    its prompts, the later ones are sampled again as well."""
+    for line in _lines(pool, _flow(source=source)):
         assert _kept(line) == {"0": "0,1,2", "3": "0,1,2", "1": "0,1,2,3,4",
                                "5": "0,1,2,3,4"}
         assert line["drawn/second_rounds"] == 4  # prompts 1, 2, 4 and 5
@@ -74,10 +77,10 @@ def test_no_budget_no_second_round(pool):
         assert (line["drawn/second_rounds"], line["differing/second_round_denied"]) == (0, 4)
 
 
-def test_stage_by_stage_a_step_draws_no_second_round(pool):
-    for line in _lines(pool, _flow(), fuse=False):
-        assert _kept(line) == {"0": "0,1,2", "3": "0,1,2"}
-        assert line["drawn/second_rounds"] == 0
+def test_stage_by_stage_a_second_round_is_refused_before_the_run(pool):
+    with pytest.raises(Exception, match=r"differing: group_by\(..., second_round=\) samples a "
+                       "group again while its step generates, and stage by stage"):
+        _lines(pool, _flow(), fuse=False)
 
 
 def test_second_round_settings_that_cannot_work_are_refused_when_the_flow_is_built():
@@ -104,6 +107,16 @@ def test_a_flow_that_cannot_sample_a_group_again_is_refused_before_it_starts(poo
         kept_samples(collect(differing(group_by(samples, key="prompt_id", second_round=2))))
     with pytest.raises(Exception, match="one item per call from each op between 'drawn'"):
         _lines(pool, fan)
+    with Flow("single") as single:  # generation makes one item a call
+        kept_samples(collect(differing(group_by(judged(numbered_prompts(prompts=4)),
+                                                key="prompt_id", second_round=2))))
+    with pytest.raises(Exception, match="with 'judged', which makes one item a call"):
+        _lines(pool, single)
+    with Flow("plain") as plain:  # generation cannot be told a later round's first sample
+        kept_samples(collect(differing(group_by(judged(drawn_plain(numbered_prompts())),
+                                                key="prompt_id", second_round=2))))
+    with pytest.raises(Exception, match="'drawn_plain' a later round's n and first_sample"):
+        _lines(pool, plain)
 
 
 def test_two_prompts_of_a_step_with_one_key_are_refused(pool):

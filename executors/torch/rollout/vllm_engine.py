@@ -229,7 +229,8 @@ class VLLMEngine(Trajectories):
                 f"top_k={sampling.top_k}: sample the model's generate ops alike")
         request = Request(deferred=Deferred(), sampling=sampling, left=0, key=key, agent=agent)
         if key is not None and key in self.aborted:
-            request.passing = [unstarted(r) for item in items for r in as_rollouts(item, n)]
+            request.passing = [unstarted(r) for item in items
+                               for r in as_rollouts(item, n, sampling)]
             request.left = len(request.passing)
             self.passing.append(request)
             return request.deferred
