@@ -13,7 +13,9 @@ weighs prompts unequally, so reward_mean would not compare), smoothed over the l
 steps; `tokens_to_target` is the tokens generated up to the first step where that reaches
 `target` (None: not within the budget).
 `zero_advantage_share` is the mean over steps of the share of groups whose rewards were all
-equal, `zero_advantage_tokens_share` of the generated tokens those groups hold. `ratio` is
+equal, `zero_advantage_tokens_share` of the generated tokens those groups hold;
+`tokens_per_reward_gain` the tokens a side generated over its smoothed reward's gain from its
+first `window` steps to its last (None: no gain). `ratio` is
 the second side's median tokens_to_target over fixed's (the seeds where both got there).
 With `tree`, the second side is tree rollouts instead ([Note: tree rollouts] in
 executors/torch/rollout/branching.py): n / branches ** len(branch_at) roots a prompt, each
@@ -154,10 +156,12 @@ def _side(bench: AdaptiveBench, weights: Path, seed: int, side: str) -> dict:
                 for i in range(len(rewards))]
     reached = next((tokens[i] for i, r in enumerate(smoothed)
                     if i + 1 >= bench.window and r >= bench.target), None)
+    gain = smoothed[-1] - statistics.fmean(rewards[:bench.window])
     return {"steps": len(tokens), "tokens": spent, "tokens_to_target": reached,
             "zero_advantage_share": statistics.fmean(zero),
             "zero_advantage_tokens_share": statistics.fmean(zero_tokens),
             "second_round_samples": again, "reward_last": smoothed[-1],
+            "tokens_per_reward_gain": spent / gain if gain > 0 else None,
             "reward_curve": rewards, "tokens_curve": tokens}
 
 
@@ -173,13 +177,20 @@ def _over_seeds(runs: list[dict]) -> dict:
                          run[side]["zero_advantage_share"] for run in runs),
                      "zero_advantage_tokens_share": statistics.fmean(
                          run[side]["zero_advantage_tokens_share"] for run in runs),
-                     "reward_last": statistics.fmean(run[side]["reward_last"] for run in runs)}
+                     "reward_last": statistics.fmean(run[side]["reward_last"] for run in runs),
+                     "tokens_per_reward_gain_median": _median(
+                         run[side]["tokens_per_reward_gain"] for run in runs)}
     both = [(run[fixed]["tokens_to_target"], run[other]["tokens_to_target"])
             for run in runs if None not in (run[fixed]["tokens_to_target"],
                                             run[other]["tokens_to_target"])]
     out["ratio"] = (statistics.median(a for _, a in both) / statistics.median(f for f, _ in both)
                     if both else None)
     return out
+
+
+def _median(values: Any) -> float | None:
+    got = [v for v in values if v is not None]
+    return statistics.median(got) if got else None
 
 
 def _other_side(runs: list[dict]) -> str:

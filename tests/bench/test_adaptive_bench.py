@@ -23,6 +23,9 @@ def test_both_sides_spend_the_same_token_budget_and_report_their_figures():
         assert got["tokens_to_target"] == got["tokens_curve"][0]  # a target of 0: step one
         assert 0 <= got["zero_advantage_share"] <= 1
         assert 0 <= got["zero_advantage_tokens_share"] <= 1
+        gain = got["tokens_per_reward_gain"]  # tokens over the smoothed reward's gain
+        assert gain is None or gain > 0
+        assert figures[side]["tokens_per_reward_gain_median"] == gain
     assert figures["ratio"] == run["adaptive"]["tokens_curve"][0] / run["fixed"]["tokens_curve"][0]
     assert figures["warm_up"]["steps"] == 2 and "weights" not in figures["warm_up"]
 
