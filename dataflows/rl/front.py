@@ -133,9 +133,6 @@ def _adaptive_tree_errors(config: RLConfig) -> list[str]:
         errors.append("adaptive token_budget costs a prompt's samples at its mean response "
                       "length, and a tree's root generates its shared prefix once and each "
                       "branch's rest: drop token_budget (budget, n_min and n_max count roots)")
-    if config.oversample > 1:
-        errors.append("adaptive sampling of trees with partial rollouts (oversample) is not "
-                      "built: drop oversample, adaptive or the branching")
     if adaptive.second_round:
         errors.append("a second round of a tree's prompt would number its roots on from its "
                       "first leaves, which a group counts: drop second_round or the branching")

@@ -4,7 +4,8 @@ plain run's samples and parameters; branched leaves train, grouped by prompt, th
 prefixes counted once in the step's generated tokens; branching by entropy at 0 nats is the
 fixed-depth run [Note: entropy branching]; asynchronous trees keep the staleness bound and
 resume their open step's saved leaves; partial rollouts carry trees over and grow them on;
-adaptive sampling spreads a step's roots by pass rate, and at the flow's n is the fixed run."""
+adaptive sampling spreads a step's roots by pass rate, at the flow's n is the fixed run, and
+with partial rollouts keeps its books."""
 
 from __future__ import annotations
 
@@ -117,3 +118,24 @@ def test_partial_rollouts_carry_trees_over_and_grow_them_on(tmp_path):
         # 4 whole trees a step: 4 roots and the branches they grew
         assert line["rollout/samples"] == 4 + line["rollout/branches"]
         assert line["staleness/max"] <= 1
+
+
+def test_adaptive_trees_with_partial_rollouts_keep_their_books_across_a_resume(tmp_path):
+    """Roots spread by pass rate (1 to 4 a prompt) and trees carried over (oversample 1.5,
+    --async): every root started and branch grown trains once, is dropped whole when stale,
+    or is still carried, through a checkpoint and a resume that puts the carried trees back;
+    the difficulty holds every trained leaf once."""
+    ck, run_async = tmp_path / "ck", ("--async", "--max-staleness", "1")
+    flow = f"{GRPO}:tree_adaptive_partial"
+    _run(tmp_path, flow, "run", "--steps", "3", *run_async, "--checkpoint-dir", str(ck),
+         "--checkpoint-every", "1")
+    _run(tmp_path, flow, "run", "--steps", "6", *run_async, "--resume", str(ck),
+         "--checkpoint-dir", str(ck), "--checkpoint-every", "1")
+    lines = metrics_lines(tmp_path / "run.jsonl")
+    assert [line["step"] for line in lines] == list(range(6))
+    assert all(line["generate/taken_groups"] == 4 for line in lines)
+    assert sum(line["rollout/resumed"] for line in lines) > 0  # trees were carried
+    assert max(line["groups/samples_max"] for line in lines) > 4  # a prompt drew 2+ roots
+    conserved(lines)
+    history = _difficulty(complete_checkpoints(ck)[-1])
+    assert sum(history.samples) == sum(line["rollout/samples"] for line in lines)

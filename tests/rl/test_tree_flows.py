@@ -125,10 +125,9 @@ def test_the_steps_generated_tokens_count_a_shared_prefix_once():
     (dict(adaptive=AdaptiveSampling(n_min=1, token_budget=10**6)),
      "1 error(s) in the sampling settings: adaptive token_budget costs a prompt's samples at "
      "its mean response length, and a tree's root generates its shared prefix once"),
-    (dict(adaptive=AdaptiveSampling(n_min=1), max_staleness=1, oversample=2.0,
-          stale_segments="drop"),
-     "1 error(s) in the sampling settings: adaptive sampling of trees with partial rollouts "
-     "(oversample) is not built"),
+    (dict(adaptive=AdaptiveSampling(n_min=2, second_round=2)),
+     "1 error(s) in the sampling settings: a second round of a tree's prompt would number its "
+     "roots on from its first leaves"),
     (dict(policy_loss="gspo", shared_prefix="once"),
      "1 error(s) in the sampling settings: tree rollouts train a shared prefix once by weighing "
      "its tokens, and GSPO's"),

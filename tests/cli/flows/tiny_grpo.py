@@ -81,6 +81,14 @@ tree_adaptive = grpo_flow(prompts=4, n=2, stages=2, microbatches=2, schedule="1f
                           prompt_source=sort_prompts, reward=even_token_reward,
                           source_config={"digits": 3, "pool": 6}, branch_at=(2, 4), branches=2,
                           adaptive=AdaptiveSampling(n_min=1, n_max=4, pass_reward=0.5))
+# `:tree_adaptive_partial`: those trees with partial rollouts (--async): 6 prompts start a step,
+# 4 trees train, the rest carried over and grown on, a stale one dropped whole
+tree_adaptive_partial = grpo_flow(prompts=4, n=2, stages=2, microbatches=2, schedule="1f1b",
+                                  max_new_tokens=6, kl_coef=0.001, lr=1e-2, gpt=TINY_GPT,
+                                  prompt_source=sort_prompts, reward=even_token_reward,
+                                  source_config={"digits": 3, "pool": 6}, branch_at=(2, 4),
+                                  branches=2, oversample=1.5, stale_segments="drop",
+                                  adaptive=AdaptiveSampling(n_min=1, n_max=4, pass_reward=0.5))
 tree_unbranched = grpo_flow(prompts=4, n=4, stages=2, microbatches=2, schedule="1f1b",
                             max_new_tokens=6, kl_coef=0.001, lr=1e-2, gpt=TINY_GPT,
                             prompt_source=sort_prompts, reward=sort_reward,
