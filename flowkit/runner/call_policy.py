@@ -20,8 +20,9 @@ class CallSite(Protocol):
     """What a policy may do to its node in its step (the step implements it)."""
 
     def submit(self, lineage: tuple, lead: Any, *, extra: dict | None = None,
-               meta: dict | None = None) -> None:
-        """Call the node on `lead` as its item-leading input, as call `lineage`."""
+               meta: dict | None = None, like: tuple | None = None) -> None:
+        """Call the node on `lead` as its item-leading input, as call `lineage` (balanced as
+        call `like` of the same item would be: a later round of a prompt)."""
 
     def abort(self, requests: Sequence[str]) -> list[Any]:
         """Cut the named calls short; the futures of the aborts, which the node waits for."""
@@ -75,7 +76,7 @@ class StepSite:
         self.run, self.state, self.lead = run, state, lead
 
     def submit(self, lineage: tuple, lead: Any, *, extra: dict | None = None,
-               meta: dict | None = None) -> None:
+               meta: dict | None = None, like: tuple | None = None) -> None:
         """The call goes where the node's balancer says, as the step's own calls do."""
         run, state = self.run, self.state
         state.submitted.add(lineage)
@@ -84,7 +85,7 @@ class StepSite:
         if balancer is not None:
             workload = run.submission.workloads[name]
             keys = run.streams.of(workload.lead).keys if workload.keyed else {}
-            executor = balancer.assign(lineage, keys.get(lineage))
+            executor = balancer.assign(lineage, keys.get(like or lineage))
         run.submit(state, lineage, {self.lead.port: lead}, executor=executor, extra=extra,
                    meta=meta)
 

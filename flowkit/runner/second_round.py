@@ -140,7 +140,7 @@ class SecondRound:
         self.call_key[group.second] = key
         self.spent += granted
         self.again += 1
-        self.site.submit(group.second, self.prompts[first],
+        self.site.submit(group.second, self.prompts[first], like=first,
                          extra={"n": granted, "first_sample": self.counts[first]})
 
 
