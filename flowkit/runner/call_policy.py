@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from flowkit.planner.lower import InputRule
 from flowkit.runner.stepstate import NodeState
 
-__all__ = ["CallPolicy", "CallSite", "StepSite"]
+__all__ = ["CallPolicy", "CallSite", "PolicyDefaults", "StepSite"]
 
 
 class CallSite(Protocol):
@@ -66,6 +66,32 @@ class CallPolicy(Protocol):
 
     def metrics(self, timeout: float) -> dict[str, float]:
         """What the step reports of the node's calls."""
+
+
+class PolicyDefaults:
+    """What a call policy that leaves a part of its node as it is answers there: every item
+    called at once, no config of its own, the node may close once its calls have, nothing
+    carried over (a subclass names itself `name`)."""
+
+    name: str
+
+    def submit(self, site: CallSite, prompts_closed: bool) -> bool:
+        return True
+
+    def admit(self, prompts: int, lineage: tuple) -> bool:
+        return True
+
+    def config(self, lineage: tuple) -> dict:
+        return {}
+
+    def may_close(self) -> bool:
+        return True
+
+    def closed(self) -> None:
+        pass
+
+    def receive(self, calls: list, *, closed: bool) -> None:
+        raise RuntimeError(f"{self.name}: its step carries no calls over")
 
 
 class StepSite:

@@ -355,18 +355,17 @@ def check_async(plan: list[NodePlan], staleness: Any) -> None:
             "an asynchronous run needs a feedback edge that syncs weights from an optimizer "
             "step to the ops that generate or score with them (flow.feedback(...).bind("
             "step.weights)): this flow has none, so its steps have nothing to overlap")
-    sampled = sorted({node.name for node in plan for rule in node.inputs
-                      if getattr(rule, "group_rounds", None)})
-    if sampled:  # [Note: sampling rounds in sampling_rounds.py]
-        raise FlowRunError(f"{', '.join(sampled)}: group_by(..., rounds=) samples in rounds "
-                           "within a step, which runs synchronously only: drop rounds (a "
-                           "recipe's filter_rounds) or run synchronously")
-    again = sorted({node.name for node in plan for rule in node.inputs
-                    if getattr(rule, "group_second_round", None)})
-    if again:  # [Note: second rounds in second_round.py]
-        raise FlowRunError(f"{', '.join(again)}: group_by(..., second_round=) samples a group "
-                           "again within a step, which runs synchronously only: drop the "
-                           "second round (adaptive second_round) or run synchronously")
+    # [Note: sampling rounds in sampling_rounds.py], [Note: second rounds in second_round.py]
+    for field, what, setting in (
+            ("group_rounds", "rounds=) samples in rounds", "rounds (a recipe's filter_rounds)"),
+            ("group_second_round", "second_round=) samples a group again",
+             "the second round (adaptive second_round)")):
+        within = sorted({node.name for node in plan for rule in node.inputs
+                         if getattr(rule, field, None)})
+        if within:
+            raise FlowRunError(f"{', '.join(within)}: group_by(..., {what} within a step, "
+                               f"which runs synchronously only: drop {setting} or run "
+                               "synchronously")
     if staleness >= 1:
         rounds = [node.name for node in plan if node.call is Call.PIPELINE
                   and rounds_of(node.config) > 1]

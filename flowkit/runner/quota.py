@@ -17,13 +17,13 @@ from typing import Any
 
 import attrs
 
-from flowkit.runner.call_policy import CallSite
+from flowkit.runner.call_policy import CallSite, PolicyDefaults
 
 __all__ = ["GroupQuota", "group_quotas"]
 
 
 @attrs.define
-class GroupQuota:
+class GroupQuota(PolicyDefaults):
     """One group node's quota in one step."""
 
     name: str
@@ -34,15 +34,6 @@ class GroupQuota:
     surplus: int = 0  # calls that yielded items after the quota was met: dropped
     # told after each group's call is decided (the step's sampling rounds: sampling_rounds.py)
     listener: Any = None
-
-    def submit(self, site: CallSite, prompts_closed: bool) -> bool:
-        return True
-
-    def admit(self, prompts: int, lineage: tuple) -> bool:
-        return True
-
-    def config(self, lineage: tuple) -> dict:
-        return {}
 
     def done(self, lineage: tuple, future: Any, site: CallSite) -> bool:
         """Whether call `lineage`'s items are the step's."""
@@ -60,15 +51,6 @@ class GroupQuota:
             return False
         self.taken += 1
         return True
-
-    def may_close(self) -> bool:
-        return True
-
-    def closed(self) -> None:
-        pass
-
-    def receive(self, calls: list, *, closed: bool) -> None:
-        raise RuntimeError(f"{self.name}: a group node carries no calls over")
 
     def metrics(self, timeout: float) -> dict[str, float]:
         return {f"{self.name}/groups_taken": self.taken,

@@ -27,7 +27,7 @@ import attrs
 
 from flowkit.dsl import Granularity
 from flowkit.planner.lower import Call
-from flowkit.runner.call_policy import CallSite
+from flowkit.runner.call_policy import CallSite, PolicyDefaults
 from flowkit.runner.stepstate import FlowRunError
 
 __all__ = ["SECOND", "GenerationCalls", "SecondRound", "SecondRoundGroups",
@@ -145,22 +145,20 @@ class SecondRound:
 
 
 @attrs.define
-class GenerationCalls:
+class GenerationCalls(PolicyDefaults):
     """Generation's call policy: its own calls as without a second round, and the second
     rounds its groups ask for."""
 
     shared: SecondRound
     streams_parts = True  # a sample goes downstream as it is made
 
+    @property
+    def name(self) -> str:
+        return self.shared.generation
+
     def submit(self, site: CallSite, prompts_closed: bool) -> bool:
         self.shared.site = site
         return True
-
-    def admit(self, prompts: int, lineage: tuple) -> bool:
-        return True
-
-    def config(self, lineage: tuple) -> dict:
-        return {}  # a second round's is its call's `extra`
 
     def done(self, lineage: tuple, future: Any, site: CallSite) -> bool:
         count = getattr(future, "count", None)
@@ -171,13 +169,6 @@ class GenerationCalls:
     def may_close(self) -> bool:
         return not self.shared.undecided()
 
-    def closed(self) -> None:
-        pass
-
-    def receive(self, calls: list, *, closed: bool) -> None:
-        raise RuntimeError(f"{self.shared.generation}: a step with second rounds carries no "
-                           "calls over")
-
     def metrics(self, timeout: float) -> dict[str, float]:
         shared = self.shared
         return {f"{shared.generation}/second_rounds": shared.again,
@@ -185,39 +176,25 @@ class GenerationCalls:
 
 
 @attrs.define
-class SecondRoundGroups:
+class SecondRoundGroups(PolicyDefaults):
     """The group node's call policy: it forms the groups (`ready`) and hears each answer."""
 
     shared: SecondRound
     streams_parts = False  # a group's call answers whole
+
+    @property
+    def name(self) -> str:
+        return self.shared.group
 
     def ready(self, arrivals: list[tuple[tuple, Any]], closed: bool) -> list[tuple[Any, list]]:
         """The groups to call now, given the items that arrived since: (key, members)."""
         self.shared.take(arrivals)
         return self.shared.ready(closed)
 
-    def submit(self, site: CallSite, prompts_closed: bool) -> bool:
-        return True
-
-    def admit(self, prompts: int, lineage: tuple) -> bool:
-        return True
-
-    def config(self, lineage: tuple) -> dict:
-        return {}
-
     def done(self, lineage: tuple, future: Any, site: CallSite) -> bool:
         count = getattr(future, "count", None)
         self.shared.answered(lineage[0], count if isinstance(count, int) else 0, site)
         return True
-
-    def may_close(self) -> bool:
-        return True
-
-    def closed(self) -> None:
-        pass
-
-    def receive(self, calls: list, *, closed: bool) -> None:
-        raise RuntimeError(f"{self.shared.group}: a group node carries no calls over")
 
     def metrics(self, timeout: float) -> dict[str, float]:
         shared = self.shared
