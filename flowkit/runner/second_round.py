@@ -59,7 +59,7 @@ class SecondRound:
     call_key: dict = attrs.field(factory=dict)  # generation call -> its items' key
     groups: dict = attrs.field(factory=dict)  # key -> _Group
     dirty: dict = attrs.field(factory=dict)  # keys whose group may be ready, in turn
-    prompts: dict | None = None  # generation's prompt refs by lineage, once all are in
+    prompts: dict | None = None  # generation's prompt refs by lineage (read again for a new one)
     site: Any = None  # generation's
     spent: int = 0  # second-round samples drawn
     again: int = 0  # groups sampled again
