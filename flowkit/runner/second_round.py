@@ -247,6 +247,13 @@ def _check_generation(group: str, generation: Any) -> None:
         raise ValueError(f"{group}: group_by(..., second_round=) samples a group's prompt again "
                          f"with {generation.name!r}, which makes one item a call, not a Stream "
                          "of the prompt's samples")
+    config = generation.config
+    if int(config.get("branches") or 1) >= 2 and (config.get("branch_at") or
+                                                  config.get("branch_entropy") is not None):
+        raise ValueError(f"{group}: group_by(..., second_round=) numbers a later round's samples "
+                         f"on from the first round's, and {generation.name!r} grows trees, "
+                         "whose leaves are not its roots: drop the branching or the second "
+                         "round")
     keywords = generation.keywords
     if generation.op == "python" and keywords is not None and \
             not {"n", "first_sample"} <= keywords:

@@ -67,3 +67,25 @@ def test_an_asynchronous_run_of_a_flow_with_a_second_round_is_refused_before_it_
         flowkit.run(grpo_flow(adaptive=_again(), **SETTINGS),
                     RunConfig(steps=1, executors="sim", dashboard=False, asynchronous=True,
                               max_staleness=1))
+
+
+def test_a_flow_of_trees_with_a_second_round_is_refused_before_it_starts():
+    """Built without the recipe (which refuses it when built): a tree's leaves are not its
+    roots, so a later round could not number its roots on from them."""
+    from dataflows.model_ops import Generate
+    from dataflows.rl.front import rl_actor
+    from dataflows.rl.ops import grpo_advantages, rollout_metrics
+    from dataflows.rl.tasks import sort_prompts
+    from flowkit.dsl import Flow, collect, group_by
+
+    actor = rl_actor(None, gpt=None, stages=1)
+    with Flow("trees") as flow:
+        rollouts = Generate(actor, tags=("rollout",))(
+            sort_prompts(count=2), n=1, max_new_tokens=6, branch_at=(2,), branches=2)
+        scored = late_sample_reward(rollouts)
+        rollout_metrics(collect(scored))
+        grpo_advantages(group_by(scored, key="prompt_id", second_round=2),
+                        filter_groups=True)
+    with pytest.raises(Exception, match="'generate' grows trees, whose leaves are not its "
+                       "roots"):
+        flowkit.run(flow, RunConfig(steps=1, executors="sim", dashboard=False))
