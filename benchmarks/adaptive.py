@@ -27,8 +27,8 @@ the model is sure. With `adaptive_tree`, the tree side spreads its roots by pass
 (n_min..n_max roots a prompt, `budget` roots a step, by default prompts x its roots). With
 `second_round`, the adaptive side samples that many more times, within the step, each prompt
 whose first samples agree (DARS's second stage, [Note: second rounds] in
-flowkit/runner/second_round.py), `second_round_budget` samples a step at most; its tokens
-count both rounds.
+flowkit/runner/second_round.py), `second_round_budget` samples a step at most, only those none
+of whose samples passed with `second_round_when` "fail"; its tokens count both rounds.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ class AdaptiveBench:
     adaptive_tree: bool = False  # the tree side's roots by pass rate (n_min..n_max roots)
     second_round: int = 0  # the adaptive side samples again the prompts that agree (DARS)
     second_round_budget: int | None = None  # its second-round samples a step (None: all)
+    second_round_when: str = "agree"  # or "fail": only the prompts no sample solved
 
     @property
     def sides(self) -> tuple[str, str]:
@@ -122,7 +123,8 @@ def grpo_side(bench: AdaptiveBench, weights: Path, seed: int, side: str) -> Any:
     from dataflows.rl.tasks import SORT_GPT, SORT_RESPONSE_TOKENS, sort_prompts, sort_reward
 
     second = {"second_round": bench.second_round,
-              "second_round_budget": bench.second_round_budget} if side == "adaptive" else {}
+              "second_round_budget": bench.second_round_budget,
+              "second_round_when": bench.second_round_when} if side == "adaptive" else {}
     adaptive = AdaptiveSampling(n_min=bench.n_min, n_max=bench.n_max, budget=bench.budget,
                                 **second) if side in ("adaptive", "adaptive_tree") else None
     tree = {"n": bench.tree_roots, "branch_at": bench.branch_at, "branches": bench.branches,

@@ -557,11 +557,15 @@ def _trl_table(figures: dict) -> Any:
                    "--second-round 4).")
 @click.option("--second-round-budget", type=click.IntRange(min=0), default=None,
               help="The adaptive side's second-round samples a step (default: no bound).")
+@click.option("--second-round-when", type=click.Choice(["agree", "fail"]), default="agree",
+              show_default=True,
+              help="Which prompts a second round samples again: those whose first samples "
+                   "agree, or only those none of whose samples passed (DARS's hard ones).")
 @_json_option
 def adaptive(adaptive_seeds: int, warm_steps: int, token_budget: int, pool: int, n_min: int,
              n_max: int, budget: int | None, tree: bool, branch_at: str, branches: int,
              branch_entropy: float | None, adaptive_tree: bool, shared_prefix: str,
-             second_round: int, second_round_budget: int | None,
+             second_round: int, second_round_budget: int | None, second_round_when: str,
              json_out: Path | None) -> None:
     """Adaptive samples per prompt (or, with --tree, tree rollouts) against fixed n=8 at an
     equal budget of generated tokens: tokens to a mean reward of 0.8, and the share of
@@ -573,9 +577,9 @@ def adaptive(adaptive_seeds: int, warm_steps: int, token_budget: int, pool: int,
                                "it the second side is adaptive sampling already)")
     if (second_round or second_round_budget is not None) and tree:
         raise click.UsageError("--second-round samples the adaptive side again: drop --tree")
-    if second_round_budget is not None and not second_round:
-        raise click.UsageError("--second-round-budget bounds a second round: add "
-                               "--second-round")
+    if (second_round_budget is not None or second_round_when != "agree") and not second_round:
+        raise click.UsageError("--second-round-budget and --second-round-when shape a second "
+                               "round: add --second-round")
     try:
         depths = tuple(int(d) for d in branch_at.split(","))
     except ValueError:
@@ -589,7 +593,8 @@ def adaptive(adaptive_seeds: int, warm_steps: int, token_budget: int, pool: int,
                                  branches=branches, branch_entropy=branch_entropy,
                                  adaptive_tree=adaptive_tree, shared_prefix=shared_prefix,
                                  second_round=second_round,
-                                 second_round_budget=second_round_budget)
+                                 second_round_budget=second_round_budget,
+                                 second_round_when=second_round_when)
     _report(module.run_adaptive_bench(setup), json_out)
 
 

@@ -43,12 +43,12 @@ def grpo_flow(config: RLConfig, *, model: Model | None = None, gpt: dict | None 
         rounds = config.filter_rounds if take and config.filter_rounds > 1 else None
         # a second round samples again the groups the advantages drop [Note: second rounds]
         again = config.adaptive.group_settings() if config.adaptive else {}
+        drop = config.adaptive.group_filter() if config.adaptive else {}
         experiences = grpo_advantages(
             group_by(samples, key="prompt_id", size=group_size(config), take=take,
                      rounds=rounds, **again),
-            scale_rewards=config.scale_rewards,
-            filter_groups=config.filter_groups or bool(again),
-            shared_prefix=config.shared_prefix)
+            scale_rewards=config.scale_rewards, shared_prefix=config.shared_prefix,
+            **{"filter_groups": config.filter_groups, **drop})
         forward_reference = {"reference": flow.add_model(reference).name} if in_forward else {}
         stats = Backprop(actor)(experiences, loss="grpo", kl_coef=config.kl_coef,
                                 temperature=config.sampling.temperature,

@@ -28,10 +28,11 @@ import attrs
 from flowkit.dsl import Batch, Stream, op
 from flowkit.ops.records import Prompt, Scored
 
-__all__ = ["ALLOCATIONS", "AdaptiveSampling", "Difficulty", "allocate_samples",
+__all__ = ["ALLOCATIONS", "SECOND_ROUND_WHEN", "AdaptiveSampling", "Difficulty", "allocate_samples",
            "check_adaptive", "sample_counts", "update_difficulty"]
 
 ALLOCATIONS = ("xrpo", "dars")
+SECOND_ROUND_WHEN = ("agree", "fail")  # which groups a second round samples again
 
 
 @attrs.frozen(kw_only=True)
@@ -63,6 +64,10 @@ class AdaptiveSampling:
     second_round_budget: int | None = None
     """Second-round samples a step may draw at most (None: every group that agrees gets its
     second round)."""
+    second_round_when: str = "agree"
+    """"agree": a second round for a prompt whose first samples' task rewards all agree;
+    "fail": only for one none of whose samples passed (`pass_reward`: DARS's hard prompts),
+    a prompt every sample solved training as without a second round."""
 
     def group_settings(self) -> dict:
         """group_by's settings of a second round: none without one."""
@@ -70,6 +75,15 @@ class AdaptiveSampling:
             return {}
         return {"second_round": self.second_round,
                 "second_round_budget": self.second_round_budget}
+
+    def group_filter(self) -> dict:
+        """grpo_advantages' settings of a second round: which groups it drops, so that they
+        are sampled again (none without a second round)."""
+        if not self.second_round:
+            return {}
+        if self.second_round_when == "fail":
+            return {"filter_below": self.pass_reward}
+        return {"filter_groups": True}
 
 
 @attrs.frozen(kw_only=True)
@@ -120,6 +134,9 @@ def _check_second_round(adaptive: AdaptiveSampling) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 0):
             raise ValueError(f"adaptive {name}={value!r}: a whole number of samples >= 0")
+    if adaptive.second_round_when not in SECOND_ROUND_WHEN:
+        raise ValueError(f"adaptive second_round_when={adaptive.second_round_when!r}: one of "
+                         f"{', '.join(SECOND_ROUND_WHEN)}")
     if adaptive.second_round_budget is not None and not adaptive.second_round:
         raise ValueError(f"adaptive second_round_budget={adaptive.second_round_budget} bounds "
                          "a second round: give second_round too")

@@ -91,8 +91,8 @@ def with_reference(scored: Scored, ref_logprobs: TokenScores) -> Experience:
 
 @op
 def grpo_advantages(group: Grouped[Scored], *, eps: float = 1e-6, scale_rewards: bool = True,
-                    filter_groups: bool = False, shared_prefix: str = "per_leaf"
-                    ) -> Stream[Experience]:
+                    filter_groups: bool = False, shared_prefix: str = "per_leaf",
+                    filter_below: float | None = None) -> Stream[Experience]:
     """Each sample's reward minus its group's mean, over the group's (unbiased) std, on every
     token; a group of one has mean 0 and std 1, as in established GRPO implementations.
     `scale_rewards=False` leaves out the std (Dr. GRPO, Liu et al. 2025: the division favours
@@ -101,10 +101,14 @@ def grpo_advantages(group: Grouped[Scored], *, eps: float = 1e-6, scale_rewards:
     the overlong penalty: DAPO filters on accuracy) are all equal yields nothing (DAPO's
     dynamic sampling: it teaches nothing about the task, and would only dilute the batch).
     `shared_prefix` says how a tree rollout's leaves train the tokens they share
-    (shared_prefix_weights)."""
+    (shared_prefix_weights). `filter_below`: a group whose task rewards are all below it yields
+    nothing (a prompt no sample solved: DARS's hard prompts, sampled again by a second round
+    [Note: second rounds in flowkit/runner/second_round.py])."""
     rewards = [s.reward for s in group]
     tasks = [s.reward if s.task_reward is None else s.task_reward for s in group]
     if filter_groups and len(tasks) > 1 and min(tasks) == max(tasks):
+        return
+    if filter_below is not None and max(tasks) < filter_below:
         return
     single = len(rewards) == 1
     mean = 0.0 if single else statistics.fmean(rewards)

@@ -36,7 +36,9 @@ def test_both_sides_spend_the_same_token_budget_and_report_their_figures():
     (["--tree", "--branch-entropy", "-1"], "--branch-entropy"),
     (["--adaptive"], "--adaptive spreads the tree side's roots: add --tree"),
     (["--tree", "--second-round", "4"], "--second-round samples the adaptive side again"),
-    (["--second-round-budget", "8"], "--second-round-budget bounds a second round"),
+    (["--second-round-budget", "8"], "--second-round-budget and --second-round-when shape"),
+    (["--second-round-when", "fail"], "--second-round-budget and --second-round-when shape"),
+    (["--second-round", "2", "--second-round-when", "hard"], "--second-round-when"),
     (["--second-round", "-1"], "--second-round"),
 ])
 def test_the_bench_command_refuses_a_bad_setting_before_it_starts(args, named):

@@ -14,7 +14,7 @@ from dataflows.rl.adaptive import AdaptiveSampling
 from dataflows.rloo import rloo_flow
 from flowkit import RunConfig
 from tests.harness import pooled_run
-from tests.torch.rl_ops import late_sample_reward
+from tests.torch.rl_ops import easy_or_late_reward, late_sample_reward
 
 SETTINGS = dict(prompts=4, n=4, microbatches=2, max_new_tokens=6, reward=late_sample_reward)
 
@@ -41,6 +41,21 @@ def test_groups_that_agree_are_sampled_again_and_train_when_they_then_differ(poo
         assert (line["update_actor/tokens"] > 0) == bool(kept)
 
 
+@pytest.mark.parametrize("when, again, samples", [("agree", 4, 32), ("fail", 2, 24)])
+def test_a_second_round_when_they_fail_samples_again_only_the_prompts_none_solved(
+        pool, when, again, samples):
+    """The odd prompts' samples all pass, the even ones' all fail at first. "agree" samples
+    all four again and drops the odd ones, which still agree; "fail" samples only the even
+    ones again, and the odd ones train as they are (zero advantage)."""
+    flow = grpo_flow(**{**SETTINGS, "reward": easy_or_late_reward},
+                     adaptive=_again(second_round_when=when))
+    result = pooled_run(pool, flow, RunConfig(steps=2, executors="sim", dashboard=False))
+    for line in result.records:
+        assert line["generate/second_rounds"] == again
+        assert line["rollout/samples"] == samples
+        assert line["grpo_advantages/second_round_kept"] == 2  # the even ones, with sample 5
+
+
 def test_second_round_settings_that_cannot_work_are_refused_when_the_flow_is_built():
     cases = [
         (dict(adaptive=_again(), max_staleness=1), "samples again within a step, which runs "
@@ -51,6 +66,8 @@ def test_second_round_settings_that_cannot_work_are_refused_when_the_flow_is_bui
         (dict(adaptive=_again(more=0, budget=8)), "second_round_budget=8 bounds a second "
          "round: give second_round too"),
         (dict(adaptive=_again(n_min=1)), "n_min=1 gives a prompt one sample"),
+        (dict(adaptive=_again(second_round_when="hard")),
+         "adaptive second_round_when='hard': one of agree, fail"),
         (dict(adaptive=_again(), branch_at=(2,), branches=2),
          "a second round of a tree's prompt"),
     ]

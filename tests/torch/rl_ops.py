@@ -47,6 +47,15 @@ def late_sample_reward(rollout: Rollout) -> Scored:
 
 
 @op
+def easy_or_late_reward(rollout: Rollout) -> Scored:
+    """1 for every sample of an odd prompt (one every sample solves), and for sample 5 of an
+    even one (late_sample_reward's): a second round "when they fail" samples again only the
+    even prompts."""
+    hit = rollout.prompt_id % 2 == 1 or rollout.sample == 5
+    return Scored(**attrs.asdict(rollout, recurse=False), reward=float(hit))
+
+
+@op
 def even_token_reward(rollout: Rollout) -> Scored:
     """The share of the response's tokens that are even: a reward every sample earns some of,
     so each group's advantages differ from the first step (an untrained model learns from it)."""
