@@ -28,7 +28,7 @@ from flowkit.runner.call_policy import CallSite
 from flowkit.runner.quota import GroupQuota
 from flowkit.runner.stepstate import FlowRunError
 
-__all__ = ["SamplingRounds", "checked_round_nodes", "round_nodes"]
+__all__ = ["SamplingRounds", "checked_round_nodes", "path_to_generation", "round_nodes"]
 
 
 @attrs.define
@@ -118,6 +118,19 @@ class SamplingRounds:
                 f"{self.name}/prompts_unused": self.total - self.called}
 
 
+def path_to_generation(by_name: dict[str, Any], src: str) -> list[str]:
+    """The nodes from `src` back to the first per-item node on the path from the step's source
+    (generation, last), following each node's first streamed input: where sampling rounds and
+    second rounds (second_round.py) call prompts again."""
+    path = [src]
+    while True:
+        lead = next((r for r in by_name[path[-1]].inputs if not r.feedback
+                     and r.granularity is Granularity.STREAM), None)
+        if lead is None or by_name[lead.src].call is not Call.PER_ITEM:
+            return path
+        path.append(lead.src)
+
+
 def round_nodes(plan: Sequence[Any]) -> dict[str, tuple[str, int]]:
     """The round node of each group node sampled in rounds: {round node: (quota node,
     rounds)}. The round node is the first per-item node on the path from the step's source to
@@ -128,13 +141,7 @@ def round_nodes(plan: Sequence[Any]) -> dict[str, tuple[str, int]]:
         for rule in node.inputs:
             if not getattr(rule, "group_rounds", None):
                 continue
-            at = rule.src
-            while True:
-                lead = next((r for r in by_name[at].inputs if not r.feedback
-                             and r.granularity is Granularity.STREAM), None)
-                if lead is None or by_name[lead.src].call is not Call.PER_ITEM:
-                    break
-                at = lead.src
+            at = path_to_generation(by_name, rule.src)[-1]
             if by_name[at].call is not Call.PER_ITEM:
                 raise ValueError(f"{node.name}: group_by(..., rounds={rule.group_rounds}) calls "
                                  "the prompts of a per-item op in rounds, and no per-item op "

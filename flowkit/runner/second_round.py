@@ -25,9 +25,9 @@ from typing import Any
 
 import attrs
 
-from flowkit.dsl import Granularity
 from flowkit.planner.lower import Call
 from flowkit.runner.call_policy import CallSite, PolicyDefaults
+from flowkit.runner.sampling_rounds import path_to_generation
 from flowkit.runner.stepstate import FlowRunError
 
 __all__ = ["SECOND", "GenerationCalls", "SecondRound", "SecondRoundGroups",
@@ -214,13 +214,7 @@ def second_round_nodes(plan: Sequence[Any]) -> dict[str, tuple[str, int, int | N
         for rule in node.inputs:
             if not getattr(rule, "group_second_round", None):
                 continue
-            path = [rule.src]
-            while True:
-                lead = next((r for r in by_name[path[-1]].inputs if not r.feedback
-                             and r.granularity is Granularity.STREAM), None)
-                if lead is None or by_name[lead.src].call is not Call.PER_ITEM:
-                    break
-                path.append(lead.src)
+            path = path_to_generation(by_name, rule.src)  # as sampling rounds find it
             generation, between = path[-1], path[:-1]
             if by_name[generation].call is not Call.PER_ITEM:
                 raise ValueError(f"{node.name}: group_by(..., second_round=) samples a group's "

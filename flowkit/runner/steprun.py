@@ -324,19 +324,18 @@ class StepRun:
         stream, ready = self.streams.of(rule), []
         policy = self.policies.get(state.plan.name)
         forms = getattr(policy, "ready", None)
+        new, state.seen = stream.arrivals[state.seen:], len(stream.arrivals)
         if forms is not None:  # the policy forms the groups
-            arrivals = [(lin, stream.keys.get(lin)) for lin in stream.arrivals[state.seen:]]
-            state.seen = len(stream.arrivals)
+            arrivals = [(lin, stream.keys.get(lin)) for lin in new]
             ready = [self._group_of(rule, key, members) for key, members in
                      forms(arrivals, closed)]
         else:
-            for lineage in stream.arrivals[state.seen:]:
+            for lineage in new:
                 key = stream.keys.get(lineage)
                 members = state.groups[key]
                 members.append(lineage)
                 if rule.group_size is not None and len(members) == rule.group_size:
                     ready.append(self._group_of(rule, key, state.groups.pop(key)))
-            state.seen = len(stream.arrivals)
             if closed:  # what is left: groups of unknown size, or cut short
                 if rule.group_size is not None and state.groups:
                     self._warn_incomplete(state.plan.name, rule, state.groups)
