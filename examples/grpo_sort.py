@@ -11,6 +11,7 @@ its own executor with the weights synced every step. Mean reward rises from abou
 from dataflows.grpo import grpo_flow
 from dataflows.models import GPT_BUILD
 from dataflows.recipes import dapo_flow, dr_grpo_flow, gspo_flow
+from dataflows.rl.adaptive import AdaptiveSampling
 from dataflows.rl.tasks import SORT_GPT, SORT_RESPONSE_TOKENS, sort_prompts, sort_reward
 from flowkit.dsl import Model
 
@@ -42,6 +43,11 @@ dapo = dapo_flow(**TASK)
 dapo_one_round = dapo_flow(filter_rounds=1, **TASK)
 dr_grpo = dr_grpo_flow(**TASK)
 gspo = gspo_flow(**TASK)
+
+# DARS's second round (`:second_round`): 4 samples a prompt, and 4 more within the step for a
+# prompt none of whose first 4 passed (docs/rl.md, "A second round for groups that agree")
+second_round = grpo_flow(kl_coef=0.001, **{**TASK, "n": 4}, adaptive=AdaptiveSampling(
+    n_min=4, n_max=4, second_round=4, second_round_when="fail"))
 
 # The rollout correction (TIS) on, to read the sampler-vs-trainer mismatch it reports
 # (update_actor/mismatch/kl): `:tis`, and `:tis_bf16` with bfloat16 weights (on a GPU)

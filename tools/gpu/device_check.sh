@@ -22,8 +22,8 @@
 #      Qwen2.5-0.5B-shaped one in bf16 (tokens/s at batch 64 and 256, a GRPO 16x8 shape, the
 #      engine at the model's own 32k context, a profile of one decode step), and the weight
 #      sync path (export -> pack -> load) against device-to-device and pinned copies
-#   d. the GRPO example through the CLI on cuda:0 (sort_sft warm-up, grpo_sort, its tis_bf16
-#      variant), `--device cuda` with 2 executors on one GPU, and a CPU reference
+#   d. the GRPO example through the CLI on cuda:0 (sort_sft warm-up, grpo_sort, its tis_bf16 and
+#      second_round variants), `--device cuda` with 2 executors on one GPU, and a CPU reference
 #   e. an NCCL group as executors/torch/replicas.py builds it (one rank), and a weight group
 #      (connected on joining, an exporter's self-load through it); TF32 flags, to_device,
 #      CUDA generator states set back, an idle engine's empty_cache
@@ -183,6 +183,10 @@ main() {
   [ -f "$FK_PARTS/grpo_cuda.jsonl" ] && cp "$FK_PARTS/grpo_cuda.jsonl" "$OUT/grpo_cuda_metrics.jsonl"
   section d_grpo_bf16 100 "${CLI[@]}" "$PY" -m flowkit run "$REPO/examples/grpo_sort.py" --steps "$GRPO_STEPS" \
     --device "$DEV0" --precision bf16 --metrics "$FK_PARTS/grpo_bf16_cuda.jsonl"
+  # DARS's second round on the GPU engine: later samples numbered on from the first (first_sample)
+  section d_grpo_second_round 80 "${CLI[@]}" "$PY" -m flowkit run \
+    "$REPO/examples/grpo_sort.py:second_round" --steps 3 --device "$DEV0" \
+    --metrics "$FK_PARTS/grpo_second_round.jsonl"
   if [ "$DRY" != 1 ]; then
     # two executors sharing the one GPU (colocated), and a bare cuda asking for two GPUs
     section d_shared_cuda0 70 "${CLI[@]}" "$PY" -m flowkit run "$REPO/examples/grpo_sort.py" --steps 2 \
@@ -1176,7 +1180,8 @@ def metrics(path: str) -> dict:
     rows = [json.loads(line) for line in open(path) if line.strip()]
     keys = ("step_s", "loss", "reward_mean", "tokens_per_s", "mfu", "timing_s/generate",
             "timing_s/update_actor", "timing_s/backprop", "update_actor/mismatch/kl",
-            "actor/sync_bytes")
+            "actor/sync_bytes", "generate/second_rounds", "generate/second_round_samples",
+            "grpo_advantages/second_round_kept")
     out = {"steps": len(rows)}
     for key in keys:
         values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
@@ -1189,7 +1194,7 @@ def metrics(path: str) -> dict:
 
 
 RUNS = ("sft_cuda", "grpo_cuda", "grpo_host_sync_cuda", "grpo_bf16_cuda", "grpo_shared_cuda0",
-        "grpo_tis_bf16_cuda", "grpo_cpu")
+        "grpo_tis_bf16_cuda", "grpo_second_round", "grpo_cpu")
 for name in RUNS:
     path = os.path.join(parts, f"{name}.jsonl")
     if os.path.exists(path):
