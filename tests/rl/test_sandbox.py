@@ -221,15 +221,20 @@ def test_an_interpreter_under_tmp_still_runs_the_call_and_its_folder_is_read_onl
                                                                                monkeypatch):
     """A fresh clone's venv in /tmp: the call's own tmpfs on /tmp would hide its python (exit
     127, no word why); its folders are bound back, read-only (`interpreter_folders`)."""
-    venv_bin = tmp_path / "venv" / "bin"
+    venv = tmp_path / "venv"
+    venv_bin = venv / "bin"
     venv_bin.mkdir(parents=True)
     (venv_bin / "python").symlink_to(os.path.realpath(sys.executable))
     monkeypatch.setattr(sys, "executable", str(venv_bin / "python"))
-    assert interpreter_folders() == (str(venv_bin),)
+    # the venv's prefix too, as a venv's python has it (and the suite's own, when its clone
+    # is itself under /tmp, left out)
+    monkeypatch.setattr(sys, "prefix", str(venv))
+    monkeypatch.setattr(sys, "exec_prefix", str(venv))
+    assert interpreter_folders() == (str(venv),)
     # how its folder is mounted in the call's namespace (as nobody the code could not write a
     # root's folder anyway: the mount's own flag is what is asserted)
     code = ("import os, sys\n"
-            "folder = os.path.dirname(sys.executable)\n"
+            "folder = os.path.dirname(os.path.dirname(sys.executable))\n"
             "mounts = [m.split() for m in open('/proc/self/mounts')]\n"
             "flags = [m[3].split(',')[0] for m in mounts if m[1] == folder]\n"
             "print(sys.executable, flags[-1] if flags else 'unmounted')\n")
