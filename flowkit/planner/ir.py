@@ -8,6 +8,7 @@ torch/zmq so that it can be built, printed, parsed, simulated and tested anywher
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -114,11 +115,12 @@ class Placement:
     def num_stages(self) -> int:
         return len(self.stage_to_device)
 
-    @property
+    # cached: the schedule searches ask these in their inner loops (a placement is frozen)
+    @functools.cached_property
     def num_devices(self) -> int:
         return max(self.stage_to_device) + 1
 
-    @property
+    @functools.cached_property
     def chunks(self) -> int:
         """Stages per device (1 for plain pipelines, v for interleaved, 2 for V shapes)."""
         return self.num_stages // self.num_devices

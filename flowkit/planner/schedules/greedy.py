@@ -15,9 +15,11 @@ microbatch's footprint (`Problem.footprint`) is deadlock-free.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Sequence
+from itertools import accumulate
 
 import attrs
 
@@ -51,7 +53,12 @@ class Problem:
 
     def delta(self, kind: int) -> float:
         """Memory an op of `kind` adds on its device (a stage is 1/chunks of a device share)."""
-        return self.memory.delta(Action(0, _KINDS[kind], 0), self.placement.chunks)
+        return self.deltas[kind]
+
+    @functools.cached_property
+    def deltas(self) -> tuple[float, ...]:  # by kind: the searches ask in inner loops
+        return tuple(self.memory.delta(Action(0, kind, 0), self.placement.chunks)
+                     for kind in _KINDS)
 
     def cost(self, kind: int, stage: int) -> float:
         c = self.costs
@@ -102,12 +109,8 @@ def from_schedule(schedule: Schedule) -> list[list[Op]]:
 
 
 def peak_memory(problem: Problem, ops: Sequence[Op]) -> float:
-    deltas = [problem.delta(k) for k in range(4)]
-    level = peak = 0.0
-    for k, _, _ in ops:
-        level += deltas[k]
-        peak = max(peak, level)
-    return peak
+    deltas = problem.deltas
+    return max(0.0, max(accumulate(deltas[op[0]] for op in ops), default=0.0))
 
 
 def unfit_reason(problem: Problem, cap: float) -> str | None:
