@@ -18,9 +18,10 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 
 
 def test_the_guessing_game_example_runs_and_reports_its_trajectories(tmp_path):
-    # the warm-up in one stage and one microbatch of 64: its gradients in less CPU time
+    # the warm-up in one stage and one microbatch of 64, its rows packed (games are shorter
+    # than the length they are padded to): its gradients in less CPU time
     run_ok_in(tmp_path, str(EXAMPLES / "guess_sft.py"), "--steps", "100", "--stages", "1",
-              "--microbatches", "1", "--save-weights", "checkpoints")
+              "--microbatches", "1", "--packing", "--save-weights", "checkpoints")
     output = run_ok_in(tmp_path, str(EXAMPLES / "guess_grpo.py"), "--steps", "4", "--metrics",
                        "guess.jsonl", "--eval-every", "2")
     assert "executors: torch" in output
