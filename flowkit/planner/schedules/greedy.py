@@ -216,7 +216,7 @@ class _State:
         self.rule, self.m, self.S = rule, m, S
         dev = self.dev = problem.placement.stage_to_device
         self.stages_on = [problem.placement.stages_on(d) for d in range(P)]
-        self.delta = [problem.delta(k) for k in range(3)]
+        self.delta = problem.deltas
         self.fp = problem.delta(F) * problem.placement.chunks
         c = problem.costs
         self.cost = (c.F, c.B, c.W)

@@ -35,7 +35,7 @@ class _Waves:
         self.M, self.comm, self.max_mem = problem.microbatches, problem.costs.comm, max_mem
         c = problem.costs
         self.cost = (c.F, c.B, c.W)
-        self.mem = tuple(problem.delta(k) for k in (F, B, W))
+        self.mem = problem.deltas
         self.count = ([0] * S, [0] * S, [0] * S)  # f, b, w
         self.m, self.e, self.bubble = [0.0] * S, [0.0] * S, [0.0] * S
         # End times. The original keeps them in a zero-filled list, so a dependency its warm-up
