@@ -83,6 +83,19 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def output_of(process: subprocess.Popen, timeout: float) -> str:
+    """The whole output of a `flowkit run` process once it ends; one still running after
+    `timeout` seconds is killed, and the failure shows all it printed (a TimeoutExpired shows
+    a cut repr of its first line only)."""
+    try:
+        return process.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output = process.communicate()[0]
+        raise AssertionError(f"the run did not end within {timeout:g} s; it printed:\n"
+                             f"{output}") from None
+
+
 def interrupted(flow: str, *args: str, metrics: Path) -> tuple[str, int]:
     """`flowkit run FLOW ARGS` (writing `metrics`) in a process of its own, Ctrl-C'd once two
     steps are written: its output and the steps it wrote. It must exit 130."""
@@ -95,6 +108,6 @@ def interrupted(flow: str, *args: str, metrics: Path) -> tuple[str, int]:
         assert run.poll() is None, run.stdout.read()
         time.sleep(0.2)
     os.killpg(run.pid, signal.SIGINT)
-    output, _ = run.communicate(timeout=120)
+    output = output_of(run, 120)
     assert run.returncode == 130, output
     return output, len(metrics_lines(metrics))

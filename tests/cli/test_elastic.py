@@ -21,7 +21,7 @@ import torch
 
 from flowkit.runtime.forkserver import executor_processes, without_shared_server
 from flowkit.wire.hello import SECRET_ENV
-from tests.cli.runs import GRPO, PRETRAIN, metrics_lines, refused
+from tests.cli.runs import GRPO, PRETRAIN, metrics_lines, output_of, refused
 from tests.cli.test_restarts import ROOT, _clean_run, _command, _lines
 
 pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
@@ -43,7 +43,7 @@ def _elastic_run_with_a_kill(flow: str, folder: Path, *layout: str, after: int
         time.sleep(0.02)
     pids = sorted(executor_processes(process.pid))
     os.kill(pids[-1], signal.SIGKILL)
-    output, _ = process.communicate(timeout=300)
+    output = output_of(process, 300)
     assert process.returncode == 0, output
     shrunk = re.search(r"no restart left: the run goes on from step-(\d+)", output)
     assert shrunk, output
@@ -149,7 +149,7 @@ def _ends_with_one_by_hand(process: subprocess.Popen, address: str, secret: Path
     the run must end well."""
     by_hand = _start_by_hand(address, secret)
     try:
-        output, _ = process.communicate(timeout=300)
+        output = output_of(process, 300)
     finally:
         by_hand.kill()
         by_hand.wait()

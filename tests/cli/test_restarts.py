@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from flowkit.runtime.forkserver import executor_processes
-from tests.cli.runs import run_ok
+from tests.cli.runs import output_of, run_ok
 
 pytestmark = pytest.mark.slow  # end to end: runs that start their own executor processes
 
@@ -77,7 +77,7 @@ def _run_with_kills(flow: str, folder: Path, steps: int, *args: str, kills: int,
                 os.kill(rng.choice(pids), signal.SIGKILL)
                 killed += 1
         time.sleep(0.02)
-    output, _ = process.communicate(timeout=300)
+    output = output_of(process, 300)
     assert process.returncode == 0, output
     assert killed == kills, f"the run ended before {kills} kills: {output}"
     return output
@@ -126,7 +126,7 @@ def test_without_restarts_a_killed_executor_fails_the_run_with_a_clear_error(tmp
     while not _lines(tmp_path / "m.jsonl") and time.monotonic() < deadline:
         time.sleep(0.1)
     os.kill(list(executor_processes(process.pid))[0], signal.SIGKILL)
-    output, _ = process.communicate(timeout=120)
+    output = output_of(process, 120)
     assert process.returncode == 1
     assert "was lost" in output and "Traceback" not in output
 
