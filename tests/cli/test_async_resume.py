@@ -342,7 +342,7 @@ def test_an_async_checkpoint_does_not_stop_generation(tmp_path):
     (a drained checkpoint let their generation end first), and every checkpoint is written."""
     trace, checkpoints = tmp_path / "t.json", tmp_path / "ck"
     _run(GRPO, "--executors", "sim", "--max-staleness", "2", "--steps", str(STEPS),
-         "--sim-cost", "token=0.02", "--checkpoint-dir", str(checkpoints),
+         "--sim-cost", "token=0.04", "--checkpoint-dir", str(checkpoints),
          "--checkpoint-every", "1", "--keep-checkpoints", "20", "--trace", str(trace))
     trained, generated = {}, {}
     for span in _spans(trace, "update_actor"):
