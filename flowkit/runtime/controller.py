@@ -581,11 +581,6 @@ class Controller:
             except zmq.ZMQError:  # closing down: nobody is left to wake
                 pass
 
-    def _outstanding(self) -> bool:
-        """Whether anything may need the IO thread without a message or a wake-up to say so:
-        tasks, fetches, sends, objects a dropped future releases, lost executors."""
-        return bool(self._released or self._lost) or not self._dispatcher.quiet()
-
     def _drive_in_background(self) -> None:
         while not self._stopping:
             # sleep out the quiet period: each wake-up takes the GIL from the user thread;
@@ -601,8 +596,10 @@ class Controller:
                 continue
             try:
                 if not self._stopping:
-                    # a busy user's lock back at once
-                    self._pump(0.0 if busy else 0.02 if self._outstanding() else _IDLE_POLL_S)
+                    # a busy user's lock back at once; a lost executor wakes it, and a dropped
+                    # future's release needs an object held, which keeps it at 20 ms
+                    idle = self._dispatcher.quiet()
+                    self._pump(0.0 if busy else _IDLE_POLL_S if idle else 0.02)
             except BaseException:  # noqa: BLE001 - no KeyboardInterrupt reaches this thread
                 # this thread must outlive any one failure: runs wait on events that only
                 # its callbacks deliver, so its death would hang them until their timeout
