@@ -95,6 +95,12 @@ class ForkedProcess:
         self.send_signal(signal.SIGTERM)
 
 
+class ForkServerRefused(ForkServerError):
+    """A fork server that answered this process's hello with a refusal: it imports another
+    interpreter, import path or flowkit (`fingerprint`), or runs as another user. Waiting
+    changes nothing."""
+
+
 class ForkServer:
     """A connection to a fork server at `path`; ForkServerError if it refuses this process
     (another interpreter, import path or flowkit) or is not there."""
@@ -180,8 +186,8 @@ def _greeted(path: str) -> socket.socket:
         owner = peer_uid(sock)
         if owner != os.getuid():  # it would see the executors' environment, secret included
             sock.close()
-            raise ForkServerError(f"the fork server at {path} runs as user {owner}, not "
-                                  f"as this one ({os.getuid()}): refused")
+            raise ForkServerRefused(f"the fork server at {path} runs as user {owner}, not "
+                                    f"as this one ({os.getuid()}): refused")
         send(sock, {"hello": fingerprint()})
         reply, _ = receive(sock)
     except OSError as exc:
@@ -189,7 +195,7 @@ def _greeted(path: str) -> socket.socket:
         raise ForkServerError(f"no fork server at {path} ({exc})") from None
     if reply != {"ok": True}:
         sock.close()
-        raise ForkServerError(f"the fork server at {path} refused: {_why(reply)}")
+        raise ForkServerRefused(f"the fork server at {path} refused: {_why(reply)}")
     return sock
 
 
@@ -208,21 +214,26 @@ def start_server(preload: Sequence[str] = (), *, env: dict[str, str] | None = No
     process = spawn([sys.executable, "-m", "executors.forkserver", "--socket", path,
                      "--preload", ",".join(preload)], env=environment, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout
+    refused: ForkServerRefused | None = None
     while True:
         if os.path.exists(path):
             try:
                 return ForkServer(path, process)
-            except ForkServerError:
+            except ForkServerRefused as exc:  # e.g. run from another checkout's folder,
+                refused = exc  # whose flowkit the server imports first: no wait helps
+            except ForkServerError:  # not listening yet
                 pass
-        if process.poll() is not None or time.monotonic() > deadline:
+        if refused or process.poll() is not None or time.monotonic() > deadline:
             process.kill()
             process.wait()
             shutil.rmtree(folder, ignore_errors=True)
-            raise ForkServerError(f"the fork server did not start (exit {process.returncode})")
+            raise refused or ForkServerError(
+                f"the fork server did not start (exit {process.returncode})")
         time.sleep(0.02)
 
 
 _servers: dict[Any, ForkServer | None] = {}
+_refused: set = set()  # keys whose server refused this process: it would again
 _servers_lock = threading.Lock()
 _servers_owner = os.getpid()
 
@@ -236,10 +247,13 @@ def _server_for(preload: tuple[str, ...]) -> ForkServer | None:
     with _servers_lock:
         if _servers_owner != os.getpid():  # a forked copy of this process: none are its own
             _servers.clear()
+            _refused.clear()
             _servers_owner = os.getpid()
         server = _servers.get(key)
         if server is not None and server.alive:
             return server
+        if key in _refused:  # each executor asking again would start and import again
+            return None
         try:
             if setting:
                 server = ForkServer(setting)
@@ -248,6 +262,8 @@ def _server_for(preload: tuple[str, ...]) -> ForkServer | None:
                 atexit.register(server.close)  # gone before this process is: nothing outlives it
         except ForkServerError as exc:
             log.warning("executors start without a fork server: %s", exc)
+            if isinstance(exc, ForkServerRefused):
+                _refused.add(key)
             server = None
         _servers[key] = server
         return server

@@ -18,7 +18,13 @@ import msgpack
 import pytest
 
 from flowkit.runtime import Controller, LocalExecutors
-from flowkit.runtime.forkserver import ForkedProcess, ForkServer, start_executor, start_server
+from flowkit.runtime.forkserver import (
+    ForkedProcess,
+    ForkServer,
+    ForkServerRefused,
+    start_executor,
+    start_server,
+)
 from flowkit.wire.forkserver import ForkServerError, fingerprint, receive, send
 
 pytestmark = pytest.mark.slow  # end to end: a fork server of its own and the executors it forks
@@ -165,6 +171,16 @@ def test_a_server_refuses_another_import_path(server):
         send(sock, {"hello": {**fingerprint(), "pythonpath": "/elsewhere"}})
         reply, _ = receive(sock)
     assert "this server imports" in reply["refused"]
+
+
+def test_a_server_started_that_refuses_this_process_is_an_error_at_once_not_at_the_timeout():
+    """A launcher run from another checkout's folder (the server imports the flowkit there):
+    the server's refusal ends the start, which must not wait out its timeout for a server
+    that will never answer otherwise."""
+    started = time.monotonic()
+    with pytest.raises(ForkServerRefused, match="this server imports"):
+        start_server(env={"PYTHONPATH": "/elsewhere"}, timeout=600)
+    assert time.monotonic() - started < 300  # refused once listening, not after 600 s
 
 
 @pytest.mark.parametrize("packet, refusal", [
