@@ -70,11 +70,6 @@ _EXIT_GRACE_S = 0.2
 _QUIET_S = 0.002  # the background thread drives after user threads left it alone this long
 _OVERDUE_S = 0.004  # ... or once nothing has read the router for this long [Note: overdue pumps]
 _HOT_S = 0.0005  # how long a waiting user watches the router before sleeping in poll
-# the background thread's poll with nothing outstanding (no task, fetch, send or object held):
-# a message or a wake-up ends it at once. Polling every 20 ms, an idle controller of two
-# executors took 2.45 % of a core, 1.15 % with this (a throwaway psutil script timing
-# `tests.harness.executor_cluster(2, kind="torch")` left idle 20 s)
-_IDLE_POLL_S = 0.25
 
 # [Note: overdue pumps] The background thread leaves the IO lock to user threads while they
 # call in (each of its wake-ups would take the GIL from them), and drives once they have been
@@ -596,10 +591,7 @@ class Controller:
                 continue
             try:
                 if not self._stopping:
-                    # a busy user's lock back at once; a lost executor wakes it, and a dropped
-                    # future's release needs an object held, which keeps it at 20 ms
-                    idle = self._dispatcher.quiet()
-                    self._pump(0.0 if busy else _IDLE_POLL_S if idle else 0.02)
+                    self._pump(0.0 if busy else 0.02)  # a busy user's lock back at once
             except BaseException:  # noqa: BLE001 - no KeyboardInterrupt reaches this thread
                 # this thread must outlive any one failure: runs wait on events that only
                 # its callbacks deliver, so its death would hang them until their timeout

@@ -96,12 +96,6 @@ class Dispatcher:
     def executors(self) -> list[ExecutorInfo]:
         return [e for e in self._executors.values() if e.alive]
 
-    def quiet(self) -> bool:
-        """Nothing outstanding: no task or fetch unanswered, nothing queued to send, no
-        callback to run, and no object held (so no dropped future can ask for a release)."""
-        return not (self._tasks or self._objects or self._fetches or self._outbox or self._frees
-                    or self._pushes or self._callbacks or self.credits.due)
-
     def executor(self, executor_id: int) -> ExecutorInfo | None:
         return self._executors.get(executor_id)
 

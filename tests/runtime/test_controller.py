@@ -218,34 +218,3 @@ def test_a_ctrl_c_while_a_user_call_waits_for_the_io_lock_leaves_the_controller_
         assert ctl.submit("identity", 4).result(timeout=10) == 4
         ctl._io_lock.release()
         assert ctl.submit("identity", 5).result(timeout=10) == 5
-
-
-
-def test_an_idle_controller_wakes_a_few_times_a_second_and_polls_while_an_object_is_held():
-    """With nothing outstanding the IO thread sleeps in its poll, which a message or a wake-up
-    ends; with an object held it polls every 20 ms as before, so that a dropped future's
-    release goes out at once (tests/wire/test_shm.py: segments back to the pool). A fresh
-    controller: the module's holds the records of its tests' failed ops."""
-    with executor_cluster(1) as (ctl, _):
-        idle, busy = _pumps_idle_then_holding(ctl)
-    assert idle <= 8, idle  # every 0.25 s; 50 a second before
-    assert busy >= 6, busy  # 25 in 0.5 s on a quiet machine
-
-
-def _pumps_idle_then_holding(ctl) -> tuple[int, int]:
-    """The IO thread's pumps in 1 s with nothing outstanding, then in 0.5 s holding one
-    object."""
-    pumps = []
-    pump = ctl._pump
-    ctl._pump = lambda *args, **kwargs: (pumps.append(1), pump(*args, **kwargs))
-    try:
-        time.sleep(1.0)
-        idle = len(pumps)
-        held = ctl.submit("make_tensor", config={"nbytes": 1024})
-        held.result(timeout=30)
-        pumps.clear()
-        time.sleep(0.5)
-        busy = len(pumps)
-    finally:
-        del ctl._pump
-    return idle, busy
